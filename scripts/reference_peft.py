@@ -1,0 +1,236 @@
+#!/usr/bin/env python3
+"""Golden references from transformers + PEFT for lora-train's CPU tests.
+
+Run where torch, transformers and peft are installed (the device machine has them):
+
+    python3 scripts/reference_peft.py --out tests/fixtures/golden
+
+For each case it writes <out>/<case>/:
+  model/           config.json + safetensors (f32; sharded for one case), unless the case uses
+                   the tiny model we ship (recipes/assets/tiny-llama)
+  init_adapter/    PEFT adapter (A kaiming as PEFT inits it, B random non-zero), saved by PEFT
+  train.jsonl      8 rows {"input_ids", "labels"} of varied length: 4 steps of micro-batch 2
+  golden.safetensors
+      logits         [2, T, V]  forward of batch 0 (rows 0-1 padded to T) with the init adapter
+      loss           [1]        transformers' causal-LM loss of that batch (shifted, -100 ignored)
+      grad.<key>     dL/d(lora param) of that loss, key = PEFT's adapter key
+      after.<key>    the adapter after 4 AdamW steps over train.jsonl in file order
+      train_losses   [4]        loss of each of those steps
+  meta.json        the case's LoRA and optimiser settings, for the Rust test to mirror
+
+Compute runs in float64 on the CPU from the f32 weights, so the references carry no f32
+rounding of their own; tests compare our f32 CPU run at rtol 1e-4.
+"""
+import argparse, json, math, os, shutil, sys
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM, get_cosine_schedule_with_warmup
+from peft import LoraConfig, get_peft_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CASES = {
+    # Llama, GQA (4 heads, 2 kv), untied head, sharded safetensors, all-linear adapters.
+    "llama_gqa": dict(
+        config=dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                    max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0,
+                    tie_word_embeddings=False),
+        lora=dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                      "gate_proj", "up_proj", "down_proj"],
+                  use_rslora=False),
+        shard="40KB"),
+    # Llama, MHA, tied head, Llama-3 rope scaling, rsLoRA on q/v.
+    "llama_mha_tied_rope3": dict(
+        config=dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=4, vocab_size=128,
+                    max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0,
+                    rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                      high_freq_factor=4.0, original_max_position_embeddings=16),
+                    tie_word_embeddings=True),
+        lora=dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], use_rslora=True)),
+    # Qwen2: q/k/v bias, one kv head, tied head, theta 1e6.
+    "qwen2_bias": dict(
+        config=dict(model_type="qwen2", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=1, vocab_size=128,
+                    max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                    tie_word_embeddings=True),
+        lora=dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                      "gate_proj", "up_proj", "down_proj"],
+                  use_rslora=False)),
+    # Mistral with an explicit head_dim (16) != hidden/heads (12), untied, mixed targets.
+    "mistral_head_dim": dict(
+        config=dict(model_type="mistral", hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
+                    max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0,
+                    sliding_window=4096, tie_word_embeddings=False),
+        lora=dict(r=4, lora_alpha=4, target_modules=["q_proj", "k_proj", "o_proj", "down_proj"],
+                  use_rslora=False)),
+    # The tiny model we ship, read by transformers from its 4.x-style config.json.
+    "tiny_shipped": dict(
+        shipped="recipes/assets/tiny-llama",
+        lora=dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                       "gate_proj", "up_proj", "down_proj"],
+                  use_rslora=False)),
+}
+
+OPT = dict(lr=2e-2, betas=[0.9, 0.99], eps=1e-8, weight_decay=0.1, max_grad_norm=0.5,
+           schedule="cosine", warmup_steps=1, steps=4, micro_batch=2)
+
+
+def peft_key(name):
+    # base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight -> PEFT file key
+    return name.replace(".default", "")
+
+
+def batch_of(rows, pad):
+    t = max(len(r["input_ids"]) for r in rows)
+    ids = torch.full((len(rows), t), pad, dtype=torch.long)
+    labels = torch.full((len(rows), t), -100, dtype=torch.long)
+    for i, r in enumerate(rows):
+        n = len(r["input_ids"])
+        ids[i, :n] = torch.tensor(r["input_ids"])
+        labels[i, :n] = torch.tensor(r["labels"])
+    return ids, labels
+
+
+def make_rows(g, vocab):
+    rows = []
+    for k in range(2 * OPT["steps"]):
+        n = 12 if k < 2 else 6 + int(torch.randint(0, 7, (1,), generator=g))
+        ids = torch.randint(3, vocab, (n,), generator=g).tolist()
+        labels = list(ids)
+        # uneven numbers of counted tokens: mask a prompt-like prefix or single tokens
+        if k % 2 == 0:
+            labels[:3] = [-100] * 3
+        else:
+            labels[n // 2] = -100
+        rows.append({"input_ids": ids, "labels": labels})
+    return rows
+
+
+def make_config(c):
+    """A config from 4.x-style fields, written the way the installed transformers wants them
+    (5.x keeps rope_theta / rope_scaling in rope_parameters), so save_pretrained writes the
+    installed version's format: the Rust loader must read it."""
+    import transformers
+    c = dict(c)
+    theta = c.pop("rope_theta")
+    scaling = c.pop("rope_scaling", None)
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        rp = {"rope_type": "default", "rope_theta": theta}
+        rp.update(scaling or {})
+        c["rope_parameters"] = rp
+    else:
+        c["rope_theta"] = theta
+        c["rope_scaling"] = scaling
+    cfg = AutoConfig.for_model(**c)
+    print("  config rope:", {k: v for k, v in cfg.to_dict().items() if "rope" in k}, flush=True)
+    return cfg
+
+
+def run_case(name, case, out):
+    d = os.path.join(out, name)
+    shutil.rmtree(d, ignore_errors=True)
+    os.makedirs(d)
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    torch.manual_seed(sum(map(ord, name)))
+    if "shipped" in case:
+        model_dir = os.path.join(ROOT, case["shipped"])
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                     attn_implementation="eager")
+    else:
+        cfg = make_config(case["config"])
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float()
+        with torch.no_grad():  # larger weights than the default 0.02 so every path matters
+            for pname, p in model.named_parameters():
+                if "norm" in pname:
+                    p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+                elif pname.endswith("bias"):
+                    p.copy_(0.1 * torch.randn(p.shape, generator=g))
+                elif "embed" in pname:
+                    p.copy_(0.5 * torch.randn(p.shape, generator=g))
+                else:
+                    p.copy_(0.1 * torch.randn(p.shape, generator=g))
+        model_dir = os.path.join(d, "model")
+        kw = {"max_shard_size": case["shard"]} if "shard" in case else {}
+        model.save_pretrained(model_dir, safe_serialization=True, **kw)
+    vocab = model.config.vocab_size
+
+    lcfg = LoraConfig(lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", **case["lora"])
+    pm = get_peft_model(model, lcfg)
+    with torch.no_grad():
+        for pname, p in pm.named_parameters():
+            if "lora_B" in pname:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    pm.save_pretrained(os.path.join(d, "init_adapter"))
+
+    rows = make_rows(g, vocab)
+    with open(os.path.join(d, "train.jsonl"), "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+
+    pm = pm.double()
+    lora_params = [(peft_key(n), p) for n, p in pm.named_parameters() if p.requires_grad]
+    out_t = {}
+    ids, labels = batch_of(rows[:2], pad)
+    res = pm(input_ids=ids, labels=labels)
+    res.loss.backward()
+    out_t["logits"] = res.logits.detach().float()
+    out_t["loss"] = res.loss.detach().float().reshape(1)
+    for k, p in lora_params:
+        out_t["grad." + k] = p.grad.detach().float().clone()
+    pm.zero_grad(set_to_none=True)
+
+    opt = torch.optim.AdamW([p for _, p in lora_params], lr=OPT["lr"], betas=tuple(OPT["betas"]),
+                            eps=OPT["eps"], weight_decay=OPT["weight_decay"])
+    sched = get_cosine_schedule_with_warmup(opt, OPT["warmup_steps"], OPT["steps"])
+    losses = []
+    for s in range(OPT["steps"]):
+        ids, labels = batch_of(rows[2 * s: 2 * s + 2], pad)
+        loss = pm(input_ids=ids, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for _, p in lora_params], OPT["max_grad_norm"])
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    for k, p in lora_params:
+        out_t["after." + k] = p.detach().float().clone()
+    out_t["train_losses"] = torch.tensor(losses, dtype=torch.float32)
+    save_file({k: v.contiguous() for k, v in out_t.items()}, os.path.join(d, "golden.safetensors"),
+              metadata={"format": "pt"})
+    meta = dict(case=name, model_dir=("../../../../" + case["shipped"]) if "shipped" in case else "model",
+                lora=case["lora"], opt=OPT, pad_id=pad, loss=out_t["loss"].item(), train_losses=losses,
+                versions=dict(torch=torch.__version__,
+                              transformers=__import__("transformers").__version__,
+                              peft=__import__("peft").__version__))
+    with open(os.path.join(d, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    print(f"{name}: loss {meta['loss']:.6f} train {['%.5f' % l for l in losses]}", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.path.join(ROOT, "tests/fixtures/golden"))
+    ap.add_argument("--case", action="append")
+    a = ap.parse_args()
+    torch.use_deterministic_algorithms(True)
+    failed = []
+    for name, case in CASES.items():
+        if a.case and name not in a.case:
+            continue
+        try:
+            run_case(name, case, a.out)
+        except Exception:
+            import traceback
+            traceback.print_exc()
+            failed.append(name)
+    if failed:
+        sys.exit(f"failed cases: {failed}")
+
+
+if __name__ == "__main__":
+    main()

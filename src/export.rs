@@ -1,0 +1,141 @@
+//! PEFT-format adapters: `adapter_model.safetensors` + `adapter_config.json`.
+//!
+//! Keys are PEFT's: `base_model.model.<module>.lora_A.weight` (A [r, in]) and `.lora_B.weight`
+//! (B [out, r]), f32, with safetensors metadata {"format": "pt"}, so that
+//! `PeftModel.from_pretrained(base, dir)` loads them as-is.
+
+use crate::lora::{LoraSpec, ALL_LINEAR};
+use crate::model::Model;
+use crate::util::atomic_write;
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device};
+use serde_json::{json, Value};
+use std::collections::HashMap;
+use std::path::Path;
+
+pub const WEIGHTS: &str = "adapter_model.safetensors";
+pub const CONFIG: &str = "adapter_config.json";
+
+pub fn peft_key(module: &str, which: char) -> String {
+    format!("base_model.model.{module}.lora_{which}.weight")
+}
+
+/// What a saved adapter says about itself (adapter_config.json).
+#[derive(Debug, Clone)]
+pub struct AdapterInfo {
+    pub spec: LoraSpec,
+    pub base_model: Option<String>,
+}
+
+/// Writes the model's adapters into `dir` (created if needed), each file atomically.
+pub fn save_adapter(dir: &Path, model: &Model, spec: &LoraSpec, base_model: &str) -> Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (module, lora) in model.adapters() {
+        for (which, var) in [('A', &lora.a), ('B', &lora.b)] {
+            let t = var.as_tensor().to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
+            let data: Vec<f32> = t.flatten_all()?.to_vec1()?;
+            let bytes = data.iter().flat_map(|x| x.to_le_bytes()).collect();
+            tensors.push((peft_key(module, which), t.dims().to_vec(), bytes));
+        }
+    }
+    let views = tensors
+        .iter()
+        .map(|(k, shape, bytes)| {
+            let v = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes)?;
+            Ok((k.as_str(), v))
+        })
+        .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()?;
+    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let bytes = safetensors::serialize(views, Some(meta))?;
+    atomic_write(&dir.join(WEIGHTS), &bytes)?;
+    let cfg = json!({
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "revision": null,
+        "r": spec.rank,
+        "lora_alpha": spec.alpha,
+        "lora_dropout": spec.dropout,
+        "target_modules": spec.targets,
+        "bias": "none",
+        "use_rslora": spec.rslora,
+        "use_dora": false,
+        "init_lora_weights": true,
+        "fan_in_fan_out": false,
+        "modules_to_save": null,
+        "layers_to_transform": null,
+        "layers_pattern": null,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "inference_mode": true,
+    });
+    atomic_write(&dir.join(CONFIG), serde_json::to_string_pretty(&cfg)?.as_bytes())
+}
+
+/// Reads adapter_config.json; features we do not implement are errors, not silent changes.
+pub fn read_adapter_config(dir: &Path) -> Result<AdapterInfo> {
+    let path = dir.join(CONFIG);
+    let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+    let v: Value = serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", path.display()))?;
+    let err = |msg: String| anyhow::anyhow!("{}: {msg}", path.display());
+    if let Some(t) = v.get("peft_type").and_then(Value::as_str) {
+        if t != "LORA" {
+            return Err(err(format!("peft_type \"{t}\" is not LORA")));
+        }
+    }
+    let rank = v.get("r").and_then(Value::as_u64).filter(|&r| r > 0).ok_or_else(|| err("`r` is missing".into()))? as usize;
+    let alpha = v.get("lora_alpha").and_then(Value::as_f64).unwrap_or(8.0);
+    let dropout = v.get("lora_dropout").and_then(Value::as_f64).unwrap_or(0.0) as f32;
+    let rslora = v.get("use_rslora").and_then(Value::as_bool).unwrap_or(false);
+    if v.get("use_dora").and_then(Value::as_bool) == Some(true) {
+        return Err(err("use_dora = true: DoRA adapters are not supported".into()));
+    }
+    for k in ["rank_pattern", "alpha_pattern"] {
+        if v.get(k).and_then(Value::as_object).is_some_and(|m| !m.is_empty()) {
+            return Err(err(format!("`{k}` is not supported (per-module ranks)")));
+        }
+    }
+    if let Some(b) = v.get("bias").and_then(Value::as_str) {
+        if b != "none" {
+            return Err(err(format!("bias = \"{b}\" is not supported (only \"none\")")));
+        }
+    }
+    let targets: Vec<String> = match v.get("target_modules") {
+        Some(Value::Array(a)) => a.iter().filter_map(Value::as_str).map(String::from).collect(),
+        Some(Value::String(s)) if s == "all-linear" => ALL_LINEAR.iter().map(|s| s.to_string()).collect(),
+        Some(Value::String(s)) => return Err(err(format!("target_modules \"{s}\" (a regex) is not supported; list module names"))),
+        _ => return Err(err("`target_modules` is missing".into())),
+    };
+    if let Some(bad) = targets.iter().find(|t| !ALL_LINEAR.contains(&t.as_str())) {
+        return Err(err(format!("target module \"{bad}\" is not one of {}", ALL_LINEAR.join(", "))));
+    }
+    let targets = ALL_LINEAR.iter().filter(|m| targets.iter().any(|t| t == *m)).map(|s| s.to_string()).collect();
+    Ok(AdapterInfo {
+        spec: LoraSpec { rank, alpha, dropout, rslora, targets },
+        base_model: v.get("base_model_name_or_path").and_then(Value::as_str).map(String::from),
+    })
+}
+
+/// Loads adapter_model.safetensors into the model's adapters; every adapter must be present
+/// with the right shape.
+pub fn load_adapter_weights(dir: &Path, model: &Model) -> Result<()> {
+    let path = dir.join(WEIGHTS);
+    let tensors = candle_core::safetensors::load(&path, &Device::Cpu)
+        .with_context(|| format!("cannot read {}", path.display()))?;
+    for (module, lora) in model.adapters() {
+        for (which, var) in [('A', &lora.a), ('B', &lora.b)] {
+            let key = peft_key(module, which);
+            // PEFT also writes keys with the adapter name when saving non-default adapters.
+            let t = tensors
+                .get(&key)
+                .or_else(|| tensors.get(&key.replace(".weight", ".default.weight")))
+                .with_context(|| format!("{} has no tensor `{key}`", path.display()))?;
+            if t.dims() != var.dims() {
+                bail!("{}: `{key}` has shape {:?}, the model needs {:?}", path.display(), t.dims(), var.dims());
+            }
+            var.set(&t.to_dtype(DType::F32)?.to_device(var.device())?)?;
+        }
+    }
+    Ok(())
+}

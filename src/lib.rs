@@ -1,0 +1,14 @@
+//! lora-train: LoRA fine-tuning of Hugging Face Llama-family checkpoints on candle.
+//!
+//! Data path, one module each: recipe → hub → model → lora → data → train → export.
+
+pub mod data;
+pub mod export;
+pub mod hub;
+pub mod lora;
+pub mod model;
+pub mod ops;
+pub mod recipe;
+pub mod rng;
+pub mod train;
+pub mod util;

@@ -1,0 +1,97 @@
+//! LoRA adapters: y = base(x) + scale · B(A(dropout(x))).
+//!
+//! A: [r, in], B: [out, r], both f32 `Var`s whatever the base dtype; they are cast to the
+//! activation dtype inside the forward (the cast's backward returns f32 gradients).
+//! scale = alpha / r, or alpha / √r with rsLoRA. Init as PEFT: A kaiming-uniform(a=√5), i.e.
+//! U(−1/√in, 1/√in); B zeros, so training starts from the base model exactly.
+
+use crate::rng::Rng;
+use candle_core::{DType, Device, Result, Tensor, Var};
+
+/// The seven linear modules of a Llama-family decoder layer, in checkpoint order.
+pub const ALL_LINEAR: [&str; 7] =
+    ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
+
+/// What to inject, resolved from the recipe (or an init adapter's config).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraSpec {
+    pub rank: usize,
+    pub alpha: f64,
+    pub dropout: f32,
+    pub rslora: bool,
+    /// Module names (subset of `ALL_LINEAR`), in `ALL_LINEAR` order.
+    pub targets: Vec<String>,
+}
+
+impl LoraSpec {
+    pub fn scale(&self) -> f64 {
+        if self.rslora {
+            self.alpha / (self.rank as f64).sqrt()
+        } else {
+            self.alpha / self.rank as f64
+        }
+    }
+
+    pub fn targets(&self, module: &str) -> bool {
+        self.targets.iter().any(|t| t == module)
+    }
+}
+
+/// One adapter pair attached to a frozen linear.
+pub struct Lora {
+    pub a: Var, // [r, in] f32
+    pub b: Var, // [out, r] f32
+    pub scale: f64,
+    pub dropout: f32,
+}
+
+impl Lora {
+    /// Fresh adapter: A ~ U(−1/√in, 1/√in) from a stream keyed by (seed, layer, module); B = 0.
+    pub fn init(
+        spec: &LoraSpec,
+        in_f: usize,
+        out_f: usize,
+        seed: u64,
+        key: &[u64],
+        dev: &Device,
+    ) -> Result<Self> {
+        let bound = 1.0 / (in_f as f32).sqrt();
+        let mut rng = Rng::keyed(seed, key);
+        let a: Vec<f32> =
+            (0..spec.rank * in_f).map(|_| (rng.next_f32() * 2.0 - 1.0) * bound).collect();
+        let a = Var::from_tensor(&Tensor::from_vec(a, (spec.rank, in_f), dev)?)?;
+        let b = Var::zeros((out_f, spec.rank), DType::F32, dev)?;
+        Ok(Lora { a, b, scale: spec.scale(), dropout: spec.dropout })
+    }
+
+    /// x: [m, in] → scale · dropout(x) Aᵀ Bᵀ: [m, out], in x's dtype.
+    /// `mask_key` seeds the dropout mask; the same key gives the same mask, which is what
+    /// lets activation checkpointing recompute a layer exactly.
+    pub fn forward(&self, x: &Tensor, mask_key: Option<(u64, &[u64])>) -> Result<Tensor> {
+        let x = match mask_key {
+            Some((seed, key)) if self.dropout > 0.0 => {
+                let mask = dropout_mask(x.dims(), self.dropout, seed, key, x.device())?;
+                x.broadcast_mul(&mask.to_dtype(x.dtype())?)?
+            }
+            _ => x.clone(),
+        };
+        let a = self.a.as_tensor().to_dtype(x.dtype())?;
+        let b = self.b.as_tensor().to_dtype(x.dtype())?;
+        x.matmul(&a.t()?)?.matmul(&b.t()?)? * self.scale
+    }
+}
+
+/// Inverted-dropout mask: each entry 0 with probability p, else 1/(1−p).
+pub fn dropout_mask(
+    dims: &[usize],
+    p: f32,
+    seed: u64,
+    key: &[u64],
+    dev: &Device,
+) -> Result<Tensor> {
+    let n: usize = dims.iter().product();
+    let keep = 1.0 / (1.0 - p);
+    let mut rng = Rng::keyed(seed, key);
+    let v: Vec<f32> = (0..n).map(|_| if rng.next_f32() < p { 0.0 } else { keep }).collect();
+    Tensor::from_vec(v, dims, dev)
+}

@@ -1,0 +1,268 @@
+//! The Llama-family decoder, trainable: frozen base through `ops`, LoRA on chosen linears.
+//!
+//! Shapes: B batch, T tokens, C hidden, H heads, K kv heads, D head dim, V vocab, I mlp.
+
+use super::config::ModelConfig;
+use super::rope;
+use crate::hub::ModelFiles;
+use crate::lora::{Lora, LoraSpec, ALL_LINEAR};
+use crate::ops::{self, AttnMask};
+use anyhow::{bail, Context};
+use candle_core::safetensors::MmapedSafetensors;
+use candle_core::{DType, Device, Result, Tensor, D};
+
+/// Per-batch inputs every layer needs besides the hidden states.
+pub struct Ctx {
+    pub cos: Tensor, // [B, T, D/2] f32
+    pub sin: Tensor, // [B, T, D/2] f32
+    pub mask: AttnMask,
+    /// Dropout stream key (seed, [step, micro-batch]); None = eval (no dropout).
+    pub dropout: Option<(u64, [u64; 2])>,
+}
+
+/// A frozen linear (W [out, in], optional bias) with an optional LoRA adapter.
+pub struct Linear {
+    /// Module name in the checkpoint, e.g. `model.layers.3.self_attn.q_proj`.
+    pub name: String,
+    pub w: Tensor,
+    pub b: Option<Tensor>,
+    pub lora: Option<Lora>,
+    /// (layer, module) index: keys the dropout stream.
+    key: [u64; 2],
+}
+
+impl Linear {
+    /// x: [B, T, in] → [B, T, out]
+    pub fn forward(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
+        let y = ops::frozen_linear(x, &self.w, self.b.as_ref())?;
+        let Some(lora) = &self.lora else { return Ok(y) };
+        let (b, t, in_f) = x.dims3()?;
+        let key = ctx.dropout.map(|(seed, [step, micro])| {
+            (seed, [step, micro, self.key[0], self.key[1]])
+        });
+        let l = lora.forward(&x.reshape((b * t, in_f))?, key.as_ref().map(|(s, k)| (*s, &k[..])))?;
+        let l = l.reshape(y.shape())?;
+        y + l
+    }
+
+    pub fn out_features(&self) -> usize {
+        self.w.dims()[0]
+    }
+}
+
+pub struct Layer {
+    pub input_norm: Tensor,
+    pub post_norm: Tensor,
+    pub q: Linear,
+    pub k: Linear,
+    pub v: Linear,
+    pub o: Linear,
+    pub gate: Linear,
+    pub up: Linear,
+    pub down: Linear,
+    eps: f64,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    window: usize,
+}
+
+impl Layer {
+    /// x: [B, T, C] → [B, T, C]
+    pub fn forward(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
+        let (b, t, _c) = x.dims3()?;
+        let (h, k, d) = (self.heads, self.kv_heads, self.head_dim);
+        let hn = ops::rms_norm(x, &self.input_norm, self.eps)?;
+        let q = self.q.forward(&hn, ctx)?.reshape((b, t, h, d))?.transpose(1, 2)?; // [B, H, T, D]
+        let kk = self.k.forward(&hn, ctx)?.reshape((b, t, k, d))?.transpose(1, 2)?; // [B, K, T, D]
+        let v = self.v.forward(&hn, ctx)?.reshape((b, t, k, d))?.transpose(1, 2)?; // [B, K, T, D]
+        let q = ops::rope(&q, &ctx.cos, &ctx.sin)?;
+        let kk = ops::rope(&kk, &ctx.cos, &ctx.sin)?;
+        let (kk, v) = (repeat_kv(&kk, h / k)?, repeat_kv(&v.contiguous()?, h / k)?); // [B, H, T, D]
+        let scores = q.matmul(&kk.t()?)?; // [B, H, T, T]
+        let mask = AttnMask { window: self.window, ..ctx.mask.clone() };
+        let p = ops::causal_softmax(&scores, 1.0 / (d as f64).sqrt(), &mask)?;
+        let attn = p.matmul(&v)?.transpose(1, 2)?.reshape((b, t, h * d))?; // [B, T, H·D]
+        let x = (x + self.o.forward(&attn, ctx)?)?;
+        let hn = ops::rms_norm(&x, &self.post_norm, self.eps)?;
+        let g = candle_nn::ops::silu(&self.gate.forward(&hn, ctx)?)?; // [B, T, I]
+        let m = self.down.forward(&(g * self.up.forward(&hn, ctx)?)?, ctx)?;
+        x + m
+    }
+
+    pub fn linears(&self) -> [&Linear; 7] {
+        [&self.q, &self.k, &self.v, &self.o, &self.gate, &self.up, &self.down]
+    }
+}
+
+/// [B, K, T, D] → [B, K·n, T, D], each kv head repeated n times (GQA).
+fn repeat_kv(x: &Tensor, n: usize) -> Result<Tensor> {
+    if n == 1 {
+        return Ok(x.clone());
+    }
+    let (b, k, t, d) = x.dims4()?;
+    x.unsqueeze(2)?.broadcast_as((b, k, n, t, d))?.reshape((b, k * n, t, d))
+}
+
+pub struct Model {
+    pub cfg: ModelConfig,
+    pub embed: Tensor, // [V, C]
+    pub layers: Vec<Layer>,
+    pub norm: Tensor,    // [C]
+    pub lm_head: Tensor, // [V, C]; the embedding itself when tied
+    pub tied: bool,
+    pub dtype: DType,
+    pub device: Device,
+    inv_freq: Vec<f32>,
+}
+
+impl Model {
+    /// Memory-maps the checkpoint, casts the base to `dtype` on `device`, and injects fresh
+    /// LoRA adapters (A random from `seed`, B zero) on the `spec.targets` modules.
+    pub fn load(
+        files: &ModelFiles,
+        dtype: DType,
+        device: &Device,
+        spec: &LoraSpec,
+        seed: u64,
+    ) -> anyhow::Result<Model> {
+        let cfg = ModelConfig::from_file(&files.config)?;
+        // SAFETY: the files are memory-mapped read-only; like every safetensors reader we
+        // assume they are not modified while training runs.
+        let st = unsafe { MmapedSafetensors::multi(&files.weights) }
+            .with_context(|| format!("cannot read safetensors in {}", files.dir.display()))?;
+        let names: std::collections::HashSet<String> =
+            st.tensors().into_iter().map(|(n, _)| n).collect();
+        let get = |name: &str, shape: &[usize]| -> anyhow::Result<Tensor> {
+            if !names.contains(name) {
+                bail!("tensor `{name}` is missing from the weights in {}", files.dir.display());
+            }
+            let t = st.load(name, &Device::Cpu)?;
+            if t.dims() != shape {
+                bail!(
+                    "tensor `{name}` in {} has shape {:?}, config.json implies {:?}",
+                    files.dir.display(),
+                    t.dims(),
+                    shape
+                );
+            }
+            Ok(t.to_dtype(dtype)?.to_device(device)?)
+        };
+        let (c, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
+        let (h, k, d) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+        let linear = |layer: usize, group: &str, module: &str, in_f: usize, out_f: usize, bias: bool| {
+            let name = format!("model.layers.{layer}.{group}.{module}");
+            let w = get(&format!("{name}.weight"), &[out_f, in_f])?;
+            let b = if bias { Some(get(&format!("{name}.bias"), &[out_f])?) } else { None };
+            let m = ALL_LINEAR.iter().position(|x| *x == module).unwrap_or(0) as u64;
+            let key = [layer as u64, m];
+            let lora = if spec.targets(module) {
+                Some(Lora::init(spec, in_f, out_f, seed, &key, device)?)
+            } else {
+                None
+            };
+            anyhow::Ok(Linear { name, w, b, lora, key })
+        };
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for l in 0..cfg.num_layers {
+            let p = format!("model.layers.{l}");
+            layers.push(Layer {
+                input_norm: get(&format!("{p}.input_layernorm.weight"), &[c])?,
+                post_norm: get(&format!("{p}.post_attention_layernorm.weight"), &[c])?,
+                q: linear(l, "self_attn", "q_proj", c, h * d, cfg.qkv_bias)?,
+                k: linear(l, "self_attn", "k_proj", c, k * d, cfg.qkv_bias)?,
+                v: linear(l, "self_attn", "v_proj", c, k * d, cfg.qkv_bias)?,
+                o: linear(l, "self_attn", "o_proj", h * d, c, cfg.o_bias)?,
+                gate: linear(l, "mlp", "gate_proj", c, i, cfg.mlp_bias)?,
+                up: linear(l, "mlp", "up_proj", c, i, cfg.mlp_bias)?,
+                down: linear(l, "mlp", "down_proj", i, c, cfg.mlp_bias)?,
+                eps: cfg.rms_norm_eps,
+                heads: h,
+                kv_heads: k,
+                head_dim: d,
+                window: cfg.sliding_window.unwrap_or(0),
+            });
+        }
+        let embed = get("model.embed_tokens.weight", &[v, c])?;
+        let norm = get("model.norm.weight", &[c])?;
+        // Tied unless the config says untied; an untied head must be in the weights.
+        let has_head = names.contains("lm_head.weight");
+        let tied = cfg.tie_word_embeddings.unwrap_or(!has_head);
+        let lm_head = if tied {
+            embed.clone()
+        } else if has_head {
+            get("lm_head.weight", &[v, c])?
+        } else {
+            bail!(
+                "config.json in {} says tie_word_embeddings = false but the weights have no lm_head.weight",
+                files.dir.display()
+            );
+        };
+        let inv_freq = rope::inv_freq(&cfg);
+        Ok(Model { cfg, embed, layers, norm, lm_head, tied, dtype, device: device.clone(), inv_freq })
+    }
+
+    /// Every LoRA adapter with its module name, in layer then module order.
+    pub fn adapters(&self) -> impl Iterator<Item = (&str, &Lora)> {
+        self.layers
+            .iter()
+            .flat_map(|l| l.linears())
+            .filter_map(|lin| lin.lora.as_ref().map(|a| (lin.name.as_str(), a)))
+    }
+
+    /// Every frozen base tensor (the test that no gradient reaches them walks these).
+    pub fn base_tensors(&self) -> Vec<&Tensor> {
+        let mut v = vec![&self.embed, &self.norm, &self.lm_head];
+        for l in &self.layers {
+            v.push(&l.input_norm);
+            v.push(&l.post_norm);
+            for lin in l.linears() {
+                v.push(&lin.w);
+                v.extend(lin.b.as_ref());
+            }
+        }
+        v
+    }
+
+    /// Per-batch context: positions [B×T] (restarting per packed example), segment ids for the
+    /// block-diagonal mask (None = one sequence per row), and the dropout key.
+    pub fn ctx(
+        &self,
+        positions: &[u32],
+        b: usize,
+        t: usize,
+        segments: Option<Vec<u32>>,
+        dropout: Option<(u64, [u64; 2])>,
+    ) -> Result<Ctx> {
+        let (cos, sin) = rope::cos_sin(&self.inv_freq, positions, b, t, &self.device)?;
+        let mask = AttnMask { segments: segments.map(std::sync::Arc::new), window: 0 };
+        Ok(Ctx { cos, sin, mask, dropout })
+    }
+
+    /// ids: [B, T] u32 → hidden [B, T, C]. The embedding is frozen: no graph is built.
+    pub fn embed(&self, ids: &Tensor) -> Result<Tensor> {
+        let (b, t) = ids.dims2()?;
+        self.embed.index_select(&ids.flatten_all()?, 0)?.reshape((b, t, self.cfg.hidden_size))
+    }
+
+    /// hidden [..., C] → logits [..., V] in f32 (final norm, then the frozen head).
+    pub fn head(&self, h: &Tensor) -> Result<Tensor> {
+        let hn = ops::rms_norm(h, &self.norm, self.cfg.rms_norm_eps)?;
+        ops::frozen_linear(&hn, &self.lm_head, None)?.to_dtype(DType::F32)
+    }
+
+    /// Logits at every position: ids [B, T] → [B, T, V] f32 (whole graph kept: tests, eval).
+    pub fn forward(&self, ids: &Tensor, ctx: &Ctx) -> Result<Tensor> {
+        let mut x = self.embed(ids)?;
+        for layer in &self.layers {
+            x = layer.forward(&x, ctx)?;
+        }
+        self.head(&x)
+    }
+}
+
+/// Sum of token cross-entropies: logits [N, V] f32, targets [N] u32 → scalar f32.
+pub fn cross_entropy_sum(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let logp = candle_nn::ops::log_softmax(logits, D::Minus1)?;
+    logp.gather(&targets.unsqueeze(1)?, 1)?.sum_all()?.neg()
+}

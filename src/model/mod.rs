@@ -1,0 +1,12 @@
+//! Our trainable Llama-family model (llama, mistral, qwen2), read from HF checkpoints.
+//!
+//! The model knows no communication and no optimiser: it maps token ids to hidden states and
+//! logits, one decoder layer at a time, so the driver (train::driver) can checkpoint, recompute
+//! and free memory between layers.
+
+pub mod config;
+pub mod llama;
+pub mod rope;
+
+pub use config::{ConfigError, Family, ModelConfig, RopeScaling};
+pub use llama::{Ctx, Layer, Linear, Model};

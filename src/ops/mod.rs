@@ -1,0 +1,52 @@
+//! Differentiable building blocks that candle lacks or gets wrong for LoRA training.
+//!
+//! candle's fused `rms_norm`, `rope` and `softmax_last_dim` have no backward (the graph is cut
+//! silently), and its matmul backward builds dW for every operand, frozen weights included.
+//! Each op here is a `CustomOp1` over the activation alone: frozen tensors (weights, cos/sin,
+//! masks) live inside the op, so backward never creates a gradient entry for them.
+//!
+//! Forward passes have CPU implementations here; CUDA kernels are added with the `cuda`
+//! feature. Backward passes are written with tensor ops and so run on any device.
+
+pub mod causal_softmax;
+pub mod frozen_linear;
+pub mod rms_norm;
+pub mod rope;
+
+pub use causal_softmax::{causal_softmax, AttnMask};
+pub use frozen_linear::frozen_linear;
+pub use rms_norm::rms_norm;
+pub use rope::rope;
+
+use candle_core::{CpuStorage, Layout, Result};
+
+/// The contiguous slice of a CPU storage that `layout` describes, as f32 values.
+/// Activations in bf16/f16 are widened once here; the math below runs in f32.
+pub(crate) fn cpu_as_f32(s: &CpuStorage, l: &Layout) -> Result<Vec<f32>> {
+    let (start, end) = l
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg("op input must be contiguous".into()))?;
+    Ok(match s {
+        CpuStorage::F32(v) => v[start..end].to_vec(),
+        CpuStorage::BF16(v) => v[start..end].iter().map(|x| x.to_f32()).collect(),
+        CpuStorage::F16(v) => v[start..end].iter().map(|x| x.to_f32()).collect(),
+        CpuStorage::F64(v) => v[start..end].iter().map(|&x| x as f32).collect(),
+        other => candle_core::bail!("unsupported dtype {:?} for a float op", other_dtype(other)),
+    })
+}
+
+/// f32 values back into a CPU storage of the same dtype as `like`.
+pub(crate) fn cpu_from_f32(v: Vec<f32>, like: &CpuStorage) -> Result<CpuStorage> {
+    Ok(match like {
+        CpuStorage::F32(_) => CpuStorage::F32(v),
+        CpuStorage::BF16(_) => CpuStorage::BF16(v.into_iter().map(half::bf16::from_f32).collect()),
+        CpuStorage::F16(_) => CpuStorage::F16(v.into_iter().map(half::f16::from_f32).collect()),
+        CpuStorage::F64(_) => CpuStorage::F64(v.into_iter().map(f64::from).collect()),
+        other => candle_core::bail!("unsupported dtype {:?} for a float op", other_dtype(other)),
+    })
+}
+
+fn other_dtype(s: &CpuStorage) -> candle_core::DType {
+    use candle_core::backend::BackendStorage;
+    s.dtype()
+}

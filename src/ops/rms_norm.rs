@@ -1,0 +1,69 @@
+//! RMSNorm with a frozen gain: y = x · rsqrt(mean(x²) + eps) · w, over the last dimension.
+//!
+//! Forward in f32 whatever the activation dtype (as transformers' LlamaRMSNorm does: it
+//! upcasts, normalises, casts back, then multiplies by the weight in the weight's dtype).
+
+use super::{cpu_as_f32, cpu_from_f32};
+use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor, D};
+
+struct RmsNorm {
+    w: Tensor, // [d]
+    eps: f32,
+}
+
+/// x: [..., d], w: [d] → [..., d]. Gradients flow to `x` only.
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let x = x.contiguous()?;
+    let op = RmsNorm { w: w.clone(), eps: eps as f32 };
+    x.apply_op1_arc(std::sync::Arc::new(Box::new(op)))
+}
+
+impl CustomOp1 for RmsNorm {
+    fn name(&self) -> &'static str {
+        "rms-norm"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = cpu_as_f32(s, l)?;
+        let w = self.w.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        let d = w.len();
+        if d == 0 || x.len() % d != 0 {
+            candle_core::bail!("rms_norm: last dim does not match weight of {d}");
+        }
+        let mut y = vec![0f32; x.len()];
+        for (xr, yr) in x.chunks_exact(d).zip(y.chunks_exact_mut(d)) {
+            let ms = xr.iter().map(|v| v * v).sum::<f32>() / d as f32;
+            let r = 1.0 / (ms + self.eps).sqrt();
+            for ((yv, xv), wv) in yr.iter_mut().zip(xr).zip(&w) {
+                // transformers rounds the normalised value to the input dtype before the gain.
+                let n = round_to(xv * r, s);
+                *yv = n * wv;
+            }
+        }
+        Ok((cpu_from_f32(y, s)?, l.shape().clone()))
+    }
+
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+        // With r = rsqrt(mean(x²)+eps), n = x·r, y = n·w:
+        //   dx = r · (g·w − n · mean(g·w·n))
+        let dtype = arg.dtype();
+        let x = arg.to_dtype(DType::F32)?;
+        let g = grad_res.to_dtype(DType::F32)?;
+        let w = self.w.to_dtype(DType::F32)?;
+        let r = (x.sqr()?.mean_keepdim(D::Minus1)? + self.eps as f64)?.sqrt()?.recip()?;
+        let n = x.broadcast_mul(&r)?;
+        let gw = g.broadcast_mul(&w)?;
+        let dot = (&gw * &n)?.mean_keepdim(D::Minus1)?;
+        let dx = (gw - n.broadcast_mul(&dot)?)?.broadcast_mul(&r)?;
+        Ok(Some(dx.to_dtype(dtype)?))
+    }
+}
+
+/// Round an f32 to the storage's dtype and back, as a cast to the activation dtype would.
+fn round_to(v: f32, s: &CpuStorage) -> f32 {
+    match s {
+        CpuStorage::BF16(_) => half::bf16::from_f32(v).to_f32(),
+        CpuStorage::F16(_) => half::f16::from_f32(v).to_f32(),
+        _ => v,
+    }
+}

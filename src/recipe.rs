@@ -1,0 +1,558 @@
+//! Recipes: one TOML file per run, `--set section.key=value` overrides on top.
+//!
+//! Every field is documented here with its default; `recipes/reference.toml` spells them all
+//! out and a test keeps it in step. Unknown keys are errors. Relative paths written in a recipe
+//! are relative to the recipe file's directory (so recipes work from any working directory);
+//! paths given with `--set` are relative to the current directory.
+
+use serde::{de, Deserialize, Deserializer, Serialize};
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+/// A recipe that cannot be used as written. Exit code 2; nothing has been written yet.
+#[derive(Debug, thiserror::Error)]
+pub enum RecipeError {
+    #[error("cannot read recipe {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("recipe {path}: {msg}")]
+    Parse { path: PathBuf, msg: String },
+    #[error("recipe {path}: `{key}` {msg}")]
+    Invalid { path: PathBuf, key: String, msg: String },
+    #[error("--set {arg}: {msg}")]
+    Override { arg: String, msg: String },
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Recipe {
+    pub model: ModelSection,
+    #[serde(default)]
+    pub lora: LoraSection,
+    pub data: DataSection,
+    #[serde(default)]
+    pub train: TrainSection,
+    #[serde(default)]
+    pub parallel: ParallelSection,
+    #[serde(default)]
+    pub output: OutputSection,
+    /// The recipe file this came from (not a TOML key).
+    #[serde(skip)]
+    pub source: PathBuf,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Dtype {
+    F32,
+    Bf16,
+    F16,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceKind {
+    Cpu,
+    Cuda,
+}
+
+/// `[model]`: which checkpoint, in which precision, where.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSection {
+    /// Local Hugging Face checkpoint directory (config.json + safetensors). One of path / id.
+    pub path: Option<PathBuf>,
+    /// Hub repository id, e.g. "meta-llama/Llama-2-7b-hf". One of path / id.
+    pub id: Option<String>,
+    /// Hub revision (branch, tag or commit). Default: "main".
+    pub revision: Option<String>,
+    /// Base weight precision: "f32" | "bf16" | "f16". Default: "f32" on the CPU, "bf16" on CUDA.
+    /// Adapters and optimiser state are always f32.
+    pub dtype: Option<Dtype>,
+    /// "cpu" | "cuda". Default: "cpu".
+    #[serde(default = "default_device")]
+    pub device: DeviceKind,
+}
+
+fn default_device() -> DeviceKind {
+    DeviceKind::Cpu
+}
+
+/// `[lora]`: the adapters.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LoraSection {
+    /// Adapter rank r. Default: 8.
+    #[serde(default = "d_rank")]
+    pub rank: usize,
+    /// Scale numerator: scale = alpha / r (alpha / √r with rslora). Default: 16.
+    #[serde(default = "d_alpha")]
+    pub alpha: f64,
+    /// Dropout on the adapter input, in [0, 1). Default: 0.
+    #[serde(default)]
+    pub dropout: f64,
+    /// Module names to adapt (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj), or
+    /// "all-linear" for all seven. Default: ["q_proj", "v_proj"] (PEFT's Llama default).
+    #[serde(default = "d_targets")]
+    pub targets: Targets,
+    /// rsLoRA scaling alpha / √r. Default: false.
+    #[serde(default)]
+    pub rslora: bool,
+    /// A PEFT adapter directory (adapter_config.json + adapter_model.safetensors) to continue
+    /// from. Its r, lora_alpha, target_modules and use_rslora replace the values above.
+    pub init_adapter: Option<PathBuf>,
+}
+
+fn d_rank() -> usize {
+    8
+}
+fn d_alpha() -> f64 {
+    16.0
+}
+fn d_targets() -> Targets {
+    Targets::List(vec!["q_proj".into(), "v_proj".into()])
+}
+
+impl Default for LoraSection {
+    fn default() -> Self {
+        LoraSection {
+            rank: d_rank(),
+            alpha: d_alpha(),
+            dropout: 0.0,
+            targets: d_targets(),
+            rslora: false,
+            init_adapter: None,
+        }
+    }
+}
+
+/// `lora.targets`: a list of module names or "all-linear".
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(untagged)]
+pub enum Targets {
+    AllLinear(String),
+    List(Vec<String>),
+}
+
+impl<'de> Deserialize<'de> for Targets {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> de::Visitor<'de> for V {
+            type Value = Targets;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a list of module names or \"all-linear\"")
+            }
+            fn visit_str<E: de::Error>(self, s: &str) -> Result<Targets, E> {
+                if s == "all-linear" || s == "all" {
+                    Ok(Targets::AllLinear("all-linear".into()))
+                } else {
+                    Err(E::custom(format!(
+                        "expected a list of module names or \"all-linear\", found \"{s}\""
+                    )))
+                }
+            }
+            fn visit_seq<A: de::SeqAccess<'de>>(self, mut a: A) -> Result<Targets, A::Error> {
+                let mut v = Vec::new();
+                while let Some(s) = a.next_element::<String>()? {
+                    v.push(s);
+                }
+                Ok(Targets::List(v))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DataFormat {
+    /// jsonl rows {"input_ids": [...], "labels": [...]?}; labels default to input_ids.
+    Tokens,
+    /// jsonl rows {"text": "..."}, tokenized with the model's tokenizer.json.
+    Text,
+}
+
+/// `[data]`: what to train on.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataSection {
+    /// Training file (jsonl). Required.
+    pub train: PathBuf,
+    /// "tokens" | "text". Default: "text".
+    #[serde(default = "d_format")]
+    pub format: DataFormat,
+    /// Tokens per row; longer rows are truncated (and counted). Default: 512.
+    #[serde(default = "d_seq_len")]
+    pub seq_len: usize,
+    /// Shuffle the example order each epoch (seeded by train.seed). Default: true.
+    #[serde(default = "d_true")]
+    pub shuffle: bool,
+    /// Pack several examples into each row of seq_len tokens, with no attention across
+    /// examples and positions restarting at each. Default: false.
+    #[serde(default)]
+    pub pack: bool,
+}
+
+fn d_format() -> DataFormat {
+    DataFormat::Text
+}
+fn d_seq_len() -> usize {
+    512
+}
+fn d_true() -> bool {
+    true
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Schedule {
+    Constant,
+    Linear,
+    Cosine,
+}
+
+/// `[train]`: optimisation.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainSection {
+    /// Rows per forward/backward. Default: 1.
+    #[serde(default = "d_one")]
+    pub micro_batch: usize,
+    /// Micro-batches per optimiser step. Default: 1.
+    #[serde(default = "d_one")]
+    pub grad_accum: usize,
+    /// Optimiser steps to take; wins over `epochs` when both are set.
+    pub max_steps: Option<usize>,
+    /// Passes over the data when max_steps is not set. Default: 1.
+    pub epochs: Option<usize>,
+    /// Peak learning rate. Default: 2e-4.
+    #[serde(default = "d_lr")]
+    pub lr: f64,
+    /// AdamW decoupled weight decay. Default: 0.
+    #[serde(default)]
+    pub weight_decay: f64,
+    /// AdamW betas. Default: [0.9, 0.999].
+    #[serde(default = "d_betas")]
+    pub betas: [f64; 2],
+    /// AdamW epsilon. Default: 1e-8.
+    #[serde(default = "d_eps")]
+    pub eps: f64,
+    /// "constant" | "linear" | "cosine" (decay to 0 at the last step). Default: "cosine".
+    #[serde(default = "d_schedule")]
+    pub schedule: Schedule,
+    /// Linear warmup from 0 over this many steps (transformers' schedules). Default: 0.
+    #[serde(default)]
+    pub warmup_steps: usize,
+    /// Clip the global gradient norm to this (0 disables). Default: 1.0.
+    #[serde(default = "d_clip")]
+    pub max_grad_norm: f64,
+    /// Seed for adapter init, shuffling and dropout. Default: 42.
+    #[serde(default = "d_seed")]
+    pub seed: u64,
+    /// Keep only each decoder layer's input in forward and recompute it in backward.
+    /// Default: false.
+    #[serde(default)]
+    pub activation_checkpointing: bool,
+    /// Write a progress line / metrics row every this many steps. Default: 1.
+    #[serde(default = "d_one")]
+    pub log_every: usize,
+}
+
+fn d_one() -> usize {
+    1
+}
+fn d_lr() -> f64 {
+    2e-4
+}
+fn d_betas() -> [f64; 2] {
+    [0.9, 0.999]
+}
+fn d_eps() -> f64 {
+    1e-8
+}
+fn d_schedule() -> Schedule {
+    Schedule::Cosine
+}
+fn d_clip() -> f64 {
+    1.0
+}
+fn d_seed() -> u64 {
+    42
+}
+
+impl Default for TrainSection {
+    fn default() -> Self {
+        TrainSection {
+            micro_batch: 1,
+            grad_accum: 1,
+            max_steps: None,
+            epochs: None,
+            lr: d_lr(),
+            weight_decay: 0.0,
+            betas: d_betas(),
+            eps: d_eps(),
+            schedule: d_schedule(),
+            warmup_steps: 0,
+            max_grad_norm: d_clip(),
+            seed: d_seed(),
+            activation_checkpointing: false,
+            log_every: 1,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Strategy {
+    Single,
+    Ddp,
+    Fsdp,
+}
+
+/// `[parallel]`: how to spread the run over devices.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ParallelSection {
+    /// "single" | "ddp" | "fsdp". Default: "single".
+    #[serde(default = "d_strategy")]
+    pub strategy: Strategy,
+    /// CUDA ordinals to use. Default: [0].
+    #[serde(default = "d_devices")]
+    pub devices: Vec<usize>,
+}
+
+fn d_strategy() -> Strategy {
+    Strategy::Single
+}
+fn d_devices() -> Vec<usize> {
+    vec![0]
+}
+
+impl Default for ParallelSection {
+    fn default() -> Self {
+        ParallelSection { strategy: d_strategy(), devices: d_devices() }
+    }
+}
+
+/// `[output]`: where the adapter goes.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OutputSection {
+    /// Output directory. Default: "adapters/<recipe file name without .toml>", relative to the
+    /// current directory.
+    pub dir: Option<PathBuf>,
+    /// Also save a checkpoint-<step>/ adapter every this many steps (0 = only at the end).
+    #[serde(default)]
+    pub save_every: usize,
+    /// Also write merged full weights (needs the export command, not built yet).
+    #[serde(default)]
+    pub merge: bool,
+}
+
+/// Keys holding paths: relative values are resolved against the recipe's directory.
+const PATH_KEYS: [&str; 4] = ["model.path", "lora.init_adapter", "data.train", "output.dir"];
+
+impl Recipe {
+    /// Reads `path`, applies `--set` overrides, resolves relative paths and validates.
+    pub fn load(path: &Path, sets: &[String]) -> Result<Recipe, RecipeError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| RecipeError::Read { path: path.to_owned(), source })?;
+        let parse_err = |msg: String| RecipeError::Parse { path: path.to_owned(), msg };
+        let mut doc: toml_edit::DocumentMut =
+            text.parse().map_err(|e: toml_edit::TomlError| parse_err(e.to_string()))?;
+        let mut overridden = BTreeSet::new();
+        for arg in sets {
+            overridden.insert(apply_set(&mut doc, arg)?);
+        }
+        let mut r: Recipe = toml::from_str(&doc.to_string()).map_err(|e| {
+            let mut msg = e.to_string().trim_end().to_string();
+            if !sets.is_empty() {
+                msg.push_str(&format!("\n(after --set {})", sets.join(" --set ")));
+            }
+            parse_err(msg)
+        })?;
+        r.source = path.to_owned();
+        let base = path.parent().unwrap_or(Path::new("")).to_owned();
+        r.resolve_paths(&base, &overridden);
+        r.validate()?;
+        Ok(r)
+    }
+
+    fn resolve_paths(&mut self, base: &Path, overridden: &BTreeSet<String>) {
+        let fix = |key: &str, p: &mut PathBuf| {
+            if p.is_relative() && !overridden.contains(key) {
+                *p = base.join(&*p);
+            }
+        };
+        for key in PATH_KEYS {
+            match key {
+                "model.path" => self.model.path.iter_mut().for_each(|p| fix(key, p)),
+                "lora.init_adapter" => self.lora.init_adapter.iter_mut().for_each(|p| fix(key, p)),
+                "data.train" => fix(key, &mut self.data.train),
+                _ => self.output.dir.iter_mut().for_each(|p| fix(key, p)),
+            }
+        }
+    }
+
+    fn invalid(&self, key: &str, msg: impl Into<String>) -> RecipeError {
+        RecipeError::Invalid { path: self.source.clone(), key: key.into(), msg: msg.into() }
+    }
+
+    /// Checks that need no model: ranges, files that must exist, what this build supports.
+    pub fn validate(&self) -> Result<(), RecipeError> {
+        let m = &self.model;
+        match (&m.path, &m.id) {
+            (None, None) => return Err(self.invalid("model", "needs `path` (a local checkpoint directory) or `id` (a Hub repository)")),
+            (Some(_), Some(_)) => return Err(self.invalid("model", "has both `path` and `id`; keep one")),
+            (Some(p), None) if !p.is_dir() => {
+                return Err(self.invalid("model.path", format!("{} is not a directory", p.display())))
+            }
+            (None, Some(id)) => {
+                return Err(self.invalid(
+                    "model.id",
+                    format!("= \"{id}\": Hub downloads are not built yet; download the checkpoint (e.g. `huggingface-cli download {id}`) and set model.path to its directory"),
+                ))
+            }
+            _ => {}
+        }
+        if m.device == DeviceKind::Cuda && !cfg!(feature = "cuda") {
+            return Err(self.invalid("model.device", "= \"cuda\", but this binary was built without CUDA: rebuild with `cargo build --release --features cuda`"));
+        }
+        let l = &self.lora;
+        if l.rank == 0 {
+            return Err(self.invalid("lora.rank", "must be at least 1"));
+        }
+        if !(l.alpha.is_finite() && l.alpha > 0.0) {
+            return Err(self.invalid("lora.alpha", "must be a positive number"));
+        }
+        if !(0.0..1.0).contains(&l.dropout) {
+            return Err(self.invalid("lora.dropout", "must be in [0, 1)"));
+        }
+        self.target_modules()?;
+        if let Some(p) = &l.init_adapter {
+            if !p.join("adapter_config.json").is_file() {
+                return Err(self.invalid(
+                    "lora.init_adapter",
+                    format!("{} has no adapter_config.json (expected a PEFT adapter directory)", p.display()),
+                ));
+            }
+        }
+        let d = &self.data;
+        if !d.train.is_file() {
+            return Err(self.invalid("data.train", format!("file {} does not exist", d.train.display())));
+        }
+        if d.seq_len < 2 {
+            return Err(self.invalid("data.seq_len", "must be at least 2 (a token and the next one to predict)"));
+        }
+        let t = &self.train;
+        for (key, v) in [("train.micro_batch", t.micro_batch), ("train.grad_accum", t.grad_accum), ("train.log_every", t.log_every)] {
+            if v == 0 {
+                return Err(self.invalid(key, "must be at least 1"));
+            }
+        }
+        if t.max_steps == Some(0) {
+            return Err(self.invalid("train.max_steps", "must be at least 1"));
+        }
+        if t.epochs == Some(0) {
+            return Err(self.invalid("train.epochs", "must be at least 1"));
+        }
+        if !(t.lr.is_finite() && t.lr > 0.0) {
+            return Err(self.invalid("train.lr", "must be a positive number"));
+        }
+        if !(t.weight_decay.is_finite() && t.weight_decay >= 0.0) {
+            return Err(self.invalid("train.weight_decay", "must be >= 0"));
+        }
+        if !t.betas.iter().all(|b| (0.0..1.0).contains(b)) {
+            return Err(self.invalid("train.betas", "both betas must be in [0, 1)"));
+        }
+        if !(t.eps.is_finite() && t.eps > 0.0) {
+            return Err(self.invalid("train.eps", "must be a positive number"));
+        }
+        if !(t.max_grad_norm.is_finite() && t.max_grad_norm >= 0.0) {
+            return Err(self.invalid("train.max_grad_norm", "must be >= 0 (0 disables clipping)"));
+        }
+        let p = &self.parallel;
+        let mut seen = BTreeSet::new();
+        for d in &p.devices {
+            if !seen.insert(d) {
+                return Err(self.invalid("parallel.devices", format!("lists device {d} twice")));
+            }
+        }
+        if p.devices.is_empty() {
+            return Err(self.invalid("parallel.devices", "must list at least one device"));
+        }
+        match p.strategy {
+            Strategy::Single if p.devices.len() > 1 => {
+                return Err(self.invalid("parallel.devices", "lists several devices but strategy is \"single\": use \"ddp\" or \"fsdp\", or list one device"))
+            }
+            Strategy::Ddp | Strategy::Fsdp => {
+                return Err(self.invalid("parallel.strategy", format!("= \"{}\" is not built yet: use \"single\"", if p.strategy == Strategy::Ddp { "ddp" } else { "fsdp" })))
+            }
+            _ => {}
+        }
+        if self.output.merge {
+            return Err(self.invalid("output.merge", "= true needs the merged export, which is not built yet: set it to false"));
+        }
+        Ok(())
+    }
+
+    /// `lora.targets` as module names in checkpoint order; unknown names are errors.
+    pub fn target_modules(&self) -> Result<Vec<String>, RecipeError> {
+        use crate::lora::ALL_LINEAR;
+        let list = match &self.lora.targets {
+            Targets::AllLinear(_) => return Ok(ALL_LINEAR.iter().map(|s| s.to_string()).collect()),
+            Targets::List(l) => l,
+        };
+        if list.is_empty() {
+            return Err(self.invalid("lora.targets", "is empty: name at least one module, or use \"all-linear\""));
+        }
+        for t in list {
+            if !ALL_LINEAR.contains(&t.as_str()) {
+                return Err(self.invalid(
+                    "lora.targets",
+                    format!("has unknown module \"{t}\"; allowed: {}, or \"all-linear\"", ALL_LINEAR.join(", ")),
+                ));
+            }
+        }
+        Ok(ALL_LINEAR.iter().filter(|m| list.iter().any(|t| t == *m)).map(|s| s.to_string()).collect())
+    }
+
+    /// The output directory: `output.dir`, or adapters/<recipe stem>.
+    pub fn output_dir(&self) -> PathBuf {
+        self.output.dir.clone().unwrap_or_else(|| {
+            let stem = self.source.file_stem().map(|s| s.to_string_lossy().into_owned());
+            Path::new("adapters").join(stem.unwrap_or_else(|| "run".into()))
+        })
+    }
+
+    /// The recipe as resolved (defaults filled in), to store beside the adapter.
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).unwrap_or_default()
+    }
+}
+
+/// Applies one `a.b=v` to the document; returns the dotted key. The value is read as TOML
+/// (numbers, booleans, arrays, quoted strings); anything else is taken as a bare string.
+fn apply_set(doc: &mut toml_edit::DocumentMut, arg: &str) -> Result<String, RecipeError> {
+    let err = |msg: &str| RecipeError::Override { arg: arg.into(), msg: msg.into() };
+    let (key, raw) = arg.split_once('=').ok_or_else(|| err("expected section.key=value"))?;
+    let key = key.trim();
+    let parts: Vec<&str> = key.split('.').collect();
+    if parts.len() < 2 || parts.iter().any(|p| p.is_empty()) {
+        return Err(err("the key must be section.key, e.g. train.lr=1e-4"));
+    }
+    let raw = raw.trim();
+    let value: toml_edit::Value =
+        raw.parse().unwrap_or_else(|_| toml_edit::Value::from(raw.to_string()));
+    let mut item = doc.as_item_mut();
+    for part in &parts {
+        // Absent keys become tables on the way down; a non-table value in the way is an error.
+        item = item
+            .get_mut(part)
+            .ok_or_else(|| err(&format!("cannot set `{key}`: `{part}` sits under a value, not a table")))?;
+    }
+    if item.is_table() {
+        return Err(err(&format!("`{key}` is a whole section; set one of its keys")));
+    }
+    *item = toml_edit::Item::Value(value);
+    Ok(key.to_string())
+}

@@ -1,0 +1,121 @@
+//! The layer-wise forward/backward driver: the home of activation checkpointing (and, later,
+//! FSDP gathers and DDP buckets).
+//!
+//! Forward runs the decoder one layer at a time. Each layer's input is a fresh leaf (`Var`), so
+//! backward can run one layer at a time too: given dL/d(output) g, the surrogate Σ(y ⊙ g)
+//! has the layer's true gradients, and its backward yields dL/d(input) for the layer below and
+//! the layer's LoRA gradients. Whatever a layer's backward produced is dropped before the next
+//! layer's, so at most one layer's graph and gradients are alive at once during backward.
+//!
+//! With activation checkpointing, forward keeps only each layer's input [B, T, C] and drops
+//! the graph; backward recomputes the layer from it (dropout masks are keyed, so identical).
+
+use super::optim::Grads;
+use crate::data::Batch;
+use crate::model::{Model, Layer, Ctx};
+use crate::model::llama::cross_entropy_sum;
+use candle_core::{DType, Result, Tensor, Var};
+
+/// What forward leaves behind for one layer.
+enum Saved {
+    /// Checkpointed: the layer input only.
+    Input(Tensor),
+    /// Kept: the input leaf and the output with its graph.
+    Graph(Var, Tensor),
+}
+
+/// Runs one micro-batch forward and backward; adds its adapter gradients into `grads`.
+/// The loss is Σ token CE / `denom` (denom = counted tokens of the whole accumulated batch,
+/// so micro-batches of different sizes weigh as one big batch would). Returns Σ token CE.
+pub fn forward_backward(
+    model: &Model,
+    batch: &Batch,
+    denom: f64,
+    checkpointing: bool,
+    dropout: Option<(u64, [u64; 2])>,
+    grads: &mut Grads,
+) -> Result<f64> {
+    let dev = &model.device;
+    let (b, t) = (batch.b, batch.t);
+    let ids = Tensor::from_slice(&batch.ids, (b, t), dev)?;
+    let ctx = model.ctx(&batch.positions, b, t, batch.segments.clone(), dropout)?;
+
+    // ---- forward, layer by layer
+    let mut x = model.embed(&ids)?; // [B, T, C], no graph
+    let mut saved = Vec::with_capacity(model.layers.len());
+    for layer in &model.layers {
+        if checkpointing {
+            let y = layer.forward(&x, &ctx)?.detach();
+            saved.push(Saved::Input(std::mem::replace(&mut x, y)));
+        } else {
+            let xv = Var::from_tensor(&x)?;
+            let y = layer.forward(xv.as_tensor(), &ctx)?;
+            x = y.detach();
+            saved.push(Saved::Graph(xv, y));
+        }
+    }
+
+    // ---- head + loss on the counted positions only
+    if batch.targets.is_empty() {
+        return Ok(0.0);
+    }
+    let c = model.cfg.hidden_size;
+    let rows: Vec<u32> = batch.targets.iter().map(|&(i, _)| i as u32).collect();
+    let tgt: Vec<u32> = batch.targets.iter().map(|&(_, l)| l).collect();
+    let rows = Tensor::from_vec(rows, tgt.len(), dev)?;
+    let tgt = Tensor::from_vec(tgt, rows.dims1()?, dev)?;
+    let hv = Var::from_tensor(&x)?;
+    drop(x);
+    let h = hv.as_tensor().reshape((b * t, c))?.index_select(&rows, 0)?; // [N, C]
+    let ce = cross_entropy_sum(&model.head(&h)?, &tgt)?; // scalar f32
+    let ce_value = ce.to_scalar::<f32>()? as f64;
+    let mut g = {
+        let gs = (ce / denom)?.backward()?;
+        gs.get(hv.as_tensor()).cloned().unwrap_or(hv.as_tensor().zeros_like()?)
+    }; // dL/dh [B, T, C]
+
+    // ---- backward, last layer first
+    for (l, layer) in model.layers.iter().enumerate().rev() {
+        let (xv, y) = match saved.pop() {
+            Some(Saved::Graph(xv, y)) => (xv, y),
+            Some(Saved::Input(x)) => {
+                let xv = Var::from_tensor(&x)?;
+                let y = layer.forward(xv.as_tensor(), &ctx)?;
+                (xv, y)
+            }
+            None => candle_core::bail!("driver: no saved activations for layer {l}"),
+        };
+        let gs = (y * g.to_dtype(model.dtype)?)?.sum_all()?.backward()?;
+        accumulate(layer, &gs, grads)?;
+        g = match gs.get(xv.as_tensor()) {
+            Some(dx) => dx.clone(),
+            None if l == 0 => break,
+            None => xv.as_tensor().zeros_like()?,
+        };
+    }
+    Ok(ce_value)
+}
+
+/// Adds a layer's adapter gradients (f32) into the running sums.
+fn accumulate(layer: &Layer, gs: &candle_core::backprop::GradStore, grads: &mut Grads) -> Result<()> {
+    for lin in layer.linears() {
+        let Some(lora) = &lin.lora else { continue };
+        for var in [&lora.a, &lora.b] {
+            let Some(g) = gs.get(var.as_tensor()) else { continue };
+            let g = g.to_dtype(DType::F32)?;
+            let sum = match grads.remove(&var.id()) {
+                Some(prev) => (prev + g)?,
+                None => g,
+            };
+            grads.insert(var.id(), sum);
+        }
+    }
+    Ok(())
+}
+
+/// Forward only, for logits-level checks: the model's `forward` with a batch's context.
+pub fn logits(model: &Model, batch: &Batch) -> Result<Tensor> {
+    let ids = Tensor::from_slice(&batch.ids, (batch.b, batch.t), &model.device)?;
+    let ctx: Ctx = model.ctx(&batch.positions, batch.b, batch.t, batch.segments.clone(), None)?;
+    model.forward(&ids, &ctx)
+}

@@ -1,0 +1,101 @@
+use candle_core::{DType, Device, Tensor};
+use lora_train::recipe::Recipe;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+pub fn golden_dir(case: &str) -> PathBuf {
+    root().join("tests/fixtures/golden").join(case)
+}
+
+pub fn load_st(path: &Path) -> HashMap<String, Tensor> {
+    candle_core::safetensors::load(path, &Device::Cpu).unwrap()
+}
+
+/// |got − want| ≤ rtol·|want| + atol·max|want| elementwise (atol relative to the tensor's scale,
+/// for entries that are near zero), with the worst offender in the message.
+pub fn assert_close(what: &str, got: &Tensor, want: &Tensor, rtol: f64, atol: f64) {
+    assert_eq!(got.dims(), want.dims(), "{what}: shape");
+    let g: Vec<f32> = got.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    let w: Vec<f32> = want.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    let scale = w.iter().fold(0f64, |m, v| m.max(v.abs() as f64));
+    let mut worst = (0usize, 0f64);
+    for (i, (a, b)) in g.iter().zip(&w).enumerate() {
+        let err = (*a as f64 - *b as f64).abs();
+        let tol = rtol * (*b as f64).abs() + atol * scale;
+        let ratio = err / tol.max(f64::MIN_POSITIVE);
+        assert!(a.is_finite(), "{what}: non-finite value at {i}");
+        if ratio > worst.1 {
+            worst = (i, ratio);
+        }
+    }
+    let i = worst.0;
+    assert!(
+        worst.1 <= 1.0,
+        "{what}: element {i}: got {} want {} (error {:.3}x the tolerance rtol {rtol} atol {atol}·{scale:.3e})",
+        g[i],
+        w[i],
+        worst.1
+    );
+}
+
+/// Writes a recipe into `dir` and loads it.
+pub fn recipe(dir: &Path, text: &str, sets: &[&str]) -> Recipe {
+    let p = dir.join("recipe.toml");
+    std::fs::write(&p, text).unwrap();
+    let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+    Recipe::load(&p, &sets).unwrap()
+}
+
+/// A recipe training a golden case's model from its init adapter on its train.jsonl,
+/// with the optimiser settings of scripts/reference_peft.py.
+pub fn golden_recipe(case: &str, out: &Path) -> String {
+    let d = golden_dir(case);
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(d.join("meta.json")).unwrap()).unwrap();
+    let model = d.join(meta["model_dir"].as_str().unwrap());
+    let o = &meta["opt"];
+    format!(
+        r#"
+[model]
+path = "{model}"
+dtype = "f32"
+[lora]
+init_adapter = "{adapter}"
+[data]
+train = "{train}"
+format = "tokens"
+seq_len = 64
+shuffle = false
+[train]
+micro_batch = {mb}
+max_steps = {steps}
+lr = {lr}
+betas = [{b1}, {b2}]
+eps = {eps}
+weight_decay = {wd}
+max_grad_norm = {clip}
+schedule = "{sched}"
+warmup_steps = {warm}
+[output]
+dir = "{out}"
+"#,
+        model = model.display(),
+        adapter = d.join("init_adapter").display(),
+        train = d.join("train.jsonl").display(),
+        mb = o["micro_batch"],
+        steps = o["steps"],
+        lr = o["lr"],
+        b1 = o["betas"][0],
+        b2 = o["betas"][1],
+        eps = o["eps"],
+        wd = o["weight_decay"],
+        clip = o["max_grad_norm"],
+        sched = o["schedule"].as_str().unwrap(),
+        warm = o["warmup_steps"],
+        out = out.display(),
+    )
+}
