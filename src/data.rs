@@ -43,12 +43,15 @@ impl TextTokenizer {
         let mut bos = None;
         let mut eos = None;
         if let Some(p) = tokenizer_config {
-            let text = std::fs::read_to_string(p).with_context(|| format!("cannot read {}", p.display()))?;
-            let v: serde_json::Value =
-                serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", p.display()))?;
+            let text = std::fs::read_to_string(p)
+                .with_context(|| format!("cannot read {}", p.display()))?;
+            let v: serde_json::Value = serde_json::from_str(&text)
+                .with_context(|| format!("{} is not valid JSON", p.display()))?;
             let token = |k: &str| -> Option<u32> {
                 let t = v.get(k)?;
-                let s = t.as_str().or_else(|| t.get("content").and_then(|c| c.as_str()))?;
+                let s = t
+                    .as_str()
+                    .or_else(|| t.get("content").and_then(|c| c.as_str()))?;
                 tok.token_to_id(s)
             };
             let flag = |k: &str| v.get(k).and_then(|b| b.as_bool()).unwrap_or(false);
@@ -63,7 +66,10 @@ impl TextTokenizer {
     }
 
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self.tok.encode(text, true).map_err(|e| anyhow::anyhow!("tokenizer: {e}"))?;
+        let enc = self
+            .tok
+            .encode(text, true)
+            .map_err(|e| anyhow::anyhow!("tokenizer: {e}"))?;
         let mut ids = enc.get_ids().to_vec();
         if let Some(b) = self.bos {
             if ids.first() != Some(&b) {
@@ -81,13 +87,19 @@ impl TextTokenizer {
 
 impl Dataset {
     /// Reads `cfg.train`. Token ids must be below `vocab_size`. Errors name file and line.
-    pub fn load(cfg: &DataSection, tok: Option<&TextTokenizer>, vocab_size: usize) -> Result<Dataset> {
+    pub fn load(
+        cfg: &DataSection,
+        tok: Option<&TextTokenizer>,
+        vocab_size: usize,
+    ) -> Result<Dataset> {
         let path = &cfg.train;
-        let file = std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+        let file =
+            std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
         let mut examples = Vec::new();
         let mut truncated = 0;
         for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
-            let line = line.with_context(|| format!("{}:{}: cannot read line", path.display(), i + 1))?;
+            let line =
+                line.with_context(|| format!("{}:{}: cannot read line", path.display(), i + 1))?;
             if line.trim().is_empty() {
                 continue;
             }
@@ -111,10 +123,19 @@ impl Dataset {
                 bail!("{}: the row has no tokens", at());
             }
             if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab_size) {
-                bail!("{}: token id {bad} is outside the model's vocabulary of {vocab_size}", at());
+                bail!(
+                    "{}: token id {bad} is outside the model's vocabulary of {vocab_size}",
+                    at()
+                );
             }
-            if let Some(&bad) = labels.iter().find(|&&l| l != IGNORE && (l < 0 || l as usize >= vocab_size)) {
-                bail!("{}: label {bad} is neither -100 nor a token id below {vocab_size}", at());
+            if let Some(&bad) = labels
+                .iter()
+                .find(|&&l| l != IGNORE && (l < 0 || l as usize >= vocab_size))
+            {
+                bail!(
+                    "{}: label {bad} is neither -100 nor a token id below {vocab_size}",
+                    at()
+                );
             }
             if ids.len() > cfg.seq_len {
                 ids.truncate(cfg.seq_len);
@@ -126,7 +147,11 @@ impl Dataset {
         if examples.is_empty() {
             bail!("{} has no examples", path.display());
         }
-        Ok(Dataset { examples, truncated, source: path.clone() })
+        Ok(Dataset {
+            examples,
+            truncated,
+            source: path.clone(),
+        })
     }
 }
 
@@ -150,7 +175,11 @@ fn parse_tokens_row(row: &serde_json::Value) -> Result<(Vec<u32>, Vec<i64>)> {
             .context("\"labels\" must hold integers")?,
     };
     if labels.len() != ids.len() {
-        bail!("\"labels\" has {} entries but \"input_ids\" has {}", labels.len(), ids.len());
+        bail!(
+            "\"labels\" has {} entries but \"input_ids\" has {}",
+            labels.len(),
+            ids.len()
+        );
     }
     Ok((ids, labels))
 }
@@ -173,7 +202,12 @@ pub struct Batch {
 impl Batch {
     /// Rows of examples → one batch, padded to its longest row.
     pub fn from_rows(rows: &[Vec<&Example>], pad_id: u32, packed: bool) -> Batch {
-        let t = rows.iter().map(|r| r.iter().map(|e| e.ids.len()).sum::<usize>()).max().unwrap_or(1).max(1);
+        let t = rows
+            .iter()
+            .map(|r| r.iter().map(|e| e.ids.len()).sum::<usize>())
+            .max()
+            .unwrap_or(1)
+            .max(1);
         let b = rows.len();
         let mut ids = vec![pad_id; b * t];
         let mut positions = vec![0u32; b * t];
@@ -207,7 +241,15 @@ impl Batch {
             }
         }
         let tokens = rows.iter().flatten().map(|e| e.ids.len()).sum();
-        Batch { b, t, ids, positions, segments: packed.then_some(segments), targets, tokens }
+        Batch {
+            b,
+            t,
+            ids,
+            positions,
+            segments: packed.then_some(segments),
+            targets,
+            tokens,
+        }
     }
 
     pub fn n_targets(&self) -> usize {
@@ -270,7 +312,10 @@ mod tests {
     use super::*;
 
     fn ex(ids: &[u32]) -> Example {
-        Example { ids: ids.to_vec(), labels: ids.iter().map(|&t| t as i64).collect() }
+        Example {
+            ids: ids.to_vec(),
+            labels: ids.iter().map(|&t| t as i64).collect(),
+        }
     }
 
     #[test]

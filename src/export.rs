@@ -33,7 +33,10 @@ pub fn save_adapter(dir: &Path, model: &Model, spec: &LoraSpec, base_model: &str
     let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
     for (module, lora) in model.adapters() {
         for (which, var) in [('A', &lora.a), ('B', &lora.b)] {
-            let t = var.as_tensor().to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
+            let t = var
+                .as_tensor()
+                .to_dtype(DType::F32)?
+                .to_device(&Device::Cpu)?;
             let data: Vec<f32> = t.flatten_all()?.to_vec1()?;
             let bytes = data.iter().flat_map(|x| x.to_le_bytes()).collect();
             tensors.push((peft_key(module, which), t.dims().to_vec(), bytes));
@@ -42,7 +45,11 @@ pub fn save_adapter(dir: &Path, model: &Model, spec: &LoraSpec, base_model: &str
     let views = tensors
         .iter()
         .map(|(k, shape, bytes)| {
-            let v = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes)?;
+            let v = safetensors::tensor::TensorView::new(
+                safetensors::Dtype::F32,
+                shape.clone(),
+                bytes,
+            )?;
             Ok((k.as_str(), v))
         })
         .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()?;
@@ -70,50 +77,95 @@ pub fn save_adapter(dir: &Path, model: &Model, spec: &LoraSpec, base_model: &str
         "alpha_pattern": {},
         "inference_mode": true,
     });
-    atomic_write(&dir.join(CONFIG), serde_json::to_string_pretty(&cfg)?.as_bytes())
+    atomic_write(
+        &dir.join(CONFIG),
+        serde_json::to_string_pretty(&cfg)?.as_bytes(),
+    )
 }
 
 /// Reads adapter_config.json; features we do not implement are errors, not silent changes.
 pub fn read_adapter_config(dir: &Path) -> Result<AdapterInfo> {
     let path = dir.join(CONFIG);
-    let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
-    let v: Value = serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", path.display()))?;
+    let text = std::fs::read_to_string(&path)
+        .with_context(|| format!("cannot read {}", path.display()))?;
+    let v: Value = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not valid JSON", path.display()))?;
     let err = |msg: String| anyhow::anyhow!("{}: {msg}", path.display());
     if let Some(t) = v.get("peft_type").and_then(Value::as_str) {
         if t != "LORA" {
             return Err(err(format!("peft_type \"{t}\" is not LORA")));
         }
     }
-    let rank = v.get("r").and_then(Value::as_u64).filter(|&r| r > 0).ok_or_else(|| err("`r` is missing".into()))? as usize;
+    let rank = v
+        .get("r")
+        .and_then(Value::as_u64)
+        .filter(|&r| r > 0)
+        .ok_or_else(|| err("`r` is missing".into()))? as usize;
     let alpha = v.get("lora_alpha").and_then(Value::as_f64).unwrap_or(8.0);
     let dropout = v.get("lora_dropout").and_then(Value::as_f64).unwrap_or(0.0) as f32;
-    let rslora = v.get("use_rslora").and_then(Value::as_bool).unwrap_or(false);
+    let rslora = v
+        .get("use_rslora")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
     if v.get("use_dora").and_then(Value::as_bool) == Some(true) {
-        return Err(err("use_dora = true: DoRA adapters are not supported".into()));
+        return Err(err(
+            "use_dora = true: DoRA adapters are not supported".into()
+        ));
     }
     for k in ["rank_pattern", "alpha_pattern"] {
-        if v.get(k).and_then(Value::as_object).is_some_and(|m| !m.is_empty()) {
+        if v.get(k)
+            .and_then(Value::as_object)
+            .is_some_and(|m| !m.is_empty())
+        {
             return Err(err(format!("`{k}` is not supported (per-module ranks)")));
         }
     }
     if let Some(b) = v.get("bias").and_then(Value::as_str) {
         if b != "none" {
-            return Err(err(format!("bias = \"{b}\" is not supported (only \"none\")")));
+            return Err(err(format!(
+                "bias = \"{b}\" is not supported (only \"none\")"
+            )));
         }
     }
     let targets: Vec<String> = match v.get("target_modules") {
-        Some(Value::Array(a)) => a.iter().filter_map(Value::as_str).map(String::from).collect(),
-        Some(Value::String(s)) if s == "all-linear" => ALL_LINEAR.iter().map(|s| s.to_string()).collect(),
-        Some(Value::String(s)) => return Err(err(format!("target_modules \"{s}\" (a regex) is not supported; list module names"))),
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(Value::as_str)
+            .map(String::from)
+            .collect(),
+        Some(Value::String(s)) if s == "all-linear" => {
+            ALL_LINEAR.iter().map(|s| s.to_string()).collect()
+        }
+        Some(Value::String(s)) => {
+            return Err(err(format!(
+                "target_modules \"{s}\" (a regex) is not supported; list module names"
+            )))
+        }
         _ => return Err(err("`target_modules` is missing".into())),
     };
     if let Some(bad) = targets.iter().find(|t| !ALL_LINEAR.contains(&t.as_str())) {
-        return Err(err(format!("target module \"{bad}\" is not one of {}", ALL_LINEAR.join(", "))));
+        return Err(err(format!(
+            "target module \"{bad}\" is not one of {}",
+            ALL_LINEAR.join(", ")
+        )));
     }
-    let targets = ALL_LINEAR.iter().filter(|m| targets.iter().any(|t| t == *m)).map(|s| s.to_string()).collect();
+    let targets = ALL_LINEAR
+        .iter()
+        .filter(|m| targets.iter().any(|t| t == *m))
+        .map(|s| s.to_string())
+        .collect();
     Ok(AdapterInfo {
-        spec: LoraSpec { rank, alpha, dropout, rslora, targets },
-        base_model: v.get("base_model_name_or_path").and_then(Value::as_str).map(String::from),
+        spec: LoraSpec {
+            rank,
+            alpha,
+            dropout,
+            rslora,
+            targets,
+        },
+        base_model: v
+            .get("base_model_name_or_path")
+            .and_then(Value::as_str)
+            .map(String::from),
     })
 }
 
@@ -132,7 +184,12 @@ pub fn load_adapter_weights(dir: &Path, model: &Model) -> Result<()> {
                 .or_else(|| tensors.get(&key.replace(".weight", ".default.weight")))
                 .with_context(|| format!("{} has no tensor `{key}`", path.display()))?;
             if t.dims() != var.dims() {
-                bail!("{}: `{key}` has shape {:?}, the model needs {:?}", path.display(), t.dims(), var.dims());
+                bail!(
+                    "{}: `{key}` has shape {:?}, the model needs {:?}",
+                    path.display(),
+                    t.dims(),
+                    var.dims()
+                );
             }
             var.set(&t.to_dtype(DType::F32)?.to_device(var.device())?)?;
         }

@@ -25,7 +25,10 @@ impl ModelFiles {
         }
         let config = dir.join("config.json");
         if !config.is_file() {
-            bail!("{} has no config.json: is it a Hugging Face checkpoint directory?", dir.display());
+            bail!(
+                "{} has no config.json: is it a Hugging Face checkpoint directory?",
+                dir.display()
+            );
         }
         let index = dir.join("model.safetensors.index.json");
         let single = dir.join("model.safetensors");
@@ -55,8 +58,8 @@ impl ModelFiles {
 fn shards_from_index(index: &Path) -> Result<Vec<PathBuf>> {
     let text = std::fs::read_to_string(index)
         .with_context(|| format!("cannot read {}", index.display()))?;
-    let v: serde_json::Value =
-        serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", index.display()))?;
+    let v: serde_json::Value = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not valid JSON", index.display()))?;
     let map = v
         .get("weight_map")
         .and_then(|m| m.as_object())
@@ -67,7 +70,11 @@ fn shards_from_index(index: &Path) -> Result<Vec<PathBuf>> {
     for f in files {
         let p = dir.join(f);
         if !p.is_file() {
-            bail!("{} names shard {f}, which is missing from {}", index.display(), dir.display());
+            bail!(
+                "{} names shard {f}, which is missing from {}",
+                index.display(),
+                dir.display()
+            );
         }
         out.push(p);
     }

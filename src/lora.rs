@@ -9,8 +9,15 @@ use crate::rng::Rng;
 use candle_core::{DType, Device, Result, Tensor, Var};
 
 /// The seven linear modules of a Llama-family decoder layer, in checkpoint order.
-pub const ALL_LINEAR: [&str; 7] =
-    ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
+pub const ALL_LINEAR: [&str; 7] = [
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+];
 
 /// What to inject, resolved from the recipe (or an init adapter's config).
 #[derive(Debug, Clone, PartialEq)]
@@ -57,11 +64,17 @@ impl Lora {
     ) -> Result<Self> {
         let bound = 1.0 / (in_f as f32).sqrt();
         let mut rng = Rng::keyed(seed, key);
-        let a: Vec<f32> =
-            (0..spec.rank * in_f).map(|_| (rng.next_f32() * 2.0 - 1.0) * bound).collect();
+        let a: Vec<f32> = (0..spec.rank * in_f)
+            .map(|_| (rng.next_f32() * 2.0 - 1.0) * bound)
+            .collect();
         let a = Var::from_tensor(&Tensor::from_vec(a, (spec.rank, in_f), dev)?)?;
         let b = Var::zeros((out_f, spec.rank), DType::F32, dev)?;
-        Ok(Lora { a, b, scale: spec.scale(), dropout: spec.dropout })
+        Ok(Lora {
+            a,
+            b,
+            scale: spec.scale(),
+            dropout: spec.dropout,
+        })
     }
 
     /// x: [m, in] → scale · dropout(x) Aᵀ Bᵀ: [m, out], in x's dtype.
@@ -92,6 +105,8 @@ pub fn dropout_mask(
     let n: usize = dims.iter().product();
     let keep = 1.0 / (1.0 - p);
     let mut rng = Rng::keyed(seed, key);
-    let v: Vec<f32> = (0..n).map(|_| if rng.next_f32() < p { 0.0 } else { keep }).collect();
+    let v: Vec<f32> = (0..n)
+        .map(|_| if rng.next_f32() < p { 0.0 } else { keep })
+        .collect();
     Tensor::from_vec(v, dims, dev)
 }

@@ -63,6 +63,7 @@ fn run(cmd: &str, args: TrainArgs) -> anyhow::Result<()> {
     };
     let recipe = Recipe::load(&path, &args.set)?;
     if cmd == "check" {
+        println!("# output dir: {}", recipe.output_dir().display());
         print!("{}", recipe.to_toml());
         return Ok(());
     }

@@ -12,12 +12,19 @@ use std::path::{Path, PathBuf};
 /// A recipe that cannot be used as written. Exit code 2; nothing has been written yet.
 #[derive(Debug, thiserror::Error)]
 pub enum RecipeError {
-    #[error("cannot read recipe {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    #[error("cannot read recipe {path}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("recipe {path}: {msg}")]
     Parse { path: PathBuf, msg: String },
     #[error("recipe {path}: `{key}` {msg}")]
-    Invalid { path: PathBuf, key: String, msg: String },
+    Invalid {
+        path: PathBuf,
+        key: String,
+        msg: String,
+    },
     #[error("--set {arg}: {msg}")]
     Override { arg: String, msg: String },
 }
@@ -98,7 +105,8 @@ pub struct LoraSection {
     #[serde(default)]
     pub rslora: bool,
     /// A PEFT adapter directory (adapter_config.json + adapter_model.safetensors) to continue
-    /// from. Its r, lora_alpha, target_modules and use_rslora replace the values above.
+    /// from. Its r, lora_alpha, target_modules and use_rslora replace the values above
+    /// (`dropout` still comes from this recipe).
     pub init_adapter: Option<PathBuf>,
 }
 
@@ -329,7 +337,10 @@ fn d_devices() -> Vec<usize> {
 
 impl Default for ParallelSection {
     fn default() -> Self {
-        ParallelSection { strategy: d_strategy(), devices: d_devices() }
+        ParallelSection {
+            strategy: d_strategy(),
+            devices: d_devices(),
+        }
     }
 }
 
@@ -349,24 +360,61 @@ pub struct OutputSection {
 }
 
 /// Keys holding paths: relative values are resolved against the recipe's directory.
-const PATH_KEYS: [&str; 4] = ["model.path", "lora.init_adapter", "data.train", "output.dir"];
+const PATH_KEYS: [&str; 4] = [
+    "model.path",
+    "lora.init_adapter",
+    "data.train",
+    "output.dir",
+];
 
 impl Recipe {
     /// Reads `path`, applies `--set` overrides, resolves relative paths and validates.
     pub fn load(path: &Path, sets: &[String]) -> Result<Recipe, RecipeError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| RecipeError::Read { path: path.to_owned(), source })?;
-        let parse_err = |msg: String| RecipeError::Parse { path: path.to_owned(), msg };
-        let mut doc: toml_edit::DocumentMut =
-            text.parse().map_err(|e: toml_edit::TomlError| parse_err(e.to_string()))?;
+        let text = std::fs::read_to_string(path).map_err(|source| RecipeError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        let parse_err = |msg: String| RecipeError::Parse {
+            path: path.to_owned(),
+            msg,
+        };
+        let mut doc: toml_edit::DocumentMut = text
+            .parse()
+            .map_err(|e: toml_edit::TomlError| parse_err(e.to_string()))?;
         let mut overridden = BTreeSet::new();
         for arg in sets {
             overridden.insert(apply_set(&mut doc, arg)?);
         }
-        let mut r: Recipe = toml::from_str(&doc.to_string()).map_err(|e| {
-            let mut msg = e.to_string().trim_end().to_string();
-            if !sets.is_empty() {
-                msg.push_str(&format!("\n(after --set {})", sets.join(" --set ")));
+        let merged = doc.to_string();
+        let mut r: Recipe = toml::from_str(&merged).map_err(|e| {
+            // The same error in the file as written: report it there, with the file's lines.
+            if let Err(orig) = toml::from_str::<Recipe>(&text) {
+                if orig.message() == e.message() {
+                    return parse_err(orig.to_string().trim_end().to_string());
+                }
+            }
+            // Caused by an override: the merged document's line numbers mean nothing to the
+            // user, so quote the offending line with its section instead.
+            let mut msg = format!(
+                "with --set {}: {}",
+                sets.join(" --set "),
+                e.message().trim_end()
+            );
+            if let Some(span) = e.span() {
+                let before = &merged[..span.start.min(merged.len())];
+                let line = merged[before.rfind('\n').map_or(0, |i| i + 1)..]
+                    .lines()
+                    .next()
+                    .unwrap_or("");
+                let section = before
+                    .lines()
+                    .rev()
+                    .find(|l| l.trim_start().starts_with('['));
+                msg.push_str(&format!(
+                    "\n  at: {} {}",
+                    section.unwrap_or("").trim(),
+                    line.trim()
+                ));
             }
             parse_err(msg)
         })?;
@@ -394,7 +442,11 @@ impl Recipe {
     }
 
     fn invalid(&self, key: &str, msg: impl Into<String>) -> RecipeError {
-        RecipeError::Invalid { path: self.source.clone(), key: key.into(), msg: msg.into() }
+        RecipeError::Invalid {
+            path: self.source.clone(),
+            key: key.into(),
+            msg: msg.into(),
+        }
     }
 
     /// Checks that need no model: ranges, files that must exist, what this build supports.
@@ -432,19 +484,32 @@ impl Recipe {
             if !p.join("adapter_config.json").is_file() {
                 return Err(self.invalid(
                     "lora.init_adapter",
-                    format!("{} has no adapter_config.json (expected a PEFT adapter directory)", p.display()),
+                    format!(
+                        "{} has no adapter_config.json (expected a PEFT adapter directory)",
+                        p.display()
+                    ),
                 ));
             }
         }
         let d = &self.data;
         if !d.train.is_file() {
-            return Err(self.invalid("data.train", format!("file {} does not exist", d.train.display())));
+            return Err(self.invalid(
+                "data.train",
+                format!("file {} does not exist", d.train.display()),
+            ));
         }
         if d.seq_len < 2 {
-            return Err(self.invalid("data.seq_len", "must be at least 2 (a token and the next one to predict)"));
+            return Err(self.invalid(
+                "data.seq_len",
+                "must be at least 2 (a token and the next one to predict)",
+            ));
         }
         let t = &self.train;
-        for (key, v) in [("train.micro_batch", t.micro_batch), ("train.grad_accum", t.grad_accum), ("train.log_every", t.log_every)] {
+        for (key, v) in [
+            ("train.micro_batch", t.micro_batch),
+            ("train.grad_accum", t.grad_accum),
+            ("train.log_every", t.log_every),
+        ] {
             if v == 0 {
                 return Err(self.invalid(key, "must be at least 1"));
             }
@@ -490,7 +555,10 @@ impl Recipe {
             _ => {}
         }
         if self.output.merge {
-            return Err(self.invalid("output.merge", "= true needs the merged export, which is not built yet: set it to false"));
+            return Err(self.invalid(
+                "output.merge",
+                "= true needs the merged export, which is not built yet: set it to false",
+            ));
         }
         Ok(())
     }
@@ -503,23 +571,36 @@ impl Recipe {
             Targets::List(l) => l,
         };
         if list.is_empty() {
-            return Err(self.invalid("lora.targets", "is empty: name at least one module, or use \"all-linear\""));
+            return Err(self.invalid(
+                "lora.targets",
+                "is empty: name at least one module, or use \"all-linear\"",
+            ));
         }
         for t in list {
             if !ALL_LINEAR.contains(&t.as_str()) {
                 return Err(self.invalid(
                     "lora.targets",
-                    format!("has unknown module \"{t}\"; allowed: {}, or \"all-linear\"", ALL_LINEAR.join(", ")),
+                    format!(
+                        "has unknown module \"{t}\"; allowed: {}, or \"all-linear\"",
+                        ALL_LINEAR.join(", ")
+                    ),
                 ));
             }
         }
-        Ok(ALL_LINEAR.iter().filter(|m| list.iter().any(|t| t == *m)).map(|s| s.to_string()).collect())
+        Ok(ALL_LINEAR
+            .iter()
+            .filter(|m| list.iter().any(|t| t == *m))
+            .map(|s| s.to_string())
+            .collect())
     }
 
     /// The output directory: `output.dir`, or adapters/<recipe stem>.
     pub fn output_dir(&self) -> PathBuf {
         self.output.dir.clone().unwrap_or_else(|| {
-            let stem = self.source.file_stem().map(|s| s.to_string_lossy().into_owned());
+            let stem = self
+                .source
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned());
             Path::new("adapters").join(stem.unwrap_or_else(|| "run".into()))
         })
     }
@@ -533,26 +614,105 @@ impl Recipe {
 /// Applies one `a.b=v` to the document; returns the dotted key. The value is read as TOML
 /// (numbers, booleans, arrays, quoted strings); anything else is taken as a bare string.
 fn apply_set(doc: &mut toml_edit::DocumentMut, arg: &str) -> Result<String, RecipeError> {
-    let err = |msg: &str| RecipeError::Override { arg: arg.into(), msg: msg.into() };
-    let (key, raw) = arg.split_once('=').ok_or_else(|| err("expected section.key=value"))?;
+    let err = |msg: &str| RecipeError::Override {
+        arg: arg.into(),
+        msg: msg.into(),
+    };
+    let (key, raw) = arg
+        .split_once('=')
+        .ok_or_else(|| err("expected section.key=value"))?;
     let key = key.trim();
     let parts: Vec<&str> = key.split('.').collect();
     if parts.len() < 2 || parts.iter().any(|p| p.is_empty()) {
         return Err(err("the key must be section.key, e.g. train.lr=1e-4"));
     }
     let raw = raw.trim();
-    let value: toml_edit::Value =
-        raw.parse().unwrap_or_else(|_| toml_edit::Value::from(raw.to_string()));
+    let value: toml_edit::Value = raw
+        .parse()
+        .unwrap_or_else(|_| toml_edit::Value::from(raw.to_string()));
     let mut item = doc.as_item_mut();
     for part in &parts {
         // Absent keys become tables on the way down; a non-table value in the way is an error.
-        item = item
-            .get_mut(part)
-            .ok_or_else(|| err(&format!("cannot set `{key}`: `{part}` sits under a value, not a table")))?;
+        item = item.get_mut(part).ok_or_else(|| {
+            err(&format!(
+                "cannot set `{key}`: `{part}` sits under a value, not a table"
+            ))
+        })?;
     }
     if item.is_table() {
-        return Err(err(&format!("`{key}` is a whole section; set one of its keys")));
+        return Err(err(&format!(
+            "`{key}` is a whole section; set one of its keys"
+        )));
     }
     *item = toml_edit::Item::Value(value);
     Ok(key.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reference_recipe_spells_out_the_defaults() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("recipes/reference.toml");
+        let r = Recipe::load(&path, &[]).unwrap();
+        let toml = |v: &dyn erased::Ser| v.to();
+        assert_eq!(toml(&r.lora), toml(&LoraSection::default()));
+        assert_eq!(toml(&r.train), toml(&TrainSection::default()));
+        assert_eq!(toml(&r.parallel), toml(&ParallelSection::default()));
+        assert_eq!(toml(&r.output), toml(&OutputSection::default()));
+        assert_eq!(r.data.seq_len, d_seq_len());
+        assert_eq!(r.data.format, d_format());
+        assert_eq!((r.data.shuffle, r.data.pack), (true, false));
+        assert_eq!((r.model.device, r.model.dtype), (DeviceKind::Cpu, None));
+    }
+
+    /// Serialize any section to TOML text, to compare sections field by field.
+    mod erased {
+        pub trait Ser {
+            fn to(&self) -> String;
+        }
+        impl<T: serde::Serialize> Ser for T {
+            fn to(&self) -> String {
+                toml::to_string(self).unwrap()
+            }
+        }
+    }
+
+    #[test]
+    fn set_overrides_types_and_paths() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("m")).unwrap();
+        std::fs::write(dir.path().join("d.jsonl"), "{}").unwrap();
+        let p = dir.path().join("r.toml");
+        std::fs::write(&p, "[model]\npath = \"m\"\n[data]\ntrain = \"d.jsonl\"\n").unwrap();
+        let sets = [
+            "train.lr=1e-4",
+            "lora.targets=all-linear",
+            "train.betas=[0.8, 0.9]",
+            "data.pack=true",
+        ];
+        let r = Recipe::load(&p, &sets.map(String::from)).unwrap();
+        assert_eq!(r.train.lr, 1e-4);
+        assert_eq!(r.lora.targets, Targets::AllLinear("all-linear".into()));
+        assert_eq!(r.train.betas, [0.8, 0.9]);
+        assert!(r.data.pack);
+        assert_eq!(
+            r.model.path.as_deref(),
+            Some(dir.path().join("m").as_path())
+        );
+        assert_eq!(r.target_modules().unwrap().len(), 7);
+        let e = Recipe::load(&p, &["lora.rank=0".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.ends_with("`lora.rank` must be at least 1"), "{e}");
+        let e = Recipe::load(&p, &["model=3".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("the key must be section.key"), "{e}");
+        let e = Recipe::load(&p, &["model.path.x=3".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("sits under a value"), "{e}");
+    }
 }

@@ -22,6 +22,9 @@ pub fn atomic_write(path: &Path, bytes: &[u8]) -> Result<()> {
 
 /// `dir/name` → `dir/.name.tmp-<pid>`
 pub fn tmp_path(path: &Path) -> PathBuf {
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
     path.with_file_name(format!(".{name}.tmp-{}", std::process::id()))
 }

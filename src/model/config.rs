@@ -11,8 +11,11 @@ use std::path::{Path, PathBuf};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("cannot read model config {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    #[error("cannot read model config {path}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("model config {path}: {msg}")]
     Invalid { path: PathBuf, msg: String },
 }
@@ -30,9 +33,16 @@ pub enum Family {
 pub enum RopeScaling {
     None,
     /// Positions divided by `factor`.
-    Linear { factor: f64 },
+    Linear {
+        factor: f64,
+    },
     /// Llama 3.1: per-frequency interpolation between low and high frequency bands.
-    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position: usize },
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position: usize,
+    },
 }
 
 /// Everything the trainable model needs, resolved from config.json.
@@ -97,16 +107,22 @@ struct Raw {
 
 impl ModelConfig {
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| ConfigError::Read { path: path.to_owned(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
         Self::from_json(&text, path)
     }
 
     pub fn from_json(text: &str, path: &Path) -> Result<Self, ConfigError> {
-        let err = |msg: String| ConfigError::Invalid { path: path.to_owned(), msg };
+        let err = |msg: String| ConfigError::Invalid {
+            path: path.to_owned(),
+            msg,
+        };
         let raw: Raw = serde_json::from_str(text).map_err(|e| err(e.to_string()))?;
         let need = |v: Option<usize>, name: &str| {
-            v.filter(|&n| n > 0).ok_or_else(|| err(format!("`{name}` is missing or 0")))
+            v.filter(|&n| n > 0)
+                .ok_or_else(|| err(format!("`{name}` is missing or 0")))
         };
         let family = match raw.model_type.as_deref() {
             Some("llama") => Family::Llama,
@@ -121,7 +137,9 @@ impl ModelConfig {
         };
         if let Some(act) = raw.hidden_act.as_deref() {
             if act != "silu" {
-                return Err(err(format!("hidden_act `{act}` is not supported (only silu)")));
+                return Err(err(format!(
+                    "hidden_act `{act}` is not supported (only silu)"
+                )));
             }
         }
         let hidden_size = need(raw.hidden_size, "hidden_size")?;
@@ -144,7 +162,9 @@ impl ModelConfig {
             }
         };
         if head_dim % 2 != 0 {
-            return Err(err(format!("head_dim {head_dim} must be even for rotary embeddings")));
+            return Err(err(format!(
+                "head_dim {head_dim} must be even for rotary embeddings"
+            )));
         }
 
         // transformers 5 keeps theta and scaling in `rope_parameters`; 4.x at the top level.
@@ -153,7 +173,11 @@ impl ModelConfig {
             .and_then(|p| p.get("rope_theta"))
             .and_then(Value::as_f64)
             .or(raw.rope_theta)
-            .unwrap_or(if family == Family::Qwen2 { 1_000_000.0 } else { 10_000.0 });
+            .unwrap_or(if family == Family::Qwen2 {
+                1_000_000.0
+            } else {
+                10_000.0
+            });
         let scaling_src = match (params, raw.rope_scaling.as_ref().filter(|v| v.is_object())) {
             (_, Some(s)) => Some(s),
             (Some(p), None) => Some(p),
@@ -247,7 +271,11 @@ fn first_id(v: Option<&Value>) -> Option<u32> {
 fn all_ids(v: Option<&Value>) -> Vec<u32> {
     match v {
         Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-        Some(Value::Array(a)) => a.iter().filter_map(Value::as_u64).map(|x| x as u32).collect(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(Value::as_u64)
+            .map(|x| x as u32)
+            .collect(),
         _ => vec![],
     }
 }

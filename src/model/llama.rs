@@ -37,10 +37,13 @@ impl Linear {
         let y = ops::frozen_linear(x, &self.w, self.b.as_ref())?;
         let Some(lora) = &self.lora else { return Ok(y) };
         let (b, t, in_f) = x.dims3()?;
-        let key = ctx.dropout.map(|(seed, [step, micro])| {
-            (seed, [step, micro, self.key[0], self.key[1]])
-        });
-        let l = lora.forward(&x.reshape((b * t, in_f))?, key.as_ref().map(|(s, k)| (*s, &k[..])))?;
+        let key = ctx
+            .dropout
+            .map(|(seed, [step, micro])| (seed, [step, micro, self.key[0], self.key[1]]));
+        let l = lora.forward(
+            &x.reshape((b * t, in_f))?,
+            key.as_ref().map(|(s, k)| (*s, &k[..])),
+        )?;
         let l = l.reshape(y.shape())?;
         y + l
     }
@@ -73,14 +76,29 @@ impl Layer {
         let (b, t, _c) = x.dims3()?;
         let (h, k, d) = (self.heads, self.kv_heads, self.head_dim);
         let hn = ops::rms_norm(x, &self.input_norm, self.eps)?;
-        let q = self.q.forward(&hn, ctx)?.reshape((b, t, h, d))?.transpose(1, 2)?; // [B, H, T, D]
-        let kk = self.k.forward(&hn, ctx)?.reshape((b, t, k, d))?.transpose(1, 2)?; // [B, K, T, D]
-        let v = self.v.forward(&hn, ctx)?.reshape((b, t, k, d))?.transpose(1, 2)?; // [B, K, T, D]
+        let q = self
+            .q
+            .forward(&hn, ctx)?
+            .reshape((b, t, h, d))?
+            .transpose(1, 2)?; // [B, H, T, D]
+        let kk = self
+            .k
+            .forward(&hn, ctx)?
+            .reshape((b, t, k, d))?
+            .transpose(1, 2)?; // [B, K, T, D]
+        let v = self
+            .v
+            .forward(&hn, ctx)?
+            .reshape((b, t, k, d))?
+            .transpose(1, 2)?; // [B, K, T, D]
         let q = ops::rope(&q, &ctx.cos, &ctx.sin)?;
         let kk = ops::rope(&kk, &ctx.cos, &ctx.sin)?;
         let (kk, v) = (repeat_kv(&kk, h / k)?, repeat_kv(&v.contiguous()?, h / k)?); // [B, H, T, D]
         let scores = q.matmul(&kk.t()?)?; // [B, H, T, T]
-        let mask = AttnMask { window: self.window, ..ctx.mask.clone() };
+        let mask = AttnMask {
+            window: self.window,
+            ..ctx.mask.clone()
+        };
         let p = ops::causal_softmax(&scores, 1.0 / (d as f64).sqrt(), &mask)?;
         let attn = p.matmul(&v)?.transpose(1, 2)?.reshape((b, t, h * d))?; // [B, T, H·D]
         let x = (x + self.o.forward(&attn, ctx)?)?;
@@ -91,7 +109,9 @@ impl Layer {
     }
 
     pub fn linears(&self) -> [&Linear; 7] {
-        [&self.q, &self.k, &self.v, &self.o, &self.gate, &self.up, &self.down]
+        [
+            &self.q, &self.k, &self.v, &self.o, &self.gate, &self.up, &self.down,
+        ]
     }
 }
 
@@ -101,7 +121,9 @@ fn repeat_kv(x: &Tensor, n: usize) -> Result<Tensor> {
         return Ok(x.clone());
     }
     let (b, k, t, d) = x.dims4()?;
-    x.unsqueeze(2)?.broadcast_as((b, k, n, t, d))?.reshape((b, k * n, t, d))
+    x.unsqueeze(2)?
+        .broadcast_as((b, k, n, t, d))?
+        .reshape((b, k * n, t, d))
 }
 
 pub struct Model {
@@ -135,7 +157,10 @@ impl Model {
             st.tensors().into_iter().map(|(n, _)| n).collect();
         let get = |name: &str, shape: &[usize]| -> anyhow::Result<Tensor> {
             if !names.contains(name) {
-                bail!("tensor `{name}` is missing from the weights in {}", files.dir.display());
+                bail!(
+                    "tensor `{name}` is missing from the weights in {}",
+                    files.dir.display()
+                );
             }
             let t = st.load(name, &Device::Cpu)?;
             if t.dims() != shape {
@@ -150,19 +175,30 @@ impl Model {
         };
         let (c, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
         let (h, k, d) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
-        let linear = |layer: usize, group: &str, module: &str, in_f: usize, out_f: usize, bias: bool| {
-            let name = format!("model.layers.{layer}.{group}.{module}");
-            let w = get(&format!("{name}.weight"), &[out_f, in_f])?;
-            let b = if bias { Some(get(&format!("{name}.bias"), &[out_f])?) } else { None };
-            let m = ALL_LINEAR.iter().position(|x| *x == module).unwrap_or(0) as u64;
-            let key = [layer as u64, m];
-            let lora = if spec.targets(module) {
-                Some(Lora::init(spec, in_f, out_f, seed, &key, device)?)
-            } else {
-                None
+        let linear =
+            |layer: usize, group: &str, module: &str, in_f: usize, out_f: usize, bias: bool| {
+                let name = format!("model.layers.{layer}.{group}.{module}");
+                let w = get(&format!("{name}.weight"), &[out_f, in_f])?;
+                let b = if bias {
+                    Some(get(&format!("{name}.bias"), &[out_f])?)
+                } else {
+                    None
+                };
+                let m = ALL_LINEAR.iter().position(|x| *x == module).unwrap_or(0) as u64;
+                let key = [layer as u64, m];
+                let lora = if spec.targets(module) {
+                    Some(Lora::init(spec, in_f, out_f, seed, &key, device)?)
+                } else {
+                    None
+                };
+                anyhow::Ok(Linear {
+                    name,
+                    w,
+                    b,
+                    lora,
+                    key,
+                })
             };
-            anyhow::Ok(Linear { name, w, b, lora, key })
-        };
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for l in 0..cfg.num_layers {
             let p = format!("model.layers.{l}");
@@ -199,7 +235,17 @@ impl Model {
             );
         };
         let inv_freq = rope::inv_freq(&cfg);
-        Ok(Model { cfg, embed, layers, norm, lm_head, tied, dtype, device: device.clone(), inv_freq })
+        Ok(Model {
+            cfg,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            tied,
+            dtype,
+            device: device.clone(),
+            inv_freq,
+        })
     }
 
     /// Every LoRA adapter with its module name, in layer then module order.
@@ -235,14 +281,24 @@ impl Model {
         dropout: Option<(u64, [u64; 2])>,
     ) -> Result<Ctx> {
         let (cos, sin) = rope::cos_sin(&self.inv_freq, positions, b, t, &self.device)?;
-        let mask = AttnMask { segments: segments.map(std::sync::Arc::new), window: 0 };
-        Ok(Ctx { cos, sin, mask, dropout })
+        let mask = AttnMask {
+            segments: segments.map(std::sync::Arc::new),
+            window: 0,
+        };
+        Ok(Ctx {
+            cos,
+            sin,
+            mask,
+            dropout,
+        })
     }
 
     /// ids: [B, T] u32 → hidden [B, T, C]. The embedding is frozen: no graph is built.
     pub fn embed(&self, ids: &Tensor) -> Result<Tensor> {
         let (b, t) = ids.dims2()?;
-        self.embed.index_select(&ids.flatten_all()?, 0)?.reshape((b, t, self.cfg.hidden_size))
+        self.embed
+            .index_select(&ids.flatten_all()?, 0)?
+            .reshape((b, t, self.cfg.hidden_size))
     }
 
     /// hidden [..., C] → logits [..., V] in f32 (final norm, then the frozen head).

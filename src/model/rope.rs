@@ -7,12 +7,23 @@ use candle_core::{Device, Result, Tensor};
 pub fn inv_freq(cfg: &ModelConfig) -> Vec<f32> {
     let d = cfg.head_dim;
     let base = cfg.rope_theta as f32;
-    let raw: Vec<f32> = (0..d / 2).map(|i| 1.0 / base.powf((2 * i) as f32 / d as f32)).collect();
+    let raw: Vec<f32> = (0..d / 2)
+        .map(|i| 1.0 / base.powf((2 * i) as f32 / d as f32))
+        .collect();
     match cfg.rope_scaling {
         RopeScaling::None => raw,
         RopeScaling::Linear { factor } => raw.iter().map(|f| f / factor as f32).collect(),
-        RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position } => {
-            let (factor, lo, hi) = (factor as f32, low_freq_factor as f32, high_freq_factor as f32);
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position,
+        } => {
+            let (factor, lo, hi) = (
+                factor as f32,
+                low_freq_factor as f32,
+                high_freq_factor as f32,
+            );
             let old = original_max_position as f32;
             let (low_wavelen, high_wavelen) = (old / lo, old / hi);
             raw.iter()
@@ -50,5 +61,8 @@ pub fn cos_sin(
             sin.push(a.sin());
         }
     }
-    Ok((Tensor::from_vec(cos, (b, t, half), dev)?, Tensor::from_vec(sin, (b, t, half), dev)?))
+    Ok((
+        Tensor::from_vec(cos, (b, t, half), dev)?,
+        Tensor::from_vec(sin, (b, t, half), dev)?,
+    ))
 }

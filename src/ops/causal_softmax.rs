@@ -37,7 +37,10 @@ struct CausalSoftmax {
 
 /// scores: [B, H, T, T] → probabilities of the same shape and dtype.
 pub fn causal_softmax(scores: &Tensor, scale: f64, mask: &AttnMask) -> Result<Tensor> {
-    let op = CausalSoftmax { scale: scale as f32, mask: mask.clone() };
+    let op = CausalSoftmax {
+        scale: scale as f32,
+        mask: mask.clone(),
+    };
     scores.contiguous()?.apply_op1_arc(Arc::new(Box::new(op)))
 }
 
@@ -53,7 +56,10 @@ impl CustomOp1 for CausalSoftmax {
         }
         if let Some(seg) = &self.mask.segments {
             if seg.len() != b * t {
-                candle_core::bail!("causal_softmax: {} segment ids for {b}×{t} tokens", seg.len());
+                candle_core::bail!(
+                    "causal_softmax: {} segment ids for {b}×{t} tokens",
+                    seg.len()
+                );
             }
         }
         let x = cpu_as_f32(s, l)?;

@@ -15,7 +15,10 @@ struct FrozenLinear {
 /// x: [..., in], w: [out, in], b: [out] → [..., out]. Gradients flow to `x` only.
 pub fn frozen_linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     let x = x.contiguous()?;
-    let op = FrozenLinear { w: w.contiguous()?, b: b.cloned() };
+    let op = FrozenLinear {
+        w: w.contiguous()?,
+        b: b.cloned(),
+    };
     x.apply_op1_arc(std::sync::Arc::new(Box::new(op)))
 }
 

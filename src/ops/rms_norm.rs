@@ -14,7 +14,10 @@ struct RmsNorm {
 /// x: [..., d], w: [d] → [..., d]. Gradients flow to `x` only.
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     let x = x.contiguous()?;
-    let op = RmsNorm { w: w.clone(), eps: eps as f32 };
+    let op = RmsNorm {
+        w: w.clone(),
+        eps: eps as f32,
+    };
     x.apply_op1_arc(std::sync::Arc::new(Box::new(op)))
 }
 
@@ -50,7 +53,9 @@ impl CustomOp1 for RmsNorm {
         let x = arg.to_dtype(DType::F32)?;
         let g = grad_res.to_dtype(DType::F32)?;
         let w = self.w.to_dtype(DType::F32)?;
-        let r = (x.sqr()?.mean_keepdim(D::Minus1)? + self.eps as f64)?.sqrt()?.recip()?;
+        let r = (x.sqr()?.mean_keepdim(D::Minus1)? + self.eps as f64)?
+            .sqrt()?
+            .recip()?;
         let n = x.broadcast_mul(&r)?;
         let gw = g.broadcast_mul(&w)?;
         let dot = (&gw * &n)?.mean_keepdim(D::Minus1)?;

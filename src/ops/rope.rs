@@ -15,7 +15,10 @@ struct Rope {
 /// x: [B, H, T, D]; cos, sin: [B, T, D/2] (f32, gathered at each token's position).
 pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let x = x.contiguous()?;
-    let op = Rope { cos: cos.clone(), sin: sin.clone() };
+    let op = Rope {
+        cos: cos.clone(),
+        sin: sin.clone(),
+    };
     x.apply_op1_arc(std::sync::Arc::new(Box::new(op)))
 }
 
@@ -28,11 +31,23 @@ impl CustomOp1 for Rope {
         let (b, h, t, d) = l.shape().dims4()?;
         let (cb, ct, half) = self.cos.dims3()?;
         if cb != b || ct != t || half * 2 != d {
-            candle_core::bail!("rope: x {:?} does not match cos {:?}", l.dims(), self.cos.dims());
+            candle_core::bail!(
+                "rope: x {:?} does not match cos {:?}",
+                l.dims(),
+                self.cos.dims()
+            );
         }
         let x = cpu_as_f32(s, l)?;
-        let cos = self.cos.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-        let sin = self.sin.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let cos = self
+            .cos
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        let sin = self
+            .sin
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
         let mut y = vec![0f32; x.len()];
         for bi in 0..b {
             for hi in 0..h {
@@ -52,7 +67,10 @@ impl CustomOp1 for Rope {
     }
 
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
-        let inverse = Rope { cos: self.cos.clone(), sin: self.sin.neg()? };
+        let inverse = Rope {
+            cos: self.cos.clone(),
+            sin: self.sin.neg()?,
+        };
         Ok(Some(grad_res.contiguous()?.apply_op1_no_bwd(&inverse)?))
     }
 }

@@ -12,8 +12,8 @@
 
 use super::optim::Grads;
 use crate::data::Batch;
-use crate::model::{Model, Layer, Ctx};
 use crate::model::llama::cross_entropy_sum;
+use crate::model::{Ctx, Layer, Model};
 use candle_core::{DType, Result, Tensor, Var};
 
 /// What forward leaves behind for one layer.
@@ -71,7 +71,9 @@ pub fn forward_backward(
     let ce_value = ce.to_scalar::<f32>()? as f64;
     let mut g = {
         let gs = (ce / denom)?.backward()?;
-        gs.get(hv.as_tensor()).cloned().unwrap_or(hv.as_tensor().zeros_like()?)
+        gs.get(hv.as_tensor())
+            .cloned()
+            .unwrap_or(hv.as_tensor().zeros_like()?)
     }; // dL/dh [B, T, C]
 
     // ---- backward, last layer first
@@ -97,11 +99,17 @@ pub fn forward_backward(
 }
 
 /// Adds a layer's adapter gradients (f32) into the running sums.
-fn accumulate(layer: &Layer, gs: &candle_core::backprop::GradStore, grads: &mut Grads) -> Result<()> {
+fn accumulate(
+    layer: &Layer,
+    gs: &candle_core::backprop::GradStore,
+    grads: &mut Grads,
+) -> Result<()> {
     for lin in layer.linears() {
         let Some(lora) = &lin.lora else { continue };
         for var in [&lora.a, &lora.b] {
-            let Some(g) = gs.get(var.as_tensor()) else { continue };
+            let Some(g) = gs.get(var.as_tensor()) else {
+                continue;
+            };
             let g = g.to_dtype(DType::F32)?;
             let sum = match grads.remove(&var.id()) {
                 Some(prev) => (prev + g)?,
@@ -116,6 +124,12 @@ fn accumulate(layer: &Layer, gs: &candle_core::backprop::GradStore, grads: &mut 
 /// Forward only, for logits-level checks: the model's `forward` with a batch's context.
 pub fn logits(model: &Model, batch: &Batch) -> Result<Tensor> {
     let ids = Tensor::from_slice(&batch.ids, (batch.b, batch.t), &model.device)?;
-    let ctx: Ctx = model.ctx(&batch.positions, batch.b, batch.t, batch.segments.clone(), None)?;
+    let ctx: Ctx = model.ctx(
+        &batch.positions,
+        batch.b,
+        batch.t,
+        batch.segments.clone(),
+        None,
+    )?;
     model.forward(&ids, &ctx)
 }

@@ -68,7 +68,12 @@ impl Session {
             None => None,
         };
         let spec = match &init {
-            Some((_, info)) => info.spec.clone(),
+            // The adapter's shape (r, alpha, targets, rslora) comes from its config; dropout is a
+            // training setting and comes from the recipe.
+            Some((_, info)) => LoraSpec {
+                dropout: recipe.lora.dropout as f32,
+                ..info.spec.clone()
+            },
             None => LoraSpec {
                 rank: recipe.lora.rank,
                 alpha: recipe.lora.alpha,
@@ -86,7 +91,10 @@ impl Session {
         let tok = match recipe.data.format {
             DataFormat::Text => {
                 let t = files.tokenizer.as_ref().with_context(|| {
-                    format!("data.format = \"text\" needs {}/tokenizer.json, which is missing", dir.display())
+                    format!(
+                        "data.format = \"text\" needs {}/tokenizer.json, which is missing",
+                        dir.display()
+                    )
                 })?;
                 Some(TextTokenizer::load(t, files.tokenizer_config.as_deref())?)
             }
@@ -96,7 +104,15 @@ impl Session {
         let sampler = Sampler::new(&data, &recipe.data, recipe.train.seed);
         let pad_id = model.cfg.pad_token_id.unwrap_or(0);
         let base_name = dir.to_string_lossy().into_owned();
-        Ok(Session { recipe, model, spec, data, sampler, pad_id, base_name })
+        Ok(Session {
+            recipe,
+            model,
+            spec,
+            data,
+            sampler,
+            pad_id,
+            base_name,
+        })
     }
 
     /// The steps of one epoch: steps → micro-batches → rows → example indices.
@@ -109,12 +125,15 @@ impl Session {
 
     pub fn total_steps(&self) -> usize {
         let t = &self.recipe.train;
-        t.max_steps.unwrap_or_else(|| self.epoch_plan(0).len() * t.epochs.unwrap_or(1))
+        t.max_steps
+            .unwrap_or_else(|| self.epoch_plan(0).len() * t.epochs.unwrap_or(1))
     }
 
     pub fn batch(&self, rows: &[Vec<usize>]) -> Batch {
-        let rows: Vec<Vec<&crate::data::Example>> =
-            rows.iter().map(|r| r.iter().map(|&i| &self.data.examples[i]).collect()).collect();
+        let rows: Vec<Vec<&crate::data::Example>> = rows
+            .iter()
+            .map(|r| r.iter().map(|&i| &self.data.examples[i]).collect())
+            .collect();
         Batch::from_rows(&rows, self.pad_id, self.recipe.data.pack)
     }
 
@@ -122,11 +141,15 @@ impl Session {
     pub fn train(&self, out_dir: &std::path::Path) -> Result<RunSummary> {
         let r = &self.recipe;
         let t = &r.train;
-        let params: Vec<_> =
-            self.model.adapters().flat_map(|(_, l)| [l.a.clone(), l.b.clone()]).collect();
+        let params: Vec<_> = self
+            .model
+            .adapters()
+            .flat_map(|(_, l)| [l.a.clone(), l.b.clone()])
+            .collect();
         let mut opt = AdamW::new(params, t.betas, t.eps, t.weight_decay)?;
         let total = self.total_steps();
-        std::fs::create_dir_all(out_dir).with_context(|| format!("cannot create {}", out_dir.display()))?;
+        std::fs::create_dir_all(out_dir)
+            .with_context(|| format!("cannot create {}", out_dir.display()))?;
         atomic_write(&out_dir.join("recipe.toml"), r.to_toml().as_bytes())?;
         let metrics_path = out_dir.join("metrics.jsonl");
         let mut metrics = std::fs::File::create(&metrics_path)
@@ -219,7 +242,10 @@ pub fn run(recipe: Recipe) -> Result<RunSummary> {
     let out_dir = recipe.output_dir();
     let session = Session::new(recipe)?;
     let m = &session.model;
-    let trainable: usize = m.adapters().map(|(_, l)| l.a.elem_count() + l.b.elem_count()).sum();
+    let trainable: usize = m
+        .adapters()
+        .map(|(_, l)| l.a.elem_count() + l.b.elem_count())
+        .sum();
     eprintln!(
         "model {} ({:?}, {} layers, {:.1}M params, {:?} on {:?}); LoRA r={} alpha={} on {}: {} trainable params",
         session.base_name,

@@ -19,9 +19,23 @@ pub struct AdamW {
 
 impl AdamW {
     pub fn new(params: Vec<Var>, betas: [f64; 2], eps: f64, weight_decay: f64) -> Result<Self> {
-        let m = params.iter().map(|p| p.zeros_like()).collect::<Result<Vec<_>>>()?;
-        let v = params.iter().map(|p| p.zeros_like()).collect::<Result<Vec<_>>>()?;
-        Ok(AdamW { params, m, v, t: 0, betas: (betas[0], betas[1]), eps, weight_decay })
+        let m = params
+            .iter()
+            .map(|p| p.zeros_like())
+            .collect::<Result<Vec<_>>>()?;
+        let v = params
+            .iter()
+            .map(|p| p.zeros_like())
+            .collect::<Result<Vec<_>>>()?;
+        Ok(AdamW {
+            params,
+            m,
+            v,
+            t: 0,
+            betas: (betas[0], betas[1]),
+            eps,
+            weight_decay,
+        })
     }
 
     /// One step at learning rate `lr`. Parameters without a gradient (none reached them this
@@ -32,7 +46,9 @@ impl AdamW {
         let bc1 = 1.0 - b1.powi(self.t as i32);
         let bc2_sqrt = (1.0 - b2.powi(self.t as i32)).sqrt();
         for ((p, m), v) in self.params.iter().zip(&mut self.m).zip(&mut self.v) {
-            let Some(g) = grads.get(&p.id()) else { continue };
+            let Some(g) = grads.get(&p.id()) else {
+                continue;
+            };
             // p ← p·(1 − lr·wd); m ← β1·m + (1−β1)·g; v ← β2·v + (1−β2)·g²
             let decayed = (p.as_tensor() * (1.0 - lr * self.weight_decay))?;
             *m = ((&*m * b1)? + (g * (1.0 - b1))?)?;

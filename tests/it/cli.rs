@@ -1,1 +1,256 @@
+//! The real binary: the tiny recipe end to end, and bad recipes (error text pinned, exit
+//! code 2, nothing written).
 
+use crate::common::root;
+use assert_cmd::Command;
+use std::path::Path;
+
+fn bin() -> Command {
+    Command::cargo_bin("lora-train").unwrap()
+}
+
+#[test]
+fn tiny_recipe_trains_and_writes_a_peft_adapter() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let o = bin()
+        .current_dir(root())
+        .args(["--recipe", "recipes/tiny-cpu.toml", "--set"])
+        .arg(format!("output.dir={}", out.display()))
+        .args([
+            "--set",
+            "train.max_steps=30",
+            "--set",
+            "output.save_every=20",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(stdout.starts_with("trained 30 steps"), "{stdout}");
+    assert!(stderr.contains("35 truncated to seq_len 64"), "{stderr}");
+
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("adapter_config.json")).unwrap())
+            .unwrap();
+    assert_eq!(cfg["peft_type"], "LORA");
+    assert_eq!(cfg["task_type"], "CAUSAL_LM");
+    assert_eq!(cfg["r"], 8);
+    assert_eq!(cfg["lora_alpha"], 16.0);
+    assert_eq!(cfg["target_modules"].as_array().unwrap().len(), 7);
+    let st = candle_core::safetensors::load(
+        out.join("adapter_model.safetensors"),
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    assert_eq!(st.len(), 2 * 7 * 2);
+    let a = &st["base_model.model.model.layers.1.mlp.down_proj.lora_A.weight"];
+    let b = &st["base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"];
+    assert_eq!((a.dims(), b.dims()), (&[8, 176][..], &[64, 8][..]));
+    assert_eq!(a.dtype(), candle_core::DType::F32);
+    // PEFT reads the "format" metadata.
+    let raw = std::fs::read(out.join("adapter_model.safetensors")).unwrap();
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&raw).unwrap();
+    assert_eq!(meta.metadata().as_ref().unwrap()["format"], "pt");
+    assert!(out
+        .join("checkpoint-20/adapter_model.safetensors")
+        .is_file());
+    assert!(out.join("recipe.toml").is_file());
+
+    let rows: Vec<serde_json::Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 3, "log_every = 10");
+    let loss = |i: usize| rows[i]["loss"].as_f64().unwrap();
+    assert!(loss(2) < loss(0), "loss must fall: {rows:?}");
+    for k in ["step", "lr", "grad_norm", "tok_per_s", "tokens"] {
+        assert!(rows[0].get(k).is_some(), "metrics.jsonl lacks {k}");
+    }
+}
+
+#[test]
+fn train_subcommand_and_check_resolve_the_same_recipe() {
+    let o = bin()
+        .current_dir(root())
+        .args(["check", "--recipe", "recipes/tiny-cpu.toml"])
+        .output()
+        .unwrap();
+    assert!(o.status.success());
+    let text = String::from_utf8_lossy(&o.stdout);
+    // Defaults filled in, paths resolved against the recipe's directory.
+    assert!(text.contains("eps = 0.00000001"), "{text}");
+    assert!(
+        text.starts_with("# output dir: adapters/tiny-cpu\n"),
+        "{text}"
+    );
+    assert!(
+        text.contains("path = \"recipes/assets/tiny-llama\""),
+        "{text}"
+    );
+    // Every shipped recipe parses.
+    for e in std::fs::read_dir(root().join("recipes")).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_some_and(|x| x == "toml") {
+            let o = bin()
+                .current_dir(root())
+                .arg("check")
+                .arg("--recipe")
+                .arg(&p)
+                .output()
+                .unwrap();
+            assert!(
+                o.status.success(),
+                "{}: {}",
+                p.display(),
+                String::from_utf8_lossy(&o.stderr)
+            );
+        }
+    }
+}
+
+const BASE: &str = r#"[model]
+path = "assets/tiny-llama"
+[data]
+train = "data/tiny-text.jsonl"
+seq_len = 32
+"#;
+
+/// Runs the binary on BASE + `extra` with `sets`; returns (exit code, stderr with the
+/// temporary directory written as [TMP]) and checks that no output directory appeared.
+fn bad(extra: &str, sets: &[&str]) -> (i32, String) {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    for sub in ["assets", "data"] {
+        copy_dir(&root().join("recipes").join(sub), &dir.join(sub));
+    }
+    std::fs::write(dir.join("bad.toml"), format!("{BASE}{extra}")).unwrap();
+    let mut cmd = bin();
+    cmd.current_dir(dir)
+        .args(["--recipe", "bad.toml"])
+        .args(["--set", "output.dir=out"]);
+    for s in sets {
+        cmd.args(["--set", s]);
+    }
+    let o = cmd.output().unwrap();
+    assert!(
+        !dir.join("out").exists(),
+        "a failed recipe must write nothing"
+    );
+    let err = String::from_utf8_lossy(&o.stderr).replace(&dir.display().to_string(), "[TMP]");
+    (o.status.code().unwrap_or(-1), err)
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        if e.path().is_dir() {
+            copy_dir(&e.path(), &to.join(e.file_name()));
+        } else {
+            std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+        }
+    }
+}
+
+#[test]
+fn bad_recipes_exit_2_with_the_file_the_key_and_the_fix() {
+    let cases: &[(&str, &[&str], &str)] = &[
+        (
+            "[lora]\nrnak = 8\n",
+            &[],
+            "error: recipe bad.toml: TOML parse error at line 7, column 1
+  |
+7 | rnak = 8
+  | ^^^^
+unknown field `rnak`, expected one of `rank`, `alpha`, `dropout`, `targets`, `rslora`, `init_adapter`
+",
+        ),
+        (
+            "[lora]\nrank = \"eight\"\n",
+            &[],
+            "error: recipe bad.toml: TOML parse error at line 7, column 8
+  |
+7 | rank = \"eight\"
+  |        ^^^^^^^
+invalid type: string \"eight\", expected usize
+",
+        ),
+        ("[lora]\nrank = 0\n", &[], "error: recipe bad.toml: `lora.rank` must be at least 1\n"),
+        (
+            "",
+            &["data.seq_len=0"],
+            "error: recipe bad.toml: `data.seq_len` must be at least 2 (a token and the next one to predict)\n",
+        ),
+        (
+            "",
+            &["model.dtype=fp32"],
+            "error: recipe bad.toml: with --set output.dir=out --set model.dtype=fp32: unknown variant `fp32`, expected one of `f32`, `bf16`, `f16`
+  at: [model] dtype = \"fp32\"
+",
+        ),
+        (
+            "[lora]\ntargets = [\"q_proj\", \"qkv\"]\n",
+            &[],
+            "error: recipe bad.toml: `lora.targets` has unknown module \"qkv\"; allowed: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, or \"all-linear\"\n",
+        ),
+        ("", &["train.lr"], "error: --set train.lr: expected section.key=value\n"),
+        ("", &["data.train=nope.jsonl"], "error: recipe bad.toml: `data.train` file nope.jsonl does not exist\n"),
+        (
+            "[parallel]\nstrategy = \"single\"\ndevices = [0, 1, 0]\n",
+            &[],
+            "error: recipe bad.toml: `parallel.devices` lists device 0 twice\n",
+        ),
+        (
+            "",
+            &["model.device=cuda"],
+            "error: recipe bad.toml: `model.device` = \"cuda\", but this binary was built without CUDA: rebuild with `cargo build --release --features cuda`\n",
+        ),
+        (
+            "[train]\nbetas = [0.9, 1.5]\n",
+            &[],
+            "error: recipe bad.toml: `train.betas` both betas must be in [0, 1)\n",
+        ),
+    ];
+    for (extra, sets, want) in cases {
+        let (code, err) = bad(extra, sets);
+        assert_eq!(err, *want, "recipe extra {extra:?} sets {sets:?}");
+        assert_eq!(code, 2, "{err}");
+    }
+}
+
+#[test]
+fn bad_data_names_the_file_and_line_and_exits_1() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("rows.jsonl");
+    std::fs::write(
+        &data,
+        "{\"input_ids\": [1, 2, 3]}\n\n{\"input_ids\": [1, \"x\"]}\n",
+    )
+    .unwrap();
+    let o = bin()
+        .current_dir(root())
+        .args([
+            "--recipe",
+            "recipes/tiny-cpu.toml",
+            "--set",
+            "data.format=tokens",
+            "--set",
+        ])
+        .arg(format!("data.train={}", data.display()))
+        .arg("--set")
+        .arg(format!("output.dir={}", tmp.path().join("out").display()))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(&format!(
+            "{}:3: \"input_ids\" must hold non-negative integers",
+            data.display()
+        )),
+        "{err}"
+    );
+}

@@ -19,8 +19,20 @@ pub fn load_st(path: &Path) -> HashMap<String, Tensor> {
 /// for entries that are near zero), with the worst offender in the message.
 pub fn assert_close(what: &str, got: &Tensor, want: &Tensor, rtol: f64, atol: f64) {
     assert_eq!(got.dims(), want.dims(), "{what}: shape");
-    let g: Vec<f32> = got.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap();
-    let w: Vec<f32> = want.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    let g: Vec<f32> = got
+        .to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let w: Vec<f32> = want
+        .to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
     let scale = w.iter().fold(0f64, |m, v| m.max(v.abs() as f64));
     let mut worst = (0usize, 0f64);
     for (i, (a, b)) in g.iter().zip(&w).enumerate() {

@@ -20,36 +20,66 @@ fn check_case(case: &str) {
     // Batch 0 = rows 0 and 1 of train.jsonl, as the reference's first forward.
     let batch = s.batch(&[vec![0], vec![1]]);
     let logits = driver::logits(&s.model, &batch).unwrap();
-    assert_close(&format!("{case} logits"), &logits, &want["logits"], RTOL, ATOL);
+    assert_close(
+        &format!("{case} logits"),
+        &logits,
+        &want["logits"],
+        RTOL,
+        ATOL,
+    );
 
     let mut grads = Grads::new();
     let n = batch.n_targets() as f64;
     let ce = driver::forward_backward(&s.model, &batch, n, false, None, &mut grads).unwrap();
     let loss = want["loss"].to_vec1::<f32>().unwrap()[0] as f64;
-    assert!(((ce / n) - loss).abs() <= RTOL * loss.abs(), "{case} loss {} vs {loss}", ce / n);
+    assert!(
+        ((ce / n) - loss).abs() <= RTOL * loss.abs(),
+        "{case} loss {} vs {loss}",
+        ce / n
+    );
     let mut checked = 0;
     for (module, lora) in s.model.adapters() {
         for (w, var) in [('A', &lora.a), ('B', &lora.b)] {
             let key = peft_key(module, w);
-            let g = grads.get(&var.id()).unwrap_or_else(|| panic!("{case}: no grad for {key}"));
-            assert_close(&format!("{case} grad {key}"), g, &want[&format!("grad.{key}")], RTOL, ATOL);
+            let g = grads
+                .get(&var.id())
+                .unwrap_or_else(|| panic!("{case}: no grad for {key}"));
+            assert_close(
+                &format!("{case} grad {key}"),
+                g,
+                &want[&format!("grad.{key}")],
+                RTOL,
+                ATOL,
+            );
             checked += 1;
         }
     }
     let expected = want.keys().filter(|k| k.starts_with("grad.")).count();
-    assert_eq!(checked, expected, "{case}: every PEFT parameter has a gradient");
+    assert_eq!(
+        checked, expected,
+        "{case}: every PEFT parameter has a gradient"
+    );
 
     // 4 AdamW steps over train.jsonl in file order, then the saved adapter.
     let summary = s.train(&out).unwrap();
     let losses = want["train_losses"].to_vec1::<f32>().unwrap();
     assert_eq!(summary.losses.len(), losses.len());
     for (i, (a, b)) in summary.losses.iter().zip(&losses).enumerate() {
-        assert!((a - *b as f64).abs() <= RTOL * (*b as f64).abs(), "{case} step {i} loss {a} vs {b}");
+        assert!(
+            (a - *b as f64).abs() <= RTOL * (*b as f64).abs(),
+            "{case} step {i} loss {a} vs {b}"
+        );
     }
     let saved = load_st(&out.join("adapter_model.safetensors"));
     assert_eq!(saved.len(), expected);
     for (key, t) in &saved {
-        assert_close(&format!("{case} trained {key}"), t, &want[&format!("after.{key}")], RTOL, ATOL);
+        assert_close(
+            &format!("{case} trained {key}"),
+            t,
+            &want[&format!("after.{key}")],
+            RTOL,
+            ATOL,
+        );
     }
 }
 

@@ -1,1 +1,217 @@
+//! Properties of the training step that must hold exactly, whatever the model: the frozen base
+//! never gets a gradient; accumulation equals a bigger batch; checkpointing changes memory,
+//! not numbers; packing changes layout, not the loss.
 
+use crate::common::*;
+use candle_core::{Tensor, Var};
+use lora_train::data::{Batch, Example};
+use lora_train::train::{driver, optim::Grads, Session};
+
+fn session(case: &str, sets: &[&str]) -> (tempfile::TempDir, Session) {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let r = recipe(tmp.path(), &golden_recipe(case, &out), sets);
+    let s = Session::new(r).unwrap();
+    (tmp, s)
+}
+
+#[test]
+fn frozen_base_gets_no_gradient_entry() {
+    for case in ["llama_gqa", "qwen2_bias", "llama_mha_tied_rope3"] {
+        let (_t, s) = session(case, &[]);
+        let batch = s.batch(&[vec![0], vec![1]]);
+        let ids = Tensor::from_slice(&batch.ids, (batch.b, batch.t), &s.model.device).unwrap();
+        let ctx = s
+            .model
+            .ctx(&batch.positions, batch.b, batch.t, None, None)
+            .unwrap();
+        // The whole model in one graph, the embedding output made a leaf so that everything
+        // downstream of it is differentiated.
+        let x = Var::from_tensor(&s.model.embed(&ids).unwrap()).unwrap();
+        let mut h = x.as_tensor().clone();
+        for layer in &s.model.layers {
+            h = layer.forward(&h, &ctx).unwrap();
+        }
+        let loss = s.model.head(&h).unwrap().sqr().unwrap().mean_all().unwrap();
+        let grads = loss.backward().unwrap();
+        let base = s.model.base_tensors();
+        assert!(base.len() > 10);
+        for t in base {
+            assert!(
+                grads.get(t).is_none(),
+                "{case}: a frozen tensor {:?} got a gradient",
+                t.dims()
+            );
+        }
+        for (name, lora) in s.model.adapters() {
+            assert!(
+                grads.get(lora.a.as_tensor()).is_some(),
+                "{case}: {name} lora_A has no gradient"
+            );
+            assert!(
+                grads.get(lora.b.as_tensor()).is_some(),
+                "{case}: {name} lora_B has no gradient"
+            );
+        }
+        assert!(grads.get(x.as_tensor()).is_some());
+    }
+}
+
+fn adapter_after(case: &str, sets: &[&str]) -> std::collections::HashMap<String, Tensor> {
+    let (tmp, s) = session(case, sets);
+    let out = tmp.path().join("out");
+    s.train(&out).unwrap();
+    load_st(&out.join("adapter_model.safetensors"))
+}
+
+#[test]
+fn two_micro_batches_of_two_equal_one_batch_of_four() {
+    let (_t, s) = session("llama_gqa", &[]);
+    // Rows 0-3 of train.jsonl count 9, 11, 3 and 7 tokens: uneven on purpose.
+    let n: Vec<usize> = (0..4).map(|i| s.batch(&[vec![i]]).n_targets()).collect();
+    assert!(
+        n[0] + n[1] != n[2] + n[3],
+        "test data must be uneven: {n:?}"
+    );
+    let total = n.iter().sum::<usize>() as f64;
+    let big = s.batch(&[vec![0], vec![1], vec![2], vec![3]]);
+    let mut g_big = Grads::new();
+    let ce_big = driver::forward_backward(&s.model, &big, total, false, None, &mut g_big).unwrap();
+    let mut g_acc = Grads::new();
+    let mut ce_acc = 0.0;
+    for rows in [[0, 1], [2, 3]] {
+        let b = s.batch(&[vec![rows[0]], vec![rows[1]]]);
+        ce_acc += driver::forward_backward(&s.model, &b, total, false, None, &mut g_acc).unwrap();
+    }
+    assert!(
+        (ce_big - ce_acc).abs() <= 1e-5 * ce_big,
+        "{ce_big} vs {ce_acc}"
+    );
+    assert_eq!(g_big.len(), g_acc.len());
+    for (id, g) in &g_big {
+        assert_close("accumulated grad", &g_acc[id], g, 1e-5, 1e-7);
+    }
+
+    // End to end through the recipe: the same two AdamW steps either way.
+    let base = ["train.max_steps=2", "train.max_grad_norm=0"];
+    let accum = adapter_after(
+        "llama_gqa",
+        &[
+            base[0],
+            base[1],
+            "train.micro_batch=2",
+            "train.grad_accum=2",
+        ],
+    );
+    let big = adapter_after(
+        "llama_gqa",
+        &[
+            base[0],
+            base[1],
+            "train.micro_batch=4",
+            "train.grad_accum=1",
+        ],
+    );
+    let ones = adapter_after(
+        "llama_gqa",
+        &[
+            base[0],
+            base[1],
+            "train.micro_batch=1",
+            "train.grad_accum=4",
+        ],
+    );
+    assert_eq!(accum.len(), big.len());
+    for (k, t) in &big {
+        assert_close(&format!("2x2 vs 4x1 {k}"), &accum[k], t, 1e-4, 1e-6);
+        assert_close(&format!("1x4 vs 4x1 {k}"), &ones[k], t, 1e-4, 1e-6);
+    }
+}
+
+fn grads_of(
+    s: &Session,
+    batch: &Batch,
+    ckpt: bool,
+    dropout: Option<(u64, [u64; 2])>,
+) -> (f64, Grads) {
+    let mut g = Grads::new();
+    let ce = driver::forward_backward(&s.model, batch, 10.0, ckpt, dropout, &mut g).unwrap();
+    (ce, g)
+}
+
+#[test]
+fn activation_checkpointing_gives_identical_gradients_even_with_dropout() {
+    let (_t, s) = session("llama_gqa", &["lora.dropout=0.3"]);
+    assert_eq!(
+        s.spec.dropout, 0.3,
+        "the recipe's dropout applies to an init adapter"
+    );
+    let batch = s.batch(&[vec![0], vec![1]]);
+    let key = Some((7, [3, 1]));
+    let (ce_a, a) = grads_of(&s, &batch, false, key);
+    let (ce_b, b) = grads_of(&s, &batch, true, key);
+    assert_eq!(ce_a, ce_b);
+    let (_, c) = grads_of(&s, &batch, false, Some((7, [4, 1])));
+    let mut differs = false;
+    for (id, ga) in &a {
+        assert_close("checkpointed grad", &b[id], ga, 1e-6, 1e-7);
+        let d = (ga - &c[id])
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        differs |= d > 1e-6;
+    }
+    assert!(differs, "another dropout key must give other gradients");
+}
+
+#[test]
+fn packed_loss_and_gradients_equal_unpacked() {
+    let (_t, s) = session("mistral_head_dim", &[]);
+    let ex: Vec<&Example> = (2..6).map(|i| &s.data.examples[i]).collect();
+    let unpacked = Batch::from_rows(
+        &[vec![ex[0]], vec![ex[1]], vec![ex[2]], vec![ex[3]]],
+        0,
+        false,
+    );
+    let packed = Batch::from_rows(&[vec![ex[0], ex[1]], vec![ex[2], ex[3]]], 0, true);
+    assert_eq!(unpacked.n_targets(), packed.n_targets());
+    let (ce_u, gu) = grads_of(&s, &unpacked, false, None);
+    let (ce_p, gp) = grads_of(&s, &packed, false, None);
+    assert!(
+        (ce_u - ce_p).abs() <= 1e-5 * ce_u.abs(),
+        "packed {ce_p} vs unpacked {ce_u}"
+    );
+    for (id, g) in &gu {
+        assert_close("packed grad", &gp[id], g, 1e-5, 1e-6);
+    }
+    // Without the block-diagonal mask the packed loss would differ.
+    let leaky = Batch {
+        segments: None,
+        ..packed.clone()
+    };
+    let (ce_l, _) = grads_of(&s, &leaky, false, None);
+    assert!(
+        (ce_u - ce_l).abs() > 1e-4 * ce_u.abs(),
+        "cross-example attention must change the loss"
+    );
+}
+
+#[test]
+fn init_adapter_round_trips_through_our_writer() {
+    // Save the PEFT init adapter with our writer, read it back as init_adapter: same numbers.
+    let (tmp, s) = session("qwen2_bias", &[]);
+    let dir = tmp.path().join("copy");
+    lora_train::export::save_adapter(&dir, &s.model, &s.spec, "base").unwrap();
+    let ours = load_st(&dir.join("adapter_model.safetensors"));
+    let theirs = load_st(&golden_dir("qwen2_bias").join("init_adapter/adapter_model.safetensors"));
+    assert_eq!(ours.len(), theirs.len());
+    for (k, t) in &theirs {
+        assert_close(k, &ours[k], t, 0.0, 0.0);
+    }
+    let info = lora_train::export::read_adapter_config(&dir).unwrap();
+    assert_eq!(info.spec, s.spec);
+}
