@@ -2,10 +2,12 @@
 //!
 //! Data path, one module each: recipe → hub → model → lora → data → train → export.
 
+pub mod bench;
 pub mod data;
 pub mod export;
 pub mod hub;
 pub mod lora;
+pub mod memory;
 pub mod model;
 pub mod ops;
 pub mod recipe;

@@ -76,22 +76,6 @@ impl Lora {
             dropout: spec.dropout,
         })
     }
-
-    /// x: [m, in] → scale · dropout(x) Aᵀ Bᵀ: [m, out], in x's dtype.
-    /// `mask_key` seeds the dropout mask; the same key gives the same mask, which is what
-    /// lets activation checkpointing recompute a layer exactly.
-    pub fn forward(&self, x: &Tensor, mask_key: Option<(u64, &[u64])>) -> Result<Tensor> {
-        let x = match mask_key {
-            Some((seed, key)) if self.dropout > 0.0 => {
-                let mask = dropout_mask(x.dims(), self.dropout, seed, key, x.device())?;
-                x.broadcast_mul(&mask.to_dtype(x.dtype())?)?
-            }
-            _ => x.clone(),
-        };
-        let a = self.a.as_tensor().to_dtype(x.dtype())?;
-        let b = self.b.as_tensor().to_dtype(x.dtype())?;
-        x.matmul(&a.t()?)?.matmul(&b.t()?)? * self.scale
-    }
 }
 
 /// Inverted-dropout mask: each entry 0 with probability p, else 1/(1−p).

@@ -23,6 +23,47 @@ enum Command {
     Train(TrainArgs),
     /// Parse and check a recipe, print it resolved with every default, and exit.
     Check(TrainArgs),
+    /// Time training steps on random weights of a named shape (no download); prints JSON with
+    /// the fields of shared/bench/peft_baseline.py.
+    Bench(BenchCli),
+}
+
+#[derive(Args, Clone)]
+struct BenchCli {
+    /// tiny | llama2-7b | llama2-13b | llama3-8b
+    #[arg(long, default_value = "llama2-7b")]
+    shape: String,
+    #[arg(long, default_value_t = 2048)]
+    seq: usize,
+    #[arg(long, default_value_t = 2)]
+    micro_batch: usize,
+    #[arg(long, default_value_t = 16)]
+    rank: usize,
+    /// Default: 2 × rank.
+    #[arg(long)]
+    alpha: Option<f64>,
+    /// qv | attn | all
+    #[arg(long, default_value = "all")]
+    targets: String,
+    /// Activation checkpointing.
+    #[arg(long)]
+    ckpt: bool,
+    #[arg(long, default_value_t = 10)]
+    steps: usize,
+    #[arg(long, default_value_t = 3)]
+    warmup: usize,
+    /// cpu | cuda (default: cuda in a CUDA build)
+    #[arg(long)]
+    device: Option<String>,
+    /// CUDA ordinal.
+    #[arg(long, default_value_t = 0)]
+    gpu: usize,
+    /// Dense bf16 matmul ceiling for MFU (790 measured on the H200 here).
+    #[arg(long, default_value_t = 790.0)]
+    peak_tflops: f64,
+    /// Also append the JSON line to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
 }
 
 #[derive(Args, Clone)]
@@ -38,12 +79,13 @@ struct TrainArgs {
 /// Exit codes: 0 done, 1 the run failed, 2 the recipe or the command line is wrong.
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let (cmd, args) = match cli.command {
-        Some(Command::Train(a)) => ("train", a),
-        Some(Command::Check(a)) => ("check", a),
-        None => ("train", cli.train),
+    let res = match cli.command {
+        Some(Command::Train(a)) => run("train", a),
+        Some(Command::Check(a)) => run("check", a),
+        Some(Command::Bench(b)) => bench(b),
+        None => run("train", cli.train),
     };
-    match run(cmd, args) {
+    match res {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
@@ -54,6 +96,42 @@ fn main() -> ExitCode {
             }
         }
     }
+}
+
+fn bench(b: BenchCli) -> anyhow::Result<()> {
+    let device = match b.device.as_deref().unwrap_or(if cfg!(feature = "cuda") {
+        "cuda"
+    } else {
+        "cpu"
+    }) {
+        "cpu" => candle_core::Device::Cpu,
+        "cuda" => candle_core::Device::new_cuda(b.gpu)?,
+        other => anyhow::bail!("--device {other}: expected cpu or cuda"),
+    };
+    let args = lora_train::bench::BenchArgs {
+        shape: b.shape,
+        seq: b.seq,
+        micro_batch: b.micro_batch,
+        rank: b.rank,
+        alpha: b.alpha,
+        targets: b.targets,
+        ckpt: b.ckpt,
+        steps: b.steps,
+        warmup: b.warmup,
+        device,
+        peak_tflops: b.peak_tflops,
+    };
+    let res = lora_train::bench::run(&args)?;
+    println!("{res}");
+    if let Some(p) = b.json {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&p)?;
+        writeln!(f, "{res}")?;
+    }
+    Ok(())
 }
 
 fn run(cmd: &str, args: TrainArgs) -> anyhow::Result<()> {

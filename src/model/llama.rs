@@ -16,6 +16,8 @@ pub struct Ctx {
     pub cos: Tensor, // [B, T, D/2] f32
     pub sin: Tensor, // [B, T, D/2] f32
     pub mask: AttnMask,
+    /// Queries per attention block (None: sized to the batch).
+    pub attn_block: Option<usize>,
     /// Dropout stream key (seed, [step, micro-batch]); None = eval (no dropout).
     pub dropout: Option<(u64, [u64; 2])>,
 }
@@ -34,18 +36,30 @@ pub struct Linear {
 impl Linear {
     /// x: [B, T, in] → [B, T, out]
     pub fn forward(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
-        let y = ops::frozen_linear(x, &self.w, self.b.as_ref())?;
-        let Some(lora) = &self.lora else { return Ok(y) };
-        let (b, t, in_f) = x.dims3()?;
-        let key = ctx
-            .dropout
-            .map(|(seed, [step, micro])| (seed, [step, micro, self.key[0], self.key[1]]));
-        let l = lora.forward(
-            &x.reshape((b * t, in_f))?,
-            key.as_ref().map(|(s, k)| (*s, &k[..])),
-        )?;
-        let l = l.reshape(y.shape())?;
-        y + l
+        let Some(lora) = &self.lora else {
+            return ops::frozen_linear(x, &self.w, self.b.as_ref());
+        };
+        // Dropout on the adapter input, keyed by (step, micro-batch, layer, module) so that
+        // a recomputed layer draws the same mask.
+        let mask = match ctx.dropout {
+            Some((seed, [step, micro])) if lora.dropout > 0.0 => Some(crate::lora::dropout_mask(
+                x.dims(),
+                lora.dropout,
+                seed,
+                &[step, micro, self.key[0], self.key[1]],
+                x.device(),
+            )?),
+            _ => None,
+        };
+        ops::lora_linear(
+            x,
+            &self.w,
+            self.b.as_ref(),
+            lora.a.as_tensor(),
+            lora.b.as_tensor(),
+            lora.scale,
+            mask,
+        )
     }
 
     pub fn out_features(&self) -> usize {
@@ -94,13 +108,12 @@ impl Layer {
         let q = ops::rope(&q, &ctx.cos, &ctx.sin)?;
         let kk = ops::rope(&kk, &ctx.cos, &ctx.sin)?;
         let (kk, v) = (repeat_kv(&kk, h / k)?, repeat_kv(&v.contiguous()?, h / k)?); // [B, H, T, D]
-        let scores = q.matmul(&kk.t()?)?; // [B, H, T, T]
         let mask = AttnMask {
             window: self.window,
             ..ctx.mask.clone()
         };
-        let p = ops::causal_softmax(&scores, 1.0 / (d as f64).sqrt(), &mask)?;
-        let attn = p.matmul(&v)?.transpose(1, 2)?.reshape((b, t, h * d))?; // [B, T, H·D]
+        let o = ops::attention(&q, &kk, &v, &mask, 1.0 / (d as f64).sqrt(), ctx.attn_block)?;
+        let attn = o.transpose(1, 2)?.reshape((b, t, h * d))?; // [B, T, H·D]
         let x = (x + self.o.forward(&attn, ctx)?)?;
         let hn = ops::rms_norm(&x, &self.post_norm, self.eps)?;
         let g = candle_nn::ops::silu(&self.gate.forward(&hn, ctx)?)?; // [B, T, I]
@@ -173,6 +186,53 @@ impl Model {
             }
             Ok(t.to_dtype(dtype)?.to_device(device)?)
         };
+        let has_head = names.contains("lm_head.weight");
+        let tied = cfg.tie_word_embeddings.unwrap_or(!has_head);
+        if !tied && !has_head {
+            bail!(
+                "config.json in {} says tie_word_embeddings = false but the weights have no lm_head.weight",
+                files.dir.display()
+            );
+        }
+        Self::build(cfg, &get, tied, dtype, device, spec, seed)
+    }
+
+    /// Random weights of a given shape made on the device (benchmarks; no download): linear
+    /// and embedding weights N(0, 0.02), norms 1, as transformers initialises a fresh model.
+    pub fn random(
+        cfg: ModelConfig,
+        dtype: DType,
+        device: &Device,
+        spec: &LoraSpec,
+        seed: u64,
+    ) -> anyhow::Result<Model> {
+        if !device.is_cpu() {
+            device.set_seed(seed)?;
+        }
+        let get = |name: &str, shape: &[usize]| -> anyhow::Result<Tensor> {
+            let t = if name.ends_with("norm.weight") {
+                Tensor::ones(shape, DType::F32, device)?
+            } else if name.ends_with(".bias") {
+                Tensor::zeros(shape, DType::F32, device)?
+            } else {
+                Tensor::randn(0f32, 0.02, shape, device)?
+            };
+            Ok(t.to_dtype(dtype)?)
+        };
+        let tied = cfg.tie_word_embeddings.unwrap_or(false);
+        Self::build(cfg, &get, tied, dtype, device, spec, seed)
+    }
+
+    /// Assembles the model from a source of named base tensors (HF names and shapes).
+    fn build(
+        cfg: ModelConfig,
+        get: &dyn Fn(&str, &[usize]) -> anyhow::Result<Tensor>,
+        tied: bool,
+        dtype: DType,
+        device: &Device,
+        spec: &LoraSpec,
+        seed: u64,
+    ) -> anyhow::Result<Model> {
         let (c, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
         let (h, k, d) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
         let linear =
@@ -221,18 +281,10 @@ impl Model {
         }
         let embed = get("model.embed_tokens.weight", &[v, c])?;
         let norm = get("model.norm.weight", &[c])?;
-        // Tied unless the config says untied; an untied head must be in the weights.
-        let has_head = names.contains("lm_head.weight");
-        let tied = cfg.tie_word_embeddings.unwrap_or(!has_head);
         let lm_head = if tied {
             embed.clone()
-        } else if has_head {
-            get("lm_head.weight", &[v, c])?
         } else {
-            bail!(
-                "config.json in {} says tie_word_embeddings = false but the weights have no lm_head.weight",
-                files.dir.display()
-            );
+            get("lm_head.weight", &[v, c])?
         };
         let inv_freq = rope::inv_freq(&cfg);
         Ok(Model {
@@ -281,14 +333,18 @@ impl Model {
         dropout: Option<(u64, [u64; 2])>,
     ) -> Result<Ctx> {
         let (cos, sin) = rope::cos_sin(&self.inv_freq, positions, b, t, &self.device)?;
+        let segments = segments
+            .map(|s| Tensor::from_vec(s, b * t, &self.device))
+            .transpose()?;
         let mask = AttnMask {
-            segments: segments.map(std::sync::Arc::new),
+            segments,
             window: 0,
         };
         Ok(Ctx {
             cos,
             sin,
             mask,
+            attn_block: None,
             dropout,
         })
     }

@@ -8,13 +8,18 @@
 //! Forward passes have CPU implementations here; CUDA kernels are added with the `cuda`
 //! feature. Backward passes are written with tensor ops and so run on any device.
 
-pub mod causal_softmax;
+pub mod attach;
+pub mod attention;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod frozen_linear;
+pub mod lora_linear;
 pub mod rms_norm;
 pub mod rope;
 
-pub use causal_softmax::{causal_softmax, AttnMask};
+pub use attention::{attention, AttnMask};
 pub use frozen_linear::frozen_linear;
+pub use lora_linear::lora_linear;
 pub use rms_norm::rms_norm;
 pub use rope::rope;
 

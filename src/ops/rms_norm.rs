@@ -46,6 +46,22 @@ impl CustomOp1 for RmsNorm {
         Ok((cpu_from_f32(y, s)?, l.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (ws, wl) = self.w.storage_and_layout();
+        let candle_core::Storage::Cuda(w) = &*ws else {
+            candle_core::bail!("rms_norm: weight is not on the GPU")
+        };
+        Ok((
+            super::cuda::rms_norm(s, l, w, wl, self.eps)?,
+            l.shape().clone(),
+        ))
+    }
+
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
         // With r = rsqrt(mean(x²)+eps), n = x·r, y = n·w:
         //   dx = r · (g·w − n · mean(g·w·n))

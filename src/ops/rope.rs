@@ -66,6 +66,20 @@ impl CustomOp1 for Rope {
         Ok((cpu_from_f32(y, s)?, l.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (cs, cl) = self.cos.storage_and_layout();
+        let (ss, sl) = self.sin.storage_and_layout();
+        let (candle_core::Storage::Cuda(c), candle_core::Storage::Cuda(sn)) = (&*cs, &*ss) else {
+            candle_core::bail!("rope: cos/sin are not on the GPU")
+        };
+        Ok((super::cuda::rope(s, l, c, cl, sn, sl)?, l.shape().clone()))
+    }
+
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
         let inverse = Rope {
             cos: self.cos.clone(),

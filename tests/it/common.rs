@@ -3,8 +3,50 @@ use lora_train::recipe::Recipe;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+/// The repository root: the build's, or LORA_TRAIN_ROOT when the test binary was built on
+/// another machine (the GPU runs carry a prebuilt test binary to the device).
 pub fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    std::env::var_os("LORA_TRAIN_ROOT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
+}
+
+/// ‖got − want‖₂ / ‖want‖₂ ≤ tol: for bf16 runs, where elementwise bounds are meaningless.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub fn assert_rel_l2(what: &str, got: &Tensor, want: &Tensor, tol: f64) {
+    assert_eq!(got.dims(), want.dims(), "{what}: shape");
+    let g = got
+        .to_dtype(DType::F32)
+        .unwrap()
+        .to_device(&Device::Cpu)
+        .unwrap();
+    let w = want
+        .to_dtype(DType::F32)
+        .unwrap()
+        .to_device(&Device::Cpu)
+        .unwrap();
+    let num = (&g - &w)
+        .unwrap()
+        .sqr()
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+        .sqrt();
+    let den = w
+        .sqr()
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+        .sqrt();
+    let rel = num as f64 / (den as f64).max(1e-30);
+    assert!(
+        rel <= tol,
+        "{what}: relative L2 error {rel:.3e} > {tol:.1e}"
+    );
 }
 
 pub fn golden_dir(case: &str) -> PathBuf {

@@ -10,30 +10,53 @@ const RTOL: f64 = 1e-4;
 /// Absolute slack for entries near zero, as a fraction of the tensor's largest entry.
 const ATOL: f64 = 1e-6;
 
+/// How closely a run must match: elementwise for f32, relative L2 for bf16.
+#[derive(Clone, Copy)]
+pub enum Tol {
+    F32,
+    /// Used by the CUDA goldens.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    Bf16,
+}
+
+impl Tol {
+    fn check(self, what: &str, got: &candle_core::Tensor, want: &candle_core::Tensor) {
+        match self {
+            Tol::F32 => assert_close(what, got, want, RTOL, ATOL),
+            Tol::Bf16 => assert_rel_l2(what, got, want, 5e-2),
+        }
+    }
+    fn scalar(self) -> f64 {
+        match self {
+            Tol::F32 => RTOL,
+            Tol::Bf16 => 2e-2,
+        }
+    }
+}
+
 fn check_case(case: &str) {
+    check_case_on(case, &[], Tol::F32)
+}
+
+/// The golden checks with extra recipe settings (e.g. the device and dtype).
+pub fn check_case_on(case: &str, sets: &[&str], tol: Tol) {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("out");
-    let r = recipe(tmp.path(), &golden_recipe(case, &out), &[]);
+    let r = recipe(tmp.path(), &golden_recipe(case, &out), sets);
     let s = Session::new(r).unwrap();
     let want = load_st(&golden_dir(case).join("golden.safetensors"));
 
     // Batch 0 = rows 0 and 1 of train.jsonl, as the reference's first forward.
     let batch = s.batch(&[vec![0], vec![1]]);
     let logits = driver::logits(&s.model, &batch).unwrap();
-    assert_close(
-        &format!("{case} logits"),
-        &logits,
-        &want["logits"],
-        RTOL,
-        ATOL,
-    );
+    tol.check(&format!("{case} logits"), &logits, &want["logits"]);
 
     let mut grads = Grads::new();
     let n = batch.n_targets() as f64;
     let ce = driver::forward_backward(&s.model, &batch, n, false, None, &mut grads).unwrap();
     let loss = want["loss"].to_vec1::<f32>().unwrap()[0] as f64;
     assert!(
-        ((ce / n) - loss).abs() <= RTOL * loss.abs(),
+        ((ce / n) - loss).abs() <= tol.scalar() * loss.abs(),
         "{case} loss {} vs {loss}",
         ce / n
     );
@@ -44,12 +67,10 @@ fn check_case(case: &str) {
             let g = grads
                 .get(&var.id())
                 .unwrap_or_else(|| panic!("{case}: no grad for {key}"));
-            assert_close(
+            tol.check(
                 &format!("{case} grad {key}"),
                 g,
                 &want[&format!("grad.{key}")],
-                RTOL,
-                ATOL,
             );
             checked += 1;
         }
@@ -66,19 +87,17 @@ fn check_case(case: &str) {
     assert_eq!(summary.losses.len(), losses.len());
     for (i, (a, b)) in summary.losses.iter().zip(&losses).enumerate() {
         assert!(
-            (a - *b as f64).abs() <= RTOL * (*b as f64).abs(),
+            (a - *b as f64).abs() <= tol.scalar() * (*b as f64).abs(),
             "{case} step {i} loss {a} vs {b}"
         );
     }
     let saved = load_st(&out.join("adapter_model.safetensors"));
     assert_eq!(saved.len(), expected);
     for (key, t) in &saved {
-        assert_close(
+        tol.check(
             &format!("{case} trained {key}"),
             t,
             &want[&format!("after.{key}")],
-            RTOL,
-            ATOL,
         );
     }
 }
@@ -106,4 +125,20 @@ fn golden_mistral_explicit_head_dim() {
 #[test]
 fn golden_shipped_tiny_model() {
     check_case("tiny_shipped");
+}
+
+/// The same golden checks on the GPU: f32 at rtol 1e-4, bf16 at a bf16 tolerance.
+#[cfg(feature = "cuda")]
+#[test]
+fn golden_on_cuda_f32_and_bf16() {
+    for case in [
+        "llama_gqa",
+        "llama_mha_tied_rope3",
+        "qwen2_bias",
+        "mistral_head_dim",
+        "tiny_shipped",
+    ] {
+        check_case_on(case, &["model.device=cuda", "model.dtype=f32"], Tol::F32);
+        check_case_on(case, &["model.device=cuda", "model.dtype=bf16"], Tol::Bf16);
+    }
 }

@@ -5,3 +5,4 @@ mod cli;
 mod common;
 mod golden;
 mod invariants;
+mod ops;

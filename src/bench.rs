@@ -1,0 +1,183 @@
+//! `lora-train bench`: training-step throughput and peak memory on random weights of a named
+//! shape, measured like ../shared/bench/peft_baseline.py (same shapes, same FLOP count, same
+//! JSON fields) so the two can run in one device call and be compared as ratios.
+
+use crate::data::Batch;
+use crate::lora::{LoraSpec, ALL_LINEAR};
+use crate::memory::{self, GIB};
+use crate::model::{Family, Model, ModelConfig, RopeScaling};
+use crate::train::{driver, optim};
+use anyhow::{bail, Result};
+use candle_core::{DType, Device};
+use std::time::Instant;
+
+#[derive(Debug, Clone)]
+pub struct BenchArgs {
+    pub shape: String,
+    pub seq: usize,
+    pub micro_batch: usize,
+    pub rank: usize,
+    pub alpha: Option<f64>,
+    pub targets: String,
+    pub ckpt: bool,
+    pub steps: usize,
+    pub warmup: usize,
+    pub device: Device,
+    pub peak_tflops: f64,
+}
+
+/// (hidden, intermediate, layers, heads, kv heads, vocab, rope theta), as peft_baseline.py.
+pub fn shape(name: &str) -> Result<ModelConfig> {
+    let (h, i, l, nh, kv, v, theta) = match name {
+        "tiny" => (256, 688, 4, 8, 8, 32000, 10000.0),
+        "llama2-7b" => (4096, 11008, 32, 32, 32, 32000, 10000.0),
+        "llama2-13b" => (5120, 13824, 40, 40, 40, 32000, 10000.0),
+        "llama3-8b" => (4096, 14336, 32, 32, 8, 128256, 500000.0),
+        other => bail!("unknown shape `{other}`; known: tiny, llama2-7b, llama2-13b, llama3-8b"),
+    };
+    Ok(ModelConfig {
+        family: Family::Llama,
+        hidden_size: h,
+        intermediate_size: i,
+        num_layers: l,
+        num_heads: nh,
+        num_kv_heads: kv,
+        head_dim: h / nh,
+        vocab_size: v,
+        rms_norm_eps: 1e-6,
+        rope_theta: theta,
+        rope_scaling: RopeScaling::None,
+        max_position_embeddings: 4096,
+        qkv_bias: false,
+        o_bias: false,
+        mlp_bias: false,
+        tie_word_embeddings: Some(false),
+        sliding_window: None,
+        bos_token_id: Some(1),
+        eos_token_ids: vec![2],
+        pad_token_id: None,
+        stored_dtype: None,
+    })
+}
+
+fn targets(name: &str) -> Result<Vec<String>> {
+    let t: &[&str] = match name {
+        "qv" => &["q_proj", "v_proj"],
+        "attn" => &["q_proj", "k_proj", "v_proj", "o_proj"],
+        "all" => &ALL_LINEAR,
+        other => bail!("unknown targets `{other}`; known: qv, attn, all"),
+    };
+    Ok(t.iter().map(|s| s.to_string()).collect())
+}
+
+/// peft_baseline.py's model FLOPs per trained token: frozen base, so backward computes
+/// activation gradients (2N) but no weight gradients; attention counted in full.
+pub fn flops_per_token(
+    n_linear: usize,
+    layers: usize,
+    hidden: usize,
+    seq: usize,
+    ckpt: bool,
+) -> f64 {
+    let fwd = 2.0 * n_linear as f64 + 4.0 * (layers * seq * hidden) as f64;
+    let bwd = 2.0 * n_linear as f64 + 8.0 * (layers * seq * hidden) as f64;
+    fwd + bwd + if ckpt { fwd } else { 0.0 }
+}
+
+pub fn run(a: &BenchArgs) -> Result<serde_json::Value> {
+    let cfg = shape(&a.shape)?;
+    let spec = LoraSpec {
+        rank: a.rank,
+        alpha: a.alpha.unwrap_or(2.0 * a.rank as f64),
+        dropout: 0.0,
+        rslora: false,
+        targets: targets(&a.targets)?,
+    };
+    let dtype = if a.device.is_cpu() {
+        DType::F32
+    } else {
+        DType::BF16
+    };
+    memory::keep_pool_memory(&a.device)?;
+    let t0 = Instant::now();
+    let model = Model::random(cfg.clone(), dtype, &a.device, &spec, 0)?;
+    a.device.synchronize()?;
+    let load_s = t0.elapsed().as_secs_f64();
+    let after_load = memory::stats(&a.device)?.map(|s| s.used as f64 / GIB);
+    let trainable: usize = model
+        .adapters()
+        .map(|(_, l)| l.a.elem_count() + l.b.elem_count())
+        .sum();
+    let n_linear: usize = model
+        .layers
+        .iter()
+        .flat_map(|l| l.linears())
+        .map(|l| l.w.elem_count())
+        .sum::<usize>()
+        + model.lm_head.elem_count();
+    let params: Vec<_> = model
+        .adapters()
+        .flat_map(|(_, l)| [l.a.clone(), l.b.clone()])
+        .collect();
+    let mut opt = optim::AdamW::new(params, [0.9, 0.999], 1e-8, 0.0)?;
+
+    // Random token ids (labels = ids), like the baseline.
+    let (b, t) = (a.micro_batch, a.seq);
+    let mut rng = crate::rng::Rng::new(1234);
+    let ids: Vec<u32> = (0..b * t)
+        .map(|_| rng.below(cfg.vocab_size) as u32)
+        .collect();
+    let targets: Vec<(usize, u32)> = (0..b)
+        .flat_map(|r| (0..t - 1).map(move |i| r * t + i))
+        .map(|k| (k, ids[k + 1]))
+        .collect();
+    let batch = Batch {
+        b,
+        t,
+        positions: (0..b).flat_map(|_| 0..t as u32).collect(),
+        segments: None,
+        targets,
+        tokens: b * t,
+        ids,
+    };
+    let n = batch.n_targets() as f64;
+    let mut loss = 0.0;
+    let step = |opt: &mut optim::AdamW| -> Result<f64> {
+        let mut grads = optim::Grads::new();
+        let ce = driver::forward_backward(&model, &batch, n, a.ckpt, None, &mut grads)?;
+        optim::clip_grad_norm(&mut grads, 1.0)?;
+        opt.step(&grads, 1e-4)?;
+        Ok(ce / n)
+    };
+    for _ in 0..a.warmup {
+        loss = step(&mut opt)?;
+    }
+    a.device.synchronize()?;
+    memory::reset_peak(&a.device)?;
+    let t1 = Instant::now();
+    for _ in 0..a.steps {
+        loss = step(&mut opt)?;
+    }
+    a.device.synchronize()?;
+    let dt = t1.elapsed().as_secs_f64();
+    let peak = memory::stats(&a.device)?;
+    let tokens = (b * t * a.steps) as f64;
+    let tps = tokens / dt;
+    let fpt = flops_per_token(n_linear, cfg.num_layers, cfg.hidden_size, t, a.ckpt);
+    let r2 = |x: f64| (x * 100.0).round() / 100.0;
+    Ok(serde_json::json!({
+        "system": "lora-train", "mode": "single", "world": 1,
+        "device": format!("{:?}", a.device.location()),
+        "shape": a.shape, "seq": t, "micro_batch": b, "lora_rank": a.rank,
+        "targets": a.targets, "ckpt": a.ckpt, "attn": "materialized-causal-softmax",
+        "trainable_params": trainable, "base_linear_params": n_linear,
+        "load_s": r2(load_s), "after_load_gib": after_load.map(r2),
+        "peak_alloc_gib": peak.map(|p| r2(p.used_high as f64 / GIB)),
+        "peak_reserved_gib": peak.map(|p| r2(p.reserved_high as f64 / GIB)),
+        "step_s": (dt / a.steps as f64 * 1e4).round() / 1e4,
+        "tokens_per_s": (tps * 10.0).round() / 10.0,
+        "tokens_per_s_per_gpu": (tps * 10.0).round() / 10.0,
+        "mfu": (tps * fpt / (a.peak_tflops * 1e12) * 1e4).round() / 1e4,
+        "final_loss": (loss * 1e4).round() / 1e4,
+    }))
+}

@@ -1,0 +1,310 @@
+//! Causal attention that never keeps the [T × T] score matrix: forward runs over blocks of
+//! queries and saves only the output O and the row log-sum-exp L; backward recomputes each
+//! block's probabilities from L (the flash-attention recurrence, with cuBLAS GEMMs per block
+//! and three fused kernels: masked log-sum-exp, masked exp, softmax backward).
+//!
+//! Masking is computed from indices, never materialised: causal, optionally block-diagonal
+//! (packed examples: query i sees key j only within its segment) and a sliding window.
+//!
+//! Shapes: q, k, v, O: [B, H, T, D] (k, v already repeated for GQA); L: [B, H, T] f32;
+//! a block of bq queries starting at s sees keys [0, e) with e = s + bq.
+
+use super::attach::attach3;
+use super::{cpu_as_f32, cpu_from_f32};
+use candle_core::{
+    CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, D,
+};
+
+/// Which keys a query may see.
+#[derive(Clone, Debug, Default)]
+pub struct AttnMask {
+    /// Per-token example ids, u32 [B × T] on the model's device: query i sees key j only if
+    /// they match. `None`: every row is one sequence.
+    pub segments: Option<Tensor>,
+    /// Keys this many or more positions back are masked (0 = unlimited).
+    pub window: usize,
+}
+
+/// Index arithmetic shared by the three block kernels.
+#[derive(Clone)]
+struct Block {
+    q_off: usize, // first query of the block
+    t: usize,     // full sequence length (segment ids are [B × T])
+    window: usize,
+    scale: f32,
+    seg: Option<Tensor>,
+}
+
+impl Block {
+    fn seg_host(&self) -> Result<Option<Vec<u32>>> {
+        self.seg
+            .as_ref()
+            .map(|s| s.flatten_all()?.to_vec1::<u32>())
+            .transpose()
+    }
+
+    /// Calls f(row, b, i, allowed(j)) over the rows of a [B, H, bq, e] block on the CPU.
+    fn rows(&self, l: &Layout) -> Result<(usize, usize, usize, usize)> {
+        let (b, h, bq, e) = l.shape().dims4()?;
+        Ok((b, h, bq, e))
+    }
+
+    fn allowed(&self, seg: &Option<Vec<u32>>, b: usize, i: usize, j: usize) -> bool {
+        j <= i
+            && (self.window == 0 || i - j < self.window)
+            && seg
+                .as_ref()
+                .is_none_or(|s| s[b * self.t + j] == s[b * self.t + i])
+    }
+
+    #[cfg(feature = "cuda")]
+    fn seg_cuda(&self) -> Result<Option<Tensor>> {
+        Ok(self.seg.clone())
+    }
+}
+
+/// scores [B, H, bq, e] → L [B, H, bq] f32 over the allowed keys, of scale · scores.
+struct MaskedLse(Block);
+/// (scores, L) → P = exp(scale · scores − L) on allowed keys, else 0; scores' dtype.
+struct MaskedExp(Block);
+/// (P, dP, δ) → dS = scale · P ⊙ (dP − δ), δ = rowsum(dO ⊙ O) [B, H, bq] f32.
+struct SoftmaxBwd(f32);
+
+impl CustomOp1 for MaskedLse {
+    fn name(&self) -> &'static str {
+        "masked-lse"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (b, h, bq, e) = self.0.rows(l)?;
+        let x = cpu_as_f32(s, l)?;
+        let seg = self.0.seg_host()?;
+        let mut out = vec![0f32; b * h * bq];
+        for (row, o) in out.iter_mut().enumerate() {
+            let (bi, i) = (row / (h * bq), self.0.q_off + row % bq);
+            let r = &x[row * e..(row + 1) * e];
+            let ok = |j: usize| self.0.allowed(&seg, bi, i, j);
+            let m = (0..e)
+                .filter(|&j| ok(j))
+                .map(|j| r[j] * self.0.scale)
+                .fold(f32::NEG_INFINITY, f32::max);
+            let sum: f32 = (0..e)
+                .filter(|&j| ok(j))
+                .map(|j| (r[j] * self.0.scale - m).exp())
+                .sum();
+            *o = m + sum.ln();
+        }
+        Ok((CpuStorage::F32(out), (b, h, bq).into()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (b, h, bq, _) = self.0.rows(l)?;
+        let seg = self.0.seg_cuda()?;
+        let out = super::cuda::masked_lse(
+            s,
+            l,
+            seg.as_ref(),
+            self.0.t,
+            self.0.q_off,
+            self.0.window,
+            self.0.scale,
+        )?;
+        Ok((out, (b, h, bq).into()))
+    }
+}
+
+impl CustomOp2 for MaskedExp {
+    fn name(&self) -> &'static str {
+        "masked-exp"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s: &CpuStorage,
+        l: &Layout,
+        lse: &CpuStorage,
+        ll: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (b, h, bq, e) = self.0.rows(l)?;
+        let x = cpu_as_f32(s, l)?;
+        let lse = cpu_as_f32(lse, ll)?;
+        let seg = self.0.seg_host()?;
+        let mut p = vec![0f32; x.len()];
+        for row in 0..b * h * bq {
+            let (bi, i) = (row / (h * bq), self.0.q_off + row % bq);
+            for j in 0..e {
+                if self.0.allowed(&seg, bi, i, j) {
+                    p[row * e + j] = (x[row * e + j] * self.0.scale - lse[row]).exp();
+                }
+            }
+        }
+        Ok((cpu_from_f32(p, s)?, l.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+        lse: &candle_core::CudaStorage,
+        ll: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let seg = self.0.seg_cuda()?;
+        let out = super::cuda::masked_exp(
+            s,
+            l,
+            lse,
+            ll,
+            seg.as_ref(),
+            self.0.t,
+            self.0.q_off,
+            self.0.window,
+            self.0.scale,
+        )?;
+        Ok((out, l.shape().clone()))
+    }
+}
+
+impl CustomOp3 for SoftmaxBwd {
+    fn name(&self) -> &'static str {
+        "softmax-bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        p: &CpuStorage,
+        pl: &Layout,
+        dp: &CpuStorage,
+        dpl: &Layout,
+        delta: &CpuStorage,
+        dl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let e = *pl.dims().last().unwrap_or(&1);
+        let (pv, dpv, dv) = (
+            cpu_as_f32(p, pl)?,
+            cpu_as_f32(dp, dpl)?,
+            cpu_as_f32(delta, dl)?,
+        );
+        let ds = pv
+            .iter()
+            .zip(&dpv)
+            .enumerate()
+            .map(|(k, (p, dp))| p * (dp - dv[k / e]) * self.0)
+            .collect();
+        Ok((cpu_from_f32(ds, p)?, pl.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        p: &candle_core::CudaStorage,
+        pl: &Layout,
+        dp: &candle_core::CudaStorage,
+        dpl: &Layout,
+        delta: &candle_core::CudaStorage,
+        dl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((
+            super::cuda::softmax_bwd(p, pl, dp, dpl, delta, dl, self.0)?,
+            pl.shape().clone(),
+        ))
+    }
+}
+
+/// Queries per block: the [B, H, bq, T] score block stays within ~128 MiB of 16-bit values.
+pub fn default_block(b: usize, h: usize, t: usize) -> usize {
+    let per_query = (b * h * t * 2).max(1);
+    ((128usize << 20) / per_query).clamp(16, t.max(16)).min(t)
+}
+
+/// softmax(scale · q kᵀ + mask) v, differentiable in q, k, v. `block`: queries per block
+/// (None: `default_block`).
+pub fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &AttnMask,
+    scale: f64,
+    block: Option<usize>,
+) -> Result<Tensor> {
+    let (b, h, t, _d) = q.dims4()?;
+    let bq = block.unwrap_or_else(|| default_block(b, h, t)).max(1);
+    let tmpl = Block {
+        q_off: 0,
+        t,
+        window: mask.window,
+        scale: scale as f32,
+        seg: mask.segments.clone(),
+    };
+    let blk = |s: usize| Block {
+        q_off: s,
+        ..tmpl.clone()
+    };
+    let (qd, kd, vd) = (q.detach(), k.detach(), v.detach());
+    let (mut outs, mut lses) = (Vec::new(), Vec::new());
+    for s in (0..t).step_by(bq) {
+        let n = bq.min(t - s);
+        let e = s + n;
+        let qb = qd.narrow(2, s, n)?.contiguous()?;
+        let kk = kd.narrow(2, 0, e)?.contiguous()?;
+        let scores = qb.matmul(&kk.t()?)?; // [B, H, n, e]
+        let lse = scores.apply_op1_no_bwd(&MaskedLse(blk(s)))?; // [B, H, n]
+        let p = scores.apply_op2_no_bwd(&lse, &MaskedExp(blk(s)))?;
+        drop(scores);
+        outs.push(p.matmul(&vd.narrow(2, 0, e)?.contiguous()?)?); // [B, H, n, D]
+        lses.push(lse);
+    }
+    let o = Tensor::cat(&outs, 2)?;
+    let lse = Tensor::cat(&lses, 2)?; // [B, H, T]
+    drop(outs);
+    let backward = move |q: &Tensor, k: &Tensor, v: &Tensor, o: &Tensor, g: &Tensor| {
+        let blk = |s: usize| Block {
+            q_off: s,
+            ..tmpl.clone()
+        };
+        let dt = q.dtype();
+        let g = g.contiguous()?;
+        // δ_i = Σ_d dO_id · O_id
+        let delta = (g.to_dtype(DType::F32)? * o.to_dtype(DType::F32)?)?.sum(D::Minus1)?; // [B, H, T]
+        let (mut dq, mut dk, mut dv) = (Vec::new(), None::<Tensor>, None::<Tensor>);
+        for s in (0..t).step_by(bq) {
+            let n = bq.min(t - s);
+            let e = s + n;
+            let qb = q.narrow(2, s, n)?.contiguous()?;
+            let kk = k.narrow(2, 0, e)?.contiguous()?;
+            let vv = v.narrow(2, 0, e)?.contiguous()?;
+            let gb = g.narrow(2, s, n)?.contiguous()?;
+            let scores = qb.matmul(&kk.t()?)?;
+            let p =
+                scores.apply_op2_no_bwd(&lse.narrow(2, s, n)?.contiguous()?, &MaskedExp(blk(s)))?;
+            drop(scores);
+            let dv_b = p.t()?.matmul(&gb)?; // [B, H, e, D]
+            let dp = gb.matmul(&vv.t()?)?; // [B, H, n, e]
+            let ds = p.apply_op3_no_bwd(
+                &dp,
+                &delta.narrow(2, s, n)?.contiguous()?,
+                &SoftmaxBwd(scale as f32),
+            )?;
+            drop((p, dp));
+            dq.push(ds.matmul(&kk)?); // [B, H, n, D]
+            let dk_b = ds.t()?.matmul(&qb)?; // [B, H, e, D]
+            let acc = |sum: Option<Tensor>, part: Tensor| -> Result<Option<Tensor>> {
+                let part = part.to_dtype(DType::F32)?.pad_with_zeros(2, 0, t - e)?;
+                Ok(Some(match sum {
+                    Some(s) => (s + part)?,
+                    None => part,
+                }))
+            };
+            dk = acc(dk, dk_b)?;
+            dv = acc(dv, dv_b)?;
+        }
+        let to = |x: Option<Tensor>| x.map(|x| x.to_dtype(dt)).transpose();
+        Ok((Some(Tensor::cat(&dq, 2)?), to(dk)?, to(dv)?))
+    };
+    attach3(q, k, v, o, Box::new(backward))
+}

@@ -1,0 +1,486 @@
+//! CUDA forward kernels for our ops (the backward passes are tensor ops and run as they are).
+//!
+//! Compiled once per process with NVRTC for the device's architecture, so the build needs no
+//! nvcc of its own. bf16 is handled as raw 16-bit storage with PTX conversions (sm_80+), so the
+//! source needs no CUDA headers. Math is f32 throughout.
+
+use candle_core::cuda::cudarc::driver::{CudaModule, CudaSlice, LaunchConfig, PushKernelArg};
+use candle_core::cuda::cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
+use candle_core::cuda::WrapErr;
+use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+const SRC: &str = r#"
+typedef unsigned short bf16_t;
+__device__ __forceinline__ float ld(const float* p, long i) { return p[i]; }
+__device__ __forceinline__ float ld(const bf16_t* p, long i) {
+    return __uint_as_float(((unsigned int)p[i]) << 16);
+}
+__device__ __forceinline__ void st(float* p, long i, float v) { p[i] = v; }
+__device__ __forceinline__ void st(bf16_t* p, long i, float v) {
+    bf16_t h; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v)); p[i] = h;
+}
+// Round to the storage type and back (what a cast to the activation dtype does).
+__device__ __forceinline__ float rnd(const float*, float v) { return v; }
+__device__ __forceinline__ float rnd(const bf16_t*, float v) {
+    bf16_t h; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    return __uint_as_float(((unsigned int)h) << 16);
+}
+
+// Sum over the block; every thread gets the result. blockDim.x is a multiple of 32, <= 1024.
+__device__ float block_sum(float v) {
+    __shared__ float buf[32];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) buf[warp] = v;
+    __syncthreads();
+    int nw = blockDim.x >> 5;
+    v = lane < nw ? buf[lane] : 0.f;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    return v;
+}
+__device__ float block_max(float v) {
+    __shared__ float buf[32];
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) buf[warp] = v;
+    __syncthreads();
+    int nw = blockDim.x >> 5;
+    v = lane < nw ? buf[lane] : __int_as_float(0xff800000);
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+    return v;
+}
+
+// y = round(x · rsqrt(mean(x²) + eps)) · w ; one block per row of d.
+template <typename T>
+__device__ void rms_norm(const T* x, const T* w, T* y, int d, float eps) {
+    long row = blockIdx.x;
+    const T* xr = x + row * d;
+    T* yr = y + row * d;
+    float s = 0.f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) { float v = ld(xr, i); s += v * v; }
+    s = block_sum(s);
+    float r = rsqrtf(s / d + eps);
+    for (int i = threadIdx.x; i < d; i += blockDim.x) st(yr, i, rnd(xr, ld(xr, i) * r) * ld(w, i));
+}
+
+// x, y: [B, H, T, D]; cos, sin: [B, T, D/2] f32. One thread per rotated pair.
+template <typename T>
+__device__ void rope(const T* x, const float* cos, const float* sin, T* y,
+                     int h, int t, int half, long pairs) {
+    long k = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (k >= pairs) return;
+    int i = k % half;
+    long rest = k / half;
+    int ti = rest % t;
+    long bh = rest / t;
+    long b = bh / h;
+    long base = rest * 2 * half;
+    long cs = (b * t + ti) * half + i;
+    float x1 = ld(x, base + i), x2 = ld(x, base + i + half), c = cos[cs], s = sin[cs];
+    st(y, base + i, x1 * c - x2 * s);
+    st(y, base + i + half, x2 * c + x1 * s);
+}
+
+__device__ __forceinline__ bool allowed(const unsigned int* seg, long b, int t, int i, int j,
+                                        int window) {
+    return j <= i && (window <= 0 || i - j < window) && (!seg || seg[b * t + j] == seg[b * t + i]);
+}
+
+// Attention block rows: s [R, e] with R = B·H·bq; row r is query i = q_off + r % bq of batch
+// b = r / (H·bq). One thread block per row.
+template <typename T>
+__device__ void masked_lse(const T* s, float* lse, const unsigned int* seg, int h, int bq, int e,
+                           int t, int q_off, int window, float scale) {
+    long row = blockIdx.x;
+    int i = q_off + row % bq;
+    long b = row / ((long)h * bq);
+    const T* sr = s + row * e;
+    float m = __int_as_float(0xff800000);
+    for (int j = threadIdx.x; j < e; j += blockDim.x)
+        if (allowed(seg, b, t, i, j, window)) m = fmaxf(m, ld(sr, j) * scale);
+    m = block_max(m);
+    float sum = 0.f;
+    for (int j = threadIdx.x; j < e; j += blockDim.x)
+        if (allowed(seg, b, t, i, j, window)) sum += __expf(ld(sr, j) * scale - m);
+    sum = block_sum(sum);
+    if (threadIdx.x == 0) lse[row] = m + logf(sum);
+}
+
+template <typename T>
+__device__ void masked_exp(const T* s, const float* lse, T* p, const unsigned int* seg, int h,
+                           int bq, int e, int t, int q_off, int window, float scale) {
+    long row = blockIdx.x;
+    int i = q_off + row % bq;
+    long b = row / ((long)h * bq);
+    float l = lse[row];
+    for (int j = threadIdx.x; j < e; j += blockDim.x)
+        st(p + row * e, j, allowed(seg, b, t, i, j, window) ? __expf(ld(s + row * e, j) * scale - l) : 0.f);
+}
+
+// ds = scale · p ⊙ (dp − δ[row]); elementwise over n = R·e.
+template <typename T>
+__device__ void softmax_bwd(const T* p, const T* dp, const float* delta, T* ds, int e, float scale, long n) {
+    long k = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (k >= n) return;
+    st(ds, k, ld(p, k) * (ld(dp, k) - delta[k / e]) * scale);
+}
+
+#define INST(NAME, T) \
+extern "C" __global__ void rms_norm_##NAME(const T* x, const T* w, T* y, int d, float eps) \
+    { rms_norm<T>(x, w, y, d, eps); } \
+extern "C" __global__ void rope_##NAME(const T* x, const float* c, const float* s, T* y, \
+    int h, int t, int half, long pairs) { rope<T>(x, c, s, y, h, t, half, pairs); } \
+extern "C" __global__ void masked_lse_##NAME(const T* s, float* lse, const unsigned int* seg, \
+    int h, int bq, int e, int t, int q_off, int window, float scale) \
+    { masked_lse<T>(s, lse, seg, h, bq, e, t, q_off, window, scale); } \
+extern "C" __global__ void masked_exp_##NAME(const T* s, const float* lse, T* p, \
+    const unsigned int* seg, int h, int bq, int e, int t, int q_off, int window, float scale) \
+    { masked_exp<T>(s, lse, p, seg, h, bq, e, t, q_off, window, scale); } \
+extern "C" __global__ void softmax_bwd_##NAME(const T* p, const T* dp, const float* delta, T* ds, \
+    int e, float scale, long n) { softmax_bwd<T>(p, dp, delta, ds, e, scale, n); }
+INST(f32, float)
+INST(bf16, bf16_t)
+"#;
+
+static PTX: OnceLock<std::result::Result<Ptx, String>> = OnceLock::new();
+static MODULES: OnceLock<Mutex<HashMap<usize, Arc<CudaModule>>>> = OnceLock::new();
+
+fn module(dev: &CudaDevice) -> Result<Arc<CudaModule>> {
+    let ptx = PTX
+        .get_or_init(|| {
+            let opts = CompileOptions {
+                arch: Some("sm_80"),
+                ..Default::default()
+            };
+            compile_ptx_with_opts(SRC, opts).map_err(|e| format!("{e:?}"))
+        })
+        .as_ref()
+        .map_err(|e| {
+            candle_core::Error::Msg(format!("NVRTC failed to compile our kernels: {e}"))
+        })?;
+    let stream = dev.cuda_stream();
+    let ctx = stream.context();
+    let key = Arc::as_ptr(ctx) as usize;
+    let mut mods = MODULES
+        .get_or_init(Default::default)
+        .lock()
+        .map_err(|_| candle_core::Error::Msg("kernel module cache poisoned".into()))?;
+    if let Some(m) = mods.get(&key) {
+        return Ok(m.clone());
+    }
+    let m = ctx.load_module(ptx.clone()).w()?;
+    mods.insert(key, m.clone());
+    Ok(m)
+}
+
+fn suffix(dtype: DType) -> Result<&'static str> {
+    match dtype {
+        DType::F32 => Ok("f32"),
+        DType::BF16 => Ok("bf16"),
+        d => candle_core::bail!("our CUDA kernels take f32 or bf16 activations, got {d:?}"),
+    }
+}
+
+/// Runs `launch` with the kernel `name_<dtype>` and a fresh output of `n` elements.
+macro_rules! with_dtype {
+    ($s:expr, $l:expr, $n:expr, |$x:ident, $out:ident| $body:block) => {{
+        let dev = $s.device.clone();
+        match $s.dtype() {
+            DType::F32 => {
+                let (o1, o2) = contiguous($l)?;
+                let $x = $s.as_cuda_slice::<f32>()?.slice(o1..o2);
+                let $out: CudaSlice<f32> = unsafe { dev.alloc::<f32>($n)? };
+                $body;
+                CudaStorage::wrap_cuda_slice($out, dev)
+            }
+            DType::BF16 => {
+                let (o1, o2) = contiguous($l)?;
+                let $x = $s.as_cuda_slice::<half::bf16>()?.slice(o1..o2);
+                let $out: CudaSlice<half::bf16> = unsafe { dev.alloc::<half::bf16>($n)? };
+                $body;
+                CudaStorage::wrap_cuda_slice($out, dev)
+            }
+            d => candle_core::bail!("our CUDA kernels take f32 or bf16 activations, got {d:?}"),
+        }
+    }};
+}
+
+fn contiguous(l: &Layout) -> Result<(usize, usize)> {
+    l.contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg("kernel input not contiguous".into()))
+}
+
+fn threads_for(n: usize) -> u32 {
+    (n.div_ceil(32) * 32).clamp(32, 1024) as u32
+}
+
+pub fn rms_norm(
+    x: &CudaStorage,
+    xl: &Layout,
+    w: &CudaStorage,
+    wl: &Layout,
+    eps: f32,
+) -> Result<CudaStorage> {
+    use candle_core::backend::BackendStorage;
+    let d = *xl.dims().last().unwrap_or(&1);
+    let n = xl.shape().elem_count();
+    let rows = n / d.max(1);
+    if w.dtype() != x.dtype() {
+        candle_core::bail!("rms_norm: weight {:?} vs input {:?}", w.dtype(), x.dtype());
+    }
+    let func = module(x.device())?
+        .load_function(&format!("rms_norm_{}", suffix(x.dtype())?))
+        .w()?;
+    let stream = x.device().cuda_stream();
+    let cfg = LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (threads_for(d.min(1024)), 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (w1, w2) = contiguous(wl)?;
+    Ok(with_dtype!(x, xl, n, |xs, out| {
+        let mut b = stream.launch_builder(&func);
+        let (di, e) = (d as i32, eps);
+        match w.dtype() {
+            DType::F32 => {
+                let ws = w.as_cuda_slice::<f32>()?.slice(w1..w2);
+                b.arg(&xs).arg(&ws).arg(&out).arg(&di).arg(&e);
+                unsafe { b.launch(cfg) }.w()?;
+            }
+            _ => {
+                let ws = w.as_cuda_slice::<half::bf16>()?.slice(w1..w2);
+                b.arg(&xs).arg(&ws).arg(&out).arg(&di).arg(&e);
+                unsafe { b.launch(cfg) }.w()?;
+            }
+        }
+    }))
+}
+
+pub fn rope(
+    x: &CudaStorage,
+    xl: &Layout,
+    cos: &CudaStorage,
+    cl: &Layout,
+    sin: &CudaStorage,
+    sl: &Layout,
+) -> Result<CudaStorage> {
+    use candle_core::backend::BackendStorage;
+    let (_b, h, t, d) = xl.shape().dims4()?;
+    let n = xl.shape().elem_count();
+    let pairs = (n / 2) as i64;
+    let func = module(x.device())?
+        .load_function(&format!("rope_{}", suffix(x.dtype())?))
+        .w()?;
+    let stream = x.device().cuda_stream();
+    let cfg = LaunchConfig::for_num_elems(pairs as u32);
+    let (c1, c2) = contiguous(cl)?;
+    let (s1, s2) = contiguous(sl)?;
+    let cs = cos.as_cuda_slice::<f32>()?.slice(c1..c2);
+    let ss = sin.as_cuda_slice::<f32>()?.slice(s1..s2);
+    let (hi, ti, half) = (h as i32, t as i32, (d / 2) as i32);
+    Ok(with_dtype!(x, xl, n, |xs, out| {
+        let mut b = stream.launch_builder(&func);
+        b.arg(&xs)
+            .arg(&cs)
+            .arg(&ss)
+            .arg(&out)
+            .arg(&hi)
+            .arg(&ti)
+            .arg(&half)
+            .arg(&pairs);
+        unsafe { b.launch(cfg) }.w()?;
+    }))
+}
+
+fn contiguous_u32(t: &candle_core::Tensor) -> Result<(CudaSlice<u32>, CudaDevice)> {
+    let (s, l) = t.storage_and_layout();
+    let candle_core::Storage::Cuda(cs) = &*s else {
+        candle_core::bail!("segment ids are not on the GPU")
+    };
+    let (o1, o2) = contiguous(l)?;
+    let dev = cs.device.clone();
+    // A small copy (B·T ids) so that no storage lock is held during the launch.
+    let v = dev
+        .cuda_stream()
+        .clone_dtod(&cs.as_cuda_slice::<u32>()?.slice(o1..o2))
+        .w()?;
+    Ok((v, dev))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn block_rows(
+    name: &str,
+    s: &CudaStorage,
+    l: &Layout,
+    lse_in: Option<(&CudaStorage, &Layout)>,
+    seg: Option<&candle_core::Tensor>,
+    t: usize,
+    q_off: usize,
+    window: usize,
+    scale: f32,
+) -> Result<CudaStorage> {
+    use candle_core::backend::BackendStorage;
+    let (b, h, bq, e) = l.shape().dims4()?;
+    let rows = b * h * bq;
+    let dev = s.device().clone();
+    let func = module(&dev)?
+        .load_function(&format!("{name}_{}", suffix(s.dtype())?))
+        .w()?;
+    let stream = dev.cuda_stream();
+    let cfg = LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (threads_for(e.min(256)), 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let seg = seg.map(contiguous_u32).transpose()?;
+    let null: u64 = 0;
+    let (hi, bqi, ei, ti, qo, wi) = (
+        h as i32,
+        bq as i32,
+        e as i32,
+        t as i32,
+        q_off as i32,
+        window as i32,
+    );
+    let (o1, o2) = contiguous(l)?;
+    macro_rules! args {
+        ($bld:ident) => {
+            match &seg {
+                Some((sv, _)) => $bld.arg(sv),
+                None => $bld.arg(&null),
+            };
+            $bld.arg(&hi)
+                .arg(&bqi)
+                .arg(&ei)
+                .arg(&ti)
+                .arg(&qo)
+                .arg(&wi)
+                .arg(&scale);
+        };
+    }
+    match (lse_in, s.dtype()) {
+        (None, DType::F32) | (None, DType::BF16) => {
+            let out: CudaSlice<f32> = unsafe { dev.alloc::<f32>(rows)? };
+            let mut bld = stream.launch_builder(&func);
+            if s.dtype() == DType::F32 {
+                let x = s.as_cuda_slice::<f32>()?.slice(o1..o2);
+                bld.arg(&x).arg(&out);
+                args!(bld);
+                unsafe { bld.launch(cfg) }.w()?;
+            } else {
+                let x = s.as_cuda_slice::<half::bf16>()?.slice(o1..o2);
+                bld.arg(&x).arg(&out);
+                args!(bld);
+                unsafe { bld.launch(cfg) }.w()?;
+            }
+            Ok(CudaStorage::wrap_cuda_slice(out, dev))
+        }
+        (Some((ls, ll)), _) => {
+            let (l1, l2) = contiguous(ll)?;
+            let lse = ls.as_cuda_slice::<f32>()?.slice(l1..l2);
+            let n = rows * e;
+            Ok(with_dtype!(s, l, n, |x, out| {
+                let mut bld = stream.launch_builder(&func);
+                bld.arg(&x).arg(&lse).arg(&out);
+                args!(bld);
+                unsafe { bld.launch(cfg) }.w()?;
+            }))
+        }
+        (None, d) => candle_core::bail!("attention scores must be f32 or bf16, got {d:?}"),
+    }
+}
+
+pub fn masked_lse(
+    s: &CudaStorage,
+    l: &Layout,
+    seg: Option<&candle_core::Tensor>,
+    t: usize,
+    q_off: usize,
+    window: usize,
+    scale: f32,
+) -> Result<CudaStorage> {
+    block_rows("masked_lse", s, l, None, seg, t, q_off, window, scale)
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn masked_exp(
+    s: &CudaStorage,
+    l: &Layout,
+    lse: &CudaStorage,
+    ll: &Layout,
+    seg: Option<&candle_core::Tensor>,
+    t: usize,
+    q_off: usize,
+    window: usize,
+    scale: f32,
+) -> Result<CudaStorage> {
+    block_rows(
+        "masked_exp",
+        s,
+        l,
+        Some((lse, ll)),
+        seg,
+        t,
+        q_off,
+        window,
+        scale,
+    )
+}
+
+pub fn softmax_bwd(
+    p: &CudaStorage,
+    pl: &Layout,
+    dp: &CudaStorage,
+    dpl: &Layout,
+    delta: &CudaStorage,
+    dl: &Layout,
+    scale: f32,
+) -> Result<CudaStorage> {
+    use candle_core::backend::BackendStorage;
+    let e = *pl.dims().last().unwrap_or(&1);
+    let n = pl.shape().elem_count();
+    if dp.dtype() != p.dtype() {
+        candle_core::bail!("softmax_bwd: dP {:?} vs P {:?}", dp.dtype(), p.dtype());
+    }
+    let dev = p.device().clone();
+    let func = module(&dev)?
+        .load_function(&format!("softmax_bwd_{}", suffix(p.dtype())?))
+        .w()?;
+    let stream = dev.cuda_stream();
+    let cfg = LaunchConfig::for_num_elems(n as u32);
+    let (d1, d2) = contiguous(dl)?;
+    let delta = delta.as_cuda_slice::<f32>()?.slice(d1..d2);
+    let (q1, q2) = contiguous(dpl)?;
+    let (ei, sc, nl) = (e as i32, scale, n as i64);
+    Ok(with_dtype!(p, pl, n, |x, out| {
+        let mut bld = stream.launch_builder(&func);
+        match dp.dtype() {
+            DType::F32 => {
+                let dpv = dp.as_cuda_slice::<f32>()?.slice(q1..q2);
+                bld.arg(&x)
+                    .arg(&dpv)
+                    .arg(&delta)
+                    .arg(&out)
+                    .arg(&ei)
+                    .arg(&sc)
+                    .arg(&nl);
+                unsafe { bld.launch(cfg) }.w()?;
+            }
+            _ => {
+                let dpv = dp.as_cuda_slice::<half::bf16>()?.slice(q1..q2);
+                bld.arg(&x)
+                    .arg(&dpv)
+                    .arg(&delta)
+                    .arg(&out)
+                    .arg(&ei)
+                    .arg(&sc)
+                    .arg(&nl);
+                unsafe { bld.launch(cfg) }.w()?;
+            }
+        }
+    }))
+}

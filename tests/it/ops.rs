@@ -1,0 +1,279 @@
+//! Each custom op against a composite reference built from candle's differentiable primitives:
+//! forward values and the gradient of a random projection of the output. On the CPU here, and
+//! on CUDA too in a `--features cuda` build (the same checks, f32 and bf16).
+
+use crate::common::assert_close;
+use candle_core::{DType, Device, Tensor, Var, D};
+use lora_train::ops::{self, AttnMask};
+
+pub fn devices() -> Vec<Device> {
+    let mut v = vec![Device::Cpu];
+    if cfg!(feature = "cuda") {
+        v.push(Device::new_cuda(0).expect("a CUDA device"));
+    }
+    v
+}
+
+/// Forward and dL/dx of `f` vs `reference`, L = Σ out ⊙ g for a fixed random g.
+fn check(
+    what: &str,
+    dev: &Device,
+    dtype: DType,
+    shape: &[usize],
+    f: &dyn Fn(&Tensor) -> candle_core::Result<Tensor>,
+    reference: &dyn Fn(&Tensor) -> candle_core::Result<Tensor>,
+) {
+    let (rtol, atol) = if dtype == DType::F32 {
+        (1e-5, 1e-6)
+    } else {
+        (2e-2, 1e-2)
+    };
+    let x0 = Tensor::randn(0f32, 1.0, shape, &Device::Cpu)
+        .unwrap()
+        .to_device(dev)
+        .unwrap();
+    let x = Var::from_tensor(&x0.to_dtype(dtype).unwrap()).unwrap();
+    let y = f(x.as_tensor()).unwrap();
+    let g = Tensor::randn(0f32, 1.0, y.shape(), &Device::Cpu)
+        .unwrap()
+        .to_device(dev)
+        .unwrap();
+    let gx = (y.to_dtype(DType::F32).unwrap() * &g)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    // The reference runs in f32 from the same (rounded) input.
+    let xr = Var::from_tensor(&x.as_tensor().to_dtype(DType::F32).unwrap()).unwrap();
+    let yr = reference(xr.as_tensor()).unwrap();
+    let gr = (&yr * &g).unwrap().sum_all().unwrap().backward().unwrap();
+    let tag = format!("{what} {dtype:?} {:?}", dev.location());
+    assert_close(&format!("{tag} forward"), &y, &yr, rtol, atol);
+    assert_close(
+        &format!("{tag} dx"),
+        gx.get(x.as_tensor()).unwrap(),
+        gr.get(xr.as_tensor()).unwrap(),
+        rtol * 2.0,
+        atol,
+    );
+}
+
+fn dtypes(dev: &Device) -> Vec<DType> {
+    if dev.is_cpu() {
+        vec![DType::F32]
+    } else {
+        vec![DType::F32, DType::BF16]
+    }
+}
+
+#[test]
+fn rms_norm_matches_composite() {
+    for dev in devices() {
+        for dt in dtypes(&dev) {
+            let w = (Tensor::randn(0f32, 0.2, 48, &dev).unwrap() + 1.0).unwrap();
+            let wd = w.to_dtype(dt).unwrap();
+            check(
+                "rms_norm",
+                &dev,
+                dt,
+                &[2, 5, 48],
+                &|x| ops::rms_norm(x, &wd, 1e-5),
+                &|x| {
+                    let r = (x.sqr()?.mean_keepdim(D::Minus1)? + 1e-5)?
+                        .sqrt()?
+                        .recip()?;
+                    x.broadcast_mul(&r)?
+                        .broadcast_mul(&wd.to_dtype(DType::F32)?)
+                },
+            );
+        }
+    }
+}
+
+#[test]
+fn rope_matches_composite() {
+    for dev in devices() {
+        for dt in dtypes(&dev) {
+            let (b, h, t, d) = (2, 3, 7, 16);
+            let cos = Tensor::randn(0f32, 1.0, (b, t, d / 2), &dev).unwrap();
+            let sin = Tensor::randn(0f32, 1.0, (b, t, d / 2), &dev).unwrap();
+            check(
+                "rope",
+                &dev,
+                dt,
+                &[b, h, t, d],
+                &|x| ops::rope(x, &cos, &sin),
+                &|x| {
+                    // x·cos' + rotate_half(x)·sin' with cos' = [cos, cos] per head
+                    let c = Tensor::cat(&[&cos, &cos], D::Minus1)?.unsqueeze(1)?;
+                    let s = Tensor::cat(&[&sin, &sin], D::Minus1)?.unsqueeze(1)?;
+                    let x1 = x.narrow(D::Minus1, 0, d / 2)?;
+                    let x2 = x.narrow(D::Minus1, d / 2, d / 2)?;
+                    let rot = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+                    x.broadcast_mul(&c)? + rot.broadcast_mul(&s)?
+                },
+            );
+        }
+    }
+}
+
+/// The additive mask of the composite reference: 0 where query i may see key j, else −∞.
+fn additive_mask(b: usize, t: usize, seg: Option<&[u32]>, window: usize, dev: &Device) -> Tensor {
+    let mut add = vec![0f32; b * t * t];
+    for bi in 0..b {
+        for i in 0..t {
+            for j in 0..t {
+                let same = seg.is_none_or(|s| s[bi * t + i] == s[bi * t + j]);
+                let ok = j <= i && same && (window == 0 || i - j < window);
+                add[(bi * t + i) * t + j] = if ok { 0.0 } else { f32::NEG_INFINITY };
+            }
+        }
+    }
+    Tensor::from_vec(add, (b, 1, t, t), dev).unwrap()
+}
+
+#[test]
+fn blockwise_attention_matches_composite_with_segments_and_window() {
+    for dev in devices() {
+        for dt in dtypes(&dev) {
+            let (b, h, t, d) = (2, 2, 9, 8);
+            let seg: Vec<u32> = vec![0, 0, 0, 1, 1, 1, 1, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0, u32::MAX];
+            for (use_seg, window, block) in [
+                (false, 0, None),
+                (true, 0, Some(4)),
+                (false, 3, Some(2)),
+                (true, 0, Some(9)),
+            ] {
+                let segments = use_seg.then(|| Tensor::from_vec(seg.clone(), b * t, &dev).unwrap());
+                let mask = AttnMask { segments, window };
+                let add = additive_mask(b, t, use_seg.then_some(&seg[..]), window, &dev);
+                let k0 = Tensor::randn(0f32, 1.0, (b, h, t, d), &dev).unwrap();
+                let v0 = Tensor::randn(0f32, 1.0, (b, h, t, d), &dev).unwrap();
+                let (k, v) = (k0.to_dtype(dt).unwrap(), v0.to_dtype(dt).unwrap());
+                let what = format!("attention seg={use_seg} window={window} block={block:?}");
+                // Gradients w.r.t. q here; k and v are checked in the next test via symmetry of use.
+                check(
+                    &what,
+                    &dev,
+                    dt,
+                    &[b, h, t, d],
+                    &|q| ops::attention(q, &k, &v, &mask, 0.35, block),
+                    &|q| {
+                        let s = (q.matmul(&k0.t()?)? * 0.35)?.broadcast_add(&add)?;
+                        candle_nn::ops::softmax(&s, D::Minus1)?.matmul(&v0)
+                    },
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn blockwise_attention_gradients_for_k_and_v() {
+    for dev in devices() {
+        let (b, h, t, d) = (1, 3, 11, 4);
+        let q = Tensor::randn(0f32, 1.0, (b, h, t, d), &dev).unwrap();
+        let add = additive_mask(b, t, None, 0, &dev);
+        let mask = AttnMask::default();
+        let k = Var::randn(0f32, 1.0, (b, h, t, d), &dev).unwrap();
+        let v = Var::randn(0f32, 1.0, (b, h, t, d), &dev).unwrap();
+        let g = Tensor::randn(0f32, 1.0, (b, h, t, d), &dev).unwrap();
+        let ours = ops::attention(&q, k.as_tensor(), v.as_tensor(), &mask, 0.5, Some(3)).unwrap();
+        let go = (ours * &g).unwrap().sum_all().unwrap().backward().unwrap();
+        let s = (q.matmul(&k.as_tensor().t().unwrap()).unwrap() * 0.5)
+            .unwrap()
+            .broadcast_add(&add)
+            .unwrap();
+        let refr = candle_nn::ops::softmax(&s, D::Minus1)
+            .unwrap()
+            .matmul(v.as_tensor())
+            .unwrap();
+        let gr = (refr * &g).unwrap().sum_all().unwrap().backward().unwrap();
+        for (name, var) in [("dk", &k), ("dv", &v)] {
+            assert_close(
+                name,
+                go.get(var.as_tensor()).unwrap(),
+                gr.get(var.as_tensor()).unwrap(),
+                1e-5,
+                1e-6,
+            );
+        }
+    }
+}
+
+#[test]
+fn lora_linear_matches_composite_in_x_a_and_b_with_dropout_mask() {
+    for dev in devices() {
+        let (m, i, o, r) = (7, 12, 10, 3);
+        let w = Tensor::randn(0f32, 0.3, (o, i), &dev).unwrap();
+        let bias = Tensor::randn(0f32, 0.3, o, &dev).unwrap();
+        let x = Var::randn(0f32, 1.0, (1, m, i), &dev).unwrap();
+        let a = Var::randn(0f32, 0.3, (r, i), &dev).unwrap();
+        let bb = Var::randn(0f32, 0.3, (o, r), &dev).unwrap();
+        let mask = lora_train::lora::dropout_mask(&[1, m, i], 0.25, 3, &[1, 2], &dev).unwrap();
+        let g = Tensor::randn(0f32, 1.0, (1, m, o), &dev).unwrap();
+        let ours = ops::lora_linear(
+            x.as_tensor(),
+            &w,
+            Some(&bias),
+            a.as_tensor(),
+            bb.as_tensor(),
+            1.7,
+            Some(mask.clone()),
+        )
+        .unwrap();
+        let go = (&ours * &g).unwrap().sum_all().unwrap().backward().unwrap();
+        let xt = x.as_tensor();
+        let base = xt
+            .broadcast_matmul(&w.t().unwrap())
+            .unwrap()
+            .broadcast_add(&bias)
+            .unwrap();
+        let l = (xt * &mask)
+            .unwrap()
+            .broadcast_matmul(&a.as_tensor().t().unwrap())
+            .unwrap();
+        let refr = (base
+            + (l.broadcast_matmul(&bb.as_tensor().t().unwrap()).unwrap() * 1.7).unwrap())
+        .unwrap();
+        assert_close("lora_linear forward", &ours, &refr, 1e-5, 1e-6);
+        let gr = (&refr * &g).unwrap().sum_all().unwrap().backward().unwrap();
+        for (name, var) in [("dx", &x), ("dA", &a), ("dB", &bb)] {
+            assert_close(
+                name,
+                go.get(var.as_tensor()).unwrap(),
+                gr.get(var.as_tensor()).unwrap(),
+                1e-5,
+                1e-6,
+            );
+        }
+    }
+}
+
+#[test]
+fn frozen_linear_matches_matmul_and_bias() {
+    for dev in devices() {
+        for dt in dtypes(&dev) {
+            let w = Tensor::randn(0f32, 0.3, (24, 40), &dev)
+                .unwrap()
+                .to_dtype(dt)
+                .unwrap();
+            let bias = Tensor::randn(0f32, 0.3, 24, &dev)
+                .unwrap()
+                .to_dtype(dt)
+                .unwrap();
+            check(
+                "frozen_linear",
+                &dev,
+                dt,
+                &[3, 5, 40],
+                &|x| ops::frozen_linear(x, &w, Some(&bias)),
+                &|x| {
+                    x.broadcast_matmul(&w.to_dtype(DType::F32)?.t()?)?
+                        .broadcast_add(&bias.to_dtype(DType::F32)?)
+                },
+            );
+        }
+    }
+}
