@@ -23,6 +23,23 @@ enum Command {
     Train(TrainArgs),
     /// Parse and check a recipe, print it resolved with every default, and exit.
     Check(TrainArgs),
+    /// Download a Hub model (config, tokenizer, safetensors) into the Hugging Face cache and
+    /// print its directory. Honours HF_HOME, HF_HUB_CACHE, HF_TOKEN, HF_ENDPOINT, HF_HUB_OFFLINE.
+    Download(DownloadArgs),
+}
+
+#[derive(Args, Clone)]
+struct DownloadArgs {
+    /// Hub repository id, e.g. meta-llama/Llama-3.2-1B.
+    #[arg(value_parser = repo_id)]
+    id: String,
+    /// Branch, tag or commit.
+    #[arg(long, default_value = lora_train::hub::DEFAULT_REVISION)]
+    revision: String,
+}
+
+fn repo_id(s: &str) -> Result<String, String> {
+    lora_train::hub::check_repo_id(s).map(|()| s.to_string())
 }
 
 #[derive(Args, Clone)]
@@ -41,9 +58,15 @@ fn main() -> ExitCode {
     let (cmd, args) = match cli.command {
         Some(Command::Train(a)) => ("train", a),
         Some(Command::Check(a)) => ("check", a),
+        Some(Command::Download(d)) => return finish(download(d)),
         None => ("train", cli.train),
     };
-    match run(cmd, args) {
+    finish(run(cmd, args))
+}
+
+/// Prints a failure's whole chain and maps it to the exit code.
+fn finish(res: anyhow::Result<()>) -> ExitCode {
+    match res {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
@@ -54,6 +77,12 @@ fn main() -> ExitCode {
             }
         }
     }
+}
+
+fn download(a: DownloadArgs) -> anyhow::Result<()> {
+    let files = lora_train::hub::download(&a.id, &a.revision)?;
+    println!("{}", files.dir.display());
+    Ok(())
 }
 
 fn run(cmd: &str, args: TrainArgs) -> anyhow::Result<()> {

@@ -4,4 +4,5 @@
 mod cli;
 mod common;
 mod golden;
+mod hub;
 mod invariants;
