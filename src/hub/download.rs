@@ -377,10 +377,12 @@ impl<'a> Hub<'a> {
                     }
                     if attempt >= self.retries {
                         bar.abandon();
-                        return Err(self.unreachable(
-                            at,
-                            format!("{why} (after {} attempts; {have} bytes kept in {} for the next run)", self.retries + 1, part.display()),
-                        ));
+                        let kept = format!(
+                            "{why} (after {} attempts; {have} bytes kept in {} for the next run)",
+                            self.retries + 1,
+                            part.display()
+                        );
+                        return Err(self.unreachable(at, kept));
                     }
                     bar.note(&format!("{}: {why}; resuming at byte {have}", at.file));
                     std::thread::sleep(self.backoff * 2u32.pow(attempt.min(5)));
@@ -441,6 +443,7 @@ impl<'a> Hub<'a> {
                 let range = header(&resp, "content-range").unwrap_or_default();
                 if !range.starts_with(&format!("bytes {from}-")) {
                     file.set_len(0).map_err(io)?;
+                    bar.set_position(0);
                     return Err(Fail::Retry(format!(
                         "the server sent the range \"{range}\" for bytes {from}-"
                     )));
@@ -602,7 +605,7 @@ impl FileBar {
         let bar = if std::io::stderr().is_terminal() {
             let bar = ProgressBar::with_draw_target(size, ProgressDrawTarget::stderr());
             let style = ProgressStyle::with_template(
-                "{msg:24!} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} ETA {eta}",
+                "{msg:34!} [{bar:25}] {bytes}/{total_bytes} {bytes_per_sec} ETA {eta}",
             )
             .map(|s| s.progress_chars("=> "))
             .unwrap_or_else(|_| ProgressStyle::default_bar());
