@@ -1,11 +1,31 @@
 //! Where a checkpoint's files are: config.json, the (sharded) safetensors, the tokenizer.
 //!
-//! Local directories now; `[model] id` (Hub downloads into the standard HF cache) resolves to
-//! the same `ModelFiles` once the Hub client lands.
+//! `[model] path` is a local directory. `[model] id` (+ `revision`) is a Hub repository,
+//! downloaded into the standard Hugging Face cache (shared with Python's huggingface_hub; see
+//! `cache`) and read from its `snapshots/<commit>/` directory. A revision whose snapshot is
+//! complete in the cache needs no network; with HF_HUB_OFFLINE=1 the network is never used.
 
+pub mod cache;
+pub mod download;
+
+use crate::recipe::ModelSection;
 use anyhow::{bail, Context, Result};
+use cache::{is_commit, RepoCache};
+use download::{At, Head, Hub, HubEnv, Unreachable};
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
+
+/// Files fetched besides the weights, and whether a checkpoint must have them.
+pub const META_FILES: [(&str, bool); 5] = [
+    ("config.json", true),
+    ("generation_config.json", false),
+    ("tokenizer.json", false),
+    ("tokenizer_config.json", false),
+    ("special_tokens_map.json", false),
+];
+pub const INDEX: &str = "model.safetensors.index.json";
+pub const SINGLE: &str = "model.safetensors";
+pub const DEFAULT_REVISION: &str = "main";
 
 /// The files of one Hugging Face checkpoint directory.
 #[derive(Debug, Clone)]
@@ -54,8 +74,8 @@ impl ModelFiles {
     }
 }
 
-/// The distinct shard files of `model.safetensors.index.json`'s `weight_map`, in name order.
-fn shards_from_index(index: &Path) -> Result<Vec<PathBuf>> {
+/// The distinct shard names of `model.safetensors.index.json`'s `weight_map`, in name order.
+fn shard_names(index: &Path) -> Result<Vec<String>> {
     let text = std::fs::read_to_string(index)
         .with_context(|| format!("cannot read {}", index.display()))?;
     let v: serde_json::Value = serde_json::from_str(&text)
@@ -65,10 +85,20 @@ fn shards_from_index(index: &Path) -> Result<Vec<PathBuf>> {
         .and_then(|m| m.as_object())
         .with_context(|| format!("{} has no `weight_map` object", index.display()))?;
     let files: BTreeSet<&str> = map.values().filter_map(|f| f.as_str()).collect();
+    for f in &files {
+        // A downloaded index decides which paths are read: none may leave the directory.
+        cache::check_repo_path(f)
+            .with_context(|| format!("{} names the shard \"{f}\"", index.display()))?;
+    }
+    Ok(files.into_iter().map(String::from).collect())
+}
+
+/// The shard files of `model.safetensors.index.json`, which must all be there.
+fn shards_from_index(index: &Path) -> Result<Vec<PathBuf>> {
     let dir = index.parent().unwrap_or(Path::new("."));
     let mut out = Vec::new();
-    for f in files {
-        let p = dir.join(f);
+    for f in shard_names(index)? {
+        let p = dir.join(&f);
         if !p.is_file() {
             bail!(
                 "{} names shard {f}, which is missing from {}",
@@ -82,4 +112,304 @@ fn shards_from_index(index: &Path) -> Result<Vec<PathBuf>> {
         bail!("{} lists no shards", index.display());
     }
     Ok(out)
+}
+
+/// Checks a Hub repository id as the Hub does: `name` or `org/name`, each part letters, digits,
+/// `-`, `_`, `.`, not starting or ending with `-` or `.`, no `--` or `..`, at most 96 long.
+pub fn check_repo_id(id: &str) -> std::result::Result<(), String> {
+    let parts: Vec<&str> = id.split('/').collect();
+    let part_ok = |p: &str| {
+        !p.is_empty()
+            && p.chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+            && !p.starts_with(['-', '.'])
+            && !p.ends_with(['-', '.'])
+    };
+    if id.len() > 96
+        || parts.len() > 2
+        || !parts.iter().all(|p| part_ok(p))
+        || id.contains("--")
+        || id.contains("..")
+    {
+        return Err(format!(
+            "\"{id}\" is not a Hub repository id: expected \"org/name\" (letters, digits, \
+             '-', '_', '.'), e.g. \"meta-llama/Llama-3.2-1B\""
+        ));
+    }
+    Ok(())
+}
+
+/// The checkpoint a recipe's `[model]` names: `path` as it is, or `id` at `revision` from the
+/// Hugging Face cache, downloading what the cache lacks.
+pub fn model_files(m: &ModelSection) -> Result<ModelFiles> {
+    match (&m.path, &m.id) {
+        (Some(dir), _) => ModelFiles::local(dir),
+        (None, Some(id)) => {
+            let rev = m.revision.as_deref().unwrap_or(DEFAULT_REVISION);
+            snapshot(&HubEnv::from_env(), id, rev, Refresh::IfIncomplete)
+        }
+        (None, None) => bail!("[model] needs `path` or `id`"),
+    }
+}
+
+/// `lora-train download`: fetches `id` at `revision` into the cache, asking the Hub what the
+/// revision is now (unless it is a commit the cache already holds completely).
+pub fn download(id: &str, revision: &str) -> Result<ModelFiles> {
+    snapshot(&HubEnv::from_env(), id, revision, Refresh::Always)
+}
+
+/// When to ask the Hub about a revision the cache already holds completely.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refresh {
+    /// Never: a complete snapshot is used as it is (training).
+    IfIncomplete,
+    /// For branches and tags, always: they move (`download`). Commits never change.
+    Always,
+}
+
+/// What the snapshot of `commit` lacks (empty: complete). Optional files that are neither
+/// there nor known to be absent (`.no_exist`) count only when `strict`.
+fn lacking(cache: &RepoCache, commit: &str, strict: bool) -> Vec<String> {
+    let mut out = Vec::new();
+    for (file, required) in META_FILES {
+        match cache.has(commit, file) {
+            Some(true) => {}
+            Some(false) if !required => {}
+            None if !required && !strict => {}
+            _ => out.push(file.to_string()),
+        }
+    }
+    let snap = cache.snapshot(commit);
+    if snap.join(INDEX).is_file() {
+        match shard_names(&snap.join(INDEX)) {
+            Ok(names) => out.extend(names.into_iter().filter(|n| !snap.join(n).is_file())),
+            Err(_) => out.push(INDEX.to_string()),
+        }
+    } else if !snap.join(SINGLE).is_file() {
+        out.push(format!("{SINGLE} (or {INDEX} and its shards)"));
+    }
+    out
+}
+
+/// `id` at `revision` from the cache under `env`, fetching what it lacks.
+pub fn snapshot(env: &HubEnv, id: &str, revision: &str, refresh: Refresh) -> Result<ModelFiles> {
+    check_repo_id(id).map_err(anyhow::Error::msg)?;
+    let cache = RepoCache::new(&env.cache, id);
+    let cached = cache.commit_for(revision);
+    let complete = cached
+        .as_ref()
+        .filter(|c| lacking(&cache, c, !env.offline).is_empty());
+    let use_cache = |commit: &str, why: &str| {
+        eprintln!("model {id} at \"{revision}\" = commit {commit}, {why}");
+        ModelFiles::local(&cache.snapshot(commit))
+    };
+    if let Some(c) = complete {
+        if env.offline || refresh == Refresh::IfIncomplete || is_commit(revision) {
+            return use_cache(c, &format!("from the cache {}", cache.dir.display()));
+        }
+    }
+    if env.offline {
+        let what = match &cached {
+            Some(c) => format!("lacks {}", lacking(&cache, c, false).join(", ")),
+            None => "has no snapshot of it".to_string(),
+        };
+        bail!(
+            "HF_HUB_OFFLINE is set and the cache {} {what} ({id} at revision \"{revision}\"): \
+             download it first where the Hub is reachable (`lora-train download {id} --revision \
+             {revision}`), or unset HF_HUB_OFFLINE",
+            cache.dir.display()
+        );
+    }
+    let hub = Hub::new(env);
+    match fetch_snapshot(&hub, &cache, id, revision) {
+        Ok(commit) => ModelFiles::local(&cache.snapshot(&commit)),
+        Err(e) => match (complete, e.downcast_ref::<Unreachable>()) {
+            (Some(c), Some(u)) => {
+                eprintln!("warning: cannot reach {}: {}", u.endpoint, u.cause);
+                use_cache(c, "as last downloaded (it may have moved since)")
+            }
+            _ => Err(e),
+        },
+    }
+}
+
+/// Downloads config.json, the optional META_FILES and the weights of `id` at `revision` into
+/// the cache; returns the commit. config.json at `revision` pins the commit, and every other
+/// file is fetched at that commit, so a push meanwhile cannot mix two versions.
+fn fetch_snapshot(hub: &Hub, cache: &RepoCache, id: &str, revision: &str) -> Result<String> {
+    let at = |file| At {
+        repo: id,
+        revision,
+        file,
+    };
+    let config = match hub.head(&at("config.json"), revision)? {
+        Head::Found(r) => r,
+        Head::Missing => bail!(missing(hub, &at("config.json"))),
+    };
+    let commit = config.commit.clone();
+    cache.write_ref(revision, &commit)?;
+    let t0 = std::time::Instant::now();
+    let mut bytes = hub.fetch(cache, &at("config.json"), &config)?;
+    cache.link(&commit, "config.json", &config.etag)?;
+    for (file, _) in &META_FILES[1..] {
+        bytes += fetch_file(hub, cache, &at(file), &commit, false)?.unwrap_or(0);
+    }
+    let weights = match fetch_file(hub, cache, &at(INDEX), &commit, false)? {
+        Some(b) => {
+            bytes += b;
+            shard_names(&cache.snapshot(&commit).join(INDEX))?
+        }
+        None => vec![SINGLE.to_string()],
+    };
+    for file in &weights {
+        bytes += fetch_file(hub, cache, &at(file), &commit, true)?.unwrap_or(0);
+    }
+    eprintln!(
+        "model {id} at \"{revision}\" = commit {commit}: {} fetched in {:.1}s into {}",
+        indicatif::HumanBytes(bytes),
+        t0.elapsed().as_secs_f64(),
+        cache.snapshot(&commit).display()
+    );
+    Ok(commit)
+}
+
+/// Fetches one file at `commit` unless the snapshot already knows it. Some(bytes fetched) when
+/// the file exists, None when it does not (an error when `required`).
+fn fetch_file(
+    hub: &Hub,
+    cache: &RepoCache,
+    at: &At,
+    commit: &str,
+    required: bool,
+) -> Result<Option<u64>> {
+    match cache.has(commit, at.file) {
+        Some(true) => return Ok(Some(0)),
+        Some(false) if !required => return Ok(None),
+        _ => {}
+    }
+    match hub.head(at, commit)? {
+        Head::Found(remote) => {
+            let bytes = hub.fetch(cache, at, &remote)?;
+            cache.link(commit, at.file, &remote.etag)?;
+            Ok(Some(bytes))
+        }
+        Head::Missing if !required => {
+            cache.mark_missing(commit, at.file)?;
+            Ok(None)
+        }
+        Head::Missing => bail!(missing(hub, at)),
+    }
+}
+
+fn missing(hub: &Hub, at: &At) -> String {
+    format!(
+        "{} has no {at} (HTTP 404): lora-train needs a safetensors checkpoint (config.json and \
+         model.safetensors, or model.safetensors.index.json with its shards; PyTorch .bin \
+         weights are not read); check model.id and model.revision",
+        hub.env.endpoint
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn repo_ids_as_the_hub_accepts_them() {
+        for ok in ["gpt2", "org/name", "meta-llama/Llama-3.2-1B", "a_b/c.d-e"] {
+            assert!(check_repo_id(ok).is_ok(), "{ok}");
+        }
+        for bad in [
+            "",
+            "a/b/c",
+            "org/",
+            "/name",
+            "org/na me",
+            "a--b/c",
+            "a/b..c",
+            "-a/b",
+            "a/b.",
+        ] {
+            assert!(check_repo_id(bad).is_err(), "{bad}");
+        }
+    }
+
+    /// A cache holding `files` of org/m at `main`, with `absent` marked as not on the Hub.
+    fn cache_with(root: &Path, files: &[(&str, &str)], absent: &[&str]) -> (HubEnv, String) {
+        let commit = "ab".repeat(20);
+        let c = RepoCache::new(root, "org/m");
+        std::fs::create_dir_all(c.dir.join("blobs")).unwrap();
+        for (i, (name, text)) in files.iter().enumerate() {
+            std::fs::write(c.blob(&format!("e{i}")), text).unwrap();
+            c.link(&commit, name, &format!("e{i}")).unwrap();
+        }
+        for name in absent {
+            c.mark_missing(&commit, name).unwrap();
+        }
+        c.write_ref("main", &commit).unwrap();
+        let env = HubEnv {
+            // Nothing listens on port 9: any request would fail.
+            endpoint: "http://127.0.0.1:9".into(),
+            cache: root.to_owned(),
+            token: None,
+            offline: false,
+        };
+        (env, commit)
+    }
+
+    #[test]
+    fn a_complete_snapshot_needs_no_network_and_offline_names_what_is_missing() {
+        let tmp = tempfile::tempdir().unwrap();
+        let index = r#"{"weight_map": {"a": "s1.safetensors", "b": "s2.safetensors"}}"#;
+        let files = [
+            ("config.json", "{}"),
+            ("tokenizer.json", "{}"),
+            (INDEX, index),
+            ("s1.safetensors", "x"),
+            ("s2.safetensors", "y"),
+        ];
+        let absent = [
+            "generation_config.json",
+            "tokenizer_config.json",
+            "special_tokens_map.json",
+        ];
+        let (mut env, commit) = cache_with(tmp.path(), &files, &absent);
+        let f = snapshot(&env, "org/m", "main", Refresh::IfIncomplete).unwrap();
+        let snap = tmp.path().join("models--org--m/snapshots").join(&commit);
+        assert_eq!(f.dir, snap);
+        assert_eq!(
+            f.weights,
+            [snap.join("s1.safetensors"), snap.join("s2.safetensors")]
+        );
+        assert_eq!(f.tokenizer, Some(snap.join("tokenizer.json")));
+        assert_eq!(f.tokenizer_config, None);
+        // The commit itself, too.
+        assert!(snapshot(&env, "org/m", &commit, Refresh::Always).is_ok());
+
+        // Optional files neither there nor known absent: online, that is a reason to ask the
+        // Hub (which is not there); offline, the snapshot is used without them.
+        let tmp2 = tempfile::tempdir().unwrap();
+        let (mut env2, _) = cache_with(tmp2.path(), &files, &[]);
+        let e = snapshot(&env2, "org/m", "main", Refresh::IfIncomplete).unwrap_err();
+        assert!(
+            format!("{e:#}").starts_with("cannot reach http://127.0.0.1:9"),
+            "{e:#}"
+        );
+        env2.offline = true;
+        assert!(snapshot(&env2, "org/m", "main", Refresh::IfIncomplete).is_ok());
+
+        // A shard missing, offline: the error lists it and says how to get it.
+        std::fs::remove_file(snap.join("s2.safetensors")).unwrap();
+        env.offline = true;
+        let e = snapshot(&env, "org/m", "main", Refresh::IfIncomplete).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "HF_HUB_OFFLINE is set and the cache {} lacks s2.safetensors (org/m at revision \
+                 \"main\"): download it first where the Hub is reachable (`lora-train download \
+                 org/m --revision main`), or unset HF_HUB_OFFLINE",
+                tmp.path().join("models--org--m").display()
+            )
+        );
+    }
 }

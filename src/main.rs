@@ -26,6 +26,23 @@ enum Command {
     /// Time training steps on random weights of a named shape (no download); prints JSON with
     /// the fields of shared/bench/peft_baseline.py.
     Bench(BenchCli),
+    /// Download a Hub model (config, tokenizer, safetensors) into the Hugging Face cache and
+    /// print its directory. Honours HF_HOME, HF_HUB_CACHE, HF_TOKEN, HF_ENDPOINT, HF_HUB_OFFLINE.
+    Download(DownloadArgs),
+}
+
+#[derive(Args, Clone)]
+struct DownloadArgs {
+    /// Hub repository id, e.g. meta-llama/Llama-3.2-1B.
+    #[arg(value_parser = repo_id)]
+    id: String,
+    /// Branch, tag or commit.
+    #[arg(long, default_value = lora_train::hub::DEFAULT_REVISION)]
+    revision: String,
+}
+
+fn repo_id(s: &str) -> Result<String, String> {
+    lora_train::hub::check_repo_id(s).map(|()| s.to_string())
 }
 
 #[derive(Args, Clone)]
@@ -83,8 +100,14 @@ fn main() -> ExitCode {
         Some(Command::Train(a)) => run("train", a),
         Some(Command::Check(a)) => run("check", a),
         Some(Command::Bench(b)) => bench(b),
+        Some(Command::Download(d)) => download(d),
         None => run("train", cli.train),
     };
+    finish(res)
+}
+
+/// Prints a failure's whole chain and maps it to the exit code.
+fn finish(res: anyhow::Result<()>) -> ExitCode {
     match res {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -131,6 +154,12 @@ fn bench(b: BenchCli) -> anyhow::Result<()> {
             .open(&p)?;
         writeln!(f, "{res}")?;
     }
+    Ok(())
+}
+
+fn download(a: DownloadArgs) -> anyhow::Result<()> {
+    let files = lora_train::hub::download(&a.id, &a.revision)?;
+    println!("{}", files.dir.display());
     Ok(())
 }
 

@@ -453,15 +453,38 @@ impl Recipe {
     pub fn validate(&self) -> Result<(), RecipeError> {
         let m = &self.model;
         match (&m.path, &m.id) {
-            (None, None) => return Err(self.invalid("model", "needs `path` (a local checkpoint directory) or `id` (a Hub repository)")),
-            (Some(_), Some(_)) => return Err(self.invalid("model", "has both `path` and `id`; keep one")),
+            (None, None) => {
+                return Err(self.invalid(
+                    "model",
+                    "needs `path` (a local checkpoint directory) or `id` (a Hub repository)",
+                ))
+            }
+            (Some(_), Some(_)) => {
+                return Err(self.invalid("model", "has both `path` and `id`; keep one"))
+            }
             (Some(p), None) if !p.is_dir() => {
-                return Err(self.invalid("model.path", format!("{} is not a directory", p.display())))
+                return Err(
+                    self.invalid("model.path", format!("{} is not a directory", p.display()))
+                )
             }
             (None, Some(id)) => {
+                if let Err(msg) = crate::hub::check_repo_id(id) {
+                    return Err(self.invalid("model.id", msg));
+                }
+            }
+            _ => {}
+        }
+        match (&m.revision, &m.id) {
+            (Some(_), None) => {
                 return Err(self.invalid(
-                    "model.id",
-                    format!("= \"{id}\": Hub downloads are not built yet; download the checkpoint (e.g. `huggingface-cli download {id}`) and set model.path to its directory"),
+                    "model.revision",
+                    "applies to `model.id` (a Hub repository) only: remove it",
+                ))
+            }
+            (Some(r), _) if r.trim().is_empty() || r.contains("..") => {
+                return Err(self.invalid(
+                    "model.revision",
+                    format!("= \"{r}\" is not a branch, tag or commit"),
                 ))
             }
             _ => {}

@@ -9,7 +9,7 @@ pub mod schedule;
 
 use crate::data::{Batch, Dataset, Sampler, TextTokenizer};
 use crate::export;
-use crate::hub::ModelFiles;
+use crate::hub;
 use crate::lora::LoraSpec;
 use crate::model::Model;
 use crate::recipe::{DataFormat, DeviceKind, Dtype, Recipe};
@@ -61,8 +61,8 @@ pub fn device_and_dtype(recipe: &Recipe) -> Result<(Device, DType)> {
 impl Session {
     pub fn new(recipe: Recipe) -> Result<Session> {
         let (dev, dtype) = device_and_dtype(&recipe)?;
-        let dir = recipe.model.path.clone().context("model.path is not set")?;
-        let files = ModelFiles::local(&dir)?;
+        let files = hub::model_files(&recipe.model)?;
+        let dir = files.dir.clone();
         let init = match &recipe.lora.init_adapter {
             Some(p) => Some((p.clone(), export::read_adapter_config(p)?)),
             None => None,
@@ -103,7 +103,12 @@ impl Session {
         let data = Dataset::load(&recipe.data, tok.as_ref(), model.cfg.vocab_size)?;
         let sampler = Sampler::new(&data, &recipe.data, recipe.train.seed);
         let pad_id = model.cfg.pad_token_id.unwrap_or(0);
-        let base_name = dir.to_string_lossy().into_owned();
+        // What PEFT loads the base from: the Hub id, or the local directory.
+        let base_name = recipe
+            .model
+            .id
+            .clone()
+            .unwrap_or_else(|| dir.to_string_lossy().into_owned());
         Ok(Session {
             recipe,
             model,

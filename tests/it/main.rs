@@ -4,5 +4,6 @@
 mod cli;
 mod common;
 mod golden;
+mod hub;
 mod invariants;
 mod ops;
