@@ -86,6 +86,13 @@ TOKENIZER_CONFIG = {
     "model_max_length": 256,
     "tokenizer_class": "PreTrainedTokenizerFast",
     "clean_up_tokenization_spaces": False,
+    # ChatML, its markers as plain text (the 512-token vocabulary is full), every turn ended
+    # by the EOS token so that a fine-tuned model learns to stop.
+    "chat_template": (
+        "{{ bos_token }}{% for message in messages %}"
+        "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + eos_token + '\\n' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    ),
 }
 
 GENERATION_CONFIG = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}

@@ -184,5 +184,8 @@ fn run(cmd: &str, args: TrainArgs) -> anyhow::Result<()> {
         s.tokens as f64 / s.seconds.max(1e-9),
         s.out_dir.display()
     );
+    if let Some(e) = s.eval_loss {
+        println!("eval loss {e:.4}");
+    }
     Ok(())
 }

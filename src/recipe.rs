@@ -177,15 +177,113 @@ pub enum DataFormat {
     Tokens,
     /// jsonl rows {"text": "..."}, tokenized with the model's tokenizer.json.
     Text,
+    /// jsonl rows {"instruction", "input"?, "output"}, in the Stanford Alpaca prompt.
+    Alpaca,
+    /// jsonl rows {"messages": [{"role", "content"}, ...]}, rendered with the model's chat
+    /// template.
+    Chat,
+    /// jsonl rows {"prompt", "completion"} (field names: data.prompt_field / completion_field).
+    Completion,
+}
+
+/// `data.train_on`: which tokens are trained.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TrainOn {
+    /// Every token.
+    All,
+    /// Only completions (alpaca output, completion, assistant turns) and the EOS or
+    /// end-of-turn token after each; prompts and system / user turns get label -100.
+    Completions,
+}
+
+/// `data.on_bad_row`: what a malformed row does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnBadRow {
+    /// Stop with the file, the line and the reason.
+    Error,
+    /// Skip it; skipped rows are counted and reported (first one quoted).
+    Skip,
+}
+
+/// `data.train`: one jsonl file, or several mixed with weights.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(untagged)]
+pub enum TrainFiles {
+    One(PathBuf),
+    Mix(Vec<TrainFile>),
+}
+
+/// One file of a `data.train` mix: `{ path = "a.jsonl", weight = 2.0, format = "chat" }`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainFile {
+    /// The jsonl file. Required.
+    pub path: PathBuf,
+    /// How many times each of its examples is seen per epoch, on average: 2.0 = twice,
+    /// 0.5 = a seeded half, a different half each epoch. Default: 1.0.
+    #[serde(default = "d_weight")]
+    pub weight: f64,
+    /// This file's format. Default: data.format.
+    pub format: Option<DataFormat>,
+}
+
+fn d_weight() -> f64 {
+    1.0
+}
+
+impl TrainFiles {
+    /// Every file with its weight and format (`default` where the file names none).
+    pub fn files(&self, default: DataFormat) -> Vec<TrainFile> {
+        match self {
+            TrainFiles::One(p) => vec![TrainFile {
+                path: p.clone(),
+                weight: 1.0,
+                format: Some(default),
+            }],
+            TrainFiles::Mix(v) => v
+                .iter()
+                .map(|f| TrainFile {
+                    format: Some(f.format.unwrap_or(default)),
+                    ..f.clone()
+                })
+                .collect(),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for TrainFiles {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> de::Visitor<'de> for V {
+            type Value = TrainFiles;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a jsonl path, or a list of { path, weight, format } tables")
+            }
+            fn visit_str<E: de::Error>(self, s: &str) -> Result<TrainFiles, E> {
+                Ok(TrainFiles::One(PathBuf::from(s)))
+            }
+            fn visit_seq<A: de::SeqAccess<'de>>(self, mut a: A) -> Result<TrainFiles, A::Error> {
+                let mut v = Vec::new();
+                while let Some(f) = a.next_element::<TrainFile>()? {
+                    v.push(f);
+                }
+                Ok(TrainFiles::Mix(v))
+            }
+        }
+        d.deserialize_any(V)
+    }
 }
 
 /// `[data]`: what to train on.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DataSection {
-    /// Training file (jsonl). Required.
-    pub train: PathBuf,
-    /// "tokens" | "text". Default: "text".
+    /// Training file (jsonl), or several mixed with weights:
+    /// `[{ path = "a.jsonl", weight = 2.0 }, { path = "b.jsonl", format = "chat" }]`. Required.
+    pub train: TrainFiles,
+    /// "tokens" | "text" | "alpaca" | "chat" | "completion". Default: "text".
     #[serde(default = "d_format")]
     pub format: DataFormat,
     /// Tokens per row; longer rows are truncated (and counted). Default: 512.
@@ -198,6 +296,49 @@ pub struct DataSection {
     /// examples and positions restarting at each. Default: false.
     #[serde(default)]
     pub pack: bool,
+    /// "all" | "completions" (prompts, system and user turns get label -100; the EOS or
+    /// end-of-turn token ends every completion). Default: "completions" for alpaca, chat and
+    /// completion, "all" for text and tokens.
+    pub train_on: Option<TrainOn>,
+    /// The prompt field of "completion" rows. Default: "prompt".
+    #[serde(default = "d_prompt_field")]
+    pub prompt_field: String,
+    /// The completion field of "completion" rows. Default: "completion".
+    #[serde(default = "d_completion_field")]
+    pub completion_field: String,
+    /// The chat template for "chat" rows: a path to a .jinja file, or the name of one of the
+    /// templates tokenizer_config.json lists. Default: the model's chat_template.jinja, else
+    /// tokenizer_config.json's chat_template (its "default" when it lists several).
+    pub chat_template: Option<String>,
+    /// Eval file (jsonl, in data.format). Default: none.
+    pub eval: Option<PathBuf>,
+    /// Hold out this fraction of the training examples (seeded) as the eval set, in [0, 1).
+    /// Default: 0.
+    #[serde(default)]
+    pub eval_fraction: f64,
+    /// "error" | "skip": what a malformed row does. Default: "error".
+    #[serde(default = "d_on_bad_row")]
+    pub on_bad_row: OnBadRow,
+}
+
+impl DataSection {
+    /// `train_on` for a file of `format`: as set, or the format's default.
+    pub fn train_on_for(&self, format: DataFormat) -> TrainOn {
+        self.train_on.unwrap_or(match format {
+            DataFormat::Tokens | DataFormat::Text => TrainOn::All,
+            _ => TrainOn::Completions,
+        })
+    }
+}
+
+fn d_prompt_field() -> String {
+    "prompt".into()
+}
+fn d_completion_field() -> String {
+    "completion".into()
+}
+fn d_on_bad_row() -> OnBadRow {
+    OnBadRow::Error
 }
 
 fn d_format() -> DataFormat {
@@ -263,6 +404,10 @@ pub struct TrainSection {
     /// Write a progress line / metrics row every this many steps. Default: 1.
     #[serde(default = "d_one")]
     pub log_every: usize,
+    /// Eval loss every this many steps (0 = only at the end), when data.eval or
+    /// data.eval_fraction gives an eval set. Default: 0.
+    #[serde(default)]
+    pub eval_every: usize,
 }
 
 fn d_one() -> usize {
@@ -304,6 +449,7 @@ impl Default for TrainSection {
             seed: d_seed(),
             activation_checkpointing: false,
             log_every: 1,
+            eval_every: 0,
         }
     }
 }
@@ -360,11 +506,13 @@ pub struct OutputSection {
 }
 
 /// Keys holding paths: relative values are resolved against the recipe's directory.
-const PATH_KEYS: [&str; 4] = [
+const PATH_KEYS: [&str; 6] = [
     "model.path",
     "lora.init_adapter",
     "data.train",
     "output.dir",
+    "data.eval",
+    "data.chat_template",
 ];
 
 impl Recipe {
@@ -435,7 +583,24 @@ impl Recipe {
             match key {
                 "model.path" => self.model.path.iter_mut().for_each(|p| fix(key, p)),
                 "lora.init_adapter" => self.lora.init_adapter.iter_mut().for_each(|p| fix(key, p)),
-                "data.train" => fix(key, &mut self.data.train),
+                "data.train" => match &mut self.data.train {
+                    TrainFiles::One(p) => fix(key, p),
+                    TrainFiles::Mix(v) => v.iter_mut().for_each(|f| fix(key, &mut f.path)),
+                },
+                "data.eval" => self.data.eval.iter_mut().for_each(|p| fix(key, p)),
+                // A template file, not a template name.
+                "data.chat_template" => {
+                    if let Some(t) = self
+                        .data
+                        .chat_template
+                        .as_mut()
+                        .filter(|t| t.ends_with(".jinja"))
+                    {
+                        let mut p = PathBuf::from(&*t);
+                        fix(key, &mut p);
+                        *t = p.to_string_lossy().into_owned();
+                    }
+                }
                 _ => self.output.dir.iter_mut().for_each(|p| fix(key, p)),
             }
         }
@@ -515,12 +680,7 @@ impl Recipe {
             }
         }
         let d = &self.data;
-        if !d.train.is_file() {
-            return Err(self.invalid(
-                "data.train",
-                format!("file {} does not exist", d.train.display()),
-            ));
-        }
+        self.validate_data()?;
         if d.seq_len < 2 {
             return Err(self.invalid(
                 "data.seq_len",
@@ -582,6 +742,87 @@ impl Recipe {
                 "output.merge",
                 "= true needs the merged export, which is not built yet: set it to false",
             ));
+        }
+        Ok(())
+    }
+
+    /// `[data]` checks, and `train.eval_every`, which needs an eval set.
+    fn validate_data(&self) -> Result<(), RecipeError> {
+        let d = &self.data;
+        let files = d.train.files(d.format);
+        if files.is_empty() {
+            return Err(self.invalid("data.train", "is an empty list: name at least one file"));
+        }
+        for f in &files {
+            if !f.path.is_file() {
+                return Err(self.invalid(
+                    "data.train",
+                    format!("file {} does not exist", f.path.display()),
+                ));
+            }
+            if !(f.weight.is_finite() && f.weight > 0.0) {
+                return Err(self.invalid(
+                    "data.train",
+                    format!(
+                        "weight of {} must be a positive number (1.0 = each example once per epoch)",
+                        f.path.display()
+                    ),
+                ));
+            }
+            let format = f.format.unwrap_or(d.format);
+            if matches!(format, DataFormat::Text | DataFormat::Tokens)
+                && d.train_on == Some(TrainOn::Completions)
+            {
+                return Err(self.invalid(
+                    "data.train_on",
+                    format!(
+                        "= \"completions\" needs prompts to mask, but {} is in format \"{}\": use \"all\", or the alpaca, chat or completion format (\"tokens\" rows mask with labels -100)",
+                        f.path.display(),
+                        if format == DataFormat::Text { "text" } else { "tokens" }
+                    ),
+                ));
+            }
+        }
+        if let Some(e) = &d.eval {
+            if !e.is_file() {
+                return Err(
+                    self.invalid("data.eval", format!("file {} does not exist", e.display()))
+                );
+            }
+            if d.eval_fraction > 0.0 {
+                return Err(self.invalid(
+                    "data.eval_fraction",
+                    "is set together with data.eval: keep one",
+                ));
+            }
+        }
+        if !(0.0..1.0).contains(&d.eval_fraction) {
+            return Err(self.invalid("data.eval_fraction", "must be in [0, 1)"));
+        }
+        if self.train.eval_every > 0 && d.eval.is_none() && d.eval_fraction == 0.0 {
+            return Err(self.invalid(
+                "train.eval_every",
+                "needs an eval set: set data.eval (a file) or data.eval_fraction",
+            ));
+        }
+        for (key, v) in [
+            ("data.prompt_field", &d.prompt_field),
+            ("data.completion_field", &d.completion_field),
+        ] {
+            if v.is_empty() {
+                return Err(self.invalid(key, "must name a field"));
+            }
+        }
+        if d.prompt_field == d.completion_field {
+            return Err(self.invalid(
+                "data.completion_field",
+                "must differ from data.prompt_field",
+            ));
+        }
+        if let Some(t) = d.chat_template.as_deref().filter(|t| t.ends_with(".jinja")) {
+            if !Path::new(t).is_file() {
+                return Err(self.invalid("data.chat_template", format!("file {t} does not exist")));
+            }
         }
         Ok(())
     }
@@ -687,6 +928,23 @@ mod tests {
         assert_eq!(r.data.seq_len, d_seq_len());
         assert_eq!(r.data.format, d_format());
         assert_eq!((r.data.shuffle, r.data.pack), (true, false));
+        assert_eq!(r.data.train_on, None);
+        assert_eq!(r.data.prompt_field, d_prompt_field());
+        assert_eq!(r.data.completion_field, d_completion_field());
+        assert_eq!((&r.data.chat_template, &r.data.eval), (&None, &None));
+        assert_eq!(r.data.eval_fraction, 0.0);
+        assert_eq!(r.data.on_bad_row, d_on_bad_row());
+        // Every [data] key is in reference.toml (set, or commented out where it has no value).
+        let text = std::fs::read_to_string(&path).unwrap();
+        let data: toml::Table = toml::from_str(&toml::to_string(&r.data).unwrap()).unwrap();
+        let unset = ["train_on", "chat_template", "eval"];
+        for key in data.keys().map(String::as_str).chain(unset) {
+            assert!(
+                text.lines()
+                    .any(|l| l.trim_start_matches("# ").starts_with(&format!("{key} ="))),
+                "recipes/reference.toml lacks data.{key}"
+            );
+        }
         assert_eq!((r.model.device, r.model.dtype), (DeviceKind::Cpu, None));
     }
 
@@ -737,5 +995,87 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("sits under a value"), "{e}");
+    }
+
+    #[test]
+    fn train_mix_parses_resolves_validates_and_round_trips() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("m")).unwrap();
+        for f in ["a.jsonl", "b.jsonl"] {
+            std::fs::write(dir.path().join(f), "{}").unwrap();
+        }
+        let p = dir.path().join("r.toml");
+        let head = "[model]\npath = \"m\"\n[data]\n";
+        std::fs::write(
+            &p,
+            format!("{head}train = [{{ path = \"a.jsonl\", weight = 2.0 }}, {{ path = \"b.jsonl\", format = \"chat\" }}]\nformat = \"alpaca\"\n"),
+        )
+        .unwrap();
+        let r = Recipe::load(&p, &[]).unwrap();
+        let files = r.data.train.files(r.data.format);
+        assert_eq!(files.len(), 2);
+        assert_eq!(files[0].path, dir.path().join("a.jsonl"));
+        assert_eq!(
+            (files[0].weight, files[0].format),
+            (2.0, Some(DataFormat::Alpaca))
+        );
+        assert_eq!(
+            (files[1].weight, files[1].format),
+            (1.0, Some(DataFormat::Chat))
+        );
+        assert_eq!(r.data.train_on_for(DataFormat::Chat), TrainOn::Completions);
+        assert_eq!(r.data.train_on_for(DataFormat::Text), TrainOn::All);
+        // The resolved recipe (written beside the adapter) loads back as the same recipe.
+        let back = dir.path().join("back.toml");
+        std::fs::write(&back, r.to_toml()).unwrap();
+        assert_eq!(Recipe::load(&back, &[]).unwrap().data.train, r.data.train);
+
+        let err = |text: &str, sets: &[&str]| {
+            std::fs::write(&p, format!("{head}{text}")).unwrap();
+            let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+            Recipe::load(&p, &sets).unwrap_err().to_string()
+        };
+        let e = err("train = [{ path = \"a.jsonl\", wieght = 2 }]\n", &[]);
+        assert!(
+            e.contains("unknown field `wieght`, expected one of `path`, `weight`, `format`"),
+            "{e}"
+        );
+        let e = err("train = [{ path = \"a.jsonl\", weight = 0 }]\n", &[]);
+        assert!(
+            e.ends_with("must be a positive number (1.0 = each example once per epoch)"),
+            "{e}"
+        );
+        let e = err("train = []\n", &[]);
+        assert!(
+            e.ends_with("`data.train` is an empty list: name at least one file"),
+            "{e}"
+        );
+        let e = err("train = \"a.jsonl\"\ntrain_on = \"completions\"\n", &[]);
+        assert!(
+            e.contains("`data.train_on` = \"completions\" needs prompts to mask"),
+            "{e}"
+        );
+        let e = err("train = \"a.jsonl\"\n", &["train.eval_every=5"]);
+        assert!(e.ends_with("`train.eval_every` needs an eval set: set data.eval (a file) or data.eval_fraction"), "{e}");
+        let e = err(
+            "train = \"a.jsonl\"\neval = \"b.jsonl\"\neval_fraction = 0.1\n",
+            &[],
+        );
+        assert!(
+            e.ends_with("`data.eval_fraction` is set together with data.eval: keep one"),
+            "{e}"
+        );
+        let e = err("train = \"a.jsonl\"\neval_fraction = 1.0\n", &[]);
+        assert!(e.ends_with("`data.eval_fraction` must be in [0, 1)"), "{e}");
+        let e = err("train = \"a.jsonl\"\nchat_template = \"t.jinja\"\n", &[]);
+        assert!(
+            e.contains("`data.chat_template` file ") && e.ends_with("t.jinja does not exist"),
+            "{e}"
+        );
+        let e = err("train = \"a.jsonl\"\non_bad_row = \"ignore\"\n", &[]);
+        assert!(
+            e.contains("unknown variant `ignore`, expected `error` or `skip`"),
+            "{e}"
+        );
     }
 }

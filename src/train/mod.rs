@@ -4,15 +4,17 @@
 //! the mean token cross-entropy over all its counted tokens (not a mean of micro-batch means).
 
 pub mod driver;
+pub mod eval;
 pub mod optim;
 pub mod schedule;
 
-use crate::data::{Batch, Dataset, Sampler, TextTokenizer};
+use crate::data::chat::ChatTemplate;
+use crate::data::{Batch, Dataset, Example, Sampler, TextTokenizer, IGNORE};
 use crate::export;
 use crate::hub;
 use crate::lora::LoraSpec;
 use crate::model::Model;
-use crate::recipe::{DataFormat, DeviceKind, Dtype, Recipe};
+use crate::recipe::{DataFormat, DataSection, DeviceKind, Dtype, Recipe, RecipeError};
 use crate::util::atomic_write;
 use anyhow::{Context, Result};
 use candle_core::{DType, Device};
@@ -31,6 +33,10 @@ pub struct RunSummary {
     pub tokens: usize,
     pub seconds: f64,
     pub truncated: usize,
+    /// The last eval loss (at the end), when there is an eval set.
+    pub eval_loss: Option<f64>,
+    /// Bad rows skipped (data.on_bad_row = "skip").
+    pub skipped: usize,
 }
 
 /// Everything a run needs, built from a recipe (model loaded, data read).
@@ -42,6 +48,11 @@ pub struct Session {
     pub sampler: Sampler,
     pub pad_id: u32,
     pub base_name: String,
+    /// The eval set (data.eval, or held out by data.eval_fraction).
+    pub eval: Option<Dataset>,
+    /// What loading the data found worth telling: skipped rows, dropped examples, how
+    /// chat turns end.
+    pub data_notes: Vec<String>,
 }
 
 pub fn device_and_dtype(recipe: &Recipe) -> Result<(Device, DType)> {
@@ -88,19 +99,73 @@ impl Session {
             export::load_adapter_weights(p, &model)
                 .with_context(|| format!("cannot load lora.init_adapter {}", p.display()))?;
         }
-        let tok = match recipe.data.format {
-            DataFormat::Text => {
+        let d = &recipe.data;
+        let mut formats: Vec<DataFormat> = d
+            .train
+            .files(d.format)
+            .iter()
+            .filter_map(|f| f.format)
+            .collect();
+        if d.eval.is_some() {
+            formats.push(d.format);
+        }
+        let tok = match formats.iter().find(|f| **f != DataFormat::Tokens) {
+            Some(f) => {
                 let t = files.tokenizer.as_ref().with_context(|| {
                     format!(
-                        "data.format = \"text\" needs {}/tokenizer.json, which is missing",
+                        "data format \"{}\" needs {}/tokenizer.json, which is missing",
+                        crate::data::format_name(*f),
                         dir.display()
                     )
                 })?;
-                Some(TextTokenizer::load(t, files.tokenizer_config.as_deref())?)
+                let mut tok = TextTokenizer::load(t, files.tokenizer_config.as_deref())?;
+                if formats.contains(&DataFormat::Chat) {
+                    let choice = d.chat_template.as_deref();
+                    let tpl = ChatTemplate::load(
+                        &dir,
+                        files.tokenizer_config.as_deref(),
+                        choice,
+                        tok.specials.clone(),
+                    )
+                    .map_err(|e| RecipeError::Invalid {
+                        path: recipe.source.clone(),
+                        key: "data.chat_template".into(),
+                        msg: match choice {
+                            None => format!("is unset, and {e:#}"),
+                            Some(c) => format!("= \"{c}\": {e:#}"),
+                        },
+                    })?;
+                    tok.chat = Some(tpl);
+                }
+                Some(tok)
             }
-            DataFormat::Tokens => None,
+            None => None,
         };
-        let data = Dataset::load(&recipe.data, tok.as_ref(), model.cfg.vocab_size)?;
+        let vocab = model.cfg.vocab_size;
+        let mut data = Dataset::load(d, tok.as_ref(), vocab)?;
+        let eval = match Dataset::load_eval(d, tok.as_ref(), vocab)? {
+            Some(e) => Some(e),
+            None if d.eval_fraction > 0.0 => {
+                if data.examples.len() < 2 {
+                    anyhow::bail!(
+                        "data.eval_fraction = {} needs at least 2 examples; the data has {}",
+                        d.eval_fraction,
+                        data.examples.len()
+                    );
+                }
+                Some(data.split_eval(d.eval_fraction, recipe.train.seed))
+            }
+            None => None,
+        };
+        if let Some(e) = &eval {
+            if e.examples
+                .iter()
+                .all(|x| x.labels.iter().skip(1).all(|&l| l == IGNORE))
+            {
+                anyhow::bail!("the eval set has no token to predict: every label is -100");
+            }
+        }
+        let data_notes = data_notes(&data, eval.as_ref(), tok.as_ref(), d);
         let sampler = Sampler::new(&data, &recipe.data, recipe.train.seed);
         let pad_id = model.cfg.pad_token_id.unwrap_or(0);
         // What PEFT loads the base from: the Hub id, or the local directory.
@@ -117,7 +182,33 @@ impl Session {
             sampler,
             pad_id,
             base_name,
+            eval,
+            data_notes,
         })
+    }
+
+    /// Mean token cross-entropy over the eval set (no dropout, no gradients) and its number
+    /// of tokens; None without an eval set.
+    pub fn eval_loss(&self) -> Result<Option<(f64, usize)>> {
+        let Some(ev) = &self.eval else {
+            return Ok(None);
+        };
+        let cfg = DataSection {
+            shuffle: false,
+            ..self.recipe.data.clone()
+        };
+        let rows = Sampler::new(ev, &cfg, 0).rows(0);
+        let (mut sum, mut n) = (0.0, 0);
+        for chunk in rows.chunks(self.recipe.train.micro_batch) {
+            let rows: Vec<Vec<&Example>> = chunk
+                .iter()
+                .map(|r| r.iter().map(|&i| &ev.examples[i]).collect())
+                .collect();
+            let b = Batch::from_rows(&rows, self.pad_id, cfg.pack);
+            sum += eval::ce_sum(&self.model, &b)?;
+            n += b.n_targets();
+        }
+        Ok(Some((sum / n.max(1) as f64, n)))
     }
 
     /// The steps of one epoch: steps → micro-batches → rows → example indices.
@@ -164,6 +255,7 @@ impl Session {
         let start = Instant::now();
         let (mut step, mut epoch, mut tokens) = (0usize, 0usize, 0usize);
         let mut losses = Vec::with_capacity(total);
+        let mut last_eval = None;
         'outer: loop {
             for micro_batches in self.epoch_plan(epoch) {
                 if step >= total {
@@ -194,14 +286,28 @@ impl Session {
                 losses.push(loss);
                 let secs = start.elapsed().as_secs_f64();
                 let tok_s = tokens as f64 / secs.max(1e-9);
-                if step % t.log_every == 0 || step == total {
-                    let row = serde_json::json!({
+                // Eval every eval_every steps and at the end.
+                let eval = if step == total || (t.eval_every > 0 && step % t.eval_every == 0) {
+                    self.eval_loss()?
+                } else {
+                    None
+                };
+                if step % t.log_every == 0 || step == total || eval.is_some() {
+                    let mut row = serde_json::json!({
                         "step": step, "epoch": epoch, "loss": loss, "lr": lr,
                         "grad_norm": grad_norm, "tokens": tokens, "target_tokens": denom,
                         "tok_per_s": tok_s, "elapsed_s": secs,
+                        "truncated": self.data.truncated, "skipped_rows": self.data.skipped,
                     });
+                    let mut msg = format!("loss {loss:.4}  ");
+                    if let Some((l, n)) = eval {
+                        row["eval_loss"] = l.into();
+                        row["eval_tokens"] = n.into();
+                        msg.push_str(&format!("eval {l:.4}  "));
+                        last_eval = Some(l);
+                    }
                     writeln!(metrics, "{row}").context("cannot write metrics.jsonl")?;
-                    let msg = format!("loss {loss:.4}  lr {lr:.2e}  {tok_s:.0} tok/s");
+                    let msg = format!("{msg}lr {lr:.2e}  {tok_s:.0} tok/s");
                     if bar.is_hidden() {
                         eprintln!("step {step}/{total}  {msg}");
                     }
@@ -224,6 +330,8 @@ impl Session {
             tokens,
             seconds: start.elapsed().as_secs_f64(),
             truncated: self.data.truncated,
+            eval_loss: last_eval,
+            skipped: self.data.skipped,
         })
     }
 }
@@ -272,5 +380,78 @@ pub fn run(recipe: Recipe) -> Result<RunSummary> {
         session.recipe.data.seq_len,
         session.total_steps()
     );
+    for note in &session.data_notes {
+        eprintln!("{note}");
+    }
     session.train(&out_dir)
+}
+
+/// Lines about the data beyond counts: the mix, skipped rows, dropped examples, how chat turns
+/// end (and a warning when `generate` would not stop there), the eval set.
+fn data_notes(
+    data: &Dataset,
+    eval: Option<&Dataset>,
+    tok: Option<&TextTokenizer>,
+    d: &DataSection,
+) -> Vec<String> {
+    let mut notes = Vec::new();
+    if data.files.len() > 1 {
+        let mix: Vec<String> = data
+            .files
+            .iter()
+            .enumerate()
+            .map(|(k, (p, w))| {
+                let n = data.file_of.iter().filter(|&&f| f == k).count();
+                format!("{} ({n} examples, weight {w})", p.display())
+            })
+            .collect();
+        notes.push(format!("data mix: {}", mix.join(", ")));
+    }
+    if data.skipped > 0 {
+        notes.push(format!(
+            "skipped {} bad rows (data.on_bad_row = \"skip\"); first: {}",
+            data.skipped,
+            data.skipped_first.join("; ")
+        ));
+    }
+    if data.no_targets > 0 {
+        notes.push(format!(
+            "dropped {} examples with no completion token left after truncation to seq_len {}",
+            data.no_targets, d.seq_len
+        ));
+    }
+    if data.eos_added > 0 {
+        notes.push(format!(
+            "appended the EOS token to {} assistant turns that the chat template ends with no stop token",
+            data.eos_added
+        ));
+    }
+    if let Some(tok) = tok {
+        for (&id, &n) in &data.turn_ends {
+            let name = tok.token_text(id).unwrap_or_default();
+            notes.push(format!("{n} completions end with {name} (id {id})"));
+            if !tok.generate_stop_ids.is_empty() && !tok.generate_stop_ids.contains(&id) {
+                notes.push(format!(
+                    "warning: {name} (id {id}) ends the assistant turns, but generation_config.json / config.json eos_token_id {:?} does not list it: generation will not stop there unless you add it",
+                    tok.generate_stop_ids
+                ));
+            }
+        }
+    }
+    if let Some(e) = eval {
+        let from = match &d.eval {
+            Some(p) => p.display().to_string(),
+            None => format!(
+                "data.eval_fraction {} of the training data",
+                d.eval_fraction
+            ),
+        };
+        notes.push(format!(
+            "eval: {} examples from {from} ({} truncated, {} bad rows skipped)",
+            e.examples.len(),
+            e.truncated,
+            e.skipped
+        ));
+    }
+    notes
 }

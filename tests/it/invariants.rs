@@ -215,3 +215,58 @@ fn init_adapter_round_trips_through_our_writer() {
     let info = lora_train::export::read_adapter_config(&dir).unwrap();
     assert_eq!(info.spec, s.spec);
 }
+
+#[test]
+fn eval_loss_is_the_mean_token_ce_of_a_plain_forward_packed_or_not() {
+    let (_t, s) = session("llama_gqa", &["data.eval_fraction=0.5", "lora.dropout=0.2"]);
+    let ev = s.eval.as_ref().unwrap();
+    assert_eq!(ev.examples.len() + s.data.examples.len(), 8);
+    let (loss, n) = s.eval_loss().unwrap().unwrap();
+    // Independently: the whole model's logits, log-softmax in f64, every example alone.
+    let (mut sum, mut count) = (0.0, 0);
+    for e in &ev.examples {
+        let b = Batch::from_rows(&[vec![e]], 0, false);
+        let logits: Vec<Vec<f32>> = driver::logits(&s.model, &b)
+            .unwrap()
+            .squeeze(0)
+            .unwrap()
+            .to_vec2()
+            .unwrap();
+        for &(i, t) in &b.targets {
+            let row = &logits[i];
+            let max = row.iter().fold(f64::MIN, |m, &x| m.max(x as f64));
+            let lse = max
+                + row
+                    .iter()
+                    .map(|&x| (x as f64 - max).exp())
+                    .sum::<f64>()
+                    .ln();
+            sum += lse - row[t as usize] as f64;
+            count += 1;
+        }
+    }
+    assert_eq!(n, count);
+    assert!(
+        (loss - sum / count as f64).abs() <= 1e-5 * loss,
+        "{loss} vs {}",
+        sum / count as f64
+    );
+    // The eval forward equals the training forward's loss (which, without dropout keys, has
+    // none), and packing the eval set does not change it.
+    let rows: Vec<Vec<&Example>> = ev.examples.iter().map(|e| vec![e]).collect();
+    let b = Batch::from_rows(&rows, 0, false);
+    let ce = lora_train::train::eval::ce_sum(&s.model, &b).unwrap();
+    let (ce_train, _) = grads_of(&s, &b, false, None);
+    assert!((ce - ce_train).abs() <= 1e-6 * ce, "{ce} vs {ce_train}");
+    let (_t, p) = session(
+        "llama_gqa",
+        &[
+            "data.eval_fraction=0.5",
+            "data.pack=true",
+            "train.micro_batch=1",
+        ],
+    );
+    let (packed, n_packed) = p.eval_loss().unwrap().unwrap();
+    assert_eq!(n_packed, n);
+    assert!((packed - loss).abs() <= 1e-5 * loss, "{packed} vs {loss}");
+}

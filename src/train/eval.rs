@@ -1,0 +1,39 @@
+//! Eval loss: token cross-entropy over a batch, forward only.
+//!
+//! The adapters are `Var`s, so candle records a graph through every op that touches them;
+//! detaching each layer's output drops that graph, so at most one layer's activations are
+//! alive at once, and no backward is ever run.
+
+use crate::data::Batch;
+use crate::model::llama::cross_entropy_sum;
+use crate::model::Model;
+use candle_core::{Result, Tensor};
+
+/// Target rows through the head at a time: logits are [rows, V] f32 (V = 128k: 0.5 GB).
+const HEAD_CHUNK: usize = 1024;
+
+/// Σ token CE over the batch's counted tokens (no dropout); divide by `batch.n_targets()`.
+pub fn ce_sum(model: &Model, batch: &Batch) -> Result<f64> {
+    if batch.targets.is_empty() {
+        return Ok(0.0);
+    }
+    let dev = &model.device;
+    let (b, t) = (batch.b, batch.t);
+    let ids = Tensor::from_slice(&batch.ids, (b, t), dev)?;
+    let ctx = model.ctx(&batch.positions, b, t, batch.segments.clone(), None)?;
+    let mut x = model.embed(&ids)?; // [B, T, C]
+    for layer in &model.layers {
+        x = layer.forward(&x, &ctx)?.detach();
+    }
+    let h = x.reshape((b * t, model.cfg.hidden_size))?; // [B·T, C]
+    let mut sum = 0.0;
+    for chunk in batch.targets.chunks(HEAD_CHUNK) {
+        let rows: Vec<u32> = chunk.iter().map(|&(i, _)| i as u32).collect();
+        let tgt: Vec<u32> = chunk.iter().map(|&(_, l)| l).collect();
+        let rows = Tensor::from_vec(rows, chunk.len(), dev)?;
+        let tgt = Tensor::from_vec(tgt, chunk.len(), dev)?;
+        let logits = model.head(&h.index_select(&rows, 0)?)?.detach(); // [N, V] f32
+        sum += cross_entropy_sum(&logits, &tgt)?.to_scalar::<f32>()? as f64;
+    }
+    Ok(sum)
+}
