@@ -1,7 +1,9 @@
 //! One integration-test binary (one link): golden checks against transformers + PEFT, driver
-//! invariants, and the real CLI.
+//! invariants, the real CLI, checkpoints and exact resume, and the merged export.
 
 mod cli;
 mod common;
 mod golden;
 mod invariants;
+mod merge;
+mod resume;
