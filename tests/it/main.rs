@@ -3,6 +3,7 @@
 
 mod cli;
 mod common;
+mod compat;
 mod golden;
 mod invariants;
 mod merge;
