@@ -147,8 +147,10 @@ impl Session {
         self.train_from(out_dir, resume.as_ref(), &|_| false)
     }
 
-    /// `train`, from `resume` (else from the start). After each step but the last,
-    /// `stop(step)` is asked whether to save a checkpoint and return `stop::Interrupted`.
+    /// `train`, from `resume` (else from the start, removing the checkpoints in `out_dir`:
+    /// `checkpoint::resume_point` is what refuses to start over an unfinished run). After each
+    /// step but the last, `stop(step)` is asked whether to save a checkpoint and return
+    /// `stop::Interrupted`.
     pub fn train_from(
         &self,
         out_dir: &Path,
