@@ -4,6 +4,8 @@
 //! (B [out, r]), f32, with safetensors metadata {"format": "pt"}, so that
 //! `PeftModel.from_pretrained(base, dir)` loads them as-is.
 
+pub mod merge;
+
 use crate::lora::{LoraSpec, ALL_LINEAR};
 use crate::model::Model;
 use crate::util::atomic_write;

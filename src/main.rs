@@ -1,7 +1,9 @@
 //! The `lora-train` command line: thin commands over the library.
 
-use clap::{Args, Parser, Subcommand};
-use lora_train::recipe::{Recipe, RecipeError};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use lora_train::export::merge::{merge, MergeOptions};
+use lora_train::recipe::{Dtype, Recipe, RecipeError};
+use lora_train::train::stop::{Interrupted, EXIT_INTERRUPTED};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -29,6 +31,9 @@ enum Command {
     /// Download a Hub model (config, tokenizer, safetensors) into the Hugging Face cache and
     /// print its directory. Honours HF_HOME, HF_HUB_CACHE, HF_TOKEN, HF_ENDPOINT, HF_HUB_OFFLINE.
     Download(DownloadArgs),
+    /// Merge a PEFT LoRA adapter into its base model and write the full weights
+    /// (sharded safetensors, config and tokenizer files), loadable by transformers.
+    Export(ExportArgs),
 }
 
 #[derive(Args, Clone)]
@@ -43,6 +48,37 @@ struct DownloadArgs {
 
 fn repo_id(s: &str) -> Result<String, String> {
     lora_train::hub::check_repo_id(s).map(|()| s.to_string())
+}
+
+#[derive(Args, Clone)]
+struct ExportArgs {
+    /// The PEFT adapter directory (adapter_config.json + adapter_model.safetensors).
+    #[arg(long)]
+    adapter: PathBuf,
+    /// Where to write the merged model; must not exist or be empty.
+    #[arg(long)]
+    out: PathBuf,
+    /// The base checkpoint directory. Default: the adapter's base_model_name_or_path, when
+    /// that is a local directory.
+    #[arg(long)]
+    base: Option<PathBuf>,
+    /// Dtype of the written weights. Default: each tensor's dtype in the base checkpoint.
+    #[arg(long, value_enum)]
+    dtype: Option<ExportDtype>,
+    /// Largest shard, e.g. 5GB, 500MB, 2GiB.
+    #[arg(long, default_value = lora_train::export::merge::DEFAULT_MAX_SHARD_SIZE, value_parser = parse_size)]
+    max_shard_size: u64,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum ExportDtype {
+    F32,
+    Bf16,
+    F16,
+}
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    lora_train::export::merge::parse_size(s).map_err(|m| m.trim_start_matches("= ").to_string())
 }
 
 #[derive(Args, Clone)]
@@ -93,7 +129,9 @@ struct TrainArgs {
     set: Vec<String>,
 }
 
-/// Exit codes: 0 done, 1 the run failed, 2 the recipe or the command line is wrong.
+/// Exit codes: 0 done, 1 the run failed, 2 the recipe or the command line is wrong,
+/// 130 stopped by SIGINT / SIGTERM with a checkpoint saved (resumable), 131 a second signal
+/// ended it at once (the last complete checkpoint is intact).
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let res = match cli.command {
@@ -101,6 +139,7 @@ fn main() -> ExitCode {
         Some(Command::Check(a)) => run("check", a),
         Some(Command::Bench(b)) => bench(b),
         Some(Command::Download(d)) => download(d),
+        Some(Command::Export(a)) => export(a),
         None => run("train", cli.train),
     };
     finish(res)
@@ -174,7 +213,29 @@ fn run(cmd: &str, args: TrainArgs) -> anyhow::Result<()> {
         print!("{}", recipe.to_toml());
         return Ok(());
     }
-    let s = lora_train::train::run(recipe)?;
+    let res = lora_train::train::run(recipe);
+    if let Err(e) = &res {
+        if let Some(i) = e.downcast_ref::<Interrupted>() {
+            // The exact command that continues this run.
+            let mut cmd = vec![
+                "lora-train".to_string(),
+                "--recipe".into(),
+                quote(&path.to_string_lossy()),
+            ];
+            for s in args
+                .set
+                .iter()
+                .filter(|s| !s.trim_start().starts_with("train.resume"))
+            {
+                cmd.push("--set".into());
+                cmd.push(quote(s));
+            }
+            cmd.extend(["--set".into(), "train.resume=true".into()]);
+            eprintln!("{i}\nresume with: {}", cmd.join(" "));
+            std::process::exit(EXIT_INTERRUPTED.into());
+        }
+    }
+    let s = res?;
     let last = s.losses.last().copied().unwrap_or(f64::NAN);
     let first = s.losses.first().copied().unwrap_or(f64::NAN);
     println!(
@@ -187,5 +248,59 @@ fn run(cmd: &str, args: TrainArgs) -> anyhow::Result<()> {
     if let Some(e) = s.eval_loss {
         println!("eval loss {e:.4}");
     }
+    Ok(())
+}
+
+/// `s` as one shell word.
+fn quote(s: &str) -> String {
+    let plain = |c: char| c.is_ascii_alphanumeric() || "_-./=:,+@%".contains(c);
+    if !s.is_empty() && s.chars().all(plain) {
+        s.to_string()
+    } else {
+        format!("'{}'", s.replace('\'', "'\\''"))
+    }
+}
+
+fn export(a: ExportArgs) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let base = match a.base {
+        Some(b) => b,
+        None => {
+            let info = lora_train::export::read_adapter_config(&a.adapter)?;
+            let name = info.base_model.unwrap_or_default();
+            let p = PathBuf::from(&name);
+            if name.is_empty() || !p.join("config.json").is_file() {
+                anyhow::bail!(
+                    "{}: base_model_name_or_path = \"{name}\" is not a local checkpoint directory: pass --base DIR",
+                    a.adapter.join(lora_train::export::CONFIG).display()
+                );
+            }
+            p
+        }
+    };
+    let opts = MergeOptions {
+        dtype: a.dtype.map(|d| match d {
+            ExportDtype::F32 => Dtype::F32,
+            ExportDtype::Bf16 => Dtype::Bf16,
+            ExportDtype::F16 => Dtype::F16,
+        }),
+        max_shard_size: a.max_shard_size,
+        replace: false,
+    };
+    let r = merge(&a.adapter, &base, &a.out, &opts).with_context(|| {
+        format!(
+            "cannot merge {} into {}",
+            a.adapter.display(),
+            base.display()
+        )
+    })?;
+    println!(
+        "merged {} of {} tensors; wrote {} ({} shard(s), {:.1} MB)",
+        r.merged,
+        r.tensors,
+        r.out.display(),
+        r.shards,
+        r.total_size as f64 / 1e6
+    );
     Ok(())
 }

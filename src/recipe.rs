@@ -234,6 +234,18 @@ fn d_weight() -> f64 {
 }
 
 impl TrainFiles {
+    /// The file names, for messages.
+    pub fn describe(&self) -> String {
+        match self {
+            TrainFiles::One(p) => p.display().to_string(),
+            TrainFiles::Mix(v) => v
+                .iter()
+                .map(|f| f.path.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
+        }
+    }
+
     /// Every file with its weight and format (`default` where the file names none).
     pub fn files(&self, default: DataFormat) -> Vec<TrainFile> {
         match self {
@@ -408,6 +420,49 @@ pub struct TrainSection {
     /// data.eval_fraction gives an eval set. Default: 0.
     #[serde(default)]
     pub eval_every: usize,
+    /// Continue from a checkpoint, exactly: `true` = the newest complete checkpoint-<step>/ in
+    /// the output directory (none: start fresh), or the path of one checkpoint directory.
+    /// The recipe must match the checkpoint's in everything that changes the numbers.
+    /// Default: false (start fresh).
+    #[serde(default)]
+    pub resume: Resume,
+    /// On a non-finite loss or gradient, skip that step's update (and count it) instead of
+    /// stopping the run. Default: false.
+    #[serde(default)]
+    pub skip_nonfinite: bool,
+}
+
+/// `train.resume`: false | true | "path/to/checkpoint-<step>".
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(untagged)]
+pub enum Resume {
+    Flag(bool),
+    Path(PathBuf),
+}
+
+impl Default for Resume {
+    fn default() -> Self {
+        Resume::Flag(false)
+    }
+}
+
+impl<'de> Deserialize<'de> for Resume {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl de::Visitor<'_> for V {
+            type Value = Resume;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("true, false or the path of a checkpoint directory")
+            }
+            fn visit_bool<E: de::Error>(self, b: bool) -> Result<Resume, E> {
+                Ok(Resume::Flag(b))
+            }
+            fn visit_str<E: de::Error>(self, s: &str) -> Result<Resume, E> {
+                Ok(Resume::Path(PathBuf::from(s)))
+            }
+        }
+        d.deserialize_any(V)
+    }
 }
 
 fn d_one() -> usize {
@@ -450,6 +505,8 @@ impl Default for TrainSection {
             activation_checkpointing: false,
             log_every: 1,
             eval_every: 0,
+            resume: Resume::default(),
+            skip_nonfinite: false,
         }
     }
 }
@@ -497,22 +554,32 @@ pub struct OutputSection {
     /// Output directory. Default: "adapters/<recipe file name without .toml>", relative to the
     /// current directory.
     pub dir: Option<PathBuf>,
-    /// Also save a checkpoint-<step>/ adapter every this many steps (0 = only at the end).
+    /// Save checkpoint-<step>/ (adapter, optimiser state, trainer state) every this many
+    /// steps and at the last step; 0 = none (SIGINT / SIGTERM still save one). Default: 0.
     #[serde(default)]
     pub save_every: usize,
-    /// Also write merged full weights (needs the export command, not built yet).
+    /// Also write merged full weights (W + scale·B·A, in the base checkpoint's dtype) to
+    /// <dir>/merged/ at the end of the run. Default: false.
     #[serde(default)]
     pub merge: bool,
+    /// Keep only the newest this many checkpoint-<step>/ directories (0 = keep all).
+    /// Default: 0.
+    #[serde(default)]
+    pub keep_last: usize,
+    /// Largest safetensors shard of the merged model, e.g. "5GB", "500MB", "2GiB".
+    /// Default: "5GB".
+    pub max_shard_size: Option<String>,
 }
 
 /// Keys holding paths: relative values are resolved against the recipe's directory.
-const PATH_KEYS: [&str; 6] = [
+const PATH_KEYS: [&str; 7] = [
     "model.path",
     "lora.init_adapter",
     "data.train",
     "output.dir",
     "data.eval",
     "data.chat_template",
+    "train.resume",
 ];
 
 impl Recipe {
@@ -599,6 +666,11 @@ impl Recipe {
                         let mut p = PathBuf::from(&*t);
                         fix(key, &mut p);
                         *t = p.to_string_lossy().into_owned();
+                    }
+                }
+                "train.resume" => {
+                    if let Resume::Path(p) = &mut self.train.resume {
+                        fix(key, p)
                     }
                 }
                 _ => self.output.dir.iter_mut().for_each(|p| fix(key, p)),
@@ -737,11 +809,22 @@ impl Recipe {
             }
             _ => {}
         }
-        if self.output.merge {
-            return Err(self.invalid(
-                "output.merge",
-                "= true needs the merged export, which is not built yet: set it to false",
-            ));
+        if let Resume::Path(p) = &t.resume {
+            if !p.join(crate::train::checkpoint::STATE).is_file() {
+                return Err(self.invalid(
+                    "train.resume",
+                    format!(
+                        "= \"{}\" is not a checkpoint directory (it has no {}); use true for the newest checkpoint in the output directory",
+                        p.display(),
+                        crate::train::checkpoint::STATE
+                    ),
+                ));
+            }
+        }
+        if let Some(s) = &self.output.max_shard_size {
+            if let Err(msg) = crate::export::merge::parse_size(s) {
+                return Err(self.invalid("output.max_shard_size", msg));
+            }
         }
         Ok(())
     }
@@ -1077,5 +1160,51 @@ mod tests {
             e.contains("unknown variant `ignore`, expected `error` or `skip`"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn resume_takes_a_flag_or_a_checkpoint_path() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("m")).unwrap();
+        std::fs::write(dir.path().join("d.jsonl"), "{}").unwrap();
+        let ck = dir.path().join("out/checkpoint-3");
+        std::fs::create_dir_all(&ck).unwrap();
+        std::fs::write(ck.join("trainer_state.json"), "{}").unwrap();
+        let p = dir.path().join("r.toml");
+        let base = "[model]\npath = \"m\"\n[data]\ntrain = \"d.jsonl\"\n";
+        std::fs::write(
+            &p,
+            format!("{base}[train]\nresume = \"out/checkpoint-3\"\n"),
+        )
+        .unwrap();
+        // A path in the recipe is relative to the recipe's directory.
+        let r = Recipe::load(&p, &[]).unwrap();
+        assert_eq!(r.train.resume, Resume::Path(ck));
+        let r = Recipe::load(&p, &["train.resume=true".into()]).unwrap();
+        assert_eq!(r.train.resume, Resume::Flag(true));
+        let load_err = |set: &str| Recipe::load(&p, &[set.into()]).unwrap_err().to_string();
+        let e = load_err("train.resume=no/such/dir");
+        assert!(
+            e.ends_with("`train.resume` = \"no/such/dir\" is not a checkpoint directory (it has no trainer_state.json); use true for the newest checkpoint in the output directory"),
+            "{e}"
+        );
+        let e = load_err("train.resume=3");
+        assert!(
+            e.contains("expected true, false or the path of a checkpoint directory"),
+            "{e}"
+        );
+        let e = load_err("output.max_shard_size=5XB");
+        assert!(
+            e.ends_with("`output.max_shard_size` = \"5XB\" is not a size: write a number with a unit, e.g. \"5GB\", \"500MB\", \"2GiB\""),
+            "{e}"
+        );
+        let sets = [
+            "output.merge=true",
+            "output.keep_last=2",
+            "train.skip_nonfinite=true",
+        ];
+        let r = Recipe::load(&p, &sets.map(String::from)).unwrap();
+        assert!(r.output.merge && r.train.skip_nonfinite);
+        assert_eq!(r.output.keep_last, 2);
     }
 }

@@ -64,6 +64,33 @@ impl AdamW {
     pub fn state(&self) -> (&[Tensor], &[Tensor]) {
         (&self.m, &self.v)
     }
+
+    /// Puts back state saved from `state()` after `t` updates (resuming a checkpoint); one
+    /// (m, v) per parameter, in `params` order, each of its parameter's shape.
+    pub fn load_state(&mut self, m: Vec<Tensor>, v: Vec<Tensor>, t: usize) -> Result<()> {
+        if m.len() != self.params.len() || v.len() != self.params.len() {
+            candle_core::bail!(
+                "optimiser state for {}/{} tensors, but there are {} parameters",
+                m.len(),
+                v.len(),
+                self.params.len()
+            );
+        }
+        for ((p, m), v) in self.params.iter().zip(&m).zip(&v) {
+            if m.dims() != p.dims() || v.dims() != p.dims() {
+                candle_core::bail!(
+                    "optimiser state of shape {:?}/{:?} for a parameter of shape {:?}",
+                    m.dims(),
+                    v.dims(),
+                    p.dims()
+                );
+            }
+        }
+        self.m = m;
+        self.v = v;
+        self.t = t;
+        Ok(())
+    }
 }
 
 /// Scales all gradients so their global L2 norm is at most `max_norm` (0 = no clipping).

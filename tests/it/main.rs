@@ -1,12 +1,15 @@
 //! One integration-test binary (one link): golden checks against transformers + PEFT, driver
-//! invariants, and the real CLI.
+//! invariants, the real CLI, checkpoints and exact resume, and the merged export.
 
 mod chat;
 mod cli;
 mod common;
+mod compat;
 mod data;
 mod data_cli;
 mod golden;
 mod hub;
 mod invariants;
+mod merge;
 mod ops;
+mod resume;

@@ -1,0 +1,399 @@
+//! Checkpoints and exact resume.
+//!
+//! `<output dir>/checkpoint-<step>/` (step = optimiser steps done) holds:
+//! - `adapter_model.safetensors`, `adapter_config.json`: the PEFT adapter at that step;
+//! - `optimizer.safetensors`: AdamW's m and v per parameter (f32), keyed
+//!   `<PEFT key>.exp_avg` / `<PEFT key>.exp_avg_sq`;
+//! - `trainer_state.json`: step, data cursor, schedule inputs, seed, the update count t of
+//!   AdamW, a loss tail, and the recipe fields that change the numbers;
+//! - `recipe.toml`: the resolved recipe, for people.
+//!
+//! Nothing else is needed for an exact continuation: the data order is a pure function of
+//! (seed, epoch) and dropout masks of (seed, step, micro-batch, layer, module), so (step,
+//! cursor, adapter, m, v, t) is the whole state. A checkpoint is written into a temporary
+//! directory `.checkpoint-<step>.tmp-<pid>` and renamed into place once complete:
+//! checkpoint-<step>/ is never partial, and killing the process mid-write leaves the earlier
+//! checkpoints as they were.
+
+use super::optim::AdamW;
+use super::Session;
+use crate::export;
+use crate::export::merge::{replace_dir, sync_dir, sync_dir_files};
+use crate::recipe::{Recipe, RecipeError, Resume, Schedule};
+use anyhow::{bail, Context, Result};
+use candle_core::{Device, Tensor};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+pub const STATE: &str = "trainer_state.json";
+pub const OPTIMIZER: &str = "optimizer.safetensors";
+const FORMAT: &str = "lora-train checkpoint 1";
+/// Losses kept in trainer_state.json (the full history is in metrics.jsonl).
+const LOSS_TAIL: usize = 100;
+
+/// Recipe keys that do not change the numbers of a run: they may differ on resume.
+const FREE_KEYS: [&str; 9] = [
+    "train.resume",
+    "train.log_every",
+    "train.skip_nonfinite",
+    "train.activation_checkpointing",
+    "output.dir",
+    "output.save_every",
+    "output.keep_last",
+    "output.merge",
+    "output.max_shard_size",
+];
+
+/// Where the data stream continues: the next step is step `step_in_epoch` (0-based) of the
+/// plan of epoch `epoch` (Session::epoch_plan).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Cursor {
+    pub epoch: usize,
+    pub step_in_epoch: usize,
+}
+
+/// Inputs of the learning-rate schedule (lr · schedule::lr_factor(kind, step, total, warmup)).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ScheduleInputs {
+    pub kind: Schedule,
+    pub lr: f64,
+    pub warmup_steps: usize,
+    pub total_steps: usize,
+}
+
+/// trainer_state.json.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainerState {
+    pub format: String,
+    /// Optimiser steps done (skipped non-finite steps included).
+    pub step: usize,
+    pub total_steps: usize,
+    pub cursor: Cursor,
+    /// AdamW updates applied (its bias-correction counter t; skipped steps excluded).
+    pub optimizer_steps: usize,
+    pub skipped_steps: usize,
+    /// Tokens seen so far (padding excluded).
+    pub tokens: usize,
+    pub seed: u64,
+    /// How random streams are derived; there is no generator state to save.
+    pub rng: String,
+    pub schedule: ScheduleInputs,
+    /// Examples and tokens of the training data: a changed data file is refused on resume.
+    pub data_examples: usize,
+    pub data_tokens: usize,
+    /// (step, loss) of the last steps; null for a non-finite loss.
+    pub loss_history: Vec<(usize, Option<f64>)>,
+    /// The recipe fields that change the numbers, "section.key" → TOML value.
+    pub recipe: BTreeMap<String, String>,
+}
+
+impl TrainerState {
+    /// The state of a session after `step` steps.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        s: &Session,
+        step: usize,
+        total: usize,
+        cursor: Cursor,
+        opt: &AdamW,
+        skipped: usize,
+        tokens: usize,
+        losses: &[(usize, Option<f64>)],
+    ) -> TrainerState {
+        let t = &s.recipe.train;
+        TrainerState {
+            format: FORMAT.into(),
+            step,
+            total_steps: total,
+            cursor,
+            optimizer_steps: opt.t,
+            skipped_steps: skipped,
+            tokens,
+            seed: t.seed,
+            rng: "SplitMix64 streams keyed by seed: shuffle (seed, epoch), dropout (seed, step, \
+                  micro-batch, layer, module)"
+                .into(),
+            schedule: ScheduleInputs {
+                kind: t.schedule,
+                lr: t.lr,
+                warmup_steps: t.warmup_steps,
+                total_steps: total,
+            },
+            data_examples: s.data.examples.len(),
+            data_tokens: s.data.examples.iter().map(|e| e.ids.len()).sum(),
+            loss_history: losses[losses.len().saturating_sub(LOSS_TAIL)..].to_vec(),
+            recipe: fingerprint(&s.recipe),
+        }
+    }
+}
+
+/// A complete checkpoint on disk.
+#[derive(Debug, Clone)]
+pub struct Checkpoint {
+    pub dir: PathBuf,
+    pub state: TrainerState,
+}
+
+/// Reads `dir/trainer_state.json`.
+pub fn read_state(dir: &Path) -> Result<TrainerState> {
+    let path = dir.join(STATE);
+    let text = std::fs::read_to_string(&path)
+        .with_context(|| format!("cannot read {}", path.display()))?;
+    let s: TrainerState = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not a lora-train trainer state", path.display()))?;
+    if s.format != FORMAT {
+        bail!(
+            "{}: format \"{}\" is not \"{FORMAT}\"",
+            path.display(),
+            s.format
+        );
+    }
+    Ok(s)
+}
+
+/// The checkpoint-<step>/ directories of `out_dir` that hold a trainer state, by step.
+pub fn list(out_dir: &Path) -> Vec<(usize, PathBuf)> {
+    let mut v: Vec<(usize, PathBuf)> = std::fs::read_dir(out_dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let step = name.strip_prefix("checkpoint-")?.parse().ok()?;
+            let p = e.path();
+            p.join(STATE).is_file().then_some((step, p))
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+/// The recipe fields that change the numbers of a run, as "section.key" → TOML value, with
+/// paths made absolute (the same files reached from another directory compare equal).
+pub fn fingerprint(r: &Recipe) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    let Ok(toml::Value::Table(doc)) = toml::Value::try_from(r) else {
+        return out;
+    };
+    for (section, v) in doc {
+        let toml::Value::Table(t) = v else { continue };
+        for (k, v) in t {
+            let key = format!("{section}.{k}");
+            if FREE_KEYS.contains(&key.as_str()) {
+                continue;
+            }
+            let v = match (&v, key.as_str()) {
+                (toml::Value::String(p), "model.path" | "data.train" | "lora.init_adapter") => {
+                    let abs = std::fs::canonicalize(p).unwrap_or_else(|_| PathBuf::from(p));
+                    toml::Value::String(abs.to_string_lossy().into_owned())
+                }
+                _ => v,
+            };
+            out.insert(key, v.to_string());
+        }
+    }
+    out
+}
+
+/// The checkpoint `train.resume` asks for, checked against the recipe; None = start fresh.
+/// A recipe that differs from the checkpoint's in anything that changes the numbers, or a
+/// fresh start over an unfinished run, is a RecipeError (exit 2) and nothing is written.
+pub fn resume_point(r: &Recipe, out_dir: &Path) -> Result<Option<Checkpoint>> {
+    let invalid = |key: &str, msg: String| RecipeError::Invalid {
+        path: r.source.clone(),
+        key: key.into(),
+        msg,
+    };
+    let dir = match &r.train.resume {
+        Resume::Flag(false) => {
+            // Starting fresh over an interrupted run would throw its checkpoints away.
+            if let Some((step, dir)) = list(out_dir).pop() {
+                if let Ok(s) = read_state(&dir) {
+                    if s.step < s.total_steps {
+                        return Err(invalid(
+                            "train.resume",
+                            format!(
+                                "= false, but {} holds an unfinished run ({} is at step {step} of {}): \
+                                 continue it with --set train.resume=true, or remove that directory \
+                                 (or set output.dir) to start over",
+                                out_dir.display(),
+                                dir.display(),
+                                s.total_steps
+                            ),
+                        )
+                        .into());
+                    }
+                }
+            }
+            return Ok(None);
+        }
+        Resume::Flag(true) => match list(out_dir).pop() {
+            Some((_, dir)) => dir,
+            None => return Ok(None),
+        },
+        Resume::Path(p) => p.clone(),
+    };
+    let state = read_state(&dir)?;
+    let now = fingerprint(r);
+    let mut diff: Vec<&String> = now
+        .keys()
+        .chain(state.recipe.keys())
+        .filter(|k| now.get(*k) != state.recipe.get(*k))
+        .collect();
+    diff.sort();
+    diff.dedup();
+    if let Some(first) = diff.first() {
+        let show = |v: Option<&String>| v.cloned().unwrap_or_else(|| "(not set)".into());
+        let mut msg = format!(
+            "= {}, but checkpoint {} was trained with {}: train.resume continues a run exactly, \
+             so everything that changes the numbers must match; set it back, or start a new run \
+             from the checkpoint's adapter with lora.init_adapter = \"{}\"",
+            show(now.get(*first)),
+            dir.display(),
+            show(state.recipe.get(*first)),
+            dir.display()
+        );
+        if diff.len() > 1 {
+            let rest: Vec<&str> = diff[1..].iter().map(|s| s.as_str()).collect();
+            msg.push_str(&format!(" (also different: {})", rest.join(", ")));
+        }
+        return Err(invalid(first, msg).into());
+    }
+    Ok(Some(Checkpoint { dir, state }))
+}
+
+/// Test hook: LORA_TRAIN_TEST_SLOW_SAVE_MS=n sleeps n ms between the files of a checkpoint,
+/// so that a test can kill the process in the middle of a save.
+fn test_pause() {
+    if let Some(ms) = std::env::var("LORA_TRAIN_TEST_SLOW_SAVE_MS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+    {
+        std::thread::sleep(std::time::Duration::from_millis(ms));
+    }
+}
+
+/// Writes `out_dir/checkpoint-<state.step>/` (replacing one of that step) through a
+/// temporary directory. `keys[i]` is the PEFT key of `opt.params[i]`.
+pub fn save(
+    s: &Session,
+    out_dir: &Path,
+    state: &TrainerState,
+    opt: &AdamW,
+    keys: &[String],
+) -> Result<PathBuf> {
+    let name = format!("checkpoint-{}", state.step);
+    let dst = out_dir.join(&name);
+    let tmp = out_dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+    let res = (|| -> Result<()> {
+        export::save_adapter(&tmp, &s.model, &s.spec, &s.base_name)?;
+        test_pause();
+        let (m, v) = opt.state();
+        let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+        for ((key, m), v) in keys.iter().zip(m).zip(v) {
+            for (suffix, t) in [("exp_avg", m), ("exp_avg_sq", v)] {
+                let t = t.to_device(&Device::Cpu)?;
+                let bytes = export::merge::tensor_bytes(&t)?;
+                tensors.push((format!("{key}.{suffix}"), t.dims().to_vec(), bytes));
+            }
+        }
+        let views = tensors
+            .iter()
+            .map(|(k, shape, bytes)| {
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes)
+                    .map(|v| (k.as_str(), v))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        // One metadata entry only: safetensors writes a map's entries in hash order, and
+        // checkpoints of equal runs must be equal bytes. The step count t is in trainer_state.
+        let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+        std::fs::write(
+            tmp.join(OPTIMIZER),
+            safetensors::serialize(views, Some(meta))?,
+        )?;
+        test_pause();
+        std::fs::write(tmp.join("recipe.toml"), s.recipe.to_toml())?;
+        // The trainer state goes last: a directory holding it is complete.
+        std::fs::write(tmp.join(STATE), serde_json::to_string_pretty(state)? + "\n")?;
+        sync_dir_files(&tmp)?;
+        test_pause();
+        replace_dir(&tmp, &dst)
+    })();
+    if let Err(e) = res {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e.context(format!("cannot save checkpoint {}", dst.display())));
+    }
+    Ok(dst)
+}
+
+/// Loads a checkpoint's adapter into the model and its m, v and t into the optimiser.
+pub fn restore(ck: &Checkpoint, s: &Session, opt: &mut AdamW, keys: &[String]) -> Result<()> {
+    export::load_adapter_weights(&ck.dir, &s.model)?;
+    let path = ck.dir.join(OPTIMIZER);
+    let st = candle_core::safetensors::load(&path, &Device::Cpu)
+        .with_context(|| format!("cannot read {}", path.display()))?;
+    let mut ms = Vec::with_capacity(keys.len());
+    let mut vs = Vec::with_capacity(keys.len());
+    for (key, p) in keys.iter().zip(&opt.params) {
+        for (suffix, out) in [("exp_avg", &mut ms), ("exp_avg_sq", &mut vs)] {
+            let k = format!("{key}.{suffix}");
+            let t: &Tensor = st
+                .get(&k)
+                .with_context(|| format!("{} has no tensor `{k}`", path.display()))?;
+            out.push(t.to_device(p.device())?);
+        }
+    }
+    opt.load_state(ms, vs, ck.state.optimizer_steps)
+        .with_context(|| format!("{} does not fit this model", path.display()))?;
+    Ok(())
+}
+
+/// Before a run writes into `out_dir`: removes what interrupted saves left behind
+/// (.checkpoint-*.tmp-* / .old-* directories) and, on a fresh start, the checkpoints of an
+/// earlier (finished) run, which `resume = true` would otherwise pick up. Returns the names
+/// of the removed checkpoints.
+pub fn clean(out_dir: &Path, fresh: bool) -> Result<Vec<String>> {
+    let mut removed = Vec::new();
+    for e in std::fs::read_dir(out_dir)
+        .with_context(|| format!("cannot read {}", out_dir.display()))?
+        .flatten()
+    {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let leftover = (name.starts_with(".checkpoint-") || name.starts_with(".merged."))
+            && (name.contains(".tmp-") || name.contains(".old-"));
+        let stale = fresh && name.starts_with("checkpoint-") && e.path().is_dir();
+        if leftover || stale {
+            std::fs::remove_dir_all(e.path())
+                .with_context(|| format!("cannot remove {}", e.path().display()))?;
+            if stale {
+                removed.push(name);
+            }
+        }
+    }
+    removed.sort();
+    Ok(removed)
+}
+
+/// Keeps the newest `keep_last` checkpoints of steps ≤ `step` (0 = keep all). Each is moved
+/// aside before it is deleted, so a crash never leaves a partial checkpoint-<step>/.
+pub fn prune(out_dir: &Path, keep_last: usize, step: usize) -> Result<()> {
+    if keep_last == 0 {
+        return Ok(());
+    }
+    let old: Vec<(usize, PathBuf)> = list(out_dir)
+        .into_iter()
+        .filter(|(s, _)| *s <= step)
+        .collect();
+    for (s, dir) in &old[..old.len().saturating_sub(keep_last)] {
+        let aside = out_dir.join(format!(".checkpoint-{s}.old-{}", std::process::id()));
+        std::fs::rename(dir, &aside)
+            .with_context(|| format!("cannot move {} aside", dir.display()))?;
+        sync_dir(out_dir);
+        std::fs::remove_dir_all(&aside)
+            .with_context(|| format!("cannot remove {}", aside.display()))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,129 @@
+//! Why a run stops before its last step: a signal (SIGINT / SIGTERM), or a loss or gradient
+//! that is not a finite number.
+//!
+//! The first SIGINT or SIGTERM sets a flag; the training loop finishes the step it is in,
+//! saves a checkpoint and returns `Interrupted` (the CLI exits with `EXIT_INTERRUPTED`). A
+//! second signal ends the process at once with `EXIT_SECOND_SIGNAL`; checkpoints are written
+//! into a temporary directory and renamed, so the last complete one stays loadable. The
+//! handlers are installed once the model and data are loaded: before that a signal ends the
+//! process as usual, and nothing has been written yet.
+
+use anyhow::Result;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Exit code after a signal, once the checkpoint is saved (the run can be resumed).
+pub const EXIT_INTERRUPTED: u8 = 130;
+/// Exit code when a second signal ends the process without waiting.
+pub const EXIT_SECOND_SIGNAL: i32 = 131;
+
+/// The run stopped on a signal after `step` of `total` steps, with a checkpoint saved.
+#[derive(Debug, thiserror::Error)]
+#[error("interrupted after step {step} of {total}; checkpoint saved to {}", checkpoint.display())]
+pub struct Interrupted {
+    pub step: usize,
+    pub total: usize,
+    pub checkpoint: PathBuf,
+}
+
+/// The loss or the gradients of a step were NaN or infinite (and skip_nonfinite is off).
+/// The update of that step was not applied.
+#[derive(Debug)]
+pub struct NonFinite {
+    /// The 1-based number of the step that failed.
+    pub step: usize,
+    pub total: usize,
+    /// e.g. "the loss is NaN and the gradient norm NaN".
+    pub what: String,
+    /// The newest checkpoint saved before that step (every step it covers was finite).
+    pub last_checkpoint: Option<PathBuf>,
+    pub lr: f64,
+    /// Base weight dtype, e.g. "bf16".
+    pub dtype: String,
+    pub max_grad_norm: f64,
+}
+
+impl std::fmt::Display for NonFinite {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        writeln!(
+            f,
+            "step {} of {}: {}; stopped without applying that update",
+            self.step, self.total, self.what
+        )?;
+        match &self.last_checkpoint {
+            Some(p) => writeln!(
+                f,
+                "  last good checkpoint: {} (to go on with other settings, start a new run from its adapter: lora.init_adapter = \"{}\")",
+                p.display(),
+                p.display()
+            )?,
+            None => writeln!(f, "  last good checkpoint: none (output.save_every = 0)")?,
+        }
+        let mut hints = vec![format!("lower train.lr (now {:e})", self.lr)];
+        if self.dtype != "f32" {
+            hints.push(format!(
+                "train the base in f32 (model.dtype = \"f32\"; now {}: it overflows sooner)",
+                self.dtype
+            ));
+        }
+        if self.max_grad_norm == 0.0 {
+            hints.push("turn gradient clipping on (train.max_grad_norm = 1.0; now 0)".into());
+        }
+        hints.push("or set train.skip_nonfinite = true to skip such steps".into());
+        write!(f, "  hints: {}", hints.join("; "))
+    }
+}
+
+impl std::error::Error for NonFinite {}
+
+/// The first SIGINT / SIGTERM, as the training loop sees it.
+pub struct StopSignal {
+    flag: Arc<AtomicBool>,
+    announced: Arc<AtomicBool>,
+}
+
+impl StopSignal {
+    /// A signal has arrived: finish the step, save, stop.
+    pub fn received(&self) -> bool {
+        self.flag.load(Ordering::SeqCst)
+    }
+
+    /// Waits (1 s at most) until the line announcing the signal is printed, so that it comes
+    /// before the lines that report the stop.
+    pub fn wait_announced(&self) {
+        let start = Instant::now();
+        while !self.announced.load(Ordering::SeqCst) && start.elapsed() < Duration::from_secs(1) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
+/// Installs the SIGINT / SIGTERM handlers. The first signal sets the flag that
+/// `StopSignal::received` reads; a second one exits the process at once with
+/// `EXIT_SECOND_SIGNAL`.
+pub fn install_signal_handlers() -> Result<StopSignal> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    let flag = Arc::new(AtomicBool::new(false));
+    for sig in [SIGINT, SIGTERM] {
+        // Order matters: the exit is armed by the flag that the next handler sets.
+        signal_hook::flag::register_conditional_shutdown(sig, EXIT_SECOND_SIGNAL, flag.clone())?;
+        signal_hook::flag::register(sig, flag.clone())?;
+    }
+    // Say at once what will happen (a step may take a while); printing is not allowed in a
+    // signal handler, so a thread waits for the signal and prints.
+    let announced = Arc::new(AtomicBool::new(false));
+    let said = announced.clone();
+    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])?;
+    std::thread::spawn(move || {
+        if let Some(sig) = signals.forever().next() {
+            let name = if sig == SIGINT { "SIGINT" } else { "SIGTERM" };
+            eprintln!(
+                "\n{name}: finishing this step, then saving a checkpoint (send it again to quit at once)"
+            );
+            said.store(true, Ordering::SeqCst);
+        }
+    });
+    Ok(StopSignal { flag, announced })
+}
