@@ -161,6 +161,21 @@ pub fn run(a: &BenchArgs) -> Result<serde_json::Value> {
     a.device.synchronize()?;
     let dt = t1.elapsed().as_secs_f64();
     let peak = memory::stats(&a.device)?;
+    // One more step, instrumented: the device's peak within each phase and what stays
+    // allocated at its end.
+    let mut phases = serde_json::Map::new();
+    let gib = |x: u64| (x as f64 / GIB * 100.0).round() / 100.0;
+    memory::reset_peak(&a.device)?;
+    let mut grads = optim::Grads::new();
+    driver::forward_backward_probed(&model, &batch, n, a.ckpt, None, &mut grads, &mut |phase| {
+        a.device.synchronize()?;
+        if let Some(s) = memory::stats(&a.device)? {
+            phases.insert(format!("{phase}_peak_gib"), gib(s.used_high).into());
+            phases.insert(format!("{phase}_end_gib"), gib(s.used).into());
+        }
+        memory::reset_peak(&a.device)
+    })?;
+    drop(grads);
     let tokens = (b * t * a.steps) as f64;
     let tps = tokens / dt;
     let fpt = flops_per_token(n_linear, cfg.num_layers, cfg.hidden_size, t, a.ckpt);
@@ -169,7 +184,7 @@ pub fn run(a: &BenchArgs) -> Result<serde_json::Value> {
         "system": "lora-train", "mode": "single", "world": 1,
         "device": format!("{:?}", a.device.location()),
         "shape": a.shape, "seq": t, "micro_batch": b, "lora_rank": a.rank,
-        "targets": a.targets, "ckpt": a.ckpt, "attn": "materialized-causal-softmax",
+        "targets": a.targets, "ckpt": a.ckpt, "attn": "blockwise-lse",
         "trainable_params": trainable, "base_linear_params": n_linear,
         "load_s": r2(load_s), "after_load_gib": after_load.map(r2),
         "peak_alloc_gib": peak.map(|p| r2(p.used_high as f64 / GIB)),
@@ -179,5 +194,6 @@ pub fn run(a: &BenchArgs) -> Result<serde_json::Value> {
         "tokens_per_s_per_gpu": (tps * 10.0).round() / 10.0,
         "mfu": (tps * fpt / (a.peak_tflops * 1e12) * 1e4).round() / 1e4,
         "final_loss": (loss * 1e4).round() / 1e4,
+        "phases": phases,
     }))
 }

@@ -35,6 +35,28 @@ pub fn forward_backward(
     dropout: Option<(u64, [u64; 2])>,
     grads: &mut Grads,
 ) -> Result<f64> {
+    forward_backward_probed(
+        model,
+        batch,
+        denom,
+        checkpointing,
+        dropout,
+        grads,
+        &mut |_| Ok(()),
+    )
+}
+
+/// `forward_backward`, calling `probe(phase)` as each phase ends ("forward", "head",
+/// "backward"): the memory reports read and reset the device's peak there.
+pub fn forward_backward_probed(
+    model: &Model,
+    batch: &Batch,
+    denom: f64,
+    checkpointing: bool,
+    dropout: Option<(u64, [u64; 2])>,
+    grads: &mut Grads,
+    probe: &mut dyn FnMut(&'static str) -> Result<()>,
+) -> Result<f64> {
     let dev = &model.device;
     let (b, t) = (batch.b, batch.t);
     let ids = Tensor::from_slice(&batch.ids, (b, t), dev)?;
@@ -55,6 +77,8 @@ pub fn forward_backward(
         }
     }
 
+    probe("forward")?;
+
     // ---- head + loss on the counted positions only
     if batch.targets.is_empty() {
         return Ok(0.0);
@@ -71,10 +95,14 @@ pub fn forward_backward(
     let ce_value = ce.to_scalar::<f32>()? as f64;
     let mut g = {
         let gs = (ce / denom)?.backward()?;
-        gs.get(hv.as_tensor())
-            .cloned()
-            .unwrap_or(hv.as_tensor().zeros_like()?)
+        // Gradients come back with the graph that computed them attached: detach, or the
+        // whole step's activations stay alive through them.
+        match gs.get(hv.as_tensor()) {
+            Some(g) => g.detach(),
+            None => hv.as_tensor().zeros_like()?,
+        }
     }; // dL/dh [B, T, C]
+    probe("head")?;
 
     // ---- backward, last layer first
     for (l, layer) in model.layers.iter().enumerate().rev() {
@@ -90,11 +118,12 @@ pub fn forward_backward(
         let gs = (y * g.to_dtype(model.dtype)?)?.sum_all()?.backward()?;
         accumulate(layer, &gs, grads)?;
         g = match gs.get(xv.as_tensor()) {
-            Some(dx) => dx.clone(),
+            Some(dx) => dx.detach(),
             None if l == 0 => break,
             None => xv.as_tensor().zeros_like()?,
         };
     }
+    probe("backward")?;
     Ok(ce_value)
 }
 
@@ -110,7 +139,7 @@ fn accumulate(
             let Some(g) = gs.get(var.as_tensor()) else {
                 continue;
             };
-            let g = g.to_dtype(DType::F32)?;
+            let g = g.to_dtype(DType::F32)?.detach();
             let sum = match grads.remove(&var.id()) {
                 Some(prev) => (prev + g)?,
                 None => g,

@@ -50,9 +50,11 @@ impl AdamW {
                 continue;
             };
             // p ← p·(1 − lr·wd); m ← β1·m + (1−β1)·g; v ← β2·v + (1−β2)·g²
-            let decayed = (p.as_tensor() * (1.0 - lr * self.weight_decay))?;
-            *m = ((&*m * b1)? + (g * (1.0 - b1))?)?;
-            *v = ((&*v * b2)? + (g.sqr()? * (1.0 - b2))?)?;
+            // Everything detached: the state must not hold on to any graph.
+            let (pt, g) = (p.as_tensor().detach(), g.detach());
+            let decayed = (pt * (1.0 - lr * self.weight_decay))?;
+            *m = ((&*m * b1)? + (&g * (1.0 - b1))?)?.detach();
+            *v = ((&*v * b2)? + (g.sqr()? * (1.0 - b2))?)?.detach();
             // p ← p − lr/bc1 · m / (√v/√bc2 + ε)
             let denom = ((v.sqrt()? / bc2_sqrt)? + self.eps)?;
             p.set(&(decayed - ((&*m / denom)? * (lr / bc1))?)?)?;

@@ -270,3 +270,34 @@ fn eval_loss_is_the_mean_token_ce_of_a_plain_forward_packed_or_not() {
     assert_eq!(n_packed, n);
     assert!((packed - loss).abs() <= 1e-5 * loss, "{packed} vs {loss}");
 }
+
+#[test]
+fn gradients_and_optimiser_state_hold_no_graph() {
+    // candle returns gradients with the graph that computed them attached; kept as they are,
+    // they hold a step's activations alive (and AdamW's running sums chain them step after
+    // step: a leak that grew by gigabytes per step on a 7B model).
+    let (_t, s) = session("llama_gqa", &["lora.dropout=0.1"]);
+    let batch = s.batch(&[vec![0], vec![1]]);
+    let params: Vec<_> = s
+        .model
+        .adapters()
+        .flat_map(|(_, l)| [l.a.clone(), l.b.clone()])
+        .collect();
+    let mut opt = lora_train::train::optim::AdamW::new(params, [0.9, 0.99], 1e-8, 0.1).unwrap();
+    for ckpt in [false, true] {
+        let mut g = Grads::new();
+        driver::forward_backward(&s.model, &batch, 10.0, ckpt, Some((1, [0, 0])), &mut g).unwrap();
+        assert!(!g.is_empty());
+        for t in g.values() {
+            assert!(
+                !t.track_op(),
+                "a gradient still carries its graph (checkpointing {ckpt})"
+            );
+        }
+        opt.step(&g, 1e-3).unwrap();
+        let (m, v) = opt.state();
+        for t in m.iter().chain(v) {
+            assert!(!t.track_op(), "optimiser state carries a graph");
+        }
+    }
+}
