@@ -185,6 +185,23 @@ fn suffix(dtype: DType) -> Result<&'static str> {
     }
 }
 
+/// `$body` with `$v` bound to the f32 or bf16 device view of `$s[$range]`.
+macro_rules! with_view {
+    ($s:expr, $range:expr, |$v:ident| $body:block) => {{
+        match $s.dtype() {
+            DType::F32 => {
+                let $v = $s.as_cuda_slice::<f32>()?.slice($range);
+                $body
+            }
+            DType::BF16 => {
+                let $v = $s.as_cuda_slice::<half::bf16>()?.slice($range);
+                $body
+            }
+            d => candle_core::bail!("our CUDA kernels take f32 or bf16 activations, got {d:?}"),
+        }
+    }};
+}
+
 /// Runs `launch` with the kernel `name_<dtype>` and a fresh output of `n` elements.
 macro_rules! with_dtype {
     ($s:expr, $l:expr, $n:expr, |$x:ident, $out:ident| $body:block) => {{
@@ -245,18 +262,10 @@ pub fn rms_norm(
     Ok(with_dtype!(x, xl, n, |xs, out| {
         let mut b = stream.launch_builder(&func);
         let (di, e) = (d as i32, eps);
-        match w.dtype() {
-            DType::F32 => {
-                let ws = w.as_cuda_slice::<f32>()?.slice(w1..w2);
-                b.arg(&xs).arg(&ws).arg(&out).arg(&di).arg(&e);
-                unsafe { b.launch(cfg) }.w()?;
-            }
-            _ => {
-                let ws = w.as_cuda_slice::<half::bf16>()?.slice(w1..w2);
-                b.arg(&xs).arg(&ws).arg(&out).arg(&di).arg(&e);
-                unsafe { b.launch(cfg) }.w()?;
-            }
-        }
+        with_view!(w, w1..w2, |ws| {
+            b.arg(&xs).arg(&ws).arg(&out).arg(&di).arg(&e);
+            unsafe { b.launch(cfg) }.w()?;
+        })
     }))
 }
 
@@ -458,29 +467,15 @@ pub fn softmax_bwd(
     let (ei, sc, nl) = (e as i32, scale, n as i64);
     Ok(with_dtype!(p, pl, n, |x, out| {
         let mut bld = stream.launch_builder(&func);
-        match dp.dtype() {
-            DType::F32 => {
-                let dpv = dp.as_cuda_slice::<f32>()?.slice(q1..q2);
-                bld.arg(&x)
-                    .arg(&dpv)
-                    .arg(&delta)
-                    .arg(&out)
-                    .arg(&ei)
-                    .arg(&sc)
-                    .arg(&nl);
-                unsafe { bld.launch(cfg) }.w()?;
-            }
-            _ => {
-                let dpv = dp.as_cuda_slice::<half::bf16>()?.slice(q1..q2);
-                bld.arg(&x)
-                    .arg(&dpv)
-                    .arg(&delta)
-                    .arg(&out)
-                    .arg(&ei)
-                    .arg(&sc)
-                    .arg(&nl);
-                unsafe { bld.launch(cfg) }.w()?;
-            }
-        }
+        with_view!(dp, q1..q2, |dpv| {
+            bld.arg(&x)
+                .arg(&dpv)
+                .arg(&delta)
+                .arg(&out)
+                .arg(&ei)
+                .arg(&sc)
+                .arg(&nl);
+            unsafe { bld.launch(cfg) }.w()?;
+        })
     }))
 }
