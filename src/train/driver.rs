@@ -115,7 +115,7 @@ pub fn forward_backward_probed(
             }
             None => candle_core::bail!("driver: no saved activations for layer {l}"),
         };
-        let gs = (y * g.to_dtype(model.dtype)?)?.sum_all()?.backward()?;
+        let gs = seed(&y, g.to_dtype(y.dtype())?)?.backward()?;
         accumulate(layer, &gs, grads)?;
         g = match gs.get(xv.as_tensor()) {
             Some(dx) => dx.detach(),
@@ -125,6 +125,43 @@ pub fn forward_backward_probed(
     }
     probe("backward")?;
     Ok(ce_value)
+}
+
+/// A scalar whose gradient with respect to `y` is `g`: backward through a layer given
+/// dL/d(output), without computing Σ y ⊙ g (two full passes over the activation).
+fn seed(y: &Tensor, g: Tensor) -> Result<Tensor> {
+    y.apply_op1_arc(std::sync::Arc::new(Box::new(Seed(g))))
+}
+
+struct Seed(Tensor);
+
+impl candle_core::CustomOp1 for Seed {
+    fn name(&self) -> &'static str {
+        "seed-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+    ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        Ok((candle_core::CpuStorage::F32(vec![0.0]), ().into()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        _: &candle_core::Layout,
+    ) -> Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        let dev = s.device.clone();
+        let z = dev.alloc_zeros::<f32>(1)?;
+        Ok((candle_core::CudaStorage::wrap_cuda_slice(z, dev), ().into()))
+    }
+
+    fn bwd(&self, _: &Tensor, _: &Tensor, _: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(self.0.clone()))
+    }
 }
 
 /// Adds a layer's adapter gradients (f32) into the running sums.
