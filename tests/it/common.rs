@@ -11,6 +11,18 @@ pub fn root() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
 }
 
+/// max |a − b| over all entries.
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
 /// ‖got − want‖₂ / ‖want‖₂ ≤ tol: for bf16 runs, where elementwise bounds are meaningless.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub fn assert_rel_l2(what: &str, got: &Tensor, want: &Tensor, tol: f64) {

@@ -129,14 +129,7 @@ fn compat_fixture_is_our_adapter_our_merge_and_our_logits() {
     assert_close("merged vs adapter", &merged, &want["logits"], 1e-5, 1e-6);
     // ... and the adapter matters: the base alone is off by more than the tolerances.
     let plain = logits(&base, None, ids);
-    let d = (&plain - &want["logits"])
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
+    let d = max_abs_diff(&plain, &want["logits"]);
     assert!(d > 1e-2, "the adapter moves the logits by only {d}");
 
     // The stored merged checkpoint is what `export` writes for this adapter today.

@@ -79,14 +79,7 @@ fn merged_logits_equal_base_plus_adapter_logits() {
         assert_close(&format!("{case} merged logits"), &got, &want, 1e-5, 1e-6);
         // The adapter really changes the model: the base alone is far off.
         let base = driver::logits(&plain(&base_dir(case), DType::F32), &batch).unwrap();
-        let d = (&base - &want)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
+        let d = max_abs_diff(&base, &want);
         assert!(d > 1e-3, "{case}: the adapter changes logits by only {d}");
     }
 }
