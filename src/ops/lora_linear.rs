@@ -29,7 +29,8 @@ pub fn lora_linear(
     };
     let (ad, bd) = (a.detach().to_dtype(dt)?, b.detach().to_dtype(dt)?);
     let base = frozen_linear(&x2, w, bias)?; // [m, out]
-    let y = (base + (xd.matmul(&ad.t()?)?.matmul(&bd.t()?)? * scale)?)?;
+                                             // The scale goes on the [m, r] intermediate, not on the [m, out] product.
+    let y = (base + (xd.matmul(&ad.t()?)? * scale)?.matmul(&bd.t()?)?)?;
     let mut dims = x.dims().to_vec();
     if let Some(l) = dims.last_mut() {
         *l = out_f;
@@ -46,14 +47,15 @@ pub fn lora_linear(
         let g = g.reshape(((), out_f))?; // [m, out]
         let (ad, bd) = (a.to_dtype(dt)?, b.to_dtype(dt)?);
         let gb = g.matmul(&bd)?; // [m, r]
-        let mut dlora = (gb.matmul(&ad)? * scale)?; // [m, in]
+        let gbs = (&gb * scale)?; // [m, r]: scaled while small
+        let mut dlora = gbs.matmul(&ad)?; // [m, in]
         if let Some(m) = &mask {
             dlora = dlora.mul(&m.reshape(((), in_f))?.to_dtype(dt)?)?;
         }
         let dx = (g.matmul(&w)? + dlora)?.reshape(x.shape())?;
-        let da = (gb.t()?.matmul(&xd)? * scale)?.to_dtype(DType::F32)?; // [r, in]
+        let da = gbs.t()?.matmul(&xd)?.to_dtype(DType::F32)?; // [r, in]
         let xa = xd.matmul(&ad.t()?)?; // [m, r]
-        let db = (g.t()?.matmul(&xa)? * scale)?.to_dtype(DType::F32)?; // [out, r]
+        let db = g.t()?.matmul(&(xa * scale)?)?.to_dtype(DType::F32)?; // [out, r]
         Ok((
             Some(dx),
             Some(da.to_dtype(a.dtype())?),
