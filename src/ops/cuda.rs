@@ -67,6 +67,22 @@ __device__ void rms_norm(const T* x, const T* w, T* y, int d, float eps) {
     for (int i = threadIdx.x; i < d; i += blockDim.x) st(yr, i, rnd(xr, ld(xr, i) * r) * ld(w, i));
 }
 
+// dx = r · (g·w − x·r · mean(g·w·x·r)), r = rsqrt(mean(x²) + eps); one block per row.
+template <typename T>
+__device__ void rms_norm_bwd(const T* x, const T* w, const T* g, T* dx, int d, float eps) {
+    long row = blockIdx.x;
+    const T* xr = x + row * d;
+    const T* gr = g + row * d;
+    float s = 0.f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) { float v = ld(xr, i); s += v * v; }
+    float r = rsqrtf(block_sum(s) / d + eps);
+    float dot = 0.f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) dot += ld(gr, i) * ld(w, i) * ld(xr, i);
+    dot = block_sum(dot) * r / d;
+    for (int i = threadIdx.x; i < d; i += blockDim.x)
+        st(dx + row * d, i, r * (ld(gr, i) * ld(w, i) - ld(xr, i) * r * dot));
+}
+
 // x, y: [B, H, T, D]; cos, sin: [B, T, D/2] f32. One thread per rotated pair.
 template <typename T>
 __device__ void rope(const T* x, const float* cos, const float* sin, T* y,
@@ -132,6 +148,8 @@ __device__ void softmax_bwd(const T* p, const T* dp, const float* delta, T* ds, 
 #define INST(NAME, T) \
 extern "C" __global__ void rms_norm_##NAME(const T* x, const T* w, T* y, int d, float eps) \
     { rms_norm<T>(x, w, y, d, eps); } \
+extern "C" __global__ void rms_norm_bwd_##NAME(const T* x, const T* w, const T* g, T* dx, int d, \
+    float eps) { rms_norm_bwd<T>(x, w, g, dx, d, eps); } \
 extern "C" __global__ void rope_##NAME(const T* x, const float* c, const float* s, T* y, \
     int h, int t, int half, long pairs) { rope<T>(x, c, s, y, h, t, half, pairs); } \
 extern "C" __global__ void masked_lse_##NAME(const T* s, float* lse, const unsigned int* seg, \
@@ -265,6 +283,49 @@ pub fn rms_norm(
         with_view!(w, w1..w2, |ws| {
             b.arg(&xs).arg(&ws).arg(&out).arg(&di).arg(&e);
             unsafe { b.launch(cfg) }.w()?;
+        })
+    }))
+}
+
+pub fn rms_norm_bwd(
+    x: &CudaStorage,
+    xl: &Layout,
+    w: &CudaStorage,
+    wl: &Layout,
+    g: &CudaStorage,
+    gl: &Layout,
+    eps: f32,
+) -> Result<CudaStorage> {
+    use candle_core::backend::BackendStorage;
+    let d = *xl.dims().last().unwrap_or(&1);
+    let n = xl.shape().elem_count();
+    if w.dtype() != x.dtype() || g.dtype() != x.dtype() {
+        candle_core::bail!(
+            "rms_norm_bwd: dtypes x {:?} w {:?} g {:?}",
+            x.dtype(),
+            w.dtype(),
+            g.dtype()
+        );
+    }
+    let func = module(x.device())?
+        .load_function(&format!("rms_norm_bwd_{}", suffix(x.dtype())?))
+        .w()?;
+    let stream = x.device().cuda_stream();
+    let cfg = LaunchConfig {
+        grid_dim: ((n / d.max(1)) as u32, 1, 1),
+        block_dim: (threads_for(d.min(1024)), 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (w1, w2) = contiguous(wl)?;
+    let (g1, g2) = contiguous(gl)?;
+    let (di, e) = (d as i32, eps);
+    Ok(with_dtype!(x, xl, n, |xs, out| {
+        let mut b = stream.launch_builder(&func);
+        with_view!(w, w1..w2, |ws| {
+            with_view!(g, g1..g2, |gv| {
+                b.arg(&xs).arg(&ws).arg(&gv).arg(&out).arg(&di).arg(&e);
+                unsafe { b.launch(cfg) }.w()?;
+            })
         })
     }))
 }

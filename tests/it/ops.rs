@@ -70,7 +70,8 @@ fn dtypes(dev: &Device) -> Vec<DType> {
 #[test]
 fn rms_norm_matches_composite() {
     for dev in devices() {
-        for dt in dtypes(&dev) {
+        // bf16 takes the fused backward on every device: check it on the CPU too.
+        for dt in [DType::F32, DType::BF16] {
             let w = (Tensor::randn(0f32, 0.2, 48, &dev).unwrap() + 1.0).unwrap();
             let wd = w.to_dtype(dt).unwrap();
             check(
