@@ -167,14 +167,23 @@ pub fn run(a: &BenchArgs) -> Result<serde_json::Value> {
     let gib = |x: u64| (x as f64 / GIB * 100.0).round() / 100.0;
     memory::reset_peak(&a.device)?;
     let mut grads = optim::Grads::new();
-    driver::forward_backward_probed(&model, &batch, n, a.ckpt, None, &mut grads, &mut |phase| {
-        a.device.synchronize()?;
-        if let Some(s) = memory::stats(&a.device)? {
-            phases.insert(format!("{phase}_peak_gib"), gib(s.used_high).into());
-            phases.insert(format!("{phase}_end_gib"), gib(s.used).into());
-        }
-        memory::reset_peak(&a.device)
-    })?;
+    driver::forward_backward_probed(
+        &model,
+        &batch,
+        n,
+        a.ckpt,
+        None,
+        &mut grads,
+        None,
+        &mut |phase| {
+            a.device.synchronize()?;
+            if let Some(s) = memory::stats(&a.device)? {
+                phases.insert(format!("{phase}_peak_gib"), gib(s.used_high).into());
+                phases.insert(format!("{phase}_end_gib"), gib(s.used).into());
+            }
+            memory::reset_peak(&a.device)
+        },
+    )?;
     drop(grads);
     let tokens = (b * t * a.steps) as f64;
     let tps = tokens / dt;

@@ -42,12 +42,15 @@ pub fn forward_backward(
         checkpointing,
         dropout,
         grads,
+        None,
         &mut |_| Ok(()),
     )
 }
 
 /// `forward_backward`, calling `probe(phase)` as each phase ends ("forward", "head",
-/// "backward"): the memory reports read and reset the device's peak there.
+/// "backward"): the memory reports read and reset the device's peak there. `head_chunk`:
+/// counted positions per lm_head + loss chunk (None: ~2^24 logits at a time).
+#[allow(clippy::too_many_arguments)]
 pub fn forward_backward_probed(
     model: &Model,
     batch: &Batch,
@@ -55,6 +58,7 @@ pub fn forward_backward_probed(
     checkpointing: bool,
     dropout: Option<(u64, [u64; 2])>,
     grads: &mut Grads,
+    head_chunk: Option<usize>,
     probe: &mut dyn FnMut(&'static str) -> Result<()>,
 ) -> Result<f64> {
     let dev = &model.device;
@@ -83,25 +87,33 @@ pub fn forward_backward_probed(
     if batch.targets.is_empty() {
         return Ok(0.0);
     }
+    // The head runs over chunks of the counted positions, each chunk's forward and backward
+    // before the next, so the f32 logits of only ~2^24 entries exist at a time
+    // ([N × V] at once is 0.5 GB per 4k tokens at a 32k vocabulary, and CE keeps several).
     let c = model.cfg.hidden_size;
-    let rows: Vec<u32> = batch.targets.iter().map(|&(i, _)| i as u32).collect();
-    let tgt: Vec<u32> = batch.targets.iter().map(|&(_, l)| l).collect();
-    let rows = Tensor::from_vec(rows, tgt.len(), dev)?;
-    let tgt = Tensor::from_vec(tgt, rows.dims1()?, dev)?;
-    let hv = Var::from_tensor(&x)?;
-    drop(x);
-    let h = hv.as_tensor().reshape((b * t, c))?.index_select(&rows, 0)?; // [N, C]
-    let ce = cross_entropy_sum(&model.head(&h)?, &tgt)?; // scalar f32
-    let ce_value = ce.to_scalar::<f32>()? as f64;
-    let mut g = {
+    let x = x.reshape((b * t, c))?;
+    let chunk = head_chunk
+        .unwrap_or((1usize << 24) / model.cfg.vocab_size.max(1))
+        .max(1);
+    let mut g = x.zeros_like()?; // dL/dh [B·T, C]
+    let mut ce_value = 0f64;
+    for part in batch.targets.chunks(chunk) {
+        let rows: Vec<u32> = part.iter().map(|&(i, _)| i as u32).collect();
+        let tgt: Vec<u32> = part.iter().map(|&(_, l)| l).collect();
+        let rows = Tensor::from_vec(rows, part.len(), dev)?;
+        let tgt = Tensor::from_vec(tgt, part.len(), dev)?;
+        let hv = Var::from_tensor(&x.index_select(&rows, 0)?)?; // [n, C]
+        let ce = cross_entropy_sum(&model.head(hv.as_tensor())?, &tgt)?; // scalar f32
+        ce_value += ce.to_scalar::<f32>()? as f64;
         let gs = (ce / denom)?.backward()?;
-        // Gradients come back with the graph that computed them attached: detach, or the
-        // whole step's activations stay alive through them.
-        match gs.get(hv.as_tensor()) {
-            Some(g) => g.detach(),
-            None => hv.as_tensor().zeros_like()?,
+        if let Some(gh) = gs.get(hv.as_tensor()) {
+            // Gradients come back with the graph that computed them attached: detach, or
+            // the whole step's activations stay alive through them.
+            g = g.index_add(&rows, &gh.detach(), 0)?;
         }
-    }; // dL/dh [B, T, C]
+    }
+    drop(x);
+    let mut g = g.reshape((b, t, c))?;
     probe("head")?;
 
     // ---- backward, last layer first

@@ -294,3 +294,34 @@ fn gradients_and_optimiser_state_hold_no_graph() {
         }
     }
 }
+
+#[test]
+fn the_head_in_chunks_gives_the_same_loss_and_gradients() {
+    let (_t, s) = session("llama_gqa", &[]);
+    let batch = s.batch(&[vec![0], vec![1], vec![2]]);
+    let run = |chunk: Option<usize>| {
+        let mut g = Grads::new();
+        let ce = driver::forward_backward_probed(
+            &s.model,
+            &batch,
+            10.0,
+            false,
+            None,
+            &mut g,
+            chunk,
+            &mut |_| Ok(()),
+        )
+        .unwrap();
+        (ce, g)
+    };
+    let (ce_one, g_one) = run(None);
+    assert!(batch.n_targets() > 7, "several chunks of 3 below");
+    let (ce_chunked, g_chunked) = run(Some(3));
+    assert!(
+        (ce_one - ce_chunked).abs() <= 1e-6 * ce_one,
+        "{ce_one} vs {ce_chunked}"
+    );
+    for (id, g) in &g_one {
+        assert_close("head in chunks", &g_chunked[id], g, 1e-5, 1e-6);
+    }
+}
