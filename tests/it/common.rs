@@ -11,6 +11,16 @@ pub fn root() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
 }
 
+/// The entries of a tensor, as f32 on the host.
+pub fn host_f32(t: &Tensor) -> Vec<f32> {
+    let t = t
+        .to_dtype(DType::F32)
+        .unwrap()
+        .to_device(&Device::Cpu)
+        .unwrap();
+    t.flatten_all().unwrap().to_vec1().unwrap()
+}
+
 /// max |a − b| over all entries.
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
     (a - b)
@@ -27,34 +37,11 @@ pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub fn assert_rel_l2(what: &str, got: &Tensor, want: &Tensor, tol: f64) {
     assert_eq!(got.dims(), want.dims(), "{what}: shape");
-    let g = got
-        .to_dtype(DType::F32)
-        .unwrap()
-        .to_device(&Device::Cpu)
-        .unwrap();
-    let w = want
-        .to_dtype(DType::F32)
-        .unwrap()
-        .to_device(&Device::Cpu)
-        .unwrap();
-    let num = (&g - &w)
-        .unwrap()
-        .sqr()
-        .unwrap()
-        .sum_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
-        .sqrt();
-    let den = w
-        .sqr()
-        .unwrap()
-        .sum_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
-        .sqrt();
-    let rel = num as f64 / (den as f64).max(1e-30);
+    let (g, w) = (host_f32(got), host_f32(want));
+    let norm = |v: &mut dyn Iterator<Item = f64>| v.map(|x| x * x).sum::<f64>().sqrt();
+    let num = norm(&mut g.iter().zip(&w).map(|(a, b)| (*a - *b) as f64));
+    let den = norm(&mut w.iter().map(|&b| b as f64));
+    let rel = num / den.max(1e-30);
     assert!(
         rel <= tol,
         "{what}: relative L2 error {rel:.3e} > {tol:.1e}"
@@ -73,20 +60,7 @@ pub fn load_st(path: &Path) -> HashMap<String, Tensor> {
 /// for entries that are near zero), with the worst offender in the message.
 pub fn assert_close(what: &str, got: &Tensor, want: &Tensor, rtol: f64, atol: f64) {
     assert_eq!(got.dims(), want.dims(), "{what}: shape");
-    let g: Vec<f32> = got
-        .to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap();
-    let w: Vec<f32> = want
-        .to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap();
+    let (g, w) = (host_f32(got), host_f32(want));
     let scale = w.iter().fold(0f64, |m, v| m.max(v.abs() as f64));
     let mut worst = (0usize, 0f64);
     for (i, (a, b)) in g.iter().zip(&w).enumerate() {
