@@ -43,23 +43,12 @@ impl Block {
             .transpose()
     }
 
-    /// Calls f(row, b, i, allowed(j)) over the rows of a [B, H, bq, e] block on the CPU.
-    fn rows(&self, l: &Layout) -> Result<(usize, usize, usize, usize)> {
-        let (b, h, bq, e) = l.shape().dims4()?;
-        Ok((b, h, bq, e))
-    }
-
     fn allowed(&self, seg: &Option<Vec<u32>>, b: usize, i: usize, j: usize) -> bool {
         j <= i
             && (self.window == 0 || i - j < self.window)
             && seg
                 .as_ref()
                 .is_none_or(|s| s[b * self.t + j] == s[b * self.t + i])
-    }
-
-    #[cfg(feature = "cuda")]
-    fn seg_cuda(&self) -> Result<Option<Tensor>> {
-        Ok(self.seg.clone())
     }
 }
 
@@ -76,7 +65,7 @@ impl CustomOp1 for MaskedLse {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (b, h, bq, e) = self.0.rows(l)?;
+        let (b, h, bq, e) = l.shape().dims4()?;
         let x = cpu_as_f32(s, l)?;
         let seg = self.0.seg_host()?;
         let mut out = vec![0f32; b * h * bq];
@@ -103,12 +92,11 @@ impl CustomOp1 for MaskedLse {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (b, h, bq, _) = self.0.rows(l)?;
-        let seg = self.0.seg_cuda()?;
+        let (b, h, bq, _) = l.shape().dims4()?;
         let out = super::cuda::masked_lse(
             s,
             l,
-            seg.as_ref(),
+            self.0.seg.as_ref(),
             self.0.t,
             self.0.q_off,
             self.0.window,
@@ -130,7 +118,7 @@ impl CustomOp2 for MaskedExp {
         lse: &CpuStorage,
         ll: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (b, h, bq, e) = self.0.rows(l)?;
+        let (b, h, bq, e) = l.shape().dims4()?;
         let x = cpu_as_f32(s, l)?;
         let lse = cpu_as_f32(lse, ll)?;
         let seg = self.0.seg_host()?;
@@ -154,13 +142,12 @@ impl CustomOp2 for MaskedExp {
         lse: &candle_core::CudaStorage,
         ll: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let seg = self.0.seg_cuda()?;
         let out = super::cuda::masked_exp(
             s,
             l,
             lse,
             ll,
-            seg.as_ref(),
+            self.0.seg.as_ref(),
             self.0.t,
             self.0.q_off,
             self.0.window,

@@ -180,14 +180,10 @@ fn merged_checkpoint_has_the_transformers_layout() {
     for (name, t) in &st16 {
         assert_eq!(t.dtype(), DType::BF16, "{name}");
         let want = merged[name].to_dtype(DType::BF16).unwrap();
-        let d = (t.to_dtype(DType::F32).unwrap() - want.to_dtype(DType::F32).unwrap())
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
+        let d = max_abs_diff(
+            &t.to_dtype(DType::F32).unwrap(),
+            &want.to_dtype(DType::F32).unwrap(),
+        );
         // Equal, or one bf16 ulp apart where B·A's f32 sum rounds differently.
         let ulp = want
             .to_dtype(DType::F32)
