@@ -1,27 +1,26 @@
 //! The layer-wise forward/backward driver: the home of activation checkpointing (and, later,
 //! FSDP gathers and DDP buckets).
 //!
-//! Forward runs the decoder one layer at a time. Each layer's input is a fresh leaf (`Var`), so
-//! backward can run one layer at a time too: given dL/d(output) g, the surrogate Σ(y ⊙ g)
-//! has the layer's true gradients, and its backward yields dL/d(input) for the layer below and
-//! the layer's LoRA gradients. Whatever a layer's backward produced is dropped before the next
-//! layer's, so at most one layer's graph and gradients are alive at once during backward.
+//! Forward runs the decoder one layer at a time, each layer keeping what its hand-written
+//! backward needs (`Layer::forward_train`, model/layer_train.rs); backward runs one layer at a
+//! time too: given dL/d(output), `Layer::backward` returns dL/d(input) for the layer below and
+//! the layer's LoRA gradients. No autograd graph is built at all (`Model::head_loss_bwd` does
+//! the head's).
 //!
-//! With activation checkpointing, forward keeps only each layer's input [B, T, C] and drops
-//! the graph; backward recomputes the layer from it (dropout masks are keyed, so identical).
+//! With activation checkpointing, forward keeps only each layer's input [B, T, C]; backward
+//! recomputes the layer from it (dropout masks are keyed, so identical).
 
 use super::optim::Grads;
 use crate::data::Batch;
-use crate::model::llama::cross_entropy_sum;
-use crate::model::{Ctx, Layer, Model};
-use candle_core::{DType, Result, Tensor, Var};
+use crate::model::{Ctx, LayerActs, LayerGrads, Model};
+use candle_core::{Result, Tensor};
 
 /// What forward leaves behind for one layer.
 enum Saved {
     /// Checkpointed: the layer input only.
     Input(Tensor),
-    /// Kept: the input leaf and the output with its graph.
-    Graph(Var, Tensor),
+    /// Kept: what the layer's backward needs.
+    Acts(LayerActs),
 }
 
 /// Runs one micro-batch forward and backward; adds its adapter gradients into `grads`.
@@ -70,15 +69,12 @@ pub fn forward_backward_probed(
     let mut x = model.embed(&ids)?; // [B, T, C], no graph
     let mut saved = Vec::with_capacity(model.layers.len());
     for layer in &model.layers {
-        if checkpointing {
-            let y = layer.forward(&x, &ctx)?.detach();
-            saved.push(Saved::Input(std::mem::replace(&mut x, y)));
-        } else {
-            let xv = Var::from_tensor(&x)?;
-            let y = layer.forward(xv.as_tensor(), &ctx)?;
-            x = y.detach();
-            saved.push(Saved::Graph(xv, y));
-        }
+        let (y, acts) = layer.forward_train(&x, &ctx, !checkpointing)?;
+        saved.push(match acts {
+            Some(acts) => Saved::Acts(acts),
+            None => Saved::Input(x),
+        });
+        x = y;
     }
 
     probe("forward")?;
@@ -102,15 +98,9 @@ pub fn forward_backward_probed(
         let tgt: Vec<u32> = part.iter().map(|&(_, l)| l).collect();
         let rows = Tensor::from_vec(rows, part.len(), dev)?;
         let tgt = Tensor::from_vec(tgt, part.len(), dev)?;
-        let hv = Var::from_tensor(&x.index_select(&rows, 0)?)?; // [n, C]
-        let ce = cross_entropy_sum(&model.head(hv.as_tensor())?, &tgt)?; // scalar f32
-        ce_value += ce.to_scalar::<f32>()? as f64;
-        let gs = (ce / denom)?.backward()?;
-        if let Some(gh) = gs.get(hv.as_tensor()) {
-            // Gradients come back with the graph that computed them attached: detach, or
-            // the whole step's activations stay alive through them.
-            g = g.index_add(&rows, &gh.detach(), 0)?;
-        }
+        let (ce, gh) = model.head_loss_bwd(&x.index_select(&rows, 0)?, &tgt, denom)?;
+        ce_value += ce;
+        g = g.index_add(&rows, &gh, 0)?;
     }
     drop(x);
     let mut g = g.reshape((b, t, c))?;
@@ -118,83 +108,30 @@ pub fn forward_backward_probed(
 
     // ---- backward, last layer first
     for (l, layer) in model.layers.iter().enumerate().rev() {
-        let (xv, y) = match saved.pop() {
-            Some(Saved::Graph(xv, y)) => (xv, y),
-            Some(Saved::Input(x)) => {
-                let xv = Var::from_tensor(&x)?;
-                let y = layer.forward(xv.as_tensor(), &ctx)?;
-                (xv, y)
-            }
+        let acts = match saved.pop() {
+            Some(Saved::Acts(acts)) => acts,
+            Some(Saved::Input(x)) => match layer.forward_train(&x, &ctx, true)? {
+                (_, Some(acts)) => acts,
+                (_, None) => candle_core::bail!("driver: layer {l} kept nothing to recompute from"),
+            },
             None => candle_core::bail!("driver: no saved activations for layer {l}"),
         };
-        let gs = seed(&y, g.to_dtype(y.dtype())?)?.backward()?;
-        accumulate(layer, &gs, grads)?;
-        g = match gs.get(xv.as_tensor()) {
-            Some(dx) => dx.detach(),
-            None if l == 0 => break,
-            None => xv.as_tensor().zeros_like()?,
-        };
+        let (dx, lg) = layer.backward(acts, &g, &ctx)?;
+        accumulate(lg, grads)?;
+        g = dx;
     }
     probe("backward")?;
     Ok(ce_value)
 }
 
-/// A scalar whose gradient with respect to `y` is `g`: backward through a layer given
-/// dL/d(output), without computing Σ y ⊙ g (two full passes over the activation).
-fn seed(y: &Tensor, g: Tensor) -> Result<Tensor> {
-    y.apply_op1_arc(std::sync::Arc::new(Box::new(Seed(g))))
-}
-
-struct Seed(Tensor);
-
-impl candle_core::CustomOp1 for Seed {
-    fn name(&self) -> &'static str {
-        "seed-grad"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &candle_core::CpuStorage,
-        _: &candle_core::Layout,
-    ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        Ok((candle_core::CpuStorage::F32(vec![0.0]), ().into()))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s: &candle_core::CudaStorage,
-        _: &candle_core::Layout,
-    ) -> Result<(candle_core::CudaStorage, candle_core::Shape)> {
-        let dev = s.device.clone();
-        let z = dev.alloc_zeros::<f32>(1)?;
-        Ok((candle_core::CudaStorage::wrap_cuda_slice(z, dev), ().into()))
-    }
-
-    fn bwd(&self, _: &Tensor, _: &Tensor, _: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(self.0.clone()))
-    }
-}
-
 /// Adds a layer's adapter gradients (f32) into the running sums.
-fn accumulate(
-    layer: &Layer,
-    gs: &candle_core::backprop::GradStore,
-    grads: &mut Grads,
-) -> Result<()> {
-    for lin in layer.linears() {
-        let Some(lora) = &lin.lora else { continue };
-        for var in [&lora.a, &lora.b] {
-            let Some(g) = gs.get(var.as_tensor()) else {
-                continue;
-            };
-            let g = g.to_dtype(DType::F32)?.detach();
-            let sum = match grads.remove(&var.id()) {
-                Some(prev) => (prev + g)?,
-                None => g,
-            };
-            grads.insert(var.id(), sum);
-        }
+fn accumulate(lg: LayerGrads, grads: &mut Grads) -> Result<()> {
+    for (id, g) in lg {
+        let sum = match grads.remove(&id) {
+            Some(prev) => (prev + g)?,
+            None => g,
+        };
+        grads.insert(id, sum);
     }
     Ok(())
 }

@@ -93,6 +93,31 @@ fn rms_norm_matches_composite() {
 }
 
 #[test]
+fn swiglu_matches_composite_in_gate_and_up() {
+    for dev in devices() {
+        // bf16 rounds silu(g) before the product, as transformers does: check it on the CPU too.
+        for dt in [DType::F32, DType::BF16] {
+            let i = 37;
+            // x = [gate | up] along the last dimension, so dx holds both dg and du.
+            check(
+                "swiglu",
+                &dev,
+                dt,
+                &[2, 3, 2 * i],
+                &|x| {
+                    let (g, u) = (x.narrow(D::Minus1, 0, i)?, x.narrow(D::Minus1, i, i)?);
+                    ops::swiglu(&(g * 3.0)?, &u)
+                },
+                &|x| {
+                    let (g, u) = (x.narrow(D::Minus1, 0, i)?, x.narrow(D::Minus1, i, i)?);
+                    candle_nn::ops::silu(&(g * 3.0)?)? * u
+                },
+            );
+        }
+    }
+}
+
+#[test]
 fn rope_matches_composite() {
     for dev in devices() {
         for dt in dtypes(&dev) {
