@@ -145,7 +145,7 @@ pub fn run(a: &BenchArgs) -> Result<serde_json::Value> {
     let step = |opt: &mut optim::AdamW| -> Result<f64> {
         let mut grads = optim::Grads::new();
         let ce = driver::forward_backward(&model, &batch, n, a.ckpt, None, &mut grads)?;
-        optim::clip_grad_norm(&mut grads, 1.0)?;
+        optim::clip_grad_norm(&mut grads, &opt.params, 1.0)?;
         opt.step(&grads, 1e-4)?;
         Ok(ce / n)
     };

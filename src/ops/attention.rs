@@ -264,13 +264,13 @@ pub fn attention_fwd(
     for s in (0..t).step_by(bq) {
         let n = bq.min(t - s);
         let e = s + n;
-        let qb = q.narrow(2, s, n)?.contiguous()?;
-        let kk = k.narrow(2, 0, e)?.contiguous()?;
+        let qb = q.narrow(2, s, n)?; // views: cuBLAS takes the batch stride
+        let kk = k.narrow(2, 0, e)?;
         let scores = qb.matmul(&kk.t()?)?; // [B, H, n, e]
         let lse = scores.apply_op1_no_bwd(&MaskedLse(blk(s)))?; // [B, H, n]
         let p = scores.apply_op2_no_bwd(&lse, &MaskedExp(blk(s)))?;
         drop(scores);
-        outs.push(p.matmul(&v.narrow(2, 0, e)?.contiguous()?)?); // [B, H, n, D]
+        outs.push(p.matmul(&v.narrow(2, 0, e)?)?); // [B, H, n, D]
         lses.push(lse);
     }
     Ok((Tensor::cat(&outs, 2)?, Tensor::cat(&lses, 2)?))
@@ -320,9 +320,9 @@ pub fn attention_bwd(
     for s in (0..t).step_by(bq) {
         let n = bq.min(t - s);
         let e = s + n;
-        let qb = q.narrow(2, s, n)?.contiguous()?;
-        let kk = k.narrow(2, 0, e)?.contiguous()?;
-        let vv = v.narrow(2, 0, e)?.contiguous()?;
+        let qb = q.narrow(2, s, n)?; // views: cuBLAS takes the batch stride
+        let kk = k.narrow(2, 0, e)?;
+        let vv = v.narrow(2, 0, e)?;
         let gb = d_o.narrow(2, s, n)?.to_dtype(dt)?.contiguous()?;
         let scores = qb.matmul(&kk.t()?)?;
         let p = scores.apply_op2_no_bwd(&lse.narrow(2, s, n)?.contiguous()?, &MaskedExp(blk(s)))?;

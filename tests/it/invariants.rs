@@ -390,8 +390,8 @@ fn gradients_and_optimiser_state_hold_no_graph() {
             );
         }
         opt.step(&g, 1e-3).unwrap();
-        let (m, v) = opt.state();
-        for t in m.iter().chain(v) {
+        let (m, v) = opt.state().unwrap();
+        for t in m.iter().chain(&v) {
             assert!(!t.track_op(), "optimiser state carries a graph");
         }
     }
