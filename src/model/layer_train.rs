@@ -79,17 +79,9 @@ impl Layer {
         let (kk, xk) = self.k.fwd(&hn, ctx)?; // [m, K·D]
         let (v, xv) = self.v.fwd(&hn, ctx)?; // [m, K·D]
         drop(hn);
-        let q = ops::rope(
-            &q.reshape((b, t, h, d))?.transpose(1, 2)?,
-            &ctx.cos,
-            &ctx.sin,
-        )?;
-        let kk = ops::rope(
-            &kk.reshape((b, t, k, d))?.transpose(1, 2)?,
-            &ctx.cos,
-            &ctx.sin,
-        )?;
-        let v = v.reshape((b, t, k, d))?.transpose(1, 2)?.contiguous()?;
+        let q = ops::rope_heads(&q, &ctx.cos, &ctx.sin, h)?; // [B, H, T, D]
+        let kk = ops::rope_heads(&kk, &ctx.cos, &ctx.sin, k)?; // [B, K, T, D]
+        let v = ops::to_heads(&v, b, t, k)?; // [B, K, T, D]
         let (o, lse) = ops::attention::attention_fwd(
             &q,
             &repeat_kv(&kk, h / k)?,
@@ -98,7 +90,7 @@ impl Layer {
             1.0 / (d as f64).sqrt(),
             ctx.attn_block,
         )?; // [B, H, T, D], [B, H, T]
-        let attn = o.transpose(1, 2)?.reshape((b * t, h * d))?; // [m, H·D]
+        let attn = ops::to_rows(&o)?; // [m, H·D]
         drop(o);
         let (ao, xo) = self.o.fwd(&attn, ctx)?;
         let hres = (&x + ao)?; // [m, C]
@@ -184,7 +176,7 @@ impl Layer {
         .transpose(1, 2)?
         .contiguous()?; // [B, H, T]
         drop(attn);
-        let d_o = dattn.reshape((b, t, h, d))?.transpose(1, 2)?; // [B, H, T, D] view
+        let d_o = ops::to_heads(&dattn, b, t, h)?; // [B, H, T, D]
         let (dq, dk, dv) = ops::attention::attention_bwd(
             &q,
             &repeat_kv(&kk, h / k)?,
@@ -199,12 +191,10 @@ impl Layer {
         drop((q, kk, v, d_o, dattn, delta, lse));
         // GQA: each kv head's gradient is the sum over the query heads that shared it.
         let (dk, dv) = (unrepeat_kv(&dk, k)?, unrepeat_kv(&dv, k)?);
-        // RoPE's backward is the inverse rotation.
-        let sin_inv = ctx.sin.neg()?;
-        let rows = |g: Tensor, heads: usize| g.transpose(1, 2)?.reshape((b * t, heads * d));
-        let dq = rows(ops::rope(&dq, &ctx.cos, &sin_inv)?, h)?; // [m, H·D]
-        let dk = rows(ops::rope(&dk, &ctx.cos, &sin_inv)?, k)?; // [m, K·D]
-        let dv = rows(dv, k)?; // [m, K·D]
+        // RoPE's backward is the inverse rotation; back to token-major rows in the same pass.
+        let dq = ops::rope_rows_inv(&dq, &ctx.cos, &ctx.sin)?; // [m, H·D]
+        let dk = ops::rope_rows_inv(&dk, &ctx.cos, &ctx.sin)?; // [m, K·D]
+        let dv = ops::to_rows(&dv)?; // [m, K·D]
 
         let hn = ops::rms_norm(&x, &self.input_norm, self.eps)?; // recomputed
         let (dq, g) = self.q.bwd(&hn, &dq, xq.as_ref(), ctx)?;

@@ -298,8 +298,9 @@ pub fn attention_bwd(
         ..tmpl.clone()
     };
     let dt = q.dtype();
-    // dK and dV are summed in f32 per key block of bq keys: query block i (keys [0, e)) adds
-    // into key blocks 0..=i, so no partial is ever padded to the full sequence.
+    let d_o = d_o.to_dtype(dt)?.contiguous()?; // one copy at most; blocks below are views
+                                               // dK and dV are summed in f32 per key block of bq keys: query block i (keys [0, e)) adds
+                                               // into key blocks 0..=i, so no partial is ever padded to the full sequence.
     let nb = t.div_ceil(bq);
     let mut dq = Vec::with_capacity(nb);
     let (mut dk, mut dv) = (vec![None::<Tensor>; nb], vec![None::<Tensor>; nb]);
@@ -323,7 +324,7 @@ pub fn attention_bwd(
         let qb = q.narrow(2, s, n)?; // views: cuBLAS takes the batch stride
         let kk = k.narrow(2, 0, e)?;
         let vv = v.narrow(2, 0, e)?;
-        let gb = d_o.narrow(2, s, n)?.to_dtype(dt)?.contiguous()?;
+        let gb = d_o.narrow(2, s, n)?;
         let scores = qb.matmul(&kk.t()?)?;
         let p = scores.apply_op2_no_bwd(&lse.narrow(2, s, n)?.contiguous()?, &MaskedExp(blk(s)))?;
         drop(scores);

@@ -22,7 +22,7 @@ pub use attention::{attention, AttnMask};
 pub use frozen_linear::frozen_linear;
 pub use lora_linear::lora_linear;
 pub use rms_norm::{rms_norm, rms_norm_bwd};
-pub use rope::rope;
+pub use rope::{rope, rope_heads, rope_rows_inv, to_heads, to_rows};
 pub use swiglu::{swiglu, swiglu_bwd};
 
 use candle_core::{CpuStorage, Layout, Result};

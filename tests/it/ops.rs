@@ -144,6 +144,71 @@ fn rope_matches_composite() {
     }
 }
 
+/// The fused layout changes (token-major rows ↔ [B, H, T, D]) with and without RoPE, against
+/// transpose + `rope` (exact: the same arithmetic per element).
+#[test]
+fn relayout_and_fused_rope_match_transpose_and_rope() {
+    for dev in devices() {
+        for dt in dtypes(&dev) {
+            let (b, h, t, d) = (2, 3, 5, 8);
+            let cos = Tensor::randn(0f32, 1.0, (b, t, d / 2), &dev).unwrap();
+            let sin = Tensor::randn(0f32, 1.0, (b, t, d / 2), &dev).unwrap();
+            let rows = Tensor::randn(0f32, 1.0, (b * t, h * d), &dev)
+                .unwrap()
+                .to_dtype(dt)
+                .unwrap();
+            let heads = rows
+                .reshape((b, t, h, d))
+                .unwrap()
+                .transpose(1, 2)
+                .unwrap()
+                .contiguous()
+                .unwrap();
+            let tag = format!("{dt:?} {:?}", dev.location());
+            let f32 = |x: &Tensor| x.to_dtype(DType::F32).unwrap();
+            assert_close(
+                &format!("to_heads {tag}"),
+                &f32(&ops::to_heads(&rows, b, t, h).unwrap()),
+                &f32(&heads),
+                0.0,
+                0.0,
+            );
+            assert_close(
+                &format!("to_rows {tag}"),
+                &f32(&ops::to_rows(&heads).unwrap()),
+                &f32(&rows),
+                0.0,
+                0.0,
+            );
+            let want = ops::rope(&heads, &cos, &sin).unwrap();
+            let got = ops::rope_heads(&rows, &cos, &sin, h).unwrap();
+            assert_eq!(got.dims(), &[b, h, t, d]);
+            assert_close(
+                &format!("rope_heads {tag}"),
+                &f32(&got),
+                &f32(&want),
+                1e-6,
+                1e-6,
+            );
+            // The inverse: rotating back by −θ into rows recovers the input.
+            let back = ops::rope_rows_inv(&want, &cos, &sin).unwrap();
+            let inv = ops::rope(&want, &cos, &sin.neg().unwrap())
+                .unwrap()
+                .transpose(1, 2)
+                .unwrap()
+                .reshape((b * t, h * d))
+                .unwrap();
+            assert_close(
+                &format!("rope_rows_inv {tag}"),
+                &f32(&back),
+                &f32(&inv),
+                1e-6,
+                1e-6,
+            );
+        }
+    }
+}
+
 /// The additive mask of the composite reference: 0 where query i may see key j, else −∞.
 fn additive_mask(b: usize, t: usize, seg: Option<&[u32]>, window: usize, dev: &Device) -> Tensor {
     let mut add = vec![0f32; b * t * t];
