@@ -276,6 +276,11 @@ fn test_pause() {
 
 /// Writes `out_dir/checkpoint-<state.step>/` (replacing one of that step) through a
 /// temporary directory. `keys[i]` is the PEFT key of `opt.params[i]`.
+/// Where `save` puts the checkpoint of step `step`.
+pub fn dir_of(out_dir: &Path, step: usize) -> PathBuf {
+    out_dir.join(format!("checkpoint-{step}"))
+}
+
 pub fn save(
     s: &Session,
     out_dir: &Path,

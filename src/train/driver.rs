@@ -1,5 +1,5 @@
-//! The layer-wise forward/backward driver: the home of activation checkpointing (and, later,
-//! FSDP gathers and DDP buckets).
+//! The layer-wise forward/backward driver: the home of activation checkpointing, FSDP gathers
+//! and DDP gradient buckets.
 //!
 //! Forward runs the decoder one layer at a time. Each layer's input is a fresh leaf (`Var`), so
 //! backward can run one layer at a time too: given dL/d(output) g, the surrogate Σ(y ⊙ g)
@@ -9,12 +9,60 @@
 //!
 //! With activation checkpointing, forward keeps only each layer's input [B, T, C] and drops
 //! the graph; backward recomputes the layer from it (dropout masks are keyed, so identical).
+//!
+//! Several ranks (`Par`): under FSDP each layer's frozen base is all-gathered just before its
+//! forward and again before its recompute in backward (the next layer's gather is issued one
+//! layer early, synchronously: candle gives us no second stream to overlap it on), and dropped
+//! after use; the embedding and head likewise. Without checkpointing a layer's graph holds its
+//! gathered weights until its backward, so FSDP saves memory with checkpointing only. On the
+//! step's last micro-batch each layer's adapter gradients are summed over the ranks in one
+//! bucket as soon as that layer's backward is done (DDP and FSDP alike). With world 1 every
+//! collective is the identity.
 
 use super::optim::Grads;
 use crate::data::Batch;
+use crate::dist::fsdp::Shards;
+use crate::dist::{Comm, Solo};
 use crate::model::llama::cross_entropy_sum;
 use crate::model::{Ctx, Layer, Model};
 use candle_core::{DType, Result, Tensor, Var};
+use std::borrow::Cow;
+
+/// How one micro-batch is spread over the ranks.
+pub struct Par<'a> {
+    pub comm: &'a dyn Comm,
+    /// FSDP: the frozen base's shards (the model's frozen tensors are placeholders).
+    pub shards: Option<&'a Shards>,
+    /// Sum the adapter gradients over the ranks as each layer's backward ends (true on the
+    /// last micro-batch of a step; the sums of the earlier ones ride along).
+    pub reduce: bool,
+}
+
+impl Par<'static> {
+    /// One rank, the whole model resident.
+    pub fn single() -> Par<'static> {
+        Par {
+            comm: &Solo,
+            shards: None,
+            reduce: true,
+        }
+    }
+}
+
+impl Par<'_> {
+    /// Layer `l`, gathered under FSDP.
+    pub fn layer<'m>(&self, model: &'m Model, l: usize) -> Result<Cow<'m, Layer>> {
+        match self.shards {
+            None => Ok(Cow::Borrowed(&model.layers[l])),
+            Some(s) => Ok(Cow::Owned(s.layer(model, l, self.comm)?)),
+        }
+    }
+
+    /// The embedding / norm / head, gathered under FSDP (None: use the model's own).
+    pub fn io(&self, model: &Model) -> Result<Option<Model>> {
+        self.shards.map(|s| s.io(model, self.comm)).transpose()
+    }
+}
 
 /// What forward leaves behind for one layer.
 enum Saved {
@@ -61,15 +109,55 @@ pub fn forward_backward_probed(
     head_chunk: Option<usize>,
     probe: &mut dyn FnMut(&'static str) -> Result<()>,
 ) -> Result<f64> {
+    forward_backward_par(
+        model,
+        &Par::single(),
+        batch,
+        denom,
+        checkpointing,
+        dropout,
+        grads,
+        head_chunk,
+        probe,
+    )
+}
+
+/// `forward_backward_probed` on rank `par.comm.rank()` of `par.comm.world()`: `denom` is the
+/// counted tokens of the whole step over every rank, so the ranks' summed gradients are the
+/// single-rank ones. Returns this rank's Σ token CE.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_backward_par(
+    model: &Model,
+    par: &Par,
+    batch: &Batch,
+    denom: f64,
+    checkpointing: bool,
+    dropout: Option<(u64, [u64; 2])>,
+    grads: &mut Grads,
+    head_chunk: Option<usize>,
+    probe: &mut dyn FnMut(&'static str) -> Result<()>,
+) -> Result<f64> {
     let dev = &model.device;
+    let n_layers = model.layers.len();
     let (b, t) = (batch.b, batch.t);
     let ids = Tensor::from_slice(&batch.ids, (b, t), dev)?;
     let ctx = model.ctx(&batch.positions, b, t, batch.segments.clone(), dropout)?;
 
     // ---- forward, layer by layer
-    let mut x = model.embed(&ids)?; // [B, T, C], no graph
-    let mut saved = Vec::with_capacity(model.layers.len());
-    for layer in &model.layers {
+    let mut x = match par.io(model)? {
+        Some(io) => io.embed(&ids)?,
+        None => model.embed(&ids)?,
+    }; // [B, T, C], no graph
+    let mut saved = Vec::with_capacity(n_layers);
+    let mut next = (n_layers > 0).then(|| par.layer(model, 0)).transpose()?;
+    for l in 0..n_layers {
+        let Some(layer) = next.take() else {
+            candle_core::bail!("driver: layer {l} was not gathered");
+        };
+        // Gather ahead: the next layer's shards while this one is still resident.
+        if l + 1 < n_layers {
+            next = Some(par.layer(model, l + 1)?);
+        }
         if checkpointing {
             let y = layer.forward(&x, &ctx)?.detach();
             saved.push(Saved::Input(std::mem::replace(&mut x, y)));
@@ -83,10 +171,14 @@ pub fn forward_backward_probed(
 
     probe("forward")?;
 
-    // ---- head + loss on the counted positions only
-    if batch.targets.is_empty() {
+    // ---- head + loss on the counted positions only. With several ranks a rank with nothing
+    // to predict still runs backward: the others wait for its gathers and gradient sums.
+    let world = par.comm.world();
+    if batch.targets.is_empty() && world == 1 {
         return Ok(0.0);
     }
+    let io = par.io(model)?;
+    let head_model = io.as_ref().unwrap_or(model);
     // The head runs over chunks of the counted positions, each chunk's forward and backward
     // before the next, so the f32 logits of only ~2^24 entries exist at a time
     // ([N × V] at once is 0.5 GB per 4k tokens at a 32k vocabulary, and CE keeps several).
@@ -103,7 +195,7 @@ pub fn forward_backward_probed(
         let rows = Tensor::from_vec(rows, part.len(), dev)?;
         let tgt = Tensor::from_vec(tgt, part.len(), dev)?;
         let hv = Var::from_tensor(&x.index_select(&rows, 0)?)?; // [n, C]
-        let ce = cross_entropy_sum(&model.head(hv.as_tensor())?, &tgt)?; // scalar f32
+        let ce = cross_entropy_sum(&head_model.head(hv.as_tensor())?, &tgt)?; // scalar f32
         ce_value += ce.to_scalar::<f32>()? as f64;
         let gs = (ce / denom)?.backward()?;
         if let Some(gh) = gs.get(hv.as_tensor()) {
@@ -112,12 +204,24 @@ pub fn forward_backward_probed(
             g = g.index_add(&rows, &gh.detach(), 0)?;
         }
     }
-    drop(x);
+    drop((x, io));
     let mut g = g.reshape((b, t, c))?;
     probe("head")?;
 
-    // ---- backward, last layer first
-    for (l, layer) in model.layers.iter().enumerate().rev() {
+    // ---- backward, last layer first. A kept graph holds its own weights; a checkpointed layer
+    // is gathered again (one layer ahead) and recomputed.
+    let regather = checkpointing && par.shards.is_some();
+    let mut next = (regather && n_layers > 0)
+        .then(|| par.layer(model, n_layers - 1))
+        .transpose()?;
+    for l in (0..n_layers).rev() {
+        let layer = match next.take() {
+            Some(gathered) => gathered,
+            None => Cow::Borrowed(&model.layers[l]),
+        };
+        if regather && l > 0 {
+            next = Some(par.layer(model, l - 1)?);
+        }
         let (xv, y) = match saved.pop() {
             Some(Saved::Graph(xv, y)) => (xv, y),
             Some(Saved::Input(x)) => {
@@ -128,7 +232,12 @@ pub fn forward_backward_probed(
             None => candle_core::bail!("driver: no saved activations for layer {l}"),
         };
         let gs = seed(&y, g.to_dtype(y.dtype())?)?.backward()?;
-        accumulate(layer, &gs, grads)?;
+        drop(y);
+        accumulate(&layer, &gs, grads)?;
+        if par.reduce && world > 1 {
+            all_reduce_layer(&layer, grads, par.comm)?;
+        }
+        drop(layer);
         g = match gs.get(xv.as_tensor()) {
             Some(dx) => dx.detach(),
             None if l == 0 => break,
@@ -195,6 +304,36 @@ fn accumulate(
             };
             grads.insert(var.id(), sum);
         }
+    }
+    Ok(())
+}
+
+/// Sums one layer's adapter gradients over the ranks as one flat f32 bucket (a missing
+/// gradient counts as zeros, so every rank sends the same layout).
+fn all_reduce_layer(layer: &Layer, grads: &mut Grads, comm: &dyn Comm) -> Result<()> {
+    let vars: Vec<&Var> = layer
+        .linears()
+        .into_iter()
+        .filter_map(|lin| lin.lora.as_ref())
+        .flat_map(|l| [&l.a, &l.b])
+        .collect();
+    if vars.is_empty() {
+        return Ok(());
+    }
+    let mut flat = Vec::with_capacity(vars.len());
+    for v in &vars {
+        let g = match grads.get(&v.id()) {
+            Some(g) => g.clone(),
+            None => v.as_tensor().zeros_like()?.to_dtype(DType::F32)?,
+        };
+        flat.push(g.flatten_all()?);
+    }
+    let sum = comm.all_reduce_sum(&Tensor::cat(&flat, 0)?)?; // [Σ numel] f32
+    let mut off = 0;
+    for v in vars {
+        let n = v.elem_count();
+        grads.insert(v.id(), sum.narrow(0, off, n)?.reshape(v.dims())?);
+        off += n;
     }
     Ok(())
 }
