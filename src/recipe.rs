@@ -558,7 +558,7 @@ fn devices_or_all<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<usize>, 
         Devices::List(v) => Ok(v),
         Devices::Word(w) if w == "all" => Ok(Vec::new()),
         Devices::Word(w) => Err(serde::de::Error::custom(format!(
-            "= \"{w}\": expected a list of device ordinals like [0, 1] or \"all\""
+            "parallel.devices = \"{w}\": expected a list of device ordinals like [0, 1], or \"all\""
         ))),
     }
 }
@@ -831,7 +831,7 @@ impl Recipe {
         let mut seen = BTreeSet::new();
         for d in &p.devices {
             if !seen.insert(d) {
-                return Err(self.invalid("parallel.devices", format!("lists device {d} twice")));
+                return Err(self.invalid("parallel.devices", format!("lists device {d} twice: list each device once, e.g. [0, 1]")));
             }
         }
         if p.devices.is_empty() && self.model.device == DeviceKind::Cpu {

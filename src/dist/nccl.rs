@@ -1,0 +1,293 @@
+//! NCCL communicators (`nccl` feature): one per rank, built from one unique id.
+//!
+//! Ranks are threads of this process (one per GPU, the id passed in memory) or processes
+//! started by torchrun / Slurm (rank 0 hands the id to the others over TCP: launch::share).
+//! Collectives are queued on the stream of the tensor they read (the rank's candle stream), so
+//! they are ordered with the compute around them and the host does not wait for them.
+//!
+//! We hold the raw `ncclComm_t` (cudarc's `Comm` keeps it private) so that a watchdog can call
+//! ncclCommAbort when another rank fails: the ranks blocked in a collective with a dead peer
+//! then get an error instead of waiting forever. A comm lives behind a mutex that every call
+//! takes while it enqueues, so an abort never races an enqueue or the owner's drop.
+
+use super::launch::{self, EnvRank};
+use super::{Comm, Group};
+use crate::recipe::{Recipe, RecipeError};
+use anyhow::Context;
+use candle_core::cuda_backend::cudarc::driver::{CudaContext, CudaStream, DevicePtr};
+use candle_core::cuda_backend::cudarc::nccl::{result, sys};
+use candle_core::cuda_backend::CudaStorageSlice as S;
+use candle_core::{Device, Result, Storage, Tensor};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// A communicator handle that may move to the watchdog's thread.
+struct Raw(sys::ncclComm_t);
+// SAFETY: an ncclComm_t may be used from any thread; we serialise every use with a Mutex.
+unsafe impl Send for Raw {}
+
+/// None once aborted or destroyed.
+type Slot = Arc<Mutex<Option<Raw>>>;
+
+fn lock(s: &Slot) -> std::sync::MutexGuard<'_, Option<Raw>> {
+    s.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn abort_slot(s: &Slot) {
+    if let Some(Raw(c)) = lock(s).take() {
+        // SAFETY: `c` came from ncclCommInitRank and is taken out of the slot, so no one
+        // uses it again.
+        let _ = unsafe { result::comm_abort(c) };
+    }
+}
+
+fn nccl_err(what: &str, e: result::NcclError) -> candle_core::Error {
+    candle_core::Error::msg(format!("NCCL {what}: {e:?}"))
+}
+
+/// The CUDA ordinals of a recipe's ranks: `parallel.devices`, or every GPU for "all" (an
+/// empty list); a missing ordinal is a recipe error.
+pub fn ordinals(recipe: &Recipe) -> anyhow::Result<Vec<usize>> {
+    let count = CudaContext::device_count().map_err(|e| anyhow::anyhow!("cannot count CUDA devices: {e:?}"))? as usize;
+    let p = &recipe.parallel;
+    if p.devices.is_empty() {
+        return Ok((0..count).collect());
+    }
+    if let Some(d) = p.devices.iter().find(|&&d| d >= count) {
+        return Err(RecipeError::Invalid {
+            path: recipe.source.clone(),
+            key: "parallel.devices".into(),
+            msg: format!("lists device {d}, but this machine has {count} CUDA device(s) (0..{}): list existing ordinals or use \"all\"", count.saturating_sub(1)),
+        }
+        .into());
+    }
+    Ok(p.devices.clone())
+}
+
+/// The ranks of one process, one thread per GPU.
+pub struct NcclGroup {
+    ordinals: Vec<usize>,
+    id: sys::ncclUniqueId,
+    comms: Mutex<Vec<Slot>>,
+    failure: Mutex<Option<(usize, String)>>,
+}
+
+// SAFETY: ncclUniqueId is plain bytes.
+unsafe impl Send for NcclGroup {}
+unsafe impl Sync for NcclGroup {}
+
+impl NcclGroup {
+    pub fn new(ordinals: Vec<usize>, _timeout: Duration) -> anyhow::Result<Arc<NcclGroup>> {
+        let id = result::get_uniqueid().map_err(|e| anyhow::anyhow!("ncclGetUniqueId: {e:?}"))?;
+        Ok(Arc::new(NcclGroup {
+            ordinals,
+            id,
+            comms: Mutex::new(Vec::new()),
+            failure: Mutex::new(None),
+        }))
+    }
+}
+
+impl Group for NcclGroup {
+    fn world(&self) -> usize {
+        self.ordinals.len()
+    }
+
+    fn comm(self: Arc<Self>, rank: usize) -> anyhow::Result<Box<dyn Comm>> {
+        let ordinal = self.ordinals[rank];
+        let comm = NcclComm::init(rank, self.ordinals.len(), ordinal, self.id)?;
+        self.comms
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(comm.raw.clone());
+        if self.failure().is_some() {
+            abort_slot(&comm.raw);
+        }
+        Ok(Box::new(comm))
+    }
+
+    fn abort(&self, rank: usize, why: &str) {
+        {
+            let mut f = self.failure.lock().unwrap_or_else(|p| p.into_inner());
+            if f.is_none() {
+                *f = Some((rank, why.to_string()));
+            }
+        }
+        // The watchdog's job: free every rank blocked on a dead peer.
+        for s in self.comms.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            abort_slot(s);
+        }
+    }
+
+    fn failure(&self) -> Option<(usize, String)> {
+        self.failure.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
+/// This process's rank of a torchrun / Slurm job: rank 0 makes the id and serves it.
+pub fn from_env(e: &EnvRank, timeout: Duration) -> anyhow::Result<Box<dyn Comm>> {
+    let id = match e.rank {
+        0 => Some(result::get_uniqueid().map_err(|x| anyhow::anyhow!("ncclGetUniqueId: {x:?}"))?),
+        _ => None,
+    };
+    let bytes: Option<Vec<u8>> = id.map(|id| id.internal.iter().map(|&c| c as u8).collect());
+    let got = launch::share(e.rank, e.world, &e.addr, e.port, bytes.as_deref(), timeout)?;
+    if got.len() != 128 {
+        anyhow::bail!("rank {}: got a {}-byte NCCL id, want 128", e.rank, got.len());
+    }
+    let mut internal = [0 as std::ffi::c_char; 128];
+    for (d, s) in internal.iter_mut().zip(&got) {
+        *d = *s as std::ffi::c_char;
+    }
+    let comm = NcclComm::init(e.rank, e.world, e.local, sys::ncclUniqueId { internal })
+        .with_context(|| format!("rank {} of {}: cannot create its NCCL communicator", e.rank, e.world))?;
+    Ok(Box::new(comm))
+}
+
+/// One rank's NCCL communicator.
+pub struct NcclComm {
+    rank: usize,
+    world: usize,
+    raw: Slot,
+    device: Device,
+}
+
+impl NcclComm {
+    fn init(rank: usize, world: usize, ordinal: usize, id: sys::ncclUniqueId) -> anyhow::Result<NcclComm> {
+        let device = Device::new_cuda(ordinal)?;
+        let stream = device.as_cuda_device()?.cuda_stream();
+        // NCCL needs the device's context current on this thread.
+        stream.context().bind_to_thread().map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        let mut c = std::mem::MaybeUninit::uninit();
+        // SAFETY: ncclCommInitRank writes the communicator on success.
+        let c = unsafe {
+            result::comm_init_rank(c.as_mut_ptr(), world as i32, id, rank as i32)
+                .map_err(|e| anyhow::anyhow!("ncclCommInitRank (rank {rank} of {world}, GPU {ordinal}): {e:?}"))?;
+            c.assume_init()
+        };
+        Ok(NcclComm {
+            rank,
+            world,
+            raw: Arc::new(Mutex::new(Some(Raw(c)))),
+            device,
+        })
+    }
+
+    /// Runs `f(comm)` with the communicator, or fails if it was aborted.
+    fn with<R>(&self, op: &str, f: impl FnOnce(sys::ncclComm_t) -> Result<R>) -> Result<R> {
+        let g = lock(&self.raw);
+        match g.as_ref() {
+            Some(Raw(c)) => f(*c),
+            None => Err(candle_core::Error::msg(format!(
+                "rank {}: {op} on an aborted NCCL communicator (another rank failed)",
+                self.rank
+            ))),
+        }
+    }
+}
+
+impl Drop for NcclComm {
+    fn drop(&mut self) {
+        abort_slot(&self.raw);
+    }
+}
+
+/// (device address of the first element, NCCL type, the stream that owns the memory).
+fn address(t: &Tensor) -> Result<(u64, sys::ncclDataType_t, Arc<CudaStream>)> {
+    use sys::ncclDataType_t as D;
+    let (st, layout) = t.storage_and_layout();
+    let Storage::Cuda(cs) = &*st else {
+        candle_core::bail!("NCCL: a tensor on {:?}, not CUDA", t.device().location());
+    };
+    let Some((o1, _)) = layout.contiguous_offsets() else {
+        candle_core::bail!("NCCL: a non-contiguous tensor");
+    };
+    let stream = cs.device.cuda_stream();
+    let (base, ty, size) = match &cs.slice {
+        S::F32(s) => (s.device_ptr(&stream).0, D::ncclFloat32, 4),
+        S::F64(s) => (s.device_ptr(&stream).0, D::ncclFloat64, 8),
+        S::BF16(s) => (s.device_ptr(&stream).0, D::ncclBfloat16, 2),
+        S::F16(s) => (s.device_ptr(&stream).0, D::ncclFloat16, 2),
+        S::U32(s) => (s.device_ptr(&stream).0, D::ncclUint32, 4),
+        S::U8(s) => (s.device_ptr(&stream).0, D::ncclUint8, 1),
+        _ => candle_core::bail!("NCCL: dtype {:?} not supported", t.dtype()),
+    };
+    Ok((base + (o1 * size) as u64, ty, stream))
+}
+
+impl Comm for NcclComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world(&self) -> usize {
+        self.world
+    }
+
+    fn all_reduce_sum(&self, x: &Tensor) -> Result<Tensor> {
+        let x = x.contiguous()?;
+        let out = x.zeros_like()?;
+        let (src, ty, stream) = address(&x)?;
+        let (dst, _, _) = address(&out)?;
+        self.with("all_reduce", |c| {
+            // SAFETY: src and dst hold x.elem_count() elements of `ty` on this rank's GPU,
+            // alive until the queued op ran (frees are ordered on the same stream).
+            unsafe {
+                result::all_reduce(
+                    src as _,
+                    dst as _,
+                    x.elem_count(),
+                    ty,
+                    sys::ncclRedOp_t::ncclSum,
+                    c,
+                    stream.cu_stream() as _,
+                )
+            }
+            .map_err(|e| nccl_err("all_reduce", e))
+        })?;
+        Ok(out)
+    }
+
+    fn all_gather(&self, x: &Tensor) -> Result<Tensor> {
+        let x = x.flatten_all()?.contiguous()?;
+        let n = x.elem_count();
+        let out = Tensor::zeros(n * self.world, x.dtype(), x.device())?;
+        let (src, ty, stream) = address(&x)?;
+        let (dst, _, _) = address(&out)?;
+        self.with("all_gather", |c| {
+            // SAFETY: src holds n elements, dst world·n, of `ty` on this rank's GPU.
+            unsafe { result::all_gather(src as _, dst as _, n, ty, c, stream.cu_stream() as _) }
+                .map_err(|e| nccl_err("all_gather", e))
+        })?;
+        Ok(out)
+    }
+
+    fn broadcast(&self, x: &Tensor, root: usize) -> Result<Tensor> {
+        let x = x.contiguous()?;
+        let out = x.zeros_like()?;
+        let (src, ty, stream) = address(&x)?;
+        let (dst, _, _) = address(&out)?;
+        self.with("broadcast", |c| {
+            // SAFETY: as all_reduce.
+            unsafe {
+                result::broadcast(
+                    src as _,
+                    dst as _,
+                    x.elem_count(),
+                    ty,
+                    root as i32,
+                    c,
+                    stream.cu_stream() as _,
+                )
+            }
+            .map_err(|e| nccl_err("broadcast", e))
+        })?;
+        Ok(out)
+    }
+
+    fn barrier(&self) -> Result<()> {
+        let one = Tensor::ones(1, candle_core::DType::F32, &self.device)?;
+        self.all_reduce_sum(&one)?;
+        self.device.synchronize()
+    }
+}
