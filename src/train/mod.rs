@@ -526,7 +526,7 @@ impl Session {
                     if !finite {
                         msg.push_str(&format!("  (non-finite: update skipped, {skipped} so far)"));
                     }
-                    if bar.is_hidden() {
+                    if lead && bar.is_hidden() {
                         eprintln!("step {step}/{total}  {msg}");
                     }
                     bar.set_message(msg);
@@ -628,10 +628,15 @@ pub fn run(recipe: Recipe) -> Result<RunSummary> {
             ),
             DeviceKind::Cuda => cuda_group(&recipe, timeout)?,
         };
+    // A stop by signal is every rank's orderly end, not a failure that aborts the others:
+    // it travels as a value, and rank 0's (which names its checkpoint) is the run's.
     let body = move |rank: usize, comm: Box<dyn Comm>| {
-        run_rank(recipe.clone(), comm, ordinals[rank], &signal)
+        match run_rank(recipe.clone(), comm, ordinals[rank], &signal) {
+            Err(e) if e.is::<stop::Interrupted>() => Ok(Err(e)),
+            res => res.map(Ok),
+        }
     };
-    crate::dist::launch::threads(group, std::sync::Arc::new(body), timeout)
+    crate::dist::launch::threads(group, std::sync::Arc::new(body), timeout)?
 }
 
 #[cfg(feature = "nccl")]
