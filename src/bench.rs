@@ -177,8 +177,7 @@ fn run_rank(a: &BenchArgs, device: Device, comm: &dyn Comm) -> Result<serde_json
     // From the config: under FSDP the model's own tensors are placeholders.
     let (c, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
     let (h, k, d) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
-    let n_linear =
-        cfg.num_layers * (c * h * d + 2 * c * k * d + h * d * c + 3 * c * i) + v * c;
+    let n_linear = cfg.num_layers * (c * h * d + 2 * c * k * d + h * d * c + 3 * c * i) + v * c;
     let params: Vec<_> = model
         .adapters()
         .flat_map(|(_, l)| [l.a.clone(), l.b.clone()])
@@ -194,7 +193,9 @@ fn run_rank(a: &BenchArgs, device: Device, comm: &dyn Comm) -> Result<serde_json
     };
     let batches: Vec<Batch> = (0..accum)
         .map(|m| {
-            let ids: Vec<u32> = (0..b).flat_map(|j| row((m * b + j) * world + rank)).collect();
+            let ids: Vec<u32> = (0..b)
+                .flat_map(|j| row((m * b + j) * world + rank))
+                .collect();
             let targets: Vec<(usize, u32)> = (0..b)
                 .flat_map(|r| (0..t - 1).map(move |i| r * t + i))
                 .map(|k| (k, ids[k + 1]))
@@ -225,7 +226,15 @@ fn run_rank(a: &BenchArgs, device: Device, comm: &dyn Comm) -> Result<serde_json
         for (m, batch) in batches.iter().enumerate() {
             let p = par(m + 1 == accum);
             ce += driver::forward_backward_par(
-                &model, &p, batch, n, a.ckpt, None, &mut grads, None, &mut |_| Ok(()),
+                &model,
+                &p,
+                batch,
+                n,
+                a.ckpt,
+                None,
+                &mut grads,
+                None,
+                &mut |_| Ok(()),
             )?;
         }
         if world > 1 {

@@ -831,7 +831,10 @@ impl Recipe {
         let mut seen = BTreeSet::new();
         for d in &p.devices {
             if !seen.insert(d) {
-                return Err(self.invalid("parallel.devices", format!("lists device {d} twice: list each device once, e.g. [0, 1]")));
+                return Err(self.invalid(
+                    "parallel.devices",
+                    format!("lists device {d} twice: list each device once, e.g. [0, 1]"),
+                ));
             }
         }
         if p.devices.is_empty() && self.model.device == DeviceKind::Cpu {

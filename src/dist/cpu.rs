@@ -95,9 +95,8 @@ impl CpuGroup {
                 }
                 let now = Instant::now();
                 if now >= deadline {
-                    let missing: Vec<usize> = (0..self.world)
-                        .filter(|&r| s.slots[r].is_none())
-                        .collect();
+                    let missing: Vec<usize> =
+                        (0..self.world).filter(|&r| s.slots[r].is_none()).collect();
                     let e = CommError::Timeout {
                         me,
                         op,

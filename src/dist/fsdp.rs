@@ -41,7 +41,11 @@ impl Flat {
         let mut len = 0;
         for t in &tensors {
             if t.dtype() != dtype {
-                candle_core::bail!("fsdp: mixed dtypes {:?} and {:?} in a group", dtype, t.dtype());
+                candle_core::bail!(
+                    "fsdp: mixed dtypes {:?} and {:?} in a group",
+                    dtype,
+                    t.dtype()
+                );
             }
             parts.push((len, t.dims().to_vec()));
             len += t.elem_count();
@@ -113,7 +117,11 @@ impl Shards {
         let views = flat.gather(comm)?;
         let mut slots = layer.frozen_mut();
         if slots.len() != views.len() {
-            candle_core::bail!("fsdp: layer {l} has {} frozen tensors, its shard {}", slots.len(), views.len());
+            candle_core::bail!(
+                "fsdp: layer {l} has {} frozen tensors, its shard {}",
+                slots.len(),
+                views.len()
+            );
         }
         for (slot, v) in slots.iter_mut().zip(views) {
             **slot = v;

@@ -65,7 +65,9 @@ pub fn threads<T: Send + 'static>(
                 results[rank] = Some(res);
                 left -= 1;
             }
-            Err(mpsc::RecvTimeoutError::Timeout) if give_up.is_some_and(|at| Instant::now() >= at) => {
+            Err(mpsc::RecvTimeoutError::Timeout)
+                if give_up.is_some_and(|at| Instant::now() >= at) =>
+            {
                 break
             }
             Err(mpsc::RecvTimeoutError::Timeout) => {}
@@ -213,7 +215,10 @@ pub fn share(
             Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(100)),
             Err(e) => {
                 return Err(e).with_context(|| {
-                    format!("rank {rank}: cannot reach rank 0 at {target} within {} s", timeout.as_secs())
+                    format!(
+                        "rank {rank}: cannot reach rank 0 at {target} within {} s",
+                        timeout.as_secs()
+                    )
                 })
             }
         }

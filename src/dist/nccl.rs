@@ -48,7 +48,8 @@ fn nccl_err(what: &str, e: result::NcclError) -> candle_core::Error {
 /// The CUDA ordinals of a recipe's ranks: `parallel.devices`, or every GPU for "all" (an
 /// empty list); a missing ordinal is a recipe error.
 pub fn ordinals(recipe: &Recipe) -> anyhow::Result<Vec<usize>> {
-    let count = CudaContext::device_count().map_err(|e| anyhow::anyhow!("cannot count CUDA devices: {e:?}"))? as usize;
+    let count = CudaContext::device_count()
+        .map_err(|e| anyhow::anyhow!("cannot count CUDA devices: {e:?}"))? as usize;
     let p = &recipe.parallel;
     if p.devices.is_empty() {
         return Ok((0..count).collect());
@@ -120,7 +121,10 @@ impl Group for NcclGroup {
     }
 
     fn failure(&self) -> Option<(usize, String)> {
-        self.failure.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        self.failure
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 }
 
@@ -133,14 +137,23 @@ pub fn from_env(e: &EnvRank, timeout: Duration) -> anyhow::Result<Box<dyn Comm>>
     let bytes: Option<Vec<u8>> = id.map(|id| id.internal.iter().map(|&c| c as u8).collect());
     let got = launch::share(e.rank, e.world, &e.addr, e.port, bytes.as_deref(), timeout)?;
     if got.len() != 128 {
-        anyhow::bail!("rank {}: got a {}-byte NCCL id, want 128", e.rank, got.len());
+        anyhow::bail!(
+            "rank {}: got a {}-byte NCCL id, want 128",
+            e.rank,
+            got.len()
+        );
     }
     let mut internal = [0 as std::ffi::c_char; 128];
     for (d, s) in internal.iter_mut().zip(&got) {
         *d = *s as std::ffi::c_char;
     }
     let comm = NcclComm::init(e.rank, e.world, e.local, sys::ncclUniqueId { internal })
-        .with_context(|| format!("rank {} of {}: cannot create its NCCL communicator", e.rank, e.world))?;
+        .with_context(|| {
+            format!(
+                "rank {} of {}: cannot create its NCCL communicator",
+                e.rank, e.world
+            )
+        })?;
     Ok(Box::new(comm))
 }
 
@@ -153,16 +166,25 @@ pub struct NcclComm {
 }
 
 impl NcclComm {
-    fn init(rank: usize, world: usize, ordinal: usize, id: sys::ncclUniqueId) -> anyhow::Result<NcclComm> {
+    fn init(
+        rank: usize,
+        world: usize,
+        ordinal: usize,
+        id: sys::ncclUniqueId,
+    ) -> anyhow::Result<NcclComm> {
         let device = Device::new_cuda(ordinal)?;
         let stream = device.as_cuda_device()?.cuda_stream();
         // NCCL needs the device's context current on this thread.
-        stream.context().bind_to_thread().map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| anyhow::anyhow!("{e:?}"))?;
         let mut c = std::mem::MaybeUninit::uninit();
         // SAFETY: ncclCommInitRank writes the communicator on success.
         let c = unsafe {
-            result::comm_init_rank(c.as_mut_ptr(), world as i32, id, rank as i32)
-                .map_err(|e| anyhow::anyhow!("ncclCommInitRank (rank {rank} of {world}, GPU {ordinal}): {e:?}"))?;
+            result::comm_init_rank(c.as_mut_ptr(), world as i32, id, rank as i32).map_err(|e| {
+                anyhow::anyhow!("ncclCommInitRank (rank {rank} of {world}, GPU {ordinal}): {e:?}")
+            })?;
             c.assume_init()
         };
         Ok(NcclComm {

@@ -4,9 +4,9 @@
 //! detaching each layer's output drops that graph, so at most one layer's activations are
 //! alive at once, and no backward is ever run.
 
+use super::driver::Par;
 use crate::data::Batch;
 use crate::model::llama::cross_entropy_sum;
-use super::driver::Par;
 use crate::model::Model;
 use candle_core::{Result, Tensor};
 

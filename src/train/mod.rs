@@ -24,8 +24,8 @@ use crate::recipe::{
 use crate::util::atomic_write;
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
-use driver::Par;
 use checkpoint::{Checkpoint, Cursor, TrainerState};
+use driver::Par;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use optim::{AdamW, Grads};
 use std::io::{IsTerminal, Write};
@@ -68,7 +68,10 @@ pub struct Session {
 }
 
 pub fn device_and_dtype(recipe: &Recipe) -> Result<(Device, DType)> {
-    device_and_dtype_on(recipe, recipe.parallel.devices.first().copied().unwrap_or(0))
+    device_and_dtype_on(
+        recipe,
+        recipe.parallel.devices.first().copied().unwrap_or(0),
+    )
 }
 
 /// The device (CUDA ordinal `ordinal` when model.device = "cuda") and base dtype.
@@ -293,7 +296,10 @@ impl Session {
                 if d.len() <= i {
                     d.resize(i + 1, 0);
                 }
-                d[i] += step.iter().map(|m| self.batch(m).n_targets()).sum::<usize>();
+                d[i] += step
+                    .iter()
+                    .map(|m| self.batch(m).n_targets())
+                    .sum::<usize>();
             }
         }
         d
@@ -369,37 +375,39 @@ impl Session {
         let mut metrics = if !lead {
             None
         } else {
-        std::fs::create_dir_all(out_dir)
-            .with_context(|| format!("cannot create {}", out_dir.display()))?;
-        let removed = checkpoint::clean(out_dir, resume.is_none())?;
-        if !removed.is_empty() {
-            eprintln!(
-                "removed {} of an earlier run from {}",
-                removed.join(", "),
-                out_dir.display()
-            );
-        }
-        atomic_write(&out_dir.join("recipe.toml"), r.to_toml().as_bytes())?;
-        Some(match resume {
-            // A resumed run keeps the rows up to its checkpoint and appends to them.
-            Some(ck) => {
-                let old = std::fs::read_to_string(&metrics_path).unwrap_or_default();
-                let kept: String = old
-                    .lines()
-                    .filter(|l| {
-                        serde_json::from_str::<serde_json::Value>(l)
-                            .ok()
-                            .and_then(|v| v.get("step").and_then(|s| s.as_u64()))
-                            .is_some_and(|s| s as usize <= ck.state.step)
-                    })
-                    .map(|l| format!("{l}\n"))
-                    .collect();
-                atomic_write(&metrics_path, kept.as_bytes())?;
-                std::fs::OpenOptions::new().append(true).open(&metrics_path)
+            std::fs::create_dir_all(out_dir)
+                .with_context(|| format!("cannot create {}", out_dir.display()))?;
+            let removed = checkpoint::clean(out_dir, resume.is_none())?;
+            if !removed.is_empty() {
+                eprintln!(
+                    "removed {} of an earlier run from {}",
+                    removed.join(", "),
+                    out_dir.display()
+                );
             }
-            None => std::fs::File::create(&metrics_path),
-        }
-        .with_context(|| format!("cannot open {}", metrics_path.display()))?)
+            atomic_write(&out_dir.join("recipe.toml"), r.to_toml().as_bytes())?;
+            Some(
+                match resume {
+                    // A resumed run keeps the rows up to its checkpoint and appends to them.
+                    Some(ck) => {
+                        let old = std::fs::read_to_string(&metrics_path).unwrap_or_default();
+                        let kept: String = old
+                            .lines()
+                            .filter(|l| {
+                                serde_json::from_str::<serde_json::Value>(l)
+                                    .ok()
+                                    .and_then(|v| v.get("step").and_then(|s| s.as_u64()))
+                                    .is_some_and(|s| s as usize <= ck.state.step)
+                            })
+                            .map(|l| format!("{l}\n"))
+                            .collect();
+                        atomic_write(&metrics_path, kept.as_bytes())?;
+                        std::fs::OpenOptions::new().append(true).open(&metrics_path)
+                    }
+                    None => std::fs::File::create(&metrics_path),
+                }
+                .with_context(|| format!("cannot open {}", metrics_path.display()))?,
+            )
         };
 
         // A checkpoint of the state after `step` steps, then the pruning of old ones.
@@ -429,13 +437,20 @@ impl Session {
         let mut skip = cursor.step_in_epoch;
         let mut last_eval = None;
         'outer: while step < total {
-            let denoms = self.step_denoms(epoch);
+            // One rank sees its whole step; several compute the others' counts too.
+            let denoms = match world {
+                1 => Vec::new(),
+                _ => self.step_denoms(epoch),
+            };
             for (i, micro_batches) in self.epoch_plan(epoch).into_iter().enumerate().skip(skip) {
                 if step >= total {
                     break 'outer;
                 }
                 let batches: Vec<Batch> = micro_batches.iter().map(|m| self.batch(m)).collect();
-                let denom = denoms.get(i).copied().unwrap_or(0);
+                let denom = match world {
+                    1 => batches.iter().map(Batch::n_targets).sum::<usize>(),
+                    _ => denoms.get(i).copied().unwrap_or(0),
+                };
                 let mut grads = Grads::new();
                 let (mut ce, mut step_tokens) = (0.0, 0);
                 for (k, b) in batches.iter().enumerate() {
@@ -630,11 +645,14 @@ pub fn run(recipe: Recipe) -> Result<RunSummary> {
         };
     // A stop by signal is every rank's orderly end, not a failure that aborts the others:
     // it travels as a value, and rank 0's (which names its checkpoint) is the run's.
-    let body = move |rank: usize, comm: Box<dyn Comm>| {
-        match run_rank(recipe.clone(), comm, ordinals[rank], &signal) {
-            Err(e) if e.is::<stop::Interrupted>() => Ok(Err(e)),
-            res => res.map(Ok),
-        }
+    let body = move |rank: usize, comm: Box<dyn Comm>| match run_rank(
+        recipe.clone(),
+        comm,
+        ordinals[rank],
+        &signal,
+    ) {
+        Err(e) if e.is::<stop::Interrupted>() => Ok(Err(e)),
+        res => res.map(Ok),
     };
     crate::dist::launch::threads(group, std::sync::Arc::new(body), timeout)?
 }
@@ -694,7 +712,8 @@ fn process_rank(
 ) -> Result<RunSummary> {
     let timeout = std::time::Duration::from_secs(recipe.parallel.timeout_s);
     let comm = crate::dist::nccl::from_env(&e, timeout)?;
-    run_rank(recipe, comm, e.local, &signal).with_context(|| format!("rank {} of {} failed", e.rank, e.world))
+    run_rank(recipe, comm, e.local, &signal)
+        .with_context(|| format!("rank {} of {} failed", e.rank, e.world))
 }
 
 #[cfg(not(feature = "nccl"))]
@@ -752,7 +771,7 @@ fn run_rank(
         );
     }
     if lead {
-    eprintln!(
+        eprintln!(
         "model {} ({:?}, {} layers, {:.1}M params, {:?} on {:?}); LoRA r={} alpha={} on {}: {} trainable params",
         session.base_name,
         m.cfg.family,
@@ -765,17 +784,17 @@ fn run_rank(
         session.spec.targets.join(","),
         trainable
     );
-    eprintln!(
-        "data {}: {} examples ({} truncated to seq_len {}), {} steps",
-        session.data.source.display(),
-        session.data.examples.len(),
-        session.data.truncated,
-        session.recipe.data.seq_len,
-        session.total_steps()
-    );
-    for note in &session.data_notes {
-        eprintln!("{note}");
-    }
+        eprintln!(
+            "data {}: {} examples ({} truncated to seq_len {}), {} steps",
+            session.data.source.display(),
+            session.data.examples.len(),
+            session.data.truncated,
+            session.recipe.data.seq_len,
+            session.total_steps()
+        );
+        for note in &session.data_notes {
+            eprintln!("{note}");
+        }
     }
     let res = session.train_from(&out_dir, resume.as_ref(), &|_| signal.received());
     if res.is_err() && signal.received() {

@@ -288,7 +288,10 @@ fn ddp_and_fsdp_recipes_train_on_cpu_ranks_and_write_a_complete_adapter() {
         let stderr = String::from_utf8_lossy(&o.stderr);
         assert!(o.status.success(), "{strategy}: {stderr}");
         let stdout = String::from_utf8_lossy(&o.stdout);
-        assert!(stdout.starts_with("trained 4 steps"), "{strategy}: {stdout}");
+        assert!(
+            stdout.starts_with("trained 4 steps"),
+            "{strategy}: {stdout}"
+        );
         assert!(
             stderr.contains(&format!("{strategy} over 2 ranks (devices [0, 1])")),
             "{stderr}"
@@ -305,8 +308,7 @@ fn ddp_and_fsdp_recipes_train_on_cpu_ranks_and_write_a_complete_adapter() {
         )
         .unwrap();
         let cfg: serde_json::Value = serde_json::from_str(
-            &std::fs::read_to_string(root().join("recipes/assets/tiny-llama/config.json"))
-                .unwrap(),
+            &std::fs::read_to_string(root().join("recipes/assets/tiny-llama/config.json")).unwrap(),
         )
         .unwrap();
         let (layers, c) = (
@@ -315,11 +317,18 @@ fn ddp_and_fsdp_recipes_train_on_cpu_ranks_and_write_a_complete_adapter() {
         );
         assert_eq!(st.len(), layers * 7 * 2, "{strategy}");
         for l in 0..layers {
-            let a = &st[&format!("base_model.model.model.layers.{l}.self_attn.q_proj.lora_A.weight")];
+            let a =
+                &st[&format!("base_model.model.model.layers.{l}.self_attn.q_proj.lora_A.weight")];
             let b = &st[&format!("base_model.model.model.layers.{l}.mlp.down_proj.lora_B.weight")];
             assert_eq!(a.dims(), &[8, c], "{strategy}");
             assert_eq!(b.dims(), &[c, 8], "{strategy}");
-            let moved = b.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+            let moved = b
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
             assert!(moved > 0.0, "{strategy}: layer {l} lora_B never trained");
         }
     }

@@ -12,12 +12,17 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Trains llama_gqa (8 rows of uneven length) from its init adapter; returns the adapter.
-fn adapter(sets: &[&str], parallel: &str) -> HashMap<String, Tensor> {
+/// Trains a golden case's model (llama_gqa: 8 rows of uneven length) from its init adapter
+/// for 3 steps; returns the adapter.
+fn adapter_of(case: &str, sets: &[&str], parallel: &str) -> HashMap<String, Tensor> {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("out");
-    let text = format!("{}\n{parallel}\n", golden_recipe("llama_gqa", &out));
-    let mut all = vec!["train.max_grad_norm=1.0", "lora.dropout=0.0", "train.max_steps=3"];
+    let text = format!("{}\n{parallel}\n", golden_recipe(case, &out));
+    let mut all = vec![
+        "train.max_grad_norm=1.0",
+        "lora.dropout=0.0",
+        "train.max_steps=3",
+    ];
     all.extend_from_slice(sets);
     let r = recipe(tmp.path(), &text, &all);
     let summary = lora_train::train::run(r).unwrap();
@@ -33,70 +38,136 @@ fn par(strategy: &str, world: usize) -> String {
     )
 }
 
-fn assert_same(what: &str, got: &HashMap<String, Tensor>, want: &HashMap<String, Tensor>) {
+fn assert_same(
+    what: &str,
+    got: &HashMap<String, Tensor>,
+    want: &HashMap<String, Tensor>,
+    rtol: f64,
+    atol: f64,
+) {
     let mut k1: Vec<_> = got.keys().collect();
     let mut k2: Vec<_> = want.keys().collect();
     k1.sort();
     k2.sort();
     assert_eq!(k1, k2, "{what}: adapter keys");
     assert!(k1.len() >= 4, "{what}: {} keys", k1.len());
-    // rtol 1e-5, plus 1e-6 of the tensor's largest entry for entries near zero: a rank pads
-    // its rows to a different length, so f32 sums run in another order (~1e-8 absolute).
     for (k, t) in want {
-        assert_close(&format!("{what} {k}"), &got[k], t, 1e-5, 1e-6);
+        assert_close(&format!("{what} {k}"), &got[k], t, rtol, atol);
     }
+}
+
+/// `world` ranks × `micro` rows × `accum` micro-batches against one rank with the same global
+/// batch, two ways:
+/// - one rank × `micro` rows × world·accum micro-batches runs every row at the same padded
+///   length, so only the order of the gradient sum differs: rtol 1e-5 plus 1e-6 of the
+///   largest entry (bit-identical when accum = 1, as observed; ~5e-7 with 8 terms summed in
+///   another order);
+/// - one rank × world·micro rows × `accum` pads rows to other lengths, which moves f32 sums
+///   by ~4e-6 of the largest entry after three AdamW steps whether or not ranks are involved
+///   (the same noise as accumulation vs a big batch on one rank): rtol 1e-5 plus 1e-5 of the
+///   tensor's largest entry.
+fn refs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+fn check(case: &str, strategy: &str, world: usize, micro: usize, accum: usize, extra: &[&str]) {
+    let set = |m: usize, a: usize| {
+        let mut v = vec![format!("train.micro_batch={m}"), format!("train.grad_accum={a}")];
+        v.extend(extra.iter().map(|s| s.to_string()));
+        v
+    };
+    let (d, sa, sb) = (set(micro, accum), set(micro, world * accum), set(world * micro, accum));
+    let dist = adapter_of(case, &refs(&d), &par(strategy, world));
+    let what = format!("{case} {strategy} {world}x{micro}x{accum}");
+    let same_rows = adapter_of(case, &refs(&sa), "");
+    assert_same(&format!("{what} vs 1x{micro}x{}", world * accum), &dist, &same_rows, 1e-5, 1e-6);
+    let big = adapter_of(case, &refs(&sb), "");
+    assert_same(&format!("{what} vs 1x{}x{accum}", world * micro), &dist, &big, 1e-5, 1e-5);
+    // The adapter moved: the comparison is not between two untouched inits.
+    let init = load_st(&golden_dir(case).join("init_adapter/adapter_model.safetensors"));
+    let moved = big
+        .iter()
+        .map(|(k, t)| max_abs_diff(t, &init[k]))
+        .fold(0f32, f32::max);
+    assert!(moved > 1e-4, "{what}: adapter did not train: {moved}");
 }
 
 #[test]
 fn ddp_two_ranks_of_one_row_equal_one_rank_of_two() {
-    let one = adapter(&["train.micro_batch=2"], "");
-    let ddp = adapter(&["train.micro_batch=1"], &par("ddp", 2));
-    assert_same("ddp 2x1 vs single 1x2", &ddp, &one);
-    // The adapter moved: the comparison is not between two untouched inits.
-    let init = load_st(&golden_dir("llama_gqa").join("init_adapter/adapter_model.safetensors"));
-    let moved = one
-        .iter()
-        .map(|(k, t)| max_abs_diff(t, &init[k]))
-        .fold(0f32, f32::max);
-    assert!(moved > 1e-4, "adapter did not train: {moved}");
+    check("llama_gqa", "ddp", 2, 1, 1, &[]);
 }
 
 #[test]
 fn ddp_with_accumulation_and_uneven_rows_equals_one_rank() {
     // 4 rows per step, rows of 9, 11, 3, 7, ... counted tokens: each rank's share differs.
-    let one = adapter(&["train.micro_batch=2", "train.grad_accum=2"], "");
-    let ddp = adapter(
-        &["train.micro_batch=1", "train.grad_accum=2"],
-        &par("ddp", 2),
-    );
-    assert_same("ddp 2x1x2 vs single 1x2x2", &ddp, &one);
+    check("llama_gqa", "ddp", 2, 1, 2, &[]);
 }
 
 #[test]
 fn fsdp_equals_one_rank_with_and_without_checkpointing() {
-    let one = adapter(&["train.micro_batch=2"], "");
-    let fsdp = adapter(&["train.micro_batch=1"], &par("fsdp", 2));
-    assert_same("fsdp 2x1 vs single 1x2", &fsdp, &one);
-    let ckpt = adapter(
-        &["train.micro_batch=1", "train.activation_checkpointing=true"],
-        &par("fsdp", 2),
-    );
-    assert_same("fsdp 2x1 checkpointed vs single 1x2", &ckpt, &one);
+    check("llama_gqa", "fsdp", 2, 1, 1, &[]);
+    check("llama_gqa", "fsdp", 2, 1, 1, &["train.activation_checkpointing=true"]);
 }
 
 #[test]
 fn fsdp_four_ranks_with_accumulation_equal_one_rank() {
     // Four ranks: the layers' flat sizes are not multiples of 4, so shards are padded.
-    let one = adapter(&["train.micro_batch=4", "train.grad_accum=2"], "");
-    let fsdp = adapter(
-        &[
-            "train.micro_batch=1",
-            "train.grad_accum=2",
-            "train.activation_checkpointing=true",
-        ],
-        &par("fsdp", 4),
+    check("llama_gqa", "fsdp", 4, 1, 2, &["train.activation_checkpointing=true"]);
+}
+
+#[test]
+fn fsdp_with_biases_and_a_tied_head_equals_one_rank() {
+    // Qwen2's q/k/v biases ride in the layer's flat buffer; a tied head is the gathered
+    // embedding itself.
+    for case in ["qwen2_bias", "llama_mha_tied_rope3"] {
+        check(case, "fsdp", 2, 1, 1, &["train.activation_checkpointing=true"]);
+    }
+}
+
+/// A DDP run on the tiny golden model whose rank 1 fails (or hangs, when `hang`) right after
+/// loading, while rank 0 trains: (the run's error, seconds to it, whether rank 0 wrote).
+fn run_with_a_bad_rank(hang: bool) -> (String, f64, bool) {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let text = format!(
+        "{}\n[parallel]\nstrategy = \"ddp\"\ndevices = [0, 1]\ntimeout_s = 1\n",
+        golden_recipe("llama_gqa", &out)
     );
-    assert_same("fsdp 4x1x2 vs single 1x4x2", &fsdp, &one);
+    let r = recipe(tmp.path(), &text, &["train.micro_batch=1"]);
+    let start = Instant::now();
+    let out2 = out.clone();
+    let body = move |rank: usize, comm: Box<dyn Comm>| -> anyhow::Result<usize> {
+        let s = Session::for_rank(r.clone(), comm, 0)?;
+        if rank == 1 {
+            if hang {
+                std::thread::sleep(Duration::from_secs(30));
+            }
+            anyhow::bail!(anyhow::anyhow!("train.jsonl:5: bad row").context("rank 1's data"));
+        }
+        Ok(s.train(&out2)?.steps)
+    };
+    let err = launch::threads(group(2, 1), Arc::new(body), Duration::from_secs(1)).unwrap_err();
+    let wrote = out.join("adapter_model.safetensors").exists();
+    (format!("{err:#}"), start.elapsed().as_secs_f64(), wrote)
+}
+
+#[test]
+fn a_training_rank_that_fails_ends_the_run_with_its_error() {
+    let (err, secs, wrote) = run_with_a_bad_rank(false);
+    assert_eq!(err, "rank 1 of 2 failed: rank 1's data: train.jsonl:5: bad row");
+    assert!(secs < 10.0, "{secs} s");
+    assert!(!wrote, "rank 0 wrote an adapter of a failed run");
+}
+
+#[test]
+fn a_training_rank_that_hangs_times_out_the_run() {
+    let (err, secs, wrote) = run_with_a_bad_rank(true);
+    assert!(
+        err.starts_with("rank 0 of 2 failed: ") && err.contains("rank 0 waited 1 s in all_reduce for rank(s) [1], which never joined"),
+        "{err}"
+    );
+    assert!(secs < 10.0, "{secs} s");
+    assert!(!wrote);
 }
 
 /// (resident frozen bytes, largest gathered group) of each rank of an FSDP session.
@@ -159,7 +230,10 @@ fn fsdp_ranks_hold_one_nth_of_the_base() {
                 full / world
             );
             // What a gather adds on top: the largest group, at least a whole layer.
-            assert!(largest >= layer && largest < full, "{largest} vs layer {layer}");
+            assert!(
+                largest >= layer && largest < full,
+                "{largest} vs layer {layer}"
+            );
         }
     }
 }
@@ -199,14 +273,17 @@ fn a_failing_rank_stops_the_others_with_its_error() {
         }
         Ok(())
     };
-    let err = launch::threads(group(3, 600), Arc::new(body), Duration::from_secs(600))
-        .unwrap_err();
+    let err = launch::threads(group(3, 600), Arc::new(body), Duration::from_secs(600)).unwrap_err();
     let msg = format!("{err:#}");
     assert_eq!(
         msg,
         "rank 1 of 3 failed: data of rank 1: row 17 is malformed"
     );
-    assert!(start.elapsed() < Duration::from_secs(5), "{:?}", start.elapsed());
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        start.elapsed()
+    );
 }
 
 #[test]
@@ -222,20 +299,28 @@ fn a_rank_that_stops_participating_times_out_the_run() {
         comm.all_reduce_sum(&x)?;
         Ok(())
     };
-    let err =
-        launch::threads(group(2, 1), Arc::new(body), Duration::from_secs(1)).unwrap_err();
+    let err = launch::threads(group(2, 1), Arc::new(body), Duration::from_secs(1)).unwrap_err();
     let msg = format!("{err:#}");
     assert!(
         msg.starts_with("rank 0 of 2 failed: rank 0 waited 1 s in all_reduce for rank(s) [1], which never joined"),
         "{msg}"
     );
-    assert!(start.elapsed() < Duration::from_secs(5), "{:?}", start.elapsed());
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        start.elapsed()
+    );
 }
 
 #[test]
 fn launcher_environment_torchrun_and_slurm() {
     let env = |pairs: &'static [(&'static str, &'static str)]| {
-        move |k: &str| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+        move |k: &str| {
+            pairs
+                .iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        }
     };
     let torchrun = env(&[
         ("RANK", "3"),
@@ -313,3 +398,4 @@ fn group_abort_reports_the_first_failure() {
         "{err}"
     );
 }
+
