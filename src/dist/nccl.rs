@@ -5,10 +5,12 @@
 //! Collectives are queued on the stream of the tensor they read (the rank's candle stream), so
 //! they are ordered with the compute around them and the host does not wait for them.
 //!
-//! We hold the raw `ncclComm_t` (cudarc's `Comm` keeps it private) so that a watchdog can call
-//! ncclCommAbort when another rank fails: the ranks blocked in a collective with a dead peer
-//! then get an error instead of waiting forever. A comm lives behind a mutex that every call
-//! takes while it enqueues, so an abort never races an enqueue or the owner's drop.
+//! We hold the raw `ncclComm_t` (cudarc's `Comm` keeps it private) so that the failing rank's
+//! thread can call ncclCommAbort on every rank's communicator: the ranks blocked in a
+//! collective with a dead peer then get an error instead of waiting forever. Each call holds
+//! the comm's `busy` lock while it enqueues; an abort takes that lock when it can (so it never
+//! frees a comm under a starting call), and aborts anyway after a moment when the owner is
+//! stuck inside NCCL, which is what ncclCommAbort is for. A comm is aborted once only.
 
 use super::launch::{self, EnvRank};
 use super::{Comm, Group};
@@ -18,26 +20,44 @@ use candle_core::cuda_backend::cudarc::driver::{CudaContext, CudaStream, DeviceP
 use candle_core::cuda_backend::cudarc::nccl::{result, sys};
 use candle_core::cuda_backend::CudaStorageSlice as S;
 use candle_core::{Device, Result, Storage, Tensor};
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, TryLockError};
+use std::time::{Duration, Instant};
 
-/// A communicator handle that may move to the watchdog's thread.
-struct Raw(sys::ncclComm_t);
-// SAFETY: an ncclComm_t may be used from any thread; we serialise every use with a Mutex.
-unsafe impl Send for Raw {}
-
-/// None once aborted or destroyed.
-type Slot = Arc<Mutex<Option<Raw>>>;
-
-fn lock(s: &Slot) -> std::sync::MutexGuard<'_, Option<Raw>> {
-    s.lock().unwrap_or_else(|p| p.into_inner())
+/// One rank's communicator, shared with the group so that another thread can abort it.
+struct Slot {
+    raw: sys::ncclComm_t,
+    /// Set once the comm is aborted (by a failure or the owner's drop): never used again.
+    dead: AtomicBool,
+    /// Held while a call enqueues work on `raw`.
+    busy: Mutex<()>,
 }
 
-fn abort_slot(s: &Slot) {
-    if let Some(Raw(c)) = lock(s).take() {
-        // SAFETY: `c` came from ncclCommInitRank and is taken out of the slot, so no one
-        // uses it again.
-        let _ = unsafe { result::comm_abort(c) };
+// SAFETY: an ncclComm_t may be used from any thread; uses are serialised by `busy`, and the
+// single abort is guarded by `dead`.
+unsafe impl Send for Slot {}
+unsafe impl Sync for Slot {}
+
+impl Slot {
+    fn abort(&self) {
+        if self.dead.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        // Wait briefly for a call that is enqueueing to return; a call stuck inside NCCL on a
+        // dead peer is what the abort releases.
+        let until = Instant::now() + Duration::from_millis(200);
+        let _guard = loop {
+            match self.busy.try_lock() {
+                Ok(g) => break Some(g),
+                Err(TryLockError::Poisoned(p)) => break Some(p.into_inner()),
+                Err(TryLockError::WouldBlock) if Instant::now() < until => {
+                    std::thread::sleep(Duration::from_millis(5))
+                }
+                Err(TryLockError::WouldBlock) => break None,
+            }
+        };
+        // SAFETY: `raw` came from ncclCommInitRank and `dead` makes this its only abort.
+        let _ = unsafe { result::comm_abort(self.raw) };
     }
 }
 
@@ -69,7 +89,7 @@ pub fn ordinals(recipe: &Recipe) -> anyhow::Result<Vec<usize>> {
 pub struct NcclGroup {
     ordinals: Vec<usize>,
     id: sys::ncclUniqueId,
-    comms: Mutex<Vec<Slot>>,
+    comms: Mutex<Vec<Arc<Slot>>>,
     failure: Mutex<Option<(usize, String)>>,
 }
 
@@ -102,7 +122,7 @@ impl Group for NcclGroup {
             .unwrap_or_else(|p| p.into_inner())
             .push(comm.raw.clone());
         if self.failure().is_some() {
-            abort_slot(&comm.raw);
+            comm.raw.abort();
         }
         Ok(Box::new(comm))
     }
@@ -116,7 +136,7 @@ impl Group for NcclGroup {
         }
         // The watchdog's job: free every rank blocked on a dead peer.
         for s in self.comms.lock().unwrap_or_else(|p| p.into_inner()).iter() {
-            abort_slot(s);
+            s.abort();
         }
     }
 
@@ -161,7 +181,7 @@ pub fn from_env(e: &EnvRank, timeout: Duration) -> anyhow::Result<Box<dyn Comm>>
 pub struct NcclComm {
     rank: usize,
     world: usize,
-    raw: Slot,
+    raw: Arc<Slot>,
     device: Device,
 }
 
@@ -190,27 +210,31 @@ impl NcclComm {
         Ok(NcclComm {
             rank,
             world,
-            raw: Arc::new(Mutex::new(Some(Raw(c)))),
+            raw: Arc::new(Slot {
+                raw: c,
+                dead: AtomicBool::new(false),
+                busy: Mutex::new(()),
+            }),
             device,
         })
     }
 
     /// Runs `f(comm)` with the communicator, or fails if it was aborted.
     fn with<R>(&self, op: &str, f: impl FnOnce(sys::ncclComm_t) -> Result<R>) -> Result<R> {
-        let g = lock(&self.raw);
-        match g.as_ref() {
-            Some(Raw(c)) => f(*c),
-            None => Err(candle_core::Error::msg(format!(
+        let _busy = self.raw.busy.lock().unwrap_or_else(|p| p.into_inner());
+        if self.raw.dead.load(Ordering::SeqCst) {
+            return Err(candle_core::Error::msg(format!(
                 "rank {}: {op} on an aborted NCCL communicator (another rank failed)",
                 self.rank
-            ))),
+            )));
         }
+        f(self.raw.raw)
     }
 }
 
 impl Drop for NcclComm {
     fn drop(&mut self) {
-        abort_slot(&self.raw);
+        self.raw.abort();
     }
 }
 

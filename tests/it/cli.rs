@@ -333,3 +333,36 @@ fn ddp_and_fsdp_recipes_train_on_cpu_ranks_and_write_a_complete_adapter() {
         }
     }
 }
+
+#[test]
+fn bench_runs_ddp_and_fsdp_on_cpu_ranks() {
+    for strategy in ["ddp", "fsdp"] {
+        let o = bin()
+            .args(["bench", "--device", "cpu", "--shape", "tiny", "--seq", "16"])
+            .args([
+                "--micro-batch",
+                "1",
+                "--grad-accum",
+                "2",
+                "--steps",
+                "2",
+                "--warmup",
+                "1",
+            ])
+            .args(["--strategy", strategy, "--devices", "0,1", "--ckpt"])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success(), "{strategy}: {stderr}");
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(v["strategy"], strategy);
+        assert_eq!(v["world"], 2);
+        assert_eq!(v["global_batch"], 4);
+        assert_eq!(v["per_rank"].as_array().unwrap().len(), 2);
+        let losses = v["losses"].as_array().unwrap();
+        assert_eq!(losses.len(), 3, "{v}");
+        // Random tokens over a 32000 vocabulary: the loss starts near ln 32000 = 10.37.
+        let first = losses[0].as_f64().unwrap();
+        assert!((first - 10.37).abs() < 0.3, "{first}");
+    }
+}

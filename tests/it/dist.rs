@@ -72,17 +72,36 @@ fn refs(v: &[String]) -> Vec<&str> {
 
 fn check(case: &str, strategy: &str, world: usize, micro: usize, accum: usize, extra: &[&str]) {
     let set = |m: usize, a: usize| {
-        let mut v = vec![format!("train.micro_batch={m}"), format!("train.grad_accum={a}")];
+        let mut v = vec![
+            format!("train.micro_batch={m}"),
+            format!("train.grad_accum={a}"),
+        ];
         v.extend(extra.iter().map(|s| s.to_string()));
         v
     };
-    let (d, sa, sb) = (set(micro, accum), set(micro, world * accum), set(world * micro, accum));
+    let (d, sa, sb) = (
+        set(micro, accum),
+        set(micro, world * accum),
+        set(world * micro, accum),
+    );
     let dist = adapter_of(case, &refs(&d), &par(strategy, world));
     let what = format!("{case} {strategy} {world}x{micro}x{accum}");
     let same_rows = adapter_of(case, &refs(&sa), "");
-    assert_same(&format!("{what} vs 1x{micro}x{}", world * accum), &dist, &same_rows, 1e-5, 1e-6);
+    assert_same(
+        &format!("{what} vs 1x{micro}x{}", world * accum),
+        &dist,
+        &same_rows,
+        1e-5,
+        1e-6,
+    );
     let big = adapter_of(case, &refs(&sb), "");
-    assert_same(&format!("{what} vs 1x{}x{accum}", world * micro), &dist, &big, 1e-5, 1e-5);
+    assert_same(
+        &format!("{what} vs 1x{}x{accum}", world * micro),
+        &dist,
+        &big,
+        1e-5,
+        1e-5,
+    );
     // The adapter moved: the comparison is not between two untouched inits.
     let init = load_st(&golden_dir(case).join("init_adapter/adapter_model.safetensors"));
     let moved = big
@@ -106,13 +125,27 @@ fn ddp_with_accumulation_and_uneven_rows_equals_one_rank() {
 #[test]
 fn fsdp_equals_one_rank_with_and_without_checkpointing() {
     check("llama_gqa", "fsdp", 2, 1, 1, &[]);
-    check("llama_gqa", "fsdp", 2, 1, 1, &["train.activation_checkpointing=true"]);
+    check(
+        "llama_gqa",
+        "fsdp",
+        2,
+        1,
+        1,
+        &["train.activation_checkpointing=true"],
+    );
 }
 
 #[test]
 fn fsdp_four_ranks_with_accumulation_equal_one_rank() {
     // Four ranks: the layers' flat sizes are not multiples of 4, so shards are padded.
-    check("llama_gqa", "fsdp", 4, 1, 2, &["train.activation_checkpointing=true"]);
+    check(
+        "llama_gqa",
+        "fsdp",
+        4,
+        1,
+        2,
+        &["train.activation_checkpointing=true"],
+    );
 }
 
 #[test]
@@ -120,7 +153,14 @@ fn fsdp_with_biases_and_a_tied_head_equals_one_rank() {
     // Qwen2's q/k/v biases ride in the layer's flat buffer; a tied head is the gathered
     // embedding itself.
     for case in ["qwen2_bias", "llama_mha_tied_rope3"] {
-        check(case, "fsdp", 2, 1, 1, &["train.activation_checkpointing=true"]);
+        check(
+            case,
+            "fsdp",
+            2,
+            1,
+            1,
+            &["train.activation_checkpointing=true"],
+        );
     }
 }
 
@@ -154,7 +194,10 @@ fn run_with_a_bad_rank(hang: bool) -> (String, f64, bool) {
 #[test]
 fn a_training_rank_that_fails_ends_the_run_with_its_error() {
     let (err, secs, wrote) = run_with_a_bad_rank(false);
-    assert_eq!(err, "rank 1 of 2 failed: rank 1's data: train.jsonl:5: bad row");
+    assert_eq!(
+        err,
+        "rank 1 of 2 failed: rank 1's data: train.jsonl:5: bad row"
+    );
     assert!(secs < 10.0, "{secs} s");
     assert!(!wrote, "rank 0 wrote an adapter of a failed run");
 }
@@ -163,7 +206,8 @@ fn a_training_rank_that_fails_ends_the_run_with_its_error() {
 fn a_training_rank_that_hangs_times_out_the_run() {
     let (err, secs, wrote) = run_with_a_bad_rank(true);
     assert!(
-        err.starts_with("rank 0 of 2 failed: ") && err.contains("rank 0 waited 1 s in all_reduce for rank(s) [1], which never joined"),
+        err.starts_with("rank 0 of 2 failed: ")
+            && err.contains("rank 0 waited 1 s in all_reduce for rank(s) [1], which never joined"),
         "{err}"
     );
     assert!(secs < 10.0, "{secs} s");
@@ -398,4 +442,3 @@ fn group_abort_reports_the_first_failure() {
         "{err}"
     );
 }
-
