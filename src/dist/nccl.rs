@@ -238,6 +238,29 @@ impl Drop for NcclComm {
     }
 }
 
+impl NcclComm {
+    /// Queues `call(send, receive, type, comm, stream)`, one NCCL collective reading
+    /// contiguous `x` and writing `out`, on `x`'s stream; returns `out`. Both stay valid until
+    /// the op ran: frees are ordered on the same stream.
+    fn enqueue<F>(&self, op: &str, x: &Tensor, out: Tensor, call: F) -> Result<Tensor>
+    where
+        F: FnOnce(
+            *const std::ffi::c_void,
+            *mut std::ffi::c_void,
+            sys::ncclDataType_t,
+            sys::ncclComm_t,
+            sys::cudaStream_t,
+        ) -> std::result::Result<result::NcclStatus, result::NcclError>,
+    {
+        let (src, ty, stream) = address(x)?;
+        let (dst, _, _) = address(&out)?;
+        self.with(op, |c| {
+            call(src as _, dst as _, ty, c, stream.cu_stream() as _).map_err(|e| nccl_err(op, e))
+        })?;
+        Ok(out)
+    }
+}
+
 /// (device address of the first element, NCCL type, the stream that owns the memory).
 fn address(t: &Tensor) -> Result<(u64, sys::ncclDataType_t, Arc<CudaStream>)> {
     use sys::ncclDataType_t as D;
@@ -272,63 +295,30 @@ impl Comm for NcclComm {
 
     fn all_reduce_sum(&self, x: &Tensor) -> Result<Tensor> {
         let x = x.contiguous()?;
-        let out = x.zeros_like()?;
-        let (src, ty, stream) = address(&x)?;
-        let (dst, _, _) = address(&out)?;
-        self.with("all_reduce", |c| {
-            // SAFETY: src and dst hold x.elem_count() elements of `ty` on this rank's GPU,
-            // alive until the queued op ran (frees are ordered on the same stream).
-            unsafe {
-                result::all_reduce(
-                    src as _,
-                    dst as _,
-                    x.elem_count(),
-                    ty,
-                    sys::ncclRedOp_t::ncclSum,
-                    c,
-                    stream.cu_stream() as _,
-                )
-            }
-            .map_err(|e| nccl_err("all_reduce", e))
-        })?;
-        Ok(out)
+        let n = x.elem_count();
+        self.enqueue("all_reduce", &x, x.zeros_like()?, |src, dst, ty, c, st| {
+            // SAFETY: src and dst hold n elements of `ty` on this rank's GPU.
+            unsafe { result::all_reduce(src, dst, n, ty, sys::ncclRedOp_t::ncclSum, c, st) }
+        })
     }
 
     fn all_gather(&self, x: &Tensor) -> Result<Tensor> {
         let x = x.flatten_all()?.contiguous()?;
         let n = x.elem_count();
         let out = Tensor::zeros(n * self.world, x.dtype(), x.device())?;
-        let (src, ty, stream) = address(&x)?;
-        let (dst, _, _) = address(&out)?;
-        self.with("all_gather", |c| {
+        self.enqueue("all_gather", &x, out, |src, dst, ty, c, st| {
             // SAFETY: src holds n elements, dst world·n, of `ty` on this rank's GPU.
-            unsafe { result::all_gather(src as _, dst as _, n, ty, c, stream.cu_stream() as _) }
-                .map_err(|e| nccl_err("all_gather", e))
-        })?;
-        Ok(out)
+            unsafe { result::all_gather(src, dst, n, ty, c, st) }
+        })
     }
 
     fn broadcast(&self, x: &Tensor, root: usize) -> Result<Tensor> {
         let x = x.contiguous()?;
-        let out = x.zeros_like()?;
-        let (src, ty, stream) = address(&x)?;
-        let (dst, _, _) = address(&out)?;
-        self.with("broadcast", |c| {
-            // SAFETY: as all_reduce.
-            unsafe {
-                result::broadcast(
-                    src as _,
-                    dst as _,
-                    x.elem_count(),
-                    ty,
-                    root as i32,
-                    c,
-                    stream.cu_stream() as _,
-                )
-            }
-            .map_err(|e| nccl_err("broadcast", e))
-        })?;
-        Ok(out)
+        let n = x.elem_count();
+        self.enqueue("broadcast", &x, x.zeros_like()?, |src, dst, ty, c, st| {
+            // SAFETY: src and dst hold n elements of `ty` on this rank's GPU.
+            unsafe { result::broadcast(src, dst, n, ty, root as i32, c, st) }
+        })
     }
 
     fn barrier(&self) -> Result<()> {

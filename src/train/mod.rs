@@ -78,8 +78,11 @@ pub fn device_and_dtype(recipe: &Recipe) -> Result<(Device, DType)> {
 pub fn device_and_dtype_on(recipe: &Recipe, ordinal: usize) -> Result<(Device, DType)> {
     let dev = match recipe.model.device {
         DeviceKind::Cpu => Device::Cpu,
-        DeviceKind::Cuda => Device::new_cuda(ordinal)
-            .with_context(|| format!("cannot open CUDA device {ordinal}"))?,
+        DeviceKind::Cuda => {
+            missing_ordinal(recipe, ordinal)?;
+            Device::new_cuda(ordinal)
+                .with_context(|| format!("cannot open CUDA device {ordinal}"))?
+        }
     };
     let dtype = match (recipe.model.dtype, recipe.model.device) {
         (Some(Dtype::F32), _) | (None, DeviceKind::Cpu) => DType::F32,
@@ -87,6 +90,33 @@ pub fn device_and_dtype_on(recipe: &Recipe, ordinal: usize) -> Result<(Device, D
         (Some(Dtype::F16), _) => DType::F16,
     };
     Ok((dev, dtype))
+}
+
+/// A CUDA ordinal this machine does not have is a recipe error (parallel.devices).
+#[cfg(feature = "cuda")]
+fn missing_ordinal(recipe: &Recipe, ordinal: usize) -> Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::CudaContext;
+    let Ok(count) = CudaContext::device_count() else {
+        return Ok(()); // opening the device reports the driver's error
+    };
+    let count = count.max(0) as usize;
+    if ordinal < count {
+        return Ok(());
+    }
+    Err(RecipeError::Invalid {
+        path: recipe.source.clone(),
+        key: "parallel.devices".into(),
+        msg: format!(
+            "lists device {ordinal}, but this machine has {count} CUDA device(s): list existing ordinals{}",
+            if count > 0 { format!(" (0..{})", count - 1) } else { String::new() }
+        ),
+    }
+    .into())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn missing_ordinal(_: &Recipe, _: usize) -> Result<()> {
+    Ok(())
 }
 
 impl Session {
