@@ -164,6 +164,41 @@ fn fsdp_with_biases_and_a_tied_head_equals_one_rank() {
     }
 }
 
+#[test]
+fn a_ddp_run_resumed_from_its_checkpoint_ends_where_an_unbroken_one_does() {
+    // Rank 0 saves step 2 of 4; a second run continues from it (as fsdp: the same numbers)
+    // and must end on the same adapter to the bit, every rank having restored the state.
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+    let sets = [
+        "train.micro_batch=1",
+        "train.max_steps=4",
+        "output.save_every=2",
+    ];
+    let run = |out: &std::path::Path, strategy: &str, extra: &[&str]| {
+        let text = format!("{}\n{}", golden_recipe("llama_gqa", out), par(strategy, 2));
+        let mut all = sets.to_vec();
+        all.extend_from_slice(extra);
+        let dir = tempfile::tempdir().unwrap();
+        lora_train::train::run(recipe(dir.path(), &text, &all)).unwrap()
+    };
+    let whole = run(&a, "ddp", &[]);
+    assert_eq!(whole.steps, 4);
+    let from = format!(
+        "train.resume={:?}",
+        a.join("checkpoint-2").display().to_string()
+    );
+    let rest = run(&b, "fsdp", &[&from]);
+    assert_eq!(rest.steps, 4);
+    assert_eq!(rest.losses.len(), 2);
+    assert_eq!(rest.losses[..], whole.losses[2..]);
+    let (x, y) = (
+        load_st(&a.join("adapter_model.safetensors")),
+        load_st(&b.join("adapter_model.safetensors")),
+    );
+    assert_same("resumed vs unbroken", &y, &x, 0.0, 0.0);
+}
+
 /// A DDP run on the tiny golden model whose rank 1 fails (or hangs, when `hang`) right after
 /// loading, while rank 0 trains: (the run's error, seconds to it, whether rank 0 wrote).
 fn run_with_a_bad_rank(hang: bool) -> (String, f64, bool) {
