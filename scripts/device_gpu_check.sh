@@ -5,6 +5,7 @@
 #
 #   run(command="bash scripts/device_gpu_check.sh [compat] [chat] [tests] [tiny] [bench]", carry=[".devbuild"])
 #   run(command="bash scripts/device_gpu_check.sh dist", kind="nvidia-h200-x2", carry=[".devbuild"])
+#   run(command="bash scripts/device_gpu_check.sh dist2", kind="nvidia-h200-x2", carry=[".devbuild"])
 #   run(command="bash scripts/device_gpu_check.sh torchrun", kind="nvidia-h200-x2", carry=[".devbuild"])
 #
 # compat: scripts/check_peft_compat.py (PEFT / transformers load our adapter and merged model);
@@ -14,10 +15,11 @@
 # bench: Llama-2-7B shape, seq 2048: ours and transformers+PEFT in the same call.
 # dist (2 GPUs, a lora-train built with --features cuda,nccl): the tiny recipe trained with ddp and
 #   fsdp on GPUs 0,1 (complete adapter, loss), then the 7B-shape bench with one global batch of
-#   4 rows of 2048: single micro-batch 4, single 2 x accumulation 2, ddp and fsdp 2 GPUs x 2,
-#   with and without checkpointing; per-rank tok/s and peaks, per-step losses -> $OUT/dist.jsonl.
+#   4 rows of 2048: single micro-batch 4, ddp and fsdp 2 GPUs x 2 (fsdp also checkpointed, and
+#   with its gathers on a second stream); per-rank tok/s and peaks, per-step losses ->
+#   $OUT/dist.jsonl. dist2: single 2 x accumulation 2, single and ddp checkpointed.
 # torchrun (2 GPUs): peft_baseline.py --mode ddp / fsdp, same shape -> $OUT/dist.jsonl.
-#   (dist and torchrun are separate calls: each takes several minutes.)
+#   (dist, dist2 and torchrun are separate calls: each takes several minutes.)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -80,13 +82,23 @@ with safe_open(f"/tmp/tiny-{s}/adapter_model.safetensors", "pt") as f:
 print(s, "adapter tensors:", len(keys), "last:", last)
 PY
   done
+fi
+
+# The 7B-shape runs, "strategy micro-batch accum [ckpt] [stream]" each ("stream": FSDP's layer
+# gathers on a second CUDA stream, LORA_TRAIN_GATHER_STREAM=1, experimental). About 45 s each.
+dist_cfgs=""
+[[ $what == *" dist "* ]] && dist_cfgs="single:4:1 ddp:2:1 fsdp:2:1 fsdp:2:1:ckpt fsdp:2:1:ckpt:stream"
+[[ $what == *" dist2 "* ]] && dist_cfgs="$dist_cfgs single:2:2 single:4:1:ckpt ddp:2:1:ckpt"
+if [ -n "$dist_cfgs" ]; then
   B="--shape llama2-7b --seq 2048 --rank 16 --targets all --steps 10 --warmup 3 --json $OUT/dist.jsonl"
-  for cfg in "single 4 1" "single 2 2" "ddp 2 1" "fsdp 2 1" "ddp 2 1 ckpt" "fsdp 2 1 ckpt" "single 4 1 ckpt"; do
-    set -- $cfg
+  for cfg in $dist_cfgs; do
+    IFS=: read -r -a f <<< "$cfg"; set -- "${f[@]}"
     ck=""; [ "${4:-}" = ckpt ] && ck="--ckpt"
+    st=0; [ "${5:-}" = stream ] && st=1
     dev="--devices 0"; [ "$1" != single ] && dev="--devices 0,1"
-    echo "== lora-train $1 micro-batch $2 accum $3 $ck"
-    timeout 170 $E .devbuild/lora-train bench $B --strategy $1 $dev --micro-batch $2 --grad-accum $3 $ck 2>&1 \
+    echo "== lora-train $1 micro-batch $2 accum $3 $ck ${5:-}"
+    LORA_TRAIN_GATHER_STREAM=$st timeout 170 $E .devbuild/lora-train bench $B --strategy $1 $dev \
+      --micro-batch $2 --grad-accum $3 $ck 2>&1 \
       | tail -1 | python3 -c 'import json,sys; d=json.loads(sys.stdin.read()); print({k: d.get(k) for k in ["strategy","world","global_batch","tokens_per_s_per_gpu","peak_alloc_gib","mfu","losses"]}); print(d.get("per_rank"))' 2>&1
   done
 fi

@@ -65,8 +65,12 @@ impl Flat {
     }
 
     /// The group's tensors as views into the gathered [N·s] buffer, in `take` order.
-    pub fn gather(&self, comm: &dyn Comm) -> Result<Vec<Tensor>> {
-        let full = comm.all_gather(&self.shard)?; // [N·s]
+    /// `ahead`: issued early (`Comm::all_gather_ahead`); call `Comm::gathered` before use.
+    pub fn gather(&self, comm: &dyn Comm, ahead: bool) -> Result<Vec<Tensor>> {
+        let full = match ahead {
+            true => comm.all_gather_ahead(&self.shard)?,
+            false => comm.all_gather(&self.shard)?,
+        }; // [N·s]
         self.parts
             .iter()
             .map(|(off, shape)| {
@@ -108,13 +112,14 @@ impl Shards {
         }
     }
 
-    /// Layer `l` with its frozen tensors gathered (its LoRA `Var`s are the model's).
-    pub fn layer(&self, model: &Model, l: usize, comm: &dyn Comm) -> Result<Layer> {
+    /// Layer `l` with its frozen tensors gathered (its LoRA `Var`s are the model's);
+    /// `ahead` as in `Flat::gather`.
+    pub fn layer(&self, model: &Model, l: usize, comm: &dyn Comm, ahead: bool) -> Result<Layer> {
         let (Some(skeleton), Some(flat)) = (model.layers.get(l), self.layers.get(l)) else {
             candle_core::bail!("fsdp: no layer {l}");
         };
         let mut layer = skeleton.clone();
-        let views = flat.gather(comm)?;
+        let views = flat.gather(comm, ahead)?;
         let mut slots = layer.frozen_mut();
         if slots.len() != views.len() {
             candle_core::bail!(
@@ -132,7 +137,7 @@ impl Shards {
 
     /// The embedding, final norm and head gathered, as a layer-less model.
     pub fn io(&self, model: &Model, comm: &dyn Comm) -> Result<Model> {
-        model.io_view(self.io.gather(comm)?)
+        model.io_view(self.io.gather(comm, false)?)
     }
 
     /// This rank's resident shard bytes.

@@ -27,6 +27,15 @@ pub trait Comm {
     /// Rank `root`'s `x` on every rank (same shape everywhere).
     fn broadcast(&self, x: &Tensor, root: usize) -> Result<Tensor>;
     fn barrier(&self) -> Result<()>;
+    /// `all_gather` issued ahead of its use: it may overlap the work queued after it, so its
+    /// result may be read only after `gathered`. Default: `all_gather`.
+    fn all_gather_ahead(&self, x: &Tensor) -> Result<Tensor> {
+        self.all_gather(x)
+    }
+    /// Work queued from now on waits for every `all_gather_ahead` issued so far.
+    fn gathered(&self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// World 1: every collective is the identity (no copy, no lock).

@@ -5,6 +5,12 @@
 //! Collectives are queued on the stream of the tensor they read (the rank's candle stream), so
 //! they are ordered with the compute around them and the host does not wait for them.
 //!
+//! With LORA_TRAIN_GATHER_STREAM=1 (experimental) every collective runs on a second stream
+//! instead, ordered after the compute queued before it; the compute waits for it at once,
+//! except for FSDP's gathers issued one layer ahead (`all_gather_ahead`), which it waits for
+//! only when the layer is used (`gathered`), so they overlap the layer in between. One
+//! communicator, one stream: the ranks' collectives still run in one order everywhere.
+//!
 //! We hold the raw `ncclComm_t` (cudarc's `Comm` keeps it private) so that the failing rank's
 //! thread can call ncclCommAbort on every rank's communicator: the ranks blocked in a
 //! collective with a dead peer then get an error instead of waiting forever. Each call holds
@@ -183,6 +189,10 @@ pub struct NcclComm {
     world: usize,
     raw: Arc<Slot>,
     device: Device,
+    /// The rank's compute stream (candle's, on this thread).
+    compute: Arc<CudaStream>,
+    /// LORA_TRAIN_GATHER_STREAM=1: the stream every collective runs on.
+    side: Option<Arc<CudaStream>>,
 }
 
 impl NcclComm {
@@ -207,6 +217,13 @@ impl NcclComm {
             })?;
             c.assume_init()
         };
+        let side =
+            match std::env::var("LORA_TRAIN_GATHER_STREAM").as_deref() {
+                Ok("1") => Some(stream.context().new_stream().map_err(|e| {
+                    anyhow::anyhow!("cannot create a stream on GPU {ordinal}: {e:?}")
+                })?),
+                _ => None,
+            };
         Ok(NcclComm {
             rank,
             world,
@@ -216,6 +233,8 @@ impl NcclComm {
                 busy: Mutex::new(()),
             }),
             device,
+            compute: stream,
+            side,
         })
     }
 
@@ -240,9 +259,10 @@ impl Drop for NcclComm {
 
 impl NcclComm {
     /// Queues `call(send, receive, type, comm, stream)`, one NCCL collective reading
-    /// contiguous `x` and writing `out`, on `x`'s stream; returns `out`. Both stay valid until
-    /// the op ran: frees are ordered on the same stream.
-    fn enqueue<F>(&self, op: &str, x: &Tensor, out: Tensor, call: F) -> Result<Tensor>
+    /// contiguous `x` and writing `out`, on `x`'s stream (or the side stream, after the work
+    /// queued on `x`'s; unless `ahead`, `x`'s stream then waits for it); returns `out`. Both
+    /// stay valid until the op ran: their frees are queued on `x`'s stream after it waited.
+    fn enqueue<F>(&self, op: &str, x: &Tensor, out: Tensor, ahead: bool, call: F) -> Result<Tensor>
     where
         F: FnOnce(
             *const std::ffi::c_void,
@@ -252,12 +272,35 @@ impl NcclComm {
             sys::cudaStream_t,
         ) -> std::result::Result<result::NcclStatus, result::NcclError>,
     {
-        let (src, ty, stream) = address(x)?;
+        let (src, ty, compute) = address(x)?;
         let (dst, _, _) = address(&out)?;
+        let cuda = |e| candle_core::Error::msg(format!("{op}: {e:?}"));
+        let stream = match &self.side {
+            Some(side) => {
+                side.join(&compute).map_err(cuda)?;
+                side.clone()
+            }
+            None => compute.clone(),
+        };
         self.with(op, |c| {
             call(src as _, dst as _, ty, c, stream.cu_stream() as _).map_err(|e| nccl_err(op, e))
         })?;
+        if self.side.is_some() && !ahead {
+            compute.join(&stream).map_err(cuda)?;
+        }
         Ok(out)
+    }
+}
+
+impl NcclComm {
+    fn gather(&self, x: &Tensor, ahead: bool) -> Result<Tensor> {
+        let x = x.flatten_all()?.contiguous()?;
+        let n = x.elem_count();
+        let out = Tensor::zeros(n * self.world, x.dtype(), x.device())?;
+        self.enqueue("all_gather", &x, out, ahead, |src, dst, ty, c, st| {
+            // SAFETY: src holds n elements, dst world·n, of `ty` on this rank's GPU.
+            unsafe { result::all_gather(src, dst, n, ty, c, st) }
+        })
     }
 }
 
@@ -296,29 +339,49 @@ impl Comm for NcclComm {
     fn all_reduce_sum(&self, x: &Tensor) -> Result<Tensor> {
         let x = x.contiguous()?;
         let n = x.elem_count();
-        self.enqueue("all_reduce", &x, x.zeros_like()?, |src, dst, ty, c, st| {
-            // SAFETY: src and dst hold n elements of `ty` on this rank's GPU.
-            unsafe { result::all_reduce(src, dst, n, ty, sys::ncclRedOp_t::ncclSum, c, st) }
-        })
+        self.enqueue(
+            "all_reduce",
+            &x,
+            x.zeros_like()?,
+            false,
+            |src, dst, ty, c, st| {
+                // SAFETY: src and dst hold n elements of `ty` on this rank's GPU.
+                unsafe { result::all_reduce(src, dst, n, ty, sys::ncclRedOp_t::ncclSum, c, st) }
+            },
+        )
     }
 
     fn all_gather(&self, x: &Tensor) -> Result<Tensor> {
-        let x = x.flatten_all()?.contiguous()?;
-        let n = x.elem_count();
-        let out = Tensor::zeros(n * self.world, x.dtype(), x.device())?;
-        self.enqueue("all_gather", &x, out, |src, dst, ty, c, st| {
-            // SAFETY: src holds n elements, dst world·n, of `ty` on this rank's GPU.
-            unsafe { result::all_gather(src, dst, n, ty, c, st) }
-        })
+        self.gather(x, false)
+    }
+
+    fn all_gather_ahead(&self, x: &Tensor) -> Result<Tensor> {
+        self.gather(x, true)
+    }
+
+    fn gathered(&self) -> Result<()> {
+        match &self.side {
+            Some(side) => self
+                .compute
+                .join(side)
+                .map_err(|e| candle_core::Error::msg(format!("gathered: {e:?}"))),
+            None => Ok(()),
+        }
     }
 
     fn broadcast(&self, x: &Tensor, root: usize) -> Result<Tensor> {
         let x = x.contiguous()?;
         let n = x.elem_count();
-        self.enqueue("broadcast", &x, x.zeros_like()?, |src, dst, ty, c, st| {
-            // SAFETY: src and dst hold n elements of `ty` on this rank's GPU.
-            unsafe { result::broadcast(src, dst, n, ty, root as i32, c, st) }
-        })
+        self.enqueue(
+            "broadcast",
+            &x,
+            x.zeros_like()?,
+            false,
+            |src, dst, ty, c, st| {
+                // SAFETY: src and dst hold n elements of `ty` on this rank's GPU.
+                unsafe { result::broadcast(src, dst, n, ty, root as i32, c, st) }
+            },
+        )
     }
 
     fn barrier(&self) -> Result<()> {

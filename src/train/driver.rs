@@ -12,8 +12,8 @@
 //!
 //! Several ranks (`Par`): under FSDP each layer's frozen base is all-gathered just before its
 //! forward and again before its recompute in backward (the next layer's gather is issued one
-//! layer early, synchronously: candle gives us no second stream to overlap it on), and dropped
-//! after use; the embedding and head likewise. Without checkpointing a layer's graph holds its
+//! layer early: on NCCL with LORA_TRAIN_GATHER_STREAM=1 it runs on a second stream while this
+//! layer computes, else in line), and dropped after use; the embedding and head likewise. Without checkpointing a layer's graph holds its
 //! gathered weights until its backward, so FSDP saves memory with checkpointing only. On the
 //! step's last micro-batch each layer's adapter gradients are summed over the ranks in one
 //! bucket as soon as that layer's backward is done (DDP and FSDP alike). With world 1 every
@@ -52,9 +52,26 @@ impl Par<'static> {
 impl Par<'_> {
     /// Layer `l`, gathered under FSDP.
     pub fn layer<'m>(&self, model: &'m Model, l: usize) -> Result<Cow<'m, Layer>> {
+        self.gather(model, l, false)
+    }
+
+    /// Layer `l`, its gather issued ahead of use: call `ready` before running it.
+    pub fn layer_ahead<'m>(&self, model: &'m Model, l: usize) -> Result<Cow<'m, Layer>> {
+        self.gather(model, l, true)
+    }
+
+    /// The layers issued ahead so far may be used from here on.
+    pub fn ready(&self) -> Result<()> {
+        match self.shards {
+            Some(_) => self.comm.gathered(),
+            None => Ok(()),
+        }
+    }
+
+    fn gather<'m>(&self, model: &'m Model, l: usize, ahead: bool) -> Result<Cow<'m, Layer>> {
         match self.shards {
             None => Ok(Cow::Borrowed(&model.layers[l])),
-            Some(s) => Ok(Cow::Owned(s.layer(model, l, self.comm)?)),
+            Some(s) => Ok(Cow::Owned(s.layer(model, l, self.comm, ahead)?)),
         }
     }
 
@@ -154,9 +171,10 @@ pub fn forward_backward_par(
         let Some(layer) = next.take() else {
             candle_core::bail!("driver: layer {l} was not gathered");
         };
-        // Gather ahead: the next layer's shards while this one is still resident.
+        // This layer's gather has landed; the next one's is issued before this layer runs.
+        par.ready()?;
         if l + 1 < n_layers {
-            next = Some(par.layer(model, l + 1)?);
+            next = Some(par.layer_ahead(model, l + 1)?);
         }
         if checkpointing {
             let y = layer.forward(&x, &ctx)?.detach();
@@ -219,8 +237,9 @@ pub fn forward_backward_par(
             Some(gathered) => gathered,
             None => Cow::Borrowed(&model.layers[l]),
         };
+        par.ready()?;
         if regather && l > 0 {
-            next = Some(par.layer(model, l - 1)?);
+            next = Some(par.layer_ahead(model, l - 1)?);
         }
         let (xv, y) = match saved.pop() {
             Some(Saved::Graph(xv, y)) => (xv, y),
