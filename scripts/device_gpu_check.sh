@@ -54,13 +54,16 @@ if [[ $what == *" tiny "* ]]; then
   done
 fi
 
+# BENCH: ";"-separated configs "micro-batch targets [ckpt]"; a trailing "-" skips PEFT for it.
 if [[ $what == *" bench "* ]]; then
   B="--shape llama2-7b --seq 2048 --rank 16 --steps 10 --warmup 3"
-  for cfg in "2 all" "2 qv" "8 all ckpt"; do
+  IFS=';' read -ra cfgs <<< "${BENCH:-2 all;2 qv;8 all ckpt}"
+  for cfg in "${cfgs[@]}"; do
     set -- $cfg
-    ck=""; [ "${3:-}" = ckpt ] && ck="--ckpt"
+    ck=""; [[ " $* " == *" ckpt "* ]] && ck="--ckpt"
     echo "== lora-train micro-batch $1 targets $2 $ck"
     timeout 150 $E .devbuild/lora-train bench $B --micro-batch $1 --targets $2 $ck --json "$OUT/bench.jsonl" 2>&1 | tail -2
+    [[ " $* " == *" - "* ]] && continue
     echo "== peft micro-batch $1 targets $2 $ck"
     timeout 150 python3 .devbuild/peft_baseline.py $B --batch $1 --targets $2 $ck --json "$OUT/bench.jsonl" 2>&1 | tail -2
   done

@@ -242,7 +242,7 @@ fn run_rank(a: &BenchArgs, device: Device, comm: &dyn Comm) -> Result<serde_json
                 .all_reduce_sum(&Tensor::new(&[ce], &a.device)?)?
                 .to_vec1::<f64>()?[0];
         }
-        optim::clip_grad_norm(&mut grads, 1.0)?;
+        optim::clip_grad_norm(&mut grads, &opt.params, 1.0)?;
         opt.step(&grads, 1e-4)?;
         Ok(ce / n)
     };

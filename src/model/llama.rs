@@ -40,18 +40,6 @@ impl Linear {
         let Some(lora) = &self.lora else {
             return ops::frozen_linear(x, &self.w, self.b.as_ref());
         };
-        // Dropout on the adapter input, keyed by (step, micro-batch, layer, module) so that
-        // a recomputed layer draws the same mask.
-        let mask = match ctx.dropout {
-            Some((seed, [step, micro])) if lora.dropout > 0.0 => Some(crate::lora::dropout_mask(
-                x.dims(),
-                lora.dropout,
-                seed,
-                &[step, micro, self.key[0], self.key[1]],
-                x.device(),
-            )?),
-            _ => None,
-        };
         ops::lora_linear(
             x,
             &self.w,
@@ -59,8 +47,78 @@ impl Linear {
             lora.a.as_tensor(),
             lora.b.as_tensor(),
             lora.scale,
-            mask,
+            self.dropout_mask(x.dims(), ctx)?,
         )
+    }
+
+    /// Dropout on the adapter input, keyed by (step, micro-batch, layer, module) so that a
+    /// recomputed layer, and the backward, draw the same mask. None without dropout.
+    fn dropout_mask(&self, dims: &[usize], ctx: &Ctx) -> Result<Option<Tensor>> {
+        match (ctx.dropout, &self.lora) {
+            (Some((seed, [step, micro])), Some(lora)) if lora.dropout > 0.0 => {
+                Ok(Some(crate::lora::dropout_mask(
+                    dims,
+                    lora.dropout,
+                    seed,
+                    &[step, micro, self.key[0], self.key[1]],
+                    ctx.cos.device(),
+                )?))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// The forward without a graph, for the hand-written layer backward.
+    /// x: [m, in] → (y [m, out], the adapter's s · (m ⊙ x) Aᵀ [m, r] if it has one).
+    pub fn fwd(&self, x: &Tensor, ctx: &Ctx) -> Result<(Tensor, Option<Tensor>)> {
+        let Some(lora) = &self.lora else {
+            return Ok((ops::frozen_linear(x, &self.w, self.b.as_ref())?, None));
+        };
+        let mask = self.dropout_mask(x.dims(), ctx)?;
+        let (y, xas) = ops::lora_linear::lora_fwd(
+            x,
+            &self.w,
+            self.b.as_ref(),
+            lora.a.as_tensor(),
+            lora.b.as_tensor(),
+            lora.scale,
+            mask.as_ref(),
+        )?;
+        Ok((y, Some(xas)))
+    }
+
+    /// The backward of `fwd`: x [m, in] its input, g = dL/dy [m, out], `xas` what `fwd`
+    /// returned → dL/dx [m, in], and (dA, dB) in f32 for an adapter. W gets nothing.
+    pub fn bwd(
+        &self,
+        x: &Tensor,
+        g: &Tensor,
+        xas: Option<&Tensor>,
+        ctx: &Ctx,
+    ) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
+        match (&self.lora, xas) {
+            (Some(lora), Some(xas)) => {
+                let mask = self.dropout_mask(x.dims(), ctx)?;
+                let (dx, da, db) = ops::lora_linear::lora_bwd(
+                    x,
+                    g,
+                    &self.w,
+                    lora.a.as_tensor(),
+                    lora.b.as_tensor(),
+                    lora.scale,
+                    mask.as_ref(),
+                    xas,
+                )?;
+                Ok((dx, Some((da, db))))
+            }
+            (None, _) => Ok((g.contiguous()?.matmul(&self.w)?, None)), // dx = g W
+            (Some(_), None) => {
+                candle_core::bail!(
+                    "{}: backward without the forward's adapter state",
+                    self.name
+                )
+            }
+        }
     }
 
     pub fn out_features(&self) -> usize {
@@ -79,11 +137,11 @@ pub struct Layer {
     pub gate: Linear,
     pub up: Linear,
     pub down: Linear,
-    eps: f64,
-    heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
-    window: usize,
+    pub(crate) eps: f64,
+    pub(crate) heads: usize,
+    pub(crate) kv_heads: usize,
+    pub(crate) head_dim: usize,
+    pub(crate) window: usize,
 }
 
 impl Layer {
@@ -118,8 +176,8 @@ impl Layer {
         let attn = o.transpose(1, 2)?.reshape((b, t, h * d))?; // [B, T, H·D]
         let x = (x + self.o.forward(&attn, ctx)?)?;
         let hn = ops::rms_norm(&x, &self.post_norm, self.eps)?;
-        let g = candle_nn::ops::silu(&self.gate.forward(&hn, ctx)?)?; // [B, T, I]
-        let m = self.down.forward(&(g * self.up.forward(&hn, ctx)?)?, ctx)?;
+        let a = ops::swiglu(&self.gate.forward(&hn, ctx)?, &self.up.forward(&hn, ctx)?)?; // [B, T, I]
+        let m = self.down.forward(&a, ctx)?;
         x + m
     }
 
@@ -150,7 +208,7 @@ impl Layer {
 }
 
 /// [B, K, T, D] → [B, K·n, T, D], each kv head repeated n times (GQA).
-fn repeat_kv(x: &Tensor, n: usize) -> Result<Tensor> {
+pub(crate) fn repeat_kv(x: &Tensor, n: usize) -> Result<Tensor> {
     if n == 1 {
         return Ok(x.clone());
     }
@@ -455,6 +513,31 @@ impl Model {
     pub fn head(&self, h: &Tensor) -> Result<Tensor> {
         let hn = ops::rms_norm(h, &self.norm, self.cfg.rms_norm_eps)?;
         ops::frozen_linear(&hn, &self.lm_head, None)?.to_dtype(DType::F32)
+    }
+
+    /// The head's loss and its backward without autograd, for training. x: hidden rows
+    /// [n, C], targets [n] u32 → (Σ token CE, dL/dx [n, C]) for L = Σ CE / `denom`.
+    /// Holds about three [n, V] f32 buffers at once (autograd through log_softmax kept ~10).
+    pub fn head_loss_bwd(&self, x: &Tensor, targets: &Tensor, denom: f64) -> Result<(f64, Tensor)> {
+        let eps = self.cfg.rms_norm_eps;
+        let hn = ops::rms_norm(x, &self.norm, eps)?; // [n, C]
+        let logits = ops::frozen_linear(&hn, &self.lm_head, None)?.to_dtype(DType::F32)?; // [n, V]
+        let tgt = targets.unsqueeze(1)?; // [n, 1]
+        let picked = logits.gather(&tgt, 1)?; // [n, 1]
+        let max = logits.max_keepdim(1)?; // [n, 1]
+        let e = logits.broadcast_sub(&max)?.exp()?; // [n, V]
+        drop(logits);
+        let sum = e.sum_keepdim(1)?; // [n, 1]
+        let lse = (sum.log()? + &max)?;
+        let ce = (lse - picked)?.sum_all()?.to_scalar::<f32>()? as f64;
+        // dL/dlogits = (softmax − onehot) / denom
+        let n = x.dim(0)?;
+        let dl = e.broadcast_mul(&(sum * denom)?.recip()?)?;
+        drop(e);
+        let minus = Tensor::full(-1f32 / denom as f32, (n, 1), x.device())?;
+        let dl = dl.scatter_add(&tgt, &minus, 1)?.to_dtype(hn.dtype())?;
+        let dhn = dl.matmul(&self.lm_head)?; // [n, C]
+        Ok((ce, ops::rms_norm_bwd(x, &self.norm, eps, &dhn)?))
     }
 
     /// Logits at every position: ids [B, T] → [B, T, V] f32 (whole graph kept: tests, eval).

@@ -5,8 +5,10 @@
 //! and free memory between layers.
 
 pub mod config;
+pub mod layer_train;
 pub mod llama;
 pub mod rope;
 
 pub use config::{ConfigError, Family, ModelConfig, RopeScaling};
+pub use layer_train::{LayerActs, LayerGrads};
 pub use llama::{Ctx, Layer, Linear, Model};

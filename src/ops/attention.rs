@@ -219,79 +219,135 @@ pub fn attention(
     scale: f64,
     block: Option<usize>,
 ) -> Result<Tensor> {
-    let (b, h, t, _d) = q.dims4()?;
-    let bq = block.unwrap_or_else(|| default_block(b, h, t)).max(1);
-    let tmpl = Block {
+    let (o, lse) = attention_fwd(&q.detach(), &k.detach(), &v.detach(), mask, scale, block)?;
+    let mask = mask.clone();
+    let backward = move |q: &Tensor, k: &Tensor, v: &Tensor, o: &Tensor, g: &Tensor| {
+        let delta = attention_delta(g, o)?;
+        let (dq, dk, dv) = attention_bwd(q, k, v, g, &delta, &lse, &mask, scale, block)?;
+        Ok((Some(dq), Some(dk), Some(dv)))
+    };
+    attach3(q, k, v, o, Box::new(backward))
+}
+
+/// δ = rowsum(dO ⊙ O): dO, O [B, H, T, D] (any layout) → [B, H, T] f32.
+pub fn attention_delta(d_o: &Tensor, o: &Tensor) -> Result<Tensor> {
+    (d_o.to_dtype(DType::F32)? * o.to_dtype(DType::F32)?)?.sum(D::Minus1)
+}
+
+fn block_of(mask: &AttnMask, t: usize, scale: f64) -> Block {
+    Block {
         q_off: 0,
         t,
         window: mask.window,
         scale: scale as f32,
         seg: mask.segments.clone(),
-    };
+    }
+}
+
+/// The forward without a graph: (O [B, H, T, D], L [B, H, T] f32), query block by block.
+pub fn attention_fwd(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &AttnMask,
+    scale: f64,
+    block: Option<usize>,
+) -> Result<(Tensor, Tensor)> {
+    let (b, h, t, _d) = q.dims4()?;
+    let bq = block.unwrap_or_else(|| default_block(b, h, t)).max(1);
+    let tmpl = block_of(mask, t, scale);
     let blk = |s: usize| Block {
         q_off: s,
         ..tmpl.clone()
     };
-    let (qd, kd, vd) = (q.detach(), k.detach(), v.detach());
     let (mut outs, mut lses) = (Vec::new(), Vec::new());
     for s in (0..t).step_by(bq) {
         let n = bq.min(t - s);
         let e = s + n;
-        let qb = qd.narrow(2, s, n)?.contiguous()?;
-        let kk = kd.narrow(2, 0, e)?.contiguous()?;
+        let qb = q.narrow(2, s, n)?; // views: cuBLAS takes the batch stride
+        let kk = k.narrow(2, 0, e)?;
         let scores = qb.matmul(&kk.t()?)?; // [B, H, n, e]
         let lse = scores.apply_op1_no_bwd(&MaskedLse(blk(s)))?; // [B, H, n]
         let p = scores.apply_op2_no_bwd(&lse, &MaskedExp(blk(s)))?;
         drop(scores);
-        outs.push(p.matmul(&vd.narrow(2, 0, e)?.contiguous()?)?); // [B, H, n, D]
+        outs.push(p.matmul(&v.narrow(2, 0, e)?)?); // [B, H, n, D]
         lses.push(lse);
     }
-    let o = Tensor::cat(&outs, 2)?;
-    let lse = Tensor::cat(&lses, 2)?; // [B, H, T]
-    drop(outs);
-    let backward = move |q: &Tensor, k: &Tensor, v: &Tensor, o: &Tensor, g: &Tensor| {
-        let blk = |s: usize| Block {
-            q_off: s,
-            ..tmpl.clone()
-        };
-        let dt = q.dtype();
-        let g = g.contiguous()?;
-        // δ_i = Σ_d dO_id · O_id
-        let delta = (g.to_dtype(DType::F32)? * o.to_dtype(DType::F32)?)?.sum(D::Minus1)?; // [B, H, T]
-        let (mut dq, mut dk, mut dv) = (Vec::new(), None::<Tensor>, None::<Tensor>);
-        for s in (0..t).step_by(bq) {
-            let n = bq.min(t - s);
-            let e = s + n;
-            let qb = q.narrow(2, s, n)?.contiguous()?;
-            let kk = k.narrow(2, 0, e)?.contiguous()?;
-            let vv = v.narrow(2, 0, e)?.contiguous()?;
-            let gb = g.narrow(2, s, n)?.contiguous()?;
-            let scores = qb.matmul(&kk.t()?)?;
-            let p =
-                scores.apply_op2_no_bwd(&lse.narrow(2, s, n)?.contiguous()?, &MaskedExp(blk(s)))?;
-            drop(scores);
-            let dv_b = p.t()?.matmul(&gb)?; // [B, H, e, D]
-            let dp = gb.matmul(&vv.t()?)?; // [B, H, n, e]
-            let ds = p.apply_op3_no_bwd(
-                &dp,
-                &delta.narrow(2, s, n)?.contiguous()?,
-                &SoftmaxBwd(scale as f32),
-            )?;
-            drop((p, dp));
-            dq.push(ds.matmul(&kk)?); // [B, H, n, D]
-            let dk_b = ds.t()?.matmul(&qb)?; // [B, H, e, D]
-            let acc = |sum: Option<Tensor>, part: Tensor| -> Result<Option<Tensor>> {
-                let part = part.to_dtype(DType::F32)?.pad_with_zeros(2, 0, t - e)?;
-                Ok(Some(match sum {
-                    Some(s) => (s + part)?,
-                    None => part,
-                }))
-            };
-            dk = acc(dk, dk_b)?;
-            dv = acc(dv, dv_b)?;
-        }
-        let to = |x: Option<Tensor>| x.map(|x| x.to_dtype(dt)).transpose();
-        Ok((Some(Tensor::cat(&dq, 2)?), to(dk)?, to(dv)?))
+    Ok((Tensor::cat(&outs, 2)?, Tensor::cat(&lses, 2)?))
+}
+
+/// The backward: given dO [B, H, T, D] (any layout), δ and L [B, H, T] f32, recomputes each
+/// query block's probabilities and returns (dq, dk, dv) in q's dtype.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_bwd(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    d_o: &Tensor,
+    delta: &Tensor,
+    lse: &Tensor,
+    mask: &AttnMask,
+    scale: f64,
+    block: Option<usize>,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (b, h, t, _d) = q.dims4()?;
+    let bq = block.unwrap_or_else(|| default_block(b, h, t)).max(1);
+    let tmpl = block_of(mask, t, scale);
+    let blk = |s: usize| Block {
+        q_off: s,
+        ..tmpl.clone()
     };
-    attach3(q, k, v, o, Box::new(backward))
+    let dt = q.dtype();
+    let d_o = d_o.to_dtype(dt)?.contiguous()?; // one copy at most; blocks below are views
+                                               // dK and dV are summed in f32 per key block of bq keys: query block i (keys [0, e)) adds
+                                               // into key blocks 0..=i, so no partial is ever padded to the full sequence.
+    let nb = t.div_ceil(bq);
+    let mut dq = Vec::with_capacity(nb);
+    let (mut dk, mut dv) = (vec![None::<Tensor>; nb], vec![None::<Tensor>; nb]);
+    let acc = |sums: &mut [Option<Tensor>], part: &Tensor| -> Result<()> {
+        for (j, sum) in sums.iter_mut().enumerate() {
+            let ks = j * bq;
+            if ks >= part.dim(2)? {
+                break;
+            }
+            let p = part.narrow(2, ks, bq.min(t - ks))?.to_dtype(DType::F32)?;
+            *sum = Some(match sum.take() {
+                Some(s) => (s + p)?,
+                None => p,
+            });
+        }
+        Ok(())
+    };
+    for s in (0..t).step_by(bq) {
+        let n = bq.min(t - s);
+        let e = s + n;
+        let qb = q.narrow(2, s, n)?; // views: cuBLAS takes the batch stride
+        let kk = k.narrow(2, 0, e)?;
+        let vv = v.narrow(2, 0, e)?;
+        let gb = d_o.narrow(2, s, n)?;
+        let scores = qb.matmul(&kk.t()?)?;
+        let p = scores.apply_op2_no_bwd(&lse.narrow(2, s, n)?.contiguous()?, &MaskedExp(blk(s)))?;
+        drop(scores);
+        acc(&mut dv, &p.t()?.matmul(&gb)?)?; // [B, H, e, D]
+        let dp = gb.matmul(&vv.t()?)?; // [B, H, n, e]
+        let ds = p.apply_op3_no_bwd(
+            &dp,
+            &delta.narrow(2, s, n)?.contiguous()?,
+            &SoftmaxBwd(scale as f32),
+        )?;
+        drop((p, dp));
+        dq.push(ds.matmul(&kk)?); // [B, H, n, D]
+        acc(&mut dk, &ds.t()?.matmul(&qb)?)?; // [B, H, e, D]
+    }
+    let done = |parts: Vec<Option<Tensor>>| -> Result<Tensor> {
+        let parts = parts
+            .into_iter()
+            .map(|p| match p {
+                Some(p) => p.to_dtype(dt),
+                None => candle_core::bail!("attention_bwd: a key block got no gradient"),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Tensor::cat(&parts, 2)
+    };
+    Ok((Tensor::cat(&dq, 2)?, done(dk)?, done(dv)?))
 }

@@ -145,6 +145,55 @@ __device__ void softmax_bwd(const T* p, const T* dp, const float* delta, T* ds, 
     st(ds, k, ld(p, k) * (ld(dp, k) - delta[k / e]) * scale);
 }
 
+// a = round(silu(g)) · u ; elementwise over n.
+template <typename T>
+__device__ void swiglu(const T* g, const T* u, T* a, long n) {
+    long k = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (k >= n) return;
+    float gv = ld(g, k);
+    st(a, k, rnd(g, gv / (1.f + __expf(-gv))) * ld(u, k));
+}
+
+// out[0:n] = dg = round(da·u) · σ(1 + g(1 − σ)), out[n:2n] = du = da · round(silu(g)).
+template <typename T>
+__device__ void swiglu_bwd(const T* g, const T* u, const T* da, T* out, long n) {
+    long k = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (k >= n) return;
+    float gv = ld(g, k), d = ld(da, k);
+    float s = 1.f / (1.f + __expf(-gv));
+    st(out, k, rnd(g, d * ld(u, k)) * s * (1.f + gv * (1.f - s)));
+    st(out, n + k, d * rnd(g, gv * s));
+}
+
+// Token-major rows [B·T, H·D] <-> head-major [B, H, T, D], rotating by sign·θ when cos is
+// given. One thread per rotated pair, indexed in head-major order.
+template <typename T>
+__device__ void relayout(const T* x, const float* cos, const float* sin, T* y, int h, int t,
+                         int half, long pairs, int to_heads, float sign) {
+    long k = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (k >= pairs) return;
+    int i = k % half;
+    long rest = k / half;
+    int ti = rest % t;
+    long bh = rest / t;
+    int hh = bh % h;
+    long b = bh / h;
+    long d = 2 * half;
+    long heads = rest * d;
+    long rows = ((b * t + ti) * h + hh) * d;
+    long src = to_heads ? rows : heads, dst = to_heads ? heads : rows;
+    float x1 = ld(x, src + i), x2 = ld(x, src + i + half);
+    if (cos) {
+        long cs = (b * t + ti) * half + i;
+        float c = cos[cs], s = sign * sin[cs];
+        st(y, dst + i, x1 * c - x2 * s);
+        st(y, dst + i + half, x2 * c + x1 * s);
+    } else {
+        st(y, dst + i, x1);
+        st(y, dst + i + half, x2);
+    }
+}
+
 #define INST(NAME, T) \
 extern "C" __global__ void rms_norm_##NAME(const T* x, const T* w, T* y, int d, float eps) \
     { rms_norm<T>(x, w, y, d, eps); } \
@@ -159,7 +208,14 @@ extern "C" __global__ void masked_exp_##NAME(const T* s, const float* lse, T* p,
     const unsigned int* seg, int h, int bq, int e, int t, int q_off, int window, float scale) \
     { masked_exp<T>(s, lse, p, seg, h, bq, e, t, q_off, window, scale); } \
 extern "C" __global__ void softmax_bwd_##NAME(const T* p, const T* dp, const float* delta, T* ds, \
-    int e, float scale, long n) { softmax_bwd<T>(p, dp, delta, ds, e, scale, n); }
+    int e, float scale, long n) { softmax_bwd<T>(p, dp, delta, ds, e, scale, n); } \
+extern "C" __global__ void relayout_##NAME(const T* x, const float* c, const float* s, T* y, \
+    int h, int t, int half, long pairs, int to_heads, float sign) \
+    { relayout<T>(x, c, s, y, h, t, half, pairs, to_heads, sign); } \
+extern "C" __global__ void swiglu_##NAME(const T* g, const T* u, T* a, long n) \
+    { swiglu<T>(g, u, a, n); } \
+extern "C" __global__ void swiglu_bwd_##NAME(const T* g, const T* u, const T* da, T* out, long n) \
+    { swiglu_bwd<T>(g, u, da, out, n); }
 INST(f32, float)
 INST(bf16, bf16_t)
 "#;
@@ -538,5 +594,126 @@ pub fn softmax_bwd(
                 .arg(&nl);
             unsafe { bld.launch(cfg) }.w()?;
         })
+    }))
+}
+
+/// a = silu(g) ⊙ u over contiguous g, u of one dtype.
+pub fn swiglu(g: &CudaStorage, gl: &Layout, u: &CudaStorage, ul: &Layout) -> Result<CudaStorage> {
+    elementwise("swiglu", g, gl, &[(u, ul)], 1)
+}
+
+/// (g, u, da) → [dg; du] (2n elements).
+pub fn swiglu_bwd(
+    g: &CudaStorage,
+    gl: &Layout,
+    u: &CudaStorage,
+    ul: &Layout,
+    da: &CudaStorage,
+    dal: &Layout,
+) -> Result<CudaStorage> {
+    elementwise("swiglu_bwd", g, gl, &[(u, ul), (da, dal)], 2)
+}
+
+/// Runs `name_<dtype>(x, others..., out, n)` over n = |x| elements, one thread each, with a
+/// fresh output of `outs`·n elements. Every input has x's dtype and is contiguous.
+fn elementwise(
+    name: &str,
+    x: &CudaStorage,
+    xl: &Layout,
+    others: &[(&CudaStorage, &Layout)],
+    outs: usize,
+) -> Result<CudaStorage> {
+    use candle_core::backend::BackendStorage;
+    let n = xl.shape().elem_count();
+    for (o, ol) in others {
+        if o.dtype() != x.dtype() || ol.shape().elem_count() != n {
+            candle_core::bail!(
+                "{name}: inputs differ: {:?} {:?} vs {:?} {:?}",
+                x.dtype(),
+                xl.dims(),
+                o.dtype(),
+                ol.dims()
+            );
+        }
+    }
+    let dev = x.device().clone();
+    let func = module(&dev)?
+        .load_function(&format!("{name}_{}", suffix(x.dtype())?))
+        .w()?;
+    let stream = dev.cuda_stream();
+    let cfg = LaunchConfig::for_num_elems(n as u32);
+    let nl = n as i64;
+    let ranges = others
+        .iter()
+        .map(|(_, l)| contiguous(l))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(with_dtype!(x, xl, outs * n, |xs, out| {
+        let mut b = stream.launch_builder(&func);
+        b.arg(&xs);
+        match (others, ranges.as_slice()) {
+            ([(o1, _)], [r1]) => with_view!(o1, r1.0..r1.1, |v1| {
+                b.arg(&v1).arg(&out).arg(&nl);
+                unsafe { b.launch(cfg) }.w()?;
+            }),
+            ([(o1, _), (o2, _)], [r1, r2]) => with_view!(o1, r1.0..r1.1, |v1| {
+                with_view!(o2, r2.0..r2.1, |v2| {
+                    b.arg(&v1).arg(&v2).arg(&out).arg(&nl);
+                    unsafe { b.launch(cfg) }.w()?;
+                })
+            }),
+            _ => candle_core::bail!("{name}: one or two extra inputs expected"),
+        }
+    }))
+}
+
+/// Rows [B·T, H·D] <-> [B, H, T, D] (`to_heads` picks the direction), rotated by sign·θ when
+/// `rot` = (cos, sin) [B, T, D/2] f32 is given. `bth` = [B, T, H].
+pub fn relayout(
+    x: &CudaStorage,
+    xl: &Layout,
+    rot: Option<(&CudaStorage, &Layout, &CudaStorage, &Layout)>,
+    sign: f32,
+    to_heads: bool,
+    bth: [usize; 3],
+) -> Result<CudaStorage> {
+    use candle_core::backend::BackendStorage;
+    let [b, t, h] = bth;
+    let n = xl.shape().elem_count();
+    let pairs = (n / 2) as i64;
+    let half = (n / (b * t * h) / 2) as i32;
+    let dev = x.device.clone();
+    let func = module(&dev)?
+        .load_function(&format!("relayout_{}", suffix(x.dtype())?))
+        .w()?;
+    let stream = dev.cuda_stream();
+    let cfg = LaunchConfig::for_num_elems(pairs as u32);
+    let (hi, ti, th, sg) = (h as i32, t as i32, to_heads as i32, sign);
+    let null: u64 = 0;
+    Ok(with_dtype!(x, xl, n, |xs, out| {
+        let mut bld = stream.launch_builder(&func);
+        bld.arg(&xs);
+        let views = match rot {
+            Some((c, cl, s, sl)) => {
+                let (c1, c2) = contiguous(cl)?;
+                let (s1, s2) = contiguous(sl)?;
+                Some((
+                    c.as_cuda_slice::<f32>()?.slice(c1..c2),
+                    s.as_cuda_slice::<f32>()?.slice(s1..s2),
+                ))
+            }
+            None => None,
+        };
+        match &views {
+            Some((cv, sv)) => bld.arg(cv).arg(sv),
+            None => bld.arg(&null).arg(&null),
+        };
+        bld.arg(&out)
+            .arg(&hi)
+            .arg(&ti)
+            .arg(&half)
+            .arg(&pairs)
+            .arg(&th)
+            .arg(&sg);
+        unsafe { bld.launch(cfg) }.w()?;
     }))
 }

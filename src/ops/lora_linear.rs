@@ -3,8 +3,8 @@
 //! x: [..., in], W: [out, in] frozen, A: [r, in] and B: [out, r] f32 trainable, m an optional
 //! dropout mask (same shape as x), s the scale. Autograd keeps x, A, B and y only (a chain of
 //! candle ops would keep every intermediate: x Wᵀ, x Aᵀ, (x Aᵀ) Bᵀ, its scaled copy, the sum).
-//! Backward (g = dL/dy, xd = m ⊙ x, xa = xd Aᵀ recomputed, r×in work only):
-//!   dx = g W + s · ((g B) A) ⊙ m,   dA = s · (g B)ᵀ xd,   dB = s · gᵀ xa
+//! Backward (g = dL/dy, xd = m ⊙ x, xas = s · xd Aᵀ kept from forward: [m, r]):
+//!   dx = g W + s · ((g B) A) ⊙ m,   dA = s · (g B)ᵀ xd,   dB = gᵀ xas
 
 use super::attach::attach3;
 use super::frozen_linear::frozen_linear;
@@ -19,18 +19,10 @@ pub fn lora_linear(
     scale: f64,
     mask: Option<Tensor>,
 ) -> Result<Tensor> {
-    let dt = x.dtype();
     let in_f = *x.dims().last().unwrap_or(&0);
     let out_f = w.dim(0)?;
     let x2 = x.detach().reshape(((), in_f))?; // [m, in]
-    let xd = match &mask {
-        Some(m) => x2.mul(&m.reshape(((), in_f))?.to_dtype(dt)?)?,
-        None => x2.clone(),
-    };
-    let (ad, bd) = (a.detach().to_dtype(dt)?, b.detach().to_dtype(dt)?);
-    let base = frozen_linear(&x2, w, bias)?; // [m, out]
-                                             // The scale goes on the [m, r] intermediate, not on the [m, out] product.
-    let y = (base + (xd.matmul(&ad.t()?)? * scale)?.matmul(&bd.t()?)?)?;
+    let (y, xas) = lora_fwd(&x2, w, bias, &a.detach(), &b.detach(), scale, mask.as_ref())?;
     let mut dims = x.dims().to_vec();
     if let Some(l) = dims.last_mut() {
         *l = out_f;
@@ -38,29 +30,67 @@ pub fn lora_linear(
     let y = y.reshape(dims)?;
     let w = w.clone();
     let backward = move |x: &Tensor, a: &Tensor, b: &Tensor, _y: &Tensor, g: &Tensor| {
-        let dt = x.dtype();
         let x2 = x.reshape(((), in_f))?;
-        let xd = match &mask {
-            Some(m) => x2.mul(&m.reshape(((), in_f))?.to_dtype(dt)?)?,
-            None => x2,
-        };
-        let g = g.reshape(((), out_f))?; // [m, out]
-        let (ad, bd) = (a.to_dtype(dt)?, b.to_dtype(dt)?);
-        let gb = g.matmul(&bd)?; // [m, r]
-        let gbs = (&gb * scale)?; // [m, r]: scaled while small
-        let mut dlora = gbs.matmul(&ad)?; // [m, in]
-        if let Some(m) = &mask {
-            dlora = dlora.mul(&m.reshape(((), in_f))?.to_dtype(dt)?)?;
-        }
-        let dx = (g.matmul(&w)? + dlora)?.reshape(x.shape())?;
-        let da = gbs.t()?.matmul(&xd)?.to_dtype(DType::F32)?; // [r, in]
-        let xa = xd.matmul(&ad.t()?)?; // [m, r]
-        let db = g.t()?.matmul(&(xa * scale)?)?.to_dtype(DType::F32)?; // [out, r]
+        let g = g.reshape(((), out_f))?;
+        let (dx, da, db) = lora_bwd(&x2, &g, &w, a, b, scale, mask.as_ref(), &xas)?;
         Ok((
-            Some(dx),
+            Some(dx.reshape(x.shape())?),
             Some(da.to_dtype(a.dtype())?),
             Some(db.to_dtype(b.dtype())?),
         ))
     };
     attach3(x, a, b, y, Box::new(backward))
+}
+
+/// The forward without a graph. x: [m, in] → (y [m, out], xas = s · (m ⊙ x) Aᵀ [m, r]);
+/// `xas` is what backward needs besides x (r columns: small enough to keep).
+pub fn lora_fwd(
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    a: &Tensor,
+    b: &Tensor,
+    scale: f64,
+    mask: Option<&Tensor>,
+) -> Result<(Tensor, Tensor)> {
+    let dt = x.dtype();
+    let xd = masked(x, mask)?;
+    // Detached: the adapters are Vars, and a graph through them would keep every activation.
+    let (ad, bd) = (a.detach().to_dtype(dt)?, b.detach().to_dtype(dt)?);
+    let base = frozen_linear(x, w, bias)?; // [m, out]
+    let xas = (xd.matmul(&ad.t()?)? * scale)?; // [m, r]: scaled while small
+    let y = (base + xas.matmul(&bd.t()?)?)?;
+    Ok((y, xas))
+}
+
+/// The backward: x [m, in] (unmasked), g = dL/dy [m, out], `xas` from `lora_fwd` →
+/// (dx [m, in] in x's dtype, dA [r, in] f32, dB [out, r] f32).
+#[allow(clippy::too_many_arguments)]
+pub fn lora_bwd(
+    x: &Tensor,
+    g: &Tensor,
+    w: &Tensor,
+    a: &Tensor,
+    b: &Tensor,
+    scale: f64,
+    mask: Option<&Tensor>,
+    xas: &Tensor,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let dt = x.dtype();
+    let g = g.contiguous()?;
+    let (ad, bd) = (a.detach().to_dtype(dt)?, b.detach().to_dtype(dt)?);
+    let gbs = (g.matmul(&bd)? * scale)?; // [m, r]
+    let dlora = masked(&gbs.matmul(&ad)?, mask)?; // [m, in]
+    let dx = (g.matmul(w)? + dlora)?;
+    let da = gbs.t()?.matmul(&masked(x, mask)?)?.to_dtype(DType::F32)?; // [r, in]
+    let db = g.t()?.matmul(xas)?.to_dtype(DType::F32)?; // [out, r]
+    Ok((dx, da, db))
+}
+
+/// m ⊙ x, the mask (f32, any shape of x's size) cast to x's dtype.
+fn masked(x: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
+    match mask {
+        Some(m) => x.mul(&m.reshape(x.shape())?.to_dtype(x.dtype())?),
+        None => Ok(x.clone()),
+    }
 }

@@ -16,12 +16,14 @@ pub mod frozen_linear;
 pub mod lora_linear;
 pub mod rms_norm;
 pub mod rope;
+pub mod swiglu;
 
 pub use attention::{attention, AttnMask};
 pub use frozen_linear::frozen_linear;
 pub use lora_linear::lora_linear;
-pub use rms_norm::rms_norm;
-pub use rope::rope;
+pub use rms_norm::{rms_norm, rms_norm_bwd};
+pub use rope::{rope, rope_heads, rope_rows_inv, to_heads, to_rows};
+pub use swiglu::{swiglu, swiglu_bwd};
 
 use candle_core::{CpuStorage, Layout, Result};
 
@@ -49,6 +51,15 @@ pub(crate) fn cpu_from_f32(v: Vec<f32>, like: &CpuStorage) -> Result<CpuStorage>
         CpuStorage::F64(_) => CpuStorage::F64(v.into_iter().map(f64::from).collect()),
         other => candle_core::bail!("unsupported dtype {:?} for a float op", other_dtype(other)),
     })
+}
+
+/// Round an f32 to the storage's dtype and back, as a cast to the activation dtype would.
+pub(crate) fn round_to(v: f32, s: &CpuStorage) -> f32 {
+    match s {
+        CpuStorage::BF16(_) => half::bf16::from_f32(v).to_f32(),
+        CpuStorage::F16(_) => half::f16::from_f32(v).to_f32(),
+        _ => v,
+    }
 }
 
 fn other_dtype(s: &CpuStorage) -> candle_core::DType {

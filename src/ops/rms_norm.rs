@@ -3,7 +3,7 @@
 //! Forward in f32 whatever the activation dtype (as transformers' LlamaRMSNorm does: it
 //! upcasts, normalises, casts back, then multiplies by the weight in the weight's dtype).
 
-use super::{cpu_as_f32, cpu_from_f32};
+use super::{cpu_as_f32, cpu_from_f32, round_to};
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor, D};
 
 struct RmsNorm {
@@ -63,34 +63,36 @@ impl CustomOp1 for RmsNorm {
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
-        // bf16 (the training dtype on GPUs) takes one fused pass per row. f32 keeps the
-        // composite below: it is the path the f32 golden tests hold to rtol 1e-4, and a
-        // different f32 summation order moves Adam-amplified entries by ~1e-4 there.
-        if arg.dtype() == DType::BF16 {
-            let op = RmsNormBwd {
-                w: self.w.clone(),
-                eps: self.eps,
-            };
-            return Ok(Some(
-                arg.contiguous()?
-                    .apply_op2_no_bwd(&grad_res.contiguous()?, &op)?,
-            ));
-        }
-        // With r = rsqrt(mean(x²)+eps), n = x·r, y = n·w:
-        //   dx = r · (g·w − n · mean(g·w·n))
-        let dtype = arg.dtype();
-        let x = arg.to_dtype(DType::F32)?;
-        let g = grad_res.to_dtype(DType::F32)?;
-        let w = self.w.to_dtype(DType::F32)?;
-        let r = (x.sqr()?.mean_keepdim(D::Minus1)? + self.eps as f64)?
-            .sqrt()?
-            .recip()?;
-        let n = x.broadcast_mul(&r)?;
-        let gw = g.broadcast_mul(&w)?;
-        let dot = (&gw * &n)?.mean_keepdim(D::Minus1)?;
-        let dx = (gw - n.broadcast_mul(&dot)?)?.broadcast_mul(&r)?;
-        Ok(Some(dx.to_dtype(dtype)?))
+        Ok(Some(rms_norm_bwd(arg, &self.w, self.eps as f64, grad_res)?))
     }
+}
+
+/// dL/dx of `rms_norm(x, w, eps)` given g = dL/dy; x, g: [..., d] → [..., d] in x's dtype.
+pub fn rms_norm_bwd(x: &Tensor, w: &Tensor, eps: f64, g: &Tensor) -> Result<Tensor> {
+    // bf16 (the training dtype on GPUs) takes one fused pass per row. f32 keeps the
+    // composite below: it is the path the f32 golden tests hold to rtol 1e-4, and a
+    // different f32 summation order moves Adam-amplified entries by ~1e-4 there.
+    if x.dtype() == DType::BF16 {
+        let op = RmsNormBwd {
+            w: w.clone(),
+            eps: eps as f32,
+        };
+        return x
+            .contiguous()?
+            .apply_op2_no_bwd(&g.to_dtype(x.dtype())?.contiguous()?, &op);
+    }
+    // With r = rsqrt(mean(x²)+eps), n = x·r, y = n·w:
+    //   dx = r · (g·w − n · mean(g·w·n))
+    let dtype = x.dtype();
+    let x = x.to_dtype(DType::F32)?;
+    let g = g.to_dtype(DType::F32)?;
+    let w = w.to_dtype(DType::F32)?;
+    let r = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
+    let n = x.broadcast_mul(&r)?;
+    let gw = g.broadcast_mul(&w)?;
+    let dot = (&gw * &n)?.mean_keepdim(D::Minus1)?;
+    let dx = (gw - n.broadcast_mul(&dot)?)?.broadcast_mul(&r)?;
+    dx.to_dtype(dtype)
 }
 
 /// (x, g) → dL/dx in one pass per row: with r = rsqrt(mean(x²)+eps),
@@ -147,14 +149,5 @@ impl candle_core::CustomOp2 for RmsNormBwd {
             super::cuda::rms_norm_bwd(xs, xl, w, wl, gs, gl, self.eps)?,
             xl.shape().clone(),
         ))
-    }
-}
-
-/// Round an f32 to the storage's dtype and back, as a cast to the activation dtype would.
-fn round_to(v: f32, s: &CpuStorage) -> f32 {
-    match s {
-        CpuStorage::BF16(_) => half::bf16::from_f32(v).to_f32(),
-        CpuStorage::F16(_) => half::f16::from_f32(v).to_f32(),
-        _ => v,
     }
 }

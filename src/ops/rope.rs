@@ -88,3 +88,158 @@ impl CustomOp1 for Rope {
         Ok(Some(grad_res.contiguous()?.apply_op1_no_bwd(&inverse)?))
     }
 }
+
+/// Token-major rows [B·T, H·D] ↔ head-major [B, H, T, D], with or without the rotation, in one
+/// pass: the attention layout change and RoPE fused (a strided copy then a rotation would read
+/// and write the tensor twice).
+struct Relayout {
+    /// (cos, sin) [B, T, D/2] f32 to rotate by; None: a plain layout change.
+    rot: Option<(Tensor, Tensor)>,
+    /// +1 rotates by θ (RoPE), −1 by −θ (its backward).
+    sign: f32,
+    /// rows → heads (else heads → rows).
+    to_heads: bool,
+    b: usize,
+    t: usize,
+    h: usize,
+}
+
+/// x rows [B·T, H·D] → [B, H, T, D] rotated by RoPE: `rope` of the transposed heads.
+pub fn rope_heads(x: &Tensor, cos: &Tensor, sin: &Tensor, h: usize) -> Result<Tensor> {
+    let (b, t, _) = cos.dims3()?;
+    relayout(x, Some((cos, sin)), 1.0, true, b, t, h)
+}
+
+/// g [B, H, T, D] → rows [B·T, H·D] rotated by −θ: the backward of `rope_heads`.
+pub fn rope_rows_inv(g: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let (b, h, t, _) = g.dims4()?;
+    relayout(g, Some((cos, sin)), -1.0, false, b, t, h)
+}
+
+/// rows [B·T, H·D] → [B, H, T, D].
+pub fn to_heads(x: &Tensor, b: usize, t: usize, h: usize) -> Result<Tensor> {
+    relayout(x, None, 1.0, true, b, t, h)
+}
+
+/// [B, H, T, D] → rows [B·T, H·D].
+pub fn to_rows(x: &Tensor) -> Result<Tensor> {
+    let (b, h, t, _) = x.dims4()?;
+    relayout(x, None, 1.0, false, b, t, h)
+}
+
+fn relayout(
+    x: &Tensor,
+    rot: Option<(&Tensor, &Tensor)>,
+    sign: f32,
+    to_heads: bool,
+    b: usize,
+    t: usize,
+    h: usize,
+) -> Result<Tensor> {
+    let n = x.elem_count();
+    if b * t * h == 0 || n % (b * t * h) != 0 || (n / (b * t * h)) % 2 != 0 {
+        candle_core::bail!(
+            "relayout: {:?} is not B={b} × T={t} × H={h} × an even D",
+            x.dims()
+        );
+    }
+    let op = Relayout {
+        rot: rot.map(|(c, s)| (c.clone(), s.clone())),
+        sign,
+        to_heads,
+        b,
+        t,
+        h,
+    };
+    x.contiguous()?.apply_op1_no_bwd(&op)
+}
+
+impl Relayout {
+    fn out_shape(&self, n: usize) -> Shape {
+        let d = n / (self.b * self.t * self.h);
+        if self.to_heads {
+            (self.b, self.h, self.t, d).into()
+        } else {
+            (self.b * self.t, self.h * d).into()
+        }
+    }
+}
+
+impl CustomOp1 for Relayout {
+    fn name(&self) -> &'static str {
+        "relayout"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = cpu_as_f32(s, l)?;
+        let (b, t, h) = (self.b, self.t, self.h);
+        let d = x.len() / (b * t * h);
+        let half = d / 2;
+        let rot = match &self.rot {
+            Some((c, sn)) => Some((
+                c.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?,
+                sn.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?,
+            )),
+            None => None,
+        };
+        let mut y = vec![0f32; x.len()];
+        for bi in 0..b {
+            for hi in 0..h {
+                for ti in 0..t {
+                    let heads = ((bi * h + hi) * t + ti) * d;
+                    let rows = ((bi * t + ti) * h + hi) * d;
+                    let (src, dst) = if self.to_heads {
+                        (rows, heads)
+                    } else {
+                        (heads, rows)
+                    };
+                    let cs = (bi * t + ti) * half;
+                    for i in 0..half {
+                        let (x1, x2) = (x[src + i], x[src + i + half]);
+                        let (y1, y2) = match &rot {
+                            Some((c, sn)) => {
+                                let (c, sn) = (c[cs + i], self.sign * sn[cs + i]);
+                                (x1 * c - x2 * sn, x2 * c + x1 * sn)
+                            }
+                            None => (x1, x2),
+                        };
+                        y[dst + i] = y1;
+                        y[dst + i + half] = y2;
+                    }
+                }
+            }
+        }
+        Ok((cpu_from_f32(y, s)?, self.out_shape(x.len())))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let n = l.shape().elem_count();
+        let out = match &self.rot {
+            Some((c, sn)) => {
+                let (cs, cl) = c.storage_and_layout();
+                let (ss, sl) = sn.storage_and_layout();
+                let (candle_core::Storage::Cuda(c), candle_core::Storage::Cuda(sn)) = (&*cs, &*ss)
+                else {
+                    candle_core::bail!("rope: cos/sin are not on the GPU")
+                };
+                super::cuda::relayout(
+                    s,
+                    l,
+                    Some((c, cl, sn, sl)),
+                    self.sign,
+                    self.to_heads,
+                    [self.b, self.t, self.h],
+                )?
+            }
+            None => {
+                super::cuda::relayout(s, l, None, 1.0, self.to_heads, [self.b, self.t, self.h])?
+            }
+        };
+        Ok((out, self.out_shape(n)))
+    }
+}

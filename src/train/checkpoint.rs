@@ -299,7 +299,7 @@ pub fn save(
     let res = (|| -> Result<()> {
         export::save_adapter(&tmp, &s.model, &s.spec, &s.base_name)?;
         test_pause();
-        let (m, v) = opt.state();
+        let (m, v) = opt.state()?;
         let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
         for ((key, m), v) in keys.iter().zip(m).zip(v) {
             for (suffix, t) in [("exp_avg", m), ("exp_avg_sq", v)] {

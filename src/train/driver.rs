@@ -1,30 +1,29 @@
 //! The layer-wise forward/backward driver: the home of activation checkpointing, FSDP gathers
 //! and DDP gradient buckets.
 //!
-//! Forward runs the decoder one layer at a time. Each layer's input is a fresh leaf (`Var`), so
-//! backward can run one layer at a time too: given dL/d(output) g, the surrogate Σ(y ⊙ g)
-//! has the layer's true gradients, and its backward yields dL/d(input) for the layer below and
-//! the layer's LoRA gradients. Whatever a layer's backward produced is dropped before the next
-//! layer's, so at most one layer's graph and gradients are alive at once during backward.
+//! Forward runs the decoder one layer at a time, each layer keeping what its hand-written
+//! backward needs (`Layer::forward_train`, model/layer_train.rs); backward runs one layer at a
+//! time too: given dL/d(output), `Layer::backward` returns dL/d(input) for the layer below and
+//! the layer's LoRA gradients. No autograd graph is built at all (`Model::head_loss_bwd` does
+//! the head's).
 //!
-//! With activation checkpointing, forward keeps only each layer's input [B, T, C] and drops
-//! the graph; backward recomputes the layer from it (dropout masks are keyed, so identical).
+//! With activation checkpointing, forward keeps only each layer's input [B, T, C]; backward
+//! recomputes the layer from it (dropout masks are keyed, so identical).
 //!
 //! Several ranks (`Par`): under FSDP each layer's frozen base is all-gathered just before its
-//! forward and again before its recompute in backward (the next layer's gather is issued one
-//! layer early: on NCCL with LORA_TRAIN_GATHER_STREAM=1 it runs on a second stream while this
-//! layer computes, else in line), and dropped after use; the embedding and head likewise. Without checkpointing a layer's graph holds its
-//! gathered weights until its backward, so FSDP saves memory with checkpointing only. On the
-//! step's last micro-batch each layer's adapter gradients are summed over the ranks in one
-//! bucket as soon as that layer's backward is done (DDP and FSDP alike). With world 1 every
-//! collective is the identity.
+//! forward and again before its backward (and recompute), and dropped after use; the next
+//! layer's gather is issued one layer early (on NCCL with LORA_TRAIN_GATHER_STREAM=1 on a second
+//! stream, overlapping this layer; else in line). The embedding and head are gathered likewise.
+//! What forward keeps holds no weights, so only one or two gathered layers exist at a time,
+//! with or without checkpointing. On the step's last micro-batch each layer's adapter gradients
+//! are summed over the ranks in one bucket as soon as that layer's backward is done (DDP and
+//! FSDP alike). With world 1 every collective is the identity.
 
 use super::optim::Grads;
 use crate::data::Batch;
 use crate::dist::fsdp::Shards;
 use crate::dist::{Comm, Solo};
-use crate::model::llama::cross_entropy_sum;
-use crate::model::{Ctx, Layer, Model};
+use crate::model::{Ctx, Layer, LayerActs, LayerGrads, Model};
 use candle_core::{DType, Result, Tensor, Var};
 use std::borrow::Cow;
 
@@ -85,8 +84,8 @@ impl Par<'_> {
 enum Saved {
     /// Checkpointed: the layer input only.
     Input(Tensor),
-    /// Kept: the input leaf and the output with its graph.
-    Graph(Var, Tensor),
+    /// Kept: what the layer's backward needs.
+    Acts(LayerActs),
 }
 
 /// Runs one micro-batch forward and backward; adds its adapter gradients into `grads`.
@@ -176,15 +175,12 @@ pub fn forward_backward_par(
         if l + 1 < n_layers {
             next = Some(par.layer_ahead(model, l + 1)?);
         }
-        if checkpointing {
-            let y = layer.forward(&x, &ctx)?.detach();
-            saved.push(Saved::Input(std::mem::replace(&mut x, y)));
-        } else {
-            let xv = Var::from_tensor(&x)?;
-            let y = layer.forward(xv.as_tensor(), &ctx)?;
-            x = y.detach();
-            saved.push(Saved::Graph(xv, y));
-        }
+        let (y, acts) = layer.forward_train(&x, &ctx, !checkpointing)?;
+        saved.push(match acts {
+            Some(acts) => Saved::Acts(acts),
+            None => Saved::Input(x),
+        });
+        x = y;
     }
 
     probe("forward")?;
@@ -212,117 +208,53 @@ pub fn forward_backward_par(
         let tgt: Vec<u32> = part.iter().map(|&(_, l)| l).collect();
         let rows = Tensor::from_vec(rows, part.len(), dev)?;
         let tgt = Tensor::from_vec(tgt, part.len(), dev)?;
-        let hv = Var::from_tensor(&x.index_select(&rows, 0)?)?; // [n, C]
-        let ce = cross_entropy_sum(&head_model.head(hv.as_tensor())?, &tgt)?; // scalar f32
-        ce_value += ce.to_scalar::<f32>()? as f64;
-        let gs = (ce / denom)?.backward()?;
-        if let Some(gh) = gs.get(hv.as_tensor()) {
-            // Gradients come back with the graph that computed them attached: detach, or
-            // the whole step's activations stay alive through them.
-            g = g.index_add(&rows, &gh.detach(), 0)?;
-        }
+        let (ce, gh) = head_model.head_loss_bwd(&x.index_select(&rows, 0)?, &tgt, denom)?;
+        ce_value += ce;
+        g = g.index_add(&rows, &gh, 0)?;
     }
     drop((x, io));
     let mut g = g.reshape((b, t, c))?;
     probe("head")?;
 
-    // ---- backward, last layer first. A kept graph holds its own weights; a checkpointed layer
-    // is gathered again (one layer ahead) and recomputed.
-    let regather = checkpointing && par.shards.is_some();
-    let mut next = (regather && n_layers > 0)
+    // ---- backward, last layer first; under FSDP each layer gathered again (one layer ahead)
+    let mut next = (n_layers > 0)
         .then(|| par.layer(model, n_layers - 1))
         .transpose()?;
     for l in (0..n_layers).rev() {
-        let layer = match next.take() {
-            Some(gathered) => gathered,
-            None => Cow::Borrowed(&model.layers[l]),
+        let Some(layer) = next.take() else {
+            candle_core::bail!("driver: layer {l} was not gathered");
         };
         par.ready()?;
-        if regather && l > 0 {
+        if l > 0 {
             next = Some(par.layer_ahead(model, l - 1)?);
         }
-        let (xv, y) = match saved.pop() {
-            Some(Saved::Graph(xv, y)) => (xv, y),
-            Some(Saved::Input(x)) => {
-                let xv = Var::from_tensor(&x)?;
-                let y = layer.forward(xv.as_tensor(), &ctx)?;
-                (xv, y)
-            }
+        let acts = match saved.pop() {
+            Some(Saved::Acts(acts)) => acts,
+            Some(Saved::Input(x)) => match layer.forward_train(&x, &ctx, true)? {
+                (_, Some(acts)) => acts,
+                (_, None) => candle_core::bail!("driver: layer {l} kept nothing to recompute from"),
+            },
             None => candle_core::bail!("driver: no saved activations for layer {l}"),
         };
-        let gs = seed(&y, g.to_dtype(y.dtype())?)?.backward()?;
-        drop(y);
-        accumulate(&layer, &gs, grads)?;
+        let (dx, lg) = layer.backward(acts, &g, &ctx)?;
+        accumulate(lg, grads)?;
         if par.reduce && world > 1 {
             all_reduce_layer(&layer, grads, par.comm)?;
         }
-        drop(layer);
-        g = match gs.get(xv.as_tensor()) {
-            Some(dx) => dx.detach(),
-            None if l == 0 => break,
-            None => xv.as_tensor().zeros_like()?,
-        };
+        g = dx;
     }
     probe("backward")?;
     Ok(ce_value)
 }
 
-/// A scalar whose gradient with respect to `y` is `g`: backward through a layer given
-/// dL/d(output), without computing Σ y ⊙ g (two full passes over the activation).
-fn seed(y: &Tensor, g: Tensor) -> Result<Tensor> {
-    y.apply_op1_arc(std::sync::Arc::new(Box::new(Seed(g))))
-}
-
-struct Seed(Tensor);
-
-impl candle_core::CustomOp1 for Seed {
-    fn name(&self) -> &'static str {
-        "seed-grad"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &candle_core::CpuStorage,
-        _: &candle_core::Layout,
-    ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        Ok((candle_core::CpuStorage::F32(vec![0.0]), ().into()))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s: &candle_core::CudaStorage,
-        _: &candle_core::Layout,
-    ) -> Result<(candle_core::CudaStorage, candle_core::Shape)> {
-        let dev = s.device.clone();
-        let z = dev.alloc_zeros::<f32>(1)?;
-        Ok((candle_core::CudaStorage::wrap_cuda_slice(z, dev), ().into()))
-    }
-
-    fn bwd(&self, _: &Tensor, _: &Tensor, _: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(self.0.clone()))
-    }
-}
-
 /// Adds a layer's adapter gradients (f32) into the running sums.
-fn accumulate(
-    layer: &Layer,
-    gs: &candle_core::backprop::GradStore,
-    grads: &mut Grads,
-) -> Result<()> {
-    for lin in layer.linears() {
-        let Some(lora) = &lin.lora else { continue };
-        for var in [&lora.a, &lora.b] {
-            let Some(g) = gs.get(var.as_tensor()) else {
-                continue;
-            };
-            let g = g.to_dtype(DType::F32)?.detach();
-            let sum = match grads.remove(&var.id()) {
-                Some(prev) => (prev + g)?,
-                None => g,
-            };
-            grads.insert(var.id(), sum);
-        }
+fn accumulate(lg: LayerGrads, grads: &mut Grads) -> Result<()> {
+    for (id, g) in lg {
+        let sum = match grads.remove(&id) {
+            Some(prev) => (prev + g)?,
+            None => g,
+        };
+        grads.insert(id, sum);
     }
     Ok(())
 }

@@ -513,7 +513,7 @@ impl Session {
                 tokens += step_tokens;
                 session_tokens += step_tokens;
                 let loss = ce / denom.max(1) as f64;
-                let grad_norm = optim::clip_grad_norm(&mut grads, t.max_grad_norm)?;
+                let grad_norm = optim::clip_grad_norm(&mut grads, &opt.params, t.max_grad_norm)?;
                 let lr = t.lr * schedule::lr_factor(t.schedule, step, total, t.warmup_steps);
                 // A NaN / Inf loss or gradient never reaches the adapter.
                 let finite = loss.is_finite() && grad_norm.is_finite();

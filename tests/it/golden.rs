@@ -26,6 +26,24 @@ impl Tol {
             Tol::Bf16 => assert_rel_l2(what, got, want, 5e-2),
         }
     }
+    /// `check` with `slack` more absolute error allowed (f32 only).
+    fn check_with(
+        self,
+        what: &str,
+        got: &candle_core::Tensor,
+        want: &candle_core::Tensor,
+        slack: f64,
+    ) {
+        match self {
+            Tol::F32 => {
+                let scale = host_f32(want)
+                    .iter()
+                    .fold(0f64, |m, v| m.max(v.abs() as f64));
+                assert_close(what, got, want, RTOL, ATOL + slack / scale.max(1e-30))
+            }
+            Tol::Bf16 => self.check(what, got, want),
+        }
+    }
     fn scalar(self) -> f64 {
         match self {
             Tol::F32 => RTOL,
@@ -93,12 +111,14 @@ pub fn check_case_on(case: &str, sets: &[&str], tol: Tol) {
     }
     let saved = load_st(&out.join("adapter_model.safetensors"));
     assert_eq!(saved.len(), expected);
+    // Adam's update m̂/(√v̂+ε) is scale-free: an entry whose gradient nearly cancels moves by up
+    // to lr per step whatever its size, so f32 rounding in its gradient (~1e-5 relative after
+    // the reductions) can shift it by ~1e-5·lr per step. That slack comes on top of the
+    // elementwise tolerance: steps · lr · 1e-5 (2e-7 for the 4 steps at lr 5e-3 here).
+    let adam_slack = summary.steps as f64 * s.recipe.train.lr * 1e-5;
     for (key, t) in &saved {
-        tol.check(
-            &format!("{case} trained {key}"),
-            t,
-            &want[&format!("after.{key}")],
-        );
+        let want = &want[&format!("after.{key}")];
+        tol.check_with(&format!("{case} trained {key}"), t, want, adam_slack);
     }
 }
 

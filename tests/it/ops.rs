@@ -93,6 +93,31 @@ fn rms_norm_matches_composite() {
 }
 
 #[test]
+fn swiglu_matches_composite_in_gate_and_up() {
+    for dev in devices() {
+        // bf16 rounds silu(g) before the product, as transformers does: check it on the CPU too.
+        for dt in [DType::F32, DType::BF16] {
+            let i = 37;
+            // x = [gate | up] along the last dimension, so dx holds both dg and du.
+            check(
+                "swiglu",
+                &dev,
+                dt,
+                &[2, 3, 2 * i],
+                &|x| {
+                    let (g, u) = (x.narrow(D::Minus1, 0, i)?, x.narrow(D::Minus1, i, i)?);
+                    ops::swiglu(&(g * 3.0)?, &u)
+                },
+                &|x| {
+                    let (g, u) = (x.narrow(D::Minus1, 0, i)?, x.narrow(D::Minus1, i, i)?);
+                    candle_nn::ops::silu(&(g * 3.0)?)? * u
+                },
+            );
+        }
+    }
+}
+
+#[test]
 fn rope_matches_composite() {
     for dev in devices() {
         for dt in dtypes(&dev) {
@@ -114,6 +139,71 @@ fn rope_matches_composite() {
                     let rot = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
                     x.broadcast_mul(&c)? + rot.broadcast_mul(&s)?
                 },
+            );
+        }
+    }
+}
+
+/// The fused layout changes (token-major rows ↔ [B, H, T, D]) with and without RoPE, against
+/// transpose + `rope` (exact: the same arithmetic per element).
+#[test]
+fn relayout_and_fused_rope_match_transpose_and_rope() {
+    for dev in devices() {
+        for dt in dtypes(&dev) {
+            let (b, h, t, d) = (2, 3, 5, 8);
+            let cos = Tensor::randn(0f32, 1.0, (b, t, d / 2), &dev).unwrap();
+            let sin = Tensor::randn(0f32, 1.0, (b, t, d / 2), &dev).unwrap();
+            let rows = Tensor::randn(0f32, 1.0, (b * t, h * d), &dev)
+                .unwrap()
+                .to_dtype(dt)
+                .unwrap();
+            let heads = rows
+                .reshape((b, t, h, d))
+                .unwrap()
+                .transpose(1, 2)
+                .unwrap()
+                .contiguous()
+                .unwrap();
+            let tag = format!("{dt:?} {:?}", dev.location());
+            let f32 = |x: &Tensor| x.to_dtype(DType::F32).unwrap();
+            assert_close(
+                &format!("to_heads {tag}"),
+                &f32(&ops::to_heads(&rows, b, t, h).unwrap()),
+                &f32(&heads),
+                0.0,
+                0.0,
+            );
+            assert_close(
+                &format!("to_rows {tag}"),
+                &f32(&ops::to_rows(&heads).unwrap()),
+                &f32(&rows),
+                0.0,
+                0.0,
+            );
+            let want = ops::rope(&heads, &cos, &sin).unwrap();
+            let got = ops::rope_heads(&rows, &cos, &sin, h).unwrap();
+            assert_eq!(got.dims(), &[b, h, t, d]);
+            assert_close(
+                &format!("rope_heads {tag}"),
+                &f32(&got),
+                &f32(&want),
+                1e-6,
+                1e-6,
+            );
+            // The inverse: rotating back by −θ into rows recovers the input.
+            let back = ops::rope_rows_inv(&want, &cos, &sin).unwrap();
+            let inv = ops::rope(&want, &cos, &sin.neg().unwrap())
+                .unwrap()
+                .transpose(1, 2)
+                .unwrap()
+                .reshape((b * t, h * d))
+                .unwrap();
+            assert_close(
+                &format!("rope_rows_inv {tag}"),
+                &f32(&back),
+                &f32(&inv),
+                1e-6,
+                1e-6,
             );
         }
     }
