@@ -343,6 +343,46 @@ impl Session {
         Batch::from_rows(&rows, self.pad_id, self.recipe.data.pack)
     }
 
+    /// Rank 0 before the first step: creates `out_dir`, removes what an earlier run or an
+    /// interrupted save left there, writes the resolved recipe, and opens metrics.jsonl (a
+    /// resumed run keeps the rows up to its checkpoint and appends to them).
+    fn open_outputs(&self, out_dir: &Path, resume: Option<&Checkpoint>) -> Result<std::fs::File> {
+        std::fs::create_dir_all(out_dir)
+            .with_context(|| format!("cannot create {}", out_dir.display()))?;
+        let removed = checkpoint::clean(out_dir, resume.is_none())?;
+        if !removed.is_empty() {
+            eprintln!(
+                "removed {} of an earlier run from {}",
+                removed.join(", "),
+                out_dir.display()
+            );
+        }
+        atomic_write(
+            &out_dir.join("recipe.toml"),
+            self.recipe.to_toml().as_bytes(),
+        )?;
+        let metrics_path = out_dir.join("metrics.jsonl");
+        match resume {
+            Some(ck) => {
+                let old = std::fs::read_to_string(&metrics_path).unwrap_or_default();
+                let kept: String = old
+                    .lines()
+                    .filter(|l| {
+                        serde_json::from_str::<serde_json::Value>(l)
+                            .ok()
+                            .and_then(|v| v.get("step").and_then(|s| s.as_u64()))
+                            .is_some_and(|s| s as usize <= ck.state.step)
+                    })
+                    .map(|l| format!("{l}\n"))
+                    .collect();
+                atomic_write(&metrics_path, kept.as_bytes())?;
+                std::fs::OpenOptions::new().append(true).open(&metrics_path)
+            }
+            None => std::fs::File::create(&metrics_path),
+        }
+        .with_context(|| format!("cannot open {}", metrics_path.display()))
+    }
+
     /// Trains to the end, saving into `out_dir` at `save_every` and at the end; continues
     /// from the checkpoint that `train.resume` names, if any.
     pub fn train(&self, out_dir: &std::path::Path) -> Result<RunSummary> {
@@ -401,43 +441,9 @@ impl Session {
             (step, cursor, tokens, skipped) = (s.step, s.cursor, s.tokens, s.skipped_steps);
             history = s.loss_history.clone();
         }
-        let metrics_path = out_dir.join("metrics.jsonl");
-        let mut metrics = if !lead {
-            None
-        } else {
-            std::fs::create_dir_all(out_dir)
-                .with_context(|| format!("cannot create {}", out_dir.display()))?;
-            let removed = checkpoint::clean(out_dir, resume.is_none())?;
-            if !removed.is_empty() {
-                eprintln!(
-                    "removed {} of an earlier run from {}",
-                    removed.join(", "),
-                    out_dir.display()
-                );
-            }
-            atomic_write(&out_dir.join("recipe.toml"), r.to_toml().as_bytes())?;
-            Some(
-                match resume {
-                    // A resumed run keeps the rows up to its checkpoint and appends to them.
-                    Some(ck) => {
-                        let old = std::fs::read_to_string(&metrics_path).unwrap_or_default();
-                        let kept: String = old
-                            .lines()
-                            .filter(|l| {
-                                serde_json::from_str::<serde_json::Value>(l)
-                                    .ok()
-                                    .and_then(|v| v.get("step").and_then(|s| s.as_u64()))
-                                    .is_some_and(|s| s as usize <= ck.state.step)
-                            })
-                            .map(|l| format!("{l}\n"))
-                            .collect();
-                        atomic_write(&metrics_path, kept.as_bytes())?;
-                        std::fs::OpenOptions::new().append(true).open(&metrics_path)
-                    }
-                    None => std::fs::File::create(&metrics_path),
-                }
-                .with_context(|| format!("cannot open {}", metrics_path.display()))?,
-            )
+        let mut metrics = match lead {
+            true => Some(self.open_outputs(out_dir, resume)?),
+            false => None,
         };
 
         // A checkpoint of the state after `step` steps, then the pruning of old ones.
