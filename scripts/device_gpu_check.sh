@@ -4,26 +4,36 @@
 # binary), device-env.sh and peft_baseline.py (copied from ../shared). Results go to $OUT.
 #
 #   run(command="bash scripts/device_gpu_check.sh [compat] [chat] [tests] [tiny] [bench]", carry=[".devbuild"])
+#   run(command="bash scripts/device_gpu_check.sh dist", kind="nvidia-h200-x2", carry=[".devbuild"])
+#   run(command="bash scripts/device_gpu_check.sh dist2", kind="nvidia-h200-x2", carry=[".devbuild"])
+#   run(command="bash scripts/device_gpu_check.sh torchrun", kind="nvidia-h200-x2", carry=[".devbuild"])
 #
 # compat: scripts/check_peft_compat.py (PEFT / transformers load our adapter and merged model);
 # chat:  scripts/reference_chat.py with this machine's transformers, diffed against the fixtures;
 # tests: the GPU tests (ops against composites, golden fixtures in f32 and bf16);
 # tiny:  recipes/tiny-cpu.toml for 200 steps on the GPU and on the CPU, final losses side by side;
 # bench: Llama-2-7B shape, seq 2048: ours and transformers+PEFT in the same call.
+# dist (2 GPUs, a lora-train built with --features cuda,nccl): the tiny recipe trained with ddp and
+#   fsdp on GPUs 0,1 (complete adapter, loss), then the 7B-shape bench with one global batch of
+#   4 rows of 2048: single micro-batch 4, ddp and fsdp 2 GPUs x 2 (fsdp also checkpointed, and
+#   with its gathers on a second stream); per-rank tok/s and peaks, per-step losses ->
+#   $OUT/dist.jsonl. dist2: single 2 x accumulation 2, single and ddp checkpointed.
+# torchrun (2 GPUs): peft_baseline.py --mode ddp / fsdp, same shape -> $OUT/dist.jsonl.
+#   (dist, dist2 and torchrun are separate calls: each takes several minutes.)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-what=${*:-compat chat tests tiny bench}
+what=" ${*:-compat chat tests tiny bench} "
 ( cd .devbuild && for f in lora-train it; do [ -f $f.gz ] && gunzip -kf $f.gz && chmod +x $f; done )
 E="bash .devbuild/device-env.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 
-if [[ $what == *compat* ]]; then
+if [[ $what == *" compat "* ]]; then
   timeout 120 python3 scripts/check_peft_compat.py 2>&1 | tee "$OUT/compat.log" | tail -12
 fi
 
-if [[ $what == *chat* ]]; then
+if [[ $what == *" chat "* ]]; then
   rm -rf /tmp/chat-committed && cp -r tests/fixtures/chat /tmp/chat-committed
   timeout 120 python3 scripts/reference_chat.py 2>&1 | tail -8
   python3 -c 'import transformers; print("transformers", transformers.__version__)'
@@ -31,11 +41,11 @@ if [[ $what == *chat* ]]; then
     || { echo "chat fixtures differ:"; head -20 "$OUT/chat.diff"; }
 fi
 
-if [[ $what == *tests* ]]; then
+if [[ $what == *" tests "* ]]; then
   LORA_TRAIN_ROOT=$PWD timeout 240 $E .devbuild/it ops:: golden:: --test-threads 1 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "^test |test result|panicked|error" | head -40
 fi
 
-if [[ $what == *tiny* ]]; then
+if [[ $what == *" tiny "* ]]; then
   for run in "cpu f32" "cuda f32" "cuda bf16"; do
     set -- $run
     timeout 120 $E .devbuild/lora-train --recipe recipes/tiny-cpu.toml --set model.device=$1 \
@@ -45,7 +55,7 @@ if [[ $what == *tiny* ]]; then
 fi
 
 # BENCH: ";"-separated configs "micro-batch targets [ckpt]"; a trailing "-" skips PEFT for it.
-if [[ $what == *bench* ]]; then
+if [[ $what == *" bench "* ]]; then
   B="--shape llama2-7b --seq 2048 --rank 16 --steps 10 --warmup 3"
   IFS=';' read -ra cfgs <<< "${BENCH:-2 all;2 qv;8 all ckpt}"
   for cfg in "${cfgs[@]}"; do
@@ -56,5 +66,50 @@ if [[ $what == *bench* ]]; then
     [[ " $* " == *" - "* ]] && continue
     echo "== peft micro-batch $1 targets $2 $ck"
     timeout 150 python3 .devbuild/peft_baseline.py $B --batch $1 --targets $2 $ck --json "$OUT/bench.jsonl" 2>&1 | tail -2
+  done
+fi
+
+if [[ $what == *" dist "* ]]; then
+  for strategy in ddp fsdp; do
+    rm -rf /tmp/tiny-$strategy
+    timeout 120 $E .devbuild/lora-train --recipe recipes/tiny-cpu.toml --set model.device=cuda \
+      --set model.dtype=f32 --set parallel.strategy=$strategy --set "parallel.devices=[0, 1]" \
+      --set output.dir=/tmp/tiny-$strategy 2>&1 | tail -3
+    python3 - "$strategy" <<'PY' | tee -a "$OUT/dist-tiny.txt"
+import json, sys
+from safetensors import safe_open
+s = sys.argv[1]
+last = open(f"/tmp/tiny-{s}/metrics.jsonl").read().splitlines()[-1]
+with safe_open(f"/tmp/tiny-{s}/adapter_model.safetensors", "pt") as f:
+    keys = list(f.keys())
+print(s, "adapter tensors:", len(keys), "last:", last)
+PY
+  done
+fi
+
+# The 7B-shape runs, "strategy micro-batch accum [ckpt] [stream]" each ("stream": FSDP's layer
+# gathers on a second CUDA stream, LORA_TRAIN_GATHER_STREAM=1, experimental). About 45 s each.
+dist_cfgs=""
+[[ $what == *" dist "* ]] && dist_cfgs="single:4:1 ddp:2:1 fsdp:2:1 fsdp:2:1:ckpt fsdp:2:1:ckpt:stream"
+[[ $what == *" dist2 "* ]] && dist_cfgs="$dist_cfgs single:2:2 single:4:1:ckpt ddp:2:1:ckpt"
+if [ -n "$dist_cfgs" ]; then
+  B="--shape llama2-7b --seq 2048 --rank 16 --targets all --steps 10 --warmup 3 --json $OUT/dist.jsonl"
+  for cfg in $dist_cfgs; do
+    IFS=: read -r -a f <<< "$cfg"; set -- "${f[@]}"
+    ck=""; [ "${4:-}" = ckpt ] && ck="--ckpt"
+    st=0; [ "${5:-}" = stream ] && st=1
+    dev="--devices 0"; [ "$1" != single ] && dev="--devices 0,1"
+    echo "== lora-train $1 micro-batch $2 accum $3 $ck ${5:-}"
+    LORA_TRAIN_GATHER_STREAM=$st timeout 170 $E .devbuild/lora-train bench $B --strategy $1 $dev \
+      --micro-batch $2 --grad-accum $3 $ck 2>&1 \
+      | tail -1 | python3 -c 'import json,sys; d=json.loads(sys.stdin.read()); print({k: d.get(k) for k in ["strategy","world","global_batch","tokens_per_s_per_gpu","peak_alloc_gib","mfu","losses"]}); print(d.get("per_rank"))' 2>&1
+  done
+fi
+
+if [[ $what == *" torchrun "* ]]; then
+  for mode in ddp fsdp; do
+    echo "== peft torchrun 2 GPUs --mode $mode micro-batch 2"
+    timeout 280 $E torchrun --nproc_per_node 2 .devbuild/peft_baseline.py --shape llama2-7b --seq 2048 \
+      --batch 2 --rank 16 --targets all --steps 10 --warmup 3 --mode $mode --json "$OUT/dist.jsonl" 2>&1 | tail -3
   done
 fi

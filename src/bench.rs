@@ -1,15 +1,24 @@
 //! `lora-train bench`: training-step throughput and peak memory on random weights of a named
 //! shape, measured like ../shared/bench/peft_baseline.py (same shapes, same FLOP count, same
 //! JSON fields) so the two can run in one device call and be compared as ratios.
+//!
+//! With `--strategy ddp|fsdp --devices 0,1` one thread per GPU trains the same model (the
+//! same seeded random weights on every rank) on a fixed set of world × micro_batch ×
+//! grad_accum random rows, rank r taking rows r, r + world, ...: the per-step losses are then
+//! comparable with a single-GPU run of the same global batch.
 
 use crate::data::Batch;
+use crate::dist::fsdp::{Flat, Shards};
+use crate::dist::{Comm, Group, Solo};
 use crate::lora::{LoraSpec, ALL_LINEAR};
 use crate::memory::{self, GIB};
 use crate::model::{Family, Model, ModelConfig, RopeScaling};
+use crate::recipe::Strategy;
 use crate::train::{driver, optim};
 use anyhow::{bail, Result};
-use candle_core::{DType, Device};
-use std::time::Instant;
+use candle_core::{DType, Device, Tensor};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 #[derive(Debug, Clone)]
 pub struct BenchArgs {
@@ -24,6 +33,10 @@ pub struct BenchArgs {
     pub warmup: usize,
     pub device: Device,
     pub peak_tflops: f64,
+    pub strategy: Strategy,
+    /// CUDA ordinals, one rank each (CPU: virtual ranks); one entry for "single".
+    pub devices: Vec<usize>,
+    pub grad_accum: usize,
 }
 
 /// (hidden, intermediate, layers, heads, kv heads, vocab, rope theta), as peft_baseline.py.
@@ -85,6 +98,48 @@ pub fn flops_per_token(
 }
 
 pub fn run(a: &BenchArgs) -> Result<serde_json::Value> {
+    let world = a.devices.len().max(1);
+    if a.strategy == Strategy::Single {
+        if world > 1 {
+            bail!("--strategy single takes one device; use ddp or fsdp for {world}");
+        }
+        return run_rank(a, a.device.clone(), &Solo);
+    }
+    let timeout = Duration::from_secs(1800);
+    let group: Arc<dyn Group> = if a.device.is_cpu() {
+        crate::dist::cpu::CpuGroup::new(world, timeout)
+    } else {
+        cuda_group(a.devices.clone(), timeout)?
+    };
+    let args = Arc::new(a.clone());
+    let body = move |rank: usize, comm: Box<dyn Comm>| {
+        let device = match args.device.is_cpu() {
+            true => Device::Cpu,
+            false => Device::new_cuda(args.devices[rank])?,
+        };
+        run_rank(&args, device, &*comm)
+    };
+    crate::dist::launch::threads(group, Arc::new(body), timeout)
+}
+
+#[cfg(feature = "nccl")]
+fn cuda_group(devices: Vec<usize>, timeout: Duration) -> Result<Arc<dyn Group>> {
+    Ok(crate::dist::nccl::NcclGroup::new(devices, timeout)?)
+}
+
+#[cfg(not(feature = "nccl"))]
+fn cuda_group(_: Vec<usize>, _: Duration) -> Result<Arc<dyn Group>> {
+    bail!("--strategy ddp / fsdp on CUDA needs NCCL: rebuild with --features cuda,nccl")
+}
+
+/// One rank's bench (the whole bench for one device); rank 0's JSON is the result, with
+/// every rank's throughput and peak memory under "per_rank".
+fn run_rank(a: &BenchArgs, device: Device, comm: &dyn Comm) -> Result<serde_json::Value> {
+    let (rank, world) = (comm.rank(), comm.world());
+    let a = &BenchArgs {
+        device,
+        ..a.clone()
+    };
     let cfg = shape(&a.shape)?;
     let spec = LoraSpec {
         rank: a.rank,
@@ -100,7 +155,18 @@ pub fn run(a: &BenchArgs) -> Result<serde_json::Value> {
     };
     memory::keep_pool_memory(&a.device)?;
     let t0 = Instant::now();
-    let model = Model::random(cfg.clone(), dtype, &a.device, &spec, 0)?;
+    let fsdp = a.strategy == Strategy::Fsdp;
+    let mut groups = Vec::new();
+    let model = Model::random_with(cfg.clone(), dtype, &a.device, &spec, 0, &mut |t| {
+        if fsdp {
+            groups.push(Flat::take(t, comm)?);
+        }
+        Ok(())
+    })?;
+    let shards = match fsdp {
+        true => Some(Shards::from_groups(groups, model.layers.len())?),
+        false => None,
+    };
     a.device.synchronize()?;
     let load_s = t0.elapsed().as_secs_f64();
     let after_load = memory::stats(&a.device)?.map(|s| s.used as f64 / GIB);
@@ -108,55 +174,88 @@ pub fn run(a: &BenchArgs) -> Result<serde_json::Value> {
         .adapters()
         .map(|(_, l)| l.a.elem_count() + l.b.elem_count())
         .sum();
-    let n_linear: usize = model
-        .layers
-        .iter()
-        .flat_map(|l| l.linears())
-        .map(|l| l.w.elem_count())
-        .sum::<usize>()
-        + model.lm_head.elem_count();
+    // From the config: under FSDP the model's own tensors are placeholders.
+    let (c, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
+    let (h, k, d) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+    let n_linear = cfg.num_layers * (c * h * d + 2 * c * k * d + h * d * c + 3 * c * i) + v * c;
     let params: Vec<_> = model
         .adapters()
         .flat_map(|(_, l)| [l.a.clone(), l.b.clone()])
         .collect();
     let mut opt = optim::AdamW::new(params, [0.9, 0.999], 1e-8, 0.0)?;
 
-    // Random token ids (labels = ids), like the baseline.
-    let (b, t) = (a.micro_batch, a.seq);
-    let mut rng = crate::rng::Rng::new(1234);
-    let ids: Vec<u32> = (0..b * t)
-        .map(|_| rng.below(cfg.vocab_size) as u32)
-        .collect();
-    let targets: Vec<(usize, u32)> = (0..b)
-        .flat_map(|r| (0..t - 1).map(move |i| r * t + i))
-        .map(|k| (k, ids[k + 1]))
-        .collect();
-    let batch = Batch {
-        b,
-        t,
-        positions: (0..b).flat_map(|_| 0..t as u32).collect(),
-        segments: None,
-        targets,
-        tokens: b * t,
-        ids,
+    // Random token ids (labels = ids), like the baseline: global row g is seeded by g, and
+    // this rank's micro-batch m holds rows (m·b + j)·world + rank, j < b.
+    let (b, t, accum) = (a.micro_batch, a.seq, a.grad_accum.max(1));
+    let row = |g: usize| -> Vec<u32> {
+        let mut rng = crate::rng::Rng::new(1234 + g as u64);
+        (0..t).map(|_| rng.below(cfg.vocab_size) as u32).collect()
     };
-    let n = batch.n_targets() as f64;
+    let batches: Vec<Batch> = (0..accum)
+        .map(|m| {
+            let ids: Vec<u32> = (0..b)
+                .flat_map(|j| row((m * b + j) * world + rank))
+                .collect();
+            let targets: Vec<(usize, u32)> = (0..b)
+                .flat_map(|r| (0..t - 1).map(move |i| r * t + i))
+                .map(|k| (k, ids[k + 1]))
+                .collect();
+            Batch {
+                b,
+                t,
+                positions: (0..b).flat_map(|_| 0..t as u32).collect(),
+                segments: None,
+                targets,
+                tokens: b * t,
+                ids,
+            }
+        })
+        .collect();
+    // Every row counts t − 1 targets: the step's denominator over all ranks.
+    let n = (world * accum * b * (t - 1)) as f64;
+    let par = |reduce| driver::Par {
+        comm,
+        shards: shards.as_ref(),
+        reduce,
+    };
     let mut loss = 0.0;
+    let mut losses = Vec::new();
     let step = |opt: &mut optim::AdamW| -> Result<f64> {
         let mut grads = optim::Grads::new();
-        let ce = driver::forward_backward(&model, &batch, n, a.ckpt, None, &mut grads)?;
+        let mut ce = 0.0;
+        for (m, batch) in batches.iter().enumerate() {
+            let p = par(m + 1 == accum);
+            ce += driver::forward_backward_par(
+                &model,
+                &p,
+                batch,
+                n,
+                a.ckpt,
+                None,
+                &mut grads,
+                None,
+                &mut |_| Ok(()),
+            )?;
+        }
+        if world > 1 {
+            ce = comm
+                .all_reduce_sum(&Tensor::new(&[ce], &a.device)?)?
+                .to_vec1::<f64>()?[0];
+        }
         optim::clip_grad_norm(&mut grads, &opt.params, 1.0)?;
         opt.step(&grads, 1e-4)?;
         Ok(ce / n)
     };
     for _ in 0..a.warmup {
         loss = step(&mut opt)?;
+        losses.push(loss);
     }
     a.device.synchronize()?;
     memory::reset_peak(&a.device)?;
     let t1 = Instant::now();
     for _ in 0..a.steps {
         loss = step(&mut opt)?;
+        losses.push(loss);
     }
     a.device.synchronize()?;
     let dt = t1.elapsed().as_secs_f64();
@@ -167,9 +266,10 @@ pub fn run(a: &BenchArgs) -> Result<serde_json::Value> {
     let gib = |x: u64| (x as f64 / GIB * 100.0).round() / 100.0;
     memory::reset_peak(&a.device)?;
     let mut grads = optim::Grads::new();
-    driver::forward_backward_probed(
+    driver::forward_backward_par(
         &model,
-        &batch,
+        &par(true),
+        &batches[0],
         n,
         a.ckpt,
         None,
@@ -185,23 +285,55 @@ pub fn run(a: &BenchArgs) -> Result<serde_json::Value> {
         },
     )?;
     drop(grads);
-    let tokens = (b * t * a.steps) as f64;
+    // This rank's tokens per second; every rank's figures gathered for rank 0's report.
+    let tokens = (accum * b * t * a.steps) as f64;
     let tps = tokens / dt;
     let fpt = flops_per_token(n_linear, cfg.num_layers, cfg.hidden_size, t, a.ckpt);
     let r2 = |x: f64| (x * 100.0).round() / 100.0;
+    let gib_of = |x: Option<u64>| x.map_or(-1.0, |v| v as f64 / GIB);
+    let mine = [
+        tps,
+        gib_of(peak.map(|p| p.used_high)),
+        gib_of(peak.map(|p| p.reserved_high)),
+        dt / a.steps as f64,
+    ];
+    let all = comm
+        .all_gather(&Tensor::new(&mine, &a.device)?)?
+        .to_vec1::<f64>()?;
+    let per_rank: Vec<serde_json::Value> = all
+        .chunks(4)
+        .enumerate()
+        .map(|(r, x)| {
+            serde_json::json!({
+                "rank": r, "device": a.devices.get(r), "tokens_per_s": (x[0] * 10.0).round() / 10.0,
+                "peak_alloc_gib": (x[1] >= 0.0).then(|| r2(x[1])),
+                "peak_reserved_gib": (x[2] >= 0.0).then(|| r2(x[2])),
+                "step_s": (x[3] * 1e4).round() / 1e4,
+            })
+        })
+        .collect();
+    let total_tps: f64 = all.chunks(4).map(|x| x[0]).sum();
+    let peak_alloc = all.chunks(4).map(|x| x[1]).fold(f64::MIN, f64::max);
+    let peak_reserved = all.chunks(4).map(|x| x[2]).fold(f64::MIN, f64::max);
+    let per_gpu = total_tps / world as f64;
+    let strategy = a.strategy.name();
     Ok(serde_json::json!({
-        "system": "lora-train", "mode": "single", "world": 1,
+        "system": "lora-train", "mode": strategy, "strategy": strategy, "world": world,
+        "grad_accum": accum, "global_batch": world * accum * b,
+        "losses": losses.iter().map(|l| (l * 1e4).round() / 1e4).collect::<Vec<_>>(),
+        "per_rank": per_rank,
+        "resident_base_gib": r2(crate::dist::fsdp::resident_base_bytes(&model, shards.as_ref()) as f64 / GIB),
         "device": format!("{:?}", a.device.location()),
         "shape": a.shape, "seq": t, "micro_batch": b, "lora_rank": a.rank,
         "targets": a.targets, "ckpt": a.ckpt, "attn": "blockwise-lse",
         "trainable_params": trainable, "base_linear_params": n_linear,
         "load_s": r2(load_s), "after_load_gib": after_load.map(r2),
-        "peak_alloc_gib": peak.map(|p| r2(p.used_high as f64 / GIB)),
-        "peak_reserved_gib": peak.map(|p| r2(p.reserved_high as f64 / GIB)),
+        "peak_alloc_gib": peak.map(|_| r2(peak_alloc)),
+        "peak_reserved_gib": peak.map(|_| r2(peak_reserved)),
         "step_s": (dt / a.steps as f64 * 1e4).round() / 1e4,
-        "tokens_per_s": (tps * 10.0).round() / 10.0,
-        "tokens_per_s_per_gpu": (tps * 10.0).round() / 10.0,
-        "mfu": (tps * fpt / (a.peak_tflops * 1e12) * 1e4).round() / 1e4,
+        "tokens_per_s": (total_tps * 10.0).round() / 10.0,
+        "tokens_per_s_per_gpu": (per_gpu * 10.0).round() / 10.0,
+        "mfu": (per_gpu * fpt / (a.peak_tflops * 1e12) * 1e4).round() / 1e4,
         "final_loss": (loss * 1e4).round() / 1e4,
         "phases": phases,
     }))

@@ -4,6 +4,7 @@
 
 pub mod bench;
 pub mod data;
+pub mod dist;
 pub mod export;
 pub mod hub;
 pub mod lora;

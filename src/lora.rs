@@ -44,7 +44,8 @@ impl LoraSpec {
     }
 }
 
-/// One adapter pair attached to a frozen linear.
+/// One adapter pair attached to a frozen linear (clones share the `Var`s).
+#[derive(Clone)]
 pub struct Lora {
     pub a: Var, // [r, in] f32
     pub b: Var, // [out, r] f32

@@ -108,9 +108,18 @@ struct BenchCli {
     /// cpu | cuda (default: cuda in a CUDA build)
     #[arg(long)]
     device: Option<String>,
-    /// CUDA ordinal.
+    /// CUDA ordinal (single).
     #[arg(long, default_value_t = 0)]
     gpu: usize,
+    /// single | ddp | fsdp (one thread per device, NCCL; CPU: virtual ranks).
+    #[arg(long, default_value = "single", value_parser = ["single", "ddp", "fsdp"])]
+    strategy: String,
+    /// Devices for ddp / fsdp, e.g. 0,1 (default: --gpu).
+    #[arg(long, value_delimiter = ',')]
+    devices: Vec<usize>,
+    /// Micro-batches per optimizer step (per rank).
+    #[arg(long, default_value_t = 1)]
+    grad_accum: usize,
     /// Dense bf16 matmul ceiling for MFU (790 measured on the H200 here).
     #[arg(long, default_value_t = 790.0)]
     peak_tflops: f64,
@@ -182,6 +191,17 @@ fn bench(b: BenchCli) -> anyhow::Result<()> {
         warmup: b.warmup,
         device,
         peak_tflops: b.peak_tflops,
+        strategy: match b.strategy.as_str() {
+            "ddp" => lora_train::recipe::Strategy::Ddp,
+            "fsdp" => lora_train::recipe::Strategy::Fsdp,
+            _ => lora_train::recipe::Strategy::Single,
+        },
+        devices: if b.devices.is_empty() {
+            vec![b.gpu]
+        } else {
+            b.devices
+        },
+        grad_accum: b.grad_accum,
     };
     let res = lora_train::bench::run(&args)?;
     println!("{res}");

@@ -519,6 +519,16 @@ pub enum Strategy {
     Fsdp,
 }
 
+impl Strategy {
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::Single => "single",
+            Strategy::Ddp => "ddp",
+            Strategy::Fsdp => "fsdp",
+        }
+    }
+}
+
 /// `[parallel]`: how to spread the run over devices.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -526,9 +536,35 @@ pub struct ParallelSection {
     /// "single" | "ddp" | "fsdp". Default: "single".
     #[serde(default = "d_strategy")]
     pub strategy: Strategy,
-    /// CUDA ordinals to use. Default: [0].
-    #[serde(default = "d_devices")]
+    /// CUDA ordinals to use, one rank each, or "all" (every visible GPU). With
+    /// model.device = "cpu": virtual ranks (threads), e.g. [0, 1] for two. Default: [0].
+    #[serde(default = "d_devices", deserialize_with = "devices_or_all")]
     pub devices: Vec<usize>,
+    /// Seconds a rank waits in a collective for the others before the run fails (a rank
+    /// that died or hangs). Default: 1800.
+    #[serde(default = "d_timeout_s")]
+    pub timeout_s: u64,
+}
+
+/// `devices = "all"` is kept as an empty list and resolved when the devices are opened.
+fn devices_or_all<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<usize>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Devices {
+        List(Vec<usize>),
+        Word(String),
+    }
+    match Devices::deserialize(d)? {
+        Devices::List(v) => Ok(v),
+        Devices::Word(w) if w == "all" => Ok(Vec::new()),
+        Devices::Word(w) => Err(serde::de::Error::custom(format!(
+            "parallel.devices = \"{w}\": expected a list of device ordinals like [0, 1], or \"all\""
+        ))),
+    }
+}
+
+fn d_timeout_s() -> u64 {
+    1800
 }
 
 fn d_strategy() -> Strategy {
@@ -543,6 +579,7 @@ impl Default for ParallelSection {
         ParallelSection {
             strategy: d_strategy(),
             devices: d_devices(),
+            timeout_s: d_timeout_s(),
         }
     }
 }
@@ -794,20 +831,26 @@ impl Recipe {
         let mut seen = BTreeSet::new();
         for d in &p.devices {
             if !seen.insert(d) {
-                return Err(self.invalid("parallel.devices", format!("lists device {d} twice")));
+                return Err(self.invalid(
+                    "parallel.devices",
+                    format!("lists device {d} twice: list each device once, e.g. [0, 1]"),
+                ));
             }
         }
-        if p.devices.is_empty() {
-            return Err(self.invalid("parallel.devices", "must list at least one device"));
+        if p.devices.is_empty() && self.model.device == DeviceKind::Cpu {
+            return Err(self.invalid("parallel.devices", "= \"all\" needs model.device = \"cuda\": on the CPU list the virtual ranks, e.g. [0, 1]"));
         }
-        match p.strategy {
-            Strategy::Single if p.devices.len() > 1 => {
-                return Err(self.invalid("parallel.devices", "lists several devices but strategy is \"single\": use \"ddp\" or \"fsdp\", or list one device"))
-            }
-            Strategy::Ddp | Strategy::Fsdp => {
-                return Err(self.invalid("parallel.strategy", format!("= \"{}\" is not built yet: use \"single\"", if p.strategy == Strategy::Ddp { "ddp" } else { "fsdp" })))
-            }
-            _ => {}
+        if p.strategy == Strategy::Single && p.devices.len() > 1 {
+            return Err(self.invalid("parallel.devices", "lists several devices but strategy is \"single\": use \"ddp\" or \"fsdp\", or list one device"));
+        }
+        if p.timeout_s == 0 {
+            return Err(self.invalid("parallel.timeout_s", "must be at least 1 (seconds)"));
+        }
+        if p.strategy != Strategy::Single
+            && self.model.device == DeviceKind::Cuda
+            && !cfg!(feature = "nccl")
+        {
+            return Err(self.invalid("parallel.strategy", format!("= \"{}\" on CUDA needs NCCL, but this binary was built without it: rebuild with `cargo build --release --features cuda,nccl`", p.strategy.name())));
         }
         if let Resume::Path(p) = &t.resume {
             if !p.join(crate::train::checkpoint::STATE).is_file() {

@@ -23,6 +23,7 @@ pub struct Ctx {
 }
 
 /// A frozen linear (W [out, in], optional bias) with an optional LoRA adapter.
+#[derive(Clone)]
 pub struct Linear {
     /// Module name in the checkpoint, e.g. `model.layers.3.self_attn.q_proj`.
     pub name: String,
@@ -125,6 +126,7 @@ impl Linear {
     }
 }
 
+#[derive(Clone)]
 pub struct Layer {
     pub input_norm: Tensor,
     pub post_norm: Tensor,
@@ -179,6 +181,25 @@ impl Layer {
         x + m
     }
 
+    /// The layer's frozen tensors, in a fixed order (norms, then each linear's W and bias):
+    /// FSDP flattens them into one buffer and puts views of the gathered buffer back.
+    pub fn frozen_mut(&mut self) -> Vec<&mut Tensor> {
+        let mut v = vec![&mut self.input_norm, &mut self.post_norm];
+        for lin in [
+            &mut self.q,
+            &mut self.k,
+            &mut self.v,
+            &mut self.o,
+            &mut self.gate,
+            &mut self.up,
+            &mut self.down,
+        ] {
+            v.push(&mut lin.w);
+            v.extend(lin.b.as_mut());
+        }
+        v
+    }
+
     pub fn linears(&self) -> [&Linear; 7] {
         [
             &self.q, &self.k, &self.v, &self.o, &self.gate, &self.up, &self.down,
@@ -196,6 +217,9 @@ pub(crate) fn repeat_kv(x: &Tensor, n: usize) -> Result<Tensor> {
         .broadcast_as((b, k, n, t, d))?
         .reshape((b, k * n, t, d))
 }
+
+/// Called with each group of frozen tensors as it is loaded (see `Model::load_with`).
+pub type Loaded<'a> = &'a mut dyn FnMut(Vec<&mut Tensor>) -> anyhow::Result<()>;
 
 pub struct Model {
     pub cfg: ModelConfig,
@@ -218,6 +242,21 @@ impl Model {
         device: &Device,
         spec: &LoraSpec,
         seed: u64,
+    ) -> anyhow::Result<Model> {
+        Self::load_with(files, dtype, device, spec, seed, &mut |_| Ok(()))
+    }
+
+    /// `load`, handing each group of frozen tensors to `loaded` as soon as it is on the device:
+    /// each decoder layer's (`Layer::frozen_mut` order), then the embedding, final norm and
+    /// untied head (`Model::io_mut` order). FSDP keeps a shard and replaces them with
+    /// placeholders there, so only one full layer is ever resident.
+    pub fn load_with(
+        files: &ModelFiles,
+        dtype: DType,
+        device: &Device,
+        spec: &LoraSpec,
+        seed: u64,
+        loaded: Loaded,
     ) -> anyhow::Result<Model> {
         let cfg = ModelConfig::from_file(&files.config)?;
         // SAFETY: the files are memory-mapped read-only; like every safetensors reader we
@@ -252,7 +291,7 @@ impl Model {
                 files.dir.display()
             );
         }
-        Self::build(cfg, &get, tied, dtype, device, spec, seed)
+        Self::build(cfg, &get, tied, dtype, device, spec, seed, loaded)
     }
 
     /// Random weights of a given shape made on the device (benchmarks; no download): linear
@@ -263,6 +302,18 @@ impl Model {
         device: &Device,
         spec: &LoraSpec,
         seed: u64,
+    ) -> anyhow::Result<Model> {
+        Self::random_with(cfg, dtype, device, spec, seed, &mut |_| Ok(()))
+    }
+
+    /// `random`, with `loaded` called as in `load_with`.
+    pub fn random_with(
+        cfg: ModelConfig,
+        dtype: DType,
+        device: &Device,
+        spec: &LoraSpec,
+        seed: u64,
+        loaded: Loaded,
     ) -> anyhow::Result<Model> {
         if !device.is_cpu() {
             device.set_seed(seed)?;
@@ -278,10 +329,11 @@ impl Model {
             Ok(t.to_dtype(dtype)?)
         };
         let tied = cfg.tie_word_embeddings.unwrap_or(false);
-        Self::build(cfg, &get, tied, dtype, device, spec, seed)
+        Self::build(cfg, &get, tied, dtype, device, spec, seed, loaded)
     }
 
     /// Assembles the model from a source of named base tensors (HF names and shapes).
+    #[allow(clippy::too_many_arguments)]
     fn build(
         cfg: ModelConfig,
         get: &dyn Fn(&str, &[usize]) -> anyhow::Result<Tensor>,
@@ -290,6 +342,7 @@ impl Model {
         device: &Device,
         spec: &LoraSpec,
         seed: u64,
+        loaded: Loaded,
     ) -> anyhow::Result<Model> {
         let (c, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
         let (h, k, d) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
@@ -320,7 +373,7 @@ impl Model {
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for l in 0..cfg.num_layers {
             let p = format!("model.layers.{l}");
-            layers.push(Layer {
+            let mut layer = Layer {
                 input_norm: get(&format!("{p}.input_layernorm.weight"), &[c])?,
                 post_norm: get(&format!("{p}.post_attention_layernorm.weight"), &[c])?,
                 q: linear(l, "self_attn", "q_proj", c, h * d, cfg.qkv_bias)?,
@@ -335,7 +388,9 @@ impl Model {
                 kv_heads: k,
                 head_dim: d,
                 window: cfg.sliding_window.unwrap_or(0),
-            });
+            };
+            loaded(layer.frozen_mut())?;
+            layers.push(layer);
         }
         let embed = get("model.embed_tokens.weight", &[v, c])?;
         let norm = get("model.norm.weight", &[c])?;
@@ -345,7 +400,7 @@ impl Model {
             get("lm_head.weight", &[v, c])?
         };
         let inv_freq = rope::inv_freq(&cfg);
-        Ok(Model {
+        let mut m = Model {
             cfg,
             embed,
             layers,
@@ -355,6 +410,45 @@ impl Model {
             dtype,
             device: device.clone(),
             inv_freq,
+        };
+        loaded(m.io_mut())?;
+        if m.tied {
+            m.lm_head = m.embed.clone();
+        }
+        Ok(m)
+    }
+
+    /// The frozen tensors outside the decoder layers: embedding, final norm, and the head
+    /// unless it is the embedding (tied).
+    pub fn io_mut(&mut self) -> Vec<&mut Tensor> {
+        let mut v = vec![&mut self.embed, &mut self.norm];
+        if !self.tied {
+            v.push(&mut self.lm_head);
+        }
+        v
+    }
+
+    /// A model with no decoder layers whose embedding, final norm and head are the given
+    /// tensors (`io_mut` order; FSDP's gathered views), for `embed` and `head`.
+    pub fn io_view(&self, io: Vec<Tensor>) -> Result<Model> {
+        let [embed, norm, rest @ ..] = io.as_slice() else {
+            candle_core::bail!("io_view: {} tensors, want embed and norm", io.len());
+        };
+        let lm_head = match (self.tied, rest) {
+            (true, []) => embed.clone(),
+            (false, [h]) => h.clone(),
+            _ => candle_core::bail!("io_view: a head tensor where tied = {}", self.tied),
+        };
+        Ok(Model {
+            cfg: self.cfg.clone(),
+            embed: embed.clone(),
+            layers: Vec::new(),
+            norm: norm.clone(),
+            lm_head,
+            tied: self.tied,
+            dtype: self.dtype,
+            device: self.device.clone(),
+            inv_freq: self.inv_freq.clone(),
         })
     }
 

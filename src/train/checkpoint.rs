@@ -33,7 +33,7 @@ const FORMAT: &str = "lora-train checkpoint 1";
 const LOSS_TAIL: usize = 100;
 
 /// Recipe keys that do not change the numbers of a run: they may differ on resume.
-const FREE_KEYS: [&str; 9] = [
+const FREE_KEYS: [&str; 11] = [
     "train.resume",
     "train.log_every",
     "train.skip_nonfinite",
@@ -43,6 +43,9 @@ const FREE_KEYS: [&str; 9] = [
     "output.keep_last",
     "output.merge",
     "output.max_shard_size",
+    // ddp and fsdp over the same devices give the same numbers.
+    "parallel.strategy",
+    "parallel.timeout_s",
 ];
 
 /// Where the data stream continues: the next step is step `step_in_epoch` (0-based) of the
@@ -276,6 +279,11 @@ fn test_pause() {
 
 /// Writes `out_dir/checkpoint-<state.step>/` (replacing one of that step) through a
 /// temporary directory. `keys[i]` is the PEFT key of `opt.params[i]`.
+/// Where `save` puts the checkpoint of step `step`.
+pub fn dir_of(out_dir: &Path, step: usize) -> PathBuf {
+    out_dir.join(format!("checkpoint-{step}"))
+}
+
 pub fn save(
     s: &Session,
     out_dir: &Path,

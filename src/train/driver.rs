@@ -1,5 +1,5 @@
-//! The layer-wise forward/backward driver: the home of activation checkpointing (and, later,
-//! FSDP gathers and DDP buckets).
+//! The layer-wise forward/backward driver: the home of activation checkpointing, FSDP gathers
+//! and DDP gradient buckets.
 //!
 //! Forward runs the decoder one layer at a time, each layer keeping what its hand-written
 //! backward needs (`Layer::forward_train`, model/layer_train.rs); backward runs one layer at a
@@ -9,11 +9,76 @@
 //!
 //! With activation checkpointing, forward keeps only each layer's input [B, T, C]; backward
 //! recomputes the layer from it (dropout masks are keyed, so identical).
+//!
+//! Several ranks (`Par`): under FSDP each layer's frozen base is all-gathered just before its
+//! forward and again before its backward (and recompute), and dropped after use; the next
+//! layer's gather is issued one layer early (on NCCL with LORA_TRAIN_GATHER_STREAM=1 on a second
+//! stream, overlapping this layer; else in line). The embedding and head are gathered likewise.
+//! What forward keeps holds no weights, so only one or two gathered layers exist at a time,
+//! with or without checkpointing. On the step's last micro-batch each layer's adapter gradients
+//! are summed over the ranks in one bucket as soon as that layer's backward is done (DDP and
+//! FSDP alike). With world 1 every collective is the identity.
 
 use super::optim::Grads;
 use crate::data::Batch;
-use crate::model::{Ctx, LayerActs, LayerGrads, Model};
-use candle_core::{Result, Tensor};
+use crate::dist::fsdp::Shards;
+use crate::dist::{Comm, Solo};
+use crate::model::{Ctx, Layer, LayerActs, LayerGrads, Model};
+use candle_core::{DType, Result, Tensor, Var};
+use std::borrow::Cow;
+
+/// How one micro-batch is spread over the ranks.
+pub struct Par<'a> {
+    pub comm: &'a dyn Comm,
+    /// FSDP: the frozen base's shards (the model's frozen tensors are placeholders).
+    pub shards: Option<&'a Shards>,
+    /// Sum the adapter gradients over the ranks as each layer's backward ends (true on the
+    /// last micro-batch of a step; the sums of the earlier ones ride along).
+    pub reduce: bool,
+}
+
+impl Par<'static> {
+    /// One rank, the whole model resident.
+    pub fn single() -> Par<'static> {
+        Par {
+            comm: &Solo,
+            shards: None,
+            reduce: true,
+        }
+    }
+}
+
+impl Par<'_> {
+    /// Layer `l`, gathered under FSDP.
+    pub fn layer<'m>(&self, model: &'m Model, l: usize) -> Result<Cow<'m, Layer>> {
+        self.gather(model, l, false)
+    }
+
+    /// Layer `l`, its gather issued ahead of use: call `ready` before running it.
+    pub fn layer_ahead<'m>(&self, model: &'m Model, l: usize) -> Result<Cow<'m, Layer>> {
+        self.gather(model, l, true)
+    }
+
+    /// The layers issued ahead so far may be used from here on.
+    pub fn ready(&self) -> Result<()> {
+        match self.shards {
+            Some(_) => self.comm.gathered(),
+            None => Ok(()),
+        }
+    }
+
+    fn gather<'m>(&self, model: &'m Model, l: usize, ahead: bool) -> Result<Cow<'m, Layer>> {
+        match self.shards {
+            None => Ok(Cow::Borrowed(&model.layers[l])),
+            Some(s) => Ok(Cow::Owned(s.layer(model, l, self.comm, ahead)?)),
+        }
+    }
+
+    /// The embedding / norm / head, gathered under FSDP (None: use the model's own).
+    pub fn io(&self, model: &Model) -> Result<Option<Model>> {
+        self.shards.map(|s| s.io(model, self.comm)).transpose()
+    }
+}
 
 /// What forward leaves behind for one layer.
 enum Saved {
@@ -60,15 +125,56 @@ pub fn forward_backward_probed(
     head_chunk: Option<usize>,
     probe: &mut dyn FnMut(&'static str) -> Result<()>,
 ) -> Result<f64> {
+    forward_backward_par(
+        model,
+        &Par::single(),
+        batch,
+        denom,
+        checkpointing,
+        dropout,
+        grads,
+        head_chunk,
+        probe,
+    )
+}
+
+/// `forward_backward_probed` on rank `par.comm.rank()` of `par.comm.world()`: `denom` is the
+/// counted tokens of the whole step over every rank, so the ranks' summed gradients are the
+/// single-rank ones. Returns this rank's Σ token CE.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_backward_par(
+    model: &Model,
+    par: &Par,
+    batch: &Batch,
+    denom: f64,
+    checkpointing: bool,
+    dropout: Option<(u64, [u64; 2])>,
+    grads: &mut Grads,
+    head_chunk: Option<usize>,
+    probe: &mut dyn FnMut(&'static str) -> Result<()>,
+) -> Result<f64> {
     let dev = &model.device;
+    let n_layers = model.layers.len();
     let (b, t) = (batch.b, batch.t);
     let ids = Tensor::from_slice(&batch.ids, (b, t), dev)?;
     let ctx = model.ctx(&batch.positions, b, t, batch.segments.clone(), dropout)?;
 
     // ---- forward, layer by layer
-    let mut x = model.embed(&ids)?; // [B, T, C], no graph
-    let mut saved = Vec::with_capacity(model.layers.len());
-    for layer in &model.layers {
+    let mut x = match par.io(model)? {
+        Some(io) => io.embed(&ids)?,
+        None => model.embed(&ids)?,
+    }; // [B, T, C], no graph
+    let mut saved = Vec::with_capacity(n_layers);
+    let mut next = (n_layers > 0).then(|| par.layer(model, 0)).transpose()?;
+    for l in 0..n_layers {
+        let Some(layer) = next.take() else {
+            candle_core::bail!("driver: layer {l} was not gathered");
+        };
+        // This layer's gather has landed; the next one's is issued before this layer runs.
+        par.ready()?;
+        if l + 1 < n_layers {
+            next = Some(par.layer_ahead(model, l + 1)?);
+        }
         let (y, acts) = layer.forward_train(&x, &ctx, !checkpointing)?;
         saved.push(match acts {
             Some(acts) => Saved::Acts(acts),
@@ -79,10 +185,14 @@ pub fn forward_backward_probed(
 
     probe("forward")?;
 
-    // ---- head + loss on the counted positions only
-    if batch.targets.is_empty() {
+    // ---- head + loss on the counted positions only. With several ranks a rank with nothing
+    // to predict still runs backward: the others wait for its gathers and gradient sums.
+    let world = par.comm.world();
+    if batch.targets.is_empty() && world == 1 {
         return Ok(0.0);
     }
+    let io = par.io(model)?;
+    let head_model = io.as_ref().unwrap_or(model);
     // The head runs over chunks of the counted positions, each chunk's forward and backward
     // before the next, so the f32 logits of only ~2^24 entries exist at a time
     // ([N × V] at once is 0.5 GB per 4k tokens at a 32k vocabulary, and CE keeps several).
@@ -98,16 +208,26 @@ pub fn forward_backward_probed(
         let tgt: Vec<u32> = part.iter().map(|&(_, l)| l).collect();
         let rows = Tensor::from_vec(rows, part.len(), dev)?;
         let tgt = Tensor::from_vec(tgt, part.len(), dev)?;
-        let (ce, gh) = model.head_loss_bwd(&x.index_select(&rows, 0)?, &tgt, denom)?;
+        let (ce, gh) = head_model.head_loss_bwd(&x.index_select(&rows, 0)?, &tgt, denom)?;
         ce_value += ce;
         g = g.index_add(&rows, &gh, 0)?;
     }
-    drop(x);
+    drop((x, io));
     let mut g = g.reshape((b, t, c))?;
     probe("head")?;
 
-    // ---- backward, last layer first
-    for (l, layer) in model.layers.iter().enumerate().rev() {
+    // ---- backward, last layer first; under FSDP each layer gathered again (one layer ahead)
+    let mut next = (n_layers > 0)
+        .then(|| par.layer(model, n_layers - 1))
+        .transpose()?;
+    for l in (0..n_layers).rev() {
+        let Some(layer) = next.take() else {
+            candle_core::bail!("driver: layer {l} was not gathered");
+        };
+        par.ready()?;
+        if l > 0 {
+            next = Some(par.layer_ahead(model, l - 1)?);
+        }
         let acts = match saved.pop() {
             Some(Saved::Acts(acts)) => acts,
             Some(Saved::Input(x)) => match layer.forward_train(&x, &ctx, true)? {
@@ -118,6 +238,9 @@ pub fn forward_backward_probed(
         };
         let (dx, lg) = layer.backward(acts, &g, &ctx)?;
         accumulate(lg, grads)?;
+        if par.reduce && world > 1 {
+            all_reduce_layer(&layer, grads, par.comm)?;
+        }
         g = dx;
     }
     probe("backward")?;
@@ -132,6 +255,36 @@ fn accumulate(lg: LayerGrads, grads: &mut Grads) -> Result<()> {
             None => g,
         };
         grads.insert(id, sum);
+    }
+    Ok(())
+}
+
+/// Sums one layer's adapter gradients over the ranks as one flat f32 bucket (a missing
+/// gradient counts as zeros, so every rank sends the same layout).
+fn all_reduce_layer(layer: &Layer, grads: &mut Grads, comm: &dyn Comm) -> Result<()> {
+    let vars: Vec<&Var> = layer
+        .linears()
+        .into_iter()
+        .filter_map(|lin| lin.lora.as_ref())
+        .flat_map(|l| [&l.a, &l.b])
+        .collect();
+    if vars.is_empty() {
+        return Ok(());
+    }
+    let mut flat = Vec::with_capacity(vars.len());
+    for v in &vars {
+        let g = match grads.get(&v.id()) {
+            Some(g) => g.clone(),
+            None => v.as_tensor().zeros_like()?.to_dtype(DType::F32)?,
+        };
+        flat.push(g.flatten_all()?);
+    }
+    let sum = comm.all_reduce_sum(&Tensor::cat(&flat, 0)?)?; // [Σ numel] f32
+    let mut off = 0;
+    for v in vars {
+        let n = v.elem_count();
+        grads.insert(v.id(), sum.narrow(0, off, n)?.reshape(v.dims())?);
+        off += n;
     }
     Ok(())
 }

@@ -4,6 +4,7 @@
 //! detaching each layer's output drops that graph, so at most one layer's activations are
 //! alive at once, and no backward is ever run.
 
+use super::driver::Par;
 use crate::data::Batch;
 use crate::model::llama::cross_entropy_sum;
 use crate::model::Model;
@@ -14,6 +15,12 @@ const HEAD_CHUNK: usize = 1024;
 
 /// Σ token CE over the batch's counted tokens (no dropout); divide by `batch.n_targets()`.
 pub fn ce_sum(model: &Model, batch: &Batch) -> Result<f64> {
+    ce_sum_par(model, &Par::single(), batch)
+}
+
+/// `ce_sum` with the frozen base gathered layer by layer under FSDP. Every rank evaluates the
+/// same batches, so the gathers match.
+pub fn ce_sum_par(model: &Model, par: &Par, batch: &Batch) -> Result<f64> {
     if batch.targets.is_empty() {
         return Ok(0.0);
     }
@@ -21,10 +28,15 @@ pub fn ce_sum(model: &Model, batch: &Batch) -> Result<f64> {
     let (b, t) = (batch.b, batch.t);
     let ids = Tensor::from_slice(&batch.ids, (b, t), dev)?;
     let ctx = model.ctx(&batch.positions, b, t, batch.segments.clone(), None)?;
-    let mut x = model.embed(&ids)?; // [B, T, C]
-    for layer in &model.layers {
-        x = layer.forward(&x, &ctx)?.detach();
+    let mut x = match par.io(model)? {
+        Some(io) => io.embed(&ids)?,
+        None => model.embed(&ids)?,
+    }; // [B, T, C]
+    for l in 0..model.layers.len() {
+        x = par.layer(model, l)?.forward(&x, &ctx)?.detach();
     }
+    let io = par.io(model)?;
+    let model_io = io.as_ref().unwrap_or(model);
     let h = x.reshape((b * t, model.cfg.hidden_size))?; // [B·T, C]
     let mut sum = 0.0;
     for chunk in batch.targets.chunks(HEAD_CHUNK) {
@@ -32,7 +44,7 @@ pub fn ce_sum(model: &Model, batch: &Batch) -> Result<f64> {
         let tgt: Vec<u32> = chunk.iter().map(|&(_, l)| l).collect();
         let rows = Tensor::from_vec(rows, chunk.len(), dev)?;
         let tgt = Tensor::from_vec(tgt, chunk.len(), dev)?;
-        let logits = model.head(&h.index_select(&rows, 0)?)?.detach(); // [N, V] f32
+        let logits = model_io.head(&h.index_select(&rows, 0)?)?.detach(); // [N, V] f32
         sum += cross_entropy_sum(&logits, &tgt)?.to_scalar::<f32>()? as f64;
     }
     Ok(sum)

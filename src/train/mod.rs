@@ -12,15 +12,20 @@ pub mod stop;
 
 use crate::data::chat::ChatTemplate;
 use crate::data::{Batch, Dataset, Example, Sampler, TextTokenizer, IGNORE};
+use crate::dist::fsdp::{Flat, Shards};
+use crate::dist::{Comm, Solo};
 use crate::export;
 use crate::hub;
 use crate::lora::LoraSpec;
 use crate::model::Model;
-use crate::recipe::{DataFormat, DataSection, DeviceKind, Dtype, Recipe, RecipeError, Resume};
+use crate::recipe::{
+    DataFormat, DataSection, DeviceKind, Dtype, Recipe, RecipeError, Resume, Strategy,
+};
 use crate::util::atomic_write;
 use anyhow::{Context, Result};
-use candle_core::{DType, Device};
+use candle_core::{DType, Device, Tensor};
 use checkpoint::{Checkpoint, Cursor, TrainerState};
+use driver::Par;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use optim::{AdamW, Grads};
 use std::io::{IsTerminal, Write};
@@ -56,13 +61,28 @@ pub struct Session {
     /// What loading the data found worth telling: skipped rows, dropped examples, how
     /// chat turns end.
     pub data_notes: Vec<String>,
+    /// This rank's communicator (`Solo` for one device).
+    pub comm: Box<dyn Comm>,
+    /// FSDP: this rank's shards of the frozen base (the model holds placeholders).
+    pub shards: Option<Shards>,
 }
 
 pub fn device_and_dtype(recipe: &Recipe) -> Result<(Device, DType)> {
+    device_and_dtype_on(
+        recipe,
+        recipe.parallel.devices.first().copied().unwrap_or(0),
+    )
+}
+
+/// The device (CUDA ordinal `ordinal` when model.device = "cuda") and base dtype.
+pub fn device_and_dtype_on(recipe: &Recipe, ordinal: usize) -> Result<(Device, DType)> {
     let dev = match recipe.model.device {
         DeviceKind::Cpu => Device::Cpu,
-        DeviceKind::Cuda => Device::new_cuda(recipe.parallel.devices[0])
-            .with_context(|| format!("cannot open CUDA device {}", recipe.parallel.devices[0]))?,
+        DeviceKind::Cuda => {
+            missing_ordinal(recipe, ordinal)?;
+            Device::new_cuda(ordinal)
+                .with_context(|| format!("cannot open CUDA device {ordinal}"))?
+        }
     };
     let dtype = match (recipe.model.dtype, recipe.model.device) {
         (Some(Dtype::F32), _) | (None, DeviceKind::Cpu) => DType::F32,
@@ -72,9 +92,43 @@ pub fn device_and_dtype(recipe: &Recipe) -> Result<(Device, DType)> {
     Ok((dev, dtype))
 }
 
+/// A CUDA ordinal this machine does not have is a recipe error (parallel.devices).
+#[cfg(feature = "cuda")]
+fn missing_ordinal(recipe: &Recipe, ordinal: usize) -> Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::CudaContext;
+    let Ok(count) = CudaContext::device_count() else {
+        return Ok(()); // opening the device reports the driver's error
+    };
+    let count = count.max(0) as usize;
+    if ordinal < count {
+        return Ok(());
+    }
+    Err(RecipeError::Invalid {
+        path: recipe.source.clone(),
+        key: "parallel.devices".into(),
+        msg: format!(
+            "lists device {ordinal}, but this machine has {count} CUDA device(s): list existing ordinals{}",
+            if count > 0 { format!(" (0..{})", count - 1) } else { String::new() }
+        ),
+    }
+    .into())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn missing_ordinal(_: &Recipe, _: usize) -> Result<()> {
+    Ok(())
+}
+
 impl Session {
     pub fn new(recipe: Recipe) -> Result<Session> {
-        let (dev, dtype) = device_and_dtype(&recipe)?;
+        let ordinal = recipe.parallel.devices.first().copied().unwrap_or(0);
+        Self::for_rank(recipe, Box::new(Solo), ordinal)
+    }
+
+    /// The session of rank `comm.rank()` on CUDA device `ordinal` (ignored on the CPU): under
+    /// FSDP only this rank's shards of the base stay resident; the adapters are rank 0's.
+    pub fn for_rank(recipe: Recipe, comm: Box<dyn Comm>, ordinal: usize) -> Result<Session> {
+        let (dev, dtype) = device_and_dtype_on(&recipe, ordinal)?;
         let files = hub::model_files(&recipe.model)?;
         let dir = files.dir.clone();
         let init = match &recipe.lora.init_adapter {
@@ -96,11 +150,30 @@ impl Session {
                 targets: recipe.target_modules()?,
             },
         };
-        let model = Model::load(&files, dtype, &dev, &spec, recipe.train.seed)
-            .with_context(|| format!("cannot load the model in {}", dir.display()))?;
+        let fsdp = recipe.parallel.strategy == Strategy::Fsdp;
+        let mut groups = Vec::new();
+        let model = Model::load_with(&files, dtype, &dev, &spec, recipe.train.seed, &mut |t| {
+            if fsdp {
+                groups.push(Flat::take(t, &*comm)?);
+            }
+            Ok(())
+        })
+        .with_context(|| format!("cannot load the model in {}", dir.display()))?;
+        let shards = match fsdp {
+            true => Some(Shards::from_groups(groups, model.layers.len())?),
+            false => None,
+        };
         if let Some((p, _)) = &init {
             export::load_adapter_weights(p, &model)
                 .with_context(|| format!("cannot load lora.init_adapter {}", p.display()))?;
+        }
+        // Every rank starts from rank 0's adapters.
+        if comm.world() > 1 {
+            for (_, l) in model.adapters() {
+                for v in [&l.a, &l.b] {
+                    v.set(&comm.broadcast(v.as_tensor(), 0)?)?;
+                }
+            }
         }
         let d = &recipe.data;
         let mut formats: Vec<DataFormat> = d
@@ -187,7 +260,18 @@ impl Session {
             base_name,
             eval,
             data_notes,
+            comm,
+            shards,
         })
+    }
+
+    /// How this rank's micro-batches run (`reduce`: sum gradients over ranks in this one).
+    pub fn par(&self, reduce: bool) -> Par<'_> {
+        Par {
+            comm: &*self.comm,
+            shards: self.shards.as_ref(),
+            reduce,
+        }
     }
 
     /// Mean token cross-entropy over the eval set (no dropout, no gradients) and its number
@@ -208,16 +292,21 @@ impl Session {
                 .map(|r| r.iter().map(|&i| &ev.examples[i]).collect())
                 .collect();
             let b = Batch::from_rows(&rows, self.pad_id, cfg.pack);
-            sum += eval::ce_sum(&self.model, &b)?;
+            sum += eval::ce_sum_par(&self.model, &self.par(false), &b)?;
             n += b.n_targets();
         }
         Ok(Some((sum / n.max(1) as f64, n)))
     }
 
-    /// The steps of one epoch: steps → micro-batches → rows → example indices.
+    /// This rank's steps of one epoch: steps → micro-batches → rows → example indices.
     pub fn epoch_plan(&self, epoch: usize) -> Vec<Vec<Vec<Vec<usize>>>> {
+        self.epoch_plan_of(epoch, self.comm.rank())
+    }
+
+    /// Rank `rank`'s steps of one epoch (rows rank, rank + world, ... of the epoch's order).
+    pub fn epoch_plan_of(&self, epoch: usize, rank: usize) -> Vec<Vec<Vec<Vec<usize>>>> {
         let t = &self.recipe.train;
-        let rows = self.sampler.rows(epoch);
+        let rows = self.sampler.rows_for(epoch, rank, self.comm.world());
         let micro: Vec<Vec<Vec<usize>>> = rows.chunks(t.micro_batch).map(|c| c.to_vec()).collect();
         micro.chunks(t.grad_accum).map(|c| c.to_vec()).collect()
     }
@@ -228,12 +317,70 @@ impl Session {
             .unwrap_or_else(|| self.epoch_plan(0).len() * t.epochs.unwrap_or(1))
     }
 
+    /// Counted tokens of each step of an epoch over all ranks: the loss denominator, which
+    /// every rank computes alone since every rank sees the whole order.
+    pub fn step_denoms(&self, epoch: usize) -> Vec<usize> {
+        let mut d: Vec<usize> = Vec::new();
+        for rank in 0..self.comm.world() {
+            for (i, step) in self.epoch_plan_of(epoch, rank).iter().enumerate() {
+                if d.len() <= i {
+                    d.resize(i + 1, 0);
+                }
+                d[i] += step
+                    .iter()
+                    .map(|m| self.batch(m).n_targets())
+                    .sum::<usize>();
+            }
+        }
+        d
+    }
+
     pub fn batch(&self, rows: &[Vec<usize>]) -> Batch {
         let rows: Vec<Vec<&crate::data::Example>> = rows
             .iter()
             .map(|r| r.iter().map(|&i| &self.data.examples[i]).collect())
             .collect();
         Batch::from_rows(&rows, self.pad_id, self.recipe.data.pack)
+    }
+
+    /// Rank 0 before the first step: creates `out_dir`, removes what an earlier run or an
+    /// interrupted save left there, writes the resolved recipe, and opens metrics.jsonl (a
+    /// resumed run keeps the rows up to its checkpoint and appends to them).
+    fn open_outputs(&self, out_dir: &Path, resume: Option<&Checkpoint>) -> Result<std::fs::File> {
+        std::fs::create_dir_all(out_dir)
+            .with_context(|| format!("cannot create {}", out_dir.display()))?;
+        let removed = checkpoint::clean(out_dir, resume.is_none())?;
+        if !removed.is_empty() {
+            eprintln!(
+                "removed {} of an earlier run from {}",
+                removed.join(", "),
+                out_dir.display()
+            );
+        }
+        atomic_write(
+            &out_dir.join("recipe.toml"),
+            self.recipe.to_toml().as_bytes(),
+        )?;
+        let metrics_path = out_dir.join("metrics.jsonl");
+        match resume {
+            Some(ck) => {
+                let old = std::fs::read_to_string(&metrics_path).unwrap_or_default();
+                let kept: String = old
+                    .lines()
+                    .filter(|l| {
+                        serde_json::from_str::<serde_json::Value>(l)
+                            .ok()
+                            .and_then(|v| v.get("step").and_then(|s| s.as_u64()))
+                            .is_some_and(|s| s as usize <= ck.state.step)
+                    })
+                    .map(|l| format!("{l}\n"))
+                    .collect();
+                atomic_write(&metrics_path, kept.as_bytes())?;
+                std::fs::OpenOptions::new().append(true).open(&metrics_path)
+            }
+            None => std::fs::File::create(&metrics_path),
+        }
+        .with_context(|| format!("cannot open {}", metrics_path.display()))
     }
 
     /// Trains to the end, saving into `out_dir` at `save_every` and at the end; continues
@@ -255,6 +402,8 @@ impl Session {
     ) -> Result<RunSummary> {
         let r = &self.recipe;
         let t = &r.train;
+        // Rank 0 alone writes (adapter, checkpoints, metrics, progress); every rank computes.
+        let (lead, world) = (self.comm.rank() == 0, self.comm.world());
         // The trainable parameters and their PEFT keys (which name them in checkpoints).
         let mut params = Vec::new();
         let mut keys = Vec::new();
@@ -292,38 +441,10 @@ impl Session {
             (step, cursor, tokens, skipped) = (s.step, s.cursor, s.tokens, s.skipped_steps);
             history = s.loss_history.clone();
         }
-        std::fs::create_dir_all(out_dir)
-            .with_context(|| format!("cannot create {}", out_dir.display()))?;
-        let removed = checkpoint::clean(out_dir, resume.is_none())?;
-        if !removed.is_empty() {
-            eprintln!(
-                "removed {} of an earlier run from {}",
-                removed.join(", "),
-                out_dir.display()
-            );
-        }
-        atomic_write(&out_dir.join("recipe.toml"), r.to_toml().as_bytes())?;
-        let metrics_path = out_dir.join("metrics.jsonl");
-        let mut metrics = match resume {
-            // A resumed run keeps the rows up to its checkpoint and appends to them.
-            Some(ck) => {
-                let old = std::fs::read_to_string(&metrics_path).unwrap_or_default();
-                let kept: String = old
-                    .lines()
-                    .filter(|l| {
-                        serde_json::from_str::<serde_json::Value>(l)
-                            .ok()
-                            .and_then(|v| v.get("step").and_then(|s| s.as_u64()))
-                            .is_some_and(|s| s as usize <= ck.state.step)
-                    })
-                    .map(|l| format!("{l}\n"))
-                    .collect();
-                atomic_write(&metrics_path, kept.as_bytes())?;
-                std::fs::OpenOptions::new().append(true).open(&metrics_path)
-            }
-            None => std::fs::File::create(&metrics_path),
-        }
-        .with_context(|| format!("cannot open {}", metrics_path.display()))?;
+        let mut metrics = match lead {
+            true => Some(self.open_outputs(out_dir, resume)?),
+            false => None,
+        };
 
         // A checkpoint of the state after `step` steps, then the pruning of old ones.
         let save = |step: usize,
@@ -340,7 +461,10 @@ impl Session {
         };
         let mut last_ckpt: Option<(usize, PathBuf)> = resume.map(|c| (c.state.step, c.dir.clone()));
 
-        let bar = progress_bar(total as u64);
+        let bar = match lead {
+            true => progress_bar(total as u64),
+            false => ProgressBar::hidden(),
+        };
         bar.set_position(step as u64);
         let start = Instant::now();
         let mut session_tokens = 0usize;
@@ -349,27 +473,51 @@ impl Session {
         let mut skip = cursor.step_in_epoch;
         let mut last_eval = None;
         'outer: while step < total {
+            // One rank sees its whole step; several compute the others' counts too.
+            let denoms = match world {
+                1 => Vec::new(),
+                _ => self.step_denoms(epoch),
+            };
             for (i, micro_batches) in self.epoch_plan(epoch).into_iter().enumerate().skip(skip) {
                 if step >= total {
                     break 'outer;
                 }
                 let batches: Vec<Batch> = micro_batches.iter().map(|m| self.batch(m)).collect();
-                let denom = batches.iter().map(Batch::n_targets).sum::<usize>();
+                let denom = match world {
+                    1 => batches.iter().map(Batch::n_targets).sum::<usize>(),
+                    _ => denoms.get(i).copied().unwrap_or(0),
+                };
                 let mut grads = Grads::new();
-                let mut ce = 0.0;
+                let (mut ce, mut step_tokens) = (0.0, 0);
                 for (k, b) in batches.iter().enumerate() {
-                    let key = (r.lora.dropout > 0.0).then_some((t.seed, [step as u64, k as u64]));
-                    ce += driver::forward_backward(
+                    // Dropout masks are keyed by the global micro-batch index, so that a row
+                    // draws the same mask whatever the number of ranks.
+                    let micro = k * world + self.comm.rank();
+                    let key =
+                        (r.lora.dropout > 0.0).then_some((t.seed, [step as u64, micro as u64]));
+                    let last = k + 1 == batches.len();
+                    ce += driver::forward_backward_par(
                         &self.model,
+                        &self.par(last),
                         b,
                         denom.max(1) as f64,
                         t.activation_checkpointing,
                         key,
                         &mut grads,
+                        None,
+                        &mut |_| Ok(()),
                     )?;
-                    tokens += b.tokens;
-                    session_tokens += b.tokens;
+                    step_tokens += b.tokens;
                 }
+                if world > 1 {
+                    // The step's CE and tokens over every rank (for the loss and the log).
+                    let dev = &self.model.device;
+                    let local = Tensor::new(&[ce, step_tokens as f64], dev)?;
+                    let all = self.comm.all_reduce_sum(&local)?.to_vec1::<f64>()?;
+                    (ce, step_tokens) = (all[0], all[1] as usize);
+                }
+                tokens += step_tokens;
+                session_tokens += step_tokens;
                 let loss = ce / denom.max(1) as f64;
                 let grad_norm = optim::clip_grad_norm(&mut grads, &opt.params, t.max_grad_norm)?;
                 let lr = t.lr * schedule::lr_factor(t.schedule, step, total, t.warmup_steps);
@@ -422,25 +570,43 @@ impl Session {
                         msg.push_str(&format!("eval {l:.4}  "));
                         last_eval = Some(l);
                     }
-                    writeln!(metrics, "{row}").context("cannot write metrics.jsonl")?;
+                    if let Some(m) = metrics.as_mut() {
+                        writeln!(m, "{row}").context("cannot write metrics.jsonl")?;
+                    }
                     let mut msg = format!("{msg}lr {lr:.2e}  {tok_s:.0} tok/s");
                     if !finite {
                         msg.push_str(&format!("  (non-finite: update skipped, {skipped} so far)"));
                     }
-                    if bar.is_hidden() {
+                    if lead && bar.is_hidden() {
                         eprintln!("step {step}/{total}  {msg}");
                     }
                     bar.set_message(msg);
                 }
                 bar.inc(1);
-                if r.output.save_every > 0 && step % r.output.save_every == 0 && step < total {
+                if lead
+                    && r.output.save_every > 0
+                    && step % r.output.save_every == 0
+                    && step < total
+                {
                     let dir = save(step, cursor, &opt, skipped, tokens, &history)?;
                     last_ckpt = Some((step, dir));
                 }
-                if step < total && stop(step) {
-                    let dir = match &last_ckpt {
-                        Some((s, dir)) if *s == step => dir.clone(),
-                        _ => save(step, cursor, &opt, skipped, tokens, &history)?,
+                // Rank 0 decides whether to stop (signals); every rank stops at the same step.
+                let stopping = step < total && {
+                    let here = lead && stop(step);
+                    match world {
+                        1 => here,
+                        _ => {
+                            let flag = Tensor::new(&[here as u8 as f64], &self.model.device)?;
+                            self.comm.broadcast(&flag, 0)?.to_vec1::<f64>()?[0] > 0.0
+                        }
+                    }
+                };
+                if stopping {
+                    let dir = match (&last_ckpt, lead) {
+                        (Some((s, dir)), _) if *s == step => dir.clone(),
+                        (_, true) => save(step, cursor, &opt, skipped, tokens, &history)?,
+                        (_, false) => checkpoint::dir_of(out_dir, step),
                     };
                     bar.finish_and_clear();
                     return Err(stop::Interrupted {
@@ -455,11 +621,13 @@ impl Session {
             epoch += 1;
         }
         bar.finish_and_clear();
-        export::save_adapter(out_dir, &self.model, &self.spec, &self.base_name)?;
-        if r.output.save_every > 0 && last_ckpt.as_ref().is_none_or(|(s, _)| *s != step) {
-            save(step, cursor, &opt, skipped, tokens, &history)?;
+        if lead {
+            export::save_adapter(out_dir, &self.model, &self.spec, &self.base_name)?;
+            if r.output.save_every > 0 && last_ckpt.as_ref().is_none_or(|(s, _)| *s != step) {
+                save(step, cursor, &opt, skipped, tokens, &history)?;
+            }
         }
-        if skipped > 0 {
+        if skipped > 0 && lead {
             eprintln!("skipped {skipped} of {total} steps with a non-finite loss or gradient");
         }
         Ok(RunSummary {
@@ -489,12 +657,126 @@ fn progress_bar(total: u64) -> ProgressBar {
     bar
 }
 
-/// `lora-train train`: the whole run from a recipe.
+/// `lora-train train`: the whole run from a recipe, on one device, on one thread per device
+/// (`[parallel] strategy = "ddp" | "fsdp"`), or as one rank of a torchrun / Slurm job.
 pub fn run(recipe: Recipe) -> Result<RunSummary> {
+    let signal = stop::install_signal_handlers()?;
+    let p = &recipe.parallel;
+    let env = crate::dist::launch::EnvRank::from_env(&|k| std::env::var(k).ok())?;
+    if let Some(e) = env {
+        return run_process(recipe, e, signal);
+    }
+    if p.strategy == Strategy::Single {
+        let ordinal = p.devices.first().copied().unwrap_or(0);
+        return run_rank(recipe, Box::new(Solo), ordinal, &signal);
+    }
+    let timeout = std::time::Duration::from_secs(p.timeout_s);
+    let (group, ordinals): (std::sync::Arc<dyn crate::dist::Group>, Vec<usize>) =
+        match recipe.model.device {
+            DeviceKind::Cpu => (
+                crate::dist::cpu::CpuGroup::new(p.devices.len(), timeout),
+                p.devices.clone(),
+            ),
+            DeviceKind::Cuda => cuda_group(&recipe, timeout)?,
+        };
+    // A stop by signal is every rank's orderly end, not a failure that aborts the others:
+    // it travels as a value, and rank 0's (which names its checkpoint) is the run's.
+    let body = move |rank: usize, comm: Box<dyn Comm>| match run_rank(
+        recipe.clone(),
+        comm,
+        ordinals[rank],
+        &signal,
+    ) {
+        Err(e) if e.is::<stop::Interrupted>() => Ok(Err(e)),
+        res => res.map(Ok),
+    };
+    crate::dist::launch::threads(group, std::sync::Arc::new(body), timeout)?
+}
+
+#[cfg(feature = "nccl")]
+fn cuda_group(
+    recipe: &Recipe,
+    timeout: std::time::Duration,
+) -> Result<(std::sync::Arc<dyn crate::dist::Group>, Vec<usize>)> {
+    let ordinals = crate::dist::nccl::ordinals(recipe)?;
+    let group = crate::dist::nccl::NcclGroup::new(ordinals.clone(), timeout)?;
+    Ok((group, ordinals))
+}
+
+#[cfg(not(feature = "nccl"))]
+fn cuda_group(
+    recipe: &Recipe,
+    _: std::time::Duration,
+) -> Result<(std::sync::Arc<dyn crate::dist::Group>, Vec<usize>)> {
+    Err(RecipeError::Invalid {
+        path: recipe.source.clone(),
+        key: "parallel.strategy".into(),
+        msg: "on CUDA needs NCCL, but this binary was built without it: rebuild with `cargo build --release --features cuda,nccl`".into(),
+    }
+    .into())
+}
+
+/// One rank of a job whose launcher started a process per rank (RANK / WORLD_SIZE / ...).
+fn run_process(
+    recipe: Recipe,
+    e: crate::dist::launch::EnvRank,
+    signal: stop::StopSignal,
+) -> Result<RunSummary> {
+    if recipe.parallel.strategy == Strategy::Single {
+        return Err(RecipeError::Invalid {
+            path: recipe.source.clone(),
+            key: "parallel.strategy".into(),
+            msg: format!("= \"single\", but the launcher started {} ranks (WORLD_SIZE): use \"ddp\" or \"fsdp\"", e.world),
+        }
+        .into());
+    }
+    if recipe.model.device == DeviceKind::Cpu {
+        anyhow::bail!(
+            "RANK / WORLD_SIZE are set (world {}), but model.device = \"cpu\": CPU ranks are threads of one process; run `lora-train` once with parallel.devices listing {} ranks",
+            e.world,
+            e.world
+        );
+    }
+    process_rank(recipe, e, signal)
+}
+
+#[cfg(feature = "nccl")]
+fn process_rank(
+    recipe: Recipe,
+    e: crate::dist::launch::EnvRank,
+    signal: stop::StopSignal,
+) -> Result<RunSummary> {
+    let timeout = std::time::Duration::from_secs(recipe.parallel.timeout_s);
+    let comm = crate::dist::nccl::from_env(&e, timeout)?;
+    run_rank(recipe, comm, e.local, &signal)
+        .with_context(|| format!("rank {} of {} failed", e.rank, e.world))
+}
+
+#[cfg(not(feature = "nccl"))]
+fn process_rank(
+    _: Recipe,
+    e: crate::dist::launch::EnvRank,
+    _: stop::StopSignal,
+) -> Result<RunSummary> {
+    anyhow::bail!(
+        "RANK / WORLD_SIZE are set (world {}), but this binary was built without NCCL: rebuild with `cargo build --release --features cuda,nccl`",
+        e.world
+    )
+}
+
+/// One rank's run (the whole run when it is the only one); rank 0 prints and writes.
+fn run_rank(
+    recipe: Recipe,
+    comm: Box<dyn Comm>,
+    ordinal: usize,
+    signal: &stop::StopSignal,
+) -> Result<RunSummary> {
+    let lead = comm.rank() == 0;
     let out_dir = recipe.output_dir();
     // Which checkpoint to continue from, checked before the model loads.
     let resume = checkpoint::resume_point(&recipe, &out_dir)?;
     match (&resume, &recipe.train.resume) {
+        _ if !lead => {}
         (Some(ck), _) => eprintln!(
             "resuming from {} (step {} of {})",
             ck.dir.display(),
@@ -507,13 +789,25 @@ pub fn run(recipe: Recipe) -> Result<RunSummary> {
         ),
         _ => {}
     }
-    let session = Session::new(recipe)?;
+    let session = Session::for_rank(recipe, comm, ordinal)?;
     let m = &session.model;
     let trainable: usize = m
         .adapters()
         .map(|(_, l)| l.a.elem_count() + l.b.elem_count())
         .sum();
-    eprintln!(
+    let world = session.comm.world();
+    if lead && world > 1 {
+        let p = &session.recipe.parallel;
+        let resident = crate::dist::fsdp::resident_base_bytes(m, session.shards.as_ref());
+        eprintln!(
+            "{} over {world} ranks (devices {:?}); frozen base resident per rank: {:.1} MB",
+            p.strategy.name(),
+            p.devices,
+            resident as f64 / 1e6
+        );
+    }
+    if lead {
+        eprintln!(
         "model {} ({:?}, {} layers, {:.1}M params, {:?} on {:?}); LoRA r={} alpha={} on {}: {} trainable params",
         session.base_name,
         m.cfg.family,
@@ -526,24 +820,24 @@ pub fn run(recipe: Recipe) -> Result<RunSummary> {
         session.spec.targets.join(","),
         trainable
     );
-    eprintln!(
-        "data {}: {} examples ({} truncated to seq_len {}), {} steps",
-        session.data.source.display(),
-        session.data.examples.len(),
-        session.data.truncated,
-        session.recipe.data.seq_len,
-        session.total_steps()
-    );
-    for note in &session.data_notes {
-        eprintln!("{note}");
+        eprintln!(
+            "data {}: {} examples ({} truncated to seq_len {}), {} steps",
+            session.data.source.display(),
+            session.data.examples.len(),
+            session.data.truncated,
+            session.recipe.data.seq_len,
+            session.total_steps()
+        );
+        for note in &session.data_notes {
+            eprintln!("{note}");
+        }
     }
-    let signal = stop::install_signal_handlers()?;
     let res = session.train_from(&out_dir, resume.as_ref(), &|_| signal.received());
     if res.is_err() && signal.received() {
         signal.wait_announced();
     }
     let summary = res?;
-    if session.recipe.output.merge {
+    if lead && session.recipe.output.merge {
         let size = session.recipe.output.max_shard_size.as_deref();
         let opts = export::merge::MergeOptions {
             dtype: None,

@@ -79,6 +79,7 @@ impl std::fmt::Display for NonFinite {
 impl std::error::Error for NonFinite {}
 
 /// The first SIGINT / SIGTERM, as the training loop sees it.
+#[derive(Clone)]
 pub struct StopSignal {
     flag: Arc<AtomicBool>,
     announced: Arc<AtomicBool>,

@@ -1,0 +1,96 @@
+//! Communication between ranks: one `Comm` per rank, the same calls whatever the backend.
+//!
+//! defines: Comm (rank, world, all_reduce_sum, all_gather, broadcast, barrier), Solo (world 1),
+//! Group (makes each rank's Comm, brings every rank down when one fails), CommError.
+//! Backends: cpu (threads of one process), nccl (CUDA, `nccl` feature). FSDP sharding: fsdp;
+//! starting the ranks (threads, or torchrun / Slurm processes): launch.
+//!
+//! The model knows no communication: train::driver gathers, reduces and recomputes.
+
+pub mod cpu;
+pub mod fsdp;
+pub mod launch;
+#[cfg(feature = "nccl")]
+pub mod nccl;
+
+use candle_core::{Result, Tensor};
+
+/// One rank's end of a communicator. Every rank calls the same collectives in the same order.
+/// The calls block (CPU) or are queued on the device stream (NCCL) until every rank joined.
+pub trait Comm {
+    fn rank(&self) -> usize;
+    fn world(&self) -> usize;
+    /// Σ over ranks, elementwise; same shape and dtype as `x`.
+    fn all_reduce_sum(&self, x: &Tensor) -> Result<Tensor>;
+    /// Every rank's `x` flattened, rank order: [n] → [world · n]. Every rank passes the same n.
+    fn all_gather(&self, x: &Tensor) -> Result<Tensor>;
+    /// Rank `root`'s `x` on every rank (same shape everywhere).
+    fn broadcast(&self, x: &Tensor, root: usize) -> Result<Tensor>;
+    fn barrier(&self) -> Result<()>;
+    /// `all_gather` issued ahead of its use: it may overlap the work queued after it, so its
+    /// result may be read only after `gathered`. Default: `all_gather`.
+    fn all_gather_ahead(&self, x: &Tensor) -> Result<Tensor> {
+        self.all_gather(x)
+    }
+    /// Work queued from now on waits for every `all_gather_ahead` issued so far.
+    fn gathered(&self) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// World 1: every collective is the identity (no copy, no lock).
+pub struct Solo;
+
+impl Comm for Solo {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn world(&self) -> usize {
+        1
+    }
+    fn all_reduce_sum(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.clone())
+    }
+    fn all_gather(&self, x: &Tensor) -> Result<Tensor> {
+        x.flatten_all()
+    }
+    fn broadcast(&self, x: &Tensor, _root: usize) -> Result<Tensor> {
+        Ok(x.clone())
+    }
+    fn barrier(&self) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// The ranks of one run, as the launcher sees them: it makes each rank's `Comm` (on the
+/// rank's own thread: NCCL communicators must be created where they are used), and when a
+/// rank fails it calls `abort` so that every other rank's pending and future collectives
+/// fail at once instead of waiting for the dead rank.
+pub trait Group: Send + Sync {
+    fn world(&self) -> usize;
+    fn comm(self: std::sync::Arc<Self>, rank: usize) -> anyhow::Result<Box<dyn Comm>>;
+    /// Rank `rank` failed with `why`; the first call wins and is what the others report.
+    fn abort(&self, rank: usize, why: &str);
+    /// The first failure: (rank, its error chain).
+    fn failure(&self) -> Option<(usize, String)>;
+}
+
+/// Errors of the collectives themselves, matched by the launcher and tests.
+#[derive(Debug, thiserror::Error)]
+pub enum CommError {
+    #[error("rank {rank} failed, so rank {me} stopped: {why}")]
+    Aborted { me: usize, rank: usize, why: String },
+    #[error("rank {me} waited {secs} s in {op} for rank(s) {missing:?}, which never joined (parallel.timeout_s = {secs}: raise it if a step legitimately takes longer)")]
+    Timeout {
+        me: usize,
+        op: &'static str,
+        missing: Vec<usize>,
+        secs: u64,
+    },
+}
+
+impl From<CommError> for candle_core::Error {
+    fn from(e: CommError) -> Self {
+        candle_core::Error::wrap(e)
+    }
+}

@@ -1,0 +1,479 @@
+//! DDP / FSDP on CPU thread ranks: the same adapter as one rank with the same global batch,
+//! FSDP's resident memory, the collectives' numbers, and a dead rank ending the run.
+
+use crate::common::*;
+use candle_core::{Device, Tensor};
+use lora_train::dist::cpu::CpuGroup;
+use lora_train::dist::fsdp::resident_base_bytes;
+use lora_train::dist::launch::{self, EnvRank};
+use lora_train::dist::{Comm, Group};
+use lora_train::train::Session;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Trains a golden case's model (llama_gqa: 8 rows of uneven length) from its init adapter
+/// for 3 steps; returns the adapter.
+fn adapter_of(case: &str, sets: &[&str], parallel: &str) -> HashMap<String, Tensor> {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let text = format!("{}\n{parallel}\n", golden_recipe(case, &out));
+    let mut all = vec![
+        "train.max_grad_norm=1.0",
+        "lora.dropout=0.0",
+        "train.max_steps=3",
+    ];
+    all.extend_from_slice(sets);
+    let r = recipe(tmp.path(), &text, &all);
+    let summary = lora_train::train::run(r).unwrap();
+    assert_eq!(summary.steps, 3);
+    load_st(&out.join("adapter_model.safetensors"))
+}
+
+fn par(strategy: &str, world: usize) -> String {
+    let devs: Vec<String> = (0..world).map(|d| d.to_string()).collect();
+    format!(
+        "[parallel]\nstrategy = \"{strategy}\"\ndevices = [{}]\ntimeout_s = 60\n",
+        devs.join(", ")
+    )
+}
+
+fn assert_same(
+    what: &str,
+    got: &HashMap<String, Tensor>,
+    want: &HashMap<String, Tensor>,
+    rtol: f64,
+    atol: f64,
+) {
+    let mut k1: Vec<_> = got.keys().collect();
+    let mut k2: Vec<_> = want.keys().collect();
+    k1.sort();
+    k2.sort();
+    assert_eq!(k1, k2, "{what}: adapter keys");
+    assert!(k1.len() >= 4, "{what}: {} keys", k1.len());
+    for (k, t) in want {
+        assert_close(&format!("{what} {k}"), &got[k], t, rtol, atol);
+    }
+}
+
+/// `world` ranks × `micro` rows × `accum` micro-batches against one rank with the same global
+/// batch, two ways:
+/// - one rank × `micro` rows × world·accum micro-batches runs every row at the same padded
+///   length, so only the order of the gradient sum differs: rtol 1e-5 plus 1e-6 of the
+///   largest entry (bit-identical when accum = 1, as observed; ~5e-7 with 8 terms summed in
+///   another order);
+/// - one rank × world·micro rows × `accum` pads rows to other lengths, which moves f32 sums
+///   by ~4e-6 of the largest entry after three AdamW steps whether or not ranks are involved
+///   (the same noise as accumulation vs a big batch on one rank): rtol 1e-5 plus 1e-5 of the
+///   tensor's largest entry.
+fn refs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+fn check(case: &str, strategy: &str, world: usize, micro: usize, accum: usize, extra: &[&str]) {
+    let set = |m: usize, a: usize| {
+        let mut v = vec![
+            format!("train.micro_batch={m}"),
+            format!("train.grad_accum={a}"),
+        ];
+        v.extend(extra.iter().map(|s| s.to_string()));
+        v
+    };
+    let (d, sa, sb) = (
+        set(micro, accum),
+        set(micro, world * accum),
+        set(world * micro, accum),
+    );
+    let dist = adapter_of(case, &refs(&d), &par(strategy, world));
+    let what = format!("{case} {strategy} {world}x{micro}x{accum}");
+    let same_rows = adapter_of(case, &refs(&sa), "");
+    assert_same(
+        &format!("{what} vs 1x{micro}x{}", world * accum),
+        &dist,
+        &same_rows,
+        1e-5,
+        1e-6,
+    );
+    let big = adapter_of(case, &refs(&sb), "");
+    assert_same(
+        &format!("{what} vs 1x{}x{accum}", world * micro),
+        &dist,
+        &big,
+        1e-5,
+        1e-5,
+    );
+    // The adapter moved: the comparison is not between two untouched inits.
+    let init = load_st(&golden_dir(case).join("init_adapter/adapter_model.safetensors"));
+    let moved = big
+        .iter()
+        .map(|(k, t)| max_abs_diff(t, &init[k]))
+        .fold(0f32, f32::max);
+    assert!(moved > 1e-4, "{what}: adapter did not train: {moved}");
+}
+
+#[test]
+fn ddp_two_ranks_of_one_row_equal_one_rank_of_two() {
+    check("llama_gqa", "ddp", 2, 1, 1, &[]);
+}
+
+#[test]
+fn ddp_with_accumulation_and_uneven_rows_equals_one_rank() {
+    // 4 rows per step, rows of 9, 11, 3, 7, ... counted tokens: each rank's share differs.
+    check("llama_gqa", "ddp", 2, 1, 2, &[]);
+}
+
+#[test]
+fn fsdp_equals_one_rank_with_and_without_checkpointing() {
+    check("llama_gqa", "fsdp", 2, 1, 1, &[]);
+    check(
+        "llama_gqa",
+        "fsdp",
+        2,
+        1,
+        1,
+        &["train.activation_checkpointing=true"],
+    );
+}
+
+#[test]
+fn fsdp_four_ranks_with_accumulation_equal_one_rank() {
+    // Four ranks: the layers' flat sizes are not multiples of 4, so shards are padded.
+    check(
+        "llama_gqa",
+        "fsdp",
+        4,
+        1,
+        2,
+        &["train.activation_checkpointing=true"],
+    );
+}
+
+#[test]
+fn fsdp_with_biases_and_a_tied_head_equals_one_rank() {
+    // Qwen2's q/k/v biases ride in the layer's flat buffer; a tied head is the gathered
+    // embedding itself.
+    for case in ["qwen2_bias", "llama_mha_tied_rope3"] {
+        check(
+            case,
+            "fsdp",
+            2,
+            1,
+            1,
+            &["train.activation_checkpointing=true"],
+        );
+    }
+}
+
+#[test]
+fn a_ddp_run_resumed_from_its_checkpoint_ends_where_an_unbroken_one_does() {
+    // Rank 0 saves step 2 of 4; a second run continues from it (as fsdp: the same numbers)
+    // and must end on the same adapter to the bit, every rank having restored the state.
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+    let sets = [
+        "train.micro_batch=1",
+        "train.max_steps=4",
+        "output.save_every=2",
+    ];
+    let run = |out: &std::path::Path, strategy: &str, extra: &[&str]| {
+        let text = format!("{}\n{}", golden_recipe("llama_gqa", out), par(strategy, 2));
+        let mut all = sets.to_vec();
+        all.extend_from_slice(extra);
+        let dir = tempfile::tempdir().unwrap();
+        lora_train::train::run(recipe(dir.path(), &text, &all)).unwrap()
+    };
+    let whole = run(&a, "ddp", &[]);
+    assert_eq!(whole.steps, 4);
+    let from = format!(
+        "train.resume={:?}",
+        a.join("checkpoint-2").display().to_string()
+    );
+    let rest = run(&b, "fsdp", &[&from]);
+    assert_eq!(rest.steps, 4);
+    assert_eq!(rest.losses.len(), 2);
+    assert_eq!(rest.losses[..], whole.losses[2..]);
+    let (x, y) = (
+        load_st(&a.join("adapter_model.safetensors")),
+        load_st(&b.join("adapter_model.safetensors")),
+    );
+    assert_same("resumed vs unbroken", &y, &x, 0.0, 0.0);
+}
+
+/// A DDP run on the tiny golden model whose rank 1 fails (or hangs, when `hang`) right after
+/// loading, while rank 0 trains: (the run's error, seconds to it, whether rank 0 wrote).
+fn run_with_a_bad_rank(hang: bool) -> (String, f64, bool) {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let text = format!(
+        "{}\n[parallel]\nstrategy = \"ddp\"\ndevices = [0, 1]\ntimeout_s = 1\n",
+        golden_recipe("llama_gqa", &out)
+    );
+    let r = recipe(tmp.path(), &text, &["train.micro_batch=1"]);
+    let start = Instant::now();
+    let out2 = out.clone();
+    let body = move |rank: usize, comm: Box<dyn Comm>| -> anyhow::Result<usize> {
+        let s = Session::for_rank(r.clone(), comm, 0)?;
+        if rank == 1 {
+            if hang {
+                std::thread::sleep(Duration::from_secs(30));
+            }
+            anyhow::bail!(anyhow::anyhow!("train.jsonl:5: bad row").context("rank 1's data"));
+        }
+        Ok(s.train(&out2)?.steps)
+    };
+    let err = launch::threads(group(2, 1), Arc::new(body), Duration::from_secs(1)).unwrap_err();
+    let wrote = out.join("adapter_model.safetensors").exists();
+    (format!("{err:#}"), start.elapsed().as_secs_f64(), wrote)
+}
+
+#[test]
+fn a_training_rank_that_fails_ends_the_run_with_its_error() {
+    let (err, secs, wrote) = run_with_a_bad_rank(false);
+    assert_eq!(
+        err,
+        "rank 1 of 2 failed: rank 1's data: train.jsonl:5: bad row"
+    );
+    assert!(secs < 10.0, "{secs} s");
+    assert!(!wrote, "rank 0 wrote an adapter of a failed run");
+}
+
+#[test]
+fn a_training_rank_that_hangs_times_out_the_run() {
+    let (err, secs, wrote) = run_with_a_bad_rank(true);
+    assert!(
+        err.starts_with("rank 0 of 2 failed: ")
+            && err.contains("rank 0 waited 1 s in all_reduce for rank(s) [1], which never joined"),
+        "{err}"
+    );
+    assert!(secs < 10.0, "{secs} s");
+    assert!(!wrote);
+}
+
+/// (resident frozen bytes, largest gathered group) of each rank of an FSDP session.
+fn fsdp_resident(world: usize) -> Vec<(usize, usize)> {
+    let tmp = tempfile::tempdir().unwrap();
+    let text = format!(
+        "{}\n{}",
+        golden_recipe("llama_gqa", &tmp.path().join("out")),
+        par("fsdp", world)
+    );
+    let r = recipe(tmp.path(), &text, &[]);
+    let group = CpuGroup::new(world, Duration::from_secs(60));
+    let body = move |rank: usize, comm: Box<dyn Comm>| {
+        let s = Session::for_rank(r.clone(), comm, 0)?;
+        let shards = s.shards.as_ref().unwrap();
+        let me = (
+            resident_base_bytes(&s.model, Some(shards)),
+            shards.largest_group_bytes(),
+        );
+        // Gather everything every rank holds (rank order) to return it from rank 0.
+        let t = Tensor::new(&[me.0 as f64, me.1 as f64], &Device::Cpu)?;
+        let all = s.comm.all_gather(&t)?.to_vec1::<f64>()?;
+        let _ = rank;
+        Ok(all
+            .chunks(2)
+            .map(|c| (c[0] as usize, c[1] as usize))
+            .collect::<Vec<_>>())
+    };
+    launch::threads(group, Arc::new(body), Duration::from_secs(5)).unwrap()
+}
+
+#[test]
+fn fsdp_ranks_hold_one_nth_of_the_base() {
+    let tmp = tempfile::tempdir().unwrap();
+    let r = recipe(
+        tmp.path(),
+        &golden_recipe("llama_gqa", &tmp.path().join("out")),
+        &[],
+    );
+    let s = Session::new(r).unwrap();
+    let full = resident_base_bytes(&s.model, None);
+    let layer: usize = s.model.layers[0]
+        .clone()
+        .frozen_mut()
+        .iter()
+        .map(|t| t.elem_count() * 4)
+        .sum();
+    assert!(full > 10_000, "{full}");
+    for world in [2, 3] {
+        let ranks = fsdp_resident(world);
+        assert_eq!(ranks.len(), world);
+        // Groups: one per layer + embedding/head; each is padded by < world elements and
+        // leaves one 1-element placeholder per frozen tensor.
+        let groups = s.model.layers.len() + 1;
+        let slack = groups * world * 4 + s.model.base_tensors().len() * 4;
+        for (rank, &(bytes, largest)) in ranks.iter().enumerate() {
+            assert!(
+                bytes >= full / world && bytes <= full / world + slack,
+                "world {world} rank {rank}: {bytes} resident bytes, full {full}, 1/N {}",
+                full / world
+            );
+            // What a gather adds on top: the largest group, at least a whole layer.
+            assert!(
+                largest >= layer && largest < full,
+                "{largest} vs layer {layer}"
+            );
+        }
+    }
+}
+
+fn group(world: usize, secs: u64) -> Arc<CpuGroup> {
+    CpuGroup::new(world, Duration::from_secs(secs))
+}
+
+#[test]
+fn cpu_collectives_give_exact_sums_gathers_and_broadcasts() {
+    let body = |rank: usize, comm: Box<dyn Comm>| {
+        let x = Tensor::new(&[rank as f32 + 1.0, 10.0 * rank as f32], &Device::Cpu)?;
+        let sum = comm.all_reduce_sum(&x)?.to_vec1::<f32>()?;
+        let all = comm.all_gather(&x)?.to_vec1::<f32>()?;
+        let b = comm.broadcast(&x, 2)?.to_vec1::<f32>()?;
+        comm.barrier()?;
+        Ok((rank, comm.world(), sum, all, b))
+    };
+    let (rank, world, sum, all, b) =
+        launch::threads(group(3, 10), Arc::new(body), Duration::from_secs(5)).unwrap();
+    assert_eq!((rank, world), (0, 3));
+    assert_eq!(sum, vec![6.0, 30.0]);
+    assert_eq!(all, vec![1.0, 0.0, 2.0, 10.0, 3.0, 20.0]);
+    assert_eq!(b, vec![3.0, 20.0]);
+}
+
+#[test]
+fn a_failing_rank_stops_the_others_with_its_error() {
+    let start = Instant::now();
+    let body = |rank: usize, comm: Box<dyn Comm>| -> anyhow::Result<()> {
+        let x = Tensor::new(&[1f32], &Device::Cpu)?;
+        for i in 0..1_000_000 {
+            if rank == 1 && i == 3 {
+                anyhow::bail!(anyhow::anyhow!("row 17 is malformed").context("data of rank 1"));
+            }
+            comm.all_reduce_sum(&x)?;
+        }
+        Ok(())
+    };
+    let err = launch::threads(group(3, 600), Arc::new(body), Duration::from_secs(600)).unwrap_err();
+    let msg = format!("{err:#}");
+    assert_eq!(
+        msg,
+        "rank 1 of 3 failed: data of rank 1: row 17 is malformed"
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        start.elapsed()
+    );
+}
+
+#[test]
+fn a_rank_that_stops_participating_times_out_the_run() {
+    let start = Instant::now();
+    let body = |rank: usize, comm: Box<dyn Comm>| -> anyhow::Result<()> {
+        let x = Tensor::new(&[1f32], &Device::Cpu)?;
+        comm.all_reduce_sum(&x)?;
+        if rank == 1 {
+            // Hangs outside any collective (a stuck data loader, say).
+            std::thread::sleep(Duration::from_secs(30));
+        }
+        comm.all_reduce_sum(&x)?;
+        Ok(())
+    };
+    let err = launch::threads(group(2, 1), Arc::new(body), Duration::from_secs(1)).unwrap_err();
+    let msg = format!("{err:#}");
+    assert!(
+        msg.starts_with("rank 0 of 2 failed: rank 0 waited 1 s in all_reduce for rank(s) [1], which never joined"),
+        "{msg}"
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        start.elapsed()
+    );
+}
+
+#[test]
+fn launcher_environment_torchrun_and_slurm() {
+    let env = |pairs: &'static [(&'static str, &'static str)]| {
+        move |k: &str| {
+            pairs
+                .iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        }
+    };
+    let torchrun = env(&[
+        ("RANK", "3"),
+        ("WORLD_SIZE", "4"),
+        ("LOCAL_RANK", "1"),
+        ("MASTER_ADDR", "node0"),
+        ("MASTER_PORT", "29500"),
+    ]);
+    assert_eq!(
+        EnvRank::from_env(&torchrun).unwrap(),
+        Some(EnvRank {
+            rank: 3,
+            world: 4,
+            local: 1,
+            addr: "node0".into(),
+            port: 29501
+        })
+    );
+    let slurm = env(&[
+        ("SLURM_PROCID", "2"),
+        ("SLURM_NTASKS", "8"),
+        ("SLURM_LOCALID", "2"),
+        ("MASTER_ADDR", "n1"),
+        ("MASTER_PORT", "1000"),
+        ("LORA_TRAIN_PORT", "7000"),
+    ]);
+    let e = EnvRank::from_env(&slurm).unwrap().unwrap();
+    assert_eq!((e.rank, e.world, e.local, e.port), (2, 8, 2, 7000));
+    assert_eq!(EnvRank::from_env(&env(&[])).unwrap(), None);
+    assert_eq!(
+        EnvRank::from_env(&env(&[("RANK", "0"), ("WORLD_SIZE", "1")])).unwrap(),
+        None
+    );
+    let err = EnvRank::from_env(&env(&[("RANK", "0"), ("WORLD_SIZE", "2")])).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "WORLD_SIZE > 1 but MASTER_ADDR is not set: export MASTER_ADDR=<rank 0's host>"
+    );
+}
+
+#[test]
+fn rank_zero_shares_the_id_over_tcp() {
+    // A free port: bind to 0, read it, release it.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let id: Vec<u8> = (0..128u32).map(|i| (i * 7 % 251) as u8).collect();
+    let t = Duration::from_secs(20);
+    let handles: Vec<_> = (0..3)
+        .map(|rank| {
+            let id = id.clone();
+            std::thread::spawn(move || {
+                let payload = (rank == 0).then_some(id.as_slice());
+                launch::share(rank, 3, "127.0.0.1", port, payload, t).unwrap()
+            })
+        })
+        .collect();
+    for h in handles {
+        assert_eq!(h.join().unwrap(), id);
+    }
+}
+
+#[test]
+fn group_abort_reports_the_first_failure() {
+    let g = group(2, 60);
+    g.abort(1, "first");
+    g.abort(0, "second");
+    assert_eq!(g.failure(), Some((1, "first".to_string())));
+    let comm = g.clone().comm(0).unwrap();
+    let err = comm.barrier().unwrap_err().to_string();
+    assert!(
+        err.contains("rank 1 failed, so rank 0 stopped: first"),
+        "{err}"
+    );
+}
