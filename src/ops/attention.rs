@@ -310,11 +310,7 @@ pub fn attention_bwd(
             if ks >= part.dim(2)? {
                 break;
             }
-            let p = part.narrow(2, ks, bq.min(t - ks))?.to_dtype(DType::F32)?;
-            *sum = Some(match sum.take() {
-                Some(s) => (s + p)?,
-                None => p,
-            });
+            *sum = Some(acc_block(sum.take(), part, ks, bq.min(t - ks))?);
         }
         Ok(())
     };
@@ -350,4 +346,105 @@ pub fn attention_bwd(
         Tensor::cat(&parts, 2)
     };
     Ok((Tensor::cat(&dq, 2)?, done(dk)?, done(dv)?))
+}
+
+/// sum (f32 [B, H, bk, D], or zeros when None) + part[:, :, ks..ks + bk, :] (part [B, H, e, D]
+/// contiguous, any float dtype) in one pass: the key block is read in place, not cast from a
+/// strided view and then added.
+fn acc_block(sum: Option<Tensor>, part: &Tensor, ks: usize, bk: usize) -> Result<Tensor> {
+    let part = part.contiguous()?;
+    let op = AccBlock { ks, bk };
+    match sum {
+        Some(s) => s.contiguous()?.apply_op2_no_bwd(&part, &op),
+        None => part.apply_op1_no_bwd(&op),
+    }
+}
+
+struct AccBlock {
+    ks: usize,
+    bk: usize,
+}
+
+impl AccBlock {
+    fn run(&self, sum: Option<&[f32]>, part: &[f32], dims: &[usize]) -> Result<Vec<f32>> {
+        let (r, e, d) = rows_e_d(dims)?;
+        let mut out = vec![0f32; r * self.bk * d];
+        for ri in 0..r {
+            for j in 0..self.bk {
+                let src = (ri * e + self.ks + j) * d;
+                let dst = (ri * self.bk + j) * d;
+                for c in 0..d {
+                    out[dst + c] = sum.map_or(0.0, |s| s[dst + c]) + part[src + c];
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn out_shape(&self, dims: &[usize]) -> Shape {
+        let mut o = dims.to_vec();
+        o[2] = self.bk;
+        Shape::from(o)
+    }
+}
+
+/// [B, H, e, D] → (B·H, e, D)
+fn rows_e_d(dims: &[usize]) -> Result<(usize, usize, usize)> {
+    match dims {
+        [b, h, e, d] => Ok((b * h, *e, *d)),
+        _ => candle_core::bail!("acc_block: expected [B, H, e, D], got {dims:?}"),
+    }
+}
+
+impl CustomOp1 for AccBlock {
+    fn name(&self) -> &'static str {
+        "acc-block"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let out = self.run(None, &cpu_as_f32(s, l)?, l.dims())?;
+        Ok((CpuStorage::F32(out), self.out_shape(l.dims())))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (r, e, d) = rows_e_d(l.dims())?;
+        let out = super::cuda::acc_block(None, s, l, [r, e, d, self.ks, self.bk])?;
+        Ok((out, self.out_shape(l.dims())))
+    }
+}
+
+impl CustomOp2 for AccBlock {
+    fn name(&self) -> &'static str {
+        "acc-block"
+    }
+
+    fn cpu_fwd(
+        &self,
+        ss: &CpuStorage,
+        sl: &Layout,
+        ps: &CpuStorage,
+        pl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let sum = cpu_as_f32(ss, sl)?;
+        let out = self.run(Some(&sum), &cpu_as_f32(ps, pl)?, pl.dims())?;
+        Ok((CpuStorage::F32(out), self.out_shape(pl.dims())))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        ss: &candle_core::CudaStorage,
+        sl: &Layout,
+        ps: &candle_core::CudaStorage,
+        pl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (r, e, d) = rows_e_d(pl.dims())?;
+        let out = super::cuda::acc_block(Some((ss, sl)), ps, pl, [r, e, d, self.ks, self.bk])?;
+        Ok((out, self.out_shape(pl.dims())))
+    }
 }

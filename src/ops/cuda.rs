@@ -194,6 +194,18 @@ __device__ void relayout(const T* x, const float* cos, const float* sin, T* y, i
     }
 }
 
+// out [R, bk, D] f32 = sum (or 0) + part[R, ks..ks+bk, D] of part [R, e, D]; n = R·bk·D.
+template <typename T>
+__device__ void acc_block(const float* sum, const T* part, float* out, long n, int e, int d,
+                          int ks, int bk) {
+    long k = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (k >= n) return;
+    long per = (long)bk * d;
+    long r = k / per, rem = k % per;
+    float v = ld(part, (r * e + ks) * d + rem);
+    out[k] = sum ? sum[k] + v : v;
+}
+
 #define INST(NAME, T) \
 extern "C" __global__ void rms_norm_##NAME(const T* x, const T* w, T* y, int d, float eps) \
     { rms_norm<T>(x, w, y, d, eps); } \
@@ -212,6 +224,8 @@ extern "C" __global__ void softmax_bwd_##NAME(const T* p, const T* dp, const flo
 extern "C" __global__ void relayout_##NAME(const T* x, const float* c, const float* s, T* y, \
     int h, int t, int half, long pairs, int to_heads, float sign) \
     { relayout<T>(x, c, s, y, h, t, half, pairs, to_heads, sign); } \
+extern "C" __global__ void acc_block_##NAME(const float* sum, const T* part, float* out, long n, \
+    int e, int d, int ks, int bk) { acc_block<T>(sum, part, out, n, e, d, ks, bk); } \
 extern "C" __global__ void swiglu_##NAME(const T* g, const T* u, T* a, long n) \
     { swiglu<T>(g, u, a, n); } \
 extern "C" __global__ void swiglu_bwd_##NAME(const T* g, const T* u, const T* da, T* out, long n) \
@@ -716,4 +730,50 @@ pub fn relayout(
             .arg(&sg);
         unsafe { bld.launch(cfg) }.w()?;
     }))
+}
+
+/// out f32 [R, bk, D] = sum (f32, or zeros) + part[:, ks..ks + bk, :] of part [R, e, D];
+/// `red` = [R, e, D, ks, bk].
+pub fn acc_block(
+    sum: Option<(&CudaStorage, &Layout)>,
+    part: &CudaStorage,
+    pl: &Layout,
+    red: [usize; 5],
+) -> Result<CudaStorage> {
+    use candle_core::backend::BackendStorage;
+    let [r, e, d, ks, bk] = red;
+    let n = r * bk * d;
+    let dev = part.device().clone();
+    let func = module(&dev)?
+        .load_function(&format!("acc_block_{}", suffix(part.dtype())?))
+        .w()?;
+    let stream = dev.cuda_stream();
+    let cfg = LaunchConfig::for_num_elems(n as u32);
+    let out: CudaSlice<f32> = unsafe { dev.alloc::<f32>(n)? };
+    let (p1, p2) = contiguous(pl)?;
+    let null: u64 = 0;
+    let (nl, ei, di, ki, bi) = (n as i64, e as i32, d as i32, ks as i32, bk as i32);
+    let sum_view = match sum {
+        Some((s, sl)) => {
+            let (s1, s2) = contiguous(sl)?;
+            Some(s.as_cuda_slice::<f32>()?.slice(s1..s2))
+        }
+        None => None,
+    };
+    let mut bld = stream.launch_builder(&func);
+    match &sum_view {
+        Some(v) => bld.arg(v),
+        None => bld.arg(&null),
+    };
+    with_view!(part, p1..p2, |pv| {
+        bld.arg(&pv)
+            .arg(&out)
+            .arg(&nl)
+            .arg(&ei)
+            .arg(&di)
+            .arg(&ki)
+            .arg(&bi);
+        unsafe { bld.launch(cfg) }.w()?;
+    });
+    Ok(CudaStorage::wrap_cuda_slice(out, dev))
 }
