@@ -1,0 +1,810 @@
+//! The memory plan: per-rank device bytes of a LoRA run, from config.json alone (no weights).
+//!
+//! Notation: L layers, C hidden, I intermediate, H heads, K kv heads, D head dim, V vocab,
+//! s bytes per base element (2 bf16/f16, 4 f32), N = micro_batch × seq_len tokens per rank,
+//! P trainable LoRA parameters, W world size.
+//!
+//! Terms (each a formula; the two backward factors are calibrated, see `BWD_*`):
+//! - base: every frozen parameter × s (`ModelConfig::num_params`); FSDP: ⌈base / W⌉.
+//! - adapters: P × 4 (f32), gradients P × 4 (f32 running sums), AdamW m and v P × 8.
+//! - kept activations per token per layer, what autograd holds between forward and backward
+//!   (counted from `model::llama::Layer::forward`):
+//!     s · (7C + 5·H·D + 5·K·D + 4I) + 4H
+//!   7C: layer input (Var copy), input norm out, o_proj out, residual, post norm out, down out,
+//!   layer output; 5·H·D: q out, q made contiguous for rope, roped q, attention out, its
+//!   [B, T, H·D] copy; 5·K·D: k out, contiguous k, roped k, v out, contiguous v (GQA adds
+//!   2·H·D: k and v repeated to H heads); 4I: gate, silu, up, silu ⊙ up; 4H: the f32 row
+//!   log-sum-exp of attention. Llama-2-7B bf16: 227,456 B/token/layer; measured 227,350
+//!   (BENCHMARKS.md (a): (40.77 − 13.00 GiB) / (32 layers × 4096 tokens)).
+//! - checkpointing keeps (L + 1) layer boundaries of N·C·s (inputs + the last output) and, in
+//!   backward, one recomputed layer's activations.
+//! - head (lm_head + CE in chunks of ~2^24 logits): HEAD_CHUNKS × 2^24 × 4 B of f32 logits and
+//!   their softmax / gradients + dL/dh [N, C]·s.
+//! - attention forward workspace: 3 score blocks of min(128 MiB, B·H·T²·2) (scores, P, P·V).
+//! - backward workspace of one layer: BWD_KEPT (no checkpointing) or BWD_CKPT (checkpointing)
+//!   × one layer's kept activations, plus the gradients P × 4 and dL/dh N·C·s.
+//! - DDP: full base per rank, as single, plus a flat f32 all-reduce bucket of P × 4.
+//! - FSDP: base / W plus gather buffers for the current and the prefetched next layer (2 × a
+//!   layer's parameters × s), and lm_head gathered for the head (V·C·s).
+//! - CUDA context (CONTEXT bytes, outside the pool) and allocator slack (SLACK × pool peak).
+//!
+//! The pool peak (`pool_peak`) is what `lora-train bench` reports as `peak_alloc_gib` (the
+//! pool's high-water mark); `total` adds context and slack and is what must fit the card.
+
+use crate::lora::ALL_LINEAR;
+use crate::model::ModelConfig;
+use crate::recipe::Strategy;
+
+pub const GIB: u64 = 1 << 30;
+pub const MIB: u64 = 1 << 20;
+/// CUDA context, cuBLAS handles and module images: device memory outside the pool.
+pub const CONTEXT: u64 = 512 * MIB;
+/// Allocator slack over the pool's used high-water mark (fragmentation, rounding).
+pub const SLACK: f64 = 0.05;
+/// Backward workspace of one layer without checkpointing, in units of one layer's kept
+/// activations. Calibrated on BENCHMARKS.md (d), micro-batch 2, seq 2048, Llama-2-7B:
+/// backward peak 42.67 GiB − forward end 40.77 − gradients 0.15 − dL/dh 0.03 = 1.72 GiB =
+/// 1.98 × 0.868 GiB.
+pub const BWD_KEPT: f64 = 2.0;
+/// The same with checkpointing, beyond the recomputed layer's own activations. Calibrated
+/// on BENCHMARKS.md (d), micro-batch 8 + checkpointing: 38.37 − 17.13 − 0.15 − 0.125 −
+/// 3.47 (the recomputed layer) = 17.5 GiB = 5.04 × 3.47 GiB.
+pub const BWD_CKPT: f64 = 5.0;
+/// f32 logit-sized buffers alive at once in one head chunk (logits, log-softmax, their
+/// gradients, ...). Calibrated: head peak − forward end = 0.75 GiB at micro-batch 2 (0.72
+/// GiB over dL/dh) and 0.85 GiB at micro-batch 8: 11.5 × 2^24 × 4 B = 0.72 GiB.
+pub const HEAD_CHUNKS: f64 = 11.5;
+/// Logits per head chunk (driver::forward_backward_probed).
+pub const HEAD_CHUNK_LOGITS: u64 = 1 << 24;
+/// Attention score block bound (ops::attention::default_block).
+pub const ATTN_BLOCK: u64 = 128 * MIB;
+
+/// What the plan is for: the shape, the batch, the adapters and the world.
+#[derive(Debug, Clone)]
+pub struct PlanInput {
+    pub cfg: ModelConfig,
+    /// lm_head is the embedding (counted once).
+    pub tied: bool,
+    /// Bytes per base element: 2 (bf16/f16) or 4 (f32).
+    pub dtype_bytes: u64,
+    pub micro_batch: usize,
+    pub seq_len: usize,
+    pub rank: usize,
+    /// LoRA target modules (names from `ALL_LINEAR`).
+    pub targets: Vec<String>,
+    /// Ranks for ddp / fsdp (1: single only).
+    pub gpus: usize,
+    /// On CUDA: count the context and the allocator slack (0 on the CPU).
+    pub cuda: bool,
+}
+
+/// One strategy's per-rank bytes.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Breakdown {
+    pub strategy: Strategy,
+    pub ckpt: bool,
+    pub world: usize,
+    pub micro_batch: usize,
+    pub base: u64,
+    /// LoRA A and B in f32.
+    pub adapters: u64,
+    /// Gradients (f32) and, for DDP, the all-reduce bucket.
+    pub grads: u64,
+    /// AdamW m and v (f32).
+    pub optimizer: u64,
+    /// Activations alive at the peak: kept by autograd, or checkpointed boundaries plus the
+    /// recomputed layer.
+    pub activations: u64,
+    /// Workspace of the peak phase (backward / head / attention), FSDP gathers excluded.
+    pub transient: u64,
+    /// FSDP: the gathered full weights of the current and next layer (0 otherwise).
+    pub gather: u64,
+    pub context: u64,
+    pub slack: u64,
+    /// The pool's high-water mark: what `bench` measures as peak_alloc_gib.
+    pub pool_peak: u64,
+    /// pool_peak + context + slack: what must fit.
+    pub total: u64,
+    /// Which phase has the peak: load, forward, head, backward or optimizer.
+    pub peak_phase: &'static str,
+    /// The pool's peak in each phase, in order load, forward, head, backward, optimizer.
+    pub phases: [(&'static str, u64); 5],
+}
+
+impl Breakdown {
+    /// The largest of the terms that a setting can shrink: "activations" (activations +
+    /// transient), "optimizer" (adapters + grads + AdamW) or "base" (base + gathers).
+    pub fn dominant(&self) -> &'static str {
+        let act = self.activations + self.transient;
+        let opt = self.adapters + self.grads + self.optimizer;
+        let base = self.base + self.gather;
+        if act >= opt && act >= base {
+            "activations"
+        } else if opt >= base {
+            "optimizer"
+        } else {
+            "base"
+        }
+    }
+}
+
+/// Trainable LoRA parameters: Σ over layers and targeted linears of r · (in + out).
+pub fn lora_params(cfg: &ModelConfig, rank: usize, targets: &[String]) -> u64 {
+    let (c, i) = (cfg.hidden_size, cfg.intermediate_size);
+    let (q, kv) = (
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+    );
+    let per_layer: usize = ALL_LINEAR
+        .iter()
+        .filter(|m| targets.iter().any(|t| t == *m))
+        .map(|m| match *m {
+            "q_proj" => c + q,
+            "k_proj" | "v_proj" => c + kv,
+            "o_proj" => q + c,
+            "gate_proj" | "up_proj" => c + i,
+            _ => i + c, // down_proj
+        })
+        .sum();
+    (cfg.num_layers * per_layer * rank) as u64
+}
+
+/// Bytes autograd keeps per token per layer (the formula in the module docs).
+pub fn kept_per_token_layer(cfg: &ModelConfig, s: u64) -> u64 {
+    let (c, i) = (cfg.hidden_size as u64, cfg.intermediate_size as u64);
+    let (h, k, d) = (
+        cfg.num_heads as u64,
+        cfg.num_kv_heads as u64,
+        cfg.head_dim as u64,
+    );
+    let gqa = if h != k { 2 * h * d } else { 0 };
+    s * (7 * c + 5 * h * d + 5 * k * d + gqa + 4 * i) + 4 * h
+}
+
+/// Parameters of one decoder layer (linears, biases, two norms).
+fn layer_params(cfg: &ModelConfig) -> u64 {
+    let all = cfg.num_params(true) as u64;
+    let outside = (cfg.vocab_size * cfg.hidden_size + cfg.hidden_size) as u64;
+    (all - outside) / cfg.num_layers.max(1) as u64
+}
+
+/// The per-rank breakdown of one strategy, with or without checkpointing, at `micro_batch`.
+pub fn breakdown(p: &PlanInput, strategy: Strategy, ckpt: bool, micro_batch: usize) -> Breakdown {
+    let cfg = &p.cfg;
+    let s = p.dtype_bytes;
+    let world = if strategy == Strategy::Single {
+        1
+    } else {
+        p.gpus.max(1)
+    };
+    let (b, t) = (micro_batch as u64, p.seq_len as u64);
+    let n = b * t; // tokens per rank
+    let (c, l, v) = (
+        cfg.hidden_size as u64,
+        cfg.num_layers as u64,
+        cfg.vocab_size as u64,
+    );
+    let full_base = cfg.num_params(p.tied) as u64 * s;
+    let base = if strategy == Strategy::Fsdp {
+        full_base.div_ceil(world as u64)
+    } else {
+        full_base
+    };
+    let lp = lora_params(cfg, p.rank, &p.targets);
+    let adapters = 4 * lp;
+    let grad_sums = 4 * lp;
+    let bucket = if strategy == Strategy::Ddp { 4 * lp } else { 0 };
+    let optimizer = 8 * lp;
+    let (gather, head_gather) = if strategy == Strategy::Fsdp {
+        (2 * layer_params(cfg) * s, v * c * s)
+    } else {
+        (0, 0)
+    };
+    let layer_act = kept_per_token_layer(cfg, s) * n;
+    let boundary = n * c * s; // one [B, T, C] tensor
+    let kept = if ckpt {
+        (l + 1) * boundary
+    } else {
+        l * layer_act
+    };
+    let steady = base + adapters + optimizer;
+    let scores = (b * cfg.num_heads as u64 * t * t * 2).min(ATTN_BLOCK);
+    let attn_ws = 3 * scores;
+    let head_ws = (HEAD_CHUNKS * (HEAD_CHUNK_LOGITS.min(n * v) * 4) as f64) as u64 + boundary;
+    let (recomputed, bwd_ws) = if ckpt {
+        (layer_act, (BWD_CKPT * layer_act as f64) as u64)
+    } else {
+        (0, (BWD_KEPT * layer_act as f64) as u64)
+    };
+    let load = base + adapters;
+    let forward = steady + kept + attn_ws + gather;
+    let head = steady + kept + head_ws + head_gather;
+    let backward = steady + kept + recomputed + grad_sums + bucket + boundary + bwd_ws + gather;
+    // AdamW builds the new m, v and adapter values before dropping the old ones.
+    let optim = steady + grad_sums + bucket + adapters + optimizer;
+    let phases = [
+        ("load", load),
+        ("forward", forward),
+        ("head", head),
+        ("backward", backward),
+        ("optimizer", optim),
+    ];
+    let (peak_phase, pool_peak) =
+        phases
+            .iter()
+            .copied()
+            .fold(("load", 0), |m, x| if x.1 > m.1 { x } else { m });
+    let (activations, transient, gather_at_peak) = match peak_phase {
+        "forward" => (kept, attn_ws, gather),
+        "head" => (kept, head_ws, head_gather),
+        "backward" => (kept + recomputed, bwd_ws + boundary, gather),
+        _ => (0, 0, 0),
+    };
+    let grads = match peak_phase {
+        "backward" | "optimizer" => grad_sums + bucket,
+        _ => 0,
+    };
+    // The optimizer phase's second copy of state counts as transient.
+    let transient = if peak_phase == "optimizer" {
+        adapters + optimizer
+    } else {
+        transient
+    };
+    let (context, slack) = if p.cuda {
+        (CONTEXT, (SLACK * pool_peak as f64) as u64)
+    } else {
+        (0, 0)
+    };
+    Breakdown {
+        strategy,
+        ckpt,
+        world,
+        micro_batch,
+        base,
+        adapters,
+        grads,
+        optimizer,
+        activations,
+        transient,
+        gather: gather_at_peak,
+        context,
+        slack,
+        pool_peak,
+        total: pool_peak + context + slack,
+        peak_phase,
+        phases,
+    }
+}
+
+/// The strategies a plan covers: single, and ddp and fsdp when there are several GPUs.
+pub fn strategies(gpus: usize) -> Vec<Strategy> {
+    if gpus > 1 {
+        vec![Strategy::Single, Strategy::Ddp, Strategy::Fsdp]
+    } else {
+        vec![Strategy::Single]
+    }
+}
+
+/// The largest micro-batch (up to `limit`) whose total fits `capacity`; None if 1 does not.
+pub fn max_micro_batch(
+    p: &PlanInput,
+    strategy: Strategy,
+    ckpt: bool,
+    capacity: u64,
+    limit: usize,
+) -> Option<usize> {
+    let fits = |mb: usize| breakdown(p, strategy, ckpt, mb).total <= capacity;
+    if !fits(1) {
+        return None;
+    }
+    // Totals grow with the micro-batch: double, then bisect.
+    let mut lo = 1;
+    while lo < limit && fits((lo * 2).min(limit)) {
+        lo = (lo * 2).min(limit);
+    }
+    let mut hi = (lo * 2).min(limit);
+    if lo == hi {
+        return Some(lo);
+    }
+    while hi - lo > 1 {
+        let mid = (lo + hi) / 2;
+        if fits(mid) {
+            lo = mid
+        } else {
+            hi = mid
+        }
+    }
+    Some(lo)
+}
+
+/// One row of the plan: a breakdown and, against a capacity, whether it fits.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Row {
+    #[serde(flatten)]
+    pub b: Breakdown,
+    pub fits: Option<bool>,
+    /// The largest micro-batch that fits (None: no capacity, or not even 1).
+    pub max_micro_batch: Option<usize>,
+}
+
+/// What to do, in the order the checks run.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Advice {
+    pub strategy: Option<Strategy>,
+    pub ckpt: Option<bool>,
+    pub micro_batch: Option<usize>,
+    pub grad_accum: Option<usize>,
+    pub lines: Vec<String>,
+}
+
+/// The whole plan: rows for every strategy × checkpointing, and advice.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Plan {
+    pub micro_batch: usize,
+    pub grad_accum: usize,
+    pub seq_len: usize,
+    pub gpus: usize,
+    pub dtype_bytes: u64,
+    pub lora_params: u64,
+    pub base_params: u64,
+    pub kept_bytes_per_token_layer: u64,
+    pub capacity: Option<u64>,
+    pub rows: Vec<Row>,
+    pub advice: Advice,
+}
+
+/// Largest micro-batch searched.
+pub const MB_LIMIT: usize = 4096;
+
+pub fn plan(p: &PlanInput, grad_accum: usize, capacity: Option<u64>) -> Plan {
+    let mut rows = Vec::new();
+    for st in strategies(p.gpus) {
+        for ckpt in [false, true] {
+            let b = breakdown(p, st, ckpt, p.micro_batch);
+            rows.push(Row {
+                fits: capacity.map(|c| b.total <= c),
+                max_micro_batch: capacity.and_then(|c| max_micro_batch(p, st, ckpt, c, MB_LIMIT)),
+                b,
+            });
+        }
+    }
+    let advice = advise(&rows, p.micro_batch, grad_accum, capacity);
+    Plan {
+        micro_batch: p.micro_batch,
+        grad_accum,
+        seq_len: p.seq_len,
+        gpus: p.gpus,
+        dtype_bytes: p.dtype_bytes,
+        lora_params: lora_params(&p.cfg, p.rank, &p.targets),
+        base_params: p.cfg.num_params(p.tied) as u64,
+        kept_bytes_per_token_layer: kept_per_token_layer(&p.cfg, p.dtype_bytes),
+        capacity,
+        rows,
+        advice,
+    }
+}
+
+pub fn strategy_name(s: Strategy) -> &'static str {
+    match s {
+        Strategy::Single => "single",
+        Strategy::Ddp => "ddp",
+        Strategy::Fsdp => "fsdp",
+    }
+}
+
+/// The recommendation: fits single → single (checkpointing only if needed); fits only
+/// sharded → fsdp; nothing fits at this micro-batch → the largest micro-batch that fits with
+/// more accumulation (same global batch), when activations dominate; lower LoRA rank /
+/// fewer targets when the optimiser dominates; more GPUs when the base does.
+pub fn advise(
+    rows: &[Row],
+    micro_batch: usize,
+    grad_accum: usize,
+    capacity: Option<u64>,
+) -> Advice {
+    let mut a = Advice {
+        strategy: None,
+        ckpt: None,
+        micro_batch: None,
+        grad_accum: None,
+        lines: Vec::new(),
+    };
+    let find = |st: Strategy, ck: bool| rows.iter().find(|r| r.b.strategy == st && r.b.ckpt == ck);
+    let Some(cap) = capacity else {
+        // No capacity: say only what dominates.
+        if let Some(r) = find(Strategy::Single, false) {
+            a.lines.push(format!(
+                "no capacity given (--gpu-mem): single without checkpointing needs {}; {} dominate",
+                fmt_bytes(r.b.total),
+                r.b.dominant()
+            ));
+        }
+        return a;
+    };
+    let order = [
+        (Strategy::Single, false),
+        (Strategy::Single, true),
+        (Strategy::Fsdp, false),
+        (Strategy::Fsdp, true),
+    ];
+    if let Some(r) = order
+        .iter()
+        .filter_map(|&(st, ck)| find(st, ck))
+        .find(|r| r.b.total <= cap)
+    {
+        a.strategy = Some(r.b.strategy);
+        a.ckpt = Some(r.b.ckpt);
+        a.micro_batch = Some(micro_batch);
+        a.grad_accum = Some(grad_accum);
+        let st = strategy_name(r.b.strategy);
+        a.lines.push(format!(
+            "use {st}{}: {} of {} per rank",
+            if r.b.ckpt {
+                " with activation checkpointing"
+            } else {
+                ""
+            },
+            fmt_bytes(r.b.total),
+            fmt_bytes(cap)
+        ));
+        if r.b.strategy == Strategy::Fsdp {
+            if let Some(d) = find(Strategy::Ddp, r.b.ckpt) {
+                a.lines.push(format!(
+                    "ddp does not fit ({}): each rank holds a full replica of the base, as single does",
+                    fmt_bytes(d.b.total)
+                ));
+            }
+        }
+        return a;
+    }
+    // Nothing fits at this micro-batch: the best setting at a smaller one.
+    let best = order
+        .iter()
+        .rev()
+        .filter_map(|&(st, ck)| find(st, ck))
+        .next();
+    let Some(best) = best else { return a };
+    a.lines.push(format!(
+        "nothing fits {} per rank at micro-batch {micro_batch}; {} (needs {}) is the smallest",
+        fmt_bytes(cap),
+        label(&best.b),
+        fmt_bytes(best.b.total)
+    ));
+    match best.b.dominant() {
+        "activations" => {
+            let fit = order
+                .iter()
+                .filter_map(|&(st, ck)| find(st, ck))
+                .filter_map(|r| r.max_micro_batch.map(|m| (r, m)))
+                .next();
+            match fit {
+                Some((r, m)) => {
+                    // Keep the global batch: micro × accum, rounded up.
+                    let accum = (micro_batch * grad_accum).div_ceil(m);
+                    a.strategy = Some(r.b.strategy);
+                    a.ckpt = Some(r.b.ckpt);
+                    a.micro_batch = Some(m);
+                    a.grad_accum = Some(accum);
+                    a.lines.push(format!(
+                        "activations dominate: use {} at train.micro_batch = {m} with train.grad_accum = {accum} (the same {} rows per step)",
+                        label(&r.b),
+                        micro_batch * grad_accum
+                    ));
+                }
+                None => a.lines.push(
+                    "activations dominate and even micro-batch 1 does not fit: shorten data.seq_len"
+                        .into(),
+                ),
+            }
+            if !best.b.ckpt {
+                a.lines
+                    .push("turn on train.activation_checkpointing = true".into());
+            }
+        }
+        "optimizer" => a.lines.push(
+            "the adapters and their AdamW state dominate: lower lora.rank or target fewer modules (lora.targets)"
+                .into(),
+        ),
+        _ => a.lines.push(
+            "the base weights dominate: shard them over more GPUs (parallel.strategy = \"fsdp\"), or use a card with more memory"
+                .into(),
+        ),
+    }
+    a
+}
+
+/// e.g. "fsdp ×2 + ckpt".
+pub fn label(b: &Breakdown) -> String {
+    let mut s = strategy_name(b.strategy).to_string();
+    if b.strategy != Strategy::Single {
+        s.push_str(&format!(" ×{}", b.world));
+    }
+    if b.ckpt {
+        s.push_str(" + ckpt");
+    }
+    s
+}
+
+/// Bytes for people: B, KiB, MiB or GiB with two decimals.
+pub fn fmt_bytes(x: u64) -> String {
+    let f = x as f64;
+    if x >= GIB {
+        format!("{:.2} GiB", f / GIB as f64)
+    } else if x >= MIB {
+        format!("{:.2} MiB", f / MIB as f64)
+    } else if x >= 1024 {
+        format!("{:.2} KiB", f / 1024.0)
+    } else {
+        format!("{x} B")
+    }
+}
+
+/// The human table and the advice.
+pub fn render(p: &Plan) -> String {
+    let mut out = String::new();
+    out.push_str(&format!(
+        "memory plan per rank: micro-batch {} × seq {} ({} tokens), grad_accum {}, base {} params at {} B, LoRA {} params, kept activations {} B/token/layer\n",
+        p.micro_batch,
+        p.seq_len,
+        p.micro_batch * p.seq_len,
+        p.grad_accum,
+        p.base_params,
+        p.dtype_bytes,
+        p.lora_params,
+        p.kept_bytes_per_token_layer
+    ));
+    match p.capacity {
+        Some(c) => out.push_str(&format!("capacity per rank: {}\n", fmt_bytes(c))),
+        None => out.push_str("capacity per rank: unknown (pass --gpu-mem): no fit column\n"),
+    }
+    let head = [
+        "strategy",
+        "base",
+        "lora+grad+adamw",
+        "activations",
+        "transient",
+        "fsdp gather",
+        "ctx+slack",
+        "total",
+        "peak in",
+        "fits",
+        "max mb",
+    ];
+    let mut table: Vec<Vec<String>> = vec![head.iter().map(|s| s.to_string()).collect()];
+    for r in &p.rows {
+        let b = &r.b;
+        table.push(vec![
+            label(b),
+            fmt_bytes(b.base),
+            fmt_bytes(b.adapters + b.grads + b.optimizer),
+            fmt_bytes(b.activations),
+            fmt_bytes(b.transient),
+            fmt_bytes(b.gather),
+            fmt_bytes(b.context + b.slack),
+            fmt_bytes(b.total),
+            b.peak_phase.to_string(),
+            match r.fits {
+                Some(true) => "yes".into(),
+                Some(false) => "NO".into(),
+                None => "-".into(),
+            },
+            match (r.fits, r.max_micro_batch) {
+                (None, _) => "-".into(),
+                (_, None) => "none".into(),
+                (_, Some(m)) if m >= MB_LIMIT => format!("≥{m}"),
+                (_, Some(m)) => m.to_string(),
+            },
+        ]);
+    }
+    let widths: Vec<usize> = (0..head.len())
+        .map(|k| {
+            table
+                .iter()
+                .map(|r| r[k].chars().count())
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    for row in &table {
+        let cells: Vec<String> = row
+            .iter()
+            .zip(&widths)
+            .enumerate()
+            .map(|(k, (c, w))| {
+                let pad = " ".repeat(w - c.chars().count());
+                if k == 0 {
+                    format!("{c}{pad}")
+                } else {
+                    format!("{pad}{c}")
+                }
+            })
+            .collect();
+        out.push_str(cells.join("  ").trim_end());
+        out.push('\n');
+    }
+    if p.gpus > 1 {
+        out.push_str("ddp: every rank holds a full replica of the base (as single) plus an f32 all-reduce bucket of the LoRA gradients\n");
+        out.push_str(&format!(
+            "fsdp: every rank holds 1/{} of the base plus the gathered weights of the current and the next layer (and lm_head during the head)\n",
+            p.gpus
+        ));
+    } else {
+        out.push_str("ddp / fsdp: pass --gpus N (N ≥ 2) to plan them\n");
+    }
+    out.push_str("ctx+slack: CUDA context 512 MiB + 5% allocator slack; \"peak in\" names the phase with the pool's high-water mark\n");
+    for l in &p.advice.lines {
+        out.push_str(&format!("advice: {l}\n"));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn llama2_7b() -> ModelConfig {
+        crate::bench::shape("llama2-7b").unwrap()
+    }
+
+    fn input(mb: usize, gpus: usize) -> PlanInput {
+        PlanInput {
+            cfg: llama2_7b(),
+            tied: false,
+            dtype_bytes: 2,
+            micro_batch: mb,
+            seq_len: 2048,
+            rank: 16,
+            targets: ALL_LINEAR.iter().map(|s| s.to_string()).collect(),
+            gpus,
+            cuda: true,
+        }
+    }
+
+    const GI: f64 = GIB as f64;
+
+    #[test]
+    fn kept_activations_per_token_layer_by_hand() {
+        // Llama-2-7B, bf16: C = H·D = K·D = 4096, I = 11008, H = 32, no GQA.
+        // 2 · (7·4096 + 5·4096 + 5·4096 + 4·11008) + 4·32
+        // = 2 · (28672 + 20480 + 20480 + 44032) + 128 = 2 · 113664 + 128 = 227456.
+        assert_eq!(kept_per_token_layer(&llama2_7b(), 2), 227_456);
+        // Llama-3-8B: K = 8 → K·D = 1024, GQA adds 2·4096; I = 14336.
+        // 2 · (28672 + 20480 + 5120 + 8192 + 57344) + 128 = 2 · 119808 + 128 = 239744.
+        let l3 = crate::bench::shape("llama3-8b").unwrap();
+        assert_eq!(kept_per_token_layer(&l3, 2), 239_744);
+    }
+
+    #[test]
+    fn lora_params_and_base_by_hand() {
+        let c = llama2_7b();
+        // per layer, r = 16: q, k, v, o: 4 · 16 · (4096 + 4096) = 524288;
+        // gate, up, down: 3 · 16 · (4096 + 11008) = 724992; sum 1249280; × 32 = 39976960.
+        let all: Vec<String> = ALL_LINEAR.iter().map(|s| s.to_string()).collect();
+        assert_eq!(lora_params(&c, 16, &all), 39_976_960);
+        // q and v only: 2 · 16 · 8192 · 32 = 8388608.
+        assert_eq!(
+            lora_params(&c, 16, &["q_proj".into(), "v_proj".into()]),
+            8_388_608
+        );
+        // Base: 2 · 32000 · 4096 + 32 · (4 · 4096² + 3 · 4096 · 11008 + 2 · 4096) + 4096
+        // = 262144000 + 32 · 202383360 + 4096 = 6738415616 parameters.
+        assert_eq!(c.num_params(false), 6_738_415_616);
+    }
+
+    #[test]
+    fn single_mb2_no_ckpt_matches_the_measured_peak() {
+        let b = breakdown(&input(2, 1), Strategy::Single, false, 2);
+        // base 6738415616 · 2 = 13476831232 B (12.55 GiB); adapters 39976960 · 4 = 159907840;
+        // AdamW 319815680. kept: 32 · 227456 · 4096 = 29813112832 (27.77 GiB).
+        assert_eq!(b.base, 13_476_831_232);
+        assert_eq!(b.adapters, 159_907_840);
+        assert_eq!(b.optimizer, 319_815_680);
+        assert_eq!(b.peak_phase, "backward");
+        assert_eq!(b.activations, 29_813_112_832);
+        // forward end (no workspace) = 13476831232 + 159907840 + 319815680 + 29813112832
+        // = 43769667584 B = 40.76 GiB; measured forward end 40.77 GiB.
+        let fwd_end = b.base + b.adapters + b.optimizer + b.activations;
+        assert_eq!(fwd_end, 43_769_667_584);
+        // backward: + grads 159907840 + dL/dh 4096·4096·2 = 33554432
+        // + 2.0 · 227456 · 4096 = 1863319552 → 45826449408 B = 42.68 GiB (measured 42.67).
+        assert_eq!(b.pool_peak, 45_826_449_408);
+        assert!((b.pool_peak as f64 / GI - 42.67).abs() < 0.05);
+        // total = pool + 512 MiB + 5%: 45826449408 + 536870912 + 2291322470 = 48654642790.
+        assert_eq!(b.total, 48_654_642_790);
+    }
+
+    #[test]
+    fn single_mb8_ckpt_matches_the_measured_peak() {
+        let b = breakdown(&input(8, 1), Strategy::Single, true, 8);
+        // N = 16384; boundaries (32 + 1) · 16384 · 4096 · 2 = 4429185024;
+        // recomputed layer 227456 · 16384 = 3726639104;
+        // forward end 13956554752 + 4429185024 = 18385739776 (17.12 GiB; measured 17.13).
+        // backward = 18385739776 + 3726639104 + grads 159907840 + dL/dh 134217728
+        //          + 5.0 · 3726639104 = 18633195520 → 41039699968 B = 38.22 GiB (measured 38.37).
+        assert_eq!(b.peak_phase, "backward");
+        assert_eq!(b.pool_peak, 41_039_699_968);
+        assert!((b.pool_peak as f64 / GI / 38.37 - 1.0).abs() < 0.01);
+    }
+
+    #[test]
+    fn fsdp_shards_the_base_and_ddp_does_not() {
+        let p = input(2, 2);
+        let single = breakdown(&p, Strategy::Single, true, 2);
+        let ddp = breakdown(&p, Strategy::Ddp, true, 2);
+        let fsdp = breakdown(&p, Strategy::Fsdp, true, 2);
+        assert_eq!(ddp.base, single.base);
+        // The DDP bucket: one more f32 copy of the gradients.
+        assert_eq!(ddp.grads, single.grads + 159_907_840);
+        assert_eq!(fsdp.base, 13_476_831_232 / 2);
+        // Gather: 2 layers × 202383360 params × 2 B = 809533440.
+        assert_eq!(fsdp.gather, 809_533_440);
+        assert!(fsdp.total < single.total && ddp.total > single.total);
+    }
+
+    #[test]
+    fn max_micro_batch_is_the_knee() {
+        let p = input(2, 1);
+        let cap = 80 * GIB;
+        let m = max_micro_batch(&p, Strategy::Single, false, cap, MB_LIMIT).unwrap();
+        assert!(breakdown(&p, Strategy::Single, false, m).total <= cap);
+        assert!(breakdown(&p, Strategy::Single, false, m + 1).total > cap);
+        // No ckpt: about 13.96 GiB + mb · (29.8 + 1.9) GB ·1.05 + ctx: mb 2 needs 45.3 GiB,
+        // mb 4 about 78 GiB.
+        assert_eq!(m, 4);
+        // 12 GiB cannot hold the 12.55 GiB base at all.
+        assert_eq!(
+            max_micro_batch(&p, Strategy::Single, true, 12 * GIB, MB_LIMIT),
+            None
+        );
+    }
+
+    fn rows_at(p: &PlanInput, cap: u64) -> Vec<Row> {
+        plan(p, 4, Some(cap)).rows
+    }
+
+    #[test]
+    fn advice_follows_the_rules() {
+        // 80 GiB: single without checkpointing fits at mb 2 (45.3 GiB).
+        let p = input(2, 2);
+        let a = advise(&rows_at(&p, 80 * GIB), 2, 4, Some(80 * GIB));
+        assert_eq!((a.strategy, a.ckpt), (Some(Strategy::Single), Some(false)));
+        // 24 GiB on 2 GPUs: single + ckpt needs 12.55 base + ~1 GiB boundaries + ~5 GiB backward
+        // + ctx ≈ 20.9 GiB: fits.
+        let a = advise(&rows_at(&p, 24 * GIB), 2, 4, Some(24 * GIB));
+        assert_eq!((a.strategy, a.ckpt), (Some(Strategy::Single), Some(true)));
+        // 16 GiB: only fsdp (6.3 GiB of base per rank) fits; ddp named as a full replica.
+        let a = advise(&rows_at(&p, 16 * GIB), 2, 4, Some(16 * GIB));
+        assert_eq!(a.strategy, Some(Strategy::Fsdp));
+        assert!(a.lines.iter().any(|l| l.contains("full replica")), "{a:?}");
+        // mb 8 on 24 GiB, one GPU: nothing fits; activations dominate → a smaller micro-batch
+        // with more accumulation, the same 32 rows per step.
+        let p1 = input(8, 1);
+        let a = advise(&rows_at(&p1, 24 * GIB), 8, 4, Some(24 * GIB));
+        assert_eq!(a.ckpt, Some(true));
+        let (mb, acc) = (a.micro_batch.unwrap(), a.grad_accum.unwrap());
+        assert!(mb < 8 && mb * acc >= 32, "{a:?}");
+        assert!(a.lines.iter().any(|l| l.contains("activations dominate")));
+        // 8 GiB, one GPU: the base (12.55 GiB) dominates whatever the batch.
+        let p1 = input(1, 1);
+        let a = advise(&rows_at(&p1, 8 * GIB), 1, 1, Some(8 * GIB));
+        assert_eq!(a.strategy, None);
+        assert!(a.lines.iter().any(|l| l.contains("base weights dominate")));
+    }
+
+    #[test]
+    fn optimizer_dominance_names_rank_and_targets() {
+        // A tiny base with a huge rank: the AdamW state dominates.
+        let mut p = input(1, 1);
+        p.cfg = crate::bench::shape("tiny").unwrap();
+        p.seq_len = 8;
+        p.rank = 4096;
+        let b = breakdown(&p, Strategy::Single, true, 1);
+        assert_eq!(b.dominant(), "optimizer");
+        let cap = b.total - 1;
+        let a = advise(&rows_at(&p, cap), 1, 1, Some(cap));
+        assert!(
+            a.lines.iter().any(|l| l.contains("lower lora.rank")),
+            "{a:?}"
+        );
+    }
+}
