@@ -24,6 +24,8 @@ pub struct BenchArgs {
     pub warmup: usize,
     pub device: Device,
     pub peak_tflops: f64,
+    /// Behave as a card of this many bytes (a ballast outside the pool; CUDA only).
+    pub max_memory: Option<u64>,
 }
 
 /// (hidden, intermediate, layers, heads, kv heads, vocab, rope theta), as peft_baseline.py.
@@ -60,7 +62,7 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
     })
 }
 
-fn targets(name: &str) -> Result<Vec<String>> {
+pub fn targets(name: &str) -> Result<Vec<String>> {
     let t: &[&str] = match name {
         "qv" => &["q_proj", "v_proj"],
         "attn" => &["q_proj", "k_proj", "v_proj", "o_proj"],
@@ -84,7 +86,74 @@ pub fn flops_per_token(
     fwd + bwd + if ckpt { fwd } else { 0.0 }
 }
 
+/// Random token ids (labels = ids shifted), like the baseline: [b, t], every position but
+/// each row's last counted.
+pub fn random_batch(b: usize, t: usize, vocab: usize, seed: u64) -> Batch {
+    let mut rng = crate::rng::Rng::new(seed);
+    let ids: Vec<u32> = (0..b * t).map(|_| rng.below(vocab) as u32).collect();
+    let targets: Vec<(usize, u32)> = (0..b)
+        .flat_map(|r| (0..t.saturating_sub(1)).map(move |i| r * t + i))
+        .map(|k| (k, ids[k + 1]))
+        .collect();
+    Batch {
+        b,
+        t,
+        positions: (0..b).flat_map(|_| 0..t as u32).collect(),
+        segments: None,
+        targets,
+        tokens: b * t,
+        ids,
+    }
+}
+
+/// `run`, with an allocation failure turned into the diagnosis (`stop::OutOfMemory`: phase,
+/// peak vs capacity, the memory plan's forecast and remedies).
 pub fn run(a: &BenchArgs) -> Result<serde_json::Value> {
+    use crate::memory::plan;
+    let cfg = shape(&a.shape)?;
+    let input = plan::PlanInput {
+        tied: cfg.tie_word_embeddings.unwrap_or(false),
+        cfg,
+        dtype_bytes: if a.device.is_cpu() { 4 } else { 2 },
+        micro_batch: a.micro_batch,
+        seq_len: a.seq,
+        rank: a.rank,
+        targets: targets(&a.targets)?,
+        gpus: 1,
+        cuda: !a.device.is_cpu(),
+    };
+    let p = plan::plan(&input, 1, a.max_memory);
+    let sel = (crate::recipe::Strategy::Single, a.ckpt);
+    let ballast = match a.max_memory {
+        Some(m) => memory::hold_ballast(&a.device, m)?,
+        None => None,
+    };
+    let capacity = a.max_memory.or(ballast.as_ref().map(|b| b.total));
+    let mut meter = memory::PhaseMeter::default();
+    let res = measure(a, &mut meter);
+    drop(ballast);
+    match res {
+        Err(e) if memory::is_oom(&e) => {
+            let peak = memory::stats(&a.device)?.map(|s| s.used_high.max(meter.run_peak));
+            Err(crate::train::stop::OutOfMemory {
+                rank: 0,
+                phase: meter.current(),
+                step: None,
+                total: 0,
+                peak,
+                capacity,
+                forecast: plan::row(&p, sel.0, sel.1).map(|r| r.b.clone()),
+                remedies: plan::remedies(&p, sel),
+                last_checkpoint: None,
+                cause: format!("{e:#}"),
+            }
+            .into())
+        }
+        other => other,
+    }
+}
+
+fn measure(a: &BenchArgs, meter: &mut memory::PhaseMeter) -> Result<serde_json::Value> {
     let cfg = shape(&a.shape)?;
     let spec = LoraSpec {
         rank: a.rank,
@@ -121,42 +190,39 @@ pub fn run(a: &BenchArgs) -> Result<serde_json::Value> {
         .collect();
     let mut opt = optim::AdamW::new(params, [0.9, 0.999], 1e-8, 0.0)?;
 
-    // Random token ids (labels = ids), like the baseline.
     let (b, t) = (a.micro_batch, a.seq);
-    let mut rng = crate::rng::Rng::new(1234);
-    let ids: Vec<u32> = (0..b * t)
-        .map(|_| rng.below(cfg.vocab_size) as u32)
-        .collect();
-    let targets: Vec<(usize, u32)> = (0..b)
-        .flat_map(|r| (0..t - 1).map(move |i| r * t + i))
-        .map(|k| (k, ids[k + 1]))
-        .collect();
-    let batch = Batch {
-        b,
-        t,
-        positions: (0..b).flat_map(|_| 0..t as u32).collect(),
-        segments: None,
-        targets,
-        tokens: b * t,
-        ids,
-    };
+    let batch = random_batch(b, t, cfg.vocab_size, 1234);
     let n = batch.n_targets() as f64;
     let mut loss = 0.0;
-    let step = |opt: &mut optim::AdamW| -> Result<f64> {
+    // Only the phase is tracked here (no synchronisation): the timed steps stay untouched.
+    let step = |opt: &mut optim::AdamW, meter: &mut memory::PhaseMeter| -> Result<f64> {
         let mut grads = optim::Grads::new();
-        let ce = driver::forward_backward(&model, &batch, n, a.ckpt, None, &mut grads)?;
+        meter.done = None;
+        let ce = driver::forward_backward_probed(
+            &model,
+            &batch,
+            n,
+            a.ckpt,
+            None,
+            &mut grads,
+            None,
+            &mut |phase| {
+                meter.done = Some(phase);
+                Ok(())
+            },
+        )?;
         optim::clip_grad_norm(&mut grads, 1.0)?;
         opt.step(&grads, 1e-4)?;
         Ok(ce / n)
     };
     for _ in 0..a.warmup {
-        loss = step(&mut opt)?;
+        loss = step(&mut opt, meter)?;
     }
     a.device.synchronize()?;
     memory::reset_peak(&a.device)?;
     let t1 = Instant::now();
     for _ in 0..a.steps {
-        loss = step(&mut opt)?;
+        loss = step(&mut opt, meter)?;
     }
     a.device.synchronize()?;
     let dt = t1.elapsed().as_secs_f64();
@@ -167,6 +233,7 @@ pub fn run(a: &BenchArgs) -> Result<serde_json::Value> {
     let gib = |x: u64| (x as f64 / GIB * 100.0).round() / 100.0;
     memory::reset_peak(&a.device)?;
     let mut grads = optim::Grads::new();
+    meter.done = None;
     driver::forward_backward_probed(
         &model,
         &batch,
@@ -176,6 +243,7 @@ pub fn run(a: &BenchArgs) -> Result<serde_json::Value> {
         &mut grads,
         None,
         &mut |phase| {
+            meter.done = Some(phase);
             a.device.synchronize()?;
             if let Some(s) = memory::stats(&a.device)? {
                 phases.insert(format!("{phase}_peak_gib"), gib(s.used_high).into());
@@ -204,5 +272,6 @@ pub fn run(a: &BenchArgs) -> Result<serde_json::Value> {
         "mfu": (tps * fpt / (a.peak_tflops * 1e12) * 1e4).round() / 1e4,
         "final_loss": (loss * 1e4).round() / 1e4,
         "phases": phases,
+        "max_memory_gib": a.max_memory.map(|m| r2(m as f64 / GIB)),
     }))
 }

@@ -182,6 +182,64 @@ pub fn mem_info(dev: &Device) -> Result<Option<(u64, u64)>> {
 
 pub const GIB: f64 = (1u64 << 30) as f64;
 
+/// The phases of a training step, in order.
+pub const PHASES: [&str; 4] = ["forward", "head", "backward", "optimizer"];
+
+/// Per-phase peaks of the device pool over a run's steps (CUDA), and which phase a step is
+/// in (everywhere, for OOM reports). On the CPU it only tracks the phase: no synchronisation,
+/// no cost.
+#[derive(Debug, Clone, Default)]
+pub struct PhaseMeter {
+    /// The pool's high-water mark in each phase (bytes), over the steps since `take`.
+    pub peaks: std::collections::BTreeMap<&'static str, u64>,
+    /// The last phase that ended in the current step (None: in the forward).
+    pub done: Option<&'static str>,
+    /// The peak of the whole run so far (bytes).
+    pub run_peak: u64,
+}
+
+impl PhaseMeter {
+    /// A step begins: the peak counter restarts.
+    pub fn begin(&mut self, dev: &Device) -> Result<()> {
+        self.done = None;
+        if dev.is_cpu() {
+            return Ok(());
+        }
+        reset_peak(dev)
+    }
+
+    /// `phase` ended: record its peak and restart the counter.
+    pub fn end(&mut self, dev: &Device, phase: &'static str) -> Result<()> {
+        self.done = Some(phase);
+        if dev.is_cpu() {
+            return Ok(());
+        }
+        dev.synchronize()?;
+        if let Some(s) = stats(dev)? {
+            let p = self.peaks.entry(phase).or_default();
+            *p = (*p).max(s.used_high);
+            self.run_peak = self.run_peak.max(s.used_high);
+        }
+        reset_peak(dev)
+    }
+
+    /// The phase a failure happened in: the one after the last that ended.
+    pub fn current(&self) -> &'static str {
+        match self.done {
+            None => PHASES[0],
+            Some(p) => {
+                let i = PHASES.iter().position(|x| *x == p).unwrap_or(0);
+                PHASES.get(i + 1).copied().unwrap_or("optimizer")
+            }
+        }
+    }
+
+    /// The peaks recorded since the last call, emptied (empty on the CPU).
+    pub fn take(&mut self) -> std::collections::BTreeMap<&'static str, u64> {
+        std::mem::take(&mut self.peaks)
+    }
+}
+
 /// `train.max_memory` on CUDA: a block taken with cuMemAlloc, outside the pool candle uses, so
 /// that what the pool can still get is `max_memory` (the card behaves as one of that size;
 /// OOMs are real). Dropping it gives the memory back.

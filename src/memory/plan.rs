@@ -638,6 +638,127 @@ pub fn render(p: &Plan) -> String {
     out
 }
 
+/// The plan's input for a recipe, given its config.json (`hub::config_file`): the recipe's
+/// micro-batch, seq_len, LoRA rank and targets, and base dtype (model.dtype, else bf16 on
+/// CUDA and f32 on the CPU). A config that does not say whether the head is tied counts it
+/// untied (the larger).
+pub fn input_from_recipe(
+    r: &crate::recipe::Recipe,
+    cfg: ModelConfig,
+    gpus: usize,
+    cuda: bool,
+) -> Result<PlanInput, crate::recipe::RecipeError> {
+    use crate::recipe::{DeviceKind, Dtype};
+    let dtype_bytes = match (r.model.dtype, r.model.device) {
+        (Some(Dtype::F32), _) | (None, DeviceKind::Cpu) => 4,
+        _ => 2,
+    };
+    Ok(PlanInput {
+        tied: cfg.tie_word_embeddings.unwrap_or(false),
+        cfg,
+        dtype_bytes,
+        micro_batch: r.train.micro_batch,
+        seq_len: r.data.seq_len,
+        rank: r.lora.rank,
+        targets: r.target_modules()?,
+        gpus: gpus.max(1),
+        cuda,
+    })
+}
+
+fn gib(x: u64) -> f64 {
+    (x as f64 / GIB as f64 * 1e4).round() / 1e4
+}
+
+/// The row of a strategy and checkpointing setting.
+pub fn row(p: &Plan, strategy: Strategy, ckpt: bool) -> Option<&Row> {
+    p.rows
+        .iter()
+        .find(|r| r.b.strategy == strategy && r.b.ckpt == ckpt)
+}
+
+fn row_json(r: &Row) -> serde_json::Value {
+    let b = &r.b;
+    let phases: serde_json::Map<String, serde_json::Value> = b
+        .phases
+        .iter()
+        .map(|(k, v)| (format!("{k}_peak_gib"), gib(*v).into()))
+        .collect();
+    serde_json::json!({
+        "strategy": strategy_name(b.strategy), "ckpt": b.ckpt, "world": b.world,
+        "micro_batch": b.micro_batch,
+        "base_bytes": b.base, "adapters_bytes": b.adapters, "grads_bytes": b.grads,
+        "optimizer_bytes": b.optimizer, "activations_bytes": b.activations,
+        "transient_bytes": b.transient, "gather_bytes": b.gather,
+        "context_bytes": b.context, "slack_bytes": b.slack,
+        "pool_peak_bytes": b.pool_peak, "total_bytes": b.total,
+        // Comparable with `lora-train bench`'s peak_alloc_gib and phases.*_peak_gib.
+        "peak_alloc_gib": gib(b.pool_peak), "total_gib": gib(b.total),
+        "peak_phase": b.peak_phase, "phases": phases,
+        "fits": r.fits, "max_micro_batch": r.max_micro_batch,
+    })
+}
+
+/// The plan for machines; `selected` is the row of the run's own strategy and checkpointing.
+pub fn to_json(p: &Plan, selected: (Strategy, bool)) -> serde_json::Value {
+    serde_json::json!({
+        "micro_batch": p.micro_batch, "grad_accum": p.grad_accum, "seq_len": p.seq_len,
+        "gpus": p.gpus, "dtype_bytes": p.dtype_bytes, "lora_params": p.lora_params,
+        "base_params": p.base_params,
+        "kept_bytes_per_token_layer": p.kept_bytes_per_token_layer,
+        "capacity_bytes": p.capacity, "capacity_gib": p.capacity.map(gib),
+        "rows": p.rows.iter().map(row_json).collect::<Vec<_>>(),
+        "selected": row(p, selected.0, selected.1).map(row_json),
+        "advice": {
+            "strategy": p.advice.strategy.map(strategy_name), "ckpt": p.advice.ckpt,
+            "micro_batch": p.advice.micro_batch, "grad_accum": p.advice.grad_accum,
+            "lines": p.advice.lines,
+        },
+    })
+}
+
+/// What to change when the run's row (`selected`) does not fit: concrete settings, each with
+/// its forecast.
+pub fn remedies(p: &Plan, selected: (Strategy, bool)) -> Vec<String> {
+    let mut out = Vec::new();
+    let (st, ck) = selected;
+    if !ck {
+        if let Some(r) = row(p, st, true) {
+            out.push(format!(
+                "train.activation_checkpointing = true (forecast {})",
+                fmt_bytes(r.b.total)
+            ));
+        }
+    }
+    let a = &p.advice;
+    if let (Some(m), Some(acc)) = (a.micro_batch, a.grad_accum) {
+        if m != p.micro_batch {
+            out.push(format!(
+                "train.micro_batch = {m} with train.grad_accum = {acc} (same rows per step)"
+            ));
+        }
+    }
+    if p.gpus > 1 && st != Strategy::Fsdp {
+        if let Some(r) = row(p, Strategy::Fsdp, true) {
+            out.push(format!(
+                "parallel.strategy = \"fsdp\" with checkpointing (forecast {} per rank)",
+                fmt_bytes(r.b.total)
+            ));
+        }
+    }
+    if out.is_empty() || p.micro_batch > 1 {
+        out.push(format!(
+            "a smaller train.micro_batch (now {}) with a larger train.grad_accum",
+            p.micro_batch
+        ));
+    }
+    out.push(format!(
+        "a shorter data.seq_len (now {}), or a lower lora.rank / fewer lora.targets",
+        p.seq_len
+    ));
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -12,6 +12,7 @@
 
 use super::optim::Grads;
 use crate::data::Batch;
+use crate::memory;
 use crate::model::llama::cross_entropy_sum;
 use crate::model::{Ctx, Layer, Model};
 use candle_core::{DType, Result, Tensor, Var};
@@ -69,16 +70,20 @@ pub fn forward_backward_probed(
     // ---- forward, layer by layer
     let mut x = model.embed(&ids)?; // [B, T, C], no graph
     let mut saved = Vec::with_capacity(model.layers.len());
+    let mut held = 0u64; // bytes of the saved tensors, for memory::account_cpu
     for layer in &model.layers {
         if checkpointing {
             let y = layer.forward(&x, &ctx)?.detach();
+            held += memory::tensor_bytes(&x);
             saved.push(Saved::Input(std::mem::replace(&mut x, y)));
         } else {
             let xv = Var::from_tensor(&x)?;
             let y = layer.forward(xv.as_tensor(), &ctx)?;
             x = y.detach();
+            held += memory::tensor_bytes(xv.as_tensor()) + memory::tensor_bytes(&y);
             saved.push(Saved::Graph(xv, y));
         }
+        memory::account_cpu(dev, held, "forward")?;
     }
 
     probe("forward")?;
@@ -123,6 +128,8 @@ pub fn forward_backward_probed(
             Some(Saved::Input(x)) => {
                 let xv = Var::from_tensor(&x)?;
                 let y = layer.forward(xv.as_tensor(), &ctx)?;
+                let now = memory::tensor_bytes(xv.as_tensor()) + memory::tensor_bytes(&y);
+                memory::account_cpu(dev, held + now, "backward")?;
                 (xv, y)
             }
             None => candle_core::bail!("driver: no saved activations for layer {l}"),

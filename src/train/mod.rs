@@ -56,6 +56,23 @@ pub struct Session {
     /// What loading the data found worth telling: skipped rows, dropped examples, how
     /// chat turns end.
     pub data_notes: Vec<String>,
+    /// The memory plan and what the run measured at load (for reports and OOM diagnoses).
+    pub memory: MemoryWatch,
+}
+
+/// What a run knows about its memory: the plan's forecast, the capacity, the load peak.
+#[derive(Debug, Clone, Default)]
+pub struct MemoryWatch {
+    /// This process's rank (0 until DDP / FSDP set it).
+    pub rank: usize,
+    /// The plan's row for this run's strategy and checkpointing.
+    pub forecast: Option<crate::memory::plan::Breakdown>,
+    /// Remedies for when it does not fit (from the plan).
+    pub remedies: Vec<String>,
+    /// Bytes the run may use per rank: train.max_memory, else the card's memory.
+    pub capacity: Option<u64>,
+    /// The device pool's peak while loading (CUDA).
+    pub load_peak: Option<u64>,
 }
 
 pub fn device_and_dtype(recipe: &Recipe) -> Result<(Device, DType)> {
@@ -187,6 +204,7 @@ impl Session {
             base_name,
             eval,
             data_notes,
+            memory: MemoryWatch::default(),
         })
     }
 
@@ -266,6 +284,20 @@ impl Session {
         }
         let mut opt = AdamW::new(params, t.betas, t.eps, t.weight_decay)?;
         let total = self.total_steps();
+        let dev = self.model.device.clone();
+        // train.max_memory on the CPU caps an accounting of tensor bytes: the model and the
+        // f32 adapter state (weights, AdamW m and v, gradients) plus what the driver holds.
+        let cpu_cap = r.max_memory().filter(|_| dev.is_cpu());
+        let lora: u64 = self
+            .model
+            .adapters()
+            .map(|(_, l)| {
+                crate::memory::tensor_bytes(l.a.as_tensor())
+                    + crate::memory::tensor_bytes(l.b.as_tensor())
+            })
+            .sum();
+        crate::memory::set_cpu_budget(cpu_cap, model_bytes(&self.model) + 3 * lora);
+        let mut meter = crate::memory::PhaseMeter::default();
         let mut cursor = Cursor {
             epoch: 0,
             step_in_epoch: 0,
@@ -357,26 +389,52 @@ impl Session {
                 let denom = batches.iter().map(Batch::n_targets).sum::<usize>();
                 let mut grads = Grads::new();
                 let mut ce = 0.0;
+                let lr = t.lr * schedule::lr_factor(t.schedule, step, total, t.warmup_steps);
+                let oom = |e: anyhow::Error, meter: &crate::memory::PhaseMeter| -> anyhow::Error {
+                    if !crate::memory::is_oom(&e) {
+                        return e;
+                    }
+                    self.out_of_memory(
+                        &e,
+                        meter,
+                        Some((step + 1, total)),
+                        last_ckpt.as_ref().map(|(_, p)| p.clone()),
+                    )
+                };
+                meter.begin(&dev)?;
                 for (k, b) in batches.iter().enumerate() {
                     let key = (r.lora.dropout > 0.0).then_some((t.seed, [step as u64, k as u64]));
-                    ce += driver::forward_backward(
+                    let res = driver::forward_backward_probed(
                         &self.model,
                         b,
                         denom.max(1) as f64,
                         t.activation_checkpointing,
                         key,
                         &mut grads,
-                    )?;
+                        None,
+                        &mut |phase| meter.end(&dev, phase),
+                    );
+                    ce += match res {
+                        Ok(v) => v,
+                        Err(e) => {
+                            bar.finish_and_clear();
+                            return Err(oom(e.into(), &meter));
+                        }
+                    };
                     tokens += b.tokens;
                     session_tokens += b.tokens;
                 }
                 let loss = ce / denom.max(1) as f64;
+                meter.done = Some("backward");
                 let grad_norm = optim::clip_grad_norm(&mut grads, t.max_grad_norm)?;
-                let lr = t.lr * schedule::lr_factor(t.schedule, step, total, t.warmup_steps);
                 // A NaN / Inf loss or gradient never reaches the adapter.
                 let finite = loss.is_finite() && grad_norm.is_finite();
                 if finite {
-                    opt.step(&grads, lr)?;
+                    if let Err(e) = opt.step(&grads, lr) {
+                        bar.finish_and_clear();
+                        return Err(oom(e.into(), &meter));
+                    }
+                    meter.end(&dev, "optimizer")?;
                 } else if t.skip_nonfinite {
                     skipped += 1;
                 } else {
@@ -416,6 +474,22 @@ impl Session {
                         "truncated": self.data.truncated, "skipped_rows": self.data.skipped,
                     });
                     let mut msg = format!("loss {loss:.4}  ");
+                    // Per-phase peaks of the device pool since the last row (CUDA only).
+                    let peaks = meter.take();
+                    if !peaks.is_empty() {
+                        let g = |x: u64| (x as f64 / crate::memory::GIB * 100.0).round() / 100.0;
+                        let mut mem = serde_json::json!({ "rank": self.memory.rank });
+                        if let Some(l) = self.memory.load_peak {
+                            mem["load_gib"] = g(l).into();
+                        }
+                        let mut short = Vec::new();
+                        for (phase, v) in &peaks {
+                            mem[format!("{phase}_gib")] = g(*v).into();
+                            short.push(format!("{} {:.1}", &phase[..3], g(*v)));
+                        }
+                        row["mem"] = mem;
+                        msg.push_str(&format!("peak GiB {}  ", short.join(" ")));
+                    }
                     if let Some((l, n)) = eval {
                         row["eval_loss"] = l.into();
                         row["eval_tokens"] = n.into();
@@ -491,6 +565,18 @@ fn progress_bar(total: u64) -> ProgressBar {
 
 /// `lora-train train`: the whole run from a recipe.
 pub fn run(recipe: Recipe) -> Result<RunSummary> {
+    run_with(recipe, &RunOptions::default())
+}
+
+/// How `run_with` may deviate from the recipe.
+#[derive(Debug, Clone, Default)]
+pub struct RunOptions {
+    /// Start even when the memory plan says the run does not fit.
+    pub force: bool,
+}
+
+/// `run`, with options (`--force`).
+pub fn run_with(recipe: Recipe, opts: &RunOptions) -> Result<RunSummary> {
     let out_dir = recipe.output_dir();
     // Which checkpoint to continue from, checked before the model loads.
     let resume = checkpoint::resume_point(&recipe, &out_dir)?;
@@ -507,7 +593,14 @@ pub fn run(recipe: Recipe) -> Result<RunSummary> {
         ),
         _ => {}
     }
-    let session = Session::new(recipe)?;
+    // Memory: the plan (config.json only), the capacity, the preflight check, then the
+    // ballast that makes a card behave as one of train.max_memory.
+    let (mut watch, ballast) = preflight(&recipe, opts)?;
+    let mut session = Session::new(recipe)?;
+    if let Some(s) = crate::memory::stats(&session.model.device)? {
+        watch.load_peak = Some(s.used_high);
+    }
+    session.memory = watch;
     let m = &session.model;
     let trainable: usize = m
         .adapters()
@@ -543,6 +636,7 @@ pub fn run(recipe: Recipe) -> Result<RunSummary> {
         signal.wait_announced();
     }
     let summary = res?;
+    drop(ballast);
     if session.recipe.output.merge {
         let size = session.recipe.output.max_shard_size.as_deref();
         let opts = export::merge::MergeOptions {
@@ -565,6 +659,137 @@ pub fn run(recipe: Recipe) -> Result<RunSummary> {
         );
     }
     Ok(summary)
+}
+
+/// The memory plan for a recipe, checked against what the run has: on CUDA train.max_memory
+/// or the card's free memory, on the CPU train.max_memory (the accounting's cap). Returns
+/// the run's memory watch and, on CUDA with max_memory, the ballast to hold while training.
+pub fn preflight(
+    recipe: &Recipe,
+    opts: &RunOptions,
+) -> Result<(MemoryWatch, Option<crate::memory::Ballast>)> {
+    use crate::memory::plan;
+    let cuda = recipe.model.device == DeviceKind::Cuda;
+    let cfg_path = hub::config_file(&recipe.model)?;
+    let cfg = crate::model::ModelConfig::from_file(&cfg_path)?;
+    let input = plan::input_from_recipe(recipe, cfg, recipe.parallel.devices.len(), cuda)?;
+    let max_memory = recipe.max_memory();
+    let mut ballast = None;
+    let (capacity, source) = if cuda {
+        let (dev, _) = device_and_dtype(recipe)?;
+        crate::memory::keep_pool_memory(&dev)?;
+        let info = crate::memory::mem_info(&dev)?;
+        match (max_memory, info) {
+            (Some(m), _) => (Some(m), "train.max_memory".to_string()),
+            (None, Some((free, _))) => (
+                Some(free),
+                format!("the free memory of cuda:{}", recipe.parallel.devices[0]),
+            ),
+            (None, None) => (None, String::new()),
+        }
+    } else {
+        (max_memory, "train.max_memory (CPU accounting)".to_string())
+    };
+    let p = plan::plan(&input, recipe.train.grad_accum, capacity);
+    let selected = (
+        recipe.parallel.strategy,
+        recipe.train.activation_checkpointing,
+    );
+    let forecast = plan::row(&p, selected.0, selected.1).map(|r| r.b.clone());
+    let remedies = plan::remedies(&p, selected);
+    if let (Some(cap), Some(b)) = (capacity, &forecast) {
+        if b.total > cap {
+            let e = stop::DoesNotFit {
+                forecast: b.clone(),
+                capacity: cap,
+                capacity_source: source,
+                table: plan::render(&p),
+                remedies: remedies.clone(),
+            };
+            if !opts.force {
+                return Err(e.into());
+            }
+            eprintln!(
+                "warning (--force): {}",
+                e.to_string().lines().next().unwrap_or("")
+            );
+        }
+    }
+    if let (true, Some(m)) = (cuda, max_memory) {
+        let (dev, _) = device_and_dtype(recipe)?;
+        ballast = crate::memory::hold_ballast(&dev, m)?;
+        if let Some(b) = &ballast {
+            eprintln!(
+                "train.max_memory = {}: holding {} of the card's {} outside the pool",
+                plan::fmt_bytes(m),
+                plan::fmt_bytes(b.bytes),
+                plan::fmt_bytes(b.total)
+            );
+        }
+    }
+    let capacity = capacity.or_else(|| ballast.as_ref().map(|b| b.total));
+    Ok((
+        MemoryWatch {
+            rank: 0,
+            forecast,
+            remedies,
+            capacity,
+            load_peak: None,
+        },
+        ballast,
+    ))
+}
+
+/// Bytes of the model's tensors (base, norms, head, adapters).
+fn model_bytes(m: &Model) -> u64 {
+    use crate::memory::tensor_bytes as b;
+    let mut sum = b(&m.embed) + b(&m.norm) + if m.tied { 0 } else { b(&m.lm_head) };
+    for l in &m.layers {
+        sum += b(&l.input_norm) + b(&l.post_norm);
+        for lin in l.linears() {
+            sum += b(&lin.w) + lin.b.as_ref().map(b).unwrap_or(0);
+            if let Some(lora) = &lin.lora {
+                sum += b(lora.a.as_tensor()) + b(lora.b.as_tensor());
+            }
+        }
+    }
+    sum
+}
+
+impl Session {
+    /// The diagnosis of an allocation failure: rank, phase, step, peak vs capacity, the
+    /// forecast and remedies.
+    pub fn out_of_memory(
+        &self,
+        e: &anyhow::Error,
+        meter: &crate::memory::PhaseMeter,
+        step: Option<(usize, usize)>,
+        last_checkpoint: Option<PathBuf>,
+    ) -> anyhow::Error {
+        let dev = &self.model.device;
+        let peak = match crate::memory::stats(dev).ok().flatten() {
+            Some(s) => Some(s.used_high.max(meter.run_peak)),
+            None => crate::memory::cpu_high(),
+        };
+        let capacity = self.memory.capacity.or(if dev.is_cpu() {
+            self.recipe.max_memory()
+        } else {
+            None
+        });
+        stop::OutOfMemory {
+            rank: self.memory.rank,
+            phase: meter.current(),
+            step: step.map(|s| s.0),
+            total: step.map(|s| s.1).unwrap_or(0),
+            peak,
+            capacity,
+            forecast: self.memory.forecast.clone(),
+            remedies: self.memory.remedies.clone(),
+            last_checkpoint,
+            cause: format!("{e:#}"),
+        }
+        .into()
+    }
 }
 
 /// Lines about the data beyond counts: the mix, skipped rows, dropped examples, how chat turns
