@@ -10,11 +10,14 @@
 # tests: the GPU tests (ops against composites, golden fixtures in f32 and bf16);
 # tiny:  recipes/tiny-cpu.toml for 200 steps on the GPU and on the CPU, final losses side by side;
 # bench: Llama-2-7B shape, seq 2048: ours and transformers+PEFT in the same call.
+# memory: `lora-train plan` forecasts vs `bench` measured pool peaks (single: mb2, mb2 + ckpt,
+#         mb8 + ckpt; per phase), ratios printed (target: within ±10%); then the OOM case
+#         (bench --max-memory 24GiB, mb2, no ckpt: expect exit 4 and the diagnosis).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-what=${*:-compat chat tests tiny bench}
+what=${*:-compat chat tests tiny bench memory}
 ( cd .devbuild && for f in lora-train it; do [ -f $f.gz ] && gunzip -kf $f.gz && chmod +x $f; done )
 E="bash .devbuild/device-env.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -54,4 +57,57 @@ if [[ $what == *bench* ]]; then
     echo "== peft micro-batch $1 targets $2 $ck"
     timeout 150 python3 .devbuild/peft_baseline.py $B --batch $1 --targets $2 $ck --json "$OUT/bench.jsonl" 2>&1 | tail -2
   done
+fi
+
+if [[ $what == *memory* ]]; then
+  L=.devbuild/lora-train
+  S="--shape llama2-7b --seq 2048"
+  mkdir -p "$OUT/memory"
+  for cfg in "2" "2 ckpt" "8 ckpt"; do
+    set -- $cfg
+    ck=""; name="mb$1"; [ "${2:-}" = ckpt ] && { ck="--ckpt"; name="$name-ckpt"; }
+    echo "== plan + bench single $name"
+    $E $L plan $S --micro-batch $1 $ck --json > "$OUT/memory/plan-$name.json"
+    rm -f "$OUT/memory/bench-$name.json"
+    timeout 150 $E $L bench $S --rank 16 --targets all --steps 3 --warmup 1 --micro-batch $1 $ck \
+      --json "$OUT/memory/bench-$name.json" 2>&1 | tail -1
+  done
+  # Forecast / measured, whole step and per phase. A bench line matches the plan row of its
+  # mode (single / ddp / fsdp), world and ckpt, so ddp / fsdp bench lines compare the same way
+  # (run plan with --gpus <world> for them).
+  python3 - "$OUT/memory" <<'PY'
+import json, sys, glob, os
+d = sys.argv[1]
+worst = 0.0
+for bf in sorted(glob.glob(os.path.join(d, "bench-*.json"))):
+    name = os.path.basename(bf)[6:-5]
+    pf = os.path.join(d, f"plan-{name}.json")
+    if not os.path.exists(pf):
+        continue
+    plan = json.load(open(pf))
+    for line in open(bf):
+        b = json.loads(line)
+        row = next((r for r in plan["rows"] if r["strategy"] == b.get("mode", "single")
+                    and r["ckpt"] == b["ckpt"] and r["world"] == b.get("world", 1)), None)
+        if row is None or b.get("peak_alloc_gib") is None:
+            print(f"{name}: no matching plan row / no measurement"); continue
+        r = row["peak_alloc_gib"] / b["peak_alloc_gib"]
+        worst = max(worst, abs(r - 1))
+        ph = " ".join(f"{p} {row['phases'][p + '_peak_gib']:.2f}/{b['phases'].get(p + '_peak_gib', float('nan')):.2f}"
+                      for p in ("forward", "head", "backward"))
+        print(f"{name:12s} {b.get('mode','single')} x{b.get('world',1)}: forecast {row['peak_alloc_gib']:.2f} GiB"
+              f" / measured {b['peak_alloc_gib']:.2f} GiB = {r:.3f}  [{ph}]")
+print(f"worst |forecast/measured - 1| = {worst:.3f} ({'PASS' if worst <= 0.10 else 'FAIL'} at 10%)")
+PY
+  echo "== plan at 24 GiB per GPU, 2 GPUs (mb2)"
+  $E $L plan $S --micro-batch 2 --gpus 2 --gpu-mem 24GiB | tee "$OUT/memory/plan-24gib.txt"
+  echo "== OOM case: bench --max-memory 24GiB, mb2, no ckpt (expect exit 4 and the diagnosis)"
+  timeout 150 $E $L bench $S --rank 16 --targets all --steps 2 --warmup 1 --micro-batch 2 \
+    --max-memory 24GiB > "$OUT/memory/oom.out" 2> "$OUT/memory/oom.err"
+  echo "exit code $? (expected 4)" | tee -a "$OUT/memory/oom.err"
+  tail -12 "$OUT/memory/oom.err"
+  echo "== fits at 24 GiB: bench --max-memory 24GiB, mb2 + ckpt (expect exit 0)"
+  timeout 150 $E $L bench $S --rank 16 --targets all --steps 2 --warmup 1 --micro-batch 2 --ckpt \
+    --max-memory 24GiB --json "$OUT/memory/bench-24gib-ckpt.json" 2>&1 | tail -1
+  echo "exit code ${PIPESTATUS[0]}"
 fi

@@ -251,6 +251,13 @@ pub struct Ballast {
     pub total: u64,
 }
 
+impl Drop for Ballast {
+    fn drop(&mut self) {
+        // Gives the block back (imp::Raw frees it on CUDA).
+        self._raw.take();
+    }
+}
+
 /// Holds `total − max_memory` bytes of the device (less when that much is not free: then
 /// what is free is already within max_memory). None on the CPU.
 pub fn hold_ballast(dev: &Device, max_memory: u64) -> Result<Option<Ballast>> {

@@ -8,8 +8,7 @@
 //! - base: every frozen parameter × s (`ModelConfig::num_params`); FSDP: ⌈base / W⌉.
 //! - adapters: P × 4 (f32), gradients P × 4 (f32 running sums), AdamW m and v P × 8.
 //! - kept activations per token per layer, what autograd holds between forward and backward
-//!   (counted from `model::llama::Layer::forward`):
-//!     s · (7C + 5·H·D + 5·K·D + 4I) + 4H
+//!   (counted from `model::llama::Layer::forward`): s · (7C + 5·H·D + 5·K·D + 4I) + 4H.
 //!   7C: layer input (Var copy), input norm out, o_proj out, residual, post norm out, down out,
 //!   layer output; 5·H·D: q out, q made contiguous for rope, roped q, attention out, its
 //!   [B, T, H·D] copy; 5·K·D: k out, contiguous k, roped k, v out, contiguous v (GQA adds
