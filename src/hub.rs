@@ -177,10 +177,8 @@ pub fn config_file(m: &ModelSection) -> Result<PathBuf> {
                 }
             }
             if env.offline {
-                bail!(
-                    "HF_HUB_OFFLINE is set and the cache {} has no config.json of {id} at \"{rev}\": unset HF_HUB_OFFLINE or `lora-train download {id}` first",
-                    cache.dir.display()
-                );
+                // The cache lacks it: `snapshot` says so, and how to get it.
+                return snapshot(&env, id, rev, Refresh::IfIncomplete).map(|f| f.config);
             }
             let hub = Hub::new(&env);
             let at = At {
