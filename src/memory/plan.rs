@@ -22,9 +22,14 @@
 //! - attention forward workspace: 3 score blocks of min(128 MiB, B·H·T²·2) (scores, P, P·V).
 //! - backward workspace of one layer: BWD_KEPT (no checkpointing) or BWD_CKPT (checkpointing)
 //!   × one layer's kept activations, plus the gradients P × 4 and dL/dh N·C·s.
-//! - DDP: full base per rank, as single, plus a flat f32 all-reduce bucket of P × 4.
-//! - FSDP: base / W plus gather buffers for the current and the prefetched next layer (2 × a
-//!   layer's parameters × s), and lm_head gathered for the head (V·C·s).
+//! - DDP and FSDP sum each layer's adapter gradients over the ranks as one flat f32 bucket
+//!   as its backward ends: the bucket and its sum, 2 × (P / L) × 4.
+//! - DDP: full base per rank, as single.
+//! - FSDP (src/dist/fsdp.rs: flat shards, a layer gathered before its forward, the next one
+//!   issued a layer early): base / W plus, with checkpointing, the current and the next
+//!   layer's full weights (2 × a layer's parameters × s); without checkpointing every layer's
+//!   graph holds its gathered weights until its backward ((L + 1) layers: FSDP saves memory
+//!   with checkpointing only); the embedding, final norm and head gathered for the head.
 //! - CUDA context (CONTEXT bytes, outside the pool) and allocator slack (SLACK × pool peak).
 //!
 //! The pool peak (`pool_peak`) is what `lora-train bench` reports as `peak_alloc_gib` (the
@@ -192,10 +197,12 @@ pub fn breakdown(p: &PlanInput, strategy: Strategy, ckpt: bool, micro_batch: usi
     let lp = lora_params(cfg, p.rank, &p.targets);
     let adapters = 4 * lp;
     let grad_sums = 4 * lp;
-    let bucket = if strategy == Strategy::Ddp { 4 * lp } else { 0 };
+    let bucket = if world > 1 { 2 * 4 * lp / l.max(1) } else { 0 };
     let optimizer = 8 * lp;
     let (gather, head_gather) = if strategy == Strategy::Fsdp {
-        (2 * layer_params(cfg) * s, v * c * s)
+        let layers = if ckpt { 2 } else { l + 1 };
+        let io = (cfg.num_params(p.tied) as u64 - l * layer_params(cfg)) * s;
+        (layers * layer_params(cfg) * s, io)
     } else {
         (0, 0)
     };
@@ -217,10 +224,12 @@ pub fn breakdown(p: &PlanInput, strategy: Strategy, ckpt: bool, micro_batch: usi
     };
     let load = base + adapters;
     let forward = steady + kept + attn_ws + gather;
-    let head = steady + kept + head_ws + head_gather;
+    // Without checkpointing the graphs still hold the gathered layers during the head.
+    let held_layers = if ckpt { 0 } else { gather };
+    let head = steady + kept + head_ws + head_gather + held_layers;
     let backward = steady + kept + recomputed + grad_sums + bucket + boundary + bwd_ws + gather;
     // AdamW builds the new m, v and adapter values before dropping the old ones.
-    let optim = steady + grad_sums + bucket + adapters + optimizer;
+    let optim = steady + grad_sums + adapters + optimizer;
     let phases = [
         ("load", load),
         ("forward", forward),
@@ -235,12 +244,13 @@ pub fn breakdown(p: &PlanInput, strategy: Strategy, ckpt: bool, micro_batch: usi
             .fold(("load", 0), |m, x| if x.1 > m.1 { x } else { m });
     let (activations, transient, gather_at_peak) = match peak_phase {
         "forward" => (kept, attn_ws, gather),
-        "head" => (kept, head_ws, head_gather),
+        "head" => (kept, head_ws, head_gather + held_layers),
         "backward" => (kept + recomputed, bwd_ws + boundary, gather),
         _ => (0, 0, 0),
     };
     let grads = match peak_phase {
-        "backward" | "optimizer" => grad_sums + bucket,
+        "backward" => grad_sums + bucket,
+        "optimizer" => grad_sums,
         _ => 0,
     };
     // The optimizer phase's second copy of state counts as transient.
@@ -622,9 +632,9 @@ pub fn render(p: &Plan) -> String {
         out.push('\n');
     }
     if p.gpus > 1 {
-        out.push_str("ddp: every rank holds a full replica of the base (as single) plus an f32 all-reduce bucket of the LoRA gradients\n");
+        out.push_str("ddp: every rank holds a full replica of the base (as single) plus one layer's f32 gradient bucket\n");
         out.push_str(&format!(
-            "fsdp: every rank holds 1/{} of the base plus the gathered weights of the current and the next layer (and lm_head during the head)\n",
+            "fsdp: every rank holds 1/{} of the base plus the gathered weights of the current and the next layer (and embedding + head for the head); without checkpointing the graphs keep every gathered layer, so it saves nothing\n",
             p.gpus
         ));
     } else {
@@ -853,12 +863,18 @@ mod tests {
         let ddp = breakdown(&p, Strategy::Ddp, true, 2);
         let fsdp = breakdown(&p, Strategy::Fsdp, true, 2);
         assert_eq!(ddp.base, single.base);
-        // The DDP bucket: one more f32 copy of the gradients.
-        assert_eq!(ddp.grads, single.grads + 159_907_840);
+        // The per-layer bucket and its sum: 2 · 4 B · 39976960 / 32 = 9994240.
+        assert_eq!(ddp.grads, single.grads + 9_994_240);
         assert_eq!(fsdp.base, 13_476_831_232 / 2);
-        // Gather: 2 layers × 202383360 params × 2 B = 809533440.
+        // Gather with checkpointing: 2 layers × 202383360 params × 2 B = 809533440.
         assert_eq!(fsdp.gather, 809_533_440);
         assert!(fsdp.total < single.total && ddp.total > single.total);
+        // Without checkpointing every layer's gathered weights stay in its graph: 33 layers
+        // × 404766720 B = 13357301760, so FSDP saves nothing (base/2 + all layers > base).
+        let fsdp_kept = breakdown(&p, Strategy::Fsdp, false, 2);
+        assert_eq!(fsdp_kept.gather, 13_357_301_760);
+        let single_kept = breakdown(&p, Strategy::Single, false, 2);
+        assert!(fsdp_kept.total > single_kept.total);
     }
 
     #[test]

@@ -86,6 +86,7 @@ fn plan_of_llama2_7b_from_config_json_alone() {
         "{out}"
     );
     assert!(out.contains("fsdp ×2 + ckpt   6.28 GiB"), "{out}");
+    assert!(out.contains("without checkpointing the graphs keep every gathered layer"));
 
     let (code, json, err) = run(&[
         "plan",
