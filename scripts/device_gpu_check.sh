@@ -72,6 +72,20 @@ if [[ $what == *memory* ]]; then
     timeout 150 $E $L bench $S --rank 16 --targets all --steps 3 --warmup 1 --micro-batch $1 $ck \
       --json "$OUT/memory/bench-$name.json" 2>&1 | tail -1
   done
+  # DDP / FSDP on 2 GPUs, when this bench has --strategy (src/dist) and the machine 2 GPUs.
+  if [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && $E $L bench --help 2>/dev/null | grep -q -- --strategy; then
+    for st in ddp fsdp; do
+      for cfg in "2" "2 ckpt"; do
+        set -- $cfg
+        ck=""; name="$st-mb$1"; [ "${2:-}" = ckpt ] && { ck="--ckpt"; name="$name-ckpt"; }
+        echo "== plan + bench $name on 2 GPUs"
+        $E $L plan $S --micro-batch $1 $ck --gpus 2 --json > "$OUT/memory/plan-$name.json"
+        rm -f "$OUT/memory/bench-$name.json"
+        timeout 200 $E $L bench $S --rank 16 --targets all --steps 3 --warmup 1 --micro-batch $1 $ck \
+          --strategy $st --devices 0,1 --json "$OUT/memory/bench-$name.json" 2>&1 | tail -1
+      done
+    done
+  fi
   # Forecast / measured, whole step and per phase. A bench line matches the plan row of its
   # mode (single / ddp / fsdp), world and ckpt, so ddp / fsdp bench lines compare the same way
   # (run plan with --gpus <world> for them).
@@ -93,7 +107,7 @@ for bf in sorted(glob.glob(os.path.join(d, "bench-*.json"))):
             print(f"{name}: no matching plan row / no measurement"); continue
         r = row["peak_alloc_gib"] / b["peak_alloc_gib"]
         worst = max(worst, abs(r - 1))
-        ph = " ".join(f"{p} {row['phases'][p + '_peak_gib']:.2f}/{b['phases'].get(p + '_peak_gib', float('nan')):.2f}"
+        ph = " ".join(f"{p} {row['phases'][p + '_peak_gib']:.2f}/{b.get('phases', {}).get(p + '_peak_gib', float('nan')):.2f}"
                       for p in ("forward", "head", "backward"))
         print(f"{name:12s} {b.get('mode','single')} x{b.get('world',1)}: forecast {row['peak_alloc_gib']:.2f} GiB"
               f" / measured {b['peak_alloc_gib']:.2f} GiB = {r:.3f}  [{ph}]")
