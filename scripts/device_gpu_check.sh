@@ -35,7 +35,7 @@ if [[ $what == *chat* ]]; then
 fi
 
 if [[ $what == *tests* ]]; then
-  LORA_TRAIN_ROOT=$PWD timeout 240 $E .devbuild/it ops:: golden:: --test-threads 1 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "^test |test result|panicked|error" | head -40
+  LORA_TRAIN_ROOT=$PWD timeout 240 $E .devbuild/it ops:: golden:: plan::cuda_ --test-threads 1 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "^test |test result|panicked|error" | head -40
 fi
 
 if [[ $what == *tiny* ]]; then

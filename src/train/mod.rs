@@ -426,7 +426,13 @@ impl Session {
                 }
                 let loss = ce / denom.max(1) as f64;
                 meter.done = Some("backward");
-                let grad_norm = optim::clip_grad_norm(&mut grads, t.max_grad_norm)?;
+                let grad_norm = match optim::clip_grad_norm(&mut grads, t.max_grad_norm) {
+                    Ok(n) => n,
+                    Err(e) => {
+                        bar.finish_and_clear();
+                        return Err(oom(e.into(), &meter));
+                    }
+                };
                 // A NaN / Inf loss or gradient never reaches the adapter.
                 let finite = loss.is_finite() && grad_norm.is_finite();
                 if finite {
@@ -483,9 +489,11 @@ impl Session {
                             mem["load_gib"] = g(l).into();
                         }
                         let mut short = Vec::new();
-                        for (phase, v) in &peaks {
-                            mem[format!("{phase}_gib")] = g(*v).into();
-                            short.push(format!("{} {:.1}", &phase[..3], g(*v)));
+                        for phase in crate::memory::PHASES {
+                            if let Some(v) = peaks.get(phase) {
+                                mem[format!("{phase}_gib")] = g(*v).into();
+                                short.push(format!("{} {:.1}", &phase[..3], g(*v)));
+                            }
                         }
                         row["mem"] = mem;
                         msg.push_str(&format!("peak GiB {}  ", short.join(" ")));
@@ -596,7 +604,27 @@ pub fn run_with(recipe: Recipe, opts: &RunOptions) -> Result<RunSummary> {
     // Memory: the plan (config.json only), the capacity, the preflight check, then the
     // ballast that makes a card behave as one of train.max_memory.
     let (mut watch, ballast) = preflight(&recipe, opts)?;
-    let mut session = Session::new(recipe)?;
+    let max_memory = recipe.max_memory();
+    let mut session = match Session::new(recipe) {
+        Ok(s) => s,
+        // Loading the weights did not fit: the same diagnosis as mid-run, phase "load".
+        Err(e) if crate::memory::is_oom(&e) => {
+            return Err(stop::OutOfMemory {
+                rank: watch.rank,
+                phase: "load",
+                step: None,
+                total: 0,
+                peak: None,
+                capacity: watch.capacity.or(max_memory),
+                forecast: watch.forecast.clone(),
+                remedies: watch.remedies.clone(),
+                last_checkpoint: None,
+                cause: format!("{e:#}"),
+            }
+            .into())
+        }
+        Err(e) => return Err(e),
+    };
     if let Some(s) = crate::memory::stats(&session.model.device)? {
         watch.load_peak = Some(s.used_high);
     }

@@ -333,3 +333,63 @@ fn probe_ramps_on_the_cpu_and_finds_the_knee_under_a_cap() {
     assert_eq!(v["oom"]["micro_batch"], 4, "{v}");
     assert_eq!(v["oom"]["phase"], "forward", "{v}");
 }
+
+/// On CUDA every metrics row carries the pool's peak per phase, for rank 0.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_run_logs_the_peak_of_each_phase() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let (code, _, err) = run(&[
+        "--recipe",
+        "recipes/tiny-cpu.toml",
+        "--set",
+        "model.device=cuda",
+        "--set",
+        "train.max_steps=3",
+        "--set",
+        "train.log_every=1",
+        "--set",
+        "output.save_every=0",
+        "--set",
+        &format!("output.dir={}", out.display()),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let rows = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    for line in rows.lines() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        let mem = &v["mem"];
+        assert_eq!(mem["rank"], 0, "{line}");
+        let load = mem["load_gib"].as_f64().unwrap();
+        for phase in ["forward", "head", "backward", "optimizer"] {
+            let p = mem[format!("{phase}_gib")].as_f64().unwrap();
+            // Every phase holds at least the weights that loading put on the device.
+            assert!(p > 0.0 && p >= load * 0.99, "{phase}: {line}");
+        }
+    }
+}
+
+/// On CUDA train.max_memory holds the rest of the card: 1 MiB cannot even hold the weights,
+/// and the failure is a real allocation failure, reported as such (exit 4, phase "load").
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_max_memory_makes_the_card_small_for_real() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (code, _, err) = run(&[
+        "--recipe",
+        "recipes/tiny-cpu.toml",
+        "--force",
+        "--set",
+        "model.device=cuda",
+        "--set",
+        "train.max_memory=1MiB",
+        "--set",
+        &format!("output.dir={}", tmp.path().join("out").display()),
+    ]);
+    assert_eq!(code, 4, "{err}");
+    assert!(
+        err.contains("out of memory on rank 0 in the load phase"),
+        "{err}"
+    );
+    assert!(err.contains("holding"), "{err}");
+}
