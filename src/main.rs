@@ -326,7 +326,8 @@ fn plan(a: PlanCli) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The free memory of GPU 0 in a CUDA build with a GPU; None otherwise.
+/// The free memory of GPU 0 in a CUDA build with a GPU, plus the context this process took
+/// to ask (the plan counts a context); None otherwise.
 fn free_gpu_memory() -> Option<u64> {
     if !cfg!(feature = "cuda") {
         return None;
@@ -335,7 +336,7 @@ fn free_gpu_memory() -> Option<u64> {
     lora_train::memory::mem_info(&dev)
         .ok()
         .flatten()
-        .map(|(free, _)| free)
+        .map(|(free, _)| free + lora_train::memory::plan::CONTEXT)
 }
 
 fn probe(a: ProbeCli) -> anyhow::Result<()> {

@@ -14,7 +14,9 @@
 //!   [B, T, H·D] copy; 5·K·D: k out, contiguous k, roped k, v out, contiguous v (GQA adds
 //!   2·H·D: k and v repeated to H heads); 4I: gate, silu, up, silu ⊙ up; 4H: the f32 row
 //!   log-sum-exp of attention. Llama-2-7B bf16: 227,456 B/token/layer; measured 227,350
-//!   (BENCHMARKS.md (a): (40.77 − 13.00 GiB) / (32 layers × 4096 tokens)).
+//!   (BENCHMARKS.md (a): (40.77 − 13.00 GiB) / (32 layers × 4096 tokens)). On the CPU (f32,
+//!   a counting allocator, C 512, I 1376, H 8, 4 layers, B 1..8, T 512..2048) the forward
+//!   holds 4.00 layers' worth of this at its end.
 //! - checkpointing keeps (L + 1) layer boundaries of N·C·s (inputs + the last output) and, in
 //!   backward, one recomputed layer's activations.
 //! - head (lm_head + CE in chunks of ~2^24 logits): HEAD_CHUNKS × 2^24 × 4 B of f32 logits and

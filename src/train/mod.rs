@@ -709,9 +709,13 @@ pub fn preflight(
         let info = crate::memory::mem_info(&dev)?;
         match (max_memory, info) {
             (Some(m), _) => (Some(m), "train.max_memory".to_string()),
+            // The context the plan counts is already out of `free`: add it back.
             (None, Some((free, _))) => (
-                Some(free),
-                format!("the free memory of cuda:{}", recipe.parallel.devices[0]),
+                Some(free + plan::CONTEXT),
+                format!(
+                    "cuda:{} (free memory + this process's context)",
+                    recipe.parallel.devices[0]
+                ),
             ),
             (None, None) => (None, String::new()),
         }
@@ -746,13 +750,19 @@ pub fn preflight(
     if let (true, Some(m)) = (cuda, max_memory) {
         let (dev, _) = device_and_dtype(recipe)?;
         ballast = crate::memory::hold_ballast(&dev, m)?;
-        if let Some(b) = &ballast {
-            eprintln!(
+        match &ballast {
+            Some(b) if b.bytes > 0 => eprintln!(
                 "train.max_memory = {}: holding {} of the card's {} outside the pool",
                 plan::fmt_bytes(m),
                 plan::fmt_bytes(b.bytes),
                 plan::fmt_bytes(b.total)
-            );
+            ),
+            Some(b) => eprintln!(
+                "warning: train.max_memory = {}, but less than that is free on the card ({} in all): nothing held back",
+                plan::fmt_bytes(m),
+                plan::fmt_bytes(b.total)
+            ),
+            None => {}
         }
     }
     let capacity = capacity.or_else(|| ballast.as_ref().map(|b| b.total));
