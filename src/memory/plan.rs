@@ -4,7 +4,8 @@
 //! s bytes per base element (2 bf16/f16, 4 f32), N = micro_batch × seq_len tokens per rank,
 //! P trainable LoRA parameters, W world size.
 //!
-//! Terms (each a formula; the two backward factors are calibrated, see `BWD_*`):
+//! Terms (formulas of the shape; calibrated on BENCHMARKS.md (a)/(d): `BWD_BASE`,
+//! `BWD_TOKENS`, `HEAD_CHUNKS`; assumed, not measured: `CONTEXT`, `SLACK`):
 //! - base: every frozen parameter × s (`ModelConfig::num_params`); FSDP: ⌈base / W⌉.
 //! - adapters: P × 4 (f32), gradients P × 4 (f32 running sums), AdamW m and v P × 8.
 //! - kept activations per token per layer, what autograd holds between forward and backward
@@ -15,8 +16,8 @@
 //!   2·H·D: k and v repeated to H heads); 4I: gate, silu, up, silu ⊙ up; 4H: the f32 row
 //!   log-sum-exp of attention. Llama-2-7B bf16: 227,456 B/token/layer; measured 227,350
 //!   (BENCHMARKS.md (a): (40.77 − 13.00 GiB) / (32 layers × 4096 tokens)). On the CPU (f32,
-//!   a counting allocator, C 512, I 1376, H 8, 4 layers, B 1..8, T 512..2048) the forward
-//!   holds 4.00 layers' worth of this at its end.
+//!   a counting allocator, C 512, I 1376, H 8, 4 layers, B 1..8, T 512..2048) the forward's
+//!   end holds 4.00 × this × N: the formula to the byte, bar the embedding output.
 //! - checkpointing keeps (L + 1) layer boundaries of N·C·s (inputs + the last output) and, in
 //!   backward, one recomputed layer's activations.
 //! - head (lm_head + CE in chunks of ~2^24 logits): HEAD_CHUNKS × 2^24 × 4 B of f32 logits and
