@@ -20,11 +20,14 @@
 #   $OUT/dist.jsonl. dist2: single 2 x accumulation 2, single and ddp checkpointed.
 # torchrun (2 GPUs): peft_baseline.py --mode ddp / fsdp, same shape -> $OUT/dist.jsonl.
 #   (dist, dist2 and torchrun are separate calls: each takes several minutes.)
+# memory: `lora-train plan` forecasts vs `bench` measured pool peaks (single: mb2, mb2 + ckpt,
+#         mb8 + ckpt; per phase), ratios printed (target: within ±10%); then the OOM case
+#         (bench --max-memory 24GiB, mb2, no ckpt: expect exit 4 and the diagnosis).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-what=" ${*:-compat chat tests tiny bench} "
+what=" ${*:-compat chat tests tiny bench memory} "
 ( cd .devbuild && for f in lora-train it; do [ -f $f.gz ] && gunzip -kf $f.gz && chmod +x $f; done )
 E="bash .devbuild/device-env.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -42,7 +45,7 @@ if [[ $what == *" chat "* ]]; then
 fi
 
 if [[ $what == *" tests "* ]]; then
-  LORA_TRAIN_ROOT=$PWD timeout 240 $E .devbuild/it ops:: golden:: --test-threads 1 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "^test |test result|panicked|error" | head -40
+  LORA_TRAIN_ROOT=$PWD timeout 240 $E .devbuild/it ops:: golden:: plan::cuda_ --test-threads 1 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "^test |test result|panicked|error" | head -40
 fi
 
 if [[ $what == *" tiny "* ]]; then
@@ -112,4 +115,71 @@ if [[ $what == *" torchrun "* ]]; then
     timeout 280 $E torchrun --nproc_per_node 2 .devbuild/peft_baseline.py --shape llama2-7b --seq 2048 \
       --batch 2 --rank 16 --targets all --steps 10 --warmup 3 --mode $mode --json "$OUT/dist.jsonl" 2>&1 | tail -3
   done
+fi
+
+if [[ $what == *" memory "* ]]; then
+  L=.devbuild/lora-train
+  S="--shape llama2-7b --seq 2048"
+  mkdir -p "$OUT/memory"
+  for cfg in "2" "2 ckpt" "8 ckpt"; do
+    set -- $cfg
+    ck=""; name="mb$1"; [ "${2:-}" = ckpt ] && { ck="--ckpt"; name="$name-ckpt"; }
+    echo "== plan + bench single $name"
+    $E $L plan $S --micro-batch $1 $ck --json > "$OUT/memory/plan-$name.json"
+    rm -f "$OUT/memory/bench-$name.json"
+    timeout 150 $E $L bench $S --rank 16 --targets all --steps 3 --warmup 1 --micro-batch $1 $ck \
+      --json "$OUT/memory/bench-$name.json" 2>&1 | tail -1
+  done
+  # DDP / FSDP on 2 GPUs, when this bench has --strategy (src/dist) and the machine 2 GPUs.
+  if [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && $E $L bench --help 2>/dev/null | grep -q -- --strategy; then
+    for st in ddp fsdp; do
+      for cfg in "2" "2 ckpt"; do
+        set -- $cfg
+        ck=""; name="$st-mb$1"; [ "${2:-}" = ckpt ] && { ck="--ckpt"; name="$name-ckpt"; }
+        echo "== plan + bench $name on 2 GPUs"
+        $E $L plan $S --micro-batch $1 $ck --gpus 2 --json > "$OUT/memory/plan-$name.json"
+        rm -f "$OUT/memory/bench-$name.json"
+        timeout 200 $E $L bench $S --rank 16 --targets all --steps 3 --warmup 1 --micro-batch $1 $ck \
+          --strategy $st --devices 0,1 --json "$OUT/memory/bench-$name.json" 2>&1 | tail -1
+      done
+    done
+  fi
+  # Forecast / measured, whole step and per phase. A bench line matches the plan row of its
+  # mode (single / ddp / fsdp), world and ckpt, so ddp / fsdp bench lines compare the same way
+  # (run plan with --gpus <world> for them).
+  python3 - "$OUT/memory" <<'PY'
+import json, sys, glob, os
+d = sys.argv[1]
+worst = 0.0
+for bf in sorted(glob.glob(os.path.join(d, "bench-*.json"))):
+    name = os.path.basename(bf)[6:-5]
+    pf = os.path.join(d, f"plan-{name}.json")
+    if not os.path.exists(pf):
+        continue
+    plan = json.load(open(pf))
+    for line in open(bf):
+        b = json.loads(line)
+        row = next((r for r in plan["rows"] if r["strategy"] == b.get("mode", "single")
+                    and r["ckpt"] == b["ckpt"] and r["world"] == b.get("world", 1)), None)
+        if row is None or b.get("peak_alloc_gib") is None:
+            print(f"{name}: no matching plan row / no measurement"); continue
+        r = row["peak_alloc_gib"] / b["peak_alloc_gib"]
+        worst = max(worst, abs(r - 1))
+        ph = " ".join(f"{p} {row['phases'][p + '_peak_gib']:.2f}/{b.get('phases', {}).get(p + '_peak_gib', float('nan')):.2f}"
+                      for p in ("forward", "head", "backward"))
+        print(f"{name:12s} {b.get('mode','single')} x{b.get('world',1)}: forecast {row['peak_alloc_gib']:.2f} GiB"
+              f" / measured {b['peak_alloc_gib']:.2f} GiB = {r:.3f}  [{ph}]")
+print(f"worst |forecast/measured - 1| = {worst:.3f} ({'PASS' if worst <= 0.10 else 'FAIL'} at 10%)")
+PY
+  echo "== plan at 24 GiB per GPU, 2 GPUs (mb2)"
+  $E $L plan $S --micro-batch 2 --gpus 2 --gpu-mem 24GiB | tee "$OUT/memory/plan-24gib.txt"
+  echo "== OOM case: bench --max-memory 24GiB, mb2, no ckpt (expect exit 4 and the diagnosis)"
+  timeout 150 $E $L bench $S --rank 16 --targets all --steps 2 --warmup 1 --micro-batch 2 \
+    --max-memory 24GiB > "$OUT/memory/oom.out" 2> "$OUT/memory/oom.err"
+  echo "exit code $? (expected 4)" | tee -a "$OUT/memory/oom.err"
+  tail -12 "$OUT/memory/oom.err"
+  echo "== fits at 24 GiB: bench --max-memory 24GiB, mb2 + ckpt (expect exit 0)"
+  timeout 150 $E $L bench $S --rank 16 --targets all --steps 2 --warmup 1 --micro-batch 2 --ckpt \
+    --max-memory 24GiB --json "$OUT/memory/bench-24gib-ckpt.json" 2>&1 | tail -1
+  echo "exit code ${PIPESTATUS[0]}"
 fi

@@ -37,6 +37,8 @@ pub struct BenchArgs {
     /// CUDA ordinals, one rank each (CPU: virtual ranks); one entry for "single".
     pub devices: Vec<usize>,
     pub grad_accum: usize,
+    /// Behave as a card of this many bytes (a ballast outside the pool; CUDA only).
+    pub max_memory: Option<u64>,
 }
 
 /// (hidden, intermediate, layers, heads, kv heads, vocab, rope theta), as peft_baseline.py.
@@ -73,7 +75,7 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
     })
 }
 
-fn targets(name: &str) -> Result<Vec<String>> {
+pub fn targets(name: &str) -> Result<Vec<String>> {
     let t: &[&str] = match name {
         "qv" => &["q_proj", "v_proj"],
         "attn" => &["q_proj", "k_proj", "v_proj", "o_proj"],
@@ -97,6 +99,28 @@ pub fn flops_per_token(
     fwd + bwd + if ckpt { fwd } else { 0.0 }
 }
 
+/// Random token ids (labels = ids shifted), like the baseline: [b, t], every position but
+/// each row's last counted.
+pub fn random_batch(b: usize, t: usize, vocab: usize, seed: u64) -> Batch {
+    let mut rng = crate::rng::Rng::new(seed);
+    let ids: Vec<u32> = (0..b * t).map(|_| rng.below(vocab) as u32).collect();
+    let targets: Vec<(usize, u32)> = (0..b)
+        .flat_map(|r| (0..t.saturating_sub(1)).map(move |i| r * t + i))
+        .map(|k| (k, ids[k + 1]))
+        .collect();
+    Batch {
+        b,
+        t,
+        positions: (0..b).flat_map(|_| 0..t as u32).collect(),
+        segments: None,
+        targets,
+        tokens: b * t,
+        ids,
+    }
+}
+
+/// The bench on `a.devices`: one rank for "single", one thread per rank for ddp / fsdp. An
+/// allocation failure on any rank ends with that rank's diagnosis.
 pub fn run(a: &BenchArgs) -> Result<serde_json::Value> {
     let world = a.devices.len().max(1);
     if a.strategy == Strategy::Single {
@@ -132,14 +156,66 @@ fn cuda_group(_: Vec<usize>, _: Duration) -> Result<Arc<dyn Group>> {
     bail!("--strategy ddp / fsdp on CUDA needs NCCL: rebuild with --features cuda,nccl")
 }
 
-/// One rank's bench (the whole bench for one device); rank 0's JSON is the result, with
-/// every rank's throughput and peak memory under "per_rank".
+/// One rank's bench (the whole bench for one device), with an allocation failure turned into
+/// the diagnosis (`stop::OutOfMemory`: rank, phase, peak vs capacity, the memory plan's
+/// forecast and remedies).
 fn run_rank(a: &BenchArgs, device: Device, comm: &dyn Comm) -> Result<serde_json::Value> {
-    let (rank, world) = (comm.rank(), comm.world());
     let a = &BenchArgs {
         device,
         ..a.clone()
     };
+    use crate::memory::plan;
+    let cfg = shape(&a.shape)?;
+    let input = plan::PlanInput {
+        tied: cfg.tie_word_embeddings.unwrap_or(false),
+        cfg,
+        dtype_bytes: if a.device.is_cpu() { 4 } else { 2 },
+        micro_batch: a.micro_batch,
+        seq_len: a.seq,
+        rank: a.rank,
+        targets: targets(&a.targets)?,
+        gpus: comm.world(),
+        cuda: !a.device.is_cpu(),
+    };
+    let p = plan::plan(&input, 1, a.max_memory);
+    let sel = (a.strategy, a.ckpt);
+    let ballast = match a.max_memory {
+        Some(m) => memory::hold_ballast(&a.device, m)?,
+        None => None,
+    };
+    let capacity = a.max_memory.or(ballast.as_ref().map(|b| b.total));
+    let mut meter = memory::PhaseMeter::default();
+    let res = measure(a, comm, &mut meter);
+    drop(ballast);
+    match res {
+        Err(e) if memory::is_oom(&e) => {
+            let peak = memory::stats(&a.device)?.map(|s| s.used_high.max(meter.run_peak));
+            Err(crate::train::stop::OutOfMemory {
+                rank: comm.rank(),
+                phase: meter.current(),
+                step: None,
+                total: 0,
+                peak,
+                capacity,
+                forecast: plan::row(&p, sel.0, sel.1).map(|r| r.b.clone()),
+                remedies: plan::remedies(&p, sel),
+                last_checkpoint: None,
+                cause: format!("{e:#}"),
+            }
+            .into())
+        }
+        other => other,
+    }
+}
+
+/// The bench proper; rank 0's JSON is the result, with every rank's throughput and peak
+/// memory under "per_rank".
+fn measure(
+    a: &BenchArgs,
+    comm: &dyn Comm,
+    meter: &mut memory::PhaseMeter,
+) -> Result<serde_json::Value> {
+    let (rank, world) = (comm.rank(), comm.world());
     let cfg = shape(&a.shape)?;
     let spec = LoraSpec {
         rank: a.rank,
@@ -220,8 +296,10 @@ fn run_rank(a: &BenchArgs, device: Device, comm: &dyn Comm) -> Result<serde_json
     };
     let mut loss = 0.0;
     let mut losses = Vec::new();
-    let step = |opt: &mut optim::AdamW| -> Result<f64> {
+    // Only the phase is tracked here (no synchronisation): the timed steps stay untouched.
+    let step = |opt: &mut optim::AdamW, meter: &mut memory::PhaseMeter| -> Result<f64> {
         let mut grads = optim::Grads::new();
+        meter.done = None;
         let mut ce = 0.0;
         for (m, batch) in batches.iter().enumerate() {
             let p = par(m + 1 == accum);
@@ -234,7 +312,10 @@ fn run_rank(a: &BenchArgs, device: Device, comm: &dyn Comm) -> Result<serde_json
                 None,
                 &mut grads,
                 None,
-                &mut |_| Ok(()),
+                &mut |phase| {
+                    meter.done = Some(phase);
+                    Ok(())
+                },
             )?;
         }
         if world > 1 {
@@ -247,14 +328,14 @@ fn run_rank(a: &BenchArgs, device: Device, comm: &dyn Comm) -> Result<serde_json
         Ok(ce / n)
     };
     for _ in 0..a.warmup {
-        loss = step(&mut opt)?;
+        loss = step(&mut opt, meter)?;
         losses.push(loss);
     }
     a.device.synchronize()?;
     memory::reset_peak(&a.device)?;
     let t1 = Instant::now();
     for _ in 0..a.steps {
-        loss = step(&mut opt)?;
+        loss = step(&mut opt, meter)?;
         losses.push(loss);
     }
     a.device.synchronize()?;
@@ -266,6 +347,7 @@ fn run_rank(a: &BenchArgs, device: Device, comm: &dyn Comm) -> Result<serde_json
     let gib = |x: u64| (x as f64 / GIB * 100.0).round() / 100.0;
     memory::reset_peak(&a.device)?;
     let mut grads = optim::Grads::new();
+    meter.done = None;
     driver::forward_backward_par(
         &model,
         &par(true),
@@ -276,6 +358,7 @@ fn run_rank(a: &BenchArgs, device: Device, comm: &dyn Comm) -> Result<serde_json
         &mut grads,
         None,
         &mut |phase| {
+            meter.done = Some(phase);
             a.device.synchronize()?;
             if let Some(s) = memory::stats(&a.device)? {
                 phases.insert(format!("{phase}_peak_gib"), gib(s.used_high).into());
@@ -336,5 +419,6 @@ fn run_rank(a: &BenchArgs, device: Device, comm: &dyn Comm) -> Result<serde_json
         "mfu": (per_gpu * fpt / (a.peak_tflops * 1e12) * 1e4).round() / 1e4,
         "final_loss": (loss * 1e4).round() / 1e4,
         "phases": phases,
+        "max_memory_gib": a.max_memory.map(|m| r2(m as f64 / GIB)),
     }))
 }

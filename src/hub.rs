@@ -152,6 +152,52 @@ pub fn model_files(m: &ModelSection) -> Result<ModelFiles> {
     }
 }
 
+/// Only the config.json of a recipe's `[model]` (memory plans need no weights): the local
+/// directory's, or the Hub repository's at `revision`, from the cache or fetched alone.
+pub fn config_file(m: &ModelSection) -> Result<PathBuf> {
+    match (&m.path, &m.id) {
+        (Some(dir), _) => {
+            let c = dir.join("config.json");
+            if !c.is_file() {
+                bail!(
+                    "{} has no config.json: is it a Hugging Face checkpoint directory?",
+                    dir.display()
+                );
+            }
+            Ok(c)
+        }
+        (None, Some(id)) => {
+            let rev = m.revision.as_deref().unwrap_or(DEFAULT_REVISION);
+            check_repo_id(id).map_err(anyhow::Error::msg)?;
+            let env = HubEnv::from_env();
+            let cache = RepoCache::new(&env.cache, id);
+            if let Some(c) = cache.commit_for(rev) {
+                if cache.has(&c, "config.json") == Some(true) {
+                    return Ok(cache.snapshot(&c).join("config.json"));
+                }
+            }
+            if env.offline {
+                // The cache lacks it: `snapshot` says so, and how to get it.
+                return snapshot(&env, id, rev, Refresh::IfIncomplete).map(|f| f.config);
+            }
+            let hub = Hub::new(&env);
+            let at = At {
+                repo: id,
+                revision: rev,
+                file: "config.json",
+            };
+            let remote = match hub.head(&at, rev)? {
+                Head::Found(r) => r,
+                Head::Missing => bail!(missing(&hub, &at)),
+            };
+            cache.write_ref(rev, &remote.commit)?;
+            hub.fetch(&cache, &at, &remote)?;
+            Ok(cache.link(&remote.commit, "config.json", &remote.etag)?)
+        }
+        (None, None) => bail!("[model] needs `path` or `id`"),
+    }
+}
+
 /// `lora-train download`: fetches `id` at `revision` into the cache, asking the Hub what the
 /// revision is now (unless it is a commit the cache already holds completely).
 pub fn download(id: &str, revision: &str) -> Result<ModelFiles> {

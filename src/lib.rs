@@ -11,6 +11,7 @@ pub mod lora;
 pub mod memory;
 pub mod model;
 pub mod ops;
+pub mod probe;
 pub mod recipe;
 pub mod rng;
 pub mod train;

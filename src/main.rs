@@ -3,7 +3,9 @@
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use lora_train::export::merge::{merge, MergeOptions};
 use lora_train::recipe::{Dtype, Recipe, RecipeError};
-use lora_train::train::stop::{Interrupted, EXIT_INTERRUPTED};
+use lora_train::train::stop::{
+    DoesNotFit, Interrupted, OutOfMemory, EXIT_DOES_NOT_FIT, EXIT_INTERRUPTED, EXIT_OUT_OF_MEMORY,
+};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -28,6 +30,13 @@ enum Command {
     /// Time training steps on random weights of a named shape (no download); prints JSON with
     /// the fields of shared/bench/peft_baseline.py.
     Bench(BenchCli),
+    /// Forecast device memory per rank (single / ddp / fsdp, checkpointing on and off) from
+    /// config.json alone, and recommend a setting. `--shape` plans a `bench` shape instead.
+    Plan(PlanCli),
+    /// The smoke ramp: one full step at micro-batch 1 and seq 64, seq doubling to the recipe's
+    /// seq_len, then micro-batch doubling, with the peak of each phase, to the first OOM
+    /// (random token ids of the right shapes).
+    Probe(ProbeCli),
     /// Download a Hub model (config, tokenizer, safetensors) into the Hugging Face cache and
     /// print its directory. Honours HF_HOME, HF_HUB_CACHE, HF_TOKEN, HF_ENDPOINT, HF_HUB_OFFLINE.
     Download(DownloadArgs),
@@ -126,6 +135,63 @@ struct BenchCli {
     /// Also append the JSON line to this file.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Behave as a card of this size, e.g. 24GiB (CUDA: a ballast outside the pool).
+    #[arg(long, value_parser = parse_size)]
+    max_memory: Option<u64>,
+}
+
+#[derive(Args, Clone)]
+struct PlanCli {
+    /// The recipe (TOML); only its model's config.json is read.
+    #[arg(long, short, conflicts_with = "shape")]
+    recipe: Option<PathBuf>,
+    /// Override a recipe field (repeatable).
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    set: Vec<String>,
+    /// Plan a `bench` shape (tiny | llama2-7b | llama2-13b | llama3-8b; bf16) instead of a recipe.
+    #[arg(long)]
+    shape: Option<String>,
+    /// Tokens per row (default: the recipe's data.seq_len; 2048 with --shape).
+    #[arg(long)]
+    seq: Option<usize>,
+    /// Rows per micro-batch (default: the recipe's; 2 with --shape).
+    #[arg(long)]
+    micro_batch: Option<usize>,
+    /// With --shape: LoRA rank.
+    #[arg(long, default_value_t = 16)]
+    rank: usize,
+    /// With --shape: qv | attn | all.
+    #[arg(long, default_value = "all")]
+    targets: String,
+    /// With --shape: the run's row uses activation checkpointing (the JSON's `selected`).
+    #[arg(long)]
+    ckpt: bool,
+    /// GPUs for ddp / fsdp (default: the recipe's parallel.devices).
+    #[arg(long)]
+    gpus: Option<usize>,
+    /// Memory per GPU, e.g. 24GiB (default: train.max_memory, else the free memory of the GPU
+    /// in a CUDA build, else no fit column).
+    #[arg(long, value_parser = parse_size)]
+    gpu_mem: Option<u64>,
+    /// Print JSON instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args, Clone)]
+struct ProbeCli {
+    /// The recipe (TOML).
+    #[arg(long, short)]
+    recipe: PathBuf,
+    /// Override a recipe field (repeatable).
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    set: Vec<String>,
+    /// Stop doubling the micro-batch here.
+    #[arg(long, default_value_t = 64)]
+    max_micro_batch: usize,
+    /// Print JSON instead of the table.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args, Clone)]
@@ -136,9 +202,14 @@ struct TrainArgs {
     /// Override a recipe field, e.g. --set train.lr=1e-4 --set lora.rank=8 (repeatable).
     #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
     set: Vec<String>,
+    /// Start even when the memory plan says the run does not fit.
+    #[arg(long)]
+    force: bool,
 }
 
 /// Exit codes: 0 done, 1 the run failed, 2 the recipe or the command line is wrong,
+/// 3 the memory plan says the run does not fit (nothing loaded; --force overrides),
+/// 4 out of memory mid-run (the last complete checkpoint is intact),
 /// 130 stopped by SIGINT / SIGTERM with a checkpoint saved (resumable), 131 a second signal
 /// ended it at once (the last complete checkpoint is intact).
 fn main() -> ExitCode {
@@ -147,6 +218,8 @@ fn main() -> ExitCode {
         Some(Command::Train(a)) => run("train", a),
         Some(Command::Check(a)) => run("check", a),
         Some(Command::Bench(b)) => bench(b),
+        Some(Command::Plan(p)) => plan(p),
+        Some(Command::Probe(p)) => probe(p),
         Some(Command::Download(d)) => download(d),
         Some(Command::Export(a)) => export(a),
         None => run("train", cli.train),
@@ -162,6 +235,10 @@ fn finish(res: anyhow::Result<()>) -> ExitCode {
             eprintln!("error: {e:#}");
             if e.downcast_ref::<RecipeError>().is_some() {
                 ExitCode::from(2)
+            } else if e.downcast_ref::<DoesNotFit>().is_some() {
+                ExitCode::from(EXIT_DOES_NOT_FIT)
+            } else if e.downcast_ref::<OutOfMemory>().is_some() {
+                ExitCode::from(EXIT_OUT_OF_MEMORY)
             } else {
                 ExitCode::from(1)
             }
@@ -202,6 +279,7 @@ fn bench(b: BenchCli) -> anyhow::Result<()> {
             b.devices
         },
         grad_accum: b.grad_accum,
+        max_memory: b.max_memory,
     };
     let res = lora_train::bench::run(&args)?;
     println!("{res}");
@@ -212,6 +290,82 @@ fn bench(b: BenchCli) -> anyhow::Result<()> {
             .append(true)
             .open(&p)?;
         writeln!(f, "{res}")?;
+    }
+    Ok(())
+}
+
+fn plan(a: PlanCli) -> anyhow::Result<()> {
+    use lora_train::memory::plan;
+    use lora_train::recipe::Strategy;
+    let (input, grad_accum, selected, recipe_cap) = match (&a.shape, &a.recipe) {
+        (Some(shape), _) => {
+            let cfg = lora_train::bench::shape(shape)?;
+            let input = plan::PlanInput {
+                tied: cfg.tie_word_embeddings.unwrap_or(false),
+                cfg,
+                dtype_bytes: 2,
+                micro_batch: a.micro_batch.unwrap_or(2),
+                seq_len: a.seq.unwrap_or(2048),
+                rank: a.rank,
+                targets: lora_train::bench::targets(&a.targets)?,
+                gpus: a.gpus.unwrap_or(1).max(1),
+                cuda: true,
+            };
+            (input, 1, (Strategy::Single, a.ckpt), None)
+        }
+        (None, Some(path)) => {
+            let mut r = Recipe::load(path, &a.set)?;
+            if let Some(s) = a.seq {
+                r.data.seq_len = s;
+            }
+            if let Some(m) = a.micro_batch {
+                r.train.micro_batch = m;
+            }
+            let cfg_path = lora_train::hub::config_file(&r.model)?;
+            let cfg = lora_train::model::ModelConfig::from_file(&cfg_path)?;
+            let gpus = a.gpus.unwrap_or(r.parallel.devices.len());
+            let input = plan::input_from_recipe(&r, cfg, gpus, true)?;
+            let sel = (r.parallel.strategy, r.train.activation_checkpointing);
+            (input, r.train.grad_accum, sel, r.max_memory())
+        }
+        (None, None) => {
+            eprintln!("usage: lora-train plan --recipe RECIPE.toml | --shape NAME [--gpus N] [--gpu-mem 24GiB] [--json]");
+            std::process::exit(2);
+        }
+    };
+    let capacity = match a.gpu_mem.or(recipe_cap) {
+        Some(c) => Some(c),
+        None => free_gpu_memory(),
+    };
+    let p = plan::plan(&input, grad_accum, capacity);
+    if a.json {
+        println!("{}", plan::to_json(&p, selected));
+    } else {
+        print!("{}", plan::render(&p));
+    }
+    Ok(())
+}
+
+/// The free memory of GPU 0 in a CUDA build with a GPU, plus the context this process took
+/// to ask (the plan counts a context); None otherwise.
+fn free_gpu_memory() -> Option<u64> {
+    if !cfg!(feature = "cuda") {
+        return None;
+    }
+    let dev = candle_core::Device::new_cuda(0).ok()?;
+    lora_train::memory::mem_info(&dev)
+        .ok()
+        .flatten()
+        .map(|(free, _)| free + lora_train::memory::plan::CONTEXT)
+}
+
+fn probe(a: ProbeCli) -> anyhow::Result<()> {
+    let recipe = Recipe::load(&a.recipe, &a.set)?;
+    let rep = lora_train::probe::run(&recipe, a.max_micro_batch)?;
+    if a.json {
+        println!("{}", rep.to_json());
+    } else {
+        print!("{}", rep.render());
     }
     Ok(())
 }
@@ -233,7 +387,8 @@ fn run(cmd: &str, args: TrainArgs) -> anyhow::Result<()> {
         print!("{}", recipe.to_toml());
         return Ok(());
     }
-    let res = lora_train::train::run(recipe);
+    let opts = lora_train::train::RunOptions { force: args.force };
+    let res = lora_train::train::run_with(recipe, &opts);
     if let Err(e) = &res {
         if let Some(i) = e.downcast_ref::<Interrupted>() {
             // The exact command that continues this run.

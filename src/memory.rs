@@ -4,7 +4,10 @@
 //! memory (release threshold = max, so freed blocks are reused instead of returned to the
 //! driver on every synchronisation) and read its peak use, which is what decides an OOM.
 
+pub mod plan;
+
 use candle_core::{Device, Result};
+use std::cell::Cell;
 
 /// Bytes in use now and at the peak since the last reset (None on the CPU).
 #[derive(Debug, Clone, Copy, Default, serde::Serialize)]
@@ -80,6 +83,56 @@ mod imp {
         }
         Ok(())
     }
+
+    fn bind(dev: &Device) -> Result<bool> {
+        let Device::Cuda(cuda) = dev else {
+            return Ok(false);
+        };
+        cuda.cuda_stream()
+            .context()
+            .bind_to_thread()
+            .map_err(candle_core::Error::wrap)?;
+        Ok(true)
+    }
+
+    /// (free, total) bytes of the device (cuMemGetInfo).
+    pub fn mem_info(dev: &Device) -> Result<Option<(u64, u64)>> {
+        if !bind(dev)? {
+            return Ok(None);
+        }
+        let (free, total) = candle_core::cuda::cudarc::driver::result::mem_get_info()
+            .map_err(candle_core::Error::wrap)?;
+        Ok(Some((free as u64, total as u64)))
+    }
+
+    /// A cuMemAlloc block outside the pool, freed on drop.
+    pub struct Raw(sys::CUdeviceptr, Device);
+
+    impl Drop for Raw {
+        fn drop(&mut self) {
+            if bind(&self.1).unwrap_or(false) {
+                // SAFETY: the pointer came from malloc_sync below and is freed once.
+                let _ = unsafe { candle_core::cuda::cudarc::driver::result::free_sync(self.0) };
+            }
+        }
+    }
+
+    pub fn alloc_raw(dev: &Device, bytes: u64) -> Result<Option<Raw>> {
+        if !bind(dev)? {
+            return Ok(None);
+        }
+        // SAFETY: plain device allocation in the bound context; freed by Raw's Drop.
+        let ptr = unsafe { candle_core::cuda::cudarc::driver::result::malloc_sync(bytes as usize) }
+            .map_err(candle_core::Error::wrap)?;
+        Ok(Some(Raw(ptr, dev.clone())))
+    }
+
+    /// The chain holds cudarc's CUDA_ERROR_OUT_OF_MEMORY.
+    pub fn is_driver_oom(e: &(dyn std::error::Error + 'static)) -> bool {
+        use candle_core::cuda::cudarc::driver::DriverError;
+        e.downcast_ref::<DriverError>()
+            .is_some_and(|d| d.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY)
+    }
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -94,6 +147,16 @@ mod imp {
     }
     pub fn reset_peak(_: &Device) -> Result<()> {
         Ok(())
+    }
+    pub fn mem_info(_: &Device) -> Result<Option<(u64, u64)>> {
+        Ok(None)
+    }
+    pub struct Raw;
+    pub fn alloc_raw(_: &Device, _: u64) -> Result<Option<Raw>> {
+        Ok(None)
+    }
+    pub fn is_driver_oom(_: &(dyn std::error::Error + 'static)) -> bool {
+        false
     }
 }
 
@@ -112,4 +175,241 @@ pub fn reset_peak(dev: &Device) -> Result<()> {
     imp::reset_peak(dev)
 }
 
+/// (free, total) bytes of a CUDA device (None on the CPU).
+pub fn mem_info(dev: &Device) -> Result<Option<(u64, u64)>> {
+    imp::mem_info(dev)
+}
+
 pub const GIB: f64 = (1u64 << 30) as f64;
+
+/// The phases of a training step, in order.
+pub const PHASES: [&str; 4] = ["forward", "head", "backward", "optimizer"];
+
+/// Per-phase peaks of the device pool over a run's steps (CUDA), and which phase a step is
+/// in (everywhere, for OOM reports). On the CPU it only tracks the phase: no synchronisation,
+/// no cost.
+#[derive(Debug, Clone, Default)]
+pub struct PhaseMeter {
+    /// The pool's high-water mark in each phase (bytes), over the steps since `take`.
+    pub peaks: std::collections::BTreeMap<&'static str, u64>,
+    /// The last phase that ended in the current step (None: in the forward).
+    pub done: Option<&'static str>,
+    /// The peak of the whole run so far (bytes).
+    pub run_peak: u64,
+}
+
+impl PhaseMeter {
+    /// A step begins: the peak counter restarts.
+    pub fn begin(&mut self, dev: &Device) -> Result<()> {
+        self.done = None;
+        if dev.is_cpu() {
+            return Ok(());
+        }
+        reset_peak(dev)
+    }
+
+    /// `phase` ended: record its peak and restart the counter.
+    pub fn end(&mut self, dev: &Device, phase: &'static str) -> Result<()> {
+        self.done = Some(phase);
+        if dev.is_cpu() {
+            return Ok(());
+        }
+        dev.synchronize()?;
+        if let Some(s) = stats(dev)? {
+            let p = self.peaks.entry(phase).or_default();
+            *p = (*p).max(s.used_high);
+            self.run_peak = self.run_peak.max(s.used_high);
+        }
+        reset_peak(dev)
+    }
+
+    /// The phase a failure happened in: the one after the last that ended.
+    pub fn current(&self) -> &'static str {
+        match self.done {
+            None => PHASES[0],
+            Some(p) => {
+                let i = PHASES.iter().position(|x| *x == p).unwrap_or(0);
+                PHASES.get(i + 1).copied().unwrap_or("optimizer")
+            }
+        }
+    }
+
+    /// The peaks recorded since the last call, emptied (empty on the CPU).
+    pub fn take(&mut self) -> std::collections::BTreeMap<&'static str, u64> {
+        std::mem::take(&mut self.peaks)
+    }
+}
+
+/// `train.max_memory` on CUDA: a block taken with cuMemAlloc, outside the pool candle uses, so
+/// that what the pool can still get is `max_memory` (the card behaves as one of that size;
+/// OOMs are real). Dropping it gives the memory back.
+pub struct Ballast {
+    _raw: Option<imp::Raw>,
+    /// Bytes held (0: the card already had no more than max_memory free).
+    pub bytes: u64,
+    /// The device's total memory.
+    pub total: u64,
+}
+
+impl Drop for Ballast {
+    fn drop(&mut self) {
+        // Gives the block back (imp::Raw frees it on CUDA).
+        self._raw.take();
+    }
+}
+
+/// Holds `total − max_memory` bytes of the device (less when that much is not free: then
+/// what is free is already within max_memory). None on the CPU.
+pub fn hold_ballast(dev: &Device, max_memory: u64) -> Result<Option<Ballast>> {
+    let Some((free, total)) = mem_info(dev)? else {
+        return Ok(None);
+    };
+    let want = total.saturating_sub(max_memory);
+    // Never leave the pool less than max_memory: take at most free − max_memory.
+    let bytes = want.min(free.saturating_sub(max_memory));
+    if bytes == 0 {
+        return Ok(Some(Ballast {
+            _raw: None,
+            bytes: 0,
+            total,
+        }));
+    }
+    Ok(Some(Ballast {
+        _raw: imp::alloc_raw(dev, bytes)?,
+        bytes,
+        total,
+    }))
+}
+
+/// A device allocation failed: the chain of `e` holds cudarc's CUDA_ERROR_OUT_OF_MEMORY, our
+/// CPU accounting's `CpuOutOfMemory`, or an "out of memory" message (candle wraps some CUDA
+/// errors as text).
+pub fn is_oom(e: &anyhow::Error) -> bool {
+    e.chain().any(is_oom_error)
+}
+
+fn is_oom_error(e: &(dyn std::error::Error + 'static)) -> bool {
+    if imp::is_driver_oom(e) || e.downcast_ref::<CpuOutOfMemory>().is_some() {
+        return true;
+    }
+    if let Some(c) = e.downcast_ref::<candle_core::Error>() {
+        if candle_oom(c) {
+            return true;
+        }
+    }
+    oom_text(&e.to_string())
+}
+
+/// Through candle's wrappers to the CUDA error inside.
+fn candle_oom(e: &candle_core::Error) -> bool {
+    use candle_core::Error as E;
+    match e {
+        E::Cuda(inner) => is_oom_error(inner.as_ref()),
+        E::Context { inner, .. } | E::WithPath { inner, .. } | E::WithBacktrace { inner, .. } => {
+            candle_oom(inner)
+        }
+        E::WrappedContext { wrapped, .. } => is_oom_error(wrapped.as_ref()),
+        other => oom_text(&other.to_string()),
+    }
+}
+
+fn oom_text(text: &str) -> bool {
+    text.contains("CUDA_ERROR_OUT_OF_MEMORY") || text.to_ascii_lowercase().contains("out of memory")
+}
+
+/// The CPU accounting's cap was crossed (see `account_cpu`).
+#[derive(Debug, thiserror::Error)]
+#[error("out of memory (CPU accounting): the tensors the driver holds need {needed} bytes in {phase}, over train.max_memory = {cap} bytes")]
+pub struct CpuOutOfMemory {
+    pub needed: u64,
+    pub cap: u64,
+    pub phase: &'static str,
+}
+
+// The CPU accounting (`train.max_memory` on the CPU, where there is no device to fill): the
+// bytes of the model and optimiser state (`set_cpu_budget`) plus what the driver holds at
+// each layer (`account_cpu`). Not the process RSS: a count of real tensor bytes, so a run on
+// the CPU can take the same out-of-memory path as a CUDA run.
+// Per thread: one rank's training loop runs on one thread.
+thread_local! {
+    static CPU_CAP: Cell<u64> = const { Cell::new(u64::MAX) };
+    static CPU_FIXED: Cell<u64> = const { Cell::new(0) };
+    static CPU_HIGH: Cell<u64> = const { Cell::new(0) };
+}
+
+/// Sets the CPU cap (None: no cap) and the bytes held outside the driver (weights, adapters,
+/// optimiser state).
+pub fn set_cpu_budget(cap: Option<u64>, fixed: u64) {
+    CPU_CAP.set(cap.unwrap_or(u64::MAX));
+    CPU_FIXED.set(fixed);
+    CPU_HIGH.set(fixed);
+}
+
+/// The driver holds `held` bytes of tensors in `phase`: an error when, with the fixed part,
+/// that crosses the CPU cap. Free when no cap is set; never fails on CUDA.
+pub fn account_cpu(dev: &Device, held: u64, phase: &'static str) -> Result<()> {
+    let cap = CPU_CAP.get();
+    if cap == u64::MAX || !dev.is_cpu() {
+        return Ok(());
+    }
+    let needed = CPU_FIXED.get() + held;
+    CPU_HIGH.set(CPU_HIGH.get().max(needed));
+    if needed > cap {
+        return Err(candle_core::Error::wrap(CpuOutOfMemory {
+            needed,
+            cap,
+            phase,
+        }));
+    }
+    Ok(())
+}
+
+/// The CPU accounting's high-water mark since `set_cpu_budget` (None without a cap).
+pub fn cpu_high() -> Option<u64> {
+    (CPU_CAP.get() != u64::MAX).then(|| CPU_HIGH.get())
+}
+
+/// Bytes of a tensor's elements.
+pub fn tensor_bytes(t: &candle_core::Tensor) -> u64 {
+    (t.elem_count() * t.dtype().size_in_bytes()) as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn oom_is_found_in_an_error_chain() {
+        // CPU accounting, wrapped by candle, then given context by anyhow.
+        let e = candle_core::Error::wrap(CpuOutOfMemory {
+            needed: 10,
+            cap: 5,
+            phase: "forward",
+        });
+        let e = anyhow::Error::from(e).context("step 3");
+        assert!(is_oom(&e));
+        // candle's CUDA wrapper around a driver error text, nested in a Context.
+        let inner: Box<dyn std::error::Error + Send + Sync> =
+            "DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")".into();
+        let e = candle_core::Error::Cuda(inner).context("matmul");
+        assert!(is_oom(&anyhow::Error::from(e)));
+        // Other failures are not OOMs.
+        let e = anyhow::Error::from(candle_core::Error::Msg("shape mismatch in matmul".into()));
+        assert!(!is_oom(&e));
+        let e = anyhow::anyhow!("CUDA_ERROR_ILLEGAL_ADDRESS").context("step 1");
+        assert!(!is_oom(&e));
+    }
+
+    #[test]
+    fn cpu_accounting_trips_over_the_cap_only() {
+        let dev = Device::Cpu;
+        set_cpu_budget(None, 100);
+        assert!(account_cpu(&dev, 1 << 40, "forward").is_ok());
+        set_cpu_budget(Some(1000), 100);
+        assert!(account_cpu(&dev, 900, "forward").is_ok());
+        let e = account_cpu(&dev, 901, "backward").unwrap_err();
+        assert!(e.to_string().contains("need 1001 bytes in backward"), "{e}");
+        assert_eq!(cpu_high(), Some(1001));
+        set_cpu_budget(None, 0);
+    }
+}

@@ -430,6 +430,11 @@ pub struct TrainSection {
     /// stopping the run. Default: false.
     #[serde(default)]
     pub skip_nonfinite: bool,
+    /// Device memory per rank, e.g. "24GiB": on CUDA the run holds the rest of the card
+    /// (cuMemAlloc, outside the pool) so it behaves as a card of this size and runs out of
+    /// memory for real; the preflight check compares the memory plan with it. On the CPU it
+    /// caps an accounting of the tensor bytes the trainer holds. Default: unset (the card).
+    pub max_memory: Option<String>,
 }
 
 /// `train.resume`: false | true | "path/to/checkpoint-<step>".
@@ -507,6 +512,7 @@ impl Default for TrainSection {
             eval_every: 0,
             resume: Resume::default(),
             skip_nonfinite: false,
+            max_memory: None,
         }
     }
 }
@@ -864,6 +870,11 @@ impl Recipe {
                 ));
             }
         }
+        if let Some(s) = &t.max_memory {
+            if let Err(msg) = crate::export::merge::parse_size(s) {
+                return Err(self.invalid("train.max_memory", msg));
+            }
+        }
         if let Some(s) = &self.output.max_shard_size {
             if let Err(msg) = crate::export::merge::parse_size(s) {
                 return Err(self.invalid("output.max_shard_size", msg));
@@ -982,6 +993,14 @@ impl Recipe {
             .filter(|m| list.iter().any(|t| t == *m))
             .map(|s| s.to_string())
             .collect())
+    }
+
+    /// `train.max_memory` in bytes (validated at load).
+    pub fn max_memory(&self) -> Option<u64> {
+        self.train
+            .max_memory
+            .as_deref()
+            .and_then(|s| crate::export::merge::parse_size(s).ok())
     }
 
     /// The output directory: `output.dir`, or adapters/<recipe stem>.

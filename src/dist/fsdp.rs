@@ -55,7 +55,10 @@ impl Flat {
         if s * world > len {
             flat.push(Tensor::zeros(s * world - len, dtype, &dev)?);
         }
-        let shard = Tensor::cat(&flat, 0)?.narrow(0, rank * s, s)?.copy()?;
+        // force_contiguous: a real [s] buffer (`copy` of a view clones the whole storage).
+        let shard = Tensor::cat(&flat, 0)?
+            .narrow(0, rank * s, s)?
+            .force_contiguous()?;
         drop(flat);
         let placeholder = Tensor::zeros(1, dtype, &dev)?;
         for t in tensors {
@@ -80,8 +83,9 @@ impl Flat {
             .collect()
     }
 
+    /// Bytes the shard's storage really holds (not just its view's elements).
     pub fn shard_bytes(&self) -> usize {
-        self.shard.elem_count() * self.shard.dtype().size_in_bytes()
+        storage_bytes(&self.shard)
     }
 
     /// The group's bytes unsharded (no padding).
@@ -163,8 +167,33 @@ pub fn resident_base_bytes(model: &Model, shards: Option<&Shards>) -> usize {
     let mut bytes = 0;
     for t in model.base_tensors() {
         if seen.insert(t.id()) {
-            bytes += t.elem_count() * t.dtype().size_in_bytes();
+            bytes += storage_bytes(t);
         }
     }
     bytes + shards.map_or(0, Shards::shard_bytes)
+}
+
+/// Bytes of the storage behind `t`, which may be more than its view's elements: a narrow
+/// keeps its whole buffer alive. Floats on the CPU and on CUDA; else the view's size.
+pub fn storage_bytes(t: &Tensor) -> usize {
+    use candle_core::{CpuStorage, Storage};
+    let (s, _) = t.storage_and_layout();
+    let size = t.dtype().size_in_bytes();
+    match &*s {
+        Storage::Cpu(CpuStorage::F32(v)) => v.len() * size,
+        Storage::Cpu(CpuStorage::BF16(v)) => v.len() * size,
+        Storage::Cpu(CpuStorage::F16(v)) => v.len() * size,
+        Storage::Cpu(CpuStorage::F64(v)) => v.len() * size,
+        #[cfg(feature = "cuda")]
+        Storage::Cuda(c) => {
+            let n = match t.dtype() {
+                candle_core::DType::F32 => c.as_cuda_slice::<f32>().map(|x| x.len()),
+                candle_core::DType::BF16 => c.as_cuda_slice::<half::bf16>().map(|x| x.len()),
+                candle_core::DType::F16 => c.as_cuda_slice::<half::f16>().map(|x| x.len()),
+                _ => Ok(t.elem_count()),
+            };
+            n.unwrap_or(t.elem_count()) * size
+        }
+        _ => t.elem_count() * size,
+    }
 }

@@ -28,7 +28,7 @@ pub fn attach3(
     let value = if value.is_contiguous() && value.layout().start_offset() == 0 {
         value
     } else {
-        value.copy()?
+        value.force_contiguous()? // a fresh [shape] buffer, offset 0
     };
     let op = Attach3 {
         value: Mutex::new(Some(value)),

@@ -33,8 +33,9 @@ const FORMAT: &str = "lora-train checkpoint 1";
 const LOSS_TAIL: usize = 100;
 
 /// Recipe keys that do not change the numbers of a run: they may differ on resume.
-const FREE_KEYS: [&str; 11] = [
+const FREE_KEYS: [&str; 12] = [
     "train.resume",
+    "train.max_memory",
     "train.log_every",
     "train.skip_nonfinite",
     "train.activation_checkpointing",

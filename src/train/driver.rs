@@ -23,6 +23,7 @@ use super::optim::Grads;
 use crate::data::Batch;
 use crate::dist::fsdp::Shards;
 use crate::dist::{Comm, Solo};
+use crate::memory;
 use crate::model::{Ctx, Layer, LayerActs, LayerGrads, Model};
 use candle_core::{DType, Result, Tensor, Var};
 use std::borrow::Cow;
@@ -165,6 +166,7 @@ pub fn forward_backward_par(
         None => model.embed(&ids)?,
     }; // [B, T, C], no graph
     let mut saved = Vec::with_capacity(n_layers);
+    let mut held = 0u64; // bytes of the saved tensors, for memory::account_cpu
     let mut next = (n_layers > 0).then(|| par.layer(model, 0)).transpose()?;
     for l in 0..n_layers {
         let Some(layer) = next.take() else {
@@ -177,10 +179,17 @@ pub fn forward_backward_par(
         }
         let (y, acts) = layer.forward_train(&x, &ctx, !checkpointing)?;
         saved.push(match acts {
-            Some(acts) => Saved::Acts(acts),
-            None => Saved::Input(x),
+            Some(acts) => {
+                held += acts.bytes() as u64;
+                Saved::Acts(acts)
+            }
+            None => {
+                held += memory::tensor_bytes(&x);
+                Saved::Input(x)
+            }
         });
         x = y;
+        memory::account_cpu(dev, held, "forward")?;
     }
 
     probe("forward")?;
@@ -231,7 +240,10 @@ pub fn forward_backward_par(
         let acts = match saved.pop() {
             Some(Saved::Acts(acts)) => acts,
             Some(Saved::Input(x)) => match layer.forward_train(&x, &ctx, true)? {
-                (_, Some(acts)) => acts,
+                (_, Some(acts)) => {
+                    memory::account_cpu(dev, held + acts.bytes() as u64, "backward")?;
+                    acts
+                }
                 (_, None) => candle_core::bail!("driver: layer {l} kept nothing to recompute from"),
             },
             None => candle_core::bail!("driver: no saved activations for layer {l}"),

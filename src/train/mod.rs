@@ -65,6 +65,23 @@ pub struct Session {
     pub comm: Box<dyn Comm>,
     /// FSDP: this rank's shards of the frozen base (the model holds placeholders).
     pub shards: Option<Shards>,
+    /// The memory plan and what the run measured at load (for reports and OOM diagnoses).
+    pub memory: MemoryWatch,
+}
+
+/// What a run knows about its memory: the plan's forecast, the capacity, the load peak.
+#[derive(Debug, Clone, Default)]
+pub struct MemoryWatch {
+    /// This process's rank (0 until DDP / FSDP set it).
+    pub rank: usize,
+    /// The plan's row for this run's strategy and checkpointing.
+    pub forecast: Option<crate::memory::plan::Breakdown>,
+    /// Remedies for when it does not fit (from the plan).
+    pub remedies: Vec<String>,
+    /// Bytes the run may use per rank: train.max_memory, else the card's memory.
+    pub capacity: Option<u64>,
+    /// The device pool's peak while loading (CUDA).
+    pub load_peak: Option<u64>,
 }
 
 pub fn device_and_dtype(recipe: &Recipe) -> Result<(Device, DType)> {
@@ -262,6 +279,7 @@ impl Session {
             data_notes,
             comm,
             shards,
+            memory: MemoryWatch::default(),
         })
     }
 
@@ -415,6 +433,20 @@ impl Session {
         }
         let mut opt = AdamW::new(params, t.betas, t.eps, t.weight_decay)?;
         let total = self.total_steps();
+        let dev = self.model.device.clone();
+        // train.max_memory on the CPU caps an accounting of tensor bytes: the model and the
+        // f32 adapter state (weights, AdamW m and v, gradients) plus what the driver holds.
+        let cpu_cap = r.max_memory().filter(|_| dev.is_cpu());
+        let lora: u64 = self
+            .model
+            .adapters()
+            .map(|(_, l)| {
+                crate::memory::tensor_bytes(l.a.as_tensor())
+                    + crate::memory::tensor_bytes(l.b.as_tensor())
+            })
+            .sum();
+        crate::memory::set_cpu_budget(cpu_cap, model_bytes(&self.model) + 3 * lora);
+        let mut meter = crate::memory::PhaseMeter::default();
         let mut cursor = Cursor {
             epoch: 0,
             step_in_epoch: 0,
@@ -489,6 +521,19 @@ impl Session {
                 };
                 let mut grads = Grads::new();
                 let (mut ce, mut step_tokens) = (0.0, 0);
+                let lr = t.lr * schedule::lr_factor(t.schedule, step, total, t.warmup_steps);
+                let oom = |e: anyhow::Error, meter: &crate::memory::PhaseMeter| -> anyhow::Error {
+                    if !crate::memory::is_oom(&e) {
+                        return e;
+                    }
+                    self.out_of_memory(
+                        &e,
+                        meter,
+                        Some((step + 1, total)),
+                        last_ckpt.as_ref().map(|(_, p)| p.clone()),
+                    )
+                };
+                meter.begin(&dev)?;
                 for (k, b) in batches.iter().enumerate() {
                     // Dropout masks are keyed by the global micro-batch index, so that a row
                     // draws the same mask whatever the number of ranks.
@@ -496,7 +541,7 @@ impl Session {
                     let key =
                         (r.lora.dropout > 0.0).then_some((t.seed, [step as u64, micro as u64]));
                     let last = k + 1 == batches.len();
-                    ce += driver::forward_backward_par(
+                    let res = driver::forward_backward_par(
                         &self.model,
                         &self.par(last),
                         b,
@@ -505,8 +550,15 @@ impl Session {
                         key,
                         &mut grads,
                         None,
-                        &mut |_| Ok(()),
-                    )?;
+                        &mut |phase| meter.end(&dev, phase),
+                    );
+                    ce += match res {
+                        Ok(v) => v,
+                        Err(e) => {
+                            bar.finish_and_clear();
+                            return Err(oom(e.into(), &meter));
+                        }
+                    };
                     step_tokens += b.tokens;
                 }
                 if world > 1 {
@@ -519,12 +571,23 @@ impl Session {
                 tokens += step_tokens;
                 session_tokens += step_tokens;
                 let loss = ce / denom.max(1) as f64;
-                let grad_norm = optim::clip_grad_norm(&mut grads, &opt.params, t.max_grad_norm)?;
-                let lr = t.lr * schedule::lr_factor(t.schedule, step, total, t.warmup_steps);
+                meter.done = Some("backward");
+                let grad_norm =
+                    match optim::clip_grad_norm(&mut grads, &opt.params, t.max_grad_norm) {
+                        Ok(n) => n,
+                        Err(e) => {
+                            bar.finish_and_clear();
+                            return Err(oom(e.into(), &meter));
+                        }
+                    };
                 // A NaN / Inf loss or gradient never reaches the adapter.
                 let finite = loss.is_finite() && grad_norm.is_finite();
                 if finite {
-                    opt.step(&grads, lr)?;
+                    if let Err(e) = opt.step(&grads, lr) {
+                        bar.finish_and_clear();
+                        return Err(oom(e.into(), &meter));
+                    }
+                    meter.end(&dev, "optimizer")?;
                 } else if t.skip_nonfinite {
                     skipped += 1;
                 } else {
@@ -564,6 +627,25 @@ impl Session {
                         "truncated": self.data.truncated, "skipped_rows": self.data.skipped,
                     });
                     let mut msg = format!("loss {loss:.4}  ");
+                    // Per-phase peaks of the device pool since the last row (CUDA only).
+                    let peaks = meter.take();
+                    if !peaks.is_empty() {
+                        // 1e-4 GiB (~0.1 MiB) resolution: small models are not rounded to 0.
+                        let g = |x: u64| (x as f64 / crate::memory::GIB * 1e4).round() / 1e4;
+                        let mut mem = serde_json::json!({ "rank": self.memory.rank });
+                        if let Some(l) = self.memory.load_peak {
+                            mem["load_gib"] = g(l).into();
+                        }
+                        let mut short = Vec::new();
+                        for phase in crate::memory::PHASES {
+                            if let Some(v) = peaks.get(phase) {
+                                mem[format!("{phase}_gib")] = g(*v).into();
+                                short.push(format!("{} {:.1}", &phase[..3], g(*v)));
+                            }
+                        }
+                        row["mem"] = mem;
+                        msg.push_str(&format!("peak GiB {}  ", short.join(" ")));
+                    }
                     if let Some((l, n)) = eval {
                         row["eval_loss"] = l.into();
                         row["eval_tokens"] = n.into();
@@ -660,15 +742,27 @@ fn progress_bar(total: u64) -> ProgressBar {
 /// `lora-train train`: the whole run from a recipe, on one device, on one thread per device
 /// (`[parallel] strategy = "ddp" | "fsdp"`), or as one rank of a torchrun / Slurm job.
 pub fn run(recipe: Recipe) -> Result<RunSummary> {
+    run_with(recipe, &RunOptions::default())
+}
+
+/// How `run_with` may deviate from the recipe.
+#[derive(Debug, Clone, Default)]
+pub struct RunOptions {
+    /// Start even when the memory plan says the run does not fit.
+    pub force: bool,
+}
+
+/// `run`, with options (`--force`).
+pub fn run_with(recipe: Recipe, opts: &RunOptions) -> Result<RunSummary> {
     let signal = stop::install_signal_handlers()?;
     let p = &recipe.parallel;
     let env = crate::dist::launch::EnvRank::from_env(&|k| std::env::var(k).ok())?;
     if let Some(e) = env {
-        return run_process(recipe, e, signal);
+        return run_process(recipe, e, signal, opts);
     }
     if p.strategy == Strategy::Single {
         let ordinal = p.devices.first().copied().unwrap_or(0);
-        return run_rank(recipe, Box::new(Solo), ordinal, &signal);
+        return run_rank(recipe, Box::new(Solo), ordinal, &signal, opts);
     }
     let timeout = std::time::Duration::from_secs(p.timeout_s);
     let (group, ordinals): (std::sync::Arc<dyn crate::dist::Group>, Vec<usize>) =
@@ -681,11 +775,13 @@ pub fn run(recipe: Recipe) -> Result<RunSummary> {
         };
     // A stop by signal is every rank's orderly end, not a failure that aborts the others:
     // it travels as a value, and rank 0's (which names its checkpoint) is the run's.
+    let opts = opts.clone();
     let body = move |rank: usize, comm: Box<dyn Comm>| match run_rank(
         recipe.clone(),
         comm,
         ordinals[rank],
         &signal,
+        &opts,
     ) {
         Err(e) if e.is::<stop::Interrupted>() => Ok(Err(e)),
         res => res.map(Ok),
@@ -721,6 +817,7 @@ fn run_process(
     recipe: Recipe,
     e: crate::dist::launch::EnvRank,
     signal: stop::StopSignal,
+    opts: &RunOptions,
 ) -> Result<RunSummary> {
     if recipe.parallel.strategy == Strategy::Single {
         return Err(RecipeError::Invalid {
@@ -737,7 +834,7 @@ fn run_process(
             e.world
         );
     }
-    process_rank(recipe, e, signal)
+    process_rank(recipe, e, signal, opts)
 }
 
 #[cfg(feature = "nccl")]
@@ -745,10 +842,11 @@ fn process_rank(
     recipe: Recipe,
     e: crate::dist::launch::EnvRank,
     signal: stop::StopSignal,
+    opts: &RunOptions,
 ) -> Result<RunSummary> {
     let timeout = std::time::Duration::from_secs(recipe.parallel.timeout_s);
     let comm = crate::dist::nccl::from_env(&e, timeout)?;
-    run_rank(recipe, comm, e.local, &signal)
+    run_rank(recipe, comm, e.local, &signal, opts)
         .with_context(|| format!("rank {} of {} failed", e.rank, e.world))
 }
 
@@ -757,6 +855,7 @@ fn process_rank(
     _: Recipe,
     e: crate::dist::launch::EnvRank,
     _: stop::StopSignal,
+    _: &RunOptions,
 ) -> Result<RunSummary> {
     anyhow::bail!(
         "RANK / WORLD_SIZE are set (world {}), but this binary was built without NCCL: rebuild with `cargo build --release --features cuda,nccl`",
@@ -770,6 +869,7 @@ fn run_rank(
     comm: Box<dyn Comm>,
     ordinal: usize,
     signal: &stop::StopSignal,
+    opts: &RunOptions,
 ) -> Result<RunSummary> {
     let lead = comm.rank() == 0;
     let out_dir = recipe.output_dir();
@@ -789,7 +889,35 @@ fn run_rank(
         ),
         _ => {}
     }
-    let session = Session::for_rank(recipe, comm, ordinal)?;
+    // Memory: the plan (config.json only), the capacity, the preflight check, then the
+    // ballast that makes a card behave as one of train.max_memory.
+    let (mut watch, ballast) = preflight(&recipe, opts, ordinal)?;
+    watch.rank = comm.rank();
+    let max_memory = recipe.max_memory();
+    let mut session = match Session::for_rank(recipe, comm, ordinal) {
+        Ok(s) => s,
+        // Loading the weights did not fit: the same diagnosis as mid-run, phase "load".
+        Err(e) if crate::memory::is_oom(&e) => {
+            return Err(stop::OutOfMemory {
+                rank: watch.rank,
+                phase: "load",
+                step: None,
+                total: 0,
+                peak: None,
+                capacity: watch.capacity.or(max_memory),
+                forecast: watch.forecast.clone(),
+                remedies: watch.remedies.clone(),
+                last_checkpoint: None,
+                cause: format!("{e:#}"),
+            }
+            .into())
+        }
+        Err(e) => return Err(e),
+    };
+    if let Some(s) = crate::memory::stats(&session.model.device)? {
+        watch.load_peak = Some(s.used_high);
+    }
+    session.memory = watch;
     let m = &session.model;
     let trainable: usize = m
         .adapters()
@@ -837,6 +965,7 @@ fn run_rank(
         signal.wait_announced();
     }
     let summary = res?;
+    drop(ballast);
     if lead && session.recipe.output.merge {
         let size = session.recipe.output.max_shard_size.as_deref();
         let opts = export::merge::MergeOptions {
@@ -859,6 +988,145 @@ fn run_rank(
         );
     }
     Ok(summary)
+}
+
+/// The memory plan for a recipe, checked against what the run has: on CUDA train.max_memory
+/// or the card's free memory, on the CPU train.max_memory (the accounting's cap). Returns
+/// the run's memory watch and, on CUDA with max_memory, the ballast to hold while training.
+pub fn preflight(
+    recipe: &Recipe,
+    opts: &RunOptions,
+    ordinal: usize,
+) -> Result<(MemoryWatch, Option<crate::memory::Ballast>)> {
+    use crate::memory::plan;
+    let cuda = recipe.model.device == DeviceKind::Cuda;
+    let cfg_path = hub::config_file(&recipe.model)?;
+    let cfg = crate::model::ModelConfig::from_file(&cfg_path)?;
+    let input = plan::input_from_recipe(recipe, cfg, recipe.parallel.devices.len(), cuda)?;
+    let max_memory = recipe.max_memory();
+    let mut ballast = None;
+    let (capacity, source) = if cuda {
+        let (dev, _) = device_and_dtype_on(recipe, ordinal)?;
+        crate::memory::keep_pool_memory(&dev)?;
+        let info = crate::memory::mem_info(&dev)?;
+        match (max_memory, info) {
+            (Some(m), _) => (Some(m), "train.max_memory".to_string()),
+            // The context the plan counts is already out of `free`: add it back.
+            (None, Some((free, _))) => (
+                Some(free + plan::CONTEXT),
+                format!("cuda:{ordinal} (free memory + this process's context)"),
+            ),
+            (None, None) => (None, String::new()),
+        }
+    } else {
+        (max_memory, "train.max_memory (CPU accounting)".to_string())
+    };
+    let p = plan::plan(&input, recipe.train.grad_accum, capacity);
+    let selected = (
+        recipe.parallel.strategy,
+        recipe.train.activation_checkpointing,
+    );
+    let forecast = plan::row(&p, selected.0, selected.1).map(|r| r.b.clone());
+    let remedies = plan::remedies(&p, selected);
+    if let (Some(cap), Some(b)) = (capacity, &forecast) {
+        if b.total > cap {
+            let e = stop::DoesNotFit {
+                forecast: b.clone(),
+                capacity: cap,
+                capacity_source: source,
+                table: plan::render(&p),
+                remedies: remedies.clone(),
+            };
+            if !opts.force {
+                return Err(e.into());
+            }
+            eprintln!(
+                "warning (--force): {}",
+                e.to_string().lines().next().unwrap_or("")
+            );
+        }
+    }
+    if let (true, Some(m)) = (cuda, max_memory) {
+        let (dev, _) = device_and_dtype_on(recipe, ordinal)?;
+        ballast = crate::memory::hold_ballast(&dev, m)?;
+        match &ballast {
+            Some(b) if b.bytes > 0 => eprintln!(
+                "train.max_memory = {}: holding {} of the card's {} outside the pool",
+                plan::fmt_bytes(m),
+                plan::fmt_bytes(b.bytes),
+                plan::fmt_bytes(b.total)
+            ),
+            Some(b) => eprintln!(
+                "warning: train.max_memory = {}, but less than that is free on the card ({} in all): nothing held back",
+                plan::fmt_bytes(m),
+                plan::fmt_bytes(b.total)
+            ),
+            None => {}
+        }
+    }
+    let capacity = capacity.or_else(|| ballast.as_ref().map(|b| b.total));
+    Ok((
+        MemoryWatch {
+            rank: 0,
+            forecast,
+            remedies,
+            capacity,
+            load_peak: None,
+        },
+        ballast,
+    ))
+}
+
+/// Bytes of the model's tensors (base, norms, head, adapters).
+fn model_bytes(m: &Model) -> u64 {
+    use crate::memory::tensor_bytes as b;
+    let mut sum = b(&m.embed) + b(&m.norm) + if m.tied { 0 } else { b(&m.lm_head) };
+    for l in &m.layers {
+        sum += b(&l.input_norm) + b(&l.post_norm);
+        for lin in l.linears() {
+            sum += b(&lin.w) + lin.b.as_ref().map(b).unwrap_or(0);
+            if let Some(lora) = &lin.lora {
+                sum += b(lora.a.as_tensor()) + b(lora.b.as_tensor());
+            }
+        }
+    }
+    sum
+}
+
+impl Session {
+    /// The diagnosis of an allocation failure: rank, phase, step, peak vs capacity, the
+    /// forecast and remedies.
+    pub fn out_of_memory(
+        &self,
+        e: &anyhow::Error,
+        meter: &crate::memory::PhaseMeter,
+        step: Option<(usize, usize)>,
+        last_checkpoint: Option<PathBuf>,
+    ) -> anyhow::Error {
+        let dev = &self.model.device;
+        let peak = match crate::memory::stats(dev).ok().flatten() {
+            Some(s) => Some(s.used_high.max(meter.run_peak)),
+            None => crate::memory::cpu_high(),
+        };
+        let capacity = self.memory.capacity.or(if dev.is_cpu() {
+            self.recipe.max_memory()
+        } else {
+            None
+        });
+        stop::OutOfMemory {
+            rank: self.memory.rank,
+            phase: meter.current(),
+            step: step.map(|s| s.0),
+            total: step.map(|s| s.1).unwrap_or(0),
+            peak,
+            capacity,
+            forecast: self.memory.forecast.clone(),
+            remedies: self.memory.remedies.clone(),
+            last_checkpoint,
+            cause: format!("{e:#}"),
+        }
+        .into()
+    }
 }
 
 /// Lines about the data beyond counts: the mix, skipped rows, dropped examples, how chat turns

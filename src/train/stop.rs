@@ -128,3 +128,129 @@ pub fn install_signal_handlers() -> Result<StopSignal> {
     });
     Ok(StopSignal { flag, announced })
 }
+
+/// Exit code when the memory plan says the run does not fit (preflight, before loading).
+pub const EXIT_DOES_NOT_FIT: u8 = 3;
+/// Exit code when a device allocation failed mid-run (a real OOM).
+pub const EXIT_OUT_OF_MEMORY: u8 = 4;
+
+fn gib(x: u64) -> String {
+    crate::memory::plan::fmt_bytes(x)
+}
+
+/// Preflight: the plan's forecast for this run exceeds the memory available. Nothing has
+/// been loaded or written.
+#[derive(Debug)]
+pub struct DoesNotFit {
+    /// The run's row of the plan.
+    pub forecast: crate::memory::plan::Breakdown,
+    pub capacity: u64,
+    /// Where the capacity comes from, e.g. "train.max_memory" or "free memory of cuda:0".
+    pub capacity_source: String,
+    /// The whole plan, as `lora-train plan` prints it.
+    pub table: String,
+    pub remedies: Vec<String>,
+}
+
+impl std::fmt::Display for DoesNotFit {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        let b = &self.forecast;
+        writeln!(
+            f,
+            "the memory plan says this run does not fit: {} needs {} per rank, {} has {}",
+            crate::memory::plan::label(b),
+            gib(b.total),
+            self.capacity_source,
+            gib(self.capacity)
+        )?;
+        writeln!(
+            f,
+            "  forecast: base {}, adapters + grads + AdamW {}, activations {}, transient {}, fsdp gather {}, context + slack {} (peak in {})",
+            gib(b.base),
+            gib(b.adapters + b.grads + b.optimizer),
+            gib(b.activations),
+            gib(b.transient),
+            gib(b.gather),
+            gib(b.context + b.slack),
+            b.peak_phase
+        )?;
+        for l in self.table.lines() {
+            writeln!(f, "  | {l}")?;
+        }
+        writeln!(f, "  remedies: {}", self.remedies.join("; "))?;
+        write!(f, "  (pass --force to start anyway)")
+    }
+}
+
+impl std::error::Error for DoesNotFit {}
+
+/// A device allocation failed mid-run (CUDA out of memory, or the CPU accounting's cap).
+/// The step's update was not applied; checkpoints already saved are complete.
+#[derive(Debug)]
+pub struct OutOfMemory {
+    pub rank: usize,
+    /// forward, head, backward or optimizer.
+    pub phase: &'static str,
+    /// The 1-based step that failed (None: outside the training loop, e.g. bench / probe).
+    pub step: Option<usize>,
+    pub total: usize,
+    /// The device pool's (or the CPU accounting's) peak before the failure.
+    pub peak: Option<u64>,
+    /// What the run had: max_memory or the card's memory.
+    pub capacity: Option<u64>,
+    /// The memory plan's forecast for this run.
+    pub forecast: Option<crate::memory::plan::Breakdown>,
+    pub remedies: Vec<String>,
+    pub last_checkpoint: Option<PathBuf>,
+    /// The failure as the allocator reported it.
+    pub cause: String,
+}
+
+impl std::fmt::Display for OutOfMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        match self.step {
+            Some(s) => writeln!(
+                f,
+                "out of memory on rank {} in the {} phase of step {s} of {}; that step's update was not applied",
+                self.rank, self.phase, self.total
+            )?,
+            None => writeln!(f, "out of memory on rank {} in the {} phase", self.rank, self.phase)?,
+        }
+        let opt = |x: Option<u64>| x.map(gib).unwrap_or_else(|| "unknown".into());
+        writeln!(
+            f,
+            "  peak before the failure: {} of {}",
+            opt(self.peak),
+            opt(self.capacity)
+        )?;
+        if let Some(b) = &self.forecast {
+            writeln!(
+                f,
+                "  forecast (memory plan, {} at micro-batch {}): {} in all, peak {} in {} (base {}, activations {}, transient {})",
+                crate::memory::plan::label(b),
+                b.micro_batch,
+                gib(b.total),
+                gib(b.pool_peak),
+                b.peak_phase,
+                gib(b.base),
+                gib(b.activations),
+                gib(b.transient)
+            )?;
+        }
+        if self.step.is_some() {
+            match &self.last_checkpoint {
+                Some(p) => writeln!(
+                    f,
+                    "  last checkpoint (intact): {} (continue with train.resume = true, where activation_checkpointing may change; or start a new run from its adapter: lora.init_adapter = \"{}\")",
+                    p.display(),
+                    p.display()
+                )?,
+                None => writeln!(f, "  last checkpoint: none (output.save_every = 0)")?,
+            }
+        }
+        writeln!(f, "  remedies: {}", self.remedies.join("; "))?;
+        write!(f, "  cause: {}", self.cause.lines().next().unwrap_or(""))
+    }
+}
+
+impl std::error::Error for OutOfMemory {}

@@ -788,3 +788,39 @@ fn bad_hub_keys_in_a_recipe_exit_2() {
         assert_eq!(o.status.code(), Some(2));
     }
 }
+
+#[test]
+fn plan_of_a_hub_model_fetches_config_json_only() {
+    let tmp = tempfile::tempdir().unwrap();
+    let hf = tmp.path().join("hf");
+    let hub = FakeHub::start(
+        tiny_repo(),
+        Access {
+            token: None,
+            gated: false,
+        },
+        Faults::default(),
+    );
+    let recipe = recipe(tmp.path(), &tmp.path().join("run"));
+    let o = bin(&hf, &hub.endpoint())
+        .args(["plan", "--recipe"])
+        .arg(&recipe)
+        .args(["--gpu-mem", "1GiB"])
+        .output()
+        .unwrap();
+    let (out, err) = out_err(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(out.contains("advice: use single"), "{out}");
+    // The cache holds config.json and nothing else: no weights, no tokenizer.
+    let blobs = walk(&repo_dir(&hf).join("blobs"));
+    assert_eq!(blobs.len(), 1, "{blobs:?}");
+    let snap: Vec<String> = walk(&repo_dir(&hf).join("snapshots"))
+        .iter()
+        .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(snap, ["config.json"]);
+    assert!(hub
+        .requests()
+        .iter()
+        .all(|r| !r.path.contains("safetensors")));
+}

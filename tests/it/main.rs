@@ -13,4 +13,5 @@ mod hub;
 mod invariants;
 mod merge;
 mod ops;
+mod plan;
 mod resume;

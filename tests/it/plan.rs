@@ -1,0 +1,406 @@
+//! `lora-train plan` and `probe`, the preflight check and the out-of-memory path, on the CPU.
+//!
+//! The plan snapshots are files in tests/fixtures/plan/; `LORA_TRAIN_REGEN_PLAN=1 cargo test
+//! --test it plan::` rewrites them (review the diff: they are the estimator's numbers).
+
+use crate::common::*;
+use assert_cmd::Command;
+use std::path::Path;
+
+fn bin() -> Command {
+    Command::cargo_bin("lora-train").unwrap()
+}
+
+/// Runs `lora-train args` in the repository root; (exit code, stdout, stderr).
+fn run(args: &[&str]) -> (i32, String, String) {
+    let out = bin().current_dir(root()).args(args).output().unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// `got` equals the snapshot file `name` (or rewrites it with LORA_TRAIN_REGEN_PLAN=1).
+fn snapshot(name: &str, got: &str) {
+    let path = root().join("tests/fixtures/plan").join(name);
+    if std::env::var("LORA_TRAIN_REGEN_PLAN").is_ok_and(|v| v == "1") {
+        std::fs::write(&path, got).unwrap();
+    }
+    let want = std::fs::read_to_string(&path).unwrap_or_else(|_| {
+        panic!(
+            "{} is missing: LORA_TRAIN_REGEN_PLAN=1 cargo test --test it plan::",
+            path.display()
+        )
+    });
+    assert_eq!(
+        got, want,
+        "{name} changed (LORA_TRAIN_REGEN_PLAN=1 rewrites it)"
+    );
+}
+
+#[test]
+fn plan_of_the_tiny_recipe_is_the_snapshot() {
+    let (code, out, err) = run(&[
+        "plan",
+        "--recipe",
+        "recipes/tiny-cpu.toml",
+        "--gpus",
+        "2",
+        "--gpu-mem",
+        "600MiB",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    snapshot("tiny-cpu.txt", &out);
+    // Tiny model, f32: base 158016 params · 4 B = 632064 B = 617.25 KiB on single and ddp,
+    // half on fsdp (308.62 KiB); 512 MiB of CUDA context dominates everything.
+    assert!(out.contains("single          617.25 KiB"), "{out}");
+    assert!(out.contains("fsdp ×2         308.62 KiB"), "{out}");
+    assert!(out.contains("advice: use single: "), "{out}");
+}
+
+#[test]
+fn plan_of_llama2_7b_from_config_json_alone() {
+    let recipe = "tests/fixtures/plan/llama2-7b.toml";
+    // The fixture directory holds config.json only: no weights, no tokenizer.
+    let dir = root().join("tests/fixtures/configs/llama2-7b");
+    let files: Vec<_> = std::fs::read_dir(&dir).unwrap().collect();
+    assert_eq!(files.len(), 1);
+    let (code, out, err) = run(&[
+        "plan",
+        "--recipe",
+        recipe,
+        "--gpus",
+        "2",
+        "--gpu-mem",
+        "24GiB",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    snapshot("llama2-7b.txt", &out);
+    // Single without checkpointing at micro-batch 2: 25640312832 B in the pool (23.88 GiB,
+    // src/memory/plan.rs tests) + 512 MiB + 5% = 25.57 GiB: does not fit 24 GiB.
+    assert!(out.contains("25.57 GiB  backward    NO"), "{out}");
+    // DDP holds a full replica, FSDP half the base (6738415616 · 2 / 2 B = 6.28 GiB).
+    assert!(
+        out.contains("ddp: every rank holds a full replica"),
+        "{out}"
+    );
+    assert!(out.contains("fsdp ×2 + ckpt   6.28 GiB"), "{out}");
+    assert!(out
+        .contains("next layer (and embedding + head for the head), with or without checkpointing"));
+
+    let (code, json, err) = run(&[
+        "plan",
+        "--recipe",
+        recipe,
+        "--gpus",
+        "2",
+        "--gpu-mem",
+        "24GiB",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["kept_bytes_per_token_layer"], 85_344);
+    assert_eq!(v["lora_params"], 39_976_960);
+    assert_eq!(v["rows"].as_array().unwrap().len(), 6);
+    // The recipe's own row: single + checkpointing, mb 2.
+    let sel = &v["selected"];
+    assert_eq!(
+        (sel["strategy"].as_str(), sel["ckpt"].as_bool()),
+        (Some("single"), Some(true))
+    );
+    assert_eq!(sel["fits"], true);
+    let fsdp = v["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["strategy"] == "fsdp" && r["ckpt"] == true)
+        .unwrap();
+    assert_eq!(fsdp["fits"], true);
+    assert_eq!(fsdp["base_bytes"], 6_738_415_616u64);
+}
+
+#[test]
+fn plan_of_a_bench_shape_equals_the_plan_of_its_config() {
+    // --shape llama2-7b mirrors bench; the fixture config.json is the same model, so the rows
+    // must agree byte for byte.
+    let (c1, shape, e1) = run(&[
+        "plan",
+        "--shape",
+        "llama2-7b",
+        "--seq",
+        "2048",
+        "--micro-batch",
+        "2",
+        "--ckpt",
+        "--json",
+    ]);
+    let (c2, rec, e2) = run(&[
+        "plan",
+        "--recipe",
+        "tests/fixtures/plan/llama2-7b.toml",
+        "--json",
+    ]);
+    assert_eq!((c1, c2), (0, 0), "{e1}{e2}");
+    let (a, b): (serde_json::Value, serde_json::Value) = (
+        serde_json::from_str(&shape).unwrap(),
+        serde_json::from_str(&rec).unwrap(),
+    );
+    assert_eq!(a["rows"], b["rows"]);
+    assert_eq!(
+        a["selected"]["peak_alloc_gib"],
+        b["selected"]["peak_alloc_gib"]
+    );
+    // Without a capacity there is no fit column.
+    assert_eq!(a["rows"][0]["fits"], serde_json::Value::Null);
+}
+
+#[test]
+fn preflight_refuses_a_run_the_plan_says_does_not_fit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let (code, _, err) = run(&[
+        "--recipe",
+        "recipes/tiny-cpu.toml",
+        "--set",
+        "train.max_memory=100KiB",
+        "--set",
+        &format!("output.dir={}", out.display()),
+    ]);
+    assert_eq!(code, 3, "{err}");
+    // Tiny, f32, CPU (no context): the base alone is 617.25 KiB > 100 KiB.
+    assert!(
+        err.contains("the memory plan says this run does not fit: single needs"),
+        "{err}"
+    );
+    assert!(
+        err.contains("train.max_memory (CPU accounting) has 100.00 KiB"),
+        "{err}"
+    );
+    assert!(
+        err.contains("remedies: train.activation_checkpointing = true"),
+        "{err}"
+    );
+    assert!(err.contains("--force"), "{err}");
+    assert!(!out.exists(), "nothing may be written before the check");
+}
+
+/// Token rows: four of 8 tokens, then four of 64 (in this order: shuffle = false).
+fn growing_data(dir: &Path) -> std::path::PathBuf {
+    let p = dir.join("grow.jsonl");
+    let mut s = String::new();
+    for len in [8, 8, 8, 8, 64, 64, 64, 64] {
+        let ids: Vec<String> = (0..len).map(|i| ((i * 7 + 3) % 500).to_string()).collect();
+        s.push_str(&format!("{{\"input_ids\": [{}]}}\n", ids.join(",")));
+    }
+    std::fs::write(&p, s).unwrap();
+    p
+}
+
+#[test]
+fn out_of_memory_mid_run_names_rank_phase_step_and_keeps_the_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = growing_data(tmp.path());
+    let out = tmp.path().join("out");
+    let model = root().join("recipes/assets/tiny-llama");
+    // CPU accounting (train.max_memory on the CPU): fixed part = model tensors (158016 base +
+    // 18688 LoRA params) · 4 B = 706816 B, plus AdamW m, v and the gradients 3 · 74752 B
+    // = 224256 B: 931072 B. Forward, no checkpointing, keeps per layer what its backward needs
+    // (model/layer_train.rs), per token 4 B · (C + 2·H·D + 2·K·D + 2·I + 7·r) + 4·H
+    // = 4 · (64 + 128 + 64 + 352 + 56) + 16 = 2672 B. At B = 2, T = 8 (16 tokens) that is
+    // 42752 B per layer, 85504 B after both: 1016576 B. At T = 64 (128 tokens) layer 0 alone
+    // keeps 342016 B: 1273088 B. Cap = 1031072 B: steps 1 and 2 (T = 8) fit, step 3 (T = 64)
+    // fails in the forward at layer 0.
+    let text = format!(
+        r#"
+[model]
+path = "{model}"
+dtype = "f32"
+[lora]
+targets = "all-linear"
+[data]
+train = "{data}"
+format = "tokens"
+seq_len = 64
+shuffle = false
+[train]
+micro_batch = 2
+max_steps = 4
+max_memory = "1031072B"
+[output]
+dir = "{out}"
+save_every = 1
+"#,
+        model = model.display(),
+        data = data.display(),
+        out = out.display()
+    );
+    let rp = tmp.path().join("grow.toml");
+    std::fs::write(&rp, text).unwrap();
+    let rp = rp.to_string_lossy().into_owned();
+
+    // The plan (activations of the whole layer, not just its boundaries) refuses first.
+    let (code, _, err) = run(&["--recipe", &rp]);
+    assert_eq!(code, 3, "{err}");
+
+    let (code, _, err) = run(&["--recipe", &rp, "--force"]);
+    assert_eq!(code, 4, "{err}");
+    assert!(
+        err.contains("out of memory on rank 0 in the forward phase of step 3 of 4"),
+        "{err}"
+    );
+    assert!(
+        err.contains("peak before the failure: 1.21 MiB of 1006.91 KiB"),
+        "{err}"
+    );
+    assert!(
+        err.contains("forecast (memory plan, single at micro-batch 2)"),
+        "{err}"
+    );
+    assert!(
+        err.contains("remedies: train.activation_checkpointing = true"),
+        "{err}"
+    );
+    assert!(
+        err.contains("cause: out of memory (CPU accounting)"),
+        "{err}"
+    );
+    let ck2 = out.join("checkpoint-2");
+    assert!(
+        err.contains(&format!("last checkpoint (intact): {}", ck2.display())),
+        "{err}"
+    );
+    // Step 2's checkpoint is complete and nothing of step 3 was written.
+    let state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(ck2.join("trainer_state.json")).unwrap())
+            .unwrap();
+    assert_eq!(state["step"], 2);
+    assert!(ck2.join("adapter_model.safetensors").is_file());
+    assert!(!out.join("checkpoint-3").exists());
+    // On the CPU the metrics rows carry no device peaks.
+    let rows = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    assert_eq!(rows.lines().count(), 2);
+    assert!(!rows.contains("\"mem\""), "{rows}");
+    // And it resumes from there once the memory is there.
+    let (code, _, err) = run(&[
+        "--recipe",
+        &rp,
+        "--set",
+        "train.resume=true",
+        "--set",
+        "train.max_memory=1GiB",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("resuming from"), "{err}");
+}
+
+#[test]
+fn probe_ramps_on_the_cpu_and_finds_the_knee_under_a_cap() {
+    let (code, out, err) = run(&[
+        "probe",
+        "--recipe",
+        "recipes/tiny-cpu.toml",
+        "--max-micro-batch",
+        "4",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    // tiny-cpu: seq_len 64, so the ramp is (1, 64), (2, 64), (4, 64).
+    let rungs: Vec<&str> = out
+        .lines()
+        .filter(|l| l.contains("(not measured on the CPU)"))
+        .collect();
+    assert_eq!(rungs.len(), 3, "{out}");
+    assert!(
+        out.contains("no out-of-memory up to micro-batch 4 × seq 64"),
+        "{out}"
+    );
+
+    // A cap between micro-batch 2 and 4: the model and adapter state (706816 + 3 · 74752 B =
+    // 931072 B; probe counts them as base linears + embed + head + 4 × LoRA) plus what the
+    // forward keeps, 2 layers · 2672 B · B·64 tokens = 342016 · B: B = 2 needs 1615104 B,
+    // B = 4 needs 2299136 B.
+    let (code, json, err) = run(&[
+        "probe",
+        "--recipe",
+        "recipes/tiny-cpu.toml",
+        "--max-micro-batch",
+        "8",
+        "--set",
+        "train.max_memory=2000000B",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["knee"]["micro_batch"], 2, "{v}");
+    assert_eq!(v["oom"]["micro_batch"], 4, "{v}");
+    assert_eq!(v["oom"]["phase"], "forward", "{v}");
+}
+
+/// On CUDA every metrics row carries the pool's peak per phase, for rank 0.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_run_logs_the_peak_of_each_phase() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let (code, _, err) = run(&[
+        "--recipe",
+        "recipes/tiny-cpu.toml",
+        "--set",
+        "model.device=cuda",
+        "--set",
+        "train.max_steps=3",
+        "--set",
+        "train.log_every=1",
+        "--set",
+        "output.save_every=0",
+        "--set",
+        &format!("output.dir={}", out.display()),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let rows = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    for line in rows.lines() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        let mem = &v["mem"];
+        assert_eq!(mem["rank"], 0, "{line}");
+        let load = mem["load_gib"].as_f64().unwrap();
+        for phase in ["forward", "head", "backward", "optimizer"] {
+            let p = mem[format!("{phase}_gib")].as_f64().unwrap();
+            // Every phase holds at least the weights that loading put on the device.
+            assert!(p > 0.0 && p >= load * 0.99, "{phase}: {line}");
+        }
+    }
+}
+
+/// On CUDA train.max_memory holds the rest of the card (a ballast outside the pool), so the
+/// probe's ramp runs out of memory for real: tiny, seq 64, micro-batch doubling to 4096
+/// (262144 tokens: 2 layers × 7056 B/token kept, ~3.7 GB) within 256 MiB.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_max_memory_makes_the_card_small_for_real() {
+    let (code, json, err) = run(&[
+        "probe",
+        "--recipe",
+        "recipes/tiny-cpu.toml",
+        "--max-micro-batch",
+        "4096",
+        "--json",
+        "--set",
+        "model.device=cuda",
+        "--set",
+        "train.max_memory=256MiB",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let knee = v["knee"]["micro_batch"].as_u64().unwrap();
+    let oom = v["oom"]["micro_batch"].as_u64().unwrap();
+    assert_eq!(oom, 2 * knee, "{v}");
+    assert!((8..4096).contains(&knee), "{v}");
+    // Every rung that ran measured its phases, under the cap.
+    for r in v["rungs"].as_array().unwrap() {
+        for phase in ["forward", "head", "backward", "optimizer"] {
+            let p = r["peaks"][phase].as_u64().unwrap();
+            assert!(p > 0 && p <= 256 << 20, "{phase}: {r}");
+        }
+    }
+}
