@@ -93,13 +93,13 @@ impl Layer {
         let attn = ops::to_rows(&o)?; // [m, H·D]
         drop(o);
         let (ao, xo) = self.o.fwd(&attn, ctx)?;
-        let hres = (&x + ao)?; // [m, C]
+        let hres = ops::add(&x, &ao)?; // [m, C]
         let hn = ops::rms_norm(&hres, &self.post_norm, self.eps)?;
         let (gate, xg) = self.gate.fwd(&hn, ctx)?; // [m, I]
         let (up, xu) = self.up.fwd(&hn, ctx)?; // [m, I]
         drop(hn);
         let (mo, xd) = self.down.fwd(&ops::swiglu(&gate, &up)?, ctx)?;
-        let y = (&hres + mo)?.reshape((b, t, c))?;
+        let y = ops::add(&hres, &mo)?.reshape((b, t, c))?;
         let acts = keep.then(|| LayerActs {
             x,
             q,
@@ -153,7 +153,7 @@ impl Layer {
         drop(a);
         let (dgate, dup) = ops::swiglu_bwd(&gate, &up, &da)?;
         drop((da, gate, up));
-        let hres = (&x + self.o.fwd(&attn, ctx)?.0)?; // [m, C] recomputed, as forward did
+        let hres = ops::add(&x, &self.o.fwd(&attn, ctx)?.0)?; // [m, C] recomputed, as forward did
         let hn = ops::rms_norm(&hres, &self.post_norm, self.eps)?;
         let (dhn_g, g) = self.gate.bwd(&hn, &dgate, xg.as_ref(), ctx)?;
         keep(&self.gate, g);
@@ -161,20 +161,18 @@ impl Layer {
         let (dhn_u, g) = self.up.bwd(&hn, &dup, xu.as_ref(), ctx)?;
         keep(&self.up, g);
         drop((dup, hn));
-        let dhn = (dhn_g + dhn_u)?;
-        let dh = (ops::rms_norm_bwd(&hres, &self.post_norm, self.eps, &dhn)? + &dy)?; // [m, C]
+        let dhn = ops::add(&dhn_g, &dhn_u)?;
+        let dh = ops::add(
+            &ops::rms_norm_bwd(&hres, &self.post_norm, self.eps, &dhn)?,
+            &dy,
+        )?; // [m, C]
         drop((dhn, hres, dy));
 
         // ---- attention: h = x + o(attn), attn = softmax(q kᵀ) v
         let (dattn, g) = self.o.bwd(&attn, &dh, xo.as_ref(), ctx)?; // [m, H·D]
         keep(&self.o, g);
-        // δ = rowsum(dO ⊙ O), summed in the [B, T, H, D] layout both come in.
-        let delta = ops::attention::attention_delta(
-            &dattn.reshape((b, t, h, d))?,
-            &attn.reshape((b, t, h, d))?,
-        )?
-        .transpose(1, 2)?
-        .contiguous()?; // [B, H, T]
+        // δ = rowsum(dO ⊙ O), from the token-major rows both come in.
+        let delta = ops::attention::attention_delta_rows(&dattn, &attn, b, t, h)?; // [B, H, T]
         drop(attn);
         let d_o = ops::to_heads(&dattn, b, t, h)?; // [B, H, T, D]
         let (dq, dk, dv) = ops::attention::attention_bwd(
@@ -204,8 +202,11 @@ impl Layer {
         let (dv, g) = self.v.bwd(&hn, &dv, xv.as_ref(), ctx)?;
         keep(&self.v, g);
         drop(hn);
-        let dhn = ((dq + dk)? + dv)?;
-        let dx = (ops::rms_norm_bwd(&x, &self.input_norm, self.eps, &dhn)? + dh)?;
+        let dhn = ops::add(&ops::add(&dq, &dk)?, &dv)?;
+        let dx = ops::add(
+            &ops::rms_norm_bwd(&x, &self.input_norm, self.eps, &dhn)?,
+            &dh,
+        )?;
         Ok((dx.reshape((b, t, c))?, grads))
     }
 }

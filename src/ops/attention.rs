@@ -229,6 +229,61 @@ pub fn attention(
     attach3(q, k, v, o, Box::new(backward))
 }
 
+/// δ of `attention_delta` from token-major rows: dO, O [B·T, H·D] → [B, H, T] f32, in one
+/// pass on CUDA (the composite casts both to f32, multiplies, sums and transposes).
+pub fn attention_delta_rows(
+    d_o: &Tensor,
+    o: &Tensor,
+    b: usize,
+    t: usize,
+    h: usize,
+) -> Result<Tensor> {
+    let d = o.dim(1)? / h.max(1);
+    if o.device().is_cuda() {
+        let op = RowDot { bthd: [b, t, h, d] };
+        return d_o.contiguous()?.apply_op2_no_bwd(&o.contiguous()?, &op);
+    }
+    attention_delta(&d_o.reshape((b, t, h, d))?, &o.reshape((b, t, h, d))?)?
+        .transpose(1, 2)?
+        .contiguous()
+}
+
+struct RowDot {
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    bthd: [usize; 4],
+}
+
+impl CustomOp2 for RowDot {
+    fn name(&self) -> &'static str {
+        "row-dot"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        candle_core::bail!("row-dot: the CPU takes the composite")
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        g: &candle_core::CudaStorage,
+        gl: &Layout,
+        o: &candle_core::CudaStorage,
+        ol: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let [b, t, h, _] = self.bthd;
+        Ok((
+            super::cuda::row_dot(g, gl, o, ol, self.bthd)?,
+            (b, h, t).into(),
+        ))
+    }
+}
+
 /// δ = rowsum(dO ⊙ O): dO, O [B, H, T, D] (any layout) → [B, H, T] f32.
 pub fn attention_delta(d_o: &Tensor, o: &Tensor) -> Result<Tensor> {
     (d_o.to_dtype(DType::F32)? * o.to_dtype(DType::F32)?)?.sum(D::Minus1)

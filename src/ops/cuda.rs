@@ -206,6 +206,62 @@ __device__ void acc_block(const float* sum, const T* part, float* out, long n, i
     out[k] = sum ? sum[k] + v : v;
 }
 
+// out = a + b; each thread 8 elements of 16-bit (or 4 of f32) through 16-byte loads when
+// `vec` (pointers 16-byte aligned, n a multiple), else one element.
+__device__ __forceinline__ float bf_lo(unsigned int v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf_hi(unsigned int v) { return __uint_as_float(v & 0xffff0000u); }
+__device__ __forceinline__ unsigned int bf_pack(float lo, float hi) {
+    bf16_t l, h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(l) : "f"(lo));
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(hi));
+    return ((unsigned int)h << 16) | (unsigned int)l;
+}
+extern "C" __global__ void add_bf16(const bf16_t* a, const bf16_t* b, bf16_t* out, long n, int vec) {
+    long k = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (vec) {
+        if (k * 8 >= n) return;
+        uint4 x = ((const uint4*)a)[k], y = ((const uint4*)b)[k], z;
+        z.x = bf_pack(bf_lo(x.x) + bf_lo(y.x), bf_hi(x.x) + bf_hi(y.x));
+        z.y = bf_pack(bf_lo(x.y) + bf_lo(y.y), bf_hi(x.y) + bf_hi(y.y));
+        z.z = bf_pack(bf_lo(x.z) + bf_lo(y.z), bf_hi(x.z) + bf_hi(y.z));
+        z.w = bf_pack(bf_lo(x.w) + bf_lo(y.w), bf_hi(x.w) + bf_hi(y.w));
+        ((uint4*)out)[k] = z;
+    } else if (k < n) {
+        st(out, k, ld(a, k) + ld(b, k));
+    }
+}
+extern "C" __global__ void add_f32(const float* a, const float* b, float* out, long n, int vec) {
+    long k = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (vec) {
+        if (k * 4 >= n) return;
+        float4 x = ((const float4*)a)[k], y = ((const float4*)b)[k];
+        ((float4*)out)[k] = make_float4(x.x + y.x, x.y + y.y, x.z + y.z, x.w + y.w);
+    } else if (k < n) {
+        out[k] = a[k] + b[k];
+    }
+}
+
+// δ[(b·H + h)·T + t] = Σ_d dO[m, h·D + d] · O[m, h·D + d], m = b·T + t: rows of [B·T, H·D],
+// one warp per (m, h).
+template <typename T>
+__device__ void row_dot(const T* g, const T* o, float* delta, long mh, int h, int t, int d) {
+    long w = ((long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int lane = threadIdx.x & 31;
+    if (w >= mh) return;
+    long m = w / h;
+    int hh = w % h;
+    const T* gr = g + m * (long)h * d + (long)hh * d;
+    const T* orow = o + m * (long)h * d + (long)hh * d;
+    float s = 0.f;
+    for (int i = lane; i < d; i += 32) s += ld(gr, i) * ld(orow, i);
+    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffff, s, off);
+    if (lane == 0) {
+        long b = m / t;
+        int ti = m % t;
+        delta[(b * h + hh) * t + ti] = s;
+    }
+}
+
 #define INST(NAME, T) \
 extern "C" __global__ void rms_norm_##NAME(const T* x, const T* w, T* y, int d, float eps) \
     { rms_norm<T>(x, w, y, d, eps); } \
@@ -226,6 +282,8 @@ extern "C" __global__ void relayout_##NAME(const T* x, const float* c, const flo
     { relayout<T>(x, c, s, y, h, t, half, pairs, to_heads, sign); } \
 extern "C" __global__ void acc_block_##NAME(const float* sum, const T* part, float* out, long n, \
     int e, int d, int ks, int bk) { acc_block<T>(sum, part, out, n, e, d, ks, bk); } \
+extern "C" __global__ void row_dot_##NAME(const T* g, const T* o, float* delta, long mh, int h, \
+    int t, int d) { row_dot<T>(g, o, delta, mh, h, t, d); } \
 extern "C" __global__ void swiglu_##NAME(const T* g, const T* u, T* a, long n) \
     { swiglu<T>(g, u, a, n); } \
 extern "C" __global__ void swiglu_bwd_##NAME(const T* g, const T* u, const T* da, T* out, long n) \
@@ -774,6 +832,88 @@ pub fn acc_block(
             .arg(&ki)
             .arg(&bi);
         unsafe { bld.launch(cfg) }.w()?;
+    });
+    Ok(CudaStorage::wrap_cuda_slice(out, dev))
+}
+
+/// a + b over contiguous a, b of one dtype (f32 or bf16).
+pub fn add(a: &CudaStorage, al: &Layout, b: &CudaStorage, bl: &Layout) -> Result<CudaStorage> {
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda::cudarc::driver::DevicePtr;
+    let n = al.shape().elem_count();
+    if b.dtype() != a.dtype() || bl.shape().elem_count() != n {
+        candle_core::bail!(
+            "add: {:?} {:?} vs {:?} {:?}",
+            a.dtype(),
+            al.dims(),
+            b.dtype(),
+            bl.dims()
+        );
+    }
+    let dev = a.device().clone();
+    let func = module(&dev)?
+        .load_function(&format!("add_{}", suffix(a.dtype())?))
+        .w()?;
+    let stream = dev.cuda_stream();
+    let (b1, b2) = contiguous(bl)?;
+    let per = if a.dtype() == DType::BF16 { 8 } else { 4 }; // elements per 16 bytes
+    let nl = n as i64;
+    Ok(with_dtype!(a, al, n, |av, out| {
+        with_view!(b, b1..b2, |bv| {
+            // 16-byte vectors when every pointer is 16-byte aligned and n divides.
+            let aligned = {
+                let (pa, _g1) = av.device_ptr(&stream);
+                let (pb, _g2) = bv.device_ptr(&stream);
+                let (po, _g3) = out.device_ptr(&stream);
+                (pa | pb | po) % 16 == 0
+            };
+            let vec = aligned && n % per == 0;
+            let threads = if vec { n / per } else { n };
+            let cfg = LaunchConfig::for_num_elems(threads.max(1) as u32);
+            let vi = vec as i32;
+            let mut bld = stream.launch_builder(&func);
+            bld.arg(&av).arg(&bv).arg(&out).arg(&nl).arg(&vi);
+            unsafe { bld.launch(cfg) }.w()?;
+        })
+    }))
+}
+
+/// δ [B, H, T] f32 = rowsum over each head of dO ⊙ O, both rows [B·T, H·D] (contiguous).
+pub fn row_dot(
+    g: &CudaStorage,
+    gl: &Layout,
+    o: &CudaStorage,
+    ol: &Layout,
+    bthd: [usize; 4],
+) -> Result<CudaStorage> {
+    use candle_core::backend::BackendStorage;
+    let [b, t, h, d] = bthd;
+    let mh = b * t * h;
+    let dev = g.device().clone();
+    if o.dtype() != g.dtype() {
+        candle_core::bail!("row_dot: dO {:?} vs O {:?}", g.dtype(), o.dtype());
+    }
+    let func = module(&dev)?
+        .load_function(&format!("row_dot_{}", suffix(g.dtype())?))
+        .w()?;
+    let stream = dev.cuda_stream();
+    let cfg = LaunchConfig::for_num_elems((mh * 32) as u32);
+    let out: CudaSlice<f32> = unsafe { dev.alloc::<f32>(mh)? };
+    let (g1, g2) = contiguous(gl)?;
+    let (o1, o2) = contiguous(ol)?;
+    let (mhl, hi, ti, di) = (mh as i64, h as i32, t as i32, d as i32);
+    let mut bld = stream.launch_builder(&func);
+    with_view!(g, g1..g2, |gv| {
+        with_view!(o, o1..o2, |ov| {
+            bld.arg(&gv)
+                .arg(&ov)
+                .arg(&out)
+                .arg(&mhl)
+                .arg(&hi)
+                .arg(&ti)
+                .arg(&di);
+            unsafe { bld.launch(cfg) }.w()?;
+        })
     });
     Ok(CudaStorage::wrap_cuda_slice(out, dev))
 }

@@ -59,7 +59,7 @@ pub fn lora_fwd(
     let (ad, bd) = (a.detach().to_dtype(dt)?, b.detach().to_dtype(dt)?);
     let base = frozen_linear(x, w, bias)?; // [m, out]
     let xas = (xd.matmul(&ad.t()?)? * scale)?; // [m, r]: scaled while small
-    let y = (base + xas.matmul(&bd.t()?)?)?;
+    let y = super::add(&base, &xas.matmul(&bd.t()?)?)?;
     Ok((y, xas))
 }
 
@@ -81,7 +81,7 @@ pub fn lora_bwd(
     let (ad, bd) = (a.detach().to_dtype(dt)?, b.detach().to_dtype(dt)?);
     let gbs = (g.matmul(&bd)? * scale)?; // [m, r]
     let dlora = masked(&gbs.matmul(&ad)?, mask)?; // [m, in]
-    let dx = (g.matmul(w)? + dlora)?;
+    let dx = super::add(&g.matmul(w)?, &dlora)?;
     let da = gbs.t()?.matmul(&masked(x, mask)?)?.to_dtype(DType::F32)?; // [r, in]
     let db = g.t()?.matmul(xas)?.to_dtype(DType::F32)?; // [out, r]
     Ok((dx, da, db))

@@ -8,6 +8,7 @@
 //! Forward passes have CPU implementations here; CUDA kernels are added with the `cuda`
 //! feature. Backward passes are written with tensor ops and so run on any device.
 
+pub mod add;
 pub mod attach;
 pub mod attention;
 #[cfg(feature = "cuda")]
@@ -18,6 +19,7 @@ pub mod rms_norm;
 pub mod rope;
 pub mod swiglu;
 
+pub use add::add;
 pub use attention::{attention, AttnMask};
 pub use frozen_linear::frozen_linear;
 pub use lora_linear::lora_linear;

@@ -209,6 +209,51 @@ fn relayout_and_fused_rope_match_transpose_and_rope() {
     }
 }
 
+/// The fast add (16-byte vectors on CUDA, a scalar tail for odd sizes) is candle's add to
+/// the bit; δ from token-major rows equals the [B, H, T, D] composite.
+#[test]
+fn fast_add_and_row_dot_match_the_composites() {
+    for dev in devices() {
+        for dt in dtypes(&dev) {
+            for n in [4096 * 3, 1001] {
+                let a = Tensor::randn(0f32, 1.0, n, &dev)
+                    .unwrap()
+                    .to_dtype(dt)
+                    .unwrap();
+                let b = Tensor::randn(0f32, 1.0, n, &dev)
+                    .unwrap()
+                    .to_dtype(dt)
+                    .unwrap();
+                let f32 = |x: &Tensor| x.to_dtype(DType::F32).unwrap();
+                let tag = format!("add {n} {dt:?} {:?}", dev.location());
+                let want = (&a + &b).unwrap();
+                assert_close(
+                    &tag,
+                    &f32(&ops::add(&a, &b).unwrap()),
+                    &f32(&want),
+                    0.0,
+                    0.0,
+                );
+            }
+            let (b, t, h, d) = (2, 5, 3, 40);
+            let g = Tensor::randn(0f32, 1.0, (b * t, h * d), &dev)
+                .unwrap()
+                .to_dtype(dt)
+                .unwrap();
+            let o = Tensor::randn(0f32, 1.0, (b * t, h * d), &dev)
+                .unwrap()
+                .to_dtype(dt)
+                .unwrap();
+            let heads = |x: &Tensor| x.reshape((b, t, h, d)).unwrap().transpose(1, 2).unwrap();
+            let want = ops::attention::attention_delta(&heads(&g), &heads(&o)).unwrap();
+            let got = ops::attention::attention_delta_rows(&g, &o, b, t, h).unwrap();
+            assert_eq!(got.dims(), &[b, h, t]);
+            let tag = format!("row_dot {dt:?} {:?}", dev.location());
+            assert_close(&tag, &got, &want, 1e-5, 1e-5);
+        }
+    }
+}
+
 /// The additive mask of the composite reference: 0 where query i may see key j, else −∞.
 fn additive_mask(b: usize, t: usize, seg: Option<&[u32]>, window: usize, dev: &Device) -> Tensor {
     let mut add = vec![0f32; b * t * t];
