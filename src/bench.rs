@@ -103,7 +103,12 @@ pub fn flops_per_token(
 /// each row's last counted.
 pub fn random_batch(b: usize, t: usize, vocab: usize, seed: u64) -> Batch {
     let mut rng = crate::rng::Rng::new(seed);
-    let ids: Vec<u32> = (0..b * t).map(|_| rng.below(vocab) as u32).collect();
+    lm_batch((0..b * t).map(|_| rng.below(vocab) as u32).collect(), b, t)
+}
+
+/// Rows of token ids [b · t] as a language-modelling batch: each position predicts the next
+/// one of its row (every position but the row's last counted), no packing.
+fn lm_batch(ids: Vec<u32>, b: usize, t: usize) -> Batch {
     let targets: Vec<(usize, u32)> = (0..b)
         .flat_map(|r| (0..t.saturating_sub(1)).map(move |i| r * t + i))
         .map(|k| (k, ids[k + 1]))
@@ -269,22 +274,8 @@ fn measure(
     };
     let batches: Vec<Batch> = (0..accum)
         .map(|m| {
-            let ids: Vec<u32> = (0..b)
-                .flat_map(|j| row((m * b + j) * world + rank))
-                .collect();
-            let targets: Vec<(usize, u32)> = (0..b)
-                .flat_map(|r| (0..t - 1).map(move |i| r * t + i))
-                .map(|k| (k, ids[k + 1]))
-                .collect();
-            Batch {
-                b,
-                t,
-                positions: (0..b).flat_map(|_| 0..t as u32).collect(),
-                segments: None,
-                targets,
-                tokens: b * t,
-                ids,
-            }
+            let ids = (0..b).flat_map(|j| row((m * b + j) * world + rank));
+            lm_batch(ids.collect(), b, t)
         })
         .collect();
     // Every row counts t − 1 targets: the step's denominator over all ranks.
