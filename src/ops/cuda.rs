@@ -4,7 +4,9 @@
 //! nvcc of its own. bf16 is handled as raw 16-bit storage with PTX conversions (sm_80+), so the
 //! source needs no CUDA headers. Math is f32 throughout.
 
-use candle_core::cuda::cudarc::driver::{CudaModule, CudaSlice, LaunchConfig, PushKernelArg};
+use candle_core::cuda::cudarc::driver::{
+    CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+};
 use candle_core::cuda::cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 use candle_core::cuda::WrapErr;
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result};
@@ -323,6 +325,15 @@ fn module(dev: &CudaDevice) -> Result<Arc<CudaModule>> {
     Ok(m)
 }
 
+/// Our kernel `name_<dtype of s>` and the stream of `s`'s device.
+fn kernel(s: &CudaStorage, name: &str) -> Result<(CudaFunction, Arc<CudaStream>)> {
+    use candle_core::backend::BackendStorage;
+    let func = module(s.device())?
+        .load_function(&format!("{name}_{}", suffix(s.dtype())?))
+        .w()?;
+    Ok((func, s.device().cuda_stream()))
+}
+
 fn suffix(dtype: DType) -> Result<&'static str> {
     match dtype {
         DType::F32 => Ok("f32"),
@@ -395,10 +406,7 @@ pub fn rms_norm(
     if w.dtype() != x.dtype() {
         candle_core::bail!("rms_norm: weight {:?} vs input {:?}", w.dtype(), x.dtype());
     }
-    let func = module(x.device())?
-        .load_function(&format!("rms_norm_{}", suffix(x.dtype())?))
-        .w()?;
-    let stream = x.device().cuda_stream();
+    let (func, stream) = kernel(x, "rms_norm")?;
     let cfg = LaunchConfig {
         grid_dim: (rows as u32, 1, 1),
         block_dim: (threads_for(d.min(1024)), 1, 1),
@@ -435,10 +443,7 @@ pub fn rms_norm_bwd(
             g.dtype()
         );
     }
-    let func = module(x.device())?
-        .load_function(&format!("rms_norm_bwd_{}", suffix(x.dtype())?))
-        .w()?;
-    let stream = x.device().cuda_stream();
+    let (func, stream) = kernel(x, "rms_norm_bwd")?;
     let cfg = LaunchConfig {
         grid_dim: ((n / d.max(1)) as u32, 1, 1),
         block_dim: (threads_for(d.min(1024)), 1, 1),
@@ -470,10 +475,7 @@ pub fn rope(
     let (_b, h, t, d) = xl.shape().dims4()?;
     let n = xl.shape().elem_count();
     let pairs = (n / 2) as i64;
-    let func = module(x.device())?
-        .load_function(&format!("rope_{}", suffix(x.dtype())?))
-        .w()?;
-    let stream = x.device().cuda_stream();
+    let (func, stream) = kernel(x, "rope")?;
     let cfg = LaunchConfig::for_num_elems(pairs as u32);
     let (c1, c2) = contiguous(cl)?;
     let (s1, s2) = contiguous(sl)?;
@@ -525,10 +527,7 @@ fn block_rows(
     let (b, h, bq, e) = l.shape().dims4()?;
     let rows = b * h * bq;
     let dev = s.device().clone();
-    let func = module(&dev)?
-        .load_function(&format!("{name}_{}", suffix(s.dtype())?))
-        .w()?;
-    let stream = dev.cuda_stream();
+    let (func, stream) = kernel(s, name)?;
     let cfg = LaunchConfig {
         grid_dim: (rows as u32, 1, 1),
         block_dim: (threads_for(e.min(256)), 1, 1),
@@ -644,11 +643,7 @@ pub fn softmax_bwd(
     if dp.dtype() != p.dtype() {
         candle_core::bail!("softmax_bwd: dP {:?} vs P {:?}", dp.dtype(), p.dtype());
     }
-    let dev = p.device().clone();
-    let func = module(&dev)?
-        .load_function(&format!("softmax_bwd_{}", suffix(p.dtype())?))
-        .w()?;
-    let stream = dev.cuda_stream();
+    let (func, stream) = kernel(p, "softmax_bwd")?;
     let cfg = LaunchConfig::for_num_elems(n as u32);
     let (d1, d2) = contiguous(dl)?;
     let delta = delta.as_cuda_slice::<f32>()?.slice(d1..d2);
@@ -708,11 +703,7 @@ fn elementwise(
             );
         }
     }
-    let dev = x.device().clone();
-    let func = module(&dev)?
-        .load_function(&format!("{name}_{}", suffix(x.dtype())?))
-        .w()?;
-    let stream = dev.cuda_stream();
+    let (func, stream) = kernel(x, name)?;
     let cfg = LaunchConfig::for_num_elems(n as u32);
     let nl = n as i64;
     let ranges = others
@@ -753,11 +744,7 @@ pub fn relayout(
     let n = xl.shape().elem_count();
     let pairs = (n / 2) as i64;
     let half = (n / (b * t * h) / 2) as i32;
-    let dev = x.device.clone();
-    let func = module(&dev)?
-        .load_function(&format!("relayout_{}", suffix(x.dtype())?))
-        .w()?;
-    let stream = dev.cuda_stream();
+    let (func, stream) = kernel(x, "relayout")?;
     let cfg = LaunchConfig::for_num_elems(pairs as u32);
     let (hi, ti, th, sg) = (h as i32, t as i32, to_heads as i32, sign);
     let null: u64 = 0;
@@ -802,10 +789,7 @@ pub fn acc_block(
     let [r, e, d, ks, bk] = red;
     let n = r * bk * d;
     let dev = part.device().clone();
-    let func = module(&dev)?
-        .load_function(&format!("acc_block_{}", suffix(part.dtype())?))
-        .w()?;
-    let stream = dev.cuda_stream();
+    let (func, stream) = kernel(part, "acc_block")?;
     let cfg = LaunchConfig::for_num_elems(n as u32);
     let out: CudaSlice<f32> = unsafe { dev.alloc::<f32>(n)? };
     let (p1, p2) = contiguous(pl)?;
@@ -850,11 +834,7 @@ pub fn add(a: &CudaStorage, al: &Layout, b: &CudaStorage, bl: &Layout) -> Result
             bl.dims()
         );
     }
-    let dev = a.device().clone();
-    let func = module(&dev)?
-        .load_function(&format!("add_{}", suffix(a.dtype())?))
-        .w()?;
-    let stream = dev.cuda_stream();
+    let (func, stream) = kernel(a, "add")?;
     let (b1, b2) = contiguous(bl)?;
     let per = if a.dtype() == DType::BF16 { 8 } else { 4 }; // elements per 16 bytes
     let nl = n as i64;
@@ -893,10 +873,7 @@ pub fn row_dot(
     if o.dtype() != g.dtype() {
         candle_core::bail!("row_dot: dO {:?} vs O {:?}", g.dtype(), o.dtype());
     }
-    let func = module(&dev)?
-        .load_function(&format!("row_dot_{}", suffix(g.dtype())?))
-        .w()?;
-    let stream = dev.cuda_stream();
+    let (func, stream) = kernel(g, "row_dot")?;
     let cfg = LaunchConfig::for_num_elems((mh * 32) as u32);
     let out: CudaSlice<f32> = unsafe { dev.alloc::<f32>(mh)? };
     let (g1, g2) = contiguous(gl)?;
