@@ -30,7 +30,14 @@ pub struct AdapterInfo {
 }
 
 /// Writes the model's adapters into `dir` (created if needed), each file atomically.
-pub fn save_adapter(dir: &Path, model: &Model, spec: &LoraSpec, base_model: &str) -> Result<()> {
+/// `revision`: the base's Hub commit (None for a local directory), as PEFT records it.
+pub fn save_adapter(
+    dir: &Path,
+    model: &Model,
+    spec: &LoraSpec,
+    base_model: &str,
+    revision: Option<&str>,
+) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
     for (module, lora) in model.adapters() {
@@ -62,7 +69,7 @@ pub fn save_adapter(dir: &Path, model: &Model, spec: &LoraSpec, base_model: &str
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model,
-        "revision": null,
+        "revision": revision,
         "r": spec.rank,
         "lora_alpha": spec.alpha,
         "lora_dropout": spec.dropout,

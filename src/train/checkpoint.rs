@@ -298,7 +298,13 @@ pub fn save(
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
     let res = (|| -> Result<()> {
-        export::save_adapter(&tmp, &s.model, &s.spec, &s.base_name)?;
+        export::save_adapter(
+            &tmp,
+            &s.model,
+            &s.spec,
+            &s.base_name,
+            s.base_revision.as_deref(),
+        )?;
         test_pause();
         let (m, v) = opt.state()?;
         let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();

@@ -56,6 +56,8 @@ pub struct Session {
     pub sampler: Sampler,
     pub pad_id: u32,
     pub base_name: String,
+    /// The Hub commit the base was read at (None for a local directory).
+    pub base_revision: Option<String>,
     /// The eval set (data.eval, or held out by data.eval_fraction).
     pub eval: Option<Dataset>,
     /// What loading the data found worth telling: skipped rows, dropped examples, how
@@ -267,6 +269,13 @@ impl Session {
             .id
             .clone()
             .unwrap_or_else(|| dir.to_string_lossy().into_owned());
+        // A Hub model is read from the cache's snapshots/<commit>/: that commit.
+        let base_revision = match (&recipe.model.id, dir.parent().and_then(|p| p.file_name())) {
+            (Some(_), Some(p)) if p == "snapshots" => {
+                dir.file_name().map(|c| c.to_string_lossy().into_owned())
+            }
+            _ => None,
+        };
         Ok(Session {
             recipe,
             model,
@@ -275,6 +284,7 @@ impl Session {
             sampler,
             pad_id,
             base_name,
+            base_revision,
             eval,
             data_notes,
             comm,
@@ -704,7 +714,13 @@ impl Session {
         }
         bar.finish_and_clear();
         if lead {
-            export::save_adapter(out_dir, &self.model, &self.spec, &self.base_name)?;
+            export::save_adapter(
+                out_dir,
+                &self.model,
+                &self.spec,
+                &self.base_name,
+                self.base_revision.as_deref(),
+            )?;
             if r.output.save_every > 0 && last_ckpt.as_ref().is_none_or(|(s, _)| *s != step) {
                 save(step, cursor, &opt, skipped, tokens, &history)?;
             }

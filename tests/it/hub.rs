@@ -483,6 +483,8 @@ fn hub_model_downloads_resumes_trains_and_runs_offline() {
     )
     .unwrap();
     assert_eq!(cfg["base_model_name_or_path"], REPO);
+    // The commit the base was read at, as PEFT records it (null for a local directory).
+    assert_eq!(cfg["revision"], COMMIT);
 
     // 2. Again, server up: the cache is complete, so not one request.
     let n = reqs.len();

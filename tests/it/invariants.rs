@@ -300,7 +300,7 @@ fn init_adapter_round_trips_through_our_writer() {
     // Save the PEFT init adapter with our writer, read it back as init_adapter: same numbers.
     let (tmp, s) = session("qwen2_bias", &[]);
     let dir = tmp.path().join("copy");
-    lora_train::export::save_adapter(&dir, &s.model, &s.spec, "base").unwrap();
+    lora_train::export::save_adapter(&dir, &s.model, &s.spec, "base", None).unwrap();
     let ours = load_st(&dir.join("adapter_model.safetensors"));
     let theirs = load_st(&golden_dir("qwen2_bias").join("init_adapter/adapter_model.safetensors"));
     assert_eq!(ours.len(), theirs.len());
