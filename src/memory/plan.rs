@@ -29,9 +29,10 @@
 //!   its backward, the next one issued a layer early): base / W plus the current and the next
 //!   layer's full weights (2 × a layer's parameters × s), with or without checkpointing (what
 //!   forward keeps holds no weights); the embedding, final norm and head gathered for the head.
-//! - the optimizer step (AdamW over one flat vector): the gradients, and about 8 flat f32
-//!   temporaries of P (gradient, old and decayed parameters, new m and v, √v̂ + ε, the step,
-//!   the new parameters) while the old state is alive.
+//! - the optimizer step (AdamW over flat groups of at most `optim::GROUP` = 2^23 parameters):
+//!   the gradients, and about 8 f32 temporaries of one group (gradient, old and decayed
+//!   parameters, new m and v, √v̂ + ε, the step, the new parameters) while the old state is
+//!   alive: 8 × 4 B × min(P, 2^23).
 //! - CUDA context (CONTEXT bytes, outside the pool) and allocator slack (SLACK × pool peak).
 //!
 //! The pool peak (`pool_peak`) is what `lora-train bench` reports as `peak_alloc_gib` (the
@@ -234,8 +235,9 @@ pub fn breakdown(p: &PlanInput, strategy: Strategy, ckpt: bool, micro_batch: usi
     let forward = steady + kept + recomputed + attn_ws + gather;
     let head = steady + kept + head_ws + head_gather;
     let backward = steady + kept + recomputed + grad_sums + bucket + bwd_ws + gather;
-    // AdamW over one flat vector: ~8 f32 temporaries of P while the old state is alive.
-    let optim_ws = 8 * 4 * lp;
+    // AdamW over flat groups of ≤ optim::GROUP elements: ~8 f32 temporaries of one group
+    // while the old state is alive.
+    let optim_ws = 8 * 4 * lp.min(crate::train::optim::GROUP as u64);
     let optim = steady + grad_sums + optim_ws;
     let phases = [
         ("load", load),
@@ -936,7 +938,8 @@ mod tests {
         // mb 16 on 16 GiB, one GPU: nothing fits (+ ckpt: 33 boundaries 8.25 GiB, one layer
         // 2.60 GiB, workspace 2.52 GiB: activations over the 12.55 GiB base); a smaller
         // micro-batch with more accumulation, the same 64 rows per step: mb 1 + ckpt peaks in
-        // the optimizer step, (13.96 + 0.16 + 8 · 0.16) GB · 1.05 + 0.54 GB = 15.56 GiB.
+        // forward: 13956554752 + 33 boundaries 553648128 + one layer 174784512 + 3 attention
+        // blocks 402653184 = 15087640576 B · 1.05 + 512 MiB = 15.25 GiB.
         let p1 = input(16, 1);
         let a = advise(&rows_at(&p1, 16 * GIB), 16, 4, Some(16 * GIB));
         assert_eq!(a.ckpt, Some(true));
