@@ -40,14 +40,9 @@ impl LayerActs {
         let t = [
             &self.x, &self.q, &self.k, &self.v, &self.attn, &self.lse, &self.gate, &self.up,
         ];
-        t.iter()
-            .map(|t| t.elem_count() * t.dtype().size_in_bytes())
-            .chain(
-                self.xas
-                    .iter()
-                    .flatten()
-                    .map(|t| t.elem_count() * t.dtype().size_in_bytes()),
-            )
+        t.into_iter()
+            .chain(self.xas.iter().flatten())
+            .map(|t| crate::memory::tensor_bytes(t) as usize)
             .sum()
     }
 }
@@ -71,6 +66,30 @@ impl Layer {
         ctx: &Ctx,
         keep: bool,
     ) -> Result<(Tensor, Option<LayerActs>)> {
+        match self.run(x, ctx, true, keep)? {
+            (Some(y), acts) => Ok((y, acts)),
+            (None, _) => candle_core::bail!("forward_train: no output"),
+        }
+    }
+
+    /// What `backward` needs of a checkpointed layer, recomputed from its input x [B, T, C]:
+    /// `forward_train`'s activations without its output, so down_proj's GEMM and the last
+    /// residual are skipped (down's adapter state is all backward uses of them).
+    pub fn recompute(&self, x: &Tensor, ctx: &Ctx) -> Result<LayerActs> {
+        match self.run(x, ctx, false, true)? {
+            (_, Some(acts)) => Ok(acts),
+            (_, None) => candle_core::bail!("recompute: no activations"),
+        }
+    }
+
+    /// The forward: y when `output`, the activations when `keep`.
+    fn run(
+        &self,
+        x: &Tensor,
+        ctx: &Ctx,
+        output: bool,
+        keep: bool,
+    ) -> Result<(Option<Tensor>, Option<LayerActs>)> {
         let (b, t, c) = x.dims3()?;
         let (h, k, d) = (self.heads, self.kv_heads, self.head_dim);
         let x = x.reshape((b * t, c))?; // [m, C]
@@ -98,8 +117,14 @@ impl Layer {
         let (gate, xg) = self.gate.fwd(&hn, ctx)?; // [m, I]
         let (up, xu) = self.up.fwd(&hn, ctx)?; // [m, I]
         drop(hn);
-        let (mo, xd) = self.down.fwd(&ops::swiglu(&gate, &up)?, ctx)?;
-        let y = ops::add(&hres, &mo)?.reshape((b, t, c))?;
+        let a = ops::swiglu(&gate, &up)?; // [m, I]
+        let (y, xd) = if output {
+            let (mo, xd) = self.down.fwd(&a, ctx)?;
+            (Some(ops::add(&hres, &mo)?.reshape((b, t, c))?), xd)
+        } else {
+            (None, self.down.adapter_fwd(&a, ctx)?)
+        };
+        drop(a);
         let acts = keep.then(|| LayerActs {
             x,
             q,

@@ -87,6 +87,15 @@ impl Linear {
         Ok((y, Some(xas)))
     }
 
+    /// `fwd`'s adapter state alone, without the output (None without an adapter).
+    pub fn adapter_fwd(&self, x: &Tensor, ctx: &Ctx) -> Result<Option<Tensor>> {
+        let Some(lora) = &self.lora else {
+            return Ok(None);
+        };
+        let mask = self.dropout_mask(x.dims(), ctx)?;
+        ops::lora_linear::lora_xas(x, lora.a.as_tensor(), lora.scale, mask.as_ref()).map(Some)
+    }
+
     /// The backward of `fwd`: x [m, in] its input, g = dL/dy [m, out], `xas` what `fwd`
     /// returned → dL/dx [m, in], and (dA, dB) in f32 for an adapter. W gets nothing.
     pub fn bwd(

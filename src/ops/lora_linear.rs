@@ -53,14 +53,19 @@ pub fn lora_fwd(
     scale: f64,
     mask: Option<&Tensor>,
 ) -> Result<(Tensor, Tensor)> {
-    let dt = x.dtype();
-    let xd = masked(x, mask)?;
-    // Detached: the adapters are Vars, and a graph through them would keep every activation.
-    let (ad, bd) = (a.detach().to_dtype(dt)?, b.detach().to_dtype(dt)?);
     let base = frozen_linear(x, w, bias)?; // [m, out]
-    let xas = (xd.matmul(&ad.t()?)? * scale)?; // [m, r]: scaled while small
+    let xas = lora_xas(x, a, scale, mask)?; // [m, r]
+                                            // Detached: the adapters are Vars, and a graph through them would keep every activation.
+    let bd = b.detach().to_dtype(x.dtype())?;
     let y = super::add(&base, &xas.matmul(&bd.t()?)?)?;
     Ok((y, xas))
+}
+
+/// The adapter's half of `lora_fwd`'s state alone: xas = s · (m ⊙ x) Aᵀ [m, r] (what a
+/// recomputed layer's backward needs of a linear whose output it does not).
+pub fn lora_xas(x: &Tensor, a: &Tensor, scale: f64, mask: Option<&Tensor>) -> Result<Tensor> {
+    let ad = a.detach().to_dtype(x.dtype())?;
+    masked(x, mask)?.matmul(&ad.t()?)? * scale // scaled while small
 }
 
 /// The backward: x [m, in] (unmasked), g = dL/dy [m, out], `xas` from `lora_fwd` →

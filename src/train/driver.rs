@@ -239,13 +239,11 @@ pub fn forward_backward_par(
         }
         let acts = match saved.pop() {
             Some(Saved::Acts(acts)) => acts,
-            Some(Saved::Input(x)) => match layer.forward_train(&x, &ctx, true)? {
-                (_, Some(acts)) => {
-                    memory::account_cpu(dev, held + acts.bytes() as u64, "backward")?;
-                    acts
-                }
-                (_, None) => candle_core::bail!("driver: layer {l} kept nothing to recompute from"),
-            },
+            Some(Saved::Input(x)) => {
+                let acts = layer.recompute(&x, &ctx)?;
+                memory::account_cpu(dev, held + acts.bytes() as u64, "backward")?;
+                acts
+            }
             None => candle_core::bail!("driver: no saved activations for layer {l}"),
         };
         let (dx, lg) = layer.backward(acts, &g, &ctx)?;
