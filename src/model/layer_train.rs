@@ -25,7 +25,7 @@ pub struct LayerActs {
     x: Tensor,    // [m, C] the layer input
     q: Tensor,    // [B, H, T, D] after RoPE
     k: Tensor,    // [B, K, T, D] after RoPE
-    v: Tensor,    // [B, K, T, D]
+    v: Tensor,    // [m, K·D] token-major rows, as v_proj made it
     attn: Tensor, // [m, H·D] attention output, o_proj's input
     lse: Tensor,  // [B, H, T] f32
     gate: Tensor, // [m, I] before the activation
@@ -100,17 +100,22 @@ impl Layer {
         drop(hn);
         let q = ops::rope_heads(&q, &ctx.cos, &ctx.sin, h)?; // [B, H, T, D]
         let kk = ops::rope_heads(&kk, &ctx.cos, &ctx.sin, k)?; // [B, K, T, D]
-        let v = ops::to_heads(&v, b, t, k)?; // [B, K, T, D]
-        let (o, lse) = ops::attention::attention_fwd(
-            &q,
-            &repeat_kv(&kk, h / k)?,
-            &repeat_kv(&v, h / k)?,
-            &self.attn_mask(ctx),
-            1.0 / (d as f64).sqrt(),
-            ctx.attn_block,
-        )?; // [B, H, T, D], [B, H, T]
-        let attn = ops::to_rows(&o)?; // [m, H·D]
-        drop(o);
+        let (mask, scale) = (self.attn_mask(ctx), 1.0 / (d as f64).sqrt());
+        let (attn, lse) = if ops::flash::takes(&q) {
+            // Tensor cores; v is read in place from its rows and O written as rows.
+            ops::flash::flash_fwd(&q, &kk, &heads(&v, b, t, k)?, &mask, scale)? // [m, H·D], [B, H, T]
+        } else {
+            let vh = ops::to_heads(&v, b, t, k)?; // [B, K, T, D]
+            let (o, lse) = ops::attention::attention_fwd(
+                &q,
+                &repeat_kv(&kk, h / k)?,
+                &repeat_kv(&vh, h / k)?,
+                &mask,
+                scale,
+                ctx.attn_block,
+            )?; // [B, H, T, D], [B, H, T]
+            (ops::to_rows(&o)?, lse) // [m, H·D]
+        };
         let (ao, xo) = self.o.fwd(&attn, ctx)?;
         let hres = ops::add(&x, &ao)?; // [m, C]
         let hn = ops::rms_norm(&hres, &self.post_norm, self.eps)?;
@@ -199,25 +204,42 @@ impl Layer {
         // δ = rowsum(dO ⊙ O), from the token-major rows both come in.
         let delta = ops::attention::attention_delta_rows(&dattn, &attn, b, t, h)?; // [B, H, T]
         drop(attn);
-        let d_o = ops::to_heads(&dattn, b, t, h)?; // [B, H, T, D]
-        let (dq, dk, dv) = ops::attention::attention_bwd(
-            &q,
-            &repeat_kv(&kk, h / k)?,
-            &repeat_kv(&v, h / k)?,
-            &d_o,
-            &delta,
-            &lse,
-            &self.attn_mask(ctx),
-            1.0 / (d as f64).sqrt(),
-            ctx.attn_block,
-        )?;
-        drop((q, kk, v, d_o, dattn, delta, lse));
-        // GQA: each kv head's gradient is the sum over the query heads that shared it.
-        let (dk, dv) = (unrepeat_kv(&dk, k)?, unrepeat_kv(&dv, k)?);
+        let (mask, scale) = (self.attn_mask(ctx), 1.0 / (d as f64).sqrt());
+        let (dq, dk, dv) = if ops::flash::takes(&q) {
+            // dO and v read in place from their rows; dv comes back as rows [m, K·D].
+            let (dq, dk, dv) = ops::flash::flash_bwd(
+                &q,
+                &kk,
+                &heads(&v, b, t, k)?,
+                &heads(&dattn, b, t, h)?,
+                &delta,
+                &lse,
+                &mask,
+                scale,
+            )?;
+            (dq, dk, dv.transpose(1, 2)?.reshape((b * t, k * d))?)
+        } else {
+            let d_o = ops::to_heads(&dattn, b, t, h)?; // [B, H, T, D]
+            let vh = ops::to_heads(&v, b, t, k)?; // [B, K, T, D]
+            let (dq, dk, dv) = ops::attention::attention_bwd(
+                &q,
+                &repeat_kv(&kk, h / k)?,
+                &repeat_kv(&vh, h / k)?,
+                &d_o,
+                &delta,
+                &lse,
+                &mask,
+                scale,
+                ctx.attn_block,
+            )?;
+            // GQA: each kv head's gradient is the sum over the query heads that shared it.
+            let (dk, dv) = (unrepeat_kv(&dk, k)?, unrepeat_kv(&dv, k)?);
+            (dq, dk, ops::to_rows(&dv)?) // dv [m, K·D]
+        };
+        drop((q, kk, v, dattn, delta, lse));
         // RoPE's backward is the inverse rotation; back to token-major rows in the same pass.
         let dq = ops::rope_rows_inv(&dq, &ctx.cos, &ctx.sin)?; // [m, H·D]
         let dk = ops::rope_rows_inv(&dk, &ctx.cos, &ctx.sin)?; // [m, K·D]
-        let dv = ops::to_rows(&dv)?; // [m, K·D]
 
         let hn = ops::rms_norm(&x, &self.input_norm, self.eps)?; // recomputed
         let (dq, g) = self.q.bwd(&hn, &dq, xq.as_ref(), ctx)?;
@@ -234,6 +256,12 @@ impl Layer {
         )?;
         Ok((dx.reshape((b, t, c))?, grads))
     }
+}
+
+/// Token-major rows [B·T, n·D] viewed as heads [B, n, T, D] (no copy).
+fn heads(x: &Tensor, b: usize, t: usize, n: usize) -> Result<Tensor> {
+    let d = x.dim(1)? / n.max(1);
+    x.reshape((b, t, n, d))?.transpose(1, 2)
 }
 
 /// [B, K·n, T, D] → [B, K, T, D], summing each group of n heads (repeat_kv's backward).

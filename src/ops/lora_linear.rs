@@ -53,11 +53,14 @@ pub fn lora_fwd(
     scale: f64,
     mask: Option<&Tensor>,
 ) -> Result<(Tensor, Tensor)> {
-    let base = frozen_linear(x, w, bias)?; // [m, out]
     let xas = lora_xas(x, a, scale, mask)?; // [m, r]
                                             // Detached: the adapters are Vars, and a graph through them would keep every activation.
     let bd = b.detach().to_dtype(x.dtype())?;
-    let y = super::add(&base, &xas.matmul(&bd.t()?)?)?;
+    let lora = xas.matmul(&bd.t()?)?; // [m, out]
+    let y = match bias {
+        None => super::linear_acc::linear_acc(x, w, lora)?, // the base GEMM adds onto it
+        Some(_) => super::add(&frozen_linear(x, w, bias)?, &lora)?,
+    };
     Ok((y, xas))
 }
 
@@ -86,7 +89,7 @@ pub fn lora_bwd(
     let (ad, bd) = (a.detach().to_dtype(dt)?, b.detach().to_dtype(dt)?);
     let gbs = (g.matmul(&bd)? * scale)?; // [m, r]
     let dlora = masked(&gbs.matmul(&ad)?, mask)?; // [m, in]
-    let dx = super::add(&g.matmul(w)?, &dlora)?;
+    let dx = super::linear_acc::linear_bwd_acc(&g, w, dlora)?; // g W + dlora
     let da = gbs.t()?.matmul(&masked(x, mask)?)?.to_dtype(DType::F32)?; // [r, in]
     let db = g.t()?.matmul(xas)?.to_dtype(DType::F32)?; // [out, r]
     Ok((dx, da, db))

@@ -13,7 +13,9 @@ pub mod attach;
 pub mod attention;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod flash;
 pub mod frozen_linear;
+pub mod linear_acc;
 pub mod lora_linear;
 pub mod rms_norm;
 pub mod rope;

@@ -1,0 +1,481 @@
+// Causal flash attention on tensor cores: bf16 operands, f32 accumulation, mma.sync.m16n8k16
+// (sm_80+). Appended to cuda.rs's SRC (it uses bf16_t from there) and compiled with it by NVRTC.
+//
+// Three kernels, each one thread block of 4 warps per (tile, batch·head); tiles stream through
+// shared memory double-buffered (cp.async), fragments come out of it by ldmatrix:
+//   flash_fwd   64 queries a block, keys in tiles of 64: O and L = log-sum-exp (natural log).
+//   flash_dq    64 queries a block, keys in tiles of 32: recomputes P and dP, dQ = scale·dS·K.
+//   flash_dkdv  64 keys a block (16 a warp), queries in tiles of 32, over every query head of
+//               the kv head (GQA sums inside): dV = Pᵀ·dO, dK = scale·dSᵀ·Q.
+// Nine T×T×D products in all (FA2 does seven with atomics on dQ; this way has none).
+//
+// Layout: element (b, h, t, d) of q / k / v / o is at b·s[0] + h·s[1] + t·s[2] + d: heads-major
+// [B, H, T, D] and token-major rows [B·T, H·D] are both views. Every stride and base is a
+// multiple of 8 elements (16-byte copies into shared memory); D is 64 or 128.
+//
+// mma fragments (PTX ISA, m16n8k16): lane = 4·g + c. A (16×16, row): a0 = (g, 2c..2c+1),
+// a1 = (g+8, 2c..), a2 = (g, 2c+8..), a3 = (g+8, 2c+8..). B (16×8, col): b0 = (k 2c..2c+1, n g),
+// b1 = (k 2c+8.., n g). C (16×8): c0,c1 = (g, 2c..2c+1), c2,c3 = (g+8, 2c..). Two C tiles side
+// by side are exactly one A tile, so P stays in registers between its two products.
+
+struct FlashP {
+    const bf16_t* q; const bf16_t* k; const bf16_t* v;
+    bf16_t* o;                 // forward: O out; backward: dO in
+    bf16_t* dq; bf16_t* dk; bf16_t* dv;  // backward outputs, in q's / k's / v's strides
+    float* lse;                // [B, H, T]: forward out, backward in
+    const float* delta;        // [B, H, T] = rowsum(dO ⊙ O), backward in
+    const unsigned* seg;       // [B, T] example ids, or null
+    long sq[3]; long sk[3]; long sv[3]; long so[3];
+    int B, H, KH, T, window;
+    float scale;
+};
+
+extern __shared__ __align__(16) unsigned char flash_smem[];
+
+#define FLASH_NEG_INF __int_as_float(0xff800000)
+#define FLASH_LOG2E 1.4426950408889634f
+#define FLASH_LN2 0.6931471805599453f
+
+__device__ __forceinline__ unsigned fl_pack(float lo, float hi) {
+    unsigned r; asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
+}
+__device__ __forceinline__ float fl_exp2(float x) {
+    float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y;
+}
+__device__ __forceinline__ void fl_mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ unsigned fl_smem(const void* p) {
+    unsigned r;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+    return r;
+}
+// Four 8×8 b16 matrices; lane l gives the address of row l % 8 of matrix l / 8.
+__device__ __forceinline__ void fl_ldsm(unsigned* r, const bf16_t* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+        : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(fl_smem(p)) : "memory");
+}
+__device__ __forceinline__ void fl_ldsm_t(unsigned* r, const bf16_t* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+        : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(fl_smem(p)) : "memory");
+}
+// The A fragment of rows r..r+15, columns k..k+15 of a shared tile with row stride DP.
+__device__ __forceinline__ void fl_afrag(unsigned* a, const bf16_t* s, int DP, int r, int k, int l) {
+    fl_ldsm(a, s + (r + (l & 7) + ((l >> 3) & 1) * 8) * DP + k + (l >> 4) * 8);
+}
+// B fragments of rows n..n+7 as the n side (col-major B = this tile's rows), for the two k
+// steps k..k+15 and k+16..k+31: b[0], b[1] and b[2], b[3].
+__device__ __forceinline__ void fl_bfrag2k(unsigned* b, const bf16_t* s, int DP, int n, int k, int l) {
+    fl_ldsm(b, s + (n + (l & 7)) * DP + k + (l >> 3) * 8);
+}
+// B fragments with the tile's rows k..k+15 as the k side and its columns n..n+7, n+8..n+15 as
+// the n side: b[0], b[1] for n, b[2], b[3] for n + 8.
+__device__ __forceinline__ void fl_bfrag2n(unsigned* b, const bf16_t* s, int DP, int k, int n, int l) {
+    fl_ldsm_t(b, s + (k + (l & 7) + ((l >> 3) & 1) * 8) * DP + n + (l >> 4) * 8);
+}
+__device__ __forceinline__ void fl_cp16(bf16_t* s, const bf16_t* g, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+        :: "r"(fl_smem(s)), "l"(g), "r"(ok ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void fl_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void fl_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+__device__ __forceinline__ void fl_wait_but1() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+__device__ __forceinline__ float fl_quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+}
+__device__ __forceinline__ float fl_quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffff, x, 1);
+    return x + __shfl_xor_sync(0xffffffff, x, 2);
+}
+__device__ __forceinline__ void fl_a_from_c(unsigned* a, const float* c0, const float* c1) {
+    a[0] = fl_pack(c0[0], c0[1]); a[1] = fl_pack(c0[2], c0[3]);
+    a[2] = fl_pack(c1[0], c1[1]); a[3] = fl_pack(c1[2], c1[3]);
+}
+
+// Starts copying rows [r0, r0 + R) of a [T, D] slab (row stride st) into shared [R][D + 8];
+// rows past T are zero-filled.
+template<int D, int R>
+__device__ __forceinline__ void fl_load(bf16_t* s, const bf16_t* g, long st, int r0, int T) {
+    constexpr int C = D / 8;
+#pragma unroll
+    for (int i = threadIdx.x; i < R * C; i += 128) {
+        const int r = i / C, c = i % C;
+        const bool ok = r0 + r < T;
+        fl_cp16(s + r * (D + 8) + c * 8, ok ? g + (long)(r0 + r) * st + c * 8 : g, ok);
+    }
+}
+
+// Whether query i may see key j: causal, the sliding window, the same example.
+__device__ __forceinline__ bool fl_ok(const FlashP& p, int i, int j, unsigned si, unsigned sj) {
+    return j <= i && i < p.T && (p.window == 0 || i - j < p.window) && (!p.seg || si == sj);
+}
+
+template<int D>
+__device__ __forceinline__ void flash_fwd(const FlashP& p) {
+    constexpr int DP = D + 8, BQ = 64, BK = 64, KS = D / 16, DN = D / 8;
+    bf16_t* sK = (bf16_t*)flash_smem;                 // [2][BK][DP], double-buffered
+    bf16_t* sV = sK + 2 * BK * DP;                    // [2][BK][DP]
+    unsigned* sSeg = (unsigned*)(sV + 2 * BK * DP);   // [2][BK]
+    const int T = p.T, bh = blockIdx.y, b = bh / p.H, h = bh % p.H, kh = h / (p.H / p.KH);
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;  // the longest rows first
+    const int warp = threadIdx.x >> 5, l = threadIdx.x & 31, g = l >> 2, c = l & 3;
+    const bf16_t* kg = p.k + b * p.sk[0] + kh * p.sk[1];
+    const bf16_t* vg = p.v + b * p.sv[0] + kh * p.sv[1];
+    const float sc = p.scale * FLASH_LOG2E;
+    const int kend = min(T, q0 + BQ);
+    const int kbeg = p.window > 0 ? max(0, q0 - p.window + 1) / BK * BK : 0;
+    auto prefetch = [&](int k0, int buf) {
+        fl_load<D, BK>(sK + buf * BK * DP, kg, p.sk[2], k0, T);
+        fl_load<D, BK>(sV + buf * BK * DP, vg, p.sv[2], k0, T);
+        fl_commit();
+        if (p.seg && threadIdx.x < BK) sSeg[buf * BK + threadIdx.x] = p.seg[(long)b * T + min(k0 + (int)threadIdx.x, T - 1)];
+    };
+
+    // Q passes through the second buffer while the first key tile arrives.
+    fl_load<D, BQ>(sK + BK * DP, p.q + b * p.sq[0] + h * p.sq[1], p.sq[2], q0, T);
+    fl_commit();
+    prefetch(kbeg, 0);
+    fl_wait_but1();
+    __syncthreads();
+    unsigned qf[KS][4];  // this warp's 16 query rows, all of D
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) fl_afrag(qf[kk], sK + BK * DP, DP, warp * 16, kk * 16, l);
+    __syncthreads();
+    const int qi0 = q0 + warp * 16 + g, qi1 = qi0 + 8;
+    unsigned sg0 = 0, sg1 = 0;
+    if (p.seg) {
+        sg0 = p.seg[(long)b * T + min(qi0, T - 1)];
+        sg1 = p.seg[(long)b * T + min(qi1, T - 1)];
+    }
+    float acc[DN][4];
+#pragma unroll
+    for (int n = 0; n < DN; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+    float m0 = FLASH_NEG_INF, m1 = FLASH_NEG_INF, l0 = 0.f, l1 = 0.f;
+    for (int k0 = kbeg, it = 0; k0 < kend; k0 += BK, ++it) {
+        const int buf = it & 1;
+        if (k0 + BK < kend) { prefetch(k0 + BK, buf ^ 1); fl_wait_but1(); } else fl_wait_all();
+        __syncthreads();
+        const bf16_t* tK = sK + buf * BK * DP;
+        const bf16_t* tV = sV + buf * BK * DP;
+        const unsigned* tS = sSeg + buf * BK;
+        float s[BK / 8][4];
+#pragma unroll
+        for (int n = 0; n < BK / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < KS; kk += 2) {
+#pragma unroll
+            for (int n = 0; n < BK / 8; ++n) {
+                unsigned bb[4];
+                fl_bfrag2k(bb, tK, DP, n * 8, kk * 16, l);
+                fl_mma(s[n], qf[kk], bb[0], bb[1]);
+                fl_mma(s[n], qf[kk + 1], bb[2], bb[3]);
+            }
+        }
+        float mx0 = m0, mx1 = m1;
+        // Below the diagonal with no window or segments every key of the tile is allowed.
+        const bool dense = !p.seg && p.window == 0 && k0 + BK - 1 <= q0 + warp * 16;
+#pragma unroll
+        for (int n = 0; n < BK / 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int col = n * 8 + 2 * c + (e & 1);
+                const bool ok = dense || (e < 2 ? fl_ok(p, qi0, k0 + col, sg0, p.seg ? tS[col] : 0)
+                                                : fl_ok(p, qi1, k0 + col, sg1, p.seg ? tS[col] : 0));
+                const float x = ok ? s[n][e] * sc : FLASH_NEG_INF;
+                s[n][e] = x;
+                if (e < 2) mx0 = fmaxf(mx0, x); else mx1 = fmaxf(mx1, x);
+            }
+        }
+        mx0 = fl_quad_max(mx0);
+        mx1 = fl_quad_max(mx1);
+        // A row that has seen no key yet keeps m = −∞; 0 stands in so that no −∞ − −∞ appears.
+        const float mu0 = mx0 == FLASH_NEG_INF ? 0.f : mx0, mu1 = mx1 == FLASH_NEG_INF ? 0.f : mx1;
+        const float cr0 = fl_exp2(m0 - mu0), cr1 = fl_exp2(m1 - mu1);
+        m0 = mx0; m1 = mx1;
+        float rs0 = 0.f, rs1 = 0.f;
+#pragma unroll
+        for (int n = 0; n < BK / 8; ++n) {
+            s[n][0] = fl_exp2(s[n][0] - mu0); s[n][1] = fl_exp2(s[n][1] - mu0);
+            s[n][2] = fl_exp2(s[n][2] - mu1); s[n][3] = fl_exp2(s[n][3] - mu1);
+            rs0 += s[n][0] + s[n][1];
+            rs1 += s[n][2] + s[n][3];
+        }
+        l0 = l0 * cr0 + rs0;
+        l1 = l1 * cr1 + rs1;
+#pragma unroll
+        for (int n = 0; n < DN; ++n) {
+            acc[n][0] *= cr0; acc[n][1] *= cr0; acc[n][2] *= cr1; acc[n][3] *= cr1;
+        }
+#pragma unroll
+        for (int j = 0; j < BK / 16; ++j) {
+            unsigned a[4];
+            fl_a_from_c(a, s[2 * j], s[2 * j + 1]);
+#pragma unroll
+            for (int n = 0; n < DN; n += 2) {
+                unsigned bb[4];
+                fl_bfrag2n(bb, tV, DP, j * 16, n * 8, l);
+                fl_mma(acc[n], a, bb[0], bb[1]);
+                fl_mma(acc[n + 1], a, bb[2], bb[3]);
+            }
+        }
+        __syncthreads();  // this buffer is refilled two tiles on
+    }
+    l0 = fl_quad_sum(l0);
+    l1 = fl_quad_sum(l1);
+    const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+    bf16_t* og = p.o + b * p.so[0] + h * p.so[1];
+#pragma unroll
+    for (int n = 0; n < DN; ++n) {
+        const int col = n * 8 + 2 * c;
+        if (qi0 < T) *(unsigned*)(og + (long)qi0 * p.so[2] + col) = fl_pack(acc[n][0] * inv0, acc[n][1] * inv0);
+        if (qi1 < T) *(unsigned*)(og + (long)qi1 * p.so[2] + col) = fl_pack(acc[n][2] * inv1, acc[n][3] * inv1);
+    }
+    if (c == 0) {
+        if (qi0 < T) p.lse[(long)bh * T + qi0] = (m0 + __log2f(l0)) * FLASH_LN2;
+        if (qi1 < T) p.lse[(long)bh * T + qi1] = (m1 + __log2f(l1)) * FLASH_LN2;
+    }
+}
+
+template<int D>
+__device__ __forceinline__ void flash_dq(const FlashP& p) {
+    constexpr int DP = D + 8, BQ = 64, BK = 32, KS = D / 16, DN = D / 8;
+    bf16_t* sK = (bf16_t*)flash_smem;                 // [2][BK][DP]; Q passes through it first
+    bf16_t* sV = sK + 2 * BK * DP;                    // [2][BK][DP]; dO passes through it first
+    unsigned* sSeg = (unsigned*)(sV + 2 * BK * DP);   // [2][BK]
+    const int T = p.T, bh = blockIdx.y, b = bh / p.H, h = bh % p.H, kh = h / (p.H / p.KH);
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;
+    const int warp = threadIdx.x >> 5, l = threadIdx.x & 31, g = l >> 2, c = l & 3;
+    const bf16_t* kg = p.k + b * p.sk[0] + kh * p.sk[1];
+    const bf16_t* vg = p.v + b * p.sv[0] + kh * p.sv[1];
+    const float sc = p.scale * FLASH_LOG2E;
+    const int kend = min(T, q0 + BQ);
+    const int kbeg = p.window > 0 ? max(0, q0 - p.window + 1) / BK * BK : 0;
+    auto prefetch = [&](int k0, int buf) {
+        fl_load<D, BK>(sK + buf * BK * DP, kg, p.sk[2], k0, T);
+        fl_load<D, BK>(sV + buf * BK * DP, vg, p.sv[2], k0, T);
+        fl_commit();
+        if (p.seg && threadIdx.x < BK) sSeg[buf * BK + threadIdx.x] = p.seg[(long)b * T + min(k0 + (int)threadIdx.x, T - 1)];
+    };
+
+    unsigned qf[KS][4], df[KS][4];
+    fl_load<D, BQ>(sK, p.q + b * p.sq[0] + h * p.sq[1], p.sq[2], q0, T);
+    fl_load<D, BQ>(sV, p.o + b * p.so[0] + h * p.so[1], p.so[2], q0, T);
+    fl_commit();
+    fl_wait_all();
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) {
+        fl_afrag(qf[kk], sK, DP, warp * 16, kk * 16, l);
+        fl_afrag(df[kk], sV, DP, warp * 16, kk * 16, l);
+    }
+    __syncthreads();
+    prefetch(kbeg, 0);
+    const int qi0 = q0 + warp * 16 + g, qi1 = qi0 + 8;
+    unsigned sg0 = 0, sg1 = 0;
+    if (p.seg) {
+        sg0 = p.seg[(long)b * T + min(qi0, T - 1)];
+        sg1 = p.seg[(long)b * T + min(qi1, T - 1)];
+    }
+    const float L0 = qi0 < T ? p.lse[(long)bh * T + qi0] * FLASH_LOG2E : 0.f;
+    const float L1 = qi1 < T ? p.lse[(long)bh * T + qi1] * FLASH_LOG2E : 0.f;
+    const float d0 = qi0 < T ? p.delta[(long)bh * T + qi0] : 0.f;
+    const float d1 = qi1 < T ? p.delta[(long)bh * T + qi1] : 0.f;
+    float acc[DN][4];
+#pragma unroll
+    for (int n = 0; n < DN; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+    for (int k0 = kbeg, it = 0; k0 < kend; k0 += BK, ++it) {
+        const int buf = it & 1;
+        if (k0 + BK < kend) { prefetch(k0 + BK, buf ^ 1); fl_wait_but1(); } else fl_wait_all();
+        __syncthreads();
+        const bf16_t* tK = sK + buf * BK * DP;
+        const bf16_t* tV = sV + buf * BK * DP;
+        const unsigned* tS = sSeg + buf * BK;
+        float s[BK / 8][4], dp[BK / 8][4];
+#pragma unroll
+        for (int n = 0; n < BK / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < KS; kk += 2) {
+#pragma unroll
+            for (int n = 0; n < BK / 8; ++n) {
+                unsigned bk[4], bv[4];
+                fl_bfrag2k(bk, tK, DP, n * 8, kk * 16, l);
+                fl_bfrag2k(bv, tV, DP, n * 8, kk * 16, l);
+                fl_mma(s[n], qf[kk], bk[0], bk[1]);       // S = Q Kᵀ
+                fl_mma(s[n], qf[kk + 1], bk[2], bk[3]);
+                fl_mma(dp[n], df[kk], bv[0], bv[1]);      // dP = dO Vᵀ
+                fl_mma(dp[n], df[kk + 1], bv[2], bv[3]);
+            }
+        }
+        // dS = P ⊙ (dP − δ), P = exp(scale·S − L) on the allowed keys
+        const bool dense = !p.seg && p.window == 0 && k0 + BK - 1 <= q0 + warp * 16;
+#pragma unroll
+        for (int n = 0; n < BK / 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int col = n * 8 + 2 * c + (e & 1);
+                const bool ok = dense || (e < 2 ? fl_ok(p, qi0, k0 + col, sg0, p.seg ? tS[col] : 0)
+                                                : fl_ok(p, qi1, k0 + col, sg1, p.seg ? tS[col] : 0));
+                const float pr = ok ? fl_exp2(s[n][e] * sc - (e < 2 ? L0 : L1)) : 0.f;
+                s[n][e] = pr * (dp[n][e] - (e < 2 ? d0 : d1));
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < BK / 16; ++j) {
+            unsigned a[4];
+            fl_a_from_c(a, s[2 * j], s[2 * j + 1]);
+#pragma unroll
+            for (int n = 0; n < DN; n += 2) {
+                unsigned bb[4];
+                fl_bfrag2n(bb, tK, DP, j * 16, n * 8, l);
+                fl_mma(acc[n], a, bb[0], bb[1]);
+                fl_mma(acc[n + 1], a, bb[2], bb[3]);
+            }
+        }
+        __syncthreads();
+    }
+    bf16_t* out = p.dq + b * p.sq[0] + h * p.sq[1];
+#pragma unroll
+    for (int n = 0; n < DN; ++n) {
+        const int col = n * 8 + 2 * c;
+        if (qi0 < T) *(unsigned*)(out + (long)qi0 * p.sq[2] + col) = fl_pack(acc[n][0] * p.scale, acc[n][1] * p.scale);
+        if (qi1 < T) *(unsigned*)(out + (long)qi1 * p.sq[2] + col) = fl_pack(acc[n][2] * p.scale, acc[n][3] * p.scale);
+    }
+}
+
+template<int D>
+__device__ __forceinline__ void flash_dkdv(const FlashP& p) {
+    constexpr int DP = D + 8, BK = 64, BQ = 32, KS = D / 16, DN = D / 8;
+    bf16_t* sK = (bf16_t*)flash_smem;   // [BK][DP]
+    bf16_t* sV = sK + BK * DP;          // [BK][DP]
+    bf16_t* sQ = sV + BK * DP;          // [2][BQ][DP]
+    bf16_t* sO = sQ + 2 * BQ * DP;      // [2][BQ][DP] (dO)
+    float* sL = (float*)(sO + 2 * BQ * DP); // [2][BQ] L·log2(e)
+    float* sD = sL + 2 * BQ;                // [2][BQ] δ
+    unsigned* sSeg = (unsigned*)(sD + 2 * BQ);  // [2][BQ]
+    const int T = p.T, b = blockIdx.y / p.KH, kh = blockIdx.y % p.KH, grp = p.H / p.KH;
+    const int k0 = blockIdx.x * BK;
+    const int warp = threadIdx.x >> 5, l = threadIdx.x & 31, g = l >> 2, c = l & 3;
+    const float sc = p.scale * FLASH_LOG2E;
+    const int qend = p.window > 0 ? min(T, k0 + BK - 1 + p.window) : T;
+    const int nq = (qend - k0 + BQ - 1) / BQ, iters = grp * nq;  // (query head, query tile) pairs
+    auto prefetch = [&](int it, int buf) {
+        const int h = kh * grp + it / nq, q0 = k0 + (it % nq) * BQ;
+        fl_load<D, BQ>(sQ + buf * BQ * DP, p.q + b * p.sq[0] + h * p.sq[1], p.sq[2], q0, T);
+        fl_load<D, BQ>(sO + buf * BQ * DP, p.o + b * p.so[0] + h * p.so[1], p.so[2], q0, T);
+        fl_commit();
+        if (threadIdx.x < BQ) {
+            const long row = ((long)b * p.H + h) * T;
+            const int i = q0 + threadIdx.x;
+            sL[buf * BQ + threadIdx.x] = i < T ? p.lse[row + i] * FLASH_LOG2E : 0.f;
+            sD[buf * BQ + threadIdx.x] = i < T ? p.delta[row + i] : 0.f;
+            if (p.seg) sSeg[buf * BQ + threadIdx.x] = p.seg[(long)b * T + min(i, T - 1)];
+        }
+    };
+    fl_load<D, BK>(sK, p.k + b * p.sk[0] + kh * p.sk[1], p.sk[2], k0, T);
+    fl_load<D, BK>(sV, p.v + b * p.sv[0] + kh * p.sv[1], p.sv[2], k0, T);
+    fl_commit();
+    if (iters > 0) prefetch(0, 0);
+    const int kj0 = k0 + warp * 16 + g, kj1 = kj0 + 8;
+    unsigned sg0 = 0, sg1 = 0;
+    if (p.seg) {
+        sg0 = p.seg[(long)b * T + min(kj0, T - 1)];
+        sg1 = p.seg[(long)b * T + min(kj1, T - 1)];
+    }
+    float dk[DN][4], dv[DN][4];
+#pragma unroll
+    for (int n = 0; n < DN; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.f;
+    for (int it = 0; it < iters; ++it) {
+        const int buf = it & 1, q0 = k0 + (it % nq) * BQ;
+        if (it + 1 < iters) { prefetch(it + 1, buf ^ 1); fl_wait_but1(); } else fl_wait_all();
+        __syncthreads();
+        const bf16_t* tQ = sQ + buf * BQ * DP;
+        const bf16_t* tO = sO + buf * BQ * DP;
+        const float* tL = sL + buf * BQ;
+        const float* tD = sD + buf * BQ;
+        const unsigned* tS = sSeg + buf * BQ;
+        // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ: rows are this warp's 16 keys, columns BQ queries.
+        float st[BQ / 8][4], dpt[BQ / 8][4];
+#pragma unroll
+        for (int n = 0; n < BQ / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) st[n][e] = dpt[n][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < KS; kk += 2) {
+            unsigned ak0[4], ak1[4], av0[4], av1[4];
+            fl_afrag(ak0, sK, DP, warp * 16, kk * 16, l);
+            fl_afrag(ak1, sK, DP, warp * 16, kk * 16 + 16, l);
+            fl_afrag(av0, sV, DP, warp * 16, kk * 16, l);
+            fl_afrag(av1, sV, DP, warp * 16, kk * 16 + 16, l);
+#pragma unroll
+            for (int n = 0; n < BQ / 8; ++n) {
+                unsigned bq[4], bo[4];
+                fl_bfrag2k(bq, tQ, DP, n * 8, kk * 16, l);
+                fl_bfrag2k(bo, tO, DP, n * 8, kk * 16, l);
+                fl_mma(st[n], ak0, bq[0], bq[1]);
+                fl_mma(st[n], ak1, bq[2], bq[3]);
+                fl_mma(dpt[n], av0, bo[0], bo[1]);
+                fl_mma(dpt[n], av1, bo[2], bo[3]);
+            }
+        }
+        const bool dense = !p.seg && p.window == 0 && q0 >= k0 + warp * 16 + 15 && q0 + BQ <= T;
+#pragma unroll
+        for (int n = 0; n < BQ / 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int col = n * 8 + 2 * c + (e & 1), i = q0 + col;
+                const bool ok = dense || (e < 2 ? fl_ok(p, i, kj0, p.seg ? tS[col] : 0, sg0)
+                                                : fl_ok(p, i, kj1, p.seg ? tS[col] : 0, sg1));
+                const float pr = ok ? fl_exp2(st[n][e] * sc - tL[col]) : 0.f;
+                st[n][e] = pr;
+                dpt[n][e] = pr * (dpt[n][e] - tD[col]);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < BQ / 16; ++j) {
+            unsigned ap[4], ad[4];
+            fl_a_from_c(ap, st[2 * j], st[2 * j + 1]);
+            fl_a_from_c(ad, dpt[2 * j], dpt[2 * j + 1]);
+#pragma unroll
+            for (int n = 0; n < DN; n += 2) {
+                unsigned bo[4], bq[4];
+                fl_bfrag2n(bo, tO, DP, j * 16, n * 8, l);
+                fl_bfrag2n(bq, tQ, DP, j * 16, n * 8, l);
+                fl_mma(dv[n], ap, bo[0], bo[1]);      // dV += Pᵀ dO
+                fl_mma(dv[n + 1], ap, bo[2], bo[3]);
+                fl_mma(dk[n], ad, bq[0], bq[1]);      // dK += dSᵀ Q
+                fl_mma(dk[n + 1], ad, bq[2], bq[3]);
+            }
+        }
+        __syncthreads();
+    }
+    fl_wait_all();
+    bf16_t* dkg = p.dk + b * p.sk[0] + kh * p.sk[1];
+    bf16_t* dvg = p.dv + b * p.sv[0] + kh * p.sv[1];
+#pragma unroll
+    for (int n = 0; n < DN; ++n) {
+        const int col = n * 8 + 2 * c;
+        if (kj0 < T) {
+            *(unsigned*)(dkg + (long)kj0 * p.sk[2] + col) = fl_pack(dk[n][0] * p.scale, dk[n][1] * p.scale);
+            *(unsigned*)(dvg + (long)kj0 * p.sv[2] + col) = fl_pack(dv[n][0], dv[n][1]);
+        }
+        if (kj1 < T) {
+            *(unsigned*)(dkg + (long)kj1 * p.sk[2] + col) = fl_pack(dk[n][2] * p.scale, dk[n][3] * p.scale);
+            *(unsigned*)(dvg + (long)kj1 * p.sv[2] + col) = fl_pack(dv[n][2], dv[n][3]);
+        }
+    }
+}
+
+#define FLASH_INST(D) \
+extern "C" __global__ void __launch_bounds__(128) flash_fwd_d##D(const FlashP p) { flash_fwd<D>(p); } \
+extern "C" __global__ void __launch_bounds__(128) flash_dq_d##D(const FlashP p) { flash_dq<D>(p); } \
+extern "C" __global__ void __launch_bounds__(128) flash_dkdv_d##D(const FlashP p) { flash_dkdv<D>(p); }
+FLASH_INST(64)
+FLASH_INST(128)

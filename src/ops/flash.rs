@@ -1,0 +1,393 @@
+//! Causal attention on tensor cores: the kernels of `flash.cu` (CUDA, bf16, head dim 64 or 128).
+//!
+//! Same contract as `attention::attention_fwd` / `attention_bwd` (causal, optional segments and
+//! sliding window, L = log-sum-exp in natural log), but one kernel per pass instead of cuBLAS
+//! GEMMs per query block plus three elementwise kernels over the [bq × T] score blocks, and GQA
+//! without repeating k and v. The blockwise path stays the reference (its tests pin it to the
+//! composite) and the fallback: CPU, f32 and f16, other head dims, `LORA_TRAIN_FLASH=0`.
+//!
+//! Inputs are [B, H, T, D] views: d contiguous, the other strides and the start multiples of 8
+//! elements, and laid out without gaps, so that heads-major tensors and token-major rows
+//! [B·T, H·D] (viewed as `reshape((b, t, h, d)).transpose(1, 2)`) both go in without a copy.
+
+use super::AttnMask;
+use candle_core::{DType, Result, Tensor, D};
+
+/// Whether attention over `q` [B, H, T, D] takes the tensor-core kernels.
+pub fn takes(q: &Tensor) -> bool {
+    cfg!(feature = "cuda")
+        && q.device().is_cuda()
+        && q.dtype() == DType::BF16
+        && matches!(q.dim(D::Minus1), Ok(64) | Ok(128))
+        && std::env::var("LORA_TRAIN_FLASH").map_or(true, |v| v != "0")
+}
+
+/// q [B, H, T, D], k, v [B, K, T, D] → (O as token-major rows [B·T, H·D], L [B, H, T] f32).
+pub fn flash_fwd(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &AttnMask,
+    scale: f64,
+) -> Result<(Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    {
+        imp::fwd(q, k, v, mask, scale)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (q, k, v, mask, scale);
+        candle_core::bail!("flash attention needs the cuda feature")
+    }
+}
+
+/// Given dO [B, H, T, D], δ = rowsum(dO ⊙ O) and L [B, H, T] f32: (dq, dk, dv), each laid out
+/// like its input (dk and dv summed over the query heads of each kv head).
+#[allow(clippy::too_many_arguments)]
+pub fn flash_bwd(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    d_o: &Tensor,
+    delta: &Tensor,
+    lse: &Tensor,
+    mask: &AttnMask,
+    scale: f64,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    {
+        imp::bwd(q, k, v, d_o, delta, lse, mask, scale)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (q, k, v, d_o, delta, lse, mask, scale);
+        candle_core::bail!("flash attention needs the cuda feature")
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod imp {
+    use super::AttnMask;
+    use candle_core::cuda::cudarc::driver::sys::CUfunction_attribute_enum;
+    use candle_core::cuda::cudarc::driver::{
+        CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+    };
+    use candle_core::cuda::{CudaDType, WrapErr};
+    use candle_core::op::BackpropOp;
+    use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Storage, Tensor};
+
+    /// `FlashP` of flash.cu, field for field.
+    #[repr(C)]
+    #[derive(Clone, Copy, Default)]
+    struct FlashP {
+        q: u64,
+        k: u64,
+        v: u64,
+        o: u64,
+        dq: u64,
+        dk: u64,
+        dv: u64,
+        lse: u64,
+        delta: u64,
+        seg: u64,
+        sq: [i64; 3],
+        sk: [i64; 3],
+        sv: [i64; 3],
+        so: [i64; 3],
+        b: i32,
+        h: i32,
+        kh: i32,
+        t: i32,
+        window: i32,
+        scale: f32,
+    }
+    // SAFETY: plain old data laid out as the C struct the kernels take by value.
+    unsafe impl DeviceRepr for FlashP {}
+
+    const THREADS: u32 = 128;
+
+    /// The device address of the first element `l` describes.
+    fn addr<T: CudaDType + DeviceRepr>(
+        s: &Storage,
+        l: &Layout,
+        stream: &CudaStream,
+    ) -> Result<u64> {
+        let Storage::Cuda(cs) = s else {
+            candle_core::bail!("flash attention: an input is not on the GPU")
+        };
+        let (p, _sync) = cs.as_cuda_slice::<T>()?.device_ptr(stream);
+        Ok(p + (l.start_offset() * std::mem::size_of::<T>()) as u64)
+    }
+
+    /// (b, h, t) strides of a [B, H, T, D] bf16 view the kernels can read.
+    fn strides(what: &str, t: &Tensor) -> Result<[i64; 3]> {
+        let l = t.layout();
+        let s = l.stride();
+        if t.dtype() != DType::BF16 || s.len() != 4 || s[3] != 1 {
+            candle_core::bail!(
+                "flash attention: {what} must be a bf16 [B, H, T, D] view with d contiguous, got {:?} {:?} strides {s:?}",
+                t.dtype(),
+                t.dims()
+            );
+        }
+        if (s[0] | s[1] | s[2] | l.start_offset()) % 8 != 0 {
+            candle_core::bail!("flash attention: {what}'s strides {s:?} are not multiples of 8");
+        }
+        Ok([s[0] as i64, s[1] as i64, s[2] as i64])
+    }
+
+    /// The order of `t`'s dims in memory, outermost first, when its view covers its span
+    /// without gaps (so that an output laid out with the same strides is one allocation).
+    fn dense_order(what: &str, t: &Tensor) -> Result<[usize; 4]> {
+        let (dims, s) = (t.dims(), t.layout().stride());
+        let mut order = [0usize, 1, 2, 3];
+        order.sort_by_key(|&i| std::cmp::Reverse((s[i], dims[i] > 1, i)));
+        let mut expect = 1;
+        for &i in order.iter().rev() {
+            if dims[i] > 1 && s[i] != expect {
+                candle_core::bail!(
+                    "flash attention: {what}'s layout has gaps ({dims:?}, strides {s:?})"
+                );
+            }
+            expect *= dims[i];
+        }
+        Ok(order)
+    }
+
+    /// A fresh bf16 buffer shaped like `like` and laid out in `like`'s order, returned with
+    /// the tensor that will view it once written.
+    fn like(like: &Tensor, dev: &CudaDevice) -> Result<(CudaSlice<half::bf16>, [usize; 4])> {
+        let order = dense_order("an output's model", like)?;
+        // SAFETY: every element is written by the kernel before the tensor is read.
+        let buf = unsafe { dev.alloc::<half::bf16>(like.elem_count())? };
+        Ok((buf, order))
+    }
+
+    fn view(
+        buf: CudaSlice<half::bf16>,
+        dev: &CudaDevice,
+        dims: &[usize],
+        order: [usize; 4],
+    ) -> Result<Tensor> {
+        let stored: Vec<usize> = order.iter().map(|&i| dims[i]).collect();
+        let t = Tensor::from_storage(
+            Storage::Cuda(CudaStorage::wrap_cuda_slice(buf, dev.clone())),
+            stored,
+            BackpropOp::none(),
+            false,
+        );
+        let mut inv = [0usize; 4];
+        for (j, &i) in order.iter().enumerate() {
+            inv[i] = j;
+        }
+        t.permute(inv)
+    }
+
+    fn cuda_dev(t: &Tensor) -> Result<CudaDevice> {
+        match t.device() {
+            candle_core::Device::Cuda(d) => Ok(d.clone()),
+            _ => candle_core::bail!("flash attention: tensors must be on the GPU"),
+        }
+    }
+
+    fn check_shapes(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<(usize, usize, usize, usize, usize)> {
+        let (b, h, t, d) = q.dims4()?;
+        let (kb, kh, kt, kd) = k.dims4()?;
+        if (kb, kt, kd) != (b, t, d) || v.dims() != k.dims() || kh == 0 || h % kh != 0 {
+            candle_core::bail!(
+                "flash attention: q {:?}, k {:?}, v {:?} (want k, v [B, K, T, D] with K dividing H)",
+                q.dims(),
+                k.dims(),
+                v.dims()
+            );
+        }
+        if d != 64 && d != 128 {
+            candle_core::bail!("flash attention: head dim {d} (the kernels take 64 or 128)");
+        }
+        Ok((b, h, kh, t, d))
+    }
+
+    fn launch(dev: &CudaDevice, name: &str, grid: (u32, u32), smem: u32, p: &FlashP) -> Result<()> {
+        let func = crate::ops::cuda::function(dev, name)?;
+        func.set_attribute(
+            CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .w()?;
+        let cfg = LaunchConfig {
+            grid_dim: (grid.0, grid.1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        let stream = dev.cuda_stream();
+        let mut bld = stream.launch_builder(&func);
+        bld.arg(p);
+        // SAFETY: `p` points at live buffers of the sizes its dims say, checked by the callers.
+        unsafe { bld.launch(cfg) }.w()?;
+        Ok(())
+    }
+
+    fn base(q: &Tensor, k: &Tensor, v: &Tensor, mask: &AttnMask, scale: f64) -> Result<FlashP> {
+        let (b, h, kh, t, _) = check_shapes(q, k, v)?;
+        let ints = |x: usize| {
+            i32::try_from(x).map_err(|_| {
+                candle_core::Error::Msg(format!("flash attention: {x} is out of range"))
+            })
+        };
+        Ok(FlashP {
+            sq: strides("q", q)?,
+            sk: strides("k", k)?,
+            sv: strides("v", v)?,
+            b: ints(b)?,
+            h: ints(h)?,
+            kh: ints(kh)?,
+            t: ints(t)?,
+            window: ints(mask.window)?,
+            scale: scale as f32,
+            ..Default::default()
+        })
+    }
+
+    fn seg_addr(
+        mask: &AttnMask,
+        b: usize,
+        t: usize,
+        stream: &CudaStream,
+    ) -> Result<(u64, Option<Tensor>)> {
+        let Some(seg) = &mask.segments else {
+            return Ok((0, None));
+        };
+        let seg = seg.flatten_all()?.contiguous()?;
+        if seg.dtype() != DType::U32 || seg.elem_count() != b * t {
+            candle_core::bail!("flash attention: segment ids must be u32 [B·T]");
+        }
+        let a = {
+            let (s, l) = seg.storage_and_layout();
+            addr::<u32>(&s, l, stream)?
+        };
+        Ok((a, Some(seg)))
+    }
+
+    pub fn fwd(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: &AttnMask,
+        scale: f64,
+    ) -> Result<(Tensor, Tensor)> {
+        let mut p = base(q, k, v, mask, scale)?;
+        let (b, h, t, d) = q.dims4()?;
+        let dev = cuda_dev(q)?;
+        let stream = dev.cuda_stream();
+        // O goes out as rows [B·T, H·D]: element (b, h, t, d) at (b·T + t)·H·D + h·D + d.
+        let o: CudaSlice<half::bf16> = unsafe { dev.alloc::<half::bf16>(b * h * t * d)? };
+        let lse: CudaSlice<f32> = unsafe { dev.alloc::<f32>(b * h * t)? };
+        p.so = [(t * h * d) as i64, d as i64, (h * d) as i64];
+        let (seg, _keep) = seg_addr(mask, b, t, &stream)?;
+        p.seg = seg;
+        {
+            let (qs, ql) = q.storage_and_layout();
+            let (ks, kl) = k.storage_and_layout();
+            let (vs, vl) = v.storage_and_layout();
+            p.q = addr::<half::bf16>(&qs, ql, &stream)?;
+            p.k = addr::<half::bf16>(&ks, kl, &stream)?;
+            p.v = addr::<half::bf16>(&vs, vl, &stream)?;
+            p.o = o.device_ptr(&stream).0;
+            p.lse = lse.device_ptr(&stream).0;
+            let smem = (4 * 64 * (d + 8) * 2 + 2 * 64 * 4) as u32; // K, V twice; segment ids
+            let grid = (t.div_ceil(64) as u32, (b * h) as u32);
+            launch(&dev, &format!("flash_fwd_d{d}"), grid, smem, &p)?;
+        }
+        let o = Tensor::from_storage(
+            Storage::Cuda(CudaStorage::wrap_cuda_slice(o, dev.clone())),
+            (b * t, h * d),
+            BackpropOp::none(),
+            false,
+        );
+        let lse = Tensor::from_storage(
+            Storage::Cuda(CudaStorage::wrap_cuda_slice(lse, dev)),
+            (b, h, t),
+            BackpropOp::none(),
+            false,
+        );
+        Ok((o, lse))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn bwd(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        d_o: &Tensor,
+        delta: &Tensor,
+        lse: &Tensor,
+        mask: &AttnMask,
+        scale: f64,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let mut p = base(q, k, v, mask, scale)?;
+        let (b, h, kh, t, d) = check_shapes(q, k, v)?;
+        if d_o.dims() != q.dims() {
+            candle_core::bail!("flash attention: dO {:?} vs q {:?}", d_o.dims(), q.dims());
+        }
+        p.so = strides("dO", d_o)?;
+        let (delta, lse) = (delta.contiguous()?, lse.contiguous()?);
+        for (what, x) in [("δ", &delta), ("L", &lse)] {
+            if x.dtype() != DType::F32 || x.dims() != [b, h, t] {
+                candle_core::bail!(
+                    "flash attention: {what} must be f32 [B, H, T], got {:?} {:?}",
+                    x.dtype(),
+                    x.dims()
+                );
+            }
+        }
+        let dev = cuda_dev(q)?;
+        let stream = dev.cuda_stream();
+        let (dq, oq) = like(q, &dev)?;
+        let (dk, ok) = like(k, &dev)?;
+        let (dv, ov) = like(v, &dev)?;
+        let (seg, _keep) = seg_addr(mask, b, t, &stream)?;
+        p.seg = seg;
+        {
+            let (qs, ql) = q.storage_and_layout();
+            let (ks, kl) = k.storage_and_layout();
+            let (vs, vl) = v.storage_and_layout();
+            let (os, ol) = d_o.storage_and_layout();
+            let (ds, dl) = delta.storage_and_layout();
+            let (ls, ll) = lse.storage_and_layout();
+            p.q = addr::<half::bf16>(&qs, ql, &stream)?;
+            p.k = addr::<half::bf16>(&ks, kl, &stream)?;
+            p.v = addr::<half::bf16>(&vs, vl, &stream)?;
+            p.o = addr::<half::bf16>(&os, ol, &stream)?;
+            p.delta = addr::<f32>(&ds, dl, &stream)?;
+            p.lse = addr::<f32>(&ls, ll, &stream)?;
+            p.dq = dq.device_ptr(&stream).0;
+            p.dk = dk.device_ptr(&stream).0;
+            p.dv = dv.device_ptr(&stream).0;
+            let rows = (d + 8) * 2; // bytes of one padded shared-memory row
+            let tiles = t.div_ceil(64) as u32;
+            launch(
+                &dev,
+                &format!("flash_dq_d{d}"),
+                (tiles, (b * h) as u32),
+                (4 * 32 * rows + 2 * 32 * 4) as u32,
+                &p,
+            )?;
+            launch(
+                &dev,
+                &format!("flash_dkdv_d{d}"),
+                (tiles, (b * kh) as u32),
+                (256 * rows + 6 * 32 * 4) as u32,
+                &p,
+            )?;
+        }
+        Ok((
+            view(dq, &dev, q.dims(), oq)?,
+            view(dk, &dev, k.dims(), ok)?,
+            view(dv, &dev, v.dims(), ov)?,
+        ))
+    }
+}

@@ -1,0 +1,158 @@
+//! A frozen linear's GEMM accumulated onto a tensor: acc + x Wᵀ (forward) and acc + g W (dL/dx).
+//!
+//! A LoRA linear's output is base + adapter: as two results and an add that is three passes over
+//! [m, out] (two reads, one write). On CUDA the GEMM adds into the adapter's term instead (cuBLAS
+//! with β = 1: one read of it, in the GEMM's epilogue). Elsewhere, or for inputs cuBLAS cannot
+//! take in place, it is the GEMM and an add.
+//!
+//! `acc` is consumed: on CUDA its buffer is written in place, so it must be a fresh result that
+//! nothing else holds (the callers pass a product they have just computed).
+
+use candle_core::{Result, Tensor};
+
+/// acc + x Wᵀ: x [m, in], W [out, in], acc [m, out] → [m, out]. No graph.
+pub fn linear_acc(x: &Tensor, w: &Tensor, acc: Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if let Some(y) = cuda::gemm_acc(x, w, &acc, true)? {
+        return Ok(y);
+    }
+    super::add(&acc, &super::frozen_linear(x, w, None)?)
+}
+
+/// acc + g W: g [m, out], W [out, in], acc [m, in] → [m, in] (a frozen linear's dL/dx plus
+/// another term of it). No graph.
+pub fn linear_bwd_acc(g: &Tensor, w: &Tensor, acc: Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if let Some(y) = cuda::gemm_acc(g, w, &acc, false)? {
+        return Ok(y);
+    }
+    super::add(&acc, &g.contiguous()?.matmul(w)?)
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda::cudarc::cublas::{result::gemm_ex, sys};
+    use candle_core::cuda::cudarc::driver::DevicePtr;
+    use candle_core::cuda::WrapErr;
+    use candle_core::{DType, Device, Layout, Result, Storage, Tensor};
+    use std::ffi::c_void;
+
+    /// The device address of `t`'s first element, when it is contiguous on the GPU.
+    fn addr(s: &Storage, l: &Layout, dev: &candle_core::CudaDevice) -> Result<Option<u64>> {
+        let Storage::Cuda(cs) = s else {
+            return Ok(None);
+        };
+        if !l.is_contiguous() {
+            return Ok(None);
+        }
+        let stream = dev.cuda_stream();
+        let off = l.start_offset() as u64 * cs.dtype().size_in_bytes() as u64;
+        let p = match cs.dtype() {
+            DType::BF16 => cs.as_cuda_slice::<half::bf16>()?.device_ptr(&stream).0,
+            DType::F16 => cs.as_cuda_slice::<half::f16>()?.device_ptr(&stream).0,
+            DType::F32 => cs.as_cuda_slice::<f32>()?.device_ptr(&stream).0,
+            _ => return Ok(None),
+        };
+        Ok(Some(p + off))
+    }
+
+    /// acc += x Wᵀ (`fwd`) or acc += x W, in place; None when cuBLAS cannot take these operands
+    /// so (not CUDA, not contiguous, mixed or unsupported dtypes, shapes that do not chain).
+    pub fn gemm_acc(x: &Tensor, w: &Tensor, acc: &Tensor, fwd: bool) -> Result<Option<Tensor>> {
+        let Device::Cuda(dev) = x.device() else {
+            return Ok(None);
+        };
+        let dt = x.dtype();
+        if w.dtype() != dt || acc.dtype() != dt || !w.device().same_device(x.device()) {
+            return Ok(None);
+        }
+        let (Ok((m, kx)), Ok((wo, wi)), Ok((am, an))) = (x.dims2(), w.dims2(), acc.dims2()) else {
+            return Ok(None);
+        };
+        // Row-major C [m, n] = A·B is column-major Cᵀ = Bᵀ·Aᵀ: cuBLAS computes, column-major,
+        // C' [n × m] += op(W) [n × k] · x' [k × m], with x' = x as stored and C' = acc as stored.
+        //   forward:  n = out, k = in, op(W) = (W as stored, [in × out])ᵀ: transa = T, lda = in
+        //   backward: n = in,  k = out, op(W) = W as stored [in × out]:    transa = N, lda = in
+        let (n, k, transa) = if fwd {
+            (wo, wi, sys::cublasOperation_t::CUBLAS_OP_T)
+        } else {
+            (wi, wo, sys::cublasOperation_t::CUBLAS_OP_N)
+        };
+        if kx != k || am != m || an != n || m == 0 {
+            return Ok(None);
+        }
+        let (data_type, compute) = match dt {
+            DType::BF16 if candle_core::cuda::gemm_reduced_precision_bf16() => (
+                sys::cudaDataType_t::CUDA_R_16BF,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16BF,
+            ),
+            DType::BF16 => (
+                sys::cudaDataType_t::CUDA_R_16BF,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            ),
+            DType::F16 if candle_core::cuda::gemm_reduced_precision_f16() => (
+                sys::cudaDataType_t::CUDA_R_16F,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16F,
+            ),
+            DType::F16 => (
+                sys::cudaDataType_t::CUDA_R_16F,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            ),
+            DType::F32 if candle_core::cuda::gemm_reduced_precision_f32() => (
+                sys::cudaDataType_t::CUDA_R_32F,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
+            ),
+            DType::F32 => (
+                sys::cudaDataType_t::CUDA_R_32F,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            ),
+            _ => return Ok(None),
+        };
+        let int = |v: usize| i32::try_from(v).ok();
+        let (Some(mi), Some(ni), Some(ki), Some(ini)) = (int(m), int(n), int(k), int(wi)) else {
+            return Ok(None);
+        };
+        let (xs, xl) = x.storage_and_layout();
+        let (ws, wl) = w.storage_and_layout();
+        let (cs, cl) = acc.storage_and_layout();
+        let (Some(xp), Some(wp), Some(cp)) = (
+            addr(&xs, xl, dev)?,
+            addr(&ws, wl, dev)?,
+            addr(&cs, cl, dev)?,
+        ) else {
+            return Ok(None);
+        };
+        let (alpha, beta) = (1f32, 1f32);
+        let blas = dev.cublas_handle();
+        // SAFETY: the three pointers are live contiguous buffers of the sizes checked above, on
+        // the stream cuBLAS runs on (candle's, set on its handle); acc is the callers' fresh
+        // result (module docs), so writing it in place is seen by no one else.
+        unsafe {
+            gemm_ex(
+                *blas.handle(),
+                transa,
+                sys::cublasOperation_t::CUBLAS_OP_N,
+                ni,
+                mi,
+                ki,
+                (&alpha) as *const f32 as *const c_void,
+                wp as *const c_void,
+                data_type,
+                ini,
+                xp as *const c_void,
+                data_type,
+                ki,
+                (&beta) as *const f32 as *const c_void,
+                cp as *mut c_void,
+                data_type,
+                ni,
+                compute,
+                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT_TENSOR_OP,
+            )
+        }
+        .w()?;
+        drop((xs, ws, cs));
+        Ok(Some(acc.clone()))
+    }
+}
