@@ -112,7 +112,7 @@ fi
 if [[ $what == *" torchrun "* ]]; then
   for mode in ddp fsdp; do
     echo "== peft torchrun 2 GPUs --mode $mode micro-batch 2"
-    timeout 280 $E torchrun --nproc_per_node 2 .devbuild/peft_baseline.py --shape llama2-7b --seq 2048 \
+    timeout 280 torchrun --nproc_per_node 2 .devbuild/peft_baseline.py --shape llama2-7b --seq 2048 \
       --batch 2 --rank 16 --targets all --steps 10 --warmup 3 --mode $mode --json "$OUT/dist.jsonl" 2>&1 | tail -3
   done
 fi

@@ -171,6 +171,7 @@ fn run_rank(a: &BenchArgs, device: Device, comm: &dyn Comm) -> Result<serde_json
     };
     use crate::memory::plan;
     let cfg = shape(&a.shape)?;
+    let head_dim = cfg.head_dim;
     let input = plan::PlanInput {
         tied: cfg.tie_word_embeddings.unwrap_or(false),
         cfg,
@@ -181,6 +182,15 @@ fn run_rank(a: &BenchArgs, device: Device, comm: &dyn Comm) -> Result<serde_json
         targets: targets(&a.targets)?,
         gpus: comm.world(),
         cuda: !a.device.is_cpu(),
+        flash_attention: crate::ops::flash::takes_for(
+            &a.device,
+            if a.device.is_cpu() {
+                DType::F32
+            } else {
+                DType::BF16
+            },
+            head_dim,
+        ),
     };
     let p = plan::plan(&input, 1, a.max_memory);
     let sel = (a.strategy, a.ckpt);
@@ -391,6 +401,11 @@ fn measure(
     let peak_reserved = all.chunks(4).map(|x| x[2]).fold(f64::MIN, f64::max);
     let per_gpu = total_tps / world as f64;
     let strategy = a.strategy.name();
+    let attn = if crate::ops::flash::takes_for(&a.device, dtype, cfg.head_dim) {
+        "flash-tensor-core"
+    } else {
+        "blockwise-lse"
+    };
     Ok(serde_json::json!({
         "system": "lora-train", "mode": strategy, "strategy": strategy, "world": world,
         "grad_accum": accum, "global_batch": world * accum * b,
@@ -399,7 +414,7 @@ fn measure(
         "resident_base_gib": r2(crate::dist::fsdp::resident_base_bytes(&model, shards.as_ref()) as f64 / GIB),
         "device": format!("{:?}", a.device.location()),
         "shape": a.shape, "seq": t, "micro_batch": b, "lora_rank": a.rank,
-        "targets": a.targets, "ckpt": a.ckpt, "attn": "blockwise-lse",
+        "targets": a.targets, "ckpt": a.ckpt, "attn": attn,
         "trainable_params": trainable, "base_linear_params": n_linear,
         "load_s": r2(load_s), "after_load_gib": after_load.map(r2),
         "peak_alloc_gib": peak.map(|_| r2(peak_alloc)),

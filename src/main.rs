@@ -300,6 +300,8 @@ fn plan(a: PlanCli) -> anyhow::Result<()> {
     let (input, grad_accum, selected, recipe_cap) = match (&a.shape, &a.recipe) {
         (Some(shape), _) => {
             let cfg = lora_train::bench::shape(shape)?;
+            let flash_attention =
+                lora_train::ops::flash::kernels_take(true, candle_core::DType::BF16, cfg.head_dim);
             let input = plan::PlanInput {
                 tied: cfg.tie_word_embeddings.unwrap_or(false),
                 cfg,
@@ -310,6 +312,7 @@ fn plan(a: PlanCli) -> anyhow::Result<()> {
                 targets: lora_train::bench::targets(&a.targets)?,
                 gpus: a.gpus.unwrap_or(1).max(1),
                 cuda: true,
+                flash_attention,
             };
             (input, 1, (Strategy::Single, a.ckpt), None)
         }

@@ -19,7 +19,10 @@
 //! - head (lm_head + CE in chunks of ~2^24 logits, `Model::head_loss_bwd`): HEAD_CHUNKS ×
 //!   2^24 × 4 B of f32 logits / exponentials / their gradient, plus dL/dh [N, C]·s twice (the
 //!   running sum and its next value).
-//! - attention forward workspace: 3 score blocks of min(128 MiB, B·H·T²·2) (scores, P, P·V).
+//! - forward workspace of one layer, the larger of: its MLP's end, N·s·(3C + I) (the
+//!   residual h, down_proj's input, its output and the layer output alive together), and the
+//!   blockwise attention's 3 score blocks of min(128 MiB, B·H·T²·2) (scores, P, P·V) — none on
+//!   the tensor-core kernels (CUDA, bf16, D 64 or 128), whose O and L are kept activations.
 //! - backward workspace of one layer: BWD_WS × N·s·(2C + 3I): dL/dy and dL/dh, and the MLP's
 //!   dL/da, dL/dgate and dL/dup alive together, plus the gradients P × 4.
 //! - DDP and FSDP sum each layer's adapter gradients over the ranks as one flat f32 bucket
@@ -76,6 +79,8 @@ pub struct PlanInput {
     pub gpus: usize,
     /// On CUDA: count the context and the allocator slack (0 on the CPU).
     pub cuda: bool,
+    /// Attention runs on the tensor-core kernels (`ops::flash::kernels_take`): no score blocks.
+    pub flash_attention: bool,
 }
 
 /// One strategy's per-rank bytes.
@@ -225,14 +230,15 @@ pub fn breakdown(p: &PlanInput, strategy: Strategy, ckpt: bool, micro_batch: usi
     };
     let steady = base + adapters + optimizer;
     let scores = (b * cfg.num_heads as u64 * t * t * 2).min(ATTN_BLOCK);
-    let attn_ws = 3 * scores;
+    let attn_ws = if p.flash_attention { 0 } else { 3 * scores };
+    let fwd_ws = attn_ws.max(n * s * (3 * c + cfg.intermediate_size as u64));
     let head_ws = (HEAD_CHUNKS * (HEAD_CHUNK_LOGITS.min(n * v) * 4) as f64) as u64 + 2 * boundary;
     let i = cfg.intermediate_size as u64;
     let bwd_ws = (BWD_WS * (n * s * (2 * c + 3 * i)) as f64) as u64;
     let recomputed = if ckpt { layer_act } else { 0 };
     let load = base + adapters;
     // With checkpointing the running layer's activations exist until it ends.
-    let forward = steady + kept + recomputed + attn_ws + gather;
+    let forward = steady + kept + recomputed + fwd_ws + gather;
     let head = steady + kept + head_ws + head_gather;
     let backward = steady + kept + recomputed + grad_sums + bucket + bwd_ws + gather;
     // AdamW over flat groups of ≤ optim::GROUP elements: ~8 f32 temporaries of one group
@@ -252,7 +258,7 @@ pub fn breakdown(p: &PlanInput, strategy: Strategy, ckpt: bool, micro_batch: usi
             .copied()
             .fold(("load", 0), |m, x| if x.1 > m.1 { x } else { m });
     let (activations, transient, gather_at_peak) = match peak_phase {
-        "forward" => (kept + recomputed, attn_ws, gather),
+        "forward" => (kept + recomputed, fwd_ws, gather),
         "head" => (kept, head_ws, head_gather),
         "backward" => (kept + recomputed, bwd_ws, gather),
         _ => (0, 0, 0),
@@ -671,6 +677,12 @@ pub fn input_from_recipe(
         (Some(Dtype::F32), _) | (None, DeviceKind::Cpu) => 4,
         _ => 2,
     };
+    let dtype = match (r.model.dtype, r.model.device) {
+        (Some(Dtype::F32), _) | (None, DeviceKind::Cpu) => candle_core::DType::F32,
+        (Some(Dtype::F16), _) => candle_core::DType::F16,
+        _ => candle_core::DType::BF16,
+    };
+    let cfg_head_dim = cfg.head_dim;
     Ok(PlanInput {
         tied: cfg.tie_word_embeddings.unwrap_or(false),
         cfg,
@@ -681,6 +693,7 @@ pub fn input_from_recipe(
         targets: r.target_modules()?,
         gpus: gpus.max(1),
         cuda,
+        flash_attention: crate::ops::flash::kernels_take(cuda, dtype, cfg_head_dim),
     })
 }
 
@@ -796,6 +809,7 @@ mod tests {
             targets: ALL_LINEAR.iter().map(|s| s.to_string()).collect(),
             gpus,
             cuda: true,
+            flash_attention: false,
         }
     }
 
@@ -854,6 +868,24 @@ mod tests {
         assert!((b.pool_peak as f64 / GI / 23.89 - 1.0).abs() < 0.01);
         // total = pool + 512 MiB + 5%: 25640312832 + 536870912 + 1282015641 = 27459199385.
         assert_eq!(b.total, 27_459_199_385);
+    }
+
+    #[test]
+    fn tensor_core_attention_has_no_score_blocks() {
+        // Blockwise: the forward phase's workspace is 3 score blocks of min(128 MiB,
+        // 2·32·2048²·2 B) = 402653184 B, more than the MLP's end, 4096 · 2 · (3·4096 + 11008) =
+        // 190840832 B, which is all the tensor-core kernels leave. Backward, the peak here, is
+        // the same either way.
+        let mut p = input(2, 1);
+        let blockwise = breakdown(&p, Strategy::Single, false, 2);
+        p.flash_attention = true;
+        let flash = breakdown(&p, Strategy::Single, false, 2);
+        assert_eq!(
+            blockwise.phases[1].1 - flash.phases[1].1,
+            402_653_184 - 190_840_832
+        );
+        assert_eq!(blockwise.phases[3], flash.phases[3]);
+        assert_eq!(flash.pool_peak, blockwise.pool_peak);
     }
 
     #[test]

@@ -11,14 +11,23 @@
 //! [B·T, H·D] (viewed as `reshape((b, t, h, d)).transpose(1, 2)`) both go in without a copy.
 
 use super::AttnMask;
-use candle_core::{DType, Result, Tensor, D};
+use candle_core::{DType, Device, Result, Tensor, D};
 
 /// Whether attention over `q` [B, H, T, D] takes the tensor-core kernels.
 pub fn takes(q: &Tensor) -> bool {
-    cfg!(feature = "cuda")
-        && q.device().is_cuda()
-        && q.dtype() == DType::BF16
-        && matches!(q.dim(D::Minus1), Ok(64) | Ok(128))
+    q.dim(D::Minus1)
+        .is_ok_and(|d| takes_for(q.device(), q.dtype(), d))
+}
+
+/// Whether attention of head dim `d` over `dtype` activations on `dev` takes them.
+pub fn takes_for(dev: &Device, dtype: DType, d: usize) -> bool {
+    cfg!(feature = "cuda") && kernels_take(dev.is_cuda(), dtype, d)
+}
+
+/// Whether a CUDA build would take them (what the memory plan forecasts, from any build).
+pub fn kernels_take(cuda: bool, dtype: DType, d: usize) -> bool {
+    cuda && dtype == DType::BF16
+        && matches!(d, 64 | 128)
         && std::env::var("LORA_TRAIN_FLASH").map_or(true, |v| v != "0")
 }
 
