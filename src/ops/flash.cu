@@ -114,6 +114,47 @@ __device__ __forceinline__ bool fl_ok(const FlashP& p, int i, int j, unsigned si
     return j <= i && i < p.T && (p.window == 0 || i - j < p.window) && (!p.seg || si == sj);
 }
 
+// acc [16 × D] += P · tile: P the 16 × R product held as C fragments c[R / 8] (two side by
+// side are one A fragment), tile [R][D + 8] in shared memory (rows on P's k side).
+template<int D, int R>
+__device__ __forceinline__ void fl_acc_ptile(float (*acc)[4], float (*c)[4], const bf16_t* tile, int l) {
+#pragma unroll
+    for (int j = 0; j < R / 16; ++j) {
+        unsigned a[4];
+        fl_a_from_c(a, c[2 * j], c[2 * j + 1]);
+#pragma unroll
+        for (int n = 0; n < D / 8; n += 2) {
+            unsigned bb[4];
+            fl_bfrag2n(bb, tile, D + 8, j * 16, n * 8, l);
+            fl_mma(acc[n], a, bb[0], bb[1]);
+            fl_mma(acc[n + 1], a, bb[2], bb[3]);
+        }
+    }
+}
+
+// The example id of token i of row b (ids past T read the last one; those rows are never stored).
+__device__ __forceinline__ unsigned fl_seg(const FlashP& p, int b, int i) {
+    return p.seg[(long)b * p.T + min(i, p.T - 1)];
+}
+
+// Starts copying key rows [k0, k0 + BK) of this (batch, kv head)'s k and v, and their example
+// ids, into buffer `buf` of sK / sV / sSeg (fwd and dQ stream keys the same way).
+template<int D, int BK>
+__device__ __forceinline__ void fl_prefetch_kv(const FlashP& p, bf16_t* sK, bf16_t* sV, unsigned* sSeg,
+                                               int b, int kh, int k0, int buf) {
+    constexpr int DP = D + 8;
+    fl_load<D, BK>(sK + buf * BK * DP, p.k + b * p.sk[0] + kh * p.sk[1], p.sk[2], k0, p.T);
+    fl_load<D, BK>(sV + buf * BK * DP, p.v + b * p.sv[0] + kh * p.sv[1], p.sv[2], k0, p.T);
+    fl_commit();
+    if (p.seg && threadIdx.x < BK) sSeg[buf * BK + threadIdx.x] = fl_seg(p, b, k0 + (int)threadIdx.x);
+}
+
+// The first key tile a query tile starting at q0 can see (the sliding window cuts the front).
+template<int BK>
+__device__ __forceinline__ int fl_first_key(const FlashP& p, int q0) {
+    return p.window > 0 ? max(0, q0 - p.window + 1) / BK * BK : 0;
+}
+
 template<int D>
 __device__ __forceinline__ void flash_fwd(const FlashP& p) {
     constexpr int DP = D + 8, BQ = 64, BK = 64, KS = D / 16, DN = D / 8;
@@ -123,17 +164,9 @@ __device__ __forceinline__ void flash_fwd(const FlashP& p) {
     const int T = p.T, bh = blockIdx.y, b = bh / p.H, h = bh % p.H, kh = h / (p.H / p.KH);
     const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;  // the longest rows first
     const int warp = threadIdx.x >> 5, l = threadIdx.x & 31, g = l >> 2, c = l & 3;
-    const bf16_t* kg = p.k + b * p.sk[0] + kh * p.sk[1];
-    const bf16_t* vg = p.v + b * p.sv[0] + kh * p.sv[1];
     const float sc = p.scale * FLASH_LOG2E;
-    const int kend = min(T, q0 + BQ);
-    const int kbeg = p.window > 0 ? max(0, q0 - p.window + 1) / BK * BK : 0;
-    auto prefetch = [&](int k0, int buf) {
-        fl_load<D, BK>(sK + buf * BK * DP, kg, p.sk[2], k0, T);
-        fl_load<D, BK>(sV + buf * BK * DP, vg, p.sv[2], k0, T);
-        fl_commit();
-        if (p.seg && threadIdx.x < BK) sSeg[buf * BK + threadIdx.x] = p.seg[(long)b * T + min(k0 + (int)threadIdx.x, T - 1)];
-    };
+    const int kend = min(T, q0 + BQ), kbeg = fl_first_key<BK>(p, q0);
+    auto prefetch = [&](int k0, int buf) { fl_prefetch_kv<D, BK>(p, sK, sV, sSeg, b, kh, k0, buf); };
 
     // Q passes through the second buffer while the first key tile arrives.
     fl_load<D, BQ>(sK + BK * DP, p.q + b * p.sq[0] + h * p.sq[1], p.sq[2], q0, T);
@@ -148,8 +181,8 @@ __device__ __forceinline__ void flash_fwd(const FlashP& p) {
     const int qi0 = q0 + warp * 16 + g, qi1 = qi0 + 8;
     unsigned sg0 = 0, sg1 = 0;
     if (p.seg) {
-        sg0 = p.seg[(long)b * T + min(qi0, T - 1)];
-        sg1 = p.seg[(long)b * T + min(qi1, T - 1)];
+        sg0 = fl_seg(p, b, qi0);
+        sg1 = fl_seg(p, b, qi1);
     }
     float acc[DN][4];
 #pragma unroll
@@ -210,18 +243,7 @@ __device__ __forceinline__ void flash_fwd(const FlashP& p) {
         for (int n = 0; n < DN; ++n) {
             acc[n][0] *= cr0; acc[n][1] *= cr0; acc[n][2] *= cr1; acc[n][3] *= cr1;
         }
-#pragma unroll
-        for (int j = 0; j < BK / 16; ++j) {
-            unsigned a[4];
-            fl_a_from_c(a, s[2 * j], s[2 * j + 1]);
-#pragma unroll
-            for (int n = 0; n < DN; n += 2) {
-                unsigned bb[4];
-                fl_bfrag2n(bb, tV, DP, j * 16, n * 8, l);
-                fl_mma(acc[n], a, bb[0], bb[1]);
-                fl_mma(acc[n + 1], a, bb[2], bb[3]);
-            }
-        }
+        fl_acc_ptile<D, BK>(acc, s, tV, l);  // O += P V
         __syncthreads();  // this buffer is refilled two tiles on
     }
     l0 = fl_quad_sum(l0);
@@ -249,17 +271,9 @@ __device__ __forceinline__ void flash_dq(const FlashP& p) {
     const int T = p.T, bh = blockIdx.y, b = bh / p.H, h = bh % p.H, kh = h / (p.H / p.KH);
     const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;
     const int warp = threadIdx.x >> 5, l = threadIdx.x & 31, g = l >> 2, c = l & 3;
-    const bf16_t* kg = p.k + b * p.sk[0] + kh * p.sk[1];
-    const bf16_t* vg = p.v + b * p.sv[0] + kh * p.sv[1];
     const float sc = p.scale * FLASH_LOG2E;
-    const int kend = min(T, q0 + BQ);
-    const int kbeg = p.window > 0 ? max(0, q0 - p.window + 1) / BK * BK : 0;
-    auto prefetch = [&](int k0, int buf) {
-        fl_load<D, BK>(sK + buf * BK * DP, kg, p.sk[2], k0, T);
-        fl_load<D, BK>(sV + buf * BK * DP, vg, p.sv[2], k0, T);
-        fl_commit();
-        if (p.seg && threadIdx.x < BK) sSeg[buf * BK + threadIdx.x] = p.seg[(long)b * T + min(k0 + (int)threadIdx.x, T - 1)];
-    };
+    const int kend = min(T, q0 + BQ), kbeg = fl_first_key<BK>(p, q0);
+    auto prefetch = [&](int k0, int buf) { fl_prefetch_kv<D, BK>(p, sK, sV, sSeg, b, kh, k0, buf); };
 
     unsigned qf[KS][4], df[KS][4];
     fl_load<D, BQ>(sK, p.q + b * p.sq[0] + h * p.sq[1], p.sq[2], q0, T);
@@ -277,8 +291,8 @@ __device__ __forceinline__ void flash_dq(const FlashP& p) {
     const int qi0 = q0 + warp * 16 + g, qi1 = qi0 + 8;
     unsigned sg0 = 0, sg1 = 0;
     if (p.seg) {
-        sg0 = p.seg[(long)b * T + min(qi0, T - 1)];
-        sg1 = p.seg[(long)b * T + min(qi1, T - 1)];
+        sg0 = fl_seg(p, b, qi0);
+        sg1 = fl_seg(p, b, qi1);
     }
     const float L0 = qi0 < T ? p.lse[(long)bh * T + qi0] * FLASH_LOG2E : 0.f;
     const float L1 = qi1 < T ? p.lse[(long)bh * T + qi1] * FLASH_LOG2E : 0.f;
@@ -325,18 +339,7 @@ __device__ __forceinline__ void flash_dq(const FlashP& p) {
                 s[n][e] = pr * (dp[n][e] - (e < 2 ? d0 : d1));
             }
         }
-#pragma unroll
-        for (int j = 0; j < BK / 16; ++j) {
-            unsigned a[4];
-            fl_a_from_c(a, s[2 * j], s[2 * j + 1]);
-#pragma unroll
-            for (int n = 0; n < DN; n += 2) {
-                unsigned bb[4];
-                fl_bfrag2n(bb, tK, DP, j * 16, n * 8, l);
-                fl_mma(acc[n], a, bb[0], bb[1]);
-                fl_mma(acc[n + 1], a, bb[2], bb[3]);
-            }
-        }
+        fl_acc_ptile<D, BK>(acc, s, tK, l);  // dQ += dS K
         __syncthreads();
     }
     bf16_t* out = p.dq + b * p.sq[0] + h * p.sq[1];
@@ -374,7 +377,7 @@ __device__ __forceinline__ void flash_dkdv(const FlashP& p) {
             const int i = q0 + threadIdx.x;
             sL[buf * BQ + threadIdx.x] = i < T ? p.lse[row + i] * FLASH_LOG2E : 0.f;
             sD[buf * BQ + threadIdx.x] = i < T ? p.delta[row + i] : 0.f;
-            if (p.seg) sSeg[buf * BQ + threadIdx.x] = p.seg[(long)b * T + min(i, T - 1)];
+            if (p.seg) sSeg[buf * BQ + threadIdx.x] = fl_seg(p, b, i);
         }
     };
     fl_load<D, BK>(sK, p.k + b * p.sk[0] + kh * p.sk[1], p.sk[2], k0, T);
@@ -384,8 +387,8 @@ __device__ __forceinline__ void flash_dkdv(const FlashP& p) {
     const int kj0 = k0 + warp * 16 + g, kj1 = kj0 + 8;
     unsigned sg0 = 0, sg1 = 0;
     if (p.seg) {
-        sg0 = p.seg[(long)b * T + min(kj0, T - 1)];
-        sg1 = p.seg[(long)b * T + min(kj1, T - 1)];
+        sg0 = fl_seg(p, b, kj0);
+        sg1 = fl_seg(p, b, kj1);
     }
     float dk[DN][4], dv[DN][4];
 #pragma unroll
@@ -438,22 +441,8 @@ __device__ __forceinline__ void flash_dkdv(const FlashP& p) {
                 dpt[n][e] = pr * (dpt[n][e] - tD[col]);
             }
         }
-#pragma unroll
-        for (int j = 0; j < BQ / 16; ++j) {
-            unsigned ap[4], ad[4];
-            fl_a_from_c(ap, st[2 * j], st[2 * j + 1]);
-            fl_a_from_c(ad, dpt[2 * j], dpt[2 * j + 1]);
-#pragma unroll
-            for (int n = 0; n < DN; n += 2) {
-                unsigned bo[4], bq[4];
-                fl_bfrag2n(bo, tO, DP, j * 16, n * 8, l);
-                fl_bfrag2n(bq, tQ, DP, j * 16, n * 8, l);
-                fl_mma(dv[n], ap, bo[0], bo[1]);      // dV += Pᵀ dO
-                fl_mma(dv[n + 1], ap, bo[2], bo[3]);
-                fl_mma(dk[n], ad, bq[0], bq[1]);      // dK += dSᵀ Q
-                fl_mma(dk[n + 1], ad, bq[2], bq[3]);
-            }
-        }
+        fl_acc_ptile<D, BQ>(dv, st, tO, l);   // dV += Pᵀ dO
+        fl_acc_ptile<D, BQ>(dk, dpt, tQ, l);  // dK += dSᵀ Q
         __syncthreads();
     }
     fl_wait_all();
