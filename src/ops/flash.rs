@@ -242,6 +242,14 @@ mod imp {
 
     fn base(q: &Tensor, k: &Tensor, v: &Tensor, mask: &AttnMask, scale: f64) -> Result<FlashP> {
         let (b, h, kh, t, _) = check_shapes(q, k, v)?;
+        // One thread block per (tile, batch·head): the grid's y side holds at most 65535.
+        if b * h > 65535 {
+            candle_core::bail!(
+                "flash attention: batch × heads = {} exceeds 65535 blocks; use a smaller \
+                 micro-batch, or LORA_TRAIN_FLASH=0 for the blockwise path",
+                b * h
+            );
+        }
         let ints = |x: usize| {
             i32::try_from(x).map_err(|_| {
                 candle_core::Error::Msg(format!("flash attention: {x} is out of range"))
