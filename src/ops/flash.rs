@@ -26,9 +26,13 @@ pub fn takes_for(dev: &Device, dtype: DType, d: usize) -> bool {
 
 /// Whether a CUDA build would take them (what the memory plan forecasts, from any build).
 pub fn kernels_take(cuda: bool, dtype: DType, d: usize) -> bool {
-    cuda && dtype == DType::BF16
-        && matches!(d, 64 | 128)
-        && std::env::var("LORA_TRAIN_FLASH").map_or(true, |v| v != "0")
+    cuda && dtype == DType::BF16 && matches!(d, 64 | 128) && !switched_off()
+}
+
+/// `LORA_TRAIN_FLASH=0`, read once per process: every layer asks, forward and backward.
+fn switched_off() -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *OFF.get_or_init(|| std::env::var("LORA_TRAIN_FLASH").is_ok_and(|v| v == "0"))
 }
 
 /// q [B, H, T, D], k, v [B, K, T, D] → (O as token-major rows [B·T, H·D], L [B, H, T] f32).

@@ -89,14 +89,7 @@ fn hand_written_layer_backward_equals_autograd() {
         let layer = &m.layers[1];
         let g = Tensor::randn(0f32, 1.0, x.shape(), &m.device).unwrap();
 
-        let xv = Var::from_tensor(&x).unwrap();
-        let y_ref = layer.forward(xv.as_tensor(), &ctx).unwrap();
-        let gs = (&y_ref * &g)
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .backward()
-            .unwrap();
+        let (xv, y_ref, gs) = autograd_reference(layer, &x, &g, &ctx);
 
         let (y, acts) = layer.forward_train(&x, &ctx, true).unwrap();
         assert_close(&format!("{case} y"), &y, &y_ref, 1e-6, 1e-6);
@@ -106,6 +99,25 @@ fn hand_written_layer_backward_equals_autograd() {
         let ours = (dx, grads);
         check_layer_grads(case, layer, &ours, &gs, xv.as_tensor(), (1e-5, 1e-6));
     }
+}
+
+/// The reference of the hand-written pair: autograd through `Layer::forward` from x as a leaf,
+/// L = Σ y ⊙ g in f32 → (the leaf, y, the gradients).
+fn autograd_reference(
+    layer: &lora_train::model::llama::Layer,
+    x: &Tensor,
+    g: &Tensor,
+    ctx: &lora_train::model::llama::Ctx,
+) -> (Var, Tensor, candle_core::backprop::GradStore) {
+    let xv = Var::from_tensor(x).unwrap();
+    let y = layer.forward(xv.as_tensor(), ctx).unwrap();
+    let gs = (y.to_dtype(candle_core::DType::F32).unwrap() * g)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    (xv, y, gs)
 }
 
 /// A hand-written layer backward's (dL/dx, adapter gradients) against autograd's `gs`: dL/dx
@@ -485,14 +497,7 @@ fn flash_layer_backward_matches_autograd_on_the_gpu() {
     let g = Tensor::randn(0f32, 1.0, (b, t, c), &dev).unwrap();
     let layer = &m.layers[1];
 
-    let xv = Var::from_tensor(&x).unwrap();
-    let y_ref = layer.forward(xv.as_tensor(), &ctx).unwrap();
-    let gs = (y_ref.to_dtype(DType::F32).unwrap() * &g)
-        .unwrap()
-        .sum_all()
-        .unwrap()
-        .backward()
-        .unwrap();
+    let (xv, y_ref, gs) = autograd_reference(layer, &x, &g, &ctx);
     let (y, acts) = layer.forward_train(&x, &ctx, true).unwrap();
     assert_close("flash layer y", &y, &y_ref, 2e-2, 1e-2);
     let ours = layer.backward(acts.unwrap(), &g, &ctx).unwrap();
