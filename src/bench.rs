@@ -324,8 +324,8 @@ fn measure(
                 .all_reduce_sum(&Tensor::new(&[ce], &a.device)?)?
                 .to_vec1::<f64>()?[0];
         }
-        optim::clip_grad_norm(&mut grads, &opt.params, 1.0)?;
-        opt.step(&grads, 1e-4)?;
+        let clip = optim::grad_norm(&grads, &opt.params, 1.0)?;
+        opt.step(&grads, 1e-4, clip.coef)?;
         Ok(ce / n)
     };
     for _ in 0..a.warmup {

@@ -126,8 +126,8 @@ pub fn run(recipe: &Recipe, max_micro_batch: usize) -> Result<ProbeReport> {
                 None,
                 &mut |phase| meter.end(&dev, phase),
             )?;
-            optim::clip_grad_norm(&mut grads, &opt.params, t.max_grad_norm)?;
-            opt.step(&grads, 0.0)?;
+            let clip = optim::grad_norm(&grads, &opt.params, t.max_grad_norm)?;
+            opt.step(&grads, 0.0, clip.coef)?;
             meter.end(&dev, "optimizer")?;
             Ok(())
         })();

@@ -439,7 +439,11 @@ fn module(dev: &CudaDevice) -> Result<Arc<CudaModule>> {
                 arch: Some("sm_80"),
                 ..Default::default()
             };
-            let src = format!("{SRC}{}", include_str!("flash.cu"));
+            let src = format!(
+                "{SRC}{}{}",
+                include_str!("flash.cu"),
+                include_str!("multi_tensor.cu")
+            );
             compile_ptx_with_opts(src, opts).map_err(|e| format!("{e:?}"))
         })
         .as_ref()
@@ -459,6 +463,28 @@ fn module(dev: &CudaDevice) -> Result<Arc<CudaModule>> {
     let m = ctx.load_module(ptx.clone()).w()?;
     mods.insert(key, m.clone());
     Ok(m)
+}
+
+/// The device address of `t`'s first element when `t` is a contiguous bf16, f16 or f32 CUDA
+/// tensor; None otherwise.
+pub fn addr(t: &candle_core::Tensor) -> Result<Option<u64>> {
+    use candle_core::cuda::cudarc::driver::DevicePtr;
+    let (s, l) = t.storage_and_layout();
+    let candle_core::Storage::Cuda(cs) = &*s else {
+        return Ok(None);
+    };
+    if !l.is_contiguous() {
+        return Ok(None);
+    }
+    let stream = cs.device.cuda_stream();
+    let off = l.start_offset() as u64 * t.dtype().size_in_bytes() as u64;
+    let p = match t.dtype() {
+        DType::BF16 => cs.as_cuda_slice::<half::bf16>()?.device_ptr(&stream).0,
+        DType::F16 => cs.as_cuda_slice::<half::f16>()?.device_ptr(&stream).0,
+        DType::F32 => cs.as_cuda_slice::<f32>()?.device_ptr(&stream).0,
+        _ => return Ok(None),
+    };
+    Ok(Some(p + off))
 }
 
 /// Our kernel `name` on `dev`.

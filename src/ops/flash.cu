@@ -53,32 +53,36 @@ __device__ __forceinline__ unsigned fl_smem(const void* p) {
     asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
     return r;
 }
+// Shared memory is addressed by 32-bit shared-window byte addresses (`unsigned`) throughout:
+// tile bases are computed once, per-lane offsets are loop invariants and the unrolled loops'
+// offsets are immediates, so a fragment load costs one instruction.
+//
 // Four 8×8 b16 matrices; lane l gives the address of row l % 8 of matrix l / 8.
-__device__ __forceinline__ void fl_ldsm(unsigned* r, const bf16_t* p) {
+__device__ __forceinline__ void fl_ldsm(unsigned* r, unsigned a) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-        : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(fl_smem(p)) : "memory");
+        : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a) : "memory");
 }
-__device__ __forceinline__ void fl_ldsm_t(unsigned* r, const bf16_t* p) {
+__device__ __forceinline__ void fl_ldsm_t(unsigned* r, unsigned a) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-        : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(fl_smem(p)) : "memory");
+        : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a) : "memory");
 }
 // The A fragment of rows r..r+15, columns k..k+15 of a shared tile with row stride DP.
-__device__ __forceinline__ void fl_afrag(unsigned* a, const bf16_t* s, int DP, int r, int k, int l) {
-    fl_ldsm(a, s + (r + (l & 7) + ((l >> 3) & 1) * 8) * DP + k + (l >> 4) * 8);
+__device__ __forceinline__ void fl_afrag(unsigned* a, unsigned s, int DP, int r, int k, int l) {
+    fl_ldsm(a, s + 2 * ((r + (l & 7) + ((l >> 3) & 1) * 8) * DP + k + (l >> 4) * 8));
 }
 // B fragments of rows n..n+7 as the n side (col-major B = this tile's rows), for the two k
 // steps k..k+15 and k+16..k+31: b[0], b[1] and b[2], b[3].
-__device__ __forceinline__ void fl_bfrag2k(unsigned* b, const bf16_t* s, int DP, int n, int k, int l) {
-    fl_ldsm(b, s + (n + (l & 7)) * DP + k + (l >> 3) * 8);
+__device__ __forceinline__ void fl_bfrag2k(unsigned* b, unsigned s, int DP, int n, int k, int l) {
+    fl_ldsm(b, s + 2 * ((n + (l & 7)) * DP + k + (l >> 3) * 8));
 }
 // B fragments with the tile's rows k..k+15 as the k side and its columns n..n+7, n+8..n+15 as
 // the n side: b[0], b[1] for n, b[2], b[3] for n + 8.
-__device__ __forceinline__ void fl_bfrag2n(unsigned* b, const bf16_t* s, int DP, int k, int n, int l) {
-    fl_ldsm_t(b, s + (k + (l & 7) + ((l >> 3) & 1) * 8) * DP + n + (l >> 4) * 8);
+__device__ __forceinline__ void fl_bfrag2n(unsigned* b, unsigned s, int DP, int k, int n, int l) {
+    fl_ldsm_t(b, s + 2 * ((k + (l & 7) + ((l >> 3) & 1) * 8) * DP + n + (l >> 4) * 8));
 }
-__device__ __forceinline__ void fl_cp16(bf16_t* s, const bf16_t* g, bool ok) {
+__device__ __forceinline__ void fl_cp16(unsigned s, const bf16_t* g, bool ok) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-        :: "r"(fl_smem(s)), "l"(g), "r"(ok ? 16 : 0) : "memory");
+        :: "r"(s), "l"(g), "r"(ok ? 16 : 0) : "memory");
 }
 __device__ __forceinline__ void fl_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void fl_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
@@ -96,28 +100,34 @@ __device__ __forceinline__ void fl_a_from_c(unsigned* a, const float* c0, const 
     a[2] = fl_pack(c1[0], c1[1]); a[3] = fl_pack(c1[2], c1[3]);
 }
 
-// Starts copying rows [r0, r0 + R) of a [T, D] slab (row stride st) into shared [R][D + 8];
-// rows past T are zero-filled.
+// Starts copying rows [r0, r0 + R) of a [T, D] slab (row stride st) into shared [R][D + 8]
+// at s; rows past T are zero-filled. 128 threads, each a 16-byte chunk per pass of 128 / (D/8)
+// rows: the trip count is a constant and the addresses step by constants.
 template<int D, int R>
-__device__ __forceinline__ void fl_load(bf16_t* s, const bf16_t* g, long st, int r0, int T) {
-    constexpr int C = D / 8;
+__device__ __forceinline__ void fl_load(unsigned s, const bf16_t* g, long st, int r0, int T) {
+    constexpr int C = D / 8, RS = 128 / C;
+    static_assert(R % RS == 0, "a tile is whole passes");
+    const int r = threadIdx.x / C, c = threadIdx.x % C;
+    const bf16_t* src = g + (long)(r0 + r) * st + c * 8;
+    const unsigned dst = s + 2 * (r * (D + 8) + c * 8);
 #pragma unroll
-    for (int i = threadIdx.x; i < R * C; i += 128) {
-        const int r = i / C, c = i % C;
-        const bool ok = r0 + r < T;
-        fl_cp16(s + r * (D + 8) + c * 8, ok ? g + (long)(r0 + r) * st + c * 8 : g, ok);
+    for (int i = 0; i < R / RS; ++i) {
+        const bool ok = r0 + r + i * RS < T;
+        fl_cp16(dst + 2 * i * RS * (D + 8), ok ? src + (long)i * RS * st : g, ok);
     }
 }
 
-// Whether query i may see key j: causal, the sliding window, the same example.
-__device__ __forceinline__ bool fl_ok(const FlashP& p, int i, int j, unsigned si, unsigned sj) {
-    return j <= i && i < p.T && (p.window == 0 || i - j < p.window) && (!p.seg || si == sj);
+// Whether query i may see key j: causal, the sliding window (0: none), the same example
+// (ids are 0 when there are no segments). Branch-free: evaluated for every element of a
+// tile on the diagonal.
+__device__ __forceinline__ bool fl_ok(int i, int j, int T, int window, unsigned si, unsigned sj) {
+    return (j <= i) & (i < T) & ((window == 0) | (i - j < window)) & (si == sj);
 }
 
 // acc [16 × D] += P · tile: P the 16 × R product held as C fragments c[R / 8] (two side by
 // side are one A fragment), tile [R][D + 8] in shared memory (rows on P's k side).
 template<int D, int R>
-__device__ __forceinline__ void fl_acc_ptile(float (*acc)[4], float (*c)[4], const bf16_t* tile, int l) {
+__device__ __forceinline__ void fl_acc_ptile(float (*acc)[4], float (*c)[4], unsigned tile, int l) {
 #pragma unroll
     for (int j = 0; j < R / 16; ++j) {
         unsigned a[4];
@@ -132,21 +142,22 @@ __device__ __forceinline__ void fl_acc_ptile(float (*acc)[4], float (*c)[4], con
     }
 }
 
-// The example id of token i of row b (ids past T read the last one; those rows are never stored).
+// The example id of token i of row b, 0 without segments (ids past T read the last one; those
+// rows are never stored).
 __device__ __forceinline__ unsigned fl_seg(const FlashP& p, int b, int i) {
-    return p.seg[(long)b * p.T + min(i, p.T - 1)];
+    return p.seg ? p.seg[(long)b * p.T + min(i, p.T - 1)] : 0u;
 }
 
 // Starts copying key rows [k0, k0 + BK) of this (batch, kv head)'s k and v, and their example
 // ids, into buffer `buf` of sK / sV / sSeg (fwd and dQ stream keys the same way).
 template<int D, int BK>
-__device__ __forceinline__ void fl_prefetch_kv(const FlashP& p, bf16_t* sK, bf16_t* sV, unsigned* sSeg,
+__device__ __forceinline__ void fl_prefetch_kv(const FlashP& p, unsigned sK, unsigned sV, unsigned* sSeg,
                                                int b, int kh, int k0, int buf) {
     constexpr int DP = D + 8;
-    fl_load<D, BK>(sK + buf * BK * DP, p.k + b * p.sk[0] + kh * p.sk[1], p.sk[2], k0, p.T);
-    fl_load<D, BK>(sV + buf * BK * DP, p.v + b * p.sv[0] + kh * p.sv[1], p.sv[2], k0, p.T);
+    fl_load<D, BK>(sK + 2 * buf * BK * DP, p.k + b * p.sk[0] + kh * p.sk[1], p.sk[2], k0, p.T);
+    fl_load<D, BK>(sV + 2 * buf * BK * DP, p.v + b * p.sv[0] + kh * p.sv[1], p.sv[2], k0, p.T);
     fl_commit();
-    if (p.seg && threadIdx.x < BK) sSeg[buf * BK + threadIdx.x] = fl_seg(p, b, k0 + (int)threadIdx.x);
+    if (threadIdx.x < BK) sSeg[buf * BK + threadIdx.x] = fl_seg(p, b, k0 + (int)threadIdx.x);
 }
 
 // The first key tile a query tile starting at q0 can see (the sliding window cuts the front).
@@ -155,12 +166,29 @@ __device__ __forceinline__ int fl_first_key(const FlashP& p, int q0) {
     return p.window > 0 ? max(0, q0 - p.window + 1) / BK * BK : 0;
 }
 
+// Masks this warp's 16 × N tile of scores s (rows i0, i0 + 8 of ids si0, si1; columns j0 +
+// col, ids tS[col]) to −∞ where the key is not allowed.
+template<int N>
+__device__ __forceinline__ void fl_mask(const FlashP& p, float (*s)[4], int i0, unsigned si0, unsigned si1,
+                                        int j0, const unsigned* tS, int c) {
+#pragma unroll
+    for (int n = 0; n < N / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int col = n * 8 + 2 * c + (e & 1);
+            const bool ok = e < 2 ? fl_ok(i0, j0 + col, p.T, p.window, si0, tS[col])
+                                  : fl_ok(i0 + 8, j0 + col, p.T, p.window, si1, tS[col]);
+            if (!ok) s[n][e] = FLASH_NEG_INF;
+        }
+    }
+}
+
 template<int D>
 __device__ __forceinline__ void flash_fwd(const FlashP& p) {
     constexpr int DP = D + 8, BQ = 64, BK = 64, KS = D / 16, DN = D / 8;
-    bf16_t* sK = (bf16_t*)flash_smem;                 // [2][BK][DP], double-buffered
-    bf16_t* sV = sK + 2 * BK * DP;                    // [2][BK][DP]
-    unsigned* sSeg = (unsigned*)(sV + 2 * BK * DP);   // [2][BK]
+    const unsigned sK = fl_smem(flash_smem);          // [2][BK][DP], double-buffered
+    const unsigned sV = sK + 2 * 2 * BK * DP;         // [2][BK][DP]
+    unsigned* sSeg = (unsigned*)(flash_smem + 8 * BK * DP);  // [2][BK]
     const int T = p.T, bh = blockIdx.y, b = bh / p.H, h = bh % p.H, kh = h / (p.H / p.KH);
     const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;  // the longest rows first
     const int warp = threadIdx.x >> 5, l = threadIdx.x & 31, g = l >> 2, c = l & 3;
@@ -169,32 +197,27 @@ __device__ __forceinline__ void flash_fwd(const FlashP& p) {
     auto prefetch = [&](int k0, int buf) { fl_prefetch_kv<D, BK>(p, sK, sV, sSeg, b, kh, k0, buf); };
 
     // Q passes through the second buffer while the first key tile arrives.
-    fl_load<D, BQ>(sK + BK * DP, p.q + b * p.sq[0] + h * p.sq[1], p.sq[2], q0, T);
+    fl_load<D, BQ>(sK + 2 * BK * DP, p.q + b * p.sq[0] + h * p.sq[1], p.sq[2], q0, T);
     fl_commit();
     prefetch(kbeg, 0);
     fl_wait_but1();
     __syncthreads();
     unsigned qf[KS][4];  // this warp's 16 query rows, all of D
 #pragma unroll
-    for (int kk = 0; kk < KS; ++kk) fl_afrag(qf[kk], sK + BK * DP, DP, warp * 16, kk * 16, l);
+    for (int kk = 0; kk < KS; ++kk) fl_afrag(qf[kk], sK + 2 * BK * DP, DP, warp * 16, kk * 16, l);
     __syncthreads();
     const int qi0 = q0 + warp * 16 + g, qi1 = qi0 + 8;
-    unsigned sg0 = 0, sg1 = 0;
-    if (p.seg) {
-        sg0 = fl_seg(p, b, qi0);
-        sg1 = fl_seg(p, b, qi1);
-    }
+    const unsigned sg0 = fl_seg(p, b, qi0), sg1 = fl_seg(p, b, qi1);
     float acc[DN][4];
 #pragma unroll
     for (int n = 0; n < DN; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+    // m: the running row max of scale·S in log2 units; l: the running row sum of 2^(… − m).
     float m0 = FLASH_NEG_INF, m1 = FLASH_NEG_INF, l0 = 0.f, l1 = 0.f;
     for (int k0 = kbeg, it = 0; k0 < kend; k0 += BK, ++it) {
         const int buf = it & 1;
         if (k0 + BK < kend) { prefetch(k0 + BK, buf ^ 1); fl_wait_but1(); } else fl_wait_all();
         __syncthreads();
-        const bf16_t* tK = sK + buf * BK * DP;
-        const bf16_t* tV = sV + buf * BK * DP;
-        const unsigned* tS = sSeg + buf * BK;
+        const unsigned tK = sK + 2 * buf * BK * DP, tV = sV + 2 * buf * BK * DP;
         float s[BK / 8][4];
 #pragma unroll
         for (int n = 0; n < BK / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
@@ -208,32 +231,26 @@ __device__ __forceinline__ void flash_fwd(const FlashP& p) {
                 fl_mma(s[n], qf[kk + 1], bb[2], bb[3]);
             }
         }
-        float mx0 = m0, mx1 = m1;
         // Below the diagonal with no window or segments every key of the tile is allowed.
-        const bool dense = !p.seg && p.window == 0 && k0 + BK - 1 <= q0 + warp * 16;
+        if (p.seg || p.window != 0 || k0 + BK - 1 > q0 + warp * 16)
+            fl_mask<BK>(p, s, qi0, sg0, sg1, k0, sSeg + buf * BK, c);
+        float mx0 = FLASH_NEG_INF, mx1 = FLASH_NEG_INF;
 #pragma unroll
         for (int n = 0; n < BK / 8; ++n) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int col = n * 8 + 2 * c + (e & 1);
-                const bool ok = dense || (e < 2 ? fl_ok(p, qi0, k0 + col, sg0, p.seg ? tS[col] : 0)
-                                                : fl_ok(p, qi1, k0 + col, sg1, p.seg ? tS[col] : 0));
-                const float x = ok ? s[n][e] * sc : FLASH_NEG_INF;
-                s[n][e] = x;
-                if (e < 2) mx0 = fmaxf(mx0, x); else mx1 = fmaxf(mx1, x);
-            }
+            mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
+            mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
         }
-        mx0 = fl_quad_max(mx0);
-        mx1 = fl_quad_max(mx1);
+        // scale > 0, so the max of S scales to the max of scale·S.
+        const float mn0 = fmaxf(m0, fl_quad_max(mx0) * sc), mn1 = fmaxf(m1, fl_quad_max(mx1) * sc);
         // A row that has seen no key yet keeps m = −∞; 0 stands in so that no −∞ − −∞ appears.
-        const float mu0 = mx0 == FLASH_NEG_INF ? 0.f : mx0, mu1 = mx1 == FLASH_NEG_INF ? 0.f : mx1;
+        const float mu0 = mn0 == FLASH_NEG_INF ? 0.f : mn0, mu1 = mn1 == FLASH_NEG_INF ? 0.f : mn1;
         const float cr0 = fl_exp2(m0 - mu0), cr1 = fl_exp2(m1 - mu1);
-        m0 = mx0; m1 = mx1;
+        m0 = mn0; m1 = mn1;
         float rs0 = 0.f, rs1 = 0.f;
 #pragma unroll
         for (int n = 0; n < BK / 8; ++n) {
-            s[n][0] = fl_exp2(s[n][0] - mu0); s[n][1] = fl_exp2(s[n][1] - mu0);
-            s[n][2] = fl_exp2(s[n][2] - mu1); s[n][3] = fl_exp2(s[n][3] - mu1);
+            s[n][0] = fl_exp2(fmaf(s[n][0], sc, -mu0)); s[n][1] = fl_exp2(fmaf(s[n][1], sc, -mu0));
+            s[n][2] = fl_exp2(fmaf(s[n][2], sc, -mu1)); s[n][3] = fl_exp2(fmaf(s[n][3], sc, -mu1));
             rs0 += s[n][0] + s[n][1];
             rs1 += s[n][2] + s[n][3];
         }
@@ -265,9 +282,9 @@ __device__ __forceinline__ void flash_fwd(const FlashP& p) {
 template<int D>
 __device__ __forceinline__ void flash_dq(const FlashP& p) {
     constexpr int DP = D + 8, BQ = 64, BK = 32, KS = D / 16, DN = D / 8;
-    bf16_t* sK = (bf16_t*)flash_smem;                 // [2][BK][DP]; Q passes through it first
-    bf16_t* sV = sK + 2 * BK * DP;                    // [2][BK][DP]; dO passes through it first
-    unsigned* sSeg = (unsigned*)(sV + 2 * BK * DP);   // [2][BK]
+    const unsigned sK = fl_smem(flash_smem);          // [2][BK][DP]; Q passes through it first
+    const unsigned sV = sK + 2 * 2 * BK * DP;         // [2][BK][DP]; dO passes through it first
+    unsigned* sSeg = (unsigned*)(flash_smem + 8 * BK * DP);  // [2][BK]
     const int T = p.T, bh = blockIdx.y, b = bh / p.H, h = bh % p.H, kh = h / (p.H / p.KH);
     const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;
     const int warp = threadIdx.x >> 5, l = threadIdx.x & 31, g = l >> 2, c = l & 3;
@@ -289,11 +306,7 @@ __device__ __forceinline__ void flash_dq(const FlashP& p) {
     __syncthreads();
     prefetch(kbeg, 0);
     const int qi0 = q0 + warp * 16 + g, qi1 = qi0 + 8;
-    unsigned sg0 = 0, sg1 = 0;
-    if (p.seg) {
-        sg0 = fl_seg(p, b, qi0);
-        sg1 = fl_seg(p, b, qi1);
-    }
+    const unsigned sg0 = fl_seg(p, b, qi0), sg1 = fl_seg(p, b, qi1);
     const float L0 = qi0 < T ? p.lse[(long)bh * T + qi0] * FLASH_LOG2E : 0.f;
     const float L1 = qi1 < T ? p.lse[(long)bh * T + qi1] * FLASH_LOG2E : 0.f;
     const float d0 = qi0 < T ? p.delta[(long)bh * T + qi0] : 0.f;
@@ -305,9 +318,7 @@ __device__ __forceinline__ void flash_dq(const FlashP& p) {
         const int buf = it & 1;
         if (k0 + BK < kend) { prefetch(k0 + BK, buf ^ 1); fl_wait_but1(); } else fl_wait_all();
         __syncthreads();
-        const bf16_t* tK = sK + buf * BK * DP;
-        const bf16_t* tV = sV + buf * BK * DP;
-        const unsigned* tS = sSeg + buf * BK;
+        const unsigned tK = sK + 2 * buf * BK * DP, tV = sV + 2 * buf * BK * DP;
         float s[BK / 8][4], dp[BK / 8][4];
 #pragma unroll
         for (int n = 0; n < BK / 8; ++n)
@@ -326,18 +337,15 @@ __device__ __forceinline__ void flash_dq(const FlashP& p) {
                 fl_mma(dp[n], df[kk + 1], bv[2], bv[3]);
             }
         }
-        // dS = P ⊙ (dP − δ), P = exp(scale·S − L) on the allowed keys
-        const bool dense = !p.seg && p.window == 0 && k0 + BK - 1 <= q0 + warp * 16;
+        if (p.seg || p.window != 0 || k0 + BK - 1 > q0 + warp * 16)
+            fl_mask<BK>(p, s, qi0, sg0, sg1, k0, sSeg + buf * BK, c);
+        // dS = P ⊙ (dP − δ), P = exp(scale·S − L): 0 where masked (S = −∞).
 #pragma unroll
         for (int n = 0; n < BK / 8; ++n) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int col = n * 8 + 2 * c + (e & 1);
-                const bool ok = dense || (e < 2 ? fl_ok(p, qi0, k0 + col, sg0, p.seg ? tS[col] : 0)
-                                                : fl_ok(p, qi1, k0 + col, sg1, p.seg ? tS[col] : 0));
-                const float pr = ok ? fl_exp2(s[n][e] * sc - (e < 2 ? L0 : L1)) : 0.f;
-                s[n][e] = pr * (dp[n][e] - (e < 2 ? d0 : d1));
-            }
+            s[n][0] = fl_exp2(fmaf(s[n][0], sc, -L0)) * (dp[n][0] - d0);
+            s[n][1] = fl_exp2(fmaf(s[n][1], sc, -L0)) * (dp[n][1] - d0);
+            s[n][2] = fl_exp2(fmaf(s[n][2], sc, -L1)) * (dp[n][2] - d1);
+            s[n][3] = fl_exp2(fmaf(s[n][3], sc, -L1)) * (dp[n][3] - d1);
         }
         fl_acc_ptile<D, BK>(acc, s, tK, l);  // dQ += dS K
         __syncthreads();
@@ -354,12 +362,12 @@ __device__ __forceinline__ void flash_dq(const FlashP& p) {
 template<int D>
 __device__ __forceinline__ void flash_dkdv(const FlashP& p) {
     constexpr int DP = D + 8, BK = 64, BQ = 32, KS = D / 16, DN = D / 8;
-    bf16_t* sK = (bf16_t*)flash_smem;   // [BK][DP]
-    bf16_t* sV = sK + BK * DP;          // [BK][DP]
-    bf16_t* sQ = sV + BK * DP;          // [2][BQ][DP]
-    bf16_t* sO = sQ + 2 * BQ * DP;      // [2][BQ][DP] (dO)
-    float* sL = (float*)(sO + 2 * BQ * DP); // [2][BQ] L·log2(e)
-    float* sD = sL + 2 * BQ;                // [2][BQ] δ
+    const unsigned sK = fl_smem(flash_smem);  // [BK][DP]
+    const unsigned sV = sK + 2 * BK * DP;     // [BK][DP]
+    const unsigned sQ = sV + 2 * BK * DP;     // [2][BQ][DP]
+    const unsigned sO = sQ + 2 * 2 * BQ * DP; // [2][BQ][DP] (dO)
+    float* sL = (float*)(flash_smem + 2 * (2 * BK + 4 * BQ) * DP);  // [2][BQ] L·log2(e)
+    float* sD = sL + 2 * BQ;                    // [2][BQ] δ
     unsigned* sSeg = (unsigned*)(sD + 2 * BQ);  // [2][BQ]
     const int T = p.T, b = blockIdx.y / p.KH, kh = blockIdx.y % p.KH, grp = p.H / p.KH;
     const int k0 = blockIdx.x * BK;
@@ -369,15 +377,15 @@ __device__ __forceinline__ void flash_dkdv(const FlashP& p) {
     const int nq = (qend - k0 + BQ - 1) / BQ, iters = grp * nq;  // (query head, query tile) pairs
     auto prefetch = [&](int it, int buf) {
         const int h = kh * grp + it / nq, q0 = k0 + (it % nq) * BQ;
-        fl_load<D, BQ>(sQ + buf * BQ * DP, p.q + b * p.sq[0] + h * p.sq[1], p.sq[2], q0, T);
-        fl_load<D, BQ>(sO + buf * BQ * DP, p.o + b * p.so[0] + h * p.so[1], p.so[2], q0, T);
+        fl_load<D, BQ>(sQ + 2 * buf * BQ * DP, p.q + b * p.sq[0] + h * p.sq[1], p.sq[2], q0, T);
+        fl_load<D, BQ>(sO + 2 * buf * BQ * DP, p.o + b * p.so[0] + h * p.so[1], p.so[2], q0, T);
         fl_commit();
         if (threadIdx.x < BQ) {
             const long row = ((long)b * p.H + h) * T;
             const int i = q0 + threadIdx.x;
             sL[buf * BQ + threadIdx.x] = i < T ? p.lse[row + i] * FLASH_LOG2E : 0.f;
             sD[buf * BQ + threadIdx.x] = i < T ? p.delta[row + i] : 0.f;
-            if (p.seg) sSeg[buf * BQ + threadIdx.x] = fl_seg(p, b, i);
+            sSeg[buf * BQ + threadIdx.x] = fl_seg(p, b, i);
         }
     };
     fl_load<D, BK>(sK, p.k + b * p.sk[0] + kh * p.sk[1], p.sk[2], k0, T);
@@ -385,11 +393,7 @@ __device__ __forceinline__ void flash_dkdv(const FlashP& p) {
     fl_commit();
     if (iters > 0) prefetch(0, 0);
     const int kj0 = k0 + warp * 16 + g, kj1 = kj0 + 8;
-    unsigned sg0 = 0, sg1 = 0;
-    if (p.seg) {
-        sg0 = fl_seg(p, b, kj0);
-        sg1 = fl_seg(p, b, kj1);
-    }
+    const unsigned sg0 = fl_seg(p, b, kj0), sg1 = fl_seg(p, b, kj1);
     float dk[DN][4], dv[DN][4];
 #pragma unroll
     for (int n = 0; n < DN; ++n)
@@ -399,8 +403,7 @@ __device__ __forceinline__ void flash_dkdv(const FlashP& p) {
         const int buf = it & 1, q0 = k0 + (it % nq) * BQ;
         if (it + 1 < iters) { prefetch(it + 1, buf ^ 1); fl_wait_but1(); } else fl_wait_all();
         __syncthreads();
-        const bf16_t* tQ = sQ + buf * BQ * DP;
-        const bf16_t* tO = sO + buf * BQ * DP;
+        const unsigned tQ = sQ + 2 * buf * BQ * DP, tO = sO + 2 * buf * BQ * DP;
         const float* tL = sL + buf * BQ;
         const float* tD = sD + buf * BQ;
         const unsigned* tS = sSeg + buf * BQ;
@@ -428,15 +431,27 @@ __device__ __forceinline__ void flash_dkdv(const FlashP& p) {
                 fl_mma(dpt[n], av1, bo[2], bo[3]);
             }
         }
-        const bool dense = !p.seg && p.window == 0 && q0 >= k0 + warp * 16 + 15 && q0 + BQ <= T;
+        // Transposed: element (key kj, query q0 + col); every query of the tile at or past
+        // this warp's last key, all inside T, and no window or segments: nothing is masked.
+        if (p.seg || p.window != 0 || q0 < k0 + warp * 16 + 15 || q0 + BQ > T) {
+#pragma unroll
+            for (int n = 0; n < BQ / 8; ++n) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int col = n * 8 + 2 * c + (e & 1);
+                    const bool ok = e < 2 ? fl_ok(q0 + col, kj0, T, p.window, tS[col], sg0)
+                                          : fl_ok(q0 + col, kj1, T, p.window, tS[col], sg1);
+                    if (!ok) st[n][e] = FLASH_NEG_INF;
+                }
+            }
+        }
+        // P = exp(scale·S − L) (0 where masked), dS = P ⊙ (dP − δ)
 #pragma unroll
         for (int n = 0; n < BQ / 8; ++n) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int col = n * 8 + 2 * c + (e & 1), i = q0 + col;
-                const bool ok = dense || (e < 2 ? fl_ok(p, i, kj0, p.seg ? tS[col] : 0, sg0)
-                                                : fl_ok(p, i, kj1, p.seg ? tS[col] : 0, sg1));
-                const float pr = ok ? fl_exp2(st[n][e] * sc - tL[col]) : 0.f;
+                const int col = n * 8 + 2 * c + (e & 1);
+                const float pr = fl_exp2(fmaf(st[n][e], sc, -tL[col]));
                 st[n][e] = pr;
                 dpt[n][e] = pr * (dpt[n][e] - tD[col]);
             }

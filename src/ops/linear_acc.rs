@@ -31,31 +31,10 @@ pub fn linear_bwd_acc(g: &Tensor, w: &Tensor, acc: Tensor) -> Result<Tensor> {
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use candle_core::backend::BackendStorage;
     use candle_core::cuda::cudarc::cublas::{result::gemm_ex, sys};
-    use candle_core::cuda::cudarc::driver::DevicePtr;
     use candle_core::cuda::WrapErr;
-    use candle_core::{DType, Device, Layout, Result, Storage, Tensor};
+    use candle_core::{DType, Device, Result, Tensor};
     use std::ffi::c_void;
-
-    /// The device address of `t`'s first element, when it is contiguous on the GPU.
-    fn addr(s: &Storage, l: &Layout, dev: &candle_core::CudaDevice) -> Result<Option<u64>> {
-        let Storage::Cuda(cs) = s else {
-            return Ok(None);
-        };
-        if !l.is_contiguous() {
-            return Ok(None);
-        }
-        let stream = dev.cuda_stream();
-        let off = l.start_offset() as u64 * cs.dtype().size_in_bytes() as u64;
-        let p = match cs.dtype() {
-            DType::BF16 => cs.as_cuda_slice::<half::bf16>()?.device_ptr(&stream).0,
-            DType::F16 => cs.as_cuda_slice::<half::f16>()?.device_ptr(&stream).0,
-            DType::F32 => cs.as_cuda_slice::<f32>()?.device_ptr(&stream).0,
-            _ => return Ok(None),
-        };
-        Ok(Some(p + off))
-    }
 
     /// acc += x Wᵀ (`fwd`) or acc += x W, in place; None when cuBLAS cannot take these operands
     /// so (not CUDA, not contiguous, mixed or unsupported dtypes, shapes that do not chain).
@@ -113,14 +92,8 @@ mod cuda {
         let (Some(mi), Some(ni), Some(ki), Some(ini)) = (int(m), int(n), int(k), int(wi)) else {
             return Ok(None);
         };
-        let (xs, xl) = x.storage_and_layout();
-        let (ws, wl) = w.storage_and_layout();
-        let (cs, cl) = acc.storage_and_layout();
-        let (Some(xp), Some(wp), Some(cp)) = (
-            addr(&xs, xl, dev)?,
-            addr(&ws, wl, dev)?,
-            addr(&cs, cl, dev)?,
-        ) else {
+        let addr = crate::ops::cuda::addr;
+        let (Some(xp), Some(wp), Some(cp)) = (addr(x)?, addr(w)?, addr(acc)?) else {
             return Ok(None);
         };
         let (alpha, beta) = (1f32, 1f32);
@@ -152,7 +125,6 @@ mod cuda {
             )
         }
         .w()?;
-        drop((xs, ws, cs));
         Ok(Some(acc.clone()))
     }
 }

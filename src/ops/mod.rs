@@ -17,6 +17,7 @@ pub mod flash;
 pub mod frozen_linear;
 pub mod linear_acc;
 pub mod lora_linear;
+pub mod multi_tensor;
 pub mod rms_norm;
 pub mod rope;
 pub mod swiglu;

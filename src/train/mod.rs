@@ -582,18 +582,18 @@ impl Session {
                 session_tokens += step_tokens;
                 let loss = ce / denom.max(1) as f64;
                 meter.done = Some("backward");
-                let grad_norm =
-                    match optim::clip_grad_norm(&mut grads, &opt.params, t.max_grad_norm) {
-                        Ok(n) => n,
-                        Err(e) => {
-                            bar.finish_and_clear();
-                            return Err(oom(e.into(), &meter));
-                        }
-                    };
+                let clip = match optim::grad_norm(&grads, &opt.params, t.max_grad_norm) {
+                    Ok(c) => c,
+                    Err(e) => {
+                        bar.finish_and_clear();
+                        return Err(oom(e.into(), &meter));
+                    }
+                };
+                let grad_norm = clip.norm;
                 // A NaN / Inf loss or gradient never reaches the adapter.
                 let finite = loss.is_finite() && grad_norm.is_finite();
                 if finite {
-                    if let Err(e) = opt.step(&grads, lr) {
+                    if let Err(e) = opt.step(&grads, lr, clip.coef) {
                         bar.finish_and_clear();
                         return Err(oom(e.into(), &meter));
                     }

@@ -1,7 +1,8 @@
 //! AdamW over the adapters (f32 state), as torch.optim.AdamW, and global-norm clipping as
 //! torch.nn.utils.clip_grad_norm_.
 
-use candle_core::{Result, Tensor, TensorId, Var};
+use crate::ops::multi_tensor;
+use candle_core::{Device, Result, Tensor, TensorId, Var};
 use std::collections::HashMap;
 
 /// Accumulated gradients, keyed by the parameter's tensor id.
@@ -40,6 +41,8 @@ pub struct AdamW {
     betas: (f64, f64),
     eps: f64,
     weight_decay: f64,
+    /// Whether the last step ran as the fused CUDA kernel.
+    fused: bool,
 }
 
 /// Every tensor detached and flattened, concatenated.
@@ -82,8 +85,9 @@ impl AdamW {
         }
         for g in &mut groups {
             let p = &params[g.first];
+            // Two buffers: the fused step writes them in place.
             g.m = Tensor::zeros(g.offsets[g.len()], p.dtype(), p.device())?;
-            g.v = g.m.clone();
+            g.v = Tensor::zeros(g.offsets[g.len()], p.dtype(), p.device())?;
         }
         Ok(AdamW {
             params,
@@ -92,16 +96,20 @@ impl AdamW {
             betas: (betas[0], betas[1]),
             eps,
             weight_decay,
+            fused: false,
         })
     }
 
-    /// One step at learning rate `lr`. Parameters without a gradient (none reached them this
-    /// step) are left alone, as torch does for `grad is None`.
+    /// One step at learning rate `lr`, the gradients scaled by `grad_scale` first (the clip
+    /// factor of `grad_norm`; 1 leaves them as they are). Parameters without a gradient (none
+    /// reached them this step) are left alone, as torch does for `grad is None`.
     ///
     /// Each group of parameters is updated as one flat vector: a LoRA model has hundreds of
     /// small adapters, and a dozen kernel launches each made the step launch-bound on GPUs.
-    /// Each element sees the same f32 operations as a per-tensor update would.
-    pub fn step(&mut self, grads: &Grads, lr: f64) -> Result<()> {
+    /// Each element sees the same f32 operations as a per-tensor update would. On CUDA, with
+    /// contiguous f32 parameters and gradients, the whole step is one kernel
+    /// (`ops::multi_tensor`) with those same roundings, in place.
+    pub fn step(&mut self, grads: &Grads, lr: f64, grad_scale: f64) -> Result<()> {
         if self.params.is_empty() {
             return Ok(());
         }
@@ -110,6 +118,25 @@ impl AdamW {
         let bc1 = 1.0 - b1.powi(self.t as i32);
         let bc2_sqrt = (1.0 - b2.powi(self.t as i32)).sqrt();
         let (eps, wd) = (self.eps, self.weight_decay);
+        let scalars = multi_tensor::AdamScalars {
+            coef: if grad_scale < 1.0 {
+                grad_scale as f32
+            } else {
+                1.0
+            },
+            decay: (1.0 - lr * wd) as f32,
+            b1: b1 as f32,
+            nb1: (1.0 - b1) as f32,
+            b2: b2 as f32,
+            nb2: (1.0 - b2) as f32,
+            inv_bc2: (1.0 / bc2_sqrt) as f32,
+            eps: eps as f32,
+            step: (lr / bc1) as f32,
+        };
+        self.fused = self.step_fused(grads, &scalars)?;
+        if self.fused {
+            return Ok(());
+        }
         for g in &mut self.groups {
             let params = &self.params[g.first..g.first + g.len()];
             let has: Vec<bool> = params.iter().map(|p| grads.contains_key(&p.id())).collect();
@@ -126,6 +153,12 @@ impl AdamW {
                     })
                     .collect::<Result<Vec<_>>>()?,
             )?;
+            // The same rounding as scaling each tensor: one f32 product per element.
+            let grad = if grad_scale < 1.0 {
+                (grad * grad_scale)?
+            } else {
+                grad
+            };
             let p_old = flat(
                 &params
                     .iter()
@@ -164,6 +197,58 @@ impl AdamW {
             }
         }
         Ok(())
+    }
+
+    /// Whether the last step ran as one CUDA kernel (else as tensor ops).
+    pub fn last_step_fused(&self) -> bool {
+        self.fused
+    }
+
+    /// The step as one CUDA kernel over every parameter that has a gradient; false (nothing
+    /// done) when any of them, its gradient or its moments is not a contiguous f32 CUDA buffer.
+    fn step_fused(&mut self, grads: &Grads, s: &multi_tensor::AdamScalars) -> Result<bool> {
+        let Some(Device::Cuda(dev)) = self.params.first().map(|p| p.device().clone()) else {
+            return Ok(false);
+        };
+        let addr = multi_tensor::f32_addr;
+        let mut table = Vec::with_capacity(self.params.len());
+        for g in &self.groups {
+            for j in 0..g.len() {
+                let p = &self.params[g.first + j];
+                let Some(grad) = grads.get(&p.id()) else {
+                    continue;
+                };
+                let (o, n) = g.span(j);
+                let (m, v) = (g.m.narrow(0, o, n)?, g.v.narrow(0, o, n)?);
+                let (Some(pa), Some(ga), Some(ma), Some(va)) =
+                    (addr(p)?, addr(grad)?, addr(&m)?, addr(&v)?)
+                else {
+                    return Ok(false);
+                };
+                if grad.elem_count() != n || !grad.device().same_device(p.device()) {
+                    return Ok(false);
+                }
+                table.push(multi_tensor::MultiT {
+                    p: pa,
+                    g: ga,
+                    m: ma,
+                    v: va,
+                    n: n as i64,
+                });
+            }
+        }
+        #[cfg(feature = "cuda")]
+        {
+            if !table.is_empty() {
+                multi_tensor::adamw(&dev, &table, s)?;
+            }
+            Ok(true)
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (dev, table, s);
+            Ok(false)
+        }
     }
 
     /// Optimiser state for checkpoints: (m, v) per parameter, in `params` order.
@@ -210,10 +295,34 @@ impl AdamW {
     }
 }
 
-/// Scales all gradients so their global L2 norm is at most `max_norm` (0 = no clipping).
-/// Returns the norm before clipping. `order` (the optimiser's parameters) fixes the summation
-/// order, so the norm is the same from run to run.
-pub fn clip_grad_norm(grads: &mut Grads, order: &[Var], max_norm: f64) -> Result<f64> {
+/// The gradients' global L2 norm, and the factor that clips it to `max_norm` as
+/// torch.nn.utils.clip_grad_norm_ does (max_norm / (norm + 1e-6) when that is below 1; else
+/// 1, and always 1 for max_norm = 0): `AdamW::step` applies it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Clip {
+    pub norm: f64,
+    pub coef: f64,
+}
+
+/// `Clip` of `grads`. `order` (the optimiser's parameters) fixes the summation order, so the
+/// norm is the same from run to run.
+pub fn grad_norm(grads: &Grads, order: &[Var], max_norm: f64) -> Result<Clip> {
+    let sq = match sumsq_fused(grads, order)? {
+        Some(sq) => sq,
+        None => sumsq(grads, order)?,
+    };
+    let norm = sq.sqrt();
+    let coef = if max_norm > 0.0 {
+        (max_norm / (norm + 1e-6)).min(1.0)
+    } else {
+        1.0
+    };
+    Ok(Clip { norm, coef })
+}
+
+/// Σ g² as tensor ops: one flat vector in rows of ROW, one f32 partial sum per row on the
+/// device, then the rows in f64 on the host (few kernels, one sync, f32 sums of ROW values).
+fn sumsq(grads: &Grads, order: &[Var]) -> Result<f64> {
     let parts = order
         .iter()
         .filter_map(|p| grads.get(&p.id()))
@@ -222,24 +331,35 @@ pub fn clip_grad_norm(grads: &mut Grads, order: &[Var], max_norm: f64) -> Result
     if parts.is_empty() {
         return Ok(0.0);
     }
-    // One flat vector in rows of ROW: one f32 partial sum per row on the device, then the
-    // rows in f64 on the host: few kernels, one sync, and f32 sums of ROW values only.
     const ROW: usize = 1 << 14;
     let g = Tensor::cat(&parts, 0)?;
     let n = g.elem_count();
     let g = g.pad_with_zeros(0, 0, n.div_ceil(ROW) * ROW - n)?;
     let rows = g.reshape(((), ROW))?.sqr()?.sum(1)?; // [rows] f32
-    let sq: f64 = rows.to_vec1::<f32>()?.iter().map(|&x| x as f64).sum();
-    let norm = sq.sqrt();
-    if max_norm > 0.0 {
-        let coef = max_norm / (norm + 1e-6);
-        if coef < 1.0 {
-            for g in grads.values_mut() {
-                *g = (&*g * coef)?;
-            }
-        }
+    Ok(rows.to_vec1::<f32>()?.iter().map(|&x| x as f64).sum())
+}
+
+/// Σ g² as one CUDA kernel; None where a gradient is not a contiguous f32 CUDA buffer.
+fn sumsq_fused(grads: &Grads, order: &[Var]) -> Result<Option<f64>> {
+    let mut table = Vec::new();
+    let mut dev = None;
+    for g in order.iter().filter_map(|p| grads.get(&p.id())) {
+        let (Some(ga), Device::Cuda(d)) = (multi_tensor::f32_addr(g)?, g.device()) else {
+            return Ok(None);
+        };
+        dev.get_or_insert_with(|| d.clone());
+        table.push(multi_tensor::MultiT {
+            g: ga,
+            n: g.elem_count() as i64,
+            ..Default::default()
+        });
     }
-    Ok(norm)
+    #[cfg(feature = "cuda")]
+    if let Some(dev) = dev {
+        return multi_tensor::sumsq(&dev, &table).map(Some);
+    }
+    let _ = (table, dev);
+    Ok(None)
 }
 
 #[cfg(test)]
@@ -277,7 +397,7 @@ mod tests {
                     let g = ((p.as_tensor() * (0.3 + i as f64)).unwrap() + step as f64).unwrap();
                     grads.insert(p.id(), g);
                 }
-                opt.step(&grads, 1e-2).unwrap();
+                opt.step(&grads, 1e-2, 1.0).unwrap();
             }
             let vals = params
                 .iter()
@@ -301,5 +421,51 @@ mod tests {
         assert_eq!(run(13), one, "groups of a few tensors");
         // And the step did move the parameters.
         assert!(one.0[0].iter().zip([-1.0f32, 0.4]).any(|(a, b)| a != &b));
+    }
+
+    /// Clipping is a factor handed to the step: stepping with it equals stepping with the
+    /// gradients scaled first (torch's clip_grad_norm_ then step), to the bit; and the factor
+    /// is torch's max_norm / (norm + 1e-6), or 1 when the norm is within.
+    #[test]
+    fn the_clip_factor_equals_scaling_the_gradients_first() {
+        let dev = Device::Cpu;
+        let mk = || -> Vec<Var> {
+            [[0.5f32, -1.0, 2.0], [3.0, 0.25, -0.75]]
+                .iter()
+                .map(|v| Var::from_tensor(&Tensor::new(v, &dev).unwrap()).unwrap())
+                .collect()
+        };
+        let grads_of = |ps: &[Var], k: f64| -> Grads {
+            ps.iter()
+                .map(|p| (p.id(), ((p.as_tensor() * 3.0).unwrap() * k).unwrap()))
+                .collect()
+        };
+        let (pa, pb) = (mk(), mk());
+        let ga = grads_of(&pa, 1.0);
+        let clip = grad_norm(&ga, &pa, 1.0).unwrap();
+        let sq: f64 = [0.5f64, -1.0, 2.0, 3.0, 0.25, -0.75]
+            .iter()
+            .map(|&x| (3.0 * x) * (3.0 * x))
+            .sum();
+        assert!(
+            (clip.norm - sq.sqrt()).abs() < 1e-5,
+            "{} vs {}",
+            clip.norm,
+            sq.sqrt()
+        );
+        assert!((clip.coef - 1.0 / (clip.norm + 1e-6)).abs() < 1e-12);
+        assert_eq!(grad_norm(&ga, &pa, 100.0).unwrap().coef, 1.0);
+        assert_eq!(grad_norm(&ga, &pa, 0.0).unwrap().coef, 1.0);
+        let mut oa = AdamW::new(pa.clone(), [0.9, 0.99], 1e-8, 0.1).unwrap();
+        let mut ob = AdamW::new(pb.clone(), [0.9, 0.99], 1e-8, 0.1).unwrap();
+        oa.step(&ga, 1e-2, clip.coef).unwrap();
+        ob.step(&grads_of(&pb, clip.coef), 1e-2, 1.0).unwrap();
+        for (a, b) in pa.iter().zip(&pb) {
+            let (a, b) = (
+                a.as_tensor().to_vec1::<f32>().unwrap(),
+                b.as_tensor().to_vec1::<f32>().unwrap(),
+            );
+            assert_eq!(a, b);
+        }
     }
 }

@@ -409,7 +409,7 @@ fn gradients_and_optimiser_state_hold_no_graph() {
                 "a gradient still carries its graph (checkpointing {ckpt})"
             );
         }
-        opt.step(&g, 1e-3).unwrap();
+        opt.step(&g, 1e-3, 1.0).unwrap();
         let (m, v) = opt.state().unwrap();
         for t in m.iter().chain(&v) {
             assert!(!t.track_op(), "optimiser state carries a graph");
@@ -510,4 +510,84 @@ fn flash_layer_backward_matches_autograd_on_the_gpu() {
         xv.as_tensor(),
         (3e-2, 2e-2),
     );
+}
+
+/// The fused CUDA optimiser step (one kernel over every adapter, in place) against the
+/// tensor-op step on the CPU, in lockstep from the same values: parameters and both moments
+/// after each of three steps with weight decay, clipping and a parameter that misses its
+/// gradient in one step; and the gradient norm of the fused sum of squares.
+#[cfg(feature = "cuda")]
+#[test]
+fn fused_adamw_and_grad_norm_match_the_tensor_ops_on_the_gpu() {
+    use candle_core::Device;
+    use lora_train::train::optim::{grad_norm, AdamW};
+    let gpu = Device::new_cuda(0).unwrap();
+    let shapes: [&[usize]; 4] = [&[16, 96], &[96, 16], &[5], &[3, 7]];
+    let make = |dev: &Device| -> Vec<Var> {
+        shapes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let n: usize = s.iter().product();
+                let v: Vec<f32> = (0..n)
+                    .map(|k| ((i * 31 + k * 7) % 13) as f32 / 5.0 - 1.0)
+                    .collect();
+                Var::from_tensor(&Tensor::from_vec(v, *s, dev).unwrap()).unwrap()
+            })
+            .collect()
+    };
+    let (pc, pg) = (make(&Device::Cpu), make(&gpu));
+    let mut oc = AdamW::new(pc.clone(), [0.9, 0.99], 1e-8, 0.1).unwrap();
+    let mut og = AdamW::new(pg.clone(), [0.9, 0.99], 1e-8, 0.1).unwrap();
+    let flat = |ts: &[Tensor]| -> Vec<f32> {
+        ts.iter()
+            .flat_map(|t| t.flatten_all().unwrap().to_vec1::<f32>().unwrap())
+            .collect()
+    };
+    for step in 0..3 {
+        let (mut gc, mut gg) = (Grads::new(), Grads::new());
+        for (i, (c, g)) in pc.iter().zip(&pg).enumerate() {
+            if step == 1 && i == 2 {
+                continue;
+            }
+            let grad =
+                ((c.as_tensor().sin().unwrap() * (0.3 + i as f64)).unwrap() + step as f64).unwrap();
+            gg.insert(g.id(), grad.to_device(&gpu).unwrap());
+            gc.insert(c.id(), grad);
+        }
+        // max_norm 2: the gradients' norm is above it, so every step clips.
+        let (cc, cg) = (
+            grad_norm(&gc, &pc, 2.0).unwrap(),
+            grad_norm(&gg, &pg, 2.0).unwrap(),
+        );
+        assert!(cc.coef < 1.0, "the test means to clip: norm {}", cc.norm);
+        assert!(
+            (cg.norm - cc.norm).abs() <= 1e-6 * cc.norm,
+            "step {step}: norm {} on the GPU vs {} on the CPU",
+            cg.norm,
+            cc.norm
+        );
+        // One coefficient for both: the sums of squares add in different orders.
+        oc.step(&gc, 1e-2, cc.coef).unwrap();
+        og.step(&gg, 1e-2, cc.coef).unwrap();
+        assert!(og.last_step_fused(), "the GPU step ran as tensor ops");
+        assert!(!oc.last_step_fused());
+        let tensors = |ps: &[Var]| ps.iter().map(|p| p.as_tensor().clone()).collect::<Vec<_>>();
+        let (sc, sg) = (oc.state().unwrap(), og.state().unwrap());
+        for (what, a, b) in [
+            ("parameters", flat(&tensors(&pc)), flat(&tensors(&pg))),
+            ("m", flat(&sc.0), flat(&sg.0)),
+            ("v", flat(&sc.1), flat(&sg.1)),
+        ] {
+            let scale = a.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let worst = a
+                .iter()
+                .zip(&b)
+                .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+            assert!(
+                worst <= 1e-6 * scale,
+                "step {step}: {what} differ by up to {worst} (of {scale})"
+            );
+        }
+    }
 }

@@ -1,0 +1,36 @@
+// Many tensors in one launch (the optimiser's step over hundreds of small adapters would
+// otherwise be a dozen launches per tensor, and the GPU would wait on the host for each).
+// Appended to cuda.rs's SRC (block_sum is from there). Block (x, y) works on tensor y, its
+// elements x·blockDim + i strided by gridDim.x·blockDim.
+
+struct MultiT { float* p; const float* g; float* m; float* v; long n; };
+
+// AdamW as torch.optim.AdamW, with every rounding of the tensor-op version (AdamW::step on
+// other devices): g ← g·coef (clipping; coef = 1: none); m ← β1·m + (1−β1)·g;
+// v ← β2·v + (1−β2)·g²; p ← p·(1 − lr·wd) − (m / (√v·(1/√bc2) + ε))·(lr/bc1).
+extern "C" __global__ void adamw_multi(const MultiT* ts, float coef, float decay, float b1,
+                                       float nb1, float b2, float nb2, float inv_bc2, float eps,
+                                       float step) {
+    const MultiT t = ts[blockIdx.y];
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < t.n; i += (long)gridDim.x * blockDim.x) {
+        float g = t.g[i];
+        if (coef != 1.f) g = __fmul_rn(g, coef);
+        const float m = __fadd_rn(__fmul_rn(t.m[i], b1), __fmul_rn(g, nb1));
+        const float v = __fadd_rn(__fmul_rn(t.v[i], b2), __fmul_rn(__fmul_rn(g, g), nb2));
+        const float den = __fadd_rn(__fmul_rn(__fsqrt_rn(v), inv_bc2), eps);
+        t.p[i] = __fsub_rn(__fmul_rn(t.p[i], decay), __fmul_rn(__fdiv_rn(m, den), step));
+        t.m[i] = m;
+        t.v[i] = v;
+    }
+}
+
+// Σ g² of tensor y's share of block x → out[y·gridDim.x + x] (summed in f64 on the host, in
+// this fixed order: the norm is the same from run to run).
+extern "C" __global__ void sumsq_multi(const MultiT* ts, float* out) {
+    const MultiT t = ts[blockIdx.y];
+    float s = 0.f;
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < t.n; i += (long)gridDim.x * blockDim.x)
+        s += t.g[i] * t.g[i];
+    s = block_sum(s);
+    if (threadIdx.x == 0) out[blockIdx.y * gridDim.x + blockIdx.x] = s;
+}

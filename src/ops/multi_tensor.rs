@@ -1,0 +1,138 @@
+//! Many f32 tensors in one launch (`multi_tensor.cu`): the AdamW update and the gradients'
+//! Σ g². A LoRA model has hundreds of small adapters; as tensor ops the optimiser's step was
+//! a dozen launches per tensor plus the copies into flat groups, and the GPU, done with the
+//! backward, waited on the host for every one of them. CUDA only: `train::optim` runs the
+//! tensor-op version elsewhere, and whenever a tensor is not a contiguous f32 CUDA buffer.
+
+use candle_core::{DType, Device, Result, Tensor};
+
+/// One tensor of a launch: device addresses of its data p, gradient g and moments m, v (any
+/// may be 0 where the kernel does not read it), and its length.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct MultiT {
+    pub p: u64,
+    pub g: u64,
+    pub m: u64,
+    pub v: u64,
+    pub n: i64,
+}
+
+/// The AdamW step's f32 factors, each rounded from f64 as the tensor ops round theirs.
+#[derive(Clone, Copy, Debug)]
+pub struct AdamScalars {
+    /// Gradient factor (clipping); 1 leaves the gradient as it is.
+    pub coef: f32,
+    /// 1 − lr·wd.
+    pub decay: f32,
+    pub b1: f32,
+    /// 1 − β1.
+    pub nb1: f32,
+    pub b2: f32,
+    /// 1 − β2.
+    pub nb2: f32,
+    /// 1 / √(1 − β2ᵗ).
+    pub inv_bc2: f32,
+    pub eps: f32,
+    /// lr / (1 − β1ᵗ).
+    pub step: f32,
+}
+
+/// The device address of contiguous f32 `t`'s first element; None when `t` is anything else
+/// (another dtype or device, a strided view).
+pub fn f32_addr(t: &Tensor) -> Result<Option<u64>> {
+    if t.dtype() != DType::F32 || !matches!(t.device(), Device::Cuda(_)) {
+        return Ok(None);
+    }
+    #[cfg(feature = "cuda")]
+    {
+        super::cuda::addr(t)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        Ok(None)
+    }
+}
+
+#[cfg(feature = "cuda")]
+pub use imp::{adamw, sumsq};
+
+#[cfg(feature = "cuda")]
+mod imp {
+    use super::{AdamScalars, MultiT};
+    use candle_core::cuda::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda::WrapErr;
+    use candle_core::{CudaDevice, Result};
+
+    // SAFETY: plain old data laid out as the C struct the kernels read.
+    unsafe impl DeviceRepr for MultiT {}
+
+    const THREADS: u32 = 256;
+    /// The grid's y side (one tensor a row of blocks) holds at most this many.
+    const MAX_Y: usize = 65535;
+
+    /// Blocks per tensor: enough that the largest has ~16 elements a thread, at most 64.
+    fn blocks_x(ts: &[MultiT]) -> u32 {
+        let most = ts.iter().map(|t| t.n.max(0) as usize).max().unwrap_or(0);
+        most.div_ceil(THREADS as usize * 16).clamp(1, 64) as u32
+    }
+
+    /// Updates every tensor of `ts` (p, m, v in place, from g) by one AdamW step.
+    pub fn adamw(dev: &CudaDevice, ts: &[MultiT], s: &AdamScalars) -> Result<()> {
+        let func = crate::ops::cuda::function(dev, "adamw_multi")?;
+        let stream = dev.cuda_stream();
+        let gx = blocks_x(ts);
+        for part in ts.chunks(MAX_Y) {
+            let table = stream.clone_htod(part).w()?;
+            let cfg = LaunchConfig {
+                grid_dim: (gx, part.len() as u32, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = stream.launch_builder(&func);
+            b.arg(&table)
+                .arg(&s.coef)
+                .arg(&s.decay)
+                .arg(&s.b1)
+                .arg(&s.nb1)
+                .arg(&s.b2)
+                .arg(&s.nb2)
+                .arg(&s.inv_bc2)
+                .arg(&s.eps)
+                .arg(&s.step);
+            // SAFETY: every address of the table is a live f32 buffer of at least n elements
+            // (the caller's tensors, which outlive the launch in stream order).
+            unsafe { b.launch(cfg) }.w()?;
+        }
+        Ok(())
+    }
+
+    /// Σ g² over every tensor of `ts` (their g), summed in f64 in a fixed order.
+    pub fn sumsq(dev: &CudaDevice, ts: &[MultiT]) -> Result<f64> {
+        let func = crate::ops::cuda::function(dev, "sumsq_multi")?;
+        let stream = dev.cuda_stream();
+        let gx = blocks_x(ts);
+        let mut total = 0.0;
+        for part in ts.chunks(MAX_Y) {
+            let table = stream.clone_htod(part).w()?;
+            // SAFETY: every element is written by the kernel (one per block).
+            let out = unsafe { stream.alloc::<f32>(gx as usize * part.len()) }.w()?;
+            let cfg = LaunchConfig {
+                grid_dim: (gx, part.len() as u32, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = stream.launch_builder(&func);
+            b.arg(&table).arg(&out);
+            // SAFETY: as in `adamw`; `out` holds one f32 per block.
+            unsafe { b.launch(cfg) }.w()?;
+            total += stream
+                .clone_dtoh(&out)
+                .w()?
+                .iter()
+                .map(|&x| x as f64)
+                .sum::<f64>();
+        }
+        Ok(total)
+    }
+}
