@@ -128,8 +128,9 @@ impl Layer {
         drop(hn);
         let a = ops::swiglu(&gate, &up)?; // [m, I]
         let (y, xd) = if output {
-            let (mo, xd) = self.down.fwd(&a, ctx)?;
-            (Some(ops::add(&hres, &mo)?.reshape((b, t, c))?), xd)
+            // y = h + down(a): down's GEMMs accumulate onto h (dead after this)
+            let (y, xd) = self.down.fwd_onto(&a, ctx, Some(hres))?;
+            (Some(y.reshape((b, t, c))?), xd)
         } else {
             (None, self.down.adapter_fwd(&a, ctx)?)
         };
@@ -182,29 +183,25 @@ impl Layer {
 
         // ---- MLP: y = h + down(swiglu(gate(hn), up(hn))), hn = rms_norm(h)
         let a = ops::swiglu(&gate, &up)?; // [m, I] recomputed
-        let (da, g) = self.down.bwd(&a, &dy, xd.as_ref(), ctx)?;
+        let (da, g) = self.down.bwd(&a, &dy, xd.as_ref(), ctx, None)?;
         keep(&self.down, g);
         drop(a);
         let (dgate, dup) = ops::swiglu_bwd(&gate, &up, &da)?;
         drop((da, gate, up));
         let hres = ops::add(&x, &self.o.fwd(&attn, ctx)?.0)?; // [m, C] recomputed, as forward did
         let hn = ops::rms_norm(&hres, &self.post_norm, self.eps)?;
-        let (dhn_g, g) = self.gate.bwd(&hn, &dgate, xg.as_ref(), ctx)?;
+        let (dhn_g, g) = self.gate.bwd(&hn, &dgate, xg.as_ref(), ctx, None)?;
         keep(&self.gate, g);
         drop(dgate);
-        let (dhn_u, g) = self.up.bwd(&hn, &dup, xu.as_ref(), ctx)?;
+        // up's GEMMs accumulate onto gate's dL/dhn: the sum needs no pass of its own
+        let (dhn, g) = self.up.bwd(&hn, &dup, xu.as_ref(), ctx, Some(dhn_g))?;
         keep(&self.up, g);
         drop((dup, hn));
-        let dhn = ops::add(&dhn_g, &dhn_u)?;
-        drop((dhn_g, dhn_u));
-        let dh = ops::add(
-            &ops::rms_norm_bwd(&hres, &self.post_norm, self.eps, &dhn)?,
-            &dy,
-        )?; // [m, C]
+        let dh = ops::rms_norm_bwd_add(&hres, &self.post_norm, self.eps, &dhn, &dy)?; // [m, C]
         drop((dhn, hres, dy));
 
         // ---- attention: h = x + o(attn), attn = softmax(q kᵀ) v
-        let (dattn, g) = self.o.bwd(&attn, &dh, xo.as_ref(), ctx)?; // [m, H·D]
+        let (dattn, g) = self.o.bwd(&attn, &dh, xo.as_ref(), ctx, None)?; // [m, H·D]
         keep(&self.o, g);
         // δ = rowsum(dO ⊙ O), from the token-major rows both come in.
         let delta = ops::attention::attention_delta_rows(&dattn, &attn, b, t, h)?; // [B, H, T]
@@ -248,21 +245,17 @@ impl Layer {
         drop((dq_h, dk_h));
 
         let hn = ops::rms_norm(&x, &self.input_norm, self.eps)?; // recomputed
-        let (dhn_q, g) = self.q.bwd(&hn, &dq, xq.as_ref(), ctx)?;
+                                                                 // q's dL/dhn, then k's and v's GEMMs accumulating onto it
+        let (dhn, g) = self.q.bwd(&hn, &dq, xq.as_ref(), ctx, None)?;
         keep(&self.q, g);
         drop(dq);
-        let (dhn_k, g) = self.k.bwd(&hn, &dk, xk.as_ref(), ctx)?;
+        let (dhn, g) = self.k.bwd(&hn, &dk, xk.as_ref(), ctx, Some(dhn))?;
         keep(&self.k, g);
         drop(dk);
-        let (dhn_v, g) = self.v.bwd(&hn, &dv, xv.as_ref(), ctx)?;
+        let (dhn, g) = self.v.bwd(&hn, &dv, xv.as_ref(), ctx, Some(dhn))?;
         keep(&self.v, g);
         drop((dv, hn));
-        let dhn = ops::add(&ops::add(&dhn_q, &dhn_k)?, &dhn_v)?;
-        drop((dhn_q, dhn_k, dhn_v));
-        let dx = ops::add(
-            &ops::rms_norm_bwd(&x, &self.input_norm, self.eps, &dhn)?,
-            &dh,
-        )?;
+        let dx = ops::rms_norm_bwd_add(&x, &self.input_norm, self.eps, &dhn, &dh)?;
         Ok((dx.reshape((b, t, c))?, grads))
     }
 }

@@ -9,7 +9,8 @@ use crate::lora::{Lora, LoraSpec, ALL_LINEAR};
 use crate::ops::{self, AttnMask};
 use anyhow::{bail, Context};
 use candle_core::safetensors::MmapedSafetensors;
-use candle_core::{DType, Device, Result, Tensor, D};
+use candle_core::{DType, Device, Result, Tensor, TensorId, D};
+use std::collections::HashMap;
 
 /// Per-batch inputs every layer needs besides the hidden states.
 pub struct Ctx {
@@ -20,6 +21,17 @@ pub struct Ctx {
     pub attn_block: Option<usize>,
     /// Dropout stream key (seed, [step, micro-batch]); None = eval (no dropout).
     pub dropout: Option<(u64, [u64; 2])>,
+    /// Each adapter's A and B in the activation dtype, by Var id, cast once for the batch
+    /// (one launch for all on CUDA with bf16 activations; empty elsewhere, where the hand-written
+    /// forward and backward cast at each use: every layer's linears did, twice a step).
+    pub adapters: HashMap<TensorId, Tensor>,
+}
+
+impl Ctx {
+    /// `v` (an adapter's A or B) in the activation dtype when `adapters` has it, else as is.
+    fn adapter<'a>(&'a self, v: &'a candle_core::Var) -> &'a Tensor {
+        self.adapters.get(&v.id()).unwrap_or(v.as_tensor())
+    }
 }
 
 /// A frozen linear (W [out, in], optional bias) with an optional LoRA adapter.
@@ -71,18 +83,35 @@ impl Linear {
     /// The forward without a graph, for the hand-written layer backward.
     /// x: [m, in] → (y [m, out], the adapter's s · (m ⊙ x) Aᵀ [m, r] if it has one).
     pub fn fwd(&self, x: &Tensor, ctx: &Ctx) -> Result<(Tensor, Option<Tensor>)> {
+        self.fwd_onto(x, ctx, None)
+    }
+
+    /// `fwd` with `acc` [m, out] added to y (consumed: on CUDA the GEMMs accumulate onto it;
+    /// a residual connection needs no pass of its own).
+    pub fn fwd_onto(
+        &self,
+        x: &Tensor,
+        ctx: &Ctx,
+        acc: Option<Tensor>,
+    ) -> Result<(Tensor, Option<Tensor>)> {
         let Some(lora) = &self.lora else {
-            return Ok((ops::frozen_linear(x, &self.w, self.b.as_ref())?, None));
+            let y = match (acc, &self.b) {
+                (Some(acc), None) => ops::linear_acc::linear_acc(x, &self.w, acc)?,
+                (Some(acc), Some(b)) => ops::add(&acc, &ops::frozen_linear(x, &self.w, Some(b))?)?,
+                (None, b) => ops::frozen_linear(x, &self.w, b.as_ref())?,
+            };
+            return Ok((y, None));
         };
         let mask = self.dropout_mask(x.dims(), ctx)?;
         let (y, xas) = ops::lora_linear::lora_fwd(
             x,
             &self.w,
             self.b.as_ref(),
-            lora.a.as_tensor(),
-            lora.b.as_tensor(),
+            ctx.adapter(&lora.a),
+            ctx.adapter(&lora.b),
             lora.scale,
             mask.as_ref(),
+            acc,
         )?;
         Ok((y, Some(xas)))
     }
@@ -93,17 +122,19 @@ impl Linear {
             return Ok(None);
         };
         let mask = self.dropout_mask(x.dims(), ctx)?;
-        ops::lora_linear::lora_xas(x, lora.a.as_tensor(), lora.scale, mask.as_ref()).map(Some)
+        ops::lora_linear::lora_xas(x, ctx.adapter(&lora.a), lora.scale, mask.as_ref()).map(Some)
     }
 
     /// The backward of `fwd`: x [m, in] its input, g = dL/dy [m, out], `xas` what `fwd`
-    /// returned → dL/dx [m, in], and (dA, dB) in f32 for an adapter. W gets nothing.
+    /// returned, `acc` a term of dL/dx to add in (consumed; on CUDA the GEMMs accumulate onto
+    /// it) → dL/dx [m, in], and (dA, dB) in f32 for an adapter. W gets nothing.
     pub fn bwd(
         &self,
         x: &Tensor,
         g: &Tensor,
         xas: Option<&Tensor>,
         ctx: &Ctx,
+        acc: Option<Tensor>,
     ) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
         match (&self.lora, xas) {
             (Some(lora), Some(xas)) => {
@@ -112,15 +143,19 @@ impl Linear {
                     x,
                     g,
                     &self.w,
-                    lora.a.as_tensor(),
-                    lora.b.as_tensor(),
+                    ctx.adapter(&lora.a),
+                    ctx.adapter(&lora.b),
                     lora.scale,
                     mask.as_ref(),
                     xas,
+                    acc,
                 )?;
                 Ok((dx, Some((da, db))))
             }
-            (None, _) => Ok((g.contiguous()?.matmul(&self.w)?, None)), // dx = g W
+            (None, _) => match acc {
+                Some(acc) => Ok((ops::linear_acc::linear_bwd_acc(g, &self.w, acc)?, None)),
+                None => Ok((g.contiguous()?.matmul(&self.w)?, None)), // dx = g W
+            },
             (Some(_), None) => {
                 candle_core::bail!(
                     "{}: backward without the forward's adapter state",
@@ -507,7 +542,51 @@ impl Model {
             mask,
             attn_block: None,
             dropout,
+            adapters: self.adapters_cast()?,
         })
+    }
+
+    /// Every adapter's A and B in the activation dtype, cast in one launch and viewed out of
+    /// one buffer (`Ctx::adapters`): on CUDA with bf16 activations only; empty elsewhere.
+    fn adapters_cast(&self) -> Result<HashMap<TensorId, Tensor>> {
+        #[cfg(feature = "cuda")]
+        if let (Device::Cuda(dev), DType::BF16) = (&self.device, self.dtype) {
+            use candle_core::{op::BackpropOp, CudaStorage, Storage};
+            use ops::multi_tensor::{cast_bf16, f32_addr, MultiT};
+            let vars: Vec<&candle_core::Var> =
+                self.adapters().flat_map(|(_, l)| [&l.a, &l.b]).collect();
+            let mut table = Vec::with_capacity(vars.len());
+            for v in &vars {
+                let Some(g) = f32_addr(v)? else {
+                    return Ok(HashMap::new()); // not f32 and contiguous: cast at each use
+                };
+                table.push(MultiT {
+                    g,
+                    n: v.elem_count() as i64,
+                    ..Default::default()
+                });
+            }
+            if table.is_empty() {
+                return Ok(HashMap::new());
+            }
+            let buf = cast_bf16(dev, &table)?;
+            let n = buf.len();
+            let flat = Tensor::from_storage(
+                Storage::Cuda(CudaStorage::wrap_cuda_slice(buf, dev.clone())),
+                n,
+                BackpropOp::none(),
+                false,
+            );
+            let mut out = HashMap::with_capacity(vars.len());
+            let mut off = 0;
+            for v in vars {
+                let k = v.elem_count();
+                out.insert(v.id(), flat.narrow(0, off, k)?.reshape(v.dims())?);
+                off += k;
+            }
+            return Ok(out);
+        }
+        Ok(HashMap::new())
     }
 
     /// ids: [B, T] u32 → hidden [B, T, C]. The embedding is frozen: no graph is built.
@@ -526,25 +605,15 @@ impl Model {
 
     /// The head's loss and its backward without autograd, for training. x: hidden rows
     /// [n, C], targets [n] u32 → (Σ token CE, dL/dx [n, C]) for L = Σ CE / `denom`.
-    /// Holds about three [n, V] f32 buffers at once (autograd through log_softmax kept ~10).
+    /// The logits [n, V] stay in the activation dtype; `ops::cross_entropy` does the CE and
+    /// its gradient in one kernel on CUDA (on the CPU, the former f32 tensor ops, bit for bit).
     pub fn head_loss_bwd(&self, x: &Tensor, targets: &Tensor, denom: f64) -> Result<(f64, Tensor)> {
         let eps = self.cfg.rms_norm_eps;
         let hn = ops::rms_norm(x, &self.norm, eps)?; // [n, C]
-        let logits = ops::frozen_linear(&hn, &self.lm_head, None)?.to_dtype(DType::F32)?; // [n, V]
-        let tgt = targets.unsqueeze(1)?; // [n, 1]
-        let picked = logits.gather(&tgt, 1)?; // [n, 1]
-        let max = logits.max_keepdim(1)?; // [n, 1]
-        let e = logits.broadcast_sub(&max)?.exp()?; // [n, V]
+        let logits = ops::frozen_linear(&hn, &self.lm_head, None)?; // [n, V]
+        let (ce_rows, dl) = ops::cross_entropy::cross_entropy_fwd_bwd(&logits, targets, denom)?;
         drop(logits);
-        let sum = e.sum_keepdim(1)?; // [n, 1]
-        let lse = (sum.log()? + &max)?;
-        let ce = (lse - picked)?.sum_all()?.to_scalar::<f32>()? as f64;
-        // dL/dlogits = (softmax − onehot) / denom
-        let n = x.dim(0)?;
-        let dl = e.broadcast_mul(&(sum * denom)?.recip()?)?;
-        drop(e);
-        let minus = Tensor::full(-1f32 / denom as f32, (n, 1), x.device())?;
-        let dl = dl.scatter_add(&tgt, &minus, 1)?.to_dtype(hn.dtype())?;
+        let ce = ce_rows.sum_all()?.to_scalar::<f32>()? as f64;
         let dhn = dl.matmul(&self.lm_head)?; // [n, C]
         Ok((ce, ops::rms_norm_bwd(x, &self.norm, eps, &dhn)?))
     }

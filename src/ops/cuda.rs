@@ -71,7 +71,8 @@ __device__ void rms_norm(const T* x, const T* w, T* y, int d, float eps) {
 
 // dx = r · (g·w − x·r · mean(g·w·x·r)), r = rsqrt(mean(x²) + eps); one block per row.
 template <typename T>
-__device__ void rms_norm_bwd(const T* x, const T* w, const T* g, T* dx, int d, float eps) {
+__device__ void rms_norm_bwd(const T* x, const T* w, const T* g, const T* res, T* dx, int d,
+                             float eps, int has_res) {
     long row = blockIdx.x;
     const T* xr = x + row * d;
     const T* gr = g + row * d;
@@ -81,8 +82,11 @@ __device__ void rms_norm_bwd(const T* x, const T* w, const T* g, T* dx, int d, f
     float dot = 0.f;
     for (int i = threadIdx.x; i < d; i += blockDim.x) dot += ld(gr, i) * ld(w, i) * ld(xr, i);
     dot = block_sum(dot) * r / d;
-    for (int i = threadIdx.x; i < d; i += blockDim.x)
-        st(dx + row * d, i, r * (ld(gr, i) * ld(w, i) - ld(xr, i) * r * dot));
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        float v = r * (ld(gr, i) * ld(w, i) - ld(xr, i) * r * dot);
+        if (has_res) v += ld(res + row * d, i);  // dL/dx of a residual branch, summed in f32
+        st(dx + row * d, i, v);
+    }
 }
 
 // x, y: [B, H, T, D]; cos, sin: [B, T, D/2] f32. One thread per rotated pair.
@@ -376,7 +380,8 @@ extern "C" __global__ void rms_norm_v8_bf16(const bf16_t* x, const bf16_t* w, bf
     }
 }
 extern "C" __global__ void rms_norm_bwd_v8_bf16(const bf16_t* x, const bf16_t* w, const bf16_t* g,
-                                                bf16_t* dx, int d, float eps) {
+                                                const bf16_t* res, bf16_t* dx, int d, float eps,
+                                                int has_res) {
     long row = blockIdx.x;
     const bf16_t* xr = x + row * d;
     const bf16_t* gr = g + row * d;
@@ -392,6 +397,11 @@ extern "C" __global__ void rms_norm_bwd_v8_bf16(const bf16_t* x, const bf16_t* w
         ld8(xr, i, v); ld8(w, i, wv); ld8(gr, i, gv);
 #pragma unroll
         for (int j = 0; j < 8; ++j) v[j] = r * (gv[j] * wv[j] - v[j] * r * dot);
+        if (has_res) {
+            ld8(res + row * d, i, gv);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) v[j] += gv[j];
+        }
         st8(dx + row * d, i, v);
     }
 }
@@ -399,8 +409,8 @@ extern "C" __global__ void rms_norm_bwd_v8_bf16(const bf16_t* x, const bf16_t* w
 #define INST(NAME, T) \
 extern "C" __global__ void rms_norm_##NAME(const T* x, const T* w, T* y, int d, float eps) \
     { rms_norm<T>(x, w, y, d, eps); } \
-extern "C" __global__ void rms_norm_bwd_##NAME(const T* x, const T* w, const T* g, T* dx, int d, \
-    float eps) { rms_norm_bwd<T>(x, w, g, dx, d, eps); } \
+extern "C" __global__ void rms_norm_bwd_##NAME(const T* x, const T* w, const T* g, const T* res, \
+    T* dx, int d, float eps, int has_res) { rms_norm_bwd<T>(x, w, g, res, dx, d, eps, has_res); } \
 extern "C" __global__ void rope_##NAME(const T* x, const float* c, const float* s, T* y, \
     int h, int t, int half, long pairs) { rope<T>(x, c, s, y, h, t, half, pairs); } \
 extern "C" __global__ void masked_lse_##NAME(const T* s, float* lse, const unsigned int* seg, \
@@ -440,9 +450,10 @@ fn module(dev: &CudaDevice) -> Result<Arc<CudaModule>> {
                 ..Default::default()
             };
             let src = format!(
-                "{SRC}{}{}",
+                "{SRC}{}{}{}",
                 include_str!("flash.cu"),
-                include_str!("multi_tensor.cu")
+                include_str!("multi_tensor.cu"),
+                include_str!("cross_entropy.cu")
             );
             compile_ptx_with_opts(src, opts).map_err(|e| format!("{e:?}"))
         })
@@ -598,6 +609,8 @@ pub fn rms_norm(
     }))
 }
 
+/// dL/dx of rms_norm, plus `res` (another term of dL/dx, of x's shape) when given.
+#[allow(clippy::too_many_arguments)]
 pub fn rms_norm_bwd(
     x: &CudaStorage,
     xl: &Layout,
@@ -605,20 +618,25 @@ pub fn rms_norm_bwd(
     wl: &Layout,
     g: &CudaStorage,
     gl: &Layout,
+    res: Option<(&CudaStorage, &Layout)>,
     eps: f32,
 ) -> Result<CudaStorage> {
     use candle_core::backend::BackendStorage;
     let d = *xl.dims().last().unwrap_or(&1);
     let n = xl.shape().elem_count();
-    if w.dtype() != x.dtype() || g.dtype() != x.dtype() {
+    let dtypes_match =
+        res.is_none_or(|(r, rl)| r.dtype() == x.dtype() && rl.shape().elem_count() == n);
+    if w.dtype() != x.dtype() || g.dtype() != x.dtype() || !dtypes_match {
         candle_core::bail!(
-            "rms_norm_bwd: dtypes x {:?} w {:?} g {:?}",
+            "rms_norm_bwd: dtypes x {:?} w {:?} g {:?}, or a residual unlike x",
             x.dtype(),
             w.dtype(),
             g.dtype()
         );
     }
-    let v8 = v8_rows(x, &[xl, wl, gl], d);
+    // Without a residual g stands in for it (never read: has_res = 0).
+    let (r, rl) = res.unwrap_or((g, gl));
+    let v8 = v8_rows(x, &[xl, wl, gl, rl], d);
     let (func, stream) = kernel(
         x,
         if v8 {
@@ -634,13 +652,23 @@ pub fn rms_norm_bwd(
     };
     let (w1, w2) = contiguous(wl)?;
     let (g1, g2) = contiguous(gl)?;
-    let (di, e) = (d as i32, eps);
+    let (r1, r2) = contiguous(rl)?;
+    let (di, e, hr) = (d as i32, eps, res.is_some() as i32);
     Ok(with_dtype!(x, xl, n, |xs, out| {
         let mut b = stream.launch_builder(&func);
         with_view!(w, w1..w2, |ws| {
             with_view!(g, g1..g2, |gv| {
-                b.arg(&xs).arg(&ws).arg(&gv).arg(&out).arg(&di).arg(&e);
-                unsafe { b.launch(cfg) }.w()?;
+                with_view!(r, r1..r2, |rv| {
+                    b.arg(&xs)
+                        .arg(&ws)
+                        .arg(&gv)
+                        .arg(&rv)
+                        .arg(&out)
+                        .arg(&di)
+                        .arg(&e)
+                        .arg(&hr);
+                    unsafe { b.launch(cfg) }.w()?;
+                })
             })
         })
     }))

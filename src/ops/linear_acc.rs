@@ -7,6 +7,10 @@
 //!
 //! `acc` is consumed: on CUDA its buffer is written in place, so it must be a fresh result that
 //! nothing else holds (the callers pass a product they have just computed).
+//!
+//! Also here, on the same cuBLAS call: `matmul_tn_f32`, the adapters' gradient products Pᵀ Q
+//! written in f32 straight from bf16 operands (a bf16 product and a cast were a rounding, a
+//! launch and a pass more).
 
 use candle_core::{Result, Tensor};
 
@@ -29,11 +33,23 @@ pub fn linear_bwd_acc(g: &Tensor, w: &Tensor, acc: Tensor) -> Result<Tensor> {
     super::add(&acc, &g.contiguous()?.matmul(w)?)
 }
 
+/// Pᵀ Q in f32: P [k, m], Q [k, n] → [m, n] f32. No graph. (dA = (g B)ᵀ x and dB = gᵀ xas
+/// of a LoRA linear: k is the tokens, m or n the rank.)
+pub fn matmul_tn_f32(p: &Tensor, q: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if let Some(y) = cuda::gemm_tn_f32(p, q)? {
+        return Ok(y);
+    }
+    p.t()?.matmul(q)?.to_dtype(candle_core::DType::F32)
+}
+
 #[cfg(feature = "cuda")]
 mod cuda {
     use candle_core::cuda::cudarc::cublas::{result::gemm_ex, sys};
+    use candle_core::cuda::cudarc::driver::DevicePtr;
     use candle_core::cuda::WrapErr;
-    use candle_core::{DType, Device, Result, Tensor};
+    use candle_core::op::BackpropOp;
+    use candle_core::{CudaStorage, DType, Device, Result, Storage, Tensor};
     use std::ffi::c_void;
 
     /// acc += x Wᵀ (`fwd`) or acc += x W, in place; None when cuBLAS cannot take these operands
@@ -61,32 +77,8 @@ mod cuda {
         if kx != k || am != m || an != n || m == 0 {
             return Ok(None);
         }
-        let (data_type, compute) = match dt {
-            DType::BF16 if candle_core::cuda::gemm_reduced_precision_bf16() => (
-                sys::cudaDataType_t::CUDA_R_16BF,
-                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16BF,
-            ),
-            DType::BF16 => (
-                sys::cudaDataType_t::CUDA_R_16BF,
-                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            ),
-            DType::F16 if candle_core::cuda::gemm_reduced_precision_f16() => (
-                sys::cudaDataType_t::CUDA_R_16F,
-                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16F,
-            ),
-            DType::F16 => (
-                sys::cudaDataType_t::CUDA_R_16F,
-                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            ),
-            DType::F32 if candle_core::cuda::gemm_reduced_precision_f32() => (
-                sys::cudaDataType_t::CUDA_R_32F,
-                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
-            ),
-            DType::F32 => (
-                sys::cudaDataType_t::CUDA_R_32F,
-                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            ),
-            _ => return Ok(None),
+        let Some((data_type, compute)) = types(dt) else {
+            return Ok(None);
         };
         let int = |v: usize| i32::try_from(v).ok();
         let (Some(mi), Some(ni), Some(ki), Some(ini)) = (int(m), int(n), int(k), int(wi)) else {
@@ -126,5 +118,104 @@ mod cuda {
         }
         .w()?;
         Ok(Some(acc.clone()))
+    }
+
+    /// cuBLAS's data type for `dt` and the compute type candle would use with it (f32
+    /// accumulation; the reduced-precision switches as candle's own GEMMs honour them).
+    fn types(dt: DType) -> Option<(sys::cudaDataType_t, sys::cublasComputeType_t)> {
+        let t = match dt {
+            DType::BF16 if candle_core::cuda::gemm_reduced_precision_bf16() => (
+                sys::cudaDataType_t::CUDA_R_16BF,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16BF,
+            ),
+            DType::BF16 => (
+                sys::cudaDataType_t::CUDA_R_16BF,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            ),
+            DType::F16 if candle_core::cuda::gemm_reduced_precision_f16() => (
+                sys::cudaDataType_t::CUDA_R_16F,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16F,
+            ),
+            DType::F16 => (
+                sys::cudaDataType_t::CUDA_R_16F,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            ),
+            DType::F32 if candle_core::cuda::gemm_reduced_precision_f32() => (
+                sys::cudaDataType_t::CUDA_R_32F,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
+            ),
+            DType::F32 => (
+                sys::cudaDataType_t::CUDA_R_32F,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            ),
+            _ => return None,
+        };
+        Some(t)
+    }
+
+    /// Pᵀ Q into a fresh f32 [m, n]: P [k, m], Q [k, n] contiguous, of one dtype; None when
+    /// cuBLAS cannot take them so.
+    pub fn gemm_tn_f32(p: &Tensor, q: &Tensor) -> Result<Option<Tensor>> {
+        let Device::Cuda(dev) = p.device() else {
+            return Ok(None);
+        };
+        let dt = p.dtype();
+        let Some((data_type, compute)) = types(dt) else {
+            return Ok(None);
+        };
+        let (Ok((k, m)), Ok((kq, n))) = (p.dims2(), q.dims2()) else {
+            return Ok(None);
+        };
+        if q.dtype() != dt || !q.device().same_device(p.device()) || kq != k || m * n * k == 0 {
+            return Ok(None);
+        }
+        let int = |v: usize| i32::try_from(v).ok();
+        let (Some(mi), Some(ni), Some(ki)) = (int(m), int(n), int(k)) else {
+            return Ok(None);
+        };
+        let addr = crate::ops::cuda::addr;
+        let (Some(pp), Some(qp)) = (addr(p)?, addr(q)?) else {
+            return Ok(None);
+        };
+        // SAFETY: every element is written by the GEMM (β = 0).
+        let out = unsafe { dev.alloc::<f32>(m * n)? };
+        let op = out.device_ptr(&dev.cuda_stream()).0;
+        // Column-major, C' = out as stored is [n × m] = Q'·P'ᵀ, with Q' = Q as stored [n × k]
+        // (ld n) and P' = P as stored [m × k] (ld m): transa = N, transb = T.
+        let (alpha, beta) = (1f32, 0f32);
+        let blas = dev.cublas_handle();
+        // SAFETY: p, q and out are live contiguous buffers of the sizes checked above, on
+        // cuBLAS's stream (candle's); out is fresh and ours.
+        unsafe {
+            gemm_ex(
+                *blas.handle(),
+                sys::cublasOperation_t::CUBLAS_OP_N,
+                sys::cublasOperation_t::CUBLAS_OP_T,
+                ni,
+                mi,
+                ki,
+                (&alpha) as *const f32 as *const c_void,
+                qp as *const c_void,
+                data_type,
+                ni,
+                pp as *const c_void,
+                data_type,
+                mi,
+                (&beta) as *const f32 as *const c_void,
+                op as *mut c_void,
+                sys::cudaDataType_t::CUDA_R_32F,
+                ni,
+                compute,
+                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT_TENSOR_OP,
+            )
+        }
+        .w()?;
+        let out = CudaStorage::wrap_cuda_slice(out, dev.clone());
+        Ok(Some(Tensor::from_storage(
+            Storage::Cuda(out),
+            (m, n),
+            BackpropOp::none(),
+            false,
+        )))
     }
 }

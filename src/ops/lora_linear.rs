@@ -8,7 +8,7 @@
 
 use super::attach::attach3;
 use super::frozen_linear::frozen_linear;
-use candle_core::{DType, Result, Tensor};
+use candle_core::{Result, Tensor};
 
 pub fn lora_linear(
     x: &Tensor,
@@ -22,7 +22,16 @@ pub fn lora_linear(
     let in_f = *x.dims().last().unwrap_or(&0);
     let out_f = w.dim(0)?;
     let x2 = x.detach().reshape(((), in_f))?; // [m, in]
-    let (y, xas) = lora_fwd(&x2, w, bias, &a.detach(), &b.detach(), scale, mask.as_ref())?;
+    let (y, xas) = lora_fwd(
+        &x2,
+        w,
+        bias,
+        &a.detach(),
+        &b.detach(),
+        scale,
+        mask.as_ref(),
+        None,
+    )?;
     let mut dims = x.dims().to_vec();
     if let Some(l) = dims.last_mut() {
         *l = out_f;
@@ -32,7 +41,7 @@ pub fn lora_linear(
     let backward = move |x: &Tensor, a: &Tensor, b: &Tensor, _y: &Tensor, g: &Tensor| {
         let x2 = x.reshape(((), in_f))?;
         let g = g.reshape(((), out_f))?;
-        let (dx, da, db) = lora_bwd(&x2, &g, &w, a, b, scale, mask.as_ref(), &xas)?;
+        let (dx, da, db) = lora_bwd(&x2, &g, &w, a, b, scale, mask.as_ref(), &xas, None)?;
         Ok((
             Some(dx.reshape(x.shape())?),
             Some(da.to_dtype(a.dtype())?),
@@ -43,7 +52,9 @@ pub fn lora_linear(
 }
 
 /// The forward without a graph. x: [m, in] → (y [m, out], xas = s · (m ⊙ x) Aᵀ [m, r]);
-/// `xas` is what backward needs besides x (r columns: small enough to keep).
+/// `xas` is what backward needs besides x (r columns: small enough to keep). `acc` [m, out],
+/// when given, is added to y (consumed: on CUDA the GEMMs accumulate onto it in place).
+#[allow(clippy::too_many_arguments)]
 pub fn lora_fwd(
     x: &Tensor,
     w: &Tensor,
@@ -52,11 +63,15 @@ pub fn lora_fwd(
     b: &Tensor,
     scale: f64,
     mask: Option<&Tensor>,
+    acc: Option<Tensor>,
 ) -> Result<(Tensor, Tensor)> {
     let xas = lora_xas(x, a, scale, mask)?; // [m, r]
                                             // Detached: the adapters are Vars, and a graph through them would keep every activation.
     let bd = b.detach().to_dtype(x.dtype())?;
-    let lora = xas.matmul(&bd.t()?)?; // [m, out]
+    let lora = match acc {
+        Some(acc) => super::linear_acc::linear_acc(&xas, &bd, acc)?, // acc + xas Bᵀ
+        None => xas.matmul(&bd.t()?)?,                               // [m, out]
+    };
     let y = match bias {
         None => super::linear_acc::linear_acc(x, w, lora)?, // the base GEMM adds onto it
         Some(_) => super::add(&frozen_linear(x, w, bias)?, &lora)?,
@@ -71,8 +86,9 @@ pub fn lora_xas(x: &Tensor, a: &Tensor, scale: f64, mask: Option<&Tensor>) -> Re
     masked(x, mask)?.matmul(&ad.t()?)? * scale // scaled while small
 }
 
-/// The backward: x [m, in] (unmasked), g = dL/dy [m, out], `xas` from `lora_fwd` →
-/// (dx [m, in] in x's dtype, dA [r, in] f32, dB [out, r] f32).
+/// The backward: x [m, in] (unmasked), g = dL/dy [m, out], `xas` from `lora_fwd`, and `acc`
+/// another term of dL/dx to add in (consumed: the sum of several linears' dL/dx, as q, k and
+/// v share their input) → (dx [m, in] in x's dtype, dA [r, in] f32, dB [out, r] f32).
 #[allow(clippy::too_many_arguments)]
 pub fn lora_bwd(
     x: &Tensor,
@@ -83,15 +99,27 @@ pub fn lora_bwd(
     scale: f64,
     mask: Option<&Tensor>,
     xas: &Tensor,
+    acc: Option<Tensor>,
 ) -> Result<(Tensor, Tensor, Tensor)> {
+    use super::linear_acc::linear_bwd_acc;
     let dt = x.dtype();
     let g = g.contiguous()?;
     let (ad, bd) = (a.detach().to_dtype(dt)?, b.detach().to_dtype(dt)?);
     let gbs = (g.matmul(&bd)? * scale)?; // [m, r]
-    let dlora = masked(&gbs.matmul(&ad)?, mask)?; // [m, in]
-    let dx = super::linear_acc::linear_bwd_acc(&g, w, dlora)?; // g W + dlora
-    let da = gbs.t()?.matmul(&masked(x, mask)?)?.to_dtype(DType::F32)?; // [r, in]
-    let db = g.t()?.matmul(xas)?.to_dtype(DType::F32)?; // [out, r]
+    let dlora = match (mask, acc) {
+        (None, Some(acc)) => linear_bwd_acc(&gbs, &ad, acc)?, // acc + gbs A, one pass
+        (mask, acc) => {
+            let d = masked(&gbs.matmul(&ad)?, mask)?; // [m, in]
+            match acc {
+                Some(acc) => super::add(&acc, &d)?,
+                None => d,
+            }
+        }
+    };
+    let dx = linear_bwd_acc(&g, w, dlora)?; // g W + dlora
+                                            // f32 straight out of the GEMMs (on CUDA; elsewhere a product and a cast)
+    let da = super::linear_acc::matmul_tn_f32(&gbs, &masked(x, mask)?)?; // [r, in]
+    let db = super::linear_acc::matmul_tn_f32(&g, xas)?; // [out, r]
     Ok((dx, da, db))
 }
 

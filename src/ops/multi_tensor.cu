@@ -34,3 +34,12 @@ extern "C" __global__ void sumsq_multi(const MultiT* ts, float* out) {
     s = block_sum(s);
     if (threadIdx.x == 0) out[blockIdx.y * gridDim.x + blockIdx.x] = s;
 }
+
+// bf16 copies of f32 tensors: tensor y's g (f32, read) rounded to nearest even into its p
+// (bf16 storage, written), as a cast would.
+extern "C" __global__ void cast_multi_bf16(const MultiT* ts) {
+    const MultiT t = ts[blockIdx.y];
+    bf16_t* dst = (bf16_t*)t.p;
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < t.n; i += (long)gridDim.x * blockDim.x)
+        st(dst, i, t.g[i]);
+}

@@ -55,12 +55,14 @@ pub fn f32_addr(t: &Tensor) -> Result<Option<u64>> {
 }
 
 #[cfg(feature = "cuda")]
-pub use imp::{adamw, sumsq};
+pub use imp::{adamw, cast_bf16, sumsq};
 
 #[cfg(feature = "cuda")]
 mod imp {
     use super::{AdamScalars, MultiT};
-    use candle_core::cuda::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda::cudarc::driver::{
+        CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+    };
     use candle_core::cuda::WrapErr;
     use candle_core::{CudaDevice, Result};
 
@@ -105,6 +107,41 @@ mod imp {
             unsafe { b.launch(cfg) }.w()?;
         }
         Ok(())
+    }
+
+    /// bf16 copies of f32 tensors, in one buffer: `ts` gives each source (g) and length, the
+    /// copies lie one after the other in the returned buffer, in `ts` order.
+    pub fn cast_bf16(dev: &CudaDevice, ts: &[MultiT]) -> Result<CudaSlice<half::bf16>> {
+        let func = crate::ops::cuda::function(dev, "cast_multi_bf16")?;
+        let stream = dev.cuda_stream();
+        let total: usize = ts.iter().map(|t| t.n.max(0) as usize).sum();
+        // SAFETY: every element is written: the copies tile the buffer.
+        let out = unsafe { stream.alloc::<half::bf16>(total.max(1)) }.w()?;
+        let base = out.device_ptr(&stream).0;
+        let mut off = 0u64;
+        let table: Vec<MultiT> = ts
+            .iter()
+            .map(|t| {
+                let p = base + 2 * off;
+                off += t.n.max(0) as u64;
+                MultiT { p, ..*t }
+            })
+            .collect();
+        let gx = blocks_x(&table);
+        for part in table.chunks(MAX_Y) {
+            let dev_table = stream.clone_htod(part).w()?;
+            let cfg = LaunchConfig {
+                grid_dim: (gx, part.len() as u32, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = stream.launch_builder(&func);
+            b.arg(&dev_table);
+            // SAFETY: sources are live f32 buffers of n elements; destinations are disjoint
+            // ranges of `out`.
+            unsafe { b.launch(cfg) }.w()?;
+        }
+        Ok(out)
     }
 
     /// Σ g² over every tensor of `ts` (their g), summed in f64 in a fixed order.

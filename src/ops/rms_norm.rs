@@ -69,6 +69,23 @@ impl CustomOp1 for RmsNorm {
 
 /// dL/dx of `rms_norm(x, w, eps)` given g = dL/dy; x, g: [..., d] → [..., d] in x's dtype.
 pub fn rms_norm_bwd(x: &Tensor, w: &Tensor, eps: f64, g: &Tensor) -> Result<Tensor> {
+    bwd(x, w, eps, g, None)
+}
+
+/// `rms_norm_bwd(x, w, eps, g) + res`, res another term of dL/dx (x's shape; the residual
+/// branch around the norm): on the fused bf16 path in the same pass, summed in f32 and rounded
+/// once; elsewhere the composite and an add.
+pub fn rms_norm_bwd_add(
+    x: &Tensor,
+    w: &Tensor,
+    eps: f64,
+    g: &Tensor,
+    res: &Tensor,
+) -> Result<Tensor> {
+    bwd(x, w, eps, g, Some(res))
+}
+
+fn bwd(x: &Tensor, w: &Tensor, eps: f64, g: &Tensor, res: Option<&Tensor>) -> Result<Tensor> {
     // bf16 (the training dtype on GPUs) takes one fused pass per row. f32 keeps the
     // composite below: it is the path the f32 golden tests hold to rtol 1e-4, and a
     // different f32 summation order moves Adam-amplified entries by ~1e-4 there.
@@ -76,11 +93,23 @@ pub fn rms_norm_bwd(x: &Tensor, w: &Tensor, eps: f64, g: &Tensor) -> Result<Tens
         let op = RmsNormBwd {
             w: w.clone(),
             eps: eps as f32,
+            res: res
+                .map(|r| r.to_dtype(x.dtype())?.contiguous())
+                .transpose()?,
         };
         return x
             .contiguous()?
             .apply_op2_no_bwd(&g.to_dtype(x.dtype())?.contiguous()?, &op);
     }
+    let dx = composite(x, w, eps, g)?;
+    match res {
+        Some(r) => super::add(&dx, &r.to_dtype(dx.dtype())?),
+        None => Ok(dx),
+    }
+}
+
+/// The f32 composite of `rms_norm_bwd`.
+fn composite(x: &Tensor, w: &Tensor, eps: f64, g: &Tensor) -> Result<Tensor> {
     // With r = rsqrt(mean(x²)+eps), n = x·r, y = n·w:
     //   dx = r · (g·w − n · mean(g·w·n))
     let dtype = x.dtype();
@@ -100,6 +129,8 @@ pub fn rms_norm_bwd(x: &Tensor, w: &Tensor, eps: f64, g: &Tensor) -> Result<Tens
 struct RmsNormBwd {
     w: Tensor,
     eps: f32,
+    /// Added to dx (contiguous, x's dtype and shape).
+    res: Option<Tensor>,
 }
 
 impl candle_core::CustomOp2 for RmsNormBwd {
@@ -130,6 +161,19 @@ impl candle_core::CustomOp2 for RmsNormBwd {
                 *o = r * (g * w - x * r * dot);
             }
         }
+        if let Some(res) = &self.res {
+            let res = res.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+            if res.len() != dx.len() {
+                candle_core::bail!(
+                    "rms_norm_bwd: residual of {} values for {}",
+                    res.len(),
+                    dx.len()
+                );
+            }
+            for (o, r) in dx.iter_mut().zip(res) {
+                *o += r;
+            }
+        }
         Ok((cpu_from_f32(dx, xs)?, xl.shape().clone()))
     }
 
@@ -145,8 +189,16 @@ impl candle_core::CustomOp2 for RmsNormBwd {
         let candle_core::Storage::Cuda(w) = &*ws else {
             candle_core::bail!("rms_norm: weight is not on the GPU")
         };
+        let res = self.res.as_ref().map(|r| r.storage_and_layout());
+        let res = match &res {
+            Some((s, l)) => match &**s {
+                candle_core::Storage::Cuda(c) => Some((c, *l)),
+                _ => candle_core::bail!("rms_norm_bwd: residual is not on the GPU"),
+            },
+            None => None,
+        };
         Ok((
-            super::cuda::rms_norm_bwd(xs, xl, w, wl, gs, gl, self.eps)?,
+            super::cuda::rms_norm_bwd(xs, xl, w, wl, gs, gl, res, self.eps)?,
             xl.shape().clone(),
         ))
     }

@@ -515,3 +515,118 @@ fn flash_attention_matches_blockwise_on_the_gpu() {
         assert_close(&format!("{tag} dv"), &dv, &group(dv_r), 2e-2, 1e-2);
     }
 }
+
+/// Random logits [n, v] on the CPU at scale 30 (softmax far from uniform), row 0 constant
+/// (uniform), and targets hitting each row's argmax, the first and last column, and others.
+fn ce_inputs(n: usize, v: usize) -> (Tensor, Tensor) {
+    let mut x: Vec<f32> = (Tensor::randn(0f32, 1.0, (n, v), &Device::Cpu).unwrap() * 30.0)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    x[..v].fill(5.0);
+    let logits = Tensor::from_vec(x, (n, v), &Device::Cpu).unwrap();
+    let argmax: Vec<u32> = logits.argmax(1).unwrap().to_vec1().unwrap();
+    let tgt: Vec<u32> = (0..n)
+        .map(|i| match i % 4 {
+            0 => argmax[i],
+            1 => 0,
+            2 => v as u32 - 1,
+            _ => ((i * 7919) % v) as u32,
+        })
+        .collect();
+    (logits, Tensor::from_vec(tgt, n, &Device::Cpu).unwrap())
+}
+
+/// The tensor-op path (the CPU's) against log_softmax + gather and (softmax − onehot) / denom.
+#[test]
+fn cross_entropy_matches_log_softmax_composite() {
+    use lora_train::ops::cross_entropy::cross_entropy_fwd_bwd;
+    let denom = 123.0;
+    for v in [1000, 1003] {
+        let n = 37;
+        let (logits, tgt) = ce_inputs(n, v);
+        let (ce, dl) = cross_entropy_fwd_bwd(&logits, &tgt, denom).unwrap();
+        let logp = candle_nn::ops::log_softmax(&logits, D::Minus1).unwrap();
+        let tgt2 = tgt.unsqueeze(1).unwrap();
+        let ce_ref = logp
+            .gather(&tgt2, 1)
+            .unwrap()
+            .squeeze(1)
+            .unwrap()
+            .neg()
+            .unwrap();
+        let onehot = Tensor::zeros((n, v), DType::F32, &Device::Cpu)
+            .unwrap()
+            .scatter_add(
+                &tgt2,
+                &Tensor::ones((n, 1), DType::F32, &Device::Cpu).unwrap(),
+                1,
+            )
+            .unwrap();
+        let dl_ref = ((candle_nn::ops::softmax(&logits, D::Minus1).unwrap() - onehot).unwrap()
+            / denom)
+            .unwrap();
+        assert_eq!(dl.dtype(), DType::F32);
+        // ce is lse − logit[t]: at a row's argmax a small difference of large terms, hence
+        // the absolute part (relative to the largest ce).
+        assert_close(&format!("v{v} ce"), &ce, &ce_ref, 1e-5, 1e-6);
+        assert_close(&format!("v{v} dlogits"), &dl, &dl_ref, 1e-5, 1e-6);
+        // bf16 logits: the same math on their f32 values, the gradient rounded once to bf16.
+        let lb = logits.to_dtype(DType::BF16).unwrap();
+        let (ce_b, dl_b) = cross_entropy_fwd_bwd(&lb, &tgt, denom).unwrap();
+        let (ce_f, dl_f) =
+            cross_entropy_fwd_bwd(&lb.to_dtype(DType::F32).unwrap(), &tgt, denom).unwrap();
+        assert_eq!(dl_b.dtype(), DType::BF16);
+        assert_close(&format!("v{v} bf16 ce"), &ce_b, &ce_f, 0.0, 0.0);
+        assert_close(
+            &format!("v{v} bf16 dlogits"),
+            &dl_b,
+            &dl_f.to_dtype(DType::BF16).unwrap(),
+            0.0,
+            0.0,
+        );
+    }
+}
+
+/// The fused kernel (f32 and bf16, V off and on multiples of 4) against the tensor ops on the
+/// CPU over the same (bf16-rounded) logits.
+#[cfg(feature = "cuda")]
+#[test]
+fn cross_entropy_kernel_matches_the_ops_on_the_gpu() {
+    use lora_train::ops::cross_entropy::{
+        cross_entropy_fwd_bwd, cross_entropy_fwd_bwd_ops, kernel_takes,
+    };
+    let dev = Device::new_cuda(0).unwrap();
+    let denom = 517.0;
+    for v in [32003, 1000] {
+        for dtype in [DType::F32, DType::BF16] {
+            let tag = format!("v{v} {dtype:?}");
+            let n = 37;
+            let (logits, tgt) = ce_inputs(n, v);
+            let x = logits.to_device(&dev).unwrap().to_dtype(dtype).unwrap();
+            let t = tgt.to_device(&dev).unwrap();
+            assert!(kernel_takes(&x, &t), "{tag}: must take the kernel");
+            let (ce, dl) = cross_entropy_fwd_bwd(&x, &t, denom).unwrap();
+            assert_eq!(
+                dl.dtype(),
+                dtype,
+                "{tag}: the gradient in the logits' dtype"
+            );
+            let x_cpu = x
+                .to_device(&Device::Cpu)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap();
+            let (ce_ref, dl_ref) = cross_entropy_fwd_bwd_ops(&x_cpu, &tgt, denom).unwrap();
+            let (ce_tol, dl_tol) = if dtype == DType::F32 {
+                ((1e-5, 1e-6), (1e-5, 1e-6))
+            } else {
+                ((1e-4, 1e-6), (0.0, 1e-2))
+            };
+            assert_close(&format!("{tag} ce"), &ce, &ce_ref, ce_tol.0, ce_tol.1);
+            assert_close(&format!("{tag} dlogits"), &dl, &dl_ref, dl_tol.0, dl_tol.1);
+        }
+    }
+}
