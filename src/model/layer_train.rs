@@ -128,9 +128,10 @@ impl Layer {
         drop(hn);
         let a = ops::swiglu(&gate, &up)?; // [m, I]
         let (y, xd) = if output {
-            // y = h + down(a): down's GEMMs accumulate onto h (dead after this)
-            let (y, xd) = self.down.fwd_onto(&a, ctx, Some(hres))?;
-            (Some(y.reshape((b, t, c))?), xd)
+            // Not accumulated onto h in the GEMM: the adapter's small term would be rounded to
+            // bf16 against |h| before the base product joins it, and mostly lost.
+            let (mo, xd) = self.down.fwd(&a, ctx)?;
+            (Some(ops::add(&hres, &mo)?.reshape((b, t, c))?), xd)
         } else {
             (None, self.down.adapter_fwd(&a, ctx)?)
         };

@@ -83,24 +83,8 @@ impl Linear {
     /// The forward without a graph, for the hand-written layer backward.
     /// x: [m, in] → (y [m, out], the adapter's s · (m ⊙ x) Aᵀ [m, r] if it has one).
     pub fn fwd(&self, x: &Tensor, ctx: &Ctx) -> Result<(Tensor, Option<Tensor>)> {
-        self.fwd_onto(x, ctx, None)
-    }
-
-    /// `fwd` with `acc` [m, out] added to y (consumed: on CUDA the GEMMs accumulate onto it;
-    /// a residual connection needs no pass of its own).
-    pub fn fwd_onto(
-        &self,
-        x: &Tensor,
-        ctx: &Ctx,
-        acc: Option<Tensor>,
-    ) -> Result<(Tensor, Option<Tensor>)> {
         let Some(lora) = &self.lora else {
-            let y = match (acc, &self.b) {
-                (Some(acc), None) => ops::linear_acc::linear_acc(x, &self.w, acc)?,
-                (Some(acc), Some(b)) => ops::add(&acc, &ops::frozen_linear(x, &self.w, Some(b))?)?,
-                (None, b) => ops::frozen_linear(x, &self.w, b.as_ref())?,
-            };
-            return Ok((y, None));
+            return Ok((ops::frozen_linear(x, &self.w, self.b.as_ref())?, None));
         };
         let mask = self.dropout_mask(x.dims(), ctx)?;
         let (y, xas) = ops::lora_linear::lora_fwd(
@@ -111,7 +95,6 @@ impl Linear {
             ctx.adapter(&lora.b),
             lora.scale,
             mask.as_ref(),
-            acc,
         )?;
         Ok((y, Some(xas)))
     }

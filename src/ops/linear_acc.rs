@@ -88,36 +88,69 @@ mod cuda {
         let (Some(xp), Some(wp), Some(cp)) = (addr(x)?, addr(w)?, addr(acc)?) else {
             return Ok(None);
         };
-        let (alpha, beta) = (1f32, 1f32);
-        let blas = dev.cublas_handle();
         // SAFETY: the three pointers are live contiguous buffers of the sizes checked above, on
         // the stream cuBLAS runs on (candle's, set on its handle); acc is the callers' fresh
         // result (module docs), so writing it in place is seen by no one else.
         unsafe {
-            gemm_ex(
-                *blas.handle(),
-                transa,
-                sys::cublasOperation_t::CUBLAS_OP_N,
-                ni,
-                mi,
-                ki,
-                (&alpha) as *const f32 as *const c_void,
-                wp as *const c_void,
-                data_type,
-                ini,
-                xp as *const c_void,
-                data_type,
-                ki,
-                (&beta) as *const f32 as *const c_void,
-                cp as *mut c_void,
-                data_type,
-                ni,
-                compute,
-                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT_TENSOR_OP,
-            )
-        }
-        .w()?;
+            gemm(
+                dev,
+                (transa, sys::cublasOperation_t::CUBLAS_OP_N),
+                (ni, mi, ki),
+                (wp, ini),
+                (xp, ki),
+                (cp, ni),
+                1.0,
+                (data_type, data_type, compute),
+            )?
+        };
         Ok(Some(acc.clone()))
+    }
+
+    /// Column-major C [m × n] (ld ldc) = op(A) · op(B) + β·C through cublasGemmEx, α = 1; A and
+    /// B of type `types.0`, C of `types.1`, computed as `types.2`.
+    ///
+    /// # Safety
+    /// The addresses are live device buffers of the sizes the shapes and leading dimensions
+    /// imply, on the stream of `dev`'s cuBLAS handle.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn gemm(
+        dev: &candle_core::CudaDevice,
+        (transa, transb): (sys::cublasOperation_t, sys::cublasOperation_t),
+        (m, n, k): (i32, i32, i32),
+        (a, lda): (u64, i32),
+        (b, ldb): (u64, i32),
+        (c, ldc): (u64, i32),
+        beta: f32,
+        (ab_type, c_type, compute): (
+            sys::cudaDataType_t,
+            sys::cudaDataType_t,
+            sys::cublasComputeType_t,
+        ),
+    ) -> Result<()> {
+        let alpha = 1f32;
+        let blas = dev.cublas_handle();
+        gemm_ex(
+            *blas.handle(),
+            transa,
+            transb,
+            m,
+            n,
+            k,
+            (&alpha) as *const f32 as *const c_void,
+            a as *const c_void,
+            ab_type,
+            lda,
+            b as *const c_void,
+            ab_type,
+            ldb,
+            (&beta) as *const f32 as *const c_void,
+            c as *mut c_void,
+            c_type,
+            ldc,
+            compute,
+            sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT_TENSOR_OP,
+        )
+        .w()
     }
 
     /// cuBLAS's data type for `dt` and the compute type candle would use with it (f32
@@ -182,34 +215,23 @@ mod cuda {
         let op = out.device_ptr(&dev.cuda_stream()).0;
         // Column-major, C' = out as stored is [n × m] = Q'·P'ᵀ, with Q' = Q as stored [n × k]
         // (ld n) and P' = P as stored [m × k] (ld m): transa = N, transb = T.
-        let (alpha, beta) = (1f32, 0f32);
-        let blas = dev.cublas_handle();
         // SAFETY: p, q and out are live contiguous buffers of the sizes checked above, on
         // cuBLAS's stream (candle's); out is fresh and ours.
         unsafe {
-            gemm_ex(
-                *blas.handle(),
-                sys::cublasOperation_t::CUBLAS_OP_N,
-                sys::cublasOperation_t::CUBLAS_OP_T,
-                ni,
-                mi,
-                ki,
-                (&alpha) as *const f32 as *const c_void,
-                qp as *const c_void,
-                data_type,
-                ni,
-                pp as *const c_void,
-                data_type,
-                mi,
-                (&beta) as *const f32 as *const c_void,
-                op as *mut c_void,
-                sys::cudaDataType_t::CUDA_R_32F,
-                ni,
-                compute,
-                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT_TENSOR_OP,
-            )
-        }
-        .w()?;
+            gemm(
+                dev,
+                (
+                    sys::cublasOperation_t::CUBLAS_OP_N,
+                    sys::cublasOperation_t::CUBLAS_OP_T,
+                ),
+                (ni, mi, ki),
+                (qp, ni),
+                (pp, mi),
+                (op, ni),
+                0.0,
+                (data_type, sys::cudaDataType_t::CUDA_R_32F, compute),
+            )?
+        };
         let out = CudaStorage::wrap_cuda_slice(out, dev.clone());
         Ok(Some(Tensor::from_storage(
             Storage::Cuda(out),

@@ -22,16 +22,7 @@ pub fn lora_linear(
     let in_f = *x.dims().last().unwrap_or(&0);
     let out_f = w.dim(0)?;
     let x2 = x.detach().reshape(((), in_f))?; // [m, in]
-    let (y, xas) = lora_fwd(
-        &x2,
-        w,
-        bias,
-        &a.detach(),
-        &b.detach(),
-        scale,
-        mask.as_ref(),
-        None,
-    )?;
+    let (y, xas) = lora_fwd(&x2, w, bias, &a.detach(), &b.detach(), scale, mask.as_ref())?;
     let mut dims = x.dims().to_vec();
     if let Some(l) = dims.last_mut() {
         *l = out_f;
@@ -52,9 +43,7 @@ pub fn lora_linear(
 }
 
 /// The forward without a graph. x: [m, in] → (y [m, out], xas = s · (m ⊙ x) Aᵀ [m, r]);
-/// `xas` is what backward needs besides x (r columns: small enough to keep). `acc` [m, out],
-/// when given, is added to y (consumed: on CUDA the GEMMs accumulate onto it in place).
-#[allow(clippy::too_many_arguments)]
+/// `xas` is what backward needs besides x (r columns: small enough to keep).
 pub fn lora_fwd(
     x: &Tensor,
     w: &Tensor,
@@ -63,15 +52,13 @@ pub fn lora_fwd(
     b: &Tensor,
     scale: f64,
     mask: Option<&Tensor>,
-    acc: Option<Tensor>,
 ) -> Result<(Tensor, Tensor)> {
     let xas = lora_xas(x, a, scale, mask)?; // [m, r]
                                             // Detached: the adapters are Vars, and a graph through them would keep every activation.
     let bd = b.detach().to_dtype(x.dtype())?;
-    let lora = match acc {
-        Some(acc) => super::linear_acc::linear_acc(&xas, &bd, acc)?, // acc + xas Bᵀ
-        None => xas.matmul(&bd.t()?)?,                               // [m, out]
-    };
+    // The adapter's term alone (full bf16 precision however small), then the base GEMM adds
+    // onto it in f32 (its epilogue): one rounding of the sum, at the base output's scale.
+    let lora = xas.matmul(&bd.t()?)?; // [m, out]
     let y = match bias {
         None => super::linear_acc::linear_acc(x, w, lora)?, // the base GEMM adds onto it
         Some(_) => super::add(&frozen_linear(x, w, bias)?, &lora)?,

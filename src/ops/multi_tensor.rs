@@ -61,10 +61,11 @@ pub use imp::{adamw, cast_bf16, sumsq};
 mod imp {
     use super::{AdamScalars, MultiT};
     use candle_core::cuda::cudarc::driver::{
-        CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+        CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
     };
     use candle_core::cuda::WrapErr;
     use candle_core::{CudaDevice, Result};
+    use std::sync::Arc;
 
     // SAFETY: plain old data laid out as the C struct the kernels read.
     unsafe impl DeviceRepr for MultiT {}
@@ -79,18 +80,30 @@ mod imp {
         most.div_ceil(THREADS as usize * 16).clamp(1, 64) as u32
     }
 
+    /// The launches over `ts`: parts of at most MAX_Y tensors (block (x, y) on tensor y of the
+    /// part), each with its table on the device, its grid, and its number of tensors.
+    fn parts(
+        stream: &Arc<CudaStream>,
+        ts: &[MultiT],
+    ) -> Result<Vec<(CudaSlice<MultiT>, LaunchConfig, usize)>> {
+        let gx = blocks_x(ts);
+        ts.chunks(MAX_Y)
+            .map(|part| {
+                let cfg = LaunchConfig {
+                    grid_dim: (gx, part.len() as u32, 1),
+                    block_dim: (THREADS, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                Ok((stream.clone_htod(part).w()?, cfg, part.len()))
+            })
+            .collect()
+    }
+
     /// Updates every tensor of `ts` (p, m, v in place, from g) by one AdamW step.
     pub fn adamw(dev: &CudaDevice, ts: &[MultiT], s: &AdamScalars) -> Result<()> {
         let func = crate::ops::cuda::function(dev, "adamw_multi")?;
         let stream = dev.cuda_stream();
-        let gx = blocks_x(ts);
-        for part in ts.chunks(MAX_Y) {
-            let table = stream.clone_htod(part).w()?;
-            let cfg = LaunchConfig {
-                grid_dim: (gx, part.len() as u32, 1),
-                block_dim: (THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
+        for (table, cfg, _) in parts(&stream, ts)? {
             let mut b = stream.launch_builder(&func);
             b.arg(&table)
                 .arg(&s.coef)
@@ -127,16 +140,9 @@ mod imp {
                 MultiT { p, ..*t }
             })
             .collect();
-        let gx = blocks_x(&table);
-        for part in table.chunks(MAX_Y) {
-            let dev_table = stream.clone_htod(part).w()?;
-            let cfg = LaunchConfig {
-                grid_dim: (gx, part.len() as u32, 1),
-                block_dim: (THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
+        for (table, cfg, _) in parts(&stream, &table)? {
             let mut b = stream.launch_builder(&func);
-            b.arg(&dev_table);
+            b.arg(&table);
             // SAFETY: sources are live f32 buffers of n elements; destinations are disjoint
             // ranges of `out`.
             unsafe { b.launch(cfg) }.w()?;
@@ -148,17 +154,10 @@ mod imp {
     pub fn sumsq(dev: &CudaDevice, ts: &[MultiT]) -> Result<f64> {
         let func = crate::ops::cuda::function(dev, "sumsq_multi")?;
         let stream = dev.cuda_stream();
-        let gx = blocks_x(ts);
         let mut total = 0.0;
-        for part in ts.chunks(MAX_Y) {
-            let table = stream.clone_htod(part).w()?;
+        for (table, cfg, n) in parts(&stream, ts)? {
             // SAFETY: every element is written by the kernel (one per block).
-            let out = unsafe { stream.alloc::<f32>(gx as usize * part.len()) }.w()?;
-            let cfg = LaunchConfig {
-                grid_dim: (gx, part.len() as u32, 1),
-                block_dim: (THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
+            let out = unsafe { stream.alloc::<f32>(cfg.grid_dim.0 as usize * n) }.w()?;
             let mut b = stream.launch_builder(&func);
             b.arg(&table).arg(&out);
             // SAFETY: as in `adamw`; `out` holds one f32 per block.
