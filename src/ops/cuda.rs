@@ -171,6 +171,21 @@ __device__ void swiglu_bwd(const T* g, const T* u, const T* da, T* out, long n) 
     st(out, n + k, d * rnd(g, gv * s));
 }
 
+// Head-major row `rest` = (b·H + h)·T + t of d elements: its start in [B, H, T, D] and in
+// token-major rows [B·T, H·D], as (src, dst) for the direction; and its token b·T + t.
+__device__ __forceinline__ void relayout_row(long rest, int h, int t, long d, int to_heads,
+                                             long* src, long* dst, long* token) {
+    int ti = rest % t;
+    long bh = rest / t;
+    int hh = bh % h;
+    long b = bh / h;
+    long heads = rest * d;
+    long rows = ((b * t + ti) * h + hh) * d;
+    *src = to_heads ? rows : heads;
+    *dst = to_heads ? heads : rows;
+    *token = b * t + ti;
+}
+
 // Token-major rows [B·T, H·D] <-> head-major [B, H, T, D], rotating by sign·θ when cos is
 // given. One thread per rotated pair, indexed in head-major order.
 template <typename T>
@@ -179,18 +194,11 @@ __device__ void relayout(const T* x, const float* cos, const float* sin, T* y, i
     long k = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (k >= pairs) return;
     int i = k % half;
-    long rest = k / half;
-    int ti = rest % t;
-    long bh = rest / t;
-    int hh = bh % h;
-    long b = bh / h;
-    long d = 2 * half;
-    long heads = rest * d;
-    long rows = ((b * t + ti) * h + hh) * d;
-    long src = to_heads ? rows : heads, dst = to_heads ? heads : rows;
+    long src, dst, token;
+    relayout_row(k / half, h, t, 2 * half, to_heads, &src, &dst, &token);
     float x1 = ld(x, src + i), x2 = ld(x, src + i + half);
     if (cos) {
-        long cs = (b * t + ti) * half + i;
+        long cs = token * half + i;
         float c = cos[cs], s = sign * sin[cs];
         st(y, dst + i, x1 * c - x2 * s);
         st(y, dst + i + half, x2 * c + x1 * s);
@@ -294,19 +302,12 @@ __device__ void relayout4(const T* x, const float* cos, const float* sin, T* y, 
     if (k >= quads) return;
     int q4 = half / 4;
     int i = (k % q4) * 4;
-    long rest = k / q4;
-    int ti = rest % t;
-    long bh = rest / t;
-    int hh = bh % h;
-    long b = bh / h;
-    long d = 2 * half;
-    long heads = rest * d;
-    long rows = ((b * t + ti) * h + hh) * d;
-    long src = to_heads ? rows : heads, dst = to_heads ? heads : rows;
+    long src, dst, token;
+    relayout_row(k / q4, h, t, 2 * half, to_heads, &src, &dst, &token);
     float x1[4], x2[4], y1[4], y2[4];
     ld4(x, src + i, x1);
     ld4(x, src + i + half, x2);
-    long cs = (b * t + ti) * half + i;
+    long cs = token * half + i;
     for (int j = 0; j < 4; j++) {
         if (cos) {
             float c = cos[cs + j], s = sign * sin[cs + j];
@@ -624,9 +625,8 @@ pub fn rms_norm_bwd(
     use candle_core::backend::BackendStorage;
     let d = *xl.dims().last().unwrap_or(&1);
     let n = xl.shape().elem_count();
-    let dtypes_match =
-        res.is_none_or(|(r, rl)| r.dtype() == x.dtype() && rl.shape().elem_count() == n);
-    if w.dtype() != x.dtype() || g.dtype() != x.dtype() || !dtypes_match {
+    let res_ok = res.is_none_or(|(r, rl)| r.dtype() == x.dtype() && rl.shape().elem_count() == n);
+    if w.dtype() != x.dtype() || g.dtype() != x.dtype() || !res_ok {
         candle_core::bail!(
             "rms_norm_bwd: dtypes x {:?} w {:?} g {:?}, or a residual unlike x",
             x.dtype(),
