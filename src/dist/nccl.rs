@@ -2,14 +2,13 @@
 //!
 //! Ranks are threads of this process (one per GPU, the id passed in memory) or processes
 //! started by torchrun / Slurm (rank 0 hands the id to the others over TCP: launch::share).
-//! Collectives are queued on the stream of the tensor they read (the rank's candle stream), so
-//! they are ordered with the compute around them and the host does not wait for them.
-//!
-//! With LORA_TRAIN_GATHER_STREAM=1 (experimental) every collective runs on a second stream
-//! instead, ordered after the compute queued before it; the compute waits for it at once,
-//! except for FSDP's gathers issued one layer ahead (`all_gather_ahead`), which it waits for
-//! only when the layer is used (`gathered`), so they overlap the layer in between. One
-//! communicator, one stream: the ranks' collectives still run in one order everywhere.
+//! Collectives run on a second stream of the rank's GPU, ordered after the compute queued
+//! before them (stream joins: the host does not wait for them). The compute stream waits for a
+//! collective at once, except for FSDP's gathers issued one layer ahead (`all_gather_ahead`),
+//! which it waits for only when the layer is used (`gathered`), so they overlap the layer in
+//! between. One communicator, one stream: the ranks' collectives still run in one order
+//! everywhere. LORA_TRAIN_GATHER_STREAM=0 queues them on the compute stream itself (candle's),
+//! in line.
 //!
 //! We hold the raw `ncclComm_t` (cudarc's `Comm` keeps it private) so that the failing rank's
 //! thread can call ncclCommAbort on every rank's communicator: the ranks blocked in a
@@ -191,7 +190,7 @@ pub struct NcclComm {
     device: Device,
     /// The rank's compute stream (candle's, on this thread).
     compute: Arc<CudaStream>,
-    /// LORA_TRAIN_GATHER_STREAM=1: the stream every collective runs on.
+    /// The stream every collective runs on (None with LORA_TRAIN_GATHER_STREAM=0: `compute`).
     side: Option<Arc<CudaStream>>,
 }
 
@@ -219,10 +218,10 @@ impl NcclComm {
         };
         let side =
             match std::env::var("LORA_TRAIN_GATHER_STREAM").as_deref() {
-                Ok("1") => Some(stream.context().new_stream().map_err(|e| {
+                Ok("0") => None,
+                _ => Some(stream.context().new_stream().map_err(|e| {
                     anyhow::anyhow!("cannot create a stream on GPU {ordinal}: {e:?}")
                 })?),
-                _ => None,
             };
         Ok(NcclComm {
             rank,

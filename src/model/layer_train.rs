@@ -16,7 +16,7 @@
 //!
 //! Shapes: B batch, T tokens, m = B·T, C hidden, H heads, K kv heads, D head dim, I mlp.
 
-use super::llama::{repeat_kv, Ctx, Layer};
+use super::llama::{repeat_kv, Ctx, Layer, Linear};
 use crate::ops::{self, AttnMask};
 use candle_core::{DType, Result, Tensor, TensorId};
 
@@ -94,9 +94,9 @@ impl Layer {
         let (h, k, d) = (self.heads, self.kv_heads, self.head_dim);
         let x = x.reshape((b * t, c))?; // [m, C]
         let hn = ops::rms_norm(&x, &self.input_norm, self.eps)?;
-        let (q_rows, xq) = self.q.fwd(&hn, ctx)?; // [m, H·D]
-        let (k_rows, xk) = self.k.fwd(&hn, ctx)?; // [m, K·D]
-        let (v, xv) = self.v.fwd(&hn, ctx)?; // [m, K·D]
+        // q [m, H·D], k and v [m, K·D]: their adapters' x Aᵀ as one GEMM
+        let [(q_rows, xq), (k_rows, xk), (v, xv)] =
+            array(Linear::fwd_shared(&[&self.q, &self.k, &self.v], &hn, ctx)?)?;
         drop(hn);
         // (A shadowed binding would live to the end of the function: every dead tensor here is
         // dropped by name, so that the layer's peak is what the memory plan counts.)
@@ -123,8 +123,7 @@ impl Layer {
         let hres = ops::add(&x, &ao)?; // [m, C]
         drop(ao);
         let hn = ops::rms_norm(&hres, &self.post_norm, self.eps)?;
-        let (gate, xg) = self.gate.fwd(&hn, ctx)?; // [m, I]
-        let (up, xu) = self.up.fwd(&hn, ctx)?; // [m, I]
+        let [(gate, xg), (up, xu)] = array(Linear::fwd_shared(&[&self.gate, &self.up], &hn, ctx)?)?; // [m, I] each
         drop(hn);
         let a = ops::swiglu(&gate, &up)?; // [m, I]
         let (y, xd) = if output {
@@ -175,7 +174,7 @@ impl Layer {
         let dt = x.dtype();
         let dy = dy.to_dtype(dt)?.reshape((b * t, c))?; // [m, C]
         let mut grads = LayerGrads::new();
-        let mut keep = |lin: &super::Linear, g: Option<(Tensor, Tensor)>| {
+        let mut keep = |lin: &Linear, g: Option<(Tensor, Tensor)>| {
             if let (Some(lora), Some((da, db))) = (&lin.lora, g) {
                 grads.push((lora.a.id(), da));
                 grads.push((lora.b.id(), db));
@@ -191,13 +190,18 @@ impl Layer {
         drop((da, gate, up));
         let hres = ops::add(&x, &self.o.fwd(&attn, ctx)?.0)?; // [m, C] recomputed, as forward did
         let hn = ops::rms_norm(&hres, &self.post_norm, self.eps)?;
-        let (dhn_g, g) = self.gate.bwd(&hn, &dgate, xg.as_ref(), ctx, None)?;
-        keep(&self.gate, g);
-        drop(dgate);
-        // up's GEMMs accumulate onto gate's dL/dhn: the sum needs no pass of its own
-        let (dhn, g) = self.up.bwd(&hn, &dup, xu.as_ref(), ctx, Some(dhn_g))?;
-        keep(&self.up, g);
-        drop((dup, hn));
+        // gate's and up's GEMMs accumulate onto one dL/dhn: the sum needs no pass of its own
+        let (dhn, g) = Linear::bwd_shared(
+            &[&self.gate, &self.up],
+            &hn,
+            vec![dgate, dup],
+            &[xg.as_ref(), xu.as_ref()],
+            ctx,
+        )?;
+        let [gg, gu] = array(g)?;
+        keep(&self.gate, gg);
+        keep(&self.up, gu);
+        drop(hn);
         let dh = ops::rms_norm_bwd_add(&hres, &self.post_norm, self.eps, &dhn, &dy)?; // [m, C]
         drop((dhn, hres, dy));
 
@@ -246,19 +250,28 @@ impl Layer {
         drop((dq_h, dk_h));
 
         let hn = ops::rms_norm(&x, &self.input_norm, self.eps)?; // recomputed
-                                                                 // q's dL/dhn, then k's and v's GEMMs accumulating onto it
-        let (dhn, g) = self.q.bwd(&hn, &dq, xq.as_ref(), ctx, None)?;
-        keep(&self.q, g);
-        drop(dq);
-        let (dhn, g) = self.k.bwd(&hn, &dk, xk.as_ref(), ctx, Some(dhn))?;
-        keep(&self.k, g);
-        drop(dk);
-        let (dhn, g) = self.v.bwd(&hn, &dv, xv.as_ref(), ctx, Some(dhn))?;
-        keep(&self.v, g);
-        drop((dv, hn));
+        let (dhn, g) = Linear::bwd_shared(
+            &[&self.q, &self.k, &self.v],
+            &hn,
+            vec![dq, dk, dv],
+            &[xq.as_ref(), xk.as_ref(), xv.as_ref()],
+            ctx,
+        )?;
+        let [gq, gk, gv] = array(g)?;
+        keep(&self.q, gq);
+        keep(&self.k, gk);
+        keep(&self.v, gv);
+        drop(hn);
         let dx = ops::rms_norm_bwd_add(&x, &self.input_norm, self.eps, &dhn, &dh)?;
         Ok((dx.reshape((b, t, c))?, grads))
     }
+}
+
+/// A Vec of known length as an array.
+fn array<T, const N: usize>(v: Vec<T>) -> Result<[T; N]> {
+    let n = v.len();
+    v.try_into()
+        .map_err(|_| candle_core::Error::msg(format!("expected {N} results, got {n}")))
 }
 
 /// Token-major rows [B·T, n·D] viewed as heads [B, n, T, D] (no copy).

@@ -25,6 +25,8 @@ pub struct Ctx {
     /// (one launch for all on CUDA with bf16 activations; empty elsewhere, where the hand-written
     /// forward and backward cast at each use: every layer's linears did, twice a step).
     pub adapters: HashMap<TensorId, Tensor>,
+    /// The one buffer `adapters` are views of (each layer's A's side by side, then its B's).
+    pub adapter_buf: Option<Tensor>,
 }
 
 impl Ctx {
@@ -32,7 +34,38 @@ impl Ctx {
     fn adapter<'a>(&'a self, v: &'a candle_core::Var) -> &'a Tensor {
         self.adapters.get(&v.id()).unwrap_or(v.as_tensor())
     }
+
+    /// The A's [r_i, in] of `vs` stacked [Σ r_i, in] in `dt`: a view when their copies lie one
+    /// after the other in `adapter_buf` (the layout `adapters_cast` makes), else a new tensor.
+    fn a_stack(&self, vs: &[&candle_core::Var], dt: DType) -> Result<Tensor> {
+        let copies: Option<Vec<&Tensor>> = vs.iter().map(|v| self.adapters.get(&v.id())).collect();
+        if let (Some(buf), Some(copies)) = (&self.adapter_buf, &copies) {
+            let start = |t: &Tensor| t.storage_and_layout().1.start_offset();
+            let adjacent = copies.windows(2).all(|w| {
+                w[1].dim(1).ok() == w[0].dim(1).ok()
+                    && start(w[1]) == start(w[0]) + w[0].elem_count()
+            });
+            if let (true, Some(first)) = (adjacent, copies.first()) {
+                let rows: usize = copies.iter().map(|t| t.dim(0).unwrap_or(0)).sum();
+                let n: usize = copies.iter().map(|t| t.elem_count()).sum();
+                return buf
+                    .narrow(0, start(first), n)?
+                    .reshape((rows, first.dim(1)?));
+            }
+        }
+        let parts: Vec<Tensor> = vs
+            .iter()
+            .map(|v| self.adapter(v).to_dtype(dt))
+            .collect::<Result<_>>()?;
+        Tensor::cat(&parts, 0)
+    }
 }
+
+/// An adapter's (dL/dA, dL/dB) in f32, None for a linear without one.
+pub type AdapterGrad = Option<(Tensor, Tensor)>;
+
+/// `Ctx::adapters` and `Ctx::adapter_buf`.
+type AdapterCopies = (HashMap<TensorId, Tensor>, Option<Tensor>);
 
 /// A frozen linear (W [out, in], optional bias) with an optional LoRA adapter.
 #[derive(Clone)]
@@ -150,6 +183,125 @@ impl Linear {
 
     pub fn out_features(&self) -> usize {
         self.w.dims()[0]
+    }
+
+    /// The adapters of `lins` (linears that share their input) that can run as one: those
+    /// without dropout, when there are two or more and they share a scale. Indices into `lins`.
+    fn shared(lins: &[&Linear], ctx: &Ctx) -> Vec<usize> {
+        let scale = |i: usize| lins[i].lora.as_ref().map(|l| l.scale);
+        let idx: Vec<usize> = (0..lins.len())
+            .filter(|&i| match &lins[i].lora {
+                Some(l) => l.dropout <= 0.0 || ctx.dropout.is_none(),
+                None => false,
+            })
+            .collect();
+        match idx.len() >= 2 && idx.windows(2).all(|w| scale(w[0]) == scale(w[1])) {
+            true => idx,
+            false => Vec::new(),
+        }
+    }
+
+    fn adapter_op<'a>(&'a self, lora: &'a Lora, ctx: &'a Ctx) -> ops::lora_linear::Adapter<'a> {
+        ops::lora_linear::Adapter {
+            w: &self.w,
+            bias: self.b.as_ref(),
+            a: ctx.adapter(&lora.a),
+            b: ctx.adapter(&lora.b),
+            scale: lora.scale,
+        }
+    }
+
+    /// `fwd` of linears that share their input x [m, in]: (y, adapter state) each, in order.
+    /// Their adapters' x Aᵀ products are one GEMM over their A's side by side (x is read once,
+    /// one launch for two or three).
+    pub fn fwd_shared(
+        lins: &[&Linear],
+        x: &Tensor,
+        ctx: &Ctx,
+    ) -> Result<Vec<(Tensor, Option<Tensor>)>> {
+        let idx = Self::shared(lins, ctx);
+        let mut out: Vec<Option<(Tensor, Option<Tensor>)>> = vec![None; lins.len()];
+        if !idx.is_empty() {
+            let loras: Vec<&Lora> = idx.iter().filter_map(|&i| lins[i].lora.as_ref()).collect();
+            let a = ctx.a_stack(&loras.iter().map(|l| &l.a).collect::<Vec<_>>(), x.dtype())?;
+            let ads: Vec<_> = idx
+                .iter()
+                .zip(&loras)
+                .map(|(&i, l)| lins[i].adapter_op(l, ctx))
+                .collect();
+            let ys = ops::lora_linear::lora_fwd_shared(x, &ads, &a)?;
+            for (&i, (y, xas)) in idx.iter().zip(ys) {
+                out[i] = Some((y, Some(xas)));
+            }
+        }
+        lins.iter()
+            .zip(out)
+            .map(|(lin, o)| match o {
+                Some(o) => Ok(o),
+                None => lin.fwd(x, ctx),
+            })
+            .collect()
+    }
+
+    /// `bwd` of linears that shared their input x [m, in]: g[i] = dL/dy_i (consumed), xas[i]
+    /// what `fwd_shared` kept → dL/dx (the sum over all) and each one's (dA, dB). The shared
+    /// adapters' (g B)·A products are one GEMM, their dA one GEMM (x is read once); the base
+    /// GEMMs accumulate onto it.
+    pub fn bwd_shared(
+        lins: &[&Linear],
+        x: &Tensor,
+        g: Vec<Tensor>,
+        xas: &[Option<&Tensor>],
+        ctx: &Ctx,
+    ) -> Result<(Tensor, Vec<AdapterGrad>)> {
+        let idx = Self::shared(lins, ctx);
+        let mut g: Vec<Option<Tensor>> = g.into_iter().map(Some).collect();
+        let mut grads: Vec<AdapterGrad> = vec![None; lins.len()];
+        let mut dx: Option<Tensor> = None;
+        if !idx.is_empty() {
+            let loras: Vec<&Lora> = idx.iter().filter_map(|&i| lins[i].lora.as_ref()).collect();
+            let a = ctx.a_stack(&loras.iter().map(|l| &l.a).collect::<Vec<_>>(), x.dtype())?;
+            let ads: Vec<_> = idx
+                .iter()
+                .zip(&loras)
+                .map(|(&i, l)| lins[i].adapter_op(l, ctx))
+                .collect();
+            let mut gs = Vec::with_capacity(idx.len());
+            let mut xs = Vec::with_capacity(idx.len());
+            for &i in &idx {
+                match (
+                    g.get_mut(i).and_then(Option::take),
+                    xas.get(i).copied().flatten(),
+                ) {
+                    (Some(gi), Some(xi)) => {
+                        gs.push(gi);
+                        xs.push(xi);
+                    }
+                    _ => candle_core::bail!(
+                        "{}: backward without its gradient or the forward's adapter state",
+                        lins[i].name
+                    ),
+                }
+            }
+            let (d, gr) = ops::lora_linear::lora_bwd_shared(x, gs, &ads, &xs, &a)?;
+            dx = Some(d);
+            for (&i, gr) in idx.iter().zip(gr) {
+                grads[i] = Some(gr);
+            }
+        }
+        for (i, lin) in lins.iter().enumerate() {
+            // The shared ones' gradients were taken (and their base GEMMs run) above.
+            let Some(gi) = g.get_mut(i).and_then(Option::take) else {
+                continue;
+            };
+            let (d, gr) = lin.bwd(x, &gi, xas.get(i).copied().flatten(), ctx, dx.take())?;
+            dx = Some(d);
+            grads[i] = gr;
+        }
+        match dx {
+            Some(dx) => Ok((dx, grads)),
+            None => candle_core::bail!("bwd_shared: no linears"),
+        }
     }
 }
 
@@ -519,29 +671,44 @@ impl Model {
             segments,
             window: 0,
         };
+        let (adapters, adapter_buf) = self.adapters_cast()?;
         Ok(Ctx {
             cos,
             sin,
             mask,
             attn_block: None,
             dropout,
-            adapters: self.adapters_cast()?,
+            adapters,
+            adapter_buf,
         })
     }
 
     /// Every adapter's A and B in the activation dtype, cast in one launch and viewed out of
-    /// one buffer (`Ctx::adapters`): on CUDA with bf16 activations only; empty elsewhere.
-    fn adapters_cast(&self) -> Result<HashMap<TensorId, Tensor>> {
+    /// one buffer (`Ctx::adapters`, `Ctx::adapter_buf`): on CUDA with bf16 activations only;
+    /// empty elsewhere. Per layer the A's come first, side by side in module order, then the
+    /// B's: the A's of linears that share an input are then one [Σ r, in] matrix as they lie.
+    fn adapters_cast(&self) -> Result<AdapterCopies> {
         #[cfg(feature = "cuda")]
         if let (Device::Cuda(dev), DType::BF16) = (&self.device, self.dtype) {
             use candle_core::{op::BackpropOp, CudaStorage, Storage};
             use ops::multi_tensor::{cast_bf16, f32_addr, MultiT};
-            let vars: Vec<&candle_core::Var> =
-                self.adapters().flat_map(|(_, l)| [&l.a, &l.b]).collect();
+            let vars: Vec<&candle_core::Var> = self
+                .layers
+                .iter()
+                .flat_map(|l| {
+                    let loras: Vec<&Lora> = l
+                        .linears()
+                        .into_iter()
+                        .filter_map(|x| x.lora.as_ref())
+                        .collect();
+                    let a = loras.iter().map(|l| &l.a).collect::<Vec<_>>();
+                    a.into_iter().chain(loras.into_iter().map(|l| &l.b))
+                })
+                .collect();
             let mut table = Vec::with_capacity(vars.len());
             for v in &vars {
                 let Some(g) = f32_addr(v)? else {
-                    return Ok(HashMap::new()); // not f32 and contiguous: cast at each use
+                    return Ok((HashMap::new(), None)); // not f32 and contiguous: cast at each use
                 };
                 table.push(MultiT {
                     g,
@@ -550,7 +717,7 @@ impl Model {
                 });
             }
             if table.is_empty() {
-                return Ok(HashMap::new());
+                return Ok((HashMap::new(), None));
             }
             let buf = cast_bf16(dev, &table)?;
             let n = buf.len();
@@ -567,9 +734,9 @@ impl Model {
                 out.insert(v.id(), flat.narrow(0, off, k)?.reshape(v.dims())?);
                 off += k;
             }
-            return Ok(out);
+            return Ok((out, Some(flat)));
         }
-        Ok(HashMap::new())
+        Ok((HashMap::new(), None))
     }
 
     /// ids: [B, T] u32 → hidden [B, T, C]. The embedding is frozen: no graph is built.

@@ -480,14 +480,32 @@ fn module(dev: &CudaDevice) -> Result<Arc<CudaModule>> {
 /// The device address of `t`'s first element when `t` is a contiguous bf16, f16 or f32 CUDA
 /// tensor; None otherwise.
 pub fn addr(t: &candle_core::Tensor) -> Result<Option<u64>> {
+    if !t.is_contiguous() {
+        return Ok(None);
+    }
+    first(t)
+}
+
+/// The device address of `t`'s first element and its row stride in elements when `t` is a 2-D
+/// bf16, f16 or f32 CUDA tensor whose rows are contiguous (stride [ld, 1], ld ≥ columns): a
+/// column slice of a wider matrix, as cuBLAS takes it with its leading dimension. None otherwise.
+pub fn addr_rows(t: &candle_core::Tensor) -> Result<Option<(u64, usize)>> {
+    let (Ok((_, n)), &[ld, 1]) = (t.dims2(), t.stride()) else {
+        return Ok(None);
+    };
+    if ld < n {
+        return Ok(None);
+    }
+    Ok(first(t)?.map(|p| (p, ld)))
+}
+
+/// The device address of `t`'s first element (its layout's start), whatever its strides.
+fn first(t: &candle_core::Tensor) -> Result<Option<u64>> {
     use candle_core::cuda::cudarc::driver::DevicePtr;
     let (s, l) = t.storage_and_layout();
     let candle_core::Storage::Cuda(cs) = &*s else {
         return Ok(None);
     };
-    if !l.is_contiguous() {
-        return Ok(None);
-    }
     let stream = cs.device.cuda_stream();
     let off = l.start_offset() as u64 * t.dtype().size_in_bytes() as u64;
     let p = match t.dtype() {

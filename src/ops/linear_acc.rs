@@ -34,19 +34,43 @@ pub fn linear_bwd_acc(g: &Tensor, w: &Tensor, acc: Tensor) -> Result<Tensor> {
 }
 
 /// Pᵀ Q in f32: P [k, m], Q [k, n] → [m, n] f32. No graph. (dA = (g B)ᵀ x and dB = gᵀ xas
-/// of a LoRA linear: k is the tokens, m or n the rank.)
+/// of a LoRA linear: k is the tokens, m or n the rank.) P and Q may be column slices of wider
+/// matrices (rows contiguous, as the adapters' side-by-side products are).
 pub fn matmul_tn_f32(p: &Tensor, q: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if let Some(y) = cuda::gemm_tn_f32(p, q)? {
         return Ok(y);
     }
-    p.t()?.matmul(q)?.to_dtype(candle_core::DType::F32)
+    p.contiguous()?
+        .t()?
+        .matmul(&q.contiguous()?)?
+        .to_dtype(candle_core::DType::F32)
+}
+
+/// α · x Wᵀ (`trans_w`: W [n, k]) or α · x W (W [k, n]): x [m, k] → [m, n], fresh, in x's
+/// dtype. No graph. x may be a column slice of a wider matrix (rows contiguous). On CUDA α is
+/// the GEMM's own (the f32 sum is scaled before its one rounding, and no pass of its own), so
+/// the adapters' s · (x Aᵀ) and s · (g B) cost their GEMM only.
+pub fn matmul_scaled(x: &Tensor, w: &Tensor, trans_w: bool, alpha: f64) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if let Some(y) = cuda::gemm_scaled(x, w, trans_w, alpha)? {
+        return Ok(y);
+    }
+    let x = x.contiguous()?;
+    let y = match trans_w {
+        true => x.matmul(&w.t()?)?,
+        false => x.matmul(w)?,
+    };
+    match alpha == 1.0 {
+        true => Ok(y),
+        false => y * alpha,
+    }
 }
 
 #[cfg(feature = "cuda")]
 mod cuda {
     use candle_core::cuda::cudarc::cublas::{result::gemm_ex, sys};
-    use candle_core::cuda::cudarc::driver::DevicePtr;
+    use candle_core::cuda::cudarc::driver::{CudaSlice, DevicePtr};
     use candle_core::cuda::WrapErr;
     use candle_core::op::BackpropOp;
     use candle_core::{CudaStorage, DType, Device, Result, Storage, Tensor};
@@ -80,7 +104,6 @@ mod cuda {
         let Some((data_type, compute)) = types(dt) else {
             return Ok(None);
         };
-        let int = |v: usize| i32::try_from(v).ok();
         let (Some(mi), Some(ni), Some(ki), Some(ini)) = (int(m), int(n), int(k), int(wi)) else {
             return Ok(None);
         };
@@ -99,14 +122,14 @@ mod cuda {
                 (wp, ini),
                 (xp, ki),
                 (cp, ni),
-                1.0,
+                (1.0, 1.0),
                 (data_type, data_type, compute),
             )?
         };
         Ok(Some(acc.clone()))
     }
 
-    /// Column-major C [m × n] (ld ldc) = op(A) · op(B) + β·C through cublasGemmEx, α = 1; A and
+    /// Column-major C [m × n] (ld ldc) = α·op(A) · op(B) + β·C through cublasGemmEx; A and
     /// B of type `types.0`, C of `types.1`, computed as `types.2`.
     ///
     /// # Safety
@@ -120,14 +143,13 @@ mod cuda {
         (a, lda): (u64, i32),
         (b, ldb): (u64, i32),
         (c, ldc): (u64, i32),
-        beta: f32,
+        (alpha, beta): (f32, f32),
         (ab_type, c_type, compute): (
             sys::cudaDataType_t,
             sys::cudaDataType_t,
             sys::cublasComputeType_t,
         ),
     ) -> Result<()> {
-        let alpha = 1f32;
         let blas = dev.cublas_handle();
         gemm_ex(
             *blas.handle(),
@@ -186,8 +208,8 @@ mod cuda {
         Some(t)
     }
 
-    /// Pᵀ Q into a fresh f32 [m, n]: P [k, m], Q [k, n] contiguous, of one dtype; None when
-    /// cuBLAS cannot take them so.
+    /// Pᵀ Q into a fresh f32 [m, n]: P [k, m], Q [k, n] of one dtype, rows contiguous (column
+    /// slices allowed); None when cuBLAS cannot take them so.
     pub fn gemm_tn_f32(p: &Tensor, q: &Tensor) -> Result<Option<Tensor>> {
         let Device::Cuda(dev) = p.device() else {
             return Ok(None);
@@ -202,21 +224,22 @@ mod cuda {
         if q.dtype() != dt || !q.device().same_device(p.device()) || kq != k || m * n * k == 0 {
             return Ok(None);
         }
-        let int = |v: usize| i32::try_from(v).ok();
-        let (Some(mi), Some(ni), Some(ki)) = (int(m), int(n), int(k)) else {
+        let rows = crate::ops::cuda::addr_rows;
+        let (Some((pp, ldp)), Some((qp, ldq))) = (rows(p)?, rows(q)?) else {
             return Ok(None);
         };
-        let addr = crate::ops::cuda::addr;
-        let (Some(pp), Some(qp)) = (addr(p)?, addr(q)?) else {
+        let (Some(mi), Some(ni), Some(ki), Some(ldp), Some(ldq)) =
+            (int(m), int(n), int(k), int(ldp), int(ldq))
+        else {
             return Ok(None);
         };
         // SAFETY: every element is written by the GEMM (β = 0).
         let out = unsafe { dev.alloc::<f32>(m * n)? };
         let op = out.device_ptr(&dev.cuda_stream()).0;
         // Column-major, C' = out as stored is [n × m] = Q'·P'ᵀ, with Q' = Q as stored [n × k]
-        // (ld n) and P' = P as stored [m × k] (ld m): transa = N, transb = T.
-        // SAFETY: p, q and out are live contiguous buffers of the sizes checked above, on
-        // cuBLAS's stream (candle's); out is fresh and ours.
+        // (ld ldq) and P' = P as stored [m × k] (ld ldp): transa = N, transb = T.
+        // SAFETY: p and q are live buffers of k rows of their leading dimensions, out is
+        // fresh and ours, all on cuBLAS's stream (candle's).
         unsafe {
             gemm(
                 dev,
@@ -225,19 +248,114 @@ mod cuda {
                     sys::cublasOperation_t::CUBLAS_OP_T,
                 ),
                 (ni, mi, ki),
-                (qp, ni),
-                (pp, mi),
+                (qp, ldq),
+                (pp, ldp),
                 (op, ni),
-                0.0,
+                (1.0, 0.0),
                 (data_type, sys::cudaDataType_t::CUDA_R_32F, compute),
             )?
         };
-        let out = CudaStorage::wrap_cuda_slice(out, dev.clone());
-        Ok(Some(Tensor::from_storage(
-            Storage::Cuda(out),
-            (m, n),
-            BackpropOp::none(),
-            false,
-        )))
+        Ok(Some(fresh(out, dev, (m, n))))
+    }
+
+    /// α · x op(W) into a fresh [m, n] of x's dtype (`matmul_scaled`); None when cuBLAS
+    /// cannot take the operands so.
+    pub fn gemm_scaled(
+        x: &Tensor,
+        w: &Tensor,
+        trans_w: bool,
+        alpha: f64,
+    ) -> Result<Option<Tensor>> {
+        let Device::Cuda(dev) = x.device() else {
+            return Ok(None);
+        };
+        let dt = x.dtype();
+        let Some((data_type, compute)) = types(dt) else {
+            return Ok(None);
+        };
+        let (Ok((m, k)), Ok((w0, w1))) = (x.dims2(), w.dims2()) else {
+            return Ok(None);
+        };
+        // W as stored, column-major: [k × n] (ld k) taken transposed, or [n × k] (ld n) as is.
+        let (n, kw, transa) = match trans_w {
+            true => (w0, w1, sys::cublasOperation_t::CUBLAS_OP_T),
+            false => (w1, w0, sys::cublasOperation_t::CUBLAS_OP_N),
+        };
+        if w.dtype() != dt || !w.device().same_device(x.device()) || kw != k || m * n * k == 0 {
+            return Ok(None);
+        }
+        let (Some((xp, ldx)), Some(wp)) =
+            (crate::ops::cuda::addr_rows(x)?, crate::ops::cuda::addr(w)?)
+        else {
+            return Ok(None);
+        };
+        let (Some(mi), Some(ni), Some(ki), Some(ldx), Some(ldw)) =
+            (int(m), int(n), int(k), int(ldx), int(w1))
+        else {
+            return Ok(None);
+        };
+        let out = match dt {
+            // SAFETY (each arm): every element is written by the GEMM (β = 0).
+            DType::BF16 => Out::Bf16(unsafe { dev.alloc::<half::bf16>(m * n)? }),
+            DType::F16 => Out::F16(unsafe { dev.alloc::<half::f16>(m * n)? }),
+            DType::F32 => Out::F32(unsafe { dev.alloc::<f32>(m * n)? }),
+            _ => return Ok(None),
+        };
+        // Column-major C' = out as stored [n × m] = op(W') · x', x' = x as stored [k × m].
+        // SAFETY: x is m rows of its leading dimension, W is contiguous [w0, w1], out is fresh
+        // and ours; all on cuBLAS's stream (candle's).
+        unsafe {
+            gemm(
+                dev,
+                (transa, sys::cublasOperation_t::CUBLAS_OP_N),
+                (ni, mi, ki),
+                (wp, ldw),
+                (xp, ldx),
+                (out.ptr(dev), ni),
+                (alpha as f32, 0.0),
+                (data_type, data_type, compute),
+            )?
+        };
+        Ok(Some(out.tensor(dev, (m, n))))
+    }
+
+    fn int(v: usize) -> Option<i32> {
+        i32::try_from(v).ok()
+    }
+
+    /// A fresh GEMM output of one of the dtypes cuBLAS writes here.
+    enum Out {
+        Bf16(CudaSlice<half::bf16>),
+        F16(CudaSlice<half::f16>),
+        F32(CudaSlice<f32>),
+    }
+
+    impl Out {
+        fn ptr(&self, dev: &candle_core::CudaDevice) -> u64 {
+            let s = dev.cuda_stream();
+            match self {
+                Out::Bf16(b) => b.device_ptr(&s).0,
+                Out::F16(b) => b.device_ptr(&s).0,
+                Out::F32(b) => b.device_ptr(&s).0,
+            }
+        }
+
+        fn tensor(self, dev: &candle_core::CudaDevice, shape: (usize, usize)) -> Tensor {
+            match self {
+                Out::Bf16(b) => fresh(b, dev, shape),
+                Out::F16(b) => fresh(b, dev, shape),
+                Out::F32(b) => fresh(b, dev, shape),
+            }
+        }
+    }
+
+    /// A tensor over a buffer we have just written.
+    fn fresh<T: candle_core::cuda::CudaDType + candle_core::cuda::cudarc::driver::DeviceRepr>(
+        buf: CudaSlice<T>,
+        dev: &candle_core::CudaDevice,
+        shape: (usize, usize),
+    ) -> Tensor {
+        let s = CudaStorage::wrap_cuda_slice(buf, dev.clone());
+        Tensor::from_storage(Storage::Cuda(s), shape, BackpropOp::none(), false)
     }
 }

@@ -8,6 +8,7 @@
 
 use super::attach::attach3;
 use super::frozen_linear::frozen_linear;
+use super::linear_acc::matmul_scaled;
 use candle_core::{Result, Tensor};
 
 pub fn lora_linear(
@@ -54,23 +55,96 @@ pub fn lora_fwd(
     mask: Option<&Tensor>,
 ) -> Result<(Tensor, Tensor)> {
     let xas = lora_xas(x, a, scale, mask)?; // [m, r]
-                                            // Detached: the adapters are Vars, and a graph through them would keep every activation.
+    Ok((with_base(x, w, bias, &xas, b)?, xas))
+}
+
+/// y = x Wᵀ (+ bias) + xas Bᵀ: x [m, in], xas [m, r] (a column slice is fine) → [m, out].
+fn with_base(
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    xas: &Tensor,
+    b: &Tensor,
+) -> Result<Tensor> {
+    // Detached: the adapters are Vars, and a graph through them would keep every activation.
     let bd = b.detach().to_dtype(x.dtype())?;
     // The adapter's term alone (full bf16 precision however small), then the base GEMM adds
     // onto it in f32 (its epilogue): one rounding of the sum, at the base output's scale.
-    let lora = xas.matmul(&bd.t()?)?; // [m, out]
-    let y = match bias {
-        None => super::linear_acc::linear_acc(x, w, lora)?, // the base GEMM adds onto it
-        Some(_) => super::add(&frozen_linear(x, w, bias)?, &lora)?,
-    };
-    Ok((y, xas))
+    let lora = matmul_scaled(xas, &bd, true, 1.0)?; // [m, out]
+    match bias {
+        None => super::linear_acc::linear_acc(x, w, lora), // the base GEMM adds onto it
+        Some(_) => super::add(&frozen_linear(x, w, bias)?, &lora),
+    }
 }
 
 /// The adapter's half of `lora_fwd`'s state alone: xas = s · (m ⊙ x) Aᵀ [m, r] (what a
 /// recomputed layer's backward needs of a linear whose output it does not).
 pub fn lora_xas(x: &Tensor, a: &Tensor, scale: f64, mask: Option<&Tensor>) -> Result<Tensor> {
     let ad = a.detach().to_dtype(x.dtype())?;
-    masked(x, mask)?.matmul(&ad.t()?)? * scale // scaled while small
+    matmul_scaled(&masked(x, mask)?, &ad, true, scale) // scaled while small
+}
+
+/// One LoRA linear of a group that shares its input (`lora_fwd_shared`, `lora_bwd_shared`):
+/// W [out, in] frozen, optional bias, A [r, in], B [out, r], scale s. No dropout.
+pub struct Adapter<'a> {
+    pub w: &'a Tensor,
+    pub bias: Option<&'a Tensor>,
+    pub a: &'a Tensor,
+    pub b: &'a Tensor,
+    pub scale: f64,
+}
+
+/// `lora_fwd` of linears that share their input x [m, in] and one scale s, with `a` their A's
+/// stacked [Σ r, in] in x's dtype: s · x Aᵀ for all of them is one GEMM [m, Σ r], and each
+/// linear's xas is its column slice of it (kept as such: one buffer for the group).
+pub fn lora_fwd_shared(x: &Tensor, ads: &[Adapter], a: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
+    let scale = ads.first().map_or(1.0, |ad| ad.scale);
+    let xas = matmul_scaled(x, a, true, scale)?; // [m, Σ r]
+    let mut off = 0;
+    let mut out = Vec::with_capacity(ads.len());
+    for ad in ads {
+        let r = ad.a.dim(0)?;
+        let xas_i = xas.narrow(1, off, r)?; // [m, r], row stride Σ r
+        off += r;
+        out.push((with_base(x, ad.w, ad.bias, &xas_i, ad.b)?, xas_i));
+    }
+    Ok(out)
+}
+
+/// The backward of `lora_fwd_shared`: x [m, in], g[i] = dL/dy_i [m, out_i] (consumed: each is
+/// freed after its last GEMM), xas[i] what the forward kept, `a` the stacked A's → (dL/dx
+/// [m, in] summed over the linears, (dA_i f32, dB_i f32) each). The products s · g_i B_i sit
+/// side by side [m, Σ r], so that their dL/dx terms are one GEMM against the stacked A's (the
+/// base GEMMs then accumulate onto it) and their dA one GEMM against x.
+pub fn lora_bwd_shared(
+    x: &Tensor,
+    g: Vec<Tensor>,
+    ads: &[Adapter],
+    xas: &[&Tensor],
+    a: &Tensor,
+) -> Result<(Tensor, Vec<(Tensor, Tensor)>)> {
+    use super::linear_acc::{linear_bwd_acc, matmul_tn_f32};
+    let dt = x.dtype();
+    let (mut gbs, mut db) = (Vec::with_capacity(ads.len()), Vec::with_capacity(ads.len()));
+    for ((g, ad), xas) in g.iter().zip(ads).zip(xas) {
+        let bd = ad.b.detach().to_dtype(dt)?;
+        gbs.push(matmul_scaled(g, &bd, false, ad.scale)?); // s · g_i B_i [m, r_i]
+        db.push(matmul_tn_f32(g, xas)?); // dB_i = g_iᵀ xas_i [out_i, r_i]
+    }
+    let gbs = Tensor::cat(&gbs, 1)?; // [m, Σ r]
+    let mut dx = matmul_scaled(&gbs, a, false, 1.0)?; // Σ s · (g_i B_i) A_i [m, in]
+    for (g, ad) in g.into_iter().zip(ads) {
+        dx = linear_bwd_acc(&g, ad.w, dx)?; // + g_i W_i, in the GEMM; g_i is dropped here
+    }
+    let da = matmul_tn_f32(&gbs, x)?; // [Σ r, in] f32
+    let mut off = 0;
+    let mut grads = Vec::with_capacity(ads.len());
+    for (ad, db) in ads.iter().zip(db) {
+        let r = ad.a.dim(0)?;
+        grads.push((da.narrow(0, off, r)?, db));
+        off += r;
+    }
+    Ok((dx, grads))
 }
 
 /// The backward: x [m, in] (unmasked), g = dL/dy [m, out], `xas` from `lora_fwd`, and `acc`
@@ -92,7 +166,7 @@ pub fn lora_bwd(
     let dt = x.dtype();
     let g = g.contiguous()?;
     let (ad, bd) = (a.detach().to_dtype(dt)?, b.detach().to_dtype(dt)?);
-    let gbs = (g.matmul(&bd)? * scale)?; // [m, r]
+    let gbs = matmul_scaled(&g, &bd, false, scale)?; // s · g B [m, r]
     let dlora = match (mask, acc) {
         (None, Some(acc)) => linear_bwd_acc(&gbs, &ad, acc)?, // acc + gbs A, one pass
         (mask, acc) => {

@@ -210,8 +210,10 @@ fn two_micro_batches_of_two_equal_one_batch_of_four() {
         "{ce_big} vs {ce_acc}"
     );
     assert_eq!(g_big.len(), g_acc.len());
+    // atol 1e-6 of the largest entry is a few f32 ulps of it: the two runs' GEMMs sum their
+    // tokens in different blockings, and entries far below the largest carry that noise.
     for (id, g) in &g_big {
-        assert_close("accumulated grad", &g_acc[id], g, 1e-5, 1e-7);
+        assert_close("accumulated grad", &g_acc[id], g, 1e-5, 1e-6);
     }
 
     // End to end through the recipe: the same two AdamW steps either way.
