@@ -172,6 +172,11 @@ fn run_rank(a: &BenchArgs, device: Device, comm: &dyn Comm) -> Result<serde_json
     use crate::memory::plan;
     let cfg = shape(&a.shape)?;
     let head_dim = cfg.head_dim;
+    let act = if a.device.is_cpu() {
+        DType::F32
+    } else {
+        DType::BF16
+    };
     let input = plan::PlanInput {
         tied: cfg.tie_word_embeddings.unwrap_or(false),
         cfg,
@@ -182,15 +187,9 @@ fn run_rank(a: &BenchArgs, device: Device, comm: &dyn Comm) -> Result<serde_json
         targets: targets(&a.targets)?,
         gpus: comm.world(),
         cuda: !a.device.is_cpu(),
-        flash_attention: crate::ops::flash::takes_for(
-            &a.device,
-            if a.device.is_cpu() {
-                DType::F32
-            } else {
-                DType::BF16
-            },
-            head_dim,
-        ),
+        flash_attention: crate::ops::flash::takes_for(&a.device, act, head_dim),
+        ce_kernel: cfg!(feature = "cuda")
+            && crate::ops::cross_entropy::kernel_takes_for(a.device.is_cuda(), act),
     };
     let p = plan::plan(&input, 1, a.max_memory);
     let sel = (a.strategy, a.ckpt);

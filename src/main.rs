@@ -313,6 +313,10 @@ fn plan(a: PlanCli) -> anyhow::Result<()> {
                 gpus: a.gpus.unwrap_or(1).max(1),
                 cuda: true,
                 flash_attention,
+                ce_kernel: lora_train::ops::cross_entropy::kernel_takes_for(
+                    true,
+                    candle_core::DType::BF16,
+                ),
             };
             (input, 1, (Strategy::Single, a.ckpt), None)
         }

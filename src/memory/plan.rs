@@ -17,8 +17,9 @@
 //!   Llama-2-7B bf16, r 16 on all 7 linears: 85,344 B/token/layer.
 //! - checkpointing keeps (L + 1) layer boundaries of N·C·s (inputs + the last output), and one
 //!   layer's activations while that layer runs (forward) or is recomputed (backward).
-//! - head (lm_head + CE in chunks of ~2^24 logits, `Model::head_loss_bwd`): HEAD_CHUNKS ×
-//!   2^24 × 4 B of f32 logits / exponentials / their gradient, plus dL/dh [N, C]·s twice (the
+//! - head (lm_head + CE in chunks of ~2^24 logits, `Model::head_loss_bwd`): on the fused CE
+//!   kernel (CUDA, bf16 or f32) the logits and dL/dlogits, 2 × 2^24 × s; else HEAD_CHUNKS ×
+//!   2^24 × 4 B of f32 logits / exponentials / their gradient; plus dL/dh [N, C]·s twice (the
 //!   running sum and its next value).
 //! - forward workspace of one layer, the larger of: its MLP's end, N·s·(3C + I) (the
 //!   residual h, down_proj's input, its output and the layer output alive together), and the
@@ -56,8 +57,8 @@ pub const SLACK: f64 = 0.05;
 /// Backward workspace of one layer, in units of N·s·(2C + 3I) (see the module docs): 1 is
 /// the count of the tensors alive together in `Layer::backward`'s MLP part.
 pub const BWD_WS: f64 = 1.0;
-/// f32 logit-sized buffers alive at once in one head chunk: the logits, x − max while its
-/// exponential is made, the exponential.
+/// f32 logit-sized buffers alive at once in one head chunk of the op chain (CPU, f16): the
+/// logits, x − max while its exponential is made, the exponential.
 pub const HEAD_CHUNKS: f64 = 3.0;
 /// Logits per head chunk (driver::forward_backward_probed).
 pub const HEAD_CHUNK_LOGITS: u64 = 1 << 24;
@@ -83,6 +84,9 @@ pub struct PlanInput {
     pub cuda: bool,
     /// Attention runs on the tensor-core kernels (`ops::flash::kernels_take`): no score blocks.
     pub flash_attention: bool,
+    /// The head's cross-entropy runs on the fused kernel (`ops::cross_entropy::kernel_takes_for`):
+    /// logits in the activation dtype, no f32 copies.
+    pub ce_kernel: bool,
 }
 
 /// One strategy's per-rank bytes.
@@ -234,7 +238,14 @@ pub fn breakdown(p: &PlanInput, strategy: Strategy, ckpt: bool, micro_batch: usi
     let scores = (b * cfg.num_heads as u64 * t * t * 2).min(ATTN_BLOCK);
     let attn_ws = if p.flash_attention { 0 } else { 3 * scores };
     let fwd_ws = attn_ws.max(n * s * (3 * c + cfg.intermediate_size as u64));
-    let head_ws = (HEAD_CHUNKS * (HEAD_CHUNK_LOGITS.min(n * v) * 4) as f64) as u64 + 2 * boundary;
+    // Logit-sized buffers of one head chunk: the fused kernel's logits and dL/dlogits in the
+    // activation dtype, or the op chain's HEAD_CHUNKS f32 ones.
+    let per_logit = if p.ce_kernel {
+        2.0 * s as f64
+    } else {
+        HEAD_CHUNKS * 4.0
+    };
+    let head_ws = (per_logit * HEAD_CHUNK_LOGITS.min(n * v) as f64) as u64 + 2 * boundary;
     let i = cfg.intermediate_size as u64;
     let bwd_ws = (BWD_WS * (n * s * (2 * c + 3 * i)) as f64) as u64;
     let recomputed = if ckpt { layer_act } else { 0 };
@@ -707,6 +718,7 @@ pub fn input_from_recipe(
         gpus: gpus.max(1),
         cuda,
         flash_attention: crate::ops::flash::kernels_take(cuda, dtype, cfg_head_dim),
+        ce_kernel: crate::ops::cross_entropy::kernel_takes_for(cuda, dtype),
     })
 }
 
@@ -823,6 +835,7 @@ mod tests {
             gpus,
             cuda: true,
             flash_attention: false,
+            ce_kernel: false,
         }
     }
 

@@ -182,12 +182,16 @@ impl Layer {
         };
 
         // ---- MLP: y = h + down(swiglu(gate(hn), up(hn))), hn = rms_norm(h)
-        let a = ops::swiglu(&gate, &up)?; // [m, I] recomputed
-        let (da, g) = self.down.bwd(&a, &dy, xd.as_ref(), ctx, None)?;
-        keep(&self.down, g);
+        // down's dL/da needs no a; a is recomputed in SwiGLU's backward pass (over da's
+        // buffer) for down's adapter gradient alone.
+        let (da, gbs) = self.down.bwd_dx(&dy, ctx)?; // [m, I]
+        let (dgate, dup, a) = ops::swiglu_bwd_keep(&gate, &up, da)?;
+        drop((gate, up));
+        keep(
+            &self.down,
+            self.down.bwd_grads(&a, &dy, gbs, xd.as_ref(), ctx)?,
+        );
         drop(a);
-        let (dgate, dup) = ops::swiglu_bwd(&gate, &up, &da)?;
-        drop((da, gate, up));
         let hres = ops::add(&x, &self.o.fwd(&attn, ctx)?.0)?; // [m, C] recomputed, as forward did
         let hn = ops::rms_norm(&hres, &self.post_norm, self.eps)?;
         // gate's and up's GEMMs accumulate onto one dL/dhn: the sum needs no pass of its own

@@ -181,6 +181,53 @@ impl Linear {
         }
     }
 
+    /// `bwd` in two halves, for a linear whose input x is only wanted for the adapter's
+    /// gradients: dL/dx [m, in] from g [m, out] alone, and what `bwd_grads` takes with x.
+    pub fn bwd_dx(&self, g: &Tensor, ctx: &Ctx) -> Result<(Tensor, Option<Tensor>)> {
+        let Some(lora) = &self.lora else {
+            return Ok((g.contiguous()?.matmul(&self.w)?, None)); // dx = g W
+        };
+        let g = g.contiguous()?;
+        let mask = self.dropout_mask(&[g.dim(0)?, self.w.dim(1)?], ctx)?;
+        let (dx, gbs) = ops::lora_linear::lora_bwd_dx(
+            &g,
+            &self.w,
+            ctx.adapter(&lora.a),
+            ctx.adapter(&lora.b),
+            lora.scale,
+            mask.as_ref(),
+            None,
+        )?;
+        Ok((dx, Some(gbs)))
+    }
+
+    /// The second half of `bwd_dx`: (dA, dB) from x [m, in], the same g, what `bwd_dx`
+    /// returned and what `fwd` kept. None without an adapter.
+    pub fn bwd_grads(
+        &self,
+        x: &Tensor,
+        g: &Tensor,
+        gbs: Option<Tensor>,
+        xas: Option<&Tensor>,
+        ctx: &Ctx,
+    ) -> Result<AdapterGrad> {
+        match (gbs, xas) {
+            (Some(gbs), Some(xas)) => {
+                let mask = self.dropout_mask(x.dims(), ctx)?;
+                let g = g.contiguous()?;
+                let (da, db) = ops::lora_linear::lora_grads(x, &g, &gbs, mask.as_ref(), xas)?;
+                Ok(Some((da, db)))
+            }
+            (None, _) => Ok(None),
+            (Some(_), None) => {
+                candle_core::bail!(
+                    "{}: backward without the forward's adapter state",
+                    self.name
+                )
+            }
+        }
+    }
+
     pub fn out_features(&self) -> usize {
         self.w.dims()[0]
     }

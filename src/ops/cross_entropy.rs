@@ -50,6 +50,12 @@ pub fn kernel_takes(logits: &Tensor, targets: &Tensor) -> bool {
             .is_ok_and(|(n, v)| (1..=i32::MAX as usize).contains(&n) && v > 0)
 }
 
+/// Whether a CUDA build's `cross_entropy_fwd_bwd` takes the kernel for `dtype` logits on a
+/// GPU (`cuda`) or not: what the memory plan forecasts, from any build.
+pub fn kernel_takes_for(cuda: bool, dtype: DType) -> bool {
+    cuda && matches!(dtype, DType::F32 | DType::BF16)
+}
+
 /// The same as tensor ops (the reference; the path on the CPU and for f16): f32 logits,
 /// max-shifted exponentials, their sum, and the gradient from them.
 pub fn cross_entropy_fwd_bwd_ops(

@@ -362,6 +362,25 @@ extern "C" __global__ void swiglu_bwd_v8_bf16(const bf16_t* g, const bf16_t* u, 
     st8(out, k, dg);
     st8(out, n + k, du);
 }
+// swiglu_bwd and the forward's a = round(silu(g)) · u at once; a is written over da (read first,
+// element by element), so that a backward that wants a after da needs no buffer for it.
+extern "C" __global__ void swiglu_bwd_keep_v8_bf16(const bf16_t* g, const bf16_t* u, bf16_t* da_a,
+                                                   bf16_t* out, long n) {
+    long k = ((long)blockIdx.x * blockDim.x + threadIdx.x) * 8;
+    if (k >= n) return;
+    float gv[8], uv[8], dv[8], dg[8], du[8], a[8];
+    ld8(g, k, gv); ld8(u, k, uv); ld8(da_a, k, dv);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        float s = 1.f / (1.f + __expf(-gv[i]));
+        dg[i] = rbf(dv[i] * uv[i]) * s * (1.f + gv[i] * (1.f - s));
+        du[i] = dv[i] * rbf(gv[i] * s);
+        a[i] = rbf(gv[i] / (1.f + __expf(-gv[i]))) * uv[i];  // exactly as swiglu_v8_bf16
+    }
+    st8(out, k, dg);
+    st8(out, n + k, du);
+    st8(da_a, k, a);
+}
 extern "C" __global__ void rms_norm_v8_bf16(const bf16_t* x, const bf16_t* w, bf16_t* y, int d,
                                             float eps) {
     long row = blockIdx.x;
@@ -969,6 +988,59 @@ fn elementwise(
             _ => candle_core::bail!("{name}: one or two extra inputs expected"),
         }
     }))
+}
+
+/// `ops::swiglu::swiglu_bwd_keep` on the GPU: (dg, du, a) with a written over `da`'s buffer,
+/// for bf16 inputs of one shape, contiguous, on 16 bytes, of a multiple of 8 elements; None
+/// otherwise. `da` must be a fresh result that nothing else reads (its values are replaced).
+pub fn swiglu_bwd_keep(
+    g: &candle_core::Tensor,
+    u: &candle_core::Tensor,
+    da: &candle_core::Tensor,
+) -> Result<
+    Option<(
+        candle_core::Tensor,
+        candle_core::Tensor,
+        candle_core::Tensor,
+    )>,
+> {
+    use candle_core::{op::BackpropOp, Device, Storage, Tensor};
+    let Device::Cuda(dev) = g.device() else {
+        return Ok(None);
+    };
+    let n = g.elem_count();
+    let same = [u, da]
+        .iter()
+        .all(|t| t.dtype() == DType::BF16 && t.shape() == g.shape());
+    if g.dtype() != DType::BF16 || !same || n % 8 != 0 || n == 0 {
+        return Ok(None);
+    }
+    let (Some(gp), Some(up), Some(dp)) = (addr(g)?, addr(u)?, addr(da)?) else {
+        return Ok(None);
+    };
+    if [gp, up, dp].iter().any(|p| p % 16 != 0) {
+        return Ok(None);
+    }
+    let func = function(dev, "swiglu_bwd_keep_v8_bf16")?;
+    let stream = dev.cuda_stream();
+    // SAFETY: every element is written by the kernel (dg, then du).
+    let out = unsafe { stream.alloc::<half::bf16>(2 * n) }.w()?;
+    let cfg = LaunchConfig::for_num_elems((n / 8) as u32);
+    let nl = n as i64;
+    let mut b = stream.launch_builder(&func);
+    b.arg(&gp).arg(&up).arg(&dp).arg(&out).arg(&nl);
+    // SAFETY: g, u and da are live contiguous bf16 buffers of n elements on this stream, out is
+    // fresh; da is the caller's to overwrite (see above).
+    unsafe { b.launch(cfg) }.w()?;
+    let mut dims = vec![2];
+    dims.extend_from_slice(g.dims());
+    let both = Tensor::from_storage(
+        Storage::Cuda(CudaStorage::wrap_cuda_slice(out, dev.clone())),
+        dims,
+        BackpropOp::none(),
+        false,
+    );
+    Ok(Some((both.get(0)?, both.get(1)?, da.clone())))
 }
 
 /// Rows [B·T, H·D] <-> [B, H, T, D] (`to_heads` picks the direction), rotated by sign·θ when

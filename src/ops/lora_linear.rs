@@ -162,11 +162,27 @@ pub fn lora_bwd(
     xas: &Tensor,
     acc: Option<Tensor>,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    use super::linear_acc::linear_bwd_acc;
-    let dt = x.dtype();
     let g = g.contiguous()?;
+    let (dx, gbs) = lora_bwd_dx(&g, w, a, b, scale, mask, acc)?;
+    let (da, db) = lora_grads(x, &g, &gbs, mask, xas)?;
+    Ok((dx, da, db))
+}
+
+/// `lora_bwd`'s first half, which needs no x: g [m, out] → (dx [m, in], gbs = s · g B [m, r],
+/// what `lora_grads` takes).
+pub fn lora_bwd_dx(
+    g: &Tensor,
+    w: &Tensor,
+    a: &Tensor,
+    b: &Tensor,
+    scale: f64,
+    mask: Option<&Tensor>,
+    acc: Option<Tensor>,
+) -> Result<(Tensor, Tensor)> {
+    use super::linear_acc::linear_bwd_acc;
+    let dt = g.dtype();
     let (ad, bd) = (a.detach().to_dtype(dt)?, b.detach().to_dtype(dt)?);
-    let gbs = matmul_scaled(&g, &bd, false, scale)?; // s · g B [m, r]
+    let gbs = matmul_scaled(g, &bd, false, scale)?; // s · g B [m, r]
     let dlora = match (mask, acc) {
         (None, Some(acc)) => linear_bwd_acc(&gbs, &ad, acc)?, // acc + gbs A, one pass
         (mask, acc) => {
@@ -177,11 +193,22 @@ pub fn lora_bwd(
             }
         }
     };
-    let dx = linear_bwd_acc(&g, w, dlora)?; // g W + dlora
-                                            // f32 straight out of the GEMMs (on CUDA; elsewhere a product and a cast)
-    let da = super::linear_acc::matmul_tn_f32(&gbs, &masked(x, mask)?)?; // [r, in]
-    let db = super::linear_acc::matmul_tn_f32(&g, xas)?; // [out, r]
-    Ok((dx, da, db))
+    Ok((linear_bwd_acc(g, w, dlora)?, gbs)) // g W + dlora
+}
+
+/// `lora_bwd`'s second half: the adapter's gradients from x [m, in] (unmasked), g [m, out] and
+/// `lora_bwd_dx`'s gbs → (dA [r, in] f32, dB [out, r] f32), straight out of the GEMMs in f32
+/// on CUDA (elsewhere a product and a cast).
+pub fn lora_grads(
+    x: &Tensor,
+    g: &Tensor,
+    gbs: &Tensor,
+    mask: Option<&Tensor>,
+    xas: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let da = super::linear_acc::matmul_tn_f32(gbs, &masked(x, mask)?)?; // [r, in]
+    let db = super::linear_acc::matmul_tn_f32(g, xas)?; // [out, r]
+    Ok((da, db))
 }
 
 /// m ⊙ x, the mask (f32, any shape of x's size) cast to x's dtype.

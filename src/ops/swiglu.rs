@@ -31,6 +31,20 @@ pub fn swiglu_bwd(g: &Tensor, u: &Tensor, da: &Tensor) -> Result<(Tensor, Tensor
     Ok((both.get(0)?, both.get(1)?))
 }
 
+/// `swiglu_bwd` and the forward's a = silu(g) ⊙ u together: (g, u, da) → (dg, du, a). `da` is
+/// consumed: on CUDA (bf16) a is written over it in the same pass, so that a backward that
+/// needs a only after da (down_proj's adapter gradient) pays neither a pass nor a buffer for
+/// it; da must be a fresh result that nothing else holds. Elsewhere the two ops.
+pub fn swiglu_bwd_keep(g: &Tensor, u: &Tensor, da: Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    if let Some(r) = super::cuda::swiglu_bwd_keep(g, u, &da)? {
+        return Ok(r);
+    }
+    let (dg, du) = swiglu_bwd(g, u, &da)?;
+    drop(da);
+    Ok((dg, du, swiglu(g, u)?))
+}
+
 fn silu(g: f32) -> f32 {
     g / (1.0 + (-g).exp())
 }
