@@ -805,14 +805,28 @@ impl Model {
     /// The logits [n, V] stay in the activation dtype; `ops::cross_entropy` does the CE and
     /// its gradient in one kernel on CUDA (on the CPU, the former f32 tensor ops, bit for bit).
     pub fn head_loss_bwd(&self, x: &Tensor, targets: &Tensor, denom: f64) -> Result<(f64, Tensor)> {
+        let (ce, dx) = self.head_loss_bwd_dev(x, targets, denom)?;
+        Ok((ce.to_scalar::<f32>()? as f64, dx))
+    }
+
+    /// `head_loss_bwd` with Σ CE left on the device (a scalar f32 tensor): reading it is a
+    /// synchronisation, which the driver does once a micro-batch, after backward is queued.
+    pub fn head_loss_bwd_dev(
+        &self,
+        x: &Tensor,
+        targets: &Tensor,
+        denom: f64,
+    ) -> Result<(Tensor, Tensor)> {
         let eps = self.cfg.rms_norm_eps;
         let hn = ops::rms_norm(x, &self.norm, eps)?; // [n, C]
         let logits = ops::frozen_linear(&hn, &self.lm_head, None)?; // [n, V]
         let (ce_rows, dl) = ops::cross_entropy::cross_entropy_fwd_bwd(&logits, targets, denom)?;
         drop(logits);
-        let ce = ce_rows.sum_all()?.to_scalar::<f32>()? as f64;
         let dhn = dl.matmul(&self.lm_head)?; // [n, C]
-        Ok((ce, ops::rms_norm_bwd(x, &self.norm, eps, &dhn)?))
+        Ok((
+            ce_rows.sum_all()?,
+            ops::rms_norm_bwd(x, &self.norm, eps, &dhn)?,
+        ))
     }
 
     /// Logits at every position: ids [B, T] → [B, T, V] f32 (whole graph kept: tests, eval).

@@ -1,7 +1,7 @@
 //! Rotary frequencies (with Llama-3 / linear scaling) and per-token cos/sin tables.
 
 use super::config::{ModelConfig, RopeScaling};
-use candle_core::{Device, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 
 /// inv_freq[i] = 1 / θ^(2i/D), i < D/2, rescaled as the config says. f32, as transformers.
 pub fn inv_freq(cfg: &ModelConfig) -> Vec<f32> {
@@ -52,6 +52,17 @@ pub fn cos_sin(
     dev: &Device,
 ) -> Result<(Tensor, Tensor)> {
     let half = inv_freq.len();
+    if dev.is_cuda() {
+        // The angles on the GPU, from the positions: the host's loop over B·T·D/2 angles held
+        // the GPU idle for ~3 ms a micro-batch at 4096 tokens × 64 (1% of a 7B step). The
+        // products are the host's (p < 2^24 is exact in f32); cos and sin are the device's.
+        let p = Tensor::from_slice(positions, (positions.len(), 1), dev)?.to_dtype(DType::F32)?;
+        let a = p.broadcast_mul(&Tensor::from_slice(inv_freq, (1, half), dev)?)?; // [B·T, D/2]
+        return Ok((
+            a.cos()?.reshape((b, t, half))?,
+            a.sin()?.reshape((b, t, half))?,
+        ));
+    }
     let mut cos = Vec::with_capacity(positions.len() * half);
     let mut sin = Vec::with_capacity(positions.len() * half);
     for &p in positions {

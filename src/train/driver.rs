@@ -210,16 +210,28 @@ pub fn forward_backward_par(
     let chunk = head_chunk
         .unwrap_or((1usize << 24) / model.cfg.vocab_size.max(1))
         .max(1);
-    let mut ce_value = 0f64;
+    // Positions and targets go up once (an upload from host memory waits for the queue to
+    // drain), Σ CE stays on the device until backward is queued.
+    let n_tgt = batch.targets.len();
+    let mut ce_sum: Option<Tensor> = None;
     let mut parts = Vec::new(); // each chunk's dL/dh rows [n_chunk, C]
-    for part in batch.targets.chunks(chunk) {
-        let rows: Vec<u32> = part.iter().map(|&(i, _)| i as u32).collect();
-        let tgt: Vec<u32> = part.iter().map(|&(_, l)| l).collect();
-        let rows = Tensor::from_vec(rows, part.len(), dev)?;
-        let tgt = Tensor::from_vec(tgt, part.len(), dev)?;
-        let (ce, gh) = head_model.head_loss_bwd(&x.index_select(&rows, 0)?, &tgt, denom)?;
-        ce_value += ce;
-        parts.push(gh);
+    if n_tgt > 0 {
+        let rows: Vec<u32> = batch.targets.iter().map(|&(i, _)| i as u32).collect();
+        let tgt: Vec<u32> = batch.targets.iter().map(|&(_, l)| l).collect();
+        let (rows, tgt) = (
+            Tensor::from_vec(rows, n_tgt, dev)?,
+            Tensor::from_vec(tgt, n_tgt, dev)?,
+        );
+        for off in (0..n_tgt).step_by(chunk) {
+            let len = chunk.min(n_tgt - off);
+            let (r, t) = (rows.narrow(0, off, len)?, tgt.narrow(0, off, len)?);
+            let (ce, gh) = head_model.head_loss_bwd_dev(&x.index_select(&r, 0)?, &t, denom)?;
+            ce_sum = Some(match ce_sum {
+                Some(s) => (s + ce)?,
+                None => ce,
+            });
+            parts.push(gh);
+        }
     }
     let g = place_rows(parts, &batch.targets, &x)?; // dL/dh [B·T, C]
     drop((x, io));
@@ -255,7 +267,10 @@ pub fn forward_backward_par(
         g = dx;
     }
     probe("backward")?;
-    Ok(ce_value)
+    match ce_sum {
+        Some(ce) => Ok(ce.to_scalar::<f32>()? as f64),
+        None => Ok(0.0),
+    }
 }
 
 /// dL/dh [N, C] (`like`'s shape and dtype) from the head chunks' rows, `targets` giving each

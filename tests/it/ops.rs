@@ -668,3 +668,34 @@ fn cross_entropy_kernel_matches_the_ops_on_the_gpu() {
         }
     }
 }
+
+/// RoPE's angles made on the GPU (from the positions there) are the host's to f32 accuracy:
+/// positions up to 4999 in rows of 8192 (restarting, as packed rows do), Llama-2 frequencies.
+#[cfg(feature = "cuda")]
+#[test]
+fn rope_cos_sin_on_the_gpu_match_the_host() {
+    use lora_train::model::rope::cos_sin;
+    let dev = Device::new_cuda(0).unwrap();
+    let inv: Vec<f32> = (0..64)
+        .map(|i| 1.0 / 10000f32.powf(i as f32 / 64.0))
+        .collect();
+    let (b, t) = (2, 8192);
+    let pos: Vec<u32> = (0..b * t).map(|i| (i % t) as u32 % 5000).collect();
+    let (c_gpu, s_gpu) = cos_sin(&inv, &pos, b, t, &dev).unwrap();
+    let (c_cpu, s_cpu) = cos_sin(&inv, &pos, b, t, &Device::Cpu).unwrap();
+    assert_eq!(c_gpu.dims(), [b, t, 64]);
+    assert_close(
+        "cos",
+        &c_gpu.to_device(&Device::Cpu).unwrap(),
+        &c_cpu,
+        0.0,
+        1e-6,
+    );
+    assert_close(
+        "sin",
+        &s_gpu.to_device(&Device::Cpu).unwrap(),
+        &s_cpu,
+        0.0,
+        1e-6,
+    );
+}
