@@ -2,13 +2,15 @@
 //!
 //! Ranks are threads of this process (one per GPU, the id passed in memory) or processes
 //! started by torchrun / Slurm (rank 0 hands the id to the others over TCP: launch::share).
-//! Collectives run on a second stream of the rank's GPU, ordered after the compute queued
-//! before them (stream joins: the host does not wait for them). The compute stream waits for a
-//! collective at once, except for FSDP's gathers issued one layer ahead (`all_gather_ahead`),
-//! which it waits for only when the layer is used (`gathered`), so they overlap the layer in
-//! between. One communicator, one stream: the ranks' collectives still run in one order
-//! everywhere. LORA_TRAIN_GATHER_STREAM=0 queues them on the compute stream itself (candle's),
-//! in line.
+//! Collectives are queued on the rank's compute stream (candle's), in line with the compute
+//! around them; the host does not wait for them. From the first gather issued one layer ahead
+//! (`all_gather_ahead`: FSDP's), every collective of the comm runs on a second stream instead,
+//! ordered after the compute queued before it (stream joins). The compute stream waits for a
+//! collective at once, except for those gathers, which it waits for only when the layer is
+//! used (`gathered`), so they overlap the layer in between. One communicator, one stream at a
+//! time: the ranks' collectives still run in one order everywhere. DDP, which gathers nothing
+//! ahead, keeps its all-reduces in line (a second stream measured 1% slower for it: nothing of
+//! its could overlap, the joins cost). LORA_TRAIN_GATHER_STREAM=0 keeps FSDP in line too.
 //!
 //! We hold the raw `ncclComm_t` (cudarc's `Comm` keeps it private) so that the failing rank's
 //! thread can call ncclCommAbort on every rank's communicator: the ranks blocked in a
@@ -190,8 +192,11 @@ pub struct NcclComm {
     device: Device,
     /// The rank's compute stream (candle's, on this thread).
     compute: Arc<CudaStream>,
-    /// The stream every collective runs on (None with LORA_TRAIN_GATHER_STREAM=0: `compute`).
-    side: Option<Arc<CudaStream>>,
+    /// The second stream every collective runs on from the first gather issued ahead (None
+    /// until then: `compute`).
+    side: Mutex<Option<Arc<CudaStream>>>,
+    /// LORA_TRAIN_GATHER_STREAM=0: never make `side`.
+    in_line: bool,
 }
 
 impl NcclComm {
@@ -216,13 +221,7 @@ impl NcclComm {
             })?;
             c.assume_init()
         };
-        let side =
-            match std::env::var("LORA_TRAIN_GATHER_STREAM").as_deref() {
-                Ok("0") => None,
-                _ => Some(stream.context().new_stream().map_err(|e| {
-                    anyhow::anyhow!("cannot create a stream on GPU {ordinal}: {e:?}")
-                })?),
-            };
+        let in_line = std::env::var("LORA_TRAIN_GATHER_STREAM").is_ok_and(|v| v == "0");
         Ok(NcclComm {
             rank,
             world,
@@ -233,7 +232,8 @@ impl NcclComm {
             }),
             device,
             compute: stream,
-            side,
+            side: Mutex::new(None),
+            in_line,
         })
     }
 
@@ -274,7 +274,8 @@ impl NcclComm {
         let (src, ty, compute) = address(x)?;
         let (dst, _, _) = address(&out)?;
         let cuda = |e| candle_core::Error::msg(format!("{op}: {e:?}"));
-        let stream = match &self.side {
+        let side = self.side_stream(ahead)?;
+        let stream = match &side {
             Some(side) => {
                 side.join(&compute).map_err(cuda)?;
                 side.clone()
@@ -284,7 +285,7 @@ impl NcclComm {
         self.with(op, |c| {
             call(src as _, dst as _, ty, c, stream.cu_stream() as _).map_err(|e| nccl_err(op, e))
         })?;
-        if self.side.is_some() && !ahead {
+        if side.is_some() && !ahead {
             compute.join(&stream).map_err(cuda)?;
         }
         Ok(out)
@@ -292,6 +293,22 @@ impl NcclComm {
 }
 
 impl NcclComm {
+    /// The second stream when collectives run there: made at the first gather issued `ahead`
+    /// (unless in line), after which every collective uses it.
+    fn side_stream(&self, ahead: bool) -> Result<Option<Arc<CudaStream>>> {
+        let mut side = self.side.lock().unwrap_or_else(|p| p.into_inner());
+        if side.is_none() && ahead && !self.in_line {
+            let s = self.compute.context().new_stream().map_err(|e| {
+                candle_core::Error::msg(format!(
+                    "rank {}: cannot create a stream: {e:?}",
+                    self.rank
+                ))
+            })?;
+            *side = Some(s);
+        }
+        Ok(side.clone())
+    }
+
     fn gather(&self, x: &Tensor, ahead: bool) -> Result<Tensor> {
         let x = x.flatten_all()?.contiguous()?;
         let n = x.elem_count();
@@ -359,10 +376,10 @@ impl Comm for NcclComm {
     }
 
     fn gathered(&self) -> Result<()> {
-        match &self.side {
+        match self.side_stream(false)? {
             Some(side) => self
                 .compute
-                .join(side)
+                .join(&side)
                 .map_err(|e| candle_core::Error::msg(format!("gathered: {e:?}"))),
             None => Ok(()),
         }
