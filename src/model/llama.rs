@@ -132,6 +132,23 @@ impl Linear {
         Ok((y, Some(xas)))
     }
 
+    /// `fwd`'s output again, from x and the adapter state `fwd` returned (no x Aᵀ product).
+    pub fn fwd_again(&self, x: &Tensor, xas: Option<&Tensor>, ctx: &Ctx) -> Result<Tensor> {
+        match (&self.lora, xas) {
+            (Some(lora), Some(xas)) => {
+                let b = ctx.adapter(&lora.b);
+                ops::lora_linear::with_base(x, &self.w, self.b.as_ref(), xas, b)
+            }
+            (None, _) => ops::frozen_linear(x, &self.w, self.b.as_ref()),
+            (Some(_), None) => {
+                candle_core::bail!(
+                    "{}: recompute without the forward's adapter state",
+                    self.name
+                )
+            }
+        }
+    }
+
     /// `fwd`'s adapter state alone, without the output (None without an adapter).
     pub fn adapter_fwd(&self, x: &Tensor, ctx: &Ctx) -> Result<Option<Tensor>> {
         let Some(lora) = &self.lora else {

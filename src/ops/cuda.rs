@@ -399,6 +399,26 @@ extern "C" __global__ void rms_norm_v8_bf16(const bf16_t* x, const bf16_t* w, bf
         st8(y + row * d, i, v);
     }
 }
+// h = round(x + a), y = rms_norm(h) · w: a residual add and the norm after it in one pass over
+// the row (h is re-read by the thread that wrote it), the values of add_bf16 then rms_norm_v8.
+extern "C" __global__ void add_rms_norm_v8_bf16(const bf16_t* x, const bf16_t* a, const bf16_t* w,
+                                                bf16_t* h, bf16_t* y, int d, float eps) {
+    const long o = (long)blockIdx.x * d;
+    float s = 0.f, v[8], u[8];
+    for (int i = threadIdx.x * 8; i < d; i += blockDim.x * 8) {
+        ld8(x + o, i, v); ld8(a + o, i, u);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) { v[j] = rbf(v[j] + u[j]); s += v[j] * v[j]; }
+        st8(h + o, i, v);
+    }
+    float r = rsqrtf(block_sum(s) / d + eps);
+    for (int i = threadIdx.x * 8; i < d; i += blockDim.x * 8) {
+        ld8(h + o, i, v); ld8(w, i, u);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = rbf(v[j] * r) * u[j];
+        st8(y + o, i, v);
+    }
+}
 extern "C" __global__ void rms_norm_bwd_v8_bf16(const bf16_t* x, const bf16_t* w, const bf16_t* g,
                                                 const bf16_t* res, bf16_t* dx, int d, float eps,
                                                 int has_res) {
@@ -988,6 +1008,62 @@ fn elementwise(
             _ => candle_core::bail!("{name}: one or two extra inputs expected"),
         }
     }))
+}
+
+/// `ops::rms_norm::add_rms_norm` on the GPU: (h, y) for bf16 x and a of one shape and w of
+/// their last dim d, all contiguous, on 16 bytes, d a multiple of 8; None otherwise.
+pub fn add_rms_norm(
+    x: &candle_core::Tensor,
+    a: &candle_core::Tensor,
+    w: &candle_core::Tensor,
+    eps: f32,
+) -> Result<Option<(candle_core::Tensor, candle_core::Tensor)>> {
+    use candle_core::{op::BackpropOp, Device, Storage, Tensor};
+    let Device::Cuda(dev) = x.device() else {
+        return Ok(None);
+    };
+    let (n, d) = (x.elem_count(), w.elem_count());
+    let bf16 = [x, a, w].iter().all(|t| t.dtype() == DType::BF16);
+    if !bf16 || a.shape() != x.shape() || x.dims().last() != Some(&d) || d % 8 != 0 || n == 0 {
+        return Ok(None);
+    }
+    let (Some(xp), Some(ap), Some(wp)) = (addr(x)?, addr(a)?, addr(w)?) else {
+        return Ok(None);
+    };
+    if [xp, ap, wp].iter().any(|p| p % 16 != 0) {
+        return Ok(None);
+    }
+    let func = function(dev, "add_rms_norm_v8_bf16")?;
+    let stream = dev.cuda_stream();
+    // SAFETY (both): every element is written by the kernel.
+    let h = unsafe { stream.alloc::<half::bf16>(n) }.w()?;
+    let y = unsafe { stream.alloc::<half::bf16>(n) }.w()?;
+    let cfg = LaunchConfig {
+        grid_dim: ((n / d) as u32, 1, 1),
+        block_dim: (threads_for((d / 8).min(1024)), 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (di, e) = (d as i32, eps);
+    let mut b = stream.launch_builder(&func);
+    b.arg(&xp)
+        .arg(&ap)
+        .arg(&wp)
+        .arg(&h)
+        .arg(&y)
+        .arg(&di)
+        .arg(&e);
+    // SAFETY: x, a, w are live contiguous bf16 buffers of the sizes checked, on this stream; h
+    // and y are fresh.
+    unsafe { b.launch(cfg) }.w()?;
+    let wrap = |buf| {
+        Tensor::from_storage(
+            Storage::Cuda(CudaStorage::wrap_cuda_slice(buf, dev.clone())),
+            x.shape().clone(),
+            BackpropOp::none(),
+            false,
+        )
+    };
+    Ok(Some((wrap(h), wrap(y))))
 }
 
 /// `ops::swiglu::swiglu_bwd_keep` on the GPU: (dg, du, a) with a written over `da`'s buffer,

@@ -58,8 +58,9 @@ pub fn lora_fwd(
     Ok((with_base(x, w, bias, &xas, b)?, xas))
 }
 
-/// y = x Wᵀ (+ bias) + xas Bᵀ: x [m, in], xas [m, r] (a column slice is fine) → [m, out].
-fn with_base(
+/// y = x Wᵀ (+ bias) + xas Bᵀ: x [m, in], xas [m, r] (a column slice is fine) → [m, out]:
+/// `lora_fwd`'s output from its kept adapter state (a recompute needs no x Aᵀ again).
+pub fn with_base(
     x: &Tensor,
     w: &Tensor,
     bias: Option<&Tensor>,

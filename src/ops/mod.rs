@@ -27,7 +27,7 @@ pub use add::add;
 pub use attention::{attention, AttnMask};
 pub use frozen_linear::frozen_linear;
 pub use lora_linear::lora_linear;
-pub use rms_norm::{rms_norm, rms_norm_bwd, rms_norm_bwd_add};
+pub use rms_norm::{add_rms_norm, rms_norm, rms_norm_bwd, rms_norm_bwd_add};
 pub use rope::{rope, rope_heads, rope_rows_inv, to_heads, to_rows};
 pub use swiglu::{swiglu, swiglu_bwd, swiglu_bwd_keep};
 

@@ -12,6 +12,18 @@ struct RmsNorm {
 }
 
 /// x: [..., d], w: [d] → [..., d]. Gradients flow to `x` only.
+/// h = x + a (rounded to their dtype) and rms_norm(h, w): a residual add and the norm after it,
+/// one pass on CUDA in bf16 (the two ops' values); elsewhere the two ops. No graph.
+pub fn add_rms_norm(x: &Tensor, a: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    if let Some(r) = super::cuda::add_rms_norm(x, a, w, eps as f32)? {
+        return Ok(r);
+    }
+    let h = super::add(x, a)?;
+    let y = rms_norm(&h, w, eps)?;
+    Ok((h, y))
+}
+
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     let x = x.contiguous()?;
     let op = RmsNorm {
