@@ -218,8 +218,9 @@ impl Layer {
         let delta = ops::attention::attention_delta_rows(&dattn, &attn, b, t, h)?; // [B, H, T]
         drop(attn);
         let (mask, scale) = (self.attn_mask(ctx), 1.0 / (d as f64).sqrt());
-        let (dq_h, dk_h, dv) = if ops::flash::takes(&q) {
-            // dO and v read in place from their rows; dv comes back as rows [m, K·D].
+        let (dq, dk, dv) = if ops::flash::takes(&q) {
+            // dO and v read in place from their rows; dq, dk and dv come back as rows, dq and
+            // dk rotated back by RoPE's angle in the kernels' stores (RoPE's backward).
             let (dq, dk, dv) = ops::flash::flash_bwd(
                 &q,
                 &kk,
@@ -229,8 +230,10 @@ impl Layer {
                 &lse,
                 &mask,
                 scale,
+                Some((&ctx.cos, &ctx.sin)),
             )?;
-            (dq, dk, dv.transpose(1, 2)?.reshape((b * t, k * d))?)
+            let rows = |x: Tensor, n: usize| x.transpose(1, 2)?.reshape((b * t, n * d));
+            (rows(dq, h)?, rows(dk, k)?, rows(dv, k)?) // [m, H·D], [m, K·D], [m, K·D]
         } else {
             let d_o = ops::to_heads(&dattn, b, t, h)?; // [B, H, T, D]
             let vh = ops::to_heads(&v, b, t, k)?; // [B, K, T, D]
@@ -247,13 +250,12 @@ impl Layer {
             )?;
             // GQA: each kv head's gradient is the sum over the query heads that shared it.
             let (dk, dv) = (unrepeat_kv(&dk, k)?, unrepeat_kv(&dv, k)?);
+            // RoPE's backward is the inverse rotation; back to token-major rows in one pass.
+            let dq = ops::rope_rows_inv(&dq, &ctx.cos, &ctx.sin)?; // [m, H·D]
+            let dk = ops::rope_rows_inv(&dk, &ctx.cos, &ctx.sin)?; // [m, K·D]
             (dq, dk, ops::to_rows(&dv)?) // dv [m, K·D]
         };
         drop((q, kk, v, dattn, delta, lse));
-        // RoPE's backward is the inverse rotation; back to token-major rows in the same pass.
-        let dq = ops::rope_rows_inv(&dq_h, &ctx.cos, &ctx.sin)?; // [m, H·D]
-        let dk = ops::rope_rows_inv(&dk_h, &ctx.cos, &ctx.sin)?; // [m, K·D]
-        drop((dq_h, dk_h));
 
         let hn = ops::rms_norm(&x, &self.input_norm, self.eps)?; // recomputed
         let (dhn, g) = Linear::bwd_shared(

@@ -25,7 +25,9 @@ struct FlashP {
     float* lse;                // [B, H, T]: forward out, backward in
     const float* delta;        // [B, H, T] = rowsum(dO ⊙ O), backward in
     const unsigned* seg;       // [B, T] example ids, or null
+    const float* rc; const float* rs;  // backward: RoPE's cos, sin [B, T, D/2] f32, or null
     long sq[3]; long sk[3]; long sv[3]; long so[3];
+    long sdq[3]; long sdk[3];  // backward: dq's and dk's strides (their layout is the caller's)
     int B, H, KH, T, window;
     float scale;
 };
@@ -138,6 +140,42 @@ __device__ __forceinline__ void fl_acc_ptile(float (*acc)[4], float (*c)[4], uns
             fl_bfrag2n(bb, tile, D + 8, j * 16, n * 8, l);
             fl_mma(acc[n], a, bb[0], bb[1]);
             fl_mma(acc[n + 1], a, bb[2], bb[3]);
+        }
+    }
+}
+
+// Stores this warp's 16 × D accumulator tile (rows i0 and i0 + 8 of a [T, D] slab at out, row
+// stride st) times `scale`, rotated back by RoPE's angle (−θ, its backward) when rc is given
+// (cos and sin rows [T, D/2] of this batch row): column col and its partner col + D/2 are
+// acc[n] and acc[n + D/16] of the same thread, so the rotation needs no exchange.
+template<int D>
+__device__ __forceinline__ void fl_store_rows(bf16_t* out, long st, const float (*acc)[4], int i0,
+                                              int T, float scale, const float* rc, const float* rs,
+                                              int c) {
+    constexpr int DN = D / 8, H2 = D / 2;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int i = i0 + 8 * r;
+        if (i >= T) continue;
+        bf16_t* row = out + (long)i * st;
+        if (rc) {
+            const float* cr = rc + (long)i * H2;
+            const float* sr = rs + (long)i * H2;
+#pragma unroll
+            for (int n = 0; n < DN / 2; ++n) {
+                const int col = n * 8 + 2 * c;
+                const float2 cv = *(const float2*)(cr + col), sv = *(const float2*)(sr + col);
+                const float a0 = acc[n][2 * r] * scale, a1 = acc[n][2 * r + 1] * scale;
+                const float b0 = acc[n + DN / 2][2 * r] * scale, b1 = acc[n + DN / 2][2 * r + 1] * scale;
+                *(unsigned*)(row + col) = fl_pack(a0 * cv.x + b0 * sv.x, a1 * cv.y + b1 * sv.y);
+                *(unsigned*)(row + col + H2) = fl_pack(b0 * cv.x - a0 * sv.x, b1 * cv.y - a1 * sv.y);
+            }
+        } else {
+#pragma unroll
+            for (int n = 0; n < DN; ++n) {
+                const int col = n * 8 + 2 * c;
+                *(unsigned*)(row + col) = fl_pack(acc[n][2 * r] * scale, acc[n][2 * r + 1] * scale);
+            }
         }
     }
 }
@@ -350,13 +388,9 @@ __device__ __forceinline__ void flash_dq(const FlashP& p) {
         fl_acc_ptile<D, BK>(acc, s, tK, l);  // dQ += dS K
         __syncthreads();
     }
-    bf16_t* out = p.dq + b * p.sq[0] + h * p.sq[1];
-#pragma unroll
-    for (int n = 0; n < DN; ++n) {
-        const int col = n * 8 + 2 * c;
-        if (qi0 < T) *(unsigned*)(out + (long)qi0 * p.sq[2] + col) = fl_pack(acc[n][0] * p.scale, acc[n][1] * p.scale);
-        if (qi1 < T) *(unsigned*)(out + (long)qi1 * p.sq[2] + col) = fl_pack(acc[n][2] * p.scale, acc[n][3] * p.scale);
-    }
+    const long rope = (long)b * T * (D / 2);
+    fl_store_rows<D>(p.dq + b * p.sdq[0] + h * p.sdq[1], p.sdq[2], acc, qi0, T, p.scale,
+                     p.rc ? p.rc + rope : nullptr, p.rs ? p.rs + rope : nullptr, c);
 }
 
 template<int D>
@@ -461,20 +495,10 @@ __device__ __forceinline__ void flash_dkdv(const FlashP& p) {
         __syncthreads();
     }
     fl_wait_all();
-    bf16_t* dkg = p.dk + b * p.sk[0] + kh * p.sk[1];
-    bf16_t* dvg = p.dv + b * p.sv[0] + kh * p.sv[1];
-#pragma unroll
-    for (int n = 0; n < DN; ++n) {
-        const int col = n * 8 + 2 * c;
-        if (kj0 < T) {
-            *(unsigned*)(dkg + (long)kj0 * p.sk[2] + col) = fl_pack(dk[n][0] * p.scale, dk[n][1] * p.scale);
-            *(unsigned*)(dvg + (long)kj0 * p.sv[2] + col) = fl_pack(dv[n][0], dv[n][1]);
-        }
-        if (kj1 < T) {
-            *(unsigned*)(dkg + (long)kj1 * p.sk[2] + col) = fl_pack(dk[n][2] * p.scale, dk[n][3] * p.scale);
-            *(unsigned*)(dvg + (long)kj1 * p.sv[2] + col) = fl_pack(dv[n][2], dv[n][3]);
-        }
-    }
+    const long rope = (long)b * T * (D / 2);
+    fl_store_rows<D>(p.dk + b * p.sdk[0] + kh * p.sdk[1], p.sdk[2], dk, kj0, T, p.scale,
+                     p.rc ? p.rc + rope : nullptr, p.rs ? p.rs + rope : nullptr, c);
+    fl_store_rows<D>(p.dv + b * p.sv[0] + kh * p.sv[1], p.sv[2], dv, kj0, T, 1.f, nullptr, nullptr, c);
 }
 
 #define FLASH_INST(D) \

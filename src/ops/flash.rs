@@ -55,7 +55,10 @@ pub fn flash_fwd(
 }
 
 /// Given dO [B, H, T, D], δ = rowsum(dO ⊙ O) and L [B, H, T] f32: (dq, dk, dv), each laid out
-/// like its input (dk and dv summed over the query heads of each kv head).
+/// like its input (dk and dv summed over the query heads of each kv head). With `rope` =
+/// (cos, sin) [B, T, D/2] f32, q and k having been rotated by RoPE, dq and dk come back
+/// rotated back (dL/d of the unrotated q and k) and laid out as token-major rows (viewed
+/// [B, H, T, D]): RoPE's backward and the layout change happen in the kernels' stores.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_bwd(
     q: &Tensor,
@@ -66,14 +69,15 @@ pub fn flash_bwd(
     lse: &Tensor,
     mask: &AttnMask,
     scale: f64,
+    rope: Option<(&Tensor, &Tensor)>,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     #[cfg(feature = "cuda")]
     {
-        imp::bwd(q, k, v, d_o, delta, lse, mask, scale)
+        imp::bwd(q, k, v, d_o, delta, lse, mask, scale, rope)
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (q, k, v, d_o, delta, lse, mask, scale);
+        let _ = (q, k, v, d_o, delta, lse, mask, scale, rope);
         candle_core::bail!("flash attention needs the cuda feature")
     }
 }
@@ -103,10 +107,14 @@ mod imp {
         lse: u64,
         delta: u64,
         seg: u64,
+        rc: u64,
+        rs: u64,
         sq: [i64; 3],
         sk: [i64; 3],
         sv: [i64; 3],
         so: [i64; 3],
+        sdq: [i64; 3],
+        sdk: [i64; 3],
         b: i32,
         h: i32,
         kh: i32,
@@ -174,6 +182,18 @@ mod imp {
         // SAFETY: every element is written by the kernel before the tensor is read.
         let buf = unsafe { dev.alloc::<half::bf16>(like.elem_count())? };
         Ok((buf, order))
+    }
+
+    /// The strides of dims 0, 1, 2 of `dims` [B, H, T, D] stored densely in `order` (outermost
+    /// first; d innermost).
+    fn order_strides(dims: &[usize], order: [usize; 4]) -> [i64; 3] {
+        let mut st = [0i64; 4];
+        let mut s = 1i64;
+        for &i in order.iter().rev() {
+            st[i] = s;
+            s *= dims[i] as i64;
+        }
+        [st[0], st[1], st[2]]
     }
 
     fn view(
@@ -348,6 +368,7 @@ mod imp {
         lse: &Tensor,
         mask: &AttnMask,
         scale: f64,
+        rope: Option<(&Tensor, &Tensor)>,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let mut p = base(q, k, v, mask, scale)?;
         let (b, h, kh, t, d) = check_shapes(q, k, v)?;
@@ -367,11 +388,48 @@ mod imp {
         }
         let dev = cuda_dev(q)?;
         let stream = dev.cuda_stream();
-        let (dq, oq) = like(q, &dev)?;
-        let (dk, ok) = like(k, &dev)?;
+        // With RoPE's backward in the stores, dq and dk are written as token-major rows.
+        let rows_order = [0usize, 2, 1, 3]; // (b, t, h, d)
+        let fresh = |like_t: &Tensor| -> Result<(CudaSlice<half::bf16>, [usize; 4])> {
+            match rope {
+                // SAFETY: every element is written by the kernel before the tensor is read.
+                Some(_) => Ok((
+                    unsafe { dev.alloc::<half::bf16>(like_t.elem_count())? },
+                    rows_order,
+                )),
+                None => like(like_t, &dev),
+            }
+        };
+        let (dq, oq) = fresh(q)?;
+        let (dk, ok) = fresh(k)?;
         let (dv, ov) = like(v, &dev)?;
+        p.sdq = order_strides(q.dims(), oq);
+        p.sdk = order_strides(k.dims(), ok);
         let (seg, _keep) = seg_addr(mask, b, t, &stream)?;
         p.seg = seg;
+        let rope = match rope {
+            Some((c, s)) => {
+                let (c, s) = (c.contiguous()?, s.contiguous()?);
+                for (what, x) in [("cos", &c), ("sin", &s)] {
+                    if x.dtype() != DType::F32 || x.dims() != [b, t, d / 2] {
+                        candle_core::bail!(
+                            "flash attention: RoPE's {what} must be f32 [B, T, D/2] = [{b}, {t}, {}], got {:?} {:?}",
+                            d / 2,
+                            x.dtype(),
+                            x.dims()
+                        );
+                    }
+                }
+                Some((c, s))
+            }
+            None => None,
+        };
+        if let Some((c, s)) = &rope {
+            let (cs, cl) = c.storage_and_layout();
+            let (ss, sl) = s.storage_and_layout();
+            p.rc = addr::<f32>(&cs, cl, &stream)?;
+            p.rs = addr::<f32>(&ss, sl, &stream)?;
+        }
         {
             let (qs, ql) = q.storage_and_layout();
             let (ks, kl) = k.storage_and_layout();

@@ -561,7 +561,47 @@ fn flash_attention_matches_blockwise_on_the_gpu() {
         assert_close(&format!("{tag} L"), &lse, &lse_ref, 1e-3, 1e-3);
 
         let delta = attention_delta(&d_o, &o_heads).unwrap();
-        let (dq, dk, dv) = flash::flash_bwd(&q, &k, &v, &d_o, &delta, &lse, &mask, scale).unwrap();
+        let (dq, dk, dv) =
+            flash::flash_bwd(&q, &k, &v, &d_o, &delta, &lse, &mask, scale, None).unwrap();
+        // RoPE's backward in the stores: dq and dk as rows rotated back, against the separate
+        // pass over the kernels' heads (that one rounds twice: the bound is bf16's, of the scale).
+        let cos = Tensor::randn(0f32, 1.0, (b, t, d / 2), &dev).unwrap();
+        let sin = Tensor::randn(0f32, 1.0, (b, t, d / 2), &dev).unwrap();
+        let (dqr, dkr, dvr) = flash::flash_bwd(
+            &q,
+            &k,
+            &v,
+            &d_o,
+            &delta,
+            &lse,
+            &mask,
+            scale,
+            Some((&cos, &sin)),
+        )
+        .unwrap();
+        let rows_of =
+            |x: &Tensor, n: usize| x.transpose(1, 2).unwrap().reshape((b * t, n * d)).unwrap();
+        for (what, got, want) in [
+            (
+                "dq",
+                rows_of(&dqr, h),
+                ops::rope_rows_inv(&dq, &cos, &sin).unwrap(),
+            ),
+            (
+                "dk",
+                rows_of(&dkr, kh),
+                ops::rope_rows_inv(&dk, &cos, &sin).unwrap(),
+            ),
+        ] {
+            assert_close(
+                &format!("{tag} {what} with RoPE's backward"),
+                &got,
+                &want,
+                1e-2,
+                1e-2,
+            );
+        }
+        assert_close(&format!("{tag} dv beside RoPE"), &dvr, &dv, 0.0, 0.0);
         let delta_ref = attention_delta(&dor, &o_ref).unwrap();
         let (dq_r, dk_r, dv_r) = attention_bwd(
             &qr,
