@@ -265,14 +265,31 @@ impl Linear {
         }
     }
 
-    fn adapter_op<'a>(&'a self, lora: &'a Lora, ctx: &'a Ctx) -> ops::lora_linear::Adapter<'a> {
-        ops::lora_linear::Adapter {
-            w: &self.w,
-            bias: self.b.as_ref(),
-            a: ctx.adapter(&lora.a),
-            b: ctx.adapter(&lora.b),
-            scale: lora.scale,
+    /// The shared adapters `idx` of `lins`: their A's stacked [Σ r, in] in `dt`, and each one's
+    /// operands.
+    fn shared_ops<'a>(
+        lins: &[&'a Linear],
+        idx: &[usize],
+        ctx: &'a Ctx,
+        dt: DType,
+    ) -> Result<(Tensor, Vec<ops::lora_linear::Adapter<'a>>)> {
+        let mut a = Vec::with_capacity(idx.len());
+        let mut ads = Vec::with_capacity(idx.len());
+        for &i in idx {
+            let (lin, lora) = match &lins[i].lora {
+                Some(lora) => (lins[i], lora),
+                None => candle_core::bail!("{}: shared without an adapter", lins[i].name),
+            };
+            a.push(&lora.a);
+            ads.push(ops::lora_linear::Adapter {
+                w: &lin.w,
+                bias: lin.b.as_ref(),
+                a: ctx.adapter(&lora.a),
+                b: ctx.adapter(&lora.b),
+                scale: lora.scale,
+            });
         }
+        Ok((ctx.a_stack(&a, dt)?, ads))
     }
 
     /// `fwd` of linears that share their input x [m, in]: (y, adapter state) each, in order.
@@ -286,13 +303,7 @@ impl Linear {
         let idx = Self::shared(lins, ctx);
         let mut out: Vec<Option<(Tensor, Option<Tensor>)>> = vec![None; lins.len()];
         if !idx.is_empty() {
-            let loras: Vec<&Lora> = idx.iter().filter_map(|&i| lins[i].lora.as_ref()).collect();
-            let a = ctx.a_stack(&loras.iter().map(|l| &l.a).collect::<Vec<_>>(), x.dtype())?;
-            let ads: Vec<_> = idx
-                .iter()
-                .zip(&loras)
-                .map(|(&i, l)| lins[i].adapter_op(l, ctx))
-                .collect();
+            let (a, ads) = Self::shared_ops(lins, &idx, ctx, x.dtype())?;
             let ys = ops::lora_linear::lora_fwd_shared(x, &ads, &a)?;
             for (&i, (y, xas)) in idx.iter().zip(ys) {
                 out[i] = Some((y, Some(xas)));
@@ -323,13 +334,7 @@ impl Linear {
         let mut grads: Vec<AdapterGrad> = vec![None; lins.len()];
         let mut dx: Option<Tensor> = None;
         if !idx.is_empty() {
-            let loras: Vec<&Lora> = idx.iter().filter_map(|&i| lins[i].lora.as_ref()).collect();
-            let a = ctx.a_stack(&loras.iter().map(|l| &l.a).collect::<Vec<_>>(), x.dtype())?;
-            let ads: Vec<_> = idx
-                .iter()
-                .zip(&loras)
-                .map(|(&i, l)| lins[i].adapter_op(l, ctx))
-                .collect();
+            let (a, ads) = Self::shared_ops(lins, &idx, ctx, x.dtype())?;
             let mut gs = Vec::with_capacity(idx.len());
             let mut xs = Vec::with_capacity(idx.len());
             for &i in &idx {

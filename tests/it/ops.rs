@@ -120,6 +120,16 @@ fn swiglu_matches_composite_in_gate_and_up() {
     }
 }
 
+/// A tensor's values in f32, flat, on the host.
+fn host(t: &Tensor) -> Vec<f32> {
+    t.to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+}
+
 /// The residual add fused with the norm after it gives exactly the two ops' values, on the
 /// 8-a-thread bf16 path (48) and off it (44: the two ops).
 #[test]
@@ -139,14 +149,6 @@ fn add_rms_norm_is_add_then_rms_norm_to_the_bit() {
             let h = ops::add(&x, &a).unwrap();
             let y = ops::rms_norm(&h, &w, 1e-5).unwrap();
             let (h2, y2) = ops::add_rms_norm(&x, &a, &w, 1e-5).unwrap();
-            let host = |t: &Tensor| {
-                t.to_dtype(DType::F32)
-                    .unwrap()
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1::<f32>()
-                    .unwrap()
-            };
             let tag = format!("{dt:?} d={d} {:?}", dev.location());
             assert_eq!(host(&h2), host(&h), "h {tag}");
             assert_eq!(host(&y2), host(&y), "y {tag}");
@@ -172,14 +174,6 @@ fn swiglu_bwd_keep_is_swiglu_bwd_and_swiglu_to_the_bit() {
             let (dg, du) = ops::swiglu_bwd(&g, &u, &da).unwrap();
             let a = ops::swiglu(&g, &u).unwrap();
             let (dg2, du2, a2) = ops::swiglu_bwd_keep(&g, &u, da.copy().unwrap()).unwrap();
-            let host = |t: &Tensor| {
-                t.to_dtype(DType::F32)
-                    .unwrap()
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1::<f32>()
-                    .unwrap()
-            };
             for (what, want, got) in [("dg", &dg, &dg2), ("du", &du, &du2), ("a", &a, &a2)] {
                 assert_eq!(
                     host(got),
