@@ -123,7 +123,8 @@ impl Layer {
         let (ao, xo) = self.o.fwd(&attn, ctx)?;
         let (hres, hn) = ops::add_rms_norm(&x, &ao, &self.post_norm, self.eps)?; // [m, C] each
         drop(ao);
-        let [(gate, xg), (up, xu)] = array(Linear::fwd_shared(&[&self.gate, &self.up], &hn, ctx)?)?; // [m, I] each
+        // gate and up [m, I] each: their adapters' x Aᵀ as one GEMM
+        let [(gate, xg), (up, xu)] = array(Linear::fwd_shared(&[&self.gate, &self.up], &hn, ctx)?)?;
         drop(hn);
         let a = ops::swiglu(&gate, &up)?; // [m, I]
         let (y, xd) = if output {

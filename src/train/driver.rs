@@ -13,7 +13,8 @@
 //! Several ranks (`Par`): under FSDP each layer's frozen base is all-gathered just before its
 //! forward and again before its backward (and recompute), and dropped after use; the next
 //! layer's gather is issued one layer early (on NCCL on a second stream, overlapping this layer;
-//! in line with LORA_TRAIN_GATHER_STREAM=0 or on the CPU). The embedding and head are gathered likewise.
+//! in line with LORA_TRAIN_GATHER_STREAM=0 or on the CPU). The embedding and head are gathered
+//! likewise.
 //! What forward keeps holds no weights, so only one or two gathered layers exist at a time,
 //! with or without checkpointing. On the step's last micro-batch each layer's adapter gradients
 //! are summed over the ranks in one bucket as soon as that layer's backward is done (DDP and
