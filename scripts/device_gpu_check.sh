@@ -15,8 +15,8 @@
 # bench: Llama-2-7B shape, seq 2048: ours and transformers+PEFT in the same call.
 # dist (2 GPUs, a lora-train built with --features cuda,nccl): the tiny recipe trained with ddp and
 #   fsdp on GPUs 0,1 (complete adapter, loss), then the 7B-shape bench with one global batch of
-#   4 rows of 2048: single micro-batch 4, ddp and fsdp 2 GPUs x 2 (each also with its collectives
-#   in line on the compute stream; fsdp also checkpointed); per-rank tok/s and peaks, losses ->
+#   4 rows of 2048: single micro-batch 4 (and 2: the scaling reference), ddp and fsdp 2 GPUs x 2
+#   (fsdp also with its gathers in line, and checkpointed); per-rank tok/s and peaks, losses ->
 #   $OUT/dist.jsonl. dist2: single 2 x accumulation 2, single and ddp checkpointed.
 # torchrun (2 GPUs): peft_baseline.py --mode ddp / fsdp, same shape -> $OUT/dist.jsonl.
 #   (dist, dist2 and torchrun are separate calls: each takes several minutes.)
@@ -90,10 +90,11 @@ PY
   done
 fi
 
-# The 7B-shape runs, "strategy micro-batch accum [ckpt] [inline]" each ("inline": collectives on
-# the compute stream, LORA_TRAIN_GATHER_STREAM=0, instead of the second stream). About 45 s each.
+# The 7B-shape runs, "strategy micro-batch accum [ckpt] [inline]" each ("inline": FSDP's gathers
+# on the compute stream, LORA_TRAIN_GATHER_STREAM=0, instead of the second stream; DDP is always
+# in line). About 45 s each.
 dist_cfgs=""
-[[ $what == *" dist "* ]] && dist_cfgs="single:4:1 ddp:2:1 ddp:2:1::inline fsdp:2:1 fsdp:2:1::inline fsdp:2:1:ckpt"
+[[ $what == *" dist "* ]] && dist_cfgs="single:4:1 single:2:1 ddp:2:1 fsdp:2:1 fsdp:2:1::inline fsdp:2:1:ckpt"
 [[ $what == *" dist2 "* ]] && dist_cfgs="$dist_cfgs single:2:2 single:4:1:ckpt ddp:2:1:ckpt"
 if [ -n "$dist_cfgs" ]; then
   B="--shape llama2-7b --seq 2048 --rank 16 --targets all --steps 10 --warmup 3 --json $OUT/dist.jsonl"
