@@ -188,8 +188,7 @@ fn run_rank(a: &BenchArgs, device: Device, comm: &dyn Comm) -> Result<serde_json
         gpus: comm.world(),
         cuda: !a.device.is_cpu(),
         flash_attention: crate::ops::flash::takes_for(&a.device, act, head_dim),
-        ce_kernel: cfg!(feature = "cuda")
-            && crate::ops::cross_entropy::kernel_takes_for(a.device.is_cuda(), act),
+        ce_kernel: crate::ops::cross_entropy::kernel_takes_for(a.device.is_cuda(), act),
     };
     let p = plan::plan(&input, 1, a.max_memory);
     let sel = (a.strategy, a.ckpt);

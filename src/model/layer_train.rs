@@ -185,13 +185,10 @@ impl Layer {
         // ---- MLP: y = h + down(swiglu(gate(hn), up(hn))), hn = rms_norm(h)
         // down's dL/da needs no a; a is recomputed in SwiGLU's backward pass (over da's
         // buffer) for down's adapter gradient alone.
-        let (da, gbs) = self.down.bwd_dx(&dy, ctx)?; // [m, I]
+        let (da, half) = self.down.bwd_dx(&dy, ctx, None)?; // [m, I]
         let (dgate, dup, a) = ops::swiglu_bwd_keep(&gate, &up, da)?;
         drop((gate, up));
-        keep(
-            &self.down,
-            self.down.bwd_grads(&a, &dy, gbs, xd.as_ref(), ctx)?,
-        );
+        keep(&self.down, self.down.bwd_grads(&a, &dy, half, xd.as_ref())?);
         drop(a);
         // [m, C] each, recomputed as forward made them, from o's kept adapter state
         let ao = self.o.fwd_again(&attn, xo.as_ref(), ctx)?;

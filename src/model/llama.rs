@@ -64,6 +64,13 @@ impl Ctx {
 /// An adapter's (dL/dA, dL/dB) in f32, None for a linear without one.
 pub type AdapterGrad = Option<(Tensor, Tensor)>;
 
+/// What `Linear::bwd_dx` leaves for `Linear::bwd_grads`: s · g B [m, r] and the dropout mask
+/// (drawn once for both halves).
+pub struct AdapterHalf {
+    gbs: Tensor,
+    mask: Option<Tensor>,
+}
+
 /// `Ctx::adapters` and `Ctx::adapter_buf`.
 type AdapterCopies = (HashMap<TensorId, Tensor>, Option<Tensor>);
 
@@ -168,44 +175,39 @@ impl Linear {
         xas: Option<&Tensor>,
         ctx: &Ctx,
         acc: Option<Tensor>,
-    ) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
-        match (&self.lora, xas) {
-            (Some(lora), Some(xas)) => {
-                let mask = self.dropout_mask(x.dims(), ctx)?;
-                let (dx, da, db) = ops::lora_linear::lora_bwd(
-                    x,
-                    g,
-                    &self.w,
-                    ctx.adapter(&lora.a),
-                    ctx.adapter(&lora.b),
-                    lora.scale,
-                    mask.as_ref(),
-                    xas,
-                    acc,
-                )?;
-                Ok((dx, Some((da, db))))
-            }
-            (None, _) => match acc {
-                Some(acc) => Ok((ops::linear_acc::linear_bwd_acc(g, &self.w, acc)?, None)),
-                None => Ok((g.contiguous()?.matmul(&self.w)?, None)), // dx = g W
-            },
-            (Some(_), None) => {
-                candle_core::bail!(
-                    "{}: backward without the forward's adapter state",
-                    self.name
-                )
-            }
+    ) -> Result<(Tensor, AdapterGrad)> {
+        if self.lora.is_some() && xas.is_none() {
+            candle_core::bail!(
+                "{}: backward without the forward's adapter state",
+                self.name
+            )
         }
+        let (dx, half) = self.bwd_dx(g, ctx, acc)?;
+        Ok((dx, self.bwd_grads(x, g, half, xas)?))
     }
 
     /// `bwd` in two halves, for a linear whose input x is only wanted for the adapter's
-    /// gradients: dL/dx [m, in] from g [m, out] alone, and what `bwd_grads` takes with x.
-    pub fn bwd_dx(&self, g: &Tensor, ctx: &Ctx) -> Result<(Tensor, Option<Tensor>)> {
+    /// gradients: dL/dx [m, in] from g [m, out] alone (plus `acc`, as `bwd`), and what
+    /// `bwd_grads` takes with x.
+    pub fn bwd_dx(
+        &self,
+        g: &Tensor,
+        ctx: &Ctx,
+        acc: Option<Tensor>,
+    ) -> Result<(Tensor, Option<AdapterHalf>)> {
         let Some(lora) = &self.lora else {
-            return Ok((g.contiguous()?.matmul(&self.w)?, None)); // dx = g W
+            let dx = match acc {
+                Some(acc) => ops::linear_acc::linear_bwd_acc(g, &self.w, acc)?,
+                None => g.contiguous()?.matmul(&self.w)?, // dx = g W
+            };
+            return Ok((dx, None));
         };
         let g = g.contiguous()?;
-        let mask = self.dropout_mask(&[g.dim(0)?, self.w.dim(1)?], ctx)?;
+        let mut dims = g.dims().to_vec(); // the input's: [m, in]
+        if let Some(d) = dims.last_mut() {
+            *d = self.w.dim(1)?;
+        }
+        let mask = self.dropout_mask(&dims, ctx)?;
         let (dx, gbs) = ops::lora_linear::lora_bwd_dx(
             &g,
             &self.w,
@@ -213,9 +215,9 @@ impl Linear {
             ctx.adapter(&lora.b),
             lora.scale,
             mask.as_ref(),
-            None,
+            acc,
         )?;
-        Ok((dx, Some(gbs)))
+        Ok((dx, Some(AdapterHalf { gbs, mask })))
     }
 
     /// The second half of `bwd_dx`: (dA, dB) from x [m, in], the same g, what `bwd_dx`
@@ -224,15 +226,13 @@ impl Linear {
         &self,
         x: &Tensor,
         g: &Tensor,
-        gbs: Option<Tensor>,
+        half: Option<AdapterHalf>,
         xas: Option<&Tensor>,
-        ctx: &Ctx,
     ) -> Result<AdapterGrad> {
-        match (gbs, xas) {
-            (Some(gbs), Some(xas)) => {
-                let mask = self.dropout_mask(x.dims(), ctx)?;
+        match (half, xas) {
+            (Some(h), Some(xas)) => {
                 let g = g.contiguous()?;
-                let (da, db) = ops::lora_linear::lora_grads(x, &g, &gbs, mask.as_ref(), xas)?;
+                let (da, db) = ops::lora_linear::lora_grads(x, &g, &h.gbs, h.mask.as_ref(), xas)?;
                 Ok(Some((da, db)))
             }
             (None, _) => Ok(None),
