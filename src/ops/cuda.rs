@@ -479,32 +479,66 @@ INST(f32, float)
 INST(bf16, bf16_t)
 "#;
 
-static PTX: OnceLock<std::result::Result<Ptx, String>> = OnceLock::new();
-static MODULES: OnceLock<Mutex<HashMap<usize, Arc<CudaModule>>>> = OnceLock::new();
+/// One NVRTC program: compiled once per process, loaded once per CUDA context.
+struct Program {
+    arch: &'static str,
+    src: fn() -> String,
+    ptx: OnceLock<std::result::Result<Ptx, String>>,
+    modules: OnceLock<Mutex<HashMap<usize, Arc<CudaModule>>>>,
+}
 
-fn module(dev: &CudaDevice) -> Result<Arc<CudaModule>> {
-    let ptx = PTX
+/// Every kernel of ours, for sm_80 and later (mma.sync, cp.async).
+static PORTABLE: Program = Program {
+    arch: "sm_80",
+    src: || {
+        format!(
+            "{SRC}{}{}{}",
+            include_str!("flash.cu"),
+            include_str!("multi_tensor.cu"),
+            include_str!("cross_entropy.cu")
+        )
+    },
+    ptx: OnceLock::new(),
+    modules: OnceLock::new(),
+};
+
+/// flash90.cu's wgmma kernels (over flash.cu's helpers), for compute capability 9.0 only:
+/// sm_90a code runs on no other architecture.
+static HOPPER: Program = Program {
+    arch: "sm_90a",
+    src: || {
+        format!(
+            "typedef unsigned short bf16_t;\n{}{}",
+            include_str!("flash.cu"),
+            include_str!("flash90.cu")
+        )
+    },
+    ptx: OnceLock::new(),
+    modules: OnceLock::new(),
+};
+
+fn module(dev: &CudaDevice, prog: &'static Program) -> Result<Arc<CudaModule>> {
+    let ptx = prog
+        .ptx
         .get_or_init(|| {
             let opts = CompileOptions {
-                arch: Some("sm_80"),
+                arch: Some(prog.arch),
                 ..Default::default()
             };
-            let src = format!(
-                "{SRC}{}{}{}",
-                include_str!("flash.cu"),
-                include_str!("multi_tensor.cu"),
-                include_str!("cross_entropy.cu")
-            );
-            compile_ptx_with_opts(src, opts).map_err(|e| format!("{e:?}"))
+            compile_ptx_with_opts((prog.src)(), opts).map_err(|e| format!("{e:?}"))
         })
         .as_ref()
         .map_err(|e| {
-            candle_core::Error::Msg(format!("NVRTC failed to compile our kernels: {e}"))
+            candle_core::Error::Msg(format!(
+                "NVRTC failed to compile our kernels for {}: {e}",
+                prog.arch
+            ))
         })?;
     let stream = dev.cuda_stream();
     let ctx = stream.context();
     let key = Arc::as_ptr(ctx) as usize;
-    let mut mods = MODULES
+    let mut mods = prog
+        .modules
         .get_or_init(Default::default)
         .lock()
         .map_err(|_| candle_core::Error::Msg("kernel module cache poisoned".into()))?;
@@ -514,6 +548,11 @@ fn module(dev: &CudaDevice) -> Result<Arc<CudaModule>> {
     let m = ctx.load_module(ptx.clone()).w()?;
     mods.insert(key, m.clone());
     Ok(m)
+}
+
+/// Whether `dev` is a Hopper GPU (compute capability 9.0), where flash90.cu's kernels run.
+pub fn is_hopper(dev: &CudaDevice) -> Result<bool> {
+    Ok(dev.cuda_stream().context().compute_capability().w()? == (9, 0))
 }
 
 /// The device address of `t`'s first element when `t` is a contiguous bf16, f16 or f32 CUDA
@@ -558,13 +597,18 @@ fn first(t: &candle_core::Tensor) -> Result<Option<u64>> {
 
 /// Our kernel `name` on `dev`.
 pub(super) fn function(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
-    module(dev)?.load_function(name).w()
+    module(dev, &PORTABLE)?.load_function(name).w()
+}
+
+/// flash90.cu's kernel `name` on `dev`, a Hopper GPU.
+pub(super) fn function90(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
+    module(dev, &HOPPER)?.load_function(name).w()
 }
 
 /// Our kernel `name_<dtype of s>` and the stream of `s`'s device.
 fn kernel(s: &CudaStorage, name: &str) -> Result<(CudaFunction, Arc<CudaStream>)> {
     use candle_core::backend::BackendStorage;
-    let func = module(s.device())?
+    let func = module(s.device(), &PORTABLE)?
         .load_function(&format!("{name}_{}", suffix(s.dtype())?))
         .w()?;
     Ok((func, s.device().cuda_stream()))

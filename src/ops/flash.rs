@@ -35,6 +35,30 @@ fn switched_off() -> bool {
     *OFF.get_or_init(|| std::env::var("LORA_TRAIN_FLASH").is_ok_and(|v| v == "0"))
 }
 
+/// Which family of tensor-core kernels runs a pass.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kernels {
+    /// flash.cu: mma.sync from ldmatrix fragments; sm_80 and later, head dims 64 and 128.
+    MmaSync,
+    /// flash90.cu: warpgroup MMA (wgmma) from swizzled shared tiles; compute capability 9.0
+    /// (H100, H200), head dim 128.
+    Wgmma,
+}
+
+/// The family `flash_fwd` and `flash_bwd` take for head dim `d` on `dev`: wgmma on a Hopper GPU for d = 128
+/// unless `LORA_TRAIN_FLASH90=0`, mma.sync otherwise.
+pub fn kernels_for(dev: &Device, d: usize) -> Kernels {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let off = *OFF.get_or_init(|| std::env::var("LORA_TRAIN_FLASH90").is_ok_and(|v| v == "0"));
+    match dev {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(c) if d == 128 && !off && crate::ops::cuda::is_hopper(c).unwrap_or(false) => {
+            Kernels::Wgmma
+        }
+        _ => Kernels::MmaSync,
+    }
+}
+
 /// q [B, H, T, D], k, v [B, K, T, D] → (O as token-major rows [B·T, H·D], L [B, H, T] f32).
 pub fn flash_fwd(
     q: &Tensor,
@@ -43,13 +67,26 @@ pub fn flash_fwd(
     mask: &AttnMask,
     scale: f64,
 ) -> Result<(Tensor, Tensor)> {
+    let kernels = kernels_for(q.device(), q.dim(D::Minus1)?);
+    flash_fwd_with(q, k, v, mask, scale, kernels)
+}
+
+/// `flash_fwd` on the given family (the GPU tests run each family the device has).
+pub fn flash_fwd_with(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &AttnMask,
+    scale: f64,
+    kernels: Kernels,
+) -> Result<(Tensor, Tensor)> {
     #[cfg(feature = "cuda")]
     {
-        imp::fwd(q, k, v, mask, scale)
+        imp::fwd(q, k, v, mask, scale, kernels)
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (q, k, v, mask, scale);
+        let _ = (q, k, v, mask, scale, kernels);
         candle_core::bail!("flash attention needs the cuda feature")
     }
 }
@@ -71,23 +108,41 @@ pub fn flash_bwd(
     scale: f64,
     rope: Option<(&Tensor, &Tensor)>,
 ) -> Result<(Tensor, Tensor, Tensor)> {
+    let kernels = kernels_for(q.device(), q.dim(D::Minus1)?);
+    flash_bwd_with(q, k, v, d_o, delta, lse, mask, scale, rope, kernels)
+}
+
+/// `flash_bwd` on the given family.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_bwd_with(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    d_o: &Tensor,
+    delta: &Tensor,
+    lse: &Tensor,
+    mask: &AttnMask,
+    scale: f64,
+    rope: Option<(&Tensor, &Tensor)>,
+    kernels: Kernels,
+) -> Result<(Tensor, Tensor, Tensor)> {
     #[cfg(feature = "cuda")]
     {
-        imp::bwd(q, k, v, d_o, delta, lse, mask, scale, rope)
+        imp::bwd(q, k, v, d_o, delta, lse, mask, scale, rope, kernels)
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (q, k, v, d_o, delta, lse, mask, scale, rope);
+        let _ = (q, k, v, d_o, delta, lse, mask, scale, rope, kernels);
         candle_core::bail!("flash attention needs the cuda feature")
     }
 }
 
 #[cfg(feature = "cuda")]
 mod imp {
-    use super::AttnMask;
+    use super::{AttnMask, Kernels};
     use candle_core::cuda::cudarc::driver::sys::CUfunction_attribute_enum;
     use candle_core::cuda::cudarc::driver::{
-        CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+        CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
     };
     use candle_core::cuda::{CudaDType, WrapErr};
     use candle_core::op::BackpropOp;
@@ -125,7 +180,18 @@ mod imp {
     // SAFETY: plain old data laid out as the C struct the kernels take by value.
     unsafe impl DeviceRepr for FlashP {}
 
+    /// flash.cu's blocks are 4 warps; flash90.cu's two warpgroups.
     const THREADS: u32 = 128;
+    const THREADS90: u32 = 256;
+    /// Bytes of a 128-row bf16 tile of head dim 128 in shared memory (swizzled, unpadded).
+    const TILE128: u32 = 128 * 128 * 2;
+
+    fn wgmma_d(d: usize) -> Result<()> {
+        if d != 128 {
+            candle_core::bail!("flash attention: the wgmma kernels take head dim 128, not {d}");
+        }
+        Ok(())
+    }
 
     /// The device address of the first element `l` describes.
     fn addr<T: CudaDType + DeviceRepr>(
@@ -246,6 +312,28 @@ mod imp {
 
     fn launch(dev: &CudaDevice, name: &str, grid: (u32, u32), smem: u32, p: &FlashP) -> Result<()> {
         let func = crate::ops::cuda::function(dev, name)?;
+        launch_fn(dev, func, THREADS, grid, smem, p)
+    }
+
+    fn launch90(
+        dev: &CudaDevice,
+        name: &str,
+        grid: (u32, u32),
+        smem: u32,
+        p: &FlashP,
+    ) -> Result<()> {
+        let func = crate::ops::cuda::function90(dev, name)?;
+        launch_fn(dev, func, THREADS90, grid, smem, p)
+    }
+
+    fn launch_fn(
+        dev: &CudaDevice,
+        func: CudaFunction,
+        threads: u32,
+        grid: (u32, u32),
+        smem: u32,
+        p: &FlashP,
+    ) -> Result<()> {
         func.set_attribute(
             CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             smem as i32,
@@ -253,7 +341,7 @@ mod imp {
         .w()?;
         let cfg = LaunchConfig {
             grid_dim: (grid.0, grid.1, 1),
-            block_dim: (THREADS, 1, 1),
+            block_dim: (threads, 1, 1),
             shared_mem_bytes: smem,
         };
         let stream = dev.cuda_stream();
@@ -319,6 +407,7 @@ mod imp {
         v: &Tensor,
         mask: &AttnMask,
         scale: f64,
+        kernels: Kernels,
     ) -> Result<(Tensor, Tensor)> {
         let mut p = base(q, k, v, mask, scale)?;
         let (b, h, t, d) = q.dims4()?;
@@ -339,9 +428,21 @@ mod imp {
             p.v = addr::<half::bf16>(&vs, vl, &stream)?;
             p.o = o.device_ptr(&stream).0;
             p.lse = lse.device_ptr(&stream).0;
-            let smem = (4 * 64 * (d + 8) * 2 + 2 * 64 * 4) as u32; // K, V twice; segment ids
-            let grid = (t.div_ceil(64) as u32, (b * h) as u32);
-            launch(&dev, &format!("flash_fwd_d{d}"), grid, smem, &p)?;
+            match kernels {
+                Kernels::Wgmma => {
+                    wgmma_d(d)?;
+                    // Q, then K and V twice, as 128-row swizzled tiles; segment ids; and
+                    // room to align the tiles to 1024 bytes.
+                    let smem = 5 * TILE128 + 2 * 128 * 4 + 1024;
+                    let grid = (t.div_ceil(128) as u32, (b * h) as u32);
+                    launch90(&dev, "flash_fwd90_d128", grid, smem, &p)?;
+                }
+                Kernels::MmaSync => {
+                    let smem = (4 * 64 * (d + 8) * 2 + 2 * 64 * 4) as u32; // K, V twice; segment ids
+                    let grid = (t.div_ceil(64) as u32, (b * h) as u32);
+                    launch(&dev, &format!("flash_fwd_d{d}"), grid, smem, &p)?;
+                }
+            }
         }
         let o = Tensor::from_storage(
             Storage::Cuda(CudaStorage::wrap_cuda_slice(o, dev.clone())),
@@ -369,6 +470,7 @@ mod imp {
         mask: &AttnMask,
         scale: f64,
         rope: Option<(&Tensor, &Tensor)>,
+        kernels: Kernels,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let mut p = base(q, k, v, mask, scale)?;
         let (b, h, kh, t, d) = check_shapes(q, k, v)?;
@@ -446,22 +548,42 @@ mod imp {
             p.dq = dq.device_ptr(&stream).0;
             p.dk = dk.device_ptr(&stream).0;
             p.dv = dv.device_ptr(&stream).0;
-            let rows = (d + 8) * 2; // bytes of one padded shared-memory row
-            let tiles = t.div_ceil(64) as u32;
-            launch(
-                &dev,
-                &format!("flash_dq_d{d}"),
-                (tiles, (b * h) as u32),
-                (4 * 32 * rows + 2 * 32 * 4) as u32,
-                &p,
-            )?;
-            launch(
-                &dev,
-                &format!("flash_dkdv_d{d}"),
-                (tiles, (b * kh) as u32),
-                (256 * rows + 6 * 32 * 4) as u32,
-                &p,
-            )?;
+            match kernels {
+                Kernels::Wgmma => {
+                    wgmma_d(d)?;
+                    let tiles = t.div_ceil(128) as u32;
+                    // dQ: Q and dO (128 rows), K and V twice (64 rows); segment ids; alignment.
+                    let smem = 2 * TILE128 + 4 * TILE128 / 2 + 2 * 64 * 4 + 1024;
+                    launch90(&dev, "flash_dq90_d128", (tiles, (b * h) as u32), smem, &p)?;
+                    // dK, dV: K and V (128 rows), Q and dO twice (64 rows); L, δ, segment ids.
+                    let smem = 2 * TILE128 + 4 * TILE128 / 2 + 6 * 64 * 4 + 1024;
+                    launch90(
+                        &dev,
+                        "flash_dkdv90_d128",
+                        (tiles, (b * kh) as u32),
+                        smem,
+                        &p,
+                    )?;
+                }
+                Kernels::MmaSync => {
+                    let rows = (d + 8) * 2; // bytes of one padded shared-memory row
+                    let tiles = t.div_ceil(64) as u32;
+                    launch(
+                        &dev,
+                        &format!("flash_dq_d{d}"),
+                        (tiles, (b * h) as u32),
+                        (4 * 32 * rows + 2 * 32 * 4) as u32,
+                        &p,
+                    )?;
+                    launch(
+                        &dev,
+                        &format!("flash_dkdv_d{d}"),
+                        (tiles, (b * kh) as u32),
+                        (256 * rows + 6 * 32 * 4) as u32,
+                        &p,
+                    )?;
+                }
+            }
         }
         Ok((
             view(dq, &dev, q.dims(), oq)?,

@@ -486,7 +486,8 @@ fn frozen_linear_matches_matmul_and_bias() {
 
 /// The tensor-core kernels against the blockwise path (itself pinned to the composite above):
 /// O, L, dq, dk, dv in bf16 for head dims 64 and 128, GQA (dk, dv summed over each group),
-/// packed segments, a sliding window, and T off the 64-row tiles. v and dO go in as views of
+/// packed segments, a sliding window, and T off the 64- and 128-row tiles; on a Hopper GPU
+/// both kernel families. v and dO go in as views of
 /// token-major rows, as the training layer passes them.
 #[cfg(feature = "cuda")]
 #[test]
@@ -509,6 +510,7 @@ fn flash_attention_matches_blockwise_on_the_gpu() {
         (2, 4, 1, 97, 128, false, 33),
         (1, 8, 8, 256, 128, true, 100),
         (1, 3, 3, 5, 64, false, 0),
+        (1, 2, 1, 600, 128, false, 0),
     ] {
         let tag = format!("b{b} h{h} k{kh} t{t} d{d} seg={use_seg} window={window}");
         let n = h / kh;
@@ -537,7 +539,6 @@ fn flash_attention_matches_blockwise_on_the_gpu() {
             "{tag}: bf16 on CUDA must take the kernels"
         );
 
-        let (o, lse) = flash::flash_fwd(&q, &k, &v, &mask, scale).unwrap();
         // The reference in f32 from the same bf16 values, k and v repeated per query head.
         let rep = |x: &Tensor| {
             f32(x)
@@ -550,52 +551,23 @@ fn flash_attention_matches_blockwise_on_the_gpu() {
         };
         let (qr, kr, vr, dor) = (f32(&q), rep(&k), rep(&v), f32(&d_o));
         let (o_ref, lse_ref) = attention_fwd(&qr, &kr, &vr, &mask, scale, Some(48)).unwrap();
-        let o_heads = o.reshape((b, t, h, d)).unwrap().transpose(1, 2).unwrap();
-        assert_close(&format!("{tag} O"), &o_heads, &o_ref, 2e-2, 1e-2);
-        assert_close(&format!("{tag} L"), &lse, &lse_ref, 1e-3, 1e-3);
+        // Every family the device runs (wgmma on a Hopper GPU for d = 128), the default last:
+        // its O and L feed the backward below.
+        let families = match flash::kernels_for(&dev, d) {
+            flash::Kernels::Wgmma => vec![flash::Kernels::MmaSync, flash::Kernels::Wgmma],
+            flash::Kernels::MmaSync => vec![flash::Kernels::MmaSync],
+        };
+        let mut out = None;
+        for &fam in &families {
+            let (o, lse) = flash::flash_fwd_with(&q, &k, &v, &mask, scale, fam).unwrap();
+            let o_heads = o.reshape((b, t, h, d)).unwrap().transpose(1, 2).unwrap();
+            assert_close(&format!("{tag} {fam:?} O"), &o_heads, &o_ref, 2e-2, 1e-2);
+            assert_close(&format!("{tag} {fam:?} L"), &lse, &lse_ref, 1e-3, 1e-3);
+            out = Some((o_heads, lse));
+        }
+        let (o_heads, lse) = out.unwrap();
 
         let delta = attention_delta(&d_o, &o_heads).unwrap();
-        let (dq, dk, dv) =
-            flash::flash_bwd(&q, &k, &v, &d_o, &delta, &lse, &mask, scale, None).unwrap();
-        // RoPE's backward in the stores: dq and dk as rows rotated back, against the separate
-        // pass over the kernels' heads (that one rounds twice: the bound is bf16's, of the scale).
-        let cos = Tensor::randn(0f32, 1.0, (b, t, d / 2), &dev).unwrap();
-        let sin = Tensor::randn(0f32, 1.0, (b, t, d / 2), &dev).unwrap();
-        let (dqr, dkr, dvr) = flash::flash_bwd(
-            &q,
-            &k,
-            &v,
-            &d_o,
-            &delta,
-            &lse,
-            &mask,
-            scale,
-            Some((&cos, &sin)),
-        )
-        .unwrap();
-        let rows_of =
-            |x: &Tensor, n: usize| x.transpose(1, 2).unwrap().reshape((b * t, n * d)).unwrap();
-        for (what, got, want) in [
-            (
-                "dq",
-                rows_of(&dqr, h),
-                ops::rope_rows_inv(&dq, &cos, &sin).unwrap(),
-            ),
-            (
-                "dk",
-                rows_of(&dkr, kh),
-                ops::rope_rows_inv(&dk, &cos, &sin).unwrap(),
-            ),
-        ] {
-            assert_close(
-                &format!("{tag} {what} with RoPE's backward"),
-                &got,
-                &want,
-                1e-2,
-                1e-2,
-            );
-        }
-        assert_close(&format!("{tag} dv beside RoPE"), &dvr, &dv, 0.0, 0.0);
         let delta_ref = attention_delta(&dor, &o_ref).unwrap();
         let (dq_r, dk_r, dv_r) = attention_bwd(
             &qr,
@@ -609,16 +581,67 @@ fn flash_attention_matches_blockwise_on_the_gpu() {
             Some(48),
         )
         .unwrap();
-        let group = |x: Tensor| x.reshape((b, kh, n, t, d)).unwrap().sum(2).unwrap();
-        assert_eq!(dv.dims(), v.dims(), "{tag}: dv is shaped like v");
-        assert_eq!(
-            dv.layout().stride(),
-            v.layout().stride(),
-            "{tag}: and laid out like v"
-        );
-        assert_close(&format!("{tag} dq"), &dq, &dq_r, 2e-2, 1e-2);
-        assert_close(&format!("{tag} dk"), &dk, &group(dk_r), 2e-2, 1e-2);
-        assert_close(&format!("{tag} dv"), &dv, &group(dv_r), 2e-2, 1e-2);
+        let group = |x: &Tensor| x.reshape((b, kh, n, t, d)).unwrap().sum(2).unwrap();
+        for &fam in &families {
+            let (dq, dk, dv) =
+                flash::flash_bwd_with(&q, &k, &v, &d_o, &delta, &lse, &mask, scale, None, fam)
+                    .unwrap();
+            // RoPE's backward in the stores: dq and dk as rows rotated back, against the separate
+            // pass over the kernels' heads (that one rounds twice: the bound is bf16's, of the scale).
+            let cos = Tensor::randn(0f32, 1.0, (b, t, d / 2), &dev).unwrap();
+            let sin = Tensor::randn(0f32, 1.0, (b, t, d / 2), &dev).unwrap();
+            let (dqr, dkr, dvr) = flash::flash_bwd_with(
+                &q,
+                &k,
+                &v,
+                &d_o,
+                &delta,
+                &lse,
+                &mask,
+                scale,
+                Some((&cos, &sin)),
+                fam,
+            )
+            .unwrap();
+            let rows_of =
+                |x: &Tensor, n: usize| x.transpose(1, 2).unwrap().reshape((b * t, n * d)).unwrap();
+            for (what, got, want) in [
+                (
+                    "dq",
+                    rows_of(&dqr, h),
+                    ops::rope_rows_inv(&dq, &cos, &sin).unwrap(),
+                ),
+                (
+                    "dk",
+                    rows_of(&dkr, kh),
+                    ops::rope_rows_inv(&dk, &cos, &sin).unwrap(),
+                ),
+            ] {
+                assert_close(
+                    &format!("{tag} {fam:?} {what} with RoPE's backward"),
+                    &got,
+                    &want,
+                    1e-2,
+                    1e-2,
+                );
+            }
+            assert_close(
+                &format!("{tag} {fam:?} dv beside RoPE"),
+                &dvr,
+                &dv,
+                0.0,
+                0.0,
+            );
+            assert_eq!(dv.dims(), v.dims(), "{tag} {fam:?}: dv is shaped like v");
+            assert_eq!(
+                dv.layout().stride(),
+                v.layout().stride(),
+                "{tag} {fam:?}: and laid out like v"
+            );
+            assert_close(&format!("{tag} {fam:?} dq"), &dq, &dq_r, 2e-2, 1e-2);
+            assert_close(&format!("{tag} {fam:?} dk"), &dk, &group(&dk_r), 2e-2, 1e-2);
+            assert_close(&format!("{tag} {fam:?} dv"), &dv, &group(&dv_r), 2e-2, 1e-2);
+        }
     }
 }
 

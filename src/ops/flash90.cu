@@ -1,0 +1,397 @@
+// Causal flash attention on Hopper's warpgroup MMA (wgmma, sm_90a), head dim 128. Compiled by
+// NVRTC after flash.cu (its FlashP, masks and fragment helpers) for sm_90a, and taken on
+// compute capability 9.0 only; flash.cu's mma.sync kernels stay the path everywhere else.
+//
+// A thread block is two warpgroups (256 threads); each warpgroup owns 64 query rows (or keys)
+// and issues m64nNk16 wgmmas whose B (and A, where not from registers) come from shared tiles
+// in the 128-byte swizzle: a [R rows × 128] tile is two column halves of R rows × 128 bytes,
+// the 16-byte chunk j of row r stored at r·128 + (j ^ r % 8)·16 (PTX ISA, "Shared Memory
+// Matrix Layout", 128B swizzling). One layout serves both majors: a row-major [rows × d]
+// tile is K-major when d is the product's k (S = Q·Kᵀ) and MN-major when rows are k (O = P·V).
+// Accumulators are laid out per warp as mma.sync's C (rows 16·warp + g, g + 8), so two n8
+// blocks of a C are one A fragment and flash.cu's masks and softmax apply as they are.
+
+extern __shared__ __align__(1024) unsigned char flash90_smem[];
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template<int N>
+__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory"); }
+// Shared memory written through the generic proxy (cp.async, stores) and read next by wgmma.
+__device__ __forceinline__ void wg_smem_fence() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// Ties accumulator registers to this point, so no use of them moves above a wait (or a
+// write below a fence): the compiler cannot see wgmma's asynchrony.
+template<int N>
+__device__ __forceinline__ void wg_hold(float (*d)[4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+        asm volatile("" : "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3]) :: "memory");
+}
+// The descriptor of a 128-byte-swizzled shared matrix (PTX ISA, "Matrix Descriptor"): start
+// address, leading and stride byte offsets (each in 16-byte units), swizzle mode 1 in bits
+// 62–63. Tiles start 1024-byte aligned, so the base offset is 0.
+__device__ __forceinline__ unsigned long long wg_desc(unsigned a, unsigned lbo, unsigned sbo) {
+    return (unsigned long long)((a & 0x3FFFF) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
+           ((unsigned long long)(sbo >> 4) << 32) | (1ull << 62);
+}
+// K-major (rows are M or N, 128-byte rows along k): k step s of 16 starts 32·(s % 4) bytes into
+// column half s / 4; 8-row groups are 1024 bytes apart.
+__device__ __forceinline__ unsigned long long wg_kdesc(unsigned tile, int rows, int s) {
+    return wg_desc(tile + (s >> 2) * rows * 128 + (s & 3) * 32, 16, 1024);
+}
+// MN-major (rows are k, d along N): k step s starts at row 16·s; N's two 64-column halves are
+// rows·128 bytes apart, k's 8-row groups 1024.
+__device__ __forceinline__ unsigned long long wg_ndesc(unsigned tile, int rows, int s) {
+    return wg_desc(tile + s * 2048, rows * 128, 1024);
+}
+
+// D[64 × 64] (+)= A · B, A and B from shared memory (descriptors); tb: B is MN-major.
+template<int TB>
+__device__ __forceinline__ void wg_ss64(float (*d)[4], unsigned long long da, unsigned long long db, int acc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, %35;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+        : "l"(da), "l"(db), "r"(acc), "n"(TB));
+}
+// D[64 × 64] += A · B, A from registers (an m64k16 fragment), B from shared memory.
+template<int TB>
+__device__ __forceinline__ void wg_rs64(float (*d)[4], const unsigned* a, unsigned long long db, int acc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TB));
+}
+
+// D[64 × 128] (+)= A · B, A and B from shared memory (descriptors); tb: B is MN-major.
+template<int TB>
+__device__ __forceinline__ void wg_ss128(float (*d)[4], unsigned long long da, unsigned long long db, int acc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, %67;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+        : "l"(da), "l"(db), "r"(acc), "n"(TB));
+}
+// D[64 × 128] += A · B, A from registers (an m64k16 fragment), B from shared memory.
+template<int TB>
+__device__ __forceinline__ void wg_rs128(float (*d)[4], const unsigned* a, unsigned long long db, int acc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TB));
+}
+
+
+// Starts copying rows [r0, r0 + R) of a [T, 128] slab (row stride st) into the swizzled tile
+// at s (256 threads, a row's 16 chunks over 16 threads); rows past T are zero-filled.
+template<int R>
+__device__ __forceinline__ void sw_load(unsigned s, const bf16_t* g, long st, int r0, int T) {
+    const int r = threadIdx.x >> 4, cc = threadIdx.x & 15;
+    const unsigned dst = s + (cc >> 3) * R * 128 + r * 128 + (((cc & 7) ^ (r & 7)) << 4);
+    const bf16_t* src = g + (long)(r0 + r) * st + cc * 8;
+#pragma unroll
+    for (int i = 0; i < R / 16; ++i) {
+        const bool ok = r0 + r + 16 * i < T;
+        fl_cp16(dst + i * 16 * 128, ok ? src + (long)16 * i * st : g, ok);
+    }
+}
+
+// The forward: 128 queries a block (64 a warpgroup), keys in tiles of 128 double-buffered.
+// S = Q·Kᵀ with Q and K from shared memory; O += P·V with P from registers.
+__device__ __forceinline__ void flash_fwd90(const FlashP& p) {
+    constexpr int D = 128, BQ = 128, BK = 128, TILE = BK * D * 2, DN = D / 8;
+    const unsigned raw = fl_smem(flash90_smem), base = (raw + 1023) & ~1023u;
+    const unsigned sQ = base, sK = sQ + TILE, sV = sK + 2 * TILE;
+    unsigned* sSeg = (unsigned*)(flash90_smem + (sV + 2 * TILE - raw));  // [2][BK]
+    const int T = p.T, bh = blockIdx.y, b = bh / p.H, h = bh % p.H, kh = h / (p.H / p.KH);
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;  // the longest rows first
+    const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, l = tid & 31;
+    const int g = l >> 2, c = l & 3;
+    const float sc = p.scale * FLASH_LOG2E;
+    const int kend = min(T, q0 + BQ), kbeg = fl_first_key<BK>(p, q0);
+    const int w0 = q0 + 64 * wg;  // this warpgroup's first query
+    auto prefetch = [&](int k0, int buf) {
+        sw_load<BK>(sK + buf * TILE, p.k + b * p.sk[0] + kh * p.sk[1], p.sk[2], k0, T);
+        sw_load<BK>(sV + buf * TILE, p.v + b * p.sv[0] + kh * p.sv[1], p.sv[2], k0, T);
+        fl_commit();
+        if (tid < BK) sSeg[buf * BK + tid] = fl_seg(p, b, k0 + tid);
+    };
+    sw_load<BQ>(sQ, p.q + b * p.sq[0] + h * p.sq[1], p.sq[2], q0, T);  // one group with tile 0
+    prefetch(kbeg, 0);
+    const int qi0 = w0 + warp * 16 + g, qi1 = qi0 + 8;
+    const unsigned sg0 = fl_seg(p, b, qi0), sg1 = fl_seg(p, b, qi1);
+    float o[DN][4], s[BK / 8][4];
+#pragma unroll
+    for (int n = 0; n < DN; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+#pragma unroll
+    for (int n = 0; n < BK / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+    float m0 = FLASH_NEG_INF, m1 = FLASH_NEG_INF, l0 = 0.f, l1 = 0.f;
+    for (int k0 = kbeg, it = 0; k0 < kend; k0 += BK, ++it) {
+        const int buf = it & 1;
+        if (k0 + BK < kend) { prefetch(k0 + BK, buf ^ 1); fl_wait_but1(); } else fl_wait_all();
+        wg_smem_fence();
+        __syncthreads();
+        const unsigned tK = sK + buf * TILE, tV = sV + buf * TILE;
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk)
+            wg_ss128<0>(s, wg_kdesc(sQ + wg * 64 * 128, BQ, kk), wg_kdesc(tK, BK, kk), kk > 0);
+        wg_commit();
+        wg_wait<0>();
+        wg_hold<BK / 8>(s);
+        if (p.seg || p.window != 0 || k0 + BK - 1 > w0 + warp * 16)
+            fl_mask<BK>(p, s, qi0, sg0, sg1, k0, sSeg + buf * BK, c);
+        float mx0 = FLASH_NEG_INF, mx1 = FLASH_NEG_INF;
+#pragma unroll
+        for (int n = 0; n < BK / 8; ++n) {
+            mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
+            mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
+        }
+        const float mn0 = fmaxf(m0, fl_quad_max(mx0) * sc), mn1 = fmaxf(m1, fl_quad_max(mx1) * sc);
+        const float mu0 = mn0 == FLASH_NEG_INF ? 0.f : mn0, mu1 = mn1 == FLASH_NEG_INF ? 0.f : mn1;
+        const float cr0 = fl_exp2(m0 - mu0), cr1 = fl_exp2(m1 - mu1);
+        m0 = mn0; m1 = mn1;
+        float rs0 = 0.f, rs1 = 0.f;
+#pragma unroll
+        for (int n = 0; n < BK / 8; ++n) {
+            s[n][0] = fl_exp2(fmaf(s[n][0], sc, -mu0)); s[n][1] = fl_exp2(fmaf(s[n][1], sc, -mu0));
+            s[n][2] = fl_exp2(fmaf(s[n][2], sc, -mu1)); s[n][3] = fl_exp2(fmaf(s[n][3], sc, -mu1));
+            rs0 += s[n][0] + s[n][1];
+            rs1 += s[n][2] + s[n][3];
+        }
+        l0 = l0 * cr0 + rs0;
+        l1 = l1 * cr1 + rs1;
+#pragma unroll
+        for (int n = 0; n < DN; ++n) {
+            o[n][0] *= cr0; o[n][1] *= cr0; o[n][2] *= cr1; o[n][3] *= cr1;
+        }
+        unsigned pf[BK / 16][4];
+#pragma unroll
+        for (int j = 0; j < BK / 16; ++j) fl_a_from_c(pf[j], s[2 * j], s[2 * j + 1]);
+        wg_hold<DN>(o);
+        wg_fence();
+#pragma unroll
+        for (int j = 0; j < BK / 16; ++j)
+            wg_rs128<1>(o, pf[j], wg_ndesc(tV, BK, j), 1);
+        wg_commit();
+        wg_wait<0>();
+        wg_hold<DN>(o);
+        __syncthreads();  // this buffer is refilled two tiles on
+    }
+    l0 = fl_quad_sum(l0);
+    l1 = fl_quad_sum(l1);
+    const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+    bf16_t* og = p.o + b * p.so[0] + h * p.so[1];
+#pragma unroll
+    for (int n = 0; n < DN; ++n) {
+        const int col = n * 8 + 2 * c;
+        if (qi0 < T) *(unsigned*)(og + (long)qi0 * p.so[2] + col) = fl_pack(o[n][0] * inv0, o[n][1] * inv0);
+        if (qi1 < T) *(unsigned*)(og + (long)qi1 * p.so[2] + col) = fl_pack(o[n][2] * inv1, o[n][3] * inv1);
+    }
+    if (c == 0) {
+        if (qi0 < T) p.lse[(long)bh * T + qi0] = (m0 + __log2f(l0)) * FLASH_LN2;
+        if (qi1 < T) p.lse[(long)bh * T + qi1] = (m1 + __log2f(l1)) * FLASH_LN2;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1) flash_fwd90_d128(const FlashP p) { flash_fwd90(p); }
+
+// dQ: 128 queries a block (64 a warpgroup), keys in tiles of 64 double-buffered. S = Q·Kᵀ and
+// dP = dO·Vᵀ with Q and dO from shared memory, then dQ += dS·K with dS from registers.
+__device__ __forceinline__ void flash_dq90(const FlashP& p) {
+    constexpr int D = 128, BQ = 128, BK = 64, DN = D / 8, QT = BQ * D * 2, KT = BK * D * 2;
+    const unsigned raw = fl_smem(flash90_smem), base = (raw + 1023) & ~1023u;
+    const unsigned sQ = base, sO = sQ + QT, sK = sO + QT, sV = sK + 2 * KT;
+    unsigned* sSeg = (unsigned*)(flash90_smem + (sV + 2 * KT - raw));  // [2][BK]
+    const int T = p.T, bh = blockIdx.y, b = bh / p.H, h = bh % p.H, kh = h / (p.H / p.KH);
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;
+    const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, l = tid & 31;
+    const int g = l >> 2, c = l & 3;
+    const float sc = p.scale * FLASH_LOG2E;
+    const int kend = min(T, q0 + BQ), kbeg = fl_first_key<BK>(p, q0);
+    const int w0 = q0 + 64 * wg;
+    auto prefetch = [&](int k0, int buf) {
+        sw_load<BK>(sK + buf * KT, p.k + b * p.sk[0] + kh * p.sk[1], p.sk[2], k0, T);
+        sw_load<BK>(sV + buf * KT, p.v + b * p.sv[0] + kh * p.sv[1], p.sv[2], k0, T);
+        fl_commit();
+        if (tid < BK) sSeg[buf * BK + tid] = fl_seg(p, b, k0 + tid);
+    };
+    sw_load<BQ>(sQ, p.q + b * p.sq[0] + h * p.sq[1], p.sq[2], q0, T);
+    sw_load<BQ>(sO, p.o + b * p.so[0] + h * p.so[1], p.so[2], q0, T);
+    prefetch(kbeg, 0);
+    const int qi0 = w0 + warp * 16 + g, qi1 = qi0 + 8;
+    const unsigned sg0 = fl_seg(p, b, qi0), sg1 = fl_seg(p, b, qi1);
+    const float L0 = qi0 < T ? p.lse[(long)bh * T + qi0] * FLASH_LOG2E : 0.f;
+    const float L1 = qi1 < T ? p.lse[(long)bh * T + qi1] * FLASH_LOG2E : 0.f;
+    const float d0 = qi0 < T ? p.delta[(long)bh * T + qi0] : 0.f;
+    const float d1 = qi1 < T ? p.delta[(long)bh * T + qi1] : 0.f;
+    float acc[DN][4], s[BK / 8][4], dp[BK / 8][4];
+#pragma unroll
+    for (int n = 0; n < DN; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+#pragma unroll
+    for (int n = 0; n < BK / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
+    for (int k0 = kbeg, it = 0; k0 < kend; k0 += BK, ++it) {
+        const int buf = it & 1;
+        if (k0 + BK < kend) { prefetch(k0 + BK, buf ^ 1); fl_wait_but1(); } else fl_wait_all();
+        wg_smem_fence();
+        __syncthreads();
+        const unsigned tK = sK + buf * KT, tV = sV + buf * KT;
+        // Every key of the tile after every query of this warpgroup: all masked.
+        if (k0 <= w0 + 63) {
+            wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk)
+                wg_ss64<0>(s, wg_kdesc(sQ + wg * 64 * 128, BQ, kk), wg_kdesc(tK, BK, kk), kk > 0);
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk)
+                wg_ss64<0>(dp, wg_kdesc(sO + wg * 64 * 128, BQ, kk), wg_kdesc(tV, BK, kk), kk > 0);
+            wg_commit();
+            wg_wait<0>();
+            wg_hold<BK / 8>(s);
+            wg_hold<BK / 8>(dp);
+            if (p.seg || p.window != 0 || k0 + BK - 1 > w0 + warp * 16)
+                fl_mask<BK>(p, s, qi0, sg0, sg1, k0, sSeg + buf * BK, c);
+            // dS = P ⊙ (dP − δ), P = exp(scale·S − L): 0 where masked (S = −∞).
+            unsigned da[BK / 16][4];
+#pragma unroll
+            for (int n = 0; n < BK / 8; ++n) {
+                s[n][0] = fl_exp2(fmaf(s[n][0], sc, -L0)) * (dp[n][0] - d0);
+                s[n][1] = fl_exp2(fmaf(s[n][1], sc, -L0)) * (dp[n][1] - d0);
+                s[n][2] = fl_exp2(fmaf(s[n][2], sc, -L1)) * (dp[n][2] - d1);
+                s[n][3] = fl_exp2(fmaf(s[n][3], sc, -L1)) * (dp[n][3] - d1);
+            }
+#pragma unroll
+            for (int j = 0; j < BK / 16; ++j) fl_a_from_c(da[j], s[2 * j], s[2 * j + 1]);
+            wg_fence();
+#pragma unroll
+            for (int j = 0; j < BK / 16; ++j) wg_rs128<1>(acc, da[j], wg_ndesc(tK, BK, j), 1);
+            wg_commit();
+            wg_wait<0>();
+            wg_hold<DN>(acc);
+        }
+        __syncthreads();
+    }
+    const long rope = (long)b * T * (D / 2);
+    fl_store_rows<D>(p.dq + b * p.sdq[0] + h * p.sdq[1], p.sdq[2], acc, qi0, T, p.scale,
+                     p.rc ? p.rc + rope : nullptr, p.rs ? p.rs + rope : nullptr, c);
+}
+
+// dK, dV: 128 keys a block (64 a warpgroup), over every query head of the kv head in tiles of
+// 64 queries. Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ with K and V from shared memory; dV += Pᵀ·dO and
+// dK += dSᵀ·Q with Pᵀ and dSᵀ from registers, dO and Q read MN-major from the same tiles.
+__device__ __forceinline__ void flash_dkdv90(const FlashP& p) {
+    constexpr int D = 128, BK = 128, BQ = 64, DN = D / 8, KT = BK * D * 2, QT = BQ * D * 2;
+    const unsigned raw = fl_smem(flash90_smem), base = (raw + 1023) & ~1023u;
+    const unsigned sK = base, sV = sK + KT, sQ = sV + KT, sO = sQ + 2 * QT;  // sQ, sO: [2]
+    float* sL = (float*)(flash90_smem + (sO + 2 * QT - raw));  // [2][BQ] L·log2(e)
+    float* sD = sL + 2 * BQ;                                    // [2][BQ] δ
+    unsigned* sSeg = (unsigned*)(sD + 2 * BQ);                  // [2][BQ]
+    const int T = p.T, b = blockIdx.y / p.KH, kh = blockIdx.y % p.KH, grp = p.H / p.KH;
+    const int k0 = blockIdx.x * BK;
+    const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, l = tid & 31;
+    const int g = l >> 2, c = l & 3;
+    const float sc = p.scale * FLASH_LOG2E;
+    const int qend = p.window > 0 ? min(T, k0 + BK - 1 + p.window) : T;
+    const int nq = (qend - k0 + BQ - 1) / BQ, iters = grp * nq;  // (query head, query tile) pairs
+    auto prefetch = [&](int it, int buf) {
+        const int h = kh * grp + it / nq, q0 = k0 + (it % nq) * BQ;
+        sw_load<BQ>(sQ + buf * QT, p.q + b * p.sq[0] + h * p.sq[1], p.sq[2], q0, T);
+        sw_load<BQ>(sO + buf * QT, p.o + b * p.so[0] + h * p.so[1], p.so[2], q0, T);
+        fl_commit();
+        if (tid < BQ) {
+            const long row = ((long)b * p.H + h) * T;
+            const int i = q0 + tid;
+            sL[buf * BQ + tid] = i < T ? p.lse[row + i] * FLASH_LOG2E : 0.f;
+            sD[buf * BQ + tid] = i < T ? p.delta[row + i] : 0.f;
+            sSeg[buf * BQ + tid] = fl_seg(p, b, i);
+        }
+    };
+    sw_load<BK>(sK, p.k + b * p.sk[0] + kh * p.sk[1], p.sk[2], k0, T);
+    sw_load<BK>(sV, p.v + b * p.sv[0] + kh * p.sv[1], p.sv[2], k0, T);
+    fl_commit();
+    if (iters > 0) prefetch(0, 0);
+    const int w0 = k0 + 64 * wg;  // this warpgroup's first key
+    const int kj0 = w0 + warp * 16 + g, kj1 = kj0 + 8;
+    const unsigned sg0 = fl_seg(p, b, kj0), sg1 = fl_seg(p, b, kj1);
+    float dk[DN][4], dv[DN][4], st[BQ / 8][4], dpt[BQ / 8][4];
+#pragma unroll
+    for (int n = 0; n < DN; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.f;
+#pragma unroll
+    for (int n = 0; n < BQ / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) st[n][e] = dpt[n][e] = 0.f;
+    for (int it = 0; it < iters; ++it) {
+        const int buf = it & 1, q0 = k0 + (it % nq) * BQ;
+        if (it + 1 < iters) { prefetch(it + 1, buf ^ 1); fl_wait_but1(); } else fl_wait_all();
+        wg_smem_fence();
+        __syncthreads();
+        const unsigned tQ = sQ + buf * QT, tO = sO + buf * QT;
+        const float* tL = sL + buf * BQ;
+        const float* tD = sD + buf * BQ;
+        const unsigned* tS = sSeg + buf * BQ;
+        // Every query of the tile before every key of this warpgroup: all masked.
+        if (q0 + BQ - 1 >= w0) {
+            wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk)
+                wg_ss64<0>(st, wg_kdesc(sK + wg * 64 * 128, BK, kk), wg_kdesc(tQ, BQ, kk), kk > 0);
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk)
+                wg_ss64<0>(dpt, wg_kdesc(sV + wg * 64 * 128, BK, kk), wg_kdesc(tO, BQ, kk), kk > 0);
+            wg_commit();
+            wg_wait<0>();
+            wg_hold<BQ / 8>(st);
+            wg_hold<BQ / 8>(dpt);
+            // Transposed: element (key kj, query q0 + col).
+            if (p.seg || p.window != 0 || q0 < w0 + warp * 16 + 15 || q0 + BQ > T) {
+#pragma unroll
+                for (int n = 0; n < BQ / 8; ++n) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int col = n * 8 + 2 * c + (e & 1);
+                        const bool ok = e < 2 ? fl_ok(q0 + col, kj0, T, p.window, tS[col], sg0)
+                                              : fl_ok(q0 + col, kj1, T, p.window, tS[col], sg1);
+                        if (!ok) st[n][e] = FLASH_NEG_INF;
+                    }
+                }
+            }
+            // P = exp(scale·S − L) (0 where masked), dS = P ⊙ (dP − δ)
+#pragma unroll
+            for (int n = 0; n < BQ / 8; ++n) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int col = n * 8 + 2 * c + (e & 1);
+                    const float pr = fl_exp2(fmaf(st[n][e], sc, -tL[col]));
+                    st[n][e] = pr;
+                    dpt[n][e] = pr * (dpt[n][e] - tD[col]);
+                }
+            }
+            unsigned pa[BQ / 16][4], da[BQ / 16][4];
+#pragma unroll
+            for (int j = 0; j < BQ / 16; ++j) {
+                fl_a_from_c(pa[j], st[2 * j], st[2 * j + 1]);
+                fl_a_from_c(da[j], dpt[2 * j], dpt[2 * j + 1]);
+            }
+            wg_fence();
+#pragma unroll
+            for (int j = 0; j < BQ / 16; ++j) wg_rs128<1>(dv, pa[j], wg_ndesc(tO, BQ, j), 1);
+#pragma unroll
+            for (int j = 0; j < BQ / 16; ++j) wg_rs128<1>(dk, da[j], wg_ndesc(tQ, BQ, j), 1);
+            wg_commit();
+            wg_wait<0>();
+            wg_hold<DN>(dv);
+            wg_hold<DN>(dk);
+        }
+        __syncthreads();
+    }
+    fl_wait_all();
+    const long rope = (long)b * T * (D / 2);
+    fl_store_rows<D>(p.dk + b * p.sdk[0] + kh * p.sdk[1], p.sdk[2], dk, kj0, T, p.scale,
+                     p.rc ? p.rc + rope : nullptr, p.rs ? p.rs + rope : nullptr, c);
+    fl_store_rows<D>(p.dv + b * p.sv[0] + kh * p.sv[1], p.sv[2], dv, kj0, T, 1.f, nullptr, nullptr, c);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1) flash_dq90_d128(const FlashP p) { flash_dq90(p); }
+extern "C" __global__ void __launch_bounds__(256, 1) flash_dkdv90_d128(const FlashP p) { flash_dkdv90(p); }
