@@ -318,12 +318,13 @@ mod imp {
     fn launch90(
         dev: &CudaDevice,
         name: &str,
+        threads: u32,
         grid: (u32, u32),
         smem: u32,
         p: &FlashP,
     ) -> Result<()> {
         let func = crate::ops::cuda::function90(dev, name)?;
-        launch_fn(dev, func, THREADS90, grid, smem, p)
+        launch_fn(dev, func, threads, grid, smem, p)
     }
 
     fn launch_fn(
@@ -431,11 +432,11 @@ mod imp {
             match kernels {
                 Kernels::Wgmma => {
                     wgmma_d(d)?;
-                    // Q, then K and V twice, as 128-row swizzled tiles; segment ids; and
-                    // room to align the tiles to 1024 bytes.
-                    let smem = 5 * TILE128 + 2 * 128 * 4 + 1024;
+                    // Q, K twice and V three times, as 128-row swizzled tiles; segment ids;
+                    // and room to align the tiles to 1024 bytes.
+                    let smem = 6 * TILE128 + 2 * 128 * 4 + 1024;
                     let grid = (t.div_ceil(128) as u32, (b * h) as u32);
-                    launch90(&dev, "flash_fwd90_d128", grid, smem, &p)?;
+                    launch90(&dev, "flash_fwd90_d128", THREADS90, grid, smem, &p)?;
                 }
                 Kernels::MmaSync => {
                     let smem = (4 * 64 * (d + 8) * 2 + 2 * 64 * 4) as u32; // K, V twice; segment ids
@@ -552,14 +553,25 @@ mod imp {
                 Kernels::Wgmma => {
                     wgmma_d(d)?;
                     let tiles = t.div_ceil(128) as u32;
-                    // dQ: Q and dO (128 rows), K and V twice (64 rows); segment ids; alignment.
-                    let smem = 2 * TILE128 + 4 * TILE128 / 2 + 2 * 64 * 4 + 1024;
-                    launch90(&dev, "flash_dq90_d128", (tiles, (b * h) as u32), smem, &p)?;
-                    // dK, dV: K and V (128 rows), Q and dO twice (64 rows); L, δ, segment ids.
-                    let smem = 2 * TILE128 + 4 * TILE128 / 2 + 6 * 64 * 4 + 1024;
+                    let half = TILE128 / 2; // a 64-row tile
+                                            // dQ: Q and dO (128 rows), K and V three times (64 rows); segment ids; and
+                                            // room to align the tiles to 1024 bytes.
+                    let smem = 2 * TILE128 + 6 * half + 3 * 64 * 4 + 1024;
+                    launch90(
+                        &dev,
+                        "flash_dq90_d128",
+                        THREADS90,
+                        (tiles, (b * h) as u32),
+                        smem,
+                        &p,
+                    )?;
+                    // dK, dV: K and V (128 rows), Q and dO three times (64 rows); L, δ and
+                    // segment ids three times.
+                    let smem = 2 * TILE128 + 6 * half + 9 * 64 * 4 + 1024;
                     launch90(
                         &dev,
                         "flash_dkdv90_d128",
+                        THREADS90,
                         (tiles, (b * kh) as u32),
                         smem,
                         &p,

@@ -45,7 +45,10 @@ __device__ __forceinline__ unsigned long long wg_ndesc(unsigned tile, int rows, 
     return wg_desc(tile + s * 2048, rows * 128, 1024);
 }
 
-// D[64 × 64] (+)= A · B, A and B from shared memory (descriptors); tb: B is MN-major.
+// The wgmma wrappers spell out every accumulator operand (m64nN: N / 2 floats a thread), as
+// d[N / 8][4] in mma.sync's C order.
+//
+// D[64 × 64] (+)= A · B, A and B from shared memory (descriptors); TB: B is MN-major.
 template<int TB>
 __device__ __forceinline__ void wg_ss64(float (*d)[4], unsigned long long da, unsigned long long db, int acc) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
@@ -53,16 +56,7 @@ __device__ __forceinline__ void wg_ss64(float (*d)[4], unsigned long long da, un
         : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
         : "l"(da), "l"(db), "r"(acc), "n"(TB));
 }
-// D[64 × 64] += A · B, A from registers (an m64k16 fragment), B from shared memory.
-template<int TB>
-__device__ __forceinline__ void wg_rs64(float (*d)[4], const unsigned* a, unsigned long long db, int acc) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TB));
-}
-
-// D[64 × 128] (+)= A · B, A and B from shared memory (descriptors); tb: B is MN-major.
+// D[64 × 128] (+)= A · B, A and B from shared memory (descriptors); TB: B is MN-major.
 template<int TB>
 __device__ __forceinline__ void wg_ss128(float (*d)[4], unsigned long long da, unsigned long long db, int acc) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
@@ -70,7 +64,7 @@ __device__ __forceinline__ void wg_ss128(float (*d)[4], unsigned long long da, u
         : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
         : "l"(da), "l"(db), "r"(acc), "n"(TB));
 }
-// D[64 × 128] += A · B, A from registers (an m64k16 fragment), B from shared memory.
+// D[64 × 128] (+)= A · B, A from registers (an m64k16 fragment), B from shared memory.
 template<int TB>
 __device__ __forceinline__ void wg_rs128(float (*d)[4], const unsigned* a, unsigned long long db, int acc) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
@@ -79,75 +73,122 @@ __device__ __forceinline__ void wg_rs128(float (*d)[4], const unsigned* a, unsig
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TB));
 }
 
+// D[64 × 64] = A · B (D's old values unread: the first k step of a product).
+template<int TB>
+__device__ __forceinline__ void wg_ss64z(float (*d)[4], unsigned long long da, unsigned long long db) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, %34;\n}\n"
+        : "=f"(d[0][0]), "=f"(d[0][1]), "=f"(d[0][2]), "=f"(d[0][3]), "=f"(d[1][0]), "=f"(d[1][1]), "=f"(d[1][2]), "=f"(d[1][3]), "=f"(d[2][0]), "=f"(d[2][1]), "=f"(d[2][2]), "=f"(d[2][3]), "=f"(d[3][0]), "=f"(d[3][1]), "=f"(d[3][2]), "=f"(d[3][3]), "=f"(d[4][0]), "=f"(d[4][1]), "=f"(d[4][2]), "=f"(d[4][3]), "=f"(d[5][0]), "=f"(d[5][1]), "=f"(d[5][2]), "=f"(d[5][3]), "=f"(d[6][0]), "=f"(d[6][1]), "=f"(d[6][2]), "=f"(d[6][3]), "=f"(d[7][0]), "=f"(d[7][1]), "=f"(d[7][2]), "=f"(d[7][3])
+        : "l"(da), "l"(db), "n"(TB));
+}
+
+// D[64 × 128] = A · B (D's old values unread: the first k step of a product).
+template<int TB>
+__device__ __forceinline__ void wg_ss128z(float (*d)[4], unsigned long long da, unsigned long long db) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, %66;\n}\n"
+        : "=f"(d[0][0]), "=f"(d[0][1]), "=f"(d[0][2]), "=f"(d[0][3]), "=f"(d[1][0]), "=f"(d[1][1]), "=f"(d[1][2]), "=f"(d[1][3]), "=f"(d[2][0]), "=f"(d[2][1]), "=f"(d[2][2]), "=f"(d[2][3]), "=f"(d[3][0]), "=f"(d[3][1]), "=f"(d[3][2]), "=f"(d[3][3]), "=f"(d[4][0]), "=f"(d[4][1]), "=f"(d[4][2]), "=f"(d[4][3]), "=f"(d[5][0]), "=f"(d[5][1]), "=f"(d[5][2]), "=f"(d[5][3]), "=f"(d[6][0]), "=f"(d[6][1]), "=f"(d[6][2]), "=f"(d[6][3]), "=f"(d[7][0]), "=f"(d[7][1]), "=f"(d[7][2]), "=f"(d[7][3]), "=f"(d[8][0]), "=f"(d[8][1]), "=f"(d[8][2]), "=f"(d[8][3]), "=f"(d[9][0]), "=f"(d[9][1]), "=f"(d[9][2]), "=f"(d[9][3]), "=f"(d[10][0]), "=f"(d[10][1]), "=f"(d[10][2]), "=f"(d[10][3]), "=f"(d[11][0]), "=f"(d[11][1]), "=f"(d[11][2]), "=f"(d[11][3]), "=f"(d[12][0]), "=f"(d[12][1]), "=f"(d[12][2]), "=f"(d[12][3]), "=f"(d[13][0]), "=f"(d[13][1]), "=f"(d[13][2]), "=f"(d[13][3]), "=f"(d[14][0]), "=f"(d[14][1]), "=f"(d[14][2]), "=f"(d[14][3]), "=f"(d[15][0]), "=f"(d[15][1]), "=f"(d[15][2]), "=f"(d[15][3])
+        : "l"(da), "l"(db), "n"(TB));
+}
 
 // Starts copying rows [r0, r0 + R) of a [T, 128] slab (row stride st) into the swizzled tile
 // at s (256 threads, a row's 16 chunks over 16 threads); rows past T are zero-filled.
 template<int R>
 __device__ __forceinline__ void sw_load(unsigned s, const bf16_t* g, long st, int r0, int T) {
+    constexpr int RS = 16;  // rows a pass
+    static_assert(R % RS == 0, "a tile is whole passes");
     const int r = threadIdx.x >> 4, cc = threadIdx.x & 15;
     const unsigned dst = s + (cc >> 3) * R * 128 + r * 128 + (((cc & 7) ^ (r & 7)) << 4);
     const bf16_t* src = g + (long)(r0 + r) * st + cc * 8;
 #pragma unroll
-    for (int i = 0; i < R / 16; ++i) {
-        const bool ok = r0 + r + 16 * i < T;
-        fl_cp16(dst + i * 16 * 128, ok ? src + (long)16 * i * st : g, ok);
+    for (int i = 0; i < R / RS; ++i) {
+        const bool ok = r0 + r + RS * i < T;
+        fl_cp16(dst + i * RS * 128, ok ? src + (long)RS * i * st : g, ok);
     }
 }
 
-// The forward: 128 queries a block (64 a warpgroup), keys in tiles of 128 double-buffered.
-// S = Q·Kᵀ with Q and K from shared memory; O += P·V with P from registers.
+// Starts copying one 4-byte word into shared memory; zero-filled when !ok.
+__device__ __forceinline__ void fl_cp4(void* s, const void* g, bool ok) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;"
+        :: "r"(fl_smem(s)), "l"(g), "r"(ok ? 4 : 0) : "memory");
+}
+
+// Starts copying the example ids of key rows [k0, k0 + R) into ids (ids past T read the last
+// one, as fl_seg; those keys are masked anyway), or writes zeros without segments.
+template<int R>
+__device__ __forceinline__ void fl_seg_load(const FlashP& p, unsigned* ids, int b, int k0) {
+    if (threadIdx.x < R) {
+        if (p.seg) fl_cp4(ids + threadIdx.x, p.seg + (long)b * p.T + min(k0 + (int)threadIdx.x, p.T - 1), true);
+        else ids[threadIdx.x] = 0u;
+    }
+}
+
+// The forward: 128 queries a block (64 a warpgroup), keys in tiles of 128. S = Q·Kᵀ with Q
+// and K from shared memory; O += P·V with P from registers. Software-pipelined as FA3: tile
+// j's S is issued, then the previous tile's P·V; S is waited for and tile j's softmax runs
+// while P·V is still on the tensor cores. K is double-buffered, V triple-buffered (a V tile
+// is read one tile later than its K).
 __device__ __forceinline__ void flash_fwd90(const FlashP& p) {
     constexpr int D = 128, BQ = 128, BK = 128, TILE = BK * D * 2, DN = D / 8;
     const unsigned raw = fl_smem(flash90_smem), base = (raw + 1023) & ~1023u;
-    const unsigned sQ = base, sK = sQ + TILE, sV = sK + 2 * TILE;
-    unsigned* sSeg = (unsigned*)(flash90_smem + (sV + 2 * TILE - raw));  // [2][BK]
+    const unsigned sQ = base, sK = sQ + TILE, sV = sK + 2 * TILE;  // sK [2], sV [3]
+    unsigned* sSeg = (unsigned*)(flash90_smem + (sV + 3 * TILE - raw));  // [2][BK]
     const int T = p.T, bh = blockIdx.y, b = bh / p.H, h = bh % p.H, kh = h / (p.H / p.KH);
     const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;  // the longest rows first
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, l = tid & 31;
     const int g = l >> 2, c = l & 3;
     const float sc = p.scale * FLASH_LOG2E;
     const int kend = min(T, q0 + BQ), kbeg = fl_first_key<BK>(p, q0);
+    const int ntiles = (kend - kbeg + BK - 1) / BK;
     const int w0 = q0 + 64 * wg;  // this warpgroup's first query
-    auto prefetch = [&](int k0, int buf) {
-        sw_load<BK>(sK + buf * TILE, p.k + b * p.sk[0] + kh * p.sk[1], p.sk[2], k0, T);
-        sw_load<BK>(sV + buf * TILE, p.v + b * p.sv[0] + kh * p.sv[1], p.sv[2], k0, T);
+    auto prefetch = [&](int j) {  // key tile j
+        const int k0 = kbeg + j * BK;
+        sw_load<BK>(sK + (j & 1) * TILE, p.k + b * p.sk[0] + kh * p.sk[1], p.sk[2], k0, T);
+        sw_load<BK>(sV + (j % 3) * TILE, p.v + b * p.sv[0] + kh * p.sv[1], p.sv[2], k0, T);
+        fl_seg_load<BK>(p, sSeg + (j & 1) * BK, b, k0);
         fl_commit();
-        if (tid < BK) sSeg[buf * BK + tid] = fl_seg(p, b, k0 + tid);
     };
     sw_load<BQ>(sQ, p.q + b * p.sq[0] + h * p.sq[1], p.sq[2], q0, T);  // one group with tile 0
-    prefetch(kbeg, 0);
+    prefetch(0);
     const int qi0 = w0 + warp * 16 + g, qi1 = qi0 + 8;
     const unsigned sg0 = fl_seg(p, b, qi0), sg1 = fl_seg(p, b, qi1);
     float o[DN][4], s[BK / 8][4];
 #pragma unroll
     for (int n = 0; n < DN; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-#pragma unroll
-    for (int n = 0; n < BK / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-    float m0 = FLASH_NEG_INF, m1 = FLASH_NEG_INF, l0 = 0.f, l1 = 0.f;
-    for (int k0 = kbeg, it = 0; k0 < kend; k0 += BK, ++it) {
-        const int buf = it & 1;
-        if (k0 + BK < kend) { prefetch(k0 + BK, buf ^ 1); fl_wait_but1(); } else fl_wait_all();
+    unsigned pf[BK / 16][4];  // P of the tile whose P·V is next
+    float m0 = FLASH_NEG_INF, m1 = FLASH_NEG_INF, l0 = 0.f, l1 = 0.f, cr0 = 1.f, cr1 = 1.f;
+    // Waits for key tile j, starts loading tile j + 1 and issues S = Q·K_jᵀ.
+    auto start = [&](int j) {
+        fl_wait_all();
         wg_smem_fence();
-        __syncthreads();
-        const unsigned tK = sK + buf * TILE, tV = sV + buf * TILE;
+        __syncthreads();  // every warpgroup is done with S of tile j − 1 and P·V of j − 2
+        if (j + 1 < ntiles) prefetch(j + 1);
+        const unsigned tK = sK + (j & 1) * TILE;
         wg_fence();
+        wg_ss128z<0>(s, wg_kdesc(sQ + wg * 64 * 128, BQ, 0), wg_kdesc(tK, BK, 0));
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk)
-            wg_ss128<0>(s, wg_kdesc(sQ + wg * 64 * 128, BQ, kk), wg_kdesc(tK, BK, kk), kk > 0);
+        for (int kk = 1; kk < D / 16; ++kk)
+            wg_ss128<0>(s, wg_kdesc(sQ + wg * 64 * 128, BQ, kk), wg_kdesc(tK, BK, kk), 1);
         wg_commit();
-        wg_wait<0>();
-        wg_hold<BK / 8>(s);
+    };
+    // Tile j's softmax over s (waited for): the new running max m, the factor cr that rescales
+    // what was summed before, the row sums l; s becomes P.
+    auto softmax = [&](int j) {
+        const int k0 = kbeg + j * BK;
         if (p.seg || p.window != 0 || k0 + BK - 1 > w0 + warp * 16)
-            fl_mask<BK>(p, s, qi0, sg0, sg1, k0, sSeg + buf * BK, c);
+            fl_mask<BK>(p, s, qi0, sg0, sg1, k0, sSeg + (j & 1) * BK, c);
         float mx0 = FLASH_NEG_INF, mx1 = FLASH_NEG_INF;
 #pragma unroll
         for (int n = 0; n < BK / 8; ++n) {
             mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
             mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
         }
+        // scale > 0, so the max of S scales to the max of scale·S.
         const float mn0 = fmaxf(m0, fl_quad_max(mx0) * sc), mn1 = fmaxf(m1, fl_quad_max(mx1) * sc);
+        // A row that has seen no key yet keeps m = −∞; 0 stands in so that no −∞ − −∞ appears.
         const float mu0 = mn0 == FLASH_NEG_INF ? 0.f : mn0, mu1 = mn1 == FLASH_NEG_INF ? 0.f : mn1;
-        const float cr0 = fl_exp2(m0 - mu0), cr1 = fl_exp2(m1 - mu1);
+        cr0 = fl_exp2(m0 - mu0);
+        cr1 = fl_exp2(m1 - mu1);
         m0 = mn0; m1 = mn1;
         float rs0 = 0.f, rs1 = 0.f;
 #pragma unroll
@@ -159,23 +200,41 @@ __device__ __forceinline__ void flash_fwd90(const FlashP& p) {
         }
         l0 = l0 * cr0 + rs0;
         l1 = l1 * cr1 + rs1;
+    };
+    // O += P·V of tile j (P in pf).
+    auto pv = [&](int j) {
+        const unsigned tV = sV + (j % 3) * TILE;
+        wg_fence();
+#pragma unroll
+        for (int jj = 0; jj < BK / 16; ++jj) wg_rs128<1>(o, pf[jj], wg_ndesc(tV, BK, jj), 1);
+        wg_commit();
+    };
+    auto keep_p = [&]() {
+#pragma unroll
+        for (int jj = 0; jj < BK / 16; ++jj) fl_a_from_c(pf[jj], s[2 * jj], s[2 * jj + 1]);
+    };
+    start(0);
+    wg_wait<0>();
+    wg_hold<BK / 8>(s);
+    softmax(0);
+    keep_p();
+    for (int j = 1; j < ntiles; ++j) {
+        start(j);
+        pv(j - 1);
+        wg_wait<1>();  // S of tile j; P·V of tile j − 1 runs on through the softmax
+        wg_hold<BK / 8>(s);
+        softmax(j);
+        wg_wait<0>();
+        wg_hold<DN>(o);
 #pragma unroll
         for (int n = 0; n < DN; ++n) {
             o[n][0] *= cr0; o[n][1] *= cr0; o[n][2] *= cr1; o[n][3] *= cr1;
         }
-        unsigned pf[BK / 16][4];
-#pragma unroll
-        for (int j = 0; j < BK / 16; ++j) fl_a_from_c(pf[j], s[2 * j], s[2 * j + 1]);
-        wg_hold<DN>(o);
-        wg_fence();
-#pragma unroll
-        for (int j = 0; j < BK / 16; ++j)
-            wg_rs128<1>(o, pf[j], wg_ndesc(tV, BK, j), 1);
-        wg_commit();
-        wg_wait<0>();
-        wg_hold<DN>(o);
-        __syncthreads();  // this buffer is refilled two tiles on
+        keep_p();
     }
+    pv(ntiles - 1);
+    wg_wait<0>();
+    wg_hold<DN>(o);
     l0 = fl_quad_sum(l0);
     l1 = fl_quad_sum(l1);
     const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
@@ -194,29 +253,34 @@ __device__ __forceinline__ void flash_fwd90(const FlashP& p) {
 
 extern "C" __global__ void __launch_bounds__(256, 1) flash_fwd90_d128(const FlashP p) { flash_fwd90(p); }
 
-// dQ: 128 queries a block (64 a warpgroup), keys in tiles of 64 double-buffered. S = Q·Kᵀ and
-// dP = dO·Vᵀ with Q and dO from shared memory, then dQ += dS·K with dS from registers.
+// dQ: 128 queries a block (64 a warpgroup), keys in tiles of 64, three buffers deep. S = Q·Kᵀ
+// and dP = dO·Vᵀ with Q and dO from shared memory, then dQ += dS·K with dS from registers.
+// Software-pipelined: tile i + 1's S and dP are issued right after tile i's dQ product, so
+// the tensor cores have queued work through the barrier and the loads' bookkeeping.
 __device__ __forceinline__ void flash_dq90(const FlashP& p) {
     constexpr int D = 128, BQ = 128, BK = 64, DN = D / 8, QT = BQ * D * 2, KT = BK * D * 2;
     const unsigned raw = fl_smem(flash90_smem), base = (raw + 1023) & ~1023u;
-    const unsigned sQ = base, sO = sQ + QT, sK = sO + QT, sV = sK + 2 * KT;
-    unsigned* sSeg = (unsigned*)(flash90_smem + (sV + 2 * KT - raw));  // [2][BK]
+    const unsigned sQ = base, sO = sQ + QT, sK = sO + QT, sV = sK + 3 * KT;  // sK, sV: [3]
+    unsigned* sSeg = (unsigned*)(flash90_smem + (sV + 3 * KT - raw));  // [3][BK]
     const int T = p.T, bh = blockIdx.y, b = bh / p.H, h = bh % p.H, kh = h / (p.H / p.KH);
     const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, l = tid & 31;
     const int g = l >> 2, c = l & 3;
     const float sc = p.scale * FLASH_LOG2E;
     const int kend = min(T, q0 + BQ), kbeg = fl_first_key<BK>(p, q0);
+    const int ntiles = (kend - kbeg + BK - 1) / BK;
     const int w0 = q0 + 64 * wg;
-    auto prefetch = [&](int k0, int buf) {
+    auto prefetch = [&](int j) {  // key tile j into buffer j % 3
+        const int k0 = kbeg + j * BK, buf = j % 3;
         sw_load<BK>(sK + buf * KT, p.k + b * p.sk[0] + kh * p.sk[1], p.sk[2], k0, T);
         sw_load<BK>(sV + buf * KT, p.v + b * p.sv[0] + kh * p.sv[1], p.sv[2], k0, T);
+        fl_seg_load<BK>(p, sSeg + buf * BK, b, k0);
         fl_commit();
-        if (tid < BK) sSeg[buf * BK + tid] = fl_seg(p, b, k0 + tid);
     };
     sw_load<BQ>(sQ, p.q + b * p.sq[0] + h * p.sq[1], p.sq[2], q0, T);
     sw_load<BQ>(sO, p.o + b * p.so[0] + h * p.so[1], p.so[2], q0, T);
-    prefetch(kbeg, 0);
+    prefetch(0);  // one group with Q and dO
+    if (ntiles > 1) { prefetch(1); fl_wait_but1(); } else fl_wait_all();
     const int qi0 = w0 + warp * 16 + g, qi1 = qi0 + 8;
     const unsigned sg0 = fl_seg(p, b, qi0), sg1 = fl_seg(p, b, qi1);
     const float L0 = qi0 < T ? p.lse[(long)bh * T + qi0] * FLASH_LOG2E : 0.f;
@@ -226,66 +290,90 @@ __device__ __forceinline__ void flash_dq90(const FlashP& p) {
     float acc[DN][4], s[BK / 8][4], dp[BK / 8][4];
 #pragma unroll
     for (int n = 0; n < DN; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+    wg_hold<DN>(acc);  // the zeros are written here, before any wgmma is in flight
+    unsigned da[BK / 16][4];
+    auto issue_sdp = [&](int j) {  // S and dP of tile j, as two groups
+        const unsigned tK = sK + (j % 3) * KT, tV = sV + (j % 3) * KT;
+        wg_fence();
+        wg_ss64z<0>(s, wg_kdesc(sQ + wg * 64 * 128, BQ, 0), wg_kdesc(tK, BK, 0));
 #pragma unroll
-    for (int n = 0; n < BK / 8; ++n)
+        for (int kk = 1; kk < D / 16; ++kk)
+            wg_ss64<0>(s, wg_kdesc(sQ + wg * 64 * 128, BQ, kk), wg_kdesc(tK, BK, kk), 1);
+        wg_commit();
+        wg_ss64z<0>(dp, wg_kdesc(sO + wg * 64 * 128, BQ, 0), wg_kdesc(tV, BK, 0));
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
-    for (int k0 = kbeg, it = 0; k0 < kend; k0 += BK, ++it) {
-        const int buf = it & 1;
-        if (k0 + BK < kend) { prefetch(k0 + BK, buf ^ 1); fl_wait_but1(); } else fl_wait_all();
-        wg_smem_fence();
-        __syncthreads();
-        const unsigned tK = sK + buf * KT, tV = sV + buf * KT;
-        // Every key of the tile after every query of this warpgroup: all masked.
-        if (k0 <= w0 + 63) {
-            wg_fence();
+        for (int kk = 1; kk < D / 16; ++kk)
+            wg_ss64<0>(dp, wg_kdesc(sO + wg * 64 * 128, BQ, kk), wg_kdesc(tV, BK, kk), 1);
+        wg_commit();
+    };
+    wg_smem_fence();
+    __syncthreads();
+    // Tile j: P, dS, then dQ += dS·K issued (not waited for).
+    auto process = [&](int j) {
+        const int k0 = kbeg + j * BK;
+        // S and dP of tile j (and tile j − 1's dQ product). Waiting for S alone, with dP
+        // running on through P, makes ptxas serialize every wgmma (C7514).
+        wg_wait<0>();
+        wg_hold<BK / 8>(s);
+        wg_hold<BK / 8>(dp);
+        if (p.seg || p.window != 0 || k0 + BK - 1 > w0 + warp * 16)
+            fl_mask<BK>(p, s, qi0, sg0, sg1, k0, sSeg + (j % 3) * BK, c);
+        // P = exp(scale·S − L): 0 where masked (S = −∞).
 #pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk)
-                wg_ss64<0>(s, wg_kdesc(sQ + wg * 64 * 128, BQ, kk), wg_kdesc(tK, BK, kk), kk > 0);
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk)
-                wg_ss64<0>(dp, wg_kdesc(sO + wg * 64 * 128, BQ, kk), wg_kdesc(tV, BK, kk), kk > 0);
-            wg_commit();
-            wg_wait<0>();
-            wg_hold<BK / 8>(s);
-            wg_hold<BK / 8>(dp);
-            if (p.seg || p.window != 0 || k0 + BK - 1 > w0 + warp * 16)
-                fl_mask<BK>(p, s, qi0, sg0, sg1, k0, sSeg + buf * BK, c);
-            // dS = P ⊙ (dP − δ), P = exp(scale·S − L): 0 where masked (S = −∞).
-            unsigned da[BK / 16][4];
-#pragma unroll
-            for (int n = 0; n < BK / 8; ++n) {
-                s[n][0] = fl_exp2(fmaf(s[n][0], sc, -L0)) * (dp[n][0] - d0);
-                s[n][1] = fl_exp2(fmaf(s[n][1], sc, -L0)) * (dp[n][1] - d0);
-                s[n][2] = fl_exp2(fmaf(s[n][2], sc, -L1)) * (dp[n][2] - d1);
-                s[n][3] = fl_exp2(fmaf(s[n][3], sc, -L1)) * (dp[n][3] - d1);
-            }
-#pragma unroll
-            for (int j = 0; j < BK / 16; ++j) fl_a_from_c(da[j], s[2 * j], s[2 * j + 1]);
-            wg_fence();
-#pragma unroll
-            for (int j = 0; j < BK / 16; ++j) wg_rs128<1>(acc, da[j], wg_ndesc(tK, BK, j), 1);
-            wg_commit();
-            wg_wait<0>();
-            wg_hold<DN>(acc);
+        for (int n = 0; n < BK / 8; ++n) {
+            s[n][0] = fl_exp2(fmaf(s[n][0], sc, -L0));
+            s[n][1] = fl_exp2(fmaf(s[n][1], sc, -L0));
+            s[n][2] = fl_exp2(fmaf(s[n][2], sc, -L1));
+            s[n][3] = fl_exp2(fmaf(s[n][3], sc, -L1));
         }
+        // dS = P ⊙ (dP − δ)
+#pragma unroll
+        for (int n = 0; n < BK / 8; ++n) {
+            s[n][0] *= dp[n][0] - d0;
+            s[n][1] *= dp[n][1] - d0;
+            s[n][2] *= dp[n][2] - d1;
+            s[n][3] *= dp[n][3] - d1;
+        }
+#pragma unroll
+        for (int jj = 0; jj < BK / 16; ++jj) fl_a_from_c(da[jj], s[2 * jj], s[2 * jj + 1]);
+        const unsigned tK = sK + (j % 3) * KT;
+        wg_fence();
+#pragma unroll
+        for (int jj = 0; jj < BK / 16; ++jj) wg_rs128<1>(acc, da[jj], wg_ndesc(tK, BK, jj), 1);
+        wg_commit();
+    };
+    // The loop always issues the next tile's S and dP (the last tile is peeled), so that the
+    // compiler sees one fixed order of wgmma groups and waits.
+    issue_sdp(0);
+    for (int j = 0; j + 1 < ntiles; ++j) {
+        process(j);
+        fl_wait_all();  // tile j + 1
+        wg_smem_fence();
+        // Every warpgroup is past tile j − 1's dQ product (waited for in process): its buffer
+        // takes tile j + 2.
         __syncthreads();
+        if (j + 2 < ntiles) prefetch(j + 2);
+        issue_sdp(j + 1);
     }
+    process(ntiles - 1);
+    wg_wait<0>();
+    wg_hold<DN>(acc);
     const long rope = (long)b * T * (D / 2);
     fl_store_rows<D>(p.dq + b * p.sdq[0] + h * p.sdq[1], p.sdq[2], acc, qi0, T, p.scale,
                      p.rc ? p.rc + rope : nullptr, p.rs ? p.rs + rope : nullptr, c);
 }
 
 // dK, dV: 128 keys a block (64 a warpgroup), over every query head of the kv head in tiles of
-// 64 queries. Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ with K and V from shared memory; dV += Pᵀ·dO and
-// dK += dSᵀ·Q with Pᵀ and dSᵀ from registers, dO and Q read MN-major from the same tiles.
+// 64 queries, three buffers deep. Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ with K and V from shared memory;
+// dV += Pᵀ·dO and dK += dSᵀ·Q with Pᵀ and dSᵀ from registers, dO and Q read MN-major from the
+// same tiles. Pipelined as dQ: the next tile's Sᵀ and dPᵀ follow this tile's dV and dK.
 __device__ __forceinline__ void flash_dkdv90(const FlashP& p) {
     constexpr int D = 128, BK = 128, BQ = 64, DN = D / 8, KT = BK * D * 2, QT = BQ * D * 2;
     const unsigned raw = fl_smem(flash90_smem), base = (raw + 1023) & ~1023u;
-    const unsigned sK = base, sV = sK + KT, sQ = sV + KT, sO = sQ + 2 * QT;  // sQ, sO: [2]
-    float* sL = (float*)(flash90_smem + (sO + 2 * QT - raw));  // [2][BQ] L·log2(e)
-    float* sD = sL + 2 * BQ;                                    // [2][BQ] δ
-    unsigned* sSeg = (unsigned*)(sD + 2 * BQ);                  // [2][BQ]
+    const unsigned sK = base, sV = sK + KT, sQ = sV + KT, sO = sQ + 3 * QT;  // sQ, sO: [3]
+    float* sL = (float*)(flash90_smem + (sO + 3 * QT - raw));  // [3][BQ] L
+    float* sD = sL + 3 * BQ;                                    // [3][BQ] δ
+    unsigned* sSeg = (unsigned*)(sD + 3 * BQ);                  // [3][BQ]
     const int T = p.T, b = blockIdx.y / p.KH, kh = blockIdx.y % p.KH, grp = p.H / p.KH;
     const int k0 = blockIdx.x * BK;
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, l = tid & 31;
@@ -293,23 +381,30 @@ __device__ __forceinline__ void flash_dkdv90(const FlashP& p) {
     const float sc = p.scale * FLASH_LOG2E;
     const int qend = p.window > 0 ? min(T, k0 + BK - 1 + p.window) : T;
     const int nq = (qend - k0 + BQ - 1) / BQ, iters = grp * nq;  // (query head, query tile) pairs
-    auto prefetch = [&](int it, int buf) {
-        const int h = kh * grp + it / nq, q0 = k0 + (it % nq) * BQ;
+    auto q0_of = [&](int it) { return k0 + (it % nq) * BQ; };
+    auto prefetch = [&](int it) {  // pair it into buffer it % 3
+        const int h = kh * grp + it / nq, q0 = q0_of(it), buf = it % 3;
         sw_load<BQ>(sQ + buf * QT, p.q + b * p.sq[0] + h * p.sq[1], p.sq[2], q0, T);
         sw_load<BQ>(sO + buf * QT, p.o + b * p.so[0] + h * p.so[1], p.so[2], q0, T);
-        fl_commit();
+        // L, δ and the example ids travel with the tiles (a plain load here would hold these
+        // threads, and at the barrier everyone, for a memory round trip a tile): 0 past T,
+        // where the mask rules every query out.
         if (tid < BQ) {
             const long row = ((long)b * p.H + h) * T;
             const int i = q0 + tid;
-            sL[buf * BQ + tid] = i < T ? p.lse[row + i] * FLASH_LOG2E : 0.f;
-            sD[buf * BQ + tid] = i < T ? p.delta[row + i] : 0.f;
-            sSeg[buf * BQ + tid] = fl_seg(p, b, i);
+            const bool ok = i < T;
+            fl_cp4(sL + buf * BQ + tid, ok ? p.lse + row + i : p.lse, ok);
+            fl_cp4(sD + buf * BQ + tid, ok ? p.delta + row + i : p.delta, ok);
+            if (p.seg) fl_cp4(sSeg + buf * BQ + tid, p.seg + (long)b * T + i, ok);
+            else sSeg[buf * BQ + tid] = 0u;
         }
+        fl_commit();
     };
     sw_load<BK>(sK, p.k + b * p.sk[0] + kh * p.sk[1], p.sk[2], k0, T);
     sw_load<BK>(sV, p.v + b * p.sv[0] + kh * p.sv[1], p.sv[2], k0, T);
     fl_commit();
-    if (iters > 0) prefetch(0, 0);
+    if (iters > 0) prefetch(0);
+    if (iters > 1) { prefetch(1); fl_wait_but1(); } else fl_wait_all();
     const int w0 = k0 + 64 * wg;  // this warpgroup's first key
     const int kj0 = w0 + warp * 16 + g, kj1 = kj0 + 8;
     const unsigned sg0 = fl_seg(p, b, kj0), sg1 = fl_seg(p, b, kj1);
@@ -318,75 +413,100 @@ __device__ __forceinline__ void flash_dkdv90(const FlashP& p) {
     for (int n = 0; n < DN; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.f;
+    wg_hold<DN>(dk);  // the zeros are written here, before any wgmma is in flight
+    wg_hold<DN>(dv);
+    unsigned pa[BQ / 16][4], da[BQ / 16][4];
+    auto issue_sdp = [&](int it) {  // Sᵀ and dPᵀ of pair it, as two groups
+        const unsigned tQ = sQ + (it % 3) * QT, tO = sO + (it % 3) * QT;
+        wg_fence();
+        wg_ss64z<0>(st, wg_kdesc(sK + wg * 64 * 128, BK, 0), wg_kdesc(tQ, BQ, 0));
 #pragma unroll
-    for (int n = 0; n < BQ / 8; ++n)
+        for (int kk = 1; kk < D / 16; ++kk)
+            wg_ss64<0>(st, wg_kdesc(sK + wg * 64 * 128, BK, kk), wg_kdesc(tQ, BQ, kk), 1);
+        wg_commit();
+        wg_ss64z<0>(dpt, wg_kdesc(sV + wg * 64 * 128, BK, 0), wg_kdesc(tO, BQ, 0));
 #pragma unroll
-        for (int e = 0; e < 4; ++e) st[n][e] = dpt[n][e] = 0.f;
-    for (int it = 0; it < iters; ++it) {
-        const int buf = it & 1, q0 = k0 + (it % nq) * BQ;
-        if (it + 1 < iters) { prefetch(it + 1, buf ^ 1); fl_wait_but1(); } else fl_wait_all();
-        wg_smem_fence();
-        __syncthreads();
+        for (int kk = 1; kk < D / 16; ++kk)
+            wg_ss64<0>(dpt, wg_kdesc(sV + wg * 64 * 128, BK, kk), wg_kdesc(tO, BQ, kk), 1);
+        wg_commit();
+    };
+    wg_smem_fence();
+    __syncthreads();
+    // Pair it: P, dV += Pᵀ·dO issued, dS while it runs, dK += dSᵀ·Q issued (neither waited
+    // for).
+    auto process = [&](int it) {
+        const int buf = it % 3, q0 = q0_of(it);
         const unsigned tQ = sQ + buf * QT, tO = sO + buf * QT;
         const float* tL = sL + buf * BQ;
         const float* tD = sD + buf * BQ;
         const unsigned* tS = sSeg + buf * BQ;
-        // Every query of the tile before every key of this warpgroup: all masked.
-        if (q0 + BQ - 1 >= w0) {
-            wg_fence();
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk)
-                wg_ss64<0>(st, wg_kdesc(sK + wg * 64 * 128, BK, kk), wg_kdesc(tQ, BQ, kk), kk > 0);
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk)
-                wg_ss64<0>(dpt, wg_kdesc(sV + wg * 64 * 128, BK, kk), wg_kdesc(tO, BQ, kk), kk > 0);
-            wg_commit();
-            wg_wait<0>();
-            wg_hold<BQ / 8>(st);
-            wg_hold<BQ / 8>(dpt);
-            // Transposed: element (key kj, query q0 + col).
-            if (p.seg || p.window != 0 || q0 < w0 + warp * 16 + 15 || q0 + BQ > T) {
-#pragma unroll
-                for (int n = 0; n < BQ / 8; ++n) {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int col = n * 8 + 2 * c + (e & 1);
-                        const bool ok = e < 2 ? fl_ok(q0 + col, kj0, T, p.window, tS[col], sg0)
-                                              : fl_ok(q0 + col, kj1, T, p.window, tS[col], sg1);
-                        if (!ok) st[n][e] = FLASH_NEG_INF;
-                    }
-                }
-            }
-            // P = exp(scale·S − L) (0 where masked), dS = P ⊙ (dP − δ)
+        // Sᵀ and dPᵀ (and the last pair's dV and dK). Waiting for Sᵀ alone, with dPᵀ
+        // running on through P, makes ptxas serialize every wgmma (C7514).
+        wg_wait<0>();
+        wg_hold<BQ / 8>(st);
+        wg_hold<BQ / 8>(dpt);
+        // Transposed: element (key kj, query q0 + col).
+        if (p.seg || p.window != 0 || q0 < w0 + warp * 16 + 15 || q0 + BQ > T) {
 #pragma unroll
             for (int n = 0; n < BQ / 8; ++n) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int col = n * 8 + 2 * c + (e & 1);
-                    const float pr = fl_exp2(fmaf(st[n][e], sc, -tL[col]));
-                    st[n][e] = pr;
-                    dpt[n][e] = pr * (dpt[n][e] - tD[col]);
+                    const bool ok = e < 2 ? fl_ok(q0 + col, kj0, T, p.window, tS[col], sg0)
+                                          : fl_ok(q0 + col, kj1, T, p.window, tS[col], sg1);
+                    if (!ok) st[n][e] = FLASH_NEG_INF;
                 }
             }
-            unsigned pa[BQ / 16][4], da[BQ / 16][4];
-#pragma unroll
-            for (int j = 0; j < BQ / 16; ++j) {
-                fl_a_from_c(pa[j], st[2 * j], st[2 * j + 1]);
-                fl_a_from_c(da[j], dpt[2 * j], dpt[2 * j + 1]);
-            }
-            wg_fence();
-#pragma unroll
-            for (int j = 0; j < BQ / 16; ++j) wg_rs128<1>(dv, pa[j], wg_ndesc(tO, BQ, j), 1);
-#pragma unroll
-            for (int j = 0; j < BQ / 16; ++j) wg_rs128<1>(dk, da[j], wg_ndesc(tQ, BQ, j), 1);
-            wg_commit();
-            wg_wait<0>();
-            wg_hold<DN>(dv);
-            wg_hold<DN>(dk);
         }
+        // P = exp(scale·S − L), 0 where masked.
+#pragma unroll
+        for (int n = 0; n < BQ / 8; ++n) {
+            const float2 L = *(const float2*)(tL + n * 8 + 2 * c);
+            const float l0 = L.x * FLASH_LOG2E, l1 = L.y * FLASH_LOG2E;
+            st[n][0] = fl_exp2(fmaf(st[n][0], sc, -l0));
+            st[n][1] = fl_exp2(fmaf(st[n][1], sc, -l1));
+            st[n][2] = fl_exp2(fmaf(st[n][2], sc, -l0));
+            st[n][3] = fl_exp2(fmaf(st[n][3], sc, -l1));
+        }
+#pragma unroll
+        for (int j = 0; j < BQ / 16; ++j) fl_a_from_c(pa[j], st[2 * j], st[2 * j + 1]);
+        wg_fence();
+#pragma unroll
+        for (int j = 0; j < BQ / 16; ++j) wg_rs128<1>(dv, pa[j], wg_ndesc(tO, BQ, j), 1);
+        wg_commit();
+        // dS = P ⊙ (dP − δ), while dV's product runs
+#pragma unroll
+        for (int n = 0; n < BQ / 8; ++n) {
+            const float2 dl = *(const float2*)(tD + n * 8 + 2 * c);
+            dpt[n][0] = st[n][0] * (dpt[n][0] - dl.x);
+            dpt[n][1] = st[n][1] * (dpt[n][1] - dl.y);
+            dpt[n][2] = st[n][2] * (dpt[n][2] - dl.x);
+            dpt[n][3] = st[n][3] * (dpt[n][3] - dl.y);
+        }
+#pragma unroll
+        for (int j = 0; j < BQ / 16; ++j) fl_a_from_c(da[j], dpt[2 * j], dpt[2 * j + 1]);
+        wg_fence();
+#pragma unroll
+        for (int j = 0; j < BQ / 16; ++j) wg_rs128<1>(dk, da[j], wg_ndesc(tQ, BQ, j), 1);
+        wg_commit();
+    };
+    // The loop always issues the next pair's Sᵀ and dPᵀ (the last pair is peeled), so that the
+    // compiler sees one fixed order of wgmma groups and waits.
+    issue_sdp(0);
+    for (int it = 0; it + 1 < iters; ++it) {
+        process(it);
+        fl_wait_all();  // pair it + 1
+        wg_smem_fence();
+        // Every warpgroup is past pair it − 1's dV and dK (waited for in process): its buffer
+        // takes pair it + 2.
         __syncthreads();
+        if (it + 2 < iters) prefetch(it + 2);
+        issue_sdp(it + 1);
     }
-    fl_wait_all();
+    process(iters - 1);
+    wg_wait<0>();
+    wg_hold<DN>(dv);
+    wg_hold<DN>(dk);
     const long rope = (long)b * T * (D / 2);
     fl_store_rows<D>(p.dk + b * p.sdk[0] + kh * p.sdk[1], p.sdk[2], dk, kj0, T, p.scale,
                      p.rc ? p.rc + rope : nullptr, p.rs ? p.rs + rope : nullptr, c);
