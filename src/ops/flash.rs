@@ -45,17 +45,24 @@ pub enum Kernels {
     Wgmma,
 }
 
-/// The family `flash_fwd` and `flash_bwd` take for head dim `d` on `dev`: wgmma on a Hopper GPU for d = 128
-/// unless `LORA_TRAIN_FLASH90=0`, mma.sync otherwise.
+/// The family `flash_fwd` and `flash_bwd` take for head dim `d` on `dev`: wgmma on a Hopper
+/// GPU for d = 128 unless `LORA_TRAIN_FLASH90=0`, mma.sync otherwise.
 pub fn kernels_for(dev: &Device, d: usize) -> Kernels {
     static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let off = *OFF.get_or_init(|| std::env::var("LORA_TRAIN_FLASH90").is_ok_and(|v| v == "0"));
+    if d == 128 && !off && hopper(dev) {
+        Kernels::Wgmma
+    } else {
+        Kernels::MmaSync
+    }
+}
+
+/// Whether `dev` is a Hopper GPU (compute capability 9.0).
+fn hopper(dev: &Device) -> bool {
     match dev {
         #[cfg(feature = "cuda")]
-        Device::Cuda(c) if d == 128 && !off && crate::ops::cuda::is_hopper(c).unwrap_or(false) => {
-            Kernels::Wgmma
-        }
-        _ => Kernels::MmaSync,
+        Device::Cuda(c) => crate::ops::cuda::is_hopper(c).unwrap_or(false),
+        _ => false,
     }
 }
 
