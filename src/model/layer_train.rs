@@ -107,7 +107,9 @@ impl Layer {
         let (mask, scale) = (self.attn_mask(ctx), 1.0 / (d as f64).sqrt());
         let (attn, lse) = if ops::flash::takes(&q) {
             // Tensor cores; v is read in place from its rows and O written as rows.
-            ops::flash::flash_fwd(&q, &kk, &heads(&v, b, t, k)?, &mask, scale)? // [m, H·D], [B, H, T]
+            let kernels = ops::flash::kernels_for(q.device(), d);
+            ops::flash::flash_fwd(&q, &kk, &heads(&v, b, t, k)?, &mask, scale, kernels)?
+        // [m, H·D], [B, H, T]
         } else {
             let vh = ops::to_heads(&v, b, t, k)?; // [B, K, T, D]
             let (o, lse) = ops::attention::attention_fwd(
@@ -229,6 +231,7 @@ impl Layer {
                 &mask,
                 scale,
                 Some((&ctx.cos, &ctx.sin)),
+                ops::flash::kernels_for(q.device(), d),
             )?;
             let rows = |x: Tensor, n: usize| x.transpose(1, 2)?.reshape((b * t, n * d));
             (rows(dq, h)?, rows(dk, k)?, rows(dv, k)?) // [m, H·D], [m, K·D], [m, K·D]

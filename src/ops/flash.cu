@@ -221,6 +221,78 @@ __device__ __forceinline__ void fl_mask(const FlashP& p, float (*s)[4], int i0, 
     }
 }
 
+// The transposed mask: this warp's 16 × N tile st holds (key, query) elements, rows keys kj0
+// and kj0 + 8 (ids sg0, sg1), columns queries q0 + col (ids tS[col]).
+template<int N>
+__device__ __forceinline__ void fl_mask_t(const FlashP& p, float (*st)[4], int q0, int kj0,
+                                          unsigned sg0, unsigned sg1, const unsigned* tS, int c) {
+#pragma unroll
+    for (int n = 0; n < N / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int col = n * 8 + 2 * c + (e & 1);
+            const bool ok = e < 2 ? fl_ok(q0 + col, kj0, p.T, p.window, tS[col], sg0)
+                                  : fl_ok(q0 + col, kj0 + 8, p.T, p.window, tS[col], sg1);
+            if (!ok) st[n][e] = FLASH_NEG_INF;
+        }
+    }
+}
+
+// The forward's end: this warp's rows qi0 and qi0 + 8 of O = acc / l (the row sums l still
+// per thread, summed over the quad here) and L = (m + log2 l)·ln 2.
+template<int D>
+__device__ __forceinline__ void fl_store_o(const FlashP& p, const float (*acc)[4], int b, int h,
+                                           int qi0, float m0, float m1, float l0, float l1, int c) {
+    const int T = p.T, qi1 = qi0 + 8;
+    const long bh = (long)b * p.H + h;
+    l0 = fl_quad_sum(l0);
+    l1 = fl_quad_sum(l1);
+    const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+    bf16_t* og = p.o + b * p.so[0] + h * p.so[1];
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+        const int col = n * 8 + 2 * c;
+        if (qi0 < T) *(unsigned*)(og + (long)qi0 * p.so[2] + col) = fl_pack(acc[n][0] * inv0, acc[n][1] * inv0);
+        if (qi1 < T) *(unsigned*)(og + (long)qi1 * p.so[2] + col) = fl_pack(acc[n][2] * inv1, acc[n][3] * inv1);
+    }
+    if (c == 0) {
+        if (qi0 < T) p.lse[bh * T + qi0] = (m0 + __log2f(l0)) * FLASH_LN2;
+        if (qi1 < T) p.lse[bh * T + qi1] = (m1 + __log2f(l1)) * FLASH_LN2;
+    }
+}
+
+// One tile of the online softmax over this warp's 16 × N scores s (masked: −∞), scale·S in
+// log2 units: the running row maxima m move to include the tile, cr = 2^(m_old − m_new)
+// rescales what was summed before, the row sums l (per thread, over its columns) take it and
+// the tile, and s becomes P = 2^(scale·S − m).
+template<int N>
+__device__ __forceinline__ void fl_online_softmax(float (*s)[4], float sc, float& m0, float& m1,
+                                                  float& l0, float& l1, float& cr0, float& cr1) {
+    float mx0 = FLASH_NEG_INF, mx1 = FLASH_NEG_INF;
+#pragma unroll
+    for (int n = 0; n < N / 8; ++n) {
+        mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
+        mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
+    }
+    // scale > 0, so the max of S scales to the max of scale·S.
+    const float mn0 = fmaxf(m0, fl_quad_max(mx0) * sc), mn1 = fmaxf(m1, fl_quad_max(mx1) * sc);
+    // A row that has seen no key yet keeps m = −∞; 0 stands in so that no −∞ − −∞ appears.
+    const float mu0 = mn0 == FLASH_NEG_INF ? 0.f : mn0, mu1 = mn1 == FLASH_NEG_INF ? 0.f : mn1;
+    cr0 = fl_exp2(m0 - mu0);
+    cr1 = fl_exp2(m1 - mu1);
+    m0 = mn0; m1 = mn1;
+    float rs0 = 0.f, rs1 = 0.f;
+#pragma unroll
+    for (int n = 0; n < N / 8; ++n) {
+        s[n][0] = fl_exp2(fmaf(s[n][0], sc, -mu0)); s[n][1] = fl_exp2(fmaf(s[n][1], sc, -mu0));
+        s[n][2] = fl_exp2(fmaf(s[n][2], sc, -mu1)); s[n][3] = fl_exp2(fmaf(s[n][3], sc, -mu1));
+        rs0 += s[n][0] + s[n][1];
+        rs1 += s[n][2] + s[n][3];
+    }
+    l0 = l0 * cr0 + rs0;
+    l1 = l1 * cr1 + rs1;
+}
+
 template<int D>
 __device__ __forceinline__ void flash_fwd(const FlashP& p) {
     constexpr int DP = D + 8, BQ = 64, BK = 64, KS = D / 16, DN = D / 8;
@@ -272,28 +344,8 @@ __device__ __forceinline__ void flash_fwd(const FlashP& p) {
         // Below the diagonal with no window or segments every key of the tile is allowed.
         if (p.seg || p.window != 0 || k0 + BK - 1 > q0 + warp * 16)
             fl_mask<BK>(p, s, qi0, sg0, sg1, k0, sSeg + buf * BK, c);
-        float mx0 = FLASH_NEG_INF, mx1 = FLASH_NEG_INF;
-#pragma unroll
-        for (int n = 0; n < BK / 8; ++n) {
-            mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
-            mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
-        }
-        // scale > 0, so the max of S scales to the max of scale·S.
-        const float mn0 = fmaxf(m0, fl_quad_max(mx0) * sc), mn1 = fmaxf(m1, fl_quad_max(mx1) * sc);
-        // A row that has seen no key yet keeps m = −∞; 0 stands in so that no −∞ − −∞ appears.
-        const float mu0 = mn0 == FLASH_NEG_INF ? 0.f : mn0, mu1 = mn1 == FLASH_NEG_INF ? 0.f : mn1;
-        const float cr0 = fl_exp2(m0 - mu0), cr1 = fl_exp2(m1 - mu1);
-        m0 = mn0; m1 = mn1;
-        float rs0 = 0.f, rs1 = 0.f;
-#pragma unroll
-        for (int n = 0; n < BK / 8; ++n) {
-            s[n][0] = fl_exp2(fmaf(s[n][0], sc, -mu0)); s[n][1] = fl_exp2(fmaf(s[n][1], sc, -mu0));
-            s[n][2] = fl_exp2(fmaf(s[n][2], sc, -mu1)); s[n][3] = fl_exp2(fmaf(s[n][3], sc, -mu1));
-            rs0 += s[n][0] + s[n][1];
-            rs1 += s[n][2] + s[n][3];
-        }
-        l0 = l0 * cr0 + rs0;
-        l1 = l1 * cr1 + rs1;
+        float cr0, cr1;
+        fl_online_softmax<BK>(s, sc, m0, m1, l0, l1, cr0, cr1);
 #pragma unroll
         for (int n = 0; n < DN; ++n) {
             acc[n][0] *= cr0; acc[n][1] *= cr0; acc[n][2] *= cr1; acc[n][3] *= cr1;
@@ -301,20 +353,7 @@ __device__ __forceinline__ void flash_fwd(const FlashP& p) {
         fl_acc_ptile<D, BK>(acc, s, tV, l);  // O += P V
         __syncthreads();  // this buffer is refilled two tiles on
     }
-    l0 = fl_quad_sum(l0);
-    l1 = fl_quad_sum(l1);
-    const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
-    bf16_t* og = p.o + b * p.so[0] + h * p.so[1];
-#pragma unroll
-    for (int n = 0; n < DN; ++n) {
-        const int col = n * 8 + 2 * c;
-        if (qi0 < T) *(unsigned*)(og + (long)qi0 * p.so[2] + col) = fl_pack(acc[n][0] * inv0, acc[n][1] * inv0);
-        if (qi1 < T) *(unsigned*)(og + (long)qi1 * p.so[2] + col) = fl_pack(acc[n][2] * inv1, acc[n][3] * inv1);
-    }
-    if (c == 0) {
-        if (qi0 < T) p.lse[(long)bh * T + qi0] = (m0 + __log2f(l0)) * FLASH_LN2;
-        if (qi1 < T) p.lse[(long)bh * T + qi1] = (m1 + __log2f(l1)) * FLASH_LN2;
-    }
+    fl_store_o<D>(p, acc, b, h, qi0, m0, m1, l0, l1, c);
 }
 
 template<int D>
@@ -426,8 +465,8 @@ __device__ __forceinline__ void flash_dkdv(const FlashP& p) {
     fl_load<D, BK>(sV, p.v + b * p.sv[0] + kh * p.sv[1], p.sv[2], k0, T);
     fl_commit();
     if (iters > 0) prefetch(0, 0);
-    const int kj0 = k0 + warp * 16 + g, kj1 = kj0 + 8;
-    const unsigned sg0 = fl_seg(p, b, kj0), sg1 = fl_seg(p, b, kj1);
+    const int kj0 = k0 + warp * 16 + g;
+    const unsigned sg0 = fl_seg(p, b, kj0), sg1 = fl_seg(p, b, kj0 + 8);
     float dk[DN][4], dv[DN][4];
 #pragma unroll
     for (int n = 0; n < DN; ++n)
@@ -465,20 +504,10 @@ __device__ __forceinline__ void flash_dkdv(const FlashP& p) {
                 fl_mma(dpt[n], av1, bo[2], bo[3]);
             }
         }
-        // Transposed: element (key kj, query q0 + col); every query of the tile at or past
-        // this warp's last key, all inside T, and no window or segments: nothing is masked.
-        if (p.seg || p.window != 0 || q0 < k0 + warp * 16 + 15 || q0 + BQ > T) {
-#pragma unroll
-            for (int n = 0; n < BQ / 8; ++n) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int col = n * 8 + 2 * c + (e & 1);
-                    const bool ok = e < 2 ? fl_ok(q0 + col, kj0, T, p.window, tS[col], sg0)
-                                          : fl_ok(q0 + col, kj1, T, p.window, tS[col], sg1);
-                    if (!ok) st[n][e] = FLASH_NEG_INF;
-                }
-            }
-        }
+        // Every query of the tile at or past this warp's last key, all inside T, and no window
+        // or segments: nothing is masked.
+        if (p.seg || p.window != 0 || q0 < k0 + warp * 16 + 15 || q0 + BQ > T)
+            fl_mask_t<BQ>(p, st, q0, kj0, sg0, sg1, tS, c);
         // P = exp(scale·S − L) (0 where masked), dS = P ⊙ (dP − δ)
 #pragma unroll
         for (int n = 0; n < BQ / 8; ++n) {

@@ -66,20 +66,9 @@ fn hopper(dev: &Device) -> bool {
     }
 }
 
-/// q [B, H, T, D], k, v [B, K, T, D] → (O as token-major rows [B·T, H·D], L [B, H, T] f32).
+/// q [B, H, T, D], k, v [B, K, T, D] → (O as token-major rows [B·T, H·D], L [B, H, T] f32), on
+/// the kernels of `kernels` (`kernels_for` picks the device's).
 pub fn flash_fwd(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    mask: &AttnMask,
-    scale: f64,
-) -> Result<(Tensor, Tensor)> {
-    let kernels = kernels_for(q.device(), q.dim(D::Minus1)?);
-    flash_fwd_with(q, k, v, mask, scale, kernels)
-}
-
-/// `flash_fwd` on the given family (the GPU tests run each family the device has).
-pub fn flash_fwd_with(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
@@ -105,23 +94,6 @@ pub fn flash_fwd_with(
 /// [B, H, T, D]): RoPE's backward and the layout change happen in the kernels' stores.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_bwd(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    d_o: &Tensor,
-    delta: &Tensor,
-    lse: &Tensor,
-    mask: &AttnMask,
-    scale: f64,
-    rope: Option<(&Tensor, &Tensor)>,
-) -> Result<(Tensor, Tensor, Tensor)> {
-    let kernels = kernels_for(q.device(), q.dim(D::Minus1)?);
-    flash_bwd_with(q, k, v, d_o, delta, lse, mask, scale, rope, kernels)
-}
-
-/// `flash_bwd` on the given family.
-#[allow(clippy::too_many_arguments)]
-pub fn flash_bwd_with(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,

@@ -91,6 +91,23 @@ __device__ __forceinline__ void wg_ss128z(float (*d)[4], unsigned long long da, 
         : "l"(da), "l"(db), "n"(TB));
 }
 
+// D[64 × N] = A·Bᵀ over k = 128 as one wgmma group (eight k steps, the first writing D):
+// A the 64 rows at a of a K-major tile of ar rows, B a K-major tile of N rows at bt.
+template<int N>
+__device__ __forceinline__ void wg_product(float (*d)[4], unsigned a, int ar, unsigned bt) {
+    static_assert(N == 64 || N == 128, "m64n64 or m64n128");
+    if constexpr (N == 64) {
+        wg_ss64z<0>(d, wg_kdesc(a, ar, 0), wg_kdesc(bt, N, 0));
+#pragma unroll
+        for (int kk = 1; kk < 8; ++kk) wg_ss64<0>(d, wg_kdesc(a, ar, kk), wg_kdesc(bt, N, kk), 1);
+    } else {
+        wg_ss128z<0>(d, wg_kdesc(a, ar, 0), wg_kdesc(bt, N, 0));
+#pragma unroll
+        for (int kk = 1; kk < 8; ++kk) wg_ss128<0>(d, wg_kdesc(a, ar, kk), wg_kdesc(bt, N, kk), 1);
+    }
+    wg_commit();
+}
+
 // Starts copying rows [r0, r0 + R) of a [T, 128] slab (row stride st) into the swizzled tile
 // at s (256 threads, a row's 16 chunks over 16 threads); rows past T are zero-filled.
 template<int R>
@@ -165,11 +182,7 @@ __device__ __forceinline__ void flash_fwd90(const FlashP& p) {
         if (j + 1 < ntiles) prefetch(j + 1);
         const unsigned tK = sK + (j & 1) * TILE;
         wg_fence();
-        wg_ss128z<0>(s, wg_kdesc(sQ + wg * 64 * 128, BQ, 0), wg_kdesc(tK, BK, 0));
-#pragma unroll
-        for (int kk = 1; kk < D / 16; ++kk)
-            wg_ss128<0>(s, wg_kdesc(sQ + wg * 64 * 128, BQ, kk), wg_kdesc(tK, BK, kk), 1);
-        wg_commit();
+        wg_product<BK>(s, sQ + wg * 64 * 128, BQ, tK);
     };
     // Tile j's softmax over s (waited for): the new running max m, the factor cr that rescales
     // what was summed before, the row sums l; s becomes P.
@@ -177,29 +190,7 @@ __device__ __forceinline__ void flash_fwd90(const FlashP& p) {
         const int k0 = kbeg + j * BK;
         if (p.seg || p.window != 0 || k0 + BK - 1 > w0 + warp * 16)
             fl_mask<BK>(p, s, qi0, sg0, sg1, k0, sSeg + (j & 1) * BK, c);
-        float mx0 = FLASH_NEG_INF, mx1 = FLASH_NEG_INF;
-#pragma unroll
-        for (int n = 0; n < BK / 8; ++n) {
-            mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
-            mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
-        }
-        // scale > 0, so the max of S scales to the max of scale·S.
-        const float mn0 = fmaxf(m0, fl_quad_max(mx0) * sc), mn1 = fmaxf(m1, fl_quad_max(mx1) * sc);
-        // A row that has seen no key yet keeps m = −∞; 0 stands in so that no −∞ − −∞ appears.
-        const float mu0 = mn0 == FLASH_NEG_INF ? 0.f : mn0, mu1 = mn1 == FLASH_NEG_INF ? 0.f : mn1;
-        cr0 = fl_exp2(m0 - mu0);
-        cr1 = fl_exp2(m1 - mu1);
-        m0 = mn0; m1 = mn1;
-        float rs0 = 0.f, rs1 = 0.f;
-#pragma unroll
-        for (int n = 0; n < BK / 8; ++n) {
-            s[n][0] = fl_exp2(fmaf(s[n][0], sc, -mu0)); s[n][1] = fl_exp2(fmaf(s[n][1], sc, -mu0));
-            s[n][2] = fl_exp2(fmaf(s[n][2], sc, -mu1)); s[n][3] = fl_exp2(fmaf(s[n][3], sc, -mu1));
-            rs0 += s[n][0] + s[n][1];
-            rs1 += s[n][2] + s[n][3];
-        }
-        l0 = l0 * cr0 + rs0;
-        l1 = l1 * cr1 + rs1;
+        fl_online_softmax<BK>(s, sc, m0, m1, l0, l1, cr0, cr1);
     };
     // O += P·V of tile j (P in pf).
     auto pv = [&](int j) {
@@ -235,28 +226,36 @@ __device__ __forceinline__ void flash_fwd90(const FlashP& p) {
     pv(ntiles - 1);
     wg_wait<0>();
     wg_hold<DN>(o);
-    l0 = fl_quad_sum(l0);
-    l1 = fl_quad_sum(l1);
-    const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
-    bf16_t* og = p.o + b * p.so[0] + h * p.so[1];
-#pragma unroll
-    for (int n = 0; n < DN; ++n) {
-        const int col = n * 8 + 2 * c;
-        if (qi0 < T) *(unsigned*)(og + (long)qi0 * p.so[2] + col) = fl_pack(o[n][0] * inv0, o[n][1] * inv0);
-        if (qi1 < T) *(unsigned*)(og + (long)qi1 * p.so[2] + col) = fl_pack(o[n][2] * inv1, o[n][3] * inv1);
-    }
-    if (c == 0) {
-        if (qi0 < T) p.lse[(long)bh * T + qi0] = (m0 + __log2f(l0)) * FLASH_LN2;
-        if (qi1 < T) p.lse[(long)bh * T + qi1] = (m1 + __log2f(l1)) * FLASH_LN2;
-    }
+    fl_store_o<D>(p, o, b, h, qi0, m0, m1, l0, l1, c);
 }
 
 extern "C" __global__ void __launch_bounds__(256, 1) flash_fwd90_d128(const FlashP p) { flash_fwd90(p); }
 
+// Runs steps 0 … n − 1 software-pipelined: step i + 1's first products are issued right after
+// step i's last ones, so the tensor cores have queued work through the barrier and the loads'
+// bookkeeping. issue(i) issues step i's first products (their buffers loaded); process(i)
+// waits for them and issues its last ones, not waited for; prefetch(i) starts loading step i
+// into the buffer of step i − 3 (buffers three deep). The loop always issues (the last step is
+// peeled), so that ptxas sees one fixed order of wgmma groups and waits.
+template<class Issue, class Process, class Prefetch>
+__device__ __forceinline__ void wg_pipeline(int n, Issue issue, Process process, Prefetch prefetch) {
+    issue(0);
+    for (int i = 0; i + 1 < n; ++i) {
+        process(i);
+        fl_wait_all();  // step i + 1's loads
+        wg_smem_fence();
+        // Every warpgroup is past step i − 1's last products (process waited for them), so
+        // their buffer takes step i + 2.
+        __syncthreads();
+        if (i + 2 < n) prefetch(i + 2);
+        issue(i + 1);
+    }
+    process(n - 1);
+}
+
 // dQ: 128 queries a block (64 a warpgroup), keys in tiles of 64, three buffers deep. S = Q·Kᵀ
 // and dP = dO·Vᵀ with Q and dO from shared memory, then dQ += dS·K with dS from registers.
-// Software-pipelined: tile i + 1's S and dP are issued right after tile i's dQ product, so
-// the tensor cores have queued work through the barrier and the loads' bookkeeping.
+// Pipelined by wg_pipeline: a step is a key tile, S and dP first, dQ's product last.
 __device__ __forceinline__ void flash_dq90(const FlashP& p) {
     constexpr int D = 128, BQ = 128, BK = 64, DN = D / 8, QT = BQ * D * 2, KT = BK * D * 2;
     const unsigned raw = fl_smem(flash90_smem), base = (raw + 1023) & ~1023u;
@@ -295,16 +294,8 @@ __device__ __forceinline__ void flash_dq90(const FlashP& p) {
     auto issue_sdp = [&](int j) {  // S and dP of tile j, as two groups
         const unsigned tK = sK + (j % 3) * KT, tV = sV + (j % 3) * KT;
         wg_fence();
-        wg_ss64z<0>(s, wg_kdesc(sQ + wg * 64 * 128, BQ, 0), wg_kdesc(tK, BK, 0));
-#pragma unroll
-        for (int kk = 1; kk < D / 16; ++kk)
-            wg_ss64<0>(s, wg_kdesc(sQ + wg * 64 * 128, BQ, kk), wg_kdesc(tK, BK, kk), 1);
-        wg_commit();
-        wg_ss64z<0>(dp, wg_kdesc(sO + wg * 64 * 128, BQ, 0), wg_kdesc(tV, BK, 0));
-#pragma unroll
-        for (int kk = 1; kk < D / 16; ++kk)
-            wg_ss64<0>(dp, wg_kdesc(sO + wg * 64 * 128, BQ, kk), wg_kdesc(tV, BK, kk), 1);
-        wg_commit();
+        wg_product<BK>(s, sQ + wg * 64 * 128, BQ, tK);
+        wg_product<BK>(dp, sO + wg * 64 * 128, BQ, tV);
     };
     wg_smem_fence();
     __syncthreads();
@@ -342,20 +333,7 @@ __device__ __forceinline__ void flash_dq90(const FlashP& p) {
         for (int jj = 0; jj < BK / 16; ++jj) wg_rs128<1>(acc, da[jj], wg_ndesc(tK, BK, jj), 1);
         wg_commit();
     };
-    // The loop always issues the next tile's S and dP (the last tile is peeled), so that the
-    // compiler sees one fixed order of wgmma groups and waits.
-    issue_sdp(0);
-    for (int j = 0; j + 1 < ntiles; ++j) {
-        process(j);
-        fl_wait_all();  // tile j + 1
-        wg_smem_fence();
-        // Every warpgroup is past tile j − 1's dQ product (waited for in process): its buffer
-        // takes tile j + 2.
-        __syncthreads();
-        if (j + 2 < ntiles) prefetch(j + 2);
-        issue_sdp(j + 1);
-    }
-    process(ntiles - 1);
+    wg_pipeline(ntiles, issue_sdp, process, prefetch);
     wg_wait<0>();
     wg_hold<DN>(acc);
     const long rope = (long)b * T * (D / 2);
@@ -366,7 +344,7 @@ __device__ __forceinline__ void flash_dq90(const FlashP& p) {
 // dK, dV: 128 keys a block (64 a warpgroup), over every query head of the kv head in tiles of
 // 64 queries, three buffers deep. Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ with K and V from shared memory;
 // dV += Pᵀ·dO and dK += dSᵀ·Q with Pᵀ and dSᵀ from registers, dO and Q read MN-major from the
-// same tiles. Pipelined as dQ: the next tile's Sᵀ and dPᵀ follow this tile's dV and dK.
+// same tiles. Pipelined by wg_pipeline: a step is a pair, Sᵀ and dPᵀ first, dV and dK last.
 __device__ __forceinline__ void flash_dkdv90(const FlashP& p) {
     constexpr int D = 128, BK = 128, BQ = 64, DN = D / 8, KT = BK * D * 2, QT = BQ * D * 2;
     const unsigned raw = fl_smem(flash90_smem), base = (raw + 1023) & ~1023u;
@@ -406,8 +384,8 @@ __device__ __forceinline__ void flash_dkdv90(const FlashP& p) {
     if (iters > 0) prefetch(0);
     if (iters > 1) { prefetch(1); fl_wait_but1(); } else fl_wait_all();
     const int w0 = k0 + 64 * wg;  // this warpgroup's first key
-    const int kj0 = w0 + warp * 16 + g, kj1 = kj0 + 8;
-    const unsigned sg0 = fl_seg(p, b, kj0), sg1 = fl_seg(p, b, kj1);
+    const int kj0 = w0 + warp * 16 + g;
+    const unsigned sg0 = fl_seg(p, b, kj0), sg1 = fl_seg(p, b, kj0 + 8);
     float dk[DN][4], dv[DN][4], st[BQ / 8][4], dpt[BQ / 8][4];
 #pragma unroll
     for (int n = 0; n < DN; ++n)
@@ -419,16 +397,8 @@ __device__ __forceinline__ void flash_dkdv90(const FlashP& p) {
     auto issue_sdp = [&](int it) {  // Sᵀ and dPᵀ of pair it, as two groups
         const unsigned tQ = sQ + (it % 3) * QT, tO = sO + (it % 3) * QT;
         wg_fence();
-        wg_ss64z<0>(st, wg_kdesc(sK + wg * 64 * 128, BK, 0), wg_kdesc(tQ, BQ, 0));
-#pragma unroll
-        for (int kk = 1; kk < D / 16; ++kk)
-            wg_ss64<0>(st, wg_kdesc(sK + wg * 64 * 128, BK, kk), wg_kdesc(tQ, BQ, kk), 1);
-        wg_commit();
-        wg_ss64z<0>(dpt, wg_kdesc(sV + wg * 64 * 128, BK, 0), wg_kdesc(tO, BQ, 0));
-#pragma unroll
-        for (int kk = 1; kk < D / 16; ++kk)
-            wg_ss64<0>(dpt, wg_kdesc(sV + wg * 64 * 128, BK, kk), wg_kdesc(tO, BQ, kk), 1);
-        wg_commit();
+        wg_product<BQ>(st, sK + wg * 64 * 128, BK, tQ);
+        wg_product<BQ>(dpt, sV + wg * 64 * 128, BK, tO);
     };
     wg_smem_fence();
     __syncthreads();
@@ -445,19 +415,8 @@ __device__ __forceinline__ void flash_dkdv90(const FlashP& p) {
         wg_wait<0>();
         wg_hold<BQ / 8>(st);
         wg_hold<BQ / 8>(dpt);
-        // Transposed: element (key kj, query q0 + col).
-        if (p.seg || p.window != 0 || q0 < w0 + warp * 16 + 15 || q0 + BQ > T) {
-#pragma unroll
-            for (int n = 0; n < BQ / 8; ++n) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int col = n * 8 + 2 * c + (e & 1);
-                    const bool ok = e < 2 ? fl_ok(q0 + col, kj0, T, p.window, tS[col], sg0)
-                                          : fl_ok(q0 + col, kj1, T, p.window, tS[col], sg1);
-                    if (!ok) st[n][e] = FLASH_NEG_INF;
-                }
-            }
-        }
+        if (p.seg || p.window != 0 || q0 < w0 + warp * 16 + 15 || q0 + BQ > T)
+            fl_mask_t<BQ>(p, st, q0, kj0, sg0, sg1, tS, c);
         // P = exp(scale·S − L), 0 where masked.
 #pragma unroll
         for (int n = 0; n < BQ / 8; ++n) {
@@ -490,20 +449,7 @@ __device__ __forceinline__ void flash_dkdv90(const FlashP& p) {
         for (int j = 0; j < BQ / 16; ++j) wg_rs128<1>(dk, da[j], wg_ndesc(tQ, BQ, j), 1);
         wg_commit();
     };
-    // The loop always issues the next pair's Sᵀ and dPᵀ (the last pair is peeled), so that the
-    // compiler sees one fixed order of wgmma groups and waits.
-    issue_sdp(0);
-    for (int it = 0; it + 1 < iters; ++it) {
-        process(it);
-        fl_wait_all();  // pair it + 1
-        wg_smem_fence();
-        // Every warpgroup is past pair it − 1's dV and dK (waited for in process): its buffer
-        // takes pair it + 2.
-        __syncthreads();
-        if (it + 2 < iters) prefetch(it + 2);
-        issue_sdp(it + 1);
-    }
-    process(iters - 1);
+    wg_pipeline(iters, issue_sdp, process, prefetch);
     wg_wait<0>();
     wg_hold<DN>(dv);
     wg_hold<DN>(dk);

@@ -559,7 +559,7 @@ fn flash_attention_matches_blockwise_on_the_gpu() {
         };
         let mut out = None;
         for &fam in &families {
-            let (o, lse) = flash::flash_fwd_with(&q, &k, &v, &mask, scale, fam).unwrap();
+            let (o, lse) = flash::flash_fwd(&q, &k, &v, &mask, scale, fam).unwrap();
             let o_heads = o.reshape((b, t, h, d)).unwrap().transpose(1, 2).unwrap();
             assert_close(&format!("{tag} {fam:?} O"), &o_heads, &o_ref, 2e-2, 1e-2);
             assert_close(&format!("{tag} {fam:?} L"), &lse, &lse_ref, 1e-3, 1e-3);
@@ -584,13 +584,12 @@ fn flash_attention_matches_blockwise_on_the_gpu() {
         let group = |x: &Tensor| x.reshape((b, kh, n, t, d)).unwrap().sum(2).unwrap();
         for &fam in &families {
             let (dq, dk, dv) =
-                flash::flash_bwd_with(&q, &k, &v, &d_o, &delta, &lse, &mask, scale, None, fam)
-                    .unwrap();
+                flash::flash_bwd(&q, &k, &v, &d_o, &delta, &lse, &mask, scale, None, fam).unwrap();
             // RoPE's backward in the stores: dq and dk as rows rotated back, against the separate
             // pass over the kernels' heads (that one rounds twice: the bound is bf16's, of the scale).
             let cos = Tensor::randn(0f32, 1.0, (b, t, d / 2), &dev).unwrap();
             let sin = Tensor::randn(0f32, 1.0, (b, t, d / 2), &dev).unwrap();
-            let (dqr, dkr, dvr) = flash::flash_bwd_with(
+            let (dqr, dkr, dvr) = flash::flash_bwd(
                 &q,
                 &k,
                 &v,
