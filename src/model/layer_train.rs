@@ -108,8 +108,9 @@ impl Layer {
         let (attn, lse) = if ops::flash::takes(&q) {
             // Tensor cores; v is read in place from its rows and O written as rows.
             let kernels = ops::flash::kernels_for(q.device(), d);
-            ops::flash::flash_fwd(&q, &kk, &heads(&v, b, t, k)?, &mask, scale, kernels)?
-        // [m, H·D], [B, H, T]
+            let (o, lse) =
+                ops::flash::flash_fwd(&q, &kk, &heads(&v, b, t, k)?, &mask, scale, kernels)?;
+            (o, lse) // [m, H·D], [B, H, T]
         } else {
             let vh = ops::to_heads(&v, b, t, k)?; // [B, K, T, D]
             let (o, lse) = ops::attention::attention_fwd(

@@ -159,7 +159,7 @@ mod imp {
     // SAFETY: plain old data laid out as the C struct the kernels take by value.
     unsafe impl DeviceRepr for FlashP {}
 
-    /// flash.cu's blocks are 4 warps; flash90.cu's two warpgroups.
+    // A block: flash.cu's are 4 warps, flash90.cu's two warpgroups.
     const THREADS: u32 = 128;
     const THREADS90: u32 = 256;
     /// Bytes of a 128-row bf16 tile of head dim 128 in shared memory (swizzled, unpadded).
@@ -532,9 +532,10 @@ mod imp {
                 Kernels::Wgmma => {
                     wgmma_d(d)?;
                     let tiles = t.div_ceil(128) as u32;
-                    let half = TILE128 / 2; // a 64-row tile
-                                            // dQ: Q and dO (128 rows), K and V three times (64 rows); segment ids; and
-                                            // room to align the tiles to 1024 bytes.
+                    // A 64-row tile is half a 128-row one. dQ: Q and dO (128 rows), K and V
+                    // three times (64 rows); segment ids; and room to align the tiles to 1024
+                    // bytes.
+                    let half = TILE128 / 2;
                     let smem = 2 * TILE128 + 6 * half + 3 * 64 * 4 + 1024;
                     launch90(
                         &dev,
