@@ -172,6 +172,81 @@ mod imp {
         Ok(())
     }
 
+    /// flash90.cu's `Tmaps`: tensor maps of q, k and v, and each one's slots of t, h and b.
+    #[repr(C, align(64))]
+    #[derive(Clone, Copy)]
+    struct Tmaps {
+        q: [u64; 16],
+        k: [u64; 16],
+        v: [u64; 16],
+        ord: [[i32; 3]; 3],
+    }
+    // SAFETY: plain old data laid out as the C struct the kernel takes by value.
+    unsafe impl DeviceRepr for Tmaps {}
+
+    /// `LORA_TRAIN_FLASH90_WS=0`: the forward without warp specialization.
+    fn ws_off() -> bool {
+        static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *OFF.get_or_init(|| std::env::var("LORA_TRAIN_FLASH90_WS").is_ok_and(|v| v == "0"))
+    }
+
+    /// The order of a view's (b, h, t) dims by stride, innermost first: the slot of t, h, b.
+    fn slots(st: [i64; 3]) -> [i32; 3] {
+        let mut by = [2usize, 1, 0]; // t, h, b
+        by.sort_by_key(|&i| st[i]);
+        let slot = |i: usize| by.iter().position(|&x| x == i).unwrap_or(0) as i32;
+        [slot(2), slot(1), slot(0)]
+    }
+
+    /// The copy engine's map of a bf16 [B, H, T, 128] view at `addr` with (b, h, t) strides
+    /// `st` (elements): dims d, then the other three innermost first, boxes of 64 columns ×
+    /// 128 rows × 1 × 1 in the 128-byte swizzle, rows past T read as zeros.
+    fn tmap(addr: u64, dims: [usize; 3], st: [i64; 3]) -> Result<[u64; 16]> {
+        use candle_core::cuda::cudarc::driver::sys;
+        let mut by = [2usize, 1, 0]; // t, h, b: the innermost first after sorting
+        by.sort_by_key(|&i| st[i]);
+        let gdim: [u64; 4] = [
+            128,
+            dims[by[0]] as u64,
+            dims[by[1]] as u64,
+            dims[by[2]] as u64,
+        ];
+        let gstride: [u64; 3] = [
+            st[by[0]] as u64 * 2,
+            st[by[1]] as u64 * 2,
+            st[by[2]] as u64 * 2,
+        ];
+        let rows = |i: usize| if i == 2 { 128u32 } else { 1 };
+        let boxd: [u32; 4] = [64, rows(by[0]), rows(by[1]), rows(by[2])];
+        let elem: [u32; 4] = [1; 4];
+        let mut m = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
+        // SAFETY: every array has the rank the call is given; the address is a live device
+        // buffer covering the dims and strides given.
+        let r = unsafe {
+            sys::cuTensorMapEncodeTiled(
+                m.as_mut_ptr(),
+                sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                4,
+                addr as *mut std::ffi::c_void,
+                gdim.as_ptr(),
+                gstride.as_ptr(),
+                boxd.as_ptr(),
+                elem.as_ptr(),
+                sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+                sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+            )
+        };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            candle_core::bail!(
+                "flash attention: cuTensorMapEncodeTiled failed ({r:?}) for dims {dims:?}, strides {st:?}"
+            );
+        }
+        // SAFETY: written by the successful call above.
+        Ok(unsafe { m.assume_init() }.opaque)
+    }
+
     /// The device address of the first element `l` describes.
     fn addr<T: CudaDType + DeviceRepr>(
         s: &Storage,
@@ -409,6 +484,37 @@ mod imp {
             p.o = o.device_ptr(&stream).0;
             p.lse = lse.device_ptr(&stream).0;
             match kernels {
+                Kernels::Wgmma if mask.segments.is_none() && mask.window == 0 && !ws_off() => {
+                    wgmma_d(d)?;
+                    let kh = k.dim(1)?;
+                    let tm = Tmaps {
+                        q: tmap(p.q, [b, h, t], p.sq)?,
+                        k: tmap(p.k, [b, kh, t], p.sk)?,
+                        v: tmap(p.v, [b, kh, t], p.sv)?,
+                        ord: [slots(p.sq), slots(p.sk), slots(p.sv)],
+                    };
+                    // Q, K and V twice, as 128-row swizzled tiles; nine mbarriers; and room to
+                    // align the tiles to 1024 bytes.
+                    let smem = 5 * TILE128 + 9 * 8 + 1024;
+                    let grid = (t.div_ceil(128) as u32, (b * h) as u32);
+                    let func = crate::ops::cuda::function90(&dev, "flash_fwd90ws_d128")?;
+                    func.set_attribute(
+                        CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        smem as i32,
+                    )
+                    .w()?;
+                    let cfg = LaunchConfig {
+                        grid_dim: (grid.0, grid.1, 1),
+                        block_dim: (384, 1, 1),
+                        shared_mem_bytes: smem,
+                    };
+                    let mut bld = stream.launch_builder(&func);
+                    bld.arg(&p);
+                    bld.arg(&tm);
+                    // SAFETY: `p` and the maps point at live buffers of the sizes their dims
+                    // say, checked above.
+                    unsafe { bld.launch(cfg) }.w()?;
+                }
                 Kernels::Wgmma => {
                     wgmma_d(d)?;
                     // Q, K twice and V three times, as 128-row swizzled tiles; segment ids;

@@ -463,3 +463,187 @@ __device__ __forceinline__ void flash_dkdv90(const FlashP& p) {
 
 extern "C" __global__ void __launch_bounds__(256, 1) flash_dq90_d128(const FlashP p) { flash_dq90(p); }
 extern "C" __global__ void __launch_bounds__(256, 1) flash_dkdv90_d128(const FlashP p) { flash_dkdv90(p); }
+
+// ---- The forward, warp-specialized (FA3's structure), for plain causal attention ----
+//
+// A block is two consumer warpgroups (64 query rows each, as flash_fwd90) and a producer
+// warpgroup, which gives its registers to the consumers (setmaxnreg: 24 against 240 a thread;
+// the block is compiled to 168). One producer thread loads Q once and K, V tiles two stages
+// deep with the tensor memory
+// accelerator (cp.async.bulk.tensor, 128-byte swizzle: the layout the wgmma descriptors read),
+// each stage's arrival counted by an mbarrier ("full"); the consumers free a stage through
+// another ("empty"). No block barrier after the start: the two warpgroups run apart, so one's
+// softmax overlaps the other's products.
+
+// A CUtensorMap (the driver's 128-byte opaque descriptor), passed by value.
+struct __align__(64) Tmap { unsigned long long v[16]; };
+// The three maps and, for each, the slots of t, h and b among its three outer dims (the host
+// orders a map's dims by stride).
+struct __align__(64) Tmaps { Tmap q, k, v; int ord[3][3]; };
+
+__device__ __forceinline__ void mb_init(unsigned a, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(a), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mb_expect(unsigned a, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(a), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mb_arrive(unsigned a) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(a) : "memory");
+}
+// Waits until the phase of parity `par` of the barrier at a has completed.
+__device__ __forceinline__ void mb_wait(unsigned a, unsigned par) {
+    asm volatile("{\n.reg .pred P;\nWAIT:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 P, [%0], %1;\n"
+                 "@P bra DONE;\nbra WAIT;\nDONE:\n}" :: "r"(a), "r"(par) : "memory");
+}
+// Starts the tensor copy of the box at (d0, the three outer coordinates) into shared dst,
+// its bytes counted on the barrier mb.
+__device__ __forceinline__ void tma_load(unsigned dst, const Tmap* m, int d0, int c1, int c2, int c3,
+                                         unsigned mb) {
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3, %4, %5}], [%6];"
+                 :: "r"(dst), "l"(m), "r"(d0), "r"(c1), "r"(c2), "r"(c3), "r"(mb) : "memory");
+}
+// Rows [t0, t0 + 128) of head h of batch row b as a swizzled tile at dst: two boxes of 64
+// columns (the 128-byte swizzle's widest), rows past T zero-filled by the copy engine.
+__device__ __forceinline__ void tma_tile(unsigned dst, const Tmap* m, const int* ord, int t0, int h,
+                                         int b, unsigned mb) {
+    int c[3];
+#pragma unroll
+    for (int i = 0; i < 3; ++i) c[i] = (ord[0] == i ? t0 : 0) + (ord[1] == i ? h : 0) + (ord[2] == i ? b : 0);
+    tma_load(dst, m, 0, c[0], c[1], c[2], mb);
+    tma_load(dst + 128 * 128, m, 64, c[0], c[1], c[2], mb);
+}
+
+// Masks keys past each query and queries past T (the causal mask alone).
+template<int N>
+__device__ __forceinline__ void fl_mask_causal(float (*s)[4], int i0, int j0, int T, int c) {
+#pragma unroll
+    for (int n = 0; n < N / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int i = i0 + (e < 2 ? 0 : 8), j = j0 + n * 8 + 2 * c + (e & 1);
+            if (!((j <= i) & (i < T))) s[n][e] = FLASH_NEG_INF;
+        }
+    }
+}
+
+__device__ __forceinline__ void flash_fwd90ws_consumer(const FlashP& p, const Tmaps& tm, unsigned base,
+                                                       int q0, int ntiles);
+
+__device__ __forceinline__ void flash_fwd90ws(const FlashP& p, const Tmaps& tm) {
+    constexpr int D = 128, BQ = 128, BK = 128, TILE = BK * D * 2;
+    const unsigned raw = fl_smem(flash90_smem), base = (raw + 1023) & ~1023u;
+    const unsigned sQ = base, sK = sQ + TILE, sV = sK + 2 * TILE;  // sK [2], sV [2]
+    // mbarriers: Q full; K full, V full, K empty, V empty, two stages each.
+    const unsigned mQ = sV + 2 * TILE, mKf = mQ + 8, mVf = mKf + 16, mKe = mVf + 16, mVe = mKe + 16;
+    const int T = p.T, bh = blockIdx.y, b = bh / p.H, h = bh % p.H, kh = h / (p.H / p.KH);
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;  // the longest rows first
+    const int tid = threadIdx.x, warp = tid >> 5, l = tid & 31;
+    const int ntiles = (min(T, q0 + BQ) + BK - 1) / BK;
+    if (tid == 0) {
+        mb_init(mQ, 1);
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+            mb_init(mKf + 8 * s, 1);
+            mb_init(mVf + 8 * s, 1);
+            mb_init(mKe + 8 * s, 256);  // every consumer thread
+            mb_init(mVe + 8 * s, 256);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (warp >= 8) {  // the producer warpgroup: one thread issues every copy
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");
+        if (warp == 8 && l == 0) {
+            mb_expect(mQ, TILE);
+            tma_tile(sQ, &tm.q, tm.ord[0], q0, h, b, mQ);
+            for (int j = 0; j < ntiles; ++j) {
+                const int s = j & 1;
+                const unsigned par = ((j >> 1) - 1) & 1;  // the stage's last release
+                if (j >= 2) mb_wait(mKe + 8 * s, par);
+                mb_expect(mKf + 8 * s, TILE);
+                tma_tile(sK + s * TILE, &tm.k, tm.ord[1], j * BK, kh, b, mKf + 8 * s);
+                if (j >= 2) mb_wait(mVe + 8 * s, par);
+                mb_expect(mVf + 8 * s, TILE);
+                tma_tile(sV + s * TILE, &tm.v, tm.ord[2], j * BK, kh, b, mVf + 8 * s);
+            }
+        }
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 240;" ::: "memory");
+        flash_fwd90ws_consumer(p, tm, base, q0, ntiles);
+    }
+}
+
+// The consumers' side of flash_fwd90ws: S = Q·Kᵀ and O += P·V as flash_fwd90, each stage
+// waited for on its full barrier and released on its empty one.
+__device__ __forceinline__ void flash_fwd90ws_consumer(const FlashP& p, const Tmaps& tm, unsigned base,
+                                                       int q0, int ntiles) {
+    constexpr int D = 128, BQ = 128, BK = 128, TILE = BK * D * 2, DN = D / 8;
+    const unsigned sQ = base, sK = sQ + TILE, sV = sK + 2 * TILE;
+    const unsigned mQ = sV + 2 * TILE, mKf = mQ + 8, mVf = mKf + 16, mKe = mVf + 16, mVe = mKe + 16;
+    const int T = p.T, bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
+    const int tid = threadIdx.x, warp = tid >> 5, l = tid & 31;
+    const int wg = tid >> 7, g = l >> 2, c = l & 3, wq = warp & 3;
+    const float sc = p.scale * FLASH_LOG2E;
+    const int w0 = q0 + 64 * wg;  // this warpgroup's first query
+    const int qi0 = w0 + wq * 16 + g;
+    float o[DN][4], s[BK / 8][4];
+#pragma unroll
+    for (int n = 0; n < DN; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    wg_hold<DN>(o);
+    unsigned pf[BK / 16][4];  // P of the tile whose P·V is next
+    float m0 = FLASH_NEG_INF, m1 = FLASH_NEG_INF, l0 = 0.f, l1 = 0.f, cr0 = 1.f, cr1 = 1.f;
+    auto issue_s = [&](int j) {
+        mb_wait(mKf + 8 * (j & 1), (j >> 1) & 1);
+        wg_fence();
+        wg_product<BK>(s, sQ + wg * 64 * 128, BQ, sK + (j & 1) * TILE);
+    };
+    auto softmax = [&](int j) {
+        const int k0 = j * BK;
+        if (k0 + BK - 1 > w0 + wq * 16) fl_mask_causal<BK>(s, qi0, k0, T, c);
+        fl_online_softmax<BK>(s, sc, m0, m1, l0, l1, cr0, cr1);
+    };
+    auto pv = [&](int j) {  // O += P·V of tile j (P in pf)
+        mb_wait(mVf + 8 * (j & 1), (j >> 1) & 1);
+        wg_fence();
+#pragma unroll
+        for (int jj = 0; jj < BK / 16; ++jj)
+            wg_rs128<1>(o, pf[jj], wg_ndesc(sV + (j & 1) * TILE, BK, jj), 1);
+        wg_commit();
+    };
+    auto keep_p = [&]() {
+#pragma unroll
+        for (int jj = 0; jj < BK / 16; ++jj) fl_a_from_c(pf[jj], s[2 * jj], s[2 * jj + 1]);
+    };
+    mb_wait(mQ, 0);
+    issue_s(0);
+    wg_wait<0>();
+    wg_hold<BK / 8>(s);
+    mb_arrive(mKe);  // K of tile 0 is read
+    softmax(0);
+    keep_p();
+    for (int j = 1; j < ntiles; ++j) {
+        issue_s(j);
+        pv(j - 1);
+        wg_wait<1>();  // S of tile j; P·V of tile j − 1 runs on through the softmax
+        wg_hold<BK / 8>(s);
+        mb_arrive(mKe + 8 * (j & 1));
+        softmax(j);
+        wg_wait<0>();
+        wg_hold<DN>(o);
+        mb_arrive(mVe + 8 * ((j - 1) & 1));
+#pragma unroll
+        for (int n = 0; n < DN; ++n) {
+            o[n][0] *= cr0; o[n][1] *= cr0; o[n][2] *= cr1; o[n][3] *= cr1;
+        }
+        keep_p();
+    }
+    pv(ntiles - 1);
+    wg_wait<0>();
+    wg_hold<DN>(o);
+    fl_store_o<D>(p, o, b, h, qi0, m0, m1, l0, l1, c);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1)
+flash_fwd90ws_d128(const FlashP p, const __grid_constant__ Tmaps tm) { flash_fwd90ws(p, tm); }
