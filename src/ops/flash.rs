@@ -484,7 +484,13 @@ mod imp {
             p.o = o.device_ptr(&stream).0;
             p.lse = lse.device_ptr(&stream).0;
             match kernels {
-                Kernels::Wgmma if mask.segments.is_none() && mask.window == 0 && !ws_off() => {
+                // The copy engine takes positive strides only (no broadcast views).
+                Kernels::Wgmma
+                    if mask.segments.is_none()
+                        && mask.window == 0
+                        && !ws_off()
+                        && [p.sq, p.sk, p.sv].iter().flatten().all(|&x| x > 0) =>
+                {
                     wgmma_d(d)?;
                     let kh = k.dim(1)?;
                     let tm = Tmaps {
