@@ -366,7 +366,7 @@ mod imp {
 
     fn launch(dev: &CudaDevice, name: &str, grid: (u32, u32), smem: u32, p: &FlashP) -> Result<()> {
         let func = crate::ops::cuda::function(dev, name)?;
-        launch_fn(dev, func, THREADS, grid, smem, p)
+        launch_fn(dev, func, THREADS, grid, smem, p, None)
     }
 
     fn launch90(
@@ -378,7 +378,7 @@ mod imp {
         p: &FlashP,
     ) -> Result<()> {
         let func = crate::ops::cuda::function90(dev, name)?;
-        launch_fn(dev, func, threads, grid, smem, p)
+        launch_fn(dev, func, threads, grid, smem, p, None)
     }
 
     fn launch_fn(
@@ -388,6 +388,7 @@ mod imp {
         grid: (u32, u32),
         smem: u32,
         p: &FlashP,
+        tm: Option<&Tmaps>,
     ) -> Result<()> {
         func.set_attribute(
             CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -402,7 +403,11 @@ mod imp {
         let stream = dev.cuda_stream();
         let mut bld = stream.launch_builder(&func);
         bld.arg(p);
-        // SAFETY: `p` points at live buffers of the sizes its dims say, checked by the callers.
+        if let Some(tm) = tm {
+            bld.arg(tm);
+        }
+        // SAFETY: `p` (and the maps) point at live buffers of the sizes their dims say,
+        // checked by the callers.
         unsafe { bld.launch(cfg) }.w()?;
         Ok(())
     }
@@ -504,22 +509,8 @@ mod imp {
                     let smem = 5 * TILE128 + 9 * 8 + 1024;
                     let grid = (t.div_ceil(128) as u32, (b * h) as u32);
                     let func = crate::ops::cuda::function90(&dev, "flash_fwd90ws_d128")?;
-                    func.set_attribute(
-                        CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        smem as i32,
-                    )
-                    .w()?;
-                    let cfg = LaunchConfig {
-                        grid_dim: (grid.0, grid.1, 1),
-                        block_dim: (384, 1, 1),
-                        shared_mem_bytes: smem,
-                    };
-                    let mut bld = stream.launch_builder(&func);
-                    bld.arg(&p);
-                    bld.arg(&tm);
-                    // SAFETY: `p` and the maps point at live buffers of the sizes their dims
-                    // say, checked above.
-                    unsafe { bld.launch(cfg) }.w()?;
+                    // Two consumer warpgroups and a producer one.
+                    launch_fn(&dev, func, 3 * 128, grid, smem, &p, Some(&tm))?;
                 }
                 Kernels::Wgmma => {
                     wgmma_d(d)?;
