@@ -23,6 +23,9 @@
 # memory: `lora-train plan` forecasts vs `bench` measured pool peaks (single: mb2, mb2 + ckpt,
 #         mb8 + ckpt; per phase), ratios printed (target: within ±10%); then the OOM case
 #         (bench --max-memory 24GiB, mb2, no ckpt: expect exit 4 and the diagnosis).
+# ab:     ours alone, the mb2 all-linear 7B bench in each of AB's ";"-separated environments,
+#         two rounds alternated (default: the mma.sync flash kernels, wgmma without the
+#         warp-specialized forward, everything) -> $OUT/ab.jsonl. Not in the default set.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -54,6 +57,18 @@ if [[ $what == *" tiny "* ]]; then
     timeout 120 $E .devbuild/lora-train --recipe recipes/tiny-cpu.toml --set model.device=$1 \
       --set model.dtype=$2 --set output.dir=/tmp/tiny-$1-$2 2>&1 | tail -2
     tail -1 /tmp/tiny-$1-$2/metrics.jsonl | sed "s/^/$1 $2: /" | tee -a "$OUT/tiny.txt"
+  done
+fi
+
+if [[ $what == *" ab "* ]]; then
+  IFS=';' read -ra envs <<< "${AB:-LORA_TRAIN_FLASH90=0;LORA_TRAIN_FLASH90_WS=0;AB_DEFAULT=1}"
+  for round in 1 2; do
+    for e in "${envs[@]}"; do
+      env $e timeout 120 $E .devbuild/lora-train bench --shape llama2-7b --seq 2048 --rank 16 \
+        --steps 12 --warmup 3 --micro-batch 2 --targets all --json "$OUT/ab.jsonl" > /dev/null 2>&1
+      tail -1 "$OUT/ab.jsonl" | python3 -c "import json, sys; d = json.load(sys.stdin); \
+print('round $round, $e:', d['tokens_per_s'], 'tok/s,', d['peak_alloc_gib'], 'GiB, loss', d['final_loss'])"
+    done
   done
 fi
 
