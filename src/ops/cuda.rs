@@ -502,13 +502,13 @@ static PORTABLE: Program = Program {
     modules: OnceLock::new(),
 };
 
-/// flash90.cu's wgmma kernels (over flash.cu's helpers), for compute capability 9.0 only:
-/// sm_90a code runs on no other architecture.
+/// flash90.cu's wgmma kernels (over flash.cu's helpers, without its kernels), for compute
+/// capability 9.0 only: sm_90a code runs on no other architecture.
 static HOPPER: Program = Program {
     arch: "sm_90a",
     src: || {
         format!(
-            "typedef unsigned short bf16_t;\n{}{}",
+            "typedef unsigned short bf16_t;\n#define FLASH_HELPERS_ONLY\n{}{}",
             include_str!("flash.cu"),
             include_str!("flash90.cu")
         )

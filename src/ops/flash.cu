@@ -534,5 +534,9 @@ __device__ __forceinline__ void flash_dkdv(const FlashP& p) {
 extern "C" __global__ void __launch_bounds__(128) flash_fwd_d##D(const FlashP p) { flash_fwd<D>(p); } \
 extern "C" __global__ void __launch_bounds__(128) flash_dq_d##D(const FlashP p) { flash_dq<D>(p); } \
 extern "C" __global__ void __launch_bounds__(128) flash_dkdv_d##D(const FlashP p) { flash_dkdv<D>(p); }
+// flash90.cu's program takes this file for its helpers only (FLASH_HELPERS_ONLY): these
+// kernels come from the portable program, so sm_90a need not compile and load them again.
+#ifndef FLASH_HELPERS_ONLY
 FLASH_INST(64)
 FLASH_INST(128)
+#endif
