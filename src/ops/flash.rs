@@ -190,21 +190,16 @@ mod imp {
         *OFF.get_or_init(|| std::env::var("LORA_TRAIN_FLASH90_WS").is_ok_and(|v| v == "0"))
     }
 
-    /// The order of a view's (b, h, t) dims by stride, innermost first: the slot of t, h, b.
-    fn slots(st: [i64; 3]) -> [i32; 3] {
-        let mut by = [2usize, 1, 0]; // t, h, b
-        by.sort_by_key(|&i| st[i]);
-        let slot = |i: usize| by.iter().position(|&x| x == i).unwrap_or(0) as i32;
-        [slot(2), slot(1), slot(0)]
-    }
-
     /// The copy engine's map of a bf16 [B, H, T, 128] view at `addr` with (b, h, t) strides
     /// `st` (elements): dims d, then the other three innermost first, boxes of 64 columns ×
-    /// 128 rows × 1 × 1 in the 128-byte swizzle, rows past T read as zeros.
-    fn tmap(addr: u64, dims: [usize; 3], st: [i64; 3]) -> Result<[u64; 16]> {
+    /// 128 rows × 1 × 1 in the 128-byte swizzle, rows past T read as zeros. Returned with the
+    /// slots of t, h and b among the three (`Tmaps::ord`).
+    fn tmap(addr: u64, dims: [usize; 3], st: [i64; 3]) -> Result<([u64; 16], [i32; 3])> {
         use candle_core::cuda::cudarc::driver::sys;
         let mut by = [2usize, 1, 0]; // t, h, b: the innermost first after sorting
         by.sort_by_key(|&i| st[i]);
+        let slot = |i: usize| by.iter().position(|&x| x == i).unwrap_or(0) as i32;
+        let ord = [slot(2), slot(1), slot(0)];
         let gdim: [u64; 4] = [
             128,
             dims[by[0]] as u64,
@@ -244,7 +239,7 @@ mod imp {
             );
         }
         // SAFETY: written by the successful call above.
-        Ok(unsafe { m.assume_init() }.opaque)
+        Ok((unsafe { m.assume_init() }.opaque, ord))
     }
 
     /// The device address of the first element `l` describes.
@@ -498,11 +493,14 @@ mod imp {
                 {
                     wgmma_d(d)?;
                     let kh = k.dim(1)?;
+                    let (qm, qo) = tmap(p.q, [b, h, t], p.sq)?;
+                    let (km, ko) = tmap(p.k, [b, kh, t], p.sk)?;
+                    let (vm, vo) = tmap(p.v, [b, kh, t], p.sv)?;
                     let tm = Tmaps {
-                        q: tmap(p.q, [b, h, t], p.sq)?,
-                        k: tmap(p.k, [b, kh, t], p.sk)?,
-                        v: tmap(p.v, [b, kh, t], p.sv)?,
-                        ord: [slots(p.sq), slots(p.sk), slots(p.sv)],
+                        q: qm,
+                        k: km,
+                        v: vm,
+                        ord: [qo, ko, vo],
                     };
                     // Q, K and V twice, as 128-row swizzled tiles; nine mbarriers; and room to
                     // align the tiles to 1024 bytes.
