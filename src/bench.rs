@@ -253,7 +253,7 @@ fn measure(
         Ok(())
     })?;
     let shards = match fsdp {
-        true => Some(Shards::from_groups(groups, model.layers.len())?),
+        true => Some(Shards::from_groups(groups, model.layers.len(), comm)?),
         false => None,
     };
     a.device.synchronize()?;

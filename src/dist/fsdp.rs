@@ -101,19 +101,31 @@ pub struct Shards {
 }
 
 impl Shards {
-    /// Splits the groups `Model::load_with` handed over (layers in order, io last).
-    pub fn from_groups(mut groups: Vec<Flat>, num_layers: usize) -> Result<Shards> {
+    /// Splits the groups `Model::load_with` handed over (layers in order, io last), and
+    /// tells the comm that the shards are static (`Comm::share_static`: every rank calls this).
+    pub fn from_groups(
+        mut groups: Vec<Flat>,
+        num_layers: usize,
+        comm: &dyn Comm,
+    ) -> Result<Shards> {
         if groups.len() != num_layers + 1 {
             candle_core::bail!(
                 "fsdp: {} groups for {num_layers} layers + embedding/head",
                 groups.len()
             );
         }
-        let io = groups.pop();
-        match io {
-            Some(io) => Ok(Shards { layers: groups, io }),
-            None => candle_core::bail!("fsdp: no embedding/head group"),
-        }
+        let Some(io) = groups.pop() else {
+            candle_core::bail!("fsdp: no embedding/head group");
+        };
+        let shards = Shards { layers: groups, io };
+        let all: Vec<&Tensor> = shards
+            .layers
+            .iter()
+            .chain([&shards.io])
+            .map(|f| &f.shard)
+            .collect();
+        comm.share_static(&all)?;
+        Ok(shards)
     }
 
     /// Layer `l` with its frozen tensors gathered (its LoRA `Var`s are the model's);

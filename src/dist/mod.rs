@@ -36,6 +36,13 @@ pub trait Comm {
     fn gathered(&self) -> Result<()> {
         Ok(())
     }
+    /// `xs` never change from now on (FSDP's frozen shards). A backend may let the other ranks
+    /// read them where they lie: `all_gather` of one of them then copies the peers' shards in
+    /// with copy engines instead of a collective's kernels (NCCL, ranks that are threads of
+    /// one process). Every rank calls it once, in step, with its tensors in the same order.
+    fn share_static(&self, _xs: &[&Tensor]) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// World 1: every collective is the identity (no copy, no lock).

@@ -12,6 +12,13 @@
 //! ahead, keeps its all-reduces in line (a second stream measured 1% slower for it: nothing of
 //! its could overlap, the joins cost). LORA_TRAIN_GATHER_STREAM=0 keeps FSDP in line too.
 //!
+//! FSDP's gathers of the frozen shards skip NCCL when the ranks are threads of one process
+//! whose GPUs reach each other (NVLink or PCIe peer access): the shards never change, so after
+//! `share_static` each rank copies its peers' shards straight out of their memory with
+//! `cuMemcpyPeerAsync`, on the same side stream. Copy engines do that, not kernels: a
+//! collective's kernels hold SMs that the layer's GEMMs, sized for the whole GPU, wait for.
+//! LORA_TRAIN_PEER_COPY=0 keeps NCCL for them.
+//!
 //! We hold the raw `ncclComm_t` (cudarc's `Comm` keeps it private) so that the failing rank's
 //! thread can call ncclCommAbort on every rank's communicator: the ranks blocked in a
 //! collective with a dead peer then get an error instead of waiting forever. Each call holds
@@ -23,10 +30,11 @@ use super::launch::{self, EnvRank};
 use super::{Comm, Group};
 use crate::recipe::{Recipe, RecipeError};
 use anyhow::Context;
-use candle_core::cuda_backend::cudarc::driver::{CudaContext, CudaStream, DevicePtr};
+use candle_core::cuda_backend::cudarc::driver::{self as cu, CudaContext, CudaStream, DevicePtr};
 use candle_core::cuda_backend::cudarc::nccl::{result, sys};
 use candle_core::cuda_backend::CudaStorageSlice as S;
 use candle_core::{Device, Result, Storage, Tensor};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, TryLockError};
 use std::time::{Duration, Instant};
@@ -98,6 +106,25 @@ pub struct NcclGroup {
     id: sys::ncclUniqueId,
     comms: Mutex<Vec<Arc<Slot>>>,
     failure: Mutex<Option<(usize, String)>>,
+    statics: Arc<Statics>,
+}
+
+/// The ranks' static tensors (`Comm::share_static`), by rank, when the ranks are threads of
+/// one process. The tensors are kept here as well as by their rank, so that none is freed
+/// while a peer may still copy from it: they go with the last comm, and each comm waits for
+/// its own copies when dropped.
+#[derive(Default)]
+struct Statics {
+    ranks: Mutex<Vec<Option<Shared>>>,
+}
+
+/// One rank's static tensors.
+struct Shared {
+    ctx: Arc<CudaContext>,
+    /// The tensors, their addresses and bytes, in the order `share_static` got them.
+    tensors: Vec<(Tensor, u64, usize)>,
+    /// Its GPU and every peer's reach each other, and its memory pool is open to them.
+    p2p: bool,
 }
 
 // SAFETY: ncclUniqueId is plain bytes.
@@ -112,6 +139,7 @@ impl NcclGroup {
             id,
             comms: Mutex::new(Vec::new()),
             failure: Mutex::new(None),
+            statics: Arc::default(),
         }))
     }
 }
@@ -123,7 +151,11 @@ impl Group for NcclGroup {
 
     fn comm(self: Arc<Self>, rank: usize) -> anyhow::Result<Box<dyn Comm>> {
         let ordinal = self.ordinals[rank];
-        let comm = NcclComm::init(rank, self.ordinals.len(), ordinal, self.id)?;
+        let peers = Peers {
+            statics: self.statics.clone(),
+            ordinals: self.ordinals.clone(),
+        };
+        let comm = NcclComm::init(rank, self.ordinals.len(), ordinal, self.id, Some(peers))?;
         self.comms
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -174,13 +206,19 @@ pub fn from_env(e: &EnvRank, timeout: Duration) -> anyhow::Result<Box<dyn Comm>>
     for (d, s) in internal.iter_mut().zip(&got) {
         *d = *s as std::ffi::c_char;
     }
-    let comm = NcclComm::init(e.rank, e.world, e.local, sys::ncclUniqueId { internal })
-        .with_context(|| {
-            format!(
-                "rank {} of {}: cannot create its NCCL communicator",
-                e.rank, e.world
-            )
-        })?;
+    let comm = NcclComm::init(
+        e.rank,
+        e.world,
+        e.local,
+        sys::ncclUniqueId { internal },
+        None,
+    )
+    .with_context(|| {
+        format!(
+            "rank {} of {}: cannot create its NCCL communicator",
+            e.rank, e.world
+        )
+    })?;
     Ok(Box::new(comm))
 }
 
@@ -197,6 +235,20 @@ pub struct NcclComm {
     side: Mutex<Option<Arc<CudaStream>>>,
     /// LORA_TRAIN_GATHER_STREAM=0: never make `side`.
     in_line: bool,
+    /// The other ranks of this process (None: a torchrun / Slurm rank).
+    peers: Option<Peers>,
+    /// After `share_static`, when every rank's GPU reaches every other's: the address of each
+    /// of this rank's static tensors → what its gather copies, rank by rank: (context, address).
+    sources: Mutex<HashMap<u64, Sources>>,
+}
+
+/// Where a static tensor's gather copies from, rank by rank: (context, address).
+type Sources = Vec<(Arc<CudaContext>, u64)>;
+
+/// What a rank of `NcclGroup` knows of the others.
+struct Peers {
+    statics: Arc<Statics>,
+    ordinals: Vec<usize>,
 }
 
 impl NcclComm {
@@ -205,6 +257,7 @@ impl NcclComm {
         world: usize,
         ordinal: usize,
         id: sys::ncclUniqueId,
+        peers: Option<Peers>,
     ) -> anyhow::Result<NcclComm> {
         let device = Device::new_cuda(ordinal)?;
         let stream = device.as_cuda_device()?.cuda_stream();
@@ -234,6 +287,8 @@ impl NcclComm {
             compute: stream,
             side: Mutex::new(None),
             in_line,
+            peers,
+            sources: Mutex::new(HashMap::new()),
         })
     }
 
@@ -252,15 +307,17 @@ impl NcclComm {
 
 impl Drop for NcclComm {
     fn drop(&mut self) {
+        // Our copies out of the peers' shards end before this rank lets go of them.
+        if let Ok(Some(side)) = self.side_stream(false) {
+            let _ = side.synchronize();
+        }
         self.raw.abort();
     }
 }
 
 impl NcclComm {
     /// Queues `call(send, receive, type, comm, stream)`, one NCCL collective reading
-    /// contiguous `x` and writing `out`, on `x`'s stream (or the side stream, after the work
-    /// queued on `x`'s; unless `ahead`, `x`'s stream then waits for it); returns `out`. Both
-    /// stay valid until the op ran: their frees are queued on `x`'s stream after it waited.
+    /// contiguous `x` and writing `out` (`queue`'s stream rules); returns `out`.
     fn enqueue<F>(&self, op: &str, x: &Tensor, out: Tensor, ahead: bool, call: F) -> Result<Tensor>
     where
         F: FnOnce(
@@ -271,24 +328,42 @@ impl NcclComm {
             sys::cudaStream_t,
         ) -> std::result::Result<result::NcclStatus, result::NcclError>,
     {
-        let (src, ty, compute) = address(x)?;
+        let (src, ty, _) = address(x)?;
         let (dst, _, _) = address(&out)?;
+        self.queue(op, ahead, |stream| {
+            self.with(op, |c| {
+                call(src as _, dst as _, ty, c, stream.cu_stream() as _)
+                    .map_err(|e| nccl_err(op, e))
+            })
+            .map(|_| ())
+        })?;
+        Ok(out)
+    }
+
+    /// Queues `work(stream)` on the compute stream, or on the side stream after the work queued
+    /// on the compute stream; unless `ahead`, the compute stream then waits for it. Tensors the
+    /// work touches stay valid until it ran: their frees are queued on the compute stream,
+    /// after it waited.
+    fn queue(
+        &self,
+        op: &str,
+        ahead: bool,
+        work: impl FnOnce(&CudaStream) -> Result<()>,
+    ) -> Result<()> {
         let cuda = |e| candle_core::Error::msg(format!("{op}: {e:?}"));
         let side = self.side_stream(ahead)?;
         let stream = match &side {
             Some(side) => {
-                side.join(&compute).map_err(cuda)?;
+                side.join(&self.compute).map_err(cuda)?;
                 side.clone()
             }
-            None => compute.clone(),
+            None => self.compute.clone(),
         };
-        self.with(op, |c| {
-            call(src as _, dst as _, ty, c, stream.cu_stream() as _).map_err(|e| nccl_err(op, e))
-        })?;
+        work(&stream)?;
         if side.is_some() && !ahead {
-            compute.join(&stream).map_err(cuda)?;
+            self.compute.join(&stream).map_err(cuda)?;
         }
-        Ok(out)
+        Ok(())
     }
 }
 
@@ -312,12 +387,181 @@ impl NcclComm {
     fn gather(&self, x: &Tensor, ahead: bool) -> Result<Tensor> {
         let x = x.flatten_all()?.contiguous()?;
         let n = x.elem_count();
-        let out = Tensor::zeros(n * self.world, x.dtype(), x.device())?;
+        let out = uninit(n * self.world, &x)?; // every element is written below
+        let (src, _, _) = address(&x)?;
+        let copies = self
+            .sources
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&src)
+            .cloned();
+        if let Some(copies) = copies {
+            // A static shard: each rank's is copied in from where it lies.
+            let (dst, _, _) = address(&out)?;
+            let bytes = n * x.dtype().size_in_bytes();
+            let me = self.compute.context().cu_ctx();
+            self.queue("all_gather (peer copies)", ahead, |stream| {
+                for (r, (ctx, from)) in copies.iter().enumerate() {
+                    // SAFETY: `from` is rank r's static shard of `bytes` (checked in
+                    // `share_static`), kept alive by `Statics`; dst is out's slot r, in
+                    // this rank's context; the copy is queued on this rank's stream.
+                    unsafe {
+                        cu::result::memcpy_peer_async(
+                            me,
+                            dst + (r * bytes) as u64,
+                            ctx.cu_ctx(),
+                            *from,
+                            bytes,
+                            stream.cu_stream(),
+                        )
+                    }
+                    .map_err(|e| {
+                        candle_core::Error::msg(format!("peer copy from rank {r}: {e:?}"))
+                    })?;
+                }
+                Ok(())
+            })?;
+            return Ok(out);
+        }
         self.enqueue("all_gather", &x, out, ahead, |src, dst, ty, c, st| {
             // SAFETY: src holds n elements, dst world·n, of `ty` on this rank's GPU.
             unsafe { result::all_gather(src, dst, n, ty, c, st) }
         })
     }
+
+    /// `Comm::share_static`: publishes this rank's tensors, waits for every rank's, and when
+    /// every GPU reaches every other, maps each tensor to the peers' copies of it.
+    fn share(&self, xs: &[&Tensor]) -> Result<()> {
+        let Some(peers) = &self.peers else {
+            return Ok(());
+        };
+        if self.world < 2 || std::env::var("LORA_TRAIN_PEER_COPY").is_ok_and(|v| v == "0") {
+            return Ok(());
+        }
+        let p2p = self.open_pool(&peers.ordinals)?;
+        let mut tensors = Vec::with_capacity(xs.len());
+        for x in xs {
+            let x = x.flatten_all()?.contiguous()?;
+            let (a, _, _) = address(&x)?;
+            let bytes = x.elem_count() * x.dtype().size_in_bytes();
+            tensors.push((x, a, bytes));
+        }
+        {
+            let mut ranks = peers
+                .statics
+                .ranks
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            if ranks.len() < self.world {
+                ranks.resize_with(self.world, || None);
+            }
+            ranks[self.rank] = Some(Shared {
+                ctx: self.compute.context().clone(),
+                tensors,
+                p2p,
+            });
+        }
+        // Every rank has published, and written its shards (the barrier synchronises).
+        self.barrier()?;
+        let ranks = peers
+            .statics
+            .ranks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let Some(me) = ranks.get(self.rank).and_then(Option::as_ref) else {
+            return Ok(());
+        };
+        let mut sources = HashMap::with_capacity(me.tensors.len());
+        for (i, (_, a, bytes)) in me.tensors.iter().enumerate() {
+            let mut from = Vec::with_capacity(self.world);
+            for r in ranks.iter() {
+                // Every rank sees the same table, so all make the same choice.
+                match r
+                    .as_ref()
+                    .filter(|r| r.p2p)
+                    .and_then(|r| Some((r, r.tensors.get(i)?)))
+                {
+                    Some((r, (_, ra, rb))) if rb == bytes => from.push((r.ctx.clone(), *ra)),
+                    _ => return Ok(()), // NCCL gathers them all
+                }
+            }
+            sources.insert(*a, from);
+        }
+        *self.sources.lock().unwrap_or_else(|p| p.into_inner()) = sources;
+        Ok(())
+    }
+
+    /// Whether this GPU and every other rank's reach each other; if so, opens this device's
+    /// memory pool (where candle allocates) to them, so that their copy engines read it.
+    fn open_pool(&self, ordinals: &[usize]) -> Result<bool> {
+        use cu::sys;
+        let ctx = self.compute.context();
+        let err = |what: &str, e| candle_core::Error::msg(format!("{what}: {e:?}"));
+        ctx.bind_to_thread().map_err(|e| err("bind", e))?;
+        let me = ctx.cu_device();
+        let mut access = Vec::new();
+        for &o in ordinals.iter().filter(|&&o| o != ctx.ordinal()) {
+            let mut peer: sys::CUdevice = 0;
+            // SAFETY: FFI with valid out-pointers; `o` is an ordinal of this machine.
+            let (mut there, mut back) = (0, 0);
+            unsafe {
+                sys::cuDeviceGet(&mut peer, o as i32)
+                    .result()
+                    .map_err(|e| err("cuDeviceGet", e))?;
+                sys::cuDeviceCanAccessPeer(&mut there, me, peer)
+                    .result()
+                    .map_err(|e| err("cuDeviceCanAccessPeer", e))?;
+                sys::cuDeviceCanAccessPeer(&mut back, peer, me)
+                    .result()
+                    .map_err(|e| err("cuDeviceCanAccessPeer", e))?;
+            }
+            if there == 0 || back == 0 {
+                return Ok(false);
+            }
+            access.push(sys::CUmemAccessDesc {
+                location: sys::CUmemLocation {
+                    type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                    id: o as i32,
+                },
+                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            });
+        }
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        // SAFETY: FFI with a valid out-pointer; `access` holds `access.len()` descriptors.
+        unsafe {
+            sys::cuDeviceGetDefaultMemPool(&mut pool, me)
+                .result()
+                .map_err(|e| err("cuDeviceGetDefaultMemPool", e))?;
+            sys::cuMemPoolSetAccess(pool, access.as_ptr(), access.len())
+                .result()
+                .map_err(|e| err("cuMemPoolSetAccess", e))?;
+        }
+        Ok(true)
+    }
+}
+
+/// A [n] tensor like `x` (dtype, device) whose contents are not set: for a collective's output,
+/// which it writes whole (zeros would be a pass over it on the compute stream).
+fn uninit(n: usize, x: &Tensor) -> Result<Tensor> {
+    use candle_core::{op::BackpropOp, CudaStorage, DType};
+    let dev = x.device().as_cuda_device()?;
+    // SAFETY (each arm): the caller's collective writes every element before any read.
+    let s = match x.dtype() {
+        DType::BF16 => {
+            CudaStorage::wrap_cuda_slice(unsafe { dev.alloc::<half::bf16>(n)? }, dev.clone())
+        }
+        DType::F16 => {
+            CudaStorage::wrap_cuda_slice(unsafe { dev.alloc::<half::f16>(n)? }, dev.clone())
+        }
+        DType::F32 => CudaStorage::wrap_cuda_slice(unsafe { dev.alloc::<f32>(n)? }, dev.clone()),
+        _ => return Tensor::zeros(n, x.dtype(), x.device()),
+    };
+    Ok(Tensor::from_storage(
+        Storage::Cuda(s),
+        n,
+        BackpropOp::none(),
+        false,
+    ))
 }
 
 /// (device address of the first element, NCCL type, the stream that owns the memory).
@@ -358,7 +602,7 @@ impl Comm for NcclComm {
         self.enqueue(
             "all_reduce",
             &x,
-            x.zeros_like()?,
+            uninit(n, &x)?.reshape(x.shape())?,
             false,
             |src, dst, ty, c, st| {
                 // SAFETY: src and dst hold n elements of `ty` on this rank's GPU.
@@ -391,13 +635,17 @@ impl Comm for NcclComm {
         self.enqueue(
             "broadcast",
             &x,
-            x.zeros_like()?,
+            uninit(n, &x)?.reshape(x.shape())?,
             false,
             |src, dst, ty, c, st| {
                 // SAFETY: src and dst hold n elements of `ty` on this rank's GPU.
                 unsafe { result::broadcast(src, dst, n, ty, root as i32, c, st) }
             },
         )
+    }
+
+    fn share_static(&self, xs: &[&Tensor]) -> Result<()> {
+        self.share(xs)
     }
 
     fn barrier(&self) -> Result<()> {

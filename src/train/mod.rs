@@ -179,7 +179,7 @@ impl Session {
         })
         .with_context(|| format!("cannot load the model in {}", dir.display()))?;
         let shards = match fsdp {
-            true => Some(Shards::from_groups(groups, model.layers.len())?),
+            true => Some(Shards::from_groups(groups, model.layers.len(), &*comm)?),
             false => None,
         };
         if let Some((p, _)) = &init {

@@ -477,3 +477,68 @@ fn group_abort_reports_the_first_failure() {
         "{err}"
     );
 }
+
+/// Two GPUs (the test says so and passes on fewer): FSDP's gathers of static shards, which
+/// ranks of one process copy from each other's memory (`share_static`), hold every rank's
+/// shard in rank order, issued ahead or in line, bf16 and f32, and a tensor that was never
+/// shared still goes through NCCL; sums and broadcasts (whose outputs are no longer zeroed
+/// first) are exact.
+#[cfg(feature = "nccl")]
+#[test]
+fn nccl_gathers_of_shared_shards_are_every_ranks_shard() {
+    use candle_core::DType;
+    use lora_train::dist::nccl::NcclGroup;
+    let count = candle_core::cuda::cudarc::driver::CudaContext::device_count().unwrap_or(0);
+    if count < 2 {
+        eprintln!("nccl_gathers_of_shared_shards_are_every_ranks_shard: {count} GPU(s), needs 2");
+        return;
+    }
+    // Rank r's shard g: small integers (exact in bf16), different for every rank and group.
+    let shard = |r: usize, g: usize, dev: &Device| -> candle_core::Result<Tensor> {
+        let n = 1000 + 7 * g; // sizes off any tile
+        let v: Vec<f32> = (0..n)
+            .map(|i| ((r * 37 + g * 11 + i) % 200) as f32)
+            .collect();
+        let dt = [DType::BF16, DType::F32][g % 2];
+        Tensor::from_vec(v, n, dev)?.to_dtype(dt)
+    };
+    let body = move |rank: usize, comm: Box<dyn Comm>| -> anyhow::Result<usize> {
+        let dev = Device::new_cuda(rank)?;
+        let shards: Vec<Tensor> = (0..3)
+            .map(|g| shard(rank, g, &dev))
+            .collect::<Result<_, _>>()?;
+        comm.share_static(&shards.iter().collect::<Vec<_>>())?;
+        let mut checked = 0;
+        for (g, s) in shards.iter().enumerate() {
+            let want: Vec<f32> = (0..2)
+                .map(|r| {
+                    shard(r, g, &Device::Cpu)?
+                        .to_dtype(DType::F32)?
+                        .to_vec1::<f32>()
+                })
+                .collect::<Result<Vec<_>, _>>()?
+                .concat();
+            let ahead = comm.all_gather_ahead(s)?;
+            comm.gathered()?;
+            let in_line = comm.all_gather(s)?;
+            let fresh = comm.all_gather(&s.copy()?)?; // not shared: NCCL
+            for got in [ahead, in_line, fresh] {
+                let got = got.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+                anyhow::ensure!(got == want, "rank {rank}, group {g}: a gather differs");
+                checked += 1;
+            }
+        }
+        let x = Tensor::new(&[rank as f32 + 1.0, 10.0 * rank as f32], &dev)?;
+        let sum = comm.all_reduce_sum(&x)?.to_vec1::<f32>()?;
+        let b = comm.broadcast(&x, 1)?.to_vec1::<f32>()?;
+        anyhow::ensure!(
+            sum == [3.0, 10.0] && b == [2.0, 10.0],
+            "rank {rank}: {sum:?} {b:?}"
+        );
+        comm.barrier()?;
+        Ok(checked)
+    };
+    let group = NcclGroup::new(vec![0, 1], Duration::from_secs(30)).unwrap();
+    let checked = launch::threads(group, Arc::new(body), Duration::from_secs(10)).unwrap();
+    assert_eq!(checked, 9);
+}
