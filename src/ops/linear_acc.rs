@@ -69,12 +69,10 @@ pub fn matmul_scaled(x: &Tensor, w: &Tensor, trans_w: bool, alpha: f64) -> Resul
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use candle_core::cuda::cudarc::cublas::{result::gemm_ex, sys};
+    use candle_core::cuda::cudarc::cublas::sys;
     use candle_core::cuda::cudarc::driver::{CudaSlice, DevicePtr};
-    use candle_core::cuda::WrapErr;
     use candle_core::op::BackpropOp;
     use candle_core::{CudaStorage, DType, Device, Result, Storage, Tensor};
-    use std::ffi::c_void;
 
     /// acc += x Wᵀ (`fwd`) or acc += x W, in place; None when cuBLAS cannot take these operands
     /// so (not CUDA, not contiguous, mixed or unsupported dtypes, shapes that do not chain).
@@ -129,8 +127,9 @@ mod cuda {
         Ok(Some(acc.clone()))
     }
 
-    /// Column-major C [m × n] (ld ldc) = α·op(A) · op(B) + β·C through cublasGemmEx; A and
-    /// B of type `types.0`, C of `types.1`, computed as `types.2`.
+    /// Column-major C [m × n] (ld ldc) = α·op(A) · op(B) + β·C, A and B of type `types.0`, C
+    /// of `types.1`, computed as `types.2`: cublasGemmEx or the cuBLASLt algorithm timed
+    /// fastest for its shape (`gemm_tune`).
     ///
     /// # Safety
     /// The addresses are live device buffers of the sizes the shapes and leading dimensions
@@ -150,29 +149,17 @@ mod cuda {
             sys::cublasComputeType_t,
         ),
     ) -> Result<()> {
-        let blas = dev.cublas_handle();
-        gemm_ex(
-            *blas.handle(),
-            transa,
-            transb,
-            m,
-            n,
-            k,
-            (&alpha) as *const f32 as *const c_void,
-            a as *const c_void,
-            ab_type,
-            lda,
-            b as *const c_void,
-            ab_type,
-            ldb,
-            (&beta) as *const f32 as *const c_void,
-            c as *mut c_void,
-            c_type,
-            ldc,
-            compute,
-            sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT_TENSOR_OP,
-        )
-        .w()
+        let g = crate::ops::gemm_tune::Gemm {
+            trans: (transa, transb),
+            mnk: (m, n, k),
+            a: (a, lda),
+            b: (b, ldb),
+            c: (c, ldc),
+            alpha_beta: (alpha, beta),
+            types: (ab_type, c_type, compute),
+        };
+        // SAFETY: the caller's contract, which is `run`'s.
+        crate::ops::gemm_tune::run(dev, &g)
     }
 
     /// cuBLAS's data type for `dt` and the compute type candle would use with it (f32

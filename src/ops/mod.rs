@@ -16,6 +16,8 @@ pub mod cross_entropy;
 pub mod cuda;
 pub mod flash;
 pub mod frozen_linear;
+#[cfg(feature = "cuda")]
+pub mod gemm_tune;
 pub mod linear_acc;
 pub mod lora_linear;
 pub mod multi_tensor;
