@@ -151,9 +151,10 @@ impl Shards {
         Ok(layer)
     }
 
-    /// The embedding, final norm and head gathered, as a layer-less model.
-    pub fn io(&self, model: &Model, comm: &dyn Comm) -> Result<Model> {
-        model.io_view(self.io.gather(comm, false)?)
+    /// The embedding, final norm and head gathered, as a layer-less model; `ahead` as in
+    /// `Flat::gather`.
+    pub fn io(&self, model: &Model, comm: &dyn Comm, ahead: bool) -> Result<Model> {
+        model.io_view(self.io.gather(comm, ahead)?)
     }
 
     /// This rank's resident shard bytes.

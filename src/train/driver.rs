@@ -12,10 +12,11 @@
 //!
 //! Several ranks (`Par`): under FSDP each layer's frozen base is all-gathered just before its
 //! forward and again before its backward (and recompute), and dropped after use; the next
-//! layer's gather is issued one layer early (on NCCL on a second stream, overlapping this layer;
-//! in line with LORA_TRAIN_GATHER_STREAM=0 or on the CPU). The embedding and head are gathered
-//! likewise.
-//! What forward keeps holds no weights, so only one or two gathered layers exist at a time,
+//! layer's gather is issued one layer early (on a second stream, overlapping this layer, by
+//! peer copies or NCCL: dist::nccl; in line with LORA_TRAIN_GATHER_STREAM=0 or on the CPU).
+//! The embedding, norm and head are gathered likewise: in line for the embedding, ahead under
+//! the last layer for the head; and the last layer's second gather is issued under the head.
+//! What forward keeps holds no weights, so only one or two gathered groups exist at a time,
 //! with or without checkpointing. On the step's last micro-batch each layer's adapter gradients
 //! are summed over the ranks in one bucket as soon as that layer's backward is done (DDP and
 //! FSDP alike). With world 1 every collective is the identity.
@@ -78,7 +79,16 @@ impl Par<'_> {
 
     /// The embedding / norm / head, gathered under FSDP (None: use the model's own).
     pub fn io(&self, model: &Model) -> Result<Option<Model>> {
-        self.shards.map(|s| s.io(model, self.comm)).transpose()
+        self.shards
+            .map(|s| s.io(model, self.comm, false))
+            .transpose()
+    }
+
+    /// `io`, its gather issued ahead of use: call `ready` before using it.
+    pub fn io_ahead(&self, model: &Model) -> Result<Option<Model>> {
+        self.shards
+            .map(|s| s.io(model, self.comm, true))
+            .transpose()
     }
 }
 
@@ -169,6 +179,7 @@ pub fn forward_backward_par(
     let mut saved = Vec::with_capacity(n_layers);
     let mut held = 0u64; // bytes of the saved tensors, for memory::account_cpu
     let mut next = (n_layers > 0).then(|| par.layer(model, 0)).transpose()?;
+    let mut head = None; // FSDP: the embedding / norm / head, gathered ahead
     for l in 0..n_layers {
         let Some(layer) = next.take() else {
             candle_core::bail!("driver: layer {l} was not gathered");
@@ -177,6 +188,9 @@ pub fn forward_backward_par(
         par.ready()?;
         if l + 1 < n_layers {
             next = Some(par.layer_ahead(model, l + 1)?);
+        } else {
+            // the head's weights come in under the last layer (in the next layer's room)
+            head = par.io_ahead(model)?;
         }
         let (y, acts) = layer.forward_train(&x, &ctx, !checkpointing)?;
         saved.push(match acts {
@@ -201,7 +215,17 @@ pub fn forward_backward_par(
     if batch.targets.is_empty() && world == 1 {
         return Ok(0.0);
     }
-    let io = par.io(model)?;
+    let io = match head {
+        Some(io) => {
+            par.ready()?;
+            Some(io)
+        }
+        None => par.io(model)?,
+    };
+    // The last layer's weights come in again for its backward under the head.
+    let mut next = (n_layers > 0)
+        .then(|| par.layer_ahead(model, n_layers - 1))
+        .transpose()?;
     let head_model = io.as_ref().unwrap_or(model);
     // The head runs over chunks of the counted positions, each chunk's forward and backward
     // before the next, so the logits of only ~2^24 entries exist at a time ([N × V] at once
@@ -240,9 +264,6 @@ pub fn forward_backward_par(
     probe("head")?;
 
     // ---- backward, last layer first; under FSDP each layer gathered again (one layer ahead)
-    let mut next = (n_layers > 0)
-        .then(|| par.layer(model, n_layers - 1))
-        .transpose()?;
     for l in (0..n_layers).rev() {
         let Some(layer) = next.take() else {
             candle_core::bail!("driver: layer {l} was not gathered");

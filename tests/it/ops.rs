@@ -790,15 +790,15 @@ fn rope_cos_sin_on_the_gpu_match_the_host() {
     );
 }
 
-/// The frozen GEMMs' tuned algorithms (`gemm_tune`) give the very bits that cublasGemmEx
-/// gives, forward (acc + x Wᵀ) and backward (acc + g W), at the 7B MLP's shapes for 1024
-/// tokens: the choice depends on timing, so it must not depend on anything else. And the
+/// The large GEMMs' tuned algorithms (`gemm_tune`) give the very bits that cublasGemmEx
+/// gives, forward (acc + x Wᵀ), backward (acc + g W) and an adapter's term (s · xas Bᵀ over
+/// k = 16, xas a column slice), at the 7B MLP's shapes for 1024 tokens: the choice depends on timing, so it must not depend on anything else. And the
 /// result is the product (against the same product in f32 on the CPU, at a bf16 tolerance).
 #[cfg(feature = "cuda")]
 #[test]
 fn tuned_gemms_give_gemmex_bits_on_the_gpu() {
     use lora_train::ops::gemm_tune::set_tuning;
-    use lora_train::ops::linear_acc::{linear_acc, linear_bwd_acc};
+    use lora_train::ops::linear_acc::{linear_acc, linear_bwd_acc, matmul_scaled};
     let dev = Device::new_cuda(0).unwrap();
     let rand = |dims: &[usize]| {
         Tensor::randn(0f32, 1.0, dims, &Device::Cpu)
@@ -811,10 +811,13 @@ fn tuned_gemms_give_gemmex_bits_on_the_gpu() {
     let g = rand(&[m, i]);
     let acc_b = rand(&[m, c]);
     let gpu = |t: &Tensor| t.to_device(&dev).unwrap();
+    let (xas, b) = (rand(&[m, 48]).narrow(1, 16, 16).unwrap(), rand(&[i, 16]));
     let run = |tuned: bool| {
         set_tuning(tuned);
         let y = linear_acc(&gpu(&x), &gpu(&w), gpu(&acc)).unwrap();
         let dx = linear_bwd_acc(&gpu(&g), &gpu(&w), gpu(&acc_b)).unwrap();
+        // an adapter's term back to full width: xas Bᵀ, k = r, xas a column slice
+        let lora = matmul_scaled(&gpu(&xas), &gpu(&b), true, 0.5).unwrap();
         let bits = |t: Tensor| {
             t.to_dtype(DType::F32)
                 .unwrap()
@@ -823,7 +826,7 @@ fn tuned_gemms_give_gemmex_bits_on_the_gpu() {
                 .to_vec1::<f32>()
                 .unwrap()
         };
-        (bits(y), bits(dx))
+        (bits(y), bits(dx), bits(lora))
     };
     let plain = run(false);
     let first = run(true); // times the candidates
@@ -834,6 +837,8 @@ fn tuned_gemms_give_gemmex_bits_on_the_gpu() {
         ("forward, tuned", &plain.0, &again.0),
         ("backward, tuning", &plain.1, &first.1),
         ("backward, tuned", &plain.1, &again.1),
+        ("adapter term, tuning", &plain.2, &first.2),
+        ("adapter term, tuned", &plain.2, &again.2),
     ] {
         let diff = a
             .iter()
