@@ -318,38 +318,34 @@ unsafe fn plans(st: &DevState, g: &Gemm) -> Result<Vec<Plan>> {
     }
     let mut pref = std::ptr::null_mut();
     ck(lt::cublasLtMatmulPreferenceCreate(&mut pref))?;
-    let ws = WORKSPACE as u64;
-    let set = |attr, v: u64| {
-        ck(lt::cublasLtMatmulPreferenceSetAttribute(
-            pref,
-            attr,
-            (&v) as *const u64 as *const c_void,
-            std::mem::size_of::<u64>(),
-        ))
-    };
-    set(P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, ws)?;
-    let none = 0u32; // allowed reduction schemes: none (no split-K)
-    ck(lt::cublasLtMatmulPreferenceSetAttribute(
-        pref,
-        P::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
-        (&none) as *const u32 as *const c_void,
-        std::mem::size_of::<u32>(),
-    ))?;
     let aligns = [align(g.a.0), align(g.b.0), align(g.c.0)];
-    for (attr, a) in [
-        (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, aligns[0]),
-        (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, aligns[1]),
-        (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, aligns[2]),
-        (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, aligns[2]),
-    ] {
-        let v = a;
-        ck(lt::cublasLtMatmulPreferenceSetAttribute(
-            pref,
-            attr,
-            (&v) as *const u32 as *const c_void,
-            std::mem::size_of::<u32>(),
-        ))?;
-    }
+    set_pref(
+        pref,
+        P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+        WORKSPACE as u64,
+    )?;
+    // allowed reduction schemes: none (no split-K)
+    set_pref(pref, P::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, 0u32)?;
+    set_pref(
+        pref,
+        P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+        aligns[0],
+    )?;
+    set_pref(
+        pref,
+        P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+        aligns[1],
+    )?;
+    set_pref(
+        pref,
+        P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+        aligns[2],
+    )?;
+    set_pref(
+        pref,
+        P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+        aligns[2],
+    )?;
     let mut res: [lt::cublasLtMatmulHeuristicResult_t; CANDIDATES] = std::mem::zeroed();
     let mut count = 0;
     let found = ck(lt::cublasLtMatmulAlgoGetHeuristic(
@@ -385,6 +381,23 @@ unsafe fn plans(st: &DevState, g: &Gemm) -> Result<Vec<Plan>> {
         .collect())
 }
 
+/// Sets preference attribute `attr` of `pref` to `v` (u32 or u64, as the attribute is).
+///
+/// # Safety
+/// `pref` is a live preference descriptor.
+unsafe fn set_pref<T>(
+    pref: lt::cublasLtMatmulPreference_t,
+    attr: lt::cublasLtMatmulPreferenceAttributes_t,
+    v: T,
+) -> Result<()> {
+    ck(lt::cublasLtMatmulPreferenceSetAttribute(
+        pref,
+        attr,
+        (&v) as *const T as *const c_void,
+        std::mem::size_of::<T>(),
+    ))
+}
+
 /// An algorithm's split-K count (None: unreadable).
 fn split_k(algo: &lt::cublasLtMatmulAlgo_t) -> Option<i32> {
     let (mut v, mut written) = (0i32, 0usize);
@@ -414,7 +427,12 @@ unsafe fn tune(dev: &CudaDevice, st: &DevState, g: &Gemm) -> Result<Choice> {
                 sys::cudaDataType_t::CUDA_R_32F => 4,
                 _ => 2,
             };
-            Some(dev.alloc::<u8>(g.c.1 as usize * g.mnk.1 as usize * elem)?)
+            // No room for it (a run at the edge of its memory): gemmEx, untimed. The plan
+            // does not count this buffer; it lives a moment, in the first step only.
+            match dev.alloc::<u8>(g.c.1 as usize * g.mnk.1 as usize * elem) {
+                Ok(s) => Some(s),
+                Err(_) => return Ok(Choice::GemmEx),
+            }
         }
         false => None,
     };

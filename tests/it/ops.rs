@@ -792,8 +792,9 @@ fn rope_cos_sin_on_the_gpu_match_the_host() {
 
 /// The large GEMMs' tuned algorithms (`gemm_tune`) give the very bits that cublasGemmEx
 /// gives, forward (acc + x Wᵀ), backward (acc + g W) and an adapter's term (s · xas Bᵀ over
-/// k = 16, xas a column slice), at the 7B MLP's shapes for 1024 tokens: the choice depends on timing, so it must not depend on anything else. And the
-/// result is the product (against the same product in f32 on the CPU, at a bf16 tolerance).
+/// k = 16, xas a column slice), at the 7B MLP's shapes for 1024 tokens: the choice depends
+/// on timing, so it must not depend on anything else. And the result is the product (against
+/// the same product in f32 on the CPU, at a bf16 tolerance).
 #[cfg(feature = "cuda")]
 #[test]
 fn tuned_gemms_give_gemmex_bits_on_the_gpu() {
