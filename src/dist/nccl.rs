@@ -17,7 +17,7 @@
 //! `share_static` each rank copies its peers' shards straight out of their memory with
 //! `cuMemcpyPeerAsync`, on the same side stream. Copy engines do that, not kernels: a
 //! collective's kernels hold SMs that the layer's GEMMs, sized for the whole GPU, wait for.
-//! LORA_TRAIN_PEER_COPY=0 keeps NCCL for them.
+//! Opt-in for now (LORA_TRAIN_PEER_COPY=1; see `share`): NCCL gathers them by default.
 //!
 //! We hold the raw `ncclComm_t` (cudarc's `Comm` keeps it private) so that the failing rank's
 //! thread can call ncclCommAbort on every rank's communicator: the ranks blocked in a
@@ -111,11 +111,51 @@ pub struct NcclGroup {
 
 /// The ranks' static tensors (`Comm::share_static`), by rank, when the ranks are threads of
 /// one process. The tensors are kept here as well as by their rank, so that none is freed
-/// while a peer may still copy from it: they go with the last comm, and each comm waits for
-/// its own copies when dropped.
+/// while a peer may still copy from it. Each rank lets go of its own entry on its own thread
+/// (its CUDA context current: a tensor's last owner also frees its device's cuBLAS handle and
+/// the like), when its comm is dropped, after every rank's comm has waited for its copies
+/// (`leave`).
 #[derive(Default)]
 struct Statics {
     ranks: Mutex<Vec<Option<Shared>>>,
+    /// Ranks whose copies have ended (their comm is being dropped).
+    left: Mutex<usize>,
+    all_left: std::sync::Condvar,
+}
+
+impl Statics {
+    /// Rank `rank` of `world`, its own copies done: waits (a bounded time) until every rank's
+    /// are, then drops its entry here, on this thread. A rank that never comes (hung) leaves
+    /// the entry leaked rather than freed under a copy, or freed from another thread.
+    fn leave(&self, rank: usize, world: usize) {
+        let mine = {
+            let mut ranks = self.ranks.lock().unwrap_or_else(|p| p.into_inner());
+            match ranks.get_mut(rank) {
+                Some(slot) => slot.take(),
+                None => None,
+            }
+        };
+        let Some(mine) = mine else {
+            return; // nothing shared (DDP, or peer copies off)
+        };
+        let mut left = self.left.lock().unwrap_or_else(|p| p.into_inner());
+        *left += 1;
+        self.all_left.notify_all();
+        let until = Instant::now() + Duration::from_secs(10);
+        while *left < world {
+            let now = Instant::now();
+            if now >= until {
+                std::mem::forget(mine);
+                return;
+            }
+            left = match self.all_left.wait_timeout(left, until - now) {
+                Ok((g, _)) => g,
+                Err(p) => p.into_inner().0,
+            };
+        }
+        drop(left);
+        drop(mine);
+    }
 }
 
 /// One rank's static tensors.
@@ -307,9 +347,12 @@ impl NcclComm {
 
 impl Drop for NcclComm {
     fn drop(&mut self) {
-        // Our copies out of the peers' shards end before this rank lets go of them.
+        // Our copies out of the peers' shards end before any rank lets go of its own.
         if let Ok(Some(side)) = self.side_stream(false) {
             let _ = side.synchronize();
+        }
+        if let Some(p) = &self.peers {
+            p.statics.leave(self.rank, self.world);
         }
         self.raw.abort();
     }
@@ -435,7 +478,10 @@ impl NcclComm {
         let Some(peers) = &self.peers else {
             return Ok(());
         };
-        if self.world < 2 || std::env::var("LORA_TRAIN_PEER_COPY").is_ok_and(|v| v == "0") {
+        // Opt-in until a two-GPU run of the teardown in `Statics::leave` has been seen: 2 of 9
+        // FSDP benches with peer copies died silently (empty log) when every rank's shard
+        // clones were still freed from whichever thread dropped the group last.
+        if self.world < 2 || !std::env::var("LORA_TRAIN_PEER_COPY").is_ok_and(|v| v == "1") {
             return Ok(());
         }
         let p2p = self.open_pool(&peers.ordinals)?;

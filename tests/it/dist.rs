@@ -479,7 +479,8 @@ fn group_abort_reports_the_first_failure() {
 }
 
 /// Two GPUs (the test says so and passes on fewer): FSDP's gathers of static shards, which
-/// ranks of one process copy from each other's memory (`share_static`), hold every rank's
+/// ranks of one process copy from each other's memory (`share_static`, with
+/// LORA_TRAIN_PEER_COPY=1), hold every rank's
 /// shard in rank order, issued ahead or in line, bf16 and f32, and a tensor that was never
 /// shared still goes through NCCL; sums and broadcasts (whose outputs are no longer zeroed
 /// first) are exact.
@@ -538,6 +539,8 @@ fn nccl_gathers_of_shared_shards_are_every_ranks_shard() {
         comm.barrier()?;
         Ok(checked)
     };
+    // Peer copies are opt-in (dist::nccl); this test is their GPU check.
+    std::env::set_var("LORA_TRAIN_PEER_COPY", "1");
     let group = NcclGroup::new(vec![0, 1], Duration::from_secs(30)).unwrap();
     let checked = launch::threads(group, Arc::new(body), Duration::from_secs(10)).unwrap();
     assert_eq!(checked, 9);
