@@ -7,6 +7,7 @@
 #   run(command="bash scripts/device_gpu_check.sh dist", kind="nvidia-h200-x2", carry=[".devbuild"])
 #   run(command="bash scripts/device_gpu_check.sh dist2", kind="nvidia-h200-x2", carry=[".devbuild"])
 #   run(command="bash scripts/device_gpu_check.sh torchrun", kind="nvidia-h200-x2", carry=[".devbuild"])
+#   run(command="bash scripts/device_gpu_check.sh peercopy", kind="nvidia-h200-x2", carry=[".devbuild"])
 #
 # compat: scripts/check_peft_compat.py (PEFT / transformers load our adapter and merged model);
 # chat:  scripts/reference_chat.py with this machine's transformers, diffed against the fixtures;
@@ -23,6 +24,7 @@
 # memory: `lora-train plan` forecasts vs `bench` measured pool peaks (single: mb2, mb2 + ckpt,
 #         mb8 + ckpt; per phase), ratios printed (target: within ±10%); then the OOM case
 #         (bench --max-memory 24GiB, mb2, no ckpt: expect exit 4 and the diagnosis).
+# peercopy (2 GPUs): FSDP with peer copies (LORA_TRAIN_PEER_COPY=1) RUNS times, exit statuses.
 # ab:     ours alone, the mb2 all-linear 7B bench in each of AB's ";"-separated environments,
 #         two rounds alternated (default: the mma.sync flash kernels, wgmma without the
 #         warp-specialized forward, everything) -> $OUT/ab.jsonl. Not in the default set.
@@ -69,6 +71,22 @@ if [[ $what == *" ab "* ]]; then
       tail -1 "$OUT/ab.jsonl" | python3 -c "import json, sys; d = json.load(sys.stdin); \
 print('round $round, $e:', d['tokens_per_s'], 'tok/s,', d['peak_alloc_gib'], 'GiB, loss', d['final_loss'])"
     done
+  done
+fi
+
+# peercopy (2 GPUs): FSDP with LORA_TRAIN_PEER_COPY=1, after a DDP run and again, RUNS times
+# (default 6), each run's exit status, JSON line count and speed printed: the check that peer
+# copies' teardown (dist::nccl, Statics::leave) no longer dies silently, before they become the
+# default again. An empty log with a non-zero status is the failure seen in BENCHMARKS (m).
+if [[ $what == *" peercopy "* ]]; then
+  P="--shape llama2-7b --seq 2048 --rank 16 --targets all --steps 6 --warmup 2 --micro-batch 2 --devices 0,1"
+  for i in $(seq "${RUNS:-6}"); do
+    [ $((i % 2)) = 1 ] && timeout 100 $E .devbuild/lora-train bench $P --strategy ddp > /dev/null 2>&1
+    LORA_TRAIN_PEER_COPY=1 timeout 100 $E .devbuild/lora-train bench $P --strategy fsdp \
+      --json "$OUT/peercopy.jsonl" > "$OUT/peercopy-$i.log" 2>&1
+    echo "fsdp with peer copies, run $i: exit $?, $(wc -l < "$OUT/peercopy.jsonl") JSON lines," \
+      "log $(wc -c < "$OUT/peercopy-$i.log") bytes, $(tail -1 "$OUT/peercopy.jsonl" | \
+      python3 -c 'import json, sys; print(json.load(sys.stdin)["tokens_per_s_per_gpu"])') tok/s/GPU"
   done
 fi
 
