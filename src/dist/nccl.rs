@@ -135,12 +135,13 @@ impl Statics {
                 None => None,
             }
         };
-        let Some(mine) = mine else {
-            return; // nothing shared (DDP, or peer copies off)
-        };
+        // Every rank counts, shared or not (one that failed before sharing copies nothing).
         let mut left = self.left.lock().unwrap_or_else(|p| p.into_inner());
         *left += 1;
         self.all_left.notify_all();
+        let Some(mine) = mine else {
+            return; // nothing shared (DDP, peer copies off, or failed before sharing)
+        };
         let until = Instant::now() + Duration::from_secs(10);
         while *left < world {
             let now = Instant::now();
