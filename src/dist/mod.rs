@@ -2,7 +2,8 @@
 //!
 //! defines: Comm (rank, world, all_reduce_sum, all_gather, broadcast, barrier), Solo (world 1),
 //! Group (makes each rank's Comm, brings every rank down when one fails), CommError.
-//! Backends: cpu (threads of one process), nccl (CUDA, `nccl` feature). FSDP sharding: fsdp;
+//! Backends: cpu (threads of one process), nccl (CUDA, `nccl` feature; its peer copies' table:
+//! posted). FSDP sharding: fsdp;
 //! starting the ranks (threads, or torchrun / Slurm processes): launch.
 //!
 //! The model knows no communication: train::driver gathers, reduces and recomputes.
@@ -12,6 +13,7 @@ pub mod fsdp;
 pub mod launch;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+pub mod posted;
 
 use candle_core::{Result, Tensor};
 

@@ -27,6 +27,7 @@
 //! stuck inside NCCL, which is what ncclCommAbort is for. A comm is aborted once only.
 
 use super::launch::{self, EnvRank};
+use super::posted::Posted;
 use super::{Comm, Group};
 use crate::recipe::{Recipe, RecipeError};
 use anyhow::Context;
@@ -111,53 +112,10 @@ pub struct NcclGroup {
 
 /// The ranks' static tensors (`Comm::share_static`), by rank, when the ranks are threads of
 /// one process. The tensors are kept here as well as by their rank, so that none is freed
-/// while a peer may still copy from it. Each rank lets go of its own entry on its own thread
-/// (its CUDA context current: a tensor's last owner also frees its device's cuBLAS handle and
-/// the like), when its comm is dropped, after every rank's comm has waited for its copies
-/// (`leave`).
-#[derive(Default)]
-struct Statics {
-    ranks: Mutex<Vec<Option<Shared>>>,
-    /// Ranks whose copies have ended (their comm is being dropped).
-    left: Mutex<usize>,
-    all_left: std::sync::Condvar,
-}
-
-impl Statics {
-    /// Rank `rank` of `world`, its own copies done: waits (a bounded time) until every rank's
-    /// are, then drops its entry here, on this thread. A rank that never comes (hung) leaves
-    /// the entry leaked rather than freed under a copy, or freed from another thread.
-    fn leave(&self, rank: usize, world: usize) {
-        let mine = {
-            let mut ranks = self.ranks.lock().unwrap_or_else(|p| p.into_inner());
-            match ranks.get_mut(rank) {
-                Some(slot) => slot.take(),
-                None => None,
-            }
-        };
-        // Every rank counts, shared or not (one that failed before sharing copies nothing).
-        let mut left = self.left.lock().unwrap_or_else(|p| p.into_inner());
-        *left += 1;
-        self.all_left.notify_all();
-        let Some(mine) = mine else {
-            return; // nothing shared (DDP, peer copies off, or failed before sharing)
-        };
-        let until = Instant::now() + Duration::from_secs(10);
-        while *left < world {
-            let now = Instant::now();
-            if now >= until {
-                std::mem::forget(mine);
-                return;
-            }
-            left = match self.all_left.wait_timeout(left, until - now) {
-                Ok((g, _)) => g,
-                Err(p) => p.into_inner().0,
-            };
-        }
-        drop(left);
-        drop(mine);
-    }
-}
+/// while a peer may still copy from it; each rank lets go of its own entry on its own thread,
+/// when its comm is dropped, after every rank's comm has waited for its copies
+/// (`Posted::leave`).
+type Statics = Posted<Shared>;
 
 /// One rank's static tensors.
 struct Shared {
@@ -479,7 +437,7 @@ impl NcclComm {
         let Some(peers) = &self.peers else {
             return Ok(());
         };
-        // Opt-in until a two-GPU run of the teardown in `Statics::leave` has been seen: 2 of 9
+        // Opt-in until a two-GPU run of the teardown in `Posted::leave` has been seen: 2 of 9
         // FSDP benches with peer copies died silently (empty log) when every rank's shard
         // clones were still freed from whichever thread dropped the group last.
         if self.world < 2 || !std::env::var("LORA_TRAIN_PEER_COPY").is_ok_and(|v| v == "1") {
@@ -493,31 +451,23 @@ impl NcclComm {
             let bytes = x.elem_count() * x.dtype().size_in_bytes();
             tensors.push((x, a, bytes));
         }
-        {
-            let mut ranks = peers
-                .statics
-                .ranks
-                .lock()
-                .unwrap_or_else(|p| p.into_inner());
-            if ranks.len() < self.world {
-                ranks.resize_with(self.world, || None);
-            }
-            ranks[self.rank] = Some(Shared {
+        peers.statics.post(
+            self.rank,
+            Shared {
                 ctx: self.compute.context().clone(),
                 tensors,
                 p2p,
-            });
-        }
+            },
+        );
         // Every rank has published, and written its shards (the barrier synchronises).
         self.barrier()?;
-        let ranks = peers
-            .statics
-            .ranks
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let ranks = peers.statics.slots();
         let Some(me) = ranks.get(self.rank).and_then(Option::as_ref) else {
             return Ok(());
         };
+        if ranks.len() != self.world {
+            return Ok(()); // (every rank posted before the barrier: not reached)
+        }
         let mut sources = HashMap::with_capacity(me.tensors.len());
         for (i, (_, a, bytes)) in me.tensors.iter().enumerate() {
             let mut from = Vec::with_capacity(self.world);

@@ -6,6 +6,7 @@ use candle_core::{Device, Tensor};
 use lora_train::dist::cpu::CpuGroup;
 use lora_train::dist::fsdp::resident_base_bytes;
 use lora_train::dist::launch::{self, EnvRank};
+use lora_train::dist::posted::{Left, Posted};
 use lora_train::dist::{Comm, Group};
 use lora_train::train::Session;
 use std::collections::HashMap;
@@ -544,4 +545,87 @@ fn nccl_gathers_of_shared_shards_are_every_ranks_shard() {
     let group = NcclGroup::new(vec![0, 1], Duration::from_secs(30)).unwrap();
     let checked = launch::threads(group, Arc::new(body), Duration::from_secs(10)).unwrap();
     assert_eq!(checked, 9);
+}
+
+/// A value that records (its rank, the dropping thread) when dropped.
+struct Tracked(
+    usize,
+    Arc<std::sync::Mutex<Vec<(usize, std::thread::ThreadId)>>>,
+);
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        let me = std::thread::current().id();
+        self.1.lock().unwrap().push((self.0, me));
+    }
+}
+
+/// The table of NCCL's peer copies (`Posted`): each rank's value is dropped once, on its own
+/// thread, and only after every rank has left (a rank that posted nothing counts too), so no
+/// peer can still be reading it and no other thread frees it.
+#[test]
+fn posted_values_are_dropped_by_their_owners_once_every_rank_left() {
+    let log = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let posted = Arc::new(Posted::<Tracked>::new(Duration::from_secs(5)));
+    let start = Instant::now();
+    let ranks: Vec<_> = (0..3)
+        .map(|r| {
+            let (posted, log) = (posted.clone(), log.clone());
+            std::thread::spawn(move || {
+                if r < 2 {
+                    posted.post(r, Tracked(r, log));
+                }
+                // ranks leave 0, 100 and 200 ms in; rank 2 posted nothing
+                std::thread::sleep(Duration::from_millis(100 * r as u64));
+                let left = posted.leave(r, 3);
+                (left, start.elapsed(), std::thread::current().id())
+            })
+        })
+        .collect();
+    let got: Vec<_> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
+    assert_eq!(got[0].0, Left::Dropped);
+    assert_eq!(got[1].0, Left::Dropped);
+    assert_eq!(got[2].0, Left::Nothing);
+    for (r, (_, when, _)) in got.iter().enumerate().take(2) {
+        assert!(
+            *when >= Duration::from_millis(190),
+            "rank {r} left at {when:?}, before rank 2"
+        );
+    }
+    let log = log.lock().unwrap();
+    assert_eq!(log.len(), 2, "{log:?}");
+    for (r, (_, _, thread)) in got.iter().enumerate().take(2) {
+        let drops: Vec<_> = log.iter().filter(|(owner, _)| *owner == r).collect();
+        assert_eq!(
+            drops.len(),
+            1,
+            "rank {r}'s value dropped {} times",
+            drops.len()
+        );
+        assert_eq!(
+            drops[0].1, *thread,
+            "rank {r}'s value dropped on another thread"
+        );
+    }
+}
+
+/// A rank that never leaves (hung) makes the others give up after the wait and leak their
+/// values: never dropped under a reader that may still be copying, never by another thread.
+#[test]
+fn a_rank_that_never_leaves_makes_the_others_leak_their_posted_values() {
+    let log = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let posted = Posted::<Tracked>::new(Duration::from_millis(150));
+    posted.post(0, Tracked(0, log.clone()));
+    posted.post(1, Tracked(1, log.clone()));
+    let start = Instant::now();
+    assert_eq!(posted.leave(0, 2), Left::Leaked); // rank 1 never leaves
+    let waited = start.elapsed();
+    assert!(
+        waited >= Duration::from_millis(150) && waited < Duration::from_secs(5),
+        "{waited:?}"
+    );
+    assert!(log.lock().unwrap().is_empty(), "a value was dropped");
+    // Rank 1's value is still posted, for rank 1 to take.
+    let slots = posted.slots();
+    assert!(slots[1].is_some() && slots[0].is_none());
 }
