@@ -7,12 +7,12 @@
 //! gemmEx, 515 µs by another of cuBLASLt's heuristic candidates (+12%); gate/up forward +5%;
 //! the 4096² ones +2-3%.
 //!
-//! So the first time a large GEMM of a given key runs (shape, transposes, leading dimensions,
-//! types, β ≠ 0, operand alignment, device), cuBLASLt's first `CANDIDATES` heuristic results
-//! are timed on the real operands (one warm run each, then `ROUNDS` interleaved rounds of
-//! `REPS` runs; the median decides), and the winner runs every later GEMM of that key. A GEMM
-//! that accumulates onto its output (β ≠ 0) is timed into a scratch buffer, so that its output
-//! is written once.
+//! So the first time a large GEMM of a given key runs on a device (shape, transposes, leading
+//! dimensions, types, β ≠ 0, operand alignment), cuBLASLt's first `CANDIDATES` heuristic
+//! results are timed on the real operands (one warm run each, then `ROUNDS` interleaved rounds
+//! of `REPS` runs; the median decides), and the winner runs every later GEMM of that key. A
+//! GEMM that accumulates onto its output (β ≠ 0) is timed into a scratch buffer, so that its
+//! output is written once.
 //!
 //! Determinism: only algorithms without split-K are candidates (the heuristic is asked for
 //! reduction scheme "none", and each result's split-K count is checked). Every output element
@@ -94,7 +94,9 @@ struct DevState {
 // used from any thread.
 unsafe impl Send for DevState {}
 
-type Key = (usize, [i64; 15]);
+/// Within one device's state: shape, transposes, leading dimensions, types, β ≠ 0, operand
+/// alignments.
+type Key = [i64; 15];
 
 /// A cuBLASLt status as our error.
 fn ck(s: lt::cublasStatus_t) -> Result<()> {
@@ -154,26 +156,23 @@ pub unsafe fn run(dev: &CudaDevice, g: &Gemm) -> Result<()> {
     }
     let ordinal = dev.cuda_stream().context().ordinal();
     let (t, (m, n, k), (ab, ct, comp)) = (g.trans, g.mnk, g.types);
-    let key: Key = (
-        ordinal,
-        [
-            t.0 as i64,
-            t.1 as i64,
-            m as i64,
-            n as i64,
-            k as i64,
-            g.a.1 as i64,
-            g.b.1 as i64,
-            g.c.1 as i64,
-            ab as i64,
-            ct as i64,
-            comp as i64,
-            (g.alpha_beta.1 != 0.0) as i64,
-            align(g.a.0) as i64,
-            align(g.b.0) as i64,
-            align(g.c.0) as i64,
-        ],
-    );
+    let key: Key = [
+        t.0 as i64,
+        t.1 as i64,
+        m as i64,
+        n as i64,
+        k as i64,
+        g.a.1 as i64,
+        g.b.1 as i64,
+        g.c.1 as i64,
+        ab as i64,
+        ct as i64,
+        comp as i64,
+        (g.alpha_beta.1 != 0.0) as i64,
+        align(g.a.0) as i64,
+        align(g.b.0) as i64,
+        align(g.c.0) as i64,
+    ];
     let dev_state = {
         let mut all = STATE
             .get_or_init(Default::default)
