@@ -540,25 +540,12 @@ impl NcclComm {
 /// A [n] tensor like `x` (dtype, device) whose contents are not set: for a collective's output,
 /// which it writes whole (zeros would be a pass over it on the compute stream).
 fn uninit(n: usize, x: &Tensor) -> Result<Tensor> {
-    use candle_core::{op::BackpropOp, CudaStorage, DType};
     let dev = x.device().as_cuda_device()?;
-    // SAFETY (each arm): the caller's collective writes every element before any read.
-    let s = match x.dtype() {
-        DType::BF16 => {
-            CudaStorage::wrap_cuda_slice(unsafe { dev.alloc::<half::bf16>(n)? }, dev.clone())
-        }
-        DType::F16 => {
-            CudaStorage::wrap_cuda_slice(unsafe { dev.alloc::<half::f16>(n)? }, dev.clone())
-        }
-        DType::F32 => CudaStorage::wrap_cuda_slice(unsafe { dev.alloc::<f32>(n)? }, dev.clone()),
-        _ => return Tensor::zeros(n, x.dtype(), x.device()),
-    };
-    Ok(Tensor::from_storage(
-        Storage::Cuda(s),
-        n,
-        BackpropOp::none(),
-        false,
-    ))
+    // SAFETY: the caller's collective writes every element before any read.
+    match unsafe { crate::ops::cuda::uninit(dev, x.dtype(), n)? } {
+        Some(t) => Ok(t),
+        None => Tensor::zeros(n, x.dtype(), x.device()),
+    }
 }
 
 /// (device address of the first element, NCCL type, the stream that owns the memory).

@@ -577,6 +577,32 @@ pub fn addr_rows(t: &candle_core::Tensor) -> Result<Option<(u64, usize)>> {
     Ok(first(t)?.map(|p| (p, ld)))
 }
 
+/// A fresh contiguous bf16, f16 or f32 tensor of `shape` on `dev` whose contents are not set,
+/// for an output that a GEMM or a collective writes whole; None for other dtypes.
+///
+/// # Safety
+/// Every element must be written before any is read.
+pub unsafe fn uninit<S: Into<candle_core::Shape>>(
+    dev: &CudaDevice,
+    dtype: DType,
+    shape: S,
+) -> Result<Option<candle_core::Tensor>> {
+    let shape = shape.into();
+    let n = shape.elem_count();
+    let s = match dtype {
+        DType::BF16 => CudaStorage::wrap_cuda_slice(dev.alloc::<half::bf16>(n)?, dev.clone()),
+        DType::F16 => CudaStorage::wrap_cuda_slice(dev.alloc::<half::f16>(n)?, dev.clone()),
+        DType::F32 => CudaStorage::wrap_cuda_slice(dev.alloc::<f32>(n)?, dev.clone()),
+        _ => return Ok(None),
+    };
+    Ok(Some(candle_core::Tensor::from_storage(
+        candle_core::Storage::Cuda(s),
+        shape,
+        candle_core::op::BackpropOp::none(),
+        false,
+    )))
+}
+
 /// The device address of `t`'s first element (its layout's start), whatever its strides.
 fn first(t: &candle_core::Tensor) -> Result<Option<u64>> {
     use candle_core::cuda::cudarc::driver::DevicePtr;

@@ -70,9 +70,7 @@ pub fn matmul_scaled(x: &Tensor, w: &Tensor, trans_w: bool, alpha: f64) -> Resul
 #[cfg(feature = "cuda")]
 mod cuda {
     use candle_core::cuda::cudarc::cublas::sys;
-    use candle_core::cuda::cudarc::driver::{CudaSlice, DevicePtr};
-    use candle_core::op::BackpropOp;
-    use candle_core::{CudaStorage, DType, Device, Result, Storage, Tensor};
+    use candle_core::{DType, Device, Result, Tensor};
 
     /// acc += x Wᵀ (`fwd`) or acc += x W, in place; None when cuBLAS cannot take these operands
     /// so (not CUDA, not contiguous, mixed or unsupported dtypes, shapes that do not chain).
@@ -221,8 +219,12 @@ mod cuda {
             return Ok(None);
         };
         // SAFETY: every element is written by the GEMM (β = 0).
-        let out = unsafe { dev.alloc::<f32>(m * n)? };
-        let op = out.device_ptr(&dev.cuda_stream()).0;
+        let Some(out) = (unsafe { crate::ops::cuda::uninit(dev, DType::F32, (m, n))? }) else {
+            return Ok(None);
+        };
+        let Some(op) = crate::ops::cuda::addr(&out)? else {
+            return Ok(None);
+        };
         // Column-major, C' = out as stored is [n × m] = Q'·P'ᵀ, with Q' = Q as stored [n × k]
         // (ld ldq) and P' = P as stored [m × k] (ld ldp): transa = N, transb = T.
         // SAFETY: p and q are live buffers of k rows of their leading dimensions, out is
@@ -242,7 +244,7 @@ mod cuda {
                 (data_type, sys::cudaDataType_t::CUDA_R_32F, compute),
             )?
         };
-        Ok(Some(fresh(out, dev, (m, n))))
+        Ok(Some(out))
     }
 
     /// α · x op(W) into a fresh [m, n] of x's dtype (`matmul_scaled`); None when cuBLAS
@@ -281,12 +283,12 @@ mod cuda {
         else {
             return Ok(None);
         };
-        let out = match dt {
-            // SAFETY (each arm): every element is written by the GEMM (β = 0).
-            DType::BF16 => Out::Bf16(unsafe { dev.alloc::<half::bf16>(m * n)? }),
-            DType::F16 => Out::F16(unsafe { dev.alloc::<half::f16>(m * n)? }),
-            DType::F32 => Out::F32(unsafe { dev.alloc::<f32>(m * n)? }),
-            _ => return Ok(None),
+        // SAFETY: every element is written by the GEMM (β = 0).
+        let Some(out) = (unsafe { crate::ops::cuda::uninit(dev, dt, (m, n))? }) else {
+            return Ok(None);
+        };
+        let Some(op) = crate::ops::cuda::addr(&out)? else {
+            return Ok(None);
         };
         // Column-major C' = out as stored [n × m] = op(W') · x', x' = x as stored [k × m].
         // SAFETY: x is m rows of its leading dimension, W is contiguous [w0, w1], out is fresh
@@ -298,51 +300,15 @@ mod cuda {
                 (ni, mi, ki),
                 (wp, ldw),
                 (xp, ldx),
-                (out.ptr(dev), ni),
+                (op, ni),
                 (alpha as f32, 0.0),
                 (data_type, data_type, compute),
             )?
         };
-        Ok(Some(out.tensor(dev, (m, n))))
+        Ok(Some(out))
     }
 
     fn int(v: usize) -> Option<i32> {
         i32::try_from(v).ok()
-    }
-
-    /// A fresh GEMM output of one of the dtypes cuBLAS writes here.
-    enum Out {
-        Bf16(CudaSlice<half::bf16>),
-        F16(CudaSlice<half::f16>),
-        F32(CudaSlice<f32>),
-    }
-
-    impl Out {
-        fn ptr(&self, dev: &candle_core::CudaDevice) -> u64 {
-            let s = dev.cuda_stream();
-            match self {
-                Out::Bf16(b) => b.device_ptr(&s).0,
-                Out::F16(b) => b.device_ptr(&s).0,
-                Out::F32(b) => b.device_ptr(&s).0,
-            }
-        }
-
-        fn tensor(self, dev: &candle_core::CudaDevice, shape: (usize, usize)) -> Tensor {
-            match self {
-                Out::Bf16(b) => fresh(b, dev, shape),
-                Out::F16(b) => fresh(b, dev, shape),
-                Out::F32(b) => fresh(b, dev, shape),
-            }
-        }
-    }
-
-    /// A tensor over a buffer we have just written.
-    fn fresh<T: candle_core::cuda::CudaDType + candle_core::cuda::cudarc::driver::DeviceRepr>(
-        buf: CudaSlice<T>,
-        dev: &candle_core::CudaDevice,
-        shape: (usize, usize),
-    ) -> Tensor {
-        let s = CudaStorage::wrap_cuda_slice(buf, dev.clone());
-        Tensor::from_storage(Storage::Cuda(s), shape, BackpropOp::none(), false)
     }
 }
