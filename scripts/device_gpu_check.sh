@@ -24,7 +24,8 @@
 # memory: `lora-train plan` forecasts vs `bench` measured pool peaks (single: mb2, mb2 + ckpt,
 #         mb8 + ckpt; per phase), ratios printed (target: within ±10%); then the OOM case
 #         (bench --max-memory 24GiB, mb2, no ckpt: expect exit 4 and the diagnosis).
-# peercopy (2 GPUs): FSDP with peer copies (LORA_TRAIN_PEER_COPY=1) RUNS times, exit statuses.
+# peercopy (2 GPUs): the dist::nccl GPU test under CUDA_MODULE_LOADING=EAGER (peer copies), then
+#         FSDP with peer copies (LORA_TRAIN_PEER_COPY=1) RUNS times, exit statuses.
 # ab:     ours alone, the mb2 all-linear 7B bench in each of AB's ";"-separated environments,
 #         two rounds alternated (default: the mma.sync flash kernels, wgmma without the
 #         warp-specialized forward, everything) -> $OUT/ab.jsonl. Not in the default set.
@@ -74,11 +75,14 @@ print('round $round, $e:', d['tokens_per_s'], 'tok/s,', d['peak_alloc_gib'], 'Gi
   done
 fi
 
-# peercopy (2 GPUs): FSDP with LORA_TRAIN_PEER_COPY=1, after a DDP run and again, RUNS times
-# (default 6), each run's exit status, JSON line count and speed printed: the check that peer
-# copies' teardown (dist::nccl, Statics::leave) no longer dies silently, before they become the
-# default again. An empty log with a non-zero status is the failure seen in BENCHMARKS (m).
+# peercopy (2 GPUs): the dist::nccl GPU test under eager kernel loading (its peer copies), then
+# FSDP with LORA_TRAIN_PEER_COPY=1, after a DDP run and again, RUNS times (default 6), each
+# run's exit status (124: hung, killed by timeout), JSON line count and speed: the check of the
+# lazy-loading deadlock that peer copies met (BENCHMARKS.md (n); lora-train now sets
+# CUDA_MODULE_LOADING=EAGER itself when LORA_TRAIN_PEER_COPY=1).
 if [[ $what == *" peercopy "* ]]; then
+  CUDA_MODULE_LOADING=EAGER LORA_TRAIN_ROOT=$PWD timeout 120 $E .devbuild/it dist::nccl --test-threads 1 2>&1 \
+    | grep -E "^test |test result|panicked|rank" | head -10
   P="--shape llama2-7b --seq 2048 --rank 16 --targets all --steps 6 --warmup 2 --micro-batch 2 --devices 0,1"
   for i in $(seq "${RUNS:-6}"); do
     [ $((i % 2)) = 1 ] && timeout 100 $E .devbuild/lora-train bench $P --strategy ddp > /dev/null 2>&1
@@ -86,7 +90,7 @@ if [[ $what == *" peercopy "* ]]; then
       --json "$OUT/peercopy.jsonl" > "$OUT/peercopy-$i.log" 2>&1
     echo "fsdp with peer copies, run $i: exit $?, $(wc -l < "$OUT/peercopy.jsonl") JSON lines," \
       "log $(wc -c < "$OUT/peercopy-$i.log") bytes, $(tail -1 "$OUT/peercopy.jsonl" | \
-      python3 -c 'import json, sys; print(json.load(sys.stdin)["tokens_per_s_per_gpu"])') tok/s/GPU"
+      python3 -c 'import json, sys; d = json.load(sys.stdin); print(d["tokens_per_s_per_gpu"], "tok/s/GPU, gathers:", d["fsdp_gathers"])')"
   done
 fi
 

@@ -409,6 +409,7 @@ fn measure(
         "grad_accum": accum, "global_batch": world * accum * b,
         "losses": losses.iter().map(|l| (l * 1e4).round() / 1e4).collect::<Vec<_>>(),
         "per_rank": per_rank,
+        "fsdp_gathers": shards.as_ref().map(|s| if s.peer_copies { "peer copies" } else { "collective" }),
         "resident_base_gib": r2(crate::dist::fsdp::resident_base_bytes(&model, shards.as_ref()) as f64 / GIB),
         "device": format!("{:?}", a.device.location()),
         "shape": a.shape, "seq": t, "micro_batch": b, "lora_rank": a.rank,

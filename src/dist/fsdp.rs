@@ -98,6 +98,9 @@ impl Flat {
 pub struct Shards {
     pub layers: Vec<Flat>,
     pub io: Flat,
+    /// The ranks copy each other's shards in (`Comm::share_static`) rather than gather them
+    /// with a collective.
+    pub peer_copies: bool,
 }
 
 impl Shards {
@@ -117,14 +120,19 @@ impl Shards {
         let Some(io) = groups.pop() else {
             candle_core::bail!("fsdp: no embedding/head group");
         };
-        let shards = Shards { layers: groups, io };
+        let mut shards = Shards {
+            layers: groups,
+            io,
+            peer_copies: false,
+        };
         let all: Vec<&Tensor> = shards
             .layers
             .iter()
             .chain([&shards.io])
             .map(|f| &f.shard)
             .collect();
-        comm.share_static(&all)?;
+        let peer_copies = comm.share_static(&all)?;
+        shards.peer_copies = peer_copies;
         Ok(shards)
     }
 

@@ -42,9 +42,17 @@ pub trait Comm {
     /// read them where they lie: `all_gather` of one of them then copies the peers' shards in
     /// with copy engines instead of a collective's kernels (NCCL, ranks that are threads of
     /// one process). Every rank calls it once, in step, with its tensors in the same order.
-    fn share_static(&self, _xs: &[&Tensor]) -> Result<()> {
-        Ok(())
+    /// True when the peers will copy them so; false: gathers stay collectives.
+    fn share_static(&self, _xs: &[&Tensor]) -> Result<bool> {
+        Ok(false)
     }
+}
+
+/// First thing in `main`, before CUDA starts: the process environment a backend needs
+/// (NCCL's peer copies: CUDA_MODULE_LOADING=EAGER, see dist::nccl).
+pub fn prepare_process() {
+    #[cfg(feature = "nccl")]
+    nccl::prepare_process();
 }
 
 /// World 1: every collective is the identity (no copy, no lock).

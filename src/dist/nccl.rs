@@ -17,7 +17,14 @@
 //! `share_static` each rank copies its peers' shards straight out of their memory with
 //! `cuMemcpyPeerAsync`, on the same side stream. Copy engines do that, not kernels: a
 //! collective's kernels hold SMs that the layer's GEMMs, sized for the whole GPU, wait for.
-//! Opt-in for now (LORA_TRAIN_PEER_COPY=1; see `share`): NCCL gathers them by default.
+//! Opt-in (LORA_TRAIN_PEER_COPY=1), and only with CUDA_MODULE_LOADING=EAGER, which
+//! `prepare_process` sets when the variable is there at start. With the driver's default lazy
+//! loading it deadlocked on two H200s (BENCHMARKS.md, (n)): rank 0 stuck in its first launch
+//! of a cuBLASLt kernel (`cuKernelSetAttribute`, loading it under a driver lock), rank 1 stuck
+//! in `cuMemcpyPeerAsync` out of GPU 0 waiting for that lock, GPU 1 busy with a collective
+//! that rank 0 had not issued yet. Eager loading (no kernel loads after start) costs ~0.8 GB of
+//! each GPU's memory (cuBLAS's kernels, outside the pool) and ~3 s at start, so NCCL gathers by
+//! default.
 //!
 //! We hold the raw `ncclComm_t` (cudarc's `Comm` keeps it private) so that the failing rank's
 //! thread can call ncclCommAbort on every rank's communicator: the ranks blocked in a
@@ -432,16 +439,24 @@ impl NcclComm {
     }
 
     /// `Comm::share_static`: publishes this rank's tensors, waits for every rank's, and when
-    /// every GPU reaches every other, maps each tensor to the peers' copies of it.
-    fn share(&self, xs: &[&Tensor]) -> Result<()> {
+    /// every GPU reaches every other, maps each tensor to the peers' copies of it (true).
+    fn share(&self, xs: &[&Tensor]) -> Result<bool> {
         let Some(peers) = &self.peers else {
-            return Ok(());
+            return Ok(false);
         };
-        // Opt-in until a two-GPU run of the teardown in `Posted::leave` has been seen: 2 of 9
-        // FSDP benches with peer copies died silently (empty log) when every rank's shard
-        // clones were still freed from whichever thread dropped the group last.
-        if self.world < 2 || !std::env::var("LORA_TRAIN_PEER_COPY").is_ok_and(|v| v == "1") {
-            return Ok(());
+        if self.world < 2 || !peer_copy_asked() {
+            return Ok(false);
+        }
+        // Every rank reads the same process-wide mode, so all make the same choice.
+        if !eager_loading() {
+            if self.rank == 0 {
+                eprintln!(
+                    "warning: LORA_TRAIN_PEER_COPY=1 ignored, FSDP gathers with NCCL: peer \
+                     copies need CUDA_MODULE_LOADING=EAGER (lazy kernel loading can deadlock \
+                     them); lora-train sets it when LORA_TRAIN_PEER_COPY=1 is set at its start"
+                );
+            }
+            return Ok(false);
         }
         let p2p = self.open_pool(&peers.ordinals)?;
         let mut tensors = Vec::with_capacity(xs.len());
@@ -463,10 +478,10 @@ impl NcclComm {
         self.barrier()?;
         let ranks = peers.statics.slots();
         let Some(me) = ranks.get(self.rank).and_then(Option::as_ref) else {
-            return Ok(());
+            return Ok(false);
         };
         if ranks.len() != self.world {
-            return Ok(()); // (every rank posted before the barrier: not reached)
+            return Ok(false); // (every rank posted before the barrier: not reached)
         }
         let mut sources = HashMap::with_capacity(me.tensors.len());
         for (i, (_, a, bytes)) in me.tensors.iter().enumerate() {
@@ -479,13 +494,13 @@ impl NcclComm {
                     .and_then(|r| Some((r, r.tensors.get(i)?)))
                 {
                     Some((r, (_, ra, rb))) if rb == bytes => from.push((r.ctx.clone(), *ra)),
-                    _ => return Ok(()), // NCCL gathers them all
+                    _ => return Ok(false), // NCCL gathers them all
                 }
             }
             sources.insert(*a, from);
         }
         *self.sources.lock().unwrap_or_else(|p| p.into_inner()) = sources;
-        Ok(())
+        Ok(true)
     }
 
     /// Whether this GPU and every other rank's reach each other; if so, opens this device's
@@ -534,6 +549,33 @@ impl NcclComm {
                 .map_err(|e| err("cuMemPoolSetAccess", e))?;
         }
         Ok(true)
+    }
+}
+
+/// LORA_TRAIN_PEER_COPY=1: FSDP's frozen shards copied from the peers (see the module docs).
+fn peer_copy_asked() -> bool {
+    std::env::var("LORA_TRAIN_PEER_COPY").is_ok_and(|v| v == "1")
+}
+
+/// Whether the driver loaded every kernel of a module with the module
+/// (CUDA_MODULE_LOADING=EAGER, fixed when CUDA initialised); peer copies need it.
+fn eager_loading() -> bool {
+    use cu::sys::CUmoduleLoadingMode as M;
+    let mut mode = M::CU_MODULE_LAZY_LOADING;
+    // SAFETY: FFI with a valid out-pointer; CUDA is initialised (a context exists).
+    let ok = unsafe { cu::sys::cuModuleGetLoadingMode(&mut mode) }
+        .result()
+        .is_ok();
+    ok && mode == M::CU_MODULE_EAGER_LOADING
+}
+
+/// Call first thing in `main`, before any CUDA call: with LORA_TRAIN_PEER_COPY=1 and no
+/// CUDA_MODULE_LOADING of the user's, sets CUDA_MODULE_LOADING=EAGER, which peer copies need.
+pub fn prepare_process() {
+    if peer_copy_asked() && std::env::var_os("CUDA_MODULE_LOADING").is_none() {
+        // Before any thread exists (main's first call), so no other thread reads the
+        // environment meanwhile.
+        std::env::set_var("CUDA_MODULE_LOADING", "EAGER");
     }
 }
 
@@ -628,7 +670,7 @@ impl Comm for NcclComm {
         )
     }
 
-    fn share_static(&self, xs: &[&Tensor]) -> Result<()> {
+    fn share_static(&self, xs: &[&Tensor]) -> Result<bool> {
         self.share(xs)
     }
 

@@ -481,7 +481,7 @@ fn group_abort_reports_the_first_failure() {
 
 /// Two GPUs (the test says so and passes on fewer): FSDP's gathers of static shards, which
 /// ranks of one process copy from each other's memory (`share_static`, with
-/// LORA_TRAIN_PEER_COPY=1), hold every rank's
+/// LORA_TRAIN_PEER_COPY=1, and only under CUDA_MODULE_LOADING=EAGER), hold every rank's
 /// shard in rank order, issued ahead or in line, bf16 and f32, and a tensor that was never
 /// shared still goes through NCCL; sums and broadcasts (whose outputs are no longer zeroed
 /// first) are exact.
@@ -509,7 +509,14 @@ fn nccl_gathers_of_shared_shards_are_every_ranks_shard() {
         let shards: Vec<Tensor> = (0..3)
             .map(|g| shard(rank, g, &dev))
             .collect::<Result<_, _>>()?;
-        comm.share_static(&shards.iter().collect::<Vec<_>>())?;
+        // Peer copies when the driver loads kernels eagerly (the GPU check runs this test so),
+        // else a warning and NCCL gathers: the same values either way.
+        let peer = comm.share_static(&shards.iter().collect::<Vec<_>>())?;
+        let eager = std::env::var("CUDA_MODULE_LOADING").is_ok_and(|v| v == "EAGER");
+        anyhow::ensure!(
+            peer == eager,
+            "rank {rank}: peer copies {peer}, eager loading {eager}"
+        );
         let mut checked = 0;
         for (g, s) in shards.iter().enumerate() {
             let want: Vec<f32> = (0..2)
@@ -540,7 +547,8 @@ fn nccl_gathers_of_shared_shards_are_every_ranks_shard() {
         comm.barrier()?;
         Ok(checked)
     };
-    // Peer copies are opt-in (dist::nccl); this test is their GPU check.
+    // Peer copies are opt-in (dist::nccl); this test, run with CUDA_MODULE_LOADING=EAGER, is
+    // their GPU check.
     std::env::set_var("LORA_TRAIN_PEER_COPY", "1");
     let group = NcclGroup::new(vec![0, 1], Duration::from_secs(30)).unwrap();
     let checked = launch::threads(group, Arc::new(body), Duration::from_secs(10)).unwrap();
