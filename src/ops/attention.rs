@@ -354,8 +354,9 @@ pub fn attention_bwd(
     };
     let dt = q.dtype();
     let d_o = d_o.to_dtype(dt)?.contiguous()?; // one copy at most; blocks below are views
-                                               // dK and dV are summed in f32 per key block of bq keys: query block i (keys [0, e)) adds
-                                               // into key blocks 0..=i, so no partial is ever padded to the full sequence.
+
+    // dK and dV are summed in f32 per key block of bq keys: query block i (keys [0, e)) adds
+    // into key blocks 0..=i, so no partial is ever padded to the full sequence.
     let nb = t.div_ceil(bq);
     let mut dq = Vec::with_capacity(nb);
     let (mut dk, mut dv) = (vec![None::<Tensor>; nb], vec![None::<Tensor>; nb]);
@@ -380,12 +381,21 @@ pub fn attention_bwd(
         let p = scores.apply_op2_no_bwd(&lse.narrow(2, s, n)?.contiguous()?, &MaskedExp(blk(s)))?;
         drop(scores);
         acc(&mut dv, &p.t()?.matmul(&gb)?)?; // [B, H, e, D]
-        let dp = gb.matmul(&vv.t()?)?; // [B, H, n, e]
-        let ds = p.apply_op3_no_bwd(
-            &dp,
-            &delta.narrow(2, s, n)?.contiguous()?,
-            &SoftmaxBwd(scale as f32),
-        )?;
+
+        // dS = P ⊙ (dP − δ) in f32 (the casts are no-ops for f32): dP rounded to 16 bits
+        // before the difference left up to ~1% of |dP| where the true dS is 0 (a row whose
+        // only allowed key is its own), 1.5× the bf16 GPU test's tolerance in one run.
+        let dp = gb
+            .to_dtype(DType::F32)?
+            .matmul(&vv.to_dtype(DType::F32)?.t()?)?; // [B, H, n, e] f32
+        let ds = p
+            .to_dtype(DType::F32)?
+            .apply_op3_no_bwd(
+                &dp,
+                &delta.narrow(2, s, n)?.contiguous()?,
+                &SoftmaxBwd(scale as f32),
+            )?
+            .to_dtype(dt)?;
         drop((p, dp));
         dq.push(ds.matmul(&kk)?); // [B, H, n, D]
         acc(&mut dk, &ds.t()?.matmul(&qb)?)?; // [B, H, e, D]
