@@ -132,7 +132,14 @@ pub fn run(a: &BenchArgs) -> Result<serde_json::Value> {
         if world > 1 {
             bail!("--strategy single takes one device; use ddp or fsdp for {world}");
         }
-        return run_rank(a, a.device.clone(), &Solo);
+        // `a.device` itself when it is that GPU already (the CLI opens devices[0]).
+        let device = match (a.device.location(), a.devices.first()) {
+            (candle_core::DeviceLocation::Cuda { gpu_id }, Some(&o)) if gpu_id != o => {
+                rank_device(a, 0)?
+            }
+            _ => a.device.clone(),
+        };
+        return run_rank(a, device, &Solo);
     }
     let timeout = Duration::from_secs(1800);
     let group: Arc<dyn Group> = if a.device.is_cpu() {
@@ -141,14 +148,19 @@ pub fn run(a: &BenchArgs) -> Result<serde_json::Value> {
         cuda_group(a.devices.clone(), timeout)?
     };
     let args = Arc::new(a.clone());
-    let body = move |rank: usize, comm: Box<dyn Comm>| {
-        let device = match args.device.is_cpu() {
-            true => Device::Cpu,
-            false => Device::new_cuda(args.devices[rank])?,
-        };
-        run_rank(&args, device, &*comm)
-    };
+    let body =
+        move |rank: usize, comm: Box<dyn Comm>| run_rank(&args, rank_device(&args, rank)?, &*comm);
     crate::dist::launch::threads(group, Arc::new(body), timeout)
+}
+
+/// Rank `rank`'s device: the CPU, or the GPU of `a.devices[rank]` (whatever GPU `a.device`
+/// was opened on).
+fn rank_device(a: &BenchArgs, rank: usize) -> Result<Device> {
+    match (a.device.is_cpu(), a.devices.get(rank)) {
+        (true, _) => Ok(Device::Cpu),
+        (false, Some(&o)) => Ok(Device::new_cuda(o)?),
+        (false, None) => Ok(a.device.clone()),
+    }
 }
 
 #[cfg(feature = "nccl")]

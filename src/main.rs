@@ -254,7 +254,8 @@ fn bench(b: BenchCli) -> anyhow::Result<()> {
         "cpu"
     }) {
         "cpu" => candle_core::Device::Cpu,
-        "cuda" => candle_core::Device::new_cuda(b.gpu)?,
+        // The first listed GPU (rank 0's), not `--gpu`'s default, when --devices is given.
+        "cuda" => candle_core::Device::new_cuda(b.devices.first().copied().unwrap_or(b.gpu))?,
         other => anyhow::bail!("--device {other}: expected cpu or cuda"),
     };
     let args = lora_train::bench::BenchArgs {

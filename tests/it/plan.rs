@@ -372,6 +372,35 @@ fn cuda_run_logs_the_peak_of_each_phase() {
     }
 }
 
+/// `bench --devices 1` (strategy single) runs on GPU 1: it ran on `--gpu`'s default, GPU 0,
+/// while naming GPU 1 in its JSON. Two GPUs (the test says so and passes on fewer).
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_bench_single_runs_on_the_gpu_it_names() {
+    let count = candle_core::cuda::cudarc::driver::CudaContext::device_count().unwrap_or(0);
+    if count < 2 {
+        eprintln!("cuda_bench_single_runs_on_the_gpu_it_names: {count} GPU(s), needs 2");
+        return;
+    }
+    let (code, out, err) = run(&[
+        "bench",
+        "--shape",
+        "tiny",
+        "--seq",
+        "16",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--devices",
+        "1",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.lines().last().unwrap_or("")).unwrap();
+    assert_eq!(v["device"], "Cuda { gpu_id: 1 }", "{out}");
+    assert_eq!(v["per_rank"][0]["device"], 1, "{out}");
+}
+
 /// On CUDA train.max_memory holds the rest of the card (a ballast outside the pool), so the
 /// probe's ramp runs out of memory for real: tiny, seq 64, micro-batch doubling to 4096
 /// (262144 tokens: 2 layers × 7056 B/token kept, ~3.7 GB) within 256 MiB.
