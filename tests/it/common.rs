@@ -139,3 +139,14 @@ dir = "{out}"
         out = out.display(),
     )
 }
+
+/// Whether this machine has at least `n` CUDA GPUs; if not, says so for `test` (a test that
+/// needs them then passes without running: the GPU check runs it where they are).
+#[cfg(feature = "cuda")]
+pub fn has_gpus(n: usize, test: &str) -> bool {
+    let count = candle_core::cuda::cudarc::driver::CudaContext::device_count().unwrap_or(0);
+    if (count as usize) < n {
+        eprintln!("{test}: {count} GPU(s), needs {n}");
+    }
+    count as usize >= n
+}

@@ -490,9 +490,7 @@ fn group_abort_reports_the_first_failure() {
 fn nccl_gathers_of_shared_shards_are_every_ranks_shard() {
     use candle_core::DType;
     use lora_train::dist::nccl::NcclGroup;
-    let count = candle_core::cuda::cudarc::driver::CudaContext::device_count().unwrap_or(0);
-    if count < 2 {
-        eprintln!("nccl_gathers_of_shared_shards_are_every_ranks_shard: {count} GPU(s), needs 2");
+    if !has_gpus(2, "nccl_gathers_of_shared_shards_are_every_ranks_shard") {
         return;
     }
     // Rank r's shard g: small integers (exact in bf16), different for every rank and group.

@@ -377,9 +377,7 @@ fn cuda_run_logs_the_peak_of_each_phase() {
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_bench_single_runs_on_the_gpu_it_names() {
-    let count = candle_core::cuda::cudarc::driver::CudaContext::device_count().unwrap_or(0);
-    if count < 2 {
-        eprintln!("cuda_bench_single_runs_on_the_gpu_it_names: {count} GPU(s), needs 2");
+    if !has_gpus(2, "cuda_bench_single_runs_on_the_gpu_it_names") {
         return;
     }
     let (code, out, err) = run(&[
