@@ -299,7 +299,9 @@ fn bench(b: BenchCli) -> anyhow::Result<()> {
 fn plan(a: PlanCli) -> anyhow::Result<()> {
     use lora_train::memory::plan;
     use lora_train::recipe::Strategy;
-    let (input, grad_accum, selected, recipe_cap) = match (&a.shape, &a.recipe) {
+    // The GPUs whose free memory bounds the plan: the recipe's parallel.devices, else (a
+    // --shape plan, or devices = "all") GPU 0.
+    let (input, grad_accum, selected, recipe_cap, gpus_used) = match (&a.shape, &a.recipe) {
         (Some(shape), _) => {
             let cfg = lora_train::bench::shape(shape)?;
             let flash_attention =
@@ -320,7 +322,7 @@ fn plan(a: PlanCli) -> anyhow::Result<()> {
                     candle_core::DType::BF16,
                 ),
             };
-            (input, 1, (Strategy::Single, a.ckpt), None)
+            (input, 1, (Strategy::Single, a.ckpt), None, vec![0])
         }
         (None, Some(path)) => {
             let mut r = Recipe::load(path, &a.set)?;
@@ -335,7 +337,11 @@ fn plan(a: PlanCli) -> anyhow::Result<()> {
             let gpus = a.gpus.unwrap_or(r.parallel.devices.len());
             let input = plan::input_from_recipe(&r, cfg, gpus, true)?;
             let sel = (r.parallel.strategy, r.train.activation_checkpointing);
-            (input, r.train.grad_accum, sel, r.max_memory())
+            let used = match r.parallel.devices.is_empty() {
+                true => vec![0],
+                false => r.parallel.devices.clone(),
+            };
+            (input, r.train.grad_accum, sel, r.max_memory(), used)
         }
         (None, None) => {
             eprintln!("usage: lora-train plan --recipe RECIPE.toml | --shape NAME [--gpus N] [--gpu-mem 24GiB] [--json]");
@@ -344,7 +350,7 @@ fn plan(a: PlanCli) -> anyhow::Result<()> {
     };
     let capacity = match a.gpu_mem.or(recipe_cap) {
         Some(c) => Some(c),
-        None => free_gpu_memory(),
+        None => free_gpu_memory(&gpus_used),
     };
     let p = plan::plan(&input, grad_accum, capacity);
     if a.json {
@@ -355,17 +361,19 @@ fn plan(a: PlanCli) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The free memory of GPU 0 in a CUDA build with a GPU, plus the context this process took
-/// to ask (the plan counts a context); None otherwise.
-fn free_gpu_memory() -> Option<u64> {
+/// The least free memory of the GPUs `ordinals` in a CUDA build that has them all, plus the
+/// context this process took to ask (the plan counts a context); None otherwise.
+fn free_gpu_memory(ordinals: &[usize]) -> Option<u64> {
     if !cfg!(feature = "cuda") {
         return None;
     }
-    let dev = candle_core::Device::new_cuda(0).ok()?;
-    lora_train::memory::mem_info(&dev)
-        .ok()
-        .flatten()
-        .map(|(free, _)| free + lora_train::memory::plan::CONTEXT)
+    let mut least: Option<u64> = None;
+    for &o in ordinals {
+        let dev = candle_core::Device::new_cuda(o).ok()?;
+        let (free, _) = lora_train::memory::mem_info(&dev).ok().flatten()?;
+        least = Some(least.map_or(free, |l| l.min(free)));
+    }
+    least.map(|f| f + lora_train::memory::plan::CONTEXT)
 }
 
 fn probe(a: ProbeCli) -> anyhow::Result<()> {
