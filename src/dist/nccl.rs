@@ -337,8 +337,8 @@ impl NcclComm {
             sys::cudaStream_t,
         ) -> std::result::Result<result::NcclStatus, result::NcclError>,
     {
-        let (src, ty, _) = address(x)?;
-        let (dst, _, _) = address(&out)?;
+        let (src, ty) = address(x)?;
+        let (dst, _) = address(&out)?;
         self.queue(op, ahead, |stream| {
             self.with(op, |c| {
                 call(src as _, dst as _, ty, c, stream.cu_stream() as _)
@@ -397,7 +397,7 @@ impl NcclComm {
         let x = x.flatten_all()?.contiguous()?;
         let n = x.elem_count();
         let out = uninit(n * self.world, &x)?; // every element is written below
-        let (src, _, _) = address(&x)?;
+        let (src, _) = address(&x)?;
         let copies = self
             .sources
             .lock()
@@ -406,7 +406,7 @@ impl NcclComm {
             .cloned();
         if let Some(copies) = copies {
             // A static shard: each rank's is copied in from where it lies.
-            let (dst, _, _) = address(&out)?;
+            let (dst, _) = address(&out)?;
             let bytes = n * x.dtype().size_in_bytes();
             let me = self.compute.context().cu_ctx();
             self.queue("all_gather (peer copies)", ahead, |stream| {
@@ -462,7 +462,7 @@ impl NcclComm {
         let mut tensors = Vec::with_capacity(xs.len());
         for x in xs {
             let x = x.flatten_all()?.contiguous()?;
-            let (a, _, _) = address(&x)?;
+            let (a, _) = address(&x)?;
             let bytes = x.elem_count() * x.dtype().size_in_bytes();
             tensors.push((x, a, bytes));
         }
@@ -590,8 +590,8 @@ fn uninit(n: usize, x: &Tensor) -> Result<Tensor> {
     }
 }
 
-/// (device address of the first element, NCCL type, the stream that owns the memory).
-fn address(t: &Tensor) -> Result<(u64, sys::ncclDataType_t, Arc<CudaStream>)> {
+/// (device address of the first element, NCCL type).
+fn address(t: &Tensor) -> Result<(u64, sys::ncclDataType_t)> {
     use sys::ncclDataType_t as D;
     let (st, layout) = t.storage_and_layout();
     let Storage::Cuda(cs) = &*st else {
@@ -610,7 +610,7 @@ fn address(t: &Tensor) -> Result<(u64, sys::ncclDataType_t, Arc<CudaStream>)> {
         S::U8(s) => (s.device_ptr(&stream).0, D::ncclUint8, 1),
         _ => candle_core::bail!("NCCL: dtype {:?} not supported", t.dtype()),
     };
-    Ok((base + (o1 * size) as u64, ty, stream))
+    Ok((base + (o1 * size) as u64, ty))
 }
 
 impl Comm for NcclComm {
