@@ -26,6 +26,8 @@ struct FlashP {
     const float* delta;        // [B, H, T] = rowsum(dO ⊙ O), backward in
     const unsigned* seg;       // [B, T] example ids, or null
     const float* rc; const float* rs;  // backward: RoPE's cos, sin [B, T, D/2] f32, or null
+    float* dqacc;              // fused backward (flash90.cu): dL/dq's f32 sums, zeroed: [B, H, ⌈T/64⌉]
+                               // tiles of 64 × 128 in flash_bwd90's fragment order
     long sq[3]; long sk[3]; long sv[3]; long so[3];
     long sdq[3]; long sdk[3];  // backward: dq's and dk's strides (their layout is the caller's)
     int B, H, KH, T, window;

@@ -41,19 +41,29 @@ pub enum Kernels {
     /// flash.cu: mma.sync from ldmatrix fragments; sm_80 and later, head dims 64 and 128.
     MmaSync,
     /// flash90.cu: warpgroup MMA (wgmma) from swizzled shared tiles; compute capability 9.0
-    /// (H100, H200), head dim 128.
+    /// (H100, H200), head dim 128. The backward is one kernel (`flash_bwd90`: dK, dV and dQ's
+    /// terms from one S and dP per tile) and a pass that rounds dQ's f32 sums. Those sums
+    /// add the key tiles' terms in the order they land: dq is not bit-reproducible from run
+    /// to run (f32 rounding; PyTorch's flash backward is alike).
     Wgmma,
+    /// `Wgmma` with the backward in two kernels, dQ apart (`flash_dq90` computes S and dP
+    /// again): no f32 dQ buffer, and every sum in a fixed order (runs repeat bit for bit).
+    /// `LORA_TRAIN_FUSED_DQ=0`.
+    WgmmaSplitDq,
 }
 
 /// The family `flash_fwd` and `flash_bwd` take for head dim `d` on `dev`: wgmma on a Hopper
 /// GPU for d = 128 unless `LORA_TRAIN_FLASH90=0`, mma.sync otherwise.
 pub fn kernels_for(dev: &Device, d: usize) -> Kernels {
-    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let off = *OFF.get_or_init(|| std::env::var("LORA_TRAIN_FLASH90").is_ok_and(|v| v == "0"));
-    if d == 128 && !off && hopper(dev) {
-        Kernels::Wgmma
-    } else {
-        Kernels::MmaSync
+    static OFF: std::sync::OnceLock<(bool, bool)> = std::sync::OnceLock::new();
+    let (off, split) = *OFF.get_or_init(|| {
+        let zero = |var: &str| std::env::var(var).is_ok_and(|v| v == "0");
+        (zero("LORA_TRAIN_FLASH90"), zero("LORA_TRAIN_FUSED_DQ"))
+    });
+    match d == 128 && !off && hopper(dev) {
+        true if split => Kernels::WgmmaSplitDq,
+        true => Kernels::Wgmma,
+        false => Kernels::MmaSync,
     }
 }
 
@@ -143,6 +153,7 @@ mod imp {
         seg: u64,
         rc: u64,
         rs: u64,
+        dqacc: u64,
         sq: [i64; 3],
         sk: [i64; 3],
         sv: [i64; 3],
@@ -485,7 +496,7 @@ mod imp {
             p.lse = lse.device_ptr(&stream).0;
             match kernels {
                 // The copy engine takes positive strides only (no broadcast views).
-                Kernels::Wgmma
+                Kernels::Wgmma | Kernels::WgmmaSplitDq
                     if mask.segments.is_none()
                         && mask.window == 0
                         && !ws_off()
@@ -510,7 +521,7 @@ mod imp {
                     // Two consumer warpgroups and a producer one.
                     launch_fn(&dev, func, 3 * 128, grid, smem, &p, Some(&tm))?;
                 }
-                Kernels::Wgmma => {
+                Kernels::Wgmma | Kernels::WgmmaSplitDq => {
                     wgmma_d(d)?;
                     // Q, K twice and V three times, as 128-row swizzled tiles; segment ids;
                     // and room to align the tiles to 1024 bytes.
@@ -629,8 +640,34 @@ mod imp {
             p.dq = dq.device_ptr(&stream).0;
             p.dk = dk.device_ptr(&stream).0;
             p.dv = dv.device_ptr(&stream).0;
+            // K and V (128 rows), Q and dO three times (64 rows); L, δ and segment ids three
+            // times; room to align the tiles to 1024 bytes.
+            let dkdv_smem = 2 * TILE128 + 3 * TILE128 + 9 * 64 * 4 + 1024;
             match kernels {
                 Kernels::Wgmma => {
+                    wgmma_d(d)?;
+                    // dQ's f32 sums, zeroed (the kernel adds each key tile's terms in), in
+                    // tiles of 64 rows (T rounded up): twice dq's bytes, alive through this
+                    // call only.
+                    let tiles64 = b * h * t.div_ceil(64);
+                    let acc = dev.alloc_zeros::<f32>(tiles64 * 64 * d)?;
+                    p.dqacc = acc.device_ptr(&stream).0;
+                    // dkdv's tiles, then at the next 1024-byte boundary dSᵀ [128 × 64] bf16
+                    // and a pair's dQ terms [64 × 128] f32.
+                    let smem = dkdv_smem + 1024 + TILE128 / 2 + 64 * 128 * 4;
+                    let grid = (t.div_ceil(128) as u32, (b * kh) as u32);
+                    launch90(&dev, "flash_bwd90_d128", THREADS90, grid, smem, &p)?;
+                    // A block a tile (its shared copy is static).
+                    launch90(
+                        &dev,
+                        "flash_dq_rows90",
+                        THREADS90,
+                        (tiles64 as u32, 1),
+                        0,
+                        &p,
+                    )?;
+                }
+                Kernels::WgmmaSplitDq => {
                     wgmma_d(d)?;
                     let tiles = t.div_ceil(128) as u32;
                     // A 64-row tile is half a 128-row one. dQ: Q and dO (128 rows), K and V
@@ -646,15 +683,12 @@ mod imp {
                         smem,
                         &p,
                     )?;
-                    // dK, dV: K and V (128 rows), Q and dO three times (64 rows); L, δ and
-                    // segment ids three times.
-                    let smem = 2 * TILE128 + 6 * half + 9 * 64 * 4 + 1024;
                     launch90(
                         &dev,
                         "flash_dkdv90_d128",
                         THREADS90,
                         (tiles, (b * kh) as u32),
-                        smem,
+                        dkdv_smem,
                         &p,
                     )?;
                 }

@@ -48,13 +48,13 @@ __device__ __forceinline__ unsigned long long wg_ndesc(unsigned tile, int rows, 
 // The wgmma wrappers spell out every accumulator operand (m64nN: N / 2 floats a thread), as
 // d[N / 8][4] in mma.sync's C order.
 //
-// D[64 × 64] (+)= A · B, A and B from shared memory (descriptors); TB: B is MN-major.
-template<int TB>
+// D[64 × 64] (+)= A · B, A and B from shared memory (descriptors); TB: B is MN-major, TA: A is.
+template<int TB, int TA = 0>
 __device__ __forceinline__ void wg_ss64(float (*d)[4], unsigned long long da, unsigned long long db, int acc) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, %35;\n}\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, %36, %35;\n}\n"
         : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-        : "l"(da), "l"(db), "r"(acc), "n"(TB));
+        : "l"(da), "l"(db), "r"(acc), "n"(TB), "n"(TA));
 }
 // D[64 × 128] (+)= A · B, A and B from shared memory (descriptors); TB: B is MN-major.
 template<int TB>
@@ -74,12 +74,12 @@ __device__ __forceinline__ void wg_rs128(float (*d)[4], const unsigned* a, unsig
 }
 
 // D[64 × 64] = A · B (D's old values unread: the first k step of a product).
-template<int TB>
+template<int TB, int TA = 0>
 __device__ __forceinline__ void wg_ss64z(float (*d)[4], unsigned long long da, unsigned long long db) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, %34;\n}\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, %35, %34;\n}\n"
         : "=f"(d[0][0]), "=f"(d[0][1]), "=f"(d[0][2]), "=f"(d[0][3]), "=f"(d[1][0]), "=f"(d[1][1]), "=f"(d[1][2]), "=f"(d[1][3]), "=f"(d[2][0]), "=f"(d[2][1]), "=f"(d[2][2]), "=f"(d[2][3]), "=f"(d[3][0]), "=f"(d[3][1]), "=f"(d[3][2]), "=f"(d[3][3]), "=f"(d[4][0]), "=f"(d[4][1]), "=f"(d[4][2]), "=f"(d[4][3]), "=f"(d[5][0]), "=f"(d[5][1]), "=f"(d[5][2]), "=f"(d[5][3]), "=f"(d[6][0]), "=f"(d[6][1]), "=f"(d[6][2]), "=f"(d[6][3]), "=f"(d[7][0]), "=f"(d[7][1]), "=f"(d[7][2]), "=f"(d[7][3])
-        : "l"(da), "l"(db), "n"(TB));
+        : "l"(da), "l"(db), "n"(TB), "n"(TA));
 }
 
 // D[64 × 128] = A · B (D's old values unread: the first k step of a product).
@@ -347,6 +347,17 @@ __device__ __forceinline__ void flash_dq90(const FlashP& p) {
 // 64 queries, three buffers deep. Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ with K and V from shared memory;
 // dV += Pᵀ·dO and dK += dSᵀ·Q with Pᵀ and dSᵀ from registers, dO and Q read MN-major from the
 // same tiles. Pipelined by wg_pipeline: a step is a pair, Sᵀ and dPᵀ first, dV and dK last.
+//
+// DQ (the fused backward): dQ's terms too, so that S and dP are computed once, not again in
+// flash_dq90 (whose three products a key tile become one here). dSᵀ of both warpgroups goes to
+// a shared tile [128 keys × 64 queries] (one swizzled 128-byte row a key); dK's product reads it
+// K-major, and dQ[64 queries × 128] += dS·K reads it MN-major (transposed) against K's tile,
+// each warpgroup one 64-column half of dQ. That product is waited for within the pair (its 32
+// accumulators a thread fit only while S and dP are dead), staged in shared memory and added
+// into p.dqacc (f32) by the copy engine (cp.reduce.async.bulk: thread-issued reductions of
+// these 550 MB a layer held the warps); flash_dq_rows90 scales, rotates and rounds the sums
+// after the kernel.
+template<bool DQ>
 __device__ __forceinline__ void flash_dkdv90(const FlashP& p) {
     constexpr int D = 128, BK = 128, BQ = 64, DN = D / 8, KT = BK * D * 2, QT = BQ * D * 2;
     const unsigned raw = fl_smem(flash90_smem), base = (raw + 1023) & ~1023u;
@@ -354,6 +365,8 @@ __device__ __forceinline__ void flash_dkdv90(const FlashP& p) {
     float* sL = (float*)(flash90_smem + (sO + 3 * QT - raw));  // [3][BQ] L
     float* sD = sL + 3 * BQ;                                    // [3][BQ] δ
     unsigned* sSeg = (unsigned*)(sD + 3 * BQ);                  // [3][BQ]
+    const unsigned sDS = (sO + 3 * QT + 9 * BQ * 4 + 1023) & ~1023u;  // DQ: dSᵀ [BK][BQ] bf16
+    const unsigned sAcc = sDS + BK * BQ * 2;  // DQ: dQ's terms of a pair, f32 [2][4096]
     const int T = p.T, b = blockIdx.y / p.KH, kh = blockIdx.y % p.KH, grp = p.H / p.KH;
     const int k0 = blockIdx.x * BK;
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, l = tid & 31;
@@ -444,17 +457,77 @@ __device__ __forceinline__ void flash_dkdv90(const FlashP& p) {
             dpt[n][2] = st[n][2] * (dpt[n][2] - dl.x);
             dpt[n][3] = st[n][3] * (dpt[n][3] - dl.y);
         }
+        if constexpr (DQ) {
+            // dSᵀ rows (keys) to the shared tile: chunk n of row r at r·128 + (n ^ r % 8)·16,
+            // a warp's 32 stores of a chunk column on 32 banks.
 #pragma unroll
-        for (int j = 0; j < BQ / 16; ++j) fl_a_from_c(da[j], dpt[2 * j], dpt[2 * j + 1]);
-        wg_fence();
+            for (int n = 0; n < BQ / 8; ++n) {
 #pragma unroll
-        for (int j = 0; j < BQ / 16; ++j) wg_rs128<1>(dk, da[j], wg_ndesc(tQ, BQ, j), 1);
-        wg_commit();
+                for (int r = 0; r < 2; ++r) {
+                    const unsigned row = wg * 64 + warp * 16 + g + 8 * r;
+                    const unsigned at = sDS + row * 128 + ((n ^ (row & 7)) << 4) + 4 * c;
+                    asm volatile("st.shared.b32 [%0], %1;" :: "r"(at),
+                                 "r"(fl_pack(dpt[n][2 * r], dpt[n][2 * r + 1])) : "memory");
+                }
+            }
+            wg_smem_fence();
+            // This warpgroup's last reduction has read its staging half (long since, as a
+            // rule): the half is written again below, after the barrier.
+            if ((tid & 127) == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+            __syncthreads();  // both warpgroups' rows: dQ's product reads all 128 keys
+            wg_fence();
+            const unsigned tDS = sDS + wg * 64 * 128;  // this warpgroup's keys, K-major for dK
+#pragma unroll
+            for (int j = 0; j < BQ / 16; ++j)
+                wg_ss128<1>(dk, wg_kdesc(tDS, 64, j), wg_ndesc(tQ, BQ, j), 1);
+            wg_commit();
+            // dQ[:, 64·wg …] = dS · K[:, 64·wg …]: dS MN-major (transposed) from the tile, K's
+            // column half wg MN-major.
+            float dq[8][4];
+            const unsigned tK = sK + wg * BK * 128;
+            wg_ss64z<1, 1>(dq, wg_ndesc(sDS, BK, 0), wg_ndesc(tK, BK, 0));
+#pragma unroll
+            for (int j = 1; j < BK / 16; ++j)
+                wg_ss64<1, 1>(dq, wg_ndesc(sDS, BK, j), wg_ndesc(tK, BK, j), 1);
+            wg_commit();
+            wg_wait<0>();
+            wg_hold<8>(dq);
+            // Staged in fragment order, [warp][n][r][g][c] float2s (a warp's stores of one
+            // (n, r) are 256 contiguous bytes: no bank conflicts), which is also the order of
+            // the tile in p.dqacc (flash_dq_rows90 reads it so); then reduced into p.dqacc by
+            // the copy engine, 16 KB a warpgroup, while the next pair runs.
+            const unsigned half = sAcc + wg * 16384;
+#pragma unroll
+            for (int n = 0; n < 8; ++n)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const unsigned at = half + ((((warp * 8 + n) * 2 + r) * 8 + g) * 4 + c) * 8;
+                    asm volatile("st.shared.v2.f32 [%0], {%1, %2};" :: "r"(at),
+                                 "f"(dq[n][2 * r]), "f"(dq[n][2 * r + 1]) : "memory");
+                }
+            wg_smem_fence();
+            asm volatile("bar.sync %0, 128;" :: "r"(1 + wg) : "memory");
+            if ((tid & 127) == 0) {
+                const int h = kh * grp + it / nq, tiles = (T + BQ - 1) / BQ;
+                const float* dst = p.dqacc + (((long)(b * p.H + h) * tiles + q0 / BQ) * 2 + wg) * 4096;
+                asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], 16384;\n"
+                             "cp.async.bulk.commit_group;" :: "l"(dst), "r"(half) : "memory");
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < BQ / 16; ++j) fl_a_from_c(da[j], dpt[2 * j], dpt[2 * j + 1]);
+            wg_fence();
+#pragma unroll
+            for (int j = 0; j < BQ / 16; ++j) wg_rs128<1>(dk, da[j], wg_ndesc(tQ, BQ, j), 1);
+            wg_commit();
+        }
     };
     wg_pipeline(iters, issue_sdp, process, prefetch);
     wg_wait<0>();
     wg_hold<DN>(dv);
     wg_hold<DN>(dk);
+    // The reductions are done (their reads of shared memory, and their writes) before exit.
+    if (DQ && (tid & 127) == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
     const long rope = (long)b * T * (D / 2);
     fl_store_rows<D>(p.dk + b * p.sdk[0] + kh * p.sdk[1], p.sdk[2], dk, kj0, T, p.scale,
                      p.rc ? p.rc + rope : nullptr, p.rs ? p.rs + rope : nullptr, c);
@@ -462,7 +535,47 @@ __device__ __forceinline__ void flash_dkdv90(const FlashP& p) {
 }
 
 extern "C" __global__ void __launch_bounds__(256, 1) flash_dq90_d128(const FlashP p) { flash_dq90(p); }
-extern "C" __global__ void __launch_bounds__(256, 1) flash_dkdv90_d128(const FlashP p) { flash_dkdv90(p); }
+extern "C" __global__ void __launch_bounds__(256, 1) flash_dkdv90_d128(const FlashP p) { flash_dkdv90<false>(p); }
+extern "C" __global__ void __launch_bounds__(256, 1) flash_bwd90_d128(const FlashP p) { flash_dkdv90<true>(p); }
+
+// After flash_bwd90: dq = scale · p.dqacc as rows of dq's layout (p.sdq), rotated back by
+// RoPE's angle when p.rc is given (as fl_store_rows does). p.dqacc holds [B, H, ⌈T/64⌉] tiles
+// of 64 rows × 128, each two column halves of 4096 floats in flash_bwd90's fragment order
+// [warp][n][r][g][c] float2s. A block takes a tile: read in that order into a row-major
+// shared copy, then written a row a warp (columns 2j, 2j + 1 and their RoPE partners 64 on).
+extern "C" __global__ void __launch_bounds__(256) flash_dq_rows90(const FlashP p) {
+    constexpr int H2 = 64, RS = 128 + 4;  // row stride of the shared copy, in floats
+    __shared__ float rows[64 * RS];
+    const long tile = blockIdx.x;  // (b·H + h)·⌈T/64⌉ + q0 / 64
+    const float2* acc = (const float2*)(p.dqacc + tile * 8192);
+#pragma unroll 4
+    for (int k = 0; k < 16; ++k) {
+        const int j = k * 256 + threadIdx.x, half = j >> 11, f = j & 2047;
+        const int c = f & 3, g = (f >> 2) & 7, r = (f >> 5) & 1, n = (f >> 6) & 7, warp = f >> 9;
+        *(float2*)(rows + (warp * 16 + g + 8 * r) * RS + half * H2 + n * 8 + 2 * c) = acc[j];
+    }
+    __syncthreads();
+    const int tiles = (p.T + 63) / 64, bh = (int)(tile / tiles), h = bh % p.H, b = bh / p.H;
+    const int col = 2 * (threadIdx.x & 31);
+#pragma unroll 2
+    for (int k = 0; k < 8; ++k) {
+        const int row = k * 8 + (threadIdx.x >> 5), t = (int)(tile % tiles) * 64 + row;
+        if (t >= p.T) break;
+        const float2 a = *(const float2*)(rows + row * RS + col);
+        const float2 e = *(const float2*)(rows + row * RS + H2 + col);
+        const float a0 = a.x * p.scale, a1 = a.y * p.scale, b0 = e.x * p.scale, b1 = e.y * p.scale;
+        bf16_t* out = p.dq + b * p.sdq[0] + h * p.sdq[1] + t * p.sdq[2];
+        if (p.rc) {
+            const long rr = ((long)b * p.T + t) * H2 + col;
+            const float2 cv = *(const float2*)(p.rc + rr), sv = *(const float2*)(p.rs + rr);
+            *(unsigned*)(out + col) = fl_pack(a0 * cv.x + b0 * sv.x, a1 * cv.y + b1 * sv.y);
+            *(unsigned*)(out + col + H2) = fl_pack(b0 * cv.x - a0 * sv.x, b1 * cv.y - a1 * sv.y);
+        } else {
+            *(unsigned*)(out + col) = fl_pack(a0, a1);
+            *(unsigned*)(out + col + H2) = fl_pack(b0, b1);
+        }
+    }
+}
 
 // ---- The forward, warp-specialized (FA3's structure), for plain causal attention ----
 //

@@ -487,7 +487,7 @@ fn frozen_linear_matches_matmul_and_bias() {
 /// The tensor-core kernels against the blockwise path (itself pinned to the composite above):
 /// O, L, dq, dk, dv in bf16 for head dims 64 and 128, GQA (dk, dv summed over each group),
 /// packed segments, a sliding window, and T off the 64- and 128-row tiles; on a Hopper GPU
-/// both kernel families. v and dO go in as views of
+/// both kernel families, and wgmma's backward fused and split. v and dO go in as views of
 /// token-major rows, as the training layer passes them.
 #[cfg(feature = "cuda")]
 #[test]
@@ -554,7 +554,11 @@ fn flash_attention_matches_blockwise_on_the_gpu() {
         // Every family the device runs (wgmma on a Hopper GPU for d = 128), the default last:
         // its O and L feed the backward below.
         let families = match flash::kernels_for(&dev, d) {
-            flash::Kernels::Wgmma => vec![flash::Kernels::MmaSync, flash::Kernels::Wgmma],
+            flash::Kernels::Wgmma | flash::Kernels::WgmmaSplitDq => vec![
+                flash::Kernels::MmaSync,
+                flash::Kernels::WgmmaSplitDq,
+                flash::Kernels::Wgmma,
+            ],
             flash::Kernels::MmaSync => vec![flash::Kernels::MmaSync],
         };
         let mut out = None;
