@@ -335,23 +335,7 @@ impl Linear {
         let mut dx: Option<Tensor> = None;
         if !idx.is_empty() {
             let (a, ads) = Self::shared_ops(lins, &idx, ctx, x.dtype())?;
-            let mut gs = Vec::with_capacity(idx.len());
-            let mut xs = Vec::with_capacity(idx.len());
-            for &i in &idx {
-                match (
-                    g.get_mut(i).and_then(Option::take),
-                    xas.get(i).copied().flatten(),
-                ) {
-                    (Some(gi), Some(xi)) => {
-                        gs.push(gi);
-                        xs.push(xi);
-                    }
-                    _ => candle_core::bail!(
-                        "{}: backward without its gradient or the forward's adapter state",
-                        lins[i].name
-                    ),
-                }
-            }
+            let (gs, xs) = Self::take_shared(lins, &idx, &mut g, xas)?;
             let (d, gr) = ops::lora_linear::lora_bwd_shared(x, gs, &ads, &xs, &a)?;
             dx = Some(d);
             for (&i, gr) in idx.iter().zip(gr) {
@@ -371,6 +355,67 @@ impl Linear {
             Some(dx) => Ok((dx, grads)),
             None => candle_core::bail!("bwd_shared: no linears"),
         }
+    }
+
+    /// `bwd_shared`'s adapter gradients alone, without dL/dx: for an input that needs no
+    /// gradient (the first layer's, the frozen embedding's output), so that the base GEMMs'
+    /// dL/dx (three of the layer's eleven backward GEMMs at q, k, v) and the adapters' are not
+    /// run. Linears without an adapter are skipped; an adapter outside the shared group (its
+    /// own dropout) takes `bwd`, whose dL/dx is dropped.
+    pub fn grads_shared(
+        lins: &[&Linear],
+        x: &Tensor,
+        g: Vec<Tensor>,
+        xas: &[Option<&Tensor>],
+        ctx: &Ctx,
+    ) -> Result<Vec<AdapterGrad>> {
+        let idx = Self::shared(lins, ctx);
+        let mut g: Vec<Option<Tensor>> = g.into_iter().map(Some).collect();
+        let mut grads: Vec<AdapterGrad> = vec![None; lins.len()];
+        if !idx.is_empty() {
+            let (_, ads) = Self::shared_ops(lins, &idx, ctx, x.dtype())?;
+            let (gs, xs) = Self::take_shared(lins, &idx, &mut g, xas)?;
+            let gr = ops::lora_linear::lora_grads_shared(x, gs, &ads, &xs)?;
+            for (&i, gr) in idx.iter().zip(gr) {
+                grads[i] = Some(gr);
+            }
+        }
+        for (i, lin) in lins.iter().enumerate() {
+            let Some(gi) = g.get_mut(i).and_then(Option::take) else {
+                continue;
+            };
+            if lin.lora.is_some() {
+                grads[i] = lin.bwd(x, &gi, xas.get(i).copied().flatten(), ctx, None)?.1;
+            }
+        }
+        Ok(grads)
+    }
+
+    /// The gradients g[i] (taken) and kept adapter states of the shared linears `idx`.
+    fn take_shared<'x>(
+        lins: &[&Linear],
+        idx: &[usize],
+        g: &mut [Option<Tensor>],
+        xas: &[Option<&'x Tensor>],
+    ) -> Result<(Vec<Tensor>, Vec<&'x Tensor>)> {
+        let mut gs = Vec::with_capacity(idx.len());
+        let mut xs = Vec::with_capacity(idx.len());
+        for &i in idx {
+            match (
+                g.get_mut(i).and_then(Option::take),
+                xas.get(i).copied().flatten(),
+            ) {
+                (Some(gi), Some(xi)) => {
+                    gs.push(gi);
+                    xs.push(xi);
+                }
+                _ => candle_core::bail!(
+                    "{}: backward without its gradient or the forward's adapter state",
+                    lins[i].name
+                ),
+            }
+        }
+        Ok((gs, xs))
     }
 }
 

@@ -124,20 +124,55 @@ pub fn lora_bwd_shared(
     xas: &[&Tensor],
     a: &Tensor,
 ) -> Result<(Tensor, Vec<(Tensor, Tensor)>)> {
-    use super::linear_acc::{linear_bwd_acc, matmul_tn_f32};
-    let dt = x.dtype();
+    use super::linear_acc::linear_bwd_acc;
+    let (gbs, db) = shared_gbs(x.dtype(), &g, ads, xas)?;
+    let mut dx = matmul_scaled(&gbs, a, false, 1.0)?; // Σ s · (g_i B_i) A_i [m, in]
+    for (g, ad) in g.into_iter().zip(ads) {
+        dx = linear_bwd_acc(&g, ad.w, dx)?; // + g_i W_i, in the GEMM; g_i is dropped here
+    }
+    Ok((dx, shared_grads(x, &gbs, ads, db)?))
+}
+
+/// `lora_bwd_shared`'s adapter gradients alone, without dL/dx (whose GEMMs, the base ones
+/// above all, are most of the backward): for an input that needs no gradient, as the first
+/// layer's (the frozen embedding's output).
+pub fn lora_grads_shared(
+    x: &Tensor,
+    g: Vec<Tensor>,
+    ads: &[Adapter],
+    xas: &[&Tensor],
+) -> Result<Vec<(Tensor, Tensor)>> {
+    let (gbs, db) = shared_gbs(x.dtype(), &g, ads, xas)?;
+    drop(g);
+    shared_grads(x, &gbs, ads, db)
+}
+
+/// The products s · g_i B_i side by side [m, Σ r] in `dt`, and each dB_i = g_iᵀ xas_i (f32).
+fn shared_gbs(
+    dt: candle_core::DType,
+    g: &[Tensor],
+    ads: &[Adapter],
+    xas: &[&Tensor],
+) -> Result<(Tensor, Vec<Tensor>)> {
+    use super::linear_acc::matmul_tn_f32;
     let (mut gbs, mut db) = (Vec::with_capacity(ads.len()), Vec::with_capacity(ads.len()));
     for ((g, ad), xas) in g.iter().zip(ads).zip(xas) {
         let bd = ad.b.detach().to_dtype(dt)?;
         gbs.push(matmul_scaled(g, &bd, false, ad.scale)?); // s · g_i B_i [m, r_i]
         db.push(matmul_tn_f32(g, xas)?); // dB_i = g_iᵀ xas_i [out_i, r_i]
     }
-    let gbs = Tensor::cat(&gbs, 1)?; // [m, Σ r]
-    let mut dx = matmul_scaled(&gbs, a, false, 1.0)?; // Σ s · (g_i B_i) A_i [m, in]
-    for (g, ad) in g.into_iter().zip(ads) {
-        dx = linear_bwd_acc(&g, ad.w, dx)?; // + g_i W_i, in the GEMM; g_i is dropped here
-    }
-    let da = matmul_tn_f32(&gbs, x)?; // [Σ r, in] f32
+    Ok((Tensor::cat(&gbs, 1)?, db))
+}
+
+/// Each (dA_i, dB_i): the dA's are one GEMM (gbs [m, Σ r])ᵀ x [m, in] → [Σ r, in] f32, split by
+/// rank.
+fn shared_grads(
+    x: &Tensor,
+    gbs: &Tensor,
+    ads: &[Adapter],
+    db: Vec<Tensor>,
+) -> Result<Vec<(Tensor, Tensor)>> {
+    let da = super::linear_acc::matmul_tn_f32(gbs, x)?; // [Σ r, in] f32
     let mut off = 0;
     let mut grads = Vec::with_capacity(ads.len());
     for (ad, db) in ads.iter().zip(db) {
@@ -145,7 +180,7 @@ pub fn lora_bwd_shared(
         grads.push((da.narrow(0, off, r)?, db));
         off += r;
     }
-    Ok((dx, grads))
+    Ok(grads)
 }
 
 /// The backward: x [m, in] (unmasked), g = dL/dy [m, out], `xas` from `lora_fwd`, and `acc`

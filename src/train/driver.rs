@@ -281,12 +281,18 @@ pub fn forward_backward_par(
             }
             None => candle_core::bail!("driver: no saved activations for layer {l}"),
         };
-        let (dx, lg) = layer.backward(acts, &g, &ctx)?;
+        // The first layer's input is the frozen embedding's output: no dL/dx for it.
+        let lg = if l > 0 {
+            let (dx, lg) = layer.backward(acts, &g, &ctx)?;
+            g = dx;
+            lg
+        } else {
+            layer.backward_grads(acts, &g, &ctx)?
+        };
         accumulate(lg, grads)?;
         if par.reduce && world > 1 {
             all_reduce_layer(&layer, grads, par.comm)?;
         }
-        g = dx;
     }
     probe("backward")?;
     match ce_sum {

@@ -101,6 +101,51 @@ fn hand_written_layer_backward_equals_autograd() {
     }
 }
 
+/// The first layer's backward without dL/dx (`backward_grads`, what the driver runs there)
+/// gives the full backward's adapter gradients bit for bit: with the q, k, v adapters run as
+/// one group (no dropout) and apart (dropout on), and with q, v only (k has no adapter).
+#[test]
+fn first_layer_backward_without_input_grad_keeps_every_gradient() {
+    for sets in [
+        vec![],
+        vec!["lora.dropout = 0.2"],
+        vec!["lora.targets = [\"q_proj\", \"v_proj\"]"],
+    ] {
+        let (_t, s) = session("llama_gqa", &sets);
+        let tag = format!("{sets:?}");
+        let batch = s.batch(&[vec![0], vec![1]]);
+        let m = &s.model;
+        let ctx = m
+            .ctx(&batch.positions, batch.b, batch.t, None, Some((7, [3, 1])))
+            .unwrap();
+        let ids = Tensor::from_slice(&batch.ids, (batch.b, batch.t), &m.device).unwrap();
+        let x = m.embed(&ids).unwrap();
+        let layer = &m.layers[0];
+        let g = Tensor::randn(0f32, 1.0, x.shape(), &m.device).unwrap();
+        let run = || layer.forward_train(&x, &ctx, true).unwrap().1.unwrap();
+        let (_dx, full) = layer.backward(run(), &g, &ctx).unwrap();
+        let only = layer.backward_grads(run(), &g, &ctx).unwrap();
+        assert_eq!(
+            full.len(),
+            only.len(),
+            "{tag}: one entry per adapter matrix"
+        );
+        assert!(!full.is_empty(), "{tag}: the layer has adapters");
+        for ((id_a, a), (id_b, b)) in full.iter().zip(&only) {
+            assert_eq!(id_a, id_b, "{tag}: same order");
+            let (a, b): (Vec<f32>, Vec<f32>) = (
+                a.flatten_all().unwrap().to_vec1().unwrap(),
+                b.flatten_all().unwrap().to_vec1().unwrap(),
+            );
+            assert_eq!(a, b, "{tag}: same gradient");
+            assert!(
+                a.iter().any(|v| *v != 0.0),
+                "{tag}: a gradient that is not zero"
+            );
+        }
+    }
+}
+
 /// The reference of the hand-written pair: autograd through `Layer::forward` from x as a leaf,
 /// L = Σ y ⊙ g in f32 → (the leaf, y, the gradients).
 fn autograd_reference(
