@@ -352,11 +352,12 @@ __device__ __forceinline__ void flash_dq90(const FlashP& p) {
 // flash_dq90 (whose three products a key tile become one here). dSᵀ of both warpgroups goes to
 // a shared tile [128 keys × 64 queries] (one swizzled 128-byte row a key); dK's product reads it
 // K-major, and dQ[64 queries × 128] += dS·K reads it MN-major (transposed) against K's tile,
-// each warpgroup one 64-column half of dQ. That product is waited for within the pair (its 32
-// accumulators a thread fit only while S and dP are dead), staged in shared memory and added
-// into p.dqacc (f32) by the copy engine (cp.reduce.async.bulk: thread-issued reductions of
-// these 550 MB a layer held the warps); flash_dq_rows90 scales, rotates and rounds the sums
-// after the kernel.
+// each warpgroup one 64-column half of dQ. That product is issued before dK's and waited for
+// within the pair while dK's runs on (its 32 accumulators a thread fit only while S and dP are
+// dead; read under the next pair's S and dP, ptxas serializes every wgmma), staged in shared
+// memory and added into p.dqacc (f32) by the copy engine (cp.reduce.async.bulk: thread-issued
+// reductions of these 550 MB a layer held the warps); flash_dq_rows90 scales, rotates and
+// rounds the sums after the kernel.
 template<bool DQ>
 __device__ __forceinline__ void flash_dkdv90(const FlashP& p) {
     constexpr int D = 128, BK = 128, BQ = 64, DN = D / 8, KT = BK * D * 2, QT = BQ * D * 2;
@@ -476,13 +477,9 @@ __device__ __forceinline__ void flash_dkdv90(const FlashP& p) {
             if ((tid & 127) == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
             __syncthreads();  // both warpgroups' rows: dQ's product reads all 128 keys
             wg_fence();
-            const unsigned tDS = sDS + wg * 64 * 128;  // this warpgroup's keys, K-major for dK
-#pragma unroll
-            for (int j = 0; j < BQ / 16; ++j)
-                wg_ss128<1>(dk, wg_kdesc(tDS, 64, j), wg_ndesc(tQ, BQ, j), 1);
-            wg_commit();
             // dQ[:, 64·wg …] = dS · K[:, 64·wg …]: dS MN-major (transposed) from the tile, K's
-            // column half wg MN-major.
+            // column half wg MN-major. First, so that dK's product runs on while dQ's terms
+            // go out.
             float dq[8][4];
             const unsigned tK = sK + wg * BK * 128;
             wg_ss64z<1, 1>(dq, wg_ndesc(sDS, BK, 0), wg_ndesc(tK, BK, 0));
@@ -490,7 +487,12 @@ __device__ __forceinline__ void flash_dkdv90(const FlashP& p) {
             for (int j = 1; j < BK / 16; ++j)
                 wg_ss64<1, 1>(dq, wg_ndesc(sDS, BK, j), wg_ndesc(tK, BK, j), 1);
             wg_commit();
-            wg_wait<0>();
+            const unsigned tDS = sDS + wg * 64 * 128;  // this warpgroup's keys, K-major for dK
+#pragma unroll
+            for (int j = 0; j < BQ / 16; ++j)
+                wg_ss128<1>(dk, wg_kdesc(tDS, 64, j), wg_ndesc(tQ, BQ, j), 1);
+            wg_commit();
+            wg_wait<1>();
             wg_hold<8>(dq);
             // Staged in fragment order, [warp][n][r][g][c] float2s (a warp's stores of one
             // (n, r) are 256 contiguous bytes: no bank conflicts), which is also the order of
