@@ -273,6 +273,19 @@ impl Linear {
         ctx: &'a Ctx,
         dt: DType,
     ) -> Result<(Tensor, Vec<ops::lora_linear::Adapter<'a>>)> {
+        let (a, ads) = Self::shared_adapters(lins, idx, ctx)?;
+        Ok((ctx.a_stack(&a, dt)?, ads))
+    }
+
+    /// The shared adapters `idx` of `lins`: their A's (as `Var`s) and each one's operands.
+    fn shared_adapters<'a>(
+        lins: &[&'a Linear],
+        idx: &[usize],
+        ctx: &'a Ctx,
+    ) -> Result<(
+        Vec<&'a candle_core::Var>,
+        Vec<ops::lora_linear::Adapter<'a>>,
+    )> {
         let mut a = Vec::with_capacity(idx.len());
         let mut ads = Vec::with_capacity(idx.len());
         for &i in idx {
@@ -289,7 +302,7 @@ impl Linear {
                 scale: lora.scale,
             });
         }
-        Ok((ctx.a_stack(&a, dt)?, ads))
+        Ok((a, ads))
     }
 
     /// `fwd` of linears that share their input x [m, in]: (y, adapter state) each, in order.
@@ -373,7 +386,8 @@ impl Linear {
         let mut g: Vec<Option<Tensor>> = g.into_iter().map(Some).collect();
         let mut grads: Vec<AdapterGrad> = vec![None; lins.len()];
         if !idx.is_empty() {
-            let (_, ads) = Self::shared_ops(lins, &idx, ctx, x.dtype())?;
+            // No stacked A's: without dL/dx nothing multiplies by them.
+            let (_, ads) = Self::shared_adapters(lins, &idx, ctx)?;
             let (gs, xs) = Self::take_shared(lins, &idx, &mut g, xas)?;
             let gr = ops::lora_linear::lora_grads_shared(x, gs, &ads, &xs)?;
             for (&i, gr) in idx.iter().zip(gr) {
