@@ -140,6 +140,18 @@ dir = "{out}"
     )
 }
 
+/// Standard normal entries of shape `dims`, drawn on the CPU (so the same values whatever
+/// `dev`), rounded to bf16 and put on `dev`.
+#[cfg(feature = "cuda")]
+pub fn randn_bf16(dims: &[usize], dev: &Device) -> Tensor {
+    Tensor::randn(0f32, 1.0, dims, &Device::Cpu)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap()
+        .to_device(dev)
+        .unwrap()
+}
+
 /// Whether this machine has at least `n` CUDA GPUs; if not, says so for `test` (a test that
 /// needs them then passes without running: the GPU check runs it where they are).
 #[cfg(feature = "cuda")]

@@ -133,10 +133,7 @@ fn first_layer_backward_without_input_grad_keeps_every_gradient() {
         assert!(!full.is_empty(), "{tag}: the layer has adapters");
         for ((id_a, a), (id_b, b)) in full.iter().zip(&only) {
             assert_eq!(id_a, id_b, "{tag}: same order");
-            let (a, b): (Vec<f32>, Vec<f32>) = (
-                a.flatten_all().unwrap().to_vec1().unwrap(),
-                b.flatten_all().unwrap().to_vec1().unwrap(),
-            );
+            let (a, b) = (host_f32(a), host_f32(b));
             assert_eq!(a, b, "{tag}: same gradient");
             assert!(
                 a.iter().any(|v| *v != 0.0),

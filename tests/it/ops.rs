@@ -2,7 +2,7 @@
 //! forward values and the gradient of a random projection of the output. On the CPU here, and
 //! on CUDA too in a `--features cuda` build (the same checks, f32 and bf16).
 
-use crate::common::assert_close;
+use crate::common::{assert_close, host_f32};
 use candle_core::{DType, Device, Tensor, Var, D};
 use lora_train::ops::{self, AttnMask};
 
@@ -120,16 +120,6 @@ fn swiglu_matches_composite_in_gate_and_up() {
     }
 }
 
-/// A tensor's values in f32, flat, on the host.
-fn host(t: &Tensor) -> Vec<f32> {
-    t.to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap()
-}
-
 /// The residual add fused with the norm after it gives exactly the two ops' values, on the
 /// 8-a-thread bf16 path (48) and off it (44: the two ops).
 #[test]
@@ -150,8 +140,8 @@ fn add_rms_norm_is_add_then_rms_norm_to_the_bit() {
             let y = ops::rms_norm(&h, &w, 1e-5).unwrap();
             let (h2, y2) = ops::add_rms_norm(&x, &a, &w, 1e-5).unwrap();
             let tag = format!("{dt:?} d={d} {:?}", dev.location());
-            assert_eq!(host(&h2), host(&h), "h {tag}");
-            assert_eq!(host(&y2), host(&y), "y {tag}");
+            assert_eq!(host_f32(&h2), host_f32(&h), "h {tag}");
+            assert_eq!(host_f32(&y2), host_f32(&y), "y {tag}");
         }
     }
 }
@@ -176,8 +166,8 @@ fn swiglu_bwd_keep_is_swiglu_bwd_and_swiglu_to_the_bit() {
             let (dg2, du2, a2) = ops::swiglu_bwd_keep(&g, &u, da.copy().unwrap()).unwrap();
             for (what, want, got) in [("dg", &dg, &dg2), ("du", &du, &du2), ("a", &a, &a2)] {
                 assert_eq!(
-                    host(got),
-                    host(want),
+                    host_f32(got),
+                    host_f32(want),
                     "{what} {dt:?} i={i} {:?}",
                     dev.location()
                 );
@@ -495,14 +485,7 @@ fn flash_attention_matches_blockwise_on_the_gpu() {
     use lora_train::ops::attention::{attention_bwd, attention_delta, attention_fwd};
     use lora_train::ops::flash;
     let dev = Device::new_cuda(0).unwrap();
-    let rand = |dims: &[usize]| {
-        Tensor::randn(0f32, 1.0, dims, &Device::Cpu)
-            .unwrap()
-            .to_device(&dev)
-            .unwrap()
-            .to_dtype(DType::BF16)
-            .unwrap()
-    };
+    let rand = |dims: &[usize]| crate::common::randn_bf16(dims, &dev);
     let f32 = |x: &Tensor| x.to_dtype(DType::F32).unwrap();
     for (b, h, kh, t, d, use_seg, window) in [
         (2, 4, 2, 200, 128, false, 0),
@@ -805,12 +788,7 @@ fn tuned_gemms_give_gemmex_bits_on_the_gpu() {
     use lora_train::ops::gemm_tune::set_tuning;
     use lora_train::ops::linear_acc::{linear_acc, linear_bwd_acc, matmul_scaled};
     let dev = Device::new_cuda(0).unwrap();
-    let rand = |dims: &[usize]| {
-        Tensor::randn(0f32, 1.0, dims, &Device::Cpu)
-            .unwrap()
-            .to_dtype(DType::BF16)
-            .unwrap()
-    };
+    let rand = |dims: &[usize]| crate::common::randn_bf16(dims, &Device::Cpu);
     let (m, c, i) = (1024, 4096, 11008);
     let (x, w, acc) = (rand(&[m, c]), rand(&[i, c]), rand(&[m, i]));
     let g = rand(&[m, i]);
@@ -823,15 +801,7 @@ fn tuned_gemms_give_gemmex_bits_on_the_gpu() {
         let dx = linear_bwd_acc(&gpu(&g), &gpu(&w), gpu(&acc_b)).unwrap();
         // an adapter's term back to full width: xas Bᵀ, k = r, xas a column slice
         let lora = matmul_scaled(&gpu(&xas), &gpu(&b), true, 0.5).unwrap();
-        let bits = |t: Tensor| {
-            t.to_dtype(DType::F32)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap()
-        };
-        (bits(y), bits(dx), bits(lora))
+        (host_f32(&y), host_f32(&dx), host_f32(&lora))
     };
     let plain = run(false);
     let first = run(true); // times the candidates
