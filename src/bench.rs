@@ -29,6 +29,8 @@ pub struct BenchArgs {
     pub alpha: Option<f64>,
     pub targets: String,
     pub ckpt: bool,
+    /// train.offload_activations (None: on CUDA, off elsewhere).
+    pub offload: Option<bool>,
     pub steps: usize,
     pub warmup: usize,
     pub device: Device,
@@ -201,6 +203,7 @@ fn run_rank(a: &BenchArgs, device: Device, comm: &dyn Comm) -> Result<serde_json
         cuda: !a.device.is_cpu(),
         flash_attention: crate::ops::flash::takes_for(&a.device, act, head_dim),
         ce_kernel: crate::ops::cross_entropy::kernel_takes_for(a.device.is_cuda(), act),
+        offload: driver::Keep::new(false, a.offload, &a.device) == driver::Keep::Offload,
     };
     let p = plan::plan(&input, 1, a.max_memory);
     let sel = (a.strategy, a.ckpt);
@@ -308,6 +311,7 @@ fn measure(
     let mut loss = 0.0;
     let mut losses = Vec::new();
     // Only the phase is tracked here (no synchronisation): the timed steps stay untouched.
+    let keep = driver::Keep::new(a.ckpt, a.offload, &a.device);
     let step = |opt: &mut optim::AdamW, meter: &mut memory::PhaseMeter| -> Result<f64> {
         let mut grads = optim::Grads::new();
         meter.done = None;
@@ -319,7 +323,7 @@ fn measure(
                 &p,
                 batch,
                 n,
-                a.ckpt,
+                keep,
                 None,
                 &mut grads,
                 None,
@@ -364,7 +368,7 @@ fn measure(
         &par(true),
         &batches[0],
         n,
-        a.ckpt,
+        keep,
         None,
         &mut grads,
         None,
@@ -425,7 +429,7 @@ fn measure(
         "resident_base_gib": r2(crate::dist::fsdp::resident_base_bytes(&model, shards.as_ref()) as f64 / GIB),
         "device": format!("{:?}", a.device.location()),
         "shape": a.shape, "seq": t, "micro_batch": b, "lora_rank": a.rank,
-        "targets": a.targets, "ckpt": a.ckpt, "attn": attn,
+        "targets": a.targets, "ckpt": a.ckpt, "offload": keep == driver::Keep::Offload, "attn": attn,
         "trainable_params": trainable, "base_linear_params": n_linear,
         "load_s": r2(load_s), "after_load_gib": after_load.map(r2),
         "peak_alloc_gib": peak.map(|_| r2(peak_alloc)),

@@ -110,6 +110,10 @@ struct BenchCli {
     /// Activation checkpointing.
     #[arg(long)]
     ckpt: bool,
+    /// Park each layer's residual in host memory until its backward (true) or recompute it
+    /// there (false), as the recipe's train.offload_activations (default: true on CUDA).
+    #[arg(long)]
+    offload: Option<bool>,
     #[arg(long, default_value_t = 10)]
     steps: usize,
     #[arg(long, default_value_t = 3)]
@@ -266,6 +270,7 @@ fn bench(b: BenchCli) -> anyhow::Result<()> {
         alpha: b.alpha,
         targets: b.targets,
         ckpt: b.ckpt,
+        offload: b.offload,
         steps: b.steps,
         warmup: b.warmup,
         device,
@@ -321,6 +326,7 @@ fn plan(a: PlanCli) -> anyhow::Result<()> {
                     true,
                     candle_core::DType::BF16,
                 ),
+                offload: true,
             };
             (input, 1, (Strategy::Single, a.ckpt), None, vec![0])
         }

@@ -101,7 +101,7 @@ pub fn run(recipe: &Recipe, max_micro_batch: usize) -> Result<ProbeReport> {
     memory::set_cpu_budget(max_memory.filter(|_| dev.is_cpu()), fixed);
     let t = &recipe.train;
     let mut opt = optim::AdamW::new(params, t.betas, t.eps, t.weight_decay)?;
-    let ckpt = t.activation_checkpointing;
+    let keep = driver::Keep::new(t.activation_checkpointing, t.offload_activations, &dev);
     let mut rep = ProbeReport {
         rungs: Vec::new(),
         oom: None,
@@ -120,7 +120,7 @@ pub fn run(recipe: &Recipe, max_micro_batch: usize) -> Result<ProbeReport> {
                 &model,
                 &batch,
                 n,
-                ckpt,
+                keep,
                 None,
                 &mut grads,
                 None,

@@ -413,6 +413,13 @@ pub struct TrainSection {
     /// Default: false.
     #[serde(default)]
     pub activation_checkpointing: bool,
+    /// Without checkpointing: park each layer's residual (after attention, [tokens, hidden])
+    /// in pinned host memory between its forward and backward, copied beside the compute,
+    /// instead of recomputing it in backward with o_proj's GEMM (false) — 2 × tokens × hidden
+    /// bytes per layer of host memory (1 GiB at 7B, micro-batch 2 × 2048), none of the GPU's.
+    /// Default: on with CUDA, off elsewhere.
+    #[serde(default)]
+    pub offload_activations: Option<bool>,
     /// Write a progress line / metrics row every this many steps. Default: 1.
     #[serde(default = "d_one")]
     pub log_every: usize,
@@ -508,6 +515,7 @@ impl Default for TrainSection {
             max_grad_norm: d_clip(),
             seed: d_seed(),
             activation_checkpointing: false,
+            offload_activations: None,
             log_every: 1,
             eval_every: 0,
             resume: Resume::default(),

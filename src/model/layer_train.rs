@@ -3,14 +3,16 @@
 //! Autograd keeps every intermediate of a layer alive until its backward (0.88 GiB per layer at
 //! the Llama-2-7B shape, micro-batch 2 × 2048 tokens) and sums gradients with extra passes.
 //! Here forward keeps what backward cannot cheaply recompute, and backward recomputes the rest
-//! with elementwise passes, and o_proj's GEMM:
+//! with elementwise passes:
 //!
 //!   kept: x, q, k, v (after RoPE), attn (o_proj's input), lse, gate, up, and each adapter's
 //!         s·(m⊙x)Aᵀ [m, r]
-//!   recomputed: rms_norm(x), swiglu(gate, up), dropout masks (keyed), and the residual
-//!         h = x + o_proj(attn) from o_proj's kept adapter state: one GEMM of the layer's
-//!         seven (~2.5% of a step at 7B), which saves a [B, T, C] tensor per layer (1 GiB over
-//!         32 layers at micro-batch 2 × 2048; the 7B bench's peak would be 0.51× PEFT's)
+//!   recomputed: rms_norm(x), swiglu(gate, up), dropout masks (keyed)
+//!   the residual h = x + o_proj(attn) [m, C]: `LayerActs::h`. The driver takes it out and
+//!         either parks it in host memory until the layer's backward (train/offload.rs: 1 GiB
+//!         of device memory over 32 layers at micro-batch 2 × 2048 at 7B, 0.51× PEFT's peak
+//!         with it) or drops it; without it backward recomputes it from o_proj's kept adapter
+//!         state, one GEMM of the layer's seven (~2.7% of a 7B step on an H200)
 //!
 //! That is 5 + 2·I/C tensors of [B, T, C] (k, v smaller under GQA): 0.33 GiB per layer at 7B.
 //! `Layer::forward` (autograd) stays the reference; tests pin this pair to it.
@@ -23,14 +25,15 @@ use candle_core::{DType, Result, Tensor, TensorId};
 
 /// What a layer's forward leaves for its backward.
 pub struct LayerActs {
-    x: Tensor,    // [m, C] the layer input
-    q: Tensor,    // [B, H, T, D] after RoPE
-    k: Tensor,    // [B, K, T, D] after RoPE
-    v: Tensor,    // [m, K·D] token-major rows, as v_proj made it
-    attn: Tensor, // [m, H·D] attention output, o_proj's input
-    lse: Tensor,  // [B, H, T] f32
-    gate: Tensor, // [m, I] before the activation
-    up: Tensor,   // [m, I]
+    x: Tensor,         // [m, C] the layer input
+    q: Tensor,         // [B, H, T, D] after RoPE
+    k: Tensor,         // [B, K, T, D] after RoPE
+    v: Tensor,         // [m, K·D] token-major rows, as v_proj made it
+    attn: Tensor,      // [m, H·D] attention output, o_proj's input
+    lse: Tensor,       // [B, H, T] f32
+    gate: Tensor,      // [m, I] before the activation
+    up: Tensor,        // [m, I]
+    h: Option<Tensor>, // [m, C] the residual x + o_proj(attn); recomputed when None
     /// Per linear, in `Layer::linears` order: the adapter's s·(m⊙x)Aᵀ [m, r].
     xas: [Option<Tensor>; 7],
 }
@@ -43,8 +46,20 @@ impl LayerActs {
         ];
         t.into_iter()
             .chain(self.xas.iter().flatten())
+            .chain(&self.h)
             .map(|t| crate::memory::tensor_bytes(t) as usize)
             .sum()
+    }
+
+    /// The residual h [m, C] out of the activations (backward then recomputes it, or it is
+    /// put back with `put_h`).
+    pub fn take_h(&mut self) -> Option<Tensor> {
+        self.h.take()
+    }
+
+    /// Puts back what `take_h` took (the same values).
+    pub fn put_h(&mut self, h: Tensor) {
+        self.h = Some(h);
     }
 }
 
@@ -139,7 +154,7 @@ impl Layer {
             (None, self.down.adapter_fwd(&a, ctx)?)
         };
         drop(a);
-        let acts = keep.then(|| LayerActs {
+        let acts = keep.then_some(LayerActs {
             x,
             q,
             k: kk,
@@ -148,6 +163,7 @@ impl Layer {
             lse,
             gate,
             up,
+            h: Some(hres),
             xas: [xq, xk, xv, xo, xg, xu, xd],
         });
         Ok((y, acts))
@@ -193,6 +209,7 @@ impl Layer {
             lse,
             gate,
             up,
+            h: residual,
             xas,
         } = acts;
         let [xq, xk, xv, xo, xg, xu, xd] = xas;
@@ -214,10 +231,18 @@ impl Layer {
         drop((gate, up));
         keep(&self.down, self.down.bwd_grads(&a, &dy, half, xd.as_ref())?);
         drop(a);
-        // [m, C] each, recomputed as forward made them, from o's kept adapter state
-        let ao = self.o.fwd_again(&attn, xo.as_ref(), ctx)?;
-        let (hres, hn) = ops::add_rms_norm(&x, &ao, &self.post_norm, self.eps)?;
-        drop(ao);
+        // [m, C] each: the residual as forward made it, kept or recomputed from o's kept
+        // adapter state, and its norm (add_rms_norm's values are those of add, then rms_norm)
+        let (hres, hn) = match residual {
+            Some(h) => {
+                let hn = ops::rms_norm(&h, &self.post_norm, self.eps)?;
+                (h, hn)
+            }
+            None => {
+                let ao = self.o.fwd_again(&attn, xo.as_ref(), ctx)?;
+                ops::add_rms_norm(&x, &ao, &self.post_norm, self.eps)?
+            }
+        };
         // gate's and up's GEMMs accumulate onto one dL/dhn: the sum needs no pass of its own
         let (dhn, g) = Linear::bwd_shared(
             &[&self.gate, &self.up],

@@ -33,12 +33,13 @@ const FORMAT: &str = "lora-train checkpoint 1";
 const LOSS_TAIL: usize = 100;
 
 /// Recipe keys that do not change the numbers of a run: they may differ on resume.
-const FREE_KEYS: [&str; 12] = [
+const FREE_KEYS: [&str; 13] = [
     "train.resume",
     "train.max_memory",
     "train.log_every",
     "train.skip_nonfinite",
     "train.activation_checkpointing",
+    "train.offload_activations",
     "output.dir",
     "output.save_every",
     "output.keep_last",

@@ -8,7 +8,9 @@
 //! the head's).
 //!
 //! With activation checkpointing, forward keeps only each layer's input [B, T, C]; backward
-//! recomputes the layer from it (dropout masks are keyed, so identical).
+//! recomputes the layer from it (dropout masks are keyed, so identical). Without it, each
+//! layer's residual h is parked in host memory until its backward (`Keep::Offload`, the
+//! default on CUDA: train/offload.rs) or dropped and recomputed there (`Keep::Acts`).
 //!
 //! Several ranks (`Par`): under FSDP each layer's frozen base is all-gathered just before its
 //! forward and again before its backward (and recompute), and dropped after use; the next
@@ -21,14 +23,41 @@
 //! are summed over the ranks in one bucket as soon as that layer's backward is done (DDP and
 //! FSDP alike). With world 1 every collective is the identity.
 
+use super::offload::Offload;
 use super::optim::Grads;
 use crate::data::Batch;
 use crate::dist::fsdp::Shards;
 use crate::dist::{Comm, Solo};
 use crate::memory;
 use crate::model::{Ctx, Layer, LayerActs, LayerGrads, Model};
-use candle_core::{DType, Result, Tensor, Var};
+use candle_core::{DType, Device, Result, Tensor, Var};
 use std::borrow::Cow;
+
+/// What forward keeps of each layer for its backward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Keep {
+    /// The layer's input only: backward recomputes the layer (activation checkpointing).
+    Input,
+    /// The activations; the residual h = x + o_proj(attn) is recomputed in backward (o_proj's
+    /// GEMM again).
+    Acts,
+    /// The activations, the residual h parked in host memory (train/offload.rs).
+    Offload,
+}
+
+impl Keep {
+    /// From the recipe's `train.activation_checkpointing` and `train.offload_activations`
+    /// (None: parked on CUDA, recomputed elsewhere).
+    pub fn new(checkpointing: bool, offload: Option<bool>, dev: &Device) -> Keep {
+        match (checkpointing, offload) {
+            (true, _) => Keep::Input,
+            (false, Some(true)) => Keep::Offload,
+            (false, Some(false)) => Keep::Acts,
+            (false, None) if dev.is_cuda() => Keep::Offload,
+            (false, None) => Keep::Acts,
+        }
+    }
+}
 
 /// How one micro-batch is spread over the ranks.
 pub struct Par<'a> {
@@ -107,20 +136,13 @@ pub fn forward_backward(
     model: &Model,
     batch: &Batch,
     denom: f64,
-    checkpointing: bool,
+    keep: Keep,
     dropout: Option<(u64, [u64; 2])>,
     grads: &mut Grads,
 ) -> Result<f64> {
-    forward_backward_probed(
-        model,
-        batch,
-        denom,
-        checkpointing,
-        dropout,
-        grads,
-        None,
-        &mut |_| Ok(()),
-    )
+    forward_backward_probed(model, batch, denom, keep, dropout, grads, None, &mut |_| {
+        Ok(())
+    })
 }
 
 /// `forward_backward`, calling `probe(phase)` as each phase ends ("forward", "head",
@@ -131,7 +153,7 @@ pub fn forward_backward_probed(
     model: &Model,
     batch: &Batch,
     denom: f64,
-    checkpointing: bool,
+    keep: Keep,
     dropout: Option<(u64, [u64; 2])>,
     grads: &mut Grads,
     head_chunk: Option<usize>,
@@ -142,7 +164,7 @@ pub fn forward_backward_probed(
         &Par::single(),
         batch,
         denom,
-        checkpointing,
+        keep,
         dropout,
         grads,
         head_chunk,
@@ -159,7 +181,7 @@ pub fn forward_backward_par(
     par: &Par,
     batch: &Batch,
     denom: f64,
-    checkpointing: bool,
+    keep: Keep,
     dropout: Option<(u64, [u64; 2])>,
     grads: &mut Grads,
     head_chunk: Option<usize>,
@@ -178,6 +200,10 @@ pub fn forward_backward_par(
     }; // [B, T, C], no graph
     let mut saved = Vec::with_capacity(n_layers);
     let mut held = 0u64; // bytes of the saved tensors, for memory::account_cpu
+    let mut offload = match keep {
+        Keep::Offload => Some(Offload::new(dev, n_layers)?),
+        _ => None,
+    };
     let mut next = (n_layers > 0).then(|| par.layer(model, 0)).transpose()?;
     let mut head = None; // FSDP: the embedding / norm / head, gathered ahead
     for l in 0..n_layers {
@@ -192,9 +218,16 @@ pub fn forward_backward_par(
             // the head's weights come in under the last layer (in the next layer's room)
             head = par.io_ahead(model)?;
         }
-        let (y, acts) = layer.forward_train(&x, &ctx, !checkpointing)?;
+        let (y, acts) = layer.forward_train(&x, &ctx, keep != Keep::Input)?;
         saved.push(match acts {
-            Some(acts) => {
+            Some(mut acts) => {
+                // The residual h: parked (but the last layer's, whose backward comes first),
+                // or dropped and recomputed in backward.
+                match (acts.take_h(), &mut offload) {
+                    (Some(h), Some(off)) if l + 1 < n_layers => off.put(l, h)?,
+                    (Some(h), Some(_)) => acts.put_h(h),
+                    _ => {}
+                }
                 held += acts.bytes() as u64;
                 Saved::Acts(acts)
             }
@@ -273,7 +306,18 @@ pub fn forward_backward_par(
             next = Some(par.layer_ahead(model, l - 1)?);
         }
         let acts = match saved.pop() {
-            Some(Saved::Acts(acts)) => acts,
+            Some(Saved::Acts(mut acts)) => {
+                if let Some(off) = &mut offload {
+                    if l + 1 < n_layers {
+                        acts.put_h(off.take(l)?);
+                    }
+                    // the layer below's h comes back while this layer runs backward
+                    if l > 0 {
+                        off.fetch(l - 1)?;
+                    }
+                }
+                acts
+            }
             Some(Saved::Input(x)) => {
                 let acts = layer.recompute(&x, &ctx)?;
                 memory::account_cpu(dev, held + acts.bytes() as u64, "backward")?;

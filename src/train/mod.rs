@@ -6,6 +6,7 @@
 pub mod checkpoint;
 pub mod driver;
 pub mod eval;
+pub mod offload;
 pub mod optim;
 pub mod schedule;
 pub mod stop;
@@ -556,7 +557,7 @@ impl Session {
                         &self.par(last),
                         b,
                         denom.max(1) as f64,
-                        t.activation_checkpointing,
+                        driver::Keep::new(t.activation_checkpointing, t.offload_activations, &dev),
                         key,
                         &mut grads,
                         None,

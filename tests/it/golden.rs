@@ -4,7 +4,8 @@
 
 use crate::common::*;
 use lora_train::export::peft_key;
-use lora_train::train::{driver, optim::Grads, Session};
+use lora_train::train::driver::{self, Keep};
+use lora_train::train::{optim::Grads, Session};
 
 const RTOL: f64 = 1e-4;
 /// Absolute slack for entries near zero, as a fraction of the tensor's largest entry.
@@ -71,7 +72,9 @@ pub fn check_case_on(case: &str, sets: &[&str], tol: Tol) {
 
     let mut grads = Grads::new();
     let n = batch.n_targets() as f64;
-    let ce = driver::forward_backward(&s.model, &batch, n, false, None, &mut grads).unwrap();
+    // the default: on CUDA each layer's residual goes through host memory
+    let keep = Keep::new(false, None, &s.model.device);
+    let ce = driver::forward_backward(&s.model, &batch, n, keep, None, &mut grads).unwrap();
     let loss = want["loss"].to_vec1::<f32>().unwrap()[0] as f64;
     assert!(
         ((ce / n) - loss).abs() <= tol.scalar() * loss.abs(),

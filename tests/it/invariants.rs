@@ -5,7 +5,8 @@
 use crate::common::*;
 use candle_core::{Tensor, Var};
 use lora_train::data::{Batch, Example};
-use lora_train::train::{driver, optim::Grads, Session};
+use lora_train::train::driver::{self, Keep};
+use lora_train::train::{optim::Grads, Session};
 
 fn session(case: &str, sets: &[&str]) -> (tempfile::TempDir, Session) {
     let tmp = tempfile::tempdir().unwrap();
@@ -240,12 +241,14 @@ fn two_micro_batches_of_two_equal_one_batch_of_four() {
     let total = n.iter().sum::<usize>() as f64;
     let big = s.batch(&[vec![0], vec![1], vec![2], vec![3]]);
     let mut g_big = Grads::new();
-    let ce_big = driver::forward_backward(&s.model, &big, total, false, None, &mut g_big).unwrap();
+    let ce_big =
+        driver::forward_backward(&s.model, &big, total, Keep::Acts, None, &mut g_big).unwrap();
     let mut g_acc = Grads::new();
     let mut ce_acc = 0.0;
     for rows in [[0, 1], [2, 3]] {
         let b = s.batch(&[vec![rows[0]], vec![rows[1]]]);
-        ce_acc += driver::forward_backward(&s.model, &b, total, false, None, &mut g_acc).unwrap();
+        ce_acc +=
+            driver::forward_backward(&s.model, &b, total, Keep::Acts, None, &mut g_acc).unwrap();
     }
     assert!(
         (ce_big - ce_acc).abs() <= 1e-5 * ce_big,
@@ -297,14 +300,17 @@ fn two_micro_batches_of_two_equal_one_batch_of_four() {
 fn grads_of(
     s: &Session,
     batch: &Batch,
-    ckpt: bool,
+    keep: Keep,
     dropout: Option<(u64, [u64; 2])>,
 ) -> (f64, Grads) {
     let mut g = Grads::new();
-    let ce = driver::forward_backward(&s.model, batch, 10.0, ckpt, dropout, &mut g).unwrap();
+    let ce = driver::forward_backward(&s.model, batch, 10.0, keep, dropout, &mut g).unwrap();
     (ce, g)
 }
 
+/// Whatever forward keeps (everything, the residuals parked off the device, or the layer
+/// inputs alone), backward gives the same gradients: with the residual h recomputed by
+/// o_proj's GEMM or brought back, to the bit.
 #[test]
 fn activation_checkpointing_gives_identical_gradients_even_with_dropout() {
     let (_t, s) = session("llama_gqa", &["lora.dropout=0.3"]);
@@ -314,12 +320,20 @@ fn activation_checkpointing_gives_identical_gradients_even_with_dropout() {
     );
     let batch = s.batch(&[vec![0], vec![1]]);
     let key = Some((7, [3, 1]));
-    let (ce_a, a) = grads_of(&s, &batch, false, key);
-    let (ce_b, b) = grads_of(&s, &batch, true, key);
+    let (ce_a, a) = grads_of(&s, &batch, Keep::Acts, key);
+    let (ce_b, b) = grads_of(&s, &batch, Keep::Input, key);
+    let (ce_o, o) = grads_of(&s, &batch, Keep::Offload, key);
     assert_eq!(ce_a, ce_b);
-    let (_, c) = grads_of(&s, &batch, false, Some((7, [4, 1])));
+    assert_eq!(ce_a, ce_o);
+    let (_, c) = grads_of(&s, &batch, Keep::Acts, Some((7, [4, 1])));
     let mut differs = false;
+    assert_eq!(a.len(), o.len());
     for (id, ga) in &a {
+        assert_eq!(
+            host_f32(&o[id]),
+            host_f32(ga),
+            "a gradient with the residuals parked"
+        );
         assert_close("checkpointed grad", &b[id], ga, 1e-6, 1e-7);
         let d = max_abs_diff(ga, &c[id]);
         differs |= d > 1e-6;
@@ -338,8 +352,8 @@ fn packed_loss_and_gradients_equal_unpacked() {
     );
     let packed = Batch::from_rows(&[vec![ex[0], ex[1]], vec![ex[2], ex[3]]], 0, true);
     assert_eq!(unpacked.n_targets(), packed.n_targets());
-    let (ce_u, gu) = grads_of(&s, &unpacked, false, None);
-    let (ce_p, gp) = grads_of(&s, &packed, false, None);
+    let (ce_u, gu) = grads_of(&s, &unpacked, Keep::Acts, None);
+    let (ce_p, gp) = grads_of(&s, &packed, Keep::Acts, None);
     assert!(
         (ce_u - ce_p).abs() <= 1e-5 * ce_u.abs(),
         "packed {ce_p} vs unpacked {ce_u}"
@@ -352,7 +366,7 @@ fn packed_loss_and_gradients_equal_unpacked() {
         segments: None,
         ..packed.clone()
     };
-    let (ce_l, _) = grads_of(&s, &leaky, false, None);
+    let (ce_l, _) = grads_of(&s, &leaky, Keep::Acts, None);
     assert!(
         (ce_u - ce_l).abs() > 1e-4 * ce_u.abs(),
         "cross-example attention must change the loss"
@@ -415,7 +429,7 @@ fn eval_loss_is_the_mean_token_ce_of_a_plain_forward_packed_or_not() {
     let rows: Vec<Vec<&Example>> = ev.examples.iter().map(|e| vec![e]).collect();
     let b = Batch::from_rows(&rows, 0, false);
     let ce = lora_train::train::eval::ce_sum(&s.model, &b).unwrap();
-    let (ce_train, _) = grads_of(&s, &b, false, None);
+    let (ce_train, _) = grads_of(&s, &b, Keep::Acts, None);
     assert!((ce - ce_train).abs() <= 1e-6 * ce, "{ce} vs {ce_train}");
     let (_t, p) = session(
         "llama_gqa",
@@ -443,14 +457,14 @@ fn gradients_and_optimiser_state_hold_no_graph() {
         .flat_map(|(_, l)| [l.a.clone(), l.b.clone()])
         .collect();
     let mut opt = lora_train::train::optim::AdamW::new(params, [0.9, 0.99], 1e-8, 0.1).unwrap();
-    for ckpt in [false, true] {
+    for keep in [Keep::Acts, Keep::Input] {
         let mut g = Grads::new();
-        driver::forward_backward(&s.model, &batch, 10.0, ckpt, Some((1, [0, 0])), &mut g).unwrap();
+        driver::forward_backward(&s.model, &batch, 10.0, keep, Some((1, [0, 0])), &mut g).unwrap();
         assert!(!g.is_empty());
         for t in g.values() {
             assert!(
                 !t.track_op(),
-                "a gradient still carries its graph (checkpointing {ckpt})"
+                "a gradient still carries its graph ({keep:?})"
             );
         }
         opt.step(&g, 1e-3, 1.0).unwrap();
@@ -471,7 +485,7 @@ fn the_head_in_chunks_gives_the_same_loss_and_gradients() {
             &s.model,
             &batch,
             10.0,
-            false,
+            Keep::Acts,
             None,
             &mut g,
             chunk,
@@ -497,6 +511,35 @@ fn the_head_in_chunks_gives_the_same_loss_and_gradients() {
 /// output, dL/dx and every adapter gradient, at a bf16 tolerance. The golden fixtures have head
 /// dim 16, which the kernels do not take, so this is the kernels' end-to-end check in a layer:
 /// v and dO read in place from token-major rows, dv written back as rows.
+/// On the GPU the residuals go out to pinned host memory on a stream of their own and come
+/// back a layer ahead: the gradients and loss are those of recomputing them, to the bit, on a
+/// first micro-batch and on later ones that reuse the host buffers (a longer one grows them).
+#[cfg(feature = "cuda")]
+#[test]
+fn offloaded_residuals_give_the_recomputed_gradients_on_the_gpu() {
+    let (_t, s) = session(
+        "llama_gqa",
+        &["model.device=cuda", "model.dtype=bf16", "lora.dropout=0.1"],
+    );
+    assert!(s.model.device.is_cuda());
+    let short = s.batch(&[vec![0], vec![1]]);
+    let long = s.batch(&[vec![2], vec![3], vec![4]]);
+    for (k, batch) in [&short, &short, &long, &short].into_iter().enumerate() {
+        let key = Some((3, [k as u64, 0]));
+        let (ce_a, a) = grads_of(&s, batch, Keep::Acts, key);
+        let (ce_o, o) = grads_of(&s, batch, Keep::Offload, key);
+        assert_eq!(ce_a, ce_o, "micro-batch {k}: loss");
+        assert_eq!(a.len(), o.len());
+        for (id, ga) in &a {
+            assert_eq!(
+                host_f32(&o[id]),
+                host_f32(ga),
+                "micro-batch {k}: a gradient"
+            );
+        }
+    }
+}
+
 #[cfg(feature = "cuda")]
 #[test]
 fn flash_layer_backward_matches_autograd_on_the_gpu() {
