@@ -186,7 +186,14 @@ mod gpu {
                 host.bufs[l] = None;
                 ctx.bind_to_thread().w()?;
                 // SAFETY: a fresh page-locked allocation of `bytes`, owned by `Pinned`.
-                let ptr = unsafe { result::malloc_host(bytes, 0) }.w()? as *mut u8;
+                let ptr = match unsafe { result::malloc_host(bytes, 0) } {
+                    Ok(p) => p as *mut u8,
+                    Err(e) => candle_core::bail!(
+                        "activation offload: cannot pin {bytes} bytes of host memory for layer \
+                         {l} ({e:?}); free host memory, or set train.offload_activations = false \
+                         (bench: --offload false) to recompute the residuals instead"
+                    ),
+                };
                 host.bufs[l] = Some(Pinned { ptr, bytes });
             }
             match &host.bufs[l] {

@@ -297,6 +297,14 @@ fn two_micro_batches_of_two_equal_one_batch_of_four() {
     }
 }
 
+/// Every gradient in `got` is `want`'s, to the bit.
+fn assert_same_grads(what: &str, got: &Grads, want: &Grads) {
+    assert_eq!(got.len(), want.len(), "{what}: gradient count");
+    for (id, w) in want {
+        assert_eq!(host_f32(&got[id]), host_f32(w), "{what}: a gradient");
+    }
+}
+
 fn grads_of(
     s: &Session,
     batch: &Batch,
@@ -325,15 +333,10 @@ fn activation_checkpointing_gives_identical_gradients_even_with_dropout() {
     let (ce_o, o) = grads_of(&s, &batch, Keep::Offload, key);
     assert_eq!(ce_a, ce_b);
     assert_eq!(ce_a, ce_o);
+    assert_same_grads("the residuals parked", &o, &a);
     let (_, c) = grads_of(&s, &batch, Keep::Acts, Some((7, [4, 1])));
     let mut differs = false;
-    assert_eq!(a.len(), o.len());
     for (id, ga) in &a {
-        assert_eq!(
-            host_f32(&o[id]),
-            host_f32(ga),
-            "a gradient with the residuals parked"
-        );
         assert_close("checkpointed grad", &b[id], ga, 1e-6, 1e-7);
         let d = max_abs_diff(ga, &c[id]);
         differs |= d > 1e-6;
@@ -529,14 +532,7 @@ fn offloaded_residuals_give_the_recomputed_gradients_on_the_gpu() {
         let (ce_a, a) = grads_of(&s, batch, Keep::Acts, key);
         let (ce_o, o) = grads_of(&s, batch, Keep::Offload, key);
         assert_eq!(ce_a, ce_o, "micro-batch {k}: loss");
-        assert_eq!(a.len(), o.len());
-        for (id, ga) in &a {
-            assert_eq!(
-                host_f32(&o[id]),
-                host_f32(ga),
-                "micro-batch {k}: a gradient"
-            );
-        }
+        assert_same_grads(&format!("micro-batch {k}"), &o, &a);
     }
 }
 
