@@ -29,7 +29,7 @@ pub struct BenchArgs {
     pub alpha: Option<f64>,
     pub targets: String,
     pub ckpt: bool,
-    /// train.offload_activations (None: on CUDA, off elsewhere).
+    /// train.offload_activations (None: on; CUDA only).
     pub offload: Option<bool>,
     pub steps: usize,
     pub warmup: usize,

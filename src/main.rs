@@ -111,7 +111,7 @@ struct BenchCli {
     #[arg(long)]
     ckpt: bool,
     /// Park each layer's residual in host memory until its backward (true) or recompute it
-    /// there (false), as the recipe's train.offload_activations (default: true on CUDA).
+    /// there (false), as the recipe's train.offload_activations (default: true; CUDA only).
     #[arg(long)]
     offload: Option<bool>,
     #[arg(long, default_value_t = 10)]

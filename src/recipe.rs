@@ -413,11 +413,11 @@ pub struct TrainSection {
     /// Default: false.
     #[serde(default)]
     pub activation_checkpointing: bool,
-    /// Without checkpointing: park each layer's residual (after attention, [tokens, hidden])
-    /// in pinned host memory between its forward and backward, copied beside the compute,
-    /// instead of recomputing it in backward with o_proj's GEMM (false) — 2 × tokens × hidden
-    /// bytes per layer of host memory (1 GiB at 7B, micro-batch 2 × 2048), none of the GPU's.
-    /// Default: on with CUDA, off elsewhere.
+    /// CUDA, without checkpointing: park each layer's residual (after attention, [tokens,
+    /// hidden]) in pinned host memory between its forward and backward, copied beside the
+    /// compute, instead of recomputing it in backward with o_proj's GEMM (false) — 2 × tokens
+    /// × hidden bytes per layer of host memory (1 GiB at 7B, micro-batch 2 × 2048), none of
+    /// the GPU's. Ignored on the CPU (recomputed). Default: true.
     #[serde(default)]
     pub offload_activations: Option<bool>,
     /// Write a progress line / metrics row every this many steps. Default: 1.

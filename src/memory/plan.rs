@@ -754,7 +754,7 @@ pub fn input_from_recipe(
         cuda,
         flash_attention: crate::ops::flash::kernels_take(cuda, dtype, cfg_head_dim),
         ce_kernel: crate::ops::cross_entropy::kernel_takes_for(cuda, dtype),
-        offload: r.train.offload_activations.unwrap_or(cuda),
+        offload: cuda && r.train.offload_activations.unwrap_or(true),
     })
 }
 

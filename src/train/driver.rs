@@ -47,14 +47,12 @@ pub enum Keep {
 
 impl Keep {
     /// From the recipe's `train.activation_checkpointing` and `train.offload_activations`
-    /// (None: parked on CUDA, recomputed elsewhere).
+    /// (None: on). Parking applies on CUDA only: elsewhere host memory is the device's.
     pub fn new(checkpointing: bool, offload: Option<bool>, dev: &Device) -> Keep {
-        match (checkpointing, offload) {
+        match (checkpointing, offload.unwrap_or(true) && dev.is_cuda()) {
             (true, _) => Keep::Input,
-            (false, Some(true)) => Keep::Offload,
-            (false, Some(false)) => Keep::Acts,
-            (false, None) if dev.is_cuda() => Keep::Offload,
-            (false, None) => Keep::Acts,
+            (false, true) => Keep::Offload,
+            (false, false) => Keep::Acts,
         }
     }
 }
@@ -446,6 +444,16 @@ pub fn logits(model: &Model, batch: &Batch) -> Result<Tensor> {
 mod tests {
     use super::*;
     use candle_core::Device;
+
+    /// Checkpointing keeps inputs whatever the offload says; off CUDA nothing is parked.
+    #[test]
+    fn what_forward_keeps_follows_the_recipe() {
+        let cpu = Device::Cpu;
+        for offload in [None, Some(true), Some(false)] {
+            assert_eq!(Keep::new(true, offload, &cpu), Keep::Input);
+            assert_eq!(Keep::new(false, offload, &cpu), Keep::Acts);
+        }
+    }
 
     /// Runs of positions between zero rows, many short runs by index_add: both equal the
     /// scatter they replace, to the bit.
