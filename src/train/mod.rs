@@ -1044,6 +1044,13 @@ pub fn preflight(
         recipe.train.activation_checkpointing,
     );
     let forecast = plan::row(&p, selected.0, selected.1).map(|r| r.b.clone());
+    if let Some(b) = forecast.as_ref().filter(|b| b.host > 0) {
+        eprintln!(
+            "activation offload: each layer's residual waits in pinned host memory, {} per rank \
+             (train.offload_activations = false recomputes it instead)",
+            plan::fmt_bytes(b.host)
+        );
+    }
     let remedies = plan::remedies(&p, selected);
     if let (Some(cap), Some(b)) = (capacity, &forecast) {
         if b.total > cap {
