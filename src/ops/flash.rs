@@ -48,7 +48,7 @@ pub enum Kernels {
     Wgmma,
     /// `Wgmma` with the backward in two kernels, dQ apart (`flash_dq90` computes S and dP
     /// again): no f32 dQ buffer, and every sum in a fixed order (runs repeat bit for bit).
-    /// `LORA_TRAIN_FUSED_DQ=0`.
+    /// `LORA_TRAIN_FUSED_DQ=0` (or `LORA_TRAIN_DETERMINISTIC=1`).
     WgmmaSplitDq,
 }
 
@@ -58,7 +58,10 @@ pub fn kernels_for(dev: &Device, d: usize) -> Kernels {
     static OFF: std::sync::OnceLock<(bool, bool)> = std::sync::OnceLock::new();
     let (off, split) = *OFF.get_or_init(|| {
         let zero = |var: &str| std::env::var(var).is_ok_and(|v| v == "0");
-        (zero("LORA_TRAIN_FLASH90"), zero("LORA_TRAIN_FUSED_DQ"))
+        (
+            zero("LORA_TRAIN_FLASH90"),
+            zero("LORA_TRAIN_FUSED_DQ") || super::deterministic(),
+        )
     });
     match d == 128 && !off && hopper(dev) {
         true if split => Kernels::WgmmaSplitDq,

@@ -35,6 +35,14 @@ pub use swiglu::{swiglu, swiglu_bwd, swiglu_bwd_keep};
 
 use candle_core::{CpuStorage, Layout, Result};
 
+/// `LORA_TRAIN_DETERMINISTIC=1`: no kernel whose f32 sums land in a varying order (the fused
+/// flash backward's dQ, the adapters' one-pass s·gB and dB), so a run repeats bit for bit on
+/// the same GPU (~1% slower at 7B on an H200). Read once.
+pub fn deterministic() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("LORA_TRAIN_DETERMINISTIC").is_ok_and(|v| v == "1"))
+}
+
 /// The contiguous slice of a CPU storage that `layout` describes, as f32 values.
 /// Activations in bf16/f16 are widened once here; the math below runs in f32.
 pub(crate) fn cpu_as_f32(s: &CpuStorage, l: &Layout) -> Result<Vec<f32>> {

@@ -846,3 +846,75 @@ fn tuned_gemms_give_gemmex_bits_on_the_gpu() {
         );
     }
 }
+
+/// A group of adapters' s · g_i B_i and dB_i = g_iᵀ xas_i from one pass over each g_i
+/// (ops/lora_grad90.cu, Hopper) against f32 products of the same bf16 values: s · g B rounded
+/// once to bf16, dB in f32 (summed in another order); partial 128-row and 256-column blocks and
+/// 64-wide tiles, xas column slices of one buffer, the products written side by side into a
+/// column range of a wider buffer whose other columns stay untouched.
+#[cfg(feature = "cuda")]
+#[test]
+fn adapter_products_in_one_pass_over_g_match_f32_on_the_gpu() {
+    use lora_train::ops::cuda;
+    let dev = Device::new_cuda(0).unwrap();
+    let Device::Cuda(cd) = &dev else {
+        unreachable!("a CUDA device")
+    };
+    if !cuda::is_hopper(cd).unwrap() {
+        eprintln!("not a Hopper GPU: ops/lora_grad90.cu does not run here");
+        return;
+    }
+    let f32_cpu = |t: &Tensor| {
+        t.contiguous()
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
+            .to_device(&Device::Cpu)
+            .unwrap()
+    };
+    let cases: [(usize, &[usize]); 3] = [(300, &[520, 264]), (4096, &[4096]), (257, &[11008])];
+    for (m, outs) in cases {
+        let n = outs.len();
+        let wide = crate::common::randn_bf16(&[m, 16 * n + 16], &dev);
+        let gs: Vec<Tensor> = outs
+            .iter()
+            .map(|&o| crate::common::randn_bf16(&[m, o], &dev))
+            .collect();
+        let bs: Vec<Tensor> = outs
+            .iter()
+            .map(|&o| crate::common::randn_bf16(&[o, 16], &dev))
+            .collect();
+        let xas: Vec<Tensor> = (0..n)
+            .map(|i| wide.narrow(1, 16 * i + 16, 16).unwrap())
+            .collect();
+        let scales = [0.5f32, 2.0];
+        let ops: Vec<(cuda::GbdbOps, f32)> = (0..n)
+            .map(|i| {
+                let o = cuda::gbdb_ops(cd, &gs[i], &bs[i], &xas[i]).unwrap();
+                (o.expect("it takes these"), scales[i])
+            })
+            .collect();
+        let ld = 16 * n + 16;
+        let gbs = Tensor::zeros((m, ld), DType::BF16, &dev).unwrap();
+        let base = cuda::addr(&gbs).unwrap().unwrap();
+        // SAFETY: every operand and gbs live to the end of the loop body.
+        let dbs = unsafe { cuda::gbdb(cd, &ops, (base + 32, ld)) }.unwrap();
+        assert_eq!(dbs.len(), n);
+        for i in 0..n {
+            let what = format!("m {m} out {} (adapter {i} of {n})", outs[i]);
+            let (gf, bf, xf) = (f32_cpu(&gs[i]), f32_cpu(&bs[i]), f32_cpu(&xas[i]));
+            let want_gbs = (gf.matmul(&bf).unwrap() * scales[i] as f64).unwrap();
+            let want_db = gf.t().unwrap().matmul(&xf).unwrap();
+            let got = gbs.narrow(1, 16 * i + 16, 16).unwrap();
+            assert_close(&format!("{what}: s·gB"), &got, &want_gbs, 8e-3, 1e-3);
+            assert_eq!(dbs[i].dtype(), DType::F32);
+            assert_close(&format!("{what}: dB"), &dbs[i], &want_db, 1e-5, 1e-5);
+        }
+        assert!(
+            host_f32(&gbs.narrow(1, 0, 16).unwrap())
+                .iter()
+                .all(|v| *v == 0.0),
+            "m {m}: columns outside the range were written"
+        );
+    }
+}
