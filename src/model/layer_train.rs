@@ -226,7 +226,7 @@ impl Layer {
         // ---- MLP: y = h + down(swiglu(gate(hn), up(hn))), hn = rms_norm(h)
         // down's dL/da needs no a; a is recomputed in SwiGLU's backward pass (over da's
         // buffer) for down's adapter gradient alone.
-        let (da, half) = self.down.bwd_dx(&dy, xd.as_ref(), ctx, None)?; // [m, I]
+        let (da, half) = self.down.bwd_dx(&dy, ctx, None)?; // [m, I]
         let (dgate, dup, a) = ops::swiglu_bwd_keep(&gate, &up, da)?;
         drop((gate, up));
         keep(&self.down, self.down.bwd_grads(&a, &dy, half, xd.as_ref())?);

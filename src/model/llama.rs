@@ -64,11 +64,10 @@ impl Ctx {
 /// An adapter's (dL/dA, dL/dB) in f32, None for a linear without one.
 pub type AdapterGrad = Option<(Tensor, Tensor)>;
 
-/// What `Linear::bwd_dx` leaves for `Linear::bwd_grads`: s · g B [m, r], dB when the same
-/// pass over g made it, and the dropout mask (drawn once for both halves).
+/// What `Linear::bwd_dx` leaves for `Linear::bwd_grads`: s · g B [m, r] and the dropout mask
+/// (drawn once for both halves).
 pub struct AdapterHalf {
     gbs: Tensor,
-    db: Option<Tensor>,
     mask: Option<Tensor>,
 }
 
@@ -183,17 +182,16 @@ impl Linear {
                 self.name
             )
         }
-        let (dx, half) = self.bwd_dx(g, xas, ctx, acc)?;
+        let (dx, half) = self.bwd_dx(g, ctx, acc)?;
         Ok((dx, self.bwd_grads(x, g, half, xas)?))
     }
 
     /// `bwd` in two halves, for a linear whose input x is only wanted for the adapter's
-    /// gradients: dL/dx [m, in] from g [m, out] and the forward's `xas` (plus `acc`, as
-    /// `bwd`), and what `bwd_grads` takes with x.
+    /// gradients: dL/dx [m, in] from g [m, out] alone (plus `acc`, as `bwd`), and what
+    /// `bwd_grads` takes with x.
     pub fn bwd_dx(
         &self,
         g: &Tensor,
-        xas: Option<&Tensor>,
         ctx: &Ctx,
         acc: Option<Tensor>,
     ) -> Result<(Tensor, Option<AdapterHalf>)> {
@@ -210,17 +208,16 @@ impl Linear {
             *d = self.w.dim(1)?;
         }
         let mask = self.dropout_mask(&dims, ctx)?;
-        let (dx, gbs, db) = ops::lora_linear::lora_bwd_dx(
+        let (dx, gbs) = ops::lora_linear::lora_bwd_dx(
             &g,
             &self.w,
             ctx.adapter(&lora.a),
             ctx.adapter(&lora.b),
             lora.scale,
             mask.as_ref(),
-            xas,
             acc,
         )?;
-        Ok((dx, Some(AdapterHalf { gbs, db, mask })))
+        Ok((dx, Some(AdapterHalf { gbs, mask })))
     }
 
     /// The second half of `bwd_dx`: (dA, dB) from x [m, in], the same g, what `bwd_dx`
@@ -235,8 +232,7 @@ impl Linear {
         match (half, xas) {
             (Some(h), Some(xas)) => {
                 let g = g.contiguous()?;
-                let (da, db) =
-                    ops::lora_linear::lora_grads(x, &g, &h.gbs, h.mask.as_ref(), xas, h.db)?;
+                let (da, db) = ops::lora_linear::lora_grads(x, &g, &h.gbs, h.mask.as_ref(), xas)?;
                 Ok(Some((da, db)))
             }
             (None, _) => Ok(None),

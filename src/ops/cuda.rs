@@ -508,10 +508,9 @@ static HOPPER: Program = Program {
     arch: "sm_90a",
     src: || {
         format!(
-            "typedef unsigned short bf16_t;\n#define FLASH_HELPERS_ONLY\n{}{}{}",
+            "typedef unsigned short bf16_t;\n#define FLASH_HELPERS_ONLY\n{}{}",
             include_str!("flash.cu"),
-            include_str!("flash90.cu"),
-            include_str!("lora_grad90.cu")
+            include_str!("flash90.cu")
         )
     },
     ptx: OnceLock::new(),
@@ -1359,118 +1358,4 @@ pub fn row_dot(
         })
     });
     Ok(CudaStorage::wrap_cuda_slice(out, dev))
-}
-
-/// The operands of lora_grad90.cu's one pass over an adapter's g, when it takes them: a Hopper
-/// GPU; g [m, out] and B [out, 16] contiguous, xas [m, 16] rows contiguous (a column slice is
-/// fine), all bf16, 16-byte aligned, out % 8 == 0. `LORA_TRAIN_GBDB=0` (or
-/// `LORA_TRAIN_DETERMINISTIC=1`) turns it off: the GEMMs then, whose sums repeat bit for bit.
-pub struct GbdbOps {
-    g: u64,
-    b: u64,
-    xas: (u64, usize),
-    m: usize,
-    out: usize,
-}
-
-pub fn gbdb_ops(
-    dev: &CudaDevice,
-    g: &candle_core::Tensor,
-    b: &candle_core::Tensor,
-    xas: &candle_core::Tensor,
-) -> Result<Option<GbdbOps>> {
-    static OFF: OnceLock<bool> = OnceLock::new();
-    if *OFF.get_or_init(|| {
-        std::env::var("LORA_TRAIN_GBDB").is_ok_and(|v| v == "0") || super::deterministic()
-    }) || !is_hopper(dev)?
-        || [g, b, xas].iter().any(|t| t.dtype() != DType::BF16)
-    {
-        return Ok(None);
-    }
-    let (Ok((m, out)), Ok((bo, r)), Ok((xm, xr))) = (g.dims2(), b.dims2(), xas.dims2()) else {
-        return Ok(None);
-    };
-    if r != 16 || xr != 16 || bo != out || xm != m || m == 0 || out % 8 != 0 {
-        return Ok(None);
-    }
-    let (Some(gp), Some(bp), Some((xp, ldx))) = (addr(g)?, addr(b)?, addr_rows(xas)?) else {
-        return Ok(None);
-    };
-    if (gp | bp | xp) % 16 != 0 || ldx % 8 != 0 {
-        return Ok(None);
-    }
-    Ok(Some(GbdbOps {
-        g: gp,
-        b: bp,
-        xas: (xp, ldx),
-        m,
-        out,
-    }))
-}
-
-/// Runs lora_gbdb90 and lora_gbdb90_round on each of a group's adapters (`ops`, with their
-/// scales): s · g B [m, 16] in bf16 into `gbs` (address of the first adapter's columns, row
-/// stride in elements; the next adapter's 16 columns follow), and returns each dB = gᵀ xas
-/// [out, 16] f32.
-///
-/// # Safety
-/// `ops`' tensors are alive while the kernels are queued (on `dev`'s stream, where they are
-/// freed), and `gbs` holds m rows of 16 · ops.len() bf16 at that stride, 8-byte aligned.
-pub unsafe fn gbdb(
-    dev: &CudaDevice,
-    ops: &[(GbdbOps, f32)],
-    gbs: (u64, usize),
-) -> Result<Vec<candle_core::Tensor>> {
-    let Some(m) = ops.first().map(|(o, _)| o.m) else {
-        return Ok(Vec::new());
-    };
-    // One zeroed f32 buffer: each adapter's gbs sums [m, 16], then its dB [out, 16].
-    let total: usize = ops.iter().map(|(o, _)| 16 * (m + o.out)).sum();
-    let buf = candle_core::Tensor::from_storage(
-        candle_core::Storage::Cuda(CudaStorage::wrap_cuda_slice(
-            dev.alloc_zeros::<f32>(total)?,
-            dev.clone(),
-        )),
-        total,
-        candle_core::op::BackpropOp::none(),
-        false,
-    );
-    let Some(base) = addr(&buf)? else {
-        candle_core::bail!("gbdb: a buffer without an address");
-    };
-    let stream = dev.cuda_stream();
-    let (main, round) = (
-        function90(dev, "lora_gbdb90")?,
-        function90(dev, "lora_gbdb90_round")?,
-    );
-    let (mut off, mut dbs) = (0usize, Vec::with_capacity(ops.len()));
-    for (i, (o, scale)) in ops.iter().enumerate() {
-        let (gacc, dacc) = (base + 4 * off as u64, base + 4 * (off + 16 * m) as u64);
-        let (ldx, mi, oi) = (o.xas.1 as i64, m as i32, o.out as i32);
-        let mut b = stream.launch_builder(&main);
-        b.arg(&o.g)
-            .arg(&o.b)
-            .arg(&o.xas.0)
-            .arg(&ldx)
-            .arg(&gacc)
-            .arg(&dacc)
-            .arg(&mi)
-            .arg(&oi);
-        let cfg = LaunchConfig {
-            grid_dim: (o.out.div_ceil(256) as u32, m.div_ceil(128) as u32, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        unsafe { b.launch(cfg) }.w()?;
-        let (dst, ldo) = (gbs.0 + 32 * i as u64, gbs.1 as i64);
-        let mut b = stream.launch_builder(&round);
-        b.arg(&gacc).arg(&mi).arg(scale).arg(&dst).arg(&ldo);
-        unsafe { b.launch(LaunchConfig::for_num_elems((m * 4) as u32)) }.w()?;
-        dbs.push(
-            buf.narrow(0, off + 16 * m, 16 * o.out)?
-                .reshape((o.out, 16))?,
-        );
-        off += 16 * (m + o.out);
-    }
-    Ok(dbs)
 }

@@ -155,13 +155,6 @@ fn shared_gbs(
     xas: &[&Tensor],
 ) -> Result<(Tensor, Vec<Tensor>)> {
     use super::linear_acc::matmul_tn_f32;
-    #[cfg(feature = "cuda")]
-    {
-        let bs: Vec<(&Tensor, f64)> = ads.iter().map(|ad| (ad.b, ad.scale)).collect();
-        if let Some(r) = gbdb_group(dt, g, &bs, xas)? {
-            return Ok(r);
-        }
-    }
     let (mut gbs, mut db) = (Vec::with_capacity(ads.len()), Vec::with_capacity(ads.len()));
     for ((g, ad), xas) in g.iter().zip(ads).zip(xas) {
         let bd = ad.b.detach().to_dtype(dt)?;
@@ -169,44 +162,6 @@ fn shared_gbs(
         db.push(matmul_tn_f32(g, xas)?); // dB_i = g_iᵀ xas_i [out_i, r_i]
     }
     Ok((Tensor::cat(&gbs, 1)?, db))
-}
-
-/// On a Hopper GPU, rank 16 in bf16 (ops/lora_grad90.cu): each adapter's s · g_i B_i and dB_i
-/// from one pass over g_i, the products written side by side into one [m, Σ r]; None when any
-/// of `adapters` ((B, s) each) does not qualify (the GEMMs then).
-#[cfg(feature = "cuda")]
-fn gbdb_group(
-    dt: candle_core::DType,
-    g: &[Tensor],
-    adapters: &[(&Tensor, f64)],
-    xas: &[&Tensor],
-) -> Result<Option<(Tensor, Vec<Tensor>)>> {
-    use super::cuda;
-    let Some(candle_core::Device::Cuda(dev)) = g.first().map(|g| g.device()) else {
-        return Ok(None);
-    };
-    let (mut ops, mut keep) = (Vec::with_capacity(g.len()), Vec::with_capacity(g.len()));
-    for ((g, (b, s)), xas) in g.iter().zip(adapters).zip(xas) {
-        let bd = b.detach().to_dtype(dt)?;
-        match cuda::gbdb_ops(dev, g, &bd, xas)? {
-            Some(o) => ops.push((o, *s as f32)),
-            None => return Ok(None),
-        }
-        keep.push(bd);
-    }
-    let (m, n) = (g[0].dim(0)?, 16 * ops.len());
-    // SAFETY: each adapter's kernels write its 16 columns of every row.
-    let Some(gbs) = (unsafe { cuda::uninit(dev, dt, (m, n)) })? else {
-        return Ok(None);
-    };
-    let Some(base) = cuda::addr(&gbs)? else {
-        return Ok(None);
-    };
-    // SAFETY: the g's, the B's (in `keep`) and the xas's are alive while the kernels are
-    // queued; gbs has m rows of n bf16.
-    let db = unsafe { cuda::gbdb(dev, &ops, (base, n)) }?;
-    drop(keep);
-    Ok(Some((gbs, db)))
 }
 
 /// Each (dA_i, dB_i): the dA's are one GEMM (gbs [m, Σ r])ᵀ x [m, in] → [Σ r, in] f32, split by
@@ -244,15 +199,13 @@ pub fn lora_bwd(
     acc: Option<Tensor>,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let g = g.contiguous()?;
-    let (dx, gbs, db) = lora_bwd_dx(&g, w, a, b, scale, mask, Some(xas), acc)?;
-    let (da, db) = lora_grads(x, &g, &gbs, mask, xas, db)?;
+    let (dx, gbs) = lora_bwd_dx(&g, w, a, b, scale, mask, acc)?;
+    let (da, db) = lora_grads(x, &g, &gbs, mask, xas)?;
     Ok((dx, da, db))
 }
 
 /// `lora_bwd`'s first half, which needs no x: g [m, out] → (dx [m, in], gbs = s · g B [m, r],
-/// and, when `xas` is given and one pass over g gives both (Hopper, rank 16, bf16), dB = gᵀ xas
-/// f32: what `lora_grads` takes).
-#[allow(clippy::too_many_arguments)]
+/// what `lora_grads` takes).
 pub fn lora_bwd_dx(
     g: &Tensor,
     w: &Tensor,
@@ -260,26 +213,12 @@ pub fn lora_bwd_dx(
     b: &Tensor,
     scale: f64,
     mask: Option<&Tensor>,
-    xas: Option<&Tensor>,
     acc: Option<Tensor>,
-) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+) -> Result<(Tensor, Tensor)> {
     use super::linear_acc::linear_bwd_acc;
     let dt = g.dtype();
     let (ad, bd) = (a.detach().to_dtype(dt)?, b.detach().to_dtype(dt)?);
-    #[cfg(feature = "cuda")]
-    let fused = match xas {
-        Some(xas) => gbdb_group(dt, std::slice::from_ref(g), &[(b, scale)], &[xas])?,
-        None => None,
-    };
-    #[cfg(not(feature = "cuda"))]
-    let fused: Option<(Tensor, Vec<Tensor>)> = {
-        let _ = xas;
-        None
-    };
-    let (gbs, db) = match fused {
-        Some((gbs, mut db)) => (gbs, db.pop()),
-        None => (matmul_scaled(g, &bd, false, scale)?, None), // s · g B [m, r]
-    };
+    let gbs = matmul_scaled(g, &bd, false, scale)?; // s · g B [m, r]
     let dlora = match (mask, acc) {
         (None, Some(acc)) => linear_bwd_acc(&gbs, &ad, acc)?, // acc + gbs A, one pass
         (mask, acc) => {
@@ -290,25 +229,21 @@ pub fn lora_bwd_dx(
             }
         }
     };
-    Ok((linear_bwd_acc(g, w, dlora)?, gbs, db)) // g W + dlora
+    Ok((linear_bwd_acc(g, w, dlora)?, gbs)) // g W + dlora
 }
 
 /// `lora_bwd`'s second half: the adapter's gradients from x [m, in] (unmasked), g [m, out] and
-/// `lora_bwd_dx`'s gbs (and dB, when it made it) → (dA [r, in] f32, dB [out, r] f32),
-/// straight out of the GEMMs in f32 on CUDA (elsewhere a product and a cast).
+/// `lora_bwd_dx`'s gbs → (dA [r, in] f32, dB [out, r] f32), straight out of the GEMMs in f32
+/// on CUDA (elsewhere a product and a cast).
 pub fn lora_grads(
     x: &Tensor,
     g: &Tensor,
     gbs: &Tensor,
     mask: Option<&Tensor>,
     xas: &Tensor,
-    db: Option<Tensor>,
 ) -> Result<(Tensor, Tensor)> {
     let da = super::linear_acc::matmul_tn_f32(gbs, &masked(x, mask)?)?; // [r, in]
-    let db = match db {
-        Some(db) => db,
-        None => super::linear_acc::matmul_tn_f32(g, xas)?, // [out, r]
-    };
+    let db = super::linear_acc::matmul_tn_f32(g, xas)?; // [out, r]
     Ok((da, db))
 }
 

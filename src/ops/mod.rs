@@ -35,9 +35,9 @@ pub use swiglu::{swiglu, swiglu_bwd, swiglu_bwd_keep};
 
 use candle_core::{CpuStorage, Layout, Result};
 
-/// `LORA_TRAIN_DETERMINISTIC=1`: no kernel whose f32 sums land in a varying order (the fused
-/// flash backward's dQ, the adapters' one-pass s·gB and dB), so a run repeats bit for bit on
-/// the same GPU (~1% slower at 7B on an H200). Read once.
+/// `LORA_TRAIN_DETERMINISTIC=1`: no kernel whose f32 sums land in a varying order (today the
+/// fused flash backward's dQ: `LORA_TRAIN_FUSED_DQ=0` alone does the same), so a run repeats
+/// bit for bit on the same GPU (~0.5% slower at 7B on an H200). Read once.
 pub fn deterministic() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("LORA_TRAIN_DETERMINISTIC").is_ok_and(|v| v == "1"))
