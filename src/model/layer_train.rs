@@ -9,10 +9,11 @@
 //!         s·(m⊙x)Aᵀ [m, r]
 //!   recomputed: rms_norm(x), swiglu(gate, up), dropout masks (keyed)
 //!   the residual h = x + o_proj(attn) [m, C]: `LayerActs::h`. The driver takes it out and
-//!         either parks it in host memory until the layer's backward (train/offload.rs: 1 GiB
-//!         of device memory over 32 layers at micro-batch 2 × 2048 at 7B, 0.51× PEFT's peak
-//!         with it) or drops it; without it backward recomputes it from o_proj's kept adapter
-//!         state, one GEMM of the layer's seven (~2.7% of a 7B step on an H200)
+//!         either parks it in host memory until the layer's backward (train/offload.rs; kept
+//!         on the device it would cost 1 GiB over 32 layers at 7B, micro-batch 2 × 2048, and
+//!         take the bench's peak to 0.51× PEFT's) or drops it; without it backward recomputes
+//!         it from o_proj's kept adapter state, one GEMM of the layer's seven (~2.7% of a 7B
+//!         step on an H200)
 //!
 //! That is 5 + 2·I/C tensors of [B, T, C] (k, v smaller under GQA): 0.33 GiB per layer at 7B.
 //! `Layer::forward` (autograd) stays the reference; tests pin this pair to it.
