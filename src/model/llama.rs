@@ -220,6 +220,24 @@ impl Linear {
         Ok((dx, Some(AdapterHalf { gbs, mask })))
     }
 
+    /// `bwd`'s adapter gradients alone, without dL/dx (none of its GEMMs run): x [m, in],
+    /// g [m, out], `xas` what `fwd` kept. None without an adapter.
+    pub fn bwd_grads_alone(
+        &self,
+        x: &Tensor,
+        g: &Tensor,
+        xas: Option<&Tensor>,
+        ctx: &Ctx,
+    ) -> Result<AdapterGrad> {
+        let Some(lora) = &self.lora else {
+            return Ok(None);
+        };
+        let g = g.contiguous()?;
+        let gbs = ops::lora_linear::lora_gbs(&g, ctx.adapter(&lora.b), lora.scale)?;
+        let mask = self.dropout_mask(x.dims(), ctx)?; // the forward's (keyed)
+        self.bwd_grads(x, &g, Some(AdapterHalf { gbs, mask }), xas)
+    }
+
     /// The second half of `bwd_dx`: (dA, dB) from x [m, in], the same g, what `bwd_dx`
     /// returned and what `fwd` kept. None without an adapter.
     pub fn bwd_grads(
@@ -374,7 +392,7 @@ impl Linear {
     /// gradient (the first layer's, the frozen embedding's output), so that the base GEMMs'
     /// dL/dx (three of the layer's eleven backward GEMMs at q, k, v) and the adapters' are not
     /// run. Linears without an adapter are skipped; an adapter outside the shared group (its
-    /// own dropout) takes `bwd`, whose dL/dx is dropped.
+    /// own dropout) takes `bwd_grads_alone`.
     pub fn grads_shared(
         lins: &[&Linear],
         x: &Tensor,
@@ -398,9 +416,7 @@ impl Linear {
             let Some(gi) = g.get_mut(i).and_then(Option::take) else {
                 continue;
             };
-            if lin.lora.is_some() {
-                grads[i] = lin.bwd(x, &gi, xas.get(i).copied().flatten(), ctx, None)?.1;
-            }
+            grads[i] = lin.bwd_grads_alone(x, &gi, xas.get(i).copied().flatten(), ctx)?;
         }
         Ok(grads)
     }

@@ -204,6 +204,13 @@ pub fn lora_bwd(
     Ok((dx, da, db))
 }
 
+/// s · g B [m, r] in g's dtype, from g = dL/dy [m, out]: what the adapter's dA and dL/dx
+/// terms multiply.
+pub fn lora_gbs(g: &Tensor, b: &Tensor, scale: f64) -> Result<Tensor> {
+    let bd = b.detach().to_dtype(g.dtype())?;
+    matmul_scaled(g, &bd, false, scale)
+}
+
 /// `lora_bwd`'s first half, which needs no x: g [m, out] → (dx [m, in], gbs = s · g B [m, r],
 /// what `lora_grads` takes).
 pub fn lora_bwd_dx(
@@ -216,9 +223,8 @@ pub fn lora_bwd_dx(
     acc: Option<Tensor>,
 ) -> Result<(Tensor, Tensor)> {
     use super::linear_acc::linear_bwd_acc;
-    let dt = g.dtype();
-    let (ad, bd) = (a.detach().to_dtype(dt)?, b.detach().to_dtype(dt)?);
-    let gbs = matmul_scaled(g, &bd, false, scale)?; // s · g B [m, r]
+    let ad = a.detach().to_dtype(g.dtype())?;
+    let gbs = lora_gbs(g, b, scale)?;
     let dlora = match (mask, acc) {
         (None, Some(acc)) => linear_bwd_acc(&gbs, &ad, acc)?, // acc + gbs A, one pass
         (mask, acc) => {
