@@ -204,6 +204,7 @@ fn run_rank(a: &BenchArgs, device: Device, comm: &dyn Comm) -> Result<serde_json
         flash_attention: crate::ops::flash::takes_for(&a.device, act, head_dim),
         ce_kernel: crate::ops::cross_entropy::kernel_takes_for(a.device.is_cuda(), act),
         offload: driver::Keep::new(false, a.offload, &a.device) == driver::Keep::Offload,
+        fold: a.device.is_cuda() && crate::ops::fold::enabled(),
     };
     let p = plan::plan(&input, 1, a.max_memory);
     let sel = (a.strategy, a.ckpt);
@@ -261,12 +262,17 @@ fn measure(
     let t0 = Instant::now();
     let fsdp = a.strategy == Strategy::Fsdp;
     let mut groups = Vec::new();
-    let model = Model::random_with(cfg.clone(), dtype, &a.device, &spec, 0, &mut |t| {
+    let mut model = Model::random_with(cfg.clone(), dtype, &a.device, &spec, 0, &mut |t| {
         if fsdp {
             groups.push(Flat::take(t, comm)?);
         }
         Ok(())
     })?;
+    // The adapters' forward folded into the base GEMMs (ops::fold); FSDP's gathered layers
+    // hold the checkpoint's shapes.
+    if !fsdp {
+        model.fold()?;
+    }
     let shards = match fsdp {
         true => Some(Shards::from_groups(groups, model.layers.len(), comm)?),
         false => None,

@@ -97,6 +97,9 @@ pub struct PlanInput {
     /// Without checkpointing, each layer's residual waits in host memory
     /// (`train.offload_activations`; `driver::Keep::Offload`).
     pub offload: bool,
+    /// The adapters' forward folds into the base GEMMs (`ops::fold`: CUDA, bf16; not under
+    /// FSDP): the padded weights' extra columns join the base.
+    pub fold: bool,
 }
 
 /// One strategy's per-rank bytes.
@@ -198,6 +201,33 @@ pub fn kept_per_token_layer(cfg: &ModelConfig, s: u64, r: usize, targets: &[Stri
     s * (c + 2 * h * d + 2 * k * d + 2 * i + r as u64 * adapted) + 4 * h
 }
 
+/// Bytes of the pad columns `Model::fold` adds to the base weights (`ops::fold`): per layer
+/// q, k, v by 3r, gate and up by 2r, down by r, each row rounded up to `ROW_ALIGN`, for each
+/// group whose linears are all adapted and without a bias, at widths the kernels take.
+pub fn fold_pad_bytes(cfg: &ModelConfig, s: u64, r: usize, targets: &[String]) -> u64 {
+    use crate::ops::fold::pad_width;
+    let (c, i) = (cfg.hidden_size, cfg.intermediate_size);
+    let (h, k, d) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+    let all = |ms: &[&str]| ms.iter().all(|m| targets.iter().any(|t| t == m));
+    let mut per_layer = 0;
+    let groups = [
+        (
+            &["q_proj", "k_proj", "v_proj"][..],
+            cfg.qkv_bias,
+            c,
+            h * d + 2 * k * d,
+        ),
+        (&["gate_proj", "up_proj"][..], cfg.mlp_bias, c, 2 * i),
+        (&["down_proj"][..], cfg.mlp_bias, i, c),
+    ];
+    for (ms, bias, in_f, outs) in groups {
+        if let (true, false, Some(p)) = (all(ms), bias, pad_width(&vec![r; ms.len()], in_f)) {
+            per_layer += outs * p;
+        }
+    }
+    (cfg.num_layers * per_layer) as u64 * s
+}
+
 /// Parameters of one decoder layer (linears, biases, two norms).
 fn layer_params(cfg: &ModelConfig) -> u64 {
     let all = cfg.num_params(true) as u64;
@@ -224,6 +254,8 @@ pub fn breakdown(p: &PlanInput, strategy: Strategy, ckpt: bool, micro_batch: usi
     let full_base = cfg.num_params(p.tied) as u64 * s;
     let base = if strategy == Strategy::Fsdp {
         full_base.div_ceil(world as u64)
+    } else if p.fold {
+        full_base + fold_pad_bytes(cfg, s, p.rank, &p.targets)
     } else {
         full_base
     };
@@ -755,6 +787,7 @@ pub fn input_from_recipe(
         flash_attention: crate::ops::flash::kernels_take(cuda, dtype, cfg_head_dim),
         ce_kernel: crate::ops::cross_entropy::kernel_takes_for(cuda, dtype),
         offload: cuda && r.train.offload_activations.unwrap_or(true),
+        fold: cuda && dtype == candle_core::DType::BF16 && crate::ops::fold::enabled(),
     })
 }
 
@@ -873,6 +906,7 @@ mod tests {
             flash_attention: false,
             ce_kernel: false,
             offload: false,
+            fold: false,
         }
     }
 
@@ -932,6 +966,38 @@ mod tests {
         assert!((b.pool_peak as f64 / GI / 23.73 - 1.0).abs() < 0.02);
         // total = pool + 512 MiB + 5%: 25720266752 + 536870912 + 1286013337 = 27543151001.
         assert_eq!(b.total, 27_543_151_001);
+    }
+
+    #[test]
+    fn folded_weights_add_their_pad_columns_to_the_base_but_under_fsdp() {
+        // Rows rounded up to 64 (ops::fold): q, k, v 4096 + 48 → 4160, gate and up 4096 + 32
+        // → 4160, down 11008 + 16 → 11072: 64 columns each, 32 · (3 · 4096 + 2 · 11008 +
+        // 4096) · 64 · 2 B = 157286400 B.
+        let mut p = input(2, 2);
+        let pads = fold_pad_bytes(&p.cfg, 2, 16, &p.targets);
+        assert_eq!(pads, 157_286_400);
+        p.fold = true;
+        let plain = input(2, 2);
+        for s in [Strategy::Single, Strategy::Ddp] {
+            let (a, b) = (breakdown(&p, s, false, 2), breakdown(&plain, s, false, 2));
+            assert_eq!(a.base, b.base + pads, "{s:?}");
+            assert_eq!(a.pool_peak, b.pool_peak + pads, "{s:?}");
+        }
+        let (a, b) = (
+            breakdown(&p, Strategy::Fsdp, false, 2),
+            breakdown(&plain, Strategy::Fsdp, false, 2),
+        );
+        assert_eq!(a.base, b.base, "FSDP's layers are not padded");
+        // q and v alone: their group lacks k's adapter, so it does not fold (and the MLP's
+        // linears are not targets).
+        let qv: Vec<String> = ["q_proj", "v_proj"].iter().map(|s| s.to_string()).collect();
+        assert_eq!(fold_pad_bytes(&p.cfg, 2, 16, &qv), 0);
+        // Rank 64: q, k, v 4096 + 192 → 4288 (192 columns), gate and up 4096 + 128 → 4224
+        // (128), down 11008 + 64 → 11072 (64).
+        assert_eq!(
+            fold_pad_bytes(&p.cfg, 2, 64, &p.targets),
+            32 * (3 * 4096 * 192 + 2 * 11008 * 128 + 4096 * 64) * 2
+        );
     }
 
     #[test]

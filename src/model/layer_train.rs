@@ -15,6 +15,9 @@
 //!         it from o_proj's kept adapter state, one GEMM of the layer's seven (~2.7% of a 7B
 //!         step on an H200)
 //!
+//! The adapters' forward of q, k, v, gate, up and down runs inside their frozen GEMMs where
+//! the model is folded (ops::fold): RMSNorm and SwiGLU then write padded rows.
+//!
 //! That is 5 + 2·I/C tensors of [B, T, C] (k, v smaller under GQA): 0.33 GiB per layer at 7B.
 //! `Layer::forward` (autograd) stays the reference; tests pin this pair to it.
 //!
@@ -110,11 +113,21 @@ impl Layer {
         let (b, t, c) = x.dims3()?;
         let (h, k, d) = (self.heads, self.kv_heads, self.head_dim);
         let x = x.reshape((b * t, c))?; // [m, C]
-        let hn = ops::rms_norm(&x, &self.input_norm, self.eps)?;
-        // q [m, H·D], k and v [m, K·D]: their adapters' x Aᵀ as one GEMM
-        let [(q_rows, xq), (k_rows, xk), (v, xv)] =
-            array(Linear::fwd_shared(&[&self.q, &self.k, &self.v], &hn, ctx)?)?;
-        drop(hn);
+
+        // q [m, H·D], k and v [m, K·D]: their adapters' x Aᵀ as one GEMM; their forward folded
+        // into the base GEMMs (ops::fold) when the norm writes padded rows
+        let qkv = [&self.q, &self.k, &self.v];
+        let folded = match Linear::fold_width(&qkv, ctx) {
+            Some(p) => ops::fold::rms_norm_pad(&x, &self.input_norm, self.eps, p)?,
+            None => None,
+        }; // [m, C + pad]
+        let [(q_rows, xq), (k_rows, xk), (v, xv)] = array(match folded {
+            Some(xp) => Linear::fwd_folded(&qkv, &xp, ctx)?,
+            None => {
+                let hn = ops::rms_norm(&x, &self.input_norm, self.eps)?;
+                Linear::fwd_shared(&qkv, &hn, ctx)?
+            }
+        })?;
         // (A shadowed binding would live to the end of the function: every dead tensor here is
         // dropped by name, so that the layer's peak is what the memory plan counts.)
         let q = ops::rope_heads(&q_rows, &ctx.cos, &ctx.sin, h)?; // [B, H, T, D]
@@ -140,21 +153,41 @@ impl Layer {
             (ops::to_rows(&o)?, lse) // [m, H·D]
         };
         let (ao, xo) = self.o.fwd(&attn, ctx)?;
-        let (hres, hn) = ops::add_rms_norm(&x, &ao, &self.post_norm, self.eps)?; // [m, C] each
+        // gate and up [m, I] each: their adapters' x Aᵀ as one GEMM, folded as q's, k's, v's
+        let gu = [&self.gate, &self.up];
+        let folded = match Linear::fold_width(&gu, ctx) {
+            Some(p) => ops::fold::add_rms_norm_pad(&x, &ao, &self.post_norm, self.eps, p)?,
+            None => None,
+        }; // h [m, C], hn [m, C + pad]
+        let (hres, [(gate, xg), (up, xu)]) = match folded {
+            Some((hres, xp)) => (hres, array(Linear::fwd_folded(&gu, &xp, ctx)?)?),
+            None => {
+                let (hres, hn) = ops::add_rms_norm(&x, &ao, &self.post_norm, self.eps)?;
+                (hres, array(Linear::fwd_shared(&gu, &hn, ctx)?)?)
+            }
+        };
         drop(ao);
-        // gate and up [m, I] each: their adapters' x Aᵀ as one GEMM
-        let [(gate, xg), (up, xu)] = array(Linear::fwd_shared(&[&self.gate, &self.up], &hn, ctx)?)?;
-        drop(hn);
-        let a = ops::swiglu(&gate, &up)?; // [m, I]
         let (y, xd) = if output {
-            // Not accumulated onto h in the GEMM: the adapter's small term would be rounded to
-            // bf16 against |h| before the base product joins it, and mostly lost.
-            let (mo, xd) = self.down.fwd(&a, ctx)?;
+            // Not accumulated onto h in the GEMM: h is kept for backward (and, unfolded, the
+            // adapter's small term would be rounded to bf16 against |h| before the base
+            // product joins it, and mostly lost).
+            let down = [&self.down];
+            let folded = match Linear::fold_width(&down, ctx) {
+                Some(p) => ops::fold::swiglu_pad(&gate, &up, p)?,
+                None => None,
+            }; // [m, I + pad]
+            let (mo, xd) = match folded {
+                Some(ap) => {
+                    let [o] = array(Linear::fwd_folded(&down, &ap, ctx)?)?;
+                    o
+                }
+                None => self.down.fwd(&ops::swiglu(&gate, &up)?, ctx)?,
+            };
             (Some(ops::add(&hres, &mo)?.reshape((b, t, c))?), xd)
         } else {
+            let a = ops::swiglu(&gate, &up)?; // [m, I]
             (None, self.down.adapter_fwd(&a, ctx)?)
         };
-        drop(a);
         let acts = keep.then_some(LayerActs {
             x,
             q,

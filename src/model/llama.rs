@@ -27,6 +27,8 @@ pub struct Ctx {
     pub adapters: HashMap<TensorId, Tensor>,
     /// The one buffer `adapters` are views of (each layer's A's side by side, then its B's).
     pub adapter_buf: Option<Tensor>,
+    /// Whether the padded weights' B columns hold this batch's B's (`ops::fold`).
+    pub folded: bool,
 }
 
 impl Ctx {
@@ -79,11 +81,23 @@ type AdapterCopies = (HashMap<TensorId, Tensor>, Option<Tensor>);
 pub struct Linear {
     /// Module name in the checkpoint, e.g. `model.layers.3.self_attn.q_proj`.
     pub name: String,
+    /// [out, in]; a view of `pad`'s first `in` columns when folded.
     pub w: Tensor,
     pub b: Option<Tensor>,
     pub lora: Option<Lora>,
+    /// W's wider buffer, when the adapter's forward is folded into the base GEMM.
+    pub pad: Option<Pad>,
     /// (layer, module) index: keys the dropout stream.
     key: [u64; 2],
+}
+
+/// A folded linear's W* = [W | pad] [out, in + pad] (`ops::fold`): its B's r columns start at
+/// in + `col`; the rest of the pad is zero (the other linears' B columns, and the columns
+/// that round its rows up).
+#[derive(Clone)]
+pub struct Pad {
+    pub full: Tensor,
+    pub col: usize,
 }
 
 impl Linear {
@@ -349,6 +363,63 @@ impl Linear {
             .collect()
     }
 
+    /// The pad width when `lins` (linears that share their input) run folded (`ops::fold`) for
+    /// this batch: each padded alike, with an adapter, their B's columns in order, one scale,
+    /// no dropout, and the pads' B columns written for this batch. None otherwise.
+    pub fn fold_width(lins: &[&Linear], ctx: &Ctx) -> Option<usize> {
+        let first = lins.first()?;
+        let in_f = first.w.dim(1).ok()?;
+        let p = first.pad.as_ref()?.full.dim(1).ok()?.checked_sub(in_f)?;
+        let scale = first.lora.as_ref()?.scale;
+        let mut ranks = Vec::with_capacity(lins.len());
+        for lin in lins {
+            let (pad, lora) = (lin.pad.as_ref()?, lin.lora.as_ref()?);
+            let dropout = lora.dropout > 0.0 && ctx.dropout.is_some();
+            let col: usize = ranks.iter().sum();
+            if dropout || pad.col != col || lora.scale != scale || pad.full.dim(1).ok()? != in_f + p
+            {
+                return None;
+            }
+            ranks.push(lora.a.dim(0).ok()?);
+        }
+        (ctx.folded && ops::fold::pad_width(&ranks, in_f) == Some(p)).then_some(p)
+    }
+
+    /// `fwd_shared` folded (`ops::fold`), for `lins` whose `fold_width` is p: xp [m, in + p]
+    /// holds their input x in its first `in` columns (its next Σ r are written here).
+    pub fn fwd_folded(
+        lins: &[&Linear],
+        xp: &Tensor,
+        ctx: &Ctx,
+    ) -> Result<Vec<(Tensor, Option<Tensor>)>> {
+        let mut a = Vec::with_capacity(lins.len());
+        let mut ws = Vec::with_capacity(lins.len());
+        let mut ranks = Vec::with_capacity(lins.len());
+        let mut scale = 1.0;
+        for lin in lins {
+            let (Some(lora), Some(pad)) = (&lin.lora, &lin.pad) else {
+                candle_core::bail!("{}: folded without an adapter and a pad", lin.name);
+            };
+            a.push(&lora.a);
+            ws.push(&pad.full);
+            ranks.push(lora.a.dim(0)?);
+            scale = lora.scale;
+        }
+        let in_f = match lins.first() {
+            Some(lin) => lin.w.dim(1)?,
+            None => candle_core::bail!("fwd_folded: no linears"),
+        };
+        let a = ctx.a_stack(&a, xp.dtype())?; // [Σ r, in]
+        let (ys, xas) = ops::fold::fwd(xp, in_f, &a, scale, &ws)?;
+        let mut off = 0;
+        let mut out = Vec::with_capacity(lins.len());
+        for (y, r) in ys.into_iter().zip(ranks) {
+            out.push((y, Some(xas.narrow(1, off, r)?))); // [m, r], row stride Σ r
+            off += r;
+        }
+        Ok(out)
+    }
+
     /// `bwd` of linears that shared their input x [m, in]: g[i] = dL/dy_i (consumed), xas[i]
     /// what `fwd_shared` kept → dL/dx (the sum over all) and each one's (dA, dB). The shared
     /// adapters' (g B)·A products are one GEMM, their dA one GEMM (x is read once); the base
@@ -523,11 +594,57 @@ impl Layer {
         v
     }
 
+    /// The linears whose forward can fold (`ops::fold`), by groups that share their input:
+    /// q, k, v; gate, up; down. (o_proj's input is the flash kernel's output.)
+    fn fold_groups(&mut self) -> [Vec<&mut Linear>; 3] {
+        [
+            vec![&mut self.q, &mut self.k, &mut self.v],
+            vec![&mut self.gate, &mut self.up],
+            vec![&mut self.down],
+        ]
+    }
+
     pub fn linears(&self) -> [&Linear; 7] {
         [
             &self.q, &self.k, &self.v, &self.o, &self.gate, &self.up, &self.down,
         ]
     }
+}
+
+/// `Model::fold` for one group of linears that share their input: each one's W copied into
+/// the first `in` columns of a zeroed [out, in + pad] (`ops::fold::pad_width`), its B's
+/// columns after those of the linears before it. Returns the pads' bytes; 0 (nothing done)
+/// when the group cannot fold, or is folded already.
+fn pad_group(lins: &mut [&mut Linear]) -> Result<usize> {
+    let mut ranks = Vec::with_capacity(lins.len());
+    let mut scale = None;
+    for lin in lins.iter() {
+        let Some(lora) = &lin.lora else {
+            return Ok(0);
+        };
+        if lin.b.is_some() || lin.pad.is_some() || *scale.get_or_insert(lora.scale) != lora.scale {
+            return Ok(0);
+        }
+        ranks.push(lora.a.dim(0)?);
+    }
+    let in_f = match lins.first() {
+        Some(lin) => lin.w.dim(1)?,
+        None => return Ok(0),
+    };
+    let Some(p) = ops::fold::pad_width(&ranks, in_f) else {
+        return Ok(0);
+    };
+    let (mut col, mut bytes) = (0, 0);
+    for lin in lins.iter_mut() {
+        let (out, in_f) = lin.w.dims2()?;
+        let full = Tensor::zeros((out, in_f + p), lin.w.dtype(), lin.w.device())?;
+        full.slice_set(&lin.w.contiguous()?, 1, 0)?;
+        lin.w = full.narrow(1, 0, in_f)?;
+        bytes += out * p * lin.w.dtype().size_in_bytes();
+        lin.pad = Some(Pad { full, col });
+        col += lin.lora.as_ref().map_or(0, |l| l.a.dims()[0]);
+    }
+    Ok(bytes)
 }
 
 /// [B, K, T, D] → [B, K·n, T, D], each kv head repeated n times (GQA).
@@ -690,6 +807,7 @@ impl Model {
                     w,
                     b,
                     lora,
+                    pad: None,
                     key,
                 })
             };
@@ -775,6 +893,28 @@ impl Model {
         })
     }
 
+    /// Moves the base weights of the linears whose adapters' forward can fold into the base
+    /// GEMM into padded buffers (`ops::fold`): on CUDA with bf16 weights, unless
+    /// LORA_TRAIN_FOLD=0. A group folds when each of its linears has an adapter and no bias,
+    /// they share a scale, and their input width is a multiple of 8. Not for FSDP
+    /// (its flat shards hold the checkpoint's shapes). Returns the pads' bytes (the memory
+    /// plan's `fold` term).
+    pub fn fold(&mut self) -> Result<usize> {
+        if !matches!(self.device, Device::Cuda(_)) || self.dtype != DType::BF16 {
+            return Ok(0);
+        }
+        if !ops::fold::enabled() {
+            return Ok(0);
+        }
+        let mut bytes = 0;
+        for layer in &mut self.layers {
+            for mut group in layer.fold_groups() {
+                bytes += pad_group(&mut group)?;
+            }
+        }
+        Ok(bytes)
+    }
+
     /// Every LoRA adapter with its module name, in layer then module order.
     pub fn adapters(&self) -> impl Iterator<Item = (&str, &Lora)> {
         self.layers
@@ -816,6 +956,7 @@ impl Model {
             window: 0,
         };
         let (adapters, adapter_buf) = self.adapters_cast()?;
+        let folded = self.write_pads()?;
         Ok(Ctx {
             cos,
             sin,
@@ -824,6 +965,7 @@ impl Model {
             dropout,
             adapters,
             adapter_buf,
+            folded,
         })
     }
 
@@ -881,6 +1023,48 @@ impl Model {
             return Ok((out, Some(flat)));
         }
         Ok((HashMap::new(), None))
+    }
+
+    /// Every folded linear's B rounded to bf16 into its pad columns (`ops::fold`), in one
+    /// launch. Whether they were: false when nothing is folded, or a B is not an f32 CUDA
+    /// tensor as stored (then nothing runs folded).
+    fn write_pads(&self) -> Result<bool> {
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(dev) = &self.device {
+            use ops::multi_tensor::{cast_rows_bf16, f32_addr, MultiT};
+            let mut table = Vec::new();
+            for lin in self.layers.iter().flat_map(|l| l.linears()) {
+                let (Some(pad), Some(lora)) = (&lin.pad, &lin.lora) else {
+                    continue;
+                };
+                let (out, ld) = pad.full.dims2()?;
+                let (in_f, r) = (lin.w.dim(1)?, lora.b.dim(1)?);
+                let (Some(g), Some(p)) = (f32_addr(&lora.b)?, ops::cuda::addr(&pad.full)?) else {
+                    return Ok(false);
+                };
+                if pad.full.dtype() != DType::BF16
+                    || lora.b.dim(0)? != out
+                    || in_f + pad.col + r > ld
+                {
+                    return Ok(false);
+                }
+                table.push(MultiT {
+                    p: p + 2 * (in_f + pad.col) as u64,
+                    g,
+                    m: r as u64,
+                    v: ld as u64,
+                    n: (out * r) as i64,
+                });
+            }
+            if table.is_empty() {
+                return Ok(false);
+            }
+            // SAFETY: each destination is its own linear's r pad columns of out rows ld apart
+            // (checked above) in a live bf16 buffer on this device; the B's are live f32.
+            unsafe { cast_rows_bf16(dev, &table)? };
+            return Ok(true);
+        }
+        Ok(false)
     }
 
     /// ids: [B, T] u32 → hidden [B, T, C]. The embedding is frozen: no graph is built.

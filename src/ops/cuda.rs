@@ -381,8 +381,9 @@ extern "C" __global__ void swiglu_bwd_keep_v8_bf16(const bf16_t* g, const bf16_t
     st8(out, n + k, du);
     st8(da_a, k, a);
 }
-extern "C" __global__ void rms_norm_v8_bf16(const bf16_t* x, const bf16_t* w, bf16_t* y, int d,
-                                            float eps) {
+// Row blockIdx.x of y, ldy elements apart (ldy = d, or wider: a padded row, see rms_norm_pad).
+__device__ __forceinline__ void rms_norm_v8_row(const bf16_t* x, const bf16_t* w, bf16_t* y,
+                                                int d, float eps, long ldy) {
     long row = blockIdx.x;
     const bf16_t* xr = x + row * d;
     float s = 0.f, v[8], wv[8];
@@ -396,13 +397,35 @@ extern "C" __global__ void rms_norm_v8_bf16(const bf16_t* x, const bf16_t* w, bf
         ld8(xr, i, v); ld8(w, i, wv);
 #pragma unroll
         for (int j = 0; j < 8; ++j) v[j] = rbf(v[j] * r) * wv[j];
-        st8(y + row * d, i, v);
+        st8(y + row * ldy, i, v);
     }
+}
+extern "C" __global__ void rms_norm_v8_bf16(const bf16_t* x, const bf16_t* w, bf16_t* y, int d,
+                                            float eps) {
+    rms_norm_v8_row(x, w, y, d, eps, d);
+}
+// rms_norm_v8 into rows ldy apart: the first d columns of a [rows, ldy] buffer whose last
+// ldy − d the caller fills (the adapters' x·Aᵀ next to x: ops::fold).
+extern "C" __global__ void rms_norm_pad_v8_bf16(const bf16_t* x, const bf16_t* w, bf16_t* y,
+                                                int d, float eps, long ldy) {
+    rms_norm_v8_row(x, w, y, d, eps, ldy);
+}
+// swiglu_v8 into rows lda apart: a [n / d, lda] buffer's first d columns (d a multiple of 8).
+extern "C" __global__ void swiglu_pad_v8_bf16(const bf16_t* g, const bf16_t* u, bf16_t* a, long n,
+                                              long d, long lda) {
+    long k = ((long)blockIdx.x * blockDim.x + threadIdx.x) * 8;
+    if (k >= n) return;
+    float gv[8], uv[8], o[8];
+    ld8(g, k, gv); ld8(u, k, uv);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) o[i] = rbf(gv[i] / (1.f + __expf(-gv[i]))) * uv[i];
+    st8(a, (k / d) * lda + k % d, o);
 }
 // h = round(x + a), y = rms_norm(h) · w: a residual add and the norm after it in one pass over
 // the row (h is re-read by the thread that wrote it), the values of add_bf16 then rms_norm_v8.
+// y's rows are ldy apart (ldy = d, or a padded row as in rms_norm_pad_v8).
 extern "C" __global__ void add_rms_norm_v8_bf16(const bf16_t* x, const bf16_t* a, const bf16_t* w,
-                                                bf16_t* h, bf16_t* y, int d, float eps) {
+                                                bf16_t* h, bf16_t* y, int d, float eps, long ldy) {
     const long o = (long)blockIdx.x * d;
     float s = 0.f, v[8], u[8];
     for (int i = threadIdx.x * 8; i < d; i += blockDim.x * 8) {
@@ -416,7 +439,7 @@ extern "C" __global__ void add_rms_norm_v8_bf16(const bf16_t* x, const bf16_t* a
         ld8(h + o, i, v); ld8(w, i, u);
 #pragma unroll
         for (int j = 0; j < 8; ++j) v[j] = rbf(v[j] * r) * u[j];
-        st8(y + o, i, v);
+        st8(y + (long)blockIdx.x * ldy, i, v);
     }
 }
 extern "C" __global__ void rms_norm_bwd_v8_bf16(const bf16_t* x, const bf16_t* w, const bf16_t* g,
@@ -1088,6 +1111,18 @@ pub fn add_rms_norm(
     w: &candle_core::Tensor,
     eps: f32,
 ) -> Result<Option<(candle_core::Tensor, candle_core::Tensor)>> {
+    add_rms_norm_pad(x, a, w, eps, 0)
+}
+
+/// `add_rms_norm` with y's rows `pad` columns wider ([rows, d + pad], pad a multiple of 8; y as
+/// x's shape when pad = 0): the pad columns are left unset for the caller (`ops::fold`).
+pub fn add_rms_norm_pad(
+    x: &candle_core::Tensor,
+    a: &candle_core::Tensor,
+    w: &candle_core::Tensor,
+    eps: f32,
+    pad: usize,
+) -> Result<Option<(candle_core::Tensor, candle_core::Tensor)>> {
     use candle_core::{op::BackpropOp, Device, Storage, Tensor};
     let Device::Cuda(dev) = x.device() else {
         return Ok(None);
@@ -1097,6 +1132,10 @@ pub fn add_rms_norm(
     if !bf16 || a.shape() != x.shape() || x.dims().last() != Some(&d) || d % 8 != 0 || n == 0 {
         return Ok(None);
     }
+    if pad % 8 != 0 {
+        return Ok(None);
+    }
+    let (rows, ldy) = (n / d, d + pad);
     let (Some(xp), Some(ap), Some(wp)) = (addr(x)?, addr(a)?, addr(w)?) else {
         return Ok(None);
     };
@@ -1107,13 +1146,14 @@ pub fn add_rms_norm(
     let stream = dev.cuda_stream();
     // SAFETY (both): every element is written by the kernel.
     let h = unsafe { stream.alloc::<half::bf16>(n) }.w()?;
-    let y = unsafe { stream.alloc::<half::bf16>(n) }.w()?;
+    // (y's pad columns are the caller's to write, see above.)
+    let y = unsafe { stream.alloc::<half::bf16>(rows * ldy) }.w()?;
     let cfg = LaunchConfig {
-        grid_dim: ((n / d) as u32, 1, 1),
+        grid_dim: (rows as u32, 1, 1),
         block_dim: (threads_for((d / 8).min(1024)), 1, 1),
         shared_mem_bytes: 0,
     };
-    let (di, e) = (d as i32, eps);
+    let (di, e, ldl) = (d as i32, eps, ldy as i64);
     let mut b = stream.launch_builder(&func);
     b.arg(&xp)
         .arg(&ap)
@@ -1121,19 +1161,115 @@ pub fn add_rms_norm(
         .arg(&h)
         .arg(&y)
         .arg(&di)
-        .arg(&e);
+        .arg(&e)
+        .arg(&ldl);
     // SAFETY: x, a, w are live contiguous bf16 buffers of the sizes checked, on this stream; h
     // and y are fresh.
     unsafe { b.launch(cfg) }.w()?;
-    let wrap = |buf| {
+    let wrap = |buf, shape: candle_core::Shape| {
         Tensor::from_storage(
             Storage::Cuda(CudaStorage::wrap_cuda_slice(buf, dev.clone())),
-            x.shape().clone(),
+            shape,
             BackpropOp::none(),
             false,
         )
     };
-    Ok(Some((wrap(h), wrap(y))))
+    let y_shape = match pad {
+        0 => x.shape().clone(),
+        _ => (rows, ldy).into(),
+    };
+    Ok(Some((wrap(h, x.shape().clone()), wrap(y, y_shape))))
+}
+
+/// `rms_norm` of bf16 x [.., d] into the first d columns of a fresh [rows, d + pad] (pad a
+/// multiple of 8); the pad columns are left unset for the caller (`ops::fold`). None when the
+/// operands do not suit the 8-a-thread kernel.
+pub fn rms_norm_pad(
+    x: &candle_core::Tensor,
+    w: &candle_core::Tensor,
+    eps: f32,
+    pad: usize,
+) -> Result<Option<candle_core::Tensor>> {
+    use candle_core::Device;
+    let Device::Cuda(dev) = x.device() else {
+        return Ok(None);
+    };
+    let (n, d) = (x.elem_count(), w.elem_count());
+    let bf16 = x.dtype() == DType::BF16 && w.dtype() == DType::BF16;
+    if !bf16 || x.dims().last() != Some(&d) || d % 8 != 0 || pad % 8 != 0 || n == 0 {
+        return Ok(None);
+    }
+    let (Some(xp), Some(wp)) = (addr(x)?, addr(w)?) else {
+        return Ok(None);
+    };
+    if [xp, wp].iter().any(|p| p % 16 != 0) {
+        return Ok(None);
+    }
+    let (rows, ldy) = (n / d, d + pad);
+    // SAFETY: the kernel writes every row's first d columns; the pad is the caller's (above).
+    let Some(y) = (unsafe { uninit(dev, DType::BF16, (rows, ldy))? }) else {
+        return Ok(None);
+    };
+    let Some(yp) = addr(&y)? else {
+        return Ok(None);
+    };
+    let func = function(dev, "rms_norm_pad_v8_bf16")?;
+    let stream = dev.cuda_stream();
+    let cfg = LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (threads_for((d / 8).min(1024)), 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (di, e, ldl) = (d as i32, eps, ldy as i64);
+    let mut b = stream.launch_builder(&func);
+    b.arg(&xp).arg(&wp).arg(&yp).arg(&di).arg(&e).arg(&ldl);
+    // SAFETY: x and w are live contiguous bf16 buffers of the sizes checked, on this stream; y
+    // is fresh, [rows, ldy].
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(Some(y))
+}
+
+/// `swiglu` of bf16 g, u [.., d] into the first d columns of a fresh [rows, d + pad] (d and
+/// pad multiples of 8); the pad columns are left unset for the caller (`ops::fold`).
+pub fn swiglu_pad(
+    g: &candle_core::Tensor,
+    u: &candle_core::Tensor,
+    pad: usize,
+) -> Result<Option<candle_core::Tensor>> {
+    use candle_core::Device;
+    let Device::Cuda(dev) = g.device() else {
+        return Ok(None);
+    };
+    let n = g.elem_count();
+    let d = *g.dims().last().unwrap_or(&0);
+    let bf16 = g.dtype() == DType::BF16 && u.dtype() == DType::BF16;
+    if !bf16 || u.shape() != g.shape() || d % 8 != 0 || pad % 8 != 0 || n == 0 {
+        return Ok(None);
+    }
+    let (Some(gp), Some(up)) = (addr(g)?, addr(u)?) else {
+        return Ok(None);
+    };
+    if [gp, up].iter().any(|p| p % 16 != 0) {
+        return Ok(None);
+    }
+    let (rows, lda) = (n / d, d + pad);
+    // SAFETY: the kernel writes every row's first d columns; the pad is the caller's (above).
+    let Some(a) = (unsafe { uninit(dev, DType::BF16, (rows, lda))? }) else {
+        return Ok(None);
+    };
+    let Some(ap) = addr(&a)? else {
+        return Ok(None);
+    };
+    let func = function(dev, "swiglu_pad_v8_bf16")?;
+    let stream = dev.cuda_stream();
+    let cfg = LaunchConfig::for_num_elems((n / 8) as u32);
+    let (nl, dl, ldl) = (n as i64, d as i64, lda as i64);
+    let mut b = stream.launch_builder(&func);
+    b.arg(&gp).arg(&up).arg(&ap).arg(&nl).arg(&dl).arg(&ldl);
+    // SAFETY: g and u are live contiguous bf16 buffers of n elements on this stream; a is
+    // fresh, [rows, lda].
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(Some(a))
 }
 
 /// `ops::swiglu::swiglu_bwd_keep` on the GPU: (dg, du, a) with a written over `da`'s buffer,

@@ -100,16 +100,21 @@ mod cuda {
         let Some((data_type, compute)) = types(dt) else {
             return Ok(None);
         };
-        let (Some(mi), Some(ni), Some(ki), Some(ini)) = (int(m), int(n), int(k), int(wi)) else {
-            return Ok(None);
-        };
         let addr = crate::ops::cuda::addr;
-        let (Some(xp), Some(wp), Some(cp)) = (addr(x)?, addr(w)?, addr(acc)?) else {
+        // W's rows may lie further apart than its columns (a column slice: the first `in`
+        // columns of a padded weight, `ops::fold`); its leading dimension is that stride.
+        let (Some(xp), Some((wp, ldw)), Some(cp)) =
+            (addr(x)?, crate::ops::cuda::addr_rows(w)?, addr(acc)?)
+        else {
             return Ok(None);
         };
-        // SAFETY: the three pointers are live contiguous buffers of the sizes checked above, on
-        // the stream cuBLAS runs on (candle's, set on its handle); acc is the callers' fresh
-        // result (module docs), so writing it in place is seen by no one else.
+        let (Some(mi), Some(ni), Some(ki), Some(ini)) = (int(m), int(n), int(k), int(ldw)) else {
+            return Ok(None);
+        };
+        // SAFETY: the three pointers are live buffers of the sizes checked above (W's rows
+        // `ldw` apart, the others contiguous), on the stream cuBLAS runs on (candle's, set on
+        // its handle); acc is the callers' fresh result (module docs), so writing it in place
+        // is seen by no one else.
         unsafe {
             gemm(
                 dev,
@@ -273,13 +278,15 @@ mod cuda {
         if w.dtype() != dt || !w.device().same_device(x.device()) || kw != k || m * n * k == 0 {
             return Ok(None);
         }
-        let (Some((xp, ldx)), Some(wp)) =
-            (crate::ops::cuda::addr_rows(x)?, crate::ops::cuda::addr(w)?)
-        else {
+        // Either operand may be a column slice of a wider matrix (rows contiguous).
+        let (Some((xp, ldx)), Some((wp, ldw))) = (
+            crate::ops::cuda::addr_rows(x)?,
+            crate::ops::cuda::addr_rows(w)?,
+        ) else {
             return Ok(None);
         };
         let (Some(mi), Some(ni), Some(ki), Some(ldx), Some(ldw)) =
-            (int(m), int(n), int(k), int(ldx), int(w1))
+            (int(m), int(n), int(k), int(ldx), int(ldw))
         else {
             return Ok(None);
         };
@@ -291,8 +298,8 @@ mod cuda {
             return Ok(None);
         };
         // Column-major C' = out as stored [n × m] = op(W') · x', x' = x as stored [k × m].
-        // SAFETY: x is m rows of its leading dimension, W is contiguous [w0, w1], out is fresh
-        // and ours; all on cuBLAS's stream (candle's).
+        // SAFETY: x and W are rows of their leading dimensions ([m, k], [w0, w1]), out is
+        // fresh and ours; all on cuBLAS's stream (candle's).
         unsafe {
             gemm(
                 dev,

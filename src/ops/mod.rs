@@ -15,6 +15,7 @@ pub mod cross_entropy;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod flash;
+pub mod fold;
 pub mod frozen_linear;
 #[cfg(feature = "cuda")]
 pub mod gemm_tune;

@@ -43,3 +43,14 @@ extern "C" __global__ void cast_multi_bf16(const MultiT* ts) {
     for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < t.n; i += (long)gridDim.x * blockDim.x)
         st(dst, i, t.g[i]);
 }
+
+// Tensor y's n f32 values (rows of t.m elements, as stored) rounded to bf16 into rows t.v
+// elements apart from its p: the adapters' B's into their columns of the padded frozen weights
+// (ops::fold). m and v carry counts here, not addresses.
+extern "C" __global__ void cast_rows_multi_bf16(const MultiT* ts) {
+    const MultiT t = ts[blockIdx.y];
+    bf16_t* dst = (bf16_t*)t.p;
+    const long w = (long)t.m, ld = (long)t.v;
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < t.n; i += (long)gridDim.x * blockDim.x)
+        st(dst, (i / w) * ld + i % w, t.g[i]);
+}

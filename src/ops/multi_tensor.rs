@@ -55,7 +55,7 @@ pub fn f32_addr(t: &Tensor) -> Result<Option<u64>> {
 }
 
 #[cfg(feature = "cuda")]
-pub use imp::{adamw, cast_bf16, sumsq};
+pub use imp::{adamw, cast_bf16, cast_rows_bf16, sumsq};
 
 #[cfg(feature = "cuda")]
 mod imp {
@@ -148,6 +148,24 @@ mod imp {
             unsafe { b.launch(cfg) }.w()?;
         }
         Ok(out)
+    }
+
+    /// Each of `ts`'s f32 tensors (its g, `n` elements in rows of `m` as stored) rounded to
+    /// bf16 into rows `v` elements apart from its `p`, in one launch (`ops::fold`'s B columns).
+    ///
+    /// # Safety
+    /// Each p must be a live bf16 buffer on this device's stream holding n / m rows of v
+    /// elements (v ≥ m), and no two tables' destinations may overlap.
+    pub unsafe fn cast_rows_bf16(dev: &CudaDevice, ts: &[MultiT]) -> Result<()> {
+        let func = crate::ops::cuda::function(dev, "cast_rows_multi_bf16")?;
+        let stream = dev.cuda_stream();
+        for (table, cfg, _) in parts(&stream, ts)? {
+            let mut b = stream.launch_builder(&func);
+            b.arg(&table);
+            // SAFETY: the caller's contract (above); sources are live f32 buffers of n elements.
+            unsafe { b.launch(cfg) }.w()?;
+        }
+        Ok(())
     }
 
     /// Σ g² over every tensor of `ts` (their g), summed in f64 in a fixed order.

@@ -172,13 +172,18 @@ impl Session {
         };
         let fsdp = recipe.parallel.strategy == Strategy::Fsdp;
         let mut groups = Vec::new();
-        let model = Model::load_with(&files, dtype, &dev, &spec, recipe.train.seed, &mut |t| {
+        let mut model = Model::load_with(&files, dtype, &dev, &spec, recipe.train.seed, &mut |t| {
             if fsdp {
                 groups.push(Flat::take(t, &*comm)?);
             }
             Ok(())
         })
         .with_context(|| format!("cannot load the model in {}", dir.display()))?;
+        // The adapters' forward folded into the base GEMMs (ops::fold); FSDP's gathered layers
+        // hold the checkpoint's shapes.
+        if !fsdp {
+            model.fold()?;
+        }
         let shards = match fsdp {
             true => Some(Shards::from_groups(groups, model.layers.len(), &*comm)?),
             false => None,

@@ -536,9 +536,11 @@ fn offloaded_residuals_give_the_recomputed_gradients_on_the_gpu() {
     }
 }
 
+/// A two-layer model of the tiny shape with 64-wide heads (the flash kernels take it) on GPU 0,
+/// bf16, rank-8 adapters on every linear with random B's (PEFT's zero B would leave every
+/// adapter gradient but dB trivial).
 #[cfg(feature = "cuda")]
-#[test]
-fn flash_layer_backward_matches_autograd_on_the_gpu() {
+fn gpu_layer_model() -> lora_train::model::llama::Model {
     use candle_core::{DType, Device};
     use lora_train::lora::{LoraSpec, ALL_LINEAR};
     use lora_train::model::llama::Model;
@@ -564,22 +566,45 @@ fn flash_layer_backward_matches_autograd_on_the_gpu() {
         targets: ALL_LINEAR.iter().map(|s| s.to_string()).collect(),
     };
     let m = Model::random_with(cfg, DType::BF16, &dev, &spec, 7, &mut |_| Ok(())).unwrap();
-    // B starts at zero (PEFT's init); random B makes every adapter gradient non-trivial.
+    randomize_b(&m, 0.05);
+    m
+}
+
+/// Every adapter's B drawn afresh from N(0, std²).
+#[cfg(feature = "cuda")]
+fn randomize_b(m: &lora_train::model::llama::Model, std: f32) {
     for (_, lora) in m.adapters() {
-        let b = Tensor::randn(0f32, 0.05, lora.b.shape(), &dev).unwrap();
+        let b = Tensor::randn(0f32, std, lora.b.shape(), lora.b.device()).unwrap();
         lora.b.set(&b).unwrap();
     }
+}
+
+/// A batch for `gpu_layer_model`'s layers: ctx of 2 rows × 150 tokens in three packed
+/// segments each, x [2, 150, 256] bf16 and dL/dy g of its shape (f32).
+#[cfg(feature = "cuda")]
+fn gpu_layer_batch(
+    m: &lora_train::model::llama::Model,
+) -> (lora_train::model::llama::Ctx, Tensor, Tensor) {
+    use candle_core::DType;
+    let dev = &m.device;
     let (b, t, c) = (2, 150, 256);
     let positions: Vec<u32> = (0..b).flat_map(|_| 0..t as u32).collect();
     let segments: Vec<u32> = (0..b * t).map(|i| ((i % t) / 70) as u32).collect();
     let ctx = m.ctx(&positions, b, t, Some(segments), None).unwrap();
-    let x = Tensor::randn(0f32, 1.0, (b, t, c), &dev)
+    let x = Tensor::randn(0f32, 1.0, (b, t, c), dev)
         .unwrap()
         .to_dtype(DType::BF16)
         .unwrap();
-    let g = Tensor::randn(0f32, 1.0, (b, t, c), &dev).unwrap();
-    let layer = &m.layers[1];
+    let g = Tensor::randn(0f32, 1.0, (b, t, c), dev).unwrap();
+    (ctx, x, g)
+}
 
+#[cfg(feature = "cuda")]
+#[test]
+fn flash_layer_backward_matches_autograd_on_the_gpu() {
+    let m = gpu_layer_model();
+    let (ctx, x, g) = gpu_layer_batch(&m);
+    let layer = &m.layers[1];
     let (xv, y_ref, gs) = autograd_reference(layer, &x, &g, &ctx);
     let (y, acts) = layer.forward_train(&x, &ctx, true).unwrap();
     assert_close("flash layer y", &y, &y_ref, 2e-2, 1e-2);
@@ -593,6 +618,237 @@ fn flash_layer_backward_matches_autograd_on_the_gpu() {
         xv.as_tensor(),
         (3e-2, 2e-2),
     );
+}
+
+/// The adapters' forward folded into the base GEMMs (ops::fold): q, k, v, gate, up and down
+/// run folded, and the layer's output, activations' use (its backward) and gradients match
+/// the same layer unfolded (the two GEMMs, W read through the pad's row stride) and autograd;
+/// after the B's change (an optimiser step), a new batch's pads carry the new B's.
+#[cfg(feature = "cuda")]
+#[test]
+fn folded_layer_matches_the_unfolded_and_autograd_on_the_gpu() {
+    use lora_train::model::llama::Linear;
+    let mut m = gpu_layer_model();
+    let (c, i, kv) = (256, 688, 128);
+    let bytes = m.fold().unwrap();
+    // Rows rounded up to 64: q, k, v 256 + 24 → 320 and gate, up 256 + 16 → 320 (64 pad
+    // columns); down 688 + 8 → 704 (16). Two layers, bf16; q [256], k and v [128] (GQA).
+    let pads = [64, 64, 16];
+    assert_eq!(bytes, 2 * 2 * ((c + 2 * kv) * 64 + 2 * i * 64 + c * 16));
+    for round in 0..2 {
+        if round == 1 {
+            randomize_b(&m, 0.1); // as after an optimiser step
+        }
+        let (ctx, x, g) = gpu_layer_batch(&m);
+        assert!(ctx.folded, "round {round}: the pads were not written");
+        let layer = &m.layers[1];
+        let groups: [&[&Linear]; 3] = [
+            &[&layer.q, &layer.k, &layer.v],
+            &[&layer.gate, &layer.up],
+            &[&layer.down],
+        ];
+        for (lins, p) in groups.into_iter().zip(pads) {
+            assert_eq!(Linear::fold_width(lins, &ctx), Some(p), "{}", lins[0].name);
+        }
+        assert_eq!(Linear::fold_width(&[&layer.o], &ctx), None);
+        let mut plain = m.ctx(&[0; 300], 2, 150, None, None).unwrap();
+        (plain.cos, plain.sin, plain.mask) = (ctx.cos.clone(), ctx.sin.clone(), ctx.mask.clone());
+        plain.folded = false;
+        assert_eq!(Linear::fold_width(groups[0], &plain), None);
+
+        let tag = format!("round {round}");
+        let (y, acts) = layer.forward_train(&x, &ctx, true).unwrap();
+        let (y_plain, acts_plain) = layer.forward_train(&x, &plain, true).unwrap();
+        // One rounding of base + adapter against two: within a bf16 step of the output.
+        assert_close(&format!("{tag}: y folded"), &y, &y_plain, 1e-2, 1e-2);
+        let (xv, y_ref, gs) = autograd_reference(layer, &x, &g, &ctx);
+        assert_close(&format!("{tag}: y vs autograd"), &y, &y_ref, 2e-2, 1e-2);
+        let ours = layer.backward(acts.unwrap(), &g, &ctx).unwrap();
+        let theirs = layer.backward(acts_plain.unwrap(), &g, &plain).unwrap();
+        assert_close(&format!("{tag}: dx folded"), &ours.0, &theirs.0, 2e-2, 1e-2);
+        for ((ia, ga), (ib, gb)) in ours.1.iter().zip(&theirs.1) {
+            assert_eq!(ia, ib);
+            assert_close(&format!("{tag}: adapter grad folded"), ga, gb, 3e-2, 2e-2);
+        }
+        check_layer_grads(&tag, layer, &ours, &gs, xv.as_tensor(), (3e-2, 2e-2));
+    }
+}
+
+/// The fold at the 7B layer shape (the bench's: rank 16, micro-batch 2 × 2048, the tuned
+/// GEMMs), with B = 0 as at the first step and with small B's: the folded layer's output,
+/// dL/dx and every adapter gradient match the unfolded layer's.
+#[cfg(feature = "cuda")]
+#[test]
+fn folded_7b_layer_matches_the_unfolded_on_the_gpu() {
+    use candle_core::{DType, Device};
+    use lora_train::lora::{LoraSpec, ALL_LINEAR};
+    use lora_train::model::llama::Model;
+    let dev = Device::new_cuda(0).unwrap();
+    let mut cfg = lora_train::bench::shape("llama2-7b").unwrap();
+    (cfg.num_layers, cfg.vocab_size) = (1, 512);
+    let spec = LoraSpec {
+        rank: 16,
+        alpha: 32.0,
+        dropout: 0.0,
+        rslora: false,
+        targets: ALL_LINEAR.iter().map(|s| s.to_string()).collect(),
+    };
+    let mut m = Model::random_with(cfg, DType::BF16, &dev, &spec, 7, &mut |_| Ok(())).unwrap();
+    assert!(m.fold().unwrap() > 0);
+    let (b, t, c) = (2, 2048, 4096);
+    let positions: Vec<u32> = (0..b).flat_map(|_| 0..t as u32).collect();
+    for (round, std) in [0.0f32, 1e-3].into_iter().enumerate() {
+        if std > 0.0 {
+            randomize_b(&m, std);
+        }
+        let ctx = m.ctx(&positions, b, t, None, None).unwrap();
+        assert!(ctx.folded);
+        let mut plain = m.ctx(&positions, b, t, None, None).unwrap();
+        plain.folded = false;
+        let x = Tensor::randn(0f32, 1.0, (b, t, c), &dev)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap();
+        let g = Tensor::randn(0f32, 1e-3, (b, t, c), &dev).unwrap();
+        let layer = &m.layers[0];
+        let tag = format!("round {round} (B ~ {std})");
+        let (y, acts) = layer.forward_train(&x, &ctx, true).unwrap();
+        let (y_plain, acts_plain) = layer.forward_train(&x, &plain, true).unwrap();
+        // max |ours − theirs| / max |theirs|, printed for every tensor, then bounded
+        let rel = |a: &Tensor, b: &Tensor| {
+            let (a, b) = (host_f32(a), host_f32(b));
+            let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let err = a
+                .iter()
+                .zip(&b)
+                .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+            err / scale.max(f32::MIN_POSITIVE)
+        };
+        let mut worst = vec![("y".to_string(), rel(&y, &y_plain))];
+        let ours = layer.backward(acts.unwrap(), &g, &ctx).unwrap();
+        let theirs = layer.backward(acts_plain.unwrap(), &g, &plain).unwrap();
+        worst.push(("dx".into(), rel(&ours.0, &theirs.0)));
+        for (lin, k) in layer.linears().iter().zip(0..) {
+            for (w, j) in [("A", 0), ("B", 1)] {
+                let ((ia, ga), (ib, gb)) = (&ours.1[2 * k + j], &theirs.1[2 * k + j]);
+                assert_eq!(ia, ib);
+                worst.push((format!("{} d{w}", lin.name), rel(ga, gb)));
+            }
+        }
+        println!("{tag}: {worst:?}");
+        for (what, e) in worst {
+            assert!(
+                e < 2e-2,
+                "{tag}: {what} differs by {e} of its largest value"
+            );
+        }
+    }
+}
+
+/// q, k, v, gate, up and down of a 7B-shaped layer (rank 16, 4096 tokens) against the same
+/// products in f32, y = x Wᵀ + (s · x Aᵀ) Bᵀ from the bf16 operands: folded, each output is
+/// within half a bf16 step of it (one rounding), where the unfolded GEMMs may be a whole step
+/// off (the base's rounding, then the sum's: what an adapter term under half a step lost).
+/// The input kernels' padded rows (RMSNorm, the residual add's, SwiGLU) carry the unpadded
+/// kernels' values.
+#[cfg(feature = "cuda")]
+#[test]
+fn folded_linears_round_once_at_7b_on_the_gpu() {
+    use candle_core::{DType, Device};
+    use lora_train::lora::{LoraSpec, ALL_LINEAR};
+    use lora_train::model::llama::{Linear, Model};
+    use lora_train::ops;
+    let dev = Device::new_cuda(0).unwrap();
+    let mut cfg = lora_train::bench::shape("llama2-7b").unwrap();
+    (cfg.num_layers, cfg.vocab_size) = (1, 512);
+    let spec = LoraSpec {
+        rank: 16,
+        alpha: 32.0,
+        dropout: 0.0,
+        rslora: false,
+        targets: ALL_LINEAR.iter().map(|s| s.to_string()).collect(),
+    };
+    let mut m = Model::random_with(cfg, DType::BF16, &dev, &spec, 7, &mut |_| Ok(())).unwrap();
+    assert!(m.fold().unwrap() > 0);
+    randomize_b(&m, 1e-2);
+    let ctx = m.ctx(&[0; 4096], 2, 2048, None, None).unwrap();
+    let l = &m.layers[0];
+    let eps = 1e-6;
+    let bf = |t: Tensor| t.to_dtype(DType::BF16).unwrap();
+    let f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+    let max = |t: &Tensor| {
+        t.abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    };
+    let randn = |cols: usize| bf(Tensor::randn(0f32, 1.0, (4096, cols), &dev).unwrap());
+    let (x, ao, gate, up) = (randn(4096), randn(4096), randn(11008), randn(11008));
+    let qkv = [&l.q, &l.k, &l.v];
+    let gu = [&l.gate, &l.up];
+    let down = [&l.down];
+    // Each group's input, padded and not.
+    let pad = |lins: &[&Linear]| Linear::fold_width(lins, &ctx).unwrap();
+    let inputs: [(&[&Linear], Tensor, Tensor); 3] = [
+        (
+            &qkv,
+            ops::fold::rms_norm_pad(&x, &l.input_norm, eps, pad(&qkv))
+                .unwrap()
+                .unwrap(),
+            ops::rms_norm(&x, &l.input_norm, eps).unwrap(),
+        ),
+        (
+            &gu,
+            ops::fold::add_rms_norm_pad(&x, &ao, &l.post_norm, eps, pad(&gu))
+                .unwrap()
+                .unwrap()
+                .1,
+            ops::add_rms_norm(&x, &ao, &l.post_norm, eps).unwrap().1,
+        ),
+        (
+            &down,
+            ops::fold::swiglu_pad(&gate, &up, pad(&down))
+                .unwrap()
+                .unwrap(),
+            ops::swiglu(&gate, &up).unwrap(),
+        ),
+    ];
+    for (lins, xp, xin) in inputs {
+        let in_f = xin.dim(1).unwrap();
+        let same = (f32(&xp.narrow(1, 0, in_f).unwrap()) - f32(&xin)).unwrap();
+        assert_eq!(max(&same), 0.0, "{}: the padded input", lins[0].name);
+        let folded = Linear::fwd_folded(lins, &xp, &ctx).unwrap();
+        let plain = Linear::fwd_shared(lins, &xin, &ctx).unwrap();
+        for ((lin, (yf, xf)), (yp, xpl)) in lins.iter().zip(&folded).zip(&plain) {
+            let (xf, xpl) = (xf.as_ref().unwrap(), xpl.as_ref().unwrap());
+            assert_eq!(
+                max(&(f32(xf) - f32(xpl)).unwrap()),
+                0.0,
+                "{}: xas",
+                lin.name
+            );
+            let b = f32(&bf(lin.lora.as_ref().unwrap().b.as_tensor().clone()));
+            let lora = f32(&xpl.contiguous().unwrap())
+                .matmul(&b.t().unwrap())
+                .unwrap();
+            let base = f32(&xin).matmul(&f32(&lin.w).t().unwrap()).unwrap();
+            let want = (base + &lora).unwrap();
+            // half a bf16 step at the largest |y|: 2^(⌊log2 max⌋ − 8)
+            let half = 2f32.powi(max(&want).log2().floor() as i32 - 8);
+            let ef = max(&(f32(yf) - &want).unwrap());
+            let ep = max(&(f32(yp) - &want).unwrap());
+            println!(
+                "{}: |y| ≤ {}, |adapter| ≤ {}, off by {ef} folded, {ep} unfolded",
+                lin.name,
+                max(&want),
+                max(&lora)
+            );
+            assert!(ef <= 1.01 * half, "{}: folded off by {ef}", lin.name);
+            assert!(ep <= 2.02 * half, "{}: unfolded off by {ep}", lin.name);
+        }
+    }
 }
 
 /// The fused CUDA optimiser step (one kernel over every adapter, in place) against the
