@@ -79,7 +79,11 @@ pub fn run(recipe: &Recipe, max_micro_batch: usize) -> Result<ProbeReport> {
         rslora: recipe.lora.rslora,
         targets: recipe.target_modules()?,
     };
-    let model = Model::load(&files, dtype, &dev, &spec, recipe.train.seed)?;
+    let mut model = Model::load(&files, dtype, &dev, &spec, recipe.train.seed)?;
+    // As training holds it: the adapters' forward folded (ops::fold), but under FSDP.
+    if recipe.parallel.strategy != crate::recipe::Strategy::Fsdp {
+        model.fold()?;
+    }
     let load_peak = memory::stats(&dev)?.map(|s| s.used_high);
     let params: Vec<_> = model
         .adapters()
@@ -93,7 +97,7 @@ pub fn run(recipe: &Recipe, max_micro_batch: usize) -> Result<ProbeReport> {
         .layers
         .iter()
         .flat_map(|l| l.linears())
-        .map(|l| memory::tensor_bytes(&l.w))
+        .map(|l| crate::dist::fsdp::storage_bytes(&l.w) as u64)
         .sum::<u64>()
         + memory::tensor_bytes(&model.embed)
         + memory::tensor_bytes(&model.lm_head)

@@ -23,9 +23,9 @@
 //! Folded, y is within half a step: on the 7B bench (lr 1e-4) the loss after the second step
 //! fell to 10.996 instead of 11.144 (from 11.179), each folded group adding to it.
 //!
-//! Measured before it was written (7B layer shapes, micro-batch 2 × 2048, one H200 under
-//! sustained load, PyTorch's cuBLAS, `.devbuild/fold_probe.py`): a layer's forward products
-//! 2,707 → 2,501 µs, ~6.6 ms a step.
+//! Measured (7B, micro-batch 2 × 2048, r16, one H200; BENCHMARKS.md (q)): the bench +0.4% to
+//! +1.1% against two GEMMs (a PyTorch probe of the layer's products had bounded it at ~6.6 ms
+//! a step); the pads +150 MiB.
 //!
 //! Not folded (two GEMMs as before): LORA_TRAIN_FOLD=0; FSDP (its gathered layers are flat
 //! buffers of the checkpoint's shapes); o_proj (its input comes out of the flash kernel);
@@ -45,8 +45,8 @@ pub fn enabled() -> bool {
 pub const ROW_ALIGN: usize = 64;
 
 /// The pad a group of adapted linears that share an input of `in_f` columns, of ranks
-/// `ranks`, is given: rows of `in_f` + pad = Σ r rounded up to `ROW_ALIGN` (the columns past
-/// in + Σ r are never read). None where the kernels cannot take the rows (`in_f` not a
+/// `ranks`, is given: rows of `in_f` + pad = `in_f` + Σ r rounded up to `ROW_ALIGN` (the
+/// columns past in + Σ r are neither written nor read). None where the kernels cannot take the rows (`in_f` not a
 /// multiple of 8).
 pub fn pad_width(ranks: &[usize], in_f: usize) -> Option<usize> {
     let p: usize = ranks.iter().sum();

@@ -1113,7 +1113,9 @@ fn model_bytes(m: &Model) -> u64 {
     for l in &m.layers {
         sum += b(&l.input_norm) + b(&l.post_norm);
         for lin in l.linears() {
-            sum += b(&lin.w) + lin.b.as_ref().map(b).unwrap_or(0);
+            // W's whole buffer: folded, its pad columns too (ops::fold)
+            sum += crate::dist::fsdp::storage_bytes(&lin.w) as u64;
+            sum += lin.b.as_ref().map(b).unwrap_or(0);
             if let Some(lora) = &lin.lora {
                 sum += b(lora.a.as_tensor()) + b(lora.b.as_tensor());
             }
