@@ -1195,22 +1195,15 @@ pub fn rms_norm_pad(
         return Ok(None);
     };
     let (n, d) = (x.elem_count(), w.elem_count());
-    let bf16 = x.dtype() == DType::BF16 && w.dtype() == DType::BF16;
-    if !bf16 || x.dims().last() != Some(&d) || d % 8 != 0 || pad % 8 != 0 || n == 0 {
+    if x.dims().last() != Some(&d) || d % 8 != 0 || pad % 8 != 0 || n == 0 {
         return Ok(None);
     }
-    let (Some(xp), Some(wp)) = (addr(x)?, addr(w)?) else {
+    let Some([xp, wp]) = v8_addrs([x, w])? else {
         return Ok(None);
     };
-    if [xp, wp].iter().any(|p| p % 16 != 0) {
-        return Ok(None);
-    }
     let (rows, ldy) = (n / d, d + pad);
     // SAFETY: the kernel writes every row's first d columns; the pad is the caller's (above).
-    let Some(y) = (unsafe { uninit(dev, DType::BF16, (rows, ldy))? }) else {
-        return Ok(None);
-    };
-    let Some(yp) = addr(&y)? else {
+    let Some((y, yp)) = (unsafe { padded_rows(dev, rows, ldy)? }) else {
         return Ok(None);
     };
     let func = function(dev, "rms_norm_pad_v8_bf16")?;
@@ -1229,6 +1222,36 @@ pub fn rms_norm_pad(
     Ok(Some(y))
 }
 
+/// The addresses of bf16 CUDA tensors that are each contiguous and on 16 bytes (the loads of
+/// the 8-a-thread kernels); None if any is not.
+fn v8_addrs<const N: usize>(ts: [&candle_core::Tensor; N]) -> Result<Option<[u64; N]>> {
+    let mut out = [0u64; N];
+    for (o, t) in out.iter_mut().zip(ts) {
+        match (t.dtype(), addr(t)?) {
+            (DType::BF16, Some(p)) if p % 16 == 0 => *o = p,
+            _ => return Ok(None),
+        }
+    }
+    Ok(Some(out))
+}
+
+/// A fresh bf16 [rows, ld] and its address, for a kernel that writes the first columns of
+/// each row (`ops::fold`'s padded rows).
+///
+/// # Safety
+/// As `uninit`: every element must be written before it is read.
+unsafe fn padded_rows(
+    dev: &CudaDevice,
+    rows: usize,
+    ld: usize,
+) -> Result<Option<(candle_core::Tensor, u64)>> {
+    // SAFETY: the caller's contract.
+    let Some(t) = (unsafe { uninit(dev, DType::BF16, (rows, ld))? }) else {
+        return Ok(None);
+    };
+    Ok(addr(&t)?.map(|p| (t, p)))
+}
+
 /// `swiglu` of bf16 g, u [.., d] into the first d columns of a fresh [rows, d + pad] (d and
 /// pad multiples of 8); the pad columns are left unset for the caller (`ops::fold`).
 pub fn swiglu_pad(
@@ -1242,22 +1265,15 @@ pub fn swiglu_pad(
     };
     let n = g.elem_count();
     let d = *g.dims().last().unwrap_or(&0);
-    let bf16 = g.dtype() == DType::BF16 && u.dtype() == DType::BF16;
-    if !bf16 || u.shape() != g.shape() || d % 8 != 0 || pad % 8 != 0 || n == 0 {
+    if u.shape() != g.shape() || d % 8 != 0 || pad % 8 != 0 || n == 0 {
         return Ok(None);
     }
-    let (Some(gp), Some(up)) = (addr(g)?, addr(u)?) else {
+    let Some([gp, up]) = v8_addrs([g, u])? else {
         return Ok(None);
     };
-    if [gp, up].iter().any(|p| p % 16 != 0) {
-        return Ok(None);
-    }
     let (rows, lda) = (n / d, d + pad);
     // SAFETY: the kernel writes every row's first d columns; the pad is the caller's (above).
-    let Some(a) = (unsafe { uninit(dev, DType::BF16, (rows, lda))? }) else {
-        return Ok(None);
-    };
-    let Some(ap) = addr(&a)? else {
+    let Some((a, ap)) = (unsafe { padded_rows(dev, rows, lda)? }) else {
         return Ok(None);
     };
     let func = function(dev, "swiglu_pad_v8_bf16")?;

@@ -674,12 +674,10 @@ fn folded_layer_matches_the_unfolded_and_autograd_on_the_gpu() {
     }
 }
 
-/// The fold at the 7B layer shape (the bench's: rank 16, micro-batch 2 × 2048, the tuned
-/// GEMMs), with B = 0 as at the first step and with small B's: the folded layer's output,
-/// dL/dx and every adapter gradient match the unfolded layer's.
+/// One decoder layer of the Llama-2-7B shape on GPU 0 in bf16, rank-16 adapters (α 32) on
+/// every linear, folded (ops::fold): the bench's shapes, so its tuned GEMMs.
 #[cfg(feature = "cuda")]
-#[test]
-fn folded_7b_layer_matches_the_unfolded_on_the_gpu() {
+fn folded_7b_layer() -> lora_train::model::llama::Model {
     use candle_core::{DType, Device};
     use lora_train::lora::{LoraSpec, ALL_LINEAR};
     use lora_train::model::llama::Model;
@@ -695,6 +693,18 @@ fn folded_7b_layer_matches_the_unfolded_on_the_gpu() {
     };
     let mut m = Model::random_with(cfg, DType::BF16, &dev, &spec, 7, &mut |_| Ok(())).unwrap();
     assert!(m.fold().unwrap() > 0);
+    m
+}
+
+/// The fold at the 7B layer shape (the bench's: rank 16, micro-batch 2 × 2048, the tuned
+/// GEMMs), with B = 0 as at the first step and with small B's: the folded layer's output,
+/// dL/dx and every adapter gradient match the unfolded layer's.
+#[cfg(feature = "cuda")]
+#[test]
+fn folded_7b_layer_matches_the_unfolded_on_the_gpu() {
+    use candle_core::DType;
+    let m = folded_7b_layer();
+    let dev = m.device.clone();
     let (b, t, c) = (2, 2048, 4096);
     let positions: Vec<u32> = (0..b).flat_map(|_| 0..t as u32).collect();
     for (round, std) in [0.0f32, 1e-3].into_iter().enumerate() {
@@ -754,22 +764,11 @@ fn folded_7b_layer_matches_the_unfolded_on_the_gpu() {
 #[cfg(feature = "cuda")]
 #[test]
 fn folded_linears_round_once_at_7b_on_the_gpu() {
-    use candle_core::{DType, Device};
-    use lora_train::lora::{LoraSpec, ALL_LINEAR};
-    use lora_train::model::llama::{Linear, Model};
+    use candle_core::DType;
+    use lora_train::model::llama::Linear;
     use lora_train::ops;
-    let dev = Device::new_cuda(0).unwrap();
-    let mut cfg = lora_train::bench::shape("llama2-7b").unwrap();
-    (cfg.num_layers, cfg.vocab_size) = (1, 512);
-    let spec = LoraSpec {
-        rank: 16,
-        alpha: 32.0,
-        dropout: 0.0,
-        rslora: false,
-        targets: ALL_LINEAR.iter().map(|s| s.to_string()).collect(),
-    };
-    let mut m = Model::random_with(cfg, DType::BF16, &dev, &spec, 7, &mut |_| Ok(())).unwrap();
-    assert!(m.fold().unwrap() > 0);
+    let m = folded_7b_layer();
+    let dev = m.device.clone();
     randomize_b(&m, 1e-2);
     let ctx = m.ctx(&[0; 4096], 2, 2048, None, None).unwrap();
     let l = &m.layers[0];
