@@ -108,7 +108,7 @@ mod cuda {
         else {
             return Ok(None);
         };
-        let (Some(mi), Some(ni), Some(ki), Some(ini)) = (int(m), int(n), int(k), int(ldw)) else {
+        let (Some(mi), Some(ni), Some(ki), Some(ldwi)) = (int(m), int(n), int(k), int(ldw)) else {
             return Ok(None);
         };
         // SAFETY: the three pointers are live buffers of the sizes checked above (W's rows
@@ -120,7 +120,7 @@ mod cuda {
                 dev,
                 (transa, sys::cublasOperation_t::CUBLAS_OP_N),
                 (ni, mi, ki),
-                (wp, ini),
+                (wp, ldwi),
                 (xp, ki),
                 (cp, ni),
                 (1.0, 1.0),
