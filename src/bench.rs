@@ -204,7 +204,7 @@ fn run_rank(a: &BenchArgs, device: Device, comm: &dyn Comm) -> Result<serde_json
         flash_attention: crate::ops::flash::takes_for(&a.device, act, head_dim),
         ce_kernel: crate::ops::cross_entropy::kernel_takes_for(a.device.is_cuda(), act),
         offload: driver::Keep::new(false, a.offload, &a.device) == driver::Keep::Offload,
-        fold: a.device.is_cuda() && crate::ops::fold::enabled(),
+        fold: crate::ops::fold::takes(a.device.is_cuda(), act),
     };
     let p = plan::plan(&input, 1, a.max_memory);
     let sel = (a.strategy, a.ckpt);

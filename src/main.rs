@@ -327,7 +327,7 @@ fn plan(a: PlanCli) -> anyhow::Result<()> {
                     candle_core::DType::BF16,
                 ),
                 offload: true,
-                fold: lora_train::ops::fold::enabled(),
+                fold: lora_train::ops::fold::takes(true, candle_core::DType::BF16),
             };
             (input, 1, (Strategy::Single, a.ckpt), None, vec![0])
         }

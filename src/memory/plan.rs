@@ -787,7 +787,7 @@ pub fn input_from_recipe(
         flash_attention: crate::ops::flash::kernels_take(cuda, dtype, cfg_head_dim),
         ce_kernel: crate::ops::cross_entropy::kernel_takes_for(cuda, dtype),
         offload: cuda && r.train.offload_activations.unwrap_or(true),
-        fold: cuda && dtype == candle_core::DType::BF16 && crate::ops::fold::enabled(),
+        fold: crate::ops::fold::takes(cuda, dtype),
     })
 }
 

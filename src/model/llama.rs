@@ -900,10 +900,7 @@ impl Model {
     /// (its flat shards hold the checkpoint's shapes). Returns the pads' bytes (the memory
     /// plan's `fold` term).
     pub fn fold(&mut self) -> Result<usize> {
-        if !matches!(self.device, Device::Cuda(_)) || self.dtype != DType::BF16 {
-            return Ok(0);
-        }
-        if !ops::fold::enabled() {
+        if !ops::fold::takes(self.device.is_cuda(), self.dtype) {
             return Ok(0);
         }
         let mut bytes = 0;

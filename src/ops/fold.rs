@@ -32,11 +32,13 @@
 //! dropout (each adapter's own mask); linears with a bias; the CPU.
 
 use super::linear_acc::matmul_scaled;
-use candle_core::{Result, Tensor};
+use candle_core::{DType, Result, Tensor};
 
-/// Whether to fold (the default; LORA_TRAIN_FOLD=0 turns it off, for A/B runs).
-pub fn enabled() -> bool {
-    std::env::var("LORA_TRAIN_FOLD").map_or(true, |v| v != "0")
+/// Whether a model of `dtype` on CUDA (`cuda`) or elsewhere folds: bf16 on CUDA (the padded
+/// kernels' type), unless LORA_TRAIN_FOLD=0 (for A/B runs). `Model::fold` and the memory plan
+/// both ask here.
+pub fn takes(cuda: bool, dtype: DType) -> bool {
+    cuda && dtype == DType::BF16 && std::env::var("LORA_TRAIN_FOLD").map_or(true, |v| v != "0")
 }
 
 /// Padded rows are whole multiples of this many elements (128 bytes in bf16). cuBLAS's
