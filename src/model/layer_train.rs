@@ -258,13 +258,25 @@ impl Layer {
         };
 
         // ---- MLP: y = h + down(swiglu(gate(hn), up(hn))), hn = rms_norm(h)
+        // Folded, down's backward and SwiGLU's are one GEMM and one pass (ops::fold). Else
         // down's dL/da needs no a; a is recomputed in SwiGLU's backward pass (over da's
         // buffer) for down's adapter gradient alone.
-        let (da, half) = self.down.bwd_dx(&dy, ctx, None)?; // [m, I]
-        let (dgate, dup, a) = ops::swiglu_bwd_keep(&gate, &up, da)?;
+        let down = self
+            .down
+            .bwd_swiglu_folded(&dy, &gate, &up, xd.as_ref(), ctx)?;
+        let (dgate, dup) = match down {
+            Some((dgate, dup, g)) => {
+                keep(&self.down, g);
+                (dgate, dup) // [m, I] each
+            }
+            None => {
+                let (da, half) = self.down.bwd_dx(&dy, ctx, None)?; // [m, I]
+                let (dgate, dup, a) = ops::swiglu_bwd_keep(&gate, &up, da)?;
+                keep(&self.down, self.down.bwd_grads(&a, &dy, half, xd.as_ref())?);
+                (dgate, dup)
+            }
+        };
         drop((gate, up));
-        keep(&self.down, self.down.bwd_grads(&a, &dy, half, xd.as_ref())?);
-        drop(a);
         // [m, C] each: the residual as forward made it, kept or recomputed from o's kept
         // adapter state, and its norm (add_rms_norm's values are those of add, then rms_norm)
         let (hres, hn) = match residual {

@@ -277,6 +277,34 @@ impl Linear {
         }
     }
 
+    /// down_proj's backward with SwiGLU's, folded (`ops::fold::swiglu_down_bwd`): from dy
+    /// [m, out], SwiGLU's inputs gate and up [m, I] and `xas` what `fwd_folded` kept →
+    /// (dL/dgate, dL/dup, (dA, dB)). None (nothing run) when this linear's forward is not
+    /// folded for this batch, LORA_TRAIN_FOLD_BWD=0, or the kernel cannot take the operands.
+    pub fn bwd_swiglu_folded(
+        &self,
+        dy: &Tensor,
+        gate: &Tensor,
+        up: &Tensor,
+        xas: Option<&Tensor>,
+        ctx: &Ctx,
+    ) -> Result<Option<(Tensor, Tensor, AdapterGrad)>> {
+        let (Some(lora), Some(pad), Some(xas)) = (&self.lora, &self.pad, xas) else {
+            return Ok(None);
+        };
+        if !ops::fold::takes_bwd() || Linear::fold_width(&[self], ctx).is_none() {
+            return Ok(None);
+        }
+        let a = ctx.adapter(&lora.a).to_dtype(DType::BF16)?;
+        let dy = dy.contiguous()?;
+        let (w, s) = (&pad.full, lora.scale);
+        let Some(r) = ops::fold::swiglu_down_bwd(&dy, w, pad.col, gate, up, &a, s)? else {
+            return Ok(None);
+        };
+        let db = ops::linear_acc::matmul_tn_f32(&dy, xas)?; // dB = dyᵀ xas [out, r]
+        Ok(Some((r.dg, r.du, Some((r.da, db)))))
+    }
+
     pub fn out_features(&self) -> usize {
         self.w.dims()[0]
     }
@@ -431,6 +459,9 @@ impl Linear {
         xas: &[Option<&Tensor>],
         ctx: &Ctx,
     ) -> Result<(Tensor, Vec<AdapterGrad>)> {
+        if let (Some(p), true) = (Self::fold_width(lins, ctx), ops::fold::takes_bwd()) {
+            return Self::bwd_folded(lins, x, g, xas, ctx, p);
+        }
         let idx = Self::shared(lins, ctx);
         let mut g: Vec<Option<Tensor>> = g.into_iter().map(Some).collect();
         let mut grads: Vec<AdapterGrad> = vec![None; lins.len()];
@@ -457,6 +488,59 @@ impl Linear {
             Some(dx) => Ok((dx, grads)),
             None => candle_core::bail!("bwd_shared: no linears"),
         }
+    }
+
+    /// `bwd_shared` for `lins` whose forward ran folded (`fold_width` p): the base GEMMs run
+    /// against the padded weights, g_i · W*_i, accumulating one dL/dx [m, in + p] whose pad
+    /// columns are then each adapter's g_i B_i (the other linears' columns of W*_i are zero):
+    /// no skinny GEMM per adapter for them (each was a read of g_i). s · (g B)·A joins dL/dx
+    /// in its first `in` columns, which are returned (rows in + p apart); dA = s · (g B)ᵀ x.
+    fn bwd_folded(
+        lins: &[&Linear],
+        x: &Tensor,
+        g: Vec<Tensor>,
+        xas: &[Option<&Tensor>],
+        ctx: &Ctx,
+        p: usize,
+    ) -> Result<(Tensor, Vec<AdapterGrad>)> {
+        let in_f = x.dim(1)?;
+        let mut a = Vec::with_capacity(lins.len());
+        let mut grads: Vec<AdapterGrad> = Vec::with_capacity(lins.len());
+        let mut dxp: Option<Tensor> = None; // [m, in + p]
+        let (mut scale, mut ranks) = (1.0, 0);
+        for ((lin, gi), xas) in lins.iter().zip(g).zip(xas) {
+            let (Some(lora), Some(pad), Some(xas)) = (&lin.lora, &lin.pad, xas) else {
+                candle_core::bail!("{}: folded backward without its adapter state", lin.name);
+            };
+            let gi = gi.contiguous()?;
+            dxp = Some(match dxp {
+                None => ops::linear_acc::matmul_scaled(&gi, &pad.full, false, 1.0)?,
+                Some(acc) => ops::linear_acc::linear_bwd_acc(&gi, &pad.full, acc)?,
+            });
+            let db = ops::linear_acc::matmul_tn_f32(&gi, xas)?; // dB = g_iᵀ xas_i [out, r]
+            grads.push(Some((db.clone(), db))); // dA set below
+            a.push(&lora.a);
+            (scale, ranks) = (lora.scale, ranks + lora.a.dim(0)?);
+        }
+        let Some(dxp) = dxp else {
+            candle_core::bail!("bwd_folded: no linears");
+        };
+        if ranks > p {
+            candle_core::bail!("bwd_folded: ranks {ranks} past the pad {p}");
+        }
+        let gb = dxp.narrow(1, in_f, ranks)?; // [m, Σ r] = g_i B_i side by side, unscaled
+        let a = ctx.a_stack(&a, x.dtype())?; // [Σ r, in]
+        let dx = ops::linear_acc::linear_bwd_acc_scaled(&gb, &a, dxp.narrow(1, 0, in_f)?, scale)?;
+        let da = (ops::linear_acc::matmul_tn_f32(&gb, x)? * scale)?; // [Σ r, in] f32
+        let mut off = 0;
+        for (gr, lin) in grads.iter_mut().zip(lins) {
+            let r = lin.lora.as_ref().map_or(0, |l| l.a.dims()[0]);
+            if let Some((da_i, _)) = gr {
+                *da_i = da.narrow(0, off, r)?;
+            }
+            off += r;
+        }
+        Ok((dx, grads))
     }
 
     /// `bwd_shared`'s adapter gradients alone, without dL/dx: for an input that needs no

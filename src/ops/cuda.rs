@@ -442,12 +442,13 @@ extern "C" __global__ void add_rms_norm_v8_bf16(const bf16_t* x, const bf16_t* a
         st8(y + (long)blockIdx.x * ldy, i, v);
     }
 }
-extern "C" __global__ void rms_norm_bwd_v8_bf16(const bf16_t* x, const bf16_t* w, const bf16_t* g,
-                                                const bf16_t* res, bf16_t* dx, int d, float eps,
-                                                int has_res) {
+// g's rows are ldg apart (d, or a padded dL/dy's rows: ops::fold).
+__device__ __forceinline__ void rms_norm_bwd_v8_row(const bf16_t* x, const bf16_t* w,
+                                                    const bf16_t* g, const bf16_t* res, bf16_t* dx,
+                                                    int d, float eps, int has_res, long ldg) {
     long row = blockIdx.x;
     const bf16_t* xr = x + row * d;
-    const bf16_t* gr = g + row * d;
+    const bf16_t* gr = g + row * ldg;
     float s = 0.f, dot = 0.f, v[8], wv[8], gv[8];
     for (int i = threadIdx.x * 8; i < d; i += blockDim.x * 8) {
         ld8(xr, i, v); ld8(w, i, wv); ld8(gr, i, gv);
@@ -467,6 +468,16 @@ extern "C" __global__ void rms_norm_bwd_v8_bf16(const bf16_t* x, const bf16_t* w
         }
         st8(dx + row * d, i, v);
     }
+}
+extern "C" __global__ void rms_norm_bwd_v8_bf16(const bf16_t* x, const bf16_t* w, const bf16_t* g,
+                                                const bf16_t* res, bf16_t* dx, int d, float eps,
+                                                int has_res) {
+    rms_norm_bwd_v8_row(x, w, g, res, dx, d, eps, has_res, d);
+}
+extern "C" __global__ void rms_norm_bwd_ld_v8_bf16(const bf16_t* x, const bf16_t* w,
+                                                   const bf16_t* g, const bf16_t* res, bf16_t* dx,
+                                                   int d, float eps, int has_res, long ldg) {
+    rms_norm_bwd_v8_row(x, w, g, res, dx, d, eps, has_res, ldg);
 }
 
 #define INST(NAME, T) \
@@ -515,10 +526,11 @@ static PORTABLE: Program = Program {
     arch: "sm_80",
     src: || {
         format!(
-            "{SRC}{}{}{}",
+            "{SRC}{}{}{}{}",
             include_str!("flash.cu"),
             include_str!("multi_tensor.cu"),
-            include_str!("cross_entropy.cu")
+            include_str!("cross_entropy.cu"),
+            include_str!("fold_bwd.cu")
         )
     },
     ptx: OnceLock::new(),
@@ -1220,6 +1232,73 @@ pub fn rms_norm_pad(
     // is fresh, [rows, ldy].
     unsafe { b.launch(cfg) }.w()?;
     Ok(Some(y))
+}
+
+/// `ops::rms_norm_bwd(_add)` for bf16 x [.., d] (contiguous), w [d], g a row-strided [rows, d]
+/// (a padded dL/dy's first d columns, `ops::fold`) and `res` of x's shape or none: the v8
+/// kernel reading g's rows ldg apart. None where it cannot take them (then g is copied).
+pub fn rms_norm_bwd_rows(
+    x: &candle_core::Tensor,
+    w: &candle_core::Tensor,
+    eps: f32,
+    g: &candle_core::Tensor,
+    res: Option<&candle_core::Tensor>,
+) -> Result<Option<candle_core::Tensor>> {
+    use candle_core::Device;
+    let Device::Cuda(dev) = x.device() else {
+        return Ok(None);
+    };
+    let (n, d) = (x.elem_count(), *x.dims().last().unwrap_or(&0));
+    let (Ok((rows, gd)), Some((gp, ldg))) = (g.dims2(), addr_rows(g)?) else {
+        return Ok(None);
+    };
+    let res_ok = res.is_none_or(|r| r.shape() == x.shape());
+    if d == 0 || d % 8 != 0 || gd != d || rows * d != n || ldg % 8 != 0 || !res_ok {
+        return Ok(None);
+    }
+    if g.dtype() != DType::BF16 || gp % 16 != 0 || w.elem_count() != d {
+        return Ok(None);
+    }
+    let Some([xp, wp]) = v8_addrs([x, w])? else {
+        return Ok(None);
+    };
+    // Without a residual g stands in for it (never read: has_res = 0).
+    let rp = match res {
+        Some(r) => match v8_addrs([r])? {
+            Some([rp]) => rp,
+            None => return Ok(None),
+        },
+        None => gp,
+    };
+    // SAFETY: the kernel writes every row's d values.
+    let Some(dx) = (unsafe { uninit(dev, DType::BF16, x.shape().clone())? }) else {
+        return Ok(None);
+    };
+    let Some(dp) = addr(&dx)? else {
+        return Ok(None);
+    };
+    let func = function(dev, "rms_norm_bwd_ld_v8_bf16")?;
+    let stream = dev.cuda_stream();
+    let cfg = LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (threads_for((d / 8).min(1024)), 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (di, hr, ldl) = (d as i32, res.is_some() as i32, ldg as i64);
+    let mut b = stream.launch_builder(&func);
+    b.arg(&xp)
+        .arg(&wp)
+        .arg(&gp)
+        .arg(&rp)
+        .arg(&dp)
+        .arg(&di)
+        .arg(&eps)
+        .arg(&hr)
+        .arg(&ldl);
+    // SAFETY: x, w and res are live contiguous bf16 buffers of the sizes checked, g rows of d
+    // ldg apart; dx is fresh; all on this stream.
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(Some(dx))
 }
 
 /// The addresses of bf16 CUDA tensors that are each contiguous and on 16 bytes (the loads of

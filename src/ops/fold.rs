@@ -103,6 +103,187 @@ pub fn swiglu_pad(g: &Tensor, u: &Tensor, pad: usize) -> Result<Option<Tensor>> 
     }
 }
 
+/// Whether down_proj's backward folds as well (`swiglu_down_bwd`) when its forward does: unless
+/// LORA_TRAIN_FOLD_BWD=0 (for A/B runs).
+pub fn takes_bwd() -> bool {
+    std::env::var("LORA_TRAIN_FOLD_BWD").map_or(true, |v| v != "0")
+}
+
+/// What `swiglu_down_bwd` gives.
+pub struct SwigluDownGrads {
+    /// dL/dgate, dL/dup [m, I].
+    pub dg: Tensor,
+    pub du: Tensor,
+    /// down's dA [r, I] f32.
+    pub da: Tensor,
+}
+
+/// down_proj's backward folded, with SwiGLU's, in one pass after one GEMM (fold_bwd.cu): dy =
+/// dL/dy [m, out], down's padded weight W* [out, I + pad] (its B in the r pad columns at
+/// `col`), gate g and up u [m, I], down's A [r, I] in bf16 and its scale s → dL/dg, dL/du and
+/// down's dA. The GEMM dy · W* gives dy·W and g_B = dy·B side by side; the kernel adds
+/// s·g_B·A to dL/da in f32, runs SwiGLU's backward and sums dA = s·g_Bᵀ·a with a, down's
+/// input, recomputed. Unfolded the same took four more passes over [m, I]: s·g_B·A written and
+/// read back by the base GEMM, a written and read by dA's GEMM. dB = dyᵀ·xas is the caller's.
+/// None (nothing run) off CUDA, or where the kernel cannot take the operands (r > 64, widths
+/// not multiples of 8).
+#[allow(clippy::too_many_arguments)]
+pub fn swiglu_down_bwd(
+    dy: &Tensor,
+    w_full: &Tensor,
+    col: usize,
+    g: &Tensor,
+    u: &Tensor,
+    a: &Tensor,
+    scale: f64,
+) -> Result<Option<SwigluDownGrads>> {
+    #[cfg(feature = "cuda")]
+    {
+        cuda::swiglu_down_bwd(dy, w_full, col, g, u, a, scale)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (dy, w_full, col, g, u, a, scale);
+        Ok(None)
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::SwigluDownGrads;
+    use crate::ops::cuda::{addr, function, uninit};
+    use candle_core::cuda::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda::WrapErr;
+    use candle_core::{DType, Device, Result, Tensor};
+
+    /// fold_bwd.cu's SwigluLoraP.
+    #[repr(C)]
+    struct SwigluLoraP {
+        g: u64,
+        u: u64,
+        dap: u64,
+        a: u64,
+        out: u64,
+        part: u64,
+        ld: i64,
+        m: i32,
+        i: i32,
+        gb_off: i32,
+        gb_n: i32,
+        r: i32,
+        s: f32,
+    }
+    // SAFETY: plain old data laid out as the C struct the kernel takes by value.
+    unsafe impl DeviceRepr for SwigluLoraP {}
+
+    /// Tokens a block: the partial dA's are ⌈m / 256⌉ [r, I] slices (4096 tokens: 16, 11 MiB
+    /// at 7B r16).
+    const TOKENS: usize = 256;
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn swiglu_down_bwd(
+        dy: &Tensor,
+        w_full: &Tensor,
+        col: usize,
+        g: &Tensor,
+        u: &Tensor,
+        a: &Tensor,
+        scale: f64,
+    ) -> Result<Option<SwigluDownGrads>> {
+        let Device::Cuda(dev) = g.device() else {
+            return Ok(None);
+        };
+        let bf16 = [dy, w_full, g, u, a]
+            .iter()
+            .all(|t| t.dtype() == DType::BF16);
+        let (Ok((m, i)), Ok((r, ai)), Ok((out, ld)), Ok((dm, dout))) =
+            (g.dims2(), a.dims2(), w_full.dims2(), dy.dims2())
+        else {
+            return Ok(None);
+        };
+        let gb_off = i + col;
+        let fits = u.dims() == g.dims() && ai == i && dm == m && dout == out;
+        let widths = i % 8 == 0 && ld % 8 == 0 && gb_off % 8 == 0 && gb_off + r <= ld;
+        if !bf16 || !fits || !widths || !(1..=64).contains(&r) || m == 0 {
+            return Ok(None);
+        }
+        let (Some(gp), Some(up), Some(ap)) = (addr(g)?, addr(u)?, addr(a)?) else {
+            return Ok(None);
+        };
+        if gp % 4 != 0 || up % 4 != 0 || ap % 4 != 0 {
+            return Ok(None);
+        }
+        let ints = [m, i, gb_off, ld - gb_off, r].map(i32::try_from);
+        let [Ok(mi), Ok(ii), Ok(offi), Ok(gbn), Ok(ri)] = ints else {
+            return Ok(None);
+        };
+        // dy · W*: dy·W [m, I], then g_B = dy·B and zeros (W*'s other pad columns are zero)
+        let dap = super::matmul_scaled(dy, w_full, false, 1.0)?; // [m, ld]
+        let Some(dp) = addr(&dap)? else {
+            return Ok(None);
+        };
+        let name = match r {
+            ..=16 => "swiglu_lora_r16",
+            17..=32 => "swiglu_lora_r32",
+            _ => "swiglu_lora_r64",
+        };
+        let parts = m.div_ceil(TOKENS);
+        // SAFETY: the kernel writes every element of each: dg and du at every (token, column)
+        // of [m, I], and each block row its [r, I] slice of the parts; the sum every dA.
+        let (Some(both), Some(part), Some(da)) = (unsafe {
+            (
+                uninit(dev, DType::BF16, (2, m, i))?,
+                uninit(dev, DType::F32, (parts, r, i))?,
+                uninit(dev, DType::F32, (r, i))?,
+            )
+        }) else {
+            return Ok(None);
+        };
+        let (Some(op), Some(pp), Some(dap_)) = (addr(&both)?, addr(&part)?, addr(&da)?) else {
+            return Ok(None);
+        };
+        let p = SwigluLoraP {
+            g: gp,
+            u: up,
+            dap: dp,
+            a: ap,
+            out: op,
+            part: pp,
+            ld: ld as i64,
+            m: mi,
+            i: ii,
+            gb_off: offi,
+            gb_n: gbn,
+            r: ri,
+            s: scale as f32,
+        };
+        let func = function(dev, name)?;
+        let stream = dev.cuda_stream();
+        let cfg = LaunchConfig {
+            grid_dim: (i.div_ceil(64) as u32, parts as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = stream.launch_builder(&func);
+        b.arg(&p);
+        // SAFETY: every address is a live buffer of the size checked above (g, u [m, I], dap
+        // [m, ld], a [r, I], the outputs fresh), on this stream.
+        unsafe { b.launch(cfg) }.w()?;
+        let n = (r * i) as i64;
+        let (sum, pi) = (function(dev, "sum_parts_f32")?, parts as i32);
+        let mut b = stream.launch_builder(&sum);
+        b.arg(&pp).arg(&dap_).arg(&pi).arg(&n);
+        // SAFETY: part holds `parts` slices of n f32, da n; both ours, on this stream.
+        unsafe { b.launch(LaunchConfig::for_num_elems(n as u32)) }.w()?;
+        drop((dap, part));
+        Ok(Some(SwigluDownGrads {
+            dg: both.get(0)?,
+            du: both.get(1)?,
+            da,
+        }))
+    }
+}
+
 /// The folded forward of linears that share their input: xp [m, in + pad] with x in its
 /// first `in` columns (the next Σ r are written here), a their A's stacked [Σ r, in] in xp's
 /// dtype, s their one scale, ws their padded weights W*_i [out_i, in + pad] (B's in place) →

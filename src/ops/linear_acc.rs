@@ -17,7 +17,7 @@ use candle_core::{Result, Tensor};
 /// acc + x Wᵀ: x [m, in], W [out, in], acc [m, out] → [m, out]. No graph.
 pub fn linear_acc(x: &Tensor, w: &Tensor, acc: Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
-    if let Some(y) = cuda::gemm_acc(x, w, &acc, true)? {
+    if let Some(y) = cuda::gemm_acc(x, w, &acc, true, 1.0)? {
         return Ok(y);
     }
     super::add(&acc, &super::frozen_linear(x, w, None)?)
@@ -26,11 +26,22 @@ pub fn linear_acc(x: &Tensor, w: &Tensor, acc: Tensor) -> Result<Tensor> {
 /// acc + g W: g [m, out], W [out, in], acc [m, in] → [m, in] (a frozen linear's dL/dx plus
 /// another term of it). No graph.
 pub fn linear_bwd_acc(g: &Tensor, w: &Tensor, acc: Tensor) -> Result<Tensor> {
+    linear_bwd_acc_scaled(g, w, acc, 1.0)
+}
+
+/// acc + α · g W, as `linear_bwd_acc`; on CUDA g and acc may also be column slices of wider
+/// matrices (rows contiguous): acc is then written in place through its row stride, so that a
+/// GEMM adds into the first columns of a padded buffer (`ops::fold`'s dL/dx).
+pub fn linear_bwd_acc_scaled(g: &Tensor, w: &Tensor, acc: Tensor, alpha: f64) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
-    if let Some(y) = cuda::gemm_acc(g, w, &acc, false)? {
+    if let Some(y) = cuda::gemm_acc(g, w, &acc, false, alpha)? {
         return Ok(y);
     }
-    super::add(&acc, &g.contiguous()?.matmul(w)?)
+    let gw = g.contiguous()?.matmul(&w.contiguous()?)?;
+    match alpha == 1.0 {
+        true => super::add(&acc.contiguous()?, &gw),
+        false => super::add(&acc.contiguous()?, &(gw * alpha)?),
+    }
 }
 
 /// Pᵀ Q in f32: P [k, m], Q [k, n] → [m, n] f32. No graph. (dA = (g B)ᵀ x and dB = gᵀ xas
@@ -72,9 +83,16 @@ mod cuda {
     use candle_core::cuda::cudarc::cublas::sys;
     use candle_core::{DType, Device, Result, Tensor};
 
-    /// acc += x Wᵀ (`fwd`) or acc += x W, in place; None when cuBLAS cannot take these operands
-    /// so (not CUDA, not contiguous, mixed or unsupported dtypes, shapes that do not chain).
-    pub fn gemm_acc(x: &Tensor, w: &Tensor, acc: &Tensor, fwd: bool) -> Result<Option<Tensor>> {
+    /// acc += α · x Wᵀ (`fwd`) or acc += α · x W, in place; None when cuBLAS cannot take these
+    /// operands so (not CUDA, rows not contiguous, mixed or unsupported dtypes, shapes that do
+    /// not chain). Any of the three may be a column slice of a wider matrix.
+    pub fn gemm_acc(
+        x: &Tensor,
+        w: &Tensor,
+        acc: &Tensor,
+        fwd: bool,
+        alpha: f64,
+    ) -> Result<Option<Tensor>> {
         let Device::Cuda(dev) = x.device() else {
             return Ok(None);
         };
@@ -100,30 +118,31 @@ mod cuda {
         let Some((data_type, compute)) = types(dt) else {
             return Ok(None);
         };
-        let addr = crate::ops::cuda::addr;
-        // W's rows may lie further apart than its columns (a column slice: the first `in`
-        // columns of a padded weight, `ops::fold`); its leading dimension is that stride.
-        let (Some(xp), Some((wp, ldw)), Some(cp)) =
-            (addr(x)?, crate::ops::cuda::addr_rows(w)?, addr(acc)?)
+        let rows = crate::ops::cuda::addr_rows;
+        // Rows may lie further apart than their columns (a column slice: W's first `in`
+        // columns of a padded weight, or a padded dL/dx and its pad, `ops::fold`); each
+        // leading dimension is that stride.
+        let (Some((xp, ldx)), Some((wp, ldw)), Some((cp, ldc))) = (rows(x)?, rows(w)?, rows(acc)?)
         else {
             return Ok(None);
         };
-        let (Some(mi), Some(ni), Some(ki), Some(ldwi)) = (int(m), int(n), int(k), int(ldw)) else {
+        let ints = [m, n, k, ldw, ldx, ldc].map(int);
+        let [Some(mi), Some(ni), Some(ki), Some(ldwi), Some(ldxi), Some(ldci)] = ints else {
             return Ok(None);
         };
-        // SAFETY: the three pointers are live buffers of the sizes checked above (W's rows
-        // `ldw` apart, the others contiguous), on the stream cuBLAS runs on (candle's, set on
-        // its handle); acc is the callers' fresh result (module docs), so writing it in place
-        // is seen by no one else.
+        // SAFETY: the three pointers are live buffers of the sizes checked above (rows their
+        // leading dimensions apart), on the stream cuBLAS runs on (candle's, set on its
+        // handle); acc is the callers' fresh result (module docs), so writing it in place is
+        // seen by no one else (x may lie in the same buffer, in other columns).
         unsafe {
             gemm(
                 dev,
                 (transa, sys::cublasOperation_t::CUBLAS_OP_N),
                 (ni, mi, ki),
                 (wp, ldwi),
-                (xp, ki),
-                (cp, ni),
-                (1.0, 1.0),
+                (xp, ldxi),
+                (cp, ldci),
+                (alpha as f32, 1.0),
                 (data_type, data_type, compute),
             )?
         };

@@ -102,6 +102,13 @@ fn bwd(x: &Tensor, w: &Tensor, eps: f64, g: &Tensor, res: Option<&Tensor>) -> Re
     // composite below: it is the path the f32 golden tests hold to rtol 1e-4, and a
     // different f32 summation order moves Adam-amplified entries by ~1e-4 there.
     if x.dtype() == DType::BF16 {
+        // dL/dy as the first columns of padded rows (ops::fold), read in place
+        #[cfg(feature = "cuda")]
+        if !g.is_contiguous() {
+            if let Some(dx) = super::cuda::rms_norm_bwd_rows(x, w, eps as f32, g, res)? {
+                return Ok(dx);
+            }
+        }
         let op = RmsNormBwd {
             w: w.clone(),
             eps: eps as f32,

@@ -846,3 +846,79 @@ fn tuned_gemms_give_gemmex_bits_on_the_gpu() {
         );
     }
 }
+
+/// down_proj's backward folded with SwiGLU's (`ops::fold::swiglu_down_bwd`: one GEMM against
+/// the padded weight, one kernel) against the same math in f32 from the same bf16 operands:
+/// dL/da = dy·W (the GEMM's bf16 output) + s·(dy·B)·A, SwiGLU's backward at it, and
+/// dA = s·(dy·B)ᵀ·a with a the forward's bf16 silu(g)·u. Ranks in each of the kernel's forms
+/// (8 and 16: one k step; 24: two; 64: four), tokens that are not whole tiles (300), a width
+/// whose last strip is partial (688), B in pad columns after another adapter's (col 8).
+#[cfg(feature = "cuda")]
+#[test]
+fn folded_down_backward_matches_f32_math_on_the_gpu() {
+    let dev = Device::new_cuda(0).unwrap();
+    let (m, out, i, s) = (300, 256, 688, 2.0);
+    let f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+    let bf = |t: &Tensor| t.to_dtype(DType::BF16).unwrap();
+    let round = |t: &Tensor| f32(&bf(t)); // to bf16 and back
+    let rn = |shape: (usize, usize), std: f32| bf(&Tensor::randn(0f32, std, shape, &dev).unwrap());
+    for (r, col) in [(8, 0), (16, 0), (24, 8), (64, 0)] {
+        let tag = format!("r{r} col{col}");
+        let pad = lora_train::ops::fold::pad_width(&[col + r], i).unwrap();
+        let (w, b, a) = (rn((out, i), 0.05), rn((out, r), 0.5), rn((r, i), 0.5));
+        let (g, u, dy) = (rn((m, i), 2.0), rn((m, i), 1.0), rn((m, out), 1.0));
+        let z = |n: usize| Tensor::zeros((out, n), DType::BF16, &dev).unwrap();
+        let full = Tensor::cat(&[&w, &z(col), &b, &z(pad - col - r)], 1).unwrap(); // [out, i+pad]
+        let got = ops::fold::swiglu_down_bwd(&dy, &full, col, &g, &u, &a, s)
+            .unwrap()
+            .unwrap_or_else(|| panic!("{tag}: the kernel must take these"));
+        let (dg, du, da_grad) = (&got.dg, &got.du, &got.da);
+
+        let (dyf, gf, uf) = (f32(&dy), f32(&g), f32(&u));
+        let gb = round(&dyf.matmul(&f32(&b)).unwrap()); // [m, r], the GEMM's bf16 output
+        let base = round(&dyf.matmul(&f32(&w)).unwrap());
+        let da = (base + (gb.matmul(&f32(&a)).unwrap() * s).unwrap()).unwrap();
+        let sg = (gf.neg().unwrap().exp().unwrap() + 1.0)
+            .unwrap()
+            .recip()
+            .unwrap();
+        let silu = (&gf * &sg).unwrap();
+        let one_minus = (sg.neg().unwrap() + 1.0).unwrap();
+        let dsilu = ((&gf * &one_minus).unwrap() + 1.0).unwrap(); // 1 + g (1 − σ)
+        let dg_ref = (round(&(&da * &uf).unwrap()) * &sg)
+            .unwrap()
+            .mul(&dsilu)
+            .unwrap();
+        let du_ref = (&da * round(&silu)).unwrap();
+        let a_ref = round(&(round(&silu) * &uf).unwrap());
+        let da_ref = (gb.t().unwrap().matmul(&a_ref).unwrap() * s).unwrap(); // [r, i]
+        assert_close(&format!("{tag} dgate"), dg, &dg_ref, 1e-2, 2e-3);
+        assert_close(&format!("{tag} dup"), du, &du_ref, 1e-2, 2e-3);
+        assert_eq!(da_grad.dtype(), DType::F32, "{tag}: dA in f32");
+        // (a g_B entry the GEMM rounded the other way moves dA by s·ulp·|a|: atol)
+        assert_close(&format!("{tag} dA"), da_grad, &da_ref, 1e-2, 1e-3);
+    }
+}
+
+/// RMSNorm's backward reading dL/dy in place from padded rows (`ops::fold`'s dL/dx: the first
+/// d columns of [m, d + pad]) gives the contiguous input's values to the bit, with and without
+/// the residual term.
+#[cfg(feature = "cuda")]
+#[test]
+fn rms_norm_bwd_reads_padded_rows_on_the_gpu() {
+    let dev = Device::new_cuda(0).unwrap();
+    let (m, d, pad) = (37, 256, 64);
+    let bf = |t: Tensor| t.to_dtype(DType::BF16).unwrap();
+    let rn = |shape: (usize, usize)| bf(Tensor::randn(0f32, 1.0, shape, &dev).unwrap());
+    let (x, res, gp) = (rn((m, d)), rn((m, d)), rn((m, d + pad)));
+    let w = bf(Tensor::randn(1f32, 0.1, d, &dev).unwrap());
+    let g = gp.narrow(1, 0, d).unwrap();
+    assert!(!g.is_contiguous());
+    let gc = g.contiguous().unwrap();
+    let strided = ops::rms_norm_bwd(&x, &w, 1e-5, &g).unwrap();
+    let plain = ops::rms_norm_bwd(&x, &w, 1e-5, &gc).unwrap();
+    assert_eq!(host_f32(&strided), host_f32(&plain), "rms_norm_bwd");
+    let strided = ops::rms_norm_bwd_add(&x, &w, 1e-5, &g, &res).unwrap();
+    let plain = ops::rms_norm_bwd_add(&x, &w, 1e-5, &gc, &res).unwrap();
+    assert_eq!(host_f32(&strided), host_f32(&plain), "rms_norm_bwd_add");
+}
