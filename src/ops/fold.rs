@@ -27,6 +27,14 @@
 //! +1.1% against two GEMMs (a PyTorch probe of the layer's products had bounded it at ~6.6 ms
 //! a step); the pads +150 MiB.
 //!
+//! **The backward runs against the same W*'s** (unless LORA_TRAIN_FOLD_BWD=0): g · W* is
+//! dL/dx in its first `in` columns and each adapter's g B in its own pad columns (the other
+//! linears' are zero in W*), so no skinny GEMM reads g for it (`Linear::bwd_folded`); s·(g B)·A
+//! joins dL/dx in the same buffer and RMSNorm's backward reads its padded rows. down_proj's
+//! backward and SwiGLU's are one GEMM and one kernel (`swiglu_down_bwd`, fold_bwd.cu). Measured
+//! (7B, one H200, BENCHMARKS.md (r)): A/B +0.8% to +1.0% over three calls; the fused kernel
+//! 146 µs against the unfused SwiGLU pass's 154 alone.
+//!
 //! Not folded (two GEMMs as before): LORA_TRAIN_FOLD=0; FSDP (its gathered layers are flat
 //! buffers of the checkpoint's shapes); o_proj (its input comes out of the flash kernel);
 //! dropout (each adapter's own mask); linears with a bias; the CPU.
