@@ -111,10 +111,12 @@ pub fn swiglu_pad(g: &Tensor, u: &Tensor, pad: usize) -> Result<Option<Tensor>> 
     }
 }
 
-/// Whether down_proj's backward folds as well (`swiglu_down_bwd`) when its forward does: unless
-/// LORA_TRAIN_FOLD_BWD=0 (for A/B runs).
+/// Whether a folded group's backward runs against its padded weights too (`swiglu_down_bwd`,
+/// `Linear::bwd_folded`): unless LORA_TRAIN_FOLD_BWD=0 (for A/B runs), read once per process:
+/// every layer asks, twice a backward.
 pub fn takes_bwd() -> bool {
-    std::env::var("LORA_TRAIN_FOLD_BWD").map_or(true, |v| v != "0")
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("LORA_TRAIN_FOLD_BWD").map_or(true, |v| v != "0"))
 }
 
 /// What `swiglu_down_bwd` gives.
