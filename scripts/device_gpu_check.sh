@@ -127,11 +127,11 @@ PY
   done
 fi
 
-# The 7B-shape runs, "strategy micro-batch accum [ckpt] [inline]" each ("inline": FSDP's gathers
-# on the compute stream, LORA_TRAIN_GATHER_STREAM=0, instead of the second stream; DDP is always
-# in line). About 45 s each.
+# The 7B-shape runs, "strategy:micro-batch:accum:[ckpt]:[inline]:[ahead]" each ("inline": FSDP's
+# gathers on the compute stream, LORA_TRAIN_GATHER_STREAM=0, instead of the second stream;
+# "ahead": the gradient sums on the second stream, LORA_TRAIN_REDUCE_AHEAD=1). About 45 s each.
 dist_cfgs=""
-[[ $what == *" dist "* ]] && dist_cfgs="single:4:1 single:2:1 ddp:2:1 fsdp:2:1 fsdp:2:1::inline fsdp:2:1:ckpt"
+[[ $what == *" dist "* ]] && dist_cfgs="single:4:1 single:2:1 ddp:2:1 ddp:2:1:::ahead fsdp:2:1 fsdp:2:1:::ahead fsdp:2:1::inline fsdp:2:1:ckpt"
 [[ $what == *" dist2 "* ]] && dist_cfgs="$dist_cfgs single:2:2 single:4:1:ckpt ddp:2:1:ckpt"
 if [ -n "$dist_cfgs" ]; then
   B="--shape llama2-7b --seq 2048 --rank 16 --targets all --steps 10 --warmup 3 --json $OUT/dist.jsonl"
@@ -139,9 +139,10 @@ if [ -n "$dist_cfgs" ]; then
     IFS=: read -r -a f <<< "$cfg"; set -- "${f[@]}"
     ck=""; [ "${4:-}" = ckpt ] && ck="--ckpt"
     st=1; [ "${5:-}" = inline ] && st=0
+    ra=0; [ "${6:-}" = ahead ] && ra=1
     dev="--devices 0"; [ "$1" != single ] && dev="--devices 0,1"
-    echo "== lora-train $1 micro-batch $2 accum $3 $ck ${5:-}"
-    LORA_TRAIN_GATHER_STREAM=$st timeout 170 $E .devbuild/lora-train bench $B --strategy $1 $dev \
+    echo "== lora-train $1 micro-batch $2 accum $3 $ck ${5:-} ${6:-}"
+    LORA_TRAIN_REDUCE_AHEAD=$ra LORA_TRAIN_GATHER_STREAM=$st timeout 170 $E .devbuild/lora-train bench $B --strategy $1 $dev \
       --micro-batch $2 --grad-accum $3 $ck 2>&1 \
       | tail -1 | python3 -c 'import json,sys; d=json.loads(sys.stdin.read()); print({k: d.get(k) for k in ["strategy","world","global_batch","tokens_per_s_per_gpu","peak_alloc_gib","mfu","losses"]}); print(d.get("per_rank"))' 2>&1
   done

@@ -262,17 +262,14 @@ fn measure(
     let t0 = Instant::now();
     let fsdp = a.strategy == Strategy::Fsdp;
     let mut groups = Vec::new();
-    let mut model = Model::random_with(cfg.clone(), dtype, &a.device, &spec, 0, &mut |t| {
+    // The adapters' forward folded into the base GEMMs (ops::fold), each layer padded before
+    // FSDP shards it.
+    let model = Model::random_with(cfg.clone(), dtype, &a.device, &spec, 0, true, &mut |t| {
         if fsdp {
             groups.push(Flat::take(t, comm)?);
         }
         Ok(())
     })?;
-    // The adapters' forward folded into the base GEMMs (ops::fold); FSDP's gathered layers
-    // hold the checkpoint's shapes.
-    if !fsdp {
-        model.fold()?;
-    }
     let shards = match fsdp {
         true => Some(Shards::from_groups(groups, model.layers.len(), comm)?),
         false => None,
@@ -314,53 +311,69 @@ fn measure(
         shards: shards.as_ref(),
         reduce,
     };
-    let mut loss = 0.0;
     let mut losses = Vec::new();
     // Only the phase is tracked here (no synchronisation): the timed steps stay untouched.
     let keep = driver::Keep::new(a.ckpt, a.offload, &a.device);
-    let step = |opt: &mut optim::AdamW, meter: &mut memory::PhaseMeter| -> Result<f64> {
-        let mut grads = optim::Grads::new();
-        meter.done = None;
-        let mut ce = 0.0;
-        for (m, batch) in batches.iter().enumerate() {
-            let p = par(m + 1 == accum);
-            ce += driver::forward_backward_par(
-                &model,
-                &p,
-                batch,
-                n,
-                keep,
-                None,
-                &mut grads,
-                None,
-                &mut |phase| {
-                    meter.done = Some(phase);
-                    Ok(())
-                },
-            )?;
-        }
-        if world > 1 {
-            ce = comm
-                .all_reduce_sum(&Tensor::new(&[ce], &a.device)?)?
-                .to_vec1::<f64>()?[0];
-        }
-        let clip = optim::grad_norm(&grads, &opt.params, 1.0)?;
-        opt.step(&grads, 1e-4, clip.coef)?;
-        Ok(ce / n)
-    };
+    // As training runs a step (train::Session::train_from): the update queued right after the
+    // gradients with the clipping on the device, the step's loss read once the next step's
+    // forward and backward are queued, so the host never holds the device up.
+    let read =
+        |ce: &Tensor| -> Result<f64> { Ok(ce.to_dtype(DType::F64)?.to_scalar::<f64>()? / n) };
+    let mut prev: Option<Tensor> = None; // the step before's Σ CE over every rank (f64)
+    let mut step =
+        |opt: &mut optim::AdamW, meter: &mut memory::PhaseMeter| -> Result<Option<f64>> {
+            let mut grads = optim::Grads::new();
+            meter.done = None;
+            let mut ce: Option<Tensor> = None;
+            for (m, batch) in batches.iter().enumerate() {
+                let c = driver::forward_backward_dev(
+                    &model,
+                    &par(m + 1 == accum),
+                    batch,
+                    n,
+                    keep,
+                    None,
+                    &mut grads,
+                    None,
+                    &mut |phase| {
+                        meter.done = Some(phase);
+                        Ok(())
+                    },
+                )?;
+                ce = match (ce, c) {
+                    (Some(a), Some(b)) => Some((a + b)?),
+                    (a, b) => a.or(b),
+                };
+            }
+            let ce = match ce {
+                Some(c) => c.to_dtype(DType::F64)?,
+                None => Tensor::new(0f64, &a.device)?,
+            };
+            let ce = match world {
+                1 => ce,
+                _ => comm.all_reduce_sum(&ce.reshape(1)?)?.squeeze(0)?,
+            };
+            let before = prev.take().map(|p| read(&p)).transpose()?;
+            let clip = optim::clip_step(&grads, &opt.params, 1.0, Some(&ce.to_dtype(DType::F32)?))?;
+            opt.step_clip(&grads, 1e-4, &clip)?;
+            prev = Some(ce);
+            Ok(before)
+        };
     for _ in 0..a.warmup {
-        loss = step(&mut opt, meter)?;
-        losses.push(loss);
+        losses.extend(step(&mut opt, meter)?);
     }
     a.device.synchronize()?;
     memory::reset_peak(&a.device)?;
     let t1 = Instant::now();
     for _ in 0..a.steps {
-        loss = step(&mut opt, meter)?;
-        losses.push(loss);
+        losses.extend(step(&mut opt, meter)?);
     }
     a.device.synchronize()?;
     let dt = t1.elapsed().as_secs_f64();
+    if let Some(p) = prev.take() {
+        losses.push(read(&p)?);
+    }
+    let loss = losses.last().copied().unwrap_or(0.0);
     let peak = memory::stats(&a.device)?;
     // One more step, instrumented: the device's peak within each phase and what stays
     // allocated at its end.

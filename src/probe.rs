@@ -80,10 +80,8 @@ pub fn run(recipe: &Recipe, max_micro_batch: usize) -> Result<ProbeReport> {
         targets: recipe.target_modules()?,
     };
     let mut model = Model::load(&files, dtype, &dev, &spec, recipe.train.seed)?;
-    // As training holds it: the adapters' forward folded (ops::fold), but under FSDP.
-    if recipe.parallel.strategy != crate::recipe::Strategy::Fsdp {
-        model.fold()?;
-    }
+    // As training holds it: the adapters' forward folded (ops::fold).
+    model.fold()?;
     let load_peak = memory::stats(&dev)?.map(|s| s.used_high);
     let params: Vec<_> = model
         .adapters()

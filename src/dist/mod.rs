@@ -34,11 +34,22 @@ pub trait Comm {
     fn all_gather_ahead(&self, x: &Tensor) -> Result<Tensor> {
         self.all_gather(x)
     }
-    /// Work queued from now on waits for every `all_gather_ahead` issued so far.
+    /// Work queued from now on waits for every `all_gather_ahead` issued so far (not for the
+    /// sums issued ahead).
     fn gathered(&self) -> Result<()> {
         Ok(())
     }
-    /// `xs` never change from now on (FSDP's frozen shards). A backend may let the other ranks
+    /// `all_reduce_sum` issued ahead of its use (DDP's gradient sums, under the backward of
+    /// the layers below): its result may be read only after `reduced`. Default: in line.
+    fn all_reduce_sum_ahead(&self, x: &Tensor) -> Result<Tensor> {
+        self.all_reduce_sum(x)
+    }
+    /// Work queued from now on waits for every `all_reduce_sum_ahead` issued so far.
+    fn reduced(&self) -> Result<()> {
+        Ok(())
+    }
+    /// `xs` stay where they are from now on (FSDP's frozen shards; their folded B columns are
+    /// rewritten between steps, `fsdp::Shards::write_pads`). A backend may let the other ranks
     /// read them where they lie: `all_gather` of one of them then copies the peers' shards in
     /// with copy engines instead of a collective's kernels (NCCL, ranks that are threads of
     /// one process). Every rank calls it once, in step, with its tensors in the same order.

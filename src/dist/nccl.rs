@@ -9,11 +9,16 @@
 //! collective at once, except for those gathers, which it waits for only when the layer is
 //! used (`gathered`), so they overlap the layer in between. One communicator, one stream at a
 //! time: the ranks' collectives still run in one order everywhere. DDP, which gathers nothing
-//! ahead, keeps its all-reduces in line (a second stream measured 1% slower for it: nothing of
-//! its could overlap, the joins cost). LORA_TRAIN_GATHER_STREAM=0 keeps FSDP in line too.
+//! ahead, keeps its all-reduces in line (a second stream measured 1% slower for it when the
+//! compute stream waited for each sum at once, BENCHMARKS.md (k)). LORA_TRAIN_GATHER_STREAM=0
+//! keeps FSDP in line too. With LORA_TRAIN_REDUCE_AHEAD=1 (opt-in, unmeasured) the gradient
+//! sums go to the second stream too and the compute stream waits for them once, after the
+//! backward (`reduced`); `gathered` then waits for the latest gather only (an event), not for
+//! the sums queued beside it.
 //!
 //! FSDP's gathers of the frozen shards skip NCCL when the ranks are threads of one process
-//! whose GPUs reach each other (NVLink or PCIe peer access): the shards never change, so after
+//! whose GPUs reach each other (NVLink or PCIe peer access): the shards stay where they are
+//! (only their folded B columns are rewritten, once a step: dist::fsdp), so after
 //! `share_static` each rank copies its peers' shards straight out of their memory with
 //! `cuMemcpyPeerAsync`, on the same side stream. Copy engines do that, not kernels: a
 //! collective's kernels hold SMs that the layer's GEMMs, sized for the whole GPU, wait for.
@@ -38,7 +43,9 @@ use super::posted::Posted;
 use super::{Comm, Group};
 use crate::recipe::{Recipe, RecipeError};
 use anyhow::Context;
-use candle_core::cuda_backend::cudarc::driver::{self as cu, CudaContext, CudaStream, DevicePtr};
+use candle_core::cuda_backend::cudarc::driver::{
+    self as cu, CudaContext, CudaEvent, CudaStream, DevicePtr,
+};
 use candle_core::cuda_backend::cudarc::nccl::{result, sys};
 use candle_core::cuda_backend::CudaStorageSlice as S;
 use candle_core::{Device, Result, Storage, Tensor};
@@ -241,6 +248,12 @@ pub struct NcclComm {
     side: Mutex<Option<Arc<CudaStream>>>,
     /// LORA_TRAIN_GATHER_STREAM=0: never make `side`.
     in_line: bool,
+    /// Recorded on `side` after the latest gather issued ahead: what `gathered` waits for
+    /// (not the sums queued behind it).
+    gather_done: Mutex<Option<CudaEvent>>,
+    /// The inputs of the sums issued ahead, kept alive until `reduced` (their frees would be
+    /// queued on the compute stream, which does not wait for the side stream before that).
+    pending: Mutex<Vec<Tensor>>,
     /// The other ranks of this process (None: a torchrun / Slurm rank).
     peers: Option<Peers>,
     /// After `share_static`, when every rank's GPU reaches every other's: the address of each
@@ -293,6 +306,8 @@ impl NcclComm {
             compute: stream,
             side: Mutex::new(None),
             in_line,
+            gather_done: Mutex::new(None),
+            pending: Mutex::new(Vec::new()),
             peers,
             sources: Mutex::new(HashMap::new()),
         })
@@ -394,6 +409,17 @@ impl NcclComm {
     }
 
     fn gather(&self, x: &Tensor, ahead: bool) -> Result<Tensor> {
+        let out = self.gather_queued(x, ahead)?;
+        if let (true, Some(side)) = (ahead, self.side_stream(false)?) {
+            let done = side
+                .record_event(None)
+                .map_err(|e| candle_core::Error::msg(format!("all_gather: {e:?}")))?;
+            *self.gather_done.lock().unwrap_or_else(|p| p.into_inner()) = Some(done);
+        }
+        Ok(out)
+    }
+
+    fn gather_queued(&self, x: &Tensor, ahead: bool) -> Result<Tensor> {
         let x = x.flatten_all()?.contiguous()?;
         let n = x.elem_count();
         let out = uninit(n * self.world, &x)?; // every element is written below
@@ -637,6 +663,41 @@ impl Comm for NcclComm {
         )
     }
 
+    fn all_reduce_sum_ahead(&self, x: &Tensor) -> Result<Tensor> {
+        let x = x.contiguous()?;
+        let n = x.elem_count();
+        let out = self.enqueue(
+            "all_reduce",
+            &x,
+            uninit(n, &x)?.reshape(x.shape())?,
+            true,
+            |src, dst, ty, c, st| {
+                // SAFETY: src and dst hold n elements of `ty` on this rank's GPU; src stays
+                // alive in `pending` until the compute stream waited for the sum (`reduced`).
+                unsafe { result::all_reduce(src, dst, n, ty, sys::ncclRedOp_t::ncclSum, c, st) }
+            },
+        )?;
+        self.pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(x);
+        Ok(out)
+    }
+
+    fn reduced(&self) -> Result<()> {
+        if let Some(side) = self.side_stream(false)? {
+            self.compute
+                .join(&side)
+                .map_err(|e| candle_core::Error::msg(format!("reduced: {e:?}")))?;
+        }
+        // Their frees are queued on the compute stream after the wait.
+        self.pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+        Ok(())
+    }
+
     fn all_gather(&self, x: &Tensor) -> Result<Tensor> {
         self.gather(x, false)
     }
@@ -646,12 +707,16 @@ impl Comm for NcclComm {
     }
 
     fn gathered(&self) -> Result<()> {
-        match self.side_stream(false)? {
-            Some(side) => self
-                .compute
-                .join(&side)
-                .map_err(|e| candle_core::Error::msg(format!("gathered: {e:?}"))),
-            None => Ok(()),
+        let done = self
+            .gather_done
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        let e = |e| candle_core::Error::msg(format!("gathered: {e:?}"));
+        match (done, self.side_stream(false)?) {
+            (Some(done), _) => self.compute.wait(&done).map_err(e),
+            (None, Some(side)) => self.compute.join(&side).map_err(e),
+            (None, None) => Ok(()),
         }
     }
 

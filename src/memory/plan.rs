@@ -97,8 +97,8 @@ pub struct PlanInput {
     /// Without checkpointing, each layer's residual waits in host memory
     /// (`train.offload_activations`; `driver::Keep::Offload`).
     pub offload: bool,
-    /// The adapters' forward folds into the base GEMMs (`ops::fold`: CUDA, bf16; not under
-    /// FSDP): the padded weights' extra columns join the base.
+    /// The adapters' forward folds into the base GEMMs (`ops::fold`: CUDA, bf16): the padded
+    /// weights' extra columns join the base (under FSDP, its shards and gathered layers).
     pub fold: bool,
 }
 
@@ -251,13 +251,15 @@ pub fn breakdown(p: &PlanInput, strategy: Strategy, ckpt: bool, micro_batch: usi
         cfg.num_layers as u64,
         cfg.vocab_size as u64,
     );
+    let pads = match p.fold {
+        true => fold_pad_bytes(cfg, s, p.rank, &p.targets),
+        false => 0,
+    };
     let full_base = cfg.num_params(p.tied) as u64 * s;
     let base = if strategy == Strategy::Fsdp {
-        full_base.div_ceil(world as u64)
-    } else if p.fold {
-        full_base + fold_pad_bytes(cfg, s, p.rank, &p.targets)
+        (full_base + pads).div_ceil(world as u64)
     } else {
-        full_base
+        full_base + pads
     };
     let lp = lora_params(cfg, p.rank, &p.targets);
     let adapters = 4 * lp;
@@ -267,7 +269,7 @@ pub fn breakdown(p: &PlanInput, strategy: Strategy, ckpt: bool, micro_batch: usi
     let (gather, head_gather) = if strategy == Strategy::Fsdp {
         let layers = 2;
         let io = (cfg.num_params(p.tied) as u64 - l * layer_params(cfg)) * s;
-        (layers * layer_params(cfg) * s, io)
+        (layers * (layer_params(cfg) * s + pads / l.max(1)), io)
     } else {
         (0, 0)
     };
@@ -969,7 +971,7 @@ mod tests {
     }
 
     #[test]
-    fn folded_weights_add_their_pad_columns_to_the_base_but_under_fsdp() {
+    fn folded_weights_add_their_pad_columns_to_the_base_and_fsdp_shards_them() {
         // Rows rounded up to 64 (ops::fold): q, k, v 4096 + 48 → 4160, gate and up 4096 + 32
         // → 4160, down 11008 + 16 → 11072: 64 columns each, 32 · (3 · 4096 + 2 · 11008 +
         // 4096) · 64 · 2 B = 157286400 B.
@@ -987,7 +989,10 @@ mod tests {
             breakdown(&p, Strategy::Fsdp, false, 2),
             breakdown(&plain, Strategy::Fsdp, false, 2),
         );
-        assert_eq!(a.base, b.base, "FSDP's layers are not padded");
+        // FSDP: 1/N of the pads per rank, and each of the two gathered layers carries its own.
+        assert_eq!(a.base, (13_476_831_232 + pads) / 2);
+        assert_eq!(b.base, 13_476_831_232 / 2);
+        assert_eq!(a.gather, b.gather + 2 * pads / 32);
         // q and v alone: their group lacks k's adapter, so it does not fold (and the MLP's
         // linears are not targets).
         let qv: Vec<String> = ["q_proj", "v_proj"].iter().map(|s| s.to_string()).collect();

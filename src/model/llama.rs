@@ -93,11 +93,14 @@ pub struct Linear {
 
 /// A folded linear's W* = [W | pad] [out, in + pad] (`ops::fold`): its B's r columns start at
 /// in + `col`; the rest of the pad is zero (the other linears' B columns, and the columns
-/// that round its rows up).
+/// that round its rows up). Under FSDP the skeleton layer's `full` is a placeholder and a
+/// gathered layer's a view of the gathered buffer (`Layer::frozen_mut`).
 #[derive(Clone)]
 pub struct Pad {
     pub full: Tensor,
     pub col: usize,
+    /// W's columns (`in`): `w` is `full`'s first `in_f` columns.
+    pub in_f: usize,
 }
 
 impl Linear {
@@ -659,8 +662,10 @@ impl Layer {
         x + m
     }
 
-    /// The layer's frozen tensors, in a fixed order (norms, then each linear's W and bias):
-    /// FSDP flattens them into one buffer and puts views of the gathered buffer back.
+    /// The layer's frozen tensors, in a fixed order (norms, then each linear's W, or its
+    /// padded W* when folded, and bias): FSDP flattens them into one buffer and puts views of
+    /// the gathered buffer back. After changing them, `sync_views` makes each folded W a view
+    /// of its W* again.
     pub fn frozen_mut(&mut self) -> Vec<&mut Tensor> {
         let mut v = vec![&mut self.input_norm, &mut self.post_norm];
         for lin in [
@@ -672,10 +677,62 @@ impl Layer {
             &mut self.up,
             &mut self.down,
         ] {
-            v.push(&mut lin.w);
+            match &mut lin.pad {
+                Some(pad) => v.push(&mut pad.full),
+                None => v.push(&mut lin.w),
+            }
             v.extend(lin.b.as_mut());
         }
         v
+    }
+
+    /// For each tensor of `frozen_mut`, in its order, the linear whose W (or W*) it is; None for
+    /// the norms and the biases.
+    pub fn frozen_linears(&self) -> Vec<Option<&Linear>> {
+        let mut v = vec![None, None];
+        for lin in self.linears() {
+            v.push(Some(lin));
+            if lin.b.is_some() {
+                v.push(None);
+            }
+        }
+        v
+    }
+
+    /// Each folded linear's W as the first `in` columns of its W* (which `frozen_mut` may have
+    /// replaced: FSDP's placeholder, or a gathered view). A placeholder W* (not [out, in + p])
+    /// leaves W that placeholder too, so the skeleton holds no weights.
+    pub fn sync_views(&mut self) -> Result<()> {
+        for lin in self.linears_mut() {
+            if let Some(pad) = &lin.pad {
+                lin.w = match pad.full.rank() {
+                    2 => pad.full.narrow(1, 0, pad.in_f)?,
+                    _ => pad.full.clone(),
+                };
+            }
+        }
+        Ok(())
+    }
+
+    /// Pads this layer's foldable groups (`Model::fold`); their bytes.
+    pub fn fold(&mut self) -> Result<usize> {
+        let mut bytes = 0;
+        for mut group in self.fold_groups() {
+            bytes += pad_group(&mut group)?;
+        }
+        Ok(bytes)
+    }
+
+    fn linears_mut(&mut self) -> [&mut Linear; 7] {
+        [
+            &mut self.q,
+            &mut self.k,
+            &mut self.v,
+            &mut self.o,
+            &mut self.gate,
+            &mut self.up,
+            &mut self.down,
+        ]
     }
 
     /// The linears whose forward can fold (`ops::fold`), by groups that share their input:
@@ -725,7 +782,7 @@ fn pad_group(lins: &mut [&mut Linear]) -> Result<usize> {
         full.slice_set(&lin.w.contiguous()?, 1, 0)?;
         lin.w = full.narrow(1, 0, in_f)?;
         bytes += out * p * lin.w.dtype().size_in_bytes();
-        lin.pad = Some(Pad { full, col });
+        lin.pad = Some(Pad { full, col, in_f });
         col += lin.lora.as_ref().map_or(0, |l| l.a.dims()[0]);
     }
     Ok(bytes)
@@ -767,19 +824,23 @@ impl Model {
         spec: &LoraSpec,
         seed: u64,
     ) -> anyhow::Result<Model> {
-        Self::load_with(files, dtype, device, spec, seed, &mut |_| Ok(()))
+        Self::load_with(files, dtype, device, spec, seed, false, &mut |_| Ok(()))
     }
 
     /// `load`, handing each group of frozen tensors to `loaded` as soon as it is on the device:
     /// each decoder layer's (`Layer::frozen_mut` order), then the embedding, final norm and
     /// untied head (`Model::io_mut` order). FSDP keeps a shard and replaces them with
-    /// placeholders there, so only one full layer is ever resident.
+    /// placeholders there, so only one full layer is ever resident. With `fold` each layer is
+    /// padded (`Model::fold`, where `ops::fold::takes` the device and dtype) before `loaded`
+    /// sees it, so FSDP's shards hold the padded weights.
+    #[allow(clippy::too_many_arguments)]
     pub fn load_with(
         files: &ModelFiles,
         dtype: DType,
         device: &Device,
         spec: &LoraSpec,
         seed: u64,
+        fold: bool,
         loaded: Loaded,
     ) -> anyhow::Result<Model> {
         let cfg = ModelConfig::from_file(&files.config)?;
@@ -815,7 +876,7 @@ impl Model {
                 files.dir.display()
             );
         }
-        Self::build(cfg, &get, tied, dtype, device, spec, seed, loaded)
+        Self::build(cfg, &get, tied, dtype, device, spec, seed, fold, loaded)
     }
 
     /// Random weights of a given shape made on the device (benchmarks; no download): linear
@@ -827,16 +888,18 @@ impl Model {
         spec: &LoraSpec,
         seed: u64,
     ) -> anyhow::Result<Model> {
-        Self::random_with(cfg, dtype, device, spec, seed, &mut |_| Ok(()))
+        Self::random_with(cfg, dtype, device, spec, seed, false, &mut |_| Ok(()))
     }
 
-    /// `random`, with `loaded` called as in `load_with`.
+    /// `random`, with `fold` and `loaded` as in `load_with`.
+    #[allow(clippy::too_many_arguments)]
     pub fn random_with(
         cfg: ModelConfig,
         dtype: DType,
         device: &Device,
         spec: &LoraSpec,
         seed: u64,
+        fold: bool,
         loaded: Loaded,
     ) -> anyhow::Result<Model> {
         if !device.is_cpu() {
@@ -853,7 +916,7 @@ impl Model {
             Ok(t.to_dtype(dtype)?)
         };
         let tied = cfg.tie_word_embeddings.unwrap_or(false);
-        Self::build(cfg, &get, tied, dtype, device, spec, seed, loaded)
+        Self::build(cfg, &get, tied, dtype, device, spec, seed, fold, loaded)
     }
 
     /// Assembles the model from a source of named base tensors (HF names and shapes).
@@ -866,8 +929,10 @@ impl Model {
         device: &Device,
         spec: &LoraSpec,
         seed: u64,
+        fold: bool,
         loaded: Loaded,
     ) -> anyhow::Result<Model> {
+        let fold = fold && ops::fold::takes(device.is_cuda(), dtype);
         let (c, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
         let (h, k, d) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
         let linear =
@@ -914,7 +979,11 @@ impl Model {
                 head_dim: d,
                 window: cfg.sliding_window.unwrap_or(0),
             };
+            if fold {
+                layer.fold()?;
+            }
             loaded(layer.frozen_mut())?;
+            layer.sync_views()?;
             layers.push(layer);
         }
         let embed = get("model.embed_tokens.weight", &[v, c])?;
@@ -980,18 +1049,16 @@ impl Model {
     /// Moves the base weights of the linears whose adapters' forward can fold into the base
     /// GEMM into padded buffers (`ops::fold`): on CUDA with bf16 weights, unless
     /// LORA_TRAIN_FOLD=0. A group folds when each of its linears has an adapter and no bias,
-    /// they share a scale, and their input width is a multiple of 8. Not for FSDP
-    /// (its flat shards hold the checkpoint's shapes). Returns the pads' bytes (the memory
-    /// plan's `fold` term).
+    /// they share a scale, and their input width is a multiple of 8. `load_with(.., fold =
+    /// true, ..)` does the same one layer at a time, before FSDP shards it. Returns the pads'
+    /// bytes (the memory plan's `fold` term).
     pub fn fold(&mut self) -> Result<usize> {
         if !ops::fold::takes(self.device.is_cuda(), self.dtype) {
             return Ok(0);
         }
         let mut bytes = 0;
         for layer in &mut self.layers {
-            for mut group in layer.fold_groups() {
-                bytes += pad_group(&mut group)?;
-            }
+            bytes += layer.fold()?;
         }
         Ok(bytes)
     }
@@ -1118,6 +1185,9 @@ impl Model {
                 let (Some(pad), Some(lora)) = (&lin.pad, &lin.lora) else {
                     continue;
                 };
+                if pad.full.rank() != 2 {
+                    continue; // FSDP's placeholder: the shards carry the B's (Shards::write_pads)
+                }
                 let (out, ld) = pad.full.dims2()?;
                 let (in_f, r) = (lin.w.dim(1)?, lora.b.dim(1)?);
                 let (Some(g), Some(p)) = (f32_addr(&lora.b)?, ops::cuda::addr(&pad.full)?) else {

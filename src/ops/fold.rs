@@ -35,9 +35,12 @@
 //! (7B, one H200, BENCHMARKS.md (r)): A/B +0.8% to +1.0% over three calls; the fused kernel
 //! 146 µs against the unfused SwiGLU pass's 154 alone.
 //!
-//! Not folded (two GEMMs as before): LORA_TRAIN_FOLD=0; FSDP (its gathered layers are flat
-//! buffers of the checkpoint's shapes); o_proj (its input comes out of the flash kernel);
-//! dropout (each adapter's own mask); linears with a bias; the CPU.
+//! Under FSDP the shards hold the padded weights, and each rank writes the B's into the pad
+//! columns of the rows its shards hold (`dist::fsdp::Shards::write_pads`): a gathered layer
+//! arrives folded.
+//!
+//! Not folded (two GEMMs as before): LORA_TRAIN_FOLD=0; o_proj (its input comes out of the
+//! flash kernel); dropout (each adapter's own mask); linears with a bias; the CPU.
 
 use super::linear_acc::matmul_scaled;
 use candle_core::{DType, Result, Tensor};

@@ -55,7 +55,7 @@ pub fn f32_addr(t: &Tensor) -> Result<Option<u64>> {
 }
 
 #[cfg(feature = "cuda")]
-pub use imp::{adamw, cast_bf16, cast_rows_bf16, sumsq};
+pub use imp::{adamw, adamw_clip, cast_bf16, cast_rows_bf16, clip_step, sumsq};
 
 #[cfg(feature = "cuda")]
 mod imp {
@@ -166,6 +166,79 @@ mod imp {
             unsafe { b.launch(cfg) }.w()?;
         }
         Ok(())
+    }
+
+    /// `adamw` with the clipping read from the device: `clip` is `clip_step`'s [‖g‖, coef,
+    /// skip] (`s.coef` is not used); skip ≠ 0 leaves every tensor as it is.
+    pub fn adamw_clip(
+        dev: &CudaDevice,
+        ts: &[MultiT],
+        s: &AdamScalars,
+        clip: &CudaSlice<f32>,
+    ) -> Result<()> {
+        let func = crate::ops::cuda::function(dev, "adamw_multi_clip")?;
+        let stream = dev.cuda_stream();
+        for (table, cfg, _) in parts(&stream, ts)? {
+            let mut b = stream.launch_builder(&func);
+            b.arg(&table)
+                .arg(clip)
+                .arg(&s.decay)
+                .arg(&s.b1)
+                .arg(&s.nb1)
+                .arg(&s.b2)
+                .arg(&s.nb2)
+                .arg(&s.inv_bc2)
+                .arg(&s.eps)
+                .arg(&s.step);
+            // SAFETY: as in `adamw`; `clip` holds 3 f32 written before on this stream.
+            unsafe { b.launch(cfg) }.w()?;
+        }
+        Ok(())
+    }
+
+    /// The step's clipping on the device, no host round trip: Σ g² over every tensor of `ts`
+    /// (their g) as `sumsq` sums it, then [‖g‖, coef, skip] f32 (the `clip_step` kernel):
+    /// coef = min(1, max_norm / (‖g‖ + 1e-6)) (1 when max_norm ≤ 0); skip = 1 when ‖g‖ or
+    /// the f32 at `ce` (0: none) is not finite.
+    pub fn clip_step(
+        dev: &CudaDevice,
+        ts: &[MultiT],
+        ce: u64,
+        max_norm: f64,
+    ) -> Result<CudaSlice<f32>> {
+        let sumsq = crate::ops::cuda::function(dev, "sumsq_multi")?;
+        let clip = crate::ops::cuda::function(dev, "clip_step")?;
+        let stream = dev.cuda_stream();
+        let launches = parts(&stream, ts)?;
+        let total: usize = launches
+            .iter()
+            .map(|(_, cfg, n)| cfg.grid_dim.0 as usize * n)
+            .sum();
+        // SAFETY: every element is written by the launches below (one per block).
+        let mut part = unsafe { stream.alloc::<f32>(total.max(1)) }.w()?;
+        let mut off = 0;
+        for (table, cfg, n) in launches {
+            let k = cfg.grid_dim.0 as usize * n;
+            let mut view = part.slice_mut(off..off + k);
+            let mut b = stream.launch_builder(&sumsq);
+            b.arg(&table).arg(&mut view);
+            // SAFETY: as in `adamw`; the view holds one f32 per block.
+            unsafe { b.launch(cfg) }.w()?;
+            off += k;
+        }
+        // SAFETY: the kernel writes all three.
+        let out = unsafe { stream.alloc::<f32>(3) }.w()?;
+        let n = total as i64;
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = stream.launch_builder(&clip);
+        b.arg(&part).arg(&n).arg(&ce).arg(&max_norm).arg(&out);
+        // SAFETY: `part` holds n f32; `ce` is 0 or a live f32 on this device; `out` holds 3.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(out)
     }
 
     /// Σ g² over every tensor of `ts` (their g), summed in f64 in a fixed order.

@@ -185,11 +185,54 @@ pub fn forward_backward_par(
     head_chunk: Option<usize>,
     probe: &mut dyn FnMut(&'static str) -> Result<()>,
 ) -> Result<f64> {
+    let ce = forward_backward_dev(
+        model, par, batch, denom, keep, dropout, grads, head_chunk, probe,
+    )?;
+    match ce {
+        Some(ce) => Ok(ce.to_scalar::<f32>()? as f64),
+        None => Ok(0.0),
+    }
+}
+
+/// `forward_backward_par` with Σ CE left on the device (a scalar f32 tensor; None: nothing
+/// counted), so that the host does not wait for the backward: reading it is a
+/// synchronisation.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_backward_dev(
+    model: &Model,
+    par: &Par,
+    batch: &Batch,
+    denom: f64,
+    keep: Keep,
+    dropout: Option<(u64, [u64; 2])>,
+    grads: &mut Grads,
+    head_chunk: Option<usize>,
+    probe: &mut dyn FnMut(&'static str) -> Result<()>,
+) -> Result<Option<Tensor>> {
     let dev = &model.device;
     let n_layers = model.layers.len();
     let (b, t) = (batch.b, batch.t);
+    // Every upload of the micro-batch happens here, before any work of it is queued: an
+    // upload from pageable host memory can wait for the device's queue to drain, which at
+    // the head would hold the host until the whole forward has run.
     let ids = Tensor::from_slice(&batch.ids, (b, t), dev)?;
-    let ctx = model.ctx(&batch.positions, b, t, batch.segments.clone(), dropout)?;
+    let n_tgt = batch.targets.len();
+    let head_rows = match n_tgt {
+        0 => None,
+        _ => {
+            // [rows | targets] in one upload
+            let both: Vec<u32> = (batch.targets.iter().map(|&(i, _)| i as u32))
+                .chain(batch.targets.iter().map(|&(_, l)| l))
+                .collect();
+            let both = Tensor::from_vec(both, 2 * n_tgt, dev)?;
+            Some((both.narrow(0, 0, n_tgt)?, both.narrow(0, n_tgt, n_tgt)?))
+        }
+    };
+    let mut ctx = model.ctx(&batch.positions, b, t, batch.segments.clone(), dropout)?;
+    if let Some(s) = par.shards {
+        // FSDP: the folded linears' B's go into the shards, to arrive with each gather.
+        ctx.folded = s.write_pads(model)?;
+    }
 
     // ---- forward, layer by layer
     let mut x = match par.io(model)? {
@@ -244,7 +287,7 @@ pub fn forward_backward_par(
     // to predict still runs backward: the others wait for its gathers and gradient sums.
     let world = par.comm.world();
     if batch.targets.is_empty() && world == 1 {
-        return Ok(0.0);
+        return Ok(None);
     }
     let io = match head {
         Some(io) => {
@@ -266,18 +309,10 @@ pub fn forward_backward_par(
     let chunk = head_chunk
         .unwrap_or((1usize << 24) / model.cfg.vocab_size.max(1))
         .max(1);
-    // Positions and targets go up once (an upload from host memory waits for the queue to
-    // drain), Σ CE stays on the device until backward is queued.
-    let n_tgt = batch.targets.len();
+    // Σ CE stays on the device until backward is queued.
     let mut ce_sum: Option<Tensor> = None;
     let mut parts = Vec::new(); // each chunk's dL/dh rows [n_chunk, C]
-    if n_tgt > 0 {
-        let rows: Vec<u32> = batch.targets.iter().map(|&(i, _)| i as u32).collect();
-        let tgt: Vec<u32> = batch.targets.iter().map(|&(_, l)| l).collect();
-        let (rows, tgt) = (
-            Tensor::from_vec(rows, n_tgt, dev)?,
-            Tensor::from_vec(tgt, n_tgt, dev)?,
-        );
+    if let Some((rows, tgt)) = &head_rows {
         for off in (0..n_tgt).step_by(chunk) {
             let len = chunk.min(n_tgt - off);
             let (r, t) = (rows.narrow(0, off, len)?, tgt.narrow(0, off, len)?);
@@ -336,11 +371,11 @@ pub fn forward_backward_par(
             all_reduce_layer(&layer, grads, par.comm)?;
         }
     }
-    probe("backward")?;
-    match ce_sum {
-        Some(ce) => Ok(ce.to_scalar::<f32>()? as f64),
-        None => Ok(0.0),
+    if par.reduce && world > 1 && reduce_ahead() {
+        par.comm.reduced()?; // the sums issued under the layers below are in
     }
+    probe("backward")?;
+    Ok(ce_sum)
 }
 
 /// dL/dh [N, C] (`like`'s shape and dtype) from the head chunks' rows, `targets` giving each
@@ -397,6 +432,15 @@ fn accumulate(lg: LayerGrads, grads: &mut Grads) -> Result<()> {
     Ok(())
 }
 
+/// LORA_TRAIN_REDUCE_AHEAD=1: each layer's gradient sum runs on the comm's second stream under
+/// the backward of the layers below it, and the compute stream waits for them all once, after
+/// the first layer (`Comm::reduced`), instead of for each as it is issued. Opt-in until
+/// measured on two GPUs (BENCHMARKS.md (s)).
+fn reduce_ahead() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("LORA_TRAIN_REDUCE_AHEAD").is_ok_and(|v| v == "1"))
+}
+
 /// Sums one layer's adapter gradients over the ranks as one flat f32 bucket (a missing
 /// gradient counts as zeros, so every rank sends the same layout).
 fn all_reduce_layer(layer: &Layer, grads: &mut Grads, comm: &dyn Comm) -> Result<()> {
@@ -417,7 +461,11 @@ fn all_reduce_layer(layer: &Layer, grads: &mut Grads, comm: &dyn Comm) -> Result
         };
         flat.push(g.flatten_all()?);
     }
-    let sum = comm.all_reduce_sum(&Tensor::cat(&flat, 0)?)?; // [Σ numel] f32
+    let flat = Tensor::cat(&flat, 0)?; // [Σ numel] f32
+    let sum = match reduce_ahead() {
+        true => comm.all_reduce_sum_ahead(&flat)?, // read after `reduced`, past the last layer
+        false => comm.all_reduce_sum(&flat)?,
+    };
     let mut off = 0;
     for v in vars {
         let n = v.elem_count();

@@ -172,18 +172,16 @@ impl Session {
         };
         let fsdp = recipe.parallel.strategy == Strategy::Fsdp;
         let mut groups = Vec::new();
-        let mut model = Model::load_with(&files, dtype, &dev, &spec, recipe.train.seed, &mut |t| {
+        // The adapters' forward folded into the base GEMMs (ops::fold), each layer padded
+        // before FSDP shards it.
+        let seed = recipe.train.seed;
+        let model = Model::load_with(&files, dtype, &dev, &spec, seed, true, &mut |t| {
             if fsdp {
                 groups.push(Flat::take(t, &*comm)?);
             }
             Ok(())
         })
         .with_context(|| format!("cannot load the model in {}", dir.display()))?;
-        // The adapters' forward folded into the base GEMMs (ops::fold); FSDP's gathered layers
-        // hold the checkpoint's shapes.
-        if !fsdp {
-            model.fold()?;
-        }
         let shards = match fsdp {
             true => Some(Shards::from_groups(groups, model.layers.len(), &*comm)?),
             false => None,
@@ -517,27 +515,90 @@ impl Session {
         let start = Instant::now();
         let mut session_tokens = 0usize;
         let mut losses = Vec::with_capacity(total - step.min(total));
-        let mut epoch = cursor.epoch;
-        let mut skip = cursor.step_in_epoch;
+        let epoch = cursor.epoch;
+        let skip = cursor.step_in_epoch;
         let mut last_eval = None;
-        'outer: while step < total {
-            // One rank sees its whole step; several compute the others' counts too.
-            let denoms = match world {
-                1 => Vec::new(),
-                _ => self.step_denoms(epoch),
-            };
-            for (i, micro_batches) in self.epoch_plan(epoch).into_iter().enumerate().skip(skip) {
-                if step >= total {
-                    break 'outer;
+        // Steps run one ahead of the host. Step k's update is queued right after its gradients,
+        // its clipping and finite check made on the device (optim::clip_step); what the host
+        // does with step k (reading its loss and ‖g‖, the log, eval, checkpoint, stop) waits
+        // until step k+1's forward and backward are queued, so the device never idles while the
+        // host reads. Step k+1's update is queued after that, so step k's eval and checkpoint
+        // still see step k's adapter, and a step found not finite stops the run (or is counted
+        // as skipped: the kernel skipped it) before another update follows it.
+        struct Pending {
+            /// Σ CE of the step (over every rank): f32 on the device; None when nothing counted.
+            ce: Option<Tensor>,
+            /// Several ranks: [Σ CE, tokens] over every rank, f64 on the device.
+            sums: Option<Tensor>,
+            clip: optim::StepClip,
+            /// The step counter advanced for it (`AdamW::step_clip`).
+            counted: bool,
+            denom: usize,
+            tokens: usize,
+            lr: f64,
+            cursor: Cursor,
+            epoch: usize,
+            /// The pool's phase peaks over its forward, backward and update.
+            peaks: std::collections::BTreeMap<&'static str, u64>,
+        }
+        let mut pending: Option<Pending> = None;
+        // Phase peaks of the steps since the last log row.
+        let mut peaks_since: std::collections::BTreeMap<&'static str, u64> = Default::default();
+        // Several ranks: rank 0's stop decision, broadcast at one step's end, read at the next.
+        let mut stop_flag: Option<Tensor> = None;
+        let mut queued = step;
+        let mut plan: std::vec::IntoIter<(usize, Vec<Vec<Vec<usize>>>)> = Vec::new().into_iter();
+        let mut denoms = Vec::new();
+        let mut plan_epoch = None;
+        loop {
+            // ---- the next step's forward and backward, queued
+            // A step that saves a checkpoint is finished before the next one is queued: an
+            // out-of-memory in the next step's forward must not lose it.
+            let eager = pending.is_some()
+                && r.output.save_every > 0
+                && (step + 1) % r.output.save_every == 0;
+            let mut cur = None;
+            loop {
+                if eager || queued >= total {
+                    break;
                 }
+                if let Some((i, micro_batches)) = plan.next() {
+                    cur = Some((plan_epoch.unwrap_or(epoch), i, micro_batches));
+                    break;
+                }
+                let e = match plan_epoch {
+                    None => epoch,
+                    Some(e) => e + 1,
+                };
+                let first = match plan_epoch {
+                    None => skip,
+                    Some(_) => 0,
+                };
+                plan_epoch = Some(e);
+                plan = self
+                    .epoch_plan(e)
+                    .into_iter()
+                    .enumerate()
+                    .skip(first)
+                    .collect::<Vec<_>>()
+                    .into_iter();
+                // One rank sees its whole step; several compute the others' counts too.
+                denoms = match world {
+                    1 => Vec::new(),
+                    _ => self.step_denoms(e),
+                };
+            }
+            let mut run = None;
+            if let Some((e, i, micro_batches)) = cur {
                 let batches: Vec<Batch> = micro_batches.iter().map(|m| self.batch(m)).collect();
                 let denom = match world {
                     1 => batches.iter().map(Batch::n_targets).sum::<usize>(),
                     _ => denoms.get(i).copied().unwrap_or(0),
                 };
                 let mut grads = Grads::new();
-                let (mut ce, mut step_tokens) = (0.0, 0);
-                let lr = t.lr * schedule::lr_factor(t.schedule, step, total, t.warmup_steps);
+                let mut ce: Option<Tensor> = None;
+                let mut step_tokens = 0;
+                let lr = t.lr * schedule::lr_factor(t.schedule, queued, total, t.warmup_steps);
                 let oom = |e: anyhow::Error, meter: &crate::memory::PhaseMeter| -> anyhow::Error {
                     if !crate::memory::is_oom(&e) {
                         return e;
@@ -545,7 +606,7 @@ impl Session {
                     self.out_of_memory(
                         &e,
                         meter,
-                        Some((step + 1, total)),
+                        Some((queued + 1, total)),
                         last_ckpt.as_ref().map(|(_, p)| p.clone()),
                     )
                 };
@@ -555,9 +616,9 @@ impl Session {
                     // draws the same mask whatever the number of ranks.
                     let micro = k * world + self.comm.rank();
                     let key =
-                        (r.lora.dropout > 0.0).then_some((t.seed, [step as u64, micro as u64]));
+                        (r.lora.dropout > 0.0).then_some((t.seed, [queued as u64, micro as u64]));
                     let last = k + 1 == batches.len();
-                    let res = driver::forward_backward_par(
+                    let res = driver::forward_backward_dev(
                         &self.model,
                         &self.par(last),
                         b,
@@ -568,63 +629,100 @@ impl Session {
                         None,
                         &mut |phase| meter.end(&dev, phase),
                     );
-                    ce += match res {
-                        Ok(v) => v,
+                    match res {
+                        Ok(c) => {
+                            ce = match (ce, c) {
+                                (Some(a), Some(b)) => Some((a + b)?),
+                                (a, b) => a.or(b),
+                            }
+                        }
+                        Err(e) => {
+                            bar.finish_and_clear();
+                            return Err(oom(e.into(), &meter));
+                        }
+                    }
+                    step_tokens += b.tokens;
+                }
+                meter.done = Some("backward");
+                // The step's CE and tokens over every rank (for the loss, its finite check and
+                // the log), summed on the device.
+                let sums = match world {
+                    1 => None,
+                    _ => {
+                        let d = &self.model.device;
+                        let local = Tensor::cat(
+                            &[
+                                match &ce {
+                                    Some(c) => c.to_dtype(DType::F64)?.reshape(1)?,
+                                    None => Tensor::zeros(1, DType::F64, d)?,
+                                },
+                                Tensor::new(&[step_tokens as f64], d)?,
+                            ],
+                            0,
+                        )?;
+                        Some(self.comm.all_reduce_sum(&local)?)
+                    }
+                };
+                let ce_all = match &sums {
+                    Some(s) => Some(s.narrow(0, 0, 1)?.to_dtype(DType::F32)?.squeeze(0)?),
+                    None => ce.clone(),
+                };
+                let clip =
+                    match optim::clip_step(&grads, &opt.params, t.max_grad_norm, ce_all.as_ref()) {
+                        Ok(c) => c,
                         Err(e) => {
                             bar.finish_and_clear();
                             return Err(oom(e.into(), &meter));
                         }
                     };
-                    step_tokens += b.tokens;
-                }
-                if world > 1 {
-                    // The step's CE and tokens over every rank (for the loss and the log).
-                    let dev = &self.model.device;
-                    let local = Tensor::new(&[ce, step_tokens as f64], dev)?;
-                    let all = self.comm.all_reduce_sum(&local)?.to_vec1::<f64>()?;
-                    (ce, step_tokens) = (all[0], all[1] as usize);
+                run = Some((grads, clip, ce_all, sums, denom, step_tokens, lr, e, i));
+            }
+
+            // ---- what the host does with the step before (its device work is done or queued)
+            if let Some(p) = pending.take() {
+                let (grad_norm, finite) = p.clip.read()?;
+                let (ce, step_tokens) = match &p.sums {
+                    Some(s) => {
+                        let v = s.to_vec1::<f64>()?;
+                        (v[0], v[1] as usize)
+                    }
+                    None => match &p.ce {
+                        Some(c) => (c.to_dtype(DType::F64)?.to_scalar::<f64>()?, p.tokens),
+                        None => (0.0, p.tokens),
+                    },
+                };
+                let loss = ce / p.denom.max(1) as f64;
+                // A NaN / Inf loss or gradient never reaches the adapter (the update skipped it).
+                let finite = finite && loss.is_finite();
+                if !finite {
+                    if p.counted {
+                        opt.untake();
+                    }
+                    if t.skip_nonfinite {
+                        skipped += 1;
+                    } else {
+                        bar.finish_and_clear();
+                        return Err(stop::NonFinite {
+                            step: step + 1,
+                            total,
+                            what: format!("the loss is {loss} and the gradient norm {grad_norm}"),
+                            last_checkpoint: last_ckpt.map(|(_, p)| p),
+                            lr: t.lr,
+                            dtype: format!("{:?}", self.model.dtype).to_lowercase(),
+                            max_grad_norm: t.max_grad_norm,
+                        }
+                        .into());
+                    }
                 }
                 tokens += step_tokens;
                 session_tokens += step_tokens;
-                let loss = ce / denom.max(1) as f64;
-                meter.done = Some("backward");
-                let clip = match optim::grad_norm(&grads, &opt.params, t.max_grad_norm) {
-                    Ok(c) => c,
-                    Err(e) => {
-                        bar.finish_and_clear();
-                        return Err(oom(e.into(), &meter));
-                    }
-                };
-                let grad_norm = clip.norm;
-                // A NaN / Inf loss or gradient never reaches the adapter.
-                let finite = loss.is_finite() && grad_norm.is_finite();
-                if finite {
-                    if let Err(e) = opt.step(&grads, lr, clip.coef) {
-                        bar.finish_and_clear();
-                        return Err(oom(e.into(), &meter));
-                    }
-                    meter.end(&dev, "optimizer")?;
-                } else if t.skip_nonfinite {
-                    skipped += 1;
-                } else {
-                    bar.finish_and_clear();
-                    return Err(stop::NonFinite {
-                        step: step + 1,
-                        total,
-                        what: format!("the loss is {loss} and the gradient norm {grad_norm}"),
-                        last_checkpoint: last_ckpt.map(|(_, p)| p),
-                        lr: t.lr,
-                        dtype: format!("{:?}", self.model.dtype).to_lowercase(),
-                        max_grad_norm: t.max_grad_norm,
-                    }
-                    .into());
+                for (k, v) in p.peaks {
+                    let e = peaks_since.entry(k).or_insert(0);
+                    *e = (*e).max(v);
                 }
-                drop(grads);
                 step += 1;
-                cursor = Cursor {
-                    epoch,
-                    step_in_epoch: i + 1,
-                };
+                cursor = p.cursor;
+                let (epoch, lr, denom) = (p.epoch, p.lr, p.denom);
                 losses.push(loss);
                 history.push((step, finite.then_some(loss)));
                 let secs = start.elapsed().as_secs_f64();
@@ -644,7 +742,7 @@ impl Session {
                     });
                     let mut msg = format!("loss {loss:.4}  ");
                     // Per-phase peaks of the device pool since the last row (CUDA only).
-                    let peaks = meter.take();
+                    let peaks = std::mem::take(&mut peaks_since);
                     if !peaks.is_empty() {
                         // 1e-4 GiB (~0.1 MiB) resolution: small models are not rounded to 0.
                         let g = |x: u64| (x as f64 / crate::memory::GIB * 1e4).round() / 1e4;
@@ -689,14 +787,21 @@ impl Session {
                     let dir = save(step, cursor, &opt, skipped, tokens, &history)?;
                     last_ckpt = Some((step, dir));
                 }
-                // Rank 0 decides whether to stop (signals); every rank stops at the same step.
+                // Rank 0 decides whether to stop (signals); every rank stops at the same step:
+                // with several, one step after rank 0 decided (its decision is broadcast with
+                // that step's work and read at the next one's end, so no rank waits for it).
                 let stopping = step < total && {
                     let here = lead && stop(step);
                     match world {
                         1 => here,
                         _ => {
+                            let before = match stop_flag.take() {
+                                Some(f) => f.to_vec1::<f64>()?[0] > 0.0,
+                                None => false,
+                            };
                             let flag = Tensor::new(&[here as u8 as f64], &self.model.device)?;
-                            self.comm.broadcast(&flag, 0)?.to_vec1::<f64>()?[0] > 0.0
+                            stop_flag = Some(self.comm.broadcast(&flag, 0)?);
+                            before
                         }
                     }
                 };
@@ -715,8 +820,44 @@ impl Session {
                     .into());
                 }
             }
-            skip = 0;
-            epoch += 1;
+
+            // ---- the queued step's update
+            let Some((grads, clip, ce, sums, denom, step_tokens, lr, e, i)) = run else {
+                if eager {
+                    continue;
+                }
+                break;
+            };
+            let counted = match opt.step_clip(&grads, lr, &clip) {
+                Ok(c) => c,
+                Err(err) => {
+                    bar.finish_and_clear();
+                    let err: anyhow::Error = err.into();
+                    if !crate::memory::is_oom(&err) {
+                        return Err(err);
+                    }
+                    let last = last_ckpt.as_ref().map(|(_, p)| p.clone());
+                    return Err(self.out_of_memory(&err, &meter, Some((queued + 1, total)), last));
+                }
+            };
+            meter.end(&dev, "optimizer")?;
+            drop(grads);
+            queued += 1;
+            pending = Some(Pending {
+                ce,
+                sums,
+                clip,
+                counted,
+                denom,
+                tokens: step_tokens,
+                lr,
+                cursor: Cursor {
+                    epoch: e,
+                    step_in_epoch: i + 1,
+                },
+                epoch: e,
+                peaks: meter.take(),
+            });
         }
         bar.finish_and_clear();
         if lead {

@@ -114,26 +114,12 @@ impl AdamW {
             return Ok(());
         }
         self.t += 1;
+        let scalars = self.scalars(lr, grad_scale);
         let (b1, b2) = self.betas;
+        let (eps, wd) = (self.eps, self.weight_decay);
         let bc1 = 1.0 - b1.powi(self.t as i32);
         let bc2_sqrt = (1.0 - b2.powi(self.t as i32)).sqrt();
-        let (eps, wd) = (self.eps, self.weight_decay);
-        let scalars = multi_tensor::AdamScalars {
-            coef: if grad_scale < 1.0 {
-                grad_scale as f32
-            } else {
-                1.0
-            },
-            decay: (1.0 - lr * wd) as f32,
-            b1: b1 as f32,
-            nb1: (1.0 - b1) as f32,
-            b2: b2 as f32,
-            nb2: (1.0 - b2) as f32,
-            inv_bc2: (1.0 / bc2_sqrt) as f32,
-            eps: eps as f32,
-            step: (lr / bc1) as f32,
-        };
-        self.fused = self.step_fused(grads, &scalars)?;
+        self.fused = self.step_fused(grads, &scalars, None)?;
         if self.fused {
             return Ok(());
         }
@@ -206,7 +192,71 @@ impl AdamW {
 
     /// The step as one CUDA kernel over every parameter that has a gradient; false (nothing
     /// done) when any of them, its gradient or its moments is not a contiguous f32 CUDA buffer.
-    fn step_fused(&mut self, grads: &Grads, s: &multi_tensor::AdamScalars) -> Result<bool> {
+    /// Step `self.t`'s f32 factors, each rounded from f64 as the tensor ops round theirs.
+    fn scalars(&self, lr: f64, grad_scale: f64) -> multi_tensor::AdamScalars {
+        let (b1, b2) = self.betas;
+        let bc1 = 1.0 - b1.powi(self.t as i32);
+        let bc2_sqrt = (1.0 - b2.powi(self.t as i32)).sqrt();
+        multi_tensor::AdamScalars {
+            coef: if grad_scale < 1.0 {
+                grad_scale as f32
+            } else {
+                1.0
+            },
+            decay: (1.0 - lr * self.weight_decay) as f32,
+            b1: b1 as f32,
+            nb1: (1.0 - b1) as f32,
+            b2: b2 as f32,
+            nb2: (1.0 - b2) as f32,
+            inv_bc2: (1.0 / bc2_sqrt) as f32,
+            eps: self.eps as f32,
+            step: (lr / bc1) as f32,
+        }
+    }
+
+    /// One step under `clip` (`clip_step`). A device clip goes to the fused kernel as it lies,
+    /// which leaves everything as it is when the step is not finite, so nothing waits for the
+    /// gradients: the step counter advances as if it were, and `untake` takes that back when
+    /// `StepClip::read` later says it was not. A host clip steps only when finite. Whether the
+    /// counter advanced.
+    pub fn step_clip(&mut self, grads: &Grads, lr: f64, clip: &StepClip) -> Result<bool> {
+        let (coef, finite) = match clip {
+            StepClip::Host(c, finite) => (c.coef, *finite),
+            StepClip::Device(dc) => {
+                if self.params.is_empty() {
+                    return Ok(false);
+                }
+                self.t += 1;
+                let scalars = self.scalars(lr, 1.0);
+                if self.step_fused(grads, &scalars, Some(dc))? {
+                    self.fused = true;
+                    return Ok(true);
+                }
+                self.t -= 1;
+                let v = dc.to_vec1::<f32>()?; // [‖g‖, coef, skip]
+                (v[1] as f64, v[2] == 0.0)
+            }
+        };
+        if finite {
+            self.step(grads, lr, coef)?;
+        }
+        Ok(finite)
+    }
+
+    /// Takes back a step `step_clip` counted that `StepClip::read` found not finite (the
+    /// kernel skipped it).
+    pub fn untake(&mut self) {
+        self.t = self.t.saturating_sub(1);
+    }
+
+    /// The fused step; with `clip` ([‖g‖, coef, skip] on the device) its coef and skip instead
+    /// of `s.coef`.
+    fn step_fused(
+        &mut self,
+        grads: &Grads,
+        s: &multi_tensor::AdamScalars,
+        clip: Option<&Tensor>,
+    ) -> Result<bool> {
         let Some(Device::Cuda(dev)) = self.params.first().map(|p| p.device().clone()) else {
             return Ok(false);
         };
@@ -239,14 +289,27 @@ impl AdamW {
         }
         #[cfg(feature = "cuda")]
         {
-            if !table.is_empty() {
-                multi_tensor::adamw(&dev, &table, s)?;
+            if table.is_empty() {
+                return Ok(true);
+            }
+            match clip {
+                None => multi_tensor::adamw(&dev, &table, s)?,
+                Some(c) => {
+                    use candle_core::Storage;
+                    let (st, l) = c.storage_and_layout();
+                    let (Storage::Cuda(cs), (0, 3)) =
+                        (&*st, l.contiguous_offsets().unwrap_or((1, 0)))
+                    else {
+                        return Ok(false);
+                    };
+                    multi_tensor::adamw_clip(&dev, &table, s, cs.as_cuda_slice::<f32>()?)?;
+                }
             }
             Ok(true)
         }
         #[cfg(not(feature = "cuda"))]
         {
-            let _ = (dev, table, s);
+            let _ = (dev, table, s, clip);
             Ok(false)
         }
     }
@@ -302,6 +365,84 @@ impl AdamW {
 pub struct Clip {
     pub norm: f64,
     pub coef: f64,
+}
+
+/// A step's clipping and finite check (`clip_step`): on CUDA computed on the device right after
+/// the gradients, so that the update is queued without the host waiting for them and read
+/// later; elsewhere computed at once.
+pub enum StepClip {
+    /// [‖g‖, coef, skip] f32 on the device (`multi_tensor::clip_step`).
+    Device(Tensor),
+    /// The clipping, and whether the loss and ‖g‖ are finite.
+    Host(Clip, bool),
+}
+
+impl StepClip {
+    /// (‖g‖, whether the step's loss and gradients are finite). A device clip is read here:
+    /// this waits for the step's gradients.
+    pub fn read(&self) -> Result<(f64, bool)> {
+        match self {
+            StepClip::Host(c, finite) => Ok((c.norm, *finite)),
+            StepClip::Device(t) => {
+                let v = t.to_vec1::<f32>()?;
+                Ok((v[0] as f64, v[2] == 0.0))
+            }
+        }
+    }
+}
+
+/// The step's `StepClip` for `max_norm` (≤ 0: no clipping); `ce`, the step's Σ CE as an f32
+/// scalar on the device (None: nothing counted), joins the finite check.
+pub fn clip_step(
+    grads: &Grads,
+    order: &[Var],
+    max_norm: f64,
+    ce: Option<&Tensor>,
+) -> Result<StepClip> {
+    #[cfg(feature = "cuda")]
+    {
+        let mut table = Vec::new();
+        let mut dev = None;
+        for g in order.iter().filter_map(|p| grads.get(&p.id())) {
+            let (Some(ga), Device::Cuda(d)) = (multi_tensor::f32_addr(g)?, g.device()) else {
+                table.clear();
+                break;
+            };
+            dev.get_or_insert_with(|| d.clone());
+            table.push(multi_tensor::MultiT {
+                g: ga,
+                n: g.elem_count() as i64,
+                ..Default::default()
+            });
+        }
+        let ce_addr = match ce {
+            Some(c) if c.dtype() == candle_core::DType::F32 => crate::ops::cuda::addr(c)?,
+            Some(_) => None,
+            None => Some(0),
+        };
+        if let (Some(d), false, Some(ce_addr)) = (&dev, table.is_empty(), ce_addr) {
+            use candle_core::{op::BackpropOp, CudaStorage, Storage};
+            let out = multi_tensor::clip_step(d, &table, ce_addr, max_norm)?;
+            let t = Tensor::from_storage(
+                Storage::Cuda(CudaStorage::wrap_cuda_slice(out, d.clone())),
+                3,
+                BackpropOp::none(),
+                false,
+            );
+            // ce stays alive until the kernel ran: its free is queued after it.
+            return Ok(StepClip::Device(t));
+        }
+    }
+    let c = grad_norm(grads, order, max_norm)?;
+    let loss_ok = match ce {
+        Some(ce) => ce
+            .to_dtype(candle_core::DType::F64)?
+            .to_scalar::<f64>()?
+            .is_finite(),
+        None => true,
+    };
+    let finite = loss_ok && c.norm.is_finite();
+    Ok(StepClip::Host(c, finite))
 }
 
 /// `Clip` of `grads`. `order` (the optimiser's parameters) fixes the summation order, so the

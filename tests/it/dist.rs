@@ -542,6 +542,15 @@ fn nccl_gathers_of_shared_shards_are_every_ranks_shard() {
             sum == [3.0, 10.0] && b == [2.0, 10.0],
             "rank {rank}: {sum:?} {b:?}"
         );
+        // A sum issued ahead, a gather behind it on the same stream: the gather may be used
+        // after `gathered`, the sum after `reduced` (its input dropped meanwhile).
+        let ahead = comm.all_reduce_sum_ahead(&(&x * 2.0)?)?;
+        let gathered = comm.all_gather_ahead(&shards[0])?;
+        comm.gathered()?;
+        anyhow::ensure!(gathered.elem_count() == 2 * shards[0].elem_count());
+        comm.reduced()?;
+        let ahead = ahead.to_vec1::<f32>()?;
+        anyhow::ensure!(ahead == [6.0, 20.0], "rank {rank}: sum ahead {ahead:?}");
         comm.barrier()?;
         Ok(checked)
     };

@@ -565,7 +565,7 @@ fn gpu_layer_model() -> lora_train::model::llama::Model {
         rslora: false,
         targets: ALL_LINEAR.iter().map(|s| s.to_string()).collect(),
     };
-    let m = Model::random_with(cfg, DType::BF16, &dev, &spec, 7, &mut |_| Ok(())).unwrap();
+    let m = Model::random_with(cfg, DType::BF16, &dev, &spec, 7, false, &mut |_| Ok(())).unwrap();
     randomize_b(&m, 0.05);
     m
 }
@@ -674,6 +674,147 @@ fn folded_layer_matches_the_unfolded_and_autograd_on_the_gpu() {
     }
 }
 
+/// Rank `0` of `1` for `Flat::take` alone: its collectives are never called.
+#[cfg(feature = "cuda")]
+struct Cut(usize, usize);
+
+#[cfg(feature = "cuda")]
+impl lora_train::dist::Comm for Cut {
+    fn rank(&self) -> usize {
+        self.0
+    }
+    fn world(&self) -> usize {
+        self.1
+    }
+    fn all_reduce_sum(&self, _: &Tensor) -> candle_core::Result<Tensor> {
+        candle_core::bail!("Cut has no collectives")
+    }
+    fn all_gather(&self, _: &Tensor) -> candle_core::Result<Tensor> {
+        candle_core::bail!("Cut has no collectives")
+    }
+    fn broadcast(&self, _: &Tensor, _: usize) -> candle_core::Result<Tensor> {
+        candle_core::bail!("Cut has no collectives")
+    }
+    fn barrier(&self) -> candle_core::Result<()> {
+        candle_core::bail!("Cut has no collectives")
+    }
+}
+
+/// FSDP over a folded model (ops::fold): each rank shards the padded weights and writes its
+/// rows' B's into its own shards (`Shards::write_pads`). For 1, 2 and 3 ranks (cuts inside
+/// rows and inside B's columns) the shards side by side are the unsharded model's padded
+/// weights with this batch's B's, bit for bit; and a gathered layer runs folded, with the
+/// unsharded layer's output (bit for bit) and gradients.
+#[cfg(feature = "cuda")]
+#[test]
+fn fsdp_shards_carry_the_folded_b_columns_on_the_gpu() {
+    use candle_core::DType;
+    use lora_train::dist::fsdp::{Flat, Shards};
+    use lora_train::model::llama::{Linear, Model};
+    let reference = gpu_layer_model();
+    let (cfg, dev) = (reference.cfg.clone(), reference.device.clone());
+    let spec = lora_train::lora::LoraSpec {
+        rank: 8,
+        alpha: 16.0,
+        dropout: 0.0,
+        rslora: false,
+        targets: lora_train::lora::ALL_LINEAR
+            .iter()
+            .map(|s| s.to_string())
+            .collect(),
+    };
+    // gpu_layer_model's weights (same seed), folded as they load; its random B's.
+    let build = |comm: Option<&Cut>| {
+        let mut groups = Vec::new();
+        let m = Model::random_with(cfg.clone(), DType::BF16, &dev, &spec, 7, true, &mut |t| {
+            if let Some(c) = comm {
+                groups.push(Flat::take(t, c)?);
+            }
+            Ok(())
+        })
+        .unwrap();
+        for ((_, a), (_, b)) in m.adapters().zip(reference.adapters()) {
+            a.b.set(b.b.as_tensor()).unwrap();
+        }
+        let shards = comm.map(|c| Shards::from_groups(groups, m.layers.len(), c).unwrap());
+        (m, shards)
+    };
+    let (full, _) = build(None);
+    let (ctx, x, g) = gpu_layer_batch(&full);
+    assert!(ctx.folded);
+    // Each layer's frozen tensors flattened in Flat's order, B columns written.
+    let flat = |m: &Model, l: usize| {
+        let parts: Vec<Tensor> = m.layers[l]
+            .clone()
+            .frozen_mut()
+            .into_iter()
+            .map(|t| t.flatten_all().unwrap())
+            .collect();
+        Tensor::cat(&parts, 0)
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
+    };
+    assert!(full.layers[1].q.pad.is_some() && full.layers[1].down.pad.is_some());
+    let want: Vec<Tensor> = (0..2).map(|l| flat(&full, l)).collect();
+    for world in [1, 2, 3] {
+        let ranks: Vec<(Model, Shards)> = (0..world)
+            .map(|r| {
+                let (m, s) = build(Some(&Cut(r, world)));
+                let s = s.unwrap();
+                assert!(
+                    s.write_pads(&m).unwrap(),
+                    "rank {r} of {world}: no pads written"
+                );
+                (m, s)
+            })
+            .collect();
+        for (l, want) in want.iter().enumerate() {
+            let shards: Vec<Tensor> = ranks
+                .iter()
+                .map(|(_, s)| s.layers[l].shard().clone())
+                .collect();
+            let got = Tensor::cat(&shards, 0)
+                .unwrap()
+                .narrow(0, 0, want.dim(0).unwrap())
+                .unwrap();
+            let diff = max_abs_diff(&got.to_dtype(DType::F32).unwrap(), want);
+            assert_eq!(diff, 0.0, "world {world}, layer {l}: the shards differ");
+        }
+    }
+    // World 1: the gathered layer runs folded, as the unsharded one.
+    let (one, shards) = build(Some(&Cut(0, 1)));
+    let shards = shards.unwrap();
+    let mut ctx1 = one.ctx(&[0; 300], 2, 150, None, None).unwrap();
+    (ctx1.cos, ctx1.sin, ctx1.mask) = (ctx.cos.clone(), ctx.sin.clone(), ctx.mask.clone());
+    assert!(!ctx1.folded, "the skeleton holds no pads of its own");
+    ctx1.folded = shards.write_pads(&one).unwrap();
+    let layer = shards
+        .layer(&one, 1, &lora_train::dist::Solo, false)
+        .unwrap();
+    let want_layer = &full.layers[1];
+    assert_eq!(
+        Linear::fold_width(&[&layer.q, &layer.k, &layer.v], &ctx1),
+        Some(64)
+    );
+    assert_eq!(Linear::fold_width(&[&layer.down], &ctx1), Some(16));
+    let (y, acts) = layer.forward_train(&x, &ctx1, true).unwrap();
+    let (y_want, acts_want) = want_layer.forward_train(&x, &ctx, true).unwrap();
+    let f32_of = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+    assert_eq!(
+        max_abs_diff(&f32_of(&y), &f32_of(&y_want)),
+        0.0,
+        "gathered layer's output"
+    );
+    let ours = layer.backward(acts.unwrap(), &g, &ctx1).unwrap();
+    let theirs = want_layer.backward(acts_want.unwrap(), &g, &ctx).unwrap();
+    // The flash kernels' dQ sums land in any order: the gradients agree to that noise.
+    assert_close("gathered layer dx", &ours.0, &theirs.0, 1e-2, 1e-3);
+    for ((_, ga), (_, gb)) in ours.1.iter().zip(&theirs.1) {
+        assert_close("gathered layer adapter grad", ga, gb, 1e-2, 1e-3);
+    }
+}
+
 /// One decoder layer of the Llama-2-7B shape on GPU 0 in bf16, rank-16 adapters (α 32) on
 /// every linear, folded (ops::fold): the bench's shapes, so its tuned GEMMs.
 #[cfg(feature = "cuda")]
@@ -691,7 +832,8 @@ fn folded_7b_layer() -> lora_train::model::llama::Model {
         rslora: false,
         targets: ALL_LINEAR.iter().map(|s| s.to_string()).collect(),
     };
-    let mut m = Model::random_with(cfg, DType::BF16, &dev, &spec, 7, &mut |_| Ok(())).unwrap();
+    let mut m =
+        Model::random_with(cfg, DType::BF16, &dev, &spec, 7, false, &mut |_| Ok(())).unwrap();
     assert!(m.fold().unwrap() > 0);
     m
 }
