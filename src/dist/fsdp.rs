@@ -295,8 +295,9 @@ pub fn pad_runs(
     lo: usize,
     hi: usize,
 ) -> Vec<PadRun> {
-    let start = |row: usize| off + row * ld + col0; // row's first B element in the flat buffer
-                                                    // rows whose B columns end after lo, and start before hi
+    // row's first B element in the flat buffer
+    let start = |row: usize| off + row * ld + col0;
+    // rows whose B columns end after lo, and start before hi
     let first = (lo + 1).saturating_sub(off + col0 + r).div_ceil(ld.max(1));
     let Some(last) = (hi.saturating_sub(1))
         .checked_sub(off + col0)

@@ -667,16 +667,9 @@ impl Layer {
     /// the gathered buffer back. After changing them, `sync_views` makes each folded W a view
     /// of its W* again.
     pub fn frozen_mut(&mut self) -> Vec<&mut Tensor> {
-        let mut v = vec![&mut self.input_norm, &mut self.post_norm];
-        for lin in [
-            &mut self.q,
-            &mut self.k,
-            &mut self.v,
-            &mut self.o,
-            &mut self.gate,
-            &mut self.up,
-            &mut self.down,
-        ] {
+        let (norms, lins) = self.parts_mut();
+        let mut v = Vec::from(norms);
+        for lin in lins {
             match &mut lin.pad {
                 Some(pad) => v.push(&mut pad.full),
                 None => v.push(&mut lin.w),
@@ -724,15 +717,23 @@ impl Layer {
     }
 
     fn linears_mut(&mut self) -> [&mut Linear; 7] {
-        [
-            &mut self.q,
-            &mut self.k,
-            &mut self.v,
-            &mut self.o,
-            &mut self.gate,
-            &mut self.up,
-            &mut self.down,
-        ]
+        self.parts_mut().1
+    }
+
+    /// The two norms and the seven linears, each borrowed apart.
+    fn parts_mut(&mut self) -> ([&mut Tensor; 2], [&mut Linear; 7]) {
+        (
+            [&mut self.input_norm, &mut self.post_norm],
+            [
+                &mut self.q,
+                &mut self.k,
+                &mut self.v,
+                &mut self.o,
+                &mut self.gate,
+                &mut self.up,
+                &mut self.down,
+            ],
+        )
     }
 
     /// The linears whose forward can fold (`ops::fold`), by groups that share their input:
