@@ -340,10 +340,7 @@ fn measure(
                         Ok(())
                     },
                 )?;
-                ce = match (ce, c) {
-                    (Some(a), Some(b)) => Some((a + b)?),
-                    (a, b) => a.or(b),
-                };
+                ce = driver::add_ce(ce, c)?;
             }
             let ce = match ce {
                 Some(c) => c.to_dtype(DType::F64)?,

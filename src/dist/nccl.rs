@@ -392,6 +392,32 @@ impl NcclComm {
 }
 
 impl NcclComm {
+    /// x summed over the ranks. `ahead`: on the second stream, under the compute stream's
+    /// later work; x stays alive in `pending` until the compute stream waited for the sum
+    /// (`reduced`).
+    fn sum(&self, x: &Tensor, ahead: bool) -> Result<Tensor> {
+        let x = x.contiguous()?;
+        let n = x.elem_count();
+        let out = self.enqueue(
+            "all_reduce",
+            &x,
+            uninit(n, &x)?.reshape(x.shape())?,
+            ahead,
+            |src, dst, ty, c, st| {
+                // SAFETY: src and dst hold n elements of `ty` on this rank's GPU; src stays
+                // alive until the sum ran (its free is queued after the compute stream's wait).
+                unsafe { result::all_reduce(src, dst, n, ty, sys::ncclRedOp_t::ncclSum, c, st) }
+            },
+        )?;
+        if ahead {
+            self.pending
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(x);
+        }
+        Ok(out)
+    }
+
     /// The second stream when collectives run there: made at the first gather issued `ahead`
     /// (unless in line), after which every collective uses it.
     fn side_stream(&self, ahead: bool) -> Result<Option<Arc<CudaStream>>> {
@@ -649,39 +675,11 @@ impl Comm for NcclComm {
     }
 
     fn all_reduce_sum(&self, x: &Tensor) -> Result<Tensor> {
-        let x = x.contiguous()?;
-        let n = x.elem_count();
-        self.enqueue(
-            "all_reduce",
-            &x,
-            uninit(n, &x)?.reshape(x.shape())?,
-            false,
-            |src, dst, ty, c, st| {
-                // SAFETY: src and dst hold n elements of `ty` on this rank's GPU.
-                unsafe { result::all_reduce(src, dst, n, ty, sys::ncclRedOp_t::ncclSum, c, st) }
-            },
-        )
+        self.sum(x, false)
     }
 
     fn all_reduce_sum_ahead(&self, x: &Tensor) -> Result<Tensor> {
-        let x = x.contiguous()?;
-        let n = x.elem_count();
-        let out = self.enqueue(
-            "all_reduce",
-            &x,
-            uninit(n, &x)?.reshape(x.shape())?,
-            true,
-            |src, dst, ty, c, st| {
-                // SAFETY: src and dst hold n elements of `ty` on this rank's GPU; src stays
-                // alive in `pending` until the compute stream waited for the sum (`reduced`).
-                unsafe { result::all_reduce(src, dst, n, ty, sys::ncclRedOp_t::ncclSum, c, st) }
-            },
-        )?;
-        self.pending
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(x);
-        Ok(out)
+        self.sum(x, true)
     }
 
     fn reduced(&self) -> Result<()> {

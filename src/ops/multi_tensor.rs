@@ -61,11 +61,10 @@ pub use imp::{adamw, adamw_clip, cast_bf16, cast_rows_bf16, clip_step, sumsq};
 mod imp {
     use super::{AdamScalars, MultiT};
     use candle_core::cuda::cudarc::driver::{
-        CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+        CudaSlice, DevicePtr, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
     };
     use candle_core::cuda::WrapErr;
     use candle_core::{CudaDevice, Result};
-    use std::sync::Arc;
 
     // SAFETY: plain old data laid out as the C struct the kernels read.
     unsafe impl DeviceRepr for MultiT {}
@@ -83,7 +82,7 @@ mod imp {
     /// The launches over `ts`: parts of at most MAX_Y tensors (block (x, y) on tensor y of the
     /// part), each with its table on the device, its grid, and its number of tensors.
     fn parts(
-        stream: &Arc<CudaStream>,
+        dev: &CudaDevice,
         ts: &[MultiT],
     ) -> Result<Vec<(CudaSlice<MultiT>, LaunchConfig, usize)>> {
         let gx = blocks_x(ts);
@@ -94,27 +93,32 @@ mod imp {
                     block_dim: (THREADS, 1, 1),
                     shared_mem_bytes: 0,
                 };
-                Ok((stream.clone_htod(part).w()?, cfg, part.len()))
+                Ok((dev.cuda_stream().clone_htod(part).w()?, cfg, part.len()))
             })
             .collect()
+    }
+
+    /// The AdamW kernels' arguments after their table and gradient factor (`s.coef` or the
+    /// device clip), in their order.
+    fn step_args<'a>(b: &mut LaunchArgs<'a>, s: &'a AdamScalars) {
+        b.arg(&s.decay)
+            .arg(&s.b1)
+            .arg(&s.nb1)
+            .arg(&s.b2)
+            .arg(&s.nb2)
+            .arg(&s.inv_bc2)
+            .arg(&s.eps)
+            .arg(&s.step);
     }
 
     /// Updates every tensor of `ts` (p, m, v in place, from g) by one AdamW step.
     pub fn adamw(dev: &CudaDevice, ts: &[MultiT], s: &AdamScalars) -> Result<()> {
         let func = crate::ops::cuda::function(dev, "adamw_multi")?;
         let stream = dev.cuda_stream();
-        for (table, cfg, _) in parts(&stream, ts)? {
+        for (table, cfg, _) in parts(dev, ts)? {
             let mut b = stream.launch_builder(&func);
-            b.arg(&table)
-                .arg(&s.coef)
-                .arg(&s.decay)
-                .arg(&s.b1)
-                .arg(&s.nb1)
-                .arg(&s.b2)
-                .arg(&s.nb2)
-                .arg(&s.inv_bc2)
-                .arg(&s.eps)
-                .arg(&s.step);
+            b.arg(&table).arg(&s.coef);
+            step_args(&mut b, s);
             // SAFETY: every address of the table is a live f32 buffer of at least n elements
             // (the caller's tensors, which outlive the launch in stream order).
             unsafe { b.launch(cfg) }.w()?;
@@ -140,7 +144,7 @@ mod imp {
                 MultiT { p, ..*t }
             })
             .collect();
-        for (table, cfg, _) in parts(&stream, &table)? {
+        for (table, cfg, _) in parts(dev, &table)? {
             let mut b = stream.launch_builder(&func);
             b.arg(&table);
             // SAFETY: sources are live f32 buffers of n elements; destinations are disjoint
@@ -159,7 +163,7 @@ mod imp {
     pub unsafe fn cast_rows_bf16(dev: &CudaDevice, ts: &[MultiT]) -> Result<()> {
         let func = crate::ops::cuda::function(dev, "cast_rows_multi_bf16")?;
         let stream = dev.cuda_stream();
-        for (table, cfg, _) in parts(&stream, ts)? {
+        for (table, cfg, _) in parts(dev, ts)? {
             let mut b = stream.launch_builder(&func);
             b.arg(&table);
             // SAFETY: the caller's contract (above); sources are live f32 buffers of n elements.
@@ -178,18 +182,10 @@ mod imp {
     ) -> Result<()> {
         let func = crate::ops::cuda::function(dev, "adamw_multi_clip")?;
         let stream = dev.cuda_stream();
-        for (table, cfg, _) in parts(&stream, ts)? {
+        for (table, cfg, _) in parts(dev, ts)? {
             let mut b = stream.launch_builder(&func);
-            b.arg(&table)
-                .arg(clip)
-                .arg(&s.decay)
-                .arg(&s.b1)
-                .arg(&s.nb1)
-                .arg(&s.b2)
-                .arg(&s.nb2)
-                .arg(&s.inv_bc2)
-                .arg(&s.eps)
-                .arg(&s.step);
+            b.arg(&table).arg(clip);
+            step_args(&mut b, s);
             // SAFETY: as in `adamw`; `clip` holds 3 f32 written before on this stream.
             unsafe { b.launch(cfg) }.w()?;
         }
@@ -209,7 +205,7 @@ mod imp {
         let sumsq = crate::ops::cuda::function(dev, "sumsq_multi")?;
         let clip = crate::ops::cuda::function(dev, "clip_step")?;
         let stream = dev.cuda_stream();
-        let launches = parts(&stream, ts)?;
+        let launches = parts(dev, ts)?;
         let total: usize = launches
             .iter()
             .map(|(_, cfg, n)| cfg.grid_dim.0 as usize * n)
@@ -246,7 +242,7 @@ mod imp {
         let func = crate::ops::cuda::function(dev, "sumsq_multi")?;
         let stream = dev.cuda_stream();
         let mut total = 0.0;
-        for (table, cfg, n) in parts(&stream, ts)? {
+        for (table, cfg, n) in parts(dev, ts)? {
             // SAFETY: every element is written by the kernel (one per block).
             let out = unsafe { stream.alloc::<f32>(cfg.grid_dim.0 as usize * n) }.w()?;
             let mut b = stream.launch_builder(&func);

@@ -194,6 +194,15 @@ pub fn forward_backward_par(
     }
 }
 
+/// The Σ CE of a step's micro-batches so far with one more micro-batch's
+/// (`forward_backward_dev`'s), kept on the device; None while nothing was counted.
+pub fn add_ce(sum: Option<Tensor>, more: Option<Tensor>) -> Result<Option<Tensor>> {
+    match (sum, more) {
+        (Some(a), Some(b)) => Ok(Some((a + b)?)),
+        (a, b) => Ok(a.or(b)),
+    }
+}
+
 /// `forward_backward_par` with Σ CE left on the device (a scalar f32 tensor; None: nothing
 /// counted), so that the host does not wait for the backward: reading it is a
 /// synchronisation.

@@ -630,12 +630,7 @@ impl Session {
                         &mut |phase| meter.end(&dev, phase),
                     );
                     match res {
-                        Ok(c) => {
-                            ce = match (ce, c) {
-                                (Some(a), Some(b)) => Some((a + b)?),
-                                (a, b) => a.or(b),
-                            }
-                        }
+                        Ok(c) => ce = driver::add_ce(ce, c)?,
                         Err(e) => {
                             bar.finish_and_clear();
                             return Err(oom(e.into(), &meter));

@@ -117,8 +117,7 @@ impl AdamW {
         let scalars = self.scalars(lr, grad_scale);
         let (b1, b2) = self.betas;
         let (eps, wd) = (self.eps, self.weight_decay);
-        let bc1 = 1.0 - b1.powi(self.t as i32);
-        let bc2_sqrt = (1.0 - b2.powi(self.t as i32)).sqrt();
+        let (bc1, bc2_sqrt) = self.bias_corrections();
         self.fused = self.step_fused(grads, &scalars, None)?;
         if self.fused {
             return Ok(());
@@ -190,13 +189,17 @@ impl AdamW {
         self.fused
     }
 
-    /// The step as one CUDA kernel over every parameter that has a gradient; false (nothing
-    /// done) when any of them, its gradient or its moments is not a contiguous f32 CUDA buffer.
+    /// Step t's bias corrections: (1 − β1ᵗ, √(1 − β2ᵗ)).
+    fn bias_corrections(&self) -> (f64, f64) {
+        let (b1, b2) = self.betas;
+        let t = self.t as i32;
+        (1.0 - b1.powi(t), (1.0 - b2.powi(t)).sqrt())
+    }
+
     /// Step `self.t`'s f32 factors, each rounded from f64 as the tensor ops round theirs.
     fn scalars(&self, lr: f64, grad_scale: f64) -> multi_tensor::AdamScalars {
         let (b1, b2) = self.betas;
-        let bc1 = 1.0 - b1.powi(self.t as i32);
-        let bc2_sqrt = (1.0 - b2.powi(self.t as i32)).sqrt();
+        let (bc1, bc2_sqrt) = self.bias_corrections();
         multi_tensor::AdamScalars {
             coef: if grad_scale < 1.0 {
                 grad_scale as f32
@@ -249,8 +252,9 @@ impl AdamW {
         self.t = self.t.saturating_sub(1);
     }
 
-    /// The fused step; with `clip` ([‖g‖, coef, skip] on the device) its coef and skip instead
-    /// of `s.coef`.
+    /// The step as one CUDA kernel over every parameter that has a gradient; false (nothing
+    /// done) when any of them, its gradient or its moments is not a contiguous f32 CUDA buffer.
+    /// With `clip` ([‖g‖, coef, skip] on the device) its coef and skip instead of `s.coef`.
     fn step_fused(
         &mut self,
         grads: &Grads,
@@ -401,30 +405,16 @@ pub fn clip_step(
 ) -> Result<StepClip> {
     #[cfg(feature = "cuda")]
     {
-        let mut table = Vec::new();
-        let mut dev = None;
-        for g in order.iter().filter_map(|p| grads.get(&p.id())) {
-            let (Some(ga), Device::Cuda(d)) = (multi_tensor::f32_addr(g)?, g.device()) else {
-                table.clear();
-                break;
-            };
-            dev.get_or_insert_with(|| d.clone());
-            table.push(multi_tensor::MultiT {
-                g: ga,
-                n: g.elem_count() as i64,
-                ..Default::default()
-            });
-        }
         let ce_addr = match ce {
             Some(c) if c.dtype() == candle_core::DType::F32 => crate::ops::cuda::addr(c)?,
             Some(_) => None,
             None => Some(0),
         };
-        if let (Some(d), false, Some(ce_addr)) = (&dev, table.is_empty(), ce_addr) {
+        if let (Some((d, table)), Some(ce_addr)) = (grad_table(grads, order)?, ce_addr) {
             use candle_core::{op::BackpropOp, CudaStorage, Storage};
-            let out = multi_tensor::clip_step(d, &table, ce_addr, max_norm)?;
+            let out = multi_tensor::clip_step(&d, &table, ce_addr, max_norm)?;
             let t = Tensor::from_storage(
-                Storage::Cuda(CudaStorage::wrap_cuda_slice(out, d.clone())),
+                Storage::Cuda(CudaStorage::wrap_cuda_slice(out, d)),
                 3,
                 BackpropOp::none(),
                 false,
@@ -480,8 +470,13 @@ fn sumsq(grads: &Grads, order: &[Var]) -> Result<f64> {
     Ok(rows.to_vec1::<f32>()?.iter().map(|&x| x as f64).sum())
 }
 
-/// Σ g² as one CUDA kernel; None where a gradient is not a contiguous f32 CUDA buffer.
-fn sumsq_fused(grads: &Grads, order: &[Var]) -> Result<Option<f64>> {
+/// The multi-tensor table of the gradients (their g and length), in `order`, and their
+/// device; None where there is none or a gradient is not a contiguous f32 CUDA buffer.
+#[cfg(feature = "cuda")]
+fn grad_table(
+    grads: &Grads,
+    order: &[Var],
+) -> Result<Option<(candle_core::CudaDevice, Vec<multi_tensor::MultiT>)>> {
     let mut table = Vec::new();
     let mut dev = None;
     for g in order.iter().filter_map(|p| grads.get(&p.id())) {
@@ -495,11 +490,16 @@ fn sumsq_fused(grads: &Grads, order: &[Var]) -> Result<Option<f64>> {
             ..Default::default()
         });
     }
+    Ok(dev.map(|d| (d, table)))
+}
+
+/// Σ g² as one CUDA kernel; None where a gradient is not a contiguous f32 CUDA buffer.
+fn sumsq_fused(grads: &Grads, order: &[Var]) -> Result<Option<f64>> {
     #[cfg(feature = "cuda")]
-    if let Some(dev) = dev {
+    if let Some((dev, table)) = grad_table(grads, order)? {
         return multi_tensor::sumsq(&dev, &table).map(Some);
     }
-    let _ = (table, dev);
+    let _ = (grads, order);
     Ok(None)
 }
 
