@@ -14,6 +14,7 @@ use crate::lora::{LoraSpec, ALL_LINEAR};
 use crate::memory::{self, GIB};
 use crate::model::{Family, Model, ModelConfig, RopeScaling};
 use crate::recipe::Strategy;
+use crate::train::readback::{Readbacks, Ticket};
 use crate::train::{driver, optim};
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
@@ -317,9 +318,11 @@ fn measure(
     // As training runs a step (train::Session::train_from): the update queued right after the
     // gradients with the clipping on the device, the step's loss read once the next step's
     // forward and backward are queued, so the host never holds the device up.
-    let read =
-        |ce: &Tensor| -> Result<f64> { Ok(ce.to_dtype(DType::F64)?.to_scalar::<f64>()? / n) };
-    let mut prev: Option<Tensor> = None; // the step before's Σ CE over every rank (f64)
+    // The loss goes to the host by a copy queued with it (train::readback), so that reading
+    // it waits for that copy alone, not for the next step's backward queued behind it.
+    let mut rb = Readbacks::new();
+    let read = |rb: &mut Readbacks, t: Ticket| -> Result<f64> { Ok(rb.read(t)?[0] / n) };
+    let mut prev: Option<Ticket> = None; // the step before's Σ CE over every rank
     let mut step =
         |opt: &mut optim::AdamW, meter: &mut memory::PhaseMeter| -> Result<Option<f64>> {
             let mut grads = optim::Grads::new();
@@ -350,10 +353,11 @@ fn measure(
                 1 => ce,
                 _ => comm.all_reduce_sum(&ce.reshape(1)?)?.squeeze(0)?,
             };
-            let before = prev.take().map(|p| read(&p)).transpose()?;
+            let ticket = rb.start(&[&ce])?;
+            let before = prev.take().map(|p| read(&mut rb, p)).transpose()?;
             let clip = optim::clip_step(&grads, &opt.params, 1.0, Some(&ce.to_dtype(DType::F32)?))?;
             opt.step_clip(&grads, 1e-4, &clip)?;
-            prev = Some(ce);
+            prev = Some(ticket);
             Ok(before)
         };
     for _ in 0..a.warmup {
@@ -368,7 +372,7 @@ fn measure(
     a.device.synchronize()?;
     let dt = t1.elapsed().as_secs_f64();
     if let Some(p) = prev.take() {
-        losses.push(read(&p)?);
+        losses.push(read(&mut rb, p)?);
     }
     let loss = losses.last().copied().unwrap_or(0.0);
     let peak = memory::stats(&a.device)?;

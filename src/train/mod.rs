@@ -8,6 +8,7 @@ pub mod driver;
 pub mod eval;
 pub mod offload;
 pub mod optim;
+pub mod readback;
 pub mod schedule;
 pub mod stop;
 
@@ -525,11 +526,18 @@ impl Session {
         // host reads. Step k+1's update is queued after that, so step k's eval and checkpoint
         // still see step k's adapter, and a step found not finite stops the run (or is counted
         // as skipped: the kernel skipped it) before another update follows it.
+        /// What a step's readback opens with (`Pending::vals`).
+        enum Counted {
+            Sums,
+            Ce,
+            Nothing,
+        }
         struct Pending {
-            /// Σ CE of the step (over every rank): f32 on the device; None when nothing counted.
-            ce: Option<Tensor>,
-            /// Several ranks: [Σ CE, tokens] over every rank, f64 on the device.
-            sums: Option<Tensor>,
+            /// The step's scalars on their way to the host (`readback`): with several ranks
+            /// [Σ CE, tokens] over every rank, else Σ CE when anything counted (`Counted`);
+            /// then a device clip's [‖g‖, coef, skip].
+            vals: Option<readback::Ticket>,
+            counted_as: Counted,
             clip: optim::StepClip,
             /// The step counter advanced for it (`AdamW::step_clip`).
             counted: bool,
@@ -542,6 +550,7 @@ impl Session {
             peaks: std::collections::BTreeMap<&'static str, u64>,
         }
         let mut pending: Option<Pending> = None;
+        let mut rb = readback::Readbacks::new();
         // Phase peaks of the steps since the last log row.
         let mut peaks_since: std::collections::BTreeMap<&'static str, u64> = Default::default();
         // Several ranks: rank 0's stop decision, broadcast at one step's end, read at the next.
@@ -670,22 +679,35 @@ impl Session {
                             return Err(oom(e.into(), &meter));
                         }
                     };
-                run = Some((grads, clip, ce_all, sums, denom, step_tokens, lr, e, i));
+                // Queued now, read once the next step is queued: the read waits for nothing else.
+                let (parts, counted_as) = match (&sums, &ce_all) {
+                    (Some(s), _) => (vec![s], Counted::Sums),
+                    (None, Some(c)) => (vec![c], Counted::Ce),
+                    (None, None) => (vec![], Counted::Nothing),
+                };
+                let parts: Vec<&Tensor> = parts.into_iter().chain(clip.on_device()).collect();
+                let vals = match parts.is_empty() {
+                    true => None,
+                    false => Some(rb.start(&parts)?),
+                };
+                run = Some((grads, clip, vals, counted_as, denom, step_tokens, lr, e, i));
             }
 
             // ---- what the host does with the step before (its device work is done or queued)
             if let Some(p) = pending.take() {
-                let (grad_norm, finite) = p.clip.read()?;
-                let (ce, step_tokens) = match &p.sums {
-                    Some(s) => {
-                        let v = s.to_vec1::<f64>()?;
-                        (v[0], v[1] as usize)
-                    }
-                    None => match &p.ce {
-                        Some(c) => (c.to_dtype(DType::F64)?.to_scalar::<f64>()?, p.tokens),
-                        None => (0.0, p.tokens),
-                    },
+                let v = match p.vals {
+                    Some(t) => rb.read(t)?,
+                    None => Vec::new(),
                 };
+                // A value missing reads as NaN: the step then counts as not finite.
+                let mut v = v.into_iter().chain(std::iter::repeat(f64::NAN));
+                let mut next = || v.next().unwrap_or(f64::NAN);
+                let (ce, step_tokens) = match p.counted_as {
+                    Counted::Sums => (next(), next() as usize),
+                    Counted::Ce => (next(), p.tokens),
+                    Counted::Nothing => (0.0, p.tokens),
+                };
+                let (grad_norm, finite) = p.clip.from_vals(&[next(), next(), next()]);
                 let loss = ce / p.denom.max(1) as f64;
                 // A NaN / Inf loss or gradient never reaches the adapter (the update skipped it).
                 let finite = finite && loss.is_finite();
@@ -817,7 +839,7 @@ impl Session {
             }
 
             // ---- the queued step's update
-            let Some((grads, clip, ce, sums, denom, step_tokens, lr, e, i)) = run else {
+            let Some((grads, clip, vals, counted_as, denom, step_tokens, lr, e, i)) = run else {
                 if eager {
                     continue;
                 }
@@ -839,8 +861,8 @@ impl Session {
             drop(grads);
             queued += 1;
             pending = Some(Pending {
-                ce,
-                sums,
+                vals,
+                counted_as,
                 clip,
                 counted,
                 denom,

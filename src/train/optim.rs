@@ -220,8 +220,8 @@ impl AdamW {
     /// One step under `clip` (`clip_step`). A device clip goes to the fused kernel as it lies,
     /// which leaves everything as it is when the step is not finite, so nothing waits for the
     /// gradients: the step counter advances as if it were, and `untake` takes that back when
-    /// `StepClip::read` later says it was not. A host clip steps only when finite. Whether the
-    /// counter advanced.
+    /// the step's readback (`StepClip::from_vals`) later says it was not. A host clip steps
+    /// only when finite. Whether the counter advanced.
     pub fn step_clip(&mut self, grads: &Grads, lr: f64, clip: &StepClip) -> Result<bool> {
         let (coef, finite) = match clip {
             StepClip::Host(c, finite) => (c.coef, *finite),
@@ -246,7 +246,7 @@ impl AdamW {
         Ok(finite)
     }
 
-    /// Takes back a step `step_clip` counted that `StepClip::read` found not finite (the
+    /// Takes back a step `step_clip` counted that the step's readback found not finite (the
     /// kernel skipped it).
     pub fn untake(&mut self) {
         self.t = self.t.saturating_sub(1);
@@ -382,15 +382,21 @@ pub enum StepClip {
 }
 
 impl StepClip {
-    /// (‖g‖, whether the step's loss and gradients are finite). A device clip is read here:
-    /// this waits for the step's gradients.
-    pub fn read(&self) -> Result<(f64, bool)> {
+    /// A device clip's [‖g‖, coef, skip], to read on the host with the step's other scalars
+    /// (`train::readback`); None for a host clip.
+    pub fn on_device(&self) -> Option<&Tensor> {
         match self {
-            StepClip::Host(c, finite) => Ok((c.norm, *finite)),
-            StepClip::Device(t) => {
-                let v = t.to_vec1::<f32>()?;
-                Ok((v[0] as f64, v[2] == 0.0))
-            }
+            StepClip::Device(t) => Some(t),
+            StepClip::Host(..) => None,
+        }
+    }
+
+    /// (‖g‖, whether the step's loss and gradients are finite): a host clip's own, a device
+    /// clip's from `vals`, what was read of `on_device()`.
+    pub fn from_vals(&self, vals: &[f64; 3]) -> (f64, bool) {
+        match self {
+            StepClip::Host(c, finite) => (c.norm, *finite),
+            StepClip::Device(_) => (vals[0], vals[2] == 0.0),
         }
     }
 }
