@@ -554,7 +554,7 @@ impl Session {
         // Phase peaks of the steps since the last log row.
         let mut peaks_since: std::collections::BTreeMap<&'static str, u64> = Default::default();
         // Several ranks: rank 0's stop decision, broadcast at one step's end, read at the next.
-        let mut stop_flag: Option<Tensor> = None;
+        let mut stop_flag: Option<readback::Ticket> = None;
         let mut queued = step;
         let mut plan: std::vec::IntoIter<(usize, Vec<Vec<Vec<usize>>>)> = Vec::new().into_iter();
         let mut denoms = Vec::new();
@@ -813,11 +813,14 @@ impl Session {
                         1 => here,
                         _ => {
                             let before = match stop_flag.take() {
-                                Some(f) => f.to_vec1::<f64>()?[0] > 0.0,
+                                Some(f) => rb.read(f)?.first().is_some_and(|&x| x > 0.0),
                                 None => false,
                             };
                             let flag = Tensor::new(&[here as u8 as f64], &self.model.device)?;
-                            stop_flag = Some(self.comm.broadcast(&flag, 0)?);
+                            // read through pinned memory too: a plain read would wait for
+                            // the next step's backward, queued before it
+                            let flag = self.comm.broadcast(&flag, 0)?;
+                            stop_flag = Some(rb.start(&[&flag])?);
                             before
                         }
                     }
