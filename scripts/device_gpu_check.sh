@@ -27,8 +27,9 @@
 # peercopy (2 GPUs): the dist::nccl GPU test under CUDA_MODULE_LOADING=EAGER (peer copies), then
 #         FSDP with peer copies (LORA_TRAIN_PEER_COPY=1) RUNS times, exit statuses.
 # ab:     ours alone, the mb2 all-linear 7B bench in each of AB's ";"-separated environments,
-#         two rounds alternated (default: the mma.sync flash kernels, wgmma without the
-#         warp-specialized forward, everything) -> $OUT/ab.jsonl. Not in the default set.
+#         ROUNDS rounds (default 2) alternated (default AB: the mma.sync flash kernels, wgmma
+#         without the warp-specialized forward, everything) -> $OUT/ab.jsonl. Not in the
+#         default set.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -65,7 +66,7 @@ fi
 
 if [[ $what == *" ab "* ]]; then
   IFS=';' read -ra envs <<< "${AB:-LORA_TRAIN_FLASH90=0;LORA_TRAIN_FLASH90_WS=0;AB_DEFAULT=1}"
-  for round in 1 2; do
+  for round in $(seq "${ROUNDS:-2}"); do
     for e in "${envs[@]}"; do
       env $e timeout 120 $E .devbuild/lora-train bench --shape llama2-7b --seq 2048 --rank 16 \
         --steps 12 --warmup 3 --micro-batch 2 --targets all --json "$OUT/ab.jsonl" > /dev/null 2>&1
