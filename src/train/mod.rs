@@ -525,13 +525,8 @@ impl Session {
         // until step k+1's forward and backward are queued, so the device never idles while the
         // host reads. Step k+1's update is queued after that, so step k's eval and checkpoint
         // still see step k's adapter, and a step found not finite stops the run (or is counted
-        // as skipped: the kernel skipped it) before another update follows it.
-        /// What a step's readback opens with (`Pending::vals`).
-        enum Counted {
-            Sums,
-            Ce,
-            Nothing,
-        }
+        // as skipped: the kernel skipped it) before another update follows it. The reads go
+        // through pinned memory (train::readback): a plain read would wait for the whole queue.
         struct Pending {
             /// The step's scalars on their way to the host (`readback`): with several ranks
             /// [Σ CE, tokens] over every rank, else Σ CE when anything counted (`Counted`);
@@ -548,6 +543,12 @@ impl Session {
             epoch: usize,
             /// The pool's phase peaks over its forward, backward and update.
             peaks: std::collections::BTreeMap<&'static str, u64>,
+        }
+        /// What a step's readback opens with (`Pending::vals`).
+        enum Counted {
+            Sums,
+            Ce,
+            Nothing,
         }
         let mut pending: Option<Pending> = None;
         let mut rb = readback::Readbacks::new();
@@ -700,7 +701,7 @@ impl Session {
                     None => Vec::new(),
                 };
                 // A value missing reads as NaN: the step then counts as not finite.
-                let mut v = v.into_iter().chain(std::iter::repeat(f64::NAN));
+                let mut v = v.into_iter();
                 let mut next = || v.next().unwrap_or(f64::NAN);
                 let (ce, step_tokens) = match p.counted_as {
                     Counted::Sums => (next(), next() as usize),
