@@ -24,7 +24,7 @@
 # memory: `lora-train plan` forecasts vs `bench` measured pool peaks (single: mb2, mb2 + ckpt,
 #         mb8 + ckpt; per phase), ratios printed (target: within ±10%); then the OOM case
 #         (bench --max-memory 24GiB, mb2, no ckpt: expect exit 4 and the diagnosis).
-# peercopy (2 GPUs): the dist::nccl GPU test under CUDA_MODULE_LOADING=EAGER (peer copies), then
+# peercopy (2 GPUs): the parallel::nccl GPU test under CUDA_MODULE_LOADING=EAGER (peer copies), then
 #         FSDP with peer copies (LORA_TRAIN_PEER_COPY=1) RUNS times, exit statuses.
 # ab:     ours alone, the mb2 all-linear 7B bench in each of AB's ";"-separated environments,
 #         ROUNDS rounds (default 2) alternated (default AB: the mma.sync flash kernels, wgmma
@@ -76,13 +76,13 @@ print('round $round, $e:', d['tokens_per_s'], 'tok/s,', d['peak_alloc_gib'], 'Gi
   done
 fi
 
-# peercopy (2 GPUs): the dist::nccl GPU test under eager kernel loading (its peer copies), then
+# peercopy (2 GPUs): the parallel::nccl GPU test under eager kernel loading (its peer copies), then
 # FSDP with LORA_TRAIN_PEER_COPY=1, after a DDP run and again, RUNS times (default 6), each
 # run's exit status (124: hung, killed by timeout), JSON line count and speed: the check of the
 # lazy-loading deadlock that peer copies met (BENCHMARKS.md (n); lora-train now sets
 # CUDA_MODULE_LOADING=EAGER itself when LORA_TRAIN_PEER_COPY=1).
 if [[ $what == *" peercopy "* ]]; then
-  CUDA_MODULE_LOADING=EAGER LORA_TRAIN_ROOT=$PWD timeout 120 $E .devbuild/it dist::nccl --test-threads 1 2>&1 \
+  CUDA_MODULE_LOADING=EAGER LORA_TRAIN_ROOT=$PWD timeout 120 $E .devbuild/it parallel::nccl --test-threads 1 2>&1 \
     | grep -E "^test |test result|panicked|rank" | head -10
   P="--shape llama2-7b --seq 2048 --rank 16 --targets all --steps 6 --warmup 2 --micro-batch 2 --devices 0,1"
   for i in $(seq "${RUNS:-6}"); do
@@ -170,7 +170,7 @@ if [[ $what == *" memory "* ]]; then
     timeout 150 $E $L bench $S --rank 16 --targets all --steps 3 --warmup 1 --micro-batch $1 $ck \
       --json "$OUT/memory/bench-$name.json" 2>&1 | tail -1
   done
-  # DDP / FSDP on 2 GPUs, when this bench has --strategy (src/dist) and the machine 2 GPUs.
+  # DDP / FSDP on 2 GPUs, when this bench has --strategy (src/parallel) and the machine 2 GPUs.
   if [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && $E $L bench --help 2>/dev/null | grep -q -- --strategy; then
     for st in ddp fsdp; do
       for cfg in "2" "2 ckpt"; do

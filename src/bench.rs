@@ -8,11 +8,11 @@
 //! comparable with a single-GPU run of the same global batch.
 
 use crate::data::Batch;
-use crate::dist::fsdp::{Flat, Shards};
-use crate::dist::{Comm, Group, Solo};
 use crate::lora::{LoraSpec, ALL_LINEAR};
 use crate::memory::{self, GIB};
 use crate::model::{Family, Model, ModelConfig, RopeScaling};
+use crate::parallel::fsdp::{Flat, Shards};
+use crate::parallel::{Comm, Group, Solo};
 use crate::recipe::Strategy;
 use crate::train::readback::{Readbacks, Ticket};
 use crate::train::{driver, optim};
@@ -146,14 +146,14 @@ pub fn run(a: &BenchArgs) -> Result<serde_json::Value> {
     }
     let timeout = Duration::from_secs(1800);
     let group: Arc<dyn Group> = if a.device.is_cpu() {
-        crate::dist::cpu::CpuGroup::new(world, timeout)
+        crate::parallel::cpu::CpuGroup::new(world, timeout)
     } else {
         cuda_group(a.devices.clone(), timeout)?
     };
     let args = Arc::new(a.clone());
     let body =
         move |rank: usize, comm: Box<dyn Comm>| run_rank(&args, rank_device(&args, rank)?, &*comm);
-    crate::dist::launch::threads(group, Arc::new(body), timeout)
+    crate::parallel::launch::threads(group, Arc::new(body), timeout)
 }
 
 /// Rank `rank`'s device: the CPU, or the GPU of `a.devices[rank]` (whatever GPU `a.device`
@@ -168,7 +168,7 @@ fn rank_device(a: &BenchArgs, rank: usize) -> Result<Device> {
 
 #[cfg(feature = "nccl")]
 fn cuda_group(devices: Vec<usize>, timeout: Duration) -> Result<Arc<dyn Group>> {
-    Ok(crate::dist::nccl::NcclGroup::new(devices, timeout)?)
+    Ok(crate::parallel::nccl::NcclGroup::new(devices, timeout)?)
 }
 
 #[cfg(not(feature = "nccl"))]
@@ -448,7 +448,7 @@ fn measure(
         "losses": losses.iter().map(|l| (l * 1e4).round() / 1e4).collect::<Vec<_>>(),
         "per_rank": per_rank,
         "fsdp_gathers": shards.as_ref().map(|s| if s.peer_copies { "peer copies" } else { "collective" }),
-        "resident_base_gib": r2(crate::dist::fsdp::resident_base_bytes(&model, shards.as_ref()) as f64 / GIB),
+        "resident_base_gib": r2(crate::parallel::fsdp::resident_base_bytes(&model, shards.as_ref()) as f64 / GIB),
         "device": format!("{:?}", a.device.location()),
         "shape": a.shape, "seq": t, "micro_batch": b, "lora_rank": a.rank,
         "targets": a.targets, "ckpt": a.ckpt, "offload": keep == driver::Keep::Offload, "attn": attn,

@@ -4,13 +4,13 @@
 
 pub mod bench;
 pub mod data;
-pub mod dist;
 pub mod export;
 pub mod hub;
 pub mod lora;
 pub mod memory;
 pub mod model;
 pub mod ops;
+pub mod parallel;
 pub mod probe;
 pub mod recipe;
 pub mod rng;

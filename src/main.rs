@@ -217,7 +217,7 @@ struct TrainArgs {
 /// 130 stopped by SIGINT / SIGTERM with a checkpoint saved (resumable), 131 a second signal
 /// ended it at once (the last complete checkpoint is intact).
 fn main() -> ExitCode {
-    lora_train::dist::prepare_process();
+    lora_train::parallel::prepare_process();
     let cli = Cli::parse();
     let res = match cli.command {
         Some(Command::Train(a)) => run("train", a),

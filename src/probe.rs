@@ -95,7 +95,7 @@ pub fn run(recipe: &Recipe, max_micro_batch: usize) -> Result<ProbeReport> {
         .layers
         .iter()
         .flat_map(|l| l.linears())
-        .map(|l| crate::dist::fsdp::storage_bytes(&l.w) as u64)
+        .map(|l| crate::parallel::fsdp::storage_bytes(&l.w) as u64)
         .sum::<u64>()
         + memory::tensor_bytes(&model.embed)
         + memory::tensor_bytes(&model.lm_head)

@@ -36,7 +36,7 @@
 //! 146 µs against the unfused SwiGLU pass's 154 alone.
 //!
 //! Under FSDP the shards hold the padded weights, and each rank writes the B's into the pad
-//! columns of the rows its shards hold (`dist::fsdp::Shards::write_pads`): a gathered layer
+//! columns of the rows its shards hold (`parallel::fsdp::Shards::write_pads`): a gathered layer
 //! arrives folded.
 //!
 //! Not folded (two GEMMs as before): LORA_TRAIN_FOLD=0; o_proj (its input comes out of the

@@ -15,7 +15,7 @@
 //! Several ranks (`Par`): under FSDP each layer's frozen base is all-gathered just before its
 //! forward and again before its backward (and recompute), and dropped after use; the next
 //! layer's gather is issued one layer early (on a second stream, overlapping this layer, by
-//! peer copies or NCCL: dist::nccl; in line with LORA_TRAIN_GATHER_STREAM=0 or on the CPU).
+//! peer copies or NCCL: parallel::nccl; in line with LORA_TRAIN_GATHER_STREAM=0 or on the CPU).
 //! The embedding, norm and head are gathered likewise: in line for the embedding, ahead under
 //! the last layer for the head; and the last layer's second gather is issued under the head.
 //! What forward keeps holds no weights, so only one or two gathered groups exist at a time,
@@ -26,10 +26,10 @@
 use super::offload::Offload;
 use super::optim::Grads;
 use crate::data::Batch;
-use crate::dist::fsdp::Shards;
-use crate::dist::{Comm, Solo};
 use crate::memory;
 use crate::model::{Ctx, Layer, LayerActs, LayerGrads, Model};
+use crate::parallel::fsdp::Shards;
+use crate::parallel::{Comm, Solo};
 use candle_core::{DType, Device, Result, Tensor, Var};
 use std::borrow::Cow;
 

@@ -14,12 +14,12 @@ pub mod stop;
 
 use crate::data::chat::ChatTemplate;
 use crate::data::{Batch, Dataset, Example, Sampler, TextTokenizer, IGNORE};
-use crate::dist::fsdp::{Flat, Shards};
-use crate::dist::{Comm, Solo};
 use crate::export;
 use crate::hub;
 use crate::lora::LoraSpec;
 use crate::model::Model;
+use crate::parallel::fsdp::{Flat, Shards};
+use crate::parallel::{Comm, Solo};
 use crate::recipe::{
     DataFormat, DataSection, DeviceKind, Dtype, Recipe, RecipeError, Resume, Strategy,
 };
@@ -940,7 +940,7 @@ pub struct RunOptions {
 pub fn run_with(recipe: Recipe, opts: &RunOptions) -> Result<RunSummary> {
     let signal = stop::install_signal_handlers()?;
     let p = &recipe.parallel;
-    let env = crate::dist::launch::EnvRank::from_env(&|k| std::env::var(k).ok())?;
+    let env = crate::parallel::launch::EnvRank::from_env(&|k| std::env::var(k).ok())?;
     if let Some(e) = env {
         return run_process(recipe, e, signal, opts);
     }
@@ -949,10 +949,10 @@ pub fn run_with(recipe: Recipe, opts: &RunOptions) -> Result<RunSummary> {
         return run_rank(recipe, Box::new(Solo), ordinal, &signal, opts);
     }
     let timeout = std::time::Duration::from_secs(p.timeout_s);
-    let (group, ordinals): (std::sync::Arc<dyn crate::dist::Group>, Vec<usize>) =
+    let (group, ordinals): (std::sync::Arc<dyn crate::parallel::Group>, Vec<usize>) =
         match recipe.model.device {
             DeviceKind::Cpu => (
-                crate::dist::cpu::CpuGroup::new(p.devices.len(), timeout),
+                crate::parallel::cpu::CpuGroup::new(p.devices.len(), timeout),
                 p.devices.clone(),
             ),
             DeviceKind::Cuda => cuda_group(&recipe, timeout)?,
@@ -970,16 +970,16 @@ pub fn run_with(recipe: Recipe, opts: &RunOptions) -> Result<RunSummary> {
         Err(e) if e.is::<stop::Interrupted>() => Ok(Err(e)),
         res => res.map(Ok),
     };
-    crate::dist::launch::threads(group, std::sync::Arc::new(body), timeout)?
+    crate::parallel::launch::threads(group, std::sync::Arc::new(body), timeout)?
 }
 
 #[cfg(feature = "nccl")]
 fn cuda_group(
     recipe: &Recipe,
     timeout: std::time::Duration,
-) -> Result<(std::sync::Arc<dyn crate::dist::Group>, Vec<usize>)> {
-    let ordinals = crate::dist::nccl::ordinals(recipe)?;
-    let group = crate::dist::nccl::NcclGroup::new(ordinals.clone(), timeout)?;
+) -> Result<(std::sync::Arc<dyn crate::parallel::Group>, Vec<usize>)> {
+    let ordinals = crate::parallel::nccl::ordinals(recipe)?;
+    let group = crate::parallel::nccl::NcclGroup::new(ordinals.clone(), timeout)?;
     Ok((group, ordinals))
 }
 
@@ -987,7 +987,7 @@ fn cuda_group(
 fn cuda_group(
     recipe: &Recipe,
     _: std::time::Duration,
-) -> Result<(std::sync::Arc<dyn crate::dist::Group>, Vec<usize>)> {
+) -> Result<(std::sync::Arc<dyn crate::parallel::Group>, Vec<usize>)> {
     Err(RecipeError::Invalid {
         path: recipe.source.clone(),
         key: "parallel.strategy".into(),
@@ -999,7 +999,7 @@ fn cuda_group(
 /// One rank of a job whose launcher started a process per rank (RANK / WORLD_SIZE / ...).
 fn run_process(
     recipe: Recipe,
-    e: crate::dist::launch::EnvRank,
+    e: crate::parallel::launch::EnvRank,
     signal: stop::StopSignal,
     opts: &RunOptions,
 ) -> Result<RunSummary> {
@@ -1024,12 +1024,12 @@ fn run_process(
 #[cfg(feature = "nccl")]
 fn process_rank(
     recipe: Recipe,
-    e: crate::dist::launch::EnvRank,
+    e: crate::parallel::launch::EnvRank,
     signal: stop::StopSignal,
     opts: &RunOptions,
 ) -> Result<RunSummary> {
     let timeout = std::time::Duration::from_secs(recipe.parallel.timeout_s);
-    let comm = crate::dist::nccl::from_env(&e, timeout)?;
+    let comm = crate::parallel::nccl::from_env(&e, timeout)?;
     run_rank(recipe, comm, e.local, &signal, opts)
         .with_context(|| format!("rank {} of {} failed", e.rank, e.world))
 }
@@ -1037,7 +1037,7 @@ fn process_rank(
 #[cfg(not(feature = "nccl"))]
 fn process_rank(
     _: Recipe,
-    e: crate::dist::launch::EnvRank,
+    e: crate::parallel::launch::EnvRank,
     _: stop::StopSignal,
     _: &RunOptions,
 ) -> Result<RunSummary> {
@@ -1110,7 +1110,7 @@ fn run_rank(
     let world = session.comm.world();
     if lead && world > 1 {
         let p = &session.recipe.parallel;
-        let resident = crate::dist::fsdp::resident_base_bytes(m, session.shards.as_ref());
+        let resident = crate::parallel::fsdp::resident_base_bytes(m, session.shards.as_ref());
         eprintln!(
             "{} over {world} ranks (devices {:?}); frozen base resident per rank: {:.1} MB",
             p.strategy.name(),
@@ -1276,7 +1276,7 @@ fn model_bytes(m: &Model) -> u64 {
         sum += b(&l.input_norm) + b(&l.post_norm);
         for lin in l.linears() {
             // W's whole buffer: folded, its pad columns too (ops::fold)
-            sum += crate::dist::fsdp::storage_bytes(&lin.w) as u64;
+            sum += crate::parallel::fsdp::storage_bytes(&lin.w) as u64;
             sum += lin.b.as_ref().map(b).unwrap_or(0);
             if let Some(lora) = &lin.lora {
                 sum += b(lora.a.as_tensor()) + b(lora.b.as_tensor());

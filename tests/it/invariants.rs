@@ -679,7 +679,7 @@ fn folded_layer_matches_the_unfolded_and_autograd_on_the_gpu() {
 struct Cut(usize, usize);
 
 #[cfg(feature = "cuda")]
-impl lora_train::dist::Comm for Cut {
+impl lora_train::parallel::Comm for Cut {
     fn rank(&self) -> usize {
         self.0
     }
@@ -709,8 +709,8 @@ impl lora_train::dist::Comm for Cut {
 #[test]
 fn fsdp_shards_carry_the_folded_b_columns_on_the_gpu() {
     use candle_core::DType;
-    use lora_train::dist::fsdp::{Flat, Shards};
     use lora_train::model::llama::{Linear, Model};
+    use lora_train::parallel::fsdp::{Flat, Shards};
     let reference = gpu_layer_model();
     let (cfg, dev) = (reference.cfg.clone(), reference.device.clone());
     let spec = lora_train::lora::LoraSpec {
@@ -790,7 +790,7 @@ fn fsdp_shards_carry_the_folded_b_columns_on_the_gpu() {
     assert!(!ctx1.folded, "the skeleton holds no pads of its own");
     ctx1.folded = shards.write_pads(&one).unwrap();
     let layer = shards
-        .layer(&one, 1, &lora_train::dist::Solo, false)
+        .layer(&one, 1, &lora_train::parallel::Solo, false)
         .unwrap();
     let want_layer = &full.layers[1];
     assert_eq!(

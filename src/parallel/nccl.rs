@@ -18,7 +18,7 @@
 //!
 //! FSDP's gathers of the frozen shards skip NCCL when the ranks are threads of one process
 //! whose GPUs reach each other (NVLink or PCIe peer access): the shards stay where they are
-//! (only their folded B columns are rewritten, once a step: dist::fsdp), so after
+//! (only their folded B columns are rewritten, once a step: parallel::fsdp), so after
 //! `share_static` each rank copies its peers' shards straight out of their memory with
 //! `cuMemcpyPeerAsync`, on the same side stream. Copy engines do that, not kernels: a
 //! collective's kernels hold SMs that the layer's GEMMs, sized for the whole GPU, wait for.

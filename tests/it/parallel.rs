@@ -3,11 +3,11 @@
 
 use crate::common::*;
 use candle_core::{Device, Tensor};
-use lora_train::dist::cpu::CpuGroup;
-use lora_train::dist::fsdp::resident_base_bytes;
-use lora_train::dist::launch::{self, EnvRank};
-use lora_train::dist::posted::{Left, Posted};
-use lora_train::dist::{Comm, Group};
+use lora_train::parallel::cpu::CpuGroup;
+use lora_train::parallel::fsdp::resident_base_bytes;
+use lora_train::parallel::launch::{self, EnvRank};
+use lora_train::parallel::posted::{Left, Posted};
+use lora_train::parallel::{Comm, Group};
 use lora_train::train::Session;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -489,7 +489,7 @@ fn group_abort_reports_the_first_failure() {
 #[test]
 fn nccl_gathers_of_shared_shards_are_every_ranks_shard() {
     use candle_core::DType;
-    use lora_train::dist::nccl::NcclGroup;
+    use lora_train::parallel::nccl::NcclGroup;
     if !has_gpus(2, "nccl_gathers_of_shared_shards_are_every_ranks_shard") {
         return;
     }
@@ -554,7 +554,7 @@ fn nccl_gathers_of_shared_shards_are_every_ranks_shard() {
         comm.barrier()?;
         Ok(checked)
     };
-    // Peer copies are opt-in (dist::nccl); this test, run with CUDA_MODULE_LOADING=EAGER, is
+    // Peer copies are opt-in (parallel::nccl); this test, run with CUDA_MODULE_LOADING=EAGER, is
     // their GPU check.
     std::env::set_var("LORA_TRAIN_PEER_COPY", "1");
     let group = NcclGroup::new(vec![0, 1], Duration::from_secs(30)).unwrap();

@@ -60,7 +60,7 @@ pub trait Comm {
 }
 
 /// First thing in `main`, before CUDA starts: the process environment a backend needs
-/// (NCCL's peer copies: CUDA_MODULE_LOADING=EAGER, see dist::nccl).
+/// (NCCL's peer copies: CUDA_MODULE_LOADING=EAGER, see parallel::nccl).
 pub fn prepare_process() {
     #[cfg(feature = "nccl")]
     nccl::prepare_process();

@@ -1,5 +1,5 @@
 //! What each rank of one process posts for the others to read in place, and its orderly
-//! departure (NCCL's peer copies: dist::nccl; generic here, so that the CPU tests cover it).
+//! departure (NCCL's peer copies: parallel::nccl; generic here, so that the CPU tests cover it).
 //!
 //! A rank posts a value (its frozen shards, their addresses); the others read the table. The
 //! value may still be read by a peer after its owner is done with it, and it must be dropped
