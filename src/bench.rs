@@ -1,5 +1,5 @@
 //! `lora-train bench`: training-step throughput and peak memory on random weights of a named
-//! shape, measured like ../shared/bench/peft_baseline.py (same shapes, same FLOP count, same
+//! shape, measured like scripts/bench_peft.py (same shapes, same FLOP count, same
 //! JSON fields) so the two can run in one device call and be compared as ratios.
 //!
 //! With `--strategy ddp|fsdp --devices 0,1` one thread per GPU trains the same model (the

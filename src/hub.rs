@@ -114,30 +114,7 @@ fn shards_from_index(index: &Path) -> Result<Vec<PathBuf>> {
     Ok(out)
 }
 
-/// Checks a Hub repository id as the Hub does: `name` or `org/name`, each part letters, digits,
-/// `-`, `_`, `.`, not starting or ending with `-` or `.`, no `--` or `..`, at most 96 long.
-pub fn check_repo_id(id: &str) -> std::result::Result<(), String> {
-    let parts: Vec<&str> = id.split('/').collect();
-    let part_ok = |p: &str| {
-        !p.is_empty()
-            && p.chars()
-                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
-            && !p.starts_with(['-', '.'])
-            && !p.ends_with(['-', '.'])
-    };
-    if id.len() > 96
-        || parts.len() > 2
-        || !parts.iter().all(|p| part_ok(p))
-        || id.contains("--")
-        || id.contains("..")
-    {
-        return Err(format!(
-            "\"{id}\" is not a Hub repository id: expected \"org/name\" (letters, digits, \
-             '-', '_', '.'), e.g. \"meta-llama/Llama-3.2-1B\""
-        ));
-    }
-    Ok(())
-}
+pub use crate::util::check_repo_id;
 
 /// The checkpoint a recipe's `[model]` names: `path` as it is, or `id` at `revision` from the
 /// Hugging Face cache, downloading what the cache lacks.

@@ -424,3 +424,18 @@ mod tests {
         set_cpu_budget(None, 0);
     }
 }
+
+/// The least free memory of the GPUs `ordinals` in a CUDA build that has them all, plus the
+/// context this process took to ask (the plan counts a context); None otherwise.
+pub fn free_gpu_memory(ordinals: &[usize]) -> Option<u64> {
+    if !cfg!(feature = "cuda") {
+        return None;
+    }
+    let mut least: Option<u64> = None;
+    for &o in ordinals {
+        let dev = candle_core::Device::new_cuda(o).ok()?;
+        let (free, _) = mem_info(&dev).ok().flatten()?;
+        least = Some(least.map_or(free, |l| l.min(free)));
+    }
+    least.map(|f| f + plan::CONTEXT)
+}

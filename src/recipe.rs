@@ -525,7 +525,7 @@ impl Default for TrainSection {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum Strategy {
     Single,
@@ -756,7 +756,7 @@ impl Recipe {
                 )
             }
             (None, Some(id)) => {
-                if let Err(msg) = crate::hub::check_repo_id(id) {
+                if let Err(msg) = crate::util::check_repo_id(id) {
                     return Err(self.invalid("model.id", msg));
                 }
             }
@@ -867,24 +867,24 @@ impl Recipe {
             return Err(self.invalid("parallel.strategy", format!("= \"{}\" on CUDA needs NCCL, but this binary was built without it: rebuild with `cargo build --release --features cuda,nccl`", p.strategy.name())));
         }
         if let Resume::Path(p) = &t.resume {
-            if !p.join(crate::train::checkpoint::STATE).is_file() {
+            if !p.join(crate::util::TRAINER_STATE).is_file() {
                 return Err(self.invalid(
                     "train.resume",
                     format!(
                         "= \"{}\" is not a checkpoint directory (it has no {}); use true for the newest checkpoint in the output directory",
                         p.display(),
-                        crate::train::checkpoint::STATE
+                        crate::util::TRAINER_STATE
                     ),
                 ));
             }
         }
         if let Some(s) = &t.max_memory {
-            if let Err(msg) = crate::export::merge::parse_size(s) {
+            if let Err(msg) = crate::util::parse_size(s) {
                 return Err(self.invalid("train.max_memory", msg));
             }
         }
         if let Some(s) = &self.output.max_shard_size {
-            if let Err(msg) = crate::export::merge::parse_size(s) {
+            if let Err(msg) = crate::util::parse_size(s) {
                 return Err(self.invalid("output.max_shard_size", msg));
             }
         }
@@ -1008,7 +1008,7 @@ impl Recipe {
         self.train
             .max_memory
             .as_deref()
-            .and_then(|s| crate::export::merge::parse_size(s).ok())
+            .and_then(|s| crate::util::parse_size(s).ok())
     }
 
     /// The output directory: `output.dir`, or adapters/<recipe stem>.

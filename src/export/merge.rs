@@ -14,6 +14,7 @@
 use super::{peft_key, read_adapter_config, CONFIG, WEIGHTS};
 use crate::hub::ModelFiles;
 use crate::recipe::Dtype;
+pub use crate::util::parse_size;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use safetensors::tensor::TensorView;
@@ -71,36 +72,6 @@ pub struct MergeReport {
     pub shards: usize,
     /// Bytes of tensor data (the index's metadata.total_size).
     pub total_size: u64,
-}
-
-/// "5GB" → 5·10⁹, "500MB", "2GiB" → 2·2³⁰, "300KB", "1000" (bytes); as transformers reads
-/// `max_shard_size`.
-pub fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let mult: u64 = match unit.trim().to_ascii_uppercase().as_str() {
-        "" | "B" => 1,
-        "KB" => 1_000,
-        "MB" => 1_000_000,
-        "GB" => 1_000_000_000,
-        "TB" => 1_000_000_000_000,
-        "KIB" => 1 << 10,
-        "MIB" => 1 << 20,
-        "GIB" => 1 << 30,
-        "TIB" => 1 << 40,
-        _ => 0,
-    };
-    let n: f64 = num.parse().unwrap_or(-1.0);
-    let bytes = n * mult as f64;
-    if mult == 0 || !bytes.is_finite() || bytes < 1.0 {
-        return Err(format!(
-            "= \"{s}\" is not a size: write a number with a unit, e.g. \"5GB\", \"500MB\", \"2GiB\""
-        ));
-    }
-    Ok(bytes as u64)
 }
 
 fn st_dtype(d: Dtype) -> StDtype {

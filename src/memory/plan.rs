@@ -755,6 +755,34 @@ pub fn render(p: &Plan) -> String {
     out
 }
 
+/// The plan of a `bench` shape (bf16 on CUDA): `lora-train plan --shape`.
+pub fn input_from_shape(
+    shape: &str,
+    seq_len: usize,
+    micro_batch: usize,
+    rank: usize,
+    targets: Vec<String>,
+    gpus: usize,
+) -> anyhow::Result<PlanInput> {
+    let cfg = crate::bench::shape(shape)?;
+    let bf16 = candle_core::DType::BF16;
+    Ok(PlanInput {
+        tied: cfg.tie_word_embeddings.unwrap_or(false),
+        flash_attention: crate::ops::flash::kernels_take(true, bf16, cfg.head_dim),
+        cfg,
+        dtype_bytes: 2,
+        micro_batch,
+        seq_len,
+        rank,
+        targets,
+        gpus: gpus.max(1),
+        cuda: true,
+        ce_kernel: crate::ops::cross_entropy::kernel_takes_for(true, bf16),
+        offload: true,
+        fold: crate::ops::fold::takes(true, bf16),
+    })
+}
+
 /// The plan's input for a recipe, given its config.json (`hub::config_file`): the recipe's
 /// micro-batch, seq_len, LoRA rank and targets, and base dtype (model.dtype, else bf16 on
 /// CUDA and f32 on the CPU). A config that does not say whether the head is tied counts it

@@ -26,7 +26,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
-pub const STATE: &str = "trainer_state.json";
+pub use crate::util::TRAINER_STATE as STATE;
 pub const OPTIMIZER: &str = "optimizer.safetensors";
 const FORMAT: &str = "lora-train checkpoint 1";
 /// Losses kept in trainer_state.json (the full history is in metrics.jsonl).

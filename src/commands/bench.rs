@@ -1,0 +1,138 @@
+//! `lora-train bench --shape NAME`: training steps timed on random weights of a named shape.
+
+use clap::{Args, ValueEnum};
+use lora_train::recipe::Strategy;
+use std::path::PathBuf;
+
+#[derive(Args, Clone)]
+#[command(
+    after_help = "Examples:\n  lora-train bench --shape llama2-7b --seq 2048 --micro-batch 2 --rank 16 --targets all\n  lora-train bench --shape tiny --device cpu --steps 3 --warmup 1"
+)]
+pub struct BenchArgs {
+    /// tiny | llama2-7b | llama2-13b | llama3-8b
+    #[arg(long, default_value = "llama2-7b", value_parser = shape)]
+    shape: String,
+    #[arg(long, default_value_t = 2048, value_parser = clap::value_parser!(u32).range(2..=(1 << 22)))]
+    seq: u32,
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    micro_batch: u32,
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    rank: u32,
+    /// Default: 2 × rank.
+    #[arg(long)]
+    alpha: Option<f64>,
+    #[arg(long, value_enum, default_value_t = Targets::All)]
+    targets: Targets,
+    /// Activation checkpointing.
+    #[arg(long)]
+    ckpt: bool,
+    /// Park each layer's residual in host memory until its backward (true) or recompute it
+    /// there (false), as the recipe's train.offload_activations (default: true; CUDA only).
+    #[arg(long)]
+    offload: Option<bool>,
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    steps: u32,
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(0..=100_000))]
+    warmup: u32,
+    /// Default: cuda in a CUDA build, else cpu.
+    #[arg(long, value_enum)]
+    device: Option<DeviceArg>,
+    /// CUDA ordinal (single).
+    #[arg(long, default_value_t = 0)]
+    gpu: usize,
+    /// One thread per device (NCCL; CPU: virtual ranks) for ddp / fsdp.
+    #[arg(long, value_enum, default_value_t = Strategy::Single)]
+    strategy: Strategy,
+    /// Devices for ddp / fsdp, e.g. 0,1 (default: --gpu).
+    #[arg(long, value_delimiter = ',')]
+    devices: Vec<usize>,
+    /// Micro-batches per optimizer step (per rank).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    grad_accum: u32,
+    /// Dense bf16 matmul ceiling for MFU (790 measured on the H200 here).
+    #[arg(long, default_value_t = 790.0)]
+    peak_tflops: f64,
+    /// Also append the JSON line to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Behave as a card of this size, e.g. 24GiB (CUDA: a ballast outside the pool).
+    #[arg(long, value_parser = super::parse_size)]
+    max_memory: Option<u64>,
+}
+
+/// Which linears get adapters.
+#[derive(Clone, Copy, ValueEnum)]
+pub enum Targets {
+    /// q_proj and v_proj
+    Qv,
+    /// q, k, v, o
+    Attn,
+    /// every linear of the decoder layers
+    All,
+}
+
+impl Targets {
+    pub fn name(self) -> &'static str {
+        match self {
+            Targets::Qv => "qv",
+            Targets::Attn => "attn",
+            Targets::All => "all",
+        }
+    }
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum DeviceArg {
+    Cpu,
+    Cuda,
+}
+
+pub fn shape(s: &str) -> Result<String, String> {
+    lora_train::bench::shape(s)
+        .map(|_| s.to_string())
+        .map_err(|e| e.to_string())
+}
+
+pub fn run(b: BenchArgs) -> anyhow::Result<()> {
+    let cuda = match b.device {
+        Some(d) => matches!(d, DeviceArg::Cuda),
+        None => cfg!(feature = "cuda"),
+    };
+    let device = match cuda {
+        false => candle_core::Device::Cpu,
+        // The first listed GPU (rank 0's), not `--gpu`'s default, when --devices is given.
+        true => candle_core::Device::new_cuda(b.devices.first().copied().unwrap_or(b.gpu))?,
+    };
+    let args = lora_train::bench::BenchArgs {
+        shape: b.shape,
+        seq: b.seq as usize,
+        micro_batch: b.micro_batch as usize,
+        rank: b.rank as usize,
+        alpha: b.alpha,
+        targets: b.targets.name().to_string(),
+        ckpt: b.ckpt,
+        offload: b.offload,
+        steps: b.steps as usize,
+        warmup: b.warmup as usize,
+        device,
+        peak_tflops: b.peak_tflops,
+        strategy: b.strategy,
+        devices: match b.devices.is_empty() {
+            true => vec![b.gpu],
+            false => b.devices,
+        },
+        grad_accum: b.grad_accum as usize,
+        max_memory: b.max_memory,
+    };
+    let res = lora_train::bench::run(&args)?;
+    println!("{res}");
+    if let Some(p) = b.json {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&p)?;
+        writeln!(f, "{res}")?;
+    }
+    Ok(())
+}

@@ -1,0 +1,80 @@
+//! `lora-train export --adapter DIR --out DIR`: an adapter merged into its base.
+
+use anyhow::Context;
+use clap::{Args, ValueEnum};
+use lora_train::export::merge::{merge, MergeOptions};
+use lora_train::recipe::Dtype;
+use std::path::PathBuf;
+
+#[derive(Args, Clone)]
+#[command(
+    after_help = "Examples:\n  lora-train export --adapter adapters/tiny-cpu --out merged/\n  lora-train export --adapter adapters/my --base /models/Llama-2-7b-hf --out merged/ --dtype bf16"
+)]
+pub struct ExportArgs {
+    /// The PEFT adapter directory (adapter_config.json + adapter_model.safetensors).
+    #[arg(long)]
+    adapter: PathBuf,
+    /// Where to write the merged model; must not exist or be empty.
+    #[arg(long)]
+    out: PathBuf,
+    /// The base checkpoint directory. Default: the adapter's base_model_name_or_path, when
+    /// that is a local directory.
+    #[arg(long)]
+    base: Option<PathBuf>,
+    /// Dtype of the written weights. Default: each tensor's dtype in the base checkpoint.
+    #[arg(long, value_enum)]
+    dtype: Option<ExportDtype>,
+    /// Largest shard, e.g. 5GB, 500MB, 2GiB.
+    #[arg(long, default_value = lora_train::export::merge::DEFAULT_MAX_SHARD_SIZE, value_parser = super::parse_size)]
+    max_shard_size: u64,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum ExportDtype {
+    F32,
+    Bf16,
+    F16,
+}
+
+pub fn run(a: ExportArgs) -> anyhow::Result<()> {
+    let base = match a.base {
+        Some(b) => b,
+        None => {
+            let info = lora_train::export::read_adapter_config(&a.adapter)?;
+            let name = info.base_model.unwrap_or_default();
+            let p = PathBuf::from(&name);
+            if name.is_empty() || !p.join("config.json").is_file() {
+                anyhow::bail!(
+                    "{}: base_model_name_or_path = \"{name}\" is not a local checkpoint directory: pass --base DIR",
+                    a.adapter.join(lora_train::export::CONFIG).display()
+                );
+            }
+            p
+        }
+    };
+    let opts = MergeOptions {
+        dtype: a.dtype.map(|d| match d {
+            ExportDtype::F32 => Dtype::F32,
+            ExportDtype::Bf16 => Dtype::Bf16,
+            ExportDtype::F16 => Dtype::F16,
+        }),
+        max_shard_size: a.max_shard_size,
+        replace: false,
+    };
+    let r = merge(&a.adapter, &base, &a.out, &opts).with_context(|| {
+        format!(
+            "cannot merge {} into {}",
+            a.adapter.display(),
+            base.display()
+        )
+    })?;
+    println!(
+        "merged {} of {} tensors; wrote {} ({} shard(s), {:.1} MB)",
+        r.merged,
+        r.tensors,
+        r.out.display(),
+        r.shards,
+        r.total_size as f64 / 1e6
+    );
+    Ok(())
+}

@@ -1,0 +1,105 @@
+//! The `lora-train` command line: one file a command, each parsing its flags into the
+//! library's options and calling one library function.
+//!
+//! Exit codes: 0 done, 1 the run failed, 2 the recipe or the command line is wrong, 3 the memory
+//! plan says the run does not fit (nothing loaded; --force overrides), 4 out of memory mid-run
+//! (the last complete checkpoint is intact), 130 stopped by SIGINT / SIGTERM with a checkpoint
+//! saved (resumable), 131 a second signal ended it at once (the last complete checkpoint is
+//! intact).
+
+mod bench;
+mod check;
+mod download;
+mod export;
+mod plan;
+mod probe;
+mod train;
+
+use clap::{Parser, Subcommand};
+use lora_train::recipe::RecipeError;
+use lora_train::train::stop::{DoesNotFit, OutOfMemory, EXIT_DOES_NOT_FIT, EXIT_OUT_OF_MEMORY};
+use std::process::ExitCode;
+
+/// LoRA fine-tuning of Hugging Face Llama-family checkpoints, on the CPU or CUDA.
+///
+/// `lora-train --recipe X` is `lora-train train --recipe X`.
+#[derive(Parser)]
+#[command(
+    name = "lora-train",
+    version,
+    args_conflicts_with_subcommands = true,
+    after_help = "Examples:\n  lora-train --recipe recipes/tiny-cpu.toml\n  lora-train plan --recipe recipes/tiny-cpu.toml --gpus 4 --gpu-mem 24GiB"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    train: train::TrainArgs,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Train LoRA adapters as a recipe says (the default command).
+    Train(train::TrainArgs),
+    /// Parse and check a recipe, print it resolved with every default, and exit.
+    Check(check::CheckArgs),
+    /// Time training steps on random weights of a named shape (no download); prints JSON with
+    /// the fields of scripts/bench_peft.py.
+    Bench(bench::BenchArgs),
+    /// Forecast device memory per rank (single / ddp / fsdp, checkpointing on and off) from
+    /// config.json alone, and recommend a setting. `--shape` plans a `bench` shape instead.
+    Plan(plan::PlanArgs),
+    /// The smoke ramp: one full step at micro-batch 1 and seq 64, seq doubling to the recipe's
+    /// seq_len, then micro-batch doubling, with the peak of each phase, to the first OOM
+    /// (random token ids of the right shapes).
+    Probe(probe::ProbeArgs),
+    /// Download a Hub model (config, tokenizer, safetensors) into the Hugging Face cache and
+    /// print its directory. Honours HF_HOME, HF_HUB_CACHE, HF_TOKEN, HF_ENDPOINT, HF_HUB_OFFLINE.
+    Download(download::DownloadArgs),
+    /// Merge a PEFT LoRA adapter into its base model and write the full weights
+    /// (sharded safetensors, config and tokenizer files), loadable by transformers.
+    Export(export::ExportArgs),
+}
+
+/// Runs the command the line names.
+pub fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Some(Command::Train(a)) => train::run(a),
+        Some(Command::Check(a)) => check::run(a),
+        Some(Command::Bench(a)) => bench::run(a),
+        Some(Command::Plan(a)) => plan::run(a),
+        Some(Command::Probe(a)) => probe::run(a),
+        Some(Command::Download(a)) => download::run(a),
+        Some(Command::Export(a)) => export::run(a),
+        None => train::run(cli.train),
+    }
+}
+
+/// Prints a failure's whole chain and maps it to the exit code.
+pub fn finish(res: anyhow::Result<()>) -> ExitCode {
+    match res {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            if e.downcast_ref::<RecipeError>().is_some() || e.downcast_ref::<Usage>().is_some() {
+                ExitCode::from(2)
+            } else if e.downcast_ref::<DoesNotFit>().is_some() {
+                ExitCode::from(EXIT_DOES_NOT_FIT)
+            } else if e.downcast_ref::<OutOfMemory>().is_some() {
+                ExitCode::from(EXIT_OUT_OF_MEMORY)
+            } else {
+                ExitCode::from(1)
+            }
+        }
+    }
+}
+
+/// A command line that cannot run as given (exit code 2, like clap's own errors).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct Usage(pub String);
+
+/// `--max-memory 24GiB`, `--max-shard-size 5GB`: a byte size.
+fn parse_size(s: &str) -> Result<u64, String> {
+    lora_train::util::parse_size(s).map_err(|m| m.trim_start_matches("= ").to_string())
+}

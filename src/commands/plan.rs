@@ -1,0 +1,107 @@
+//! `lora-train plan --recipe X | --shape NAME`: the memory forecast per rank, no weights read.
+
+use super::bench::Targets;
+use super::Usage;
+use clap::Args;
+use lora_train::memory::plan;
+use lora_train::recipe::{Recipe, Strategy};
+use std::path::PathBuf;
+
+#[derive(Args, Clone)]
+#[command(
+    after_help = "Examples:\n  lora-train plan --recipe recipes/llama7b.toml --gpus 4 --gpu-mem 24GiB\n  lora-train plan --shape llama2-7b --seq 2048 --micro-batch 2 --json"
+)]
+pub struct PlanArgs {
+    /// The recipe (TOML); only its model's config.json is read.
+    #[arg(long, short, conflicts_with = "shape")]
+    recipe: Option<PathBuf>,
+    /// Override a recipe field (repeatable).
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    set: Vec<String>,
+    /// Plan a `bench` shape (tiny | llama2-7b | llama2-13b | llama3-8b; bf16) instead of a recipe.
+    #[arg(long, value_parser = super::bench::shape)]
+    shape: Option<String>,
+    /// Tokens per row (default: the recipe's data.seq_len; 2048 with --shape).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(2..=(1 << 22)))]
+    seq: Option<u32>,
+    /// Rows per micro-batch (default: the recipe's; 2 with --shape).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    micro_batch: Option<u32>,
+    /// With --shape: LoRA rank.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    rank: u32,
+    /// With --shape: which linears get adapters.
+    #[arg(long, value_enum, default_value_t = Targets::All)]
+    targets: Targets,
+    /// With --shape: the run's row uses activation checkpointing (the JSON's `selected`).
+    #[arg(long)]
+    ckpt: bool,
+    /// GPUs for ddp / fsdp (default: the recipe's parallel.devices).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    gpus: Option<u32>,
+    /// Memory per GPU, e.g. 24GiB (default: train.max_memory, else the free memory of the GPU
+    /// in a CUDA build, else no fit column).
+    #[arg(long, value_parser = super::parse_size)]
+    gpu_mem: Option<u64>,
+    /// Print JSON instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(a: PlanArgs) -> anyhow::Result<()> {
+    let seq = a.seq.map(|s| s as usize);
+    let micro_batch = a.micro_batch.map(|m| m as usize);
+    let gpus = a.gpus.map(|g| g as usize);
+    // The GPUs whose free memory bounds the plan: the recipe's parallel.devices, else (a
+    // --shape plan, or devices = "all") GPU 0.
+    let (input, grad_accum, selected, recipe_cap, gpus_used) = match (&a.shape, &a.recipe) {
+        (Some(shape), _) => {
+            let targets = lora_train::bench::targets(a.targets.name())?;
+            let input = plan::input_from_shape(
+                shape,
+                seq.unwrap_or(2048),
+                micro_batch.unwrap_or(2),
+                a.rank as usize,
+                targets,
+                gpus.unwrap_or(1),
+            )?;
+            (input, 1, (Strategy::Single, a.ckpt), None, vec![0])
+        }
+        (None, Some(path)) => {
+            let mut r = Recipe::load(path, &a.set)?;
+            if let Some(s) = seq {
+                r.data.seq_len = s;
+            }
+            if let Some(m) = micro_batch {
+                r.train.micro_batch = m;
+            }
+            let cfg_path = lora_train::hub::config_file(&r.model)?;
+            let cfg = lora_train::model::ModelConfig::from_file(&cfg_path)?;
+            let gpus = gpus.unwrap_or(r.parallel.devices.len());
+            let input = plan::input_from_recipe(&r, cfg, gpus, true)?;
+            let sel = (r.parallel.strategy, r.train.activation_checkpointing);
+            let used = match r.parallel.devices.is_empty() {
+                true => vec![0],
+                false => r.parallel.devices.clone(),
+            };
+            (input, r.train.grad_accum, sel, r.max_memory(), used)
+        }
+        (None, None) => {
+            return Err(Usage(
+                "plan needs --recipe RECIPE.toml or --shape NAME: usage: lora-train plan --recipe RECIPE.toml | --shape NAME [--gpus N] [--gpu-mem 24GiB] [--json]".into(),
+            )
+            .into())
+        }
+    };
+    let capacity = match a.gpu_mem.or(recipe_cap) {
+        Some(c) => Some(c),
+        None => lora_train::memory::free_gpu_memory(&gpus_used),
+    };
+    let p = plan::plan(&input, grad_accum, capacity);
+    if a.json {
+        println!("{}", plan::to_json(&p, selected));
+    } else {
+        print!("{}", plan::render(&p));
+    }
+    Ok(())
+}

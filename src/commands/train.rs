@@ -1,0 +1,91 @@
+//! `lora-train [train] --recipe X`: the whole run a recipe describes.
+
+use super::Usage;
+use clap::Args;
+use lora_train::recipe::Recipe;
+use lora_train::train::stop::{Interrupted, EXIT_INTERRUPTED};
+use std::path::{Path, PathBuf};
+
+#[derive(Args, Clone)]
+#[command(
+    after_help = "Examples:\n  lora-train --recipe recipes/tiny-cpu.toml\n  lora-train --recipe my.toml --set train.lr=1e-4 --set lora.rank=16\n  lora-train --recipe my.toml --set train.resume=true"
+)]
+pub struct TrainArgs {
+    /// The recipe (TOML). See recipes/reference.toml for every field.
+    #[arg(long, short)]
+    pub recipe: Option<PathBuf>,
+    /// Override a recipe field, e.g. --set train.lr=1e-4 --set lora.rank=8 (repeatable).
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    pub set: Vec<String>,
+    /// Start even when the memory plan says the run does not fit.
+    #[arg(long)]
+    pub force: bool,
+}
+
+pub fn run(a: TrainArgs) -> anyhow::Result<()> {
+    let path = recipe_path(
+        a.recipe.as_deref(),
+        "lora-train --recipe RECIPE.toml [--set section.key=value ...]",
+    )?;
+    let recipe = Recipe::load(&path, &a.set)?;
+    let opts = lora_train::train::RunOptions { force: a.force };
+    let s = match lora_train::train::run_with(recipe, &opts) {
+        Ok(s) => s,
+        Err(e) => {
+            if let Some(i) = e.downcast_ref::<Interrupted>() {
+                eprintln!("{i}\nresume with: {}", resume_command(&path, &a.set));
+                std::process::exit(EXIT_INTERRUPTED.into());
+            }
+            return Err(e);
+        }
+    };
+    let last = s.losses.last().copied().unwrap_or(f64::NAN);
+    let first = s.losses.first().copied().unwrap_or(f64::NAN);
+    println!(
+        "trained {} steps in {:.1}s ({:.0} tok/s): loss {first:.4} -> {last:.4}; adapter saved to {}",
+        s.steps,
+        s.seconds,
+        s.tokens as f64 / s.seconds.max(1e-9),
+        s.out_dir.display()
+    );
+    if let Some(e) = s.eval_loss {
+        println!("eval loss {e:.4}");
+    }
+    Ok(())
+}
+
+/// The recipe a command was given, or a usage error naming the command's form.
+pub fn recipe_path(p: Option<&Path>, usage: &str) -> anyhow::Result<PathBuf> {
+    match p {
+        Some(p) => Ok(p.to_path_buf()),
+        None => Err(Usage(format!("no recipe given: usage: {usage}")).into()),
+    }
+}
+
+/// The exact command that continues an interrupted run.
+fn resume_command(path: &Path, set: &[String]) -> String {
+    let mut cmd = vec![
+        "lora-train".to_string(),
+        "--recipe".into(),
+        quote(&path.to_string_lossy()),
+    ];
+    for s in set
+        .iter()
+        .filter(|s| !s.trim_start().starts_with("train.resume"))
+    {
+        cmd.push("--set".into());
+        cmd.push(quote(s));
+    }
+    cmd.extend(["--set".into(), "train.resume=true".into()]);
+    cmd.join(" ")
+}
+
+/// `s` as one shell word.
+fn quote(s: &str) -> String {
+    let plain = |c: char| c.is_ascii_alphanumeric() || "_-./=:,+@%".contains(c);
+    if !s.is_empty() && s.chars().all(plain) {
+        s.to_string()
+    } else {
+        format!("'{}'", s.replace('\'', "'\\''"))
+    }
+}
