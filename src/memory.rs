@@ -385,6 +385,21 @@ pub fn tensor_bytes(t: &candle_core::Tensor) -> u64 {
     (t.elem_count() * t.dtype().size_in_bytes()) as u64
 }
 
+/// The least free memory of the GPUs `ordinals` in a CUDA build that has them all, plus the
+/// context this process took to ask (the plan counts a context); None otherwise.
+pub fn free_gpu_memory(ordinals: &[usize]) -> Option<u64> {
+    if !cfg!(feature = "cuda") {
+        return None;
+    }
+    let mut least: Option<u64> = None;
+    for &o in ordinals {
+        let dev = candle_core::Device::new_cuda(o).ok()?;
+        let (free, _) = mem_info(&dev).ok().flatten()?;
+        least = Some(least.map_or(free, |l| l.min(free)));
+    }
+    least.map(|f| f + plan::CONTEXT)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -423,19 +438,4 @@ mod tests {
         assert_eq!(cpu_high(), Some(1001));
         set_cpu_budget(None, 0);
     }
-}
-
-/// The least free memory of the GPUs `ordinals` in a CUDA build that has them all, plus the
-/// context this process took to ask (the plan counts a context); None otherwise.
-pub fn free_gpu_memory(ordinals: &[usize]) -> Option<u64> {
-    if !cfg!(feature = "cuda") {
-        return None;
-    }
-    let mut least: Option<u64> = None;
-    for &o in ordinals {
-        let dev = candle_core::Device::new_cuda(o).ok()?;
-        let (free, _) = mem_info(&dev).ok().flatten()?;
-        least = Some(least.map_or(free, |l| l.min(free)));
-    }
-    least.map(|f| f + plan::CONTEXT)
 }
