@@ -1,6 +1,8 @@
 //! `lora-train bench`: training-step throughput and peak memory on random weights of a named
-//! shape, measured like scripts/bench_peft.py (same shapes, same FLOP count, same
-//! JSON fields) so the two can run in one device call and be compared as ratios.
+//! shape, measured like scripts/bench_peft.py (same shapes, same FLOP count, same JSON fields)
+//! so the two can run in one device call and be compared as ratios. The steps are the
+//! training loop's own (train::step's engine, launched by train::launch), on random weights
+//! (train::session::sharded_model) and random token rows.
 //!
 //! With `--strategy ddp|fsdp --devices 0,1` one thread per GPU trains the same model (the
 //! same seeded random weights on every rank) on a fixed set of world × micro_batch ×
@@ -11,11 +13,13 @@ use crate::data::Batch;
 use crate::lora::{LoraSpec, ALL_LINEAR};
 use crate::memory::{self, GIB};
 use crate::model::{Family, Model, ModelConfig, RopeScaling};
-use crate::parallel::fsdp::{Flat, Shards};
-use crate::parallel::{Comm, Group, Solo};
+use crate::parallel::Comm;
 use crate::recipe::Strategy;
-use crate::train::readback::{Readbacks, Ticket};
-use crate::train::{driver, optim};
+use crate::train::driver::Keep;
+use crate::train::launch::{launch, Ranks};
+use crate::train::optim::AdamW;
+use crate::train::session::sharded_model;
+use crate::train::step::{adapter_params, Engine};
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 use std::sync::Arc;
@@ -131,49 +135,28 @@ fn lm_batch(ids: Vec<u32>, b: usize, t: usize) -> Batch {
 /// allocation failure on any rank ends with that rank's diagnosis.
 pub fn run(a: &BenchArgs) -> Result<serde_json::Value> {
     let world = a.devices.len().max(1);
-    if a.strategy == Strategy::Single {
-        if world > 1 {
-            bail!("--strategy single takes one device; use ddp or fsdp for {world}");
+    let ranks = match (a.strategy, world) {
+        (Strategy::Single, 1) => Ranks::Solo(a.devices.first().copied().unwrap_or(0)),
+        (Strategy::Single, _) => {
+            bail!("--strategy single takes one device; use ddp or fsdp for {world}")
         }
-        // `a.device` itself when it is that GPU already (the CLI opens devices[0]).
-        let device = match (a.device.location(), a.devices.first()) {
-            (candle_core::DeviceLocation::Cuda { gpu_id }, Some(&o)) if gpu_id != o => {
-                rank_device(a, 0)?
-            }
-            _ => a.device.clone(),
-        };
-        return run_rank(a, device, &Solo);
-    }
-    let timeout = Duration::from_secs(1800);
-    let group: Arc<dyn Group> = if a.device.is_cpu() {
-        crate::parallel::cpu::CpuGroup::new(world, timeout)
-    } else {
-        cuda_group(a.devices.clone(), timeout)?
+        _ => Ranks::Threads {
+            cuda: !a.device.is_cpu(),
+            devices: a.devices.clone(),
+        },
     };
     let args = Arc::new(a.clone());
-    let body =
-        move |rank: usize, comm: Box<dyn Comm>| run_rank(&args, rank_device(&args, rank)?, &*comm);
-    crate::parallel::launch::threads(group, Arc::new(body), timeout)
-}
-
-/// Rank `rank`'s device: the CPU, or the GPU of `a.devices[rank]` (whatever GPU `a.device`
-/// was opened on).
-fn rank_device(a: &BenchArgs, rank: usize) -> Result<Device> {
-    match (a.device.is_cpu(), a.devices.get(rank)) {
-        (true, _) => Ok(Device::Cpu),
-        (false, Some(&o)) => Ok(Device::new_cuda(o)?),
-        (false, None) => Ok(a.device.clone()),
-    }
-}
-
-#[cfg(feature = "nccl")]
-fn cuda_group(devices: Vec<usize>, timeout: Duration) -> Result<Arc<dyn Group>> {
-    Ok(crate::parallel::nccl::NcclGroup::new(devices, timeout)?)
-}
-
-#[cfg(not(feature = "nccl"))]
-fn cuda_group(_: Vec<usize>, _: Duration) -> Result<Arc<dyn Group>> {
-    bail!("--strategy ddp / fsdp on CUDA needs NCCL: rebuild with --features cuda,nccl")
+    let body = move |comm: Box<dyn Comm>, ordinal: usize| {
+        let device = match (args.device.location(), args.device.is_cpu()) {
+            (_, true) => Device::Cpu,
+            (candle_core::DeviceLocation::Cuda { gpu_id }, _) if gpu_id == ordinal => {
+                args.device.clone()
+            }
+            _ => Device::new_cuda(ordinal)?,
+        };
+        run_rank(&args, device, &*comm)
+    };
+    launch(ranks, Duration::from_secs(1800), Arc::new(body))
 }
 
 /// One rank's bench (the whole bench for one device), with an allocation failure turned into
@@ -204,7 +187,7 @@ fn run_rank(a: &BenchArgs, device: Device, comm: &dyn Comm) -> Result<serde_json
         cuda: !a.device.is_cpu(),
         flash_attention: crate::ops::flash::takes_for(&a.device, act, head_dim),
         ce_kernel: crate::ops::cross_entropy::kernel_takes_for(a.device.is_cuda(), act),
-        offload: driver::Keep::new(false, a.offload, &a.device) == driver::Keep::Offload,
+        offload: Keep::new(false, a.offload, &a.device) == Keep::Offload,
         fold: crate::ops::fold::takes(a.device.is_cuda(), act),
     };
     let p = plan::plan(&input, 1, a.max_memory);
@@ -239,7 +222,7 @@ fn run_rank(a: &BenchArgs, device: Device, comm: &dyn Comm) -> Result<serde_json
 }
 
 /// The bench proper; rank 0's JSON is the result, with every rank's throughput and peak
-/// memory under "per_rank".
+/// memory under "per_rank". `meter` ends as the engine's (the phase an OOM happened in).
 fn measure(
     a: &BenchArgs,
     comm: &dyn Comm,
@@ -262,19 +245,9 @@ fn measure(
     memory::keep_pool_memory(&a.device)?;
     let t0 = Instant::now();
     let fsdp = a.strategy == Strategy::Fsdp;
-    let mut groups = Vec::new();
-    // The adapters' forward folded into the base GEMMs (ops::fold), each layer padded before
-    // FSDP shards it.
-    let model = Model::random_with(cfg.clone(), dtype, &a.device, &spec, 0, true, &mut |t| {
-        if fsdp {
-            groups.push(Flat::take(t, comm)?);
-        }
-        Ok(())
+    let (model, shards) = sharded_model(fsdp, comm, &mut |loaded| {
+        Model::random_with(cfg.clone(), dtype, &a.device, &spec, 0, true, loaded)
     })?;
-    let shards = match fsdp {
-        true => Some(Shards::from_groups(groups, model.layers.len(), comm)?),
-        false => None,
-    };
     a.device.synchronize()?;
     let load_s = t0.elapsed().as_secs_f64();
     let after_load = memory::stats(&a.device)?.map(|s| s.used as f64 / GIB);
@@ -286,11 +259,7 @@ fn measure(
     let (c, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
     let (h, k, d) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
     let n_linear = cfg.num_layers * (c * h * d + 2 * c * k * d + h * d * c + 3 * c * i) + v * c;
-    let params: Vec<_> = model
-        .adapters()
-        .flat_map(|(_, l)| [l.a.clone(), l.b.clone()])
-        .collect();
-    let mut opt = optim::AdamW::new(params, [0.9, 0.999], 1e-8, 0.0)?;
+    let mut opt = AdamW::new(adapter_params(&model), [0.9, 0.999], 1e-8, 0.0)?;
 
     // Random token ids (labels = ids), like the baseline: global row g is seeded by g, and
     // this rank's micro-batch m holds rows (m·b + j)·world + rank, j < b.
@@ -306,135 +275,64 @@ fn measure(
         })
         .collect();
     // Every row counts t − 1 targets: the step's denominator over all ranks.
-    let n = (world * accum * b * (t - 1)) as f64;
-    let par = |reduce| driver::Par {
-        comm,
-        shards: shards.as_ref(),
-        reduce,
-    };
+    let denom = world * accum * b * (t - 1);
+    let keep = Keep::new(a.ckpt, a.offload, &a.device);
+    let mut engine = Engine::new(&model, comm, shards.as_ref(), keep, 1.0, None);
+    // The training loop's order (train::trainer): step k+1's forward and backward queued
+    // before step k's loss is read, then step k+1's update.
     let mut losses = Vec::new();
-    // Only the phase is tracked here (no synchronisation): the timed steps stay untouched.
-    let keep = driver::Keep::new(a.ckpt, a.offload, &a.device);
-    // As training runs a step (train::Session::train_from): the update queued right after the
-    // gradients with the clipping on the device, the step's loss read once the next step's
-    // forward and backward are queued, so the host never holds the device up.
-    // The loss goes to the host by a copy queued with it (train::readback), so that reading
-    // it waits for that copy alone, not for the next step's backward queued behind it.
-    let mut rb = Readbacks::new();
-    let read = |rb: &mut Readbacks, t: Ticket| -> Result<f64> { Ok(rb.read(t)?[0] / n) };
-    let mut prev: Option<Ticket> = None; // the step before's Σ CE over every rank
-    let mut step =
-        |opt: &mut optim::AdamW, meter: &mut memory::PhaseMeter| -> Result<Option<f64>> {
-            let mut grads = optim::Grads::new();
-            meter.done = None;
-            let mut ce: Option<Tensor> = None;
-            for (m, batch) in batches.iter().enumerate() {
-                let c = driver::forward_backward_dev(
-                    &model,
-                    &par(m + 1 == accum),
-                    batch,
-                    n,
-                    keep,
-                    None,
-                    &mut grads,
-                    None,
-                    &mut |phase| {
-                        meter.done = Some(phase);
-                        Ok(())
-                    },
-                )?;
-                ce = driver::add_ce(ce, c)?;
+    let mut pending = None;
+    let mut run_steps =
+        |n: usize, from: usize, engine: &mut Engine, opt: &mut AdamW| -> Result<()> {
+            for step in from..from + n {
+                let q = engine.backward(&batches, denom, step)?;
+                if let Some(p) = pending.take() {
+                    losses.push(engine.finish(p, opt)?.loss);
+                }
+                pending = Some(engine.update(q, opt, 1e-4)?);
             }
-            let ce = match ce {
-                Some(c) => c.to_dtype(DType::F64)?,
-                None => Tensor::new(0f64, &a.device)?,
-            };
-            let ce = match world {
-                1 => ce,
-                _ => comm.all_reduce_sum(&ce.reshape(1)?)?.squeeze(0)?,
-            };
-            let ticket = rb.start(&[&ce])?;
-            let before = prev.take().map(|p| read(&mut rb, p)).transpose()?;
-            let clip = optim::clip_step(&grads, &opt.params, 1.0, Some(&ce.to_dtype(DType::F32)?))?;
-            opt.step_clip(&grads, 1e-4, &clip)?;
-            prev = Some(ticket);
-            Ok(before)
+            Ok(())
         };
-    for _ in 0..a.warmup {
-        losses.extend(step(&mut opt, meter)?);
-    }
-    a.device.synchronize()?;
-    memory::reset_peak(&a.device)?;
-    let t1 = Instant::now();
-    for _ in 0..a.steps {
-        losses.extend(step(&mut opt, meter)?);
-    }
-    a.device.synchronize()?;
-    let dt = t1.elapsed().as_secs_f64();
-    if let Some(p) = prev.take() {
-        losses.push(read(&mut rb, p)?);
+    let res = (|| -> Result<(f64, memory::PhaseMeter)> {
+        run_steps(a.warmup, 0, &mut engine, &mut opt)?;
+        a.device.synchronize()?;
+        engine.meter = memory::PhaseMeter::default();
+        let t1 = Instant::now();
+        run_steps(a.steps, a.warmup, &mut engine, &mut opt)?;
+        a.device.synchronize()?;
+        Ok((t1.elapsed().as_secs_f64(), engine.meter.clone()))
+    })();
+    let (dt, timed) = match res {
+        Ok(x) => x,
+        Err(e) => {
+            *meter = engine.meter.clone();
+            return Err(e);
+        }
+    };
+    if let Some(p) = pending.take() {
+        losses.push(engine.finish(p, &mut opt)?.loss);
     }
     let loss = losses.last().copied().unwrap_or(0.0);
-    let peak = memory::stats(&a.device)?;
-    // One more step, instrumented: the device's peak within each phase and what stays
-    // allocated at its end.
-    let mut phases = serde_json::Map::new();
+    let cuda = !a.device.is_cpu();
     let gib = |x: u64| (x as f64 / GIB * 100.0).round() / 100.0;
-    memory::reset_peak(&a.device)?;
-    let mut grads = optim::Grads::new();
-    meter.done = None;
-    driver::forward_backward_par(
-        &model,
-        &par(true),
-        &batches[0],
-        n,
-        keep,
-        None,
-        &mut grads,
-        None,
-        &mut |phase| {
-            meter.done = Some(phase);
-            if memory::phase_sync() {
-                a.device.synchronize()?;
-            }
-            if let Some(s) = memory::stats(&a.device)? {
-                phases.insert(format!("{phase}_peak_gib"), gib(s.used_high).into());
-                phases.insert(format!("{phase}_end_gib"), gib(s.used).into());
-            }
-            memory::reset_peak(&a.device)
-        },
-    )?;
-    drop(grads);
+    // The device pool's peak within each phase of the timed steps, and what stayed allocated
+    // at the phase's end.
+    let mut phases = serde_json::Map::new();
+    for (phase, v) in &timed.peaks {
+        phases.insert(format!("{phase}_peak_gib"), gib(*v).into());
+    }
+    for (phase, v) in &timed.ends {
+        phases.insert(format!("{phase}_end_gib"), gib(*v).into());
+    }
     // This rank's tokens per second; every rank's figures gathered for rank 0's report.
     let tokens = (accum * b * t * a.steps) as f64;
     let tps = tokens / dt;
     let fpt = flops_per_token(n_linear, cfg.num_layers, cfg.hidden_size, t, a.ckpt);
     let r2 = |x: f64| (x * 100.0).round() / 100.0;
-    let gib_of = |x: Option<u64>| x.map_or(-1.0, |v| v as f64 / GIB);
-    let mine = [
-        tps,
-        gib_of(peak.map(|p| p.used_high)),
-        gib_of(peak.map(|p| p.reserved_high)),
-        dt / a.steps as f64,
-    ];
-    let all = comm
-        .all_gather(&Tensor::new(&mine, &a.device)?)?
-        .to_vec1::<f64>()?;
-    let per_rank: Vec<serde_json::Value> = all
-        .chunks(4)
-        .enumerate()
-        .map(|(r, x)| {
-            serde_json::json!({
-                "rank": r, "device": a.devices.get(r), "tokens_per_s": (x[0] * 10.0).round() / 10.0,
-                "peak_alloc_gib": (x[1] >= 0.0).then(|| r2(x[1])),
-                "peak_reserved_gib": (x[2] >= 0.0).then(|| r2(x[2])),
-                "step_s": (x[3] * 1e4).round() / 1e4,
-            })
-        })
-        .collect();
-    let total_tps: f64 = all.chunks(4).map(|x| x[0]).sum();
-    let peak_alloc = all.chunks(4).map(|x| x[1]).fold(f64::MIN, f64::max);
-    let peak_reserved = all.chunks(4).map(|x| x[2]).fold(f64::MIN, f64::max);
+    let peak = cuda.then_some((timed.run_peak, timed.run_reserved));
+    let ranks = RankFigures::gather(a, comm, tps, peak, dt / a.steps as f64)?;
+    let (total_tps, peak_alloc, peak_reserved) = (ranks.tps, ranks.peak_alloc, ranks.peak_reserved);
+    let per_rank = ranks.rows;
     let per_gpu = total_tps / world as f64;
     let strategy = a.strategy.name();
     let attn = if crate::ops::flash::takes_for(&a.device, dtype, cfg.head_dim) {
@@ -451,7 +349,7 @@ fn measure(
         "resident_base_gib": r2(crate::parallel::fsdp::resident_base_bytes(&model, shards.as_ref()) as f64 / GIB),
         "device": format!("{:?}", a.device.location()),
         "shape": a.shape, "seq": t, "micro_batch": b, "lora_rank": a.rank,
-        "targets": a.targets, "ckpt": a.ckpt, "offload": keep == driver::Keep::Offload, "attn": attn,
+        "targets": a.targets, "ckpt": a.ckpt, "offload": keep == Keep::Offload, "attn": attn,
         "trainable_params": trainable, "base_linear_params": n_linear,
         "load_s": r2(load_s), "after_load_gib": after_load.map(r2),
         "peak_alloc_gib": peak.map(|_| r2(peak_alloc)),
@@ -464,4 +362,55 @@ fn measure(
         "phases": phases,
         "max_memory_gib": a.max_memory.map(|m| r2(m as f64 / GIB)),
     }))
+}
+
+/// Every rank's figures, gathered for rank 0's report.
+struct RankFigures {
+    rows: Vec<serde_json::Value>,
+    /// Σ tokens/s over the ranks.
+    tps: f64,
+    peak_alloc: f64,
+    peak_reserved: f64,
+}
+
+impl RankFigures {
+    /// This rank's tokens/s, pool peaks (used, reserved: CUDA) and step time, with every
+    /// other rank's.
+    fn gather(
+        a: &BenchArgs,
+        comm: &dyn Comm,
+        tps: f64,
+        peak: Option<(u64, u64)>,
+        step_s: f64,
+    ) -> Result<RankFigures> {
+        let r2 = |x: f64| (x * 100.0).round() / 100.0;
+        let gib_of = |x: Option<u64>| x.map_or(-1.0, |v| v as f64 / GIB);
+        let mine = [
+            tps,
+            gib_of(peak.map(|p| p.0)),
+            gib_of(peak.map(|p| p.1)),
+            step_s,
+        ];
+        let all = comm
+            .all_gather(&Tensor::new(&mine, &a.device)?)?
+            .to_vec1::<f64>()?;
+        let rows = all
+            .chunks(4)
+            .enumerate()
+            .map(|(r, x)| {
+                serde_json::json!({
+                    "rank": r, "device": a.devices.get(r), "tokens_per_s": (x[0] * 10.0).round() / 10.0,
+                    "peak_alloc_gib": (x[1] >= 0.0).then(|| r2(x[1])),
+                    "peak_reserved_gib": (x[2] >= 0.0).then(|| r2(x[2])),
+                    "step_s": (x[3] * 1e4).round() / 1e4,
+                })
+            })
+            .collect();
+        Ok(RankFigures {
+            rows,
+            tps: all.chunks(4).map(|x| x[0]).sum(),
+            peak_alloc: all.chunks(4).map(|x| x[1]).fold(f64::MIN, f64::max),
+            peak_reserved: all.chunks(4).map(|x| x[2]).fold(f64::MIN, f64::max),
+        })
+    }
 }

@@ -205,6 +205,10 @@ pub struct PhaseMeter {
     pub done: Option<&'static str>,
     /// The peak of the whole run so far (bytes).
     pub run_peak: u64,
+    /// The pool's reserved high-water mark over the run so far (bytes).
+    pub run_reserved: u64,
+    /// What was in use at each phase's last end (bytes).
+    pub ends: std::collections::BTreeMap<&'static str, u64>,
 }
 
 impl PhaseMeter {
@@ -230,6 +234,8 @@ impl PhaseMeter {
             let p = self.peaks.entry(phase).or_default();
             *p = (*p).max(s.used_high);
             self.run_peak = self.run_peak.max(s.used_high);
+            self.run_reserved = self.run_reserved.max(s.reserved_high);
+            self.ends.insert(phase, s.used);
         }
         reset_peak(dev)
     }

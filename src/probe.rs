@@ -1,5 +1,5 @@
 //! `lora-train probe`: the smoke ramp. One full training step (forward, head, backward,
-//! optimizer) at micro-batch 1 and seq 64, then seq doubling up to the recipe's seq_len, then
+//! optimizer: train::step's engine, as training runs it) at micro-batch 1 and seq 64, then seq doubling up to the recipe's seq_len, then
 //! micro-batch doubling, each with the device pool's peak per phase, until the first
 //! allocation failure: the knee (the last shape that ran) and the phase that broke.
 //!
@@ -8,10 +8,14 @@
 //! device peaks: the ramp reports times, and `train.max_memory` caps the CPU accounting.
 
 use crate::lora::LoraSpec;
-use crate::memory::{self, plan::fmt_bytes, PhaseMeter};
+use crate::memory::{self, plan::fmt_bytes};
 use crate::model::Model;
+use crate::parallel::Solo;
 use crate::recipe::Recipe;
-use crate::train::{device_and_dtype, driver, optim};
+use crate::train::device_and_dtype;
+use crate::train::driver::Keep;
+use crate::train::optim::AdamW;
+use crate::train::step::{adapter_params, Engine};
 use anyhow::Result;
 use std::time::Instant;
 
@@ -83,10 +87,7 @@ pub fn run(recipe: &Recipe, max_micro_batch: usize) -> Result<ProbeReport> {
     // As training holds it: the adapters' forward folded (ops::fold).
     model.fold()?;
     let load_peak = memory::stats(&dev)?.map(|s| s.used_high);
-    let params: Vec<_> = model
-        .adapters()
-        .flat_map(|(_, l)| [l.a.clone(), l.b.clone()])
-        .collect();
+    let params = adapter_params(&model);
     let lora: u64 = params
         .iter()
         .map(|v| memory::tensor_bytes(v.as_tensor()))
@@ -102,8 +103,8 @@ pub fn run(recipe: &Recipe, max_micro_batch: usize) -> Result<ProbeReport> {
         + 4 * lora;
     memory::set_cpu_budget(max_memory.filter(|_| dev.is_cpu()), fixed);
     let t = &recipe.train;
-    let mut opt = optim::AdamW::new(params, t.betas, t.eps, t.weight_decay)?;
-    let keep = driver::Keep::new(t.activation_checkpointing, t.offload_activations, &dev);
+    let mut opt = AdamW::new(params, t.betas, t.eps, t.weight_decay)?;
+    let keep = Keep::new(t.activation_checkpointing, t.offload_activations, &dev);
     let mut rep = ProbeReport {
         rungs: Vec::new(),
         oom: None,
@@ -112,39 +113,23 @@ pub fn run(recipe: &Recipe, max_micro_batch: usize) -> Result<ProbeReport> {
     };
     for (b, seq) in ramp(recipe.data.seq_len, max_micro_batch) {
         let batch = crate::bench::random_batch(b, seq, model.cfg.vocab_size, 7);
-        let n = batch.n_targets().max(1) as f64;
-        let mut meter = PhaseMeter::default();
+        let n = batch.n_targets().max(1);
+        // The training step itself (train::step), at learning rate 0: the adapters stay.
+        let mut engine = Engine::new(&model, &Solo, None, keep, t.max_grad_norm, None);
         let t0 = Instant::now();
-        let res = (|| -> Result<()> {
-            meter.begin(&dev)?;
-            let mut grads = optim::Grads::new();
-            driver::forward_backward_probed(
-                &model,
-                &batch,
-                n,
-                keep,
-                None,
-                &mut grads,
-                None,
-                &mut |phase| meter.end(&dev, phase),
-            )?;
-            let clip = optim::grad_norm(&grads, &opt.params, t.max_grad_norm)?;
-            opt.step(&grads, 0.0, clip.coef)?;
-            meter.end(&dev, "optimizer")?;
-            Ok(())
-        })();
+        let res = engine.step(std::slice::from_ref(&batch), n, 0, &mut opt, 0.0);
         match res {
-            Ok(()) => rep.rungs.push(Rung {
+            Ok(done) => rep.rungs.push(Rung {
                 micro_batch: b,
                 seq,
                 seconds: t0.elapsed().as_secs_f64(),
-                peaks: meter.take(),
+                peaks: done.peaks,
             }),
             Err(e) if memory::is_oom(&e) => {
                 rep.oom = Some(Failure {
                     micro_batch: b,
                     seq,
-                    phase: meter.current(),
+                    phase: engine.meter.current(),
                     cause: format!("{e:#}").lines().next().unwrap_or("").to_string(),
                 });
                 break;

@@ -67,7 +67,7 @@ pub const BWD_WS: f64 = 1.0;
 /// f32 logit-sized buffers alive at once in one head chunk of the op chain (CPU, f16): the
 /// logits, x − max while its exponential is made, the exponential.
 pub const HEAD_CHUNKS: f64 = 3.0;
-/// Logits per head chunk (driver::forward_backward_probed).
+/// Logits per head chunk (driver::forward_backward_dev).
 pub const HEAD_CHUNK_LOGITS: u64 = 1 << 24;
 /// Attention score block bound (ops::attention::default_block).
 pub const ATTN_BLOCK: u64 = 128 * MIB;

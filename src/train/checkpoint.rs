@@ -52,7 +52,7 @@ const FREE_KEYS: [&str; 13] = [
 
 /// Where the data stream continues: the next step is step `step_in_epoch` (0-based) of the
 /// plan of epoch `epoch` (Session::epoch_plan).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Cursor {
     pub epoch: usize,
     pub step_in_epoch: usize,
@@ -93,28 +93,45 @@ pub struct TrainerState {
     pub recipe: BTreeMap<String, String>,
 }
 
+/// Where a run stands after its last finished step: what a checkpoint saves of the loop.
+#[derive(Debug, Clone, Default)]
+pub struct Progress {
+    /// Optimiser steps done (skipped non-finite steps included).
+    pub step: usize,
+    pub cursor: Cursor,
+    /// Tokens seen so far (padding excluded).
+    pub tokens: usize,
+    pub skipped: usize,
+    /// (step, loss) of every step; None for a non-finite loss.
+    pub history: Vec<(usize, Option<f64>)>,
+}
+
+impl Progress {
+    /// Where a checkpoint left off.
+    pub fn of(s: &TrainerState) -> Progress {
+        Progress {
+            step: s.step,
+            cursor: s.cursor,
+            tokens: s.tokens,
+            skipped: s.skipped_steps,
+            history: s.loss_history.clone(),
+        }
+    }
+}
+
 impl TrainerState {
-    /// The state of a session after `step` steps.
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        s: &Session,
-        step: usize,
-        total: usize,
-        cursor: Cursor,
-        opt: &AdamW,
-        skipped: usize,
-        tokens: usize,
-        losses: &[(usize, Option<f64>)],
-    ) -> TrainerState {
+    /// The state of a session at `at`, of `total` steps.
+    pub fn new(s: &Session, at: &Progress, total: usize, opt: &AdamW) -> TrainerState {
         let t = &s.recipe.train;
+        let h = &at.history;
         TrainerState {
             format: FORMAT.into(),
-            step,
+            step: at.step,
             total_steps: total,
-            cursor,
+            cursor: at.cursor,
             optimizer_steps: opt.t,
-            skipped_steps: skipped,
-            tokens,
+            skipped_steps: at.skipped,
+            tokens: at.tokens,
             seed: t.seed,
             rng: "SplitMix64 streams keyed by seed: shuffle (seed, epoch), dropout (seed, step, \
                   micro-batch, layer, module)"
@@ -127,7 +144,7 @@ impl TrainerState {
             },
             data_examples: s.data.examples.len(),
             data_tokens: s.data.examples.iter().map(|e| e.ids.len()).sum(),
-            loss_history: losses[losses.len().saturating_sub(LOSS_TAIL)..].to_vec(),
+            loss_history: h[h.len().saturating_sub(LOSS_TAIL)..].to_vec(),
             recipe: fingerprint(&s.recipe),
         }
     }

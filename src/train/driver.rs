@@ -127,9 +127,10 @@ enum Saved {
     Acts(LayerActs),
 }
 
-/// Runs one micro-batch forward and backward; adds its adapter gradients into `grads`.
-/// The loss is Σ token CE / `denom` (denom = counted tokens of the whole accumulated batch,
-/// so micro-batches of different sizes weigh as one big batch would). Returns Σ token CE.
+/// Runs one micro-batch forward and backward on one rank; adds its adapter gradients into
+/// `grads`. The loss is Σ token CE / `denom` (denom = counted tokens of the whole accumulated
+/// batch, so micro-batches of different sizes weigh as one big batch would). Returns Σ token
+/// CE. The reference form of what the step engine (train::step) runs: `forward_backward_dev`.
 pub fn forward_backward(
     model: &Model,
     batch: &Batch,
@@ -138,55 +139,17 @@ pub fn forward_backward(
     dropout: Option<(u64, [u64; 2])>,
     grads: &mut Grads,
 ) -> Result<f64> {
-    forward_backward_probed(model, batch, denom, keep, dropout, grads, None, &mut |_| {
-        Ok(())
-    })
-}
-
-/// `forward_backward`, calling `probe(phase)` as each phase ends ("forward", "head",
-/// "backward"): the memory reports read and reset the device's peak there. `head_chunk`:
-/// counted positions per lm_head + loss chunk (None: ~2^24 logits at a time).
-#[allow(clippy::too_many_arguments)]
-pub fn forward_backward_probed(
-    model: &Model,
-    batch: &Batch,
-    denom: f64,
-    keep: Keep,
-    dropout: Option<(u64, [u64; 2])>,
-    grads: &mut Grads,
-    head_chunk: Option<usize>,
-    probe: &mut dyn FnMut(&'static str) -> Result<()>,
-) -> Result<f64> {
-    forward_backward_par(
+    let par = Par::single();
+    let ce = forward_backward_dev(
         model,
-        &Par::single(),
+        &par,
         batch,
         denom,
         keep,
         dropout,
         grads,
-        head_chunk,
-        probe,
-    )
-}
-
-/// `forward_backward_probed` on rank `par.comm.rank()` of `par.comm.world()`: `denom` is the
-/// counted tokens of the whole step over every rank, so the ranks' summed gradients are the
-/// single-rank ones. Returns this rank's Σ token CE.
-#[allow(clippy::too_many_arguments)]
-pub fn forward_backward_par(
-    model: &Model,
-    par: &Par,
-    batch: &Batch,
-    denom: f64,
-    keep: Keep,
-    dropout: Option<(u64, [u64; 2])>,
-    grads: &mut Grads,
-    head_chunk: Option<usize>,
-    probe: &mut dyn FnMut(&'static str) -> Result<()>,
-) -> Result<f64> {
-    let ce = forward_backward_dev(
-        model, par, batch, denom, keep, dropout, grads, head_chunk, probe,
+        None,
+        &mut |_| Ok(()),
     )?;
     match ce {
         Some(ce) => Ok(ce.to_scalar::<f32>()? as f64),
@@ -203,9 +166,13 @@ pub fn add_ce(sum: Option<Tensor>, more: Option<Tensor>) -> Result<Option<Tensor
     }
 }
 
-/// `forward_backward_par` with Σ CE left on the device (a scalar f32 tensor; None: nothing
-/// counted), so that the host does not wait for the backward: reading it is a
-/// synchronisation.
+/// One micro-batch's forward and backward on rank `par.comm.rank()` of `par.comm.world()`:
+/// `denom` is the counted tokens of the whole step over every rank, so the ranks' summed
+/// gradients are the single-rank ones. Σ CE of this rank stays on the device (a scalar f32
+/// tensor; None: nothing counted), so that the host does not wait for the backward: reading
+/// it is a synchronisation. `probe(phase)` is called as each phase ends ("forward", "head",
+/// "backward"): the memory meter reads the pool's peak there. `head_chunk`: counted positions
+/// per lm_head + loss chunk (None: ~2^24 logits at a time).
 #[allow(clippy::too_many_arguments)]
 pub fn forward_backward_dev(
     model: &Model,
@@ -219,7 +186,6 @@ pub fn forward_backward_dev(
     probe: &mut dyn FnMut(&'static str) -> Result<()>,
 ) -> Result<Option<Tensor>> {
     let dev = &model.device;
-    let n_layers = model.layers.len();
     let (b, t) = (batch.b, batch.t);
     // Every upload of the micro-batch happens here, before any work of it is queued: an
     // upload from pageable host memory can wait for the device's queue to drain, which at
@@ -242,20 +208,75 @@ pub fn forward_backward_dev(
         // FSDP: the folded linears' B's go into the shards, to arrive with each gather.
         ctx.folded = s.write_pads(model)?;
     }
+    let fwd = forward(model, par, &ctx, &ids, keep)?;
+    probe("forward")?;
 
-    // ---- forward, layer by layer
+    // With several ranks a rank with nothing to predict still runs backward: the others wait
+    // for its gathers and gradient sums.
+    if batch.targets.is_empty() && par.comm.world() == 1 {
+        return Ok(None);
+    }
+    let io = match fwd.head {
+        Some(io) => {
+            par.ready()?;
+            Some(io)
+        }
+        None => par.io(model)?,
+    };
+    // The last layer's weights come in again for its backward under the head.
+    let n_layers = model.layers.len();
+    let next = (n_layers > 0)
+        .then(|| par.layer_ahead(model, n_layers - 1))
+        .transpose()?;
+    let c = model.cfg.hidden_size;
+    let x = fwd.x.reshape((b * t, c))?;
+    let head_model = io.as_ref().unwrap_or(model);
+    let (ce, g) = head(head_model, &x, head_rows.as_ref(), denom, head_chunk)?;
+    let g = place_rows(g, &batch.targets, &x)?; // dL/dh [B·T, C]
+    drop((x, io));
+    let g = g.reshape((b, t, c))?;
+    probe("head")?;
+
+    let back = Back {
+        saved: fwd.saved,
+        offload: fwd.offload,
+        held: fwd.held,
+    };
+    backward(model, par, &ctx, back, next, g, grads)?;
+    probe("backward")?;
+    Ok(ce)
+}
+
+/// What the forward leaves for the head and the backward.
+struct Forward {
+    /// The last layer's output [B, T, C].
+    x: Tensor,
+    /// Per layer, what its backward needs.
+    saved: Vec<Saved>,
+    /// Bytes of `saved`, for memory::account_cpu.
+    held: u64,
+    offload: Option<Offload>,
+    /// FSDP: the embedding / norm / head, gathered ahead under the last layer.
+    head: Option<Model>,
+}
+
+/// The decoder forward, layer by layer, each keeping what `keep` says for its backward; under
+/// FSDP each layer gathered one layer ahead.
+fn forward(model: &Model, par: &Par, ctx: &Ctx, ids: &Tensor, keep: Keep) -> Result<Forward> {
+    let dev = &model.device;
+    let n_layers = model.layers.len();
     let mut x = match par.io(model)? {
-        Some(io) => io.embed(&ids)?,
-        None => model.embed(&ids)?,
+        Some(io) => io.embed(ids)?,
+        None => model.embed(ids)?,
     }; // [B, T, C], no graph
     let mut saved = Vec::with_capacity(n_layers);
-    let mut held = 0u64; // bytes of the saved tensors, for memory::account_cpu
+    let mut held = 0u64;
     let mut offload = match keep {
         Keep::Offload => Some(Offload::new(dev, n_layers)?),
         _ => None,
     };
     let mut next = (n_layers > 0).then(|| par.layer(model, 0)).transpose()?;
-    let mut head = None; // FSDP: the embedding / norm / head, gathered ahead
+    let mut head = None;
     for l in 0..n_layers {
         let Some(layer) = next.take() else {
             candle_core::bail!("driver: layer {l} was not gathered");
@@ -268,7 +289,7 @@ pub fn forward_backward_dev(
             // the head's weights come in under the last layer (in the next layer's room)
             head = par.io_ahead(model)?;
         }
-        let (y, acts) = layer.forward_train(&x, &ctx, keep != Keep::Input)?;
+        let (y, acts) = layer.forward_train(&x, ctx, keep != Keep::Input)?;
         saved.push(match acts {
             Some(mut acts) => {
                 // The residual h: parked (but the last layer's, whose backward comes first),
@@ -289,43 +310,38 @@ pub fn forward_backward_dev(
         x = y;
         memory::account_cpu(dev, held, "forward")?;
     }
+    Ok(Forward {
+        x,
+        saved,
+        held,
+        offload,
+        head,
+    })
+}
 
-    probe("forward")?;
-
-    // ---- head + loss on the counted positions only. With several ranks a rank with nothing
-    // to predict still runs backward: the others wait for its gathers and gradient sums.
-    let world = par.comm.world();
-    if batch.targets.is_empty() && world == 1 {
-        return Ok(None);
-    }
-    let io = match head {
-        Some(io) => {
-            par.ready()?;
-            Some(io)
-        }
-        None => par.io(model)?,
-    };
-    // The last layer's weights come in again for its backward under the head.
-    let mut next = (n_layers > 0)
-        .then(|| par.layer_ahead(model, n_layers - 1))
-        .transpose()?;
-    let head_model = io.as_ref().unwrap_or(model);
-    // The head runs over chunks of the counted positions, each chunk's forward and backward
-    // before the next, so the logits of only ~2^24 entries exist at a time ([N × V] at once
-    // is 0.25 GB per 4k tokens in bf16 at a 32k vocabulary; the CPU's f32 CE keeps several).
-    let c = model.cfg.hidden_size;
-    let x = x.reshape((b * t, c))?;
+/// The head + loss on the counted positions `rows` (with their `targets`) of `x` [B·T, C]:
+/// Σ CE (on the device) and each chunk's dL/dh rows. The head runs over chunks of the counted
+/// positions, each chunk's forward and backward before the next, so the logits of only ~2^24
+/// entries exist at a time ([N × V] at once is 0.25 GB per 4k tokens in bf16 at a 32k
+/// vocabulary; the CPU's f32 CE keeps several).
+fn head(
+    model: &Model,
+    x: &Tensor,
+    rows: Option<&(Tensor, Tensor)>,
+    denom: f64,
+    head_chunk: Option<usize>,
+) -> Result<(Option<Tensor>, Vec<Tensor>)> {
     let chunk = head_chunk
         .unwrap_or((1usize << 24) / model.cfg.vocab_size.max(1))
         .max(1);
-    // Σ CE stays on the device until backward is queued.
     let mut ce_sum: Option<Tensor> = None;
     let mut parts = Vec::new(); // each chunk's dL/dh rows [n_chunk, C]
-    if let Some((rows, tgt)) = &head_rows {
+    if let Some((rows, tgt)) = rows {
+        let n_tgt = rows.dim(0)?;
         for off in (0..n_tgt).step_by(chunk) {
             let len = chunk.min(n_tgt - off);
             let (r, t) = (rows.narrow(0, off, len)?, tgt.narrow(0, off, len)?);
-            let (ce, gh) = head_model.head_loss_bwd_dev(&x.index_select(&r, 0)?, &t, denom)?;
+            let (ce, gh) = model.head_loss_bwd_dev(&x.index_select(&r, 0)?, &t, denom)?;
             ce_sum = Some(match ce_sum {
                 Some(s) => (s + ce)?,
                 None => ce,
@@ -333,12 +349,32 @@ pub fn forward_backward_dev(
             parts.push(gh);
         }
     }
-    let g = place_rows(parts, &batch.targets, &x)?; // dL/dh [B·T, C]
-    drop((x, io));
-    let mut g = g.reshape((b, t, c))?;
-    probe("head")?;
+    Ok((ce_sum, parts))
+}
 
-    // ---- backward, last layer first; under FSDP each layer gathered again (one layer ahead)
+/// What the backward takes over from the forward.
+struct Back {
+    saved: Vec<Saved>,
+    offload: Option<Offload>,
+    held: u64,
+}
+
+/// The decoder backward from dL/d(last output) `g`, last layer first (recomputing a
+/// checkpointed layer from its input; under FSDP each layer gathered again, one layer ahead,
+/// `next` the last one's gather); adds the adapter gradients into `grads`, and on the step's
+/// last micro-batch sums each layer's over the ranks as soon as its backward is done.
+fn backward<'m>(
+    model: &'m Model,
+    par: &Par,
+    ctx: &Ctx,
+    mut back: Back,
+    mut next: Option<Cow<'m, Layer>>,
+    mut g: Tensor,
+    grads: &mut Grads,
+) -> Result<()> {
+    let dev = &model.device;
+    let n_layers = model.layers.len();
+    let world = par.comm.world();
     for l in (0..n_layers).rev() {
         let Some(layer) = next.take() else {
             candle_core::bail!("driver: layer {l} was not gathered");
@@ -347,9 +383,9 @@ pub fn forward_backward_dev(
         if l > 0 {
             next = Some(par.layer_ahead(model, l - 1)?);
         }
-        let acts = match saved.pop() {
+        let acts = match back.saved.pop() {
             Some(Saved::Acts(mut acts)) => {
-                if let Some(off) = &mut offload {
+                if let Some(off) = &mut back.offload {
                     if l + 1 < n_layers {
                         acts.put_h(off.take(l)?);
                     }
@@ -361,19 +397,19 @@ pub fn forward_backward_dev(
                 acts
             }
             Some(Saved::Input(x)) => {
-                let acts = layer.recompute(&x, &ctx)?;
-                memory::account_cpu(dev, held + acts.bytes() as u64, "backward")?;
+                let acts = layer.recompute(&x, ctx)?;
+                memory::account_cpu(dev, back.held + acts.bytes() as u64, "backward")?;
                 acts
             }
             None => candle_core::bail!("driver: no saved activations for layer {l}"),
         };
         // The first layer's input is the frozen embedding's output: no dL/dx for it.
         let lg = if l > 0 {
-            let (dx, lg) = layer.backward(acts, &g, &ctx)?;
+            let (dx, lg) = layer.backward(acts, &g, ctx)?;
             g = dx;
             lg
         } else {
-            layer.backward_grads(acts, &g, &ctx)?
+            layer.backward_grads(acts, &g, ctx)?
         };
         accumulate(lg, grads)?;
         if par.reduce && world > 1 {
@@ -383,8 +419,7 @@ pub fn forward_backward_dev(
     if par.reduce && world > 1 && reduce_ahead() {
         par.comm.reduced()?; // the sums issued under the layers below are in
     }
-    probe("backward")?;
-    Ok(ce_sum)
+    Ok(())
 }
 
 /// dL/dh [N, C] (`like`'s shape and dtype) from the head chunks' rows, `targets` giving each

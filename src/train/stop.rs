@@ -254,3 +254,44 @@ impl std::fmt::Display for OutOfMemory {
 }
 
 impl std::error::Error for OutOfMemory {}
+
+/// Several ranks stop at the same step: rank 0's decision (a signal) is broadcast with one
+/// step's work and read at the next step's end, through pinned memory (a plain read would wait
+/// for the next step's backward, queued before it), so no rank ever waits for it. One rank
+/// stops at once.
+pub struct Vote {
+    world: usize,
+    flag: Option<super::readback::Ticket>,
+    rb: super::readback::Readbacks,
+}
+
+impl Vote {
+    pub fn new(world: usize) -> Vote {
+        Vote {
+            world,
+            flag: None,
+            rb: super::readback::Readbacks::new(),
+        }
+    }
+
+    /// Whether every rank stops after this step; `here`: rank 0 wants to (the others pass
+    /// false). With several ranks the answer is rank 0's wish of the step before.
+    pub fn stop(
+        &mut self,
+        here: bool,
+        comm: &dyn crate::parallel::Comm,
+        dev: &candle_core::Device,
+    ) -> Result<bool> {
+        if self.world == 1 {
+            return Ok(here);
+        }
+        let before = match self.flag.take() {
+            Some(f) => self.rb.read(f)?.first().is_some_and(|&x| x > 0.0),
+            None => false,
+        };
+        let flag = candle_core::Tensor::new(&[here as u8 as f64], dev)?;
+        let flag = comm.broadcast(&flag, 0)?;
+        self.flag = Some(self.rb.start(&[&flag])?);
+        Ok(before)
+    }
+}

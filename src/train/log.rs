@@ -1,0 +1,202 @@
+//! What a run shows and records as it goes: the progress bar (step, loss, lr, tok/s, memory,
+//! ETA; plain lines when stderr is not a terminal) and metrics.jsonl in the output directory.
+//! Only rank 0 writes; the other ranks' `Log` is silent.
+
+use super::checkpoint::{self, Checkpoint};
+use super::session::Session;
+use super::step::Done;
+use crate::memory::{GIB, PHASES};
+use crate::util::atomic_write;
+use anyhow::{Context, Result};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use std::collections::BTreeMap;
+use std::io::{IsTerminal, Write};
+use std::path::Path;
+use std::time::Instant;
+
+pub struct Log {
+    bar: ProgressBar,
+    metrics: Option<std::fs::File>,
+    rank: usize,
+    load_peak: Option<u64>,
+    /// Phase peaks of the steps since the last row.
+    peaks: BTreeMap<&'static str, u64>,
+    start: Instant,
+    /// Tokens of the steps this process ran (tok/s counts them only).
+    session_tokens: usize,
+}
+
+/// One logged step's figures beyond `Done`.
+pub struct Row {
+    pub step: usize,
+    pub epoch: usize,
+    pub lr: f64,
+    pub tokens: usize,
+    pub eval: Option<(f64, usize)>,
+    pub skipped: usize,
+}
+
+impl Log {
+    /// Rank 0: the output directory prepared (`open_outputs`) and the bar at `step` of
+    /// `total`. Other ranks: nothing shown or written.
+    pub fn open(
+        s: &Session,
+        out_dir: &Path,
+        resume: Option<&Checkpoint>,
+        total: usize,
+        step: usize,
+    ) -> Result<Log> {
+        let lead = s.comm.rank() == 0;
+        let metrics = match lead {
+            true => Some(open_outputs(s, out_dir, resume)?),
+            false => None,
+        };
+        let bar = match lead {
+            true => progress_bar(total as u64),
+            false => ProgressBar::hidden(),
+        };
+        bar.set_position(step as u64);
+        Ok(Log {
+            bar,
+            metrics,
+            rank: s.memory.rank,
+            load_peak: s.memory.load_peak,
+            peaks: BTreeMap::new(),
+            start: Instant::now(),
+            session_tokens: 0,
+        })
+    }
+
+    /// A step finished: counts its tokens and peaks (every step, logged or not).
+    pub fn count(&mut self, d: &Done) {
+        self.session_tokens += d.tokens;
+        for (&k, &v) in &d.peaks {
+            let e = self.peaks.entry(k).or_insert(0);
+            *e = (*e).max(v);
+        }
+    }
+
+    /// Tokens per second of the steps this process ran, and the seconds since it started.
+    pub fn rate(&self) -> (f64, f64) {
+        let secs = self.start.elapsed().as_secs_f64();
+        (self.session_tokens as f64 / secs.max(1e-9), secs)
+    }
+
+    pub fn session_tokens(&self) -> usize {
+        self.session_tokens
+    }
+
+    /// Writes step `r.step`'s metrics row and the progress line.
+    pub fn row(&mut self, d: &Done, r: &Row, truncated: usize, skipped_rows: usize) -> Result<()> {
+        let (tok_s, secs) = self.rate();
+        let loss = d.loss;
+        let mut row = serde_json::json!({
+            "step": r.step, "epoch": r.epoch, "loss": loss, "lr": r.lr,
+            "grad_norm": d.grad_norm, "tokens": r.tokens, "target_tokens": d.denom,
+            "tok_per_s": tok_s, "elapsed_s": secs, "skipped": !d.finite,
+            "truncated": truncated, "skipped_rows": skipped_rows,
+        });
+        let mut msg = format!("loss {loss:.4}  ");
+        // Per-phase peaks of the device pool since the last row (CUDA only).
+        let peaks = std::mem::take(&mut self.peaks);
+        if !peaks.is_empty() {
+            // 1e-4 GiB (~0.1 MiB) resolution: small models are not rounded to 0.
+            let g = |x: u64| (x as f64 / GIB * 1e4).round() / 1e4;
+            let mut mem = serde_json::json!({ "rank": self.rank });
+            if let Some(l) = self.load_peak {
+                mem["load_gib"] = g(l).into();
+            }
+            let mut short = Vec::new();
+            for phase in PHASES {
+                if let Some(v) = peaks.get(phase) {
+                    mem[format!("{phase}_gib")] = g(*v).into();
+                    short.push(format!("{} {:.1}", &phase[..3], g(*v)));
+                }
+            }
+            row["mem"] = mem;
+            msg.push_str(&format!("peak GiB {}  ", short.join(" ")));
+        }
+        if let Some((l, n)) = r.eval {
+            row["eval_loss"] = l.into();
+            row["eval_tokens"] = n.into();
+            msg.push_str(&format!("eval {l:.4}  "));
+        }
+        if let Some(m) = self.metrics.as_mut() {
+            writeln!(m, "{row}").context("cannot write metrics.jsonl")?;
+        }
+        let mut msg = format!("{msg}lr {:.2e}  {tok_s:.0} tok/s", r.lr);
+        if !d.finite {
+            msg.push_str(&format!(
+                "  (non-finite: update skipped, {} so far)",
+                r.skipped
+            ));
+        }
+        if self.metrics.is_some() && self.bar.is_hidden() {
+            eprintln!("step {}/{}  {msg}", r.step, self.bar.length().unwrap_or(0));
+        }
+        self.bar.set_message(msg);
+        Ok(())
+    }
+
+    /// The bar moves on by one step.
+    pub fn inc(&self) {
+        self.bar.inc(1);
+    }
+}
+
+impl Drop for Log {
+    fn drop(&mut self) {
+        self.bar.finish_and_clear();
+    }
+}
+
+fn progress_bar(total: u64) -> ProgressBar {
+    if !std::io::stderr().is_terminal() {
+        return ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::hidden());
+    }
+    let bar = ProgressBar::new(total);
+    let style = ProgressStyle::with_template(
+        "{spinner} step {pos}/{len} [{bar:30}] {msg}  ({elapsed} < {eta})",
+    )
+    .map(|s| s.progress_chars("=> "))
+    .unwrap_or_else(|_| ProgressStyle::default_bar());
+    bar.set_style(style);
+    bar
+}
+
+/// Rank 0 before the first step: creates `out_dir`, removes what an earlier run or an
+/// interrupted save left there, writes the resolved recipe, and opens metrics.jsonl (a
+/// resumed run keeps the rows up to its checkpoint and appends to them).
+fn open_outputs(s: &Session, out_dir: &Path, resume: Option<&Checkpoint>) -> Result<std::fs::File> {
+    std::fs::create_dir_all(out_dir)
+        .with_context(|| format!("cannot create {}", out_dir.display()))?;
+    let removed = checkpoint::clean(out_dir, resume.is_none())?;
+    if !removed.is_empty() {
+        eprintln!(
+            "removed {} of an earlier run from {}",
+            removed.join(", "),
+            out_dir.display()
+        );
+    }
+    atomic_write(&out_dir.join("recipe.toml"), s.recipe.to_toml().as_bytes())?;
+    let metrics_path = out_dir.join("metrics.jsonl");
+    match resume {
+        Some(ck) => {
+            let old = std::fs::read_to_string(&metrics_path).unwrap_or_default();
+            let kept: String = old
+                .lines()
+                .filter(|l| {
+                    serde_json::from_str::<serde_json::Value>(l)
+                        .ok()
+                        .and_then(|v| v.get("step").and_then(|s| s.as_u64()))
+                        .is_some_and(|s| s as usize <= ck.state.step)
+                })
+                .map(|l| format!("{l}\n"))
+                .collect();
+            atomic_write(&metrics_path, kept.as_bytes())?;
+            std::fs::OpenOptions::new().append(true).open(&metrics_path)
+        }
+        None => std::fs::File::create(&metrics_path),
+    }
+    .with_context(|| format!("cannot open {}", metrics_path.display()))
+}

@@ -1,0 +1,174 @@
+//! Memory before and during a run: the plan's forecast checked against what the run has
+//! before any weight is read (`preflight`), and an allocation failure turned into the
+//! diagnosis (rank, phase, step, peak vs capacity, forecast, remedies).
+
+use super::session::{device_and_dtype_on, Session};
+use super::{stop, RunOptions};
+use crate::hub;
+use crate::model::Model;
+use crate::recipe::{DeviceKind, Recipe};
+use anyhow::Result;
+use std::path::PathBuf;
+
+/// What a run knows about its memory: the plan's forecast, the capacity, the load peak.
+#[derive(Debug, Clone, Default)]
+pub struct MemoryWatch {
+    /// This process's rank (0 until DDP / FSDP set it).
+    pub rank: usize,
+    /// The plan's row for this run's strategy and checkpointing.
+    pub forecast: Option<crate::memory::plan::Breakdown>,
+    /// Remedies for when it does not fit (from the plan).
+    pub remedies: Vec<String>,
+    /// Bytes the run may use per rank: train.max_memory, else the card's memory.
+    pub capacity: Option<u64>,
+    /// The device pool's peak while loading (CUDA).
+    pub load_peak: Option<u64>,
+}
+
+/// The memory plan for a recipe, checked against what the run has: on CUDA train.max_memory
+/// or the card's free memory, on the CPU train.max_memory (the accounting's cap). Returns
+/// the run's memory watch and, on CUDA with max_memory, the ballast to hold while training.
+pub fn preflight(
+    recipe: &Recipe,
+    opts: &RunOptions,
+    ordinal: usize,
+) -> Result<(MemoryWatch, Option<crate::memory::Ballast>)> {
+    use crate::memory::plan;
+    let cuda = recipe.model.device == DeviceKind::Cuda;
+    let cfg_path = hub::config_file(&recipe.model)?;
+    let cfg = crate::model::ModelConfig::from_file(&cfg_path)?;
+    let input = plan::input_from_recipe(recipe, cfg, recipe.parallel.devices.len(), cuda)?;
+    let max_memory = recipe.max_memory();
+    let mut ballast = None;
+    let (capacity, source) = if cuda {
+        let (dev, _) = device_and_dtype_on(recipe, ordinal)?;
+        crate::memory::keep_pool_memory(&dev)?;
+        let info = crate::memory::mem_info(&dev)?;
+        match (max_memory, info) {
+            (Some(m), _) => (Some(m), "train.max_memory".to_string()),
+            // The context the plan counts is already out of `free`: add it back.
+            (None, Some((free, _))) => (
+                Some(free + plan::CONTEXT),
+                format!("cuda:{ordinal} (free memory + this process's context)"),
+            ),
+            (None, None) => (None, String::new()),
+        }
+    } else {
+        (max_memory, "train.max_memory (CPU accounting)".to_string())
+    };
+    let p = plan::plan(&input, recipe.train.grad_accum, capacity);
+    let selected = (
+        recipe.parallel.strategy,
+        recipe.train.activation_checkpointing,
+    );
+    let forecast = plan::row(&p, selected.0, selected.1).map(|r| r.b.clone());
+    if let Some(b) = forecast.as_ref().filter(|b| b.host > 0) {
+        eprintln!(
+            "activation offload: each layer's residual waits in pinned host memory, {} per rank \
+             (train.offload_activations = false recomputes it instead)",
+            plan::fmt_bytes(b.host)
+        );
+    }
+    let remedies = plan::remedies(&p, selected);
+    if let (Some(cap), Some(b)) = (capacity, &forecast) {
+        if b.total > cap {
+            let e = stop::DoesNotFit {
+                forecast: b.clone(),
+                capacity: cap,
+                capacity_source: source,
+                table: plan::render(&p),
+                remedies: remedies.clone(),
+            };
+            if !opts.force {
+                return Err(e.into());
+            }
+            eprintln!(
+                "warning (--force): {}",
+                e.to_string().lines().next().unwrap_or("")
+            );
+        }
+    }
+    if let (true, Some(m)) = (cuda, max_memory) {
+        let (dev, _) = device_and_dtype_on(recipe, ordinal)?;
+        ballast = crate::memory::hold_ballast(&dev, m)?;
+        match &ballast {
+            Some(b) if b.bytes > 0 => eprintln!(
+                "train.max_memory = {}: holding {} of the card's {} outside the pool",
+                plan::fmt_bytes(m),
+                plan::fmt_bytes(b.bytes),
+                plan::fmt_bytes(b.total)
+            ),
+            Some(b) => eprintln!(
+                "warning: train.max_memory = {}, but less than that is free on the card ({} in all): nothing held back",
+                plan::fmt_bytes(m),
+                plan::fmt_bytes(b.total)
+            ),
+            None => {}
+        }
+    }
+    let capacity = capacity.or_else(|| ballast.as_ref().map(|b| b.total));
+    Ok((
+        MemoryWatch {
+            rank: 0,
+            forecast,
+            remedies,
+            capacity,
+            load_peak: None,
+        },
+        ballast,
+    ))
+}
+
+/// Bytes of the model's tensors (base, norms, head, adapters).
+pub fn model_bytes(m: &Model) -> u64 {
+    use crate::memory::tensor_bytes as b;
+    let mut sum = b(&m.embed) + b(&m.norm) + if m.tied { 0 } else { b(&m.lm_head) };
+    for l in &m.layers {
+        sum += b(&l.input_norm) + b(&l.post_norm);
+        for lin in l.linears() {
+            // W's whole buffer: folded, its pad columns too (ops::fold)
+            sum += crate::parallel::fsdp::storage_bytes(&lin.w) as u64;
+            sum += lin.b.as_ref().map(b).unwrap_or(0);
+            if let Some(lora) = &lin.lora {
+                sum += b(lora.a.as_tensor()) + b(lora.b.as_tensor());
+            }
+        }
+    }
+    sum
+}
+
+impl Session {
+    /// The diagnosis of an allocation failure: rank, phase, step, peak vs capacity, the
+    /// forecast and remedies.
+    pub fn out_of_memory(
+        &self,
+        e: &anyhow::Error,
+        meter: &crate::memory::PhaseMeter,
+        step: Option<(usize, usize)>,
+        last_checkpoint: Option<PathBuf>,
+    ) -> anyhow::Error {
+        let dev = &self.model.device;
+        let peak = match crate::memory::stats(dev).ok().flatten() {
+            Some(s) => Some(s.used_high.max(meter.run_peak)),
+            None => crate::memory::cpu_high(),
+        };
+        let capacity = self.memory.capacity.or(if dev.is_cpu() {
+            self.recipe.max_memory()
+        } else {
+            None
+        });
+        stop::OutOfMemory {
+            rank: self.memory.rank,
+            phase: meter.current(),
+            step: step.map(|s| s.0),
+            total: step.map(|s| s.1).unwrap_or(0),
+            peak,
+            capacity,
+            forecast: self.memory.forecast.clone(),
+            remedies: self.memory.remedies.clone(),
+            last_checkpoint,
+            cause: format!("{e:#}"),
+        }
+        .into()
+    }
+}
