@@ -1,18 +1,33 @@
 //! lora-train: LoRA fine-tuning of Hugging Face Llama-family checkpoints on candle.
 //!
-//! Data path, one module each: recipe → hub → model → lora → data → train → export.
+//! The modules in the order a run's data goes through them; `ops` (the layers' kernels and
+//! their CPU references) lies beneath the model, `util` and `rng` beneath everything.
 
-pub mod bench;
-pub mod data;
-pub mod export;
-pub mod hub;
-pub mod lora;
-pub mod memory;
-pub mod model;
-pub mod ops;
-pub mod parallel;
-pub mod probe;
+// A recipe (TOML + --set) read, checked and resolved.
 pub mod recipe;
-pub mod rng;
+// The checkpoint's files: a local directory or the Hugging Face Hub and its cache.
+pub mod hub;
+// The decoder (Llama, Mistral, Qwen2), its layers' forward and hand-written backward.
+pub mod model;
+// The adapters: their shape, init and dropout.
+pub mod lora;
+// Examples read, tokenized, batched, packed and sampled.
+pub mod data;
+// The step engine, the training loop, checkpoints, stops.
 pub mod train;
+// Ranks and their communicators (CPU threads, NCCL), FSDP's shards.
+pub mod parallel;
+// Device memory: the plan, the pool's peaks, the OOM diagnosis.
+pub mod memory;
+// The PEFT adapter and the merged model written.
+pub mod export;
+// `lora-train bench` and `lora-train probe`: the engine on random weights and batches.
+pub mod bench;
+pub mod probe;
+
+// The kernels (CUDA and their CPU references) the layers run on.
+pub mod ops;
+// Seeded random streams.
+pub mod rng;
+// Crash-safe writes, sizes, ids.
 pub mod util;

@@ -737,6 +737,20 @@ impl Recipe {
         }
     }
 
+    /// Whether this binary can train the recipe: CUDA for model.device = "cuda", NCCL for
+    /// several GPUs. Only training asks; `check` and `plan` run on any build.
+    pub fn check_build(&self) -> Result<(), RecipeError> {
+        let cuda = self.model.device == DeviceKind::Cuda;
+        if cuda && !cfg!(feature = "cuda") {
+            return Err(self.invalid("model.device", "= \"cuda\", but this binary was built without CUDA: rebuild with `cargo build --release --features cuda`"));
+        }
+        let p = &self.parallel;
+        if p.strategy != Strategy::Single && cuda && !cfg!(feature = "nccl") {
+            return Err(self.invalid("parallel.strategy", format!("= \"{}\" on CUDA needs NCCL, but this binary was built without it: rebuild with `cargo build --release --features cuda,nccl`", p.strategy.name())));
+        }
+        Ok(())
+    }
+
     /// Checks that need no model: ranges, files that must exist, what this build supports.
     pub fn validate(&self) -> Result<(), RecipeError> {
         let m = &self.model;
@@ -776,9 +790,6 @@ impl Recipe {
                 ))
             }
             _ => {}
-        }
-        if m.device == DeviceKind::Cuda && !cfg!(feature = "cuda") {
-            return Err(self.invalid("model.device", "= \"cuda\", but this binary was built without CUDA: rebuild with `cargo build --release --features cuda`"));
         }
         let l = &self.lora;
         if l.rank == 0 {
@@ -859,12 +870,6 @@ impl Recipe {
         }
         if p.timeout_s == 0 {
             return Err(self.invalid("parallel.timeout_s", "must be at least 1 (seconds)"));
-        }
-        if p.strategy != Strategy::Single
-            && self.model.device == DeviceKind::Cuda
-            && !cfg!(feature = "nccl")
-        {
-            return Err(self.invalid("parallel.strategy", format!("= \"{}\" on CUDA needs NCCL, but this binary was built without it: rebuild with `cargo build --release --features cuda,nccl`", p.strategy.name())));
         }
         if let Resume::Path(p) = &t.resume {
             if !p.join(crate::util::TRAINER_STATE).is_file() {

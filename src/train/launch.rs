@@ -60,9 +60,7 @@ impl Ranks {
     pub fn for_recipe(recipe: &Recipe) -> Result<Ranks> {
         let p = &recipe.parallel;
         let cuda = recipe.model.device == DeviceKind::Cuda;
-        if cuda && !cfg!(feature = "cuda") {
-            return Err(invalid(recipe, "model.device", "= \"cuda\", but this binary was built without CUDA: rebuild with `cargo install --path . --features cuda` (scripts/build-cuda.sh builds without a system CUDA toolkit)"));
-        }
+        recipe.check_build()?;
         if let Some(e) = EnvRank::from_env(&|k| std::env::var(k).ok())? {
             if p.strategy == Strategy::Single {
                 return Err(invalid(recipe, "parallel.strategy", format!("= \"single\", but the launcher started {} ranks (WORLD_SIZE): use \"ddp\" or \"fsdp\"", e.world)));
@@ -78,9 +76,6 @@ impl Ranks {
         }
         if p.strategy == Strategy::Single {
             return Ok(Ranks::Solo(p.devices.first().copied().unwrap_or(0)));
-        }
-        if cuda && !cfg!(feature = "nccl") {
-            return Err(invalid(recipe, "parallel.strategy", format!("= \"{}\" on CUDA needs NCCL, but this binary was built without it: rebuild with `cargo install --path . --features cuda,nccl`", p.strategy.name())));
         }
         let devices = match cuda {
             true => cuda_ordinals(recipe)?,

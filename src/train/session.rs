@@ -52,6 +52,7 @@ pub fn device_and_dtype(recipe: &Recipe) -> Result<(Device, DType)> {
 
 /// The device (CUDA ordinal `ordinal` when model.device = "cuda") and base dtype.
 pub fn device_and_dtype_on(recipe: &Recipe, ordinal: usize) -> Result<(Device, DType)> {
+    recipe.check_build()?;
     let dev = match recipe.model.device {
         DeviceKind::Cpu => Device::Cpu,
         DeviceKind::Cuda => {

@@ -435,3 +435,46 @@ fn cuda_max_memory_makes_the_card_small_for_real() {
         }
     }
 }
+
+/// Planning reads no weights: a CUDA recipe (here a 4-GPU FSDP one) plans and checks on a
+/// build without CUDA, as on the laptop a user plans from before renting GPUs. Training it is
+/// what needs the CUDA build.
+#[test]
+fn plan_and_check_take_a_cuda_recipe_on_any_build() {
+    let cuda = [
+        "--set",
+        "model.device=cuda",
+        "--set",
+        "parallel.strategy=fsdp",
+        "--set",
+        "parallel.devices=[0,1,2,3]",
+    ];
+    let mut plan = vec![
+        "plan",
+        "--recipe",
+        "recipes/tiny-cpu.toml",
+        "--gpu-mem",
+        "24GiB",
+    ];
+    plan.extend(cuda);
+    let (code, out, err) = run(&plan);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("fsdp ×4"), "{out}");
+    let mut check = vec!["check", "--recipe", "recipes/tiny-cpu.toml"];
+    check.extend(cuda);
+    let (code, out, err) = run(&check);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("device = \"cuda\""), "{out}");
+    if !cfg!(feature = "cuda") {
+        let mut train = vec![
+            "--recipe",
+            "recipes/tiny-cpu.toml",
+            "--set",
+            "output.dir=/nonexistent/x",
+        ];
+        train.extend(cuda);
+        let (code, _, err) = run(&train);
+        assert_eq!(code, 2, "{err}");
+        assert!(err.contains("built without CUDA"), "{err}");
+    }
+}
