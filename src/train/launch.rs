@@ -181,6 +181,7 @@ fn run_rank(
     let (mut watch, ballast) = preflight(&recipe, opts, ordinal)?;
     watch.rank = comm.rank();
     let max_memory = recipe.max_memory();
+    let t_load = std::time::Instant::now();
     let mut session = match Session::for_rank(recipe, comm, ordinal) {
         Ok(s) => s,
         // Loading the weights did not fit: the same diagnosis as mid-run, phase "load".
@@ -204,6 +205,8 @@ fn run_rank(
     if let Some(s) = crate::memory::stats(&session.model.device)? {
         watch.load_peak = Some(s.used_high);
     }
+    session.model.device.synchronize()?;
+    watch.load_s = t_load.elapsed().as_secs_f64();
     session.memory = watch;
     if lead {
         announce(&session);
@@ -222,6 +225,14 @@ fn run_rank(
 
 /// Rank 0's lines about what the run trains: the ranks, the model and adapters, the data.
 fn announce(session: &Session) {
+    eprintln!(
+        "loaded in {:.1}s (weights read, cast and uploaded, adapters made{})",
+        session.memory.load_s,
+        match session.model.device.is_cuda() {
+            true => ", linears padded for the fold",
+            false => "",
+        }
+    );
     let m = &session.model;
     let trainable: usize = m
         .adapters()

@@ -24,6 +24,8 @@ pub struct Log {
     start: Instant,
     /// Tokens of the steps this process ran (tok/s counts them only).
     session_tokens: usize,
+    /// Seconds from the run's start to its first step (the first row carries them).
+    startup_s: Option<f64>,
 }
 
 /// One logged step's figures beyond `Done`.
@@ -64,6 +66,7 @@ impl Log {
             peaks: BTreeMap::new(),
             start: Instant::now(),
             session_tokens: 0,
+            startup_s: Some(s.memory.load_s),
         })
     }
 
@@ -96,6 +99,9 @@ impl Log {
             "tok_per_s": tok_s, "elapsed_s": secs, "skipped": !d.finite,
             "truncated": truncated, "skipped_rows": skipped_rows,
         });
+        if let Some(t) = self.startup_s.take() {
+            row["load_s"] = t.into();
+        }
         let mut msg = format!("loss {loss:.4}  ");
         // Per-phase peaks of the device pool since the last row (CUDA only).
         let peaks = std::mem::take(&mut self.peaks);

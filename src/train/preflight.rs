@@ -23,6 +23,8 @@ pub struct MemoryWatch {
     pub capacity: Option<u64>,
     /// The device pool's peak while loading (CUDA).
     pub load_peak: Option<u64>,
+    /// Seconds the model and data took to load (the run's start to its first step).
+    pub load_s: f64,
 }
 
 /// The memory plan for a recipe, checked against what the run has: on CUDA train.max_memory
@@ -114,6 +116,7 @@ pub fn preflight(
             remedies,
             capacity,
             load_peak: None,
+            load_s: 0.0,
         },
         ballast,
     ))
