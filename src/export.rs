@@ -27,6 +27,8 @@ pub fn peft_key(module: &str, which: char) -> String {
 pub struct AdapterInfo {
     pub spec: LoraSpec,
     pub base_model: Option<String>,
+    /// The base's Hub revision, when it came from the Hub.
+    pub revision: Option<String>,
 }
 
 /// Writes the model's adapters into `dir` (created if needed), each file atomically.
@@ -72,7 +74,8 @@ pub fn save_adapter(
         "revision": revision,
         "r": spec.rank,
         "lora_alpha": spec.alpha,
-        "lora_dropout": spec.dropout,
+        // The recipe's number (0.05), not the f32's widened digits (0.05000000074505806).
+        "lora_dropout": decimal(spec.dropout),
         "target_modules": spec.targets,
         "bias": "none",
         "use_rslora": spec.rslora,
@@ -90,6 +93,11 @@ pub fn save_adapter(
         &dir.join(CONFIG),
         serde_json::to_string_pretty(&cfg)?.as_bytes(),
     )
+}
+
+/// An f32 as the shortest decimal that reads back as it (0.05f32 → 0.05).
+fn decimal(x: f32) -> f64 {
+    x.to_string().parse().unwrap_or(x as f64)
 }
 
 /// Reads adapter_config.json; features we do not implement are errors, not silent changes.
@@ -175,7 +183,51 @@ pub fn read_adapter_config(dir: &Path) -> Result<AdapterInfo> {
             .get("base_model_name_or_path")
             .and_then(Value::as_str)
             .map(String::from),
+        revision: v.get("revision").and_then(Value::as_str).map(String::from),
     })
+}
+
+/// The base checkpoint an adapter names (`base_model_name_or_path`): a directory (absolute,
+/// or relative to the working directory or to the adapter's own directory), else a Hub id
+/// read from the Hugging Face cache (downloaded if the cache lacks it) at the adapter's
+/// revision.
+pub fn base_of(adapter: &Path, info: &AdapterInfo) -> Result<std::path::PathBuf> {
+    let name = info.base_model.clone().unwrap_or_default();
+    let cfg = adapter.join(CONFIG);
+    if name.is_empty() {
+        bail!(
+            "{}: base_model_name_or_path is empty: pass --base DIR",
+            cfg.display()
+        );
+    }
+    let p = Path::new(&name);
+    let dirs = match p.is_absolute() {
+        true => vec![p.to_path_buf()],
+        false => vec![p.to_path_buf(), adapter.join(p)],
+    };
+    if let Some(d) = dirs.iter().find(|d| d.join("config.json").is_file()) {
+        return Ok(d.clone());
+    }
+    if p.is_absolute() || crate::util::check_repo_id(&name).is_err() {
+        bail!(
+            "{}: base_model_name_or_path = \"{name}\" is no checkpoint directory (no config.json there{}): pass --base DIR",
+            cfg.display(),
+            match p.is_absolute() {
+                true => String::new(),
+                false => format!(", nor in {}", adapter.display()),
+            }
+        );
+    }
+    let section = crate::recipe::ModelSection {
+        path: None,
+        id: Some(name.clone()),
+        revision: info.revision.clone(),
+        dtype: None,
+        device: crate::recipe::DeviceKind::Cpu,
+    };
+    let files = crate::hub::model_files(&section)
+        .with_context(|| format!("{}: cannot get the Hub model \"{name}\"", cfg.display()))?;
+    Ok(files.dir)
 }
 
 /// Loads adapter_model.safetensors into the model's adapters; every adapter must be present

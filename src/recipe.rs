@@ -45,6 +45,9 @@ pub struct Recipe {
     /// The recipe file this came from (not a TOML key).
     #[serde(skip)]
     pub source: PathBuf,
+    /// The --set overrides it was loaded with, in order (not a TOML key).
+    #[serde(skip)]
+    pub sets: Vec<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -685,6 +688,7 @@ impl Recipe {
             parse_err(msg)
         })?;
         r.source = path.to_owned();
+        r.sets = sets.to_vec();
         let base = path.parent().unwrap_or(Path::new("")).to_owned();
         r.resolve_paths(&base, &overridden);
         r.validate()?;

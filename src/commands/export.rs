@@ -41,15 +41,7 @@ pub fn run(a: ExportArgs) -> anyhow::Result<()> {
         Some(b) => b,
         None => {
             let info = lora_train::export::read_adapter_config(&a.adapter)?;
-            let name = info.base_model.unwrap_or_default();
-            let p = PathBuf::from(&name);
-            if name.is_empty() || !p.join("config.json").is_file() {
-                anyhow::bail!(
-                    "{}: base_model_name_or_path = \"{name}\" is not a local checkpoint directory: pass --base DIR",
-                    a.adapter.join(lora_train::export::CONFIG).display()
-                );
-            }
-            p
+            lora_train::export::base_of(&a.adapter, &info)?
         }
     };
     let opts = MergeOptions {

@@ -62,19 +62,26 @@ pub fn recipe_path(p: Option<&Path>, usage: &str) -> anyhow::Result<PathBuf> {
     }
 }
 
-/// The exact command that continues an interrupted run.
+/// The command that continues an interrupted run, as this binary was started (its path
+/// when it is not on PATH, e.g. under `cargo run`). The checkpoint keeps the overrides that
+/// change the numbers; the others (output.dir, logging, memory) are repeated.
 fn resume_command(path: &Path, set: &[String]) -> String {
+    use lora_train::train::checkpoint::{numbers_sets, set_key};
+    let program = std::env::args()
+        .next()
+        .filter(|p| p.contains('/'))
+        .unwrap_or_else(|| "lora-train".into());
     let mut cmd = vec![
-        "lora-train".to_string(),
+        quote(&program),
         "--recipe".into(),
         quote(&path.to_string_lossy()),
     ];
-    for s in set
-        .iter()
-        .filter(|s| !s.trim_start().starts_with("train.resume"))
-    {
-        cmd.push("--set".into());
-        cmd.push(quote(s));
+    let kept = numbers_sets(set);
+    for s in set {
+        if !kept.contains(s) && set_key(s) != "train.resume" {
+            cmd.push("--set".into());
+            cmd.push(quote(s));
+        }
     }
     cmd.extend(["--set".into(), "train.resume=true".into()]);
     cmd.join(" ")

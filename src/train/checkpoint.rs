@@ -91,6 +91,10 @@ pub struct TrainerState {
     pub loss_history: Vec<(usize, Option<f64>)>,
     /// The recipe fields that change the numbers, "section.key" → TOML value.
     pub recipe: BTreeMap<String, String>,
+    /// The run's --set overrides of those fields: `train.resume = true` applies them again
+    /// (`with_checkpoint_sets`), so a resume needs only the recipe.
+    #[serde(default)]
+    pub sets: Vec<String>,
 }
 
 /// Where a run stands after its last finished step: what a checkpoint saves of the loop.
@@ -146,8 +150,58 @@ impl TrainerState {
             data_tokens: s.data.examples.iter().map(|e| e.ids.len()).sum(),
             loss_history: h[h.len().saturating_sub(LOSS_TAIL)..].to_vec(),
             recipe: fingerprint(&s.recipe),
+            sets: numbers_sets(&s.recipe.sets),
         }
     }
+}
+
+/// The "section.key" an override `section.key=value` sets.
+pub fn set_key(set: &str) -> &str {
+    set.split_once('=').map_or(set, |(k, _)| k).trim()
+}
+
+/// The overrides among `sets` that change the numbers (the keys a resume must match).
+pub fn numbers_sets(sets: &[String]) -> Vec<String> {
+    sets.iter()
+        .filter(|s| !FREE_KEYS.contains(&set_key(s)))
+        .cloned()
+        .collect()
+}
+
+/// A recipe that resumes (`train.resume` true or a checkpoint) with the overrides of the run
+/// it continues applied again, before its own: `lora-train --recipe X --set train.resume=true`
+/// continues a run started with any --set that change the numbers. An override given now that
+/// conflicts with the checkpoint's is then refused by `resume_point`, naming it.
+pub fn with_checkpoint_sets(r: Recipe) -> Result<Recipe> {
+    let dir = match &r.train.resume {
+        Resume::Flag(false) => return Ok(r),
+        Resume::Flag(true) => match list(&r.output_dir()).pop() {
+            Some((_, d)) => d,
+            None => return Ok(r),
+        },
+        Resume::Path(p) => p.clone(),
+    };
+    // An unreadable state is resume_point's to report.
+    let Ok(state) = read_state(&dir) else {
+        return Ok(r);
+    };
+    let given: Vec<&str> = r.sets.iter().map(|s| set_key(s)).collect();
+    let again: Vec<String> = state
+        .sets
+        .iter()
+        .filter(|s| !given.contains(&set_key(s)))
+        .cloned()
+        .collect();
+    if again.is_empty() {
+        return Ok(r);
+    }
+    eprintln!(
+        "resuming with the overrides of {}: --set {}",
+        dir.display(),
+        again.join(" --set ")
+    );
+    let sets: Vec<String> = again.into_iter().chain(r.sets.iter().cloned()).collect();
+    Ok(Recipe::load(&r.source, &sets)?)
 }
 
 /// A complete checkpoint on disk.

@@ -11,7 +11,6 @@ use crate::parallel::launch::EnvRank;
 use crate::parallel::{Comm, Group, Solo};
 use crate::recipe::{DeviceKind, Recipe, RecipeError, Resume, Strategy};
 use anyhow::{Context, Result};
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -131,6 +130,7 @@ fn env_comm(e: &EnvRank, _: Duration) -> Result<Box<dyn Comm>> {
 
 /// `lora-train train`: the whole run from a recipe, on the ranks it asks for.
 pub fn run_with(recipe: Recipe, opts: &RunOptions) -> Result<RunSummary> {
+    let recipe = checkpoint::with_checkpoint_sets(recipe)?;
     let ranks = Ranks::for_recipe(&recipe)?;
     let signal = stop::install_signal_handlers()?;
     let timeout = Duration::from_secs(recipe.parallel.timeout_s);
@@ -288,8 +288,7 @@ fn export_merged(session: &Session, out_dir: &std::path::Path) -> Result<()> {
         .map_err(|m| anyhow::anyhow!("output.max_shard_size {m}"))?,
         replace: true,
     };
-    let base = PathBuf::from(&session.base_name);
-    let rep = export::merge::merge(out_dir, &base, &out_dir.join("merged"), &opts)
+    let rep = export::merge::merge(out_dir, &session.base_dir, &out_dir.join("merged"), &opts)
         .context("cannot write the merged model (output.merge = true)")?;
     eprintln!(
         "merged model written to {} ({} tensors, {} with the adapter merged in, {} shard(s))",

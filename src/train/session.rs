@@ -28,6 +28,8 @@ pub struct Session {
     pub sampler: Sampler,
     pub pad_id: u32,
     pub base_name: String,
+    /// The base checkpoint's directory (a Hub model's snapshot in the cache).
+    pub base_dir: std::path::PathBuf,
     /// The Hub commit the base was read at (None for a local directory).
     pub base_revision: Option<String>,
     /// The eval set (data.eval, or held out by data.eval_fraction).
@@ -148,12 +150,15 @@ impl Session {
         let (data, eval, data_notes) = load_data(&recipe, &files, model.cfg.vocab_size)?;
         let sampler = Sampler::new(&data, &recipe.data, recipe.train.seed);
         let pad_id = model.cfg.pad_token_id.unwrap_or(0);
-        // What PEFT loads the base from: the Hub id, or the local directory.
-        let base_name = recipe
-            .model
-            .id
-            .clone()
-            .unwrap_or_else(|| dir.to_string_lossy().into_owned());
+        // What PEFT loads the base from: the Hub id, or the local directory as an absolute
+        // path (the adapter is loaded from anywhere, not only where training ran).
+        let base_name = match &recipe.model.id {
+            Some(id) => id.clone(),
+            None => std::path::absolute(&dir)
+                .unwrap_or_else(|_| dir.clone())
+                .to_string_lossy()
+                .into_owned(),
+        };
         // A Hub model is read from the cache's snapshots/<commit>/: that commit.
         let base_revision = match (&recipe.model.id, dir.parent().and_then(|p| p.file_name())) {
             (Some(_), Some(p)) if p == "snapshots" => {
@@ -169,6 +174,7 @@ impl Session {
             sampler,
             pad_id,
             base_name,
+            base_dir: dir,
             base_revision,
             eval,
             data_notes,

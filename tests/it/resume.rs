@@ -341,11 +341,26 @@ fn sigint_finishes_the_step_saves_a_checkpoint_and_resume_ends_bit_identical() {
             ck.display()
         )
     );
-    let mut resume: Vec<String> = tiny_cli_args(&b, 300, &extra);
-    resume.extend(["--set".into(), "train.resume=true".into()]);
+    // The printed command: this binary, the recipe, and only the overrides the checkpoint
+    // does not keep (it keeps those that change the numbers: max_steps, micro_batch, ...).
+    let resume: Vec<String> = [
+        "--recipe",
+        "recipes/tiny-cpu.toml",
+        "--set",
+        &format!("output.dir={}", b.display()),
+        "--set",
+        "train.log_every=1",
+        "--set",
+        "output.save_every=1000",
+        "--set",
+        "train.resume=true",
+    ]
+    .map(String::from)
+    .to_vec();
+    let program = assert_cmd::cargo::cargo_bin("lora-train");
     assert_eq!(
         lines[i + 1],
-        format!("resume with: lora-train {}", resume.join(" "))
+        format!("resume with: {} {}", program.display(), resume.join(" "))
     );
     let st = checkpoint::read_state(&ck).unwrap();
     assert_eq!((st.step, st.optimizer_steps), (k, k));
@@ -357,7 +372,8 @@ fn sigint_finishes_the_step_saves_a_checkpoint_and_resume_ends_bit_identical() {
     assert!(o.status.success(), "{err}");
     assert!(
         err.starts_with(&format!(
-            "resuming from {} (step {k} of 300)\n",
+            "resuming with the overrides of {}: --set train.max_steps=300 --set train.micro_batch=1 --set train.grad_accum=1\nresuming from {} (step {k} of 300)\n",
+            ck.display(),
             ck.display()
         )),
         "{err}"
