@@ -194,12 +194,6 @@ pub fn read_adapter_config(dir: &Path) -> Result<AdapterInfo> {
 pub fn base_of(adapter: &Path, info: &AdapterInfo) -> Result<std::path::PathBuf> {
     let name = info.base_model.clone().unwrap_or_default();
     let cfg = adapter.join(CONFIG);
-    if name.is_empty() {
-        bail!(
-            "{}: base_model_name_or_path is empty: pass --base DIR",
-            cfg.display()
-        );
-    }
     let p = Path::new(&name);
     let dirs = match p.is_absolute() {
         true => vec![p.to_path_buf()],
@@ -208,14 +202,10 @@ pub fn base_of(adapter: &Path, info: &AdapterInfo) -> Result<std::path::PathBuf>
     if let Some(d) = dirs.iter().find(|d| d.join("config.json").is_file()) {
         return Ok(d.clone());
     }
-    if p.is_absolute() || crate::util::check_repo_id(&name).is_err() {
+    if name.is_empty() || p.is_absolute() || crate::util::check_repo_id(&name).is_err() {
         bail!(
-            "{}: base_model_name_or_path = \"{name}\" is no checkpoint directory (no config.json there{}): pass --base DIR",
-            cfg.display(),
-            match p.is_absolute() {
-                true => String::new(),
-                false => format!(", nor in {}", adapter.display()),
-            }
+            "{}: base_model_name_or_path = \"{name}\" is not a local checkpoint directory: pass --base DIR",
+            cfg.display()
         );
     }
     let section = crate::recipe::ModelSection {
