@@ -42,6 +42,8 @@ pub struct BenchArgs {
     pub grad_accum: usize,
     /// Behave as a card of this many bytes (a ballast outside the pool; CUDA only).
     pub max_memory: Option<u64>,
+    /// train.deterministic: no kernel whose sums land in a varying order.
+    pub deterministic: bool,
 }
 
 /// (hidden, intermediate, layers, heads, kv heads, vocab, rope theta), as peft_baseline.py.
@@ -192,6 +194,7 @@ fn run_rank(a: &BenchArgs, device: Device, comm: &dyn Comm) -> Result<serde_json
     } else {
         DType::BF16
     };
+    let kernels = crate::ops::Kernels::resolve(&a.device, act, head_dim, a.deterministic)?;
     let input = plan::PlanInput {
         tied: cfg.tie_word_embeddings.unwrap_or(false),
         cfg,
@@ -202,10 +205,8 @@ fn run_rank(a: &BenchArgs, device: Device, comm: &dyn Comm) -> Result<serde_json
         targets: targets(&a.targets)?,
         gpus: comm.world(),
         cuda: !a.device.is_cpu(),
-        flash_attention: crate::ops::flash::takes_for(&a.device, act, head_dim),
-        ce_kernel: crate::ops::cross_entropy::kernel_takes_for(a.device.is_cuda(), act),
+        kernels,
         offload: driver::Keep::new(false, a.offload, &a.device) == driver::Keep::Offload,
-        fold: crate::ops::fold::takes(a.device.is_cuda(), act),
     };
     let p = plan::plan(&input, 1, a.max_memory);
     let sel = (a.strategy, a.ckpt);
@@ -215,7 +216,7 @@ fn run_rank(a: &BenchArgs, device: Device, comm: &dyn Comm) -> Result<serde_json
     };
     let capacity = a.max_memory.or(ballast.as_ref().map(|b| b.total));
     let mut meter = memory::PhaseMeter::default();
-    let res = measure(a, comm, &mut meter);
+    let res = measure(a, &kernels, comm, &mut meter);
     drop(ballast);
     match res {
         Err(e) if memory::is_oom(&e) => {
@@ -242,6 +243,7 @@ fn run_rank(a: &BenchArgs, device: Device, comm: &dyn Comm) -> Result<serde_json
 /// memory under "per_rank".
 fn measure(
     a: &BenchArgs,
+    kernels: &crate::ops::Kernels,
     comm: &dyn Comm,
     meter: &mut memory::PhaseMeter,
 ) -> Result<serde_json::Value> {
@@ -265,14 +267,19 @@ fn measure(
     let mut groups = Vec::new();
     // The adapters' forward folded into the base GEMMs (ops::fold), each layer padded before
     // FSDP shards it.
-    let model = Model::random_with(cfg.clone(), dtype, &a.device, &spec, 0, true, &mut |t| {
+    let model = Model::random_with(cfg.clone(), dtype, &a.device, &spec, 0, kernels, &mut |t| {
         if fsdp {
             groups.push(Flat::take(t, comm)?);
         }
         Ok(())
     })?;
     let shards = match fsdp {
-        true => Some(Shards::from_groups(groups, model.layers.len(), comm)?),
+        true => Some(Shards::from_groups(
+            groups,
+            model.layers.len(),
+            &model.kernels,
+            comm,
+        )?),
         false => None,
     };
     a.device.synchronize()?;
@@ -394,9 +401,6 @@ fn measure(
         None,
         &mut |phase| {
             meter.done = Some(phase);
-            if memory::phase_sync() {
-                a.device.synchronize()?;
-            }
             if let Some(s) = memory::stats(&a.device)? {
                 phases.insert(format!("{phase}_peak_gib"), gib(s.used_high).into());
                 phases.insert(format!("{phase}_end_gib"), gib(s.used).into());
@@ -437,7 +441,7 @@ fn measure(
     let peak_reserved = all.chunks(4).map(|x| x[2]).fold(f64::MIN, f64::max);
     let per_gpu = total_tps / world as f64;
     let strategy = a.strategy.name();
-    let attn = if crate::ops::flash::takes_for(&a.device, dtype, cfg.head_dim) {
+    let attn = if kernels.attention.tensor_cores() {
         "flash-tensor-core"
     } else {
         "blockwise-lse"

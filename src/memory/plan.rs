@@ -53,6 +53,7 @@
 
 use crate::lora::ALL_LINEAR;
 use crate::model::ModelConfig;
+use crate::ops::kernels::{CrossEntropy, Kernels};
 use crate::recipe::Strategy;
 
 pub const GIB: u64 = 1 << 30;
@@ -89,17 +90,14 @@ pub struct PlanInput {
     pub gpus: usize,
     /// On CUDA: count the context and the allocator slack (0 on the CPU).
     pub cuda: bool,
-    /// Attention runs on the tensor-core kernels (`ops::flash::kernels_take`): no score blocks.
-    pub flash_attention: bool,
-    /// The head's cross-entropy runs on the fused kernel (`ops::cross_entropy::kernel_takes_for`):
-    /// logits in the activation dtype, no f32 copies.
-    pub ce_kernel: bool,
+    /// The run's kernels (`Kernels::resolve`, or `Kernels::forecast` without a device): on
+    /// the tensor-core attention no score blocks; on the fused cross-entropy the logits in the
+    /// activation dtype, no f32 copies; folded, the padded weights' extra columns join the base
+    /// (under FSDP, its shards and gathered layers).
+    pub kernels: Kernels,
     /// Without checkpointing, each layer's residual waits in host memory
     /// (`train.offload_activations`; `driver::Keep::Offload`).
     pub offload: bool,
-    /// The adapters' forward folds into the base GEMMs (`ops::fold`: CUDA, bf16): the padded
-    /// weights' extra columns join the base (under FSDP, its shards and gathered layers).
-    pub fold: bool,
 }
 
 /// One strategy's per-rank bytes.
@@ -251,7 +249,7 @@ pub fn breakdown(p: &PlanInput, strategy: Strategy, ckpt: bool, micro_batch: usi
         cfg.num_layers as u64,
         cfg.vocab_size as u64,
     );
-    let pads = match p.fold {
+    let pads = match p.kernels.fold {
         true => fold_pad_bytes(cfg, s, p.rank, &p.targets),
         false => 0,
     };
@@ -282,11 +280,15 @@ pub fn breakdown(p: &PlanInput, strategy: Strategy, ckpt: bool, micro_batch: usi
     };
     let steady = base + adapters + optimizer;
     let scores = (b * cfg.num_heads as u64 * t * t * 2).min(ATTN_BLOCK);
-    let attn_ws = if p.flash_attention { 0 } else { 3 * scores };
+    let attn_ws = if p.kernels.attention.tensor_cores() {
+        0
+    } else {
+        3 * scores
+    };
     let fwd_ws = attn_ws.max(n * s * (3 * c + cfg.intermediate_size as u64));
     // Logit-sized buffers of one head chunk: the fused kernel's logits and dL/dlogits in the
     // activation dtype, or the op chain's HEAD_CHUNKS f32 ones.
-    let per_logit = if p.ce_kernel {
+    let per_logit = if p.kernels.cross_entropy == CrossEntropy::Fused {
         2.0 * s as f64
     } else {
         HEAD_CHUNKS * 4.0
@@ -765,10 +767,9 @@ pub fn input_from_shape(
     gpus: usize,
 ) -> anyhow::Result<PlanInput> {
     let cfg = crate::bench::shape(shape)?;
-    let bf16 = candle_core::DType::BF16;
     Ok(PlanInput {
         tied: cfg.tie_word_embeddings.unwrap_or(false),
-        flash_attention: crate::ops::flash::kernels_take(true, bf16, cfg.head_dim),
+        kernels: Kernels::forecast(true, candle_core::DType::BF16, cfg.head_dim),
         cfg,
         dtype_bytes: 2,
         micro_batch,
@@ -777,9 +778,7 @@ pub fn input_from_shape(
         targets,
         gpus: gpus.max(1),
         cuda: true,
-        ce_kernel: crate::ops::cross_entropy::kernel_takes_for(true, bf16),
         offload: true,
-        fold: crate::ops::fold::takes(true, bf16),
     })
 }
 
@@ -803,7 +802,7 @@ pub fn input_from_recipe(
         (Some(Dtype::F16), _) => candle_core::DType::F16,
         _ => candle_core::DType::BF16,
     };
-    let cfg_head_dim = cfg.head_dim;
+    let kernels = Kernels::forecast(cuda, dtype, cfg.head_dim);
     Ok(PlanInput {
         tied: cfg.tie_word_embeddings.unwrap_or(false),
         cfg,
@@ -814,10 +813,8 @@ pub fn input_from_recipe(
         targets: r.target_modules()?,
         gpus: gpus.max(1),
         cuda,
-        flash_attention: crate::ops::flash::kernels_take(cuda, dtype, cfg_head_dim),
-        ce_kernel: crate::ops::cross_entropy::kernel_takes_for(cuda, dtype),
+        kernels,
         offload: cuda && r.train.offload_activations.unwrap_or(true),
-        fold: crate::ops::fold::takes(cuda, dtype),
     })
 }
 
@@ -933,10 +930,8 @@ mod tests {
             targets: ALL_LINEAR.iter().map(|s| s.to_string()).collect(),
             gpus,
             cuda: true,
-            flash_attention: false,
-            ce_kernel: false,
+            kernels: Kernels::fallback(),
             offload: false,
-            fold: false,
         }
     }
 
@@ -991,7 +986,7 @@ mod tests {
         assert_eq!(b.activations, 11_186_208_768);
         // backward = 13956554752 (base, adapters, AdamW) + 79953920 (bf16 copies)
         // + 11186208768 + gradients 159907840 + workspace 4096 · 2 · (2·4096 + 3·11008) =
-        // 337641472 → 25720266752 B = 23.95 GiB. Measured (BENCHMARKS.md (i)): 23.73 GiB.
+        // 337641472 → 25720266752 B = 23.95 GiB. Measured on an H200: 23.73 GiB.
         assert_eq!(b.pool_peak, 25_720_266_752);
         assert!((b.pool_peak as f64 / GI / 23.73 - 1.0).abs() < 0.02);
         // total = pool + 512 MiB + 5%: 25720266752 + 536870912 + 1286013337 = 27543151001.
@@ -1006,7 +1001,7 @@ mod tests {
         let mut p = input(2, 2);
         let pads = fold_pad_bytes(&p.cfg, 2, 16, &p.targets);
         assert_eq!(pads, 157_286_400);
-        p.fold = true;
+        p.kernels.fold = true;
         let plain = input(2, 2);
         for s in [Strategy::Single, Strategy::Ddp] {
             let (a, b) = (breakdown(&p, s, false, 2), breakdown(&plain, s, false, 2));
@@ -1041,7 +1036,7 @@ mod tests {
         // the same either way.
         let mut p = input(2, 1);
         let blockwise = breakdown(&p, Strategy::Single, false, 2);
-        p.flash_attention = true;
+        p.kernels.attention = crate::ops::kernels::Attention::MmaSync;
         let flash = breakdown(&p, Strategy::Single, false, 2);
         assert_eq!(
             blockwise.phases[1].1 - flash.phases[1].1,
@@ -1058,8 +1053,8 @@ mod tests {
         p.offload = true;
         let off = breakdown(&p, Strategy::Single, false, 2);
         // A residual is N·C·s = 4096 · 4096 · 2 = 33554432 B: 31 wait on the host; on the
-        // device one more in forward, two more in backward (the peak). Measured on an H200
-        // (BENCHMARKS.md (p)): forward 23.70 vs 23.67 GiB, backward 23.87 vs 23.81.
+        // device one more in forward, two more in backward (the peak), as measured on an H200
+        // (forward 23.70 vs 23.67 GiB, backward 23.87 vs 23.81).
         assert_eq!((kept.host, off.host), (0, 31 * 33_554_432));
         assert_eq!(off.phases[1].1 - kept.phases[1].1, 33_554_432);
         assert_eq!(off.pool_peak - kept.pool_peak, 2 * 33_554_432);
@@ -1077,14 +1072,14 @@ mod tests {
         // 16384 · 4096 · 2 = 134217728 (kept from the recompute to the MLP's backward);
         // backward = 13956554752 + 79953920 + 4429185024 + 1398276096 + 159907840
         //          + 1350565888 + 134217728 = 21508661248 B = 20.03 GiB (measured 19.65 on an
-        //          H200, BENCHMARKS.md (p): 1.9% under).
+        //          H200: 1.9% under).
         assert_eq!(b.peak_phase, "backward");
         assert_eq!(b.pool_peak, 21_508_661_248);
         assert!((b.pool_peak as f64 / GI / 19.65 - 1.0).abs() < 0.025);
         // Micro-batch 2: boundaries 33 · 4096 · 8192 = 1107296256, the layer 349569024,
         // workspace 337641472 + the residual 33554432: 13956554752 + 79953920 + 1107296256
         // + 349569024 + 159907840 + 337641472 + 33554432 = 16024477696 B = 14.92 GiB
-        // (measured 14.77 before the residual was kept, BENCHMARKS.md (k)).
+        // (measured on an H200 without the kept residual: 14.77 GiB).
         let c = breakdown(&input(2, 1), Strategy::Single, true, 2);
         assert_eq!(c.pool_peak, 16_024_477_696);
         assert!((c.pool_peak as f64 / GI / 14.80 - 1.0).abs() < 0.025);

@@ -6,7 +6,7 @@ use super::config::ModelConfig;
 use super::rope;
 use crate::hub::ModelFiles;
 use crate::lora::{Lora, LoraSpec, ALL_LINEAR};
-use crate::ops::{self, AttnMask};
+use crate::ops::{self, AttnMask, Kernels};
 use anyhow::{bail, Context};
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Result, Tensor, TensorId, D};
@@ -29,6 +29,8 @@ pub struct Ctx {
     pub adapter_buf: Option<Tensor>,
     /// Whether the padded weights' B columns hold this batch's B's (`ops::fold`).
     pub folded: bool,
+    /// The model's kernel choices (`Model::kernels`), which every op of the batch takes.
+    pub kernels: Kernels,
 }
 
 impl Ctx {
@@ -117,6 +119,7 @@ impl Linear {
             lora.b.as_tensor(),
             lora.scale,
             self.dropout_mask(x.dims(), ctx)?,
+            ctx.kernels.gemm,
         )
     }
 
@@ -152,6 +155,7 @@ impl Linear {
             ctx.adapter(&lora.b),
             lora.scale,
             mask.as_ref(),
+            ctx.kernels.gemm,
         )?;
         Ok((y, Some(xas)))
     }
@@ -161,7 +165,7 @@ impl Linear {
         match (&self.lora, xas) {
             (Some(lora), Some(xas)) => {
                 let b = ctx.adapter(&lora.b);
-                ops::lora_linear::with_base(x, &self.w, self.b.as_ref(), xas, b)
+                ops::lora_linear::with_base(x, &self.w, self.b.as_ref(), xas, b, ctx.kernels.gemm)
             }
             (None, _) => ops::frozen_linear(x, &self.w, self.b.as_ref()),
             (Some(_), None) => {
@@ -179,7 +183,8 @@ impl Linear {
             return Ok(None);
         };
         let mask = self.dropout_mask(x.dims(), ctx)?;
-        ops::lora_linear::lora_xas(x, ctx.adapter(&lora.a), lora.scale, mask.as_ref()).map(Some)
+        let a = ctx.adapter(&lora.a);
+        ops::lora_linear::lora_xas(x, a, lora.scale, mask.as_ref(), ctx.kernels.gemm).map(Some)
     }
 
     /// The backward of `fwd`: x [m, in] its input, g = dL/dy [m, out], `xas` what `fwd`
@@ -200,7 +205,7 @@ impl Linear {
             )
         }
         let (dx, half) = self.bwd_dx(g, ctx, acc)?;
-        Ok((dx, self.bwd_grads(x, g, half, xas)?))
+        Ok((dx, self.bwd_grads(x, g, half, xas, ctx)?))
     }
 
     /// `bwd` in two halves, for a linear whose input x is only wanted for the adapter's
@@ -214,7 +219,7 @@ impl Linear {
     ) -> Result<(Tensor, Option<AdapterHalf>)> {
         let Some(lora) = &self.lora else {
             let dx = match acc {
-                Some(acc) => ops::linear_acc::linear_bwd_acc(g, &self.w, acc)?,
+                Some(acc) => ops::linear_acc::linear_bwd_acc(g, &self.w, acc, ctx.kernels.gemm)?,
                 None => g.contiguous()?.matmul(&self.w)?, // dx = g W
             };
             return Ok((dx, None));
@@ -233,6 +238,7 @@ impl Linear {
             lora.scale,
             mask.as_ref(),
             acc,
+            ctx.kernels.gemm,
         )?;
         Ok((dx, Some(AdapterHalf { gbs, mask })))
     }
@@ -250,9 +256,10 @@ impl Linear {
             return Ok(None);
         };
         let g = g.contiguous()?;
-        let gbs = ops::lora_linear::lora_gbs(&g, ctx.adapter(&lora.b), lora.scale)?;
+        let b = ctx.adapter(&lora.b);
+        let gbs = ops::lora_linear::lora_gbs(&g, b, lora.scale, ctx.kernels.gemm)?;
         let mask = self.dropout_mask(x.dims(), ctx)?; // the forward's (keyed)
-        self.bwd_grads(x, &g, Some(AdapterHalf { gbs, mask }), xas)
+        self.bwd_grads(x, &g, Some(AdapterHalf { gbs, mask }), xas, ctx)
     }
 
     /// The second half of `bwd_dx`: (dA, dB) from x [m, in], the same g, what `bwd_dx`
@@ -263,11 +270,13 @@ impl Linear {
         g: &Tensor,
         half: Option<AdapterHalf>,
         xas: Option<&Tensor>,
+        ctx: &Ctx,
     ) -> Result<AdapterGrad> {
         match (half, xas) {
             (Some(h), Some(xas)) => {
                 let g = g.contiguous()?;
-                let (da, db) = ops::lora_linear::lora_grads(x, &g, &h.gbs, h.mask.as_ref(), xas)?;
+                let (m, gemm) = (h.mask.as_ref(), ctx.kernels.gemm);
+                let (da, db) = ops::lora_linear::lora_grads(x, &g, &h.gbs, m, xas, gemm)?;
                 Ok(Some((da, db)))
             }
             (None, _) => Ok(None),
@@ -283,7 +292,7 @@ impl Linear {
     /// down_proj's backward with SwiGLU's, folded (`ops::fold::swiglu_down_bwd`): from dy
     /// [m, out], SwiGLU's inputs gate and up [m, I] and `xas` what `fwd_folded` kept →
     /// (dL/dgate, dL/dup, (dA, dB)). None (nothing run) when this linear's forward is not
-    /// folded for this batch, LORA_TRAIN_FOLD_BWD=0, or the kernel cannot take the operands.
+    /// folded for this batch, or the kernel cannot take the operands.
     pub fn bwd_swiglu_folded(
         &self,
         dy: &Tensor,
@@ -295,16 +304,16 @@ impl Linear {
         let (Some(lora), Some(pad), Some(xas)) = (&self.lora, &self.pad, xas) else {
             return Ok(None);
         };
-        if !ops::fold::takes_bwd() || Linear::fold_width(&[self], ctx).is_none() {
+        if Linear::fold_width(&[self], ctx).is_none() {
             return Ok(None);
         }
         let a = ctx.adapter(&lora.a).to_dtype(DType::BF16)?;
         let dy = dy.contiguous()?;
-        let (w, s) = (&pad.full, lora.scale);
-        let Some(r) = ops::fold::swiglu_down_bwd(&dy, w, pad.col, gate, up, &a, s)? else {
+        let (w, s, gemm) = (&pad.full, lora.scale, ctx.kernels.gemm);
+        let Some(r) = ops::fold::swiglu_down_bwd(&dy, w, pad.col, gate, up, &a, s, gemm)? else {
             return Ok(None);
         };
-        let db = ops::linear_acc::matmul_tn_f32(&dy, xas)?; // dB = dyᵀ xas [out, r]
+        let db = ops::linear_acc::matmul_tn_f32(&dy, xas, gemm)?; // dB = dyᵀ xas [out, r]
         Ok(Some((r.dg, r.du, Some((r.da, db)))))
     }
 
@@ -380,7 +389,7 @@ impl Linear {
         let mut out: Vec<Option<(Tensor, Option<Tensor>)>> = vec![None; lins.len()];
         if !idx.is_empty() {
             let (a, ads) = Self::shared_ops(lins, &idx, ctx, x.dtype())?;
-            let ys = ops::lora_linear::lora_fwd_shared(x, &ads, &a)?;
+            let ys = ops::lora_linear::lora_fwd_shared(x, &ads, &a, ctx.kernels.gemm)?;
             for (&i, (y, xas)) in idx.iter().zip(ys) {
                 out[i] = Some((y, Some(xas)));
             }
@@ -441,7 +450,7 @@ impl Linear {
             None => candle_core::bail!("fwd_folded: no linears"),
         };
         let a = ctx.a_stack(&a, xp.dtype())?; // [Σ r, in]
-        let (ys, xas) = ops::fold::fwd(xp, in_f, &a, scale, &ws)?;
+        let (ys, xas) = ops::fold::fwd(xp, in_f, &a, scale, &ws, ctx.kernels.gemm)?;
         let mut off = 0;
         let mut out = Vec::with_capacity(lins.len());
         for (y, r) in ys.into_iter().zip(ranks) {
@@ -462,7 +471,7 @@ impl Linear {
         xas: &[Option<&Tensor>],
         ctx: &Ctx,
     ) -> Result<(Tensor, Vec<AdapterGrad>)> {
-        if let (Some(p), true) = (Self::fold_width(lins, ctx), ops::fold::takes_bwd()) {
+        if let Some(p) = Self::fold_width(lins, ctx) {
             return Self::bwd_folded(lins, x, g, xas, ctx, p);
         }
         let idx = Self::shared(lins, ctx);
@@ -472,7 +481,8 @@ impl Linear {
         if !idx.is_empty() {
             let (a, ads) = Self::shared_ops(lins, &idx, ctx, x.dtype())?;
             let (gs, xs) = Self::take_shared(lins, &idx, &mut g, xas)?;
-            let (d, gr) = ops::lora_linear::lora_bwd_shared(x, gs, &ads, &xs, &a)?;
+            let (d, gr) =
+                ops::lora_linear::lora_bwd_shared(x, gs, &ads, &xs, &a, ctx.kernels.gemm)?;
             dx = Some(d);
             for (&i, gr) in idx.iter().zip(gr) {
                 grads[i] = Some(gr);
@@ -506,7 +516,10 @@ impl Linear {
         ctx: &Ctx,
         p: usize,
     ) -> Result<(Tensor, Vec<AdapterGrad>)> {
-        let in_f = x.dim(1)?;
+        use ops::linear_acc::{
+            linear_bwd_acc, linear_bwd_acc_scaled, matmul_scaled, matmul_tn_f32,
+        };
+        let (in_f, gemm) = (x.dim(1)?, ctx.kernels.gemm);
         let mut a = Vec::with_capacity(lins.len());
         let mut grads: Vec<AdapterGrad> = Vec::with_capacity(lins.len());
         let mut dxp: Option<Tensor> = None; // [m, in + p]
@@ -517,10 +530,10 @@ impl Linear {
             };
             let gi = gi.contiguous()?;
             dxp = Some(match dxp {
-                None => ops::linear_acc::matmul_scaled(&gi, &pad.full, false, 1.0)?,
-                Some(acc) => ops::linear_acc::linear_bwd_acc(&gi, &pad.full, acc)?,
+                None => matmul_scaled(&gi, &pad.full, false, 1.0, gemm)?,
+                Some(acc) => linear_bwd_acc(&gi, &pad.full, acc, gemm)?,
             });
-            let db = ops::linear_acc::matmul_tn_f32(&gi, xas)?; // dB = g_iᵀ xas_i [out, r]
+            let db = matmul_tn_f32(&gi, xas, gemm)?; // dB = g_iᵀ xas_i [out, r]
             grads.push(Some((db.clone(), db))); // dA set below
             a.push(&lora.a);
             (scale, ranks) = (lora.scale, ranks + lora.a.dim(0)?);
@@ -533,8 +546,8 @@ impl Linear {
         }
         let gb = dxp.narrow(1, in_f, ranks)?; // [m, Σ r] = g_i B_i side by side, unscaled
         let a = ctx.a_stack(&a, x.dtype())?; // [Σ r, in]
-        let dx = ops::linear_acc::linear_bwd_acc_scaled(&gb, &a, dxp.narrow(1, 0, in_f)?, scale)?;
-        let da = (ops::linear_acc::matmul_tn_f32(&gb, x)? * scale)?; // [Σ r, in] f32
+        let dx = linear_bwd_acc_scaled(&gb, &a, dxp.narrow(1, 0, in_f)?, scale, gemm)?;
+        let da = (matmul_tn_f32(&gb, x, gemm)? * scale)?; // [Σ r, in] f32
         let mut off = 0;
         for (gr, lin) in grads.iter_mut().zip(lins) {
             let r = lin.lora.as_ref().map_or(0, |l| l.a.dims()[0]);
@@ -565,7 +578,7 @@ impl Linear {
             // No stacked A's: without dL/dx nothing multiplies by them.
             let (_, ads) = Self::shared_adapters(lins, &idx, ctx)?;
             let (gs, xs) = Self::take_shared(lins, &idx, &mut g, xas)?;
-            let gr = ops::lora_linear::lora_grads_shared(x, gs, &ads, &xs)?;
+            let gr = ops::lora_linear::lora_grads_shared(x, gs, &ads, &xs, ctx.kernels.gemm)?;
             for (&i, gr) in idx.iter().zip(gr) {
                 grads[i] = Some(gr);
             }
@@ -812,12 +825,15 @@ pub struct Model {
     pub tied: bool,
     pub dtype: DType,
     pub device: Device,
+    /// Every kernel choice of the run (`Kernels::resolve`); each batch's `Ctx` carries a copy.
+    pub kernels: Kernels,
     inv_freq: Vec<f32>,
 }
 
 impl Model {
     /// Memory-maps the checkpoint, casts the base to `dtype` on `device`, and injects fresh
-    /// LoRA adapters (A random from `seed`, B zero) on the `spec.targets` modules.
+    /// LoRA adapters (A random from `seed`, B zero) on the `spec.targets` modules; the
+    /// kernels are the device's (`Kernels::resolve`, not deterministic).
     pub fn load(
         files: &ModelFiles,
         dtype: DType,
@@ -825,23 +841,24 @@ impl Model {
         spec: &LoraSpec,
         seed: u64,
     ) -> anyhow::Result<Model> {
-        Self::load_with(files, dtype, device, spec, seed, false, &mut |_| Ok(()))
+        let head_dim = ModelConfig::from_file(&files.config)?.head_dim;
+        let kernels = Kernels::resolve(device, dtype, head_dim, false)?;
+        Self::load_with(files, dtype, device, spec, seed, &kernels, &mut |_| Ok(()))
     }
 
-    /// `load`, handing each group of frozen tensors to `loaded` as soon as it is on the device:
-    /// each decoder layer's (`Layer::frozen_mut` order), then the embedding, final norm and
-    /// untied head (`Model::io_mut` order). FSDP keeps a shard and replaces them with
-    /// placeholders there, so only one full layer is ever resident. With `fold` each layer is
-    /// padded (`Model::fold`, where `ops::fold::takes` the device and dtype) before `loaded`
-    /// sees it, so FSDP's shards hold the padded weights.
-    #[allow(clippy::too_many_arguments)]
+    /// `load` on `kernels` (`Kernels::resolve` for this device, dtype and head dim), handing
+    /// each group of frozen tensors to `loaded` as soon as it is on the device: each decoder
+    /// layer's (`Layer::frozen_mut` order), then the embedding, final norm and untied head
+    /// (`Model::io_mut` order). FSDP keeps a shard and replaces them with placeholders there,
+    /// so only one full layer is ever resident. Where `kernels.fold`, each layer is padded
+    /// (`Model::fold`) before `loaded` sees it, so FSDP's shards hold the padded weights.
     pub fn load_with(
         files: &ModelFiles,
         dtype: DType,
         device: &Device,
         spec: &LoraSpec,
         seed: u64,
-        fold: bool,
+        kernels: &Kernels,
         loaded: Loaded,
     ) -> anyhow::Result<Model> {
         let cfg = ModelConfig::from_file(&files.config)?;
@@ -877,11 +894,12 @@ impl Model {
                 files.dir.display()
             );
         }
-        Self::build(cfg, &get, tied, dtype, device, spec, seed, fold, loaded)
+        Self::build(cfg, &get, tied, dtype, device, spec, seed, *kernels, loaded)
     }
 
     /// Random weights of a given shape made on the device (benchmarks; no download): linear
     /// and embedding weights N(0, 0.02), norms 1, as transformers initialises a fresh model.
+    /// The kernels are the device's, as in `load`.
     pub fn random(
         cfg: ModelConfig,
         dtype: DType,
@@ -889,18 +907,18 @@ impl Model {
         spec: &LoraSpec,
         seed: u64,
     ) -> anyhow::Result<Model> {
-        Self::random_with(cfg, dtype, device, spec, seed, false, &mut |_| Ok(()))
+        let kernels = Kernels::resolve(device, dtype, cfg.head_dim, false)?;
+        Self::random_with(cfg, dtype, device, spec, seed, &kernels, &mut |_| Ok(()))
     }
 
-    /// `random`, with `fold` and `loaded` as in `load_with`.
-    #[allow(clippy::too_many_arguments)]
+    /// `random`, with `kernels` and `loaded` as in `load_with`.
     pub fn random_with(
         cfg: ModelConfig,
         dtype: DType,
         device: &Device,
         spec: &LoraSpec,
         seed: u64,
-        fold: bool,
+        kernels: &Kernels,
         loaded: Loaded,
     ) -> anyhow::Result<Model> {
         if !device.is_cpu() {
@@ -917,7 +935,7 @@ impl Model {
             Ok(t.to_dtype(dtype)?)
         };
         let tied = cfg.tie_word_embeddings.unwrap_or(false);
-        Self::build(cfg, &get, tied, dtype, device, spec, seed, fold, loaded)
+        Self::build(cfg, &get, tied, dtype, device, spec, seed, *kernels, loaded)
     }
 
     /// Assembles the model from a source of named base tensors (HF names and shapes).
@@ -930,10 +948,9 @@ impl Model {
         device: &Device,
         spec: &LoraSpec,
         seed: u64,
-        fold: bool,
+        kernels: Kernels,
         loaded: Loaded,
     ) -> anyhow::Result<Model> {
-        let fold = fold && ops::fold::takes(device.is_cuda(), dtype);
         let (c, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
         let (h, k, d) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
         let linear =
@@ -980,7 +997,7 @@ impl Model {
                 head_dim: d,
                 window: cfg.sliding_window.unwrap_or(0),
             };
-            if fold {
+            if kernels.fold {
                 layer.fold()?;
             }
             loaded(layer.frozen_mut())?;
@@ -1004,6 +1021,7 @@ impl Model {
             tied,
             dtype,
             device: device.clone(),
+            kernels,
             inv_freq,
         };
         loaded(m.io_mut())?;
@@ -1043,18 +1061,19 @@ impl Model {
             tied: self.tied,
             dtype: self.dtype,
             device: self.device.clone(),
+            kernels: self.kernels,
             inv_freq: self.inv_freq.clone(),
         })
     }
 
     /// Moves the base weights of the linears whose adapters' forward can fold into the base
-    /// GEMM into padded buffers (`ops::fold`): on CUDA with bf16 weights, unless
-    /// LORA_TRAIN_FOLD=0. A group folds when each of its linears has an adapter and no bias,
-    /// they share a scale, and their input width is a multiple of 8. `load_with(.., fold =
-    /// true, ..)` does the same one layer at a time, before FSDP shards it. Returns the pads'
+    /// GEMM into padded buffers (`ops::fold`), where `kernels.fold` (CUDA, bf16). A group
+    /// folds when each of its linears has an adapter and no bias, they share a scale, and
+    /// their input width is a multiple of 8; a group folded already is left as it is.
+    /// `load_with` does the same one layer at a time, before FSDP shards it. Returns the pads'
     /// bytes (the memory plan's `fold` term).
     pub fn fold(&mut self) -> Result<usize> {
-        if !ops::fold::takes(self.device.is_cuda(), self.dtype) {
+        if !self.kernels.fold {
             return Ok(0);
         }
         let mut bytes = 0;
@@ -1115,6 +1134,7 @@ impl Model {
             adapters,
             adapter_buf,
             folded,
+            kernels: self.kernels,
         })
     }
 
@@ -1253,7 +1273,12 @@ impl Model {
         let eps = self.cfg.rms_norm_eps;
         let hn = ops::rms_norm(x, &self.norm, eps)?; // [n, C]
         let logits = ops::frozen_linear(&hn, &self.lm_head, None)?; // [n, V]
-        let (ce_rows, dl) = ops::cross_entropy::cross_entropy_fwd_bwd(&logits, targets, denom)?;
+        let (ce_rows, dl) = ops::cross_entropy::cross_entropy_fwd_bwd(
+            &logits,
+            targets,
+            denom,
+            self.kernels.cross_entropy,
+        )?;
         drop(logits);
         let dhn = dl.matmul(&self.lm_head)?; // [n, C]
         Ok((

@@ -173,10 +173,13 @@ impl Session {
         };
         let fsdp = recipe.parallel.strategy == Strategy::Fsdp;
         let mut groups = Vec::new();
-        // The adapters' forward folded into the base GEMMs (ops::fold), each layer padded
-        // before FSDP shards it.
+        // The run's kernels; with them the adapters' forward folded into the base GEMMs
+        // (ops::fold), each layer padded before FSDP shards it.
+        let head_dim = crate::model::ModelConfig::from_file(&files.config)?.head_dim;
+        let det = recipe.train.deterministic;
+        let kernels = crate::ops::Kernels::resolve(&dev, dtype, head_dim, det)?;
         let seed = recipe.train.seed;
-        let model = Model::load_with(&files, dtype, &dev, &spec, seed, true, &mut |t| {
+        let model = Model::load_with(&files, dtype, &dev, &spec, seed, &kernels, &mut |t| {
             if fsdp {
                 groups.push(Flat::take(t, &*comm)?);
             }
@@ -184,7 +187,12 @@ impl Session {
         })
         .with_context(|| format!("cannot load the model in {}", dir.display()))?;
         let shards = match fsdp {
-            true => Some(Shards::from_groups(groups, model.layers.len(), &*comm)?),
+            true => Some(Shards::from_groups(
+                groups,
+                model.layers.len(),
+                &kernels,
+                &*comm,
+            )?),
             false => None,
         };
         if let Some((p, _)) = &init {
