@@ -58,7 +58,7 @@ pub fn pad_width(ranks: &[usize], in_f: usize) -> Option<usize> {
 pub fn rms_norm_pad(x: &Tensor, w: &Tensor, eps: f64, pad: usize) -> Result<Option<Tensor>> {
     #[cfg(feature = "cuda")]
     {
-        super::cuda::rms_norm_pad(x, w, eps as f32, pad)
+        super::rms_norm::cuda::rms_norm_pad(x, w, eps as f32, pad)
     }
     #[cfg(not(feature = "cuda"))]
     {
@@ -78,7 +78,7 @@ pub fn add_rms_norm_pad(
 ) -> Result<Option<(Tensor, Tensor)>> {
     #[cfg(feature = "cuda")]
     {
-        super::cuda::add_rms_norm_pad(x, a, w, eps as f32, pad)
+        super::rms_norm::cuda::add_rms_norm_pad(x, a, w, eps as f32, pad)
     }
     #[cfg(not(feature = "cuda"))]
     {
@@ -92,7 +92,7 @@ pub fn add_rms_norm_pad(
 pub fn swiglu_pad(g: &Tensor, u: &Tensor, pad: usize) -> Result<Option<Tensor>> {
     #[cfg(feature = "cuda")]
     {
-        super::cuda::swiglu_pad(g, u, pad)
+        super::swiglu::cuda::swiglu_pad(g, u, pad)
     }
     #[cfg(not(feature = "cuda"))]
     {
