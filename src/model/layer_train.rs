@@ -22,7 +22,9 @@
 //!
 //! Shapes: B batch, T tokens, m = B·T, C hidden, H heads, K kv heads, D head dim, I mlp.
 
-use super::llama::{repeat_kv, Ctx, Layer, Linear};
+use super::layer::{repeat_kv, Layer};
+use super::linear::Linear;
+use super::llama::Ctx;
 use crate::ops::{self, AttnMask};
 use candle_core::{DType, Result, Tensor, TensorId};
 

@@ -147,7 +147,7 @@ fn first_layer_backward_without_input_grad_keeps_every_gradient() {
 /// The reference of the hand-written pair: autograd through `Layer::forward` from x as a leaf,
 /// L = Σ y ⊙ g in f32 → (the leaf, y, the gradients).
 fn autograd_reference(
-    layer: &lora_train::model::llama::Layer,
+    layer: &lora_train::model::Layer,
     x: &Tensor,
     g: &Tensor,
     ctx: &lora_train::model::llama::Ctx,
@@ -167,7 +167,7 @@ fn autograd_reference(
 /// of `x`, and one dA and one dB per adapter, each at (rtol, atol).
 fn check_layer_grads(
     tag: &str,
-    layer: &lora_train::model::llama::Layer,
+    layer: &lora_train::model::Layer,
     (dx, grads): &(Tensor, lora_train::model::LayerGrads),
     gs: &candle_core::backprop::GradStore,
     x: &Tensor,
@@ -631,7 +631,7 @@ fn flash_layer_backward_matches_autograd_on_the_gpu() {
 #[cfg(feature = "cuda")]
 #[test]
 fn folded_layer_matches_the_unfolded_and_autograd_on_the_gpu() {
-    use lora_train::model::llama::Linear;
+    use lora_train::model::Linear;
     let mut m = gpu_layer_model();
     let (c, i, kv) = (256, 688, 128);
     m.kernels.fold = true;
@@ -714,7 +714,7 @@ impl lora_train::parallel::Comm for Cut {
 #[test]
 fn fsdp_shards_carry_the_folded_b_columns_on_the_gpu() {
     use candle_core::DType;
-    use lora_train::model::llama::{Linear, Model};
+    use lora_train::model::{Linear, Model};
     use lora_train::parallel::fsdp::{Flat, Shards};
     let reference = gpu_layer_model();
     let (cfg, dev) = (reference.cfg.clone(), reference.device.clone());
@@ -932,7 +932,7 @@ fn folded_7b_layer_matches_the_unfolded_on_the_gpu() {
 #[test]
 fn folded_linears_round_once_at_7b_on_the_gpu() {
     use candle_core::DType;
-    use lora_train::model::llama::Linear;
+    use lora_train::model::Linear;
     use lora_train::ops;
     let m = folded_7b_layer();
     let dev = m.device.clone();
