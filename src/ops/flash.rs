@@ -576,85 +576,91 @@ mod imp {
             p.dq = dq.device_ptr(&stream).0;
             p.dk = dk.device_ptr(&stream).0;
             p.dv = dv.device_ptr(&stream).0;
-            // K and V (128 rows), Q and dO three times (64 rows); L, δ and segment ids three
-            // times; room to align the tiles to 1024 bytes.
-            let dkdv_smem = 2 * TILE128 + 3 * TILE128 + 9 * 64 * 4 + 1024;
-            match kernels {
-                Attention::Wgmma => {
-                    wgmma_d(d)?;
-                    // dQ's f32 sums, zeroed (the kernel adds each key tile's terms in), in
-                    // tiles of 64 rows (T rounded up): twice dq's bytes, alive through this
-                    // call only.
-                    let tiles64 = b * h * t.div_ceil(64);
-                    let acc = dev.alloc_zeros::<f32>(tiles64 * 64 * d)?;
-                    p.dqacc = acc.device_ptr(&stream).0;
-                    // dkdv's tiles, then at the next 1024-byte boundary dSᵀ [128 × 64] bf16
-                    // and a pair's dQ terms [64 × 128] f32.
-                    let smem = dkdv_smem + 1024 + TILE128 / 2 + 64 * 128 * 4;
-                    let grid = (t.div_ceil(128) as u32, (b * kh) as u32);
-                    launch90(&dev, "flash_bwd90_d128", THREADS90, grid, smem, &p)?;
-                    // A block a tile (its shared copy is static).
-                    launch90(
-                        &dev,
-                        "flash_dq_rows90",
-                        THREADS90,
-                        (tiles64 as u32, 1),
-                        0,
-                        &p,
-                    )?;
-                }
-                Attention::WgmmaSplitDq => {
-                    wgmma_d(d)?;
-                    let tiles = t.div_ceil(128) as u32;
-                    // A 64-row tile is half a 128-row one. dQ: Q and dO (128 rows), K and V
-                    // three times (64 rows); segment ids; and room to align the tiles to 1024
-                    // bytes.
-                    let half = TILE128 / 2;
-                    let smem = 2 * TILE128 + 6 * half + 3 * 64 * 4 + 1024;
-                    launch90(
-                        &dev,
-                        "flash_dq90_d128",
-                        THREADS90,
-                        (tiles, (b * h) as u32),
-                        smem,
-                        &p,
-                    )?;
-                    launch90(
-                        &dev,
-                        "flash_dkdv90_d128",
-                        THREADS90,
-                        (tiles, (b * kh) as u32),
-                        dkdv_smem,
-                        &p,
-                    )?;
-                }
-                Attention::Blockwise => {
-                    candle_core::bail!("flash attention: Blockwise is ops::attention's path")
-                }
-                Attention::MmaSync => {
-                    let rows = (d + 8) * 2; // bytes of one padded shared-memory row
-                    let tiles = t.div_ceil(64) as u32;
-                    launch(
-                        &dev,
-                        &format!("flash_dq_d{d}"),
-                        (tiles, (b * h) as u32),
-                        (4 * 32 * rows + 2 * 32 * 4) as u32,
-                        &p,
-                    )?;
-                    launch(
-                        &dev,
-                        &format!("flash_dkdv_d{d}"),
-                        (tiles, (b * kh) as u32),
-                        (256 * rows + 6 * 32 * 4) as u32,
-                        &p,
-                    )?;
-                }
-            }
+            bwd_launches(&dev, &mut p, kernels, (b, h, kh, t, d))?;
         }
         Ok((
             view(dq, &dev, q.dims(), oq)?,
             view(dk, &dev, k.dims(), ok)?,
             view(dv, &dev, v.dims(), ov)?,
         ))
+    }
+
+    /// Queues the backward's kernels of family `kernels` over `p` (every address set): q
+    /// [B, H, T, D], k and v [B, K, T, D], `bhktd` = (B, H, K, T, D).
+    fn bwd_launches(
+        dev: &CudaDevice,
+        p: &mut FlashP,
+        kernels: Attention,
+        (b, h, kh, t, d): (usize, usize, usize, usize, usize),
+    ) -> Result<()> {
+        let stream = dev.cuda_stream();
+        // K and V (128 rows), Q and dO three times (64 rows); L, δ and segment ids three
+        // times; room to align the tiles to 1024 bytes.
+        let dkdv_smem = 2 * TILE128 + 3 * TILE128 + 9 * 64 * 4 + 1024;
+        match kernels {
+            Attention::Wgmma => {
+                wgmma_d(d)?;
+                // dQ's f32 sums, zeroed (the kernel adds each key tile's terms in), in
+                // tiles of 64 rows (T rounded up): twice dq's bytes, alive through this
+                // call only.
+                let tiles64 = b * h * t.div_ceil(64);
+                let acc = dev.alloc_zeros::<f32>(tiles64 * 64 * d)?;
+                p.dqacc = acc.device_ptr(&stream).0;
+                // dkdv's tiles, then at the next 1024-byte boundary dSᵀ [128 × 64] bf16
+                // and a pair's dQ terms [64 × 128] f32.
+                let smem = dkdv_smem + 1024 + TILE128 / 2 + 64 * 128 * 4;
+                let grid = (t.div_ceil(128) as u32, (b * kh) as u32);
+                launch90(dev, "flash_bwd90_d128", THREADS90, grid, smem, p)?;
+                // A block a tile (its shared copy is static).
+                launch90(dev, "flash_dq_rows90", THREADS90, (tiles64 as u32, 1), 0, p)?;
+            }
+            Attention::WgmmaSplitDq => {
+                wgmma_d(d)?;
+                let tiles = t.div_ceil(128) as u32;
+                // A 64-row tile is half a 128-row one. dQ: Q and dO (128 rows), K and V
+                // three times (64 rows); segment ids; and room to align the tiles to 1024
+                // bytes.
+                let half = TILE128 / 2;
+                let smem = 2 * TILE128 + 6 * half + 3 * 64 * 4 + 1024;
+                launch90(
+                    dev,
+                    "flash_dq90_d128",
+                    THREADS90,
+                    (tiles, (b * h) as u32),
+                    smem,
+                    p,
+                )?;
+                launch90(
+                    dev,
+                    "flash_dkdv90_d128",
+                    THREADS90,
+                    (tiles, (b * kh) as u32),
+                    dkdv_smem,
+                    p,
+                )?;
+            }
+            Attention::Blockwise => {
+                candle_core::bail!("flash attention: Blockwise is ops::attention's path")
+            }
+            Attention::MmaSync => {
+                let rows = (d + 8) * 2; // bytes of one padded shared-memory row
+                let tiles = t.div_ceil(64) as u32;
+                launch(
+                    dev,
+                    &format!("flash_dq_d{d}"),
+                    (tiles, (b * h) as u32),
+                    (4 * 32 * rows + 2 * 32 * 4) as u32,
+                    p,
+                )?;
+                launch(
+                    dev,
+                    &format!("flash_dkdv_d{d}"),
+                    (tiles, (b * kh) as u32),
+                    (256 * rows + 6 * 32 * 4) as u32,
+                    p,
+                )?;
+            }
+        }
+        Ok(())
     }
 }
