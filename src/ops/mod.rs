@@ -7,6 +7,10 @@
 //!
 //! Forward passes have CPU implementations here; CUDA kernels are added with the `cuda`
 //! feature. Backward passes are written with tensor ops and so run on any device.
+//!
+//! Which kernel runs where is decided once per run (`kernels::Kernels`, which the model holds
+//! and each batch's `Ctx` carries); each op takes its choice from there. The CUDA sources are
+//! the `.cu` files beside their ops, compiled once per process into one program (`cuda`).
 
 pub mod add;
 pub mod attach;

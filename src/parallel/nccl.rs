@@ -414,8 +414,8 @@ impl NcclComm {
         Ok(out)
     }
 
-    /// The second stream when collectives run there: made at the first gather issued `ahead`
-    /// (unless in line), after which every collective uses it.
+    /// The second stream when collectives run there: made at the first gather issued `ahead`,
+    /// after which every collective uses it.
     fn side_stream(&self, ahead: bool) -> Result<Option<Arc<CudaStream>>> {
         let mut side = self.side.lock().unwrap_or_else(|p| p.into_inner());
         if side.is_none() && ahead {
