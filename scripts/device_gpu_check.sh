@@ -17,7 +17,7 @@
 # dist (2 GPUs, a lora-train built with --features cuda,nccl): the tiny recipe trained with ddp and
 #   fsdp on GPUs 0,1 (complete adapter, loss), then the 7B-shape bench with one global batch of
 #   4 rows of 2048: single micro-batch 4 (and 2: the scaling reference), ddp and fsdp 2 GPUs x 2
-#   (fsdp also with its gathers in line, and checkpointed); per-rank tok/s and peaks, losses ->
+#   (each also with the reduce_ahead experiment; fsdp checkpointed); per-rank tok/s and peaks, losses ->
 #   $OUT/dist.jsonl. dist2: single 2 x accumulation 2, single and ddp checkpointed.
 # torchrun (2 GPUs): peft_baseline.py --mode ddp / fsdp, same shape -> $OUT/dist.jsonl.
 #   (dist, dist2 and torchrun are separate calls: each takes several minutes.)
@@ -25,11 +25,11 @@
 #         mb8 + ckpt; per phase), ratios printed (target: within ±10%); then the OOM case
 #         (bench --max-memory 24GiB, mb2, no ckpt: expect exit 4 and the diagnosis).
 # peercopy (2 GPUs): the parallel::nccl GPU test under CUDA_MODULE_LOADING=EAGER (peer copies), then
-#         FSDP with peer copies (LORA_TRAIN_PEER_COPY=1) RUNS times, exit statuses.
-# ab:     ours alone, the mb2 all-linear 7B bench in each of AB's ";"-separated environments,
-#         ROUNDS rounds (default 2) alternated (default AB: the mma.sync flash kernels, wgmma
-#         without the warp-specialized forward, everything) -> $OUT/ab.jsonl. Not in the
-#         default set.
+#         FSDP with peer copies (LORA_TRAIN_EXPERIMENTS=peer_copy) RUNS times, exit statuses.
+# ab:     ours alone, the mb2 all-linear 7B bench in each of AB's ";"-separated variants (each:
+#         VAR=value assignments and bench flags, e.g. "LORA_TRAIN_EXPERIMENTS=reduce_ahead" or
+#         "--deterministic"; "default": neither), ROUNDS rounds (default 2) alternated (default
+#         AB: "default;--deterministic") -> $OUT/ab.jsonl. Not in the default set.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -65,11 +65,15 @@ if [[ $what == *" tiny "* ]]; then
 fi
 
 if [[ $what == *" ab "* ]]; then
-  IFS=';' read -ra envs <<< "${AB:-LORA_TRAIN_FLASH90=0;LORA_TRAIN_FLASH90_WS=0;AB_DEFAULT=1}"
+  IFS=';' read -ra variants <<< "${AB:-default;--deterministic}"
   for round in $(seq "${ROUNDS:-2}"); do
-    for e in "${envs[@]}"; do
-      env $e timeout 120 $E .devbuild/lora-train bench --shape llama2-7b --seq 2048 --rank 16 \
-        --steps 12 --warmup 3 --micro-batch 2 --targets all --json "$OUT/ab.jsonl" > /dev/null 2>&1
+    for e in "${variants[@]}"; do
+      vars=(); flags=()
+      for w in $e; do
+        case $w in default) ;; *=*) vars+=("$w") ;; *) flags+=("$w") ;; esac
+      done
+      env "${vars[@]}" timeout 120 $E .devbuild/lora-train bench --shape llama2-7b --seq 2048 --rank 16 \
+        --steps 12 --warmup 3 --micro-batch 2 --targets all "${flags[@]}" --json "$OUT/ab.jsonl" > /dev/null 2>&1
       tail -1 "$OUT/ab.jsonl" | python3 -c "import json, sys; d = json.load(sys.stdin); \
 print('round $round, $e:', d['tokens_per_s'], 'tok/s,', d['peak_alloc_gib'], 'GiB, loss', d['final_loss'])"
     done
@@ -77,17 +81,17 @@ print('round $round, $e:', d['tokens_per_s'], 'tok/s,', d['peak_alloc_gib'], 'Gi
 fi
 
 # peercopy (2 GPUs): the parallel::nccl GPU test under eager kernel loading (its peer copies), then
-# FSDP with LORA_TRAIN_PEER_COPY=1, after a DDP run and again, RUNS times (default 6), each
-# run's exit status (124: hung, killed by timeout), JSON line count and speed: the check of the
-# lazy-loading deadlock that peer copies met (BENCHMARKS.md (n); lora-train now sets
-# CUDA_MODULE_LOADING=EAGER itself when LORA_TRAIN_PEER_COPY=1).
+# FSDP with LORA_TRAIN_EXPERIMENTS=peer_copy, after a DDP run and again, RUNS times (default 6),
+# each run's exit status (124: hung, killed by timeout), JSON line count and speed: the check of
+# the lazy-loading deadlock that peer copies can meet (lora-train sets CUDA_MODULE_LOADING=EAGER
+# itself when the experiment is named).
 if [[ $what == *" peercopy "* ]]; then
   CUDA_MODULE_LOADING=EAGER LORA_TRAIN_ROOT=$PWD timeout 120 $E .devbuild/it parallel::nccl --test-threads 1 2>&1 \
     | grep -E "^test |test result|panicked|rank" | head -10
   P="--shape llama2-7b --seq 2048 --rank 16 --targets all --steps 6 --warmup 2 --micro-batch 2 --devices 0,1"
   for i in $(seq "${RUNS:-6}"); do
     [ $((i % 2)) = 1 ] && timeout 100 $E .devbuild/lora-train bench $P --strategy ddp > /dev/null 2>&1
-    LORA_TRAIN_PEER_COPY=1 timeout 100 $E .devbuild/lora-train bench $P --strategy fsdp \
+    LORA_TRAIN_EXPERIMENTS=peer_copy timeout 100 $E .devbuild/lora-train bench $P --strategy fsdp \
       --json "$OUT/peercopy.jsonl" > "$OUT/peercopy-$i.log" 2>&1
     echo "fsdp with peer copies, run $i: exit $?, $(wc -l < "$OUT/peercopy.jsonl") JSON lines," \
       "log $(wc -c < "$OUT/peercopy-$i.log") bytes, $(tail -1 "$OUT/peercopy.jsonl" | \
@@ -128,22 +132,20 @@ PY
   done
 fi
 
-# The 7B-shape runs, "strategy:micro-batch:accum:[ckpt]:[inline]:[ahead]" each ("inline": FSDP's
-# gathers on the compute stream, LORA_TRAIN_GATHER_STREAM=0, instead of the second stream;
-# "ahead": the gradient sums on the second stream, LORA_TRAIN_REDUCE_AHEAD=1). About 45 s each.
+# The 7B-shape runs, "strategy:micro-batch:accum:[ckpt]:[ahead]" each ("ahead": the gradient
+# sums on the second stream, LORA_TRAIN_EXPERIMENTS=reduce_ahead). About 45 s each.
 dist_cfgs=""
-[[ $what == *" dist "* ]] && dist_cfgs="single:4:1 single:2:1 ddp:2:1 ddp:2:1:::ahead fsdp:2:1 fsdp:2:1:::ahead fsdp:2:1::inline fsdp:2:1:ckpt"
+[[ $what == *" dist "* ]] && dist_cfgs="single:4:1 single:2:1 ddp:2:1 ddp:2:1::ahead fsdp:2:1 fsdp:2:1::ahead fsdp:2:1:ckpt"
 [[ $what == *" dist2 "* ]] && dist_cfgs="$dist_cfgs single:2:2 single:4:1:ckpt ddp:2:1:ckpt"
 if [ -n "$dist_cfgs" ]; then
   B="--shape llama2-7b --seq 2048 --rank 16 --targets all --steps 10 --warmup 3 --json $OUT/dist.jsonl"
   for cfg in $dist_cfgs; do
     IFS=: read -r -a f <<< "$cfg"; set -- "${f[@]}"
     ck=""; [ "${4:-}" = ckpt ] && ck="--ckpt"
-    st=1; [ "${5:-}" = inline ] && st=0
-    ra=0; [ "${6:-}" = ahead ] && ra=1
+    ex=""; [ "${5:-}" = ahead ] && ex=reduce_ahead
     dev="--devices 0"; [ "$1" != single ] && dev="--devices 0,1"
-    echo "== lora-train $1 micro-batch $2 accum $3 $ck ${5:-} ${6:-}"
-    LORA_TRAIN_REDUCE_AHEAD=$ra LORA_TRAIN_GATHER_STREAM=$st timeout 170 $E .devbuild/lora-train bench $B --strategy $1 $dev \
+    echo "== lora-train $1 micro-batch $2 accum $3 $ck ${5:-}"
+    LORA_TRAIN_EXPERIMENTS=$ex timeout 170 $E .devbuild/lora-train bench $B --strategy $1 $dev \
       --micro-batch $2 --grad-accum $3 $ck 2>&1 \
       | tail -1 | python3 -c 'import json,sys; d=json.loads(sys.stdin.read()); print({k: d.get(k) for k in ["strategy","world","global_batch","tokens_per_s_per_gpu","peak_alloc_gib","mfu","losses"]}); print(d.get("per_rank"))' 2>&1
   done

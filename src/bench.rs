@@ -46,6 +46,8 @@ pub struct BenchArgs {
     pub grad_accum: usize,
     /// Behave as a card of this many bytes (a ballast outside the pool; CUDA only).
     pub max_memory: Option<u64>,
+    /// train.deterministic: no kernel whose sums land in a varying order.
+    pub deterministic: bool,
 }
 
 /// (hidden, intermediate, layers, heads, kv heads, vocab, rope theta), as peft_baseline.py.
@@ -175,6 +177,7 @@ fn run_rank(a: &BenchArgs, device: Device, comm: &dyn Comm) -> Result<serde_json
     } else {
         DType::BF16
     };
+    let kernels = crate::ops::Kernels::resolve(&a.device, act, head_dim, a.deterministic)?;
     let input = plan::PlanInput {
         tied: cfg.tie_word_embeddings.unwrap_or(false),
         cfg,
@@ -185,10 +188,8 @@ fn run_rank(a: &BenchArgs, device: Device, comm: &dyn Comm) -> Result<serde_json
         targets: targets(&a.targets)?,
         gpus: comm.world(),
         cuda: !a.device.is_cpu(),
-        flash_attention: crate::ops::flash::takes_for(&a.device, act, head_dim),
-        ce_kernel: crate::ops::cross_entropy::kernel_takes_for(a.device.is_cuda(), act),
+        kernels,
         offload: Keep::new(false, a.offload, &a.device) == Keep::Offload,
-        fold: crate::ops::fold::takes(a.device.is_cuda(), act),
     };
     let p = plan::plan(&input, 1, a.max_memory);
     let sel = (a.strategy, a.ckpt);
@@ -198,7 +199,7 @@ fn run_rank(a: &BenchArgs, device: Device, comm: &dyn Comm) -> Result<serde_json
     };
     let capacity = a.max_memory.or(ballast.as_ref().map(|b| b.total));
     let mut meter = memory::PhaseMeter::default();
-    let res = measure(a, comm, &mut meter);
+    let res = measure(a, &kernels, comm, &mut meter);
     drop(ballast);
     match res {
         Err(e) if memory::is_oom(&e) => {
@@ -225,6 +226,7 @@ fn run_rank(a: &BenchArgs, device: Device, comm: &dyn Comm) -> Result<serde_json
 /// memory under "per_rank". `meter` ends as the engine's (the phase an OOM happened in).
 fn measure(
     a: &BenchArgs,
+    kernels: &crate::ops::Kernels,
     comm: &dyn Comm,
     meter: &mut memory::PhaseMeter,
 ) -> Result<serde_json::Value> {
@@ -245,8 +247,8 @@ fn measure(
     memory::keep_pool_memory(&a.device)?;
     let t0 = Instant::now();
     let fsdp = a.strategy == Strategy::Fsdp;
-    let (model, shards) = sharded_model(fsdp, comm, &mut |loaded| {
-        Model::random_with(cfg.clone(), dtype, &a.device, &spec, 0, true, loaded)
+    let (model, shards) = sharded_model(fsdp, comm, kernels, &mut |loaded| {
+        Model::random_with(cfg.clone(), dtype, &a.device, &spec, 0, kernels, loaded)
     })?;
     a.device.synchronize()?;
     let load_s = t0.elapsed().as_secs_f64();
@@ -335,7 +337,7 @@ fn measure(
     let per_rank = ranks.rows;
     let per_gpu = total_tps / world as f64;
     let strategy = a.strategy.name();
-    let attn = if crate::ops::flash::takes_for(&a.device, dtype, cfg.head_dim) {
+    let attn = if kernels.attention.tensor_cores() {
         "flash-tensor-core"
     } else {
         "blockwise-lse"

@@ -185,16 +185,6 @@ pub const GIB: f64 = (1u64 << 30) as f64;
 /// The phases of a training step, in order.
 pub const PHASES: [&str; 4] = ["forward", "head", "backward", "optimizer"];
 
-/// Whether a phase's end waits for the device before the pool's peak is read
-/// (LORA_TRAIN_PHASE_SYNC=1; read once per process). It need not: the pool's counters follow
-/// the host's stream-ordered allocations and frees as they are asked for, not as the device
-/// reaches them, so the peak read at once is the phase's own (the 7B bench's phases, read both
-/// ways: BENCHMARKS.md (t)). Waiting drained the device's queue at every phase of every step.
-pub fn phase_sync() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("LORA_TRAIN_PHASE_SYNC").is_ok_and(|v| v == "1"))
-}
-
 /// Per-phase peaks of the device pool over a run's steps (CUDA), and which phase a step is
 /// in (everywhere, for OOM reports). On the CPU it only tracks the phase: no cost.
 #[derive(Debug, Clone, Default)]
@@ -221,14 +211,14 @@ impl PhaseMeter {
         reset_peak(dev)
     }
 
-    /// `phase` ended: record its peak and restart the counter.
+    /// `phase` ended: record its peak and restart the counter. Without waiting for the
+    /// device: the pool's counters follow the host's stream-ordered allocations and frees as
+    /// they are asked for, not as the device reaches them, so the peak read at once is the
+    /// phase's own (and a wait would drain the device's queue at every phase of every step).
     pub fn end(&mut self, dev: &Device, phase: &'static str) -> Result<()> {
         self.done = Some(phase);
         if dev.is_cpu() {
             return Ok(());
-        }
-        if phase_sync() {
-            dev.synchronize()?;
         }
         if let Some(s) = stats(dev)? {
             let p = self.peaks.entry(phase).or_default();

@@ -83,9 +83,10 @@ pub fn run(recipe: &Recipe, max_micro_batch: usize) -> Result<ProbeReport> {
         rslora: recipe.lora.rslora,
         targets: recipe.target_modules()?,
     };
-    let mut model = Model::load(&files, dtype, &dev, &spec, recipe.train.seed)?;
-    // As training holds it: the adapters' forward folded (ops::fold).
-    model.fold()?;
+    // As training loads it: its kernels, the adapters' forward folded (ops::fold).
+    let kernels = crate::train::session::run_kernels(recipe, &files, &dev, dtype)?;
+    let seed = recipe.train.seed;
+    let model = Model::load_with(&files, dtype, &dev, &spec, seed, &kernels, &mut |_| Ok(()))?;
     let load_peak = memory::stats(&dev)?.map(|s| s.used_high);
     let params = adapter_params(&model);
     let lora: u64 = params

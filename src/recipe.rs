@@ -440,6 +440,11 @@ pub struct TrainSection {
     /// stopping the run. Default: false.
     #[serde(default)]
     pub skip_nonfinite: bool,
+    /// Only kernels whose sums run in a fixed order, so that a run repeats bit for bit on the
+    /// same GPU (CUDA: flash attention's dQ in a kernel of its own; a little slower). Default:
+    /// false.
+    #[serde(default)]
+    pub deterministic: bool,
     /// Device memory per rank, e.g. "24GiB": on CUDA the run holds the rest of the card
     /// (cuMemAlloc, outside the pool) so it behaves as a card of this size and runs out of
     /// memory for real; the preflight check compares the memory plan with it. On the CPU it
@@ -523,6 +528,7 @@ impl Default for TrainSection {
             eval_every: 0,
             resume: Resume::default(),
             skip_nonfinite: false,
+            deterministic: false,
             max_memory: None,
         }
     }

@@ -58,6 +58,10 @@ pub struct BenchArgs {
     /// Behave as a card of this size, e.g. 24GiB (CUDA: a ballast outside the pool).
     #[arg(long, value_parser = super::parse_size)]
     max_memory: Option<u64>,
+    /// Only kernels whose sums run in a fixed order, so that runs repeat bit for bit, as the
+    /// recipe's train.deterministic.
+    #[arg(long)]
+    deterministic: bool,
 }
 
 /// Which linears get adapters.
@@ -123,6 +127,7 @@ pub fn run(b: BenchArgs) -> anyhow::Result<()> {
         },
         grad_accum: b.grad_accum as usize,
         max_memory: b.max_memory,
+        deterministic: b.deterministic,
     };
     let res = lora_train::bench::run(&args)?;
     println!("{res}");

@@ -10,10 +10,9 @@
 //!   recomputed: rms_norm(x), swiglu(gate, up), dropout masks (keyed)
 //!   the residual h = x + o_proj(attn) [m, C]: `LayerActs::h`. The driver takes it out and
 //!         either parks it in host memory until the layer's backward (train/offload.rs; kept
-//!         on the device it would cost 1 GiB over 32 layers at 7B, micro-batch 2 × 2048, and
-//!         take the bench's peak to 0.51× PEFT's) or drops it; without it backward recomputes
-//!         it from o_proj's kept adapter state, one GEMM of the layer's seven (~2.7% of a 7B
-//!         step on an H200)
+//!         on the device it would cost 1 GiB over 32 layers at 7B, micro-batch 2 × 2048) or
+//!         drops it; without it backward recomputes it from o_proj's kept adapter state, one
+//!         GEMM of the layer's seven
 //!
 //! The adapters' forward of q, k, v, gate, up and down runs inside their frozen GEMMs where
 //! the model is folded (ops::fold): RMSNorm and SwiGLU then write padded rows.
@@ -23,7 +22,9 @@
 //!
 //! Shapes: B batch, T tokens, m = B·T, C hidden, H heads, K kv heads, D head dim, I mlp.
 
-use super::llama::{repeat_kv, Ctx, Layer, Linear};
+use super::layer::{repeat_kv, Layer};
+use super::linear::Linear;
+use super::llama::Ctx;
 use crate::ops::{self, AttnMask};
 use candle_core::{DType, Result, Tensor, TensorId};
 
@@ -134,9 +135,9 @@ impl Layer {
         let kk = ops::rope_heads(&k_rows, &ctx.cos, &ctx.sin, k)?; // [B, K, T, D]
         drop((q_rows, k_rows));
         let (mask, scale) = (self.attn_mask(ctx), 1.0 / (d as f64).sqrt());
-        let (attn, lse) = if ops::flash::takes(&q) {
+        let (attn, lse) = if ctx.kernels.attention.tensor_cores() {
             // Tensor cores; v is read in place from its rows and O written as rows.
-            let kernels = ops::flash::kernels_for(q.device(), d);
+            let kernels = ctx.kernels.attention;
             let (o, lse) =
                 ops::flash::flash_fwd(&q, &kk, &heads(&v, b, t, k)?, &mask, scale, kernels)?;
             (o, lse) // [m, H·D], [B, H, T]
@@ -219,7 +220,7 @@ impl Layer {
 
     /// `backward`'s adapter gradients alone, for the first layer: its input, the frozen
     /// embedding's output, needs no gradient, so q's, k's and v's dL/dx GEMMs and the input
-    /// norm's backward are not run (~0.6 ms of a 7B step on an H200). Same gradients.
+    /// norm's backward are not run. Same gradients.
     pub fn backward_grads(&self, acts: LayerActs, dy: &Tensor, ctx: &Ctx) -> Result<LayerGrads> {
         Ok(self.backward_to(acts, dy, ctx, false)?.1)
     }
@@ -272,7 +273,10 @@ impl Layer {
             None => {
                 let (da, half) = self.down.bwd_dx(&dy, ctx, None)?; // [m, I]
                 let (dgate, dup, a) = ops::swiglu_bwd_keep(&gate, &up, da)?;
-                keep(&self.down, self.down.bwd_grads(&a, &dy, half, xd.as_ref())?);
+                keep(
+                    &self.down,
+                    self.down.bwd_grads(&a, &dy, half, xd.as_ref(), ctx)?,
+                );
                 (dgate, dup)
             }
         };
@@ -311,7 +315,7 @@ impl Layer {
         let delta = ops::attention::attention_delta_rows(&dattn, &attn, b, t, h)?; // [B, H, T]
         drop(attn);
         let (mask, scale) = (self.attn_mask(ctx), 1.0 / (d as f64).sqrt());
-        let (dq, dk, dv) = if ops::flash::takes(&q) {
+        let (dq, dk, dv) = if ctx.kernels.attention.tensor_cores() {
             // dO and v read in place from their rows; dq, dk and dv come back as rows, dq and
             // dk rotated back by RoPE's angle in the kernels' stores (RoPE's backward).
             let (dq, dk, dv) = ops::flash::flash_bwd(
@@ -324,7 +328,7 @@ impl Layer {
                 &mask,
                 scale,
                 Some((&ctx.cos, &ctx.sin)),
-                ops::flash::kernels_for(q.device(), d),
+                ctx.kernels.attention,
             )?;
             let rows = |x: Tensor, n: usize| x.transpose(1, 2)?.reshape((b * t, n * d));
             (rows(dq, h)?, rows(dk, k)?, rows(dv, k)?) // [m, H·D], [m, K·D], [m, K·D]

@@ -3,10 +3,12 @@
 //! Shapes: B batch, T tokens, C hidden, H heads, K kv heads, D head dim, V vocab, I mlp.
 
 use super::config::ModelConfig;
+use super::layer::Layer;
+use super::linear::Linear;
 use super::rope;
 use crate::hub::ModelFiles;
 use crate::lora::{Lora, LoraSpec, ALL_LINEAR};
-use crate::ops::{self, AttnMask};
+use crate::ops::{self, AttnMask, Kernels};
 use anyhow::{bail, Context};
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Result, Tensor, TensorId, D};
@@ -29,17 +31,19 @@ pub struct Ctx {
     pub adapter_buf: Option<Tensor>,
     /// Whether the padded weights' B columns hold this batch's B's (`ops::fold`).
     pub folded: bool,
+    /// The model's kernel choices (`Model::kernels`), which every op of the batch takes.
+    pub kernels: Kernels,
 }
 
 impl Ctx {
     /// `v` (an adapter's A or B) in the activation dtype when `adapters` has it, else as is.
-    fn adapter<'a>(&'a self, v: &'a candle_core::Var) -> &'a Tensor {
+    pub(crate) fn adapter<'a>(&'a self, v: &'a candle_core::Var) -> &'a Tensor {
         self.adapters.get(&v.id()).unwrap_or(v.as_tensor())
     }
 
     /// The A's [r_i, in] of `vs` stacked [Σ r_i, in] in `dt`: a view when their copies lie one
     /// after the other in `adapter_buf` (the layout `adapters_cast` makes), else a new tensor.
-    fn a_stack(&self, vs: &[&candle_core::Var], dt: DType) -> Result<Tensor> {
+    pub(crate) fn a_stack(&self, vs: &[&candle_core::Var], dt: DType) -> Result<Tensor> {
         let copies: Option<Vec<&Tensor>> = vs.iter().map(|v| self.adapters.get(&v.id())).collect();
         if let (Some(buf), Some(copies)) = (&self.adapter_buf, &copies) {
             let start = |t: &Tensor| t.storage_and_layout().1.start_offset();
@@ -63,742 +67,8 @@ impl Ctx {
     }
 }
 
-/// An adapter's (dL/dA, dL/dB) in f32, None for a linear without one.
-pub type AdapterGrad = Option<(Tensor, Tensor)>;
-
-/// What `Linear::bwd_dx` leaves for `Linear::bwd_grads`: s · g B [m, r] and the dropout mask
-/// (drawn once for both halves).
-pub struct AdapterHalf {
-    gbs: Tensor,
-    mask: Option<Tensor>,
-}
-
 /// `Ctx::adapters` and `Ctx::adapter_buf`.
 type AdapterCopies = (HashMap<TensorId, Tensor>, Option<Tensor>);
-
-/// A frozen linear (W [out, in], optional bias) with an optional LoRA adapter.
-#[derive(Clone)]
-pub struct Linear {
-    /// Module name in the checkpoint, e.g. `model.layers.3.self_attn.q_proj`.
-    pub name: String,
-    /// [out, in]; a view of `pad`'s first `in` columns when folded.
-    pub w: Tensor,
-    pub b: Option<Tensor>,
-    pub lora: Option<Lora>,
-    /// W's wider buffer, when the adapter's forward is folded into the base GEMM.
-    pub pad: Option<Pad>,
-    /// (layer, module) index: keys the dropout stream.
-    key: [u64; 2],
-}
-
-/// A folded linear's W* = [W | pad] [out, in + pad] (`ops::fold`): its B's r columns start at
-/// in + `col`; the rest of the pad is zero (the other linears' B columns, and the columns
-/// that round its rows up). Under FSDP the skeleton layer's `full` is a placeholder and a
-/// gathered layer's a view of the gathered buffer (`Layer::frozen_mut`).
-#[derive(Clone)]
-pub struct Pad {
-    pub full: Tensor,
-    pub col: usize,
-    /// W's columns (`in`): `w` is `full`'s first `in_f` columns.
-    pub in_f: usize,
-}
-
-impl Linear {
-    /// x: [B, T, in] → [B, T, out]
-    pub fn forward(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
-        let Some(lora) = &self.lora else {
-            return ops::frozen_linear(x, &self.w, self.b.as_ref());
-        };
-        ops::lora_linear(
-            x,
-            &self.w,
-            self.b.as_ref(),
-            lora.a.as_tensor(),
-            lora.b.as_tensor(),
-            lora.scale,
-            self.dropout_mask(x.dims(), ctx)?,
-        )
-    }
-
-    /// Dropout on the adapter input, keyed by (step, micro-batch, layer, module) so that a
-    /// recomputed layer, and the backward, draw the same mask. None without dropout.
-    fn dropout_mask(&self, dims: &[usize], ctx: &Ctx) -> Result<Option<Tensor>> {
-        match (ctx.dropout, &self.lora) {
-            (Some((seed, [step, micro])), Some(lora)) if lora.dropout > 0.0 => {
-                Ok(Some(crate::lora::dropout_mask(
-                    dims,
-                    lora.dropout,
-                    seed,
-                    &[step, micro, self.key[0], self.key[1]],
-                    ctx.cos.device(),
-                )?))
-            }
-            _ => Ok(None),
-        }
-    }
-
-    /// The forward without a graph, for the hand-written layer backward.
-    /// x: [m, in] → (y [m, out], the adapter's s · (m ⊙ x) Aᵀ [m, r] if it has one).
-    pub fn fwd(&self, x: &Tensor, ctx: &Ctx) -> Result<(Tensor, Option<Tensor>)> {
-        let Some(lora) = &self.lora else {
-            return Ok((ops::frozen_linear(x, &self.w, self.b.as_ref())?, None));
-        };
-        let mask = self.dropout_mask(x.dims(), ctx)?;
-        let (y, xas) = ops::lora_linear::lora_fwd(
-            x,
-            &self.w,
-            self.b.as_ref(),
-            ctx.adapter(&lora.a),
-            ctx.adapter(&lora.b),
-            lora.scale,
-            mask.as_ref(),
-        )?;
-        Ok((y, Some(xas)))
-    }
-
-    /// `fwd`'s output again, from x and the adapter state `fwd` returned (no x Aᵀ product).
-    pub fn fwd_again(&self, x: &Tensor, xas: Option<&Tensor>, ctx: &Ctx) -> Result<Tensor> {
-        match (&self.lora, xas) {
-            (Some(lora), Some(xas)) => {
-                let b = ctx.adapter(&lora.b);
-                ops::lora_linear::with_base(x, &self.w, self.b.as_ref(), xas, b)
-            }
-            (None, _) => ops::frozen_linear(x, &self.w, self.b.as_ref()),
-            (Some(_), None) => {
-                candle_core::bail!(
-                    "{}: recompute without the forward's adapter state",
-                    self.name
-                )
-            }
-        }
-    }
-
-    /// `fwd`'s adapter state alone, without the output (None without an adapter).
-    pub fn adapter_fwd(&self, x: &Tensor, ctx: &Ctx) -> Result<Option<Tensor>> {
-        let Some(lora) = &self.lora else {
-            return Ok(None);
-        };
-        let mask = self.dropout_mask(x.dims(), ctx)?;
-        ops::lora_linear::lora_xas(x, ctx.adapter(&lora.a), lora.scale, mask.as_ref()).map(Some)
-    }
-
-    /// The backward of `fwd`: x [m, in] its input, g = dL/dy [m, out], `xas` what `fwd`
-    /// returned, `acc` a term of dL/dx to add in (consumed; on CUDA the GEMMs accumulate onto
-    /// it) → dL/dx [m, in], and (dA, dB) in f32 for an adapter. W gets nothing.
-    pub fn bwd(
-        &self,
-        x: &Tensor,
-        g: &Tensor,
-        xas: Option<&Tensor>,
-        ctx: &Ctx,
-        acc: Option<Tensor>,
-    ) -> Result<(Tensor, AdapterGrad)> {
-        if self.lora.is_some() && xas.is_none() {
-            candle_core::bail!(
-                "{}: backward without the forward's adapter state",
-                self.name
-            )
-        }
-        let (dx, half) = self.bwd_dx(g, ctx, acc)?;
-        Ok((dx, self.bwd_grads(x, g, half, xas)?))
-    }
-
-    /// `bwd` in two halves, for a linear whose input x is only wanted for the adapter's
-    /// gradients: dL/dx [m, in] from g [m, out] alone (plus `acc`, as `bwd`), and what
-    /// `bwd_grads` takes with x.
-    pub fn bwd_dx(
-        &self,
-        g: &Tensor,
-        ctx: &Ctx,
-        acc: Option<Tensor>,
-    ) -> Result<(Tensor, Option<AdapterHalf>)> {
-        let Some(lora) = &self.lora else {
-            let dx = match acc {
-                Some(acc) => ops::linear_acc::linear_bwd_acc(g, &self.w, acc)?,
-                None => g.contiguous()?.matmul(&self.w)?, // dx = g W
-            };
-            return Ok((dx, None));
-        };
-        let g = g.contiguous()?;
-        let mut dims = g.dims().to_vec(); // the input's: [m, in]
-        if let Some(d) = dims.last_mut() {
-            *d = self.w.dim(1)?;
-        }
-        let mask = self.dropout_mask(&dims, ctx)?;
-        let (dx, gbs) = ops::lora_linear::lora_bwd_dx(
-            &g,
-            &self.w,
-            ctx.adapter(&lora.a),
-            ctx.adapter(&lora.b),
-            lora.scale,
-            mask.as_ref(),
-            acc,
-        )?;
-        Ok((dx, Some(AdapterHalf { gbs, mask })))
-    }
-
-    /// `bwd`'s adapter gradients alone, without dL/dx (none of its GEMMs run): x [m, in],
-    /// g [m, out], `xas` what `fwd` kept. None without an adapter.
-    pub fn bwd_grads_alone(
-        &self,
-        x: &Tensor,
-        g: &Tensor,
-        xas: Option<&Tensor>,
-        ctx: &Ctx,
-    ) -> Result<AdapterGrad> {
-        let Some(lora) = &self.lora else {
-            return Ok(None);
-        };
-        let g = g.contiguous()?;
-        let gbs = ops::lora_linear::lora_gbs(&g, ctx.adapter(&lora.b), lora.scale)?;
-        let mask = self.dropout_mask(x.dims(), ctx)?; // the forward's (keyed)
-        self.bwd_grads(x, &g, Some(AdapterHalf { gbs, mask }), xas)
-    }
-
-    /// The second half of `bwd_dx`: (dA, dB) from x [m, in], the same g, what `bwd_dx`
-    /// returned and what `fwd` kept. None without an adapter.
-    pub fn bwd_grads(
-        &self,
-        x: &Tensor,
-        g: &Tensor,
-        half: Option<AdapterHalf>,
-        xas: Option<&Tensor>,
-    ) -> Result<AdapterGrad> {
-        match (half, xas) {
-            (Some(h), Some(xas)) => {
-                let g = g.contiguous()?;
-                let (da, db) = ops::lora_linear::lora_grads(x, &g, &h.gbs, h.mask.as_ref(), xas)?;
-                Ok(Some((da, db)))
-            }
-            (None, _) => Ok(None),
-            (Some(_), None) => {
-                candle_core::bail!(
-                    "{}: backward without the forward's adapter state",
-                    self.name
-                )
-            }
-        }
-    }
-
-    /// down_proj's backward with SwiGLU's, folded (`ops::fold::swiglu_down_bwd`): from dy
-    /// [m, out], SwiGLU's inputs gate and up [m, I] and `xas` what `fwd_folded` kept →
-    /// (dL/dgate, dL/dup, (dA, dB)). None (nothing run) when this linear's forward is not
-    /// folded for this batch, LORA_TRAIN_FOLD_BWD=0, or the kernel cannot take the operands.
-    pub fn bwd_swiglu_folded(
-        &self,
-        dy: &Tensor,
-        gate: &Tensor,
-        up: &Tensor,
-        xas: Option<&Tensor>,
-        ctx: &Ctx,
-    ) -> Result<Option<(Tensor, Tensor, AdapterGrad)>> {
-        let (Some(lora), Some(pad), Some(xas)) = (&self.lora, &self.pad, xas) else {
-            return Ok(None);
-        };
-        if !ops::fold::takes_bwd() || Linear::fold_width(&[self], ctx).is_none() {
-            return Ok(None);
-        }
-        let a = ctx.adapter(&lora.a).to_dtype(DType::BF16)?;
-        let dy = dy.contiguous()?;
-        let (w, s) = (&pad.full, lora.scale);
-        let Some(r) = ops::fold::swiglu_down_bwd(&dy, w, pad.col, gate, up, &a, s)? else {
-            return Ok(None);
-        };
-        let db = ops::linear_acc::matmul_tn_f32(&dy, xas)?; // dB = dyᵀ xas [out, r]
-        Ok(Some((r.dg, r.du, Some((r.da, db)))))
-    }
-
-    pub fn out_features(&self) -> usize {
-        self.w.dims()[0]
-    }
-
-    /// The adapters of `lins` (linears that share their input) that can run as one: those
-    /// without dropout, when there are two or more and they share a scale. Indices into `lins`.
-    fn shared(lins: &[&Linear], ctx: &Ctx) -> Vec<usize> {
-        let scale = |i: usize| lins[i].lora.as_ref().map(|l| l.scale);
-        let idx: Vec<usize> = (0..lins.len())
-            .filter(|&i| match &lins[i].lora {
-                Some(l) => l.dropout <= 0.0 || ctx.dropout.is_none(),
-                None => false,
-            })
-            .collect();
-        match idx.len() >= 2 && idx.windows(2).all(|w| scale(w[0]) == scale(w[1])) {
-            true => idx,
-            false => Vec::new(),
-        }
-    }
-
-    /// The shared adapters `idx` of `lins`: their A's stacked [Σ r, in] in `dt`, and each one's
-    /// operands.
-    fn shared_ops<'a>(
-        lins: &[&'a Linear],
-        idx: &[usize],
-        ctx: &'a Ctx,
-        dt: DType,
-    ) -> Result<(Tensor, Vec<ops::lora_linear::Adapter<'a>>)> {
-        let (a, ads) = Self::shared_adapters(lins, idx, ctx)?;
-        Ok((ctx.a_stack(&a, dt)?, ads))
-    }
-
-    /// The shared adapters `idx` of `lins`: their A's (as `Var`s) and each one's operands.
-    fn shared_adapters<'a>(
-        lins: &[&'a Linear],
-        idx: &[usize],
-        ctx: &'a Ctx,
-    ) -> Result<(
-        Vec<&'a candle_core::Var>,
-        Vec<ops::lora_linear::Adapter<'a>>,
-    )> {
-        let mut a = Vec::with_capacity(idx.len());
-        let mut ads = Vec::with_capacity(idx.len());
-        for &i in idx {
-            let (lin, lora) = match &lins[i].lora {
-                Some(lora) => (lins[i], lora),
-                None => candle_core::bail!("{}: shared without an adapter", lins[i].name),
-            };
-            a.push(&lora.a);
-            ads.push(ops::lora_linear::Adapter {
-                w: &lin.w,
-                bias: lin.b.as_ref(),
-                a: ctx.adapter(&lora.a),
-                b: ctx.adapter(&lora.b),
-                scale: lora.scale,
-            });
-        }
-        Ok((a, ads))
-    }
-
-    /// `fwd` of linears that share their input x [m, in]: (y, adapter state) each, in order.
-    /// Their adapters' x Aᵀ products are one GEMM over their A's side by side (x is read once,
-    /// one launch for two or three).
-    pub fn fwd_shared(
-        lins: &[&Linear],
-        x: &Tensor,
-        ctx: &Ctx,
-    ) -> Result<Vec<(Tensor, Option<Tensor>)>> {
-        let idx = Self::shared(lins, ctx);
-        let mut out: Vec<Option<(Tensor, Option<Tensor>)>> = vec![None; lins.len()];
-        if !idx.is_empty() {
-            let (a, ads) = Self::shared_ops(lins, &idx, ctx, x.dtype())?;
-            let ys = ops::lora_linear::lora_fwd_shared(x, &ads, &a)?;
-            for (&i, (y, xas)) in idx.iter().zip(ys) {
-                out[i] = Some((y, Some(xas)));
-            }
-        }
-        lins.iter()
-            .zip(out)
-            .map(|(lin, o)| match o {
-                Some(o) => Ok(o),
-                None => lin.fwd(x, ctx),
-            })
-            .collect()
-    }
-
-    /// The pad width when `lins` (linears that share their input) run folded (`ops::fold`) for
-    /// this batch: each padded alike, with an adapter, their B's columns in order, one scale,
-    /// no dropout, and the pads' B columns written for this batch. None otherwise.
-    pub fn fold_width(lins: &[&Linear], ctx: &Ctx) -> Option<usize> {
-        let first = lins.first()?;
-        let in_f = first.w.dim(1).ok()?;
-        let p = first.pad.as_ref()?.full.dim(1).ok()?.checked_sub(in_f)?;
-        let scale = first.lora.as_ref()?.scale;
-        let mut ranks = Vec::with_capacity(lins.len());
-        for lin in lins {
-            let (pad, lora) = (lin.pad.as_ref()?, lin.lora.as_ref()?);
-            let dropout = lora.dropout > 0.0 && ctx.dropout.is_some();
-            let col: usize = ranks.iter().sum();
-            if dropout || pad.col != col || lora.scale != scale || pad.full.dim(1).ok()? != in_f + p
-            {
-                return None;
-            }
-            ranks.push(lora.a.dim(0).ok()?);
-        }
-        (ctx.folded && ops::fold::pad_width(&ranks, in_f) == Some(p)).then_some(p)
-    }
-
-    /// `fwd_shared` folded (`ops::fold`), for `lins` whose `fold_width` is p: xp [m, in + p]
-    /// holds their input x in its first `in` columns (its next Σ r are written here).
-    pub fn fwd_folded(
-        lins: &[&Linear],
-        xp: &Tensor,
-        ctx: &Ctx,
-    ) -> Result<Vec<(Tensor, Option<Tensor>)>> {
-        let mut a = Vec::with_capacity(lins.len());
-        let mut ws = Vec::with_capacity(lins.len());
-        let mut ranks = Vec::with_capacity(lins.len());
-        let mut scale = 1.0;
-        for lin in lins {
-            let (Some(lora), Some(pad)) = (&lin.lora, &lin.pad) else {
-                candle_core::bail!("{}: folded without an adapter and a pad", lin.name);
-            };
-            a.push(&lora.a);
-            ws.push(&pad.full);
-            ranks.push(lora.a.dim(0)?);
-            scale = lora.scale;
-        }
-        let in_f = match lins.first() {
-            Some(lin) => lin.w.dim(1)?,
-            None => candle_core::bail!("fwd_folded: no linears"),
-        };
-        let a = ctx.a_stack(&a, xp.dtype())?; // [Σ r, in]
-        let (ys, xas) = ops::fold::fwd(xp, in_f, &a, scale, &ws)?;
-        let mut off = 0;
-        let mut out = Vec::with_capacity(lins.len());
-        for (y, r) in ys.into_iter().zip(ranks) {
-            out.push((y, Some(xas.narrow(1, off, r)?))); // [m, r], row stride Σ r
-            off += r;
-        }
-        Ok(out)
-    }
-
-    /// `bwd` of linears that shared their input x [m, in]: g[i] = dL/dy_i (consumed), xas[i]
-    /// what `fwd_shared` kept → dL/dx (the sum over all) and each one's (dA, dB). The shared
-    /// adapters' (g B)·A products are one GEMM, their dA one GEMM (x is read once); the base
-    /// GEMMs accumulate onto it.
-    pub fn bwd_shared(
-        lins: &[&Linear],
-        x: &Tensor,
-        g: Vec<Tensor>,
-        xas: &[Option<&Tensor>],
-        ctx: &Ctx,
-    ) -> Result<(Tensor, Vec<AdapterGrad>)> {
-        if let (Some(p), true) = (Self::fold_width(lins, ctx), ops::fold::takes_bwd()) {
-            return Self::bwd_folded(lins, x, g, xas, ctx, p);
-        }
-        let idx = Self::shared(lins, ctx);
-        let mut g: Vec<Option<Tensor>> = g.into_iter().map(Some).collect();
-        let mut grads: Vec<AdapterGrad> = vec![None; lins.len()];
-        let mut dx: Option<Tensor> = None;
-        if !idx.is_empty() {
-            let (a, ads) = Self::shared_ops(lins, &idx, ctx, x.dtype())?;
-            let (gs, xs) = Self::take_shared(lins, &idx, &mut g, xas)?;
-            let (d, gr) = ops::lora_linear::lora_bwd_shared(x, gs, &ads, &xs, &a)?;
-            dx = Some(d);
-            for (&i, gr) in idx.iter().zip(gr) {
-                grads[i] = Some(gr);
-            }
-        }
-        for (i, lin) in lins.iter().enumerate() {
-            // The shared ones' gradients were taken (and their base GEMMs run) above.
-            let Some(gi) = g.get_mut(i).and_then(Option::take) else {
-                continue;
-            };
-            let (d, gr) = lin.bwd(x, &gi, xas.get(i).copied().flatten(), ctx, dx.take())?;
-            dx = Some(d);
-            grads[i] = gr;
-        }
-        match dx {
-            Some(dx) => Ok((dx, grads)),
-            None => candle_core::bail!("bwd_shared: no linears"),
-        }
-    }
-
-    /// `bwd_shared` for `lins` whose forward ran folded (`fold_width` p): the base GEMMs run
-    /// against the padded weights, g_i · W*_i, accumulating one dL/dx [m, in + p] whose pad
-    /// columns are then each adapter's g_i B_i (the other linears' columns of W*_i are zero):
-    /// no skinny GEMM per adapter for them (each was a read of g_i). s · (g B)·A joins dL/dx
-    /// in its first `in` columns, which are returned (rows in + p apart); dA = s · (g B)ᵀ x.
-    fn bwd_folded(
-        lins: &[&Linear],
-        x: &Tensor,
-        g: Vec<Tensor>,
-        xas: &[Option<&Tensor>],
-        ctx: &Ctx,
-        p: usize,
-    ) -> Result<(Tensor, Vec<AdapterGrad>)> {
-        let in_f = x.dim(1)?;
-        let mut a = Vec::with_capacity(lins.len());
-        let mut grads: Vec<AdapterGrad> = Vec::with_capacity(lins.len());
-        let mut dxp: Option<Tensor> = None; // [m, in + p]
-        let (mut scale, mut ranks) = (1.0, 0);
-        for ((lin, gi), xas) in lins.iter().zip(g).zip(xas) {
-            let (Some(lora), Some(pad), Some(xas)) = (&lin.lora, &lin.pad, xas) else {
-                candle_core::bail!("{}: folded backward without its adapter state", lin.name);
-            };
-            let gi = gi.contiguous()?;
-            dxp = Some(match dxp {
-                None => ops::linear_acc::matmul_scaled(&gi, &pad.full, false, 1.0)?,
-                Some(acc) => ops::linear_acc::linear_bwd_acc(&gi, &pad.full, acc)?,
-            });
-            let db = ops::linear_acc::matmul_tn_f32(&gi, xas)?; // dB = g_iᵀ xas_i [out, r]
-            grads.push(Some((db.clone(), db))); // dA set below
-            a.push(&lora.a);
-            (scale, ranks) = (lora.scale, ranks + lora.a.dim(0)?);
-        }
-        let Some(dxp) = dxp else {
-            candle_core::bail!("bwd_folded: no linears");
-        };
-        if ranks > p {
-            candle_core::bail!("bwd_folded: ranks {ranks} past the pad {p}");
-        }
-        let gb = dxp.narrow(1, in_f, ranks)?; // [m, Σ r] = g_i B_i side by side, unscaled
-        let a = ctx.a_stack(&a, x.dtype())?; // [Σ r, in]
-        let dx = ops::linear_acc::linear_bwd_acc_scaled(&gb, &a, dxp.narrow(1, 0, in_f)?, scale)?;
-        let da = (ops::linear_acc::matmul_tn_f32(&gb, x)? * scale)?; // [Σ r, in] f32
-        let mut off = 0;
-        for (gr, lin) in grads.iter_mut().zip(lins) {
-            let r = lin.lora.as_ref().map_or(0, |l| l.a.dims()[0]);
-            if let Some((da_i, _)) = gr {
-                *da_i = da.narrow(0, off, r)?;
-            }
-            off += r;
-        }
-        Ok((dx, grads))
-    }
-
-    /// `bwd_shared`'s adapter gradients alone, without dL/dx: for an input that needs no
-    /// gradient (the first layer's, the frozen embedding's output), so that the base GEMMs'
-    /// dL/dx (three of the layer's eleven backward GEMMs at q, k, v) and the adapters' are not
-    /// run. Linears without an adapter are skipped; an adapter outside the shared group (its
-    /// own dropout) takes `bwd_grads_alone`.
-    pub fn grads_shared(
-        lins: &[&Linear],
-        x: &Tensor,
-        g: Vec<Tensor>,
-        xas: &[Option<&Tensor>],
-        ctx: &Ctx,
-    ) -> Result<Vec<AdapterGrad>> {
-        let idx = Self::shared(lins, ctx);
-        let mut g: Vec<Option<Tensor>> = g.into_iter().map(Some).collect();
-        let mut grads: Vec<AdapterGrad> = vec![None; lins.len()];
-        if !idx.is_empty() {
-            // No stacked A's: without dL/dx nothing multiplies by them.
-            let (_, ads) = Self::shared_adapters(lins, &idx, ctx)?;
-            let (gs, xs) = Self::take_shared(lins, &idx, &mut g, xas)?;
-            let gr = ops::lora_linear::lora_grads_shared(x, gs, &ads, &xs)?;
-            for (&i, gr) in idx.iter().zip(gr) {
-                grads[i] = Some(gr);
-            }
-        }
-        for (i, lin) in lins.iter().enumerate() {
-            let Some(gi) = g.get_mut(i).and_then(Option::take) else {
-                continue;
-            };
-            grads[i] = lin.bwd_grads_alone(x, &gi, xas.get(i).copied().flatten(), ctx)?;
-        }
-        Ok(grads)
-    }
-
-    /// The gradients g[i] (taken) and kept adapter states of the shared linears `idx`.
-    fn take_shared<'x>(
-        lins: &[&Linear],
-        idx: &[usize],
-        g: &mut [Option<Tensor>],
-        xas: &[Option<&'x Tensor>],
-    ) -> Result<(Vec<Tensor>, Vec<&'x Tensor>)> {
-        let mut gs = Vec::with_capacity(idx.len());
-        let mut xs = Vec::with_capacity(idx.len());
-        for &i in idx {
-            match (
-                g.get_mut(i).and_then(Option::take),
-                xas.get(i).copied().flatten(),
-            ) {
-                (Some(gi), Some(xi)) => {
-                    gs.push(gi);
-                    xs.push(xi);
-                }
-                _ => candle_core::bail!(
-                    "{}: backward without its gradient or the forward's adapter state",
-                    lins[i].name
-                ),
-            }
-        }
-        Ok((gs, xs))
-    }
-}
-
-#[derive(Clone)]
-pub struct Layer {
-    pub input_norm: Tensor,
-    pub post_norm: Tensor,
-    pub q: Linear,
-    pub k: Linear,
-    pub v: Linear,
-    pub o: Linear,
-    pub gate: Linear,
-    pub up: Linear,
-    pub down: Linear,
-    pub(crate) eps: f64,
-    pub(crate) heads: usize,
-    pub(crate) kv_heads: usize,
-    pub(crate) head_dim: usize,
-    pub(crate) window: usize,
-}
-
-impl Layer {
-    /// x: [B, T, C] → [B, T, C]
-    pub fn forward(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
-        let (b, t, _c) = x.dims3()?;
-        let (h, k, d) = (self.heads, self.kv_heads, self.head_dim);
-        let hn = ops::rms_norm(x, &self.input_norm, self.eps)?;
-        let q = self
-            .q
-            .forward(&hn, ctx)?
-            .reshape((b, t, h, d))?
-            .transpose(1, 2)?; // [B, H, T, D]
-        let kk = self
-            .k
-            .forward(&hn, ctx)?
-            .reshape((b, t, k, d))?
-            .transpose(1, 2)?; // [B, K, T, D]
-        let v = self
-            .v
-            .forward(&hn, ctx)?
-            .reshape((b, t, k, d))?
-            .transpose(1, 2)?; // [B, K, T, D]
-        let q = ops::rope(&q, &ctx.cos, &ctx.sin)?;
-        let kk = ops::rope(&kk, &ctx.cos, &ctx.sin)?;
-        let (kk, v) = (repeat_kv(&kk, h / k)?, repeat_kv(&v.contiguous()?, h / k)?); // [B, H, T, D]
-        let mask = AttnMask {
-            window: self.window,
-            ..ctx.mask.clone()
-        };
-        let o = ops::attention(&q, &kk, &v, &mask, 1.0 / (d as f64).sqrt(), ctx.attn_block)?;
-        let attn = o.transpose(1, 2)?.reshape((b, t, h * d))?; // [B, T, H·D]
-        let x = (x + self.o.forward(&attn, ctx)?)?;
-        let hn = ops::rms_norm(&x, &self.post_norm, self.eps)?;
-        let a = ops::swiglu(&self.gate.forward(&hn, ctx)?, &self.up.forward(&hn, ctx)?)?; // [B, T, I]
-        let m = self.down.forward(&a, ctx)?;
-        x + m
-    }
-
-    /// The layer's frozen tensors, in a fixed order (norms, then each linear's W, or its
-    /// padded W* when folded, and bias): FSDP flattens them into one buffer and puts views of
-    /// the gathered buffer back. After changing them, `sync_views` makes each folded W a view
-    /// of its W* again.
-    pub fn frozen_mut(&mut self) -> Vec<&mut Tensor> {
-        let (norms, lins) = self.parts_mut();
-        let mut v = Vec::from(norms);
-        for lin in lins {
-            match &mut lin.pad {
-                Some(pad) => v.push(&mut pad.full),
-                None => v.push(&mut lin.w),
-            }
-            v.extend(lin.b.as_mut());
-        }
-        v
-    }
-
-    /// For each tensor of `frozen_mut`, in its order, the linear whose W (or W*) it is; None for
-    /// the norms and the biases.
-    pub fn frozen_linears(&self) -> Vec<Option<&Linear>> {
-        let mut v = vec![None, None];
-        for lin in self.linears() {
-            v.push(Some(lin));
-            if lin.b.is_some() {
-                v.push(None);
-            }
-        }
-        v
-    }
-
-    /// Each folded linear's W as the first `in` columns of its W* (which `frozen_mut` may have
-    /// replaced: FSDP's placeholder, or a gathered view). A placeholder W* (not [out, in + p])
-    /// leaves W that placeholder too, so the skeleton holds no weights.
-    pub fn sync_views(&mut self) -> Result<()> {
-        for lin in self.linears_mut() {
-            if let Some(pad) = &lin.pad {
-                lin.w = match pad.full.rank() {
-                    2 => pad.full.narrow(1, 0, pad.in_f)?,
-                    _ => pad.full.clone(),
-                };
-            }
-        }
-        Ok(())
-    }
-
-    /// Pads this layer's foldable groups (`Model::fold`); their bytes.
-    pub fn fold(&mut self) -> Result<usize> {
-        let mut bytes = 0;
-        for mut group in self.fold_groups() {
-            bytes += pad_group(&mut group)?;
-        }
-        Ok(bytes)
-    }
-
-    fn linears_mut(&mut self) -> [&mut Linear; 7] {
-        self.parts_mut().1
-    }
-
-    /// The two norms and the seven linears, each borrowed apart.
-    fn parts_mut(&mut self) -> ([&mut Tensor; 2], [&mut Linear; 7]) {
-        (
-            [&mut self.input_norm, &mut self.post_norm],
-            [
-                &mut self.q,
-                &mut self.k,
-                &mut self.v,
-                &mut self.o,
-                &mut self.gate,
-                &mut self.up,
-                &mut self.down,
-            ],
-        )
-    }
-
-    /// The linears whose forward can fold (`ops::fold`), by groups that share their input:
-    /// q, k, v; gate, up; down. (o_proj's input is the flash kernel's output.)
-    fn fold_groups(&mut self) -> [Vec<&mut Linear>; 3] {
-        [
-            vec![&mut self.q, &mut self.k, &mut self.v],
-            vec![&mut self.gate, &mut self.up],
-            vec![&mut self.down],
-        ]
-    }
-
-    pub fn linears(&self) -> [&Linear; 7] {
-        [
-            &self.q, &self.k, &self.v, &self.o, &self.gate, &self.up, &self.down,
-        ]
-    }
-}
-
-/// `Model::fold` for one group of linears that share their input: each one's W copied into
-/// the first `in` columns of a zeroed [out, in + pad] (`ops::fold::pad_width`), its B's
-/// columns after those of the linears before it. Returns the pads' bytes; 0 (nothing done)
-/// when the group cannot fold, or is folded already.
-fn pad_group(lins: &mut [&mut Linear]) -> Result<usize> {
-    let mut ranks = Vec::with_capacity(lins.len());
-    let mut scale = None;
-    for lin in lins.iter() {
-        let Some(lora) = &lin.lora else {
-            return Ok(0);
-        };
-        if lin.b.is_some() || lin.pad.is_some() || *scale.get_or_insert(lora.scale) != lora.scale {
-            return Ok(0);
-        }
-        ranks.push(lora.a.dim(0)?);
-    }
-    let in_f = match lins.first() {
-        Some(lin) => lin.w.dim(1)?,
-        None => return Ok(0),
-    };
-    let Some(p) = ops::fold::pad_width(&ranks, in_f) else {
-        return Ok(0);
-    };
-    let (mut col, mut bytes) = (0, 0);
-    for lin in lins.iter_mut() {
-        let (out, in_f) = lin.w.dims2()?;
-        let full = Tensor::zeros((out, in_f + p), lin.w.dtype(), lin.w.device())?;
-        full.slice_set(&lin.w.contiguous()?, 1, 0)?;
-        lin.w = full.narrow(1, 0, in_f)?;
-        bytes += out * p * lin.w.dtype().size_in_bytes();
-        lin.pad = Some(Pad { full, col, in_f });
-        col += lin.lora.as_ref().map_or(0, |l| l.a.dims()[0]);
-    }
-    Ok(bytes)
-}
-
-/// [B, K, T, D] → [B, K·n, T, D], each kv head repeated n times (GQA).
-pub(crate) fn repeat_kv(x: &Tensor, n: usize) -> Result<Tensor> {
-    if n == 1 {
-        return Ok(x.clone());
-    }
-    let (b, k, t, d) = x.dims4()?;
-    x.unsqueeze(2)?
-        .broadcast_as((b, k, n, t, d))?
-        .reshape((b, k * n, t, d))
-}
 
 /// Called with each group of frozen tensors as it is loaded (see `Model::load_with`).
 pub type Loaded<'a> = &'a mut dyn FnMut(Vec<&mut Tensor>) -> anyhow::Result<()>;
@@ -812,12 +82,15 @@ pub struct Model {
     pub tied: bool,
     pub dtype: DType,
     pub device: Device,
+    /// Every kernel choice of the run (`Kernels::resolve`); each batch's `Ctx` carries a copy.
+    pub kernels: Kernels,
     inv_freq: Vec<f32>,
 }
 
 impl Model {
     /// Memory-maps the checkpoint, casts the base to `dtype` on `device`, and injects fresh
-    /// LoRA adapters (A random from `seed`, B zero) on the `spec.targets` modules.
+    /// LoRA adapters (A random from `seed`, B zero) on the `spec.targets` modules; the
+    /// kernels are the device's (`Kernels::resolve`, not deterministic).
     pub fn load(
         files: &ModelFiles,
         dtype: DType,
@@ -825,23 +98,24 @@ impl Model {
         spec: &LoraSpec,
         seed: u64,
     ) -> anyhow::Result<Model> {
-        Self::load_with(files, dtype, device, spec, seed, false, &mut |_| Ok(()))
+        let head_dim = ModelConfig::from_file(&files.config)?.head_dim;
+        let kernels = Kernels::resolve(device, dtype, head_dim, false)?;
+        Self::load_with(files, dtype, device, spec, seed, &kernels, &mut |_| Ok(()))
     }
 
-    /// `load`, handing each group of frozen tensors to `loaded` as soon as it is on the device:
-    /// each decoder layer's (`Layer::frozen_mut` order), then the embedding, final norm and
-    /// untied head (`Model::io_mut` order). FSDP keeps a shard and replaces them with
-    /// placeholders there, so only one full layer is ever resident. With `fold` each layer is
-    /// padded (`Model::fold`, where `ops::fold::takes` the device and dtype) before `loaded`
-    /// sees it, so FSDP's shards hold the padded weights.
-    #[allow(clippy::too_many_arguments)]
+    /// `load` on `kernels` (`Kernels::resolve` for this device, dtype and head dim), handing
+    /// each group of frozen tensors to `loaded` as soon as it is on the device: each decoder
+    /// layer's (`Layer::frozen_mut` order), then the embedding, final norm and untied head
+    /// (`Model::io_mut` order). FSDP keeps a shard and replaces them with placeholders there,
+    /// so only one full layer is ever resident. Where `kernels.fold`, each layer is padded
+    /// (`Model::fold`) before `loaded` sees it, so FSDP's shards hold the padded weights.
     pub fn load_with(
         files: &ModelFiles,
         dtype: DType,
         device: &Device,
         spec: &LoraSpec,
         seed: u64,
-        fold: bool,
+        kernels: &Kernels,
         loaded: Loaded,
     ) -> anyhow::Result<Model> {
         let cfg = ModelConfig::from_file(&files.config)?;
@@ -877,11 +151,12 @@ impl Model {
                 files.dir.display()
             );
         }
-        Self::build(cfg, &get, tied, dtype, device, spec, seed, fold, loaded)
+        Self::build(cfg, &get, tied, dtype, device, spec, seed, *kernels, loaded)
     }
 
     /// Random weights of a given shape made on the device (benchmarks; no download): linear
     /// and embedding weights N(0, 0.02), norms 1, as transformers initialises a fresh model.
+    /// The kernels are the device's, as in `load`.
     pub fn random(
         cfg: ModelConfig,
         dtype: DType,
@@ -889,18 +164,18 @@ impl Model {
         spec: &LoraSpec,
         seed: u64,
     ) -> anyhow::Result<Model> {
-        Self::random_with(cfg, dtype, device, spec, seed, false, &mut |_| Ok(()))
+        let kernels = Kernels::resolve(device, dtype, cfg.head_dim, false)?;
+        Self::random_with(cfg, dtype, device, spec, seed, &kernels, &mut |_| Ok(()))
     }
 
-    /// `random`, with `fold` and `loaded` as in `load_with`.
-    #[allow(clippy::too_many_arguments)]
+    /// `random`, with `kernels` and `loaded` as in `load_with`.
     pub fn random_with(
         cfg: ModelConfig,
         dtype: DType,
         device: &Device,
         spec: &LoraSpec,
         seed: u64,
-        fold: bool,
+        kernels: &Kernels,
         loaded: Loaded,
     ) -> anyhow::Result<Model> {
         if !device.is_cpu() {
@@ -917,7 +192,7 @@ impl Model {
             Ok(t.to_dtype(dtype)?)
         };
         let tied = cfg.tie_word_embeddings.unwrap_or(false);
-        Self::build(cfg, &get, tied, dtype, device, spec, seed, fold, loaded)
+        Self::build(cfg, &get, tied, dtype, device, spec, seed, *kernels, loaded)
     }
 
     /// Assembles the model from a source of named base tensors (HF names and shapes).
@@ -930,10 +205,9 @@ impl Model {
         device: &Device,
         spec: &LoraSpec,
         seed: u64,
-        fold: bool,
+        kernels: Kernels,
         loaded: Loaded,
     ) -> anyhow::Result<Model> {
-        let fold = fold && ops::fold::takes(device.is_cuda(), dtype);
         let (c, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
         let (h, k, d) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
         let linear =
@@ -980,7 +254,7 @@ impl Model {
                 head_dim: d,
                 window: cfg.sliding_window.unwrap_or(0),
             };
-            if fold {
+            if kernels.fold {
                 layer.fold()?;
             }
             loaded(layer.frozen_mut())?;
@@ -1004,6 +278,7 @@ impl Model {
             tied,
             dtype,
             device: device.clone(),
+            kernels,
             inv_freq,
         };
         loaded(m.io_mut())?;
@@ -1043,18 +318,19 @@ impl Model {
             tied: self.tied,
             dtype: self.dtype,
             device: self.device.clone(),
+            kernels: self.kernels,
             inv_freq: self.inv_freq.clone(),
         })
     }
 
     /// Moves the base weights of the linears whose adapters' forward can fold into the base
-    /// GEMM into padded buffers (`ops::fold`): on CUDA with bf16 weights, unless
-    /// LORA_TRAIN_FOLD=0. A group folds when each of its linears has an adapter and no bias,
-    /// they share a scale, and their input width is a multiple of 8. `load_with(.., fold =
-    /// true, ..)` does the same one layer at a time, before FSDP shards it. Returns the pads'
+    /// GEMM into padded buffers (`ops::fold`), where `kernels.fold` (CUDA, bf16). A group
+    /// folds when each of its linears has an adapter and no bias, they share a scale, and
+    /// their input width is a multiple of 8; a group folded already is left as it is.
+    /// `load_with` does the same one layer at a time, before FSDP shards it. Returns the pads'
     /// bytes (the memory plan's `fold` term).
     pub fn fold(&mut self) -> Result<usize> {
-        if !ops::fold::takes(self.device.is_cuda(), self.dtype) {
+        if !self.kernels.fold {
             return Ok(0);
         }
         let mut bytes = 0;
@@ -1115,6 +391,7 @@ impl Model {
             adapters,
             adapter_buf,
             folded,
+            kernels: self.kernels,
         })
     }
 
@@ -1253,7 +530,12 @@ impl Model {
         let eps = self.cfg.rms_norm_eps;
         let hn = ops::rms_norm(x, &self.norm, eps)?; // [n, C]
         let logits = ops::frozen_linear(&hn, &self.lm_head, None)?; // [n, V]
-        let (ce_rows, dl) = ops::cross_entropy::cross_entropy_fwd_bwd(&logits, targets, denom)?;
+        let (ce_rows, dl) = ops::cross_entropy::cross_entropy_fwd_bwd(
+            &logits,
+            targets,
+            denom,
+            self.kernels.cross_entropy,
+        )?;
         drop(logits);
         let dhn = dl.matmul(&self.lm_head)?; // [n, C]
         Ok((

@@ -5,10 +5,14 @@
 //! and free memory between layers.
 
 pub mod config;
+pub mod layer;
 pub mod layer_train;
+pub mod linear;
 pub mod llama;
 pub mod rope;
 
 pub use config::{ConfigError, Family, ModelConfig, RopeScaling};
+pub use layer::Layer;
 pub use layer_train::{LayerActs, LayerGrads};
-pub use llama::{Ctx, Layer, Linear, Model};
+pub use linear::{AdapterGrad, Linear, Pad};
+pub use llama::{Ctx, Model};

@@ -1,6 +1,7 @@
 
 // The training head's cross-entropy, forward and backward in one kernel (cross_entropy.rs says
-// why). Appended to cuda.rs's SRC: ld/st, ld4/st4 and block_max/block_sum are from there.
+// why). After common.cuh in the one program (ops::cuda): ld/st, ld4/st4 and block_max/block_sum
+// are from there.
 //
 // x [n, v] logits (f32 or bf16, upcast to f32 when read), tgt [n] u32 → ce [n] f32 =
 // lse − x[t], dx [n, v] = exp(x − lse) / denom − [j = t] / denom, rounded once to T.

@@ -6,21 +6,25 @@
 //! gradient rounded once to the logits' dtype. As tensor ops this was about a dozen kernels per
 //! chunk of rows, each reading or writing an [n, V] f32 buffer (the cast, max, sub, exp, sum,
 //! mul, scatter_add, the cast back), and three such buffers were alive at once. On CUDA (f32 or
-//! bf16, contiguous logits) `cross_entropy.cu` does it in one kernel: two reads of the logits in
-//! their own dtype and one write of the gradient, nothing [n, V] in f32. The tensor ops stay as
-//! `cross_entropy_fwd_bwd_ops`: the reference, and the path everywhere else (CPU, f16).
+//! bf16, contiguous logits: `CrossEntropy::Fused`) `cross_entropy.cu` does it in one kernel: two
+//! reads of the logits in their own dtype and one write of the gradient, nothing [n, V] in f32.
+//! The tensor ops stay as `cross_entropy_fwd_bwd_ops`: the reference, and the path everywhere
+//! else (CPU, f16).
 //!
 //! The caller guarantees every target < V (the data pipeline validates token ids): the kernel
 //! reads logit[target] unchecked, and a check here would cost a device-to-host sync.
 
+use super::kernels::CrossEntropy;
 use candle_core::{DType, Result, Tensor};
 
 /// logits [n, V] (activation dtype), targets [n] u32 → (ce [n] f32, dL/dlogits [n, V] in the
-/// logits' dtype) for L = Σ ce / `denom`. The fused kernel on CUDA, the tensor ops elsewhere.
+/// logits' dtype) for L = Σ ce / `denom`. The fused kernel where `kind` is `Fused` and it takes
+/// the operands (`kernel_takes`), the tensor ops elsewhere.
 pub fn cross_entropy_fwd_bwd(
     logits: &Tensor,
     targets: &Tensor,
     denom: f64,
+    kind: CrossEntropy,
 ) -> Result<(Tensor, Tensor)> {
     let (n, _) = logits.dims2()?;
     if targets.dims() != [n] {
@@ -31,9 +35,10 @@ pub fn cross_entropy_fwd_bwd(
         );
     }
     #[cfg(feature = "cuda")]
-    if kernel_takes(logits, targets) {
+    if kind == CrossEntropy::Fused && kernel_takes(logits, targets) {
         return imp::fwd_bwd(logits, targets, denom);
     }
+    let _ = kind;
     cross_entropy_fwd_bwd_ops(logits, targets, denom)
 }
 
@@ -48,12 +53,6 @@ pub fn kernel_takes(logits: &Tensor, targets: &Tensor) -> bool {
         && logits
             .dims2()
             .is_ok_and(|(n, v)| (1..=i32::MAX as usize).contains(&n) && v > 0)
-}
-
-/// Whether a CUDA build's `cross_entropy_fwd_bwd` takes the kernel for `dtype` logits on a
-/// GPU (`cuda`) or not: what the memory plan forecasts, from any build.
-pub fn kernel_takes_for(cuda: bool, dtype: DType) -> bool {
-    cuda && matches!(dtype, DType::F32 | DType::BF16)
 }
 
 /// The same as tensor ops (the reference; the path on the CPU and for f16): f32 logits,

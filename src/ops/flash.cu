@@ -1,5 +1,5 @@
 // Causal flash attention on tensor cores: bf16 operands, f32 accumulation, mma.sync.m16n8k16
-// (sm_80+). Appended to cuda.rs's SRC (it uses bf16_t from there) and compiled with it by NVRTC.
+// (sm_80+). After common.cuh (bf16_t) in the one program that NVRTC compiles (ops::cuda).
 //
 // Three kernels, each one thread block of 4 warps per (tile, batch·head); tiles stream through
 // shared memory double-buffered (cp.async), fragments come out of it by ldmatrix:

@@ -4,90 +4,25 @@
 //! sliding window, L = log-sum-exp in natural log), but one kernel per pass instead of cuBLAS
 //! GEMMs per query block plus three elementwise kernels over the [bq × T] score blocks, and GQA
 //! without repeating k and v. The blockwise path stays the reference (its tests pin it to the
-//! composite) and the fallback: CPU, f32 and f16, other head dims, `LORA_TRAIN_FLASH=0`.
+//! composite) and the fallback: CPU, f32 and f16, other head dims (`ops::kernels::Attention`).
 //!
 //! Inputs are [B, H, T, D] views: d contiguous, the other strides and the start multiples of 8
 //! elements, and laid out without gaps, so that heads-major tensors and token-major rows
 //! [B·T, H·D] (viewed as `reshape((b, t, h, d)).transpose(1, 2)`) both go in without a copy.
 
+use super::kernels::Attention;
 use super::AttnMask;
-use candle_core::{DType, Device, Result, Tensor, D};
-
-/// Whether attention over `q` [B, H, T, D] takes the tensor-core kernels.
-pub fn takes(q: &Tensor) -> bool {
-    q.dim(D::Minus1)
-        .is_ok_and(|d| takes_for(q.device(), q.dtype(), d))
-}
-
-/// Whether attention of head dim `d` over `dtype` activations on `dev` takes them.
-pub fn takes_for(dev: &Device, dtype: DType, d: usize) -> bool {
-    cfg!(feature = "cuda") && kernels_take(dev.is_cuda(), dtype, d)
-}
-
-/// Whether a CUDA build would take them (what the memory plan forecasts, from any build).
-pub fn kernels_take(cuda: bool, dtype: DType, d: usize) -> bool {
-    cuda && dtype == DType::BF16 && matches!(d, 64 | 128) && !switched_off()
-}
-
-/// `LORA_TRAIN_FLASH=0`, read once per process: every layer asks, forward and backward.
-fn switched_off() -> bool {
-    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *OFF.get_or_init(|| std::env::var("LORA_TRAIN_FLASH").is_ok_and(|v| v == "0"))
-}
-
-/// Which family of tensor-core kernels runs a pass.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Kernels {
-    /// flash.cu: mma.sync from ldmatrix fragments; sm_80 and later, head dims 64 and 128.
-    MmaSync,
-    /// flash90.cu: warpgroup MMA (wgmma) from swizzled shared tiles; compute capability 9.0
-    /// (H100, H200), head dim 128. The backward is one kernel (`flash_bwd90`: dK, dV and dQ's
-    /// terms from one S and dP per tile) and a pass that rounds dQ's f32 sums. Those sums
-    /// add the key tiles' terms in the order they land: dq is not bit-reproducible from run
-    /// to run (f32 rounding; PyTorch's flash backward is alike).
-    Wgmma,
-    /// `Wgmma` with the backward in two kernels, dQ apart (`flash_dq90` computes S and dP
-    /// again): no f32 dQ buffer, and every sum in a fixed order (runs repeat bit for bit).
-    /// `LORA_TRAIN_FUSED_DQ=0` (or `LORA_TRAIN_DETERMINISTIC=1`).
-    WgmmaSplitDq,
-}
-
-/// The family `flash_fwd` and `flash_bwd` take for head dim `d` on `dev`: wgmma on a Hopper
-/// GPU for d = 128 unless `LORA_TRAIN_FLASH90=0`, mma.sync otherwise.
-pub fn kernels_for(dev: &Device, d: usize) -> Kernels {
-    static OFF: std::sync::OnceLock<(bool, bool)> = std::sync::OnceLock::new();
-    let (off, split) = *OFF.get_or_init(|| {
-        let zero = |var: &str| std::env::var(var).is_ok_and(|v| v == "0");
-        (
-            zero("LORA_TRAIN_FLASH90"),
-            zero("LORA_TRAIN_FUSED_DQ") || super::deterministic(),
-        )
-    });
-    match d == 128 && !off && hopper(dev) {
-        true if split => Kernels::WgmmaSplitDq,
-        true => Kernels::Wgmma,
-        false => Kernels::MmaSync,
-    }
-}
-
-/// Whether `dev` is a Hopper GPU (compute capability 9.0).
-fn hopper(dev: &Device) -> bool {
-    match dev {
-        #[cfg(feature = "cuda")]
-        Device::Cuda(c) => crate::ops::cuda::is_hopper(c).unwrap_or(false),
-        _ => false,
-    }
-}
+use candle_core::{Result, Tensor};
 
 /// q [B, H, T, D], k, v [B, K, T, D] → (O as token-major rows [B·T, H·D], L [B, H, T] f32), on
-/// the kernels of `kernels` (`kernels_for` picks the device's).
+/// the tensor-core kernels `kernels` names (`Kernels::attention`; `Blockwise` is an error).
 pub fn flash_fwd(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     mask: &AttnMask,
     scale: f64,
-    kernels: Kernels,
+    kernels: Attention,
 ) -> Result<(Tensor, Tensor)> {
     #[cfg(feature = "cuda")]
     {
@@ -116,7 +51,7 @@ pub fn flash_bwd(
     mask: &AttnMask,
     scale: f64,
     rope: Option<(&Tensor, &Tensor)>,
-    kernels: Kernels,
+    kernels: Attention,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     #[cfg(feature = "cuda")]
     {
@@ -131,7 +66,7 @@ pub fn flash_bwd(
 
 #[cfg(feature = "cuda")]
 mod imp {
-    use super::{AttnMask, Kernels};
+    use super::{Attention, AttnMask};
     use candle_core::cuda::cudarc::driver::sys::CUfunction_attribute_enum;
     use candle_core::cuda::cudarc::driver::{
         CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
@@ -197,12 +132,6 @@ mod imp {
     }
     // SAFETY: plain old data laid out as the C struct the kernel takes by value.
     unsafe impl DeviceRepr for Tmaps {}
-
-    /// `LORA_TRAIN_FLASH90_WS=0`: the forward without warp specialization.
-    fn ws_off() -> bool {
-        static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *OFF.get_or_init(|| std::env::var("LORA_TRAIN_FLASH90_WS").is_ok_and(|v| v == "0"))
-    }
 
     /// The copy engine's map of a bf16 [B, H, T, 128] view at `addr` with (b, h, t) strides
     /// `st` (elements): dims d, then the other three innermost first, boxes of 64 columns ×
@@ -427,7 +356,7 @@ mod imp {
         if b * h > 65535 {
             candle_core::bail!(
                 "flash attention: batch × heads = {} exceeds 65535 blocks; use a smaller \
-                 micro-batch, or LORA_TRAIN_FLASH=0 for the blockwise path",
+                 micro-batch",
                 b * h
             );
         }
@@ -476,7 +405,7 @@ mod imp {
         v: &Tensor,
         mask: &AttnMask,
         scale: f64,
-        kernels: Kernels,
+        kernels: Attention,
     ) -> Result<(Tensor, Tensor)> {
         let mut p = base(q, k, v, mask, scale)?;
         let (b, h, t, d) = q.dims4()?;
@@ -499,10 +428,11 @@ mod imp {
             p.lse = lse.device_ptr(&stream).0;
             match kernels {
                 // The copy engine takes positive strides only (no broadcast views).
-                Kernels::Wgmma | Kernels::WgmmaSplitDq
+                // Warp-specialized (a producer warpgroup feeds the tiles through the copy
+                // engine) where it can: no segments, no window.
+                Attention::Wgmma | Attention::WgmmaSplitDq
                     if mask.segments.is_none()
                         && mask.window == 0
-                        && !ws_off()
                         && [p.sq, p.sk, p.sv].iter().flatten().all(|&x| x > 0) =>
                 {
                     wgmma_d(d)?;
@@ -524,7 +454,7 @@ mod imp {
                     // Two consumer warpgroups and a producer one.
                     launch_fn(&dev, func, 3 * 128, grid, smem, &p, Some(&tm))?;
                 }
-                Kernels::Wgmma | Kernels::WgmmaSplitDq => {
+                Attention::Wgmma | Attention::WgmmaSplitDq => {
                     wgmma_d(d)?;
                     // Q, K twice and V three times, as 128-row swizzled tiles; segment ids;
                     // and room to align the tiles to 1024 bytes.
@@ -532,7 +462,10 @@ mod imp {
                     let grid = (t.div_ceil(128) as u32, (b * h) as u32);
                     launch90(&dev, "flash_fwd90_d128", THREADS90, grid, smem, &p)?;
                 }
-                Kernels::MmaSync => {
+                Attention::Blockwise => {
+                    candle_core::bail!("flash attention: Blockwise is ops::attention's path")
+                }
+                Attention::MmaSync => {
                     let smem = (4 * 64 * (d + 8) * 2 + 2 * 64 * 4) as u32; // K, V twice; segment ids
                     let grid = (t.div_ceil(64) as u32, (b * h) as u32);
                     launch(&dev, &format!("flash_fwd_d{d}"), grid, smem, &p)?;
@@ -565,7 +498,7 @@ mod imp {
         mask: &AttnMask,
         scale: f64,
         rope: Option<(&Tensor, &Tensor)>,
-        kernels: Kernels,
+        kernels: Attention,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let mut p = base(q, k, v, mask, scale)?;
         let (b, h, kh, t, d) = check_shapes(q, k, v)?;
@@ -643,82 +576,91 @@ mod imp {
             p.dq = dq.device_ptr(&stream).0;
             p.dk = dk.device_ptr(&stream).0;
             p.dv = dv.device_ptr(&stream).0;
-            // K and V (128 rows), Q and dO three times (64 rows); L, δ and segment ids three
-            // times; room to align the tiles to 1024 bytes.
-            let dkdv_smem = 2 * TILE128 + 3 * TILE128 + 9 * 64 * 4 + 1024;
-            match kernels {
-                Kernels::Wgmma => {
-                    wgmma_d(d)?;
-                    // dQ's f32 sums, zeroed (the kernel adds each key tile's terms in), in
-                    // tiles of 64 rows (T rounded up): twice dq's bytes, alive through this
-                    // call only.
-                    let tiles64 = b * h * t.div_ceil(64);
-                    let acc = dev.alloc_zeros::<f32>(tiles64 * 64 * d)?;
-                    p.dqacc = acc.device_ptr(&stream).0;
-                    // dkdv's tiles, then at the next 1024-byte boundary dSᵀ [128 × 64] bf16
-                    // and a pair's dQ terms [64 × 128] f32.
-                    let smem = dkdv_smem + 1024 + TILE128 / 2 + 64 * 128 * 4;
-                    let grid = (t.div_ceil(128) as u32, (b * kh) as u32);
-                    launch90(&dev, "flash_bwd90_d128", THREADS90, grid, smem, &p)?;
-                    // A block a tile (its shared copy is static).
-                    launch90(
-                        &dev,
-                        "flash_dq_rows90",
-                        THREADS90,
-                        (tiles64 as u32, 1),
-                        0,
-                        &p,
-                    )?;
-                }
-                Kernels::WgmmaSplitDq => {
-                    wgmma_d(d)?;
-                    let tiles = t.div_ceil(128) as u32;
-                    // A 64-row tile is half a 128-row one. dQ: Q and dO (128 rows), K and V
-                    // three times (64 rows); segment ids; and room to align the tiles to 1024
-                    // bytes.
-                    let half = TILE128 / 2;
-                    let smem = 2 * TILE128 + 6 * half + 3 * 64 * 4 + 1024;
-                    launch90(
-                        &dev,
-                        "flash_dq90_d128",
-                        THREADS90,
-                        (tiles, (b * h) as u32),
-                        smem,
-                        &p,
-                    )?;
-                    launch90(
-                        &dev,
-                        "flash_dkdv90_d128",
-                        THREADS90,
-                        (tiles, (b * kh) as u32),
-                        dkdv_smem,
-                        &p,
-                    )?;
-                }
-                Kernels::MmaSync => {
-                    let rows = (d + 8) * 2; // bytes of one padded shared-memory row
-                    let tiles = t.div_ceil(64) as u32;
-                    launch(
-                        &dev,
-                        &format!("flash_dq_d{d}"),
-                        (tiles, (b * h) as u32),
-                        (4 * 32 * rows + 2 * 32 * 4) as u32,
-                        &p,
-                    )?;
-                    launch(
-                        &dev,
-                        &format!("flash_dkdv_d{d}"),
-                        (tiles, (b * kh) as u32),
-                        (256 * rows + 6 * 32 * 4) as u32,
-                        &p,
-                    )?;
-                }
-            }
+            bwd_launches(&dev, &mut p, kernels, (b, h, kh, t, d))?;
         }
         Ok((
             view(dq, &dev, q.dims(), oq)?,
             view(dk, &dev, k.dims(), ok)?,
             view(dv, &dev, v.dims(), ov)?,
         ))
+    }
+
+    /// Queues the backward's kernels of family `kernels` over `p` (every address set): q
+    /// [B, H, T, D], k and v [B, K, T, D], `bhktd` = (B, H, K, T, D).
+    fn bwd_launches(
+        dev: &CudaDevice,
+        p: &mut FlashP,
+        kernels: Attention,
+        (b, h, kh, t, d): (usize, usize, usize, usize, usize),
+    ) -> Result<()> {
+        let stream = dev.cuda_stream();
+        // K and V (128 rows), Q and dO three times (64 rows); L, δ and segment ids three
+        // times; room to align the tiles to 1024 bytes.
+        let dkdv_smem = 2 * TILE128 + 3 * TILE128 + 9 * 64 * 4 + 1024;
+        match kernels {
+            Attention::Wgmma => {
+                wgmma_d(d)?;
+                // dQ's f32 sums, zeroed (the kernel adds each key tile's terms in), in
+                // tiles of 64 rows (T rounded up): twice dq's bytes, alive through this
+                // call only.
+                let tiles64 = b * h * t.div_ceil(64);
+                let acc = dev.alloc_zeros::<f32>(tiles64 * 64 * d)?;
+                p.dqacc = acc.device_ptr(&stream).0;
+                // dkdv's tiles, then at the next 1024-byte boundary dSᵀ [128 × 64] bf16
+                // and a pair's dQ terms [64 × 128] f32.
+                let smem = dkdv_smem + 1024 + TILE128 / 2 + 64 * 128 * 4;
+                let grid = (t.div_ceil(128) as u32, (b * kh) as u32);
+                launch90(dev, "flash_bwd90_d128", THREADS90, grid, smem, p)?;
+                // A block a tile (its shared copy is static).
+                launch90(dev, "flash_dq_rows90", THREADS90, (tiles64 as u32, 1), 0, p)?;
+            }
+            Attention::WgmmaSplitDq => {
+                wgmma_d(d)?;
+                let tiles = t.div_ceil(128) as u32;
+                // A 64-row tile is half a 128-row one. dQ: Q and dO (128 rows), K and V
+                // three times (64 rows); segment ids; and room to align the tiles to 1024
+                // bytes.
+                let half = TILE128 / 2;
+                let smem = 2 * TILE128 + 6 * half + 3 * 64 * 4 + 1024;
+                launch90(
+                    dev,
+                    "flash_dq90_d128",
+                    THREADS90,
+                    (tiles, (b * h) as u32),
+                    smem,
+                    p,
+                )?;
+                launch90(
+                    dev,
+                    "flash_dkdv90_d128",
+                    THREADS90,
+                    (tiles, (b * kh) as u32),
+                    dkdv_smem,
+                    p,
+                )?;
+            }
+            Attention::Blockwise => {
+                candle_core::bail!("flash attention: Blockwise is ops::attention's path")
+            }
+            Attention::MmaSync => {
+                let rows = (d + 8) * 2; // bytes of one padded shared-memory row
+                let tiles = t.div_ceil(64) as u32;
+                launch(
+                    dev,
+                    &format!("flash_dq_d{d}"),
+                    (tiles, (b * h) as u32),
+                    (4 * 32 * rows + 2 * 32 * 4) as u32,
+                    p,
+                )?;
+                launch(
+                    dev,
+                    &format!("flash_dkdv_d{d}"),
+                    (tiles, (b * kh) as u32),
+                    (256 * rows + 6 * 32 * 4) as u32,
+                    p,
+                )?;
+            }
+        }
+        Ok(())
     }
 }

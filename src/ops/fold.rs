@@ -20,41 +20,28 @@
 //! β = 1 epilogue, and its outputs were up to a whole bf16 step off the f32 products (the
 //! base's rounding, then the sum's: a GPU test measures both); an adapter term under half a
 //! step of the output, as early in training at small learning rates, was then mostly lost.
-//! Folded, y is within half a step: on the 7B bench (lr 1e-4) the loss after the second step
-//! fell to 10.996 instead of 11.144 (from 11.179), each folded group adding to it.
+//! Folded, y is within half a step.
 //!
-//! Measured (7B, micro-batch 2 × 2048, r16, one H200; BENCHMARKS.md (q)): the bench +0.4% to
-//! +1.1% against two GEMMs (a PyTorch probe of the layer's products had bounded it at ~6.6 ms
-//! a step); the pads +150 MiB.
-//!
-//! **The backward runs against the same W*'s** (unless LORA_TRAIN_FOLD_BWD=0): g · W* is
-//! dL/dx in its first `in` columns and each adapter's g B in its own pad columns (the other
-//! linears' are zero in W*), so no skinny GEMM reads g for it (`Linear::bwd_folded`); s·(g B)·A
-//! joins dL/dx in the same buffer and RMSNorm's backward reads its padded rows. down_proj's
-//! backward and SwiGLU's are one GEMM and one kernel (`swiglu_down_bwd`, fold_bwd.cu). Measured
-//! (7B, one H200, BENCHMARKS.md (r)): A/B +0.8% to +1.0% over three calls; the fused kernel
-//! 146 µs against the unfused SwiGLU pass's 154 alone.
+//! **The backward runs against the same W*'s**: g · W* is dL/dx in its first `in` columns and
+//! each adapter's g B in its own pad columns (the other linears' are zero in W*), so no skinny
+//! GEMM reads g for it (`Linear::bwd_folded`); s·(g B)·A joins dL/dx in the same buffer and
+//! RMSNorm's backward reads its padded rows. down_proj's backward and SwiGLU's are one GEMM and
+//! one kernel (`swiglu_down_bwd`, fold_bwd.cu).
 //!
 //! Under FSDP the shards hold the padded weights, and each rank writes the B's into the pad
 //! columns of the rows its shards hold (`parallel::fsdp::Shards::write_pads`): a gathered layer
 //! arrives folded.
 //!
-//! Not folded (two GEMMs as before): LORA_TRAIN_FOLD=0; o_proj (its input comes out of the
-//! flash kernel); dropout (each adapter's own mask); linears with a bias; the CPU.
+//! Folded where `Kernels::fold` says (CUDA, bf16). Not folded (two GEMMs, the CPU's path):
+//! o_proj (its input comes out of the flash kernel); dropout (each adapter's own mask);
+//! linears with a bias; groups not all adapted alike.
 
+use super::kernels::Gemm;
 use super::linear_acc::matmul_scaled;
-use candle_core::{DType, Result, Tensor};
+use candle_core::{Result, Tensor};
 
-/// Whether a model of `dtype` on CUDA (`cuda`) or elsewhere folds: bf16 on CUDA (the padded
-/// kernels' type), unless LORA_TRAIN_FOLD=0 (for A/B runs). `Model::fold` and the memory plan
-/// both ask here.
-pub fn takes(cuda: bool, dtype: DType) -> bool {
-    cuda && dtype == DType::BF16 && std::env::var("LORA_TRAIN_FOLD").map_or(true, |v| v != "0")
-}
-
-/// Padded rows are whole multiples of this many elements (128 bytes in bf16). cuBLAS's
-/// choices for a weight read through a row stride that is not (4128 at gate and up, 7B r16)
-/// ran their dL/dx products 10% slower (ncu: 504 against 457 µs).
+/// Padded rows are whole multiples of this many elements (128 bytes in bf16): cuBLAS's
+/// choices for a weight read through a row stride that is not run its dL/dx products slower.
 pub const ROW_ALIGN: usize = 64;
 
 /// The pad a group of adapted linears that share an input of `in_f` columns, of ranks
@@ -71,7 +58,7 @@ pub fn pad_width(ranks: &[usize], in_f: usize) -> Option<usize> {
 pub fn rms_norm_pad(x: &Tensor, w: &Tensor, eps: f64, pad: usize) -> Result<Option<Tensor>> {
     #[cfg(feature = "cuda")]
     {
-        super::cuda::rms_norm_pad(x, w, eps as f32, pad)
+        super::rms_norm::cuda::rms_norm_pad(x, w, eps as f32, pad)
     }
     #[cfg(not(feature = "cuda"))]
     {
@@ -91,7 +78,7 @@ pub fn add_rms_norm_pad(
 ) -> Result<Option<(Tensor, Tensor)>> {
     #[cfg(feature = "cuda")]
     {
-        super::cuda::add_rms_norm_pad(x, a, w, eps as f32, pad)
+        super::rms_norm::cuda::add_rms_norm_pad(x, a, w, eps as f32, pad)
     }
     #[cfg(not(feature = "cuda"))]
     {
@@ -105,21 +92,13 @@ pub fn add_rms_norm_pad(
 pub fn swiglu_pad(g: &Tensor, u: &Tensor, pad: usize) -> Result<Option<Tensor>> {
     #[cfg(feature = "cuda")]
     {
-        super::cuda::swiglu_pad(g, u, pad)
+        super::swiglu::cuda::swiglu_pad(g, u, pad)
     }
     #[cfg(not(feature = "cuda"))]
     {
         let _ = (g, u, pad);
         Ok(None)
     }
-}
-
-/// Whether a folded group's backward runs against its padded weights too (`swiglu_down_bwd`,
-/// `Linear::bwd_folded`): unless LORA_TRAIN_FOLD_BWD=0 (for A/B runs), read once per process:
-/// every layer asks, twice a backward.
-pub fn takes_bwd() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("LORA_TRAIN_FOLD_BWD").map_or(true, |v| v != "0"))
 }
 
 /// What `swiglu_down_bwd` gives.
@@ -139,7 +118,7 @@ pub struct SwigluDownGrads {
 /// input, recomputed. Unfolded the same took four more passes over [m, I]: s·g_B·A written and
 /// read back by the base GEMM, a written and read by dA's GEMM. dB = dyᵀ·xas is the caller's.
 /// None (nothing run) off CUDA, or where the kernel cannot take the operands (r > 64, widths
-/// not multiples of 8).
+/// not multiples of 8). `gemm` runs the GEMM.
 #[allow(clippy::too_many_arguments)]
 pub fn swiglu_down_bwd(
     dy: &Tensor,
@@ -149,14 +128,15 @@ pub fn swiglu_down_bwd(
     u: &Tensor,
     a: &Tensor,
     scale: f64,
+    gemm: Gemm,
 ) -> Result<Option<SwigluDownGrads>> {
     #[cfg(feature = "cuda")]
     {
-        cuda::swiglu_down_bwd(dy, w_full, col, g, u, a, scale)
+        cuda::swiglu_down_bwd(dy, w_full, col, g, u, a, scale, gemm)
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (dy, w_full, col, g, u, a, scale);
+        let _ = (dy, w_full, col, g, u, a, scale, gemm);
         Ok(None)
     }
 }
@@ -165,6 +145,7 @@ pub fn swiglu_down_bwd(
 mod cuda {
     use super::SwigluDownGrads;
     use crate::ops::cuda::{addr, function, uninit};
+    use crate::ops::kernels::Gemm;
     use candle_core::cuda::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
     use candle_core::cuda::WrapErr;
     use candle_core::{DType, Device, Result, Tensor};
@@ -202,6 +183,7 @@ mod cuda {
         u: &Tensor,
         a: &Tensor,
         scale: f64,
+        gemm: Gemm,
     ) -> Result<Option<SwigluDownGrads>> {
         let Device::Cuda(dev) = g.device() else {
             return Ok(None);
@@ -231,7 +213,7 @@ mod cuda {
             return Ok(None);
         };
         // dy · W*: dy·W [m, I], then g_B = dy·B and zeros (W*'s other pad columns are zero)
-        let dap = super::matmul_scaled(dy, w_full, false, 1.0)?; // [m, ld]
+        let dap = super::matmul_scaled(dy, w_full, false, 1.0, gemm)?; // [m, ld]
         let Some(dp) = addr(&dap)? else {
             return Ok(None);
         };
@@ -301,22 +283,23 @@ mod cuda {
 /// first `in` columns (the next Σ r are written here), a their A's stacked [Σ r, in] in xp's
 /// dtype, s their one scale, ws their padded weights W*_i [out_i, in + pad] (B's in place) →
 /// (y_i [m, out_i] each, xas = s · x Aᵀ [m, Σ r]: each one's adapter state is its column
-/// slice). The products run over k = in + Σ r.
+/// slice). The products run over k = in + Σ r, on `gemm`.
 pub fn fwd(
     xp: &Tensor,
     in_f: usize,
     a: &Tensor,
     scale: f64,
     ws: &[&Tensor],
+    gemm: Gemm,
 ) -> Result<(Vec<Tensor>, Tensor)> {
     let x = xp.narrow(1, 0, in_f)?; // [m, in], rows in + pad apart
-    let xas = matmul_scaled(&x, a, true, scale)?; // [m, Σ r], as unfolded
+    let xas = matmul_scaled(&x, a, true, scale, gemm)?; // [m, Σ r], as unfolded
     xp.slice_set(&xas, 1, in_f)?;
     let k = in_f + xas.dim(1)?;
     let xk = xp.narrow(1, 0, k)?; // [x | xas]
     let ys = ws
         .iter()
-        .map(|w| matmul_scaled(&xk, &w.narrow(1, 0, k)?, true, 1.0)) // [x | xas] · [W | B]ᵀ
+        .map(|w| matmul_scaled(&xk, &w.narrow(1, 0, k)?, true, 1.0, gemm)) // [x | xas] · [W | B]ᵀ
         .collect::<Result<Vec<_>>>()?;
     Ok((ys, xas))
 }

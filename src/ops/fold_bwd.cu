@@ -1,5 +1,6 @@
 // down_proj's folded backward (ops::fold): SwiGLU's backward with down's adapter terms in one
-// pass. Appended after flash.cu (its fl_mma and fl_pack) and cuda.rs's SRC (bf_lo, bf_pack, rbf).
+// pass. After flash.cu (its fl_mma and fl_pack) and common.cuh (bf_lo, bf_pack, rbf) in the one
+// program (ops::cuda).
 //
 // Folded, down's dL/da GEMM runs against W* = [W | B-slots]: dap = dy · W* [m, ld] holds the
 // base term dy·W in its first I columns and gB = dy·B [m, r] at column gb_off. This kernel

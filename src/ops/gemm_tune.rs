@@ -1,11 +1,8 @@
 //! The algorithm of the large cuBLAS GEMMs, chosen by timing (cuBLASLt).
 //!
 //! `cublasGemmEx` runs cuBLAS's heuristic pick for a shape, and on an H200 under a training
-//! step's power-bound clocks that pick is not always the fastest. The 7B layer GEMMs at
-//! micro-batch 2 × 2048 (β = 1, bf16, f32 accumulation), medians of 9 interleaved rounds
-//! (.devbuild/gemm_tune.cu): the MLP's dL/dx of down_proj [4096 × 11008 ← 4096] 585 µs by
-//! gemmEx, 515 µs by another of cuBLASLt's heuristic candidates (+12%); gate/up forward +5%;
-//! the 4096² ones +2-3%.
+//! step's power-bound clocks that pick is not always the fastest: another of cuBLASLt's
+//! heuristic candidates can be, most of all for the 7B MLP's dL/dx GEMMs.
 //!
 //! So the first time a large GEMM of a given key runs on a device (shape, transposes, leading
 //! dimensions, types, β ≠ 0, operand alignment), cuBLASLt's first `CANDIDATES` heuristic
@@ -21,11 +18,9 @@
 //! which may split K, is not in the race for a tuned key. GEMMs with a small output (under
 //! `LARGE` elements: the adapters' x·Aᵀ, g·B and gradients, long sums into a few columns)
 //! stay on gemmEx, whose split-K choices they need. The adapters' products back up to full
-//! width (xas·Bᵀ [m, out] over k = r; the dL/dx term over k = Σ r) are tuned: gemmEx took
-//! 45 µs (ncu) for gate's and up's [4096 × 11008 ← 16], the fastest candidate ~38.
+//! width (xas·Bᵀ [m, out] over k = r; the dL/dx term over k = Σ r) are tuned.
 //!
-//! `LORA_TRAIN_GEMM_TUNE=0`: gemmEx always, as before; `LORA_TRAIN_GEMM_TUNE_LOG=1` prints
-//! each key's timings and choice to stderr.
+//! `Gemm::Heuristic` (`Kernels::gemm`) runs gemmEx always.
 //!
 //! One workspace per device (cuMemAlloc, outside the pool, like cuBLAS's own): every GEMM of a
 //! device runs on its compute stream (candle's), so they never use it at the same time.
@@ -37,7 +32,6 @@ use candle_core::cuda::WrapErr;
 use candle_core::{CudaDevice, Result};
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// Heuristic candidates timed.
@@ -122,36 +116,20 @@ fn lt_compute(t: sys::cublasComputeType_t) -> lt::cublasComputeType_t {
 /// reach first; so no rank ever waits on another device's lock.
 static STATE: OnceLock<Mutex<HashMap<usize, Arc<Mutex<DevState>>>>> = OnceLock::new();
 
-/// 0: not read yet, 1: tuning, 2: gemmEx always.
-static MODE: AtomicU8 = AtomicU8::new(0);
-
-fn off() -> bool {
-    if MODE.load(Ordering::Relaxed) == 0 {
-        let off = std::env::var("LORA_TRAIN_GEMM_TUNE").is_ok_and(|v| v == "0");
-        MODE.store(if off { 2 } else { 1 }, Ordering::Relaxed);
-    }
-    MODE.load(Ordering::Relaxed) == 2
-}
-
-/// Turns tuning on or off for the process from now on (tests compare the two).
-pub fn set_tuning(on: bool) {
-    MODE.store(if on { 1 } else { 2 }, Ordering::Relaxed);
-}
-
 /// The largest power of two (≤ 256) that divides `p`: the alignment cuBLASLt is told.
 fn align(p: u64) -> u32 {
     1 << p.trailing_zeros().min(8)
 }
 
-/// Runs `g` on `dev`'s compute stream with its key's chosen algorithm, timing the candidates
-/// first when the key is new.
+/// Runs `g` on `dev`'s compute stream: with `Tuned`, a large GEMM by its key's chosen
+/// algorithm (the candidates timed first when the key is new); else by gemmEx.
 ///
 /// # Safety
 /// As `cublasGemmEx`: the addresses are live device buffers of the sizes the shapes and
 /// leading dimensions imply, on `dev`'s compute stream (where cuBLAS runs).
-pub unsafe fn run(dev: &CudaDevice, g: &Gemm) -> Result<()> {
+pub unsafe fn run(dev: &CudaDevice, g: &Gemm, kind: crate::ops::kernels::Gemm) -> Result<()> {
     let large = g.mnk.0 as i64 * g.mnk.1 as i64 >= LARGE;
-    if off() || !large {
+    if kind == crate::ops::kernels::Gemm::Heuristic || !large {
         return gemmex(dev, g, g.c.0);
     }
     let ordinal = dev.cuda_stream().context().ordinal();
@@ -483,19 +461,5 @@ unsafe fn tune(dev: &CudaDevice, st: &DevState, g: &Gemm) -> Result<Choice> {
     let Some(best) = best else {
         return Ok(Choice::GemmEx); // none ran
     };
-    if std::env::var("LORA_TRAIN_GEMM_TUNE_LOG").is_ok_and(|v| v == "1") {
-        let us: Vec<String> = times
-            .iter()
-            .zip(&ok)
-            .map(|(v, ok)| match ok {
-                true => format!("{:.0}", 1000.0 * median(&mut v.clone()) / REPS as f32),
-                false => "-".into(),
-            })
-            .collect();
-        eprintln!(
-            "gemm_tune: {:?} m n k {:?} ld {} {} {} β {}: µs of cuBLASLt's candidates: {}; chose #{best}",
-            g.trans, g.mnk, g.a.1, g.b.1, g.c.1, g.alpha_beta.1, us.join(" ")
-        );
-    }
     Ok(candidates[best])
 }

@@ -12,31 +12,43 @@
 //! written in f32 straight from bf16 operands (a bf16 product and a cast were a rounding, a
 //! launch and a pass more).
 
+//!
+//! Every function takes the run's `Gemm` (`Kernels::gemm`): which algorithm cuBLAS runs.
+
+use super::kernels::Gemm;
 use candle_core::{Result, Tensor};
 
 /// acc + x Wᵀ: x [m, in], W [out, in], acc [m, out] → [m, out]. No graph.
-pub fn linear_acc(x: &Tensor, w: &Tensor, acc: Tensor) -> Result<Tensor> {
+pub fn linear_acc(x: &Tensor, w: &Tensor, acc: Tensor, gemm: Gemm) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
-    if let Some(y) = cuda::gemm_acc(x, w, &acc, true, 1.0)? {
+    if let Some(y) = cuda::gemm_acc(x, w, &acc, true, 1.0, gemm)? {
         return Ok(y);
     }
+    let _ = gemm;
     super::add(&acc, &super::frozen_linear(x, w, None)?)
 }
 
 /// acc + g W: g [m, out], W [out, in], acc [m, in] → [m, in] (a frozen linear's dL/dx plus
 /// another term of it). No graph.
-pub fn linear_bwd_acc(g: &Tensor, w: &Tensor, acc: Tensor) -> Result<Tensor> {
-    linear_bwd_acc_scaled(g, w, acc, 1.0)
+pub fn linear_bwd_acc(g: &Tensor, w: &Tensor, acc: Tensor, gemm: Gemm) -> Result<Tensor> {
+    linear_bwd_acc_scaled(g, w, acc, 1.0, gemm)
 }
 
 /// acc + α · g W, as `linear_bwd_acc`; on CUDA g and acc may also be column slices of wider
 /// matrices (rows contiguous): acc is then written in place through its row stride, so that a
 /// GEMM adds into the first columns of a padded buffer (`ops::fold`'s dL/dx).
-pub fn linear_bwd_acc_scaled(g: &Tensor, w: &Tensor, acc: Tensor, alpha: f64) -> Result<Tensor> {
+pub fn linear_bwd_acc_scaled(
+    g: &Tensor,
+    w: &Tensor,
+    acc: Tensor,
+    alpha: f64,
+    gemm: Gemm,
+) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
-    if let Some(y) = cuda::gemm_acc(g, w, &acc, false, alpha)? {
+    if let Some(y) = cuda::gemm_acc(g, w, &acc, false, alpha, gemm)? {
         return Ok(y);
     }
+    let _ = gemm;
     let gw = g.contiguous()?.matmul(&w.contiguous()?)?;
     match alpha == 1.0 {
         true => super::add(&acc.contiguous()?, &gw),
@@ -47,11 +59,12 @@ pub fn linear_bwd_acc_scaled(g: &Tensor, w: &Tensor, acc: Tensor, alpha: f64) ->
 /// Pᵀ Q in f32: P [k, m], Q [k, n] → [m, n] f32. No graph. (dA = (g B)ᵀ x and dB = gᵀ xas
 /// of a LoRA linear: k is the tokens, m or n the rank.) P and Q may be column slices of wider
 /// matrices (rows contiguous, as the adapters' side-by-side products are).
-pub fn matmul_tn_f32(p: &Tensor, q: &Tensor) -> Result<Tensor> {
+pub fn matmul_tn_f32(p: &Tensor, q: &Tensor, gemm: Gemm) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
-    if let Some(y) = cuda::gemm_tn_f32(p, q)? {
+    if let Some(y) = cuda::gemm_tn_f32(p, q, gemm)? {
         return Ok(y);
     }
+    let _ = gemm;
     p.contiguous()?
         .t()?
         .matmul(&q.contiguous()?)?
@@ -62,11 +75,18 @@ pub fn matmul_tn_f32(p: &Tensor, q: &Tensor) -> Result<Tensor> {
 /// dtype. No graph. x may be a column slice of a wider matrix (rows contiguous). On CUDA α is
 /// the GEMM's own (the f32 sum is scaled before its one rounding, and no pass of its own), so
 /// the adapters' s · (x Aᵀ) and s · (g B) cost their GEMM only.
-pub fn matmul_scaled(x: &Tensor, w: &Tensor, trans_w: bool, alpha: f64) -> Result<Tensor> {
+pub fn matmul_scaled(
+    x: &Tensor,
+    w: &Tensor,
+    trans_w: bool,
+    alpha: f64,
+    gemm: Gemm,
+) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
-    if let Some(y) = cuda::gemm_scaled(x, w, trans_w, alpha)? {
+    if let Some(y) = cuda::gemm_scaled(x, w, trans_w, alpha, gemm)? {
         return Ok(y);
     }
+    let _ = gemm;
     let x = x.contiguous()?;
     let y = match trans_w {
         true => x.matmul(&w.t()?)?,
@@ -80,6 +100,7 @@ pub fn matmul_scaled(x: &Tensor, w: &Tensor, trans_w: bool, alpha: f64) -> Resul
 
 #[cfg(feature = "cuda")]
 mod cuda {
+    use crate::ops::kernels::Gemm;
     use candle_core::cuda::cudarc::cublas::sys;
     use candle_core::{DType, Device, Result, Tensor};
 
@@ -92,6 +113,7 @@ mod cuda {
         acc: &Tensor,
         fwd: bool,
         alpha: f64,
+        kind: Gemm,
     ) -> Result<Option<Tensor>> {
         let Device::Cuda(dev) = x.device() else {
             return Ok(None);
@@ -144,14 +166,15 @@ mod cuda {
                 (cp, ldci),
                 (alpha as f32, 1.0),
                 (data_type, data_type, compute),
+                kind,
             )?
         };
         Ok(Some(acc.clone()))
     }
 
     /// Column-major C [m × n] (ld ldc) = α·op(A) · op(B) + β·C, A and B of type `types.0`, C
-    /// of `types.1`, computed as `types.2`: cublasGemmEx or the cuBLASLt algorithm timed
-    /// fastest for its shape (`gemm_tune`).
+    /// of `types.1`, computed as `types.2`: cublasGemmEx, or with `Gemm::Tuned` the cuBLASLt
+    /// algorithm timed fastest for its shape (`gemm_tune`).
     ///
     /// # Safety
     /// The addresses are live device buffers of the sizes the shapes and leading dimensions
@@ -170,6 +193,7 @@ mod cuda {
             sys::cudaDataType_t,
             sys::cublasComputeType_t,
         ),
+        kind: Gemm,
     ) -> Result<()> {
         let g = crate::ops::gemm_tune::Gemm {
             trans: (transa, transb),
@@ -181,7 +205,7 @@ mod cuda {
             types: (ab_type, c_type, compute),
         };
         // SAFETY: the caller's contract, which is `run`'s.
-        crate::ops::gemm_tune::run(dev, &g)
+        crate::ops::gemm_tune::run(dev, &g, kind)
     }
 
     /// cuBLAS's data type for `dt` and the compute type candle would use with it (f32
@@ -219,7 +243,7 @@ mod cuda {
 
     /// Pᵀ Q into a fresh f32 [m, n]: P [k, m], Q [k, n] of one dtype, rows contiguous (column
     /// slices allowed); None when cuBLAS cannot take them so.
-    pub fn gemm_tn_f32(p: &Tensor, q: &Tensor) -> Result<Option<Tensor>> {
+    pub fn gemm_tn_f32(p: &Tensor, q: &Tensor, kind: Gemm) -> Result<Option<Tensor>> {
         let Device::Cuda(dev) = p.device() else {
             return Ok(None);
         };
@@ -266,6 +290,7 @@ mod cuda {
                 (op, ni),
                 (1.0, 0.0),
                 (data_type, sys::cudaDataType_t::CUDA_R_32F, compute),
+                kind,
             )?
         };
         Ok(Some(out))
@@ -278,6 +303,7 @@ mod cuda {
         w: &Tensor,
         trans_w: bool,
         alpha: f64,
+        kind: Gemm,
     ) -> Result<Option<Tensor>> {
         let Device::Cuda(dev) = x.device() else {
             return Ok(None);
@@ -329,6 +355,7 @@ mod cuda {
                 (op, ni),
                 (alpha as f32, 0.0),
                 (data_type, data_type, compute),
+                kind,
             )?
         };
         Ok(Some(out))

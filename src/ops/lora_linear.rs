@@ -5,12 +5,16 @@
 //! candle ops would keep every intermediate: x Wᵀ, x Aᵀ, (x Aᵀ) Bᵀ, its scaled copy, the sum).
 //! Backward (g = dL/dy, xd = m ⊙ x, xas = s · xd Aᵀ kept from forward: [m, r]):
 //!   dx = g W + s · ((g B) A) ⊙ m,   dA = s · (g B)ᵀ xd,   dB = gᵀ xas
+//!
+//! Every function takes the run's `Gemm` (`Kernels::gemm`), which its GEMMs run on.
 
 use super::attach::attach3;
 use super::frozen_linear::frozen_linear;
+use super::kernels::Gemm;
 use super::linear_acc::matmul_scaled;
 use candle_core::{Result, Tensor};
 
+#[allow(clippy::too_many_arguments)]
 pub fn lora_linear(
     x: &Tensor,
     w: &Tensor,
@@ -19,11 +23,21 @@ pub fn lora_linear(
     b: &Tensor,
     scale: f64,
     mask: Option<Tensor>,
+    gemm: Gemm,
 ) -> Result<Tensor> {
     let in_f = *x.dims().last().unwrap_or(&0);
     let out_f = w.dim(0)?;
     let x2 = x.detach().reshape(((), in_f))?; // [m, in]
-    let (y, xas) = lora_fwd(&x2, w, bias, &a.detach(), &b.detach(), scale, mask.as_ref())?;
+    let (y, xas) = lora_fwd(
+        &x2,
+        w,
+        bias,
+        &a.detach(),
+        &b.detach(),
+        scale,
+        mask.as_ref(),
+        gemm,
+    )?;
     let mut dims = x.dims().to_vec();
     if let Some(l) = dims.last_mut() {
         *l = out_f;
@@ -33,7 +47,7 @@ pub fn lora_linear(
     let backward = move |x: &Tensor, a: &Tensor, b: &Tensor, _y: &Tensor, g: &Tensor| {
         let x2 = x.reshape(((), in_f))?;
         let g = g.reshape(((), out_f))?;
-        let (dx, da, db) = lora_bwd(&x2, &g, &w, a, b, scale, mask.as_ref(), &xas, None)?;
+        let (dx, da, db) = lora_bwd(&x2, &g, &w, a, b, scale, mask.as_ref(), &xas, None, gemm)?;
         Ok((
             Some(dx.reshape(x.shape())?),
             Some(da.to_dtype(a.dtype())?),
@@ -45,6 +59,7 @@ pub fn lora_linear(
 
 /// The forward without a graph. x: [m, in] → (y [m, out], xas = s · (m ⊙ x) Aᵀ [m, r]);
 /// `xas` is what backward needs besides x (r columns: small enough to keep).
+#[allow(clippy::too_many_arguments)]
 pub fn lora_fwd(
     x: &Tensor,
     w: &Tensor,
@@ -53,9 +68,10 @@ pub fn lora_fwd(
     b: &Tensor,
     scale: f64,
     mask: Option<&Tensor>,
+    gemm: Gemm,
 ) -> Result<(Tensor, Tensor)> {
-    let xas = lora_xas(x, a, scale, mask)?; // [m, r]
-    Ok((with_base(x, w, bias, &xas, b)?, xas))
+    let xas = lora_xas(x, a, scale, mask, gemm)?; // [m, r]
+    Ok((with_base(x, w, bias, &xas, b, gemm)?, xas))
 }
 
 /// y = x Wᵀ (+ bias) + xas Bᵀ: x [m, in], xas [m, r] (a column slice is fine) → [m, out]:
@@ -66,23 +82,30 @@ pub fn with_base(
     bias: Option<&Tensor>,
     xas: &Tensor,
     b: &Tensor,
+    gemm: Gemm,
 ) -> Result<Tensor> {
     // Detached: the adapters are Vars, and a graph through them would keep every activation.
     let bd = b.detach().to_dtype(x.dtype())?;
     // The adapter's term alone (full bf16 precision however small), then the base GEMM adds
     // onto it in f32 (its epilogue): one rounding of the sum, at the base output's scale.
-    let lora = matmul_scaled(xas, &bd, true, 1.0)?; // [m, out]
+    let lora = matmul_scaled(xas, &bd, true, 1.0, gemm)?; // [m, out]
     match bias {
-        None => super::linear_acc::linear_acc(x, w, lora), // the base GEMM adds onto it
+        None => super::linear_acc::linear_acc(x, w, lora, gemm), // the base GEMM adds onto it
         Some(_) => super::add(&frozen_linear(x, w, bias)?, &lora),
     }
 }
 
 /// The adapter's half of `lora_fwd`'s state alone: xas = s · (m ⊙ x) Aᵀ [m, r] (what a
 /// recomputed layer's backward needs of a linear whose output it does not).
-pub fn lora_xas(x: &Tensor, a: &Tensor, scale: f64, mask: Option<&Tensor>) -> Result<Tensor> {
+pub fn lora_xas(
+    x: &Tensor,
+    a: &Tensor,
+    scale: f64,
+    mask: Option<&Tensor>,
+    gemm: Gemm,
+) -> Result<Tensor> {
     let ad = a.detach().to_dtype(x.dtype())?;
-    matmul_scaled(&masked(x, mask)?, &ad, true, scale) // scaled while small
+    matmul_scaled(&masked(x, mask)?, &ad, true, scale, gemm) // scaled while small
 }
 
 /// One LoRA linear of a group that shares its input (`lora_fwd_shared`, `lora_bwd_shared`):
@@ -98,16 +121,21 @@ pub struct Adapter<'a> {
 /// `lora_fwd` of linears that share their input x [m, in] and one scale s, with `a` their A's
 /// stacked [Σ r, in] in x's dtype: s · x Aᵀ for all of them is one GEMM [m, Σ r], and each
 /// linear's xas is its column slice of it (kept as such: one buffer for the group).
-pub fn lora_fwd_shared(x: &Tensor, ads: &[Adapter], a: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
+pub fn lora_fwd_shared(
+    x: &Tensor,
+    ads: &[Adapter],
+    a: &Tensor,
+    gemm: Gemm,
+) -> Result<Vec<(Tensor, Tensor)>> {
     let scale = ads.first().map_or(1.0, |ad| ad.scale);
-    let xas = matmul_scaled(x, a, true, scale)?; // [m, Σ r]
+    let xas = matmul_scaled(x, a, true, scale, gemm)?; // [m, Σ r]
     let mut off = 0;
     let mut out = Vec::with_capacity(ads.len());
     for ad in ads {
         let r = ad.a.dim(0)?;
         let xas_i = xas.narrow(1, off, r)?; // [m, r], row stride Σ r
         off += r;
-        out.push((with_base(x, ad.w, ad.bias, &xas_i, ad.b)?, xas_i));
+        out.push((with_base(x, ad.w, ad.bias, &xas_i, ad.b, gemm)?, xas_i));
     }
     Ok(out)
 }
@@ -123,14 +151,15 @@ pub fn lora_bwd_shared(
     ads: &[Adapter],
     xas: &[&Tensor],
     a: &Tensor,
+    gemm: Gemm,
 ) -> Result<(Tensor, Vec<(Tensor, Tensor)>)> {
     use super::linear_acc::linear_bwd_acc;
-    let (gbs, db) = shared_gbs(x.dtype(), &g, ads, xas)?;
-    let mut dx = matmul_scaled(&gbs, a, false, 1.0)?; // Σ s · (g_i B_i) A_i [m, in]
+    let (gbs, db) = shared_gbs(x.dtype(), &g, ads, xas, gemm)?;
+    let mut dx = matmul_scaled(&gbs, a, false, 1.0, gemm)?; // Σ s · (g_i B_i) A_i [m, in]
     for (g, ad) in g.into_iter().zip(ads) {
-        dx = linear_bwd_acc(&g, ad.w, dx)?; // + g_i W_i, in the GEMM; g_i is dropped here
+        dx = linear_bwd_acc(&g, ad.w, dx, gemm)?; // + g_i W_i, in the GEMM; g_i is dropped here
     }
-    Ok((dx, shared_grads(x, &gbs, ads, db)?))
+    Ok((dx, shared_grads(x, &gbs, ads, db, gemm)?))
 }
 
 /// `lora_bwd_shared`'s adapter gradients alone, without dL/dx (whose GEMMs, the base ones
@@ -141,10 +170,11 @@ pub fn lora_grads_shared(
     g: Vec<Tensor>,
     ads: &[Adapter],
     xas: &[&Tensor],
+    gemm: Gemm,
 ) -> Result<Vec<(Tensor, Tensor)>> {
-    let (gbs, db) = shared_gbs(x.dtype(), &g, ads, xas)?;
+    let (gbs, db) = shared_gbs(x.dtype(), &g, ads, xas, gemm)?;
     drop(g);
-    shared_grads(x, &gbs, ads, db)
+    shared_grads(x, &gbs, ads, db, gemm)
 }
 
 /// The products s · g_i B_i side by side [m, Σ r] in `dt`, and each dB_i = g_iᵀ xas_i (f32).
@@ -153,13 +183,14 @@ fn shared_gbs(
     g: &[Tensor],
     ads: &[Adapter],
     xas: &[&Tensor],
+    gemm: Gemm,
 ) -> Result<(Tensor, Vec<Tensor>)> {
     use super::linear_acc::matmul_tn_f32;
     let (mut gbs, mut db) = (Vec::with_capacity(ads.len()), Vec::with_capacity(ads.len()));
     for ((g, ad), xas) in g.iter().zip(ads).zip(xas) {
         let bd = ad.b.detach().to_dtype(dt)?;
-        gbs.push(matmul_scaled(g, &bd, false, ad.scale)?); // s · g_i B_i [m, r_i]
-        db.push(matmul_tn_f32(g, xas)?); // dB_i = g_iᵀ xas_i [out_i, r_i]
+        gbs.push(matmul_scaled(g, &bd, false, ad.scale, gemm)?); // s · g_i B_i [m, r_i]
+        db.push(matmul_tn_f32(g, xas, gemm)?); // dB_i = g_iᵀ xas_i [out_i, r_i]
     }
     Ok((Tensor::cat(&gbs, 1)?, db))
 }
@@ -171,8 +202,9 @@ fn shared_grads(
     gbs: &Tensor,
     ads: &[Adapter],
     db: Vec<Tensor>,
+    gemm: Gemm,
 ) -> Result<Vec<(Tensor, Tensor)>> {
-    let da = super::linear_acc::matmul_tn_f32(gbs, x)?; // [Σ r, in] f32
+    let da = super::linear_acc::matmul_tn_f32(gbs, x, gemm)?; // [Σ r, in] f32
     let mut off = 0;
     let mut grads = Vec::with_capacity(ads.len());
     for (ad, db) in ads.iter().zip(db) {
@@ -197,22 +229,24 @@ pub fn lora_bwd(
     mask: Option<&Tensor>,
     xas: &Tensor,
     acc: Option<Tensor>,
+    gemm: Gemm,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let g = g.contiguous()?;
-    let (dx, gbs) = lora_bwd_dx(&g, w, a, b, scale, mask, acc)?;
-    let (da, db) = lora_grads(x, &g, &gbs, mask, xas)?;
+    let (dx, gbs) = lora_bwd_dx(&g, w, a, b, scale, mask, acc, gemm)?;
+    let (da, db) = lora_grads(x, &g, &gbs, mask, xas, gemm)?;
     Ok((dx, da, db))
 }
 
 /// s · g B [m, r] in g's dtype, from g = dL/dy [m, out]: what the adapter's dA and dL/dx
 /// terms multiply.
-pub fn lora_gbs(g: &Tensor, b: &Tensor, scale: f64) -> Result<Tensor> {
+pub fn lora_gbs(g: &Tensor, b: &Tensor, scale: f64, gemm: Gemm) -> Result<Tensor> {
     let bd = b.detach().to_dtype(g.dtype())?;
-    matmul_scaled(g, &bd, false, scale)
+    matmul_scaled(g, &bd, false, scale, gemm)
 }
 
 /// `lora_bwd`'s first half, which needs no x: g [m, out] → (dx [m, in], gbs = s · g B [m, r],
 /// what `lora_grads` takes).
+#[allow(clippy::too_many_arguments)]
 pub fn lora_bwd_dx(
     g: &Tensor,
     w: &Tensor,
@@ -221,12 +255,13 @@ pub fn lora_bwd_dx(
     scale: f64,
     mask: Option<&Tensor>,
     acc: Option<Tensor>,
+    gemm: Gemm,
 ) -> Result<(Tensor, Tensor)> {
     use super::linear_acc::linear_bwd_acc;
     let ad = a.detach().to_dtype(g.dtype())?;
-    let gbs = lora_gbs(g, b, scale)?;
+    let gbs = lora_gbs(g, b, scale, gemm)?;
     let dlora = match (mask, acc) {
-        (None, Some(acc)) => linear_bwd_acc(&gbs, &ad, acc)?, // acc + gbs A, one pass
+        (None, Some(acc)) => linear_bwd_acc(&gbs, &ad, acc, gemm)?, // acc + gbs A, one pass
         (mask, acc) => {
             let d = masked(&gbs.matmul(&ad)?, mask)?; // [m, in]
             match acc {
@@ -235,7 +270,7 @@ pub fn lora_bwd_dx(
             }
         }
     };
-    Ok((linear_bwd_acc(g, w, dlora)?, gbs)) // g W + dlora
+    Ok((linear_bwd_acc(g, w, dlora, gemm)?, gbs)) // g W + dlora
 }
 
 /// `lora_bwd`'s second half: the adapter's gradients from x [m, in] (unmasked), g [m, out] and
@@ -247,9 +282,10 @@ pub fn lora_grads(
     gbs: &Tensor,
     mask: Option<&Tensor>,
     xas: &Tensor,
+    gemm: Gemm,
 ) -> Result<(Tensor, Tensor)> {
-    let da = super::linear_acc::matmul_tn_f32(gbs, &masked(x, mask)?)?; // [r, in]
-    let db = super::linear_acc::matmul_tn_f32(g, xas)?; // [out, r]
+    let da = super::linear_acc::matmul_tn_f32(gbs, &masked(x, mask)?, gemm)?; // [r, in]
+    let db = super::linear_acc::matmul_tn_f32(g, xas, gemm)?; // [out, r]
     Ok((da, db))
 }
 

@@ -7,6 +7,10 @@
 //!
 //! Forward passes have CPU implementations here; CUDA kernels are added with the `cuda`
 //! feature. Backward passes are written with tensor ops and so run on any device.
+//!
+//! Which kernel runs where is decided once per run (`kernels::Kernels`, which the model holds
+//! and each batch's `Ctx` carries); each op takes its choice from there. The CUDA sources are
+//! the `.cu` files beside their ops, compiled once per process into one program (`cuda`).
 
 pub mod add;
 pub mod attach;
@@ -19,6 +23,7 @@ pub mod fold;
 pub mod frozen_linear;
 #[cfg(feature = "cuda")]
 pub mod gemm_tune;
+pub mod kernels;
 pub mod linear_acc;
 pub mod lora_linear;
 pub mod multi_tensor;
@@ -29,20 +34,13 @@ pub mod swiglu;
 pub use add::add;
 pub use attention::{attention, AttnMask};
 pub use frozen_linear::frozen_linear;
+pub use kernels::Kernels;
 pub use lora_linear::lora_linear;
 pub use rms_norm::{add_rms_norm, rms_norm, rms_norm_bwd, rms_norm_bwd_add};
 pub use rope::{rope, rope_heads, rope_rows_inv, to_heads, to_rows};
 pub use swiglu::{swiglu, swiglu_bwd, swiglu_bwd_keep};
 
 use candle_core::{CpuStorage, Layout, Result};
-
-/// `LORA_TRAIN_DETERMINISTIC=1`: no kernel whose f32 sums land in a varying order (today the
-/// fused flash backward's dQ: `LORA_TRAIN_FUSED_DQ=0` alone does the same), so a run repeats
-/// bit for bit on the same GPU (~0.5% slower at 7B on an H200). Read once.
-pub fn deterministic() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("LORA_TRAIN_DETERMINISTIC").is_ok_and(|v| v == "1"))
-}
 
 /// The contiguous slice of a CPU storage that `layout` describes, as f32 values.
 /// Activations in bf16/f16 are widened once here; the math below runs in f32.

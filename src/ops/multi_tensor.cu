@@ -1,6 +1,6 @@
 // Many tensors in one launch (the optimiser's step over hundreds of small adapters would
 // otherwise be a dozen launches per tensor, and the GPU would wait on the host for each).
-// Appended to cuda.rs's SRC (block_sum is from there). Block (x, y) works on tensor y, its
+// After common.cuh in the one program (ops::cuda; block_sum is from there). Block (x, y) works on tensor y, its
 // elements x·blockDim + i strided by gridDim.x·blockDim.
 
 struct MultiT { float* p; const float* g; float* m; float* v; long n; };

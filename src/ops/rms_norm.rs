@@ -16,7 +16,7 @@ struct RmsNorm {
 /// one pass on CUDA in bf16 (the two ops' values); elsewhere the two ops. No graph.
 pub fn add_rms_norm(x: &Tensor, a: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
     #[cfg(feature = "cuda")]
-    if let Some(r) = super::cuda::add_rms_norm(x, a, w, eps as f32)? {
+    if let Some(r) = cuda::add_rms_norm(x, a, w, eps as f32)? {
         return Ok(r);
     }
     let h = super::add(x, a)?;
@@ -68,10 +68,7 @@ impl CustomOp1 for RmsNorm {
         let candle_core::Storage::Cuda(w) = &*ws else {
             candle_core::bail!("rms_norm: weight is not on the GPU")
         };
-        Ok((
-            super::cuda::rms_norm(s, l, w, wl, self.eps)?,
-            l.shape().clone(),
-        ))
+        Ok((cuda::rms_norm(s, l, w, wl, self.eps)?, l.shape().clone()))
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
@@ -105,7 +102,7 @@ fn bwd(x: &Tensor, w: &Tensor, eps: f64, g: &Tensor, res: Option<&Tensor>) -> Re
         // dL/dy as the first columns of padded rows (ops::fold), read in place
         #[cfg(feature = "cuda")]
         if !g.is_contiguous() {
-            if let Some(dx) = super::cuda::rms_norm_bwd_rows(x, w, eps as f32, g, res)? {
+            if let Some(dx) = cuda::rms_norm_bwd_rows(x, w, eps as f32, g, res)? {
                 return Ok(dx);
             }
         }
@@ -217,8 +214,303 @@ impl candle_core::CustomOp2 for RmsNormBwd {
             None => None,
         };
         Ok((
-            super::cuda::rms_norm_bwd(xs, xl, w, wl, gs, gl, res, self.eps)?,
+            cuda::rms_norm_bwd(xs, xl, w, wl, gs, gl, res, self.eps)?,
             xl.shape().clone(),
         ))
+    }
+}
+
+#[cfg(feature = "cuda")]
+pub(super) mod cuda {
+    //! The launchers of rms_norm.cu.
+    use crate::ops::cuda::{
+        addr, addr_rows, contiguous, function, kernel, padded_rows, threads_for, uninit, v8_addrs,
+        v8_rows, with_dtype, with_view,
+    };
+    use candle_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
+    use candle_core::cuda::WrapErr;
+    use candle_core::{CudaStorage, DType, Layout, Result};
+
+    pub fn rms_norm(
+        x: &CudaStorage,
+        xl: &Layout,
+        w: &CudaStorage,
+        wl: &Layout,
+        eps: f32,
+    ) -> Result<CudaStorage> {
+        use candle_core::backend::BackendStorage;
+        let d = *xl.dims().last().unwrap_or(&1);
+        let n = xl.shape().elem_count();
+        let rows = n / d.max(1);
+        if w.dtype() != x.dtype() {
+            candle_core::bail!("rms_norm: weight {:?} vs input {:?}", w.dtype(), x.dtype());
+        }
+        let v8 = v8_rows(x, &[xl, wl], d);
+        let (func, stream) = kernel(x, if v8 { "rms_norm_v8" } else { "rms_norm" })?;
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (threads_for((if v8 { d / 8 } else { d }).min(1024)), 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (w1, w2) = contiguous(wl)?;
+        Ok(with_dtype!(x, xl, n, |xs, out| {
+            let mut b = stream.launch_builder(&func);
+            let (di, e) = (d as i32, eps);
+            with_view!(w, w1..w2, |ws| {
+                b.arg(&xs).arg(&ws).arg(&out).arg(&di).arg(&e);
+                unsafe { b.launch(cfg) }.w()?;
+            })
+        }))
+    }
+
+    /// dL/dx of rms_norm, plus `res` (another term of dL/dx, of x's shape) when given.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rms_norm_bwd(
+        x: &CudaStorage,
+        xl: &Layout,
+        w: &CudaStorage,
+        wl: &Layout,
+        g: &CudaStorage,
+        gl: &Layout,
+        res: Option<(&CudaStorage, &Layout)>,
+        eps: f32,
+    ) -> Result<CudaStorage> {
+        use candle_core::backend::BackendStorage;
+        let d = *xl.dims().last().unwrap_or(&1);
+        let n = xl.shape().elem_count();
+        let res_ok =
+            res.is_none_or(|(r, rl)| r.dtype() == x.dtype() && rl.shape().elem_count() == n);
+        if w.dtype() != x.dtype() || g.dtype() != x.dtype() || !res_ok {
+            candle_core::bail!(
+                "rms_norm_bwd: dtypes x {:?} w {:?} g {:?}, or a residual unlike x",
+                x.dtype(),
+                w.dtype(),
+                g.dtype()
+            );
+        }
+        // Without a residual g stands in for it (never read: has_res = 0).
+        let (r, rl) = res.unwrap_or((g, gl));
+        let v8 = v8_rows(x, &[xl, wl, gl, rl], d);
+        let (func, stream) = kernel(
+            x,
+            if v8 {
+                "rms_norm_bwd_v8"
+            } else {
+                "rms_norm_bwd"
+            },
+        )?;
+        let cfg = LaunchConfig {
+            grid_dim: ((n / d.max(1)) as u32, 1, 1),
+            block_dim: (threads_for((if v8 { d / 8 } else { d }).min(1024)), 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (w1, w2) = contiguous(wl)?;
+        let (g1, g2) = contiguous(gl)?;
+        let (r1, r2) = contiguous(rl)?;
+        let (di, e, hr) = (d as i32, eps, res.is_some() as i32);
+        Ok(with_dtype!(x, xl, n, |xs, out| {
+            let mut b = stream.launch_builder(&func);
+            with_view!(w, w1..w2, |ws| {
+                with_view!(g, g1..g2, |gv| {
+                    with_view!(r, r1..r2, |rv| {
+                        b.arg(&xs)
+                            .arg(&ws)
+                            .arg(&gv)
+                            .arg(&rv)
+                            .arg(&out)
+                            .arg(&di)
+                            .arg(&e)
+                            .arg(&hr);
+                        unsafe { b.launch(cfg) }.w()?;
+                    })
+                })
+            })
+        }))
+    }
+
+    /// `ops::rms_norm::add_rms_norm` on the GPU: (h, y) for bf16 x and a of one shape and w of
+    /// their last dim d, all contiguous, on 16 bytes, d a multiple of 8; None otherwise.
+    pub fn add_rms_norm(
+        x: &candle_core::Tensor,
+        a: &candle_core::Tensor,
+        w: &candle_core::Tensor,
+        eps: f32,
+    ) -> Result<Option<(candle_core::Tensor, candle_core::Tensor)>> {
+        add_rms_norm_pad(x, a, w, eps, 0)
+    }
+
+    /// `add_rms_norm` with y's rows `pad` columns wider ([rows, d + pad], pad a multiple of 8; y as
+    /// x's shape when pad = 0): the pad columns are left unset for the caller (`ops::fold`).
+    pub fn add_rms_norm_pad(
+        x: &candle_core::Tensor,
+        a: &candle_core::Tensor,
+        w: &candle_core::Tensor,
+        eps: f32,
+        pad: usize,
+    ) -> Result<Option<(candle_core::Tensor, candle_core::Tensor)>> {
+        use candle_core::{op::BackpropOp, Device, Storage, Tensor};
+        let Device::Cuda(dev) = x.device() else {
+            return Ok(None);
+        };
+        let (n, d) = (x.elem_count(), w.elem_count());
+        let bf16 = [x, a, w].iter().all(|t| t.dtype() == DType::BF16);
+        if !bf16 || a.shape() != x.shape() || x.dims().last() != Some(&d) || d % 8 != 0 || n == 0 {
+            return Ok(None);
+        }
+        if pad % 8 != 0 {
+            return Ok(None);
+        }
+        let (rows, ldy) = (n / d, d + pad);
+        let (Some(xp), Some(ap), Some(wp)) = (addr(x)?, addr(a)?, addr(w)?) else {
+            return Ok(None);
+        };
+        if [xp, ap, wp].iter().any(|p| p % 16 != 0) {
+            return Ok(None);
+        }
+        let func = function(dev, "add_rms_norm_v8_bf16")?;
+        let stream = dev.cuda_stream();
+        // SAFETY (both): every element is written by the kernel.
+        let h = unsafe { stream.alloc::<half::bf16>(n) }.w()?;
+        // (y's pad columns are the caller's to write, see above.)
+        let y = unsafe { stream.alloc::<half::bf16>(rows * ldy) }.w()?;
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (threads_for((d / 8).min(1024)), 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (di, e, ldl) = (d as i32, eps, ldy as i64);
+        let mut b = stream.launch_builder(&func);
+        b.arg(&xp)
+            .arg(&ap)
+            .arg(&wp)
+            .arg(&h)
+            .arg(&y)
+            .arg(&di)
+            .arg(&e)
+            .arg(&ldl);
+        // SAFETY: x, a, w are live contiguous bf16 buffers of the sizes checked, on this stream; h
+        // and y are fresh.
+        unsafe { b.launch(cfg) }.w()?;
+        let wrap = |buf, shape: candle_core::Shape| {
+            Tensor::from_storage(
+                Storage::Cuda(CudaStorage::wrap_cuda_slice(buf, dev.clone())),
+                shape,
+                BackpropOp::none(),
+                false,
+            )
+        };
+        let y_shape = match pad {
+            0 => x.shape().clone(),
+            _ => (rows, ldy).into(),
+        };
+        Ok(Some((wrap(h, x.shape().clone()), wrap(y, y_shape))))
+    }
+
+    /// `rms_norm` of bf16 x [.., d] into the first d columns of a fresh [rows, d + pad] (pad a
+    /// multiple of 8); the pad columns are left unset for the caller (`ops::fold`). None when the
+    /// operands do not suit the 8-a-thread kernel.
+    pub fn rms_norm_pad(
+        x: &candle_core::Tensor,
+        w: &candle_core::Tensor,
+        eps: f32,
+        pad: usize,
+    ) -> Result<Option<candle_core::Tensor>> {
+        use candle_core::Device;
+        let Device::Cuda(dev) = x.device() else {
+            return Ok(None);
+        };
+        let (n, d) = (x.elem_count(), w.elem_count());
+        if x.dims().last() != Some(&d) || d % 8 != 0 || pad % 8 != 0 || n == 0 {
+            return Ok(None);
+        }
+        let Some([xp, wp]) = v8_addrs([x, w])? else {
+            return Ok(None);
+        };
+        let (rows, ldy) = (n / d, d + pad);
+        // SAFETY: the kernel writes every row's first d columns; the pad is the caller's (above).
+        let Some((y, yp)) = (unsafe { padded_rows(dev, rows, ldy)? }) else {
+            return Ok(None);
+        };
+        let func = function(dev, "rms_norm_pad_v8_bf16")?;
+        let stream = dev.cuda_stream();
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (threads_for((d / 8).min(1024)), 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (di, e, ldl) = (d as i32, eps, ldy as i64);
+        let mut b = stream.launch_builder(&func);
+        b.arg(&xp).arg(&wp).arg(&yp).arg(&di).arg(&e).arg(&ldl);
+        // SAFETY: x and w are live contiguous bf16 buffers of the sizes checked, on this stream; y
+        // is fresh, [rows, ldy].
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(Some(y))
+    }
+
+    /// `ops::rms_norm_bwd(_add)` for bf16 x [.., d] (contiguous), w [d], g a row-strided [rows, d]
+    /// (a padded dL/dy's first d columns, `ops::fold`) and `res` of x's shape or none: the v8
+    /// kernel reading g's rows ldg apart. None where it cannot take them (then g is copied).
+    pub fn rms_norm_bwd_rows(
+        x: &candle_core::Tensor,
+        w: &candle_core::Tensor,
+        eps: f32,
+        g: &candle_core::Tensor,
+        res: Option<&candle_core::Tensor>,
+    ) -> Result<Option<candle_core::Tensor>> {
+        use candle_core::Device;
+        let Device::Cuda(dev) = x.device() else {
+            return Ok(None);
+        };
+        let (n, d) = (x.elem_count(), *x.dims().last().unwrap_or(&0));
+        let (Ok((rows, gd)), Some((gp, ldg))) = (g.dims2(), addr_rows(g)?) else {
+            return Ok(None);
+        };
+        let res_ok = res.is_none_or(|r| r.shape() == x.shape());
+        if d == 0 || d % 8 != 0 || gd != d || rows * d != n || ldg % 8 != 0 || !res_ok {
+            return Ok(None);
+        }
+        if g.dtype() != DType::BF16 || gp % 16 != 0 || w.elem_count() != d {
+            return Ok(None);
+        }
+        let Some([xp, wp]) = v8_addrs([x, w])? else {
+            return Ok(None);
+        };
+        // Without a residual g stands in for it (never read: has_res = 0).
+        let rp = match res {
+            Some(r) => match v8_addrs([r])? {
+                Some([rp]) => rp,
+                None => return Ok(None),
+            },
+            None => gp,
+        };
+        // SAFETY: the kernel writes every row's d values.
+        let Some(dx) = (unsafe { uninit(dev, DType::BF16, x.shape().clone())? }) else {
+            return Ok(None);
+        };
+        let Some(dp) = addr(&dx)? else {
+            return Ok(None);
+        };
+        let func = function(dev, "rms_norm_bwd_ld_v8_bf16")?;
+        let stream = dev.cuda_stream();
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (threads_for((d / 8).min(1024)), 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (di, hr, ldl) = (d as i32, res.is_some() as i32, ldg as i64);
+        let mut b = stream.launch_builder(&func);
+        b.arg(&xp)
+            .arg(&wp)
+            .arg(&gp)
+            .arg(&rp)
+            .arg(&dp)
+            .arg(&di)
+            .arg(&eps)
+            .arg(&hr)
+            .arg(&ldl);
+        // SAFETY: x, w and res are live contiguous bf16 buffers of the sizes checked, g rows of d
+        // ldg apart; dx is fresh; all on this stream.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(Some(dx))
     }
 }

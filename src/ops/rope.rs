@@ -77,7 +77,7 @@ impl CustomOp1 for Rope {
         let (candle_core::Storage::Cuda(c), candle_core::Storage::Cuda(sn)) = (&*cs, &*ss) else {
             candle_core::bail!("rope: cos/sin are not on the GPU")
         };
-        Ok((super::cuda::rope(s, l, c, cl, sn, sl)?, l.shape().clone()))
+        Ok((cuda::rope(s, l, c, cl, sn, sl)?, l.shape().clone()))
     }
 
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
@@ -227,7 +227,7 @@ impl CustomOp1 for Relayout {
                 else {
                     candle_core::bail!("rope: cos/sin are not on the GPU")
                 };
-                super::cuda::relayout(
+                cuda::relayout(
                     s,
                     l,
                     Some((c, cl, sn, sl)),
@@ -236,10 +236,103 @@ impl CustomOp1 for Relayout {
                     [self.b, self.t, self.h],
                 )?
             }
-            None => {
-                super::cuda::relayout(s, l, None, 1.0, self.to_heads, [self.b, self.t, self.h])?
-            }
+            None => cuda::relayout(s, l, None, 1.0, self.to_heads, [self.b, self.t, self.h])?,
         };
         Ok((out, self.out_shape(n)))
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    //! The launchers of rope.cu.
+    use crate::ops::cuda::{contiguous, kernel, with_dtype};
+    use candle_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
+    use candle_core::cuda::WrapErr;
+    use candle_core::{CudaStorage, Layout, Result};
+
+    pub fn rope(
+        x: &CudaStorage,
+        xl: &Layout,
+        cos: &CudaStorage,
+        cl: &Layout,
+        sin: &CudaStorage,
+        sl: &Layout,
+    ) -> Result<CudaStorage> {
+        use candle_core::backend::BackendStorage;
+        let (_b, h, t, d) = xl.shape().dims4()?;
+        let n = xl.shape().elem_count();
+        let pairs = (n / 2) as i64;
+        let (func, stream) = kernel(x, "rope")?;
+        let cfg = LaunchConfig::for_num_elems(pairs as u32);
+        let (c1, c2) = contiguous(cl)?;
+        let (s1, s2) = contiguous(sl)?;
+        let cs = cos.as_cuda_slice::<f32>()?.slice(c1..c2);
+        let ss = sin.as_cuda_slice::<f32>()?.slice(s1..s2);
+        let (hi, ti, half) = (h as i32, t as i32, (d / 2) as i32);
+        Ok(with_dtype!(x, xl, n, |xs, out| {
+            let mut b = stream.launch_builder(&func);
+            b.arg(&xs)
+                .arg(&cs)
+                .arg(&ss)
+                .arg(&out)
+                .arg(&hi)
+                .arg(&ti)
+                .arg(&half)
+                .arg(&pairs);
+            unsafe { b.launch(cfg) }.w()?;
+        }))
+    }
+
+    /// Rows [B·T, H·D] <-> [B, H, T, D] (`to_heads` picks the direction), rotated by sign·θ when
+    /// `rot` = (cos, sin) [B, T, D/2] f32 is given. `bth` = [B, T, H].
+    pub fn relayout(
+        x: &CudaStorage,
+        xl: &Layout,
+        rot: Option<(&CudaStorage, &Layout, &CudaStorage, &Layout)>,
+        sign: f32,
+        to_heads: bool,
+        bth: [usize; 3],
+    ) -> Result<CudaStorage> {
+        use candle_core::backend::BackendStorage;
+        let [b, t, h] = bth;
+        let n = xl.shape().elem_count();
+        let pairs = (n / 2) as i64;
+        let half = (n / (b * t * h) / 2) as i32;
+        let (o1, _) = contiguous(xl)?;
+        // 4 pairs a thread when every 4-element run is aligned: half % 4, the input's offset, and
+        // the allocations (8 bytes for bf16, 16 for f32; candle allocates 256-aligned).
+        let vec = half % 4 == 0 && o1 % 4 == 0;
+        let (func, stream) = kernel(x, if vec { "relayout4" } else { "relayout" })?;
+        let units = if vec { pairs / 4 } else { pairs };
+        let cfg = LaunchConfig::for_num_elems(units as u32);
+        let (hi, ti, th, sg) = (h as i32, t as i32, to_heads as i32, sign);
+        let null: u64 = 0;
+        Ok(with_dtype!(x, xl, n, |xs, out| {
+            let mut bld = stream.launch_builder(&func);
+            bld.arg(&xs);
+            let views = match rot {
+                Some((c, cl, s, sl)) => {
+                    let (c1, c2) = contiguous(cl)?;
+                    let (s1, s2) = contiguous(sl)?;
+                    Some((
+                        c.as_cuda_slice::<f32>()?.slice(c1..c2),
+                        s.as_cuda_slice::<f32>()?.slice(s1..s2),
+                    ))
+                }
+                None => None,
+            };
+            match &views {
+                Some((cv, sv)) => bld.arg(cv).arg(sv),
+                None => bld.arg(&null).arg(&null),
+            };
+            bld.arg(&out)
+                .arg(&hi)
+                .arg(&ti)
+                .arg(&half)
+                .arg(&units)
+                .arg(&th)
+                .arg(&sg);
+            unsafe { bld.launch(cfg) }.w()?;
+        }))
     }
 }

@@ -37,7 +37,7 @@ pub fn swiglu_bwd(g: &Tensor, u: &Tensor, da: &Tensor) -> Result<(Tensor, Tensor
 /// it; da must be a fresh result that nothing else holds. Elsewhere the two ops.
 pub fn swiglu_bwd_keep(g: &Tensor, u: &Tensor, da: Tensor) -> Result<(Tensor, Tensor, Tensor)> {
     #[cfg(feature = "cuda")]
-    if let Some(r) = super::cuda::swiglu_bwd_keep(g, u, &da)? {
+    if let Some(r) = cuda::swiglu_bwd_keep(g, u, &da)? {
         return Ok(r);
     }
     let (dg, du) = swiglu_bwd(g, u, &da)?;
@@ -78,7 +78,7 @@ impl CustomOp2 for SwiGlu {
         us: &candle_core::CudaStorage,
         ul: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        Ok((super::cuda::swiglu(gs, gl, us, ul)?, gl.shape().clone()))
+        Ok((cuda::swiglu(gs, gl, us, ul)?, gl.shape().clone()))
     }
 
     fn bwd(
@@ -138,8 +138,191 @@ impl CustomOp3 for SwiGluBwd {
         let mut dims = vec![2];
         dims.extend_from_slice(gl.dims());
         Ok((
-            super::cuda::swiglu_bwd(gs, gl, us, ul, das, dal)?,
+            cuda::swiglu_bwd(gs, gl, us, ul, das, dal)?,
             Shape::from(dims),
         ))
+    }
+}
+
+#[cfg(feature = "cuda")]
+pub(super) mod cuda {
+    //! The launchers of swiglu.cu.
+    use crate::ops::cuda::{
+        addr, contiguous, function, kernel, padded_rows, v8_addrs, with_dtype, with_view,
+    };
+    use candle_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
+    use candle_core::cuda::WrapErr;
+    use candle_core::{CudaStorage, DType, Layout, Result};
+
+    /// a = silu(g) ⊙ u over contiguous g, u of one dtype.
+    pub fn swiglu(
+        g: &CudaStorage,
+        gl: &Layout,
+        u: &CudaStorage,
+        ul: &Layout,
+    ) -> Result<CudaStorage> {
+        elementwise("swiglu", g, gl, &[(u, ul)], 1)
+    }
+
+    /// (g, u, da) → [dg; du] (2n elements).
+    pub fn swiglu_bwd(
+        g: &CudaStorage,
+        gl: &Layout,
+        u: &CudaStorage,
+        ul: &Layout,
+        da: &CudaStorage,
+        dal: &Layout,
+    ) -> Result<CudaStorage> {
+        elementwise("swiglu_bwd", g, gl, &[(u, ul), (da, dal)], 2)
+    }
+
+    /// Runs `name_<dtype>(x, others..., out, n)` over n = |x| elements, one thread each, with a
+    /// fresh output of `outs`·n elements. Every input has x's dtype and is contiguous.
+    fn elementwise(
+        name: &str,
+        x: &CudaStorage,
+        xl: &Layout,
+        others: &[(&CudaStorage, &Layout)],
+        outs: usize,
+    ) -> Result<CudaStorage> {
+        use candle_core::backend::BackendStorage;
+        let n = xl.shape().elem_count();
+        for (o, ol) in others {
+            if o.dtype() != x.dtype() || ol.shape().elem_count() != n {
+                candle_core::bail!(
+                    "{name}: inputs differ: {:?} {:?} vs {:?} {:?}",
+                    x.dtype(),
+                    xl.dims(),
+                    o.dtype(),
+                    ol.dims()
+                );
+            }
+        }
+        // bf16 with every start on 16 bytes and n a multiple of 8: the 8-a-thread kernel.
+        let v8 = x.dtype() == DType::BF16
+            && n % 8 == 0
+            && std::iter::once(xl)
+                .chain(others.iter().map(|(_, l)| *l))
+                .all(|l| l.start_offset() % 8 == 0);
+        let (func, stream) = kernel(
+            x,
+            &if v8 {
+                format!("{name}_v8")
+            } else {
+                name.into()
+            },
+        )?;
+        let cfg = LaunchConfig::for_num_elems((if v8 { n / 8 } else { n }).max(1) as u32);
+        let nl = n as i64;
+        let ranges = others
+            .iter()
+            .map(|(_, l)| contiguous(l))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(with_dtype!(x, xl, outs * n, |xs, out| {
+            let mut b = stream.launch_builder(&func);
+            b.arg(&xs);
+            match (others, ranges.as_slice()) {
+                ([(o1, _)], [r1]) => with_view!(o1, r1.0..r1.1, |v1| {
+                    b.arg(&v1).arg(&out).arg(&nl);
+                    unsafe { b.launch(cfg) }.w()?;
+                }),
+                ([(o1, _), (o2, _)], [r1, r2]) => with_view!(o1, r1.0..r1.1, |v1| {
+                    with_view!(o2, r2.0..r2.1, |v2| {
+                        b.arg(&v1).arg(&v2).arg(&out).arg(&nl);
+                        unsafe { b.launch(cfg) }.w()?;
+                    })
+                }),
+                _ => candle_core::bail!("{name}: one or two extra inputs expected"),
+            }
+        }))
+    }
+
+    /// `swiglu` of bf16 g, u [.., d] into the first d columns of a fresh [rows, d + pad] (d and
+    /// pad multiples of 8); the pad columns are left unset for the caller (`ops::fold`).
+    pub fn swiglu_pad(
+        g: &candle_core::Tensor,
+        u: &candle_core::Tensor,
+        pad: usize,
+    ) -> Result<Option<candle_core::Tensor>> {
+        use candle_core::Device;
+        let Device::Cuda(dev) = g.device() else {
+            return Ok(None);
+        };
+        let n = g.elem_count();
+        let d = *g.dims().last().unwrap_or(&0);
+        if u.shape() != g.shape() || d % 8 != 0 || pad % 8 != 0 || n == 0 {
+            return Ok(None);
+        }
+        let Some([gp, up]) = v8_addrs([g, u])? else {
+            return Ok(None);
+        };
+        let (rows, lda) = (n / d, d + pad);
+        // SAFETY: the kernel writes every row's first d columns; the pad is the caller's (above).
+        let Some((a, ap)) = (unsafe { padded_rows(dev, rows, lda)? }) else {
+            return Ok(None);
+        };
+        let func = function(dev, "swiglu_pad_v8_bf16")?;
+        let stream = dev.cuda_stream();
+        let cfg = LaunchConfig::for_num_elems((n / 8) as u32);
+        let (nl, dl, ldl) = (n as i64, d as i64, lda as i64);
+        let mut b = stream.launch_builder(&func);
+        b.arg(&gp).arg(&up).arg(&ap).arg(&nl).arg(&dl).arg(&ldl);
+        // SAFETY: g and u are live contiguous bf16 buffers of n elements on this stream; a is
+        // fresh, [rows, lda].
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(Some(a))
+    }
+
+    /// `ops::swiglu::swiglu_bwd_keep` on the GPU: (dg, du, a) with a written over `da`'s buffer,
+    /// for bf16 inputs of one shape, contiguous, on 16 bytes, of a multiple of 8 elements; None
+    /// otherwise. `da` must be a fresh result that nothing else reads (its values are replaced).
+    pub fn swiglu_bwd_keep(
+        g: &candle_core::Tensor,
+        u: &candle_core::Tensor,
+        da: &candle_core::Tensor,
+    ) -> Result<
+        Option<(
+            candle_core::Tensor,
+            candle_core::Tensor,
+            candle_core::Tensor,
+        )>,
+    > {
+        use candle_core::{op::BackpropOp, Device, Storage, Tensor};
+        let Device::Cuda(dev) = g.device() else {
+            return Ok(None);
+        };
+        let n = g.elem_count();
+        let same = [u, da]
+            .iter()
+            .all(|t| t.dtype() == DType::BF16 && t.shape() == g.shape());
+        if g.dtype() != DType::BF16 || !same || n % 8 != 0 || n == 0 {
+            return Ok(None);
+        }
+        let (Some(gp), Some(up), Some(dp)) = (addr(g)?, addr(u)?, addr(da)?) else {
+            return Ok(None);
+        };
+        if [gp, up, dp].iter().any(|p| p % 16 != 0) {
+            return Ok(None);
+        }
+        let func = function(dev, "swiglu_bwd_keep_v8_bf16")?;
+        let stream = dev.cuda_stream();
+        // SAFETY: every element is written by the kernel (dg, then du).
+        let out = unsafe { stream.alloc::<half::bf16>(2 * n) }.w()?;
+        let cfg = LaunchConfig::for_num_elems((n / 8) as u32);
+        let nl = n as i64;
+        let mut b = stream.launch_builder(&func);
+        b.arg(&gp).arg(&up).arg(&dp).arg(&out).arg(&nl);
+        // SAFETY: g, u and da are live contiguous bf16 buffers of n elements on this stream, out is
+        // fresh; da is the caller's to overwrite (see above).
+        unsafe { b.launch(cfg) }.w()?;
+        let mut dims = vec![2];
+        dims.extend_from_slice(g.dims());
+        let both = Tensor::from_storage(
+            Storage::Cuda(CudaStorage::wrap_cuda_slice(out, dev.clone())),
+            dims,
+            BackpropOp::none(),
+            false,
+        );
+        Ok(Some((both.get(0)?, both.get(1)?, da.clone())))
     }
 }

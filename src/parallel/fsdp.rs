@@ -126,11 +126,13 @@ pub struct Shards {
 }
 
 impl Shards {
-    /// Splits the groups `Model::load_with` handed over (layers in order, io last), and
-    /// tells the comm that the shards are static (`Comm::share_static`: every rank calls this).
+    /// Splits the groups `Model::load_with` handed over (layers in order, io last), and under
+    /// the `peer_copy` experiment (`kernels.experiments`) tells the comm that the shards are
+    /// static (`Comm::share_static`: every rank calls this, with the same kernels).
     pub fn from_groups(
         mut groups: Vec<Flat>,
         num_layers: usize,
+        kernels: &crate::ops::Kernels,
         comm: &dyn Comm,
     ) -> Result<Shards> {
         if groups.len() != num_layers + 1 {
@@ -153,8 +155,9 @@ impl Shards {
             .chain([&shards.io])
             .map(|f| &f.shard)
             .collect();
-        let peer_copies = comm.share_static(&all)?;
-        shards.peer_copies = peer_copies;
+        if kernels.experiments.peer_copy {
+            shards.peer_copies = comm.share_static(&all)?;
+        }
         Ok(shards)
     }
 

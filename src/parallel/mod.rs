@@ -52,7 +52,8 @@ pub trait Comm {
     /// rewritten between steps, `fsdp::Shards::write_pads`). A backend may let the other ranks
     /// read them where they lie: `all_gather` of one of them then copies the peers' shards in
     /// with copy engines instead of a collective's kernels (NCCL, ranks that are threads of
-    /// one process). Every rank calls it once, in step, with its tensors in the same order.
+    /// one process). Every rank calls it once, in step, with its tensors in the same order
+    /// (FSDP does, under the `peer_copy` experiment: `ops::kernels`).
     /// True when the peers will copy them so; false: gathers stay collectives.
     fn share_static(&self, _xs: &[&Tensor]) -> Result<bool> {
         Ok(false)

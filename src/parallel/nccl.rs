@@ -9,12 +9,11 @@
 //! collective at once, except for those gathers, which it waits for only when the layer is
 //! used (`gathered`), so they overlap the layer in between. One communicator, one stream at a
 //! time: the ranks' collectives still run in one order everywhere. DDP, which gathers nothing
-//! ahead, keeps its all-reduces in line (a second stream measured 1% slower for it when the
-//! compute stream waited for each sum at once, BENCHMARKS.md (k)). LORA_TRAIN_GATHER_STREAM=0
-//! keeps FSDP in line too. With LORA_TRAIN_REDUCE_AHEAD=1 (opt-in, unmeasured) the gradient
-//! sums go to the second stream too and the compute stream waits for them once, after the
-//! backward (`reduced`); `gathered` then waits for the latest gather only (an event), not for
-//! the sums queued beside it.
+//! ahead, keeps its all-reduces in line (on a second stream the compute stream would still
+//! wait for each sum at once). Under the `reduce_ahead` experiment (`ops::kernels`) the
+//! gradient sums go to the second stream too and the compute stream waits for them once, after
+//! the backward (`reduced`); `gathered` then waits for the latest gather only (an event), not
+//! for the sums queued beside it.
 //!
 //! FSDP's gathers of the frozen shards skip NCCL when the ranks are threads of one process
 //! whose GPUs reach each other (NVLink or PCIe peer access): the shards stay where they are
@@ -22,14 +21,15 @@
 //! `share_static` each rank copies its peers' shards straight out of their memory with
 //! `cuMemcpyPeerAsync`, on the same side stream. Copy engines do that, not kernels: a
 //! collective's kernels hold SMs that the layer's GEMMs, sized for the whole GPU, wait for.
-//! Opt-in (LORA_TRAIN_PEER_COPY=1), and only with CUDA_MODULE_LOADING=EAGER, which
-//! `prepare_process` sets when the variable is there at start. With the driver's default lazy
-//! loading it deadlocked on two H200s (BENCHMARKS.md, (n)): rank 0 stuck in its first launch
-//! of a cuBLASLt kernel (`cuKernelSetAttribute`, loading it under a driver lock), rank 1 stuck
-//! in `cuMemcpyPeerAsync` out of GPU 0 waiting for that lock, GPU 1 busy with a collective
-//! that rank 0 had not issued yet. Eager loading (no kernel loads after start) costs ~0.8 GB of
-//! each GPU's memory (cuBLAS's kernels, outside the pool) and ~3 s at start, so NCCL gathers by
-//! default.
+//! The `peer_copy` experiment (`LORA_TRAIN_EXPERIMENTS=peer_copy`, `ops::kernels`): FSDP calls
+//! `share_static` only under it, and it works only with CUDA_MODULE_LOADING=EAGER, which
+//! `prepare_process` sets when the experiment is named at start. With the driver's default
+//! lazy loading it can deadlock: one rank stuck in its first launch of a cuBLASLt kernel
+//! (`cuKernelSetAttribute`, loading it under a driver lock), another stuck in
+//! `cuMemcpyPeerAsync` out of the first one's GPU waiting for that lock, its own GPU busy with
+//! a collective that the first rank had not issued yet. Eager loading (no kernel loads after
+//! start) costs GPU memory (cuBLAS's kernels, outside the pool) and seconds at start, so NCCL
+//! gathers by default.
 //!
 //! We hold the raw `ncclComm_t` (cudarc's `Comm` keeps it private) so that the failing rank's
 //! thread can call ncclCommAbort on every rank's communicator: the ranks blocked in a
@@ -246,8 +246,6 @@ pub struct NcclComm {
     /// The second stream every collective runs on from the first gather issued ahead (None
     /// until then: `compute`).
     side: Mutex<Option<Arc<CudaStream>>>,
-    /// LORA_TRAIN_GATHER_STREAM=0: never make `side`.
-    in_line: bool,
     /// Recorded on `side` after the latest gather issued ahead: what `gathered` waits for
     /// (not the sums queued behind it).
     gather_done: Mutex<Option<CudaEvent>>,
@@ -293,7 +291,6 @@ impl NcclComm {
             })?;
             c.assume_init()
         };
-        let in_line = std::env::var("LORA_TRAIN_GATHER_STREAM").is_ok_and(|v| v == "0");
         Ok(NcclComm {
             rank,
             world,
@@ -305,7 +302,6 @@ impl NcclComm {
             device,
             compute: stream,
             side: Mutex::new(None),
-            in_line,
             gather_done: Mutex::new(None),
             pending: Mutex::new(Vec::new()),
             peers,
@@ -418,11 +414,11 @@ impl NcclComm {
         Ok(out)
     }
 
-    /// The second stream when collectives run there: made at the first gather issued `ahead`
-    /// (unless in line), after which every collective uses it.
+    /// The second stream when collectives run there: made at the first gather issued `ahead`,
+    /// after which every collective uses it.
     fn side_stream(&self, ahead: bool) -> Result<Option<Arc<CudaStream>>> {
         let mut side = self.side.lock().unwrap_or_else(|p| p.into_inner());
-        if side.is_none() && ahead && !self.in_line {
+        if side.is_none() && ahead {
             let s = self.compute.context().new_stream().map_err(|e| {
                 candle_core::Error::msg(format!(
                     "rank {}: cannot create a stream: {e:?}",
@@ -490,22 +486,23 @@ impl NcclComm {
         })
     }
 
-    /// `Comm::share_static`: publishes this rank's tensors, waits for every rank's, and when
-    /// every GPU reaches every other, maps each tensor to the peers' copies of it (true).
+    /// `Comm::share_static` (FSDP calls it under the `peer_copy` experiment): publishes this
+    /// rank's tensors, waits for every rank's, and when every GPU reaches every other, maps
+    /// each tensor to the peers' copies of it (true).
     fn share(&self, xs: &[&Tensor]) -> Result<bool> {
         let Some(peers) = &self.peers else {
             return Ok(false);
         };
-        if self.world < 2 || !peer_copy_asked() {
+        if self.world < 2 {
             return Ok(false);
         }
         // Every rank reads the same process-wide mode, so all make the same choice.
         if !eager_loading() {
             if self.rank == 0 {
                 eprintln!(
-                    "warning: LORA_TRAIN_PEER_COPY=1 ignored, FSDP gathers with NCCL: peer \
-                     copies need CUDA_MODULE_LOADING=EAGER (lazy kernel loading can deadlock \
-                     them); lora-train sets it when LORA_TRAIN_PEER_COPY=1 is set at its start"
+                    "warning: LORA_TRAIN_EXPERIMENTS=peer_copy ignored, FSDP gathers with NCCL: \
+                     peer copies need CUDA_MODULE_LOADING=EAGER (lazy kernel loading can \
+                     deadlock them); lora-train sets it when the experiment is named at its start"
                 );
             }
             return Ok(false);
@@ -604,11 +601,6 @@ impl NcclComm {
     }
 }
 
-/// LORA_TRAIN_PEER_COPY=1: FSDP's frozen shards copied from the peers (see the module docs).
-fn peer_copy_asked() -> bool {
-    std::env::var("LORA_TRAIN_PEER_COPY").is_ok_and(|v| v == "1")
-}
-
 /// Whether the driver loaded every kernel of a module with the module
 /// (CUDA_MODULE_LOADING=EAGER, fixed when CUDA initialised); peer copies need it.
 fn eager_loading() -> bool {
@@ -621,10 +613,13 @@ fn eager_loading() -> bool {
     ok && mode == M::CU_MODULE_EAGER_LOADING
 }
 
-/// Call first thing in `main`, before any CUDA call: with LORA_TRAIN_PEER_COPY=1 and no
-/// CUDA_MODULE_LOADING of the user's, sets CUDA_MODULE_LOADING=EAGER, which peer copies need.
+/// Call first thing in `main`, before any CUDA call: with the `peer_copy` experiment named in
+/// LORA_TRAIN_EXPERIMENTS and no CUDA_MODULE_LOADING of the user's, sets
+/// CUDA_MODULE_LOADING=EAGER, which peer copies need. (A list that does not parse is left for
+/// `Kernels::resolve` to report.)
 pub fn prepare_process() {
-    if peer_copy_asked() && std::env::var_os("CUDA_MODULE_LOADING").is_none() {
+    let peer_copy = crate::ops::kernels::Experiments::from_env().is_ok_and(|e| e.peer_copy);
+    if peer_copy && std::env::var_os("CUDA_MODULE_LOADING").is_none() {
         // Before any thread exists (main's first call), so no other thread reads the
         // environment meanwhile.
         std::env::set_var("CUDA_MODULE_LOADING", "EAGER");

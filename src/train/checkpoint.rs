@@ -33,11 +33,13 @@ const FORMAT: &str = "lora-train checkpoint 1";
 const LOSS_TAIL: usize = 100;
 
 /// Recipe keys that do not change the numbers of a run: they may differ on resume.
-const FREE_KEYS: [&str; 13] = [
+const FREE_KEYS: [&str; 14] = [
     "train.resume",
     "train.max_memory",
     "train.log_every",
     "train.skip_nonfinite",
+    // The same sums, in a fixed order or not.
+    "train.deterministic",
     "train.activation_checkpointing",
     "train.offload_activations",
     "output.dir",
@@ -339,17 +341,6 @@ pub fn resume_point(r: &Recipe, out_dir: &Path) -> Result<Option<Checkpoint>> {
     Ok(Some(Checkpoint { dir, state }))
 }
 
-/// Test hook: LORA_TRAIN_TEST_SLOW_SAVE_MS=n sleeps n ms between the files of a checkpoint,
-/// so that a test can kill the process in the middle of a save.
-fn test_pause() {
-    if let Some(ms) = std::env::var("LORA_TRAIN_TEST_SLOW_SAVE_MS")
-        .ok()
-        .and_then(|v| v.parse::<u64>().ok())
-    {
-        std::thread::sleep(std::time::Duration::from_millis(ms));
-    }
-}
-
 /// Writes `out_dir/checkpoint-<state.step>/` (replacing one of that step) through a
 /// temporary directory. `keys[i]` is the PEFT key of `opt.params[i]`.
 /// Where `save` puts the checkpoint of step `step`.
@@ -377,7 +368,6 @@ pub fn save(
             &s.base_name,
             s.base_revision.as_deref(),
         )?;
-        test_pause();
         let (m, v) = opt.state()?;
         let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
         for ((key, m), v) in keys.iter().zip(m).zip(v) {
@@ -401,12 +391,10 @@ pub fn save(
             tmp.join(OPTIMIZER),
             safetensors::serialize(views, Some(meta))?,
         )?;
-        test_pause();
         std::fs::write(tmp.join("recipe.toml"), s.recipe.to_toml())?;
         // The trainer state goes last: a directory holding it is complete.
         std::fs::write(tmp.join(STATE), serde_json::to_string_pretty(state)? + "\n")?;
         sync_dir_files(&tmp)?;
-        test_pause();
         replace_dir(&tmp, &dst)
     })();
     if let Err(e) = res {

@@ -15,7 +15,7 @@
 //! Several ranks (`Par`): under FSDP each layer's frozen base is all-gathered just before its
 //! forward and again before its backward (and recompute), and dropped after use; the next
 //! layer's gather is issued one layer early (on a second stream, overlapping this layer, by
-//! peer copies or NCCL: parallel::nccl; in line with LORA_TRAIN_GATHER_STREAM=0 or on the CPU).
+//! peer copies or NCCL: parallel::nccl; in line on the CPU).
 //! The embedding, norm and head are gathered likewise: in line for the embedding, ahead under
 //! the last layer for the head; and the last layer's second gather is issued under the head.
 //! What forward keeps holds no weights, so only one or two gathered groups exist at a time,
@@ -413,10 +413,10 @@ fn backward<'m>(
         };
         accumulate(lg, grads)?;
         if par.reduce && world > 1 {
-            all_reduce_layer(&layer, grads, par.comm)?;
+            all_reduce_layer(&layer, grads, par.comm, ctx)?;
         }
     }
-    if par.reduce && world > 1 && reduce_ahead() {
+    if par.reduce && world > 1 && ctx.kernels.experiments.reduce_ahead {
         par.comm.reduced()?; // the sums issued under the layers below are in
     }
     Ok(())
@@ -476,18 +476,12 @@ fn accumulate(lg: LayerGrads, grads: &mut Grads) -> Result<()> {
     Ok(())
 }
 
-/// LORA_TRAIN_REDUCE_AHEAD=1: each layer's gradient sum runs on the comm's second stream under
-/// the backward of the layers below it, and the compute stream waits for them all once, after
-/// the first layer (`Comm::reduced`), instead of for each as it is issued. Opt-in until
-/// measured on two GPUs (BENCHMARKS.md (s)).
-fn reduce_ahead() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("LORA_TRAIN_REDUCE_AHEAD").is_ok_and(|v| v == "1"))
-}
-
 /// Sums one layer's adapter gradients over the ranks as one flat f32 bucket (a missing
-/// gradient counts as zeros, so every rank sends the same layout).
-fn all_reduce_layer(layer: &Layer, grads: &mut Grads, comm: &dyn Comm) -> Result<()> {
+/// gradient counts as zeros, so every rank sends the same layout). Under the `reduce_ahead`
+/// experiment (`ctx.kernels.experiments`) the sum runs on the comm's second stream under the
+/// backward of the layers below, and the compute stream waits for them all once, after the
+/// first layer (`Comm::reduced`), instead of for each as it is issued.
+fn all_reduce_layer(layer: &Layer, grads: &mut Grads, comm: &dyn Comm, ctx: &Ctx) -> Result<()> {
     let vars: Vec<&Var> = layer
         .linears()
         .into_iter()
@@ -506,7 +500,7 @@ fn all_reduce_layer(layer: &Layer, grads: &mut Grads, comm: &dyn Comm) -> Result
         flat.push(g.flatten_all()?);
     }
     let flat = Tensor::cat(&flat, 0)?; // [Σ numel] f32
-    let sum = match reduce_ahead() {
+    let sum = match ctx.kernels.experiments.reduce_ahead {
         true => comm.all_reduce_sum_ahead(&flat)?, // read after `reduced`, past the last layer
         false => comm.all_reduce_sum(&flat)?,
     };

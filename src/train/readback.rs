@@ -9,8 +9,7 @@
 //! made (`Readbacks::start`, queued right after it), and the read (`Readbacks::read`) waits for
 //! that copy's event alone, which by then has long passed: the queue never runs dry.
 //!
-//! Off CUDA the tensor is kept and read by `read` (a copy there waits for nothing). So it is
-//! on CUDA under LORA_TRAIN_READBACK=0, the draining read, for A/B runs.
+//! Off CUDA the tensor is kept and read by `read` (a copy there waits for nothing).
 
 use candle_core::{DType, Result, Tensor};
 
@@ -54,7 +53,7 @@ impl Readbacks {
             candle_core::bail!("readback: {n} values, at most {MAX}");
         }
         #[cfg(feature = "cuda")]
-        if let (candle_core::Device::Cuda(dev), true) = (x.device(), pinned()) {
+        if let candle_core::Device::Cuda(dev) = x.device() {
             return self.start_cuda(dev, &x, n);
         }
         Ok(Ticket(Slot::Later(x)))
@@ -103,14 +102,6 @@ impl Readbacks {
         stream.memcpy_dtoh(&src, &mut buf).w()?;
         Ok(Ticket(Slot::Pinned(buf)))
     }
-}
-
-/// Whether CUDA reads go through pinned memory: unless LORA_TRAIN_READBACK=0 (for A/B runs),
-/// read once per process.
-#[cfg(feature = "cuda")]
-fn pinned() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("LORA_TRAIN_READBACK").map_or(true, |v| v != "0"))
 }
 
 #[cfg(test)]

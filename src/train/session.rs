@@ -131,8 +131,11 @@ impl Session {
         };
         let fsdp = recipe.parallel.strategy == crate::recipe::Strategy::Fsdp;
         let seed = recipe.train.seed;
-        let (model, shards) = sharded_model(fsdp, &*comm, &mut |loaded| {
-            Model::load_with(&files, dtype, &dev, &spec, seed, true, loaded)
+        // The run's kernels; with them the adapters' forward folded into the base GEMMs
+        // (ops::fold), each layer padded before FSDP shards it.
+        let kernels = run_kernels(&recipe, &files, &dev, dtype)?;
+        let (model, shards) = sharded_model(fsdp, &*comm, &kernels, &mut |loaded| {
+            Model::load_with(&files, dtype, &dev, &spec, seed, &kernels, loaded)
         })
         .with_context(|| format!("cannot load the model in {}", dir.display()))?;
         if let Some((p, _)) = &init {
@@ -356,6 +359,23 @@ fn empty_epoch(s: &Session, epoch: usize) -> anyhow::Error {
     )
 }
 
+/// The kernels a recipe's run takes on `dev` (ops::Kernels, resolved once): from the device,
+/// the dtype, the checkpoint's head dim and train.deterministic.
+pub fn run_kernels(
+    recipe: &Recipe,
+    files: &ModelFiles,
+    dev: &Device,
+    dtype: DType,
+) -> Result<crate::ops::Kernels> {
+    let head_dim = crate::model::ModelConfig::from_file(&files.config)?.head_dim;
+    Ok(crate::ops::Kernels::resolve(
+        dev,
+        dtype,
+        head_dim,
+        recipe.train.deterministic,
+    )?)
+}
+
 /// A model that `build` makes layer by layer (from a checkpoint or random weights, the
 /// adapters' forward folded into the base GEMMs where `ops::fold` takes the device), and under
 /// FSDP this rank's shards of its frozen base: each layer's frozen tensors go into flat
@@ -364,6 +384,7 @@ fn empty_epoch(s: &Session, epoch: usize) -> anyhow::Error {
 pub fn sharded_model(
     fsdp: bool,
     comm: &dyn Comm,
+    kernels: &crate::ops::Kernels,
     build: &mut dyn FnMut(Loaded) -> Result<Model>,
 ) -> Result<(Model, Option<Shards>)> {
     let mut groups = Vec::new();
@@ -374,7 +395,12 @@ pub fn sharded_model(
         Ok(())
     })?;
     let shards = match fsdp {
-        true => Some(Shards::from_groups(groups, model.layers.len(), comm)?),
+        true => Some(Shards::from_groups(
+            groups,
+            model.layers.len(),
+            kernels,
+            comm,
+        )?),
         false => None,
     };
     Ok((model, shards))

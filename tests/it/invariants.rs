@@ -147,7 +147,7 @@ fn first_layer_backward_without_input_grad_keeps_every_gradient() {
 /// The reference of the hand-written pair: autograd through `Layer::forward` from x as a leaf,
 /// L = Σ y ⊙ g in f32 → (the leaf, y, the gradients).
 fn autograd_reference(
-    layer: &lora_train::model::llama::Layer,
+    layer: &lora_train::model::Layer,
     x: &Tensor,
     g: &Tensor,
     ctx: &lora_train::model::llama::Ctx,
@@ -167,7 +167,7 @@ fn autograd_reference(
 /// of `x`, and one dA and one dB per adapter, each at (rtol, atol).
 fn check_layer_grads(
     tag: &str,
-    layer: &lora_train::model::llama::Layer,
+    layer: &lora_train::model::Layer,
     (dx, grads): &(Tensor, lora_train::model::LayerGrads),
     gs: &candle_core::backprop::GradStore,
     x: &Tensor,
@@ -557,11 +557,14 @@ fn gpu_layer_model() -> lora_train::model::llama::Model {
         cfg.head_dim,
     ) = (2, 4, 2, 64);
     cfg.vocab_size = 512;
-    assert!(lora_train::ops::flash::takes_for(
-        &dev,
-        DType::BF16,
-        cfg.head_dim
-    ));
+    let kernels =
+        lora_train::ops::Kernels::resolve(&dev, DType::BF16, cfg.head_dim, false).unwrap();
+    assert!(kernels.attention.tensor_cores());
+    // Unfolded: the tests that fold it (`Model::fold`) turn `kernels.fold` back on first.
+    let kernels = lora_train::ops::Kernels {
+        fold: false,
+        ..kernels
+    };
     let spec = LoraSpec {
         rank: 8,
         alpha: 16.0,
@@ -569,7 +572,8 @@ fn gpu_layer_model() -> lora_train::model::llama::Model {
         rslora: false,
         targets: ALL_LINEAR.iter().map(|s| s.to_string()).collect(),
     };
-    let m = Model::random_with(cfg, DType::BF16, &dev, &spec, 7, false, &mut |_| Ok(())).unwrap();
+    let m =
+        Model::random_with(cfg, DType::BF16, &dev, &spec, 7, &kernels, &mut |_| Ok(())).unwrap();
     randomize_b(&m, 0.05);
     m
 }
@@ -631,9 +635,10 @@ fn flash_layer_backward_matches_autograd_on_the_gpu() {
 #[cfg(feature = "cuda")]
 #[test]
 fn folded_layer_matches_the_unfolded_and_autograd_on_the_gpu() {
-    use lora_train::model::llama::Linear;
+    use lora_train::model::Linear;
     let mut m = gpu_layer_model();
     let (c, i, kv) = (256, 688, 128);
+    m.kernels.fold = true;
     let bytes = m.fold().unwrap();
     // Rows rounded up to 64: q, k, v 256 + 24 → 320 and gate, up 256 + 16 → 320 (64 pad
     // columns); down 688 + 8 → 704 (16). Two layers, bf16; q [256], k and v [128] (GQA).
@@ -713,7 +718,7 @@ impl lora_train::parallel::Comm for Cut {
 #[test]
 fn fsdp_shards_carry_the_folded_b_columns_on_the_gpu() {
     use candle_core::DType;
-    use lora_train::model::llama::{Linear, Model};
+    use lora_train::model::{Linear, Model};
     use lora_train::parallel::fsdp::{Flat, Shards};
     let reference = gpu_layer_model();
     let (cfg, dev) = (reference.cfg.clone(), reference.device.clone());
@@ -730,17 +735,30 @@ fn fsdp_shards_carry_the_folded_b_columns_on_the_gpu() {
     // gpu_layer_model's weights (same seed), folded as they load; its random B's.
     let build = |comm: Option<&Cut>| {
         let mut groups = Vec::new();
-        let m = Model::random_with(cfg.clone(), DType::BF16, &dev, &spec, 7, true, &mut |t| {
-            if let Some(c) = comm {
-                groups.push(Flat::take(t, c)?);
-            }
-            Ok(())
-        })
+        let kernels = lora_train::ops::Kernels {
+            fold: true,
+            ..reference.kernels
+        };
+        let m = Model::random_with(
+            cfg.clone(),
+            DType::BF16,
+            &dev,
+            &spec,
+            7,
+            &kernels,
+            &mut |t| {
+                if let Some(c) = comm {
+                    groups.push(Flat::take(t, c)?);
+                }
+                Ok(())
+            },
+        )
         .unwrap();
         for ((_, a), (_, b)) in m.adapters().zip(reference.adapters()) {
             a.b.set(b.b.as_tensor()).unwrap();
         }
-        let shards = comm.map(|c| Shards::from_groups(groups, m.layers.len(), c).unwrap());
+        let shards =
+            comm.map(|c| Shards::from_groups(groups, m.layers.len(), &m.kernels, c).unwrap());
         (m, shards)
     };
     let (full, _) = build(None);
@@ -836,8 +854,15 @@ fn folded_7b_layer() -> lora_train::model::llama::Model {
         rslora: false,
         targets: ALL_LINEAR.iter().map(|s| s.to_string()).collect(),
     };
+    let kernels =
+        lora_train::ops::Kernels::resolve(&dev, DType::BF16, cfg.head_dim, false).unwrap();
+    let unfolded = lora_train::ops::Kernels {
+        fold: false,
+        ..kernels
+    };
     let mut m =
-        Model::random_with(cfg, DType::BF16, &dev, &spec, 7, false, &mut |_| Ok(())).unwrap();
+        Model::random_with(cfg, DType::BF16, &dev, &spec, 7, &unfolded, &mut |_| Ok(())).unwrap();
+    m.kernels.fold = true;
     assert!(m.fold().unwrap() > 0);
     m
 }
@@ -911,7 +936,7 @@ fn folded_7b_layer_matches_the_unfolded_on_the_gpu() {
 #[test]
 fn folded_linears_round_once_at_7b_on_the_gpu() {
     use candle_core::DType;
-    use lora_train::model::llama::Linear;
+    use lora_train::model::Linear;
     use lora_train::ops;
     let m = folded_7b_layer();
     let dev = m.device.clone();

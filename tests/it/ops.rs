@@ -417,6 +417,7 @@ fn lora_linear_matches_composite_in_x_a_and_b_with_dropout_mask() {
             bb.as_tensor(),
             1.7,
             Some(mask.clone()),
+            lora_train::ops::kernels::Gemm::Tuned, // (the CPU runs candle's matmul)
         )
         .unwrap();
         let go = (&ours * &g).unwrap().sum_all().unwrap().backward().unwrap();
@@ -484,6 +485,7 @@ fn frozen_linear_matches_matmul_and_bias() {
 fn flash_attention_matches_blockwise_on_the_gpu() {
     use lora_train::ops::attention::{attention_bwd, attention_delta, attention_fwd};
     use lora_train::ops::flash;
+    use lora_train::ops::kernels::{Attention, Kernels};
     let dev = Device::new_cuda(0).unwrap();
     let rand = |dims: &[usize]| crate::common::randn_bf16(dims, &dev);
     let f32 = |x: &Tensor| x.to_dtype(DType::F32).unwrap();
@@ -517,8 +519,9 @@ fn flash_attention_matches_blockwise_on_the_gpu() {
             .unwrap()
             .transpose(1, 2)
             .unwrap();
+        let kernels = Kernels::resolve(&dev, DType::BF16, d, false).unwrap();
         assert!(
-            flash::takes(&q),
+            kernels.attention.tensor_cores(),
             "{tag}: bf16 on CUDA must take the kernels"
         );
 
@@ -536,13 +539,13 @@ fn flash_attention_matches_blockwise_on_the_gpu() {
         let (o_ref, lse_ref) = attention_fwd(&qr, &kr, &vr, &mask, scale, Some(48)).unwrap();
         // Every family the device runs (wgmma on a Hopper GPU for d = 128), the default last:
         // its O and L feed the backward below.
-        let families = match flash::kernels_for(&dev, d) {
-            flash::Kernels::Wgmma | flash::Kernels::WgmmaSplitDq => vec![
-                flash::Kernels::MmaSync,
-                flash::Kernels::WgmmaSplitDq,
-                flash::Kernels::Wgmma,
+        let families = match kernels.attention {
+            Attention::Wgmma | Attention::WgmmaSplitDq => vec![
+                Attention::MmaSync,
+                Attention::WgmmaSplitDq,
+                Attention::Wgmma,
             ],
-            flash::Kernels::MmaSync => vec![flash::Kernels::MmaSync],
+            other => vec![other],
         };
         let mut out = None;
         for &fam in &families {
@@ -658,11 +661,12 @@ fn ce_inputs(n: usize, v: usize) -> (Tensor, Tensor) {
 #[test]
 fn cross_entropy_matches_log_softmax_composite() {
     use lora_train::ops::cross_entropy::cross_entropy_fwd_bwd;
+    use lora_train::ops::kernels::CrossEntropy;
     let denom = 123.0;
     for v in [1000, 1003] {
         let n = 37;
         let (logits, tgt) = ce_inputs(n, v);
-        let (ce, dl) = cross_entropy_fwd_bwd(&logits, &tgt, denom).unwrap();
+        let (ce, dl) = cross_entropy_fwd_bwd(&logits, &tgt, denom, CrossEntropy::Ops).unwrap();
         let logp = candle_nn::ops::log_softmax(&logits, D::Minus1).unwrap();
         let tgt2 = tgt.unsqueeze(1).unwrap();
         let ce_ref = logp
@@ -690,9 +694,10 @@ fn cross_entropy_matches_log_softmax_composite() {
         assert_close(&format!("v{v} dlogits"), &dl, &dl_ref, 1e-5, 1e-6);
         // bf16 logits: the same math on their f32 values, the gradient rounded once to bf16.
         let lb = logits.to_dtype(DType::BF16).unwrap();
-        let (ce_b, dl_b) = cross_entropy_fwd_bwd(&lb, &tgt, denom).unwrap();
+        let ops = CrossEntropy::Ops;
+        let (ce_b, dl_b) = cross_entropy_fwd_bwd(&lb, &tgt, denom, ops).unwrap();
         let (ce_f, dl_f) =
-            cross_entropy_fwd_bwd(&lb.to_dtype(DType::F32).unwrap(), &tgt, denom).unwrap();
+            cross_entropy_fwd_bwd(&lb.to_dtype(DType::F32).unwrap(), &tgt, denom, ops).unwrap();
         assert_eq!(dl_b.dtype(), DType::BF16);
         assert_close(&format!("v{v} bf16 ce"), &ce_b, &ce_f, 0.0, 0.0);
         assert_close(
@@ -713,6 +718,7 @@ fn cross_entropy_kernel_matches_the_ops_on_the_gpu() {
     use lora_train::ops::cross_entropy::{
         cross_entropy_fwd_bwd, cross_entropy_fwd_bwd_ops, kernel_takes,
     };
+    use lora_train::ops::kernels::CrossEntropy;
     let dev = Device::new_cuda(0).unwrap();
     let denom = 517.0;
     for v in [32003, 1000] {
@@ -723,7 +729,7 @@ fn cross_entropy_kernel_matches_the_ops_on_the_gpu() {
             let x = logits.to_device(&dev).unwrap().to_dtype(dtype).unwrap();
             let t = tgt.to_device(&dev).unwrap();
             assert!(kernel_takes(&x, &t), "{tag}: must take the kernel");
-            let (ce, dl) = cross_entropy_fwd_bwd(&x, &t, denom).unwrap();
+            let (ce, dl) = cross_entropy_fwd_bwd(&x, &t, denom, CrossEntropy::Fused).unwrap();
             assert_eq!(
                 dl.dtype(),
                 dtype,
@@ -785,7 +791,7 @@ fn rope_cos_sin_on_the_gpu_match_the_host() {
 #[cfg(feature = "cuda")]
 #[test]
 fn tuned_gemms_give_gemmex_bits_on_the_gpu() {
-    use lora_train::ops::gemm_tune::set_tuning;
+    use lora_train::ops::kernels::Gemm;
     use lora_train::ops::linear_acc::{linear_acc, linear_bwd_acc, matmul_scaled};
     let dev = Device::new_cuda(0).unwrap();
     let rand = |dims: &[usize]| crate::common::randn_bf16(dims, &Device::Cpu);
@@ -796,17 +802,16 @@ fn tuned_gemms_give_gemmex_bits_on_the_gpu() {
     let gpu = |t: &Tensor| t.to_device(&dev).unwrap();
     let (xas, b) = (rand(&[m, 48]).narrow(1, 16, 16).unwrap(), rand(&[i, 16]));
     let run = |tuned: bool| {
-        set_tuning(tuned);
-        let y = linear_acc(&gpu(&x), &gpu(&w), gpu(&acc)).unwrap();
-        let dx = linear_bwd_acc(&gpu(&g), &gpu(&w), gpu(&acc_b)).unwrap();
+        let k = if tuned { Gemm::Tuned } else { Gemm::Heuristic };
+        let y = linear_acc(&gpu(&x), &gpu(&w), gpu(&acc), k).unwrap();
+        let dx = linear_bwd_acc(&gpu(&g), &gpu(&w), gpu(&acc_b), k).unwrap();
         // an adapter's term back to full width: xas Bᵀ, k = r, xas a column slice
-        let lora = matmul_scaled(&gpu(&xas), &gpu(&b), true, 0.5).unwrap();
+        let lora = matmul_scaled(&gpu(&xas), &gpu(&b), true, 0.5, k).unwrap();
         (host_f32(&y), host_f32(&dx), host_f32(&lora))
     };
     let plain = run(false);
     let first = run(true); // times the candidates
     let again = run(true); // the chosen one
-    set_tuning(false);
     for (name, a, b) in [
         ("forward, tuning", &plain.0, &first.0),
         ("forward, tuned", &plain.0, &again.0),
@@ -869,7 +874,8 @@ fn folded_down_backward_matches_f32_math_on_the_gpu() {
         let (g, u, dy) = (rn((m, i), 2.0), rn((m, i), 1.0), rn((m, out), 1.0));
         let z = |n: usize| Tensor::zeros((out, n), DType::BF16, &dev).unwrap();
         let full = Tensor::cat(&[&w, &z(col), &b, &z(pad - col - r)], 1).unwrap(); // [out, i+pad]
-        let got = ops::fold::swiglu_down_bwd(&dy, &full, col, &g, &u, &a, s)
+        let tuned = lora_train::ops::kernels::Gemm::Tuned;
+        let got = ops::fold::swiglu_down_bwd(&dy, &full, col, &g, &u, &a, s, tuned)
             .unwrap()
             .unwrap_or_else(|| panic!("{tag}: the kernel must take these"));
         let (dg, du, da_grad) = (&got.dg, &got.du, &got.da);

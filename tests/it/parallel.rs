@@ -480,8 +480,8 @@ fn group_abort_reports_the_first_failure() {
 }
 
 /// Two GPUs (the test says so and passes on fewer): FSDP's gathers of static shards, which
-/// ranks of one process copy from each other's memory (`share_static`, with
-/// LORA_TRAIN_PEER_COPY=1, and only under CUDA_MODULE_LOADING=EAGER), hold every rank's
+/// ranks of one process copy from each other's memory (`share_static`, FSDP's under the
+/// `peer_copy` experiment, and only under CUDA_MODULE_LOADING=EAGER), hold every rank's
 /// shard in rank order, issued ahead or in line, bf16 and f32, and a tensor that was never
 /// shared still goes through NCCL; sums and broadcasts (whose outputs are no longer zeroed
 /// first) are exact.
@@ -554,9 +554,9 @@ fn nccl_gathers_of_shared_shards_are_every_ranks_shard() {
         comm.barrier()?;
         Ok(checked)
     };
-    // Peer copies are opt-in (parallel::nccl); this test, run with CUDA_MODULE_LOADING=EAGER, is
-    // their GPU check.
-    std::env::set_var("LORA_TRAIN_PEER_COPY", "1");
+    // Peer copies are an experiment (FSDP asks for them only under LORA_TRAIN_EXPERIMENTS=
+    // peer_copy; `share_static` is called here directly); this test, run with
+    // CUDA_MODULE_LOADING=EAGER, is their GPU check.
     let group = NcclGroup::new(vec![0, 1], Duration::from_secs(30)).unwrap();
     let checked = launch::threads(group, Arc::new(body), Duration::from_secs(10)).unwrap();
     assert_eq!(checked, 9);

@@ -78,7 +78,7 @@ fn plan_of_llama2_7b_from_config_json_alone() {
     assert_eq!(code, 0, "{err}");
     snapshot("llama2-7b.txt", &out);
     // Single without checkpointing at micro-batch 2: 25720266752 B in the pool (23.95 GiB,
-    // src/memory/plan.rs tests) and two offloaded residuals, 2 · 4096 · 4096 · 2 = 67108864 B
+    // src/memory/plan/tests.rs) and two offloaded residuals, 2 · 4096 · 4096 · 2 = 67108864 B
     // (the layer's own and the next one's, in backward), + 512 MiB + 5% = 25.72 GiB; and the
     // folded weights' pad columns (ops::fold), 32 · (3 · 4096 + 2 · 11008 + 4096) · 64 · 2 =
     // 157286400 B (+ 5%): 25.87 GiB. Does not fit 24 GiB.

@@ -280,14 +280,6 @@ fn wait_for_line(rx: &mpsc::Receiver<String>, what: &str) -> Vec<String> {
     panic!("no line with {what:?} in {seen:#?}");
 }
 
-fn wait_until(what: &str, cond: impl Fn() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !cond() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(5));
-    }
-}
-
 fn signal(child: &Child, sig: i32) {
     // SAFETY: kill(2) on the pid of a child we spawned and have not reaped yet.
     let rc = unsafe { libc::kill(child.id() as i32, sig) };
@@ -395,35 +387,55 @@ fn sigint_finishes_the_step_saves_a_checkpoint_and_resume_ends_bit_identical() {
     }
 }
 
+/// What a save cut short leaves in `out`: the temporary directory of the checkpoint of
+/// `step` that process `pid` was writing, its adapter written (the save's first files, here
+/// checkpoint-5's), its optimiser state and trainer state not.
+fn plant_partial_save(out: &Path, step: usize, pid: u32) -> PathBuf {
+    let tmp = out.join(format!(".checkpoint-{step}.tmp-{pid}"));
+    std::fs::create_dir_all(&tmp).unwrap();
+    for f in ["adapter_model.safetensors", "adapter_config.json"] {
+        std::fs::copy(out.join("checkpoint-5").join(f), tmp.join(f)).unwrap();
+    }
+    tmp
+}
+
+/// A run of 10 slow steps (20 micro-batches each, ~0.2 s), saving at 5 (and at the end).
+fn slow_args(out: &Path) -> Vec<String> {
+    tiny_cli_args(out, 10, &["output.save_every=5", "train.grad_accum=20"])
+}
+
 #[test]
 fn a_second_signal_exits_at_once_and_leaves_the_last_checkpoint_intact() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("out");
-    // Each save sleeps 3 × 400 ms between its files.
-    let args = tiny_cli_args(&out, 300, &["output.save_every=5"]);
-    let (mut child, rx) = spawn(&args, &[("LORA_TRAIN_TEST_SLOW_SAVE_MS", "400")]);
-    wait_for_line(&rx, "step 6/300");
+    let args = slow_args(&out);
+    let (mut child, rx) = spawn(&args, &[]);
+    wait_for_line(&rx, "step 6/10");
     assert!(out.join("checkpoint-5/trainer_state.json").is_file());
     let before = bytes(&out.join("checkpoint-5/optimizer.safetensors"));
+    // The first signal as step 7 begins: the run would finish that step, then save.
     signal(&child, libc::SIGTERM);
     wait_for_line(&rx, "SIGTERM: finishing this step");
-    wait_until("the save after SIGTERM to start", || saving(&out).is_some());
     let t = Instant::now();
     signal(&child, libc::SIGTERM);
     let status = child.wait().unwrap();
     assert_eq!(status.code(), Some(131));
     assert!(
         t.elapsed() < Duration::from_millis(400),
-        "a second signal must not wait for the save: {:?}",
+        "a second signal must not wait for the step or the save: {:?}",
         t.elapsed()
     );
-    // The interrupted save never became a checkpoint; checkpoint-5 is as it was.
+    // No save after the signals became a checkpoint; checkpoint-5 is as it was.
     let steps: Vec<usize> = checkpoint::list(&out).iter().map(|c| c.0).collect();
     assert_eq!(steps, vec![5]);
     assert!(bytes(&out.join("checkpoint-5/optimizer.safetensors")) == before);
+    // A save the second signal cut short stays hidden.
+    plant_partial_save(&out, 7, child.id());
     assert!(saving(&out).is_some(), "the partial save stays hidden");
+    let steps: Vec<usize> = checkpoint::list(&out).iter().map(|c| c.0).collect();
+    assert_eq!(steps, vec![5]);
     // Resuming takes checkpoint-5 and clears the leftover.
-    let mut resume = tiny_cli_args(&out, 8, &["output.save_every=5"]);
+    let mut resume = tiny_cli_args(&out, 8, &["output.save_every=5", "train.grad_accum=20"]);
     resume.extend(["--set".into(), "train.resume=true".into()]);
     let o = bin().current_dir(root()).args(&resume).output().unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
@@ -437,33 +449,27 @@ fn a_second_signal_exits_at_once_and_leaves_the_last_checkpoint_intact() {
         .cloned()
         .chain(["--set".into(), "train.resume=true".into()])
         .collect();
-    let o = bin()
-        .current_dir(root())
-        .args(&resume)
-        .env("LORA_TRAIN_TEST_SLOW_SAVE_MS", "0")
-        .output()
-        .unwrap();
+    let o = bin().current_dir(root()).args(&resume).output().unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{err}");
     assert!(err.contains("resuming from"), "{err}");
     assert!(saving(&out).is_none());
-    assert!(out.join("checkpoint-300/trainer_state.json").is_file());
+    assert!(out.join("checkpoint-10/trainer_state.json").is_file());
 }
 
 #[test]
 fn sigkill_during_a_checkpoint_write_leaves_the_previous_checkpoint_loadable() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("out");
-    let args = tiny_cli_args(&out, 300, &["output.save_every=5"]);
-    let (mut child, _rx) = spawn(&args, &[("LORA_TRAIN_TEST_SLOW_SAVE_MS", "300")]);
-    wait_until("checkpoint-5", || out.join("checkpoint-5").is_dir());
-    wait_until("the save of step 10 to start", || {
-        saving(&out).is_some_and(|n| n.starts_with(".checkpoint-10."))
-    });
-    // In the middle of writing checkpoint-10: its adapter is written, its optimiser is not.
-    std::thread::sleep(Duration::from_millis(100));
+    let args = slow_args(&out);
+    let (mut child, rx) = spawn(&args, &[]);
+    wait_for_line(&rx, "step 6/10");
+    assert!(out.join("checkpoint-5").is_dir());
     child.kill().unwrap(); // SIGKILL
     child.wait().unwrap();
+    // What the kill leaves had it come in the middle of writing checkpoint-10: its adapter
+    // written, its optimiser not.
+    plant_partial_save(&out, 10, child.id());
     assert!(!out.join("checkpoint-10").exists());
     let steps: Vec<usize> = checkpoint::list(&out).iter().map(|c| c.0).collect();
     assert_eq!(steps, vec![5]);

@@ -1,0 +1,178 @@
+//! What to do about a plan: the recommended setting (`advise`) and, when the run's own row
+//! does not fit, the settings that would (`remedies`).
+
+use super::{fmt_bytes, label, row, strategy_name, Plan, Row};
+use crate::recipe::Strategy;
+
+/// What to do, in the order the checks run.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Advice {
+    pub strategy: Option<Strategy>,
+    pub ckpt: Option<bool>,
+    pub micro_batch: Option<usize>,
+    pub grad_accum: Option<usize>,
+    pub lines: Vec<String>,
+}
+
+/// The recommendation: fits single → single (checkpointing only if needed); fits only
+/// sharded → fsdp; nothing fits at this micro-batch → the largest micro-batch that fits with
+/// more accumulation (same global batch), when activations dominate; lower LoRA rank /
+/// fewer targets when the optimiser dominates; more GPUs when the base does.
+pub fn advise(
+    rows: &[Row],
+    micro_batch: usize,
+    grad_accum: usize,
+    capacity: Option<u64>,
+) -> Advice {
+    let mut a = Advice {
+        strategy: None,
+        ckpt: None,
+        micro_batch: None,
+        grad_accum: None,
+        lines: Vec::new(),
+    };
+    let find = |st: Strategy, ck: bool| rows.iter().find(|r| r.b.strategy == st && r.b.ckpt == ck);
+    let Some(cap) = capacity else {
+        // No capacity: say only what dominates.
+        if let Some(r) = find(Strategy::Single, false) {
+            a.lines.push(format!(
+                "no capacity given (--gpu-mem): single without checkpointing needs {}; {} dominate",
+                fmt_bytes(r.b.total),
+                r.b.dominant()
+            ));
+        }
+        return a;
+    };
+    let order = [
+        (Strategy::Single, false),
+        (Strategy::Single, true),
+        (Strategy::Fsdp, false),
+        (Strategy::Fsdp, true),
+    ];
+    if let Some(r) = order
+        .iter()
+        .filter_map(|&(st, ck)| find(st, ck))
+        .find(|r| r.b.total <= cap)
+    {
+        a.strategy = Some(r.b.strategy);
+        a.ckpt = Some(r.b.ckpt);
+        a.micro_batch = Some(micro_batch);
+        a.grad_accum = Some(grad_accum);
+        let st = strategy_name(r.b.strategy);
+        a.lines.push(format!(
+            "use {st}{}: {} of {} per rank",
+            if r.b.ckpt {
+                " with activation checkpointing"
+            } else {
+                ""
+            },
+            fmt_bytes(r.b.total),
+            fmt_bytes(cap)
+        ));
+        if r.b.strategy == Strategy::Fsdp {
+            if let Some(d) = find(Strategy::Ddp, r.b.ckpt) {
+                a.lines.push(format!(
+                    "ddp does not fit ({}): each rank holds a full replica of the base, as single does",
+                    fmt_bytes(d.b.total)
+                ));
+            }
+        }
+        return a;
+    }
+    // Nothing fits at this micro-batch: the best setting at a smaller one.
+    let best = order
+        .iter()
+        .rev()
+        .filter_map(|&(st, ck)| find(st, ck))
+        .next();
+    let Some(best) = best else { return a };
+    a.lines.push(format!(
+        "nothing fits {} per rank at micro-batch {micro_batch}; {} (needs {}) is the smallest",
+        fmt_bytes(cap),
+        label(&best.b),
+        fmt_bytes(best.b.total)
+    ));
+    match best.b.dominant() {
+        "activations" => {
+            let fit = order
+                .iter()
+                .filter_map(|&(st, ck)| find(st, ck))
+                .filter_map(|r| r.max_micro_batch.map(|m| (r, m)))
+                .next();
+            match fit {
+                Some((r, m)) => {
+                    // Keep the global batch: micro × accum, rounded up.
+                    let accum = (micro_batch * grad_accum).div_ceil(m);
+                    a.strategy = Some(r.b.strategy);
+                    a.ckpt = Some(r.b.ckpt);
+                    a.micro_batch = Some(m);
+                    a.grad_accum = Some(accum);
+                    a.lines.push(format!(
+                        "activations dominate: use {} at train.micro_batch = {m} with train.grad_accum = {accum} (the same {} rows per step)",
+                        label(&r.b),
+                        micro_batch * grad_accum
+                    ));
+                }
+                None => a.lines.push(
+                    "activations dominate and even micro-batch 1 does not fit: shorten data.seq_len"
+                        .into(),
+                ),
+            }
+            if !best.b.ckpt {
+                a.lines
+                    .push("turn on train.activation_checkpointing = true".into());
+            }
+        }
+        "optimizer" => a.lines.push(
+            "the adapters and their AdamW state dominate: lower lora.rank or target fewer modules (lora.targets)"
+                .into(),
+        ),
+        _ => a.lines.push(
+            "the base weights dominate: shard them over more GPUs (parallel.strategy = \"fsdp\"), or use a card with more memory"
+                .into(),
+        ),
+    }
+    a
+}
+
+/// What to change when the run's row (`selected`) does not fit: concrete settings, each with
+/// its forecast.
+pub fn remedies(p: &Plan, selected: (Strategy, bool)) -> Vec<String> {
+    let mut out = Vec::new();
+    let (st, ck) = selected;
+    if !ck {
+        if let Some(r) = row(p, st, true) {
+            out.push(format!(
+                "train.activation_checkpointing = true (forecast {})",
+                fmt_bytes(r.b.total)
+            ));
+        }
+    }
+    let a = &p.advice;
+    if let (Some(m), Some(acc)) = (a.micro_batch, a.grad_accum) {
+        if m != p.micro_batch {
+            out.push(format!(
+                "train.micro_batch = {m} with train.grad_accum = {acc} (same rows per step)"
+            ));
+        }
+    }
+    if p.gpus > 1 && st != Strategy::Fsdp {
+        if let Some(r) = row(p, Strategy::Fsdp, true) {
+            out.push(format!(
+                "parallel.strategy = \"fsdp\" with checkpointing (forecast {} per rank)",
+                fmt_bytes(r.b.total)
+            ));
+        }
+    }
+    if out.is_empty() || p.micro_batch > 1 {
+        out.push(format!(
+            "a smaller train.micro_batch (now {}) with a larger train.grad_accum",
+            p.micro_batch
+        ));
+    }
+    out.push(format!(
+        "a shorter data.seq_len (now {}), or a lower lora.rank / fewer lora.targets",
+        p.seq_len
+    ));
+    out
+}

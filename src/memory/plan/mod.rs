@@ -1,0 +1,572 @@
+//! The memory plan: per-rank device bytes of a LoRA run, from config.json alone (no weights).
+//!
+//! Notation: L layers, C hidden, I intermediate, H heads, K kv heads, D head dim, V vocab,
+//! s bytes per base element (2 bf16/f16, 4 f32), N = micro_batch × seq_len tokens per rank,
+//! P trainable LoRA parameters, W world size.
+//!
+//! Terms (formulas of the shape; calibrated on the device: `BWD_WS`, `HEAD_CHUNKS` (see
+//! BENCHMARKS.md); assumed, not measured: `CONTEXT`, `SLACK`):
+//! - base: every frozen parameter × s (`ModelConfig::num_params`); FSDP: ⌈base / W⌉.
+//! - adapters: P × 4 (f32), gradients P × 4 (f32 running sums), AdamW m and v P × 8; on CUDA
+//!   with bf16 activations also their bf16 copies, P × 2, through each micro-batch.
+//! - kept activations per token per layer: what `Layer::forward_train` (model/layer_train.rs)
+//!   keeps for the hand-written backward, tensor by tensor:
+//!   s · (C + 2·H·D + 2·K·D + 2·I + r·A) + 4H — the layer input (C), q after RoPE and the
+//!   attention output (2·H·D), k after RoPE and v (2·K·D), gate and up (2·I), each adapter's
+//!   s·(m⊙x)Aᵀ (r per adapted linear, A of them), the f32 row log-sum-exp (4H).
+//!   Llama-2-7B bf16, r 16 on all 7 linears: 85,344 B/token/layer.
+//! - checkpointing keeps (L + 1) layer boundaries of N·C·s (inputs + the last output), and one
+//!   layer's activations while that layer runs (forward) or is recomputed (backward), with its
+//!   residual h (N·C·s) until the MLP's backward is done.
+//! - offload (`train.offload_activations`, on by default with CUDA; without checkpointing):
+//!   each layer's residual h waits for its backward in pinned host memory, (L − 1)·N·C·s of it
+//!   (`host`; the last layer's stays on the device). On the device one more N·C·s in forward
+//!   (the previous layer's h, until its copy out is done) and two in backward (the layer's own
+//!   through its MLP's backward, where a recomputed h does not exist yet, and the next
+//!   layer's, on its way back).
+//! - head (lm_head + CE in chunks of ~2^24 logits, `Model::head_loss_bwd`): on the fused CE
+//!   kernel (CUDA, bf16 or f32) the logits and dL/dlogits, 2 × 2^24 × s; else HEAD_CHUNKS ×
+//!   2^24 × 4 B of f32 logits / exponentials / their gradient; plus dL/dh [N, C]·s twice (the
+//!   running sum and its next value).
+//! - forward workspace of one layer, the larger of: its MLP's end, N·s·(3C + I) (the
+//!   residual h, down_proj's input, its output and the layer output alive together), and the
+//!   blockwise attention's 3 score blocks of min(128 MiB, B·H·T²·2) (scores, P, P·V) — none on
+//!   the tensor-core kernels (CUDA, bf16, D 64 or 128), whose O and L are kept activations.
+//! - backward workspace of one layer: BWD_WS × N·s·(2C + 3I): dL/dy and dL/dh, and the MLP's
+//!   dL/da, dL/dgate and dL/dup alive together, plus the gradients P × 4.
+//! - DDP and FSDP sum each layer's adapter gradients over the ranks as one flat f32 bucket
+//!   as its backward ends: the bucket and its sum, 2 × (P / L) × 4.
+//! - DDP: full base per rank, as single.
+//! - FSDP (src/parallel/fsdp.rs: flat shards, a layer gathered before its forward and again before
+//!   its backward, the next one issued a layer early): base / W plus the current and the next
+//!   layer's full weights (2 × a layer's parameters × s), with or without checkpointing (what
+//!   forward keeps holds no weights); the embedding, final norm and head gathered for the head.
+//! - the optimizer step: on CUDA one kernel updating parameters and moments in place (the
+//!   gradients only); elsewhere AdamW over flat groups of at most `optim::GROUP` = 2^23
+//!   parameters: the gradients, and about 8 f32 temporaries of one group (gradient, old and
+//!   decayed parameters, new m and v, √v̂ + ε, the step, the new parameters) while the old
+//!   state is alive: 8 × 4 B × min(P, 2^23).
+//! - CUDA context (CONTEXT bytes, outside the pool) and allocator slack (SLACK × pool peak).
+//!
+//! The pool peak (`pool_peak`) is what `lora-train bench` reports as `peak_alloc_gib` (the
+//! pool's high-water mark); `total` adds context and slack and is what must fit the card.
+
+use crate::lora::ALL_LINEAR;
+use crate::model::ModelConfig;
+use crate::ops::kernels::{CrossEntropy, Kernels};
+use crate::recipe::Strategy;
+
+mod advice;
+mod render;
+#[cfg(test)]
+mod tests;
+
+pub use advice::{advise, remedies, Advice};
+pub use render::{fmt_bytes, label, render, to_json};
+
+pub const GIB: u64 = 1 << 30;
+pub const MIB: u64 = 1 << 20;
+/// CUDA context, cuBLAS handles and module images: device memory outside the pool.
+pub const CONTEXT: u64 = 512 * MIB;
+/// Allocator slack over the pool's used high-water mark (fragmentation, rounding).
+pub const SLACK: f64 = 0.05;
+/// Backward workspace of one layer, in units of N·s·(2C + 3I) (see the module docs): 1 is
+/// the count of the tensors alive together in `Layer::backward`'s MLP part.
+pub const BWD_WS: f64 = 1.0;
+/// f32 logit-sized buffers alive at once in one head chunk of the op chain (CPU, f16): the
+/// logits, x − max while its exponential is made, the exponential.
+pub const HEAD_CHUNKS: f64 = 3.0;
+/// Logits per head chunk (driver::forward_backward_probed).
+pub const HEAD_CHUNK_LOGITS: u64 = 1 << 24;
+/// Attention score block bound (ops::attention::default_block).
+pub const ATTN_BLOCK: u64 = 128 * MIB;
+
+/// What the plan is for: the shape, the batch, the adapters and the world.
+#[derive(Debug, Clone)]
+pub struct PlanInput {
+    pub cfg: ModelConfig,
+    /// lm_head is the embedding (counted once).
+    pub tied: bool,
+    /// Bytes per base element: 2 (bf16/f16) or 4 (f32).
+    pub dtype_bytes: u64,
+    pub micro_batch: usize,
+    pub seq_len: usize,
+    pub rank: usize,
+    /// LoRA target modules (names from `ALL_LINEAR`).
+    pub targets: Vec<String>,
+    /// Ranks for ddp / fsdp (1: single only).
+    pub gpus: usize,
+    /// On CUDA: count the context and the allocator slack (0 on the CPU).
+    pub cuda: bool,
+    /// The run's kernels (`Kernels::resolve`, or `Kernels::forecast` without a device): on
+    /// the tensor-core attention no score blocks; on the fused cross-entropy the logits in the
+    /// activation dtype, no f32 copies; folded, the padded weights' extra columns join the base
+    /// (under FSDP, its shards and gathered layers).
+    pub kernels: Kernels,
+    /// Without checkpointing, each layer's residual waits in host memory
+    /// (`train.offload_activations`; `driver::Keep::Offload`).
+    pub offload: bool,
+}
+
+/// One strategy's per-rank bytes.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Breakdown {
+    pub strategy: Strategy,
+    pub ckpt: bool,
+    pub world: usize,
+    pub micro_batch: usize,
+    pub base: u64,
+    /// LoRA A and B in f32 (and their bf16 copies, when the peak is inside a micro-batch).
+    pub adapters: u64,
+    /// Gradients (f32) and, for DDP, the all-reduce bucket.
+    pub grads: u64,
+    /// AdamW m and v (f32).
+    pub optimizer: u64,
+    /// Activations alive at the peak: kept by autograd, or checkpointed boundaries plus the
+    /// recomputed layer.
+    pub activations: u64,
+    /// Workspace of the peak phase (backward / head / attention), FSDP gathers excluded.
+    pub transient: u64,
+    /// Pinned host memory (offloaded residuals).
+    pub host: u64,
+    /// FSDP: the gathered full weights of the current and next layer (0 otherwise).
+    pub gather: u64,
+    pub context: u64,
+    pub slack: u64,
+    /// The pool's high-water mark: what `bench` measures as peak_alloc_gib.
+    pub pool_peak: u64,
+    /// pool_peak + context + slack: what must fit.
+    pub total: u64,
+    /// Which phase has the peak: load, forward, head, backward or optimizer.
+    pub peak_phase: &'static str,
+    /// The pool's peak in each phase, in order load, forward, head, backward, optimizer.
+    pub phases: [(&'static str, u64); 5],
+}
+
+impl Breakdown {
+    /// The largest of the terms that a setting can shrink: "activations" (activations +
+    /// transient), "optimizer" (adapters + grads + AdamW) or "base" (base + gathers).
+    pub fn dominant(&self) -> &'static str {
+        // At an optimizer-step peak the transient is the optimizer's own.
+        let (act, opt) = if self.peak_phase == "optimizer" {
+            (
+                self.activations,
+                self.adapters + self.grads + self.optimizer + self.transient,
+            )
+        } else {
+            (
+                self.activations + self.transient,
+                self.adapters + self.grads + self.optimizer,
+            )
+        };
+        let base = self.base + self.gather;
+        if act >= opt && act >= base {
+            "activations"
+        } else if opt >= base {
+            "optimizer"
+        } else {
+            "base"
+        }
+    }
+}
+
+/// Trainable LoRA parameters: Σ over layers and targeted linears of r · (in + out).
+pub fn lora_params(cfg: &ModelConfig, rank: usize, targets: &[String]) -> u64 {
+    let (c, i) = (cfg.hidden_size, cfg.intermediate_size);
+    let (q, kv) = (
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+    );
+    let per_layer: usize = ALL_LINEAR
+        .iter()
+        .filter(|m| targets.iter().any(|t| t == *m))
+        .map(|m| match *m {
+            "q_proj" => c + q,
+            "k_proj" | "v_proj" => c + kv,
+            "o_proj" => q + c,
+            "gate_proj" | "up_proj" => c + i,
+            _ => i + c, // down_proj
+        })
+        .sum();
+    (cfg.num_layers * per_layer * rank) as u64
+}
+
+/// Bytes `Layer::forward_train` keeps per token per layer (the formula in the module docs),
+/// for adapters of rank `r` on `targets`.
+pub fn kept_per_token_layer(cfg: &ModelConfig, s: u64, r: usize, targets: &[String]) -> u64 {
+    let (c, i) = (cfg.hidden_size as u64, cfg.intermediate_size as u64);
+    let (h, k, d) = (
+        cfg.num_heads as u64,
+        cfg.num_kv_heads as u64,
+        cfg.head_dim as u64,
+    );
+    let adapted = ALL_LINEAR
+        .iter()
+        .filter(|m| targets.iter().any(|t| t == *m))
+        .count() as u64;
+    s * (c + 2 * h * d + 2 * k * d + 2 * i + r as u64 * adapted) + 4 * h
+}
+
+/// Bytes of the pad columns `Model::fold` adds to the base weights (`ops::fold`): per layer
+/// q, k, v by 3r, gate and up by 2r, down by r, each row rounded up to `ROW_ALIGN`, for each
+/// group whose linears are all adapted and without a bias, at widths the kernels take.
+pub fn fold_pad_bytes(cfg: &ModelConfig, s: u64, r: usize, targets: &[String]) -> u64 {
+    use crate::ops::fold::pad_width;
+    let (c, i) = (cfg.hidden_size, cfg.intermediate_size);
+    let (h, k, d) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+    let all = |ms: &[&str]| ms.iter().all(|m| targets.iter().any(|t| t == m));
+    let mut per_layer = 0;
+    let groups = [
+        (
+            &["q_proj", "k_proj", "v_proj"][..],
+            cfg.qkv_bias,
+            c,
+            h * d + 2 * k * d,
+        ),
+        (&["gate_proj", "up_proj"][..], cfg.mlp_bias, c, 2 * i),
+        (&["down_proj"][..], cfg.mlp_bias, i, c),
+    ];
+    for (ms, bias, in_f, outs) in groups {
+        if let (true, false, Some(p)) = (all(ms), bias, pad_width(&vec![r; ms.len()], in_f)) {
+            per_layer += outs * p;
+        }
+    }
+    (cfg.num_layers * per_layer) as u64 * s
+}
+
+/// Parameters of one decoder layer (linears, biases, two norms).
+fn layer_params(cfg: &ModelConfig) -> u64 {
+    let all = cfg.num_params(true) as u64;
+    let outside = (cfg.vocab_size * cfg.hidden_size + cfg.hidden_size) as u64;
+    (all - outside) / cfg.num_layers.max(1) as u64
+}
+
+/// The per-rank breakdown of one strategy, with or without checkpointing, at `micro_batch`.
+pub fn breakdown(p: &PlanInput, strategy: Strategy, ckpt: bool, micro_batch: usize) -> Breakdown {
+    let cfg = &p.cfg;
+    let s = p.dtype_bytes;
+    let world = if strategy == Strategy::Single {
+        1
+    } else {
+        p.gpus.max(1)
+    };
+    let (b, t) = (micro_batch as u64, p.seq_len as u64);
+    let n = b * t; // tokens per rank
+    let (c, l, v) = (
+        cfg.hidden_size as u64,
+        cfg.num_layers as u64,
+        cfg.vocab_size as u64,
+    );
+    let pads = match p.kernels.fold {
+        true => fold_pad_bytes(cfg, s, p.rank, &p.targets),
+        false => 0,
+    };
+    let full_base = cfg.num_params(p.tied) as u64 * s;
+    let base = if strategy == Strategy::Fsdp {
+        (full_base + pads).div_ceil(world as u64)
+    } else {
+        full_base + pads
+    };
+    let lp = lora_params(cfg, p.rank, &p.targets);
+    let adapters = 4 * lp;
+    let grad_sums = 4 * lp;
+    let bucket = if world > 1 { 2 * 4 * lp / l.max(1) } else { 0 };
+    let optimizer = 8 * lp;
+    let (gather, head_gather) = if strategy == Strategy::Fsdp {
+        let layers = 2;
+        let io = (cfg.num_params(p.tied) as u64 - l * layer_params(cfg)) * s;
+        (layers * (layer_params(cfg) * s + pads / l.max(1)), io)
+    } else {
+        (0, 0)
+    };
+    let layer_act = kept_per_token_layer(cfg, s, p.rank, &p.targets) * n;
+    let boundary = n * c * s; // one [B, T, C] tensor
+    let kept = if ckpt {
+        (l + 1) * boundary
+    } else {
+        l * layer_act
+    };
+    let steady = base + adapters + optimizer;
+    let scores = (b * cfg.num_heads as u64 * t * t * 2).min(ATTN_BLOCK);
+    let attn_ws = if p.kernels.attention.tensor_cores() {
+        0
+    } else {
+        3 * scores
+    };
+    let fwd_ws = attn_ws.max(n * s * (3 * c + cfg.intermediate_size as u64));
+    // Logit-sized buffers of one head chunk: the fused kernel's logits and dL/dlogits in the
+    // activation dtype, or the op chain's HEAD_CHUNKS f32 ones.
+    let per_logit = if p.kernels.cross_entropy == CrossEntropy::Fused {
+        2.0 * s as f64
+    } else {
+        HEAD_CHUNKS * 4.0
+    };
+    let head_ws = (per_logit * HEAD_CHUNK_LOGITS.min(n * v) as f64) as u64 + 2 * boundary;
+    let i = cfg.intermediate_size as u64;
+    let bwd_ws = (BWD_WS * (n * s * (2 * c + 3 * i)) as f64) as u64;
+    // Backward's residuals: the recomputed layer's (checkpointing), or, offloaded, the
+    // layer's own, back from the host, and the next one on its way back; both alive through
+    // the MLP's backward, where a recomputed residual does not exist yet.
+    let recomputed = if ckpt { layer_act } else { 0 };
+    let offload = p.offload && !ckpt;
+    let in_flight = match (ckpt, offload) {
+        (true, _) => boundary,
+        (false, true) => 2 * boundary,
+        (false, false) => 0,
+    };
+    let host = if offload {
+        l.saturating_sub(1) * boundary
+    } else {
+        0
+    };
+    let load = base + adapters;
+    // On CUDA with 2-byte activations the adapters' bf16 copies live through each micro-batch
+    // (`Ctx::adapters`).
+    let casts = if p.cuda && s == 2 { 2 * lp } else { 0 };
+    // With checkpointing the running layer's activations exist until it ends.
+    let fwd_ws = fwd_ws + if offload { boundary } else { 0 };
+    let bwd_ws = bwd_ws + in_flight;
+    let forward = steady + casts + kept + recomputed + fwd_ws + gather;
+    let head = steady + casts + kept + head_ws + head_gather;
+    let backward = steady + casts + kept + recomputed + grad_sums + bucket + bwd_ws + gather;
+    // AdamW: in place on CUDA (ops::multi_tensor); elsewhere over flat groups of ≤
+    // optim::GROUP elements, ~8 f32 temporaries of one group while the old state is alive.
+    let optim_ws = if p.cuda {
+        0
+    } else {
+        8 * 4 * lp.min(crate::train::optim::GROUP as u64)
+    };
+    let optim = steady + grad_sums + optim_ws;
+    let phases = [
+        ("load", load),
+        ("forward", forward),
+        ("head", head),
+        ("backward", backward),
+        ("optimizer", optim),
+    ];
+    let (peak_phase, pool_peak) =
+        phases
+            .iter()
+            .copied()
+            .fold(("load", 0), |m, x| if x.1 > m.1 { x } else { m });
+    let (activations, transient, gather_at_peak) = match peak_phase {
+        "forward" => (kept + recomputed, fwd_ws, gather),
+        "head" => (kept, head_ws, head_gather),
+        "backward" => (kept + recomputed, bwd_ws, gather),
+        _ => (0, 0, 0),
+    };
+    let grads = match peak_phase {
+        "backward" => grad_sums + bucket,
+        "optimizer" => grad_sums,
+        _ => 0,
+    };
+    // The optimizer phase's second copy of state counts as transient.
+    let transient = if peak_phase == "optimizer" {
+        optim_ws
+    } else {
+        transient
+    };
+    let (context, slack) = if p.cuda {
+        (CONTEXT, (SLACK * pool_peak as f64) as u64)
+    } else {
+        (0, 0)
+    };
+    let adapters = match peak_phase {
+        "forward" | "head" | "backward" => adapters + casts,
+        _ => adapters,
+    };
+    Breakdown {
+        strategy,
+        ckpt,
+        world,
+        micro_batch,
+        base,
+        adapters,
+        grads,
+        optimizer,
+        activations,
+        transient,
+        host,
+        gather: gather_at_peak,
+        context,
+        slack,
+        pool_peak,
+        total: pool_peak + context + slack,
+        peak_phase,
+        phases,
+    }
+}
+
+/// The strategies a plan covers: single, and ddp and fsdp when there are several GPUs.
+pub fn strategies(gpus: usize) -> Vec<Strategy> {
+    if gpus > 1 {
+        vec![Strategy::Single, Strategy::Ddp, Strategy::Fsdp]
+    } else {
+        vec![Strategy::Single]
+    }
+}
+
+/// The largest micro-batch (up to `limit`) whose total fits `capacity`; None if 1 does not.
+pub fn max_micro_batch(
+    p: &PlanInput,
+    strategy: Strategy,
+    ckpt: bool,
+    capacity: u64,
+    limit: usize,
+) -> Option<usize> {
+    let fits = |mb: usize| breakdown(p, strategy, ckpt, mb).total <= capacity;
+    if !fits(1) {
+        return None;
+    }
+    // Totals grow with the micro-batch: double, then bisect.
+    let mut lo = 1;
+    while lo < limit && fits((lo * 2).min(limit)) {
+        lo = (lo * 2).min(limit);
+    }
+    let mut hi = (lo * 2).min(limit);
+    if lo == hi {
+        return Some(lo);
+    }
+    while hi - lo > 1 {
+        let mid = (lo + hi) / 2;
+        if fits(mid) {
+            lo = mid
+        } else {
+            hi = mid
+        }
+    }
+    Some(lo)
+}
+
+/// One row of the plan: a breakdown and, against a capacity, whether it fits.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Row {
+    #[serde(flatten)]
+    pub b: Breakdown,
+    pub fits: Option<bool>,
+    /// The largest micro-batch that fits (None: no capacity, or not even 1).
+    pub max_micro_batch: Option<usize>,
+}
+
+/// The whole plan: rows for every strategy × checkpointing, and advice.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Plan {
+    pub micro_batch: usize,
+    pub grad_accum: usize,
+    pub seq_len: usize,
+    pub gpus: usize,
+    pub dtype_bytes: u64,
+    pub lora_params: u64,
+    pub base_params: u64,
+    pub kept_bytes_per_token_layer: u64,
+    pub capacity: Option<u64>,
+    pub rows: Vec<Row>,
+    pub advice: Advice,
+}
+
+/// Largest micro-batch searched.
+pub const MB_LIMIT: usize = 4096;
+
+pub fn plan(p: &PlanInput, grad_accum: usize, capacity: Option<u64>) -> Plan {
+    let mut rows = Vec::new();
+    for st in strategies(p.gpus) {
+        for ckpt in [false, true] {
+            let b = breakdown(p, st, ckpt, p.micro_batch);
+            rows.push(Row {
+                fits: capacity.map(|c| b.total <= c),
+                max_micro_batch: capacity.and_then(|c| max_micro_batch(p, st, ckpt, c, MB_LIMIT)),
+                b,
+            });
+        }
+    }
+    let advice = advise(&rows, p.micro_batch, grad_accum, capacity);
+    Plan {
+        micro_batch: p.micro_batch,
+        grad_accum,
+        seq_len: p.seq_len,
+        gpus: p.gpus,
+        dtype_bytes: p.dtype_bytes,
+        lora_params: lora_params(&p.cfg, p.rank, &p.targets),
+        base_params: p.cfg.num_params(p.tied) as u64,
+        kept_bytes_per_token_layer: kept_per_token_layer(&p.cfg, p.dtype_bytes, p.rank, &p.targets),
+        capacity,
+        rows,
+        advice,
+    }
+}
+
+pub fn strategy_name(s: Strategy) -> &'static str {
+    match s {
+        Strategy::Single => "single",
+        Strategy::Ddp => "ddp",
+        Strategy::Fsdp => "fsdp",
+    }
+}
+
+/// The plan of a `bench` shape (bf16 on CUDA): `lora-train plan --shape`.
+pub fn input_from_shape(
+    shape: &str,
+    seq_len: usize,
+    micro_batch: usize,
+    rank: usize,
+    targets: Vec<String>,
+    gpus: usize,
+) -> anyhow::Result<PlanInput> {
+    let cfg = crate::bench::shape(shape)?;
+    Ok(PlanInput {
+        tied: cfg.tie_word_embeddings.unwrap_or(false),
+        kernels: Kernels::forecast(true, candle_core::DType::BF16, cfg.head_dim),
+        cfg,
+        dtype_bytes: 2,
+        micro_batch,
+        seq_len,
+        rank,
+        targets,
+        gpus: gpus.max(1),
+        cuda: true,
+        offload: true,
+    })
+}
+
+/// The plan's input for a recipe, given its config.json (`hub::config_file`): the recipe's
+/// micro-batch, seq_len, LoRA rank and targets, and base dtype (model.dtype, else bf16 on
+/// CUDA and f32 on the CPU). A config that does not say whether the head is tied counts it
+/// untied (the larger).
+pub fn input_from_recipe(
+    r: &crate::recipe::Recipe,
+    cfg: ModelConfig,
+    gpus: usize,
+    cuda: bool,
+) -> Result<PlanInput, crate::recipe::RecipeError> {
+    use crate::recipe::{DeviceKind, Dtype};
+    let dtype_bytes = match (r.model.dtype, r.model.device) {
+        (Some(Dtype::F32), _) | (None, DeviceKind::Cpu) => 4,
+        _ => 2,
+    };
+    let dtype = match (r.model.dtype, r.model.device) {
+        (Some(Dtype::F32), _) | (None, DeviceKind::Cpu) => candle_core::DType::F32,
+        (Some(Dtype::F16), _) => candle_core::DType::F16,
+        _ => candle_core::DType::BF16,
+    };
+    let kernels = Kernels::forecast(cuda, dtype, cfg.head_dim);
+    Ok(PlanInput {
+        tied: cfg.tie_word_embeddings.unwrap_or(false),
+        cfg,
+        dtype_bytes,
+        micro_batch: r.train.micro_batch,
+        seq_len: r.data.seq_len,
+        rank: r.lora.rank,
+        targets: r.target_modules()?,
+        gpus: gpus.max(1),
+        cuda,
+        kernels,
+        offload: cuda && r.train.offload_activations.unwrap_or(true),
+    })
+}
+
+/// The row of a strategy and checkpointing setting.
+pub fn row(p: &Plan, strategy: Strategy, ckpt: bool) -> Option<&Row> {
+    p.rows
+        .iter()
+        .find(|r| r.b.strategy == strategy && r.b.ckpt == ckpt)
+}

@@ -1,0 +1,179 @@
+//! The plan for people (`render`: the table and the advice) and for machines (`to_json`).
+
+use super::{row, strategy_name, Breakdown, Plan, Row, GIB, MB_LIMIT, MIB};
+use crate::recipe::Strategy;
+
+/// e.g. "fsdp ×2 + ckpt".
+pub fn label(b: &Breakdown) -> String {
+    let mut s = strategy_name(b.strategy).to_string();
+    if b.strategy != Strategy::Single {
+        s.push_str(&format!(" ×{}", b.world));
+    }
+    if b.ckpt {
+        s.push_str(" + ckpt");
+    }
+    s
+}
+
+/// Bytes for people: B, KiB, MiB or GiB with two decimals.
+pub fn fmt_bytes(x: u64) -> String {
+    let f = x as f64;
+    if x >= GIB {
+        format!("{:.2} GiB", f / GIB as f64)
+    } else if x >= MIB {
+        format!("{:.2} MiB", f / MIB as f64)
+    } else if x >= 1024 {
+        format!("{:.2} KiB", f / 1024.0)
+    } else {
+        format!("{x} B")
+    }
+}
+
+/// The human table and the advice.
+pub fn render(p: &Plan) -> String {
+    let mut out = String::new();
+    out.push_str(&format!(
+        "memory plan per rank: micro-batch {} × seq {} ({} tokens), grad_accum {}, base {} params at {} B, LoRA {} params, kept activations {} B/token/layer\n",
+        p.micro_batch,
+        p.seq_len,
+        p.micro_batch * p.seq_len,
+        p.grad_accum,
+        p.base_params,
+        p.dtype_bytes,
+        p.lora_params,
+        p.kept_bytes_per_token_layer
+    ));
+    match p.capacity {
+        Some(c) => out.push_str(&format!("capacity per rank: {}\n", fmt_bytes(c))),
+        None => out.push_str("capacity per rank: unknown (pass --gpu-mem): no fit column\n"),
+    }
+    let head = [
+        "strategy",
+        "base",
+        "lora+grad+adamw",
+        "activations",
+        "transient",
+        "fsdp gather",
+        "ctx+slack",
+        "total",
+        "peak in",
+        "fits",
+        "max mb",
+    ];
+    let mut table: Vec<Vec<String>> = vec![head.iter().map(|s| s.to_string()).collect()];
+    for r in &p.rows {
+        let b = &r.b;
+        table.push(vec![
+            label(b),
+            fmt_bytes(b.base),
+            fmt_bytes(b.adapters + b.grads + b.optimizer),
+            fmt_bytes(b.activations),
+            fmt_bytes(b.transient),
+            fmt_bytes(b.gather),
+            fmt_bytes(b.context + b.slack),
+            fmt_bytes(b.total),
+            b.peak_phase.to_string(),
+            match r.fits {
+                Some(true) => "yes".into(),
+                Some(false) => "NO".into(),
+                None => "-".into(),
+            },
+            match (r.fits, r.max_micro_batch) {
+                (None, _) => "-".into(),
+                (_, None) => "none".into(),
+                (_, Some(m)) if m >= MB_LIMIT => format!("≥{m}"),
+                (_, Some(m)) => m.to_string(),
+            },
+        ]);
+    }
+    let widths: Vec<usize> = (0..head.len())
+        .map(|k| {
+            table
+                .iter()
+                .map(|r| r[k].chars().count())
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    for row in &table {
+        let cells: Vec<String> = row
+            .iter()
+            .zip(&widths)
+            .enumerate()
+            .map(|(k, (c, w))| {
+                let pad = " ".repeat(w - c.chars().count());
+                if k == 0 {
+                    format!("{c}{pad}")
+                } else {
+                    format!("{pad}{c}")
+                }
+            })
+            .collect();
+        out.push_str(cells.join("  ").trim_end());
+        out.push('\n');
+    }
+    if p.gpus > 1 {
+        out.push_str("ddp: every rank holds a full replica of the base (as single) plus one layer's f32 gradient bucket\n");
+        out.push_str(&format!(
+            "fsdp: every rank holds 1/{} of the base plus the gathered weights of the current and the next layer (and embedding + head for the head), with or without checkpointing\n",
+            p.gpus
+        ));
+    } else {
+        out.push_str("ddp / fsdp: pass --gpus N (N ≥ 2) to plan them\n");
+    }
+    out.push_str("ctx+slack: CUDA context 512 MiB + 5% allocator slack; \"peak in\" names the phase with the pool's high-water mark\n");
+    if let Some(h) = p.rows.iter().map(|r| r.b.host).max().filter(|&h| h > 0) {
+        out.push_str(&format!(
+            "host: {} pinned per rank without checkpointing (the layers' residuals, parked until their backward: train.offload_activations)\n",
+            fmt_bytes(h)
+        ));
+    }
+    for l in &p.advice.lines {
+        out.push_str(&format!("advice: {l}\n"));
+    }
+    out
+}
+
+fn gib(x: u64) -> f64 {
+    (x as f64 / GIB as f64 * 1e4).round() / 1e4
+}
+
+fn row_json(r: &Row) -> serde_json::Value {
+    let b = &r.b;
+    let phases: serde_json::Map<String, serde_json::Value> = b
+        .phases
+        .iter()
+        .map(|(k, v)| (format!("{k}_peak_gib"), gib(*v).into()))
+        .collect();
+    serde_json::json!({
+        "strategy": strategy_name(b.strategy), "ckpt": b.ckpt, "world": b.world,
+        "micro_batch": b.micro_batch,
+        "base_bytes": b.base, "adapters_bytes": b.adapters, "grads_bytes": b.grads,
+        "optimizer_bytes": b.optimizer, "activations_bytes": b.activations,
+        "transient_bytes": b.transient, "gather_bytes": b.gather, "host_bytes": b.host,
+        "context_bytes": b.context, "slack_bytes": b.slack,
+        "pool_peak_bytes": b.pool_peak, "total_bytes": b.total,
+        // Comparable with `lora-train bench`'s peak_alloc_gib and phases.*_peak_gib.
+        "peak_alloc_gib": gib(b.pool_peak), "total_gib": gib(b.total),
+        "peak_phase": b.peak_phase, "phases": phases,
+        "fits": r.fits, "max_micro_batch": r.max_micro_batch,
+    })
+}
+
+/// The plan for machines; `selected` is the row of the run's own strategy and checkpointing.
+pub fn to_json(p: &Plan, selected: (Strategy, bool)) -> serde_json::Value {
+    serde_json::json!({
+        "micro_batch": p.micro_batch, "grad_accum": p.grad_accum, "seq_len": p.seq_len,
+        "gpus": p.gpus, "dtype_bytes": p.dtype_bytes, "lora_params": p.lora_params,
+        "base_params": p.base_params,
+        "kept_bytes_per_token_layer": p.kept_bytes_per_token_layer,
+        "capacity_bytes": p.capacity, "capacity_gib": p.capacity.map(gib),
+        "rows": p.rows.iter().map(row_json).collect::<Vec<_>>(),
+        "selected": row(p, selected.0, selected.1).map(row_json),
+        "advice": {
+            "strategy": p.advice.strategy.map(strategy_name), "ckpt": p.advice.ckpt,
+            "micro_batch": p.advice.micro_batch, "grad_accum": p.advice.grad_accum,
+            "lines": p.advice.lines,
+        },
+    })
+}

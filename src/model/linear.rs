@@ -1,0 +1,598 @@
+//! LoRA's linear: a frozen linear (W [out, in], optional bias) with an optional adapter, its
+//! hand-written forward and backward, alone, for linears that share their input (one GEMM of
+//! their adapters' products), and folded into the frozen GEMMs (`ops::fold`).
+//!
+//! Shapes: m tokens (B·T), in and out the linear's widths, r the adapter's rank.
+
+use super::llama::Ctx;
+use crate::lora::Lora;
+use crate::ops;
+use candle_core::{DType, Result, Tensor};
+
+/// An adapter's (dL/dA, dL/dB) in f32, None for a linear without one.
+pub type AdapterGrad = Option<(Tensor, Tensor)>;
+
+/// What `Linear::bwd_dx` leaves for `Linear::bwd_grads`: s · g B [m, r] and the dropout mask
+/// (drawn once for both halves).
+pub struct AdapterHalf {
+    gbs: Tensor,
+    mask: Option<Tensor>,
+}
+
+/// A frozen linear (W [out, in], optional bias) with an optional LoRA adapter.
+#[derive(Clone)]
+pub struct Linear {
+    /// Module name in the checkpoint, e.g. `model.layers.3.self_attn.q_proj`.
+    pub name: String,
+    /// [out, in]; a view of `pad`'s first `in` columns when folded.
+    pub w: Tensor,
+    pub b: Option<Tensor>,
+    pub lora: Option<Lora>,
+    /// W's wider buffer, when the adapter's forward is folded into the base GEMM.
+    pub pad: Option<Pad>,
+    /// (layer, module) index: keys the dropout stream.
+    pub(crate) key: [u64; 2],
+}
+
+/// A folded linear's W* = [W | pad] [out, in + pad] (`ops::fold`): its B's r columns start at
+/// in + `col`; the rest of the pad is zero (the other linears' B columns, and the columns
+/// that round its rows up). Under FSDP the skeleton layer's `full` is a placeholder and a
+/// gathered layer's a view of the gathered buffer (`Layer::frozen_mut`).
+#[derive(Clone)]
+pub struct Pad {
+    pub full: Tensor,
+    pub col: usize,
+    /// W's columns (`in`): `w` is `full`'s first `in_f` columns.
+    pub in_f: usize,
+}
+
+impl Linear {
+    /// x: [B, T, in] → [B, T, out]
+    pub fn forward(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
+        let Some(lora) = &self.lora else {
+            return ops::frozen_linear(x, &self.w, self.b.as_ref());
+        };
+        ops::lora_linear(
+            x,
+            &self.w,
+            self.b.as_ref(),
+            lora.a.as_tensor(),
+            lora.b.as_tensor(),
+            lora.scale,
+            self.dropout_mask(x.dims(), ctx)?,
+            ctx.kernels.gemm,
+        )
+    }
+
+    /// Dropout on the adapter input, keyed by (step, micro-batch, layer, module) so that a
+    /// recomputed layer, and the backward, draw the same mask. None without dropout.
+    fn dropout_mask(&self, dims: &[usize], ctx: &Ctx) -> Result<Option<Tensor>> {
+        match (ctx.dropout, &self.lora) {
+            (Some((seed, [step, micro])), Some(lora)) if lora.dropout > 0.0 => {
+                Ok(Some(crate::lora::dropout_mask(
+                    dims,
+                    lora.dropout,
+                    seed,
+                    &[step, micro, self.key[0], self.key[1]],
+                    ctx.cos.device(),
+                )?))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// The forward without a graph, for the hand-written layer backward.
+    /// x: [m, in] → (y [m, out], the adapter's s · (m ⊙ x) Aᵀ [m, r] if it has one).
+    pub fn fwd(&self, x: &Tensor, ctx: &Ctx) -> Result<(Tensor, Option<Tensor>)> {
+        let Some(lora) = &self.lora else {
+            return Ok((ops::frozen_linear(x, &self.w, self.b.as_ref())?, None));
+        };
+        let mask = self.dropout_mask(x.dims(), ctx)?;
+        let (y, xas) = ops::lora_linear::lora_fwd(
+            x,
+            &self.w,
+            self.b.as_ref(),
+            ctx.adapter(&lora.a),
+            ctx.adapter(&lora.b),
+            lora.scale,
+            mask.as_ref(),
+            ctx.kernels.gemm,
+        )?;
+        Ok((y, Some(xas)))
+    }
+
+    /// `fwd`'s output again, from x and the adapter state `fwd` returned (no x Aᵀ product).
+    pub fn fwd_again(&self, x: &Tensor, xas: Option<&Tensor>, ctx: &Ctx) -> Result<Tensor> {
+        match (&self.lora, xas) {
+            (Some(lora), Some(xas)) => {
+                let b = ctx.adapter(&lora.b);
+                ops::lora_linear::with_base(x, &self.w, self.b.as_ref(), xas, b, ctx.kernels.gemm)
+            }
+            (None, _) => ops::frozen_linear(x, &self.w, self.b.as_ref()),
+            (Some(_), None) => {
+                candle_core::bail!(
+                    "{}: recompute without the forward's adapter state",
+                    self.name
+                )
+            }
+        }
+    }
+
+    /// `fwd`'s adapter state alone, without the output (None without an adapter).
+    pub fn adapter_fwd(&self, x: &Tensor, ctx: &Ctx) -> Result<Option<Tensor>> {
+        let Some(lora) = &self.lora else {
+            return Ok(None);
+        };
+        let mask = self.dropout_mask(x.dims(), ctx)?;
+        let a = ctx.adapter(&lora.a);
+        ops::lora_linear::lora_xas(x, a, lora.scale, mask.as_ref(), ctx.kernels.gemm).map(Some)
+    }
+
+    /// The backward of `fwd`: x [m, in] its input, g = dL/dy [m, out], `xas` what `fwd`
+    /// returned, `acc` a term of dL/dx to add in (consumed; on CUDA the GEMMs accumulate onto
+    /// it) → dL/dx [m, in], and (dA, dB) in f32 for an adapter. W gets nothing.
+    pub fn bwd(
+        &self,
+        x: &Tensor,
+        g: &Tensor,
+        xas: Option<&Tensor>,
+        ctx: &Ctx,
+        acc: Option<Tensor>,
+    ) -> Result<(Tensor, AdapterGrad)> {
+        if self.lora.is_some() && xas.is_none() {
+            candle_core::bail!(
+                "{}: backward without the forward's adapter state",
+                self.name
+            )
+        }
+        let (dx, half) = self.bwd_dx(g, ctx, acc)?;
+        Ok((dx, self.bwd_grads(x, g, half, xas, ctx)?))
+    }
+
+    /// `bwd` in two halves, for a linear whose input x is only wanted for the adapter's
+    /// gradients: dL/dx [m, in] from g [m, out] alone (plus `acc`, as `bwd`), and what
+    /// `bwd_grads` takes with x.
+    pub fn bwd_dx(
+        &self,
+        g: &Tensor,
+        ctx: &Ctx,
+        acc: Option<Tensor>,
+    ) -> Result<(Tensor, Option<AdapterHalf>)> {
+        let Some(lora) = &self.lora else {
+            let dx = match acc {
+                Some(acc) => ops::linear_acc::linear_bwd_acc(g, &self.w, acc, ctx.kernels.gemm)?,
+                None => g.contiguous()?.matmul(&self.w)?, // dx = g W
+            };
+            return Ok((dx, None));
+        };
+        let g = g.contiguous()?;
+        let mut dims = g.dims().to_vec(); // the input's: [m, in]
+        if let Some(d) = dims.last_mut() {
+            *d = self.w.dim(1)?;
+        }
+        let mask = self.dropout_mask(&dims, ctx)?;
+        let (dx, gbs) = ops::lora_linear::lora_bwd_dx(
+            &g,
+            &self.w,
+            ctx.adapter(&lora.a),
+            ctx.adapter(&lora.b),
+            lora.scale,
+            mask.as_ref(),
+            acc,
+            ctx.kernels.gemm,
+        )?;
+        Ok((dx, Some(AdapterHalf { gbs, mask })))
+    }
+
+    /// `bwd`'s adapter gradients alone, without dL/dx (none of its GEMMs run): x [m, in],
+    /// g [m, out], `xas` what `fwd` kept. None without an adapter.
+    pub fn bwd_grads_alone(
+        &self,
+        x: &Tensor,
+        g: &Tensor,
+        xas: Option<&Tensor>,
+        ctx: &Ctx,
+    ) -> Result<AdapterGrad> {
+        let Some(lora) = &self.lora else {
+            return Ok(None);
+        };
+        let g = g.contiguous()?;
+        let b = ctx.adapter(&lora.b);
+        let gbs = ops::lora_linear::lora_gbs(&g, b, lora.scale, ctx.kernels.gemm)?;
+        let mask = self.dropout_mask(x.dims(), ctx)?; // the forward's (keyed)
+        self.bwd_grads(x, &g, Some(AdapterHalf { gbs, mask }), xas, ctx)
+    }
+
+    /// The second half of `bwd_dx`: (dA, dB) from x [m, in], the same g, what `bwd_dx`
+    /// returned and what `fwd` kept. None without an adapter.
+    pub fn bwd_grads(
+        &self,
+        x: &Tensor,
+        g: &Tensor,
+        half: Option<AdapterHalf>,
+        xas: Option<&Tensor>,
+        ctx: &Ctx,
+    ) -> Result<AdapterGrad> {
+        match (half, xas) {
+            (Some(h), Some(xas)) => {
+                let g = g.contiguous()?;
+                let (m, gemm) = (h.mask.as_ref(), ctx.kernels.gemm);
+                let (da, db) = ops::lora_linear::lora_grads(x, &g, &h.gbs, m, xas, gemm)?;
+                Ok(Some((da, db)))
+            }
+            (None, _) => Ok(None),
+            (Some(_), None) => {
+                candle_core::bail!(
+                    "{}: backward without the forward's adapter state",
+                    self.name
+                )
+            }
+        }
+    }
+
+    /// down_proj's backward with SwiGLU's, folded (`ops::fold::swiglu_down_bwd`): from dy
+    /// [m, out], SwiGLU's inputs gate and up [m, I] and `xas` what `fwd_folded` kept →
+    /// (dL/dgate, dL/dup, (dA, dB)). None (nothing run) when this linear's forward is not
+    /// folded for this batch, or the kernel cannot take the operands.
+    pub fn bwd_swiglu_folded(
+        &self,
+        dy: &Tensor,
+        gate: &Tensor,
+        up: &Tensor,
+        xas: Option<&Tensor>,
+        ctx: &Ctx,
+    ) -> Result<Option<(Tensor, Tensor, AdapterGrad)>> {
+        let (Some(lora), Some(pad), Some(xas)) = (&self.lora, &self.pad, xas) else {
+            return Ok(None);
+        };
+        if Linear::fold_width(&[self], ctx).is_none() {
+            return Ok(None);
+        }
+        let a = ctx.adapter(&lora.a).to_dtype(DType::BF16)?;
+        let dy = dy.contiguous()?;
+        let (w, s, gemm) = (&pad.full, lora.scale, ctx.kernels.gemm);
+        let Some(r) = ops::fold::swiglu_down_bwd(&dy, w, pad.col, gate, up, &a, s, gemm)? else {
+            return Ok(None);
+        };
+        let db = ops::linear_acc::matmul_tn_f32(&dy, xas, gemm)?; // dB = dyᵀ xas [out, r]
+        Ok(Some((r.dg, r.du, Some((r.da, db)))))
+    }
+
+    pub fn out_features(&self) -> usize {
+        self.w.dims()[0]
+    }
+
+    /// The adapters of `lins` (linears that share their input) that can run as one: those
+    /// without dropout, when there are two or more and they share a scale. Indices into `lins`.
+    fn shared(lins: &[&Linear], ctx: &Ctx) -> Vec<usize> {
+        let scale = |i: usize| lins[i].lora.as_ref().map(|l| l.scale);
+        let idx: Vec<usize> = (0..lins.len())
+            .filter(|&i| match &lins[i].lora {
+                Some(l) => l.dropout <= 0.0 || ctx.dropout.is_none(),
+                None => false,
+            })
+            .collect();
+        match idx.len() >= 2 && idx.windows(2).all(|w| scale(w[0]) == scale(w[1])) {
+            true => idx,
+            false => Vec::new(),
+        }
+    }
+
+    /// The shared adapters `idx` of `lins`: their A's stacked [Σ r, in] in `dt`, and each one's
+    /// operands.
+    fn shared_ops<'a>(
+        lins: &[&'a Linear],
+        idx: &[usize],
+        ctx: &'a Ctx,
+        dt: DType,
+    ) -> Result<(Tensor, Vec<ops::lora_linear::Adapter<'a>>)> {
+        let (a, ads) = Self::shared_adapters(lins, idx, ctx)?;
+        Ok((ctx.a_stack(&a, dt)?, ads))
+    }
+
+    /// The shared adapters `idx` of `lins`: their A's (as `Var`s) and each one's operands.
+    fn shared_adapters<'a>(
+        lins: &[&'a Linear],
+        idx: &[usize],
+        ctx: &'a Ctx,
+    ) -> Result<(
+        Vec<&'a candle_core::Var>,
+        Vec<ops::lora_linear::Adapter<'a>>,
+    )> {
+        let mut a = Vec::with_capacity(idx.len());
+        let mut ads = Vec::with_capacity(idx.len());
+        for &i in idx {
+            let (lin, lora) = match &lins[i].lora {
+                Some(lora) => (lins[i], lora),
+                None => candle_core::bail!("{}: shared without an adapter", lins[i].name),
+            };
+            a.push(&lora.a);
+            ads.push(ops::lora_linear::Adapter {
+                w: &lin.w,
+                bias: lin.b.as_ref(),
+                a: ctx.adapter(&lora.a),
+                b: ctx.adapter(&lora.b),
+                scale: lora.scale,
+            });
+        }
+        Ok((a, ads))
+    }
+
+    /// `fwd` of linears that share their input x [m, in]: (y, adapter state) each, in order.
+    /// Their adapters' x Aᵀ products are one GEMM over their A's side by side (x is read once,
+    /// one launch for two or three).
+    pub fn fwd_shared(
+        lins: &[&Linear],
+        x: &Tensor,
+        ctx: &Ctx,
+    ) -> Result<Vec<(Tensor, Option<Tensor>)>> {
+        let idx = Self::shared(lins, ctx);
+        let mut out: Vec<Option<(Tensor, Option<Tensor>)>> = vec![None; lins.len()];
+        if !idx.is_empty() {
+            let (a, ads) = Self::shared_ops(lins, &idx, ctx, x.dtype())?;
+            let ys = ops::lora_linear::lora_fwd_shared(x, &ads, &a, ctx.kernels.gemm)?;
+            for (&i, (y, xas)) in idx.iter().zip(ys) {
+                out[i] = Some((y, Some(xas)));
+            }
+        }
+        lins.iter()
+            .zip(out)
+            .map(|(lin, o)| match o {
+                Some(o) => Ok(o),
+                None => lin.fwd(x, ctx),
+            })
+            .collect()
+    }
+
+    /// The pad width when `lins` (linears that share their input) run folded (`ops::fold`) for
+    /// this batch: each padded alike, with an adapter, their B's columns in order, one scale,
+    /// no dropout, and the pads' B columns written for this batch. None otherwise.
+    pub fn fold_width(lins: &[&Linear], ctx: &Ctx) -> Option<usize> {
+        let first = lins.first()?;
+        let in_f = first.w.dim(1).ok()?;
+        let p = first.pad.as_ref()?.full.dim(1).ok()?.checked_sub(in_f)?;
+        let scale = first.lora.as_ref()?.scale;
+        let mut ranks = Vec::with_capacity(lins.len());
+        for lin in lins {
+            let (pad, lora) = (lin.pad.as_ref()?, lin.lora.as_ref()?);
+            let dropout = lora.dropout > 0.0 && ctx.dropout.is_some();
+            let col: usize = ranks.iter().sum();
+            if dropout || pad.col != col || lora.scale != scale || pad.full.dim(1).ok()? != in_f + p
+            {
+                return None;
+            }
+            ranks.push(lora.a.dim(0).ok()?);
+        }
+        (ctx.folded && ops::fold::pad_width(&ranks, in_f) == Some(p)).then_some(p)
+    }
+
+    /// `fwd_shared` folded (`ops::fold`), for `lins` whose `fold_width` is p: xp [m, in + p]
+    /// holds their input x in its first `in` columns (its next Σ r are written here).
+    pub fn fwd_folded(
+        lins: &[&Linear],
+        xp: &Tensor,
+        ctx: &Ctx,
+    ) -> Result<Vec<(Tensor, Option<Tensor>)>> {
+        let mut a = Vec::with_capacity(lins.len());
+        let mut ws = Vec::with_capacity(lins.len());
+        let mut ranks = Vec::with_capacity(lins.len());
+        let mut scale = 1.0;
+        for lin in lins {
+            let (Some(lora), Some(pad)) = (&lin.lora, &lin.pad) else {
+                candle_core::bail!("{}: folded without an adapter and a pad", lin.name);
+            };
+            a.push(&lora.a);
+            ws.push(&pad.full);
+            ranks.push(lora.a.dim(0)?);
+            scale = lora.scale;
+        }
+        let in_f = match lins.first() {
+            Some(lin) => lin.w.dim(1)?,
+            None => candle_core::bail!("fwd_folded: no linears"),
+        };
+        let a = ctx.a_stack(&a, xp.dtype())?; // [Σ r, in]
+        let (ys, xas) = ops::fold::fwd(xp, in_f, &a, scale, &ws, ctx.kernels.gemm)?;
+        let mut off = 0;
+        let mut out = Vec::with_capacity(lins.len());
+        for (y, r) in ys.into_iter().zip(ranks) {
+            out.push((y, Some(xas.narrow(1, off, r)?))); // [m, r], row stride Σ r
+            off += r;
+        }
+        Ok(out)
+    }
+
+    /// `bwd` of linears that shared their input x [m, in]: g[i] = dL/dy_i (consumed), xas[i]
+    /// what `fwd_shared` kept → dL/dx (the sum over all) and each one's (dA, dB). The shared
+    /// adapters' (g B)·A products are one GEMM, their dA one GEMM (x is read once); the base
+    /// GEMMs accumulate onto it.
+    pub fn bwd_shared(
+        lins: &[&Linear],
+        x: &Tensor,
+        g: Vec<Tensor>,
+        xas: &[Option<&Tensor>],
+        ctx: &Ctx,
+    ) -> Result<(Tensor, Vec<AdapterGrad>)> {
+        if let Some(p) = Self::fold_width(lins, ctx) {
+            return Self::bwd_folded(lins, x, g, xas, ctx, p);
+        }
+        let idx = Self::shared(lins, ctx);
+        let mut g: Vec<Option<Tensor>> = g.into_iter().map(Some).collect();
+        let mut grads: Vec<AdapterGrad> = vec![None; lins.len()];
+        let mut dx: Option<Tensor> = None;
+        if !idx.is_empty() {
+            let (a, ads) = Self::shared_ops(lins, &idx, ctx, x.dtype())?;
+            let (gs, xs) = Self::take_shared(lins, &idx, &mut g, xas)?;
+            let (d, gr) =
+                ops::lora_linear::lora_bwd_shared(x, gs, &ads, &xs, &a, ctx.kernels.gemm)?;
+            dx = Some(d);
+            for (&i, gr) in idx.iter().zip(gr) {
+                grads[i] = Some(gr);
+            }
+        }
+        for (i, lin) in lins.iter().enumerate() {
+            // The shared ones' gradients were taken (and their base GEMMs run) above.
+            let Some(gi) = g.get_mut(i).and_then(Option::take) else {
+                continue;
+            };
+            let (d, gr) = lin.bwd(x, &gi, xas.get(i).copied().flatten(), ctx, dx.take())?;
+            dx = Some(d);
+            grads[i] = gr;
+        }
+        match dx {
+            Some(dx) => Ok((dx, grads)),
+            None => candle_core::bail!("bwd_shared: no linears"),
+        }
+    }
+
+    /// `bwd_shared` for `lins` whose forward ran folded (`fold_width` p): the base GEMMs run
+    /// against the padded weights, g_i · W*_i, accumulating one dL/dx [m, in + p] whose pad
+    /// columns are then each adapter's g_i B_i (the other linears' columns of W*_i are zero):
+    /// no skinny GEMM per adapter for them (each was a read of g_i). s · (g B)·A joins dL/dx
+    /// in its first `in` columns, which are returned (rows in + p apart); dA = s · (g B)ᵀ x.
+    fn bwd_folded(
+        lins: &[&Linear],
+        x: &Tensor,
+        g: Vec<Tensor>,
+        xas: &[Option<&Tensor>],
+        ctx: &Ctx,
+        p: usize,
+    ) -> Result<(Tensor, Vec<AdapterGrad>)> {
+        use ops::linear_acc::{
+            linear_bwd_acc, linear_bwd_acc_scaled, matmul_scaled, matmul_tn_f32,
+        };
+        let (in_f, gemm) = (x.dim(1)?, ctx.kernels.gemm);
+        let mut a = Vec::with_capacity(lins.len());
+        let mut grads: Vec<AdapterGrad> = Vec::with_capacity(lins.len());
+        let mut dxp: Option<Tensor> = None; // [m, in + p]
+        let (mut scale, mut ranks) = (1.0, 0);
+        for ((lin, gi), xas) in lins.iter().zip(g).zip(xas) {
+            let (Some(lora), Some(pad), Some(xas)) = (&lin.lora, &lin.pad, xas) else {
+                candle_core::bail!("{}: folded backward without its adapter state", lin.name);
+            };
+            let gi = gi.contiguous()?;
+            dxp = Some(match dxp {
+                None => matmul_scaled(&gi, &pad.full, false, 1.0, gemm)?,
+                Some(acc) => linear_bwd_acc(&gi, &pad.full, acc, gemm)?,
+            });
+            let db = matmul_tn_f32(&gi, xas, gemm)?; // dB = g_iᵀ xas_i [out, r]
+            grads.push(Some((db.clone(), db))); // dA set below
+            a.push(&lora.a);
+            (scale, ranks) = (lora.scale, ranks + lora.a.dim(0)?);
+        }
+        let Some(dxp) = dxp else {
+            candle_core::bail!("bwd_folded: no linears");
+        };
+        if ranks > p {
+            candle_core::bail!("bwd_folded: ranks {ranks} past the pad {p}");
+        }
+        let gb = dxp.narrow(1, in_f, ranks)?; // [m, Σ r] = g_i B_i side by side, unscaled
+        let a = ctx.a_stack(&a, x.dtype())?; // [Σ r, in]
+        let dx = linear_bwd_acc_scaled(&gb, &a, dxp.narrow(1, 0, in_f)?, scale, gemm)?;
+        let da = (matmul_tn_f32(&gb, x, gemm)? * scale)?; // [Σ r, in] f32
+        let mut off = 0;
+        for (gr, lin) in grads.iter_mut().zip(lins) {
+            let r = lin.lora.as_ref().map_or(0, |l| l.a.dims()[0]);
+            if let Some((da_i, _)) = gr {
+                *da_i = da.narrow(0, off, r)?;
+            }
+            off += r;
+        }
+        Ok((dx, grads))
+    }
+
+    /// `bwd_shared`'s adapter gradients alone, without dL/dx: for an input that needs no
+    /// gradient (the first layer's, the frozen embedding's output), so that the base GEMMs'
+    /// dL/dx (three of the layer's eleven backward GEMMs at q, k, v) and the adapters' are not
+    /// run. Linears without an adapter are skipped; an adapter outside the shared group (its
+    /// own dropout) takes `bwd_grads_alone`.
+    pub fn grads_shared(
+        lins: &[&Linear],
+        x: &Tensor,
+        g: Vec<Tensor>,
+        xas: &[Option<&Tensor>],
+        ctx: &Ctx,
+    ) -> Result<Vec<AdapterGrad>> {
+        let idx = Self::shared(lins, ctx);
+        let mut g: Vec<Option<Tensor>> = g.into_iter().map(Some).collect();
+        let mut grads: Vec<AdapterGrad> = vec![None; lins.len()];
+        if !idx.is_empty() {
+            // No stacked A's: without dL/dx nothing multiplies by them.
+            let (_, ads) = Self::shared_adapters(lins, &idx, ctx)?;
+            let (gs, xs) = Self::take_shared(lins, &idx, &mut g, xas)?;
+            let gr = ops::lora_linear::lora_grads_shared(x, gs, &ads, &xs, ctx.kernels.gemm)?;
+            for (&i, gr) in idx.iter().zip(gr) {
+                grads[i] = Some(gr);
+            }
+        }
+        for (i, lin) in lins.iter().enumerate() {
+            let Some(gi) = g.get_mut(i).and_then(Option::take) else {
+                continue;
+            };
+            grads[i] = lin.bwd_grads_alone(x, &gi, xas.get(i).copied().flatten(), ctx)?;
+        }
+        Ok(grads)
+    }
+
+    /// The gradients g[i] (taken) and kept adapter states of the shared linears `idx`.
+    fn take_shared<'x>(
+        lins: &[&Linear],
+        idx: &[usize],
+        g: &mut [Option<Tensor>],
+        xas: &[Option<&'x Tensor>],
+    ) -> Result<(Vec<Tensor>, Vec<&'x Tensor>)> {
+        let mut gs = Vec::with_capacity(idx.len());
+        let mut xs = Vec::with_capacity(idx.len());
+        for &i in idx {
+            match (
+                g.get_mut(i).and_then(Option::take),
+                xas.get(i).copied().flatten(),
+            ) {
+                (Some(gi), Some(xi)) => {
+                    gs.push(gi);
+                    xs.push(xi);
+                }
+                _ => candle_core::bail!(
+                    "{}: backward without its gradient or the forward's adapter state",
+                    lins[i].name
+                ),
+            }
+        }
+        Ok((gs, xs))
+    }
+}
+
+/// `Model::fold` for one group of linears that share their input: each one's W copied into
+/// the first `in` columns of a zeroed [out, in + pad] (`ops::fold::pad_width`), its B's
+/// columns after those of the linears before it. Returns the pads' bytes; 0 (nothing done)
+/// when the group cannot fold, or is folded already.
+pub(super) fn pad_group(lins: &mut [&mut Linear]) -> Result<usize> {
+    let mut ranks = Vec::with_capacity(lins.len());
+    let mut scale = None;
+    for lin in lins.iter() {
+        let Some(lora) = &lin.lora else {
+            return Ok(0);
+        };
+        if lin.b.is_some() || lin.pad.is_some() || *scale.get_or_insert(lora.scale) != lora.scale {
+            return Ok(0);
+        }
+        ranks.push(lora.a.dim(0)?);
+    }
+    let in_f = match lins.first() {
+        Some(lin) => lin.w.dim(1)?,
+        None => return Ok(0),
+    };
+    let Some(p) = ops::fold::pad_width(&ranks, in_f) else {
+        return Ok(0);
+    };
+    let (mut col, mut bytes) = (0, 0);
+    for lin in lins.iter_mut() {
+        let (out, in_f) = lin.w.dims2()?;
+        let full = Tensor::zeros((out, in_f + p), lin.w.dtype(), lin.w.device())?;
+        full.slice_set(&lin.w.contiguous()?, 1, 0)?;
+        lin.w = full.narrow(1, 0, in_f)?;
+        bytes += out * p * lin.w.dtype().size_in_bytes();
+        lin.pad = Some(Pad { full, col, in_f });
+        col += lin.lora.as_ref().map_or(0, |l| l.a.dims()[0]);
+    }
+    Ok(bytes)
+}
