@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The GPU session's checks, run ON the device machine from the repo root (device tool), with
-# .devbuild/ carried: lora-train.gz and it.gz (CUDA builds: the binary and the integration-test
-# binary), device-env.sh and peft_baseline.py (copied from ../shared). Results go to $OUT.
+# The GPU checks, run ON a GPU machine from the repo root, with .devbuild/ holding lora-train.gz
+# and it.gz (the CUDA builds of the binary and of the integration-test binary:
+# scripts/build-cuda.sh, then `cargo test --release --features cuda,nccl --no-run` for `it`).
+# Results go to $OUT (default /tmp/out). With the device tool of our workplace:
 #
 #   run(command="bash scripts/device_gpu_check.sh [compat] [chat] [tests] [tiny] [bench]", carry=[".devbuild"])
 #   run(command="bash scripts/device_gpu_check.sh dist", kind="nvidia-h200-x2", carry=[".devbuild"])
@@ -14,6 +15,10 @@
 # tests: the GPU tests (ops against composites, golden fixtures in f32 and bf16);
 # tiny:  recipes/tiny-cpu.toml for 200 steps on the GPU and on the CPU, final losses side by side;
 # bench: Llama-2-7B shape, seq 2048: ours and transformers+PEFT in the same call.
+# train7b: the `train` command on a saved random Llama-2-7B checkpoint (scripts/
+#         make_random_checkpoint.py; tokens data, seq 2048, mb2, r16 all linear) beside `bench` at
+#         the same shape and scripts/bench_peft.py (and --liger when liger_kernel imports); the
+#         time to read the checkpoint's bytes from disk (cold cache) beside our load time.
 # dist (2 GPUs, a lora-train built with --features cuda,nccl): the tiny recipe trained with ddp and
 #   fsdp on GPUs 0,1 (complete adapter, loss), then the 7B-shape bench with one global batch of
 #   4 rows of 2048: single micro-batch 4 (and 2: the scaling reference), ddp and fsdp 2 GPUs x 2
@@ -36,7 +41,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 what=" ${*:-compat chat tests tiny bench memory} "
 ( cd .devbuild && for f in lora-train it; do [ -f $f.gz ] && gunzip -kf $f.gz && chmod +x $f; done )
-E="bash .devbuild/device-env.sh"
+E="bash scripts/device-env.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 
 if [[ $what == *" compat "* ]]; then
@@ -52,7 +57,40 @@ if [[ $what == *" chat "* ]]; then
 fi
 
 if [[ $what == *" tests "* ]]; then
-  LORA_TRAIN_ROOT=$PWD timeout 240 $E .devbuild/it ops:: golden:: plan::cuda_ --test-threads 1 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "^test |test result|panicked|error" | head -40
+  env LORA_TRAIN_ROOT=$PWD "CARGO_BIN_EXE_lora-train=$PWD/.devbuild/lora-train" timeout 300 $E .devbuild/it \
+    ops:: golden:: invariants:: plan::cuda_ generate:: --test-threads 1 2>&1 | tee "$OUT/gpu-tests.log" \
+    | grep -E "^test .*(FAILED|ok)$|test result|panicked" | grep -v " ok$" | head -40
+  grep -c " ok$" "$OUT/gpu-tests.log" | sed 's/^/tests ok: /'
+fi
+
+if [[ $what == *" train7b "* ]]; then
+  C=/tmp/llama2-7b
+  python3 scripts/make_random_checkpoint.py $C llama2-7b --seq 2048 --rows 400 2>&1 | tail -1
+  sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null && echo "page cache dropped" || echo "page cache NOT dropped"
+  t0=$(date +%s%N); cat $C/*.safetensors > /dev/null; t1=$(date +%s%N)
+  echo "read $(du -cb $C/*.safetensors | tail -1 | cut -f1) bytes of safetensors in $(( (t1 - t0) / 1000000 )) ms" | tee "$OUT/read.txt"
+  sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null
+  rm -rf /tmp/out-7b
+  t0=$(date +%s%N)
+  timeout 240 $E .devbuild/lora-train --recipe scripts/device/random-checkpoint.toml 2>&1 | tail -4
+  t1=$(date +%s%N); echo "train command wall $(( (t1 - t0) / 1000000 )) ms"
+  cp /tmp/out-7b/metrics.jsonl "$OUT/train7b-metrics.jsonl"
+  python3 - <<'PY' | tee "$OUT/train7b.txt"
+import json
+rows = [json.loads(l) for l in open("/tmp/out-7b/metrics.jsonl")]
+print("load_s", rows[0].get("load_s"), "first step after", rows[0]["elapsed_s"], "s")
+a, b = rows[5], rows[-1]  # steps 6 .. last: past warm-up
+tps = (b["tokens"] - a["tokens"]) / (b["elapsed_s"] - a["elapsed_s"])
+print(f"train steps {a['step']+1}-{b['step']}: {tps:.0f} tok/s; peak GiB", b.get("mem"))
+PY
+  timeout 150 $E .devbuild/lora-train bench --shape llama2-7b --seq 2048 --micro-batch 2 --rank 16 \
+    --targets all --steps 10 --warmup 3 --json "$OUT/train7b.jsonl" | cut -c1-400
+  timeout 200 python3 scripts/bench_peft.py --shape llama2-7b --seq 2048 --batch 2 --rank 16 \
+    --targets all --steps 10 --warmup 3 --json "$OUT/train7b.jsonl" 2>&1 | tail -1
+  if python3 -c "import liger_kernel" 2>/dev/null; then
+    timeout 200 python3 scripts/bench_peft.py --shape llama2-7b --seq 2048 --batch 2 --rank 16 \
+      --targets all --steps 10 --warmup 3 --liger --json "$OUT/train7b.jsonl" 2>&1 | tail -1
+  fi
 fi
 
 if [[ $what == *" tiny "* ]]; then
@@ -110,7 +148,7 @@ if [[ $what == *" bench "* ]]; then
     timeout 150 $E .devbuild/lora-train bench $B --micro-batch $1 --targets $2 $ck --json "$OUT/bench.jsonl" 2>&1 | tail -2
     [[ " $* " == *" - "* ]] && continue
     echo "== peft micro-batch $1 targets $2 $ck"
-    timeout 150 python3 .devbuild/peft_baseline.py $B --batch $1 --targets $2 $ck --json "$OUT/bench.jsonl" 2>&1 | tail -2
+    timeout 150 python3 scripts/bench_peft.py $B --batch $1 --targets $2 $ck --json "$OUT/bench.jsonl" 2>&1 | tail -2
   done
 fi
 
@@ -154,7 +192,7 @@ fi
 if [[ $what == *" torchrun "* ]]; then
   for mode in ddp fsdp; do
     echo "== peft torchrun 2 GPUs --mode $mode micro-batch 2"
-    timeout 280 torchrun --nproc_per_node 2 .devbuild/peft_baseline.py --shape llama2-7b --seq 2048 \
+    timeout 280 torchrun --nproc_per_node 2 scripts/bench_peft.py --shape llama2-7b --seq 2048 \
       --batch 2 --rank 16 --targets all --steps 10 --warmup 3 --mode $mode --json "$OUT/dist.jsonl" 2>&1 | tail -3
   done
 fi
