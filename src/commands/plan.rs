@@ -101,7 +101,7 @@ pub fn run(a: PlanArgs) -> anyhow::Result<()> {
     if a.json {
         println!("{}", plan::to_json(&p, selected));
     } else {
-        print!("{}", plan::render(&p));
+        print!("{}", plan::render(&p, selected));
     }
     Ok(())
 }

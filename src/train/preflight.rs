@@ -78,7 +78,7 @@ pub fn preflight(
                 forecast: b.clone(),
                 capacity: cap,
                 capacity_source: source,
-                table: plan::render(&p),
+                table: plan::render(&p, selected),
                 remedies: remedies.clone(),
             };
             if !opts.force {

@@ -139,3 +139,56 @@ fn resume_picks_up_the_runs_overrides() {
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(err.contains("`lora.rank` = 8, but checkpoint"), "{err}");
 }
+
+/// `plan` answers for the recipe's own row first (marked in the table): whether it fits as
+/// written, and at which micro-batch; the legend explains every column. `--recipe` with
+/// `--shape` is refused with the reason (exit 2).
+#[test]
+fn plan_answers_for_the_recipes_own_row() {
+    let run = |args: &[&str]| {
+        let o = bin().current_dir(root()).args(args).output().unwrap();
+        let out = String::from_utf8_lossy(&o.stdout).into_owned();
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        (o.status.code().unwrap_or(-1), out, err)
+    };
+    let (code, out, err) = run(&[
+        "plan",
+        "--recipe",
+        "recipes/tiny-cpu.toml",
+        "--set",
+        "parallel.strategy=fsdp",
+        "--set",
+        "parallel.devices=[0,1,2,3]",
+        "--gpu-mem",
+        "515MiB",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let marked: Vec<&str> = out.lines().filter(|l| l.ends_with("  *")).collect();
+    assert_eq!(marked.len(), 1, "{out}");
+    assert!(marked[0].starts_with("fsdp ×4 "), "{out}");
+    let verdict = out
+        .lines()
+        .find(|l| l.starts_with("as written (fsdp ×4, marked *): "))
+        .unwrap_or_else(|| panic!("{out}"));
+    assert!(verdict.contains("does NOT fit"), "{verdict}");
+    assert!(verdict.contains("micro-batch 8; micro-batch "), "{verdict}");
+    let first_advice = out.find("advice:").unwrap();
+    assert!(out.find("as written").unwrap() < first_advice, "{out}");
+    assert!(
+        out.contains("max mb: the largest micro-batch that fits"),
+        "{out}"
+    );
+
+    let (code, _, err) = run(&[
+        "plan",
+        "--recipe",
+        "recipes/tiny-cpu.toml",
+        "--shape",
+        "tiny",
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("'--recipe <RECIPE>' cannot be used with '--shape <SHAPE>'"),
+        "{err}"
+    );
+}

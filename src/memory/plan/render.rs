@@ -30,7 +30,9 @@ pub fn fmt_bytes(x: u64) -> String {
 }
 
 /// The human table and the advice.
-pub fn render(p: &Plan) -> String {
+/// The table for people; `selected` (the run's own strategy and checkpointing) is marked and
+/// answered first: whether it fits as written, and at which micro-batch.
+pub fn render(p: &Plan, selected: (Strategy, bool)) -> String {
     let mut out = String::new();
     out.push_str(&format!(
         "memory plan per rank: micro-batch {} × seq {} ({} tokens), grad_accum {}, base {} params at {} B, LoRA {} params, kept activations {} B/token/layer\n",
@@ -59,8 +61,10 @@ pub fn render(p: &Plan) -> String {
         "peak in",
         "fits",
         "max mb",
+        "",
     ];
     let mut table: Vec<Vec<String>> = vec![head.iter().map(|s| s.to_string()).collect()];
+    let mine = |b: &Breakdown| (b.strategy, b.ckpt) == selected;
     for r in &p.rows {
         let b = &r.b;
         table.push(vec![
@@ -83,6 +87,10 @@ pub fn render(p: &Plan) -> String {
                 (_, None) => "none".into(),
                 (_, Some(m)) if m >= MB_LIMIT => format!("≥{m}"),
                 (_, Some(m)) => m.to_string(),
+            },
+            match mine(b) {
+                true => "*".into(),
+                false => String::new(),
             },
         ]);
     }
@@ -112,6 +120,14 @@ pub fn render(p: &Plan) -> String {
         out.push_str(cells.join("  ").trim_end());
         out.push('\n');
     }
+    if let Some(r) = row(p, selected.0, selected.1) {
+        out.push_str(&format!(
+            "as written ({}, marked *): {}\n",
+            label(&r.b),
+            verdict(r, p)
+        ));
+    }
+    out.push_str(&legend(p));
     if p.gpus > 1 {
         out.push_str("ddp: every rank holds a full replica of the base (as single) plus one layer's f32 gradient bucket\n");
         out.push_str(&format!(
@@ -132,6 +148,50 @@ pub fn render(p: &Plan) -> String {
         out.push_str(&format!("advice: {l}\n"));
     }
     out
+}
+
+/// Whether a row fits the capacity, and at which micro-batch it would.
+fn verdict(r: &Row, p: &Plan) -> String {
+    let b = &r.b;
+    let need = fmt_bytes(b.total);
+    match (r.fits, p.capacity, r.max_micro_batch) {
+        (None, _, _) => format!("needs {need} per rank (no capacity known: pass --gpu-mem)"),
+        (Some(true), Some(c), m) => format!(
+            "fits: {need} of {} per rank at micro-batch {}{}",
+            fmt_bytes(c),
+            b.micro_batch,
+            match m {
+                Some(m) if m > b.micro_batch => format!(" (up to micro-batch {m})"),
+                _ => String::new(),
+            }
+        ),
+        (Some(false), Some(c), Some(m)) => format!(
+            "does NOT fit: {need} of {} per rank at micro-batch {}; micro-batch {m} fits (raise train.grad_accum to keep the batch)",
+            fmt_bytes(c),
+            b.micro_batch
+        ),
+        (Some(false), Some(c), None) => format!(
+            "does NOT fit: {need} of {} per rank, not even at micro-batch 1",
+            fmt_bytes(c)
+        ),
+        (Some(_), None, _) => format!("needs {need} per rank"),
+    }
+}
+
+/// What each column means.
+fn legend(p: &Plan) -> String {
+    let mut s = String::from(
+        "* marks the run's own row (its parallel.strategy and train.activation_checkpointing)\n\
+         base: the frozen weights; lora+grad+adamw: the adapters, their gradients and AdamW's m and v (f32); \
+         activations: what forward keeps for the backward; transient: the peak phase's workspace; \
+         fsdp gather: the gathered layers; total: what must fit per rank; fits: total ≤ capacity; \
+         max mb: the largest micro-batch that fits at this seq_len",
+    );
+    s.push_str(&format!(" (≥{MB_LIMIT}: at least the search limit)\n"));
+    if p.capacity.is_none() {
+        s.push_str("(no capacity: fits and max mb need --gpu-mem or train.max_memory)\n");
+    }
+    s
 }
 
 fn gib(x: u64) -> f64 {
