@@ -280,40 +280,53 @@ fn measure(
     let denom = world * accum * b * (t - 1);
     let keep = Keep::new(a.ckpt, a.offload, &a.device);
     let mut engine = Engine::new(&model, comm, shards.as_ref(), keep, 1.0, None);
-    // The training loop's order (train::trainer): step k+1's forward and backward queued
-    // before step k's loss is read, then step k+1's update.
-    let mut losses = Vec::new();
+    // The training loop's order and clock (train::trainer): step k+1's forward and backward
+    // queued before step k's loss is read, then step k+1's update; a step counts as done when
+    // its loss is read, and the timed steps run on from the warm-up ones without a pause.
+    let total = a.warmup + a.steps;
+    let mut losses = Vec::with_capacity(total);
+    let mut done_at = Vec::with_capacity(total);
+    let mut timed = memory::PhaseMeter::default();
     let mut pending = None;
-    let mut run_steps =
-        |n: usize, from: usize, engine: &mut Engine, opt: &mut AdamW| -> Result<()> {
-            for step in from..from + n {
-                let q = engine.backward(&batches, denom, step)?;
-                if let Some(p) = pending.take() {
-                    losses.push(engine.finish(p, opt)?.loss);
-                }
-                pending = Some(engine.update(q, opt, 1e-4)?);
+    let t1 = Instant::now();
+    let res = (|| -> Result<()> {
+        for step in 0..=total {
+            if step == a.warmup {
+                engine.meter = memory::PhaseMeter::default();
             }
-            Ok(())
-        };
-    let res = (|| -> Result<(f64, memory::PhaseMeter)> {
-        run_steps(a.warmup, 0, &mut engine, &mut opt)?;
-        a.device.synchronize()?;
-        engine.meter = memory::PhaseMeter::default();
-        let t1 = Instant::now();
-        run_steps(a.steps, a.warmup, &mut engine, &mut opt)?;
-        a.device.synchronize()?;
-        Ok((t1.elapsed().as_secs_f64(), engine.meter.clone()))
-    })();
-    let (dt, timed) = match res {
-        Ok(x) => x,
-        Err(e) => {
-            *meter = engine.meter.clone();
-            return Err(e);
+            let q = match step < total {
+                true => Some(engine.backward(&batches, denom, step)?),
+                false => None,
+            };
+            if let Some(p) = pending.take() {
+                let d = engine.finish(p, &mut opt)?;
+                done_at.push(Instant::now());
+                losses.push(d.loss);
+                if losses.len() > a.warmup {
+                    for (k, v) in d.peaks {
+                        let e = timed.peaks.entry(k).or_insert(0);
+                        *e = (*e).max(v);
+                    }
+                }
+            }
+            if let Some(q) = q {
+                pending = Some(engine.update(q, &mut opt, 1e-4)?);
+            }
         }
-    };
-    if let Some(p) = pending.take() {
-        losses.push(engine.finish(p, &mut opt)?.loss);
+        Ok(())
+    })();
+    if let Err(e) = res {
+        *meter = engine.meter.clone();
+        return Err(e);
     }
+    a.device.synchronize()?;
+    let from = match a.warmup {
+        0 => t1,
+        w => done_at[w - 1],
+    };
+    let dt = done_at[total - 1].duration_since(from).as_secs_f64();
+    (timed.run_peak, timed.run_reserved) = (engine.meter.run_peak, engine.meter.run_reserved);
+    timed.ends = engine.meter.ends.clone();
     let loss = losses.last().copied().unwrap_or(0.0);
     let cuda = !a.device.is_cpu();
     let gib = |x: u64| (x as f64 / GIB * 100.0).round() / 100.0;

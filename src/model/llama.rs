@@ -125,6 +125,7 @@ impl Model {
             .with_context(|| format!("cannot read safetensors in {}", files.dir.display()))?;
         let names: std::collections::HashSet<String> =
             st.tensors().into_iter().map(|(n, _)| n).collect();
+        let prefetch = super::prefetch::Prefetch::new(&st);
         let get = |name: &str, shape: &[usize]| -> anyhow::Result<Tensor> {
             if !names.contains(name) {
                 bail!(
@@ -132,16 +133,18 @@ impl Model {
                     files.dir.display()
                 );
             }
-            let t = st.load(name, &Device::Cpu)?;
-            if t.dims() != shape {
+            let stored = st.get(name)?.shape().to_vec();
+            if stored != shape {
                 bail!(
                     "tensor `{name}` in {} has shape {:?}, config.json implies {:?}",
                     files.dir.display(),
-                    t.dims(),
+                    stored,
                     shape
                 );
             }
-            Ok(t.to_dtype(dtype)?.to_device(device)?)
+            prefetch.loading(name);
+            // From the mapping to the device in one copy, cast there.
+            Ok(st.load(name, device)?.to_dtype(dtype)?)
         };
         let has_head = names.contains("lm_head.weight");
         let tied = cfg.tie_word_embeddings.unwrap_or(!has_head);

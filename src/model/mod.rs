@@ -9,6 +9,7 @@ pub mod layer;
 pub mod layer_train;
 pub mod linear;
 pub mod llama;
+pub mod prefetch;
 pub mod rope;
 
 pub use config::{ConfigError, Family, ModelConfig, RopeScaling};
