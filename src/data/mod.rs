@@ -1,4 +1,5 @@
-//! Training data: jsonl → examples (token ids + labels) → rows → micro-batches.
+//! Training data: files (jsonl, json, parquet; local or a Hub data set's) → records →
+//! examples (token ids + labels) → rows → micro-batches.
 //!
 //! Labels follow transformers: `labels[t]` is the token at position t, and the loss at
 //! position t predicts `labels[t + 1]`; -100 is ignored. Rows shorter than the batch are
@@ -10,15 +11,23 @@
 //! - "alpaca": {"instruction", "input"?, "output"}: the prompt is [`alpaca_prompt`], the
 //!   completion is the output followed by the EOS token.
 //! - "completion": {prompt_field, completion_field}: prompt + completion + EOS.
-//! - "chat": {"messages": [...]}: rendered with the chat template (see [`chat`]).
+//! - "chat": {"messages": [...]}: rendered with the chat template (see [`chat`]); ShareGPT
+//!   rows {"conversations": [{"from", "value"}]} become messages (see [`columns`]).
+//!
+//! `[data] columns` names the data set's column for each of these fields.
 //!
 //! Prompt and completion are tokenized together, as one text; with train_on = "completions"
 //! the tokens that overlap the completion (and the EOS after it) are targets, the rest -100.
 
 mod batch;
 pub mod chat;
+mod columns;
+mod parquet;
+pub mod reader;
+pub mod record;
 mod rows;
 mod sampler;
+pub mod source;
 mod tokenizer;
 
 pub use batch::Batch;
@@ -29,9 +38,12 @@ pub use tokenizer::{alpaca_prompt, TextTokenizer};
 use crate::recipe::{DataFormat, DataSection, OnBadRow, TrainFile, TrainOn};
 use crate::rng::Rng;
 use anyhow::{bail, Context, Result};
-use rows::{check_ids, parse_row};
+use columns::Columns;
+use parquet::Want;
+use reader::{Kind, Loc};
+use rows::{check_ids, parse_row, RowSpec};
+use source::SourceFile;
 use std::collections::BTreeMap;
-use std::io::BufRead;
 use std::path::PathBuf;
 
 pub const IGNORE: i64 = -100;
@@ -73,38 +85,44 @@ pub struct Dataset {
 }
 
 impl Dataset {
-    /// Reads `cfg.train` (every file of a mix). Token ids must be below `vocab_size`. Errors
-    /// name file and line.
+    /// Reads `cfg.train` (every file of a mix; a Hub data set's files of its split). Token ids
+    /// must be below `vocab_size`. Errors name file and line (or row) and column.
     pub fn load(
         cfg: &DataSection,
         tok: Option<&TextTokenizer>,
         vocab_size: usize,
     ) -> Result<Dataset> {
-        Self::load_files(&cfg.train.files(cfg.format), cfg, tok, vocab_size)
+        Self::load_entries(&cfg.train.files(cfg.format), cfg, tok, vocab_size, false)
     }
 
-    /// Reads `cfg.eval`, in `cfg.format`, when set.
+    /// Reads `cfg.eval`, in `cfg.format`, when set (a Hub data set: its data.eval_split).
     pub fn load_eval(
         cfg: &DataSection,
         tok: Option<&TextTokenizer>,
         vocab_size: usize,
     ) -> Result<Option<Dataset>> {
-        let Some(path) = &cfg.eval else {
+        let Some(entry) = source::eval_entry(cfg) else {
             return Ok(None);
         };
-        let file = TrainFile {
-            path: path.clone(),
-            weight: 1.0,
-            format: Some(cfg.format),
-        };
-        Self::load_files(&[file], cfg, tok, vocab_size).map(Some)
+        Self::load_entries(&[entry], cfg, tok, vocab_size, true).map(Some)
     }
 
+    /// Reads the entries of a mix, as [`Dataset::load`] does.
     pub fn load_files(
         files: &[TrainFile],
         cfg: &DataSection,
         tok: Option<&TextTokenizer>,
         vocab_size: usize,
+    ) -> Result<Dataset> {
+        Self::load_entries(files, cfg, tok, vocab_size, false)
+    }
+
+    fn load_entries(
+        files: &[TrainFile],
+        cfg: &DataSection,
+        tok: Option<&TextTokenizer>,
+        vocab_size: usize,
+        eval: bool,
     ) -> Result<Dataset> {
         let mut ds = Dataset {
             source: files.first().map(|f| f.path.clone()).unwrap_or_default(),
@@ -113,7 +131,9 @@ impl Dataset {
         for (k, f) in files.iter().enumerate() {
             ds.files.push((f.path.clone(), f.weight));
             let before = ds.examples.len();
-            ds.read_file(k, f, cfg, tok, vocab_size)?;
+            for file in source::files_of(f, cfg, eval)? {
+                ds.read_file(k, f, &file, cfg, tok, vocab_size)?;
+            }
             if ds.examples.len() == before {
                 let mut why = Vec::new();
                 if ds.skipped > 0 {
@@ -140,55 +160,58 @@ impl Dataset {
         Ok(ds)
     }
 
+    /// Reads one file of entry `k` (`f`): every record parsed in the entry's format and
+    /// columns, checked, truncated and counted.
     fn read_file(
         &mut self,
         k: usize,
         f: &TrainFile,
+        file: &SourceFile,
         cfg: &DataSection,
         tok: Option<&TextTokenizer>,
         vocab_size: usize,
     ) -> Result<()> {
-        let path = &f.path;
+        let name = file.name.as_str();
         let format = f.format.unwrap_or(cfg.format);
-        let completions_only = cfg.train_on_for(format) == TrainOn::Completions;
-        let name = format_name(format);
+        let fmt = format_name(format);
         let tok = match format {
             DataFormat::Tokens => None,
             _ => Some(tok.with_context(|| {
-                format!(
-                    "format \"{name}\" ({}) needs the model's tokenizer.json",
-                    path.display()
-                )
+                format!("format \"{fmt}\" ({name}) needs the model's tokenizer.json")
             })?),
         };
         if matches!(format, DataFormat::Alpaca | DataFormat::Completion)
             && tok.is_some_and(|t| t.eos_token.is_none())
         {
             bail!(
-                "format \"{name}\" ({}) ends every completion with the EOS token, but tokenizer_config.json names no eos_token",
-                path.display()
+                "format \"{fmt}\" ({name}) ends every completion with the EOS token, but tokenizer_config.json names no eos_token"
             );
         }
         let chat = match (format, tok) {
-            (DataFormat::Chat, Some(t)) => Some(t.chat.as_ref().with_context(|| {
-                format!("format \"chat\" ({}) needs a chat template", path.display())
-            })?),
+            (DataFormat::Chat, Some(t)) => Some(
+                t.chat
+                    .as_ref()
+                    .with_context(|| format!("format \"chat\" ({name}) needs a chat template"))?,
+            ),
             _ => None,
         };
-        let file =
-            std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
-        for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
-            let line =
-                line.with_context(|| format!("{}:{}: cannot read line", path.display(), i + 1))?;
-            if line.trim().is_empty() {
-                continue;
-            }
-            let parsed = parse_row(&line, format, completions_only, cfg, tok, chat)
+        let columns = Columns::new(format, cfg, source::columns_of(f, cfg))
+            .map_err(|m| anyhow::anyhow!("data.columns {m}"))?;
+        let spec = RowSpec {
+            format,
+            completions_only: cfg.train_on_for(format) == TrainOn::Completions,
+            columns: &columns,
+            tok,
+            chat,
+        };
+        let mut sink = |at: Loc, rec: Result<record::Field>| -> Result<()> {
+            let parsed = rec
+                .and_then(|r| parse_row(&r, &spec))
                 .and_then(|r| check_ids(&r, vocab_size).map(|_| r));
-            let mut row = match parsed {
-                Ok(r) => r,
+            match parsed {
+                Ok(row) => self.push(k, row, cfg.seq_len, spec.completions_only),
                 Err(e) => {
-                    let msg = format!("{}:{}: {e:#}", path.display(), i + 1);
+                    let msg = format!("{}: {e:#}", at.at(name));
                     if cfg.on_bad_row == OnBadRow::Error {
                         bail!("{msg}");
                     }
@@ -196,30 +219,51 @@ impl Dataset {
                     if self.skipped_first.len() < SKIP_QUOTED {
                         self.skipped_first.push(msg);
                     }
-                    continue;
                 }
-            };
-            if row.ids.len() > cfg.seq_len {
-                row.ids.truncate(cfg.seq_len);
-                row.labels.truncate(cfg.seq_len);
-                self.truncated += 1;
             }
-            // Position 0 is never a target (nothing predicts it).
-            if completions_only && row.labels.iter().skip(1).all(|&l| l == IGNORE) {
-                self.no_targets += 1;
-                continue;
+            Ok(())
+        };
+        match reader::kind_of(name) {
+            Kind::Parquet => {
+                let want: Vec<Want> = columns
+                    .iter()
+                    .map(|(ours, col, required)| Want {
+                        names: match ours == "messages" && columns.sharegpt_fallback {
+                            true => vec![col, columns::SHAREGPT],
+                            false => vec![col],
+                        },
+                        required,
+                    })
+                    .collect();
+                parquet::read(&file.path, name, &want, &mut sink)
             }
-            self.eos_added += row.eos_added;
-            for t in row.turn_ends {
-                *self.turn_ends.entry(t).or_default() += 1;
-            }
-            self.examples.push(Example {
-                ids: row.ids,
-                labels: row.labels,
-            });
-            self.file_of.push(k);
+            Kind::Json => reader::read_json(&file.path, name, &mut sink),
+            Kind::JsonLines => reader::read_jsonl(&file.path, name, &mut sink),
         }
-        Ok(())
+    }
+
+    /// Adds a parsed row of entry `k`: truncated to seq_len, dropped (and counted) when
+    /// truncation left it no target.
+    fn push(&mut self, k: usize, mut row: rows::Row, seq_len: usize, completions_only: bool) {
+        if row.ids.len() > seq_len {
+            row.ids.truncate(seq_len);
+            row.labels.truncate(seq_len);
+            self.truncated += 1;
+        }
+        // Position 0 is never a target (nothing predicts it).
+        if completions_only && row.labels.iter().skip(1).all(|&l| l == IGNORE) {
+            self.no_targets += 1;
+            return;
+        }
+        self.eos_added += row.eos_added;
+        for t in row.turn_ends {
+            *self.turn_ends.entry(t).or_default() += 1;
+        }
+        self.examples.push(Example {
+            ids: row.ids,
+            labels: row.labels,
+        });
+        self.file_of.push(k);
     }
 
     /// Moves a seeded `fraction` of the examples (at least one, at most all but one) into a

@@ -1,7 +1,9 @@
 //! One record (a row of jsonl, json or parquet) → token ids and labels, in a format.
 
+use super::columns::{chat_messages, Columns, SHAREGPT};
+use super::record::Field;
 use super::{alpaca_prompt, chat, TextTokenizer, IGNORE};
-use crate::recipe::{DataFormat, DataSection};
+use crate::recipe::DataFormat;
 use anyhow::{bail, Context, Result};
 
 /// One row as parsed: ids, labels, and how its completions ended.
@@ -23,36 +25,40 @@ pub fn format_name(f: DataFormat) -> &'static str {
     }
 }
 
-/// One jsonl line → tokens and labels, in `format`.
-pub(super) fn parse_row(
-    line: &str,
-    format: DataFormat,
-    completions_only: bool,
-    cfg: &DataSection,
-    tok: Option<&TextTokenizer>,
-    chat: Option<&chat::ChatTemplate>,
-) -> Result<Row> {
+/// How a file's rows are read: format, columns, and what the format needs.
+pub(super) struct RowSpec<'a> {
+    pub format: DataFormat,
+    pub completions_only: bool,
+    pub columns: &'a Columns,
+    pub tok: Option<&'a TextTokenizer>,
+    pub chat: Option<&'a chat::ChatTemplate>,
+}
+
+/// One record (a jsonl line, a json array element, a parquet row) → tokens and labels.
+pub(super) fn parse_row(rec: &Field, spec: &RowSpec) -> Result<Row> {
     let plain = |ids: Vec<u32>, labels: Vec<i64>| Row {
         ids,
         labels,
         eos_added: 0,
         turn_ends: Vec::new(),
     };
-    if let (DataFormat::Chat, Some(tok), Some(chat)) = (format, tok, chat) {
-        // Parsed into template values directly, keeping each object's key order.
-        let row: minijinja::Value = serde_json::from_str(line).context("not valid JSON")?;
-        if row.kind() != minijinja::value::ValueKind::Map {
-            bail!("expected a JSON object with \"messages\"");
+    let cols = spec.columns;
+    if let (DataFormat::Chat, Some(tok), Some(chat)) = (spec.format, spec.tok, spec.chat) {
+        let col = cols.column("messages");
+        if !matches!(rec, Field::Map(_)) {
+            bail!("expected a JSON object with \"{col}\"");
         }
-        let messages = row
-            .get_attr("messages")
-            .ok()
-            .filter(|m| !m.is_undefined())
-            .context("expected \"messages\": a list of {\"role\", \"content\"} objects")?;
-        if chat.generation_blocks && line.contains(['\u{F8F0}', '\u{F8F1}']) {
+        let (col, turns) = match (rec.get(col), rec.get(SHAREGPT)) {
+            (Some(t), _) => (col, t),
+            (None, Some(t)) if cols.sharegpt_fallback => (SHAREGPT, t),
+            _ => bail!("expected \"{col}\": a list of {{\"role\", \"content\"}} objects"),
+        };
+        let messages = chat_messages(turns, col)?;
+        if chat.generation_blocks && messages.any_str(&|s| s.contains(['\u{F8F0}', '\u{F8F1}'])) {
             bail!("the row contains U+F8F0 / U+F8F1, which mark generation blocks");
         }
-        let ex = chat.encode(tok, &messages, completions_only)?;
+        let messages = messages.to_value();
+        let ex = chat.encode(tok, &messages, spec.completions_only)?;
         return Ok(Row {
             ids: ex.ids,
             labels: ex.labels,
@@ -60,16 +66,17 @@ pub(super) fn parse_row(
             turn_ends: ex.turn_ends,
         });
     }
-    let row: serde_json::Value = serde_json::from_str(line).context("not valid JSON")?;
-    let field = |k: &str, required: bool| -> Result<String> {
-        match row.get(k) {
-            Some(serde_json::Value::String(s)) => Ok(s.clone()),
-            None | Some(serde_json::Value::Null) if !required => Ok(String::new()),
+    let field = |ours: &str, required: bool| -> Result<String> {
+        let k = cols.column(ours);
+        match rec.get(k) {
+            Some(Field::Str(s)) => Ok(s.clone()),
+            None | Some(Field::Null) if !required => Ok(String::new()),
             _ => bail!("expected a string field \"{k}\""),
         }
     };
-    let (ids, labels) = match (format, tok) {
-        (DataFormat::Tokens, _) => parse_tokens_row(&row)?,
+    let completions_only = spec.completions_only;
+    let (ids, labels) = match (spec.format, spec.tok) {
+        (DataFormat::Tokens, _) => parse_tokens_row(rec, cols)?,
         (DataFormat::Text, Some(tok)) => {
             let ids = tok.encode(&field("text", true)?)?;
             let labels = ids.iter().map(|&t| t as i64).collect();
@@ -80,13 +87,13 @@ pub(super) fn parse_row(
             tok.encode_pair(&prompt, &field("output", true)?, completions_only)?
         }
         (DataFormat::Completion, Some(tok)) => tok.encode_pair(
-            &field(&cfg.prompt_field, true)?,
-            &field(&cfg.completion_field, true)?,
+            &field("prompt", true)?,
+            &field("completion", true)?,
             completions_only,
         )?,
         _ => bail!(
             "format \"{}\" needs the model's tokenizer",
-            format_name(format)
+            format_name(spec.format)
         ),
     };
     Ok(plain(ids, labels))
@@ -110,28 +117,34 @@ pub(super) fn check_ids(row: &Row, vocab_size: usize) -> Result<()> {
     Ok(())
 }
 
-fn parse_tokens_row(row: &serde_json::Value) -> Result<(Vec<u32>, Vec<i64>)> {
-    let ids: Vec<u32> = row
-        .get("input_ids")
-        .and_then(|v| v.as_array())
-        .context("expected \"input_ids\": a list of token ids")?
-        .iter()
-        .map(|v| v.as_u64().and_then(|x| u32::try_from(x).ok()))
-        .collect::<Option<_>>()
-        .context("\"input_ids\" must hold non-negative integers")?;
-    let labels: Vec<i64> = match row.get("labels") {
-        None | Some(serde_json::Value::Null) => ids.iter().map(|&t| t as i64).collect(),
-        Some(v) => v
-            .as_array()
-            .context("\"labels\" must be a list")?
+fn parse_tokens_row(row: &Field, cols: &Columns) -> Result<(Vec<u32>, Vec<i64>)> {
+    let (ic, lc) = (cols.column("input_ids"), cols.column("labels"));
+    let ids: Vec<u32> = match row.get(ic) {
+        Some(Field::List(v)) => v
             .iter()
-            .map(|v| v.as_i64())
+            .map(|x| match x {
+                Field::Int(t) => u32::try_from(*t).ok(),
+                _ => None,
+            })
             .collect::<Option<_>>()
-            .context("\"labels\" must hold integers")?,
+            .with_context(|| format!("\"{ic}\" must hold non-negative integers"))?,
+        _ => bail!("expected \"{ic}\": a list of token ids"),
+    };
+    let labels: Vec<i64> = match row.get(lc) {
+        None | Some(Field::Null) => ids.iter().map(|&t| t as i64).collect(),
+        Some(Field::List(v)) => v
+            .iter()
+            .map(|x| match x {
+                Field::Int(t) => Some(*t),
+                _ => None,
+            })
+            .collect::<Option<_>>()
+            .with_context(|| format!("\"{lc}\" must hold integers"))?,
+        Some(_) => bail!("\"{lc}\" must be a list"),
     };
     if labels.len() != ids.len() {
         bail!(
-            "\"labels\" has {} entries but \"input_ids\" has {}",
+            "\"{lc}\" has {} entries but \"{ic}\" has {}",
             labels.len(),
             ids.len()
         );
