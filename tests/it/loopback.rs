@@ -254,7 +254,10 @@ fn serve(
     let mut hs = vec![("X-Repo-Commit", COMMIT.to_string())];
     if lfs(file) {
         let cdn = key.replace('/', "~");
-        hs.push(("Location", format!("http://localhost:{port}/cdn/{cdn}/{tag}")));
+        hs.push((
+            "Location",
+            format!("http://localhost:{port}/cdn/{cdn}/{tag}"),
+        ));
         hs.push(("X-Linked-Etag", format!("\"{tag}\"")));
         hs.push(("X-Linked-Size", bytes.len().to_string()));
         hs.push(("ETag", "\"redirect-etag\"".into()));
