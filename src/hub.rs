@@ -9,6 +9,7 @@
 pub mod cache;
 pub mod dataset;
 pub mod download;
+mod progress;
 
 use crate::recipe::ModelSection;
 use anyhow::{bail, Context, Result};

@@ -20,6 +20,7 @@ use hf_hub::api::RepoInfo;
 use hf_hub::{Repo, RepoType};
 use std::collections::BTreeSet;
 use std::path::PathBuf;
+use std::sync::Mutex;
 use std::time::Duration;
 
 pub const SCHEME: &str = "hf://datasets/";
@@ -63,8 +64,30 @@ pub struct DataFile {
     pub path: PathBuf,
 }
 
-/// The files of `d` in the cache under `env`, downloading what the cache lacks.
+/// Data sets resolved in this process: (what was asked, its files).
+static RESOLVED: Mutex<Vec<(String, Vec<DataFile>)>> = Mutex::new(Vec::new());
+
+/// The files of `d` in the cache under `env`, downloading what the cache lacks. Once per
+/// process: the ranks of a run (threads) read the files rank 0 resolved, at one commit, and
+/// wait while it downloads them.
 pub fn dataset_files(env: &HubEnv, d: &DataRepo) -> Result<Vec<DataFile>> {
+    let key = format!(
+        "{}\n{}\n{}\n{:?}",
+        env.endpoint,
+        env.cache.display(),
+        env.offline,
+        d
+    );
+    let mut memo = RESOLVED.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, files)) = memo.iter().find(|(k, _)| *k == key) {
+        return Ok(files.clone());
+    }
+    let files = resolve(env, d)?;
+    memo.push((key, files.clone()));
+    Ok(files)
+}
+
+fn resolve(env: &HubEnv, d: &DataRepo) -> Result<Vec<DataFile>> {
     check_repo_id(d.id).map_err(anyhow::Error::msg)?;
     let cache = RepoCache::dataset(&env.cache, d.id);
     let cached = cache

@@ -8,13 +8,13 @@
 //! (CDN URLs are pre-signed) and is never printed.
 
 use super::cache::{is_commit, RepoCache};
+use super::progress::FileBar;
 use anyhow::{bail, Context, Result};
-use indicatif::{HumanBytes, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::fmt;
 use std::fs::File;
-use std::io::{IsTerminal, Read, Write};
+use std::io::{Read, Write};
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use ureq::http::Response;
 
 pub const DEFAULT_ENDPOINT: &str = "https://huggingface.co";
@@ -698,73 +698,6 @@ fn encode(segment: &str) -> String {
         }
     }
     out
-}
-
-/// Progress of one file: a bar (bytes, rate, ETA) when stderr is a terminal, else one line
-/// when the file is done.
-struct FileBar {
-    bar: ProgressBar,
-    file: String,
-    t0: Instant,
-}
-
-impl FileBar {
-    fn new(file: &str, size: Option<u64>, have: u64) -> FileBar {
-        let bar = if std::io::stderr().is_terminal() {
-            let bar = ProgressBar::with_draw_target(size, ProgressDrawTarget::stderr());
-            let style = ProgressStyle::with_template(
-                "{msg:34!} [{bar:25}] {bytes}/{total_bytes} {bytes_per_sec} ETA {eta}",
-            )
-            .map(|s| s.progress_chars("=> "))
-            .unwrap_or_else(|_| ProgressStyle::default_bar());
-            bar.set_style(style);
-            bar
-        } else {
-            ProgressBar::with_draw_target(size, ProgressDrawTarget::hidden())
-        };
-        bar.set_message(file.to_string());
-        bar.set_position(have);
-        bar.reset_eta();
-        FileBar {
-            bar,
-            file: file.to_string(),
-            t0: Instant::now(),
-        }
-    }
-
-    fn inc(&self, n: u64) {
-        self.bar.inc(n);
-    }
-
-    fn set_position(&self, p: u64) {
-        self.bar.set_position(p);
-    }
-
-    fn note(&self, msg: &str) {
-        if self.bar.is_hidden() {
-            eprintln!("{msg}");
-        } else {
-            self.bar.println(msg);
-        }
-    }
-
-    fn abandon(&self) {
-        self.bar.abandon();
-    }
-
-    fn finish(&self, fetched: u64) {
-        let secs = self.t0.elapsed().as_secs_f64();
-        if self.bar.is_hidden() {
-            eprintln!(
-                "downloaded {} ({} in {secs:.1}s, {}/s)",
-                self.file,
-                HumanBytes(fetched),
-                HumanBytes((fetched as f64 / secs.max(1e-3)) as u64)
-            );
-        } else {
-            self.bar.finish();
-        }
-    }
 }
 
 #[cfg(test)]

@@ -223,6 +223,24 @@ fn a_hub_parquet_data_set_trains_the_adapter_of_the_same_rows_as_local_jsonl() {
         &from_hub,
     );
     assert_eq!(server.requests().len(), n + 2, "two file lists, no file");
+    // Two ranks (threads) read the data set rank 0 resolved: one file list each for train and
+    // eval, not one per rank.
+    let n = server.requests().len();
+    let mut c = bin(&hf, &server.endpoint());
+    c.args([
+        "--set",
+        "parallel.strategy=ddp",
+        "--set",
+        "parallel.devices=[0, 1]",
+    ])
+    .args(["--set", &format!("output.dir={}", t.join("ddp").display())]);
+    train(&mut c, &from_hub);
+    assert_eq!(
+        server.requests().len(),
+        n + 2,
+        "{:?}",
+        &server.requests()[n..]
+    );
     let endpoint = server.endpoint();
     drop(server);
 
