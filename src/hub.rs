@@ -4,9 +4,12 @@
 //! downloaded into the standard Hugging Face cache (shared with Python's huggingface_hub; see
 //! `cache`) and read from its `snapshots/<commit>/` directory. A revision whose snapshot is
 //! complete in the cache needs no network; with HF_HUB_OFFLINE=1 the network is never used.
+//! Data sets (`hf://datasets/ORG/NAME`) share the client and the cache: see [`dataset`].
 
 pub mod cache;
+pub mod dataset;
 pub mod download;
+mod progress;
 
 use crate::recipe::ModelSection;
 use anyhow::{bail, Context, Result};
@@ -158,11 +161,7 @@ pub fn config_file(m: &ModelSection) -> Result<PathBuf> {
                 return snapshot(&env, id, rev, Refresh::IfIncomplete).map(|f| f.config);
             }
             let hub = Hub::new(&env);
-            let at = At {
-                repo: id,
-                revision: rev,
-                file: "config.json",
-            };
+            let at = At::model(id, rev, "config.json");
             let remote = match hub.head(&at, rev)? {
                 Head::Found(r) => r,
                 Head::Missing => bail!(missing(&hub, &at)),
@@ -260,11 +259,7 @@ pub fn snapshot(env: &HubEnv, id: &str, revision: &str, refresh: Refresh) -> Res
 /// the cache; returns the commit. config.json at `revision` pins the commit, and every other
 /// file is fetched at that commit, so a push meanwhile cannot mix two versions.
 fn fetch_snapshot(hub: &Hub, cache: &RepoCache, id: &str, revision: &str) -> Result<String> {
-    let at = |file| At {
-        repo: id,
-        revision,
-        file,
-    };
+    let at = |file| At::model(id, revision, file);
     let config = match hub.head(&at("config.json"), revision)? {
         Head::Found(r) => r,
         Head::Missing => bail!(missing(hub, &at("config.json"))),

@@ -6,7 +6,7 @@
 //! paths given with `--set` are relative to the current directory.
 
 use serde::{de, Deserialize, Deserializer, Serialize};
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 /// A recipe that cannot be used as written. Exit code 2; nothing has been written yet.
@@ -219,10 +219,11 @@ pub enum TrainFiles {
 }
 
 /// One file of a `data.train` mix: `{ path = "a.jsonl", weight = 2.0, format = "chat" }`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TrainFile {
-    /// The jsonl file. Required.
+    /// The data file (.jsonl, .json, .parquet) or Hub data set ("hf://datasets/ORG/NAME").
+    /// Required.
     pub path: PathBuf,
     /// How many times each of its examples is seen per epoch, on average: 2.0 = twice,
     /// 0.5 = a seeded half, a different half each epoch. Default: 1.0.
@@ -230,6 +231,19 @@ pub struct TrainFile {
     pub weight: f64,
     /// This file's format. Default: data.format.
     pub format: Option<DataFormat>,
+    /// For an hf:// data set: its split, subset, revision and files glob. Default: data.split,
+    /// data.subset, data.revision, data.files.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub split: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub subset: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub revision: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub files: Option<String>,
+    /// This file's column mapping. Default: data.columns.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub columns: Option<BTreeMap<String, String>>,
 }
 
 fn d_weight() -> f64 {
@@ -256,6 +270,7 @@ impl TrainFiles {
                 path: p.clone(),
                 weight: 1.0,
                 format: Some(default),
+                ..TrainFile::default()
             }],
             TrainFiles::Mix(v) => v
                 .iter()
@@ -295,7 +310,8 @@ impl<'de> Deserialize<'de> for TrainFiles {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DataSection {
-    /// Training file (jsonl), or several mixed with weights:
+    /// Training data: a file (.jsonl or .json: JSON lines or a JSON array of rows; .parquet),
+    /// a Hub data set "hf://datasets/ORG/NAME", or several mixed with weights:
     /// `[{ path = "a.jsonl", weight = 2.0 }, { path = "b.jsonl", format = "chat" }]`. Required.
     pub train: TrainFiles,
     /// "tokens" | "text" | "alpaca" | "chat" | "completion". Default: "text".
@@ -325,7 +341,8 @@ pub struct DataSection {
     /// templates tokenizer_config.json lists. Default: the model's chat_template.jinja, else
     /// tokenizer_config.json's chat_template (its "default" when it lists several).
     pub chat_template: Option<String>,
-    /// Eval file (jsonl, in data.format). Default: none.
+    /// Eval file (in data.format), or a Hub data set (its split: data.eval_split). Default:
+    /// none.
     pub eval: Option<PathBuf>,
     /// Hold out this fraction of the training examples (seeded) as the eval set, in [0, 1).
     /// Default: 0.
@@ -334,6 +351,22 @@ pub struct DataSection {
     /// "error" | "skip": what a malformed row does. Default: "error".
     #[serde(default = "d_on_bad_row")]
     pub on_bad_row: OnBadRow,
+    /// hf:// data sets: the split to read ("train", "test", "train_sft", ...). Default: "train".
+    pub split: Option<String>,
+    /// hf:// data sets: the subset (configuration), a folder of the repository, e.g. "main".
+    /// Default: none (the data set's only one).
+    pub subset: Option<String>,
+    /// hf:// data sets: branch, tag or commit. Default: "main".
+    pub revision: Option<String>,
+    /// hf:// data sets: a glob of repository paths to read instead of split and subset, e.g.
+    /// "data/train-*.parquet". Default: none.
+    pub files: Option<String>,
+    /// An hf:// data.eval: its split. Default: "test".
+    pub eval_split: Option<String>,
+    /// Our field names → the data set's column names, for rows whose fields are named
+    /// otherwise: `{ instruction = "question", output = "answer" }`. Default: {} (as named).
+    #[serde(default)]
+    pub columns: BTreeMap<String, String>,
 }
 
 impl DataSection {
@@ -703,7 +736,9 @@ impl Recipe {
 
     fn resolve_paths(&mut self, base: &Path, overridden: &BTreeSet<String>) {
         let fix = |key: &str, p: &mut PathBuf| {
-            if p.is_relative() && !overridden.contains(key) {
+            // hf://datasets/ORG/NAME is a Hub data set, not a path.
+            let hub = p.to_str().is_some_and(|s| s.starts_with("hf://"));
+            if p.is_relative() && !hub && !overridden.contains(key) {
                 *p = base.join(&*p);
             }
         };
@@ -913,8 +948,9 @@ impl Recipe {
         if files.is_empty() {
             return Err(self.invalid("data.train", "is an empty list: name at least one file"));
         }
+        crate::data::source::check(d).map_err(|(key, msg)| self.invalid(&key, msg))?;
         for f in &files {
-            if !f.path.is_file() {
+            if !crate::data::source::is_hub(&f.path) && !f.path.is_file() {
                 return Err(self.invalid(
                     "data.train",
                     format!("file {} does not exist", f.path.display()),
@@ -944,7 +980,7 @@ impl Recipe {
             }
         }
         if let Some(e) = &d.eval {
-            if !e.is_file() {
+            if !crate::data::source::is_hub(e) && !e.is_file() {
                 return Err(
                     self.invalid("data.eval", format!("file {} does not exist", e.display()))
                 );
@@ -1105,7 +1141,16 @@ mod tests {
         // Every [data] key is in reference.toml (set, or commented out where it has no value).
         let text = std::fs::read_to_string(&path).unwrap();
         let data: toml::Table = toml::from_str(&toml::to_string(&r.data).unwrap()).unwrap();
-        let unset = ["train_on", "chat_template", "eval"];
+        let unset = [
+            "train_on",
+            "chat_template",
+            "eval",
+            "split",
+            "subset",
+            "revision",
+            "files",
+            "eval_split",
+        ];
         for key in data.keys().map(String::as_str).chain(unset) {
             assert!(
                 text.lines()

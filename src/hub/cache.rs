@@ -2,7 +2,7 @@
 //! tools share downloads:
 //!
 //! ```text
-//! <cache>/models--{org}--{name}/
+//! <cache>/models--{org}--{name}/       (data sets: datasets--{org}--{name}/)
 //!     blobs/<etag>                 file contents, named by ETag (sha256 for LFS files)
 //!     blobs/<etag>.incomplete      a download in progress; resumed with an HTTP Range request
 //!     refs/<revision>              the commit a branch or tag pointed to when last fetched
@@ -11,23 +11,27 @@
 //! <cache>/.locks/models--{org}--{name}/<etag>.lock    flock()ed while a blob downloads
 //! ```
 //!
-//! `<cache>` is $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub.
+//! `<cache>` is $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub. Folder names
+//! and the snapshot and blob paths are hf-hub's ([`hf_hub::CacheRepo`]); what it lacks is
+//! here: atomic refs, `.no_exist`, checked relative links, blocking locks.
 
 use crate::util::atomic_write;
 use anyhow::{bail, Context, Result};
+use hf_hub::{Repo, RepoType};
 use std::path::{Path, PathBuf};
 
-/// One model repository's folder in the cache.
-#[derive(Debug, Clone)]
+/// One repository's folder in the cache.
+#[derive(Debug)]
 pub struct RepoCache {
-    /// `<cache>/models--{org}--{name}`
+    /// `<cache>/models--{org}--{name}` (or `datasets--...`)
     pub dir: PathBuf,
     locks: PathBuf,
+    repo: hf_hub::CacheRepo,
 }
 
 /// `org/name` → `models--org--name` (a bare `name` → `models--name`).
 pub fn folder_name(repo_id: &str) -> String {
-    format!("models--{}", repo_id.replace('/', "--"))
+    Repo::model(repo_id.to_string()).folder_name()
 }
 
 /// A full 40-hex-digit commit hash (what `refs/*` hold and `snapshots/*` are named by).
@@ -50,16 +54,27 @@ pub fn check_repo_path(file: &str) -> Result<()> {
 }
 
 impl RepoCache {
+    /// A model repository's folder.
     pub fn new(cache: &Path, repo_id: &str) -> RepoCache {
-        let name = folder_name(repo_id);
+        Self::of(cache, Repo::model(repo_id.to_string()))
+    }
+
+    /// A data set repository's folder (`datasets--{org}--{name}`).
+    pub fn dataset(cache: &Path, repo_id: &str) -> RepoCache {
+        Self::of(cache, Repo::new(repo_id.to_string(), RepoType::Dataset))
+    }
+
+    fn of(cache: &Path, repo: Repo) -> RepoCache {
+        let name = repo.folder_name();
         RepoCache {
             dir: cache.join(&name),
             locks: cache.join(".locks").join(name),
+            repo: hf_hub::Cache::new(cache.to_owned()).repo(repo),
         }
     }
 
     pub fn blob(&self, etag: &str) -> PathBuf {
-        self.dir.join("blobs").join(etag)
+        self.repo.blob_path(etag)
     }
 
     pub fn incomplete(&self, etag: &str) -> PathBuf {
@@ -67,7 +82,31 @@ impl RepoCache {
     }
 
     pub fn snapshot(&self, commit: &str) -> PathBuf {
-        self.dir.join("snapshots").join(commit)
+        self.repo.pointer_path(commit)
+    }
+
+    /// Every file of the snapshot of `commit`, `/`-separated, in name order (none when there
+    /// is no snapshot).
+    pub fn snapshot_files(&self, commit: &str) -> Vec<String> {
+        fn walk(dir: &Path, prefix: &str, out: &mut Vec<String>) {
+            let Ok(rd) = std::fs::read_dir(dir) else {
+                return;
+            };
+            for e in rd.flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                let rel = format!("{prefix}{name}");
+                let p = e.path();
+                if p.is_dir() {
+                    walk(&p, &format!("{rel}/"), out);
+                } else if p.is_file() {
+                    out.push(rel);
+                }
+            }
+        }
+        let mut out = Vec::new();
+        walk(&self.snapshot(commit), "", &mut out);
+        out.sort();
+        out
     }
 
     fn no_exist(&self, commit: &str, file: &str) -> PathBuf {
@@ -211,6 +250,9 @@ mod tests {
         let c = RepoCache::new(tmp.path(), "org/name");
         assert_eq!(c.dir, tmp.path().join("models--org--name"));
         assert_eq!(folder_name("gpt2"), "models--gpt2");
+        let d = RepoCache::dataset(tmp.path(), "org/name");
+        assert_eq!(d.dir, tmp.path().join("datasets--org--name"));
+        assert_eq!(d.blob("e"), tmp.path().join("datasets--org--name/blobs/e"));
         let commit = "0123456789abcdef0123456789abcdef01234567";
         assert!(is_commit(commit) && !is_commit("main") && !is_commit(&commit[1..]));
 
@@ -242,6 +284,7 @@ mod tests {
             Path::new("../../../../blobs/e1")
         );
         assert_eq!(c.has(commit, "config.json"), Some(true));
+        assert_eq!(c.snapshot_files(commit), ["config.json", "sub/dir/x.json"]);
         assert_eq!(c.has(commit, "tokenizer.json"), None);
         c.mark_missing(commit, "tokenizer.json").unwrap();
         assert_eq!(c.has(commit, "tokenizer.json"), Some(false));

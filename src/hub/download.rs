@@ -8,13 +8,13 @@
 //! (CDN URLs are pre-signed) and is never printed.
 
 use super::cache::{is_commit, RepoCache};
+use super::progress::FileBar;
 use anyhow::{bail, Context, Result};
-use indicatif::{HumanBytes, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::fmt;
 use std::fs::File;
-use std::io::{IsTerminal, Read, Write};
+use std::io::{Read, Write};
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use ureq::http::Response;
 
 pub const DEFAULT_ENDPOINT: &str = "https://huggingface.co";
@@ -22,6 +22,13 @@ pub const DEFAULT_ENDPOINT: &str = "https://huggingface.co";
 /// A Hub access token. Debug and Display print `***`; only the Authorization header sees it.
 #[derive(Clone)]
 pub struct Token(String);
+
+impl Token {
+    /// The token itself, for a client that sends it (hf-hub's API).
+    pub(super) fn secret(&self) -> &str {
+        &self.0
+    }
+}
 
 impl fmt::Debug for Token {
     fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
@@ -92,6 +99,13 @@ impl HubEnv {
     }
 }
 
+/// A model repository or a data set repository (`{endpoint}/datasets/{repo}/...`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Model,
+    Dataset,
+}
+
 /// Which file of which repository at which revision: every error names all three.
 #[derive(Debug, Clone, Copy)]
 pub struct At<'a> {
@@ -99,13 +113,29 @@ pub struct At<'a> {
     /// As the user gave it (a branch, tag or commit).
     pub revision: &'a str,
     pub file: &'a str,
+    pub kind: Kind,
+}
+
+impl<'a> At<'a> {
+    pub fn model(repo: &'a str, revision: &'a str, file: &'a str) -> At<'a> {
+        At {
+            repo,
+            revision,
+            file,
+            kind: Kind::Model,
+        }
+    }
 }
 
 impl fmt::Display for At<'_> {
     fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        let kind = match self.kind {
+            Kind::Model => "",
+            Kind::Dataset => "data set ",
+        };
         write!(
             f,
-            "{} of {} at revision \"{}\"",
+            "{} of {kind}{} at revision \"{}\"",
             self.file, self.repo, self.revision
         )
     }
@@ -116,17 +146,17 @@ impl fmt::Display for At<'_> {
 #[derive(Debug, thiserror::Error)]
 #[error(
     "cannot reach {endpoint} to download {at}: {cause}\n  Check the network, a proxy \
-     (HTTPS_PROXY) or HF_ENDPOINT. Offline runs (HF_HUB_OFFLINE=1) need every file of the \
-     revision in the cache {cache}: download it where the Hub is reachable \
-     (`lora-train download {repo} --revision {revision}`) or copy that cache here."
+     (HTTPS_PROXY) or HF_ENDPOINT. Offline runs (HF_HUB_OFFLINE=1) need {need} in the cache \
+     {cache}: {how}"
 )]
 pub struct Unreachable {
     pub endpoint: String,
     pub at: String,
     pub cause: String,
     pub cache: String,
-    pub repo: String,
-    pub revision: String,
+    /// What an offline run needs, and how to get it there.
+    pub need: String,
+    pub how: String,
 }
 
 /// What HEAD on a resolve URL says about a file that exists.
@@ -182,12 +212,17 @@ impl<'a> Hub<'a> {
         }
     }
 
-    fn resolve_url(&self, repo: &str, revision: &str, file: &str) -> String {
+    fn resolve_url(&self, at: &At, revision: &str) -> String {
         // Revisions such as refs/pr/1 are one path segment: their `/` is escaped.
-        let file: Vec<String> = file.split('/').map(encode).collect();
+        let file: Vec<String> = at.file.split('/').map(encode).collect();
+        let kind = match at.kind {
+            Kind::Model => "",
+            Kind::Dataset => "datasets/",
+        };
         format!(
-            "{}/{repo}/resolve/{}/{}",
+            "{}/{kind}{}/resolve/{}/{}",
             self.env.endpoint,
+            at.repo,
             encode(revision),
             file.join("/")
         )
@@ -217,16 +252,8 @@ impl<'a> Hub<'a> {
         req.call()
     }
 
-    fn unreachable(&self, at: &At, cause: String) -> anyhow::Error {
-        Unreachable {
-            endpoint: self.env.endpoint.clone(),
-            at: at.to_string(),
-            cause,
-            cache: self.env.cache.display().to_string(),
-            repo: at.repo.to_string(),
-            revision: at.revision.to_string(),
-        }
-        .into()
+    pub(super) fn unreachable(&self, at: &At, cause: String) -> anyhow::Error {
+        unreachable(self.env, at, cause)
     }
 
     /// One request with retries of transient failures (time-outs, dropped connections,
@@ -262,7 +289,7 @@ impl<'a> Hub<'a> {
     /// download URL, or Missing. Errors for a missing repository or revision, for access
     /// refused, and for a server that does not speak the Hub's protocol.
     pub fn head(&self, at: &At, revision: &str) -> Result<Head> {
-        let mut url = self.resolve_url(at.repo, revision, at.file);
+        let mut url = self.resolve_url(at, revision);
         for _hop in 0..8 {
             let resp = self.call(at, true, &url)?;
             let status = resp.status().as_u16();
@@ -402,6 +429,19 @@ impl<'a> Hub<'a> {
                 );
             }
         }
+        // An LFS file's ETag is its sha256.
+        if is_sha256(&remote.etag) {
+            let got = sha256_file(&part)?;
+            if got != remote.etag {
+                let _ = std::fs::remove_file(&part);
+                bail!(
+                    "{at}: the downloaded bytes have sha256 {got}, but the Hub names the file by \
+                     its sha256 {}; the download was deleted: run again (a proxy or mirror that \
+                     alters files gives this every time)",
+                    remote.etag
+                );
+            }
+        }
         std::fs::rename(&part, &blob)
             .with_context(|| format!("cannot rename {} to {}", part.display(), blob.display()))?;
         bar.finish(have - started_at);
@@ -479,19 +519,73 @@ impl<'a> Hub<'a> {
     }
 }
 
-fn header(resp: &Response<ureq::Body>, name: &str) -> Option<String> {
+/// The error for a Hub that cannot be reached, with what an offline run needs.
+pub(super) fn unreachable(env: &HubEnv, at: &At, cause: String) -> anyhow::Error {
+    let (need, how) = match at.kind {
+        Kind::Model => (
+            "every file of the revision".to_string(),
+            format!(
+                "download it where the Hub is reachable (`lora-train download {} --revision {}`) \
+                 or copy that cache here.",
+                at.repo, at.revision
+            ),
+        ),
+        Kind::Dataset => (
+            "the data set's files".to_string(),
+            "train once where the Hub is reachable, or copy that cache here.".to_string(),
+        ),
+    };
+    Unreachable {
+        endpoint: env.endpoint.clone(),
+        at: at.to_string(),
+        cause,
+        cache: env.cache.display().to_string(),
+        need,
+        how,
+    }
+    .into()
+}
+
+/// 64 lowercase hex digits: the ETag the Hub gives an LFS file (its sha256).
+fn is_sha256(etag: &str) -> bool {
+    etag.len() == 64 && etag.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+}
+
+/// The sha256 of a file, in lowercase hex, read in 1 MiB pieces.
+pub fn sha256_file(path: &std::path::Path) -> Result<String> {
+    let mut f = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = match f.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
+        };
+        ctx.update(&buf[..n]);
+    }
+    Ok(ctx
+        .finish()
+        .as_ref()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect())
+}
+
+pub(super) fn header(resp: &Response<ureq::Body>, name: &str) -> Option<String> {
     resp.headers()
         .get(name)
         .and_then(|v| v.to_str().ok())
         .map(|s| s.to_string())
 }
 
-fn transient_status(s: u16) -> bool {
+pub(super) fn transient_status(s: u16) -> bool {
     matches!(s, 408 | 429 | 500 | 502 | 503 | 504)
 }
 
 /// Worth retrying: time-outs and connections that broke, not hosts that are not there.
-fn transient_error(e: &ureq::Error) -> bool {
+pub(super) fn transient_error(e: &ureq::Error) -> bool {
     use std::io::ErrorKind::*;
     match e {
         ureq::Error::Timeout(_) | ureq::Error::Protocol(_) => true,
@@ -509,13 +603,27 @@ fn transient_error(e: &ureq::Error) -> bool {
 }
 
 /// The error for a final HTTP status, naming repo, revision, file, and what to do.
-fn http_error(env: &HubEnv, at: &At, status: u16, resp: &Response<ureq::Body>) -> anyhow::Error {
+pub(super) fn http_error(
+    env: &HubEnv,
+    at: &At,
+    status: u16,
+    resp: &Response<ureq::Body>,
+) -> anyhow::Error {
     let code = header(resp, "x-error-code").unwrap_or_default();
     let server = header(resp, "x-error-message")
         .map(|m| format!(": \"{m}\""))
         .unwrap_or_default();
     let ep = &env.endpoint;
     let (repo, rev) = (at.repo, at.revision);
+    // What the repository is, where its page is, and the key that sets its revision.
+    let (noun, page, rev_key) = match at.kind {
+        Kind::Model => (
+            "model",
+            format!("{ep}/{repo}"),
+            "model.revision (or --revision)",
+        ),
+        Kind::Dataset => ("data set", format!("{ep}/datasets/{repo}"), "data.revision"),
+    };
     let token = if env.token.is_some() {
         "the token that was sent (HF_TOKEN or the token file) cannot read it: use a token of an \
          account that has access"
@@ -524,17 +632,17 @@ fn http_error(env: &HubEnv, at: &At, status: u16, resp: &Response<ureq::Body>) -
     };
     match (status, code.as_str()) {
         (_, "GatedRepo") => anyhow::anyhow!(
-            "{repo} is a gated model ({ep} answered HTTP {status} for {at}{server}): accept its \
-             license at {ep}/{repo} while logged in, and {token}"
+            "{repo} is a gated {noun} ({ep} answered HTTP {status} for {at}{server}): accept its \
+             license at {page} while logged in, and {token}"
         ),
         (404, "RevisionNotFound") => anyhow::anyhow!(
             "{repo} has no revision \"{rev}\" on {ep} (HTTP 404 for {at}{server}): set \
-             model.revision (or --revision) to an existing branch, tag or commit"
+             {rev_key} to an existing branch, tag or commit"
         ),
         (401 | 403 | 404, "RepositoryNotFound") | (401 | 403, _) => anyhow::anyhow!(
             "{ep} refused {at} (HTTP {status}{server}): the repository does not exist, or it is \
-             private or gated; check the id \"{repo}\", and for a private or gated model {token} \
-             and accept its license on {ep}/{repo}"
+             private or gated; check the id \"{repo}\", and for a private or gated {noun} \
+             {token} and accept its license on {page}"
         ),
         _ => anyhow::anyhow!(
             "{ep} answered HTTP {status} for {at}{server}{}",
@@ -590,73 +698,6 @@ fn encode(segment: &str) -> String {
         }
     }
     out
-}
-
-/// Progress of one file: a bar (bytes, rate, ETA) when stderr is a terminal, else one line
-/// when the file is done.
-struct FileBar {
-    bar: ProgressBar,
-    file: String,
-    t0: Instant,
-}
-
-impl FileBar {
-    fn new(file: &str, size: Option<u64>, have: u64) -> FileBar {
-        let bar = if std::io::stderr().is_terminal() {
-            let bar = ProgressBar::with_draw_target(size, ProgressDrawTarget::stderr());
-            let style = ProgressStyle::with_template(
-                "{msg:34!} [{bar:25}] {bytes}/{total_bytes} {bytes_per_sec} ETA {eta}",
-            )
-            .map(|s| s.progress_chars("=> "))
-            .unwrap_or_else(|_| ProgressStyle::default_bar());
-            bar.set_style(style);
-            bar
-        } else {
-            ProgressBar::with_draw_target(size, ProgressDrawTarget::hidden())
-        };
-        bar.set_message(file.to_string());
-        bar.set_position(have);
-        bar.reset_eta();
-        FileBar {
-            bar,
-            file: file.to_string(),
-            t0: Instant::now(),
-        }
-    }
-
-    fn inc(&self, n: u64) {
-        self.bar.inc(n);
-    }
-
-    fn set_position(&self, p: u64) {
-        self.bar.set_position(p);
-    }
-
-    fn note(&self, msg: &str) {
-        if self.bar.is_hidden() {
-            eprintln!("{msg}");
-        } else {
-            self.bar.println(msg);
-        }
-    }
-
-    fn abandon(&self) {
-        self.bar.abandon();
-    }
-
-    fn finish(&self, fetched: u64) {
-        let secs = self.t0.elapsed().as_secs_f64();
-        if self.bar.is_hidden() {
-            eprintln!(
-                "downloaded {} ({} in {secs:.1}s, {}/s)",
-                self.file,
-                HumanBytes(fetched),
-                HumanBytes((fetched as f64 / secs.max(1e-3)) as u64)
-            );
-        } else {
-            self.bar.finish();
-        }
-    }
 }
 
 #[cfg(test)]
@@ -718,10 +759,31 @@ mod tests {
     fn urls_and_headers() {
         let e = env(&[("HF_ENDPOINT", "http://127.0.0.1:9")]);
         let hub = Hub::new(&e);
+        let at = At::model("org/m", "refs/pr/1", "sub dir/a+b.json");
         assert_eq!(
-            hub.resolve_url("org/m", "refs/pr/1", "sub dir/a+b.json"),
+            hub.resolve_url(&at, "refs/pr/1"),
             "http://127.0.0.1:9/org/m/resolve/refs%2Fpr%2F1/sub%20dir/a%2Bb.json"
         );
+        let at = At {
+            kind: Kind::Dataset,
+            ..At::model("org/d", "main", "data/train-00000-of-00001.parquet")
+        };
+        assert_eq!(
+            hub.resolve_url(&at, "main"),
+            "http://127.0.0.1:9/datasets/org/d/resolve/main/data/train-00000-of-00001.parquet"
+        );
+        assert_eq!(
+            at.to_string(),
+            "data/train-00000-of-00001.parquet of data set org/d at revision \"main\""
+        );
+        let tmp = tempfile::tempdir().unwrap();
+        let p = tmp.path().join("x");
+        std::fs::write(&p, b"abc").unwrap();
+        assert_eq!(
+            sha256_file(&p).unwrap(),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+        assert!(is_sha256(&"ab".repeat(32)) && !is_sha256(&"AB".repeat(32)));
         assert_eq!(origin("https://h.co:8/a/b?c"), "https://h.co:8");
         assert_eq!(origin("http://h"), "http://h");
         assert_eq!(join_url("http://a/x/y", "/z"), "http://a/z");

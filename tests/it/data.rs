@@ -30,6 +30,7 @@ fn load_rows(rows: &[&str], lines: &str) -> anyhow::Result<(Dataset, PathBuf)> {
         path: path.clone(),
         weight: 1.0,
         format: Some(cfg.format),
+        ..TrainFile::default()
     };
     let ds = Dataset::load_files(&[file], &cfg, Some(&load(&tiny())), 512)?;
     Ok((ds, path))

@@ -34,10 +34,11 @@ fn tiny_repo() -> BTreeMap<String, File> {
     let mut files = BTreeMap::new();
     let mut add = |name: &str, bytes: Vec<u8>| {
         let lfs = name.ends_with(".safetensors");
-        // Stand-ins: a sha256-like name for LFS files, a git-sha1-like one otherwise.
+        // As the Hub: an LFS file's ETag is its sha256 (checked by the client); a stand-in for
+        // the git blob sha1 otherwise.
         let h = fnv(&bytes);
         let etag = if lfs {
-            format!("{h:016x}").repeat(4)
+            sha256(&bytes)
         } else {
             format!("{h:016x}{:024x}", bytes.len())
         };
@@ -74,6 +75,14 @@ fn tiny_repo() -> BTreeMap<String, File> {
         serde_json::to_vec_pretty(&index).unwrap(),
     );
     files
+}
+
+pub fn sha256(bytes: &[u8]) -> String {
+    ring::digest::digest(&ring::digest::SHA256, bytes)
+        .as_ref()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 fn fnv(bytes: &[u8]) -> u64 {

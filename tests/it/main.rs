@@ -1,5 +1,6 @@
 //! One integration-test binary (one link): golden checks against transformers + PEFT, driver
-//! invariants, the real CLI, checkpoints and exact resume, and the merged export.
+//! invariants, the real CLI, checkpoints and exact resume, the merged export, Hub models and
+//! data sets against loopback servers, and every shipped recipe.
 
 mod chat;
 mod cli;
@@ -10,9 +11,12 @@ mod data_cli;
 mod first_hour;
 mod golden;
 mod hub;
+mod hub_data;
 mod invariants;
+mod loopback;
 mod merge;
 mod ops;
 mod parallel;
 mod plan;
+mod recipes;
 mod resume;

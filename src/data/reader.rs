@@ -1,0 +1,152 @@
+//! A data file's rows as [`Field`] records, read as its name says: `.parquet` (see
+//! [`super::parquet`]), `.json` (a JSON array, streamed element by element, or JSON lines),
+//! anything else JSON lines. Nothing reads a whole file into memory.
+
+use super::record::Field;
+use anyhow::{Context, Result};
+use serde::de::{Deserializer, SeqAccess, Visitor};
+use std::fmt;
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+
+/// Where a record is in its file: a line of JSON lines, or a row (1-based) of a JSON array or
+/// a parquet file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Loc {
+    Line(usize),
+    Row(usize),
+}
+
+impl Loc {
+    /// `file:line` or `file: row n`, as errors and skip reports write it.
+    pub fn at(self, name: &str) -> String {
+        match self {
+            Loc::Line(n) => format!("{name}:{n}"),
+            Loc::Row(n) => format!("{name}: row {n}"),
+        }
+    }
+}
+
+/// Takes each record (or the reason it is not one); an error stops the file.
+pub type Sink<'a> = dyn FnMut(Loc, Result<Field>) -> Result<()> + 'a;
+
+/// How a file is read, from its name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Parquet,
+    Json,
+    JsonLines,
+}
+
+pub fn kind_of(path: &str) -> Kind {
+    let lower = path.to_ascii_lowercase();
+    if lower.ends_with(".parquet") {
+        Kind::Parquet
+    } else if lower.ends_with(".json") {
+        Kind::Json
+    } else {
+        Kind::JsonLines
+    }
+}
+
+/// JSON lines: one record a line; blank lines are skipped, a line that is not JSON goes to
+/// `sink` as a bad record.
+pub fn read_jsonl(path: &Path, name: &str, sink: &mut Sink) -> Result<()> {
+    let file = std::fs::File::open(path).with_context(|| format!("cannot open {name}"))?;
+    lines(BufReader::new(file), name, sink)
+}
+
+fn lines(r: impl BufRead, name: &str, sink: &mut Sink) -> Result<()> {
+    for (i, line) in r.lines().enumerate() {
+        let line = line.with_context(|| format!("{name}:{}: cannot read line", i + 1))?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let rec = serde_json::from_str::<Field>(&line)
+            .map_err(|e| anyhow::Error::new(e).context("not valid JSON"));
+        sink(Loc::Line(i + 1), rec)?;
+    }
+    Ok(())
+}
+
+/// A `.json` file: a JSON array of records (as `datasets` reads one), streamed, or else JSON
+/// lines. Bad JSON inside an array ends the file (its position is named): there is no next
+/// line to resume at.
+pub fn read_json(path: &Path, name: &str, sink: &mut Sink) -> Result<()> {
+    let file = std::fs::File::open(path).with_context(|| format!("cannot open {name}"))?;
+    let mut r = BufReader::new(file);
+    let first = loop {
+        let buf = r
+            .fill_buf()
+            .with_context(|| format!("cannot read {name}"))?;
+        match buf.iter().position(|b| !b.is_ascii_whitespace()) {
+            Some(i) => {
+                let b = buf[i];
+                r.consume(i);
+                break Some(b);
+            }
+            None if buf.is_empty() => break None,
+            None => {
+                let n = buf.len();
+                r.consume(n);
+            }
+        }
+    };
+    if first != Some(b'[') {
+        return lines(r, name, sink);
+    }
+    let mut stop: Option<anyhow::Error> = None;
+    let mut de = serde_json::Deserializer::from_reader(r);
+    let res = de.deserialize_seq(Elements {
+        sink,
+        stop: &mut stop,
+    });
+    if let Some(e) = stop {
+        return Err(e);
+    }
+    res.with_context(|| format!("{name} is not a valid JSON array of records"))?;
+    de.end()
+        .with_context(|| format!("{name} has more after its JSON array"))
+}
+
+/// Visits a JSON array's elements one at a time, handing each to the sink.
+struct Elements<'s, 'a> {
+    sink: &'s mut Sink<'a>,
+    /// The sink's error, which stops the array (serde's error type cannot carry it).
+    stop: &'s mut Option<anyhow::Error>,
+}
+
+impl<'de> Visitor<'de> for Elements<'_, '_> {
+    type Value = ();
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a JSON array of records")
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        let mut n = 0;
+        while let Some(rec) = seq.next_element::<Field>()? {
+            n += 1;
+            if let Err(e) = (self.sink)(Loc::Row(n), Ok(rec)) {
+                *self.stop = Some(e);
+                return Err(serde::de::Error::custom("stopped"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Every record of `path` (of any kind) in order, all columns when `want` is empty: for
+/// tests and tools (training streams through [`Sink`]s instead).
+pub fn read_all(path: &Path, want: &[super::parquet::Want]) -> Result<Vec<(Loc, Field)>> {
+    let mut out = Vec::new();
+    let name = path.display().to_string();
+    let mut sink = |at: Loc, rec: Result<Field>| -> Result<()> {
+        out.push((at, rec.with_context(|| at.at(&name))?));
+        Ok(())
+    };
+    match kind_of(&name) {
+        Kind::Parquet => super::parquet::read(path, &name, want, &mut sink)?,
+        Kind::Json => read_json(path, &name, &mut sink)?,
+        Kind::JsonLines => read_jsonl(path, &name, &mut sink)?,
+    }
+    Ok(out)
+}

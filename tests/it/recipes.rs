@@ -1,0 +1,160 @@
+//! Every shipped recipe opens with its purpose, the command that runs it and the hardware it
+//! was planned for, and passes `lora-train check` and `lora-train plan` as its header says. The
+//! Hub models' config.json files (tests/fixtures/configs, as published) are served by the
+//! loopback Hub, so `plan` takes the real path: HF_ENDPOINT, the cache, config.json alone.
+
+use crate::common::root;
+use crate::loopback::{Repo, Server};
+use assert_cmd::Command;
+
+/// The Hub models the recipes name, and their config.json fixtures.
+const MODELS: [(&str, &str); 4] = [
+    ("meta-llama/Llama-2-7b-hf", "llama2-7b"),
+    ("meta-llama/Llama-3.1-8B-Instruct", "llama3.1-8b-instruct"),
+    ("Qwen/Qwen2.5-7B", "qwen2.5-7b"),
+    ("mistralai/Mistral-7B-v0.3", "mistral-7b-v0.3"),
+];
+
+/// The recipes for real models (the others train the tiny model we ship).
+const REAL: [&str; 5] = [
+    "llama7b.toml",
+    "llama7b-fsdp4.toml",
+    "llama3-8b-chat.toml",
+    "qwen2.5-7b.toml",
+    "mistral-7b.toml",
+];
+
+fn bin(hf: &std::path::Path, endpoint: &str) -> Command {
+    let mut c = Command::cargo_bin("lora-train").unwrap();
+    for k in [
+        "HF_TOKEN",
+        "HF_TOKEN_PATH",
+        "HF_HUB_CACHE",
+        "HF_HUB_OFFLINE",
+        "XDG_CACHE_HOME",
+    ] {
+        c.env_remove(k);
+    }
+    c.current_dir(root())
+        .env("HF_HOME", hf)
+        .env("HF_ENDPOINT", endpoint);
+    c
+}
+
+/// The first number of GiB in `line`, e.g. "16.32".
+fn first_gib(line: &str) -> Option<&str> {
+    line.split_whitespace()
+        .zip(line.split_whitespace().skip(1))
+        .find(|(_, unit)| unit.starts_with("GiB"))
+        .map(|(n, _)| n.trim_start_matches(':'))
+}
+
+#[test]
+fn every_shipped_recipe_checks_and_plans_as_its_header_says() {
+    let repos = MODELS
+        .iter()
+        .map(|(id, dir)| {
+            let config = root()
+                .join("tests/fixtures/configs")
+                .join(dir)
+                .join("config.json");
+            (
+                id.to_string(),
+                Repo::default().add("config.json", std::fs::read(config).unwrap()),
+            )
+        })
+        .collect();
+    let hub = Server::start(repos);
+    let tmp = tempfile::tempdir().unwrap();
+    let hf = tmp.path().join("hf");
+    let mut names: Vec<String> = std::fs::read_dir(root().join("recipes"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".toml"))
+        .collect();
+    names.sort();
+    for real in REAL {
+        assert!(names.iter().any(|n| n == real), "recipes/{real} is missing");
+    }
+    for name in &names {
+        let rel = format!("recipes/{name}");
+        let text = std::fs::read_to_string(root().join(&rel)).unwrap();
+        let o = bin(&hf, &hub.endpoint())
+            .args(["check", "--recipe", &rel])
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "{rel}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        if name == "reference.toml" {
+            continue;
+        }
+        // The header: what the recipe does, then the command that runs it.
+        let header: Vec<&str> = text.lines().take_while(|l| l.starts_with('#')).collect();
+        assert!(header.len() >= 3, "{rel} opens with no header");
+        let run = format!("#   cargo run --release -- --recipe {rel}");
+        let run_bin = format!("#   lora-train --recipe {rel}");
+        assert!(
+            header.iter().any(|l| *l == run || *l == run_bin),
+            "{rel}: the header lacks `{}`",
+            run_bin.trim_start_matches("#   ")
+        );
+        if !REAL.contains(&name.as_str()) {
+            let o = bin(&hf, &hub.endpoint())
+                .args(["plan", "--recipe", &rel])
+                .output()
+                .unwrap();
+            assert!(
+                o.status.success(),
+                "{rel}: {}",
+                String::from_utf8_lossy(&o.stderr)
+            );
+            continue;
+        }
+        // The plan the header quotes: its command, and the planned total of the recipe's own
+        // setting (strategy, checkpointing, micro-batch), which must fit.
+        let plan = header
+            .iter()
+            .find_map(|l| l.strip_prefix("#   lora-train plan "))
+            .unwrap_or_else(|| panic!("{rel}: the header has no `lora-train plan` command"));
+        let claim = header
+            .iter()
+            .find_map(|l| l.strip_prefix("#   -> "))
+            .unwrap_or_else(|| panic!("{rel}: the header quotes no plan (`#   -> ...`)"));
+        let args: Vec<&str> = plan.split_whitespace().collect();
+        assert!(args.contains(&rel.as_str()), "{rel}: {plan}");
+        let o = bin(&hf, &hub.endpoint())
+            .arg("plan")
+            .args(&args)
+            .arg("--json")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success(), "{rel}: {err}");
+        let p: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let sel = &p["selected"];
+        assert_eq!(sel["fits"], true, "{rel}: {sel}");
+        let total = format!("{:.2}", sel["total_gib"].as_f64().unwrap());
+        assert_eq!(
+            first_gib(claim),
+            Some(total.as_str()),
+            "{rel}: header says {claim}"
+        );
+        assert_eq!(p["seq_len"], 2048, "{rel}");
+    }
+    // plan fetched config.json and nothing else.
+    let reqs = hub.requests();
+    assert!(!reqs.is_empty());
+    assert!(
+        reqs.iter().all(|r| r.path.ends_with("/config.json")),
+        "{reqs:?}"
+    );
+    for (id, _) in MODELS {
+        let dir = hf
+            .join("hub")
+            .join(format!("models--{}", id.replace('/', "--")));
+        assert!(dir.join("refs/main").is_file(), "{id}");
+    }
+}
