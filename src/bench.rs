@@ -50,7 +50,7 @@ pub struct BenchArgs {
     pub deterministic: bool,
 }
 
-/// (hidden, intermediate, layers, heads, kv heads, vocab, rope theta), as peft_baseline.py.
+/// (hidden, intermediate, layers, heads, kv heads, vocab, rope theta), as scripts/bench_peft.py.
 pub fn shape(name: &str) -> Result<ModelConfig> {
     let (h, i, l, nh, kv, v, theta) = match name {
         "tiny" => (256, 688, 4, 8, 8, 32000, 10000.0),
@@ -94,7 +94,7 @@ pub fn targets(name: &str) -> Result<Vec<String>> {
     Ok(t.iter().map(|s| s.to_string()).collect())
 }
 
-/// peft_baseline.py's model FLOPs per trained token: frozen base, so backward computes
+/// scripts/bench_peft.py's model FLOPs per trained token: frozen base, so backward computes
 /// activation gradients (2N) but no weight gradients; attention counted in full.
 pub fn flops_per_token(
     n_linear: usize,

@@ -380,8 +380,8 @@ pub fn attention_bwd(
         acc(&mut dv, &p.t()?.matmul(&gb)?)?; // [B, H, e, D]
 
         // dS = P ⊙ (dP − δ) in f32 (the casts are no-ops for f32): dP rounded to 16 bits
-        // before the difference left up to ~1% of |dP| where the true dS is 0 (a row whose
-        // only allowed key is its own), 1.5× the bf16 GPU test's tolerance in one run.
+        // before the difference leaves up to ~1% of |dP| where the true dS is 0 (a row whose
+        // only allowed key is its own), above the bf16 GPU test's tolerance.
         let dp = gb
             .to_dtype(DType::F32)?
             .matmul(&vv.to_dtype(DType::F32)?.t()?)?; // [B, H, n, e] f32

@@ -3,9 +3,9 @@
 //! dL/dlogits [n, V] = (softmax − onehot) / denom in the logits' dtype), for L = Σ ce / denom.
 //!
 //! Math is f32 throughout (logits upcast when read, as transformers' `logits.float()`), the
-//! gradient rounded once to the logits' dtype. As tensor ops this was about a dozen kernels per
+//! gradient rounded once to the logits' dtype. As tensor ops this is about a dozen kernels per
 //! chunk of rows, each reading or writing an [n, V] f32 buffer (the cast, max, sub, exp, sum,
-//! mul, scatter_add, the cast back), and three such buffers were alive at once. On CUDA (f32 or
+//! mul, scatter_add, the cast back), with three such buffers alive at once. On CUDA (f32 or
 //! bf16, contiguous logits: `CrossEntropy::Fused`) `cross_entropy.cu` does it in one kernel: two
 //! reads of the logits in their own dtype and one write of the gradient, nothing [n, V] in f32.
 //! The tensor ops stay as `cross_entropy_fwd_bwd_ops`: the reference, and the path everywhere

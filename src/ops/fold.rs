@@ -40,8 +40,8 @@ use super::kernels::Gemm;
 use super::linear_acc::matmul_scaled;
 use candle_core::{Result, Tensor};
 
-/// Padded rows are whole multiples of this many elements (128 bytes in bf16): cuBLAS's
-/// choices for a weight read through a row stride that is not run its dL/dx products slower.
+/// Padded rows are whole multiples of this many elements (128 bytes in bf16): a weight read
+/// through a row stride that is not a multiple of 64 elements slows cuBLAS's dL/dx products.
 pub const ROW_ALIGN: usize = 64;
 
 /// The pad a group of adapted linears that share an input of `in_f` columns, of ranks

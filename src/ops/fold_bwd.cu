@@ -10,8 +10,8 @@
 //   dA_part[y] = s·gBᵀ·a over its tokens (part [P, r, I] f32; sum_parts adds the P up)
 // where a = round(round(silu(g))·u) is down's input, recomputed and never stored. σ(g) is one
 // MUFU reciprocal (~1 ulp of f32, where the forward divides): silu(g) rounded to bf16 may then
-// differ from the forward's by a bf16 step in the rare value at a rounding tie. The two f32
-// divisions an element made this pass issue-bound (192 against 146 µs at 7B).
+// differ from the forward's by a bf16 step in the rare value at a rounding tie. Two f32
+// divisions an element would make this pass issue-bound.
 // Unfused, the same took a skinny GEMM for s·gB, one for s·gB·A [m, I] (written, then read
 // back by the base GEMM's β = 1 epilogue), SwiGLU's pass writing a [m, I] and a GEMM reading
 // a for dA: four [m, I] passes gone.
@@ -174,8 +174,7 @@ __device__ __forceinline__ void swiglu_lora(const SwigluLoraP& p) {
         }
     }
 }
-// r16 loads two steps ahead (ncu, 7B: 146 µs against 148 one step ahead, 3 or 4 blocks an SM;
-// the unfused SwiGLU pass alone took 154); the wider ranks one, for their registers.
+// r16 loads two steps ahead; the wider ranks one step, for their registers.
 extern "C" __global__ void __launch_bounds__(256, 3) swiglu_lora_r16(const SwigluLoraP p) { swiglu_lora<1, 2>(p); }
 extern "C" __global__ void __launch_bounds__(256, 3) swiglu_lora_r32(const SwigluLoraP p) { swiglu_lora<2, 1>(p); }
 extern "C" __global__ void __launch_bounds__(256, 2) swiglu_lora_r64(const SwigluLoraP p) { swiglu_lora<4, 1>(p); }

@@ -1,7 +1,7 @@
 //! Many f32 tensors in one launch (`multi_tensor.cu`): the AdamW update and the gradients'
-//! Σ g². A LoRA model has hundreds of small adapters; as tensor ops the optimiser's step was
-//! a dozen launches per tensor plus the copies into flat groups, and the GPU, done with the
-//! backward, waited on the host for every one of them. CUDA only: `train::optim` runs the
+//! Σ g². A LoRA model has hundreds of small adapters; as tensor ops the optimiser's step is a
+//! dozen launches per tensor plus the copies into flat groups, and the GPU, done with the
+//! backward, would wait on the host for every one of them. CUDA only: `train::optim` runs the
 //! tensor-op version elsewhere, and whenever a tensor is not a contiguous f32 CUDA buffer.
 
 use candle_core::{DType, Device, Result, Tensor};

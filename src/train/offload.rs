@@ -2,12 +2,11 @@
 //! backward in pinned host memory instead of the GPU's.
 //!
 //! Backward needs h (post_norm's backward and gate's and up's adapter gradients). Without it
-//! backward recomputes h with o_proj's GEMM, one of the layer's seven (~2.7% of a 7B step on
-//! an H200); kept on the device it costs one [m, C] tensor per layer (1 GiB over 32 layers at
-//! micro-batch 2 × 2048 at 7B, which would take the bench's peak from 0.49× PEFT's to 0.51×).
+//! backward recomputes h with o_proj's GEMM, one of the layer's seven; kept on the device it
+//! costs one [m, C] tensor per layer (1 GiB over 32 layers at micro-batch 2 × 2048 at 7B).
 //! Parked on the host it costs neither: the copies run on a stream of their own, on the copy
-//! engines over PCIe (32 MiB a layer at 7B: ~0.7 ms at ~50 GB/s, under a layer's forward of
-//! ~2.5 ms and backward of ~4.5 ms), while the SMs run the layers.
+//! engines over PCIe (32 MiB a layer at 7B, well under the time of a layer's forward or
+//! backward), while the SMs run the layers.
 //!
 //! - forward: layer l's h goes out when the layer is done (the side stream first waits for
 //!   the compute queued so far). The device tensor lives on until the next h goes out; its free
