@@ -16,6 +16,7 @@ mod probe;
 mod train;
 
 use clap::{Parser, Subcommand};
+use lora_train::model::ConfigError;
 use lora_train::recipe::RecipeError;
 use lora_train::train::stop::{DoesNotFit, OutOfMemory, EXIT_DOES_NOT_FIT, EXIT_OUT_OF_MEMORY};
 use std::process::ExitCode;
@@ -81,7 +82,10 @@ pub fn finish(res: anyhow::Result<()>) -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
-            if e.downcast_ref::<RecipeError>().is_some() || e.downcast_ref::<Usage>().is_some() {
+            if e.downcast_ref::<RecipeError>().is_some()
+                || e.downcast_ref::<Usage>().is_some()
+                || e.downcast_ref::<ConfigError>().is_some()
+            {
                 ExitCode::from(2)
             } else if e.downcast_ref::<DoesNotFit>().is_some() {
                 ExitCode::from(EXIT_DOES_NOT_FIT)

@@ -199,7 +199,7 @@ impl ModelConfig {
             Family::Qwen2 if raw.use_sliding_window == Some(true) => raw.sliding_window,
             _ => None,
         };
-        Ok(ModelConfig {
+        let cfg = ModelConfig {
             family,
             hidden_size,
             intermediate_size: need(raw.intermediate_size, "intermediate_size")?,
@@ -221,7 +221,9 @@ impl ModelConfig {
             eos_token_ids: all_ids(raw.eos_token_id.as_ref()),
             pad_token_id: first_id(raw.pad_token_id.as_ref()),
             stored_dtype: raw.dtype.or(raw.torch_dtype),
-        })
+        };
+        super::check::config(&cfg, path)?;
+        Ok(cfg)
     }
 
     /// Parameters of the frozen base, for reports and memory plans.

@@ -845,12 +845,14 @@ impl Model {
         loaded: Loaded,
     ) -> anyhow::Result<Model> {
         let cfg = ModelConfig::from_file(&files.config)?;
+        super::check::weights(&cfg, &files.config, &files.weights)?;
         // SAFETY: the files are memory-mapped read-only; like every safetensors reader we
         // assume they are not modified while training runs.
         let st = unsafe { MmapedSafetensors::multi(&files.weights) }
             .with_context(|| format!("cannot read safetensors in {}", files.dir.display()))?;
         let names: std::collections::HashSet<String> =
             st.tensors().into_iter().map(|(n, _)| n).collect();
+        let finite = super::check::Finite::default();
         let get = |name: &str, shape: &[usize]| -> anyhow::Result<Tensor> {
             if !names.contains(name) {
                 bail!(
@@ -867,7 +869,7 @@ impl Model {
                     shape
                 );
             }
-            Ok(t.to_dtype(dtype)?.to_device(device)?)
+            finite.watch(name, t.to_dtype(dtype)?.to_device(device)?)
         };
         let has_head = names.contains("lm_head.weight");
         let tied = cfg.tie_word_embeddings.unwrap_or(!has_head);
@@ -877,7 +879,9 @@ impl Model {
                 files.dir.display()
             );
         }
-        Self::build(cfg, &get, tied, dtype, device, spec, seed, fold, loaded)
+        let m = Self::build(cfg, &get, tied, dtype, device, spec, seed, fold, loaded)?;
+        finite.verify(&files.dir, dtype)?;
+        Ok(m)
     }
 
     /// Random weights of a given shape made on the device (benchmarks; no download): linear
