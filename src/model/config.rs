@@ -18,6 +18,9 @@ pub enum ConfigError {
     },
     #[error("model config {path}: {msg}")]
     Invalid { path: PathBuf, msg: String },
+    /// A PEFT adapter_config.json (lora.init_adapter, or `export --adapter`).
+    #[error("adapter config {path}: {msg}")]
+    Adapter { path: PathBuf, msg: String },
 }
 
 /// Which Llama-family architecture the checkpoint is.
