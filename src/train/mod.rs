@@ -11,6 +11,7 @@
 //! `stop`, `schedule`, `eval`, `offload`.
 
 pub mod checkpoint;
+pub mod checkpoint_check;
 pub mod driver;
 pub mod eval;
 pub mod launch;
