@@ -20,6 +20,7 @@ pub mod offload;
 pub mod optim;
 pub mod preflight;
 pub mod readback;
+pub mod run_check;
 pub mod schedule;
 pub mod session;
 pub mod step;

@@ -121,6 +121,7 @@ impl<'s> Run<'s> {
     fn start(s: &'s Session, out_dir: &'s Path, resume: Option<&Checkpoint>) -> Result<Run<'s>> {
         let t = &s.recipe.train;
         let total = s.total_steps();
+        super::run_check::steps(s, total, resume.map_or(0, |c| c.state.cursor.epoch))?;
         let params = adapter_params(&s.model);
         let keys: Vec<String> = s
             .model
