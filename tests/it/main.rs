@@ -1,6 +1,7 @@
 //! One integration-test binary (one link): golden checks against transformers + PEFT, driver
 //! invariants, the real CLI, checkpoints and exact resume, and the merged export.
 
+mod bad_input;
 mod chat;
 mod cli;
 mod common;
