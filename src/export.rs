@@ -4,6 +4,7 @@
 //! (B [out, r]), f32, with safetensors metadata {"format": "pt"}, so that
 //! `PeftModel.from_pretrained(base, dir)` loads them as-is.
 
+pub mod adapter_check;
 pub mod merge;
 
 use crate::lora::{LoraSpec, ALL_LINEAR};
@@ -107,6 +108,7 @@ pub fn read_adapter_config(dir: &Path) -> Result<AdapterInfo> {
         .with_context(|| format!("cannot read {}", path.display()))?;
     let v: Value = serde_json::from_str(&text)
         .with_context(|| format!("{} is not valid JSON", path.display()))?;
+    adapter_check::config(&v, &path)?;
     let err = |msg: String| anyhow::anyhow!("{}: {msg}", path.display());
     if let Some(t) = v.get("peft_type").and_then(Value::as_str) {
         if t != "LORA" {
@@ -242,6 +244,7 @@ pub fn load_adapter_weights(dir: &Path, model: &Model) -> Result<()> {
                     var.dims()
                 );
             }
+            adapter_check::tensor(&path, &key, t)?;
             var.set(&t.to_dtype(DType::F32)?.to_device(var.device())?)?;
         }
     }

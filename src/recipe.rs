@@ -5,6 +5,8 @@
 //! are relative to the recipe file's directory (so recipes work from any working directory);
 //! paths given with `--set` are relative to the current directory.
 
+pub mod bounds;
+
 use serde::{de, Deserialize, Deserializer, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -728,6 +730,7 @@ impl Recipe {
         })?;
         r.source = path.to_owned();
         r.sets = sets.to_vec();
+        bounds::empty_paths(&r)?;
         let base = path.parent().unwrap_or(Path::new("")).to_owned();
         r.resolve_paths(&base, &overridden);
         r.validate()?;
@@ -938,7 +941,7 @@ impl Recipe {
                 return Err(self.invalid("output.max_shard_size", msg));
             }
         }
-        Ok(())
+        bounds::check(self)
     }
 
     /// `[data]` checks, and `train.eval_every`, which needs an eval set.

@@ -11,12 +11,20 @@ pub struct DownloadArgs {
     #[arg(value_parser = repo_id)]
     id: String,
     /// Branch, tag or commit.
-    #[arg(long, default_value = lora_train::hub::DEFAULT_REVISION)]
+    #[arg(long, default_value = lora_train::hub::DEFAULT_REVISION, value_parser = revision)]
     revision: String,
 }
 
 fn repo_id(s: &str) -> Result<String, String> {
     lora_train::util::check_repo_id(s).map(|()| s.to_string())
+}
+
+/// A branch, tag or commit: not empty, no `..` (as the recipe's model.revision).
+fn revision(s: &str) -> Result<String, String> {
+    match s.trim().is_empty() || s.contains("..") {
+        true => Err(format!("\"{s}\" is not a branch, tag or commit")),
+        false => Ok(s.to_string()),
+    }
 }
 
 pub fn run(a: DownloadArgs) -> anyhow::Result<()> {

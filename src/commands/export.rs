@@ -37,6 +37,21 @@ enum ExportDtype {
 }
 
 pub fn run(a: ExportArgs) -> anyhow::Result<()> {
+    if !a.adapter.join(lora_train::export::CONFIG).is_file() {
+        return Err(super::Usage(format!(
+            "--adapter {}: no {} there (expected a PEFT adapter directory)",
+            a.adapter.display(),
+            lora_train::export::CONFIG
+        ))
+        .into());
+    }
+    if let Some(b) = a.base.as_ref().filter(|b| !b.join("config.json").is_file()) {
+        return Err(super::Usage(format!(
+            "--base {}: no config.json there (expected a Hugging Face checkpoint directory)",
+            b.display()
+        ))
+        .into());
+    }
     let base = match a.base {
         Some(b) => b,
         None => {

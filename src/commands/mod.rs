@@ -1,11 +1,13 @@
 //! The `lora-train` command line: one file a command, each parsing its flags into the
 //! library's options and calling one library function.
 //!
-//! Exit codes: 0 done, 1 the run failed, 2 the recipe or the command line is wrong, 3 the memory
-//! plan says the run does not fit (nothing loaded; --force overrides), 4 out of memory mid-run
-//! (the last complete checkpoint is intact), 130 stopped by SIGINT / SIGTERM with a checkpoint
-//! saved (resumable), 131 a second signal ended it at once (the last complete checkpoint is
-//! intact).
+//! Exit codes: 0 done, 1 the run failed, 2 the recipe or the command line is wrong (a
+//! RecipeError, a Usage error, or a ConfigError: a value of config.json / adapter_config.json
+//! out of range or not fitting the tensors), 3 the memory plan says the run does not fit
+//! (nothing loaded; --force overrides), 4 out of memory mid-run (the last complete checkpoint
+//! is intact), 130 stopped by SIGINT / SIGTERM with a checkpoint saved (resumable; or while
+//! loading, nothing written; or with ranks stuck, the last checkpoint named), 131 a second
+//! signal ended it at once (the last complete checkpoint is intact).
 
 mod bench;
 mod check;
@@ -16,8 +18,12 @@ mod probe;
 mod train;
 
 use clap::{Parser, Subcommand};
+use lora_train::model::ConfigError;
 use lora_train::recipe::RecipeError;
-use lora_train::train::stop::{DoesNotFit, OutOfMemory, EXIT_DOES_NOT_FIT, EXIT_OUT_OF_MEMORY};
+use lora_train::train::stop::{
+    DoesNotFit, OutOfMemory, StoppedUnsaved, EXIT_DOES_NOT_FIT, EXIT_INTERRUPTED,
+    EXIT_OUT_OF_MEMORY,
+};
 use std::process::ExitCode;
 
 /// LoRA fine-tuning of Hugging Face Llama-family checkpoints, on the CPU or CUDA.
@@ -81,12 +87,17 @@ pub fn finish(res: anyhow::Result<()>) -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
-            if e.downcast_ref::<RecipeError>().is_some() || e.downcast_ref::<Usage>().is_some() {
+            if e.downcast_ref::<RecipeError>().is_some()
+                || e.downcast_ref::<Usage>().is_some()
+                || e.downcast_ref::<ConfigError>().is_some()
+            {
                 ExitCode::from(2)
             } else if e.downcast_ref::<DoesNotFit>().is_some() {
                 ExitCode::from(EXIT_DOES_NOT_FIT)
             } else if e.downcast_ref::<OutOfMemory>().is_some() {
                 ExitCode::from(EXIT_OUT_OF_MEMORY)
+            } else if e.downcast_ref::<StoppedUnsaved>().is_some() {
+                ExitCode::from(EXIT_INTERRUPTED)
             } else {
                 ExitCode::from(1)
             }

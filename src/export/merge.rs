@@ -171,6 +171,7 @@ fn read_adapter_tensors(dir: &Path) -> Result<BTreeMap<String, Pair>> {
                 path.display()
             );
         };
+        super::adapter_check::tensor(&path, &key, &t)?;
         let t = t.to_dtype(DType::F32)?;
         let p = out
             .entry(module.to_string())

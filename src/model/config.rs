@@ -18,6 +18,9 @@ pub enum ConfigError {
     },
     #[error("model config {path}: {msg}")]
     Invalid { path: PathBuf, msg: String },
+    /// A PEFT adapter_config.json (lora.init_adapter, or `export --adapter`).
+    #[error("adapter config {path}: {msg}")]
+    Adapter { path: PathBuf, msg: String },
 }
 
 /// Which Llama-family architecture the checkpoint is.
@@ -199,7 +202,7 @@ impl ModelConfig {
             Family::Qwen2 if raw.use_sliding_window == Some(true) => raw.sliding_window,
             _ => None,
         };
-        Ok(ModelConfig {
+        let cfg = ModelConfig {
             family,
             hidden_size,
             intermediate_size: need(raw.intermediate_size, "intermediate_size")?,
@@ -221,7 +224,9 @@ impl ModelConfig {
             eos_token_ids: all_ids(raw.eos_token_id.as_ref()),
             pad_token_id: first_id(raw.pad_token_id.as_ref()),
             stored_dtype: raw.dtype.or(raw.torch_dtype),
-        })
+        };
+        super::check::config(&cfg, path)?;
+        Ok(cfg)
     }
 
     /// Parameters of the frozen base, for reports and memory plans.

@@ -119,6 +119,7 @@ impl Model {
         loaded: Loaded,
     ) -> anyhow::Result<Model> {
         let cfg = ModelConfig::from_file(&files.config)?;
+        super::check::weights(&cfg, &files.config, &files.weights)?;
         // SAFETY: the files are memory-mapped read-only; like every safetensors reader we
         // assume they are not modified while training runs.
         let st = unsafe { MmapedSafetensors::multi(&files.weights) }
@@ -126,6 +127,7 @@ impl Model {
         let names: std::collections::HashSet<String> =
             st.tensors().into_iter().map(|(n, _)| n).collect();
         let prefetch = super::prefetch::Prefetch::new(&st);
+        let finite = super::check::Finite::default();
         let get = |name: &str, shape: &[usize]| -> anyhow::Result<Tensor> {
             if !names.contains(name) {
                 bail!(
@@ -144,7 +146,7 @@ impl Model {
             }
             prefetch.loading(name);
             // From the mapping to the device in one copy, cast there.
-            Ok(st.load(name, device)?.to_dtype(dtype)?)
+            finite.watch(name, st.load(name, device)?.to_dtype(dtype)?)
         };
         let has_head = names.contains("lm_head.weight");
         let tied = cfg.tie_word_embeddings.unwrap_or(!has_head);
@@ -154,7 +156,9 @@ impl Model {
                 files.dir.display()
             );
         }
-        Self::build(cfg, &get, tied, dtype, device, spec, seed, *kernels, loaded)
+        let m = Self::build(cfg, &get, tied, dtype, device, spec, seed, *kernels, loaded)?;
+        finite.verify(&files.dir, dtype)?;
+        Ok(m)
     }
 
     /// Random weights of a given shape made on the device (benchmarks; no download): linear

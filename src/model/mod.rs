@@ -4,6 +4,7 @@
 //! logits, one decoder layer at a time, so the driver (train::driver) can checkpoint, recompute
 //! and free memory between layers.
 
+pub mod check;
 pub mod config;
 pub mod layer;
 pub mod layer_train;

@@ -3,12 +3,13 @@
 //! Each collective is a rendezvous: every rank puts its tensor into its slot; the last to arrive
 //! combines them (sum, concatenation, root's copy), publishes the result under a new generation
 //! number and wakes the others. Waits are bounded by `timeout` and end early when any rank
-//! aborts the group, so a dead rank stops the run instead of hanging it.
+//! aborts the group, when a rank they wait for has ended its run, or `STOP_GRACE` after a stop
+//! signal, so a dead, finished or stuck rank stops the run instead of hanging it.
 //!
 //! Sums add the ranks' tensors in rank order on one thread, so every rank gets bit-identical
 //! results (identical optimiser steps on every rank).
 
-use super::{Comm, CommError, Group};
+use super::{Comm, CommError, Group, STOP_GRACE};
 use candle_core::{Result, Tensor};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -25,12 +26,19 @@ struct State {
     result: Option<std::result::Result<Tensor, String>>,
     /// The first failure: (rank, error chain).
     aborted: Option<(usize, String)>,
+    /// Ranks whose run returned.
+    ended: Vec<bool>,
 }
+
+/// How often a waiting rank looks at the stop signal.
+const POLL: Duration = Duration::from_millis(100);
 
 /// The shared state of `world` thread ranks.
 pub struct CpuGroup {
     world: usize,
     timeout: Duration,
+    /// How long a collective still waits once a stop signal has come.
+    stop_grace: Duration,
     state: Mutex<State>,
     wake: Condvar,
 }
@@ -40,12 +48,14 @@ impl CpuGroup {
         Arc::new(CpuGroup {
             world,
             timeout,
+            stop_grace: STOP_GRACE,
             state: Mutex::new(State {
                 generation: 0,
                 slots: vec![None; world],
                 arrived: 0,
                 result: None,
                 aborted: None,
+                ended: vec![false; world],
             }),
             wake: Condvar::new(),
         })
@@ -88,33 +98,51 @@ impl CpuGroup {
             s.generation += 1;
             self.wake.notify_all();
         } else {
-            let deadline = Instant::now() + self.timeout;
+            let start = Instant::now();
+            let deadline = start + self.timeout;
             while s.generation == mine {
                 if let Some(e) = self.aborted(me, &s) {
                     return Err(e.into());
                 }
+                let missing: Vec<usize> =
+                    (0..self.world).filter(|&r| s.slots[r].is_none()).collect();
+                let ended: Vec<usize> = missing.iter().copied().filter(|&r| s.ended[r]).collect();
                 let now = Instant::now();
-                if now >= deadline {
-                    let missing: Vec<usize> =
-                        (0..self.world).filter(|&r| s.slots[r].is_none()).collect();
-                    let e = CommError::Timeout {
+                let stopped = super::interrupted_at()
+                    .map(|at| now.saturating_duration_since(at.max(start)))
+                    .filter(|d| *d >= self.stop_grace);
+                let e = match (now >= deadline, stopped) {
+                    _ if !ended.is_empty() => CommError::Ended { me, op, ended },
+                    (true, _) => CommError::Timeout {
                         me,
                         op,
                         missing,
                         secs: self.timeout.as_secs(),
-                    };
-                    // A timeout fails the whole group: the others would wait just as long.
-                    if s.aborted.is_none() {
-                        s.aborted = Some((me, e.to_string()));
+                    },
+                    (false, Some(d)) => {
+                        super::note_gave_up();
+                        CommError::Interrupted {
+                            me,
+                            op,
+                            missing,
+                            secs: d.as_secs(),
+                        }
                     }
-                    self.wake.notify_all();
-                    return Err(e.into());
+                    (false, None) => {
+                        s = self
+                            .wake
+                            .wait_timeout(s, (deadline - now).min(POLL))
+                            .map(|(g, _)| g)
+                            .unwrap_or_else(|p| p.into_inner().0);
+                        continue;
+                    }
+                };
+                // The whole group fails: the others would wait just as long.
+                if s.aborted.is_none() {
+                    s.aborted = Some((me, e.to_string()));
                 }
-                s = self
-                    .wake
-                    .wait_timeout(s, deadline - now)
-                    .map(|(g, _)| g)
-                    .unwrap_or_else(|p| p.into_inner().0);
+                self.wake.notify_all();
+                return Err(e.into());
             }
         }
         // The result stays until the next collective completes, which needs this rank.
@@ -145,6 +173,14 @@ impl Group for CpuGroup {
 
     fn failure(&self) -> Option<(usize, String)> {
         self.lock().aborted.clone()
+    }
+
+    fn ended(&self, rank: usize) {
+        let mut s = self.lock();
+        if let Some(e) = s.ended.get_mut(rank) {
+            *e = true;
+        }
+        self.wake.notify_all();
     }
 }
 
@@ -198,5 +234,52 @@ impl Comm for CpuComm {
         self.group
             .exchange(self.rank, "barrier", &z, 0, root)
             .map(|_| ())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    fn group(world: usize, timeout: Duration, stop_grace: Duration) -> Arc<CpuGroup> {
+        let g = CpuGroup::new(world, timeout);
+        Arc::new(CpuGroup {
+            stop_grace,
+            ..Arc::into_inner(g).unwrap()
+        })
+    }
+
+    #[test]
+    fn a_collective_waiting_for_a_rank_that_ended_or_past_a_stop_signal_fails_at_once() {
+        let x = Tensor::ones(3, candle_core::DType::F32, &Device::Cpu).unwrap();
+        // Rank 1 finished its run: rank 0's sum cannot complete, and says why at once.
+        let g = group(2, Duration::from_secs(60), STOP_GRACE);
+        g.ended(1);
+        let t = Instant::now();
+        let e = g.clone().comm(0).unwrap().all_reduce_sum(&x).unwrap_err();
+        assert!(t.elapsed() < Duration::from_secs(5));
+        assert!(
+            e.to_string()
+                .contains("for rank(s) [1], which ended their run"),
+            "{e}"
+        );
+        assert!(g.failure().is_some_and(|(r, _)| r == 0));
+
+        // A stop signal: a rank waiting for one that never comes gives up after the grace.
+        let g = group(2, Duration::from_secs(60), Duration::from_millis(300));
+        crate::parallel::interrupt();
+        let t = Instant::now();
+        let e = g.comm(0).unwrap().all_reduce_sum(&x).unwrap_err();
+        let waited = t.elapsed();
+        assert!(
+            waited >= Duration::from_millis(300) && waited < Duration::from_secs(5),
+            "{waited:?}"
+        );
+        assert!(
+            e.to_string()
+                .contains("after the stop signal: they are stuck"),
+            "{e}"
+        );
     }
 }

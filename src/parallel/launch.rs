@@ -43,8 +43,9 @@ pub fn threads<T: Send + 'static>(
                         .unwrap_or_default();
                     Err(anyhow!("panicked: {msg}"))
                 });
-                if let Err(e) = &res {
-                    group.abort(rank, &format!("{e:#}"));
+                match &res {
+                    Err(e) => group.abort(rank, &format!("{e:#}")),
+                    Ok(_) => group.ended(rank),
                 }
                 // The launcher may have stopped listening (it gave up on a stuck rank).
                 let _ = tx.send((rank, res));

@@ -16,6 +16,38 @@ pub mod nccl;
 pub mod posted;
 
 use candle_core::{Result, Tensor};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+/// How long a rank still waits in a collective once a stop signal has come: the others
+/// finish their step within it, unless they are stuck.
+pub const STOP_GRACE: Duration = Duration::from_secs(10);
+
+static INTERRUPTED: OnceLock<Instant> = OnceLock::new();
+
+/// A stop signal came (train::stop): a collective that has waited `STOP_GRACE` since the
+/// signal (or since it began, when it began later) fails.
+pub fn interrupt() {
+    let _ = INTERRUPTED.set(Instant::now());
+}
+
+/// When a stop signal came, if one did.
+pub fn interrupted_at() -> Option<Instant> {
+    INTERRUPTED.get().copied()
+}
+
+static GAVE_UP: AtomicBool = AtomicBool::new(false);
+
+/// Whether a collective gave up waiting after a stop signal (`CommError::Interrupted`): the
+/// run's failure is then the signal's stop.
+pub fn gave_up_after_signal() -> bool {
+    GAVE_UP.load(Ordering::SeqCst)
+}
+
+fn note_gave_up() {
+    GAVE_UP.store(true, Ordering::SeqCst);
+}
 
 /// One rank's end of a communicator. Every rank calls the same collectives in the same order.
 /// The calls block (CPU) or are queued on the device stream (NCCL) until every rank joined.
@@ -102,6 +134,8 @@ pub trait Group: Send + Sync {
     fn abort(&self, rank: usize, why: &str);
     /// The first failure: (rank, its error chain).
     fn failure(&self) -> Option<(usize, String)>;
+    /// Rank `rank` finished its run: a collective still waiting for it fails at once.
+    fn ended(&self, _rank: usize) {}
 }
 
 /// Errors of the collectives themselves, matched by the launcher and tests.
@@ -115,6 +149,19 @@ pub enum CommError {
         op: &'static str,
         missing: Vec<usize>,
         secs: u64,
+    },
+    #[error("rank {me} was still waiting in {op} for rank(s) {missing:?} {secs} s after the stop signal: they are stuck")]
+    Interrupted {
+        me: usize,
+        op: &'static str,
+        missing: Vec<usize>,
+        secs: u64,
+    },
+    #[error("rank {me} waits in {op} for rank(s) {ended:?}, which ended their run: the ranks disagree on the steps of the run")]
+    Ended {
+        me: usize,
+        op: &'static str,
+        ended: Vec<usize>,
     },
 }
 

@@ -15,6 +15,7 @@
 //! checkpoint-<step>/ is never partial, and killing the process mid-write leaves the earlier
 //! checkpoints as they were.
 
+use super::checkpoint_check as check;
 use super::optim::AdamW;
 use super::Session;
 use crate::export;
@@ -89,6 +90,11 @@ pub struct TrainerState {
     /// Examples and tokens of the training data: a changed data file is refused on resume.
     pub data_examples: usize,
     pub data_tokens: usize,
+    /// The data sampler's fingerprint (examples, weights, seq_len, packing, shuffling, seed),
+    /// hex: the same counts with other contents or another order are refused on resume.
+    /// Absent in checkpoints of earlier versions.
+    #[serde(default)]
+    pub data_fingerprint: Option<String>,
     /// (step, loss) of the last steps; null for a non-finite loss.
     pub loss_history: Vec<(usize, Option<f64>)>,
     /// The recipe fields that change the numbers, "section.key" → TOML value.
@@ -150,6 +156,7 @@ impl TrainerState {
             },
             data_examples: s.data.examples.len(),
             data_tokens: s.data.examples.iter().map(|e| e.ids.len()).sum(),
+            data_fingerprint: Some(super::checkpoint_check::fingerprint(s)),
             loss_history: h[h.len().saturating_sub(LOSS_TAIL)..].to_vec(),
             recipe: fingerprint(&s.recipe),
             sets: numbers_sets(&s.recipe.sets),
@@ -284,35 +291,24 @@ pub fn resume_point(r: &Recipe, out_dir: &Path) -> Result<Option<Checkpoint>> {
         msg,
     };
     let dir = match &r.train.resume {
-        Resume::Flag(false) => {
-            // Starting fresh over an interrupted run would throw its checkpoints away.
-            if let Some((step, dir)) = list(out_dir).pop() {
-                if let Ok(s) = read_state(&dir) {
-                    if s.step < s.total_steps {
-                        return Err(invalid(
-                            "train.resume",
-                            format!(
-                                "= false, but {} holds an unfinished run ({} is at step {step} of {}): \
-                                 continue it with --set train.resume=true, or remove that directory \
-                                 (or set output.dir) to start over",
-                                out_dir.display(),
-                                dir.display(),
-                                s.total_steps
-                            ),
-                        )
-                        .into());
-                    }
-                }
-            }
-            return Ok(None);
-        }
-        Resume::Flag(true) => match list(out_dir).pop() {
-            Some((_, dir)) => dir,
+        // Starting fresh over an interrupted run would throw its checkpoints away.
+        Resume::Flag(false) => return check::fresh_start(r, out_dir).map(|()| None),
+        Resume::Flag(true) => match check::newest(r, out_dir)? {
+            Some(dir) => dir,
             None => return Ok(None),
         },
         Resume::Path(p) => p.clone(),
     };
-    let state = read_state(&dir)?;
+    let state = check::complete(&dir).map_err(|why| {
+        invalid(
+            "train.resume",
+            format!(
+                "= {}, which cannot be read ({why}): nothing was changed",
+                dir.display()
+            ),
+        )
+    })?;
+    check::nothing_damaged_ahead(r, out_dir, state.step)?;
     let now = fingerprint(r);
     let mut diff: Vec<&String> = now
         .keys()
@@ -410,6 +406,7 @@ pub fn restore(ck: &Checkpoint, s: &Session, opt: &mut AdamW, keys: &[String]) -
     let path = ck.dir.join(OPTIMIZER);
     let st = candle_core::safetensors::load(&path, &Device::Cpu)
         .with_context(|| format!("cannot read {}", path.display()))?;
+    check::optimizer(&s.recipe, &path, &st, keys, &opt.params)?;
     let mut ms = Vec::with_capacity(keys.len());
     let mut vs = Vec::with_capacity(keys.len());
     for (key, p) in keys.iter().zip(&opt.params) {
@@ -432,6 +429,10 @@ pub fn restore(ck: &Checkpoint, s: &Session, opt: &mut AdamW, keys: &[String]) -
 /// of the removed checkpoints.
 pub fn clean(out_dir: &Path, fresh: bool) -> Result<Vec<String>> {
     let mut removed = Vec::new();
+    let finished = match fresh {
+        true => check::removable(out_dir),
+        false => Vec::new(),
+    };
     for e in std::fs::read_dir(out_dir)
         .with_context(|| format!("cannot read {}", out_dir.display()))?
         .flatten()
@@ -439,7 +440,7 @@ pub fn clean(out_dir: &Path, fresh: bool) -> Result<Vec<String>> {
         let name = e.file_name().to_string_lossy().into_owned();
         let leftover = (name.starts_with(".checkpoint-") || name.starts_with(".merged."))
             && (name.contains(".tmp-") || name.contains(".old-"));
-        let stale = fresh && name.starts_with("checkpoint-") && e.path().is_dir();
+        let stale = finished.contains(&e.path());
         if leftover || stale {
             std::fs::remove_dir_all(e.path())
                 .with_context(|| format!("cannot remove {}", e.path().display()))?;
@@ -458,9 +459,11 @@ pub fn prune(out_dir: &Path, keep_last: usize, step: usize) -> Result<()> {
     if keep_last == 0 {
         return Ok(());
     }
-    let old: Vec<(usize, PathBuf)> = list(out_dir)
+    // Complete checkpoints only: one that cannot be read is not known to be ours.
+    let old: Vec<(usize, PathBuf)> = check::scan(out_dir)
         .into_iter()
-        .filter(|(s, _)| *s <= step)
+        .filter(|f| f.step <= step && f.state.is_ok())
+        .map(|f| (f.step, f.dir))
         .collect();
     for (s, dir) in &old[..old.len().saturating_sub(keep_last)] {
         let aside = out_dir.join(format!(".checkpoint-{s}.old-{}", std::process::id()));

@@ -48,7 +48,10 @@ pub fn launch<T: Send + 'static>(
                 true => nccl_group(devices.clone(), timeout)?,
             };
             let per_rank = move |rank: usize, comm: Box<dyn Comm>| body(comm, devices[rank]);
-            crate::parallel::launch::threads(group, Arc::new(per_rank), timeout)
+            // After a failure the others' collectives fail at once; a rank stuck outside them
+            // is not waited for long (the process ends with the run).
+            let grace = timeout.min(crate::parallel::STOP_GRACE);
+            crate::parallel::launch::threads(group, Arc::new(per_rank), grace)
         }
     }
 }
@@ -134,6 +137,8 @@ pub fn run_with(recipe: Recipe, opts: &RunOptions) -> Result<RunSummary> {
     let ranks = Ranks::for_recipe(&recipe)?;
     let signal = stop::install_signal_handlers()?;
     let timeout = Duration::from_secs(recipe.parallel.timeout_s);
+    let out_dir = recipe.output_dir();
+    let stopped = signal.clone();
     // A stop by signal is every rank's orderly end, not a failure that aborts the others:
     // it travels as a value, and rank 0's (which names its checkpoint) is the run's.
     let opts = opts.clone();
@@ -147,7 +152,21 @@ pub fn run_with(recipe: Recipe, opts: &RunOptions) -> Result<RunSummary> {
         Err(e) if e.is::<stop::Interrupted>() => Ok(Err(e)),
         res => res.map(Ok),
     };
-    launch(ranks, timeout, Arc::new(body))?
+    match launch(ranks, timeout, Arc::new(body)) {
+        // A failure that a signal caused (ranks stuck in a collective) is the signal's stop.
+        Err(e) if stopped.received() && crate::parallel::gave_up_after_signal() => {
+            Err(stop::StoppedUnsaved {
+                why: format!("{e:#}"),
+                last_checkpoint: super::checkpoint_check::scan(&out_dir)
+                    .into_iter()
+                    .rev()
+                    .find(|f| f.state.is_ok())
+                    .map(|f| f.dir),
+            }
+            .into())
+        }
+        res => res?,
+    }
 }
 
 /// One rank's run (the whole run when it is the only one); rank 0 prints and writes.
@@ -211,6 +230,7 @@ fn run_rank(
     if lead {
         announce(&session);
     }
+    signal.training();
     let res = session.train_from(&out_dir, resume.as_ref(), &|_| signal.received());
     if res.is_err() && signal.received() {
         signal.wait_announced();

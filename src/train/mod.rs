@@ -11,6 +11,7 @@
 //! `stop`, `schedule`, `eval`, `offload`.
 
 pub mod checkpoint;
+pub mod checkpoint_check;
 pub mod driver;
 pub mod eval;
 pub mod launch;
@@ -19,6 +20,7 @@ pub mod offload;
 pub mod optim;
 pub mod preflight;
 pub mod readback;
+pub mod run_check;
 pub mod schedule;
 pub mod session;
 pub mod step;

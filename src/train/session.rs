@@ -129,6 +129,12 @@ impl Session {
                 targets: recipe.target_modules()?,
             },
         };
+        super::run_check::lora_fits(
+            &recipe,
+            &files,
+            &spec,
+            init.as_ref().map(|(p, _)| p.as_path()),
+        )?;
         let fsdp = recipe.parallel.strategy == crate::recipe::Strategy::Fsdp;
         let seed = recipe.train.seed;
         // The run's kernels; with them the adapters' forward folded into the base GEMMs
@@ -151,6 +157,7 @@ impl Session {
             }
         }
         let (data, eval, data_notes) = load_data(&recipe, &files, model.cfg.vocab_size)?;
+        super::run_check::something_to_train(&recipe, &data)?;
         let sampler = Sampler::new(&data, &recipe.data, recipe.train.seed);
         let pad_id = model.cfg.pad_token_id.unwrap_or(0);
         // What PEFT loads the base from: the Hub id, or the local directory as an absolute

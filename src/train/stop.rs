@@ -4,13 +4,15 @@
 //! The first SIGINT or SIGTERM sets a flag; the training loop finishes the step it is in,
 //! saves a checkpoint and returns `Interrupted` (the CLI exits with `EXIT_INTERRUPTED`). A
 //! second signal ends the process at once with `EXIT_SECOND_SIGNAL`; checkpoints are written
-//! into a temporary directory and renamed, so the last complete one stays loadable. The
-//! handlers are installed once the model and data are loaded: before that a signal ends the
-//! process as usual, and nothing has been written yet.
+//! into a temporary directory and renamed, so the last complete one stays loadable. A signal
+//! that comes while the run is still loading (the model, the data: nothing written yet) ends
+//! the process at once with `EXIT_INTERRUPTED`. A signal that finds ranks stuck in a
+//! collective (a rank that never joins) ends their wait within `parallel::STOP_GRACE`, and
+//! the run stops with `StoppedUnsaved`, naming the last complete checkpoint.
 
 use anyhow::Result;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -78,14 +80,46 @@ impl std::fmt::Display for NonFinite {
 
 impl std::error::Error for NonFinite {}
 
+/// A signal stopped the run where no checkpoint could be saved: ranks stuck in a collective
+/// (every checkpoint already saved is complete).
+#[derive(Debug, thiserror::Error)]
+#[error("stopped by the signal without a new checkpoint: {why}; {}", match last_checkpoint {
+    Some(p) => format!("the last complete checkpoint is {} (continue with train.resume = true)", p.display()),
+    None => "there is no checkpoint".into(),
+})]
+pub struct StoppedUnsaved {
+    pub why: String,
+    pub last_checkpoint: Option<PathBuf>,
+}
+
+/// Where the run is, for the signal: still loading (a signal ends the process at once), in
+/// the training loop (the step finishes and a checkpoint is saved), or ending on a signal.
+const LOADING: u8 = 0;
+const TRAINING: u8 = 1;
+const EXITING: u8 = 2;
+
 /// The first SIGINT / SIGTERM, as the training loop sees it.
 #[derive(Clone)]
 pub struct StopSignal {
     flag: Arc<AtomicBool>,
     announced: Arc<AtomicBool>,
+    phase: Arc<AtomicU8>,
 }
 
 impl StopSignal {
+    /// The run enters its training loop: from now on a signal finishes the step and saves.
+    /// (When a signal already ends the process, this thread waits for that.)
+    pub fn training(&self) {
+        let cas =
+            self.phase
+                .compare_exchange(LOADING, TRAINING, Ordering::SeqCst, Ordering::SeqCst);
+        if cas == Err(EXITING) {
+            loop {
+                std::thread::park();
+            }
+        }
+    }
+
     /// A signal has arrived: finish the step, save, stop.
     pub fn received(&self) -> bool {
         self.flag.load(Ordering::SeqCst)
@@ -116,17 +150,30 @@ pub fn install_signal_handlers() -> Result<StopSignal> {
     // signal handler, so a thread waits for the signal and prints.
     let announced = Arc::new(AtomicBool::new(false));
     let said = announced.clone();
+    let phase = Arc::new(AtomicU8::new(LOADING));
+    let at = phase.clone();
     let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])?;
     std::thread::spawn(move || {
         if let Some(sig) = signals.forever().next() {
             let name = if sig == SIGINT { "SIGINT" } else { "SIGTERM" };
+            let cas = at.compare_exchange(LOADING, EXITING, Ordering::SeqCst, Ordering::SeqCst);
+            if cas.is_ok() {
+                eprintln!("\n{name} while loading: stopped (nothing was written)");
+                std::process::exit(EXIT_INTERRUPTED.into());
+            }
+            // Ranks waiting in a collective for one that never comes stop waiting soon.
+            crate::parallel::interrupt();
             eprintln!(
                 "\n{name}: finishing this step, then saving a checkpoint (send it again to quit at once)"
             );
             said.store(true, Ordering::SeqCst);
         }
     });
-    Ok(StopSignal { flag, announced })
+    Ok(StopSignal {
+        flag,
+        announced,
+        phase,
+    })
 }
 
 /// Exit code when the memory plan says the run does not fit (preflight, before loading).

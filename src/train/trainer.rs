@@ -15,7 +15,6 @@ use super::step::{adapter_params, Done, Engine};
 use super::{schedule, stop, RunSummary};
 use crate::export;
 use crate::memory::PhaseMeter;
-use crate::recipe::RecipeError;
 use anyhow::{Context, Result};
 use std::path::{Path, PathBuf};
 
@@ -122,6 +121,7 @@ impl<'s> Run<'s> {
     fn start(s: &'s Session, out_dir: &'s Path, resume: Option<&Checkpoint>) -> Result<Run<'s>> {
         let t = &s.recipe.train;
         let total = s.total_steps();
+        super::run_check::steps(s, total, resume.map_or(0, |c| c.state.cursor.epoch))?;
         let params = adapter_params(&s.model);
         let keys: Vec<String> = s
             .model
@@ -132,7 +132,7 @@ impl<'s> Run<'s> {
         s.set_cpu_budget();
         let mut at = Progress::default();
         if let Some(ck) = resume {
-            s.check_same_data(ck, total)?;
+            super::checkpoint_check::state(s, ck, total)?;
             checkpoint::restore(ck, s, &mut opt, &keys)
                 .with_context(|| format!("cannot resume from {}", ck.dir.display()))?;
             at = Progress::of(&ck.state);
@@ -146,7 +146,7 @@ impl<'s> Run<'s> {
             keys,
             log,
             saved: resume.map(|c| (c.state.step, c.dir.clone())),
-            losses: Vec::with_capacity(total - at.step.min(total)),
+            losses: Vec::new(),
             last_eval: None,
             vote: stop::Vote::new(s.comm.world()),
             at,
@@ -298,26 +298,6 @@ impl<'s> Run<'s> {
 }
 
 impl Session {
-    /// A checkpoint taken on this data: the same examples, tokens and steps.
-    fn check_same_data(&self, ck: &Checkpoint, total: usize) -> Result<()> {
-        let s = &ck.state;
-        let data_tokens: usize = self.data.examples.iter().map(|e| e.ids.len()).sum();
-        let now = (self.data.examples.len(), data_tokens, total);
-        if (s.data_examples, s.data_tokens, s.total_steps) == now {
-            return Ok(());
-        }
-        let r = &self.recipe;
-        Err(RecipeError::Invalid {
-            path: r.source.clone(),
-            key: "data.train".into(),
-            msg: format!(
-                "{} changed since checkpoint {} was saved ({} examples, {} tokens, {} steps then; {} examples, {} tokens, {} steps now): resuming would not continue the same run",
-                r.data.train.describe(), ck.dir.display(), s.data_examples, s.data_tokens, s.total_steps, now.0, now.1, now.2
-            ),
-        }
-        .into())
-    }
-
     /// train.max_memory on the CPU caps an accounting of tensor bytes: the model and the f32
     /// adapter state (weights, AdamW m and v, gradients) plus what the driver holds.
     fn set_cpu_budget(&self) {

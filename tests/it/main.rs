@@ -2,6 +2,7 @@
 //! invariants, the real CLI, checkpoints and exact resume, the merged export, Hub models and
 //! data sets against loopback servers, and every shipped recipe.
 
+mod bad_input;
 mod chat;
 mod cli;
 mod common;
