@@ -425,10 +425,27 @@ pub fn restore(ck: &Checkpoint, s: &Session, opt: &mut AdamW, keys: &[String]) -
 
 /// Before a run writes into `out_dir`: removes what interrupted saves left behind
 /// (.checkpoint-*.tmp-* / .old-* directories) and, on a fresh start, the checkpoints of an
-/// earlier (finished) run, which `resume = true` would otherwise pick up. Returns the names
-/// of the removed checkpoints.
-pub fn clean(out_dir: &Path, fresh: bool) -> Result<Vec<String>> {
+/// earlier (finished) run, which `resume = true` would otherwise pick up, and its final
+/// adapter and merged model (`check::earlier_outputs`). Returns the names of what it removed.
+pub fn clean(r: &Recipe, out_dir: &Path, fresh: bool) -> Result<Vec<String>> {
     let mut removed = Vec::new();
+    if fresh {
+        // A finished earlier run's final adapter and merged model (proven ours), moved aside
+        // before they are deleted so that a crash leaves none of them half-removed.
+        for p in check::earlier_outputs(r, out_dir)? {
+            let name = p.file_name().map(|n| n.to_string_lossy().into_owned());
+            let name = name.unwrap_or_default();
+            let aside = out_dir.join(format!(".{name}.old-{}", std::process::id()));
+            std::fs::rename(&p, &aside)
+                .with_context(|| format!("cannot move {} aside", p.display()))?;
+            match aside.is_dir() {
+                true => std::fs::remove_dir_all(&aside),
+                false => std::fs::remove_file(&aside),
+            }
+            .with_context(|| format!("cannot remove {}", aside.display()))?;
+            removed.push(name);
+        }
+    }
     let finished = match fresh {
         true => check::removable(out_dir),
         false => Vec::new(),
@@ -438,12 +455,16 @@ pub fn clean(out_dir: &Path, fresh: bool) -> Result<Vec<String>> {
         .flatten()
     {
         let name = e.file_name().to_string_lossy().into_owned();
-        let leftover = (name.starts_with(".checkpoint-") || name.starts_with(".merged."))
+        let ours = [".checkpoint-", ".merged.", ".adapter_model.", ".adapter_config."];
+        let leftover = ours.iter().any(|p| name.starts_with(p))
             && (name.contains(".tmp-") || name.contains(".old-"));
         let stale = finished.contains(&e.path());
         if leftover || stale {
-            std::fs::remove_dir_all(e.path())
-                .with_context(|| format!("cannot remove {}", e.path().display()))?;
+            match e.path().is_dir() {
+                true => std::fs::remove_dir_all(e.path()),
+                false => std::fs::remove_file(e.path()),
+            }
+            .with_context(|| format!("cannot remove {}", e.path().display()))?;
             if stale {
                 removed.push(name);
             }

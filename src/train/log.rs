@@ -176,7 +176,7 @@ fn progress_bar(total: u64) -> ProgressBar {
 fn open_outputs(s: &Session, out_dir: &Path, resume: Option<&Checkpoint>) -> Result<std::fs::File> {
     std::fs::create_dir_all(out_dir)
         .with_context(|| format!("cannot create {}", out_dir.display()))?;
-    let removed = checkpoint::clean(out_dir, resume.is_none())?;
+    let removed = checkpoint::clean(&s.recipe, out_dir, resume.is_none())?;
     if !removed.is_empty() {
         eprintln!(
             "removed {} of an earlier run from {}",
