@@ -426,9 +426,10 @@ pub fn restore(ck: &Checkpoint, s: &Session, opt: &mut AdamW, keys: &[String]) -
 /// Before a run writes into `out_dir`: removes what interrupted saves left behind
 /// (.checkpoint-*.tmp-* / .old-* directories) and, on a fresh start, the checkpoints of an
 /// earlier (finished) run, which `resume = true` would otherwise pick up, and its final
-/// adapter and merged model (`check::earlier_outputs`). Returns the names of what it removed.
-pub fn clean(r: &Recipe, out_dir: &Path, fresh: bool) -> Result<Vec<String>> {
+/// adapter and merged model (`check::earlier_outputs`).
+pub fn clean(r: &Recipe, out_dir: &Path, fresh: bool) -> Result<Removed> {
     let mut removed = Vec::new();
+    let mut outputs = Vec::new();
     if fresh {
         // A finished earlier run's final adapter and merged model (proven ours), moved aside
         // before they are deleted so that a crash leaves none of them half-removed.
@@ -443,7 +444,7 @@ pub fn clean(r: &Recipe, out_dir: &Path, fresh: bool) -> Result<Vec<String>> {
                 false => std::fs::remove_file(&aside),
             }
             .with_context(|| format!("cannot remove {}", aside.display()))?;
-            removed.push(name);
+            outputs.push(name);
         }
     }
     let finished = match fresh {
@@ -455,7 +456,12 @@ pub fn clean(r: &Recipe, out_dir: &Path, fresh: bool) -> Result<Vec<String>> {
         .flatten()
     {
         let name = e.file_name().to_string_lossy().into_owned();
-        let ours = [".checkpoint-", ".merged.", ".adapter_model.", ".adapter_config."];
+        let ours = [
+            ".checkpoint-",
+            ".merged.",
+            ".adapter_model.",
+            ".adapter_config.",
+        ];
         let leftover = ours.iter().any(|p| name.starts_with(p))
             && (name.contains(".tmp-") || name.contains(".old-"));
         let stale = finished.contains(&e.path());
@@ -471,7 +477,17 @@ pub fn clean(r: &Recipe, out_dir: &Path, fresh: bool) -> Result<Vec<String>> {
         }
     }
     removed.sort();
-    Ok(removed)
+    Ok(Removed {
+        checkpoints: removed,
+        outputs,
+    })
+}
+
+/// What `clean` removed of an earlier run: checkpoint directories, and its final outputs.
+#[derive(Debug, Default)]
+pub struct Removed {
+    pub checkpoints: Vec<String>,
+    pub outputs: Vec<String>,
 }
 
 /// Keeps the newest `keep_last` checkpoints of steps ≤ `step` (0 = keep all). Each is moved

@@ -177,12 +177,14 @@ fn open_outputs(s: &Session, out_dir: &Path, resume: Option<&Checkpoint>) -> Res
     std::fs::create_dir_all(out_dir)
         .with_context(|| format!("cannot create {}", out_dir.display()))?;
     let removed = checkpoint::clean(&s.recipe, out_dir, resume.is_none())?;
-    if !removed.is_empty() {
-        eprintln!(
-            "removed {} of an earlier run from {}",
-            removed.join(", "),
-            out_dir.display()
-        );
+    for names in [removed.outputs, removed.checkpoints] {
+        if !names.is_empty() {
+            eprintln!(
+                "removed {} of an earlier run from {}",
+                names.join(", "),
+                out_dir.display()
+            );
+        }
     }
     atomic_write(&out_dir.join("recipe.toml"), s.recipe.to_toml().as_bytes())?;
     let metrics_path = out_dir.join("metrics.jsonl");
