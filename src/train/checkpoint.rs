@@ -29,6 +29,11 @@ use std::path::{Path, PathBuf};
 pub use crate::util::TRAINER_STATE as STATE;
 pub const OPTIMIZER: &str = "optimizer.safetensors";
 const FORMAT: &str = "lora-train checkpoint 1";
+/// How this build derives its random streams (`TrainerState::rng`): a run with dropout resumes
+/// exactly only where the checkpoint's streams are these.
+pub const RNG: &str = "SplitMix64 streams keyed by seed: shuffle (seed, epoch); dropout masks \
+                       Philox4x32-10 keyed by (seed, step, micro-batch), counter (element / 8, \
+                       layer, module)";
 /// Losses kept in trainer_state.json (the full history is in metrics.jsonl).
 const LOSS_TAIL: usize = 100;
 
@@ -139,9 +144,7 @@ impl TrainerState {
             skipped_steps: at.skipped,
             tokens: at.tokens,
             seed: t.seed,
-            rng: "SplitMix64 streams keyed by seed: shuffle (seed, epoch), dropout (seed, step, \
-                  micro-batch, layer, module)"
-                .into(),
+            rng: RNG.into(),
             schedule: ScheduleInputs {
                 kind: t.schedule,
                 lr: t.lr,
@@ -337,6 +340,18 @@ pub fn resume_point(r: &Recipe, out_dir: &Path) -> Result<Option<Checkpoint>> {
             msg.push_str(&format!(" (also different: {})", rest.join(", ")));
         }
         return Err(invalid(first, msg).into());
+    }
+    if r.lora.dropout > 0.0 && state.rng != RNG {
+        let msg = format!(
+            "= {}, but checkpoint {} drew its dropout masks as \"{}\", and this build draws them \
+             as \"{RNG}\": an exact resume needs the build that wrote it; or start a new run from \
+             the checkpoint's adapter with lora.init_adapter = \"{}\"",
+            r.lora.dropout,
+            dir.display(),
+            state.rng,
+            dir.display()
+        );
+        return Err(invalid("lora.dropout", msg).into());
     }
     Ok(Some(Checkpoint { dir, state }))
 }
