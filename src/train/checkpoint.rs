@@ -383,29 +383,7 @@ pub fn save(
             &s.base_name,
             s.base_revision.as_deref(),
         )?;
-        let (m, v) = opt.state()?;
-        let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
-        for ((key, m), v) in keys.iter().zip(m).zip(v) {
-            for (suffix, t) in [("exp_avg", m), ("exp_avg_sq", v)] {
-                let t = t.to_device(&Device::Cpu)?;
-                let bytes = export::merge::tensor_bytes(&t)?;
-                tensors.push((format!("{key}.{suffix}"), t.dims().to_vec(), bytes));
-            }
-        }
-        let views = tensors
-            .iter()
-            .map(|(k, shape, bytes)| {
-                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes)
-                    .map(|v| (k.as_str(), v))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        // One metadata entry only: safetensors writes a map's entries in hash order, and
-        // checkpoints of equal runs must be equal bytes. The step count t is in trainer_state.
-        let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-        std::fs::write(
-            tmp.join(OPTIMIZER),
-            safetensors::serialize(views, Some(meta))?,
-        )?;
+        write_optimizer(&tmp.join(OPTIMIZER), opt, keys)?;
         std::fs::write(tmp.join("recipe.toml"), s.recipe.to_toml())?;
         // The trainer state goes last: a directory holding it is complete.
         std::fs::write(tmp.join(STATE), serde_json::to_string_pretty(state)? + "\n")?;
@@ -417,6 +395,33 @@ pub fn save(
         return Err(e.context(format!("cannot save checkpoint {}", dst.display())));
     }
     Ok(dst)
+}
+
+/// AdamW's m and v per parameter (f32) into `path` as safetensors, keyed `<keys[i]>.exp_avg`
+/// and `<keys[i]>.exp_avg_sq` (`keys[i]` the PEFT key of `opt.params[i]`): what a checkpoint
+/// holds of the optimiser besides its step count.
+pub fn write_optimizer(path: &Path, opt: &AdamW, keys: &[String]) -> Result<()> {
+    let (m, v) = opt.state()?;
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for ((key, m), v) in keys.iter().zip(m).zip(v) {
+        for (suffix, t) in [("exp_avg", m), ("exp_avg_sq", v)] {
+            let t = t.to_device(&Device::Cpu)?;
+            let bytes = export::merge::tensor_bytes(&t)?;
+            tensors.push((format!("{key}.{suffix}"), t.dims().to_vec(), bytes));
+        }
+    }
+    let views = tensors
+        .iter()
+        .map(|(k, shape, bytes)| {
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes)
+                .map(|v| (k.as_str(), v))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    // One metadata entry only: safetensors writes a map's entries in hash order, and
+    // checkpoints of equal runs must be equal bytes. The step count t is in trainer_state.
+    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+    std::fs::write(path, safetensors::serialize(views, Some(meta))?)?;
+    Ok(())
 }
 
 /// Loads a checkpoint's adapter into the model and its m, v and t into the optimiser.
