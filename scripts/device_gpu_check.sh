@@ -19,6 +19,11 @@
 #         make_random_checkpoint.py; tokens data, seq 2048, mb2, r16 all linear) beside `bench` at
 #         the same shape and scripts/bench_peft.py (and --liger when liger_kernel imports); the
 #         time to read the checkpoint's bytes from disk (cold cache) beside our load time.
+# dropout: the `train` command on that saved checkpoint with lora.dropout = 0.0 and 0.05, one
+#         after the other (acceptance: 0.05 at >= 95% of 0.0's tok/s), and scripts/bench_peft.py
+#         with PEFT's lora_dropout = 0.05 (and --liger) -> $OUT/dropout.jsonl, $OUT/dropout.txt.
+# sweep:  scripts/sweep.sh (every knob against the plain configuration; PEERS=0 for ours only,
+#         ROWS to pick rows) -> $OUT/sweep.jsonl, $OUT/sweep.md.
 # dist (2 GPUs, a lora-train built with --features cuda,nccl): the tiny recipe trained with ddp and
 #   fsdp on GPUs 0,1 (complete adapter, loss), then the 7B-shape bench with one global batch of
 #   4 rows of 2048: single micro-batch 4 (and 2: the scaling reference), ddp and fsdp 2 GPUs x 2
@@ -58,7 +63,7 @@ fi
 
 if [[ $what == *" tests "* ]]; then
   env LORA_TRAIN_ROOT=$PWD "CARGO_BIN_EXE_lora-train=$PWD/.devbuild/lora-train" timeout 300 $E .devbuild/it \
-    ops:: golden:: invariants:: plan::cuda_ generate:: --test-threads 1 2>&1 | tee "$OUT/gpu-tests.log" \
+    ops:: golden:: invariants:: plan::cuda_ generate:: dropout:: --test-threads 1 2>&1 | tee "$OUT/gpu-tests.log" \
     | grep -E "^test .*(FAILED|ok)$|test result|panicked" | grep -v " ok$" | head -40
   grep -c " ok$" "$OUT/gpu-tests.log" | sed 's/^/tests ok: /'
 fi
@@ -91,6 +96,46 @@ PY
     timeout 200 python3 scripts/bench_peft.py --shape llama2-7b --seq 2048 --batch 2 --rank 16 \
       --targets all --steps 10 --warmup 3 --liger --json "$OUT/train7b.jsonl" 2>&1 | tail -1
   fi
+fi
+
+if [[ $what == *" dropout "* ]]; then
+  C=/tmp/llama2-7b
+  [ -f $C/data.jsonl ] || python3 scripts/make_random_checkpoint.py $C llama2-7b --seq 2048 --rows 400 2>&1 | tail -1
+  for p in 0.0 0.05; do
+    rm -rf /tmp/out-7b-$p
+    timeout 240 $E .devbuild/lora-train --recipe scripts/device/random-checkpoint.toml \
+      --set lora.dropout=$p --set output.dir=/tmp/out-7b-$p 2>&1 | tail -2
+  done
+  python3 - <<'PY' | tee "$OUT/dropout.txt"
+import json
+tps = {}
+for p in ["0.0", "0.05"]:
+    rows = [json.loads(l) for l in open(f"/tmp/out-7b-{p}/metrics.jsonl")]
+    a, b = rows[5], rows[-1]  # steps 6 .. last: past warm-up
+    tps[p] = (b["tokens"] - a["tokens"]) / (b["elapsed_s"] - a["elapsed_s"])
+    print(f"train, lora.dropout = {p}: {tps[p]:.0f} tok/s (steps {a['step']+1}-{b['step']}), first step after {rows[0]['elapsed_s']} s, peak GiB {b.get('mem')}")
+print(f"dropout 0.05 / 0.0: {tps['0.05'] / tps['0.0']:.3f} (acceptance: >= 0.95)")
+PY
+  for extra in "" "--liger"; do
+    [ -n "$extra" ] && ! python3 -c "import liger_kernel" 2>/dev/null && continue
+    timeout 200 python3 scripts/bench_peft.py --shape llama2-7b --seq 2048 --batch 2 --rank 16 \
+      --targets all --steps 10 --warmup 3 --dropout 0.05 $extra --json "$OUT/dropout.jsonl" 2>&1 | tail -1
+  done
+  python3 - "$OUT" <<'PY' | tee -a "$OUT/dropout.txt"
+import json, sys
+out = sys.argv[1]
+rows = [json.loads(l) for l in open(f"/tmp/out-7b-0.05/metrics.jsonl")]
+a, b = rows[5], rows[-1]
+ours = (b["tokens"] - a["tokens"]) / (b["elapsed_s"] - a["elapsed_s"])
+for l in open(f"{out}/dropout.jsonl"):
+    d = json.loads(l)
+    print(f"train dropout 0.05 / {d['system']} lora_dropout 0.05: {ours:.0f} / {d.get('tokens_per_s')} ="
+          f" {ours / d['tokens_per_s']:.2f}x (acceptance vs PEFT: >= 2.0)" if d.get("tokens_per_s") else d)
+PY
+fi
+
+if [[ $what == *" sweep "* ]]; then
+  OUT=$OUT bash scripts/sweep.sh 2>&1 | tail -40
 fi
 
 if [[ $what == *" tiny "* ]]; then

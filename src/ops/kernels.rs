@@ -8,8 +8,8 @@
 //!
 //! A fallback exists only where the hardware or the dtype needs it: the blockwise attention
 //! (CPU, f32 and f16, head dims other than 64 and 128), the unfolded adapters (CPU, f32 and
-//! f16; per linear also dropout and biases), the cross-entropy as tensor ops (CPU, f16), and
-//! cuBLAS's own GEMM choice (CPU).
+//! f16; per linear also biases), dropout's masked copies (CPU, f32 and f16), the
+//! cross-entropy as tensor ops (CPU, f16), and cuBLAS's own GEMM choice (CPU).
 //!
 //! Experiments not yet measured stay off unless named in `LORA_TRAIN_EXPERIMENTS`, a comma-
 //! separated list (`EXPERIMENTS`), read by `resolve`:
@@ -136,6 +136,10 @@ pub struct Kernels {
     /// The adapters' forward and backward folded into the frozen GEMMs by concatenating k
     /// (ops::fold: CUDA, bf16): `Model::fold` pads the weights of the groups that can.
     pub fold: bool,
+    /// LoRA dropout's masks drawn inside the adapters' kernels (ops::fold_drop: CUDA, bf16),
+    /// where they take the operands; else a masked copy of the input per use
+    /// (`ops::dropout::apply`). The same masks either way.
+    pub dropout_fused: bool,
     /// The head's cross-entropy (`Model::head_loss_bwd`).
     pub cross_entropy: CrossEntropy,
     /// The large GEMMs' algorithm (ops::linear_acc).
@@ -187,6 +191,7 @@ impl Kernels {
         Kernels {
             attention: Attention::choose(cuda, hopper, dtype, head_dim, deterministic),
             fold: cuda && dtype == DType::BF16,
+            dropout_fused: cuda && dtype == DType::BF16,
             cross_entropy: match cuda && matches!(dtype, DType::F32 | DType::BF16) {
                 true => CrossEntropy::Fused,
                 false => CrossEntropy::Ops,
@@ -234,7 +239,7 @@ mod tests {
         let bf16 = DType::BF16;
         let k = Kernels::forecast(true, bf16, 128);
         assert_eq!(k.attention, Attention::Wgmma);
-        assert!(k.fold && k.attention.tensor_cores());
+        assert!(k.fold && k.dropout_fused && k.attention.tensor_cores());
         assert_eq!(
             (k.cross_entropy, k.gemm),
             (CrossEntropy::Fused, Gemm::Tuned)
@@ -254,7 +259,7 @@ mod tests {
         // f32 on a GPU: the fused cross-entropy and tuned GEMMs, nothing else.
         let f32 = Kernels::forecast(true, DType::F32, 128);
         assert_eq!(f32.attention, Attention::Blockwise);
-        assert!(!f32.fold);
+        assert!(!f32.fold && !f32.dropout_fused);
         assert_eq!(
             (f32.cross_entropy, f32.gemm),
             (CrossEntropy::Fused, Gemm::Tuned)
@@ -271,7 +276,7 @@ mod tests {
             }
         );
         assert_eq!(cpu.attention, Attention::Blockwise);
-        assert!(!cpu.fold);
+        assert!(!cpu.fold && !cpu.dropout_fused);
         assert_eq!(
             (cpu.cross_entropy, cpu.gemm),
             (CrossEntropy::Ops, Gemm::Heuristic)

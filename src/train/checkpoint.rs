@@ -30,6 +30,11 @@ use std::path::{Path, PathBuf};
 pub use crate::util::TRAINER_STATE as STATE;
 pub const OPTIMIZER: &str = "optimizer.safetensors";
 const FORMAT: &str = "lora-train checkpoint 1";
+/// How this build derives its random streams (`TrainerState::rng`): a run with dropout resumes
+/// exactly only where the checkpoint's streams are these.
+pub const RNG: &str = "SplitMix64 streams keyed by seed: shuffle (seed, epoch); dropout masks \
+                       Philox4x32-10 keyed by (seed, step, micro-batch), counter (element / 8, \
+                       layer, module)";
 /// Losses kept in trainer_state.json (the full history is in metrics.jsonl).
 const LOSS_TAIL: usize = 100;
 
@@ -145,9 +150,7 @@ impl TrainerState {
             skipped_steps: at.skipped,
             tokens: at.tokens,
             seed: t.seed,
-            rng: "SplitMix64 streams keyed by seed: shuffle (seed, epoch), dropout (seed, step, \
-                  micro-batch, layer, module)"
-                .into(),
+            rng: RNG.into(),
             schedule: ScheduleInputs {
                 kind: t.schedule,
                 lr: t.lr,
@@ -334,6 +337,18 @@ pub fn resume_point(r: &Recipe, out_dir: &Path) -> Result<Option<Checkpoint>> {
         }
         return Err(invalid(first, msg).into());
     }
+    if r.lora.dropout > 0.0 && state.rng != RNG {
+        let msg = format!(
+            "= {}, but checkpoint {} drew its dropout masks as \"{}\", and this build draws them \
+             as \"{RNG}\": an exact resume needs the build that wrote it; or start a new run from \
+             the checkpoint's adapter with lora.init_adapter = \"{}\"",
+            r.lora.dropout,
+            dir.display(),
+            state.rng,
+            dir.display()
+        );
+        return Err(invalid("lora.dropout", msg).into());
+    }
     Ok(Some(Checkpoint { dir, state }))
 }
 
@@ -364,29 +379,7 @@ pub fn save(
             &s.base_name,
             s.base_revision.as_deref(),
         )?;
-        let (m, v) = opt.state()?;
-        let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
-        for ((key, m), v) in keys.iter().zip(m).zip(v) {
-            for (suffix, t) in [("exp_avg", m), ("exp_avg_sq", v)] {
-                let t = t.to_device(&Device::Cpu)?;
-                let bytes = export::merge::tensor_bytes(&t)?;
-                tensors.push((format!("{key}.{suffix}"), t.dims().to_vec(), bytes));
-            }
-        }
-        let views = tensors
-            .iter()
-            .map(|(k, shape, bytes)| {
-                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes)
-                    .map(|v| (k.as_str(), v))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        // One metadata entry only: safetensors writes a map's entries in hash order, and
-        // checkpoints of equal runs must be equal bytes. The step count t is in trainer_state.
-        let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-        std::fs::write(
-            tmp.join(OPTIMIZER),
-            safetensors::serialize(views, Some(meta))?,
-        )?;
+        write_optimizer(&tmp.join(OPTIMIZER), opt, keys)?;
         std::fs::write(tmp.join("recipe.toml"), s.recipe.to_toml())?;
         // The trainer state goes last: a directory holding it is complete.
         std::fs::write(tmp.join(STATE), serde_json::to_string_pretty(state)? + "\n")?;
@@ -398,6 +391,33 @@ pub fn save(
         return Err(e.context(format!("cannot save checkpoint {}", dst.display())));
     }
     Ok(dst)
+}
+
+/// AdamW's m and v per parameter (f32) into `path` as safetensors, keyed `<keys[i]>.exp_avg`
+/// and `<keys[i]>.exp_avg_sq` (`keys[i]` the PEFT key of `opt.params[i]`): what a checkpoint
+/// holds of the optimiser besides its step count.
+pub fn write_optimizer(path: &Path, opt: &AdamW, keys: &[String]) -> Result<()> {
+    let (m, v) = opt.state()?;
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for ((key, m), v) in keys.iter().zip(m).zip(v) {
+        for (suffix, t) in [("exp_avg", m), ("exp_avg_sq", v)] {
+            let t = t.to_device(&Device::Cpu)?;
+            let bytes = export::merge::tensor_bytes(&t)?;
+            tensors.push((format!("{key}.{suffix}"), t.dims().to_vec(), bytes));
+        }
+    }
+    let views = tensors
+        .iter()
+        .map(|(k, shape, bytes)| {
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes)
+                .map(|v| (k.as_str(), v))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    // One metadata entry only: safetensors writes a map's entries in hash order, and
+    // checkpoints of equal runs must be equal bytes. The step count t is in trainer_state.
+    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+    std::fs::write(path, safetensors::serialize(views, Some(meta))?)?;
+    Ok(())
 }
 
 /// Loads a checkpoint's adapter into the model and its m, v and t into the optimiser.

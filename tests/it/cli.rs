@@ -334,6 +334,72 @@ fn ddp_and_fsdp_recipes_train_on_cpu_ranks_and_write_a_complete_adapter() {
     }
 }
 
+/// The sweep's knobs on the bench (scripts/sweep.sh): dropout, rsLoRA, packed short examples,
+/// eval and checkpoints every step run through the training loop's order, the line carries
+/// them and the work they add (`work_flops_per_token`), and no checkpoint is left behind.
+#[test]
+fn bench_takes_the_sweeps_knobs_and_counts_their_work() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |extra: &[&str]| -> serde_json::Value {
+        let o = bin()
+            .env("TMPDIR", tmp.path())
+            .args(["bench", "--device", "cpu", "--shape", "tiny", "--seq", "32"])
+            .args(["--micro-batch", "2", "--steps", "2", "--warmup", "1"])
+            .args(extra)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success(), "{extra:?}: {stderr}");
+        serde_json::from_slice(&o.stdout).unwrap()
+    };
+    let plain = run(&["--tag", "plain"]);
+    assert_eq!(plain["tag"], "plain");
+    let f = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap();
+    assert!(f(&plain, "work_flops_per_token") > f(&plain, "flops_per_token"));
+    let knobs = run(&[
+        "--dropout",
+        "0.1",
+        "--rslora",
+        "--pack-short",
+        "4",
+        "--eval-every",
+        "1",
+        "--save-every",
+        "1",
+        "--tag",
+        "knobs",
+    ]);
+    assert_eq!(knobs["pack"], 4);
+    assert_eq!(
+        (knobs["eval_every"].clone(), knobs["save_every"].clone()),
+        (1.into(), 1.into())
+    );
+    assert!(knobs["rslora"].as_bool().unwrap());
+    assert!((f(&knobs, "dropout") - 0.1).abs() < 1e-6);
+    // Eval forwards add work; packing's shorter attention takes some away.
+    assert!(f(&knobs, "work_flops_per_token") > f(&plain, "work_flops_per_token"));
+    assert_eq!(knobs["losses"].as_array().unwrap().len(), 3);
+    let left: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().collect();
+    assert!(
+        left.is_empty(),
+        "the bench's checkpoints were left behind: {left:?}"
+    );
+    let e = bin()
+        .args([
+            "bench",
+            "--device",
+            "cpu",
+            "--shape",
+            "tiny",
+            "--dropout",
+            "1.0",
+        ])
+        .output()
+        .unwrap();
+    assert!(!e.status.success());
+    assert!(String::from_utf8_lossy(&e.stderr).contains("the dropout rate is a number in [0, 1)"));
+}
+
 #[test]
 fn bench_runs_ddp_and_fsdp_on_cpu_ranks() {
     for strategy in ["ddp", "fsdp"] {
