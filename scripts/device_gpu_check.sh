@@ -117,7 +117,7 @@ for p in ["0.0", "0.05"]:
 print(f"dropout 0.05 / 0.0: {tps['0.05'] / tps['0.0']:.3f} (acceptance: >= 0.95)")
 PY
   for extra in "" "--liger"; do
-    [ -n "$extra" ] && ! python3 -c "import liger_kernel" 2>/dev/null && continue
+    [ -n "$extra" ] && { [ "${DROPOUT_LIGER:-1}" = 0 ] || ! python3 -c "import liger_kernel" 2>/dev/null; } && continue
     timeout 200 python3 scripts/bench_peft.py --shape llama2-7b --seq 2048 --batch 2 --rank 16 \
       --targets all --steps 10 --warmup 3 --dropout 0.05 $extra --json "$OUT/dropout.jsonl" 2>&1 | tail -1
   done
