@@ -90,6 +90,9 @@ print(f"train steps {a['step']+1}-{b['step']}: {tps:.0f} tok/s; peak GiB", b.get
 PY
   timeout 150 $E .devbuild/lora-train bench --shape llama2-7b --seq 2048 --micro-batch 2 --rank 16 \
     --targets all --steps 10 --warmup 3 --json "$OUT/train7b.jsonl" | cut -c1-400
+  # the same bench on the checkpoint train loaded (its weights, bench's rows and loop)
+  timeout 150 $E .devbuild/lora-train bench --model $C --seq 2048 --micro-batch 2 --rank 16 \
+    --targets all --steps 10 --warmup 3 --tag model --json "$OUT/train7b.jsonl" | cut -c1-400
   timeout 200 python3 scripts/bench_peft.py --shape llama2-7b --seq 2048 --batch 2 --rank 16 \
     --targets all --steps 10 --warmup 3 --json "$OUT/train7b.jsonl" 2>&1 | tail -1
   if python3 -c "import liger_kernel" 2>/dev/null; then

@@ -48,6 +48,9 @@ pub struct BenchArgs {
     pub grad_accum: usize,
     /// Behave as a card of this many bytes (a ballast outside the pool; CUDA only).
     pub max_memory: Option<u64>,
+    /// A checkpoint directory to time instead of random weights of `shape` (its config.json
+    /// gives the shape): the weights `train` would load, on bench's random rows.
+    pub model: Option<std::path::PathBuf>,
     /// train.deterministic: no kernel whose sums land in a varying order.
     pub deterministic: bool,
     /// lora.dropout (0: none).
@@ -100,6 +103,14 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
         pad_token_id: None,
         stored_dtype: None,
     })
+}
+
+/// The shape a bench runs: `--model`'s config.json, else the named shape.
+fn config_of(a: &BenchArgs) -> Result<ModelConfig> {
+    match &a.model {
+        Some(dir) => Ok(ModelConfig::from_file(&dir.join("config.json"))?),
+        None => shape(&a.shape),
+    }
 }
 
 pub fn targets(name: &str) -> Result<Vec<String>> {
@@ -171,7 +182,7 @@ fn run_rank(a: &BenchArgs, device: Device, comm: &dyn Comm) -> Result<serde_json
         ..a.clone()
     };
     use crate::memory::plan;
-    let cfg = shape(&a.shape)?;
+    let cfg = config_of(a)?;
     let head_dim = cfg.head_dim;
     let act = if a.device.is_cpu() {
         DType::F32
@@ -232,7 +243,7 @@ fn measure(
     meter: &mut memory::PhaseMeter,
 ) -> Result<serde_json::Value> {
     let (rank, world) = (comm.rank(), comm.world());
-    let cfg = shape(&a.shape)?;
+    let cfg = config_of(a)?;
     let spec = LoraSpec {
         rank: a.rank,
         alpha: a.alpha.unwrap_or(2.0 * a.rank as f64),
@@ -248,8 +259,12 @@ fn measure(
     memory::keep_pool_memory(&a.device)?;
     let t0 = Instant::now();
     let fsdp = a.strategy == Strategy::Fsdp;
-    let (model, shards) = sharded_model(fsdp, comm, kernels, &mut |loaded| {
-        Model::random_with(cfg.clone(), dtype, &a.device, &spec, 0, kernels, loaded)
+    let (model, shards) = sharded_model(fsdp, comm, kernels, &mut |loaded| match &a.model {
+        Some(dir) => {
+            let files = crate::hub::ModelFiles::local(dir)?;
+            Model::load_with(&files, dtype, &a.device, &spec, 0, kernels, loaded)
+        }
+        None => Model::random_with(cfg.clone(), dtype, &a.device, &spec, 0, kernels, loaded),
     })?;
     a.device.synchronize()?;
     let load_s = t0.elapsed().as_secs_f64();

@@ -58,6 +58,10 @@ pub struct BenchArgs {
     /// Behave as a card of this size, e.g. 24GiB (CUDA: a ballast outside the pool).
     #[arg(long, value_parser = super::parse_size)]
     max_memory: Option<u64>,
+    /// Time a local checkpoint's weights (its config.json gives the shape) instead of random
+    /// weights of --shape: what `train` would load.
+    #[arg(long)]
+    model: Option<PathBuf>,
     /// Only kernels whose sums run in a fixed order, so that runs repeat bit for bit, as the
     /// recipe's train.deterministic.
     #[arg(long)]
@@ -156,6 +160,7 @@ pub fn run(b: BenchArgs) -> anyhow::Result<()> {
         },
         grad_accum: b.grad_accum as usize,
         max_memory: b.max_memory,
+        model: b.model,
         deterministic: b.deterministic,
         dropout: b.dropout,
         rslora: b.rslora,

@@ -432,3 +432,41 @@ fn bench_runs_ddp_and_fsdp_on_cpu_ranks() {
         assert!((first - 10.37).abs() < 0.3, "{first}");
     }
 }
+
+/// `bench --model DIR` times a checkpoint's own weights (what `train` would load) at its
+/// config.json's shape, with the same JSON fields as a named shape.
+#[test]
+fn bench_times_a_checkpoint_at_its_own_shape() {
+    let dir = root().join("recipes/assets/tiny-llama");
+    let o = bin()
+        .arg("bench")
+        .arg("--model")
+        .arg(&dir)
+        .args([
+            "--device",
+            "cpu",
+            "--seq",
+            "32",
+            "--micro-batch",
+            "2",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let (c, l) = (
+        cfg["hidden_size"].as_u64().unwrap(),
+        cfg["num_hidden_layers"].as_u64().unwrap(),
+    );
+    // Adapters r16 on all 7 linears of every layer: at least r·(in + out) per linear.
+    assert!(v["trainable_params"].as_u64().unwrap() >= l * 7 * 16 * 2 * c.min(64));
+    assert!(v["tokens_per_s"].as_f64().unwrap() > 0.0);
+    assert!(v["final_loss"].as_f64().unwrap().is_finite());
+}
