@@ -4,7 +4,7 @@
 //! model made bad on the fly, and checks the exit code, the text that names the file and the
 //! field, and that the output directory is as it was.
 
-use crate::common::root;
+use crate::common::{copy_dir, root};
 use assert_cmd::Command;
 use std::collections::BTreeMap;
 use std::io::Read;
@@ -14,18 +14,6 @@ use std::time::{Duration, Instant};
 
 fn bin() -> Command {
     Command::cargo_bin("lora-train").unwrap()
-}
-
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap() {
-        let e = e.unwrap();
-        if e.path().is_dir() {
-            copy_dir(&e.path(), &to.join(e.file_name()));
-        } else {
-            std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
-        }
-    }
 }
 
 /// A temporary directory holding a copy of the tiny model (`model/`), the shipped data

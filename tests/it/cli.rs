@@ -1,9 +1,8 @@
 //! The real binary: the tiny recipe end to end, and bad recipes (error text pinned, exit
 //! code 2, nothing written).
 
-use crate::common::root;
+use crate::common::{copy_dir, root};
 use assert_cmd::Command;
-use std::path::Path;
 
 fn bin() -> Command {
     Command::cargo_bin("lora-train").unwrap()
@@ -141,18 +140,6 @@ fn bad(extra: &str, sets: &[&str]) -> (i32, String) {
     );
     let err = String::from_utf8_lossy(&o.stderr).replace(&dir.display().to_string(), "[TMP]");
     (o.status.code().unwrap_or(-1), err)
-}
-
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap() {
-        let e = e.unwrap();
-        if e.path().is_dir() {
-            copy_dir(&e.path(), &to.join(e.file_name()));
-        } else {
-            std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
-        }
-    }
 }
 
 #[test]
