@@ -5,6 +5,7 @@
 pub mod bench;
 pub mod data;
 pub mod export;
+pub mod generate;
 pub mod hub;
 pub mod lora;
 pub mod memory;
@@ -13,6 +14,7 @@ pub mod ops;
 pub mod parallel;
 pub mod probe;
 pub mod recipe;
+pub mod report;
 pub mod rng;
 pub mod train;
 pub mod util;

@@ -1,0 +1,258 @@
+//! decode.cu's kernels for one-token steps on CUDA: RoPE of q and k with the cache write (one
+//! launch instead of two RoPEs, a copy and two slice writes), and attention over the cache
+//! split along the keys (two launches instead of two GEMMs, a scale, casts and a softmax).
+//! Compiled once per process with NVRTC, as `ops`' kernels are.
+//!
+//! Off with LORA_TRAIN_DECODE_KERNELS=0 (candle's ops then run every step, for A/B runs and
+//! for the test that both agree).
+
+use super::weights::Weights;
+use anyhow::{bail, Result};
+use candle_core::cuda::cudarc::driver::{
+    CudaFunction, CudaModule, DevicePtr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda::cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
+use candle_core::cuda::WrapErr;
+use candle_core::{CudaDevice, CudaStorage, DType, Device, Storage, Tensor};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// Threads a block of the attention kernel (4 warps: decode.cu's `sm` holds 4).
+const THREADS: u32 = 128;
+/// Keys a split takes at least.
+const MIN_CHUNK: usize = 64;
+
+static PTX: OnceLock<std::result::Result<Ptx, String>> = OnceLock::new();
+static MODULES: OnceLock<Mutex<HashMap<usize, Arc<CudaModule>>>> = OnceLock::new();
+
+fn module(dev: &CudaDevice) -> Result<Arc<CudaModule>> {
+    let ptx = PTX
+        .get_or_init(|| {
+            let opts = CompileOptions {
+                arch: Some("sm_80"),
+                ..Default::default()
+            };
+            compile_ptx_with_opts(include_str!("decode.cu"), opts).map_err(|e| format!("{e:?}"))
+        })
+        .as_ref()
+        .map_err(|e| anyhow::anyhow!("NVRTC failed to compile generate/decode.cu: {e}"))?;
+    let ctx = dev.cuda_stream().context().clone();
+    let key = Arc::as_ptr(&ctx) as usize;
+    let mut mods = MODULES
+        .get_or_init(Default::default)
+        .lock()
+        .map_err(|_| anyhow::anyhow!("decode kernel cache poisoned"))?;
+    if let Some(m) = mods.get(&key) {
+        return Ok(m.clone());
+    }
+    let m = ctx.load_module(ptx.clone()).w()?;
+    mods.insert(key, m.clone());
+    Ok(m)
+}
+
+/// The kernels for one model's shape and dtype.
+pub struct Kernels {
+    dev: CudaDevice,
+    dtype: DType,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    /// Blocks the attention aims for (two per multiprocessor).
+    blocks: usize,
+    rope_kv: CudaFunction,
+    part: CudaFunction,
+    merge: CudaFunction,
+}
+
+impl Kernels {
+    /// The kernels when `w` is on CUDA in bf16 or f32 with a head dim they take (even, ≤ 256);
+    /// None otherwise, or with LORA_TRAIN_DECODE_KERNELS=0.
+    pub fn for_model(w: &Weights) -> Result<Option<Kernels>> {
+        let Device::Cuda(dev) = &w.device else {
+            return Ok(None);
+        };
+        let c = &w.cfg;
+        let off = std::env::var("LORA_TRAIN_DECODE_KERNELS").is_ok_and(|v| v == "0");
+        let s = match w.dtype {
+            DType::BF16 => "bf16",
+            DType::F32 => "f32",
+            _ => return Ok(None),
+        };
+        if off || c.head_dim % 2 != 0 || c.head_dim > 256 || c.num_heads % c.num_kv_heads != 0 {
+            return Ok(None);
+        }
+        let m = module(dev)?;
+        let f = |n: &str| m.load_function(&format!("gen_{n}_{s}")).w();
+        use candle_core::cuda::cudarc::driver::sys::CUdevice_attribute;
+        let sms = dev
+            .cuda_stream()
+            .context()
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .w()?;
+        Ok(Some(Kernels {
+            dev: dev.clone(),
+            dtype: w.dtype,
+            heads: c.num_heads,
+            kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+            blocks: 2 * sms.max(1) as usize,
+            rope_kv: f("rope_kv")?,
+            part: f("attn_part")?,
+            merge: f("attn_merge")?,
+        }))
+    }
+
+    /// One token's q [1, H·D], k, v [1, K·D] → q rotated [H, D]; k rotated and v written into
+    /// the caches kc, vc [1, K, cap, D] at `pos`. cos, sin: [1, 1, D/2] f32 at `pos`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope_kv(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        kc: &Tensor,
+        vc: &Tensor,
+        pos: usize,
+    ) -> Result<Tensor> {
+        let (h, kvh, d) = (self.heads, self.kv_heads, self.head_dim);
+        let cap = kc.dim(2)?;
+        if q.elem_count() != h * d || k.elem_count() != kvh * d || v.elem_count() != kvh * d {
+            bail!(
+                "rope_kv: q {:?} k {:?} v {:?} are not one token's",
+                q.dims(),
+                k.dims(),
+                v.dims()
+            );
+        }
+        if kc.dims() != [1, kvh, cap, d] || vc.dims() != kc.dims() || pos >= cap {
+            bail!("rope_kv: cache {:?} cannot take position {pos}", kc.dims());
+        }
+        let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+        let qo = self.fresh(self.dtype, h * d)?;
+        let ptrs = [&q, &k, &v, cos, sin, &qo, kc, vc]
+            .iter()
+            .map(|t| addr(t))
+            .collect::<Result<Vec<u64>>>()?;
+        let ints = [h, kvh, d / 2].map(|x| x as i32);
+        let (cap, pos) = (cap as i64, pos as i64);
+        let stream = self.dev.cuda_stream();
+        let mut b = stream.launch_builder(&self.rope_kv);
+        for p in &ptrs {
+            b.arg(p);
+        }
+        b.arg(&ints[0])
+            .arg(&ints[1])
+            .arg(&ints[2])
+            .arg(&cap)
+            .arg(&pos);
+        let pairs = ((h + kvh) * d / 2) as u32;
+        // SAFETY: q, k, v hold one token's H·D and K·D values, cos and sin D/2 f32, qo H·D
+        // fresh, and the caches K rows of cap × D with pos < cap (all checked above), contiguous
+        // on this device and stream.
+        unsafe { b.launch(LaunchConfig::for_num_elems(pairs)) }.w()?;
+        Ok(qo.reshape((h, d))?)
+    }
+
+    /// Attention of one token's q [H, D] (rotated) against the cache's keys start..end
+    /// ([1, K, cap, D] each) → [1, H·D].
+    pub fn attention(
+        &self,
+        q: &Tensor,
+        kc: &Tensor,
+        vc: &Tensor,
+        start: usize,
+        end: usize,
+        scale: f32,
+    ) -> Result<Tensor> {
+        let (h, kvh, d) = (self.heads, self.kv_heads, self.head_dim);
+        let cap = kc.dim(2)?;
+        if end > cap || start >= end || q.elem_count() != h * d {
+            bail!("attention: keys {start}..{end} of a cache of {cap}");
+        }
+        // Splits of the keys so that the grid fills the GPU: H × splits ≈ `blocks`.
+        let len = end - start;
+        let want = self.blocks.div_ceil(h).max(1);
+        let chunk = len.div_ceil(want).max(MIN_CHUNK);
+        let splits = len.div_ceil(chunk);
+        let part = self.fresh(DType::F32, h * splits * (d + 2))?;
+        let o = self.fresh(self.dtype, h * d)?;
+        let q = q.contiguous()?;
+        let [qp, kp, vp, pp, op] = [&q, kc, vc, &part, &o].map(addr);
+        let (qp, kp, vp, pp, op) = (qp?, kp?, vp?, pp?, op?);
+        let ints = [h, kvh, d].map(|x| x as i32);
+        let (cap_i, start_i, end_i, chunk_i) = (cap as i64, start as i32, end as i32, chunk as i32);
+        let stream = self.dev.cuda_stream();
+        let mut b = stream.launch_builder(&self.part);
+        b.arg(&qp).arg(&kp).arg(&vp).arg(&pp);
+        b.arg(&ints[0]).arg(&ints[1]).arg(&ints[2]);
+        b.arg(&cap_i)
+            .arg(&start_i)
+            .arg(&end_i)
+            .arg(&chunk_i)
+            .arg(&scale);
+        let cfg = LaunchConfig {
+            grid_dim: (h as u32, splits as u32, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: q is H·D values, the caches K × cap × D with start < end ≤ cap, part is
+        // fresh with H × splits × (D + 2) f32 (every entry written: each block writes its own
+        // D + 2); same device and stream.
+        unsafe { b.launch(cfg) }.w()?;
+        let splits_i = splits as i32;
+        let mut b = stream.launch_builder(&self.merge);
+        b.arg(&pp).arg(&op).arg(&ints[2]).arg(&splits_i);
+        let cfg = LaunchConfig {
+            grid_dim: (h as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: part as written above; o is fresh with H·D entries, each written once.
+        unsafe { b.launch(cfg) }.w()?;
+        drop(part);
+        Ok(o.reshape((1, h * d))?)
+    }
+
+    /// A fresh contiguous tensor of `n` elements whose contents the kernel writes.
+    fn fresh(&self, dtype: DType, n: usize) -> Result<Tensor> {
+        // SAFETY: every caller's kernel writes each element before anything reads it.
+        let s = unsafe {
+            match dtype {
+                DType::BF16 => {
+                    CudaStorage::wrap_cuda_slice(self.dev.alloc::<half::bf16>(n)?, self.dev.clone())
+                }
+                DType::F32 => {
+                    CudaStorage::wrap_cuda_slice(self.dev.alloc::<f32>(n)?, self.dev.clone())
+                }
+                d => bail!("decode kernels take bf16 or f32, not {d:?}"),
+            }
+        };
+        Ok(Tensor::from_storage(
+            Storage::Cuda(s),
+            n,
+            candle_core::op::BackpropOp::none(),
+            false,
+        ))
+    }
+}
+
+/// The device address of a contiguous bf16 or f32 CUDA tensor's first element.
+fn addr(t: &Tensor) -> Result<u64> {
+    if !t.is_contiguous() {
+        bail!("decode kernel operand {:?} is not contiguous", t.dims());
+    }
+    let (s, l) = t.storage_and_layout();
+    let Storage::Cuda(cs) = &*s else {
+        bail!("decode kernel operand is not on the GPU");
+    };
+    let stream = cs.device.cuda_stream();
+    let off = (l.start_offset() * t.dtype().size_in_bytes()) as u64;
+    let p = match t.dtype() {
+        DType::BF16 => cs.as_cuda_slice::<half::bf16>()?.device_ptr(&stream).0,
+        DType::F32 => cs.as_cuda_slice::<f32>()?.device_ptr(&stream).0,
+        d => bail!("decode kernels take bf16 or f32, not {d:?}"),
+    };
+    Ok(p + off)
+}

@@ -1,0 +1,140 @@
+// One-token decoding kernels (generate::cuda): RoPE with the cache write, and attention over the
+// cache split along the keys. T is float or bf16_t (raw 16-bit storage); math in f32.
+typedef unsigned short bf16_t;
+__device__ __forceinline__ float ld(const float* p, long i) { return p[i]; }
+__device__ __forceinline__ float ld(const bf16_t* p, long i) {
+    return __uint_as_float(((unsigned int)p[i]) << 16);
+}
+__device__ __forceinline__ void st(float* p, long i, float v) { p[i] = v; }
+__device__ __forceinline__ void st(bf16_t* p, long i, float v) {
+    bf16_t h; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v)); p[i] = h;
+}
+#define NEG_INF __int_as_float(0xff800000)
+
+// q [H·D], k, v [K·D]: one token's projections; cos, sin [D/2] f32 at its position. Writes q
+// rotated into qo [H·D], k rotated and v as they are into the cache rows kc, vc [K, cap, D] at
+// `pos`. One thread per (head, pair) over H + K heads (v copied by the k threads).
+template <typename T>
+__device__ void rope_kv(const T* q, const T* k, const T* v, const float* cos, const float* sin,
+                        T* qo, T* kc, T* vc, int h, int kvh, int half, long cap, long pos) {
+    long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    long pairs = (long)(h + kvh) * half;
+    if (idx >= pairs) return;
+    int head = idx / half, i = idx % half, d = 2 * half;
+    float c = cos[i], s = sin[i];
+    if (head < h) {
+        long b = (long)head * d;
+        float x1 = ld(q, b + i), x2 = ld(q, b + i + half);
+        st(qo, b + i, x1 * c - x2 * s);
+        st(qo, b + i + half, x2 * c + x1 * s);
+    } else {
+        int kh = head - h;
+        long src = (long)kh * d, dst = ((long)kh * cap + pos) * d;
+        float x1 = ld(k, src + i), x2 = ld(k, src + i + half);
+        st(kc, dst + i, x1 * c - x2 * s);
+        st(kc, dst + i + half, x2 * c + x1 * s);
+        vc[dst + i] = v[src + i];
+        vc[dst + i + half] = v[src + i + half];
+    }
+}
+
+#define MAXC 8  // head dim up to 32 · MAXC = 256
+
+// Attention of one query per head against keys [start, end) of its kv head (head / (H / K)),
+// the keys split in chunks of `chunk`: block (head, split) writes its chunk's unnormalised
+// output, running max and sum into part[(head · S + split) · (D + 2)]: acc[D], m, l. Each warp
+// takes every nw-th key (online softmax), then the warps are merged. Blocks of 128 threads.
+template <typename T>
+__device__ void attn_part(const T* q, const T* kc, const T* vc, float* part, int h, int kvh,
+                          int d, long cap, int start, int end, int chunk, float scale) {
+    __shared__ float sq[32 * MAXC];
+    __shared__ float sm[4][32 * MAXC + 2];
+    int head = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
+    int kh = head / (h / kvh);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) sq[i] = ld(q, (long)head * d + i);
+    __syncthreads();
+    int j0 = start + split * chunk, j1 = min(end, j0 + chunk);
+    float m = NEG_INF, l = 0.f, acc[MAXC];
+    #pragma unroll
+    for (int c = 0; c < MAXC; c++) acc[c] = 0.f;
+    const T* kb = kc + (long)kh * cap * d;
+    const T* vb = vc + (long)kh * cap * d;
+    for (int j = j0 + warp; j < j1; j += nw) {
+        float s = 0.f;
+        #pragma unroll
+        for (int c = 0; c < MAXC; c++) {
+            int i = lane + 32 * c;
+            if (i < d) s += sq[i] * ld(kb, (long)j * d + i);
+        }
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
+        s *= scale;
+        float mn = fmaxf(m, s);
+        float corr = __expf(m - mn), p = __expf(s - mn);  // m = -inf at first: corr = 0
+        l = l * corr + p;
+        #pragma unroll
+        for (int c = 0; c < MAXC; c++) {
+            int i = lane + 32 * c;
+            if (i < d) acc[c] = acc[c] * corr + p * ld(vb, (long)j * d + i);
+        }
+        m = mn;
+    }
+    #pragma unroll
+    for (int c = 0; c < MAXC; c++) {
+        int i = lane + 32 * c;
+        if (i < d) sm[warp][i] = acc[c];
+    }
+    if (lane == 0) { sm[warp][d] = m; sm[warp][d + 1] = l; }
+    __syncthreads();
+    float* out = part + ((long)head * splits + split) * (d + 2);
+    float mm = NEG_INF;
+    for (int w = 0; w < nw; w++) mm = fmaxf(mm, sm[w][d]);
+    for (int i = threadIdx.x; i < d + 2; i += blockDim.x) {
+        float a = 0.f, ll = 0.f;
+        for (int w = 0; w < nw; w++) {
+            float mw = sm[w][d];
+            if (mw == NEG_INF) continue;  // a warp that saw no key
+            float f = __expf(mw - mm);
+            if (i < d) a += sm[w][i] * f;
+            ll += sm[w][d + 1] * f;
+        }
+        if (i < d) out[i] = a;
+        else if (i == d) out[i] = mm;
+        else out[i] = ll;
+    }
+}
+
+// Merges the splits of each head: o[head · D + i] = Σ acc · e^(m − M) / Σ l · e^(m − M).
+template <typename T>
+__device__ void attn_merge(const float* part, T* o, int d, int splits) {
+    int head = blockIdx.x;
+    const float* p = part + (long)head * splits * (d + 2);
+    float mm = NEG_INF;
+    for (int s = 0; s < splits; s++) mm = fmaxf(mm, p[s * (d + 2) + d]);
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        float a = 0.f, ll = 0.f;
+        for (int s = 0; s < splits; s++) {
+            const float* ps = p + s * (d + 2);
+            if (ps[d] == NEG_INF) continue;
+            float f = __expf(ps[d] - mm);
+            a += ps[i] * f;
+            ll += ps[d + 1] * f;
+        }
+        st(o, (long)head * d + i, a / ll);
+    }
+}
+
+#define DECODE_KERNELS(T, S)                                                                     \
+extern "C" __global__ void gen_rope_kv_##S(const T* q, const T* k, const T* v, const float* cos, \
+        const float* sin, T* qo, T* kc, T* vc, int h, int kvh, int half, long cap, long pos) {  \
+    rope_kv<T>(q, k, v, cos, sin, qo, kc, vc, h, kvh, half, cap, pos);                           \
+}                                                                                                \
+extern "C" __global__ void gen_attn_part_##S(const T* q, const T* kc, const T* vc, float* part,  \
+        int h, int kvh, int d, long cap, int start, int end, int chunk, float scale) {          \
+    attn_part<T>(q, kc, vc, part, h, kvh, d, cap, start, end, chunk, scale);                     \
+}                                                                                                \
+extern "C" __global__ void gen_attn_merge_##S(const float* part, T* o, int d, int splits) {      \
+    attn_merge<T>(part, o, d, splits);                                                           \
+}
+DECODE_KERNELS(float, f32)
+DECODE_KERNELS(bf16_t, bf16)
