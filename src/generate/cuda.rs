@@ -1,12 +1,13 @@
 //! decode.cu's kernels for one-token steps on CUDA: RoPE of q and k with the cache write (one
-//! launch instead of two RoPEs, a copy and two slice writes), and attention over the cache
-//! split along the keys (two launches instead of two GEMMs, a scale, casts and a softmax).
-//! Compiled once per process with NVRTC, as `ops`' kernels are.
+//! launch instead of two RoPEs, a copy and two slice writes), attention over the cache split
+//! along the keys (two launches instead of two GEMMs, a scale, casts and a softmax), and the
+//! bf16 products of one token with a weight (a GEMV, with the adapter's term and the bias
+//! added in it). Compiled once per process with NVRTC, as `ops`' kernels are.
 //!
 //! Off with LORA_TRAIN_DECODE_KERNELS=0 (candle's ops then run every step, for A/B runs and
-//! for the test that both agree).
+//! for the test that both agree); LORA_TRAIN_DECODE_GEMV=0 leaves the products to cuBLAS.
 
-use super::weights::Weights;
+use super::weights::{Matvec, Weights};
 use anyhow::{bail, Result};
 use candle_core::cuda::cudarc::driver::{
     CudaFunction, CudaModule, DevicePtr, LaunchConfig, PushKernelArg,
@@ -62,6 +63,8 @@ pub struct Kernels {
     rope_kv: CudaFunction,
     part: CudaFunction,
     merge: CudaFunction,
+    /// bf16 models, unless LORA_TRAIN_DECODE_GEMV=0: the product, and with SwiGLU.
+    gemv: Option<(CudaFunction, CudaFunction)>,
 }
 
 impl Kernels {
@@ -99,6 +102,16 @@ impl Kernels {
             rope_kv: f("rope_kv")?,
             part: f("attn_part")?,
             merge: f("attn_merge")?,
+            gemv: match (
+                w.dtype,
+                std::env::var("LORA_TRAIN_DECODE_GEMV").is_ok_and(|v| v == "0"),
+            ) {
+                (DType::BF16, false) => Some((
+                    m.load_function("gen_gemv_bf16").w()?,
+                    m.load_function("gen_gemv_swiglu_bf16").w()?,
+                )),
+                _ => None,
+            },
         }))
     }
 
@@ -238,11 +251,157 @@ impl Kernels {
     }
 }
 
+/// Rows of a GEMV block (warps).
+const GEMV_ROWS: u32 = 8;
+
+impl Kernels {
+    /// The operands' addresses and W's row stride when gen_gemv_* can take them: every operand
+    /// bf16 on this device, x [1, k] and acc contiguous, W [n, k] with rows contiguous and
+    /// 16-byte aligned, k a multiple of 8. (x, W, ld, acc or 0).
+    fn gemv_operands(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        acc: Option<&Tensor>,
+        acc_n: usize,
+    ) -> Result<Option<(u64, u64, i64, u64)>> {
+        let (Ok((1, k)), Ok((_, wk)), &[ld, 1]) = (x.dims2(), w.dims2(), w.stride()) else {
+            return Ok(None);
+        };
+        let ops = [Some(x), Some(w), acc];
+        let here = Device::Cuda(self.dev.clone());
+        let bf16 = ops
+            .iter()
+            .flatten()
+            .all(|t| t.dtype() == DType::BF16 && t.device().same_device(&here));
+        let acc_ok = acc.is_none_or(|a| a.elem_count() == acc_n && a.is_contiguous());
+        if !bf16 || !acc_ok || wk != k || k % 8 != 0 || ld % 8 != 0 || !x.is_contiguous() {
+            return Ok(None);
+        }
+        let (xp, wp) = (first(x)?, first(w)?);
+        if xp % 16 != 0 || wp % 16 != 0 {
+            return Ok(None);
+        }
+        let ap = acc.map(first).transpose()?.unwrap_or(0);
+        Ok(Some((xp, wp, ld as i64, ap)))
+    }
+
+    fn gemv_cfg(rows: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: ((rows as u32).div_ceil(GEMV_ROWS), 1, 1),
+            block_dim: (32 * GEMV_ROWS, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+}
+
+impl Matvec for Kernels {
+    /// decode.cu's gen_gemv_bf16 (`gemv_operands` says when).
+    fn matvec(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        acc: Option<&Tensor>,
+        b: Option<&Tensor>,
+    ) -> Result<Option<Tensor>> {
+        let (Some((func, _)), Ok(n)) = (&self.gemv, w.dim(0)) else {
+            return Ok(None);
+        };
+        let Some((xp, wp, ld, ap)) = self.gemv_operands(x, w, acc, n)? else {
+            return Ok(None);
+        };
+        let here = Device::Cuda(self.dev.clone());
+        let bp = match b {
+            None => 0,
+            Some(b)
+                if b.elem_count() == n
+                    && b.is_contiguous()
+                    && b.dtype() == DType::BF16
+                    && b.device().same_device(&here) =>
+            {
+                first(b)?
+            }
+            Some(_) => return Ok(None),
+        };
+        if n == 0 {
+            return Ok(None);
+        }
+        let k = w.dim(1)? as i32;
+        let y = self.fresh(DType::BF16, n)?;
+        let (yp, ni) = (addr(&y)?, n as i32);
+        let stream = self.dev.cuda_stream();
+        let mut l = stream.launch_builder(func);
+        l.arg(&xp)
+            .arg(&wp)
+            .arg(&ld)
+            .arg(&ap)
+            .arg(&bp)
+            .arg(&yp)
+            .arg(&ni)
+            .arg(&k);
+        // SAFETY: x holds k bf16 values, W n rows of k at `ld` (rows and both starts 16-byte
+        // aligned, k a multiple of 8: the kernel's 16-byte loads stay inside), acc and the bias
+        // n each or null, y fresh with n (each written once); one device and stream.
+        unsafe { l.launch(Self::gemv_cfg(n)) }.w()?;
+        Ok(Some(y.reshape((1, n))?))
+    }
+
+    /// decode.cu's gen_gemv_swiglu_bf16 for W [2I, k] (`gemv_operands` says when).
+    fn matvec_swiglu(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        acc: Option<&Tensor>,
+    ) -> Result<Option<Tensor>> {
+        let (Some((_, func)), Ok(n2)) = (&self.gemv, w.dim(0)) else {
+            return Ok(None);
+        };
+        if n2 == 0 || n2 % 2 != 0 {
+            return Ok(None);
+        }
+        let Some((xp, wp, ld, ap)) = self.gemv_operands(x, w, acc, n2)? else {
+            return Ok(None);
+        };
+        let (i, k) = (n2 / 2, w.dim(1)? as i32);
+        let y = self.fresh(DType::BF16, i)?;
+        let (yp, ii) = (addr(&y)?, i as i32);
+        let stream = self.dev.cuda_stream();
+        let mut l = stream.launch_builder(func);
+        l.arg(&xp)
+            .arg(&wp)
+            .arg(&ld)
+            .arg(&ap)
+            .arg(&yp)
+            .arg(&ii)
+            .arg(&k);
+        // SAFETY: as `matvec`, with W 2I rows and acc 2I values or null; y fresh with I.
+        unsafe { l.launch(Self::gemv_cfg(i)) }.w()?;
+        Ok(Some(y.reshape((1, i))?))
+    }
+}
+
+/// Makes allocations on `device` skip the events cudarc keeps for synchronising several
+/// streams (two created and destroyed per tensor: a tenth of a 7B decode step's host time).
+/// For processes that use one stream only (`generate`, its bench); the trainer's side streams
+/// (offload, NCCL) need them.
+pub fn single_stream(device: &Device) {
+    if let Device::Cuda(d) = device {
+        // SAFETY: the callers run every kernel and copy on candle's one stream of this device,
+        // so no allocation needs cross-stream events.
+        unsafe { d.disable_event_tracking() };
+    }
+}
+
 /// The device address of a contiguous bf16 or f32 CUDA tensor's first element.
 fn addr(t: &Tensor) -> Result<u64> {
     if !t.is_contiguous() {
         bail!("decode kernel operand {:?} is not contiguous", t.dims());
     }
+    first(t)
+}
+
+/// The device address of a bf16 or f32 CUDA tensor's first element, whatever its strides.
+fn first(t: &Tensor) -> Result<u64> {
     let (s, l) = t.storage_and_layout();
     let Storage::Cuda(cs) = &*s else {
         bail!("decode kernel operand is not on the GPU");

@@ -9,6 +9,11 @@ __device__ __forceinline__ void st(float* p, long i, float v) { p[i] = v; }
 __device__ __forceinline__ void st(bf16_t* p, long i, float v) {
     bf16_t h; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v)); p[i] = h;
 }
+// Round to bf16 and back (what storing a value and reading it again does).
+__device__ __forceinline__ float rnd(const bf16_t*, float v) {
+    bf16_t h; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    return __uint_as_float(((unsigned int)h) << 16);
+}
 #define NEG_INF __int_as_float(0xff800000)
 
 // q [H·D], k, v [K·D]: one token's projections; cos, sin [D/2] f32 at its position. Writes q
@@ -121,6 +126,75 @@ __device__ void attn_merge(const float* part, T* o, int d, int splits) {
             ll += ps[d + 1] * f;
         }
         st(o, (long)head * d + i, a / ll);
+    }
+}
+
+// One token's product with a bf16 weight: y[n] = Σ_k x[k] · W[n, k] (+ acc[n]) (+ bias[n]), W
+// rows `ldw` apart, k a multiple of 8 and rows 16-byte aligned. A warp per row, 8 rows a block;
+// each lane reads 8 weights (16 bytes) at a time, 4 loads in flight; the sum is f32, rounded
+// once (after the acc and bias are added, as cuBLAS's β = 1 epilogue and a bias add would
+// round twice: within half a bf16 step of theirs).
+extern "C" __global__ void gen_gemv_bf16(const bf16_t* x, const bf16_t* w, long ldw,
+                                         const bf16_t* acc, const bf16_t* bias, bf16_t* y,
+                                         int n, int k) {
+    int lane = threadIdx.x & 31, row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= n) return;
+    const uint4* wr = (const uint4*)(w + (long)row * ldw);
+    const uint4* xv = (const uint4*)x;
+    int nv = k >> 3;
+    float s = 0.f;
+    #pragma unroll 4
+    for (int v = lane; v < nv; v += 32) {
+        uint4 a = wr[v], b = xv[v];
+        unsigned int aw[4] = {a.x, a.y, a.z, a.w}, bw[4] = {b.x, b.y, b.z, b.w};
+        #pragma unroll
+        for (int j = 0; j < 4; j++) {
+            s += __uint_as_float(aw[j] << 16) * __uint_as_float(bw[j] << 16);
+            s += __uint_as_float(aw[j] & 0xffff0000u) * __uint_as_float(bw[j] & 0xffff0000u);
+        }
+    }
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
+    if (lane == 0) {
+        if (acc) s += ld(acc, row);
+        if (bias) s += ld(bias, row);
+        st(y, row, s);
+    }
+}
+
+// gen_gemv_bf16 for a stacked [gate; up] weight W [2I, k], SwiGLU applied: a[r] =
+// silu(g)·u with g = x·W[r] (+ acc[r]), u = x·W[I + r] (+ acc[I + r]), rounded as the separate
+// ops round them (g, u, then silu(g), then the product). A warp per r, both rows read at once.
+extern "C" __global__ void gen_gemv_swiglu_bf16(const bf16_t* x, const bf16_t* w, long ldw,
+                                                const bf16_t* acc, bf16_t* y, int inter, int k) {
+    int lane = threadIdx.x & 31, row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= inter) return;
+    const uint4* wg = (const uint4*)(w + (long)row * ldw);
+    const uint4* wu = (const uint4*)(w + (long)(row + inter) * ldw);
+    const uint4* xv = (const uint4*)x;
+    int nv = k >> 3;
+    float g = 0.f, u = 0.f;
+    #pragma unroll 2
+    for (int v = lane; v < nv; v += 32) {
+        uint4 a = wg[v], c = wu[v], b = xv[v];
+        unsigned int aw[4] = {a.x, a.y, a.z, a.w}, cw[4] = {c.x, c.y, c.z, c.w};
+        unsigned int bw[4] = {b.x, b.y, b.z, b.w};
+        #pragma unroll
+        for (int j = 0; j < 4; j++) {
+            float b0 = __uint_as_float(bw[j] << 16), b1 = __uint_as_float(bw[j] & 0xffff0000u);
+            g += __uint_as_float(aw[j] << 16) * b0 + __uint_as_float(aw[j] & 0xffff0000u) * b1;
+            u += __uint_as_float(cw[j] << 16) * b0 + __uint_as_float(cw[j] & 0xffff0000u) * b1;
+        }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        g += __shfl_xor_sync(0xffffffff, g, o);
+        u += __shfl_xor_sync(0xffffffff, u, o);
+    }
+    if (lane == 0) {
+        if (acc) { g += ld(acc, row); u += ld(acc, row + inter); }
+        bf16_t* none = 0;
+        g = rnd(none, g);
+        u = rnd(none, u);
+        st(y, row, rnd(none, g / (1.f + __expf(-g))) * u);
     }
 }
 

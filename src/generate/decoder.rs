@@ -14,7 +14,7 @@
 //! kernels of ours (`cuda`): per token only the sampled id comes back to the host.
 
 use super::cache::KvCache;
-use super::weights::Weights;
+use super::weights::{self, Matvec, Weights};
 use crate::model::rope;
 use crate::ops;
 use anyhow::{bail, Result};
@@ -77,6 +77,15 @@ impl Decoder {
         false
     }
 
+    /// The one-token product of our kernels, when they run.
+    fn mv(&self) -> Option<&dyn Matvec> {
+        #[cfg(feature = "cuda")]
+        if let Some(k) = &self.kernels {
+            return Some(k as &dyn Matvec);
+        }
+        None
+    }
+
     /// Runs `ids` (≥ 1) at the next positions, keeps their keys and values, and returns the
     /// logits of the last one: [V] f32 on the device.
     pub fn extend(&mut self, ids: &[u32]) -> Result<Tensor> {
@@ -133,13 +142,12 @@ impl Decoder {
                     (h, y)
                 }
             };
-            let [q, k, v] = lw.qkv(&hn)?;
+            let [q, k, v] = lw.qkv(&hn, self.mv())?;
             let o = self.attend(li, &q, &k, &v, p0, t)?; // [T, H·D]
             let lw = &self.w.layers[li];
-            let a = lw.o.forward(&o)?;
+            let a = lw.o.forward(&o, self.mv())?;
             let (hh, hn) = ops::add_rms_norm(&hh, &a, &lw.post_norm, eps)?;
-            let [g, u] = lw.gate_up(&hn)?;
-            let m = lw.down.forward(&ops::swiglu(&g, &u)?)?;
+            let m = lw.down.forward(&lw.mlp_act(&hn, self.mv())?, self.mv())?;
             h = hh;
             pending = Some(m);
         }
@@ -150,7 +158,7 @@ impl Decoder {
             Some(m) => ops::add_rms_norm(&last, &m.narrow(0, t - 1, 1)?, &self.w.norm, eps)?.1,
             None => ops::rms_norm(&last, &self.w.norm, eps)?,
         };
-        let logits = ops::linear_acc::matmul_scaled(&hn, &self.w.lm_head, true, 1.0)?; // [1, V]
+        let logits = weights::linear(&hn, &self.w.lm_head, None, None, self.mv())?; // [1, V]
         Ok(logits.to_dtype(DType::F32)?.squeeze(0)?)
     }
 

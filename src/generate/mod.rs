@@ -40,6 +40,16 @@ use crate::model::Model;
 use anyhow::{bail, Result};
 use std::time::Instant;
 
+/// Lets the process's allocations on `device` skip cross-stream events (CUDA; a no-op
+/// elsewhere). For processes that run on candle's one stream only, as `generate` does; never
+/// inside training (its offload and NCCL streams need them).
+pub fn single_stream(device: &candle_core::Device) {
+    #[cfg(feature = "cuda")]
+    cuda::single_stream(device);
+    #[cfg(not(feature = "cuda"))]
+    let _ = device;
+}
+
 /// New tokens `sample_every` completions get.
 pub const SAMPLE_MAX_NEW_TOKENS: usize = 64;
 

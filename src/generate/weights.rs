@@ -38,27 +38,72 @@ pub struct Proj {
     pub outs: Vec<usize>,
 }
 
+/// A one-token product the device runs faster than a GEMM: y = x Wᵀ (+ acc) (+ b) for x
+/// [1, in], W [out, in] (rows may be a view's), acc [1, out], b [out]; None when it cannot
+/// take the operands (the GEMM then runs).
+pub trait Matvec {
+    fn matvec(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        acc: Option<&Tensor>,
+        b: Option<&Tensor>,
+    ) -> Result<Option<Tensor>>;
+
+    /// For W the stacked [gate; up] [2I, in]: SwiGLU of the two products, silu(x W_gᵀ + acc_g)
+    /// ⊙ (x W_uᵀ + acc_u) [1, I], rounded as the separate ops; None when it cannot.
+    fn matvec_swiglu(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        acc: Option<&Tensor>,
+    ) -> Result<Option<Tensor>> {
+        let _ = (x, w, acc);
+        Ok(None)
+    }
+}
+
+/// y = x Wᵀ (+ acc) (+ b): `mv`'s product for one row when it takes it, else the GEMM (on
+/// CUDA accumulating onto acc, β = 1) and an add.
+pub fn linear(
+    x: &Tensor,
+    w: &Tensor,
+    acc: Option<&Tensor>,
+    b: Option<&Tensor>,
+    mv: Option<&dyn Matvec>,
+) -> Result<Tensor> {
+    if let (Some(mv), Ok(1)) = (mv, x.dim(0)) {
+        if let Some(y) = mv.matvec(x, w, acc, b)? {
+            return Ok(y);
+        }
+    }
+    let y = match acc {
+        // acc is the adapter term just computed, held by nobody else: written in place.
+        Some(acc) => ops::linear_acc::linear_acc(&x.contiguous()?, w, acc.clone())?,
+        None => ops::linear_acc::matmul_scaled(x, w, true, 1.0)?,
+    };
+    Ok(match b {
+        Some(b) => y.broadcast_add(b)?,
+        None => y,
+    })
+}
+
 impl Proj {
     /// x [m, in] → [m, N].
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = match &self.ad {
-            None => ops::linear_acc::matmul_scaled(x, &self.w, true, 1.0)?,
+    pub fn forward(&self, x: &Tensor, mv: Option<&dyn Matvec>) -> Result<Tensor> {
+        let acc = match &self.ad {
+            None => None,
             Some(ad) => {
-                let xa = ops::linear_acc::matmul_scaled(x, &ad.a, true, 1.0)?; // [m, Σ r]
-                let acc = ops::linear_acc::matmul_scaled(&xa, &ad.b, true, 1.0)?; // [m, N]
-                                                                                  // On CUDA the base GEMM adds into acc (β = 1); elsewhere GEMM + add.
-                ops::linear_acc::linear_acc(&x.contiguous()?, &self.w, acc)?
+                let xa = linear(x, &ad.a, None, None, mv)?; // [m, Σ r]
+                Some(linear(&xa, &ad.b, None, None, mv)?) // [m, N]
             }
         };
-        Ok(match &self.b {
-            Some(b) => y.broadcast_add(b)?,
-            None => y,
-        })
+        linear(x, &self.w, acc.as_ref(), self.b.as_ref(), mv)
     }
 
     /// x [m, in] → one [m, out_i] per linear (column views of the one product).
-    pub fn forward_split(&self, x: &Tensor) -> Result<Vec<Tensor>> {
-        let y = self.forward(x)?;
+    pub fn forward_split(&self, x: &Tensor, mv: Option<&dyn Matvec>) -> Result<Vec<Tensor>> {
+        let y = self.forward(x, mv)?;
         if self.outs.len() == 1 {
             return Ok(vec![y]);
         }
@@ -162,17 +207,38 @@ pub struct LayerWeights {
 
 impl LayerWeights {
     /// x [m, C] → q [m, H·D], k, v [m, K·D].
-    pub fn qkv(&self, x: &Tensor) -> Result<[Tensor; 3]> {
-        let ys = split_all(&self.qkv, x)?;
+    pub fn qkv(&self, x: &Tensor, mv: Option<&dyn Matvec>) -> Result<[Tensor; 3]> {
+        let ys = split_all(&self.qkv, x, mv)?;
         match <[Tensor; 3]>::try_from(ys) {
             Ok(a) => Ok(a),
             Err(v) => bail!("q/k/v products gave {} outputs", v.len()),
         }
     }
 
+    /// x [m, C] → SwiGLU(gate, up) [m, I]: one product and the activation in one pass where
+    /// `mv` takes the stacked weight, else the products and `ops::swiglu`.
+    pub fn mlp_act(&self, x: &Tensor, mv: Option<&dyn Matvec>) -> Result<Tensor> {
+        if let (Some(mv), [p], Ok(1)) = (mv, self.gate_up.as_slice(), x.dim(0)) {
+            if p.b.is_none() {
+                let acc = match &p.ad {
+                    None => None,
+                    Some(ad) => {
+                        let xa = linear(x, &ad.a, None, None, Some(mv))?;
+                        Some(linear(&xa, &ad.b, None, None, Some(mv))?)
+                    }
+                };
+                if let Some(a) = mv.matvec_swiglu(x, &p.w, acc.as_ref())? {
+                    return Ok(a);
+                }
+            }
+        }
+        let [g, u] = self.gate_up(x, mv)?;
+        Ok(ops::swiglu(&g, &u)?)
+    }
+
     /// x [m, C] → gate, up [m, I].
-    pub fn gate_up(&self, x: &Tensor) -> Result<[Tensor; 2]> {
-        let ys = split_all(&self.gate_up, x)?;
+    pub fn gate_up(&self, x: &Tensor, mv: Option<&dyn Matvec>) -> Result<[Tensor; 2]> {
+        let ys = split_all(&self.gate_up, x, mv)?;
         match <[Tensor; 2]>::try_from(ys) {
             Ok(a) => Ok(a),
             Err(v) => bail!("gate/up products gave {} outputs", v.len()),
@@ -188,10 +254,10 @@ impl LayerWeights {
     }
 }
 
-fn split_all(ps: &[Proj], x: &Tensor) -> Result<Vec<Tensor>> {
+fn split_all(ps: &[Proj], x: &Tensor, mv: Option<&dyn Matvec>) -> Result<Vec<Tensor>> {
     let mut out = Vec::new();
     for p in ps {
-        out.extend(p.forward_split(x)?);
+        out.extend(p.forward_split(x, mv)?);
     }
     Ok(out)
 }

@@ -153,14 +153,20 @@ fn the_window_case_depends_on_the_window() {
 
 /// Logits of every generated position two ways: with the KV cache (the prompt prefilled in
 /// two chunks, so the second runs at p0 > 0 with a mask), and by the training forward over
-/// the whole sequence. Returns (cached [n, V], full [n, V], tokens).
+/// the whole sequence. Returns (cached [n, V], full [n, V], tokens). `stacked`: q/k/v and
+/// gate/up moved into one buffer each first (the CLI's weights).
 pub fn cached_and_full(
-    model: &Model,
+    model: &mut Model,
     prompt: &[u32],
     steps: usize,
     kernels: bool,
+    stacked: bool,
 ) -> (Tensor, Tensor, Vec<u32>) {
-    let mut dec = Decoder::new(Weights::new(model).unwrap(), 8).unwrap(); // grows
+    let w = match stacked {
+        true => Weights::stacked(model).unwrap(),
+        false => Weights::new(model).unwrap(),
+    };
+    let mut dec = Decoder::new(w, 8).unwrap(); // grows
     if !kernels {
         dec = dec.without_kernels();
     }
@@ -202,12 +208,14 @@ fn kv_cached_decoding_equals_full_recompute_on_the_cpu() {
     let tmp = tempfile::tempdir().unwrap();
     for case in exp["cases"].as_array().unwrap() {
         let name = case["name"].as_str().unwrap();
-        let model = load(case, tmp.path(), DType::F32, &Device::Cpu);
+        let mut model = load(case, tmp.path(), DType::F32, &Device::Cpu);
         let prompt = ids(&case["prompts"][2]["ids"]);
-        let (cached, full, toks) = cached_and_full(&model, &prompt, 24, false);
-        assert_close(&format!("{name} logits"), &cached, &full, 1e-4, 1e-5);
-        let argmax: Vec<u32> = full.argmax(1).unwrap().to_vec1().unwrap();
-        assert_eq!(toks, argmax, "{name}");
+        for stacked in [false, true] {
+            let (cached, full, toks) = cached_and_full(&mut model, &prompt, 24, false, stacked);
+            assert_close(&format!("{name} logits"), &cached, &full, 1e-4, 1e-5);
+            let argmax: Vec<u32> = full.argmax(1).unwrap().to_vec1().unwrap();
+            assert_eq!(toks, argmax, "{name}");
+        }
     }
 }
 
@@ -339,27 +347,34 @@ fn kv_cached_decoding_equals_full_recompute_on_cuda() {
             .collect(),
     };
     for dtype in [DType::F32, DType::BF16] {
-        let model = Model::random(cfg.clone(), dtype, &dev, &spec, 3).unwrap();
+        let mut model = Model::random(cfg.clone(), dtype, &dev, &spec, 3).unwrap();
+        // Sharper logits than N(0, 0.02) weights give, so that most greedy picks are clear.
+        model.lm_head = (model.lm_head.to_dtype(DType::F32).unwrap() * 30.0)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
         for (_, l) in model.adapters() {
             l.b.set(&(Tensor::randn(0f32, 0.02, l.b.dims(), &dev).unwrap()))
                 .unwrap();
         }
         let prompt: Vec<u32> = (0..40).map(|i| (i * 37 % 500) as u32).collect();
-        for kernels in [true, false] {
-            let (cached, full, toks) = cached_and_full(&model, &prompt, 260, kernels);
-            let what = format!("{dtype:?} kernels={kernels}");
-            check_cuda(&what, &cached, &full, &toks, dtype);
+        for (kernels, stacked) in [(true, false), (true, true), (false, true)] {
+            let (cached, full, toks) = cached_and_full(&mut model, &prompt, 260, kernels, stacked);
+            let what = format!("{dtype:?} kernels={kernels} stacked={stacked}");
+            check_cuda(&what, &cached, &full, &toks, dtype, 3);
         }
     }
     let exp = expected();
     let tmp = tempfile::tempdir().unwrap();
     for case in exp["cases"].as_array().unwrap() {
         for dtype in [DType::F32, DType::BF16] {
-            let model = load(case, tmp.path(), dtype, &dev);
+            let mut model = load(case, tmp.path(), dtype, &dev);
             let prompt = ids(&case["prompts"][2]["ids"]);
-            let (cached, full, toks) = cached_and_full(&model, &prompt, 24, true);
+            let (cached, full, toks) = cached_and_full(&mut model, &prompt, 24, true, true);
             let what = format!("{} {dtype:?}", case["name"]);
-            check_cuda(&what, &cached, &full, &toks, dtype);
+            // near-uniform tiny models: in bf16 few picks stand clear of rounding
+            let need = if dtype == DType::F32 { 2 } else { 0 };
+            check_cuda(&what, &cached, &full, &toks, dtype, need);
         }
         // f32 on the GPU is transformers' greedy too.
         let model = load(case, tmp.path(), DType::F32, &dev);
@@ -372,9 +387,10 @@ fn kv_cached_decoding_equals_full_recompute_on_cuda() {
 }
 
 /// Logits close (f32 elementwise, bf16 relative L2), and the cached greedy token equal to the
-/// full forward's argmax wherever its best two logits are apart by more than rounding.
+/// full forward's argmax wherever its best two logits are apart by more than rounding: at
+/// least 1 / `need` of the steps (0: no minimum).
 #[cfg(feature = "cuda")]
-fn check_cuda(what: &str, cached: &Tensor, full: &Tensor, toks: &[u32], dtype: DType) {
+fn check_cuda(what: &str, cached: &Tensor, full: &Tensor, toks: &[u32], dtype: DType, need: usize) {
     match dtype {
         DType::F32 => assert_close(what, cached, full, 1e-4, 1e-5),
         _ => assert_rel_l2(what, cached, full, 2e-2),
