@@ -83,7 +83,11 @@ pub fn run(a: &DecodeBench) -> Result<serde_json::Value> {
         "shape": a.shape,
         "dtype": format!("{:?}", a.dtype).to_lowercase(),
         "device": if a.device.is_cuda() { "cuda" } else { "cpu" },
-        "kernels": if dec.fused_kernels() { "fused" } else { "candle" },
+        "kernels": match (dec.fused_kernels(), dec.graph_captured()) {
+            (true, true) => "fused+graph",
+            (true, false) => "fused",
+            _ => "candle",
+        },
         "prompt_len": a.prompt_len,
         "new_tokens": a.new_tokens,
         "reps": a.reps,

@@ -115,19 +115,20 @@ impl Kernels {
         }))
     }
 
-    /// One token's q [1, H·D], k, v [1, K·D] → q rotated [H, D]; k rotated and v written into
-    /// the caches kc, vc [1, K, cap, D] at `pos`. cos, sin: [1, 1, D/2] f32 at `pos`.
+    /// One token's q [1, H·D], k, v [1, K·D] at the position `pos` holds (u32 [1] on the
+    /// device) → q rotated [H, D]; k rotated and v written into the caches kc, vc [1, K, cap,
+    /// D] there. cos, sin: the cache's tables [1, cap, D/2] f32.
     #[allow(clippy::too_many_arguments)]
     pub fn rope_kv(
         &self,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
+        pos: &Tensor,
         cos: &Tensor,
         sin: &Tensor,
         kc: &Tensor,
         vc: &Tensor,
-        pos: usize,
     ) -> Result<Tensor> {
         let (h, kvh, d) = (self.heads, self.kv_heads, self.head_dim);
         let cap = kc.dim(2)?;
@@ -139,70 +140,82 @@ impl Kernels {
                 v.dims()
             );
         }
-        if kc.dims() != [1, kvh, cap, d] || vc.dims() != kc.dims() || pos >= cap {
-            bail!("rope_kv: cache {:?} cannot take position {pos}", kc.dims());
+        if kc.dims() != [1, kvh, cap, d] || vc.dims() != kc.dims() {
+            bail!("rope_kv: cache {:?} is not [1, {kvh}, cap, {d}]", kc.dims());
+        }
+        if cos.dims() != [1, cap, d / 2] || sin.dims() != cos.dims() || pos.dtype() != DType::U32 {
+            bail!("rope_kv: tables {:?} for a cache of {cap}", cos.dims());
         }
         let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
         let qo = self.fresh(self.dtype, h * d)?;
-        let ptrs = [&q, &k, &v, cos, sin, &qo, kc, vc]
+        let ptrs = [&q, &k, &v, cos, sin, &qo, kc, vc, pos]
             .iter()
             .map(|t| addr(t))
             .collect::<Result<Vec<u64>>>()?;
         let ints = [h, kvh, d / 2].map(|x| x as i32);
-        let (cap, pos) = (cap as i64, pos as i64);
+        let cap = cap as i64;
         let stream = self.dev.cuda_stream();
         let mut b = stream.launch_builder(&self.rope_kv);
-        for p in &ptrs {
+        for p in &ptrs[..8] {
             b.arg(p);
         }
         b.arg(&ints[0])
             .arg(&ints[1])
             .arg(&ints[2])
             .arg(&cap)
-            .arg(&pos);
+            .arg(&ptrs[8]);
         let pairs = ((h + kvh) * d / 2) as u32;
-        // SAFETY: q, k, v hold one token's H·D and K·D values, cos and sin D/2 f32, qo H·D
-        // fresh, and the caches K rows of cap × D with pos < cap (all checked above), contiguous
-        // on this device and stream.
+        // SAFETY: q, k, v hold one token's H·D and K·D values, the tables cap × D/2 f32, qo H·D
+        // fresh, the caches K rows of cap × D, pos one u32 (the kernel writes nothing at a
+        // position ≥ cap); all contiguous on this device and stream.
         unsafe { b.launch(LaunchConfig::for_num_elems(pairs)) }.w()?;
         Ok(qo.reshape((h, d))?)
     }
 
-    /// Attention of one token's q [H, D] (rotated) against the cache's keys start..end
-    /// ([1, K, cap, D] each) → [1, H·D].
+    /// The split of a cache of `cap` keys for the attention kernel: (chunk, splits), so that
+    /// H × splits ≈ `blocks` and the chunks cover the cache (fixed per cache, so that a graph
+    /// replays at every position).
+    fn splits(&self, cap: usize) -> (usize, usize) {
+        let want = self.blocks.div_ceil(self.heads).max(1);
+        let chunk = cap.div_ceil(want).max(MIN_CHUNK);
+        (chunk, cap.div_ceil(chunk))
+    }
+
+    /// Attention of one token's q [H, D] (rotated) at the position `pos` holds against the
+    /// cache's keys up to it (the last `window` of them; 0: all), [1, K, cap, D] each → [1, H·D].
     pub fn attention(
         &self,
         q: &Tensor,
         kc: &Tensor,
         vc: &Tensor,
-        start: usize,
-        end: usize,
+        pos: &Tensor,
+        window: usize,
         scale: f32,
     ) -> Result<Tensor> {
         let (h, kvh, d) = (self.heads, self.kv_heads, self.head_dim);
         let cap = kc.dim(2)?;
-        if end > cap || start >= end || q.elem_count() != h * d {
-            bail!("attention: keys {start}..{end} of a cache of {cap}");
+        if q.elem_count() != h * d || pos.dtype() != DType::U32 {
+            bail!("attention: q {:?} is not one token's", q.dims());
         }
-        // Splits of the keys so that the grid fills the GPU: H × splits ≈ `blocks`.
-        let len = end - start;
-        let want = self.blocks.div_ceil(h).max(1);
-        let chunk = len.div_ceil(want).max(MIN_CHUNK);
-        let splits = len.div_ceil(chunk);
+        let (chunk, splits) = self.splits(cap);
         let part = self.fresh(DType::F32, h * splits * (d + 2))?;
         let o = self.fresh(self.dtype, h * d)?;
         let q = q.contiguous()?;
-        let [qp, kp, vp, pp, op] = [&q, kc, vc, &part, &o].map(addr);
-        let (qp, kp, vp, pp, op) = (qp?, kp?, vp?, pp?, op?);
+        let [qp, kp, vp, pp, op, posp] = [&q, kc, vc, &part, &o, pos].map(addr);
+        let (qp, kp, vp, pp, op, posp) = (qp?, kp?, vp?, pp?, op?, posp?);
         let ints = [h, kvh, d].map(|x| x as i32);
-        let (cap_i, start_i, end_i, chunk_i) = (cap as i64, start as i32, end as i32, chunk as i32);
+        let (cap_i, window_i, chunk_i) = (
+            cap as i64,
+            window.min(i32::MAX as usize) as i32,
+            chunk as i32,
+        );
         let stream = self.dev.cuda_stream();
         let mut b = stream.launch_builder(&self.part);
         b.arg(&qp).arg(&kp).arg(&vp).arg(&pp);
         b.arg(&ints[0]).arg(&ints[1]).arg(&ints[2]);
         b.arg(&cap_i)
-            .arg(&start_i)
-            .arg(&end_i)
+            .arg(&posp)
+            .arg(&window_i)
             .arg(&chunk_i)
             .arg(&scale);
         let cfg = LaunchConfig {
@@ -210,9 +223,9 @@ impl Kernels {
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: q is H·D values, the caches K × cap × D with start < end ≤ cap, part is
-        // fresh with H × splits × (D + 2) f32 (every entry written: each block writes its own
-        // D + 2); same device and stream.
+        // SAFETY: q is H·D values, the caches K × cap × D (keys read below min(pos + 1, cap)),
+        // pos one u32, part fresh with H × splits × (D + 2) f32 (every entry written: each
+        // block writes its own D + 2); same device and stream.
         unsafe { b.launch(cfg) }.w()?;
         let splits_i = splits as i32;
         let mut b = stream.launch_builder(&self.merge);
@@ -392,8 +405,8 @@ pub fn single_stream(device: &Device) {
     }
 }
 
-/// The device address of a contiguous bf16 or f32 CUDA tensor's first element.
-fn addr(t: &Tensor) -> Result<u64> {
+/// The device address of a contiguous bf16, f32 or u32 CUDA tensor's first element.
+pub fn addr(t: &Tensor) -> Result<u64> {
     if !t.is_contiguous() {
         bail!("decode kernel operand {:?} is not contiguous", t.dims());
     }
@@ -411,7 +424,8 @@ fn first(t: &Tensor) -> Result<u64> {
     let p = match t.dtype() {
         DType::BF16 => cs.as_cuda_slice::<half::bf16>()?.device_ptr(&stream).0,
         DType::F32 => cs.as_cuda_slice::<f32>()?.device_ptr(&stream).0,
-        d => bail!("decode kernels take bf16 or f32, not {d:?}"),
+        DType::U32 => cs.as_cuda_slice::<u32>()?.device_ptr(&stream).0,
+        d => bail!("decode kernels take bf16, f32 or u32, not {d:?}"),
     };
     Ok(p + off)
 }

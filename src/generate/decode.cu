@@ -16,17 +16,21 @@ __device__ __forceinline__ float rnd(const bf16_t*, float v) {
 }
 #define NEG_INF __int_as_float(0xff800000)
 
-// q [H·D], k, v [K·D]: one token's projections; cos, sin [D/2] f32 at its position. Writes q
-// rotated into qo [H·D], k rotated and v as they are into the cache rows kc, vc [K, cap, D] at
-// `pos`. One thread per (head, pair) over H + K heads (v copied by the k threads).
+// q [H·D], k, v [K·D]: one token's projections at position *posp (device memory, so that a
+// captured graph replays for every position); cos, sin [cap, D/2] f32 tables. Writes q rotated
+// into qo [H·D], k rotated and v as they are into the cache rows kc, vc [K, cap, D] at the
+// position. One thread per (head, pair) over H + K heads (v copied by the k threads).
 template <typename T>
 __device__ void rope_kv(const T* q, const T* k, const T* v, const float* cos, const float* sin,
-                        T* qo, T* kc, T* vc, int h, int kvh, int half, long cap, long pos) {
+                        T* qo, T* kc, T* vc, int h, int kvh, int half, long cap,
+                        const unsigned int* posp) {
     long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
     long pairs = (long)(h + kvh) * half;
     if (idx >= pairs) return;
+    long pos = *posp;
+    if (pos >= cap) return;
     int head = idx / half, i = idx % half, d = 2 * half;
-    float c = cos[i], s = sin[i];
+    float c = cos[pos * half + i], s = sin[pos * half + i];
     if (head < h) {
         long b = (long)head * d;
         float x1 = ld(q, b + i), x2 = ld(q, b + i + half);
@@ -45,13 +49,19 @@ __device__ void rope_kv(const T* q, const T* k, const T* v, const float* cos, co
 
 #define MAXC 8  // head dim up to 32 · MAXC = 256
 
-// Attention of one query per head against keys [start, end) of its kv head (head / (H / K)),
-// the keys split in chunks of `chunk`: block (head, split) writes its chunk's unnormalised
-// output, running max and sum into part[(head · S + split) · (D + 2)]: acc[D], m, l. Each warp
-// takes every nw-th key (online softmax), then the warps are merged. Blocks of 128 threads.
+// Attention of one query per head, at position *posp, against the keys [start, end) of its kv
+// head (head / (H / K)): end = pos + 1, start = end − window (0: all). The keys are split in
+// chunks of `chunk` (the grid covers the cache: splits past `end` write an empty part): block
+// (head, split) writes its chunk's unnormalised output, running max and sum into
+// part[(head · S + split) · (D + 2)]: acc[D], m, l. Each warp takes every nw-th key (online
+// softmax), then the warps are merged. Blocks of 128 threads.
 template <typename T>
 __device__ void attn_part(const T* q, const T* kc, const T* vc, float* part, int h, int kvh,
-                          int d, long cap, int start, int end, int chunk, float scale) {
+                          int d, long cap, const unsigned int* posp, int window, int chunk,
+                          float scale) {
+    long e = (long)*posp + 1;
+    int end = (int)(e < cap ? e : cap);
+    int start = window > 0 ? max(0, end - window) : 0;
     __shared__ float sq[32 * MAXC];
     __shared__ float sm[4][32 * MAXC + 2];
     int head = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
@@ -200,12 +210,14 @@ extern "C" __global__ void gen_gemv_swiglu_bf16(const bf16_t* x, const bf16_t* w
 
 #define DECODE_KERNELS(T, S)                                                                     \
 extern "C" __global__ void gen_rope_kv_##S(const T* q, const T* k, const T* v, const float* cos, \
-        const float* sin, T* qo, T* kc, T* vc, int h, int kvh, int half, long cap, long pos) {  \
-    rope_kv<T>(q, k, v, cos, sin, qo, kc, vc, h, kvh, half, cap, pos);                           \
+        const float* sin, T* qo, T* kc, T* vc, int h, int kvh, int half, long cap,              \
+        const unsigned int* posp) {                                                              \
+    rope_kv<T>(q, k, v, cos, sin, qo, kc, vc, h, kvh, half, cap, posp);                          \
 }                                                                                                \
 extern "C" __global__ void gen_attn_part_##S(const T* q, const T* kc, const T* vc, float* part,  \
-        int h, int kvh, int d, long cap, int start, int end, int chunk, float scale) {          \
-    attn_part<T>(q, kc, vc, part, h, kvh, d, cap, start, end, chunk, scale);                     \
+        int h, int kvh, int d, long cap, const unsigned int* posp, int window, int chunk,       \
+        float scale) {                                                                           \
+    attn_part<T>(q, kc, vc, part, h, kvh, d, cap, posp, window, chunk, scale);                   \
 }                                                                                                \
 extern "C" __global__ void gen_attn_merge_##S(const float* part, T* o, int d, int splits) {      \
     attn_merge<T>(part, o, d, splits);                                                           \

@@ -30,6 +30,11 @@ pub struct Decoder {
     /// The decode kernels, when the device and dtype take them.
     #[cfg(feature = "cuda")]
     kernels: Option<super::cuda::Kernels>,
+    /// One-token steps' device inputs (with the kernels), and their graph.
+    #[cfg(feature = "cuda")]
+    step: Option<super::graph::Inputs>,
+    #[cfg(feature = "cuda")]
+    graph: super::graph::Graph,
 }
 
 impl Decoder {
@@ -50,11 +55,22 @@ impl Decoder {
         )?;
         #[cfg(feature = "cuda")]
         let kernels = super::cuda::Kernels::for_model(&w)?;
+        #[cfg(feature = "cuda")]
+        let step = match &kernels {
+            Some(_) => Some(super::graph::Inputs::new(&w.device, c.vocab_size)?),
+            None => None,
+        };
+        #[cfg(feature = "cuda")]
+        let graph = super::graph::Graph::new(&w.device, w.dtype, w.adapter_bytes() > 0);
         Ok(Decoder {
             w,
             cache,
             #[cfg(feature = "cuda")]
             kernels,
+            #[cfg(feature = "cuda")]
+            step,
+            #[cfg(feature = "cuda")]
+            graph,
         })
     }
 
@@ -63,8 +79,32 @@ impl Decoder {
         Decoder {
             #[cfg(feature = "cuda")]
             kernels: None,
+            #[cfg(feature = "cuda")]
+            step: None,
+            #[cfg(feature = "cuda")]
+            graph: Default::default(),
             ..self
         }
+    }
+
+    /// The same decoder with one-token steps run eagerly, never as a captured graph.
+    #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
+    pub fn without_graph(mut self) -> Decoder {
+        #[cfg(feature = "cuda")]
+        {
+            self.graph.on = false;
+        }
+        self
+    }
+
+    /// Whether one-token steps replay a captured CUDA graph.
+    pub fn graph_captured(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        {
+            self.graph.captured()
+        }
+        #[cfg(not(feature = "cuda"))]
+        false
     }
 
     /// Whether one-token steps run our CUDA kernels (else candle's ops).
@@ -101,12 +141,66 @@ impl Decoder {
         let chunk = (CHUNK_SCORES / (h * l).max(1)).clamp(1, 512);
         let mut last = None;
         for part in ids.chunks(chunk) {
-            last = Some(self.run(part)?);
+            #[cfg(feature = "cuda")]
+            if let (1, true) = (part.len(), self.step.is_some()) {
+                last = Some(self.step_one(part[0])?);
+                continue;
+            }
+            let idt = Tensor::from_slice(part, part.len(), &self.w.device)?;
+            let logits = self.run(&idt, part.len())?;
+            self.cache.ids.extend_from_slice(part);
+            last = Some(logits);
         }
         match last {
             Some(x) => Ok(x),
             None => bail!("nothing to run: no tokens"),
         }
+    }
+
+    /// One token with our kernels: its id and position written to the step's device inputs,
+    /// then the step as a graph (captured at the second step for these cache buffers) or
+    /// eagerly. The logits are the step's buffer.
+    #[cfg(feature = "cuda")]
+    fn step_one(&mut self, tok: u32) -> Result<Tensor> {
+        let p0 = self.cache.len();
+        let Some(step) = &self.step else {
+            bail!("one-token step without the decode kernels");
+        };
+        step.set(tok, p0 as u32)?;
+        let key = (
+            self.cache.capacity(),
+            super::cuda::addr(&self.cache.kv[0].0)?,
+        );
+        if !self.graph.replay(key)? {
+            let mut graph = std::mem::take(&mut self.graph);
+            let captured = match graph.on && graph.eager > 0 {
+                true => {
+                    let dev = self.w.device.clone();
+                    graph.capture(key, &dev, || self.run_into(step))?
+                }
+                false => false,
+            };
+            if !captured {
+                self.run_into(step)?;
+                graph.eager += 1;
+            }
+            self.graph = graph;
+        }
+        self.cache.ids.push(tok);
+        match &self.step {
+            // a copy: the buffer is the next step's too
+            Some(s) => Ok(s.logits.copy()?),
+            None => bail!("one-token step without its buffers"),
+        }
+    }
+
+    /// `run` for the one token in `step.tok`, its logits copied into `step.logits` (every
+    /// tensor it makes is dropped before it returns: it may be captured).
+    #[cfg(feature = "cuda")]
+    fn run_into(&self, step: &super::graph::Inputs) -> Result<()> {
+        let l = self.run(&step.tok, 1)?;
+        step.logits.slice_set(&l, 0, 0)?;
+        Ok(())
     }
 
     /// The cache's tokens, then `ids`: the cached positions that agree with `ids` are kept and
@@ -125,12 +219,11 @@ impl Decoder {
         self.extend(&ids[keep..])
     }
 
-    /// One chunk of T tokens at positions p0.. (room reserved) → logits [V] f32 of its last.
-    fn run(&mut self, ids: &[u32]) -> Result<Tensor> {
-        let (t, p0) = (ids.len(), self.cache.len());
-        let dev = self.w.device.clone();
-        let idt = Tensor::from_slice(ids, t, &dev)?;
-        let mut h = self.w.embed.index_select(&idt, 0)?; // [T, C]
+    /// One chunk of T tokens `ids` (u32 [T] on the device) at positions p0 = cache.len()..
+    /// (room reserved; the caller records the ids) → logits [V] f32 of its last.
+    fn run(&self, ids: &Tensor, t: usize) -> Result<Tensor> {
+        let p0 = self.cache.len();
+        let mut h = self.w.embed.index_select(ids, 0)?; // [T, C]
         let mut pending: Option<Tensor> = None; // down's output, added at the next norm
         let eps = self.w.cfg.rms_norm_eps;
         for li in 0..self.w.layers.len() {
@@ -151,7 +244,6 @@ impl Decoder {
             h = hh;
             pending = Some(m);
         }
-        self.cache.ids.extend_from_slice(ids);
         // Final norm and head on the last position only.
         let last = h.narrow(0, t - 1, 1)?;
         let hn = match pending {
@@ -185,11 +277,11 @@ impl Decoder {
         };
         let scale = 1.0 / (d as f64).sqrt();
         #[cfg(feature = "cuda")]
-        if let (Some(kn), 1) = (&self.kernels, t) {
-            let cos = self.cache.cos.narrow(1, p0, 1)?;
-            let sin = self.cache.sin.narrow(1, p0, 1)?;
-            let qr = kn.rope_kv(q, k, v, &cos, &sin, kc, vc, p0)?; // [H, D]
-            return kn.attention(&qr, kc, vc, start, end, scale as f32);
+        if let (Some(kn), Some(step), 1) = (&self.kernels, &self.step, t) {
+            // the position from the step's device input (a graph replays at every position)
+            let (cos, sin) = (&self.cache.cos, &self.cache.sin);
+            let qr = kn.rope_kv(q, k, v, &step.pos, cos, sin, kc, vc)?; // [H, D]
+            return kn.attention(&qr, kc, vc, &step.pos, window, scale as f32);
         }
         let cos = self.cache.cos.narrow(1, p0, t)?;
         let sin = self.cache.sin.narrow(1, p0, t)?;

@@ -26,6 +26,8 @@ pub mod cache;
 #[cfg(feature = "cuda")]
 mod cuda;
 pub mod decoder;
+#[cfg(feature = "cuda")]
+mod graph;
 pub mod load;
 pub mod sample;
 pub mod stream;
