@@ -471,6 +471,15 @@ pub struct TrainSection {
     /// Default: false (start fresh).
     #[serde(default)]
     pub resume: Resume,
+    /// Print the greedy completion of each of `sample_prompts` every this many steps (and
+    /// append them to samples.jsonl in the output directory); 0 = off. Needs the model's
+    /// tokenizer. Default: 0.
+    #[serde(default)]
+    pub sample_every: usize,
+    /// The prompts `sample_every` completes (text, encoded as the tokenizer says, no EOS).
+    /// Default: [].
+    #[serde(default)]
+    pub sample_prompts: Vec<String>,
     /// On a non-finite loss or gradient, skip that step's update (and count it) instead of
     /// stopping the run. Default: false.
     #[serde(default)]
@@ -561,6 +570,8 @@ impl Default for TrainSection {
             offload_activations: None,
             log_every: 1,
             eval_every: 0,
+            sample_every: 0,
+            sample_prompts: Vec::new(),
             resume: Resume::default(),
             skip_nonfinite: false,
             deterministic: false,
@@ -878,6 +889,12 @@ impl Recipe {
             if v == 0 {
                 return Err(self.invalid(key, "must be at least 1"));
             }
+        }
+        if t.sample_every > 0 && t.sample_prompts.iter().all(|p| p.is_empty()) {
+            return Err(self.invalid(
+                "train.sample_every",
+                "needs prompts to complete: set train.sample_prompts = [\"...\"]",
+            ));
         }
         if t.max_steps == Some(0) {
             return Err(self.invalid("train.max_steps", "must be at least 1"));

@@ -19,13 +19,15 @@
 //! - `peer_copy`: FSDP's ranks of one process copy each other's frozen shards with copy engines
 //!   (`Comm::share_static`) instead of gathering them with NCCL; it needs
 //!   CUDA_MODULE_LOADING=EAGER, which `parallel::prepare_process` sets before CUDA starts.
+//! - `decode_graph`: `generate` replays a base model's one-token step as a CUDA graph
+//!   (`generate::graph`).
 
 use candle_core::{DType, Device};
 
 /// The variable that names the experiments to turn on.
 pub const EXPERIMENTS_VAR: &str = "LORA_TRAIN_EXPERIMENTS";
 /// The experiments `LORA_TRAIN_EXPERIMENTS` may name.
-pub const EXPERIMENTS: [&str; 2] = ["reduce_ahead", "peer_copy"];
+pub const EXPERIMENTS: [&str; 3] = ["reduce_ahead", "peer_copy", "decode_graph"];
 
 /// The kernels of a causal attention pass.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -89,6 +91,8 @@ pub enum Gemm {
 pub struct Experiments {
     pub reduce_ahead: bool,
     pub peer_copy: bool,
+    /// `generate` replays a base model's one-token step as a CUDA graph.
+    pub decode_graph: bool,
 }
 
 /// `LORA_TRAIN_EXPERIMENTS` named something that is not an experiment.
@@ -117,6 +121,7 @@ impl Experiments {
                 "" => {}
                 "reduce_ahead" => e.reduce_ahead = true,
                 "peer_copy" => e.peer_copy = true,
+                "decode_graph" => e.decode_graph = true,
                 other => {
                     return Err(UnknownExperiment {
                         name: other.to_string(),
@@ -225,12 +230,17 @@ mod tests {
         let both = Experiments::parse(Some(" reduce_ahead, peer_copy,")).unwrap();
         assert!(both.reduce_ahead && both.peer_copy);
         let one = Experiments::parse(Some("peer_copy")).unwrap();
-        assert!(one.peer_copy && !one.reduce_ahead);
+        assert!(one.peer_copy && !one.reduce_ahead && !one.decode_graph);
+        assert!(
+            Experiments::parse(Some("decode_graph"))
+                .unwrap()
+                .decode_graph
+        );
         let e = Experiments::parse(Some("reduce_ahead,fast")).unwrap_err();
         assert_eq!(
             e.to_string(),
             "LORA_TRAIN_EXPERIMENTS: unknown experiment `fast` (known: reduce_ahead, \
-             peer_copy); unset the variable or name only those"
+             peer_copy, decode_graph); unset the variable or name only those"
         );
     }
 
