@@ -518,6 +518,12 @@ fn data_notes(
             data.skipped_first.join("; ")
         ));
     }
+    if let Some(first) = &data.no_answer_first {
+        notes.push(format!(
+            "dropped {} examples with nothing to train on under train_on = \"completions\"; first: {first}",
+            data.no_answer
+        ));
+    }
     if data.no_targets > 0 {
         notes.push(format!(
             "dropped {} examples with no completion token left after truncation to seq_len {}",
