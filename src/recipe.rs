@@ -896,6 +896,13 @@ impl Recipe {
                 "needs prompts to complete: set train.sample_prompts = [\"...\"]",
             ));
         }
+        if t.sample_every > 0 && self.parallel.strategy == Strategy::Fsdp {
+            return Err(self.invalid(
+                "train.sample_every",
+                "cannot sample under FSDP (each rank holds a shard of the base); set it to 0 and \
+                 try the adapter after training with `lora-train generate --recipe`",
+            ));
+        }
         if t.max_steps == Some(0) {
             return Err(self.invalid("train.max_steps", "must be at least 1"));
         }

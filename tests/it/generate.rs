@@ -718,3 +718,86 @@ fn streamed_text_is_the_decoded_text_with_multibyte_characters_whole() {
     assert_eq!(out, text);
     assert!(pieces > 10);
 }
+
+#[test]
+fn sample_every_prints_and_records_what_generate_says_of_the_adapter() {
+    let tmp = tempfile::tempdir().unwrap();
+    let recipe = format!(
+        "[model]\npath = \"{model}\"\n[lora]\nrank = 8\ndropout = 0.05\n[data]\ntrain = \"{data}\"\nseq_len = 32\n\
+         [train]\nmax_steps = 4\nmicro_batch = 2\nlr = 0.01\nsample_every = 2\n\
+         sample_prompts = [\"Once upon a time\", \"The cat\"]\n[output]\ndir = \"out\"\nsave_every = 0\n",
+        model = root().join("recipes/assets/tiny-llama").display(),
+        data = root().join("recipes/data/tiny-text.jsonl").display(),
+    );
+    std::fs::write(tmp.path().join("r.toml"), recipe).unwrap();
+    let o = bin()
+        .current_dir(tmp.path())
+        .args(["--recipe", "r.toml"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("sample @ step 2: \"Once upon a time\" -> "),
+        "{stderr}"
+    );
+    let rows: Vec<Value> = std::fs::read_to_string(tmp.path().join("out/samples.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let at: Vec<(u64, &str)> = rows
+        .iter()
+        .map(|r| (r["step"].as_u64().unwrap(), r["prompt"].as_str().unwrap()))
+        .collect();
+    assert_eq!(
+        at,
+        [
+            (2, "Once upon a time"),
+            (2, "The cat"),
+            (4, "Once upon a time"),
+            (4, "The cat")
+        ]
+    );
+    // The last step's samples are the saved adapter's greedy completions.
+    for r in &rows[2..] {
+        let g = bin()
+            .current_dir(tmp.path())
+            .args(["generate", "--adapter", "out", "--device", "cpu"])
+            .args([
+                "--max-new-tokens",
+                &generate::SAMPLE_MAX_NEW_TOKENS.to_string(),
+            ])
+            .args(["--prompt", r["prompt"].as_str().unwrap()])
+            .output()
+            .unwrap();
+        assert!(g.status.success(), "{}", String::from_utf8_lossy(&g.stderr));
+        let text = String::from_utf8_lossy(&g.stdout);
+        assert_eq!(
+            text.trim_end_matches('\n'),
+            r["completion"].as_str().unwrap()
+        );
+    }
+    // The completions moved with training (step 2's adapters are not step 4's).
+    assert_ne!(rows[0]["completion"], rows[2]["completion"], "{rows:?}");
+
+    // Under FSDP there is no whole model to sample from: a recipe error.
+    let o = bin()
+        .current_dir(tmp.path())
+        .args([
+            "check",
+            "--recipe",
+            "r.toml",
+            "--set",
+            "parallel.strategy=fsdp",
+        ])
+        .args(["--set", "parallel.devices=[0,1]"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("train.sample_every") && err.contains("FSDP"),
+        "{err}"
+    );
+}
