@@ -19,6 +19,12 @@ fn expected() -> Value {
     serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
 }
 
+/// The case of expected.json named `name`.
+fn case_named<'a>(exp: &'a Value, name: &str) -> &'a Value {
+    let cases = exp["cases"].as_array().unwrap();
+    cases.iter().find(|c| c["name"] == name).unwrap()
+}
+
 fn fixture(rel: &str) -> PathBuf {
     root().join("tests/fixtures").join(rel)
 }
@@ -131,12 +137,7 @@ fn greedy_equals_transformers_on_the_golden_fixtures() {
 fn the_window_case_depends_on_the_window() {
     // Without its sliding window the Mistral case writes other tokens: the fixture tests it.
     let exp = expected();
-    let case = exp["cases"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["name"] == "mistral_window5+adapter")
-        .unwrap();
+    let case = case_named(&exp, "mistral_window5+adapter");
     assert_eq!(case["config_overrides"]["sliding_window"], 5);
     let tmp = tempfile::tempdir().unwrap();
     let model = load(case, tmp.path(), DType::F32, &Device::Cpu);
@@ -230,12 +231,7 @@ fn kv_cached_decoding_equals_full_recompute_on_the_cpu() {
 fn greedy_text_on_the_training_model_matches_the_fixture() {
     // The library function the training loop calls for sample_every, on the tiny model.
     let exp = expected();
-    let case = exp["cases"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["name"] == "tiny_shipped+adapter")
-        .unwrap();
+    let case = case_named(&exp, "tiny_shipped+adapter");
     let tmp = tempfile::tempdir().unwrap();
     let dir = model_dir(case, tmp.path());
     let l = lora_train::generate::load::from_dirs(
@@ -456,12 +452,7 @@ fn bin() -> Command {
 #[test]
 fn cli_generates_from_the_shipped_tiny_model_and_an_adapter() {
     let exp = expected();
-    let case = exp["cases"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["name"] == "tiny_shipped+adapter")
-        .unwrap();
+    let case = case_named(&exp, "tiny_shipped+adapter");
     let p = &case["prompts"][1];
     let o = bin()
         .current_dir(root())
