@@ -339,16 +339,7 @@ fn kv_cached_decoding_equals_full_recompute_on_cuda() {
     let mut cfg = lora_train::bench::shape("tiny").unwrap();
     (cfg.num_layers, cfg.num_kv_heads, cfg.vocab_size) = (2, 4, 512);
     cfg.max_position_embeddings = 512;
-    let spec = LoraSpec {
-        rank: 8,
-        alpha: 16.0,
-        dropout: 0.0,
-        rslora: false,
-        targets: lora_train::lora::ALL_LINEAR
-            .iter()
-            .map(|s| s.to_string())
-            .collect(),
-    };
+    let spec = all_linear_r8();
     for dtype in [DType::F32, DType::BF16] {
         let mut model = Model::random(cfg.clone(), dtype, &dev, &spec, 3).unwrap();
         // Sharper logits than N(0, 0.02) weights give, so that most greedy picks are clear.
@@ -449,6 +440,15 @@ fn bin() -> Command {
     Command::cargo_bin("lora-train").unwrap()
 }
 
+/// `lora-train generate` from the shipped tiny model on the CPU, run in the repository root.
+fn tiny_generate() -> Command {
+    let mut c = bin();
+    c.current_dir(root())
+        .args(["generate", "--model", "recipes/assets/tiny-llama"])
+        .args(["--device", "cpu"]);
+    c
+}
+
 #[test]
 fn cli_generates_from_the_shipped_tiny_model_and_an_adapter() {
     let exp = expected();
@@ -490,15 +490,7 @@ fn cli_generates_from_the_shipped_tiny_model_and_an_adapter() {
     assert_eq!(String::from_utf8_lossy(&o.stdout), text);
 
     // The base alone, from a text prompt.
-    let o = bin()
-        .current_dir(root())
-        .args([
-            "generate",
-            "--model",
-            "recipes/assets/tiny-llama",
-            "--device",
-            "cpu",
-        ])
+    let o = tiny_generate()
         .args(["--prompt", "Once upon a time", "--max-new-tokens", "5"])
         .output()
         .unwrap();
@@ -538,15 +530,7 @@ fn cli_prompt_ids_print_transformers_tokens() {
 
 #[test]
 fn cli_chat_answers_each_line_of_stdin() {
-    let o = bin()
-        .current_dir(root())
-        .args([
-            "generate",
-            "--model",
-            "recipes/assets/tiny-llama",
-            "--device",
-            "cpu",
-        ])
+    let o = tiny_generate()
         .args(["--chat", "--system", "Be brief.", "--max-new-tokens", "6"])
         .write_stdin("What color is the dog?\n\nSpell the word \"bear\".\n")
         .output()
