@@ -325,12 +325,18 @@ fn measure(
     // The training loop's order and clock (train::trainer): step k+1's forward and backward
     // queued before step k's loss is read (and its eval and checkpoint run), then step k+1's
     // update; a step that saves is finished before the next is queued. A step counts as done
-    // when its loss is read, and the timed steps run on from the warm-up ones without a pause.
+    // once its loss is read and its eval run and checkpoint started, and the timed steps run on from the warm-up ones without a pause.
     let total = a.warmup + a.steps;
     let mut clock = workload::Clock::new(a.warmup);
+    // The last step also waits for the checkpoint write in flight: the clock counts them all.
     let finish = |engine: &mut Engine, opt: &mut AdamW, clock: &mut workload::Clock, p, n| {
-        clock.record(engine.finish(p, opt)?);
-        after(n, opt)
+        let done = engine.finish(p, opt)?;
+        after(n, opt)?;
+        if let (Some((s, _)), true) = (&saver, n == total) {
+            s.wait()?;
+        }
+        clock.record(done);
+        anyhow::Ok(())
     };
     let mut pending = None;
     let t1 = Instant::now();

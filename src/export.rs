@@ -11,7 +11,7 @@ use crate::lora::{LoraSpec, ALL_LINEAR};
 use crate::model::Model;
 use crate::util::atomic_write;
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device};
+use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::path::Path;
@@ -42,19 +42,41 @@ pub fn save_adapter(
     revision: Option<&str>,
 ) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    write_tensors(&dir.join(WEIGHTS), &adapter_tensors(model)?)?;
+    atomic_write(&dir.join(CONFIG), &adapter_config(spec, base_model, revision)?)
+}
+
+/// The model's adapters as PEFT keys them: A [r, in] and B [out, r], f32 host copies that
+/// training no longer changes (the optimiser updates the device tensors in place).
+pub fn adapter_tensors(model: &Model) -> Result<Vec<(String, Tensor)>> {
+    let mut out = Vec::new();
     for (module, lora) in model.adapters() {
         for (which, var) in [('A', &lora.a), ('B', &lora.b)] {
-            let t = var
-                .as_tensor()
-                .to_dtype(DType::F32)?
-                .to_device(&Device::Cpu)?;
-            let data: Vec<f32> = t.flatten_all()?.to_vec1()?;
-            let bytes = data.iter().flat_map(|x| x.to_le_bytes()).collect();
-            tensors.push((peft_key(module, which), t.dims().to_vec(), bytes));
+            let t = host_copy(&var.as_tensor().to_dtype(DType::F32)?)?;
+            out.push((peft_key(module, which), t));
         }
     }
-    let views = tensors
+    Ok(out)
+}
+
+/// A host tensor with storage of its own: a CPU tensor is copied, not shared, so that a later
+/// in-place update does not reach it.
+pub fn host_copy(t: &Tensor) -> candle_core::Result<Tensor> {
+    match t.device() {
+        Device::Cpu => t.copy(),
+        _ => t.to_device(&Device::Cpu),
+    }
+}
+
+/// `tensors` (host, f32) as one safetensors file at `path`, written atomically, with the
+/// metadata {"format": "pt"} that PEFT's loader expects. One metadata entry only: safetensors
+/// writes a map's entries in hash order, and files of equal runs must be equal bytes.
+pub fn write_tensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
+    let raw = tensors
+        .iter()
+        .map(|(k, t)| Ok((k.as_str(), t.dims().to_vec(), merge::tensor_bytes(t)?)))
+        .collect::<Result<Vec<_>>>()?;
+    let views = raw
         .iter()
         .map(|(k, shape, bytes)| {
             let v = safetensors::tensor::TensorView::new(
@@ -62,12 +84,15 @@ pub fn save_adapter(
                 shape.clone(),
                 bytes,
             )?;
-            Ok((k.as_str(), v))
+            Ok((*k, v))
         })
         .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()?;
     let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-    let bytes = safetensors::serialize(views, Some(meta))?;
-    atomic_write(&dir.join(WEIGHTS), &bytes)?;
+    atomic_write(path, &safetensors::serialize(views, Some(meta))?)
+}
+
+/// adapter_config.json's bytes: PEFT's LoRA config for `spec`.
+pub fn adapter_config(spec: &LoraSpec, base_model: &str, revision: Option<&str>) -> Result<Vec<u8>> {
     let cfg = json!({
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -90,10 +115,7 @@ pub fn save_adapter(
         "alpha_pattern": {},
         "inference_mode": true,
     });
-    atomic_write(
-        &dir.join(CONFIG),
-        serde_json::to_string_pretty(&cfg)?.as_bytes(),
-    )
+    Ok(serde_json::to_string_pretty(&cfg)?.into_bytes())
 }
 
 /// An f32 as the shortest decimal that reads back as it (0.05f32 → 0.05).

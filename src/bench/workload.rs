@@ -7,6 +7,7 @@ use crate::data::{Batch, Example};
 use crate::lora::LoraSpec;
 use crate::model::{Model, ModelConfig};
 use crate::train::driver::Par;
+use crate::train::checkpoint_write::{Snapshot, Writer};
 use crate::train::optim::AdamW;
 use anyhow::{Context, Result};
 use std::path::PathBuf;
@@ -110,12 +111,13 @@ pub fn eval(model: &Model, par: &Par, batches: &[Batch]) -> Result<f64> {
     Ok(sum)
 }
 
-/// Checkpoints as the trainer writes them (the adapter's safetensors and config, AdamW's m and
-/// v; each file fsynced, the directory renamed into place), into a directory of ours that is
-/// removed when this is dropped.
+/// Checkpoints as the trainer writes them (train::checkpoint_write: host copies at the save,
+/// the files written, fsynced and renamed into place on the writer thread), into a directory
+/// of ours that is removed when this is dropped.
 pub struct Saver {
     dir: PathBuf,
     keys: Vec<String>,
+    writer: Writer,
 }
 
 impl Saver {
@@ -127,27 +129,35 @@ impl Saver {
             .adapters()
             .flat_map(|(module, _)| ['A', 'B'].map(|w| crate::export::peft_key(module, w)))
             .collect();
-        Ok(Saver { dir, keys })
+        let writer = Writer::default();
+        Ok(Saver { dir, keys, writer })
     }
 
-    /// Step `step`'s checkpoint (replacing the one before: one is kept).
+    /// Starts step `step`'s checkpoint (replacing the one before: one is kept), after the
+    /// previous one is written.
     pub fn save(&self, step: usize, model: &Model, spec: &LoraSpec, opt: &AdamW) -> Result<()> {
+        let snap = Snapshot {
+            adapter: crate::export::adapter_tensors(model)?,
+            config: crate::export::adapter_config(spec, "bench", None)?,
+            optimizer: Snapshot::optimizer(opt, &self.keys)?,
+            files: Vec::new(),
+        };
         let tmp = self.dir.join(format!(".checkpoint-{step}.tmp"));
         let dst = self.dir.join("checkpoint");
-        std::fs::create_dir_all(&tmp)?;
-        crate::export::save_adapter(&tmp, model, spec, "bench", None)?;
-        crate::train::checkpoint::write_optimizer(
-            &tmp.join(crate::train::checkpoint::OPTIMIZER),
-            opt,
-            &self.keys,
-        )?;
-        crate::export::merge::sync_dir_files(&tmp)?;
-        crate::export::merge::replace_dir(&tmp, &dst)
+        self.writer.start(snap, tmp, dst, || Ok(()))
+    }
+
+    /// Waits for the checkpoint in flight.
+    pub fn wait(&self) -> Result<()> {
+        self.writer.wait()
     }
 }
 
 impl Drop for Saver {
     fn drop(&mut self) {
+        if let Err(e) = self.writer.wait() {
+            eprintln!("error: {e:#}");
+        }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

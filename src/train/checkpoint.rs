@@ -16,15 +16,16 @@
 //! checkpoints as they were.
 
 use super::checkpoint_check as check;
+use super::checkpoint_write::Snapshot;
 use super::optim::AdamW;
 use super::Session;
 use crate::export;
-use crate::export::merge::{replace_dir, sync_dir, sync_dir_files};
+use crate::export::merge::sync_dir;
 use crate::recipe::{Recipe, RecipeError, Resume, Schedule};
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 pub use crate::util::TRAINER_STATE as STATE;
@@ -352,72 +353,30 @@ pub fn resume_point(r: &Recipe, out_dir: &Path) -> Result<Option<Checkpoint>> {
     Ok(Some(Checkpoint { dir, state }))
 }
 
-/// Writes `out_dir/checkpoint-<state.step>/` (replacing one of that step) through a
-/// temporary directory. `keys[i]` is the PEFT key of `opt.params[i]`.
-/// Where `save` puts the checkpoint of step `step`.
+/// Where a checkpoint of step `step` goes.
 pub fn dir_of(out_dir: &Path, step: usize) -> PathBuf {
     out_dir.join(format!("checkpoint-{step}"))
 }
 
-pub fn save(
-    s: &Session,
-    out_dir: &Path,
-    state: &TrainerState,
-    opt: &AdamW,
-    keys: &[String],
-) -> Result<PathBuf> {
-    let name = format!("checkpoint-{}", state.step);
-    let dst = out_dir.join(&name);
-    let tmp = out_dir.join(format!(".{name}.tmp-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&tmp);
-    std::fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
-    let res = (|| -> Result<()> {
-        export::save_adapter(
-            &tmp,
-            &s.model,
-            &s.spec,
-            &s.base_name,
-            s.base_revision.as_deref(),
-        )?;
-        write_optimizer(&tmp.join(OPTIMIZER), opt, keys)?;
-        std::fs::write(tmp.join("recipe.toml"), s.recipe.to_toml())?;
-        // The trainer state goes last: a directory holding it is complete.
-        std::fs::write(tmp.join(STATE), serde_json::to_string_pretty(state)? + "\n")?;
-        sync_dir_files(&tmp)?;
-        replace_dir(&tmp, &dst)
-    })();
-    if let Err(e) = res {
-        let _ = std::fs::remove_dir_all(&tmp);
-        return Err(e.context(format!("cannot save checkpoint {}", dst.display())));
-    }
-    Ok(dst)
+/// The temporary directory a checkpoint of step `step` is written in before its rename.
+pub fn tmp_of(out_dir: &Path, step: usize) -> PathBuf {
+    out_dir.join(format!(".checkpoint-{step}.tmp-{}", std::process::id()))
 }
 
-/// AdamW's m and v per parameter (f32) into `path` as safetensors, keyed `<keys[i]>.exp_avg`
-/// and `<keys[i]>.exp_avg_sq` (`keys[i]` the PEFT key of `opt.params[i]`): what a checkpoint
-/// holds of the optimiser besides its step count.
-pub fn write_optimizer(path: &Path, opt: &AdamW, keys: &[String]) -> Result<()> {
-    let (m, v) = opt.state()?;
-    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
-    for ((key, m), v) in keys.iter().zip(m).zip(v) {
-        for (suffix, t) in [("exp_avg", m), ("exp_avg_sq", v)] {
-            let t = t.to_device(&Device::Cpu)?;
-            let bytes = export::merge::tensor_bytes(&t)?;
-            tensors.push((format!("{key}.{suffix}"), t.dims().to_vec(), bytes));
-        }
-    }
-    let views = tensors
-        .iter()
-        .map(|(k, shape, bytes)| {
-            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes)
-                .map(|v| (k.as_str(), v))
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    // One metadata entry only: safetensors writes a map's entries in hash order, and
-    // checkpoints of equal runs must be equal bytes. The step count t is in trainer_state.
-    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-    std::fs::write(path, safetensors::serialize(views, Some(meta))?)?;
-    Ok(())
+/// The checkpoint of where the run stands (`state`), copied to host memory: the adapter,
+/// AdamW's m and v (`keys[i]` the PEFT key of `opt.params[i]`), the recipe, and the trainer
+/// state last (a directory holding it is complete).
+pub fn snapshot(s: &Session, state: &TrainerState, opt: &AdamW, keys: &[String]) -> Result<Snapshot> {
+    let rev = s.base_revision.as_deref();
+    Ok(Snapshot {
+        adapter: export::adapter_tensors(&s.model)?,
+        config: export::adapter_config(&s.spec, &s.base_name, rev)?,
+        optimizer: Snapshot::optimizer(opt, keys)?,
+        files: vec![
+            ("recipe.toml", s.recipe.to_toml().into_bytes()),
+            (STATE, (serde_json::to_string_pretty(state)? + "\n").into_bytes()),
+        ],
+    })
 }
 
 /// Loads a checkpoint's adapter into the model and its m, v and t into the optimiser.

@@ -12,6 +12,7 @@
 
 pub mod checkpoint;
 pub mod checkpoint_check;
+pub mod checkpoint_write;
 pub mod driver;
 pub mod eval;
 pub mod launch;

@@ -7,6 +7,7 @@
 //! counted as skipped: the update kernel skipped it) before another update follows it.
 
 use super::checkpoint::{self, Checkpoint, Cursor, Progress, TrainerState};
+use super::checkpoint_write;
 use super::driver::Keep;
 use super::log::{Log, Row};
 use super::optim::AdamW;
@@ -34,8 +35,9 @@ struct Run<'s> {
     keys: Vec<String>,
     at: Progress,
     log: Log,
-    /// The newest checkpoint: (step, directory).
+    /// The newest checkpoint: (step, directory); its write may still be in flight.
     saved: Option<(usize, PathBuf)>,
+    writer: checkpoint_write::Writer,
     losses: Vec<f64>,
     last_eval: Option<f64>,
     /// Several ranks: rank 0's stop decision, broadcast at one step's end, read at the next.
@@ -146,6 +148,7 @@ impl<'s> Run<'s> {
             keys,
             log,
             saved: resume.map(|c| (c.state.step, c.dir.clone())),
+            writer: checkpoint_write::Writer::default(),
             losses: Vec::new(),
             last_eval: None,
             vote: stop::Vote::new(s.comm.world()),
@@ -239,6 +242,7 @@ impl<'s> Run<'s> {
                 (_, true) => self.save()?,
                 (_, false) => checkpoint::dir_of(self.out_dir, step),
             };
+            self.writer.wait()?;
             return Err(stop::Interrupted {
                 step,
                 total: self.total,
@@ -269,12 +273,17 @@ impl<'s> Run<'s> {
         crate::generate::append_samples(&self.out_dir.join("samples.jsonl"), &rows)
     }
 
-    /// A checkpoint of where the run stands, then the pruning of old ones.
+    /// A checkpoint of where the run stands, written (and old ones pruned) on the writer
+    /// thread while the next steps run.
     fn save(&mut self) -> Result<PathBuf> {
         let state = TrainerState::new(self.s, &self.at, self.total, &self.opt);
-        let dir = checkpoint::save(self.s, self.out_dir, &state, &self.opt, &self.keys)?;
-        checkpoint::prune(self.out_dir, self.s.recipe.output.keep_last, self.at.step)?;
-        self.saved = Some((self.at.step, dir.clone()));
+        let snap = checkpoint::snapshot(self.s, &state, &self.opt, &self.keys)?;
+        let (out, step) = (self.out_dir.to_owned(), self.at.step);
+        let (tmp, dir) = (checkpoint::tmp_of(&out, step), checkpoint::dir_of(&out, step));
+        let keep_last = self.s.recipe.output.keep_last;
+        let prune = move || checkpoint::prune(&out, keep_last, step);
+        self.writer.start(snap, tmp, dir.clone(), prune)?;
+        self.saved = Some((step, dir.clone()));
         Ok(dir)
     }
 
@@ -300,6 +309,7 @@ impl<'s> Run<'s> {
                 self.save()?;
             }
         }
+        self.writer.wait()?;
         if self.at.skipped > 0 && lead {
             eprintln!(
                 "skipped {} of {} steps with a non-finite loss or gradient",
