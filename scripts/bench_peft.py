@@ -8,6 +8,7 @@ that the two run in one device call and compare as ratios:
   python3 scripts/bench_peft.py --shape llama2-7b --seq 2048 --batch 2 --rank 16 --targets all
   python3 scripts/bench_peft.py --shape llama2-7b --liger           # + Liger-Kernel, as axolotl
   python3 scripts/bench_peft.py --shape llama2-7b --dropout 0.05    # PEFT's lora_dropout
+  python3 scripts/bench_peft.py --shape llama2-7b --rslora --tag rslora   # use_rslora, a label
   python3 scripts/bench_peft.py --shape llama2-7b --load-in-4bit    # QLoRA (bitsandbytes NF4)
   python3 scripts/bench_peft.py --shape llama3-8b --seq 32768 --batch 1 --ckpt --max-memory 80GiB
   torchrun --nproc_per_node 2 scripts/bench_peft.py --shape llama2-7b --mode ddp   # or fsdp
@@ -53,6 +54,7 @@ def args():
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--alpha", type=float, default=None, help="default: 2 x rank")
     p.add_argument("--dropout", type=float, default=0.0, help="PEFT lora_dropout")
+    p.add_argument("--rslora", action="store_true", help="PEFT use_rslora: scale alpha / sqrt(r)")
     p.add_argument("--targets", default="all", choices=sorted(TARGETS))
     p.add_argument("--ckpt", action="store_true", help="gradient checkpointing (non-reentrant)")
     p.add_argument("--attn", default="sdpa", help="transformers attn_implementation")
@@ -66,6 +68,7 @@ def args():
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 matmul ceiling for MFU")
     p.add_argument("--json", default=None)
+    p.add_argument("--tag", default=None, help="a label copied into the JSON line (a sweep's row)")
     return p.parse_args()
 
 
@@ -115,7 +118,7 @@ def build(a, dev):
         with torch.device(dev):
             m = LlamaForCausalLM._from_config(cfg, torch_dtype=torch.bfloat16)
     lora = LoraConfig(r=a.rank, lora_alpha=a.alpha or 2 * a.rank, lora_dropout=a.dropout,
-                      target_modules=TARGETS[a.targets], task_type="CAUSAL_LM")
+                      use_rslora=a.rslora, target_modules=TARGETS[a.targets], task_type="CAUSAL_LM")
     m = get_peft_model(m, lora)
     if a.ckpt:
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -177,7 +180,7 @@ def main():
     res = {"system": "transformers+peft" + ("+liger" if a.liger else "") + ("+bnb-nf4" if a.load_in_4bit else ""),
            "torch": torch.__version__, "mode": a.mode, "world": world, "shape": a.shape, "seq": a.seq,
            "micro_batch": a.batch, "lora_rank": a.rank, "targets": a.targets, "ckpt": a.ckpt,
-           "dropout": a.dropout, "attn": a.attn, "trainable_params": trainable,
+           "dropout": a.dropout, "rslora": a.rslora, "tag": a.tag, "attn": a.attn, "trainable_params": trainable,
            "base_linear_params": n_linear, "load_s": round(load_s, 2),
            "after_load_gib": round(after_load, 2), "max_memory": a.max_memory}
     try:

@@ -25,6 +25,8 @@ use candle_core::{DType, Device, Tensor};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+pub mod workload;
+
 #[derive(Debug, Clone)]
 pub struct BenchArgs {
     pub shape: String,
@@ -46,8 +48,27 @@ pub struct BenchArgs {
     pub grad_accum: usize,
     /// Behave as a card of this many bytes (a ballast outside the pool; CUDA only).
     pub max_memory: Option<u64>,
+    /// A checkpoint directory to time instead of random weights of `shape` (its config.json
+    /// gives the shape): the weights `train` would load, on bench's random rows.
+    pub model: Option<std::path::PathBuf>,
     /// train.deterministic: no kernel whose sums land in a varying order.
     pub deterministic: bool,
+    /// lora.dropout (0: none).
+    pub dropout: f32,
+    /// lora.use_rslora: the adapters' scale α / √r.
+    pub rslora: bool,
+    /// Short examples packed into each row (block-diagonal attention: `workload::batch`); 1:
+    /// one sequence a row.
+    pub pack: usize,
+    /// An eval forward over `eval_batches` micro-batches every this many steps (0: none), as
+    /// train.eval_every.
+    pub eval_every: usize,
+    pub eval_batches: usize,
+    /// A checkpoint (adapter and optimiser state) every this many steps (0: none), as
+    /// output.save_every; rank 0 writes it.
+    pub save_every: usize,
+    /// A label for the JSON line (a sweep's row).
+    pub tag: Option<String>,
 }
 
 /// The shapes `bench` and `plan --shape` know, as scripts/bench_peft.py's SHAPES.
@@ -113,6 +134,14 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
     Ok(ModelConfig::from_json(&cfg.to_string(), &path)?)
 }
 
+/// The shape a bench runs: `--model`'s config.json, else the named shape.
+fn config_of(a: &BenchArgs) -> Result<ModelConfig> {
+    match &a.model {
+        Some(dir) => Ok(ModelConfig::from_file(&dir.join("config.json"))?),
+        None => shape(&a.shape),
+    }
+}
+
 /// `--targets` for a model: "all" its every linear, "attn" its attention's, "qv" q and v
 /// (Phi-3: its fused qkv_proj, as PEFT's default for it).
 pub fn targets(name: &str, cfg: &ModelConfig) -> Result<Vec<String>> {
@@ -161,25 +190,8 @@ pub fn flops_per_token(
 /// each row's last counted.
 pub fn random_batch(b: usize, t: usize, vocab: usize, seed: u64) -> Batch {
     let mut rng = crate::rng::Rng::new(seed);
-    lm_batch((0..b * t).map(|_| rng.below(vocab) as u32).collect(), b, t)
-}
-
-/// Rows of token ids [b · t] as a language-modelling batch: each position predicts the next
-/// one of its row (every position but the row's last counted), no packing.
-fn lm_batch(ids: Vec<u32>, b: usize, t: usize) -> Batch {
-    let targets: Vec<(usize, u32)> = (0..b)
-        .flat_map(|r| (0..t.saturating_sub(1)).map(move |i| r * t + i))
-        .map(|k| (k, ids[k + 1]))
-        .collect();
-    Batch {
-        b,
-        t,
-        positions: (0..b).flat_map(|_| 0..t as u32).collect(),
-        segments: None,
-        targets,
-        tokens: b * t,
-        ids,
-    }
+    let ids: Vec<u32> = (0..b * t).map(|_| rng.below(vocab) as u32).collect();
+    workload::batch(&ids, b, t, 1)
 }
 
 /// The bench on `a.devices`: one rank for "single", one thread per rank for ddp / fsdp. An
@@ -219,7 +231,7 @@ fn run_rank(a: &BenchArgs, device: Device, comm: &dyn Comm) -> Result<serde_json
         ..a.clone()
     };
     use crate::memory::plan;
-    let cfg = shape(&a.shape)?;
+    let cfg = config_of(a)?;
     let act = if a.device.is_cpu() {
         DType::F32
     } else {
@@ -280,12 +292,12 @@ fn measure(
     meter: &mut memory::PhaseMeter,
 ) -> Result<serde_json::Value> {
     let (rank, world) = (comm.rank(), comm.world());
-    let cfg = shape(&a.shape)?;
+    let cfg = config_of(a)?;
     let spec = LoraSpec {
         rank: a.rank,
         alpha: a.alpha.unwrap_or(2.0 * a.rank as f64),
-        dropout: 0.0,
-        rslora: false,
+        dropout: a.dropout,
+        rslora: a.rslora,
         targets: targets(&a.targets, &cfg)?,
     };
     let dtype = if a.device.is_cpu() {
@@ -296,8 +308,12 @@ fn measure(
     memory::keep_pool_memory(&a.device)?;
     let t0 = Instant::now();
     let fsdp = a.strategy == Strategy::Fsdp;
-    let (model, shards) = sharded_model(fsdp, comm, kernels, &mut |loaded| {
-        Model::random_with(cfg.clone(), dtype, &a.device, &spec, 0, kernels, loaded)
+    let (model, shards) = sharded_model(fsdp, comm, kernels, &mut |loaded| match &a.model {
+        Some(dir) => {
+            let files = crate::hub::ModelFiles::local(dir)?;
+            Model::load_with(&files, dtype, &a.device, &spec, 0, kernels, loaded)
+        }
+        None => Model::random_with(cfg.clone(), dtype, &a.device, &spec, 0, kernels, loaded),
     })?;
     a.device.synchronize()?;
     let load_s = t0.elapsed().as_secs_f64();
@@ -311,29 +327,58 @@ fn measure(
     let mut opt = AdamW::new(adapter_params(&model), [0.9, 0.999], 1e-8, 0.0)?;
 
     // Random token ids (labels = ids), like the baseline: global row g is seeded by g, and
-    // this rank's micro-batch m holds rows (m·b + j)·world + rank, j < b.
+    // this rank's micro-batch m holds rows (m·b + j)·world + rank, j < b. Eval rows follow.
     let (b, t, accum) = (a.micro_batch, a.seq, a.grad_accum.max(1));
     let row = |g: usize| -> Vec<u32> {
         let mut rng = crate::rng::Rng::new(1234 + g as u64);
         (0..t).map(|_| rng.below(cfg.vocab_size) as u32).collect()
     };
-    let batches: Vec<Batch> = (0..accum)
-        .map(|m| {
-            let ids = (0..b).flat_map(|j| row((m * b + j) * world + rank));
-            lm_batch(ids.collect(), b, t)
-        })
-        .collect();
-    // Every row counts t − 1 targets: the step's denominator over all ranks.
-    let denom = world * accum * b * (t - 1);
+    let micro = |m: usize| {
+        let ids: Vec<u32> = (0..b)
+            .flat_map(|j| row((m * b + j) * world + rank))
+            .collect();
+        workload::batch(&ids, b, t, a.pack)
+    };
+    let batches: Vec<Batch> = (0..accum).map(micro).collect();
+    let evals: Vec<Batch> = match a.eval_every {
+        0 => Vec::new(),
+        _ => (accum..accum + a.eval_batches.max(1)).map(micro).collect(),
+    };
+    // Every row counts t − pack targets: the step's denominator over all ranks.
+    let denom = world * accum * b * workload::targets_per_row(t, a.pack);
     let keep = Keep::new(a.ckpt, a.offload, &a.device);
-    let mut engine = Engine::new(&model, comm, shards.as_ref(), keep, 1.0, None);
+    let dropout_seed = (a.dropout > 0.0).then_some(0);
+    let mut engine = Engine::new(&model, comm, shards.as_ref(), keep, 1.0, dropout_seed);
+    let par = crate::train::driver::Par {
+        comm,
+        shards: shards.as_ref(),
+        reduce: false,
+    };
+    let saver = match (a.save_every, rank) {
+        (0, _) => None,
+        (_, r) => Some((workload::Saver::new(&model)?, r == 0)),
+    };
+    // What the trainer does after step `n` (1-based) is done: eval, then the checkpoint.
+    let after = |n: usize, opt: &AdamW| -> Result<()> {
+        if a.eval_every > 0 && n % a.eval_every == 0 {
+            workload::eval(&model, &par, &evals)?;
+        }
+        match &saver {
+            Some((s, true)) if n % a.save_every == 0 => s.save(n, &model, &spec, opt),
+            _ => Ok(()),
+        }
+    };
+    let saves = |n: usize| a.save_every > 0 && n % a.save_every == 0;
     // The training loop's order and clock (train::trainer): step k+1's forward and backward
-    // queued before step k's loss is read, then step k+1's update; a step counts as done when
-    // its loss is read, and the timed steps run on from the warm-up ones without a pause.
+    // queued before step k's loss is read (and its eval and checkpoint run), then step k+1's
+    // update; a step that saves is finished before the next is queued. A step counts as done
+    // when its loss is read, and the timed steps run on from the warm-up ones without a pause.
     let total = a.warmup + a.steps;
-    let mut losses = Vec::with_capacity(total);
-    let mut done_at = Vec::with_capacity(total);
-    let mut timed = memory::PhaseMeter::default();
+    let mut clock = workload::Clock::new(a.warmup);
+    let finish = |engine: &mut Engine, opt: &mut AdamW, clock: &mut workload::Clock, p, n| {
+        clock.record(engine.finish(p, opt)?);
+        after(n, opt)
+    };
     let mut pending = None;
     let t1 = Instant::now();
     let res = (|| -> Result<()> {
@@ -341,20 +386,17 @@ fn measure(
             if step == a.warmup {
                 engine.meter = memory::PhaseMeter::default();
             }
+            if step < total && saves(step) {
+                if let Some(p) = pending.take() {
+                    finish(&mut engine, &mut opt, &mut clock, p, step)?;
+                }
+            }
             let q = match step < total {
                 true => Some(engine.backward(&batches, denom, step)?),
                 false => None,
             };
             if let Some(p) = pending.take() {
-                let d = engine.finish(p, &mut opt)?;
-                done_at.push(Instant::now());
-                losses.push(d.loss);
-                if losses.len() > a.warmup {
-                    for (k, v) in d.peaks {
-                        let e = timed.peaks.entry(k).or_insert(0);
-                        *e = (*e).max(v);
-                    }
-                }
+                finish(&mut engine, &mut opt, &mut clock, p, step)?;
             }
             if let Some(q) = q {
                 pending = Some(engine.update(q, &mut opt, 1e-4)?);
@@ -367,11 +409,9 @@ fn measure(
         return Err(e);
     }
     a.device.synchronize()?;
-    let from = match a.warmup {
-        0 => t1,
-        w => done_at[w - 1],
-    };
-    let dt = done_at[total - 1].duration_since(from).as_secs_f64();
+    let dt = clock.seconds(t1);
+    let losses = clock.losses;
+    let mut timed = clock.timed;
     (timed.run_peak, timed.run_reserved) = (engine.meter.run_peak, engine.meter.run_reserved);
     timed.ends = engine.meter.ends.clone();
     let loss = losses.last().copied().unwrap_or(0.0);
@@ -390,6 +430,17 @@ fn measure(
     let tokens = (accum * b * t * a.steps) as f64;
     let tps = tokens / dt;
     let fpt = flops_per_token(n_linear, cfg.num_layers, cfg.hidden_size, t, a.ckpt);
+    let work = workload::Work {
+        n_linear,
+        adapter: workload::adapter_weights(&cfg, &spec),
+        layers: cfg.num_layers,
+        hidden: cfg.hidden_size,
+        seq: t / a.pack.clamp(1, (t / 2).max(1)),
+        ckpt: a.ckpt,
+        eval_tokens: evals.len() * b * t,
+        step_tokens: accum * b * t,
+        eval_every: a.eval_every,
+    };
     let r2 = |x: f64| (x * 100.0).round() / 100.0;
     let peak = cuda.then_some((timed.run_peak, timed.run_reserved));
     let ranks = RankFigures::gather(a, comm, tps, peak, dt / a.steps as f64)?;
@@ -423,6 +474,9 @@ fn measure(
         "final_loss": (loss * 1e4).round() / 1e4,
         "phases": phases,
         "max_memory_gib": a.max_memory.map(|m| r2(m as f64 / GIB)),
+        "tag": a.tag, "dropout": a.dropout, "rslora": a.rslora, "pack": a.pack,
+        "eval_every": a.eval_every, "eval_batches": evals.len(), "save_every": a.save_every,
+        "flops_per_token": fpt, "work_flops_per_token": work.flops_per_token(),
     }))
 }
 

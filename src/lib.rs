@@ -21,6 +21,9 @@ pub mod parallel;
 pub mod memory;
 // The PEFT adapter and the merged model written.
 pub mod export;
+// Trying the result: decoding with a KV cache; a run's curves drawn.
+pub mod generate;
+pub mod report;
 // `lora-train bench` and `lora-train probe`: the engine on random weights and batches.
 pub mod bench;
 pub mod probe;

@@ -1,4 +1,5 @@
-//! LoRA adapters: y = base(x) + scale · B(A(dropout(x))).
+//! LoRA adapters: y = base(x) + scale · B(A(dropout(x))); dropout's masks are `ops::dropout`'s
+//! (drawn where they are used, keyed by seed, step, micro-batch, layer and module).
 //!
 //! A: [r, in], B: [out, r], both f32 `Var`s whatever the base dtype; they are cast to the
 //! activation dtype inside the forward (the cast's backward returns f32 gradients).
@@ -99,21 +100,4 @@ impl Lora {
             dropout: spec.dropout,
         })
     }
-}
-
-/// Inverted-dropout mask: each entry 0 with probability p, else 1/(1−p).
-pub fn dropout_mask(
-    dims: &[usize],
-    p: f32,
-    seed: u64,
-    key: &[u64],
-    dev: &Device,
-) -> Result<Tensor> {
-    let n: usize = dims.iter().product();
-    let keep = 1.0 / (1.0 - p);
-    let mut rng = Rng::keyed(seed, key);
-    let v: Vec<f32> = (0..n)
-        .map(|_| if rng.next_f32() < p { 0.0 } else { keep })
-        .collect();
-    Tensor::from_vec(v, dims, dev)
 }

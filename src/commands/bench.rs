@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 #[derive(Args, Clone)]
 #[command(
-    after_help = "Examples:\n  lora-train bench --shape llama2-7b --seq 2048 --micro-batch 2 --rank 16 --targets all\n  lora-train bench --shape tiny --device cpu --steps 3 --warmup 1"
+    after_help = "Examples:\n  lora-train bench --shape llama2-7b --seq 2048 --micro-batch 2 --rank 16 --targets all\n  lora-train bench --shape llama2-7b --dropout 0.05 --tag dropout-0.05\n  lora-train bench --shape tiny --device cpu --steps 3 --warmup 1\n  bash scripts/sweep.sh   # every knob against the plain configuration"
 )]
 pub struct BenchArgs {
     /// tiny | llama2-7b | llama2-13b | llama3-8b
@@ -58,10 +58,43 @@ pub struct BenchArgs {
     /// Behave as a card of this size, e.g. 24GiB (CUDA: a ballast outside the pool).
     #[arg(long, value_parser = super::parse_size)]
     max_memory: Option<u64>,
+    /// Time a local checkpoint's weights (its config.json gives the shape) instead of random
+    /// weights of --shape: what `train` would load.
+    #[arg(long)]
+    model: Option<PathBuf>,
     /// Only kernels whose sums run in a fixed order, so that runs repeat bit for bit, as the
     /// recipe's train.deterministic.
     #[arg(long)]
     deterministic: bool,
+    /// LoRA dropout on the adapters' input, as the recipe's lora.dropout.
+    #[arg(long, default_value_t = 0.0, value_parser = dropout)]
+    dropout: f32,
+    /// rsLoRA: the adapters' scale α / √r, as lora.use_rslora.
+    #[arg(long)]
+    rslora: bool,
+    /// Pack this many short examples into each row (block-diagonal attention, as packed data).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=(1 << 20)))]
+    pack_short: u32,
+    /// An eval forward every this many steps, as train.eval_every (0: none).
+    #[arg(long, default_value_t = 0)]
+    eval_every: u32,
+    /// Micro-batches of the eval set (--eval-every).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    eval_batches: u32,
+    /// A checkpoint (adapter and optimiser state, fsynced) every this many steps, as
+    /// output.save_every (0: none); written under the temporary directory and removed after.
+    #[arg(long, default_value_t = 0)]
+    save_every: u32,
+    /// A label copied into the JSON line (e.g. a sweep's row).
+    #[arg(long)]
+    tag: Option<String>,
+}
+
+fn dropout(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(p) if (0.0..1.0).contains(&p) => Ok(p),
+        _ => Err(format!("`{s}`: the dropout rate is a number in [0, 1)")),
+    }
 }
 
 /// Which linears get adapters.
@@ -127,7 +160,15 @@ pub fn run(b: BenchArgs) -> anyhow::Result<()> {
         },
         grad_accum: b.grad_accum as usize,
         max_memory: b.max_memory,
+        model: b.model,
         deterministic: b.deterministic,
+        dropout: b.dropout,
+        rslora: b.rslora,
+        pack: b.pack_short as usize,
+        eval_every: b.eval_every as usize,
+        eval_batches: b.eval_batches as usize,
+        save_every: b.save_every as usize,
+        tag: b.tag,
     };
     let res = lora_train::bench::run(&args)?;
     println!("{res}");

@@ -13,8 +13,10 @@ mod bench;
 mod check;
 mod download;
 mod export;
+mod generate;
 mod plan;
 mod probe;
+mod report;
 mod train;
 
 use clap::{Parser, Subcommand};
@@ -65,6 +67,12 @@ enum Command {
     /// Merge a PEFT LoRA adapter into its base model and write the full weights
     /// (sharded safetensors, config and tokenizer files), loadable by transformers.
     Export(export::ExportArgs),
+    /// Generate text from a base + adapter, a merged model or a recipe's output (--prompt, or
+    /// --chat from stdin), streamed; `--bench` times decoding on random weights of a shape.
+    Generate(Box<generate::GenerateArgs>),
+    /// Draw a run's loss, eval loss, lr, tok/s and memory curves from its metrics.jsonl into
+    /// one SVG and print a summary (steps, tokens, time, best eval, peak memory per rank).
+    Report(report::ReportArgs),
 }
 
 /// Runs the command the line names.
@@ -77,6 +85,8 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Some(Command::Probe(a)) => probe::run(a),
         Some(Command::Download(a)) => download::run(a),
         Some(Command::Export(a)) => export::run(a),
+        Some(Command::Generate(a)) => generate::run(*a),
+        Some(Command::Report(a)) => report::run(a),
         None => train::run(cli.train),
     }
 }

@@ -135,6 +135,23 @@ impl TextTokenizer {
         Ok(ids)
     }
 
+    /// A prompt to generate from: as `encode`, with BOS as configured, but never the EOS that
+    /// add_eos_token appends to training text (a prompt that ends in EOS asks for nothing).
+    pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>> {
+        let mut ids = self.encode(text)?;
+        if self.eos.is_some() && ids.len() > 1 && ids.last() == self.eos.as_ref() {
+            ids.pop();
+        }
+        Ok(ids)
+    }
+
+    /// The text of `ids`, special tokens (BOS, EOS, chat markers) left out.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.tok
+            .decode(ids, true)
+            .map_err(|e| anyhow::anyhow!("tokenizer: {e}"))
+    }
+
     /// A token's text, e.g. "<|im_end|>".
     pub fn token_text(&self, id: u32) -> Option<String> {
         self.tok.id_to_token(id)

@@ -7,16 +7,16 @@
 use super::llama::Ctx;
 use crate::lora::Lora;
 use crate::ops;
+use crate::ops::dropout::Dropout;
 use candle_core::{DType, Result, Tensor};
 
 /// An adapter's (dL/dA, dL/dB) in f32, None for a linear without one.
 pub type AdapterGrad = Option<(Tensor, Tensor)>;
 
-/// What `Linear::bwd_dx` leaves for `Linear::bwd_grads`: s · g B [m, r] and the dropout mask
-/// (drawn once for both halves).
+/// What `Linear::bwd_dx` leaves for `Linear::bwd_grads`: s · g B [m, r] and the dropout.
 pub struct AdapterHalf {
     gbs: Tensor,
-    mask: Option<Tensor>,
+    dropout: Option<Dropout>,
 }
 
 /// A frozen linear (W [out, in], optional bias) with an optional LoRA adapter.
@@ -30,7 +30,8 @@ pub struct Linear {
     pub lora: Option<Lora>,
     /// W's wider buffer, when the adapter's forward is folded into the base GEMM.
     pub pad: Option<Pad>,
-    /// (layer, module) index: keys the dropout stream.
+    /// (layer, module) index: keys the dropout masks (the model's layer index, so a gathered
+    /// or recomputed layer draws the same ones).
     pub(crate) key: [u64; 2],
 }
 
@@ -59,26 +60,18 @@ impl Linear {
             lora.a.as_tensor(),
             lora.b.as_tensor(),
             lora.scale,
-            self.dropout_mask(x.dims(), ctx)?,
+            self.dropout(ctx),
             ctx.kernels.gemm,
         )
     }
 
-    /// Dropout on the adapter input, keyed by (step, micro-batch, layer, module) so that a
-    /// recomputed layer, and the backward, draw the same mask. None without dropout.
-    fn dropout_mask(&self, dims: &[usize], ctx: &Ctx) -> Result<Option<Tensor>> {
-        match (ctx.dropout, &self.lora) {
-            (Some((seed, [step, micro])), Some(lora)) if lora.dropout > 0.0 => {
-                Ok(Some(crate::lora::dropout_mask(
-                    dims,
-                    lora.dropout,
-                    seed,
-                    &[step, micro, self.key[0], self.key[1]],
-                    ctx.cos.device(),
-                )?))
-            }
-            _ => Ok(None),
-        }
+    /// Dropout on the adapter input for this batch (`ops::dropout`), keyed by (seed, step,
+    /// micro-batch, layer, module): a recomputed layer, and the backward, draw the same mask.
+    /// None without dropout (or at eval).
+    pub fn dropout(&self, ctx: &Ctx) -> Option<Dropout> {
+        let (seed, batch) = ctx.dropout?;
+        let d = Dropout::new(self.lora.as_ref()?.dropout, seed, batch, self.key)?;
+        Some(d.fused(ctx.kernels.dropout_fused))
     }
 
     /// The forward without a graph, for the hand-written layer backward.
@@ -87,7 +80,7 @@ impl Linear {
         let Some(lora) = &self.lora else {
             return Ok((ops::frozen_linear(x, &self.w, self.b.as_ref())?, None));
         };
-        let mask = self.dropout_mask(x.dims(), ctx)?;
+        let dropout = self.dropout(ctx);
         let (y, xas) = ops::lora_linear::lora_fwd(
             x,
             &self.w,
@@ -95,7 +88,7 @@ impl Linear {
             ctx.adapter(&lora.a),
             ctx.adapter(&lora.b),
             lora.scale,
-            mask.as_ref(),
+            dropout.as_ref(),
             ctx.kernels.gemm,
         )?;
         Ok((y, Some(xas)))
@@ -123,9 +116,8 @@ impl Linear {
         let Some(lora) = &self.lora else {
             return Ok(None);
         };
-        let mask = self.dropout_mask(x.dims(), ctx)?;
-        let a = ctx.adapter(&lora.a);
-        ops::lora_linear::lora_xas(x, a, lora.scale, mask.as_ref(), ctx.kernels.gemm).map(Some)
+        let (a, dropout) = (ctx.adapter(&lora.a), self.dropout(ctx));
+        ops::lora_linear::lora_xas(x, a, lora.scale, dropout.as_ref(), ctx.kernels.gemm).map(Some)
     }
 
     /// The backward of `fwd`: x [m, in] its input, g = dL/dy [m, out], `xas` what `fwd`
@@ -144,6 +136,24 @@ impl Linear {
                 "{}: backward without the forward's adapter state",
                 self.name
             )
+        }
+        if let (Some(lora), Some(d), Some(xas)) = (&self.lora, self.dropout(ctx), xas) {
+            // Under dropout the adapter's dL/dx term and dA are one pass (ops::fold_drop).
+            let (a, b) = (ctx.adapter(&lora.a), ctx.adapter(&lora.b));
+            let w = &self.w;
+            let (dx, da, db) = ops::lora_linear::lora_bwd(
+                x,
+                g,
+                w,
+                a,
+                b,
+                lora.scale,
+                Some(&d),
+                xas,
+                acc,
+                ctx.kernels.gemm,
+            )?;
+            return Ok((dx, Some((da, db))));
         }
         let (dx, half) = self.bwd_dx(g, ctx, acc)?;
         Ok((dx, self.bwd_grads(x, g, half, xas, ctx)?))
@@ -166,22 +176,18 @@ impl Linear {
             return Ok((dx, None));
         };
         let g = g.contiguous()?;
-        let mut dims = g.dims().to_vec(); // the input's: [m, in]
-        if let Some(d) = dims.last_mut() {
-            *d = self.w.dim(1)?;
-        }
-        let mask = self.dropout_mask(&dims, ctx)?;
+        let dropout = self.dropout(ctx);
         let (dx, gbs) = ops::lora_linear::lora_bwd_dx(
             &g,
             &self.w,
             ctx.adapter(&lora.a),
             ctx.adapter(&lora.b),
             lora.scale,
-            mask.as_ref(),
+            dropout.as_ref(),
             acc,
             ctx.kernels.gemm,
         )?;
-        Ok((dx, Some(AdapterHalf { gbs, mask })))
+        Ok((dx, Some(AdapterHalf { gbs, dropout })))
     }
 
     /// `bwd`'s adapter gradients alone, without dL/dx (none of its GEMMs run): x [m, in],
@@ -199,8 +205,8 @@ impl Linear {
         let g = g.contiguous()?;
         let b = ctx.adapter(&lora.b);
         let gbs = ops::lora_linear::lora_gbs(&g, b, lora.scale, ctx.kernels.gemm)?;
-        let mask = self.dropout_mask(x.dims(), ctx)?; // the forward's (keyed)
-        self.bwd_grads(x, &g, Some(AdapterHalf { gbs, mask }), xas, ctx)
+        let dropout = self.dropout(ctx); // the forward's (keyed)
+        self.bwd_grads(x, &g, Some(AdapterHalf { gbs, dropout }), xas, ctx)
     }
 
     /// The second half of `bwd_dx`: (dA, dB) from x [m, in], the same g, what `bwd_dx`
@@ -216,8 +222,8 @@ impl Linear {
         match (half, xas) {
             (Some(h), Some(xas)) => {
                 let g = g.contiguous()?;
-                let (m, gemm) = (h.mask.as_ref(), ctx.kernels.gemm);
-                let (da, db) = ops::lora_linear::lora_grads(x, &g, &h.gbs, m, xas, gemm)?;
+                let (d, gemm) = (h.dropout.as_ref(), ctx.kernels.gemm);
+                let (da, db) = ops::lora_linear::lora_grads(x, &g, &h.gbs, d, xas, gemm)?;
                 Ok(Some((da, db)))
             }
             (None, _) => Ok(None),
@@ -251,7 +257,10 @@ impl Linear {
         let a = ctx.adapter(&lora.a).to_dtype(DType::BF16)?;
         let dy = dy.contiguous()?;
         let (w, s, gemm) = (&pad.full, lora.scale, ctx.kernels.gemm);
-        let Some(r) = ops::fold::swiglu_down_bwd(&dy, w, pad.col, gate, up, &a, s, gemm)? else {
+        let dropout = self.dropout(ctx);
+        let Some(r) =
+            ops::fold::swiglu_down_bwd(&dy, w, pad.col, gate, up, &a, s, dropout.as_ref(), gemm)?
+        else {
             return Ok(None);
         };
         let db = ops::linear_acc::matmul_tn_f32(&dy, xas, gemm)?; // dB = dyᵀ xas [out, r]
@@ -346,19 +355,19 @@ impl Linear {
 
     /// The pad width when `lins` (linears that share their input) run folded (`ops::fold`) for
     /// this batch: each padded alike, with an adapter, their B's columns in order, one scale,
-    /// no dropout, and the pads' B columns written for this batch. None otherwise.
+    /// dropout on all or none, and the pads' B columns written for this batch. None otherwise.
     pub fn fold_width(lins: &[&Linear], ctx: &Ctx) -> Option<usize> {
         let first = lins.first()?;
         let in_f = first.w.dim(1).ok()?;
         let p = first.pad.as_ref()?.full.dim(1).ok()?.checked_sub(in_f)?;
         let scale = first.lora.as_ref()?.scale;
+        let dropout = first.dropout(ctx).is_some();
         let mut ranks = Vec::with_capacity(lins.len());
         for lin in lins {
             let (pad, lora) = (lin.pad.as_ref()?, lin.lora.as_ref()?);
-            let dropout = lora.dropout > 0.0 && ctx.dropout.is_some();
             let col: usize = ranks.iter().sum();
-            if dropout || pad.col != col || lora.scale != scale || pad.full.dim(1).ok()? != in_f + p
-            {
+            let alike = lin.dropout(ctx).is_some() == dropout && lora.scale == scale;
+            if !alike || pad.col != col || pad.full.dim(1).ok()? != in_f + p {
                 return None;
             }
             ranks.push(lora.a.dim(0).ok()?);
@@ -391,7 +400,8 @@ impl Linear {
             None => candle_core::bail!("fwd_folded: no linears"),
         };
         let a = ctx.a_stack(&a, xp.dtype())?; // [Σ r, in]
-        let (ys, xas) = ops::fold::fwd(xp, in_f, &a, scale, &ws, ctx.kernels.gemm)?;
+        let drops: Vec<Dropout> = lins.iter().filter_map(|l| l.dropout(ctx)).collect();
+        let (ys, xas) = ops::fold::fwd(xp, in_f, &a, scale, &drops, &ws, ctx.kernels.gemm)?;
         let mut off = 0;
         let mut out = Vec::with_capacity(lins.len());
         for (y, r) in ys.into_iter().zip(ranks) {
@@ -449,6 +459,8 @@ impl Linear {
     /// columns are then each adapter's g_i B_i (the other linears' columns of W*_i are zero):
     /// no skinny GEMM per adapter for them (each was a read of g_i). s · (g B)·A joins dL/dx
     /// in its first `in` columns, which are returned (rows in + p apart); dA = s · (g B)ᵀ x.
+    /// Under dropout each adapter's term is masked by its own mask and dA takes m_i ⊙ x, both
+    /// in one pass (`ops::fold_drop::bwd`).
     fn bwd_folded(
         lins: &[&Linear],
         x: &Tensor,
@@ -487,8 +499,17 @@ impl Linear {
         }
         let gb = dxp.narrow(1, in_f, ranks)?; // [m, Σ r] = g_i B_i side by side, unscaled
         let a = ctx.a_stack(&a, x.dtype())?; // [Σ r, in]
-        let dx = linear_bwd_acc_scaled(&gb, &a, dxp.narrow(1, 0, in_f)?, scale, gemm)?;
-        let da = (matmul_tn_f32(&gb, x, gemm)? * scale)?; // [Σ r, in] f32
+        let drops: Vec<Dropout> = lins.iter().filter_map(|l| l.dropout(ctx)).collect();
+        let (dx, da) = match drops.is_empty() {
+            true => (
+                linear_bwd_acc_scaled(&gb, &a, dxp.narrow(1, 0, in_f)?, scale, gemm)?,
+                (matmul_tn_f32(&gb, x, gemm)? * scale)?, // [Σ r, in] f32
+            ),
+            false => {
+                let dx = dxp.narrow(1, 0, in_f)?;
+                ops::fold_drop::bwd(x, dx, &gb, &a, &drops, scale, gemm)?
+            }
+        };
         let mut off = 0;
         for (gr, lin) in grads.iter_mut().zip(lins) {
             let r = lin.lora.as_ref().map_or(0, |l| l.a.dims()[0]);

@@ -37,7 +37,9 @@ static PORTABLE: Program = Program {
             include_str!("flash.cu"),
             include_str!("multi_tensor.cu"),
             include_str!("cross_entropy.cu"),
+            include_str!("dropout.cu"),
             include_str!("fold_bwd.cu"),
+            include_str!("fold_drop.cu"),
         ]
         .join("\n")
     },

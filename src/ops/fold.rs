@@ -32,10 +32,16 @@
 //! columns of the rows its shards hold (`parallel::fsdp::Shards::write_pads`): a gathered layer
 //! arrives folded.
 //!
+//! **Dropout keeps the fold**: the frozen half reads x and the pad columns the adapters' masked
+//! xas_i = s · (m_i ⊙ x) A_iᵀ, each linear's own mask drawn inside the kernel that makes them
+//! (`ops::fold_drop`); the backward's adapter terms take the same masks (its dL/dx term and dA
+//! in one pass, and down's in `swiglu_down_bwd`).
+//!
 //! Folded where `Kernels::fold` says (CUDA, bf16). Not folded (two GEMMs, the CPU's path):
-//! o_proj (its input comes out of the flash kernel); dropout (each adapter's own mask);
-//! linears with a bias; groups not all adapted alike.
+//! o_proj (its input comes out of the flash kernel); linears with a bias; groups not all
+//! adapted alike.
 
+use super::dropout::Dropout;
 use super::kernels::Gemm;
 use super::linear_acc::matmul_scaled;
 use super::rms_norm::NormSpec;
@@ -125,8 +131,9 @@ pub struct SwigluDownGrads {
 /// s·g_B·A to dL/da in f32, runs SwiGLU's backward and sums dA = s·g_Bᵀ·a with a, down's
 /// input, recomputed. Unfolded the same took four more passes over [m, I]: s·g_B·A written and
 /// read back by the base GEMM, a written and read by dA's GEMM. dB = dyᵀ·xas is the caller's.
-/// None (nothing run) off CUDA, or where the kernel cannot take the operands (r > 64, widths
-/// not multiples of 8). `gemm` runs the GEMM.
+/// With down's dropout, its mask m is drawn in the same pass: s·(g_B·A)⊙m joins dL/da and
+/// dA = s·g_Bᵀ·(m ⊙ a). None (nothing run) off CUDA, or where the kernel cannot take the
+/// operands (r > 64, widths not multiples of 8). `gemm` runs the GEMM.
 #[allow(clippy::too_many_arguments)]
 pub fn swiglu_down_bwd(
     dy: &Tensor,
@@ -136,15 +143,16 @@ pub fn swiglu_down_bwd(
     u: &Tensor,
     a: &Tensor,
     scale: f64,
+    dropout: Option<&Dropout>,
     gemm: Gemm,
 ) -> Result<Option<SwigluDownGrads>> {
     #[cfg(feature = "cuda")]
     {
-        cuda::swiglu_down_bwd(dy, w_full, col, g, u, a, scale, gemm)
+        cuda::swiglu_down_bwd(dy, w_full, col, g, u, a, scale, dropout, gemm)
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (dy, w_full, col, g, u, a, scale, gemm);
+        let _ = (dy, w_full, col, g, u, a, scale, dropout, gemm);
         Ok(None)
     }
 }
@@ -153,6 +161,7 @@ pub fn swiglu_down_bwd(
 mod cuda {
     use super::SwigluDownGrads;
     use crate::ops::cuda::{addr, function, uninit};
+    use crate::ops::dropout::{DropKey, Dropout};
     use crate::ops::kernels::Gemm;
     use candle_core::cuda::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
     use candle_core::cuda::WrapErr;
@@ -174,6 +183,7 @@ mod cuda {
         gb_n: i32,
         r: i32,
         s: f32,
+        d: DropKey,
     }
     // SAFETY: plain old data laid out as the C struct the kernel takes by value.
     unsafe impl DeviceRepr for SwigluLoraP {}
@@ -191,6 +201,7 @@ mod cuda {
         u: &Tensor,
         a: &Tensor,
         scale: f64,
+        dropout: Option<&Dropout>,
         gemm: Gemm,
     ) -> Result<Option<SwigluDownGrads>> {
         let Device::Cuda(dev) = g.device() else {
@@ -225,10 +236,13 @@ mod cuda {
         let Some(dp) = addr(&dap)? else {
             return Ok(None);
         };
-        let name = match r {
-            ..=16 => "swiglu_lora_r16",
-            17..=32 => "swiglu_lora_r32",
-            _ => "swiglu_lora_r64",
+        let name = match (r, dropout.is_some()) {
+            (..=16, false) => "swiglu_lora_r16",
+            (17..=32, false) => "swiglu_lora_r32",
+            (_, false) => "swiglu_lora_r64",
+            (..=16, true) => "swiglu_lora_drop_r16",
+            (17..=32, true) => "swiglu_lora_drop_r32",
+            (_, true) => "swiglu_lora_drop_r64",
         };
         let parts = m.div_ceil(TOKENS);
         // SAFETY: the kernel writes every element of each: dg and du at every (token, column)
@@ -259,6 +273,7 @@ mod cuda {
             gb_n: gbn,
             r: ri,
             s: scale as f32,
+            d: DropKey::of(dropout),
         };
         let func = function(dev, name)?;
         let stream = dev.cuda_stream();
@@ -289,19 +304,24 @@ mod cuda {
 
 /// The folded forward of linears that share their input: xp [m, in + pad] with x in its
 /// first `in` columns (the next Σ r are written here), a their A's stacked [Σ r, in] in xp's
-/// dtype, s their one scale, ws their padded weights W*_i [out_i, in + pad] (B's in place) →
-/// (y_i [m, out_i] each, xas = s · x Aᵀ [m, Σ r]: each one's adapter state is its column
-/// slice). The products run over k = in + Σ r, on `gemm`.
+/// dtype, s their one scale, `drops` each one's dropout (empty: none), ws their padded weights
+/// W*_i [out_i, in + pad] (B's in place) → (y_i [m, out_i] each, xas = s · (m_i ⊙ x) A_iᵀ
+/// side by side [m, Σ r]: each one's adapter state is its column slice). The products run
+/// over k = in + Σ r, on `gemm`.
 pub fn fwd(
     xp: &Tensor,
     in_f: usize,
     a: &Tensor,
     scale: f64,
+    drops: &[Dropout],
     ws: &[&Tensor],
     gemm: Gemm,
 ) -> Result<(Vec<Tensor>, Tensor)> {
     let x = xp.narrow(1, 0, in_f)?; // [m, in], rows in + pad apart
-    let xas = matmul_scaled(&x, a, true, scale, gemm)?; // [m, Σ r], as unfolded
+    let xas = match drops.is_empty() {
+        true => matmul_scaled(&x, a, true, scale, gemm)?, // [m, Σ r], as unfolded
+        false => super::fold_drop::xas(&x, a, drops, scale, gemm)?, // masked, one pass over x
+    };
     xp.slice_set(&xas, 1, in_f)?;
     let k = in_f + xas.dim(1)?;
     let xk = xp.narrow(1, 0, k)?; // [x | xas]

@@ -37,6 +37,7 @@ struct SwigluLoraP {
     long ld;
     int m, I, gb_off, gb_n, r;         // gb_n: pad columns readable from gb_off (zeros past r)
     float s;
+    DropKey d;                         // down's dropout (the DROP kernels; dropout.cu)
 };
 
 __device__ __forceinline__ unsigned sl_ld(const bf16_t* p, long i, bool ok) {
@@ -52,7 +53,9 @@ __device__ __forceinline__ float sl_rcp(float x) {
     float y; asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y;
 }
 
-template<int RK, int ST>  // r ≤ 16·RK: ranks padded to whole k steps with zeros; ST steps a loop
+// DROP: down's adapter input is m ⊙ a (LoRA dropout): its term of da is s·(gB·A)⊙m and dA sums
+// s·gBᵀ·(m ⊙ a); the mask words are drawn as drop_bwd draws them (fold_drop.cu).
+template<int RK, int ST, bool DROP>  // r ≤ 16·RK: ranks padded to whole k steps with zeros; ST steps a loop
 __device__ __forceinline__ void swiglu_lora(const SwigluLoraP& p) {
     __shared__ float red[4 * 2 * RK * 4 * 32];   // the second token half's dAᵀ
     const int tid = threadIdx.x, w = tid >> 5, l = tid & 31, g8 = l >> 2, c4 = l & 3;
@@ -61,6 +64,10 @@ __device__ __forceinline__ void swiglu_lora(const SwigluLoraP& p) {
     const bool colok = cw < p.I;
     const int tb = blockIdx.y * 256 + half * 128;       // the warp's tokens tb .. tb + 127
     const long mI = (long)p.m * p.I;
+    const unsigned long long cpr = (unsigned)p.I / 8;   // mask groups a row (DROP)
+    const unsigned blk = (unsigned)(blockIdx.x * 64 + 16 * wc + 8 * (g8 >> 2)) / 8;
+    const int di = g8 & 3;
+    const float f = DROP ? p.s * p.d.scale : p.s;
 
     // Aᵀ's fragments (m = columns as above, k = ranks): A[rank][cw..cw+1] is one 32-bit load;
     // its low half is column cw's (m-row g), its high half cw + 1's (m-row g + 8).
@@ -108,6 +115,12 @@ __device__ __forceinline__ void swiglu_lora(const SwigluLoraP& p) {
 #pragma unroll
         for (int st = 0; st < ST; ++st) {
             const int t = tb + s0 + 16 * st;
+            unsigned wd[4] = {0u, 0u, 0u, 0u};  // DROP: word di of the four points' groups
+            if (DROP) {
+                const unsigned tok = t + 8 * (di >> 1) + 2 * c4 + (di & 1);
+                dr_group(p.d, (unsigned long long)tok * cpr + blk, wd);
+                dr_tr4(wd, di, 4);
+            }
             // 1. lo[n]: (column cw / cw + 1, token t + 8n + 2c / + 1) of (gB·A)ᵀ
             float lo[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
@@ -124,15 +137,17 @@ __device__ __forceinline__ void swiglu_lora(const SwigluLoraP& p) {
                     const int e = h + 2 * n, tok = t + 8 * n + 2 * c4 + h;
                     const float gx[2] = {bf_lo(gv[st][e]), bf_hi(gv[st][e])};
                     const float ux[2] = {bf_lo(uv[st][e]), bf_hi(uv[st][e])};
-                    const float dx[2] = {bf_lo(dv[st][e]) + p.s * lo[n][h],
-                                         bf_hi(dv[st][e]) + p.s * lo[n][2 + h]};
+                    const bool kp[2] = {!DROP || dr_keep_lo(p.d, wd[e]), !DROP || dr_keep_hi(p.d, wd[e])};
+                    const float dx[2] = {bf_lo(dv[st][e]) + (kp[0] ? f * lo[n][h] : 0.f),
+                                         bf_hi(dv[st][e]) + (kp[1] ? f * lo[n][2 + h] : 0.f)};
                     float dg[2], du[2];
 #pragma unroll
                     for (int k = 0; k < 2; ++k) {
                         const float sg = sl_rcp(1.f + __expf(-gx[k])), si = rbf(gx[k] * sg);
                         dg[k] = rbf(dx[k] * ux[k]) * sg * (1.f + gx[k] * (1.f - sg));
                         du[k] = dx[k] * si;
-                        av[n][2 * k + h] = si * ux[k];
+                        // a, or m ⊙ a = round(a) · 1/(1 − p) where kept (the forward's input)
+                        av[n][2 * k + h] = !DROP ? si * ux[k] : kp[k] ? rbf(si * ux[k]) * p.d.scale : 0.f;
                     }
                     if (tok < p.m && colok) {  // a warp's store: 4 rows of 32 whole bytes
                         const long o = (long)tok * p.I + cw;
@@ -174,10 +189,14 @@ __device__ __forceinline__ void swiglu_lora(const SwigluLoraP& p) {
         }
     }
 }
-// r16 loads two steps ahead; the wider ranks one step, for their registers.
-extern "C" __global__ void __launch_bounds__(256, 3) swiglu_lora_r16(const SwigluLoraP p) { swiglu_lora<1, 2>(p); }
-extern "C" __global__ void __launch_bounds__(256, 3) swiglu_lora_r32(const SwigluLoraP p) { swiglu_lora<2, 1>(p); }
-extern "C" __global__ void __launch_bounds__(256, 2) swiglu_lora_r64(const SwigluLoraP p) { swiglu_lora<4, 1>(p); }
+// r16 loads two steps ahead; the wider ranks one step, for their registers; with dropout one
+// step (the mask's words take the registers).
+extern "C" __global__ void __launch_bounds__(256, 3) swiglu_lora_r16(const SwigluLoraP p) { swiglu_lora<1, 2, false>(p); }
+extern "C" __global__ void __launch_bounds__(256, 3) swiglu_lora_r32(const SwigluLoraP p) { swiglu_lora<2, 1, false>(p); }
+extern "C" __global__ void __launch_bounds__(256, 2) swiglu_lora_r64(const SwigluLoraP p) { swiglu_lora<4, 1, false>(p); }
+extern "C" __global__ void __launch_bounds__(256, 3) swiglu_lora_drop_r16(const SwigluLoraP p) { swiglu_lora<1, 1, true>(p); }
+extern "C" __global__ void __launch_bounds__(256, 3) swiglu_lora_drop_r32(const SwigluLoraP p) { swiglu_lora<2, 1, true>(p); }
+extern "C" __global__ void __launch_bounds__(256, 2) swiglu_lora_drop_r64(const SwigluLoraP p) { swiglu_lora<4, 1, true>(p); }
 
 // out[i] = Σ_k part[k·n + i] in order (the P partial sums of swiglu_lora, deterministic).
 extern "C" __global__ void sum_parts_f32(const float* part, float* out, int P, long n) {

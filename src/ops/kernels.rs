@@ -10,8 +10,8 @@
 //! A fallback exists only where the hardware, the dtype or the model needs it: the blockwise
 //! attention (CPU, f32 and f16, head dims other than 64 and 128, soft-capped scores: Gemma 2's
 //! caps live in its kernels, not in the tensor-core ones), the unfolded adapters (CPU, f32 and
-//! f16; per linear also dropout and biases), the cross-entropy as tensor ops (CPU, f16), and
-//! cuBLAS's own GEMM choice (CPU).
+//! f16; per linear also biases), dropout's masked copies (CPU, f32 and f16), the
+//! cross-entropy as tensor ops (CPU, f16), and cuBLAS's own GEMM choice (CPU).
 //!
 //! Experiments not yet measured stay off unless named in `LORA_TRAIN_EXPERIMENTS`, a comma-
 //! separated list (`EXPERIMENTS`), read by `resolve`:
@@ -21,13 +21,15 @@
 //! - `peer_copy`: FSDP's ranks of one process copy each other's frozen shards with copy engines
 //!   (`Comm::share_static`) instead of gathering them with NCCL; it needs
 //!   CUDA_MODULE_LOADING=EAGER, which `parallel::prepare_process` sets before CUDA starts.
+//! - `decode_graph`: `generate` replays a base model's one-token step as a CUDA graph
+//!   (`generate::graph`).
 
 use candle_core::{DType, Device};
 
 /// The variable that names the experiments to turn on.
 pub const EXPERIMENTS_VAR: &str = "LORA_TRAIN_EXPERIMENTS";
 /// The experiments `LORA_TRAIN_EXPERIMENTS` may name.
-pub const EXPERIMENTS: [&str; 2] = ["reduce_ahead", "peer_copy"];
+pub const EXPERIMENTS: [&str; 3] = ["reduce_ahead", "peer_copy", "decode_graph"];
 
 /// What the attention kernels' choice depends on in the model (`ModelConfig::attn_shape`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -109,6 +111,8 @@ pub enum Gemm {
 pub struct Experiments {
     pub reduce_ahead: bool,
     pub peer_copy: bool,
+    /// `generate` replays a base model's one-token step as a CUDA graph.
+    pub decode_graph: bool,
 }
 
 /// `LORA_TRAIN_EXPERIMENTS` named something that is not an experiment.
@@ -137,6 +141,7 @@ impl Experiments {
                 "" => {}
                 "reduce_ahead" => e.reduce_ahead = true,
                 "peer_copy" => e.peer_copy = true,
+                "decode_graph" => e.decode_graph = true,
                 other => {
                     return Err(UnknownExperiment {
                         name: other.to_string(),
@@ -156,6 +161,10 @@ pub struct Kernels {
     /// The adapters' forward and backward folded into the frozen GEMMs by concatenating k
     /// (ops::fold: CUDA, bf16): `Model::fold` pads the weights of the groups that can.
     pub fold: bool,
+    /// LoRA dropout's masks drawn inside the adapters' kernels (ops::fold_drop: CUDA, bf16),
+    /// where they take the operands; else a masked copy of the input per use
+    /// (`ops::dropout::apply`). The same masks either way.
+    pub dropout_fused: bool,
     /// The head's cross-entropy (`Model::head_loss_bwd`).
     pub cross_entropy: CrossEntropy,
     /// The large GEMMs' algorithm (ops::linear_acc).
@@ -215,6 +224,7 @@ impl Kernels {
         Kernels {
             attention: Attention::choose(cuda, hopper, dtype, attn, deterministic),
             fold: cuda && dtype == DType::BF16,
+            dropout_fused: cuda && dtype == DType::BF16,
             cross_entropy: match cuda && matches!(dtype, DType::F32 | DType::BF16) {
                 true => CrossEntropy::Fused,
                 false => CrossEntropy::Ops,
@@ -248,12 +258,17 @@ mod tests {
         let both = Experiments::parse(Some(" reduce_ahead, peer_copy,")).unwrap();
         assert!(both.reduce_ahead && both.peer_copy);
         let one = Experiments::parse(Some("peer_copy")).unwrap();
-        assert!(one.peer_copy && !one.reduce_ahead);
+        assert!(one.peer_copy && !one.reduce_ahead && !one.decode_graph);
+        assert!(
+            Experiments::parse(Some("decode_graph"))
+                .unwrap()
+                .decode_graph
+        );
         let e = Experiments::parse(Some("reduce_ahead,fast")).unwrap_err();
         assert_eq!(
             e.to_string(),
             "LORA_TRAIN_EXPERIMENTS: unknown experiment `fast` (known: reduce_ahead, \
-             peer_copy); unset the variable or name only those"
+             peer_copy, decode_graph); unset the variable or name only those"
         );
     }
 
@@ -262,7 +277,7 @@ mod tests {
         let bf16 = DType::BF16;
         let k = Kernels::forecast(true, bf16, 128);
         assert_eq!(k.attention, Attention::Wgmma);
-        assert!(k.fold && k.attention.tensor_cores());
+        assert!(k.fold && k.dropout_fused && k.attention.tensor_cores());
         assert_eq!(
             (k.cross_entropy, k.gemm),
             (CrossEntropy::Fused, Gemm::Tuned)
@@ -291,7 +306,7 @@ mod tests {
         // f32 on a GPU: the fused cross-entropy and tuned GEMMs, nothing else.
         let f32 = Kernels::forecast(true, DType::F32, 128);
         assert_eq!(f32.attention, Attention::Blockwise);
-        assert!(!f32.fold);
+        assert!(!f32.fold && !f32.dropout_fused);
         assert_eq!(
             (f32.cross_entropy, f32.gemm),
             (CrossEntropy::Fused, Gemm::Tuned)
@@ -308,7 +323,7 @@ mod tests {
             }
         );
         assert_eq!(cpu.attention, Attention::Blockwise);
-        assert!(!cpu.fold);
+        assert!(!cpu.fold && !cpu.dropout_fused);
         assert_eq!(
             (cpu.cross_entropy, cpu.gemm),
             (CrossEntropy::Ops, Gemm::Heuristic)

@@ -1,14 +1,16 @@
 //! The LoRA linear as one graph node: y = x Wᵀ (+ b) + s · (m ⊙ x) Aᵀ Bᵀ.
 //!
 //! x: [..., in], W: [out, in] frozen, A: [r, in] and B: [out, r] f32 trainable, m an optional
-//! dropout mask (same shape as x), s the scale. Autograd keeps x, A, B and y only (a chain of
-//! candle ops would keep every intermediate: x Wᵀ, x Aᵀ, (x Aᵀ) Bᵀ, its scaled copy, the sum).
+//! dropout mask over x (`ops::dropout`: drawn where it is used, never stored), s the scale.
+//! Autograd keeps x, A, B and y only (a chain of candle ops would keep every intermediate:
+//! x Wᵀ, x Aᵀ, (x Aᵀ) Bᵀ, its scaled copy, the sum).
 //! Backward (g = dL/dy, xd = m ⊙ x, xas = s · xd Aᵀ kept from forward: [m, r]):
 //!   dx = g W + s · ((g B) A) ⊙ m,   dA = s · (g B)ᵀ xd,   dB = gᵀ xas
 //!
 //! Every function takes the run's `Gemm` (`Kernels::gemm`), which its GEMMs run on.
 
 use super::attach::attach3;
+use super::dropout::Dropout;
 use super::frozen_linear::frozen_linear;
 use super::kernels::Gemm;
 use super::linear_acc::matmul_scaled;
@@ -22,7 +24,7 @@ pub fn lora_linear(
     a: &Tensor,
     b: &Tensor,
     scale: f64,
-    mask: Option<Tensor>,
+    dropout: Option<Dropout>,
     gemm: Gemm,
 ) -> Result<Tensor> {
     let in_f = *x.dims().last().unwrap_or(&0);
@@ -35,7 +37,7 @@ pub fn lora_linear(
         &a.detach(),
         &b.detach(),
         scale,
-        mask.as_ref(),
+        dropout.as_ref(),
         gemm,
     )?;
     let mut dims = x.dims().to_vec();
@@ -47,7 +49,7 @@ pub fn lora_linear(
     let backward = move |x: &Tensor, a: &Tensor, b: &Tensor, _y: &Tensor, g: &Tensor| {
         let x2 = x.reshape(((), in_f))?;
         let g = g.reshape(((), out_f))?;
-        let (dx, da, db) = lora_bwd(&x2, &g, &w, a, b, scale, mask.as_ref(), &xas, None, gemm)?;
+        let (dx, da, db) = lora_bwd(&x2, &g, &w, a, b, scale, dropout.as_ref(), &xas, None, gemm)?;
         Ok((
             Some(dx.reshape(x.shape())?),
             Some(da.to_dtype(a.dtype())?),
@@ -67,10 +69,10 @@ pub fn lora_fwd(
     a: &Tensor,
     b: &Tensor,
     scale: f64,
-    mask: Option<&Tensor>,
+    dropout: Option<&Dropout>,
     gemm: Gemm,
 ) -> Result<(Tensor, Tensor)> {
-    let xas = lora_xas(x, a, scale, mask, gemm)?; // [m, r]
+    let xas = lora_xas(x, a, scale, dropout, gemm)?; // [m, r]
     Ok((with_base(x, w, bias, &xas, b, gemm)?, xas))
 }
 
@@ -96,16 +98,20 @@ pub fn with_base(
 }
 
 /// The adapter's half of `lora_fwd`'s state alone: xas = s · (m ⊙ x) Aᵀ [m, r] (what a
-/// recomputed layer's backward needs of a linear whose output it does not).
+/// recomputed layer's backward needs of a linear whose output it does not). With dropout the
+/// mask is drawn inside the product where a kernel can (`ops::fold_drop`).
 pub fn lora_xas(
     x: &Tensor,
     a: &Tensor,
     scale: f64,
-    mask: Option<&Tensor>,
+    dropout: Option<&Dropout>,
     gemm: Gemm,
 ) -> Result<Tensor> {
     let ad = a.detach().to_dtype(x.dtype())?;
-    matmul_scaled(&masked(x, mask)?, &ad, true, scale, gemm) // scaled while small
+    match dropout {
+        Some(d) => super::fold_drop::xas(x, &ad, std::slice::from_ref(d), scale, gemm),
+        None => matmul_scaled(x, &ad, true, scale, gemm), // scaled while small
+    }
 }
 
 /// One LoRA linear of a group that shares its input (`lora_fwd_shared`, `lora_bwd_shared`):
@@ -217,7 +223,9 @@ fn shared_grads(
 
 /// The backward: x [m, in] (unmasked), g = dL/dy [m, out], `xas` from `lora_fwd`, and `acc`
 /// another term of dL/dx to add in (consumed: the sum of several linears' dL/dx, as q, k and
-/// v share their input) → (dx [m, in] in x's dtype, dA [r, in] f32, dB [out, r] f32).
+/// v share their input) → (dx [m, in] in x's dtype, dA [r, in] f32, dB [out, r] f32). With
+/// dropout, the base GEMM's dL/dx comes first and the adapter's masked term and dA follow in
+/// one pass over x and dL/dx (`ops::fold_drop::bwd`).
 #[allow(clippy::too_many_arguments)]
 pub fn lora_bwd(
     x: &Tensor,
@@ -226,14 +234,25 @@ pub fn lora_bwd(
     a: &Tensor,
     b: &Tensor,
     scale: f64,
-    mask: Option<&Tensor>,
+    dropout: Option<&Dropout>,
     xas: &Tensor,
     acc: Option<Tensor>,
     gemm: Gemm,
 ) -> Result<(Tensor, Tensor, Tensor)> {
+    use super::linear_acc::{linear_bwd_acc, matmul_tn_f32};
     let g = g.contiguous()?;
-    let (dx, gbs) = lora_bwd_dx(&g, w, a, b, scale, mask, acc, gemm)?;
-    let (da, db) = lora_grads(x, &g, &gbs, mask, xas, gemm)?;
+    if let Some(d) = dropout {
+        let dx = match acc {
+            Some(acc) => linear_bwd_acc(&g, w, acc, gemm)?, // acc + g W
+            None => matmul_scaled(&g, w, false, 1.0, gemm)?, // g W
+        };
+        let gbs = lora_gbs(&g, b, scale, gemm)?; // s · g B [m, r]
+        let ad = a.detach().to_dtype(g.dtype())?;
+        let (dx, da) = super::fold_drop::bwd(x, dx, &gbs, &ad, &[*d], 1.0, gemm)?;
+        return Ok((dx, da, matmul_tn_f32(&g, xas, gemm)?));
+    }
+    let (dx, gbs) = lora_bwd_dx(&g, w, a, b, scale, None, acc, gemm)?;
+    let (da, db) = lora_grads(x, &g, &gbs, None, xas, gemm)?;
     Ok((dx, da, db))
 }
 
@@ -253,17 +272,17 @@ pub fn lora_bwd_dx(
     a: &Tensor,
     b: &Tensor,
     scale: f64,
-    mask: Option<&Tensor>,
+    dropout: Option<&Dropout>,
     acc: Option<Tensor>,
     gemm: Gemm,
 ) -> Result<(Tensor, Tensor)> {
     use super::linear_acc::linear_bwd_acc;
     let ad = a.detach().to_dtype(g.dtype())?;
     let gbs = lora_gbs(g, b, scale, gemm)?;
-    let dlora = match (mask, acc) {
+    let dlora = match (dropout, acc) {
         (None, Some(acc)) => linear_bwd_acc(&gbs, &ad, acc, gemm)?, // acc + gbs A, one pass
-        (mask, acc) => {
-            let d = masked(&gbs.matmul(&ad)?, mask)?; // [m, in]
+        (dropout, acc) => {
+            let d = masked(&gbs.matmul(&ad)?, dropout)?; // [m, in]
             match acc {
                 Some(acc) => super::add(&acc, &d)?,
                 None => d,
@@ -280,19 +299,19 @@ pub fn lora_grads(
     x: &Tensor,
     g: &Tensor,
     gbs: &Tensor,
-    mask: Option<&Tensor>,
+    dropout: Option<&Dropout>,
     xas: &Tensor,
     gemm: Gemm,
 ) -> Result<(Tensor, Tensor)> {
-    let da = super::linear_acc::matmul_tn_f32(gbs, &masked(x, mask)?, gemm)?; // [r, in]
+    let da = super::linear_acc::matmul_tn_f32(gbs, &masked(x, dropout)?, gemm)?; // [r, in]
     let db = super::linear_acc::matmul_tn_f32(g, xas, gemm)?; // [out, r]
     Ok((da, db))
 }
 
-/// m ⊙ x, the mask (f32, any shape of x's size) cast to x's dtype.
-fn masked(x: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
-    match mask {
-        Some(m) => x.mul(&m.reshape(x.shape())?.to_dtype(x.dtype())?),
+/// m ⊙ x (`ops::dropout::apply`: in f32, rounded once to x's dtype), or x.
+fn masked(x: &Tensor, dropout: Option<&Dropout>) -> Result<Tensor> {
+    match dropout {
+        Some(d) => super::dropout::apply(x, d),
         None => Ok(x.clone()),
     }
 }

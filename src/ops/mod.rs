@@ -18,8 +18,10 @@ pub mod attention;
 pub mod cross_entropy;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod dropout;
 pub mod flash;
 pub mod fold;
+pub mod fold_drop;
 pub mod frozen_linear;
 pub mod geglu;
 #[cfg(feature = "cuda")]

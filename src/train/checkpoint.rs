@@ -30,6 +30,11 @@ use std::path::{Path, PathBuf};
 pub use crate::util::TRAINER_STATE as STATE;
 pub const OPTIMIZER: &str = "optimizer.safetensors";
 const FORMAT: &str = "lora-train checkpoint 1";
+/// How this build derives its random streams (`TrainerState::rng`): a run with dropout resumes
+/// exactly only where the checkpoint's streams are these.
+pub const RNG: &str = "SplitMix64 streams keyed by seed: shuffle (seed, epoch); dropout masks \
+                       Philox4x32-10 keyed by (seed, step, micro-batch), counter (element / 8, \
+                       layer, module)";
 /// Losses kept in trainer_state.json (the full history is in metrics.jsonl).
 const LOSS_TAIL: usize = 100;
 
@@ -145,9 +150,7 @@ impl TrainerState {
             skipped_steps: at.skipped,
             tokens: at.tokens,
             seed: t.seed,
-            rng: "SplitMix64 streams keyed by seed: shuffle (seed, epoch), dropout (seed, step, \
-                  micro-batch, layer, module)"
-                .into(),
+            rng: RNG.into(),
             schedule: ScheduleInputs {
                 kind: t.schedule,
                 lr: t.lr,
@@ -334,6 +337,18 @@ pub fn resume_point(r: &Recipe, out_dir: &Path) -> Result<Option<Checkpoint>> {
         }
         return Err(invalid(first, msg).into());
     }
+    if r.lora.dropout > 0.0 && state.rng != RNG {
+        let msg = format!(
+            "= {}, but checkpoint {} drew its dropout masks as \"{}\", and this build draws them \
+             as \"{RNG}\": an exact resume needs the build that wrote it; or start a new run from \
+             the checkpoint's adapter with lora.init_adapter = \"{}\"",
+            r.lora.dropout,
+            dir.display(),
+            state.rng,
+            dir.display()
+        );
+        return Err(invalid("lora.dropout", msg).into());
+    }
     Ok(Some(Checkpoint { dir, state }))
 }
 
@@ -364,29 +379,7 @@ pub fn save(
             &s.base_name,
             s.base_revision.as_deref(),
         )?;
-        let (m, v) = opt.state()?;
-        let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
-        for ((key, m), v) in keys.iter().zip(m).zip(v) {
-            for (suffix, t) in [("exp_avg", m), ("exp_avg_sq", v)] {
-                let t = t.to_device(&Device::Cpu)?;
-                let bytes = export::merge::tensor_bytes(&t)?;
-                tensors.push((format!("{key}.{suffix}"), t.dims().to_vec(), bytes));
-            }
-        }
-        let views = tensors
-            .iter()
-            .map(|(k, shape, bytes)| {
-                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes)
-                    .map(|v| (k.as_str(), v))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        // One metadata entry only: safetensors writes a map's entries in hash order, and
-        // checkpoints of equal runs must be equal bytes. The step count t is in trainer_state.
-        let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-        std::fs::write(
-            tmp.join(OPTIMIZER),
-            safetensors::serialize(views, Some(meta))?,
-        )?;
+        write_optimizer(&tmp.join(OPTIMIZER), opt, keys)?;
         std::fs::write(tmp.join("recipe.toml"), s.recipe.to_toml())?;
         // The trainer state goes last: a directory holding it is complete.
         std::fs::write(tmp.join(STATE), serde_json::to_string_pretty(state)? + "\n")?;
@@ -398,6 +391,33 @@ pub fn save(
         return Err(e.context(format!("cannot save checkpoint {}", dst.display())));
     }
     Ok(dst)
+}
+
+/// AdamW's m and v per parameter (f32) into `path` as safetensors, keyed `<keys[i]>.exp_avg`
+/// and `<keys[i]>.exp_avg_sq` (`keys[i]` the PEFT key of `opt.params[i]`): what a checkpoint
+/// holds of the optimiser besides its step count.
+pub fn write_optimizer(path: &Path, opt: &AdamW, keys: &[String]) -> Result<()> {
+    let (m, v) = opt.state()?;
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for ((key, m), v) in keys.iter().zip(m).zip(v) {
+        for (suffix, t) in [("exp_avg", m), ("exp_avg_sq", v)] {
+            let t = t.to_device(&Device::Cpu)?;
+            let bytes = export::merge::tensor_bytes(&t)?;
+            tensors.push((format!("{key}.{suffix}"), t.dims().to_vec(), bytes));
+        }
+    }
+    let views = tensors
+        .iter()
+        .map(|(k, shape, bytes)| {
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes)
+                .map(|v| (k.as_str(), v))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    // One metadata entry only: safetensors writes a map's entries in hash order, and
+    // checkpoints of equal runs must be equal bytes. The step count t is in trainer_state.
+    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+    std::fs::write(path, safetensors::serialize(views, Some(meta))?)?;
+    Ok(())
 }
 
 /// Loads a checkpoint's adapter into the model and its m, v and t into the optimiser.
@@ -425,10 +445,28 @@ pub fn restore(ck: &Checkpoint, s: &Session, opt: &mut AdamW, keys: &[String]) -
 
 /// Before a run writes into `out_dir`: removes what interrupted saves left behind
 /// (.checkpoint-*.tmp-* / .old-* directories) and, on a fresh start, the checkpoints of an
-/// earlier (finished) run, which `resume = true` would otherwise pick up. Returns the names
-/// of the removed checkpoints.
-pub fn clean(out_dir: &Path, fresh: bool) -> Result<Vec<String>> {
+/// earlier (finished) run, which `resume = true` would otherwise pick up, and its final
+/// adapter and merged model (`check::earlier_outputs`).
+pub fn clean(r: &Recipe, out_dir: &Path, fresh: bool) -> Result<Removed> {
     let mut removed = Vec::new();
+    let mut outputs = Vec::new();
+    if fresh {
+        // A finished earlier run's final adapter and merged model (proven ours), moved aside
+        // before they are deleted so that a crash leaves none of them half-removed.
+        for p in check::earlier_outputs(r, out_dir)? {
+            let name = p.file_name().map(|n| n.to_string_lossy().into_owned());
+            let name = name.unwrap_or_default();
+            let aside = out_dir.join(format!(".{name}.old-{}", std::process::id()));
+            std::fs::rename(&p, &aside)
+                .with_context(|| format!("cannot move {} aside", p.display()))?;
+            match aside.is_dir() {
+                true => std::fs::remove_dir_all(&aside),
+                false => std::fs::remove_file(&aside),
+            }
+            .with_context(|| format!("cannot remove {}", aside.display()))?;
+            outputs.push(name);
+        }
+    }
     let finished = match fresh {
         true => check::removable(out_dir),
         false => Vec::new(),
@@ -438,19 +476,38 @@ pub fn clean(out_dir: &Path, fresh: bool) -> Result<Vec<String>> {
         .flatten()
     {
         let name = e.file_name().to_string_lossy().into_owned();
-        let leftover = (name.starts_with(".checkpoint-") || name.starts_with(".merged."))
+        let ours = [
+            ".checkpoint-",
+            ".merged.",
+            ".adapter_model.",
+            ".adapter_config.",
+        ];
+        let leftover = ours.iter().any(|p| name.starts_with(p))
             && (name.contains(".tmp-") || name.contains(".old-"));
         let stale = finished.contains(&e.path());
         if leftover || stale {
-            std::fs::remove_dir_all(e.path())
-                .with_context(|| format!("cannot remove {}", e.path().display()))?;
+            match e.path().is_dir() {
+                true => std::fs::remove_dir_all(e.path()),
+                false => std::fs::remove_file(e.path()),
+            }
+            .with_context(|| format!("cannot remove {}", e.path().display()))?;
             if stale {
                 removed.push(name);
             }
         }
     }
     removed.sort();
-    Ok(removed)
+    Ok(Removed {
+        checkpoints: removed,
+        outputs,
+    })
+}
+
+/// What `clean` removed of an earlier run: checkpoint directories, and its final outputs.
+#[derive(Debug, Default)]
+pub struct Removed {
+    pub checkpoints: Vec<String>,
+    pub outputs: Vec<String>,
 }
 
 /// Keeps the newest `keep_last` checkpoints of steps ≤ `step` (0 = keep all). Each is moved

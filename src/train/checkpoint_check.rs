@@ -146,7 +146,38 @@ pub fn fresh_start(r: &Recipe, out_dir: &Path) -> Result<()> {
             ),
         ));
     }
-    Ok(())
+    earlier_outputs(r, out_dir).map(|_| ())
+}
+
+/// The files a finished earlier run left in `out_dir` that a fresh run must not leave beside
+/// its own (its final adapter, its merged model: `PeftModel.from_pretrained` on the directory
+/// would load the old weights). They are ours when the directory holds the resolved recipe and
+/// metrics.jsonl a run writes at its start; a final adapter is written only when a run has
+/// finished. An adapter there without those is a RecipeError naming it: not known to be ours.
+pub fn earlier_outputs(r: &Recipe, out_dir: &Path) -> Result<Vec<PathBuf>> {
+    let files: Vec<PathBuf> = [crate::export::WEIGHTS, crate::export::CONFIG, "merged"]
+        .iter()
+        .map(|f| out_dir.join(f))
+        .filter(|p| p.exists())
+        .collect();
+    if files.is_empty() {
+        return Ok(files);
+    }
+    let ours = out_dir.join("recipe.toml").is_file() && out_dir.join("metrics.jsonl").is_file();
+    if !ours {
+        let names: Vec<String> = files.iter().map(|p| p.display().to_string()).collect();
+        return Err(RecipeError::Invalid {
+            path: r.source.clone(),
+            key: "output.dir".into(),
+            msg: format!(
+                "= \"{}\" holds {}, which no lora-train run there wrote (no recipe.toml and metrics.jsonl beside it): a fresh run would leave it beside its own adapter; choose another output.dir or move it away",
+                out_dir.display(),
+                names.join(", ")
+            ),
+        }
+        .into());
+    }
+    Ok(files)
 }
 
 /// `resume = true`: the newest checkpoint of `out_dir` (None: there is none), which must be

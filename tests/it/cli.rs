@@ -1,9 +1,8 @@
 //! The real binary: the tiny recipe end to end, and bad recipes (error text pinned, exit
 //! code 2, nothing written).
 
-use crate::common::root;
+use crate::common::{copy_dir, root};
 use assert_cmd::Command;
-use std::path::Path;
 
 fn bin() -> Command {
     Command::cargo_bin("lora-train").unwrap()
@@ -90,6 +89,19 @@ fn train_subcommand_and_check_resolve_the_same_recipe() {
         text.contains("path = \"recipes/assets/tiny-llama\""),
         "{text}"
     );
+    // Defaults that depend on other fields are written out; unset fields say what unset means.
+    for line in [
+        "train_on = \"all\"\n",
+        "offload_activations = true\n",
+        "max_shard_size = \"5GB\"\n",
+        "# max_memory = unset: the whole card\n",
+        "# init_adapter = unset: new adapters",
+    ] {
+        assert!(text.contains(line), "check lacks {line:?}: {text}");
+    }
+    // What check prints is a recipe itself.
+    let printed: toml::Table = toml::from_str(text.split_once('\n').unwrap().1).unwrap();
+    assert_eq!(printed["data"]["train_on"].as_str(), Some("all"));
     // Every shipped recipe parses.
     for e in std::fs::read_dir(root().join("recipes")).unwrap() {
         let p = e.unwrap().path();
@@ -141,18 +153,6 @@ fn bad(extra: &str, sets: &[&str]) -> (i32, String) {
     );
     let err = String::from_utf8_lossy(&o.stderr).replace(&dir.display().to_string(), "[TMP]");
     (o.status.code().unwrap_or(-1), err)
-}
-
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap() {
-        let e = e.unwrap();
-        if e.path().is_dir() {
-            copy_dir(&e.path(), &to.join(e.file_name()));
-        } else {
-            std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
-        }
-    }
 }
 
 #[test]
@@ -334,6 +334,72 @@ fn ddp_and_fsdp_recipes_train_on_cpu_ranks_and_write_a_complete_adapter() {
     }
 }
 
+/// The sweep's knobs on the bench (scripts/sweep.sh): dropout, rsLoRA, packed short examples,
+/// eval and checkpoints every step run through the training loop's order, the line carries
+/// them and the work they add (`work_flops_per_token`), and no checkpoint is left behind.
+#[test]
+fn bench_takes_the_sweeps_knobs_and_counts_their_work() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |extra: &[&str]| -> serde_json::Value {
+        let o = bin()
+            .env("TMPDIR", tmp.path())
+            .args(["bench", "--device", "cpu", "--shape", "tiny", "--seq", "32"])
+            .args(["--micro-batch", "2", "--steps", "2", "--warmup", "1"])
+            .args(extra)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success(), "{extra:?}: {stderr}");
+        serde_json::from_slice(&o.stdout).unwrap()
+    };
+    let plain = run(&["--tag", "plain"]);
+    assert_eq!(plain["tag"], "plain");
+    let f = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap();
+    assert!(f(&plain, "work_flops_per_token") > f(&plain, "flops_per_token"));
+    let knobs = run(&[
+        "--dropout",
+        "0.1",
+        "--rslora",
+        "--pack-short",
+        "4",
+        "--eval-every",
+        "1",
+        "--save-every",
+        "1",
+        "--tag",
+        "knobs",
+    ]);
+    assert_eq!(knobs["pack"], 4);
+    assert_eq!(
+        (knobs["eval_every"].clone(), knobs["save_every"].clone()),
+        (1.into(), 1.into())
+    );
+    assert!(knobs["rslora"].as_bool().unwrap());
+    assert!((f(&knobs, "dropout") - 0.1).abs() < 1e-6);
+    // Eval forwards add work; packing's shorter attention takes some away.
+    assert!(f(&knobs, "work_flops_per_token") > f(&plain, "work_flops_per_token"));
+    assert_eq!(knobs["losses"].as_array().unwrap().len(), 3);
+    let left: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().collect();
+    assert!(
+        left.is_empty(),
+        "the bench's checkpoints were left behind: {left:?}"
+    );
+    let e = bin()
+        .args([
+            "bench",
+            "--device",
+            "cpu",
+            "--shape",
+            "tiny",
+            "--dropout",
+            "1.0",
+        ])
+        .output()
+        .unwrap();
+    assert!(!e.status.success());
+    assert!(String::from_utf8_lossy(&e.stderr).contains("the dropout rate is a number in [0, 1)"));
+}
+
 #[test]
 fn bench_runs_ddp_and_fsdp_on_cpu_ranks() {
     for strategy in ["ddp", "fsdp"] {
@@ -365,4 +431,42 @@ fn bench_runs_ddp_and_fsdp_on_cpu_ranks() {
         let first = losses[0].as_f64().unwrap();
         assert!((first - 10.37).abs() < 0.3, "{first}");
     }
+}
+
+/// `bench --model DIR` times a checkpoint's own weights (what `train` would load) at its
+/// config.json's shape, with the same JSON fields as a named shape.
+#[test]
+fn bench_times_a_checkpoint_at_its_own_shape() {
+    let dir = root().join("recipes/assets/tiny-llama");
+    let o = bin()
+        .arg("bench")
+        .arg("--model")
+        .arg(&dir)
+        .args([
+            "--device",
+            "cpu",
+            "--seq",
+            "32",
+            "--micro-batch",
+            "2",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let (c, l) = (
+        cfg["hidden_size"].as_u64().unwrap(),
+        cfg["num_hidden_layers"].as_u64().unwrap(),
+    );
+    // Adapters r16 on all 7 linears of every layer: at least r·(in + out) per linear.
+    assert!(v["trainable_params"].as_u64().unwrap() >= l * 7 * 16 * 2 * c.min(64));
+    assert!(v["tokens_per_s"].as_f64().unwrap() > 0.0);
+    assert!(v["final_loss"].as_f64().unwrap().is_finite());
 }

@@ -162,3 +162,43 @@ pub fn has_gpus(n: usize, test: &str) -> bool {
     }
     count as usize >= n
 }
+
+/// A copy of the directory tree `from` at `to`.
+pub fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        if e.path().is_dir() {
+            copy_dir(&e.path(), &to.join(e.file_name()));
+        } else {
+            std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+        }
+    }
+}
+
+/// An HTTP/1.1 request's head read from a test server's connection: (method, path, headers
+/// by lower-case name).
+pub fn read_request_head(
+    s: &std::net::TcpStream,
+) -> std::io::Result<(String, String, std::collections::BTreeMap<String, String>)> {
+    use std::io::BufRead;
+    s.set_nonblocking(false)?;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(10)))?;
+    let mut reader = std::io::BufReader::new(s.try_clone()?);
+    let mut line = String::new();
+    reader.read_line(&mut line)?;
+    let mut parts = line.split_whitespace();
+    let method = parts.next().unwrap_or("").to_string();
+    let path = parts.next().unwrap_or("").to_string();
+    let mut headers = std::collections::BTreeMap::new();
+    loop {
+        let mut h = String::new();
+        if reader.read_line(&mut h)? == 0 || h.trim().is_empty() {
+            break;
+        }
+        if let Some((k, v)) = h.split_once(':') {
+            headers.insert(k.trim().to_ascii_lowercase(), v.trim().to_string());
+        }
+    }
+    Ok((method, path, headers))
+}

@@ -192,3 +192,72 @@ fn plan_answers_for_the_recipes_own_row() {
         "{err}"
     );
 }
+
+/// A fresh run over a finished run's directory leaves no file of the earlier run that could be
+/// taken for its own: interrupted early, the directory holds the new run's checkpoint and no
+/// earlier final adapter (PeftModel.from_pretrained on it would load the old weights). An
+/// adapter there that no run of ours wrote is refused, naming it, before anything is loaded.
+#[test]
+fn a_fresh_run_leaves_no_adapter_of_the_earlier_run() {
+    use std::io::{BufRead, BufReader};
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let (code, err) = train(&out, 3, &[]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.join("adapter_model.safetensors").is_file());
+
+    let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("lora-train"))
+        .current_dir(root())
+        .args(["--recipe", "recipes/tiny-cpu.toml", "--set"])
+        .arg(format!("output.dir={}", out.display()))
+        .args(["--set", "train.max_steps=300", "--set", "train.log_every=1"])
+        .args([
+            "--set",
+            "train.micro_batch=1",
+            "--set",
+            "train.grad_accum=1",
+        ])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut seen = Vec::new();
+    for l in lines.by_ref() {
+        let l = l.unwrap();
+        let started = l.starts_with("step 1/300");
+        seen.push(l);
+        if started {
+            break;
+        }
+    }
+    // SAFETY: kill(2) on the pid of a child we spawned and have not reaped.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
+    seen.extend(lines.map_while(Result::ok));
+    let status = child.wait().unwrap();
+    let text = seen.join("\n");
+    assert_eq!(status.code(), Some(130), "{text}");
+    assert!(
+        text.contains("removed adapter_model.safetensors, adapter_config.json of an earlier run"),
+        "{text}"
+    );
+    assert!(!out.join("adapter_model.safetensors").exists(), "{text}");
+    assert!(!out.join("adapter_config.json").exists(), "{text}");
+    assert!(!checkpoint_dirs(&out).is_empty(), "{text}");
+
+    // Not ours: an adapter put there by hand, no recipe.toml / metrics.jsonl beside it.
+    let foreign = tmp.path().join("foreign");
+    std::fs::create_dir_all(&foreign).unwrap();
+    std::fs::write(foreign.join("adapter_config.json"), "{}").unwrap();
+    let (code, err) = train(&foreign, 1, &[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("which no lora-train run there wrote"), "{err}");
+    assert!(foreign.join("adapter_config.json").is_file());
+}
+
+fn checkpoint_dirs(out: &Path) -> Vec<String> {
+    std::fs::read_dir(out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("checkpoint-"))
+        .collect()
+}

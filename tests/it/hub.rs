@@ -6,7 +6,7 @@
 use crate::common::root;
 use assert_cmd::Command;
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -180,24 +180,7 @@ fn serve(
     faults: &mut Faults,
     log: &Mutex<Vec<Req>>,
 ) -> std::io::Result<()> {
-    s.set_nonblocking(false)?;
-    s.set_read_timeout(Some(Duration::from_secs(10)))?;
-    let mut reader = BufReader::new(s.try_clone()?);
-    let mut line = String::new();
-    reader.read_line(&mut line)?;
-    let mut parts = line.split_whitespace();
-    let method = parts.next().unwrap_or("").to_string();
-    let path = parts.next().unwrap_or("").to_string();
-    let mut headers = BTreeMap::new();
-    loop {
-        let mut h = String::new();
-        if reader.read_line(&mut h)? == 0 || h.trim().is_empty() {
-            break;
-        }
-        if let Some((k, v)) = h.split_once(':') {
-            headers.insert(k.trim().to_ascii_lowercase(), v.trim().to_string());
-        }
-    }
+    let (method, path, headers) = crate::common::read_request_head(&s)?;
     let req = Req {
         method: method.clone(),
         host: headers.get("host").cloned().unwrap_or_default(),

@@ -683,6 +683,95 @@ fn folded_layer_matches_the_unfolded_and_autograd_on_the_gpu() {
     }
 }
 
+/// Every adapter of `m` at dropout rate `p` (as the recipe's lora.dropout sets it).
+#[cfg(feature = "cuda")]
+fn with_dropout(m: &mut lora_train::model::llama::Model, p: f32) {
+    for l in &mut m.layers {
+        let lins = [
+            &mut l.q,
+            &mut l.k,
+            &mut l.v,
+            &mut l.o,
+            &mut l.gate,
+            &mut l.up,
+            &mut l.down,
+        ];
+        for lin in lins {
+            if let Some(lora) = lin.lora.as_mut() {
+                lora.dropout = p;
+            }
+        }
+    }
+}
+
+/// Dropout keeps the fold (ops::fold_drop): with every adapter at p = 0.1, q, k, v, gate, up
+/// and down still run folded, each mask drawn inside the kernels, and the layer's output,
+/// dL/dx and gradients match the same layer unfolded with each mask applied as a masked copy
+/// (`dropout_fused` off: the CPU's masks, bit for bit) and autograd; another step's masks give
+/// other gradients.
+#[cfg(feature = "cuda")]
+#[test]
+fn folded_layer_with_dropout_matches_the_unfolded_on_the_gpu() {
+    use lora_train::model::Linear;
+    let mut m = gpu_layer_model();
+    m.kernels.fold = true;
+    assert!(m.fold().unwrap() > 0);
+    with_dropout(&mut m, 0.1);
+    let key = Some((7, [3, 1]));
+    let (mut ctx, x, g) = gpu_layer_batch(&m);
+    ctx.dropout = key;
+    assert!(ctx.folded && ctx.kernels.dropout_fused);
+    let layer = &m.layers[1];
+    let groups: [&[&Linear]; 3] = [
+        &[&layer.q, &layer.k, &layer.v],
+        &[&layer.gate, &layer.up],
+        &[&layer.down],
+    ];
+    for lins in groups {
+        assert!(lins[0].dropout(&ctx).is_some(), "{}", lins[0].name);
+        assert!(
+            Linear::fold_width(lins, &ctx).is_some(),
+            "{}: unfolded",
+            lins[0].name
+        );
+    }
+    let mut plain = m.ctx(&[0; 300], 2, 150, None, key).unwrap();
+    (plain.cos, plain.sin, plain.mask) = (ctx.cos.clone(), ctx.sin.clone(), ctx.mask.clone());
+    plain.folded = false;
+    plain.kernels.dropout_fused = false;
+
+    let (y, acts) = layer.forward_train(&x, &ctx, true).unwrap();
+    let (y_plain, acts_plain) = layer.forward_train(&x, &plain, true).unwrap();
+    assert_close("dropout: y folded", &y, &y_plain, 1e-2, 1e-2);
+    let (xv, y_ref, gs) = autograd_reference(layer, &x, &g, &ctx);
+    assert_close("dropout: y vs autograd", &y, &y_ref, 2e-2, 1e-2);
+    let ours = layer.backward(acts.unwrap(), &g, &ctx).unwrap();
+    let theirs = layer.backward(acts_plain.unwrap(), &g, &plain).unwrap();
+    assert_close("dropout: dx folded", &ours.0, &theirs.0, 2e-2, 1e-2);
+    for ((ia, ga), (ib, gb)) in ours.1.iter().zip(&theirs.1) {
+        assert_eq!(ia, ib);
+        assert_close("dropout: adapter grad folded", ga, gb, 3e-2, 2e-2);
+    }
+    check_layer_grads("dropout", layer, &ours, &gs, xv.as_tensor(), (3e-2, 2e-2));
+    // The masks are live: the next step's differ, and so do the gradients.
+    let mut next = m.ctx(&[0; 300], 2, 150, None, Some((7, [4, 1]))).unwrap();
+    (next.cos, next.sin, next.mask) = (ctx.cos.clone(), ctx.sin.clone(), ctx.mask.clone());
+    let (_, acts_next) = layer.forward_train(&x, &next, true).unwrap();
+    let other = layer.backward(acts_next.unwrap(), &g, &next).unwrap();
+    let moved = ours
+        .1
+        .iter()
+        .zip(&other.1)
+        .map(|((_, a), (_, b))| {
+            max_abs_diff(a, b) / host_f32(a).iter().fold(0f32, |m, v| m.max(v.abs()))
+        })
+        .fold(0f32, f32::max);
+    assert!(
+        moved > 0.05,
+        "another step's masks moved the gradients by {moved} only"
+    );
+}
+
 /// Rank `0` of `1` for `Flat::take` alone: its collectives are never called.
 #[cfg(feature = "cuda")]
 struct Cut(usize, usize);
@@ -926,6 +1015,59 @@ fn folded_7b_layer_matches_the_unfolded_on_the_gpu() {
                 "{tag}: {what} differs by {e} of its largest value"
             );
         }
+    }
+}
+
+/// `folded_7b_layer_matches_the_unfolded_on_the_gpu` under dropout 0.05 (the bench's shapes
+/// and kernels: rank 16, 4096 tokens): folded with the masks drawn in the kernels against
+/// unfolded with masked copies, every tensor within 2% of its largest value.
+#[cfg(feature = "cuda")]
+#[test]
+fn folded_7b_layer_with_dropout_matches_the_unfolded_on_the_gpu() {
+    use candle_core::DType;
+    let mut m = folded_7b_layer();
+    with_dropout(&mut m, 0.05);
+    randomize_b(&m, 1e-3);
+    let dev = m.device.clone();
+    let (b, t, c) = (2, 2048, 4096);
+    let positions: Vec<u32> = (0..b).flat_map(|_| 0..t as u32).collect();
+    let key = Some((1234, [17, 0]));
+    let ctx = m.ctx(&positions, b, t, None, key).unwrap();
+    assert!(ctx.folded);
+    let mut plain = m.ctx(&positions, b, t, None, key).unwrap();
+    plain.folded = false;
+    plain.kernels.dropout_fused = false;
+    let x = Tensor::randn(0f32, 1.0, (b, t, c), &dev)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
+    let g = Tensor::randn(0f32, 1e-3, (b, t, c), &dev).unwrap();
+    let layer = &m.layers[0];
+    let rel = |a: &Tensor, b: &Tensor| {
+        let (a, b) = (host_f32(a), host_f32(b));
+        let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let err = a
+            .iter()
+            .zip(&b)
+            .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        err / scale.max(f32::MIN_POSITIVE)
+    };
+    let (y, acts) = layer.forward_train(&x, &ctx, true).unwrap();
+    let (y_plain, acts_plain) = layer.forward_train(&x, &plain, true).unwrap();
+    let mut worst = vec![("y".to_string(), rel(&y, &y_plain))];
+    let ours = layer.backward(acts.unwrap(), &g, &ctx).unwrap();
+    let theirs = layer.backward(acts_plain.unwrap(), &g, &plain).unwrap();
+    worst.push(("dx".into(), rel(&ours.0, &theirs.0)));
+    for (lin, k) in layer.linears().iter().zip(0..) {
+        for (w, j) in [("A", 0), ("B", 1)] {
+            let ((ia, ga), (ib, gb)) = (&ours.1[2 * k + j], &theirs.1[2 * k + j]);
+            assert_eq!(ia, ib);
+            worst.push((format!("{} d{w}", lin.name), rel(ga, gb)));
+        }
+    }
+    println!("dropout 0.05 at 7B: {worst:?}");
+    for (what, e) in worst {
+        assert!(e < 2e-2, "{what} differs by {e} of its largest value");
     }
 }
 

@@ -411,7 +411,8 @@ fn lora_linear_matches_composite_in_x_a_and_b_with_dropout_mask() {
         let x = Var::randn(0f32, 1.0, (1, m, i), &dev).unwrap();
         let a = Var::randn(0f32, 0.3, (r, i), &dev).unwrap();
         let bb = Var::randn(0f32, 0.3, (o, r), &dev).unwrap();
-        let mask = lora_train::lora::dropout_mask(&[1, m, i], 0.25, 3, &[1, 2], &dev).unwrap();
+        let drop = lora_train::ops::dropout::Dropout::new(0.25, 3, [1, 2], [0, 0]).unwrap();
+        let mask = lora_train::ops::dropout::mask_tensor(&[1, m, i], &drop, &dev).unwrap();
         let g = Tensor::randn(0f32, 1.0, (1, m, o), &dev).unwrap();
         let ours = ops::lora_linear(
             x.as_tensor(),
@@ -420,7 +421,7 @@ fn lora_linear_matches_composite_in_x_a_and_b_with_dropout_mask() {
             a.as_tensor(),
             bb.as_tensor(),
             1.7,
-            Some(mask.clone()),
+            Some(drop),
             lora_train::ops::kernels::Gemm::Tuned, // (the CPU runs candle's matmul)
         )
         .unwrap();
@@ -862,33 +863,47 @@ fn tuned_gemms_give_gemmex_bits_on_the_gpu() {
 /// dL/da = dy·W (the GEMM's bf16 output) + s·(dy·B)·A, SwiGLU's backward at it, and
 /// dA = s·(dy·B)ᵀ·a with a the forward's bf16 silu(g)·u. Ranks in each of the kernel's forms
 /// (8 and 16: one k step; 24: two; 64: four), tokens that are not whole tiles (300), a width
-/// whose last strip is partial (688), B in pad columns after another adapter's (col 8).
+/// whose last strip is partial (688), B in pad columns after another adapter's (col 8). With
+/// down's dropout (the mask drawn in the kernel), the adapter's term of dL/da is masked and
+/// dA takes m ⊙ a, the CPU's mask M as a tensor.
 #[cfg(feature = "cuda")]
 #[test]
 fn folded_down_backward_matches_f32_math_on_the_gpu() {
+    use lora_train::ops::dropout::{mask_tensor, Dropout};
     let dev = Device::new_cuda(0).unwrap();
     let (m, out, i, s) = (300, 256, 688, 2.0);
     let f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
     let bf = |t: &Tensor| t.to_dtype(DType::BF16).unwrap();
     let round = |t: &Tensor| f32(&bf(t)); // to bf16 and back
     let rn = |shape: (usize, usize), std: f32| bf(&Tensor::randn(0f32, std, shape, &dev).unwrap());
-    for (r, col) in [(8, 0), (16, 0), (24, 8), (64, 0)] {
-        let tag = format!("r{r} col{col}");
+    let drop = Dropout::new(0.1, 3, [1, 0], [2, 6]).unwrap().fused(true);
+    for ((r, col), dropout) in [(8, 0), (16, 0), (24, 8), (64, 0)]
+        .into_iter()
+        .flat_map(|rc| [(rc, None), (rc, Some(drop))])
+    {
+        let tag = format!("r{r} col{col} dropout {}", dropout.is_some());
         let pad = lora_train::ops::fold::pad_width(&[col + r], i).unwrap();
         let (w, b, a) = (rn((out, i), 0.05), rn((out, r), 0.5), rn((r, i), 0.5));
         let (g, u, dy) = (rn((m, i), 2.0), rn((m, i), 1.0), rn((m, out), 1.0));
         let z = |n: usize| Tensor::zeros((out, n), DType::BF16, &dev).unwrap();
         let full = Tensor::cat(&[&w, &z(col), &b, &z(pad - col - r)], 1).unwrap(); // [out, i+pad]
         let tuned = lora_train::ops::kernels::Gemm::Tuned;
-        let got = ops::fold::swiglu_down_bwd(&dy, &full, col, &g, &u, &a, s, tuned)
+        let d = dropout.as_ref();
+        let got = ops::fold::swiglu_down_bwd(&dy, &full, col, &g, &u, &a, s, d, tuned)
             .unwrap()
             .unwrap_or_else(|| panic!("{tag}: the kernel must take these"));
         let (dg, du, da_grad) = (&got.dg, &got.du, &got.da);
 
+        // M: 1 / (1 − p) where kept, else 0; all ones without dropout
+        let mask = match d {
+            Some(d) => mask_tensor(&[m, i], d, &dev).unwrap(),
+            None => Tensor::ones((m, i), DType::F32, &dev).unwrap(),
+        };
         let (dyf, gf, uf) = (f32(&dy), f32(&g), f32(&u));
         let gb = round(&dyf.matmul(&f32(&b)).unwrap()); // [m, r], the GEMM's bf16 output
         let base = round(&dyf.matmul(&f32(&w)).unwrap());
-        let da = (base + (gb.matmul(&f32(&a)).unwrap() * s).unwrap()).unwrap();
+        let lora = (gb.matmul(&f32(&a)).unwrap() * s).unwrap();
+        let da = (base + (lora * &mask).unwrap()).unwrap();
         let sg = (gf.neg().unwrap().exp().unwrap() + 1.0)
             .unwrap()
             .recip()
@@ -902,7 +917,8 @@ fn folded_down_backward_matches_f32_math_on_the_gpu() {
             .unwrap();
         let du_ref = (&da * round(&silu)).unwrap();
         let a_ref = round(&(round(&silu) * &uf).unwrap());
-        let da_ref = (gb.t().unwrap().matmul(&a_ref).unwrap() * s).unwrap(); // [r, i]
+        let xd = round(&(a_ref * &mask).unwrap()); // down's input under dropout, as the forward's
+        let da_ref = (gb.t().unwrap().matmul(&xd).unwrap() * s).unwrap(); // [r, i]
         assert_close(&format!("{tag} dgate"), dg, &dg_ref, 1e-2, 2e-3);
         assert_close(&format!("{tag} dup"), du, &du_ref, 1e-2, 2e-3);
         assert_eq!(da_grad.dtype(), DType::F32, "{tag}: dA in f32");

@@ -176,6 +176,20 @@ fn resume_refuses_a_different_recipe_or_data_and_a_fresh_start_over_an_unfinishe
     let e = err(&["train.resume=true", "lora.dropout=0.2", "train.seed=1"]);
     assert!(e.contains("`lora.dropout` = 0.2, but checkpoint"), "{e}");
     assert!(e.ends_with("(also different: train.seed)"), "{e}");
+    // Masks drawn by another generator (an older build's) cannot continue exactly.
+    let state = ck.join(checkpoint::STATE);
+    let kept = bytes(&state);
+    let mut js: serde_json::Value = serde_json::from_slice(&kept).unwrap();
+    assert_eq!(js["rng"], checkpoint::RNG);
+    js["rng"] = "SplitMix64 streams keyed by seed".into();
+    std::fs::write(&state, serde_json::to_vec(&js).unwrap()).unwrap();
+    let e = err(&["train.resume=true"]);
+    assert!(
+        e.contains("`lora.dropout` = 0.1, but checkpoint")
+            && e.contains("drew its dropout masks as \"SplitMix64 streams keyed by seed\""),
+        "{e}"
+    );
+    std::fs::write(&state, kept).unwrap();
     let e = err(&[]);
     assert!(
         e.ends_with(&format!(

@@ -1,0 +1,253 @@
+//! What a bench step does besides the plain step, as the `train` command would with the same
+//! recipe settings: rows packed with short examples (block-diagonal attention), an eval
+//! forward every N steps, a checkpoint every N steps; and the work all of it costs per trained
+//! token, to predict a configuration's throughput from the plain one's.
+
+use crate::data::{Batch, Example};
+use crate::lora::LoraSpec;
+use crate::model::{Model, ModelConfig};
+use crate::train::driver::Par;
+use crate::train::optim::AdamW;
+use anyhow::{Context, Result};
+use std::path::PathBuf;
+
+/// Rows of token ids [b · t] as a language-modelling batch of `pack` examples a row (each
+/// row cut into `pack` runs of ⌊t / pack⌋ tokens, the last taking the rest): each position
+/// predicts the next one of its example, positions restart at each, and attention stays
+/// within it (`Batch::from_rows`, as packed training data). `pack` = 1: one sequence a row.
+pub fn batch(ids: &[u32], b: usize, t: usize, pack: usize) -> Batch {
+    let pack = pack.clamp(1, (t / 2).max(1));
+    let len = t / pack;
+    let examples: Vec<Vec<Example>> = (0..b)
+        .map(|r| {
+            let row = &ids[r * t..(r + 1) * t];
+            (0..pack)
+                .map(|k| {
+                    let end = if k + 1 == pack { t } else { (k + 1) * len };
+                    let ids = row[k * len..end].to_vec();
+                    let labels = ids.iter().map(|&i| i as i64).collect();
+                    Example { ids, labels }
+                })
+                .collect()
+        })
+        .collect();
+    let rows: Vec<Vec<&Example>> = examples.iter().map(|r| r.iter().collect()).collect();
+    let mut batch = Batch::from_rows(&rows, 0, pack > 1);
+    if pack == 1 {
+        batch.segments = None; // one sequence a row: the plain causal mask
+    }
+    batch
+}
+
+/// Counted tokens of a `batch` row of t tokens in `pack` examples: t − pack.
+pub fn targets_per_row(t: usize, pack: usize) -> usize {
+    t - pack.clamp(1, (t / 2).max(1))
+}
+
+/// The model FLOPs one trained token costs in this configuration, counted as
+/// `bench::flops_per_token` counts the plain step's (frozen base: 2 per weight forward, 2 for
+/// dL/dx backward; attention in full over the `seq` an example attends to) and adding what it
+/// leaves out: the adapters' products (6·r·(in + out) a token and linear: x Aᵀ, (x Aᵀ) Bᵀ; their
+/// dL/dx terms, dA and dB), the recompute of checkpointing, and the eval forwards (`eval`
+/// tokens each `eval_every` steps of `step` trained tokens).
+pub struct Work {
+    pub n_linear: usize,
+    pub adapter: usize,
+    pub layers: usize,
+    pub hidden: usize,
+    pub seq: usize,
+    pub ckpt: bool,
+    pub eval_tokens: usize,
+    pub step_tokens: usize,
+    pub eval_every: usize,
+}
+
+impl Work {
+    pub fn flops_per_token(&self) -> f64 {
+        let attn = (self.layers * self.seq * self.hidden) as f64;
+        let (base, ad) = (2.0 * self.n_linear as f64, 2.0 * self.adapter as f64);
+        let fwd = base + ad + 4.0 * attn;
+        let bwd = base + 2.0 * ad + 8.0 * attn;
+        let eval = match self.eval_every {
+            0 => 0.0,
+            n => fwd * self.eval_tokens as f64 / (n * self.step_tokens.max(1)) as f64,
+        };
+        fwd + bwd + if self.ckpt { fwd } else { 0.0 } + eval
+    }
+}
+
+/// Σ r · (in + out) over the adapted linears of every layer: the adapters' weights a token
+/// multiplies (forward: 2 FLOPs each).
+pub fn adapter_weights(cfg: &ModelConfig, spec: &LoraSpec) -> usize {
+    let (c, i) = (cfg.hidden_size, cfg.intermediate_size);
+    let (q, kv) = (
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+    );
+    let dims = [
+        ("q_proj", c, q),
+        ("k_proj", c, kv),
+        ("v_proj", c, kv),
+        ("o_proj", q, c),
+        ("gate_proj", c, i),
+        ("up_proj", c, i),
+        ("down_proj", i, c),
+    ];
+    let per_layer: usize = dims
+        .iter()
+        .filter(|(m, ..)| spec.targets(m))
+        .map(|(_, a, b)| spec.rank * (a + b))
+        .sum();
+    per_layer * cfg.num_layers
+}
+
+/// Σ token CE over `batches` (the eval set), forward only, as the trainer's eval runs it.
+pub fn eval(model: &Model, par: &Par, batches: &[Batch]) -> Result<f64> {
+    let mut sum = 0.0;
+    for b in batches {
+        sum += crate::train::eval::ce_sum_par(model, par, b)?;
+    }
+    Ok(sum)
+}
+
+/// Checkpoints as the trainer writes them (the adapter's safetensors and config, AdamW's m and
+/// v; each file fsynced, the directory renamed into place), into a directory of ours that is
+/// removed when this is dropped.
+pub struct Saver {
+    dir: PathBuf,
+    keys: Vec<String>,
+}
+
+impl Saver {
+    pub fn new(model: &Model) -> Result<Saver> {
+        let dir = std::env::temp_dir().join(format!("lora-train-bench-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)
+            .with_context(|| format!("cannot create {}", dir.display()))?;
+        let keys = model
+            .adapters()
+            .flat_map(|(module, _)| ['A', 'B'].map(|w| crate::export::peft_key(module, w)))
+            .collect();
+        Ok(Saver { dir, keys })
+    }
+
+    /// Step `step`'s checkpoint (replacing the one before: one is kept).
+    pub fn save(&self, step: usize, model: &Model, spec: &LoraSpec, opt: &AdamW) -> Result<()> {
+        let tmp = self.dir.join(format!(".checkpoint-{step}.tmp"));
+        let dst = self.dir.join("checkpoint");
+        std::fs::create_dir_all(&tmp)?;
+        crate::export::save_adapter(&tmp, model, spec, "bench", None)?;
+        crate::train::checkpoint::write_optimizer(
+            &tmp.join(crate::train::checkpoint::OPTIMIZER),
+            opt,
+            &self.keys,
+        )?;
+        crate::export::merge::sync_dir_files(&tmp)?;
+        crate::export::merge::replace_dir(&tmp, &dst)
+    }
+}
+
+impl Drop for Saver {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The bench's clock, the training loop's: a step is done when its loss is read.
+pub struct Clock {
+    warmup: usize,
+    pub losses: Vec<f64>,
+    done_at: Vec<std::time::Instant>,
+    /// The pool's peak in each phase of the timed steps (CUDA).
+    pub timed: crate::memory::PhaseMeter,
+}
+
+impl Clock {
+    pub fn new(warmup: usize) -> Clock {
+        Clock {
+            warmup,
+            losses: Vec::new(),
+            done_at: Vec::new(),
+            timed: crate::memory::PhaseMeter::default(),
+        }
+    }
+
+    /// A step was read.
+    pub fn record(&mut self, d: crate::train::step::Done) {
+        self.done_at.push(std::time::Instant::now());
+        self.losses.push(d.loss);
+        if self.losses.len() > self.warmup {
+            for (k, v) in d.peaks {
+                let e = self.timed.peaks.entry(k).or_insert(0);
+                *e = (*e).max(v);
+            }
+        }
+    }
+
+    /// Seconds of the timed steps: from the last warm-up step's read (or `start`, without
+    /// warm-up) to the last step's.
+    pub fn seconds(&self, start: std::time::Instant) -> f64 {
+        let from = match self.warmup {
+            0 => Some(start),
+            w => self.done_at.get(w - 1).copied(),
+        };
+        match (from, self.done_at.last()) {
+            (Some(f), Some(l)) => l.duration_since(f).as_secs_f64(),
+            _ => 0.0,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn packed_rows_hold_short_examples_with_their_own_positions_and_targets() {
+        let (b, t) = (2, 10);
+        let ids: Vec<u32> = (0..(b * t) as u32).collect();
+        let plain = batch(&ids, b, t, 1);
+        assert!(plain.segments.is_none());
+        assert_eq!(plain.targets.len(), b * targets_per_row(t, 1));
+        assert_eq!(plain.targets[0], (0, 1));
+        let packed = batch(&ids, b, t, 3); // runs of 3, 3 and 4 tokens
+        assert_eq!(packed.targets.len(), b * targets_per_row(t, 3));
+        assert_eq!(&packed.positions[..t], &[0, 1, 2, 0, 1, 2, 0, 1, 2, 3]);
+        let seg = packed.segments.as_ref().unwrap();
+        assert_eq!(&seg[t..], &[0, 0, 0, 1, 1, 1, 2, 2, 2, 2]);
+        // No target crosses an example: position 2 (the first's last) predicts nothing.
+        assert!(packed
+            .targets
+            .iter()
+            .all(|&(i, _)| i % t != 2 && i % t != 5));
+        assert!(packed.targets.contains(&(t + 3, (t + 4) as u32)));
+    }
+
+    #[test]
+    fn work_adds_the_adapters_the_recompute_and_eval_to_the_plain_count() {
+        let w = Work {
+            n_linear: 1000,
+            adapter: 100,
+            layers: 2,
+            hidden: 8,
+            seq: 16,
+            ckpt: false,
+            eval_tokens: 0,
+            step_tokens: 64,
+            eval_every: 0,
+        };
+        let attn = 2.0 * 16.0 * 8.0;
+        let plain = crate::bench::flops_per_token(1000, 2, 8, 16, false);
+        assert_eq!(w.flops_per_token(), plain + 6.0 * 100.0);
+        assert!((plain - (4000.0 + 12.0 * attn)).abs() < 1e-9);
+        let ck = Work { ckpt: true, ..w };
+        let fwd = 2000.0 + 200.0 + 4.0 * attn;
+        assert_eq!(ck.flops_per_token(), plain + 600.0 + fwd);
+        let ev = Work {
+            eval_tokens: 32,
+            eval_every: 4,
+            ckpt: false,
+            ..ck
+        };
+        assert_eq!(ev.flops_per_token(), plain + 600.0 + fwd * 32.0 / 256.0);
+    }
+}
