@@ -67,7 +67,7 @@ fn lines(mut r: impl BufRead, name: &str, sink: &mut Sink) -> Result<()> {
             break;
         }
         let line = match std::str::from_utf8(&buf) {
-            Ok(line) => line,
+            Ok(line) => line.trim_end_matches(['\n', '\r']),
             Err(e) => {
                 let why = anyhow::anyhow!(
                     "not valid UTF-8 (byte {} of the line); re-encode the file as UTF-8",
