@@ -137,7 +137,7 @@ if [[ $what == *" decode "* ]]; then
     for g in "" decode_graph; do
       LORA_TRAIN_EXPERIMENTS=$g timeout 120 $E .devbuild/lora-train generate --bench --shape llama2-7b \
         --device cuda --prompt-len 128 --max-new-tokens 256 --rank $r --json "$OUT/decode.jsonl" 2>&1 \
-        | tail -2 | cut -c1-300; echo "  (rank $r, experiments '$g', exit $?)"
+        | tail -4 | cut -c1-600; echo "  (rank $r, experiments '$g', exit $?)"
     done
   done
   timeout 200 python3 scripts/bench_generate_hf.py --shape llama2-7b --prompt-len 128 --new-tokens 256 \

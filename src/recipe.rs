@@ -395,6 +395,9 @@ fn d_on_bad_row() -> OnBadRow {
 fn d_format() -> DataFormat {
     DataFormat::Text
 }
+/// `train.offload_activations` when the recipe does not say (CUDA only: the CPU recomputes).
+pub const OFFLOAD_ACTIVATIONS_DEFAULT: bool = true;
+
 fn d_seq_len() -> usize {
     512
 }
@@ -456,7 +459,8 @@ pub struct TrainSection {
     /// hidden]) in pinned host memory between its forward and backward, copied beside the
     /// compute, instead of recomputing it in backward with o_proj's GEMM (false) — 2 × tokens
     /// × hidden bytes per layer of host memory (1 GiB at 7B, micro-batch 2 × 2048), none of
-    /// the GPU's. Ignored on the CPU (recomputed). Default: true.
+    /// the GPU's. Ignored on the CPU (recomputed). Default: true
+    /// (`OFFLOAD_ACTIVATIONS_DEFAULT`).
     #[serde(default)]
     pub offload_activations: Option<bool>,
     /// Write a progress line / metrics row every this many steps. Default: 1.
@@ -1114,7 +1118,11 @@ impl Recipe {
     pub fn check_toml(&self) -> String {
         let mut r = self.clone();
         r.data.train_on = Some(self.data.train_on_for(self.data.format));
-        r.train.offload_activations = Some(self.train.offload_activations.unwrap_or(true));
+        r.train.offload_activations = Some(
+            self.train
+                .offload_activations
+                .unwrap_or(OFFLOAD_ACTIVATIONS_DEFAULT),
+        );
         if r.output.max_shard_size.is_none() {
             r.output.max_shard_size = Some(crate::export::merge::DEFAULT_MAX_SHARD_SIZE.into());
         }

@@ -443,15 +443,11 @@ fn load_data(recipe: &Recipe, files: &ModelFiles, vocab: usize) -> Result<DataLo
         formats.push(d.format);
     }
     // `sample_every` encodes its prompts and decodes the completions whatever the data format.
-    let needs_tok = formats.iter().find(|f| **f != DataFormat::Tokens).copied();
-    let needs_tok = match (needs_tok, recipe.train.sample_every > 0) {
-        (None, true) => Some(None),
-        (f, _) => f.map(Some),
-    };
-    let tok = match needs_tok {
-        Some(f) => {
+    let text_format = formats.iter().find(|f| **f != DataFormat::Tokens).copied();
+    let tok = match text_format.is_some() || recipe.train.sample_every > 0 {
+        true => {
             let t = files.tokenizer.as_ref().with_context(|| {
-                let who = match f {
+                let who = match text_format {
                     Some(f) => format!("data format \"{}\"", crate::data::format_name(f)),
                     None => "train.sample_every".to_string(),
                 };
@@ -481,7 +477,7 @@ fn load_data(recipe: &Recipe, files: &ModelFiles, vocab: usize) -> Result<DataLo
             }
             Some(tok)
         }
-        None => None,
+        false => None,
     };
     let mut data = Dataset::load(d, tok.as_ref(), vocab)?;
     let eval = match Dataset::load_eval(d, tok.as_ref(), vocab)? {

@@ -19,6 +19,12 @@ fn expected() -> Value {
     serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
 }
 
+/// The case of expected.json named `name`.
+fn case_named<'a>(exp: &'a Value, name: &str) -> &'a Value {
+    let cases = exp["cases"].as_array().unwrap();
+    cases.iter().find(|c| c["name"] == name).unwrap()
+}
+
 fn fixture(rel: &str) -> PathBuf {
     root().join("tests/fixtures").join(rel)
 }
@@ -131,12 +137,7 @@ fn greedy_equals_transformers_on_the_golden_fixtures() {
 fn the_window_case_depends_on_the_window() {
     // Without its sliding window the Mistral case writes other tokens: the fixture tests it.
     let exp = expected();
-    let case = exp["cases"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["name"] == "mistral_window5+adapter")
-        .unwrap();
+    let case = case_named(&exp, "mistral_window5+adapter");
     assert_eq!(case["config_overrides"]["sliding_window"], 5);
     let tmp = tempfile::tempdir().unwrap();
     let model = load(case, tmp.path(), DType::F32, &Device::Cpu);
@@ -230,12 +231,7 @@ fn kv_cached_decoding_equals_full_recompute_on_the_cpu() {
 fn greedy_text_on_the_training_model_matches_the_fixture() {
     // The library function the training loop calls for sample_every, on the tiny model.
     let exp = expected();
-    let case = exp["cases"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["name"] == "tiny_shipped+adapter")
-        .unwrap();
+    let case = case_named(&exp, "tiny_shipped+adapter");
     let tmp = tempfile::tempdir().unwrap();
     let dir = model_dir(case, tmp.path());
     let l = lora_train::generate::load::from_dirs(
@@ -343,16 +339,7 @@ fn kv_cached_decoding_equals_full_recompute_on_cuda() {
     let mut cfg = lora_train::bench::shape("tiny").unwrap();
     (cfg.num_layers, cfg.num_kv_heads, cfg.vocab_size) = (2, 4, 512);
     cfg.max_position_embeddings = 512;
-    let spec = LoraSpec {
-        rank: 8,
-        alpha: 16.0,
-        dropout: 0.0,
-        rslora: false,
-        targets: lora_train::lora::ALL_LINEAR
-            .iter()
-            .map(|s| s.to_string())
-            .collect(),
-    };
+    let spec = all_linear_r8();
     for dtype in [DType::F32, DType::BF16] {
         let mut model = Model::random(cfg.clone(), dtype, &dev, &spec, 3).unwrap();
         // Sharper logits than N(0, 0.02) weights give, so that most greedy picks are clear.
@@ -453,15 +440,19 @@ fn bin() -> Command {
     Command::cargo_bin("lora-train").unwrap()
 }
 
+/// `lora-train generate` from the shipped tiny model on the CPU, run in the repository root.
+fn tiny_generate() -> Command {
+    let mut c = bin();
+    c.current_dir(root())
+        .args(["generate", "--model", "recipes/assets/tiny-llama"])
+        .args(["--device", "cpu"]);
+    c
+}
+
 #[test]
 fn cli_generates_from_the_shipped_tiny_model_and_an_adapter() {
     let exp = expected();
-    let case = exp["cases"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["name"] == "tiny_shipped+adapter")
-        .unwrap();
+    let case = case_named(&exp, "tiny_shipped+adapter");
     let p = &case["prompts"][1];
     let o = bin()
         .current_dir(root())
@@ -499,15 +490,7 @@ fn cli_generates_from_the_shipped_tiny_model_and_an_adapter() {
     assert_eq!(String::from_utf8_lossy(&o.stdout), text);
 
     // The base alone, from a text prompt.
-    let o = bin()
-        .current_dir(root())
-        .args([
-            "generate",
-            "--model",
-            "recipes/assets/tiny-llama",
-            "--device",
-            "cpu",
-        ])
+    let o = tiny_generate()
         .args(["--prompt", "Once upon a time", "--max-new-tokens", "5"])
         .output()
         .unwrap();
@@ -547,15 +530,7 @@ fn cli_prompt_ids_print_transformers_tokens() {
 
 #[test]
 fn cli_chat_answers_each_line_of_stdin() {
-    let o = bin()
-        .current_dir(root())
-        .args([
-            "generate",
-            "--model",
-            "recipes/assets/tiny-llama",
-            "--device",
-            "cpu",
-        ])
+    let o = tiny_generate()
         .args(["--chat", "--system", "Be brief.", "--max-new-tokens", "6"])
         .write_stdin("What color is the dog?\n\nSpell the word \"bear\".\n")
         .output()
