@@ -680,15 +680,12 @@ fn folded_layer_matches_the_unfolded_and_autograd_on_the_gpu() {
 #[cfg(feature = "cuda")]
 fn with_dropout(m: &mut lora_train::model::llama::Model, p: f32) {
     for l in &mut m.layers {
-        let lins = [
-            &mut l.q,
-            &mut l.k,
-            &mut l.v,
-            &mut l.o,
-            &mut l.gate,
-            &mut l.up,
-            &mut l.down,
-        ];
+        let lins = l
+            .attn_in
+            .iter_mut()
+            .chain([&mut l.o])
+            .chain(l.mlp_in.iter_mut())
+            .chain([&mut l.down]);
         for lin in lins {
             if let Some(lora) = lin.lora.as_mut() {
                 lora.dropout = p;
@@ -716,8 +713,8 @@ fn folded_layer_with_dropout_matches_the_unfolded_on_the_gpu() {
     assert!(ctx.folded && ctx.kernels.dropout_fused);
     let layer = &m.layers[1];
     let groups: [&[&Linear]; 3] = [
-        &[&layer.q, &layer.k, &layer.v],
-        &[&layer.gate, &layer.up],
+        &[&layer.attn_in[0], &layer.attn_in[1], &layer.attn_in[2]],
+        &[&layer.mlp_in[0], &layer.mlp_in[1]],
         &[&layer.down],
     ];
     for lins in groups {
