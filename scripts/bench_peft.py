@@ -12,11 +12,19 @@ that the two run in one device call and compare as ratios:
   python3 scripts/bench_peft.py --shape llama2-7b --load-in-4bit    # QLoRA (bitsandbytes NF4)
   python3 scripts/bench_peft.py --shape llama3-8b --seq 32768 --batch 1 --ckpt --max-memory 80GiB
   torchrun --nproc_per_node 2 scripts/bench_peft.py --shape llama2-7b --mode ddp   # or fsdp
+  python3 scripts/bench_peft.py --shape gemma2-9b   # or qwen3-8b, gemma3-12b, phi3-mini
+  python3 scripts/bench_peft.py --shape gemma3-12b --layers 1 --seq 16 --batch 1 --steps 1   # CPU smoke
 
 Needs torch, transformers and peft (and liger_kernel / bitsandbytes for those flags). --json FILE
 appends the line to FILE too. Counting: frozen base, so the backward computes activation
 gradients (2 FLOPs per weight) but no weight gradients; attention counted in full, as
 `lora-train bench` counts it.
+
+Each shape is built with its own transformers class (LlamaForCausalLM, Qwen3ForCausalLM,
+Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM) and that class's default attention unless
+--attn names one; the JSON's attn_impl says which ran (Gemma 2's default may drop the attention
+soft-cap, as sdpa has none: a speed peer, not a reference). Phi-3's targets are its fused
+projections (all: qkv_proj, o_proj, gate_up_proj, down_proj).
 """
 import argparse
 import json
@@ -25,25 +33,83 @@ import time
 
 import torch
 
-# name: LlamaConfig-style fields (hidden, intermediate, layers, heads, kv heads, vocab, theta)
+# name: (family, config fields). Llama: hidden, intermediate, layers, heads, kv heads, vocab,
+# theta. The others: the released model's config.json fields, as src/bench.rs `shape` has them.
+def _llama(h, i, layers, nh, kv, vocab, theta):
+    return ("llama", dict(hidden_size=h, intermediate_size=i, num_hidden_layers=layers,
+                          num_attention_heads=nh, num_key_value_heads=kv, vocab_size=vocab,
+                          rope_theta=theta))
+
+
 SHAPES = {
-    "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                 num_attention_heads=8, num_key_value_heads=8, vocab_size=32000, rope_theta=1e4),
-    "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
-                      rope_theta=1e4),
-    "llama2-13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
-                       num_attention_heads=40, num_key_value_heads=40, vocab_size=32000,
-                       rope_theta=1e4),
-    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                      rope_theta=5e5),
-    "llama2-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                       num_attention_heads=64, num_key_value_heads=8, vocab_size=32000,
-                       rope_theta=1e4),
+    "tiny": _llama(256, 688, 4, 8, 8, 32000, 1e4),
+    "llama2-7b": _llama(4096, 11008, 32, 32, 32, 32000, 1e4),
+    "llama2-13b": _llama(5120, 13824, 40, 40, 40, 32000, 1e4),
+    "llama3-8b": _llama(4096, 14336, 32, 32, 8, 128256, 5e5),
+    "llama2-70b": _llama(8192, 28672, 80, 64, 8, 32000, 1e4),
+    # Qwen/Qwen3-8B
+    "qwen3-8b": ("qwen3", dict(
+        hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936, rope_theta=1e6,
+        rms_norm_eps=1e-6, max_position_embeddings=40960, tie_word_embeddings=False)),
+    # google/gemma-2-9b: sliding window on every other layer, attention and final soft-caps
+    "gemma2-9b": ("gemma2", dict(
+        hidden_size=3584, intermediate_size=14336, num_hidden_layers=42, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=256, vocab_size=256000, query_pre_attn_scalar=256,
+        sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+        rope_theta=1e4, rms_norm_eps=1e-6, max_position_embeddings=8192,
+        hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)),
+    # google/gemma-3-12b's text model: 5 sliding (window 1024, rope base 1e4) : 1 global
+    # (rope base 1e6, linear scaling x8) layers
+    "gemma3-12b": ("gemma3_text", dict(
+        hidden_size=3840, intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=256, vocab_size=262208, query_pre_attn_scalar=256,
+        sliding_window=1024, sliding_window_pattern=6, rope_theta=1e6,
+        rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0},
+        rms_norm_eps=1e-6, max_position_embeddings=131072,
+        hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)),
+    # microsoft/Phi-3.5-mini-instruct without its LongRoPE (which acts past 4096 tokens):
+    # fused qkv_proj and gate_up_proj
+    "phi3-mini": ("phi3", dict(
+        hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, vocab_size=32064, rope_theta=1e4, rms_norm_eps=1e-5,
+        max_position_embeddings=4096, original_max_position_embeddings=4096,
+        sliding_window=None, tie_word_embeddings=False, hidden_act="silu")),
 }
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TARGETS = {"qv": ALL[0:3:2], "attn": ALL[:4], "all": ALL}
+# Phi-3's fused projections ("qv": the fused qkv_proj, as PEFT's default for it and src/bench.rs)
+FUSED = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+TARGETS_FUSED = {"qv": FUSED[:1], "attn": FUSED[:2], "all": FUSED}
+
+
+def family_classes(family):
+    """(config class, causal-LM class, Liger patch name) of a family."""
+    import transformers as tf
+    names = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM", "apply_liger_kernel_to_llama"),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "apply_liger_kernel_to_qwen3"),
+        "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", "apply_liger_kernel_to_gemma2"),
+        "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", "apply_liger_kernel_to_gemma3_text"),
+        "phi3": ("Phi3Config", "Phi3ForCausalLM", "apply_liger_kernel_to_phi3"),
+    }[family]
+    return getattr(tf, names[0]), getattr(tf, names[1]), names[2]
+
+
+def dims(s):
+    """(hidden, intermediate, layers, q width, kv width, vocab) of a shape's fields."""
+    h, nh = s["hidden_size"], s["num_attention_heads"]
+    d = s.get("head_dim") or h // nh
+    return (h, s["intermediate_size"], s["num_hidden_layers"], nh * d,
+            s["num_key_value_heads"] * d, s["vocab_size"])
+
+
+def base_linear_params(s):
+    """Frozen linear weights (the head counted even when tied), as src/bench.rs
+    base_linear_params: per layer q (h x q), k and v (h x kv), o (q x h), gate and up (h x i),
+    down (i x h); Phi-3's fused qkv_proj (h x (q + 2kv)) and gate_up_proj (h x 2i) sum alike."""
+    h, i, layers, q, kv, vocab = dims(s)
+    return layers * (h * q + 2 * h * kv + q * h + 3 * h * i) + vocab * h
 
 
 def args():
@@ -57,7 +123,11 @@ def args():
     p.add_argument("--rslora", action="store_true", help="PEFT use_rslora: scale alpha / sqrt(r)")
     p.add_argument("--targets", default="all", choices=sorted(TARGETS))
     p.add_argument("--ckpt", action="store_true", help="gradient checkpointing (non-reentrant)")
-    p.add_argument("--attn", default="sdpa", help="transformers attn_implementation")
+    p.add_argument("--attn", default=None,
+                   help="transformers attn_implementation (default: the model class's own choice;"
+                        " the JSON's attn_impl says which ran)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="override num_hidden_layers (a smoke run of a large shape on the CPU)")
     p.add_argument("--liger", action="store_true", help="Liger-Kernel's RMSNorm, RoPE, SwiGLU, fused linear CE")
     p.add_argument("--load-in-4bit", action="store_true", help="QLoRA: NF4 base (bitsandbytes), double quant")
     p.add_argument("--max-memory", default=None, help="cap, e.g. 80GiB (set_per_process_memory_fraction)")
@@ -88,37 +158,43 @@ def flops_per_token(n_linear, layers, hidden, seq, ckpt):
 
 
 def build(a, dev):
-    from transformers import LlamaConfig, LlamaForCausalLM
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
+    family, s = SHAPES[a.shape]
+    s = dict(s)
+    if a.layers is not None:
+        s["num_hidden_layers"] = a.layers
+        if family == "gemma3_text":  # keep a global layer among the sliding ones
+            s["sliding_window_pattern"] = min(s["sliding_window_pattern"], a.layers)
+    Config, ForCausalLM, liger = family_classes(family)
     if a.liger:
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
-        apply_liger_kernel_to_llama()
-    s = SHAPES[a.shape]
-    cfg = LlamaConfig(**s, max_position_embeddings=max(4096, a.seq), attn_implementation=a.attn,
-                      use_cache=False)
+        import liger_kernel.transformers as lk
+        getattr(lk, liger)()
+    s["max_position_embeddings"] = max(s.get("max_position_embeddings", 4096), 4096, a.seq)
+    kw = {} if a.attn is None else dict(attn_implementation=a.attn)
+    cfg = Config(**s, use_cache=False, **kw)
     torch.manual_seed(0)
     if a.load_in_4bit:
         # Random bf16 weights quantized as from_pretrained(load_in_4bit) would quantize them.
         from transformers import BitsAndBytesConfig
-        from transformers.quantizers import AutoHfQuantizer
         q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16)
         import tempfile
         with torch.device(dev):
-            m = LlamaForCausalLM._from_config(cfg, torch_dtype=torch.bfloat16)
+            m = ForCausalLM._from_config(cfg, torch_dtype=torch.bfloat16)
         tmp = tempfile.mkdtemp()
         m.save_pretrained(tmp)
         del m
         torch.cuda.empty_cache()
-        m = LlamaForCausalLM.from_pretrained(tmp, quantization_config=q, device_map={"": dev},
-                                             torch_dtype=torch.bfloat16)
+        m = ForCausalLM.from_pretrained(tmp, quantization_config=q, device_map={"": dev},
+                                        torch_dtype=torch.bfloat16, **kw)
         m = prepare_model_for_kbit_training(m, use_gradient_checkpointing=a.ckpt)
     else:
         with torch.device(dev):
-            m = LlamaForCausalLM._from_config(cfg, torch_dtype=torch.bfloat16)
+            m = ForCausalLM._from_config(cfg, torch_dtype=torch.bfloat16)
+    targets = (TARGETS_FUSED if family == "phi3" else TARGETS)[a.targets]
     lora = LoraConfig(r=a.rank, lora_alpha=a.alpha or 2 * a.rank, lora_dropout=a.dropout,
-                      use_rslora=a.rslora, target_modules=TARGETS[a.targets], task_type="CAUSAL_LM")
+                      use_rslora=a.rslora, target_modules=targets, task_type="CAUSAL_LM")
     m = get_peft_model(m, lora)
     if a.ckpt:
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -146,10 +222,9 @@ def main():
     model, s = build(a, dev)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     # Frozen base linears (lm_head included), counted from the shape: 4-bit layers hide theirs.
-    h, i, L = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"]
-    d = h // s["num_attention_heads"]
-    kv = s["num_key_value_heads"] * d
-    n_linear = L * (h * h + 2 * h * kv + h * h + 3 * h * i) + s["vocab_size"] * h
+    h, L = s["hidden_size"], s["num_hidden_layers"]
+    n_linear = base_linear_params(s)
+    attn_impl = model.base_model.model.config._attn_implementation
     if a.mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
         model = DistributedDataParallel(model, device_ids=[local])
@@ -180,7 +255,8 @@ def main():
     res = {"system": "transformers+peft" + ("+liger" if a.liger else "") + ("+bnb-nf4" if a.load_in_4bit else ""),
            "torch": torch.__version__, "mode": a.mode, "world": world, "shape": a.shape, "seq": a.seq,
            "micro_batch": a.batch, "lora_rank": a.rank, "targets": a.targets, "ckpt": a.ckpt,
-           "dropout": a.dropout, "rslora": a.rslora, "tag": a.tag, "attn": a.attn, "trainable_params": trainable,
+           "dropout": a.dropout, "rslora": a.rslora, "tag": a.tag, "attn": a.attn or "default", "attn_impl": attn_impl,
+           "family": SHAPES[a.shape][0], "layers": L, "trainable_params": trainable,
            "base_linear_params": n_linear, "load_s": round(load_s, 2),
            "after_load_gib": round(after_load, 2), "max_memory": a.max_memory}
     try:

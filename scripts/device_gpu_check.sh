@@ -5,6 +5,7 @@
 # Results go to $OUT (default /tmp/out). With the device tool of our workplace:
 #
 #   run(command="bash scripts/device_gpu_check.sh [compat] [chat] [tests] [tiny] [bench]", carry=[".devbuild"])
+#   run(command="bash scripts/device_gpu_check.sh families famb", carry=[".devbuild"])
 #   run(command="bash scripts/device_gpu_check.sh dist", kind="nvidia-h200-x2", carry=[".devbuild"])
 #   run(command="bash scripts/device_gpu_check.sh dist2", kind="nvidia-h200-x2", carry=[".devbuild"])
 #   run(command="bash scripts/device_gpu_check.sh torchrun", kind="nvidia-h200-x2", carry=[".devbuild"])
@@ -15,6 +16,14 @@
 # tests: the GPU tests (ops against composites, golden fixtures in f32 and bf16);
 # tiny:  recipes/tiny-cpu.toml for 200 steps on the GPU and on the CPU, final losses side by side;
 # bench: Llama-2-7B shape, seq 2048: ours and transformers+PEFT in the same call.
+# families: for each family fixture (tests/fixtures/golden: qwen3_qk_norm gemma2_softcap
+#         gemma3_local_global phi3_fused_longrope llama32_tied_long) our binary trains 4 steps on
+#         CUDA in f32 from init_adapter (eval set = train.jsonl), exports the merge and decodes 8
+#         greedy ids; scripts/check_family_compat.py loads the adapter with PeftModel and checks
+#         our eval loss, greedy ids and merged checkpoint against it -> $OUT/families_compat.log.
+# famb:   qwen3-8b gemma2-9b gemma3-12b phi3-mini shapes, seq 2048, mb2, r16 all linear: `bench`
+#         beside scripts/bench_peft.py (each 240 s at most) -> $OUT/famb.jsonl. FAMB_CKPT=1:
+#         both checkpointed; FAMB_SHAPES picks shapes. Not in the default set.
 # train7b: the `train` command on a saved random Llama-2-7B checkpoint (scripts/
 #         make_random_checkpoint.py; tokens data, seq 2048, mb2, r16 all linear) beside `bench` at
 #         the same shape and scripts/bench_peft.py (and --liger when liger_kernel imports); the
@@ -65,7 +74,7 @@ if [[ $what == *" chat "* ]]; then
 fi
 
 if [[ $what == *" tests "* ]]; then
-  env LORA_TRAIN_ROOT=$PWD "CARGO_BIN_EXE_lora-train=$PWD/.devbuild/lora-train" timeout 300 $E .devbuild/it \
+  env LORA_TRAIN_ROOT=$PWD "CARGO_BIN_EXE_lora-train=$PWD/.devbuild/lora-train" timeout 420 $E .devbuild/it \
     ops:: golden:: invariants:: plan::cuda_ generate:: dropout:: --test-threads 1 2>&1 | tee "$OUT/gpu-tests.log" \
     | grep -E "^test .*(FAILED|ok)$|test result|panicked" | grep -v " ok$" | head -40
   grep -c " ok$" "$OUT/gpu-tests.log" | sed 's/^/tests ok: /'
@@ -225,6 +234,74 @@ if [[ $what == *" peercopy "* ]]; then
     echo "fsdp with peer copies, run $i: exit $?, $(wc -l < "$OUT/peercopy.jsonl") JSON lines," \
       "log $(wc -c < "$OUT/peercopy-$i.log") bytes, $(tail -1 "$OUT/peercopy.jsonl" | \
       python3 -c 'import json, sys; d = json.load(sys.stdin); print(d["tokens_per_s_per_gpu"], "tok/s/GPU, gathers:", d["fsdp_gathers"])')"
+  done
+fi
+
+if [[ $what == *" families "* ]]; then
+  : > "$OUT/families_compat.log"
+  for case in qwen3_qk_norm gemma2_softcap gemma3_local_global phi3_fused_longrope llama32_tied_long; do
+    fx=$PWD/tests/fixtures/golden/$case; d=/tmp/fam/$case
+    rm -rf $d && mkdir -p $d
+    # The Rust golden test's recipe (tests/it/common.rs golden_recipe) on CUDA, with an eval set.
+    python3 - "$fx" "$d" > $d/recipe.toml <<'PY'
+import json, sys
+fx, d = sys.argv[1:]
+m = json.load(open(f"{fx}/meta.json")); o = m["opt"]
+print(f"""[model]
+path = "{fx}/{m['model_dir']}"
+device = "cuda"
+dtype = "f32"
+[lora]
+init_adapter = "{fx}/init_adapter"
+[data]
+train = "{fx}/train.jsonl"
+eval = "{fx}/train.jsonl"
+format = "tokens"
+seq_len = 64
+shuffle = false
+[train]
+micro_batch = {o['micro_batch']}
+max_steps = {o['steps']}
+lr = {o['lr']}
+betas = [{o['betas'][0]}, {o['betas'][1]}]
+eps = {o['eps']}
+weight_decay = {o['weight_decay']}
+max_grad_norm = {o['max_grad_norm']}
+schedule = "{o['schedule']}"
+warmup_steps = {o['warmup_steps']}
+[output]
+dir = "{d}/out"
+""")
+PY
+    {
+      echo "==== $case"
+      timeout 120 $E .devbuild/lora-train --recipe $d/recipe.toml 2>&1 | tail -2
+      timeout 60 $E .devbuild/lora-train export --adapter $d/out --base $fx/model --out $d/merged 2>&1 | tail -1
+      prompt=$(head -1 $fx/train.jsonl | python3 -c 'import json, sys; print(",".join(map(str, json.load(sys.stdin)["input_ids"][:6])))')
+      timeout 60 $E .devbuild/lora-train generate --model $fx/model --adapter $d/out --prompt-ids $prompt \
+        --max-new-tokens 8 --ignore-eos --device cuda --dtype f32 > $d/generated.txt 2> $d/generate.err \
+        || { echo "generate failed (exit $?):"; tail -3 $d/generate.err; }
+      args=(--fixture $fx --adapter $d/out --metrics $d/out/metrics.jsonl)
+      [ -s $d/generated.txt ] && args+=(--generated $d/generated.txt --prompt-len 6)
+      [ -f $d/merged/config.json ] && args+=(--merged $d/merged)
+      timeout 120 python3 scripts/check_family_compat.py "${args[@]}" 2>&1 | grep -vi "warn\|loading weights"
+      echo "check exit ${PIPESTATUS[0]}"
+    } 2>&1 | tee -a "$OUT/families_compat.log" | grep -E "^====|^FAIL|passed|FAILED|failed|exit [1-9]"
+  done
+fi
+
+# famb: the family shapes, ours beside PEFT (seq 2048, mb2, r16 all linear, the bench section's
+# flags); a failure or a 240 s timeout of one run does not stop the others.
+if [[ $what == *" famb "* ]]; then
+  ck=""; [ "${FAMB_CKPT:-0}" = 1 ] && ck="--ckpt"
+  for shape in ${FAMB_SHAPES:-qwen3-8b gemma2-9b gemma3-12b phi3-mini}; do
+    B="--shape $shape --seq 2048 --rank 16 --steps 10 --warmup 3 --targets all $ck"
+    echo "== lora-train $shape mb2 $ck"
+    timeout 240 $E .devbuild/lora-train bench $B --micro-batch 2 --json "$OUT/famb.jsonl" 2>&1 | tail -2 | cut -c1-600
+    echo "   (exit ${PIPESTATUS[0]})"
+    echo "== peft $shape mb2 $ck"
+    timeout 240 python3 scripts/bench_peft.py $B --batch 2 --json "$OUT/famb.jsonl" 2>&1 | tail -2 | cut -c1-600
+    echo "   (exit ${PIPESTATUS[0]})"
   done
 fi
 

@@ -30,6 +30,8 @@ from peft import LoraConfig, get_peft_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+ALL7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
 CASES = {
     # Llama, GQA (4 heads, 2 kv), untied head, sharded safetensors, all-linear adapters.
     "llama_gqa": dict(
@@ -73,6 +75,61 @@ CASES = {
         lora=dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
                                                        "gate_proj", "up_proj", "down_proj"],
                   use_rslora=False)),
+    # Llama 3.2: tied head, GQA, llama3 rope (all three frequency bands at head_dim 16) and
+    # rows of 34-44 tokens, past original_max_position_embeddings = 32.
+    "llama32_tied_long": dict(
+        config=dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                    max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0,
+                    rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                      high_freq_factor=4.0, original_max_position_embeddings=32),
+                    tie_word_embeddings=True),
+        rows=(40, 34, 44),
+        lora=dict(r=4, lora_alpha=8, target_modules=ALL7, use_rslora=False)),
+    # Qwen3: QK-norm (random gains), head_dim 16 != 48 / 4, GQA, no bias, tied head.
+    "qwen3_qk_norm": dict(
+        config=dict(model_type="qwen3", hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
+                    max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                    tie_word_embeddings=True),
+        lora=dict(r=4, lora_alpha=8, target_modules=ALL7, use_rslora=False)),
+    # Gemma 2: (1 + w) norms, four a layer; √C embedding; GeGLU; query_pre_attn_scalar 20;
+    # soft-caps that bind (attention 0.6, logits 2.0); layer 0 slides (window 5 < 12 tokens),
+    # layer 1 attends fully; head_dim 16 != 48 / 4; tied head. Eager attention: sdpa drops
+    # the attention cap (meta.json's sdpa_vs_eager says by how much here).
+    "gemma2_softcap": dict(
+        config=dict(model_type="gemma2", hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
+                    max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0,
+                    query_pre_attn_scalar=20, sliding_window=5, attn_logit_softcapping=0.6,
+                    final_logit_softcapping=2.0, tie_word_embeddings=True),
+        lora=dict(r=4, lora_alpha=8, target_modules=ALL7, use_rslora=False)),
+    # Gemma 3 (text): QK-norm with (1 + w) gains, 5 sliding layers (window 5) : 1 global, the
+    # sliding ones on a local rope base 1e4, the global one on 1e6 with linear scaling ×8;
+    # head_dim 24 != 32 / 2; one kv head; rsLoRA.
+    "gemma3_local_global": dict(
+        config=dict(model_type="gemma3_text", hidden_size=32, intermediate_size=48,
+                    num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1, head_dim=24,
+                    vocab_size=128, max_position_embeddings=64, rms_norm_eps=1e-6,
+                    query_pre_attn_scalar=24, sliding_window=5, tie_word_embeddings=True,
+                    rope_parameters={
+                        "full_attention": dict(rope_type="linear", factor=8.0, rope_theta=1e6),
+                        "sliding_attention": dict(rope_type="default", rope_theta=1e4)}),
+        lora=dict(r=4, lora_alpha=8, target_modules=ALL7, use_rslora=True)),
+    # Phi-3: fused qkv_proj and gate_up_proj (PEFT's keys), GQA, LongRoPE with random short and
+    # long factors (batch 0 reaches past original_max_position_embeddings = 8, the others do
+    # not), a sliding window of 7.
+    "phi3_fused_longrope": dict(
+        config=dict(model_type="phi3", hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                    max_position_embeddings=32, original_max_position_embeddings=8,
+                    rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=7,
+                    bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+                    rope_scaling=dict(rope_type="longrope", short_factor="random",
+                                      long_factor="random")),
+        rows=(12, 5, 8),
+        lora=dict(r=4, lora_alpha=8, target_modules=["qkv_proj", "o_proj", "gate_up_proj",
+                                                      "down_proj"], use_rslora=False)),
 }
 
 OPT = dict(lr=2e-2, betas=[0.9, 0.99], eps=1e-8, weight_decay=0.1, max_grad_norm=0.5,
@@ -95,10 +152,12 @@ def batch_of(rows, pad):
     return ids, labels
 
 
-def make_rows(g, vocab):
+def make_rows(g, vocab, lens=(12, 6, 12)):
+    """Rows 0 and 1 (batch 0) of lens[0] tokens, the others of lens[1] to lens[2]."""
+    first, lo, hi = lens
     rows = []
     for k in range(2 * OPT["steps"]):
-        n = 12 if k < 2 else 6 + int(torch.randint(0, 7, (1,), generator=g))
+        n = first if k < 2 else lo + int(torch.randint(0, hi - lo + 1, (1,), generator=g))
         ids = torch.randint(3, vocab, (n,), generator=g).tolist()
         labels = list(ids)
         # uneven numbers of counted tokens: mask a prompt-like prefix or single tokens
@@ -116,6 +175,10 @@ def make_config(c):
     installed version's format: the Rust loader must read it."""
     import transformers
     c = dict(c)
+    if "rope_parameters" in c:  # already per layer type (Gemma 3)
+        cfg = AutoConfig.for_model(**c)
+        print("  config rope:", cfg.to_dict()["rope_parameters"], flush=True)
+        return cfg
     theta = c.pop("rope_theta")
     scaling = c.pop("rope_scaling", None)
     if int(transformers.__version__.split(".")[0]) >= 5:
@@ -141,11 +204,21 @@ def run_case(name, case, out):
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                      attn_implementation="eager")
     else:
-        cfg = make_config(case["config"])
+        c = dict(case["config"])
+        sc = c.get("rope_scaling")
+        if sc and sc.get("short_factor") == "random":  # LongRoPE's per-frequency factors
+            half = (c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]) // 2
+            c["rope_scaling"] = dict(sc, **{
+                k: [round(1.0 + 3.0 * float(torch.rand(1, generator=g)), 3) for _ in range(half)]
+                for k in ("short_factor", "long_factor")})
+        cfg = make_config(c)
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float()
+        gemma = cfg.model_type.startswith("gemma")
         with torch.no_grad():  # larger weights than the default 0.02 so every path matters
             for pname, p in model.named_parameters():
-                if "norm" in pname:
+                if "norm" in pname and gemma:  # Gemma's gain is 1 + w
+                    p.copy_(0.3 * torch.randn(p.shape, generator=g))
+                elif "norm" in pname:
                     p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
                 elif pname.endswith("bias"):
                     p.copy_(0.1 * torch.randn(p.shape, generator=g))
@@ -166,7 +239,7 @@ def run_case(name, case, out):
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
     pm.save_pretrained(os.path.join(d, "init_adapter"))
 
-    rows = make_rows(g, vocab)
+    rows = make_rows(g, vocab, case.get("rows", (12, 6, 12)))
     with open(os.path.join(d, "train.jsonl"), "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
@@ -178,6 +251,15 @@ def run_case(name, case, out):
     ids, labels = batch_of(rows[:2], pad)
     res = pm(input_ids=ids, labels=labels)
     res.loss.backward()
+    sdpa_vs_eager = None
+    if getattr(model.config, "attn_logit_softcapping", None):
+        # What the default attention would have given: sdpa has no soft-cap.
+        with torch.no_grad():
+            model.config._attn_implementation = "sdpa"
+            lo = pm(input_ids=ids).logits
+            model.config._attn_implementation = "eager"
+        sdpa_vs_eager = (lo - res.logits).abs().max().item()
+        print(f"  {name}: sdpa vs eager logits differ by up to {sdpa_vs_eager:.3f}", flush=True)
     out_t["logits"] = res.logits.detach().float()
     out_t["loss"] = res.loss.detach().float().reshape(1)
     for k, p in lora_params:
@@ -204,6 +286,7 @@ def run_case(name, case, out):
               metadata={"format": "pt"})
     meta = dict(case=name, model_dir=("../../../../" + case["shipped"]) if "shipped" in case else "model",
                 lora=case["lora"], opt=OPT, pad_id=pad, loss=out_t["loss"].item(), train_losses=losses,
+                sdpa_vs_eager=sdpa_vs_eager,
                 versions=dict(torch=torch.__version__,
                               transformers=__import__("transformers").__version__,
                               peft=__import__("peft").__version__))

@@ -10,9 +10,9 @@
 //! comparable with a single-GPU run of the same global batch.
 
 use crate::data::Batch;
-use crate::lora::{LoraSpec, ALL_LINEAR};
+use crate::lora::LoraSpec;
 use crate::memory::{self, GIB};
-use crate::model::{Family, Model, ModelConfig, RopeScaling};
+use crate::model::{Model, ModelConfig};
 use crate::parallel::Comm;
 use crate::recipe::Strategy;
 use crate::train::driver::Keep;
@@ -71,38 +71,67 @@ pub struct BenchArgs {
     pub tag: Option<String>,
 }
 
-/// (hidden, intermediate, layers, heads, kv heads, vocab, rope theta), as scripts/bench_peft.py.
+/// The shapes `bench` and `plan --shape` know, as scripts/bench_peft.py's SHAPES.
+pub const SHAPES: [&str; 8] = [
+    "tiny",
+    "llama2-7b",
+    "llama2-13b",
+    "llama3-8b",
+    "qwen3-8b",
+    "gemma2-9b",
+    "gemma3-12b",
+    "phi3-mini",
+];
+
+/// A named shape's config.json (the released model's, as scripts/bench_peft.py builds it),
+/// read by the config layer every checkpoint goes through: the family's data comes with it.
 pub fn shape(name: &str) -> Result<ModelConfig> {
-    let (h, i, l, nh, kv, v, theta) = match name {
-        "tiny" => (256, 688, 4, 8, 8, 32000, 10000.0),
-        "llama2-7b" => (4096, 11008, 32, 32, 32, 32000, 10000.0),
-        "llama2-13b" => (5120, 13824, 40, 40, 40, 32000, 10000.0),
-        "llama3-8b" => (4096, 14336, 32, 32, 8, 128256, 500000.0),
-        other => bail!("unknown shape `{other}`; known: tiny, llama2-7b, llama2-13b, llama3-8b"),
+    use serde_json::json;
+    let llama = |h: usize, i: usize, l: usize, nh: usize, kv: usize, v: usize, theta: f64| {
+        json!({"model_type": "llama", "hidden_size": h, "intermediate_size": i,
+               "num_hidden_layers": l, "num_attention_heads": nh, "num_key_value_heads": kv,
+               "vocab_size": v, "rope_theta": theta, "rms_norm_eps": 1e-6,
+               "max_position_embeddings": 4096, "tie_word_embeddings": false,
+               "bos_token_id": 1, "eos_token_id": 2})
     };
-    Ok(ModelConfig {
-        family: Family::Llama,
-        hidden_size: h,
-        intermediate_size: i,
-        num_layers: l,
-        num_heads: nh,
-        num_kv_heads: kv,
-        head_dim: h / nh,
-        vocab_size: v,
-        rms_norm_eps: 1e-6,
-        rope_theta: theta,
-        rope_scaling: RopeScaling::None,
-        max_position_embeddings: 4096,
-        qkv_bias: false,
-        o_bias: false,
-        mlp_bias: false,
-        tie_word_embeddings: Some(false),
-        sliding_window: None,
-        bos_token_id: Some(1),
-        eos_token_ids: vec![2],
-        pad_token_id: None,
-        stored_dtype: None,
-    })
+    let cfg = match name {
+        "tiny" => llama(256, 688, 4, 8, 8, 32000, 1e4),
+        "llama2-7b" => llama(4096, 11008, 32, 32, 32, 32000, 1e4),
+        "llama2-13b" => llama(5120, 13824, 40, 40, 40, 32000, 1e4),
+        "llama3-8b" => llama(4096, 14336, 32, 32, 8, 128256, 5e5),
+        // Qwen/Qwen3-8B
+        "qwen3-8b" => json!({"model_type": "qwen3", "hidden_size": 4096,
+            "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+            "rope_theta": 1e6, "rms_norm_eps": 1e-6, "max_position_embeddings": 40960,
+            "tie_word_embeddings": false}),
+        // google/gemma-2-9b
+        "gemma2-9b" => json!({"model_type": "gemma2", "hidden_size": 3584,
+            "intermediate_size": 14336, "num_hidden_layers": 42, "num_attention_heads": 16,
+            "num_key_value_heads": 8, "head_dim": 256, "vocab_size": 256000,
+            "query_pre_attn_scalar": 256, "sliding_window": 4096,
+            "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+            "rope_theta": 1e4, "rms_norm_eps": 1e-6, "max_position_embeddings": 8192,
+            "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": true}),
+        // google/gemma-3-12b's text model
+        "gemma3-12b" => json!({"model_type": "gemma3_text", "hidden_size": 3840,
+            "intermediate_size": 15360, "num_hidden_layers": 48, "num_attention_heads": 16,
+            "num_key_value_heads": 8, "head_dim": 256, "vocab_size": 262208,
+            "query_pre_attn_scalar": 256, "sliding_window": 1024, "sliding_window_pattern": 6,
+            "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+            "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+            "rms_norm_eps": 1e-6, "max_position_embeddings": 131072,
+            "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": true}),
+        // microsoft/Phi-3.5-mini-instruct without its LongRoPE (which acts past 4096 tokens)
+        "phi3-mini" => json!({"model_type": "phi3", "hidden_size": 3072,
+            "intermediate_size": 8192, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 32, "vocab_size": 32064, "rope_theta": 1e4,
+            "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "tie_word_embeddings": false,
+            "hidden_act": "silu"}),
+        other => bail!("unknown shape `{other}`; known: {}", SHAPES.join(", ")),
+    };
+    let path = std::path::PathBuf::from(format!("<bench shape {name}>"));
+    Ok(ModelConfig::from_json(&cfg.to_string(), &path)?)
 }
 
 /// The shape a bench runs: `--model`'s config.json, else the named shape.
@@ -113,14 +142,34 @@ fn config_of(a: &BenchArgs) -> Result<ModelConfig> {
     }
 }
 
-pub fn targets(name: &str) -> Result<Vec<String>> {
-    let t: &[&str] = match name {
-        "qv" => &["q_proj", "v_proj"],
-        "attn" => &["q_proj", "k_proj", "v_proj", "o_proj"],
-        "all" => &ALL_LINEAR,
+/// `--targets` for a model: "all" its every linear, "attn" its attention's, "qv" q and v
+/// (Phi-3: its fused qkv_proj, as PEFT's default for it).
+pub fn targets(name: &str, cfg: &ModelConfig) -> Result<Vec<String>> {
+    let own = cfg.linears();
+    let t: Vec<&str> = match name {
+        "all" => own.to_vec(),
+        "attn" => own
+            .iter()
+            .copied()
+            .filter(|m| matches!(*m, "q_proj" | "k_proj" | "v_proj" | "qkv_proj" | "o_proj"))
+            .collect(),
+        "qv" if cfg.arch.fused => vec!["qkv_proj"],
+        "qv" => vec!["q_proj", "v_proj"],
         other => bail!("unknown targets `{other}`; known: qv, attn, all"),
     };
     Ok(t.iter().map(|s| s.to_string()).collect())
+}
+
+/// Frozen linear weights of the model (the head included), from its config: what the FLOP
+/// count takes (scripts/bench_peft.py counts alike).
+pub fn base_linear_params(cfg: &ModelConfig) -> usize {
+    let per_layer: usize = cfg
+        .linears()
+        .iter()
+        .filter_map(|m| cfg.linear_shape(m))
+        .map(|(i, o)| i * o)
+        .sum();
+    cfg.num_layers * per_layer + cfg.vocab_size * cfg.hidden_size
 }
 
 /// scripts/bench_peft.py's model FLOPs per trained token: frozen base, so backward computes
@@ -183,13 +232,13 @@ fn run_rank(a: &BenchArgs, device: Device, comm: &dyn Comm) -> Result<serde_json
     };
     use crate::memory::plan;
     let cfg = config_of(a)?;
-    let head_dim = cfg.head_dim;
     let act = if a.device.is_cpu() {
         DType::F32
     } else {
         DType::BF16
     };
-    let kernels = crate::ops::Kernels::resolve(&a.device, act, head_dim, a.deterministic)?;
+    let kernels = crate::ops::Kernels::resolve(&a.device, act, cfg.attn_shape(), a.deterministic)?;
+    let targets = targets(&a.targets, &cfg)?;
     let input = plan::PlanInput {
         tied: cfg.tie_word_embeddings.unwrap_or(false),
         cfg,
@@ -197,7 +246,7 @@ fn run_rank(a: &BenchArgs, device: Device, comm: &dyn Comm) -> Result<serde_json
         micro_batch: a.micro_batch,
         seq_len: a.seq,
         rank: a.rank,
-        targets: targets(&a.targets)?,
+        targets,
         gpus: comm.world(),
         cuda: !a.device.is_cpu(),
         kernels,
@@ -249,7 +298,7 @@ fn measure(
         alpha: a.alpha.unwrap_or(2.0 * a.rank as f64),
         dropout: a.dropout,
         rslora: a.rslora,
-        targets: targets(&a.targets)?,
+        targets: targets(&a.targets, &cfg)?,
     };
     let dtype = if a.device.is_cpu() {
         DType::F32
@@ -274,9 +323,7 @@ fn measure(
         .map(|(_, l)| l.a.elem_count() + l.b.elem_count())
         .sum();
     // From the config: under FSDP the model's own tensors are placeholders.
-    let (c, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
-    let (h, k, d) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
-    let n_linear = cfg.num_layers * (c * h * d + 2 * c * k * d + h * d * c + 3 * c * i) + v * c;
+    let n_linear = base_linear_params(&cfg);
     let mut opt = AdamW::new(adapter_params(&model), [0.9, 0.999], 1e-8, 0.0)?;
 
     // Random token ids (labels = ids), like the baseline: global row g is seeded by g, and

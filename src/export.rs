@@ -7,7 +7,7 @@
 pub mod adapter_check;
 pub mod merge;
 
-use crate::lora::{LoraSpec, ALL_LINEAR};
+use crate::lora::{LoraSpec, KNOWN_LINEAR};
 use crate::model::Model;
 use crate::util::atomic_write;
 use anyhow::{bail, Context, Result};
@@ -175,7 +175,7 @@ pub fn read_adapter_config(dir: &Path) -> Result<AdapterInfo> {
             .map(String::from)
             .collect(),
         Some(Value::String(s)) if s == "all-linear" => {
-            ALL_LINEAR.iter().map(|s| s.to_string()).collect()
+            KNOWN_LINEAR.iter().map(|s| s.to_string()).collect()
         }
         Some(Value::String(s)) => {
             return Err(err(format!(
@@ -184,13 +184,13 @@ pub fn read_adapter_config(dir: &Path) -> Result<AdapterInfo> {
         }
         _ => return Err(err("`target_modules` is missing".into())),
     };
-    if let Some(bad) = targets.iter().find(|t| !ALL_LINEAR.contains(&t.as_str())) {
+    if let Some(bad) = targets.iter().find(|t| !KNOWN_LINEAR.contains(&t.as_str())) {
         return Err(err(format!(
             "target module \"{bad}\" is not one of {}",
-            ALL_LINEAR.join(", ")
+            KNOWN_LINEAR.join(", ")
         )));
     }
-    let targets = ALL_LINEAR
+    let targets = KNOWN_LINEAR
         .iter()
         .filter(|m| targets.iter().any(|t| t == *m))
         .map(|s| s.to_string())

@@ -20,6 +20,27 @@ pub const ALL_LINEAR: [&str; 7] = [
     "down_proj",
 ];
 
+/// Every linear module name lora.targets may hold: Llama's seven, then Phi-3's fused
+/// projections (model/family.rs: each family has its own subset). "all-linear" is all of them,
+/// which a model resolves to its own (`ModelConfig::resolve_targets`).
+pub const KNOWN_LINEAR: [&str; 9] = [
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "qkv_proj",
+    "gate_up_proj",
+];
+
+/// A module's index in `KNOWN_LINEAR`: with the layer, the key of its adapter's random streams
+/// (init, dropout), so Llama's seven keep the keys they always had.
+pub fn module_index(module: &str) -> u64 {
+    KNOWN_LINEAR.iter().position(|m| *m == module).unwrap_or(0) as u64
+}
+
 /// What to inject, resolved from the recipe (or an init adapter's config).
 #[derive(Debug, Clone, PartialEq)]
 pub struct LoraSpec {
@@ -27,7 +48,8 @@ pub struct LoraSpec {
     pub alpha: f64,
     pub dropout: f32,
     pub rslora: bool,
-    /// Module names (subset of `ALL_LINEAR`), in `ALL_LINEAR` order.
+    /// Module names (subset of `KNOWN_LINEAR`), in `KNOWN_LINEAR` order; once resolved against
+    /// a model's config, its own linears'.
     pub targets: Vec<String>,
 }
 

@@ -102,8 +102,9 @@ pub struct LoraSection {
     /// Dropout on the adapter input, in [0, 1). Default: 0.
     #[serde(default)]
     pub dropout: f64,
-    /// Module names to adapt (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj), or
-    /// "all-linear" for all seven. Default: ["q_proj", "v_proj"] (PEFT's Llama default).
+    /// Module names to adapt (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj; Phi-3's
+    /// qkv_proj o_proj gate_up_proj down_proj), or "all-linear" for all of the model's.
+    /// Default: ["q_proj", "v_proj"] (PEFT's Llama default).
     #[serde(default = "d_targets")]
     pub targets: Targets,
     /// rsLoRA scaling alpha / √r. Default: false.
@@ -1055,8 +1056,10 @@ impl Recipe {
     }
 
     /// `lora.targets` as module names in checkpoint order; unknown names are errors.
+    /// "all-linear" is every known name (`lora::KNOWN_LINEAR`), which the model's config
+    /// narrows to its own (`ModelConfig::resolve_targets`).
     pub fn target_modules(&self) -> Result<Vec<String>, RecipeError> {
-        use crate::lora::ALL_LINEAR;
+        use crate::lora::KNOWN_LINEAR as ALL_LINEAR;
         let list = match &self.lora.targets {
             Targets::AllLinear(_) => return Ok(ALL_LINEAR.iter().map(|s| s.to_string()).collect()),
             Targets::List(l) => l,
@@ -1298,7 +1301,7 @@ mod tests {
             r.model.path.as_deref(),
             Some(dir.path().join("m").as_path())
         );
-        assert_eq!(r.target_modules().unwrap().len(), 7);
+        assert_eq!(r.target_modules().unwrap().len(), 9);
         let e = Recipe::load(&p, &["lora.rank=0".into()])
             .unwrap_err()
             .to_string();

@@ -18,7 +18,8 @@ pub struct PlanArgs {
     /// Override a recipe field (repeatable).
     #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
     set: Vec<String>,
-    /// Plan a `bench` shape (tiny | llama2-7b | llama2-13b | llama3-8b; bf16) instead of a recipe.
+    /// Plan a `bench` shape (tiny | llama2-7b | llama2-13b | llama3-8b | qwen3-8b | gemma2-9b |
+    /// gemma3-12b | phi3-mini; bf16) instead of a recipe.
     #[arg(long, value_parser = super::bench::shape)]
     shape: Option<String>,
     /// Tokens per row (default: the recipe's data.seq_len; 2048 with --shape).
@@ -56,7 +57,8 @@ pub fn run(a: PlanArgs) -> anyhow::Result<()> {
     // --shape plan, or devices = "all") GPU 0.
     let (input, grad_accum, selected, recipe_cap, gpus_used) = match (&a.shape, &a.recipe) {
         (Some(shape), _) => {
-            let targets = lora_train::bench::targets(a.targets.name())?;
+            let cfg = lora_train::bench::shape(shape)?;
+            let targets = lora_train::bench::targets(a.targets.name(), &cfg)?;
             let input = plan::input_from_shape(
                 shape,
                 seq.unwrap_or(2048),

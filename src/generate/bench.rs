@@ -35,6 +35,7 @@ pub fn run(a: &DecodeBench) -> Result<serde_json::Value> {
         bail!("prompt_len, new_tokens and reps must be at least 1");
     }
     let mut cfg = crate::bench::shape(&a.shape)?;
+    super::supports(&cfg)?;
     let total = a.prompt_len + a.new_tokens;
     cfg.max_position_embeddings = cfg.max_position_embeddings.max(total);
     let spec = LoraSpec {
@@ -44,7 +45,7 @@ pub fn run(a: &DecodeBench) -> Result<serde_json::Value> {
         rslora: false,
         targets: match a.rank {
             0 => Vec::new(),
-            _ => crate::bench::targets(&a.targets)?,
+            _ => crate::bench::targets(&a.targets, &cfg)?,
         },
     };
     let vocab = cfg.vocab_size;

@@ -7,7 +7,7 @@
 //!
 //! Per layer: RMSNorm (with the residual add before it fused on CUDA) → q, k, v → RoPE at the
 //! absolute positions → the token's keys and values written into the cache → attention over
-//! cache[.., start..p0 + T] → o → add + RMSNorm → gate, up → SwiGLU → down; the residual add of
+//! cache[.., start..p0 + T] (QK-norm first, for Qwen3) → o → add + RMSNorm → gate, up → SwiGLU → down; the residual add of
 //! down's output is the next layer's fused add. Attention is transformers' eager attention:
 //! scores in the activation dtype, scaled, masked (causal and window), softmax in f32, then the
 //! values. For one token on CUDA (bf16 or f32) the RoPE + cache write and the attention are two
@@ -236,6 +236,7 @@ impl Decoder {
                 }
             };
             let [q, k, v] = lw.qkv(&hn, self.mv())?;
+            let (q, k) = (qk_norm(q, &lw.q_norm, eps)?, qk_norm(k, &lw.k_norm, eps)?);
             let o = self.attend(li, &q, &k, &v, p0, t)?; // [T, H·D]
             let lw = &self.w.layers[li];
             let a = lw.o.forward(&o, self.mv())?;
@@ -267,7 +268,7 @@ impl Decoder {
     ) -> Result<Tensor> {
         let c = &self.w.cfg;
         let (nh, nk, d) = (c.num_heads, c.num_kv_heads, c.head_dim);
-        let window = c.sliding_window.unwrap_or(0);
+        let window = c.window(li);
         let (kc, vc) = &self.cache.kv[li];
         let end = p0 + t;
         // Keys before the first query's window are seen by no query of this call.
@@ -275,7 +276,7 @@ impl Decoder {
             0 => 0,
             w => (p0 + 1).saturating_sub(w),
         };
-        let scale = 1.0 / (d as f64).sqrt();
+        let scale = c.attn_scale();
         #[cfg(feature = "cuda")]
         if let (Some(kn), Some(step), 1) = (&self.kernels, &self.step, t) {
             // the position from the step's device input (a graph replays at every position)
@@ -313,6 +314,16 @@ impl Decoder {
             .transpose(0, 1)?
             .reshape((t, nh * d))?)
     }
+}
+
+/// QK-norm (Qwen3): x [T, n·D] → RMSNorm over each head's D with gain w [D]; x itself
+/// without a gain.
+fn qk_norm(x: Tensor, w: &Option<Tensor>, eps: f64) -> Result<Tensor> {
+    let Some(w) = w else { return Ok(x) };
+    let (t, nd) = x.dims2()?;
+    let d = w.dim(0)?;
+    let y = ops::rms_norm(&x.reshape((t, nd / d, d))?, w, eps)?;
+    Ok(y.reshape((t, nd))?)
 }
 
 /// The additive mask [T × L] (0 seen, −∞ hidden) of queries p0.. against keys start..end:

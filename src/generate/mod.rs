@@ -38,7 +38,7 @@ pub use sample::{Sampler, Sampling};
 pub use weights::Weights;
 
 use crate::data::TextTokenizer;
-use crate::model::Model;
+use crate::model::{Family, Model, ModelConfig, RopeScaling};
 use anyhow::{bail, Result};
 use std::time::Instant;
 
@@ -51,6 +51,27 @@ pub fn single_stream(device: &candle_core::Device) {
     #[cfg(not(feature = "cuda"))]
     let _ = device;
 }
+
+/// Whether this decode path implements the checkpoint's family: Llama, Mistral, Qwen2, Qwen3
+/// (its QK-norm), and Phi-3 without LongRoPE (its fused projections are cut into columns).
+/// Gemma's norms, GeGLU, soft-caps and per-layer rope are the training model's only; an error
+/// names the family and what to do instead.
+pub fn supports(cfg: &ModelConfig) -> Result<()> {
+    let name = cfg.family.model_type();
+    match cfg.family {
+        Family::Gemma2 | Family::Gemma3 => bail!(
+            "generate does not implement the {name} family (its (1 + w) norms, GeGLU, soft-caps and local/global attention are in training only); it decodes {}: merge it with `lora-train export --adapter DIR --out DIR` and generate with transformers",
+            GENERATES.join(", ")
+        ),
+        Family::Phi3 if matches!(cfg.rope_scaling, RopeScaling::LongRope { .. }) => bail!(
+            "generate does not implement LongRoPE (rope_scaling \"longrope\" of this {name} config); it decodes {name} without rope_scaling. Merge it with `lora-train export --adapter DIR --out DIR` and generate with transformers"
+        ),
+        _ => Ok(()),
+    }
+}
+
+/// The `model_type`s `generate` decodes (`supports`).
+pub const GENERATES: [&str; 5] = ["llama", "mistral", "qwen2", "qwen3", "phi3"];
 
 /// New tokens `sample_every` completions get.
 pub const SAMPLE_MAX_NEW_TOKENS: usize = 64;

@@ -200,10 +200,13 @@ fn adapter(
 pub struct LayerWeights {
     pub input_norm: Tensor,
     pub post_norm: Tensor,
-    /// q, k, v: one product when stacked, else three.
+    /// QK-norm's gains [D] (Qwen3): RMSNorm over each head of q and k before RoPE.
+    pub q_norm: Option<Tensor>,
+    pub k_norm: Option<Tensor>,
+    /// q, k, v: one product when stacked (or fused in the checkpoint), else three.
     pub qkv: Vec<Proj>,
     pub o: Proj,
-    /// gate, up: one product when stacked, else two.
+    /// gate, up: one product when stacked (or fused in the checkpoint), else two.
     pub gate_up: Vec<Proj>,
     pub down: Proj,
 }
@@ -280,6 +283,7 @@ pub struct Weights {
 impl Weights {
     /// The model's weights as they are (views; only the adapters are joined and cast).
     pub fn new(model: &Model) -> Result<Weights> {
+        super::supports(&model.cfg)?;
         let layers = model
             .layers
             .iter()
@@ -287,43 +291,40 @@ impl Weights {
             .map(|(i, l)| {
                 check_resident(l, i)?;
                 let one = |lin: &Linear| Proj::of(&[lin], lin.w.clone(), model.dtype);
-                Ok(LayerWeights {
-                    input_norm: l.input_norm.clone(),
-                    post_norm: l.post_norm.clone(),
-                    qkv: vec![one(&l.q)?, one(&l.k)?, one(&l.v)?],
-                    o: one(&l.o)?,
-                    gate_up: vec![one(&l.gate)?, one(&l.up)?],
-                    down: one(&l.down)?,
-                })
+                let group = |lins: &[Linear]| -> Result<Vec<Proj>> { lins.iter().map(one).collect() };
+                layer_weights(l, group(&l.attn_in)?, group(&l.mlp_in)?, model.dtype)
             })
             .collect::<Result<_>>()?;
         Ok(Self::with_layers(model, layers))
     }
 
     /// `new`, with each layer's q/k/v and gate/up first moved into one buffer each (the
-    /// model's linears become row views of it; folded linears are left as they are).
+    /// model's linears become row views of it; folded linears are left as they are). A fused
+    /// checkpoint's (Phi-3's) qkv_proj and gate_up_proj are one buffer already.
     pub fn stacked(model: &mut Model) -> Result<Weights> {
+        super::supports(&model.cfg)?;
         let dtype = model.dtype;
         let mut layers = Vec::with_capacity(model.layers.len());
         for (i, l) in model.layers.iter_mut().enumerate() {
             check_resident(l, i)?;
-            let one = |lin: &Linear| Proj::of(&[lin], lin.w.clone(), dtype);
-            let qkv = match stack(&mut [&mut l.q, &mut l.k, &mut l.v])? {
-                Some(w) => vec![Proj::of(&[&l.q, &l.k, &l.v], w, dtype)?],
-                None => vec![one(&l.q)?, one(&l.k)?, one(&l.v)?],
+            let group = |lins: &mut [Linear]| -> Result<Vec<Proj>> {
+                let mut refs: Vec<&mut Linear> = lins.iter_mut().collect();
+                let w = match refs.len() {
+                    1 => None,
+                    _ => stack(&mut refs)?,
+                };
+                let lins: Vec<&Linear> = lins.iter().collect();
+                match w {
+                    Some(w) => Ok(vec![Proj::of(&lins, w, dtype)?]),
+                    None => lins
+                        .iter()
+                        .map(|lin| Proj::of(&[lin], lin.w.clone(), dtype))
+                        .collect(),
+                }
             };
-            let gate_up = match stack(&mut [&mut l.gate, &mut l.up])? {
-                Some(w) => vec![Proj::of(&[&l.gate, &l.up], w, dtype)?],
-                None => vec![one(&l.gate)?, one(&l.up)?],
-            };
-            layers.push(LayerWeights {
-                input_norm: l.input_norm.clone(),
-                post_norm: l.post_norm.clone(),
-                qkv,
-                o: one(&l.o)?,
-                gate_up,
-                down: one(&l.down)?,
-            });
+            let qkv = group(&mut l.attn_in)?;
+            let gate_up = group(&mut l.mlp_in)?;
+            layers.push(layer_weights(l, qkv, gate_up, dtype)?);
         }
         Ok(Self::with_layers(model, layers))
     }
@@ -367,6 +368,31 @@ impl Weights {
             .map(|a| bytes(&a.a) + bytes(&a.b))
             .sum()
     }
+}
+
+/// A layer's decode weights from its q/k/v and gate/up products: a fused checkpoint's one
+/// qkv_proj (gate_up_proj) product is cut into its H·D, K·D, K·D (I, I) columns.
+fn layer_weights(l: &Layer, mut qkv: Vec<Proj>, mut gate_up: Vec<Proj>, dtype: DType) -> Result<LayerWeights> {
+    let s = &l.spec;
+    if let [p] = qkv.as_mut_slice() {
+        let (q, kv) = (s.heads * s.head_dim, s.kv_heads * s.head_dim);
+        p.outs = vec![q, kv, kv];
+    }
+    if let [p] = gate_up.as_mut_slice() {
+        let i = p.outs.iter().sum::<usize>() / 2;
+        p.outs = vec![i, i];
+    }
+    let one = |lin: &Linear| Proj::of(&[lin], lin.w.clone(), dtype);
+    Ok(LayerWeights {
+        input_norm: l.input_norm.clone(),
+        post_norm: l.post_norm.clone(),
+        q_norm: l.extra.q_norm.clone(),
+        k_norm: l.extra.k_norm.clone(),
+        qkv,
+        o: one(&l.o)?,
+        gate_up,
+        down: one(&l.down)?,
+    })
 }
 
 /// An FSDP skeleton layer holds placeholders, not weights: decoding needs them resident.

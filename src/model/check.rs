@@ -27,6 +27,19 @@ const MAX_POSITIONS: usize = 1 << 30;
 /// The safetensors format's own bound on the header (safetensors::MAX_HEADER_SIZE).
 const MAX_HEADER: u64 = 100_000_000;
 
+/// num_hidden_layers within its bound, before anything per layer is sized by it.
+pub fn layers(n: usize, path: &Path) -> Result<(), ConfigError> {
+    match n <= MAX_LAYERS {
+        true => Ok(()),
+        false => Err(ConfigError::Invalid {
+            path: path.to_owned(),
+            msg: format!(
+                "`num_hidden_layers` = {n} is out of range: it must be in 1..={MAX_LAYERS}"
+            ),
+        }),
+    }
+}
+
 /// config.json's values, each within what it can mean; called by `ModelConfig::from_json`.
 pub fn config(c: &ModelConfig, path: &Path) -> Result<(), ConfigError> {
     let err = |key: &str, msg: String| ConfigError::Invalid {
@@ -80,7 +93,7 @@ pub fn config(c: &ModelConfig, path: &Path) -> Result<(), ConfigError> {
     }
     let positive = |x: f64| x.is_finite() && x > 0.0;
     match &c.rope_scaling {
-        RopeScaling::None => {}
+        RopeScaling::None | RopeScaling::LongRope { .. } => {}
         RopeScaling::Linear { factor } => {
             if !positive(*factor) {
                 return Err(err(
@@ -117,6 +130,62 @@ pub fn config(c: &ModelConfig, path: &Path) -> Result<(), ConfigError> {
                     format!("= {original_max_position} must be in 1..={MAX_POSITIONS}"),
                 ));
             }
+        }
+    }
+    if let RopeScaling::LongRope {
+        short,
+        long,
+        original_max_position,
+        attention_factor,
+    } = &c.rope_scaling
+    {
+        for (key, list) in [("short_factor", short), ("long_factor", long)] {
+            if let Some(f) = list.iter().find(|f| !positive(**f)) {
+                return Err(err(
+                    &format!("rope_scaling.{key}"),
+                    format!("holds {f}: every factor must be a positive number"),
+                ));
+            }
+        }
+        if *original_max_position == 0 || *original_max_position > MAX_POSITIONS {
+            return Err(err(
+                "original_max_position_embeddings",
+                format!("= {original_max_position} must be in 1..={MAX_POSITIONS}"),
+            ));
+        }
+        if !positive(*attention_factor) {
+            return Err(err(
+                "rope_scaling.attention_factor",
+                format!("= {attention_factor} must be a positive number"),
+            ));
+        }
+    }
+    let a = &c.arch;
+    let caps = [
+        ("attn_logit_softcapping", a.attn_softcap),
+        ("final_logit_softcapping", a.final_softcap),
+        ("query_pre_attn_scalar", a.query_pre_attn_scalar),
+    ];
+    for (key, v) in caps {
+        if let Some(v) = v.filter(|v| !positive(*v)) {
+            return Err(err(
+                key,
+                format!("= {v} must be a positive number (or null, for none)"),
+            ));
+        }
+    }
+    if let Some(w) = c.sliding_window.filter(|&w| w > MAX_POSITIONS) {
+        return Err(err(
+            "sliding_window",
+            format!("= {w} is out of range: it must be in 1..={MAX_POSITIONS}"),
+        ));
+    }
+    if let Some(r) = &a.local_rope {
+        if !(r.theta.is_finite() && r.theta > 0.0) {
+            return Err(err(
+                "rope_local_base_freq",
+                format!("= {} must be a positive number (Gemma 3: 10000.0)", r.theta),
+            ));
         }
     }
     let ids = c.bos_token_id.iter().map(|&i| ("bos_token_id", i));

@@ -1,12 +1,15 @@
 //! The model's `config.json`, as written by transformers 4.x and 5.x.
 //!
 //! Field names moved between versions: `torch_dtype` became `dtype`; `rope_theta` and
-//! `rope_scaling` moved into `rope_parameters`; `rope_scaling.type` became `rope_type`;
-//! `head_dim` may be absent or null. We read what is really there and name the file and the
-//! field when something is missing or not supported.
+//! `rope_scaling` moved into `rope_parameters` (Gemma 3: one entry per layer type);
+//! `rope_scaling.type` became `rope_type`; `head_dim` may be absent or null; 5.x writes
+//! `layer_types` where 4.x left the sliding layers to a rule of the family. We read what is
+//! really there and name the file and the field when something is missing or not supported.
+//! What differs between the families is resolved here into `Arch` (model/family.rs).
 
+use super::family::{Arch, Family, NormStyle, Rope};
 use serde::Deserialize;
-use serde_json::Value;
+use serde_json::{Map, Value};
 use std::path::{Path, PathBuf};
 
 #[derive(Debug, thiserror::Error)]
@@ -21,14 +24,6 @@ pub enum ConfigError {
     /// A PEFT adapter_config.json (lora.init_adapter, or `export --adapter`).
     #[error("adapter config {path}: {msg}")]
     Adapter { path: PathBuf, msg: String },
-}
-
-/// Which Llama-family architecture the checkpoint is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Family {
-    Llama,
-    Mistral,
-    Qwen2,
 }
 
 /// Rotary frequency scaling (`rope_scaling` / `rope_parameters`).
@@ -46,6 +41,15 @@ pub enum RopeScaling {
         high_freq_factor: f64,
         original_max_position: usize,
     },
+    /// Phi-3's LongRoPE ("su"): each frequency divided by its `short` factor, or by its `long`
+    /// one for a batch whose positions reach past `original_max_position`; cos and sin × the
+    /// attention factor.
+    LongRope {
+        short: Vec<f64>,
+        long: Vec<f64>,
+        original_max_position: usize,
+        attention_factor: f64,
+    },
 }
 
 /// Everything the trainable model needs, resolved from config.json.
@@ -60,6 +64,7 @@ pub struct ModelConfig {
     pub head_dim: usize,
     pub vocab_size: usize,
     pub rms_norm_eps: f64,
+    /// The global RoPE (Gemma 3's sliding layers take `arch.local_rope`).
     pub rope_theta: f64,
     pub rope_scaling: RopeScaling,
     pub max_position_embeddings: usize,
@@ -71,18 +76,19 @@ pub struct ModelConfig {
     pub mlp_bias: bool,
     /// `tie_word_embeddings` as written; `None` when the config does not say.
     pub tie_word_embeddings: Option<bool>,
-    /// Attention window for Mistral-style sliding-window attention (None = full).
+    /// The window of the sliding layers (`arch.sliding`); None when no layer slides.
     pub sliding_window: Option<usize>,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
     pub pad_token_id: Option<u32>,
     /// `torch_dtype` / `dtype` as written (informational).
     pub stored_dtype: Option<String>,
+    /// What the family changes in the layer (model/family.rs).
+    pub arch: Arch,
 }
 
 #[derive(Deserialize)]
 struct Raw {
-    model_type: Option<String>,
     hidden_size: Option<usize>,
     intermediate_size: Option<usize>,
     num_hidden_layers: Option<usize>,
@@ -94,13 +100,21 @@ struct Raw {
     rope_theta: Option<f64>,
     rope_scaling: Option<Value>,
     rope_parameters: Option<Value>,
+    rope_local_base_freq: Option<f64>,
+    partial_rotary_factor: Option<f64>,
+    original_max_position_embeddings: Option<usize>,
     max_position_embeddings: Option<usize>,
     hidden_act: Option<String>,
+    hidden_activation: Option<String>,
     attention_bias: Option<bool>,
     mlp_bias: Option<bool>,
     tie_word_embeddings: Option<bool>,
     sliding_window: Option<usize>,
     use_sliding_window: Option<bool>,
+    max_window_layers: Option<usize>,
+    layer_types: Option<Vec<String>>,
+    sliding_window_pattern: Option<usize>,
+    query_pre_attn_scalar: Option<f64>,
     bos_token_id: Option<Value>,
     eos_token_id: Option<Value>,
     pad_token_id: Option<Value>,
@@ -122,29 +136,19 @@ impl ModelConfig {
             path: path.to_owned(),
             msg,
         };
-        let raw: Raw = serde_json::from_str(text).map_err(|e| err(e.to_string()))?;
+        let json: Value = serde_json::from_str(text).map_err(|e| err(e.to_string()))?;
+        let Some(obj) = json.as_object() else {
+            return Err(err("is not a JSON object".into()));
+        };
+        // The family first: another architecture's config is named as such, whatever else
+        // it holds.
+        let family = family_of(obj).map_err(err)?;
+        let raw: Raw = serde_json::from_value(json.clone()).map_err(|e| err(e.to_string()))?;
         let need = |v: Option<usize>, name: &str| {
             v.filter(|&n| n > 0)
                 .ok_or_else(|| err(format!("`{name}` is missing or 0")))
         };
-        let family = match raw.model_type.as_deref() {
-            Some("llama") => Family::Llama,
-            Some("mistral") => Family::Mistral,
-            Some("qwen2") => Family::Qwen2,
-            Some(other) => {
-                return Err(err(format!(
-                    "model_type `{other}` is not supported; supported: llama, mistral, qwen2"
-                )))
-            }
-            None => return Err(err("`model_type` is missing".into())),
-        };
-        if let Some(act) = raw.hidden_act.as_deref() {
-            if act != "silu" {
-                return Err(err(format!(
-                    "hidden_act `{act}` is not supported (only silu)"
-                )));
-            }
-        }
+        check_activation(family, &raw).map_err(err)?;
         let hidden_size = need(raw.hidden_size, "hidden_size")?;
         let num_heads = need(raw.num_attention_heads, "num_attention_heads")?;
         let num_kv_heads = raw.num_key_value_heads.unwrap_or(num_heads);
@@ -170,77 +174,329 @@ impl ModelConfig {
             )));
         }
 
-        // transformers 5 keeps theta and scaling in `rope_parameters`; 4.x at the top level.
-        let params = raw.rope_parameters.as_ref().filter(|v| v.is_object());
-        let rope_theta = params
-            .and_then(|p| p.get("rope_theta"))
-            .and_then(Value::as_f64)
-            .or(raw.rope_theta)
-            .unwrap_or(if family == Family::Qwen2 {
-                1_000_000.0
-            } else {
-                10_000.0
-            });
-        let scaling_src = match (params, raw.rope_scaling.as_ref().filter(|v| v.is_object())) {
-            (_, Some(s)) => Some(s),
-            (Some(p), None) => Some(p),
-            (None, None) => None,
-        };
+        let num_layers = need(raw.num_hidden_layers, "num_hidden_layers")?;
+        super::check::layers(num_layers, path)?;
         let max_position_embeddings = raw.max_position_embeddings.unwrap_or(4096);
-        let rope_scaling = match scaling_src {
-            None => RopeScaling::None,
-            Some(s) => parse_scaling(s, max_position_embeddings).map_err(err)?,
-        };
+        let (global, local) =
+            ropes(family, &raw, max_position_embeddings, head_dim).map_err(err)?;
+        let mut arch = Arch::of(family, num_layers);
+        arch.local_rope = local;
+        let sliding_window = raw.sliding_window.filter(|&w| w > 0);
+        arch.sliding = sliding_layers(family, &raw, num_layers, sliding_window).map_err(err)?;
+        let sliding_window = sliding_window.filter(|_| arch.sliding.iter().any(|&s| s));
+        if family.gemma() {
+            arch.query_pre_attn_scalar = Some(raw.query_pre_attn_scalar.unwrap_or(256.0));
+            // Gemma 2 caps by default (50 and 30); `null` turns a cap off.
+            let gemma2 = family == Family::Gemma2;
+            arch.attn_softcap = cap(obj, "attn_logit_softcapping", gemma2.then_some(50.0));
+            arch.final_softcap = cap(obj, "final_logit_softcapping", gemma2.then_some(30.0));
+        }
 
         let attention_bias = raw.attention_bias.unwrap_or(false);
         let (qkv_bias, o_bias) = match family {
             Family::Qwen2 => (true, false),
+            Family::Phi3 => (false, false),
             _ => (attention_bias, attention_bias),
-        };
-        let sliding_window = match family {
-            Family::Mistral => raw.sliding_window,
-            Family::Qwen2 if raw.use_sliding_window == Some(true) => raw.sliding_window,
-            _ => None,
         };
         let cfg = ModelConfig {
             family,
             hidden_size,
             intermediate_size: need(raw.intermediate_size, "intermediate_size")?,
-            num_layers: need(raw.num_hidden_layers, "num_hidden_layers")?,
+            num_layers,
             num_heads,
             num_kv_heads,
             head_dim,
             vocab_size: need(raw.vocab_size, "vocab_size")?,
             rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6),
-            rope_theta,
-            rope_scaling,
+            rope_theta: global.theta,
+            rope_scaling: global.scaling,
             max_position_embeddings,
             qkv_bias,
             o_bias,
-            mlp_bias: raw.mlp_bias.unwrap_or(false),
+            mlp_bias: raw.mlp_bias.unwrap_or(false) && family == Family::Llama,
             tie_word_embeddings: raw.tie_word_embeddings,
             sliding_window,
             bos_token_id: first_id(raw.bos_token_id.as_ref()),
             eos_token_ids: all_ids(raw.eos_token_id.as_ref()),
             pad_token_id: first_id(raw.pad_token_id.as_ref()),
             stored_dtype: raw.dtype.or(raw.torch_dtype),
+            arch,
         };
         super::check::config(&cfg, path)?;
         Ok(cfg)
     }
 
+    /// The attention window of layer `l` (0: full attention).
+    pub fn window(&self, l: usize) -> usize {
+        match self.arch.sliding.get(l) {
+            Some(true) => self.sliding_window.unwrap_or(0),
+            _ => 0,
+        }
+    }
+
+    /// The attention scores' scale: query_pre_attn_scalar^-1/2 (Gemma), else head_dim^-1/2.
+    pub fn attn_scale(&self) -> f64 {
+        let q = self.arch.query_pre_attn_scalar;
+        1.0 / q.unwrap_or(self.head_dim as f64).sqrt()
+    }
+
+    /// The RMSNorm settings of every norm of the model (eps, and Gemma's 1 + w gain).
+    pub fn norm_spec(&self) -> crate::ops::NormSpec {
+        crate::ops::NormSpec {
+            eps: self.rms_norm_eps,
+            offset: match self.arch.norm {
+                NormStyle::Llama => 0.0,
+                NormStyle::Gemma => 1.0,
+            },
+        }
+    }
+
+    /// What the kernel choices depend on (`ops::Kernels::resolve`).
+    pub fn attn_shape(&self) -> crate::ops::kernels::AttnShape {
+        crate::ops::kernels::AttnShape {
+            head_dim: self.head_dim,
+            softcap: self.arch.attn_softcap.is_some(),
+        }
+    }
+
+    /// The LoRA-targetable linears of a decoder layer, in checkpoint order.
+    pub fn linears(&self) -> &'static [&'static str] {
+        self.family.linears()
+    }
+
+    /// LoRA targets (names of `lora::KNOWN_LINEAR`) as this model's linears, in its order:
+    /// all of them ("all-linear") become the family's own; any other name must be one of
+    /// the family's, else the error says which it has.
+    pub fn resolve_targets(&self, targets: &[String]) -> Result<Vec<String>, String> {
+        let own = self.linears();
+        let all = crate::lora::KNOWN_LINEAR
+            .iter()
+            .all(|k| targets.iter().any(|t| t == k));
+        let missing: Vec<&str> = targets
+            .iter()
+            .map(String::as_str)
+            .filter(|t| !own.contains(t))
+            .collect();
+        if !all && !missing.is_empty() {
+            let hint = match self.arch.fused {
+                true => " (q, k and v are one projection there, gate and up another)",
+                false => "",
+            };
+            return Err(format!(
+                "names {}, which a {} model does not have{hint}; its linears: {}, or \"all-linear\"",
+                missing.join(", "),
+                self.family.model_type(),
+                own.join(", ")
+            ));
+        }
+        Ok(own
+            .iter()
+            .filter(|m| targets.iter().any(|t| t == *m))
+            .map(|m| m.to_string())
+            .collect())
+    }
+
+    /// (in, out) of linear `module` of a decoder layer; None for a module it does not have.
+    pub fn linear_shape(&self, module: &str) -> Option<(usize, usize)> {
+        let (c, i) = (self.hidden_size, self.intermediate_size);
+        let (q, kv) = (
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+        );
+        let s = match module {
+            "q_proj" => (c, q),
+            "k_proj" | "v_proj" => (c, kv),
+            "qkv_proj" => (c, q + 2 * kv),
+            "o_proj" => (q, c),
+            "gate_proj" | "up_proj" => (c, i),
+            "gate_up_proj" => (c, 2 * i),
+            "down_proj" => (i, c),
+            _ => return None,
+        };
+        self.linears().contains(&module).then_some(s)
+    }
+
+    /// Norm gains of one decoder layer: (count, width) pairs.
+    pub fn layer_norms(&self) -> Vec<(usize, usize)> {
+        let mut v = vec![(2, self.hidden_size)];
+        if self.arch.sandwich_norms {
+            v.push((2, self.hidden_size));
+        }
+        if self.arch.qk_norm {
+            v.push((2, self.head_dim));
+        }
+        v
+    }
+
     /// Parameters of the frozen base, for reports and memory plans.
     pub fn num_params(&self, tied: bool) -> usize {
-        let (h, i, v) = (self.hidden_size, self.intermediate_size, self.vocab_size);
-        let q = self.num_heads * self.head_dim;
-        let kv = self.num_kv_heads * self.head_dim;
-        let attn = h * q + 2 * h * kv + q * h;
-        let per_layer = attn + 3 * h * i + 2 * h;
+        let (h, v) = (self.hidden_size, self.vocab_size);
+        let linears: usize = self
+            .linears()
+            .iter()
+            .filter_map(|m| self.linear_shape(m))
+            .map(|(i, o)| i * o)
+            .sum();
+        let biases = match (self.qkv_bias, self.o_bias) {
+            (true, o) => (self.num_heads + 2 * self.num_kv_heads) * self.head_dim + o as usize * h,
+            (false, true) => h,
+            (false, false) => 0,
+        } + if self.mlp_bias {
+            2 * self.intermediate_size + h
+        } else {
+            0
+        };
+        let norms: usize = self.layer_norms().iter().map(|(n, w)| n * w).sum();
+        let per_layer = linears + biases + norms;
         v * h * if tied { 1 } else { 2 } + self.num_layers * per_layer + h
     }
 }
 
-fn parse_scaling(s: &Value, max_pos: usize) -> Result<RopeScaling, String> {
+/// config.json's family, or why it is not one we train (naming its model_type and ours).
+fn family_of(obj: &Map<String, Value>) -> Result<Family, String> {
+    let t = match obj.get("model_type") {
+        Some(Value::String(t)) => t.as_str(),
+        Some(_) => return Err("`model_type` is not a string".into()),
+        None => {
+            return Err(format!(
+                "`model_type` is missing; supported: {}",
+                Family::supported_list()
+            ))
+        }
+    };
+    if let Some(f) = Family::of(t) {
+        return Ok(f);
+    }
+    let why = match t {
+        "gemma3" => " (a Gemma 3 vision-language checkpoint; lora-train trains text models: \
+                     Gemma 3's text model alone is `gemma3_text`, e.g. google/gemma-3-1b-it)"
+            .to_string(),
+        _ if obj.contains_key("text_config") || obj.contains_key("vision_config") => {
+            " (a vision-language checkpoint: lora-train trains text models)".to_string()
+        }
+        _ => String::new(),
+    };
+    Err(format!(
+        "model_type `{t}` is not supported{why}; supported: {}",
+        Family::supported_list()
+    ))
+}
+
+/// The MLP activation must be the family's: SiLU, or GeLU (tanh) for Gemma.
+fn check_activation(family: Family, raw: &Raw) -> Result<(), String> {
+    let (key, act, want) = if family.gemma() {
+        match (&raw.hidden_activation, &raw.hidden_act) {
+            (Some(a), _) => ("hidden_activation", Some(a), "gelu_pytorch_tanh"),
+            (None, a) => ("hidden_act", a.as_ref(), "gelu_pytorch_tanh"),
+        }
+    } else {
+        ("hidden_act", raw.hidden_act.as_ref(), "silu")
+    };
+    match act {
+        Some(a) if a != want => Err(format!(
+            "{key} `{a}` is not supported for {} (only {want})",
+            family.model_type()
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// A soft-cap of config.json: absent → the family's default, null → none, else its value.
+fn cap(obj: &Map<String, Value>, key: &str, default: Option<f64>) -> Option<f64> {
+    match obj.get(key) {
+        None => default,
+        Some(v) => v.as_f64(),
+    }
+}
+
+/// The global RoPE and, for Gemma 3, its sliding layers' own.
+fn ropes(
+    family: Family,
+    raw: &Raw,
+    max_pos: usize,
+    head_dim: usize,
+) -> Result<(Rope, Option<Rope>), String> {
+    // transformers 5 keeps theta and scaling in `rope_parameters`; 4.x at the top level.
+    let params = raw.rope_parameters.as_ref().filter(|v| v.is_object());
+    let top_scaling = raw.rope_scaling.as_ref().filter(|v| v.is_object());
+    let partial = [
+        raw.partial_rotary_factor,
+        params.and_then(|p| p.get("partial_rotary_factor")?.as_f64()),
+    ];
+    if let Some(f) = partial.into_iter().flatten().find(|&f| f != 1.0) {
+        return Err(format!(
+            "partial_rotary_factor {f} is not supported (RoPE over the whole head only)"
+        ));
+    }
+    let default_theta = match family {
+        Family::Qwen2 => 1_000_000.0,
+        Family::Gemma3 => 1_000_000.0,
+        _ => 10_000.0,
+    };
+    let ctx = ScalingCtx {
+        max_pos,
+        orig_top: raw.original_max_position_embeddings,
+        half: head_dim / 2,
+    };
+    if family == Family::Gemma3 {
+        let per_type = |k: &str| params.and_then(|p| p.get(k)).filter(|v| v.is_object());
+        if let (Some(full), Some(slide)) =
+            (per_type("full_attention"), per_type("sliding_attention"))
+        {
+            return Ok((
+                rope_of(full, default_theta, ctx)?,
+                Some(rope_of(slide, 10_000.0, ctx)?),
+            ));
+        }
+        // 4.x: rope_theta and rope_scaling are the global layers', rope_local_base_freq the
+        // sliding ones' base (no scaling).
+        let global = Rope {
+            theta: raw.rope_theta.unwrap_or(default_theta),
+            scaling: match top_scaling {
+                Some(s) => parse_scaling(s, ctx)?,
+                None => RopeScaling::None,
+            },
+        };
+        let local = Rope {
+            theta: raw.rope_local_base_freq.unwrap_or(10_000.0),
+            scaling: RopeScaling::None,
+        };
+        return Ok((global, Some(local)));
+    }
+    let theta = params
+        .and_then(|p| p.get("rope_theta"))
+        .and_then(Value::as_f64)
+        .or(raw.rope_theta)
+        .unwrap_or(default_theta);
+    let scaling = match top_scaling.or(params) {
+        None => RopeScaling::None,
+        Some(s) => parse_scaling(s, ctx)?,
+    };
+    Ok((Rope { theta, scaling }, None))
+}
+
+/// One `rope_parameters` entry: theta (or `default_theta`) and its scaling.
+fn rope_of(p: &Value, default_theta: f64, ctx: ScalingCtx) -> Result<Rope, String> {
+    Ok(Rope {
+        theta: p
+            .get("rope_theta")
+            .and_then(Value::as_f64)
+            .unwrap_or(default_theta),
+        scaling: parse_scaling(p, ctx)?,
+    })
+}
+
+/// What a scaling's defaults depend on besides its own fields.
+#[derive(Clone, Copy)]
+struct ScalingCtx {
+    max_pos: usize,
+    /// `original_max_position_embeddings` at config.json's top level (Phi-3).
+    orig_top: Option<usize>,
+    /// Frequencies per head (head_dim / 2): LongRoPE's factor lists are that long.
+    half: usize,
+}
+
+fn parse_scaling(s: &Value, ctx: ScalingCtx) -> Result<RopeScaling, String> {
     let kind = s
         .get("rope_type")
         .or_else(|| s.get("type"))
@@ -248,6 +504,10 @@ fn parse_scaling(s: &Value, max_pos: usize) -> Result<RopeScaling, String> {
         .unwrap_or("default");
     let f = |k: &str| s.get(k).and_then(Value::as_f64);
     let factor = || f("factor").ok_or_else(|| format!("rope scaling `{kind}` needs `factor`"));
+    let orig = s
+        .get("original_max_position_embeddings")
+        .and_then(Value::as_u64)
+        .map(|v| v as usize);
     match kind {
         "default" => Ok(RopeScaling::None),
         // Dynamic NTK only changes frequencies past max_position_embeddings at inference.
@@ -257,16 +517,100 @@ fn parse_scaling(s: &Value, max_pos: usize) -> Result<RopeScaling, String> {
             factor: factor()?,
             low_freq_factor: f("low_freq_factor").unwrap_or(1.0),
             high_freq_factor: f("high_freq_factor").unwrap_or(4.0),
-            original_max_position: s
-                .get("original_max_position_embeddings")
-                .and_then(Value::as_u64)
-                .map(|v| v as usize)
-                .unwrap_or(max_pos),
+            original_max_position: orig.unwrap_or(ctx.max_pos),
         }),
+        "longrope" | "su" => {
+            let list = |k: &str| -> Result<Vec<f64>, String> {
+                let v: Option<Vec<f64>> = s
+                    .get(k)
+                    .and_then(Value::as_array)
+                    .map(|a| a.iter().filter_map(Value::as_f64).collect());
+                match v {
+                    Some(v) if v.len() == ctx.half => Ok(v),
+                    Some(v) => Err(format!(
+                        "rope scaling `{kind}`: `{k}` has {} factors, head_dim / 2 = {} wanted",
+                        v.len(),
+                        ctx.half
+                    )),
+                    None => Err(format!("rope scaling `{kind}` needs `{k}` (a list of numbers)")),
+                }
+            };
+            let original_max_position = orig.or(ctx.orig_top).ok_or_else(|| {
+                format!("rope scaling `{kind}` needs `original_max_position_embeddings`")
+            })?;
+            // transformers: factor = max / original when unset; the attention factor
+            // √(1 + ln factor / ln original), 1 for factor ≤ 1.
+            let factor = f("factor")
+                .unwrap_or(ctx.max_pos as f64 / original_max_position.max(1) as f64);
+            let attention_factor = f("attention_factor").unwrap_or(if factor <= 1.0 {
+                1.0
+            } else {
+                (1.0 + factor.ln() / (original_max_position as f64).ln()).sqrt()
+            });
+            Ok(RopeScaling::LongRope {
+                short: list("short_factor")?,
+                long: list("long_factor")?,
+                original_max_position,
+                attention_factor,
+            })
+        }
         other => Err(format!(
-            "rope scaling type `{other}` is not supported (supported: default, linear, dynamic, llama3)"
+            "rope scaling type `{other}` is not supported (supported: default, linear, dynamic, llama3, longrope)"
         )),
     }
+}
+
+/// Per layer, whether it attends within the sliding window: config.json's `layer_types` where
+/// it has them (transformers 5), else the family's rule as transformers applies it.
+fn sliding_layers(
+    family: Family,
+    raw: &Raw,
+    layers: usize,
+    window: Option<usize>,
+) -> Result<Vec<bool>, String> {
+    let v: Vec<bool> = match &raw.layer_types {
+        Some(types) => {
+            if types.len() != layers {
+                return Err(format!(
+                    "`layer_types` has {} entries for num_hidden_layers = {layers}",
+                    types.len()
+                ));
+            }
+            types
+                .iter()
+                .map(|t| match t.as_str() {
+                    "full_attention" => Ok(false),
+                    "sliding_attention" => Ok(true),
+                    other => Err(format!(
+                        "`layer_types` holds `{other}`; supported: full_attention, sliding_attention"
+                    )),
+                })
+                .collect::<Result<_, _>>()?
+        }
+        None => (0..layers)
+            .map(|i| match family {
+                Family::Llama => false,
+                Family::Mistral | Family::Phi3 => window.is_some(),
+                Family::Qwen2 | Family::Qwen3 => {
+                    raw.use_sliding_window == Some(true)
+                        && window.is_some()
+                        && i >= raw.max_window_layers.unwrap_or(28)
+                }
+                Family::Gemma2 => i % 2 == 0,
+                Family::Gemma3 => (i + 1) % raw.sliding_window_pattern.unwrap_or(6).max(1) != 0,
+            })
+            .collect(),
+    };
+    // Qwen's sliding layers need use_sliding_window (transformers drops the window otherwise).
+    let qwen_off =
+        matches!(family, Family::Qwen2 | Family::Qwen3) && raw.use_sliding_window != Some(true);
+    if qwen_off {
+        return Ok(vec![false; layers]);
+    }
+    if v.iter().any(|&s| s) && window.is_none() {
+        return Err("sliding-window layers but `sliding_window` is not set".into());
+    }
+    Ok(v)
 }
 
 fn first_id(v: Option<&Value>) -> Option<u32> {
@@ -275,7 +619,7 @@ fn first_id(v: Option<&Value>) -> Option<u32> {
 
 fn all_ids(v: Option<&Value>) -> Vec<u32> {
     match v {
-        Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+        Some(Value::Number(n)) => n.as_u64().map(|x| x as u32).into_iter().collect(),
         Some(Value::Array(a)) => a
             .iter()
             .filter_map(Value::as_u64)

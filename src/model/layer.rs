@@ -1,68 +1,193 @@
 //! The decoder layer: attention and the MLP, each behind an RMSNorm and a residual, with LoRA
 //! on chosen linears. `Layer::forward` builds an autograd graph (the reference; tests, eval);
 //! training runs `Layer::forward_train` and its hand-written backward (model/layer_train.rs).
+//! Every family runs this one layer; what differs is data (`LayerSpec`, `Extra`, and
+//! whether q/k/v and gate/up are one projection each), resolved from the config
+//! (model/family.rs):
+//!
+//!   h = x + N_ao(o(attn(rope(N_q(q(n)), N_k(k(n)), v(n)))),  n = N_in(x)
+//!   y = h + N_mo(down(act(gate(m)) ⊙ up(m))),                   m = N_post(h)
+//!
+//! with N_q, N_k (QK-norm over each head), N_ao, N_mo (Gemma's output norms) the identity where
+//! the family has none, the scores soft-capped (Gemma 2) and windowed per layer.
 //!
 //! Shapes: B batch, T tokens, C hidden, H heads, K kv heads, D head dim, I mlp.
 
 use super::linear::{pad_group, Linear};
 use super::llama::Ctx;
-use crate::ops::{self, AttnMask};
+use crate::ops::glu::Act;
+use crate::ops::{self, AttnMask, NormSpec};
 use candle_core::{Result, Tensor};
 
-/// One decoder layer: its two norms' gains [C], its seven linears, and its shape.
+/// A layer's shape and the family's settings of it.
+#[derive(Clone, Copy, Debug)]
+pub struct LayerSpec {
+    /// Every norm of the layer: eps, and Gemma's 1 + w gain.
+    pub norm: NormSpec,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Keys this many positions back or more are masked (0: full attention).
+    pub window: usize,
+    /// The attention scores' scale.
+    pub scale: f64,
+    /// Scores soft-capped at this (0: none).
+    pub softcap: f32,
+    pub act: Act,
+    /// RoPE from the context's local table (Gemma 3's sliding layers).
+    pub local_rope: bool,
+}
+
+/// The norm gains only some families have.
+#[derive(Clone, Default)]
+pub struct Extra {
+    /// QK-norm's gains [D] (Qwen3, Gemma 3).
+    pub q_norm: Option<Tensor>,
+    pub k_norm: Option<Tensor>,
+    /// Gemma's post_attention_layernorm [C]: on o_proj's output, before the residual add.
+    pub attn_out_norm: Option<Tensor>,
+    /// Gemma's post_feedforward_layernorm [C]: on down_proj's output.
+    pub mlp_out_norm: Option<Tensor>,
+}
+
+impl Extra {
+    /// The gains present, in a fixed order (q, k, attention output, MLP output).
+    fn present_mut(&mut self) -> Vec<&mut Tensor> {
+        [
+            &mut self.q_norm,
+            &mut self.k_norm,
+            &mut self.attn_out_norm,
+            &mut self.mlp_out_norm,
+        ]
+        .into_iter()
+        .flatten()
+        .collect()
+    }
+
+    fn present(&self) -> Vec<&Tensor> {
+        [
+            &self.q_norm,
+            &self.k_norm,
+            &self.attn_out_norm,
+            &self.mlp_out_norm,
+        ]
+        .into_iter()
+        .flatten()
+        .collect()
+    }
+}
+
+/// One decoder layer: its norms' gains, its linears, and its shape.
 #[derive(Clone)]
 pub struct Layer {
+    /// Before the attention [C].
     pub input_norm: Tensor,
+    /// Before the MLP [C] (post_attention_layernorm; Gemma's pre_feedforward_layernorm).
     pub post_norm: Tensor,
-    pub q: Linear,
-    pub k: Linear,
-    pub v: Linear,
+    pub extra: Extra,
+    /// q_proj, k_proj, v_proj; or Phi-3's one qkv_proj [(H + 2K)·D, C].
+    pub attn_in: Vec<Linear>,
     pub o: Linear,
-    pub gate: Linear,
-    pub up: Linear,
+    /// gate_proj, up_proj; or Phi-3's one gate_up_proj [2I, C] (gate first).
+    pub mlp_in: Vec<Linear>,
     pub down: Linear,
-    pub(crate) eps: f64,
-    pub(crate) heads: usize,
-    pub(crate) kv_heads: usize,
-    pub(crate) head_dim: usize,
-    pub(crate) window: usize,
+    pub spec: LayerSpec,
 }
 
 impl Layer {
     /// x: [B, T, C] → [B, T, C]
     pub fn forward(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
         let (b, t, _c) = x.dims3()?;
-        let (h, k, d) = (self.heads, self.kv_heads, self.head_dim);
-        let hn = ops::rms_norm(x, &self.input_norm, self.eps)?;
-        let q = self
-            .q
-            .forward(&hn, ctx)?
-            .reshape((b, t, h, d))?
-            .transpose(1, 2)?; // [B, H, T, D]
-        let kk = self
-            .k
-            .forward(&hn, ctx)?
-            .reshape((b, t, k, d))?
-            .transpose(1, 2)?; // [B, K, T, D]
-        let v = self
-            .v
-            .forward(&hn, ctx)?
-            .reshape((b, t, k, d))?
-            .transpose(1, 2)?; // [B, K, T, D]
-        let q = ops::rope(&q, &ctx.cos, &ctx.sin)?;
-        let kk = ops::rope(&kk, &ctx.cos, &ctx.sin)?;
-        let (kk, v) = (repeat_kv(&kk, h / k)?, repeat_kv(&v.contiguous()?, h / k)?); // [B, H, T, D]
-        let mask = AttnMask {
-            window: self.window,
-            ..ctx.mask.clone()
+        let s = &self.spec;
+        let (h, k, d) = (s.heads, s.kv_heads, s.head_dim);
+        let hn = ops::rms_norm(x, &self.input_norm, s.norm)?;
+        let outs = self
+            .attn_in
+            .iter()
+            .map(|l| l.forward(&hn, ctx))
+            .collect::<Result<Vec<_>>>()?;
+        let [q, kk, v] = self.split_qkv(outs, 2)?; // [B, T, H·D], [B, T, K·D] ×2
+        let heads = |x: Tensor, n: usize, norm: &Option<Tensor>| -> Result<Tensor> {
+            let x = x.reshape((b, t, n, d))?;
+            let x = match norm {
+                Some(w) => ops::rms_norm(&x, w, s.norm)?, // over each head's D
+                None => x,
+            };
+            x.transpose(1, 2) // [B, n, T, D]
         };
-        let o = ops::attention(&q, &kk, &v, &mask, 1.0 / (d as f64).sqrt(), ctx.attn_block)?;
+        let q = heads(q, h, &self.extra.q_norm)?;
+        let kk = heads(kk, k, &self.extra.k_norm)?;
+        let v = heads(v, k, &None)?;
+        let (cos, sin) = ctx.rope(s.local_rope);
+        let q = ops::rope(&q, cos, sin)?;
+        let kk = ops::rope(&kk, cos, sin)?;
+        let (kk, v) = (repeat_kv(&kk, h / k)?, repeat_kv(&v.contiguous()?, h / k)?); // [B, H, T, D]
+        let o = ops::attention(&q, &kk, &v, &self.mask(ctx), s.scale, ctx.attn_block)?;
         let attn = o.transpose(1, 2)?.reshape((b, t, h * d))?; // [B, T, H·D]
-        let x = (x + self.o.forward(&attn, ctx)?)?;
-        let hn = ops::rms_norm(&x, &self.post_norm, self.eps)?;
-        let a = ops::swiglu(&self.gate.forward(&hn, ctx)?, &self.up.forward(&hn, ctx)?)?; // [B, T, I]
+        let ao = self.o.forward(&attn, ctx)?;
+        let ao = match &self.extra.attn_out_norm {
+            Some(w) => ops::rms_norm(&ao, w, s.norm)?,
+            None => ao,
+        };
+        let x = (x + ao)?;
+        let hn = ops::rms_norm(&x, &self.post_norm, s.norm)?;
+        let outs = self
+            .mlp_in
+            .iter()
+            .map(|l| l.forward(&hn, ctx))
+            .collect::<Result<Vec<_>>>()?;
+        let [gate, up] = self.split_gate_up(outs, 2)?;
+        let a = s.act.glu(&gate, &up)?; // [B, T, I]
         let m = self.down.forward(&a, ctx)?;
+        let m = match &self.extra.mlp_out_norm {
+            Some(w) => ops::rms_norm(&m, w, s.norm)?,
+            None => m,
+        };
         x + m
+    }
+
+    /// The attention mask of this layer for the batch: its window and soft-cap.
+    pub(crate) fn mask(&self, ctx: &Ctx) -> AttnMask {
+        AttnMask {
+            window: self.spec.window,
+            softcap: self.spec.softcap,
+            ..ctx.mask.clone()
+        }
+    }
+
+    /// q, k, v from the attention input projections' outputs (each [.., n·D] along `dim`):
+    /// as they are, or Phi-3's one output cut into its H·D, K·D, K·D columns (copied
+    /// contiguous).
+    pub(crate) fn split_qkv(&self, outs: Vec<Tensor>, dim: usize) -> Result<[Tensor; 3]> {
+        let s = &self.spec;
+        let (q, kv) = (s.heads * s.head_dim, s.kv_heads * s.head_dim);
+        match <[Tensor; 3]>::try_from(outs) {
+            Ok(three) => Ok(three),
+            Err(outs) => {
+                let [qkv] = super::layer_train::array(outs)?;
+                Ok([
+                    qkv.narrow(dim, 0, q)?.contiguous()?,
+                    qkv.narrow(dim, q, kv)?.contiguous()?,
+                    qkv.narrow(dim, q + kv, kv)?.contiguous()?,
+                ])
+            }
+        }
+    }
+
+    /// gate and up from the MLP input projections' outputs: as they are, or Phi-3's one
+    /// output cut in halves (gate first), copied contiguous.
+    pub(crate) fn split_gate_up(&self, outs: Vec<Tensor>, dim: usize) -> Result<[Tensor; 2]> {
+        match <[Tensor; 2]>::try_from(outs) {
+            Ok(two) => Ok(two),
+            Err(outs) => {
+                let [gu] = super::layer_train::array(outs)?;
+                let i = gu.dim(dim)? / 2;
+                Ok([
+                    gu.narrow(dim, 0, i)?.contiguous()?,
+                    gu.narrow(dim, i, i)?.contiguous()?,
+                ])
+            }
+        }
     }
 
     /// The layer's frozen tensors, in a fixed order (norms, then each linear's W, or its
@@ -71,7 +196,7 @@ impl Layer {
     /// of its W* again.
     pub fn frozen_mut(&mut self) -> Vec<&mut Tensor> {
         let (norms, lins) = self.parts_mut();
-        let mut v = Vec::from(norms);
+        let mut v = norms;
         for lin in lins {
             match &mut lin.pad {
                 Some(pad) => v.push(&mut pad.full),
@@ -85,7 +210,7 @@ impl Layer {
     /// For each tensor of `frozen_mut`, in its order, the linear whose W (or W*) it is; None for
     /// the norms and the biases.
     pub fn frozen_linears(&self) -> Vec<Option<&Linear>> {
-        let mut v = vec![None, None];
+        let mut v = vec![None; 2 + self.extra.present().len()];
         for lin in self.linears() {
             v.push(Some(lin));
             if lin.b.is_some() {
@@ -95,11 +220,18 @@ impl Layer {
         v
     }
 
+    /// Every norm gain of the layer (input, post, then the family's).
+    pub fn norms(&self) -> Vec<&Tensor> {
+        let mut v = vec![&self.input_norm, &self.post_norm];
+        v.extend(self.extra.present());
+        v
+    }
+
     /// Each folded linear's W as the first `in` columns of its W* (which `frozen_mut` may have
     /// replaced: FSDP's placeholder, or a gathered view). A placeholder W* (not [out, in + p])
     /// leaves W that placeholder too, so the skeleton holds no weights.
     pub fn sync_views(&mut self) -> Result<()> {
-        for lin in self.linears_mut() {
+        for lin in self.parts_mut().1 {
             if let Some(pad) = &lin.pad {
                 lin.w = match pad.full.rank() {
                     2 => pad.full.narrow(1, 0, pad.in_f)?,
@@ -119,40 +251,38 @@ impl Layer {
         Ok(bytes)
     }
 
-    fn linears_mut(&mut self) -> [&mut Linear; 7] {
-        self.parts_mut().1
-    }
-
-    /// The two norms and the seven linears, each borrowed apart.
-    fn parts_mut(&mut self) -> ([&mut Tensor; 2], [&mut Linear; 7]) {
-        (
-            [&mut self.input_norm, &mut self.post_norm],
-            [
-                &mut self.q,
-                &mut self.k,
-                &mut self.v,
-                &mut self.o,
-                &mut self.gate,
-                &mut self.up,
-                &mut self.down,
-            ],
-        )
+    /// The norms and the linears (`linears` order), each borrowed apart.
+    fn parts_mut(&mut self) -> (Vec<&mut Tensor>, Vec<&mut Linear>) {
+        let mut norms = vec![&mut self.input_norm, &mut self.post_norm];
+        norms.extend(self.extra.present_mut());
+        let mut lins: Vec<&mut Linear> = self.attn_in.iter_mut().collect();
+        lins.push(&mut self.o);
+        lins.extend(self.mlp_in.iter_mut());
+        lins.push(&mut self.down);
+        (norms, lins)
     }
 
     /// The linears whose forward can fold (`ops::fold`), by groups that share their input:
-    /// q, k, v; gate, up; down. (o_proj's input is the flash kernel's output.)
-    fn fold_groups(&mut self) -> [Vec<&mut Linear>; 3] {
-        [
-            vec![&mut self.q, &mut self.k, &mut self.v],
-            vec![&mut self.gate, &mut self.up],
-            vec![&mut self.down],
-        ]
+    /// q, k, v (or qkv); gate, up (or gate_up); down, after SwiGLU only (the fold's kernels
+    /// compute SwiGLU). (o_proj's input is the flash kernel's output.)
+    fn fold_groups(&mut self) -> Vec<Vec<&mut Linear>> {
+        let mut g = vec![
+            self.attn_in.iter_mut().collect(),
+            self.mlp_in.iter_mut().collect(),
+        ];
+        if self.spec.act == Act::Silu {
+            g.push(vec![&mut self.down]);
+        }
+        g
     }
 
-    pub fn linears(&self) -> [&Linear; 7] {
-        [
-            &self.q, &self.k, &self.v, &self.o, &self.gate, &self.up, &self.down,
-        ]
+    /// Every linear: the attention's input projections, o, the MLP's input projections, down.
+    pub fn linears(&self) -> Vec<&Linear> {
+        let mut v: Vec<&Linear> = self.attn_in.iter().collect();
+        v.push(&self.o);
+        v.extend(self.mlp_in.iter());
+        v.push(&self.down);
+        v
     }
 }
 

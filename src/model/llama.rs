@@ -1,13 +1,14 @@
-//! The Llama-family decoder, trainable: frozen base through `ops`, LoRA on chosen linears.
+//! The decoder, trainable: frozen base through `ops`, LoRA on chosen linears. One model for
+//! every family (model/family.rs): the embedding (× √C on Gemma), the layers (model/layer.rs),
+//! the final norm and the head (logits soft-capped on Gemma 2).
 //!
 //! Shapes: B batch, T tokens, C hidden, H heads, K kv heads, D head dim, V vocab, I mlp.
 
 use super::config::ModelConfig;
 use super::layer::Layer;
-use super::linear::Linear;
-use super::rope;
+use super::rope::Freqs;
 use crate::hub::ModelFiles;
-use crate::lora::{Lora, LoraSpec, ALL_LINEAR};
+use crate::lora::{Lora, LoraSpec};
 use crate::ops::{self, AttnMask, Kernels};
 use anyhow::{bail, Context};
 use candle_core::safetensors::MmapedSafetensors;
@@ -18,6 +19,8 @@ use std::collections::HashMap;
 pub struct Ctx {
     pub cos: Tensor, // [B, T, D/2] f32
     pub sin: Tensor, // [B, T, D/2] f32
+    /// The sliding layers' own cos and sin (Gemma 3's local RoPE base), when they differ.
+    pub local: Option<(Tensor, Tensor)>,
     pub mask: AttnMask,
     /// Queries per attention block (None: sized to the batch).
     pub attn_block: Option<usize>,
@@ -36,6 +39,14 @@ pub struct Ctx {
 }
 
 impl Ctx {
+    /// The cos and sin tables of a layer: the local ones when `local` and the model has them.
+    pub fn rope(&self, local: bool) -> (&Tensor, &Tensor) {
+        match (&self.local, local) {
+            (Some((c, s)), true) => (c, s),
+            _ => (&self.cos, &self.sin),
+        }
+    }
+
     /// `v` (an adapter's A or B) in the activation dtype when `adapters` has it, else as is.
     pub(crate) fn adapter<'a>(&'a self, v: &'a candle_core::Var) -> &'a Tensor {
         self.adapters.get(&v.id()).unwrap_or(v.as_tensor())
@@ -84,7 +95,9 @@ pub struct Model {
     pub device: Device,
     /// Every kernel choice of the run (`Kernels::resolve`); each batch's `Ctx` carries a copy.
     pub kernels: Kernels,
-    inv_freq: Vec<f32>,
+    /// The global RoPE's frequencies, and the sliding layers' where they differ (Gemma 3).
+    rope: Freqs,
+    rope_local: Option<Freqs>,
 }
 
 impl Model {
@@ -98,8 +111,8 @@ impl Model {
         spec: &LoraSpec,
         seed: u64,
     ) -> anyhow::Result<Model> {
-        let head_dim = ModelConfig::from_file(&files.config)?.head_dim;
-        let kernels = Kernels::resolve(device, dtype, head_dim, false)?;
+        let attn = ModelConfig::from_file(&files.config)?.attn_shape();
+        let kernels = Kernels::resolve(device, dtype, attn, false)?;
         Self::load_with(files, dtype, device, spec, seed, &kernels, &mut |_| Ok(()))
     }
 
@@ -162,7 +175,8 @@ impl Model {
     }
 
     /// Random weights of a given shape made on the device (benchmarks; no download): linear
-    /// and embedding weights N(0, 0.02), norms 1, as transformers initialises a fresh model.
+    /// and embedding weights N(0, 0.02), norm gains 1 (Gemma's stored w 0, its gain being
+    /// 1 + w), as transformers initialises a fresh model.
     /// The kernels are the device's, as in `load`.
     pub fn random(
         cfg: ModelConfig,
@@ -171,7 +185,7 @@ impl Model {
         spec: &LoraSpec,
         seed: u64,
     ) -> anyhow::Result<Model> {
-        let kernels = Kernels::resolve(device, dtype, cfg.head_dim, false)?;
+        let kernels = Kernels::resolve(device, dtype, cfg.attn_shape(), false)?;
         Self::random_with(cfg, dtype, device, spec, seed, &kernels, &mut |_| Ok(()))
     }
 
@@ -188,8 +202,11 @@ impl Model {
         if !device.is_cpu() {
             device.set_seed(seed)?;
         }
+        let gemma = cfg.arch.norm == super::family::NormStyle::Gemma;
         let get = |name: &str, shape: &[usize]| -> anyhow::Result<Tensor> {
-            let t = if name.ends_with("norm.weight") {
+            let t = if name.ends_with("norm.weight") && gemma {
+                Tensor::zeros(shape, DType::F32, device)?
+            } else if name.ends_with("norm.weight") {
                 Tensor::ones(shape, DType::F32, device)?
             } else if name.ends_with(".bias") {
                 Tensor::zeros(shape, DType::F32, device)?
@@ -215,52 +232,10 @@ impl Model {
         kernels: Kernels,
         loaded: Loaded,
     ) -> anyhow::Result<Model> {
-        let (c, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
-        let (h, k, d) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
-        let linear =
-            |layer: usize, group: &str, module: &str, in_f: usize, out_f: usize, bias: bool| {
-                let name = format!("model.layers.{layer}.{group}.{module}");
-                let w = get(&format!("{name}.weight"), &[out_f, in_f])?;
-                let b = if bias {
-                    Some(get(&format!("{name}.bias"), &[out_f])?)
-                } else {
-                    None
-                };
-                let m = ALL_LINEAR.iter().position(|x| *x == module).unwrap_or(0) as u64;
-                let key = [layer as u64, m];
-                let lora = if spec.targets(module) {
-                    Some(Lora::init(spec, in_f, out_f, seed, &key, device)?)
-                } else {
-                    None
-                };
-                anyhow::Ok(Linear {
-                    name,
-                    w,
-                    b,
-                    lora,
-                    pad: None,
-                    key,
-                })
-            };
+        let (c, v) = (cfg.hidden_size, cfg.vocab_size);
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for l in 0..cfg.num_layers {
-            let p = format!("model.layers.{l}");
-            let mut layer = Layer {
-                input_norm: get(&format!("{p}.input_layernorm.weight"), &[c])?,
-                post_norm: get(&format!("{p}.post_attention_layernorm.weight"), &[c])?,
-                q: linear(l, "self_attn", "q_proj", c, h * d, cfg.qkv_bias)?,
-                k: linear(l, "self_attn", "k_proj", c, k * d, cfg.qkv_bias)?,
-                v: linear(l, "self_attn", "v_proj", c, k * d, cfg.qkv_bias)?,
-                o: linear(l, "self_attn", "o_proj", h * d, c, cfg.o_bias)?,
-                gate: linear(l, "mlp", "gate_proj", c, i, cfg.mlp_bias)?,
-                up: linear(l, "mlp", "up_proj", c, i, cfg.mlp_bias)?,
-                down: linear(l, "mlp", "down_proj", i, c, cfg.mlp_bias)?,
-                eps: cfg.rms_norm_eps,
-                heads: h,
-                kv_heads: k,
-                head_dim: d,
-                window: cfg.sliding_window.unwrap_or(0),
-            };
+            let mut layer = super::build::layer(&cfg, l, get, spec, seed, device)?;
             if kernels.fold {
                 layer.fold()?;
             }
@@ -275,7 +250,18 @@ impl Model {
         } else {
             get("lm_head.weight", &[v, c])?
         };
-        let inv_freq = rope::inv_freq(&cfg);
+        let rope = Freqs::new(
+            cfg.head_dim,
+            &super::family::Rope {
+                theta: cfg.rope_theta,
+                scaling: cfg.rope_scaling.clone(),
+            },
+        );
+        let rope_local = cfg
+            .arch
+            .local_rope
+            .as_ref()
+            .map(|r| Freqs::new(cfg.head_dim, r));
         let mut m = Model {
             cfg,
             embed,
@@ -286,7 +272,8 @@ impl Model {
             dtype,
             device: device.clone(),
             kernels,
-            inv_freq,
+            rope,
+            rope_local,
         };
         loaded(m.io_mut())?;
         if m.tied {
@@ -326,7 +313,8 @@ impl Model {
             dtype: self.dtype,
             device: self.device.clone(),
             kernels: self.kernels,
-            inv_freq: self.inv_freq.clone(),
+            rope: self.rope.clone(),
+            rope_local: self.rope_local.clone(),
         })
     }
 
@@ -359,8 +347,7 @@ impl Model {
     pub fn base_tensors(&self) -> Vec<&Tensor> {
         let mut v = vec![&self.embed, &self.norm, &self.lm_head];
         for l in &self.layers {
-            v.push(&l.input_norm);
-            v.push(&l.post_norm);
+            v.extend(l.norms());
             for lin in l.linears() {
                 v.push(&lin.w);
                 v.extend(lin.b.as_ref());
@@ -379,19 +366,25 @@ impl Model {
         segments: Option<Vec<u32>>,
         dropout: Option<(u64, [u64; 2])>,
     ) -> Result<Ctx> {
-        let (cos, sin) = rope::cos_sin(&self.inv_freq, positions, b, t, &self.device)?;
+        let (cos, sin) = self.rope.cos_sin(positions, b, t, &self.device)?;
+        let local = match &self.rope_local {
+            Some(f) => Some(f.cos_sin(positions, b, t, &self.device)?),
+            None => None,
+        };
         let segments = segments
             .map(|s| Tensor::from_vec(s, b * t, &self.device))
             .transpose()?;
         let mask = AttnMask {
             segments,
             window: 0,
+            softcap: 0.0,
         };
         let (adapters, adapter_buf) = self.adapters_cast()?;
         let folded = self.write_pads()?;
         Ok(Ctx {
             cos,
             sin,
+            local,
             mask,
             attn_block: None,
             dropout,
@@ -503,18 +496,31 @@ impl Model {
         Ok(false)
     }
 
-    /// ids: [B, T] u32 → hidden [B, T, C]. The embedding is frozen: no graph is built.
+    /// ids: [B, T] u32 → hidden [B, T, C]. The embedding is frozen: no graph is built. Gemma
+    /// scales it by √C, the factor rounded to the model dtype first (as transformers'
+    /// `embed_scale.to(weight.dtype)`).
     pub fn embed(&self, ids: &Tensor) -> Result<Tensor> {
         let (b, t) = ids.dims2()?;
-        self.embed
-            .index_select(&ids.flatten_all()?, 0)?
-            .reshape((b, t, self.cfg.hidden_size))
+        let x = self.embed.index_select(&ids.flatten_all()?, 0)?.reshape((
+            b,
+            t,
+            self.cfg.hidden_size,
+        ))?;
+        match self.cfg.arch.embed_scale {
+            true => x.affine((self.cfg.hidden_size as f32).sqrt() as f64, 0.0),
+            false => Ok(x),
+        }
     }
 
-    /// hidden [..., C] → logits [..., V] in f32 (final norm, then the frozen head).
+    /// hidden [..., C] → logits [..., V] in f32 (final norm, then the frozen head, then the
+    /// soft-cap where the model has one).
     pub fn head(&self, h: &Tensor) -> Result<Tensor> {
-        let hn = ops::rms_norm(h, &self.norm, self.cfg.rms_norm_eps)?;
-        ops::frozen_linear(&hn, &self.lm_head, None)?.to_dtype(DType::F32)
+        let hn = ops::rms_norm(h, &self.norm, self.cfg.norm_spec())?;
+        let logits = ops::frozen_linear(&hn, &self.lm_head, None)?.to_dtype(DType::F32)?;
+        match self.cfg.arch.final_softcap {
+            Some(cap) => ops::softcap::softcap(&logits, cap),
+            None => Ok(logits),
+        }
     }
 
     /// The head's loss and its backward without autograd, for training. x: hidden rows
@@ -534,20 +540,30 @@ impl Model {
         targets: &Tensor,
         denom: f64,
     ) -> Result<(Tensor, Tensor)> {
-        let eps = self.cfg.rms_norm_eps;
-        let hn = ops::rms_norm(x, &self.norm, eps)?; // [n, C]
+        let norm = self.cfg.norm_spec();
+        let hn = ops::rms_norm(x, &self.norm, norm)?; // [n, C]
         let logits = ops::frozen_linear(&hn, &self.lm_head, None)?; // [n, V]
+        let cap = self.cfg.arch.final_softcap;
+        // Gemma 2: the CE of the capped logits, its gradient back through the cap
+        let logits = match cap {
+            Some(cap) => ops::softcap::softcap(&logits, cap)?,
+            None => logits,
+        };
         let (ce_rows, dl) = ops::cross_entropy::cross_entropy_fwd_bwd(
             &logits,
             targets,
             denom,
             self.kernels.cross_entropy,
         )?;
+        let dl = match cap {
+            Some(cap) => ops::softcap::softcap_bwd(&logits, &dl, cap)?,
+            None => dl,
+        };
         drop(logits);
         let dhn = dl.matmul(&self.lm_head)?; // [n, C]
         Ok((
             ce_rows.sum_all()?,
-            ops::rms_norm_bwd(x, &self.norm, eps, &dhn)?,
+            ops::rms_norm_bwd(x, &self.norm, norm, &dhn)?,
         ))
     }
 

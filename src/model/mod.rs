@@ -1,11 +1,14 @@
-//! Our trainable Llama-family model (llama, mistral, qwen2), read from HF checkpoints.
+//! Our trainable decoder (llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3: one model,
+//! the families' differences as data in model/family.rs), read from HF checkpoints.
 //!
 //! The model knows no communication and no optimiser: it maps token ids to hidden states and
 //! logits, one decoder layer at a time, so the driver (train::driver) can checkpoint, recompute
 //! and free memory between layers.
 
+pub mod build;
 pub mod check;
 pub mod config;
+pub mod family;
 pub mod layer;
 pub mod layer_train;
 pub mod linear;
@@ -13,8 +16,9 @@ pub mod llama;
 pub mod prefetch;
 pub mod rope;
 
-pub use config::{ConfigError, Family, ModelConfig, RopeScaling};
-pub use layer::Layer;
+pub use config::{ConfigError, ModelConfig, RopeScaling};
+pub use family::{Arch, Family, NormStyle};
+pub use layer::{Extra, Layer, LayerSpec};
 pub use layer_train::{LayerActs, LayerGrads};
 pub use linear::{AdapterGrad, Linear, Pad};
 pub use llama::{Ctx, Model};

@@ -1,46 +1,127 @@
-//! Rotary frequencies (with Llama-3 / linear scaling) and per-token cos/sin tables.
+//! Rotary frequencies (linear, Llama-3 and LongRoPE scaling) and per-token cos/sin tables.
 
 use super::config::{ModelConfig, RopeScaling};
+use super::family::Rope;
 use candle_core::{DType, Device, Result, Tensor};
 
-/// inv_freq[i] = 1 / θ^(2i/D), i < D/2, rescaled as the config says. f32, as transformers.
+/// The global RoPE's inv_freq (LongRoPE: its short table), as `Freqs::new` makes it.
 pub fn inv_freq(cfg: &ModelConfig) -> Vec<f32> {
-    let d = cfg.head_dim;
-    let base = cfg.rope_theta as f32;
-    let raw: Vec<f32> = (0..d / 2)
-        .map(|i| 1.0 / base.powf((2 * i) as f32 / d as f32))
-        .collect();
-    match cfg.rope_scaling {
-        RopeScaling::None => raw,
-        RopeScaling::Linear { factor } => raw.iter().map(|f| f / factor as f32).collect(),
-        RopeScaling::Llama3 {
-            factor,
-            low_freq_factor,
-            high_freq_factor,
-            original_max_position,
-        } => {
-            let (factor, lo, hi) = (
-                factor as f32,
-                low_freq_factor as f32,
-                high_freq_factor as f32,
-            );
-            let old = original_max_position as f32;
-            let (low_wavelen, high_wavelen) = (old / lo, old / hi);
-            raw.iter()
-                .map(|&f| {
-                    let wavelen = 2.0 * std::f32::consts::PI / f;
-                    if wavelen < high_wavelen {
-                        f
-                    } else if wavelen > low_wavelen {
-                        f / factor
-                    } else {
-                        let smooth = (old / wavelen - lo) / (hi - lo);
-                        (1.0 - smooth) * f / factor + smooth * f
-                    }
-                })
-                .collect()
+    let rope = Rope {
+        theta: cfg.rope_theta,
+        scaling: cfg.rope_scaling.clone(),
+    };
+    Freqs::new(cfg.head_dim, &rope).short
+}
+
+/// One RoPE's frequencies: the table each batch takes, and the factor on cos and sin.
+#[derive(Debug, Clone)]
+pub struct Freqs {
+    /// inv_freq [D/2]: the only table, or LongRoPE's short one.
+    short: Vec<f32>,
+    /// LongRoPE: the table of a batch whose positions reach `.1` (original_max_position) or
+    /// further, as transformers switches on max(position_ids) + 1 > original.
+    long: Option<(Vec<f32>, usize)>,
+    /// cos and sin × this (LongRoPE's attention factor; 1 otherwise).
+    mscale: f32,
+}
+
+impl Freqs {
+    /// inv_freq[i] = 1 / θ^(2i/D), i < D/2, rescaled as `rope.scaling` says; f32, as
+    /// transformers computes them.
+    pub fn new(head_dim: usize, rope: &Rope) -> Freqs {
+        let d = head_dim;
+        let base = rope.theta as f32;
+        let raw: Vec<f32> = (0..d / 2)
+            .map(|i| 1.0 / base.powf((2 * i) as f32 / d as f32))
+            .collect();
+        let plain = |short| Freqs {
+            short,
+            long: None,
+            mscale: 1.0,
+        };
+        match &rope.scaling {
+            RopeScaling::None => plain(raw),
+            RopeScaling::Linear { factor } => {
+                plain(raw.iter().map(|f| f / *factor as f32).collect())
+            }
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position,
+            } => plain(llama3(
+                &raw,
+                [*factor, *low_freq_factor, *high_freq_factor],
+                *original_max_position,
+            )),
+            RopeScaling::LongRope {
+                short,
+                long,
+                original_max_position,
+                attention_factor,
+            } => {
+                // transformers: 1 / (ext · base^(2i/D)), ext and the power in f32.
+                let ext = |fs: &[f64]| -> Vec<f32> {
+                    (0..d / 2)
+                        .map(|i| {
+                            let pw = base.powf((2 * i) as f32 / d as f32);
+                            1.0 / (fs.get(i).copied().unwrap_or(1.0) as f32 * pw)
+                        })
+                        .collect()
+                };
+                Freqs {
+                    short: ext(short),
+                    long: Some((ext(long), *original_max_position)),
+                    mscale: *attention_factor as f32,
+                }
+            }
         }
     }
+
+    /// The table for a batch of these positions.
+    pub fn table(&self, positions: &[u32]) -> &[f32] {
+        let reach = positions.iter().max().map_or(0, |&p| p as usize + 1);
+        match &self.long {
+            Some((long, orig)) if reach > *orig => long,
+            _ => &self.short,
+        }
+    }
+
+    /// cos and sin of each token's angles ([B, T, D/2] f32 each), × the attention factor.
+    pub fn cos_sin(
+        &self,
+        positions: &[u32],
+        b: usize,
+        t: usize,
+        dev: &Device,
+    ) -> Result<(Tensor, Tensor)> {
+        let (cos, sin) = cos_sin(self.table(positions), positions, b, t, dev)?;
+        match self.mscale {
+            1.0 => Ok((cos, sin)),
+            m => Ok(((cos * m as f64)?, (sin * m as f64)?)),
+        }
+    }
+}
+
+/// Llama 3.1's per-frequency rescale: high frequencies kept, low ones ÷ factor, a smooth blend
+/// between (`[factor, low_freq_factor, high_freq_factor]`).
+fn llama3(raw: &[f32], [factor, lo, hi]: [f64; 3], original_max_position: usize) -> Vec<f32> {
+    let (factor, lo, hi) = (factor as f32, lo as f32, hi as f32);
+    let old = original_max_position as f32;
+    let (low_wavelen, high_wavelen) = (old / lo, old / hi);
+    raw.iter()
+        .map(|&f| {
+            let wavelen = 2.0 * std::f32::consts::PI / f;
+            if wavelen < high_wavelen {
+                f
+            } else if wavelen > low_wavelen {
+                f / factor
+            } else {
+                let smooth = (old / wavelen - lo) / (hi - lo);
+                (1.0 - smooth) * f / factor + smooth * f
+            }
+        })
+        .collect()
 }
 
 /// cos and sin of position·inv_freq for each token: positions [B×T] → two [B, T, D/2] f32.

@@ -7,35 +7,41 @@ __device__ __forceinline__ bool allowed(const unsigned int* seg, long b, int t, 
     return j <= i && (window <= 0 || i - j < window) && (!seg || seg[b * t + j] == seg[b * t + i]);
 }
 
+// A raw score as the softmax takes it: scaled, and soft-capped where cap > 0 (Gemma 2).
+__device__ __forceinline__ float score(float s, float scale, float cap) {
+    return cap > 0.f ? cap * tanhf(s * scale / cap) : s * scale;
+}
+
 // Attention block rows: s [R, e] with R = B·H·bq; row r is query i = q_off + r % bq of batch
 // b = r / (H·bq). One thread block per row.
 template <typename T>
 __device__ void masked_lse(const T* s, float* lse, const unsigned int* seg, int h, int bq, int e,
-                           int t, int q_off, int window, float scale) {
+                           int t, int q_off, int window, float scale, float cap) {
     long row = blockIdx.x;
     int i = q_off + row % bq;
     long b = row / ((long)h * bq);
     const T* sr = s + row * e;
     float m = __int_as_float(0xff800000);
     for (int j = threadIdx.x; j < e; j += blockDim.x)
-        if (allowed(seg, b, t, i, j, window)) m = fmaxf(m, ld(sr, j) * scale);
+        if (allowed(seg, b, t, i, j, window)) m = fmaxf(m, score(ld(sr, j), scale, cap));
     m = block_max(m);
     float sum = 0.f;
     for (int j = threadIdx.x; j < e; j += blockDim.x)
-        if (allowed(seg, b, t, i, j, window)) sum += __expf(ld(sr, j) * scale - m);
+        if (allowed(seg, b, t, i, j, window)) sum += __expf(score(ld(sr, j), scale, cap) - m);
     sum = block_sum(sum);
     if (threadIdx.x == 0) lse[row] = m + logf(sum);
 }
 
 template <typename T>
 __device__ void masked_exp(const T* s, const float* lse, T* p, const unsigned int* seg, int h,
-                           int bq, int e, int t, int q_off, int window, float scale) {
+                           int bq, int e, int t, int q_off, int window, float scale, float cap) {
     long row = blockIdx.x;
     int i = q_off + row % bq;
     long b = row / ((long)h * bq);
     float l = lse[row];
     for (int j = threadIdx.x; j < e; j += blockDim.x)
-        st(p + row * e, j, allowed(seg, b, t, i, j, window) ? __expf(ld(s + row * e, j) * scale - l) : 0.f);
+        st(p + row * e, j,
+           allowed(seg, b, t, i, j, window) ? __expf(score(ld(s + row * e, j), scale, cap) - l) : 0.f);
 }
 
 // ds = scale · p ⊙ (dp − δ[row]); elementwise over n = R·e.
@@ -44,6 +50,15 @@ __device__ void softmax_bwd(const T* p, const T* dp, const float* delta, T* ds, 
     long k = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (k >= n) return;
     st(ds, k, ld(p, k) * (ld(dp, k) - delta[k / e]) * scale);
+}
+// softmax_bwd through the soft-cap: × (1 − tanh²(scale · s / cap)), s the raw scores.
+template <typename T>
+__device__ void softmax_bwd_cap(const T* p, const T* dp, const float* delta, const T* s, T* ds,
+                                int e, float scale, float cap, long n) {
+    long k = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (k >= n) return;
+    float th = tanhf(ld(s, k) * scale / cap);
+    st(ds, k, ld(p, k) * (ld(dp, k) - delta[k / e]) * scale * (1.f - th * th));
 }
 
 // out [R, bk, D] f32 = sum (or 0) + part[R, ks..ks+bk, D] of part [R, e, D]; n = R·bk·D.
@@ -81,13 +96,16 @@ __device__ void row_dot(const T* g, const T* o, float* delta, long mh, int h, in
 
 #define ATTENTION_INST(NAME, T) \
 extern "C" __global__ void masked_lse_##NAME(const T* s, float* lse, const unsigned int* seg, \
-    int h, int bq, int e, int t, int q_off, int window, float scale) \
-    { masked_lse<T>(s, lse, seg, h, bq, e, t, q_off, window, scale); } \
+    int h, int bq, int e, int t, int q_off, int window, float scale, float cap) \
+    { masked_lse<T>(s, lse, seg, h, bq, e, t, q_off, window, scale, cap); } \
 extern "C" __global__ void masked_exp_##NAME(const T* s, const float* lse, T* p, \
-    const unsigned int* seg, int h, int bq, int e, int t, int q_off, int window, float scale) \
-    { masked_exp<T>(s, lse, p, seg, h, bq, e, t, q_off, window, scale); } \
+    const unsigned int* seg, int h, int bq, int e, int t, int q_off, int window, float scale, \
+    float cap) { masked_exp<T>(s, lse, p, seg, h, bq, e, t, q_off, window, scale, cap); } \
 extern "C" __global__ void softmax_bwd_##NAME(const T* p, const T* dp, const float* delta, T* ds, \
     int e, float scale, long n) { softmax_bwd<T>(p, dp, delta, ds, e, scale, n); } \
+extern "C" __global__ void softmax_bwd_cap_##NAME(const T* p, const T* dp, const float* delta, \
+    const T* s, T* ds, int e, float scale, float cap, long n) \
+    { softmax_bwd_cap<T>(p, dp, delta, s, ds, e, scale, cap, n); } \
 extern "C" __global__ void acc_block_##NAME(const float* sum, const T* part, float* out, long n, \
     int e, int d, int ks, int bk) { acc_block<T>(sum, part, out, n, e, d, ks, bk); } \
 extern "C" __global__ void row_dot_##NAME(const T* g, const T* o, float* delta, long mh, int h, \

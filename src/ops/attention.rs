@@ -4,7 +4,9 @@
 //! and three fused kernels: masked log-sum-exp, masked exp, softmax backward).
 //!
 //! Masking is computed from indices, never materialised: causal, optionally block-diagonal
-//! (packed examples: query i sees key j only within its segment) and a sliding window.
+//! (packed examples: query i sees key j only within its segment) and a sliding window. Gemma 2's
+//! soft-cap, z = cap · tanh(scale · s / cap), is applied to each score as the kernels read it;
+//! its backward multiplies dS by scale · (1 − (z / cap)²), from the block's scores kept for it.
 //!
 //! Shapes: q, k, v, O: [B, H, T, D] (k, v already repeated for GQA); L: [B, H, T] f32;
 //! a block of bq queries starting at s sees keys [0, e) with e = s + bq.
@@ -23,6 +25,8 @@ pub struct AttnMask {
     pub segments: Option<Tensor>,
     /// Keys this many or more positions back are masked (0 = unlimited).
     pub window: usize,
+    /// Scores soft-capped at this before the mask (0 = none; Gemma 2's attn_logit_softcapping).
+    pub softcap: f32,
 }
 
 /// Index arithmetic shared by the three block kernels.
@@ -32,10 +36,20 @@ struct Block {
     t: usize,     // full sequence length (segment ids are [B × T])
     window: usize,
     scale: f32,
+    /// Soft-cap (0 = none).
+    cap: f32,
     seg: Option<Tensor>,
 }
 
 impl Block {
+    /// A raw score as the softmax takes it: scaled, and capped where there is a cap.
+    fn score(&self, s: f32) -> f32 {
+        match self.cap {
+            0.0 => s * self.scale,
+            c => c * (s * self.scale / c).tanh(),
+        }
+    }
+
     fn seg_host(&self) -> Result<Option<Vec<u32>>> {
         self.seg
             .as_ref()
@@ -56,8 +70,12 @@ impl Block {
 struct MaskedLse(Block);
 /// (scores, L) → P = exp(scale · scores − L) on allowed keys, else 0; scores' dtype.
 struct MaskedExp(Block);
-/// (P, dP, δ) → dS = scale · P ⊙ (dP − δ), δ = rowsum(dO ⊙ O) [B, H, bq] f32.
-struct SoftmaxBwd(f32);
+/// (P, dP, δ) → dS = scale · P ⊙ (dP − δ), δ = rowsum(dO ⊙ O) [B, H, bq] f32; with a cap,
+/// × (1 − tanh²(scale · s / cap)) from the block's raw scores s (P's dtype and shape).
+struct SoftmaxBwd {
+    scale: f32,
+    cap: Option<(f32, Tensor)>,
+}
 
 impl CustomOp1 for MaskedLse {
     fn name(&self) -> &'static str {
@@ -75,11 +93,11 @@ impl CustomOp1 for MaskedLse {
             let ok = |j: usize| self.0.allowed(&seg, bi, i, j);
             let m = (0..e)
                 .filter(|&j| ok(j))
-                .map(|j| r[j] * self.0.scale)
+                .map(|j| self.0.score(r[j]))
                 .fold(f32::NEG_INFINITY, f32::max);
             let sum: f32 = (0..e)
                 .filter(|&j| ok(j))
-                .map(|j| (r[j] * self.0.scale - m).exp())
+                .map(|j| (self.0.score(r[j]) - m).exp())
                 .sum();
             *o = m + sum.ln();
         }
@@ -100,7 +118,7 @@ impl CustomOp1 for MaskedLse {
             self.0.t,
             self.0.q_off,
             self.0.window,
-            self.0.scale,
+            [self.0.scale, self.0.cap],
         )?;
         Ok((out, (b, h, bq).into()))
     }
@@ -127,7 +145,7 @@ impl CustomOp2 for MaskedExp {
             let (bi, i) = (row / (h * bq), self.0.q_off + row % bq);
             for j in 0..e {
                 if self.0.allowed(&seg, bi, i, j) {
-                    p[row * e + j] = (x[row * e + j] * self.0.scale - lse[row]).exp();
+                    p[row * e + j] = (self.0.score(x[row * e + j]) - lse[row]).exp();
                 }
             }
         }
@@ -151,7 +169,7 @@ impl CustomOp2 for MaskedExp {
             self.0.t,
             self.0.q_off,
             self.0.window,
-            self.0.scale,
+            [self.0.scale, self.0.cap],
         )?;
         Ok((out, l.shape().clone()))
     }
@@ -177,12 +195,20 @@ impl CustomOp3 for SoftmaxBwd {
             cpu_as_f32(dp, dpl)?,
             cpu_as_f32(delta, dl)?,
         );
-        let ds = pv
+        let sc = self.scale;
+        let mut ds: Vec<f32> = pv
             .iter()
             .zip(&dpv)
             .enumerate()
-            .map(|(k, (p, dp))| p * (dp - dv[k / e]) * self.0)
+            .map(|(k, (p, dp))| p * (dp - dv[k / e]) * sc)
             .collect();
+        if let Some((c, s)) = &self.cap {
+            let s = s.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+            for (d, s) in ds.iter_mut().zip(s) {
+                let t = (s * sc / c).tanh();
+                *d *= 1.0 - t * t;
+            }
+        }
         Ok((cpu_from_f32(ds, p)?, pl.shape().clone()))
     }
 
@@ -196,8 +222,19 @@ impl CustomOp3 for SoftmaxBwd {
         delta: &candle_core::CudaStorage,
         dl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let cap = match &self.cap {
+            Some((c, s)) => Some((*c, s.storage_and_layout())),
+            None => None,
+        };
+        let cap = match &cap {
+            Some((c, (s, l))) => match &**s {
+                candle_core::Storage::Cuda(cs) => Some((*c, cs, *l)),
+                _ => candle_core::bail!("softmax_bwd: scores are not on the GPU"),
+            },
+            None => None,
+        };
         Ok((
-            cuda::softmax_bwd(p, pl, dp, dpl, delta, dl, self.0)?,
+            cuda::softmax_bwd(p, pl, dp, dpl, delta, dl, self.scale, cap)?,
             pl.shape().clone(),
         ))
     }
@@ -292,6 +329,7 @@ fn block_of(mask: &AttnMask, t: usize, scale: f64) -> Block {
         t,
         window: mask.window,
         scale: scale as f32,
+        cap: mask.softcap,
         seg: mask.segments.clone(),
     }
 }
@@ -376,6 +414,11 @@ pub fn attention_bwd(
         let gb = d_o.narrow(2, s, n)?;
         let scores = qb.matmul(&kk.t()?)?;
         let p = scores.apply_op2_no_bwd(&lse.narrow(2, s, n)?.contiguous()?, &MaskedExp(blk(s)))?;
+        // the cap's derivative needs the raw scores (in P's f32, below)
+        let cap = match mask.softcap {
+            0.0 => None,
+            c => Some((c, scores.to_dtype(DType::F32)?)),
+        };
         drop(scores);
         acc(&mut dv, &p.t()?.matmul(&gb)?)?; // [B, H, e, D]
 
@@ -390,7 +433,10 @@ pub fn attention_bwd(
             .apply_op3_no_bwd(
                 &dp,
                 &delta.narrow(2, s, n)?.contiguous()?,
-                &SoftmaxBwd(scale as f32),
+                &SoftmaxBwd {
+                    scale: scale as f32,
+                    cap,
+                },
             )?
             .to_dtype(dt)?;
         drop((p, dp));
@@ -544,7 +590,7 @@ mod cuda {
         t: usize,
         q_off: usize,
         window: usize,
-        scale: f32,
+        [scale, cap]: [f32; 2],
     ) -> Result<CudaStorage> {
         use candle_core::backend::BackendStorage;
         let (b, h, bq, e) = l.shape().dims4()?;
@@ -579,7 +625,8 @@ mod cuda {
                     .arg(&ti)
                     .arg(&qo)
                     .arg(&wi)
-                    .arg(&scale);
+                    .arg(&scale)
+                    .arg(&cap);
             };
         }
         match (lse_in, s.dtype()) {
@@ -614,6 +661,7 @@ mod cuda {
         }
     }
 
+    /// `sc` = [scale, soft-cap (0: none)].
     pub fn masked_lse(
         s: &CudaStorage,
         l: &Layout,
@@ -621,9 +669,9 @@ mod cuda {
         t: usize,
         q_off: usize,
         window: usize,
-        scale: f32,
+        sc: [f32; 2],
     ) -> Result<CudaStorage> {
-        block_rows("masked_lse", s, l, None, seg, t, q_off, window, scale)
+        block_rows("masked_lse", s, l, None, seg, t, q_off, window, sc)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -636,7 +684,7 @@ mod cuda {
         t: usize,
         q_off: usize,
         window: usize,
-        scale: f32,
+        sc: [f32; 2],
     ) -> Result<CudaStorage> {
         block_rows(
             "masked_exp",
@@ -647,10 +695,12 @@ mod cuda {
             t,
             q_off,
             window,
-            scale,
+            sc,
         )
     }
 
+    /// `cap`: the soft-cap and the block's raw scores (P's dtype and shape), when capped.
+    #[allow(clippy::too_many_arguments)]
     pub fn softmax_bwd(
         p: &CudaStorage,
         pl: &Layout,
@@ -659,12 +709,16 @@ mod cuda {
         delta: &CudaStorage,
         dl: &Layout,
         scale: f32,
+        cap: Option<(f32, &CudaStorage, &Layout)>,
     ) -> Result<CudaStorage> {
         use candle_core::backend::BackendStorage;
         let e = *pl.dims().last().unwrap_or(&1);
         let n = pl.shape().elem_count();
         if dp.dtype() != p.dtype() {
             candle_core::bail!("softmax_bwd: dP {:?} vs P {:?}", dp.dtype(), p.dtype());
+        }
+        if let Some((c, ss, sl)) = cap {
+            return softmax_bwd_cap(p, pl, dp, dpl, delta, dl, [scale, c], ss, sl);
         }
         let (func, stream) = kernel(p, "softmax_bwd")?;
         let cfg = LaunchConfig::for_num_elems(n as u32);
@@ -683,6 +737,51 @@ mod cuda {
                     .arg(&sc)
                     .arg(&nl);
                 unsafe { bld.launch(cfg) }.w()?;
+            })
+        }))
+    }
+
+    /// `softmax_bwd` with the cap's derivative, from the raw scores s.
+    #[allow(clippy::too_many_arguments)]
+    fn softmax_bwd_cap(
+        p: &CudaStorage,
+        pl: &Layout,
+        dp: &CudaStorage,
+        dpl: &Layout,
+        delta: &CudaStorage,
+        dl: &Layout,
+        [scale, cap]: [f32; 2],
+        ss: &CudaStorage,
+        sl: &Layout,
+    ) -> Result<CudaStorage> {
+        use candle_core::backend::BackendStorage;
+        let e = *pl.dims().last().unwrap_or(&1);
+        let n = pl.shape().elem_count();
+        if ss.dtype() != p.dtype() || sl.shape().elem_count() != n {
+            candle_core::bail!("softmax_bwd: scores {:?} vs P {:?}", ss.dtype(), p.dtype());
+        }
+        let (func, stream) = kernel(p, "softmax_bwd_cap")?;
+        let cfg = LaunchConfig::for_num_elems(n as u32);
+        let (d1, d2) = contiguous(dl)?;
+        let delta = delta.as_cuda_slice::<f32>()?.slice(d1..d2);
+        let (q1, q2) = contiguous(dpl)?;
+        let (s1, s2) = contiguous(sl)?;
+        let (ei, nl) = (e as i32, n as i64);
+        Ok(with_dtype!(p, pl, n, |x, out| {
+            let mut bld = stream.launch_builder(&func);
+            with_view!(dp, q1..q2, |dpv| {
+                with_view!(ss, s1..s2, |sv| {
+                    bld.arg(&x)
+                        .arg(&dpv)
+                        .arg(&delta)
+                        .arg(&sv)
+                        .arg(&out)
+                        .arg(&ei)
+                        .arg(&scale)
+                        .arg(&cap)
+                        .arg(&nl);
+                    unsafe { bld.launch(cfg) }.w()?;
+                })
             })
         }))
     }

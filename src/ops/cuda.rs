@@ -31,6 +31,8 @@ static PORTABLE: Program = Program {
             include_str!("rope.cu"),
             include_str!("attention.cu"),
             include_str!("swiglu.cu"),
+            include_str!("geglu.cu"),
+            include_str!("softcap.cu"),
             include_str!("add.cu"),
             include_str!("flash.cu"),
             include_str!("multi_tensor.cu"),

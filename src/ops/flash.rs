@@ -24,6 +24,7 @@ pub fn flash_fwd(
     scale: f64,
     kernels: Attention,
 ) -> Result<(Tensor, Tensor)> {
+    no_softcap(mask)?;
     #[cfg(feature = "cuda")]
     {
         imp::fwd(q, k, v, mask, scale, kernels)
@@ -53,6 +54,7 @@ pub fn flash_bwd(
     rope: Option<(&Tensor, &Tensor)>,
     kernels: Attention,
 ) -> Result<(Tensor, Tensor, Tensor)> {
+    no_softcap(mask)?;
     #[cfg(feature = "cuda")]
     {
         imp::bwd(q, k, v, d_o, delta, lse, mask, scale, rope, kernels)
@@ -62,6 +64,15 @@ pub fn flash_bwd(
         let _ = (q, k, v, d_o, delta, lse, mask, scale, rope, kernels);
         candle_core::bail!("flash attention needs the cuda feature")
     }
+}
+
+/// The tensor-core kernels do not soft-cap: `Kernels::resolve` gives a model with a cap the
+/// blockwise attention (a cap here would be silently dropped, as sdpa drops Gemma 2's).
+fn no_softcap(mask: &AttnMask) -> Result<()> {
+    if mask.softcap != 0.0 {
+        candle_core::bail!("flash attention cannot soft-cap the scores (use the blockwise path)");
+    }
+    Ok(())
 }
 
 #[cfg(feature = "cuda")]

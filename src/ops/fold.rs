@@ -44,6 +44,7 @@
 use super::dropout::Dropout;
 use super::kernels::Gemm;
 use super::linear_acc::matmul_scaled;
+use super::rms_norm::NormSpec;
 use candle_core::{Result, Tensor};
 
 /// Padded rows are whole multiples of this many elements (128 bytes in bf16): a weight read
@@ -61,14 +62,20 @@ pub fn pad_width(ranks: &[usize], in_f: usize) -> Option<usize> {
 
 /// rms_norm(x) · w for x [.., d] into the first d columns of a fresh [rows, d + pad] (its pad
 /// columns unset); None off CUDA or where the kernel cannot take the operands.
-pub fn rms_norm_pad(x: &Tensor, w: &Tensor, eps: f64, pad: usize) -> Result<Option<Tensor>> {
+pub fn rms_norm_pad(
+    x: &Tensor,
+    w: &Tensor,
+    spec: impl Into<NormSpec>,
+    pad: usize,
+) -> Result<Option<Tensor>> {
+    let spec = spec.into();
     #[cfg(feature = "cuda")]
     {
-        super::rms_norm::cuda::rms_norm_pad(x, w, eps as f32, pad)
+        super::rms_norm::cuda::rms_norm_pad(x, w, spec, pad)
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (x, w, eps, pad);
+        let _ = (x, w, spec, pad);
         Ok(None)
     }
 }
@@ -79,16 +86,17 @@ pub fn add_rms_norm_pad(
     x: &Tensor,
     a: &Tensor,
     w: &Tensor,
-    eps: f64,
+    spec: impl Into<NormSpec>,
     pad: usize,
 ) -> Result<Option<(Tensor, Tensor)>> {
+    let spec = spec.into();
     #[cfg(feature = "cuda")]
     {
-        super::rms_norm::cuda::add_rms_norm_pad(x, a, w, eps as f32, pad)
+        super::rms_norm::cuda::add_rms_norm_pad(x, a, w, spec, pad)
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (x, a, w, eps, pad);
+        let _ = (x, a, w, spec, pad);
         Ok(None)
     }
 }

@@ -1,13 +1,15 @@
 //! Every kernel choice of a run, in one value resolved once at start-up.
 //!
 //! `Kernels::resolve` reads the device (CUDA or not, Hopper or not), the activation dtype, the
-//! head dim and the one user-facing choice, `train.deterministic` (`bench --deterministic`).
+//! model's attention shape (`AttnShape`: head dim, and whether the scores are soft-capped) and
+//! the one user-facing choice, `train.deterministic` (`bench --deterministic`).
 //! The model holds the result (`Model::kernels`) and each batch's `Ctx` carries a copy, so that
 //! every op takes its choice from there. `Kernels::forecast` makes the same choices without a
 //! device, for `lora-train plan` in any build.
 //!
-//! A fallback exists only where the hardware or the dtype needs it: the blockwise attention
-//! (CPU, f32 and f16, head dims other than 64 and 128), the unfolded adapters (CPU, f32 and
+//! A fallback exists only where the hardware, the dtype or the model needs it: the blockwise
+//! attention (CPU, f32 and f16, head dims other than 64 and 128, soft-capped scores: Gemma 2's
+//! caps live in its kernels, not in the tensor-core ones), the unfolded adapters (CPU, f32 and
 //! f16; per linear also biases), dropout's masked copies (CPU, f32 and f16), the
 //! cross-entropy as tensor ops (CPU, f16), and cuBLAS's own GEMM choice (CPU).
 //!
@@ -28,6 +30,24 @@ use candle_core::{DType, Device};
 pub const EXPERIMENTS_VAR: &str = "LORA_TRAIN_EXPERIMENTS";
 /// The experiments `LORA_TRAIN_EXPERIMENTS` may name.
 pub const EXPERIMENTS: [&str; 3] = ["reduce_ahead", "peer_copy", "decode_graph"];
+
+/// What the attention kernels' choice depends on in the model (`ModelConfig::attn_shape`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttnShape {
+    pub head_dim: usize,
+    /// The scores are soft-capped (Gemma 2's attn_logit_softcapping).
+    pub softcap: bool,
+}
+
+impl From<usize> for AttnShape {
+    /// A head dim, no soft-cap.
+    fn from(head_dim: usize) -> Self {
+        AttnShape {
+            head_dim,
+            softcap: false,
+        }
+    }
+}
 
 /// The kernels of a causal attention pass.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -55,10 +75,10 @@ impl Attention {
         self != Attention::Blockwise
     }
 
-    /// The choice for head dim `d` over `dtype` activations on CUDA (`cuda`) or not, on a
-    /// Hopper GPU (`hopper`) or not.
-    fn choose(cuda: bool, hopper: bool, dtype: DType, d: usize, deterministic: bool) -> Self {
-        match (cuda && dtype == DType::BF16, d) {
+    /// The choice for attention shape `a` over `dtype` activations on CUDA (`cuda`) or not, on
+    /// a Hopper GPU (`hopper`) or not.
+    fn choose(cuda: bool, hopper: bool, dtype: DType, a: AttnShape, deterministic: bool) -> Self {
+        match (cuda && dtype == DType::BF16 && !a.softcap, a.head_dim) {
             (true, 128) if hopper && deterministic => Attention::WgmmaSplitDq,
             (true, 128) if hopper => Attention::Wgmma,
             (true, 64 | 128) => Attention::MmaSync,
@@ -153,14 +173,15 @@ pub struct Kernels {
 }
 
 impl Kernels {
-    /// The choices for a model of `dtype` activations and head dim `head_dim` on `device`;
+    /// The choices for a model of `dtype` activations and attention shape `attn` (a head dim,
+    /// or `ModelConfig::attn_shape`) on `device`;
     /// `deterministic`: no kernel whose f32 sums land in a varying order (today wgmma's fused
     /// dQ), so that a run repeats bit for bit on the same GPU. Fails only on a bad
     /// `LORA_TRAIN_EXPERIMENTS`.
     pub fn resolve(
         device: &Device,
         dtype: DType,
-        head_dim: usize,
+        attn: impl Into<AttnShape>,
         deterministic: bool,
     ) -> Result<Kernels, UnknownExperiment> {
         let cuda = cfg!(feature = "cuda") && device.is_cuda();
@@ -168,7 +189,7 @@ impl Kernels {
             cuda,
             hopper(device),
             dtype,
-            head_dim,
+            attn.into(),
             deterministic,
             Experiments::from_env()?,
         ))
@@ -176,8 +197,15 @@ impl Kernels {
 
     /// What `resolve` would choose in a CUDA build, without a device (`lora-train plan`, from
     /// any build): on a GPU (`cuda`) taken to be a Hopper one; no experiments.
-    pub fn forecast(cuda: bool, dtype: DType, head_dim: usize) -> Kernels {
-        Self::choose(cuda, cuda, dtype, head_dim, false, Experiments::default())
+    pub fn forecast(cuda: bool, dtype: DType, attn: impl Into<AttnShape>) -> Kernels {
+        Self::choose(
+            cuda,
+            cuda,
+            dtype,
+            attn.into(),
+            false,
+            Experiments::default(),
+        )
     }
 
     /// Every fallback: what the CPU runs.
@@ -189,12 +217,12 @@ impl Kernels {
         cuda: bool,
         hopper: bool,
         dtype: DType,
-        head_dim: usize,
+        attn: AttnShape,
         deterministic: bool,
         experiments: Experiments,
     ) -> Kernels {
         Kernels {
-            attention: Attention::choose(cuda, hopper, dtype, head_dim, deterministic),
+            attention: Attention::choose(cuda, hopper, dtype, attn, deterministic),
             fold: cuda && dtype == DType::BF16,
             dropout_fused: cuda && dtype == DType::BF16,
             cross_entropy: match cuda && matches!(dtype, DType::F32 | DType::BF16) {
@@ -262,10 +290,19 @@ mod tests {
             Kernels::forecast(true, bf16, 96).attention,
             Attention::Blockwise
         );
-        let split = Kernels::choose(true, true, bf16, 128, true, Experiments::default());
+        let d128 = AttnShape::from(128);
+        let split = Kernels::choose(true, true, bf16, d128, true, Experiments::default());
         assert_eq!(split.attention, Attention::WgmmaSplitDq);
-        let ampere = Kernels::choose(true, false, bf16, 128, true, Experiments::default());
+        let ampere = Kernels::choose(true, false, bf16, d128, true, Experiments::default());
         assert_eq!(ampere.attention, Attention::MmaSync);
+        // Soft-capped scores (Gemma 2) take the blockwise kernels, which cap; the rest stays.
+        let capped = AttnShape {
+            head_dim: 128,
+            softcap: true,
+        };
+        let k = Kernels::forecast(true, bf16, capped);
+        assert_eq!(k.attention, Attention::Blockwise);
+        assert!(k.fold && k.cross_entropy == CrossEntropy::Fused);
         // f32 on a GPU: the fused cross-entropy and tuned GEMMs, nothing else.
         let f32 = Kernels::forecast(true, DType::F32, 128);
         assert_eq!(f32.attention, Attention::Blockwise);

@@ -23,14 +23,17 @@ pub mod flash;
 pub mod fold;
 pub mod fold_drop;
 pub mod frozen_linear;
+pub mod geglu;
 #[cfg(feature = "cuda")]
 pub mod gemm_tune;
+pub mod glu;
 pub mod kernels;
 pub mod linear_acc;
 pub mod lora_linear;
 pub mod multi_tensor;
 pub mod rms_norm;
 pub mod rope;
+pub mod softcap;
 pub mod swiglu;
 
 pub use add::add;
@@ -38,7 +41,7 @@ pub use attention::{attention, AttnMask};
 pub use frozen_linear::frozen_linear;
 pub use kernels::Kernels;
 pub use lora_linear::lora_linear;
-pub use rms_norm::{add_rms_norm, rms_norm, rms_norm_bwd, rms_norm_bwd_add};
+pub use rms_norm::{add_rms_norm, rms_norm, rms_norm_bwd, rms_norm_bwd_add, NormSpec};
 pub use rope::{rope, rope_heads, rope_rows_inv, to_heads, to_rows};
 pub use swiglu::{swiglu, swiglu_bwd, swiglu_bwd_keep};
 

@@ -2,33 +2,58 @@
 //!
 //! Forward in f32 whatever the activation dtype (as transformers' LlamaRMSNorm does: it
 //! upcasts, normalises, casts back, then multiplies by the weight in the weight's dtype).
+//! Gemma's norms (`NormSpec::offset` = 1) multiply the unrounded f32 x̂ by 1 + w, the sum in
+//! f32 (Gemma2RMSNorm: `x̂ * (1.0 + w.float())`, then one cast), with w as stored.
 
 use super::{cpu_as_f32, cpu_from_f32, round_to};
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor, D};
 
+/// An RMSNorm's settings besides its gain: eps, and the offset added to the gain (0, or 1
+/// for Gemma's 1 + w, which also leaves x̂ unrounded before the product). An f64 is an eps.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct NormSpec {
+    pub eps: f64,
+    pub offset: f32,
+}
+
+impl From<f64> for NormSpec {
+    fn from(eps: f64) -> Self {
+        NormSpec { eps, offset: 0.0 }
+    }
+}
+
 struct RmsNorm {
     w: Tensor, // [d]
     eps: f32,
+    offset: f32,
 }
 
 /// x: [..., d], w: [d] → [..., d]. Gradients flow to `x` only.
 /// h = x + a (rounded to their dtype) and rms_norm(h, w): a residual add and the norm after it,
 /// one pass on CUDA in bf16 (the two ops' values); elsewhere the two ops. No graph.
-pub fn add_rms_norm(x: &Tensor, a: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+pub fn add_rms_norm(
+    x: &Tensor,
+    a: &Tensor,
+    w: &Tensor,
+    spec: impl Into<NormSpec>,
+) -> Result<(Tensor, Tensor)> {
+    let spec = spec.into();
     #[cfg(feature = "cuda")]
-    if let Some(r) = cuda::add_rms_norm(x, a, w, eps as f32)? {
+    if let Some(r) = cuda::add_rms_norm(x, a, w, spec)? {
         return Ok(r);
     }
     let h = super::add(x, a)?;
-    let y = rms_norm(&h, w, eps)?;
+    let y = rms_norm(&h, w, spec)?;
     Ok((h, y))
 }
 
-pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+pub fn rms_norm(x: &Tensor, w: &Tensor, spec: impl Into<NormSpec>) -> Result<Tensor> {
+    let spec = spec.into();
     let x = x.contiguous()?;
     let op = RmsNorm {
         w: w.clone(),
-        eps: eps as f32,
+        eps: spec.eps as f32,
+        offset: spec.offset,
     };
     x.apply_op1_arc(std::sync::Arc::new(Box::new(op)))
 }
@@ -50,9 +75,13 @@ impl CustomOp1 for RmsNorm {
             let ms = xr.iter().map(|v| v * v).sum::<f32>() / d as f32;
             let r = 1.0 / (ms + self.eps).sqrt();
             for ((yv, xv), wv) in yr.iter_mut().zip(xr).zip(&w) {
-                // transformers rounds the normalised value to the input dtype before the gain.
-                let n = round_to(xv * r, s);
-                *yv = n * wv;
+                // transformers rounds the normalised value to the input dtype before the gain
+                // (not Gemma: its 1 + w multiplies the f32 value).
+                let n = match self.offset {
+                    0.0 => round_to(xv * r, s),
+                    _ => xv * r,
+                };
+                *yv = n * (wv + self.offset);
             }
         }
         Ok((cpu_from_f32(y, s)?, l.shape().clone()))
@@ -68,17 +97,30 @@ impl CustomOp1 for RmsNorm {
         let candle_core::Storage::Cuda(w) = &*ws else {
             candle_core::bail!("rms_norm: weight is not on the GPU")
         };
-        Ok((cuda::rms_norm(s, l, w, wl, self.eps)?, l.shape().clone()))
+        let spec = NormSpec {
+            eps: self.eps as f64,
+            offset: self.offset,
+        };
+        Ok((cuda::rms_norm(s, l, w, wl, spec)?, l.shape().clone()))
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(rms_norm_bwd(arg, &self.w, self.eps as f64, grad_res)?))
+        let spec = NormSpec {
+            eps: self.eps as f64,
+            offset: self.offset,
+        };
+        Ok(Some(rms_norm_bwd(arg, &self.w, spec, grad_res)?))
     }
 }
 
-/// dL/dx of `rms_norm(x, w, eps)` given g = dL/dy; x, g: [..., d] → [..., d] in x's dtype.
-pub fn rms_norm_bwd(x: &Tensor, w: &Tensor, eps: f64, g: &Tensor) -> Result<Tensor> {
-    bwd(x, w, eps, g, None)
+/// dL/dx of `rms_norm(x, w, spec)` given g = dL/dy; x, g: [..., d] → [..., d] in x's dtype.
+pub fn rms_norm_bwd(
+    x: &Tensor,
+    w: &Tensor,
+    spec: impl Into<NormSpec>,
+    g: &Tensor,
+) -> Result<Tensor> {
+    bwd(x, w, spec.into(), g, None)
 }
 
 /// `rms_norm_bwd(x, w, eps, g) + res`, res another term of dL/dx (x's shape; the residual
@@ -87,14 +129,14 @@ pub fn rms_norm_bwd(x: &Tensor, w: &Tensor, eps: f64, g: &Tensor) -> Result<Tens
 pub fn rms_norm_bwd_add(
     x: &Tensor,
     w: &Tensor,
-    eps: f64,
+    spec: impl Into<NormSpec>,
     g: &Tensor,
     res: &Tensor,
 ) -> Result<Tensor> {
-    bwd(x, w, eps, g, Some(res))
+    bwd(x, w, spec.into(), g, Some(res))
 }
 
-fn bwd(x: &Tensor, w: &Tensor, eps: f64, g: &Tensor, res: Option<&Tensor>) -> Result<Tensor> {
+fn bwd(x: &Tensor, w: &Tensor, spec: NormSpec, g: &Tensor, res: Option<&Tensor>) -> Result<Tensor> {
     // bf16 (the training dtype on GPUs) takes one fused pass per row. f32 keeps the
     // composite below: it is the path the f32 golden tests hold to rtol 1e-4, and a
     // different f32 summation order moves Adam-amplified entries by ~1e-4 there.
@@ -102,13 +144,14 @@ fn bwd(x: &Tensor, w: &Tensor, eps: f64, g: &Tensor, res: Option<&Tensor>) -> Re
         // dL/dy as the first columns of padded rows (ops::fold), read in place
         #[cfg(feature = "cuda")]
         if !g.is_contiguous() {
-            if let Some(dx) = cuda::rms_norm_bwd_rows(x, w, eps as f32, g, res)? {
+            if let Some(dx) = cuda::rms_norm_bwd_rows(x, w, spec, g, res)? {
                 return Ok(dx);
             }
         }
         let op = RmsNormBwd {
             w: w.clone(),
-            eps: eps as f32,
+            eps: spec.eps as f32,
+            offset: spec.offset,
             res: res
                 .map(|r| r.to_dtype(x.dtype())?.contiguous())
                 .transpose()?,
@@ -117,7 +160,7 @@ fn bwd(x: &Tensor, w: &Tensor, eps: f64, g: &Tensor, res: Option<&Tensor>) -> Re
             .contiguous()?
             .apply_op2_no_bwd(&g.to_dtype(x.dtype())?.contiguous()?, &op);
     }
-    let dx = composite(x, w, eps, g)?;
+    let dx = composite(x, w, spec, g)?;
     match res {
         Some(r) => super::add(&dx, &r.to_dtype(dx.dtype())?),
         None => Ok(dx),
@@ -125,14 +168,16 @@ fn bwd(x: &Tensor, w: &Tensor, eps: f64, g: &Tensor, res: Option<&Tensor>) -> Re
 }
 
 /// The f32 composite of `rms_norm_bwd`.
-fn composite(x: &Tensor, w: &Tensor, eps: f64, g: &Tensor) -> Result<Tensor> {
-    // With r = rsqrt(mean(x²)+eps), n = x·r, y = n·w:
+fn composite(x: &Tensor, w: &Tensor, spec: NormSpec, g: &Tensor) -> Result<Tensor> {
+    // With r = rsqrt(mean(x²)+eps), n = x·r, y = n·w (w + offset, the gain as applied):
     //   dx = r · (g·w − n · mean(g·w·n))
     let dtype = x.dtype();
     let x = x.to_dtype(DType::F32)?;
     let g = g.to_dtype(DType::F32)?;
-    let w = w.to_dtype(DType::F32)?;
-    let r = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
+    let w = (w.to_dtype(DType::F32)? + spec.offset as f64)?;
+    let r = (x.sqr()?.mean_keepdim(D::Minus1)? + spec.eps)?
+        .sqrt()?
+        .recip()?;
     let n = x.broadcast_mul(&r)?;
     let gw = g.broadcast_mul(&w)?;
     let dot = (&gw * &n)?.mean_keepdim(D::Minus1)?;
@@ -145,6 +190,8 @@ fn composite(x: &Tensor, w: &Tensor, eps: f64, g: &Tensor) -> Result<Tensor> {
 struct RmsNormBwd {
     w: Tensor,
     eps: f32,
+    /// Added to w (Gemma's 1 + w).
+    offset: f32,
     /// Added to dx (contiguous, x's dtype and shape).
     res: Option<Tensor>,
 }
@@ -162,7 +209,10 @@ impl candle_core::CustomOp2 for RmsNormBwd {
         gl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (x, g) = (cpu_as_f32(xs, xl)?, cpu_as_f32(gs, gl)?);
-        let w = self.w.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        let w: Vec<f32> = (self.w.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+            .into_iter()
+            .map(|w| w + self.offset)
+            .collect();
         let d = w.len();
         let mut dx = vec![0f32; x.len()];
         for ((xr, gr), dr) in x
@@ -213,8 +263,12 @@ impl candle_core::CustomOp2 for RmsNormBwd {
             },
             None => None,
         };
+        let spec = NormSpec {
+            eps: self.eps as f64,
+            offset: self.offset,
+        };
         Ok((
-            cuda::rms_norm_bwd(xs, xl, w, wl, gs, gl, res, self.eps)?,
+            cuda::rms_norm_bwd(xs, xl, w, wl, gs, gl, res, spec)?,
             xl.shape().clone(),
         ))
     }
@@ -223,6 +277,7 @@ impl candle_core::CustomOp2 for RmsNormBwd {
 #[cfg(feature = "cuda")]
 pub(super) mod cuda {
     //! The launchers of rms_norm.cu.
+    use super::NormSpec;
     use crate::ops::cuda::{
         addr, addr_rows, contiguous, function, kernel, padded_rows, threads_for, uninit, v8_addrs,
         v8_rows, with_dtype, with_view,
@@ -236,7 +291,7 @@ pub(super) mod cuda {
         xl: &Layout,
         w: &CudaStorage,
         wl: &Layout,
-        eps: f32,
+        spec: NormSpec,
     ) -> Result<CudaStorage> {
         use candle_core::backend::BackendStorage;
         let d = *xl.dims().last().unwrap_or(&1);
@@ -255,9 +310,9 @@ pub(super) mod cuda {
         let (w1, w2) = contiguous(wl)?;
         Ok(with_dtype!(x, xl, n, |xs, out| {
             let mut b = stream.launch_builder(&func);
-            let (di, e) = (d as i32, eps);
+            let (di, e, off) = (d as i32, spec.eps as f32, spec.offset);
             with_view!(w, w1..w2, |ws| {
-                b.arg(&xs).arg(&ws).arg(&out).arg(&di).arg(&e);
+                b.arg(&xs).arg(&ws).arg(&out).arg(&di).arg(&e).arg(&off);
                 unsafe { b.launch(cfg) }.w()?;
             })
         }))
@@ -273,7 +328,7 @@ pub(super) mod cuda {
         g: &CudaStorage,
         gl: &Layout,
         res: Option<(&CudaStorage, &Layout)>,
-        eps: f32,
+        spec: NormSpec,
     ) -> Result<CudaStorage> {
         use candle_core::backend::BackendStorage;
         let d = *xl.dims().last().unwrap_or(&1);
@@ -307,7 +362,7 @@ pub(super) mod cuda {
         let (w1, w2) = contiguous(wl)?;
         let (g1, g2) = contiguous(gl)?;
         let (r1, r2) = contiguous(rl)?;
-        let (di, e, hr) = (d as i32, eps, res.is_some() as i32);
+        let (di, e, hr, off) = (d as i32, spec.eps as f32, res.is_some() as i32, spec.offset);
         Ok(with_dtype!(x, xl, n, |xs, out| {
             let mut b = stream.launch_builder(&func);
             with_view!(w, w1..w2, |ws| {
@@ -320,7 +375,8 @@ pub(super) mod cuda {
                             .arg(&out)
                             .arg(&di)
                             .arg(&e)
-                            .arg(&hr);
+                            .arg(&hr)
+                            .arg(&off);
                         unsafe { b.launch(cfg) }.w()?;
                     })
                 })
@@ -334,9 +390,9 @@ pub(super) mod cuda {
         x: &candle_core::Tensor,
         a: &candle_core::Tensor,
         w: &candle_core::Tensor,
-        eps: f32,
+        spec: NormSpec,
     ) -> Result<Option<(candle_core::Tensor, candle_core::Tensor)>> {
-        add_rms_norm_pad(x, a, w, eps, 0)
+        add_rms_norm_pad(x, a, w, spec, 0)
     }
 
     /// `add_rms_norm` with y's rows `pad` columns wider ([rows, d + pad], pad a multiple of 8; y as
@@ -345,7 +401,7 @@ pub(super) mod cuda {
         x: &candle_core::Tensor,
         a: &candle_core::Tensor,
         w: &candle_core::Tensor,
-        eps: f32,
+        spec: NormSpec,
         pad: usize,
     ) -> Result<Option<(candle_core::Tensor, candle_core::Tensor)>> {
         use candle_core::{op::BackpropOp, Device, Storage, Tensor};
@@ -378,7 +434,7 @@ pub(super) mod cuda {
             block_dim: (threads_for((d / 8).min(1024)), 1, 1),
             shared_mem_bytes: 0,
         };
-        let (di, e, ldl) = (d as i32, eps, ldy as i64);
+        let (di, e, ldl, off) = (d as i32, spec.eps as f32, ldy as i64, spec.offset);
         let mut b = stream.launch_builder(&func);
         b.arg(&xp)
             .arg(&ap)
@@ -387,7 +443,8 @@ pub(super) mod cuda {
             .arg(&y)
             .arg(&di)
             .arg(&e)
-            .arg(&ldl);
+            .arg(&ldl)
+            .arg(&off);
         // SAFETY: x, a, w are live contiguous bf16 buffers of the sizes checked, on this stream; h
         // and y are fresh.
         unsafe { b.launch(cfg) }.w()?;
@@ -412,7 +469,7 @@ pub(super) mod cuda {
     pub fn rms_norm_pad(
         x: &candle_core::Tensor,
         w: &candle_core::Tensor,
-        eps: f32,
+        spec: NormSpec,
         pad: usize,
     ) -> Result<Option<candle_core::Tensor>> {
         use candle_core::Device;
@@ -438,9 +495,15 @@ pub(super) mod cuda {
             block_dim: (threads_for((d / 8).min(1024)), 1, 1),
             shared_mem_bytes: 0,
         };
-        let (di, e, ldl) = (d as i32, eps, ldy as i64);
+        let (di, e, ldl, off) = (d as i32, spec.eps as f32, ldy as i64, spec.offset);
         let mut b = stream.launch_builder(&func);
-        b.arg(&xp).arg(&wp).arg(&yp).arg(&di).arg(&e).arg(&ldl);
+        b.arg(&xp)
+            .arg(&wp)
+            .arg(&yp)
+            .arg(&di)
+            .arg(&e)
+            .arg(&ldl)
+            .arg(&off);
         // SAFETY: x and w are live contiguous bf16 buffers of the sizes checked, on this stream; y
         // is fresh, [rows, ldy].
         unsafe { b.launch(cfg) }.w()?;
@@ -453,7 +516,7 @@ pub(super) mod cuda {
     pub fn rms_norm_bwd_rows(
         x: &candle_core::Tensor,
         w: &candle_core::Tensor,
-        eps: f32,
+        spec: NormSpec,
         g: &candle_core::Tensor,
         res: Option<&candle_core::Tensor>,
     ) -> Result<Option<candle_core::Tensor>> {
@@ -498,6 +561,7 @@ pub(super) mod cuda {
             shared_mem_bytes: 0,
         };
         let (di, hr, ldl) = (d as i32, res.is_some() as i32, ldg as i64);
+        let (eps, off) = (spec.eps as f32, spec.offset);
         let mut b = stream.launch_builder(&func);
         b.arg(&xp)
             .arg(&wp)
@@ -507,7 +571,8 @@ pub(super) mod cuda {
             .arg(&di)
             .arg(&eps)
             .arg(&hr)
-            .arg(&ldl);
+            .arg(&ldl)
+            .arg(&off);
         // SAFETY: x, w and res are live contiguous bf16 buffers of the sizes checked, g rows of d
         // ldg apart; dx is fresh; all on this stream.
         unsafe { b.launch(cfg) }.w()?;

@@ -178,7 +178,8 @@ pub(super) mod cuda {
 
     /// Runs `name_<dtype>(x, others..., out, n)` over n = |x| elements, one thread each, with a
     /// fresh output of `outs`·n elements. Every input has x's dtype and is contiguous.
-    fn elementwise(
+    /// (ops::geglu's launches go through here too.)
+    pub(crate) fn elementwise(
         name: &str,
         x: &CudaStorage,
         xl: &Layout,

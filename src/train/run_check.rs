@@ -12,6 +12,51 @@ use crate::recipe::{Recipe, RecipeError};
 use anyhow::Result;
 use std::path::Path;
 
+/// `spec` with its targets as the model's own linears (`ModelConfig::resolve_targets`:
+/// "all-linear" becomes the family's; a name the family does not have is an error naming the
+/// ones it has, against lora.targets or the init adapter's target_modules).
+pub fn lora_targets(
+    recipe: &Recipe,
+    files: &ModelFiles,
+    spec: LoraSpec,
+    init: Option<&Path>,
+) -> Result<LoraSpec> {
+    let cfg = ModelConfig::from_file(&files.config)?;
+    match cfg.resolve_targets(&spec.targets) {
+        Ok(targets) => Ok(LoraSpec { targets, ..spec }),
+        Err(why) => Err(match init {
+            Some(dir) => ConfigError::Adapter {
+                path: dir.join(crate::export::CONFIG),
+                msg: format!("`target_modules` {why}"),
+            }
+            .into(),
+            None => RecipeError::Invalid {
+                path: recipe.source.clone(),
+                key: "lora.targets".into(),
+                msg: why,
+            }
+            .into(),
+        }),
+    }
+}
+
+/// `train.sample_every` decodes with `generate`'s path: a family it does not implement is
+/// refused here, before the run spends any time.
+pub fn samples_decodable(recipe: &Recipe, files: &ModelFiles) -> Result<()> {
+    if recipe.train.sample_every == 0 {
+        return Ok(());
+    }
+    let cfg = ModelConfig::from_file(&files.config)?;
+    crate::generate::supports(&cfg).map_err(|e| {
+        RecipeError::Invalid {
+            path: recipe.source.clone(),
+            key: "train.sample_every".into(),
+            msg: format!("needs generation, and {e:#}; set it to 0"),
+        }
+        .into()
+    })
+}
+
 /// `spec.rank` is at most min(in, out) of every linear it adapts (a larger rank adds
 /// parameters that cannot raise the adapter's rank, and sizes A and B by a number nothing
 /// bounds). `init`: the adapter directory the spec came from (lora.init_adapter), if any.
@@ -22,22 +67,10 @@ pub fn lora_fits(
     init: Option<&Path>,
 ) -> Result<()> {
     let cfg = ModelConfig::from_file(&files.config)?;
-    let (c, i) = (cfg.hidden_size, cfg.intermediate_size);
-    let (q, kv) = (
-        cfg.num_heads * cfg.head_dim,
-        cfg.num_kv_heads * cfg.head_dim,
-    );
-    let dims = |m: &str| match m {
-        "q_proj" => (c, q),
-        "k_proj" | "v_proj" => (c, kv),
-        "o_proj" => (q, c),
-        "gate_proj" | "up_proj" => (c, i),
-        _ => (i, c),
-    };
     let Some((module, (n_in, n_out))) = spec
         .targets
         .iter()
-        .map(|m| (m.as_str(), dims(m)))
+        .filter_map(|m| Some((m.as_str(), cfg.linear_shape(m)?)))
         .min_by_key(|(_, (a, b))| (*a).min(*b))
     else {
         return Ok(());

@@ -131,12 +131,10 @@ impl Session {
                 targets: recipe.target_modules()?,
             },
         };
-        super::run_check::lora_fits(
-            &recipe,
-            &files,
-            &spec,
-            init.as_ref().map(|(p, _)| p.as_path()),
-        )?;
+        let init_dir = init.as_ref().map(|(p, _)| p.as_path());
+        let spec = super::run_check::lora_targets(&recipe, &files, spec, init_dir)?;
+        super::run_check::lora_fits(&recipe, &files, &spec, init_dir)?;
+        super::run_check::samples_decodable(&recipe, &files)?;
         let fsdp = recipe.parallel.strategy == crate::recipe::Strategy::Fsdp;
         let seed = recipe.train.seed;
         // The run's kernels; with them the adapters' forward folded into the base GEMMs
@@ -375,18 +373,18 @@ fn empty_epoch(s: &Session, epoch: usize) -> anyhow::Error {
 }
 
 /// The kernels a recipe's run takes on `dev` (ops::Kernels, resolved once): from the device,
-/// the dtype, the checkpoint's head dim and train.deterministic.
+/// the dtype, the checkpoint's attention shape (head dim, soft-cap) and train.deterministic.
 pub fn run_kernels(
     recipe: &Recipe,
     files: &ModelFiles,
     dev: &Device,
     dtype: DType,
 ) -> Result<crate::ops::Kernels> {
-    let head_dim = crate::model::ModelConfig::from_file(&files.config)?.head_dim;
+    let attn = crate::model::ModelConfig::from_file(&files.config)?.attn_shape();
     Ok(crate::ops::Kernels::resolve(
         dev,
         dtype,
-        head_dim,
+        attn,
         recipe.train.deterministic,
     )?)
 }

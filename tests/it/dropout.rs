@@ -65,8 +65,9 @@ fn hand_written_backward_under_dropout_equals_autograd_with_the_masks_as_tensors
     let close = |what: &str, got: &Tensor, want: &Tensor| assert_close(what, got, want, 1e-5, 1e-6);
 
     // q, k, v share x: one call each way, three masks.
-    let qkv = [&layer.q, &layer.k, &layer.v];
-    let x = randn(layer.q.w.dim(1).unwrap());
+    let qkv: Vec<&Linear> = layer.attn_in.iter().collect();
+    assert_eq!(qkv.len(), 3, "the fixture's q, k, v are separate");
+    let x = randn(qkv[0].w.dim(1).unwrap());
     let fwd = Linear::fwd_shared(&qkv, &x, &ctx).unwrap();
     let g: Vec<Tensor> = qkv.iter().map(|l| randn(l.out_features())).collect();
     let xas: Vec<Option<&Tensor>> = fwd.iter().map(|(_, s)| s.as_ref()).collect();

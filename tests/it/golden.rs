@@ -150,6 +150,31 @@ fn golden_shipped_tiny_model() {
     check_case("tiny_shipped");
 }
 
+#[test]
+fn golden_llama32_tied_llama3_rope_past_original_positions() {
+    check_case("llama32_tied_long");
+}
+
+#[test]
+fn golden_qwen3_qk_norm_explicit_head_dim_tied() {
+    check_case("qwen3_qk_norm");
+}
+
+#[test]
+fn golden_gemma2_softcaps_sandwich_norms_alternating_window() {
+    check_case("gemma2_softcap");
+}
+
+#[test]
+fn golden_gemma3_qk_norm_local_global_ropes() {
+    check_case("gemma3_local_global");
+}
+
+#[test]
+fn golden_phi3_fused_projections_longrope_window() {
+    check_case("phi3_fused_longrope");
+}
+
 /// The same golden checks on the GPU: f32 at rtol 1e-4, bf16 at a bf16 tolerance.
 #[cfg(feature = "cuda")]
 #[test]
@@ -160,6 +185,11 @@ fn golden_on_cuda_f32_and_bf16() {
         "qwen2_bias",
         "mistral_head_dim",
         "tiny_shipped",
+        "llama32_tied_long",
+        "qwen3_qk_norm",
+        "gemma2_softcap",
+        "gemma3_local_global",
+        "phi3_fused_longrope",
     ] {
         check_case_on(case, &["model.device=cuda", "model.dtype=f32"], Tol::F32);
         check_case_on(case, &["model.device=cuda", "model.dtype=bf16"], Tol::Bf16);

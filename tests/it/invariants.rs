@@ -645,8 +645,8 @@ fn folded_layer_matches_the_unfolded_and_autograd_on_the_gpu() {
         assert!(ctx.folded, "round {round}: the pads were not written");
         let layer = &m.layers[1];
         let groups: [&[&Linear]; 3] = [
-            &[&layer.q, &layer.k, &layer.v],
-            &[&layer.gate, &layer.up],
+            &[&layer.attn_in[0], &layer.attn_in[1], &layer.attn_in[2]],
+            &[&layer.mlp_in[0], &layer.mlp_in[1]],
             &[&layer.down],
         ];
         for (lins, p) in groups.into_iter().zip(pads) {
@@ -680,15 +680,12 @@ fn folded_layer_matches_the_unfolded_and_autograd_on_the_gpu() {
 #[cfg(feature = "cuda")]
 fn with_dropout(m: &mut lora_train::model::llama::Model, p: f32) {
     for l in &mut m.layers {
-        let lins = [
-            &mut l.q,
-            &mut l.k,
-            &mut l.v,
-            &mut l.o,
-            &mut l.gate,
-            &mut l.up,
-            &mut l.down,
-        ];
+        let lins = l
+            .attn_in
+            .iter_mut()
+            .chain([&mut l.o])
+            .chain(l.mlp_in.iter_mut())
+            .chain([&mut l.down]);
         for lin in lins {
             if let Some(lora) = lin.lora.as_mut() {
                 lora.dropout = p;
@@ -716,8 +713,8 @@ fn folded_layer_with_dropout_matches_the_unfolded_on_the_gpu() {
     assert!(ctx.folded && ctx.kernels.dropout_fused);
     let layer = &m.layers[1];
     let groups: [&[&Linear]; 3] = [
-        &[&layer.q, &layer.k, &layer.v],
-        &[&layer.gate, &layer.up],
+        &[&layer.attn_in[0], &layer.attn_in[1], &layer.attn_in[2]],
+        &[&layer.mlp_in[0], &layer.mlp_in[1]],
         &[&layer.down],
     ];
     for lins in groups {
@@ -850,7 +847,7 @@ fn fsdp_shards_carry_the_folded_b_columns_on_the_gpu() {
             .to_dtype(DType::F32)
             .unwrap()
     };
-    assert!(full.layers[1].q.pad.is_some() && full.layers[1].down.pad.is_some());
+    assert!(full.layers[1].attn_in[0].pad.is_some() && full.layers[1].down.pad.is_some());
     let want: Vec<Tensor> = (0..2).map(|l| flat(&full, l)).collect();
     for world in [1, 2, 3] {
         let ranks: Vec<(Model, Shards)> = (0..world)
@@ -889,7 +886,10 @@ fn fsdp_shards_carry_the_folded_b_columns_on_the_gpu() {
         .unwrap();
     let want_layer = &full.layers[1];
     assert_eq!(
-        Linear::fold_width(&[&layer.q, &layer.k, &layer.v], &ctx1),
+        Linear::fold_width(
+            &[&layer.attn_in[0], &layer.attn_in[1], &layer.attn_in[2]],
+            &ctx1
+        ),
         Some(64)
     );
     assert_eq!(Linear::fold_width(&[&layer.down], &ctx1), Some(16));
@@ -1082,8 +1082,8 @@ fn folded_linears_round_once_at_7b_on_the_gpu() {
     };
     let randn = |cols: usize| bf(Tensor::randn(0f32, 1.0, (4096, cols), &dev).unwrap());
     let (x, ao, gate, up) = (randn(4096), randn(4096), randn(11008), randn(11008));
-    let qkv = [&l.q, &l.k, &l.v];
-    let gu = [&l.gate, &l.up];
+    let qkv = [&l.attn_in[0], &l.attn_in[1], &l.attn_in[2]];
+    let gu = [&l.mlp_in[0], &l.mlp_in[1]];
     let down = [&l.down];
     // Each group's input, padded and not.
     let pad = |lins: &[&Linear]| Linear::fold_width(lins, &ctx).unwrap();

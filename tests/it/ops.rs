@@ -342,7 +342,11 @@ fn blockwise_attention_matches_composite_with_segments_and_window() {
                 (true, 0, Some(9)),
             ] {
                 let segments = use_seg.then(|| Tensor::from_vec(seg.clone(), b * t, &dev).unwrap());
-                let mask = AttnMask { segments, window };
+                let mask = AttnMask {
+                    segments,
+                    window,
+                    softcap: 0.0,
+                };
                 let add = additive_mask(b, t, use_seg.then_some(&seg[..]), window, &dev);
                 let k0 = Tensor::randn(0f32, 1.0, (b, h, t, d), &dev).unwrap();
                 let v0 = Tensor::randn(0f32, 1.0, (b, h, t, d), &dev).unwrap();
@@ -504,6 +508,7 @@ fn flash_attention_matches_blockwise_on_the_gpu() {
         let mask = AttnMask {
             segments: use_seg.then(|| Tensor::from_vec(seg, b * t, &dev).unwrap()),
             window,
+            softcap: 0.0,
         };
         let scale = 1.0 / (d as f64).sqrt();
         let q = rand(&[b, h, t, d]);

@@ -51,7 +51,6 @@
 //! The pool peak (`pool_peak`) is what `lora-train bench` reports as `peak_alloc_gib` (the
 //! pool's high-water mark); `total` adds context and slack and is what must fit the card.
 
-use crate::lora::ALL_LINEAR;
 use crate::model::ModelConfig;
 use crate::ops::kernels::{CrossEntropy, Kernels};
 use crate::recipe::Strategy;
@@ -172,27 +171,23 @@ impl Breakdown {
 
 /// Trainable LoRA parameters: Σ over layers and targeted linears of r · (in + out).
 pub fn lora_params(cfg: &ModelConfig, rank: usize, targets: &[String]) -> u64 {
-    let (c, i) = (cfg.hidden_size, cfg.intermediate_size);
-    let (q, kv) = (
-        cfg.num_heads * cfg.head_dim,
-        cfg.num_kv_heads * cfg.head_dim,
-    );
-    let per_layer: usize = ALL_LINEAR
-        .iter()
-        .filter(|m| targets.iter().any(|t| t == *m))
-        .map(|m| match *m {
-            "q_proj" => c + q,
-            "k_proj" | "v_proj" => c + kv,
-            "o_proj" => q + c,
-            "gate_proj" | "up_proj" => c + i,
-            _ => i + c, // down_proj
-        })
+    let per_layer: usize = adapted(cfg, targets)
+        .filter_map(|m| cfg.linear_shape(m))
+        .map(|(i, o)| i + o)
         .sum();
     (cfg.num_layers * per_layer * rank) as u64
 }
 
+/// The model's linears that `targets` names.
+fn adapted<'a>(cfg: &'a ModelConfig, targets: &'a [String]) -> impl Iterator<Item = &'a str> {
+    cfg.linears()
+        .iter()
+        .copied()
+        .filter(move |m| targets.iter().any(|t| t == m))
+}
+
 /// Bytes `Layer::forward_train` keeps per token per layer (the formula in the module docs),
-/// for adapters of rank `r` on `targets`.
+/// for adapters of rank `r` on `targets`; with Gemma's output norms also their inputs (2C).
 pub fn kept_per_token_layer(cfg: &ModelConfig, s: u64, r: usize, targets: &[String]) -> u64 {
     let (c, i) = (cfg.hidden_size as u64, cfg.intermediate_size as u64);
     let (h, k, d) = (
@@ -200,33 +195,35 @@ pub fn kept_per_token_layer(cfg: &ModelConfig, s: u64, r: usize, targets: &[Stri
         cfg.num_kv_heads as u64,
         cfg.head_dim as u64,
     );
-    let adapted = ALL_LINEAR
-        .iter()
-        .filter(|m| targets.iter().any(|t| t == *m))
-        .count() as u64;
-    s * (c + 2 * h * d + 2 * k * d + 2 * i + r as u64 * adapted) + 4 * h
+    let n = adapted(cfg, targets).count() as u64;
+    let out_norms = if cfg.arch.sandwich_norms { 2 * c } else { 0 };
+    s * (c + 2 * h * d + 2 * k * d + 2 * i + r as u64 * n + out_norms) + 4 * h
 }
 
 /// Bytes of the pad columns `Model::fold` adds to the base weights (`ops::fold`): per layer
-/// q, k, v by 3r, gate and up by 2r, down by r, each row rounded up to `ROW_ALIGN`, for each
-/// group whose linears are all adapted and without a bias, at widths the kernels take.
+/// q, k, v (or qkv) by their Σ r, gate and up (or gate_up) by theirs, down by r (after SwiGLU
+/// only), each row rounded up to `ROW_ALIGN`, for each group whose linears are all adapted and
+/// without a bias, at widths the kernels take.
 pub fn fold_pad_bytes(cfg: &ModelConfig, s: u64, r: usize, targets: &[String]) -> u64 {
     use crate::ops::fold::pad_width;
-    let (c, i) = (cfg.hidden_size, cfg.intermediate_size);
-    let (h, k, d) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
     let all = |ms: &[&str]| ms.iter().all(|m| targets.iter().any(|t| t == m));
+    let mut groups: Vec<(&[&str], bool)> = match cfg.arch.fused {
+        true => vec![(&["qkv_proj"], false), (&["gate_up_proj"], false)],
+        false => vec![
+            (&["q_proj", "k_proj", "v_proj"], cfg.qkv_bias),
+            (&["gate_proj", "up_proj"], cfg.mlp_bias),
+        ],
+    };
+    if cfg.arch.act == crate::ops::glu::Act::Silu {
+        groups.push((&["down_proj"], cfg.mlp_bias));
+    }
     let mut per_layer = 0;
-    let groups = [
-        (
-            &["q_proj", "k_proj", "v_proj"][..],
-            cfg.qkv_bias,
-            c,
-            h * d + 2 * k * d,
-        ),
-        (&["gate_proj", "up_proj"][..], cfg.mlp_bias, c, 2 * i),
-        (&["down_proj"][..], cfg.mlp_bias, i, c),
-    ];
-    for (ms, bias, in_f, outs) in groups {
+    for (ms, bias) in groups {
+        let shapes: Vec<(usize, usize)> = ms.iter().filter_map(|m| cfg.linear_shape(m)).collect();
+        let (Some(&(in_f, _)), true) = (shapes.first(), shapes.len() == ms.len()) else {
+            continue;
+        };
+        let outs: usize = shapes.iter().map(|(_, o)| o).sum();
         if let (true, false, Some(p)) = (all(ms), bias, pad_width(&vec![r; ms.len()], in_f)) {
             per_layer += outs * p;
         }
@@ -234,7 +231,7 @@ pub fn fold_pad_bytes(cfg: &ModelConfig, s: u64, r: usize, targets: &[String]) -
     (cfg.num_layers * per_layer) as u64 * s
 }
 
-/// Parameters of one decoder layer (linears, biases, two norms).
+/// Parameters of one decoder layer (linears, biases, norms).
 fn layer_params(cfg: &ModelConfig) -> u64 {
     let all = cfg.num_params(true) as u64;
     let outside = (cfg.vocab_size * cfg.hidden_size + cfg.hidden_size) as u64;
@@ -515,7 +512,7 @@ pub fn input_from_shape(
     let cfg = crate::bench::shape(shape)?;
     Ok(PlanInput {
         tied: cfg.tie_word_embeddings.unwrap_or(false),
-        kernels: Kernels::forecast(true, candle_core::DType::BF16, cfg.head_dim),
+        kernels: Kernels::forecast(true, candle_core::DType::BF16, cfg.attn_shape()),
         cfg,
         dtype_bytes: 2,
         micro_batch,
@@ -548,7 +545,7 @@ pub fn input_from_recipe(
         (Some(Dtype::F16), _) => candle_core::DType::F16,
         _ => candle_core::DType::BF16,
     };
-    let kernels = Kernels::forecast(cuda, dtype, cfg.head_dim);
+    let kernels = Kernels::forecast(cuda, dtype, cfg.attn_shape());
     Ok(PlanInput {
         tied: cfg.tie_word_embeddings.unwrap_or(false),
         cfg,

@@ -1,6 +1,7 @@
 //! The plan's terms by hand, at the Llama-2-7B shape.
 
 use super::*;
+use crate::lora::ALL_LINEAR;
 
 fn llama2_7b() -> ModelConfig {
     crate::bench::shape("llama2-7b").unwrap()

@@ -1,0 +1,168 @@
+//! What differs between the families we train, as data: the config-reading layer
+//! (model/config.rs) fills an `Arch` from config.json, and the one decoder layer
+//! (model/layer.rs, model/layer_train.rs) branches on it; no family has a model file of its own.
+//!
+//! | family      | norm gain      | MLP    | QK-norm | sandwich norms | fused projections | extras |
+//! |-------------|----------------|--------|---------|----------------|-------------------|--------|
+//! | llama       | w · round(x̂)   | SwiGLU |         |                |                   | llama3 rope |
+//! | mistral     | w · round(x̂)   | SwiGLU |         |                |                   | sliding window |
+//! | qwen2       | w · round(x̂)   | SwiGLU |         |                |                   | q/k/v bias |
+//! | qwen3       | w · round(x̂)   | SwiGLU | yes     |                |                   | |
+//! | gemma2      | (1 + w) · x̂    | GeGLU  |         | yes            |                   | soft-caps, 1:1 local:global, √C embedding |
+//! | gemma3_text | (1 + w) · x̂    | GeGLU  | yes     | yes            |                   | 5:1 local:global, local rope base, √C embedding |
+//! | phi3        | w · round(x̂)   | SwiGLU |         |                | qkv_proj, gate_up_proj | longrope |
+//!
+//! Gemma's gain is applied in f32 to the unrounded x̂ (`ops::NormSpec::offset`), as
+//! `Gemma2RMSNorm` does.
+
+use crate::model::RopeScaling;
+use crate::ops::glu::Act;
+
+/// Which architecture the checkpoint is (config.json's `model_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    Llama,
+    Mistral,
+    Qwen2,
+    Qwen3,
+    Gemma2,
+    Gemma3,
+    Phi3,
+}
+
+/// The `model_type`s we train, with their family.
+pub const SUPPORTED: [(&str, Family); 7] = [
+    ("llama", Family::Llama),
+    ("mistral", Family::Mistral),
+    ("qwen2", Family::Qwen2),
+    ("qwen3", Family::Qwen3),
+    ("gemma2", Family::Gemma2),
+    ("gemma3_text", Family::Gemma3),
+    ("phi3", Family::Phi3),
+];
+
+impl Family {
+    /// The family of a config.json `model_type`; None for one we do not train.
+    pub fn of(model_type: &str) -> Option<Family> {
+        SUPPORTED
+            .iter()
+            .find(|(name, _)| *name == model_type)
+            .map(|&(_, f)| f)
+    }
+
+    /// config.json's `model_type` for this family.
+    pub fn model_type(self) -> &'static str {
+        SUPPORTED
+            .iter()
+            .find(|(_, f)| *f == self)
+            .map_or("llama", |&(name, _)| name)
+    }
+
+    /// The supported `model_type`s, for error messages.
+    pub fn supported_list() -> String {
+        SUPPORTED.map(|(n, _)| n).join(", ")
+    }
+
+    /// Whether the family's norms use Gemma's (1 + w) gain.
+    pub fn gemma(self) -> bool {
+        matches!(self, Family::Gemma2 | Family::Gemma3)
+    }
+
+    /// The LoRA-targetable linears of one decoder layer, in checkpoint order.
+    pub fn linears(self) -> &'static [&'static str] {
+        match self {
+            Family::Phi3 => &FUSED_LINEAR,
+            _ => &crate::lora::ALL_LINEAR,
+        }
+    }
+}
+
+/// Phi-3's linears: q, k, v in one projection, gate and up in another (PEFT's names).
+pub const FUSED_LINEAR: [&str; 4] = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"];
+
+/// How a norm applies its gain w to x̂ = x · rsqrt(mean(x²) + eps).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NormStyle {
+    /// w · round(x̂) (LlamaRMSNorm: x̂ is cast to the activation dtype first).
+    Llama,
+    /// (1 + w) · x̂ in f32, then rounded (Gemma2RMSNorm / Gemma3RMSNorm).
+    Gemma,
+}
+
+/// One RoPE table's parameters.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rope {
+    pub theta: f64,
+    pub scaling: RopeScaling,
+}
+
+/// The family differences of a checkpoint, resolved from config.json.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Arch {
+    pub norm: NormStyle,
+    /// The MLP's gate activation.
+    pub act: Act,
+    /// RMSNorm over each head of q and k (gains [D]) after the projection, before RoPE.
+    pub qk_norm: bool,
+    /// Norms on the attention's and the MLP's outputs before their residual adds (Gemma's
+    /// post_attention_layernorm and post_feedforward_layernorm); the MLP's input norm is then
+    /// pre_feedforward_layernorm.
+    pub sandwich_norms: bool,
+    /// One q/k/v projection and one gate/up projection (Phi-3).
+    pub fused: bool,
+    /// Embeddings × √hidden, the factor rounded to the model dtype (Gemma).
+    pub embed_scale: bool,
+    /// Attention scores × this^-1/2 (Gemma's query_pre_attn_scalar; else head_dim).
+    pub query_pre_attn_scalar: Option<f64>,
+    /// Attention scores → cap · tanh(scores / cap) before the softmax (Gemma 2).
+    pub attn_softcap: Option<f64>,
+    /// Logits → cap · tanh(logits / cap) (Gemma 2).
+    pub final_softcap: Option<f64>,
+    /// Per layer: whether it attends within `ModelConfig::sliding_window` (else full).
+    pub sliding: Vec<bool>,
+    /// The sliding layers' RoPE where it differs from the global one (Gemma 3's local base).
+    pub local_rope: Option<Rope>,
+}
+
+impl Arch {
+    /// Llama's: no family extra, every layer full attention.
+    pub fn llama(layers: usize) -> Arch {
+        Arch {
+            norm: NormStyle::Llama,
+            act: Act::Silu,
+            qk_norm: false,
+            sandwich_norms: false,
+            fused: false,
+            embed_scale: false,
+            query_pre_attn_scalar: None,
+            attn_softcap: None,
+            final_softcap: None,
+            sliding: vec![false; layers],
+            local_rope: None,
+        }
+    }
+
+    /// The defaults of a family with `layers` layers, before config.json's own values.
+    pub fn of(family: Family, layers: usize) -> Arch {
+        let base = Arch::llama(layers);
+        match family {
+            Family::Llama | Family::Mistral | Family::Qwen2 => base,
+            Family::Qwen3 => Arch {
+                qk_norm: true,
+                ..base
+            },
+            Family::Phi3 => Arch {
+                fused: true,
+                ..base
+            },
+            Family::Gemma2 | Family::Gemma3 => Arch {
+                norm: NormStyle::Gemma,
+                act: Act::GeluTanh,
+                qk_norm: family == Family::Gemma3,
+                sandwich_norms: true,
+                embed_scale: true,
+                ..base
+            },
+        }
+    }
+}
