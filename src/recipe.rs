@@ -83,6 +83,15 @@ pub struct ModelSection {
     /// "cpu" | "cuda". Default: "cpu".
     #[serde(default = "default_device")]
     pub device: DeviceKind,
+    /// The frozen linears of the decoder layers in 4 bits (QLoRA): "nf4" (bitsandbytes' NF4,
+    /// quantized layer by layer as the checkpoint loads) | "none". Default: "none". A
+    /// checkpoint saved quantized by transformers + bitsandbytes loads as saved either way.
+    #[serde(default)]
+    pub quantize: crate::quant::Quantize,
+    /// With quantize = "nf4": the absmax values quantized again to 8 bits in blocks of 256
+    /// (bitsandbytes' `bnb_4bit_use_double_quant`), 0.37 fewer bits a weight. Default: true.
+    #[serde(default = "d_true")]
+    pub double_quant: bool,
 }
 
 fn default_device() -> DeviceKind {
@@ -850,6 +859,12 @@ impl Recipe {
             }
             _ => {}
         }
+        if !m.double_quant && m.quantize == crate::quant::Quantize::None {
+            return Err(self.invalid(
+                "model.double_quant",
+                "= false applies to model.quantize = \"nf4\" only: remove it, or set quantize",
+            ));
+        }
         let l = &self.lora;
         if l.rank == 0 {
             return Err(self.invalid("lora.rank", "must be at least 1"));
@@ -932,6 +947,9 @@ impl Recipe {
         }
         if p.strategy == Strategy::Single && p.devices.len() > 1 {
             return Err(self.invalid("parallel.devices", "lists several devices but strategy is \"single\": use \"ddp\" or \"fsdp\", or list one device"));
+        }
+        if p.strategy == Strategy::Fsdp && self.model.quantize != crate::quant::Quantize::None {
+            return Err(self.invalid("parallel.strategy", "= \"fsdp\" does not shard an NF4 base yet (model.quantize = \"nf4\"): use \"ddp\" (each rank holds the 4-bit base), or quantize = \"none\""));
         }
         if p.timeout_s == 0 {
             return Err(self.invalid("parallel.timeout_s", "must be at least 1 (seconds)"));
@@ -1179,6 +1197,9 @@ mod tests {
             );
         }
         assert_eq!((r.model.device, r.model.dtype), (DeviceKind::Cpu, None));
+        assert_eq!(r.model.quantize, crate::quant::Quantize::None);
+        assert!(r.model.double_quant);
+        assert!(text.contains("# quantize = \"nf4\"") && text.contains("# double_quant = true"));
     }
 
     /// Serialize any section to TOML text, to compare sections field by field.

@@ -5,3 +5,14 @@ pub mod dynamic;
 pub mod nf4;
 
 pub use nf4::Nf4;
+
+/// `[model] quantize`: how the frozen linears of the decoder layers are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Quantize {
+    /// In the base dtype.
+    #[default]
+    None,
+    /// bitsandbytes' NF4 (`nf4`), dequantized to the base dtype just in time for each layer.
+    Nf4,
+}
