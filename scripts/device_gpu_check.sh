@@ -22,6 +22,9 @@
 # dropout: the `train` command on that saved checkpoint with lora.dropout = 0.0 and 0.05, one
 #         after the other (acceptance: 0.05 at >= 95% of 0.0's tok/s), and scripts/bench_peft.py
 #         with PEFT's lora_dropout = 0.05 (and --liger) -> $OUT/dropout.jsonl, $OUT/dropout.txt.
+# decode: `generate --bench` (7B shape, bf16, prompt 128, 256 new tokens): base and r16 adapters,
+#         each without and with the decode_graph experiment, beside scripts/bench_generate_hf.py
+#         (transformers, static cache) -> $OUT/decode.jsonl.
 # sweep:  scripts/sweep.sh (every knob against the plain configuration; PEERS=0 for ours only,
 #         ROWS to pick rows) -> $OUT/sweep.jsonl, $OUT/sweep.md.
 # dist (2 GPUs, a lora-train built with --features cuda,nccl): the tiny recipe trained with ddp and
@@ -76,9 +79,15 @@ if [[ $what == *" train7b "* ]]; then
   echo "read $(du -cb $C/*.safetensors | tail -1 | cut -f1) bytes of safetensors in $(( (t1 - t0) / 1000000 )) ms" | tee "$OUT/read.txt"
   sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null
   rm -rf /tmp/out-7b
+  # SM clock and power through the runs below (does one run the GPU at lower clocks?)
+  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader -lms 250 \
+    > "$OUT/train7b-clocks.csv" 2>/dev/null & SMI=$!
+  mark() { echo "mark,$1,$(date +%s.%N)" >> "$OUT/train7b-marks.csv"; }
+  mark train
   t0=$(date +%s%N)
   timeout 240 $E .devbuild/lora-train --recipe scripts/device/random-checkpoint.toml 2>&1 | tail -4
   t1=$(date +%s%N); echo "train command wall $(( (t1 - t0) / 1000000 )) ms"
+  mark train-end
   cp /tmp/out-7b/metrics.jsonl "$OUT/train7b-metrics.jsonl"
   python3 - <<'PY' | tee "$OUT/train7b.txt"
 import json
@@ -88,17 +97,51 @@ a, b = rows[5], rows[-1]  # steps 6 .. last: past warm-up
 tps = (b["tokens"] - a["tokens"]) / (b["elapsed_s"] - a["elapsed_s"])
 print(f"train steps {a['step']+1}-{b['step']}: {tps:.0f} tok/s; peak GiB", b.get("mem"))
 PY
+  mark bench
   timeout 150 $E .devbuild/lora-train bench --shape llama2-7b --seq 2048 --micro-batch 2 --rank 16 \
-    --targets all --steps 10 --warmup 3 --json "$OUT/train7b.jsonl" | cut -c1-400
+    --targets all --steps 20 --warmup 3 --json "$OUT/train7b.jsonl" | cut -c1-400
   # the same bench on the checkpoint train loaded (its weights, bench's rows and loop)
+  mark bench-model
   timeout 150 $E .devbuild/lora-train bench --model $C --seq 2048 --micro-batch 2 --rank 16 \
-    --targets all --steps 10 --warmup 3 --tag model --json "$OUT/train7b.jsonl" | cut -c1-400
+    --targets all --steps 20 --warmup 3 --tag model --json "$OUT/train7b.jsonl" | cut -c1-400
+  mark peft
   timeout 200 python3 scripts/bench_peft.py --shape llama2-7b --seq 2048 --batch 2 --rank 16 \
     --targets all --steps 10 --warmup 3 --json "$OUT/train7b.jsonl" 2>&1 | tail -1
   if python3 -c "import liger_kernel" 2>/dev/null; then
     timeout 200 python3 scripts/bench_peft.py --shape llama2-7b --seq 2048 --batch 2 --rank 16 \
       --targets all --steps 10 --warmup 3 --liger --json "$OUT/train7b.jsonl" 2>&1 | tail -1
   fi
+  mark end; kill $SMI 2>/dev/null
+  python3 - "$OUT" <<'PY' | tee -a "$OUT/train7b.txt"
+import csv, sys
+out = sys.argv[1]
+marks = [(r[1], float(r[2])) for r in csv.reader(open(f"{out}/train7b-marks.csv"))]
+rows = []
+for r in csv.reader(open(f"{out}/train7b-clocks.csv")):
+    try:
+        import datetime
+        t = datetime.datetime.strptime(r[0].strip(), "%Y/%m/%d %H:%M:%S.%f").timestamp()
+        rows.append((t, float(r[1].split()[0]), float(r[2].split()[0])))
+    except (ValueError, IndexError):
+        pass
+for (name, a), (_, b) in zip(marks, marks[1:]):
+    busy = [x for x in rows if a <= x[0] < b and x[2] > 200]
+    if busy:
+        n = len(busy)
+        print(f"{name:12s} SM MHz {sum(x[1] for x in busy)/n:6.0f}  W {sum(x[2] for x in busy)/n:5.0f}  (samples over 200 W: {n})")
+PY
+fi
+
+if [[ $what == *" decode "* ]]; then
+  for r in 0 16; do
+    for g in "" decode_graph; do
+      LORA_TRAIN_EXPERIMENTS=$g timeout 120 $E .devbuild/lora-train generate --bench --shape llama2-7b \
+        --device cuda --prompt-len 128 --max-new-tokens 256 --rank $r --json "$OUT/decode.jsonl" 2>&1 \
+        | tail -4 | cut -c1-600; echo "  (rank $r, experiments '$g', exit $?)"
+    done
+  done
+  timeout 200 python3 scripts/bench_generate_hf.py --shape llama2-7b --prompt-len 128 --new-tokens 256 \
+    --json "$OUT/decode.jsonl" 2>&1 | tail -1 | cut -c1-300
 fi
 
 if [[ $what == *" dropout "* ]]; then

@@ -22,6 +22,6 @@ pub fn run(a: CheckArgs) -> anyhow::Result<()> {
         super::train::recipe_path(a.recipe.as_deref(), "lora-train check --recipe RECIPE.toml")?;
     let recipe = Recipe::load(&path, &a.set)?;
     println!("# output dir: {}", recipe.output_dir().display());
-    print!("{}", recipe.to_toml());
+    print!("{}", recipe.check_toml());
     Ok(())
 }

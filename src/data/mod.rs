@@ -77,6 +77,10 @@ pub struct Dataset {
     pub skipped_first: Vec<String>,
     /// Examples dropped because truncation left them no target token (train_on completions).
     pub no_targets: usize,
+    /// Examples dropped because they had no target even before truncation (a chat row with no
+    /// assistant turn, an empty completion), and the first of them: `file:line: what`.
+    pub no_answer: usize,
+    pub no_answer_first: Option<String>,
     /// Completions (chat turns) that had no stop token and got the EOS appended.
     pub eos_added: usize,
     /// How the assistant turns of the files read end: stop token id → turns (counted before
@@ -141,6 +145,12 @@ impl Dataset {
                         "{} bad rows skipped; first: {}",
                         ds.skipped,
                         ds.skipped_first.first().map_or("", |s| s.as_str())
+                    ));
+                }
+                if let Some(first) = &ds.no_answer_first {
+                    why.push(format!(
+                        "{} examples have nothing to train on under train_on = \"completions\"; first: {first}; give each row its reply, or set data.train_on = \"all\"",
+                        ds.no_answer
                     ));
                 }
                 if ds.no_targets > 0 {
@@ -209,6 +219,16 @@ impl Dataset {
                 .and_then(|r| parse_row(&r, &spec))
                 .and_then(|r| check_ids(&r, vocab_size).map(|_| r));
             match parsed {
+                Ok(row) if spec.completions_only && !has_target(&row.labels) => {
+                    self.no_answer += 1;
+                    if self.no_answer_first.is_none() {
+                        let what = match format {
+                            DataFormat::Chat => "no assistant turn",
+                            _ => "an empty completion",
+                        };
+                        self.no_answer_first = Some(format!("{}: {what}", at.at(name)));
+                    }
+                }
                 Ok(row) => self.push(k, row, cfg.seq_len, spec.completions_only),
                 Err(e) => {
                     let msg = format!("{}: {e:#}", at.at(name));
@@ -250,8 +270,7 @@ impl Dataset {
             row.labels.truncate(seq_len);
             self.truncated += 1;
         }
-        // Position 0 is never a target (nothing predicts it).
-        if completions_only && row.labels.iter().skip(1).all(|&l| l == IGNORE) {
+        if completions_only && !has_target(&row.labels) {
             self.no_targets += 1;
             return;
         }
@@ -290,4 +309,9 @@ impl Dataset {
         }
         eval
     }
+}
+
+/// Whether a row has a target token. Position 0 is never one (nothing predicts it).
+fn has_target(labels: &[i64]) -> bool {
+    labels.iter().skip(1).any(|&l| l != IGNORE)
 }

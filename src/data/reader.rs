@@ -49,22 +49,40 @@ pub fn kind_of(path: &str) -> Kind {
     }
 }
 
-/// JSON lines: one record a line; blank lines are skipped, a line that is not JSON goes to
-/// `sink` as a bad record.
+/// JSON lines: one record a line; blank lines are skipped, a line that is not UTF-8 or not
+/// JSON goes to `sink` as a bad record (on_bad_row decides), and the next line is read.
 pub fn read_jsonl(path: &Path, name: &str, sink: &mut Sink) -> Result<()> {
     let file = std::fs::File::open(path).with_context(|| format!("cannot open {name}"))?;
     lines(BufReader::new(file), name, sink)
 }
 
-fn lines(r: impl BufRead, name: &str, sink: &mut Sink) -> Result<()> {
-    for (i, line) in r.lines().enumerate() {
-        let line = line.with_context(|| format!("{name}:{}: cannot read line", i + 1))?;
+fn lines(mut r: impl BufRead, name: &str, sink: &mut Sink) -> Result<()> {
+    let mut buf = Vec::new();
+    for n in 1.. {
+        buf.clear();
+        let got = r
+            .read_until(b'\n', &mut buf)
+            .with_context(|| format!("{name}:{n}: cannot read line"))?;
+        if got == 0 {
+            break;
+        }
+        let line = match std::str::from_utf8(&buf) {
+            Ok(line) => line.trim_end_matches(['\n', '\r']),
+            Err(e) => {
+                let why = anyhow::anyhow!(
+                    "not valid UTF-8 (byte {} of the line); re-encode the file as UTF-8",
+                    e.valid_up_to() + 1
+                );
+                sink(Loc::Line(n), Err(why))?;
+                continue;
+            }
+        };
         if line.trim().is_empty() {
             continue;
         }
-        let rec = serde_json::from_str::<Field>(&line)
+        let rec = serde_json::from_str::<Field>(line)
             .map_err(|e| anyhow::Error::new(e).context("not valid JSON"));
-        sink(Loc::Line(i + 1), rec)?;
+        sink(Loc::Line(n), rec)?;
     }
     Ok(())
 }

@@ -32,7 +32,9 @@ fn module(dev: &CudaDevice) -> Result<Arc<CudaModule>> {
                 arch: Some("sm_80"),
                 ..Default::default()
             };
-            compile_ptx_with_opts(include_str!("decode.cu"), opts).map_err(|e| format!("{e:?}"))
+            // the shared helpers first, as ops::cuda joins its sources
+            let src = concat!(include_str!("../ops/common.cuh"), include_str!("decode.cu"));
+            compile_ptx_with_opts(src, opts).map_err(|e| format!("{e:?}"))
         })
         .as_ref()
         .map_err(|e| anyhow::anyhow!("NVRTC failed to compile generate/decode.cu: {e}"))?;

@@ -1,19 +1,6 @@
 // One-token decoding kernels (generate::cuda): RoPE with the cache write, and attention over the
-// cache split along the keys. T is float or bf16_t (raw 16-bit storage); math in f32.
-typedef unsigned short bf16_t;
-__device__ __forceinline__ float ld(const float* p, long i) { return p[i]; }
-__device__ __forceinline__ float ld(const bf16_t* p, long i) {
-    return __uint_as_float(((unsigned int)p[i]) << 16);
-}
-__device__ __forceinline__ void st(float* p, long i, float v) { p[i] = v; }
-__device__ __forceinline__ void st(bf16_t* p, long i, float v) {
-    bf16_t h; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v)); p[i] = h;
-}
-// Round to bf16 and back (what storing a value and reading it again does).
-__device__ __forceinline__ float rnd(const bf16_t*, float v) {
-    bf16_t h; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
-    return __uint_as_float(((unsigned int)h) << 16);
-}
+// cache split along the keys. T is float or bf16_t (raw 16-bit storage); math in f32. Compiled
+// after ops/common.cuh (bf16_t, ld, st, rnd).
 #define NEG_INF __int_as_float(0xff800000)
 
 // q [H·D], k, v [K·D]: one token's projections at position *posp (device memory, so that a

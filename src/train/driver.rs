@@ -49,7 +49,8 @@ impl Keep {
     /// From the recipe's `train.activation_checkpointing` and `train.offload_activations`
     /// (None: on). Parking applies on CUDA only: elsewhere host memory is the device's.
     pub fn new(checkpointing: bool, offload: Option<bool>, dev: &Device) -> Keep {
-        match (checkpointing, offload.unwrap_or(true) && dev.is_cuda()) {
+        let offload = offload.unwrap_or(crate::recipe::OFFLOAD_ACTIVATIONS_DEFAULT);
+        match (checkpointing, offload && dev.is_cuda()) {
             (true, _) => Keep::Input,
             (false, true) => Keep::Offload,
             (false, false) => Keep::Acts,

@@ -144,6 +144,17 @@ impl Log {
         Ok(())
     }
 
+    /// A line above the bar (or on stderr when the bar is hidden), on rank 0 only.
+    pub fn say(&self, line: &str) {
+        if self.metrics.is_none() {
+            return;
+        }
+        match self.bar.is_hidden() {
+            true => eprintln!("{line}"),
+            false => self.bar.println(line),
+        }
+    }
+
     /// The bar moves on by one step.
     pub fn inc(&self) {
         self.bar.inc(1);
@@ -187,24 +198,36 @@ fn open_outputs(s: &Session, out_dir: &Path, resume: Option<&Checkpoint>) -> Res
         }
     }
     atomic_write(&out_dir.join("recipe.toml"), s.recipe.to_toml().as_bytes())?;
-    let metrics_path = out_dir.join("metrics.jsonl");
-    match resume {
-        Some(ck) => {
-            let old = std::fs::read_to_string(&metrics_path).unwrap_or_default();
-            let kept: String = old
-                .lines()
-                .filter(|l| {
-                    serde_json::from_str::<serde_json::Value>(l)
-                        .ok()
-                        .and_then(|v| v.get("step").and_then(|s| s.as_u64()))
-                        .is_some_and(|s| s as usize <= ck.state.step)
-                })
-                .map(|l| format!("{l}\n"))
-                .collect();
-            atomic_write(&metrics_path, kept.as_bytes())?;
-            std::fs::OpenOptions::new().append(true).open(&metrics_path)
-        }
-        None => std::fs::File::create(&metrics_path),
+    let upto = resume.map(|ck| ck.state.step);
+    // samples.jsonl (train.sample_every) is appended to by the loop itself.
+    let samples = out_dir.join("samples.jsonl");
+    if s.recipe.train.sample_every > 0 || samples.is_file() {
+        rows_upto(&samples, upto)?;
     }
-    .with_context(|| format!("cannot open {}", metrics_path.display()))
+    let metrics = out_dir.join("metrics.jsonl");
+    rows_upto(&metrics, upto)?;
+    std::fs::OpenOptions::new()
+        .append(true)
+        .open(&metrics)
+        .with_context(|| format!("cannot open {}", metrics.display()))
+}
+
+/// A run's jsonl of per-step rows made ready for appending: a resumed run (`upto` = its
+/// checkpoint's step) keeps the rows up to its checkpoint; a fresh one starts it empty.
+fn rows_upto(path: &Path, upto: Option<usize>) -> Result<()> {
+    let kept: String = match upto {
+        Some(step) => std::fs::read_to_string(path)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| {
+                serde_json::from_str::<serde_json::Value>(l)
+                    .ok()
+                    .and_then(|v| v.get("step").and_then(|s| s.as_u64()))
+                    .is_some_and(|s| s as usize <= step)
+            })
+            .map(|l| format!("{l}\n"))
+            .collect(),
+        None => String::new(),
+    };
+    atomic_write(path, kept.as_bytes())
 }

@@ -37,6 +37,8 @@ pub struct Session {
     /// What loading the data found worth telling: skipped rows, dropped examples, how
     /// chat turns end.
     pub data_notes: Vec<String>,
+    /// The model's tokenizer, when the data or `train.sample_every` needs it.
+    pub tokenizer: Option<TextTokenizer>,
     /// This rank's communicator (`Solo` for one device).
     pub comm: Box<dyn Comm>,
     /// FSDP: this rank's shards of the frozen base (the model holds placeholders).
@@ -156,7 +158,12 @@ impl Session {
                 }
             }
         }
-        let (data, eval, data_notes) = load_data(&recipe, &files, model.cfg.vocab_size)?;
+        let DataLoaded {
+            data,
+            eval,
+            notes: data_notes,
+            tokenizer,
+        } = load_data(&recipe, &files, model.cfg.vocab_size)?;
         super::run_check::something_to_train(&recipe, &data)?;
         let sampler = Sampler::new(&data, &recipe.data, recipe.train.seed);
         let pad_id = model.cfg.pad_token_id.unwrap_or(0);
@@ -188,6 +195,7 @@ impl Session {
             base_revision,
             eval,
             data_notes,
+            tokenizer,
             comm,
             shards,
             memory: MemoryWatch::default(),
@@ -413,13 +421,18 @@ pub fn sharded_model(
     Ok((model, shards))
 }
 
+/// The data sets, what loading them found worth telling, and the tokenizer they (or
+/// `train.sample_every`) needed.
+struct DataLoaded {
+    data: Dataset,
+    eval: Option<Dataset>,
+    notes: Vec<String>,
+    tokenizer: Option<TextTokenizer>,
+}
+
 /// The training data, the eval set (data.eval, or held out by data.eval_fraction) and the
 /// notes worth telling about them, tokenized as the recipe says.
-fn load_data(
-    recipe: &Recipe,
-    files: &ModelFiles,
-    vocab: usize,
-) -> Result<(Dataset, Option<Dataset>, Vec<String>)> {
+fn load_data(recipe: &Recipe, files: &ModelFiles, vocab: usize) -> Result<DataLoaded> {
     let dir = &files.dir;
     let d = &recipe.data;
     let mut formats: Vec<DataFormat> = d
@@ -431,12 +444,17 @@ fn load_data(
     if d.eval.is_some() {
         formats.push(d.format);
     }
-    let tok = match formats.iter().find(|f| **f != DataFormat::Tokens) {
-        Some(f) => {
+    // `sample_every` encodes its prompts and decodes the completions whatever the data format.
+    let text_format = formats.iter().find(|f| **f != DataFormat::Tokens).copied();
+    let tok = match text_format.is_some() || recipe.train.sample_every > 0 {
+        true => {
             let t = files.tokenizer.as_ref().with_context(|| {
+                let who = match text_format {
+                    Some(f) => format!("data format \"{}\"", crate::data::format_name(f)),
+                    None => "train.sample_every".to_string(),
+                };
                 format!(
-                    "data format \"{}\" needs {}/tokenizer.json, which is missing",
-                    crate::data::format_name(*f),
+                    "{who} needs {}/tokenizer.json, which is missing",
                     dir.display()
                 )
             })?;
@@ -461,7 +479,7 @@ fn load_data(
             }
             Some(tok)
         }
-        None => None,
+        false => None,
     };
     let mut data = Dataset::load(d, tok.as_ref(), vocab)?;
     let eval = match Dataset::load_eval(d, tok.as_ref(), vocab)? {
@@ -487,7 +505,12 @@ fn load_data(
         }
     }
     let notes = data_notes(&data, eval.as_ref(), tok.as_ref(), d);
-    Ok((data, eval, notes))
+    Ok(DataLoaded {
+        data,
+        eval,
+        notes,
+        tokenizer: tok,
+    })
 }
 
 /// Lines about the data beyond counts: the mix, skipped rows, dropped examples, how chat turns
@@ -516,6 +539,12 @@ fn data_notes(
             "skipped {} bad rows (data.on_bad_row = \"skip\"); first: {}",
             data.skipped,
             data.skipped_first.join("; ")
+        ));
+    }
+    if let Some(first) = &data.no_answer_first {
+        notes.push(format!(
+            "dropped {} examples with nothing to train on under train_on = \"completions\"; first: {first}",
+            data.no_answer
         ));
     }
     if data.no_targets > 0 {

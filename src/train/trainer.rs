@@ -223,8 +223,11 @@ impl<'s> Run<'s> {
             let data = &self.s.data;
             self.log.row(d, &row, data.truncated, data.skipped)?;
         }
-        self.log.inc();
         let lead = self.s.comm.rank() == 0;
+        if lead && t.sample_every > 0 && (step % t.sample_every == 0 || last) {
+            self.sample(step)?;
+        }
+        self.log.inc();
         if lead && self.saves_at(step) && !last {
             self.save()?;
         }
@@ -244,6 +247,26 @@ impl<'s> Run<'s> {
             .into());
         }
         Ok(())
+    }
+
+    /// `train.sample_every`: the greedy completions of `sample_prompts` by the model as it
+    /// stands after `step` (adapters unmerged), printed and appended to samples.jsonl.
+    fn sample(&self, step: usize) -> Result<()> {
+        let s = self.s;
+        let tok = s
+            .tokenizer
+            .as_ref()
+            .context("train.sample_every needs the model's tokenizer")?;
+        let rows =
+            crate::generate::sample_rows(&s.model, tok, step, &s.recipe.train.sample_prompts)
+                .with_context(|| format!("train.sample_every: cannot sample at step {step}"))?;
+        for r in &rows {
+            self.log.say(&format!(
+                "sample @ step {step}: {:?} -> {:?}",
+                r.prompt, r.completion
+            ));
+        }
+        crate::generate::append_samples(&self.out_dir.join("samples.jsonl"), &rows)
     }
 
     /// A checkpoint of where the run stands, then the pruning of old ones.

@@ -739,3 +739,49 @@ fn bad_flags_to_plan_download_and_export_exit_2() {
     }
     assert!(!fx.path("merged").exists() && !fx.path("hub").exists());
 }
+
+#[test]
+fn a_line_that_is_not_utf8_is_a_bad_row_and_blank_lines_are_skipped() {
+    let fx = Fixture::new();
+    let good = std::fs::read(fx.path("data/tiny-text.jsonl")).unwrap();
+    let mut data = b"\n   \n".to_vec();
+    data.extend_from_slice(b"{\"text\": \"caf\xe9 latin-1\"}\n\r\n");
+    data.extend_from_slice(&good);
+    std::fs::write(fx.path("mixed.jsonl"), &data).unwrap();
+
+    // on_bad_row = "error" (the default) names the line and the encoding.
+    refused(
+        "a latin-1 line",
+        fx.train(&["data.train=mixed.jsonl"]),
+        1,
+        &["mixed.jsonl:3: not valid UTF-8 (byte 14 of the line); re-encode the file as UTF-8"],
+    );
+    assert!(!fx.path("out").exists());
+
+    // on_bad_row = "skip" skips it (the blank lines are not rows at all) and trains.
+    let (code, err) = fx.train(&["data.train=mixed.jsonl", "data.on_bad_row=skip"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains("skipped 1 bad rows (data.on_bad_row = \"skip\"); first: mixed.jsonl:3: not valid UTF-8"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_chat_row_with_no_assistant_turn_is_named_not_blamed_on_seq_len() {
+    let fx = Fixture::new();
+    let rows = "{\"messages\": [{\"role\": \"user\", \"content\": \"Hello?\"}]}\n".repeat(3);
+    std::fs::write(fx.path("noreply.jsonl"), rows).unwrap();
+    let (code, err) = fx.train(&["data.train=noreply.jsonl", "data.format=chat"]);
+    refused(
+        "no assistant turn",
+        (code, err.clone()),
+        1,
+        &[
+            "3 examples have nothing to train on under train_on = \"completions\"; first: noreply.jsonl:1: no assistant turn",
+            "set data.train_on = \"all\"",
+        ],
+    );
+    assert!(!err.contains("seq_len"), "{err}");
+    assert!(!fx.path("out").exists());
+}

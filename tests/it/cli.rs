@@ -89,6 +89,19 @@ fn train_subcommand_and_check_resolve_the_same_recipe() {
         text.contains("path = \"recipes/assets/tiny-llama\""),
         "{text}"
     );
+    // Defaults that depend on other fields are written out; unset fields say what unset means.
+    for line in [
+        "train_on = \"all\"\n",
+        "offload_activations = true\n",
+        "max_shard_size = \"5GB\"\n",
+        "# max_memory = unset: the whole card\n",
+        "# init_adapter = unset: new adapters",
+    ] {
+        assert!(text.contains(line), "check lacks {line:?}: {text}");
+    }
+    // What check prints is a recipe itself.
+    let printed: toml::Table = toml::from_str(text.split_once('\n').unwrap().1).unwrap();
+    assert_eq!(printed["data"]["train_on"].as_str(), Some("all"));
     // Every shipped recipe parses.
     for e in std::fs::read_dir(root().join("recipes")).unwrap() {
         let p = e.unwrap().path();

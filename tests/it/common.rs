@@ -202,3 +202,18 @@ pub fn read_request_head(
     }
     Ok((method, path, headers))
 }
+
+/// LoRA rank 8, alpha 16 on every linear, no dropout: the adapters of the GPU model tests.
+#[cfg(feature = "cuda")]
+pub fn all_linear_r8() -> lora_train::lora::LoraSpec {
+    lora_train::lora::LoraSpec {
+        rank: 8,
+        alpha: 16.0,
+        dropout: 0.0,
+        rslora: false,
+        targets: lora_train::lora::ALL_LINEAR
+            .iter()
+            .map(|s| s.to_string())
+            .collect(),
+    }
+}

@@ -19,6 +19,12 @@ fn expected() -> Value {
     serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
 }
 
+/// The case of expected.json named `name`.
+fn case_named<'a>(exp: &'a Value, name: &str) -> &'a Value {
+    let cases = exp["cases"].as_array().unwrap();
+    cases.iter().find(|c| c["name"] == name).unwrap()
+}
+
 fn fixture(rel: &str) -> PathBuf {
     root().join("tests/fixtures").join(rel)
 }
@@ -131,12 +137,7 @@ fn greedy_equals_transformers_on_the_golden_fixtures() {
 fn the_window_case_depends_on_the_window() {
     // Without its sliding window the Mistral case writes other tokens: the fixture tests it.
     let exp = expected();
-    let case = exp["cases"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["name"] == "mistral_window5+adapter")
-        .unwrap();
+    let case = case_named(&exp, "mistral_window5+adapter");
     assert_eq!(case["config_overrides"]["sliding_window"], 5);
     let tmp = tempfile::tempdir().unwrap();
     let model = load(case, tmp.path(), DType::F32, &Device::Cpu);
@@ -230,12 +231,7 @@ fn kv_cached_decoding_equals_full_recompute_on_the_cpu() {
 fn greedy_text_on_the_training_model_matches_the_fixture() {
     // The library function the training loop calls for sample_every, on the tiny model.
     let exp = expected();
-    let case = exp["cases"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["name"] == "tiny_shipped+adapter")
-        .unwrap();
+    let case = case_named(&exp, "tiny_shipped+adapter");
     let tmp = tempfile::tempdir().unwrap();
     let dir = model_dir(case, tmp.path());
     let l = lora_train::generate::load::from_dirs(
@@ -343,16 +339,7 @@ fn kv_cached_decoding_equals_full_recompute_on_cuda() {
     let mut cfg = lora_train::bench::shape("tiny").unwrap();
     (cfg.num_layers, cfg.num_kv_heads, cfg.vocab_size) = (2, 4, 512);
     cfg.max_position_embeddings = 512;
-    let spec = LoraSpec {
-        rank: 8,
-        alpha: 16.0,
-        dropout: 0.0,
-        rslora: false,
-        targets: lora_train::lora::ALL_LINEAR
-            .iter()
-            .map(|s| s.to_string())
-            .collect(),
-    };
+    let spec = all_linear_r8();
     for dtype in [DType::F32, DType::BF16] {
         let mut model = Model::random(cfg.clone(), dtype, &dev, &spec, 3).unwrap();
         // Sharper logits than N(0, 0.02) weights give, so that most greedy picks are clear.
@@ -453,15 +440,19 @@ fn bin() -> Command {
     Command::cargo_bin("lora-train").unwrap()
 }
 
+/// `lora-train generate` from the shipped tiny model on the CPU, run in the repository root.
+fn tiny_generate() -> Command {
+    let mut c = bin();
+    c.current_dir(root())
+        .args(["generate", "--model", "recipes/assets/tiny-llama"])
+        .args(["--device", "cpu"]);
+    c
+}
+
 #[test]
 fn cli_generates_from_the_shipped_tiny_model_and_an_adapter() {
     let exp = expected();
-    let case = exp["cases"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["name"] == "tiny_shipped+adapter")
-        .unwrap();
+    let case = case_named(&exp, "tiny_shipped+adapter");
     let p = &case["prompts"][1];
     let o = bin()
         .current_dir(root())
@@ -499,15 +490,7 @@ fn cli_generates_from_the_shipped_tiny_model_and_an_adapter() {
     assert_eq!(String::from_utf8_lossy(&o.stdout), text);
 
     // The base alone, from a text prompt.
-    let o = bin()
-        .current_dir(root())
-        .args([
-            "generate",
-            "--model",
-            "recipes/assets/tiny-llama",
-            "--device",
-            "cpu",
-        ])
+    let o = tiny_generate()
         .args(["--prompt", "Once upon a time", "--max-new-tokens", "5"])
         .output()
         .unwrap();
@@ -547,15 +530,7 @@ fn cli_prompt_ids_print_transformers_tokens() {
 
 #[test]
 fn cli_chat_answers_each_line_of_stdin() {
-    let o = bin()
-        .current_dir(root())
-        .args([
-            "generate",
-            "--model",
-            "recipes/assets/tiny-llama",
-            "--device",
-            "cpu",
-        ])
+    let o = tiny_generate()
         .args(["--chat", "--system", "Be brief.", "--max-new-tokens", "6"])
         .write_stdin("What color is the dog?\n\nSpell the word \"bear\".\n")
         .output()
@@ -717,4 +692,87 @@ fn streamed_text_is_the_decoded_text_with_multibyte_characters_whole() {
     assert_eq!(out, tok.decode(&ids).unwrap());
     assert_eq!(out, text);
     assert!(pieces > 10);
+}
+
+#[test]
+fn sample_every_prints_and_records_what_generate_says_of_the_adapter() {
+    let tmp = tempfile::tempdir().unwrap();
+    let recipe = format!(
+        "[model]\npath = \"{model}\"\n[lora]\nrank = 8\ndropout = 0.05\n[data]\ntrain = \"{data}\"\nseq_len = 32\n\
+         [train]\nmax_steps = 4\nmicro_batch = 2\nlr = 0.01\nsample_every = 2\n\
+         sample_prompts = [\"Once upon a time\", \"The cat\"]\n[output]\ndir = \"out\"\nsave_every = 0\n",
+        model = root().join("recipes/assets/tiny-llama").display(),
+        data = root().join("recipes/data/tiny-text.jsonl").display(),
+    );
+    std::fs::write(tmp.path().join("r.toml"), recipe).unwrap();
+    let o = bin()
+        .current_dir(tmp.path())
+        .args(["--recipe", "r.toml"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("sample @ step 2: \"Once upon a time\" -> "),
+        "{stderr}"
+    );
+    let rows: Vec<Value> = std::fs::read_to_string(tmp.path().join("out/samples.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let at: Vec<(u64, &str)> = rows
+        .iter()
+        .map(|r| (r["step"].as_u64().unwrap(), r["prompt"].as_str().unwrap()))
+        .collect();
+    assert_eq!(
+        at,
+        [
+            (2, "Once upon a time"),
+            (2, "The cat"),
+            (4, "Once upon a time"),
+            (4, "The cat")
+        ]
+    );
+    // The last step's samples are the saved adapter's greedy completions.
+    for r in &rows[2..] {
+        let g = bin()
+            .current_dir(tmp.path())
+            .args(["generate", "--adapter", "out", "--device", "cpu"])
+            .args([
+                "--max-new-tokens",
+                &generate::SAMPLE_MAX_NEW_TOKENS.to_string(),
+            ])
+            .args(["--prompt", r["prompt"].as_str().unwrap()])
+            .output()
+            .unwrap();
+        assert!(g.status.success(), "{}", String::from_utf8_lossy(&g.stderr));
+        let text = String::from_utf8_lossy(&g.stdout);
+        assert_eq!(
+            text.trim_end_matches('\n'),
+            r["completion"].as_str().unwrap()
+        );
+    }
+    // The completions moved with training (step 2's adapters are not step 4's).
+    assert_ne!(rows[0]["completion"], rows[2]["completion"], "{rows:?}");
+
+    // Under FSDP there is no whole model to sample from: a recipe error.
+    let o = bin()
+        .current_dir(tmp.path())
+        .args([
+            "check",
+            "--recipe",
+            "r.toml",
+            "--set",
+            "parallel.strategy=fsdp",
+        ])
+        .args(["--set", "parallel.devices=[0,1]"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("train.sample_every") && err.contains("FSDP"),
+        "{err}"
+    );
 }

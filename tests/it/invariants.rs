@@ -546,7 +546,6 @@ fn offloaded_residuals_give_the_recomputed_gradients_on_the_gpu() {
 #[cfg(feature = "cuda")]
 fn gpu_layer_model() -> lora_train::model::llama::Model {
     use candle_core::{DType, Device};
-    use lora_train::lora::{LoraSpec, ALL_LINEAR};
     use lora_train::model::llama::Model;
     let dev = Device::new_cuda(0).unwrap();
     let mut cfg = lora_train::bench::shape("tiny").unwrap(); // hidden 256, mlp 688
@@ -565,13 +564,7 @@ fn gpu_layer_model() -> lora_train::model::llama::Model {
         fold: false,
         ..kernels
     };
-    let spec = LoraSpec {
-        rank: 8,
-        alpha: 16.0,
-        dropout: 0.0,
-        rslora: false,
-        targets: ALL_LINEAR.iter().map(|s| s.to_string()).collect(),
-    };
+    let spec = all_linear_r8();
     let m =
         Model::random_with(cfg, DType::BF16, &dev, &spec, 7, &kernels, &mut |_| Ok(())).unwrap();
     randomize_b(&m, 0.05);
@@ -811,16 +804,7 @@ fn fsdp_shards_carry_the_folded_b_columns_on_the_gpu() {
     use lora_train::parallel::fsdp::{Flat, Shards};
     let reference = gpu_layer_model();
     let (cfg, dev) = (reference.cfg.clone(), reference.device.clone());
-    let spec = lora_train::lora::LoraSpec {
-        rank: 8,
-        alpha: 16.0,
-        dropout: 0.0,
-        rslora: false,
-        targets: lora_train::lora::ALL_LINEAR
-            .iter()
-            .map(|s| s.to_string())
-            .collect(),
-    };
+    let spec = all_linear_r8();
     // gpu_layer_model's weights (same seed), folded as they load; its random B's.
     let build = |comm: Option<&Cut>| {
         let mut groups = Vec::new();
