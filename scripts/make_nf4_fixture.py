@@ -8,8 +8,14 @@ Each weight (bf16, the dtype a checkpoint's linears are quantized from; one f32)
 `bitsandbytes.functional.quantize_4bit(quant_type="nf4", blocksize=64)` without and with
 `compress_statistics=True` (double quant), and back through `dequantize_4bit` to bf16 and f32.
 The weights hold zeros, +-max, tiny (normal) values, an all-zero block, a block of one non-zero
-value, and a tensor whose length is not a multiple of 64 (a partial last block and a partial
-last nested block).
+value, values exactly on the NF4 midpoints, a tensor whose length is not a multiple of 64 (a
+partial last block), and blocks whose absmax spread over five decades (double quant's 8-bit
+codes, and a partial last nested block of 256).
+
+The committed tests/fixtures/nf4/nf4_cpu.safetensors was made by this script with bitsandbytes
+0.50.2 on its CPU backend (torch 2.11 CPU; the file's metadata names both). Rerun on a GPU
+machine with --device cuda (same bitsandbytes) for nf4_cuda.safetensors, the CUDA kernels'
+values, which tests/it/nf4.rs then holds to the bit as well.
 
 bitsandbytes' CPU and CUDA paths differ (their sources: csrc/kernels.cu, csrc/cpu_ops.cpp,
 backends/default/ops.py): the 8-bit blockwise quantization of double quant is a 65536-bin
@@ -46,13 +52,25 @@ def weights(gen):
     flat[5000] = -65504.0  # a block dominated by one large value
     flat[9000:9064] = torch.tensor([(-1) ** i * 2.0 ** (-i) for i in range(64)])
     small = torch.randn(3, 70, generator=gen) * 0.05  # 210 weights: a partial last block
+    # [20, 960]: 300 blocks whose absmax spread over 1e-4..8 (half log-, half linearly spaced),
+    # so double quant's 8-bit step meets most of the dynamic map's 256 codes, coarse and fine.
+    target = torch.cat([torch.logspace(-4, 0.9, 150), torch.linspace(1e-3, 8.0, 150)])
+    target = target[torch.randperm(300, generator=gen)]
+    blocks = torch.randn(300, 64, generator=gen)
+    blocks = blocks / blocks.abs().max(dim=1, keepdim=True).values * target[:, None]
+    spread = blocks.reshape(20, 960)
     # f32: ratios exactly on the NF4 midpoints (a tie goes to the lower level), absmax 1
     code = F.get_4bit_type("nf4", device="cpu")
     ties = torch.zeros(64)
     ties[:15] = (code[:-1] + code[1:]) / 2
     ties[15] = 1.0
     ties[16:31] = -ties[:15]
-    return {"mixed": w.to(torch.bfloat16), "partial": small.to(torch.bfloat16), "ties": ties}
+    return {
+        "mixed": w.to(torch.bfloat16),
+        "partial": small.to(torch.bfloat16),
+        "ties": ties,
+        "spread": spread.to(torch.bfloat16),
+    }
 
 
 def main():

@@ -6,7 +6,8 @@ pub mod nf4;
 
 pub use nf4::Nf4;
 
-/// `[model] quantize`: how the frozen linears of the decoder layers are stored.
+/// `[model] quantize`: how the frozen linears of the decoder layers are stored (`Nf4` is
+/// refused by `Recipe::validate` until an NF4 base loads, trains and exports).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Quantize {

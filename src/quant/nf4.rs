@@ -230,6 +230,12 @@ fn quantize_blocks(x: &[f32], codes: &mut [u8], absmax: &mut [f32]) {
 fn nest(absmax: &[f32]) -> Nested {
     let n = absmax.len().max(1) as f64;
     let offset = (absmax.iter().map(|&a| a as f64).sum::<f64>() / n) as f32;
+    nest_about(absmax, offset)
+}
+
+/// Double quant of the absmax values about a given offset (bitsandbytes' is torch's f32 mean,
+/// whose last bit depends on its reduction order): absmax - offset, 8 bits in blocks of 256.
+pub fn nest_about(absmax: &[f32], offset: f32) -> Nested {
     let centred: Vec<f32> = absmax.iter().map(|&a| a - offset).collect();
     let map = dynamic::map();
     let (codes, absmax2) = dynamic::quantize_blockwise(&map, &centred, NESTED_BLOCK);
