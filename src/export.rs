@@ -238,6 +238,8 @@ pub fn base_of(adapter: &Path, info: &AdapterInfo) -> Result<std::path::PathBuf>
         revision: info.revision.clone(),
         dtype: None,
         device: crate::recipe::DeviceKind::Cpu,
+        quantize: Default::default(),
+        double_quant: true,
     };
     let files = crate::hub::model_files(&section)
         .with_context(|| format!("{}: cannot get the Hub model \"{name}\"", cfg.display()))?;

@@ -9,6 +9,8 @@ pub mod recipe;
 pub mod hub;
 // The decoder (Llama, Mistral, Qwen2), its layers' forward and hand-written backward.
 pub mod model;
+// The frozen base in 4 bits (QLoRA): bitsandbytes' NF4, made at load or read as saved.
+pub mod quant;
 // The adapters: their shape, init and dropout.
 pub mod lora;
 // Examples read, tokenized, batched, packed and sampled.

@@ -90,6 +90,8 @@ fn adapter_base(adapter: &Path, device: &Device) -> Result<ModelFiles> {
         } else {
             DeviceKind::Cpu
         },
+        quantize: Default::default(),
+        double_quant: true,
     };
     hub::model_files(&section).with_context(|| {
         format!(

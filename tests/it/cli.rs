@@ -224,6 +224,23 @@ invalid type: string \"eight\", expected usize
             "error: recipe bad.toml: `model.device` = \"cuda\", but this binary was built without CUDA: rebuild with `cargo build --release --features cuda`\n",
         ),
         (
+            "",
+            &["model.quantize=nf4"],
+            "error: recipe bad.toml: `model.quantize` = \"nf4\" (QLoRA) is not implemented yet: this build loads, trains and exports full-precision bases only; remove it, or set quantize = \"none\"\n",
+        ),
+        (
+            "",
+            &["model.double_quant=false"],
+            "error: recipe bad.toml: `model.double_quant` = false applies to model.quantize = \"nf4\" only: remove it\n",
+        ),
+        (
+            "",
+            &["model.quantize=int4"],
+            "error: recipe bad.toml: with --set output.dir=out --set model.quantize=int4: unknown variant `int4`, expected `none` or `nf4`
+  at: [model] quantize = \"int4\"
+",
+        ),
+        (
             "[train]\nbetas = [0.9, 1.5]\n",
             &[],
             "error: recipe bad.toml: `train.betas` both betas must be in [0, 1)\n",

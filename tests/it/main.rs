@@ -18,6 +18,7 @@ mod hub_data;
 mod invariants;
 mod loopback;
 mod merge;
+mod nf4;
 mod ops;
 mod parallel;
 mod plan;
