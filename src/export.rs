@@ -43,7 +43,10 @@ pub fn save_adapter(
 ) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     write_tensors(&dir.join(WEIGHTS), &adapter_tensors(model)?)?;
-    atomic_write(&dir.join(CONFIG), &adapter_config(spec, base_model, revision)?)
+    atomic_write(
+        &dir.join(CONFIG),
+        &adapter_config(spec, base_model, revision)?,
+    )
 }
 
 /// The model's adapters as PEFT keys them: A [r, in] and B [out, r], f32 host copies that
@@ -92,7 +95,11 @@ pub fn write_tensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
 }
 
 /// adapter_config.json's bytes: PEFT's LoRA config for `spec`.
-pub fn adapter_config(spec: &LoraSpec, base_model: &str, revision: Option<&str>) -> Result<Vec<u8>> {
+pub fn adapter_config(
+    spec: &LoraSpec,
+    base_model: &str,
+    revision: Option<&str>,
+) -> Result<Vec<u8>> {
     let cfg = json!({
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",

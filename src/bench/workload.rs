@@ -6,8 +6,8 @@
 use crate::data::{Batch, Example};
 use crate::lora::LoraSpec;
 use crate::model::{Model, ModelConfig};
-use crate::train::driver::Par;
 use crate::train::checkpoint_write::{Snapshot, Writer};
+use crate::train::driver::Par;
 use crate::train::optim::AdamW;
 use anyhow::{Context, Result};
 use std::path::PathBuf;

@@ -291,7 +291,8 @@ impl Weights {
             .map(|(i, l)| {
                 check_resident(l, i)?;
                 let one = |lin: &Linear| Proj::of(&[lin], lin.w.clone(), model.dtype);
-                let group = |lins: &[Linear]| -> Result<Vec<Proj>> { lins.iter().map(one).collect() };
+                let group =
+                    |lins: &[Linear]| -> Result<Vec<Proj>> { lins.iter().map(one).collect() };
                 layer_weights(l, group(&l.attn_in)?, group(&l.mlp_in)?, model.dtype)
             })
             .collect::<Result<_>>()?;
@@ -372,7 +373,12 @@ impl Weights {
 
 /// A layer's decode weights from its q/k/v and gate/up products: a fused checkpoint's one
 /// qkv_proj (gate_up_proj) product is cut into its H·D, K·D, K·D (I, I) columns.
-fn layer_weights(l: &Layer, mut qkv: Vec<Proj>, mut gate_up: Vec<Proj>, dtype: DType) -> Result<LayerWeights> {
+fn layer_weights(
+    l: &Layer,
+    mut qkv: Vec<Proj>,
+    mut gate_up: Vec<Proj>,
+    dtype: DType,
+) -> Result<LayerWeights> {
     let s = &l.spec;
     if let [p] = qkv.as_mut_slice() {
         let (q, kv) = (s.heads * s.head_dim, s.kv_heads * s.head_dim);

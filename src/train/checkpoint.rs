@@ -366,7 +366,12 @@ pub fn tmp_of(out_dir: &Path, step: usize) -> PathBuf {
 /// The checkpoint of where the run stands (`state`), copied to host memory: the adapter,
 /// AdamW's m and v (`keys[i]` the PEFT key of `opt.params[i]`), the recipe, and the trainer
 /// state last (a directory holding it is complete).
-pub fn snapshot(s: &Session, state: &TrainerState, opt: &AdamW, keys: &[String]) -> Result<Snapshot> {
+pub fn snapshot(
+    s: &Session,
+    state: &TrainerState,
+    opt: &AdamW,
+    keys: &[String],
+) -> Result<Snapshot> {
     let rev = s.base_revision.as_deref();
     Ok(Snapshot {
         adapter: export::adapter_tensors(&s.model)?,
@@ -374,7 +379,10 @@ pub fn snapshot(s: &Session, state: &TrainerState, opt: &AdamW, keys: &[String])
         optimizer: Snapshot::optimizer(opt, keys)?,
         files: vec![
             ("recipe.toml", s.recipe.to_toml().into_bytes()),
-            (STATE, (serde_json::to_string_pretty(state)? + "\n").into_bytes()),
+            (
+                STATE,
+                (serde_json::to_string_pretty(state)? + "\n").into_bytes(),
+            ),
         ],
     })
 }

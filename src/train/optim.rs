@@ -324,7 +324,10 @@ impl AdamW {
     pub fn state_on_host(&self) -> Result<(Vec<Tensor>, Vec<Tensor>)> {
         let (mut ms, mut vs) = (Vec::new(), Vec::new());
         for g in &self.groups {
-            let (m, v) = (crate::export::host_copy(&g.m)?, crate::export::host_copy(&g.v)?);
+            let (m, v) = (
+                crate::export::host_copy(&g.m)?,
+                crate::export::host_copy(&g.v)?,
+            );
             for j in 0..g.len() {
                 let (o, n) = g.span(j);
                 let shape = self.params[g.first + j].shape();

@@ -789,13 +789,21 @@ fn a_chat_row_with_no_assistant_turn_is_named_not_blamed_on_seq_len() {
 #[test]
 fn an_unsupported_model_type_exits_2_naming_it_and_the_list_before_any_weight_is_read() {
     for (model_type, extra, names) in [
-        ("bert", None, &["model_type `bert` is not supported; supported: "][..]),
+        (
+            "bert",
+            None,
+            &["model_type `bert` is not supported; supported: "][..],
+        ),
         (
             "llava",
             Some(("text_config", r#"{"model_type": "llama"}"#)),
             &["model_type `llava` is not supported (a vision-language checkpoint"][..],
         ),
-        ("gemma3", None, &["Gemma 3's text model alone is `gemma3_text`"][..]),
+        (
+            "gemma3",
+            None,
+            &["Gemma 3's text model alone is `gemma3_text`"][..],
+        ),
     ] {
         let fx = Fixture::new();
         fx.set_config("model_type", &format!("\"{model_type}\""));
@@ -806,10 +814,24 @@ fn an_unsupported_model_type_exits_2_naming_it_and_the_list_before_any_weight_is
         std::fs::write(fx.path("model/model.safetensors"), b"not safetensors").unwrap();
         let (code, err) = fx.train(&[]);
         refused(model_type, (code, err.clone()), 2, names);
-        for family in ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"] {
-            assert!(err.contains(family), "{model_type}: the list lacks {family}: {err}");
+        for family in [
+            "llama",
+            "mistral",
+            "qwen2",
+            "qwen3",
+            "gemma2",
+            "gemma3_text",
+            "phi3",
+        ] {
+            assert!(
+                err.contains(family),
+                "{model_type}: the list lacks {family}: {err}"
+            );
         }
-        assert!(!err.contains("safetensors"), "{model_type}: weights were read: {err}");
+        assert!(
+            !err.contains("safetensors"),
+            "{model_type}: weights were read: {err}"
+        );
         assert!(!fx.path("out").exists());
     }
 }
