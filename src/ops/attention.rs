@@ -222,10 +222,7 @@ impl CustomOp3 for SoftmaxBwd {
         delta: &candle_core::CudaStorage,
         dl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let cap = match &self.cap {
-            Some((c, s)) => Some((*c, s.storage_and_layout())),
-            None => None,
-        };
+        let cap = self.cap.as_ref().map(|(c, s)| (*c, s.storage_and_layout()));
         let cap = match &cap {
             Some((c, (s, l))) => match &**s {
                 candle_core::Storage::Cuda(cs) => Some((*c, cs, *l)),

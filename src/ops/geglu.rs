@@ -50,7 +50,7 @@ pub fn geglu_bwd(g: &Tensor, u: &Tensor, da: &Tensor) -> Result<(Tensor, Tensor)
 /// `swiglu_bwd_keep` (da consumed: a is written over it on CUDA in bf16).
 pub fn geglu_bwd_keep(g: &Tensor, u: &Tensor, da: Tensor) -> Result<(Tensor, Tensor, Tensor)> {
     #[cfg(feature = "cuda")]
-    if let Some(r) = cuda::geglu_bwd_keep(g, u, &da)? {
+    if let Some(r) = super::swiglu::cuda::bwd_keep("geglu_bwd_keep_v8_bf16", g, u, &da)? {
         return Ok(r);
     }
     let (dg, du) = geglu_bwd(g, u, &da)?;
@@ -149,61 +149,5 @@ impl CustomOp3 for GeGluBwd {
         let out =
             super::swiglu::cuda::elementwise("geglu_bwd", gs, gl, &[(us, ul), (das, dal)], 2)?;
         Ok((out, Shape::from(dims)))
-    }
-}
-
-#[cfg(feature = "cuda")]
-mod cuda {
-    //! The launcher of geglu.cu's fused backward (the others go through swiglu's
-    //! `elementwise`).
-    use crate::ops::cuda::{addr, function};
-    use candle_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
-    use candle_core::cuda::WrapErr;
-    use candle_core::{CudaStorage, DType, Result, Tensor};
-
-    /// `geglu_bwd_keep` on the GPU for bf16 g, u, da of one shape, contiguous, on 16 bytes,
-    /// of a multiple of 8 elements; None otherwise. a is written over `da`.
-    pub fn geglu_bwd_keep(
-        g: &Tensor,
-        u: &Tensor,
-        da: &Tensor,
-    ) -> Result<Option<(Tensor, Tensor, Tensor)>> {
-        use candle_core::{op::BackpropOp, Device, Storage};
-        let Device::Cuda(dev) = g.device() else {
-            return Ok(None);
-        };
-        let n = g.elem_count();
-        let same = [u, da]
-            .iter()
-            .all(|t| t.dtype() == DType::BF16 && t.shape() == g.shape());
-        if g.dtype() != DType::BF16 || !same || n % 8 != 0 || n == 0 {
-            return Ok(None);
-        }
-        let (Some(gp), Some(up), Some(dp)) = (addr(g)?, addr(u)?, addr(da)?) else {
-            return Ok(None);
-        };
-        if [gp, up, dp].iter().any(|p| p % 16 != 0) {
-            return Ok(None);
-        }
-        let func = function(dev, "geglu_bwd_keep_v8_bf16")?;
-        let stream = dev.cuda_stream();
-        // SAFETY: every element is written by the kernel (dg, then du).
-        let out = unsafe { stream.alloc::<half::bf16>(2 * n) }.w()?;
-        let cfg = LaunchConfig::for_num_elems((n / 8) as u32);
-        let nl = n as i64;
-        let mut b = stream.launch_builder(&func);
-        b.arg(&gp).arg(&up).arg(&dp).arg(&out).arg(&nl);
-        // SAFETY: g, u and da are live contiguous bf16 buffers of n elements on this stream, out
-        // is fresh; da is the caller's to overwrite.
-        unsafe { b.launch(cfg) }.w()?;
-        let mut dims = vec![2];
-        dims.extend_from_slice(g.dims());
-        let both = Tensor::from_storage(
-            Storage::Cuda(CudaStorage::wrap_cuda_slice(out, dev.clone())),
-            dims,
-            BackpropOp::none(),
-            false,
-        );
-        Ok(Some((both.get(0)?, both.get(1)?, da.clone())))
     }
 }

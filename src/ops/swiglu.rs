@@ -37,7 +37,7 @@ pub fn swiglu_bwd(g: &Tensor, u: &Tensor, da: &Tensor) -> Result<(Tensor, Tensor
 /// it; da must be a fresh result that nothing else holds. Elsewhere the two ops.
 pub fn swiglu_bwd_keep(g: &Tensor, u: &Tensor, da: Tensor) -> Result<(Tensor, Tensor, Tensor)> {
     #[cfg(feature = "cuda")]
-    if let Some(r) = cuda::swiglu_bwd_keep(g, u, &da)? {
+    if let Some(r) = cuda::bwd_keep("swiglu_bwd_keep_v8_bf16", g, u, &da)? {
         return Ok(r);
     }
     let (dg, du) = swiglu_bwd(g, u, &da)?;
@@ -274,10 +274,12 @@ pub(super) mod cuda {
         Ok(Some(a))
     }
 
-    /// `ops::swiglu::swiglu_bwd_keep` on the GPU: (dg, du, a) with a written over `da`'s buffer,
-    /// for bf16 inputs of one shape, contiguous, on 16 bytes, of a multiple of 8 elements; None
+    /// A gated backward that keeps a on the GPU (`kernel`: swiglu.cu's or geglu.cu's
+    /// `*_bwd_keep_v8_bf16`, one signature): (dg, du, a) with a written over `da`'s buffer, for
+    /// bf16 inputs of one shape, contiguous, on 16 bytes, of a multiple of 8 elements; None
     /// otherwise. `da` must be a fresh result that nothing else reads (its values are replaced).
-    pub fn swiglu_bwd_keep(
+    pub fn bwd_keep(
+        kernel: &str,
         g: &candle_core::Tensor,
         u: &candle_core::Tensor,
         da: &candle_core::Tensor,
@@ -305,7 +307,7 @@ pub(super) mod cuda {
         if [gp, up, dp].iter().any(|p| p % 16 != 0) {
             return Ok(None);
         }
-        let func = function(dev, "swiglu_bwd_keep_v8_bf16")?;
+        let func = function(dev, kernel)?;
         let stream = dev.cuda_stream();
         // SAFETY: every element is written by the kernel (dg, then du).
         let out = unsafe { stream.alloc::<half::bf16>(2 * n) }.w()?;
