@@ -358,11 +358,6 @@ pub fn dir_of(out_dir: &Path, step: usize) -> PathBuf {
     out_dir.join(format!("checkpoint-{step}"))
 }
 
-/// The temporary directory a checkpoint of step `step` is written in before its rename.
-pub fn tmp_of(out_dir: &Path, step: usize) -> PathBuf {
-    out_dir.join(format!(".checkpoint-{step}.tmp-{}", std::process::id()))
-}
-
 /// The checkpoint of where the run stands (`state`), copied to host memory: the adapter,
 /// AdamW's m and v (`keys[i]` the PEFT key of `opt.params[i]`), the recipe, and the trainer
 /// state last (a directory holding it is complete).

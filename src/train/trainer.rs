@@ -279,10 +279,8 @@ impl<'s> Run<'s> {
         let state = TrainerState::new(self.s, &self.at, self.total, &self.opt);
         let snap = checkpoint::snapshot(self.s, &state, &self.opt, &self.keys)?;
         let (out, step) = (self.out_dir.to_owned(), self.at.step);
-        let (tmp, dir) = (
-            checkpoint::tmp_of(&out, step),
-            checkpoint::dir_of(&out, step),
-        );
+        let dir = checkpoint::dir_of(&out, step);
+        let tmp = crate::util::tmp_path(&dir);
         let keep_last = self.s.recipe.output.keep_last;
         let prune = move || checkpoint::prune(&out, keep_last, step);
         self.writer.start(snap, tmp, dir.clone(), prune)?;
