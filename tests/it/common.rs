@@ -42,6 +42,9 @@ pub fn assert_rel_l2(what: &str, got: &Tensor, want: &Tensor, tol: f64) {
     let num = norm(&mut g.iter().zip(&w).map(|(a, b)| (*a - *b) as f64));
     let den = norm(&mut w.iter().map(|&b| b as f64));
     let rel = num / den.max(1e-30);
+    if rel > tol / 2.0 {
+        eprintln!("{what}: relative L2 error {rel:.3e}, over half the tolerance {tol:.1e}");
+    }
     assert!(
         rel <= tol,
         "{what}: relative L2 error {rel:.3e} > {tol:.1e}"

@@ -15,16 +15,16 @@ const ATOL: f64 = 1e-6;
 #[derive(Clone, Copy)]
 pub enum Tol {
     F32,
-    /// Used by the CUDA goldens.
+    /// Used by the CUDA goldens: the largest relative L2 error a tensor may have.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    Bf16,
+    Bf16(f64),
 }
 
 impl Tol {
     fn check(self, what: &str, got: &candle_core::Tensor, want: &candle_core::Tensor) {
         match self {
             Tol::F32 => assert_close(what, got, want, RTOL, ATOL),
-            Tol::Bf16 => assert_rel_l2(what, got, want, 5e-2),
+            Tol::Bf16(bound) => assert_rel_l2(what, got, want, bound),
         }
     }
     /// `check` with `slack` more absolute error allowed (f32 only).
@@ -42,13 +42,13 @@ impl Tol {
                     .fold(0f64, |m, v| m.max(v.abs() as f64));
                 assert_close(what, got, want, RTOL, ATOL + slack / scale.max(1e-30))
             }
-            Tol::Bf16 => self.check(what, got, want),
+            Tol::Bf16(_) => self.check(what, got, want),
         }
     }
     fn scalar(self) -> f64 {
         match self {
             Tol::F32 => RTOL,
-            Tol::Bf16 => 2e-2,
+            Tol::Bf16(_) => 2e-2,
         }
     }
 }
@@ -175,10 +175,33 @@ fn golden_phi3_fused_projections_longrope_window() {
     check_case("phi3_fused_longrope");
 }
 
-/// The same golden checks on the GPU: f32 at rtol 1e-4, bf16 at a bf16 tolerance.
+/// The bf16 bound of a case: 5e-2 relative L2, or 1.5× the worst error transformers + PEFT
+/// itself makes on that case in bf16 (gradients or trained adapter, measured on an H200 by
+/// scripts/peft_bf16_error.py) where that is larger: a bf16 run cannot be held closer to the
+/// float64 reference than the reference's own library gets in bf16, and which tensor rounds
+/// worst differs between two bf16 runs (ours and PEFT's worst tensors are not the same one).
+#[cfg(feature = "cuda")]
+fn bf16_bound(case: &str) -> f64 {
+    let path = root().join("tests/fixtures/golden/peft_bf16_error.json");
+    let text = std::fs::read_to_string(&path).expect("peft_bf16_error.json");
+    let v: serde_json::Value = serde_json::from_str(&text).expect("peft_bf16_error.json parses");
+    let e = &v["cases"][case];
+    let peft = ["grad", "trained"]
+        .iter()
+        .map(|k| {
+            e[k].as_f64()
+                .unwrap_or_else(|| panic!("{case}.{k} in {path:?}"))
+        })
+        .fold(0f64, f64::max);
+    (1.5 * peft).max(5e-2)
+}
+
+/// The same golden checks on the GPU: f32 at rtol 1e-4, bf16 at `bf16_bound`. Every case
+/// runs; the failures are listed together at the end.
 #[cfg(feature = "cuda")]
 #[test]
 fn golden_on_cuda_f32_and_bf16() {
+    let mut failed = Vec::new();
     for case in [
         "llama_gqa",
         "llama_mha_tied_rope3",
@@ -191,7 +214,27 @@ fn golden_on_cuda_f32_and_bf16() {
         "gemma3_local_global",
         "phi3_fused_longrope",
     ] {
-        check_case_on(case, &["model.device=cuda", "model.dtype=f32"], Tol::F32);
-        check_case_on(case, &["model.device=cuda", "model.dtype=bf16"], Tol::Bf16);
+        for (dtype, tol) in [("f32", Tol::F32), ("bf16", Tol::Bf16(bf16_bound(case)))] {
+            let sets = [
+                "model.device=cuda".to_string(),
+                format!("model.dtype={dtype}"),
+            ];
+            let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
+            let run = std::panic::catch_unwind(|| check_case_on(case, &sets, tol));
+            if let Err(e) = run {
+                let msg = e
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default();
+                failed.push(format!("{case} {dtype}: {msg}"));
+            }
+        }
     }
+    assert!(
+        failed.is_empty(),
+        "{} failed:\n{}",
+        failed.len(),
+        failed.join("\n")
+    );
 }
