@@ -1,8 +1,8 @@
 //! Eval loss: token cross-entropy over a batch, forward only.
 //!
-//! The adapters are `Var`s, so candle records a graph through every op that touches them;
-//! detaching each layer's output drops that graph, so at most one layer's activations are
-//! alive at once, and no backward is ever run.
+//! Each layer runs the step engine's forward (`Layer::forward_train` without its activations:
+//! the fused kernels and folded GEMMs training uses, no graph recorded), so at most one layer's
+//! transients are alive at once and eval costs what its FLOPs say.
 
 use super::driver::Par;
 use crate::data::Batch;
@@ -33,7 +33,7 @@ pub fn ce_sum_par(model: &Model, par: &Par, batch: &Batch) -> Result<f64> {
         None => model.embed(&ids)?,
     }; // [B, T, C]
     for l in 0..model.layers.len() {
-        x = par.layer(model, l)?.forward(&x, &ctx)?.detach();
+        x = par.layer(model, l)?.forward_train(&x, &ctx, false)?.0;
     }
     let io = par.io(model)?;
     let model_io = io.as_ref().unwrap_or(model);
