@@ -52,12 +52,26 @@ pub fn save_adapter(
 /// The model's adapters as PEFT keys them: A [r, in] and B [out, r], f32 host copies that
 /// training no longer changes (the optimiser updates the device tensors in place).
 pub fn adapter_tensors(model: &Model) -> Result<Vec<(String, Tensor)>> {
-    let mut out = Vec::new();
+    let mut keys = Vec::new();
+    let mut parts = Vec::new();
     for (module, lora) in model.adapters() {
         for (which, var) in [('A', &lora.a), ('B', &lora.b)] {
-            let t = host_copy(&var.as_tensor().to_dtype(DType::F32)?)?;
-            out.push((peft_key(module, which), t));
+            keys.push((peft_key(module, which), var.as_tensor().shape().clone()));
+            parts.push(var.as_tensor().to_dtype(DType::F32)?.flatten_all()?);
         }
+    }
+    if parts.is_empty() {
+        return Ok(Vec::new());
+    }
+    // One copy to the host, not one per tensor: each device-to-host copy waits for the stream,
+    // and a 7B model has some 450 adapter tensors.
+    let flat = host_copy(&Tensor::cat(&parts, 0)?)?;
+    let mut out = Vec::with_capacity(keys.len());
+    let mut at = 0;
+    for (key, shape) in keys {
+        let n = shape.elem_count();
+        out.push((key, flat.narrow(0, at, n)?.reshape(shape)?));
+        at += n;
     }
     Ok(out)
 }
