@@ -32,23 +32,38 @@ For each case it writes <out>/<case>/:
 
 Unlike reference_peft.py (float64), the references are computed as QLoRA computes them: in f32
 (bnb_4bit_compute_dtype) on the CPU, through bitsandbytes' Linear4bit and PEFT's
-lora.bnb.Linear4bit. The script asserts that the same steps on a plain f32 model whose linear
-weights are the `dequant.*` tensors give the same logits, loss, gradients and trained adapter
-(to f32 rounding), so the golden is f32 LoRA on the dequantized base; meta.json's "f32_vs_f64"
-says how far that f32 run is from the same run in float64 (the tolerance a Rust test needs),
-and "vs_full_precision" how far the 4-bit model's logits and loss are from the f32 base's.
+lora.bnb.Linear4bit. The script asserts
+  - that `dequant.*` equals the weight decoded by hand from model_bnb4's tensors
+    (checkpoint_dequant: the file format alone), bit for bit, and that model_bnb4 loads back
+    to the same packed weights and quant states;
+  - that the same steps on a plain f32 model whose linear weights are the `dequant.*` tensors
+    give the same logits, loss, gradients and trained adapter (to f32 rounding; with
+    bitsandbytes 0.50.2 they are bit-identical), so the golden is f32 LoRA on the dequantized
+    base.
+meta.json's "f32_vs_f64" says how far the f32 golden is from the same run in float64
+(transformers computes the loss itself in f32 either way), the slack a Rust test needs, and
+"vs_full_precision" how far the 4-bit model's logits and loss are from the f32 base's with the
+same adapter (so a run on the wrong base cannot pass).
 
-bitsandbytes CPU quirk: on a CPU with AVX512-BF16, Linear4bit.forward in eval mode on an input
-that needs no grad (the first layer's q/k/v, whose input comes from frozen embeddings) repacks
-the weight for a fused kernel that computes in bf16 (input and absmax cast to bf16). Training
-never takes that path, so the models here run in train mode (dropout is 0 everywhere).
+bitsandbytes CPU quirks (0.50.2):
+  - on a CPU with AVX512-BF16, Linear4bit.forward in eval mode on an input that needs no grad
+    (under no_grad, every linear; else the first layer's q/k/v, fed by frozen embeddings)
+    repacks the weight for a fused kernel that computes in bf16 (input and absmax cast to
+    bf16): logits move by ~1e-2. Training never takes that path, so the models run in train
+    mode here (dropout is 0 everywhere) and the script asserts no weight got repacked.
+  - its native CPU dequantize_4bit indexes absmax per row, absmax[row * (in // 64) +
+    col // 64], which is wrong when in_features is not a multiple of 64 (quantize_4bit runs
+    the blocks over the flattened weight, as CUDA does); so every in_features here is a
+    multiple of 64 (asserted), where the two agree.
+  - without the `kernels` package it logs "Failed to load CPU gemm_4bit_forward from
+    kernels-community" at import: harmless here (only the bf16 inference path above uses it).
 """
 import argparse, json, os, shutil, sys
 
 import torch
 import bitsandbytes as bnb
 import bitsandbytes.functional as BF
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, get_cosine_schedule_with_warmup
 from peft import LoraConfig, PeftModel, get_peft_model
 
@@ -61,19 +76,19 @@ CASES = {
     # reference_peft.py's llama_gqa (GQA 4 heads / 2 kv, untied head, all 7 linears) with
     # intermediate 128, so every dimension is a multiple of the NF4 block of 64. Each weight
     # (<= 8192 values, <= 128 blocks) has one partial nested block of 256 absmax values.
+    # One layer, not two, to keep the fixtures near 1.4 MB (a second adds ~330 KB).
     "qlora_llama_gqa": dict(
-        config=dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        config=dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                     num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
                     max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0,
                     tie_word_embeddings=False),
         lora=dict(r=4, lora_alpha=8, target_modules=ALL7, use_rslora=False)),
     # Qwen2: q/k/v bias (f32, not quantized), one kv head, tied head, one layer. intermediate
-    # 288 = 4.5 x 64: gate/up/down hold 18432 values = 288 blocks, so double quant has a full
-    # nested block of 256 and a partial one of 32, and down_proj's rows of 288 values start
-    # mid-block (NF4 blocks run over the flattened weight, not per row).
+    # 320: gate/up/down hold 20480 values = 320 blocks, so double quant has a full nested block
+    # of 256 absmax values and a partial one of 64. (vocab 64 to keep the fixture small.)
     "qlora_qwen2_bias": dict(
-        config=dict(model_type="qwen2", hidden_size=64, intermediate_size=288, num_hidden_layers=1,
-                    num_attention_heads=4, num_key_value_heads=1, vocab_size=128,
+        config=dict(model_type="qwen2", hidden_size=64, intermediate_size=320, num_hidden_layers=1,
+                    num_attention_heads=4, num_key_value_heads=1, vocab_size=64,
                     max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=1000000.0,
                     tie_word_embeddings=True),
         lora=dict(r=4, lora_alpha=8, target_modules=ALL7, use_rslora=False)),
@@ -125,6 +140,29 @@ def dequantized(model):
         assert w.dtype == torch.float32 and tuple(w.shape) == (m.out_features, m.in_features), n
         out[n] = w.contiguous()
     return out
+
+
+def checkpoint_dequant(tensors, module):
+    """The f32 weight of `module` decoded by hand from model_bnb4's tensors, as a loader that
+    knows only the file format would: blocks of 64 over the flattened weight, two codes a byte
+    (high nibble first), absmax = nested_quant_map[absmax u8] * nested_absmax[i // 256] +
+    nested_offset (all f32), w = quant_map[code] * absmax."""
+    p = module + ".weight"
+    qs = json.loads(bytes(tensors[p + ".quant_state.bitsandbytes__nf4"].tolist()).decode())
+    assert qs["quant_type"] == "nf4" and qs["blocksize"] == 64 and qs["nested_blocksize"] == 256
+    assert qs["dtype"] == "float32" and qs["nested_dtype"] == "float32", qs
+    packed = tensors[p].reshape(-1)
+    assert packed.dtype == torch.uint8
+    codes = torch.stack([packed >> 4, packed & 15], dim=1).reshape(-1).long()
+    n = codes.numel()
+    assert n == qs["shape"][0] * qs["shape"][1]
+    a8 = tensors[p + ".absmax"].long()
+    assert a8.numel() == n // 64
+    absmax = (tensors[p + ".nested_quant_map"][a8]
+              * tensors[p + ".nested_absmax"][torch.arange(a8.numel()) // 256]
+              + torch.tensor(qs["nested_offset"], dtype=torch.float32))
+    w = tensors[p + ".quant_map"][codes] * absmax[torch.arange(n) // 64]
+    return w.reshape(qs["shape"])
 
 
 def golden_run(pm, rows, pad):
@@ -182,8 +220,12 @@ def run_case(name, case, out):
     g = torch.Generator().manual_seed(sum(map(ord, name)))
     torch.manual_seed(sum(map(ord, name)))
     cfg = make_config(case["config"])
+    # Every linear's in_features a multiple of 64: bitsandbytes' CPU dequantize_4bit (its native
+    # cdequantize_blockwise_cpu_nf4_fp32) takes the absmax of element (row, col) to be
+    # absmax[row * (in // 64) + col // 64], right only then; quantize_4bit, CUDA and
+    # checkpoint_dequant below run the blocks over the flattened weight.
     for lin, n in [("hidden", cfg.hidden_size), ("intermediate", cfg.intermediate_size)]:
-        assert (n * cfg.hidden_size) % 64 == 0, (lin, n)
+        assert n % 64 == 0, (lin, n)
 
     # the f32 base
     base = random_base(cfg, g)
@@ -201,8 +243,10 @@ def run_case(name, case, out):
     q1.save_pretrained(bnb_dir, safe_serialization=True)
     sd1 = {k: v.clone() for k, v in q1.state_dict().items()}
     del q1
+    ckpt = load_file(os.path.join(bnb_dir, "model.safetensors"))
+    for n, w in deq1.items():
+        assert torch.equal(checkpoint_dequant(ckpt, n), w), f"{n}: bnb's dequant is not the file's"
     q = load_4bit(bnb_dir, quantize=False)
-    assert q.is_loaded_in_4bit if hasattr(q, "is_loaded_in_4bit") else True
     deq = dequantized(q)
     assert deq.keys() == deq1.keys()
     for n in deq:
@@ -226,6 +270,12 @@ def run_case(name, case, out):
             assert p.dtype == torch.float32, (pname, p.dtype)
     adapter_dir = os.path.join(d, "init_adapter")
     pm.save_pretrained(adapter_dir)
+    with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
+        acfg = json.load(f)
+    acfg["base_model_name_or_path"] = None  # PEFT writes this machine's path; as reference_peft
+    with open(os.path.join(adapter_dir, "adapter_config.json"), "w") as f:
+        json.dump(acfg, f, indent=2, sort_keys=True)
+    os.remove(os.path.join(adapter_dir, "README.md"))  # PEFT's model card template
 
     rows = make_rows(g, vocab)
     with open(os.path.join(d, "train.jsonl"), "w") as f:
