@@ -14,8 +14,9 @@ For each case it writes <out>/<case>/:
                    checkpoint as the Hub's *-bnb-4bit repos hold one (per quantized linear:
                    `weight` packed u8 [n/2, 1], `weight.absmax` u8, `weight.quant_map` f32 [16],
                    `weight.nested_absmax` f32, `weight.nested_quant_map` f32 [256],
-                   `weight.quant_state.bitsandbytes__nf4` u8 JSON; embeddings, norms, biases
-                   and the head stay f32; config.json carries quantization_config)
+                   `weight.quant_state.bitsandbytes__nf4` u8 JSON with shape, blocksizes,
+                   dtypes and nested_offset, an f32 written as a decimal; embeddings, norms,
+                   biases and the head stay f32; config.json carries quantization_config)
   init_adapter/    PEFT adapter (A as PEFT inits it, B random non-zero) made on the 4-bit model
   train.jsonl      8 rows {"input_ids", "labels"}: 4 steps of micro-batch 2
   golden.safetensors
@@ -27,8 +28,8 @@ For each case it writes <out>/<case>/:
       dequant.<module>.weight   f32 [out, in]: bitsandbytes.functional.dequantize_4bit of that
                      Linear4bit's weight and quant_state, the weight the 4-bit model computes
                      with (module = the base model's name, e.g. model.layers.0.mlp.down_proj)
-  meta.json        reference_peft.py's fields (same optimiser, schedule, clipping), plus
-                   "quant" and the checks below
+  meta.json        reference_peft.py's fields (same optimiser, schedule, clipping; model_dir
+                   "model"), plus "quant_model_dir": "model_bnb4", "quant" and the checks below
 
 Unlike reference_peft.py (float64), the references are computed as QLoRA computes them: in f32
 (bnb_4bit_compute_dtype) on the CPU, through bitsandbytes' Linear4bit and PEFT's
@@ -273,6 +274,7 @@ def run_case(name, case, out):
     with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
         acfg = json.load(f)
     acfg["base_model_name_or_path"] = None  # PEFT writes this machine's path; as reference_peft
+    acfg["target_modules"] = sorted(acfg["target_modules"])  # a set: its order varies by run
     with open(os.path.join(adapter_dir, "adapter_config.json"), "w") as f:
         json.dump(acfg, f, indent=2, sort_keys=True)
     os.remove(os.path.join(adapter_dir, "README.md"))  # PEFT's model card template
