@@ -69,6 +69,8 @@ pub struct BenchArgs {
     pub save_every: usize,
     /// A label for the JSON line (a sweep's row).
     pub tag: Option<String>,
+    /// How the frozen base is stored (`--quantize nf4`: QLoRA, double quant).
+    pub quant: crate::quant::Quant,
 }
 
 /// The shapes `bench` and `plan --shape` know, as scripts/bench_peft.py's SHAPES.
@@ -237,7 +239,8 @@ fn run_rank(a: &BenchArgs, device: Device, comm: &dyn Comm) -> Result<serde_json
     } else {
         DType::BF16
     };
-    let kernels = crate::ops::Kernels::resolve(&a.device, act, cfg.attn_shape(), a.deterministic)?;
+    let kernels = crate::ops::Kernels::resolve(&a.device, act, cfg.attn_shape(), a.deterministic)?
+        .for_base(a.quant);
     let targets = targets(&a.targets, &cfg)?;
     let input = plan::PlanInput {
         tied: cfg.tie_word_embeddings.unwrap_or(false),
@@ -249,8 +252,9 @@ fn run_rank(a: &BenchArgs, device: Device, comm: &dyn Comm) -> Result<serde_json
         targets,
         gpus: comm.world(),
         cuda: !a.device.is_cpu(),
-        kernels,
+        kernels: kernels.for_base(a.quant),
         offload: Keep::new(false, a.offload, &a.device) == Keep::Offload,
+        quant: a.quant,
     };
     let p = plan::plan(&input, 1, a.max_memory);
     let sel = (a.strategy, a.ckpt);
@@ -308,13 +312,14 @@ fn measure(
     memory::keep_pool_memory(&a.device)?;
     let t0 = Instant::now();
     let fsdp = a.strategy == Strategy::Fsdp;
-    let (model, shards) = sharded_model(fsdp, comm, kernels, &mut |loaded| match &a.model {
-        Some(dir) => {
-            let files = crate::hub::ModelFiles::local(dir)?;
-            Model::load_with(&files, dtype, &a.device, &spec, 0, kernels, loaded)
-        }
-        None => Model::random_with(cfg.clone(), dtype, &a.device, &spec, 0, kernels, loaded),
-    })?;
+    let (model, shards) =
+        sharded_model(fsdp, a.quant, comm, kernels, &mut |loaded| match &a.model {
+            Some(dir) => {
+                let files = crate::hub::ModelFiles::local(dir)?;
+                Model::load_with(&files, dtype, &a.device, &spec, 0, kernels, loaded)
+            }
+            None => Model::random_with(cfg.clone(), dtype, &a.device, &spec, 0, kernels, loaded),
+        })?;
     a.device.synchronize()?;
     let load_s = t0.elapsed().as_secs_f64();
     let after_load = memory::stats(&a.device)?.map(|s| s.used as f64 / GIB);

@@ -86,7 +86,13 @@ pub fn run(recipe: &Recipe, max_micro_batch: usize) -> Result<ProbeReport> {
     // As training loads it: its kernels, the adapters' forward folded (ops::fold).
     let kernels = crate::train::session::run_kernels(recipe, &files, &dev, dtype)?;
     let seed = recipe.train.seed;
-    let model = Model::load_with(&files, dtype, &dev, &spec, seed, &kernels, &mut |_| Ok(()))?;
+    let (model, _) = crate::train::session::sharded_model(
+        false,
+        recipe.quant().for_checkpoint(&files.config)?,
+        &crate::parallel::Solo,
+        &kernels,
+        &mut |loaded| Model::load_with(&files, dtype, &dev, &spec, seed, &kernels, loaded),
+    )?;
     let load_peak = memory::stats(&dev)?.map(|s| s.used_high);
     let params = adapter_params(&model);
     let lora: u64 = params
@@ -96,8 +102,12 @@ pub fn run(recipe: &Recipe, max_micro_batch: usize) -> Result<ProbeReport> {
     let fixed: u64 = model
         .layers
         .iter()
-        .flat_map(|l| l.linears())
-        .map(|l| crate::parallel::fsdp::storage_bytes(&l.w) as u64)
+        .map(|l| {
+            let ws = l.linears().into_iter();
+            l.nf4_bytes() as u64
+                + ws.map(|l| crate::parallel::fsdp::storage_bytes(&l.w) as u64)
+                    .sum::<u64>()
+        })
         .sum::<u64>()
         + memory::tensor_bytes(&model.embed)
         + memory::tensor_bytes(&model.lm_head)

@@ -83,9 +83,9 @@ pub struct ModelSection {
     /// "cpu" | "cuda". Default: "cpu".
     #[serde(default = "default_device")]
     pub device: DeviceKind,
-    /// The frozen linears of the decoder layers in 4 bits (QLoRA): "nf4" (bitsandbytes' NF4)
-    /// | "none". Default: "none". Only "none" trains yet: "nf4" is refused by `validate`
-    /// until loading, training and export on an NF4 base are in (src/quant has the format).
+    /// The frozen linears of the decoder layers in 4 bits (QLoRA): "nf4" (bitsandbytes' NF4,
+    /// quantized layer by layer as the checkpoint loads, dequantized just in time for each
+    /// layer's GEMMs) | "none". Default: "none". Not yet with `parallel.strategy = "fsdp"`.
     #[serde(default)]
     pub quantize: crate::quant::Quantize,
     /// With quantize = "nf4": the absmax values quantized again to 8 bits in blocks of 256
@@ -864,13 +864,13 @@ impl Recipe {
             }
             _ => {}
         }
-        if m.quantize == crate::quant::Quantize::Nf4 {
+        if m.quantize == crate::quant::Quantize::Nf4 && self.parallel.strategy == Strategy::Fsdp {
             return Err(self.invalid(
                 "model.quantize",
-                "= \"nf4\" (QLoRA) is not implemented yet: this build loads, trains and exports full-precision bases only; remove it, or set quantize = \"none\"",
+                "= \"nf4\" with parallel.strategy = \"fsdp\" is not implemented yet (FSDP shards a full-precision base): use strategy = \"ddp\", or quantize = \"none\"",
             ));
         }
-        if !m.double_quant {
+        if !m.double_quant && m.quantize == crate::quant::Quantize::None {
             return Err(self.invalid(
                 "model.double_quant",
                 "= false applies to model.quantize = \"nf4\" only: remove it",
@@ -920,6 +920,13 @@ impl Recipe {
             return Err(self.invalid(
                 "train.sample_every",
                 "needs prompts to complete: set train.sample_prompts = [\"...\"]",
+            ));
+        }
+        if t.sample_every > 0 && self.model.quantize == crate::quant::Quantize::Nf4 {
+            return Err(self.invalid(
+                "train.sample_every",
+                "cannot sample from an NF4 base yet (model.quantize = \"nf4\"); set it to 0 and \
+                 try the adapter after training with `lora-train generate --recipe`",
             ));
         }
         if t.sample_every > 0 && self.parallel.strategy == Strategy::Fsdp {
@@ -1074,6 +1081,14 @@ impl Recipe {
             }
         }
         Ok(())
+    }
+
+    /// How the frozen base is stored (`[model] quantize`, `double_quant`).
+    pub fn quant(&self) -> crate::quant::Quant {
+        crate::quant::Quant {
+            kind: self.model.quantize,
+            double_quant: self.model.double_quant,
+        }
     }
 
     /// `lora.targets` as module names in checkpoint order; unknown names are errors.

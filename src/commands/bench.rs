@@ -88,6 +88,10 @@ pub struct BenchArgs {
     /// A label copied into the JSON line (e.g. a sweep's row).
     #[arg(long)]
     tag: Option<String>,
+    /// The frozen base in NF4 (QLoRA, bitsandbytes' format with double quant), as the
+    /// recipe's model.quantize.
+    #[arg(long, value_enum, default_value_t = QuantArg::None)]
+    quantize: QuantArg,
 }
 
 fn dropout(s: &str) -> Result<f32, String> {
@@ -116,6 +120,12 @@ impl Targets {
             Targets::All => "all",
         }
     }
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum QuantArg {
+    None,
+    Nf4,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -169,6 +179,13 @@ pub fn run(b: BenchArgs) -> anyhow::Result<()> {
         eval_batches: b.eval_batches as usize,
         save_every: b.save_every as usize,
         tag: b.tag,
+        quant: match b.quantize {
+            QuantArg::None => lora_train::quant::Quant::NONE,
+            QuantArg::Nf4 => lora_train::quant::Quant {
+                kind: lora_train::quant::Quantize::Nf4,
+                double_quant: true,
+            },
+        },
     };
     let res = lora_train::bench::run(&args)?;
     println!("{res}");

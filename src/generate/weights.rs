@@ -404,6 +404,12 @@ fn layer_weights(
 /// An FSDP skeleton layer holds placeholders, not weights: decoding needs them resident.
 fn check_resident(l: &Layer, i: usize) -> Result<()> {
     for lin in l.linears() {
+        if lin.q.is_some() {
+            bail!(
+                "layer {i}: {} is in NF4 (model.quantize = \"nf4\"): generating from an NF4 base is not implemented yet; generate from the full-precision base with the adapter (`lora-train generate --adapter DIR`)",
+                lin.name
+            );
+        }
         if lin.w.rank() != 2 || lin.w.elem_count() == 0 {
             bail!(
                 "layer {i}: {} holds no resident weight (an FSDP shard's placeholder): generate on a model whose layers are whole (single or DDP), or gather them first",

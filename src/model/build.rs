@@ -11,20 +11,28 @@ use super::config::ModelConfig;
 use super::layer::{Extra, Layer, LayerSpec};
 use super::linear::Linear;
 use crate::lora::{module_index, Lora, LoraSpec};
-use candle_core::{Device, Tensor};
+use crate::quant::QWeight;
+use candle_core::{DType, Device, Tensor};
+use std::sync::Arc;
 
 /// A source of named base tensors: (HF name, shape) → the tensor on the device.
 pub type Get<'a> = &'a dyn Fn(&str, &[usize]) -> anyhow::Result<Tensor>;
 
-/// Layer `l` of `cfg`: its tensors from `get`, fresh adapters (keyed by seed, layer and
+/// The linear weights a checkpoint stores in NF4 (a bitsandbytes 4-bit one): (HF name, shape)
+/// → the weight on the device, None where it is a plain tensor (for `Get`).
+pub type GetNf4<'a> = &'a dyn Fn(&str, &[usize]) -> anyhow::Result<Option<QWeight>>;
+
+/// Layer `l` of `cfg`: its tensors from `get` (its linears' W from `nf4` where the checkpoint
+/// holds them in NF4), fresh adapters (keyed by seed, layer and
 /// module) on the linears `spec` targets.
 pub fn layer(
     cfg: &ModelConfig,
     l: usize,
     get: Get,
+    nf4: GetNf4,
     spec: &LoraSpec,
     seed: u64,
-    device: &Device,
+    (dtype, device): (DType, &Device),
 ) -> anyhow::Result<Layer> {
     let c = cfg.hidden_size;
     let linear = |group: &str, module: &str, bias: bool| -> anyhow::Result<Linear> {
@@ -35,7 +43,12 @@ pub fn layer(
             );
         };
         let name = format!("model.layers.{l}.{group}.{module}");
-        let w = get(&format!("{name}.weight"), &[out_f, in_f])?;
+        let q = nf4(&format!("{name}.weight"), &[out_f, in_f])?;
+        let w = match &q {
+            // the placeholder `Layer::resident` replaces, in the dtype it dequantizes to
+            Some(_) => Tensor::zeros(1, dtype, device)?,
+            None => get(&format!("{name}.weight"), &[out_f, in_f])?,
+        };
         let b = match bias {
             true => Some(get(&format!("{name}.bias"), &[out_f])?),
             false => None,
@@ -51,6 +64,7 @@ pub fn layer(
             b,
             lora,
             pad: None,
+            q: q.map(Arc::new),
             key,
         })
     };

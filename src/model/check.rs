@@ -343,13 +343,20 @@ pub fn read_header(path: &Path) -> Result<Vec<(String, HeaderTensor)>> {
 pub fn weights(cfg: &ModelConfig, config_path: &Path, files: &[PathBuf]) -> Result<()> {
     let mut shapes: BTreeMap<String, Vec<usize>> = BTreeMap::new();
     let mut layers = BTreeSet::new();
+    // A bitsandbytes 4-bit checkpoint stores its layers' linears as bytes (quant::bnb).
+    let nf4 = crate::quant::bnb::nf4_config(config_path)?.is_some();
     for file in files {
         for (name, t) in read_header(file)? {
             let ours = name.starts_with("model.") || name.starts_with("lm_head.");
+            let packed = nf4 && t.dtype == "U8" && name.starts_with("model.layers.");
+            if packed {
+                shapes.insert(name, Vec::new()); // its shape is in its quant state
+                continue;
+            }
             if ours && !["F32", "F16", "BF16", "F64"].contains(&t.dtype.as_str()) {
                 let what = match dtype_bytes(&t.dtype) {
                     Some(_) if t.dtype.starts_with('I') || t.dtype.starts_with('U') => {
-                        "an integer dtype: a quantized checkpoint (GPTQ, AWQ, bitsandbytes) needs its full-precision original"
+                        "an integer dtype: a quantized checkpoint (GPTQ, AWQ, bitsandbytes 8-bit) needs its full-precision original"
                     }
                     Some(_) => "a dtype lora-train does not train on",
                     None => "a dtype lora-train cannot read",

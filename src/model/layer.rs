@@ -18,6 +18,8 @@ use super::llama::Ctx;
 use crate::ops::glu::Act;
 use crate::ops::{self, AttnMask, NormSpec};
 use candle_core::{Result, Tensor};
+use std::borrow::Cow;
+use std::sync::Arc;
 
 /// A layer's shape and the family's settings of it.
 #[derive(Clone, Copy, Debug)]
@@ -240,6 +242,52 @@ impl Layer {
             }
         }
         Ok(())
+    }
+
+    /// Quantizes each linear's W to NF4 (`[model] quantize = "nf4"`; one read in NF4 stays as
+    /// it is), leaving a 1-element
+    /// placeholder of its dtype in `w`, so the full copy is freed as the layer loads; returns
+    /// the NF4 bytes. Folded linears are refused (`ops::fold` is off under NF4).
+    pub fn quantize(&mut self, double_quant: bool) -> Result<usize> {
+        let mut bytes = 0;
+        for lin in self.parts_mut().1 {
+            if lin.q.is_some() {
+                continue; // read in NF4 (a bitsandbytes 4-bit checkpoint)
+            }
+            if lin.pad.is_some() {
+                candle_core::bail!("nf4: {} is folded (ops::fold is off under NF4)", lin.name);
+            }
+            let q = crate::quant::QWeight::quantize(&lin.w, double_quant)?;
+            bytes += q.bytes();
+            lin.w = Tensor::zeros(1, lin.w.dtype(), lin.w.device())?;
+            lin.q = Some(Arc::new(q));
+        }
+        Ok(bytes)
+    }
+
+    /// The layer with each NF4 linear's W dequantized (to its placeholder's dtype), for one
+    /// use: borrowed as it is where nothing is quantized. The dequantized weights are freed
+    /// with the returned layer.
+    pub fn resident(&self) -> Result<Cow<'_, Layer>> {
+        if self.linears().iter().all(|l| l.q.is_none()) {
+            return Ok(Cow::Borrowed(self));
+        }
+        let mut layer = self.clone();
+        for lin in layer.parts_mut().1 {
+            if let Some(q) = &lin.q {
+                lin.w = q.dequantize(lin.w.dtype())?;
+            }
+        }
+        Ok(Cow::Owned(layer))
+    }
+
+    /// Bytes of the layer's NF4 weights.
+    pub fn nf4_bytes(&self) -> usize {
+        self.linears()
+            .iter()
+            .filter_map(|l| l.q.as_ref())
+            .map(|q| q.bytes())
+            .sum()
     }
 
     /// Pads this layer's foldable groups (`Model::fold`); their bytes.

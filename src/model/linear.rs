@@ -30,6 +30,9 @@ pub struct Linear {
     pub lora: Option<Lora>,
     /// W's wider buffer, when the adapter's forward is folded into the base GEMM.
     pub pad: Option<Pad>,
+    /// W in NF4 (`[model] quantize = "nf4"`): the model's `w` is then a placeholder, and
+    /// `Layer::resident` puts the dequantized W there for each use.
+    pub q: Option<std::sync::Arc<crate::quant::QWeight>>,
     /// (layer, module) index: keys the dropout masks (the model's layer index, so a gathered
     /// or recomputed layer draws the same ones).
     pub(crate) key: [u64; 2],

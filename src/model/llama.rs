@@ -4,12 +4,14 @@
 //!
 //! Shapes: B batch, T tokens, C hidden, H heads, K kv heads, D head dim, V vocab, I mlp.
 
+use super::build::{Get, GetNf4};
 use super::config::ModelConfig;
 use super::layer::Layer;
 use super::rope::Freqs;
 use crate::hub::ModelFiles;
 use crate::lora::{Lora, LoraSpec};
 use crate::ops::{self, AttnMask, Kernels};
+use crate::quant::QWeight;
 use anyhow::{bail, Context};
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Result, Tensor, TensorId, D};
@@ -81,8 +83,15 @@ impl Ctx {
 /// `Ctx::adapters` and `Ctx::adapter_buf`.
 type AdapterCopies = (HashMap<TensorId, Tensor>, Option<Tensor>);
 
+/// A group of frozen tensors as it is loaded: a decoder layer, or the embedding, final norm and
+/// untied head (`Model::io_mut` order).
+pub enum Group<'a> {
+    Layer(&'a mut Layer),
+    Io(Vec<&'a mut Tensor>),
+}
+
 /// Called with each group of frozen tensors as it is loaded (see `Model::load_with`).
-pub type Loaded<'a> = &'a mut dyn FnMut(Vec<&mut Tensor>) -> anyhow::Result<()>;
+pub type Loaded<'a> = &'a mut dyn FnMut(Group<'_>) -> anyhow::Result<()>;
 
 pub struct Model {
     pub cfg: ModelConfig,
@@ -161,6 +170,17 @@ impl Model {
             // From the mapping to the device in one copy, cast there.
             finite.watch(name, st.load(name, device)?.to_dtype(dtype)?)
         };
+        // A bitsandbytes 4-bit checkpoint's linears, read as NF4 (quant::bnb).
+        let packed = crate::quant::bnb::nf4_config(&files.config)?.is_some();
+        let nf4 = |name: &str, shape: &[usize]| -> anyhow::Result<Option<QWeight>> {
+            if !packed {
+                return Ok(None);
+            }
+            prefetch.loading(name);
+            let q = crate::quant::bnb::read(&st, name, shape)
+                .with_context(|| format!("in the 4-bit checkpoint {}", files.dir.display()))?;
+            Ok(q.map(|q| QWeight::from_nf4(&q, device)).transpose()?)
+        };
         let has_head = names.contains("lm_head.weight");
         let tied = cfg.tie_word_embeddings.unwrap_or(!has_head);
         if !tied && !has_head {
@@ -169,7 +189,17 @@ impl Model {
                 files.dir.display()
             );
         }
-        let m = Self::build(cfg, &get, tied, dtype, device, spec, seed, *kernels, loaded)?;
+        let m = Self::build(
+            cfg,
+            (&get, &nf4),
+            tied,
+            dtype,
+            device,
+            spec,
+            seed,
+            *kernels,
+            loaded,
+        )?;
         finite.verify(&files.dir, dtype)?;
         Ok(m)
     }
@@ -216,14 +246,26 @@ impl Model {
             Ok(t.to_dtype(dtype)?)
         };
         let tied = cfg.tie_word_embeddings.unwrap_or(false);
-        Self::build(cfg, &get, tied, dtype, device, spec, seed, *kernels, loaded)
+        let nf4 = |_: &str, _: &[usize]| Ok(None);
+        Self::build(
+            cfg,
+            (&get, &nf4),
+            tied,
+            dtype,
+            device,
+            spec,
+            seed,
+            *kernels,
+            loaded,
+        )
     }
 
-    /// Assembles the model from a source of named base tensors (HF names and shapes).
+    /// Assembles the model from a source of named base tensors (HF names and shapes), and of
+    /// the linears a checkpoint holds in NF4.
     #[allow(clippy::too_many_arguments)]
     fn build(
         cfg: ModelConfig,
-        get: &dyn Fn(&str, &[usize]) -> anyhow::Result<Tensor>,
+        (get, nf4): (Get, GetNf4),
         tied: bool,
         dtype: DType,
         device: &Device,
@@ -235,11 +277,11 @@ impl Model {
         let (c, v) = (cfg.hidden_size, cfg.vocab_size);
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for l in 0..cfg.num_layers {
-            let mut layer = super::build::layer(&cfg, l, get, spec, seed, device)?;
+            let mut layer = super::build::layer(&cfg, l, get, nf4, spec, seed, (dtype, device))?;
             if kernels.fold {
                 layer.fold()?;
             }
-            loaded(layer.frozen_mut())?;
+            loaded(Group::Layer(&mut layer))?;
             layer.sync_views()?;
             layers.push(layer);
         }
@@ -275,7 +317,7 @@ impl Model {
             rope,
             rope_local,
         };
-        loaded(m.io_mut())?;
+        loaded(Group::Io(m.io_mut()))?;
         if m.tied {
             m.lm_head = m.embed.clone();
         }
@@ -571,7 +613,7 @@ impl Model {
     pub fn forward(&self, ids: &Tensor, ctx: &Ctx) -> Result<Tensor> {
         let mut x = self.embed(ids)?;
         for layer in &self.layers {
-            x = layer.forward(&x, ctx)?;
+            x = layer.resident()?.forward(&x, ctx)?;
         }
         self.head(&x)
     }

@@ -173,6 +173,16 @@ pub struct Kernels {
 }
 
 impl Kernels {
+    /// The choices for a base stored as `quant` says: an NF4 base is dequantized into plain
+    /// [out, in] weights for each use, so its linears do not fold (`ops::fold` wants padded
+    /// buffers made at load).
+    pub fn for_base(self, quant: crate::quant::Quant) -> Kernels {
+        Kernels {
+            fold: self.fold && !quant.is_nf4(),
+            ..self
+        }
+    }
+
     /// The choices for a model of `dtype` activations and attention shape `attn` (a head dim,
     /// or `ModelConfig::attn_shape`) on `device`;
     /// `deterministic`: no kernel whose f32 sums land in a varying order (today wgmma's fused

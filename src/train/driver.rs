@@ -80,7 +80,7 @@ impl Par<'static> {
 }
 
 impl Par<'_> {
-    /// Layer `l`, gathered under FSDP.
+    /// Layer `l`, gathered under FSDP, dequantized on an NF4 base.
     pub fn layer<'m>(&self, model: &'m Model, l: usize) -> Result<Cow<'m, Layer>> {
         self.gather(model, l, false)
     }
@@ -100,7 +100,11 @@ impl Par<'_> {
 
     fn gather<'m>(&self, model: &'m Model, l: usize, ahead: bool) -> Result<Cow<'m, Layer>> {
         match self.shards {
-            None => Ok(Cow::Borrowed(&model.layers[l])),
+            // NF4: dequantized here, freed when the layer is dropped.
+            None => match model.layers.get(l) {
+                Some(layer) => layer.resident(),
+                None => candle_core::bail!("driver: no layer {l}"),
+            },
             Some(s) => Ok(Cow::Owned(s.layer(model, l, self.comm, ahead)?)),
         }
     }

@@ -128,8 +128,9 @@ pub fn model_bytes(m: &Model) -> u64 {
     let mut sum = b(&m.embed) + b(&m.norm) + if m.tied { 0 } else { b(&m.lm_head) };
     for l in &m.layers {
         sum += b(&l.input_norm) + b(&l.post_norm);
+        sum += l.nf4_bytes() as u64;
         for lin in l.linears() {
-            // W's whole buffer: folded, its pad columns too (ops::fold)
+            // W's whole buffer: folded, its pad columns too (ops::fold); NF4, a placeholder
             sum += crate::parallel::fsdp::storage_bytes(&lin.w) as u64;
             sum += lin.b.as_ref().map(b).unwrap_or(0);
             if let Some(lora) = &lin.lora {

@@ -11,7 +11,7 @@ use crate::data::{Batch, Dataset, Example, Sampler, TextTokenizer, IGNORE};
 use crate::export;
 use crate::hub::{self, ModelFiles};
 use crate::lora::LoraSpec;
-use crate::model::llama::Loaded;
+use crate::model::llama::{Group, Loaded};
 use crate::model::Model;
 use crate::parallel::fsdp::{Flat, Shards};
 use crate::parallel::{Comm, Solo};
@@ -140,7 +140,8 @@ impl Session {
         // The run's kernels; with them the adapters' forward folded into the base GEMMs
         // (ops::fold), each layer padded before FSDP shards it.
         let kernels = run_kernels(&recipe, &files, &dev, dtype)?;
-        let (model, shards) = sharded_model(fsdp, &*comm, &kernels, &mut |loaded| {
+        let quant = recipe.quant().for_checkpoint(&files.config)?;
+        let (model, shards) = sharded_model(fsdp, quant, &*comm, &kernels, &mut |loaded| {
             Model::load_with(&files, dtype, &dev, &spec, seed, &kernels, loaded)
         })
         .with_context(|| format!("cannot load the model in {}", dir.display()))?;
@@ -381,12 +382,8 @@ pub fn run_kernels(
     dtype: DType,
 ) -> Result<crate::ops::Kernels> {
     let attn = crate::model::ModelConfig::from_file(&files.config)?.attn_shape();
-    Ok(crate::ops::Kernels::resolve(
-        dev,
-        dtype,
-        attn,
-        recipe.train.deterministic,
-    )?)
+    let k = crate::ops::Kernels::resolve(dev, dtype, attn, recipe.train.deterministic)?;
+    Ok(k.for_base(recipe.quant().for_checkpoint(&files.config)?))
 }
 
 /// A model that `build` makes layer by layer (from a checkpoint or random weights, the
@@ -396,14 +393,26 @@ pub fn run_kernels(
 /// weights), and the full copy is dropped at once.
 pub fn sharded_model(
     fsdp: bool,
+    quant: crate::quant::Quant,
     comm: &dyn Comm,
     kernels: &crate::ops::Kernels,
     build: &mut dyn FnMut(Loaded) -> Result<Model>,
 ) -> Result<(Model, Option<Shards>)> {
+    if fsdp && quant.is_nf4() {
+        anyhow::bail!("FSDP over an NF4 base is not implemented yet (Recipe::validate refuses it)");
+    }
     let mut groups = Vec::new();
-    let model = build(&mut |t| {
+    let model = build(&mut |g| {
+        let tensors = match g {
+            Group::Layer(layer) if quant.is_nf4() => {
+                layer.quantize(quant.double_quant)?;
+                return Ok(());
+            }
+            Group::Layer(layer) => layer.frozen_mut(),
+            Group::Io(t) => t,
+        };
         if fsdp {
-            groups.push(Flat::take(t, comm)?);
+            groups.push(Flat::take(tensors, comm)?);
         }
         Ok(())
     })?;

@@ -22,6 +22,7 @@ mod nf4;
 mod ops;
 mod parallel;
 mod plan;
+mod qlora;
 mod recipes;
 mod report;
 mod resume;

@@ -41,6 +41,10 @@
 //!   its backward, the next one issued a layer early): base / W plus the current and the next
 //!   layer's full weights (2 × a layer's parameters × s), with or without checkpointing (what
 //!   forward keeps holds no weights); the embedding, final norm and head gathered for the head.
+//! - NF4 (`[model] quantize = "nf4"`, src/quant): each decoder linear at 0.5 B a weight plus
+//!   its absmax (`nf4::bytes_for`), the rest of the base at s; the current and the next layer
+//!   dequantized (2 × a layer's parameters × s, in the `gather` column) and the dequantizing
+//!   of the largest linear's f32 temporaries (3 × 4 B a weight).
 //! - the optimizer step: on CUDA one kernel updating parameters and moments in place (the
 //!   gradients only); elsewhere AdamW over flat groups of at most `optim::GROUP` = 2^23
 //!   parameters: the gradients, and about 8 f32 temporaries of one group (gradient, old and
@@ -105,6 +109,9 @@ pub struct PlanInput {
     /// Without checkpointing, each layer's residual waits in host memory
     /// (`train.offload_activations`; `driver::Keep::Offload`).
     pub offload: bool,
+    /// How the base is stored (`[model] quantize`): NF4 linears at `nf4::bytes_for` each,
+    /// dequantized for the current and the next layer.
+    pub quant: crate::quant::Quant,
 }
 
 /// One strategy's per-rank bytes.
@@ -238,6 +245,30 @@ fn layer_params(cfg: &ModelConfig) -> u64 {
     (all - outside) / cfg.num_layers.max(1) as u64
 }
 
+/// Bytes of the base with each decoder linear in NF4 (`nf4::bytes_for`) and everything else
+/// (embedding, head, norms, biases) at `s` bytes an element.
+pub fn nf4_base_bytes(cfg: &ModelConfig, tied: bool, s: u64, double_quant: bool) -> u64 {
+    let shapes: Vec<(usize, usize)> = cfg
+        .linears()
+        .iter()
+        .filter_map(|m| cfg.linear_shape(m))
+        .collect();
+    let dense: u64 = shapes.iter().map(|(i, o)| (i * o) as u64).sum();
+    let packed: u64 = shapes
+        .iter()
+        .map(|(i, o)| crate::quant::nf4::bytes_for(i * o, double_quant) as u64)
+        .sum();
+    let l = cfg.num_layers as u64;
+    let all = cfg.num_params(tied) as u64;
+    (all - l * dense) * s + l * packed
+}
+
+/// Weights of the model's largest linear.
+fn largest_linear(cfg: &ModelConfig) -> u64 {
+    let shapes = cfg.linears().iter().filter_map(|m| cfg.linear_shape(m));
+    shapes.map(|(i, o)| (i * o) as u64).max().unwrap_or(0)
+}
+
 /// The per-rank breakdown of one strategy, with or without checkpointing, at `micro_batch`.
 pub fn breakdown(p: &PlanInput, strategy: Strategy, ckpt: bool, micro_batch: usize) -> Breakdown {
     let cfg = &p.cfg;
@@ -258,7 +289,10 @@ pub fn breakdown(p: &PlanInput, strategy: Strategy, ckpt: bool, micro_batch: usi
         true => fold_pad_bytes(cfg, s, p.rank, &p.targets),
         false => 0,
     };
-    let full_base = cfg.num_params(p.tied) as u64 * s;
+    let full_base = match p.quant.is_nf4() {
+        true => nf4_base_bytes(cfg, p.tied, s, p.quant.double_quant),
+        false => cfg.num_params(p.tied) as u64 * s,
+    };
     let base = if strategy == Strategy::Fsdp {
         (full_base + pads).div_ceil(world as u64)
     } else {
@@ -273,6 +307,8 @@ pub fn breakdown(p: &PlanInput, strategy: Strategy, ckpt: bool, micro_batch: usi
         let layers = 2;
         let io = (cfg.num_params(p.tied) as u64 - l * layer_params(cfg)) * s;
         (layers * (layer_params(cfg) * s + pads / l.max(1)), io)
+    } else if p.quant.is_nf4() {
+        (2 * layer_params(cfg) * s + 12 * largest_linear(cfg), 0)
     } else {
         (0, 0)
     };
@@ -522,6 +558,7 @@ pub fn input_from_shape(
         gpus: gpus.max(1),
         cuda: true,
         offload: true,
+        quant: crate::quant::Quant::NONE,
     })
 }
 
@@ -556,8 +593,9 @@ pub fn input_from_recipe(
         targets: r.target_modules()?,
         gpus: gpus.max(1),
         cuda,
-        kernels,
+        kernels: kernels.for_base(r.quant()),
         offload: cuda && r.train.offload_activations.unwrap_or(true),
+        quant: r.quant(),
     })
 }
 

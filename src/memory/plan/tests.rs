@@ -20,6 +20,7 @@ fn input(mb: usize, gpus: usize) -> PlanInput {
         cuda: true,
         kernels: Kernels::fallback(),
         offload: false,
+        quant: crate::quant::Quant::NONE,
     }
 }
 
@@ -265,5 +266,34 @@ fn optimizer_dominance_names_rank_and_targets() {
     assert!(
         a.lines.iter().any(|l| l.contains("lower lora.rank")),
         "{a:?}"
+    );
+}
+
+/// NF4 at Llama-2-7B, double quant, by hand: per layer q, k, v, o of 4096² = 16777216 weights,
+/// each 8388608 B of codes + 262144 absmax codes + 4 · 1024 nested absmax + 1028 (map and
+/// offset) = 8655876 B; gate, up, down of 45088768 weights, 22544384 + 704512 + 4 · 2752 + 1028
+/// = 23260932 B: 4 · 8655876 + 3 · 23260932 = 104406300 B a layer, 32 layers. The rest
+/// (embedding, head, norms: 262410240 parameters) in bf16. Dequantized: two layers' weights
+/// (2 · 202383360 · 2 B with the norms) and 12 B a weight of down_proj for the temporaries.
+#[test]
+fn nf4_base_by_hand() {
+    let cfg = llama2_7b();
+    assert_eq!(
+        nf4_base_bytes(&cfg, false, 2, true),
+        32 * 104_406_300 + 2 * 262_410_240
+    );
+    let mut p = input(1, 1);
+    p.quant = crate::quant::Quant {
+        kind: crate::quant::Quantize::Nf4,
+        double_quant: true,
+    };
+    let b = breakdown(&p, Strategy::Single, true, 1);
+    assert_eq!(b.base, 3_865_822_080);
+    assert_eq!(b.gather, 2 * 202_383_360 * 2 + 12 * 45_088_768);
+    // Without double quant the absmax are f32: n/2 + 4 · n/64 a linear.
+    let plain = 4 * (8_388_608 + 4 * 262_144) + 3 * (22_544_384 + 4 * 704_512);
+    assert_eq!(
+        nf4_base_bytes(&cfg, false, 2, false),
+        32 * plain + 2 * 262_410_240
     );
 }
