@@ -48,6 +48,13 @@
 #         (bench --max-memory 24GiB, mb2, no ckpt: expect exit 4 and the diagnosis).
 # peercopy (2 GPUs): the parallel::nccl GPU test under CUDA_MODULE_LOADING=EAGER (peer copies), then
 #         FSDP with peer copies (LORA_TRAIN_EXPERIMENTS=peer_copy) RUNS times, exit statuses.
+# qlora:  NF4 base (double quant), Llama-2-7B shape, seq 2048, mb2, r16 all linear: `bench
+#         --quantize nf4` beside scripts/bench_peft.py --load-in-4bit (bitsandbytes from the wheel
+#         in .devbuild when it does not import); `plan --shape llama2-7b --nf4 --gpu-mem 24GiB`
+#         and `bench --max-memory 24GiB` at the largest micro-batch it names (no ckpt, else
+#         ckpt); the Llama-2-70B shape NF4 at mb1, checkpointed -> $OUT/qlora.jsonl,
+#         $OUT/qlora-plan*.json. Carry .devbuild/lora-train.gz and the bitsandbytes wheel
+#         (scripts/fetch-wheels.sh), without it.gz (64 MiB). Not in the default set.
 # ab:     ours alone, the mb2 all-linear 7B bench in each of AB's ";"-separated variants (each:
 #         VAR=value assignments and bench flags, e.g. "LORA_TRAIN_EXPERIMENTS=reduce_ahead" or
 #         "--deterministic"; "default": neither), ROUNDS rounds (default 2) alternated (default
@@ -75,7 +82,7 @@ fi
 
 if [[ $what == *" tests "* ]]; then
   env LORA_TRAIN_ROOT=$PWD "CARGO_BIN_EXE_lora-train=$PWD/.devbuild/lora-train" timeout 420 $E .devbuild/it \
-    ops:: golden:: invariants:: plan::cuda_ generate:: dropout:: --test-threads 1 2>&1 | tee "$OUT/gpu-tests.log" \
+    ops:: golden:: invariants:: plan::cuda_ generate:: dropout:: qlora:: --test-threads 1 2>&1 | tee "$OUT/gpu-tests.log" \
     | grep -E "^test .*(FAILED|ok)$|test result|panicked" | grep -v " ok$" | head -40
   grep -c " ok$" "$OUT/gpu-tests.log" | sed 's/^/tests ok: /'
 fi
@@ -306,6 +313,46 @@ if [[ $what == *" famb "* ]]; then
 fi
 
 # BENCH: ";"-separated configs "micro-batch targets [ckpt]"; a trailing "-" skips PEFT for it.
+if [[ $what == *" qlora "* ]]; then
+  whl=$(ls .devbuild/bitsandbytes-*.whl 2>/dev/null | head -1)
+  if ! python3 -c "import bitsandbytes" 2>/dev/null && [ -n "$whl" ]; then
+    pip install --no-deps --no-index --target /tmp/bnb "$whl" >/dev/null 2>&1
+    export PYTHONPATH=/tmp/bnb:${PYTHONPATH:-}
+  fi
+  python3 -c "import bitsandbytes as b; print('bitsandbytes', b.__version__)"
+  Q="--seq 2048 --rank 16 --targets all --steps 10 --warmup 3"
+  echo "== lora-train qlora 7b mb2"
+  timeout 150 $E .devbuild/lora-train bench --shape llama2-7b $Q --micro-batch 2 --quantize nf4 \
+    --tag qlora-7b-mb2 --json "$OUT/qlora.jsonl" 2>&1 | tail -3
+  echo "== peft+bnb qlora 7b mb2"
+  timeout 240 python3 scripts/bench_peft.py --shape llama2-7b $Q --batch 2 --load-in-4bit \
+    --tag qlora-7b-mb2 --json "$OUT/qlora.jsonl" 2>&1 | tail -3
+  for ck in "" "--ckpt"; do
+    .devbuild/lora-train plan --shape llama2-7b --nf4 --gpu-mem 24GiB $ck --json \
+      > "$OUT/qlora-plan$ck.json" 2>&1
+  done
+  read -r mb ck <<< "$(python3 - "$OUT" <<'PY'
+import json, sys
+for ck in ["", "--ckpt"]:
+    p = json.load(open(f"{sys.argv[1]}/qlora-plan{ck}.json"))
+    row = p.get("selected") or {}
+    m = row.get("max_micro_batch")
+    if m:
+        print(m, ck or "-"); break
+else:
+    print(1, "--ckpt")
+PY
+)"
+  [ "$ck" = "-" ] && ck=""
+  echo "== lora-train qlora 70b mb1 ckpt"
+  timeout 240 $E .devbuild/lora-train bench --shape llama2-70b --seq 2048 --rank 16 --targets all \
+    --steps 3 --warmup 1 --micro-batch 1 --ckpt --quantize nf4 --tag qlora-70b-mb1-ckpt \
+    --json "$OUT/qlora.jsonl" 2>&1 | tail -3
+  echo "== lora-train qlora 7b under 24GiB at the plan's mb $mb $ck"
+  timeout 150 $E .devbuild/lora-train bench --shape llama2-7b $Q --micro-batch "$mb" $ck --quantize nf4 \
+    --max-memory 24GiB --tag "qlora-7b-24gib-mb$mb$ck" --json "$OUT/qlora.jsonl" 2>&1 | tail -3
+fi
+
 if [[ $what == *" bench "* ]]; then
   B="--shape llama2-7b --seq 2048 --rank 16 --steps 10 --warmup 3"
   IFS=';' read -ra cfgs <<< "${BENCH:-2 all;2 qv;8 all ckpt}"

@@ -12,7 +12,7 @@ each, and the tensor it came from. That is the yardstick for our own bf16 tolera
 goldens in tests/it/golden.rs): a bf16 run cannot be held closer to f64 than PEFT's own is. --json writes the figures that
 test reads (made on one H200).
 """
-import argparse, json, os, sys
+import argparse, json, os, sys, time
 
 import torch
 from safetensors.torch import load_file
@@ -83,8 +83,12 @@ def main():
                              if os.path.exists(os.path.join(GOLDEN, c, "golden.safetensors")))
     errors = {c: run_case(c, a.device) for c in cases}
     if a.json:
-        made_by = (f"python3 scripts/peft_bf16_error.py --device {a.device} --json {a.json} "
-                   f"(torch {torch.__version__}, peft via transformers)")
+        import peft, transformers
+        gpu = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
+        made_by = (f"python3 scripts/peft_bf16_error.py --device {a.device} --json "
+                   f"tests/fixtures/golden/peft_bf16_error.json ({gpu}, torch {torch.__version__}, "
+                   f"transformers {transformers.__version__}, peft {peft.__version__}), "
+                   f"{time.strftime('%Y-%m-%d')}")
         with open(a.json + ".tmp", "w") as f:
             json.dump({"made_by": made_by, "cases": errors}, f, indent=1)
         os.replace(a.json + ".tmp", a.json)

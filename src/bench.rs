@@ -74,10 +74,11 @@ pub struct BenchArgs {
 }
 
 /// The shapes `bench` and `plan --shape` know, as scripts/bench_peft.py's SHAPES.
-pub const SHAPES: [&str; 8] = [
+pub const SHAPES: [&str; 9] = [
     "tiny",
     "llama2-7b",
     "llama2-13b",
+    "llama2-70b",
     "llama3-8b",
     "qwen3-8b",
     "gemma2-9b",
@@ -100,6 +101,7 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
         "tiny" => llama(256, 688, 4, 8, 8, 32000, 1e4),
         "llama2-7b" => llama(4096, 11008, 32, 32, 32, 32000, 1e4),
         "llama2-13b" => llama(5120, 13824, 40, 40, 40, 32000, 1e4),
+        "llama2-70b" => llama(8192, 28672, 80, 64, 8, 32000, 1e4),
         "llama3-8b" => llama(4096, 14336, 32, 32, 8, 128256, 5e5),
         // Qwen/Qwen3-8B
         "qwen3-8b" => json!({"model_type": "qwen3", "hidden_size": 4096,

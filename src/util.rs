@@ -87,3 +87,12 @@ pub fn check_repo_id(id: &str) -> std::result::Result<(), String> {
     }
     Ok(())
 }
+
+/// The message of a caught panic (`std::panic::catch_unwind`'s payload): its text, or "" when
+/// it carries none.
+pub fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<String>()
+        .cloned()
+        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_default()
+}

@@ -18,7 +18,7 @@ pub struct PlanArgs {
     /// Override a recipe field (repeatable).
     #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
     set: Vec<String>,
-    /// Plan a `bench` shape (tiny | llama2-7b | llama2-13b | llama3-8b | qwen3-8b | gemma2-9b |
+    /// Plan a `bench` shape (tiny | llama2-7b | llama2-13b | llama2-70b | llama3-8b | qwen3-8b | gemma2-9b |
     /// gemma3-12b | phi3-mini; bf16) instead of a recipe.
     #[arg(long, value_parser = super::bench::shape)]
     shape: Option<String>,
@@ -37,6 +37,10 @@ pub struct PlanArgs {
     /// With --shape: the run's row uses activation checkpointing (the JSON's `selected`).
     #[arg(long)]
     ckpt: bool,
+    /// With --shape: the frozen base in NF4 (QLoRA, double quant), as a recipe's
+    /// model.quantize = "nf4".
+    #[arg(long)]
+    nf4: bool,
     /// GPUs for ddp / fsdp (default: the recipe's parallel.devices).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=4096))]
     gpus: Option<u32>,
@@ -67,6 +71,10 @@ pub fn run(a: PlanArgs) -> anyhow::Result<()> {
                 targets,
                 gpus.unwrap_or(1),
             )?;
+            let input = match a.nf4 {
+                true => input.nf4(),
+                false => input,
+            };
             (input, 1, (Strategy::Single, a.ckpt), None, vec![0])
         }
         (None, Some(path)) => {

@@ -128,5 +128,6 @@ pub fn layer(
             act: arch.act,
             local_rope: sliding && arch.local_rope.is_some(),
         },
+        lease: None,
     })
 }

@@ -94,6 +94,8 @@ pub struct Layer {
     pub mlp_in: Vec<Linear>,
     pub down: Linear,
     pub spec: LayerSpec,
+    /// An NF4 layer made resident in a `quant::Slabs` buffer holds that slab until it drops.
+    pub(crate) lease: Option<Arc<()>>,
 }
 
 impl Layer {
@@ -269,15 +271,42 @@ impl Layer {
     /// use: borrowed as it is where nothing is quantized. The dequantized weights are freed
     /// with the returned layer.
     pub fn resident(&self) -> Result<Cow<'_, Layer>> {
-        if self.linears().iter().all(|l| l.q.is_none()) {
+        self.resident_in(None)
+    }
+
+    /// `resident`, on CUDA into a free buffer of `slabs` (each W a view of it, at offsets of 64
+    /// elements), which the returned layer holds until it and its clones drop.
+    pub fn resident_in(&self, slabs: Option<&crate::quant::Slabs>) -> Result<Cow<'_, Layer>> {
+        let Some(first) = self.linears().into_iter().find(|l| l.q.is_some()) else {
             return Ok(Cow::Borrowed(self));
-        }
+        };
+        let (dtype, device) = (first.w.dtype(), first.w.device().clone());
         let mut layer = self.clone();
+        let span = |q: &crate::quant::QWeight| q.numel().next_multiple_of(64);
+        let total: usize = self
+            .linears()
+            .iter()
+            .filter_map(|l| l.q.as_deref())
+            .map(span)
+            .sum();
+        let slab = match slabs {
+            Some(s) => s.take(total, dtype, &device)?,
+            None => None,
+        };
+        let mut off = 0;
         for lin in layer.parts_mut().1 {
-            if let Some(q) = &lin.q {
-                lin.w = q.dequantize(lin.w.dtype())?;
-            }
+            let Some(q) = &lin.q else { continue };
+            lin.w = match &slab {
+                Some((buf, _)) => {
+                    let w = buf.narrow(0, off, q.numel())?.reshape(q.shape.as_slice())?;
+                    q.dequantize_into(&w)?;
+                    w
+                }
+                None => q.dequantize(dtype)?,
+            };
+            off += span(q);
         }
+        layer.lease = slab.map(|(_, lease)| lease);
         Ok(Cow::Owned(layer))
     }
 

@@ -90,6 +90,16 @@ pub enum Group<'a> {
     Io(Vec<&'a mut Tensor>),
 }
 
+impl<'a> Group<'a> {
+    /// The group's frozen tensors (a layer's in `Layer::frozen_mut` order).
+    pub fn tensors(self) -> Vec<&'a mut Tensor> {
+        match self {
+            Group::Layer(layer) => layer.frozen_mut(),
+            Group::Io(t) => t,
+        }
+    }
+}
+
 /// Called with each group of frozen tensors as it is loaded (see `Model::load_with`).
 pub type Loaded<'a> = &'a mut dyn FnMut(Group<'_>) -> anyhow::Result<()>;
 
@@ -97,6 +107,8 @@ pub struct Model {
     pub cfg: ModelConfig,
     pub embed: Tensor, // [V, C]
     pub layers: Vec<Layer>,
+    /// The buffers NF4 layers are dequantized into on CUDA (quant::slabs).
+    pub slabs: std::sync::Arc<crate::quant::Slabs>,
     pub norm: Tensor,    // [C]
     pub lm_head: Tensor, // [V, C]; the embedding itself when tied
     pub tied: bool,
@@ -308,6 +320,7 @@ impl Model {
             cfg,
             embed,
             layers,
+            slabs: Default::default(),
             norm,
             lm_head,
             tied,
@@ -349,6 +362,7 @@ impl Model {
             cfg: self.cfg.clone(),
             embed: embed.clone(),
             layers: Vec::new(),
+            slabs: self.slabs.clone(),
             norm: norm.clone(),
             lm_head,
             tied: self.tied,
@@ -613,7 +627,7 @@ impl Model {
     pub fn forward(&self, ids: &Tensor, ctx: &Ctx) -> Result<Tensor> {
         let mut x = self.embed(ids)?;
         for layer in &self.layers {
-            x = layer.resident()?.forward(&x, ctx)?;
+            x = layer.resident_in(Some(&self.slabs))?.forward(&x, ctx)?;
         }
         self.head(&x)
     }

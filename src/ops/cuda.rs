@@ -40,6 +40,7 @@ static PORTABLE: Program = Program {
             include_str!("dropout.cu"),
             include_str!("fold_bwd.cu"),
             include_str!("fold_drop.cu"),
+            include_str!("../quant/nf4.cu"),
         ]
         .join("\n")
     },

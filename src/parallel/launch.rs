@@ -36,12 +36,7 @@ pub fn threads<T: Send + 'static>(
                     body(rank, comm)
                 }));
                 let res = run.unwrap_or_else(|p| {
-                    let msg = p
-                        .downcast_ref::<String>()
-                        .cloned()
-                        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                        .unwrap_or_default();
-                    Err(anyhow!("panicked: {msg}"))
+                    Err(anyhow!("panicked: {}", crate::util::panic_message(&*p)))
                 });
                 match &res {
                     Err(e) => group.abort(rank, &format!("{e:#}")),

@@ -4,9 +4,11 @@
 pub mod bnb;
 pub mod dynamic;
 pub mod nf4;
+pub mod slabs;
 pub mod weight;
 
 pub use nf4::Nf4;
+pub use slabs::Slabs;
 pub use weight::QWeight;
 
 /// `[model] quantize`: how the frozen linears of the decoder layers are stored (`Nf4` is

@@ -227,7 +227,7 @@ fn quantize_blocks(x: &[f32], codes: &mut [u8], absmax: &mut [f32]) {
 }
 
 /// Double quant of the absmax values: their mean taken off, then 8 bits in blocks of 256.
-fn nest(absmax: &[f32]) -> Nested {
+pub fn nest(absmax: &[f32]) -> Nested {
     let n = absmax.len().max(1) as f64;
     let offset = (absmax.iter().map(|&a| a as f64).sum::<f64>() / n) as f32;
     nest_about(absmax, offset)

@@ -35,9 +35,13 @@ pub struct QWeight {
 }
 
 impl QWeight {
-    /// `w` (any dtype, any device) quantized as bitsandbytes' `quantize_4bit` would (its values
-    /// are read to the host, quantized there and the NF4 arrays put back on w's device).
+    /// `w` (any dtype, any device) quantized as bitsandbytes' `quantize_4bit` would: on CUDA
+    /// by nf4.cu's kernel (the absmax values nested on the host), elsewhere on the host.
     pub fn quantize(w: &Tensor, double_quant: bool) -> Result<QWeight> {
+        #[cfg(feature = "cuda")]
+        if let Some(q) = Self::quantize_cuda(w, double_quant)? {
+            return Ok(q);
+        }
         let host = w.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
         Self::from_nf4(&Nf4::quantize(&host, w.dims(), double_quant), w.device())
     }
@@ -58,31 +62,19 @@ impl QWeight {
                 check_len("absmax", a.len(), blocks)?;
                 DevAbsmax::Plain(Tensor::from_slice(a, blocks, device)?)
             }
-            Absmax::Nested(Nested {
-                codes,
-                absmax,
-                map,
-                offset,
-            }) => {
-                check_len("absmax codes", codes.len(), blocks)?;
-                check_len("nested absmax", absmax.len(), blocks.div_ceil(NESTED_BLOCK))?;
-                check_len("nested map", map.len(), 256)?;
-                DevAbsmax::Nested {
-                    codes: Tensor::from_slice(codes, blocks, device)?,
-                    absmax: Tensor::from_slice(absmax, absmax.len(), device)?,
-                    map: Tensor::from_slice(map, 256, device)?,
-                    offset: *offset,
-                }
+            Absmax::Nested(nest) => {
+                check_len("absmax codes", nest.codes.len(), blocks)?;
+                let groups = blocks.div_ceil(NESTED_BLOCK);
+                check_len("nested absmax", nest.absmax.len(), groups)?;
+                check_len("nested map", nest.map.len(), 256)?;
+                nested_on(nest, device)?
             }
         };
-        let pairs: Vec<f32> = (0..256usize)
-            .flat_map(|b| [LEVELS[b >> 4], LEVELS[b & 15]])
-            .collect();
         Ok(QWeight {
             shape: q.shape.clone(),
             codes: Tensor::from_slice(&q.codes, q.codes.len(), device)?,
             absmax,
-            pairs: Tensor::from_vec(pairs, (256, 2), device)?,
+            pairs: pairs(device)?,
         })
     }
 
@@ -108,8 +100,13 @@ impl QWeight {
         }
     }
 
-    /// The weight in `dtype`, `shape`d: level[code] · absmax in f32, then rounded.
+    /// The weight in `dtype`, `shape`d: level[code] · absmax in f32, then rounded. On CUDA
+    /// one kernel (nf4.cu) for bf16 and f32; elsewhere tensor ops.
     pub fn dequantize(&self, dtype: DType) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Some(w) = self.dequantize_cuda(dtype)? {
+            return Ok(w);
+        }
         let n = self.numel();
         let levels = self
             .pairs
@@ -136,10 +133,174 @@ impl QWeight {
     }
 }
 
+#[cfg(feature = "cuda")]
+impl QWeight {
+    /// nf4.cu's kernel into a fresh `dtype` weight; None off CUDA or for another dtype.
+    fn dequantize_cuda(&self, dtype: DType) -> Result<Option<Tensor>> {
+        let (Device::Cuda(dev), true) = (
+            self.codes.device(),
+            matches!(dtype, DType::BF16 | DType::F32),
+        ) else {
+            return Ok(None);
+        };
+        // SAFETY: dequantize_into writes every one of the n elements.
+        let Some(out) = (unsafe { crate::ops::cuda::uninit(dev, dtype, self.shape.as_slice())? })
+        else {
+            return Ok(None);
+        };
+        self.dequantize_into(&out)?;
+        Ok(Some(out))
+    }
+
+    /// The weight dequantized into `out` (a contiguous bf16 or f32 CUDA tensor of its elements,
+    /// 16-byte aligned, e.g. a view of a `Slabs` buffer).
+    pub fn dequantize_into(&self, out: &Tensor) -> Result<()> {
+        use candle_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
+        use candle_core::cuda::WrapErr;
+        let Device::Cuda(dev) = self.codes.device() else {
+            candle_core::bail!("nf4: dequantize_into on a weight off CUDA");
+        };
+        let name = match out.dtype() {
+            DType::BF16 => "nf4_dequant_bf16",
+            DType::F32 => "nf4_dequant_f32",
+            d => candle_core::bail!("nf4: dequantize into {d:?}"),
+        };
+        let (Some(po), pc) = (crate::ops::cuda::addr(out)?, raw(&self.codes)?) else {
+            candle_core::bail!("nf4: dequantize into a tensor that is not contiguous on CUDA");
+        };
+        if out.elem_count() != self.numel() || po % 16 != 0 {
+            candle_core::bail!(
+                "nf4: dequantize {} weights into {} at address {po:#x} (16-byte aligned wanted)",
+                self.numel(),
+                out.elem_count()
+            );
+        }
+        let func = crate::ops::cuda::function(dev, name)?;
+        let (pa, pac, pa2, pm2, offset) = match &self.absmax {
+            DevAbsmax::Plain(a) => (raw(a)?, 0, 0, 0, 0f32),
+            DevAbsmax::Nested {
+                codes,
+                absmax,
+                map,
+                offset,
+            } => (0, raw(codes)?, raw(absmax)?, raw(map)?, *offset),
+        };
+        let n = self.numel() as i64;
+        let cfg = LaunchConfig::for_num_elems((self.numel().div_ceil(16)).max(1) as u32);
+        let stream = dev.cuda_stream();
+        let mut b = stream.launch_builder(&func);
+        b.arg(&pc).arg(&pa).arg(&pac).arg(&pa2).arg(&pm2);
+        b.arg(&offset).arg(&po).arg(&n);
+        // SAFETY: the addresses are this weight's live contiguous arrays on this device (codes
+        // ⌈n/2⌉ bytes from a fresh allocation, so 8-byte loads at even multiples of 8 are
+        // aligned; absmax or the nested arrays of the lengths `from_nf4` checked; 0 for the
+        // form not in use) and `out`, n elements checked above, 16-byte aligned; they outlive the
+        // launch in stream order.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(())
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl QWeight {
+    /// nf4.cu's quantizing kernel over a contiguous bf16 or f32 CUDA `w`; None otherwise.
+    fn quantize_cuda(w: &Tensor, double_quant: bool) -> Result<Option<QWeight>> {
+        use candle_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
+        use candle_core::cuda::WrapErr;
+        let (Device::Cuda(dev), Some(pw)) = (w.device(), crate::ops::cuda::addr(w)?) else {
+            return Ok(None);
+        };
+        let name = match w.dtype() {
+            DType::BF16 => "nf4_quantize_bf16",
+            DType::F32 => "nf4_quantize_f32",
+            _ => return Ok(None),
+        };
+        let n = w.elem_count();
+        let blocks = n.div_ceil(BLOCK);
+        let func = crate::ops::cuda::function(dev, name)?;
+        let wrap = |s| candle_core::Storage::Cuda(s);
+        let codes = candle_core::CudaStorage::wrap_cuda_slice(
+            dev.alloc_zeros::<u8>(n.div_ceil(2))?,
+            dev.clone(),
+        );
+        let absmax =
+            candle_core::CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<f32>(blocks)?, dev.clone());
+        let none = candle_core::op::BackpropOp::none;
+        let codes = Tensor::from_storage(wrap(codes), n.div_ceil(2), none(), false);
+        let absmax = Tensor::from_storage(wrap(absmax), blocks, none(), false);
+        let (pc, pa) = (raw(&codes)?, raw(&absmax)?);
+        let nl = n as i64;
+        let cfg = LaunchConfig::for_num_elems(blocks.max(1) as u32);
+        let stream = dev.cuda_stream();
+        let mut b = stream.launch_builder(&func);
+        b.arg(&pw).arg(&nl).arg(&pc).arg(&pa);
+        // SAFETY: w is a live contiguous CUDA tensor of n elements of the kernel's dtype; codes
+        // and absmax are fresh ⌈n/2⌉ bytes and ⌈n/64⌉ floats, each written by one thread.
+        unsafe { b.launch(cfg) }.w()?;
+        let absmax = match double_quant {
+            false => DevAbsmax::Plain(absmax),
+            true => {
+                let nested = super::nf4::nest(&absmax.to_vec1::<f32>()?);
+                nested_on(&nested, w.device())?
+            }
+        };
+        Ok(Some(QWeight {
+            shape: w.dims().to_vec(),
+            codes,
+            absmax,
+            pairs: pairs(w.device())?,
+        }))
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+impl QWeight {
+    /// The weight dequantized into `out`: CUDA builds only (`Slabs` hands out no buffer
+    /// elsewhere).
+    pub fn dequantize_into(&self, _out: &Tensor) -> Result<()> {
+        candle_core::bail!("nf4: dequantizing into a buffer needs a CUDA build")
+    }
+}
+
+/// The device address of a contiguous u8 or f32 CUDA tensor's first element.
+#[cfg(feature = "cuda")]
+fn raw(t: &Tensor) -> Result<u64> {
+    use candle_core::cuda::cudarc::driver::DevicePtr;
+    let (s, l) = t.storage_and_layout();
+    let (candle_core::Storage::Cuda(cs), true) = (&*s, l.is_contiguous()) else {
+        candle_core::bail!("nf4: an array is not a contiguous CUDA tensor");
+    };
+    let stream = cs.device.cuda_stream();
+    let p = match t.dtype() {
+        DType::U8 => cs.as_cuda_slice::<u8>()?.device_ptr(&stream).0,
+        DType::F32 => cs.as_cuda_slice::<f32>()?.device_ptr(&stream).0,
+        d => candle_core::bail!("nf4: an array of {d:?}"),
+    };
+    Ok(p + (l.start_offset() * t.dtype().size_in_bytes()) as u64)
+}
+
 /// u8 codes as u32 indices: candle's index_select reads an index of the type's maximum (255
 /// for u8) as "no row" and gives zeros, where code 255 is a real one.
 fn ids(codes: &Tensor) -> Result<Tensor> {
     codes.to_dtype(DType::U32)
+}
+
+/// Double quant's arrays on `device`.
+fn nested_on(n: &Nested, device: &Device) -> Result<DevAbsmax> {
+    Ok(DevAbsmax::Nested {
+        codes: Tensor::from_slice(&n.codes, n.codes.len(), device)?,
+        absmax: Tensor::from_slice(&n.absmax, n.absmax.len(), device)?,
+        map: Tensor::from_slice(&n.map, n.map.len(), device)?,
+        offset: n.offset,
+    })
+}
+
+/// [256, 2] f32: byte → (its high nibble's level, its low nibble's).
+fn pairs(device: &Device) -> Result<Tensor> {
+    let pairs: Vec<f32> = (0..256usize)
+        .flat_map(|b| [LEVELS[b >> 4], LEVELS[b & 15]])
+        .collect();
+    Tensor::from_vec(pairs, (256, 2), device)
 }
 
 /// x [k] with each value repeated `per` times, cut to n: [n].

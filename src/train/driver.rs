@@ -102,7 +102,7 @@ impl Par<'_> {
         match self.shards {
             // NF4: dequantized here, freed when the layer is dropped.
             None => match model.layers.get(l) {
-                Some(layer) => layer.resident(),
+                Some(layer) => layer.resident_in(Some(&model.slabs)),
                 None => candle_core::bail!("driver: no layer {l}"),
             },
             Some(s) => Ok(Cow::Owned(s.layer(model, l, self.comm, ahead)?)),

@@ -403,16 +403,12 @@ pub fn sharded_model(
     }
     let mut groups = Vec::new();
     let model = build(&mut |g| {
-        let tensors = match g {
+        match g {
             Group::Layer(layer) if quant.is_nf4() => {
                 layer.quantize(quant.double_quant)?;
-                return Ok(());
             }
-            Group::Layer(layer) => layer.frozen_mut(),
-            Group::Io(t) => t,
-        };
-        if fsdp {
-            groups.push(Flat::take(tensors, comm)?);
+            g if fsdp => groups.push(Flat::take(g.tensors(), comm)?),
+            _ => {}
         }
         Ok(())
     })?;

@@ -214,19 +214,14 @@ fn golden_on_cuda_f32_and_bf16() {
         "gemma3_local_global",
         "phi3_fused_longrope",
     ] {
-        for (dtype, tol) in [("f32", Tol::F32), ("bf16", Tol::Bf16(bf16_bound(case)))] {
-            let sets = [
-                "model.device=cuda".to_string(),
-                format!("model.dtype={dtype}"),
-            ];
-            let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
+        for (dtype, tol) in [
+            ("model.dtype=f32", Tol::F32),
+            ("model.dtype=bf16", Tol::Bf16(bf16_bound(case))),
+        ] {
+            let sets = ["model.device=cuda", dtype];
             let run = std::panic::catch_unwind(|| check_case_on(case, &sets, tol));
             if let Err(e) = run {
-                let msg = e
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
-                    .unwrap_or_default();
+                let msg = lora_train::util::panic_message(&*e);
                 failed.push(format!("{case} {dtype}: {msg}"));
             }
         }

@@ -818,7 +818,7 @@ fn fsdp_shards_carry_the_folded_b_columns_on_the_gpu() {
             &kernels,
             &mut |t| {
                 if let Some(c) = comm {
-                    groups.push(Flat::take(t, c)?);
+                    groups.push(Flat::take(t.tensors(), c)?);
                 }
                 Ok(())
             },

@@ -16,8 +16,9 @@ const MODELS: [(&str, &str); 4] = [
 ];
 
 /// The recipes for real models (the others train the tiny model we ship).
-const REAL: [&str; 5] = [
+const REAL: [&str; 6] = [
     "llama7b.toml",
+    "llama7b-qlora.toml",
     "llama7b-fsdp4.toml",
     "llama3-8b-chat.toml",
     "qwen2.5-7b.toml",

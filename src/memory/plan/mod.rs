@@ -43,8 +43,9 @@
 //!   forward keeps holds no weights); the embedding, final norm and head gathered for the head.
 //! - NF4 (`[model] quantize = "nf4"`, src/quant): each decoder linear at 0.5 B a weight plus
 //!   its absmax (`nf4::bytes_for`), the rest of the base at s; the current and the next layer
-//!   dequantized (2 × a layer's parameters × s, in the `gather` column) and the dequantizing
-//!   of the largest linear's f32 temporaries (3 × 4 B a weight).
+//!   dequantized (2 × a layer's parameters × s, in the `gather` column: on CUDA two reused
+//!   slabs, quant::slabs; elsewhere also the tensor ops' f32 temporaries for the largest
+//!   linear, 3 × 4 B a weight).
 //! - the optimizer step: on CUDA one kernel updating parameters and moments in place (the
 //!   gradients only); elsewhere AdamW over flat groups of at most `optim::GROUP` = 2^23
 //!   parameters: the gradients, and about 8 f32 temporaries of one group (gradient, old and
@@ -308,7 +309,9 @@ pub fn breakdown(p: &PlanInput, strategy: Strategy, ckpt: bool, micro_batch: usi
         let io = (cfg.num_params(p.tied) as u64 - l * layer_params(cfg)) * s;
         (layers * (layer_params(cfg) * s + pads / l.max(1)), io)
     } else if p.quant.is_nf4() {
-        (2 * layer_params(cfg) * s + 12 * largest_linear(cfg), 0)
+        // CUDA: one kernel into reused slabs (quant::slabs); elsewhere tensor ops' temporaries.
+        let temps = if p.cuda { 0 } else { 12 * largest_linear(cfg) };
+        (2 * layer_params(cfg) * s + temps, 0)
     } else {
         (0, 0)
     };
@@ -493,6 +496,8 @@ pub struct Plan {
     pub base_params: u64,
     pub kept_bytes_per_token_layer: u64,
     pub capacity: Option<u64>,
+    /// The base's decoder linears in NF4 (`PlanInput::quant`).
+    pub nf4: bool,
     pub rows: Vec<Row>,
     pub advice: Advice,
 }
@@ -523,6 +528,7 @@ pub fn plan(p: &PlanInput, grad_accum: usize, capacity: Option<u64>) -> Plan {
         base_params: p.cfg.num_params(p.tied) as u64,
         kept_bytes_per_token_layer: kept_per_token_layer(&p.cfg, p.dtype_bytes, p.rank, &p.targets),
         capacity,
+        nf4: p.quant.is_nf4(),
         rows,
         advice,
     }
@@ -560,6 +566,21 @@ pub fn input_from_shape(
         offload: true,
         quant: crate::quant::Quant::NONE,
     })
+}
+
+impl PlanInput {
+    /// The same run on an NF4 base (double quant; no fold).
+    pub fn nf4(self) -> PlanInput {
+        let quant = crate::quant::Quant {
+            kind: crate::quant::Quantize::Nf4,
+            double_quant: true,
+        };
+        PlanInput {
+            kernels: self.kernels.for_base(quant),
+            quant,
+            ..self
+        }
+    }
 }
 
 /// The plan's input for a recipe, given its config.json (`hub::config_file`): the recipe's

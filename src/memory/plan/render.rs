@@ -137,6 +137,9 @@ pub fn render(p: &Plan, selected: (Strategy, bool)) -> String {
     } else {
         out.push_str("ddp / fsdp: pass --gpus N (N ≥ 2) to plan them\n");
     }
+    if p.nf4 {
+        out.push_str("nf4: the decoder linears at 0.5 B a weight plus their absmax (bitsandbytes' NF4); fsdp gather: here the current and the next layer dequantized\n");
+    }
     out.push_str("ctx+slack: CUDA context 512 MiB + 5% allocator slack; \"peak in\" names the phase with the pool's high-water mark\n");
     if let Some(h) = p.rows.iter().map(|r| r.b.host).max().filter(|&h| h > 0) {
         out.push_str(&format!(
@@ -227,7 +230,7 @@ pub fn to_json(p: &Plan, selected: (Strategy, bool)) -> serde_json::Value {
         "gpus": p.gpus, "dtype_bytes": p.dtype_bytes, "lora_params": p.lora_params,
         "base_params": p.base_params,
         "kept_bytes_per_token_layer": p.kept_bytes_per_token_layer,
-        "capacity_bytes": p.capacity, "capacity_gib": p.capacity.map(gib),
+        "capacity_bytes": p.capacity, "capacity_gib": p.capacity.map(gib), "nf4": p.nf4,
         "rows": p.rows.iter().map(row_json).collect::<Vec<_>>(),
         "selected": row(p, selected.0, selected.1).map(row_json),
         "advice": {

@@ -274,7 +274,8 @@ fn optimizer_dominance_names_rank_and_targets() {
 /// offset) = 8655876 B; gate, up, down of 45088768 weights, 22544384 + 704512 + 4 · 2752 + 1028
 /// = 23260932 B: 4 · 8655876 + 3 · 23260932 = 104406300 B a layer, 32 layers. The rest
 /// (embedding, head, norms: 262410240 parameters) in bf16. Dequantized: two layers' weights
-/// (2 · 202383360 · 2 B with the norms) and 12 B a weight of down_proj for the temporaries.
+/// (2 · 202383360 · 2 B with the norms; off CUDA also 12 B a weight of down_proj for the
+/// tensor ops' temporaries).
 #[test]
 fn nf4_base_by_hand() {
     let cfg = llama2_7b();
@@ -289,6 +290,9 @@ fn nf4_base_by_hand() {
     };
     let b = breakdown(&p, Strategy::Single, true, 1);
     assert_eq!(b.base, 3_865_822_080);
+    assert_eq!(b.gather, 2 * 202_383_360 * 2);
+    p.cuda = false;
+    let b = breakdown(&p, Strategy::Single, true, 1);
     assert_eq!(b.gather, 2 * 202_383_360 * 2 + 12 * 45_088_768);
     // Without double quant the absmax are f32: n/2 + 4 · n/64 a linear.
     let plain = 4 * (8_388_608 + 4 * 262_144) + 3 * (22_544_384 + 4 * 704_512);
