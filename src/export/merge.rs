@@ -77,15 +77,6 @@ pub enum MergeInto {
     Dequantized,
 }
 
-impl MergeInto {
-    pub fn name(self) -> &'static str {
-        match self {
-            MergeInto::Base => "base",
-            MergeInto::Dequantized => "dequantized",
-        }
-    }
-}
-
 /// How to write the merged model.
 #[derive(Debug, Clone)]
 pub struct MergeOptions {
@@ -201,8 +192,8 @@ fn is_decoder_linear(name: &str, shape: &[usize]) -> bool {
 }
 
 /// The weight's shape its bitsandbytes quant state records.
-fn packed_shape(state: &TensorView, name: &str) -> Result<Vec<usize>> {
-    let v: Value = serde_json::from_slice(state.data())
+fn packed_shape(state: &[u8], name: &str) -> Result<Vec<usize>> {
+    let v: Value = serde_json::from_slice(state)
         .with_context(|| format!("`{name}{}` is not the JSON bitsandbytes writes", bnb::STATE))?;
     serde_json::from_value(v.get("shape").cloned().unwrap_or(Value::Null))
         .with_context(|| format!("`{name}{}` has no shape (a list of sizes)", bnb::STATE))
@@ -442,30 +433,33 @@ pub fn merge(adapter: &Path, base: &Path, out: &Path, opts: &MergeOptions) -> Re
 
     // Every base tensor in checkpoint order: (name, shard, shape, output dtype, bytes out,
     // where its values come from).
-    let mut items = Vec::new();
-    let mut seen = HashMap::new();
-    for (i, st) in sts.iter().enumerate() {
-        let (_, meta) = SafeTensors::read_metadata(&maps[i])?;
-        let names = meta.offset_keys();
-        // Packed 4-bit weights: those with a quant state; their quant tensors are dropped.
-        let mut packed = std::collections::HashSet::new();
-        let mut dropped = std::collections::HashSet::new();
-        if packed_ckpt.is_some() {
-            for name in &names {
-                if let Some(w) = name.strip_suffix(bnb::STATE) {
-                    packed.insert(w.to_string());
-                    for s in [
-                        bnb::STATE,
-                        ".absmax",
-                        ".quant_map",
-                        ".nested_absmax",
-                        ".nested_quant_map",
-                    ] {
-                        dropped.insert(format!("{w}{s}"));
-                    }
+    let names = maps
+        .iter()
+        .map(|m| Ok(SafeTensors::read_metadata(m)?.1.offset_keys()))
+        .collect::<Result<Vec<_>>>()?;
+    // Packed 4-bit weights: those with a quant state (in any shard: transformers may put a
+    // weight and its quant tensors in different ones); their quant tensors are dropped.
+    let mut packed = std::collections::HashSet::new();
+    let mut dropped = std::collections::HashSet::new();
+    if packed_ckpt.is_some() {
+        for name in names.iter().flatten() {
+            if let Some(w) = name.strip_suffix(bnb::STATE) {
+                packed.insert(w.to_string());
+                for s in [
+                    bnb::STATE,
+                    ".absmax",
+                    ".quant_map",
+                    ".nested_absmax",
+                    ".nested_quant_map",
+                ] {
+                    dropped.insert(format!("{w}{s}"));
                 }
             }
         }
+    }
+    let mut items = Vec::new();
+    let mut seen = HashMap::new();
+    for (i, (st, names)) in sts.iter().zip(names).enumerate() {
         for name in names {
             if dropped.contains(&name) {
                 continue;
@@ -479,9 +473,10 @@ pub fn merge(adapter: &Path, base: &Path, out: &Path, opts: &MergeOptions) -> Re
                 );
             }
             let (src, shape, stored) = if packed.contains(&name) {
-                let state = st.tensor(&format!("{name}{}", bnb::STATE))?;
-                let shape = packed_shape(&state, &name)
-                    .with_context(|| format!("in {}", files.weights[i].display()))?;
+                let st = packed_st.as_ref().context("no 4-bit checkpoint map")?;
+                let state = st.get(&format!("{name}{}", bnb::STATE))?;
+                let shape = packed_shape(state.data(), &name)
+                    .with_context(|| format!("in the 4-bit checkpoint {}", base.display()))?;
                 (Src::Packed, shape, checkpoint_dtype(&cfg))
             } else {
                 let shape = v.shape().to_vec();

@@ -217,6 +217,59 @@ fn merging_into_the_dequantized_base_is_its_nf4_weights_plus_the_adapter() {
     }
 }
 
+/// A sharded 4-bit checkpoint whose weights and quant states lie in different shards merges
+/// as the single file does.
+#[test]
+fn a_sharded_4bit_checkpoint_merges_as_one_file_does() {
+    let d = golden_dir("qlora_llama_gqa");
+    let tmp = tempfile::tempdir().unwrap();
+    let sharded = tmp.path().join("sharded");
+    std::fs::create_dir(&sharded).unwrap();
+    std::fs::copy(
+        d.join("model_bnb4/config.json"),
+        sharded.join("config.json"),
+    )
+    .unwrap();
+    let st = load_st(&d.join("model_bnb4/model.safetensors"));
+    // The packed codes in one shard, everything else (the quant states) in the other.
+    let (first, second): (HashMap<_, _>, HashMap<_, _>) = st.into_iter().partition(|(k, t)| {
+        k.starts_with("model.layers.") && k.ends_with(".weight") && t.dtype() == DType::U8
+    });
+    assert_eq!(first.len(), 7);
+    let mut map = serde_json::Map::new();
+    for (file, part) in [("a.safetensors", &first), ("b.safetensors", &second)] {
+        candle_core::safetensors::save(part, sharded.join(file)).unwrap();
+        for k in part.keys() {
+            map.insert(k.clone(), file.into());
+        }
+    }
+    let index = serde_json::json!({"metadata": {}, "weight_map": map});
+    std::fs::write(
+        sharded.join("model.safetensors.index.json"),
+        index.to_string(),
+    )
+    .unwrap();
+    let (one, two) = (tmp.path().join("one"), tmp.path().join("two"));
+    let adapter = d.join("init_adapter");
+    merge(
+        &adapter,
+        &d.join("model_bnb4"),
+        &one,
+        &MergeOptions::default(),
+    )
+    .unwrap();
+    let rep = merge(&adapter, &sharded, &two, &MergeOptions::default()).unwrap();
+    assert_eq!((rep.merged, rep.dequantized), (7, 7));
+    let (a, b) = (
+        load_st(&one.join("model.safetensors")),
+        load_st(&two.join("model.safetensors")),
+    );
+    assert_eq!(a.len(), b.len());
+    for (name, t) in &a {
+        assert_same(name, &b[name], t);
+    }
+}
+
 /// A 4-bit checkpoint missing part of a weight's quant state is an error naming it, and
 /// writes nothing.
 #[test]
