@@ -89,6 +89,17 @@ pub fn run(a: ExportArgs) -> anyhow::Result<()> {
         double_quant: a.double_quant,
         quantize_dtype: None,
     };
+    let packed = lora_train::quant::bnb::nf4_config(&base.join("config.json"));
+    if opts.merge_into == MergeInto::Base
+        && matches!(packed, Ok(None))
+        && trained_on_nf4(&a.adapter)
+    {
+        eprintln!(
+            "note: {}/recipe.toml trained on an NF4 base (model.quantize = \"nf4\"); \
+             --merge-into dequantized merges into the weights it trained against",
+            a.adapter.display()
+        );
+    }
     let r = merge(&a.adapter, &base, &a.out, &opts).with_context(|| {
         format!(
             "cannot merge {} into {}",
@@ -109,4 +120,19 @@ pub fn run(a: ExportArgs) -> anyhow::Result<()> {
         r.total_size as f64 / 1e6
     );
     Ok(())
+}
+
+/// Whether the run that wrote the adapter (its `recipe.toml`, when it has one) kept its base in
+/// NF4 (`[model] quantize = "nf4"`).
+fn trained_on_nf4(adapter: &std::path::Path) -> bool {
+    std::fs::read_to_string(adapter.join("recipe.toml"))
+        .ok()
+        .and_then(|t| t.parse::<toml::Table>().ok())
+        .and_then(|t| {
+            t.get("model")?
+                .get("quantize")?
+                .as_str()
+                .map(|q| q == "nf4")
+        })
+        .unwrap_or(false)
 }

@@ -334,7 +334,7 @@ fn a_damaged_4bit_checkpoint_is_a_clear_error() {
 /// The CLI: `export --merge-into dequantized` writes what the library does and says so; a
 /// 4-bit base merges with the default; a bad value is a usage error (exit 2) naming the
 /// values; and training with `output.merge_into = "dequantized"` writes the same model as
-/// exporting its adapter so.
+/// exporting its adapter so (exporting it into the base as stored notes how it trained).
 #[test]
 fn export_merge_into_dequantized_through_the_cli() {
     let d = golden_dir("qlora_llama_gqa");
@@ -446,6 +446,23 @@ fn export_merge_into_dequantized_through_the_cli() {
     assert!(o.status.success(), "{err}");
     assert!(
         err.contains("; into the NF4 base dequantized, 14 linears)"),
+        "{err}"
+    );
+    // Exported into the base as stored, with a note that it trained on NF4.
+    let o = Command::cargo_bin("lora-train")
+        .unwrap()
+        .current_dir(root())
+        .arg("export")
+        .arg("--adapter")
+        .arg(&run)
+        .arg("--out")
+        .arg(tmp.path().join("as-stored"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("trained on an NF4 base (model.quantize = \"nf4\"); --merge-into dequantized merges into the weights it trained against"),
         "{err}"
     );
     let exported = tmp.path().join("exported");
