@@ -689,6 +689,12 @@ pub struct OutputSection {
     /// Largest safetensors shard of the merged model, e.g. "5GB", "500MB", "2GiB".
     /// Default: "5GB".
     pub max_shard_size: Option<String>,
+    /// What `merge` merges the adapter into: "base" (the base checkpoint's weights; a
+    /// bitsandbytes 4-bit checkpoint's dequantized) or "dequantized" (each decoder linear
+    /// of the base through NF4 as training quantized it, for model.quantize = "nf4").
+    /// Default: "base".
+    #[serde(default)]
+    pub merge_into: crate::export::merge::MergeInto,
 }
 
 /// Keys holding paths: relative values are resolved against the recipe's directory.
@@ -996,6 +1002,20 @@ impl Recipe {
         if let Some(s) = &self.output.max_shard_size {
             if let Err(msg) = crate::util::parse_size(s) {
                 return Err(self.invalid("output.max_shard_size", msg));
+            }
+        }
+        if self.output.merge_into == crate::export::merge::MergeInto::Dequantized {
+            if !self.output.merge {
+                return Err(self.invalid(
+                    "output.merge_into",
+                    "= \"dequantized\" applies to output.merge = true only: set merge = true, or remove it",
+                ));
+            }
+            if self.model.quantize != crate::quant::Quantize::Nf4 {
+                return Err(self.invalid(
+                    "output.merge_into",
+                    "= \"dequantized\" is for an adapter trained on an NF4 base (model.quantize = \"nf4\"); with quantize = \"none\" it trained on the base's own weights: remove it",
+                ));
             }
         }
         bounds::check(self)
@@ -1472,6 +1492,42 @@ mod tests {
         assert!(
             e.ends_with("`output.max_shard_size` = \"5XB\" is not a size: write a number with a unit, e.g. \"5GB\", \"500MB\", \"2GiB\""),
             "{e}"
+        );
+        let e = load_err("output.merge_into=nf4");
+        assert!(
+            e.contains("unknown variant `nf4`, expected `base` or `dequantized`"),
+            "{e}"
+        );
+        let e = load_err("output.merge_into=dequantized");
+        assert!(
+            e.ends_with("`output.merge_into` = \"dequantized\" applies to output.merge = true only: set merge = true, or remove it"),
+            "{e}"
+        );
+        let e = Recipe::load(
+            &p,
+            &[
+                "output.merge_into=dequantized".into(),
+                "output.merge=true".into(),
+            ],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.ends_with("`output.merge_into` = \"dequantized\" is for an adapter trained on an NF4 base (model.quantize = \"nf4\"); with quantize = \"none\" it trained on the base's own weights: remove it"),
+            "{e}"
+        );
+        let r = Recipe::load(
+            &p,
+            &[
+                "output.merge_into=dequantized".into(),
+                "output.merge=true".into(),
+                "model.quantize=nf4".into(),
+            ],
+        )
+        .unwrap();
+        assert_eq!(
+            r.output.merge_into,
+            crate::export::merge::MergeInto::Dequantized
         );
         let sets = [
             "output.merge=true",

@@ -2,13 +2,13 @@
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
-use lora_train::export::merge::{merge, MergeOptions};
+use lora_train::export::merge::{merge, MergeInto, MergeOptions};
 use lora_train::recipe::Dtype;
 use std::path::PathBuf;
 
 #[derive(Args, Clone)]
 #[command(
-    after_help = "Examples:\n  lora-train export --adapter adapters/tiny-cpu --out merged/\n  lora-train export --adapter adapters/my --base /models/Llama-2-7b-hf --out merged/ --dtype bf16"
+    after_help = "Examples:\n  lora-train export --adapter adapters/tiny-cpu --out merged/\n  lora-train export --adapter adapters/my --base /models/Llama-2-7b-hf --out merged/ --dtype bf16\n  lora-train export --adapter adapters/qlora --out merged/ --merge-into dequantized   # trained with model.quantize = \"nf4\""
 )]
 pub struct ExportArgs {
     /// The PEFT adapter directory (adapter_config.json + adapter_model.safetensors).
@@ -27,6 +27,21 @@ pub struct ExportArgs {
     /// Largest shard, e.g. 5GB, 500MB, 2GiB.
     #[arg(long, default_value = lora_train::export::merge::DEFAULT_MAX_SHARD_SIZE, value_parser = super::parse_size)]
     max_shard_size: u64,
+    /// What the adapter is merged into: the base's weights as they are (`base`; a bitsandbytes
+    /// 4-bit checkpoint's are dequantized), or each decoder-layer linear of a full-precision
+    /// base quantized to NF4 and dequantized (`dequantized`: the weights an adapter trained
+    /// with model.quantize = "nf4" computed with).
+    #[arg(long, value_enum, default_value = "base")]
+    merge_into: MergeIntoArg,
+    /// NF4 double quant for --merge-into dequantized (the recipe's model.double_quant).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+    double_quant: bool,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum MergeIntoArg {
+    Base,
+    Dequantized,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -67,7 +82,24 @@ pub fn run(a: ExportArgs) -> anyhow::Result<()> {
         }),
         max_shard_size: a.max_shard_size,
         replace: false,
+        merge_into: match a.merge_into {
+            MergeIntoArg::Base => MergeInto::Base,
+            MergeIntoArg::Dequantized => MergeInto::Dequantized,
+        },
+        double_quant: a.double_quant,
+        quantize_dtype: None,
     };
+    let packed = lora_train::quant::bnb::nf4_config(&base.join("config.json"));
+    if opts.merge_into == MergeInto::Base
+        && matches!(packed, Ok(None))
+        && trained_on_nf4(&a.adapter)
+    {
+        eprintln!(
+            "note: {}/recipe.toml trained on an NF4 base (model.quantize = \"nf4\"); \
+             --merge-into dequantized merges into the weights it trained against",
+            a.adapter.display()
+        );
+    }
     let r = merge(&a.adapter, &base, &a.out, &opts).with_context(|| {
         format!(
             "cannot merge {} into {}",
@@ -75,8 +107,12 @@ pub fn run(a: ExportArgs) -> anyhow::Result<()> {
             base.display()
         )
     })?;
+    let into = match r.merged_into {
+        "base" => String::new(),
+        _ => format!(" into the NF4 base dequantized ({} linears)", r.dequantized),
+    };
     println!(
-        "merged {} of {} tensors; wrote {} ({} shard(s), {:.1} MB)",
+        "merged {} of {} tensors{into}; wrote {} ({} shard(s), {:.1} MB)",
         r.merged,
         r.tensors,
         r.out.display(),
@@ -84,4 +120,19 @@ pub fn run(a: ExportArgs) -> anyhow::Result<()> {
         r.total_size as f64 / 1e6
     );
     Ok(())
+}
+
+/// Whether the run that wrote the adapter (its `recipe.toml`, when it has one) kept its base in
+/// NF4 (`[model] quantize = "nf4"`).
+fn trained_on_nf4(adapter: &std::path::Path) -> bool {
+    std::fs::read_to_string(adapter.join("recipe.toml"))
+        .ok()
+        .and_then(|t| t.parse::<toml::Table>().ok())
+        .and_then(|t| {
+            t.get("model")?
+                .get("quantize")?
+                .as_str()
+                .map(|q| q == "nf4")
+        })
+        .unwrap_or(false)
 }

@@ -8,11 +8,32 @@
 //! plus `model.safetensors.index.json` {metadata.total_size, weight_map}. config.json
 //! (its dtype updated when cast), generation_config.json and the tokenizer files are copied.
 //!
+//! A QLoRA adapter's base is NF4, and a merge goes into the weights it computed with:
+//!
+//! * a bitsandbytes 4-bit checkpoint (config.json's `quantization_config.quant_method =
+//!   "bitsandbytes"`): each packed linear (`P.weight` u8 and its `.absmax`, `.quant_map`,
+//!   `.nested_absmax`, `.nested_quant_map`, `.quant_state.bitsandbytes__nf4`) is read as NF4
+//!   (`quant::bnb`), dequantized in f32 and written as a plain `P.weight` [out, in] in the
+//!   output dtype: `--dtype`, else the checkpoint's own (config.json's `torch_dtype` / `dtype`,
+//!   the dtype of its unquantized tensors and of the model transformers builds from it; else
+//!   `bnb_4bit_compute_dtype`; else f32). The quant-state tensors are dropped.
+//! * `MergeInto::Dequantized` on a full-precision base (an adapter trained with
+//!   `model.quantize = "nf4"`): each decoder-layer linear (`model.layers.N.….<proj>.weight`,
+//!   rank 2) is quantized to NF4 as training quantized it (`Nf4::quantize`, `double_quant`) and
+//!   dequantized; the embedding, norms, biases and head are the base's.
+//!
+//! Either way the merged config.json has no `quantization_config` (transformers loads it as a
+//! plain model) and says what the adapter went into: `"lora_train_merged_into":
+//! "dequantized-nf4"`. A plain merge (no key) leaves config.json as it was, byte for byte, but
+//! for its dtype when cast.
+//!
 //! The whole output is written into a temporary sibling directory and renamed into place at
 //! the end, so a failure or a crash never leaves a half-written model directory.
 
 use super::{peft_key, read_adapter_config, CONFIG, WEIGHTS};
 use crate::hub::ModelFiles;
+use crate::lora::KNOWN_LINEAR;
+use crate::quant::{bnb, Nf4};
 use crate::recipe::Dtype;
 pub use crate::util::parse_size;
 use anyhow::{bail, Context, Result};
@@ -40,6 +61,22 @@ const COPIED: [&str; 10] = [
     "chat_template.json",
 ];
 
+/// The config.json key a merged model states what its adapter was merged into.
+pub const MERGED_INTO_KEY: &str = "lora_train_merged_into";
+
+/// What the adapter is merged into (`export --merge-into`, `[output] merge_into`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MergeInto {
+    /// The base checkpoint's weights (a bitsandbytes 4-bit checkpoint's dequantized: its
+    /// weights are NF4).
+    #[default]
+    Base,
+    /// Each decoder-layer linear of the base quantized to NF4 and dequantized: the weights an
+    /// adapter trained with `model.quantize = "nf4"` computed with.
+    Dequantized,
+}
+
 /// How to write the merged model.
 #[derive(Debug, Clone)]
 pub struct MergeOptions {
@@ -50,6 +87,16 @@ pub struct MergeOptions {
     /// Replace `out` when it exists (a run's own merged/ dir); otherwise an existing
     /// non-empty `out` is an error.
     pub replace: bool,
+    /// The base as it is, or its decoder linears through NF4 first.
+    pub merge_into: MergeInto,
+    /// NF4 double quant for `MergeInto::Dequantized` (`model.double_quant`); a bitsandbytes
+    /// checkpoint's own setting applies to it instead. Default: true.
+    pub double_quant: bool,
+    /// The dtype training held the base in (the run's model dtype): NF4 weights are quantized
+    /// from the base rounded to it, and dequantized values rounded to it, before the adapter
+    /// is added. None: the output dtype, else each tensor's stored dtype (for quantizing) and
+    /// f32 (for dequantized values).
+    pub quantize_dtype: Option<Dtype>,
 }
 
 impl Default for MergeOptions {
@@ -58,6 +105,9 @@ impl Default for MergeOptions {
             dtype: None,
             max_shard_size: 5_000_000_000,
             replace: false,
+            merge_into: MergeInto::Base,
+            double_quant: true,
+            quantize_dtype: None,
         }
     }
 }
@@ -72,6 +122,11 @@ pub struct MergeReport {
     pub shards: usize,
     /// Bytes of tensor data (the index's metadata.total_size).
     pub total_size: u64,
+    /// What the adapter went into: "base", or "dequantized-nf4" (config.json's
+    /// `lora_train_merged_into`, which a plain merge does not write).
+    pub merged_into: &'static str,
+    /// Linears written dequantized from NF4 (read packed, or quantized here).
+    pub dequantized: usize,
 }
 
 fn st_dtype(d: Dtype) -> StDtype {
@@ -90,6 +145,58 @@ fn candle_dtype(d: StDtype) -> Option<DType> {
         StDtype::F64 => Some(DType::F64),
         _ => None,
     }
+}
+
+/// A dtype as config.json names it (float32, bfloat16, float16; None for others).
+fn from_torch_name(name: &str) -> Option<StDtype> {
+    match name.strip_prefix("torch.").unwrap_or(name) {
+        "float32" => Some(StDtype::F32),
+        "bfloat16" => Some(StDtype::BF16),
+        "float16" => Some(StDtype::F16),
+        _ => None,
+    }
+}
+
+/// The dtype a bitsandbytes 4-bit checkpoint's linears are written in, without `--dtype`:
+/// config.json's `torch_dtype` / `dtype` (that of its unquantized tensors), else
+/// `quantization_config.bnb_4bit_compute_dtype`, else f32.
+fn checkpoint_dtype(cfg: &Value) -> StDtype {
+    let named = |v: Option<&Value>| v.and_then(Value::as_str).and_then(from_torch_name);
+    named(cfg.get("torch_dtype"))
+        .or_else(|| named(cfg.get("dtype")))
+        .or_else(|| {
+            named(
+                cfg.get("quantization_config")
+                    .and_then(|q| q.get("bnb_4bit_compute_dtype")),
+            )
+        })
+        .unwrap_or(StDtype::F32)
+}
+
+/// A decoder-layer linear's weight (`model.layers.N.….<proj>.weight`), the tensors training
+/// keeps in NF4 under `model.quantize = "nf4"`.
+fn is_decoder_linear(name: &str, shape: &[usize]) -> bool {
+    let Some(rest) = name.strip_prefix("model.layers.") else {
+        return false;
+    };
+    let Some((layer, rest)) = rest.split_once('.') else {
+        return false;
+    };
+    let leaf = rest
+        .strip_suffix(".weight")
+        .and_then(|m| m.rsplit('.').next());
+    !layer.is_empty()
+        && layer.bytes().all(|b| b.is_ascii_digit())
+        && leaf.is_some_and(|l| KNOWN_LINEAR.contains(&l))
+        && shape.len() == 2
+}
+
+/// The weight's shape its bitsandbytes quant state records.
+fn packed_shape(state: &[u8], name: &str) -> Result<Vec<usize>> {
+    let v: Value = serde_json::from_slice(state)
+        .with_context(|| format!("`{name}{}` is not the JSON bitsandbytes writes", bnb::STATE))?;
+    serde_json::from_value(v.get("shape").cloned().unwrap_or(Value::Null))
+        .with_context(|| format!("`{name}{}` has no shape (a list of sizes)", bnb::STATE))
 }
 
 /// config.json's name for a dtype.
@@ -143,6 +250,50 @@ fn view_tensor(v: &TensorView) -> Result<Tensor> {
         v.shape(),
         &Device::Cpu,
     )?)
+}
+
+/// Where a tensor of the merged model comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Src {
+    /// The base tensor (cast when asked).
+    Stored,
+    /// A bitsandbytes 4-bit weight, dequantized.
+    Packed,
+    /// A full-precision decoder linear quantized to NF4 and dequantized.
+    Requant,
+}
+
+/// One tensor of the merged model.
+struct Item {
+    name: String,
+    shard: usize,
+    shape: Vec<usize>,
+    /// The dtype written.
+    dtype: StDtype,
+    /// Bytes written.
+    size: u64,
+    src: Src,
+}
+
+fn to_recipe_dtype(d: DType) -> Option<Dtype> {
+    match d {
+        DType::F32 => Some(Dtype::F32),
+        DType::BF16 => Some(Dtype::Bf16),
+        DType::F16 => Some(Dtype::F16),
+        _ => None,
+    }
+}
+
+/// An NF4 weight's values as an f32 CPU tensor of its shape: level · absmax in f32, rounded
+/// to `held` first when given (the dtype training dequantized it to).
+fn dequantized_tensor(q: &Nf4, held: Option<Dtype>) -> Result<Tensor> {
+    let w = Tensor::from_vec(q.dequantize(), q.shape.as_slice(), &Device::Cpu)?;
+    Ok(match held {
+        Some(d) => w
+            .to_dtype(candle_dtype(st_dtype(d)).unwrap_or(DType::F32))?
+            .to_dtype(DType::F32)?,
+        None => w,
+    })
 }
 
 /// One adapted module's (A [r, in], B [out, r]), f32.
@@ -263,18 +414,56 @@ pub fn merge(adapter: &Path, base: &Path, out: &Path, opts: &MergeOptions) -> Re
         })
         .collect::<Result<Vec<_>>>()?;
 
-    // Every base tensor in checkpoint order: (name, shard, output dtype, bytes out).
-    struct Item {
-        name: String,
-        shard: usize,
-        dtype: StDtype,
-        size: u64,
+    // A bitsandbytes 4-bit checkpoint (Some(its double quant)), or a full-precision one.
+    let packed_ckpt = bnb::nf4_config(&files.config)?;
+    let cfg_text = std::fs::read_to_string(&files.config)
+        .with_context(|| format!("cannot read {}", files.config.display()))?;
+    let cfg: Value = serde_json::from_str(&cfg_text)
+        .with_context(|| format!("{} is not valid JSON", files.config.display()))?;
+    // The checkpoint's packed weights read through candle's map, as the loader reads them.
+    // SAFETY: as above.
+    let packed_st = match packed_ckpt {
+        Some(_) => {
+            Some(unsafe { candle_core::safetensors::MmapedSafetensors::multi(&files.weights) }?)
+        }
+        None => None,
+    };
+    let requant = opts.merge_into == MergeInto::Dequantized;
+    let double_quant = packed_ckpt.unwrap_or(opts.double_quant);
+
+    // Every base tensor in checkpoint order: (name, shard, shape, output dtype, bytes out,
+    // where its values come from).
+    let names = maps
+        .iter()
+        .map(|m| Ok(SafeTensors::read_metadata(m)?.1.offset_keys()))
+        .collect::<Result<Vec<_>>>()?;
+    // Packed 4-bit weights: those with a quant state (in any shard: transformers may put a
+    // weight and its quant tensors in different ones); their quant tensors are dropped.
+    let mut packed = std::collections::HashSet::new();
+    let mut dropped = std::collections::HashSet::new();
+    if packed_ckpt.is_some() {
+        for name in names.iter().flatten() {
+            if let Some(w) = name.strip_suffix(bnb::STATE) {
+                packed.insert(w.to_string());
+                for s in [
+                    bnb::STATE,
+                    ".absmax",
+                    ".quant_map",
+                    ".nested_absmax",
+                    ".nested_quant_map",
+                ] {
+                    dropped.insert(format!("{w}{s}"));
+                }
+            }
+        }
     }
     let mut items = Vec::new();
     let mut seen = HashMap::new();
-    for (i, st) in sts.iter().enumerate() {
-        let (_, meta) = SafeTensors::read_metadata(&maps[i])?;
-        for name in meta.offset_keys() {
+    for (i, (st, names)) in sts.iter().zip(names).enumerate() {
+        for name in names {
+            if dropped.contains(&name) {
+                continue;
+            }
             let v = st.tensor(&name)?;
             if let Some(prev) = seen.insert(name.clone(), i) {
                 bail!(
@@ -283,19 +472,40 @@ pub fn merge(adapter: &Path, base: &Path, out: &Path, opts: &MergeOptions) -> Re
                     files.weights[i].display()
                 );
             }
-            let float = candle_dtype(v.dtype()).is_some();
+            let (src, shape, stored) = if packed.contains(&name) {
+                let st = packed_st.as_ref().context("no 4-bit checkpoint map")?;
+                let state = st.get(&format!("{name}{}", bnb::STATE))?;
+                let shape = packed_shape(state.data(), &name)
+                    .with_context(|| format!("in the 4-bit checkpoint {}", base.display()))?;
+                (Src::Packed, shape, checkpoint_dtype(&cfg))
+            } else {
+                let shape = v.shape().to_vec();
+                let float = candle_dtype(v.dtype()).is_some();
+                let src = match requant && float && is_decoder_linear(&name, &shape) {
+                    true => Src::Requant,
+                    false => Src::Stored,
+                };
+                (src, shape, v.dtype())
+            };
             let dtype = match opts.dtype {
-                Some(d) if float => st_dtype(d),
-                _ => v.dtype(),
+                Some(d) if candle_dtype(stored).is_some() => st_dtype(d),
+                _ => stored,
             };
             items.push(Item {
-                size: n_bytes(v.shape(), dtype),
+                size: n_bytes(&shape, dtype),
                 name,
                 shard: i,
+                shape,
                 dtype,
+                src,
             });
         }
     }
+    let index: HashMap<String, usize> = items
+        .iter()
+        .enumerate()
+        .map(|(k, it)| (it.name.clone(), k))
+        .collect();
 
     // Every adapter module must match a base linear, shapes included; every targeted linear
     // of the base must have its adapter.
@@ -317,6 +527,10 @@ pub fn merge(adapter: &Path, base: &Path, out: &Path, opts: &MergeOptions) -> Re
             );
         }
     }
+    let merged_into = match packed_ckpt.is_some() || requant {
+        true => "dequantized-nf4",
+        false => "base",
+    };
     let mut checked: HashMap<String, (Tensor, Tensor)> = HashMap::new();
     for (module, p) in pairs {
         let (Some(a), Some(b)) = (p.a, p.b) else {
@@ -326,7 +540,7 @@ pub fn merge(adapter: &Path, base: &Path, out: &Path, opts: &MergeOptions) -> Re
             );
         };
         let wname = format!("{module}.weight");
-        let Some(&shard) = seen.get(&wname) else {
+        let Some(&k) = index.get(&wname) else {
             bail!(
                 "the adapter has `{}`, but the base model in {} has no tensor `{wname}`: \
                  the adapter was trained on another model",
@@ -334,7 +548,7 @@ pub fn merge(adapter: &Path, base: &Path, out: &Path, opts: &MergeOptions) -> Re
                 base.display()
             );
         };
-        let w = sts[shard].tensor(&wname)?;
+        let w = &items[k];
         let (r, in_f) = a.dims2()?;
         let (out_f, rb) = b.dims2()?;
         let leaf = module.rsplit('.').next().unwrap_or("");
@@ -344,22 +558,22 @@ pub fn merge(adapter: &Path, base: &Path, out: &Path, opts: &MergeOptions) -> Re
                 adapter.join(WEIGHTS).display()
             );
         }
-        if r != info.spec.rank || rb != r || w.shape() != [out_f, in_f] {
+        if r != info.spec.rank || rb != r || w.shape != [out_f, in_f] {
             bail!(
                 "the adapter's `{module}` (lora_A {:?}, lora_B {:?}, r = {}) does not fit the base \
                  weight `{wname}` {:?} in {}: the adapter was trained on another model",
                 a.dims(),
                 b.dims(),
                 info.spec.rank,
-                w.shape(),
+                w.shape,
                 base.display()
             );
         }
-        if candle_dtype(w.dtype()).is_none() {
+        if w.src == Src::Stored && candle_dtype(w.dtype).is_none() {
             bail!(
                 "`{wname}` in {} is {}, not a float tensor",
                 base.display(),
-                w.dtype()
+                w.dtype
             );
         }
         checked.insert(module, (a, b));
@@ -400,34 +614,76 @@ pub fn merge(adapter: &Path, base: &Path, out: &Path, opts: &MergeOptions) -> Re
         let mut weight_map = BTreeMap::new();
         let mut total_size = 0u64;
         let mut merged = 0;
+        let mut dequantized = 0;
         for (k, shard) in shards.iter().enumerate() {
             // Owned bytes for what we compute; views into the base maps for what we copy.
             let mut owned: Vec<(usize, Vec<u8>)> = Vec::new();
             for &i in shard {
                 let it = &items[i];
-                let v = sts[it.shard].tensor(&it.name)?;
+                let out_dtype = candle_dtype(it.dtype).unwrap_or(DType::F32);
+                // The weight's values in f32 where they are not the stored ones.
+                let computed = match it.src {
+                    Src::Stored => None,
+                    Src::Packed => {
+                        let st = packed_st.as_ref().context("no 4-bit checkpoint map")?;
+                        let q = bnb::read(st, &it.name, &it.shape)
+                            .with_context(|| format!("in the 4-bit checkpoint {}", base.display()))?
+                            .with_context(|| format!("`{}` has no quant state", it.name))?;
+                        Some(dequantized_tensor(&q, opts.quantize_dtype)?)
+                    }
+                    Src::Requant => {
+                        let v = sts[it.shard].tensor(&it.name)?;
+                        let w = view_tensor(&v)?;
+                        // Quantized from the weight as training held it: in the run's
+                        // dtype, else the output's, else as stored.
+                        let held = opts
+                            .quantize_dtype
+                            .or(opts.dtype)
+                            .or_else(|| to_recipe_dtype(w.dtype()));
+                        let d = held.map_or(DType::F32, |d| {
+                            candle_dtype(st_dtype(d)).unwrap_or(DType::F32)
+                        });
+                        let host = w
+                            .to_dtype(d)?
+                            .to_dtype(DType::F32)?
+                            .flatten_all()?
+                            .to_vec1::<f32>()?;
+                        let q = Nf4::quantize(&host, &it.shape, double_quant);
+                        Some(dequantized_tensor(&q, held)?)
+                    }
+                };
+                if computed.is_some() {
+                    dequantized += 1;
+                }
                 let module = it.name.strip_suffix(".weight").unwrap_or("");
                 if let Some((a, b)) = checked.get(module) {
                     // W' = W + scale · B A in f32, then the output dtype.
-                    let w = view_tensor(&v)?.to_dtype(DType::F32)?;
+                    let w = match computed {
+                        Some(w) => w,
+                        None => {
+                            view_tensor(&sts[it.shard].tensor(&it.name)?)?.to_dtype(DType::F32)?
+                        }
+                    };
                     let delta = (b.matmul(a)? * scale)?;
                     let w = (w + delta)?;
-                    let d = candle_dtype(it.dtype).unwrap_or(DType::F32);
-                    owned.push((i, tensor_bytes(&w.to_dtype(d)?)?));
+                    owned.push((i, tensor_bytes(&w.to_dtype(out_dtype)?)?));
                     merged += 1;
-                } else if v.dtype() != it.dtype {
-                    let d = candle_dtype(it.dtype).unwrap_or(DType::F32);
-                    owned.push((i, tensor_bytes(&view_tensor(&v)?.to_dtype(d)?)?));
+                } else if let Some(w) = computed {
+                    owned.push((i, tensor_bytes(&w.to_dtype(out_dtype)?)?));
+                } else {
+                    let v = sts[it.shard].tensor(&it.name)?;
+                    if v.dtype() != it.dtype {
+                        owned.push((i, tensor_bytes(&view_tensor(&v)?.to_dtype(out_dtype)?)?));
+                    }
                 }
             }
             let owned: HashMap<usize, Vec<u8>> = owned.into_iter().collect();
             let mut views = Vec::with_capacity(shard.len());
             for &i in shard {
                 let it = &items[i];
-                let v = sts[it.shard].tensor(&it.name)?;
                 let view = match owned.get(&i) {
-                    Some(bytes) => TensorView::new(it.dtype, v.shape().to_vec(), bytes)?,
-                    None => v,
+                    Some(bytes) => TensorView::new(it.dtype, it.shape.clone(), bytes)?,
+                    None => sts[it.shard].tensor(&it.name)?,
                 };
                 total_size += it.size;
                 weight_map.insert(it.name.clone(), shard_name(k));
@@ -448,26 +704,37 @@ pub fn merge(adapter: &Path, base: &Path, out: &Path, opts: &MergeOptions) -> Re
                 serde_json::to_string_pretty(&index)?,
             )?;
         }
-        // config.json: as is, or with its dtype field naming the new dtype.
-        let cfg_text = std::fs::read_to_string(&files.config)
-            .with_context(|| format!("cannot read {}", files.config.display()))?;
-        let cfg_out = match opts.dtype {
-            None => cfg_text,
-            Some(d) => {
-                let mut cfg: Value = serde_json::from_str(&cfg_text)
-                    .with_context(|| format!("{} is not valid JSON", files.config.display()))?;
-                let name = torch_name(st_dtype(d));
+        // config.json: the base's bytes for a plain merge that casts nothing (as before: a
+        // rewrite would reorder its keys and reformat its numbers); otherwise its dtype field
+        // naming the dtype written (when cast, or a 4-bit checkpoint's linears), and for a
+        // merge into NF4 weights no quantization_config and `lora_train_merged_into`.
+        let nf4 = merged_into != "base";
+        let written = match (opts.dtype, packed_ckpt) {
+            (Some(d), _) => Some(st_dtype(d)),
+            (None, Some(_)) => Some(checkpoint_dtype(&cfg)),
+            (None, None) => None,
+        };
+        let cfg_out = match (written, nf4) {
+            (None, false) => cfg_text.clone(),
+            _ => {
+                let mut cfg = cfg.clone();
                 if let Some(o) = cfg.as_object_mut() {
-                    let keys: Vec<&str> = ["torch_dtype", "dtype"]
-                        .into_iter()
-                        .filter(|k| o.contains_key(*k))
-                        .collect();
-                    for k in if keys.is_empty() {
-                        vec!["torch_dtype"]
-                    } else {
-                        keys
-                    } {
-                        o.insert(k.to_string(), Value::from(name));
+                    if let Some(d) = written {
+                        let keys: Vec<&str> = ["torch_dtype", "dtype"]
+                            .into_iter()
+                            .filter(|k| o.contains_key(*k))
+                            .collect();
+                        for k in if keys.is_empty() {
+                            vec!["torch_dtype"]
+                        } else {
+                            keys
+                        } {
+                            o.insert(k.to_string(), Value::from(torch_name(d)));
+                        }
+                    }
+                    if nf4 {
+                        o.remove("quantization_config");
+                        o.insert(MERGED_INTO_KEY.to_string(), Value::from(merged_into));
                     }
                 }
                 serde_json::to_string_pretty(&cfg)? + "\n"
@@ -494,6 +761,8 @@ pub fn merge(adapter: &Path, base: &Path, out: &Path, opts: &MergeOptions) -> Re
             merged,
             shards: n,
             total_size,
+            merged_into,
+            dequantized,
         })
     })();
     let report = match res {

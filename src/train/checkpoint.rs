@@ -40,7 +40,7 @@ pub const RNG: &str = "SplitMix64 streams keyed by seed: shuffle (seed, epoch); 
 const LOSS_TAIL: usize = 100;
 
 /// Recipe keys that do not change the numbers of a run: they may differ on resume.
-const FREE_KEYS: [&str; 14] = [
+const FREE_KEYS: [&str; 15] = [
     "train.resume",
     "train.max_memory",
     "train.log_every",
@@ -54,6 +54,7 @@ const FREE_KEYS: [&str; 14] = [
     "output.keep_last",
     "output.merge",
     "output.max_shard_size",
+    "output.merge_into",
     // ddp and fsdp over the same devices give the same numbers.
     "parallel.strategy",
     "parallel.timeout_s",

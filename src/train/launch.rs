@@ -307,15 +307,31 @@ fn export_merged(session: &Session, out_dir: &std::path::Path) -> Result<()> {
         )
         .map_err(|m| anyhow::anyhow!("output.max_shard_size {m}"))?,
         replace: true,
+        merge_into: session.recipe.output.merge_into,
+        double_quant: session.recipe.model.double_quant,
+        // NF4 weights as training made them: quantized from, and dequantized to, the run's
+        // dtype.
+        quantize_dtype: match session.model.dtype {
+            candle_core::DType::BF16 => Some(crate::recipe::Dtype::Bf16),
+            candle_core::DType::F16 => Some(crate::recipe::Dtype::F16),
+            _ => Some(crate::recipe::Dtype::F32),
+        },
     };
     let rep = export::merge::merge(out_dir, &session.base_dir, &out_dir.join("merged"), &opts)
         .context("cannot write the merged model (output.merge = true)")?;
     eprintln!(
-        "merged model written to {} ({} tensors, {} with the adapter merged in, {} shard(s))",
+        "merged model written to {} ({} tensors, {} with the adapter merged in, {} shard(s){})",
         rep.out.display(),
         rep.tensors,
         rep.merged,
-        rep.shards
+        rep.shards,
+        match rep.merged_into {
+            "base" => String::new(),
+            _ => format!(
+                "; into the NF4 base dequantized, {} linears",
+                rep.dequantized
+            ),
+        }
     );
     Ok(())
 }

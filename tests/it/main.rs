@@ -23,6 +23,7 @@ mod ops;
 mod parallel;
 mod plan;
 mod qlora;
+mod qmerge;
 mod recipes;
 mod report;
 mod resume;
