@@ -13,9 +13,10 @@ partial last block), and blocks whose absmax spread over five decades (double qu
 codes, and a partial last nested block of 256).
 
 The committed tests/fixtures/nf4/nf4_cpu.safetensors was made by this script with bitsandbytes
-0.50.2 on its CPU backend (torch 2.11 CPU; the file's metadata names both). Rerun on a GPU
-machine with --device cuda (same bitsandbytes) for nf4_cuda.safetensors, the CUDA kernels'
-values, which tests/it/nf4.rs then holds to the bit as well.
+0.50.2 on its CPU backend (torch 2.11 CPU; the file's metadata names both), and
+nf4_cuda.safetensors with --device cuda on an H200 (the same bitsandbytes, its wheel carried by
+scripts/fetch-wheels.sh; torch 2.11+cu130): the CUDA kernels' values, which tests/it/nf4.rs
+holds to the bit as well.
 
 bitsandbytes' CPU and CUDA paths differ (their sources: csrc/kernels.cu, csrc/cpu_ops.cpp,
 backends/default/ops.py): the 8-bit blockwise quantization of double quant is a 65536-bin

@@ -3,11 +3,11 @@
 //! values, exact midpoints and partial blocks; our codes, absmax, nested state and
 //! dequantized values are held to its to the bit.
 //!
-//! The committed fixture is bitsandbytes 0.50.2's CPU backend (`nf4_cpu.safetensors`). Where
-//! that path differs from its CUDA kernels (src/quant/nf4.rs: an all-zero block's code, and a
-//! value exactly on a midpoint whose CUDA threshold is the f32 below it), we follow CUDA and
-//! check the CPU values for what they are; a fixture made on a GPU (`--device cuda`,
-//! `nf4_cuda.safetensors`) is held to the bit everywhere when present.
+//! Two fixtures are committed: bitsandbytes 0.50.2's CPU backend (`nf4_cpu.safetensors`) and
+//! its CUDA kernels on an H200 (`--device cuda`, `nf4_cuda.safetensors`). Where the CPU path
+//! differs from CUDA (src/quant/nf4.rs: an all-zero block's code, and a value exactly on a
+//! midpoint whose CUDA threshold is the f32 below it), we follow CUDA and check the CPU values
+//! for what they are; the CUDA fixture is held to the bit everywhere.
 
 use candle_core::safetensors::load;
 use candle_core::{DType, Device, Tensor};
@@ -198,8 +198,10 @@ fn double_quant_equals_bitsandbytes() {
                 "{name} dequant"
             );
 
-            // Ours from the weights: the same NF4 codes, and the offset within an f32 ulp (the
-            // mean's last bit is torch's reduction order).
+            // Ours from the weights: the same NF4 codes, and the offset within a few f32 ulps
+            // (ours is the mean in f64, rounded once; torch's is an f32 reduction whose order
+            // shows in the last bits: 1 ulp on its CPU, up to 3 on CUDA for the `mixed` weight,
+            // whose absmax values span five decades).
             let w = f32s(input);
             let ours = Nf4::quantize(&w, input.dims(), true);
             let Absmax::Nested(n) = &ours.absmax else {
@@ -208,7 +210,7 @@ fn double_quant_equals_bitsandbytes() {
             assert_eq!(ours.codes, Nf4::quantize(&w, input.dims(), false).codes);
             let offset = f32s(g("offset"))[0];
             let ulps = (n.offset.to_bits() as i64 - offset.to_bits() as i64).abs();
-            assert!(ulps <= 1, "{name} offset {} vs {offset}", n.offset);
+            assert!(ulps <= 4, "{device} {name} offset {} vs {offset}", n.offset);
 
             // Ours about bitsandbytes' offset, from its plain absmax: its nested state to the
             // bit, each 8-bit code the nearest of the map (CUDA's search).
