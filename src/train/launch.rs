@@ -245,15 +245,20 @@ fn run_rank(
 
 /// Rank 0's lines about what the run trains: the ranks, the model and adapters, the data.
 fn announce(session: &Session) {
+    let m = &session.model;
+    let nf4: usize = m.layers.iter().map(|l| l.nf4_bytes()).sum();
     eprintln!(
         "loaded in {:.1}s (weights read, cast and uploaded, adapters made{})",
         session.memory.load_s,
-        match session.model.device.is_cuda() {
-            true => ", linears padded for the fold",
-            false => "",
+        match (m.kernels.fold, nf4) {
+            (true, _) => ", linears padded for the fold".to_string(),
+            (false, 0) => String::new(),
+            (false, b) => format!(
+                ", decoder linears in NF4: {}",
+                crate::memory::plan::fmt_bytes(b as u64)
+            ),
         }
     );
-    let m = &session.model;
     let trainable: usize = m
         .adapters()
         .map(|(_, l)| l.a.elem_count() + l.b.elem_count())
