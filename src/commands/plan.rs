@@ -88,7 +88,8 @@ pub fn run(a: PlanArgs) -> anyhow::Result<()> {
             let cfg_path = lora_train::hub::config_file(&r.model)?;
             let cfg = lora_train::model::ModelConfig::from_file(&cfg_path)?;
             let gpus = gpus.unwrap_or(r.parallel.devices.len());
-            let input = plan::input_from_recipe(&r, cfg, gpus, true)?;
+            let input = plan::input_from_recipe(&r, cfg, gpus, true)?
+                .with_quant(r.quant().for_checkpoint(&cfg_path)?);
             let sel = (r.parallel.strategy, r.train.activation_checkpointing);
             let used = match r.parallel.devices.is_empty() {
                 true => vec![0],

@@ -39,7 +39,8 @@ pub fn preflight(
     let cuda = recipe.model.device == DeviceKind::Cuda;
     let cfg_path = hub::config_file(&recipe.model)?;
     let cfg = crate::model::ModelConfig::from_file(&cfg_path)?;
-    let input = plan::input_from_recipe(recipe, cfg, recipe.parallel.devices.len(), cuda)?;
+    let input = plan::input_from_recipe(recipe, cfg, recipe.parallel.devices.len(), cuda)?
+        .with_quant(recipe.quant().for_checkpoint(&cfg_path)?);
     let max_memory = recipe.max_memory();
     let mut ballast = None;
     let (capacity, source) = if cuda {

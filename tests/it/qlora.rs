@@ -177,3 +177,40 @@ fn qlora_on_cuda_quantizes_to_the_bit_and_trains_as_peft() {
         );
     }
 }
+
+/// `plan` on a bitsandbytes 4-bit checkpoint counts its base in NF4 though the recipe leaves
+/// model.quantize unset. By hand (qlora_llama_gqa, f32, one layer): the seven linears' NF4
+/// bytes (n/2 codes + n/64 absmax codes + 4 · ⌈n/16384⌉ + 1028, with n = 4096, 2048, 2048,
+/// 4096, 8192 × 3) 26232, plus embedding, head and norms (16576 parameters) at 4 B: 92536 B;
+/// in full precision (16576 + 36864) · 4 = 213760 B.
+#[test]
+fn plan_counts_a_bnb_4bit_checkpoint_in_nf4() {
+    let tmp = tempfile::tempdir().unwrap();
+    let case = "qlora_llama_gqa";
+    let r = tmp.path().join("r.toml");
+    std::fs::write(&r, golden_recipe(case, &tmp.path().join("out"))).unwrap();
+    let plan = |dir: &str| -> serde_json::Value {
+        let o = assert_cmd::Command::cargo_bin("lora-train")
+            .unwrap()
+            .arg("plan")
+            .arg("--recipe")
+            .arg(&r)
+            .arg("--set")
+            .arg(format!(
+                "model.path={}",
+                golden_dir(case).join(dir).display()
+            ))
+            .arg("--json")
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice(&o.stdout).unwrap()
+    };
+    let (q, full) = (plan("model_bnb4"), plan("model"));
+    assert_eq!(
+        (q["nf4"].as_bool(), full["nf4"].as_bool()),
+        (Some(true), Some(false))
+    );
+    assert_eq!(q["selected"]["base_bytes"], 92_536);
+    assert_eq!(full["selected"]["base_bytes"], 213_760);
+}

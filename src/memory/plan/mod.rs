@@ -571,10 +571,15 @@ pub fn input_from_shape(
 impl PlanInput {
     /// The same run on an NF4 base (double quant; no fold).
     pub fn nf4(self) -> PlanInput {
-        let quant = crate::quant::Quant {
+        self.with_quant(crate::quant::Quant {
             kind: crate::quant::Quantize::Nf4,
             double_quant: true,
-        };
+        })
+    }
+
+    /// The same run with its base stored as `quant` says (e.g. `Quant::for_checkpoint`: a
+    /// bitsandbytes 4-bit checkpoint is NF4 whatever the recipe says).
+    pub fn with_quant(self, quant: crate::quant::Quant) -> PlanInput {
         PlanInput {
             kernels: self.kernels.for_base(quant),
             quant,
