@@ -247,9 +247,9 @@ impl Layer {
     }
 
     /// Quantizes each linear's W to NF4 (`[model] quantize = "nf4"`; one read in NF4 stays as
-    /// it is), leaving a 1-element
-    /// placeholder of its dtype in `w`, so the full copy is freed as the layer loads; returns
-    /// the NF4 bytes. Folded linears are refused (`ops::fold` is off under NF4).
+    /// it is), leaving a 1-element placeholder of its dtype in `w`, so the full copy is freed
+    /// as the layer loads; returns the NF4 bytes. Folded linears are refused (`ops::fold` is
+    /// off under NF4).
     pub fn quantize(&mut self, double_quant: bool) -> Result<usize> {
         let mut bytes = 0;
         for lin in self.parts_mut().1 {

@@ -399,7 +399,9 @@ pub fn sharded_model(
     build: &mut dyn FnMut(Loaded) -> Result<Model>,
 ) -> Result<(Model, Option<Shards>)> {
     if fsdp && quant.is_nf4() {
-        anyhow::bail!("FSDP over an NF4 base is not implemented yet (Recipe::validate refuses it)");
+        anyhow::bail!(
+            "FSDP over an NF4 base (model.quantize = \"nf4\", or a bitsandbytes 4-bit checkpoint) is not implemented yet: use parallel.strategy = \"ddp\" or \"single\""
+        );
     }
     let mut groups = Vec::new();
     let model = build(&mut |g| {
