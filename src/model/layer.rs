@@ -248,10 +248,9 @@ impl Layer {
 
     /// Quantizes each linear's W to NF4 (`[model] quantize = "nf4"`; one read in NF4 stays as
     /// it is), leaving a 1-element placeholder of its dtype in `w`, so the full copy is freed
-    /// as the layer loads; returns the NF4 bytes. Folded linears are refused (`ops::fold` is
-    /// off under NF4).
-    pub fn quantize(&mut self, double_quant: bool) -> Result<usize> {
-        let mut bytes = 0;
+    /// as the layer loads (`nf4_bytes` counts what it keeps). Folded linears are refused
+    /// (`ops::fold` is off under NF4).
+    pub fn quantize(&mut self, double_quant: bool) -> Result<()> {
         for lin in self.parts_mut().1 {
             if lin.q.is_some() {
                 continue; // read in NF4 (a bitsandbytes 4-bit checkpoint)
@@ -260,11 +259,10 @@ impl Layer {
                 candle_core::bail!("nf4: {} is folded (ops::fold is off under NF4)", lin.name);
             }
             let q = crate::quant::QWeight::quantize(&lin.w, double_quant)?;
-            bytes += q.bytes();
             lin.w = Tensor::zeros(1, lin.w.dtype(), lin.w.device())?;
             lin.q = Some(Arc::new(q));
         }
-        Ok(bytes)
+        Ok(())
     }
 
     /// The layer with each NF4 linear's W dequantized (to its placeholder's dtype), for one

@@ -15,8 +15,9 @@ use std::sync::{Arc, Mutex};
 #[cfg(feature = "cuda")]
 const MAX: usize = 3;
 
-/// A model's dequantizing slabs.
+/// A model's dequantizing slabs (CUDA builds only hand them out).
 #[derive(Default)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub struct Slabs(Mutex<Vec<(Tensor, Arc<()>)>>);
 
 impl Slabs {
@@ -67,17 +68,5 @@ impl Slabs {
         let lease = Arc::new(());
         slabs.push((t.clone(), lease.clone()));
         Ok(Some((t, lease)))
-    }
-
-    /// Bytes the slabs hold.
-    pub fn bytes(&self) -> usize {
-        self.0
-            .lock()
-            .map(|s| {
-                s.iter()
-                    .map(|(t, _)| t.elem_count() * t.dtype().size_in_bytes())
-                    .sum()
-            })
-            .unwrap_or(0)
     }
 }

@@ -30,8 +30,6 @@ pub struct QWeight {
     /// [n/2] u8, two codes a byte, the first value in the high nibble.
     codes: Tensor,
     absmax: DevAbsmax,
-    /// [256, 2] f32: byte → (its high nibble's level, its low nibble's).
-    pairs: Tensor,
 }
 
 impl QWeight {
@@ -74,7 +72,6 @@ impl QWeight {
             shape: q.shape.clone(),
             codes: Tensor::from_slice(&q.codes, q.codes.len(), device)?,
             absmax,
-            pairs: pairs(device)?,
         })
     }
 
@@ -108,8 +105,7 @@ impl QWeight {
             return Ok(w);
         }
         let n = self.numel();
-        let levels = self
-            .pairs
+        let levels = pairs(self.codes.device())?
             .index_select(&ids(&self.codes)?, 0)?
             .flatten_all()?; // [2·⌈n/2⌉]
         let levels = levels.narrow(0, 0, n)?;
@@ -248,7 +244,6 @@ impl QWeight {
             shape: w.dims().to_vec(),
             codes,
             absmax,
-            pairs: pairs(w.device())?,
         }))
     }
 }
