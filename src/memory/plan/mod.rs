@@ -5,7 +5,7 @@
 //! P trainable LoRA parameters, W world size.
 //!
 //! Terms (formulas of the shape; calibrated on the device: `BWD_WS`, `HEAD_CHUNKS` (see
-//! BENCHMARKS.md); assumed, not measured: `CONTEXT`, `SLACK`):
+//! BENCHMARKS.md: also `SLACK`, `SLACK_NF4`); assumed, not measured: `CONTEXT`):
 //! - base: every frozen parameter × s (`ModelConfig::num_params`); FSDP: ⌈base / W⌉.
 //! - adapters: P × 4 (f32), gradients P × 4 (f32 running sums), AdamW m and v P × 8; on CUDA
 //!   with bf16 activations also their bf16 copies, P × 2, through each micro-batch.
@@ -51,7 +51,8 @@
 //!   parameters: the gradients, and about 8 f32 temporaries of one group (gradient, old and
 //!   decayed parameters, new m and v, √v̂ + ε, the step, the new parameters) while the old
 //!   state is alive: 8 × 4 B × min(P, 2^23).
-//! - CUDA context (CONTEXT bytes, outside the pool) and allocator slack (SLACK × pool peak).
+//! - CUDA context (CONTEXT bytes, outside the pool) and allocator slack (SLACK or SLACK_NF4 ×
+//!   pool peak: what the pool reserves beyond its high-water mark, measured).
 //!
 //! The pool peak (`pool_peak`) is what `lora-train bench` reports as `peak_alloc_gib` (the
 //! pool's high-water mark); `total` adds context and slack and is what must fit the card.
@@ -72,8 +73,22 @@ pub const GIB: u64 = 1 << 30;
 pub const MIB: u64 = 1 << 20;
 /// CUDA context, cuBLAS handles and module images: device memory outside the pool.
 pub const CONTEXT: u64 = 512 * MIB;
-/// Allocator slack over the pool's used high-water mark (fragmentation, rounding).
-pub const SLACK: f64 = 0.05;
+/// What CUDA's pool reserves beyond its used high-water mark (fragmentation, rounding), as a
+/// fraction of that mark, for a bf16 / f32 base: the largest reserved / allocated ratio
+/// measured at 7B (1.08-1.13, BENCHMARKS.md), rounded up.
+pub const SLACK: f64 = 0.14;
+/// The same for an NF4 base (1.13-1.22 measured: the load-time quantizing leaves the pool
+/// holes the activations fit less well).
+pub const SLACK_NF4: f64 = 0.23;
+
+/// The allocator slack fraction for a base stored as `quant`.
+pub fn slack_for(quant: &crate::quant::Quant) -> f64 {
+    if quant.is_nf4() {
+        SLACK_NF4
+    } else {
+        SLACK
+    }
+}
 /// Backward workspace of one layer, in units of N·s·(2C + 3I) (see the module docs): 1 is
 /// the count of the tensors alive together in `Layer::backward`'s MLP part.
 pub const BWD_WS: f64 = 1.0;
@@ -403,7 +418,7 @@ pub fn breakdown(p: &PlanInput, strategy: Strategy, ckpt: bool, micro_batch: usi
         transient
     };
     let (context, slack) = if p.cuda {
-        (CONTEXT, (SLACK * pool_peak as f64) as u64)
+        (CONTEXT, (slack_for(&p.quant) * pool_peak as f64) as u64)
     } else {
         (0, 0)
     };
