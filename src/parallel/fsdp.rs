@@ -186,6 +186,9 @@ pub struct Shards {
     /// The ranks copy each other's shards in (`Comm::share_static`) rather than gather them
     /// with a collective.
     pub peer_copies: bool,
+    /// The decoder linears' NF4 bytes, unsharded (`Layer::nf4_bytes` as they loaded; the
+    /// skeleton's are placeholders): what the load line reports.
+    pub nf4_bytes: usize,
 }
 
 impl Shards {
@@ -211,6 +214,7 @@ impl Shards {
             layers: groups,
             io,
             peer_copies: false,
+            nf4_bytes: 0,
         };
         let all: Vec<&Tensor> = shards
             .layers

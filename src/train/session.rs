@@ -399,10 +399,11 @@ pub fn sharded_model(
     kernels: &crate::ops::Kernels,
     build: &mut dyn FnMut(Loaded) -> Result<Model>,
 ) -> Result<(Model, Option<Shards>)> {
-    let mut groups = Vec::new();
+    let (mut groups, mut nf4_bytes) = (Vec::new(), 0);
     let model = build(&mut |mut g| {
         if let (Group::Layer(layer), true) = (&mut g, quant.is_nf4()) {
             layer.quantize(quant.double_quant)?;
+            nf4_bytes += layer.nf4_bytes();
         }
         if fsdp {
             groups.push(Flat::take(g.tensors(), comm)?);
@@ -410,12 +411,11 @@ pub fn sharded_model(
         Ok(())
     })?;
     let shards = match fsdp {
-        true => Some(Shards::from_groups(
-            groups,
-            model.layers.len(),
-            kernels,
-            comm,
-        )?),
+        true => {
+            let mut s = Shards::from_groups(groups, model.layers.len(), kernels, comm)?;
+            s.nf4_bytes = nf4_bytes;
+            Some(s)
+        }
         false => None,
     };
     Ok((model, shards))

@@ -365,9 +365,11 @@ fn fsdp_ranks_hold_one_nth_of_the_base() {
 }
 
 /// What each rank of an FSDP session over an NF4 base holds: (resident frozen bytes, bytes
-/// of its u8 shards (the layers' NF4 codes)) per rank, and layer 0 gathered and dequantized
-/// on rank 0: each linear's W.
-fn fsdp_nf4_ranks(case: &str, world: usize, sets: &[&str]) -> (Vec<(usize, usize)>, Vec<Tensor>) {
+/// of its u8 shards (the layers' NF4 codes), the NF4 bytes it reports) per rank, and layer 0
+/// gathered and dequantized on rank 0: each linear's W.
+type Nf4Ranks = (Vec<(usize, usize, usize)>, Vec<Tensor>);
+
+fn fsdp_nf4_ranks(case: &str, world: usize, sets: &[&str]) -> Nf4Ranks {
     let tmp = tempfile::tempdir().unwrap();
     let text = format!(
         "{}\n{}",
@@ -385,7 +387,8 @@ fn fsdp_nf4_ranks(case: &str, world: usize, sets: &[&str]) -> (Vec<(usize, usize
             .map(|t| t.elem_count())
             .sum();
         let resident = resident_base_bytes(&s.model, Some(shards));
-        let t = Tensor::new(&[resident as f64, codes as f64], &Device::Cpu)?;
+        let me = [resident, codes, shards.nf4_bytes].map(|x| x as f64);
+        let t = Tensor::new(&me, &Device::Cpu)?;
         let all = s.comm.all_gather(&t)?.to_vec1::<f64>()?;
         let layer = shards.layer(&s.model, 0, &*s.comm, false)?;
         let ws = layer
@@ -394,7 +397,7 @@ fn fsdp_nf4_ranks(case: &str, world: usize, sets: &[&str]) -> (Vec<(usize, usize
             .iter()
             .map(|l| l.w.clone())
             .collect();
-        let ranks = all.chunks(2).map(|c| (c[0] as usize, c[1] as usize));
+        let ranks = (all.chunks(3)).map(|c| (c[0] as usize, c[1] as usize, c[2] as usize));
         Ok((ranks.collect::<Vec<_>>(), ws))
     };
     let group = CpuGroup::new(world, Duration::from_secs(60));
@@ -444,7 +447,8 @@ fn fsdp_ranks_hold_one_nth_of_an_nf4_base() {
             // padding; per u8 array < 16 bytes of alignment; per tensor a placeholder.
             let groups = s.model.layers.len() + 1;
             let slack = 2 * groups * world * 4 + u8s.len() * 16 + s.model.base_tensors().len() * 4;
-            for (rank, &(bytes, u8_bytes)) in ranks.iter().enumerate() {
+            for (rank, &(bytes, u8_bytes, reported)) in ranks.iter().enumerate() {
+                assert_eq!(reported, nf4, "{what} rank {rank}: the NF4 bytes reported");
                 assert!(
                     bytes >= full / world && bytes <= full / world + slack,
                     "{what} rank {rank}: {bytes} resident bytes, full {full}, 1/N {}",
