@@ -6,8 +6,10 @@
 //! s = padded / N (llm.c's `multi_gpu_get_shard_offset`, with padding instead of refusing).
 //! A full-precision group is one buffer in the base dtype. A layer in NF4 (`quant`) is three:
 //! its norms and biases in the base dtype, its linears' codes (and double quant's absmax codes)
-//! in u8, their absmax, nested absmax and maps in f32; so it crosses the wire in NF4, ~4× fewer
-//! bytes than bf16, and is dequantized after its gather (`Layer::resident_in`).
+//! in u8, their absmax, nested absmax and maps in f32 (two buffers when the base is f32); so it
+//! crosses the wire in NF4, ~4× fewer bytes than bf16, and is dequantized after its gather
+//! (`Layer::resident_in`, train::driver). An NF4 linear's 1-element W placeholder is no part of
+//! the group: it stays in the skeleton as the dtype to dequantize to.
 //! To use a group, the ranks all-gather their shards into fresh [N·s] buffers, and the group's
 //! tensors become `narrow` + `reshape` views into them (ops accept views with a storage
 //! offset); the buffers are freed when the last view is dropped.
