@@ -170,15 +170,6 @@ impl Flat {
             .map(|b| b.len * b.shard.dtype().size_in_bytes())
             .sum()
     }
-
-    /// Bytes of this dtype's buffer unsharded (0: none).
-    pub fn full_bytes_of(&self, dtype: DType) -> usize {
-        self.bufs
-            .iter()
-            .filter(|b| b.shard.dtype() == dtype)
-            .map(|b| b.len * dtype.size_in_bytes())
-            .sum()
-    }
 }
 
 /// A model's shards: one `Flat` per decoder layer, then the embedding / norm / head group.
