@@ -870,12 +870,6 @@ impl Recipe {
             }
             _ => {}
         }
-        if m.quantize == crate::quant::Quantize::Nf4 && self.parallel.strategy == Strategy::Fsdp {
-            return Err(self.invalid(
-                "model.quantize",
-                "= \"nf4\" with parallel.strategy = \"fsdp\" is not implemented yet (FSDP shards a full-precision base): use strategy = \"ddp\", or quantize = \"none\"",
-            ));
-        }
         if !m.double_quant && m.quantize == crate::quant::Quantize::None {
             return Err(self.invalid(
                 "model.double_quant",

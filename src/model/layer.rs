@@ -195,16 +195,20 @@ impl Layer {
     }
 
     /// The layer's frozen tensors, in a fixed order (norms, then each linear's W, or its
-    /// padded W* when folded, and bias): FSDP flattens them into one buffer and puts views of
-    /// the gathered buffer back. After changing them, `sync_views` makes each folded W a view
-    /// of its W* again.
+    /// padded W* when folded, or its NF4 arrays (`QWeight::arrays_mut`) when quantized, and
+    /// bias): FSDP flattens them into one buffer per dtype and puts views of the gathered
+    /// buffers back. An NF4 linear's 1-element W placeholder is not among them (it stays, as
+    /// the dtype `resident_in` dequantizes to); its `QWeight` is unshared first (a clone of
+    /// handles) so that a gathered layer's views do not reach the skeleton's. After changing
+    /// them, `sync_views` makes each folded W a view of its W* again.
     pub fn frozen_mut(&mut self) -> Vec<&mut Tensor> {
         let (norms, lins) = self.parts_mut();
         let mut v = norms;
         for lin in lins {
-            match &mut lin.pad {
-                Some(pad) => v.push(&mut pad.full),
-                None => v.push(&mut lin.w),
+            match (&mut lin.pad, &mut lin.q) {
+                (_, Some(q)) => v.extend(Arc::make_mut(q).arrays_mut()),
+                (Some(pad), None) => v.push(&mut pad.full),
+                (None, None) => v.push(&mut lin.w),
             }
             v.extend(lin.b.as_mut());
         }
@@ -212,11 +216,14 @@ impl Layer {
     }
 
     /// For each tensor of `frozen_mut`, in its order, the linear whose W (or W*) it is; None for
-    /// the norms and the biases.
+    /// the norms, the biases and NF4 arrays.
     pub fn frozen_linears(&self) -> Vec<Option<&Linear>> {
         let mut v = vec![None; 2 + self.extra.present().len()];
         for lin in self.linears() {
-            v.push(Some(lin));
+            match &lin.q {
+                Some(q) => v.extend(q.arrays().iter().map(|_| None)),
+                None => v.push(Some(lin)),
+            }
             if lin.b.is_some() {
                 v.push(None);
             }
@@ -273,7 +280,9 @@ impl Layer {
     }
 
     /// `resident`, on CUDA into a free buffer of `slabs` (each W a view of it, at offsets of 64
-    /// elements), which the returned layer holds until it and its clones drop.
+    /// elements), which the returned layer holds until it and its clones drop. The returned
+    /// layer keeps no NF4 arrays (`q` None: its W's are real), so it is resident as it is and
+    /// frees an FSDP gather's NF4 buffers when that layer drops.
     pub fn resident_in(&self, slabs: Option<&crate::quant::Slabs>) -> Result<Cow<'_, Layer>> {
         let Some(first) = self.linears().into_iter().find(|l| l.q.is_some()) else {
             return Ok(Cow::Borrowed(self));
@@ -293,7 +302,7 @@ impl Layer {
         };
         let mut off = 0;
         for lin in layer.parts_mut().1 {
-            let Some(q) = &lin.q else { continue };
+            let Some(q) = lin.q.take() else { continue };
             lin.w = match &slab {
                 Some((buf, _)) => {
                     let w = buf.narrow(0, off, q.numel())?.reshape(q.shape.as_slice())?;
@@ -302,7 +311,7 @@ impl Layer {
                 }
                 None => q.dequantize(dtype)?,
             };
-            off += span(q);
+            off += span(&q);
         }
         layer.lease = slab.map(|(_, lease)| lease);
         Ok(Cow::Owned(layer))

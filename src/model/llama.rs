@@ -399,13 +399,15 @@ impl Model {
             .filter_map(|lin| lin.lora.as_ref().map(|a| (lin.name.as_str(), a)))
     }
 
-    /// Every frozen base tensor (the test that no gradient reaches them walks these).
+    /// Every frozen base tensor, an NF4 linear's arrays (`QWeight::arrays`) beside its W
+    /// placeholder (the test that no gradient reaches them walks these).
     pub fn base_tensors(&self) -> Vec<&Tensor> {
         let mut v = vec![&self.embed, &self.norm, &self.lm_head];
         for l in &self.layers {
             v.extend(l.norms());
             for lin in l.linears() {
                 v.push(&lin.w);
+                v.extend(lin.q.iter().flat_map(|q| q.arrays()));
                 v.extend(lin.b.as_ref());
             }
         }

@@ -123,7 +123,7 @@ pub fn addr_rows(t: &candle_core::Tensor) -> Result<Option<(u64, usize)>> {
     Ok(first(t)?.map(|p| (p, ld)))
 }
 
-/// A fresh contiguous bf16, f16 or f32 tensor of `shape` on `dev` whose contents are not set,
+/// A fresh contiguous bf16, f16, f32 or u8 tensor of `shape` on `dev` whose contents are not set,
 /// for an output that a GEMM or a collective writes whole; None for other dtypes.
 ///
 /// # Safety
@@ -139,6 +139,7 @@ pub unsafe fn uninit<S: Into<candle_core::Shape>>(
         DType::BF16 => CudaStorage::wrap_cuda_slice(dev.alloc::<half::bf16>(n)?, dev.clone()),
         DType::F16 => CudaStorage::wrap_cuda_slice(dev.alloc::<half::f16>(n)?, dev.clone()),
         DType::F32 => CudaStorage::wrap_cuda_slice(dev.alloc::<f32>(n)?, dev.clone()),
+        DType::U8 => CudaStorage::wrap_cuda_slice(dev.alloc::<u8>(n)?, dev.clone()),
         _ => return Ok(None),
     };
     Ok(Some(candle_core::Tensor::from_storage(

@@ -1,12 +1,18 @@
 //! FSDP: the frozen base flat-sharded over the ranks, gathered one group at a time.
 //!
 //! A group is one decoder layer's frozen tensors (`Layer::frozen_mut` order), or the embedding,
-//! final norm and head (`Model::io_mut` order). Its tensors are flattened into one buffer in the
-//! base dtype, padded to a multiple of N = world, and rank r keeps elements [r·s, (r+1)·s),
+//! final norm and head (`Model::io_mut` order). Its tensors are flattened into one buffer per
+//! dtype, padded to a multiple of N = world, and rank r keeps elements [r·s, (r+1)·s) of each,
 //! s = padded / N (llm.c's `multi_gpu_get_shard_offset`, with padding instead of refusing).
-//! To use a group, the ranks all-gather their shards into a fresh [N·s] buffer, and the group's
-//! tensors become `narrow` + `reshape` views into it (ops accept views with a storage offset);
-//! the buffer is freed when the last view is dropped.
+//! A full-precision group is one buffer in the base dtype. A layer in NF4 (`quant`) is three:
+//! its norms and biases in the base dtype, its linears' codes (and double quant's absmax codes)
+//! in u8, their absmax, nested absmax and maps in f32 (two buffers when the base is f32); so it
+//! crosses the wire in NF4, ~4× fewer bytes than bf16, and is dequantized after its gather
+//! (`Layer::resident_in`, train::driver). An NF4 linear's 1-element W placeholder is no part of
+//! the group: it stays in the skeleton as the dtype to dequantize to.
+//! To use a group, the ranks all-gather their shards into fresh [N·s] buffers, and the group's
+//! tensors become `narrow` + `reshape` views into them (ops accept views with a storage
+//! offset); the buffers are freed when the last view is dropped.
 //!
 //! The model keeps the LoRA `Var`s; the skeleton layer's frozen tensors are 1-element
 //! placeholders, and a gathered layer is a clone of the skeleton (same `Var`s) with the views
@@ -19,100 +25,150 @@
 
 use super::Comm;
 use crate::model::{Layer, Model};
-use candle_core::{Result, Tensor, TensorId};
+use candle_core::{DType, Result, Tensor, TensorId};
 use std::collections::HashSet;
 
-/// One group's shard and the layout of the full buffer.
+/// One group's shards: one flat buffer per dtype among its tensors (one for a base in full
+/// precision; a layer in NF4 adds its u8 codes and f32 absmax arrays), and where each tensor
+/// lies in them.
 pub struct Flat {
-    /// [s] in the base dtype: this rank's slice of the padded flat buffer.
+    /// Per dtype, in the order the group's tensors first show it (a layer's norms come first,
+    /// so its base-dtype buffer leads).
+    bufs: Vec<Buf>,
+    /// Per tensor, in `take` order: which buffer, its offset there, its shape.
+    parts: Vec<Part>,
+}
+
+/// One dtype's flat buffer of a group, sharded.
+struct Buf {
+    /// [s]: this rank's slice of the padded flat buffer.
     shard: Tensor,
-    /// (offset in the flat buffer, shape) of each tensor of the group, in order.
-    parts: Vec<(usize, Vec<usize>)>,
-    /// Elements before padding.
+    /// Elements before padding (the parts and their alignment gaps).
     len: usize,
     /// Where the shard starts in the flat buffer: rank · s.
     lo: usize,
 }
 
+/// A tensor's place in its group's buffers.
+struct Part {
+    buf: usize,
+    off: usize,
+    shape: Vec<usize>,
+}
+
+/// Where a tensor of `dtype` may start in a flat buffer, in elements: NF4 codes (u8) at
+/// 16 bytes, as nf4.cu reads them 8 bytes at a time; the floats packed, as they always were.
+fn align(dtype: DType) -> usize {
+    match dtype {
+        DType::U8 => 16,
+        _ => 1,
+    }
+}
+
 impl Flat {
-    /// Flattens `tensors`, keeps this rank's 1/N (a copy, so the full buffer is freed) and
-    /// replaces each tensor with a 1-element placeholder.
+    /// Flattens `tensors` by dtype, keeps this rank's 1/N of each buffer (a copy, so the full
+    /// buffers are freed) and replaces each tensor with a 1-element placeholder of its dtype.
     pub fn take(tensors: Vec<&mut Tensor>, comm: &dyn Comm) -> Result<Flat> {
         let (rank, world) = (comm.rank(), comm.world());
         let Some(first) = tensors.first() else {
             candle_core::bail!("fsdp: a group with no tensors");
         };
-        let (dtype, dev) = (first.dtype(), first.device().clone());
+        let dev = first.device().clone();
+        // per dtype: (dtype, pieces in order, elements so far)
+        let mut by: Vec<(DType, Vec<Tensor>, usize)> = Vec::new();
         let mut parts = Vec::with_capacity(tensors.len());
-        let mut flat = Vec::with_capacity(tensors.len() + 1);
-        let mut len = 0;
         for t in &tensors {
-            if t.dtype() != dtype {
-                candle_core::bail!(
-                    "fsdp: mixed dtypes {:?} and {:?} in a group",
-                    dtype,
-                    t.dtype()
-                );
+            let dtype = t.dtype();
+            let buf = match by.iter().position(|(d, _, _)| *d == dtype) {
+                Some(i) => i,
+                None => {
+                    by.push((dtype, Vec::new(), 0));
+                    by.len() - 1
+                }
+            };
+            let (_, pieces, len) = &mut by[buf];
+            let off = len.next_multiple_of(align(dtype));
+            if off > *len {
+                pieces.push(Tensor::zeros(off - *len, dtype, &dev)?);
             }
-            parts.push((len, t.dims().to_vec()));
-            len += t.elem_count();
-            flat.push(t.flatten_all()?);
+            parts.push(Part {
+                buf,
+                off,
+                shape: t.dims().to_vec(),
+            });
+            pieces.push(t.flatten_all()?);
+            *len = off + t.elem_count();
         }
-        let s = len.div_ceil(world);
-        if s * world > len {
-            flat.push(Tensor::zeros(s * world - len, dtype, &dev)?);
+        let mut bufs = Vec::with_capacity(by.len());
+        for (dtype, mut pieces, len) in by {
+            let s = len.div_ceil(world);
+            if s * world > len {
+                pieces.push(Tensor::zeros(s * world - len, dtype, &dev)?);
+            }
+            // force_contiguous: a real [s] buffer (`copy` of a view clones the whole storage).
+            let shard = Tensor::cat(&pieces, 0)?
+                .narrow(0, rank * s, s)?
+                .force_contiguous()?;
+            bufs.push(Buf {
+                shard,
+                len,
+                lo: rank * s,
+            });
         }
-        // force_contiguous: a real [s] buffer (`copy` of a view clones the whole storage).
-        let shard = Tensor::cat(&flat, 0)?
-            .narrow(0, rank * s, s)?
-            .force_contiguous()?;
-        drop(flat);
-        let placeholder = Tensor::zeros(1, dtype, &dev)?;
         for t in tensors {
-            *t = placeholder.clone();
+            *t = Tensor::zeros(1, t.dtype(), &dev)?;
         }
-        Ok(Flat {
-            shard,
-            parts,
-            len,
-            lo: rank * s,
-        })
+        Ok(Flat { bufs, parts })
     }
 
-    /// The group's tensors as views into the gathered [N·s] buffer, in `take` order.
+    /// The group's tensors as views into the gathered [N·s] buffers, in `take` order.
     /// `ahead`: issued early (`Comm::all_gather_ahead`); call `Comm::gathered` before use.
     pub fn gather(&self, comm: &dyn Comm, ahead: bool) -> Result<Vec<Tensor>> {
-        let full = match ahead {
-            true => comm.all_gather_ahead(&self.shard)?,
-            false => comm.all_gather(&self.shard)?,
-        }; // [N·s]
+        let full = self
+            .bufs
+            .iter()
+            .map(|b| match ahead {
+                true => comm.all_gather_ahead(&b.shard),
+                false => comm.all_gather(&b.shard),
+            })
+            .collect::<Result<Vec<_>>>()?; // each [N·s]
         self.parts
             .iter()
-            .map(|(off, shape)| {
-                let n = shape.iter().product();
-                full.narrow(0, *off, n)?.reshape(shape.as_slice())
+            .map(|p| {
+                let Some(buf) = full.get(p.buf) else {
+                    candle_core::bail!("fsdp: a part in buffer {} of {}", p.buf, full.len());
+                };
+                let n = p.shape.iter().product();
+                buf.narrow(0, p.off, n)?.reshape(p.shape.as_slice())
             })
             .collect()
     }
 
-    /// This rank's [s] slice of the padded flat buffer.
-    pub fn shard(&self) -> &Tensor {
-        &self.shard
+    /// Tensor `i`'s (offset in its flat buffer, shape), that buffer's shard and where the
+    /// shard starts in it (rank · s). (`Shards::write_pads` reads it: CUDA builds.)
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    fn part(&self, i: usize) -> Option<(usize, &[usize], &Tensor, usize)> {
+        let p = self.parts.get(i)?;
+        let b = self.bufs.get(p.buf)?;
+        Some((p.off, p.shape.as_slice(), &b.shard, b.lo))
     }
 
-    /// Where the shard starts in the flat buffer (rank · s).
-    pub fn start(&self) -> usize {
-        self.lo
+    /// This rank's [s] slices, one per dtype (the group's base dtype first).
+    pub fn shards(&self) -> impl Iterator<Item = &Tensor> {
+        self.bufs.iter().map(|b| &b.shard)
     }
 
-    /// Bytes the shard's storage really holds (not just its view's elements).
+    /// Bytes the shards' storage really holds (not just their views' elements).
     pub fn shard_bytes(&self) -> usize {
-        storage_bytes(&self.shard)
+        self.bufs.iter().map(|b| storage_bytes(&b.shard)).sum()
     }
 
-    /// The group's bytes unsharded (no padding).
+    /// The group's bytes unsharded (no padding; alignment gaps counted).
     pub fn full_bytes(&self) -> usize {
-        self.len * self.shard.dtype().size_in_bytes()
+        self.bufs
+            .iter()
+            .map(|b| b.len * b.shard.dtype().size_in_bytes())
+            .sum()
     }
 }
 
@@ -123,6 +179,9 @@ pub struct Shards {
     /// The ranks copy each other's shards in (`Comm::share_static`) rather than gather them
     /// with a collective.
     pub peer_copies: bool,
+    /// The decoder linears' NF4 bytes, unsharded (`Layer::nf4_bytes` as they loaded; the
+    /// skeleton's are placeholders): what the load line reports.
+    pub nf4_bytes: usize,
 }
 
 impl Shards {
@@ -148,12 +207,13 @@ impl Shards {
             layers: groups,
             io,
             peer_copies: false,
+            nf4_bytes: 0,
         };
         let all: Vec<&Tensor> = shards
             .layers
             .iter()
             .chain([&shards.io])
-            .map(|f| &f.shard)
+            .flat_map(Flat::shards)
             .collect();
         if kernels.experiments.peer_copy {
             shards.peer_copies = comm.share_static(&all)?;
@@ -202,31 +262,29 @@ impl Shards {
             let mut table = Vec::new();
             let mut padded = false;
             for (layer, flat) in model.layers.iter().zip(&self.layers) {
-                let (lo, hi) = (flat.start(), flat.start() + flat.shard.elem_count());
                 for (i, lin) in layer.frozen_linears().into_iter().enumerate() {
-                    let (Some(lin), Some((off, shape))) = (lin, flat.parts.get(i)) else {
+                    let (Some(lin), Some((off, shape, shard, lo))) = (lin, flat.part(i)) else {
                         continue;
                     };
                     let (Some(pad), Some(lora)) = (&lin.pad, &lin.lora) else {
                         continue;
                     };
                     padded = true;
-                    let (&[out, ld], r) = (shape.as_slice(), lora.b.dim(1)?) else {
+                    let (&[out, ld], r) = (shape, lora.b.dim(1)?) else {
                         return Ok(false);
                     };
-                    let col0 = pad.in_f + pad.col;
-                    let (Some(g), Some(p)) =
-                        (f32_addr(&lora.b)?, crate::ops::cuda::addr(&flat.shard)?)
+                    let (col0, hi) = (pad.in_f + pad.col, lo + shard.elem_count());
+                    let (Some(g), Some(p)) = (f32_addr(&lora.b)?, crate::ops::cuda::addr(shard)?)
                     else {
                         return Ok(false);
                     };
-                    if flat.shard.dtype() != candle_core::DType::BF16
+                    if shard.dtype() != candle_core::DType::BF16
                         || lora.b.dim(0)? != out
                         || col0 + r > ld
                     {
                         return Ok(false);
                     }
-                    for run in pad_runs(*off, out, ld, col0, r, lo, hi) {
+                    for run in pad_runs(off, out, ld, col0, r, lo, hi) {
                         table.push(MultiT {
                             p: p + 2 * run.dst as u64,
                             g: g + 4 * run.src as u64,
@@ -350,7 +408,8 @@ pub fn resident_base_bytes(model: &Model, shards: Option<&Shards>) -> usize {
 }
 
 /// Bytes of the storage behind `t`, which may be more than its view's elements: a narrow
-/// keeps its whole buffer alive. Floats on the CPU and on CUDA; else the view's size.
+/// keeps its whole buffer alive. Floats and u8 (NF4 codes) on the CPU and on CUDA, u32 on the
+/// CPU; else the view's size.
 pub fn storage_bytes(t: &Tensor) -> usize {
     use candle_core::{CpuStorage, Storage};
     let (s, _) = t.storage_and_layout();
@@ -360,12 +419,15 @@ pub fn storage_bytes(t: &Tensor) -> usize {
         Storage::Cpu(CpuStorage::BF16(v)) => v.len() * size,
         Storage::Cpu(CpuStorage::F16(v)) => v.len() * size,
         Storage::Cpu(CpuStorage::F64(v)) => v.len() * size,
+        Storage::Cpu(CpuStorage::U8(v)) => v.len() * size,
+        Storage::Cpu(CpuStorage::U32(v)) => v.len() * size,
         #[cfg(feature = "cuda")]
         Storage::Cuda(c) => {
             let n = match t.dtype() {
                 candle_core::DType::F32 => c.as_cuda_slice::<f32>().map(|x| x.len()),
                 candle_core::DType::BF16 => c.as_cuda_slice::<half::bf16>().map(|x| x.len()),
                 candle_core::DType::F16 => c.as_cuda_slice::<half::f16>().map(|x| x.len()),
+                candle_core::DType::U8 => c.as_cuda_slice::<u8>().map(|x| x.len()),
                 _ => Ok(t.elem_count()),
             };
             n.unwrap_or(t.elem_count()) * size

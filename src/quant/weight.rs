@@ -8,7 +8,7 @@ use super::nf4::{Absmax, Nested, Nf4, BLOCK, LEVELS, NESTED_BLOCK};
 use candle_core::{DType, Device, Result, Tensor};
 
 /// The absmax of each block on the device.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 enum DevAbsmax {
     /// [nb] f32.
     Plain(Tensor),
@@ -22,8 +22,8 @@ enum DevAbsmax {
     },
 }
 
-/// A frozen weight in NF4 on the device.
-#[derive(Debug)]
+/// A frozen weight in NF4 on the device. A clone shares its arrays (tensors are handles).
+#[derive(Debug, Clone)]
 pub struct QWeight {
     /// The weight's shape ([out, in] for a linear).
     pub shape: Vec<usize>,
@@ -73,6 +73,32 @@ impl QWeight {
             codes: Tensor::from_slice(&q.codes, q.codes.len(), device)?,
             absmax,
         })
+    }
+
+    /// The format's arrays in a fixed order: codes [n/2] u8, then absmax [nb] f32, or double
+    /// quant's codes [nb] u8, absmax [⌈nb / 256⌉] f32 and map [256] f32 (the offset is a host
+    /// value). FSDP shards them (`Layer::frozen_mut`) and puts views of a gather back.
+    pub fn arrays_mut(&mut self) -> Vec<&mut Tensor> {
+        let mut v = vec![&mut self.codes];
+        match &mut self.absmax {
+            DevAbsmax::Plain(a) => v.push(a),
+            DevAbsmax::Nested {
+                codes, absmax, map, ..
+            } => v.extend([codes, absmax, map]),
+        }
+        v
+    }
+
+    /// `arrays_mut`'s tensors, read only.
+    pub fn arrays(&self) -> Vec<&Tensor> {
+        let mut v = vec![&self.codes];
+        match &self.absmax {
+            DevAbsmax::Plain(a) => v.push(a),
+            DevAbsmax::Nested {
+                codes, absmax, map, ..
+            } => v.extend([codes, absmax, map]),
+        }
+        v
     }
 
     /// Elements of the weight.

@@ -85,9 +85,22 @@ impl Par<'_> {
         self.gather(model, l, false)
     }
 
-    /// Layer `l`, its gather issued ahead of use: call `ready` before running it.
+    /// Layer `l`, its gather issued ahead of use: call `ready`, then `resident`, before
+    /// running it (under FSDP an NF4 layer arrives in NF4, to be dequantized once it landed).
     pub fn layer_ahead<'m>(&self, model: &'m Model, l: usize) -> Result<Cow<'m, Layer>> {
         self.gather(model, l, true)
+    }
+
+    /// `layer` (from `layer_ahead`, after `ready`) with its NF4 linears dequantized; as it is
+    /// when it has none, or was dequantized as it was gathered.
+    pub fn resident<'m>(&self, model: &Model, layer: Cow<'m, Layer>) -> Result<Cow<'m, Layer>> {
+        match layer {
+            Cow::Borrowed(l) => l.resident_in(Some(&model.slabs)),
+            Cow::Owned(l) => match l.resident_in(Some(&model.slabs))? {
+                Cow::Owned(r) => Ok(Cow::Owned(r)),
+                Cow::Borrowed(_) => Ok(Cow::Owned(l)),
+            },
+        }
     }
 
     /// The layers issued ahead so far may be used from here on.
@@ -105,7 +118,14 @@ impl Par<'_> {
                 Some(layer) => layer.resident_in(Some(&model.slabs)),
                 None => candle_core::bail!("driver: no layer {l}"),
             },
-            Some(s) => Ok(Cow::Owned(s.layer(model, l, self.comm, ahead)?)),
+            // NF4 under FSDP: dequantized once the gather landed (in line: now).
+            Some(s) => {
+                let layer = Cow::Owned(s.layer(model, l, self.comm, ahead)?);
+                match ahead {
+                    true => Ok(layer),
+                    false => self.resident(model, layer),
+                }
+            }
         }
     }
 
@@ -294,6 +314,7 @@ fn forward(model: &Model, par: &Par, ctx: &Ctx, ids: &Tensor, keep: Keep) -> Res
             // the head's weights come in under the last layer (in the next layer's room)
             head = par.io_ahead(model)?;
         }
+        let layer = par.resident(model, layer)?; // (the next gather overlaps the dequant)
         let (y, acts) = layer.forward_train(&x, ctx, keep != Keep::Input)?;
         saved.push(match acts {
             Some(mut acts) => {
@@ -388,6 +409,7 @@ fn backward<'m>(
         if l > 0 {
             next = Some(par.layer_ahead(model, l - 1)?);
         }
+        let layer = par.resident(model, layer)?;
         let acts = match back.saved.pop() {
             Some(Saved::Acts(mut acts)) => {
                 if let Some(off) = &mut back.offload {

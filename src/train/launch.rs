@@ -246,7 +246,10 @@ fn run_rank(
 /// Rank 0's lines about what the run trains: the ranks, the model and adapters, the data.
 fn announce(session: &Session) {
     let m = &session.model;
-    let nf4: usize = m.layers.iter().map(|l| l.nf4_bytes()).sum();
+    let nf4: usize = match &session.shards {
+        Some(s) => s.nf4_bytes, // the skeleton's are placeholders
+        None => m.layers.iter().map(|l| l.nf4_bytes()).sum(),
+    };
     eprintln!(
         "loaded in {:.1}s (weights read, cast and uploaded, adapters made{})",
         session.memory.load_s,

@@ -387,8 +387,9 @@ pub fn run_kernels(
 }
 
 /// A model that `build` makes layer by layer (from a checkpoint or random weights, the
-/// adapters' forward folded into the base GEMMs where `ops::fold` takes the device), and under
-/// FSDP this rank's shards of its frozen base: each layer's frozen tensors go into flat
+/// adapters' forward folded into the base GEMMs where `ops::fold` takes the device), its
+/// decoder linears in NF4 where `quant` says, and under FSDP this rank's shards of its frozen
+/// base: each layer's frozen tensors (NF4 arrays included, quantized first) go into flat
 /// shards as soon as they are on the device (padded first, so the shards hold the folded
 /// weights), and the full copy is dropped at once.
 pub fn sharded_model(
@@ -398,29 +399,23 @@ pub fn sharded_model(
     kernels: &crate::ops::Kernels,
     build: &mut dyn FnMut(Loaded) -> Result<Model>,
 ) -> Result<(Model, Option<Shards>)> {
-    if fsdp && quant.is_nf4() {
-        anyhow::bail!(
-            "FSDP over an NF4 base (model.quantize = \"nf4\", or a bitsandbytes 4-bit checkpoint) is not implemented yet: use parallel.strategy = \"ddp\" or \"single\""
-        );
-    }
-    let mut groups = Vec::new();
-    let model = build(&mut |g| {
-        match g {
-            Group::Layer(layer) if quant.is_nf4() => {
-                layer.quantize(quant.double_quant)?;
-            }
-            g if fsdp => groups.push(Flat::take(g.tensors(), comm)?),
-            _ => {}
+    let (mut groups, mut nf4_bytes) = (Vec::new(), 0);
+    let model = build(&mut |mut g| {
+        if let (Group::Layer(layer), true) = (&mut g, quant.is_nf4()) {
+            layer.quantize(quant.double_quant)?;
+            nf4_bytes += layer.nf4_bytes();
+        }
+        if fsdp {
+            groups.push(Flat::take(g.tensors(), comm)?);
         }
         Ok(())
     })?;
     let shards = match fsdp {
-        true => Some(Shards::from_groups(
-            groups,
-            model.layers.len(),
-            kernels,
-            comm,
-        )?),
+        true => {
+            let mut s = Shards::from_groups(groups, model.layers.len(), kernels, comm)?;
+            s.nf4_bytes = nf4_bytes;
+            Some(s)
+        }
         false => None,
     };
     Ok((model, shards))

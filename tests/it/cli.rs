@@ -224,11 +224,6 @@ invalid type: string \"eight\", expected usize
             "error: recipe bad.toml: `model.device` = \"cuda\", but this binary was built without CUDA: rebuild with `cargo build --release --features cuda`\n",
         ),
         (
-            "[parallel]\nstrategy = \"fsdp\"\ndevices = [0, 1]\n",
-            &["model.quantize=nf4"],
-            "error: recipe bad.toml: `model.quantize` = \"nf4\" with parallel.strategy = \"fsdp\" is not implemented yet (FSDP shards a full-precision base): use strategy = \"ddp\", or quantize = \"none\"\n",
-        ),
-        (
             "[train]\nsample_every = 2\nsample_prompts = [\"hi\"]\n",
             &["model.quantize=nf4"],
             "error: recipe bad.toml: `train.sample_every` cannot sample from an NF4 base yet (model.quantize = \"nf4\"); set it to 0 and try the adapter after training with `lora-train generate --recipe`\n",

@@ -864,7 +864,7 @@ fn fsdp_shards_carry_the_folded_b_columns_on_the_gpu() {
         for (l, want) in want.iter().enumerate() {
             let shards: Vec<Tensor> = ranks
                 .iter()
-                .map(|(_, s)| s.layers[l].shard().clone())
+                .map(|(_, s)| s.layers[l].shards().next().unwrap().clone())
                 .collect();
             let got = Tensor::cat(&shards, 0)
                 .unwrap()

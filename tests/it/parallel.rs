@@ -2,7 +2,7 @@
 //! FSDP's resident memory, the collectives' numbers, and a dead rank ending the run.
 
 use crate::common::*;
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use lora_train::parallel::cpu::CpuGroup;
 use lora_train::parallel::fsdp::resident_base_bytes;
 use lora_train::parallel::launch::{self, EnvRank};
@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Trains a golden case's model (llama_gqa: 8 rows of uneven length) from its init adapter
-/// for 3 steps; returns the adapter.
+/// for 3 steps (or the last `train.max_steps` of `sets`); returns the adapter.
 fn adapter_of(case: &str, sets: &[&str], parallel: &str) -> HashMap<String, Tensor> {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("out");
@@ -25,9 +25,14 @@ fn adapter_of(case: &str, sets: &[&str], parallel: &str) -> HashMap<String, Tens
         "train.max_steps=3",
     ];
     all.extend_from_slice(sets);
+    let steps = all
+        .iter()
+        .rev()
+        .find_map(|s| s.strip_prefix("train.max_steps="))
+        .map(|n| n.parse::<usize>().unwrap());
     let r = recipe(tmp.path(), &text, &all);
     let summary = lora_train::train::run(r).unwrap();
-    assert_eq!(summary.steps, 3);
+    assert_eq!(Some(summary.steps), steps);
     load_st(&out.join("adapter_model.safetensors"))
 }
 
@@ -165,20 +170,51 @@ fn fsdp_with_biases_and_a_tied_head_equals_one_rank() {
     }
 }
 
+/// `model.path=` the qlora case's bitsandbytes 4-bit checkpoint (double quant, one layer).
+fn bnb4() -> String {
+    let dir = golden_dir("qlora_llama_gqa").join("model_bnb4");
+    format!("model.path={}", dir.display())
+}
+
 #[test]
-fn a_ddp_run_resumed_from_its_checkpoint_ends_where_an_unbroken_one_does() {
-    // Rank 0 saves step 2 of 4; a second run continues from it (as fsdp: the same numbers)
-    // and must end on the same adapter to the bit, every rank having restored the state.
+fn fsdp_over_nf4_equals_one_rank_quantized_at_load() {
+    // Two layers quantized as they load (double quant), gathered in NF4 one layer ahead;
+    // three ranks pad every buffer (f32 and u8 codes) unevenly, for 2 steps (6 of the 8 rows:
+    // a step that crosses the epoch takes other rows on 3 ranks than on one, NF4 or not).
+    check("llama_gqa", "fsdp", 2, 1, 1, &["model.quantize=nf4"]);
+    let three = ["model.quantize=nf4", "train.max_steps=2"];
+    check("llama_gqa", "fsdp", 3, 1, 1, &three);
+    let ckpt = [three.as_slice(), &["train.activation_checkpointing=true"]].concat();
+    check("llama_gqa", "fsdp", 3, 1, 1, &ckpt);
+}
+
+#[test]
+fn fsdp_over_a_bnb_4bit_checkpoint_equals_one_rank() {
+    let path = bnb4();
+    check("qlora_llama_gqa", "fsdp", 2, 1, 2, &[&path]);
+    let three = [
+        &path,
+        "train.max_steps=2",
+        "train.activation_checkpointing=true",
+    ];
+    check("qlora_llama_gqa", "fsdp", 3, 1, 1, &three);
+}
+
+/// Rank 0 saves step 2 of 4 of a DDP run; a second run continues from it as FSDP (the same
+/// numbers) and must end on the same adapter to the bit, every rank having restored the state.
+/// `sets`: more settings of both runs.
+fn resumed_as_fsdp_ends_where_unbroken(sets: &[&str]) {
     let tmp = tempfile::tempdir().unwrap();
     let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
-    let sets = [
+    let mut sets = sets.to_vec();
+    sets.extend([
         "train.micro_batch=1",
         "train.max_steps=4",
         "output.save_every=2",
-    ];
+    ]);
     let run = |out: &std::path::Path, strategy: &str, extra: &[&str]| {
         let text = format!("{}\n{}", golden_recipe("llama_gqa", out), par(strategy, 2));
-        let mut all = sets.to_vec();
+        let mut all = sets.clone();
         all.extend_from_slice(extra);
         let dir = tempfile::tempdir().unwrap();
         lora_train::train::run(recipe(dir.path(), &text, &all)).unwrap()
@@ -198,6 +234,16 @@ fn a_ddp_run_resumed_from_its_checkpoint_ends_where_an_unbroken_one_does() {
         load_st(&b.join("adapter_model.safetensors")),
     );
     assert_same("resumed vs unbroken", &y, &x, 0.0, 0.0);
+}
+
+#[test]
+fn a_ddp_run_resumed_from_its_checkpoint_ends_where_an_unbroken_one_does() {
+    resumed_as_fsdp_ends_where_unbroken(&[]);
+}
+
+#[test]
+fn an_nf4_run_resumed_as_fsdp_ends_where_an_unbroken_one_does() {
+    resumed_as_fsdp_ends_where_unbroken(&["model.quantize=nf4"]);
 }
 
 /// A DDP run on the tiny golden model whose rank 1 fails (or hangs, when `hang`) right after
@@ -314,6 +360,111 @@ fn fsdp_ranks_hold_one_nth_of_the_base() {
                 largest >= layer && largest < full,
                 "{largest} vs layer {layer}"
             );
+        }
+    }
+}
+
+/// What each rank of an FSDP session over an NF4 base holds: (resident frozen bytes, bytes
+/// of its u8 shards (the layers' NF4 codes), the NF4 bytes it reports) per rank, and layer 0
+/// gathered and dequantized on rank 0: each linear's W.
+type Nf4Ranks = (Vec<(usize, usize, usize)>, Vec<Tensor>);
+
+fn fsdp_nf4_ranks(case: &str, world: usize, sets: &[&str]) -> Nf4Ranks {
+    let tmp = tempfile::tempdir().unwrap();
+    let text = format!(
+        "{}\n{}",
+        golden_recipe(case, &tmp.path().join("out")),
+        par("fsdp", world)
+    );
+    let r = recipe(tmp.path(), &text, sets);
+    let body = move |_rank: usize, comm: Box<dyn Comm>| {
+        let s = Session::for_rank(r.clone(), comm, 0)?;
+        let Some(shards) = s.shards.as_ref() else {
+            anyhow::bail!("an FSDP session without shards");
+        };
+        let codes: usize = (shards.layers.iter().flat_map(|f| f.shards()))
+            .filter(|t| t.dtype() == DType::U8)
+            .map(|t| t.elem_count())
+            .sum();
+        let resident = resident_base_bytes(&s.model, Some(shards));
+        let me = [resident, codes, shards.nf4_bytes].map(|x| x as f64);
+        let t = Tensor::new(&me, &Device::Cpu)?;
+        let all = s.comm.all_gather(&t)?.to_vec1::<f64>()?;
+        let layer = shards.layer(&s.model, 0, &*s.comm, false)?;
+        let ws = layer
+            .resident()?
+            .linears()
+            .iter()
+            .map(|l| l.w.clone())
+            .collect();
+        let ranks = (all.chunks(3)).map(|c| (c[0] as usize, c[1] as usize, c[2] as usize));
+        Ok((ranks.collect::<Vec<_>>(), ws))
+    };
+    let group = CpuGroup::new(world, Duration::from_secs(60));
+    launch::threads(group, Arc::new(body), Duration::from_secs(5)).unwrap()
+}
+
+/// FSDP over NF4: each rank keeps 1/N of the base as one rank holds it in NF4 (codes, absmax,
+/// norms, head), plus padding, alignment gaps and placeholders; its u8 shards are 1/N of the
+/// codes; and a layer gathered in NF4 dequantizes to one rank's weights bit for bit.
+#[test]
+fn fsdp_ranks_hold_one_nth_of_an_nf4_base() {
+    let bnb = bnb4();
+    for (case, sets, worlds) in [
+        ("llama_gqa", vec!["model.quantize=nf4"], vec![2, 3]),
+        ("qlora_llama_gqa", vec![bnb.as_str()], vec![3]),
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        let one = golden_recipe(case, &tmp.path().join("out"));
+        let s = Session::new(recipe(tmp.path(), &one, &sets)).unwrap();
+        let full = resident_base_bytes(&s.model, None);
+        let lins: Vec<_> = s.model.layers.iter().flat_map(|l| l.linears()).collect();
+        let arrays: Vec<&Tensor> = lins
+            .iter()
+            .flat_map(|l| l.q.as_ref().map(|q| q.arrays()).unwrap_or_default())
+            .collect();
+        let u8s: Vec<_> = arrays.iter().filter(|t| t.dtype() == DType::U8).collect();
+        let codes: usize = u8s.iter().map(|t| t.elem_count()).sum();
+        let nf4: usize = s.model.layers.iter().map(|l| l.nf4_bytes()).sum();
+        assert!(lins.iter().all(|l| l.q.is_some()), "{case}: not all in NF4");
+        // The NF4 linears are most of the base; the head and norms the rest.
+        assert!(
+            nf4 > full / 4 && nf4 < full,
+            "{case}: {nf4} of {full} in NF4"
+        );
+        let want: Vec<Tensor> = s.model.layers[0]
+            .resident()
+            .unwrap()
+            .linears()
+            .iter()
+            .map(|l| l.w.clone())
+            .collect();
+        for world in worlds {
+            let (ranks, ws) = fsdp_nf4_ranks(case, world, &sets);
+            let what = format!("{case} world {world}");
+            assert_eq!(ranks.len(), world);
+            // Per buffer (2 a layer: f32 and u8, 1 for the io group) < world elements of
+            // padding; per u8 array < 16 bytes of alignment; per tensor a placeholder.
+            let groups = s.model.layers.len() + 1;
+            let slack = 2 * groups * world * 4 + u8s.len() * 16 + s.model.base_tensors().len() * 4;
+            for (rank, &(bytes, u8_bytes, reported)) in ranks.iter().enumerate() {
+                assert_eq!(reported, nf4, "{what} rank {rank}: the NF4 bytes reported");
+                assert!(
+                    bytes >= full / world && bytes <= full / world + slack,
+                    "{what} rank {rank}: {bytes} resident bytes, full {full}, 1/N {}",
+                    full / world
+                );
+                let hi = codes + u8s.len() * 16 + s.model.layers.len() * world;
+                assert!(
+                    u8_bytes * world >= codes && u8_bytes * world <= hi,
+                    "{what} rank {rank}: {u8_bytes} code bytes × {world}, all {codes}"
+                );
+            }
+            assert_eq!(ws.len(), want.len());
+            for (got, want) in ws.iter().zip(&want) {
+                assert_eq!(got.dims(), want.dims(), "{what}");
+                assert_eq!(max_abs_diff(got, want), 0.0, "{what}: a gathered W differs");
+            }
         }
     }
 }
@@ -488,7 +639,6 @@ fn group_abort_reports_the_first_failure() {
 #[cfg(feature = "nccl")]
 #[test]
 fn nccl_gathers_of_shared_shards_are_every_ranks_shard() {
-    use candle_core::DType;
     use lora_train::parallel::nccl::NcclGroup;
     if !has_gpus(2, "nccl_gathers_of_shared_shards_are_every_ranks_shard") {
         return;

@@ -46,6 +46,9 @@
 //!   dequantized (2 × a layer's parameters × s, in the `gather` column: on CUDA two reused
 //!   slabs, quant::slabs; elsewhere also the tensor ops' f32 temporaries for the largest
 //!   linear, 3 × 4 B a weight).
+//! - FSDP over NF4: base / W of the NF4 base; the current and the next layer gathered in NF4
+//!   (2 × a layer's NF4 bytes), and the current one dequantized once gathered (1 × a layer's
+//!   parameters × s, plus the temporaries off CUDA).
 //! - the optimizer step: on CUDA one kernel updating parameters and moments in place (the
 //!   gradients only); elsewhere AdamW over flat groups of at most `optim::GROUP` = 2^23
 //!   parameters: the gradients, and about 8 f32 temporaries of one group (gradient, old and
@@ -151,7 +154,8 @@ pub struct Breakdown {
     pub transient: u64,
     /// Pinned host memory (offloaded residuals).
     pub host: u64,
-    /// FSDP: the gathered full weights of the current and next layer (0 otherwise).
+    /// FSDP: the gathered weights of the current and next layer; NF4: the dequantized
+    /// layers (`breakdown` says which); 0 otherwise.
     pub gather: u64,
     pub context: u64,
     pub slack: u64,
@@ -319,14 +323,23 @@ pub fn breakdown(p: &PlanInput, strategy: Strategy, ckpt: bool, micro_batch: usi
     let grad_sums = 4 * lp;
     let bucket = if world > 1 { 2 * 4 * lp / l.max(1) } else { 0 };
     let optimizer = 8 * lp;
+    // NF4's dequantized layers: on CUDA one kernel into reused slabs (quant::slabs);
+    // elsewhere also the tensor ops' temporaries.
+    let temps = if p.cuda { 0 } else { 12 * largest_linear(cfg) };
+    let dequantized = layer_params(cfg) * s;
     let (gather, head_gather) = if strategy == Strategy::Fsdp {
-        let layers = 2;
         let io = (cfg.num_params(p.tied) as u64 - l * layer_params(cfg)) * s;
-        (layers * (layer_params(cfg) * s + pads / l.max(1)), io)
+        // one layer as the shards store it (NF4: its linears packed, its norms at s)
+        let stored = (full_base - io) / l.max(1) + pads / l.max(1);
+        // the current and the next layer gathered; NF4: the current one dequantized after
+        // its gather (train::driver), one at a time
+        let dequant = match p.quant.is_nf4() {
+            true => dequantized + temps,
+            false => 0,
+        };
+        (2 * stored + dequant, io)
     } else if p.quant.is_nf4() {
-        // CUDA: one kernel into reused slabs (quant::slabs); elsewhere tensor ops' temporaries.
-        let temps = if p.cuda { 0 } else { 12 * largest_linear(cfg) };
-        (2 * layer_params(cfg) * s + temps, 0)
+        (2 * dequantized + temps, 0)
     } else {
         (0, 0)
     };

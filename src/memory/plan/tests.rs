@@ -275,7 +275,7 @@ fn optimizer_dominance_names_rank_and_targets() {
 /// = 23260932 B: 4 · 8655876 + 3 · 23260932 = 104406300 B a layer, 32 layers. The rest
 /// (embedding, head, norms: 262410240 parameters) in bf16. Dequantized: two layers' weights
 /// (2 · 202383360 · 2 B with the norms; off CUDA also 12 B a weight of down_proj for the
-/// tensor ops' temporaries).
+/// tensor ops' temporaries). FSDP: the NF4 base's 1/N on each rank.
 #[test]
 fn nf4_base_by_hand() {
     let cfg = llama2_7b();
@@ -294,6 +294,20 @@ fn nf4_base_by_hand() {
     p.cuda = false;
     let b = breakdown(&p, Strategy::Single, true, 1);
     assert_eq!(b.gather, 2 * 202_383_360 * 2 + 12 * 45_088_768);
+    // FSDP over 4 ranks: 1/4 of the NF4 base each; the gather column holds the current and
+    // the next layer in NF4 (104406300 + 2 · 4096 norms at 2 B = 104422684 B each) and the
+    // current one dequantized (202383360 · 2 B); off CUDA the temporaries on top.
+    p.gpus = 4;
+    p.cuda = true;
+    let f = breakdown(&p, Strategy::Fsdp, true, 1);
+    assert_eq!(f.base, 3_865_822_080 / 4);
+    assert_eq!(f.gather, 2 * 104_422_684 + 202_383_360 * 2);
+    p.cuda = false;
+    let f = breakdown(&p, Strategy::Fsdp, true, 1);
+    assert_eq!(
+        f.gather,
+        2 * 104_422_684 + 202_383_360 * 2 + 12 * 45_088_768
+    );
     // Without double quant the absmax are f32: n/2 + 4 · n/64 a linear.
     let plain = 4 * (8_388_608 + 4 * 262_144) + 3 * (22_544_384 + 4 * 704_512);
     assert_eq!(
