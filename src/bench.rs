@@ -304,6 +304,7 @@ fn measure(
         alpha: a.alpha.unwrap_or(2.0 * a.rank as f64),
         dropout: a.dropout,
         rslora: a.rslora,
+        dora: false,
         targets: targets(&a.targets, &cfg)?,
     };
     let dtype = if a.device.is_cpu() {
