@@ -252,6 +252,7 @@ fn run_rank(a: &BenchArgs, device: Device, comm: &dyn Comm) -> Result<serde_json
         seq_len: a.seq,
         rank: a.rank,
         targets,
+        dora: false,
         gpus: comm.world(),
         cuda: !a.device.is_cpu(),
         kernels: kernels.for_base(a.quant),

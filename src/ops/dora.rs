@@ -23,12 +23,30 @@ pub fn row_norms(w: &Tensor) -> Result<Tensor> {
     w.to_dtype(DType::F32)?.sqr()?.sum(1)?.sqrt()
 }
 
+/// Elements of W + s·B A made at once by `weight_norm` (16 MiB in f32): its f32 temporaries
+/// stay a few of these, not a few copies of W (180 MiB each for Llama-2-7B's MLP in f32).
+pub const CHUNK: usize = 1 << 22;
+
 /// n = ‖W + s·B A‖ per row [out] f32, from W [out, in], A [r, in] and B [out, r] (f32 Vars'
-/// tensors; detached here, so no graph reaches them through n).
+/// tensors; detached here, so no graph reaches them through n), `CHUNK` elements of rows at
+/// a time.
 pub fn weight_norm(w: &Tensor, a: &Tensor, b: &Tensor, scale: f64) -> Result<Tensor> {
-    let ba = b.detach().matmul(&a.detach())?; // [out, in] f32
-    let v = (w.to_dtype(DType::F32)? + (ba * scale)?)?;
-    row_norms(&v)
+    weight_norm_in(w, a, b, scale, CHUNK)
+}
+
+/// `weight_norm`, `chunk` elements at a time.
+fn weight_norm_in(w: &Tensor, a: &Tensor, b: &Tensor, scale: f64, chunk: usize) -> Result<Tensor> {
+    let (out, in_f) = w.dims2()?;
+    let (a, b) = (a.detach(), b.detach());
+    let rows = (chunk / in_f.max(1)).clamp(1, out.max(1));
+    let mut parts = Vec::with_capacity(out.div_ceil(rows));
+    for start in (0..out).step_by(rows) {
+        let k = rows.min(out - start);
+        let ba = b.narrow(0, start, k)?.matmul(&a)?; // [k, in] f32
+        let v = (w.narrow(0, start, k)?.to_dtype(DType::F32)? + (ba * scale)?)?;
+        parts.push(row_norms(&v)?);
+    }
+    Tensor::cat(&parts, 0)
 }
 
 /// g = m / n [out] f32, m the magnitude's tensor (a graph through it is kept, for the
@@ -100,6 +118,10 @@ mod tests {
         let dz = scale_grad(&dy, &g)?;
         let dx = (dz.matmul(&w)? + (dz.matmul(&b)?.matmul(&a)? * s)?)?;
         assert!(max(&dx, &want_dx)? < 1e-5);
+        // in chunks of rows (2 rows of 4, then 1) as in one piece
+        let direct = row_norms(&(&w + (b.matmul(&a)? * s)?)?)?;
+        assert!(max(&weight_norm_in(&w, &a, &b, s, 8)?, &direct)? < 1e-6);
+        assert!(max(&n, &direct)? < 1e-6);
         Ok(())
     }
 }

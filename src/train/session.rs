@@ -387,6 +387,7 @@ pub fn run_kernels(
 ) -> Result<crate::ops::Kernels> {
     let attn = crate::model::ModelConfig::from_file(&files.config)?.attn_shape();
     let k = crate::ops::Kernels::resolve(dev, dtype, attn, recipe.train.deterministic)?;
+    let k = k.for_adapters(recipe.lora.use_dora);
     Ok(k.for_base(recipe.quant().for_checkpoint(&files.config)?))
 }
 
