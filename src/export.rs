@@ -32,7 +32,10 @@ pub fn magnitude_key(module: &str) -> String {
 
 /// An adapter's tensors with their PEFT keys, in `Lora::vars` order (A, B, then m).
 pub fn adapter_keys<'a>(module: &str, lora: &'a Lora) -> Vec<(String, &'a Var)> {
-    let mut v = vec![(peft_key(module, 'A'), &lora.a), (peft_key(module, 'B'), &lora.b)];
+    let mut v = vec![
+        (peft_key(module, 'A'), &lora.a),
+        (peft_key(module, 'B'), &lora.b),
+    ];
     v.extend(lora.m.as_ref().map(|m| (magnitude_key(module), m)));
     v
 }
@@ -42,7 +45,11 @@ pub fn adapter_keys<'a>(module: &str, lora: &'a Lora) -> Vec<(String, &'a Var)> 
 fn key_variants(key: &str) -> [String; 3] {
     match key.strip_suffix(".weight") {
         Some(k) => [key.into(), format!("{k}.default.weight"), key.into()],
-        None => [key.into(), format!("{key}.default.weight"), format!("{key}.weight")],
+        None => [
+            key.into(),
+            format!("{key}.default.weight"),
+            format!("{key}.weight"),
+        ],
     }
 }
 

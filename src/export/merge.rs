@@ -33,9 +33,9 @@
 //! the end, so a failure or a crash never leaves a half-written model directory.
 
 use super::{peft_key, read_adapter_config, CONFIG, WEIGHTS};
-use crate::ops::dora::row_norms;
 use crate::hub::ModelFiles;
 use crate::lora::KNOWN_LINEAR;
+use crate::ops::dora::row_norms;
 use crate::quant::{bnb, Nf4};
 use crate::recipe::Dtype;
 pub use crate::util::parse_size;
@@ -330,13 +330,11 @@ fn read_adapter_tensors(dir: &Path) -> Result<BTreeMap<String, Pair>> {
         };
         super::adapter_check::tensor(&path, &key, &t)?;
         let t = t.to_dtype(DType::F32)?;
-        let p = out
-            .entry(module.to_string())
-            .or_insert(Pair {
-                a: None,
-                b: None,
-                m: None,
-            });
+        let p = out.entry(module.to_string()).or_insert(Pair {
+            a: None,
+            b: None,
+            m: None,
+        });
         match which {
             'A' => p.a = Some(t),
             'B' => p.b = Some(t),

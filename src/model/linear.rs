@@ -80,7 +80,16 @@ impl Linear {
         let (a, b) = (lora.a.as_tensor(), lora.b.as_tensor());
         let bias = self.b.as_ref().filter(|_| lora.m.is_none());
         let dropout = self.dropout(ctx);
-        let z = ops::lora_linear(x, &self.w, bias, a, b, lora.scale, dropout, ctx.kernels.gemm)?;
+        let z = ops::lora_linear(
+            x,
+            &self.w,
+            bias,
+            a,
+            b,
+            lora.scale,
+            dropout,
+            ctx.kernels.gemm,
+        )?;
         let Some(m) = &lora.m else {
             return Ok(z);
         };

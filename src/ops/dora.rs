@@ -91,7 +91,7 @@ mod tests {
     fn the_hand_written_backward_is_autograds() -> Result<()> {
         let dev = Device::Cpu;
         let t = |v: Vec<f32>, s: (usize, usize)| Tensor::from_vec(v, s, &dev);
-        let seq = |n: usize, k: f32| (0..n).map(|i| ((i as f32 * k).sin())).collect::<Vec<_>>();
+        let seq = |n: usize, k: f32| (0..n).map(|i| (i as f32 * k).sin()).collect::<Vec<_>>();
         let (rows, out, inf, r, s) = (5, 3, 4, 2, 0.5);
         let w = t(seq(out * inf, 0.7), (out, inf))?;
         let a = t(seq(r * inf, 1.3), (r, inf))?;
@@ -109,8 +109,8 @@ mod tests {
             (p - q)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()
         };
         let dm = grad_m(&dy, &z.detach(), &n)?;
-        let want_dm = grads.get(m.as_tensor()).map(Tensor::clone);
-        let want_dx = grads.get(x.as_tensor()).map(Tensor::clone);
+        let want_dm = grads.get(m.as_tensor()).cloned();
+        let want_dx = grads.get(x.as_tensor()).cloned();
         let (Some(want_dm), Some(want_dx)) = (want_dm, want_dx) else {
             candle_core::bail!("no gradient for m or x");
         };

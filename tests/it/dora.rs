@@ -43,6 +43,8 @@ fn worst(got: &HashMap<String, Tensor>, want: &HashMap<String, Tensor>, prefix: 
 #[test]
 fn dora_golden_f32_base_equals_peft() {
     check_case_on(F32, &[], Tol::F32);
+    // the 4 steps with each layer recomputed in backward (`Layer::recompute`, `fwd_again`)
+    check_case_on(F32, &["train.activation_checkpointing=true"], Tol::F32);
 }
 
 #[test]
@@ -134,7 +136,13 @@ fn dora_adapter_has_peft_keys_and_merges_as_peft() {
     let opts = MergeOptions::default();
     // PEFT's own trained adapter, merged by us: PEFT's merge_and_unload to f32 rounding
     let m1 = tmp.path().join("merged-peft");
-    let rep = merge(&golden_dir(F32).join("after_adapter"), &base_dir(F32), &m1, &opts).unwrap();
+    let rep = merge(
+        &golden_dir(F32).join("after_adapter"),
+        &base_dir(F32),
+        &m1,
+        &opts,
+    )
+    .unwrap();
     assert_eq!(rep.merged, 14);
     let e1 = check_merged(F32, &m1, 1e-5, 1e-7);
     // ours: trained to PEFT's adapter at rtol 1e-4 (plus Adam's slack near zero, as the
@@ -150,7 +158,13 @@ fn dora_merge_into_a_bnb_4bit_base_is_the_dequantized_merge() {
     let tmp = tempfile::tempdir().unwrap();
     let m = tmp.path().join("merged");
     let opts = MergeOptions::default();
-    let rep = merge(&golden_dir(NF4).join("after_adapter"), &base_dir(NF4), &m, &opts).unwrap();
+    let rep = merge(
+        &golden_dir(NF4).join("after_adapter"),
+        &base_dir(NF4),
+        &m,
+        &opts,
+    )
+    .unwrap();
     assert_eq!(rep.merged, 7);
     let want = load_st(&golden_dir(NF4).join("golden.safetensors"));
     let got = load_st(&m.join("model.safetensors"));
@@ -179,14 +193,23 @@ fn a_dora_run_stopped_and_resumed_is_bit_identical() {
     let dir = tmp.path().join("rb");
     std::fs::create_dir_all(&dir).unwrap();
     let s = Session::new(recipe(&dir, &golden_recipe(F32, &b), &sets)).unwrap();
-    assert!(s.train_from(&b, None, &|s| s == 2).is_err(), "stopped at step 2");
+    assert!(
+        s.train_from(&b, None, &|s| s == 2).is_err(),
+        "stopped at step 2"
+    );
     let sets = ["output.save_every=2", "train.resume=true"];
     let r = recipe(&dir, &golden_recipe(F32, &b), &sets);
     let ck = checkpoint::resume_point(&r, &b).unwrap().unwrap();
     assert_eq!(ck.dir, b.join("checkpoint-2"));
     Session::new(r).unwrap().train(&b).unwrap();
-    for f in ["adapter_model.safetensors", "checkpoint-4/optimizer.safetensors"] {
-        let (x, y) = (std::fs::read(a.join(f)).unwrap(), std::fs::read(b.join(f)).unwrap());
+    for f in [
+        "adapter_model.safetensors",
+        "checkpoint-4/optimizer.safetensors",
+    ] {
+        let (x, y) = (
+            std::fs::read(a.join(f)).unwrap(),
+            std::fs::read(b.join(f)).unwrap(),
+        );
         assert!(x == y, "{f} differs after the resume");
     }
 }
@@ -203,9 +226,18 @@ fn dora_refuses_dropout_fsdp_sampling_a_plain_init_adapter_and_unmerged_generate
         Recipe::load(&p, &sets)
     };
     for (set, want) in [
-        ("lora.dropout=0.1", "set lora.dropout = 0, or use_dora = false"),
-        ("parallel.strategy=fsdp", "use strategy = \"ddp\", or use_dora = false"),
-        ("train.sample_every=2", "set sample_every = 0 and generate from the merged export"),
+        (
+            "lora.dropout=0.1",
+            "set lora.dropout = 0, or use_dora = false",
+        ),
+        (
+            "parallel.strategy=fsdp",
+            "use strategy = \"ddp\", or use_dora = false",
+        ),
+        (
+            "train.sample_every=2",
+            "set sample_every = 0 and generate from the merged export",
+        ),
     ] {
         let e = load(&["lora.use_dora=true", set]).unwrap_err();
         let RecipeError::Invalid { key, msg, .. } = &e else {
@@ -217,18 +249,34 @@ fn dora_refuses_dropout_fsdp_sampling_a_plain_init_adapter_and_unmerged_generate
     // use_dora on llama_gqa's plain init adapter: its config decides, so this is an error
     let r = load(&["lora.use_dora=true"]).unwrap();
     let e = format!("{:#}", Session::new(r).err().unwrap());
-    assert!(e.contains("says use_dora = false (a plain LoRA adapter)"), "{e}");
+    assert!(
+        e.contains("says use_dora = false (a plain LoRA adapter)"),
+        "{e}"
+    );
     // a DoRA adapter under dropout, though the recipe does not say use_dora
     std::fs::write(&p, golden_recipe(F32, &tmp.path().join("o"))).unwrap();
-    let e = format!("{:#}", Session::new(load(&["lora.dropout=0.1"]).unwrap()).err().unwrap());
+    let e = format!(
+        "{:#}",
+        Session::new(load(&["lora.dropout=0.1"]).unwrap())
+            .err()
+            .unwrap()
+    );
     assert!(e.contains("lora.init_adapter is a DoRA adapter"), "{e}");
     assert!(e.contains("set lora.dropout = 0"), "{e}");
 
     let ad = golden_dir(F32).join("after_adapter");
     let dev = candle_core::Device::Cpu;
     let base = base_dir(F32);
-    let e = lora_train::generate::load::from_dirs(Some(&base), Some(&ad), &dev, candle_core::DType::F32)
-        .err()
-        .unwrap();
-    assert!(format!("{e:#}").contains("lora-train export --adapter"), "{e:#}");
+    let e = lora_train::generate::load::from_dirs(
+        Some(&base),
+        Some(&ad),
+        &dev,
+        candle_core::DType::F32,
+    )
+    .err()
+    .unwrap();
+    assert!(
+        format!("{e:#}").contains("lora-train export --adapter"),
+        "{e:#}"
+    );
 }
