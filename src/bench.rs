@@ -252,6 +252,7 @@ fn run_rank(a: &BenchArgs, device: Device, comm: &dyn Comm) -> Result<serde_json
         seq_len: a.seq,
         rank: a.rank,
         targets,
+        dora: false,
         gpus: comm.world(),
         cuda: !a.device.is_cpu(),
         kernels: kernels.for_base(a.quant),
@@ -304,6 +305,7 @@ fn measure(
         alpha: a.alpha.unwrap_or(2.0 * a.rank as f64),
         dropout: a.dropout,
         rslora: a.rslora,
+        dora: false,
         targets: targets(&a.targets, &cfg)?,
     };
     let dtype = if a.device.is_cpu() {

@@ -2,16 +2,18 @@
 //!
 //! Keys are PEFT's: `base_model.model.<module>.lora_A.weight` (A [r, in]) and `.lora_B.weight`
 //! (B [out, r]), f32, with safetensors metadata {"format": "pt"}, so that
-//! `PeftModel.from_pretrained(base, dir)` loads them as-is.
+//! `PeftModel.from_pretrained(base, dir)` loads them as-is; a DoRA adapter's magnitude m [out]
+//! is `base_model.model.<module>.lora_magnitude_vector` (no `.weight`: PEFT 0.21's file key)
+//! and its config says `"use_dora": true`.
 
 pub mod adapter_check;
 pub mod merge;
 
-use crate::lora::{LoraSpec, KNOWN_LINEAR};
+use crate::lora::{Lora, LoraSpec, KNOWN_LINEAR};
 use crate::model::Model;
 use crate::util::atomic_write;
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Tensor, Var};
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::path::Path;
@@ -21,6 +23,34 @@ pub const CONFIG: &str = "adapter_config.json";
 
 pub fn peft_key(module: &str, which: char) -> String {
     format!("base_model.model.{module}.lora_{which}.weight")
+}
+
+/// PEFT's file key of a DoRA magnitude.
+pub fn magnitude_key(module: &str) -> String {
+    format!("base_model.model.{module}.lora_magnitude_vector")
+}
+
+/// An adapter's tensors with their PEFT keys, in `Lora::vars` order (A, B, then m).
+pub fn adapter_keys<'a>(module: &str, lora: &'a Lora) -> Vec<(String, &'a Var)> {
+    let mut v = vec![
+        (peft_key(module, 'A'), &lora.a),
+        (peft_key(module, 'B'), &lora.b),
+    ];
+    v.extend(lora.m.as_ref().map(|m| (magnitude_key(module), m)));
+    v
+}
+
+/// The keys PEFT may have written `key` under: as is, with the adapter's name (`.default`,
+/// for non-default adapters), and a magnitude's parameter name (`.weight`, older PEFT).
+fn key_variants(key: &str) -> [String; 3] {
+    match key.strip_suffix(".weight") {
+        Some(k) => [key.into(), format!("{k}.default.weight"), key.into()],
+        None => [
+            key.into(),
+            format!("{key}.default.weight"),
+            format!("{key}.weight"),
+        ],
+    }
 }
 
 /// What a saved adapter says about itself (adapter_config.json).
@@ -49,14 +79,14 @@ pub fn save_adapter(
     )
 }
 
-/// The model's adapters as PEFT keys them: A [r, in] and B [out, r], f32 host copies that
+/// The model's adapters as PEFT keys them: A [r, in], B [out, r] (and m [out]), f32 host copies that
 /// training no longer changes (the optimiser updates the device tensors in place).
 pub fn adapter_tensors(model: &Model) -> Result<Vec<(String, Tensor)>> {
     let mut keys = Vec::new();
     let mut parts = Vec::new();
     for (module, lora) in model.adapters() {
-        for (which, var) in [('A', &lora.a), ('B', &lora.b)] {
-            keys.push((peft_key(module, which), var.as_tensor().shape().clone()));
+        for (key, var) in adapter_keys(module, lora) {
+            keys.push((key, var.as_tensor().shape().clone()));
             parts.push(var.as_tensor().to_dtype(DType::F32)?.flatten_all()?);
         }
     }
@@ -126,7 +156,7 @@ pub fn adapter_config(
         "target_modules": spec.targets,
         "bias": "none",
         "use_rslora": spec.rslora,
-        "use_dora": false,
+        "use_dora": spec.dora,
         "init_lora_weights": true,
         "fan_in_fan_out": false,
         "modules_to_save": null,
@@ -169,11 +199,7 @@ pub fn read_adapter_config(dir: &Path) -> Result<AdapterInfo> {
         .get("use_rslora")
         .and_then(Value::as_bool)
         .unwrap_or(false);
-    if v.get("use_dora").and_then(Value::as_bool) == Some(true) {
-        return Err(err(
-            "use_dora = true: DoRA adapters are not supported".into()
-        ));
-    }
+    let dora = v.get("use_dora").and_then(Value::as_bool).unwrap_or(false);
     for k in ["rank_pattern", "alpha_pattern"] {
         if v.get(k)
             .and_then(Value::as_object)
@@ -222,6 +248,7 @@ pub fn read_adapter_config(dir: &Path) -> Result<AdapterInfo> {
             alpha,
             dropout,
             rslora,
+            dora,
             targets,
         },
         base_model: v
@@ -268,18 +295,16 @@ pub fn base_of(adapter: &Path, info: &AdapterInfo) -> Result<std::path::PathBuf>
 }
 
 /// Loads adapter_model.safetensors into the model's adapters; every adapter must be present
-/// with the right shape.
+/// with the right shape (a DoRA model's with its magnitudes).
 pub fn load_adapter_weights(dir: &Path, model: &Model) -> Result<()> {
     let path = dir.join(WEIGHTS);
     let tensors = candle_core::safetensors::load(&path, &Device::Cpu)
         .with_context(|| format!("cannot read {}", path.display()))?;
     for (module, lora) in model.adapters() {
-        for (which, var) in [('A', &lora.a), ('B', &lora.b)] {
-            let key = peft_key(module, which);
-            // PEFT also writes keys with the adapter name when saving non-default adapters.
-            let t = tensors
-                .get(&key)
-                .or_else(|| tensors.get(&key.replace(".weight", ".default.weight")))
+        for (key, var) in adapter_keys(module, lora) {
+            let t = key_variants(&key)
+                .iter()
+                .find_map(|k| tensors.get(k))
                 .with_context(|| format!("{} has no tensor `{key}`", path.display()))?;
             if t.dims() != var.dims() {
                 bail!(

@@ -5,6 +5,9 @@
 //! activation dtype inside the forward (the cast's backward returns f32 gradients).
 //! scale = alpha / r, or alpha / √r with rsLoRA. Init as PEFT: A kaiming-uniform(a=√5), i.e.
 //! U(−1/√in, 1/√in); B zeros, so training starts from the base model exactly.
+//!
+//! DoRA (`lora.use_dora`) adds a trainable magnitude m [out] f32, initialised to the row norms
+//! of W: y = (m / ‖W + s·B A‖_row) ⊙ (x Wᵀ + s·x Aᵀ Bᵀ) + bias (`ops::dora`).
 
 use crate::rng::Rng;
 use candle_core::{DType, Device, Result, Tensor, Var};
@@ -48,6 +51,8 @@ pub struct LoraSpec {
     pub alpha: f64,
     pub dropout: f32,
     pub rslora: bool,
+    /// DoRA: each adapter has a magnitude vector (PEFT's `use_dora`).
+    pub dora: bool,
     /// Module names (subset of `KNOWN_LINEAR`), in `KNOWN_LINEAR` order; once resolved against
     /// a model's config, its own linears'.
     pub targets: Vec<String>,
@@ -74,6 +79,8 @@ pub struct Lora {
     pub b: Var, // [out, r] f32
     pub scale: f64,
     pub dropout: f32,
+    /// DoRA's magnitude [out] f32 (None for plain LoRA).
+    pub m: Option<Var>,
 }
 
 impl Lora {
@@ -98,6 +105,33 @@ impl Lora {
             b,
             scale: spec.scale(),
             dropout: spec.dropout,
+            m: None,
         })
+    }
+
+    /// `init` with DoRA's magnitude where `spec.dora`: m = ‖W‖_row of the weight the forward
+    /// uses (`w` [out, in], dequantized for an NF4 base), so that m / ‖W + s·B A‖ starts at 1.
+    pub fn init_for(
+        spec: &LoraSpec,
+        w: &Tensor,
+        seed: u64,
+        key: &[u64],
+        dev: &Device,
+    ) -> Result<Self> {
+        let (out_f, in_f) = w.dims2()?;
+        let mut lora = Self::init(spec, in_f, out_f, seed, key, dev)?;
+        if spec.dora {
+            let m = crate::ops::dora::row_norms(w)?.to_device(dev)?;
+            lora.m = Some(Var::from_tensor(&m)?);
+        }
+        Ok(lora)
+    }
+
+    /// The trainable tensors: A, B, then DoRA's m (the optimiser's order, and the
+    /// checkpoint's).
+    pub fn vars(&self) -> Vec<&Var> {
+        let mut v = vec![&self.a, &self.b];
+        v.extend(self.m.as_ref());
+        v
     }
 }

@@ -81,6 +81,7 @@ pub fn run(recipe: &Recipe, max_micro_batch: usize) -> Result<ProbeReport> {
         alpha: recipe.lora.alpha,
         dropout: 0.0,
         rslora: recipe.lora.rslora,
+        dora: false,
         targets: recipe.target_modules()?,
     };
     // As training loads it: its kernels, the adapters' forward folded (ops::fold).

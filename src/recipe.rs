@@ -119,6 +119,11 @@ pub struct LoraSection {
     /// rsLoRA scaling alpha / √r. Default: false.
     #[serde(default)]
     pub rslora: bool,
+    /// DoRA (PEFT's `use_dora`): each adapter also trains a magnitude per output row,
+    /// y = (m / ‖W + s·B A‖_row) ⊙ (x Wᵀ + s·x Aᵀ Bᵀ) + bias. Needs dropout = 0; not with
+    /// FSDP or train.sample_every. Default: false.
+    #[serde(default)]
+    pub use_dora: bool,
     /// A PEFT adapter directory (adapter_config.json + adapter_model.safetensors) to continue
     /// from. Its r, lora_alpha, target_modules and use_rslora replace the values above
     /// (`dropout` still comes from this recipe).
@@ -143,6 +148,7 @@ impl Default for LoraSection {
             dropout: 0.0,
             targets: d_targets(),
             rslora: false,
+            use_dora: false,
             init_adapter: None,
         }
     }
@@ -887,6 +893,7 @@ impl Recipe {
             return Err(self.invalid("lora.dropout", "must be in [0, 1)"));
         }
         self.target_modules()?;
+        self.validate_dora()?;
         if let Some(p) = &l.init_adapter {
             if !p.join("adapter_config.json").is_file() {
                 return Err(self.invalid(
@@ -1013,6 +1020,41 @@ impl Recipe {
             }
         }
         bounds::check(self)
+    }
+
+    /// `lora.use_dora` against what DoRA does not run with.
+    pub(crate) fn validate_dora(&self) -> Result<(), RecipeError> {
+        if !self.lora.use_dora {
+            return Ok(());
+        }
+        if self.lora.dropout > 0.0 {
+            // PEFT's DoRA under dropout recomputes the base output from the dropped input
+            // (an extra GEMM per linear, and not the maths above); we do not reproduce it.
+            return Err(self.invalid(
+                "lora.use_dora",
+                format!(
+                    "= true with lora.dropout = {} is not supported: set lora.dropout = 0, or \
+                     use_dora = false",
+                    self.lora.dropout
+                ),
+            ));
+        }
+        if self.parallel.strategy == Strategy::Fsdp {
+            return Err(self.invalid(
+                "lora.use_dora",
+                "= true with parallel.strategy = \"fsdp\" is not implemented (DoRA needs each \
+                 whole weight for its row norms): use strategy = \"ddp\", or use_dora = false",
+            ));
+        }
+        if self.train.sample_every > 0 {
+            return Err(self.invalid(
+                "lora.use_dora",
+                "= true with train.sample_every > 0 is not implemented (sampling runs plain \
+                 LoRA adapters): set sample_every = 0 and generate from the merged export \
+                 (`lora-train export --adapter DIR --out merged/`)",
+            ));
+        }
+        Ok(())
     }
 
     /// `[data]` checks, and `train.eval_every`, which needs an eval set.

@@ -1,7 +1,9 @@
 //! Merged export: base checkpoint + PEFT LoRA adapter → a plain Hugging Face checkpoint.
 //!
 //! For every adapted linear, W' = W + scale · B A, computed in f32 (W [out, in] cast up,
-//! B [out, r], A [r, in]) and cast back to the output dtype; every other tensor is copied
+//! B [out, r], A [r, in]) and cast back to the output dtype; for a DoRA adapter (use_dora,
+//! magnitude m [out]) W' = (m / ‖V‖_row) ⊙ V with V = W + scale · B A, rows scaled, as PEFT's
+//! merge computes it (`ops::dora`); every other tensor is copied
 //! unchanged under its HF name (or cast, when an output dtype is asked for). Tensors go into
 //! shards of at most `max_shard_size` bytes in the base checkpoint's order, named as
 //! transformers names them: one `model.safetensors`, or `model-0000i-of-0000N.safetensors`
@@ -33,6 +35,7 @@
 use super::{peft_key, read_adapter_config, CONFIG, WEIGHTS};
 use crate::hub::ModelFiles;
 use crate::lora::KNOWN_LINEAR;
+use crate::ops::dora::row_norms;
 use crate::quant::{bnb, Nf4};
 use crate::recipe::Dtype;
 pub use crate::util::parse_size;
@@ -296,10 +299,11 @@ fn dequantized_tensor(q: &Nf4, held: Option<Dtype>) -> Result<Tensor> {
     })
 }
 
-/// One adapted module's (A [r, in], B [out, r]), f32.
+/// One adapted module's (A [r, in], B [out, r], DoRA's m [out]), f32.
 struct Pair {
     a: Option<Tensor>,
     b: Option<Tensor>,
+    m: Option<Tensor>,
 }
 
 /// Reads the adapter's tensors, grouped by module (HF name, e.g. model.layers.0.mlp.up_proj).
@@ -310,33 +314,70 @@ fn read_adapter_tensors(dir: &Path) -> Result<BTreeMap<String, Pair>> {
     let mut out: BTreeMap<String, Pair> = BTreeMap::new();
     for (key, t) in tensors {
         let name = key.replace(".default.weight", ".weight");
+        let name = name.replace(".lora_magnitude_vector.weight", ".lora_magnitude_vector");
         let parsed = name.strip_prefix("base_model.model.").and_then(|m| {
             m.strip_suffix(".lora_A.weight")
                 .map(|m| (m, 'A'))
                 .or_else(|| m.strip_suffix(".lora_B.weight").map(|m| (m, 'B')))
+                .or_else(|| m.strip_suffix(".lora_magnitude_vector").map(|m| (m, 'm')))
         });
         let Some((module, which)) = parsed else {
             bail!(
-                "{}: tensor `{key}` is not a LoRA A/B weight of a linear module \
-                 (embedding adapters, DoRA magnitudes and modules_to_save are not supported)",
+                "{}: tensor `{key}` is not a LoRA A/B weight or DoRA magnitude of a linear \
+                 module (embedding adapters and modules_to_save are not supported)",
                 path.display()
             );
         };
         super::adapter_check::tensor(&path, &key, &t)?;
         let t = t.to_dtype(DType::F32)?;
-        let p = out
-            .entry(module.to_string())
-            .or_insert(Pair { a: None, b: None });
-        if which == 'A' {
-            p.a = Some(t);
-        } else {
-            p.b = Some(t);
+        let p = out.entry(module.to_string()).or_insert(Pair {
+            a: None,
+            b: None,
+            m: None,
+        });
+        match which {
+            'A' => p.a = Some(t),
+            'B' => p.b = Some(t),
+            _ => p.m = Some(t),
         }
     }
     if out.is_empty() {
         bail!("{} holds no LoRA tensors", path.display());
     }
     Ok(out)
+}
+
+/// A module's DoRA magnitude (`m` [out]) is there exactly when the config says use_dora.
+fn check_magnitude(
+    adapter: &Path,
+    module: &str,
+    m: Option<&Tensor>,
+    dora: bool,
+    out_f: usize,
+) -> Result<()> {
+    let (path, cfg) = (adapter.join(WEIGHTS), adapter.join(CONFIG));
+    match (m, dora) {
+        (None, false) => Ok(()),
+        (Some(m), true) if m.dims() == [out_f] => Ok(()),
+        (Some(m), true) => bail!(
+            "{}: `{module}`'s lora_magnitude_vector has shape {:?}, its linear has {out_f} \
+             outputs: the adapter is damaged or was trained on another model",
+            path.display(),
+            m.dims()
+        ),
+        (None, true) => bail!(
+            "{} says use_dora = true, but {} has no lora_magnitude_vector for `{module}`: \
+             the adapter is incomplete",
+            cfg.display(),
+            path.display()
+        ),
+        (Some(_), false) => bail!(
+            "{} has a lora_magnitude_vector for `{module}`, but {} says use_dora = false: \
+             set \"use_dora\": true there if this is a DoRA adapter",
+            path.display(),
+            cfg.display()
+        ),
+    }
 }
 
 /// adapter_config.json settings that change what a merge must do and that we do not do.
@@ -531,7 +572,7 @@ pub fn merge(adapter: &Path, base: &Path, out: &Path, opts: &MergeOptions) -> Re
         true => "dequantized-nf4",
         false => "base",
     };
-    let mut checked: HashMap<String, (Tensor, Tensor)> = HashMap::new();
+    let mut checked: HashMap<String, (Tensor, Tensor, Option<Tensor>)> = HashMap::new();
     for (module, p) in pairs {
         let (Some(a), Some(b)) = (p.a, p.b) else {
             bail!(
@@ -569,6 +610,7 @@ pub fn merge(adapter: &Path, base: &Path, out: &Path, opts: &MergeOptions) -> Re
                 base.display()
             );
         }
+        check_magnitude(adapter, &module, p.m.as_ref(), info.spec.dora, out_f)?;
         if w.src == Src::Stored && candle_dtype(w.dtype).is_none() {
             bail!(
                 "`{wname}` in {} is {}, not a float tensor",
@@ -576,7 +618,7 @@ pub fn merge(adapter: &Path, base: &Path, out: &Path, opts: &MergeOptions) -> Re
                 w.dtype
             );
         }
-        checked.insert(module, (a, b));
+        checked.insert(module, (a, b, p.m));
     }
 
     // Shards: greedy in checkpoint order.
@@ -656,8 +698,9 @@ pub fn merge(adapter: &Path, base: &Path, out: &Path, opts: &MergeOptions) -> Re
                     dequantized += 1;
                 }
                 let module = it.name.strip_suffix(".weight").unwrap_or("");
-                if let Some((a, b)) = checked.get(module) {
-                    // W' = W + scale · B A in f32, then the output dtype.
+                if let Some((a, b, m)) = checked.get(module) {
+                    // W' = W + scale · B A in f32 (DoRA: rows scaled to m / ‖·‖), then the
+                    // output dtype.
                     let w = match computed {
                         Some(w) => w,
                         None => {
@@ -666,6 +709,13 @@ pub fn merge(adapter: &Path, base: &Path, out: &Path, opts: &MergeOptions) -> Re
                     };
                     let delta = (b.matmul(a)? * scale)?;
                     let w = (w + delta)?;
+                    let w = match m {
+                        Some(m) => {
+                            let g = crate::ops::dora::magnitude_scale(m, &row_norms(&w)?)?;
+                            w.broadcast_mul(&g.unsqueeze(1)?)?
+                        }
+                        None => w,
+                    };
                     owned.push((i, tensor_bytes(&w.to_dtype(out_dtype)?)?));
                     merged += 1;
                 } else if let Some(w) = computed {

@@ -43,6 +43,7 @@ pub fn run(a: &DecodeBench) -> Result<serde_json::Value> {
         alpha: 2.0 * a.rank.max(1) as f64,
         dropout: 0.0,
         rslora: false,
+        dora: false,
         targets: match a.rank {
             0 => Vec::new(),
             _ => crate::bench::targets(&a.targets, &cfg)?,

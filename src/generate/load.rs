@@ -108,15 +108,30 @@ fn load(
     dtype: DType,
 ) -> Result<Loaded> {
     let spec = match adapter {
-        Some(a) => LoraSpec {
-            dropout: 0.0,
-            ..export::read_adapter_config(a)?.spec
-        },
+        Some(a) => {
+            let spec = export::read_adapter_config(a)?.spec;
+            if spec.dora {
+                // The decoder's adapter path (generate::weights) adds s·B A to W's product
+                // and has no per-row rescale; the merged model decodes at full speed anyway.
+                bail!(
+                    "{}: a DoRA adapter (use_dora = true) is not applied unmerged by generate: \
+                     merge it with `lora-train export --adapter {} --out merged/`, then \
+                     `lora-train generate --model merged/`",
+                    a.join(export::CONFIG).display(),
+                    a.display()
+                );
+            }
+            LoraSpec {
+                dropout: 0.0,
+                ..spec
+            }
+        }
         None => LoraSpec {
             rank: 1,
             alpha: 1.0,
             dropout: 0.0,
             rslora: false,
+            dora: false,
             targets: Vec::new(),
         },
     };

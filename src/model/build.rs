@@ -54,9 +54,15 @@ pub fn layer(
             false => None,
         };
         let key = [l as u64, module_index(module)];
-        let lora = match spec.targets(module) {
-            true => Some(Lora::init(spec, in_f, out_f, seed, &key, device)?),
-            false => None,
+        let lora = match (spec.targets(module), spec.dora, &q) {
+            (false, _, _) => None,
+            (true, false, _) => Some(Lora::init(spec, in_f, out_f, seed, &key, device)?),
+            // DoRA's magnitude starts at ‖W‖_row of the W the forward uses
+            (true, true, Some(q)) => {
+                let wd = q.dequantize(dtype)?;
+                Some(Lora::init_for(spec, &wd, seed, &key, device)?)
+            }
+            (true, true, None) => Some(Lora::init_for(spec, &w, seed, &key, device)?),
         };
         Ok(Linear {
             name,

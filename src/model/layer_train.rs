@@ -340,10 +340,13 @@ impl Layer {
         let dt = x.dtype();
         let dy = dy.to_dtype(dt)?.reshape((b * t, c))?; // [m, C]
         let mut grads = LayerGrads::new();
-        let mut keep = |lin: &Linear, g: Option<(Tensor, Tensor)>| {
-            if let (Some(lora), Some((da, db))) = (&lin.lora, g) {
-                grads.push((lora.a.id(), da));
-                grads.push((lora.b.id(), db));
+        let mut keep = |lin: &Linear, g: super::linear::AdapterGrad| {
+            if let (Some(lora), Some(g)) = (&lin.lora, g) {
+                grads.push((lora.a.id(), g.a));
+                grads.push((lora.b.id(), g.b));
+                if let (Some(m), Some(dm)) = (&lora.m, g.m) {
+                    grads.push((m.id(), dm));
+                }
             }
         };
 

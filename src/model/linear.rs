@@ -2,6 +2,10 @@
 //! hand-written forward and backward, alone, for linears that share their input (one GEMM of
 //! their adapters' products), and folded into the frozen GEMMs (`ops::fold`).
 //!
+//! A DoRA adapter (`Lora::m`, `ops::dora`) runs on the per-linear paths alone (`fwd`, `bwd`,
+//! ...): its output is rescaled per row after the GEMMs, which the shared and folded paths do
+//! not do, so they leave it out.
+//!
 //! Shapes: m tokens (B·T), in and out the linear's widths, r the adapter's rank.
 
 use super::llama::Ctx;
@@ -10,13 +14,30 @@ use crate::ops;
 use crate::ops::dropout::Dropout;
 use candle_core::{DType, Result, Tensor};
 
-/// An adapter's (dL/dA, dL/dB) in f32, None for a linear without one.
-pub type AdapterGrad = Option<(Tensor, Tensor)>;
+/// An adapter's gradients in f32: dL/dA [r, in], dL/dB [out, r], and DoRA's dL/dm [out].
+#[derive(Clone)]
+pub struct LoraGrad {
+    pub a: Tensor,
+    pub b: Tensor,
+    pub m: Option<Tensor>,
+}
 
-/// What `Linear::bwd_dx` leaves for `Linear::bwd_grads`: s · g B [m, r] and the dropout.
+impl LoraGrad {
+    /// A plain LoRA adapter's (dA, dB).
+    pub fn ab(a: Tensor, b: Tensor) -> Self {
+        LoraGrad { a, b, m: None }
+    }
+}
+
+/// An adapter's gradients, None for a linear without one.
+pub type AdapterGrad = Option<LoraGrad>;
+
+/// What `Linear::bwd_dx` leaves for `Linear::bwd_grads`: s · g B [m, r], the dropout, and for
+/// DoRA (n [out] f32, dz = g ⊙ dy [m, out]).
 pub struct AdapterHalf {
     gbs: Tensor,
     dropout: Option<Dropout>,
+    dora: Option<(Tensor, Tensor)>,
 }
 
 /// A frozen linear (W [out, in], optional bias) with an optional LoRA adapter.
@@ -56,16 +77,52 @@ impl Linear {
         let Some(lora) = &self.lora else {
             return ops::frozen_linear(x, &self.w, self.b.as_ref());
         };
-        ops::lora_linear(
+        let (a, b) = (lora.a.as_tensor(), lora.b.as_tensor());
+        let bias = self.b.as_ref().filter(|_| lora.m.is_none());
+        let dropout = self.dropout(ctx);
+        let z = ops::lora_linear(
             x,
             &self.w,
-            self.b.as_ref(),
-            lora.a.as_tensor(),
-            lora.b.as_tensor(),
+            bias,
+            a,
+            b,
             lora.scale,
-            self.dropout(ctx),
+            dropout,
             ctx.kernels.gemm,
-        )
+        )?;
+        let Some(m) = &lora.m else {
+            return Ok(z);
+        };
+        self.no_dropout(ctx)?;
+        // DoRA: m's gradient through g = m / n; n is detached.
+        let n = ops::dora::weight_norm(&self.w, a, b, lora.scale)?;
+        let g = ops::dora::magnitude_scale(m.as_tensor(), &n)?;
+        ops::dora::apply(&z, &g, self.b.as_ref())
+    }
+
+    /// DoRA's (n = ‖W + s·B A‖_row, g = m / n), [out] f32 each, from the adapter as it is now
+    /// (`ops::dora`); None for a plain adapter or none.
+    fn dora(&self, ctx: &Ctx) -> Result<Option<(Tensor, Tensor)>> {
+        let Some((lora, m)) = self.lora.as_ref().and_then(|l| Some((l, l.m.as_ref()?))) else {
+            return Ok(None);
+        };
+        self.no_dropout(ctx)?;
+        let (a, b) = (lora.a.as_tensor(), lora.b.as_tensor());
+        let n = ops::dora::weight_norm(&self.w, a, b, lora.scale)?;
+        let g = ops::dora::magnitude_scale(&m.as_tensor().detach(), &n)?;
+        Ok(Some((n, g)))
+    }
+
+    /// DoRA under dropout is refused where the recipe is read (PEFT's DoRA then recomputes the
+    /// base output from the dropped input); this is the backstop.
+    fn no_dropout(&self, ctx: &Ctx) -> Result<()> {
+        match self.dropout(ctx) {
+            Some(_) => candle_core::bail!(
+                "{}: DoRA with lora.dropout > 0 is not supported: set lora.dropout = 0",
+                self.name
+            ),
+            None => Ok(()),
+        }
     }
 
     /// Dropout on the adapter input for this batch (`ops::dropout`), keyed by (seed, step,
@@ -84,16 +141,21 @@ impl Linear {
             return Ok((ops::frozen_linear(x, &self.w, self.b.as_ref())?, None));
         };
         let dropout = self.dropout(ctx);
-        let (y, xas) = ops::lora_linear::lora_fwd(
+        let dora = self.dora(ctx)?;
+        let (z, xas) = ops::lora_linear::lora_fwd(
             x,
             &self.w,
-            self.b.as_ref(),
+            self.b.as_ref().filter(|_| dora.is_none()),
             ctx.adapter(&lora.a),
             ctx.adapter(&lora.b),
             lora.scale,
             dropout.as_ref(),
             ctx.kernels.gemm,
         )?;
+        let y = match &dora {
+            Some((_, g)) => ops::dora::apply(&z, g, self.b.as_ref())?,
+            None => z,
+        };
         Ok((y, Some(xas)))
     }
 
@@ -102,7 +164,13 @@ impl Linear {
         match (&self.lora, xas) {
             (Some(lora), Some(xas)) => {
                 let b = ctx.adapter(&lora.b);
-                ops::lora_linear::with_base(x, &self.w, self.b.as_ref(), xas, b, ctx.kernels.gemm)
+                let dora = self.dora(ctx)?;
+                let bias = self.b.as_ref().filter(|_| dora.is_none());
+                let z = ops::lora_linear::with_base(x, &self.w, bias, xas, b, ctx.kernels.gemm)?;
+                match &dora {
+                    Some((_, g)) => ops::dora::apply(&z, g, self.b.as_ref()),
+                    None => Ok(z),
+                }
             }
             (None, _) => ops::frozen_linear(x, &self.w, self.b.as_ref()),
             (Some(_), None) => {
@@ -156,7 +224,7 @@ impl Linear {
                 acc,
                 ctx.kernels.gemm,
             )?;
-            return Ok((dx, Some((da, db))));
+            return Ok((dx, Some(LoraGrad::ab(da, db))));
         }
         let (dx, half) = self.bwd_dx(g, ctx, acc)?;
         Ok((dx, self.bwd_grads(x, g, half, xas, ctx)?))
@@ -180,6 +248,12 @@ impl Linear {
         };
         let g = g.contiguous()?;
         let dropout = self.dropout(ctx);
+        let dora = self.dora(ctx)?;
+        // DoRA: the LoRA backward takes dz = g ⊙ dy [m, out] for dy
+        let g = match &dora {
+            Some((_, gs)) => ops::dora::scale_grad(&g, gs)?,
+            None => g,
+        };
         let (dx, gbs) = ops::lora_linear::lora_bwd_dx(
             &g,
             &self.w,
@@ -190,7 +264,8 @@ impl Linear {
             acc,
             ctx.kernels.gemm,
         )?;
-        Ok((dx, Some(AdapterHalf { gbs, dropout })))
+        let dora = dora.map(|(n, _)| (n, g));
+        Ok((dx, Some(AdapterHalf { gbs, dropout, dora })))
     }
 
     /// `bwd`'s adapter gradients alone, without dL/dx (none of its GEMMs run): x [m, in],
@@ -207,9 +282,15 @@ impl Linear {
         };
         let g = g.contiguous()?;
         let b = ctx.adapter(&lora.b);
-        let gbs = ops::lora_linear::lora_gbs(&g, b, lora.scale, ctx.kernels.gemm)?;
+        let dora = match self.dora(ctx)? {
+            Some((n, gs)) => Some((n, ops::dora::scale_grad(&g, &gs)?)), // dz = g ⊙ dy
+            None => None,
+        };
+        let dz = dora.as_ref().map_or(&g, |(_, dz)| dz);
+        let gbs = ops::lora_linear::lora_gbs(dz, b, lora.scale, ctx.kernels.gemm)?;
         let dropout = self.dropout(ctx); // the forward's (keyed)
-        self.bwd_grads(x, &g, Some(AdapterHalf { gbs, dropout }), xas, ctx)
+        let half = AdapterHalf { gbs, dropout, dora };
+        self.bwd_grads(x, &g, Some(half), xas, ctx)
     }
 
     /// The second half of `bwd_dx`: (dA, dB) from x [m, in], the same g, what `bwd_dx`
@@ -226,8 +307,24 @@ impl Linear {
             (Some(h), Some(xas)) => {
                 let g = g.contiguous()?;
                 let (d, gemm) = (h.dropout.as_ref(), ctx.kernels.gemm);
-                let (da, db) = ops::lora_linear::lora_grads(x, &g, &h.gbs, d, xas, gemm)?;
-                Ok(Some((da, db)))
+                let Some((n, dz)) = &h.dora else {
+                    let (da, db) = ops::lora_linear::lora_grads(x, &g, &h.gbs, d, xas, gemm)?;
+                    return Ok(Some(LoraGrad::ab(da, db)));
+                };
+                // DoRA: dm = Σ dy ⊙ z / n, z = x Wᵀ + xas Bᵀ [m, out] recomputed (one GEMM)
+                let Some(lora) = &self.lora else {
+                    candle_core::bail!("{}: DoRA backward without an adapter", self.name)
+                };
+                let b = ctx.adapter(&lora.b);
+                let z = ops::lora_linear::with_base(x, &self.w, None, xas, b, gemm)?;
+                let dm = ops::dora::grad_m(&g, &z, n)?;
+                drop(z);
+                let (da, db) = ops::lora_linear::lora_grads(x, dz, &h.gbs, d, xas, gemm)?;
+                Ok(Some(LoraGrad {
+                    a: da,
+                    b: db,
+                    m: Some(dm),
+                }))
             }
             (None, _) => Ok(None),
             (Some(_), None) => {
@@ -267,7 +364,7 @@ impl Linear {
             return Ok(None);
         };
         let db = ops::linear_acc::matmul_tn_f32(&dy, xas, gemm)?; // dB = dyᵀ xas [out, r]
-        Ok(Some((r.dg, r.du, Some((r.da, db)))))
+        Ok(Some((r.dg, r.du, Some(LoraGrad::ab(r.da, db)))))
     }
 
     pub fn out_features(&self) -> usize {
@@ -275,11 +372,13 @@ impl Linear {
     }
 
     /// The adapters of `lins` (linears that share their input) that can run as one: those
-    /// without dropout, when there are two or more and they share a scale. Indices into `lins`.
+    /// without dropout or DoRA, when there are two or more and they share a scale. Indices
+    /// into `lins`.
     fn shared(lins: &[&Linear], ctx: &Ctx) -> Vec<usize> {
         let scale = |i: usize| lins[i].lora.as_ref().map(|l| l.scale);
         let idx: Vec<usize> = (0..lins.len())
             .filter(|&i| match &lins[i].lora {
+                Some(l) if l.m.is_some() => false,
                 Some(l) => l.dropout <= 0.0 || ctx.dropout.is_none(),
                 None => false,
             })
@@ -357,8 +456,9 @@ impl Linear {
     }
 
     /// The pad width when `lins` (linears that share their input) run folded (`ops::fold`) for
-    /// this batch: each padded alike, with an adapter, their B's columns in order, one scale,
-    /// dropout on all or none, and the pads' B columns written for this batch. None otherwise.
+    /// this batch: each padded alike, with a plain (not DoRA) adapter, their B's columns in
+    /// order, one scale, dropout on all or none, and the pads' B columns written for this
+    /// batch. None otherwise.
     pub fn fold_width(lins: &[&Linear], ctx: &Ctx) -> Option<usize> {
         let first = lins.first()?;
         let in_f = first.w.dim(1).ok()?;
@@ -368,6 +468,9 @@ impl Linear {
         let mut ranks = Vec::with_capacity(lins.len());
         for lin in lins {
             let (pad, lora) = (lin.pad.as_ref()?, lin.lora.as_ref()?);
+            if lora.m.is_some() {
+                return None;
+            }
             let col: usize = ranks.iter().sum();
             let alike = lin.dropout(ctx).is_some() == dropout && lora.scale == scale;
             if !alike || pad.col != col || pad.full.dim(1).ok()? != in_f + p {
@@ -439,7 +542,7 @@ impl Linear {
                 ops::lora_linear::lora_bwd_shared(x, gs, &ads, &xs, &a, ctx.kernels.gemm)?;
             dx = Some(d);
             for (&i, gr) in idx.iter().zip(gr) {
-                grads[i] = Some(gr);
+                grads[i] = Some(LoraGrad::ab(gr.0, gr.1));
             }
         }
         for (i, lin) in lins.iter().enumerate() {
@@ -490,7 +593,7 @@ impl Linear {
                 Some(acc) => linear_bwd_acc(&gi, &pad.full, acc, gemm)?,
             });
             let db = matmul_tn_f32(&gi, xas, gemm)?; // dB = g_iᵀ xas_i [out, r]
-            grads.push(Some((db.clone(), db))); // dA set below
+            grads.push(Some(LoraGrad::ab(db.clone(), db))); // dA set below
             a.push(&lora.a);
             (scale, ranks) = (lora.scale, ranks + lora.a.dim(0)?);
         }
@@ -516,8 +619,8 @@ impl Linear {
         let mut off = 0;
         for (gr, lin) in grads.iter_mut().zip(lins) {
             let r = lin.lora.as_ref().map_or(0, |l| l.a.dims()[0]);
-            if let Some((da_i, _)) = gr {
-                *da_i = da.narrow(0, off, r)?;
+            if let Some(gr) = gr {
+                gr.a = da.narrow(0, off, r)?;
             }
             off += r;
         }
@@ -545,7 +648,7 @@ impl Linear {
             let (gs, xs) = Self::take_shared(lins, &idx, &mut g, xas)?;
             let gr = ops::lora_linear::lora_grads_shared(x, gs, &ads, &xs, ctx.kernels.gemm)?;
             for (&i, gr) in idx.iter().zip(gr) {
-                grads[i] = Some(gr);
+                grads[i] = Some(LoraGrad::ab(gr.0, gr.1));
             }
         }
         for (i, lin) in lins.iter().enumerate() {
@@ -593,8 +696,8 @@ pub(super) fn pad_group(lins: &mut [&mut Linear]) -> Result<usize> {
     let mut ranks = Vec::with_capacity(lins.len());
     let mut scale = None;
     for lin in lins.iter() {
-        let Some(lora) = &lin.lora else {
-            return Ok(0);
+        let Some(lora) = lin.lora.as_ref().filter(|l| l.m.is_none()) else {
+            return Ok(0); // no adapter, or DoRA's (unfolded: `Linear::shared`)
         };
         if lin.b.is_some() || lin.pad.is_some() || *scale.get_or_insert(lora.scale) != lora.scale {
             return Ok(0);

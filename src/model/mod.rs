@@ -20,5 +20,5 @@ pub use config::{ConfigError, ModelConfig, RopeScaling};
 pub use family::{Arch, Family, NormStyle};
 pub use layer::{Extra, Layer, LayerSpec};
 pub use layer_train::{LayerActs, LayerGrads};
-pub use linear::{AdapterGrad, Linear, Pad};
+pub use linear::{AdapterGrad, Linear, LoraGrad, Pad};
 pub use llama::{Ctx, Model};

@@ -183,6 +183,16 @@ impl Kernels {
         }
     }
 
+    /// The choices for adapters with DoRA's magnitudes (`dora`) or without: DoRA rescales each
+    /// linear's output rows after its GEMMs, which the fold (`ops::fold`) does not, so its
+    /// linears run unfolded (`Linear::shared`).
+    pub fn for_adapters(self, dora: bool) -> Kernels {
+        Kernels {
+            fold: self.fold && !dora,
+            ..self
+        }
+    }
+
     /// The choices for a model of `dtype` activations and attention shape `attn` (a head dim,
     /// or `ModelConfig::attn_shape`) on `device`;
     /// `deterministic`: no kernel whose f32 sums land in a varying order (today wgmma's fused

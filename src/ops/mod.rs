@@ -18,6 +18,7 @@ pub mod attention;
 pub mod cross_entropy;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod dora;
 pub mod dropout;
 pub mod flash;
 pub mod fold;

@@ -513,7 +513,7 @@ fn all_reduce_layer(layer: &Layer, grads: &mut Grads, comm: &dyn Comm, ctx: &Ctx
         .linears()
         .into_iter()
         .filter_map(|lin| lin.lora.as_ref())
-        .flat_map(|l| [&l.a, &l.b])
+        .flat_map(|l| l.vars())
         .collect();
     if vars.is_empty() {
         return Ok(());

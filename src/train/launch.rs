@@ -264,7 +264,8 @@ fn announce(session: &Session) {
     );
     let trainable: usize = m
         .adapters()
-        .map(|(_, l)| l.a.elem_count() + l.b.elem_count())
+        .flat_map(|(_, l)| l.vars())
+        .map(|v| v.elem_count())
         .sum();
     let world = session.comm.world();
     if world > 1 {

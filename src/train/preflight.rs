@@ -135,7 +135,7 @@ pub fn model_bytes(m: &Model) -> u64 {
             sum += crate::parallel::fsdp::storage_bytes(&lin.w) as u64;
             sum += lin.b.as_ref().map(b).unwrap_or(0);
             if let Some(lora) = &lin.lora {
-                sum += b(lora.a.as_tensor()) + b(lora.b.as_tensor());
+                sum += lora.vars().iter().map(|v| b(v.as_tensor())).sum::<u64>();
             }
         }
     }

@@ -40,6 +40,36 @@ pub fn lora_targets(
     }
 }
 
+/// DoRA from an init adapter: its adapter_config.json's use_dora decides, as its rank does; a
+/// recipe asking for DoRA from a plain adapter is an error, and a DoRA adapter is held to the
+/// recipe checks of `lora.use_dora = true`.
+pub fn init_dora(recipe: &Recipe, dir: &Path, info: &crate::export::AdapterInfo) -> Result<()> {
+    let cfg = dir.join(crate::export::CONFIG);
+    if recipe.lora.use_dora && !info.spec.dora {
+        return Err(RecipeError::Invalid {
+            path: recipe.source.clone(),
+            key: "lora.use_dora".into(),
+            msg: format!(
+                "= true, but lora.init_adapter's {} says use_dora = false (a plain LoRA \
+                 adapter): remove use_dora, or continue from a DoRA adapter",
+                cfg.display()
+            ),
+        }
+        .into());
+    }
+    if info.spec.dora {
+        let mut r = recipe.clone();
+        r.lora.use_dora = true;
+        r.validate_dora().map_err(|e| {
+            anyhow::Error::new(e).context(format!(
+                "lora.init_adapter is a DoRA adapter ({} says use_dora = true)",
+                cfg.display()
+            ))
+        })?;
+    }
+    Ok(())
+}
+
 /// `train.sample_every` decodes with `generate`'s path: a family it does not implement is
 /// refused here, before the run spends any time.
 pub fn samples_decodable(recipe: &Recipe, files: &ModelFiles) -> Result<()> {

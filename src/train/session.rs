@@ -119,15 +119,19 @@ impl Session {
         let spec = match &init {
             // The adapter's shape (r, alpha, targets, rslora) comes from its config; dropout is a
             // training setting and comes from the recipe.
-            Some((_, info)) => LoraSpec {
-                dropout: recipe.lora.dropout as f32,
-                ..info.spec.clone()
-            },
+            Some((p, info)) => {
+                super::run_check::init_dora(&recipe, p, info)?;
+                LoraSpec {
+                    dropout: recipe.lora.dropout as f32,
+                    ..info.spec.clone()
+                }
+            }
             None => LoraSpec {
                 rank: recipe.lora.rank,
                 alpha: recipe.lora.alpha,
                 dropout: recipe.lora.dropout as f32,
                 rslora: recipe.lora.rslora,
+                dora: recipe.lora.use_dora,
                 targets: recipe.target_modules()?,
             },
         };
@@ -152,7 +156,7 @@ impl Session {
         // Every rank starts from rank 0's adapters.
         if comm.world() > 1 {
             for (_, l) in model.adapters() {
-                for v in [&l.a, &l.b] {
+                for v in l.vars() {
                     v.set(&comm.broadcast(v.as_tensor(), 0)?)?;
                 }
             }
@@ -383,6 +387,7 @@ pub fn run_kernels(
 ) -> Result<crate::ops::Kernels> {
     let attn = crate::model::ModelConfig::from_file(&files.config)?.attn_shape();
     let k = crate::ops::Kernels::resolve(dev, dtype, attn, recipe.train.deterministic)?;
+    let k = k.for_adapters(recipe.lora.use_dora);
     Ok(k.for_base(recipe.quant().for_checkpoint(&files.config)?))
 }
 

@@ -256,11 +256,11 @@ impl<'a> Engine<'a> {
     }
 }
 
-/// The model's trainable tensors, A then B of each adapter in the model's order: the
-/// optimiser's parameters, and the order of every sum over them.
+/// The model's trainable tensors, A, B (and DoRA's m) of each adapter in the model's order:
+/// the optimiser's parameters, and the order of every sum over them.
 pub fn adapter_params(model: &Model) -> Vec<candle_core::Var> {
     model
         .adapters()
-        .flat_map(|(_, l)| [l.a.clone(), l.b.clone()])
+        .flat_map(|(_, l)| l.vars().into_iter().cloned())
         .collect()
 }

@@ -128,7 +128,8 @@ impl<'s> Run<'s> {
         let keys: Vec<String> = s
             .model
             .adapters()
-            .flat_map(|(module, _)| ['A', 'B'].map(|w| export::peft_key(module, w)))
+            .flat_map(|(module, l)| export::adapter_keys(module, l))
+            .map(|(key, _)| key)
             .collect();
         let mut opt = AdamW::new(params, t.betas, t.eps, t.weight_decay)?;
         s.set_cpu_budget();
@@ -342,10 +343,8 @@ impl Session {
         let lora: u64 = self
             .model
             .adapters()
-            .map(|(_, l)| {
-                crate::memory::tensor_bytes(l.a.as_tensor())
-                    + crate::memory::tensor_bytes(l.b.as_tensor())
-            })
+            .flat_map(|(_, l)| l.vars())
+            .map(|v| crate::memory::tensor_bytes(v.as_tensor()))
             .sum();
         let fixed = super::preflight::model_bytes(&self.model) + 3 * lora;
         crate::memory::set_cpu_budget(cap, fixed);

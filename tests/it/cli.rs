@@ -165,7 +165,7 @@ fn bad_recipes_exit_2_with_the_file_the_key_and_the_fix() {
   |
 7 | rnak = 8
   | ^^^^
-unknown field `rnak`, expected one of `rank`, `alpha`, `dropout`, `targets`, `rslora`, `init_adapter`
+unknown field `rnak`, expected one of `rank`, `alpha`, `dropout`, `targets`, `rslora`, `use_dora`, `init_adapter`
 ",
         ),
         (

@@ -214,6 +214,7 @@ pub fn all_linear_r8() -> lora_train::lora::LoraSpec {
         alpha: 16.0,
         dropout: 0.0,
         rslora: false,
+        dora: false,
         targets: lora_train::lora::ALL_LINEAR
             .iter()
             .map(|s| s.to_string())

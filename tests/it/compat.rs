@@ -30,6 +30,7 @@ fn logits(model_dir: &Path, adapter: Option<&Path>, ids: &Tensor) -> Tensor {
             alpha: 1.0,
             dropout: 0.0,
             rslora: false,
+            dora: false,
             targets: vec![],
         },
     };

@@ -83,7 +83,8 @@ fn hand_written_backward_under_dropout_equals_autograd_with_the_masks_as_tensors
     let gs = loss.backward().unwrap();
     close("q, k, v dx", &dx, gs.get(xv.as_tensor()).unwrap());
     for ((lin, ab), gr) in qkv.iter().zip(&abs).zip(&grads) {
-        let (da, db) = gr.as_ref().unwrap();
+        let gr = gr.as_ref().unwrap();
+        let (da, db) = (&gr.a, &gr.b);
         close(
             &format!("{} dA", lin.name),
             da,
@@ -112,7 +113,8 @@ fn hand_written_backward_under_dropout_equals_autograd_with_the_masks_as_tensors
         let want = reference(lin, &xv, &ab, &ctx);
         close(&format!("{} y", lin.name), &y, &want);
         let gs = (want * &g).unwrap().sum_all().unwrap().backward().unwrap();
-        let (da, db) = gr.unwrap();
+        let gr = gr.unwrap();
+        let (da, db) = (gr.a, gr.b);
         close(
             &format!("{} dx", lin.name),
             &dx,

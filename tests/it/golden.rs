@@ -3,7 +3,7 @@
 //! and the adapter after 4 AdamW steps with clipping and a warmup-cosine schedule.
 
 use crate::common::*;
-use lora_train::export::peft_key;
+use lora_train::export::adapter_keys;
 use lora_train::train::driver::{self, Keep};
 use lora_train::train::{optim::Grads, Session};
 
@@ -83,8 +83,7 @@ pub fn check_case_on(case: &str, sets: &[&str], tol: Tol) {
     );
     let mut checked = 0;
     for (module, lora) in s.model.adapters() {
-        for (w, var) in [('A', &lora.a), ('B', &lora.b)] {
-            let key = peft_key(module, w);
+        for (key, var) in adapter_keys(module, lora) {
             let g = grads
                 .get(&var.id())
                 .unwrap_or_else(|| panic!("{case}: no grad for {key}"));

@@ -925,6 +925,7 @@ fn folded_7b_layer() -> lora_train::model::llama::Model {
         alpha: 32.0,
         dropout: 0.0,
         rslora: false,
+        dora: false,
         targets: ALL_LINEAR.iter().map(|s| s.to_string()).collect(),
     };
     let kernels =

@@ -9,6 +9,7 @@ mod common;
 mod compat;
 mod data;
 mod data_cli;
+mod dora;
 mod dropout;
 mod first_hour;
 mod generate;

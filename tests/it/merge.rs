@@ -28,6 +28,7 @@ fn plain(dir: &Path, dtype: DType) -> Model {
         alpha: 1.0,
         dropout: 0.0,
         rslora: false,
+        dora: false,
         targets: vec![],
     };
     Model::load(
@@ -289,7 +290,7 @@ fn adapters_that_do_not_fit_the_base_are_clear_errors_and_write_nothing() {
         (
             "\"use_dora\": false",
             "\"use_dora\": true",
-            "use_dora = true: DoRA adapters are not supported",
+            "has no lora_magnitude_vector for `model.layers.0.mlp.down_proj`: the adapter is incomplete",
         ),
         (
             "\"modules_to_save\": null",

@@ -24,6 +24,7 @@ fn load(case: &str, dir: &str, nf4: bool) -> Model {
         alpha: 8.0,
         dropout: 0.0,
         rslora: false,
+        dora: false,
         targets: Vec::new(),
     };
     let quant = lora_train::quant::Quant {

@@ -28,6 +28,7 @@ fn plain(dir: &Path) -> Model {
         alpha: 1.0,
         dropout: 0.0,
         rslora: false,
+        dora: false,
         targets: vec![],
     };
     Model::load(

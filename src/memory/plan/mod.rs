@@ -116,6 +116,8 @@ pub struct PlanInput {
     pub rank: usize,
     /// LoRA target modules (names from `ALL_LINEAR`).
     pub targets: Vec<String>,
+    /// DoRA (`lora.use_dora`): a magnitude [out] per adapter, and its f32 temporaries.
+    pub dora: bool,
     /// Ranks for ddp / fsdp (1: single only).
     pub gpus: usize,
     /// On CUDA: count the context and the allocator slack (0 on the CPU).
@@ -203,6 +205,27 @@ pub fn lora_params(cfg: &ModelConfig, rank: usize, targets: &[String]) -> u64 {
         .map(|(i, o)| i + o)
         .sum();
     (cfg.num_layers * per_layer * rank) as u64
+}
+
+/// DoRA's magnitudes: Σ over layers and targeted linears of out.
+pub fn magnitude_params(cfg: &ModelConfig, targets: &[String]) -> u64 {
+    let per_layer: usize = adapted(cfg, targets)
+        .filter_map(|m| cfg.linear_shape(m))
+        .map(|(_, o)| o)
+        .sum();
+    (cfg.num_layers * per_layer) as u64
+}
+
+/// DoRA's f32 temporaries at one linear of `n` tokens (`ops::dora`): the output and
+/// dL/d(output) widened to f32 and a product of them ([n, out] each, the widest linear's),
+/// and `weight_norm`'s chunks (three of `ops::dora::CHUNK` elements).
+fn dora_temps(cfg: &ModelConfig, targets: &[String], n: u64) -> u64 {
+    let out = adapted(cfg, targets)
+        .filter_map(|m| cfg.linear_shape(m))
+        .map(|(_, o)| o as u64)
+        .max()
+        .unwrap_or(0);
+    3 * 4 * n * out + 3 * 4 * crate::ops::dora::CHUNK as u64
 }
 
 /// The model's linears that `targets` names.
@@ -318,7 +341,12 @@ pub fn breakdown(p: &PlanInput, strategy: Strategy, ckpt: bool, micro_batch: usi
     } else {
         full_base + pads
     };
-    let lp = lora_params(cfg, p.rank, &p.targets);
+    let lp = lora_params(cfg, p.rank, &p.targets)
+        + if p.dora {
+            magnitude_params(cfg, &p.targets)
+        } else {
+            0
+        };
     let adapters = 4 * lp;
     let grad_sums = 4 * lp;
     let bucket = if world > 1 { 2 * 4 * lp / l.max(1) } else { 0 };
@@ -390,6 +418,13 @@ pub fn breakdown(p: &PlanInput, strategy: Strategy, ckpt: bool, micro_batch: usi
     // With checkpointing the running layer's activations exist until it ends.
     let fwd_ws = fwd_ws + if offload { boundary } else { 0 };
     let bwd_ws = bwd_ws + in_flight;
+    let (fwd_ws, bwd_ws) = match p.dora {
+        true => {
+            let d = dora_temps(cfg, &p.targets, n);
+            (fwd_ws + d, bwd_ws + d)
+        }
+        false => (fwd_ws, bwd_ws),
+    };
     let forward = steady + casts + kept + recomputed + fwd_ws + gather;
     let head = steady + casts + kept + head_ws + head_gather;
     let backward = steady + casts + kept + recomputed + grad_sums + bucket + bwd_ws + gather;
@@ -552,7 +587,12 @@ pub fn plan(p: &PlanInput, grad_accum: usize, capacity: Option<u64>) -> Plan {
         seq_len: p.seq_len,
         gpus: p.gpus,
         dtype_bytes: p.dtype_bytes,
-        lora_params: lora_params(&p.cfg, p.rank, &p.targets),
+        lora_params: lora_params(&p.cfg, p.rank, &p.targets)
+            + if p.dora {
+                magnitude_params(&p.cfg, &p.targets)
+            } else {
+                0
+            },
         base_params: p.cfg.num_params(p.tied) as u64,
         kept_bytes_per_token_layer: kept_per_token_layer(&p.cfg, p.dtype_bytes, p.rank, &p.targets),
         capacity,
@@ -589,6 +629,7 @@ pub fn input_from_shape(
         seq_len,
         rank,
         targets,
+        dora: false,
         gpus: gpus.max(1),
         cuda: true,
         offload: true,
@@ -645,9 +686,10 @@ pub fn input_from_recipe(
         seq_len: r.data.seq_len,
         rank: r.lora.rank,
         targets: r.target_modules()?,
+        dora: r.lora.use_dora,
         gpus: gpus.max(1),
         cuda,
-        kernels: kernels.for_base(r.quant()),
+        kernels: kernels.for_adapters(r.lora.use_dora).for_base(r.quant()),
         offload: cuda && r.train.offload_activations.unwrap_or(true),
         quant: r.quant(),
     })

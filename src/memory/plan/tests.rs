@@ -16,6 +16,7 @@ fn input(mb: usize, gpus: usize) -> PlanInput {
         seq_len: 2048,
         rank: 16,
         targets: ALL_LINEAR.iter().map(|s| s.to_string()).collect(),
+        dora: false,
         gpus,
         cuda: true,
         kernels: Kernels::fallback(),
@@ -57,6 +58,15 @@ fn lora_params_and_base_by_hand() {
         lora_params(&c, 16, &["q_proj".into(), "v_proj".into()]),
         8_388_608
     );
+    // DoRA's magnitudes: per layer 4 · 4096 (q, k, v, o) + 2 · 11008 (gate, up) + 4096
+    // (down) = 42496; × 32 = 1359872.
+    assert_eq!(magnitude_params(&c, &all), 1_359_872);
+    let dora = PlanInput {
+        dora: true,
+        ..input(1, 1)
+    };
+    let (p0, p1) = (plan(&input(1, 1), 1, None), plan(&dora, 1, None));
+    assert_eq!(p1.lora_params, p0.lora_params + 1_359_872);
     // Base: 2 · 32000 · 4096 + 32 · (4 · 4096² + 3 · 4096 · 11008 + 2 · 4096) + 4096
     // = 262144000 + 32 · 202383360 + 4096 = 6738415616 parameters.
     assert_eq!(c.num_params(false), 6_738_415_616);
