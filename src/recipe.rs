@@ -514,7 +514,21 @@ pub struct TrainSection {
     /// memory for real; the preflight check compares the memory plan with it. On the CPU it
     /// caps an accounting of the tensor bytes the trainer holds. Default: unset (the card).
     pub max_memory: Option<String>,
+    /// With activation checkpointing: a layer's MLP (norm, gate / up, activation, down) runs
+    /// over chunks of this many tokens of the micro-batch, in forward and in its recompute and
+    /// backward, so that its [tokens, intermediate] tensors exist for one chunk at a time (long
+    /// context). A multiple of 64; 0: never chunked. Not with dropout on an MLP adapter (runs
+    /// whole). Default: 16384 (`model::layer_mlp::MLP_CHUNK`).
+    #[serde(default = "d_mlp_chunk")]
+    pub mlp_chunk: usize,
 }
+
+fn d_mlp_chunk() -> usize {
+    crate::model::layer_mlp::MLP_CHUNK
+}
+
+/// `train.mlp_chunk`'s bound: a chunk of more tokens than any micro-batch could hold.
+pub const MLP_CHUNK_MAX: usize = 1 << 24;
 
 /// `train.resume`: false | true | "path/to/checkpoint-<step>".
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -596,6 +610,7 @@ impl Default for TrainSection {
             skip_nonfinite: false,
             deterministic: false,
             max_memory: None,
+            mlp_chunk: d_mlp_chunk(),
         }
     }
 }
@@ -1000,6 +1015,16 @@ impl Recipe {
                 return Err(self.invalid("train.max_memory", msg));
             }
         }
+        if t.mlp_chunk > MLP_CHUNK_MAX || t.mlp_chunk % 64 != 0 {
+            return Err(self.invalid(
+                "train.mlp_chunk",
+                format!(
+                    "= {} tokens: use a multiple of 64 (whole GEMM row tiles, so a chunk's rows \
+                     are the unchunked values) up to {MLP_CHUNK_MAX}, or 0 for none",
+                    t.mlp_chunk
+                ),
+            ));
+        }
         if let Some(s) = &self.output.max_shard_size {
             if let Err(msg) = crate::util::parse_size(s) {
                 return Err(self.invalid("output.max_shard_size", msg));
@@ -1178,6 +1203,11 @@ impl Recipe {
             .filter(|m| list.iter().any(|t| t == *m))
             .map(|s| s.to_string())
             .collect())
+    }
+
+    /// `train.mlp_chunk` as `Model::mlp_chunk` (None: 0, never chunked).
+    pub fn mlp_chunk(&self) -> Option<usize> {
+        (self.train.mlp_chunk > 0).then_some(self.train.mlp_chunk)
     }
 
     /// `train.max_memory` in bytes (validated at load).

@@ -25,9 +25,10 @@
 //! Shapes: B batch, T tokens, m = B·T, C hidden, H heads, K kv heads, D head dim, I mlp.
 
 use super::layer::{repeat_kv, Layer};
-use super::linear::Linear;
+use super::layer_mlp::{MlpActs, MlpIn};
+use super::linear::{AdapterGrad, Linear};
 use super::llama::Ctx;
-use crate::ops::{self, glu::Act};
+use crate::ops;
 use candle_core::{DType, Result, Tensor, TensorId};
 
 /// q and k as the forward keeps them.
@@ -46,11 +47,11 @@ pub struct LayerActs {
     attn: Tensor,       // [m, H·D] attention output, o_proj's input
     lse: Tensor,        // [B, H, T] f32
     ao: Option<Tensor>, // [m, C] o_proj's output, before Gemma's norm on it
-    gate: Tensor,       // [m, I] before the activation
-    up: Tensor,         // [m, I]
-    mo: Option<Tensor>, // [m, C] down_proj's output, before Gemma's norm on it
-    h: Option<Tensor>,  // [m, C] the residual h; recomputed when None
-    /// Per linear, in `Layer::linears` order: the adapter's s·(m⊙x)Aᵀ [m, r].
+    /// The MLP half's; None where backward recomputes it chunk by chunk from h
+    /// (model/layer_mlp.rs).
+    mlp: Option<MlpActs>,
+    h: Option<Tensor>, // [m, C] the residual h; recomputed when None
+    /// Per attention linear (q, k, v or qkv, then o): the adapter's s·(m⊙x)Aᵀ [m, r].
     xas: Vec<Option<Tensor>>,
 }
 
@@ -60,22 +61,23 @@ impl LayerActs {
         let (q, k) = match &self.qk {
             Qk::Roped(q, k) | Qk::Rows(q, k) => (q, k),
         };
-        let t = [
-            &self.x, q, k, &self.v, &self.attn, &self.lse, &self.gate, &self.up,
-        ];
+        let t = [&self.x, q, k, &self.v, &self.attn, &self.lse];
         t.into_iter()
             .chain(self.xas.iter().flatten())
             .chain(&self.h)
             .chain(&self.ao)
-            .chain(&self.mo)
+            .chain(self.mlp.iter().flat_map(MlpActs::tensors))
             .map(|t| crate::memory::tensor_bytes(t) as usize)
             .sum()
     }
 
     /// The residual h [m, C] out of the activations (backward then recomputes it, or it is
-    /// put back with `put_h`).
+    /// put back with `put_h`). A layer whose MLP backward runs in chunks keeps its h.
     pub fn take_h(&mut self) -> Option<Tensor> {
-        self.h.take()
+        match self.mlp {
+            Some(_) => self.h.take(),
+            None => None,
+        }
     }
 
     /// Puts back what `take_h` took (the same values).
@@ -212,57 +214,27 @@ impl Layer {
             }
             None => (None, ao),
         };
-        // gate and up [m, I] each: their adapters' x Aᵀ as one GEMM, folded as q's, k's, v's
-        let gu: Vec<&Linear> = self.mlp_in.iter().collect();
-        let folded = match Linear::fold_width(&gu, ctx) {
-            Some(p) => ops::fold::add_rms_norm_pad(&x, &ao, &self.post_norm, s.norm, p)?,
-            None => None,
-        }; // h [m, C], hn [m, C + pad]
-        let (hres, outs) = match folded {
-            Some((hres, xp)) => (hres, Linear::fwd_folded(&gu, &xp, ctx)?),
-            None => {
-                let (hres, hn) = ops::add_rms_norm(&x, &ao, &self.post_norm, s.norm)?;
-                (hres, Linear::fwd_shared(&gu, &hn, ctx)?)
+        // The MLP half, whole; or, in a checkpointed layer over many tokens, in chunks
+        // (model/layer_mlp.rs): the forward's over chunks, a recompute's not at all (backward
+        // runs it chunk by chunk).
+        let m = b * t;
+        let chunk = match output && keep {
+            true => None,
+            false => self.mlp_chunk(ctx, m),
+        };
+        let (hres, y, mlp) = match chunk {
+            None => self.mlp_fwd(MlpIn::Sum(&x, ao), ctx, output, keep)?,
+            Some(n) => {
+                let hres = ops::add(&x, &ao)?;
+                drop(ao);
+                let y = match output {
+                    true => Some(self.mlp_fwd_chunked(&hres, ctx, n)?),
+                    false => None,
+                };
+                (hres, y, None)
             }
         };
-        drop(ao);
-        let (ys, xas_gu): (Vec<Tensor>, Vec<Option<Tensor>>) = outs.into_iter().unzip();
-        xas.extend(xas_gu);
-        let [gate, up] = self.split_gate_up(ys, 1)?;
-        let out_norm = self.extra.mlp_out_norm.as_ref();
-        let (y, xd, mo_kept) = if output || out_norm.is_some() {
-            // Not accumulated onto h in the GEMM: h is kept for backward (and, unfolded, the
-            // adapter's small term would be rounded to bf16 against |h| before the base
-            // product joins it, and mostly lost).
-            let down = [&self.down];
-            let folded = match (Linear::fold_width(&down, ctx), s.act) {
-                (Some(p), Act::Silu) => ops::fold::swiglu_pad(&gate, &up, p)?,
-                _ => None,
-            }; // [m, I + pad]
-            let (mo, xd) = match folded {
-                Some(ap) => {
-                    let [o] = array(Linear::fwd_folded(&down, &ap, ctx)?)?;
-                    o
-                }
-                None => self.down.fwd(&s.act.glu(&gate, &up)?, ctx)?,
-            };
-            let (mo_kept, mo) = match out_norm {
-                Some(w) => {
-                    let n = ops::rms_norm(&mo, w, s.norm)?;
-                    (Some(mo), n)
-                }
-                None => (None, mo),
-            };
-            let y = match output {
-                true => Some(ops::add(&hres, &mo)?.reshape((b, t, c))?),
-                false => None,
-            };
-            (y, xd, mo_kept)
-        } else {
-            let a = s.act.glu(&gate, &up)?; // [m, I]
-            (None, self.down.adapter_fwd(&a, ctx)?, None)
-        };
-        xas.push(xd);
+        let y = y.map(|y| y.reshape((b, t, c))).transpose()?;
         let acts = keep.then_some(LayerActs {
             x,
             qk,
@@ -270,9 +242,7 @@ impl Layer {
             attn,
             lse,
             ao: ao_kept,
-            gate,
-            up,
-            mo: mo_kept,
+            mlp,
             h: Some(hres),
             xas,
         });
@@ -318,100 +288,51 @@ impl Layer {
             attn,
             lse,
             ao,
-            gate,
-            up,
-            mo,
+            mlp,
             h: residual,
             xas,
         } = acts;
-        let (na, nm) = (self.attn_in.len(), self.mlp_in.len());
-        if xas.len() != na + nm + 2 {
+        let na = self.attn_in.len();
+        if xas.len() != na + 1 {
             candle_core::bail!(
-                "backward: {} adapter states for {} linears",
+                "backward: {} adapter states for {} attention linears",
                 xas.len(),
-                na + nm + 2
+                na + 1
             );
         }
         let mut xas = xas.into_iter();
         let xa_attn: Vec<Option<Tensor>> = xas.by_ref().take(na).collect();
         let xo = xas.next().flatten();
-        let xa_mlp: Vec<Option<Tensor>> = xas.by_ref().take(nm).collect();
-        let xd = xas.next().flatten();
         let dt = x.dtype();
         let dy = dy.to_dtype(dt)?.reshape((b * t, c))?; // [m, C]
         let mut grads = LayerGrads::new();
-        let mut keep = |lin: &Linear, g: super::linear::AdapterGrad| {
-            if let (Some(lora), Some(g)) = (&lin.lora, g) {
-                grads.push((lora.a.id(), g.a));
-                grads.push((lora.b.id(), g.b));
-                if let (Some(m), Some(dm)) = (&lora.m, g.m) {
-                    grads.push((m.id(), dm));
-                }
-            }
-        };
 
         // ---- MLP: y = h + N_mo(down(act(gate(hn), up(hn)))), hn = rms_norm(h)
-        // dL/d(down's output): through Gemma's norm on it, else dy itself
-        let dmo = match (&self.extra.mlp_out_norm, mo) {
-            (Some(w), Some(mo)) => ops::rms_norm_bwd(&mo, w, s.norm, &dy)?,
-            (None, _) => dy.clone(),
-            (Some(_), None) => candle_core::bail!("backward: down's output was not kept"),
-        };
-        // Folded, down's backward and SwiGLU's are one GEMM and one pass (ops::fold). Else
-        // down's dL/da needs no a; a is recomputed in the activation's backward pass (over
-        // da's buffer) for down's adapter gradient alone.
-        let down = match s.act {
-            Act::Silu => self
-                .down
-                .bwd_swiglu_folded(&dmo, &gate, &up, xd.as_ref(), ctx)?,
-            Act::GeluTanh => None,
-        };
-        let (dgate, dup) = match down {
-            Some((dgate, dup, g)) => {
-                keep(&self.down, g);
-                (dgate, dup) // [m, I] each
-            }
+        let dh = match mlp {
+            // [m, C] each: the residual as forward made it, kept or recomputed from o's kept
+            // adapter state (or, with Gemma's norm on o's output, that output), and its norm
+            // (add_rms_norm's values are those of add, then rms_norm)
+            Some(mlp) => self.mlp_bwd(mlp, &dy, ctx, &mut grads, || match residual {
+                Some(h) => {
+                    let hn = ops::rms_norm(&h, &self.post_norm, s.norm)?;
+                    Ok((h, hn))
+                }
+                None => {
+                    let a = match (&self.extra.attn_out_norm, &ao) {
+                        (Some(w), Some(ao)) => ops::rms_norm(ao, w, s.norm)?,
+                        _ => self.o.fwd_again(&attn, xo.as_ref(), ctx)?,
+                    };
+                    ops::add_rms_norm(&x, &a, &self.post_norm, s.norm)
+                }
+            })?,
             None => {
-                let (da, half) = self.down.bwd_dx(&dmo, ctx, None)?; // [m, I]
-                let (dgate, dup, a) = s.act.glu_bwd_keep(&gate, &up, da)?;
-                keep(
-                    &self.down,
-                    self.down.bwd_grads(&a, &dmo, half, xd.as_ref(), ctx)?,
-                );
-                (dgate, dup)
-            }
-        };
-        drop((gate, up, dmo));
-        // [m, C] each: the residual as forward made it, kept or recomputed from o's kept
-        // adapter state (or, with Gemma's norm on o's output, that output), and its norm
-        // (add_rms_norm's values are those of add, then rms_norm)
-        let (hres, hn) = match residual {
-            Some(h) => {
-                let hn = ops::rms_norm(&h, &self.post_norm, s.norm)?;
-                (h, hn)
-            }
-            None => {
-                let a = match (&self.extra.attn_out_norm, &ao) {
-                    (Some(w), Some(ao)) => ops::rms_norm(ao, w, s.norm)?,
-                    _ => self.o.fwd_again(&attn, xo.as_ref(), ctx)?,
+                let (Some(h), Some(n)) = (residual, self.mlp_chunk(ctx, b * t)) else {
+                    candle_core::bail!("backward: a chunked MLP without its residual or chunk");
                 };
-                ops::add_rms_norm(&x, &a, &self.post_norm, s.norm)?
+                self.mlp_bwd_chunked(&h, &dy, ctx, n, &mut grads)?
             }
-        };
-        // gate's and up's GEMMs accumulate onto one dL/dhn: the sum needs no pass of its own
-        let gu: Vec<&Linear> = self.mlp_in.iter().collect();
-        let g = match nm {
-            1 => vec![Tensor::cat(&[&dgate, &dup], 1)?], // gate_up_proj's [m, 2I]
-            _ => vec![dgate, dup],
-        };
-        let xa: Vec<Option<&Tensor>> = xa_mlp.iter().map(Option::as_ref).collect();
-        let (dhn, g) = Linear::bwd_shared(&gu, &hn, g, &xa, ctx)?;
-        for (lin, g) in gu.iter().zip(g) {
-            keep(lin, g);
-        }
-        drop((hn, xa_mlp));
-        let dh = ops::rms_norm_bwd_add(&hres, &self.post_norm, s.norm, &dhn, &dy)?; // [m, C]
-        drop((dhn, hres, dy));
+        }; // [m, C]
+        drop(dy);
 
         // ---- attention: h = x + N_ao(o(attn)), attn = softmax(q kᵀ) v
         let dao = match (&self.extra.attn_out_norm, ao) {
@@ -420,7 +341,7 @@ impl Layer {
             (Some(_), None) => candle_core::bail!("backward: o's output was not kept"),
         };
         let (dattn, g) = self.o.bwd(&attn, &dao, xo.as_ref(), ctx, None)?; // [m, H·D]
-        keep(&self.o, g);
+        add_grad(&mut grads, &self.o, g)?;
         drop(dao);
         // δ = rowsum(dO ⊙ O), from the token-major rows both come in.
         let delta = ops::attention::attention_delta_rows(&dattn, &attn, b, t, h)?; // [B, H, T]
@@ -503,7 +424,7 @@ impl Layer {
             false => (None, Linear::grads_shared(&lins, &hn, g, &xa, ctx)?),
         };
         for (lin, g) in lins.iter().zip(g) {
-            keep(lin, g);
+            add_grad(&mut grads, lin, g)?;
         }
         drop(hn);
         let dx = match dhn {
@@ -515,6 +436,28 @@ impl Layer {
         };
         Ok((dx, grads))
     }
+}
+
+/// Adds a linear's adapter gradients (dL/dA, dL/dB, DoRA's dL/dm) into `grads`: summed onto what an
+/// earlier chunk of tokens left there.
+pub(super) fn add_grad(grads: &mut LayerGrads, lin: &Linear, g: AdapterGrad) -> Result<()> {
+    let (Some(lora), Some(g)) = (&lin.lora, g) else {
+        return Ok(());
+    };
+    let m = match (&lora.m, g.m) {
+        (Some(m), Some(dm)) => Some((m.id(), dm)),
+        _ => None,
+    };
+    for (id, d) in [(lora.a.id(), g.a), (lora.b.id(), g.b)]
+        .into_iter()
+        .chain(m)
+    {
+        match grads.iter_mut().find(|(i, _)| *i == id) {
+            Some((_, sum)) => *sum = (&*sum + d)?,
+            None => grads.push((id, d)),
+        }
+    }
+    Ok(())
 }
 
 /// A Vec of known length as an array.

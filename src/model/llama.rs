@@ -38,6 +38,8 @@ pub struct Ctx {
     pub folded: bool,
     /// The model's kernel choices (`Model::kernels`), which every op of the batch takes.
     pub kernels: Kernels,
+    /// `Model::mlp_chunk`.
+    pub mlp_chunk: Option<usize>,
 }
 
 impl Ctx {
@@ -116,6 +118,9 @@ pub struct Model {
     pub device: Device,
     /// Every kernel choice of the run (`Kernels::resolve`); each batch's `Ctx` carries a copy.
     pub kernels: Kernels,
+    /// Tokens per MLP chunk in checkpointed layers (`train.mlp_chunk`; model/layer_mlp.rs);
+    /// None: never chunked.
+    pub mlp_chunk: Option<usize>,
     /// The global RoPE's frequencies, and the sliding layers' where they differ (Gemma 3).
     rope: Freqs,
     rope_local: Option<Freqs>,
@@ -327,6 +332,7 @@ impl Model {
             dtype,
             device: device.clone(),
             kernels,
+            mlp_chunk: Some(super::layer_mlp::MLP_CHUNK),
             rope,
             rope_local,
         };
@@ -369,6 +375,7 @@ impl Model {
             dtype: self.dtype,
             device: self.device.clone(),
             kernels: self.kernels,
+            mlp_chunk: self.mlp_chunk,
             rope: self.rope.clone(),
             rope_local: self.rope_local.clone(),
         })
@@ -450,6 +457,7 @@ impl Model {
             adapter_buf,
             folded,
             kernels: self.kernels,
+            mlp_chunk: self.mlp_chunk,
         })
     }
 

@@ -10,6 +10,7 @@ pub mod check;
 pub mod config;
 pub mod family;
 pub mod layer;
+pub mod layer_mlp;
 pub mod layer_train;
 pub mod linear;
 pub mod llama;

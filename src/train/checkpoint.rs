@@ -40,13 +40,14 @@ pub const RNG: &str = "SplitMix64 streams keyed by seed: shuffle (seed, epoch); 
 const LOSS_TAIL: usize = 100;
 
 /// Recipe keys that do not change the numbers of a run: they may differ on resume.
-const FREE_KEYS: [&str; 15] = [
+const FREE_KEYS: [&str; 16] = [
     "train.resume",
     "train.max_memory",
     "train.log_every",
     "train.skip_nonfinite",
     // The same sums, in a fixed order or not.
     "train.deterministic",
+    "train.mlp_chunk",
     "train.activation_checkpointing",
     "train.offload_activations",
     "output.dir",

@@ -38,6 +38,9 @@ use std::borrow::Cow;
 pub enum Keep {
     /// The layer's input only: backward recomputes the layer (activation checkpointing).
     Input,
+    /// As `Input`, the inputs parked in host memory (train/offload.rs) until their layer's
+    /// recompute, so that device memory does not grow with layers × tokens.
+    InputParked,
     /// The activations; the residual h = x + o_proj(attn) is recomputed in backward (o_proj's
     /// GEMM again).
     Acts,
@@ -51,10 +54,21 @@ impl Keep {
     pub fn new(checkpointing: bool, offload: Option<bool>, dev: &Device) -> Keep {
         let offload = offload.unwrap_or(crate::recipe::OFFLOAD_ACTIVATIONS_DEFAULT);
         match (checkpointing, offload && dev.is_cuda()) {
-            (true, _) => Keep::Input,
+            (true, true) => Keep::InputParked,
+            (true, false) => Keep::Input,
             (false, true) => Keep::Offload,
             (false, false) => Keep::Acts,
         }
+    }
+
+    /// Whether forward keeps the layers' input only (activation checkpointing).
+    pub fn checkpointed(self) -> bool {
+        matches!(self, Keep::Input | Keep::InputParked)
+    }
+
+    /// Whether something waits for backward in host memory.
+    pub fn parks(self) -> bool {
+        matches!(self, Keep::Offload | Keep::InputParked)
     }
 }
 
@@ -148,6 +162,8 @@ impl Par<'_> {
 enum Saved {
     /// Checkpointed: the layer input only.
     Input(Tensor),
+    /// Checkpointed, the input parked in host memory.
+    Parked,
     /// Kept: what the layer's backward needs.
     Acts(LayerActs),
 }
@@ -297,7 +313,7 @@ fn forward(model: &Model, par: &Par, ctx: &Ctx, ids: &Tensor, keep: Keep) -> Res
     let mut saved = Vec::with_capacity(n_layers);
     let mut held = 0u64;
     let mut offload = match keep {
-        Keep::Offload => Some(Offload::new(dev, n_layers)?),
+        k if k.parks() => Some(Offload::new(dev, n_layers)?),
         _ => None,
     };
     let mut next = (n_layers > 0).then(|| par.layer(model, 0)).transpose()?;
@@ -315,7 +331,7 @@ fn forward(model: &Model, par: &Par, ctx: &Ctx, ids: &Tensor, keep: Keep) -> Res
             head = par.io_ahead(model)?;
         }
         let layer = par.resident(model, layer)?; // (the next gather overlaps the dequant)
-        let (y, acts) = layer.forward_train(&x, ctx, keep != Keep::Input)?;
+        let (y, acts) = layer.forward_train(&x, ctx, !keep.checkpointed())?;
         saved.push(match acts {
             Some(mut acts) => {
                 // The residual h: parked (but the last layer's, whose backward comes first),
@@ -328,10 +344,17 @@ fn forward(model: &Model, par: &Par, ctx: &Ctx, ids: &Tensor, keep: Keep) -> Res
                 held += acts.bytes() as u64;
                 Saved::Acts(acts)
             }
-            None => {
-                held += memory::tensor_bytes(&x);
-                Saved::Input(x)
-            }
+            // The input: parked (but the last layer's, whose recompute comes first), or kept.
+            None => match &mut offload {
+                Some(off) if l + 1 < n_layers => {
+                    off.put(l, x)?;
+                    Saved::Parked
+                }
+                _ => {
+                    held += memory::tensor_bytes(&x);
+                    Saved::Input(x)
+                }
+            },
         });
         x = y;
         memory::account_cpu(dev, held, "forward")?;
@@ -423,7 +446,16 @@ fn backward<'m>(
                 }
                 acts
             }
-            Some(Saved::Input(x)) => {
+            Some(saved @ (Saved::Input(_) | Saved::Parked)) => {
+                let x = match (saved, &mut back.offload) {
+                    (Saved::Input(x), _) => x,
+                    (_, Some(off)) => off.take(l)?,
+                    (_, None) => candle_core::bail!("driver: layer {l}'s input was not parked"),
+                };
+                // the layer below's input comes back while this layer runs
+                if let (Some(off), true) = (&mut back.offload, l > 0) {
+                    off.fetch(l - 1)?;
+                }
                 let acts = layer.recompute(&x, ctx)?;
                 memory::account_cpu(dev, back.held + acts.bytes() as u64, "backward")?;
                 acts
@@ -558,7 +590,7 @@ mod tests {
     use super::*;
     use candle_core::Device;
 
-    /// Checkpointing keeps inputs whatever the offload says; off CUDA nothing is parked.
+    /// Off CUDA nothing is parked: checkpointing keeps the inputs on the device.
     #[test]
     fn what_forward_keeps_follows_the_recipe() {
         let cpu = Device::Cpu;

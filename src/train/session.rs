@@ -145,10 +145,11 @@ impl Session {
         // (ops::fold), each layer padded before FSDP shards it.
         let kernels = run_kernels(&recipe, &files, &dev, dtype)?;
         let quant = recipe.quant().for_checkpoint(&files.config)?;
-        let (model, shards) = sharded_model(fsdp, quant, &*comm, &kernels, &mut |loaded| {
+        let (mut model, shards) = sharded_model(fsdp, quant, &*comm, &kernels, &mut |loaded| {
             Model::load_with(&files, dtype, &dev, &spec, seed, &kernels, loaded)
         })
         .with_context(|| format!("cannot load the model in {}", dir.display()))?;
+        model.mlp_chunk = recipe.mlp_chunk();
         if let Some((p, _)) = &init {
             export::load_adapter_weights(p, &model)
                 .with_context(|| format!("cannot load lora.init_adapter {}", p.display()))?;

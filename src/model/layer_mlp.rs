@@ -1,0 +1,279 @@
+//! A decoder layer's MLP half, y = h + N_mo(down(act(gate(hn), up(hn)))), hn = rms_norm(h):
+//! its training forward and hand-written backward, over all tokens at once or over chunks.
+//!
+//! Every op of the MLP half works on each token alone, so it can run over chunks of rows. At
+//! long T a checkpointed layer then holds one chunk's [n, I] gate, up and their gradients
+//! instead of [m, I] (Llama-3-8B at 384k tokens: 22 GB of bf16 gate and up alone). Chunks are
+//! used where the MLP's activations are not kept anyway: the forward of a checkpointed layer,
+//! and its backward, which recomputes each chunk's MLP from the residual h just before that
+//! chunk's backward (the FLOPs of recomputing it whole). y and dL/dh are the unchunked values
+//! row for row; the adapters' gradients, sums over the tokens, are summed chunk by chunk (f32).
+//!
+//! Shapes: m = B·T tokens, n tokens of a chunk, C hidden, I mlp.
+
+use super::layer::Layer;
+use super::layer_train::{add_grad, array, LayerGrads};
+use super::linear::Linear;
+use super::llama::Ctx;
+use crate::ops::{self, glu::Act};
+use candle_core::{Result, Tensor};
+
+/// Tokens per MLP chunk of a checkpointed layer (`train.mlp_chunk`'s default): gate and up of
+/// a chunk are 0.9 GiB in bf16 at Llama-3-8B (I = 14336); runs of up to this many tokens per
+/// micro-batch are not chunked.
+pub const MLP_CHUNK: usize = 16384;
+
+/// What the MLP half's forward keeps for its backward.
+pub(super) struct MlpActs {
+    gate: Tensor,       // [m, I] before the activation
+    up: Tensor,         // [m, I]
+    mo: Option<Tensor>, // [m, C] down_proj's output, before Gemma's norm on it
+    /// gate's and up's (or gate_up's) adapter states s·(m⊙x)Aᵀ [m, r], then down's.
+    xas: Vec<Option<Tensor>>,
+    xd: Option<Tensor>,
+}
+
+impl MlpActs {
+    pub(super) fn tensors(&self) -> impl Iterator<Item = &Tensor> {
+        [&self.gate, &self.up]
+            .into_iter()
+            .chain(&self.mo)
+            .chain(self.xas.iter().flatten())
+            .chain(&self.xd)
+    }
+}
+
+/// The MLP half's input.
+pub(super) enum MlpIn<'a> {
+    /// x and the attention half's output [m, C]: h = x + a is made in the norm's pass (a is
+    /// freed once the MLP's inputs are made).
+    Sum(&'a Tensor, Tensor),
+    /// h itself [m, C].
+    H(&'a Tensor),
+}
+
+impl Layer {
+    /// Tokens per chunk for the MLP half of a checkpointed layer over `m` tokens, None when it
+    /// runs whole: m within one chunk, or dropout on an MLP adapter (its masks are drawn over
+    /// the whole [m, in]).
+    pub(super) fn mlp_chunk(&self, ctx: &Ctx, m: usize) -> Option<usize> {
+        let n = ctx.mlp_chunk?;
+        let dropout = self.mlp_in.iter().chain([&self.down]);
+        (m > n && dropout.into_iter().all(|l| l.dropout(ctx).is_none())).then_some(n)
+    }
+
+    /// The MLP half's forward: (h [m, C], y [m, C] when `output`, the activations when `keep`).
+    /// Without `output` down_proj's GEMM is skipped (down's adapter state is all backward
+    /// uses; not with Gemma's norm on down's output, whose backward takes that output).
+    pub(super) fn mlp_fwd(
+        &self,
+        input: MlpIn,
+        ctx: &Ctx,
+        output: bool,
+        keep: bool,
+    ) -> Result<(Tensor, Option<Tensor>, Option<MlpActs>)> {
+        let s = self.spec;
+        // gate and up [m, I] each: their adapters' x Aᵀ as one GEMM; folded into the base
+        // GEMMs (ops::fold) when the norm writes padded rows
+        let gu: Vec<&Linear> = self.mlp_in.iter().collect();
+        let width = Linear::fold_width(&gu, ctx);
+        let (hres, outs) = match input {
+            MlpIn::Sum(x, a) => {
+                let folded = match width {
+                    Some(p) => ops::fold::add_rms_norm_pad(x, &a, &self.post_norm, s.norm, p)?,
+                    None => None,
+                }; // h [m, C], hn [m, C + pad]
+                match folded {
+                    Some((hres, xp)) => (hres, Linear::fwd_folded(&gu, &xp, ctx)?),
+                    None => {
+                        let (hres, hn) = ops::add_rms_norm(x, &a, &self.post_norm, s.norm)?;
+                        (hres, Linear::fwd_shared(&gu, &hn, ctx)?)
+                    }
+                }
+            }
+            MlpIn::H(h) => {
+                let folded = match width {
+                    Some(p) => ops::fold::rms_norm_pad(h, &self.post_norm, s.norm, p)?,
+                    None => None,
+                };
+                let outs = match folded {
+                    Some(xp) => Linear::fwd_folded(&gu, &xp, ctx)?,
+                    None => {
+                        let hn = ops::rms_norm(h, &self.post_norm, s.norm)?;
+                        Linear::fwd_shared(&gu, &hn, ctx)?
+                    }
+                };
+                (h.clone(), outs)
+            }
+        };
+        let (ys, xas): (Vec<Tensor>, Vec<Option<Tensor>>) = outs.into_iter().unzip();
+        let [gate, up] = self.split_gate_up(ys, 1)?;
+        let out_norm = self.extra.mlp_out_norm.as_ref();
+        let (y, xd, mo) = if output || out_norm.is_some() {
+            // Not accumulated onto h in the GEMM: h is kept for backward (and, unfolded, the
+            // adapter's small term would be rounded to bf16 against |h| before the base
+            // product joins it, and mostly lost).
+            let down = [&self.down];
+            let folded = match (Linear::fold_width(&down, ctx), s.act) {
+                (Some(p), Act::Silu) => ops::fold::swiglu_pad(&gate, &up, p)?,
+                _ => None,
+            }; // [m, I + pad]
+            let (mo, xd) = match folded {
+                Some(ap) => {
+                    let [o] = array(Linear::fwd_folded(&down, &ap, ctx)?)?;
+                    o
+                }
+                None => self.down.fwd(&s.act.glu(&gate, &up)?, ctx)?,
+            };
+            let (mo_kept, mo) = match out_norm {
+                Some(w) => {
+                    let n = ops::rms_norm(&mo, w, s.norm)?;
+                    (Some(mo), n)
+                }
+                None => (None, mo),
+            };
+            let y = output.then(|| ops::add(&hres, &mo)).transpose()?;
+            (y, xd, mo_kept)
+        } else {
+            let a = s.act.glu(&gate, &up)?; // [m, I]
+            (None, self.down.adapter_fwd(&a, ctx)?, None)
+        };
+        let acts = keep.then_some(MlpActs {
+            gate,
+            up,
+            mo,
+            xas,
+            xd,
+        });
+        Ok((hres, y, acts))
+    }
+
+    /// y [m, C] from h [m, C], the MLP half run over chunks of `n` rows.
+    pub(super) fn mlp_fwd_chunked(&self, h: &Tensor, ctx: &Ctx, n: usize) -> Result<Tensor> {
+        let m = h.dim(0)?;
+        let mut ys = Vec::with_capacity(m.div_ceil(n.max(1)));
+        for r in (0..m).step_by(n.max(1)) {
+            let hc = h.narrow(0, r, n.min(m - r))?; // [n, C]
+            match self.mlp_fwd(MlpIn::H(&hc), ctx, true, false)? {
+                (_, Some(y), _) => ys.push(y),
+                _ => candle_core::bail!("mlp_fwd_chunked: no output"),
+            }
+        }
+        Tensor::cat(&ys, 0)
+    }
+
+    /// The MLP half's backward from dL/dy [m, C] to dL/dgate and dL/dup [m, I] each (down's
+    /// and the activation's); down's gradients into `grads`.
+    fn mlp_bwd_down(
+        &self,
+        acts: &mut MlpActs,
+        dy: &Tensor,
+        ctx: &Ctx,
+        grads: &mut LayerGrads,
+    ) -> Result<(Tensor, Tensor)> {
+        let s = self.spec;
+        // dL/d(down's output): through Gemma's norm on it, else dy itself
+        let dmo = match (&self.extra.mlp_out_norm, acts.mo.take()) {
+            (Some(w), Some(mo)) => ops::rms_norm_bwd(&mo, w, s.norm, dy)?,
+            (None, _) => dy.clone(),
+            (Some(_), None) => candle_core::bail!("backward: down's output was not kept"),
+        };
+        let xd = acts.xd.take();
+        // Folded, down's backward and SwiGLU's are one GEMM and one pass (ops::fold). Else
+        // down's dL/da needs no a; a is recomputed in the activation's backward pass (over
+        // da's buffer) for down's adapter gradient alone.
+        let down = match s.act {
+            Act::Silu => {
+                self.down
+                    .bwd_swiglu_folded(&dmo, &acts.gate, &acts.up, xd.as_ref(), ctx)?
+            }
+            Act::GeluTanh => None,
+        };
+        match down {
+            Some((dgate, dup, g)) => {
+                add_grad(grads, &self.down, g)?;
+                Ok((dgate, dup)) // [m, I] each
+            }
+            None => {
+                let (da, half) = self.down.bwd_dx(&dmo, ctx, None)?; // [m, I]
+                let (dgate, dup, a) = s.act.glu_bwd_keep(&acts.gate, &acts.up, da)?;
+                let g = self.down.bwd_grads(&a, &dmo, half, xd.as_ref(), ctx)?;
+                add_grad(grads, &self.down, g)?;
+                Ok((dgate, dup))
+            }
+        }
+    }
+
+    /// gate's and up's backward, given h and hn = rms_norm(h) [m, C]: dL/dh [m, C] (dy, the
+    /// residual's share, included); their gradients into `grads`.
+    #[allow(clippy::too_many_arguments)]
+    fn mlp_bwd_in(
+        &self,
+        hres: &Tensor,
+        hn: Tensor,
+        (dgate, dup): (Tensor, Tensor),
+        xas: &[Option<Tensor>],
+        dy: &Tensor,
+        ctx: &Ctx,
+        grads: &mut LayerGrads,
+    ) -> Result<Tensor> {
+        // gate's and up's GEMMs accumulate onto one dL/dhn: the sum needs no pass of its own
+        let gu: Vec<&Linear> = self.mlp_in.iter().collect();
+        let g = match gu.len() {
+            1 => vec![Tensor::cat(&[&dgate, &dup], 1)?], // gate_up_proj's [m, 2I]
+            _ => vec![dgate, dup],
+        };
+        let xa: Vec<Option<&Tensor>> = xas.iter().map(Option::as_ref).collect();
+        let (dhn, g) = Linear::bwd_shared(&gu, &hn, g, &xa, ctx)?;
+        for (lin, g) in gu.iter().zip(g) {
+            add_grad(grads, lin, g)?;
+        }
+        drop(hn);
+        ops::rms_norm_bwd_add(hres, &self.post_norm, self.spec.norm, &dhn, dy) // [m, C]
+    }
+
+    /// The MLP half's backward over all m tokens from its kept activations: dL/dh [m, C].
+    /// `h_of` gives (h, hn), called after down's backward, when gate and up are freed (h is
+    /// recomputed there when the driver did not keep it).
+    pub(super) fn mlp_bwd(
+        &self,
+        mut acts: MlpActs,
+        dy: &Tensor,
+        ctx: &Ctx,
+        grads: &mut LayerGrads,
+        h_of: impl FnOnce() -> Result<(Tensor, Tensor)>,
+    ) -> Result<Tensor> {
+        let dgu = self.mlp_bwd_down(&mut acts, dy, ctx, grads)?;
+        let MlpActs { gate, up, xas, .. } = acts;
+        drop((gate, up));
+        let (hres, hn) = h_of()?;
+        self.mlp_bwd_in(&hres, hn, dgu, &xas, dy, ctx, grads)
+    }
+
+    /// The MLP half's backward over chunks of `n` rows of h and dL/dy [m, C]: each chunk's
+    /// MLP recomputed from its h, then its backward. dL/dh [m, C].
+    pub(super) fn mlp_bwd_chunked(
+        &self,
+        h: &Tensor,
+        dy: &Tensor,
+        ctx: &Ctx,
+        n: usize,
+        grads: &mut LayerGrads,
+    ) -> Result<Tensor> {
+        let m = h.dim(0)?;
+        let mut dh = Vec::with_capacity(m.div_ceil(n.max(1)));
+        for r in (0..m).step_by(n.max(1)) {
+            let len = n.min(m - r);
+            let (hc, dyc) = (h.narrow(0, r, len)?, dy.narrow(0, r, len)?); // [n, C]
+            let Some(mut acts) = self.mlp_fwd(MlpIn::H(&hc), ctx, false, true)?.2 else {
+                candle_core::bail!("mlp_bwd_chunked: no activations");
+            };
+            let dgu = self.mlp_bwd_down(&mut acts, &dyc, ctx, grads)?;
+            let MlpActs { gate, up, xas, .. } = acts;
+            drop((gate, up));
+            let hn = ops::rms_norm(&hc, &self.post_norm, self.spec.norm)?;
+            dh.push(self.mlp_bwd_in(&hc, hn, dgu, &xas, &dyc, ctx, grads)?);
+        }
+        Tensor::cat(&dh, 0)
+    }
+}
