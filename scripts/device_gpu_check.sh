@@ -353,6 +353,26 @@ PY
     --max-memory 24GiB --tag "qlora-7b-24gib-mb$mb$ck" --json "$OUT/qlora.jsonl" 2>&1 | tail -3
 fi
 
+# longctx: Llama-3-8B shape, micro-batch 1, checkpointed, bf16, under an 80 GiB cap: ours at
+#         LONG_T (default "32768 131072 262144") tokens, one step each after WARMUP (default 0)
+#         warmup steps, and transformers + PEFT (gradient checkpointing, sdpa) at PEFT_T (default
+#         "16384 32768 65536") under the same cap (set_per_process_memory_fraction)
+#         -> $OUT/longctx.jsonl. Not in the default set.
+if [[ $what == *" longctx "* ]]; then
+  L="--shape llama3-8b --micro-batch 1 --rank 16 --targets all --ckpt --max-memory 80GiB"
+  for t in ${LONG_T-32768 131072 262144}; do
+    echo "== lora-train long context T=$t"
+    timeout 560 $E .devbuild/lora-train bench $L --seq "$t" --steps 1 --warmup "${WARMUP:-0}" \
+      --tag "long-$t" --json "$OUT/longctx.jsonl" 2>&1 | tail -4
+  done
+  for t in ${PEFT_T-16384 32768 65536}; do
+    echo "== transformers + PEFT long context T=$t"
+    timeout 300 python3 scripts/bench_peft.py --shape llama3-8b --seq "$t" --batch 1 --rank 16 \
+      --targets all --ckpt --max-memory 80GiB --steps 1 --warmup 1 --tag "peft-long-$t" \
+      --json "$OUT/longctx.jsonl" 2>&1 | tail -3
+  done
+fi
+
 if [[ $what == *" bench "* ]]; then
   B="--shape llama2-7b --seq 2048 --rank 16 --steps 10 --warmup 3"
   IFS=';' read -ra cfgs <<< "${BENCH:-2 all;2 qv;8 all ckpt}"

@@ -258,6 +258,7 @@ fn run_rank(a: &BenchArgs, device: Device, comm: &dyn Comm) -> Result<serde_json
         kernels: kernels.for_base(a.quant),
         offload: Keep::new(false, a.offload, &a.device) == Keep::Offload,
         quant: a.quant,
+        mlp_chunk: Some(crate::model::layer_mlp::MLP_CHUNK),
     };
     let p = plan::plan(&input, 1, a.max_memory);
     let sel = (a.strategy, a.ckpt);

@@ -17,7 +17,11 @@
 //!   Llama-2-7B bf16, r 16 on all 7 linears: 85,344 B/token/layer.
 //! - checkpointing keeps (L + 1) layer boundaries of N·C·s (inputs + the last output), and one
 //!   layer's activations while that layer runs (forward) or is recomputed (backward), with its
-//!   residual h (N·C·s) until the MLP's backward is done.
+//!   residual h (N·C·s) until the MLP's backward is done. With offload (CUDA) the inputs but
+//!   the last layer's wait in pinned host memory ((L − 1)·N·C·s of `host`): 3 boundaries on the
+//!   device. Over N > `train.mlp_chunk` tokens the MLP runs in chunks of that many
+//!   (model/layer_mlp.rs): its gate and up (2·I) and backward workspace (3·I) count one chunk,
+//!   and the attention's backward N·s·(4C + 2·K·D) (dL/dy, dL/dh, dL/d(attn), dq, dk, dv).
 //! - offload (`train.offload_activations`, on by default with CUDA; without checkpointing):
 //!   each layer's residual h waits for its backward in pinned host memory, (L − 1)·N·C·s of it
 //!   (`host`; the last layer's stays on the device). On the device one more N·C·s in forward
@@ -133,6 +137,8 @@ pub struct PlanInput {
     /// How the base is stored (`[model] quantize`): NF4 linears at `nf4::bytes_for` each,
     /// dequantized for the current and the next layer.
     pub quant: crate::quant::Quant,
+    /// Tokens per MLP chunk of a checkpointed layer (`train.mlp_chunk`; None: whole).
+    pub mlp_chunk: Option<usize>,
 }
 
 /// One strategy's per-rank bytes.
@@ -371,12 +377,22 @@ pub fn breakdown(p: &PlanInput, strategy: Strategy, ckpt: bool, micro_batch: usi
     } else {
         (0, 0)
     };
-    let layer_act = kept_per_token_layer(cfg, s, p.rank, &p.targets) * n;
+    let i = cfg.intermediate_size as u64;
+    // A checkpointed layer's MLP over chunks of `chunk` tokens (model/layer_mlp.rs): its
+    // gate and up exist for one chunk.
+    let chunk = match (ckpt, p.mlp_chunk) {
+        (true, Some(k)) if n > k as u64 => k as u64,
+        _ => n,
+    };
+    let layer_act = kept_per_token_layer(cfg, s, p.rank, &p.targets) * n - 2 * i * s * (n - chunk);
     let boundary = n * c * s; // one [B, T, C] tensor
-    let kept = if ckpt {
-        (l + 1) * boundary
-    } else {
-        l * layer_act
+                              // Checkpointed with offload: the inputs parked in host memory but the last layer's; on
+                              // the device that one, the last output and one on its way out (forward) or back.
+    let parked = ckpt && p.offload;
+    let kept = match (ckpt, parked) {
+        (true, true) => 3 * boundary,
+        (true, false) => (l + 1) * boundary,
+        (false, _) => l * layer_act,
     };
     let steady = base + adapters + optimizer;
     let scores = (b * cfg.num_heads as u64 * t * t * 2).min(ATTN_BLOCK);
@@ -385,7 +401,7 @@ pub fn breakdown(p: &PlanInput, strategy: Strategy, ckpt: bool, micro_batch: usi
     } else {
         3 * scores
     };
-    let fwd_ws = attn_ws.max(n * s * (3 * c + cfg.intermediate_size as u64));
+    let fwd_ws = attn_ws.max(n * s * 3 * c + chunk * s * i);
     // Logit-sized buffers of one head chunk: the fused kernel's logits and dL/dlogits in the
     // activation dtype, or the op chain's HEAD_CHUNKS f32 ones.
     let per_logit = if p.kernels.cross_entropy == CrossEntropy::Fused {
@@ -394,8 +410,14 @@ pub fn breakdown(p: &PlanInput, strategy: Strategy, ckpt: bool, micro_batch: usi
         HEAD_CHUNKS * 4.0
     };
     let head_ws = (per_logit * HEAD_CHUNK_LOGITS.min(n * v) as f64) as u64 + 2 * boundary;
-    let i = cfg.intermediate_size as u64;
-    let bwd_ws = (BWD_WS * (n * s * (2 * c + 3 * i)) as f64) as u64;
+    // Chunked, the MLP's [chunk, I] gradients, and the attention's backward over all tokens:
+    // dL/dy, dL/dh, dL/d(attn), dq ([N, C] each), dk and dv ([N, K·D]).
+    let kd = (cfg.num_kv_heads * cfg.head_dim) as u64;
+    let bwd_ws = match chunk < n {
+        true => n * s * (4 * c + 2 * kd) + chunk * s * 3 * i,
+        false => n * s * (2 * c + 3 * i),
+    };
+    let bwd_ws = (BWD_WS * bwd_ws as f64) as u64;
     // Backward's residuals: the recomputed layer's (checkpointing), or, offloaded, the
     // layer's own, back from the host, and the next one on its way back; both alive through
     // the MLP's backward, where a recomputed residual does not exist yet.
@@ -406,7 +428,7 @@ pub fn breakdown(p: &PlanInput, strategy: Strategy, ckpt: bool, micro_batch: usi
         (false, true) => 2 * boundary,
         (false, false) => 0,
     };
-    let host = if offload {
+    let host = if offload || parked {
         l.saturating_sub(1) * boundary
     } else {
         0
@@ -634,6 +656,7 @@ pub fn input_from_shape(
         cuda: true,
         offload: true,
         quant: crate::quant::Quant::NONE,
+        mlp_chunk: Some(crate::model::layer_mlp::MLP_CHUNK),
     })
 }
 
@@ -692,6 +715,8 @@ pub fn input_from_recipe(
         kernels: kernels.for_adapters(r.lora.use_dora).for_base(r.quant()),
         offload: cuda && r.train.offload_activations.unwrap_or(true),
         quant: r.quant(),
+        // LoRA dropout keeps the MLP whole (where an MLP linear is adapted)
+        mlp_chunk: r.mlp_chunk().filter(|_| r.lora.dropout == 0.0),
     })
 }
 

@@ -22,6 +22,7 @@ fn input(mb: usize, gpus: usize) -> PlanInput {
         kernels: Kernels::fallback(),
         offload: false,
         quant: crate::quant::Quant::NONE,
+        mlp_chunk: None,
     }
 }
 
@@ -158,8 +159,34 @@ fn offloaded_residuals_cost_two_on_the_device_and_the_rest_on_the_host() {
     assert_eq!(off.phases[1].1 - kept.phases[1].1, 33_554_432);
     assert_eq!(off.pool_peak - kept.pool_peak, 2 * 33_554_432);
     assert_eq!(off.peak_phase, "backward");
-    // Checkpointing parks nothing.
-    assert_eq!(breakdown(&p, Strategy::Single, true, 2).host, 0);
+    // Checkpointed, the layer inputs are parked but the last layer's (31 of 32 · 8192 · 4096
+    // · 2 = 67108864 B at micro-batch 4); on the device 3 boundaries instead of 33.
+    let ck = breakdown(&p, Strategy::Single, true, 4);
+    assert_eq!(ck.host, 31 * 67_108_864);
+    p.offload = false;
+    let ck_kept = breakdown(&p, Strategy::Single, true, 4);
+    assert_eq!(ck_kept.host, 0);
+    assert_eq!(ck_kept.pool_peak - ck.pool_peak, 30 * 67_108_864);
+}
+
+#[test]
+fn a_long_context_step_counts_one_mlp_chunk() {
+    // Llama-2-7B, 64k tokens, checkpointed, offloaded: with chunks of 16384 tokens the
+    // recomputed layer's gate and up (2 · 11008 · 2 B a token) count 16384 tokens, not 65536,
+    // and the backward's MLP workspace (3 · 11008 · 2 B a token) the same.
+    let mut p = input(1, 1);
+    p.seq_len = 65536;
+    p.offload = true;
+    let whole = breakdown(&p, Strategy::Single, true, 1);
+    p.mlp_chunk = Some(16384);
+    let chunked = breakdown(&p, Strategy::Single, true, 1);
+    let per_tok = 2 * 11008 * 2 + 3 * 11008 * 2; // gate, up kept; dgate, dup, da
+    let attn_bwd = 65536 * 2 * (2 * 4096 + 2 * 4096); // dL/d(attn), dq, dk, dv over all tokens
+    assert_eq!(whole.peak_phase, "backward");
+    assert_eq!(
+        whole.pool_peak - chunked.pool_peak,
+        (65536 - 16384) * per_tok - attn_bwd
+    );
 }
 
 #[test]
