@@ -478,7 +478,7 @@ fn measure(
         "resident_base_gib": r2(crate::parallel::fsdp::resident_base_bytes(&model, shards.as_ref()) as f64 / GIB),
         "device": format!("{:?}", a.device.location()),
         "shape": a.shape, "seq": t, "micro_batch": b, "lora_rank": a.rank,
-        "targets": a.targets, "ckpt": a.ckpt, "offload": keep == Keep::Offload, "attn": attn,
+        "targets": a.targets, "ckpt": a.ckpt, "offload": keep.parks(), "attn": attn,
         "trainable_params": trainable, "base_linear_params": n_linear,
         "load_s": r2(load_s), "after_load_gib": after_load.map(r2),
         "peak_alloc_gib": peak.map(|_| r2(peak_alloc)),
