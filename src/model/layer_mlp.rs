@@ -58,8 +58,8 @@ impl Layer {
     /// the whole [m, in]).
     pub(super) fn mlp_chunk(&self, ctx: &Ctx, m: usize) -> Option<usize> {
         let n = ctx.mlp_chunk?;
-        let dropout = self.mlp_in.iter().chain([&self.down]);
-        (m > n && dropout.into_iter().all(|l| l.dropout(ctx).is_none())).then_some(n)
+        let mut linears = self.mlp_in.iter().chain([&self.down]);
+        (m > n && linears.all(|l| l.dropout(ctx).is_none())).then_some(n)
     }
 
     /// The MLP half's forward: (h [m, C], y [m, C] when `output`, the activations when `keep`).
@@ -265,14 +265,16 @@ impl Layer {
         for r in (0..m).step_by(n.max(1)) {
             let len = n.min(m - r);
             let (hc, dyc) = (h.narrow(0, r, len)?, dy.narrow(0, r, len)?); // [n, C]
-            let Some(mut acts) = self.mlp_fwd(MlpIn::H(&hc), ctx, false, true)?.2 else {
+            let Some(acts) = self.mlp_fwd(MlpIn::H(&hc), ctx, false, true)?.2 else {
                 candle_core::bail!("mlp_bwd_chunked: no activations");
             };
-            let dgu = self.mlp_bwd_down(&mut acts, &dyc, ctx, grads)?;
-            let MlpActs { gate, up, xas, .. } = acts;
-            drop((gate, up));
-            let hn = ops::rms_norm(&hc, &self.post_norm, self.spec.norm)?;
-            dh.push(self.mlp_bwd_in(&hc, hn, dgu, &xas, &dyc, ctx, grads)?);
+            let hn = || {
+                Ok((
+                    hc.clone(),
+                    ops::rms_norm(&hc, &self.post_norm, self.spec.norm)?,
+                ))
+            };
+            dh.push(self.mlp_bwd(acts, &dyc, ctx, grads, hn)?);
         }
         Tensor::cat(&dh, 0)
     }
