@@ -45,7 +45,12 @@ SHAPES = {
     "tiny": _llama(256, 688, 4, 8, 8, 32000, 1e4),
     "llama2-7b": _llama(4096, 11008, 32, 32, 32, 32000, 1e4),
     "llama2-13b": _llama(5120, 13824, 40, 40, 40, 32000, 1e4),
-    "llama3-8b": _llama(4096, 14336, 32, 32, 8, 128256, 5e5),
+    # meta-llama/Llama-3.1-8B: llama3 rope scaling to 131072 positions
+    "llama3-8b": ("llama", dict(_llama(4096, 14336, 32, 32, 8, 128256, 5e5)[1],
+                                max_position_embeddings=131072,
+                                rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                              "original_max_position_embeddings": 8192})),
     "llama2-70b": _llama(8192, 28672, 80, 64, 8, 32000, 1e4),
     # Qwen/Qwen3-8B
     "qwen3-8b": ("qwen3", dict(
@@ -152,8 +157,9 @@ def gib(s):
 
 
 def flops_per_token(n_linear, layers, hidden, seq, ckpt):
-    fwd = 2 * n_linear + 4 * layers * seq * hidden
-    bwd = 2 * n_linear + 8 * layers * seq * hidden
+    # attention counted causally: a token attends to seq / 2 keys on average
+    fwd = 2 * n_linear + 2 * layers * seq * hidden
+    bwd = 2 * n_linear + 4 * layers * seq * hidden
     return fwd + bwd + (fwd if ckpt else 0)
 
 

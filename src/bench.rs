@@ -102,7 +102,15 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
         "llama2-7b" => llama(4096, 11008, 32, 32, 32, 32000, 1e4),
         "llama2-13b" => llama(5120, 13824, 40, 40, 40, 32000, 1e4),
         "llama2-70b" => llama(8192, 28672, 80, 64, 8, 32000, 1e4),
-        "llama3-8b" => llama(4096, 14336, 32, 32, 8, 128256, 5e5),
+        // meta-llama/Llama-3.1-8B: llama3 rope scaling to 131072 positions
+        "llama3-8b" => {
+            let mut c = llama(4096, 14336, 32, 32, 8, 128256, 5e5);
+            c["max_position_embeddings"] = json!(131072);
+            c["rope_scaling"] = json!({"rope_type": "llama3", "factor": 8.0,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192});
+            c
+        }
         // Qwen/Qwen3-8B
         "qwen3-8b" => json!({"model_type": "qwen3", "hidden_size": 4096,
             "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
@@ -177,7 +185,8 @@ pub fn base_linear_params(cfg: &ModelConfig) -> usize {
 }
 
 /// scripts/bench_peft.py's model FLOPs per trained token: frozen base, so backward computes
-/// activation gradients (2N) but no weight gradients; attention counted in full.
+/// activation gradients (2N) but no weight gradients. Attention is counted causally: a token
+/// attends to T/2 keys on average, so QKᵀ and PV cost 2·T·C a layer forward (4·T·C backward).
 pub fn flops_per_token(
     n_linear: usize,
     layers: usize,
@@ -185,8 +194,9 @@ pub fn flops_per_token(
     seq: usize,
     ckpt: bool,
 ) -> f64 {
-    let fwd = 2.0 * n_linear as f64 + 4.0 * (layers * seq * hidden) as f64;
-    let bwd = 2.0 * n_linear as f64 + 8.0 * (layers * seq * hidden) as f64;
+    let attn = (layers * seq * hidden) as f64;
+    let fwd = 2.0 * n_linear as f64 + 2.0 * attn;
+    let bwd = 2.0 * n_linear as f64 + 4.0 * attn;
     fwd + bwd + if ckpt { fwd } else { 0.0 }
 }
 
@@ -402,7 +412,10 @@ fn measure(
             if step == a.warmup {
                 engine.meter = memory::PhaseMeter::default();
             }
-            if step < total && saves(step) {
+            // The timed window opens when the last warm-up step is read: it is read before
+            // the first timed step is queued, or a host that blocks while it queues (e.g. on
+            // parked inputs at long T) would open the window late.
+            if step < total && (saves(step) || (step == a.warmup && step > 0)) {
                 if let Some(p) = pending.take() {
                     finish(&mut engine, &mut opt, &mut clock, p, step)?;
                 }

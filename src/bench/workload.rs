@@ -47,7 +47,7 @@ pub fn targets_per_row(t: usize, pack: usize) -> usize {
 
 /// The model FLOPs one trained token costs in this configuration, counted as
 /// `bench::flops_per_token` counts the plain step's (frozen base: 2 per weight forward, 2 for
-/// dL/dx backward; attention in full over the `seq` an example attends to) and adding what it
+/// dL/dx backward; attention causal over the `seq` an example attends to) and adding what it
 /// leaves out: the adapters' products (6·r·(in + out) a token and linear: x Aᵀ, (x Aᵀ) Bᵀ; their
 /// dL/dx terms, dA and dB), the recompute of checkpointing, and the eval forwards (`eval`
 /// tokens each `eval_every` steps of `step` trained tokens).
@@ -67,8 +67,8 @@ impl Work {
     pub fn flops_per_token(&self) -> f64 {
         let attn = (self.layers * self.seq * self.hidden) as f64;
         let (base, ad) = (2.0 * self.n_linear as f64, 2.0 * self.adapter as f64);
-        let fwd = base + ad + 4.0 * attn;
-        let bwd = base + 2.0 * ad + 8.0 * attn;
+        let fwd = base + ad + 2.0 * attn;
+        let bwd = base + 2.0 * ad + 4.0 * attn;
         let eval = match self.eval_every {
             0 => 0.0,
             n => fwd * self.eval_tokens as f64 / (n * self.step_tokens.max(1)) as f64,
@@ -248,9 +248,9 @@ mod tests {
         let attn = 2.0 * 16.0 * 8.0;
         let plain = crate::bench::flops_per_token(1000, 2, 8, 16, false);
         assert_eq!(w.flops_per_token(), plain + 6.0 * 100.0);
-        assert!((plain - (4000.0 + 12.0 * attn)).abs() < 1e-9);
+        assert!((plain - (4000.0 + 6.0 * attn)).abs() < 1e-9);
         let ck = Work { ckpt: true, ..w };
-        let fwd = 2000.0 + 200.0 + 4.0 * attn;
+        let fwd = 2000.0 + 200.0 + 2.0 * attn;
         assert_eq!(ck.flops_per_token(), plain + 600.0 + fwd);
         let ev = Work {
             eval_tokens: 32,

@@ -11,6 +11,8 @@ pub struct Advice {
     pub ckpt: Option<bool>,
     pub micro_batch: Option<usize>,
     pub grad_accum: Option<usize>,
+    /// The longest seq_len any row holds at micro-batch 1 (`longest`).
+    pub max_seq_len: Option<usize>,
     pub lines: Vec<String>,
 }
 
@@ -29,6 +31,7 @@ pub fn advise(
         ckpt: None,
         micro_batch: None,
         grad_accum: None,
+        max_seq_len: None,
         lines: Vec::new(),
     };
     let find = |st: Strategy, ck: bool| rows.iter().find(|r| r.b.strategy == st && r.b.ckpt == ck);
@@ -133,6 +136,40 @@ pub fn advise(
         ),
     }
     a
+}
+
+/// The row that holds the longest context: the largest `max_seq_len` (the first such in the
+/// plan's order), with that seq_len.
+pub fn longest(rows: &[Row]) -> Option<(&Row, usize)> {
+    let mut best: Option<(&Row, usize)> = None;
+    for r in rows {
+        if let Some(t) = r.max_seq_len {
+            if best.is_none_or(|(_, b)| t > b) {
+                best = Some((r, t));
+            }
+        }
+    }
+    best
+}
+
+/// The advice line of the longest context: `t` tokens on row `r`, whose breakdown there is
+/// `at`; past the model's `max_positions` it says so.
+pub fn longest_line(r: &Row, t: usize, at: &super::Breakdown, max_positions: usize) -> String {
+    let host = match at.host {
+        0 => String::new(),
+        h => format!(" and {} of pinned host memory", fmt_bytes(h)),
+    };
+    let mut line = format!(
+        "longest context: data.seq_len = {t} at micro-batch 1 with {} ({} per rank{host})",
+        label(&r.b),
+        fmt_bytes(at.total)
+    );
+    if t > max_positions {
+        line.push_str(&format!(
+            "; past the model's max_position_embeddings ({max_positions}) positions are beyond its training"
+        ));
+    }
+    line
 }
 
 /// What to change when the run's row (`selected`) does not fit: concrete settings, each with

@@ -535,11 +535,40 @@ pub fn max_micro_batch(
     capacity: u64,
     limit: usize,
 ) -> Option<usize> {
-    let fits = |mb: usize| breakdown(p, strategy, ckpt, mb).total <= capacity;
-    if !fits(1) {
+    largest(limit, |mb| {
+        breakdown(p, strategy, ckpt, mb).total <= capacity
+    })
+}
+
+/// seq_len is searched in steps of this many tokens.
+pub const SEQ_STEP: usize = 1024;
+
+/// The longest seq_len (a multiple of `SEQ_STEP`, up to `limit`) whose total at micro-batch 1
+/// fits `capacity`; None if `SEQ_STEP` tokens do not.
+pub fn max_seq_len(
+    p: &PlanInput,
+    strategy: Strategy,
+    ckpt: bool,
+    capacity: u64,
+    limit: usize,
+) -> Option<usize> {
+    let fits = |k: usize| {
+        let at = PlanInput {
+            seq_len: k * SEQ_STEP,
+            ..p.clone()
+        };
+        breakdown(&at, strategy, ckpt, 1).total <= capacity
+    };
+    largest(limit / SEQ_STEP, fits).map(|k| k * SEQ_STEP)
+}
+
+/// The largest n in 1..=limit with `fits(n)`, for a `fits` that holds up to some n and
+/// not above it (totals grow with micro-batch and seq_len): double, then bisect. None if
+/// `fits(1)` does not hold.
+fn largest(limit: usize, fits: impl Fn(usize) -> bool) -> Option<usize> {
+    if limit == 0 || !fits(1) {
         return None;
     }
-    // Totals grow with the micro-batch: double, then bisect.
     let mut lo = 1;
     while lo < limit && fits((lo * 2).min(limit)) {
         lo = (lo * 2).min(limit);
@@ -567,6 +596,9 @@ pub struct Row {
     pub fits: Option<bool>,
     /// The largest micro-batch that fits (None: no capacity, or not even 1).
     pub max_micro_batch: Option<usize>,
+    /// The longest seq_len that fits at micro-batch 1 (None: no capacity, or not even
+    /// `SEQ_STEP` tokens).
+    pub max_seq_len: Option<usize>,
 }
 
 /// The whole plan: rows for every strategy × checkpointing, and advice.
@@ -589,6 +621,8 @@ pub struct Plan {
 
 /// Largest micro-batch searched.
 pub const MB_LIMIT: usize = 4096;
+/// Longest seq_len searched: the recipe's bound.
+pub const SEQ_LIMIT: usize = crate::recipe::bounds::MAX_SEQ_LEN;
 
 pub fn plan(p: &PlanInput, grad_accum: usize, capacity: Option<u64>) -> Plan {
     let mut rows = Vec::new();
@@ -598,11 +632,22 @@ pub fn plan(p: &PlanInput, grad_accum: usize, capacity: Option<u64>) -> Plan {
             rows.push(Row {
                 fits: capacity.map(|c| b.total <= c),
                 max_micro_batch: capacity.and_then(|c| max_micro_batch(p, st, ckpt, c, MB_LIMIT)),
+                max_seq_len: capacity.and_then(|c| max_seq_len(p, st, ckpt, c, SEQ_LIMIT)),
                 b,
             });
         }
     }
-    let advice = advise(&rows, p.micro_batch, grad_accum, capacity);
+    let mut advice = advise(&rows, p.micro_batch, grad_accum, capacity);
+    if let Some((r, t)) = advice::longest(&rows) {
+        let at = PlanInput {
+            seq_len: t,
+            ..p.clone()
+        };
+        let b = breakdown(&at, r.b.strategy, r.b.ckpt, 1);
+        let max_pos = p.cfg.max_position_embeddings;
+        advice.max_seq_len = Some(t);
+        advice.lines.push(advice::longest_line(r, t, &b, max_pos));
+    }
     Plan {
         micro_batch: p.micro_batch,
         grad_accum,

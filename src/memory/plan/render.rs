@@ -1,6 +1,6 @@
 //! The plan for people (`render`: the table and the advice) and for machines (`to_json`).
 
-use super::{row, strategy_name, Breakdown, Plan, Row, GIB, MB_LIMIT, MIB};
+use super::{row, strategy_name, Breakdown, Plan, Row, GIB, MB_LIMIT, MIB, SEQ_LIMIT, SEQ_STEP};
 use crate::recipe::Strategy;
 
 /// e.g. "fsdp ×2 + ckpt".
@@ -61,6 +61,7 @@ pub fn render(p: &Plan, selected: (Strategy, bool)) -> String {
         "peak in",
         "fits",
         "max mb",
+        "max seq",
         "",
     ];
     let mut table: Vec<Vec<String>> = vec![head.iter().map(|s| s.to_string()).collect()];
@@ -87,6 +88,12 @@ pub fn render(p: &Plan, selected: (Strategy, bool)) -> String {
                 (_, None) => "none".into(),
                 (_, Some(m)) if m >= MB_LIMIT => format!("≥{m}"),
                 (_, Some(m)) => m.to_string(),
+            },
+            match (r.fits, r.max_seq_len) {
+                (None, _) => "-".into(),
+                (_, None) => "none".into(),
+                (_, Some(t)) if t >= SEQ_LIMIT => format!("≥{t}"),
+                (_, Some(t)) => t.to_string(),
             },
             match mine(b) {
                 true => "*".into(),
@@ -143,7 +150,7 @@ pub fn render(p: &Plan, selected: (Strategy, bool)) -> String {
     out.push_str("ctx+slack: CUDA context 512 MiB + what the pool reserves beyond its peak (14%, NF4 23%); \"peak in\" names the phase with the pool's high-water mark\n");
     if let Some(h) = p.rows.iter().map(|r| r.b.host).max().filter(|&h| h > 0) {
         out.push_str(&format!(
-            "host: {} pinned per rank without checkpointing (the layers' residuals, parked until their backward: train.offload_activations)\n",
+            "host: {} pinned per rank (train.offload_activations: each layer's residual without checkpointing, its input with it, parked until its backward)\n",
             fmt_bytes(h)
         ));
     }
@@ -190,7 +197,9 @@ fn legend(p: &Plan) -> String {
          fsdp gather: the gathered layers; total: what must fit per rank; fits: total ≤ capacity; \
          max mb: the largest micro-batch that fits at this seq_len",
     );
-    s.push_str(&format!(" (≥{MB_LIMIT}: at least the search limit)\n"));
+    s.push_str(&format!(
+        " (≥{MB_LIMIT}: at least the search limit); max seq: the longest seq_len (a multiple of {SEQ_STEP}) that fits at micro-batch 1\n"
+    ));
     if p.capacity.is_none() {
         s.push_str("(no capacity: fits and max mb need --gpu-mem or train.max_memory)\n");
     }
@@ -219,7 +228,7 @@ fn row_json(r: &Row) -> serde_json::Value {
         // Comparable with `lora-train bench`'s peak_alloc_gib and phases.*_peak_gib.
         "peak_alloc_gib": gib(b.pool_peak), "total_gib": gib(b.total),
         "peak_phase": b.peak_phase, "phases": phases,
-        "fits": r.fits, "max_micro_batch": r.max_micro_batch,
+        "fits": r.fits, "max_micro_batch": r.max_micro_batch, "max_seq_len": r.max_seq_len,
     })
 }
 
@@ -236,7 +245,7 @@ pub fn to_json(p: &Plan, selected: (Strategy, bool)) -> serde_json::Value {
         "advice": {
             "strategy": p.advice.strategy.map(strategy_name), "ckpt": p.advice.ckpt,
             "micro_batch": p.advice.micro_batch, "grad_accum": p.advice.grad_accum,
-            "lines": p.advice.lines,
+            "max_seq_len": p.advice.max_seq_len, "lines": p.advice.lines,
         },
     })
 }

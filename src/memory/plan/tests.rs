@@ -252,6 +252,54 @@ fn max_micro_batch_is_the_knee() {
     );
 }
 
+#[test]
+fn max_seq_len_is_the_knee_and_the_advice_names_it() {
+    // Llama-3.1-8B on the tensor-core kernels, checkpointed with parked inputs and the
+    // chunked MLP: the long-context row of #30.
+    let mut p = input_from_shape("llama3-8b", 4096, 1, 16, all(), 1).unwrap();
+    p.kernels = Kernels::forecast(true, candle_core::DType::BF16, p.cfg.attn_shape());
+    let cap = 80 * GIB;
+    let t = max_seq_len(&p, Strategy::Single, true, cap, SEQ_LIMIT).unwrap();
+    assert_eq!(t % SEQ_STEP, 0);
+    let at = |seq: usize| {
+        let q = PlanInput {
+            seq_len: seq,
+            ..p.clone()
+        };
+        breakdown(&q, Strategy::Single, true, 1)
+    };
+    assert!(at(t).total <= cap && at(t + SEQ_STEP).total > cap);
+    // Kept state is linear in T with checkpointing: the 8B's 15 GiB base leaves room for
+    // over half a million tokens; the measured 393,216 (52.1 GiB peak) is inside it.
+    assert!((393_216..1 << 20).contains(&t), "{t}");
+    // Without checkpointing every layer keeps its activations: far shorter.
+    let plain = max_seq_len(&p, Strategy::Single, false, cap, SEQ_LIMIT).unwrap();
+    assert!(plain * 8 < t, "{plain} vs {t}");
+    // The parked inputs need host memory: (L − 1) boundaries of T × C bf16.
+    assert_eq!(at(t).host, 31 * t as u64 * 4096 * 2);
+    let pl = plan(&p, 1, Some(cap));
+    assert_eq!(pl.advice.max_seq_len, Some(t));
+    let line = pl.advice.lines.last().unwrap();
+    assert!(line.contains(&format!("data.seq_len = {t}")), "{line}");
+    assert!(
+        line.contains("single + ckpt") && line.contains("pinned host"),
+        "{line}"
+    );
+    assert!(line.contains("max_position_embeddings (131072)"), "{line}");
+    // A capacity below the base holds no context at all; no line is added.
+    assert_eq!(
+        max_seq_len(&p, Strategy::Single, true, 8 * GIB, SEQ_LIMIT),
+        None
+    );
+    let small = plan(&p, 1, Some(8 * GIB));
+    assert_eq!(small.advice.max_seq_len, None);
+    assert!(!small
+        .advice
+        .lines
+        .iter()
+        .any(|l| l.contains("longest context")));
+}
+
 fn rows_at(p: &PlanInput, cap: u64) -> Vec<Row> {
     plan(p, 4, Some(cap)).rows
 }
