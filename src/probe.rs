@@ -1,7 +1,13 @@
 //! `lora-train probe`: the smoke ramp. One full training step (forward, head, backward,
-//! optimizer: train::step's engine, as training runs it) at micro-batch 1 and seq 64, then seq doubling up to the recipe's seq_len, then
-//! micro-batch doubling, each with the device pool's peak per phase, until the first
-//! allocation failure: the knee (the last shape that ran) and the phase that broke.
+//! optimizer: train::step's engine, as training runs it) at micro-batch 1 and seq 64, then seq
+//! doubling up to the recipe's seq_len, then micro-batch doubling, each with the device pool's
+//! peak per phase, until the first allocation failure: the knee (the last shape that ran) and
+//! the phase that broke.
+//!
+//! The context ramp (`Ramp::Seq`, `probe --max-seq N`) stays at micro-batch 1 and doubles seq
+//! past the recipe's seq_len up to N; after the first failure it bisects between the knee and
+//! the failure (`refine` times, at multiples of 64 tokens), so the knee is the longest context
+//! the card holds to within a fraction of the last doubling.
 //!
 //! The model is the recipe's (weights loaded, adapters fresh); the data are random token ids
 //! of each shape (the memory of a step depends on the shapes only). On the CPU there are no
@@ -48,6 +54,30 @@ pub struct ProbeReport {
     pub capacity: Option<u64>,
 }
 
+/// Which ramp a probe runs.
+#[derive(Debug, Clone, Copy)]
+pub enum Ramp {
+    /// seq doubling up to the recipe's seq_len, then micro-batch doubling up to this.
+    Batch { max_micro_batch: usize },
+    /// seq doubling at micro-batch 1 up to `max_seq`, then `refine` bisection steps.
+    Seq { max_seq: usize, refine: usize },
+}
+
+/// The seq rungs of the bisection run at multiples of this.
+pub const SEQ_GRAIN: usize = 64;
+
+/// The context ramp's first shapes: seq doubling from 64 (or `max_seq`) up to `max_seq`.
+pub fn seq_ramp(max_seq: usize) -> Vec<(usize, usize)> {
+    ramp(max_seq, 1)
+}
+
+/// The next rung of the bisection between a seq that ran (`lo`) and one that failed (`hi`):
+/// their midpoint at a multiple of `SEQ_GRAIN`, None when no such point lies between them.
+pub fn bisect(lo: usize, hi: usize) -> Option<usize> {
+    let mid = (lo + hi) / 2 / SEQ_GRAIN * SEQ_GRAIN;
+    (mid > lo && mid < hi).then_some(mid)
+}
+
 /// The ramp's shapes: (micro-batch, seq).
 pub fn ramp(seq_len: usize, max_micro_batch: usize) -> Vec<(usize, usize)> {
     let mut out = Vec::new();
@@ -65,7 +95,7 @@ pub fn ramp(seq_len: usize, max_micro_batch: usize) -> Vec<(usize, usize)> {
     out
 }
 
-pub fn run(recipe: &Recipe, max_micro_batch: usize) -> Result<ProbeReport> {
+pub fn run(recipe: &Recipe, ramp: Ramp) -> Result<ProbeReport> {
     let (dev, dtype) = device_and_dtype(recipe)?;
     memory::keep_pool_memory(&dev)?;
     let max_memory = recipe.max_memory();
@@ -123,30 +153,57 @@ pub fn run(recipe: &Recipe, max_micro_batch: usize) -> Result<ProbeReport> {
         load_peak,
         capacity,
     };
-    for (b, seq) in ramp(recipe.data.seq_len, max_micro_batch) {
+    // One full step at (micro-batch, seq): its rung, or the failure that an allocation ended.
+    let mut try_shape = |b: usize, seq: usize| -> Result<std::result::Result<Rung, Failure>> {
         let batch = crate::bench::random_batch(b, seq, model.cfg.vocab_size, 7);
         let n = batch.n_targets().max(1);
         // The training step itself (train::step), at learning rate 0: the adapters stay.
         let mut engine = Engine::new(&model, &Solo, None, keep, t.max_grad_norm, None);
         let t0 = Instant::now();
-        let res = engine.step(std::slice::from_ref(&batch), n, 0, &mut opt, 0.0);
-        match res {
-            Ok(done) => rep.rungs.push(Rung {
+        match engine.step(std::slice::from_ref(&batch), n, 0, &mut opt, 0.0) {
+            Ok(done) => Ok(Ok(Rung {
                 micro_batch: b,
                 seq,
                 seconds: t0.elapsed().as_secs_f64(),
                 peaks: done.peaks,
-            }),
-            Err(e) if memory::is_oom(&e) => {
-                rep.oom = Some(Failure {
-                    micro_batch: b,
-                    seq,
-                    phase: engine.meter.current(),
-                    cause: format!("{e:#}").lines().next().unwrap_or("").to_string(),
-                });
+            })),
+            Err(e) if memory::is_oom(&e) => Ok(Err(Failure {
+                micro_batch: b,
+                seq,
+                phase: engine.meter.current(),
+                cause: format!("{e:#}").lines().next().unwrap_or("").to_string(),
+            })),
+            Err(e) => Err(e),
+        }
+    };
+    let shapes = match ramp {
+        Ramp::Batch { max_micro_batch } => self::ramp(recipe.data.seq_len, max_micro_batch),
+        Ramp::Seq { max_seq, .. } => seq_ramp(max_seq),
+    };
+    for (b, seq) in shapes {
+        match try_shape(b, seq)? {
+            Ok(r) => rep.rungs.push(r),
+            Err(f) => {
+                rep.oom = Some(f);
                 break;
             }
-            Err(e) => return Err(e),
+        }
+    }
+    // The context ramp narrows the last doubling: the failure kept is the shortest one.
+    if let (Ramp::Seq { refine, .. }, Some(f)) = (ramp, &rep.oom) {
+        let (mut lo, mut hi) = (rep.knee().map_or(0, |k| k.seq), f.seq);
+        for _ in 0..refine {
+            let Some(mid) = bisect(lo, hi) else { break };
+            match try_shape(1, mid)? {
+                Ok(r) => {
+                    lo = mid;
+                    rep.rungs.push(r);
+                }
+                Err(f) => {
+                    hi = mid;
+                    rep.oom = Some(f);
+                }
+            }
         }
     }
     memory::set_cpu_budget(None, 0);
@@ -235,5 +292,20 @@ mod tests {
         // seq_len not a power of two: the last rung is seq_len itself.
         assert_eq!(super::ramp(100, 2), vec![(1, 64), (1, 100), (2, 100)]);
         assert_eq!(super::ramp(32, 1), vec![(1, 32)]);
+    }
+
+    #[test]
+    fn the_context_ramp_doubles_seq_at_micro_batch_one_then_bisects() {
+        assert_eq!(
+            super::seq_ramp(1000),
+            vec![(1, 64), (1, 128), (1, 256), (1, 512), (1, 1000)]
+        );
+        // Between a seq that ran and one that failed, at multiples of 64.
+        assert_eq!(super::bisect(262_144, 524_288), Some(393_216));
+        assert_eq!(super::bisect(128, 256), Some(192));
+        // 224 is no multiple of 64: nothing lies between.
+        assert_eq!(super::bisect(192, 256), None);
+        assert_eq!(super::bisect(128, 384), Some(256));
+        assert_eq!(super::bisect(0, 64), None);
     }
 }

@@ -342,6 +342,66 @@ fn probe_ramps_on_the_cpu_and_finds_the_knee_under_a_cap() {
     assert_eq!(v["oom"]["phase"], "forward", "{v}");
 }
 
+/// `probe --max-seq`: the context ramp at micro-batch 1 doubles seq past the recipe's 64, then
+/// bisects after the first out-of-memory. Under 2,000,000 B the step needs 931072 B of state
+/// plus 2 layers · 2672 B a token: seq 192 needs 1957120 B, 256 needs 2299136 B.
+#[test]
+fn probe_ramps_the_context_to_the_first_out_of_memory_and_bisects() {
+    let (code, json, err) = run(&[
+        "probe",
+        "--recipe",
+        "recipes/tiny-cpu.toml",
+        "--max-seq",
+        "1024",
+        "--refine",
+        "3",
+        "--set",
+        "train.max_memory=2000000B",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let seqs: Vec<u64> = v["rungs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["seq"].as_u64().unwrap())
+        .collect();
+    // 64, 128 ran, 256 failed; the bisection ran 192; nothing lies between 192 and 256.
+    assert_eq!(seqs, [64, 128, 192], "{v}");
+    assert!(v["rungs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|r| r["micro_batch"] == 1));
+    assert_eq!(v["knee"]["seq"], 192, "{v}");
+    assert_eq!(v["oom"]["seq"], 256, "{v}");
+    assert_eq!(v["oom"]["phase"], "forward", "{v}");
+    // Without a cap the ramp runs to --max-seq.
+    let (code, out, err) = run(&[
+        "probe",
+        "--recipe",
+        "recipes/tiny-cpu.toml",
+        "--max-seq",
+        "300",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("no out-of-memory up to micro-batch 1 × seq 300"),
+        "{out}"
+    );
+    // --refine belongs to the context ramp.
+    let (code, _, err) = run(&[
+        "probe",
+        "--recipe",
+        "recipes/tiny-cpu.toml",
+        "--refine",
+        "1",
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--max-seq"), "{err}");
+}
+
 /// On CUDA every metrics row carries the pool's peak per phase, for rank 0.
 #[cfg(feature = "cuda")]
 #[test]
