@@ -277,3 +277,49 @@ fn chat_template_sources_and_errors() {
         "{e}"
     );
 }
+
+/// Long documents at seq_len 2²⁰ (#30): four token rows of 400k, 300k, 500k and 1.2M tokens,
+/// packed greedily into rows of at most 1,048,576 tokens; the longest is truncated and
+/// counted. Every step of the path (read, truncate, pack, batch) is linear in the tokens.
+#[test]
+fn long_documents_pack_into_rows_of_a_million_tokens() {
+    use lora_train::data::{Batch, Sampler};
+    const T: usize = 1 << 20;
+    let lens = [400_000usize, 300_000, 500_000, 1_200_000];
+    let rows: Vec<String> = lens
+        .iter()
+        .enumerate()
+        .map(|(k, &n)| {
+            let ids: Vec<String> = (0..n).map(|i| ((i * 7 + k) % 500).to_string()).collect();
+            format!("{{\"input_ids\": [{}]}}", ids.join(","))
+        })
+        .collect();
+    let rows: Vec<&str> = rows.iter().map(|s| s.as_str()).collect();
+    let cfg = format!("format = \"tokens\"\nseq_len = {T}\npack = true\nshuffle = false");
+    let (ds, _) = load_rows(&rows, &cfg).unwrap();
+    let got: Vec<usize> = ds.examples.iter().map(|e| e.ids.len()).collect();
+    assert_eq!(got, [400_000, 300_000, 500_000, T]);
+    assert_eq!(ds.truncated, 1);
+    assert_eq!(ds.examples[3].ids[T - 1] as usize, ((T - 1) * 7 + 3) % 500);
+
+    let sampler = Sampler::new(&ds, &section(&cfg), 0);
+    let packed = sampler.rows(0);
+    assert_eq!(packed, vec![vec![0, 1], vec![2], vec![3]]);
+
+    let row: Vec<_> = packed[0].iter().map(|&i| &ds.examples[i]).collect();
+    let b = Batch::from_rows(&[row], 0, true);
+    assert_eq!((b.b, b.t), (1, 700_000));
+    // Positions restart with the second document; its first token is no target.
+    assert_eq!(b.positions[399_999], 399_999);
+    assert_eq!(b.positions[400_000], 0);
+    assert_eq!(b.positions[699_999], 299_999);
+    let seg = b.segments.as_ref().unwrap();
+    assert_eq!((seg[399_999], seg[400_000]), (0, 1));
+    assert_eq!(b.n_targets(), 700_000 - 2);
+    assert!(b.targets.iter().all(|&(i, _)| i != 399_999));
+
+    let row: Vec<_> = packed[2].iter().map(|&i| &ds.examples[i]).collect();
+    let b = Batch::from_rows(&[row], 0, true);
+    assert_eq!((b.t, b.n_targets(), b.tokens), (T, T - 1, T));
+    assert_eq!(b.positions[T - 1] as usize, T - 1);
+}
