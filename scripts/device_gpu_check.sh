@@ -357,18 +357,21 @@ fi
 #         LONG_T (default "32768 131072 262144") tokens, one step each after WARMUP (default 0)
 #         warmup steps, and transformers + PEFT (gradient checkpointing, sdpa) at PEFT_T (default
 #         "16384 32768 65536") under the same cap (set_per_process_memory_fraction)
-#         -> $OUT/longctx.jsonl. Not in the default set.
+#         -> $OUT/longctx.jsonl. LONG_EXTRA adds bench flags (e.g. "--quantize nf4"),
+#         PEFT_EXTRA the peer's (e.g. "--load-in-4bit"). Not in the default set.
 if [[ $what == *" longctx "* ]]; then
   L="--shape llama3-8b --micro-batch 1 --rank 16 --targets all --ckpt --max-memory 80GiB"
   for t in ${LONG_T-32768 131072 262144}; do
     echo "== lora-train long context T=$t"
-    timeout 560 $E .devbuild/lora-train bench $L --seq "$t" --steps 1 --warmup "${WARMUP:-0}" \
-      --tag "long-$t" --json "$OUT/longctx.jsonl" 2>&1 | tail -4
+    timeout 560 $E .devbuild/lora-train bench $L ${LONG_EXTRA:-} --seq "$t" --steps 1 \
+      --warmup "${WARMUP:-0}" --tag "long-$t${LONG_EXTRA:+ $LONG_EXTRA}" \
+      --json "$OUT/longctx.jsonl" 2>&1 | tail -4
   done
   for t in ${PEFT_T-16384 32768 65536}; do
     echo "== transformers + PEFT long context T=$t"
     timeout 300 python3 scripts/bench_peft.py --shape llama3-8b --seq "$t" --batch 1 --rank 16 \
-      --targets all --ckpt --max-memory 80GiB --steps 1 --warmup 1 --tag "peft-long-$t" \
+      --targets all --ckpt --max-memory 80GiB --steps 1 --warmup 1 ${PEFT_EXTRA:-} \
+      --tag "peft-long-$t${PEFT_EXTRA:+ $PEFT_EXTRA}" \
       --json "$OUT/longctx.jsonl" 2>&1 | tail -3
   done
 fi
