@@ -57,7 +57,7 @@ impl CustomOp2 for Add {
 mod cuda {
     //! The launcher of add.cu.
     use crate::ops::cuda::{contiguous, kernel, with_dtype, with_view};
-    use candle_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
+    use candle_core::cuda::cudarc::driver::PushKernelArg;
     use candle_core::cuda::WrapErr;
     use candle_core::{CudaStorage, DType, Layout, Result};
 
@@ -90,7 +90,7 @@ mod cuda {
                 };
                 let vec = aligned && n % per == 0;
                 let threads = if vec { n / per } else { n };
-                let cfg = LaunchConfig::for_num_elems(threads.max(1) as u32);
+                let cfg = crate::ops::cuda::elems(threads.max(1))?;
                 let vi = vec as i32;
                 let mut bld = stream.launch_builder(&func);
                 bld.arg(&av).arg(&bv).arg(&out).arg(&nl).arg(&vi);

@@ -718,7 +718,7 @@ mod cuda {
             return softmax_bwd_cap(p, pl, dp, dpl, delta, dl, [scale, c], ss, sl);
         }
         let (func, stream) = kernel(p, "softmax_bwd")?;
-        let cfg = LaunchConfig::for_num_elems(n as u32);
+        let cfg = crate::ops::cuda::elems(n)?;
         let (d1, d2) = contiguous(dl)?;
         let delta = delta.as_cuda_slice::<f32>()?.slice(d1..d2);
         let (q1, q2) = contiguous(dpl)?;
@@ -758,7 +758,7 @@ mod cuda {
             candle_core::bail!("softmax_bwd: scores {:?} vs P {:?}", ss.dtype(), p.dtype());
         }
         let (func, stream) = kernel(p, "softmax_bwd_cap")?;
-        let cfg = LaunchConfig::for_num_elems(n as u32);
+        let cfg = crate::ops::cuda::elems(n)?;
         let (d1, d2) = contiguous(dl)?;
         let delta = delta.as_cuda_slice::<f32>()?.slice(d1..d2);
         let (q1, q2) = contiguous(dpl)?;
@@ -796,7 +796,7 @@ mod cuda {
         let n = r * bk * d;
         let dev = part.device().clone();
         let (func, stream) = kernel(part, "acc_block")?;
-        let cfg = LaunchConfig::for_num_elems(n as u32);
+        let cfg = crate::ops::cuda::elems(n)?;
         let out: CudaSlice<f32> = unsafe { dev.alloc::<f32>(n)? };
         let (p1, p2) = contiguous(pl)?;
         let null: u64 = 0;
@@ -842,7 +842,7 @@ mod cuda {
             candle_core::bail!("row_dot: dO {:?} vs O {:?}", g.dtype(), o.dtype());
         }
         let (func, stream) = kernel(g, "row_dot")?;
-        let cfg = LaunchConfig::for_num_elems((mh * 32) as u32);
+        let cfg = crate::ops::cuda::elems(mh * 32)?;
         let out: CudaSlice<f32> = unsafe { dev.alloc::<f32>(mh)? };
         let (g1, g2) = contiguous(gl)?;
         let (o1, o2) = contiguous(ol)?;

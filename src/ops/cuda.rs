@@ -254,6 +254,18 @@ pub(crate) fn v8_rows(x: &CudaStorage, layouts: &[&Layout], d: usize) -> bool {
     x.dtype() == DType::BF16 && d % 8 == 0 && layouts.iter().all(|l| l.start_offset() % 8 == 0)
 }
 
+/// The launch of one thread for each of `n` items (`LaunchConfig::for_num_elems`), refused
+/// when `n` exceeds the kernels' 32-bit thread count, where a truncated grid would leave items
+/// untouched. At hidden 4096 that is a micro-batch of over a million tokens.
+pub(crate) fn elems(n: usize) -> Result<candle_core::cuda::cudarc::driver::LaunchConfig> {
+    match u32::try_from(n) {
+        Ok(n) => Ok(candle_core::cuda::cudarc::driver::LaunchConfig::for_num_elems(n)),
+        Err(_) => Err(candle_core::Error::Msg(format!(
+            "a kernel over {n} items exceeds the 2^32 threads of one launch: shorten data.seq_len or train.micro_batch"
+        ))),
+    }
+}
+
 /// Threads for a block over rows of `n` elements: `n` rounded up to warps, 32 to 1024.
 pub(crate) fn threads_for(n: usize) -> u32 {
     (n.div_ceil(32) * 32).clamp(32, 1024) as u32

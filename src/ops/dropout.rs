@@ -191,7 +191,7 @@ unsafe impl candle_core::cuda::cudarc::driver::DeviceRepr for DropKey {}
 mod cuda {
     use super::{DropKey, Dropout};
     use crate::ops::cuda::{addr, function, uninit};
-    use candle_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
+    use candle_core::cuda::cudarc::driver::PushKernelArg;
     use candle_core::cuda::WrapErr;
     use candle_core::{DType, Device, Result, Tensor};
 
@@ -223,10 +223,10 @@ mod cuda {
         let stream = dev.cuda_stream();
         let mut b = stream.launch_builder(&func);
         b.arg(&xp).arg(&yp).arg(&n64).arg(&key);
-        let groups = n.div_ceil(8) as u32;
+        let groups = n.div_ceil(8);
         // SAFETY: x and y are live contiguous buffers of n elements of this dtype, on this
         // stream; a thread touches elements 8g .. 8g + 7 below n.
-        unsafe { b.launch(LaunchConfig::for_num_elems(groups)) }.w()?;
+        unsafe { b.launch(crate::ops::cuda::elems(groups)?) }.w()?;
         Ok(Some(y))
     }
 }

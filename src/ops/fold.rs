@@ -292,7 +292,7 @@ mod cuda {
         let mut b = stream.launch_builder(&sum);
         b.arg(&pp).arg(&dap_).arg(&pi).arg(&n);
         // SAFETY: part holds `parts` slices of n f32, da n; both ours, on this stream.
-        unsafe { b.launch(LaunchConfig::for_num_elems(n as u32)) }.w()?;
+        unsafe { b.launch(crate::ops::cuda::elems(n as usize)?) }.w()?;
         drop((dap, part));
         Ok(Some(SwigluDownGrads {
             dg: both.get(0)?,

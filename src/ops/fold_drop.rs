@@ -266,7 +266,7 @@ mod cuda {
             .arg(&ldo)
             .arg(&s);
         // SAFETY: part holds `chunks` slices of m·nr f32, y m·nr bf16; both ours.
-        unsafe { b.launch(LaunchConfig::for_num_elems((m * nr) as u32)) }.w()?;
+        unsafe { b.launch(crate::ops::cuda::elems(m * nr)?) }.w()?;
         drop(part);
         Ok(Some(y))
     }
@@ -358,7 +358,7 @@ mod cuda {
         let mut b = stream.launch_builder(&sum);
         b.arg(&pp).arg(&dap).arg(&pi).arg(&nn);
         // SAFETY: part holds `parts` slices of nn f32, da nn; both ours, on this stream.
-        unsafe { b.launch(LaunchConfig::for_num_elems(nn as u32)) }.w()?;
+        unsafe { b.launch(crate::ops::cuda::elems(nn as usize)?) }.w()?;
         drop(part);
         Ok(Some(da))
     }

@@ -246,7 +246,7 @@ impl CustomOp1 for Relayout {
 mod cuda {
     //! The launchers of rope.cu.
     use crate::ops::cuda::{contiguous, kernel, with_dtype};
-    use candle_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
+    use candle_core::cuda::cudarc::driver::PushKernelArg;
     use candle_core::cuda::WrapErr;
     use candle_core::{CudaStorage, Layout, Result};
 
@@ -263,7 +263,7 @@ mod cuda {
         let n = xl.shape().elem_count();
         let pairs = (n / 2) as i64;
         let (func, stream) = kernel(x, "rope")?;
-        let cfg = LaunchConfig::for_num_elems(pairs as u32);
+        let cfg = crate::ops::cuda::elems(pairs as usize)?;
         let (c1, c2) = contiguous(cl)?;
         let (s1, s2) = contiguous(sl)?;
         let cs = cos.as_cuda_slice::<f32>()?.slice(c1..c2);
@@ -304,7 +304,7 @@ mod cuda {
         let vec = half % 4 == 0 && o1 % 4 == 0;
         let (func, stream) = kernel(x, if vec { "relayout4" } else { "relayout" })?;
         let units = if vec { pairs / 4 } else { pairs };
-        let cfg = LaunchConfig::for_num_elems(units as u32);
+        let cfg = crate::ops::cuda::elems(units as usize)?;
         let (hi, ti, th, sg) = (h as i32, t as i32, to_heads as i32, sign);
         let null: u64 = 0;
         Ok(with_dtype!(x, xl, n, |xs, out| {

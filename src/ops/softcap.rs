@@ -96,7 +96,7 @@ impl CustomOp2 for SoftCapBwd {
 mod cuda {
     //! The launcher of softcap.cu.
     use crate::ops::cuda::{contiguous, kernel, with_dtype, with_view};
-    use candle_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
+    use candle_core::cuda::cudarc::driver::PushKernelArg;
     use candle_core::cuda::WrapErr;
     use candle_core::{CudaStorage, Layout, Result};
 
@@ -116,7 +116,7 @@ mod cuda {
             }
         }
         let (func, stream) = kernel(x, name)?;
-        let cfg = LaunchConfig::for_num_elems(n.max(1) as u32);
+        let cfg = crate::ops::cuda::elems(n.max(1))?;
         let nl = n as i64;
         Ok(with_dtype!(x, xl, n, |xs, out| {
             let mut b = stream.launch_builder(&func);

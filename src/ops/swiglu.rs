@@ -150,7 +150,7 @@ pub(super) mod cuda {
     use crate::ops::cuda::{
         addr, contiguous, function, kernel, padded_rows, v8_addrs, with_dtype, with_view,
     };
-    use candle_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
+    use candle_core::cuda::cudarc::driver::PushKernelArg;
     use candle_core::cuda::WrapErr;
     use candle_core::{CudaStorage, DType, Layout, Result};
 
@@ -213,7 +213,7 @@ pub(super) mod cuda {
                 name.into()
             },
         )?;
-        let cfg = LaunchConfig::for_num_elems((if v8 { n / 8 } else { n }).max(1) as u32);
+        let cfg = crate::ops::cuda::elems((if v8 { n / 8 } else { n }).max(1))?;
         let nl = n as i64;
         let ranges = others
             .iter()
@@ -264,7 +264,7 @@ pub(super) mod cuda {
         };
         let func = function(dev, "swiglu_pad_v8_bf16")?;
         let stream = dev.cuda_stream();
-        let cfg = LaunchConfig::for_num_elems((n / 8) as u32);
+        let cfg = crate::ops::cuda::elems(n / 8)?;
         let (nl, dl, ldl) = (n as i64, d as i64, lda as i64);
         let mut b = stream.launch_builder(&func);
         b.arg(&gp).arg(&up).arg(&ap).arg(&nl).arg(&dl).arg(&ldl);
@@ -311,7 +311,7 @@ pub(super) mod cuda {
         let stream = dev.cuda_stream();
         // SAFETY: every element is written by the kernel (dg, then du).
         let out = unsafe { stream.alloc::<half::bf16>(2 * n) }.w()?;
-        let cfg = LaunchConfig::for_num_elems((n / 8) as u32);
+        let cfg = crate::ops::cuda::elems(n / 8)?;
         let nl = n as i64;
         let mut b = stream.launch_builder(&func);
         b.arg(&gp).arg(&up).arg(&dp).arg(&out).arg(&nl);

@@ -177,7 +177,7 @@ impl QWeight {
     /// The weight dequantized into `out` (a contiguous bf16 or f32 CUDA tensor of its elements,
     /// 16-byte aligned, e.g. a view of a `Slabs` buffer).
     pub fn dequantize_into(&self, out: &Tensor) -> Result<()> {
-        use candle_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
+        use candle_core::cuda::cudarc::driver::PushKernelArg;
         use candle_core::cuda::WrapErr;
         let Device::Cuda(dev) = self.codes.device() else {
             candle_core::bail!("nf4: dequantize_into on a weight off CUDA");
@@ -208,7 +208,7 @@ impl QWeight {
             } => (0, raw(codes)?, raw(absmax)?, raw(map)?, *offset),
         };
         let n = self.numel() as i64;
-        let cfg = LaunchConfig::for_num_elems((self.numel().div_ceil(16)).max(1) as u32);
+        let cfg = crate::ops::cuda::elems(self.numel().div_ceil(16).max(1))?;
         let stream = dev.cuda_stream();
         let mut b = stream.launch_builder(&func);
         b.arg(&pc).arg(&pa).arg(&pac).arg(&pa2).arg(&pm2);
@@ -227,7 +227,7 @@ impl QWeight {
 impl QWeight {
     /// nf4.cu's quantizing kernel over a contiguous bf16 or f32 CUDA `w`; None otherwise.
     fn quantize_cuda(w: &Tensor, double_quant: bool) -> Result<Option<QWeight>> {
-        use candle_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
+        use candle_core::cuda::cudarc::driver::PushKernelArg;
         use candle_core::cuda::WrapErr;
         let (Device::Cuda(dev), Some(pw)) = (w.device(), crate::ops::cuda::addr(w)?) else {
             return Ok(None);
@@ -252,7 +252,7 @@ impl QWeight {
         let absmax = Tensor::from_storage(wrap(absmax), blocks, none(), false);
         let (pc, pa) = (raw(&codes)?, raw(&absmax)?);
         let nl = n as i64;
-        let cfg = LaunchConfig::for_num_elems(blocks.max(1) as u32);
+        let cfg = crate::ops::cuda::elems(blocks.max(1))?;
         let stream = dev.cuda_stream();
         let mut b = stream.launch_builder(&func);
         b.arg(&pw).arg(&nl).arg(&pc).arg(&pa);
