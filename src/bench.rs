@@ -378,13 +378,21 @@ fn measure(
         (0, _) => None,
         (_, r) => Some((workload::Saver::new(&model)?, r == 0)),
     };
+    // Seconds the loop spent starting checkpoints (their host copies) and waiting for the last
+    // one's write.
+    let (save_s, save_wait_s) = (std::cell::Cell::new(0.0), std::cell::Cell::new(0.0));
     // What the trainer does after step `n` (1-based) is done: eval, then the checkpoint.
     let after = |n: usize, opt: &AdamW| -> Result<()> {
         if a.eval_every > 0 && n % a.eval_every == 0 {
             workload::eval(&model, &par, &evals)?;
         }
         match &saver {
-            Some((s, true)) if n % a.save_every == 0 => s.save(n, &model, &spec, opt),
+            Some((s, true)) if n % a.save_every == 0 => {
+                let t0 = Instant::now();
+                s.save(n, &model, &spec, opt)?;
+                save_s.set(save_s.get() + t0.elapsed().as_secs_f64());
+                Ok(())
+            }
             _ => Ok(()),
         }
     };
@@ -400,7 +408,9 @@ fn measure(
         let done = engine.finish(p, opt)?;
         after(n, opt)?;
         if let (Some((s, _)), true) = (&saver, n == total) {
+            let t0 = Instant::now();
             s.wait()?;
+            save_wait_s.set(t0.elapsed().as_secs_f64());
         }
         clock.record(done);
         anyhow::Ok(())
@@ -482,7 +492,7 @@ fn measure(
     } else {
         "blockwise-lse"
     };
-    Ok(serde_json::json!({
+    let mut out = serde_json::json!({
         "system": "lora-train", "mode": strategy, "strategy": strategy, "world": world,
         "grad_accum": accum, "global_batch": world * accum * b,
         "losses": losses.iter().map(|l| (l * 1e4).round() / 1e4).collect::<Vec<_>>(),
@@ -506,7 +516,11 @@ fn measure(
         "tag": a.tag, "dropout": a.dropout, "rslora": a.rslora, "pack": a.pack,
         "eval_every": a.eval_every, "eval_batches": evals.len(), "save_every": a.save_every,
         "flops_per_token": fpt, "work_flops_per_token": work.flops_per_token(),
-    }))
+    });
+    let r3 = |x: f64| (x * 1e3).round() / 1e3;
+    out["save_start_s"] = r3(save_s.get()).into();
+    out["save_final_wait_s"] = r3(save_wait_s.get()).into();
+    Ok(out)
 }
 
 /// Every rank's figures, gathered for rank 0's report.
