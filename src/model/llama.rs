@@ -400,10 +400,7 @@ impl Model {
 
     /// Every LoRA adapter with its module name, in layer then module order.
     pub fn adapters(&self) -> impl Iterator<Item = (&str, &Lora)> {
-        self.layers
-            .iter()
-            .flat_map(|l| l.linears())
-            .filter_map(|lin| lin.lora.as_ref().map(|a| (lin.name.as_str(), a)))
+        self.layers.iter().flat_map(|l| l.adapters())
     }
 
     /// Every frozen base tensor, an NF4 linear's arrays (`QWeight::arrays`) beside its W
@@ -411,7 +408,7 @@ impl Model {
     pub fn base_tensors(&self) -> Vec<&Tensor> {
         let mut v = vec![&self.embed, &self.norm, &self.lm_head];
         for l in &self.layers {
-            v.extend(l.norms());
+            v.extend(l.frozen_plain());
             for lin in l.linears() {
                 v.push(&lin.w);
                 v.extend(lin.q.iter().flat_map(|q| q.arrays()));
