@@ -22,7 +22,8 @@
 use super::family::MoeSpec;
 use super::layer::Layer;
 use super::layer_train::LayerGrads;
-use super::router::{route, route_bwd};
+use super::llama::Ctx;
+use super::router::{route, route_bwd, Routing};
 use crate::lora::Lora;
 use crate::ops::{self, glu::Act};
 use candle_core::{DType, Result, Tensor};
@@ -161,6 +162,11 @@ impl Moe {
 
     /// hn [m, C] → Σ_j w_j · E_j(hn) [m, C]. Differentiable (the reference forward's graph).
     pub fn forward(&self, hn: &Tensor) -> Result<Tensor> {
+        Ok(self.forward_routed(hn)?.0)
+    }
+
+    /// `forward`, with its routing.
+    pub fn forward_routed(&self, hn: &Tensor) -> Result<(Tensor, Routing)> {
         let (dt, experts) = (hn.dtype(), self.spec.experts);
         let r = route(hn, &self.router, self.spec)?;
         let gu_ad = PerExpert::of(&self.gate_up_lora, experts, dt)?;
@@ -181,7 +187,7 @@ impl Moe {
             }
         }
         let y = Tensor::cat(&ys, 0)?.broadcast_mul(&w.unsqueeze(1)?)?;
-        hn.zeros_like()?.index_add(&r.tokens, &y, 0)
+        Ok((hn.zeros_like()?.index_add(&r.tokens, &y, 0)?, r))
     }
 
     /// The backward of `forward` for g = dL/d(its output) [m, C]: dL/dhn [m, C], through the
@@ -289,12 +295,14 @@ fn push_grads(grads: &mut LayerGrads, lora: &Lora, per: Vec<Option<Grad>>) -> Re
 }
 
 impl Layer {
-    /// A MoE layer's MLP half in training: h = x + a [m, C] and, with `output`, y [m, C].
+    /// A MoE layer's MLP half in training: h = x + a [m, C] and, with `output`, y [m, C]
+    /// (its routing counted for the load-balancing loss, where it is on).
     pub(super) fn moe_fwd(
         &self,
         moe: &Moe,
         x: &Tensor,
         a: Tensor,
+        ctx: &Ctx,
         output: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let h = ops::add(x, &a)?;
@@ -302,7 +310,11 @@ impl Layer {
         let y = match output {
             true => {
                 let hn = ops::rms_norm(&h, &self.post_norm, self.spec.norm)?;
-                Some(ops::add(&h, &moe.forward(&hn)?)?)
+                let (m, routing) = moe.forward_routed(&hn)?;
+                if let Some(aux) = &ctx.moe_aux {
+                    aux.record(&routing)?;
+                }
+                Some(ops::add(&h, &m)?)
             }
             false => None,
         };
@@ -310,18 +322,23 @@ impl Layer {
     }
 
     /// Its backward from h and dL/dy [m, C]: dL/dh [m, C] (dy, the residual's share,
-    /// included); the experts' adapter gradients into `grads`.
+    /// included; the load-balancing loss's, where it is on); the experts' adapter gradients
+    /// into `grads`.
     pub(super) fn moe_bwd(
         &self,
         moe: &Moe,
         h: &Tensor,
         dy: &Tensor,
-        aux: Option<&Tensor>,
+        ctx: &Ctx,
         grads: &mut LayerGrads,
     ) -> Result<Tensor> {
         let s = self.spec;
         let hn = ops::rms_norm(h, &self.post_norm, s.norm)?;
-        let dhn = moe.backward(&hn, dy, aux, grads)?;
+        let aux = match &ctx.moe_aux {
+            Some(a) => a.grad()?,
+            None => None,
+        };
+        let dhn = moe.backward(&hn, dy, aux.as_ref(), grads)?;
         drop(hn);
         ops::rms_norm_bwd_add(h, &self.post_norm, s.norm, &dhn, dy)
     }

@@ -225,7 +225,7 @@ impl Layer {
         let (hres, y, mlp) = match (&self.moe, chunk) {
             // a MoE layer's backward recomputes its MLP half from h (model/layer_moe.rs)
             (Some(moe), _) => {
-                let (hres, y) = self.moe_fwd(moe, &x, ao, output)?;
+                let (hres, y) = self.moe_fwd(moe, &x, ao, ctx, output)?;
                 (hres, y, None)
             }
             (None, None) => self.mlp_fwd(MlpIn::Sum(&x, ao), ctx, output, keep)?,
@@ -334,7 +334,7 @@ impl Layer {
                 let (Some(moe), Some(h)) = (&self.moe, residual) else {
                     candle_core::bail!("backward: a MoE layer without its residual");
                 };
-                self.moe_bwd(moe, &h, &dy, None, &mut grads)?
+                self.moe_bwd(moe, &h, &dy, ctx, &mut grads)?
             }
             None => {
                 let (Some(h), Some(n)) = (residual, self.mlp_chunk(ctx, b * t)) else {

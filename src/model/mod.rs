@@ -15,6 +15,7 @@ pub mod layer_moe;
 pub mod layer_train;
 pub mod linear;
 pub mod llama;
+pub mod moe_aux;
 pub mod prefetch;
 pub mod rope;
 pub mod router;
