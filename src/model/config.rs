@@ -740,4 +740,45 @@ mod tests {
         let e = parse(bad).unwrap_err().to_string();
         assert!(e.contains("`yarn` is not supported"), "{e}");
     }
+
+    #[test]
+    fn qwen3_moe_reads_its_experts_and_names_what_it_refuses() {
+        let base = r#""model_type":"qwen3_moe","hidden_size":32,"intermediate_size":48,
+            "num_hidden_layers":2,"num_attention_heads":2,"num_key_value_heads":1,"head_dim":16,
+            "vocab_size":100,"moe_intermediate_size":24,"num_experts_per_tok":2"#;
+        // 4.x (and the Hub) write num_experts, transformers 5 num_local_experts
+        for experts in [r#""num_experts":8"#, r#""num_local_experts":8"#] {
+            let c = parse(&format!("{{{base},{experts}}}")).unwrap();
+            let m = c.arch.moe.unwrap();
+            assert_eq!((m.experts, m.top_k, m.inter, m.norm_topk), (8, 2, 24, true));
+            assert!(c.arch.qk_norm);
+            // all-linear is PEFT's: the attention alone; the experts when named
+            let all: Vec<String> = crate::lora::KNOWN_LINEAR.map(String::from).to_vec();
+            assert_eq!(c.resolve_targets(&all).unwrap(), c.linears().to_vec());
+            let named = vec!["mlp.experts.down_proj".to_string(), "q_proj".into()];
+            assert_eq!(
+                c.resolve_targets(&named).unwrap(),
+                ["q_proj", "mlp.experts.down_proj"]
+            );
+            let dense = vec!["gate_proj".to_string()];
+            let e = c.resolve_targets(&dense).unwrap_err();
+            assert!(e.contains("mlp.experts.gate_up_proj"), "{e}");
+        }
+        let e = parse(&format!(
+            "{{{base},\"num_experts\":8,\"mlp_only_layers\":[1]}}"
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("mlp_only_layers = [1]"), "{e}");
+        let e = parse(&format!("{{{base}}}")).unwrap_err().to_string();
+        assert!(e.contains("`num_experts`"), "{e}");
+        // a llama config names no experts there
+        let l = r#"{"model_type":"llama","hidden_size":64,"intermediate_size":128,
+            "num_hidden_layers":2,"num_attention_heads":4,"vocab_size":100}"#;
+        let c = parse(l).unwrap();
+        let e = c
+            .resolve_targets(&["mlp.experts.down_proj".to_string()])
+            .unwrap_err();
+        assert!(e.contains("does not have"), "{e}");
+    }
 }
