@@ -1440,7 +1440,7 @@ mod tests {
             r.model.path.as_deref(),
             Some(dir.path().join("m").as_path())
         );
-        assert_eq!(r.target_modules().unwrap().len(), 9);
+        assert_eq!(r.target_modules().unwrap().len(), 11);
         let e = Recipe::load(&p, &["lora.rank=0".into()])
             .unwrap_err()
             .to_string();
