@@ -552,11 +552,11 @@ fn accumulate(lg: LayerGrads, grads: &mut Grads) -> Result<()> {
 /// backward of the layers below, and the compute stream waits for them all once, after the
 /// first layer (`Comm::reduced`), instead of for each as it is issued.
 fn all_reduce_layer(layer: &Layer, grads: &mut Grads, comm: &dyn Comm, ctx: &Ctx) -> Result<()> {
+    // every adapter of the layer, a MoE layer's experts' included
     let vars: Vec<&Var> = layer
-        .linears()
+        .adapters()
         .into_iter()
-        .filter_map(|lin| lin.lora.as_ref())
-        .flat_map(|l| l.vars())
+        .flat_map(|(_, l)| l.vars())
         .collect();
     if vars.is_empty() {
         return Ok(());

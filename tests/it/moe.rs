@@ -5,7 +5,7 @@
 
 use crate::common::*;
 use candle_core::Tensor;
-use lora_train::memory::plan::kept_per_token_layer;
+use lora_train::memory::plan::{kept_per_token_layer, lora_params};
 use lora_train::train::driver::{self, Keep};
 use lora_train::train::{optim::Grads, Session};
 
@@ -52,7 +52,8 @@ fn checkpointed_and_parked_moe_layers_give_the_kept_gradients() {
 }
 
 /// A MoE layer keeps x, q, k, v, attention output, lse, its residual h and the attention
-/// adapters' states (no expert activation): `kept_per_token_layer`'s bytes exactly.
+/// adapters' states (no expert activation): `kept_per_token_layer`'s bytes exactly; the
+/// plan's adapter parameters are the model's, experts' included.
 #[test]
 fn a_moe_layer_keeps_what_the_plan_counts() {
     let (_t, s) = session("qwen3_moe", &[]);
@@ -70,6 +71,13 @@ fn a_moe_layer_keeps_what_the_plan_counts() {
         acts.unwrap().bytes() as u64,
         per_token * (batch.b * batch.t) as u64
     );
+    let params: usize = m
+        .adapters()
+        .flat_map(|(_, l)| l.vars())
+        .map(|v| v.elem_count())
+        .sum();
+    let planned = lora_params(&m.cfg, rank, &s.spec.targets);
+    assert_eq!(params as u64, planned);
 }
 
 /// The fixture's checkpoint rewritten as 4.x checkpoints on the Hub store experts

@@ -210,7 +210,17 @@ pub fn lora_params(cfg: &ModelConfig, rank: usize, targets: &[String]) -> u64 {
         .filter_map(|m| cfg.linear_shape(m))
         .map(|(i, o)| i + o)
         .sum();
-    (cfg.num_layers * per_layer * rank) as u64
+    // a MoE's expert adapters: A [E·r, in] and B [out, r·E] per targeted parameter
+    let experts: usize = cfg.arch.moe.map_or(0, |m| {
+        let (c, i) = (cfg.hidden_size, m.inter);
+        let [gate_up, down] = crate::lora::EXPERT_PARAMS;
+        [(gate_up, c + 2 * i), (down, i + c)]
+            .iter()
+            .filter(|(name, _)| targets.iter().any(|t| t == name))
+            .map(|(_, w)| m.experts * w)
+            .sum()
+    });
+    (cfg.num_layers * (per_layer + experts) * rank) as u64
 }
 
 /// DoRA's magnitudes: Σ over layers and targeted linears of out.
