@@ -181,7 +181,12 @@ pub fn base_linear_params(cfg: &ModelConfig) -> usize {
         .filter_map(|m| cfg.linear_shape(m))
         .map(|(i, o)| i * o)
         .sum();
-    cfg.num_layers * per_layer + cfg.vocab_size * cfg.hidden_size
+    // a MoE token's: its k experts' gate_up and down, and the router
+    let moe = cfg.arch.moe.map_or(0, |m| {
+        let c = cfg.hidden_size;
+        m.top_k * 3 * m.inter * c + m.experts * c
+    });
+    cfg.num_layers * (per_layer + moe) + cfg.vocab_size * cfg.hidden_size
 }
 
 /// scripts/bench_peft.py's model FLOPs per trained token: frozen base, so backward computes

@@ -9,7 +9,7 @@
 pub mod adapter_check;
 pub mod merge;
 
-use crate::lora::{Lora, LoraSpec, KNOWN_LINEAR};
+use crate::lora::{Lora, LoraSpec, EXPERT_PARAMS, KNOWN_LINEAR};
 use crate::model::Model;
 use crate::util::atomic_write;
 use anyhow::{bail, Context, Result};
@@ -144,7 +144,12 @@ pub fn adapter_config(
     base_model: &str,
     revision: Option<&str>,
 ) -> Result<Vec<u8>> {
-    let cfg = json!({
+    // A MoE's experts are 3-D parameters: PEFT adapts those through `target_parameters`.
+    let (params, modules): (Vec<&String>, Vec<&String>) = spec
+        .targets
+        .iter()
+        .partition(|t| EXPERT_PARAMS.contains(&t.as_str()));
+    let mut cfg = json!({
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model,
@@ -153,7 +158,7 @@ pub fn adapter_config(
         "lora_alpha": spec.alpha,
         // The recipe's number (0.05), not the f32's widened digits (0.05000000074505806).
         "lora_dropout": decimal(spec.dropout),
-        "target_modules": spec.targets,
+        "target_modules": modules,
         "bias": "none",
         "use_rslora": spec.rslora,
         "use_dora": spec.dora,
@@ -166,6 +171,9 @@ pub fn adapter_config(
         "alpha_pattern": {},
         "inference_mode": true,
     });
+    if !params.is_empty() {
+        cfg["target_parameters"] = json!(params);
+    }
     Ok(serde_json::to_string_pretty(&cfg)?.into_bytes())
 }
 
@@ -215,7 +223,7 @@ pub fn read_adapter_config(dir: &Path) -> Result<AdapterInfo> {
             )));
         }
     }
-    let targets: Vec<String> = match v.get("target_modules") {
+    let mut targets: Vec<String> = match v.get("target_modules") {
         Some(Value::Array(a)) => a
             .iter()
             .filter_map(Value::as_str)
@@ -231,6 +239,10 @@ pub fn read_adapter_config(dir: &Path) -> Result<AdapterInfo> {
         }
         _ => return Err(err("`target_modules` is missing".into())),
     };
+    // a MoE's expert parameters (PEFT's `target_parameters`, "mlp.experts.gate_up_proj")
+    if let Some(Value::Array(a)) = v.get("target_parameters") {
+        targets.extend(a.iter().filter_map(Value::as_str).map(String::from));
+    }
     if let Some(bad) = targets.iter().find(|t| !KNOWN_LINEAR.contains(&t.as_str())) {
         return Err(err(format!(
             "target module \"{bad}\" is not one of {}",

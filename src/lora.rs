@@ -23,10 +23,11 @@ pub const ALL_LINEAR: [&str; 7] = [
     "down_proj",
 ];
 
-/// Every linear module name lora.targets may hold: Llama's seven, then Phi-3's fused
-/// projections (model/family.rs: each family has its own subset). "all-linear" is all of them,
-/// which a model resolves to its own (`ModelConfig::resolve_targets`).
-pub const KNOWN_LINEAR: [&str; 9] = [
+/// Every module name lora.targets may hold: Llama's seven, then Phi-3's fused projections
+/// (model/family.rs: each family has its own subset), then a MoE's expert parameters
+/// (`EXPERT_PARAMS`). "all-linear" is all of them, which a model resolves to its own linears
+/// (`ModelConfig::resolve_targets`; as PEFT's "all-linear", not the experts).
+pub const KNOWN_LINEAR: [&str; 11] = [
     "q_proj",
     "k_proj",
     "v_proj",
@@ -36,7 +37,15 @@ pub const KNOWN_LINEAR: [&str; 9] = [
     "down_proj",
     "qkv_proj",
     "gate_up_proj",
+    "mlp.experts.gate_up_proj",
+    "mlp.experts.down_proj",
 ];
+
+/// A MoE's fused expert parameters LoRA can adapt, as PEFT's `target_parameters` names them:
+/// gate_up_proj [E, 2I, C] and down_proj [E, C, I] of `model.layers.N.mlp.experts`. PEFT gives
+/// each one adapter over all experts, A [E·r, in] (expert e's rows e·r..) and B [out, r·E]
+/// (expert e's columns e, E + e, ..); model/layer_moe.rs.
+pub const EXPERT_PARAMS: [&str; 2] = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"];
 
 /// A module's index in `KNOWN_LINEAR`: with the layer, the key of its adapter's random streams
 /// (init, dropout), so Llama's seven keep the keys they always had.

@@ -135,7 +135,9 @@ pub fn run(recipe: &Recipe, ramp: Ramp) -> Result<ProbeReport> {
         .iter()
         .map(|l| {
             let ws = l.linears().into_iter();
-            l.nf4_bytes() as u64
+            let moe = l.moe.iter().flat_map(|m| m.frozen());
+            let moe: u64 = moe.map(memory::tensor_bytes).sum();
+            moe + l.nf4_bytes() as u64
                 + ws.map(|l| crate::parallel::fsdp::storage_bytes(&l.w) as u64)
                     .sum::<u64>()
         })

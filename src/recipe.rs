@@ -521,6 +521,12 @@ pub struct TrainSection {
     /// whole). Default: 16384 (`model::layer_mlp::MLP_CHUNK`).
     #[serde(default = "d_mlp_chunk")]
     pub mlp_chunk: usize,
+    /// A MoE model's router load-balancing loss (transformers' `load_balancing_loss_func`)
+    /// joins the loss × this weight; padding does not count. Qwen3-MoE's config.json writes
+    /// 0.001 for it, but transformers adds it only with output_router_logits: here too only
+    /// when set. Default: 0 (off).
+    #[serde(default)]
+    pub router_aux_loss_coef: f64,
 }
 
 fn d_mlp_chunk() -> usize {
@@ -611,6 +617,7 @@ impl Default for TrainSection {
             deterministic: false,
             max_memory: None,
             mlp_chunk: d_mlp_chunk(),
+            router_aux_loss_coef: 0.0,
         }
     }
 }
@@ -1014,6 +1021,13 @@ impl Recipe {
             if let Err(msg) = crate::util::parse_size(s) {
                 return Err(self.invalid("train.max_memory", msg));
             }
+        }
+        let coef = t.router_aux_loss_coef;
+        if !coef.is_finite() || !(0.0..=1.0).contains(&coef) {
+            return Err(self.invalid(
+                "train.router_aux_loss_coef",
+                format!("= {coef}: use a weight in [0, 1] (0: off; transformers' default 0.001)"),
+            ));
         }
         if t.mlp_chunk > MLP_CHUNK_MAX || t.mlp_chunk % 64 != 0 {
             return Err(self.invalid(
@@ -1426,7 +1440,7 @@ mod tests {
             r.model.path.as_deref(),
             Some(dir.path().join("m").as_path())
         );
-        assert_eq!(r.target_modules().unwrap().len(), 9);
+        assert_eq!(r.target_modules().unwrap().len(), 11);
         let e = Recipe::load(&p, &["lora.rank=0".into()])
             .unwrap_err()
             .to_string();

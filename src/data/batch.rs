@@ -15,6 +15,8 @@ pub struct Batch {
     pub targets: Vec<(usize, u32)>,
     /// Real (non-padding) tokens.
     pub tokens: usize,
+    /// [B×T] whether each position holds a real token (not padding).
+    pub real: Vec<bool>,
 }
 
 impl Batch {
@@ -31,11 +33,13 @@ impl Batch {
         let mut positions = vec![0u32; b * t];
         let mut segments = vec![u32::MAX; b * t];
         let mut labels = vec![IGNORE; b * t];
+        let mut real = vec![false; b * t];
         for (r, row) in rows.iter().enumerate() {
             let mut at = r * t;
             for (k, ex) in row.iter().enumerate() {
                 for (p, (&id, &l)) in ex.ids.iter().zip(&ex.labels).enumerate() {
                     ids[at] = id;
+                    real[at] = true;
                     positions[at] = p as u32;
                     segments[at] = k as u32;
                     // An example's first token is never a target: in a packed row it would be
@@ -67,6 +71,7 @@ impl Batch {
             segments: packed.then_some(segments),
             targets,
             tokens,
+            real,
         }
     }
 

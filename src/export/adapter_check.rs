@@ -23,7 +23,7 @@ enum Kind {
     Map,
 }
 
-const KEYS: [(&str, Kind); 12] = [
+const KEYS: [(&str, Kind); 13] = [
     ("peft_type", Kind::Str),
     ("r", Kind::Count),
     ("lora_alpha", Kind::Number),
@@ -32,6 +32,7 @@ const KEYS: [(&str, Kind); 12] = [
     ("use_dora", Kind::Bool),
     ("bias", Kind::Str),
     ("target_modules", Kind::StrOrList),
+    ("target_parameters", Kind::StrOrList),
     ("rank_pattern", Kind::Map),
     ("alpha_pattern", Kind::Map),
     ("base_model_name_or_path", Kind::Str),
@@ -117,8 +118,12 @@ pub fn config(v: &Value, path: &Path) -> Result<(), ConfigError> {
             "is set: adapters on some layers only are not supported".into(),
         ));
     }
+    let params = v
+        .get("target_parameters")
+        .and_then(Value::as_array)
+        .is_some_and(|a| !a.is_empty());
     match v.get("target_modules") {
-        Some(Value::Array(a)) if a.is_empty() => Err(err(
+        Some(Value::Array(a)) if a.is_empty() && !params => Err(err(
             "target_modules",
             "is an empty list: name at least one module".into(),
         )),

@@ -63,6 +63,10 @@ pub fn supports(cfg: &ModelConfig) -> Result<()> {
             "generate does not implement the {name} family (its (1 + w) norms, GeGLU, soft-caps and local/global attention are in training only); it decodes {}: merge it with `lora-train export --adapter DIR --out DIR` and generate with transformers",
             GENERATES.join(", ")
         ),
+        Family::Qwen3Moe => bail!(
+            "generate does not implement the {name} family (its experts and router are in training only); it decodes {}: merge it with `lora-train export --adapter DIR --out DIR` and generate with transformers",
+            GENERATES.join(", ")
+        ),
         Family::Phi3 if matches!(cfg.rope_scaling, RopeScaling::LongRope { .. }) => bail!(
             "generate does not implement LongRoPE (rope_scaling \"longrope\" of this {name} config); it decodes {name} without rope_scaling. Merge it with `lora-train export --adapter DIR --out DIR` and generate with transformers"
         ),

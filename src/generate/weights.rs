@@ -397,7 +397,7 @@ fn layer_weights(
         qkv,
         o: one(&l.o)?,
         gate_up,
-        down: one(&l.down)?,
+        down: one(l.down()?)?,
     })
 }
 

@@ -6,9 +6,14 @@
 //!       .post_feedforward_layernorm on its output)
 //!   .self_attn.{q,k,v,o}_proj (Phi-3: .qkv_proj, .o_proj), .self_attn.{q,k}_norm (QK-norm)
 //!   .mlp.{gate,up,down}_proj (Phi-3: .gate_up_proj, .down_proj)
+//!   Qwen3-MoE: .mlp.gate (the router [E, C]), .mlp.experts.gate_up_proj [E, 2I, C] and
+//!       .mlp.experts.down_proj [E, C, I] as transformers 5 saves them, or per expert as 4.x
+//!       checkpoints on the Hub hold them (.mlp.experts.{e}.{gate,up,down}_proj.weight)
 
 use super::config::ModelConfig;
+use super::family::MoeSpec;
 use super::layer::{Extra, Layer, LayerSpec};
+use super::layer_moe::{ExpertLora, Moe};
 use super::linear::Linear;
 use crate::lora::{module_index, Lora, LoraSpec};
 use crate::quant::QWeight;
@@ -77,22 +82,32 @@ pub fn layer(
     let p = format!("model.layers.{l}");
     let norm = |name: &str, width: usize| get(&format!("{p}.{name}.weight"), &[width]);
     let arch = &cfg.arch;
-    let (attn_in, mlp_in) = match arch.fused {
-        true => (
+    let (attn_in, mlp_in) = match (arch.fused, arch.moe) {
+        (true, _) => (
             vec![linear("self_attn", "qkv_proj", false)?],
             vec![linear("mlp", "gate_up_proj", false)?],
         ),
-        false => (
+        (false, moe) => (
             vec![
                 linear("self_attn", "q_proj", cfg.qkv_bias)?,
                 linear("self_attn", "k_proj", cfg.qkv_bias)?,
                 linear("self_attn", "v_proj", cfg.qkv_bias)?,
             ],
-            vec![
-                linear("mlp", "gate_proj", cfg.mlp_bias)?,
-                linear("mlp", "up_proj", cfg.mlp_bias)?,
-            ],
+            match moe {
+                Some(_) => Vec::new(),
+                None => vec![
+                    linear("mlp", "gate_proj", cfg.mlp_bias)?,
+                    linear("mlp", "up_proj", cfg.mlp_bias)?,
+                ],
+            },
         ),
+    };
+    let (down, moe) = match arch.moe {
+        Some(m) => (
+            None,
+            Some(Box::new(moe(cfg, m, l, get, spec, seed, device)?)),
+        ),
+        None => (Some(linear("mlp", "down_proj", cfg.mlp_bias)?), None),
     };
     let d = cfg.head_dim;
     let (post_norm, extra) = match arch.sandwich_norms {
@@ -122,7 +137,8 @@ pub fn layer(
         attn_in,
         o: linear("self_attn", "o_proj", cfg.o_bias)?,
         mlp_in,
-        down: linear("mlp", "down_proj", cfg.mlp_bias)?,
+        down,
+        moe,
         spec: LayerSpec {
             norm: cfg.norm_spec(),
             heads: cfg.num_heads,
@@ -136,4 +152,84 @@ pub fn layer(
         },
         lease: None,
     })
+}
+
+/// Layer `l`'s router and experts, and fresh adapters on the expert parameters `spec` targets
+/// (A [E·r, in] uniform in ±1/√in as PEFT's, B zero; the scale of rank r).
+fn moe(
+    cfg: &ModelConfig,
+    m: MoeSpec,
+    l: usize,
+    get: Get,
+    spec: &LoraSpec,
+    seed: u64,
+    device: &Device,
+) -> anyhow::Result<Moe> {
+    let (c, i, e) = (cfg.hidden_size, m.inter, m.experts);
+    let p = format!("model.layers.{l}.mlp");
+    let gate_up = match get(&format!("{p}.experts.gate_up_proj"), &[e, 2 * i, c]) {
+        Ok(t) => t,
+        Err(fused) => per_expert(get, &p, m, c, true).map_err(|_| fused)?,
+    };
+    let down = match get(&format!("{p}.experts.down_proj"), &[e, c, i]) {
+        Ok(t) => t,
+        Err(fused) => per_expert(get, &p, m, c, false).map_err(|_| fused)?,
+    };
+    let targeted = |name: &str| spec.targets(name);
+    let [gu_name, down_name] = crate::lora::EXPERT_PARAMS;
+    let both = targeted(gu_name) && targeted(down_name);
+    if (targeted(gu_name) || targeted(down_name)) && (spec.dora || spec.dropout > 0.0) {
+        anyhow::bail!(
+            "lora.targets names the experts ({gu_name}, {down_name}): PEFT's adapters on \
+             expert parameters take neither DoRA nor dropout; set lora.use_dora = false and \
+             lora.dropout = 0, or target the attention only"
+        );
+    }
+    let adapter = |name: &str, in_f: usize, out_f: usize, module: &str| {
+        if !targeted(name) {
+            return Ok(None);
+        }
+        let wide = LoraSpec {
+            rank: spec.rank * e,
+            ..spec.clone()
+        };
+        let key = [l as u64, module_index(name)];
+        let mut lora = Lora::init(&wide, in_f, out_f, seed, &key, device)?;
+        lora.scale = spec.scale();
+        anyhow::Ok(Some(ExpertLora {
+            name: format!("{p}.{module}"),
+            lora,
+        }))
+    };
+    // PEFT nests one wrapper per targeted parameter, gate_up_proj's innermost: with both,
+    // gate_up's adapter is keyed under `experts.base_layer`
+    let gu_module = if both {
+        "experts.base_layer"
+    } else {
+        "experts"
+    };
+    Ok(Moe {
+        router: get(&format!("{p}.gate.weight"), &[e, c])?,
+        gate_up,
+        down,
+        spec: m,
+        gate_up_lora: adapter(gu_name, c, 2 * i, gu_module)?,
+        down_lora: adapter(down_name, i, c, "experts")?,
+    })
+}
+
+/// A 4.x checkpoint's experts one by one (`{p}.experts.{e}.gate_proj.weight` [I, C], up's,
+/// down's [C, I]) stacked as transformers 5 fuses them: gate_up [E, 2I, C] (gate rows first),
+/// or down [E, C, I].
+fn per_expert(get: Get, p: &str, m: MoeSpec, c: usize, gate_up: bool) -> anyhow::Result<Tensor> {
+    let i = m.inter;
+    let mut v = Vec::with_capacity(m.experts);
+    for e in 0..m.experts {
+        let w = |n: &str, shape: &[usize]| get(&format!("{p}.experts.{e}.{n}.weight"), shape);
+        v.push(match gate_up {
+            true => Tensor::cat(&[w("gate_proj", &[i, c])?, w("up_proj", &[i, c])?], 0)?,
+            false => w("down_proj", &[c, i])?,
+        });
+    }
+    Ok(Tensor::stack(&v, 0)?)
 }

@@ -7,7 +7,7 @@
 //! really there and name the file and the field when something is missing or not supported.
 //! What differs between the families is resolved here into `Arch` (model/family.rs).
 
-use super::family::{Arch, Family, NormStyle, Rope};
+use super::family::{Arch, Family, MoeSpec, NormStyle, Rope};
 use serde::Deserialize;
 use serde_json::{Map, Value};
 use std::path::{Path, PathBuf};
@@ -120,6 +120,13 @@ struct Raw {
     pad_token_id: Option<Value>,
     torch_dtype: Option<String>,
     dtype: Option<String>,
+    num_experts: Option<usize>,
+    num_local_experts: Option<usize>,
+    num_experts_per_tok: Option<usize>,
+    moe_intermediate_size: Option<usize>,
+    norm_topk_prob: Option<bool>,
+    decoder_sparse_step: Option<usize>,
+    mlp_only_layers: Option<Vec<usize>>,
 }
 
 impl ModelConfig {
@@ -190,6 +197,10 @@ impl ModelConfig {
             let gemma2 = family == Family::Gemma2;
             arch.attn_softcap = cap(obj, "attn_logit_softcapping", gemma2.then_some(50.0));
             arch.final_softcap = cap(obj, "final_logit_softcapping", gemma2.then_some(30.0));
+        }
+
+        if family == Family::Qwen3Moe {
+            arch.moe = Some(moe_spec(&raw, num_layers).map_err(err)?);
         }
 
         let attention_bias = raw.attention_bias.unwrap_or(false);
@@ -264,11 +275,17 @@ impl ModelConfig {
         self.family.linears()
     }
 
-    /// LoRA targets (names of `lora::KNOWN_LINEAR`) as this model's linears, in its order:
-    /// all of them ("all-linear") become the family's own; any other name must be one of
-    /// the family's, else the error says which it has.
+    /// LoRA targets (names of `lora::KNOWN_LINEAR`) as this model's linears, in its order,
+    /// then the expert parameters named (a MoE's, `lora::EXPERT_PARAMS`): all of them
+    /// ("all-linear") become the family's linears alone (PEFT's "all-linear" takes no 3-D
+    /// parameter); any other name must be one of the family's, else the error says which it
+    /// has.
     pub fn resolve_targets(&self, targets: &[String]) -> Result<Vec<String>, String> {
-        let own = self.linears();
+        let experts: &[&str] = match self.arch.moe {
+            Some(_) => &crate::lora::EXPERT_PARAMS,
+            None => &[],
+        };
+        let own: Vec<&str> = self.linears().iter().chain(experts).copied().collect();
         let all = crate::lora::KNOWN_LINEAR
             .iter()
             .all(|k| targets.iter().any(|t| t == k));
@@ -289,11 +306,10 @@ impl ModelConfig {
                 own.join(", ")
             ));
         }
-        Ok(own
-            .iter()
-            .filter(|m| targets.iter().any(|t| t == *m))
-            .map(|m| m.to_string())
-            .collect())
+        let named = |m: &str| targets.iter().any(|t| t == m);
+        let linears = self.linears().iter().filter(|m| named(m));
+        let experts = experts.iter().filter(|m| !all && named(m));
+        Ok(linears.chain(experts).map(|m| m.to_string()).collect())
     }
 
     /// (in, out) of linear `module` of a decoder layer; None for a module it does not have.
@@ -347,7 +363,12 @@ impl ModelConfig {
             0
         };
         let norms: usize = self.layer_norms().iter().map(|(n, w)| n * w).sum();
-        let per_layer = linears + biases + norms;
+        // a MoE layer's experts (gate_up [E, 2I, C], down [E, C, I]) and router [E, C]
+        let experts = self
+            .arch
+            .moe
+            .map_or(0, |m| m.experts * (3 * m.inter * h + h));
+        let per_layer = linears + biases + norms + experts;
         v * h * if tied { 1 } else { 2 } + self.num_layers * per_layer + h
     }
 }
@@ -380,6 +401,41 @@ fn family_of(obj: &Map<String, Value>) -> Result<Family, String> {
         "model_type `{t}` is not supported{why}; supported: {}",
         Family::supported_list()
     ))
+}
+
+/// A Qwen3-MoE config's experts: transformers 5 writes `num_local_experts`, 4.x (and the Hub's
+/// checkpoints) `num_experts`. Every layer's MLP must be sparse.
+fn moe_spec(raw: &Raw, layers: usize) -> Result<MoeSpec, String> {
+    let experts = raw
+        .num_experts
+        .or(raw.num_local_experts)
+        .filter(|&e| e > 0)
+        .ok_or("`num_experts` (or `num_local_experts`) is missing or 0")?;
+    let top_k = raw.num_experts_per_tok.unwrap_or(8);
+    if top_k == 0 || top_k > experts {
+        return Err(format!(
+            "num_experts_per_tok {top_k} must be in 1..={experts} (num_experts)"
+        ));
+    }
+    let inter = raw
+        .moe_intermediate_size
+        .filter(|&i| i > 0)
+        .ok_or("`moe_intermediate_size` is missing or 0")?;
+    let step = raw.decoder_sparse_step.unwrap_or(1);
+    let dense = raw.mlp_only_layers.as_deref().unwrap_or(&[]);
+    if step != 1 || dense.iter().any(|&l| l < layers) {
+        return Err(format!(
+            "decoder_sparse_step = {step}, mlp_only_layers = {dense:?}: dense MLP layers in a \
+             qwen3_moe model are not supported (every layer must be sparse: step 1, no \
+             mlp_only_layers)"
+        ));
+    }
+    Ok(MoeSpec {
+        experts,
+        top_k,
+        inter,
+        norm_topk: raw.norm_topk_prob.unwrap_or(true),
+    })
 }
 
 /// The MLP activation must be the family's: SiLU, or GeLU (tanh) for Gemma.
@@ -591,7 +647,7 @@ fn sliding_layers(
             .map(|i| match family {
                 Family::Llama => false,
                 Family::Mistral | Family::Phi3 => window.is_some(),
-                Family::Qwen2 | Family::Qwen3 => {
+                Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe => {
                     raw.use_sliding_window == Some(true)
                         && window.is_some()
                         && i >= raw.max_window_layers.unwrap_or(28)
@@ -602,8 +658,8 @@ fn sliding_layers(
             .collect(),
     };
     // Qwen's sliding layers need use_sliding_window (transformers drops the window otherwise).
-    let qwen_off =
-        matches!(family, Family::Qwen2 | Family::Qwen3) && raw.use_sliding_window != Some(true);
+    let qwen_off = matches!(family, Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe)
+        && raw.use_sliding_window != Some(true);
     if qwen_off {
         return Ok(vec![false; layers]);
     }
@@ -683,5 +739,46 @@ mod tests {
             "num_attention_heads":4,"vocab_size":9,"rope_scaling":{"rope_type":"yarn","factor":4.0}}"#;
         let e = parse(bad).unwrap_err().to_string();
         assert!(e.contains("`yarn` is not supported"), "{e}");
+    }
+
+    #[test]
+    fn qwen3_moe_reads_its_experts_and_names_what_it_refuses() {
+        let base = r#""model_type":"qwen3_moe","hidden_size":32,"intermediate_size":48,
+            "num_hidden_layers":2,"num_attention_heads":2,"num_key_value_heads":1,"head_dim":16,
+            "vocab_size":100,"moe_intermediate_size":24,"num_experts_per_tok":2"#;
+        // 4.x (and the Hub) write num_experts, transformers 5 num_local_experts
+        for experts in [r#""num_experts":8"#, r#""num_local_experts":8"#] {
+            let c = parse(&format!("{{{base},{experts}}}")).unwrap();
+            let m = c.arch.moe.unwrap();
+            assert_eq!((m.experts, m.top_k, m.inter, m.norm_topk), (8, 2, 24, true));
+            assert!(c.arch.qk_norm);
+            // all-linear is PEFT's: the attention alone; the experts when named
+            let all: Vec<String> = crate::lora::KNOWN_LINEAR.map(String::from).to_vec();
+            assert_eq!(c.resolve_targets(&all).unwrap(), c.linears().to_vec());
+            let named = vec!["mlp.experts.down_proj".to_string(), "q_proj".into()];
+            assert_eq!(
+                c.resolve_targets(&named).unwrap(),
+                ["q_proj", "mlp.experts.down_proj"]
+            );
+            let dense = vec!["gate_proj".to_string()];
+            let e = c.resolve_targets(&dense).unwrap_err();
+            assert!(e.contains("mlp.experts.gate_up_proj"), "{e}");
+        }
+        let e = parse(&format!(
+            "{{{base},\"num_experts\":8,\"mlp_only_layers\":[1]}}"
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("mlp_only_layers = [1]"), "{e}");
+        let e = parse(&format!("{{{base}}}")).unwrap_err().to_string();
+        assert!(e.contains("`num_experts`"), "{e}");
+        // a llama config names no experts there
+        let l = r#"{"model_type":"llama","hidden_size":64,"intermediate_size":128,
+            "num_hidden_layers":2,"num_attention_heads":4,"vocab_size":100}"#;
+        let c = parse(l).unwrap();
+        let e = c
+            .resolve_targets(&["mlp.experts.down_proj".to_string()])
+            .unwrap_err();
+        assert!(e.contains("does not have"), "{e}");
     }
 }

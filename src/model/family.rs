@@ -11,6 +11,7 @@
 //! | gemma2      | (1 + w) · x̂    | GeGLU  |         | yes            |                   | soft-caps, 1:1 local:global, √C embedding |
 //! | gemma3_text | (1 + w) · x̂    | GeGLU  | yes     | yes            |                   | 5:1 local:global, local rope base, √C embedding |
 //! | phi3        | w · round(x̂)   | SwiGLU |         |                | qkv_proj, gate_up_proj | longrope |
+//! | qwen3_moe   | w · round(x̂)   | SwiGLU experts, top-k router | yes |     |                   | MoE (model/layer_moe.rs) |
 //!
 //! Gemma's gain is applied in f32 to the unrounded x̂ (`ops::NormSpec::offset`), as
 //! `Gemma2RMSNorm` does.
@@ -28,10 +29,11 @@ pub enum Family {
     Gemma2,
     Gemma3,
     Phi3,
+    Qwen3Moe,
 }
 
 /// The `model_type`s we train, with their family.
-pub const SUPPORTED: [(&str, Family); 7] = [
+pub const SUPPORTED: [(&str, Family); 8] = [
     ("llama", Family::Llama),
     ("mistral", Family::Mistral),
     ("qwen2", Family::Qwen2),
@@ -39,6 +41,7 @@ pub const SUPPORTED: [(&str, Family); 7] = [
     ("gemma2", Family::Gemma2),
     ("gemma3_text", Family::Gemma3),
     ("phi3", Family::Phi3),
+    ("qwen3_moe", Family::Qwen3Moe),
 ];
 
 impl Family {
@@ -72,6 +75,8 @@ impl Family {
     pub fn linears(self) -> &'static [&'static str] {
         match self {
             Family::Phi3 => &FUSED_LINEAR,
+            // the experts are 3-D parameters, not linears (`crate::lora::EXPERT_PARAMS`)
+            Family::Qwen3Moe => &ATTN_LINEAR,
             _ => &crate::lora::ALL_LINEAR,
         }
     }
@@ -79,6 +84,22 @@ impl Family {
 
 /// Phi-3's linears: q, k, v in one projection, gate and up in another (PEFT's names).
 pub const FUSED_LINEAR: [&str; 4] = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"];
+
+/// Qwen3-MoE's linears: the attention's (its MLP is the experts and the router).
+pub const ATTN_LINEAR: [&str; 4] = ["q_proj", "k_proj", "v_proj", "o_proj"];
+
+/// A sparse MLP's shape and routing (config.json's num_experts or num_local_experts,
+/// num_experts_per_tok, moe_intermediate_size, norm_topk_prob).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MoeSpec {
+    pub experts: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// Each expert's intermediate width I.
+    pub inter: usize,
+    /// The top-k probabilities renormalised to sum to 1 (Qwen3-MoE's norm_topk_prob).
+    pub norm_topk: bool,
+}
 
 /// How a norm applies its gain w to x̂ = x · rsqrt(mean(x²) + eps).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -122,6 +143,8 @@ pub struct Arch {
     pub sliding: Vec<bool>,
     /// The sliding layers' RoPE where it differs from the global one (Gemma 3's local base).
     pub local_rope: Option<Rope>,
+    /// Every layer's MLP is a mixture of experts (Qwen3-MoE): softmax over the experts, top-k.
+    pub moe: Option<MoeSpec>,
 }
 
 impl Arch {
@@ -139,6 +162,7 @@ impl Arch {
             final_softcap: None,
             sliding: vec![false; layers],
             local_rope: None,
+            moe: None,
         }
     }
 
@@ -147,7 +171,8 @@ impl Arch {
         let base = Arch::llama(layers);
         match family {
             Family::Llama | Family::Mistral | Family::Qwen2 => base,
-            Family::Qwen3 => Arch {
+            // `moe` is filled from config.json (model/config.rs)
+            Family::Qwen3 | Family::Qwen3Moe => Arch {
                 qk_norm: true,
                 ..base
             },

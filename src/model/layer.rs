@@ -13,6 +13,7 @@
 //!
 //! Shapes: B batch, T tokens, C hidden, H heads, K kv heads, D head dim, I mlp.
 
+use super::layer_moe::Moe;
 use super::linear::{pad_group, Linear};
 use super::llama::Ctx;
 use crate::ops::glu::Act;
@@ -90,9 +91,13 @@ pub struct Layer {
     /// q_proj, k_proj, v_proj; or Phi-3's one qkv_proj [(H + 2K)·D, C].
     pub attn_in: Vec<Linear>,
     pub o: Linear,
-    /// gate_proj, up_proj; or Phi-3's one gate_up_proj [2I, C] (gate first).
+    /// gate_proj, up_proj; or Phi-3's one gate_up_proj [2I, C] (gate first); empty in a MoE
+    /// layer.
     pub mlp_in: Vec<Linear>,
-    pub down: Linear,
+    /// down_proj; None in a MoE layer.
+    pub down: Option<Linear>,
+    /// A MoE layer's router and experts (model/layer_moe.rs), in place of the dense MLP.
+    pub moe: Option<Box<Moe>>,
     pub spec: LayerSpec,
     /// An NF4 layer made resident in a `quant::Slabs` buffer holds that slab until it drops.
     pub(crate) lease: Option<Arc<()>>,
@@ -135,6 +140,11 @@ impl Layer {
         };
         let x = (x + ao)?;
         let hn = ops::rms_norm(&x, &self.post_norm, s.norm)?;
+        if let Some(moe) = &self.moe {
+            let m = moe.forward(&hn.reshape((b * t, hn.dim(2)?))?)?; // [m, C]
+            let m = m.reshape(x.shape())?;
+            return x + m;
+        }
         let outs = self
             .mlp_in
             .iter()
@@ -142,7 +152,7 @@ impl Layer {
             .collect::<Result<Vec<_>>>()?;
         let [gate, up] = self.split_gate_up(outs, 2)?;
         let a = s.act.glu(&gate, &up)?; // [B, T, I]
-        let m = self.down.forward(&a, ctx)?;
+        let m = self.down()?.forward(&a, ctx)?;
         let m = match &self.extra.mlp_out_norm {
             Some(w) => ops::rms_norm(&m, w, s.norm)?,
             None => m,
@@ -218,7 +228,8 @@ impl Layer {
     /// For each tensor of `frozen_mut`, in its order, the linear whose W (or W*) it is; None for
     /// the norms, the biases and NF4 arrays.
     pub fn frozen_linears(&self) -> Vec<Option<&Linear>> {
-        let mut v = vec![None; 2 + self.extra.present().len()];
+        let moe = self.moe.as_ref().map_or(0, |m| m.frozen().len());
+        let mut v = vec![None; 2 + self.extra.present().len() + moe];
         for lin in self.linears() {
             match &lin.q {
                 Some(q) => v.extend(q.arrays().iter().map(|_| None)),
@@ -235,6 +246,14 @@ impl Layer {
     pub fn norms(&self) -> Vec<&Tensor> {
         let mut v = vec![&self.input_norm, &self.post_norm];
         v.extend(self.extra.present());
+        v
+    }
+
+    /// The frozen tensors besides the linears: the norms' gains, then a MoE layer's router and
+    /// experts (`Layer::frozen_mut` order).
+    pub fn frozen_plain(&self) -> Vec<&Tensor> {
+        let mut v = self.norms();
+        v.extend(self.moe.iter().flat_map(|m| m.frozen()));
         v
     }
 
@@ -258,6 +277,11 @@ impl Layer {
     /// as the layer loads (`nf4_bytes` counts what it keeps). Folded linears are refused
     /// (`ops::fold` is off under NF4).
     pub fn quantize(&mut self, double_quant: bool) -> Result<()> {
+        if self.moe.is_some() {
+            candle_core::bail!(
+                "nf4: a MoE model's experts are not quantized: set model.quantize = \"none\""
+            );
+        }
         for lin in self.parts_mut().1 {
             if lin.q.is_some() {
                 continue; // read in NF4 (a bitsandbytes 4-bit checkpoint)
@@ -342,7 +366,10 @@ impl Layer {
         let mut lins: Vec<&mut Linear> = self.attn_in.iter_mut().collect();
         lins.push(&mut self.o);
         lins.extend(self.mlp_in.iter_mut());
-        lins.push(&mut self.down);
+        lins.extend(self.down.as_mut());
+        if let Some(moe) = self.moe.as_deref_mut() {
+            norms.extend(moe.frozen_mut());
+        }
         (norms, lins)
     }
 
@@ -354,8 +381,8 @@ impl Layer {
             self.attn_in.iter_mut().collect(),
             self.mlp_in.iter_mut().collect(),
         ];
-        if self.spec.act == Act::Silu {
-            g.push(vec![&mut self.down]);
+        if let (Act::Silu, Some(down)) = (self.spec.act, self.down.as_mut()) {
+            g.push(vec![down]);
         }
         g
     }
@@ -365,8 +392,28 @@ impl Layer {
         let mut v: Vec<&Linear> = self.attn_in.iter().collect();
         v.push(&self.o);
         v.extend(self.mlp_in.iter());
-        v.push(&self.down);
+        v.extend(self.down.as_ref());
         v
+    }
+
+    /// The layer's adapters with their module names: the linears' (`linears` order), then a
+    /// MoE layer's experts' (PEFT's module paths).
+    pub fn adapters(&self) -> Vec<(&str, &crate::lora::Lora)> {
+        let mut v: Vec<(&str, &crate::lora::Lora)> = self
+            .linears()
+            .into_iter()
+            .filter_map(|lin| lin.lora.as_ref().map(|a| (lin.name.as_str(), a)))
+            .collect();
+        v.extend(self.moe.iter().flat_map(|m| m.adapters()));
+        v
+    }
+
+    /// down_proj (a dense MLP's; a MoE layer has none).
+    pub(crate) fn down(&self) -> Result<&Linear> {
+        match &self.down {
+            Some(d) => Ok(d),
+            None => candle_core::bail!("a MoE layer has no dense down_proj"),
+        }
     }
 }
 

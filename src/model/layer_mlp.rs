@@ -58,8 +58,9 @@ impl Layer {
     /// the whole [m, in]).
     pub(super) fn mlp_chunk(&self, ctx: &Ctx, m: usize) -> Option<usize> {
         let n = ctx.mlp_chunk?;
-        let mut linears = self.mlp_in.iter().chain([&self.down]);
-        (m > n && linears.all(|l| l.dropout(ctx).is_none())).then_some(n)
+        let mut linears = self.mlp_in.iter().chain(&self.down);
+        let dense = self.moe.is_none();
+        (dense && m > n && linears.all(|l| l.dropout(ctx).is_none())).then_some(n)
     }
 
     /// The MLP half's forward: (h [m, C], y [m, C] when `output`, the activations when `keep`).
@@ -113,7 +114,7 @@ impl Layer {
             // Not accumulated onto h in the GEMM: h is kept for backward (and, unfolded, the
             // adapter's small term would be rounded to bf16 against |h| before the base
             // product joins it, and mostly lost).
-            let down = [&self.down];
+            let down = [self.down()?];
             let folded = match (Linear::fold_width(&down, ctx), s.act) {
                 (Some(p), Act::Silu) => ops::fold::swiglu_pad(&gate, &up, p)?,
                 _ => None,
@@ -123,7 +124,7 @@ impl Layer {
                     let [o] = array(Linear::fwd_folded(&down, &ap, ctx)?)?;
                     o
                 }
-                None => self.down.fwd(&s.act.glu(&gate, &up)?, ctx)?,
+                None => self.down()?.fwd(&s.act.glu(&gate, &up)?, ctx)?,
             };
             let (mo_kept, mo) = match out_norm {
                 Some(w) => {
@@ -136,7 +137,7 @@ impl Layer {
             (y, xd, mo_kept)
         } else {
             let a = s.act.glu(&gate, &up)?; // [m, I]
-            (None, self.down.adapter_fwd(&a, ctx)?, None)
+            (None, self.down()?.adapter_fwd(&a, ctx)?, None)
         };
         let acts = keep.then_some(MlpActs {
             gate,
@@ -179,26 +180,24 @@ impl Layer {
             (Some(_), None) => candle_core::bail!("backward: down's output was not kept"),
         };
         let xd = acts.xd.take();
+        let down_l = self.down()?;
         // Folded, down's backward and SwiGLU's are one GEMM and one pass (ops::fold). Else
         // down's dL/da needs no a; a is recomputed in the activation's backward pass (over
         // da's buffer) for down's adapter gradient alone.
         let down = match s.act {
-            Act::Silu => {
-                self.down
-                    .bwd_swiglu_folded(&dmo, &acts.gate, &acts.up, xd.as_ref(), ctx)?
-            }
+            Act::Silu => down_l.bwd_swiglu_folded(&dmo, &acts.gate, &acts.up, xd.as_ref(), ctx)?,
             Act::GeluTanh => None,
         };
         match down {
             Some((dgate, dup, g)) => {
-                add_grad(grads, &self.down, g)?;
+                add_grad(grads, down_l, g)?;
                 Ok((dgate, dup)) // [m, I] each
             }
             None => {
-                let (da, half) = self.down.bwd_dx(&dmo, ctx, None)?; // [m, I]
+                let (da, half) = down_l.bwd_dx(&dmo, ctx, None)?; // [m, I]
                 let (dgate, dup, a) = s.act.glu_bwd_keep(&acts.gate, &acts.up, da)?;
-                let g = self.down.bwd_grads(&a, &dmo, half, xd.as_ref(), ctx)?;
-                add_grad(grads, &self.down, g)?;
+                let g = down_l.bwd_grads(&a, &dmo, half, xd.as_ref(), ctx)?;
+                add_grad(grads, down_l, g)?;
                 Ok((dgate, dup))
             }
         }

@@ -222,9 +222,14 @@ impl Layer {
             true => None,
             false => self.mlp_chunk(ctx, m),
         };
-        let (hres, y, mlp) = match chunk {
-            None => self.mlp_fwd(MlpIn::Sum(&x, ao), ctx, output, keep)?,
-            Some(n) => {
+        let (hres, y, mlp) = match (&self.moe, chunk) {
+            // a MoE layer's backward recomputes its MLP half from h (model/layer_moe.rs)
+            (Some(moe), _) => {
+                let (hres, y) = self.moe_fwd(moe, &x, ao, ctx, output)?;
+                (hres, y, None)
+            }
+            (None, None) => self.mlp_fwd(MlpIn::Sum(&x, ao), ctx, output, keep)?,
+            (None, Some(n)) => {
                 let hres = ops::add(&x, &ao)?;
                 drop(ao);
                 let y = match output {
@@ -325,6 +330,12 @@ impl Layer {
                     ops::add_rms_norm(&x, &a, &self.post_norm, s.norm)
                 }
             })?,
+            None if self.moe.is_some() => {
+                let (Some(moe), Some(h)) = (&self.moe, residual) else {
+                    candle_core::bail!("backward: a MoE layer without its residual");
+                };
+                self.moe_bwd(moe, &h, &dy, ctx, &mut grads)?
+            }
             None => {
                 let (Some(h), Some(n)) = (residual, self.mlp_chunk(ctx, b * t)) else {
                     candle_core::bail!("backward: a chunked MLP without its residual or chunk");

@@ -40,6 +40,9 @@ pub struct Ctx {
     pub kernels: Kernels,
     /// `Model::mlp_chunk`.
     pub mlp_chunk: Option<usize>,
+    /// The routers' load-balancing loss of this micro-batch (model/moe_aux.rs): None when off
+    /// (`Model::router_aux_coef` 0, or no MoE layer), and outside training.
+    pub moe_aux: Option<super::moe_aux::MoeAux>,
 }
 
 impl Ctx {
@@ -121,6 +124,8 @@ pub struct Model {
     /// Tokens per MLP chunk in checkpointed layers (`train.mlp_chunk`; model/layer_mlp.rs);
     /// None: never chunked.
     pub mlp_chunk: Option<usize>,
+    /// `train.router_aux_loss_coef`: the weight of a MoE's load-balancing loss (0: off).
+    pub router_aux_coef: f64,
     /// The global RoPE's frequencies, and the sliding layers' where they differ (Gemma 3).
     rope: Freqs,
     rope_local: Option<Freqs>,
@@ -333,6 +338,7 @@ impl Model {
             device: device.clone(),
             kernels,
             mlp_chunk: Some(super::layer_mlp::MLP_CHUNK),
+            router_aux_coef: 0.0,
             rope,
             rope_local,
         };
@@ -376,6 +382,7 @@ impl Model {
             device: self.device.clone(),
             kernels: self.kernels,
             mlp_chunk: self.mlp_chunk,
+            router_aux_coef: self.router_aux_coef,
             rope: self.rope.clone(),
             rope_local: self.rope_local.clone(),
         })
@@ -400,10 +407,7 @@ impl Model {
 
     /// Every LoRA adapter with its module name, in layer then module order.
     pub fn adapters(&self) -> impl Iterator<Item = (&str, &Lora)> {
-        self.layers
-            .iter()
-            .flat_map(|l| l.linears())
-            .filter_map(|lin| lin.lora.as_ref().map(|a| (lin.name.as_str(), a)))
+        self.layers.iter().flat_map(|l| l.adapters())
     }
 
     /// Every frozen base tensor, an NF4 linear's arrays (`QWeight::arrays`) beside its W
@@ -411,7 +415,7 @@ impl Model {
     pub fn base_tensors(&self) -> Vec<&Tensor> {
         let mut v = vec![&self.embed, &self.norm, &self.lm_head];
         for l in &self.layers {
-            v.extend(l.norms());
+            v.extend(l.frozen_plain());
             for lin in l.linears() {
                 v.push(&lin.w);
                 v.extend(lin.q.iter().flat_map(|q| q.arrays()));
@@ -458,6 +462,7 @@ impl Model {
             folded,
             kernels: self.kernels,
             mlp_chunk: self.mlp_chunk,
+            moe_aux: None,
         })
     }
 

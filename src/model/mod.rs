@@ -1,4 +1,4 @@
-//! Our trainable decoder (llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3: one model,
+//! Our trainable decoder (llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3, qwen3_moe: one model,
 //! the families' differences as data in model/family.rs), read from HF checkpoints.
 //!
 //! The model knows no communication and no optimiser: it maps token ids to hidden states and
@@ -11,11 +11,14 @@ pub mod config;
 pub mod family;
 pub mod layer;
 pub mod layer_mlp;
+pub mod layer_moe;
 pub mod layer_train;
 pub mod linear;
 pub mod llama;
+pub mod moe_aux;
 pub mod prefetch;
 pub mod rope;
+pub mod router;
 
 pub use config::{ConfigError, ModelConfig, RopeScaling};
 pub use family::{Arch, Family, NormStyle};

@@ -27,6 +27,7 @@ use super::offload::Offload;
 use super::optim::Grads;
 use crate::data::Batch;
 use crate::memory;
+use crate::model::moe_aux::MoeAux;
 use crate::model::{Ctx, Layer, LayerActs, LayerGrads, Model};
 use crate::parallel::fsdp::Shards;
 use crate::parallel::{Comm, Solo};
@@ -249,8 +250,18 @@ pub fn forward_backward_dev(
         // FSDP: the folded linears' B's go into the shards, to arrive with each gather.
         ctx.folded = s.write_pads(model)?;
     }
+    if model.router_aux_coef > 0.0 && model.cfg.arch.moe.is_some() {
+        // this micro-batch's share of the step's loss: its counted tokens over the step's
+        let scale = model.router_aux_coef * n_tgt as f64 / denom.max(1.0);
+        ctx.moe_aux = Some(MoeAux::new(&batch.real, scale, dev)?);
+    }
     let fwd = forward(model, par, &ctx, &ids, keep)?;
     probe("forward")?;
+    // The routers' load-balancing loss, in Σ CE's units (× denom), once every layer counted.
+    let aux = match &ctx.moe_aux {
+        Some(a) => a.finish()?.map(|l| l * denom).transpose()?,
+        None => None,
+    };
 
     // With several ranks a rank with nothing to predict still runs backward: the others wait
     // for its gathers and gradient sums.
@@ -285,7 +296,7 @@ pub fn forward_backward_dev(
     };
     backward(model, par, &ctx, back, next, g, grads)?;
     probe("backward")?;
-    Ok(ce)
+    add_ce(ce, aux)
 }
 
 /// What the forward leaves for the head and the backward.
@@ -541,11 +552,11 @@ fn accumulate(lg: LayerGrads, grads: &mut Grads) -> Result<()> {
 /// backward of the layers below, and the compute stream waits for them all once, after the
 /// first layer (`Comm::reduced`), instead of for each as it is issued.
 fn all_reduce_layer(layer: &Layer, grads: &mut Grads, comm: &dyn Comm, ctx: &Ctx) -> Result<()> {
+    // every adapter of the layer, a MoE layer's experts' included
     let vars: Vec<&Var> = layer
-        .linears()
+        .adapters()
         .into_iter()
-        .filter_map(|lin| lin.lora.as_ref())
-        .flat_map(|l| l.vars())
+        .flat_map(|(_, l)| l.vars())
         .collect();
     if vars.is_empty() {
         return Ok(());

@@ -130,6 +130,13 @@ pub fn model_bytes(m: &Model) -> u64 {
     for l in &m.layers {
         sum += b(&l.input_norm) + b(&l.post_norm);
         sum += l.nf4_bytes() as u64;
+        // a MoE layer's router and experts, and the experts' adapters
+        if let Some(moe) = &l.moe {
+            sum += moe.frozen().into_iter().map(b).sum::<u64>();
+            for (_, lora) in moe.adapters() {
+                sum += lora.vars().iter().map(|v| b(v.as_tensor())).sum::<u64>();
+            }
+        }
         for lin in l.linears() {
             // W's whole buffer: folded, its pad columns too (ops::fold); NF4, a placeholder
             sum += crate::parallel::fsdp::storage_bytes(&lin.w) as u64;

@@ -150,6 +150,7 @@ impl Session {
         })
         .with_context(|| format!("cannot load the model in {}", dir.display()))?;
         model.mlp_chunk = recipe.mlp_chunk();
+        model.router_aux_coef = recipe.train.router_aux_loss_coef;
         if let Some((p, _)) = &init {
             export::load_adapter_weights(p, &model)
                 .with_context(|| format!("cannot load lora.init_adapter {}", p.display()))?;

@@ -822,6 +822,7 @@ fn an_unsupported_model_type_exits_2_naming_it_and_the_list_before_any_weight_is
             "gemma2",
             "gemma3_text",
             "phi3",
+            "qwen3_moe",
         ] {
             assert!(
                 err.contains(family),

@@ -194,7 +194,7 @@ invalid type: string \"eight\", expected usize
         (
             "[lora]\ntargets = [\"q_proj\", \"qkv\"]\n",
             &[],
-            "error: recipe bad.toml: `lora.targets` has unknown module \"qkv\"; allowed: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, qkv_proj, gate_up_proj, or \"all-linear\"\n",
+            "error: recipe bad.toml: `lora.targets` has unknown module \"qkv\"; allowed: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, qkv_proj, gate_up_proj, mlp.experts.gate_up_proj, mlp.experts.down_proj, or \"all-linear\"\n",
         ),
         ("", &["train.lr"], "error: --set train.lr: expected section.key=value\n"),
         ("", &["data.train=nope.jsonl"], "error: recipe bad.toml: `data.train` file nope.jsonl does not exist\n"),

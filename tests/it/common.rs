@@ -76,6 +76,14 @@ pub fn assert_close(what: &str, got: &Tensor, want: &Tensor, rtol: f64, atol: f6
         }
     }
     let i = worst.0;
+    if std::env::var_os("GOLDEN_REPORT").is_some() {
+        // the worst element's error as a fraction of its tolerance, and of |want|
+        let rel = (g[i] as f64 - w[i] as f64).abs() / (w[i] as f64).abs().max(1e-30);
+        eprintln!(
+            "{what}: {:.3} of the tolerance, relative error {rel:.2e}",
+            worst.1
+        );
+    }
     assert!(
         worst.1 <= 1.0,
         "{what}: element {i}: got {} want {} (error {:.3}x the tolerance rtol {rtol} atol {atol}·{scale:.3e})",

@@ -98,7 +98,7 @@ fn hand_written_backward_under_dropout_equals_autograd_with_the_masks_as_tensors
     }
 
     // o alone, and down's backward in halves.
-    for (lin, halves) in [(&layer.o, false), (&layer.down, true)] {
+    for (lin, halves) in [(&layer.o, false), (layer.down.as_ref().unwrap(), true)] {
         let x = randn(lin.w.dim(1).unwrap());
         let g = randn(lin.out_features());
         let (y, xas) = lin.fwd(&x, &ctx).unwrap();

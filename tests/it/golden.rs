@@ -174,6 +174,25 @@ fn golden_phi3_fused_projections_longrope_window() {
     check_case("phi3_fused_longrope");
 }
 
+/// Qwen3-MoE: 8 experts, top-2 renormalised, routing that leaves an expert idle in each
+/// layer; LoRA on the attention and on both fused expert parameters (PEFT's target_parameters).
+#[test]
+fn golden_qwen3_moe_experts_lora_top2() {
+    check_case("qwen3_moe");
+}
+
+/// The same with the routers' load-balancing loss on (train.router_aux_loss_coef = 0.05, as
+/// transformers with output_router_logits and the attention mask), top-k not renormalised,
+/// LoRA on q, v and the experts' gate_up_proj alone.
+#[test]
+fn golden_qwen3_moe_router_aux_loss() {
+    check_case_on(
+        "qwen3_moe_aux",
+        &["train.router_aux_loss_coef=0.05"],
+        Tol::F32,
+    );
+}
+
 /// The bf16 bound of a case: 5e-2 relative L2, or 1.5× the worst error transformers + PEFT
 /// itself makes on that case in bf16 (gradients or trained adapter, measured on an H200 by
 /// scripts/peft_bf16_error.py) where that is larger: a bf16 run cannot be held closer to the

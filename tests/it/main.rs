@@ -19,6 +19,7 @@ mod hub_data;
 mod invariants;
 mod loopback;
 mod merge;
+mod moe;
 mod nf4;
 mod ops;
 mod parallel;

@@ -794,3 +794,18 @@ fn a_rank_that_never_leaves_makes_the_others_leak_their_posted_values() {
     let slots = posted.slots();
     assert!(slots[1].is_some() && slots[0].is_none());
 }
+
+/// A MoE layer's router and fused experts ride in its flat buffer (three more frozen
+/// tensors); DDP's and FSDP's adapters, experts' included, are one rank's.
+#[test]
+fn ddp_and_fsdp_with_moe_experts_equal_one_rank() {
+    check("qwen3_moe", "ddp", 2, 1, 1, &[]);
+    check(
+        "qwen3_moe",
+        "fsdp",
+        2,
+        1,
+        1,
+        &["train.activation_checkpointing=true"],
+    );
+}

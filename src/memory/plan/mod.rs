@@ -210,7 +210,17 @@ pub fn lora_params(cfg: &ModelConfig, rank: usize, targets: &[String]) -> u64 {
         .filter_map(|m| cfg.linear_shape(m))
         .map(|(i, o)| i + o)
         .sum();
-    (cfg.num_layers * per_layer * rank) as u64
+    // a MoE's expert adapters: A [E·r, in] and B [out, r·E] per targeted parameter
+    let experts: usize = cfg.arch.moe.map_or(0, |m| {
+        let (c, i) = (cfg.hidden_size, m.inter);
+        let [gate_up, down] = crate::lora::EXPERT_PARAMS;
+        [(gate_up, c + 2 * i), (down, i + c)]
+            .iter()
+            .filter(|(name, _)| targets.iter().any(|t| t == name))
+            .map(|(_, w)| m.experts * w)
+            .sum()
+    });
+    (cfg.num_layers * (per_layer + experts) * rank) as u64
 }
 
 /// DoRA's magnitudes: Σ over layers and targeted linears of out.
@@ -253,7 +263,33 @@ pub fn kept_per_token_layer(cfg: &ModelConfig, s: u64, r: usize, targets: &[Stri
     );
     let n = adapted(cfg, targets).count() as u64;
     let out_norms = if cfg.arch.sandwich_norms { 2 * c } else { 0 };
-    s * (c + 2 * h * d + 2 * k * d + 2 * i + r as u64 * n + out_norms) + 4 * h
+    // gate and up; a MoE layer keeps its residual h instead (its backward recomputes the
+    // experts from it: model/layer_moe.rs)
+    let mlp = match cfg.arch.moe {
+        Some(_) => c,
+        None => 2 * i,
+    };
+    s * (c + 2 * h * d + 2 * k * d + mlp + r as u64 * n + out_norms) + 4 * h
+}
+
+/// A MoE layer's MLP workspace over n tokens, (forward, backward) bytes: the gathered
+/// [n·k, C] input and output (backward: also dL/dy gathered and dL/dx per expert), one
+/// expert's gate_up, gate, up and activation over at most all n tokens ([n, 2I] + 3 [n, I];
+/// backward their gradients too), and the router's [n, E] f32 probabilities and gradients.
+/// (0, 0) for a dense model.
+pub fn moe_ws(cfg: &ModelConfig, s: u64, n: u64) -> (u64, u64) {
+    let Some(m) = cfg.arch.moe else {
+        return (0, 0);
+    };
+    let (c, k, i, e) = (
+        cfg.hidden_size as u64,
+        m.top_k as u64,
+        m.inter as u64,
+        m.experts as u64,
+    );
+    let fwd = n * k * s * 2 * c + n * s * 5 * i + n * e * 4 * 2;
+    let bwd = n * k * s * 3 * c + n * s * 10 * i + n * e * 4 * 4;
+    (fwd, bwd)
 }
 
 /// Bytes of the pad columns `Model::fold` adds to the base weights (`ops::fold`): per layer
@@ -381,7 +417,7 @@ pub fn breakdown(p: &PlanInput, strategy: Strategy, ckpt: bool, micro_batch: usi
     // A checkpointed layer's MLP over chunks of `chunk` tokens (model/layer_mlp.rs): its
     // gate and up exist for one chunk.
     let chunk = match (ckpt, p.mlp_chunk) {
-        (true, Some(k)) if n > k as u64 => k as u64,
+        (true, Some(k)) if n > k as u64 && cfg.arch.moe.is_none() => k as u64,
         _ => n,
     };
     let layer_act = kept_per_token_layer(cfg, s, p.rank, &p.targets) * n - 2 * i * s * (n - chunk);
@@ -401,7 +437,8 @@ pub fn breakdown(p: &PlanInput, strategy: Strategy, ckpt: bool, micro_batch: usi
     } else {
         3 * scores
     };
-    let fwd_ws = attn_ws.max(n * s * 3 * c + chunk * s * i);
+    let (moe_fwd, moe_bwd) = moe_ws(cfg, s, n);
+    let fwd_ws = attn_ws.max(n * s * 3 * c + chunk * s * i).max(moe_fwd);
     // Logit-sized buffers of one head chunk: the fused kernel's logits and dL/dlogits in the
     // activation dtype, or the op chain's HEAD_CHUNKS f32 ones.
     let per_logit = if p.kernels.cross_entropy == CrossEntropy::Fused {
@@ -417,7 +454,7 @@ pub fn breakdown(p: &PlanInput, strategy: Strategy, ckpt: bool, micro_batch: usi
         true => n * s * (4 * c + 2 * kd) + chunk * s * 3 * i,
         false => n * s * (2 * c + 3 * i),
     };
-    let bwd_ws = (BWD_WS * bwd_ws as f64) as u64;
+    let bwd_ws = (BWD_WS * bwd_ws.max(moe_bwd) as f64) as u64;
     // Backward's residuals: the recomputed layer's (checkpointing), or, offloaded, the
     // layer's own, back from the host, and the next one on its way back; both alive through
     // the MLP's backward, where a recomputed residual does not exist yet.

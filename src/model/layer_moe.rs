@@ -1,0 +1,345 @@
+//! A MoE layer's MLP half (Qwen3-MoE's `Qwen3MoeSparseMoeBlock`), y = h + Σ_j w_j · E_j(hn),
+//! hn = rms_norm(h), over the k experts the router (model/router.rs) picks for each token:
+//!
+//!   E_e(x) = down_e(silu(gate_e(x)) ⊙ up_e(x)),  [gate_e; up_e] = gate_up_proj[e] [2I, C]
+//!
+//! The experts are frozen; LoRA may adapt their fused parameters as PEFT does
+//! (`lora::EXPERT_PARAMS`): one adapter per parameter, A [E·r, in] and B [out, r·E], expert e's
+//! A_e = A[e·r .. e·r + r] and B_e[:, j] = B[:, j·E + e], so W_e + s·B_e A_e.
+//!
+//! Tokens are grouped by expert (`router::Routing`): the rows routed to an expert are gathered
+//! into one run, each expert is one GEMM per projection over its run, and the outputs, scaled
+//! by their weights, are scatter-added back to their tokens (index_select, matmul, index_add:
+//! no per-token loop, the same ops on the CPU and CUDA). An expert no token chose is skipped.
+//!
+//! Training keeps only h (`LayerActs::h`): the backward recomputes the routing and each
+//! expert's forward from it just before that expert's backward, so no [m·k, I] activation
+//! lives across layers (the FLOPs of one more MLP forward).
+//!
+//! Shapes: m tokens, C hidden, E experts, k experts per token, I an expert's width, n the
+//! tokens of one expert, r the adapters' rank.
+
+use super::family::MoeSpec;
+use super::layer::Layer;
+use super::layer_train::LayerGrads;
+use super::llama::Ctx;
+use super::router::{route, route_bwd, Routing};
+use crate::lora::Lora;
+use crate::ops::{self, glu::Act};
+use candle_core::{DType, Result, Tensor};
+
+/// A LoRA adapter on one fused expert parameter, with the module path PEFT keys it by
+/// (`model.layers.N.mlp.experts`, or `...experts.base_layer` for the inner of two).
+#[derive(Clone)]
+pub struct ExpertLora {
+    pub name: String,
+    /// A [E·r, in], B [out, r·E] (PEFT's layout), scale s.
+    pub lora: Lora,
+}
+
+/// A MoE layer's frozen router and experts, and the experts' adapters.
+#[derive(Clone)]
+pub struct Moe {
+    /// The router's W [E, C] (`mlp.gate.weight`).
+    pub router: Tensor,
+    /// [E, 2I, C]: each expert's gate rows, then its up rows.
+    pub gate_up: Tensor,
+    /// [E, C, I].
+    pub down: Tensor,
+    pub spec: MoeSpec,
+    pub gate_up_lora: Option<ExpertLora>,
+    pub down_lora: Option<ExpertLora>,
+}
+
+/// One parameter's adapter split per expert, in the activation dtype.
+struct PerExpert {
+    a: Tensor, // [E, r, in]
+    b: Tensor, // [E, out, r]
+    scale: f64,
+}
+
+impl PerExpert {
+    fn of(l: &Option<ExpertLora>, experts: usize, dt: DType) -> Result<Option<PerExpert>> {
+        let Some(l) = l else { return Ok(None) };
+        let (a, b) = (l.lora.a.as_tensor(), l.lora.b.as_tensor());
+        let (er, in_f) = a.dims2()?;
+        let (out, r) = (b.dim(0)?, er / experts.max(1));
+        Ok(Some(PerExpert {
+            a: a.to_dtype(dt)?.reshape((experts, r, in_f))?,
+            b: b.to_dtype(dt)?
+                .reshape((out, r, experts))?
+                .permute((2, 0, 1))?
+                .contiguous()?,
+            scale: l.lora.scale,
+        }))
+    }
+
+    /// Expert e's y = x Wᵀ + s·(x A_eᵀ) B_eᵀ from the base product; (y, s·x A_eᵀ [n, r]).
+    fn add(&self, e: usize, x: &Tensor, base: Tensor) -> Result<(Tensor, Tensor)> {
+        let xa = (x.matmul(&self.a.get(e)?.t()?)? * self.scale)?;
+        let y = (base + xa.matmul(&self.b.get(e)?.t()?)?)?;
+        Ok((y, xa))
+    }
+
+    /// The backward of `add` for g = dL/dy [n, out]: the adapter's term of dL/dx [n, in],
+    /// and (dA_e [r, in], dB_e [out, r]) in f32.
+    fn bwd(&self, e: usize, x: &Tensor, xa: &Tensor, g: &Tensor) -> Result<(Tensor, Grad)> {
+        let gb = g.matmul(&self.b.get(e)?)?; // [n, r]
+        let a = self.a.get(e)?;
+        let dx = (gb.matmul(&a)? * self.scale)?;
+        let da = (gb.t()?.matmul(x)? * self.scale)?.to_dtype(DType::F32)?;
+        let db = g.t()?.matmul(xa)?.to_dtype(DType::F32)?;
+        Ok((dx, (da, db)))
+    }
+}
+
+/// One expert's adapter gradients (dA_e [r, in], dB_e [out, r]) f32.
+type Grad = (Tensor, Tensor);
+
+/// Expert e's forward over its n tokens, what its backward takes.
+struct ExpertActs {
+    gate: Tensor,            // [n, I]
+    up: Tensor,              // [n, I]
+    a: Tensor,               // [n, I] silu(gate) ⊙ up, down's input
+    xa_gu: Option<Tensor>,   // [n, r] gate_up's adapter state
+    xa_down: Option<Tensor>, // [n, r] down's
+    y: Tensor,               // [n, C] before the routing weight
+}
+
+impl Moe {
+    /// The frozen tensors: router, gate_up, down.
+    pub fn frozen(&self) -> Vec<&Tensor> {
+        vec![&self.router, &self.gate_up, &self.down]
+    }
+
+    pub fn frozen_mut(&mut self) -> Vec<&mut Tensor> {
+        vec![&mut self.router, &mut self.gate_up, &mut self.down]
+    }
+
+    /// The experts' adapters with their PEFT module paths (gate_up's, then down's).
+    pub fn adapters(&self) -> impl Iterator<Item = (&str, &Lora)> {
+        [&self.gate_up_lora, &self.down_lora]
+            .into_iter()
+            .flatten()
+            .map(|l| (l.name.as_str(), &l.lora))
+    }
+
+    fn expert_fwd(
+        &self,
+        e: usize,
+        x: &Tensor,
+        (gu_ad, down_ad): (Option<&PerExpert>, Option<&PerExpert>),
+    ) -> Result<ExpertActs> {
+        let i = self.spec.inter;
+        let gu = x.matmul(&self.gate_up.get(e)?.t()?)?; // [n, 2I]
+        let (gu, xa_gu) = match gu_ad {
+            Some(p) => {
+                let (y, xa) = p.add(e, x, gu)?;
+                (y, Some(xa))
+            }
+            None => (gu, None),
+        };
+        let gate = gu.narrow(1, 0, i)?.contiguous()?;
+        let up = gu.narrow(1, i, i)?.contiguous()?;
+        let a = Act::Silu.glu(&gate, &up)?;
+        let y = a.matmul(&self.down.get(e)?.t()?)?; // [n, C]
+        let (y, xa_down) = match down_ad {
+            Some(p) => {
+                let (y, xa) = p.add(e, &a, y)?;
+                (y, Some(xa))
+            }
+            None => (y, None),
+        };
+        Ok(ExpertActs {
+            gate,
+            up,
+            a,
+            xa_gu,
+            xa_down,
+            y,
+        })
+    }
+
+    /// hn [m, C] → Σ_j w_j · E_j(hn) [m, C]. Differentiable (the reference forward's graph).
+    pub fn forward(&self, hn: &Tensor) -> Result<Tensor> {
+        Ok(self.forward_routed(hn)?.0)
+    }
+
+    /// `forward`, with its routing.
+    pub fn forward_routed(&self, hn: &Tensor) -> Result<(Tensor, Routing)> {
+        let (dt, experts) = (hn.dtype(), self.spec.experts);
+        let r = route(hn, &self.router, self.spec)?;
+        let gu_ad = PerExpert::of(&self.gate_up_lora, experts, dt)?;
+        let down_ad = PerExpert::of(&self.down_lora, experts, dt)?;
+        let ads = (gu_ad.as_ref(), down_ad.as_ref());
+        let xs = hn.index_select(&r.tokens, 0)?; // [m·k, C] grouped by expert
+        let w = r
+            .weights
+            .to_dtype(dt)?
+            .flatten_all()?
+            .index_select(&r.order, 0)?; // [m·k]
+        let mut ys = Vec::with_capacity(experts);
+        let mut off = 0;
+        for (e, &n) in r.counts.iter().enumerate() {
+            if n > 0 {
+                ys.push(self.expert_fwd(e, &xs.narrow(0, off, n)?, ads)?.y);
+                off += n;
+            }
+        }
+        let y = Tensor::cat(&ys, 0)?.broadcast_mul(&w.unsqueeze(1)?)?;
+        Ok((hn.zeros_like()?.index_add(&r.tokens, &y, 0)?, r))
+    }
+
+    /// The backward of `forward` for g = dL/d(its output) [m, C]: dL/dhn [m, C], through the
+    /// experts and the router; the experts' adapter gradients into `grads`. `aux` is the
+    /// load-balancing loss's gradient on the router's probabilities ([m, E] or [1, E] f32).
+    pub fn backward(
+        &self,
+        hn: &Tensor,
+        g: &Tensor,
+        aux: Option<&Tensor>,
+        grads: &mut LayerGrads,
+    ) -> Result<Tensor> {
+        let (dt, experts) = (hn.dtype(), self.spec.experts);
+        let (m, k) = (hn.dim(0)?, self.spec.top_k);
+        let r = route(hn, &self.router, self.spec)?;
+        let gu_ad = PerExpert::of(&self.gate_up_lora, experts, dt)?;
+        let down_ad = PerExpert::of(&self.down_lora, experts, dt)?;
+        let ads = (gu_ad.as_ref(), down_ad.as_ref());
+        let xs = hn.index_select(&r.tokens, 0)?; // [m·k, C]
+        let gs = g.contiguous()?.index_select(&r.tokens, 0)?; // [m·k, C]
+        let w = r
+            .weights
+            .to_dtype(dt)?
+            .flatten_all()?
+            .index_select(&r.order, 0)?;
+        let (mut dxs, mut dws) = (Vec::new(), Vec::new());
+        let mut gu_grads: Vec<Option<Grad>> = vec![None; experts];
+        let mut down_grads: Vec<Option<Grad>> = vec![None; experts];
+        let mut off = 0;
+        for (e, &n) in r.counts.iter().enumerate() {
+            if n == 0 {
+                continue;
+            }
+            let (x, ge) = (xs.narrow(0, off, n)?, gs.narrow(0, off, n)?);
+            let we = w.narrow(0, off, n)?.unsqueeze(1)?; // [n, 1]
+            off += n;
+            let acts = self.expert_fwd(e, &x, ads)?;
+            dws.push((&ge * &acts.y)?.sum(1)?); // dL/dw [n]
+            let gy = ge.broadcast_mul(&we)?; // dL/dy_e [n, C]
+            let mut da = gy.matmul(&self.down.get(e)?)?; // [n, I]
+            if let (Some(p), Some(xa)) = (down_ad.as_ref(), &acts.xa_down) {
+                let (dx, gr) = p.bwd(e, &acts.a, xa, &gy)?;
+                da = (da + dx)?;
+                down_grads[e] = Some(gr);
+            }
+            let (dgate, dup) = Act::Silu.glu_bwd(&acts.gate, &acts.up, &da)?;
+            let dgu = Tensor::cat(&[&dgate, &dup], 1)?; // [n, 2I]
+            let mut dx = dgu.matmul(&self.gate_up.get(e)?)?; // [n, C]
+            if let (Some(p), Some(xa)) = (gu_ad.as_ref(), &acts.xa_gu) {
+                let (dxa, gr) = p.bwd(e, &x, xa, &dgu)?;
+                dx = (dx + dxa)?;
+                gu_grads[e] = Some(gr);
+            }
+            dxs.push(dx);
+        }
+        let dhn = hn
+            .zeros_like()?
+            .index_add(&r.tokens, &Tensor::cat(&dxs, 0)?, 0)?;
+        let dw = Tensor::cat(&dws, 0)?.to_dtype(DType::F32)?;
+        let dw = Tensor::zeros(m * k, DType::F32, hn.device())?
+            .index_add(&r.order, &dw, 0)?
+            .reshape((m, k))?;
+        let dlogits = route_bwd(&r, &dw, self.spec.norm_topk, aux)?; // [m, E]
+        let dhn = (dhn + dlogits.to_dtype(dt)?.matmul(&self.router)?)?;
+        for (l, per) in [
+            (&self.gate_up_lora, gu_grads),
+            (&self.down_lora, down_grads),
+        ] {
+            if let Some(l) = l {
+                push_grads(grads, &l.lora, per)?;
+            }
+        }
+        Ok(dhn)
+    }
+}
+
+/// An expert adapter's per-expert gradients (None: the expert got no token, zero) as PEFT's
+/// dA [E·r, in] and dB [out, r·E], into `grads`.
+fn push_grads(grads: &mut LayerGrads, lora: &Lora, per: Vec<Option<Grad>>) -> Result<()> {
+    let experts = per.len();
+    let (er, in_f) = lora.a.dims2()?;
+    let (out, r) = (lora.b.dim(0)?, er / experts.max(1));
+    let dev = lora.a.device();
+    let mut das = Vec::with_capacity(experts);
+    let mut dbs = Vec::with_capacity(experts);
+    for g in per {
+        let (da, db) = match g {
+            Some(g) => g,
+            None => (
+                Tensor::zeros((r, in_f), DType::F32, dev)?,
+                Tensor::zeros((out, r), DType::F32, dev)?,
+            ),
+        };
+        das.push(da);
+        dbs.push(db);
+    }
+    let da = Tensor::cat(&das, 0)?; // [E·r, in]
+    let db = Tensor::stack(&dbs, 0)? // [E, out, r]
+        .permute((1, 2, 0))?
+        .contiguous()?
+        .reshape((out, r * experts))?; // column j·E + e
+    grads.push((lora.a.id(), da));
+    grads.push((lora.b.id(), db));
+    Ok(())
+}
+
+impl Layer {
+    /// A MoE layer's MLP half in training: h = x + a [m, C] and, with `output`, y [m, C]
+    /// (its routing counted for the load-balancing loss, where it is on).
+    pub(super) fn moe_fwd(
+        &self,
+        moe: &Moe,
+        x: &Tensor,
+        a: Tensor,
+        ctx: &Ctx,
+        output: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let h = ops::add(x, &a)?;
+        drop(a);
+        let y = match output {
+            true => {
+                let hn = ops::rms_norm(&h, &self.post_norm, self.spec.norm)?;
+                let (m, routing) = moe.forward_routed(&hn)?;
+                if let Some(aux) = &ctx.moe_aux {
+                    aux.record(&routing)?;
+                }
+                Some(ops::add(&h, &m)?)
+            }
+            false => None,
+        };
+        Ok((h, y))
+    }
+
+    /// Its backward from h and dL/dy [m, C]: dL/dh [m, C] (dy, the residual's share,
+    /// included; the load-balancing loss's, where it is on); the experts' adapter gradients
+    /// into `grads`.
+    pub(super) fn moe_bwd(
+        &self,
+        moe: &Moe,
+        h: &Tensor,
+        dy: &Tensor,
+        ctx: &Ctx,
+        grads: &mut LayerGrads,
+    ) -> Result<Tensor> {
+        let s = self.spec;
+        let hn = ops::rms_norm(h, &self.post_norm, s.norm)?;
+        let aux = match &ctx.moe_aux {
+            Some(a) => a.grad()?,
+            None => None,
+        };
+        let dhn = moe.backward(&hn, dy, aux.as_ref(), grads)?;
+        drop(hn);
+        ops::rms_norm_bwd_add(h, &self.post_norm, s.norm, &dhn, dy)
+    }
+}

@@ -1,0 +1,134 @@
+//! A MoE layer's router, as Qwen3-MoE's `Qwen3MoeTopKRouter`: logits = hn Wᵀ, a softmax over
+//! all experts in f32, the top k of those probabilities (renormalised to sum to 1 with
+//! `norm_topk_prob`), and the tokens grouped by expert for the experts' GEMMs.
+//!
+//! The grouping is made on the host from the [m, k] chosen experts (one small copy per layer:
+//! m·k u32): the flat positions p = n·k + j of the (token n, slot j) pairs, expert 0's first,
+//! then expert 1's, ..., ascending within each; their tokens n; and how many each expert got.
+//! Every expert's rows are then one contiguous run of a gathered [m·k, C] input, so each expert
+//! is one GEMM over its run (no loop over tokens), on the CPU and CUDA alike.
+//!
+//! Shapes: m tokens, C hidden, E experts, k experts per token.
+
+use super::family::MoeSpec;
+use candle_core::{DType, Result, Tensor, D};
+
+/// One batch's routing through one layer.
+pub struct Routing {
+    /// Softmax of the router logits over all experts [m, E] f32.
+    pub probs: Tensor,
+    /// The chosen experts [m, k] u32, by descending probability.
+    pub idx: Tensor,
+    /// Their weights [m, k] f32: the probabilities, renormalised with `norm_topk`.
+    pub weights: Tensor,
+    /// The (token, slot) positions p = n·k + j grouped by expert [m·k] u32.
+    pub order: Tensor,
+    /// Each grouped position's token n = p / k [m·k] u32.
+    pub tokens: Tensor,
+    /// Tokens per expert [E] (the runs of `order`, in expert order).
+    pub counts: Vec<usize>,
+}
+
+/// Routes hn [m, C] with the router's W [E, C]. Differentiable in hn (the reference
+/// forward's autograd graph; the indices carry no gradient).
+pub fn route(hn: &Tensor, w: &Tensor, spec: MoeSpec) -> Result<Routing> {
+    let (m, k) = (hn.dim(0)?, spec.top_k);
+    let logits = hn.matmul(&w.t()?)?.to_dtype(DType::F32)?; // [m, E]
+    let probs = candle_nn::ops::softmax(&logits, D::Minus1)?;
+    // the top k, by descending probability (ties, measure zero on real inputs, either way)
+    let idx = probs
+        .detach()
+        .arg_sort_last_dim(false)?
+        .narrow(1, 0, k)?
+        .contiguous()?; // [m, k]
+    let top = probs.gather(&idx, 1)?; // [m, k]
+    let weights = match spec.norm_topk {
+        true => top.broadcast_div(&top.sum_keepdim(1)?)?,
+        false => top,
+    };
+    let chosen: Vec<u32> = idx.flatten_all()?.to_vec1()?;
+    let (order, counts) = group(&chosen, spec.experts)?;
+    let tokens: Vec<u32> = order.iter().map(|&p| p / k as u32).collect();
+    let dev = hn.device();
+    debug_assert_eq!(order.len(), m * k);
+    Ok(Routing {
+        probs,
+        idx,
+        weights,
+        order: Tensor::from_vec(order, m * k, dev)?,
+        tokens: Tensor::from_vec(tokens, m * k, dev)?,
+        counts,
+    })
+}
+
+/// The flat positions of `chosen` ([m·k] expert ids) grouped by expert, ascending within an
+/// expert, and each expert's count (a counting sort).
+fn group(chosen: &[u32], experts: usize) -> Result<(Vec<u32>, Vec<usize>)> {
+    let mut counts = vec![0usize; experts];
+    for &e in chosen {
+        match counts.get_mut(e as usize) {
+            Some(c) => *c += 1,
+            None => candle_core::bail!("router chose expert {e} of {experts}"),
+        }
+    }
+    let mut start: Vec<usize> = counts
+        .iter()
+        .scan(0, |acc, &c| {
+            let s = *acc;
+            *acc += c;
+            Some(s)
+        })
+        .collect();
+    let mut order = vec![0u32; chosen.len()];
+    for (p, &e) in chosen.iter().enumerate() {
+        order[start[e as usize]] = p as u32;
+        start[e as usize] += 1;
+    }
+    Ok((order, counts))
+}
+
+/// The router's backward: dL/dweights [m, k] f32 → dL/dlogits [m, E] f32, through the
+/// renormalisation (with `norm_topk`), the top-k gather and the softmax. `dprobs_extra`
+/// ([m, E] or [1, E] f32) is a gradient on the probabilities besides (the load-balancing
+/// loss's).
+pub fn route_bwd(
+    r: &Routing,
+    dweights: &Tensor,
+    norm_topk: bool,
+    dprobs_extra: Option<&Tensor>,
+) -> Result<Tensor> {
+    let top = r.probs.gather(&r.idx, 1)?; // [m, k]
+    let dtop = match norm_topk {
+        // w = v / S, S = Σ v: dv = (dw − Σ dw ⊙ w) / S
+        true => {
+            let sum = top.sum_keepdim(1)?; // [m, 1]
+            let w = top.broadcast_div(&sum)?;
+            let dot = (dweights * &w)?.sum_keepdim(1)?;
+            dweights.broadcast_sub(&dot)?.broadcast_div(&sum)?
+        }
+        false => dweights.clone(),
+    };
+    let dprobs = r.probs.zeros_like()?.scatter_add(&r.idx, &dtop, 1)?; // [m, E]
+    let dprobs = match dprobs_extra {
+        Some(g) => dprobs.broadcast_add(g)?,
+        None => dprobs,
+    };
+    // softmax: dz = p ⊙ (dp − Σ p ⊙ dp)
+    let dot = (&dprobs * &r.probs)?.sum_keepdim(1)?;
+    dprobs.broadcast_sub(&dot)? * &r.probs
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn groups_positions_by_expert() {
+        // m = 3 tokens, k = 2: token 0 → (2, 0), token 1 → (1, 2), token 2 → (2, 1); expert 3
+        // gets none
+        let (order, counts) = group(&[2, 0, 1, 2, 2, 1], 4).unwrap();
+        assert_eq!(counts, vec![1, 2, 3, 0]);
+        assert_eq!(order, vec![1, 2, 5, 0, 3, 4]);
+        assert!(group(&[4], 4).is_err());
+    }
+}

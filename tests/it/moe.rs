@@ -1,0 +1,156 @@
+//! The MoE family (Qwen3-MoE) beyond its goldens (tests/it/golden.rs): checkpointing and
+//! parking change memory, not numbers; the activations a layer keeps are what the memory plan
+//! counts; a 4.x checkpoint with its experts one by one reads as the fused one; what we save
+//! is PEFT's target_parameters adapter.
+
+use crate::common::*;
+use candle_core::Tensor;
+use lora_train::memory::plan::{kept_per_token_layer, lora_params};
+use lora_train::train::driver::{self, Keep};
+use lora_train::train::{optim::Grads, Session};
+
+fn session(case: &str, sets: &[&str]) -> (tempfile::TempDir, Session) {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let r = recipe(tmp.path(), &golden_recipe(case, &out), sets);
+    let s = Session::new(r).unwrap();
+    (tmp, s)
+}
+
+/// Rows 0, 2 and 4 (of unequal lengths: padding) through every way the driver keeps
+/// activations: the loss and every gradient (experts' and router aux's included) agree.
+#[test]
+fn checkpointed_and_parked_moe_layers_give_the_kept_gradients() {
+    for (case, sets) in [
+        ("qwen3_moe", vec![]),
+        ("qwen3_moe_aux", vec!["train.router_aux_loss_coef=0.05"]),
+    ] {
+        let (_t, s) = session(case, &sets);
+        let batch = s.batch(&[vec![0], vec![2], vec![4]]);
+        assert!(
+            batch.real.iter().any(|r| !r),
+            "{case}: the batch must be padded"
+        );
+        let run = |keep| {
+            let mut g = Grads::new();
+            let ce = driver::forward_backward(&s.model, &batch, 10.0, keep, None, &mut g).unwrap();
+            (ce, g)
+        };
+        let (ce, want) = run(Keep::Acts);
+        for keep in [Keep::Input, Keep::InputParked] {
+            let (ce_k, got) = run(keep);
+            assert!(
+                (ce_k - ce).abs() <= 1e-6 * ce.abs(),
+                "{case}: {ce_k} vs {ce}"
+            );
+            assert_eq!(got.len(), want.len(), "{case}: gradient count");
+            for (id, w) in &want {
+                assert_close(&format!("{case}: grad"), &got[id], w, 1e-5, 1e-6);
+            }
+        }
+    }
+}
+
+/// A MoE layer keeps x, q, k, v, attention output, lse, its residual h and the attention
+/// adapters' states (no expert activation): `kept_per_token_layer`'s bytes exactly; the
+/// plan's adapter parameters are the model's, experts' included.
+#[test]
+fn a_moe_layer_keeps_what_the_plan_counts() {
+    let (_t, s) = session("qwen3_moe", &[]);
+    let batch = s.batch(&[vec![0], vec![1]]);
+    let m = &s.model;
+    let ctx = m
+        .ctx(&batch.positions, batch.b, batch.t, None, None)
+        .unwrap();
+    let ids = Tensor::from_slice(&batch.ids, (batch.b, batch.t), &m.device).unwrap();
+    let x = m.embed(&ids).unwrap();
+    let (_, acts) = m.layers[0].forward_train(&x, &ctx, true).unwrap();
+    let rank = s.spec.rank;
+    let per_token = kept_per_token_layer(&m.cfg, 4, rank, &s.spec.targets);
+    assert_eq!(
+        acts.unwrap().bytes() as u64,
+        per_token * (batch.b * batch.t) as u64
+    );
+    let params: usize = m
+        .adapters()
+        .flat_map(|(_, l)| l.vars())
+        .map(|v| v.elem_count())
+        .sum();
+    let planned = lora_params(&m.cfg, rank, &s.spec.targets);
+    assert_eq!(params as u64, planned);
+}
+
+/// The fixture's checkpoint rewritten as 4.x checkpoints on the Hub store experts
+/// (`mlp.experts.{e}.{gate,up,down}_proj.weight`) gives the fused checkpoint's logits.
+#[test]
+fn per_expert_checkpoint_reads_as_the_fused_one() {
+    let src = golden_dir("qwen3_moe").join("model");
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("model");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(src.join("config.json"), dir.join("config.json")).unwrap();
+    let mut out: Vec<(String, Tensor)> = Vec::new();
+    for (name, t) in load_st(&src.join("model.safetensors")) {
+        if let Some(p) = name.strip_suffix(".experts.gate_up_proj") {
+            let i = t.dim(1).unwrap() / 2;
+            for e in 0..t.dim(0).unwrap() {
+                let w = t.get(e).unwrap();
+                for (k, part) in [("gate_proj", 0), ("up_proj", i)] {
+                    let key = format!("{p}.experts.{e}.{k}.weight");
+                    out.push((key, w.narrow(0, part, i).unwrap().contiguous().unwrap()));
+                }
+            }
+        } else if let Some(p) = name.strip_suffix(".experts.down_proj") {
+            for e in 0..t.dim(0).unwrap() {
+                out.push((
+                    format!("{p}.experts.{e}.down_proj.weight"),
+                    t.get(e).unwrap(),
+                ));
+            }
+        } else {
+            out.push((name, t));
+        }
+    }
+    let map: std::collections::HashMap<String, Tensor> = out.into_iter().collect();
+    candle_core::safetensors::save(&map, dir.join("model.safetensors")).unwrap();
+
+    let path = format!("model.path={}", dir.display());
+    let (_t, s) = session("qwen3_moe", &[path.as_str()]);
+    let batch = s.batch(&[vec![0], vec![1]]);
+    let logits = driver::logits(&s.model, &batch).unwrap();
+    let want = load_st(&golden_dir("qwen3_moe").join("golden.safetensors"));
+    assert_close("per-expert logits", &logits, &want["logits"], 1e-4, 1e-6);
+}
+
+/// What training saves is PEFT's adapter for the experts: target_parameters beside
+/// target_modules, the expert adapters keyed mlp.experts (down) and
+/// mlp.experts.base_layer (gate_up, the inner of PEFT's two wrappers), in PEFT's shapes.
+#[test]
+fn saved_adapter_names_the_experts_as_peft() {
+    let (t, s) = session("qwen3_moe", &["train.max_steps=1"]);
+    let out = t.path().join("out");
+    s.train(&out).unwrap();
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("adapter_config.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        cfg["target_modules"],
+        serde_json::json!(["q_proj", "k_proj", "v_proj", "o_proj"])
+    );
+    assert_eq!(
+        cfg["target_parameters"],
+        serde_json::json!(["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    );
+    let saved = load_st(&out.join("adapter_model.safetensors"));
+    let init = load_st(
+        &golden_dir("qwen3_moe")
+            .join("init_adapter")
+            .join("adapter_model.safetensors"),
+    );
+    assert_eq!(saved.len(), init.len());
+    for (k, v) in &init {
+        assert_eq!(saved[k].dims(), v.dims(), "{k}");
+    }
+    let k = "base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight";
+    assert_eq!(saved[k].dims(), &[8 * 4, 32]); // A [E·r, C] of gate_up_proj
+}
