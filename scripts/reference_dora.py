@@ -23,7 +23,7 @@ Linear4bit, in train mode, as reference_qlora.py does). For each case it writes 
 
 The script asserts that PEFT loads the saved adapters back to the same tensors.
 """
-import argparse, json, os, shutil, sys
+import json, os, shutil, sys
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM
 from peft import LoraConfig, PeftModel, get_peft_model
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from reference_peft import ALL7, OPT, batch_of, peft_key  # noqa: E402
+from reference_peft import ALL7, OPT, batch_of, peft_key, run_cases, versions, write_meta  # noqa: E402
 from reference_qlora import dequantized, golden_run  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -157,24 +157,10 @@ def run_case(name, case, out):
     meta = dict(case=name, model_dir=rel, lora=dict(case["lora"], use_dora=True), opt=OPT,
                 pad_id=pad, loss=gold["loss"].item(), train_losses=losses, sdpa_vs_eager=None,
                 compute="float32 (bitsandbytes Linear4bit)" if case["nf4"] else "float64",
-                versions=dict(torch=torch.__version__,
-                              transformers=__import__("transformers").__version__,
-                              peft=__import__("peft").__version__))
-    with open(os.path.join(d, "meta.json"), "w") as f:
-        json.dump(meta, f, indent=1)
-    print(f"{name}: loss {meta['loss']:.6f} train {['%.5f' % l for l in losses]}", flush=True)
+                versions=versions())
+    write_meta(d, meta)
 
-
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.path.join(ROOT, "tests/fixtures/golden"))
-    ap.add_argument("--case", action="append")
-    a = ap.parse_args()
-    torch.use_deterministic_algorithms(True)
-    for name, case in CASES.items():
-        if not a.case or name in a.case:
-            run_case(name, case, a.out)
 
 
 if __name__ == "__main__":
-    main()
+    run_cases(CASES, run_case)

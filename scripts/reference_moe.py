@@ -16,7 +16,7 @@ optimiser); what differs is the model and the adapter:
 
     python3 scripts/reference_moe.py --out tests/fixtures/golden
 """
-import argparse, copy, json, os, shutil, sys
+import copy, json, os, shutil, sys
 
 import torch
 from safetensors.torch import save_file
@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
 from peft import LoraConfig, get_peft_model
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from reference_peft import OPT, ROOT, batch_of, make_config, make_rows, peft_key  # noqa: E402
+from reference_peft import OPT, ROOT, batch_of, make_config, make_rows, peft_key, run_cases, versions, write_meta  # noqa: E402
 
 BASE = dict(model_type="qwen3_moe", hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
@@ -171,24 +171,10 @@ def run_case(name, case, out):
                 loss=out_t["loss"].item(), train_losses=losses, experts_per_layer=per_layer,
                 router_aux_loss_coef=cfg.router_aux_loss_coef if aux else None,
                 aux_loss=out_t["aux_loss"].item() if aux else None,
-                versions=dict(torch=torch.__version__,
-                              transformers=__import__("transformers").__version__,
-                              peft=__import__("peft").__version__))
-    with open(os.path.join(d, "meta.json"), "w") as f:
-        json.dump(meta, f, indent=1)
-    print(f"{name}: loss {meta['loss']:.6f} train {['%.5f' % l for l in losses]}", flush=True)
+                versions=versions())
+    write_meta(d, meta)
 
-
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.path.join(ROOT, "tests/fixtures/golden"))
-    ap.add_argument("--case", action="append")
-    a = ap.parse_args()
-    torch.use_deterministic_algorithms(True)
-    for name, case in CASES.items():
-        if not a.case or name in a.case:
-            run_case(name, case, a.out)
 
 
 if __name__ == "__main__":
-    main()
+    run_cases(CASES, run_case)

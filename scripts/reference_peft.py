@@ -287,22 +287,35 @@ def run_case(name, case, out):
     meta = dict(case=name, model_dir=("../../../../" + case["shipped"]) if "shipped" in case else "model",
                 lora=case["lora"], opt=OPT, pad_id=pad, loss=out_t["loss"].item(), train_losses=losses,
                 sdpa_vs_eager=sdpa_vs_eager,
-                versions=dict(torch=torch.__version__,
-                              transformers=__import__("transformers").__version__,
-                              peft=__import__("peft").__version__))
+                versions=versions())
+    write_meta(d, meta)
+
+
+
+def versions(**more):
+    """The library versions a fixture was made with (meta.json's "versions")."""
+    return dict(torch=torch.__version__, transformers=__import__("transformers").__version__,
+                peft=__import__("peft").__version__, **more)
+
+
+def write_meta(d, meta):
+    """<d>/meta.json, and the case's losses on stdout."""
     with open(os.path.join(d, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
-    print(f"{name}: loss {meta['loss']:.6f} train {['%.5f' % l for l in losses]}", flush=True)
+    losses = ['%.5f' % l for l in meta["train_losses"]]
+    print(f"{meta['case']}: loss {meta['loss']:.6f} train {losses}", flush=True)
 
 
-def main():
+def run_cases(cases, run_case):
+    """The scripts' command line: --out DIR, --case NAME (repeatable); every case is tried and
+    the failed ones are named at the end (exit 1)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(ROOT, "tests/fixtures/golden"))
     ap.add_argument("--case", action="append")
     a = ap.parse_args()
     torch.use_deterministic_algorithms(True)
     failed = []
-    for name, case in CASES.items():
+    for name, case in cases.items():
         if a.case and name not in a.case:
             continue
         try:
@@ -316,4 +329,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_cases(CASES, run_case)

@@ -59,7 +59,7 @@ bitsandbytes CPU quirks (0.50.2):
   - without the `kernels` package it logs "Failed to load CPU gemm_4bit_forward from
     kernels-community" at import: harmless here (only the bf16 inference path above uses it).
 """
-import argparse, json, os, shutil, sys
+import json, os, shutil, sys
 
 import torch
 import bitsandbytes as bnb
@@ -69,7 +69,7 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig, get_cosine_sc
 from peft import LoraConfig, PeftModel, get_peft_model
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from reference_peft import ALL7, OPT, batch_of, make_config, make_rows, peft_key  # noqa: E402
+from reference_peft import ALL7, OPT, batch_of, make_config, make_rows, peft_key, run_cases, versions, write_meta  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -358,34 +358,10 @@ def run_case(name, case, out):
                             "after_worst_rel": max(v[1] for k, v in d64.items()
                                                    if k.startswith("after."))},
                 vs_full_precision=vs_full,
-                versions=dict(torch=torch.__version__,
-                              transformers=__import__("transformers").__version__,
-                              peft=__import__("peft").__version__,
-                              bitsandbytes=bnb.__version__))
-    with open(os.path.join(d, "meta.json"), "w") as f:
-        json.dump(meta, f, indent=1)
-    print(f"{name}: loss {meta['loss']:.6f} train {['%.5f' % l for l in losses]}", flush=True)
+                versions=versions(bitsandbytes=bnb.__version__))
+    write_meta(d, meta)
 
-
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.path.join(ROOT, "tests/fixtures/golden"))
-    ap.add_argument("--case", action="append")
-    a = ap.parse_args()
-    torch.use_deterministic_algorithms(True)
-    failed = []
-    for name, case in CASES.items():
-        if a.case and name not in a.case:
-            continue
-        try:
-            run_case(name, case, a.out)
-        except Exception:
-            import traceback
-            traceback.print_exc()
-            failed.append(name)
-    if failed:
-        sys.exit(f"failed cases: {failed}")
 
 
 if __name__ == "__main__":
-    main()
+    run_cases(CASES, run_case)

@@ -101,6 +101,19 @@ pub fn recipe(dir: &Path, text: &str, sets: &[&str]) -> Recipe {
     Recipe::load(&p, &sets).unwrap()
 }
 
+/// A training session on a golden case's recipe (`golden_recipe`) with `sets` applied; the
+/// directory holding its recipe and output lives as long as the returned guard.
+pub fn golden_session(
+    case: &str,
+    sets: &[&str],
+) -> (tempfile::TempDir, lora_train::train::Session) {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let r = recipe(tmp.path(), &golden_recipe(case, &out), sets);
+    let s = lora_train::train::Session::new(r).unwrap();
+    (tmp, s)
+}
+
 /// A recipe training a golden case's model from its init adapter on its train.jsonl,
 /// with the optimiser settings of scripts/reference_peft.py.
 pub fn golden_recipe(case: &str, out: &Path) -> String {

@@ -8,13 +8,7 @@ use lora_train::data::{Batch, Example};
 use lora_train::train::driver::{self, Keep};
 use lora_train::train::{optim::Grads, Session};
 
-fn session(case: &str, sets: &[&str]) -> (tempfile::TempDir, Session) {
-    let tmp = tempfile::tempdir().unwrap();
-    let out = tmp.path().join("out");
-    let r = recipe(tmp.path(), &golden_recipe(case, &out), sets);
-    let s = Session::new(r).unwrap();
-    (tmp, s)
-}
+use crate::common::golden_session as session;
 
 #[test]
 fn frozen_base_gets_no_gradient_entry() {

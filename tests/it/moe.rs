@@ -7,15 +7,9 @@ use crate::common::*;
 use candle_core::Tensor;
 use lora_train::memory::plan::{kept_per_token_layer, lora_params};
 use lora_train::train::driver::{self, Keep};
-use lora_train::train::{optim::Grads, Session};
+use lora_train::train::optim::Grads;
 
-fn session(case: &str, sets: &[&str]) -> (tempfile::TempDir, Session) {
-    let tmp = tempfile::tempdir().unwrap();
-    let out = tmp.path().join("out");
-    let r = recipe(tmp.path(), &golden_recipe(case, &out), sets);
-    let s = Session::new(r).unwrap();
-    (tmp, s)
-}
+use crate::common::golden_session as session;
 
 /// Rows 0, 2 and 4 (of unequal lengths: padding) through every way the driver keeps
 /// activations: the loss and every gradient (experts' and router aux's included) agree.
