@@ -8,8 +8,7 @@
 //! device, for `lora-train plan` in any build.
 //!
 //! A fallback exists only where the hardware, the dtype or the model needs it: the blockwise
-//! attention (CPU, f32 and f16, head dims other than 64 and 128, soft-capped scores: Gemma 2's
-//! caps live in its kernels, not in the tensor-core ones), the unfolded adapters (CPU, f32 and
+//! attention (CPU, f32 and f16, head dims other than 64, 96, 128 and 256), the unfolded adapters (CPU, f32 and
 //! f16; per linear also biases), dropout's masked copies (CPU, f32 and f16), the
 //! cross-entropy as tensor ops (CPU, f16), and cuBLAS's own GEMM choice (CPU).
 //!
@@ -55,10 +54,11 @@ pub enum Attention {
     /// `ops::attention`: cuBLAS GEMMs per block of queries and the masked softmax between
     /// them; any device, dtype and head dim. The reference the others are tested against.
     Blockwise,
-    /// flash.cu: mma.sync from ldmatrix fragments; sm_80 and later, bf16, head dims 64 and 128.
+    /// flash.cu: mma.sync from ldmatrix fragments; sm_80 and later, bf16, head dims 64, 96, 128
+    /// and 256, soft-capped scores (Gemma 2) or not.
     MmaSync,
     /// flash90.cu: warpgroup MMA (wgmma) from swizzled shared tiles; compute capability 9.0
-    /// (H100, H200), bf16, head dim 128. The backward is one kernel (`flash_bwd90`: dK, dV and
+    /// (H100, H200), bf16, head dim 128, no soft-cap. The backward is one kernel (`flash_bwd90`: dK, dV and
     /// dQ's terms from one S and dP per tile) and a pass that rounds dQ's f32 sums. Those sums
     /// add the key tiles' terms in the order they land: dq is not bit-reproducible from run
     /// to run (f32 rounding; PyTorch's flash backward is alike).
@@ -78,10 +78,11 @@ impl Attention {
     /// The choice for attention shape `a` over `dtype` activations on CUDA (`cuda`) or not, on
     /// a Hopper GPU (`hopper`) or not.
     fn choose(cuda: bool, hopper: bool, dtype: DType, a: AttnShape, deterministic: bool) -> Self {
-        match (cuda && dtype == DType::BF16 && !a.softcap, a.head_dim) {
-            (true, 128) if hopper && deterministic => Attention::WgmmaSplitDq,
-            (true, 128) if hopper => Attention::Wgmma,
-            (true, 64 | 128) => Attention::MmaSync,
+        let wgmma = hopper && !a.softcap;
+        match (cuda && dtype == DType::BF16, a.head_dim) {
+            (true, 128) if wgmma && deterministic => Attention::WgmmaSplitDq,
+            (true, 128) if wgmma => Attention::Wgmma,
+            (true, 64 | 96 | 128 | 256) => Attention::MmaSync,
             _ => Attention::Blockwise,
         }
     }
@@ -306,23 +307,45 @@ mod tests {
             Kernels::forecast(true, bf16, 64).attention,
             Attention::MmaSync
         );
-        assert_eq!(
-            Kernels::forecast(true, bf16, 96).attention,
-            Attention::Blockwise
-        );
         let d128 = AttnShape::from(128);
         let split = Kernels::choose(true, true, bf16, d128, true, Experiments::default());
         assert_eq!(split.attention, Attention::WgmmaSplitDq);
         let ampere = Kernels::choose(true, false, bf16, d128, true, Experiments::default());
         assert_eq!(ampere.attention, Attention::MmaSync);
-        // Soft-capped scores (Gemma 2) take the blockwise kernels, which cap; the rest stays.
-        let capped = AttnShape {
-            head_dim: 128,
+        // Soft-capped scores (Gemma 2) take the mma.sync kernels, which cap (the wgmma ones do
+        // not), at every head dim they take; the rest stays.
+        for head_dim in [64, 96, 128, 256] {
+            let capped = AttnShape {
+                head_dim,
+                softcap: true,
+            };
+            let k = Kernels::forecast(true, bf16, capped);
+            assert_eq!(
+                k.attention,
+                Attention::MmaSync,
+                "capped, head dim {head_dim}"
+            );
+            assert!(k.fold && k.cross_entropy == CrossEntropy::Fused);
+            let split = Kernels::choose(true, true, bf16, capped, true, Experiments::default());
+            assert_eq!(split.attention, Attention::MmaSync);
+        }
+        // Phi-3's 96 and Gemma's 256 take mma.sync on any GPU; other head dims the blockwise.
+        for head_dim in [96, 256] {
+            let k = Kernels::forecast(true, bf16, head_dim);
+            assert_eq!(k.attention, Attention::MmaSync, "head dim {head_dim}");
+        }
+        for head_dim in [32, 80, 160] {
+            let k = Kernels::forecast(true, bf16, head_dim);
+            assert_eq!(k.attention, Attention::Blockwise, "head dim {head_dim}");
+        }
+        let capped_cpu = AttnShape {
+            head_dim: 256,
             softcap: true,
         };
-        let k = Kernels::forecast(true, bf16, capped);
-        assert_eq!(k.attention, Attention::Blockwise);
-        assert!(k.fold && k.cross_entropy == CrossEntropy::Fused);
+        assert_eq!(
+            Kernels::forecast(false, bf16, capped_cpu).attention,
+            Attention::Blockwise
+        );
         // f32 on a GPU: the fused cross-entropy and tuned GEMMs, nothing else.
         let f32 = Kernels::forecast(true, DType::F32, 128);
         assert_eq!(f32.attention, Attention::Blockwise);
