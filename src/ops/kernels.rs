@@ -334,6 +334,17 @@ mod tests {
             let k = Kernels::forecast(true, bf16, head_dim);
             assert_eq!(k.attention, Attention::MmaSync, "head dim {head_dim}");
         }
+        // The family shapes of `bench` (Phi-3, Gemma 2 with its cap, Gemma 3).
+        for shape in ["phi3-mini", "gemma2-9b", "gemma3-12b"] {
+            let cfg = crate::bench::shape(shape).unwrap();
+            let k = Kernels::forecast(true, bf16, cfg.attn_shape());
+            assert_eq!(
+                k.attention,
+                Attention::MmaSync,
+                "{shape}: {:?}",
+                cfg.attn_shape()
+            );
+        }
         for head_dim in [32, 80, 160] {
             let k = Kernels::forecast(true, bf16, head_dim);
             assert_eq!(k.attention, Attention::Blockwise, "head dim {head_dim}");
