@@ -3,15 +3,24 @@
 //
 // Three kernels, each one thread block of 4 warps per (tile, batch·head); tiles stream through
 // shared memory double-buffered (cp.async), fragments come out of it by ldmatrix:
-//   flash_fwd   64 queries a block, keys in tiles of 64: O and L = log-sum-exp (natural log).
-//   flash_dq    64 queries a block, keys in tiles of 32: recomputes P and dP, dQ = scale·dS·K.
+//   flash_fwd   64 queries a block, keys in tiles of 64 (32 at D = 256): O and L = log-sum-exp
+//               (natural log).
+//   flash_dq    64 queries a block, keys in tiles of 32 (16 at D = 256): recomputes P and dP,
+//               dQ = scale·dS·K.
 //   flash_dkdv  64 keys a block (16 a warp), queries in tiles of 32, over every query head of
-//               the kv head (GQA sums inside): dV = Pᵀ·dO, dK = scale·dSᵀ·Q.
+//               the kv head (GQA sums inside): dV = Pᵀ·dO, dK = scale·dSᵀ·Q. At D = 256 two
+//               blocks share a key tile, each making half of dK's and dV's columns.
 // Nine T×T×D products in all (FA2 does seven with atomics on dQ; this way has none).
+// Up to D = 128 the rows a warp multiplies by every tile (Q, dO) stay in registers as A
+// fragments; at D = 256 the D-wide accumulator takes those registers and the rows are read
+// from shared memory at each tile instead (FlCfg).
+//
+// Gemma 2's soft-cap (p.softcap > 0): the softmax takes z = cap·tanh(scale·s / cap) for the raw
+// score s = q·k, before the mask; the backward's dS takes the cap's derivative 1 − tanh².
 //
 // Layout: element (b, h, t, d) of q / k / v / o is at b·s[0] + h·s[1] + t·s[2] + d: heads-major
 // [B, H, T, D] and token-major rows [B·T, H·D] are both views. Every stride and base is a
-// multiple of 8 elements (16-byte copies into shared memory); D is 64 or 128.
+// multiple of 8 elements (16-byte copies into shared memory); D is 64, 96, 128 or 256.
 //
 // mma fragments (PTX ISA, m16n8k16): lane = 4·g + c. A (16×16, row): a0 = (g, 2c..2c+1),
 // a1 = (g+8, 2c..), a2 = (g, 2c+8..), a3 = (g+8, 2c+8..). B (16×8, col): b0 = (k 2c..2c+1, n g),
@@ -32,6 +41,17 @@ struct FlashP {
     long sdq[3]; long sdk[3];  // backward: dq's and dk's strides (their layout is the caller's)
     int B, H, KH, T, window;
     float scale;
+    float softcap;             // 0: none (flash90.cu's kernels take none)
+};
+
+// The mma.sync kernels' tiles at head dim D (flash.rs's launches size shared memory from the
+// same numbers).
+template<int D>
+struct FlCfg {
+    static constexpr bool ROWS_IN_REGS = D <= 128;    // Q (and dO) as register fragments
+    static constexpr int FWD_BK = D <= 128 ? 64 : 32;  // flash_fwd's key tile
+    static constexpr int DQ_BK = D <= 128 ? 32 : 16;   // flash_dq's key tile
+    static constexpr int DKDV_W = D <= 128 ? D : D / 2;  // dK / dV columns of a flash_dkdv block
 };
 
 extern __shared__ __align__(16) unsigned char flash_smem[];
@@ -107,17 +127,30 @@ __device__ __forceinline__ void fl_a_from_c(unsigned* a, const float* c0, const 
 // Starts copying rows [r0, r0 + R) of a [T, D] slab (row stride st) into shared [R][D + 8]
 // at s; rows past T are zero-filled. 128 threads, each a 16-byte chunk per pass of 128 / (D/8)
 // rows: the trip count is a constant and the addresses step by constants.
+// When D / 8 does not divide 128 (D = 96) a pass spans parts of rows: chunk x of the tile is
+// row x / C, column x % C, x = thread + 128·pass.
 template<int D, int R>
 __device__ __forceinline__ void fl_load(unsigned s, const bf16_t* g, long st, int r0, int T) {
-    constexpr int C = D / 8, RS = 128 / C;
-    static_assert(R % RS == 0, "a tile is whole passes");
-    const int r = threadIdx.x / C, c = threadIdx.x % C;
-    const bf16_t* src = g + (long)(r0 + r) * st + c * 8;
-    const unsigned dst = s + 2 * (r * (D + 8) + c * 8);
+    constexpr int C = D / 8;
+    if constexpr (128 % C == 0) {
+        constexpr int RS = 128 / C;
+        static_assert(R % RS == 0, "a tile is whole passes");
+        const int r = threadIdx.x / C, c = threadIdx.x % C;
+        const bf16_t* src = g + (long)(r0 + r) * st + c * 8;
+        const unsigned dst = s + 2 * (r * (D + 8) + c * 8);
 #pragma unroll
-    for (int i = 0; i < R / RS; ++i) {
-        const bool ok = r0 + r + i * RS < T;
-        fl_cp16(dst + 2 * i * RS * (D + 8), ok ? src + (long)i * RS * st : g, ok);
+        for (int i = 0; i < R / RS; ++i) {
+            const bool ok = r0 + r + i * RS < T;
+            fl_cp16(dst + 2 * i * RS * (D + 8), ok ? src + (long)i * RS * st : g, ok);
+        }
+    } else {
+        static_assert(R * C % 128 == 0, "a tile is whole passes");
+#pragma unroll
+        for (int i = 0; i < R * C / 128; ++i) {
+            const int x = threadIdx.x + i * 128, r = x / C, c = x % C;
+            const bool ok = r0 + r < T;
+            fl_cp16(s + 2 * (r * (D + 8) + c * 8), ok ? g + (long)(r0 + r) * st + c * 8 : g, ok);
+        }
     }
 }
 
@@ -130,31 +163,41 @@ __device__ __forceinline__ bool fl_ok(int i, int j, int T, int window, unsigned 
 
 // acc [16 × D] += P · tile: P the 16 × R product held as C fragments c[R / 8] (two side by
 // side are one A fragment), tile [R][D + 8] in shared memory (rows on P's k side).
-template<int D, int R>
-__device__ __forceinline__ void fl_acc_ptile(float (*acc)[4], float (*c)[4], unsigned tile, int l) {
+// acc [16 × W] += P · tile's columns cA + [0, W/2) and cA + D/2 + [0, W/2) (the accumulator's
+// halves: W = D, cA = 0 is every column in order; W = D/2 a pair of halves RoPE rotates together).
+template<int D, int W, int R>
+__device__ __forceinline__ void fl_acc_ptile_cols(float (*acc)[4], float (*c)[4], unsigned tile, int cA,
+                                                  int l) {
+    static_assert(W % 32 == 0, "each half is whole 16-column fragments");
 #pragma unroll
     for (int j = 0; j < R / 16; ++j) {
         unsigned a[4];
         fl_a_from_c(a, c[2 * j], c[2 * j + 1]);
 #pragma unroll
-        for (int n = 0; n < D / 8; n += 2) {
+        for (int n = 0; n < W / 8; n += 2) {
+            const int col = n < W / 16 ? cA + n * 8 : cA + D / 2 + (n - W / 16) * 8;
             unsigned bb[4];
-            fl_bfrag2n(bb, tile, D + 8, j * 16, n * 8, l);
+            fl_bfrag2n(bb, tile, D + 8, j * 16, col, l);
             fl_mma(acc[n], a, bb[0], bb[1]);
             fl_mma(acc[n + 1], a, bb[2], bb[3]);
         }
     }
+}
+template<int D, int R>
+__device__ __forceinline__ void fl_acc_ptile(float (*acc)[4], float (*c)[4], unsigned tile, int l) {
+    fl_acc_ptile_cols<D, D, R>(acc, c, tile, 0, l);
 }
 
 // Stores this warp's 16 × D accumulator tile (rows i0 and i0 + 8 of a [T, D] slab at out, row
 // stride st) times `scale`, rotated back by RoPE's angle (−θ, its backward) when rc is given
 // (cos and sin rows [T, D/2] of this batch row): column col and its partner col + D/2 are
 // acc[n] and acc[n + D/16] of the same thread, so the rotation needs no exchange.
-template<int D>
-__device__ __forceinline__ void fl_store_rows(bf16_t* out, long st, const float (*acc)[4], int i0,
-                                              int T, float scale, const float* rc, const float* rs,
-                                              int c) {
-    constexpr int DN = D / 8, H2 = D / 2;
+// fl_store_rows_cols: the W columns cA + [0, W/2) and cA + D/2 + [0, W/2) (fl_acc_ptile_cols).
+template<int D, int W>
+__device__ __forceinline__ void fl_store_rows_cols(bf16_t* out, long st, const float (*acc)[4], int i0,
+                                                   int T, float scale, const float* rc, const float* rs,
+                                                   int c, int cA) {
+    constexpr int DN = W / 8, H2 = D / 2;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int i = i0 + 8 * r;
@@ -165,7 +208,7 @@ __device__ __forceinline__ void fl_store_rows(bf16_t* out, long st, const float 
             const float* sr = rs + (long)i * H2;
 #pragma unroll
             for (int n = 0; n < DN / 2; ++n) {
-                const int col = n * 8 + 2 * c;
+                const int col = cA + n * 8 + 2 * c;
                 const float2 cv = *(const float2*)(cr + col), sv = *(const float2*)(sr + col);
                 const float a0 = acc[n][2 * r] * scale, a1 = acc[n][2 * r + 1] * scale;
                 const float b0 = acc[n + DN / 2][2 * r] * scale, b1 = acc[n + DN / 2][2 * r + 1] * scale;
@@ -175,11 +218,17 @@ __device__ __forceinline__ void fl_store_rows(bf16_t* out, long st, const float 
         } else {
 #pragma unroll
             for (int n = 0; n < DN; ++n) {
-                const int col = n * 8 + 2 * c;
+                const int col = (n < DN / 2 ? cA + n * 8 : cA + H2 + (n - DN / 2) * 8) + 2 * c;
                 *(unsigned*)(row + col) = fl_pack(acc[n][2 * r] * scale, acc[n][2 * r + 1] * scale);
             }
         }
     }
+}
+template<int D>
+__device__ __forceinline__ void fl_store_rows(bf16_t* out, long st, const float (*acc)[4], int i0,
+                                              int T, float scale, const float* rc, const float* rs,
+                                              int c) {
+    fl_store_rows_cols<D, D>(out, st, acc, i0, T, scale, rc, rs, c, 0);
 }
 
 // The example id of token i of row b, 0 without segments (ids past T read the last one; those
@@ -240,6 +289,43 @@ __device__ __forceinline__ void fl_mask_t(const FlashP& p, float (*st)[4], int q
     }
 }
 
+// tanh(x) = 1 − 2 / (e^2x + 1): ±1 where e^2x over- or underflows.
+__device__ __forceinline__ float fl_tanh(float x) {
+    return 1.f - 2.f / (fl_exp2(x * (2.f * FLASH_LOG2E)) + 1.f);
+}
+
+// Soft-caps this warp's 16 × N raw scores s in place, before the mask: s ← (cap / scale)·t,
+// t = tanh(scale·s / cap), so that the softmax's scale·s is cap·t.
+template<int N>
+__device__ __forceinline__ void fl_softcap(float (*s)[4], float scale, float cap) {
+    const float in = scale / cap, out = cap / scale;
+#pragma unroll
+    for (int n = 0; n < N / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[n][e] = out * fl_tanh(s[n][e] * in);
+}
+
+// The cap's derivative 1 − t² from a capped score s = (cap / scale)·t (kt = scale / cap); 0
+// where masked (s = −∞).
+__device__ __forceinline__ float fl_softcap_d(float s, float kt) {
+    const float t = s * kt;
+    return 1.f - fminf(t * t, 1.f);
+}
+
+// The A fragments of this warp's 16 rows for k steps kk and kk + 1: from registers f when the
+// rows stay there (FlCfg::ROWS_IN_REGS), else from the shared tile [16·4][D + 8].
+template<int D, bool IN_REGS>
+__device__ __forceinline__ void fl_rows2(unsigned* a0, unsigned* a1, const unsigned (*f)[4], unsigned tile,
+                                         int warp, int kk, int l) {
+    if constexpr (IN_REGS) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) { a0[e] = f[kk][e]; a1[e] = f[kk + 1][e]; }
+    } else {
+        fl_afrag(a0, tile, D + 8, warp * 16, kk * 16, l);
+        fl_afrag(a1, tile, D + 8, warp * 16, kk * 16 + 16, l);
+    }
+}
+
 // The forward's end: this warp's rows qi0 and qi0 + 8 of O = acc / l (the row sums l still
 // per thread, summed over the quad here) and L = (m + log2 l)·ln 2.
 template<int D>
@@ -297,10 +383,13 @@ __device__ __forceinline__ void fl_online_softmax(float (*s)[4], float sc, float
 
 template<int D>
 __device__ __forceinline__ void flash_fwd(const FlashP& p) {
-    constexpr int DP = D + 8, BQ = 64, BK = 64, KS = D / 16, DN = D / 8;
+    constexpr bool QR = FlCfg<D>::ROWS_IN_REGS;
+    constexpr int DP = D + 8, BQ = 64, BK = FlCfg<D>::FWD_BK, KS = D / 16, DN = D / 8;
+    static_assert(!QR || BK >= BQ, "Q passes through a key buffer");
     const unsigned sK = fl_smem(flash_smem);          // [2][BK][DP], double-buffered
     const unsigned sV = sK + 2 * 2 * BK * DP;         // [2][BK][DP]
-    unsigned* sSeg = (unsigned*)(flash_smem + 8 * BK * DP);  // [2][BK]
+    const unsigned sQ = sV + 2 * 2 * BK * DP;         // [BQ][DP] unless QR
+    unsigned* sSeg = (unsigned*)(flash_smem + 8 * BK * DP + (QR ? 0 : 2 * BQ * DP));  // [2][BK]
     const int T = p.T, bh = blockIdx.y, b = bh / p.H, h = bh % p.H, kh = h / (p.H / p.KH);
     const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;  // the longest rows first
     const int warp = threadIdx.x >> 5, l = threadIdx.x & 31, g = l >> 2, c = l & 3;
@@ -308,16 +397,20 @@ __device__ __forceinline__ void flash_fwd(const FlashP& p) {
     const int kend = min(T, q0 + BQ), kbeg = fl_first_key<BK>(p, q0);
     auto prefetch = [&](int k0, int buf) { fl_prefetch_kv<D, BK>(p, sK, sV, sSeg, b, kh, k0, buf); };
 
-    // Q passes through the second buffer while the first key tile arrives.
-    fl_load<D, BQ>(sK + 2 * BK * DP, p.q + b * p.sq[0] + h * p.sq[1], p.sq[2], q0, T);
+    // Q passes through the second buffer while the first key tile arrives (QR), or stays in
+    // its own.
+    const unsigned tQ = QR ? sK + 2 * BK * DP : sQ;
+    fl_load<D, BQ>(tQ, p.q + b * p.sq[0] + h * p.sq[1], p.sq[2], q0, T);
     fl_commit();
     prefetch(kbeg, 0);
     fl_wait_but1();
     __syncthreads();
-    unsigned qf[KS][4];  // this warp's 16 query rows, all of D
+    unsigned qf[KS][4];  // this warp's 16 query rows, all of D (QR)
+    if constexpr (QR) {
 #pragma unroll
-    for (int kk = 0; kk < KS; ++kk) fl_afrag(qf[kk], sK + 2 * BK * DP, DP, warp * 16, kk * 16, l);
-    __syncthreads();
+        for (int kk = 0; kk < KS; ++kk) fl_afrag(qf[kk], tQ, DP, warp * 16, kk * 16, l);
+        __syncthreads();
+    }
     const int qi0 = q0 + warp * 16 + g, qi1 = qi0 + 8;
     const unsigned sg0 = fl_seg(p, b, qi0), sg1 = fl_seg(p, b, qi1);
     float acc[DN][4];
@@ -335,14 +428,17 @@ __device__ __forceinline__ void flash_fwd(const FlashP& p) {
         for (int n = 0; n < BK / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < KS; kk += 2) {
+            unsigned a0[4], a1[4];
+            fl_rows2<D, QR>(a0, a1, qf, tQ, warp, kk, l);
 #pragma unroll
             for (int n = 0; n < BK / 8; ++n) {
                 unsigned bb[4];
                 fl_bfrag2k(bb, tK, DP, n * 8, kk * 16, l);
-                fl_mma(s[n], qf[kk], bb[0], bb[1]);
-                fl_mma(s[n], qf[kk + 1], bb[2], bb[3]);
+                fl_mma(s[n], a0, bb[0], bb[1]);
+                fl_mma(s[n], a1, bb[2], bb[3]);
             }
         }
+        if (p.softcap != 0.f) fl_softcap<BK>(s, p.scale, p.softcap);
         // Below the diagonal with no window or segments every key of the tile is allowed.
         if (p.seg || p.window != 0 || k0 + BK - 1 > q0 + warp * 16)
             fl_mask<BK>(p, s, qi0, sg0, sg1, k0, sSeg + buf * BK, c);
@@ -360,10 +456,14 @@ __device__ __forceinline__ void flash_fwd(const FlashP& p) {
 
 template<int D>
 __device__ __forceinline__ void flash_dq(const FlashP& p) {
-    constexpr int DP = D + 8, BQ = 64, BK = 32, KS = D / 16, DN = D / 8;
-    const unsigned sK = fl_smem(flash_smem);          // [2][BK][DP]; Q passes through it first
-    const unsigned sV = sK + 2 * 2 * BK * DP;         // [2][BK][DP]; dO passes through it first
-    unsigned* sSeg = (unsigned*)(flash_smem + 8 * BK * DP);  // [2][BK]
+    constexpr bool QR = FlCfg<D>::ROWS_IN_REGS;
+    constexpr int DP = D + 8, BQ = 64, BK = FlCfg<D>::DQ_BK, KS = D / 16, DN = D / 8;
+    static_assert(!QR || 2 * BK >= BQ, "Q and dO pass through the key buffers");
+    // Unless QR, Q [BQ][DP] and dO [BQ][DP] first, in their own buffers.
+    const unsigned sQ = fl_smem(flash_smem), sO = sQ + 2 * BQ * DP;
+    const unsigned sK = QR ? sQ : sO + 2 * BQ * DP;   // [2][BK][DP]; Q passes through it first (QR)
+    const unsigned sV = sK + 2 * 2 * BK * DP;         // [2][BK][DP]; dO passes through it first (QR)
+    unsigned* sSeg = (unsigned*)(flash_smem + 8 * BK * DP + (QR ? 0 : 4 * BQ * DP));  // [2][BK]
     const int T = p.T, bh = blockIdx.y, b = bh / p.H, h = bh % p.H, kh = h / (p.H / p.KH);
     const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;
     const int warp = threadIdx.x >> 5, l = threadIdx.x & 31, g = l >> 2, c = l & 3;
@@ -371,18 +471,21 @@ __device__ __forceinline__ void flash_dq(const FlashP& p) {
     const int kend = min(T, q0 + BQ), kbeg = fl_first_key<BK>(p, q0);
     auto prefetch = [&](int k0, int buf) { fl_prefetch_kv<D, BK>(p, sK, sV, sSeg, b, kh, k0, buf); };
 
-    unsigned qf[KS][4], df[KS][4];
-    fl_load<D, BQ>(sK, p.q + b * p.sq[0] + h * p.sq[1], p.sq[2], q0, T);
-    fl_load<D, BQ>(sV, p.o + b * p.so[0] + h * p.so[1], p.so[2], q0, T);
+    unsigned qf[KS][4], df[KS][4];  // (QR)
+    const unsigned tQ = QR ? sK : sQ, tO = QR ? sV : sO;
+    fl_load<D, BQ>(tQ, p.q + b * p.sq[0] + h * p.sq[1], p.sq[2], q0, T);
+    fl_load<D, BQ>(tO, p.o + b * p.so[0] + h * p.so[1], p.so[2], q0, T);
     fl_commit();
-    fl_wait_all();
-    __syncthreads();
+    if constexpr (QR) {
+        fl_wait_all();
+        __syncthreads();
 #pragma unroll
-    for (int kk = 0; kk < KS; ++kk) {
-        fl_afrag(qf[kk], sK, DP, warp * 16, kk * 16, l);
-        fl_afrag(df[kk], sV, DP, warp * 16, kk * 16, l);
+        for (int kk = 0; kk < KS; ++kk) {
+            fl_afrag(qf[kk], tQ, DP, warp * 16, kk * 16, l);
+            fl_afrag(df[kk], tO, DP, warp * 16, kk * 16, l);
+        }
+        __syncthreads();
     }
-    __syncthreads();
     prefetch(kbeg, 0);
     const int qi0 = q0 + warp * 16 + g, qi1 = qi0 + 8;
     const unsigned sg0 = fl_seg(p, b, qi0), sg1 = fl_seg(p, b, qi1);
@@ -405,26 +508,42 @@ __device__ __forceinline__ void flash_dq(const FlashP& p) {
             for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < KS; kk += 2) {
+            unsigned q0f[4], q1f[4], d0f[4], d1f[4];
+            fl_rows2<D, QR>(q0f, q1f, qf, tQ, warp, kk, l);
+            fl_rows2<D, QR>(d0f, d1f, df, tO, warp, kk, l);
 #pragma unroll
             for (int n = 0; n < BK / 8; ++n) {
                 unsigned bk[4], bv[4];
                 fl_bfrag2k(bk, tK, DP, n * 8, kk * 16, l);
                 fl_bfrag2k(bv, tV, DP, n * 8, kk * 16, l);
-                fl_mma(s[n], qf[kk], bk[0], bk[1]);       // S = Q Kᵀ
-                fl_mma(s[n], qf[kk + 1], bk[2], bk[3]);
-                fl_mma(dp[n], df[kk], bv[0], bv[1]);      // dP = dO Vᵀ
-                fl_mma(dp[n], df[kk + 1], bv[2], bv[3]);
+                fl_mma(s[n], q0f, bk[0], bk[1]);       // S = Q Kᵀ
+                fl_mma(s[n], q1f, bk[2], bk[3]);
+                fl_mma(dp[n], d0f, bv[0], bv[1]);      // dP = dO Vᵀ
+                fl_mma(dp[n], d1f, bv[2], bv[3]);
             }
         }
+        if (p.softcap != 0.f) fl_softcap<BK>(s, p.scale, p.softcap);
         if (p.seg || p.window != 0 || k0 + BK - 1 > q0 + warp * 16)
             fl_mask<BK>(p, s, qi0, sg0, sg1, k0, sSeg + buf * BK, c);
-        // dS = P ⊙ (dP − δ), P = exp(scale·S − L): 0 where masked (S = −∞).
+        // dS = P ⊙ (dP − δ), P = exp(scale·S − L): 0 where masked (S = −∞); with the cap,
+        // times its derivative.
+        if (p.softcap != 0.f) {
+            const float kt = p.scale / p.softcap;
 #pragma unroll
-        for (int n = 0; n < BK / 8; ++n) {
-            s[n][0] = fl_exp2(fmaf(s[n][0], sc, -L0)) * (dp[n][0] - d0);
-            s[n][1] = fl_exp2(fmaf(s[n][1], sc, -L0)) * (dp[n][1] - d0);
-            s[n][2] = fl_exp2(fmaf(s[n][2], sc, -L1)) * (dp[n][2] - d1);
-            s[n][3] = fl_exp2(fmaf(s[n][3], sc, -L1)) * (dp[n][3] - d1);
+            for (int n = 0; n < BK / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float L = e < 2 ? L0 : L1, dl = e < 2 ? d0 : d1;
+                    s[n][e] = fl_exp2(fmaf(s[n][e], sc, -L)) * (dp[n][e] - dl) * fl_softcap_d(s[n][e], kt);
+                }
+        } else {
+#pragma unroll
+            for (int n = 0; n < BK / 8; ++n) {
+                s[n][0] = fl_exp2(fmaf(s[n][0], sc, -L0)) * (dp[n][0] - d0);
+                s[n][1] = fl_exp2(fmaf(s[n][1], sc, -L0)) * (dp[n][1] - d0);
+                s[n][2] = fl_exp2(fmaf(s[n][2], sc, -L1)) * (dp[n][2] - d1);
+                s[n][3] = fl_exp2(fmaf(s[n][3], sc, -L1)) * (dp[n][3] - d1);
+            }
         }
         fl_acc_ptile<D, BK>(acc, s, tK, l);  // dQ += dS K
         __syncthreads();
@@ -436,7 +555,10 @@ __device__ __forceinline__ void flash_dq(const FlashP& p) {
 
 template<int D>
 __device__ __forceinline__ void flash_dkdv(const FlashP& p) {
-    constexpr int DP = D + 8, BK = 64, BQ = 32, KS = D / 16, DN = D / 8;
+    // W of dK's and dV's columns a block: cA + [0, W/2) and cA + D/2 + [0, W/2) (halves RoPE
+    // rotates together), the column part `blockIdx.x % NC` of key tile `blockIdx.x / NC`.
+    constexpr int W = FlCfg<D>::DKDV_W, NC = D / W;
+    constexpr int DP = D + 8, BK = 64, BQ = 32, KS = D / 16, DN = W / 8;
     const unsigned sK = fl_smem(flash_smem);  // [BK][DP]
     const unsigned sV = sK + 2 * BK * DP;     // [BK][DP]
     const unsigned sQ = sV + 2 * BK * DP;     // [2][BQ][DP]
@@ -445,7 +567,7 @@ __device__ __forceinline__ void flash_dkdv(const FlashP& p) {
     float* sD = sL + 2 * BQ;                    // [2][BQ] δ
     unsigned* sSeg = (unsigned*)(sD + 2 * BQ);  // [2][BQ]
     const int T = p.T, b = blockIdx.y / p.KH, kh = blockIdx.y % p.KH, grp = p.H / p.KH;
-    const int k0 = blockIdx.x * BK;
+    const int k0 = (blockIdx.x / NC) * BK, cA = (blockIdx.x % NC) * (W / 2);
     const int warp = threadIdx.x >> 5, l = threadIdx.x & 31, g = l >> 2, c = l & 3;
     const float sc = p.scale * FLASH_LOG2E;
     const int qend = p.window > 0 ? min(T, k0 + BK - 1 + p.window) : T;
@@ -508,28 +630,45 @@ __device__ __forceinline__ void flash_dkdv(const FlashP& p) {
         }
         // Every query of the tile at or past this warp's last key, all inside T, and no window
         // or segments: nothing is masked.
+        if (p.softcap != 0.f) fl_softcap<BQ>(st, p.scale, p.softcap);
         if (p.seg || p.window != 0 || q0 < k0 + warp * 16 + 15 || q0 + BQ > T)
             fl_mask_t<BQ>(p, st, q0, kj0, sg0, sg1, tS, c);
-        // P = exp(scale·S − L) (0 where masked), dS = P ⊙ (dP − δ)
+        // P = exp(scale·S − L) (0 where masked), dS = P ⊙ (dP − δ), with the cap times its
+        // derivative.
+        if (p.softcap != 0.f) {
+            const float kt = p.scale / p.softcap;
 #pragma unroll
-        for (int n = 0; n < BQ / 8; ++n) {
+            for (int n = 0; n < BQ / 8; ++n) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int col = n * 8 + 2 * c + (e & 1);
-                const float pr = fl_exp2(fmaf(st[n][e], sc, -tL[col]));
-                st[n][e] = pr;
-                dpt[n][e] = pr * (dpt[n][e] - tD[col]);
+                for (int e = 0; e < 4; ++e) {
+                    const int col = n * 8 + 2 * c + (e & 1);
+                    const float pr = fl_exp2(fmaf(st[n][e], sc, -tL[col]));
+                    dpt[n][e] = pr * (dpt[n][e] - tD[col]) * fl_softcap_d(st[n][e], kt);
+                    st[n][e] = pr;
+                }
+            }
+        } else {
+#pragma unroll
+            for (int n = 0; n < BQ / 8; ++n) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int col = n * 8 + 2 * c + (e & 1);
+                    const float pr = fl_exp2(fmaf(st[n][e], sc, -tL[col]));
+                    st[n][e] = pr;
+                    dpt[n][e] = pr * (dpt[n][e] - tD[col]);
+                }
             }
         }
-        fl_acc_ptile<D, BQ>(dv, st, tO, l);   // dV += Pᵀ dO
-        fl_acc_ptile<D, BQ>(dk, dpt, tQ, l);  // dK += dSᵀ Q
+        fl_acc_ptile_cols<D, W, BQ>(dv, st, tO, cA, l);   // dV += Pᵀ dO
+        fl_acc_ptile_cols<D, W, BQ>(dk, dpt, tQ, cA, l);  // dK += dSᵀ Q
         __syncthreads();
     }
     fl_wait_all();
     const long rope = (long)b * T * (D / 2);
-    fl_store_rows<D>(p.dk + b * p.sdk[0] + kh * p.sdk[1], p.sdk[2], dk, kj0, T, p.scale,
-                     p.rc ? p.rc + rope : nullptr, p.rs ? p.rs + rope : nullptr, c);
-    fl_store_rows<D>(p.dv + b * p.sv[0] + kh * p.sv[1], p.sv[2], dv, kj0, T, 1.f, nullptr, nullptr, c);
+    fl_store_rows_cols<D, W>(p.dk + b * p.sdk[0] + kh * p.sdk[1], p.sdk[2], dk, kj0, T, p.scale,
+                             p.rc ? p.rc + rope : nullptr, p.rs ? p.rs + rope : nullptr, c, cA);
+    fl_store_rows_cols<D, W>(p.dv + b * p.sv[0] + kh * p.sv[1], p.sv[2], dv, kj0, T, 1.f, nullptr,
+                             nullptr, c, cA);
 }
 
 #define FLASH_INST(D) \
@@ -540,5 +679,7 @@ extern "C" __global__ void __launch_bounds__(128) flash_dkdv_d##D(const FlashP p
 // kernels come from the portable program, so sm_90a need not compile and load them again.
 #ifndef FLASH_HELPERS_ONLY
 FLASH_INST(64)
+FLASH_INST(96)
 FLASH_INST(128)
+FLASH_INST(256)
 #endif

@@ -1,9 +1,10 @@
-//! Causal attention on tensor cores: the kernels of `flash.cu` (CUDA, bf16, head dim 64 or 128).
+//! Causal attention on tensor cores: the kernels of `flash.cu` (CUDA, bf16, head dim 64, 96, 128
+//! or 256, Gemma 2's soft-capped scores) and `flash90.cu` (head dim 128, no cap).
 //!
-//! Same contract as `attention::attention_fwd` / `attention_bwd` (causal, optional segments and
-//! sliding window, L = log-sum-exp in natural log), but one kernel per pass instead of cuBLAS
-//! GEMMs per query block plus three elementwise kernels over the [bq × T] score blocks, and GQA
-//! without repeating k and v. The blockwise path stays the reference (its tests pin it to the
+//! Same contract as `attention::attention_fwd` / `attention_bwd` (causal, optional segments,
+//! sliding window and soft-cap, L = log-sum-exp in natural log), but one kernel per pass instead
+//! of cuBLAS GEMMs per query block plus three elementwise kernels over the [bq × T] score
+//! blocks, and GQA without repeating k and v. The blockwise path stays the reference (its tests pin it to the
 //! composite) and the fallback: CPU, f32 and f16, other head dims (`ops::kernels::Attention`).
 //!
 //! Inputs are [B, H, T, D] views: d contiguous, the other strides and the start multiples of 8
@@ -24,7 +25,6 @@ pub fn flash_fwd(
     scale: f64,
     kernels: Attention,
 ) -> Result<(Tensor, Tensor)> {
-    no_softcap(mask)?;
     #[cfg(feature = "cuda")]
     {
         imp::fwd(q, k, v, mask, scale, kernels)
@@ -54,7 +54,6 @@ pub fn flash_bwd(
     rope: Option<(&Tensor, &Tensor)>,
     kernels: Attention,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    no_softcap(mask)?;
     #[cfg(feature = "cuda")]
     {
         imp::bwd(q, k, v, d_o, delta, lse, mask, scale, rope, kernels)
@@ -64,15 +63,6 @@ pub fn flash_bwd(
         let _ = (q, k, v, d_o, delta, lse, mask, scale, rope, kernels);
         candle_core::bail!("flash attention needs the cuda feature")
     }
-}
-
-/// The tensor-core kernels do not soft-cap: `Kernels::resolve` gives a model with a cap the
-/// blockwise attention (a cap here would be silently dropped, as sdpa drops Gemma 2's).
-fn no_softcap(mask: &AttnMask) -> Result<()> {
-    if mask.softcap != 0.0 {
-        candle_core::bail!("flash attention cannot soft-cap the scores (use the blockwise path)");
-    }
-    Ok(())
 }
 
 #[cfg(feature = "cuda")]
@@ -115,6 +105,7 @@ mod imp {
         t: i32,
         window: i32,
         scale: f32,
+        softcap: f32,
     }
     // SAFETY: plain old data laid out as the C struct the kernels take by value.
     unsafe impl DeviceRepr for FlashP {}
@@ -125,11 +116,36 @@ mod imp {
     /// Bytes of a 128-row bf16 tile of head dim 128 in shared memory (swizzled, unpadded).
     const TILE128: u32 = 128 * 128 * 2;
 
-    fn wgmma_d(d: usize) -> Result<()> {
+    /// The wgmma kernels take head dim 128 and no soft-cap (a cap would be silently dropped).
+    fn wgmma_d(d: usize, p: &FlashP) -> Result<()> {
         if d != 128 {
             candle_core::bail!("flash attention: the wgmma kernels take head dim 128, not {d}");
         }
+        if p.softcap != 0.0 {
+            candle_core::bail!("flash attention: the wgmma kernels do not soft-cap (use MmaSync)");
+        }
         Ok(())
+    }
+
+    /// flash.cu's `FlCfg<D>`: the mma.sync kernels' tiles at head dim `d`.
+    struct MmaCfg {
+        /// Q (and dO) stay in registers; else each has its own [64][D + 8] shared tile.
+        rows_in_regs: bool,
+        /// flash_fwd's and flash_dq's key tiles (rows).
+        fwd_bk: usize,
+        dq_bk: usize,
+        /// flash_dkdv blocks per key tile, each making D / `dkdv_parts` of dK's, dV's columns.
+        dkdv_parts: u32,
+    }
+
+    fn mma_cfg(d: usize) -> MmaCfg {
+        let small = d <= 128;
+        MmaCfg {
+            rows_in_regs: small,
+            fwd_bk: if small { 64 } else { 32 },
+            dq_bk: if small { 32 } else { 16 },
+            dkdv_parts: if small { 1 } else { 2 },
+        }
     }
 
     /// flash90.cu's `Tmaps`: tensor maps of q, k and v, and each one's slots of t, h and b.
@@ -307,8 +323,10 @@ mod imp {
                 v.dims()
             );
         }
-        if d != 64 && d != 128 {
-            candle_core::bail!("flash attention: head dim {d} (the kernels take 64 or 128)");
+        if !matches!(d, 64 | 96 | 128 | 256) {
+            candle_core::bail!(
+                "flash attention: head dim {d} (the kernels take 64, 96, 128 or 256)"
+            );
         }
         Ok((b, h, kh, t, d))
     }
@@ -386,6 +404,7 @@ mod imp {
             t: ints(t)?,
             window: ints(mask.window)?,
             scale: scale as f32,
+            softcap: mask.softcap,
             ..Default::default()
         })
     }
@@ -446,7 +465,7 @@ mod imp {
                         && mask.window == 0
                         && [p.sq, p.sk, p.sv].iter().flatten().all(|&x| x > 0) =>
                 {
-                    wgmma_d(d)?;
+                    wgmma_d(d, &p)?;
                     let kh = k.dim(1)?;
                     let (qm, qo) = tmap(p.q, [b, h, t], p.sq)?;
                     let (km, ko) = tmap(p.k, [b, kh, t], p.sk)?;
@@ -466,7 +485,7 @@ mod imp {
                     launch_fn(&dev, func, 3 * 128, grid, smem, &p, Some(&tm))?;
                 }
                 Attention::Wgmma | Attention::WgmmaSplitDq => {
-                    wgmma_d(d)?;
+                    wgmma_d(d, &p)?;
                     // Q, K twice and V three times, as 128-row swizzled tiles; segment ids;
                     // and room to align the tiles to 1024 bytes.
                     let smem = 6 * TILE128 + 2 * 128 * 4 + 1024;
@@ -477,7 +496,10 @@ mod imp {
                     candle_core::bail!("flash attention: Blockwise is ops::attention's path")
                 }
                 Attention::MmaSync => {
-                    let smem = (4 * 64 * (d + 8) * 2 + 2 * 64 * 4) as u32; // K, V twice; segment ids
+                    // K, V twice; Q unless in registers; segment ids.
+                    let c = mma_cfg(d);
+                    let q_rows = if c.rows_in_regs { 0 } else { 64 };
+                    let smem = ((4 * c.fwd_bk + q_rows) * (d + 8) * 2 + 2 * c.fwd_bk * 4) as u32;
                     let grid = (t.div_ceil(64) as u32, (b * h) as u32);
                     launch(&dev, &format!("flash_fwd_d{d}"), grid, smem, &p)?;
                 }
@@ -610,7 +632,7 @@ mod imp {
         let dkdv_smem = 2 * TILE128 + 3 * TILE128 + 9 * 64 * 4 + 1024;
         match kernels {
             Attention::Wgmma => {
-                wgmma_d(d)?;
+                wgmma_d(d, p)?;
                 // dQ's f32 sums, zeroed (the kernel adds each key tile's terms in), in
                 // tiles of 64 rows (T rounded up): twice dq's bytes, alive through this
                 // call only.
@@ -626,7 +648,7 @@ mod imp {
                 launch90(dev, "flash_dq_rows90", THREADS90, (tiles64 as u32, 1), 0, p)?;
             }
             Attention::WgmmaSplitDq => {
-                wgmma_d(d)?;
+                wgmma_d(d, p)?;
                 let tiles = t.div_ceil(128) as u32;
                 // A 64-row tile is half a 128-row one. dQ: Q and dO (128 rows), K and V
                 // three times (64 rows); segment ids; and room to align the tiles to 1024
@@ -654,19 +676,24 @@ mod imp {
                 candle_core::bail!("flash attention: Blockwise is ops::attention's path")
             }
             Attention::MmaSync => {
+                let c = mma_cfg(d);
                 let rows = (d + 8) * 2; // bytes of one padded shared-memory row
                 let tiles = t.div_ceil(64) as u32;
+                // dQ: K and V twice; Q and dO unless in registers; segment ids.
+                let q_rows = if c.rows_in_regs { 0 } else { 2 * 64 };
                 launch(
                     dev,
                     &format!("flash_dq_d{d}"),
                     (tiles, (b * h) as u32),
-                    (4 * 32 * rows + 2 * 32 * 4) as u32,
+                    ((4 * c.dq_bk + q_rows) * rows + 2 * c.dq_bk * 4) as u32,
                     p,
                 )?;
+                // dK, dV: K and V (64 rows), Q and dO twice (32 rows); L, δ and segment ids
+                // twice.
                 launch(
                     dev,
                     &format!("flash_dkdv_d{d}"),
-                    (tiles, (b * kh) as u32),
+                    (tiles * c.dkdv_parts, (b * kh) as u32),
                     (256 * rows + 6 * 32 * 4) as u32,
                     p,
                 )?;

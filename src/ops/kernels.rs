@@ -8,9 +8,9 @@
 //! device, for `lora-train plan` in any build.
 //!
 //! A fallback exists only where the hardware, the dtype or the model needs it: the blockwise
-//! attention (CPU, f32 and f16, head dims other than 64 and 128, soft-capped scores: Gemma 2's
-//! caps live in its kernels, not in the tensor-core ones), the unfolded adapters (CPU, f32 and
-//! f16; per linear also biases), dropout's masked copies (CPU, f32 and f16), the
+//! attention (CPU, f32 and f16, head dims other than 64 and 128, soft-capped scores: the
+//! mma.sync kernels for 96, 256 and the cap are the `flash_wide` experiment), the unfolded
+//! adapters (CPU, f32 and f16; per linear also biases), dropout's masked copies (CPU, f32 and f16), the
 //! cross-entropy as tensor ops (CPU, f16), and cuBLAS's own GEMM choice (CPU).
 //!
 //! Experiments not yet measured stay off unless named in `LORA_TRAIN_EXPERIMENTS`, a comma-
@@ -23,13 +23,15 @@
 //!   CUDA_MODULE_LOADING=EAGER, which `parallel::prepare_process` sets before CUDA starts.
 //! - `decode_graph`: `generate` replays a base model's one-token step as a CUDA graph
 //!   (`generate::graph`).
+//! - `flash_wide`: the mma.sync flash kernels (flash.cu) also at head dims 96 (Phi-3) and 256
+//!   (Gemma 2 / 3) and with Gemma 2's soft-capped scores, instead of the blockwise attention.
 
 use candle_core::{DType, Device};
 
 /// The variable that names the experiments to turn on.
 pub const EXPERIMENTS_VAR: &str = "LORA_TRAIN_EXPERIMENTS";
 /// The experiments `LORA_TRAIN_EXPERIMENTS` may name.
-pub const EXPERIMENTS: [&str; 3] = ["reduce_ahead", "peer_copy", "decode_graph"];
+pub const EXPERIMENTS: [&str; 4] = ["reduce_ahead", "peer_copy", "decode_graph", "flash_wide"];
 
 /// What the attention kernels' choice depends on in the model (`ModelConfig::attn_shape`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -55,10 +57,11 @@ pub enum Attention {
     /// `ops::attention`: cuBLAS GEMMs per block of queries and the masked softmax between
     /// them; any device, dtype and head dim. The reference the others are tested against.
     Blockwise,
-    /// flash.cu: mma.sync from ldmatrix fragments; sm_80 and later, bf16, head dims 64 and 128.
+    /// flash.cu: mma.sync from ldmatrix fragments; sm_80 and later, bf16, head dims 64, 96, 128
+    /// and 256, soft-capped scores (Gemma 2) or not.
     MmaSync,
     /// flash90.cu: warpgroup MMA (wgmma) from swizzled shared tiles; compute capability 9.0
-    /// (H100, H200), bf16, head dim 128. The backward is one kernel (`flash_bwd90`: dK, dV and
+    /// (H100, H200), bf16, head dim 128, no soft-cap. The backward is one kernel (`flash_bwd90`: dK, dV and
     /// dQ's terms from one S and dP per tile) and a pass that rounds dQ's f32 sums. Those sums
     /// add the key tiles' terms in the order they land: dq is not bit-reproducible from run
     /// to run (f32 rounding; PyTorch's flash backward is alike).
@@ -77,11 +80,23 @@ impl Attention {
 
     /// The choice for attention shape `a` over `dtype` activations on CUDA (`cuda`) or not, on
     /// a Hopper GPU (`hopper`) or not.
-    fn choose(cuda: bool, hopper: bool, dtype: DType, a: AttnShape, deterministic: bool) -> Self {
-        match (cuda && dtype == DType::BF16 && !a.softcap, a.head_dim) {
-            (true, 128) if hopper && deterministic => Attention::WgmmaSplitDq,
-            (true, 128) if hopper => Attention::Wgmma,
-            (true, 64 | 128) => Attention::MmaSync,
+    /// Head dims 96 and 256 and soft-capped scores take mma.sync only with the `flash_wide`
+    /// experiment (`wide`): those kernels pass their GPU tests but are not yet measured.
+    fn choose(
+        cuda: bool,
+        hopper: bool,
+        dtype: DType,
+        a: AttnShape,
+        deterministic: bool,
+        wide: bool,
+    ) -> Self {
+        let wgmma = hopper && !a.softcap;
+        let narrow = matches!(a.head_dim, 64 | 128) && !a.softcap;
+        match (cuda && dtype == DType::BF16, a.head_dim) {
+            (true, 128) if wgmma && deterministic => Attention::WgmmaSplitDq,
+            (true, 128) if wgmma => Attention::Wgmma,
+            (true, 64 | 128) if narrow => Attention::MmaSync,
+            (true, 64 | 96 | 128 | 256) if wide => Attention::MmaSync,
             _ => Attention::Blockwise,
         }
     }
@@ -113,6 +128,8 @@ pub struct Experiments {
     pub peer_copy: bool,
     /// `generate` replays a base model's one-token step as a CUDA graph.
     pub decode_graph: bool,
+    /// The mma.sync flash kernels at head dims 96 and 256 and with Gemma 2's soft-cap.
+    pub flash_wide: bool,
 }
 
 /// `LORA_TRAIN_EXPERIMENTS` named something that is not an experiment.
@@ -142,6 +159,7 @@ impl Experiments {
                 "reduce_ahead" => e.reduce_ahead = true,
                 "peer_copy" => e.peer_copy = true,
                 "decode_graph" => e.decode_graph = true,
+                "flash_wide" => e.flash_wide = true,
                 other => {
                     return Err(UnknownExperiment {
                         name: other.to_string(),
@@ -242,7 +260,14 @@ impl Kernels {
         experiments: Experiments,
     ) -> Kernels {
         Kernels {
-            attention: Attention::choose(cuda, hopper, dtype, attn, deterministic),
+            attention: Attention::choose(
+                cuda,
+                hopper,
+                dtype,
+                attn,
+                deterministic,
+                experiments.flash_wide,
+            ),
             fold: cuda && dtype == DType::BF16,
             dropout_fused: cuda && dtype == DType::BF16,
             cross_entropy: match cuda && matches!(dtype, DType::F32 | DType::BF16) {
@@ -288,7 +313,7 @@ mod tests {
         assert_eq!(
             e.to_string(),
             "LORA_TRAIN_EXPERIMENTS: unknown experiment `fast` (known: reduce_ahead, \
-             peer_copy, decode_graph); unset the variable or name only those"
+             peer_copy, decode_graph, flash_wide); unset the variable or name only those"
         );
     }
 
@@ -306,23 +331,56 @@ mod tests {
             Kernels::forecast(true, bf16, 64).attention,
             Attention::MmaSync
         );
-        assert_eq!(
-            Kernels::forecast(true, bf16, 96).attention,
-            Attention::Blockwise
-        );
         let d128 = AttnShape::from(128);
         let split = Kernels::choose(true, true, bf16, d128, true, Experiments::default());
         assert_eq!(split.attention, Attention::WgmmaSplitDq);
         let ampere = Kernels::choose(true, false, bf16, d128, true, Experiments::default());
         assert_eq!(ampere.attention, Attention::MmaSync);
-        // Soft-capped scores (Gemma 2) take the blockwise kernels, which cap; the rest stays.
-        let capped = AttnShape {
-            head_dim: 128,
+        // Soft-capped scores (Gemma 2), head dims 96 (Phi-3) and 256 (Gemma): mma.sync with
+        // the flash_wide experiment, on any GPU; the blockwise attention without it.
+        let wide = Experiments {
+            flash_wide: true,
+            ..Experiments::default()
+        };
+        let shapes = [64, 96, 128, 256]
+            .map(|head_dim| AttnShape {
+                head_dim,
+                softcap: true,
+            })
+            .into_iter()
+            .chain([AttnShape::from(96), AttnShape::from(256)]);
+        for a in shapes {
+            for (hopper, det) in [(true, false), (true, true), (false, false)] {
+                let k = Kernels::choose(true, hopper, bf16, a, det, wide);
+                assert_eq!(k.attention, Attention::MmaSync, "{a:?} wide");
+                assert!(k.fold && k.cross_entropy == CrossEntropy::Fused);
+                let k = Kernels::choose(true, hopper, bf16, a, det, Experiments::default());
+                assert_eq!(k.attention, Attention::Blockwise, "{a:?}");
+            }
+        }
+        // The experiment leaves the narrow head dims as they are.
+        let k = Kernels::choose(true, true, bf16, d128, false, wide);
+        assert_eq!(k.attention, Attention::Wgmma);
+        // The family shapes of `bench` (Phi-3, Gemma 2 with its cap, Gemma 3).
+        for shape in ["phi3-mini", "gemma2-9b", "gemma3-12b"] {
+            let cfg = crate::bench::shape(shape).unwrap();
+            let k = Kernels::choose(true, true, bf16, cfg.attn_shape(), false, wide);
+            assert_eq!(k.attention, Attention::MmaSync, "{shape}");
+            let plain = Kernels::forecast(true, bf16, cfg.attn_shape());
+            assert_eq!(plain.attention, Attention::Blockwise, "{shape}");
+        }
+        for head_dim in [32, 80, 160] {
+            let k = Kernels::forecast(true, bf16, head_dim);
+            assert_eq!(k.attention, Attention::Blockwise, "head dim {head_dim}");
+        }
+        let capped_cpu = AttnShape {
+            head_dim: 256,
             softcap: true,
         };
-        let k = Kernels::forecast(true, bf16, capped);
-        assert_eq!(k.attention, Attention::Blockwise);
-        assert!(k.fold && k.cross_entropy == CrossEntropy::Fused);
+        assert_eq!(
+            Kernels::forecast(false, bf16, capped_cpu).attention,
+            Attention::Blockwise
+        );
         // f32 on a GPU: the fused cross-entropy and tuned GEMMs, nothing else.
         let f32 = Kernels::forecast(true, DType::F32, 128);
         assert_eq!(f32.attention, Attention::Blockwise);

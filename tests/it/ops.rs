@@ -481,34 +481,45 @@ fn frozen_linear_matches_matmul_and_bias() {
 }
 
 /// The tensor-core kernels against the blockwise path (itself pinned to the composite above):
-/// O, L, dq, dk, dv in bf16 for head dims 64 and 128, GQA (dk, dv summed over each group),
-/// packed segments, a sliding window, and T off the 64- and 128-row tiles; on a Hopper GPU
-/// both kernel families, and wgmma's backward fused and split. v and dO go in as views of
-/// token-major rows, as the training layer passes them.
+/// O, L, dq, dk, dv in bf16 for head dims 64, 96 (Phi-3), 128 and 256 (Gemma), GQA (dk, dv
+/// summed over each group), packed segments, a sliding window, Gemma 2's soft-cap (at 50 as
+/// configured, and low enough to bend most scores), and T off the 64- and 128-row tiles; on a
+/// Hopper GPU both kernel families, and wgmma's backward fused and split. v and dO go in as
+/// views of token-major rows, as the training layer passes them.
 #[cfg(feature = "cuda")]
 #[test]
 fn flash_attention_matches_blockwise_on_the_gpu() {
     use lora_train::ops::attention::{attention_bwd, attention_delta, attention_fwd};
     use lora_train::ops::flash;
-    use lora_train::ops::kernels::{Attention, Kernels};
+    use lora_train::ops::kernels::{Attention, AttnShape, Kernels};
     let dev = Device::new_cuda(0).unwrap();
     let rand = |dims: &[usize]| crate::common::randn_bf16(dims, &dev);
     let f32 = |x: &Tensor| x.to_dtype(DType::F32).unwrap();
-    for (b, h, kh, t, d, use_seg, window) in [
-        (2, 4, 2, 200, 128, false, 0),
-        (1, 2, 2, 130, 64, true, 0),
-        (2, 4, 1, 97, 128, false, 33),
-        (1, 8, 8, 256, 128, true, 100),
-        (1, 3, 3, 5, 64, false, 0),
-        (1, 2, 1, 600, 128, false, 0),
+    for (b, h, kh, t, d, use_seg, window, softcap) in [
+        (2, 4, 2, 200, 128, false, 0, 0.0),
+        (1, 2, 2, 130, 64, true, 0, 0.0),
+        (2, 4, 1, 97, 128, false, 33, 0.0),
+        (1, 8, 8, 256, 128, true, 100, 0.0),
+        (1, 3, 3, 5, 64, false, 0, 0.0),
+        (1, 2, 1, 600, 128, false, 0, 0.0),
+        (2, 4, 2, 200, 96, false, 0, 0.0),
+        (1, 6, 3, 130, 96, true, 40, 0.0),
+        (1, 4, 1, 333, 96, false, 0, 1.5),
+        (2, 4, 2, 200, 256, false, 0, 0.0),
+        (1, 4, 2, 97, 256, true, 33, 0.0),
+        (1, 8, 4, 300, 256, false, 0, 50.0),
+        (2, 4, 2, 150, 256, false, 64, 1.0),
+        (1, 4, 2, 130, 128, true, 0, 2.0),
+        (1, 2, 1, 70, 64, false, 20, 1.0),
     ] {
-        let tag = format!("b{b} h{h} k{kh} t{t} d{d} seg={use_seg} window={window}");
+        let tag =
+            format!("b{b} h{h} k{kh} t{t} d{d} seg={use_seg} window={window} softcap={softcap}");
         let n = h / kh;
         let seg: Vec<u32> = (0..b * t).map(|i| ((i % t) / 37) as u32).collect();
         let mask = AttnMask {
             segments: use_seg.then(|| Tensor::from_vec(seg, b * t, &dev).unwrap()),
             window,
-            softcap: 0.0,
+            softcap,
         };
         let scale = 1.0 / (d as f64).sqrt();
         let q = rand(&[b, h, t, d]);
@@ -525,7 +536,21 @@ fn flash_attention_matches_blockwise_on_the_gpu() {
             .unwrap()
             .transpose(1, 2)
             .unwrap();
-        let kernels = Kernels::resolve(&dev, DType::BF16, d, false).unwrap();
+        let shape = AttnShape {
+            head_dim: d,
+            softcap: softcap > 0.0,
+        };
+        let kernels = Kernels::resolve(&dev, DType::BF16, shape, false).unwrap();
+        // Head dims 96 and 256 and the soft-cap take the kernels under the flash_wide
+        // experiment; they are tested here as that experiment runs them.
+        let wide = d == 96 || d == 256 || shape.softcap;
+        let kernels = match (wide, kernels.attention) {
+            (true, Attention::Blockwise) => Kernels {
+                attention: Attention::MmaSync,
+                ..kernels
+            },
+            _ => kernels,
+        };
         assert!(
             kernels.attention.tensor_cores(),
             "{tag}: bf16 on CUDA must take the kernels"
