@@ -644,7 +644,7 @@ fn folded_layer_matches_the_unfolded_and_autograd_on_the_gpu() {
         let groups: [&[&Linear]; 3] = [
             &[&layer.attn_in[0], &layer.attn_in[1], &layer.attn_in[2]],
             &[&layer.mlp_in[0], &layer.mlp_in[1]],
-            &[&layer.down],
+            &[layer.down.as_ref().unwrap()],
         ];
         for (lins, p) in groups.into_iter().zip(pads) {
             assert_eq!(Linear::fold_width(lins, &ctx), Some(p), "{}", lins[0].name);
@@ -682,7 +682,7 @@ fn with_dropout(m: &mut lora_train::model::llama::Model, p: f32) {
             .iter_mut()
             .chain([&mut l.o])
             .chain(l.mlp_in.iter_mut())
-            .chain([&mut l.down]);
+            .chain(l.down.as_mut());
         for lin in lins {
             if let Some(lora) = lin.lora.as_mut() {
                 lora.dropout = p;
@@ -712,7 +712,7 @@ fn folded_layer_with_dropout_matches_the_unfolded_on_the_gpu() {
     let groups: [&[&Linear]; 3] = [
         &[&layer.attn_in[0], &layer.attn_in[1], &layer.attn_in[2]],
         &[&layer.mlp_in[0], &layer.mlp_in[1]],
-        &[&layer.down],
+        &[layer.down.as_ref().unwrap()],
     ];
     for lins in groups {
         assert!(lins[0].dropout(&ctx).is_some(), "{}", lins[0].name);
@@ -844,7 +844,10 @@ fn fsdp_shards_carry_the_folded_b_columns_on_the_gpu() {
             .to_dtype(DType::F32)
             .unwrap()
     };
-    assert!(full.layers[1].attn_in[0].pad.is_some() && full.layers[1].down.pad.is_some());
+    assert!(
+        full.layers[1].attn_in[0].pad.is_some()
+            && full.layers[1].down.as_ref().unwrap().pad.is_some()
+    );
     let want: Vec<Tensor> = (0..2).map(|l| flat(&full, l)).collect();
     for world in [1, 2, 3] {
         let ranks: Vec<(Model, Shards)> = (0..world)
@@ -889,7 +892,10 @@ fn fsdp_shards_carry_the_folded_b_columns_on_the_gpu() {
         ),
         Some(64)
     );
-    assert_eq!(Linear::fold_width(&[&layer.down], &ctx1), Some(16));
+    assert_eq!(
+        Linear::fold_width(&[layer.down.as_ref().unwrap()], &ctx1),
+        Some(16)
+    );
     let (y, acts) = layer.forward_train(&x, &ctx1, true).unwrap();
     let (y_want, acts_want) = want_layer.forward_train(&x, &ctx, true).unwrap();
     let f32_of = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
@@ -1082,7 +1088,7 @@ fn folded_linears_round_once_at_7b_on_the_gpu() {
     let (x, ao, gate, up) = (randn(4096), randn(4096), randn(11008), randn(11008));
     let qkv = [&l.attn_in[0], &l.attn_in[1], &l.attn_in[2]];
     let gu = [&l.mlp_in[0], &l.mlp_in[1]];
-    let down = [&l.down];
+    let down = [l.down.as_ref().unwrap()];
     // Each group's input, padded and not.
     let pad = |lins: &[&Linear]| Linear::fold_width(lins, &ctx).unwrap();
     let inputs: [(&[&Linear], Tensor, Tensor); 3] = [
