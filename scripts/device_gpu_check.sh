@@ -17,13 +17,17 @@
 # tiny:  recipes/tiny-cpu.toml for 200 steps on the GPU and on the CPU, final losses side by side;
 # bench: Llama-2-7B shape, seq 2048: ours and transformers+PEFT in the same call.
 # families: for each family fixture (tests/fixtures/golden: qwen3_qk_norm gemma2_softcap
-#         gemma3_local_global phi3_fused_longrope llama32_tied_long) our binary trains 4 steps on
-#         CUDA in f32 from init_adapter (eval set = train.jsonl), exports the merge and decodes 8
-#         greedy ids; scripts/check_family_compat.py loads the adapter with PeftModel and checks
-#         our eval loss, greedy ids and merged checkpoint against it -> $OUT/families_compat.log.
+#         gemma3_local_global phi3_fused_longrope llama32_tied_long qwen3_moe; or FAMILY_CASES)
+#         our binary trains 4 steps on CUDA in f32 from init_adapter (eval set = train.jsonl),
+#         exports the merge and decodes 8 greedy ids; scripts/check_family_compat.py loads the
+#         adapter with PeftModel and checks our eval loss, greedy ids and merged checkpoint
+#         against it -> $OUT/families_compat.log.
 # famb:   qwen3-8b gemma2-9b gemma3-12b phi3-mini shapes, seq 2048, mb2, r16 all linear: `bench`
 #         beside scripts/bench_peft.py (each 240 s at most) -> $OUT/famb.jsonl. FAMB_CKPT=1:
-#         both checkpointed; FAMB_SHAPES picks shapes. Not in the default set.
+#         both checkpointed; FAMB_SHAPES picks shapes; FAMB_EXP=name also runs ours with
+#         LORA_TRAIN_EXPERIMENTS=name (tagged with it). Not in the default set.
+# bf16err: scripts/peft_bf16_error.py (PEFT's own bf16 error on the golden cases, BF16ERR_CASES
+#         or all) into tests/fixtures/golden/peft_bf16_error.json, copied to $OUT; before tests.
 # train7b: the `train` command on a saved random Llama-2-7B checkpoint (scripts/
 #         make_random_checkpoint.py; tokens data, seq 2048, mb2, r16 all linear) beside `bench` at
 #         the same shape and scripts/bench_peft.py (and --liger when liger_kernel imports); the
@@ -78,6 +82,13 @@ if [[ $what == *" chat "* ]]; then
   python3 -c 'import transformers; print("transformers", transformers.__version__)'
   diff -r /tmp/chat-committed tests/fixtures/chat > "$OUT/chat.diff" && echo "chat fixtures: identical" \
     || { echo "chat fixtures differ:"; head -20 "$OUT/chat.diff"; }
+fi
+
+if [[ $what == *" bf16err "* ]]; then
+  # before `tests`: the CUDA bf16 goldens read these bounds
+  timeout 300 python3 scripts/peft_bf16_error.py --device cuda ${BF16ERR_CASES:+$(printf -- '--case %s ' $BF16ERR_CASES)} \
+    --json tests/fixtures/golden/peft_bf16_error.json 2>&1 | tail -12
+  cp tests/fixtures/golden/peft_bf16_error.json "$OUT/"
 fi
 
 if [[ $what == *" tests "* ]]; then
@@ -246,7 +257,7 @@ fi
 
 if [[ $what == *" families "* ]]; then
   : > "$OUT/families_compat.log"
-  for case in qwen3_qk_norm gemma2_softcap gemma3_local_global phi3_fused_longrope llama32_tied_long; do
+  for case in ${FAMILY_CASES:-qwen3_qk_norm gemma2_softcap gemma3_local_global phi3_fused_longrope llama32_tied_long qwen3_moe}; do
     fx=$PWD/tests/fixtures/golden/$case; d=/tmp/fam/$case
     rm -rf $d && mkdir -p $d
     # The Rust golden test's recipe (tests/it/common.rs golden_recipe) on CUDA, with an eval set.
@@ -306,6 +317,12 @@ if [[ $what == *" famb "* ]]; then
     echo "== lora-train $shape mb2 $ck"
     timeout 240 $E .devbuild/lora-train bench $B --micro-batch 2 --json "$OUT/famb.jsonl" 2>&1 | tail -2 | cut -c1-600
     echo "   (exit ${PIPESTATUS[0]})"
+    if [ -n "${FAMB_EXP:-}" ]; then
+      echo "== lora-train $shape mb2 $ck LORA_TRAIN_EXPERIMENTS=$FAMB_EXP"
+      LORA_TRAIN_EXPERIMENTS=$FAMB_EXP timeout 240 $E .devbuild/lora-train bench $B --micro-batch 2 \
+        --tag "$FAMB_EXP" --json "$OUT/famb.jsonl" 2>&1 | tail -2 | cut -c1-600
+      echo "   (exit ${PIPESTATUS[0]})"
+    fi
     echo "== peft $shape mb2 $ck"
     timeout 240 python3 scripts/bench_peft.py $B --batch 2 --json "$OUT/famb.jsonl" 2>&1 | tail -2 | cut -c1-600
     echo "   (exit ${PIPESTATUS[0]})"

@@ -10,7 +10,7 @@ scripts/reference_peft.py does in float64, and prints the relative L2 error of t
 every LoRA gradient and of every trained adapter tensor against golden.safetensors: the worst of
 each, and the tensor it came from. That is the yardstick for our own bf16 tolerance (the CUDA
 goldens in tests/it/golden.rs): a bf16 run cannot be held closer to f64 than PEFT's own is. --json writes the figures that
-test reads (made on one H200).
+test reads (made on one H200), updating the cases it ran and keeping the others.
 """
 import argparse, json, os, sys, time
 
@@ -47,8 +47,16 @@ def run_case(case, device):
     pad = meta["pad_id"]
     params = [(peft_key(n), p) for n, p in pm.named_parameters() if p.requires_grad]
 
-    ids, labels = batch_of(rows[:2], pad)
-    res = pm(input_ids=ids.to(device), labels=labels.to(device))
+    def fwd(rs):
+        ids, labels = batch_of(rs, pad)
+        kw = {}
+        if getattr(model.config, "output_router_logits", False):
+            # the router's loss counts real tokens alone, as scripts/reference_moe.py
+            kw["attention_mask"] = (torch.arange(ids.shape[1])[None, :] <
+                                    torch.tensor([len(r["input_ids"]) for r in rs])[:, None]).long().to(device)
+        return pm(input_ids=ids.to(device), labels=labels.to(device), **kw)
+
+    res = fwd(rows[:2])
     res.loss.backward()
     out = {"logits": rel_l2(res.logits.float(), want["logits"]),
            "loss": abs(res.loss.item() - want["loss"].item()) / abs(want["loss"].item())}
@@ -59,8 +67,7 @@ def run_case(case, device):
                             eps=OPT["eps"], weight_decay=OPT["weight_decay"])
     sched = get_cosine_schedule_with_warmup(opt, OPT["warmup_steps"], OPT["steps"])
     for s in range(OPT["steps"]):
-        ids, labels = batch_of(rows[2 * s: 2 * s + 2], pad)
-        pm(input_ids=ids.to(device), labels=labels.to(device)).loss.backward()
+        fwd(rows[2 * s: 2 * s + 2]).loss.backward()
         torch.nn.utils.clip_grad_norm_([p for _, p in params], OPT["max_grad_norm"])
         opt.step()
         sched.step()
@@ -89,8 +96,12 @@ def main():
                    f"tests/fixtures/golden/peft_bf16_error.json ({gpu}, torch {torch.__version__}, "
                    f"transformers {transformers.__version__}, peft {peft.__version__}), "
                    f"{time.strftime('%Y-%m-%d')}")
+        kept = {}  # the cases not run this time stay as they were
+        if os.path.exists(a.json):
+            kept = json.load(open(a.json)).get("cases", {})
         with open(a.json + ".tmp", "w") as f:
-            json.dump({"made_by": made_by, "cases": errors}, f, indent=1)
+            json.dump({"made_by": made_by, "cases": dict(sorted({**kept, **errors}.items()))}, f,
+                      indent=1)
         os.replace(a.json + ".tmp", a.json)
 
 
