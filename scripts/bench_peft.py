@@ -13,6 +13,7 @@ that the two run in one device call and compare as ratios:
   python3 scripts/bench_peft.py --shape llama3-8b --seq 32768 --batch 1 --ckpt --max-memory 80GiB
   torchrun --nproc_per_node 2 scripts/bench_peft.py --shape llama2-7b --mode ddp   # or fsdp
   python3 scripts/bench_peft.py --shape gemma2-9b   # or qwen3-8b, gemma3-12b, phi3-mini
+  python3 scripts/bench_peft.py --shape qwen3-30b-a3b --ckpt   # MoE: 128 experts, 8 a token
   python3 scripts/bench_peft.py --shape gemma3-12b --layers 1 --seq 16 --batch 1 --steps 1   # CPU smoke
 
 Needs torch, transformers and peft (and liger_kernel / bitsandbytes for those flags). --json FILE
@@ -25,10 +26,18 @@ Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM) and that class's default 
 --attn names one; the JSON's attn_impl says which ran (Gemma 2's default may drop the attention
 soft-cap, as sdpa has none: a speed peer, not a reference). Phi-3's targets are its fused
 projections (all: qkv_proj, o_proj, gate_up_proj, down_proj).
+
+Qwen3-MoE (Qwen3MoeForCausalLM): --targets all is the attention's linears (target_modules) and
+the experts' fused 3-D parameters (target_parameters = mlp.experts.gate_up_proj,
+mlp.experts.down_proj, as our fixtures, scripts/reference_moe.py), the router not adapted; the
+experts run transformers' --experts implementation (default grouped_mm, torch's grouped GEMM;
+the JSON's experts_impl says which ran, experts_kernel which kernel under it). The FLOP count
+takes the k experts a token is routed to and the router, as `lora-train bench` counts them.
 """
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
@@ -80,12 +89,30 @@ SHAPES = {
         num_key_value_heads=32, vocab_size=32064, rope_theta=1e4, rms_norm_eps=1e-5,
         max_position_embeddings=4096, original_max_position_embeddings=4096,
         sliding_window=None, tie_word_embeddings=False, hidden_act="silu")),
+    # Qwen/Qwen3-30B-A3B: every layer sparse, 128 experts of width 768, 8 a token (renormalised)
+    "qwen3-30b-a3b": ("qwen3_moe", dict(
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        vocab_size=151936, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=40960,
+        tie_word_embeddings=False, attention_bias=False)),
 }
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TARGETS = {"qv": ALL[0:3:2], "attn": ALL[:4], "all": ALL}
 # Phi-3's fused projections ("qv": the fused qkv_proj, as PEFT's default for it and src/bench.rs)
 FUSED = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 TARGETS_FUSED = {"qv": FUSED[:1], "attn": FUSED[:2], "all": FUSED}
+# A MoE's: (target_modules, target_parameters); "all" adds the experts' fused parameters
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+TARGETS_MOE = {"qv": (ALL[0:3:2], []), "attn": (ALL[:4], []), "all": (ALL[:4], EXPERTS)}
+MOE_FAMILIES = {"qwen3_moe"}
+
+
+def lora_targets(family, name):
+    """(target_modules, target_parameters) of --targets `name` for a family."""
+    if family in MOE_FAMILIES:
+        return TARGETS_MOE[name]
+    return (TARGETS_FUSED if family == "phi3" else TARGETS)[name], []
 
 
 def family_classes(family):
@@ -97,6 +124,7 @@ def family_classes(family):
         "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", "apply_liger_kernel_to_gemma2"),
         "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", "apply_liger_kernel_to_gemma3_text"),
         "phi3": ("Phi3Config", "Phi3ForCausalLM", "apply_liger_kernel_to_phi3"),
+        "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "apply_liger_kernel_to_qwen3_moe"),
     }[family]
     return getattr(tf, names[0]), getattr(tf, names[1]), names[2]
 
@@ -110,11 +138,18 @@ def dims(s):
 
 
 def base_linear_params(s):
-    """Frozen linear weights (the head counted even when tied), as src/bench.rs
-    base_linear_params: per layer q (h x q), k and v (h x kv), o (q x h), gate and up (h x i),
-    down (i x h); Phi-3's fused qkv_proj (h x (q + 2kv)) and gate_up_proj (h x 2i) sum alike."""
+    """Frozen linear weights a token multiplies (the head counted even when tied), as
+    src/bench.rs base_linear_params: per layer q (h x q), k and v (h x kv), o (q x h), gate and up
+    (h x i), down (i x h); Phi-3's fused qkv_proj (h x (q + 2kv)) and gate_up_proj (h x 2i) sum
+    alike. A MoE layer: its k routed experts' gate_up and down (3 x h x moe_i each) and the
+    router (experts x h) in place of the dense MLP."""
     h, i, layers, q, kv, vocab = dims(s)
-    return layers * (h * q + 2 * h * kv + q * h + 3 * h * i) + vocab * h
+    attn = h * q + 2 * h * kv + q * h
+    if "num_experts" in s:
+        mlp = s["num_experts_per_tok"] * 3 * h * s["moe_intermediate_size"] + s["num_experts"] * h
+    else:
+        mlp = 3 * h * i
+    return layers * (attn + mlp) + vocab * h
 
 
 def args():
@@ -131,6 +166,9 @@ def args():
     p.add_argument("--attn", default=None,
                    help="transformers attn_implementation (default: the model class's own choice;"
                         " the JSON's attn_impl says which ran)")
+    p.add_argument("--experts", default="grouped_mm", choices=["grouped_mm", "batched_mm", "eager"],
+                   help="a MoE's transformers experts_implementation (grouped_mm: torch's grouped GEMM,"
+                        " the fastest without Hub kernels; the JSON's experts_impl says which ran)")
     p.add_argument("--layers", type=int, default=None,
                    help="override num_hidden_layers (a smoke run of a large shape on the CPU)")
     p.add_argument("--liger", action="store_true", help="Liger-Kernel's RMSNorm, RoPE, SwiGLU, fused linear CE")
@@ -163,15 +201,39 @@ def flops_per_token(n_linear, layers, hidden, seq, ckpt):
     return fwd + bwd + (fwd if ckpt else 0)
 
 
+def experts_kernel(model, impl):
+    """What runs a MoE's experts: the implementation, and for grouped_mm the kernel transformers
+    dispatches to on these weights (torch's grouped GEMM, or its per-expert fallback loop)."""
+    if impl != "grouped_mm":
+        return impl
+    w = next(p for n, p in model.named_parameters() if n.endswith("experts.gate_up_proj"))
+    try:
+        from transformers.integrations.moe import _can_use_grouped_mm
+    except ImportError:
+        return "grouped_mm (kernel unknown)"
+    offs = torch.zeros(w.shape[0], dtype=torch.int32, device=w.device)
+    if not _can_use_grouped_mm(w.new_empty(0, w.shape[-1]), w, offs):
+        return "grouped_mm -> transformers' per-expert fallback"
+    if hasattr(torch.nn.functional, "grouped_mm"):
+        return "grouped_mm (torch.nn.functional.grouped_mm)"
+    return "grouped_mm (torch._grouped_mm)"
+
+
 def build(a, dev):
+    """(PEFT model, shape fields, experts implementation or None): random bf16 weights made on
+    `dev` (no float32 copy, no host round trip), LoRA on --targets."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
     family, s = SHAPES[a.shape]
     s = dict(s)
+    moe = family in MOE_FAMILIES
     if a.layers is not None:
         s["num_hidden_layers"] = a.layers
         if family == "gemma3_text":  # keep a global layer among the sliding ones
             s["sliding_window_pattern"] = min(s["sliding_window_pattern"], a.layers)
+    if moe and a.load_in_4bit:
+        raise SystemExit("--load-in-4bit: bitsandbytes does not quantize the experts' 3-D "
+                         "parameters; bench a MoE shape without it")
     Config, ForCausalLM, liger = family_classes(family)
     if a.liger:
         import liger_kernel.transformers as lk
@@ -187,24 +249,32 @@ def build(a, dev):
                                bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16)
         import tempfile
         with torch.device(dev):
-            m = ForCausalLM._from_config(cfg, torch_dtype=torch.bfloat16)
+            m = ForCausalLM._from_config(cfg, dtype=torch.bfloat16)
         tmp = tempfile.mkdtemp()
         m.save_pretrained(tmp)
         del m
         torch.cuda.empty_cache()
         m = ForCausalLM.from_pretrained(tmp, quantization_config=q, device_map={"": dev},
-                                        torch_dtype=torch.bfloat16, **kw)
+                                        dtype=torch.bfloat16, **kw)
         m = prepare_model_for_kbit_training(m, use_gradient_checkpointing=a.ckpt)
     else:
+        # the parameters are allocated on `dev` in bf16 and initialised there
+        mkw = dict(experts_implementation=a.experts) if moe else {}
         with torch.device(dev):
-            m = ForCausalLM._from_config(cfg, torch_dtype=torch.bfloat16)
-    targets = (TARGETS_FUSED if family == "phi3" else TARGETS)[a.targets]
+            m = ForCausalLM._from_config(cfg, dtype=torch.bfloat16, **mkw)
+    experts = experts_kernel(m, m.config._experts_implementation) if moe else None
+    modules, params = lora_targets(family, a.targets)
+    extra = dict(target_parameters=params) if params else {}
     lora = LoraConfig(r=a.rank, lora_alpha=a.alpha or 2 * a.rank, lora_dropout=a.dropout,
-                      use_rslora=a.rslora, target_modules=targets, task_type="CAUSAL_LM")
-    m = get_peft_model(m, lora)
+                      use_rslora=a.rslora, target_modules=modules, task_type="CAUSAL_LM", **extra)
+    if moe:  # the experts' adapters (640M parameters at r 16) made on the GPU, not the host
+        with torch.device(dev):
+            m = get_peft_model(m, lora)
+    else:
+        m = get_peft_model(m, lora)
     if a.ckpt:
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return m, s
+    return m, s, experts
 
 
 def main():
@@ -225,7 +295,9 @@ def main():
         torch.cuda.set_per_process_memory_fraction(min(1.0, gib(a.max_memory) / total), dev)
 
     t0 = time.time()
-    model, s = build(a, dev)
+    model, s, experts = build(a, dev)
+    if experts is not None:
+        print(f"experts: {experts}", file=sys.stderr, flush=True)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     # Frozen base linears (lm_head included), counted from the shape: 4-bit layers hide theirs.
     h, L = s["hidden_size"], s["num_hidden_layers"]
@@ -263,6 +335,7 @@ def main():
            "micro_batch": a.batch, "lora_rank": a.rank, "targets": a.targets, "ckpt": a.ckpt,
            "dropout": a.dropout, "rslora": a.rslora, "tag": a.tag, "attn": a.attn or "default", "attn_impl": attn_impl,
            "family": SHAPES[a.shape][0], "layers": L, "trainable_params": trainable,
+           "experts_impl": experts,
            "base_linear_params": n_linear, "load_s": round(load_s, 2),
            "after_load_gib": round(after_load, 2), "max_memory": a.max_memory}
     try:

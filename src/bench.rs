@@ -74,7 +74,7 @@ pub struct BenchArgs {
 }
 
 /// The shapes `bench` and `plan --shape` know, as scripts/bench_peft.py's SHAPES.
-pub const SHAPES: [&str; 9] = [
+pub const SHAPES: [&str; 10] = [
     "tiny",
     "llama2-7b",
     "llama2-13b",
@@ -84,6 +84,7 @@ pub const SHAPES: [&str; 9] = [
     "gemma2-9b",
     "gemma3-12b",
     "phi3-mini",
+    "qwen3-30b-a3b",
 ];
 
 /// A named shape's config.json (the released model's, as scripts/bench_peft.py builds it),
@@ -140,6 +141,14 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
             "num_key_value_heads": 32, "vocab_size": 32064, "rope_theta": 1e4,
             "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "tie_word_embeddings": false,
             "hidden_act": "silu"}),
+        // Qwen/Qwen3-30B-A3B: 128 experts of width 768, 8 a token, in every layer
+        "qwen3-30b-a3b" => json!({"model_type": "qwen3_moe", "hidden_size": 2048,
+            "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+            "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+            "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": true,
+            "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 151936,
+            "rope_theta": 1e6, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": false, "attention_bias": false}),
         other => bail!("unknown shape `{other}`; known: {}", SHAPES.join(", ")),
     };
     let path = std::path::PathBuf::from(format!("<bench shape {name}>"));
@@ -154,12 +163,17 @@ fn config_of(a: &BenchArgs) -> Result<ModelConfig> {
     }
 }
 
-/// `--targets` for a model: "all" its every linear, "attn" its attention's, "qv" q and v
-/// (Phi-3: its fused qkv_proj, as PEFT's default for it).
+/// `--targets` for a model: "all" its every linear and a MoE's fused experts (gate_up_proj
+/// and down_proj, PEFT's `target_parameters`; the router not), "attn" its attention's, "qv" q
+/// and v (Phi-3: its fused qkv_proj, as PEFT's default for it).
 pub fn targets(name: &str, cfg: &ModelConfig) -> Result<Vec<String>> {
     let own = cfg.linears();
+    let experts: &[&str] = match cfg.arch.moe {
+        Some(_) => &crate::lora::EXPERT_PARAMS,
+        None => &[],
+    };
     let t: Vec<&str> = match name {
-        "all" => own.to_vec(),
+        "all" => own.iter().chain(experts).copied().collect(),
         "attn" => own
             .iter()
             .copied()
@@ -172,8 +186,9 @@ pub fn targets(name: &str, cfg: &ModelConfig) -> Result<Vec<String>> {
     Ok(t.iter().map(|s| s.to_string()).collect())
 }
 
-/// Frozen linear weights of the model (the head included), from its config: what the FLOP
-/// count takes (scripts/bench_peft.py counts alike).
+/// Frozen linear weights a token multiplies (the head included), from its config: what the
+/// FLOP count takes (scripts/bench_peft.py counts alike). A MoE layer counts its router and
+/// the k experts a token is routed to, not all E.
 pub fn base_linear_params(cfg: &ModelConfig) -> usize {
     let per_layer: usize = cfg
         .linears()
@@ -576,5 +591,76 @@ impl RankFigures {
             peak_alloc: all.chunks(4).map(|x| x[1]).fold(f64::MIN, f64::max),
             peak_reserved: all.chunks(4).map(|x| x[2]).fold(f64::MIN, f64::max),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_shape_reads_as_a_config() {
+        for name in SHAPES {
+            let cfg = shape(name).unwrap();
+            assert!(cfg.num_params(false) > 0, "{name}");
+        }
+        assert!(shape("qwen3-31b").is_err());
+    }
+
+    #[test]
+    fn qwen3_30b_a3b_counts_the_active_experts_only() {
+        let cfg = shape("qwen3-30b-a3b").unwrap();
+        let m = cfg.arch.moe.unwrap();
+        assert_eq!(
+            (m.experts, m.top_k, m.inter, m.norm_topk),
+            (128, 8, 768, true)
+        );
+        // all 128 experts: 30,532,122,624 parameters, the released model's
+        assert_eq!(cfg.num_params(false), 30_532_122_624);
+        // a token's: attention 18,874,368 a layer, its 8 experts' gate_up and down
+        // 8 · 3 · 768 · 2048, the router 128 · 2048, and the head 151936 · 2048
+        let attn = 2048 * 4096 + 2 * 2048 * 512 + 4096 * 2048;
+        assert_eq!(attn, 18_874_368);
+        let active = 48 * (attn + 8 * 3 * 768 * 2048 + 128 * 2048) + 151_936 * 2048;
+        assert_eq!(base_linear_params(&cfg), active);
+        assert_eq!(active, 3_041_656_832);
+        // 4 FLOPs an active weight (frozen base: forward 2, dL/dx 2, no dL/dW, as the dense
+        // shapes) and the causal attention 6 · L · T · C; checkpointing adds a forward
+        let (l, c, t) = (48.0, 2048.0, 2048.0);
+        let fpt = flops_per_token(active, 48, 2048, 2048, false);
+        assert_eq!(fpt, 4.0 * active as f64 + 6.0 * l * t * c);
+        let ck = flops_per_token(active, 48, 2048, 2048, true);
+        assert_eq!(ck, fpt + 2.0 * active as f64 + 2.0 * l * t * c);
+    }
+
+    #[test]
+    fn all_targets_a_moe_s_experts_and_the_work_counts_the_routed_ones() {
+        let cfg = shape("qwen3-30b-a3b").unwrap();
+        let all = targets("all", &cfg).unwrap();
+        let want = ["q_proj", "k_proj", "v_proj", "o_proj"]
+            .into_iter()
+            .chain(crate::lora::EXPERT_PARAMS);
+        assert!(all.iter().map(String::as_str).eq(want), "{all:?}");
+        assert_eq!(targets("attn", &cfg).unwrap().len(), 4);
+        // the model resolves them as bench names them (no "all-linear" collapse)
+        assert_eq!(cfg.resolve_targets(&all).unwrap(), all);
+        // adapters: 48 · 16 · (attention 17,408 + 128 · ((2048 + 1536) + (768 + 2048)))
+        let lora = crate::memory::plan::lora_params(&cfg, 16, &all);
+        assert_eq!(lora, 48 * 16 * (17_408 + 128 * (3584 + 2816)));
+        assert_eq!(lora, 642_514_944);
+        // a token multiplies the adapters of its 8 experts, not all 128
+        let spec = LoraSpec {
+            rank: 16,
+            alpha: 32.0,
+            dropout: 0.0,
+            rslora: false,
+            dora: false,
+            targets: all,
+        };
+        let w = workload::adapter_weights(&cfg, &spec);
+        assert_eq!(w, 48 * 16 * (17_408 + 8 * (3584 + 2816)));
+        // a dense model's "all" is its linears alone
+        let llama = shape("llama2-7b").unwrap();
+        assert_eq!(targets("all", &llama).unwrap().len(), 7);
     }
 }

@@ -78,28 +78,26 @@ impl Work {
 }
 
 /// Σ r · (in + out) over the adapted linears of every layer: the adapters' weights a token
-/// multiplies (forward: 2 FLOPs each).
+/// multiplies (forward: 2 FLOPs each). A MoE's expert adapters count the k experts a token is
+/// routed to: r · (C + 2I) for gate_up_proj, r · (I + C) for down_proj, each.
 pub fn adapter_weights(cfg: &ModelConfig, spec: &LoraSpec) -> usize {
-    let (c, i) = (cfg.hidden_size, cfg.intermediate_size);
-    let (q, kv) = (
-        cfg.num_heads * cfg.head_dim,
-        cfg.num_kv_heads * cfg.head_dim,
-    );
-    let dims = [
-        ("q_proj", c, q),
-        ("k_proj", c, kv),
-        ("v_proj", c, kv),
-        ("o_proj", q, c),
-        ("gate_proj", c, i),
-        ("up_proj", c, i),
-        ("down_proj", i, c),
-    ];
-    let per_layer: usize = dims
+    let per_layer: usize = cfg
+        .linears()
         .iter()
-        .filter(|(m, ..)| spec.targets(m))
-        .map(|(_, a, b)| spec.rank * (a + b))
+        .filter(|m| spec.targets(m))
+        .filter_map(|m| cfg.linear_shape(m))
+        .map(|(i, o)| spec.rank * (i + o))
         .sum();
-    per_layer * cfg.num_layers
+    let c = cfg.hidden_size;
+    let experts = cfg.arch.moe.map_or(0, |m| {
+        let [gate_up, down] = crate::lora::EXPERT_PARAMS;
+        [(gate_up, c + 2 * m.inter), (down, m.inter + c)]
+            .iter()
+            .filter(|(name, _)| spec.targets(name))
+            .map(|(_, w)| m.top_k * spec.rank * w)
+            .sum()
+    });
+    (per_layer + experts) * cfg.num_layers
 }
 
 /// Σ token CE over `batches` (the eval set), forward only, as the trainer's eval runs it.

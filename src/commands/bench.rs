@@ -9,7 +9,8 @@ use std::path::PathBuf;
     after_help = "Examples:\n  lora-train bench --shape llama2-7b --seq 2048 --micro-batch 2 --rank 16 --targets all\n  lora-train bench --shape llama2-7b --dropout 0.05 --tag dropout-0.05\n  lora-train bench --shape tiny --device cpu --steps 3 --warmup 1\n  bash scripts/sweep.sh   # every knob against the plain configuration"
 )]
 pub struct BenchArgs {
-    /// tiny | llama2-7b | llama2-13b | llama2-70b | llama3-8b | qwen3-8b | gemma2-9b | gemma3-12b | phi3-mini
+    /// tiny | llama2-7b | llama2-13b | llama2-70b | llama3-8b | qwen3-8b | gemma2-9b | gemma3-12b |
+    /// phi3-mini | qwen3-30b-a3b (MoE)
     #[arg(long, default_value = "llama2-7b", value_parser = shape)]
     shape: String,
     #[arg(long, default_value_t = 2048, value_parser = clap::value_parser!(u32).range(2..=(1 << 22)))]
@@ -108,7 +109,8 @@ pub enum Targets {
     Qv,
     /// q, k, v, o
     Attn,
-    /// every linear of the decoder layers
+    /// every linear of the decoder layers, and a MoE's fused experts (gate_up_proj, down_proj;
+    /// not the router)
     All,
 }
 

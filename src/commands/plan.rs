@@ -19,7 +19,7 @@ pub struct PlanArgs {
     #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
     set: Vec<String>,
     /// Plan a `bench` shape (tiny | llama2-7b | llama2-13b | llama2-70b | llama3-8b | qwen3-8b | gemma2-9b |
-    /// gemma3-12b | phi3-mini; bf16) instead of a recipe.
+    /// gemma3-12b | phi3-mini | qwen3-30b-a3b; bf16) instead of a recipe.
     #[arg(long, value_parser = super::bench::shape)]
     shape: Option<String>,
     /// Tokens per row (default: the recipe's data.seq_len; 2048 with --shape).
@@ -31,7 +31,7 @@ pub struct PlanArgs {
     /// With --shape: LoRA rank.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=65536))]
     rank: u32,
-    /// With --shape: which linears get adapters.
+    /// With --shape: which linears get adapters (all: a MoE's experts too).
     #[arg(long, value_enum, default_value_t = Targets::All)]
     targets: Targets,
     /// With --shape: the run's row uses activation checkpointing (the JSON's `selected`).

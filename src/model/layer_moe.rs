@@ -9,8 +9,9 @@
 //!
 //! Tokens are grouped by expert (`router::Routing`): the rows routed to an expert are gathered
 //! into one run, each expert is one GEMM per projection over its run, and the outputs, scaled
-//! by their weights, are scatter-added back to their tokens (index_select, matmul, index_add:
-//! no per-token loop, the same ops on the CPU and CUDA). An expert no token chose is skipped.
+//! by their weights, are summed back onto their tokens (index_select, matmul, then a gather
+//! and k adds: `router::sum_slots`; no per-token loop, the same ops on the CPU and CUDA). An
+//! expert no token chose is skipped.
 //!
 //! Training keeps only h (`LayerActs::h`): the backward recomputes the routing and each
 //! expert's forward from it just before that expert's backward, so no [m·k, I] activation
@@ -23,7 +24,7 @@ use super::family::MoeSpec;
 use super::layer::Layer;
 use super::layer_train::LayerGrads;
 use super::llama::Ctx;
-use super::router::{route, route_bwd, Routing};
+use super::router::{route, route_bwd, sum_slots, Routing};
 use crate::lora::Lora;
 use crate::ops::{self, glu::Act};
 use candle_core::{DType, Result, Tensor};
@@ -186,8 +187,12 @@ impl Moe {
                 off += n;
             }
         }
-        let y = Tensor::cat(&ys, 0)?.broadcast_mul(&w.unsqueeze(1)?)?;
-        Ok((hn.zeros_like()?.index_add(&r.tokens, &y, 0)?, r))
+        // two [m·k, C] alive at a time from here (the memory plan's `moe_ws`)
+        drop(xs);
+        let y = Tensor::cat(&ys, 0)?;
+        drop(ys);
+        let y = y.broadcast_mul(&w.unsqueeze(1)?)?;
+        Ok((sum_slots(&r, &y, self.spec.top_k)?, r))
     }
 
     /// The backward of `forward` for g = dL/d(its output) [m, C]: dL/dhn [m, C], through the
@@ -243,13 +248,18 @@ impl Moe {
             }
             dxs.push(dx);
         }
-        let dhn = hn
-            .zeros_like()?
-            .index_add(&r.tokens, &Tensor::cat(&dxs, 0)?, 0)?;
+        drop((xs, gs));
+        let dx = Tensor::cat(&dxs, 0)?;
+        drop(dxs);
+        let dhn = sum_slots(&r, &dx, k)?;
+        drop(dx);
+        // dL/dw in the grouped order [m·k] → slot-major [k, m] → [m, k]
         let dw = Tensor::cat(&dws, 0)?.to_dtype(DType::F32)?;
-        let dw = Tensor::zeros(m * k, DType::F32, hn.device())?
-            .index_add(&r.order, &dw, 0)?
-            .reshape((m, k))?;
+        let dw = dw
+            .index_select(&r.slots, 0)?
+            .reshape((k, m))?
+            .t()?
+            .contiguous()?;
         let dlogits = route_bwd(&r, &dw, self.spec.norm_topk, aux)?; // [m, E]
         let dhn = (dhn + dlogits.to_dtype(dt)?.matmul(&self.router)?)?;
         for (l, per) in [

@@ -4,9 +4,13 @@
 //!
 //! The grouping is made on the host from the [m, k] chosen experts (one small copy per layer:
 //! m·k u32): the flat positions p = n·k + j of the (token n, slot j) pairs, expert 0's first,
-//! then expert 1's, ..., ascending within each; their tokens n; and how many each expert got.
-//! Every expert's rows are then one contiguous run of a gathered [m·k, C] input, so each expert
-//! is one GEMM over its run (no loop over tokens), on the CPU and CUDA alike.
+//! then expert 1's, ..., ascending within each; their tokens n; how many each expert got; and
+//! where each (token, slot) pair went. Every expert's rows are then one contiguous run of a
+//! gathered [m·k, C] input, so each expert is one GEMM over its run (no loop over tokens); its
+//! outputs come back to their tokens by one gather into slot-major order and k − 1 adds of
+//! [m, C] (`sum_slots`), on the CPU and CUDA alike, not by index_add (candle's CUDA index_add
+//! walks all m·k rows in turn, one thread per column: a serial loop of 32768 steps at 4096
+//! tokens and top 8).
 //!
 //! Shapes: m tokens, C hidden, E experts, k experts per token.
 
@@ -25,6 +29,9 @@ pub struct Routing {
     pub order: Tensor,
     /// Each grouped position's token n = p / k [m·k] u32.
     pub tokens: Tensor,
+    /// The grouped row of (token n, slot j) at j·m + n [k·m] u32 (slot-major), so that
+    /// `grouped.index_select(slots)` is k runs of m rows, one per slot.
+    pub slots: Tensor,
     /// Tokens per expert [E] (the runs of `order`, in expert order).
     pub counts: Vec<usize>,
 }
@@ -49,6 +56,7 @@ pub fn route(hn: &Tensor, w: &Tensor, spec: MoeSpec) -> Result<Routing> {
     let chosen: Vec<u32> = idx.flatten_all()?.to_vec1()?;
     let (order, counts) = group(&chosen, spec.experts)?;
     let tokens: Vec<u32> = order.iter().map(|&p| p / k as u32).collect();
+    let slots = slot_major(&order, m, k);
     let dev = hn.device();
     debug_assert_eq!(order.len(), m * k);
     Ok(Routing {
@@ -57,6 +65,7 @@ pub fn route(hn: &Tensor, w: &Tensor, spec: MoeSpec) -> Result<Routing> {
         weights,
         order: Tensor::from_vec(order, m * k, dev)?,
         tokens: Tensor::from_vec(tokens, m * k, dev)?,
+        slots: Tensor::from_vec(slots, m * k, dev)?,
         counts,
     })
 }
@@ -85,6 +94,29 @@ fn group(chosen: &[u32], experts: usize) -> Result<(Vec<u32>, Vec<usize>)> {
         start[e as usize] += 1;
     }
     Ok((order, counts))
+}
+
+/// For each (token n, slot j), at j·m + n, the grouped row q whose position `order[q]` is
+/// n·k + j.
+fn slot_major(order: &[u32], m: usize, k: usize) -> Vec<u32> {
+    let mut slots = vec![0u32; order.len()];
+    for (q, &p) in order.iter().enumerate() {
+        let (n, j) = (p as usize / k, p as usize % k);
+        slots[j * m + n] = q as u32;
+    }
+    slots
+}
+
+/// Rows in the grouped order ([m·k, ..], `Routing::order`) summed over each token's k slots:
+/// [m, ..], slot 0's plus slot 1's plus ...
+pub fn sum_slots(r: &Routing, grouped: &Tensor, k: usize) -> Result<Tensor> {
+    let g = grouped.index_select(&r.slots, 0)?; // [k·m, ..]
+    let m = g.dim(0)? / k.max(1);
+    let mut acc = g.narrow(0, 0, m)?;
+    for j in 1..k {
+        acc = (acc + g.narrow(0, j * m, m)?)?;
+    }
+    Ok(acc)
 }
 
 /// The router's backward: dL/dweights [m, k] f32 → dL/dlogits [m, E] f32, through the
@@ -129,6 +161,8 @@ mod tests {
         let (order, counts) = group(&[2, 0, 1, 2, 2, 1], 4).unwrap();
         assert_eq!(counts, vec![1, 2, 3, 0]);
         assert_eq!(order, vec![1, 2, 5, 0, 3, 4]);
+        // slot 0 of tokens 0, 1, 2 (positions 0, 2, 4), then slot 1 (1, 3, 5)
+        assert_eq!(slot_major(&order, 3, 2), vec![3, 1, 5, 0, 4, 2]);
         assert!(group(&[4], 4).is_err());
     }
 }

@@ -1,7 +1,7 @@
 //! The MoE family (Qwen3-MoE) beyond its goldens (tests/it/golden.rs): checkpointing and
 //! parking change memory, not numbers; the activations a layer keeps are what the memory plan
 //! counts; a 4.x checkpoint with its experts one by one reads as the fused one; what we save
-//! is PEFT's target_parameters adapter.
+//! is PEFT's target_parameters adapter; `bench` adapts the experts and counts the routed ones.
 
 use crate::common::*;
 use candle_core::Tensor;
@@ -147,4 +147,46 @@ fn saved_adapter_names_the_experts_as_peft() {
     }
     let k = "base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight";
     assert_eq!(saved[k].dims(), &[8 * 4, 32]); // A [E·r, C] of gate_up_proj
+}
+
+/// `bench --model` on the MoE fixture (C 32, 2 layers, 8 experts of width 24, top 2, r 4):
+/// `--targets all` adapts the attention and both expert parameters, and the FLOP counts take
+/// the 2 experts a token is routed to, not all 8.
+#[test]
+fn bench_of_a_moe_checkpoint_adapts_the_experts_and_counts_the_routed_ones() {
+    let bench = |targets: &str| -> serde_json::Value {
+        let o = assert_cmd::Command::cargo_bin("lora-train")
+            .unwrap()
+            .arg("bench")
+            .arg("--model")
+            .arg(golden_dir("qwen3_moe").join("model"))
+            .args(["--device", "cpu", "--seq", "32", "--micro-batch", "2"])
+            .args(["--steps", "2", "--warmup", "1", "--rank", "4"])
+            .args(["--targets", targets])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice(&o.stdout).unwrap()
+    };
+    let all = bench("all");
+    // per layer: attention 4 · (64 + 2 · 48 + 64) = 896, experts 8 · 4 · ((32 + 48) + (24 + 32))
+    assert_eq!(all["trainable_params"], 2 * (896 + 8 * 4 * (80 + 56)));
+    // per layer: attention 3072, 2 experts' gate_up and down 2 · 3 · 24 · 32, the router 8 · 32;
+    // the head 128 · 32
+    assert_eq!(
+        all["base_linear_params"],
+        2 * (3072 + 2 * 3 * 24 * 32 + 8 * 32) + 128 * 32
+    );
+    // the adapters' 6 FLOPs a weight a token multiplies: 2 experts' of each parameter
+    let adapter = 2 * (896 + 2 * 4 * (80 + 56));
+    let f = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap();
+    let extra = f(&all, "work_flops_per_token") - f(&all, "flops_per_token");
+    assert_eq!(extra, 6.0 * adapter as f64);
+    let losses = all["losses"].as_array().unwrap();
+    assert!(
+        losses.iter().all(|l| l.as_f64().unwrap().is_finite()),
+        "{all}"
+    );
+    let attn = bench("attn");
+    assert_eq!(attn["trainable_params"], 2 * 896);
 }

@@ -162,6 +162,52 @@ fn plan_of_a_bench_shape_equals_the_plan_of_its_config() {
 }
 
 #[test]
+fn plan_of_the_moe_shape_counts_every_expert_and_their_adapters() {
+    // Qwen3-30B-A3B: 48 layers of attention (18,874,368), norms (4352) and 128 experts with
+    // their router (128 · (3 · 768 · 2048 + 2048) = 604,241,920), embedding and head
+    // (2 · 151936 · 2048) and the final norm: 30,532,122,624 parameters, the released model's.
+    let args = [
+        "plan",
+        "--shape",
+        "qwen3-30b-a3b",
+        "--gpus",
+        "2",
+        "--gpu-mem",
+        "139GiB",
+    ];
+    let (code, out, err) = run(&args);
+    assert_eq!(code, 0, "{err}");
+    snapshot("qwen3-30b-a3b.txt", &out);
+    let (code, json, err) = run(&[&args[..], &["--json"]].concat());
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["base_params"], 30_532_122_624u64);
+    // --targets all: q, k, v, o (48 · 16 · 17,408) and the experts' gate_up_proj and
+    // down_proj, A [128·16, in] and B [out, 16·128] each (48 · 16 · 128 · (3584 + 2816))
+    assert_eq!(v["lora_params"], 13_369_344 + 629_145_600);
+    // The base in bf16 (56.87 GiB) with the folded q, k, v's pad columns (ops::fold:
+    // 48 · (4096 + 512 + 512) · 64 · 2 = 31,457,280 B) on single and ddp, half of both on fsdp.
+    let row = |st: &str, ckpt: bool| {
+        v["rows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["strategy"] == st && r["ckpt"] == ckpt)
+            .unwrap()
+            .clone()
+    };
+    let base = 2 * 30_532_122_624u64 + 31_457_280;
+    assert_eq!(row("single", false)["base_bytes"], base);
+    assert_eq!(row("fsdp", true)["base_bytes"], base / 2);
+    assert!(out.contains("base 30532122624 params at 2 B"), "{out}");
+    // --targets attn: the attention's adapters alone
+    let (code, json, err) = run(&[&args[..], &["--targets", "attn", "--json"]].concat());
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["lora_params"], 13_369_344);
+}
+
+#[test]
 fn preflight_refuses_a_run_the_plan_says_does_not_fit() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("out");
