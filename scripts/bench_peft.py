@@ -35,6 +35,7 @@ the JSON's experts_impl says which ran, experts_kernel which kernel under it). T
 takes the k experts a token is routed to and the router, as `lora-train bench` counts them.
 """
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -267,10 +268,8 @@ def build(a, dev):
     extra = dict(target_parameters=params) if params else {}
     lora = LoraConfig(r=a.rank, lora_alpha=a.alpha or 2 * a.rank, lora_dropout=a.dropout,
                       use_rslora=a.rslora, target_modules=modules, task_type="CAUSAL_LM", **extra)
-    if moe:  # the experts' adapters (640M parameters at r 16) made on the GPU, not the host
-        with torch.device(dev):
-            m = get_peft_model(m, lora)
-    else:
+    # a MoE's expert adapters (640M parameters at r 16) made on the GPU, not the host
+    with torch.device(dev) if moe else contextlib.nullcontext():
         m = get_peft_model(m, lora)
     if a.ckpt:
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

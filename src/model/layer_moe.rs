@@ -192,7 +192,7 @@ impl Moe {
         let y = Tensor::cat(&ys, 0)?;
         drop(ys);
         let y = y.broadcast_mul(&w.unsqueeze(1)?)?;
-        Ok((sum_slots(&r, &y, self.spec.top_k)?, r))
+        Ok((sum_slots(&r, &y)?, r))
     }
 
     /// The backward of `forward` for g = dL/d(its output) [m, C]: dL/dhn [m, C], through the
@@ -251,7 +251,7 @@ impl Moe {
         drop((xs, gs));
         let dx = Tensor::cat(&dxs, 0)?;
         drop(dxs);
-        let dhn = sum_slots(&r, &dx, k)?;
+        let dhn = sum_slots(&r, &dx)?;
         drop(dx);
         // dL/dw in the grouped order [m·k] → slot-major [k, m] → [m, k]
         let dw = Tensor::cat(&dws, 0)?.to_dtype(DType::F32)?;

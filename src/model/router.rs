@@ -109,9 +109,9 @@ fn slot_major(order: &[u32], m: usize, k: usize) -> Vec<u32> {
 
 /// Rows in the grouped order ([m·k, ..], `Routing::order`) summed over each token's k slots:
 /// [m, ..], slot 0's plus slot 1's plus ...
-pub fn sum_slots(r: &Routing, grouped: &Tensor, k: usize) -> Result<Tensor> {
+pub fn sum_slots(r: &Routing, grouped: &Tensor) -> Result<Tensor> {
+    let (m, k) = r.weights.dims2()?;
     let g = grouped.index_select(&r.slots, 0)?; // [k·m, ..]
-    let m = g.dim(0)? / k.max(1);
     let mut acc = g.narrow(0, 0, m)?;
     for j in 1..k {
         acc = (acc + g.narrow(0, j * m, m)?)?;
