@@ -514,10 +514,10 @@ pub struct TrainSection {
     /// memory for real; the preflight check compares the memory plan with it. On the CPU it
     /// caps an accounting of the tensor bytes the trainer holds. Default: unset (the card).
     pub max_memory: Option<String>,
-    /// With activation checkpointing: a layer's MLP (norm, gate / up, activation, down) runs
-    /// over chunks of this many tokens of the micro-batch, in forward and in its recompute and
-    /// backward, so that its [tokens, intermediate] tensors exist for one chunk at a time (long
-    /// context). A multiple of 64; 0: never chunked. Not with dropout on an MLP adapter (runs
+    /// A layer's MLP (norm, gate / up, activation, down) runs over chunks of this many tokens
+    /// of the micro-batch: in backward always, and with activation checkpointing in forward and
+    /// its recompute too, so that its [tokens, intermediate] tensors exist for one chunk at a
+    /// time (long context). A multiple of 64; 0: never chunked. Not with dropout on an MLP adapter (runs
     /// whole). Default: 16384 (`model::layer_mlp::MLP_CHUNK`).
     #[serde(default = "d_mlp_chunk")]
     pub mlp_chunk: usize,

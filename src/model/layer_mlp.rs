@@ -3,11 +3,12 @@
 //!
 //! Every op of the MLP half works on each token alone, so it can run over chunks of rows. At
 //! long T a checkpointed layer then holds one chunk's [n, I] gate, up and their gradients
-//! instead of [m, I] (Llama-3-8B at 384k tokens: 22 GB of bf16 gate and up alone). Chunks are
-//! used where the MLP's activations are not kept anyway: the forward of a checkpointed layer,
-//! and its backward, which recomputes each chunk's MLP from the residual h just before that
-//! chunk's backward (the FLOPs of recomputing it whole). y and dL/dh are the unchunked values
-//! row for row; the adapters' gradients, sums over the tokens, are summed chunk by chunk (f32).
+//! instead of [m, I] (Llama-3-8B at 384k tokens: 22 GB of bf16 gate and up alone). The forward
+//! of a checkpointed layer runs in chunks, and its backward recomputes each chunk's MLP from
+//! the residual h just before that chunk's backward (the FLOPs of recomputing it whole). The
+//! backward of a layer that kept its activations runs over the same chunks of them, so the
+//! adapters' gradients, sums over the tokens, are added chunk by chunk in one order on every
+//! path: on the CPU, checkpointing, chunking and parking change no bit of them (f32).
 //!
 //! Shapes: m = B·T tokens, n tokens of a chunk, C hidden, I mlp.
 
@@ -22,6 +23,24 @@ use candle_core::{Result, Tensor};
 /// a chunk are 0.9 GiB in bf16 at Llama-3-8B (I = 14336); runs of up to this many tokens per
 /// micro-batch are not chunked.
 pub const MLP_CHUNK: usize = 16384;
+
+/// The fewest rows a chunk has: a GEMM of fewer rows takes the CPU GEMM's small-matrix path,
+/// whose sums run in another order than those of the same rows inside a taller GEMM.
+const MIN_ROWS: usize = 8;
+
+/// The (first row, rows) of m rows in chunks of n: the last chunk takes a remainder of fewer
+/// than `MIN_ROWS` rows too, so that every chunk's rows are those of the unchunked GEMMs.
+pub(super) fn row_chunks(m: usize, n: usize) -> Vec<(usize, usize)> {
+    let n = n.max(MIN_ROWS);
+    let mut out: Vec<(usize, usize)> = (0..m).step_by(n).map(|r| (r, n.min(m - r))).collect();
+    if let [.., (_, a), (_, b)] = out.as_mut_slice() {
+        if *b < MIN_ROWS {
+            *a += *b;
+            out.pop();
+        }
+    }
+    out
+}
 
 /// What the MLP half's forward keeps for its backward.
 pub(super) struct MlpActs {
@@ -41,6 +60,19 @@ impl MlpActs {
             .chain(self.xas.iter().flatten())
             .chain(&self.xd)
     }
+
+    /// Rows r..r+n of every tensor (views).
+    fn rows(&self, r: usize, n: usize) -> Result<MlpActs> {
+        let rows = |t: &Tensor| t.narrow(0, r, n);
+        let opt = |t: &Option<Tensor>| t.as_ref().map(rows).transpose();
+        Ok(MlpActs {
+            gate: rows(&self.gate)?,
+            up: rows(&self.up)?,
+            mo: opt(&self.mo)?,
+            xas: self.xas.iter().map(opt).collect::<Result<_>>()?,
+            xd: opt(&self.xd)?,
+        })
+    }
 }
 
 /// The MLP half's input.
@@ -53,11 +85,12 @@ pub(super) enum MlpIn<'a> {
 }
 
 impl Layer {
-    /// Tokens per chunk for the MLP half of a checkpointed layer over `m` tokens, None when it
-    /// runs whole: m within one chunk, or dropout on an MLP adapter (its masks are drawn over
-    /// the whole [m, in]).
+    /// Tokens per chunk for the MLP half of a layer over `m` tokens (the forward and recompute
+    /// of a checkpointed layer, the backward of every layer), None when it runs whole: m within
+    /// one chunk, a MoE layer, or dropout on an MLP adapter (its masks are drawn over the whole
+    /// [m, in]).
     pub(super) fn mlp_chunk(&self, ctx: &Ctx, m: usize) -> Option<usize> {
-        let n = ctx.mlp_chunk?;
+        let n = ctx.mlp_chunk.filter(|&n| n > 0)?;
         let mut linears = self.mlp_in.iter().chain(&self.down);
         let dense = self.moe.is_none();
         (dense && m > n && linears.all(|l| l.dropout(ctx).is_none())).then_some(n)
@@ -151,10 +184,10 @@ impl Layer {
 
     /// y [m, C] from h [m, C], the MLP half run over chunks of `n` rows.
     pub(super) fn mlp_fwd_chunked(&self, h: &Tensor, ctx: &Ctx, n: usize) -> Result<Tensor> {
-        let m = h.dim(0)?;
-        let mut ys = Vec::with_capacity(m.div_ceil(n.max(1)));
-        for r in (0..m).step_by(n.max(1)) {
-            let hc = h.narrow(0, r, n.min(m - r))?; // [n, C]
+        let chunks = row_chunks(h.dim(0)?, n);
+        let mut ys = Vec::with_capacity(chunks.len());
+        for (r, len) in chunks {
+            let hc = h.narrow(0, r, len)?; // [n, C]
             match self.mlp_fwd(MlpIn::H(&hc), ctx, true, false)? {
                 (_, Some(y), _) => ys.push(y),
                 _ => candle_core::bail!("mlp_fwd_chunked: no output"),
@@ -231,10 +264,35 @@ impl Layer {
         ops::rms_norm_bwd_add(hres, &self.post_norm, self.spec.norm, &dhn, dy) // [m, C]
     }
 
-    /// The MLP half's backward over all m tokens from its kept activations: dL/dh [m, C].
-    /// `h_of` gives (h, hn), called after down's backward, when gate and up are freed (h is
-    /// recomputed there when the driver did not keep it).
+    /// The MLP half's backward from its activations over all m tokens (kept by the forward, or
+    /// recomputed whole): dL/dh [m, C]. `h_of(r, n)` gives rows r..r+n of h and of
+    /// hn = rms_norm(h) (recomputed there when the driver did not keep h). Over more tokens
+    /// than a chunk it runs chunk by chunk, as `mlp_bwd_chunked` does, so that the adapters'
+    /// sums over the tokens are added in the same blocks and order on every path.
     pub(super) fn mlp_bwd(
+        &self,
+        acts: MlpActs,
+        dy: &Tensor,
+        ctx: &Ctx,
+        grads: &mut LayerGrads,
+        h_of: impl Fn(usize, usize) -> Result<(Tensor, Tensor)>,
+    ) -> Result<Tensor> {
+        let m = dy.dim(0)?;
+        let Some(n) = self.mlp_chunk(ctx, m) else {
+            return self.mlp_bwd_rows(acts, dy, ctx, grads, || h_of(0, m));
+        };
+        let chunks = row_chunks(m, n);
+        let mut dh = Vec::with_capacity(chunks.len());
+        for (r, len) in chunks {
+            let dyc = dy.narrow(0, r, len)?; // [n, C]
+            dh.push(self.mlp_bwd_rows(acts.rows(r, len)?, &dyc, ctx, grads, || h_of(r, len))?);
+        }
+        Tensor::cat(&dh, 0)
+    }
+
+    /// `mlp_bwd` over its rows at once. `h_of` gives (h, hn), called after down's backward,
+    /// when gate and up are freed.
+    fn mlp_bwd_rows(
         &self,
         mut acts: MlpActs,
         dy: &Tensor,
@@ -259,10 +317,9 @@ impl Layer {
         n: usize,
         grads: &mut LayerGrads,
     ) -> Result<Tensor> {
-        let m = h.dim(0)?;
-        let mut dh = Vec::with_capacity(m.div_ceil(n.max(1)));
-        for r in (0..m).step_by(n.max(1)) {
-            let len = n.min(m - r);
+        let chunks = row_chunks(h.dim(0)?, n);
+        let mut dh = Vec::with_capacity(chunks.len());
+        for (r, len) in chunks {
             let (hc, dyc) = (h.narrow(0, r, len)?, dy.narrow(0, r, len)?); // [n, C]
             let Some(acts) = self.mlp_fwd(MlpIn::H(&hc), ctx, false, true)?.2 else {
                 candle_core::bail!("mlp_bwd_chunked: no activations");
@@ -273,8 +330,23 @@ impl Layer {
                     ops::rms_norm(&hc, &self.post_norm, self.spec.norm)?,
                 ))
             };
-            dh.push(self.mlp_bwd(acts, &dyc, ctx, grads, hn)?);
+            dh.push(self.mlp_bwd_rows(acts, &dyc, ctx, grads, hn)?);
         }
         Tensor::cat(&dh, 0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::row_chunks;
+
+    #[test]
+    fn chunks_cover_the_rows_and_none_is_under_eight() {
+        assert_eq!(row_chunks(0, 16), vec![]);
+        assert_eq!(row_chunks(5, 16), vec![(0, 5)]);
+        assert_eq!(row_chunks(32, 16), vec![(0, 16), (16, 16)]);
+        assert_eq!(row_chunks(40, 16), vec![(0, 16), (16, 16), (32, 8)]);
+        assert_eq!(row_chunks(39, 16), vec![(0, 16), (16, 23)]);
+        assert_eq!(row_chunks(20, 2), vec![(0, 8), (8, 12)]);
     }
 }

@@ -74,10 +74,16 @@ impl LayerActs {
     /// The residual h [m, C] out of the activations (backward then recomputes it, or it is
     /// put back with `put_h`). A layer whose MLP backward runs in chunks keeps its h.
     pub fn take_h(&mut self) -> Option<Tensor> {
-        match self.mlp {
-            Some(_) => self.h.take(),
-            None => None,
+        match self.parks_h() {
+            true => self.h.take(),
+            false => None,
         }
+    }
+
+    /// Whether `take_h` gives the residual up: not a layer whose MLP backward runs in chunks
+    /// or a MoE layer's, which read it (model/layer_mlp.rs, model/layer_moe.rs).
+    pub fn parks_h(&self) -> bool {
+        self.mlp.is_some()
     }
 
     /// Puts back what `take_h` took (the same values).
@@ -314,20 +320,25 @@ impl Layer {
 
         // ---- MLP: y = h + N_mo(down(act(gate(hn), up(hn)))), hn = rms_norm(h)
         let dh = match mlp {
-            // [m, C] each: the residual as forward made it, kept or recomputed from o's kept
-            // adapter state (or, with Gemma's norm on o's output, that output), and its norm
-            // (add_rms_norm's values are those of add, then rms_norm)
-            Some(mlp) => self.mlp_bwd(mlp, &dy, ctx, &mut grads, || match residual {
+            // rows r..r+n [n, C] of the residual as forward made it, kept or recomputed from
+            // o's kept adapter state (or, with Gemma's norm on o's output, that output), and
+            // of its norm (add_rms_norm's values are those of add, then rms_norm)
+            Some(mlp) => self.mlp_bwd(mlp, &dy, ctx, &mut grads, |r, n| match &residual {
                 Some(h) => {
+                    let h = h.narrow(0, r, n)?;
                     let hn = ops::rms_norm(&h, &self.post_norm, s.norm)?;
                     Ok((h, hn))
                 }
                 None => {
+                    let rows = |t: &Tensor| t.narrow(0, r, n);
                     let a = match (&self.extra.attn_out_norm, &ao) {
-                        (Some(w), Some(ao)) => ops::rms_norm(ao, w, s.norm)?,
-                        _ => self.o.fwd_again(&attn, xo.as_ref(), ctx)?,
+                        (Some(w), Some(ao)) => ops::rms_norm(&rows(ao)?, w, s.norm)?,
+                        _ => {
+                            let xo = xo.as_ref().map(rows).transpose()?;
+                            self.o.fwd_again(&rows(&attn)?, xo.as_ref(), ctx)?
+                        }
                     };
-                    ops::add_rms_norm(&x, &a, &self.post_norm, s.norm)
+                    ops::add_rms_norm(&rows(&x)?, &a, &self.post_norm, s.norm)
                 }
             })?,
             None if self.moe.is_some() => {

@@ -121,8 +121,8 @@ pub struct Model {
     pub device: Device,
     /// Every kernel choice of the run (`Kernels::resolve`); each batch's `Ctx` carries a copy.
     pub kernels: Kernels,
-    /// Tokens per MLP chunk in checkpointed layers (`train.mlp_chunk`; model/layer_mlp.rs);
-    /// None: never chunked.
+    /// Tokens per MLP chunk (`train.mlp_chunk`; model/layer_mlp.rs): the forward of
+    /// checkpointed layers, the backward of every layer; None: never chunked.
     pub mlp_chunk: Option<usize>,
     /// `train.router_aux_loss_coef`: the weight of a MoE's load-balancing loss (0: off).
     pub router_aux_coef: f64,

@@ -88,8 +88,11 @@ pub fn matmul_scaled(
     }
     let _ = gemm;
     let x = x.contiguous()?;
+    // Wᵀ made contiguous: with a transposed view on its right and few columns (an adapter's
+    // rank) the CPU GEMM's rows depend on how many rows it has, so a chunk of tokens would
+    // not give the whole run's rows (model/layer_mlp.rs). W is an adapter's A: small.
     let y = match trans_w {
-        true => x.matmul(&w.t()?)?,
+        true => x.matmul(&w.t()?.contiguous()?)?,
         false => x.matmul(w)?,
     };
     match alpha == 1.0 {

@@ -447,12 +447,14 @@ fn backward<'m>(
         let acts = match back.saved.pop() {
             Some(Saved::Acts(mut acts)) => {
                 if let Some(off) = &mut back.offload {
-                    if l + 1 < n_layers {
+                    if l + 1 < n_layers && acts.parks_h() {
                         acts.put_h(off.take(l)?);
                     }
                     // the layer below's h comes back while this layer runs backward
-                    if l > 0 {
-                        off.fetch(l - 1)?;
+                    if let Some(Saved::Acts(below)) = back.saved.last() {
+                        if below.parks_h() {
+                            off.fetch(l - 1)?;
+                        }
                     }
                 }
                 acts

@@ -12,7 +12,8 @@ use lora_train::train::optim::Grads;
 use crate::common::golden_session as session;
 
 /// Rows 0, 2 and 4 (of unequal lengths: padding) through every way the driver keeps
-/// activations: the loss and every gradient (experts' and router aux's included) agree.
+/// activations (with the residuals parked, a MoE layer keeps its own on the device): the loss
+/// and every gradient (experts' and router aux's included) agree.
 #[test]
 fn checkpointed_and_parked_moe_layers_give_the_kept_gradients() {
     for (case, sets) in [
@@ -31,7 +32,7 @@ fn checkpointed_and_parked_moe_layers_give_the_kept_gradients() {
             (ce, g)
         };
         let (ce, want) = run(Keep::Acts);
-        for keep in [Keep::Input, Keep::InputParked] {
+        for keep in [Keep::Input, Keep::InputParked, Keep::Offload] {
             let (ce_k, got) = run(keep);
             assert!(
                 (ce_k - ce).abs() <= 1e-6 * ce.abs(),

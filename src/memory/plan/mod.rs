@@ -415,12 +415,13 @@ pub fn breakdown(p: &PlanInput, strategy: Strategy, ckpt: bool, micro_batch: usi
         (0, 0)
     };
     let i = cfg.intermediate_size as u64;
-    // A checkpointed layer's MLP over chunks of `chunk` tokens (model/layer_mlp.rs): its
-    // gate and up exist for one chunk.
-    let chunk = match (ckpt, p.mlp_chunk) {
-        (true, Some(k)) if n > k as u64 && cfg.arch.moe.is_none() => k as u64,
+    // The MLP's backward over chunks of `bwd_chunk` tokens (model/layer_mlp.rs), and a
+    // checkpointed layer's forward and recompute too: its gate and up exist for one chunk.
+    let bwd_chunk = match p.mlp_chunk {
+        Some(k) if n > k as u64 && cfg.arch.moe.is_none() => k as u64,
         _ => n,
     };
+    let chunk = if ckpt { bwd_chunk } else { n };
     let layer_act = kept_per_token_layer(cfg, s, p.rank, &p.targets) * n - 2 * i * s * (n - chunk);
     let boundary = n * c * s; // one [B, T, C] tensor
                               // Checkpointed with offload: the inputs parked in host memory but the last layer's; on
@@ -451,8 +452,8 @@ pub fn breakdown(p: &PlanInput, strategy: Strategy, ckpt: bool, micro_batch: usi
     // Chunked, the MLP's [chunk, I] gradients, and the attention's backward over all tokens:
     // dL/dy, dL/dh, dL/d(attn), dq ([N, C] each), dk and dv ([N, K·D]).
     let kd = (cfg.num_kv_heads * cfg.head_dim) as u64;
-    let bwd_ws = match chunk < n {
-        true => n * s * (4 * c + 2 * kd) + chunk * s * 3 * i,
+    let bwd_ws = match bwd_chunk < n {
+        true => n * s * (4 * c + 2 * kd) + bwd_chunk * s * 3 * i,
         false => n * s * (2 * c + 3 * i),
     };
     let bwd_ws = (BWD_WS * bwd_ws.max(moe_bwd) as f64) as u64;
