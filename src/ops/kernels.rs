@@ -8,8 +8,7 @@
 //! device, for `lora-train plan` in any build.
 //!
 //! A fallback exists only where the hardware, the dtype or the model needs it: the blockwise
-//! attention (CPU, f32 and f16, head dims other than 64 and 128, soft-capped scores: the
-//! mma.sync kernels for 96, 256 and the cap are the `flash_wide` experiment), the unfolded
+//! attention (CPU, f32 and f16, head dims other than 64, 96, 128 and 256), the unfolded
 //! adapters (CPU, f32 and f16; per linear also biases), dropout's masked copies (CPU, f32 and f16), the
 //! cross-entropy as tensor ops (CPU, f16), and cuBLAS's own GEMM choice (CPU).
 //!
@@ -23,15 +22,13 @@
 //!   CUDA_MODULE_LOADING=EAGER, which `parallel::prepare_process` sets before CUDA starts.
 //! - `decode_graph`: `generate` replays a base model's one-token step as a CUDA graph
 //!   (`generate::graph`).
-//! - `flash_wide`: the mma.sync flash kernels (flash.cu) also at head dims 96 (Phi-3) and 256
-//!   (Gemma 2 / 3) and with Gemma 2's soft-capped scores, instead of the blockwise attention.
 
 use candle_core::{DType, Device};
 
 /// The variable that names the experiments to turn on.
 pub const EXPERIMENTS_VAR: &str = "LORA_TRAIN_EXPERIMENTS";
 /// The experiments `LORA_TRAIN_EXPERIMENTS` may name.
-pub const EXPERIMENTS: [&str; 4] = ["reduce_ahead", "peer_copy", "decode_graph", "flash_wide"];
+pub const EXPERIMENTS: [&str; 3] = ["reduce_ahead", "peer_copy", "decode_graph"];
 
 /// What the attention kernels' choice depends on in the model (`ModelConfig::attn_shape`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -80,23 +77,12 @@ impl Attention {
 
     /// The choice for attention shape `a` over `dtype` activations on CUDA (`cuda`) or not, on
     /// a Hopper GPU (`hopper`) or not.
-    /// Head dims 96 and 256 and soft-capped scores take mma.sync only with the `flash_wide`
-    /// experiment (`wide`): those kernels pass their GPU tests but are not yet measured.
-    fn choose(
-        cuda: bool,
-        hopper: bool,
-        dtype: DType,
-        a: AttnShape,
-        deterministic: bool,
-        wide: bool,
-    ) -> Self {
+    fn choose(cuda: bool, hopper: bool, dtype: DType, a: AttnShape, deterministic: bool) -> Self {
         let wgmma = hopper && !a.softcap;
-        let narrow = matches!(a.head_dim, 64 | 128) && !a.softcap;
         match (cuda && dtype == DType::BF16, a.head_dim) {
             (true, 128) if wgmma && deterministic => Attention::WgmmaSplitDq,
             (true, 128) if wgmma => Attention::Wgmma,
-            (true, 64 | 128) if narrow => Attention::MmaSync,
-            (true, 64 | 96 | 128 | 256) if wide => Attention::MmaSync,
+            (true, 64 | 96 | 128 | 256) => Attention::MmaSync,
             _ => Attention::Blockwise,
         }
     }
@@ -128,8 +114,6 @@ pub struct Experiments {
     pub peer_copy: bool,
     /// `generate` replays a base model's one-token step as a CUDA graph.
     pub decode_graph: bool,
-    /// The mma.sync flash kernels at head dims 96 and 256 and with Gemma 2's soft-cap.
-    pub flash_wide: bool,
 }
 
 /// `LORA_TRAIN_EXPERIMENTS` named something that is not an experiment.
@@ -159,7 +143,6 @@ impl Experiments {
                 "reduce_ahead" => e.reduce_ahead = true,
                 "peer_copy" => e.peer_copy = true,
                 "decode_graph" => e.decode_graph = true,
-                "flash_wide" => e.flash_wide = true,
                 other => {
                     return Err(UnknownExperiment {
                         name: other.to_string(),
@@ -260,14 +243,7 @@ impl Kernels {
         experiments: Experiments,
     ) -> Kernels {
         Kernels {
-            attention: Attention::choose(
-                cuda,
-                hopper,
-                dtype,
-                attn,
-                deterministic,
-                experiments.flash_wide,
-            ),
+            attention: Attention::choose(cuda, hopper, dtype, attn, deterministic),
             fold: cuda && dtype == DType::BF16,
             dropout_fused: cuda && dtype == DType::BF16,
             cross_entropy: match cuda && matches!(dtype, DType::F32 | DType::BF16) {
@@ -313,7 +289,7 @@ mod tests {
         assert_eq!(
             e.to_string(),
             "LORA_TRAIN_EXPERIMENTS: unknown experiment `fast` (known: reduce_ahead, \
-             peer_copy, decode_graph, flash_wide); unset the variable or name only those"
+             peer_copy, decode_graph); unset the variable or name only those"
         );
     }
 
@@ -336,12 +312,8 @@ mod tests {
         assert_eq!(split.attention, Attention::WgmmaSplitDq);
         let ampere = Kernels::choose(true, false, bf16, d128, true, Experiments::default());
         assert_eq!(ampere.attention, Attention::MmaSync);
-        // Soft-capped scores (Gemma 2), head dims 96 (Phi-3) and 256 (Gemma): mma.sync with
-        // the flash_wide experiment, on any GPU; the blockwise attention without it.
-        let wide = Experiments {
-            flash_wide: true,
-            ..Experiments::default()
-        };
+        // Soft-capped scores (Gemma 2), head dims 96 (Phi-3) and 256 (Gemma): mma.sync on
+        // any GPU, Hopper's wgmma kernels having neither.
         let shapes = [64, 96, 128, 256]
             .map(|head_dim| AttnShape {
                 head_dim,
@@ -351,23 +323,16 @@ mod tests {
             .chain([AttnShape::from(96), AttnShape::from(256)]);
         for a in shapes {
             for (hopper, det) in [(true, false), (true, true), (false, false)] {
-                let k = Kernels::choose(true, hopper, bf16, a, det, wide);
-                assert_eq!(k.attention, Attention::MmaSync, "{a:?} wide");
-                assert!(k.fold && k.cross_entropy == CrossEntropy::Fused);
                 let k = Kernels::choose(true, hopper, bf16, a, det, Experiments::default());
-                assert_eq!(k.attention, Attention::Blockwise, "{a:?}");
+                assert_eq!(k.attention, Attention::MmaSync, "{a:?}");
+                assert!(k.fold && k.cross_entropy == CrossEntropy::Fused);
             }
         }
-        // The experiment leaves the narrow head dims as they are.
-        let k = Kernels::choose(true, true, bf16, d128, false, wide);
-        assert_eq!(k.attention, Attention::Wgmma);
         // The family shapes of `bench` (Phi-3, Gemma 2 with its cap, Gemma 3).
         for shape in ["phi3-mini", "gemma2-9b", "gemma3-12b"] {
             let cfg = crate::bench::shape(shape).unwrap();
-            let k = Kernels::choose(true, true, bf16, cfg.attn_shape(), false, wide);
+            let k = Kernels::forecast(true, bf16, cfg.attn_shape());
             assert_eq!(k.attention, Attention::MmaSync, "{shape}");
-            let plain = Kernels::forecast(true, bf16, cfg.attn_shape());
-            assert_eq!(plain.attention, Attention::Blockwise, "{shape}");
         }
         for head_dim in [32, 80, 160] {
             let k = Kernels::forecast(true, bf16, head_dim);

@@ -541,16 +541,6 @@ fn flash_attention_matches_blockwise_on_the_gpu() {
             softcap: softcap > 0.0,
         };
         let kernels = Kernels::resolve(&dev, DType::BF16, shape, false).unwrap();
-        // Head dims 96 and 256 and the soft-cap take the kernels under the flash_wide
-        // experiment; they are tested here as that experiment runs them.
-        let wide = d == 96 || d == 256 || shape.softcap;
-        let kernels = match (wide, kernels.attention) {
-            (true, Attention::Blockwise) => Kernels {
-                attention: Attention::MmaSync,
-                ..kernels
-            },
-            _ => kernels,
-        };
         assert!(
             kernels.attention.tensor_cores(),
             "{tag}: bf16 on CUDA must take the kernels"

@@ -35,7 +35,7 @@
 //! - forward workspace of one layer, the larger of: its MLP's end, N·s·(3C + I) (the
 //!   residual h, down_proj's input, its output and the layer output alive together), and the
 //!   blockwise attention's 3 score blocks of min(128 MiB, B·H·T²·2) (scores, P, P·V) — none on
-//!   the tensor-core kernels (CUDA, bf16, D 64 or 128; 96 and 256 with flash_wide), whose O and L
+//!   the tensor-core kernels (CUDA, bf16, D 64, 96, 128 or 256), whose O and L
 //!   are kept activations.
 //! - backward workspace of one layer: BWD_WS × N·s·(2C + 3I): dL/dy and dL/dh, and the MLP's
 //!   dL/da, dL/dgate and dL/dup alive together, plus the gradients P × 4.
