@@ -1,16 +1,14 @@
-//! decode.cu's kernels for one-token steps on CUDA: RoPE of q and k with the cache write (one
-//! launch instead of two RoPEs, a copy and two slice writes), attention over the cache split
-//! along the keys (two launches instead of two GEMMs, a scale, casts and a softmax), and the
-//! bf16 products of one token with a weight (a GEMV, with the adapter's term and the bias
-//! added in it). Compiled once per process with NVRTC, as `ops`' kernels are.
+//! decode.cu's kernels for one-token steps on CUDA: attention over the cache split along the
+//! keys with RoPE of q and k, the cache write and the merge of the splits in it (one launch
+//! instead of two RoPEs, a copy, two slice writes, two GEMMs, a scale, casts and a softmax),
+//! and the bf16 products of one token with a weight (a GEMV, with the adapter's term and the
+//! bias added in it). Compiled once per process with NVRTC, as `ops`' kernels are.
 //!
 //! Elsewhere (other dtypes, head dims) candle's ops run every step.
 
 use super::weights::{Matvec, Weights};
 use anyhow::{bail, Result};
-use candle_core::cuda::cudarc::driver::{
-    CudaFunction, CudaModule, DevicePtr, LaunchConfig, PushKernelArg,
-};
+use candle_core::cuda::cudarc::driver::{sys, CudaFunction, CudaModule, DevicePtr, LaunchConfig};
 use candle_core::cuda::cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 use candle_core::cuda::WrapErr;
 use candle_core::{CudaDevice, CudaStorage, DType, Device, Storage, Tensor};
@@ -19,21 +17,24 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 /// Threads a block of the attention kernel (4 warps: decode.cu's `sm` holds 4).
 const THREADS: u32 = 128;
-/// Keys a split takes at least.
-const MIN_CHUNK: usize = 64;
+/// Keys a split takes at least: one group of decode.cu's KEYS per warp.
+const MIN_CHUNK: usize = 16;
 
-static PTX: OnceLock<std::result::Result<Ptx, String>> = OnceLock::new();
+/// decode.cu for sm_80 on, and for sm_90 on with programmatic dependent launch.
+static PTX: [OnceLock<std::result::Result<Ptx, String>>; 2] = [OnceLock::new(), OnceLock::new()];
 static MODULES: OnceLock<Mutex<HashMap<usize, Arc<CudaModule>>>> = OnceLock::new();
 
-fn module(dev: &CudaDevice) -> Result<Arc<CudaModule>> {
-    let ptx = PTX
+/// The program for `dev`'s context, compiled once per process for its kind (`pdl`: sm_90+).
+fn module(dev: &CudaDevice, pdl: bool) -> Result<Arc<CudaModule>> {
+    let ptx = PTX[pdl as usize]
         .get_or_init(|| {
             let opts = CompileOptions {
-                arch: Some("sm_80"),
+                arch: Some(if pdl { "sm_90" } else { "sm_80" }),
                 ..Default::default()
             };
             // the shared helpers first, as ops::cuda joins its sources
-            let src = concat!(include_str!("../ops/common.cuh"), include_str!("decode.cu"));
+            let body = concat!(include_str!("../ops/common.cuh"), include_str!("decode.cu"));
+            let src = format!("{}{body}", if pdl { "#define PDL 1\n" } else { "" });
             compile_ptx_with_opts(src, opts).map_err(|e| format!("{e:?}"))
         })
         .as_ref()
@@ -52,6 +53,11 @@ fn module(dev: &CudaDevice) -> Result<Arc<CudaModule>> {
     Ok(m)
 }
 
+/// The addresses of a kernel's argument values, in order, for `Kernels::launch`.
+macro_rules! kernel_args {
+    ($($a:expr),* $(,)?) => { [$(($a) as *const _ as *mut std::ffi::c_void),*] };
+}
+
 /// The kernels for one model's shape and dtype.
 pub struct Kernels {
     dev: CudaDevice,
@@ -59,11 +65,16 @@ pub struct Kernels {
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
-    /// Blocks the attention aims for (two per multiprocessor).
+    /// Blocks the attention aims for (eight per multiprocessor: a warp's few keys are a few
+    /// round trips to memory, and the blocks are small).
     blocks: usize,
-    rope_kv: CudaFunction,
-    part: CudaFunction,
-    merge: CudaFunction,
+    /// Warps the device keeps resident at once (multiprocessors × warps a multiprocessor).
+    warp_slots: usize,
+    /// Launches may start before the kernel ahead ends (sm_90 on: decode.cu's DEP_WAIT).
+    pdl: bool,
+    step: CudaFunction,
+    /// u32 [H], zero between launches: the attention's finished splits per head.
+    done: Tensor,
     /// bf16 models: the product, and with SwiGLU.
     gemv: Option<(CudaFunction, CudaFunction)>,
 }
@@ -84,24 +95,25 @@ impl Kernels {
         if c.head_dim % 2 != 0 || c.head_dim > 256 || c.num_heads % c.num_kv_heads != 0 {
             return Ok(None);
         }
-        let m = module(dev)?;
-        let f = |n: &str| m.load_function(&format!("gen_{n}_{s}")).w();
         use candle_core::cuda::cudarc::driver::sys::CUdevice_attribute;
-        let sms = dev
-            .cuda_stream()
-            .context()
-            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .w()?;
+        let attr = |a| dev.cuda_stream().context().attribute(a).w();
+        let pdl = attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)? >= 9;
+        let m = module(dev, pdl)?;
+        let f = |n: &str| m.load_function(&format!("gen_{n}_{s}")).w();
+        let sms = attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1);
+        let threads =
+            attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR)?.max(32);
         Ok(Some(Kernels {
             dev: dev.clone(),
             dtype: w.dtype,
             heads: c.num_heads,
             kv_heads: c.num_kv_heads,
             head_dim: c.head_dim,
-            blocks: 2 * sms.max(1) as usize,
-            rope_kv: f("rope_kv")?,
-            part: f("attn_part")?,
-            merge: f("attn_merge")?,
+            blocks: 8 * sms as usize,
+            warp_slots: (sms * threads / 32) as usize,
+            pdl,
+            step: f("attn_step")?,
+            done: Tensor::zeros(c.num_heads, DType::U32, &w.device)?,
             gemv: match w.dtype {
                 DType::BF16 => Some((
                     m.load_function("gen_gemv_bf16").w()?,
@@ -110,63 +122,6 @@ impl Kernels {
                 _ => None,
             },
         }))
-    }
-
-    /// One token's q [1, H·D], k, v [1, K·D] at the position `pos` holds (u32 [1] on the
-    /// device) → q rotated [H, D]; k rotated and v written into the caches kc, vc [1, K, cap,
-    /// D] there. cos, sin: the cache's tables [1, cap, D/2] f32.
-    #[allow(clippy::too_many_arguments)]
-    pub fn rope_kv(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        pos: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        kc: &Tensor,
-        vc: &Tensor,
-    ) -> Result<Tensor> {
-        let (h, kvh, d) = (self.heads, self.kv_heads, self.head_dim);
-        let cap = kc.dim(2)?;
-        if q.elem_count() != h * d || k.elem_count() != kvh * d || v.elem_count() != kvh * d {
-            bail!(
-                "rope_kv: q {:?} k {:?} v {:?} are not one token's",
-                q.dims(),
-                k.dims(),
-                v.dims()
-            );
-        }
-        if kc.dims() != [1, kvh, cap, d] || vc.dims() != kc.dims() {
-            bail!("rope_kv: cache {:?} is not [1, {kvh}, cap, {d}]", kc.dims());
-        }
-        if cos.dims() != [1, cap, d / 2] || sin.dims() != cos.dims() || pos.dtype() != DType::U32 {
-            bail!("rope_kv: tables {:?} for a cache of {cap}", cos.dims());
-        }
-        let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
-        let qo = self.fresh(self.dtype, h * d)?;
-        let ptrs = [&q, &k, &v, cos, sin, &qo, kc, vc, pos]
-            .iter()
-            .map(|t| addr(t))
-            .collect::<Result<Vec<u64>>>()?;
-        let ints = [h, kvh, d / 2].map(|x| x as i32);
-        let cap = cap as i64;
-        let stream = self.dev.cuda_stream();
-        let mut b = stream.launch_builder(&self.rope_kv);
-        for p in &ptrs[..8] {
-            b.arg(p);
-        }
-        b.arg(&ints[0])
-            .arg(&ints[1])
-            .arg(&ints[2])
-            .arg(&cap)
-            .arg(&ptrs[8]);
-        let pairs = ((h + kvh) * d / 2) as u32;
-        // SAFETY: q, k, v hold one token's H·D and K·D values, the tables cap × D/2 f32, qo H·D
-        // fresh, the caches K rows of cap × D, pos one u32 (the kernel writes nothing at a
-        // position ≥ cap); all contiguous on this device and stream.
-        unsafe { b.launch(LaunchConfig::for_num_elems(pairs)) }.w()?;
-        Ok(qo.reshape((h, d))?)
     }
 
     /// The split of a cache of `cap` keys for the attention kernel: (chunk, splits), so that
@@ -178,62 +133,72 @@ impl Kernels {
         (chunk, cap.div_ceil(chunk))
     }
 
-    /// Attention of one token's q [H, D] (rotated) at the position `pos` holds against the
-    /// cache's keys up to it (the last `window` of them; 0: all), [1, K, cap, D] each → [1, H·D].
+    /// Attention of one token's q [1, H·D], k, v [1, K·D] (before RoPE) at the position `pos`
+    /// holds (u32 [1] on the device) against the cache's keys up to it (the last `window` of
+    /// them; 0: all) → [1, H·D]; k rotated and v are written into the caches kc, vc [1, K, cap,
+    /// D] there. cos, sin: the cache's tables [1, cap, D/2] f32.
+    #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &self,
         q: &Tensor,
-        kc: &Tensor,
-        vc: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
         pos: &Tensor,
+        (cos, sin): (&Tensor, &Tensor),
+        (kc, vc): (&Tensor, &Tensor),
         window: usize,
         scale: f32,
     ) -> Result<Tensor> {
         let (h, kvh, d) = (self.heads, self.kv_heads, self.head_dim);
         let cap = kc.dim(2)?;
-        if q.elem_count() != h * d || pos.dtype() != DType::U32 {
-            bail!("attention: q {:?} is not one token's", q.dims());
+        if q.elem_count() != h * d || k.elem_count() != kvh * d || v.elem_count() != kvh * d {
+            bail!(
+                "attention: q {:?} k {:?} v {:?} are not one token's",
+                q.dims(),
+                k.dims(),
+                v.dims()
+            );
         }
+        if kc.dims() != [1, kvh, cap, d] || vc.dims() != kc.dims() || pos.dtype() != DType::U32 {
+            bail!(
+                "attention: cache {:?} is not [1, {kvh}, cap, {d}]",
+                kc.dims()
+            );
+        }
+        if cos.dims() != [1, cap, d / 2] || sin.dims() != cos.dims() {
+            bail!("attention: tables {:?} for a cache of {cap}", cos.dims());
+        }
+        let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
         let (chunk, splits) = self.splits(cap);
         let part = self.fresh(DType::F32, h * splits * (d + 2))?;
         let o = self.fresh(self.dtype, h * d)?;
-        let q = q.contiguous()?;
-        let [qp, kp, vp, pp, op, posp] = [&q, kc, vc, &part, &o, pos].map(addr);
-        let (qp, kp, vp, pp, op, posp) = (qp?, kp?, vp?, pp?, op?, posp?);
+        let ptrs = [&q, &k, &v, cos, sin, kc, vc, &part, &self.done, &o, pos]
+            .iter()
+            .map(|t| addr(t))
+            .collect::<Result<Vec<u64>>>()?;
         let ints = [h, kvh, d].map(|x| x as i32);
         let (cap_i, window_i, chunk_i) = (
             cap as i64,
             window.min(i32::MAX as usize) as i32,
             chunk as i32,
         );
-        let stream = self.dev.cuda_stream();
-        let mut b = stream.launch_builder(&self.part);
-        b.arg(&qp).arg(&kp).arg(&vp).arg(&pp);
-        b.arg(&ints[0]).arg(&ints[1]).arg(&ints[2]);
-        b.arg(&cap_i)
-            .arg(&posp)
-            .arg(&window_i)
-            .arg(&chunk_i)
-            .arg(&scale);
+        let p = &ptrs;
+        let mut args = kernel_args![
+            &p[0], &p[1], &p[2], &p[3], &p[4], &p[5], &p[6], &p[7], &p[8], &p[9], &ints[0],
+            &ints[1], &ints[2], &cap_i, &p[10], &window_i, &chunk_i, &scale,
+        ];
         let cfg = LaunchConfig {
             grid_dim: (h as u32, splits as u32, 1),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: q is H·D values, the caches K × cap × D (keys read below min(pos + 1, cap)),
-        // pos one u32, part fresh with H × splits × (D + 2) f32 (every entry written: each
-        // block writes its own D + 2); same device and stream.
-        unsafe { b.launch(cfg) }.w()?;
-        let splits_i = splits as i32;
-        let mut b = stream.launch_builder(&self.merge);
-        b.arg(&pp).arg(&op).arg(&ints[2]).arg(&splits_i);
-        let cfg = LaunchConfig {
-            grid_dim: (h as u32, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: part as written above; o is fresh with H·D entries, each written once.
-        unsafe { b.launch(cfg) }.w()?;
+        // SAFETY: the arguments are decode.cu's gen_attn_step's, in order. q, k, v hold one
+        // token's H·D and K·D values, the tables cap × D/2 f32, the caches K × cap × D (keys
+        // read below min(pos + 1, cap), the row at pos written once), pos one u32, part fresh
+        // with H × splits × (D + 2) f32 (each block writes its own D + 2 before the last reads
+        // them), done H u32 left zero, o fresh with H·D (each written once, by the last block
+        // of its head); same device and stream.
+        unsafe { self.launch(&self.step, cfg, &mut args) }?;
         drop(part);
         Ok(o.reshape((1, h * d))?)
     }
@@ -258,6 +223,53 @@ impl Kernels {
             candle_core::op::BackpropOp::none(),
             false,
         ))
+    }
+}
+
+impl Kernels {
+    /// Launches `f` on the device's stream; on sm_90 and later it may start before the kernel
+    /// ahead of it ends (programmatic dependent launch: decode.cu's kernels read what that
+    /// kernel writes only after DEP_WAIT).
+    ///
+    /// # Safety
+    /// `args` hold the addresses of values of `f`'s parameter types, in order, live for the
+    /// call; what the kernel reads and writes lies within live buffers of this device.
+    unsafe fn launch(
+        &self,
+        f: &CudaFunction,
+        cfg: LaunchConfig,
+        args: &mut [*mut std::ffi::c_void],
+    ) -> Result<()> {
+        let stream = self.dev.cuda_stream();
+        stream.context().bind_to_thread().w()?;
+        // SAFETY: a plain C struct of which all zeros is a valid value (no attribute, 0).
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let lc = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: self.pdl as u32,
+        };
+        // SAFETY: the caller's; lc and attr outlive the call, f is loaded in this context.
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &lc,
+                f.cu_function(),
+                args.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .w()?;
+        Ok(())
     }
 }
 
@@ -296,12 +308,22 @@ impl Kernels {
         Ok(Some((xp, wp, ld as i64, ap)))
     }
 
-    fn gemv_cfg(rows: usize) -> LaunchConfig {
+    fn gemv_cfg(rows: usize, parts: u32) -> LaunchConfig {
         LaunchConfig {
-            grid_dim: ((rows as u32).div_ceil(GEMV_ROWS), 1, 1),
+            grid_dim: ((rows as u32).div_ceil(GEMV_ROWS / parts), 1, 1),
             block_dim: (32 * GEMV_ROWS, 1, 1),
             shared_mem_bytes: 0,
         }
+    }
+
+    /// Warps per row of gen_gemv_bf16 for a weight of `rows` rows: as many as keep every
+    /// row's warps within the device's resident warps (1 to 8, a power of two).
+    fn gemv_parts(&self, rows: usize) -> u32 {
+        let mut p = 1;
+        while p < GEMV_ROWS && rows * 2 * p as usize <= self.warp_slots {
+            p *= 2;
+        }
+        p
     }
 }
 
@@ -339,20 +361,14 @@ impl Matvec for Kernels {
         let k = w.dim(1)? as i32;
         let y = self.fresh(DType::BF16, n)?;
         let (yp, ni) = (addr(&y)?, n as i32);
-        let stream = self.dev.cuda_stream();
-        let mut l = stream.launch_builder(func);
-        l.arg(&xp)
-            .arg(&wp)
-            .arg(&ld)
-            .arg(&ap)
-            .arg(&bp)
-            .arg(&yp)
-            .arg(&ni)
-            .arg(&k);
-        // SAFETY: x holds k bf16 values, W n rows of k at `ld` (rows and both starts 16-byte
-        // aligned, k a multiple of 8: the kernel's 16-byte loads stay inside), acc and the bias
-        // n each or null, y fresh with n (each written once); one device and stream.
-        unsafe { l.launch(Self::gemv_cfg(n)) }.w()?;
+        let parts = self.gemv_parts(n);
+        let parts_i = parts as i32;
+        let mut args = kernel_args![&xp, &wp, &ld, &ap, &bp, &yp, &ni, &k, &parts_i];
+        // SAFETY: the arguments are gen_gemv_bf16's, in order. x holds k bf16 values, W n rows
+        // of k at `ld` (rows and both starts 16-byte aligned, k a multiple of 8: the kernel's
+        // 16-byte loads stay inside), acc and the bias n each or null, y fresh with n (each
+        // written once); one device and stream.
+        unsafe { self.launch(func, Self::gemv_cfg(n, parts), &mut args) }?;
         Ok(Some(y.reshape((1, n))?))
     }
 
@@ -375,17 +391,10 @@ impl Matvec for Kernels {
         let (i, k) = (n2 / 2, w.dim(1)? as i32);
         let y = self.fresh(DType::BF16, i)?;
         let (yp, ii) = (addr(&y)?, i as i32);
-        let stream = self.dev.cuda_stream();
-        let mut l = stream.launch_builder(func);
-        l.arg(&xp)
-            .arg(&wp)
-            .arg(&ld)
-            .arg(&ap)
-            .arg(&yp)
-            .arg(&ii)
-            .arg(&k);
-        // SAFETY: as `matvec`, with W 2I rows and acc 2I values or null; y fresh with I.
-        unsafe { l.launch(Self::gemv_cfg(i)) }.w()?;
+        let mut args = kernel_args![&xp, &wp, &ld, &ap, &yp, &ii, &k];
+        // SAFETY: as `matvec`, gen_gemv_swiglu_bf16's arguments, with W 2I rows and acc 2I
+        // values or null; y fresh with I.
+        unsafe { self.launch(func, Self::gemv_cfg(i, 1), &mut args) }?;
         Ok(Some(y.reshape((1, i))?))
     }
 }

@@ -10,8 +10,8 @@
 //! cache[.., start..p0 + T] (QK-norm first, for Qwen3) → o → add + RMSNorm → gate, up → SwiGLU → down; the residual add of
 //! down's output is the next layer's fused add. Attention is transformers' eager attention:
 //! scores in the activation dtype, scaled, masked (causal and window), softmax in f32, then the
-//! values. For one token on CUDA (bf16 or f32) the RoPE + cache write and the attention are two
-//! kernels of ours (`cuda`): per token only the sampled id comes back to the host.
+//! values. For one token on CUDA (bf16 or f32) the RoPE, the cache write and the attention are one
+//! kernel of ours (`cuda`): per token only the sampled id comes back to the host.
 
 use super::cache::KvCache;
 use super::weights::{self, Matvec, Weights};
@@ -280,9 +280,9 @@ impl Decoder {
         #[cfg(feature = "cuda")]
         if let (Some(kn), Some(step), 1) = (&self.kernels, &self.step, t) {
             // the position from the step's device input (a graph replays at every position)
-            let (cos, sin) = (&self.cache.cos, &self.cache.sin);
-            let qr = kn.rope_kv(q, k, v, &step.pos, cos, sin, kc, vc)?; // [H, D]
-            return kn.attention(&qr, kc, vc, &step.pos, window, scale as f32);
+            let tables = (&self.cache.cos, &self.cache.sin);
+            let pos = &step.pos;
+            return kn.attention(q, k, v, pos, tables, (kc, vc), window, scale as f32);
         }
         let cos = self.cache.cos.narrow(1, p0, t)?;
         let sin = self.cache.sin.narrow(1, p0, t)?;
