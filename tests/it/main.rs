@@ -26,6 +26,7 @@ mod parallel;
 mod plan;
 mod qlora;
 mod qmerge;
+mod quick_start;
 mod recipes;
 mod report;
 mod resume;
