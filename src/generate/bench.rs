@@ -7,6 +7,8 @@
 //! reading back its token. One short warm-up run first, then `reps` timed runs; decode time
 //! per token is their mean. A decode step reads every weight once, so its floor is weight
 //! bytes / memory bandwidth: `bandwidth_fraction` is that floor over the measured time.
+//! `host_ms_per_token` is the time a step's launches take to issue: near `ms_per_token`, the
+//! host, not the device, sets the pace.
 
 use super::{Decoder, Weights};
 use crate::lora::LoraSpec;
@@ -56,23 +58,29 @@ pub fn run(a: &DecodeBench) -> Result<serde_json::Value> {
     let mut dec = Decoder::new(w, total)?;
     let mut rng = crate::rng::Rng::new(1);
     let prompt: Vec<u32> = (0..a.prompt_len).map(|_| rng.below(vocab) as u32).collect();
-    let once = |dec: &mut Decoder, n: usize| -> Result<(f64, f64)> {
+    // (prefill, decode, host): host is the time the steps' launches took to issue, before
+    // each token's read-back waits for the device.
+    let once = |dec: &mut Decoder, n: usize| -> Result<(f64, f64, f64)> {
         dec.cache.truncate(0);
         let t0 = Instant::now();
         let mut tok = super::decoder::argmax(&dec.extend(&prompt)?)?;
         let prefill = t0.elapsed().as_secs_f64();
-        let t1 = Instant::now();
+        let (t1, mut host) = (Instant::now(), 0.0);
         for _ in 0..n {
-            tok = super::decoder::argmax(&dec.extend(&[tok])?)?;
+            let t = Instant::now();
+            let logits = dec.extend(&[tok])?;
+            host += t.elapsed().as_secs_f64();
+            tok = super::decoder::argmax(&logits)?;
         }
-        Ok((prefill, t1.elapsed().as_secs_f64()))
+        Ok((prefill, t1.elapsed().as_secs_f64(), host))
     };
     once(&mut dec, a.new_tokens.min(8))?;
-    let (mut prefill, mut decode) = (0.0, 0.0);
+    let (mut prefill, mut decode, mut host) = (0.0, 0.0, 0.0);
     for _ in 0..a.reps {
-        let (p, d) = once(&mut dec, a.new_tokens)?;
+        let (p, d, h) = once(&mut dec, a.new_tokens)?;
         prefill += p / a.reps as f64;
         decode += d / a.reps as f64;
+        host += h / a.reps as f64;
     }
     let s_per_tok = decode / a.new_tokens as f64;
     // Keys and values a step reads, on average over the timed steps.
@@ -98,6 +106,7 @@ pub fn run(a: &DecodeBench) -> Result<serde_json::Value> {
         "prefill_ms": prefill * 1e3,
         "ms_per_token": s_per_tok * 1e3,
         "tokens_per_s": 1.0 / s_per_tok,
+        "host_ms_per_token": host / a.new_tokens as f64 * 1e3,
         "weight_bytes": weight_bytes,
         "adapter_bytes": adapter_bytes,
         "kv_bytes_per_token": kv_bytes,

@@ -657,9 +657,14 @@ fn cli_decode_bench_prints_the_fields() {
         "weight_bytes",
         "bandwidth_fraction",
         "prefill_ms",
+        "host_ms_per_token",
     ] {
         assert!(v[k].as_f64().is_some_and(|x| x > 0.0), "{k}: {v}");
     }
+    // on the CPU the steps run as they are issued: all of a step's time is the host's
+    let host = v["host_ms_per_token"].as_f64().unwrap();
+    let step = v["ms_per_token"].as_f64().unwrap();
+    assert!(host <= step && host > 0.5 * step, "{v}");
     // tiny: 4 layers of 256 hidden, 688 mlp, 32000 vocab, untied head, f32
     let layer = 4 * 256 * 256 + 3 * 256 * 688 + 2 * 256;
     assert_eq!(v["weight_bytes"], 4 * (4 * layer + 256 + 32000 * 256));
