@@ -308,32 +308,12 @@ fn serve(
     }
 }
 
-/// The binary with a clean Hub environment: no proxies, no token, HF_HOME = `hf_home`.
 fn bin(hf_home: &Path, endpoint: &str) -> Command {
-    Command::from_std(std_bin(hf_home, endpoint))
+    crate::loopback::hub_command(hf_home, endpoint)
 }
 
 fn std_bin(hf_home: &Path, endpoint: &str) -> std::process::Command {
-    let mut c = std::process::Command::new(assert_cmd::cargo::cargo_bin("lora-train"));
-    for k in [
-        "HF_TOKEN",
-        "HF_TOKEN_PATH",
-        "HUGGING_FACE_HUB_TOKEN",
-        "HF_HUB_CACHE",
-        "HUGGINGFACE_HUB_CACHE",
-        "HF_HUB_OFFLINE",
-        "XDG_CACHE_HOME",
-        "HTTP_PROXY",
-        "HTTPS_PROXY",
-        "ALL_PROXY",
-        "http_proxy",
-        "https_proxy",
-        "all_proxy",
-    ] {
-        c.env_remove(k);
-    }
-    c.env("HF_HOME", hf_home).env("HF_ENDPOINT", endpoint);
-    c
+    crate::loopback::hub_std_command(hf_home, endpoint)
 }
 
 fn out_err(o: &std::process::Output) -> (String, String) {

@@ -5,7 +5,7 @@
 
 use crate::chat::load;
 use crate::common::root;
-use crate::loopback::{etag, Repo, Server, COMMIT};
+use crate::loopback::{etag, hub_command, Repo, Server, COMMIT};
 use assert_cmd::Command;
 use lora_train::data::reader::read_all;
 use lora_train::data::{Dataset, Example};
@@ -120,27 +120,8 @@ dir = "{out}"
     p
 }
 
-/// The binary with a clean Hub environment: HF_HOME = `hf`, HF_ENDPOINT = `endpoint`.
 fn bin(hf: &Path, endpoint: &str) -> Command {
-    let mut c = Command::cargo_bin("lora-train").unwrap();
-    for k in [
-        "HF_TOKEN",
-        "HF_TOKEN_PATH",
-        "HF_HUB_CACHE",
-        "HUGGINGFACE_HUB_CACHE",
-        "HF_HUB_OFFLINE",
-        "XDG_CACHE_HOME",
-        "HTTP_PROXY",
-        "HTTPS_PROXY",
-        "ALL_PROXY",
-        "http_proxy",
-        "https_proxy",
-        "all_proxy",
-    ] {
-        c.env_remove(k);
-    }
-    c.env("HF_HOME", hf).env("HF_ENDPOINT", endpoint);
-    c
+    hub_command(hf, endpoint)
 }
 
 fn train(c: &mut Command, recipe: &Path) -> (String, String) {

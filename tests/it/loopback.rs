@@ -250,3 +250,33 @@ fn serve(
         reply("200 OK", &hs, bytes)
     }
 }
+
+/// The binary with a clean Hub environment: HF_HOME = `hf`, HF_ENDPOINT = `endpoint`, and no
+/// token, cache, offline or proxy setting of the machine's.
+pub fn hub_command(hf: &std::path::Path, endpoint: &str) -> assert_cmd::Command {
+    assert_cmd::Command::from_std(hub_std_command(hf, endpoint))
+}
+
+/// `hub_command` as a std Command (for a child the test signals).
+pub fn hub_std_command(hf: &std::path::Path, endpoint: &str) -> std::process::Command {
+    let mut c = std::process::Command::new(assert_cmd::cargo::cargo_bin("lora-train"));
+    for k in [
+        "HF_TOKEN",
+        "HF_TOKEN_PATH",
+        "HUGGING_FACE_HUB_TOKEN",
+        "HF_HUB_CACHE",
+        "HUGGINGFACE_HUB_CACHE",
+        "HF_HUB_OFFLINE",
+        "XDG_CACHE_HOME",
+        "HTTP_PROXY",
+        "HTTPS_PROXY",
+        "ALL_PROXY",
+        "http_proxy",
+        "https_proxy",
+        "all_proxy",
+    ] {
+        c.env_remove(k);
+    }
+    c.env("HF_HOME", hf).env("HF_ENDPOINT", endpoint);
+    c
+}

@@ -7,8 +7,7 @@
 //! from local files, bit for bit (CPU f32), and generate must print what the local adapter does.
 
 use crate::common::root;
-use crate::loopback::{Repo, Server};
-use assert_cmd::Command;
+use crate::loopback::{hub_command, Repo, Server};
 use std::path::Path;
 
 const MODEL: &str = "meta-llama/Llama-2-7b-hf";
@@ -99,19 +98,8 @@ const CPU: [&str; 9] = [
 ];
 
 fn run(dir: &Path, hf: &Path, endpoint: &str, args: &[String]) -> (String, String) {
-    let mut c = Command::cargo_bin("lora-train").unwrap();
-    for k in [
-        "HF_TOKEN",
-        "HF_TOKEN_PATH",
-        "HF_HUB_CACHE",
-        "HF_HUB_OFFLINE",
-    ] {
-        c.env_remove(k);
-    }
-    let o = c
+    let o = hub_command(hf, endpoint)
         .current_dir(dir)
-        .env("HF_HOME", hf)
-        .env("HF_ENDPOINT", endpoint)
         .args(args)
         .output()
         .unwrap();

@@ -4,7 +4,7 @@
 //! loopback Hub, so `plan` takes the real path: HF_ENDPOINT, the cache, config.json alone.
 
 use crate::common::root;
-use crate::loopback::{Repo, Server};
+use crate::loopback::{hub_command, Repo, Server};
 use assert_cmd::Command;
 
 /// The Hub models the recipes name, and their config.json fixtures.
@@ -26,19 +26,8 @@ const REAL: [&str; 6] = [
 ];
 
 fn bin(hf: &std::path::Path, endpoint: &str) -> Command {
-    let mut c = Command::cargo_bin("lora-train").unwrap();
-    for k in [
-        "HF_TOKEN",
-        "HF_TOKEN_PATH",
-        "HF_HUB_CACHE",
-        "HF_HUB_OFFLINE",
-        "XDG_CACHE_HOME",
-    ] {
-        c.env_remove(k);
-    }
-    c.current_dir(root())
-        .env("HF_HOME", hf)
-        .env("HF_ENDPOINT", endpoint);
+    let mut c = hub_command(hf, endpoint);
+    c.current_dir(root());
     c
 }
 
