@@ -24,6 +24,7 @@ use super::family::MoeSpec;
 use super::layer::Layer;
 use super::layer_train::LayerGrads;
 use super::llama::Ctx;
+use super::moe_batched::Padded;
 use super::router::{route, route_bwd, sum_slots, Routing};
 use crate::lora::Lora;
 use crate::ops::{self, glu::Act};
@@ -50,13 +51,16 @@ pub struct Moe {
     pub spec: MoeSpec,
     pub gate_up_lora: Option<ExpertLora>,
     pub down_lora: Option<ExpertLora>,
+    /// The experts as batched GEMMs over a padded layout (model/moe_batched.rs; the
+    /// `moe_batched` experiment), else one GEMM per expert.
+    pub batched: bool,
 }
 
 /// One parameter's adapter split per expert, in the activation dtype.
-struct PerExpert {
-    a: Tensor, // [E, r, in]
-    b: Tensor, // [E, out, r]
-    scale: f64,
+pub(super) struct PerExpert {
+    pub(super) a: Tensor, // [E, r, in]
+    pub(super) b: Tensor, // [E, out, r]
+    pub(super) scale: f64,
 }
 
 impl PerExpert {
@@ -95,16 +99,17 @@ impl PerExpert {
 }
 
 /// One expert's adapter gradients (dA_e [r, in], dB_e [out, r]) f32.
-type Grad = (Tensor, Tensor);
+pub(super) type Grad = (Tensor, Tensor);
 
 /// Expert e's forward over its n tokens, what its backward takes.
-struct ExpertActs {
-    gate: Tensor,            // [n, I]
-    up: Tensor,              // [n, I]
-    a: Tensor,               // [n, I] silu(gate) ⊙ up, down's input
-    xa_gu: Option<Tensor>,   // [n, r] gate_up's adapter state
-    xa_down: Option<Tensor>, // [n, r] down's
-    y: Tensor,               // [n, C] before the routing weight
+/// (Batched, model/moe_batched.rs: every expert's at once, [E, cap, ·].)
+pub(super) struct ExpertActs {
+    pub(super) gate: Tensor,            // [n, I]
+    pub(super) up: Tensor,              // [n, I]
+    pub(super) a: Tensor,               // [n, I] silu(gate) ⊙ up, down's input
+    pub(super) xa_gu: Option<Tensor>,   // [n, r] gate_up's adapter state
+    pub(super) xa_down: Option<Tensor>, // [n, r] down's
+    pub(super) y: Tensor,               // [n, C] before the routing weight
 }
 
 impl Moe {
@@ -179,18 +184,27 @@ impl Moe {
             .to_dtype(dt)?
             .flatten_all()?
             .index_select(&r.order, 0)?; // [m·k]
-        let mut ys = Vec::with_capacity(experts);
-        let mut off = 0;
-        for (e, &n) in r.counts.iter().enumerate() {
-            if n > 0 {
-                ys.push(self.expert_fwd(e, &xs.narrow(0, off, n)?, ads)?.y);
-                off += n;
+        let y = match self.batched {
+            true => {
+                let pad = Padded::new(&r.counts, hn.device())?;
+                let y = self.experts_fwd_all(&pad.pad(&xs)?, ads)?.y;
+                drop(xs);
+                pad.unpad(&y)?
             }
-        }
-        // two [m·k, C] alive at a time from here (the memory plan's `moe_ws`)
-        drop(xs);
-        let y = Tensor::cat(&ys, 0)?;
-        drop(ys);
+            false => {
+                let mut ys = Vec::with_capacity(experts);
+                let mut off = 0;
+                for (e, &n) in r.counts.iter().enumerate() {
+                    if n > 0 {
+                        ys.push(self.expert_fwd(e, &xs.narrow(0, off, n)?, ads)?.y);
+                        off += n;
+                    }
+                }
+                // two [m·k, C] alive at a time from here (the memory plan's `moe_ws`)
+                drop(xs);
+                Tensor::cat(&ys, 0)?
+            }
+        };
         let y = y.broadcast_mul(&w.unsqueeze(1)?)?;
         Ok((sum_slots(&r, &y)?, r))
     }
@@ -218,6 +232,37 @@ impl Moe {
             .to_dtype(dt)?
             .flatten_all()?
             .index_select(&r.order, 0)?;
+        let (dx, dw) = match self.batched {
+            true => self.experts_bwd_batched(&r, &xs, &gs, &w, ads, grads)?,
+            false => self.experts_bwd_grouped(&r, &xs, &gs, &w, ads, grads)?,
+        };
+        drop((xs, gs));
+        let dhn = sum_slots(&r, &dx)?;
+        drop(dx);
+        // dL/dw in the grouped order [m·k] → slot-major [k, m] → [m, k]
+        let dw = dw.to_dtype(DType::F32)?;
+        let dw = dw
+            .index_select(&r.slots, 0)?
+            .reshape((k, m))?
+            .t()?
+            .contiguous()?;
+        let dlogits = route_bwd(&r, &dw, self.spec.norm_topk, aux)?; // [m, E]
+        dhn + dlogits.to_dtype(dt)?.matmul(&self.router)?
+    }
+
+    /// The experts' backward one GEMM per expert over the grouped rows xs, gs [m·k, C]
+    /// (weights w [m·k]): (dL/dxs [m·k, C], dL/dw [m·k]); the adapters' gradients into `grads`.
+    fn experts_bwd_grouped(
+        &self,
+        r: &Routing,
+        xs: &Tensor,
+        gs: &Tensor,
+        w: &Tensor,
+        ads: (Option<&PerExpert>, Option<&PerExpert>),
+        grads: &mut LayerGrads,
+    ) -> Result<(Tensor, Tensor)> {
+        let (gu_ad, down_ad) = ads;
+        let experts = self.spec.experts;
         let (mut dxs, mut dws) = (Vec::new(), Vec::new());
         let mut gu_grads: Vec<Option<Grad>> = vec![None; experts];
         let mut down_grads: Vec<Option<Grad>> = vec![None; experts];
@@ -233,7 +278,7 @@ impl Moe {
             dws.push((&ge * &acts.y)?.sum(1)?); // dL/dw [n]
             let gy = ge.broadcast_mul(&we)?; // dL/dy_e [n, C]
             let mut da = gy.matmul(&self.down.get(e)?)?; // [n, I]
-            if let (Some(p), Some(xa)) = (down_ad.as_ref(), &acts.xa_down) {
+            if let (Some(p), Some(xa)) = (down_ad, &acts.xa_down) {
                 let (dx, gr) = p.bwd(e, &acts.a, xa, &gy)?;
                 da = (da + dx)?;
                 down_grads[e] = Some(gr);
@@ -241,27 +286,13 @@ impl Moe {
             let (dgate, dup) = Act::Silu.glu_bwd(&acts.gate, &acts.up, &da)?;
             let dgu = Tensor::cat(&[&dgate, &dup], 1)?; // [n, 2I]
             let mut dx = dgu.matmul(&self.gate_up.get(e)?)?; // [n, C]
-            if let (Some(p), Some(xa)) = (gu_ad.as_ref(), &acts.xa_gu) {
+            if let (Some(p), Some(xa)) = (gu_ad, &acts.xa_gu) {
                 let (dxa, gr) = p.bwd(e, &x, xa, &dgu)?;
                 dx = (dx + dxa)?;
                 gu_grads[e] = Some(gr);
             }
             dxs.push(dx);
         }
-        drop((xs, gs));
-        let dx = Tensor::cat(&dxs, 0)?;
-        drop(dxs);
-        let dhn = sum_slots(&r, &dx)?;
-        drop(dx);
-        // dL/dw in the grouped order [m·k] → slot-major [k, m] → [m, k]
-        let dw = Tensor::cat(&dws, 0)?.to_dtype(DType::F32)?;
-        let dw = dw
-            .index_select(&r.slots, 0)?
-            .reshape((k, m))?
-            .t()?
-            .contiguous()?;
-        let dlogits = route_bwd(&r, &dw, self.spec.norm_topk, aux)?; // [m, E]
-        let dhn = (dhn + dlogits.to_dtype(dt)?.matmul(&self.router)?)?;
         for (l, per) in [
             (&self.gate_up_lora, gu_grads),
             (&self.down_lora, down_grads),
@@ -270,7 +301,34 @@ impl Moe {
                 push_grads(grads, &l.lora, per)?;
             }
         }
-        Ok(dhn)
+        Ok((Tensor::cat(&dxs, 0)?, Tensor::cat(&dws, 0)?))
+    }
+
+    /// `experts_bwd_grouped` as batched GEMMs over the padded layout (model/moe_batched.rs).
+    fn experts_bwd_batched(
+        &self,
+        r: &Routing,
+        xs: &Tensor,
+        gs: &Tensor,
+        w: &Tensor,
+        ads: (Option<&PerExpert>, Option<&PerExpert>),
+        grads: &mut LayerGrads,
+    ) -> Result<(Tensor, Tensor)> {
+        let pad = Padded::new(&r.counts, xs.device())?;
+        let x = pad.pad(xs)?;
+        let acts = self.experts_fwd_all(&x, ads)?;
+        let y = pad.unpad(&acts.y)?; // [m·k, C]
+        let dw = (gs * &y)?.sum(1)?; // dL/dw [m·k]
+        drop(y);
+        let gy = pad.pad(&gs.broadcast_mul(&w.unsqueeze(1)?)?)?; // [E, cap, C]
+        let (dx, gu, down) = self.experts_bwd_all(&x, &acts, &gy, ads)?;
+        for (l, g) in [(&self.gate_up_lora, gu), (&self.down_lora, down)] {
+            if let (Some(l), Some((da, db))) = (l, g) {
+                grads.push((l.lora.a.id(), da));
+                grads.push((l.lora.b.id(), db));
+            }
+        }
+        Ok((pad.unpad(&dx)?, dw))
     }
 }
 
