@@ -24,11 +24,11 @@ use super::family::MoeSpec;
 use super::layer::Layer;
 use super::layer_train::LayerGrads;
 use super::llama::Ctx;
-use super::moe_batched::Padded;
+use super::moe_batched::{peft_layout, Padded};
 use super::router::{route, route_bwd, sum_slots, Routing};
 use crate::lora::Lora;
 use crate::ops::{self, glu::Act};
-use candle_core::{DType, Result, Tensor};
+use candle_core::{DType, Result, Tensor, D};
 
 /// A LoRA adapter on one fused expert parameter, with the module path PEFT keys it by
 /// (`model.layers.N.mlp.experts`, or `...experts.base_layer` for the inner of two).
@@ -79,19 +79,28 @@ impl PerExpert {
         }))
     }
 
-    /// Expert e's y = x Wᵀ + s·(x A_eᵀ) B_eᵀ from the base product; (y, s·x A_eᵀ [n, r]).
-    fn add(&self, e: usize, x: &Tensor, base: Tensor) -> Result<(Tensor, Tensor)> {
-        let xa = (x.matmul(&self.a.get(e)?.t()?)? * self.scale)?;
-        let y = (base + xa.matmul(&self.b.get(e)?.t()?)?)?;
+    /// Expert e's adapter alone: a [r, in], b [out, r] (views).
+    fn at(&self, e: usize) -> Result<PerExpert> {
+        Ok(PerExpert {
+            a: self.a.get(e)?,
+            b: self.b.get(e)?,
+            scale: self.scale,
+        })
+    }
+
+    /// y = base + s·(x Aᵀ) Bᵀ from the frozen product `base`, for one expert (x [n, in],
+    /// `at`) or all at once (x [E, cap, in]); (y, s·x Aᵀ [.., r]).
+    fn add(&self, x: &Tensor, base: Tensor) -> Result<(Tensor, Tensor)> {
+        let xa = (x.matmul(&self.a.t()?)? * self.scale)?;
+        let y = (base + xa.matmul(&self.b.t()?)?)?;
         Ok((y, xa))
     }
 
-    /// The backward of `add` for g = dL/dy [n, out]: the adapter's term of dL/dx [n, in],
-    /// and (dA_e [r, in], dB_e [out, r]) in f32.
-    fn bwd(&self, e: usize, x: &Tensor, xa: &Tensor, g: &Tensor) -> Result<(Tensor, Grad)> {
-        let gb = g.matmul(&self.b.get(e)?)?; // [n, r]
-        let a = self.a.get(e)?;
-        let dx = (gb.matmul(&a)? * self.scale)?;
+    /// The backward of `add` for g = dL/dy [.., out]: the adapter's term of dL/dx [.., in],
+    /// and (dA, dB) f32, shaped as a and b.
+    fn bwd(&self, x: &Tensor, xa: &Tensor, g: &Tensor) -> Result<(Tensor, Grad)> {
+        let gb = g.matmul(&self.b)?; // [.., r]
+        let dx = (gb.matmul(&self.a)? * self.scale)?;
         let da = (gb.t()?.matmul(x)? * self.scale)?.to_dtype(DType::F32)?;
         let db = g.t()?.matmul(xa)?.to_dtype(DType::F32)?;
         Ok((dx, (da, db)))
@@ -100,6 +109,12 @@ impl PerExpert {
 
 /// One expert's adapter gradients (dA_e [r, in], dB_e [out, r]) f32.
 pub(super) type Grad = (Tensor, Tensor);
+
+/// One expert's gate_up [2I, C] and down [C, I] (views).
+type ExpertWeights = (Tensor, Tensor);
+
+/// One expert's gate_up and down adapters (`PerExpert::at`).
+type ExpertAdapters = (Option<PerExpert>, Option<PerExpert>);
 
 /// Expert e's forward over its n tokens, what its backward takes.
 /// (Batched, model/moe_batched.rs: every expert's at once, [E, cap, ·].)
@@ -130,28 +145,31 @@ impl Moe {
             .map(|l| (l.name.as_str(), &l.lora))
     }
 
-    fn expert_fwd(
+    /// The experts' forward: one expert's x [n, C] with its gate_up [2I, C], down [C, I] and
+    /// adapters (`PerExpert::at`), or every expert's padded run x [E, cap, C] with all of them
+    /// (model/moe_batched.rs).
+    pub(super) fn experts_fwd(
         &self,
-        e: usize,
         x: &Tensor,
+        (gate_up, down): (&Tensor, &Tensor),
         (gu_ad, down_ad): (Option<&PerExpert>, Option<&PerExpert>),
     ) -> Result<ExpertActs> {
         let i = self.spec.inter;
-        let gu = x.matmul(&self.gate_up.get(e)?.t()?)?; // [n, 2I]
+        let gu = x.matmul(&gate_up.t()?)?; // [.., 2I]
         let (gu, xa_gu) = match gu_ad {
             Some(p) => {
-                let (y, xa) = p.add(e, x, gu)?;
+                let (y, xa) = p.add(x, gu)?;
                 (y, Some(xa))
             }
             None => (gu, None),
         };
-        let gate = gu.narrow(1, 0, i)?.contiguous()?;
-        let up = gu.narrow(1, i, i)?.contiguous()?;
+        let gate = gu.narrow(D::Minus1, 0, i)?.contiguous()?;
+        let up = gu.narrow(D::Minus1, i, i)?.contiguous()?;
         let a = Act::Silu.glu(&gate, &up)?;
-        let y = a.matmul(&self.down.get(e)?.t()?)?; // [n, C]
+        let y = a.matmul(&down.t()?)?; // [.., C]
         let (y, xa_down) = match down_ad {
             Some(p) => {
-                let (y, xa) = p.add(e, &a, y)?;
+                let (y, xa) = p.add(&a, y)?;
                 (y, Some(xa))
             }
             None => (y, None),
@@ -164,6 +182,48 @@ impl Moe {
             xa_down,
             y,
         })
+    }
+
+    /// The backward of `experts_fwd` (the same weights and adapters) for gy = dL/dy [.., C]
+    /// (the routing weights applied): dL/dx [.., C], and the adapters' (dA, dB) f32 shaped as
+    /// theirs, gate_up's then down's.
+    #[allow(clippy::type_complexity)]
+    pub(super) fn experts_bwd(
+        &self,
+        x: &Tensor,
+        acts: &ExpertActs,
+        gy: &Tensor,
+        (gate_up, down): (&Tensor, &Tensor),
+        (gu_ad, down_ad): (Option<&PerExpert>, Option<&PerExpert>),
+    ) -> Result<(Tensor, Option<Grad>, Option<Grad>)> {
+        let mut da = gy.matmul(down)?; // [.., I]
+        let mut down_grads = None;
+        if let (Some(p), Some(xa)) = (down_ad, &acts.xa_down) {
+            let (dx, gr) = p.bwd(&acts.a, xa, gy)?;
+            da = (da + dx)?;
+            down_grads = Some(gr);
+        }
+        let (dgate, dup) = Act::Silu.glu_bwd(&acts.gate, &acts.up, &da)?;
+        let dgu = Tensor::cat(&[&dgate, &dup], D::Minus1)?; // [.., 2I]
+        let mut dx = dgu.matmul(gate_up)?; // [.., C]
+        let mut gu_grads = None;
+        if let (Some(p), Some(xa)) = (gu_ad, &acts.xa_gu) {
+            let (dxa, gr) = p.bwd(x, xa, &dgu)?;
+            dx = (dx + dxa)?;
+            gu_grads = Some(gr);
+        }
+        Ok((dx, gu_grads, down_grads))
+    }
+
+    /// Expert e's weights and adapters (views).
+    fn expert(
+        &self,
+        e: usize,
+        (gu_ad, down_ad): (Option<&PerExpert>, Option<&PerExpert>),
+    ) -> Result<(ExpertWeights, ExpertAdapters)> {
+        let ws = (self.gate_up.get(e)?, self.down.get(e)?);
+        let at = |p: Option<&PerExpert>| p.map(|p| p.at(e)).transpose();
+        Ok((ws, (at(gu_ad)?, at(down_ad)?)))
     }
 
     /// hn [m, C] → Σ_j w_j · E_j(hn) [m, C]. Differentiable (the reference forward's graph).
@@ -187,7 +247,8 @@ impl Moe {
         let y = match self.batched {
             true => {
                 let pad = Padded::new(&r.counts, hn.device())?;
-                let y = self.experts_fwd_all(&pad.pad(&xs)?, ads)?.y;
+                let ws = (&self.gate_up, &self.down);
+                let y = self.experts_fwd(&pad.pad(&xs)?, ws, ads)?.y;
                 drop(xs);
                 pad.unpad(&y)?
             }
@@ -196,7 +257,11 @@ impl Moe {
                 let mut off = 0;
                 for (e, &n) in r.counts.iter().enumerate() {
                     if n > 0 {
-                        ys.push(self.expert_fwd(e, &xs.narrow(0, off, n)?, ads)?.y);
+                        let ((gu, down), (ga, da)) = self.expert(e, ads)?;
+                        let x = xs.narrow(0, off, n)?;
+                        let acts =
+                            self.experts_fwd(&x, (&gu, &down), (ga.as_ref(), da.as_ref()))?;
+                        ys.push(acts.y);
                         off += n;
                     }
                 }
@@ -261,7 +326,6 @@ impl Moe {
         ads: (Option<&PerExpert>, Option<&PerExpert>),
         grads: &mut LayerGrads,
     ) -> Result<(Tensor, Tensor)> {
-        let (gu_ad, down_ad) = ads;
         let experts = self.spec.experts;
         let (mut dxs, mut dws) = (Vec::new(), Vec::new());
         let mut gu_grads: Vec<Option<Grad>> = vec![None; experts];
@@ -274,23 +338,13 @@ impl Moe {
             let (x, ge) = (xs.narrow(0, off, n)?, gs.narrow(0, off, n)?);
             let we = w.narrow(0, off, n)?.unsqueeze(1)?; // [n, 1]
             off += n;
-            let acts = self.expert_fwd(e, &x, ads)?;
+            let ((gu, down), (ga, da)) = self.expert(e, ads)?;
+            let (ws, ads_e) = ((&gu, &down), (ga.as_ref(), da.as_ref()));
+            let acts = self.experts_fwd(&x, ws, ads_e)?;
             dws.push((&ge * &acts.y)?.sum(1)?); // dL/dw [n]
             let gy = ge.broadcast_mul(&we)?; // dL/dy_e [n, C]
-            let mut da = gy.matmul(&self.down.get(e)?)?; // [n, I]
-            if let (Some(p), Some(xa)) = (down_ad, &acts.xa_down) {
-                let (dx, gr) = p.bwd(e, &acts.a, xa, &gy)?;
-                da = (da + dx)?;
-                down_grads[e] = Some(gr);
-            }
-            let (dgate, dup) = Act::Silu.glu_bwd(&acts.gate, &acts.up, &da)?;
-            let dgu = Tensor::cat(&[&dgate, &dup], 1)?; // [n, 2I]
-            let mut dx = dgu.matmul(&self.gate_up.get(e)?)?; // [n, C]
-            if let (Some(p), Some(xa)) = (gu_ad, &acts.xa_gu) {
-                let (dxa, gr) = p.bwd(e, &x, xa, &dgu)?;
-                dx = (dx + dxa)?;
-                gu_grads[e] = Some(gr);
-            }
+            let (dx, gu_g, down_g) = self.experts_bwd(&x, &acts, &gy, ws, ads_e)?;
+            (gu_grads[e], down_grads[e]) = (gu_g, down_g);
             dxs.push(dx);
         }
         for (l, per) in [
@@ -316,14 +370,16 @@ impl Moe {
     ) -> Result<(Tensor, Tensor)> {
         let pad = Padded::new(&r.counts, xs.device())?;
         let x = pad.pad(xs)?;
-        let acts = self.experts_fwd_all(&x, ads)?;
+        let ws = (&self.gate_up, &self.down);
+        let acts = self.experts_fwd(&x, ws, ads)?;
         let y = pad.unpad(&acts.y)?; // [m·k, C]
         let dw = (gs * &y)?.sum(1)?; // dL/dw [m·k]
         drop(y);
         let gy = pad.pad(&gs.broadcast_mul(&w.unsqueeze(1)?)?)?; // [E, cap, C]
-        let (dx, gu, down) = self.experts_bwd_all(&x, &acts, &gy, ads)?;
+        let (dx, gu, down) = self.experts_bwd(&x, &acts, &gy, ws, ads)?;
         for (l, g) in [(&self.gate_up_lora, gu), (&self.down_lora, down)] {
-            if let (Some(l), Some((da, db))) = (l, g) {
+            if let (Some(l), Some(g)) = (l, g) {
+                let (da, db) = peft_layout(g)?;
                 grads.push((l.lora.a.id(), da));
                 grads.push((l.lora.b.id(), db));
             }

@@ -10,10 +10,8 @@
 //! Shapes as layer_moe.rs: m tokens, C hidden, E experts, k per token, I an expert's width,
 //! r the adapters' rank; P = m·k grouped rows, cap ≤ P.
 
-use super::layer_moe::{ExpertActs, PerExpert};
-use super::layer_moe::{Grad, Moe};
-use crate::ops::glu::Act;
-use candle_core::{DType, Result, Tensor};
+use super::layer_moe::Grad;
+use candle_core::{Result, Tensor};
 
 /// The map between the grouped rows and the padded [E, cap] layout.
 pub struct Padded {
@@ -68,96 +66,8 @@ impl Padded {
     }
 }
 
-impl PerExpert {
-    /// Every expert's y = x Wᵀ + s·(x A_eᵀ) B_eᵀ at once, x [E, cap, in], from the base
-    /// product; (y, s·x A_eᵀ [E, cap, r]).
-    fn add_all(&self, x: &Tensor, base: Tensor) -> Result<(Tensor, Tensor)> {
-        let xa = (x.matmul(&self.a.t()?)? * self.scale)?;
-        let y = (base + xa.matmul(&self.b.t()?)?)?;
-        Ok((y, xa))
-    }
-
-    /// The backward of `add_all` for g [E, cap, out]: the adapter's term of dL/dx [E, cap, in]
-    /// and (dA [E, r, in], dB [E, out, r]) in f32.
-    fn bwd_all(&self, x: &Tensor, xa: &Tensor, g: &Tensor) -> Result<(Tensor, Grad)> {
-        let gb = g.matmul(&self.b)?; // [E, cap, r]
-        let dx = (gb.matmul(&self.a)? * self.scale)?;
-        let da = (gb.t()?.matmul(x)? * self.scale)?.to_dtype(DType::F32)?;
-        let db = g.t()?.matmul(xa)?.to_dtype(DType::F32)?;
-        Ok((dx, (da, db)))
-    }
-}
-
-impl Moe {
-    /// Every expert's forward over its padded run x [E, cap, C]: `ExpertActs` of [E, cap, ·].
-    pub(super) fn experts_fwd_all(
-        &self,
-        x: &Tensor,
-        (gu_ad, down_ad): (Option<&PerExpert>, Option<&PerExpert>),
-    ) -> Result<ExpertActs> {
-        let i = self.spec.inter;
-        let gu = x.matmul(&self.gate_up.t()?)?; // [E, cap, 2I]
-        let (gu, xa_gu) = match gu_ad {
-            Some(p) => {
-                let (y, xa) = p.add_all(x, gu)?;
-                (y, Some(xa))
-            }
-            None => (gu, None),
-        };
-        let gate = gu.narrow(2, 0, i)?.contiguous()?;
-        let up = gu.narrow(2, i, i)?.contiguous()?;
-        let a = Act::Silu.glu(&gate, &up)?;
-        let y = a.matmul(&self.down.t()?)?; // [E, cap, C]
-        let (y, xa_down) = match down_ad {
-            Some(p) => {
-                let (y, xa) = p.add_all(&a, y)?;
-                (y, Some(xa))
-            }
-            None => (y, None),
-        };
-        Ok(ExpertActs {
-            gate,
-            up,
-            a,
-            xa_gu,
-            xa_down,
-            y,
-        })
-    }
-
-    /// The experts' backward for gy = dL/dy [E, cap, C] (the routing weights applied) from
-    /// their forward `acts` over x [E, cap, C]: dL/dx [E, cap, C], and the adapters' gradients
-    /// as PEFT lays them out (dA [E·r, in], dB [out, r·E] f32), gate_up's then down's.
-    #[allow(clippy::type_complexity)]
-    pub(super) fn experts_bwd_all(
-        &self,
-        x: &Tensor,
-        acts: &ExpertActs,
-        gy: &Tensor,
-        (gu_ad, down_ad): (Option<&PerExpert>, Option<&PerExpert>),
-    ) -> Result<(Tensor, Option<Grad>, Option<Grad>)> {
-        let mut da = gy.matmul(&self.down)?; // [E, cap, I]
-        let mut down_grads = None;
-        if let (Some(p), Some(xa)) = (down_ad, &acts.xa_down) {
-            let (dx, gr) = p.bwd_all(&acts.a, xa, gy)?;
-            da = (da + dx)?;
-            down_grads = Some(peft_layout(gr)?);
-        }
-        let (dgate, dup) = Act::Silu.glu_bwd(&acts.gate, &acts.up, &da)?;
-        let dgu = Tensor::cat(&[&dgate, &dup], 2)?; // [E, cap, 2I]
-        let mut dx = dgu.matmul(&self.gate_up)?; // [E, cap, C]
-        let mut gu_grads = None;
-        if let (Some(p), Some(xa)) = (gu_ad, &acts.xa_gu) {
-            let (dxa, gr) = p.bwd_all(x, xa, &dgu)?;
-            dx = (dx + dxa)?;
-            gu_grads = Some(peft_layout(gr)?);
-        }
-        Ok((dx, gu_grads, down_grads))
-    }
-}
-
 /// (dA [E, r, in], dB [E, out, r]) → PEFT's dA [E·r, in] and dB [out, r·E] (column j·E + e).
-fn peft_layout((da, db): Grad) -> Result<Grad> {
+pub(super) fn peft_layout((da, db): Grad) -> Result<Grad> {
     let (e, r, in_f) = da.dims3()?;
     let out = db.dim(1)?;
     let da = da.reshape((e * r, in_f))?;
