@@ -175,7 +175,8 @@ __device__ void attn_step(const T* q, const T* k, const T* v, const float* cos, 
     if (!last) return;
     const float* p = part + (long)head * splits * (d + 2);
     mm = NEG_INF;
-    for (int s = threadIdx.x; s < splits; s += blockDim.x) mm = fmaxf(mm, __ldcg(p + (long)s * (d + 2) + d));
+    for (int s = threadIdx.x; s < splits; s += blockDim.x)
+        mm = fmaxf(mm, __ldcg(p + (long)s * (d + 2) + d));
     for (int o = 16; o > 0; o >>= 1) mm = fmaxf(mm, __shfl_xor_sync(0xffffffff, mm, o));
     if (lane == 0) smax[warp] = mm;
     __syncthreads();
@@ -212,9 +213,9 @@ __device__ __forceinline__ float dot8(uint4 a, uint4 b) {
 // rows `ldw` apart, k a multiple of 8 and rows 16-byte aligned. `parts` warps per row (1, 2, 4
 // or 8: a weight of few rows still fills the multiprocessors), 8 warps a block; each lane reads
 // 8 weights (16 bytes) at a time, 4 loads in flight, a warp every parts-th 16 bytes of its row;
-// the first 4 are issued before DEP_WAIT, while the kernel ahead (x's writer) finishes. The sum is f32 (the parts added in a fixed order), rounded once (after the acc and bias are
-// added, as cuBLAS's β = 1 epilogue and a bias add would round twice: within half a bf16 step
-// of theirs).
+// the first 4 are issued before DEP_WAIT, while the kernel ahead (x's writer) finishes. The sum
+// is f32 (the parts added in a fixed order), rounded once (after the acc and bias are added, as
+// cuBLAS's β = 1 epilogue and a bias add would round twice: within half a bf16 step of theirs).
 extern "C" __global__ void gen_gemv_bf16(const bf16_t* x, const bf16_t* w, long ldw,
                                          const bf16_t* acc, const bf16_t* bias, bf16_t* y,
                                          int n, int k, int parts) {
