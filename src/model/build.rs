@@ -215,9 +215,7 @@ fn moe(
         spec: m,
         gate_up_lora: adapter(gu_name, c, 2 * i, gu_module)?,
         down_lora: adapter(down_name, i, c, "experts")?,
-        batched: crate::ops::kernels::Experiments::from_env()
-            .map(|e| e.moe_batched)
-            .unwrap_or(false),
+        batched: false,
     })
 }
 

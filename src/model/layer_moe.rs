@@ -24,7 +24,7 @@ use super::family::MoeSpec;
 use super::layer::Layer;
 use super::layer_train::LayerGrads;
 use super::llama::Ctx;
-use super::moe_batched::{peft_layout, Padded};
+use super::moe_batched::Padded;
 use super::router::{route, route_bwd, sum_slots, Routing};
 use crate::lora::Lora;
 use crate::ops::{self, glu::Act};
@@ -52,7 +52,8 @@ pub struct Moe {
     pub gate_up_lora: Option<ExpertLora>,
     pub down_lora: Option<ExpertLora>,
     /// The experts as batched GEMMs over a padded layout (model/moe_batched.rs; the
-    /// `moe_batched` experiment), else one GEMM per expert.
+    /// `moe_batched` experiment, set at load from `Kernels::experiments`), else one GEMM per
+    /// expert.
     pub batched: bool,
 }
 
@@ -352,7 +353,7 @@ impl Moe {
             (&self.down_lora, down_grads),
         ] {
             if let Some(l) = l {
-                push_grads(grads, &l.lora, per)?;
+                push_grads(grads, &l.lora, stack_grads(&l.lora, per)?)?;
             }
         }
         Ok((Tensor::cat(&dxs, 0)?, Tensor::cat(&dws, 0)?))
@@ -379,18 +380,16 @@ impl Moe {
         let (dx, gu, down) = self.experts_bwd(&x, &acts, &gy, ws, ads)?;
         for (l, g) in [(&self.gate_up_lora, gu), (&self.down_lora, down)] {
             if let (Some(l), Some(g)) = (l, g) {
-                let (da, db) = peft_layout(g)?;
-                grads.push((l.lora.a.id(), da));
-                grads.push((l.lora.b.id(), db));
+                push_grads(grads, &l.lora, g)?;
             }
         }
         Ok((pad.unpad(&dx)?, dw))
     }
 }
 
-/// An expert adapter's per-expert gradients (None: the expert got no token, zero) as PEFT's
-/// dA [E·r, in] and dB [out, r·E], into `grads`.
-fn push_grads(grads: &mut LayerGrads, lora: &Lora, per: Vec<Option<Grad>>) -> Result<()> {
+/// Per-expert adapter gradients (None: the expert got no token, zero) stacked as one
+/// parameter's (dA [E, r, in], dB [E, out, r]).
+fn stack_grads(lora: &Lora, per: Vec<Option<Grad>>) -> Result<Grad> {
     let experts = per.len();
     let (er, in_f) = lora.a.dims2()?;
     let (out, r) = (lora.b.dim(0)?, er / experts.max(1));
@@ -408,11 +407,16 @@ fn push_grads(grads: &mut LayerGrads, lora: &Lora, per: Vec<Option<Grad>>) -> Re
         das.push(da);
         dbs.push(db);
     }
-    let da = Tensor::cat(&das, 0)?; // [E·r, in]
-    let db = Tensor::stack(&dbs, 0)? // [E, out, r]
-        .permute((1, 2, 0))?
-        .contiguous()?
-        .reshape((out, r * experts))?; // column j·E + e
+    Ok((Tensor::stack(&das, 0)?, Tensor::stack(&dbs, 0)?))
+}
+
+/// An expert adapter's gradients (dA [E, r, in], dB [E, out, r]) as PEFT lays the parameter
+/// out, dA [E·r, in] and dB [out, r·E] (column j·E + e), into `grads`.
+fn push_grads(grads: &mut LayerGrads, lora: &Lora, (da, db): Grad) -> Result<()> {
+    let (e, r, in_f) = da.dims3()?;
+    let out = db.dim(1)?;
+    let da = da.reshape((e * r, in_f))?;
+    let db = db.permute((1, 2, 0))?.contiguous()?.reshape((out, r * e))?;
     grads.push((lora.a.id(), da));
     grads.push((lora.b.id(), db));
     Ok(())

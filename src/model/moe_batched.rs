@@ -10,7 +10,6 @@
 //! Shapes as layer_moe.rs: m tokens, C hidden, E experts, k per token, I an expert's width,
 //! r the adapters' rank; P = m·k grouped rows, cap ≤ P.
 
-use super::layer_moe::Grad;
 use candle_core::{Result, Tensor};
 
 /// The map between the grouped rows and the padded [E, cap] layout.
@@ -64,15 +63,6 @@ impl Padded {
         y.reshape((self.experts * self.cap, d))?
             .index_select(&self.unpad, 0)
     }
-}
-
-/// (dA [E, r, in], dB [E, out, r]) → PEFT's dA [E·r, in] and dB [out, r·E] (column j·E + e).
-pub(super) fn peft_layout((da, db): Grad) -> Result<Grad> {
-    let (e, r, in_f) = da.dims3()?;
-    let out = db.dim(1)?;
-    let da = da.reshape((e * r, in_f))?;
-    let db = db.permute((1, 2, 0))?.contiguous()?.reshape((out, r * e))?;
-    Ok((da, db))
 }
 
 #[cfg(test)]
