@@ -26,6 +26,9 @@
 #         beside scripts/bench_peft.py (each 240 s at most) -> $OUT/famb.jsonl. FAMB_CKPT=1:
 #         both checkpointed; FAMB_SHAPES picks shapes; FAMB_EXP=name also runs ours with
 #         LORA_TRAIN_EXPERIMENTS=name (tagged with it). Not in the default set.
+# ckpt8b: Llama-3-8B shape, seq 4096, mb2, r16 all linear: `bench --ckpt mlp`, `--ckpt` and
+#         neither, beside scripts/bench_peft.py --ckpt (and --liger) -> $OUT/ckpt8b.jsonl.
+#         Not in the default set.
 # bf16err: scripts/peft_bf16_error.py (PEFT's own bf16 error on the golden cases, BF16ERR_CASES
 #         or all) into tests/fixtures/golden/peft_bf16_error.json, copied to $OUT; before tests.
 # train7b: the `train` command on a saved random Llama-2-7B checkpoint (scripts/
@@ -70,6 +73,12 @@ mkdir -p "$OUT"
 what=" ${*:-compat chat tests tiny bench memory} "
 ( cd .devbuild && for f in lora-train it; do [ -f $f.gz ] && gunzip -kf $f.gz && chmod +x $f; done )
 E="bash scripts/device-env.sh"
+# Liger-Kernel for the peers' --liger runs, from its wheel carried in .devbuild/ (fetch-wheels.sh)
+lwhl=$(ls .devbuild/liger_kernel-*.whl 2>/dev/null | head -1)
+if [ -n "$lwhl" ] && ! python3 -c "import liger_kernel" 2>/dev/null; then
+  pip install --no-deps --no-index --target /tmp/liger "$lwhl" >/dev/null 2>&1
+  export PYTHONPATH=/tmp/liger:${PYTHONPATH:-}
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 
 if [[ $what == *" compat "* ]]; then
@@ -306,6 +315,36 @@ PY
       echo "check exit ${PIPESTATUS[0]}"
     } 2>&1 | tee -a "$OUT/families_compat.log" | grep -E "^====|^FAIL|passed|FAILED|failed|exit [1-9]"
   done
+fi
+
+# ckpt8b: #24's checkpointed point, Llama-3-8B shape, seq 4096, mb2, r16 all linear: ours with
+# the MLP half recomputed (--ckpt mlp), the whole layer (--ckpt) and nothing, beside
+# scripts/bench_peft.py --ckpt and --ckpt --liger -> $OUT/ckpt8b.jsonl.
+if [[ $what == *" ckpt8b "* ]]; then
+  B="--shape llama3-8b --seq 4096 --rank 16 --targets all --steps ${STEPS:-10} --warmup 3"
+  for ck in "--ckpt mlp" "--ckpt" ""; do
+    echo "== lora-train $ck"
+    timeout 200 $E .devbuild/lora-train bench $B --micro-batch 2 $ck --json "$OUT/ckpt8b.jsonl" 2>&1 \
+      | tail -1 | cut -c1-400
+  done
+  for extra in "" "--liger"; do
+    [ -n "$extra" ] && ! python3 -c "import liger_kernel" 2>/dev/null && continue
+    echo "== bench_peft.py --ckpt $extra"
+    timeout 240 python3 scripts/bench_peft.py $B --batch 2 --ckpt $extra --json "$OUT/ckpt8b.jsonl" 2>&1 \
+      | tail -1 | cut -c1-400
+  done
+  python3 - "$OUT/ckpt8b.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+peers = {r["system"]: r for r in rows if r.get("system", "").startswith("transformers")}
+for r in rows:
+    if r.get("system", "").startswith("transformers"):
+        continue
+    line = f"ours ckpt={r.get('ckpt')}: {r['tokens_per_s']:.0f} tok/s, {r.get('peak_alloc_gib')} GiB, loss {r.get('final_loss')}"
+    for name, p in peers.items():
+        line += f"; / {name} {p['tokens_per_s']:.0f} ({p.get('peak_alloc_gib')} GiB) = {r['tokens_per_s'] / p['tokens_per_s']:.3f}x"
+    print(line)
+PY
 fi
 
 # famb: the family shapes, ours beside PEFT (seq 2048, mb2, r16 all linear, the bench section's

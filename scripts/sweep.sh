@@ -52,6 +52,7 @@ ALL_ROWS=(
   "seq-512|seq=512||"
   "seq-8192|seq=8192||"
   "ckpt||--ckpt|--ckpt"
+  "ckpt-mlp||--ckpt mlp|--ckpt"
 )
 want=" ${ROWS:-$(for r in "${ALL_ROWS[@]}"; do printf '%s ' "${r%%|*}"; done)} "
 liger=0

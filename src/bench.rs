@@ -14,7 +14,7 @@ use crate::lora::LoraSpec;
 use crate::memory::{self, GIB};
 use crate::model::{Model, ModelConfig};
 use crate::parallel::Comm;
-use crate::recipe::Strategy;
+use crate::recipe::{Checkpointing, Strategy};
 use crate::train::driver::Keep;
 use crate::train::launch::{launch, Ranks};
 use crate::train::optim::AdamW;
@@ -35,7 +35,8 @@ pub struct BenchArgs {
     pub rank: usize,
     pub alpha: Option<f64>,
     pub targets: String,
-    pub ckpt: bool,
+    /// train.activation_checkpointing.
+    pub ckpt: Checkpointing,
     /// train.offload_activations (None: on; CUDA only).
     pub offload: Option<bool>,
     pub steps: usize,
@@ -204,6 +205,21 @@ pub fn base_linear_params(cfg: &ModelConfig) -> usize {
     cfg.num_layers * (per_layer + moe) + cfg.vocab_size * cfg.hidden_size
 }
 
+/// Weights of a dense layer's MLP input projections (gate and up, or gate_up) over all layers:
+/// what `activation_checkpointing = "mlp"` multiplies once more a token (a MoE's experts are
+/// recomputed in every setting).
+pub fn mlp_in_weights(cfg: &ModelConfig) -> usize {
+    if cfg.arch.moe.is_some() {
+        return 0;
+    }
+    let per_layer: usize = ["gate_proj", "up_proj", "gate_up_proj"]
+        .iter()
+        .filter_map(|m| cfg.linear_shape(m))
+        .map(|(i, o)| i * o)
+        .sum();
+    per_layer * cfg.num_layers
+}
+
 /// scripts/bench_peft.py's model FLOPs per trained token: frozen base, so backward computes
 /// activation gradients (2N) but no weight gradients. Attention is counted causally: a token
 /// attends to T/2 keys on average, so QKᵀ and PV cost 2·T·C a layer forward (4·T·C backward).
@@ -286,7 +302,7 @@ fn run_rank(a: &BenchArgs, device: Device, comm: &dyn Comm) -> Result<serde_json
         gpus: comm.world(),
         cuda: !a.device.is_cpu(),
         kernels: kernels.for_base(a.quant),
-        offload: Keep::new(false, a.offload, &a.device) == Keep::Offload,
+        offload: Keep::new(Checkpointing::Off, a.offload, &a.device) == Keep::Offload,
         quant: a.quant,
         mlp_chunk: Some(crate::model::layer_mlp::MLP_CHUNK),
     };
@@ -488,14 +504,21 @@ fn measure(
     // This rank's tokens per second; every rank's figures gathered for rank 0's report.
     let tokens = (accum * b * t * a.steps) as f64;
     let tps = tokens / dt;
-    let fpt = flops_per_token(n_linear, cfg.num_layers, cfg.hidden_size, t, a.ckpt);
+    let full = a.ckpt == Checkpointing::Full;
+    let mlp_recompute = match a.ckpt {
+        Checkpointing::Mlp => mlp_in_weights(&cfg),
+        _ => 0,
+    };
+    let fpt = flops_per_token(n_linear, cfg.num_layers, cfg.hidden_size, t, full)
+        + 2.0 * mlp_recompute as f64;
     let work = workload::Work {
         n_linear,
         adapter: workload::adapter_weights(&cfg, &spec),
         layers: cfg.num_layers,
         hidden: cfg.hidden_size,
         seq: t / a.pack.clamp(1, (t / 2).max(1)),
-        ckpt: a.ckpt,
+        ckpt: full,
+        mlp_recompute,
         eval_tokens: evals.len() * b * t,
         step_tokens: accum * b * t,
         eval_every: a.eval_every,

@@ -191,6 +191,80 @@ impl<'de> Deserialize<'de> for Targets {
     }
 }
 
+/// `train.activation_checkpointing`: what forward keeps of each decoder layer for backward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
+pub enum Checkpointing {
+    /// Every activation (false).
+    #[default]
+    Off,
+    /// The attention half's activations and the residual; backward recomputes the MLP half
+    /// ("mlp": its gate and up are most of a layer's activations).
+    Mlp,
+    /// The layer's input only; backward recomputes the whole layer (true).
+    Full,
+}
+
+impl Checkpointing {
+    /// Whether backward recomputes anything.
+    pub fn on(self) -> bool {
+        self != Checkpointing::Off
+    }
+
+    /// As the recipe writes it: false, "mlp", true.
+    pub fn name(self) -> &'static str {
+        match self {
+            Checkpointing::Off => "false",
+            Checkpointing::Mlp => "\"mlp\"",
+            Checkpointing::Full => "true",
+        }
+    }
+}
+
+impl From<bool> for Checkpointing {
+    fn from(on: bool) -> Self {
+        match on {
+            true => Checkpointing::Full,
+            false => Checkpointing::Off,
+        }
+    }
+}
+
+impl Serialize for Checkpointing {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Checkpointing::Off => s.serialize_bool(false),
+            Checkpointing::Mlp => s.serialize_str("mlp"),
+            Checkpointing::Full => s.serialize_bool(true),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Checkpointing {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl de::Visitor<'_> for V {
+            type Value = Checkpointing;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("true, false or \"mlp\"")
+            }
+            fn visit_bool<E: de::Error>(self, on: bool) -> Result<Checkpointing, E> {
+                Ok(on.into())
+            }
+            fn visit_str<E: de::Error>(self, s: &str) -> Result<Checkpointing, E> {
+                match s {
+                    "mlp" => Ok(Checkpointing::Mlp),
+                    "true" | "full" => Ok(Checkpointing::Full),
+                    "false" | "off" => Ok(Checkpointing::Off),
+                    _ => Err(E::custom(format!(
+                        "expected true, false or \"mlp\" (recompute the MLP half only), found \"{s}\""
+                    ))),
+                }
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DataFormat {
@@ -466,10 +540,11 @@ pub struct TrainSection {
     /// Seed for adapter init, shuffling and dropout. Default: 42.
     #[serde(default = "d_seed")]
     pub seed: u64,
-    /// Keep only each decoder layer's input in forward and recompute it in backward.
-    /// Default: false.
+    /// What forward keeps for backward: false (every activation), true (each decoder layer's
+    /// input only: backward recomputes the layer) or "mlp" (the attention half's activations:
+    /// backward recomputes the MLP half, its gate and up GEMMs). Default: false.
     #[serde(default)]
-    pub activation_checkpointing: bool,
+    pub activation_checkpointing: Checkpointing,
     /// CUDA, without checkpointing: park each layer's residual (after attention, [tokens,
     /// hidden]) in pinned host memory between its forward and backward, copied beside the
     /// compute, instead of recomputing it in backward with o_proj's GEMM (false) — 2 × tokens
@@ -606,7 +681,7 @@ impl Default for TrainSection {
             warmup_steps: 0,
             max_grad_norm: d_clip(),
             seed: d_seed(),
-            activation_checkpointing: false,
+            activation_checkpointing: Checkpointing::Off,
             offload_activations: None,
             log_every: 1,
             eval_every: 0,
@@ -1361,6 +1436,39 @@ fn apply_set(doc: &mut toml_edit::DocumentMut, arg: &str) -> Result<String, Reci
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn activation_checkpointing_reads_bools_and_mlp_and_writes_them_back() {
+        #[derive(Deserialize, Serialize)]
+        struct T {
+            c: Checkpointing,
+        }
+        for (text, want) in [
+            ("c = true", Checkpointing::Full),
+            ("c = false", Checkpointing::Off),
+            ("c = \"mlp\"", Checkpointing::Mlp),
+            ("c = \"full\"", Checkpointing::Full),
+        ] {
+            let t: T = toml::from_str(text).unwrap();
+            assert_eq!(t.c, want, "{text}");
+            let back: T = toml::from_str(&toml::to_string(&t).unwrap()).unwrap();
+            assert_eq!(back.c, want, "{text}");
+        }
+        assert_eq!(
+            toml::to_string(&T {
+                c: Checkpointing::Mlp
+            })
+            .unwrap()
+            .trim(),
+            "c = \"mlp\""
+        );
+        let err = toml::from_str::<T>("c = \"attn\"")
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("expected true, false or \"mlp\""), "{err}");
+        assert!(toml::from_str::<T>("c = 1").is_err());
+    }
 
     #[test]
     fn reference_recipe_spells_out_the_defaults() {

@@ -57,7 +57,11 @@ pub struct Work {
     pub layers: usize,
     pub hidden: usize,
     pub seq: usize,
+    /// Activation checkpointing of whole layers: one more forward.
     pub ckpt: bool,
+    /// Under `activation_checkpointing = "mlp"`, the MLP input weights recomputed
+    /// (`bench::mlp_in_weights`), else 0.
+    pub mlp_recompute: usize,
     pub eval_tokens: usize,
     pub step_tokens: usize,
     pub eval_every: usize,
@@ -73,7 +77,11 @@ impl Work {
             0 => 0.0,
             n => fwd * self.eval_tokens as f64 / (n * self.step_tokens.max(1)) as f64,
         };
-        fwd + bwd + if self.ckpt { fwd } else { 0.0 } + eval
+        let recompute = match self.ckpt {
+            true => fwd,
+            false => 2.0 * self.mlp_recompute as f64,
+        };
+        fwd + bwd + recompute + eval
     }
 }
 
@@ -239,6 +247,7 @@ mod tests {
             hidden: 8,
             seq: 16,
             ckpt: false,
+            mlp_recompute: 0,
             eval_tokens: 0,
             step_tokens: 64,
             eval_every: 0,
@@ -250,6 +259,11 @@ mod tests {
         let ck = Work { ckpt: true, ..w };
         let fwd = 2000.0 + 200.0 + 2.0 * attn;
         assert_eq!(ck.flops_per_token(), plain + 600.0 + fwd);
+        let mlp = Work {
+            mlp_recompute: 300,
+            ..w
+        };
+        assert_eq!(mlp.flops_per_token(), plain + 600.0 + 600.0);
         let ev = Work {
             eval_tokens: 32,
             eval_every: 4,

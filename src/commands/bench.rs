@@ -1,7 +1,7 @@
 //! `lora-train bench --shape NAME`: training steps timed on random weights of a named shape.
 
 use clap::{Args, ValueEnum};
-use lora_train::recipe::Strategy;
+use lora_train::recipe::{Checkpointing, Strategy};
 use std::path::PathBuf;
 
 #[derive(Args, Clone)]
@@ -24,9 +24,10 @@ pub struct BenchArgs {
     alpha: Option<f64>,
     #[arg(long, value_enum, default_value_t = Targets::All)]
     targets: Targets,
-    /// Activation checkpointing.
-    #[arg(long)]
-    ckpt: bool,
+    /// Activation checkpointing: `--ckpt` recomputes each layer in backward, `--ckpt mlp` its
+    /// MLP half only (train.activation_checkpointing = true / "mlp").
+    #[arg(long, value_enum, num_args = 0..=1, default_missing_value = "full")]
+    ckpt: Option<Ckpt>,
     /// Park each layer's residual in host memory until its backward (true) or recompute it
     /// there (false), as the recipe's train.offload_activations (default: true; CUDA only).
     #[arg(long)]
@@ -124,6 +125,24 @@ impl Targets {
     }
 }
 
+/// `--ckpt`'s value.
+#[derive(Clone, Copy, ValueEnum)]
+pub enum Ckpt {
+    /// the whole layer (activation_checkpointing = true)
+    Full,
+    /// the MLP half (activation_checkpointing = "mlp")
+    Mlp,
+}
+
+/// The recipe's setting for an optional `--ckpt`.
+pub fn checkpointing(c: Option<Ckpt>) -> Checkpointing {
+    match c {
+        None => Checkpointing::Off,
+        Some(Ckpt::Full) => Checkpointing::Full,
+        Some(Ckpt::Mlp) => Checkpointing::Mlp,
+    }
+}
+
 #[derive(Clone, Copy, ValueEnum)]
 enum QuantArg {
     None,
@@ -159,7 +178,7 @@ pub fn run(b: BenchArgs) -> anyhow::Result<()> {
         rank: b.rank as usize,
         alpha: b.alpha,
         targets: b.targets.name().to_string(),
-        ckpt: b.ckpt,
+        ckpt: checkpointing(b.ckpt),
         offload: b.offload,
         steps: b.steps as usize,
         warmup: b.warmup as usize,

@@ -34,9 +34,10 @@ pub struct PlanArgs {
     /// With --shape: which linears get adapters (all: a MoE's experts too).
     #[arg(long, value_enum, default_value_t = Targets::All)]
     targets: Targets,
-    /// With --shape: the run's row uses activation checkpointing (the JSON's `selected`).
-    #[arg(long)]
-    ckpt: bool,
+    /// With --shape: the run's row (the JSON's `selected`) uses activation checkpointing,
+    /// of each layer (`--ckpt`) or of its MLP half (`--ckpt mlp`).
+    #[arg(long, value_enum, num_args = 0..=1, default_missing_value = "full")]
+    ckpt: Option<super::bench::Ckpt>,
     /// With --shape: the frozen base in NF4 (QLoRA, double quant), as a recipe's
     /// model.quantize = "nf4".
     #[arg(long)]
@@ -75,7 +76,7 @@ pub fn run(a: PlanArgs) -> anyhow::Result<()> {
                 true => input.nf4(),
                 false => input,
             };
-            (input, 1, (Strategy::Single, a.ckpt), None, vec![0])
+            (input, 1, (Strategy::Single, super::bench::checkpointing(a.ckpt)), None, vec![0])
         }
         (None, Some(path)) => {
             let mut r = Recipe::load(path, &a.set)?;

@@ -39,6 +39,18 @@ enum Qk {
     Rows(Tensor, Tensor),
 }
 
+/// What a layer's training forward keeps for its backward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Retain {
+    /// Nothing: backward recomputes the layer from its input (activation checkpointing).
+    Nothing,
+    /// The attention half's activations and the residual h: backward recomputes the MLP half
+    /// from h (`train.activation_checkpointing = "mlp"`; model/layer_mlp.rs).
+    Attention,
+    /// Everything backward needs.
+    All,
+}
+
 /// What a layer's forward leaves for its backward.
 pub struct LayerActs {
     x: Tensor, // [m, C] the layer input
@@ -104,6 +116,20 @@ impl Layer {
         ctx: &Ctx,
         keep: bool,
     ) -> Result<(Tensor, Option<LayerActs>)> {
+        let keep = match keep {
+            true => Retain::All,
+            false => Retain::Nothing,
+        };
+        self.forward_retain(x, ctx, keep)
+    }
+
+    /// `forward_train` keeping what `keep` says (the activations: None for `Nothing`).
+    pub fn forward_retain(
+        &self,
+        x: &Tensor,
+        ctx: &Ctx,
+        keep: Retain,
+    ) -> Result<(Tensor, Option<LayerActs>)> {
         match self.run(x, ctx, true, keep)? {
             (Some(y), acts) => Ok((y, acts)),
             (None, _) => candle_core::bail!("forward_train: no output"),
@@ -115,7 +141,7 @@ impl Layer {
     /// residual are skipped (down's adapter state is all backward uses of them; not with
     /// Gemma's norm on down's output, whose backward takes that output).
     pub fn recompute(&self, x: &Tensor, ctx: &Ctx) -> Result<LayerActs> {
-        match self.run(x, ctx, false, true)? {
+        match self.run(x, ctx, false, Retain::All)? {
             (_, Some(acts)) => Ok(acts),
             (_, None) => candle_core::bail!("recompute: no activations"),
         }
@@ -151,14 +177,15 @@ impl Layer {
         ))
     }
 
-    /// The forward: y when `output`, the activations when `keep`.
+    /// The forward: y when `output`, the activations `retain` says.
     fn run(
         &self,
         x: &Tensor,
         ctx: &Ctx,
         output: bool,
-        keep: bool,
+        retain: Retain,
     ) -> Result<(Option<Tensor>, Option<LayerActs>)> {
+        let keep = retain != Retain::Nothing;
         let (b, t, c) = x.dims3()?;
         let s = self.spec;
         let (h, k) = (s.heads, s.kv_heads);
@@ -222,19 +249,21 @@ impl Layer {
         };
         // The MLP half, whole; or, in a checkpointed layer over many tokens, in chunks
         // (model/layer_mlp.rs): the forward's over chunks, a recompute's not at all (backward
-        // runs it chunk by chunk).
+        // runs it chunk by chunk). Keeping the attention half only, its activations are not
+        // kept (backward recomputes them from h, whole or by chunks).
         let m = b * t;
-        let chunk = match output && keep {
+        let chunk = match output && retain == Retain::All {
             true => None,
             false => self.mlp_chunk(ctx, m),
         };
+        let keep_mlp = keep && retain != Retain::Attention;
         let (hres, y, mlp) = match (&self.moe, chunk) {
             // a MoE layer's backward recomputes its MLP half from h (model/layer_moe.rs)
             (Some(moe), _) => {
                 let (hres, y) = self.moe_fwd(moe, &x, ao, ctx, output)?;
                 (hres, y, None)
             }
-            (None, None) => self.mlp_fwd(MlpIn::Sum(&x, ao), ctx, output, keep)?,
+            (None, None) => self.mlp_fwd(MlpIn::Sum(&x, ao), ctx, output, keep_mlp)?,
             (None, Some(n)) => {
                 let hres = ops::add(&x, &ao)?;
                 drop(ao);
@@ -348,9 +377,10 @@ impl Layer {
                 self.moe_bwd(moe, &h, &dy, ctx, &mut grads)?
             }
             None => {
-                let (Some(h), Some(n)) = (residual, self.mlp_chunk(ctx, b * t)) else {
-                    candle_core::bail!("backward: a chunked MLP without its residual or chunk");
+                let Some(h) = residual else {
+                    candle_core::bail!("backward: a recomputed MLP half without its residual");
                 };
+                let n = self.mlp_chunk(ctx, b * t).unwrap_or(b * t);
                 self.mlp_bwd_chunked(&h, &dy, ctx, n, &mut grads)?
             }
         }; // [m, C]

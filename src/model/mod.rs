@@ -24,6 +24,6 @@ pub mod router;
 pub use config::{ConfigError, ModelConfig, RopeScaling};
 pub use family::{Arch, Family, NormStyle};
 pub use layer::{Extra, Layer, LayerSpec};
-pub use layer_train::{LayerActs, LayerGrads};
+pub use layer_train::{LayerActs, LayerGrads, Retain};
 pub use linear::{AdapterGrad, Linear, LoraGrad, Pad};
 pub use llama::{Ctx, Model};

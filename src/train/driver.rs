@@ -28,9 +28,10 @@ use super::optim::Grads;
 use crate::data::Batch;
 use crate::memory;
 use crate::model::moe_aux::MoeAux;
-use crate::model::{Ctx, Layer, LayerActs, LayerGrads, Model};
+use crate::model::{Ctx, Layer, LayerActs, LayerGrads, Model, Retain};
 use crate::parallel::fsdp::Shards;
 use crate::parallel::{Comm, Solo};
+use crate::recipe::Checkpointing;
 use candle_core::{DType, Device, Result, Tensor, Var};
 use std::borrow::Cow;
 
@@ -47,24 +48,38 @@ pub enum Keep {
     Acts,
     /// The activations, the residual h parked in host memory (train/offload.rs).
     Offload,
+    /// The attention half's activations and the residual h; backward recomputes the MLP half
+    /// from h (`activation_checkpointing = "mlp"`).
+    Attention,
 }
 
 impl Keep {
     /// From the recipe's `train.activation_checkpointing` and `train.offload_activations`
-    /// (None: on). Parking applies on CUDA only: elsewhere host memory is the device's.
-    pub fn new(checkpointing: bool, offload: Option<bool>, dev: &Device) -> Keep {
+    /// (None: on). Parking applies on CUDA only: elsewhere host memory is the device's. With
+    /// the MLP half recomputed, its residual h stays on the device (its backward starts there).
+    pub fn new(checkpointing: Checkpointing, offload: Option<bool>, dev: &Device) -> Keep {
         let offload = offload.unwrap_or(crate::recipe::OFFLOAD_ACTIVATIONS_DEFAULT);
         match (checkpointing, offload && dev.is_cuda()) {
-            (true, true) => Keep::InputParked,
-            (true, false) => Keep::Input,
-            (false, true) => Keep::Offload,
-            (false, false) => Keep::Acts,
+            (Checkpointing::Full, true) => Keep::InputParked,
+            (Checkpointing::Full, false) => Keep::Input,
+            (Checkpointing::Mlp, _) => Keep::Attention,
+            (Checkpointing::Off, true) => Keep::Offload,
+            (Checkpointing::Off, false) => Keep::Acts,
         }
     }
 
     /// Whether forward keeps the layers' input only (activation checkpointing).
     pub fn checkpointed(self) -> bool {
         matches!(self, Keep::Input | Keep::InputParked)
+    }
+
+    /// What a layer's forward keeps.
+    pub fn retain(self) -> Retain {
+        match self {
+            Keep::Input | Keep::InputParked => Retain::Nothing,
+            Keep::Attention => Retain::Attention,
+            Keep::Acts | Keep::Offload => Retain::All,
+        }
     }
 
     /// Whether something waits for backward in host memory.
@@ -342,7 +357,7 @@ fn forward(model: &Model, par: &Par, ctx: &Ctx, ids: &Tensor, keep: Keep) -> Res
             head = par.io_ahead(model)?;
         }
         let layer = par.resident(model, layer)?; // (the next gather overlaps the dequant)
-        let (y, acts) = layer.forward_train(&x, ctx, !keep.checkpointed())?;
+        let (y, acts) = layer.forward_retain(&x, ctx, keep.retain())?;
         saved.push(match acts {
             Some(mut acts) => {
                 // The residual h: parked (but the last layer's, whose backward comes first),
@@ -608,8 +623,12 @@ mod tests {
     fn what_forward_keeps_follows_the_recipe() {
         let cpu = Device::Cpu;
         for offload in [None, Some(true), Some(false)] {
-            assert_eq!(Keep::new(true, offload, &cpu), Keep::Input);
-            assert_eq!(Keep::new(false, offload, &cpu), Keep::Acts);
+            assert_eq!(Keep::new(true.into(), offload, &cpu), Keep::Input);
+            assert_eq!(Keep::new(false.into(), offload, &cpu), Keep::Acts);
+            assert_eq!(
+                Keep::new(Checkpointing::Mlp, offload, &cpu),
+                Keep::Attention
+            );
         }
     }
 

@@ -836,3 +836,37 @@ fn an_unsupported_model_type_exits_2_naming_it_and_the_list_before_any_weight_is
         assert!(!fx.path("out").exists());
     }
 }
+
+#[test]
+fn activation_checkpointing_takes_true_false_or_mlp_and_names_the_rest() {
+    let fx = Fixture::new();
+    refused(
+        "activation_checkpointing = \"attn\"",
+        fx.train(&["train.activation_checkpointing=attn"]),
+        2,
+        &[
+            "train.activation_checkpointing",
+            "expected true, false or \"mlp\"",
+            "found \"attn\"",
+        ],
+    );
+    assert!(!fx.path("out").exists());
+    // "mlp" recomputes the MLP half in backward: the same losses as keeping everything.
+    let losses = |dir: &str| -> Vec<f64> {
+        std::fs::read_to_string(fx.path(dir).join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter_map(|v| v["loss"].as_f64())
+            .collect()
+    };
+    for (value, dir) in [("false", "off"), ("mlp", "mlp")] {
+        let set = format!("train.activation_checkpointing={value}");
+        let out = format!("output.dir={dir}");
+        let (code, err) = fx.train(&[&set, &out, "lora.dropout=0.1"]);
+        assert_eq!(code, 0, "{value}: {err}");
+    }
+    let (off, mlp) = (losses("off"), losses("mlp"));
+    assert_eq!(off.len(), 4, "{off:?}");
+    assert_eq!(off, mlp);
+}

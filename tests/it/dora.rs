@@ -64,7 +64,7 @@ fn dora_magnitude_is_trained_and_errors_are_small() {
         let batch = s.batch(&[vec![0], vec![1]]);
         let logits = driver::logits(&s.model, &batch).unwrap();
         let mut grads = Grads::new();
-        let keep = driver::Keep::new(false, None, &s.model.device);
+        let keep = driver::Keep::new(false.into(), None, &s.model.device);
         let n = batch.n_targets() as f64;
         driver::forward_backward(&s.model, &batch, n, keep, None, &mut grads).unwrap();
         let mut got = HashMap::new();

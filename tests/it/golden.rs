@@ -73,7 +73,7 @@ pub fn check_case_on(case: &str, sets: &[&str], tol: Tol) {
     let mut grads = Grads::new();
     let n = batch.n_targets() as f64;
     // the default: on CUDA each layer's residual goes through host memory
-    let keep = Keep::new(false, None, &s.model.device);
+    let keep = Keep::new(false.into(), None, &s.model.device);
     let ce = driver::forward_backward(&s.model, &batch, n, keep, None, &mut grads).unwrap();
     let loss = want["loss"].to_vec1::<f32>().unwrap()[0] as f64;
     assert!(

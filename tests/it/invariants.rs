@@ -5,6 +5,8 @@
 use crate::common::*;
 use candle_core::{Tensor, Var};
 use lora_train::data::{Batch, Example};
+use lora_train::memory::plan::{kept_attention_per_token_layer, kept_per_token_layer};
+use lora_train::model::Retain;
 use lora_train::train::driver::{self, Keep};
 use lora_train::train::{optim::Grads, Session};
 
@@ -1289,4 +1291,66 @@ fn a_chunked_mlp_gives_the_unchunked_loss_and_gradients() {
     let (ce_c, got) = grads_of(&s, &batch, Keep::Input, key);
     assert_eq!(ce_c, ce);
     assert_same_grads("dropout: the MLP runs whole", &got, &want);
+}
+
+/// `train.activation_checkpointing = "mlp"` (`Keep::Attention`): forward keeps the attention
+/// half's activations and the residual h, backward recomputes the MLP half from h. The loss and
+/// every gradient are those of the kept activations to the bit: whole and in chunks, with
+/// dropout on the MLP's adapters, through Gemma's output norms, Phi-3's fused gate_up, Qwen2's
+/// biases, QK-norm and a MoE layer. A layer keeps the bytes the memory plan counts.
+#[test]
+fn recomputing_the_mlp_half_gives_the_kept_gradients() {
+    for case in [
+        "llama_gqa",
+        "gemma2_softcap",
+        "phi3_fused_longrope",
+        "qwen2_bias",
+        "qwen3_qk_norm",
+        "qwen3_moe",
+    ] {
+        let (_t, mut s) = session(case, &[]);
+        let all: Vec<&Example> = s.data.examples.iter().collect();
+        let batch = Batch::from_rows(&[all.clone(), all.clone(), all], 0, true);
+        for chunk in [None, Some(16)] {
+            s.model.mlp_chunk = chunk;
+            let (ce, want) = grads_of(&s, &batch, Keep::Acts, None);
+            let (ce_m, got) = grads_of(&s, &batch, Keep::Attention, None);
+            assert_eq!(ce_m, ce, "{case}: the loss, MLP chunk {chunk:?}");
+            assert_same_grads(&format!("{case}: MLP chunk {chunk:?}"), &got, &want);
+        }
+        let m = &s.model;
+        let ctx = m
+            .ctx(&batch.positions, batch.b, batch.t, None, None)
+            .unwrap();
+        let ids = Tensor::from_slice(&batch.ids, (batch.b, batch.t), &m.device).unwrap();
+        let x = m.embed(&ids).unwrap();
+        let layer = &m.layers[0];
+        let kept = |r| {
+            layer
+                .forward_retain(&x, &ctx, r)
+                .unwrap()
+                .1
+                .unwrap()
+                .bytes() as u64
+        };
+        let per_token = kept_attention_per_token_layer(&m.cfg, 4, s.spec.rank, &s.spec.targets);
+        let tokens = (batch.b * batch.t) as u64;
+        assert_eq!(
+            kept(Retain::Attention),
+            per_token * tokens,
+            "{case}: the plan's bytes"
+        );
+        let full = kept_per_token_layer(&m.cfg, 4, s.spec.rank, &s.spec.targets);
+        match m.cfg.arch.moe {
+            Some(_) => assert_eq!(per_token, full, "{case}: a MoE layer keeps h already"),
+            None => assert!(per_token < full, "{case}: {per_token} B a token of {full}"),
+        }
+    }
+    let (_t, s) = session("llama_gqa", &["lora.dropout=0.3"]);
+    let batch = s.batch(&[vec![0], vec![1]]);
+    let key = Some((7, [3, 1]));
+    let (ce, want) = grads_of(&s, &batch, Keep::Acts, key);
+    let (ce_m, got) = grads_of(&s, &batch, Keep::Attention, key);
+    assert_eq!(ce_m, ce);
+    assert_same_grads("dropout: the MLP recomputed with its masks", &got, &want);
 }

@@ -54,8 +54,8 @@ fn plan_of_the_tiny_recipe_is_the_snapshot() {
     snapshot("tiny-cpu.txt", &out);
     // Tiny model, f32: base 158016 params · 4 B = 632064 B = 617.25 KiB on single and ddp,
     // half on fsdp (308.62 KiB); 512 MiB of CUDA context dominates everything.
-    assert!(out.contains("single          617.25 KiB"), "{out}");
-    assert!(out.contains("fsdp ×2         308.62 KiB"), "{out}");
+    assert!(out.contains("single              617.25 KiB"), "{out}");
+    assert!(out.contains("fsdp ×2             308.62 KiB"), "{out}");
     assert!(out.contains("advice: use single: "), "{out}");
 }
 
@@ -90,7 +90,7 @@ fn plan_of_llama2_7b_from_config_json_alone() {
         out.contains("ddp: every rank holds a full replica"),
         "{out}"
     );
-    assert!(out.contains("fsdp ×2 + ckpt   6.35 GiB"), "{out}");
+    assert!(out.contains("fsdp ×2 + ckpt       6.35 GiB"), "{out}");
     assert!(out
         .contains("next layer (and embedding + head for the head), with or without checkpointing"));
 
@@ -108,7 +108,13 @@ fn plan_of_llama2_7b_from_config_json_alone() {
     let v: serde_json::Value = serde_json::from_str(&json).unwrap();
     assert_eq!(v["kept_bytes_per_token_layer"], 85_344);
     assert_eq!(v["lora_params"], 39_976_960);
-    assert_eq!(v["rows"].as_array().unwrap().len(), 6);
+    // Three strategies × checkpointing off, "mlp" and on.
+    assert_eq!(v["rows"].as_array().unwrap().len(), 9);
+    let ckpts: Vec<_> = v["rows"].as_array().unwrap()[..3]
+        .iter()
+        .map(|r| r["ckpt"].to_string())
+        .collect();
+    assert_eq!(ckpts, ["false", "\"mlp\"", "true"]);
     // The recipe's own row: single + checkpointing, mb 2.
     let sel = &v["selected"];
     assert_eq!(
@@ -230,7 +236,11 @@ fn preflight_refuses_a_run_the_plan_says_does_not_fit() {
         "{err}"
     );
     assert!(
-        err.contains("remedies: train.activation_checkpointing = true"),
+        err.contains("remedies: train.activation_checkpointing = \"mlp\" (forecast "),
+        "{err}"
+    );
+    assert!(
+        err.contains("; train.activation_checkpointing = true (forecast "),
         "{err}"
     );
     assert!(err.contains("--force"), "{err}");
@@ -310,7 +320,11 @@ save_every = 1
         "{err}"
     );
     assert!(
-        err.contains("remedies: train.activation_checkpointing = true"),
+        err.contains("remedies: train.activation_checkpointing = \"mlp\" (forecast "),
+        "{err}"
+    );
+    assert!(
+        err.contains("; train.activation_checkpointing = true (forecast "),
         "{err}"
     );
     assert!(
@@ -584,4 +598,38 @@ fn plan_and_check_take_a_cuda_recipe_on_any_build() {
         assert_eq!(code, 2, "{err}");
         assert!(err.contains("built without CUDA"), "{err}");
     }
+}
+
+#[test]
+fn plan_ckpt_mlp_marks_its_row_between_off_and_full() {
+    // #24's checkpointed point, Llama-3-8B at seq 4096, micro-batch 2.
+    let args = |ck: &[&'static str]| {
+        let mut a = vec![
+            "plan",
+            "--shape",
+            "llama3-8b",
+            "--seq",
+            "4096",
+            "--micro-batch",
+            "2",
+            "--json",
+        ];
+        a.extend(ck);
+        a
+    };
+    let total = |ck: &[&'static str]| {
+        let (code, out, err) = run(&args(ck));
+        assert_eq!(code, 0, "{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        (
+            v["selected"]["ckpt"].to_string(),
+            v["selected"]["total_gib"].as_f64().unwrap(),
+        )
+    };
+    let (off, mlp, full) = (total(&[]), total(&["--ckpt", "mlp"]), total(&["--ckpt"]));
+    assert_eq!(
+        (off.0.as_str(), mlp.0.as_str(), full.0.as_str()),
+        ("false", "\"mlp\"", "true")
+    );
+    assert!(full.1 < mlp.1 && mlp.1 < off.1, "{off:?} {mlp:?} {full:?}");
 }

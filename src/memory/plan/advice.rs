@@ -2,13 +2,13 @@
 //! does not fit, the settings that would (`remedies`).
 
 use super::{fmt_bytes, label, row, strategy_name, Plan, Row};
-use crate::recipe::Strategy;
+use crate::recipe::{Checkpointing, Strategy};
 
 /// What to do, in the order the checks run.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Advice {
     pub strategy: Option<Strategy>,
-    pub ckpt: Option<bool>,
+    pub ckpt: Option<Checkpointing>,
     pub micro_batch: Option<usize>,
     pub grad_accum: Option<usize>,
     /// The longest seq_len any row holds at micro-batch 1 (`longest`).
@@ -34,10 +34,12 @@ pub fn advise(
         max_seq_len: None,
         lines: Vec::new(),
     };
-    let find = |st: Strategy, ck: bool| rows.iter().find(|r| r.b.strategy == st && r.b.ckpt == ck);
+    let find = |st: Strategy, ck: Checkpointing| {
+        rows.iter().find(|r| r.b.strategy == st && r.b.ckpt == ck)
+    };
     let Some(cap) = capacity else {
         // No capacity: say only what dominates.
-        if let Some(r) = find(Strategy::Single, false) {
+        if let Some(r) = find(Strategy::Single, Checkpointing::Off) {
             a.lines.push(format!(
                 "no capacity given (--gpu-mem): single without checkpointing needs {}; {} dominate",
                 fmt_bytes(r.b.total),
@@ -47,10 +49,12 @@ pub fn advise(
         return a;
     };
     let order = [
-        (Strategy::Single, false),
-        (Strategy::Single, true),
-        (Strategy::Fsdp, false),
-        (Strategy::Fsdp, true),
+        (Strategy::Single, Checkpointing::Off),
+        (Strategy::Single, Checkpointing::Mlp),
+        (Strategy::Single, Checkpointing::Full),
+        (Strategy::Fsdp, Checkpointing::Off),
+        (Strategy::Fsdp, Checkpointing::Mlp),
+        (Strategy::Fsdp, Checkpointing::Full),
     ];
     if let Some(r) = order
         .iter()
@@ -64,10 +68,10 @@ pub fn advise(
         let st = strategy_name(r.b.strategy);
         a.lines.push(format!(
             "use {st}{}: {} of {} per rank",
-            if r.b.ckpt {
-                " with activation checkpointing"
-            } else {
-                ""
+            match r.b.ckpt {
+                Checkpointing::Full => " with activation checkpointing",
+                Checkpointing::Mlp => " with train.activation_checkpointing = \"mlp\"",
+                Checkpointing::Off => "",
             },
             fmt_bytes(r.b.total),
             fmt_bytes(cap)
@@ -121,7 +125,7 @@ pub fn advise(
                         .into(),
                 ),
             }
-            if !best.b.ckpt {
+            if best.b.ckpt != Checkpointing::Full {
                 a.lines
                     .push("turn on train.activation_checkpointing = true".into());
             }
@@ -174,13 +178,19 @@ pub fn longest_line(r: &Row, t: usize, at: &super::Breakdown, max_positions: usi
 
 /// What to change when the run's row (`selected`) does not fit: concrete settings, each with
 /// its forecast.
-pub fn remedies(p: &Plan, selected: (Strategy, bool)) -> Vec<String> {
+pub fn remedies(p: &Plan, selected: (Strategy, Checkpointing)) -> Vec<String> {
     let mut out = Vec::new();
     let (st, ck) = selected;
-    if !ck {
-        if let Some(r) = row(p, st, true) {
+    let more = match ck {
+        Checkpointing::Off => &[Checkpointing::Mlp, Checkpointing::Full][..],
+        Checkpointing::Mlp => &[Checkpointing::Full][..],
+        Checkpointing::Full => &[][..],
+    };
+    for &c in more {
+        if let Some(r) = row(p, st, c) {
             out.push(format!(
-                "train.activation_checkpointing = true (forecast {})",
+                "train.activation_checkpointing = {} (forecast {})",
+                c.name(),
                 fmt_bytes(r.b.total)
             ));
         }
@@ -194,7 +204,7 @@ pub fn remedies(p: &Plan, selected: (Strategy, bool)) -> Vec<String> {
         }
     }
     if p.gpus > 1 && st != Strategy::Fsdp {
-        if let Some(r) = row(p, Strategy::Fsdp, true) {
+        if let Some(r) = row(p, Strategy::Fsdp, Checkpointing::Full) {
             out.push(format!(
                 "parallel.strategy = \"fsdp\" with checkpointing (forecast {} per rank)",
                 fmt_bytes(r.b.total)

@@ -22,6 +22,10 @@
 //!   device. Over N > `train.mlp_chunk` tokens the MLP runs in chunks of that many
 //!   (model/layer_mlp.rs): its gate and up (2·I) and backward workspace (3·I) count one chunk,
 //!   and the attention's backward N·s·(4C + 2·K·D) (dL/dy, dL/dh, dL/d(attn), dq, dk, dv).
+//! - `activation_checkpointing = "mlp"`: each layer keeps its attention half and the residual
+//!   h, s · (2·C + 2·H·D + 2·K·D + r·A_attn) + 4H (Llama-2-7B: 49,408 B/token/layer), and the
+//!   layer whose MLP half runs (forward) or is recomputed (backward) holds its gate, up and MLP
+//!   adapter states, s · (2·I + r·A_mlp), for one chunk. Nothing is parked.
 //! - offload (`train.offload_activations`, on by default with CUDA; without checkpointing):
 //!   each layer's residual h waits for its backward in pinned host memory, (L − 1)·N·C·s of it
 //!   (`host`; the last layer's stays on the device). On the device one more N·C·s in forward
@@ -67,7 +71,7 @@
 
 use crate::model::ModelConfig;
 use crate::ops::kernels::{CrossEntropy, Kernels};
-use crate::recipe::Strategy;
+use crate::recipe::{Checkpointing, Strategy};
 
 mod advice;
 mod render;
@@ -146,7 +150,7 @@ pub struct PlanInput {
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Breakdown {
     pub strategy: Strategy,
-    pub ckpt: bool,
+    pub ckpt: Checkpointing,
     pub world: usize,
     pub micro_batch: usize,
     pub base: u64,
@@ -273,6 +277,40 @@ pub fn kept_per_token_layer(cfg: &ModelConfig, s: u64, r: usize, targets: &[Stri
     s * (c + 2 * h * d + 2 * k * d + mlp + r as u64 * n + out_norms) + 4 * h
 }
 
+/// Bytes a layer keeps per token when backward recomputes its MLP half
+/// (`activation_checkpointing = "mlp"`, `Retain::Attention`): `kept_per_token_layer` without
+/// the MLP half's (`mlp_kept_per_token`), with the residual h (C) instead. A MoE layer keeps
+/// that already.
+pub fn kept_attention_per_token_layer(
+    cfg: &ModelConfig,
+    s: u64,
+    r: usize,
+    targets: &[String],
+) -> u64 {
+    let all = kept_per_token_layer(cfg, s, r, targets);
+    match cfg.arch.moe {
+        Some(_) => all,
+        None => all - mlp_kept_per_token(cfg, s, r, targets) + s * cfg.hidden_size as u64,
+    }
+}
+
+/// Bytes per token of a dense MLP half's activations: gate and up (2I), the MLP adapters'
+/// states (r each) and, with Gemma's norm on down's output, its input (C).
+fn mlp_kept_per_token(cfg: &ModelConfig, s: u64, r: usize, targets: &[String]) -> u64 {
+    let (c, i) = (cfg.hidden_size as u64, cfg.intermediate_size as u64);
+    let adapters = adapted(cfg, targets).filter(|m| is_mlp(m)).count() as u64;
+    let mo = if cfg.arch.sandwich_norms { c } else { 0 };
+    s * (2 * i + r as u64 * adapters + mo)
+}
+
+/// Whether a decoder linear belongs to the MLP half.
+fn is_mlp(module: &str) -> bool {
+    matches!(
+        module,
+        "gate_proj" | "up_proj" | "down_proj" | "gate_up_proj"
+    )
+}
+
 /// A MoE layer's MLP workspace over n tokens, (forward, backward) bytes: the gathered
 /// [n·k, C] input and output (backward: also dL/dy gathered and dL/dx per expert), one
 /// expert's gate_up, gate, up and activation over at most all n tokens ([n, 2I] + 3 [n, I];
@@ -355,8 +393,14 @@ fn largest_linear(cfg: &ModelConfig) -> u64 {
     shapes.map(|(i, o)| (i * o) as u64).max().unwrap_or(0)
 }
 
-/// The per-rank breakdown of one strategy, with or without checkpointing, at `micro_batch`.
-pub fn breakdown(p: &PlanInput, strategy: Strategy, ckpt: bool, micro_batch: usize) -> Breakdown {
+/// The per-rank breakdown of one strategy and checkpointing, at `micro_batch`.
+pub fn breakdown(
+    p: &PlanInput,
+    strategy: Strategy,
+    ckpt: Checkpointing,
+    micro_batch: usize,
+) -> Breakdown {
+    let full = ckpt == Checkpointing::Full;
     let cfg = &p.cfg;
     let s = p.dtype_bytes;
     let world = if strategy == Strategy::Single {
@@ -421,16 +465,24 @@ pub fn breakdown(p: &PlanInput, strategy: Strategy, ckpt: bool, micro_batch: usi
         Some(k) if n > k as u64 && cfg.arch.moe.is_none() => k as u64,
         _ => n,
     };
-    let chunk = if ckpt { bwd_chunk } else { n };
+    let chunk = if ckpt.on() { bwd_chunk } else { n };
     let layer_act = kept_per_token_layer(cfg, s, p.rank, &p.targets) * n - 2 * i * s * (n - chunk);
+    // Keeping the attention half: the MLP half's gate, up and adapter states of one chunk
+    // are recomputed in backward.
+    let attn_act = kept_attention_per_token_layer(cfg, s, p.rank, &p.targets) * n;
+    let mlp_act = match cfg.arch.moe {
+        Some(_) => 0,
+        None => mlp_kept_per_token(cfg, s, p.rank, &p.targets) * chunk,
+    };
     let boundary = n * c * s; // one [B, T, C] tensor
                               // Checkpointed with offload: the inputs parked in host memory but the last layer's; on
                               // the device that one, the last output and one on its way out (forward) or back.
-    let parked = ckpt && p.offload;
+    let parked = full && p.offload;
     let kept = match (ckpt, parked) {
-        (true, true) => 3 * boundary,
-        (true, false) => (l + 1) * boundary,
-        (false, _) => l * layer_act,
+        (Checkpointing::Full, true) => 3 * boundary,
+        (Checkpointing::Full, false) => (l + 1) * boundary,
+        (Checkpointing::Mlp, _) => l * attn_act,
+        (Checkpointing::Off, _) => l * layer_act,
     };
     let steady = base + adapters + optimizer;
     let scores = (b * cfg.num_heads as u64 * t * t * 2).min(ATTN_BLOCK);
@@ -460,12 +512,16 @@ pub fn breakdown(p: &PlanInput, strategy: Strategy, ckpt: bool, micro_batch: usi
     // Backward's residuals: the recomputed layer's (checkpointing), or, offloaded, the
     // layer's own, back from the host, and the next one on its way back; both alive through
     // the MLP's backward, where a recomputed residual does not exist yet.
-    let recomputed = if ckpt { layer_act } else { 0 };
-    let offload = p.offload && !ckpt;
+    let recomputed = match ckpt {
+        Checkpointing::Full => layer_act,
+        Checkpointing::Mlp => mlp_act,
+        Checkpointing::Off => 0,
+    };
+    let offload = p.offload && ckpt == Checkpointing::Off;
     let in_flight = match (ckpt, offload) {
-        (true, _) => boundary,
-        (false, true) => 2 * boundary,
-        (false, false) => 0,
+        (Checkpointing::Full, _) => boundary,
+        (_, true) => 2 * boundary,
+        (_, false) => 0,
     };
     let host = if offload || parked {
         l.saturating_sub(1) * boundary
@@ -570,7 +626,7 @@ pub fn strategies(gpus: usize) -> Vec<Strategy> {
 pub fn max_micro_batch(
     p: &PlanInput,
     strategy: Strategy,
-    ckpt: bool,
+    ckpt: Checkpointing,
     capacity: u64,
     limit: usize,
 ) -> Option<usize> {
@@ -587,7 +643,7 @@ pub const SEQ_STEP: usize = 1024;
 pub fn max_seq_len(
     p: &PlanInput,
     strategy: Strategy,
-    ckpt: bool,
+    ckpt: Checkpointing,
     capacity: u64,
     limit: usize,
 ) -> Option<usize> {
@@ -666,7 +722,7 @@ pub const SEQ_LIMIT: usize = crate::recipe::bounds::MAX_SEQ_LEN;
 pub fn plan(p: &PlanInput, grad_accum: usize, capacity: Option<u64>) -> Plan {
     let mut rows = Vec::new();
     for st in strategies(p.gpus) {
-        for ckpt in [false, true] {
+        for ckpt in [Checkpointing::Off, Checkpointing::Mlp, Checkpointing::Full] {
             let b = breakdown(p, st, ckpt, p.micro_batch);
             rows.push(Row {
                 fits: capacity.map(|c| b.total <= c),
@@ -805,7 +861,7 @@ pub fn input_from_recipe(
 }
 
 /// The row of a strategy and checkpointing setting.
-pub fn row(p: &Plan, strategy: Strategy, ckpt: bool) -> Option<&Row> {
+pub fn row(p: &Plan, strategy: Strategy, ckpt: Checkpointing) -> Option<&Row> {
     p.rows
         .iter()
         .find(|r| r.b.strategy == strategy && r.b.ckpt == ckpt)

@@ -1,7 +1,7 @@
 //! The plan for people (`render`: the table and the advice) and for machines (`to_json`).
 
 use super::{row, strategy_name, Breakdown, Plan, Row, GIB, MB_LIMIT, MIB, SEQ_LIMIT, SEQ_STEP};
-use crate::recipe::Strategy;
+use crate::recipe::{Checkpointing, Strategy};
 
 /// e.g. "fsdp ×2 + ckpt".
 pub fn label(b: &Breakdown) -> String {
@@ -9,8 +9,10 @@ pub fn label(b: &Breakdown) -> String {
     if b.strategy != Strategy::Single {
         s.push_str(&format!(" ×{}", b.world));
     }
-    if b.ckpt {
-        s.push_str(" + ckpt");
+    match b.ckpt {
+        Checkpointing::Full => s.push_str(" + ckpt"),
+        Checkpointing::Mlp => s.push_str(" + ckpt mlp"),
+        Checkpointing::Off => {}
     }
     s
 }
@@ -32,7 +34,7 @@ pub fn fmt_bytes(x: u64) -> String {
 /// The human table and the advice.
 /// The table for people; `selected` (the run's own strategy and checkpointing) is marked and
 /// answered first: whether it fits as written, and at which micro-batch.
-pub fn render(p: &Plan, selected: (Strategy, bool)) -> String {
+pub fn render(p: &Plan, selected: (Strategy, Checkpointing)) -> String {
     let mut out = String::new();
     out.push_str(&format!(
         "memory plan per rank: micro-batch {} × seq {} ({} tokens), grad_accum {}, base {} params at {} B, LoRA {} params, kept activations {} B/token/layer\n",
@@ -233,7 +235,7 @@ fn row_json(r: &Row) -> serde_json::Value {
 }
 
 /// The plan for machines; `selected` is the row of the run's own strategy and checkpointing.
-pub fn to_json(p: &Plan, selected: (Strategy, bool)) -> serde_json::Value {
+pub fn to_json(p: &Plan, selected: (Strategy, Checkpointing)) -> serde_json::Value {
     serde_json::json!({
         "micro_batch": p.micro_batch, "grad_accum": p.grad_accum, "seq_len": p.seq_len,
         "gpus": p.gpus, "dtype_bytes": p.dtype_bytes, "lora_params": p.lora_params,

@@ -3,6 +3,9 @@
 use super::*;
 use crate::lora::ALL_LINEAR;
 
+const OFF: Checkpointing = Checkpointing::Off;
+const FULL: Checkpointing = Checkpointing::Full;
+
 fn llama2_7b() -> ModelConfig {
     crate::bench::shape("llama2-7b").unwrap()
 }
@@ -75,7 +78,7 @@ fn lora_params_and_base_by_hand() {
 
 #[test]
 fn single_mb2_no_ckpt_matches_the_measured_peak() {
-    let b = breakdown(&input(2, 1), Strategy::Single, false, 2);
+    let b = breakdown(&input(2, 1), Strategy::Single, OFF, 2);
     // base 6738415616 · 2 = 13476831232 B (12.55 GiB); adapters 39976960 · 4 = 159907840
     // and their bf16 copies 79953920; AdamW 319815680. kept: 32 · 85344 · 4096 =
     // 11186208768 (10.42 GiB).
@@ -104,13 +107,13 @@ fn folded_weights_add_their_pad_columns_to_the_base_and_fsdp_shards_them() {
     p.kernels.fold = true;
     let plain = input(2, 2);
     for s in [Strategy::Single, Strategy::Ddp] {
-        let (a, b) = (breakdown(&p, s, false, 2), breakdown(&plain, s, false, 2));
+        let (a, b) = (breakdown(&p, s, OFF, 2), breakdown(&plain, s, OFF, 2));
         assert_eq!(a.base, b.base + pads, "{s:?}");
         assert_eq!(a.pool_peak, b.pool_peak + pads, "{s:?}");
     }
     let (a, b) = (
-        breakdown(&p, Strategy::Fsdp, false, 2),
-        breakdown(&plain, Strategy::Fsdp, false, 2),
+        breakdown(&p, Strategy::Fsdp, OFF, 2),
+        breakdown(&plain, Strategy::Fsdp, OFF, 2),
     );
     // FSDP: 1/N of the pads per rank, and each of the two gathered layers carries its own.
     assert_eq!(a.base, (13_476_831_232 + pads) / 2);
@@ -135,9 +138,9 @@ fn tensor_core_attention_has_no_score_blocks() {
     // 190840832 B, which is all the tensor-core kernels leave. Backward, the peak here, is
     // the same either way.
     let mut p = input(2, 1);
-    let blockwise = breakdown(&p, Strategy::Single, false, 2);
+    let blockwise = breakdown(&p, Strategy::Single, OFF, 2);
     p.kernels.attention = crate::ops::kernels::Attention::MmaSync;
-    let flash = breakdown(&p, Strategy::Single, false, 2);
+    let flash = breakdown(&p, Strategy::Single, OFF, 2);
     assert_eq!(
         blockwise.phases[1].1 - flash.phases[1].1,
         402_653_184 - 190_840_832
@@ -149,9 +152,9 @@ fn tensor_core_attention_has_no_score_blocks() {
 #[test]
 fn offloaded_residuals_cost_two_on_the_device_and_the_rest_on_the_host() {
     let mut p = input(2, 1);
-    let kept = breakdown(&p, Strategy::Single, false, 2);
+    let kept = breakdown(&p, Strategy::Single, OFF, 2);
     p.offload = true;
-    let off = breakdown(&p, Strategy::Single, false, 2);
+    let off = breakdown(&p, Strategy::Single, OFF, 2);
     // A residual is N·C·s = 4096 · 4096 · 2 = 33554432 B: 31 wait on the host; on the
     // device one more in forward, two more in backward (the peak), as measured on an H200
     // (forward 23.70 vs 23.67 GiB, backward 23.87 vs 23.81).
@@ -161,10 +164,10 @@ fn offloaded_residuals_cost_two_on_the_device_and_the_rest_on_the_host() {
     assert_eq!(off.peak_phase, "backward");
     // Checkpointed, the layer inputs are parked but the last layer's (31 of 32 · 8192 · 4096
     // · 2 = 67108864 B at micro-batch 4); on the device 3 boundaries instead of 33.
-    let ck = breakdown(&p, Strategy::Single, true, 4);
+    let ck = breakdown(&p, Strategy::Single, FULL, 4);
     assert_eq!(ck.host, 31 * 67_108_864);
     p.offload = false;
-    let ck_kept = breakdown(&p, Strategy::Single, true, 4);
+    let ck_kept = breakdown(&p, Strategy::Single, FULL, 4);
     assert_eq!(ck_kept.host, 0);
     assert_eq!(ck_kept.pool_peak - ck.pool_peak, 30 * 67_108_864);
 }
@@ -177,9 +180,9 @@ fn a_long_context_step_counts_one_mlp_chunk() {
     let mut p = input(1, 1);
     p.seq_len = 65536;
     p.offload = true;
-    let whole = breakdown(&p, Strategy::Single, true, 1);
+    let whole = breakdown(&p, Strategy::Single, FULL, 1);
     p.mlp_chunk = Some(16384);
-    let chunked = breakdown(&p, Strategy::Single, true, 1);
+    let chunked = breakdown(&p, Strategy::Single, FULL, 1);
     let per_tok = 2 * 11008 * 2 + 3 * 11008 * 2; // gate, up kept; dgate, dup, da
     let attn_bwd = 65536 * 2 * (2 * 4096 + 2 * 4096); // dL/d(attn), dq, dk, dv over all tokens
     assert_eq!(whole.peak_phase, "backward");
@@ -191,7 +194,7 @@ fn a_long_context_step_counts_one_mlp_chunk() {
 
 #[test]
 fn single_ckpt_matches_the_measured_peaks() {
-    let b = breakdown(&input(8, 1), Strategy::Single, true, 8);
+    let b = breakdown(&input(8, 1), Strategy::Single, FULL, 8);
     // N = 16384; boundaries (32 + 1) · 16384 · 4096 · 2 = 4429185024;
     // the recomputed layer 85344 · 16384 = 1398276096;
     // workspace 16384 · 2 · 41216 = 1350565888, and the recomputed residual
@@ -206,7 +209,7 @@ fn single_ckpt_matches_the_measured_peaks() {
     // workspace 337641472 + the residual 33554432: 13956554752 + 79953920 + 1107296256
     // + 349569024 + 159907840 + 337641472 + 33554432 = 16024477696 B = 14.92 GiB
     // (measured on an H200 without the kept residual: 14.77 GiB).
-    let c = breakdown(&input(2, 1), Strategy::Single, true, 2);
+    let c = breakdown(&input(2, 1), Strategy::Single, FULL, 2);
     assert_eq!(c.pool_peak, 16_024_477_696);
     assert!((c.pool_peak as f64 / GI / 14.80 - 1.0).abs() < 0.025);
 }
@@ -214,9 +217,9 @@ fn single_ckpt_matches_the_measured_peaks() {
 #[test]
 fn fsdp_shards_the_base_and_ddp_does_not() {
     let p = input(2, 2);
-    let single = breakdown(&p, Strategy::Single, true, 2);
-    let ddp = breakdown(&p, Strategy::Ddp, true, 2);
-    let fsdp = breakdown(&p, Strategy::Fsdp, true, 2);
+    let single = breakdown(&p, Strategy::Single, FULL, 2);
+    let ddp = breakdown(&p, Strategy::Ddp, FULL, 2);
+    let fsdp = breakdown(&p, Strategy::Fsdp, FULL, 2);
     assert_eq!(ddp.base, single.base);
     // The per-layer bucket and its sum: 2 · 4 B · 39976960 / 32 = 9994240.
     assert_eq!(ddp.grads, single.grads + 9_994_240);
@@ -226,9 +229,9 @@ fn fsdp_shards_the_base_and_ddp_does_not() {
     assert!(fsdp.total < single.total && ddp.total > single.total);
     // Without checkpointing too: what forward keeps holds no weights, so the same two
     // gathered layers, and FSDP saves base / 2 − 2 layers = 6738415616 − 809533440 B.
-    let fsdp_kept = breakdown(&p, Strategy::Fsdp, false, 2);
+    let fsdp_kept = breakdown(&p, Strategy::Fsdp, OFF, 2);
     assert_eq!(fsdp_kept.gather, 809_533_440);
-    let single_kept = breakdown(&p, Strategy::Single, false, 2);
+    let single_kept = breakdown(&p, Strategy::Single, OFF, 2);
     assert_eq!(
         single_kept.pool_peak - fsdp_kept.pool_peak,
         6_738_415_616 - 809_533_440 - 9_994_240
@@ -239,15 +242,15 @@ fn fsdp_shards_the_base_and_ddp_does_not() {
 fn max_micro_batch_is_the_knee() {
     let p = input(2, 1);
     let cap = 80 * GIB;
-    let m = max_micro_batch(&p, Strategy::Single, false, cap, MB_LIMIT).unwrap();
-    assert!(breakdown(&p, Strategy::Single, false, m).total <= cap);
-    assert!(breakdown(&p, Strategy::Single, false, m + 1).total > cap);
+    let m = max_micro_batch(&p, Strategy::Single, OFF, cap, MB_LIMIT).unwrap();
+    assert!(breakdown(&p, Strategy::Single, OFF, m).total <= cap);
+    assert!(breakdown(&p, Strategy::Single, OFF, m + 1).total > cap);
     // No ckpt: total ≈ (13.96 GB + 0.16 GB of gradients + mb · (5.59 GB kept + 0.17 GB
     // workspace) + 0.40 GB attention) · 1.14 + 0.54 GB: mb 10 needs 77.1 GiB, mb 11 83.2.
     assert_eq!(m, 10);
     // 12 GiB cannot hold the 12.55 GiB base at all.
     assert_eq!(
-        max_micro_batch(&p, Strategy::Single, true, 12 * GIB, MB_LIMIT),
+        max_micro_batch(&p, Strategy::Single, FULL, 12 * GIB, MB_LIMIT),
         None
     );
 }
@@ -259,21 +262,21 @@ fn max_seq_len_is_the_knee_and_the_advice_names_it() {
     let mut p = input_from_shape("llama3-8b", 4096, 1, 16, all(), 1).unwrap();
     p.kernels = Kernels::forecast(true, candle_core::DType::BF16, p.cfg.attn_shape());
     let cap = 80 * GIB;
-    let t = max_seq_len(&p, Strategy::Single, true, cap, SEQ_LIMIT).unwrap();
+    let t = max_seq_len(&p, Strategy::Single, FULL, cap, SEQ_LIMIT).unwrap();
     assert_eq!(t % SEQ_STEP, 0);
     let at = |seq: usize| {
         let q = PlanInput {
             seq_len: seq,
             ..p.clone()
         };
-        breakdown(&q, Strategy::Single, true, 1)
+        breakdown(&q, Strategy::Single, FULL, 1)
     };
     assert!(at(t).total <= cap && at(t + SEQ_STEP).total > cap);
     // Kept state is linear in T with checkpointing: the 8B's 15 GiB base leaves room for
     // over half a million tokens; the measured 393,216 (52.1 GiB peak) is inside it.
     assert!((393_216..1 << 20).contains(&t), "{t}");
     // Without checkpointing every layer keeps its activations: far shorter.
-    let plain = max_seq_len(&p, Strategy::Single, false, cap, SEQ_LIMIT).unwrap();
+    let plain = max_seq_len(&p, Strategy::Single, OFF, cap, SEQ_LIMIT).unwrap();
     assert!(plain * 8 < t, "{plain} vs {t}");
     // The parked inputs need host memory: (L − 1) boundaries of T × C bf16.
     assert_eq!(at(t).host, 31 * t as u64 * 4096 * 2);
@@ -288,7 +291,7 @@ fn max_seq_len_is_the_knee_and_the_advice_names_it() {
     assert!(line.contains("max_position_embeddings (131072)"), "{line}");
     // A capacity below the base holds no context at all; no line is added.
     assert_eq!(
-        max_seq_len(&p, Strategy::Single, true, 8 * GIB, SEQ_LIMIT),
+        max_seq_len(&p, Strategy::Single, FULL, 8 * GIB, SEQ_LIMIT),
         None
     );
     let small = plan(&p, 1, Some(8 * GIB));
@@ -309,11 +312,25 @@ fn advice_follows_the_rules() {
     // 80 GiB: single without checkpointing fits at mb 2 (25.57 GiB).
     let p = input(2, 2);
     let a = advise(&rows_at(&p, 80 * GIB), 2, 4, Some(80 * GIB));
-    assert_eq!((a.strategy, a.ckpt), (Some(Strategy::Single), Some(false)));
-    // 24 GiB on 2 GPUs: single without checkpointing needs 25.57 GiB; single + ckpt
-    // needs 14.82 GiB in the pool + 14% + 512 MiB = 17.39 GiB: fits.
-    let a = advise(&rows_at(&p, 24 * GIB), 2, 4, Some(24 * GIB));
-    assert_eq!((a.strategy, a.ckpt), (Some(Strategy::Single), Some(true)));
+    assert_eq!((a.strategy, a.ckpt), (Some(Strategy::Single), Some(OFF)));
+    // 24 GiB on 2 GPUs: single without checkpointing needs 25.57 GiB; recomputing the MLP
+    // half only fits, and recomputes less than whole layers (17.39 GiB) would.
+    let rows = rows_at(&p, 24 * GIB);
+    let mlp = rows
+        .iter()
+        .find(|r| r.b.ckpt == Checkpointing::Mlp)
+        .unwrap();
+    assert!(mlp.b.total <= 24 * GIB, "{}", mlp.b.total);
+    let a = advise(&rows, 2, 4, Some(24 * GIB));
+    assert_eq!(
+        (a.strategy, a.ckpt),
+        (Some(Strategy::Single), Some(Checkpointing::Mlp))
+    );
+    assert!(a.lines[0].contains("\"mlp\""), "{a:?}");
+    // 20 GiB: only whole-layer checkpointing (14.82 GiB in the pool + 14% + 512 MiB =
+    // 17.39 GiB) fits on one GPU.
+    let a = advise(&rows_at(&p, 20 * GIB), 2, 4, Some(20 * GIB));
+    assert_eq!((a.strategy, a.ckpt), (Some(Strategy::Single), Some(FULL)));
     // 15 GiB: single and ddp + ckpt need 17.39 GiB; only fsdp (6.28 GiB of base
     // per rank) fits; ddp named as a full replica.
     let a = advise(&rows_at(&p, 15 * GIB), 2, 4, Some(15 * GIB));
@@ -326,7 +343,7 @@ fn advice_follows_the_rules() {
     // blocks 402653184 = 15087640576 B · 1.14 + 512 MiB = 16.52 GiB.
     let p1 = input(16, 1);
     let a = advise(&rows_at(&p1, 17 * GIB), 16, 4, Some(17 * GIB));
-    assert_eq!(a.ckpt, Some(true));
+    assert_eq!(a.ckpt, Some(FULL));
     let (mb, acc) = (a.micro_batch.unwrap(), a.grad_accum.unwrap());
     assert_eq!((mb, acc), (1, 64), "{a:?}");
     assert!(a.lines.iter().any(|l| l.contains("activations dominate")));
@@ -344,7 +361,7 @@ fn optimizer_dominance_names_rank_and_targets() {
     p.cfg = crate::bench::shape("tiny").unwrap();
     p.seq_len = 8;
     p.rank = 4096;
-    let b = breakdown(&p, Strategy::Single, true, 1);
+    let b = breakdown(&p, Strategy::Single, FULL, 1);
     assert_eq!(b.dominant(), "optimizer");
     let cap = b.total - 1;
     let a = advise(&rows_at(&p, cap), 1, 1, Some(cap));
@@ -373,22 +390,22 @@ fn nf4_base_by_hand() {
         kind: crate::quant::Quantize::Nf4,
         double_quant: true,
     };
-    let b = breakdown(&p, Strategy::Single, true, 1);
+    let b = breakdown(&p, Strategy::Single, FULL, 1);
     assert_eq!(b.base, 3_865_822_080);
     assert_eq!(b.gather, 2 * 202_383_360 * 2);
     p.cuda = false;
-    let b = breakdown(&p, Strategy::Single, true, 1);
+    let b = breakdown(&p, Strategy::Single, FULL, 1);
     assert_eq!(b.gather, 2 * 202_383_360 * 2 + 12 * 45_088_768);
     // FSDP over 4 ranks: 1/4 of the NF4 base each; the gather column holds the current and
     // the next layer in NF4 (104406300 + 2 · 4096 norms at 2 B = 104422684 B each) and the
     // current one dequantized (202383360 · 2 B); off CUDA the temporaries on top.
     p.gpus = 4;
     p.cuda = true;
-    let f = breakdown(&p, Strategy::Fsdp, true, 1);
+    let f = breakdown(&p, Strategy::Fsdp, FULL, 1);
     assert_eq!(f.base, 3_865_822_080 / 4);
     assert_eq!(f.gather, 2 * 104_422_684 + 202_383_360 * 2);
     p.cuda = false;
-    let f = breakdown(&p, Strategy::Fsdp, true, 1);
+    let f = breakdown(&p, Strategy::Fsdp, FULL, 1);
     assert_eq!(
         f.gather,
         2 * 104_422_684 + 202_383_360 * 2 + 12 * 45_088_768
@@ -399,4 +416,30 @@ fn nf4_base_by_hand() {
         nf4_base_bytes(&cfg, false, 2, false),
         32 * plain + 2 * 262_410_240
     );
+}
+
+#[test]
+fn recomputing_the_mlp_half_keeps_the_attention_half() {
+    // Llama-2-7B, bf16, r 16 on all 7 linears: the MLP half keeps 2 · (2·11008 + 16·3) =
+    // 44128 B a token; without it and with the residual h (2 · 4096): 85344 - 44128 + 8192
+    // = 49408. Llama-3-8B: 86368 - 2 · (2·14336 + 48) + 8192 = 37120.
+    assert_eq!(
+        kept_attention_per_token_layer(&llama2_7b(), 2, 16, &all()),
+        49_408
+    );
+    let l3 = crate::bench::shape("llama3-8b").unwrap();
+    assert_eq!(kept_attention_per_token_layer(&l3, 2, 16, &all()), 37_120);
+    // Micro-batch 2 (N = 4096): 32 layers keep (85344 - 49408) · 4096 B less each, and
+    // backward holds one layer's MLP half again (44128 · 4096).
+    let p = input(2, 1);
+    let off = breakdown(&p, Strategy::Single, OFF, 2);
+    let mlp = breakdown(&p, Strategy::Single, Checkpointing::Mlp, 2);
+    let full = breakdown(&p, Strategy::Single, FULL, 2);
+    assert_eq!((off.peak_phase, mlp.peak_phase), ("backward", "backward"));
+    assert_eq!(
+        off.pool_peak - mlp.pool_peak,
+        32 * (85_344 - 49_408) * 4096 - 44_128 * 4096
+    );
+    assert!(full.pool_peak < mlp.pool_peak);
+    assert_eq!(mlp.ckpt, Checkpointing::Mlp);
 }
