@@ -22,9 +22,18 @@ pub struct Ticket(Slot);
 enum Slot {
     /// The values [n] f64, read by `read` with `to_vec1`.
     Later(Tensor),
-    /// On CUDA: the pinned buffer [n] the copy writes (its event records the copy).
+    /// On CUDA: the pinned buffer [n] the copy writes, and the event recorded after the copy.
     #[cfg(feature = "cuda")]
-    Pinned(candle_core::cuda::cudarc::driver::PinnedHostSlice<f64>),
+    Pinned(Pinned),
+}
+
+/// A pinned buffer and its own event. cudarc records a pinned slice's event only while its
+/// context runs several streams with event tracking on; with one stream (no parked
+/// activations) `as_slice` would then wait for nothing and read the previous copy's values.
+#[cfg(feature = "cuda")]
+struct Pinned {
+    buf: candle_core::cuda::cudarc::driver::PinnedHostSlice<f64>,
+    copied: candle_core::cuda::cudarc::driver::CudaEvent,
 }
 
 /// Pinned buffers for `Ticket`s, reused from step to step: page-locking host memory is a
@@ -32,7 +41,7 @@ enum Slot {
 #[derive(Default)]
 pub struct Readbacks {
     #[cfg(feature = "cuda")]
-    free: Vec<candle_core::cuda::cudarc::driver::PinnedHostSlice<f64>>,
+    free: Vec<Pinned>,
 }
 
 impl Readbacks {
@@ -64,12 +73,11 @@ impl Readbacks {
         match t.0 {
             Slot::Later(x) => x.to_vec1::<f64>(),
             #[cfg(feature = "cuda")]
-            Slot::Pinned(buf) => {
-                let v = buf
-                    .as_slice()
-                    .map_err(|e| candle_core::Error::msg(format!("readback: {e:?}")))?
-                    .to_vec();
-                self.free.push(buf);
+            Slot::Pinned(p) => {
+                let err = |e| candle_core::Error::msg(format!("readback: {e:?}"));
+                p.copied.synchronize().map_err(err)?;
+                let v = p.buf.as_slice().map_err(err)?.to_vec();
+                self.free.push(p);
                 Ok(v)
             }
         }
@@ -86,10 +94,13 @@ impl Readbacks {
         use candle_core::Storage;
         let stream = dev.cuda_stream();
         // A buffer of exactly n: the copy fills the whole of it (a step's n stays the same).
-        let mut buf = match self.free.iter().position(|b| b.len() == n) {
+        let mut p = match self.free.iter().position(|p| p.buf.len() == n) {
             Some(i) => self.free.swap_remove(i),
-            // SAFETY: the buffer is read only after the copy below wrote it (`read`).
-            None => unsafe { stream.context().alloc_pinned_with_flags::<f64>(n, 0) }.w()?,
+            None => Pinned {
+                // SAFETY: the buffer is read only after the copy below wrote it (`read`).
+                buf: unsafe { stream.context().alloc_pinned_with_flags::<f64>(n, 0) }.w()?,
+                copied: stream.context().new_event(None).w()?,
+            },
         };
         let (st, l) = x.storage_and_layout();
         let Storage::Cuda(cs) = &*st else {
@@ -97,10 +108,11 @@ impl Readbacks {
         };
         let o = l.start_offset();
         let src = cs.as_cuda_slice::<f64>()?.slice(o..o + n);
-        // Queued on the compute stream after the work that made x; records buf's event. x's
-        // free, queued after it on the same stream, cannot overtake it.
-        stream.memcpy_dtoh(&src, &mut buf).w()?;
-        Ok(Ticket(Slot::Pinned(buf)))
+        // Queued on the compute stream after the work that made x, then the event `read` waits
+        // for. x's free, queued after it on the same stream, cannot overtake it.
+        stream.memcpy_dtoh(&src, &mut p.buf).w()?;
+        p.copied.record(&stream).w()?;
+        Ok(Ticket(Slot::Pinned(p)))
     }
 }
 

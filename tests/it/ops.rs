@@ -964,3 +964,26 @@ fn rms_norm_bwd_reads_padded_rows_on_the_gpu() {
     let plain = ops::rms_norm_bwd_add(&x, &w, 1e-5, &gc, &res).unwrap();
     assert_eq!(host_f32(&strided), host_f32(&plain), "rms_norm_bwd_add");
 }
+
+/// A readback waits for its own copy even on a context with one stream (no parked
+/// activations), where cudarc records no event for a pinned slice: each value is made after
+/// tens of milliseconds of queued GEMMs and read at once, in reused buffers, so a read that
+/// did not wait would see the previous value.
+#[cfg(feature = "cuda")]
+#[test]
+fn a_readback_waits_for_its_copy_with_one_stream() {
+    use lora_train::train::readback::Readbacks;
+    let dev = Device::new_cuda(0).unwrap();
+    let a = Tensor::randn(0f32, 1.0, (4096, 4096), &dev).unwrap();
+    let mut r = Readbacks::new();
+    for i in 1..=4 {
+        let mut y = a.clone();
+        for _ in 0..8 {
+            y = (y.matmul(&a).unwrap() * 1e-2).unwrap();
+        }
+        // i, made after the GEMMs: 0 · y's first element + i.
+        let v = ((y.get(0).unwrap().get(0).unwrap() * 0.0).unwrap() + i as f64).unwrap();
+        let t = r.start(&[&v]).unwrap();
+        assert_eq!(r.read(t).unwrap(), vec![i as f64], "read {i}");
+    }
+}
