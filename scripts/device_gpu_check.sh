@@ -14,7 +14,8 @@
 # compat: scripts/check_peft_compat.py (PEFT / transformers load our adapter and merged model);
 # chat:  scripts/reference_chat.py with this machine's transformers, diffed against the fixtures;
 # tests: the GPU tests (ops against composites, golden fixtures in f32 and bf16);
-# tiny:  recipes/tiny-cpu.toml for 200 steps on the GPU and on the CPU, final losses side by side;
+# tiny:  recipes/tiny-cpu.toml for 200 steps on the GPU and on the CPU, final losses side by side,
+#         and the last checkpoint's adapter compared with the exported one (byte for byte);
 # bench: Llama-2-7B shape, seq 2048: ours and transformers+PEFT in the same call.
 # families: for each family fixture (tests/fixtures/golden: qwen3_qk_norm gemma2_softcap
 #         gemma3_local_global phi3_fused_longrope llama32_tied_long qwen3_moe; or FAMILY_CASES)
@@ -66,6 +67,11 @@
 #         VAR=value assignments and bench flags, e.g. "LORA_TRAIN_EXPERIMENTS=reduce_ahead" or
 #         "--deterministic"; "default": neither), ROUNDS rounds (default 2) alternated (default
 #         AB: "default;--deterministic") -> $OUT/ab.jsonl. Not in the default set.
+# profile: where a step's GPU time goes, for each of PROFILE_SHAPES (default gemma2-9b phi3-mini
+#         llama2-7b; seq 2048, mb2, r16 all linear; PROFILE_EXTRA adds bench flags): ncu times
+#         PROFILE_COUNT launches (default 12000) after PROFILE_SKIP (3000) of `bench --steps 4
+#         --warmup 1`, scripts/kernel_table.py sums them a step, by kind and by kernel ->
+#         $OUT/profile-<shape>.csv, .md. Not in the default set.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -226,6 +232,11 @@ if [[ $what == *" tiny "* ]]; then
     timeout 120 $E .devbuild/lora-train --recipe recipes/tiny-cpu.toml --set model.device=$1 \
       --set model.dtype=$2 --set output.dir=/tmp/tiny-$1-$2 2>&1 | tail -2
     tail -1 /tmp/tiny-$1-$2/metrics.jsonl | sed "s/^/$1 $2: /" | tee -a "$OUT/tiny.txt"
+    # The last checkpoint's adapter (staged to pinned memory behind the step) is the exported one.
+    d=/tmp/tiny-$1-$2; last=$(ls -d $d/checkpoint-* | sort -t- -k2 -n | tail -1)
+    cmp -s $d/adapter_model.safetensors $last/adapter_model.safetensors \
+      && echo "$1 $2: $last/adapter_model.safetensors = the exported adapter" \
+      || echo "$1 $2: $last/adapter_model.safetensors DIFFERS from the exported adapter"
   done
 fi
 
@@ -556,4 +567,22 @@ PY
   timeout 150 $E $L bench $S --rank 16 --targets all --steps 2 --warmup 1 --micro-batch 2 --ckpt \
     --max-memory 24GiB --json "$OUT/memory/bench-24gib-ckpt.json" 2>&1 | tail -1
   echo "exit code ${PIPESTATUS[0]}"
+fi
+
+# profile: ncu's kernel times of a few steps per shape, summed a step by scripts/kernel_table.py.
+if [[ $what == *" profile "* ]]; then
+  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  if [ -z "$NCU" ]; then
+    echo "profile: no ncu on this machine"
+  else
+    for shape in ${PROFILE_SHAPES:-gemma2-9b phi3-mini llama2-7b}; do
+      echo "== profile $shape"
+      timeout 420 $E "$NCU" --csv --clock-control none --metrics gpu__time_duration.sum \
+        --launch-skip ${PROFILE_SKIP:-3000} --launch-count ${PROFILE_COUNT:-12000} \
+        .devbuild/lora-train bench --shape $shape --seq 2048 --rank 16 --targets all \
+        --micro-batch 2 --steps 4 --warmup 1 ${PROFILE_EXTRA:-} > "$OUT/profile-$shape.csv" 2> "$OUT/profile-$shape.err"
+      echo "exit code $?"; tail -2 "$OUT/profile-$shape.err"
+      python3 scripts/kernel_table.py "$OUT/profile-$shape.csv" --top 25 | tee "$OUT/profile-$shape.md" | head -20
+    done
+  fi
 fi

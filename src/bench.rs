@@ -563,6 +563,16 @@ fn measure(
     let r3 = |x: f64| (x * 1e3).round() / 1e3;
     out["save_start_s"] = r3(save_s.get()).into();
     out["save_final_wait_s"] = r3(save_wait_s.get()).into();
+    // Each checkpoint's time on the writer thread: a write longer than save_every steps makes
+    // the next save wait (in save_start_s).
+    if let Some((s, _)) = &saver {
+        out["save_write_s"] = s
+            .write_seconds()
+            .into_iter()
+            .map(r3)
+            .collect::<Vec<_>>()
+            .into();
+    }
     Ok(out)
 }
 

@@ -18,6 +18,12 @@ use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::path::Path;
 
+// safetensors files are little-endian, and we write values as their bytes in memory.
+const _: () = assert!(
+    cfg!(target_endian = "little"),
+    "lora-train writes safetensors from memory as is: build for a little-endian target"
+);
+
 pub const WEIGHTS: &str = "adapter_model.safetensors";
 pub const CONFIG: &str = "adapter_config.json";
 
@@ -79,16 +85,24 @@ pub fn save_adapter(
     )
 }
 
+/// The model's adapter tensors as PEFT keys them, where they are (the device's): A [r, in],
+/// B [out, r] (and m [out]), in the model's order.
+pub fn adapter_parts(model: &Model) -> Vec<(String, Tensor)> {
+    model
+        .adapters()
+        .flat_map(|(module, lora)| adapter_keys(module, lora))
+        .map(|(key, var)| (key, var.as_tensor().clone()))
+        .collect()
+}
+
 /// The model's adapters as PEFT keys them: A [r, in], B [out, r] (and m [out]), f32 host copies that
 /// training no longer changes (the optimiser updates the device tensors in place).
 pub fn adapter_tensors(model: &Model) -> Result<Vec<(String, Tensor)>> {
     let mut keys = Vec::new();
     let mut parts = Vec::new();
-    for (module, lora) in model.adapters() {
-        for (key, var) in adapter_keys(module, lora) {
-            keys.push((key, var.as_tensor().shape().clone()));
-            parts.push(var.as_tensor().to_dtype(DType::F32)?.flatten_all()?);
-        }
+    for (key, t) in adapter_parts(model) {
+        keys.push((key, t.shape().clone()));
+        parts.push(t.to_dtype(DType::F32)?.flatten_all()?);
     }
     if parts.is_empty() {
         return Ok(Vec::new());
@@ -115,27 +129,53 @@ pub fn host_copy(t: &Tensor) -> candle_core::Result<Tensor> {
     }
 }
 
-/// `tensors` (host, f32) as one safetensors file at `path`, written atomically, with the
+/// `tensors` (host) as one safetensors file of f32 at `path`, written atomically, with the
 /// metadata {"format": "pt"} that PEFT's loader expects. One metadata entry only: safetensors
 /// writes a map's entries in hash order, and files of equal runs must be equal bytes.
 pub fn write_tensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
-    let raw = tensors
+    let values = tensors
         .iter()
-        .map(|(k, t)| Ok((k.as_str(), t.dims().to_vec(), merge::tensor_bytes(t)?)))
-        .collect::<Result<Vec<_>>>()?;
-    let views = raw
+        .map(|(_, t)| t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>())
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let parts: Vec<_> = tensors
         .iter()
-        .map(|(k, shape, bytes)| {
+        .zip(&values)
+        .map(|((k, t), xs)| (k.as_str(), t.dims(), xs.as_slice()))
+        .collect();
+    write_f32(path, &parts)
+}
+
+/// A named f32 tensor's dims and values, borrowed.
+pub type F32Part<'a> = (&'a str, &'a [usize], &'a [f32]);
+
+/// safetensors' metadata for PEFT: {"format": "pt"}.
+fn pt_metadata() -> HashMap<String, String> {
+    HashMap::from([("format".to_string(), "pt".to_string())])
+}
+
+/// Named f32 values of the given shapes as one safetensors file at `path` (safetensors'
+/// `serialize` bytes: names sorted, {"format": "pt"}), streamed from `parts` without a copy of
+/// the values (a 7B checkpoint's 480 MB) and fsynced; `path` appears complete or not at all.
+pub fn write_f32(path: &Path, parts: &[F32Part]) -> Result<()> {
+    let views = parts
+        .iter()
+        .map(|&(name, shape, xs)| {
+            let bytes: &[u8] = bytemuck::cast_slice(xs);
             let v = safetensors::tensor::TensorView::new(
                 safetensors::Dtype::F32,
-                shape.clone(),
+                shape.to_vec(),
                 bytes,
             )?;
-            Ok((*k, v))
+            Ok((name, v))
         })
-        .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()?;
-    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-    atomic_write(path, &safetensors::serialize(views, Some(meta))?)
+        .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    // Written to a temporary file beside `path`, then renamed over it.
+    safetensors::serialize_to_file(views, Some(pt_metadata()), path)
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    std::fs::File::open(path)
+        .and_then(|f| f.sync_all())
+        .with_context(|| format!("cannot fsync {}", path.display()))
 }
 
 /// adapter_config.json's bytes: PEFT's LoRA config for `spec`.
@@ -331,4 +371,58 @@ pub fn load_adapter_weights(dir: &Path, model: &Model) -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The streamed writer's file is safetensors' `serialize` byte for byte (names sorted, the
+    /// same header and offsets), and `write_tensors` (f32 from any float dtype) writes the same.
+    #[test]
+    fn streamed_f32_files_equal_serialized_tensors() {
+        let dir = std::env::temp_dir().join(format!("lt-write-f32-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let a: Vec<f32> = (0..6).map(|i| i as f32 * 0.5 - 1.0).collect();
+        let b = vec![f32::MIN_POSITIVE, -0.0, 3.25];
+        let parts: [F32Part; 2] = [
+            ("z.lora_B.weight", &[2, 3], &a),
+            ("a.lora_A.weight", &[3], &b),
+        ];
+        let views = parts.iter().map(|&(n, s, xs)| {
+            let bytes: &[u8] = bytemuck::cast_slice(xs);
+            let v =
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.to_vec(), bytes);
+            (n, v.unwrap())
+        });
+        let want = safetensors::serialize(views, Some(pt_metadata())).unwrap();
+        let tensors: Vec<(String, Tensor)> = parts
+            .iter()
+            .map(|&(n, s, xs)| {
+                let t = Tensor::from_slice(xs, s, &Device::Cpu).unwrap();
+                (n.to_string(), t.to_dtype(DType::F64).unwrap())
+            })
+            .collect();
+        let (p1, p2) = (
+            dir.join("streamed.safetensors"),
+            dir.join("written.safetensors"),
+        );
+        write_f32(&p1, &parts).unwrap();
+        write_tensors(&p2, &tensors).unwrap();
+        let (f1, f2) = (std::fs::read(&p1).unwrap(), std::fs::read(&p2).unwrap());
+        assert_eq!(f1, want);
+        assert_eq!(f2, want);
+        let st = safetensors::SafeTensors::deserialize(&f1).unwrap();
+        let z = st.tensor("z.lora_B.weight").unwrap();
+        assert_eq!(z.shape(), [2, 3]);
+        assert_eq!(z.data(), bytemuck::cast_slice::<f32, u8>(&a));
+        // Nothing but the file itself is left beside it.
+        let mut names: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["streamed.safetensors", "written.safetensors"]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -135,17 +135,18 @@ impl Saver {
             .adapters()
             .flat_map(|(module, _)| ['A', 'B'].map(|w| crate::export::peft_key(module, w)))
             .collect();
-        let writer = Writer::default();
+        let writer = Writer::for_model(model)?;
         Ok(Saver { dir, keys, writer })
     }
 
     /// Starts step `step`'s checkpoint (replacing the one before: one is kept), after the
     /// previous one is written.
     pub fn save(&self, step: usize, model: &Model, spec: &LoraSpec, opt: &AdamW) -> Result<()> {
+        let stage = self.writer.stage()?;
         let snap = Snapshot {
-            adapter: crate::export::adapter_tensors(model)?,
+            adapter: Snapshot::adapter(model, stage)?,
             config: crate::export::adapter_config(spec, "bench", None)?,
-            optimizer: Snapshot::optimizer(opt, &self.keys)?,
+            optimizer: Snapshot::optimizer(opt, &self.keys, stage)?,
             files: Vec::new(),
         };
         let tmp = self.dir.join(format!(".checkpoint-{step}.tmp"));
@@ -156,6 +157,11 @@ impl Saver {
     /// Waits for the checkpoint in flight.
     pub fn wait(&self) -> Result<()> {
         self.writer.wait()
+    }
+
+    /// Seconds each finished checkpoint write took on the writer thread.
+    pub fn write_seconds(&self) -> Vec<f64> {
+        self.writer.write_seconds()
     }
 }
 

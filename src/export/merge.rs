@@ -216,30 +216,15 @@ fn n_bytes(shape: &[usize], d: StDtype) -> u64 {
     shape.iter().product::<usize>() as u64 * (d.bitsize() / 8) as u64
 }
 
-/// A CPU tensor's elements as little-endian bytes.
+/// A CPU tensor's elements as little-endian bytes (the in-memory bytes: the targets we build
+/// for are little-endian: export.rs refuses to build for others).
 pub(crate) fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
     let t = t.flatten_all()?;
     Ok(match t.dtype() {
-        DType::F32 => t
-            .to_vec1::<f32>()?
-            .iter()
-            .flat_map(|x| x.to_le_bytes())
-            .collect(),
-        DType::BF16 => t
-            .to_vec1::<half::bf16>()?
-            .iter()
-            .flat_map(|x| x.to_le_bytes())
-            .collect(),
-        DType::F16 => t
-            .to_vec1::<half::f16>()?
-            .iter()
-            .flat_map(|x| x.to_le_bytes())
-            .collect(),
-        DType::F64 => t
-            .to_vec1::<f64>()?
-            .iter()
-            .flat_map(|x| x.to_le_bytes())
-            .collect(),
+        DType::F32 => bytemuck::cast_slice(&t.to_vec1::<f32>()?).to_vec(),
+        DType::BF16 => bytemuck::cast_slice(&t.to_vec1::<half::bf16>()?).to_vec(),
+        DType::F16 => bytemuck::cast_slice(&t.to_vec1::<half::f16>()?).to_vec(),
+        DType::F64 => bytemuck::cast_slice(&t.to_vec1::<f64>()?).to_vec(),
         other => bail!("cannot write a {other:?} tensor"),
     })
 }

@@ -17,6 +17,7 @@
 
 use super::checkpoint_check as check;
 use super::checkpoint_write::Snapshot;
+use super::host_stage::Stage;
 use super::optim::AdamW;
 use super::Session;
 use crate::export;
@@ -360,7 +361,7 @@ pub fn dir_of(out_dir: &Path, step: usize) -> PathBuf {
     out_dir.join(format!("checkpoint-{step}"))
 }
 
-/// The checkpoint of where the run stands (`state`), copied to host memory: the adapter,
+/// The checkpoint of where the run stands (`state`), on its way to host memory (`stage`): the adapter,
 /// AdamW's m and v (`keys[i]` the PEFT key of `opt.params[i]`), the recipe, and the trainer
 /// state last (a directory holding it is complete).
 pub fn snapshot(
@@ -368,12 +369,13 @@ pub fn snapshot(
     state: &TrainerState,
     opt: &AdamW,
     keys: &[String],
+    stage: &Stage,
 ) -> Result<Snapshot> {
     let rev = s.base_revision.as_deref();
     Ok(Snapshot {
-        adapter: export::adapter_tensors(&s.model)?,
+        adapter: Snapshot::adapter(&s.model, stage)?,
         config: export::adapter_config(&s.spec, &s.base_name, rev)?,
-        optimizer: Snapshot::optimizer(opt, keys)?,
+        optimizer: Snapshot::optimizer(opt, keys, stage)?,
         files: vec![
             ("recipe.toml", s.recipe.to_toml().into_bytes()),
             (

@@ -7,14 +7,16 @@
 //! device, or a launcher's processes), `preflight` (the memory plan checked before loading),
 //! `session` (one rank's model, shards, communicator and data), `step` (the step engine that
 //! train, bench and probe share, over `driver`'s layer-wise forward and backward, `optim`,
-//! `readback`), `trainer` (the loop: log, eval, checkpoints, stops), `log`, `checkpoint`,
-//! `stop`, `schedule`, `eval`, `offload`.
+//! `readback`), `trainer` (the loop: log, eval, checkpoints, stops), `log`, `checkpoint` (its
+//! files copied to the host by `host_stage`, written by `checkpoint_write`), `stop`,
+//! `schedule`, `eval`, `offload`.
 
 pub mod checkpoint;
 pub mod checkpoint_check;
 pub mod checkpoint_write;
 pub mod driver;
 pub mod eval;
+pub mod host_stage;
 pub mod launch;
 pub mod log;
 pub mod offload;

@@ -318,26 +318,8 @@ impl AdamW {
         }
     }
 
-    /// Optimiser state for checkpoints: (m, v) per parameter, in `params` order.
-    /// `state` as host copies of its own: one copy per group buffer (not per parameter),
-    /// which later updates do not reach; what a checkpoint writes while training goes on.
-    pub fn state_on_host(&self) -> Result<(Vec<Tensor>, Vec<Tensor>)> {
-        let (mut ms, mut vs) = (Vec::new(), Vec::new());
-        for g in &self.groups {
-            let (m, v) = (
-                crate::export::host_copy(&g.m)?,
-                crate::export::host_copy(&g.v)?,
-            );
-            for j in 0..g.len() {
-                let (o, n) = g.span(j);
-                let shape = self.params[g.first + j].shape();
-                ms.push(m.narrow(0, o, n)?.reshape(shape)?);
-                vs.push(v.narrow(0, o, n)?.reshape(shape)?);
-            }
-        }
-        Ok((ms, vs))
-    }
-
+    /// Optimiser state for checkpoints: (m, v) per parameter, in `params` order (views of
+    /// the device's group buffers).
     pub fn state(&self) -> Result<(Vec<Tensor>, Vec<Tensor>)> {
         let (mut ms, mut vs) = (Vec::new(), Vec::new());
         for g in &self.groups {

@@ -149,7 +149,11 @@ impl<'s> Run<'s> {
             keys,
             log,
             saved: resume.map(|c| (c.state.step, c.dir.clone())),
-            writer: checkpoint_write::Writer::default(),
+            // The lead writes the checkpoints: its host buffers are pinned before the loop.
+            writer: match s.recipe.output.save_every > 0 && s.comm.rank() == 0 {
+                true => checkpoint_write::Writer::for_model(&s.model)?,
+                false => checkpoint_write::Writer::default(),
+            },
             losses: Vec::new(),
             last_eval: None,
             vote: stop::Vote::new(s.comm.world()),
@@ -278,7 +282,8 @@ impl<'s> Run<'s> {
     /// thread while the next steps run.
     fn save(&mut self) -> Result<PathBuf> {
         let state = TrainerState::new(self.s, &self.at, self.total, &self.opt);
-        let snap = checkpoint::snapshot(self.s, &state, &self.opt, &self.keys)?;
+        let snap =
+            checkpoint::snapshot(self.s, &state, &self.opt, &self.keys, self.writer.stage()?)?;
         let (out, step) = (self.out_dir.to_owned(), self.at.step);
         let dir = checkpoint::dir_of(&out, step);
         let tmp = crate::util::tmp_path(&dir);

@@ -987,3 +987,49 @@ fn a_readback_waits_for_its_copy_with_one_stream() {
         assert_eq!(r.read(t).unwrap(), vec![i as f64], "read {i}");
     }
 }
+
+/// A checkpoint's host stage on CUDA: tensors made after tens of milliseconds of queued GEMMs,
+/// staged and at once overwritten in place (as the next update does), come back with the
+/// values they had when staged, as f32 of their shapes; the buffers are reused.
+#[cfg(feature = "cuda")]
+#[test]
+fn the_host_stage_copies_what_the_tensors_held_when_staged() {
+    use lora_train::train::host_stage::Stage;
+    let dev = Device::new_cuda(0).unwrap();
+    let a = Tensor::randn(0f32, 1.0, (4096, 4096), &dev).unwrap();
+    let stage = Stage::new();
+    for i in 1..=3 {
+        let mut y = a.clone();
+        for _ in 0..8 {
+            y = (y.matmul(&a).unwrap() * 1e-2).unwrap();
+        }
+        let zero = (y.narrow(0, 0, 2).unwrap().narrow(1, 0, 3).unwrap() * 0.0).unwrap();
+        let v = Var::from_tensor(&(zero + i as f64).unwrap()).unwrap(); // [2, 3] of i
+        let w = Tensor::new(&[i as f32; 5], &dev)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap();
+        let staged = stage
+            .copy(vec![("v".into(), v.as_tensor().clone()), ("w".into(), w)])
+            .unwrap();
+        v.set(&v.zeros_like().unwrap()).unwrap();
+        let got = staged.tensors().unwrap();
+        assert_eq!(
+            got[0].1.to_vec2::<f32>().unwrap(),
+            vec![vec![i as f32; 3]; 2]
+        );
+        assert_eq!(got[1].1.to_vec1::<f32>().unwrap(), vec![i as f32; 5]);
+        assert_eq!((got[0].0.as_str(), got[1].0.as_str()), ("v", "w"));
+        // The file written from the pinned buffer is the one written from those tensors.
+        let dir = std::env::temp_dir().join(format!("lt-stage-{}-{i}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (p1, p2) = (
+            dir.join("staged.safetensors"),
+            dir.join("tensors.safetensors"),
+        );
+        staged.write(&p1).unwrap();
+        lora_train::export::write_tensors(&p2, &got).unwrap();
+        assert_eq!(std::fs::read(&p1).unwrap(), std::fs::read(&p2).unwrap());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
