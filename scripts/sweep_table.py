@@ -7,8 +7,9 @@ plain row (tag "plain") and against what the row's FLOPs predict, and the peers 
 Columns: our tok/s; vs plain (tok/s over plain's); predicted (plain's work_flops_per_token over
 the row's: the ratio the row would reach at plain's FLOP rate); efficiency (vs plain over
 predicted; below --cliff, 0.9, the row is marked a cliff); our peak GiB; PEFT's and PEFT +
-Liger's tok/s and ours over each. A tag run more than once keeps its last line. Standard
-library only.
+Liger's tok/s and ours over each. A tag run more than once keeps its last line. Below the
+table, each row that saves checkpoints: its writes' seconds against save_every of plain's
+steps (whether the writer keeps up). Standard library only.
 """
 import argparse
 import json
@@ -92,7 +93,31 @@ def table(order, runs, plain_tag="plain", cliff=0.9):
             cliff, ", ".join(f"{t} {e:.3f}" for t, e in cliffs))
     else:
         out += "\nno cliff: every row within %.0f%% of its FLOPs' prediction\n" % ((1 - cliff) * 100)
-    return out
+    return out + saves(order, runs, plain)
+
+
+def saves(order, runs, plain):
+    """For each row that saves checkpoints: whether the writer keeps up. A save whose write
+    takes longer than save_every of plain's steps makes the next save wait for it: the row is
+    then bound by the write (the disk), not by its FLOPs."""
+    out = []
+    for tag in order:
+        d = runs[tag].get(OURS)
+        every = (d or {}).get("save_every") or 0
+        writes = (d or {}).get("save_write_s") or []
+        if every <= 0 or not writes:
+            continue
+        write = sum(writes) / len(writes)
+        interval = every * plain["step_s"]
+        mb = 12 * d.get("trainable_params", 0) / 1e6  # adapter, AdamW's m and v: f32
+        n_saves = len(writes)
+        verdict = ("the writer keeps up" if write <= interval else
+                   "the writer does not keep up: the next save waits (bound by the write)")
+        out.append(f"{tag}: {n_saves} checkpoints of ~{mb:,.0f} MB, each written in {write:.3f} s "
+                   f"({mb / write:,.0f} MB/s) against {every} steps of plain = {interval:.3f} s: "
+                   f"{verdict}; the loop spent {d.get('save_start_s', 0):.3f} s starting them and "
+                   f"{d.get('save_final_wait_s', 0):.3f} s waiting for the last")
+    return "".join("\n" + l + "\n" for l in out)
 
 
 def main():
