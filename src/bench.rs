@@ -452,6 +452,9 @@ fn measure(
         anyhow::Ok(())
     };
     let mut pending = None;
+    // Seconds the host spent queueing the timed steps' work (forward, backward, update): near
+    // step_s, the host sets the pace (launches, allocations, routing reads), not the device.
+    let mut queue_s = 0.0;
     let t1 = Instant::now();
     let res = (|| -> Result<()> {
         for step in 0..=total {
@@ -466,15 +469,21 @@ fn measure(
                     finish(&mut engine, &mut opt, &mut clock, p, step)?;
                 }
             }
+            let t0 = Instant::now();
             let q = match step < total {
                 true => Some(engine.backward(&batches, denom, step)?),
                 false => None,
             };
+            let queued = t0.elapsed().as_secs_f64();
             if let Some(p) = pending.take() {
                 finish(&mut engine, &mut opt, &mut clock, p, step)?;
             }
+            let t0 = Instant::now();
             if let Some(q) = q {
                 pending = Some(engine.update(q, &mut opt, 1e-4)?);
+            }
+            if step >= a.warmup {
+                queue_s += queued + t0.elapsed().as_secs_f64();
             }
         }
         Ok(())
@@ -561,6 +570,7 @@ fn measure(
         "flops_per_token": fpt, "work_flops_per_token": work.flops_per_token(),
     });
     let r3 = |x: f64| (x * 1e3).round() / 1e3;
+    out["host_queue_s"] = ((queue_s / a.steps as f64 * 1e4).round() / 1e4).into();
     out["save_start_s"] = r3(save_s.get()).into();
     out["save_final_wait_s"] = r3(save_wait_s.get()).into();
     // Each checkpoint's time on the writer thread: a write longer than save_every steps makes
