@@ -361,9 +361,9 @@ pub fn dir_of(out_dir: &Path, step: usize) -> PathBuf {
     out_dir.join(format!("checkpoint-{step}"))
 }
 
-/// The checkpoint of where the run stands (`state`), on its way to host memory (`stage`): the adapter,
-/// AdamW's m and v (`keys[i]` the PEFT key of `opt.params[i]`), the recipe, and the trainer
-/// state last (a directory holding it is complete).
+/// The checkpoint of where the run stands (`state`), on its way to host memory (`stage`):
+/// the adapter, AdamW's m and v (`keys[i]` the PEFT key of `opt.params[i]`), the recipe, and
+/// the trainer state last (a directory holding it is complete).
 pub fn snapshot(
     s: &Session,
     state: &TrainerState,

@@ -85,8 +85,8 @@ pub struct Writer {
 }
 
 impl Writer {
-    /// A writer for checkpoints of `model`, its host buffers pinned now (pinning 480 MB takes
-    /// a good part of a second: not in the middle of a run).
+    /// A writer for checkpoints of `model`, its host buffers pinned now (page-locking touches
+    /// every page: before the loop, not in the middle of it).
     pub fn for_model(model: &crate::model::Model) -> Result<Writer> {
         let w = Writer::default();
         let n: usize = export::adapter_parts(model)

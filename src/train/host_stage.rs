@@ -1,19 +1,19 @@
 //! A checkpoint's tensors copied to host memory without stopping the loop.
 //!
 //! A save copies the adapters and AdamW's m and v (Llama-2-7B, r16 on all linears: 480 MB of
-//! f32). `to_device(Cpu)` copies each into fresh pageable memory and waits for the stream: the
-//! loop stood still for the copies and for the page faults of memory touched the first time
-//! (the sweep's save-every-4 row in BENCHMARKS.md). Here each tensor is copied into a page-locked buffer kept for the run,
-//! queued on the compute stream behind the step that made the values and ahead of the next
-//! update (which writes them in place), with an event recorded after the copies. The writer
-//! thread waits for that event (`HostTensors::tensors`); the loop waits for nothing.
+//! f32). A plain `to_device(Cpu)` copies each into fresh pageable memory and waits for the
+//! stream, and for the page faults of memory touched the first time. Here each tensor is
+//! copied into a page-locked buffer kept for the run, queued on the compute stream behind the
+//! step that made the values and ahead of the next update (which writes them in place), with
+//! an event recorded after the copies. The writer thread waits for that event
+//! (`HostTensors::write`) and streams the buffer into the file; the loop waits for nothing.
 //!
 //! Off CUDA the tensors are copied at once (a host copy waits for nothing).
 
 use candle_core::{Result, Shape, Tensor};
 
-/// The pinned buffers of a run's saves, reused from save to save (page-locking 480 MB is a
-/// driver call of tens of milliseconds, and freeing it waits for the device).
+/// The pinned buffers of a run's saves, reused from save to save (page-locking is a driver
+/// call that touches every page, and freeing it waits for the device).
 #[derive(Default)]
 pub struct Stage {
     #[cfg(feature = "cuda")]
