@@ -142,7 +142,7 @@ impl Writer {
     }
 
     /// Seconds each write waited for so far took on the writer thread (its copies' wait, the
-    /// files, the fsyncs and the rename).
+    /// files, the fsyncs, the rename and the pruning after it).
     pub fn write_seconds(&self) -> Vec<f64> {
         self.took.borrow().clone()
     }
