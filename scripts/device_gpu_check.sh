@@ -26,7 +26,8 @@
 # famb:   qwen3-8b gemma2-9b gemma3-12b phi3-mini shapes, seq 2048, mb2, r16 all linear: `bench`
 #         beside scripts/bench_peft.py (each 240 s at most) -> $OUT/famb.jsonl. FAMB_CKPT=1:
 #         both checkpointed; FAMB_SHAPES picks shapes; FAMB_EXP=name also runs ours with
-#         LORA_TRAIN_EXPERIMENTS=name (tagged with it). Not in the default set.
+#         LORA_TRAIN_EXPERIMENTS=name (tagged with it); FAMB_DEFAULT=0 skips ours without it.
+#         Not in the default set.
 # ckpt8b: Llama-3-8B shape, seq 4096, mb2, r16 all linear: `bench --ckpt mlp`, `--ckpt` and
 #         neither, beside scripts/bench_peft.py --ckpt (and --liger) -> $OUT/ckpt8b.jsonl.
 #         Not in the default set.
@@ -71,7 +72,8 @@
 #         llama2-7b; seq 2048, mb2, r16 all linear; PROFILE_EXTRA adds bench flags): ncu times
 #         PROFILE_COUNT launches (default 12000) after PROFILE_SKIP (3000) of `bench --steps 4
 #         --warmup 1`, scripts/kernel_table.py sums them a step, by kind and by kernel ->
-#         $OUT/profile-<shape>.csv, .md. Not in the default set.
+#         $OUT/profile-<shape>.csv, .md; PROFILE_LIMIT: seconds per shape (420). Not in the
+#         default set.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -364,9 +366,11 @@ if [[ $what == *" famb "* ]]; then
   ck=""; [ "${FAMB_CKPT:-0}" = 1 ] && ck="--ckpt"
   for shape in ${FAMB_SHAPES:-qwen3-8b gemma2-9b gemma3-12b phi3-mini}; do
     B="--shape $shape --seq 2048 --rank 16 --steps 10 --warmup 3 --targets all $ck"
-    echo "== lora-train $shape mb2 $ck"
-    timeout 240 $E .devbuild/lora-train bench $B --micro-batch 2 --json "$OUT/famb.jsonl" 2>&1 | tail -2 | cut -c1-600
-    echo "   (exit ${PIPESTATUS[0]})"
+    if [ "${FAMB_DEFAULT:-1}" = 1 ]; then
+      echo "== lora-train $shape mb2 $ck"
+      timeout 240 $E .devbuild/lora-train bench $B --micro-batch 2 --json "$OUT/famb.jsonl" 2>&1 | tail -2 | cut -c1-600
+      echo "   (exit ${PIPESTATUS[0]})"
+    fi
     if [ -n "${FAMB_EXP:-}" ]; then
       echo "== lora-train $shape mb2 $ck LORA_TRAIN_EXPERIMENTS=$FAMB_EXP"
       LORA_TRAIN_EXPERIMENTS=$FAMB_EXP timeout 240 $E .devbuild/lora-train bench $B --micro-batch 2 \
@@ -577,7 +581,7 @@ if [[ $what == *" profile "* ]]; then
   else
     for shape in ${PROFILE_SHAPES:-gemma2-9b phi3-mini llama2-7b}; do
       echo "== profile $shape"
-      timeout 420 $E "$NCU" --csv --clock-control none --metrics gpu__time_duration.sum \
+      timeout ${PROFILE_LIMIT:-420} $E "$NCU" --csv --clock-control none --metrics gpu__time_duration.sum \
         --launch-skip ${PROFILE_SKIP:-3000} --launch-count ${PROFILE_COUNT:-12000} \
         .devbuild/lora-train bench --shape $shape --seq 2048 --rank 16 --targets all \
         --micro-batch 2 --steps 4 --warmup 1 ${PROFILE_EXTRA:-} > "$OUT/profile-$shape.csv" 2> "$OUT/profile-$shape.err"
