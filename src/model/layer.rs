@@ -188,6 +188,29 @@ impl Layer {
         }
     }
 
+    /// The widths of the parts of Phi-3's fused qkv_proj output (H·D, K·D, K·D), which the
+    /// folded GEMMs make apart (`Linear::fwd_folded_parts`); none for separate q, k, v.
+    pub(crate) fn qkv_cuts(&self) -> Vec<usize> {
+        let s = &self.spec;
+        match self.attn_in.len() {
+            1 => vec![
+                s.heads * s.head_dim,
+                s.kv_heads * s.head_dim,
+                s.kv_heads * s.head_dim,
+            ],
+            _ => Vec::new(),
+        }
+    }
+
+    /// The widths of the parts of Phi-3's fused gate_up_proj output (I, I); none for separate
+    /// gate and up.
+    pub(crate) fn gate_up_cuts(&self) -> Vec<usize> {
+        match &self.mlp_in[..] {
+            [gu] => vec![gu.out_features() / 2; 2],
+            _ => Vec::new(),
+        }
+    }
+
     /// gate and up from the MLP input projections' outputs: as they are, or Phi-3's one
     /// output cut in halves (gate first), copied contiguous.
     pub(crate) fn split_gate_up(&self, outs: Vec<Tensor>, dim: usize) -> Result<[Tensor; 2]> {

@@ -111,17 +111,23 @@ impl Layer {
         // GEMMs (ops::fold) when the norm writes padded rows
         let gu: Vec<&Linear> = self.mlp_in.iter().collect();
         let width = Linear::fold_width(&gu, ctx);
-        let (hres, outs) = match input {
+        // Phi-3's fused gate_up_proj: folded, made as its two parts (no copies out of one
+        // output)
+        let cuts = self.gate_up_cuts();
+        let unfolded = |hn: &Tensor| -> Result<(Vec<Tensor>, Vec<Option<Tensor>>)> {
+            Ok(Linear::fwd_shared(&gu, hn, ctx)?.into_iter().unzip())
+        };
+        let (hres, (ys, xas)) = match input {
             MlpIn::Sum(x, a) => {
                 let folded = match width {
                     Some(p) => ops::fold::add_rms_norm_pad(x, &a, &self.post_norm, s.norm, p)?,
                     None => None,
                 }; // h [m, C], hn [m, C + pad]
                 match folded {
-                    Some((hres, xp)) => (hres, Linear::fwd_folded(&gu, &xp, ctx)?),
+                    Some((hres, xp)) => (hres, Linear::fwd_folded_parts(&gu, &xp, &cuts, ctx)?),
                     None => {
                         let (hres, hn) = ops::add_rms_norm(x, &a, &self.post_norm, s.norm)?;
-                        (hres, Linear::fwd_shared(&gu, &hn, ctx)?)
+                        (hres, unfolded(&hn)?)
                     }
                 }
             }
@@ -131,16 +137,12 @@ impl Layer {
                     None => None,
                 };
                 let outs = match folded {
-                    Some(xp) => Linear::fwd_folded(&gu, &xp, ctx)?,
-                    None => {
-                        let hn = ops::rms_norm(h, &self.post_norm, s.norm)?;
-                        Linear::fwd_shared(&gu, &hn, ctx)?
-                    }
+                    Some(xp) => Linear::fwd_folded_parts(&gu, &xp, &cuts, ctx)?,
+                    None => unfolded(&ops::rms_norm(h, &self.post_norm, s.norm)?)?,
                 };
                 (h.clone(), outs)
             }
         };
-        let (ys, xas): (Vec<Tensor>, Vec<Option<Tensor>>) = outs.into_iter().unzip();
         let [gate, up] = self.split_gate_up(ys, 1)?;
         let out_norm = self.extra.mlp_out_norm.as_ref();
         let (y, xd, mo) = if output || out_norm.is_some() {
@@ -250,13 +252,11 @@ impl Layer {
         grads: &mut LayerGrads,
     ) -> Result<Tensor> {
         // gate's and up's GEMMs accumulate onto one dL/dhn: the sum needs no pass of its own
+        // (gate_up_proj's gradient in its two parts, joined where its GEMMs are not folded)
         let gu: Vec<&Linear> = self.mlp_in.iter().collect();
-        let g = match gu.len() {
-            1 => vec![Tensor::cat(&[&dgate, &dup], 1)?], // gate_up_proj's [m, 2I]
-            _ => vec![dgate, dup],
-        };
         let xa: Vec<Option<&Tensor>> = xas.iter().map(Option::as_ref).collect();
-        let (dhn, g) = Linear::bwd_shared(&gu, &hn, g, &xa, ctx)?;
+        let cuts = self.gate_up_cuts();
+        let (dhn, g) = Linear::bwd_shared_parts(&gu, &hn, vec![dgate, dup], &cuts, &xa, ctx)?;
         for (lin, g) in gu.iter().zip(g) {
             add_grad(grads, lin, g)?;
         }

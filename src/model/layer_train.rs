@@ -198,14 +198,14 @@ impl Layer {
             Some(p) => ops::fold::rms_norm_pad(&x, &self.input_norm, s.norm, p)?,
             None => None,
         }; // [m, C + pad]
-        let outs = match folded {
-            Some(xp) => Linear::fwd_folded(&qkv, &xp, ctx)?,
+        let (ys, mut xas): (Vec<Tensor>, Vec<Option<Tensor>>) = match folded {
+            // Phi-3's fused qkv_proj made as three parts: no copies out of one output
+            Some(xp) => Linear::fwd_folded_parts(&qkv, &xp, &self.qkv_cuts(), ctx)?,
             None => {
                 let hn = ops::rms_norm(&x, &self.input_norm, s.norm)?;
-                Linear::fwd_shared(&qkv, &hn, ctx)?
+                Linear::fwd_shared(&qkv, &hn, ctx)?.into_iter().unzip()
             }
         };
-        let (ys, mut xas): (Vec<Tensor>, Vec<Option<Tensor>>) = outs.into_iter().unzip();
         let [q_rows, k_rows, v] = self.split_qkv(ys, 1)?;
         // (A shadowed binding would live to the end of the function: every dead tensor here is
         // dropped by name, so that the layer's peak is what the memory plan counts.)
@@ -464,16 +464,17 @@ impl Layer {
         let hn = ops::rms_norm(&x, &self.input_norm, s.norm)?; // recomputed
         let lins: Vec<&Linear> = self.attn_in.iter().collect();
         let xa: Vec<Option<&Tensor>> = xa_attn.iter().map(Option::as_ref).collect();
-        let g = match na {
-            1 => vec![Tensor::cat(&[&dq, &dk, &dv], 1)?], // qkv_proj's [m, (H + 2K)·D]
-            _ => vec![dq, dk, dv],
-        };
+        // qkv_proj's gradient in its three parts (joined where its GEMMs are not folded)
+        let (g, cuts) = (vec![dq, dk, dv], self.qkv_cuts());
         let (dhn, g) = match input_grad {
             true => {
-                let (dhn, g) = Linear::bwd_shared(&lins, &hn, g, &xa, ctx)?;
+                let (dhn, g) = Linear::bwd_shared_parts(&lins, &hn, g, &cuts, &xa, ctx)?;
                 (Some(dhn), g)
             }
-            false => (None, Linear::grads_shared(&lins, &hn, g, &xa, ctx)?),
+            false => {
+                let g = super::linear::join_parts(g, &cuts)?;
+                (None, Linear::grads_shared(&lins, &hn, g, &xa, ctx)?)
+            }
         };
         for (lin, g) in lins.iter().zip(g) {
             add_grad(&mut grads, lin, g)?;

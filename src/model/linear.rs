@@ -488,6 +488,21 @@ impl Linear {
         xp: &Tensor,
         ctx: &Ctx,
     ) -> Result<Vec<(Tensor, Option<Tensor>)>> {
+        let (ys, xas) = Self::fwd_folded_parts(lins, xp, &[], ctx)?;
+        Ok(ys.into_iter().zip(xas).collect())
+    }
+
+    /// `fwd_folded` with one fused linear's output made in parts: `cuts` are the widths of
+    /// row blocks of its W (Phi-3's qkv_proj: H·D, K·D, K·D; gate_up_proj: I, I), each block
+    /// one GEMM into a tensor of its own, so q, k, v (gate, up) come out contiguous with no
+    /// copy out of one wide output. Without cuts each linear is one part. (The parts in
+    /// order, [m, cut] each; each linear's adapter state [m, r].)
+    pub fn fwd_folded_parts(
+        lins: &[&Linear],
+        xp: &Tensor,
+        cuts: &[usize],
+        ctx: &Ctx,
+    ) -> Result<(Vec<Tensor>, Vec<Option<Tensor>>)> {
         let mut a = Vec::with_capacity(lins.len());
         let mut ws = Vec::with_capacity(lins.len());
         let mut ranks = Vec::with_capacity(lins.len());
@@ -497,7 +512,7 @@ impl Linear {
                 candle_core::bail!("{}: folded without an adapter and a pad", lin.name);
             };
             a.push(&lora.a);
-            ws.push(&pad.full);
+            ws.extend(row_blocks(&pad.full, cuts, lins.len())?);
             ranks.push(lora.a.dim(0)?);
             scale = lora.scale;
         }
@@ -507,14 +522,15 @@ impl Linear {
         };
         let a = ctx.a_stack(&a, xp.dtype())?; // [Σ r, in]
         let drops: Vec<Dropout> = lins.iter().filter_map(|l| l.dropout(ctx)).collect();
+        let ws: Vec<&Tensor> = ws.iter().collect();
         let (ys, xas) = ops::fold::fwd(xp, in_f, &a, scale, &drops, &ws, ctx.kernels.gemm)?;
         let mut off = 0;
-        let mut out = Vec::with_capacity(lins.len());
-        for (y, r) in ys.into_iter().zip(ranks) {
-            out.push((y, Some(xas.narrow(1, off, r)?))); // [m, r], row stride Σ r
+        let mut states = Vec::with_capacity(lins.len());
+        for r in ranks {
+            states.push(Some(xas.narrow(1, off, r)?)); // [m, r], row stride Σ r
             off += r;
         }
-        Ok(out)
+        Ok((ys, states))
     }
 
     /// `bwd` of linears that shared their input x [m, in]: g[i] = dL/dy_i (consumed), xas[i]
@@ -528,9 +544,24 @@ impl Linear {
         xas: &[Option<&Tensor>],
         ctx: &Ctx,
     ) -> Result<(Tensor, Vec<AdapterGrad>)> {
+        Self::bwd_shared_parts(lins, x, g, &[], xas, ctx)
+    }
+
+    /// `bwd_shared` for outputs made in parts (`fwd_folded_parts`): g holds dL/d(part) for
+    /// each part, in order (one fused linear's `cuts`, or one part per linear without). Folded,
+    /// each part's GEMMs take its row block of W*; else the parts are joined first.
+    pub fn bwd_shared_parts(
+        lins: &[&Linear],
+        x: &Tensor,
+        g: Vec<Tensor>,
+        cuts: &[usize],
+        xas: &[Option<&Tensor>],
+        ctx: &Ctx,
+    ) -> Result<(Tensor, Vec<AdapterGrad>)> {
         if let Some(p) = Self::fold_width(lins, ctx) {
-            return Self::bwd_folded(lins, x, g, xas, ctx, p);
+            return Self::bwd_folded(lins, x, g, cuts, xas, ctx, p);
         }
+        let g = join_parts(g, cuts)?;
         let idx = Self::shared(lins, ctx);
         let mut g: Vec<Option<Tensor>> = g.into_iter().map(Some).collect();
         let mut grads: Vec<AdapterGrad> = vec![None; lins.len()];
@@ -571,6 +602,7 @@ impl Linear {
         lins: &[&Linear],
         x: &Tensor,
         g: Vec<Tensor>,
+        cuts: &[usize],
         xas: &[Option<&Tensor>],
         ctx: &Ctx,
         p: usize,
@@ -583,16 +615,27 @@ impl Linear {
         let mut grads: Vec<AdapterGrad> = Vec::with_capacity(lins.len());
         let mut dxp: Option<Tensor> = None; // [m, in + p]
         let (mut scale, mut ranks) = (1.0, 0);
-        for ((lin, gi), xas) in lins.iter().zip(g).zip(xas) {
+        let mut g = g.into_iter();
+        for (lin, xas) in lins.iter().zip(xas) {
             let (Some(lora), Some(pad), Some(xas)) = (&lin.lora, &lin.pad, xas) else {
                 candle_core::bail!("{}: folded backward without its adapter state", lin.name);
             };
-            let gi = gi.contiguous()?;
-            dxp = Some(match dxp {
-                None => matmul_scaled(&gi, &pad.full, false, 1.0, gemm)?,
-                Some(acc) => linear_bwd_acc(&gi, &pad.full, acc, gemm)?,
-            });
-            let db = matmul_tn_f32(&gi, xas, gemm)?; // dB = g_iᵀ xas_i [out, r]
+            let mut dbs = Vec::with_capacity(cuts.len().max(1));
+            for w in row_blocks(&pad.full, cuts, lins.len())? {
+                let Some(gi) = g.next() else {
+                    candle_core::bail!("{}: folded backward short of gradients", lin.name);
+                };
+                let gi = gi.contiguous()?;
+                dxp = Some(match dxp {
+                    None => matmul_scaled(&gi, &w, false, 1.0, gemm)?,
+                    Some(acc) => linear_bwd_acc(&gi, &w, acc, gemm)?,
+                });
+                dbs.push(matmul_tn_f32(&gi, xas, gemm)?); // dB = g_iᵀ xas_i [out, r]
+            }
+            let db = match dbs.len() {
+                1 => dbs.remove(0),
+                _ => Tensor::cat(&dbs, 0)?, // the parts' rows of dB [out, r]
+            };
             grads.push(Some(LoraGrad::ab(db.clone(), db))); // dA set below
             a.push(&lora.a);
             (scale, ranks) = (lora.scale, ranks + lora.a.dim(0)?);
@@ -685,6 +728,35 @@ impl Linear {
             }
         }
         Ok((gs, xs))
+    }
+}
+
+/// The row blocks of a folded linear's W* [out, in + pad] that make its output's parts: the
+/// `cuts` (widths summing to out) of the one linear of a group (`of` linears), or W* whole.
+/// Views: a block of rows of a row-major matrix is contiguous.
+fn row_blocks(w: &Tensor, cuts: &[usize], of: usize) -> Result<Vec<Tensor>> {
+    if cuts.is_empty() {
+        return Ok(vec![w.clone()]);
+    }
+    let out = w.dim(0)?;
+    if of != 1 || cuts.iter().sum::<usize>() != out {
+        candle_core::bail!("parts {cuts:?} of {of} linears, {out} outputs: one fused linear's");
+    }
+    let mut off = 0;
+    let mut blocks = Vec::with_capacity(cuts.len());
+    for &n in cuts {
+        blocks.push(w.narrow(0, off, n)?);
+        off += n;
+    }
+    Ok(blocks)
+}
+
+/// The parts' gradients as the one fused linear's [m, out] (joined along the columns), or as
+/// they are without cuts.
+pub(super) fn join_parts(g: Vec<Tensor>, cuts: &[usize]) -> Result<Vec<Tensor>> {
+    match cuts.is_empty() {
+        true => Ok(g),
+        false => Ok(vec![Tensor::cat(&g, 1)?]),
     }
 }
 

@@ -675,6 +675,68 @@ fn folded_layer_matches_the_unfolded_and_autograd_on_the_gpu() {
     }
 }
 
+/// Phi-3's fused projections folded: qkv_proj's and gate_up_proj's outputs come out in parts
+/// (q, k, v and gate, up, each its own GEMM over a row block of W*: `fwd_folded_parts`), and
+/// the layer's output, dL/dx and gradients (the parts' dB joined) match the same layer
+/// unfolded (one GEMM, its output cut) and autograd. GQA, so the parts' widths differ.
+#[cfg(feature = "cuda")]
+#[test]
+fn folded_fused_layer_makes_its_parts_and_matches_the_unfolded_on_the_gpu() {
+    use candle_core::{DType, Device};
+    use lora_train::model::{llama::Model, Linear};
+    let dev = Device::new_cuda(0).unwrap();
+    let mut cfg = lora_train::bench::shape("phi3-mini").unwrap();
+    assert!(cfg.arch.fused);
+    (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size) = (2, 256, 688);
+    (
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.vocab_size,
+    ) = (4, 2, 64, 512);
+    let kernels = lora_train::ops::Kernels::resolve(&dev, DType::BF16, 64, false).unwrap();
+    // Built unfolded, folded below (as `gpu_layer_model`'s tests do).
+    let kernels = lora_train::ops::Kernels {
+        fold: false,
+        ..kernels
+    };
+    let spec = lora_train::lora::LoraSpec {
+        targets: cfg.linears().iter().map(|s| s.to_string()).collect(),
+        ..all_linear_r8()
+    };
+    let mut m =
+        Model::random_with(cfg, DType::BF16, &dev, &spec, 7, &kernels, &mut |_| Ok(())).unwrap();
+    randomize_b(&m, 0.05);
+    m.kernels.fold = true;
+    assert!(m.fold().unwrap() > 0);
+    let (ctx, x, g) = gpu_layer_batch(&m);
+    assert!(ctx.folded);
+    let layer = &m.layers[1];
+    assert_eq!((layer.attn_in.len(), layer.mlp_in.len()), (1, 1));
+    for lin in [&layer.attn_in[0], &layer.mlp_in[0]] {
+        assert!(Linear::fold_width(&[lin], &ctx).is_some(), "{}", lin.name);
+    }
+    let mut plain = m.ctx(&[0; 300], 2, 150, None, None).unwrap();
+    (plain.cos, plain.sin, plain.mask) = (ctx.cos.clone(), ctx.sin.clone(), ctx.mask.clone());
+    plain.folded = false;
+
+    let (y, acts) = layer.forward_train(&x, &ctx, true).unwrap();
+    let (y_plain, acts_plain) = layer.forward_train(&x, &plain, true).unwrap();
+    assert_close("fused: y folded", &y, &y_plain, 1e-2, 1e-2);
+    let (xv, y_ref, gs) = autograd_reference(layer, &x, &g, &ctx);
+    assert_close("fused: y vs autograd", &y, &y_ref, 2e-2, 1e-2);
+    let ours = layer.backward(acts.unwrap(), &g, &ctx).unwrap();
+    let theirs = layer.backward(acts_plain.unwrap(), &g, &plain).unwrap();
+    assert_close("fused: dx folded", &ours.0, &theirs.0, 2e-2, 1e-2);
+    assert_eq!(ours.1.len(), 8, "four adapters: qkv, o, gate_up, down");
+    for ((ia, ga), (ib, gb)) in ours.1.iter().zip(&theirs.1) {
+        assert_eq!(ia, ib);
+        assert_eq!(ga.dims(), gb.dims());
+        assert_close("fused: adapter grad folded", ga, gb, 3e-2, 2e-2);
+    }
+    check_layer_grads("fused", layer, &ours, &gs, xv.as_tensor(), (3e-2, 2e-2));
+}
+
 /// Every adapter of `m` at dropout rate `p` (as the recipe's lora.dropout sets it).
 #[cfg(feature = "cuda")]
 fn with_dropout(m: &mut lora_train::model::llama::Model, p: f32) {
