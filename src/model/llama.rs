@@ -617,22 +617,15 @@ impl Model {
         let norm = self.cfg.norm_spec();
         let hn = ops::rms_norm(x, &self.norm, norm)?; // [n, C]
         let logits = ops::frozen_linear(&hn, &self.lm_head, None)?; // [n, V]
-        let cap = self.cfg.arch.final_softcap;
+
         // Gemma 2: the CE of the capped logits, its gradient back through the cap
-        let logits = match cap {
-            Some(cap) => ops::softcap::softcap(&logits, cap)?,
-            None => logits,
-        };
         let (ce_rows, dl) = ops::cross_entropy::cross_entropy_fwd_bwd(
             &logits,
             targets,
             denom,
+            self.cfg.arch.final_softcap,
             self.kernels.cross_entropy,
         )?;
-        let dl = match cap {
-            Some(cap) => ops::softcap::softcap_bwd(&logits, &dl, cap)?,
-            None => dl,
-        };
         drop(logits);
         let dhn = dl.matmul(&self.lm_head)?; // [n, C]
         Ok((

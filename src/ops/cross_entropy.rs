@@ -19,11 +19,15 @@ use candle_core::{DType, Result, Tensor};
 
 /// logits [n, V] (activation dtype), targets [n] u32 → (ce [n] f32, dL/dlogits [n, V] in the
 /// logits' dtype) for L = Σ ce / `denom`. The fused kernel where `kind` is `Fused` and it takes
-/// the operands (`kernel_takes`), the tensor ops elsewhere.
+/// the operands (`kernel_takes`), the tensor ops elsewhere. With `softcap` (Gemma 2's final
+/// logit soft-cap) the CE is of cap · tanh(logits / cap) and the gradient is back through it:
+/// inside the kernel (no capped [n, V] copy, no pass of its own), else `ops::softcap` around the
+/// tensor ops.
 pub fn cross_entropy_fwd_bwd(
     logits: &Tensor,
     targets: &Tensor,
     denom: f64,
+    softcap: Option<f64>,
     kind: CrossEntropy,
 ) -> Result<(Tensor, Tensor)> {
     let (n, _) = logits.dims2()?;
@@ -36,10 +40,15 @@ pub fn cross_entropy_fwd_bwd(
     }
     #[cfg(feature = "cuda")]
     if kind == CrossEntropy::Fused && kernel_takes(logits, targets) {
-        return imp::fwd_bwd(logits, targets, denom);
+        return imp::fwd_bwd(logits, targets, denom, softcap.unwrap_or(0.0));
     }
     let _ = kind;
-    cross_entropy_fwd_bwd_ops(logits, targets, denom)
+    let Some(cap) = softcap else {
+        return cross_entropy_fwd_bwd_ops(logits, targets, denom);
+    };
+    let z = super::softcap::softcap(logits, cap)?;
+    let (ce, dz) = cross_entropy_fwd_bwd_ops(&z, targets, denom)?;
+    Ok((ce, super::softcap::softcap_bwd(&z, &dz, cap)?))
 }
 
 /// Whether `cross_entropy_fwd_bwd` takes the kernel: a CUDA build, contiguous f32 or bf16
@@ -93,10 +102,16 @@ mod imp {
     /// Threads a row: V = 32k–128k is 32–125 elements a thread.
     const THREADS: u32 = 256;
 
-    pub fn fwd_bwd(logits: &Tensor, targets: &Tensor, denom: f64) -> Result<(Tensor, Tensor)> {
+    /// The kernel; `cap` 0 for no soft-cap.
+    pub fn fwd_bwd(
+        logits: &Tensor,
+        targets: &Tensor,
+        denom: f64,
+        cap: f64,
+    ) -> Result<(Tensor, Tensor)> {
         match logits.dtype() {
-            DType::F32 => launch::<f32>(logits, targets, denom, "f32"),
-            DType::BF16 => launch::<half::bf16>(logits, targets, denom, "bf16"),
+            DType::F32 => launch::<f32>(logits, targets, denom, cap, "f32"),
+            DType::BF16 => launch::<half::bf16>(logits, targets, denom, cap, "bf16"),
             d => {
                 candle_core::bail!("cross_entropy: the kernel takes f32 or bf16 logits, got {d:?}")
             }
@@ -107,6 +122,7 @@ mod imp {
         logits: &Tensor,
         targets: &Tensor,
         denom: f64,
+        cap: f64,
         suffix: &str,
     ) -> Result<(Tensor, Tensor)> {
         let (n, v) = logits.dims2()?;
@@ -138,6 +154,7 @@ mod imp {
         let dl = unsafe { dev.alloc::<T>(n * v)? };
         // The tensor ops' f32 factors: Σ·denom and −1/denom, each rounded from f64 as they are.
         let (v64, denom32, minus) = (v as i64, denom as f32, -1f32 / denom as f32);
+        let cap = cap as f32;
         let cfg = LaunchConfig {
             grid_dim: (n as u32, 1, 1),
             block_dim: (THREADS, 1, 1),
@@ -151,7 +168,8 @@ mod imp {
             .arg(&dl)
             .arg(&v64)
             .arg(&denom32)
-            .arg(&minus);
+            .arg(&minus)
+            .arg(&cap);
         // SAFETY: x holds n·V elements and t n (shapes checked by the caller), ce and dl were
         // allocated for n and n·V; targets < V is the caller's contract (module docs).
         unsafe { b.launch(cfg) }.w()?;

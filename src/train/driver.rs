@@ -29,6 +29,7 @@ use crate::data::Batch;
 use crate::memory;
 use crate::model::moe_aux::MoeAux;
 use crate::model::{Ctx, Layer, LayerActs, LayerGrads, Model, Retain};
+use crate::ops::kernels::CrossEntropy;
 use crate::parallel::fsdp::Shards;
 use crate::parallel::{Comm, Solo};
 use crate::recipe::Checkpointing;
@@ -229,7 +230,7 @@ pub fn add_ce(sum: Option<Tensor>, more: Option<Tensor>) -> Result<Option<Tensor
 /// tensor; None: nothing counted), so that the host does not wait for the backward: reading
 /// it is a synchronisation. `probe(phase)` is called as each phase ends ("forward", "head",
 /// "backward"): the memory meter reads the pool's peak there. `head_chunk`: counted positions
-/// per lm_head + loss chunk (None: ~2^24 logits at a time).
+/// per lm_head + loss chunk (None: `head_chunk_rows`).
 #[allow(clippy::too_many_arguments)]
 pub fn forward_backward_dev(
     model: &Model,
@@ -407,7 +408,7 @@ fn head(
     head_chunk: Option<usize>,
 ) -> Result<(Option<Tensor>, Vec<Tensor>)> {
     let chunk = head_chunk
-        .unwrap_or((1usize << 24) / model.cfg.vocab_size.max(1))
+        .unwrap_or_else(|| head_chunk_rows(model.cfg.vocab_size, model.kernels.cross_entropy))
         .max(1);
     let mut ce_sum: Option<Tensor> = None;
     let mut parts = Vec::new(); // each chunk's dL/dh rows [n_chunk, C]
@@ -425,6 +426,26 @@ fn head(
         }
     }
     Ok((ce_sum, parts))
+}
+
+/// Logits a head chunk holds on the tensor-op cross-entropy (CPU, f16), which keeps several
+/// f32 copies of them alive at once.
+pub const HEAD_CHUNK_LOGITS: usize = 1 << 24;
+
+/// The fewest rows of a head chunk on the fused cross-entropy kernel: over a few hundred rows
+/// the head's GEMMs run far under the matrix units' rate at a large vocabulary (dL/dh's is
+/// long and thin: k = V), and the kernel's one block a row leaves SMs idle. At Gemma's 256k
+/// vocabulary 1024 rows hold 1 GiB of bf16 logits and their gradient.
+pub const HEAD_MIN_ROWS: usize = 1024;
+
+/// Counted positions per lm_head + loss chunk at vocabulary `v`: 2^24 logits, and at least
+/// `HEAD_MIN_ROWS` on the fused kernel.
+pub fn head_chunk_rows(v: usize, kind: CrossEntropy) -> usize {
+    let rows = (HEAD_CHUNK_LOGITS / v.max(1)).max(1);
+    match kind {
+        CrossEntropy::Fused => rows.max(HEAD_MIN_ROWS),
+        CrossEntropy::Ops => rows,
+    }
 }
 
 /// What the backward takes over from the forward.

@@ -687,7 +687,8 @@ fn cross_entropy_matches_log_softmax_composite() {
     for v in [1000, 1003] {
         let n = 37;
         let (logits, tgt) = ce_inputs(n, v);
-        let (ce, dl) = cross_entropy_fwd_bwd(&logits, &tgt, denom, CrossEntropy::Ops).unwrap();
+        let (ce, dl) =
+            cross_entropy_fwd_bwd(&logits, &tgt, denom, None, CrossEntropy::Ops).unwrap();
         let logp = candle_nn::ops::log_softmax(&logits, D::Minus1).unwrap();
         let tgt2 = tgt.unsqueeze(1).unwrap();
         let ce_ref = logp
@@ -716,9 +717,10 @@ fn cross_entropy_matches_log_softmax_composite() {
         // bf16 logits: the same math on their f32 values, the gradient rounded once to bf16.
         let lb = logits.to_dtype(DType::BF16).unwrap();
         let ops = CrossEntropy::Ops;
-        let (ce_b, dl_b) = cross_entropy_fwd_bwd(&lb, &tgt, denom, ops).unwrap();
+        let (ce_b, dl_b) = cross_entropy_fwd_bwd(&lb, &tgt, denom, None, ops).unwrap();
         let (ce_f, dl_f) =
-            cross_entropy_fwd_bwd(&lb.to_dtype(DType::F32).unwrap(), &tgt, denom, ops).unwrap();
+            cross_entropy_fwd_bwd(&lb.to_dtype(DType::F32).unwrap(), &tgt, denom, None, ops)
+                .unwrap();
         assert_eq!(dl_b.dtype(), DType::BF16);
         assert_close(&format!("v{v} bf16 ce"), &ce_b, &ce_f, 0.0, 0.0);
         assert_close(
@@ -750,7 +752,7 @@ fn cross_entropy_kernel_matches_the_ops_on_the_gpu() {
             let x = logits.to_device(&dev).unwrap().to_dtype(dtype).unwrap();
             let t = tgt.to_device(&dev).unwrap();
             assert!(kernel_takes(&x, &t), "{tag}: must take the kernel");
-            let (ce, dl) = cross_entropy_fwd_bwd(&x, &t, denom, CrossEntropy::Fused).unwrap();
+            let (ce, dl) = cross_entropy_fwd_bwd(&x, &t, denom, None, CrossEntropy::Fused).unwrap();
             assert_eq!(
                 dl.dtype(),
                 dtype,
@@ -766,6 +768,50 @@ fn cross_entropy_kernel_matches_the_ops_on_the_gpu() {
                 ((1e-5, 1e-6), (1e-5, 1e-6))
             } else {
                 ((1e-4, 1e-6), (0.0, 1e-2))
+            };
+            assert_close(&format!("{tag} ce"), &ce, &ce_ref, ce_tol.0, ce_tol.1);
+            assert_close(&format!("{tag} dlogits"), &dl, &dl_ref, dl_tol.0, dl_tol.1);
+        }
+    }
+}
+
+/// The kernel with Gemma 2's final soft-cap inside (cap small enough to bind on these logits)
+/// against the CPU's soft-cap, tensor-op CE and soft-cap backward over the same logits (the
+/// capped logits unrounded, f32, as the kernel makes them).
+#[cfg(feature = "cuda")]
+#[test]
+fn soft_capped_cross_entropy_kernel_matches_the_ops_on_the_gpu() {
+    use lora_train::ops::cross_entropy::{cross_entropy_fwd_bwd, kernel_takes};
+    use lora_train::ops::kernels::CrossEntropy;
+    let dev = Device::new_cuda(0).unwrap();
+    let (denom, cap) = (517.0, 3.0);
+    for v in [32003, 1000] {
+        for dtype in [DType::F32, DType::BF16] {
+            let tag = format!("v{v} {dtype:?} cap {cap}");
+            let n = 37;
+            let (logits, tgt) = ce_inputs(n, v);
+            let x = logits.to_device(&dev).unwrap().to_dtype(dtype).unwrap();
+            let t = tgt.to_device(&dev).unwrap();
+            assert!(kernel_takes(&x, &t), "{tag}: must take the kernel");
+            let fused = CrossEntropy::Fused;
+            let (ce, dl) = cross_entropy_fwd_bwd(&x, &t, denom, Some(cap), fused).unwrap();
+            let (ce0, _) = cross_entropy_fwd_bwd(&x, &t, denom, None, fused).unwrap();
+            assert!(
+                crate::common::max_abs_diff(&ce, &ce0) > 0.1,
+                "{tag}: the cap does not bind on these logits"
+            );
+            let x_cpu = x
+                .to_device(&Device::Cpu)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap();
+            let ops = CrossEntropy::Ops;
+            let (ce_ref, dl_ref) =
+                cross_entropy_fwd_bwd(&x_cpu, &tgt, denom, Some(cap), ops).unwrap();
+            let (ce_tol, dl_tol) = if dtype == DType::F32 {
+                ((1e-5, 1e-5), (1e-5, 1e-6))
+            } else {
+                ((1e-4, 1e-5), (0.0, 1e-2))
             };
             assert_close(&format!("{tag} ce"), &ce, &ce_ref, ce_tol.0, ce_tol.1);
             assert_close(&format!("{tag} dlogits"), &dl, &dl_ref, dl_tol.0, dl_tol.1);

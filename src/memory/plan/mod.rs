@@ -32,8 +32,9 @@
 //!   (the previous layer's h, until its copy out is done) and two in backward (the layer's own
 //!   through its MLP's backward, where a recomputed h does not exist yet, and the next
 //!   layer's, on its way back).
-//! - head (lm_head + CE in chunks of ~2^24 logits, `Model::head_loss_bwd`): on the fused CE
-//!   kernel (CUDA, bf16 or f32) the logits and dL/dlogits, 2 × 2^24 × s; else HEAD_CHUNKS ×
+//! - head (lm_head + CE in chunks of `driver::head_chunk_rows` positions, `Model::
+//!   head_loss_bwd`): on the fused CE kernel (CUDA, bf16 or f32) the logits and dL/dlogits of
+//!   one chunk, 2 × rows × V × s (rows: ~2^24 logits, at least 1024); else HEAD_CHUNKS ×
 //!   2^24 × 4 B of f32 logits / exponentials / their gradient; plus dL/dh [N, C]·s twice (the
 //!   running sum and its next value).
 //! - forward workspace of one layer, the larger of: its MLP's end, N·s·(3C + I) (the
@@ -107,8 +108,6 @@ pub const BWD_WS: f64 = 1.0;
 /// f32 logit-sized buffers alive at once in one head chunk of the op chain (CPU, f16): the
 /// logits, x − max while its exponential is made, the exponential.
 pub const HEAD_CHUNKS: f64 = 3.0;
-/// Logits per head chunk (driver::forward_backward_probed).
-pub const HEAD_CHUNK_LOGITS: u64 = 1 << 24;
 /// Attention score block bound (ops::attention::default_block).
 pub const ATTN_BLOCK: u64 = 128 * MIB;
 
@@ -500,7 +499,8 @@ pub fn breakdown(
     } else {
         HEAD_CHUNKS * 4.0
     };
-    let head_ws = (per_logit * HEAD_CHUNK_LOGITS.min(n * v) as f64) as u64 + 2 * boundary;
+    let rows = crate::train::driver::head_chunk_rows(v as usize, p.kernels.cross_entropy) as u64;
+    let head_ws = (per_logit * (rows * v).min(n * v) as f64) as u64 + 2 * boundary;
     // Chunked, the MLP's [chunk, I] gradients, and the attention's backward over all tokens:
     // dL/dy, dL/dh, dL/d(attn), dq ([N, C] each), dk and dv ([N, K·D]).
     let kd = (cfg.num_kv_heads * cfg.head_dim) as u64;
