@@ -65,9 +65,22 @@ pub(super) struct PerExpert {
 }
 
 impl PerExpert {
-    fn of(l: &Option<ExpertLora>, experts: usize, dt: DType) -> Result<Option<PerExpert>> {
+    /// `graph`: the adapter as its `Var`, so autograd's graph reaches it (the reference
+    /// forward); else detached, for the hand-written passes: a product of a `Var` records its
+    /// inputs, so each expert's gradients would hold that expert's rows and their gradients (a
+    /// layer's routed activations) until the optimiser step, for every layer of the step.
+    fn of(
+        l: &Option<ExpertLora>,
+        experts: usize,
+        dt: DType,
+        graph: bool,
+    ) -> Result<Option<PerExpert>> {
         let Some(l) = l else { return Ok(None) };
         let (a, b) = (l.lora.a.as_tensor(), l.lora.b.as_tensor());
+        let (a, b) = match graph {
+            true => (a.clone(), b.clone()),
+            false => (a.detach(), b.detach()),
+        };
         let (er, in_f) = a.dims2()?;
         let (out, r) = (b.dim(0)?, er / experts.max(1));
         Ok(Some(PerExpert {
@@ -229,15 +242,16 @@ impl Moe {
 
     /// hn [m, C] → Σ_j w_j · E_j(hn) [m, C]. Differentiable (the reference forward's graph).
     pub fn forward(&self, hn: &Tensor) -> Result<Tensor> {
-        Ok(self.forward_routed(hn)?.0)
+        Ok(self.forward_routed(hn, true)?.0)
     }
 
-    /// `forward`, with its routing.
-    pub fn forward_routed(&self, hn: &Tensor) -> Result<(Tensor, Routing)> {
+    /// `forward`, with its routing; with `graph` autograd's graph reaches the adapters, else
+    /// (training's forward, whose backward is `backward`) nothing is recorded.
+    pub fn forward_routed(&self, hn: &Tensor, graph: bool) -> Result<(Tensor, Routing)> {
         let (dt, experts) = (hn.dtype(), self.spec.experts);
         let r = route(hn, &self.router, self.spec)?;
-        let gu_ad = PerExpert::of(&self.gate_up_lora, experts, dt)?;
-        let down_ad = PerExpert::of(&self.down_lora, experts, dt)?;
+        let gu_ad = PerExpert::of(&self.gate_up_lora, experts, dt, graph)?;
+        let down_ad = PerExpert::of(&self.down_lora, experts, dt, graph)?;
         let ads = (gu_ad.as_ref(), down_ad.as_ref());
         let xs = hn.index_select(&r.tokens, 0)?; // [m·k, C] grouped by expert
         let w = r
@@ -288,8 +302,8 @@ impl Moe {
         let (dt, experts) = (hn.dtype(), self.spec.experts);
         let (m, k) = (hn.dim(0)?, self.spec.top_k);
         let r = route(hn, &self.router, self.spec)?;
-        let gu_ad = PerExpert::of(&self.gate_up_lora, experts, dt)?;
-        let down_ad = PerExpert::of(&self.down_lora, experts, dt)?;
+        let gu_ad = PerExpert::of(&self.gate_up_lora, experts, dt, false)?;
+        let down_ad = PerExpert::of(&self.down_lora, experts, dt, false)?;
         let ads = (gu_ad.as_ref(), down_ad.as_ref());
         let xs = hn.index_select(&r.tokens, 0)?; // [m·k, C]
         let gs = g.contiguous()?.index_select(&r.tokens, 0)?; // [m·k, C]
@@ -438,7 +452,7 @@ impl Layer {
         let y = match output {
             true => {
                 let hn = ops::rms_norm(&h, &self.post_norm, self.spec.norm)?;
-                let (m, routing) = moe.forward_routed(&hn)?;
+                let (m, routing) = moe.forward_routed(&hn, false)?;
                 if let Some(aux) = &ctx.moe_aux {
                     aux.record(&routing)?;
                 }

@@ -29,8 +29,8 @@ pub struct Ctx {
     /// Dropout stream key (seed, [step, micro-batch]); None = eval (no dropout).
     pub dropout: Option<(u64, [u64; 2])>,
     /// Each adapter's A and B in the activation dtype, by Var id, cast once for the batch
-    /// (one launch for all on CUDA with bf16 activations; empty elsewhere, where the hand-written
-    /// forward and backward cast at each use: every layer's linears did, twice a step).
+    /// (one launch for all on CUDA with bf16 activations); elsewhere each as stored, detached
+    /// (the hand-written forward and backward cast at each use, and record no graph).
     pub adapters: HashMap<TensorId, Tensor>,
     /// The one buffer `adapters` are views of (each layer's A's side by side, then its B's).
     pub adapter_buf: Option<Tensor>,
@@ -471,7 +471,7 @@ impl Model {
 
     /// Every adapter's A and B in the activation dtype, cast in one launch and viewed out of
     /// one buffer (`Ctx::adapters`, `Ctx::adapter_buf`): on CUDA with bf16 activations only;
-    /// empty elsewhere. Per layer the A's come first, side by side in module order, then the
+    /// elsewhere the adapters themselves, detached. Per layer the A's come first, side by side in module order, then the
     /// B's: the A's of linears that share an input are then one [Σ r, in] matrix as they lie.
     fn adapters_cast(&self) -> Result<AdapterCopies> {
         #[cfg(feature = "cuda")]
@@ -494,7 +494,7 @@ impl Model {
             let mut table = Vec::with_capacity(vars.len());
             for v in &vars {
                 let Some(g) = f32_addr(v)? else {
-                    return Ok((HashMap::new(), None)); // not f32 and contiguous: cast at each use
+                    return Ok((self.adapters_detached(), None)); // not f32 and contiguous
                 };
                 table.push(MultiT {
                     g,
@@ -522,7 +522,21 @@ impl Model {
             }
             return Ok((out, Some(flat)));
         }
-        Ok((HashMap::new(), None))
+        Ok((self.adapters_detached(), None))
+    }
+
+    /// Every decoder linear's adapter A and B as stored, detached (elsewhere than
+    /// `adapters_cast`'s copies): the hand-written passes take them from `Ctx::adapter`, and a
+    /// product of a `Var` records its inputs, so a layer's gradients would hold its
+    /// activations alive until the optimiser step, every layer's at once.
+    fn adapters_detached(&self) -> HashMap<TensorId, Tensor> {
+        self.layers
+            .iter()
+            .flat_map(|l| l.linears())
+            .filter_map(|x| x.lora.as_ref())
+            .flat_map(|l| [&l.a, &l.b])
+            .map(|v| (v.id(), v.as_tensor().detach()))
+            .collect()
     }
 
     /// Every folded linear's B rounded to bf16 into its pad columns (`ops::fold`), in one
