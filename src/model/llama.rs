@@ -471,8 +471,9 @@ impl Model {
 
     /// Every adapter's A and B in the activation dtype, cast in one launch and viewed out of
     /// one buffer (`Ctx::adapters`, `Ctx::adapter_buf`): on CUDA with bf16 activations only;
-    /// elsewhere the adapters themselves, detached. Per layer the A's come first, side by side in module order, then the
-    /// B's: the A's of linears that share an input are then one [Σ r, in] matrix as they lie.
+    /// elsewhere the adapters themselves, detached. Per layer the A's come first, side by side
+    /// in module order, then the B's: the A's of linears that share an input are then one
+    /// [Σ r, in] matrix as they lie.
     fn adapters_cast(&self) -> Result<AdapterCopies> {
         #[cfg(feature = "cuda")]
         if let (Device::Cuda(dev), DType::BF16) = (&self.device, self.dtype) {

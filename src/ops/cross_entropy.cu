@@ -37,7 +37,8 @@ __device__ void cross_entropy(const T* x, const unsigned int* tgt, float* ce, T*
     }
     float mx = block_max(m);
     float sum = block_sum(s * expf(m - mx));
-    if (threadIdx.x == 0) ce[row] = (logf(sum) + mx) - ce_cap(ld(xr, t), cap);
+    if (threadIdx.x == 0)
+        ce[row] = (logf(sum) + mx) - ce_cap(ld(xr, t), cap);
     // Pass 2: the tensor ops' roundings: exp(x − max) · (1 / (Σ·denom)), then + (−1/denom) at
     // the target (no fused multiply-add), then one rounding to T.
     float scale = 1.f / (sum * denom);
