@@ -50,10 +50,10 @@ fn checkpointed_and_parked_moe_layers_give_the_kept_gradients() {
 /// so each gradient would hold its layer's activations (a MoE layer's routed rows and their
 /// gradients, 0.9 GiB a layer at qwen3-30b-a3b) alive until the optimiser step. The
 /// hand-written passes take detached adapters (the experts' and, off CUDA bf16, every
-/// linear's), checkpointed or not, dense or MoE.
+/// linear's; DoRA's weight norm), checkpointed or not, dense, DoRA or MoE.
 #[test]
 fn a_step_s_gradients_hold_no_graph() {
-    for case in ["qwen3_moe", "llama_gqa"] {
+    for case in ["qwen3_moe", "llama_gqa", "dora_llama_gqa"] {
         let (_t, s) = session(case, &[]);
         let batch = s.batch(&[vec![0], vec![2]]);
         for keep in [Keep::Input, Keep::Acts] {
