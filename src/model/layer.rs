@@ -170,22 +170,15 @@ impl Layer {
     }
 
     /// q, k, v from the attention input projections' outputs (each [.., n·D] along `dim`):
-    /// as they are, or Phi-3's one output cut into its H·D, K·D, K·D columns (copied
-    /// contiguous).
+    /// as they are, or Phi-3's one output cut at `qkv_cuts` (copied contiguous).
     pub(crate) fn split_qkv(&self, outs: Vec<Tensor>, dim: usize) -> Result<[Tensor; 3]> {
-        let s = &self.spec;
-        let (q, kv) = (s.heads * s.head_dim, s.kv_heads * s.head_dim);
-        match <[Tensor; 3]>::try_from(outs) {
-            Ok(three) => Ok(three),
-            Err(outs) => {
-                let [qkv] = super::layer_train::array(outs)?;
-                Ok([
-                    qkv.narrow(dim, 0, q)?.contiguous()?,
-                    qkv.narrow(dim, q, kv)?.contiguous()?,
-                    qkv.narrow(dim, q + kv, kv)?.contiguous()?,
-                ])
-            }
-        }
+        split_parts(outs, &self.qkv_cuts(), dim)
+    }
+
+    /// gate and up from the MLP input projections' outputs: as they are, or Phi-3's one
+    /// output cut at `gate_up_cuts` (gate first; copied contiguous).
+    pub(crate) fn split_gate_up(&self, outs: Vec<Tensor>, dim: usize) -> Result<[Tensor; 2]> {
+        split_parts(outs, &self.gate_up_cuts(), dim)
     }
 
     /// The widths of the parts of Phi-3's fused qkv_proj output (H·D, K·D, K·D), which the
@@ -208,22 +201,6 @@ impl Layer {
         match &self.mlp_in[..] {
             [gu] => vec![gu.out_features() / 2; 2],
             _ => Vec::new(),
-        }
-    }
-
-    /// gate and up from the MLP input projections' outputs: as they are, or Phi-3's one
-    /// output cut in halves (gate first), copied contiguous.
-    pub(crate) fn split_gate_up(&self, outs: Vec<Tensor>, dim: usize) -> Result<[Tensor; 2]> {
-        match <[Tensor; 2]>::try_from(outs) {
-            Ok(two) => Ok(two),
-            Err(outs) => {
-                let [gu] = super::layer_train::array(outs)?;
-                let i = gu.dim(dim)? / 2;
-                Ok([
-                    gu.narrow(dim, 0, i)?.contiguous()?,
-                    gu.narrow(dim, i, i)?.contiguous()?,
-                ])
-            }
         }
     }
 
@@ -438,6 +415,27 @@ impl Layer {
             None => candle_core::bail!("a MoE layer has no dense down_proj"),
         }
     }
+}
+
+/// Projections' outputs as their N parts: N outputs as they are, or one fused output cut
+/// along `dim` at `cuts` (N widths), each part copied contiguous.
+fn split_parts<const N: usize>(
+    outs: Vec<Tensor>,
+    cuts: &[usize],
+    dim: usize,
+) -> Result<[Tensor; N]> {
+    let outs = match <[Tensor; N]>::try_from(outs) {
+        Ok(parts) => return Ok(parts),
+        Err(outs) => outs,
+    };
+    let [fused] = super::layer_train::array(outs)?;
+    let parts = super::linear::cut(&fused, dim, cuts)?;
+    super::layer_train::array(
+        parts
+            .iter()
+            .map(Tensor::contiguous)
+            .collect::<Result<_>>()?,
+    )
 }
 
 /// [B, K, T, D] → [B, K·n, T, D], each kv head repeated n times (GQA).

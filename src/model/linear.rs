@@ -742,13 +742,18 @@ fn row_blocks(w: &Tensor, cuts: &[usize], of: usize) -> Result<Vec<Tensor>> {
     if of != 1 || cuts.iter().sum::<usize>() != out {
         candle_core::bail!("parts {cuts:?} of {of} linears, {out} outputs: one fused linear's");
     }
+    cut(w, 0, cuts)
+}
+
+/// t cut along `dim` into consecutive pieces of the widths `cuts` (views).
+pub(super) fn cut(t: &Tensor, dim: usize, cuts: &[usize]) -> Result<Vec<Tensor>> {
     let mut off = 0;
-    let mut blocks = Vec::with_capacity(cuts.len());
+    let mut pieces = Vec::with_capacity(cuts.len());
     for &n in cuts {
-        blocks.push(w.narrow(0, off, n)?);
+        pieces.push(t.narrow(dim, off, n)?);
         off += n;
     }
-    Ok(blocks)
+    Ok(pieces)
 }
 
 /// The parts' gradients as the one fused linear's [m, out] (joined along the columns), or as
