@@ -1,15 +1,16 @@
 // Causal flash attention on tensor cores: bf16 operands, f32 accumulation, mma.sync.m16n8k16
 // (sm_80+). After common.cuh (bf16_t) in the one program that NVRTC compiles (ops::cuda).
 //
-// Three kernels, each one thread block of 4 warps per (tile, batch·head); tiles stream through
-// shared memory double-buffered (cp.async), fragments come out of it by ldmatrix:
+// Three kernels, each one thread block of 4 warps (flash_dkdv at D = 256: 8) per (tile,
+// batch·head); tiles stream through shared memory double-buffered (cp.async), fragments come
+// out of it by ldmatrix:
 //   flash_fwd   64 queries a block, keys in tiles of 64 (32 at D = 256): O and L = log-sum-exp
 //               (natural log).
 //   flash_dq    64 queries a block, keys in tiles of 32 (16 at D = 256): recomputes P and dP,
 //               dQ = scale·dS·K.
 //   flash_dkdv  64 keys a block (16 a warp), queries in tiles of 32, over every query head of
 //               the kv head (GQA sums inside): dV = Pᵀ·dO, dK = scale·dSᵀ·Q. At D = 256 two
-//               blocks share a key tile, each making half of dK's and dV's columns.
+//               warps share 16 keys, one making P, the other dS, each half of the columns.
 // Nine T×T×D products in all (FA2 does seven with atomics on dQ; this way has none).
 // Up to D = 128 the rows a warp multiplies by every tile (Q, dO) stay in registers as A
 // fragments; at D = 256 the D-wide accumulator takes those registers and the rows are read
@@ -51,7 +52,6 @@ struct FlCfg {
     static constexpr bool ROWS_IN_REGS = D <= 128;    // Q (and dO) as register fragments
     static constexpr int FWD_BK = D <= 128 ? 64 : 32;  // flash_fwd's key tile
     static constexpr int DQ_BK = D <= 128 ? 32 : 16;   // flash_dq's key tile
-    static constexpr int DKDV_W = D <= 128 ? D : D / 2;  // dK / dV columns of a flash_dkdv block
 };
 
 extern __shared__ __align__(16) unsigned char flash_smem[];
@@ -125,15 +125,15 @@ __device__ __forceinline__ void fl_a_from_c(unsigned* a, const float* c0, const 
 }
 
 // Starts copying rows [r0, r0 + R) of a [T, D] slab (row stride st) into shared [R][D + 8]
-// at s; rows past T are zero-filled. 128 threads, each a 16-byte chunk per pass of 128 / (D/8)
+// at s; rows past T are zero-filled. NT threads, each a 16-byte chunk per pass of NT / (D/8)
 // rows: the trip count is a constant and the addresses step by constants.
-// When D / 8 does not divide 128 (D = 96) a pass spans parts of rows: chunk x of the tile is
-// row x / C, column x % C, x = thread + 128·pass.
-template<int D, int R>
+// When D / 8 does not divide NT (D = 96) a pass spans parts of rows: chunk x of the tile is
+// row x / C, column x % C, x = thread + NT·pass.
+template<int D, int R, int NT = 128>
 __device__ __forceinline__ void fl_load(unsigned s, const bf16_t* g, long st, int r0, int T) {
     constexpr int C = D / 8;
-    if constexpr (128 % C == 0) {
-        constexpr int RS = 128 / C;
+    if constexpr (NT % C == 0) {
+        constexpr int RS = NT / C;
         static_assert(R % RS == 0, "a tile is whole passes");
         const int r = threadIdx.x / C, c = threadIdx.x % C;
         const bf16_t* src = g + (long)(r0 + r) * st + c * 8;
@@ -144,10 +144,10 @@ __device__ __forceinline__ void fl_load(unsigned s, const bf16_t* g, long st, in
             fl_cp16(dst + 2 * i * RS * (D + 8), ok ? src + (long)i * RS * st : g, ok);
         }
     } else {
-        static_assert(R * C % 128 == 0, "a tile is whole passes");
+        static_assert(R * C % NT == 0, "a tile is whole passes");
 #pragma unroll
-        for (int i = 0; i < R * C / 128; ++i) {
-            const int x = threadIdx.x + i * 128, r = x / C, c = x % C;
+        for (int i = 0; i < R * C / NT; ++i) {
+            const int x = threadIdx.x + i * NT, r = x / C, c = x % C;
             const bool ok = r0 + r < T;
             fl_cp16(s + 2 * (r * (D + 8) + c * 8), ok ? g + (long)(r0 + r) * st + c * 8 : g, ok);
         }
@@ -249,10 +249,48 @@ __device__ __forceinline__ void fl_prefetch_kv(const FlashP& p, unsigned sK, uns
     if (threadIdx.x < BK) sSeg[buf * BK + threadIdx.x] = fl_seg(p, b, k0 + (int)threadIdx.x);
 }
 
-// The first key tile a query tile starting at q0 can see (the sliding window cuts the front).
+// Example ids are non-decreasing along a row (data::batch numbers a row's examples in order,
+// padding last), so an example's tokens are one run, bounded by binary search: packed rows of
+// short examples visit only the tiles of the examples they hold.
+// The first token of the example of token i of row b.
+__device__ __forceinline__ int fl_doc_start(const FlashP& p, int b, int i) {
+    const unsigned* s = p.seg + (long)b * p.T;
+    const unsigned v = s[i];
+    int lo = 0, hi = i;
+    while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if (s[mid] < v) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+}
+// One past the last token of the example of token i of row b.
+__device__ __forceinline__ int fl_doc_end(const FlashP& p, int b, int i) {
+    const unsigned* s = p.seg + (long)b * p.T;
+    const unsigned v = s[i];
+    int lo = i + 1, hi = p.T;
+    while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if (s[mid] <= v) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+}
+
+// The first key tile a query tile of row b starting at q0 (< T) can see: the sliding window
+// and the first query's example cut the front.
 template<int BK>
-__device__ __forceinline__ int fl_first_key(const FlashP& p, int q0) {
-    return p.window > 0 ? max(0, q0 - p.window + 1) / BK * BK : 0;
+__device__ __forceinline__ int fl_first_key(const FlashP& p, int b, int q0) {
+    int k = p.window > 0 ? max(0, q0 - p.window + 1) : 0;
+    if (p.seg) k = max(k, fl_doc_start(p, b, q0));
+    return k / BK * BK;
+}
+
+// One past the last query of row b that can see a key of the tile [k0, k0 + BK) (k0 < T):
+// the window and the last key's example cut the end.
+template<int BK>
+__device__ __forceinline__ int fl_query_end(const FlashP& p, int b, int k0) {
+    int q = p.window > 0 ? min(p.T, k0 + BK - 1 + p.window) : p.T;
+    if (p.seg) q = min(q, fl_doc_end(p, b, min(k0 + BK, p.T) - 1));
+    return q;
 }
 
 // Masks this warp's 16 × N tile of scores s (rows i0, i0 + 8 of ids si0, si1; columns j0 +
@@ -394,7 +432,7 @@ __device__ __forceinline__ void flash_fwd(const FlashP& p) {
     const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;  // the longest rows first
     const int warp = threadIdx.x >> 5, l = threadIdx.x & 31, g = l >> 2, c = l & 3;
     const float sc = p.scale * FLASH_LOG2E;
-    const int kend = min(T, q0 + BQ), kbeg = fl_first_key<BK>(p, q0);
+    const int kend = min(T, q0 + BQ), kbeg = fl_first_key<BK>(p, b, q0);
     auto prefetch = [&](int k0, int buf) { fl_prefetch_kv<D, BK>(p, sK, sV, sSeg, b, kh, k0, buf); };
 
     // Q passes through the second buffer while the first key tile arrives (QR), or stays in
@@ -468,7 +506,7 @@ __device__ __forceinline__ void flash_dq(const FlashP& p) {
     const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;
     const int warp = threadIdx.x >> 5, l = threadIdx.x & 31, g = l >> 2, c = l & 3;
     const float sc = p.scale * FLASH_LOG2E;
-    const int kend = min(T, q0 + BQ), kbeg = fl_first_key<BK>(p, q0);
+    const int kend = min(T, q0 + BQ), kbeg = fl_first_key<BK>(p, b, q0);
     auto prefetch = [&](int k0, int buf) { fl_prefetch_kv<D, BK>(p, sK, sV, sSeg, b, kh, k0, buf); };
 
     unsigned qf[KS][4], df[KS][4];  // (QR)
@@ -553,12 +591,37 @@ __device__ __forceinline__ void flash_dq(const FlashP& p) {
                      p.rc ? p.rc + rope : nullptr, p.rs ? p.rs + rope : nullptr, c);
 }
 
+// The pair exchange of flash_dkdv at D = 256: 16 floats a lane ([NF][32 lanes], conflict-free),
+// written by one warp of a pair and read by the same lane of the other, whose fragments have
+// the same layout.
+template<int N>
+__device__ __forceinline__ void fl_put(float* x, const float (*v)[4], int l) {
+#pragma unroll
+    for (int n = 0; n < N / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) x[(n * 4 + e) * 32 + l] = v[n][e];
+}
+__device__ __forceinline__ float fl_got(const float* x, int n, int e, int l) {
+    return x[(n * 4 + e) * 32 + l];
+}
+// Named barrier `id` (1..4) of the two warps of a pair.
+__device__ __forceinline__ void fl_pair_sync(int id) {
+    asm volatile("bar.sync %0, 64;" :: "r"(id) : "memory");
+}
+
+// dK and dV of 64 keys a block, queries streamed in tiles of 32 over every query head of the
+// kv head (GQA sums inside): dV = Pᵀ·dO, dK = scale·dSᵀ·Q.
+// Up to D = 128 (4 warps): warp w owns keys k0 + 16w.. and every column.
+// At D = 256 (PAIR, 8 warps): the 16 keys' full dK and dV rows would take 256 accumulator
+// registers a thread, so warps w and w + 4 share keys k0 + 16w..: w makes Sᵀ = K·Qᵀ and P,
+// w + 4 makes dPᵀ = V·dOᵀ and dS, they trade P and dS through shared memory, and each
+// accumulates half of the columns (cA + [0, D/4) and cA + D/2 + [0, D/4), cA = 0 or D/4:
+// halves RoPE rotates together). Every product is made once.
 template<int D>
 __device__ __forceinline__ void flash_dkdv(const FlashP& p) {
-    // W of dK's and dV's columns a block: cA + [0, W/2) and cA + D/2 + [0, W/2) (halves RoPE
-    // rotates together), the column part `blockIdx.x % NC` of key tile `blockIdx.x / NC`.
-    constexpr int W = FlCfg<D>::DKDV_W, NC = D / W;
-    constexpr int DP = D + 8, BK = 64, BQ = 32, KS = D / 16, DN = W / 8;
+    constexpr bool PAIR = D > 128;
+    constexpr int NT = PAIR ? 256 : 128, W = PAIR ? D / 2 : D;
+    constexpr int DP = D + 8, BK = 64, BQ = 32, KS = D / 16, DN = W / 8, NF = BQ / 8 * 4;
     const unsigned sK = fl_smem(flash_smem);  // [BK][DP]
     const unsigned sV = sK + 2 * BK * DP;     // [BK][DP]
     const unsigned sQ = sV + 2 * BK * DP;     // [2][BQ][DP]
@@ -566,16 +629,24 @@ __device__ __forceinline__ void flash_dkdv(const FlashP& p) {
     float* sL = (float*)(flash_smem + 2 * (2 * BK + 4 * BQ) * DP);  // [2][BQ] L·log2(e)
     float* sD = sL + 2 * BQ;                    // [2][BQ] δ
     unsigned* sSeg = (unsigned*)(sD + 2 * BQ);  // [2][BQ]
+    // PAIR: a pair's P, P times the cap's derivative (soft-capped only) and dS, [4][NF][32].
+    float* xP = (float*)(sSeg + 2 * BQ);
+    float* xF = xP + 4 * NF * 32;
+    float* xS = xF + 4 * NF * 32;
     const int T = p.T, b = blockIdx.y / p.KH, kh = blockIdx.y % p.KH, grp = p.H / p.KH;
-    const int k0 = (blockIdx.x / NC) * BK, cA = (blockIdx.x % NC) * (W / 2);
+    const int k0 = blockIdx.x * BK;
     const int warp = threadIdx.x >> 5, l = threadIdx.x & 31, g = l >> 2, c = l & 3;
-    const float sc = p.scale * FLASH_LOG2E;
-    const int qend = p.window > 0 ? min(T, k0 + BK - 1 + p.window) : T;
+    const int kw = warp & 3;                  // this warp's 16 keys: k0 + 16·kw..
+    const bool first = !PAIR || warp < 4;     // makes Sᵀ (and, alone, dPᵀ too)
+    const int cA = first ? 0 : W / 2;
+    const int xo = kw * NF * 32;              // this pair's exchange slots
+    const float sc = p.scale * FLASH_LOG2E, kt = p.softcap != 0.f ? p.scale / p.softcap : 0.f;
+    const int qend = fl_query_end<BK>(p, b, k0);
     const int nq = (qend - k0 + BQ - 1) / BQ, iters = grp * nq;  // (query head, query tile) pairs
     auto prefetch = [&](int it, int buf) {
         const int h = kh * grp + it / nq, q0 = k0 + (it % nq) * BQ;
-        fl_load<D, BQ>(sQ + 2 * buf * BQ * DP, p.q + b * p.sq[0] + h * p.sq[1], p.sq[2], q0, T);
-        fl_load<D, BQ>(sO + 2 * buf * BQ * DP, p.o + b * p.so[0] + h * p.so[1], p.so[2], q0, T);
+        fl_load<D, BQ, NT>(sQ + 2 * buf * BQ * DP, p.q + b * p.sq[0] + h * p.sq[1], p.sq[2], q0, T);
+        fl_load<D, BQ, NT>(sO + 2 * buf * BQ * DP, p.o + b * p.so[0] + h * p.so[1], p.so[2], q0, T);
         fl_commit();
         if (threadIdx.x < BQ) {
             const long row = ((long)b * p.H + h) * T;
@@ -585,11 +656,11 @@ __device__ __forceinline__ void flash_dkdv(const FlashP& p) {
             sSeg[buf * BQ + threadIdx.x] = fl_seg(p, b, i);
         }
     };
-    fl_load<D, BK>(sK, p.k + b * p.sk[0] + kh * p.sk[1], p.sk[2], k0, T);
-    fl_load<D, BK>(sV, p.v + b * p.sv[0] + kh * p.sv[1], p.sv[2], k0, T);
+    fl_load<D, BK, NT>(sK, p.k + b * p.sk[0] + kh * p.sk[1], p.sk[2], k0, T);
+    fl_load<D, BK, NT>(sV, p.v + b * p.sv[0] + kh * p.sv[1], p.sv[2], k0, T);
     fl_commit();
     if (iters > 0) prefetch(0, 0);
-    const int kj0 = k0 + warp * 16 + g;
+    const int kj0 = k0 + kw * 16 + g;
     const unsigned sg0 = fl_seg(p, b, kj0), sg1 = fl_seg(p, b, kj0 + 8);
     float dk[DN][4], dv[DN][4];
 #pragma unroll
@@ -604,59 +675,89 @@ __device__ __forceinline__ void flash_dkdv(const FlashP& p) {
         const float* tL = sL + buf * BQ;
         const float* tD = sD + buf * BQ;
         const unsigned* tS = sSeg + buf * BQ;
-        // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ: rows are this warp's 16 keys, columns BQ queries.
+        // Sᵀ = K Qᵀ (st) and dPᵀ = V dOᵀ (dpt): rows this warp's 16 keys, columns BQ queries.
+        // PAIR: the first warp makes st from (K, Q), the second dpt, as its st, from (V, dO).
         float st[BQ / 8][4], dpt[BQ / 8][4];
 #pragma unroll
         for (int n = 0; n < BQ / 8; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) st[n][e] = dpt[n][e] = 0.f;
+        const unsigned tA = first ? sK : sV, tB = first ? tQ : tO;
 #pragma unroll
         for (int kk = 0; kk < KS; kk += 2) {
             unsigned ak0[4], ak1[4], av0[4], av1[4];
-            fl_afrag(ak0, sK, DP, warp * 16, kk * 16, l);
-            fl_afrag(ak1, sK, DP, warp * 16, kk * 16 + 16, l);
-            fl_afrag(av0, sV, DP, warp * 16, kk * 16, l);
-            fl_afrag(av1, sV, DP, warp * 16, kk * 16 + 16, l);
+            fl_afrag(ak0, tA, DP, kw * 16, kk * 16, l);
+            fl_afrag(ak1, tA, DP, kw * 16, kk * 16 + 16, l);
+            if constexpr (!PAIR) {
+                fl_afrag(av0, sV, DP, kw * 16, kk * 16, l);
+                fl_afrag(av1, sV, DP, kw * 16, kk * 16 + 16, l);
+            }
 #pragma unroll
             for (int n = 0; n < BQ / 8; ++n) {
                 unsigned bq[4], bo[4];
-                fl_bfrag2k(bq, tQ, DP, n * 8, kk * 16, l);
-                fl_bfrag2k(bo, tO, DP, n * 8, kk * 16, l);
+                fl_bfrag2k(bq, tB, DP, n * 8, kk * 16, l);
                 fl_mma(st[n], ak0, bq[0], bq[1]);
                 fl_mma(st[n], ak1, bq[2], bq[3]);
-                fl_mma(dpt[n], av0, bo[0], bo[1]);
-                fl_mma(dpt[n], av1, bo[2], bo[3]);
+                if constexpr (!PAIR) {
+                    fl_bfrag2k(bo, tO, DP, n * 8, kk * 16, l);
+                    fl_mma(dpt[n], av0, bo[0], bo[1]);
+                    fl_mma(dpt[n], av1, bo[2], bo[3]);
+                }
             }
         }
-        // Every query of the tile at or past this warp's last key, all inside T, and no window
-        // or segments: nothing is masked.
-        if (p.softcap != 0.f) fl_softcap<BQ>(st, p.scale, p.softcap);
-        if (p.seg || p.window != 0 || q0 < k0 + warp * 16 + 15 || q0 + BQ > T)
-            fl_mask_t<BQ>(p, st, q0, kj0, sg0, sg1, tS, c);
-        // P = exp(scale·S − L) (0 where masked), dS = P ⊙ (dP − δ), with the cap times its
-        // derivative.
-        if (p.softcap != 0.f) {
-            const float kt = p.scale / p.softcap;
+        if constexpr (PAIR) {
+            if (!first) {
+                // The second warp's product is dPᵀ: wait for P, make dS, hand it back.
+#pragma unroll
+                for (int n = 0; n < BQ / 8; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) dpt[n][e] = st[n][e];
+                fl_pair_sync(1 + kw);
+#pragma unroll
+                for (int n = 0; n < BQ / 8; ++n) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int col = n * 8 + 2 * c + (e & 1);
+                        st[n][e] = fl_got(xP + xo, n, e, l);
+                        const float f = p.softcap != 0.f ? fl_got(xF + xo, n, e, l) : st[n][e];
+                        dpt[n][e] = f * (dpt[n][e] - tD[col]);
+                    }
+                }
+                fl_put<BQ>(xS + xo, dpt, l);
+                fl_pair_sync(1 + kw);
+            }
+        }
+        if (first) {
+            // Every query of the tile at or past this warp's last key, all inside T, and no
+            // window or segments: nothing is masked.
+            if (p.softcap != 0.f) fl_softcap<BQ>(st, p.scale, p.softcap);
+            if (p.seg || p.window != 0 || q0 < k0 + kw * 16 + 15 || q0 + BQ > T)
+                fl_mask_t<BQ>(p, st, q0, kj0, sg0, sg1, tS, c);
+            // P = exp(scale·S − L) (0 where masked), dS = P ⊙ (dP − δ), with the cap times its
+            // derivative (PAIR: the second warp makes dS from P and that factor).
 #pragma unroll
             for (int n = 0; n < BQ / 8; ++n) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int col = n * 8 + 2 * c + (e & 1);
                     const float pr = fl_exp2(fmaf(st[n][e], sc, -tL[col]));
-                    dpt[n][e] = pr * (dpt[n][e] - tD[col]) * fl_softcap_d(st[n][e], kt);
+                    const float f = p.softcap != 0.f ? pr * fl_softcap_d(st[n][e], kt) : pr;
                     st[n][e] = pr;
+                    if constexpr (PAIR) {
+                        if (p.softcap != 0.f) xF[xo + (n * 4 + e) * 32 + l] = f;
+                    } else {
+                        dpt[n][e] = f * (dpt[n][e] - tD[col]);
+                    }
                 }
             }
-        } else {
+            if constexpr (PAIR) {
+                fl_put<BQ>(xP + xo, st, l);
+                fl_pair_sync(1 + kw);
+                fl_pair_sync(1 + kw);
 #pragma unroll
-            for (int n = 0; n < BQ / 8; ++n) {
+                for (int n = 0; n < BQ / 8; ++n)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int col = n * 8 + 2 * c + (e & 1);
-                    const float pr = fl_exp2(fmaf(st[n][e], sc, -tL[col]));
-                    st[n][e] = pr;
-                    dpt[n][e] = pr * (dpt[n][e] - tD[col]);
-                }
+                    for (int e = 0; e < 4; ++e) dpt[n][e] = fl_got(xS + xo, n, e, l);
             }
         }
         fl_acc_ptile_cols<D, W, BQ>(dv, st, tO, cA, l);   // dV += Pᵀ dO
@@ -674,7 +775,9 @@ __device__ __forceinline__ void flash_dkdv(const FlashP& p) {
 #define FLASH_INST(D) \
 extern "C" __global__ void __launch_bounds__(128) flash_fwd_d##D(const FlashP p) { flash_fwd<D>(p); } \
 extern "C" __global__ void __launch_bounds__(128) flash_dq_d##D(const FlashP p) { flash_dq<D>(p); } \
-extern "C" __global__ void __launch_bounds__(128) flash_dkdv_d##D(const FlashP p) { flash_dkdv<D>(p); }
+extern "C" __global__ void __launch_bounds__(D > 128 ? 256 : 128) flash_dkdv_d##D(const FlashP p) { \
+    flash_dkdv<D>(p); \
+}
 // flash90.cu's program takes this file for its helpers only (FLASH_HELPERS_ONLY): these
 // kernels come from the portable program, so sm_90a need not compile and load them again.
 #ifndef FLASH_HELPERS_ONLY

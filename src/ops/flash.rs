@@ -134,8 +134,8 @@ mod imp {
         /// flash_fwd's and flash_dq's key tiles (rows).
         fwd_bk: usize,
         dq_bk: usize,
-        /// flash_dkdv blocks per key tile, each making D / `dkdv_parts` of dK's, dV's columns.
-        dkdv_parts: u32,
+        /// flash_dkdv's threads: 256 where warps pair up over the keys (flash.cu, D > 128).
+        dkdv_threads: u32,
     }
 
     fn mma_cfg(d: usize) -> MmaCfg {
@@ -144,7 +144,7 @@ mod imp {
             rows_in_regs: small,
             fwd_bk: if small { 64 } else { 32 },
             dq_bk: if small { 32 } else { 16 },
-            dkdv_parts: if small { 1 } else { 2 },
+            dkdv_threads: if small { THREADS } else { 2 * THREADS },
         }
     }
 
@@ -689,13 +689,22 @@ mod imp {
                     p,
                 )?;
                 // dK, dV: K and V (64 rows), Q and dO twice (32 rows); L, δ and segment ids
-                // twice.
-                launch(
+                // twice; paired warps' exchange: P, its capped factor and dS, 16 floats a
+                // lane of 4 pairs.
+                let pairs = if c.dkdv_threads > THREADS {
+                    3 * 4 * 32 * 16 * 4
+                } else {
+                    0
+                };
+                let func = crate::ops::cuda::function(dev, &format!("flash_dkdv_d{d}"))?;
+                launch_fn(
                     dev,
-                    &format!("flash_dkdv_d{d}"),
-                    (tiles * c.dkdv_parts, (b * kh) as u32),
-                    (256 * rows + 6 * 32 * 4) as u32,
+                    func,
+                    c.dkdv_threads,
+                    (tiles, (b * kh) as u32),
+                    (256 * rows + 6 * 32 * 4 + pairs) as u32,
                     p,
+                    None,
                 )?;
             }
         }

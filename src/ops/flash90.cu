@@ -155,7 +155,7 @@ __device__ __forceinline__ void flash_fwd90(const FlashP& p) {
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, l = tid & 31;
     const int g = l >> 2, c = l & 3;
     const float sc = p.scale * FLASH_LOG2E;
-    const int kend = min(T, q0 + BQ), kbeg = fl_first_key<BK>(p, q0);
+    const int kend = min(T, q0 + BQ), kbeg = fl_first_key<BK>(p, b, q0);
     const int ntiles = (kend - kbeg + BK - 1) / BK;
     const int w0 = q0 + 64 * wg;  // this warpgroup's first query
     auto prefetch = [&](int j) {  // key tile j
@@ -267,7 +267,7 @@ __device__ __forceinline__ void flash_dq90(const FlashP& p) {
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, l = tid & 31;
     const int g = l >> 2, c = l & 3;
     const float sc = p.scale * FLASH_LOG2E;
-    const int kend = min(T, q0 + BQ), kbeg = fl_first_key<BK>(p, q0);
+    const int kend = min(T, q0 + BQ), kbeg = fl_first_key<BK>(p, b, q0);
     const int ntiles = (kend - kbeg + BK - 1) / BK;
     const int w0 = q0 + 64 * wg;
     auto prefetch = [&](int j) {  // key tile j into buffer j % 3
@@ -372,7 +372,7 @@ __device__ __forceinline__ void flash_dkdv90(const FlashP& p) {
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, l = tid & 31;
     const int g = l >> 2, c = l & 3;
     const float sc = p.scale * FLASH_LOG2E;
-    const int qend = p.window > 0 ? min(T, k0 + BK - 1 + p.window) : T;
+    const int qend = fl_query_end<BK>(p, b, k0);
     const int nq = (qend - k0 + BQ - 1) / BQ, iters = grp * nq;  // (query head, query tile) pairs
     auto q0_of = [&](int it) { return k0 + (it % nq) * BQ; };
     auto prefetch = [&](int it) {  // pair it into buffer it % 3
