@@ -374,14 +374,14 @@ impl Layer {
     }
 
     /// The linears whose forward can fold (`ops::fold`), by groups that share their input:
-    /// q, k, v (or qkv); gate, up (or gate_up); down, after SwiGLU only (the fold's kernels
-    /// compute SwiGLU). (o_proj's input is the flash kernel's output.)
+    /// q, k, v (or qkv); gate, up (or gate_up); down (the fold's kernels compute its input,
+    /// SwiGLU or GeGLU). (o_proj's input is the flash kernel's output.)
     fn fold_groups(&mut self) -> Vec<Vec<&mut Linear>> {
         let mut g = vec![
             self.attn_in.iter_mut().collect(),
             self.mlp_in.iter_mut().collect(),
         ];
-        if let (Act::Silu, Some(down)) = (self.spec.act, self.down.as_mut()) {
+        if let Some(down) = self.down.as_mut() {
             g.push(vec![down]);
         }
         g

@@ -16,7 +16,7 @@ use super::layer::Layer;
 use super::layer_train::{add_grad, array, LayerGrads};
 use super::linear::Linear;
 use super::llama::Ctx;
-use crate::ops::{self, glu::Act};
+use crate::ops;
 use candle_core::{Result, Tensor};
 
 /// Tokens per MLP chunk of a checkpointed layer (`train.mlp_chunk`'s default): gate and up of
@@ -150,9 +150,9 @@ impl Layer {
             // adapter's small term would be rounded to bf16 against |h| before the base
             // product joins it, and mostly lost).
             let down = [self.down()?];
-            let folded = match (Linear::fold_width(&down, ctx), s.act) {
-                (Some(p), Act::Silu) => ops::fold::swiglu_pad(&gate, &up, p)?,
-                _ => None,
+            let folded = match Linear::fold_width(&down, ctx) {
+                Some(p) => ops::fold::glu_pad(s.act, &gate, &up, p)?,
+                None => None,
             }; // [m, I + pad]
             let (mo, xd) = match folded {
                 Some(ap) => {
@@ -216,13 +216,10 @@ impl Layer {
         };
         let xd = acts.xd.take();
         let down_l = self.down()?;
-        // Folded, down's backward and SwiGLU's are one GEMM and one pass (ops::fold). Else
-        // down's dL/da needs no a; a is recomputed in the activation's backward pass (over
-        // da's buffer) for down's adapter gradient alone.
-        let down = match s.act {
-            Act::Silu => down_l.bwd_swiglu_folded(&dmo, &acts.gate, &acts.up, xd.as_ref(), ctx)?,
-            Act::GeluTanh => None,
-        };
+        // Folded, down's backward and the activation's are one GEMM and one pass (ops::fold).
+        // Else down's dL/da needs no a; a is recomputed in the activation's backward pass
+        // (over da's buffer) for down's adapter gradient alone.
+        let down = down_l.bwd_glu_folded(s.act, &dmo, &acts.gate, &acts.up, xd.as_ref(), ctx)?;
         match down {
             Some((dgate, dup, g)) => {
                 add_grad(grads, down_l, g)?;

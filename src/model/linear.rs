@@ -12,6 +12,7 @@ use super::llama::Ctx;
 use crate::lora::Lora;
 use crate::ops;
 use crate::ops::dropout::Dropout;
+use crate::ops::glu::Act;
 use candle_core::{DType, Result, Tensor};
 
 /// An adapter's gradients in f32: dL/dA [r, in], dL/dB [out, r], and DoRA's dL/dm [out].
@@ -336,12 +337,14 @@ impl Linear {
         }
     }
 
-    /// down_proj's backward with SwiGLU's, folded (`ops::fold::swiglu_down_bwd`): from dy
-    /// [m, out], SwiGLU's inputs gate and up [m, I] and `xas` what `fwd_folded` kept →
+    /// down_proj's backward with the gated activation's (`act`), folded
+    /// (`ops::fold::glu_down_bwd`): from dy [m, out], the activation's inputs gate and up
+    /// [m, I] and `xas` what `fwd_folded` kept →
     /// (dL/dgate, dL/dup, (dA, dB)). None (nothing run) when this linear's forward is not
     /// folded for this batch, or the kernel cannot take the operands.
-    pub fn bwd_swiglu_folded(
+    pub fn bwd_glu_folded(
         &self,
+        act: Act,
         dy: &Tensor,
         gate: &Tensor,
         up: &Tensor,
@@ -358,8 +361,18 @@ impl Linear {
         let dy = dy.contiguous()?;
         let (w, s, gemm) = (&pad.full, lora.scale, ctx.kernels.gemm);
         let dropout = self.dropout(ctx);
-        let Some(r) =
-            ops::fold::swiglu_down_bwd(&dy, w, pad.col, gate, up, &a, s, dropout.as_ref(), gemm)?
+        let Some(r) = ops::fold::glu_down_bwd(
+            act,
+            &dy,
+            w,
+            pad.col,
+            gate,
+            up,
+            &a,
+            s,
+            dropout.as_ref(),
+            gemm,
+        )?
         else {
             return Ok(None);
         };

@@ -9,8 +9,8 @@
 //!     product (the backward's g W) reads with W*'s row stride;
 //!   - each micro-batch, its B is rounded to bf16 into its own r pad columns (`Model::ctx`,
 //!     one launch for every adapter);
-//!   - the kernel that makes x (RMSNorm, the residual add's RMSNorm, SwiGLU) writes it into the
-//!     first `in` columns of a fresh [m, in + pad], and the adapters' xas go into the next.
+//!   - the kernel that makes x (RMSNorm, the residual add's RMSNorm, SwiGLU, GeGLU) writes it
+//!     into the first `in` columns of a fresh [m, in + pad], and the adapters' xas go into the next.
 //!
 //! Linears that share their input (q, k, v; gate, up) share the pad: its first Σ r columns
 //! hold their B's (each W*'s zero but for its own) and their xas side by side in x's (one
@@ -25,8 +25,8 @@
 //! **The backward runs against the same W*'s**: g · W* is dL/dx in its first `in` columns and
 //! each adapter's g B in its own pad columns (the other linears' are zero in W*), so no skinny
 //! GEMM reads g for it (`Linear::bwd_folded`); s·(g B)·A joins dL/dx in the same buffer and
-//! RMSNorm's backward reads its padded rows. down_proj's backward and SwiGLU's are one GEMM and
-//! one kernel (`swiglu_down_bwd`, fold_bwd.cu).
+//! RMSNorm's backward reads its padded rows. down_proj's backward and the gated activation's
+//! (SwiGLU or GeGLU) are one GEMM and one kernel (`glu_down_bwd`, fold_bwd.cu).
 //!
 //! Under FSDP the shards hold the padded weights, and each rank writes the B's into the pad
 //! columns of the rows its shards hold (`parallel::fsdp::Shards::write_pads`): a gathered layer
@@ -35,13 +35,14 @@
 //! **Dropout keeps the fold**: the frozen half reads x and the pad columns the adapters' masked
 //! xas_i = s · (m_i ⊙ x) A_iᵀ, each linear's own mask drawn inside the kernel that makes them
 //! (`ops::fold_drop`); the backward's adapter terms take the same masks (its dL/dx term and dA
-//! in one pass, and down's in `swiglu_down_bwd`).
+//! in one pass, and down's in `glu_down_bwd`).
 //!
 //! Folded where `Kernels::fold` says (CUDA, bf16). Not folded (two GEMMs, the CPU's path):
 //! o_proj (its input comes out of the flash kernel); linears with a bias; groups not all
 //! adapted alike.
 
 use super::dropout::Dropout;
+use super::glu::Act;
 use super::kernels::Gemm;
 use super::linear_acc::matmul_scaled;
 use super::rms_norm::NormSpec;
@@ -101,22 +102,26 @@ pub fn add_rms_norm_pad(
     }
 }
 
-/// `ops::swiglu(g, u)` for g, u [.., d] into the first d columns of a fresh [rows, d + pad];
+/// `act.glu(g, u)` for g, u [.., d] into the first d columns of a fresh [rows, d + pad];
 /// None as `rms_norm_pad`.
-pub fn swiglu_pad(g: &Tensor, u: &Tensor, pad: usize) -> Result<Option<Tensor>> {
+pub fn glu_pad(act: Act, g: &Tensor, u: &Tensor, pad: usize) -> Result<Option<Tensor>> {
     #[cfg(feature = "cuda")]
     {
-        super::swiglu::cuda::swiglu_pad(g, u, pad)
+        let kernel = match act {
+            Act::Silu => "swiglu_pad_v8_bf16",
+            Act::GeluTanh => "geglu_pad_v8_bf16",
+        };
+        super::swiglu::cuda::glu_pad(kernel, g, u, pad)
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (g, u, pad);
+        let _ = (act, g, u, pad);
         Ok(None)
     }
 }
 
-/// What `swiglu_down_bwd` gives.
-pub struct SwigluDownGrads {
+/// What `glu_down_bwd` gives.
+pub struct GluDownGrads {
     /// dL/dgate, dL/dup [m, I].
     pub dg: Tensor,
     pub du: Tensor,
@@ -124,7 +129,8 @@ pub struct SwigluDownGrads {
     pub da: Tensor,
 }
 
-/// down_proj's backward folded, with SwiGLU's, in one pass after one GEMM (fold_bwd.cu): dy =
+/// down_proj's backward folded, with the gated activation's (`act`: SwiGLU or GeGLU), in one
+/// pass after one GEMM (fold_bwd.cu): dy =
 /// dL/dy [m, out], down's padded weight W* [out, I + pad] (its B in the r pad columns at
 /// `col`), gate g and up u [m, I], down's A [r, I] in bf16 and its scale s → dL/dg, dL/du and
 /// down's dA. The GEMM dy · W* gives dy·W and g_B = dy·B side by side; the kernel adds
@@ -135,7 +141,8 @@ pub struct SwigluDownGrads {
 /// dA = s·g_Bᵀ·(m ⊙ a). None (nothing run) off CUDA, or where the kernel cannot take the
 /// operands (r > 64, widths not multiples of 8). `gemm` runs the GEMM.
 #[allow(clippy::too_many_arguments)]
-pub fn swiglu_down_bwd(
+pub fn glu_down_bwd(
+    act: Act,
     dy: &Tensor,
     w_full: &Tensor,
     col: usize,
@@ -145,21 +152,21 @@ pub fn swiglu_down_bwd(
     scale: f64,
     dropout: Option<&Dropout>,
     gemm: Gemm,
-) -> Result<Option<SwigluDownGrads>> {
+) -> Result<Option<GluDownGrads>> {
     #[cfg(feature = "cuda")]
     {
-        cuda::swiglu_down_bwd(dy, w_full, col, g, u, a, scale, dropout, gemm)
+        cuda::glu_down_bwd(act, dy, w_full, col, g, u, a, scale, dropout, gemm)
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (dy, w_full, col, g, u, a, scale, dropout, gemm);
+        let _ = (act, dy, w_full, col, g, u, a, scale, dropout, gemm);
         Ok(None)
     }
 }
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use super::SwigluDownGrads;
+    use super::{Act, GluDownGrads};
     use crate::ops::cuda::{addr, function, uninit};
     use crate::ops::dropout::{DropKey, Dropout};
     use crate::ops::kernels::Gemm;
@@ -193,7 +200,8 @@ mod cuda {
     const TOKENS: usize = 256;
 
     #[allow(clippy::too_many_arguments)]
-    pub fn swiglu_down_bwd(
+    pub fn glu_down_bwd(
+        act: Act,
         dy: &Tensor,
         w_full: &Tensor,
         col: usize,
@@ -203,7 +211,7 @@ mod cuda {
         scale: f64,
         dropout: Option<&Dropout>,
         gemm: Gemm,
-    ) -> Result<Option<SwigluDownGrads>> {
+    ) -> Result<Option<GluDownGrads>> {
         let Device::Cuda(dev) = g.device() else {
             return Ok(None);
         };
@@ -236,14 +244,19 @@ mod cuda {
         let Some(dp) = addr(&dap)? else {
             return Ok(None);
         };
-        let name = match (r, dropout.is_some()) {
-            (..=16, false) => "swiglu_lora_r16",
-            (17..=32, false) => "swiglu_lora_r32",
-            (_, false) => "swiglu_lora_r64",
-            (..=16, true) => "swiglu_lora_drop_r16",
-            (17..=32, true) => "swiglu_lora_drop_r32",
-            (_, true) => "swiglu_lora_drop_r64",
+        let prefix = match act {
+            Act::Silu => "swiglu",
+            Act::GeluTanh => "geglu",
         };
+        let kernel = match (r, dropout.is_some()) {
+            (..=16, false) => "lora_r16",
+            (17..=32, false) => "lora_r32",
+            (_, false) => "lora_r64",
+            (..=16, true) => "lora_drop_r16",
+            (17..=32, true) => "lora_drop_r32",
+            (_, true) => "lora_drop_r64",
+        };
+        let name = format!("{prefix}_{kernel}");
         let parts = m.div_ceil(TOKENS);
         // SAFETY: the kernel writes every element of each: dg and du at every (token, column)
         // of [m, I], and each block row its [r, I] slice of the parts; the sum every dA.
@@ -275,7 +288,7 @@ mod cuda {
             s: scale as f32,
             d: DropKey::of(dropout),
         };
-        let func = function(dev, name)?;
+        let func = function(dev, &name)?;
         let stream = dev.cuda_stream();
         let cfg = LaunchConfig {
             grid_dim: (i.div_ceil(64) as u32, parts as u32, 1),
@@ -294,7 +307,7 @@ mod cuda {
         // SAFETY: part holds `parts` slices of n f32, da n; both ours, on this stream.
         unsafe { b.launch(crate::ops::cuda::elems(n as usize)?) }.w()?;
         drop((dap, part));
-        Ok(Some(SwigluDownGrads {
+        Ok(Some(GluDownGrads {
             dg: both.get(0)?,
             du: both.get(1)?,
             da,

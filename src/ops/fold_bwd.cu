@@ -1,6 +1,6 @@
-// down_proj's folded backward (ops::fold): SwiGLU's backward with down's adapter terms in one
-// pass. After flash.cu (its fl_mma and fl_pack) and common.cuh (bf_lo, bf_pack, rbf) in the one
-// program (ops::cuda).
+// down_proj's folded backward (ops::fold): SwiGLU's (or GeGLU's: GELU) backward with down's
+// adapter terms in one pass. After flash.cu (its fl_mma and fl_pack), geglu.cu (gelu_t) and
+// common.cuh (bf_lo, bf_pack, rbf) in the one program (ops::cuda).
 //
 // Folded, down's dL/da GEMM runs against W* = [W | B-slots]: dap = dy · W* [m, ld] holds the
 // base term dy·W in its first I columns and gB = dy·B [m, r] at column gb_off. This kernel
@@ -55,7 +55,8 @@ __device__ __forceinline__ float sl_rcp(float x) {
 
 // DROP: down's adapter input is m ⊙ a (LoRA dropout): its term of da is s·(gB·A)⊙m and dA sums
 // s·gBᵀ·(m ⊙ a); the mask words are drawn as drop_bwd draws them (fold_drop.cu).
-template<int RK, int ST, bool DROP>  // r ≤ 16·RK: ranks padded to whole k steps with zeros; ST steps a loop
+// GELU: the gate is GeGLU's (Gemma), a = round(gelu_tanh(g))·u with geglu_bwd_keep's math.
+template<int RK, int ST, bool DROP, bool GELU>  // r ≤ 16·RK: ranks padded to whole k steps with zeros; ST steps a loop
 __device__ __forceinline__ void swiglu_lora(const SwigluLoraP& p) {
     __shared__ float red[4 * 2 * RK * 4 * 32];   // the second token half's dAᵀ
     const int tid = threadIdx.x, w = tid >> 5, l = tid & 31, g8 = l >> 2, c4 = l & 3;
@@ -143,8 +144,15 @@ __device__ __forceinline__ void swiglu_lora(const SwigluLoraP& p) {
                     float dg[2], du[2];
 #pragma unroll
                     for (int k = 0; k < 2; ++k) {
-                        const float sg = sl_rcp(1.f + __expf(-gx[k])), si = rbf(gx[k] * sg);
-                        dg[k] = rbf(dx[k] * ux[k]) * sg * (1.f + gx[k] * (1.f - sg));
+                        float si;  // the activation, rounded as the forward rounds it
+                        if (GELU) {
+                            si = rbf(gelu_t(gx[k]));
+                            dg[k] = rbf(dx[k] * ux[k]) * gelu_t_grad(gx[k]);
+                        } else {
+                            const float sg = sl_rcp(1.f + __expf(-gx[k]));
+                            si = rbf(gx[k] * sg);
+                            dg[k] = rbf(dx[k] * ux[k]) * sg * (1.f + gx[k] * (1.f - sg));
+                        }
                         du[k] = dx[k] * si;
                         // a, or m ⊙ a = round(a) · 1/(1 − p) where kept (the forward's input)
                         av[n][2 * k + h] = !DROP ? si * ux[k] : kp[k] ? rbf(si * ux[k]) * p.d.scale : 0.f;
@@ -190,13 +198,17 @@ __device__ __forceinline__ void swiglu_lora(const SwigluLoraP& p) {
     }
 }
 // r16 loads two steps ahead; the wider ranks one step, for their registers; with dropout one
-// step (the mask's words take the registers).
-extern "C" __global__ void __launch_bounds__(256, 3) swiglu_lora_r16(const SwigluLoraP p) { swiglu_lora<1, 2, false>(p); }
-extern "C" __global__ void __launch_bounds__(256, 3) swiglu_lora_r32(const SwigluLoraP p) { swiglu_lora<2, 1, false>(p); }
-extern "C" __global__ void __launch_bounds__(256, 2) swiglu_lora_r64(const SwigluLoraP p) { swiglu_lora<4, 1, false>(p); }
-extern "C" __global__ void __launch_bounds__(256, 3) swiglu_lora_drop_r16(const SwigluLoraP p) { swiglu_lora<1, 1, true>(p); }
-extern "C" __global__ void __launch_bounds__(256, 3) swiglu_lora_drop_r32(const SwigluLoraP p) { swiglu_lora<2, 1, true>(p); }
-extern "C" __global__ void __launch_bounds__(256, 2) swiglu_lora_drop_r64(const SwigluLoraP p) { swiglu_lora<4, 1, true>(p); }
+// step (the mask's words take the registers). swiglu_* after SwiGLU, geglu_* after GeGLU.
+#define GLU_LORA_INST(ACT, GELU) \
+extern "C" __global__ void __launch_bounds__(256, 3) ACT##_lora_r16(const SwigluLoraP p) { swiglu_lora<1, 2, false, GELU>(p); } \
+extern "C" __global__ void __launch_bounds__(256, 3) ACT##_lora_r32(const SwigluLoraP p) { swiglu_lora<2, 1, false, GELU>(p); } \
+extern "C" __global__ void __launch_bounds__(256, 2) ACT##_lora_r64(const SwigluLoraP p) { swiglu_lora<4, 1, false, GELU>(p); } \
+extern "C" __global__ void __launch_bounds__(256, 3) ACT##_lora_drop_r16(const SwigluLoraP p) { swiglu_lora<1, 1, true, GELU>(p); } \
+extern "C" __global__ void __launch_bounds__(256, 3) ACT##_lora_drop_r32(const SwigluLoraP p) { swiglu_lora<2, 1, true, GELU>(p); } \
+extern "C" __global__ void __launch_bounds__(256, 2) ACT##_lora_drop_r64(const SwigluLoraP p) { swiglu_lora<4, 1, true, GELU>(p); }
+GLU_LORA_INST(swiglu, false)
+GLU_LORA_INST(geglu, true)
+#undef GLU_LORA_INST
 
 // out[i] = Σ_k part[k·n + i] in order (the P partial sums of swiglu_lora, deterministic).
 extern "C" __global__ void sum_parts_f32(const float* part, float* out, int P, long n) {

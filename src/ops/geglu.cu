@@ -69,6 +69,18 @@ extern "C" __global__ void geglu_bwd_keep_v8_bf16(const bf16_t* g, const bf16_t*
     st8(da_a, k, a);
 }
 
+// geglu_v8 into rows lda apart: a [n / d, lda] buffer's first d columns (d a multiple of 8).
+extern "C" __global__ void geglu_pad_v8_bf16(const bf16_t* g, const bf16_t* u, bf16_t* a, long n,
+                                             long d, long lda) {
+    long k = ((long)blockIdx.x * blockDim.x + threadIdx.x) * 8;
+    if (k >= n) return;
+    float gv[8], uv[8], o[8];
+    ld8(g, k, gv); ld8(u, k, uv);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) o[i] = rbf(gelu_t(gv[i])) * uv[i];  // exactly as geglu_v8_bf16
+    st8(a, (k / d) * lda + k % d, o);
+}
+
 #define GEGLU_INST(NAME, T) \
 extern "C" __global__ void geglu_##NAME(const T* g, const T* u, T* a, long n) \
     { geglu<T>(g, u, a, n); } \

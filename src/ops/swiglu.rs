@@ -238,9 +238,11 @@ pub(super) mod cuda {
         }))
     }
 
-    /// `swiglu` of bf16 g, u [.., d] into the first d columns of a fresh [rows, d + pad] (d and
-    /// pad multiples of 8); the pad columns are left unset for the caller (`ops::fold`).
-    pub fn swiglu_pad(
+    /// The gated activation of bf16 g, u [.., d] (`kernel`: swiglu.cu's or geglu.cu's
+    /// `*_pad_v8_bf16`, one signature) into the first d columns of a fresh [rows, d + pad] (d
+    /// and pad multiples of 8); the pad columns are left unset for the caller (`ops::fold`).
+    pub fn glu_pad(
+        kernel: &str,
         g: &candle_core::Tensor,
         u: &candle_core::Tensor,
         pad: usize,
@@ -262,7 +264,7 @@ pub(super) mod cuda {
         let Some((a, ap)) = (unsafe { padded_rows(dev, rows, lda)? }) else {
             return Ok(None);
         };
-        let func = function(dev, "swiglu_pad_v8_bf16")?;
+        let func = function(dev, kernel)?;
         let stream = dev.cuda_stream();
         let cfg = crate::ops::cuda::elems(n / 8)?;
         let (nl, dl, ldl) = (n as i64, d as i64, lda as i64);

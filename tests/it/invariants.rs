@@ -682,11 +682,27 @@ fn folded_layer_matches_the_unfolded_and_autograd_on_the_gpu() {
 #[cfg(feature = "cuda")]
 #[test]
 fn folded_fused_layer_makes_its_parts_and_matches_the_unfolded_on_the_gpu() {
+    folded_family_layer_matches_the_unfolded("phi3-mini", (1, 1));
+}
+
+/// Gemma 2's layer folded: down_proj folds after GeGLU (its input made by geglu_pad, its
+/// backward with GeGLU's in one kernel), beside the soft-cap, the window and the four norms;
+/// output, dL/dx and gradients match the unfolded layer and autograd.
+#[cfg(feature = "cuda")]
+#[test]
+fn folded_geglu_layer_matches_the_unfolded_on_the_gpu() {
+    folded_family_layer_matches_the_unfolded("gemma2-9b", (3, 2));
+}
+
+/// `bench::shape(name)` cut to two small layers (GQA, head dim 64), built unfolded and then
+/// folded: every group folds (`inputs`: the attention's and the MLP's input linears), and
+/// the folded layer's output, dL/dx and gradients match the unfolded one's and autograd.
+#[cfg(feature = "cuda")]
+fn folded_family_layer_matches_the_unfolded(name: &str, inputs: (usize, usize)) {
     use candle_core::{DType, Device};
     use lora_train::model::{llama::Model, Linear};
     let dev = Device::new_cuda(0).unwrap();
-    let mut cfg = lora_train::bench::shape("phi3-mini").unwrap();
-    assert!(cfg.arch.fused);
+    let mut cfg = lora_train::bench::shape(name).unwrap();
     (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size) = (2, 256, 688);
     (
         cfg.num_heads,
@@ -712,9 +728,13 @@ fn folded_fused_layer_makes_its_parts_and_matches_the_unfolded_on_the_gpu() {
     let (ctx, x, g) = gpu_layer_batch(&m);
     assert!(ctx.folded);
     let layer = &m.layers[1];
-    assert_eq!((layer.attn_in.len(), layer.mlp_in.len()), (1, 1));
-    for lin in [&layer.attn_in[0], &layer.mlp_in[0]] {
-        assert!(Linear::fold_width(&[lin], &ctx).is_some(), "{}", lin.name);
+    assert_eq!((layer.attn_in.len(), layer.mlp_in.len()), inputs, "{name}");
+    let attn: Vec<&Linear> = layer.attn_in.iter().collect();
+    let mlp: Vec<&Linear> = layer.mlp_in.iter().collect();
+    let down = [layer.down.as_ref().unwrap()];
+    for lins in [&attn[..], &mlp[..], &down[..]] {
+        let tag = format!("{name} {}", lins[0].name);
+        assert!(Linear::fold_width(lins, &ctx).is_some(), "{tag}");
     }
     let mut plain = m.ctx(&[0; 300], 2, 150, None, None).unwrap();
     (plain.cos, plain.sin, plain.mask) = (ctx.cos.clone(), ctx.sin.clone(), ctx.mask.clone());
@@ -722,19 +742,29 @@ fn folded_fused_layer_makes_its_parts_and_matches_the_unfolded_on_the_gpu() {
 
     let (y, acts) = layer.forward_train(&x, &ctx, true).unwrap();
     let (y_plain, acts_plain) = layer.forward_train(&x, &plain, true).unwrap();
-    assert_close("fused: y folded", &y, &y_plain, 1e-2, 1e-2);
+    assert_close(&format!("{name}: y folded"), &y, &y_plain, 1e-2, 1e-2);
     let (xv, y_ref, gs) = autograd_reference(layer, &x, &g, &ctx);
-    assert_close("fused: y vs autograd", &y, &y_ref, 2e-2, 1e-2);
+    assert_close(&format!("{name}: y vs autograd"), &y, &y_ref, 2e-2, 1e-2);
     let ours = layer.backward(acts.unwrap(), &g, &ctx).unwrap();
     let theirs = layer.backward(acts_plain.unwrap(), &g, &plain).unwrap();
-    assert_close("fused: dx folded", &ours.0, &theirs.0, 2e-2, 1e-2);
-    assert_eq!(ours.1.len(), 8, "four adapters: qkv, o, gate_up, down");
+    assert_close(
+        &format!("{name}: dx folded"),
+        &ours.0,
+        &theirs.0,
+        2e-2,
+        1e-2,
+    );
+    assert_eq!(
+        ours.1.len(),
+        2 * layer.linears().len(),
+        "{name}: A and B of each linear"
+    );
     for ((ia, ga), (ib, gb)) in ours.1.iter().zip(&theirs.1) {
         assert_eq!(ia, ib);
         assert_eq!(ga.dims(), gb.dims());
-        assert_close("fused: adapter grad folded", ga, gb, 3e-2, 2e-2);
+        assert_close(&format!("{name}: adapter grad folded"), ga, gb, 3e-2, 2e-2);
     }
-    check_layer_grads("fused", layer, &ours, &gs, xv.as_tensor(), (3e-2, 2e-2));
+    check_layer_grads(name, layer, &ours, &gs, xv.as_tensor(), (3e-2, 2e-2));
 }
 
 /// Every adapter of `m` at dropout rate `p` (as the recipe's lora.dropout sets it).
@@ -1173,7 +1203,7 @@ fn folded_linears_round_once_at_7b_on_the_gpu() {
         ),
         (
             &down,
-            ops::fold::swiglu_pad(&gate, &up, pad(&down))
+            ops::fold::glu_pad(ops::glu::Act::Silu, &gate, &up, pad(&down))
                 .unwrap()
                 .unwrap(),
             ops::swiglu(&gate, &up).unwrap(),

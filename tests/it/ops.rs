@@ -919,10 +919,11 @@ fn tuned_gemms_give_gemmex_bits_on_the_gpu() {
     }
 }
 
-/// down_proj's backward folded with SwiGLU's (`ops::fold::swiglu_down_bwd`: one GEMM against
-/// the padded weight, one kernel) against the same math in f32 from the same bf16 operands:
-/// dL/da = dy·W (the GEMM's bf16 output) + s·(dy·B)·A, SwiGLU's backward at it, and
-/// dA = s·(dy·B)ᵀ·a with a the forward's bf16 silu(g)·u. Ranks in each of the kernel's forms
+/// down_proj's backward folded with the gated activation's (`ops::fold::glu_down_bwd`: one
+/// GEMM against the padded weight, one kernel), SwiGLU's and GeGLU's, against the same math in
+/// f32 from the same bf16 operands: dL/da = dy·W (the GEMM's bf16 output) + s·(dy·B)·A, the
+/// activation's backward at it, and dA = s·(dy·B)ᵀ·a with a the forward's bf16 act(g)·u
+/// (silu, or gelu's tanh form). Ranks in each of the kernel's forms
 /// (8 and 16: one k step; 24: two; 64: four), tokens that are not whole tiles (300), a width
 /// whose last strip is partial (688), B in pad columns after another adapter's (col 8). With
 /// down's dropout (the mask drawn in the kernel), the adapter's term of dL/da is masked and
@@ -931,6 +932,7 @@ fn tuned_gemms_give_gemmex_bits_on_the_gpu() {
 #[test]
 fn folded_down_backward_matches_f32_math_on_the_gpu() {
     use lora_train::ops::dropout::{mask_tensor, Dropout};
+    use lora_train::ops::glu::Act;
     let dev = Device::new_cuda(0).unwrap();
     let (m, out, i, s) = (300, 256, 688, 2.0);
     let f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
@@ -938,11 +940,12 @@ fn folded_down_backward_matches_f32_math_on_the_gpu() {
     let round = |t: &Tensor| f32(&bf(t)); // to bf16 and back
     let rn = |shape: (usize, usize), std: f32| bf(&Tensor::randn(0f32, std, shape, &dev).unwrap());
     let drop = Dropout::new(0.1, 3, [1, 0], [2, 6]).unwrap().fused(true);
-    for ((r, col), dropout) in [(8, 0), (16, 0), (24, 8), (64, 0)]
+    let cases = [(8, 0), (16, 0), (24, 8), (64, 0)]
         .into_iter()
-        .flat_map(|rc| [(rc, None), (rc, Some(drop))])
-    {
-        let tag = format!("r{r} col{col} dropout {}", dropout.is_some());
+        .flat_map(|rc| [(rc, None), (rc, Some(drop))]);
+    let acts = [Act::Silu, Act::GeluTanh];
+    for (((r, col), dropout), act) in cases.flat_map(|c| acts.map(|a| (c, a))) {
+        let tag = format!("{act:?} r{r} col{col} dropout {}", dropout.is_some());
         let pad = lora_train::ops::fold::pad_width(&[col + r], i).unwrap();
         let (w, b, a) = (rn((out, i), 0.05), rn((out, r), 0.5), rn((r, i), 0.5));
         let (g, u, dy) = (rn((m, i), 2.0), rn((m, i), 1.0), rn((m, out), 1.0));
@@ -950,7 +953,7 @@ fn folded_down_backward_matches_f32_math_on_the_gpu() {
         let full = Tensor::cat(&[&w, &z(col), &b, &z(pad - col - r)], 1).unwrap(); // [out, i+pad]
         let tuned = lora_train::ops::kernels::Gemm::Tuned;
         let d = dropout.as_ref();
-        let got = ops::fold::swiglu_down_bwd(&dy, &full, col, &g, &u, &a, s, d, tuned)
+        let got = ops::fold::glu_down_bwd(act, &dy, &full, col, &g, &u, &a, s, d, tuned)
             .unwrap()
             .unwrap_or_else(|| panic!("{tag}: the kernel must take these"));
         let (dg, du, da_grad) = (&got.dg, &got.du, &got.da);
@@ -965,19 +968,10 @@ fn folded_down_backward_matches_f32_math_on_the_gpu() {
         let base = round(&dyf.matmul(&f32(&w)).unwrap());
         let lora = (gb.matmul(&f32(&a)).unwrap() * s).unwrap();
         let da = (base + (lora * &mask).unwrap()).unwrap();
-        let sg = (gf.neg().unwrap().exp().unwrap() + 1.0)
-            .unwrap()
-            .recip()
-            .unwrap();
-        let silu = (&gf * &sg).unwrap();
-        let one_minus = (sg.neg().unwrap() + 1.0).unwrap();
-        let dsilu = ((&gf * &one_minus).unwrap() + 1.0).unwrap(); // 1 + g (1 − σ)
-        let dg_ref = (round(&(&da * &uf).unwrap()) * &sg)
-            .unwrap()
-            .mul(&dsilu)
-            .unwrap();
-        let du_ref = (&da * round(&silu)).unwrap();
-        let a_ref = round(&(round(&silu) * &uf).unwrap());
+        let (act_g, dact) = glu_f32(act, &gf); // act(g), act'(g)
+        let dg_ref = (round(&(&da * &uf).unwrap()) * &dact).unwrap();
+        let du_ref = (&da * round(&act_g)).unwrap();
+        let a_ref = round(&(round(&act_g) * &uf).unwrap());
         let xd = round(&(a_ref * &mask).unwrap()); // down's input under dropout, as the forward's
         let da_ref = (gb.t().unwrap().matmul(&xd).unwrap() * s).unwrap(); // [r, i]
         assert_close(&format!("{tag} dgate"), dg, &dg_ref, 1e-2, 2e-3);
@@ -985,6 +979,34 @@ fn folded_down_backward_matches_f32_math_on_the_gpu() {
         assert_eq!(da_grad.dtype(), DType::F32, "{tag}: dA in f32");
         // (a g_B entry the GEMM rounded the other way moves dA by s·ulp·|a|: atol)
         assert_close(&format!("{tag} dA"), da_grad, &da_ref, 1e-2, 1e-3);
+    }
+}
+
+/// act(g) and its derivative in f32: silu(g) = g·σ(g), σ(1 + g(1 − σ)); gelu's tanh form
+/// 0.5·g·(1 + t), t = tanh(c·(g + 0.044715·g³)), c = √(2/π), and PyTorch's derivative of it.
+#[cfg(feature = "cuda")]
+fn glu_f32(act: lora_train::ops::glu::Act, g: &Tensor) -> (Tensor, Tensor) {
+    use lora_train::ops::glu::Act;
+    let one_plus = |t: &Tensor| (t + 1.0).unwrap();
+    match act {
+        Act::Silu => {
+            let sg = one_plus(&g.neg().unwrap().exp().unwrap()).recip().unwrap();
+            let one_minus = (sg.neg().unwrap() + 1.0).unwrap();
+            let d = (one_plus(&(g * &one_minus).unwrap()) * &sg).unwrap();
+            ((g * &sg).unwrap(), d)
+        }
+        Act::GeluTanh => {
+            let c = (2.0 / std::f64::consts::PI).sqrt();
+            let g2 = g.sqr().unwrap();
+            let inner = ((g * one_plus(&(&g2 * 0.044715).unwrap())).unwrap() * c).unwrap();
+            let t = inner.tanh().unwrap();
+            let gelu = ((g * one_plus(&t)).unwrap() * 0.5).unwrap();
+            let sech2 = (t.sqr().unwrap().neg().unwrap() + 1.0).unwrap();
+            let dinner = (one_plus(&(&g2 * 0.134145).unwrap()) * c).unwrap();
+            let tail = ((g * sech2).unwrap() * dinner).unwrap();
+            let d = ((one_plus(&t) + tail).unwrap() * 0.5).unwrap();
+            (gelu, d)
+        }
     }
 }
 

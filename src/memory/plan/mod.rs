@@ -344,9 +344,7 @@ pub fn fold_pad_bytes(cfg: &ModelConfig, s: u64, r: usize, targets: &[String]) -
             (&["gate_proj", "up_proj"], cfg.mlp_bias),
         ],
     };
-    if cfg.arch.act == crate::ops::glu::Act::Silu {
-        groups.push((&["down_proj"], cfg.mlp_bias));
-    }
+    groups.push((&["down_proj"], cfg.mlp_bias));
     let mut per_layer = 0;
     for (ms, bias) in groups {
         let shapes: Vec<(usize, usize)> = ms.iter().filter_map(|m| cfg.linear_shape(m)).collect();
