@@ -237,6 +237,22 @@ __device__ __forceinline__ unsigned fl_seg(const FlashP& p, int b, int i) {
     return p.seg ? p.seg[(long)b * p.T + min(i, p.T - 1)] : 0u;
 }
 
+// Starts copying one 4-byte word into shared memory; zero-filled when !ok.
+__device__ __forceinline__ void fl_cp4(void* s, const void* g, bool ok) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;"
+        :: "r"(fl_smem(s)), "l"(g), "r"(ok ? 4 : 0) : "memory");
+}
+
+// Starts copying the example ids of key rows [k0, k0 + R) into ids (ids past T read the last
+// one, as fl_seg; those keys are masked anyway), or writes zeros without segments.
+template<int R>
+__device__ __forceinline__ void fl_seg_load(const FlashP& p, unsigned* ids, int b, int k0) {
+    if (threadIdx.x < R) {
+        if (p.seg) fl_cp4(ids + threadIdx.x, p.seg + (long)b * p.T + min(k0 + (int)threadIdx.x, p.T - 1), true);
+        else ids[threadIdx.x] = 0u;
+    }
+}
+
 // Starts copying key rows [k0, k0 + BK) of this (batch, kv head)'s k and v, and their example
 // ids, into buffer `buf` of sK / sV / sSeg (fwd and dQ stream keys the same way).
 template<int D, int BK>
@@ -245,8 +261,8 @@ __device__ __forceinline__ void fl_prefetch_kv(const FlashP& p, unsigned sK, uns
     constexpr int DP = D + 8;
     fl_load<D, BK>(sK + 2 * buf * BK * DP, p.k + b * p.sk[0] + kh * p.sk[1], p.sk[2], k0, p.T);
     fl_load<D, BK>(sV + 2 * buf * BK * DP, p.v + b * p.sv[0] + kh * p.sv[1], p.sv[2], k0, p.T);
+    fl_seg_load<BK>(p, sSeg + buf * BK, b, k0);
     fl_commit();
-    if (threadIdx.x < BK) sSeg[buf * BK + threadIdx.x] = fl_seg(p, b, k0 + (int)threadIdx.x);
 }
 
 // Example ids are non-decreasing along a row (data::batch numbers a row's examples in order,
@@ -626,7 +642,7 @@ __device__ __forceinline__ void flash_dkdv(const FlashP& p) {
     const unsigned sV = sK + 2 * BK * DP;     // [BK][DP]
     const unsigned sQ = sV + 2 * BK * DP;     // [2][BQ][DP]
     const unsigned sO = sQ + 2 * 2 * BQ * DP; // [2][BQ][DP] (dO)
-    float* sL = (float*)(flash_smem + 2 * (2 * BK + 4 * BQ) * DP);  // [2][BQ] L·log2(e)
+    float* sL = (float*)(flash_smem + 2 * (2 * BK + 4 * BQ) * DP);  // [2][BQ] L
     float* sD = sL + 2 * BQ;                    // [2][BQ] δ
     unsigned* sSeg = (unsigned*)(sD + 2 * BQ);  // [2][BQ]
     // PAIR: a pair's P, P times the cap's derivative (soft-capped only) and dS, [4][NF][32].
@@ -647,14 +663,18 @@ __device__ __forceinline__ void flash_dkdv(const FlashP& p) {
         const int h = kh * grp + it / nq, q0 = k0 + (it % nq) * BQ;
         fl_load<D, BQ, NT>(sQ + 2 * buf * BQ * DP, p.q + b * p.sq[0] + h * p.sq[1], p.sq[2], q0, T);
         fl_load<D, BQ, NT>(sO + 2 * buf * BQ * DP, p.o + b * p.so[0] + h * p.so[1], p.so[2], q0, T);
-        fl_commit();
+        // L, δ and the example ids travel with the tiles (a plain load here would hold these
+        // threads, and at the next barrier every warp, for a memory round trip a tile): 0
+        // past T, where the mask rules every query out.
         if (threadIdx.x < BQ) {
             const long row = ((long)b * p.H + h) * T;
             const int i = q0 + threadIdx.x;
-            sL[buf * BQ + threadIdx.x] = i < T ? p.lse[row + i] * FLASH_LOG2E : 0.f;
-            sD[buf * BQ + threadIdx.x] = i < T ? p.delta[row + i] : 0.f;
-            sSeg[buf * BQ + threadIdx.x] = fl_seg(p, b, i);
+            const bool ok = i < T;
+            fl_cp4(sL + buf * BQ + threadIdx.x, ok ? p.lse + row + i : p.lse, ok);
+            fl_cp4(sD + buf * BQ + threadIdx.x, ok ? p.delta + row + i : p.delta, ok);
         }
+        fl_seg_load<BQ>(p, sSeg + buf * BQ, b, q0);
+        fl_commit();
     };
     fl_load<D, BK, NT>(sK, p.k + b * p.sk[0] + kh * p.sk[1], p.sk[2], k0, T);
     fl_load<D, BK, NT>(sV, p.v + b * p.sv[0] + kh * p.sv[1], p.sv[2], k0, T);
@@ -740,7 +760,7 @@ __device__ __forceinline__ void flash_dkdv(const FlashP& p) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int col = n * 8 + 2 * c + (e & 1);
-                    const float pr = fl_exp2(fmaf(st[n][e], sc, -tL[col]));
+                    const float pr = fl_exp2(fmaf(st[n][e], sc, -tL[col] * FLASH_LOG2E));
                     const float f = p.softcap != 0.f ? pr * fl_softcap_d(st[n][e], kt) : pr;
                     st[n][e] = pr;
                     if constexpr (PAIR) {

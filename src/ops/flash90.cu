@@ -124,22 +124,6 @@ __device__ __forceinline__ void sw_load(unsigned s, const bf16_t* g, long st, in
     }
 }
 
-// Starts copying one 4-byte word into shared memory; zero-filled when !ok.
-__device__ __forceinline__ void fl_cp4(void* s, const void* g, bool ok) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;"
-        :: "r"(fl_smem(s)), "l"(g), "r"(ok ? 4 : 0) : "memory");
-}
-
-// Starts copying the example ids of key rows [k0, k0 + R) into ids (ids past T read the last
-// one, as fl_seg; those keys are masked anyway), or writes zeros without segments.
-template<int R>
-__device__ __forceinline__ void fl_seg_load(const FlashP& p, unsigned* ids, int b, int k0) {
-    if (threadIdx.x < R) {
-        if (p.seg) fl_cp4(ids + threadIdx.x, p.seg + (long)b * p.T + min(k0 + (int)threadIdx.x, p.T - 1), true);
-        else ids[threadIdx.x] = 0u;
-    }
-}
-
 // The forward: 128 queries a block (64 a warpgroup), keys in tiles of 128. S = Q·Kᵀ with Q
 // and K from shared memory; O += P·V with P from registers. Software-pipelined as FA3: tile
 // j's S is issued, then the previous tile's P·V; S is waited for and tile j's softmax runs
