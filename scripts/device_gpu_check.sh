@@ -69,7 +69,8 @@
 #         "--deterministic"; "default": neither), ROUNDS rounds (default 2) alternated (default
 #         AB: "default;--deterministic") -> $OUT/ab.jsonl. Not in the default set.
 # profile: where a step's GPU time goes, for each of PROFILE_SHAPES (default gemma2-9b phi3-mini
-#         llama2-7b; seq 2048, mb2, r16 all linear; PROFILE_EXTRA adds bench flags): ncu times
+#         llama2-7b; seq PROFILE_SEQ (2048), mb2, r16 all linear; PROFILE_EXTRA adds bench
+#         flags): ncu times
 #         PROFILE_COUNT launches (default 12000) after PROFILE_SKIP (3000) of `bench --steps 4
 #         --warmup 1`, scripts/kernel_table.py sums them a step, by kind and by kernel ->
 #         $OUT/profile-<shape>.csv, .md; PROFILE_LIMIT: seconds per shape (420). Not in the
@@ -583,7 +584,7 @@ if [[ $what == *" profile "* ]]; then
       echo "== profile $shape"
       timeout ${PROFILE_LIMIT:-420} $E "$NCU" --csv --clock-control none --metrics gpu__time_duration.sum \
         --launch-skip ${PROFILE_SKIP:-3000} --launch-count ${PROFILE_COUNT:-12000} \
-        .devbuild/lora-train bench --shape $shape --seq 2048 --rank 16 --targets all \
+        .devbuild/lora-train bench --shape $shape --seq ${PROFILE_SEQ:-2048} --rank 16 --targets all \
         --micro-batch 2 --steps 4 --warmup 1 ${PROFILE_EXTRA:-} > "$OUT/profile-$shape.csv" 2> "$OUT/profile-$shape.err"
       echo "exit code $?"; tail -2 "$OUT/profile-$shape.err"
       python3 scripts/kernel_table.py "$OUT/profile-$shape.csv" --top 25 | tee "$OUT/profile-$shape.md" | head -20
