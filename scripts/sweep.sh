@@ -50,6 +50,7 @@ ALL_ROWS=(
   "mb-1|mb=1||"
   "mb-8|mb=8||"
   "seq-512|seq=512||"
+  "seq-512-mb-8|seq=512 mb=8||"
   "seq-8192|seq=8192||"
   "ckpt||--ckpt|--ckpt"
   "ckpt-mlp||--ckpt mlp|--ckpt"
