@@ -10,7 +10,7 @@
 //               dQ = scale·dS·K.
 //   flash_dkdv  64 keys a block (16 a warp), queries in tiles of 32, over every query head of
 //               the kv head (GQA sums inside): dV = Pᵀ·dO, dK = scale·dSᵀ·Q. At D = 256 two
-//               warps share 16 keys, one making P, the other dS, each half of the columns.
+//               warps share 16 keys: one makes P and dV, the other dS and dK.
 // Nine T×T×D products in all (FA2 does seven with atomics on dQ; this way has none).
 // Up to D = 128 the rows a warp multiplies by every tile (Q, dO) stay in registers as A
 // fragments; at D = 256 the D-wide accumulator takes those registers and the rows are read
@@ -609,7 +609,7 @@ __device__ __forceinline__ void flash_dq(const FlashP& p) {
 
 // The pair exchange of flash_dkdv at D = 256: 16 floats a lane ([NF][32 lanes], conflict-free),
 // written by one warp of a pair and read by the same lane of the other, whose fragments have
-// the same layout.
+// the same layout (fl_got).
 template<int N>
 __device__ __forceinline__ void fl_put(float* x, const float (*v)[4], int l) {
 #pragma unroll
@@ -627,17 +627,17 @@ __device__ __forceinline__ void fl_pair_sync(int id) {
 
 // dK and dV of 64 keys a block, queries streamed in tiles of 32 over every query head of the
 // kv head (GQA sums inside): dV = Pᵀ·dO, dK = scale·dSᵀ·Q.
-// Up to D = 128 (4 warps): warp w owns keys k0 + 16w.. and every column.
+// Up to D = 128 (4 warps): warp w owns keys k0 + 16w.. and both gradients.
 // At D = 256 (PAIR, 8 warps): the 16 keys' full dK and dV rows would take 256 accumulator
-// registers a thread, so warps w and w + 4 share keys k0 + 16w..: w makes Sᵀ = K·Qᵀ and P,
-// w + 4 makes dPᵀ = V·dOᵀ and dS, they trade P and dS through shared memory, and each
-// accumulates half of the columns (cA + [0, D/4) and cA + D/2 + [0, D/4), cA = 0 or D/4:
-// halves RoPE rotates together). Every product is made once.
+// registers a thread, so warps w and w + 4 share keys k0 + 16w..: w makes Sᵀ = K·Qᵀ and P and
+// accumulates dV, w + 4 makes dPᵀ = V·dOᵀ, takes P through shared memory, makes dS and
+// accumulates dK. Every product is made once, and the first warp goes on to dV while the
+// second makes dS.
 template<int D>
 __device__ __forceinline__ void flash_dkdv(const FlashP& p) {
     constexpr bool PAIR = D > 128;
-    constexpr int NT = PAIR ? 256 : 128, W = PAIR ? D / 2 : D;
-    constexpr int DP = D + 8, BK = 64, BQ = 32, KS = D / 16, DN = W / 8, NF = BQ / 8 * 4;
+    constexpr int NT = PAIR ? 256 : 128;
+    constexpr int DP = D + 8, BK = 64, BQ = 32, KS = D / 16, DN = D / 8, NF = BQ / 8 * 4;
     const unsigned sK = fl_smem(flash_smem);  // [BK][DP]
     const unsigned sV = sK + 2 * BK * DP;     // [BK][DP]
     const unsigned sQ = sV + 2 * BK * DP;     // [2][BQ][DP]
@@ -645,16 +645,14 @@ __device__ __forceinline__ void flash_dkdv(const FlashP& p) {
     float* sL = (float*)(flash_smem + 2 * (2 * BK + 4 * BQ) * DP);  // [2][BQ] L
     float* sD = sL + 2 * BQ;                    // [2][BQ] δ
     unsigned* sSeg = (unsigned*)(sD + 2 * BQ);  // [2][BQ]
-    // PAIR: a pair's P, P times the cap's derivative (soft-capped only) and dS, [4][NF][32].
+    // PAIR: a pair's P and P times the cap's derivative (soft-capped only), [4][NF][32].
     float* xP = (float*)(sSeg + 2 * BQ);
     float* xF = xP + 4 * NF * 32;
-    float* xS = xF + 4 * NF * 32;
     const int T = p.T, b = blockIdx.y / p.KH, kh = blockIdx.y % p.KH, grp = p.H / p.KH;
     const int k0 = blockIdx.x * BK;
     const int warp = threadIdx.x >> 5, l = threadIdx.x & 31, g = l >> 2, c = l & 3;
     const int kw = warp & 3;                  // this warp's 16 keys: k0 + 16·kw..
     const bool first = !PAIR || warp < 4;     // makes Sᵀ (and, alone, dPᵀ too)
-    const int cA = first ? 0 : W / 2;
     const int xo = kw * NF * 32;              // this pair's exchange slots
     const float sc = p.scale * FLASH_LOG2E, kt = p.softcap != 0.f ? p.scale / p.softcap : 0.f;
     const int qend = fl_query_end<BK>(p, b, k0);
@@ -682,11 +680,17 @@ __device__ __forceinline__ void flash_dkdv(const FlashP& p) {
     if (iters > 0) prefetch(0, 0);
     const int kj0 = k0 + kw * 16 + g;
     const unsigned sg0 = fl_seg(p, b, kj0), sg1 = fl_seg(p, b, kj0 + 8);
-    float dk[DN][4], dv[DN][4];
+    // PAIR: `acc` is this warp's one gradient (dV for the first warp, dK for the second);
+    // else acc is dV and dk dK.
+    float acc[DN][4], dk[PAIR ? 1 : DN][4];
 #pragma unroll
     for (int n = 0; n < DN; ++n)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.f;
+        for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
+#pragma unroll
+    for (int n = 0; n < (PAIR ? 1 : DN); ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dk[n][e] = 0.f;
     for (int it = 0; it < iters; ++it) {
         const int buf = it & 1, q0 = k0 + (it % nq) * BQ;
         if (it + 1 < iters) { prefetch(it + 1, buf ^ 1); fl_wait_but1(); } else fl_wait_all();
@@ -725,28 +729,6 @@ __device__ __forceinline__ void flash_dkdv(const FlashP& p) {
                 }
             }
         }
-        if constexpr (PAIR) {
-            if (!first) {
-                // The second warp's product is dPᵀ: wait for P, make dS, hand it back.
-#pragma unroll
-                for (int n = 0; n < BQ / 8; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) dpt[n][e] = st[n][e];
-                fl_pair_sync(1 + kw);
-#pragma unroll
-                for (int n = 0; n < BQ / 8; ++n) {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int col = n * 8 + 2 * c + (e & 1);
-                        st[n][e] = fl_got(xP + xo, n, e, l);
-                        const float f = p.softcap != 0.f ? fl_got(xF + xo, n, e, l) : st[n][e];
-                        dpt[n][e] = f * (dpt[n][e] - tD[col]);
-                    }
-                }
-                fl_put<BQ>(xS + xo, dpt, l);
-                fl_pair_sync(1 + kw);
-            }
-        }
         if (first) {
             // Every query of the tile at or past this warp's last key, all inside T, and no
             // window or segments: nothing is masked.
@@ -773,23 +755,51 @@ __device__ __forceinline__ void flash_dkdv(const FlashP& p) {
             if constexpr (PAIR) {
                 fl_put<BQ>(xP + xo, st, l);
                 fl_pair_sync(1 + kw);
-                fl_pair_sync(1 + kw);
+            }
+        } else {
+            // The second warp's product is dPᵀ: P comes from the first, dS is made here.
 #pragma unroll
-                for (int n = 0; n < BQ / 8; ++n)
+            for (int n = 0; n < BQ / 8; ++n)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) dpt[n][e] = fl_got(xS + xo, n, e, l);
+                for (int e = 0; e < 4; ++e) dpt[n][e] = st[n][e];
+            fl_pair_sync(1 + kw);
+#pragma unroll
+            for (int n = 0; n < BQ / 8; ++n) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int col = n * 8 + 2 * c + (e & 1);
+                    const float f = fl_got(p.softcap != 0.f ? xF + xo : xP + xo, n, e, l);
+                    dpt[n][e] = f * (dpt[n][e] - tD[col]);
+                }
             }
         }
-        fl_acc_ptile_cols<D, W, BQ>(dv, st, tO, cA, l);   // dV += Pᵀ dO
-        fl_acc_ptile_cols<D, W, BQ>(dk, dpt, tQ, cA, l);  // dK += dSᵀ Q
+        if constexpr (PAIR) {
+            // dV += Pᵀ dO (first) or dK += dSᵀ Q (second)
+            float pa[BQ / 8][4];
+#pragma unroll
+            for (int n = 0; n < BQ / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) pa[n][e] = first ? st[n][e] : dpt[n][e];
+            fl_acc_ptile<D, BQ>(acc, pa, first ? tO : tQ, l);
+        } else {
+            fl_acc_ptile<D, BQ>(acc, st, tO, l);  // dV += Pᵀ dO
+            fl_acc_ptile<D, BQ>(dk, dpt, tQ, l);  // dK += dSᵀ Q
+        }
         __syncthreads();
     }
     fl_wait_all();
     const long rope = (long)b * T * (D / 2);
-    fl_store_rows_cols<D, W>(p.dk + b * p.sdk[0] + kh * p.sdk[1], p.sdk[2], dk, kj0, T, p.scale,
-                             p.rc ? p.rc + rope : nullptr, p.rs ? p.rs + rope : nullptr, c, cA);
-    fl_store_rows_cols<D, W>(p.dv + b * p.sv[0] + kh * p.sv[1], p.sv[2], dv, kj0, T, 1.f, nullptr,
-                             nullptr, c, cA);
+    const float* rc = p.rc ? p.rc + rope : nullptr;
+    const float* rs = p.rs ? p.rs + rope : nullptr;
+    bf16_t* dko = p.dk + b * p.sdk[0] + kh * p.sdk[1];
+    bf16_t* dvo = p.dv + b * p.sv[0] + kh * p.sv[1];
+    if constexpr (PAIR) {
+        if (first) fl_store_rows<D>(dvo, p.sv[2], acc, kj0, T, 1.f, nullptr, nullptr, c);
+        else fl_store_rows<D>(dko, p.sdk[2], acc, kj0, T, p.scale, rc, rs, c);
+    } else {
+        fl_store_rows<D>(dko, p.sdk[2], dk, kj0, T, p.scale, rc, rs, c);
+        fl_store_rows<D>(dvo, p.sv[2], acc, kj0, T, 1.f, nullptr, nullptr, c);
+    }
 }
 
 #define FLASH_INST(D) \

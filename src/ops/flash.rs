@@ -689,10 +689,10 @@ mod imp {
                     p,
                 )?;
                 // dK, dV: K and V (64 rows), Q and dO twice (32 rows); L, δ and segment ids
-                // twice; paired warps' exchange: P, its capped factor and dS, 16 floats a
-                // lane of 4 pairs.
+                // twice; paired warps' exchange: P and its capped factor, 16 floats a lane
+                // of 4 pairs.
                 let pairs = if c.dkdv_threads > THREADS {
-                    3 * 4 * 32 * 16 * 4
+                    2 * 4 * 32 * 16 * 4
                 } else {
                     0
                 };
