@@ -69,16 +69,27 @@ extern "C" __global__ void geglu_bwd_keep_v8_bf16(const bf16_t* g, const bf16_t*
     st8(da_a, k, a);
 }
 
-// geglu_v8 into rows lda apart: a [n / d, lda] buffer's first d columns (d a multiple of 8).
-extern "C" __global__ void geglu_pad_v8_bf16(const bf16_t* g, const bf16_t* u, bf16_t* a, long n,
-                                             long d, long lda) {
+// The gated activation into rows lda apart, for the fold's padded input of down_proj: a
+// [n / d, lda] buffer's first d columns (d a multiple of 8), each value exactly as
+// swiglu_v8_bf16's (GELU false) or geglu_v8_bf16's.
+template<bool GELU>
+__device__ void glu_pad_v8(const bf16_t* g, const bf16_t* u, bf16_t* a, long n, long d, long lda) {
     long k = ((long)blockIdx.x * blockDim.x + threadIdx.x) * 8;
     if (k >= n) return;
     float gv[8], uv[8], o[8];
     ld8(g, k, gv); ld8(u, k, uv);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) o[i] = rbf(gelu_t(gv[i])) * uv[i];  // exactly as geglu_v8_bf16
+    for (int i = 0; i < 8; ++i)
+        o[i] = (GELU ? rbf(gelu_t(gv[i])) : rbf(gv[i] / (1.f + __expf(-gv[i])))) * uv[i];
     st8(a, (k / d) * lda + k % d, o);
+}
+extern "C" __global__ void swiglu_pad_v8_bf16(const bf16_t* g, const bf16_t* u, bf16_t* a, long n,
+                                              long d, long lda) {
+    glu_pad_v8<false>(g, u, a, n, d, lda);
+}
+extern "C" __global__ void geglu_pad_v8_bf16(const bf16_t* g, const bf16_t* u, bf16_t* a, long n,
+                                             long d, long lda) {
+    glu_pad_v8<true>(g, u, a, n, d, lda);
 }
 
 #define GEGLU_INST(NAME, T) \

@@ -1,6 +1,6 @@
 // SwiGLU forward and backward (ops::swiglu): the generic kernels over f32 or bf16, and the
-// bf16 ones over 8 values a thread (one with the forward's output written over dL/da, one
-// into padded rows: ops::fold).
+// bf16 ones over 8 values a thread (one with the forward's output written over dL/da; the one
+// into padded rows, ops::fold's, is geglu.cu's glu_pad_v8, shared with GeGLU).
 
 // a = round(silu(g)) · u ; elementwise over n.
 template <typename T>
@@ -65,18 +65,6 @@ extern "C" __global__ void swiglu_bwd_keep_v8_bf16(const bf16_t* g, const bf16_t
     st8(out, n + k, du);
     st8(da_a, k, a);
 }
-// swiglu_v8 into rows lda apart: a [n / d, lda] buffer's first d columns (d a multiple of 8).
-extern "C" __global__ void swiglu_pad_v8_bf16(const bf16_t* g, const bf16_t* u, bf16_t* a, long n,
-                                              long d, long lda) {
-    long k = ((long)blockIdx.x * blockDim.x + threadIdx.x) * 8;
-    if (k >= n) return;
-    float gv[8], uv[8], o[8];
-    ld8(g, k, gv); ld8(u, k, uv);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) o[i] = rbf(gv[i] / (1.f + __expf(-gv[i]))) * uv[i];
-    st8(a, (k / d) * lda + k % d, o);
-}
-
 #define SWIGLU_INST(NAME, T) \
 extern "C" __global__ void swiglu_##NAME(const T* g, const T* u, T* a, long n) \
     { swiglu<T>(g, u, a, n); } \
