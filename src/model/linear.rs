@@ -339,9 +339,9 @@ impl Linear {
 
     /// down_proj's backward with the gated activation's (`act`), folded
     /// (`ops::fold::glu_down_bwd`): from dy [m, out], the activation's inputs gate and up
-    /// [m, I] and `xas` what `fwd_folded` kept →
-    /// (dL/dgate, dL/dup, (dA, dB)). None (nothing run) when this linear's forward is not
-    /// folded for this batch, or the kernel cannot take the operands.
+    /// [m, I] and `xas` what `fwd_folded` kept → (dL/dgate, dL/dup, (dA, dB)). None (nothing
+    /// run) when this linear's forward is not folded for this batch, or the kernel cannot take
+    /// the operands.
     pub fn bwd_glu_folded(
         &self,
         act: Act,

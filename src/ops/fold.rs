@@ -10,7 +10,8 @@
 //!   - each micro-batch, its B is rounded to bf16 into its own r pad columns (`Model::ctx`,
 //!     one launch for every adapter);
 //!   - the kernel that makes x (RMSNorm, the residual add's RMSNorm, SwiGLU, GeGLU) writes it
-//!     into the first `in` columns of a fresh [m, in + pad], and the adapters' xas go into the next.
+//!     into the first `in` columns of a fresh [m, in + pad], and the adapters' xas go into the
+//!     next.
 //!
 //! Linears that share their input (q, k, v; gate, up) share the pad: its first Σ r columns
 //! hold their B's (each W*'s zero but for its own) and their xas side by side in x's (one
@@ -130,16 +131,16 @@ pub struct GluDownGrads {
 }
 
 /// down_proj's backward folded, with the gated activation's (`act`: SwiGLU or GeGLU), in one
-/// pass after one GEMM (fold_bwd.cu): dy =
-/// dL/dy [m, out], down's padded weight W* [out, I + pad] (its B in the r pad columns at
-/// `col`), gate g and up u [m, I], down's A [r, I] in bf16 and its scale s → dL/dg, dL/du and
-/// down's dA. The GEMM dy · W* gives dy·W and g_B = dy·B side by side; the kernel adds
-/// s·g_B·A to dL/da in f32, runs SwiGLU's backward and sums dA = s·g_Bᵀ·a with a, down's
-/// input, recomputed. Unfolded the same took four more passes over [m, I]: s·g_B·A written and
-/// read back by the base GEMM, a written and read by dA's GEMM. dB = dyᵀ·xas is the caller's.
-/// With down's dropout, its mask m is drawn in the same pass: s·(g_B·A)⊙m joins dL/da and
-/// dA = s·g_Bᵀ·(m ⊙ a). None (nothing run) off CUDA, or where the kernel cannot take the
-/// operands (r > 64, widths not multiples of 8). `gemm` runs the GEMM.
+/// pass after one GEMM (fold_bwd.cu): dy = dL/dy [m, out], down's padded weight W*
+/// [out, I + pad] (its B in the r pad columns at `col`), gate g and up u [m, I], down's A
+/// [r, I] in bf16 and its scale s → dL/dg, dL/du and down's dA. The GEMM dy · W* gives dy·W
+/// and g_B = dy·B side by side; the kernel adds s·g_B·A to dL/da in f32, runs the
+/// activation's backward and sums dA = s·g_Bᵀ·a with a, down's input, recomputed. Unfolded
+/// the same took four more passes over [m, I]: s·g_B·A written and read back by the base
+/// GEMM, a written and read by dA's GEMM. dB = dyᵀ·xas is the caller's. With down's dropout,
+/// its mask m is drawn in the same pass: s·(g_B·A)⊙m joins dL/da and dA = s·g_Bᵀ·(m ⊙ a).
+/// None (nothing run) off CUDA, or where the kernel cannot take the operands (r > 64, widths
+/// not multiples of 8). `gemm` runs the GEMM.
 #[allow(clippy::too_many_arguments)]
 pub fn glu_down_bwd(
     act: Act,
