@@ -537,12 +537,8 @@ impl Linear {
         let drops: Vec<Dropout> = lins.iter().filter_map(|l| l.dropout(ctx)).collect();
         let ws: Vec<&Tensor> = ws.iter().collect();
         let (ys, xas) = ops::fold::fwd(xp, in_f, &a, scale, &drops, &ws, ctx.kernels.gemm)?;
-        let mut off = 0;
-        let mut states = Vec::with_capacity(lins.len());
-        for r in ranks {
-            states.push(Some(xas.narrow(1, off, r)?)); // [m, r], row stride Σ r
-            off += r;
-        }
+        // each linear's [m, r], row stride Σ r
+        let states = cut(&xas, 1, &ranks)?.into_iter().map(Some).collect();
         Ok((ys, states))
     }
 
@@ -627,7 +623,7 @@ impl Linear {
         let mut a = Vec::with_capacity(lins.len());
         let mut grads: Vec<AdapterGrad> = Vec::with_capacity(lins.len());
         let mut dxp: Option<Tensor> = None; // [m, in + p]
-        let (mut scale, mut ranks) = (1.0, 0);
+        let (mut scale, mut ranks) = (1.0, Vec::with_capacity(lins.len()));
         let mut g = g.into_iter();
         for (lin, xas) in lins.iter().zip(xas) {
             let (Some(lora), Some(pad), Some(xas)) = (&lin.lora, &lin.pad, xas) else {
@@ -651,15 +647,17 @@ impl Linear {
             };
             grads.push(Some(LoraGrad::ab(db.clone(), db))); // dA set below
             a.push(&lora.a);
-            (scale, ranks) = (lora.scale, ranks + lora.a.dim(0)?);
+            ranks.push(lora.a.dim(0)?);
+            scale = lora.scale;
         }
         let Some(dxp) = dxp else {
             candle_core::bail!("bwd_folded: no linears");
         };
-        if ranks > p {
-            candle_core::bail!("bwd_folded: ranks {ranks} past the pad {p}");
+        let sum_r: usize = ranks.iter().sum();
+        if sum_r > p {
+            candle_core::bail!("bwd_folded: ranks {sum_r} past the pad {p}");
         }
-        let gb = dxp.narrow(1, in_f, ranks)?; // [m, Σ r] = g_i B_i side by side, unscaled
+        let gb = dxp.narrow(1, in_f, sum_r)?; // [m, Σ r] = g_i B_i side by side, unscaled
         let a = ctx.a_stack(&a, x.dtype())?; // [Σ r, in]
         let drops: Vec<Dropout> = lins.iter().filter_map(|l| l.dropout(ctx)).collect();
         let (dx, da) = match drops.is_empty() {
@@ -672,13 +670,10 @@ impl Linear {
                 ops::fold_drop::bwd(x, dx, &gb, &a, &drops, scale, gemm)?
             }
         };
-        let mut off = 0;
-        for (gr, lin) in grads.iter_mut().zip(lins) {
-            let r = lin.lora.as_ref().map_or(0, |l| l.a.dims()[0]);
+        for (gr, da_i) in grads.iter_mut().zip(cut(&da, 0, &ranks)?) {
             if let Some(gr) = gr {
-                gr.a = da.narrow(0, off, r)?;
+                gr.a = da_i; // [r, in]
             }
-            off += r;
         }
         Ok((dx, grads))
     }
