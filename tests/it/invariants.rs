@@ -652,27 +652,45 @@ fn folded_layer_matches_the_unfolded_and_autograd_on_the_gpu() {
             assert_eq!(Linear::fold_width(lins, &ctx), Some(p), "{}", lins[0].name);
         }
         assert_eq!(Linear::fold_width(&[&layer.o], &ctx), None);
-        let mut plain = m.ctx(&[0; 300], 2, 150, None, None).unwrap();
-        (plain.cos, plain.sin, plain.mask) = (ctx.cos.clone(), ctx.sin.clone(), ctx.mask.clone());
-        plain.folded = false;
-        assert_eq!(Linear::fold_width(groups[0], &plain), None);
-
-        let tag = format!("round {round}");
-        let (y, acts) = layer.forward_train(&x, &ctx, true).unwrap();
-        let (y_plain, acts_plain) = layer.forward_train(&x, &plain, true).unwrap();
-        // One rounding of base + adapter against two: within a bf16 step of the output.
-        assert_close(&format!("{tag}: y folded"), &y, &y_plain, 1e-2, 1e-2);
-        let (xv, y_ref, gs) = autograd_reference(layer, &x, &g, &ctx);
-        assert_close(&format!("{tag}: y vs autograd"), &y, &y_ref, 2e-2, 1e-2);
-        let ours = layer.backward(acts.unwrap(), &g, &ctx).unwrap();
-        let theirs = layer.backward(acts_plain.unwrap(), &g, &plain).unwrap();
-        assert_close(&format!("{tag}: dx folded"), &ours.0, &theirs.0, 2e-2, 1e-2);
-        for ((ia, ga), (ib, gb)) in ours.1.iter().zip(&theirs.1) {
-            assert_eq!(ia, ib);
-            assert_close(&format!("{tag}: adapter grad folded"), ga, gb, 3e-2, 2e-2);
-        }
-        check_layer_grads(&tag, layer, &ours, &gs, xv.as_tensor(), (3e-2, 2e-2));
+        folded_matches_unfolded(&format!("round {round}"), &m, &ctx, &x, &g);
     }
+}
+
+/// Layer 1 of `m` run folded (`ctx`, pads written) and unfolded (the same batch with
+/// `folded` off, where nothing folds): output, dL/dx and every adapter gradient agree, and
+/// match autograd. Returns the number of adapter gradients (A and B of each adapter).
+#[cfg(feature = "cuda")]
+fn folded_matches_unfolded(
+    tag: &str,
+    m: &lora_train::model::llama::Model,
+    ctx: &lora_train::model::llama::Ctx,
+    x: &Tensor,
+    g: &Tensor,
+) -> usize {
+    use lora_train::model::Linear;
+    let layer = &m.layers[1];
+    let mut plain = m.ctx(&[0; 300], 2, 150, None, None).unwrap();
+    (plain.cos, plain.sin, plain.mask) = (ctx.cos.clone(), ctx.sin.clone(), ctx.mask.clone());
+    plain.folded = false;
+    let attn: Vec<&Linear> = layer.attn_in.iter().collect();
+    assert_eq!(Linear::fold_width(&attn, &plain), None, "{tag}: unfolded");
+
+    let (y, acts) = layer.forward_train(x, ctx, true).unwrap();
+    let (y_plain, acts_plain) = layer.forward_train(x, &plain, true).unwrap();
+    // One rounding of base + adapter against two: within a bf16 step of the output.
+    assert_close(&format!("{tag}: y folded"), &y, &y_plain, 1e-2, 1e-2);
+    let (xv, y_ref, gs) = autograd_reference(layer, x, g, ctx);
+    assert_close(&format!("{tag}: y vs autograd"), &y, &y_ref, 2e-2, 1e-2);
+    let ours = layer.backward(acts.unwrap(), g, ctx).unwrap();
+    let theirs = layer.backward(acts_plain.unwrap(), g, &plain).unwrap();
+    assert_close(&format!("{tag}: dx folded"), &ours.0, &theirs.0, 2e-2, 1e-2);
+    for ((ia, ga), (ib, gb)) in ours.1.iter().zip(&theirs.1) {
+        assert_eq!(ia, ib);
+        assert_eq!(ga.dims(), gb.dims());
+        assert_close(&format!("{tag}: adapter grad folded"), ga, gb, 3e-2, 2e-2);
+    }
+    check_layer_grads(tag, layer, &ours, &gs, xv.as_tensor(), (3e-2, 2e-2));
+    ours.1.len()
 }
 
 /// Phi-3's fused projections folded: qkv_proj's and gate_up_proj's outputs come out in parts
@@ -736,35 +754,12 @@ fn folded_family_layer_matches_the_unfolded(name: &str, inputs: (usize, usize)) 
         let tag = format!("{name} {}", lins[0].name);
         assert!(Linear::fold_width(lins, &ctx).is_some(), "{tag}");
     }
-    let mut plain = m.ctx(&[0; 300], 2, 150, None, None).unwrap();
-    (plain.cos, plain.sin, plain.mask) = (ctx.cos.clone(), ctx.sin.clone(), ctx.mask.clone());
-    plain.folded = false;
-
-    let (y, acts) = layer.forward_train(&x, &ctx, true).unwrap();
-    let (y_plain, acts_plain) = layer.forward_train(&x, &plain, true).unwrap();
-    assert_close(&format!("{name}: y folded"), &y, &y_plain, 1e-2, 1e-2);
-    let (xv, y_ref, gs) = autograd_reference(layer, &x, &g, &ctx);
-    assert_close(&format!("{name}: y vs autograd"), &y, &y_ref, 2e-2, 1e-2);
-    let ours = layer.backward(acts.unwrap(), &g, &ctx).unwrap();
-    let theirs = layer.backward(acts_plain.unwrap(), &g, &plain).unwrap();
-    assert_close(
-        &format!("{name}: dx folded"),
-        &ours.0,
-        &theirs.0,
-        2e-2,
-        1e-2,
-    );
+    let grads = folded_matches_unfolded(name, &m, &ctx, &x, &g);
     assert_eq!(
-        ours.1.len(),
+        grads,
         2 * layer.linears().len(),
         "{name}: A and B of each linear"
     );
-    for ((ia, ga), (ib, gb)) in ours.1.iter().zip(&theirs.1) {
-        assert_eq!(ia, ib);
-        assert_eq!(ga.dims(), gb.dims());
-        assert_close(&format!("{name}: adapter grad folded"), ga, gb, 3e-2, 2e-2);
-    }
-    check_layer_grads(name, layer, &ours, &gs, xv.as_tensor(), (3e-2, 2e-2));
 }
 
 /// Every adapter of `m` at dropout rate `p` (as the recipe's lora.dropout sets it).
