@@ -303,9 +303,6 @@ impl Model {
             if kernels.fold {
                 layer.fold()?;
             }
-            if let Some(m) = layer.moe.as_mut() {
-                m.batched = kernels.experiments.moe_batched;
-            }
             loaded(Group::Layer(&mut layer))?;
             layer.sync_views()?;
             layers.push(layer);

@@ -16,7 +16,6 @@ pub mod layer_train;
 pub mod linear;
 pub mod llama;
 pub mod moe_aux;
-pub mod moe_batched;
 pub mod prefetch;
 pub mod rope;
 pub mod router;

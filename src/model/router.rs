@@ -7,10 +7,9 @@
 //! then expert 1's, ..., ascending within each; their tokens n; how many each expert got; and
 //! where each (token, slot) pair went. Every expert's rows are then one contiguous run of a
 //! gathered [m·k, C] input, so each expert is one GEMM over its run (no loop over tokens); its
-//! outputs come back to their tokens by one gather into slot-major order and k − 1 adds of
-//! [m, C] (`sum_slots`), on the CPU and CUDA alike, not by index_add (candle's CUDA index_add
-//! walks all m·k rows in turn, one thread per column: a serial loop of 32768 steps at 4096
-//! tokens and top 8).
+//! outputs come back to their tokens through the slot-major map (`ops::moe_rows::combine`),
+//! not by index_add (candle's CUDA index_add walks all m·k rows in turn, one thread per
+//! column: a serial loop of 32768 steps at 4096 tokens and top 8).
 //!
 //! Shapes: m tokens, C hidden, E experts, k experts per token.
 
@@ -105,18 +104,6 @@ fn slot_major(order: &[u32], m: usize, k: usize) -> Vec<u32> {
         slots[j * m + n] = q as u32;
     }
     slots
-}
-
-/// Rows in the grouped order ([m·k, ..], `Routing::order`) summed over each token's k slots:
-/// [m, ..], slot 0's plus slot 1's plus ...
-pub fn sum_slots(r: &Routing, grouped: &Tensor) -> Result<Tensor> {
-    let (m, k) = r.weights.dims2()?;
-    let g = grouped.index_select(&r.slots, 0)?; // [k·m, ..]
-    let mut acc = g.narrow(0, 0, m)?;
-    for j in 1..k {
-        acc = (acc + g.narrow(0, j * m, m)?)?;
-    }
-    Ok(acc)
 }
 
 /// The router's backward: dL/dweights [m, k] f32 → dL/dlogits [m, E] f32, through the

@@ -40,6 +40,7 @@ static PORTABLE: Program = Program {
             include_str!("dropout.cu"),
             include_str!("fold_bwd.cu"),
             include_str!("fold_drop.cu"),
+            include_str!("moe_rows.cu"),
             include_str!("../quant/nf4.cu"),
         ]
         .join("\n")
@@ -101,8 +102,8 @@ pub fn is_hopper(dev: &CudaDevice) -> Result<bool> {
     Ok(dev.cuda_stream().context().compute_capability().w()? == (9, 0))
 }
 
-/// The device address of `t`'s first element when `t` is a contiguous bf16, f16 or f32 CUDA
-/// tensor; None otherwise.
+/// The device address of `t`'s first element when `t` is a contiguous bf16, f16, f32 or u32
+/// (indices) CUDA tensor; None otherwise.
 pub fn addr(t: &candle_core::Tensor) -> Result<Option<u64>> {
     if !t.is_contiguous() {
         return Ok(None);
@@ -163,6 +164,7 @@ fn first(t: &candle_core::Tensor) -> Result<Option<u64>> {
         DType::BF16 => cs.as_cuda_slice::<half::bf16>()?.device_ptr(&stream).0,
         DType::F16 => cs.as_cuda_slice::<half::f16>()?.device_ptr(&stream).0,
         DType::F32 => cs.as_cuda_slice::<f32>()?.device_ptr(&stream).0,
+        DType::U32 => cs.as_cuda_slice::<u32>()?.device_ptr(&stream).0,
         _ => return Ok(None),
     };
     Ok(Some(p + off))

@@ -22,15 +22,13 @@
 //!   CUDA_MODULE_LOADING=EAGER, which `parallel::prepare_process` sets before CUDA starts.
 //! - `decode_graph`: `generate` replays a base model's one-token step as a CUDA graph
 //!   (`generate::graph`).
-//! - `moe_batched`: a MoE layer's experts run as batched GEMMs over a layout padded to the
-//!   busiest expert's tokens (`model::moe_batched`), not one GEMM per expert.
 
 use candle_core::{DType, Device};
 
 /// The variable that names the experiments to turn on.
 pub const EXPERIMENTS_VAR: &str = "LORA_TRAIN_EXPERIMENTS";
 /// The experiments `LORA_TRAIN_EXPERIMENTS` may name.
-pub const EXPERIMENTS: [&str; 4] = ["reduce_ahead", "peer_copy", "decode_graph", "moe_batched"];
+pub const EXPERIMENTS: [&str; 3] = ["reduce_ahead", "peer_copy", "decode_graph"];
 
 /// What the attention kernels' choice depends on in the model (`ModelConfig::attn_shape`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -116,8 +114,6 @@ pub struct Experiments {
     pub peer_copy: bool,
     /// `generate` replays a base model's one-token step as a CUDA graph.
     pub decode_graph: bool,
-    /// A MoE layer's experts as batched GEMMs over a padded layout (model/moe_batched.rs).
-    pub moe_batched: bool,
 }
 
 /// `LORA_TRAIN_EXPERIMENTS` named something that is not an experiment.
@@ -147,7 +143,6 @@ impl Experiments {
                 "reduce_ahead" => e.reduce_ahead = true,
                 "peer_copy" => e.peer_copy = true,
                 "decode_graph" => e.decode_graph = true,
-                "moe_batched" => e.moe_batched = true,
                 other => {
                     return Err(UnknownExperiment {
                         name: other.to_string(),
@@ -294,7 +289,7 @@ mod tests {
         assert_eq!(
             e.to_string(),
             "LORA_TRAIN_EXPERIMENTS: unknown experiment `fast` (known: reduce_ahead, \
-             peer_copy, decode_graph, moe_batched); unset the variable or name only those"
+             peer_copy, decode_graph); unset the variable or name only those"
         );
     }
 

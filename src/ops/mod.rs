@@ -28,9 +28,11 @@ pub mod geglu;
 #[cfg(feature = "cuda")]
 pub mod gemm_tune;
 pub mod glu;
+pub mod grouped_mm;
 pub mod kernels;
 pub mod linear_acc;
 pub mod lora_linear;
+pub mod moe_rows;
 pub mod multi_tensor;
 pub mod rms_norm;
 pub mod rope;

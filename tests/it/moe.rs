@@ -66,43 +66,6 @@ fn a_step_s_gradients_hold_no_graph() {
     }
 }
 
-/// The `moe_batched` experiment (the experts as batched GEMMs over a padded layout) gives the
-/// grouped path's loss and every gradient, the experts' adapters' and the router's included,
-/// up to the order of the GEMMs' sums; padded rows (experts get unequal token counts here, and
-/// some none) add nothing.
-#[test]
-fn batched_experts_give_the_grouped_loss_and_gradients() {
-    for (case, sets) in [
-        ("qwen3_moe", vec![]),
-        ("qwen3_moe_aux", vec!["train.router_aux_loss_coef=0.05"]),
-    ] {
-        let (_t, mut s) = session(case, &sets);
-        let batch = s.batch(&[vec![0], vec![2], vec![4]]);
-        let mut run = |batched: bool, keep| {
-            for l in &mut s.model.layers {
-                if let Some(m) = l.moe.as_mut() {
-                    m.batched = batched;
-                }
-            }
-            let mut g = Grads::new();
-            let ce = driver::forward_backward(&s.model, &batch, 10.0, keep, None, &mut g).unwrap();
-            (ce, g)
-        };
-        for keep in [Keep::Acts, Keep::Input] {
-            let (ce, want) = run(false, keep);
-            let (ce_b, got) = run(true, keep);
-            assert!(
-                (ce_b - ce).abs() <= 1e-6 * ce.abs(),
-                "{case}: {ce_b} vs {ce}"
-            );
-            assert_eq!(got.len(), want.len(), "{case}: gradient count");
-            for (id, w) in &want {
-                assert_close(&format!("{case} {keep:?}: grad"), &got[id], w, 1e-5, 1e-6);
-            }
-        }
-    }
-}
-
 /// A MoE layer keeps x, q, k, v, attention output, lse, its residual h and the attention
 /// adapters' states (no expert activation): `kept_per_token_layer`'s bytes exactly; the
 /// plan's adapter parameters are the model's, experts' included.

@@ -1101,3 +1101,95 @@ fn the_host_stage_copies_what_the_tensors_held_when_staged() {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
+
+/// The experts' grouped GEMMs on CUDA (one cublasGemmGroupedBatchedEx call) against the same
+/// products on the CPU in f32 (one GEMM per expert), f32 and bf16: uneven groups, empty
+/// experts, both orientations of W, α and an accumulated result; pᵀq per expert (zero where
+/// an expert has no rows).
+#[cfg(feature = "cuda")]
+#[test]
+fn grouped_gemms_match_per_expert_gemms_on_the_gpu() {
+    use lora_train::ops::grouped_mm::{grouped_linear, grouped_tn};
+    let gpu = Device::new_cuda(0).unwrap();
+    let counts = [37usize, 0, 128, 5, 0, 300];
+    let (p, e) = (counts.iter().sum::<usize>(), counts.len());
+    for (dt, rtol, atol) in [(DType::F32, 1e-4, 1e-5), (DType::BF16, 2e-2, 1e-2)] {
+        for (k, n) in [(96, 200), (256, 16), (16, 768)] {
+            let rn = |shape: &[usize]| {
+                let t = Tensor::randn(0f32, 1.0, shape, &Device::Cpu).unwrap();
+                t.to_dtype(dt).unwrap().to_dtype(DType::F32).unwrap() // representable in dt
+            };
+            let (x, wt, wn, acc) = (rn(&[p, k]), rn(&[e, n, k]), rn(&[e, k, n]), rn(&[p, n]));
+            let q = rn(&[p, n]);
+            let on = |t: &Tensor| t.to_device(&gpu).unwrap().to_dtype(dt).unwrap();
+            let tag = format!("{dt:?} k{k} n{n}");
+            let want = grouped_linear(&x, &wt, &counts, true, 0.25, Some(acc.clone())).unwrap();
+            let got =
+                grouped_linear(&on(&x), &on(&wt), &counts, true, 0.25, Some(on(&acc))).unwrap();
+            assert_close(&format!("{tag} x Wᵀ"), &got, &want, rtol, atol);
+            let want = grouped_linear(&x, &wn, &counts, false, 1.0, None).unwrap();
+            let got = grouped_linear(&on(&x), &on(&wn), &counts, false, 1.0, None).unwrap();
+            assert_close(&format!("{tag} x W"), &got, &want, rtol, atol);
+            let want = grouped_tn(&x, &q, &counts, 0.5).unwrap();
+            let got = grouped_tn(&on(&x), &on(&q), &counts, 0.5).unwrap();
+            assert_close(&format!("{tag} pᵀq"), &got, &want, rtol, atol);
+        }
+    }
+}
+
+/// The MoE row kernels (moe_rows.cu, bf16) against the same sums in f32 on the CPU: the
+/// gather of the tokens' rows, each token's k rows weighted and summed (and unweighted, as
+/// the backward sums dL/dx), and the backward's gather with the weights' gradient.
+#[cfg(feature = "cuda")]
+#[test]
+fn moe_row_kernels_match_f32_math_on_the_gpu() {
+    use lora_train::ops::moe_rows::{combine, gather, scatter_grad};
+    let gpu = Device::new_cuda(0).unwrap();
+    for (m, k, c) in [(300usize, 8usize, 2048usize), (17, 2, 64), (5, 3, 8)] {
+        let p = m * k;
+        // a permutation of the grouped rows as the routing makes: token n's slot j at j·m + n
+        let slots: Vec<u32> = (0..p as u32).map(|i| (i * 7919 + 13) % p as u32).collect();
+        let mut tokens = vec![0u32; p];
+        for (i, &q) in slots.iter().enumerate() {
+            tokens[q as usize] = (i % m) as u32;
+        }
+        let cpu = |v: &Vec<u32>| Tensor::from_vec(v.clone(), p, &Device::Cpu).unwrap();
+        let (slots, tokens) = (cpu(&slots), cpu(&tokens));
+        let rn = |shape: &[usize]| {
+            let t = Tensor::randn(0f32, 1.0, shape, &Device::Cpu).unwrap();
+            t.to_dtype(DType::BF16)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap()
+        };
+        let (x, y, g) = (rn(&[m, c]), rn(&[p, c]), rn(&[m, c]));
+        let w = Tensor::rand(0f32, 1.0, p, &Device::Cpu).unwrap();
+        let bf = |t: &Tensor| t.to_device(&gpu).unwrap().to_dtype(DType::BF16).unwrap();
+        let on = |t: &Tensor| t.to_device(&gpu).unwrap();
+        let tag = format!("m{m} k{k} C{c}");
+        let got = gather(&bf(&x), &on(&tokens)).unwrap();
+        assert_close(
+            &format!("{tag} gather"),
+            &got,
+            &gather(&x, &tokens).unwrap(),
+            0.0,
+            0.0,
+        );
+        for wt in [Some(&w), None] {
+            let want = combine(&y, &slots, wt, k).unwrap();
+            let got = combine(&bf(&y), &on(&slots), wt.map(on).as_ref(), k).unwrap();
+            assert_close(
+                &format!("{tag} combine {}", wt.is_some()),
+                &got,
+                &want,
+                1e-2,
+                1e-3,
+            );
+        }
+        let (gy, dw) = scatter_grad(&g, &tokens, &w, &y).unwrap();
+        let (gy_got, dw_got) = scatter_grad(&bf(&g), &on(&tokens), &on(&w), &bf(&y)).unwrap();
+        assert_eq!(dw_got.dtype(), DType::F32, "{tag}: dw in f32");
+        assert_close(&format!("{tag} gy"), &gy_got, &gy, 1e-2, 1e-3);
+        assert_close(&format!("{tag} dw"), &dw_got, &dw, 1e-4, 1e-5);
+    }
+}

@@ -310,11 +310,12 @@ fn is_mlp(module: &str) -> bool {
     )
 }
 
-/// A MoE layer's MLP workspace over n tokens, (forward, backward) bytes: the gathered
-/// [n·k, C] input and output (backward: also dL/dy gathered and dL/dx per expert), one
-/// expert's gate_up, gate, up and activation over at most all n tokens ([n, 2I] + 3 [n, I];
-/// backward their gradients too), and the router's [n, E] f32 probabilities and gradients.
-/// (0, 0) for a dense model.
+/// A MoE layer's MLP workspace over n tokens, (forward, backward) bytes, over its P = n·k
+/// grouped rows (model/layer_moe.rs, every expert at once): forward, the gathered input and
+/// the output [P, C] with gate_up [P, 2I] split into gate and up ([P, I] each), or gate, up,
+/// the activation and the output (≤ 2C + 4I a row); backward, the input, dL/dy and the
+/// recomputed output or dL/dx [P, C] beside the activations and their gradients (≤ 3C + 6I a
+/// row); and the router's [n, E] f32 probabilities and gradients. (0, 0) for a dense model.
 pub fn moe_ws(cfg: &ModelConfig, s: u64, n: u64) -> (u64, u64) {
     let Some(m) = cfg.arch.moe else {
         return (0, 0);
@@ -325,8 +326,8 @@ pub fn moe_ws(cfg: &ModelConfig, s: u64, n: u64) -> (u64, u64) {
         m.inter as u64,
         m.experts as u64,
     );
-    let fwd = n * k * s * 2 * c + n * s * 5 * i + n * e * 4 * 2;
-    let bwd = n * k * s * 3 * c + n * s * 10 * i + n * e * 4 * 4;
+    let fwd = n * k * s * (2 * c + 4 * i) + n * e * 4 * 2;
+    let bwd = n * k * s * (3 * c + 6 * i) + n * e * 4 * 4;
     (fwd, bwd)
 }
 
