@@ -28,7 +28,7 @@ use super::router::{route, route_bwd};
 use crate::lora::Lora;
 use crate::ops::grouped_mm::{grouped_linear, grouped_tn};
 use crate::ops::{self, glu::Act, moe_rows};
-use candle_core::{DType, Result, Tensor, D};
+use candle_core::{DType, Result, Tensor};
 
 /// A LoRA adapter on one fused expert parameter, with the module path PEFT keys it by
 /// (`model.layers.N.mlp.experts`, or `...experts.base_layer` for the inner of two).
@@ -89,26 +89,50 @@ impl PerExpert {
         }))
     }
 
-    /// y = base + s·(x_e A_eᵀ) B_eᵀ for each expert's rows of x [P, in] from the frozen
-    /// product `base` [P, out]: (y, s·x_e A_eᵀ [P, r]).
-    fn add(&self, x: &Tensor, base: Tensor, counts: &[usize]) -> Result<(Tensor, Tensor)> {
+    /// y = base + s·(x_e A_eᵀ) B_eᵀ for each expert's rows of x [P, in], from the frozen
+    /// product in parts along its columns (`bases`: [P, out] whole, or gate_up's gate and up
+    /// halves): (the parts of y, s·x_e A_eᵀ [P, r]).
+    fn add(
+        &self,
+        x: &Tensor,
+        bases: Vec<Tensor>,
+        counts: &[usize],
+    ) -> Result<(Vec<Tensor>, Tensor)> {
         let xa = grouped_linear(x, &self.a, counts, true, self.scale, None)?;
-        let y = grouped_linear(&xa, &self.b, counts, true, 1.0, Some(base))?;
-        Ok((y, xa))
+        let mut start = 0;
+        let mut ys = Vec::with_capacity(bases.len());
+        for base in bases {
+            let len = base.dim(1)?;
+            let b = self.b.narrow(1, start, len)?; // [E, len, r]
+            ys.push(grouped_linear(&xa, &b, counts, true, 1.0, Some(base))?);
+            start += len;
+        }
+        Ok((ys, xa))
     }
 
-    /// The backward of `add` for g = dL/dy [P, out]: acc [P, in] plus the adapter's term of
-    /// dL/dx, and (dA [E, r, in], dB [E, out, r]) f32.
+    /// The backward of `add` for g = dL/dy in the same parts (`gs`): acc [P, in] plus the
+    /// adapter's term of dL/dx, and (dA [E, r, in], dB [E, out, r]) f32.
     fn bwd(
         &self,
-        (x, xa, g): (&Tensor, &Tensor, &Tensor),
+        (x, xa): (&Tensor, &Tensor),
+        gs: &[&Tensor],
         counts: &[usize],
         acc: Tensor,
     ) -> Result<(Tensor, Grad)> {
-        let gb = grouped_linear(g, &self.b, counts, false, 1.0, None)?; // [P, r]
+        let (mut gb, mut dbs, mut start) = (None, Vec::with_capacity(gs.len()), 0);
+        for g in gs {
+            let len = g.dim(1)?;
+            let b = self.b.narrow(1, start, len)?; // [E, len, r]
+            gb = Some(grouped_linear(g, &b, counts, false, 1.0, gb)?); // Σ g·B [P, r]
+            dbs.push(grouped_tn(g, xa, counts, 1.0)?); // [E, len, r]
+            start += len;
+        }
+        let Some(gb) = gb else {
+            candle_core::bail!("an expert adapter's backward without a gradient");
+        };
         let dx = grouped_linear(&gb, &self.a, counts, false, self.scale, Some(acc))?;
         let da = grouped_tn(&gb, x, counts, self.scale)?.to_dtype(DType::F32)?;
-        let db = grouped_tn(g, xa, counts, 1.0)?.to_dtype(DType::F32)?;
+        let db = Tensor::cat(&dbs, 1)?.to_dtype(DType::F32)?;
         Ok((dx, (da, db)))
     }
 }
@@ -146,6 +170,12 @@ impl Moe {
             .map(|l| (l.name.as_str(), &l.lora))
     }
 
+    /// gate_up's gate and up halves [E, I, C] (views: each expert's rows lie contiguous).
+    fn gate_up_halves(&self) -> Result<[Tensor; 2]> {
+        let i = self.spec.inter;
+        Ok([self.gate_up.narrow(1, 0, i)?, self.gate_up.narrow(1, i, i)?])
+    }
+
     /// The experts' forward over the grouped rows x [P, C] (`counts[e]` rows of expert e):
     /// y [P, C] before the routing weights, and what the backward takes.
     pub(super) fn experts_fwd(
@@ -154,26 +184,33 @@ impl Moe {
         counts: &[usize],
         (gu_ad, down_ad): Adapters,
     ) -> Result<(Tensor, ExpertActs)> {
-        let i = self.spec.inter;
-        let gu = grouped_linear(x, &self.gate_up, counts, true, 1.0, None)?; // [P, 2I]
-        let (gu, xa_gu) = match gu_ad {
+        let halves = self.gate_up_halves()?;
+        let mut parts = Vec::with_capacity(2); // gate, up [P, I]
+        for w in &halves {
+            parts.push(grouped_linear(x, w, counts, true, 1.0, None)?);
+        }
+        let (parts, xa_gu) = match gu_ad {
             Some(p) => {
-                let (y, xa) = p.add(x, gu, counts)?;
-                (y, Some(xa))
+                let (ys, xa) = p.add(x, parts, counts)?;
+                (ys, Some(xa))
             }
-            None => (gu, None),
+            None => (parts, None),
         };
-        let gate = gu.narrow(D::Minus1, 0, i)?.contiguous()?;
-        let up = gu.narrow(D::Minus1, i, i)?.contiguous()?;
-        drop(gu);
+        let mut parts = parts.into_iter();
+        let (Some(gate), Some(up)) = (parts.next(), parts.next()) else {
+            candle_core::bail!("gate_up: two halves");
+        };
         let a = Act::Silu.glu(&gate, &up)?;
         let y = grouped_linear(&a, &self.down, counts, true, 1.0, None)?; // [P, C]
         let (y, xa_down) = match down_ad {
             Some(p) => {
-                let (y, xa) = p.add(&a, y, counts)?;
-                (y, Some(xa))
+                let (ys, xa) = p.add(&a, vec![y], counts)?;
+                (ys.into_iter().next(), Some(xa))
             }
-            None => (y, None),
+            None => (Some(y), None),
+        };
+        let Some(y) = y else {
+            candle_core::bail!("down: one output");
         };
         let acts = ExpertActs {
             gate,
@@ -199,19 +236,19 @@ impl Moe {
         let da = grouped_linear(gy, &self.down, counts, false, 1.0, None)?; // [P, I]
         let (da, down_grads) = match (down_ad, &acts.xa_down) {
             (Some(p), Some(xa)) => {
-                let (da, gr) = p.bwd((&acts.a, xa, gy), counts, da)?;
+                let (da, gr) = p.bwd((&acts.a, xa), &[gy], counts, da)?;
                 (da, Some(gr))
             }
             _ => (da, None),
         };
-        let (dgate, dup) = Act::Silu.glu_bwd(&acts.gate, &acts.up, &da)?;
+        let (dgate, dup) = Act::Silu.glu_bwd(&acts.gate, &acts.up, &da)?; // [P, I] each
         drop((da, acts.gate, acts.up, acts.a));
-        let dgu = Tensor::cat(&[&dgate, &dup], D::Minus1)?; // [P, 2I]
-        drop((dgate, dup));
-        let dx = grouped_linear(&dgu, &self.gate_up, counts, false, 1.0, None)?; // [P, C]
+        let [wg, wu] = self.gate_up_halves()?;
+        let dx = grouped_linear(&dgate, &wg, counts, false, 1.0, None)?; // [P, C]
+        let dx = grouped_linear(&dup, &wu, counts, false, 1.0, Some(dx))?;
         let (dx, gu_grads) = match (gu_ad, &acts.xa_gu) {
             (Some(p), Some(xa)) => {
-                let (dx, gr) = p.bwd((x, xa, &dgu), counts, dx)?;
+                let (dx, gr) = p.bwd((x, xa), &[&dgate, &dup], counts, dx)?;
                 (dx, Some(gr))
             }
             _ => (dx, None),

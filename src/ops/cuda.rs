@@ -124,6 +124,19 @@ pub fn addr_rows(t: &candle_core::Tensor) -> Result<Option<(u64, usize)>> {
     Ok(first(t)?.map(|p| (p, ld)))
 }
 
+/// The device address of `t`'s first element and the stride between its matrices (elements)
+/// when `t` is a 3-D bf16, f16 or f32 CUDA tensor whose matrices each lie contiguous (strides
+/// [s, columns, 1]), as a stack of matrices narrowed along their rows does. None otherwise.
+pub fn addr_batched(t: &candle_core::Tensor) -> Result<Option<(u64, usize)>> {
+    let (Ok((_, _, n)), &[s, ld, 1]) = (t.dims3(), t.stride()) else {
+        return Ok(None);
+    };
+    if ld != n {
+        return Ok(None);
+    }
+    Ok(first(t)?.map(|p| (p, s)))
+}
+
 /// A fresh contiguous bf16, f16, f32 or u8 tensor of `shape` on `dev` whose contents are not set,
 /// for an output that a GEMM or a collective writes whole; None for other dtypes.
 ///

@@ -10,7 +10,8 @@ use candle_core::{bail, Result, Tensor};
 
 /// For each expert's rows x_e of x [P, k]: α · x_e W_eᵀ (`trans_w`, W [E, n, k]) or α · x_e W_e
 /// (W [E, k, n]), plus the same rows of `acc` [P, n] where given (on CUDA written in place:
-/// a fresh result nothing else holds). → [P, n]. No graph.
+/// a fresh result nothing else holds). → [P, n]. No graph. W's matrices may lie apart (a
+/// narrow of a stack along its rows: gate_up's gate half).
 pub fn grouped_linear(
     x: &Tensor,
     w: &Tensor,
@@ -110,7 +111,7 @@ fn check(counts: &[usize], experts: usize, rows: usize) -> Result<()> {
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use crate::ops::cuda::{addr, uninit};
+    use crate::ops::cuda::{addr, addr_batched, uninit};
     use candle_core::cuda::cudarc::cublas::sys;
     use candle_core::cuda::cudarc::driver::DevicePtr;
     use candle_core::cuda::WrapErr;
@@ -151,7 +152,7 @@ mod cuda {
                 None => return Ok(None),
             },
         };
-        let (Some(xp), Some(wp), Some(op)) = (addr(x)?, addr(w)?, addr(&out)?) else {
+        let (Some(xp), Some((wp, ws)), Some(op)) = (addr(x)?, addr_batched(w)?, addr(&out)?) else {
             return Ok(None);
         };
         let Some([ki, ni]) = ints([k, n]) else {
@@ -172,7 +173,7 @@ mod cuda {
                 return Ok(None);
             };
             if r > 0 {
-                let ex = (e * k * n) as u64 * size;
+                let ex = (e * ws) as u64 * size;
                 problems.push(Problem {
                     mnk: (ni, ri, ki),
                     abc: (
@@ -186,8 +187,8 @@ mod cuda {
         }
         let beta = if acc.is_some() { 1.0 } else { 0.0 };
         let ops = (transa, Op::CUBLAS_OP_N);
-        // SAFETY: the addresses lie inside x, W and out (rows and experts counted above, all
-        // contiguous), live on candle's stream, which cuBLAS's handle runs on; out is fresh or
+        // SAFETY: the addresses lie inside x, W and out (rows and experts counted above; x and
+        // out contiguous, W's matrices each contiguous, `ws` apart), live on candle's stream, which cuBLAS's handle runs on; out is fresh or
         // the caller's fresh acc.
         unsafe { grouped(dev, ops, (lda, ki, ni), &problems, (alpha as f32, beta), dt)? };
         Ok(Some(out))

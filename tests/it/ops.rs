@@ -1104,8 +1104,9 @@ fn the_host_stage_copies_what_the_tensors_held_when_staged() {
 
 /// The experts' grouped GEMMs on CUDA (one cublasGemmGroupedBatchedEx call) against the same
 /// products on the CPU in f32 (one GEMM per expert), f32 and bf16: uneven groups, empty
-/// experts, both orientations of W, α and an accumulated result; pᵀq per expert (zero where
-/// an expert has no rows).
+/// experts, both orientations of W, α and an accumulated result, W's matrices apart (the
+/// second half of a stack, as gate_up's up half); pᵀq per expert (zero where an expert has no
+/// rows).
 #[cfg(feature = "cuda")]
 #[test]
 fn grouped_gemms_match_per_expert_gemms_on_the_gpu() {
@@ -1130,6 +1131,29 @@ fn grouped_gemms_match_per_expert_gemms_on_the_gpu() {
             let want = grouped_linear(&x, &wn, &counts, false, 1.0, None).unwrap();
             let got = grouped_linear(&on(&x), &on(&wn), &counts, false, 1.0, None).unwrap();
             assert_close(&format!("{tag} x W"), &got, &want, rtol, atol);
+            // the second halves of [E, 2n, k] and [E, 2k, n]: matrices 2·n·k apart
+            let (wide_t, wide_n) = (rn(&[e, 2 * n, k]), rn(&[e, 2 * k, n]));
+            for (wide, trans) in [(&wide_t, true), (&wide_n, false)] {
+                let rows = wide.dim(1).unwrap() / 2;
+                let want = grouped_linear(
+                    &x,
+                    &wide.narrow(1, rows, rows).unwrap(),
+                    &counts,
+                    trans,
+                    1.0,
+                    None,
+                )
+                .unwrap();
+                let half = on(wide).narrow(1, rows, rows).unwrap();
+                let got = grouped_linear(&on(&x), &half, &counts, trans, 1.0, None).unwrap();
+                assert_close(
+                    &format!("{tag} half, trans {trans}"),
+                    &got,
+                    &want,
+                    rtol,
+                    atol,
+                );
+            }
             let want = grouped_tn(&x, &q, &counts, 0.5).unwrap();
             let got = grouped_tn(&on(&x), &on(&q), &counts, 0.5).unwrap();
             assert_close(&format!("{tag} pᵀq"), &got, &want, rtol, atol);
