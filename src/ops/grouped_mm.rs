@@ -165,31 +165,19 @@ mod cuda {
         } else {
             (Op::CUBLAS_OP_N, ni)
         };
-        let size = dt.size_in_bytes() as u64;
-        let mut problems = Vec::with_capacity(counts.len());
-        let mut off = 0u64;
-        for (e, &r) in counts.iter().enumerate() {
-            let Some([ri]) = ints([r]) else {
-                return Ok(None);
-            };
-            if r > 0 {
-                let ex = (e * ws) as u64 * size;
-                problems.push(Problem {
-                    mnk: (ni, ri, ki),
-                    abc: (
-                        wp + ex,
-                        xp + off * k as u64 * size,
-                        op + off * n as u64 * size,
-                    ),
-                });
-            }
-            off += r as u64;
-        }
+        let (size, (k, n, ws)) = (dt.size_in_bytes() as u64, (k as u64, n as u64, ws as u64));
+        let problems = per_expert(counts, |e, off, ri| Problem {
+            mnk: (ni, ri, ki),
+            abc: (wp + e * ws * size, xp + off * k * size, op + off * n * size),
+        });
+        let Some(problems) = problems else {
+            return Ok(None);
+        };
         let beta = if acc.is_some() { 1.0 } else { 0.0 };
         let ops = (transa, Op::CUBLAS_OP_N);
         // SAFETY: the addresses lie inside x, W and out (rows and experts counted above; x and
-        // out contiguous, W's matrices each contiguous, `ws` apart), live on candle's stream, which cuBLAS's handle runs on; out is fresh or
-        // the caller's fresh acc.
+        // out contiguous, W's matrices each contiguous, `ws` apart), live on candle's stream,
+        // which cuBLAS's handle runs on; out is fresh or the caller's fresh acc.
         unsafe { grouped(dev, ops, (lda, ki, ni), &problems, (alpha as f32, beta), dt)? };
         Ok(Some(out))
     }
@@ -214,29 +202,37 @@ mod cuda {
         };
         // Row-major o_e [m, n] = p_eᵀ q_e is column-major o' [n × m] = q' [n × r] · p'ᵀ,
         // q' and p' the rows as stored ([n × r] ld n, [m × r] ld m).
-        let size = dt.size_in_bytes() as u64;
-        let mut problems = Vec::with_capacity(counts.len());
-        let mut off = 0u64;
-        for (e, &r) in counts.iter().enumerate() {
-            let Some([ri]) = ints([r]) else {
-                return Ok(None);
-            };
-            if r > 0 {
-                problems.push(Problem {
-                    mnk: (ni, mi, ri),
-                    abc: (
-                        qp + off * n as u64 * size,
-                        pp + off * m as u64 * size,
-                        op + (e * m * n) as u64 * size,
-                    ),
-                });
-            }
-            off += r as u64;
-        }
+        let (size, (m, n)) = (dt.size_in_bytes() as u64, (m as u64, n as u64));
+        let problems = per_expert(counts, |e, off, ri| Problem {
+            mnk: (ni, mi, ri),
+            abc: (
+                qp + off * n * size,
+                pp + off * m * size,
+                op + e * m * n * size,
+            ),
+        });
+        let Some(problems) = problems else {
+            return Ok(None);
+        };
         let ops = (Op::CUBLAS_OP_N, Op::CUBLAS_OP_T);
         // SAFETY: as `linear`'s; out is fresh and ours.
         unsafe { grouped(dev, ops, (ni, mi, ni), &problems, (alpha as f32, 0.0), dt)? };
         Ok(Some(out))
+    }
+
+    /// One problem per expert with rows, made from the expert's index, its first row and its
+    /// row count; None past cuBLAS's ints.
+    fn per_expert(counts: &[usize], f: impl Fn(u64, u64, i32) -> Problem) -> Option<Vec<Problem>> {
+        let mut problems = Vec::with_capacity(counts.len());
+        let mut off = 0u64;
+        for (e, &r) in counts.iter().enumerate() {
+            let [ri] = ints([r])?;
+            if r > 0 {
+                problems.push(f(e as u64, off, ri));
+            }
+            off += r as u64;
+        }
+        Some(problems)
     }
 
     /// The problems (one group each, the same ops and leading dimensions) in one
