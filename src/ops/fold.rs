@@ -175,9 +175,9 @@ mod cuda {
     use candle_core::cuda::WrapErr;
     use candle_core::{DType, Device, Result, Tensor};
 
-    /// fold_bwd.cu's SwigluLoraP.
+    /// fold_bwd.cu's GluLoraP.
     #[repr(C)]
-    struct SwigluLoraP {
+    struct GluLoraP {
         g: u64,
         u: u64,
         dap: u64,
@@ -194,7 +194,7 @@ mod cuda {
         d: DropKey,
     }
     // SAFETY: plain old data laid out as the C struct the kernel takes by value.
-    unsafe impl DeviceRepr for SwigluLoraP {}
+    unsafe impl DeviceRepr for GluLoraP {}
 
     /// Tokens a block: the partial dA's are ⌈m / 256⌉ [r, I] slices (4096 tokens: 16, 11 MiB
     /// at 7B r16).
@@ -273,7 +273,7 @@ mod cuda {
         let (Some(op), Some(pp), Some(dap_)) = (addr(&both)?, addr(&part)?, addr(&da)?) else {
             return Ok(None);
         };
-        let p = SwigluLoraP {
+        let p = GluLoraP {
             g: gp,
             u: up,
             dap: dp,

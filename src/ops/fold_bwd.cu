@@ -28,7 +28,7 @@
 //      gB's B fragments are step 1's, transposed by movmatrix)
 // A block is 8 warps: 64 columns × 256 tokens; its two token halves add their dAᵀ at the end.
 
-struct SwigluLoraP {
+struct GluLoraP {
     const bf16_t* g; const bf16_t* u;  // [m, I]
     const bf16_t* dap;                 // [m, ld]: dy·W in columns [0, I), gB at gb_off
     const bf16_t* a;                   // down's A [r, I]
@@ -57,7 +57,7 @@ __device__ __forceinline__ float sl_rcp(float x) {
 // s·gBᵀ·(m ⊙ a); the mask words are drawn as drop_bwd draws them (fold_drop.cu).
 // GELU: the gate is GeGLU's (Gemma), a = round(gelu_tanh(g))·u with geglu_bwd_keep's math.
 template<int RK, int ST, bool DROP, bool GELU>  // r ≤ 16·RK: ranks padded to whole k steps with zeros; ST steps a loop
-__device__ __forceinline__ void swiglu_lora(const SwigluLoraP& p) {
+__device__ __forceinline__ void glu_lora(const GluLoraP& p) {
     __shared__ float red[4 * 2 * RK * 4 * 32];   // the second token half's dAᵀ
     const int tid = threadIdx.x, w = tid >> 5, l = tid & 31, g8 = l >> 2, c4 = l & 3;
     const int wc = w & 3, half = w >> 2;
@@ -200,17 +200,17 @@ __device__ __forceinline__ void swiglu_lora(const SwigluLoraP& p) {
 // r16 loads two steps ahead; the wider ranks one step, for their registers; with dropout one
 // step (the mask's words take the registers). swiglu_* after SwiGLU, geglu_* after GeGLU.
 #define GLU_LORA_INST(ACT, GELU) \
-extern "C" __global__ void __launch_bounds__(256, 3) ACT##_lora_r16(const SwigluLoraP p) { swiglu_lora<1, 2, false, GELU>(p); } \
-extern "C" __global__ void __launch_bounds__(256, 3) ACT##_lora_r32(const SwigluLoraP p) { swiglu_lora<2, 1, false, GELU>(p); } \
-extern "C" __global__ void __launch_bounds__(256, 2) ACT##_lora_r64(const SwigluLoraP p) { swiglu_lora<4, 1, false, GELU>(p); } \
-extern "C" __global__ void __launch_bounds__(256, 3) ACT##_lora_drop_r16(const SwigluLoraP p) { swiglu_lora<1, 1, true, GELU>(p); } \
-extern "C" __global__ void __launch_bounds__(256, 3) ACT##_lora_drop_r32(const SwigluLoraP p) { swiglu_lora<2, 1, true, GELU>(p); } \
-extern "C" __global__ void __launch_bounds__(256, 2) ACT##_lora_drop_r64(const SwigluLoraP p) { swiglu_lora<4, 1, true, GELU>(p); }
+extern "C" __global__ void __launch_bounds__(256, 3) ACT##_lora_r16(const GluLoraP p) { glu_lora<1, 2, false, GELU>(p); } \
+extern "C" __global__ void __launch_bounds__(256, 3) ACT##_lora_r32(const GluLoraP p) { glu_lora<2, 1, false, GELU>(p); } \
+extern "C" __global__ void __launch_bounds__(256, 2) ACT##_lora_r64(const GluLoraP p) { glu_lora<4, 1, false, GELU>(p); } \
+extern "C" __global__ void __launch_bounds__(256, 3) ACT##_lora_drop_r16(const GluLoraP p) { glu_lora<1, 1, true, GELU>(p); } \
+extern "C" __global__ void __launch_bounds__(256, 3) ACT##_lora_drop_r32(const GluLoraP p) { glu_lora<2, 1, true, GELU>(p); } \
+extern "C" __global__ void __launch_bounds__(256, 2) ACT##_lora_drop_r64(const GluLoraP p) { glu_lora<4, 1, true, GELU>(p); }
 GLU_LORA_INST(swiglu, false)
 GLU_LORA_INST(geglu, true)
 #undef GLU_LORA_INST
 
-// out[i] = Σ_k part[k·n + i] in order (the P partial sums of swiglu_lora, deterministic).
+// out[i] = Σ_k part[k·n + i] in order (the P partial sums of glu_lora, deterministic).
 extern "C" __global__ void sum_parts_f32(const float* part, float* out, int P, long n) {
     const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
