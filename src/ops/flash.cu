@@ -163,41 +163,31 @@ __device__ __forceinline__ bool fl_ok(int i, int j, int T, int window, unsigned 
 
 // acc [16 × D] += P · tile: P the 16 × R product held as C fragments c[R / 8] (two side by
 // side are one A fragment), tile [R][D + 8] in shared memory (rows on P's k side).
-// acc [16 × W] += P · tile's columns cA + [0, W/2) and cA + D/2 + [0, W/2) (the accumulator's
-// halves: W = D, cA = 0 is every column in order; W = D/2 a pair of halves RoPE rotates together).
-template<int D, int W, int R>
-__device__ __forceinline__ void fl_acc_ptile_cols(float (*acc)[4], float (*c)[4], unsigned tile, int cA,
-                                                  int l) {
-    static_assert(W % 32 == 0, "each half is whole 16-column fragments");
+template<int D, int R>
+__device__ __forceinline__ void fl_acc_ptile(float (*acc)[4], float (*c)[4], unsigned tile, int l) {
 #pragma unroll
     for (int j = 0; j < R / 16; ++j) {
         unsigned a[4];
         fl_a_from_c(a, c[2 * j], c[2 * j + 1]);
 #pragma unroll
-        for (int n = 0; n < W / 8; n += 2) {
-            const int col = n < W / 16 ? cA + n * 8 : cA + D / 2 + (n - W / 16) * 8;
+        for (int n = 0; n < D / 8; n += 2) {
             unsigned bb[4];
-            fl_bfrag2n(bb, tile, D + 8, j * 16, col, l);
+            fl_bfrag2n(bb, tile, D + 8, j * 16, n * 8, l);
             fl_mma(acc[n], a, bb[0], bb[1]);
             fl_mma(acc[n + 1], a, bb[2], bb[3]);
         }
     }
-}
-template<int D, int R>
-__device__ __forceinline__ void fl_acc_ptile(float (*acc)[4], float (*c)[4], unsigned tile, int l) {
-    fl_acc_ptile_cols<D, D, R>(acc, c, tile, 0, l);
 }
 
 // Stores this warp's 16 × D accumulator tile (rows i0 and i0 + 8 of a [T, D] slab at out, row
 // stride st) times `scale`, rotated back by RoPE's angle (−θ, its backward) when rc is given
 // (cos and sin rows [T, D/2] of this batch row): column col and its partner col + D/2 are
 // acc[n] and acc[n + D/16] of the same thread, so the rotation needs no exchange.
-// fl_store_rows_cols: the W columns cA + [0, W/2) and cA + D/2 + [0, W/2) (fl_acc_ptile_cols).
-template<int D, int W>
-__device__ __forceinline__ void fl_store_rows_cols(bf16_t* out, long st, const float (*acc)[4], int i0,
-                                                   int T, float scale, const float* rc, const float* rs,
-                                                   int c, int cA) {
-    constexpr int DN = W / 8, H2 = D / 2;
+template<int D>
+__device__ __forceinline__ void fl_store_rows(bf16_t* out, long st, const float (*acc)[4], int i0,
+                                              int T, float scale, const float* rc, const float* rs,
+                                              int c) {
+    constexpr int DN = D / 8, H2 = D / 2;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int i = i0 + 8 * r;
@@ -208,7 +198,7 @@ __device__ __forceinline__ void fl_store_rows_cols(bf16_t* out, long st, const f
             const float* sr = rs + (long)i * H2;
 #pragma unroll
             for (int n = 0; n < DN / 2; ++n) {
-                const int col = cA + n * 8 + 2 * c;
+                const int col = n * 8 + 2 * c;
                 const float2 cv = *(const float2*)(cr + col), sv = *(const float2*)(sr + col);
                 const float a0 = acc[n][2 * r] * scale, a1 = acc[n][2 * r + 1] * scale;
                 const float b0 = acc[n + DN / 2][2 * r] * scale, b1 = acc[n + DN / 2][2 * r + 1] * scale;
@@ -218,17 +208,11 @@ __device__ __forceinline__ void fl_store_rows_cols(bf16_t* out, long st, const f
         } else {
 #pragma unroll
             for (int n = 0; n < DN; ++n) {
-                const int col = (n < DN / 2 ? cA + n * 8 : cA + H2 + (n - DN / 2) * 8) + 2 * c;
+                const int col = n * 8 + 2 * c;
                 *(unsigned*)(row + col) = fl_pack(acc[n][2 * r] * scale, acc[n][2 * r + 1] * scale);
             }
         }
     }
-}
-template<int D>
-__device__ __forceinline__ void fl_store_rows(bf16_t* out, long st, const float (*acc)[4], int i0,
-                                              int T, float scale, const float* rc, const float* rs,
-                                              int c) {
-    fl_store_rows_cols<D, D>(out, st, acc, i0, T, scale, rc, rs, c, 0);
 }
 
 // The example id of token i of row b, 0 without segments (ids past T read the last one; those
