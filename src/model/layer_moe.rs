@@ -24,7 +24,7 @@ use super::family::MoeSpec;
 use super::layer::Layer;
 use super::layer_train::LayerGrads;
 use super::llama::Ctx;
-use super::router::{route, route_bwd};
+use super::router::{route, route_bwd, Routing};
 use crate::lora::Lora;
 use crate::ops::grouped_mm::{grouped_linear, grouped_tn};
 use crate::ops::{self, glu::Act, moe_rows};
@@ -196,21 +196,16 @@ impl Moe {
             }
             None => (parts, None),
         };
-        let mut parts = parts.into_iter();
-        let (Some(gate), Some(up)) = (parts.next(), parts.next()) else {
-            candle_core::bail!("gate_up: two halves");
-        };
+        let [gate, up] = parts_of::<2>(parts)?;
         let a = Act::Silu.glu(&gate, &up)?;
         let y = grouped_linear(&a, &self.down, counts, true, 1.0, None)?; // [P, C]
         let (y, xa_down) = match down_ad {
             Some(p) => {
                 let (ys, xa) = p.add(&a, vec![y], counts)?;
-                (ys.into_iter().next(), Some(xa))
+                let [y] = parts_of::<1>(ys)?;
+                (y, Some(xa))
             }
-            None => (Some(y), None),
-        };
-        let Some(y) = y else {
-            candle_core::bail!("down: one output");
+            None => (y, None),
         };
         let acts = ExpertActs {
             gate,
@@ -263,11 +258,7 @@ impl Moe {
 
     /// `forward`, with its routing; with `graph` autograd's graph reaches the adapters, else
     /// (training's forward, whose backward is `backward`) nothing is recorded.
-    pub fn forward_routed(
-        &self,
-        hn: &Tensor,
-        graph: bool,
-    ) -> Result<(Tensor, super::router::Routing)> {
+    pub fn forward_routed(&self, hn: &Tensor, graph: bool) -> Result<(Tensor, Routing)> {
         let (dt, experts) = (hn.dtype(), self.spec.experts);
         let r = route(hn, &self.router, self.spec)?;
         let gu_ad = PerExpert::of(&self.gate_up_lora, experts, dt, graph)?;
@@ -352,6 +343,14 @@ impl Moe {
         let dlogits = route_bwd(&r, &dw, self.spec.norm_topk, aux)?; // [m, E]
         dhn + dlogits.to_dtype(dt)?.matmul(&self.router)?
     }
+}
+
+/// `PerExpert::add`'s outputs, as many as the parts it was given.
+fn parts_of<const N: usize>(parts: Vec<Tensor>) -> Result<[Tensor; N]> {
+    let n = parts.len();
+    parts
+        .try_into()
+        .map_err(|_| candle_core::Error::Msg(format!("{n} parts where {N} were made")))
 }
 
 /// An expert adapter's gradients (dA [E, r, in], dB [E, out, r]) as PEFT lays the parameter
