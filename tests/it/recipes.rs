@@ -8,21 +8,25 @@ use crate::loopback::{hub_command, Repo, Server};
 use assert_cmd::Command;
 
 /// The Hub models the recipes name, and their config.json fixtures.
-const MODELS: [(&str, &str); 4] = [
+const MODELS: [(&str, &str); 6] = [
     ("meta-llama/Llama-2-7b-hf", "llama2-7b"),
     ("meta-llama/Llama-3.1-8B-Instruct", "llama3.1-8b-instruct"),
     ("Qwen/Qwen2.5-7B", "qwen2.5-7b"),
     ("mistralai/Mistral-7B-v0.3", "mistral-7b-v0.3"),
+    ("Qwen/Qwen3-8B", "qwen3-8b"),
+    ("Qwen/Qwen3-30B-A3B", "qwen3-30b-a3b"),
 ];
 
 /// The recipes for real models (the others train the tiny model we ship).
-const REAL: [&str; 6] = [
+const REAL: [&str; 8] = [
     "llama7b.toml",
     "llama7b-qlora.toml",
     "llama7b-fsdp4.toml",
     "llama3-8b-chat.toml",
     "qwen2.5-7b.toml",
     "mistral-7b.toml",
+    "qwen3-8b.toml",
+    "qwen3-30b-a3b.toml",
 ];
 
 fn bin(hf: &std::path::Path, endpoint: &str) -> Command {
