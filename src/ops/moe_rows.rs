@@ -99,6 +99,21 @@ mod cuda {
         }
     }
 
+    /// A fresh contiguous tensor and its address.
+    ///
+    /// # Safety
+    /// Every element must be written (by the caller's kernel) before any is read.
+    unsafe fn fresh(
+        dev: &CudaDevice,
+        dt: DType,
+        shape: impl Into<candle_core::Shape>,
+    ) -> Result<Option<(Tensor, u64)>> {
+        let Some(t) = uninit(dev, dt, shape)? else {
+            return Ok(None);
+        };
+        Ok(addr(&t)?.map(|p| (t, p)))
+    }
+
     /// One block per output row, a thread per 16 bytes of it (up to 256).
     fn per_row(rows: usize, cols: i32) -> Result<LaunchConfig> {
         let Ok(rows) = u32::try_from(rows) else {
@@ -118,10 +133,7 @@ mod cuda {
         };
         let rows = idx.dim(0)?;
         // SAFETY: the kernel writes every row whole.
-        let Some(out) = (unsafe { uninit(&dev, DType::BF16, (rows, src.dim(1)?))? }) else {
-            return Ok(None);
-        };
-        let Some(op) = addr(&out)? else {
+        let Some((out, op)) = (unsafe { fresh(&dev, DType::BF16, (rows, src.dim(1)?))? }) else {
             return Ok(None);
         };
         let func = function(&dev, "moe_gather_bf16")?;
@@ -153,10 +165,7 @@ mod cuda {
             return Ok(None);
         };
         // SAFETY: the kernel writes every row whole.
-        let Some(out) = (unsafe { uninit(&dev, DType::BF16, (m, y.dim(1)?))? }) else {
-            return Ok(None);
-        };
-        let Some(op) = addr(&out)? else {
+        let Some((out, op)) = (unsafe { fresh(&dev, DType::BF16, (m, y.dim(1)?))? }) else {
             return Ok(None);
         };
         let wp = p.get(2).copied().unwrap_or(0); // null: weights of 1
@@ -192,15 +201,12 @@ mod cuda {
             return Ok(None);
         }
         // SAFETY: the kernel writes every row of gy whole and every dw.
-        let (Some(gy), Some(dw)) = (unsafe {
+        let (Some((gy, gyp)), Some((dw, dwp))) = (unsafe {
             (
-                uninit(&dev, DType::BF16, (rows, y.dim(1)?))?,
-                uninit(&dev, DType::F32, rows)?,
+                fresh(&dev, DType::BF16, (rows, y.dim(1)?))?,
+                fresh(&dev, DType::F32, rows)?,
             )
         }) else {
-            return Ok(None);
-        };
-        let (Some(gyp), Some(dwp)) = (addr(&gy)?, addr(&dw)?) else {
             return Ok(None);
         };
         let func = function(&dev, "moe_scatter_grad_bf16")?;
