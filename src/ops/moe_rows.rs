@@ -73,19 +73,21 @@ mod cuda {
         rows: &[&Tensor],
         others: [(&Tensor, DType); N],
     ) -> Result<Option<(CudaDevice, i32, Vec<u64>)>> {
-        let Device::Cuda(dev) = rows[0].device() else {
+        let Some(first) = rows.first() else {
             return Ok(None);
         };
-        let cols = rows[0].dim(1)?;
+        let (Device::Cuda(dev), Ok((_, cols))) = (first.device(), first.dims2()) else {
+            return Ok(None);
+        };
         let mut ptrs = Vec::new();
         for t in rows {
-            if t.dtype() != DType::BF16 || t.rank() != 2 || t.dim(1)? != cols {
+            if t.dtype() != DType::BF16 || !matches!(t.dims2(), Ok((_, c)) if c == cols) {
                 return Ok(None);
             }
         }
         let all = rows.iter().map(|t| (*t, DType::BF16)).chain(others);
         for (t, dt) in all {
-            if t.dtype() != dt || !t.device().same_device(rows[0].device()) {
+            if t.dtype() != dt || !t.device().same_device(first.device()) {
                 return Ok(None);
             }
             match addr(t)? {
