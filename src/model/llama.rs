@@ -629,7 +629,8 @@ impl Model {
         let norm = self.cfg.norm_spec();
         let hn = ops::rms_norm(x, &self.norm, norm)?; // [n, C]
         let logits = ops::frozen_linear(&hn, &self.lm_head, None)?; // [n, V]
-                                                                    // Gemma 2: the CE of the capped logits, its gradient back through the cap
+
+        // Gemma 2: the CE of the capped logits, its gradient back through the cap
         let (ce_rows, dl) = ops::cross_entropy::cross_entropy_fwd_bwd(
             &logits,
             targets,

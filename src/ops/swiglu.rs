@@ -238,8 +238,8 @@ pub(super) mod cuda {
         }))
     }
 
-    /// The gated activation of bf16 g, u [.., d] (`kernel`: swiglu.cu's or geglu.cu's
-    /// `*_pad_v8_bf16`, one signature) into the first d columns of a fresh [rows, d + pad] (d
+    /// The gated activation of bf16 g, u [.., d] (`kernel`: geglu.cu's `swiglu_pad_v8_bf16` or
+    /// `geglu_pad_v8_bf16`, one signature) into the first d columns of a fresh [rows, d + pad] (d
     /// and pad multiples of 8); the pad columns are left unset for the caller (`ops::fold`).
     pub fn glu_pad(
         kernel: &str,
