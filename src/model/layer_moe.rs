@@ -266,41 +266,13 @@ impl Moe {
         let ads = (gu_ad.as_ref(), down_ad.as_ref());
         let xs = moe_rows::gather(hn, &r.tokens)?; // [P, C] grouped by expert
         let w = r.weights.flatten_all()?.index_select(&r.order, 0)?; // [P] f32
-        let y = match graph {
-            true => self.experts_graph(&xs, &r.counts, ads)?,
-            false => self.experts_fwd(&xs, &r.counts, ads)?.0,
-        };
+                                                                     // with `graph` the adapters' Vars reach y through the grouped ops' candle path
+        let (y, _) = self.experts_fwd(&xs, &r.counts, ads)?;
         drop(xs);
         Ok((
             moe_rows::combine(&y, &r.slots, Some(&w), self.spec.top_k)?,
             r,
         ))
-    }
-
-    /// The experts' forward as autograd ops, one expert at a time (the reference graph:
-    /// grouped GEMMs record nothing): y [P, C] before the routing weights.
-    fn experts_graph(&self, xs: &Tensor, counts: &[usize], (gu, down): Adapters) -> Result<Tensor> {
-        let lin = |x: &Tensor, w: &Tensor, ad: Option<&PerExpert>, e: usize| -> Result<Tensor> {
-            let y = x.matmul(&w.t()?)?;
-            match ad {
-                Some(p) => {
-                    let xa = (x.matmul(&p.a.get(e)?.t()?)? * p.scale)?;
-                    y + xa.matmul(&p.b.get(e)?.t()?)?
-                }
-                None => Ok(y),
-            }
-        };
-        let i = self.spec.inter;
-        let mut ys = Vec::with_capacity(counts.len());
-        let mut off = 0;
-        for (e, &n) in counts.iter().enumerate().filter(|(_, &n)| n > 0) {
-            let x = xs.narrow(0, off, n)?;
-            off += n;
-            let gu = lin(&x, &self.gate_up.get(e)?, gu, e)?; // [n, 2I]
-            let a = Act::Silu.glu(&gu.narrow(1, 0, i)?, &gu.narrow(1, i, i)?)?;
-            ys.push(lin(&a, &self.down.get(e)?, down, e)?);
-        }
-        Tensor::cat(&ys, 0)
     }
 
     /// The backward of `forward` for g = dL/d(its output) [m, C]: dL/dhn [m, C], through the

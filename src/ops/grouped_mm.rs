@@ -2,7 +2,8 @@
 //! (`counts[e]` rows of expert e, in expert order, as `model::router::Routing` lays them out),
 //! each group multiplied by its own expert's matrix. On CUDA every expert is one problem of a
 //! single cublasGemmGroupedBatchedEx call: one launch for all experts, no padding to the
-//! busiest one. Elsewhere (and for operands cuBLAS cannot take) it is one GEMM per expert.
+//! busiest one. Elsewhere (and for operands cuBLAS cannot take, or that record autograd's
+//! graph: the reference forward) it is one GEMM per expert, in candle's differentiable ops.
 //!
 //! Shapes: E experts, P = Σ counts rows.
 
@@ -10,8 +11,8 @@ use candle_core::{bail, Result, Tensor};
 
 /// For each expert's rows x_e of x [P, k]: α · x_e W_eᵀ (`trans_w`, W [E, n, k]) or α · x_e W_e
 /// (W [E, k, n]), plus the same rows of `acc` [P, n] where given (on CUDA written in place:
-/// a fresh result nothing else holds). → [P, n]. No graph. W's matrices may lie apart (a
-/// narrow of a stack along its rows: gate_up's gate half).
+/// a fresh result nothing else holds). → [P, n]. W's matrices may lie apart (a narrow of a
+/// stack along its rows: gate_up's gate half).
 pub fn grouped_linear(
     x: &Tensor,
     w: &Tensor,
@@ -36,8 +37,10 @@ pub fn grouped_linear(
         }
     }
     #[cfg(feature = "cuda")]
-    if let Some(y) = cuda::linear(x, w, counts, trans_w, alpha, acc.as_ref())? {
-        return Ok(y);
+    if !records(&[Some(x), Some(w), acc.as_ref()]) {
+        if let Some(y) = cuda::linear(x, w, counts, trans_w, alpha, acc.as_ref())? {
+            return Ok(y);
+        }
     }
     let mut ys = Vec::with_capacity(e);
     let mut off = 0;
@@ -61,7 +64,7 @@ pub fn grouped_linear(
 }
 
 /// For each expert's rows p_e of p [P, m] and q_e of q [P, n]: α · p_eᵀ q_e → [E, m, n] in p's
-/// dtype, zeros for an expert with no rows (the experts' adapter gradients). No graph.
+/// dtype, zeros for an expert with no rows (the experts' adapter gradients).
 pub fn grouped_tn(p: &Tensor, q: &Tensor, counts: &[usize], alpha: f64) -> Result<Tensor> {
     let ((rows, m), (qrows, n)) = (p.dims2()?, q.dims2()?);
     check(counts, counts.len(), rows)?;
@@ -73,8 +76,10 @@ pub fn grouped_tn(p: &Tensor, q: &Tensor, counts: &[usize], alpha: f64) -> Resul
         );
     }
     #[cfg(feature = "cuda")]
-    if let Some(y) = cuda::tn(p, q, counts, alpha)? {
-        return Ok(y);
+    if !records(&[Some(p), Some(q)]) {
+        if let Some(y) = cuda::tn(p, q, counts, alpha)? {
+            return Ok(y);
+        }
     }
     let mut outs = Vec::with_capacity(counts.len());
     let mut off = 0;
@@ -95,6 +100,12 @@ pub fn grouped_tn(p: &Tensor, q: &Tensor, counts: &[usize], alpha: f64) -> Resul
         off += r;
     }
     Tensor::stack(&outs, 0)
+}
+
+/// Whether any of these records autograd's graph (cuBLAS's products would drop it).
+#[cfg(feature = "cuda")]
+fn records(ts: &[Option<&Tensor>]) -> bool {
+    ts.iter().flatten().any(|t| t.track_op())
 }
 
 /// The counts must name every expert and cover every row.

@@ -142,7 +142,7 @@ fn first_layer_backward_without_input_grad_keeps_every_gradient() {
 
 /// The reference of the hand-written pair: autograd through `Layer::forward` from x as a leaf,
 /// L = Σ y ⊙ g in f32 → (the leaf, y, the gradients).
-fn autograd_reference(
+pub(crate) fn autograd_reference(
     layer: &lora_train::model::Layer,
     x: &Tensor,
     g: &Tensor,

@@ -66,6 +66,46 @@ fn a_step_s_gradients_hold_no_graph() {
     }
 }
 
+/// The reference forward (autograd through `Layer::forward`, the experts' grouped products
+/// on candle's path because their inputs record the graph) against the hand-written MoE
+/// layer: the output, dL/dx, and every adapter's gradients, the attention's and the
+/// experts'.
+#[test]
+fn hand_written_moe_layer_backward_equals_autograd() {
+    let (_t, s) = session("qwen3_moe", &[]);
+    let m = &s.model;
+    let batch = s.batch(&[vec![0], vec![2]]);
+    let ctx = m
+        .ctx(&batch.positions, batch.b, batch.t, None, None)
+        .unwrap();
+    let ids = Tensor::from_slice(&batch.ids, (batch.b, batch.t), &m.device).unwrap();
+    // the second layer, so that its input is not an embedding
+    let x = m.layers[0]
+        .forward(&m.embed(&ids).unwrap(), &ctx)
+        .unwrap()
+        .detach();
+    let layer = &m.layers[1];
+    let g = Tensor::randn(0f32, 1.0, x.shape(), &m.device).unwrap();
+    let (xv, y_ref, gs) = crate::invariants::autograd_reference(layer, &x, &g, &ctx);
+    let (y, acts) = layer.forward_train(&x, &ctx, true).unwrap();
+    assert_close("moe y", &y, &y_ref, 1e-5, 1e-6);
+    let (dx, grads) = layer.backward(acts.unwrap(), &g, &ctx).unwrap();
+    assert_close("moe dx", &dx, gs.get(xv.as_tensor()).unwrap(), 1e-5, 1e-6);
+    let adapters = layer.adapters();
+    assert!(
+        adapters.iter().any(|(name, _)| name.contains("experts")),
+        "the experts must carry adapters"
+    );
+    assert_eq!(grads.len(), 2 * adapters.len(), "one dA and one dB each");
+    for (name, lora) in adapters {
+        for (w, var) in [("A", &lora.a), ("B", &lora.b)] {
+            let ours = &grads.iter().find(|(id, _)| *id == var.id()).unwrap().1;
+            let want = gs.get(var.as_tensor()).unwrap();
+            assert_close(&format!("moe {name} d{w}"), ours, want, 1e-5, 1e-6);
+        }
+    }
+}
+
 /// A MoE layer keeps x, q, k, v, attention output, lse, its residual h and the attention
 /// adapters' states (no expert activation): `kept_per_token_layer`'s bytes exactly; the
 /// plan's adapter parameters are the model's, experts' included.
