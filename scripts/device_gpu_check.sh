@@ -28,7 +28,8 @@
 #         both checkpointed; FAMB_SHAPES picks shapes; FAMB_EXP=name also runs ours with
 #         LORA_TRAIN_EXPERIMENTS=name (tagged with it); FAMB_DEFAULT=0 skips ours without it.
 #         Not in the default set.
-# ckpt8b: Llama-3-8B shape, seq 4096, mb2, r16 all linear: `bench --ckpt mlp`, `--ckpt` and
+# ckpt8b: Llama-3-8B shape, seq 4096, mb2, r16 all linear: `bench --ckpt mlp` (gate and up
+#         parked in host memory), the same recomputing them (--offload false), `--ckpt` and
 #         neither, beside scripts/bench_peft.py --ckpt (and --liger) -> $OUT/ckpt8b.jsonl.
 #         Not in the default set.
 # bf16err: scripts/peft_bf16_error.py (PEFT's own bf16 error on the golden cases, BF16ERR_CASES
@@ -332,11 +333,12 @@ PY
 fi
 
 # ckpt8b: #24's checkpointed point, Llama-3-8B shape, seq 4096, mb2, r16 all linear: ours with
-# the MLP half recomputed (--ckpt mlp), the whole layer (--ckpt) and nothing, beside
-# scripts/bench_peft.py --ckpt and --ckpt --liger -> $OUT/ckpt8b.jsonl.
+# the MLP half checkpointed (--ckpt mlp: gate and up parked; with --offload false recomputed),
+# the whole layer (--ckpt) and nothing, beside scripts/bench_peft.py --ckpt and --ckpt --liger
+# -> $OUT/ckpt8b.jsonl.
 if [[ $what == *" ckpt8b "* ]]; then
   B="--shape llama3-8b --seq 4096 --rank 16 --targets all --steps ${STEPS:-10} --warmup 3"
-  for ck in "--ckpt mlp" "--ckpt" ""; do
+  for ck in "--ckpt mlp" "--ckpt mlp --offload false" "--ckpt" ""; do
     echo "== lora-train $ck"
     timeout 200 $E .devbuild/lora-train bench $B --micro-batch 2 $ck --json "$OUT/ckpt8b.jsonl" 2>&1 \
       | tail -1 | cut -c1-400
@@ -354,7 +356,7 @@ peers = {r["system"]: r for r in rows if r.get("system", "").startswith("transfo
 for r in rows:
     if r.get("system", "").startswith("transformers"):
         continue
-    line = f"ours ckpt={r.get('ckpt')}: {r['tokens_per_s']:.0f} tok/s, {r.get('peak_alloc_gib')} GiB, loss {r.get('final_loss')}"
+    line = f"ours ckpt={r.get('ckpt')} offload={r.get('offload')}: {r['tokens_per_s']:.0f} tok/s, {r.get('peak_alloc_gib')} GiB, loss {r.get('final_loss')}"
     for name, p in peers.items():
         line += f"; / {name} {p['tokens_per_s']:.0f} ({p.get('peak_alloc_gib')} GiB) = {r['tokens_per_s'] / p['tokens_per_s']:.3f}x"
     print(line)

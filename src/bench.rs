@@ -314,7 +314,9 @@ fn run_rank(a: &BenchArgs, device: Device, comm: &dyn Comm) -> Result<serde_json
     };
     let capacity = a.max_memory.or(ballast.as_ref().map(|b| b.total));
     let mut meter = memory::PhaseMeter::default();
-    let res = measure(a, &kernels, comm, &mut meter);
+    // Pairs of parked gate and up in flight (ckpt mlp) as the plan fits them in max_memory.
+    let park = plan::row(&p, sel.0, sel.1).map(|r| r.b.park_pending);
+    let res = measure(a, &kernels, comm, &mut meter, park);
     drop(ballast);
     match res {
         Err(e) if memory::is_oom(&e) => {
@@ -344,6 +346,7 @@ fn measure(
     kernels: &crate::ops::Kernels,
     comm: &dyn Comm,
     meter: &mut memory::PhaseMeter,
+    park: Option<usize>,
 ) -> Result<serde_json::Value> {
     let (rank, world) = (comm.rank(), comm.world());
     let cfg = config_of(a)?;
@@ -402,7 +405,7 @@ fn measure(
     };
     // Every row counts t − pack targets: the step's denominator over all ranks.
     let denom = world * accum * b * workload::targets_per_row(t, a.pack);
-    let keep = Keep::new(a.ckpt, a.offload, &a.device);
+    let keep = Keep::new(a.ckpt, a.offload, &a.device).with_park(park);
     let dropout_seed = (a.dropout > 0.0).then_some(0);
     let mut engine = Engine::new(&model, comm, shards.as_ref(), keep, 1.0, dropout_seed);
     let par = crate::train::driver::Par {
@@ -544,6 +547,11 @@ fn measure(
     } else {
         "blockwise-lse"
     };
+    // pairs of parked gate and up in flight (ckpt mlp; 0: none parked)
+    let park_pending = match keep {
+        Keep::ParkMlp { pending, .. } => pending,
+        _ => 0,
+    };
     let mut out = serde_json::json!({
         "system": "lora-train", "mode": strategy, "strategy": strategy, "world": world,
         "grad_accum": accum, "global_batch": world * accum * b,
@@ -570,6 +578,7 @@ fn measure(
         "flops_per_token": fpt, "work_flops_per_token": work.flops_per_token(),
     });
     let r3 = |x: f64| (x * 1e3).round() / 1e3;
+    out["park_pending"] = park_pending.into();
     out["host_queue_s"] = ((queue_s / a.steps as f64 * 1e4).round() / 1e4).into();
     out["save_start_s"] = r3(save_s.get()).into();
     out["save_final_wait_s"] = r3(save_wait_s.get()).into();

@@ -44,8 +44,9 @@ pub(super) fn row_chunks(m: usize, n: usize) -> Vec<(usize, usize)> {
 
 /// What the MLP half's forward keeps for its backward.
 pub(super) struct MlpActs {
-    gate: Tensor,       // [m, I] before the activation
-    up: Tensor,         // [m, I]
+    /// gate [m, I] before the activation, and up [m, I]; None while parked in host memory
+    /// (train/offload.rs).
+    gate_up: Option<[Tensor; 2]>,
     mo: Option<Tensor>, // [m, C] down_proj's output, before Gemma's norm on it
     /// gate's and up's (or gate_up's) adapter states s·(m⊙x)Aᵀ [m, r], then down's.
     xas: Vec<Option<Tensor>>,
@@ -54,20 +55,34 @@ pub(super) struct MlpActs {
 
 impl MlpActs {
     pub(super) fn tensors(&self) -> impl Iterator<Item = &Tensor> {
-        [&self.gate, &self.up]
-            .into_iter()
+        self.gate_up
+            .iter()
+            .flatten()
             .chain(&self.mo)
             .chain(self.xas.iter().flatten())
             .chain(&self.xd)
+    }
+
+    /// gate and up out of the activations, to be parked (`put_gate_up` puts them back).
+    pub(super) fn take_gate_up(&mut self) -> Option<[Tensor; 2]> {
+        self.gate_up.take()
+    }
+
+    /// Puts back what `take_gate_up` took (the same values).
+    pub(super) fn put_gate_up(&mut self, gate_up: [Tensor; 2]) {
+        self.gate_up = Some(gate_up);
     }
 
     /// Rows r..r+n of every tensor (views).
     fn rows(&self, r: usize, n: usize) -> Result<MlpActs> {
         let rows = |t: &Tensor| t.narrow(0, r, n);
         let opt = |t: &Option<Tensor>| t.as_ref().map(rows).transpose();
+        let gate_up = match &self.gate_up {
+            Some([g, u]) => Some([rows(g)?, rows(u)?]),
+            None => None,
+        };
         Ok(MlpActs {
-            gate: rows(&self.gate)?,
-            up: rows(&self.up)?,
+            gate_up,
             mo: opt(&self.mo)?,
             xas: self.xas.iter().map(opt).collect::<Result<_>>()?,
             xd: opt(&self.xd)?,
@@ -175,8 +190,7 @@ impl Layer {
             (None, self.down()?.adapter_fwd(&a, ctx)?, None)
         };
         let acts = keep.then_some(MlpActs {
-            gate,
-            up,
+            gate_up: Some([gate, up]),
             mo,
             xas,
             xd,
@@ -215,11 +229,14 @@ impl Layer {
             (Some(_), None) => candle_core::bail!("backward: down's output was not kept"),
         };
         let xd = acts.xd.take();
+        let Some([gate, up]) = &acts.gate_up else {
+            candle_core::bail!("backward: the MLP's gate and up were parked and not put back");
+        };
         let down_l = self.down()?;
         // Folded, down's backward and the activation's are one GEMM and one pass (ops::fold).
         // Else down's dL/da needs no a; a is recomputed in the activation's backward pass
         // (over da's buffer) for down's adapter gradient alone.
-        let down = down_l.bwd_glu_folded(s.act, &dmo, &acts.gate, &acts.up, xd.as_ref(), ctx)?;
+        let down = down_l.bwd_glu_folded(s.act, &dmo, gate, up, xd.as_ref(), ctx)?;
         match down {
             Some((dgate, dup, g)) => {
                 add_grad(grads, down_l, g)?;
@@ -227,7 +244,7 @@ impl Layer {
             }
             None => {
                 let (da, half) = down_l.bwd_dx(&dmo, ctx, None)?; // [m, I]
-                let (dgate, dup, a) = s.act.glu_bwd_keep(&acts.gate, &acts.up, da)?;
+                let (dgate, dup, a) = s.act.glu_bwd_keep(gate, up, da)?;
                 let g = down_l.bwd_grads(&a, &dmo, half, xd.as_ref(), ctx)?;
                 add_grad(grads, down_l, g)?;
                 Ok((dgate, dup))
@@ -298,8 +315,8 @@ impl Layer {
         h_of: impl FnOnce() -> Result<(Tensor, Tensor)>,
     ) -> Result<Tensor> {
         let dgu = self.mlp_bwd_down(&mut acts, dy, ctx, grads)?;
-        let MlpActs { gate, up, xas, .. } = acts;
-        drop((gate, up));
+        let MlpActs { gate_up, xas, .. } = acts;
+        drop(gate_up);
         let (hres, hn) = h_of()?;
         self.mlp_bwd_in(&hres, hn, dgu, &xas, dy, ctx, grads)
     }

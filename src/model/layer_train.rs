@@ -15,6 +15,8 @@
 //!         on the device it would cost 1 GiB over 32 layers at 7B, micro-batch 2 × 2048) or
 //!         drops it; without it backward recomputes it from o_proj's kept adapter state, one
 //!         GEMM of the layer's seven (or, with Gemma's output norm, from o_proj's kept output)
+//!   gate and up [m, I] each: with the MLP half checkpointed the driver may take them out
+//!         (`LayerActs::take_gate_up`) and park them in host memory instead of recomputing them
 //!
 //! The adapters' forward of q, k, v, gate, up and down runs inside their frozen GEMMs where
 //! the model is folded (ops::fold): RMSNorm and SwiGLU then write padded rows.
@@ -102,6 +104,22 @@ impl LayerActs {
     pub fn put_h(&mut self, h: Tensor) {
         self.h = Some(h);
     }
+
+    /// The MLP's gate and up [m, I] each out of the activations, to be parked until the
+    /// layer's backward (`put_gate_up` puts them back). None where the MLP half was not kept.
+    pub fn take_gate_up(&mut self) -> Option<Vec<Tensor>> {
+        let pair = self.mlp.as_mut()?.take_gate_up()?;
+        Some(pair.into())
+    }
+
+    /// Puts back what `take_gate_up` took (the same values).
+    pub fn put_gate_up(&mut self, gate_up: Vec<Tensor>) -> Result<()> {
+        let (Some(mlp), Ok(pair)) = (self.mlp.as_mut(), <[Tensor; 2]>::try_from(gate_up)) else {
+            candle_core::bail!("backward: gate and up put back into a layer without them");
+        };
+        mlp.put_gate_up(pair);
+        Ok(())
+    }
 }
 
 /// A layer's adapter gradients: (var, dL/dvar f32).
@@ -134,6 +152,13 @@ impl Layer {
             (Some(y), acts) => Ok((y, acts)),
             (None, _) => candle_core::bail!("forward_train: no output"),
         }
+    }
+
+    /// Whether the MLP half over `m` tokens runs whole (dense, not in chunks): what
+    /// `Retain::All` keeps of it is then gate and up over all m tokens, which the driver may
+    /// park in host memory.
+    pub fn mlp_runs_whole(&self, ctx: &Ctx, m: usize) -> bool {
+        self.moe.is_none() && self.mlp_chunk(ctx, m).is_none()
     }
 
     /// What `backward` needs of a checkpointed layer, recomputed from its input x [B, T, C]:

@@ -10,7 +10,9 @@
 //! With activation checkpointing, forward keeps only each layer's input [B, T, C]; backward
 //! recomputes the layer from it (dropout masks are keyed, so identical). Without it, each
 //! layer's residual h is parked in host memory until its backward (`Keep::Offload`, the
-//! default on CUDA: train/offload.rs) or dropped and recomputed there (`Keep::Acts`).
+//! default on CUDA: train/offload.rs) or dropped and recomputed there (`Keep::Acts`). With the
+//! MLP half checkpointed, its gate and up are parked instead of recomputed (`Keep::ParkMlp`,
+//! the default on CUDA) but in the last few layers.
 //!
 //! Several ranks (`Par`): under FSDP each layer's frozen base is all-gathered just before its
 //! forward and again before its backward (and recompute), and dropped after use; the next
@@ -52,7 +54,24 @@ pub enum Keep {
     /// The attention half's activations and the residual h; backward recomputes the MLP half
     /// from h (`activation_checkpointing = "mlp"`).
     Attention,
+    /// As `Attention`, but the MLP half's activations are kept too, its gate and up [m, I]
+    /// parked in host memory (train/offload.rs) until the layer's backward, which then skips
+    /// the MLP's recompute; the last `tail` layers (and any whose MLP runs in chunks, or a
+    /// MoE's) recompute theirs, as under `Attention`, while the copies out of the layers
+    /// below drain (`activation_checkpointing = "mlp"` on CUDA). Up to `pending` pairs wait on
+    /// the device for their copies out.
+    ParkMlp { tail: usize, pending: usize },
 }
+
+/// Layers at the top whose MLP half is recomputed under `Keep::ParkMlp`: their backward comes
+/// first, and the copies of the layers below are still going out then (a PCIe 5 link moves a
+/// Llama-3-8B layer's gate and up in ~8.5 ms, its forward takes ~7 ms: the copies fall behind
+/// by ~5 layers over a forward; the recompute of 3 layers' MLP and the head make up for it).
+pub const PARK_TAIL: usize = 3;
+
+/// Bundles of gate and up on the device at once while their copies out run
+/// (`Keep::ParkMlp`): parking another first waits for the oldest copy.
+pub const PARK_PENDING: usize = 6;
 
 impl Keep {
     /// From the recipe's `train.activation_checkpointing` and `train.offload_activations`
@@ -63,9 +82,24 @@ impl Keep {
         match (checkpointing, offload && dev.is_cuda()) {
             (Checkpointing::Full, true) => Keep::InputParked,
             (Checkpointing::Full, false) => Keep::Input,
-            (Checkpointing::Mlp, _) => Keep::Attention,
+            (Checkpointing::Mlp, true) => Keep::ParkMlp {
+                tail: PARK_TAIL,
+                pending: PARK_PENDING,
+            },
+            (Checkpointing::Mlp, false) => Keep::Attention,
             (Checkpointing::Off, true) => Keep::Offload,
             (Checkpointing::Off, false) => Keep::Acts,
+        }
+    }
+
+    /// With the plan's pairs of parked gate and up in flight (`plan::Breakdown::
+    /// park_pending`, fitted to the run's memory): 0 recomputes the MLP half instead
+    /// (`Attention`); None keeps `self`.
+    pub fn with_park(self, pending: Option<usize>) -> Keep {
+        match (self, pending) {
+            (Keep::ParkMlp { .. }, Some(0)) => Keep::Attention,
+            (Keep::ParkMlp { tail, .. }, Some(pending)) => Keep::ParkMlp { tail, pending },
+            (keep, _) => keep,
         }
     }
 
@@ -74,18 +108,38 @@ impl Keep {
         matches!(self, Keep::Input | Keep::InputParked)
     }
 
-    /// What a layer's forward keeps.
+    /// What a layer's forward keeps (under `ParkMlp`, where its MLP half is not parked).
     pub fn retain(self) -> Retain {
         match self {
             Keep::Input | Keep::InputParked => Retain::Nothing,
-            Keep::Attention => Retain::Attention,
+            Keep::Attention | Keep::ParkMlp { .. } => Retain::Attention,
             Keep::Acts | Keep::Offload => Retain::All,
+        }
+    }
+
+    /// Whether layer `l` of `n_layers` parks its MLP's gate and up (its MLP half running
+    /// whole: `Layer::mlp_runs_whole`).
+    pub fn parks_mlp(self, l: usize, n_layers: usize) -> bool {
+        match self {
+            Keep::ParkMlp { tail, .. } => l + tail.max(1) < n_layers,
+            _ => false,
         }
     }
 
     /// Whether something waits for backward in host memory.
     pub fn parks(self) -> bool {
-        matches!(self, Keep::Offload | Keep::InputParked)
+        matches!(
+            self,
+            Keep::Offload | Keep::InputParked | Keep::ParkMlp { .. }
+        )
+    }
+
+    /// Bundles on the device at once while their copies out run (train/offload.rs).
+    fn pending(self) -> usize {
+        match self {
+            Keep::ParkMlp { pending, .. } => pending,
+            _ => 1,
+        }
     }
 }
 
@@ -181,8 +235,17 @@ enum Saved {
     Input(Tensor),
     /// Checkpointed, the input parked in host memory.
     Parked,
-    /// Kept: what the layer's backward needs.
-    Acts(LayerActs),
+    /// Kept: what the layer's backward needs, but what was parked in host memory.
+    Acts(LayerActs, Option<Bundle>),
+}
+
+/// What a layer whose activations are kept parked in host memory.
+#[derive(Clone, Copy)]
+enum Bundle {
+    /// The residual h [m, C].
+    H,
+    /// The MLP's gate and up [m, I] each.
+    GateUp,
 }
 
 /// Runs one micro-batch forward and backward on one rank; adds its adapter gradients into
@@ -340,9 +403,10 @@ fn forward(model: &Model, par: &Par, ctx: &Ctx, ids: &Tensor, keep: Keep) -> Res
     let mut saved = Vec::with_capacity(n_layers);
     let mut held = 0u64;
     let mut offload = match keep {
-        k if k.parks() => Some(Offload::new(dev, n_layers)?),
+        k if k.parks() => Some(Offload::new(dev, n_layers, k.pending())?),
         _ => None,
     };
+    let m = ids.elem_count();
     let mut next = (n_layers > 0).then(|| par.layer(model, 0)).transpose()?;
     let mut head = None;
     for l in 0..n_layers {
@@ -358,23 +422,45 @@ fn forward(model: &Model, par: &Par, ctx: &Ctx, ids: &Tensor, keep: Keep) -> Res
             head = par.io_ahead(model)?;
         }
         let layer = par.resident(model, layer)?; // (the next gather overlaps the dequant)
-        let (y, acts) = layer.forward_retain(&x, ctx, keep.retain())?;
+        let park_mlp = keep.parks_mlp(l, n_layers) && layer.mlp_runs_whole(ctx, m);
+        let retain = match park_mlp {
+            true => Retain::All,
+            false => keep.retain(),
+        };
+        let (y, acts) = layer.forward_retain(&x, ctx, retain)?;
         saved.push(match acts {
             Some(mut acts) => {
-                // The residual h: parked (but the last layer's, whose backward comes first),
-                // or dropped and recomputed in backward.
-                match (acts.take_h(), &mut offload) {
-                    (Some(h), Some(off)) if l + 1 < n_layers => off.put(l, h)?,
-                    (Some(h), Some(_)) => acts.put_h(h),
-                    _ => {}
-                }
+                let parked = match (keep, &mut offload) {
+                    // gate and up parked, the residual h kept on the device
+                    (Keep::ParkMlp { .. }, Some(off)) if park_mlp => match acts.take_gate_up() {
+                        Some(gu) => {
+                            off.put(l, gu)?;
+                            Some(Bundle::GateUp)
+                        }
+                        None => candle_core::bail!("driver: layer {l} kept no gate and up"),
+                    },
+                    // The residual h: parked (but the last layer's, whose backward comes
+                    // first), or dropped and recomputed in backward.
+                    (Keep::Offload | Keep::Acts, off) => match (acts.take_h(), off) {
+                        (Some(h), Some(off)) if l + 1 < n_layers => {
+                            off.put(l, vec![h])?;
+                            Some(Bundle::H)
+                        }
+                        (Some(h), Some(_)) => {
+                            acts.put_h(h);
+                            None
+                        }
+                        _ => None,
+                    },
+                    _ => None,
+                };
                 held += acts.bytes() as u64;
-                Saved::Acts(acts)
+                Saved::Acts(acts, parked)
             }
             // The input: parked (but the last layer's, whose recompute comes first), or kept.
             None => match &mut offload {
                 Some(off) if l + 1 < n_layers => {
-                    off.put(l, x)?;
+                    off.put(l, vec![x])?;
                     Saved::Parked
                 }
                 _ => {
@@ -448,6 +534,17 @@ pub fn head_chunk_rows(v: usize, kind: CrossEntropy) -> usize {
     }
 }
 
+/// The one tensor of a parked bundle.
+fn one(bundle: Vec<Tensor>) -> Result<Tensor> {
+    match <[Tensor; 1]>::try_from(bundle) {
+        Ok([t]) => Ok(t),
+        Err(b) => candle_core::bail!(
+            "driver: a bundle of {} tensors where one was parked",
+            b.len()
+        ),
+    }
+}
+
 /// What the backward takes over from the forward.
 struct Back {
     saved: Vec<Saved>,
@@ -481,24 +578,26 @@ fn backward<'m>(
         }
         let layer = par.resident(model, layer)?;
         let acts = match back.saved.pop() {
-            Some(Saved::Acts(mut acts)) => {
-                if let Some(off) = &mut back.offload {
-                    if l + 1 < n_layers && acts.parks_h() {
-                        acts.put_h(off.take(l)?);
+            Some(Saved::Acts(mut acts, parked)) => {
+                if let (Some(off), Some(bundle)) = (&mut back.offload, parked) {
+                    let tensors = off.take(l)?;
+                    match bundle {
+                        Bundle::H => acts.put_h(one(tensors)?),
+                        Bundle::GateUp => acts.put_gate_up(tensors)?,
                     }
-                    // the layer below's h comes back while this layer runs backward
-                    if let Some(Saved::Acts(below)) = back.saved.last() {
-                        if below.parks_h() {
-                            off.fetch(l - 1)?;
-                        }
-                    }
+                }
+                // the layer below's parked tensors come back while this layer runs backward
+                if let (Some(off), Some(Saved::Acts(_, Some(_)))) =
+                    (&mut back.offload, back.saved.last())
+                {
+                    off.fetch(l - 1)?;
                 }
                 acts
             }
             Some(saved @ (Saved::Input(_) | Saved::Parked)) => {
                 let x = match (saved, &mut back.offload) {
                     (Saved::Input(x), _) => x,
-                    (_, Some(off)) => off.take(l)?,
+                    (_, Some(off)) => one(off.take(l)?)?,
                     (_, None) => candle_core::bail!("driver: layer {l}'s input was not parked"),
                 };
                 // the layer below's input comes back while this layer runs
@@ -651,6 +750,29 @@ mod tests {
                 Keep::Attention
             );
         }
+    }
+
+    /// Under `ParkMlp` the layers but the top `tail` (and always the last) park gate and up;
+    /// the others keep the attention half, as under `Attention`.
+    #[test]
+    fn park_mlp_parks_all_but_the_top_layers() {
+        let k = Keep::ParkMlp {
+            tail: 3,
+            pending: 2,
+        };
+        let parked: Vec<usize> = (0..8).filter(|&l| k.parks_mlp(l, 8)).collect();
+        assert_eq!(parked, [0, 1, 2, 3, 4]);
+        let k0 = Keep::ParkMlp {
+            tail: 0,
+            pending: 1,
+        };
+        assert!(k0.parks_mlp(6, 8));
+        assert!(!k0.parks_mlp(7, 8), "the last layer's backward comes first");
+        assert!(!Keep::Attention.parks_mlp(0, 8));
+        assert!(!Keep::Offload.parks_mlp(0, 8));
+        assert_eq!(k.retain(), Retain::Attention);
+        assert!(k.parks() && !k.checkpointed());
+        assert_eq!((k.pending(), Keep::Offload.pending()), (2, 1));
     }
 
     /// Runs of positions between zero rows, many short runs by index_add: both equal the

@@ -6,7 +6,7 @@ use super::session::{device_and_dtype_on, Session};
 use super::{stop, RunOptions};
 use crate::hub;
 use crate::model::Model;
-use crate::recipe::{DeviceKind, Recipe};
+use crate::recipe::{Checkpointing, DeviceKind, Recipe};
 use anyhow::Result;
 use std::path::PathBuf;
 
@@ -66,9 +66,14 @@ pub fn preflight(
     );
     let forecast = plan::row(&p, selected.0, selected.1).map(|r| r.b.clone());
     if let Some(b) = forecast.as_ref().filter(|b| b.host > 0) {
+        let what = match b.ckpt {
+            Checkpointing::Off => "each layer's residual waits",
+            Checkpointing::Mlp => "each layer's gate and up wait (but the top layers')",
+            Checkpointing::Full => "each layer's input waits",
+        };
         eprintln!(
-            "activation offload: each layer's residual waits in pinned host memory, {} per rank \
-             (train.offload_activations = false recomputes it instead)",
+            "activation offload: {what} in pinned host memory, {} per rank \
+             (train.offload_activations = false recomputes instead)",
             plan::fmt_bytes(b.host)
         );
     }

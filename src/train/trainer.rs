@@ -65,7 +65,10 @@ impl Session {
         let t = &self.recipe.train;
         let mut run = Run::start(self, out_dir, resume)?;
         let dev = &self.model.device;
-        let keep = Keep::new(t.activation_checkpointing, t.offload_activations, dev);
+        // pairs of parked gate and up in flight (ckpt mlp) as the preflight's plan fits them
+        let park = self.memory.forecast.as_ref().map(|b| b.park_pending);
+        let keep =
+            Keep::new(t.activation_checkpointing, t.offload_activations, dev).with_park(park);
         let dropout = (self.recipe.lora.dropout > 0.0).then_some(t.seed);
         let mut engine = Engine::new(
             &self.model,

@@ -520,9 +520,11 @@ fn the_head_in_chunks_gives_the_same_loss_and_gradients() {
 /// On the GPU the residuals go out to pinned host memory on a stream of their own and come
 /// back a layer ahead: the gradients and loss are those of recomputing them, to the bit, on a
 /// first micro-batch and on later ones that reuse the host buffers (a longer one grows them).
+/// So with the first layer's gate and up parked instead (`Keep::ParkMlp`, one or two pairs in
+/// flight) while the second recomputes its MLP half.
 #[cfg(feature = "cuda")]
 #[test]
-fn offloaded_residuals_give_the_recomputed_gradients_on_the_gpu() {
+fn offloaded_activations_give_the_kept_gradients_on_the_gpu() {
     let (_t, s) = session(
         "llama_gqa",
         &["model.device=cuda", "model.dtype=bf16", "lora.dropout=0.1"],
@@ -533,9 +535,12 @@ fn offloaded_residuals_give_the_recomputed_gradients_on_the_gpu() {
     for (k, batch) in [&short, &short, &long, &short].into_iter().enumerate() {
         let key = Some((3, [k as u64, 0]));
         let (ce_a, a) = grads_of(&s, batch, Keep::Acts, key);
-        let (ce_o, o) = grads_of(&s, batch, Keep::Offload, key);
-        assert_eq!(ce_a, ce_o, "micro-batch {k}: loss");
-        assert_same_grads(&format!("micro-batch {k}"), &o, &a);
+        let parked = [1, 2].map(|pending| Keep::ParkMlp { tail: 1, pending });
+        for keep in [Keep::Offload].into_iter().chain(parked) {
+            let (ce_o, o) = grads_of(&s, batch, keep, key);
+            assert_eq!(ce_a, ce_o, "micro-batch {k}, {keep:?}: loss");
+            assert_same_grads(&format!("micro-batch {k}, {keep:?}"), &o, &a);
+        }
     }
 }
 
@@ -1384,7 +1389,9 @@ fn a_chunked_mlp_gives_the_unchunked_loss_and_gradients() {
 /// half's activations and the residual h, backward recomputes the MLP half from h. The loss and
 /// every gradient are those of the kept activations to the bit: whole and in chunks, with
 /// dropout on the MLP's adapters, through Gemma's output norms, Phi-3's fused gate_up, Qwen2's
-/// biases, QK-norm and a MoE layer. A layer keeps the bytes the memory plan counts.
+/// biases, QK-norm and a MoE layer. So are they with gate and up parked in the first layer and
+/// the MLP recomputed in the second (`Keep::ParkMlp`; a MoE layer and a chunked MLP park
+/// nothing). A layer keeps the bytes the memory plan counts.
 #[test]
 fn recomputing_the_mlp_half_gives_the_kept_gradients() {
     for case in [
@@ -1404,6 +1411,9 @@ fn recomputing_the_mlp_half_gives_the_kept_gradients() {
             let (ce_m, got) = grads_of(&s, &batch, Keep::Attention, None);
             assert_eq!(ce_m, ce, "{case}: the loss, MLP chunk {chunk:?}");
             assert_same_grads(&format!("{case}: MLP chunk {chunk:?}"), &got, &want);
+            let (ce_p, parked) = grads_of(&s, &batch, PARK_FIRST, None);
+            assert_eq!(ce_p, ce, "{case}: the loss, parked, MLP chunk {chunk:?}");
+            assert_same_grads(&format!("{case}: parked, chunk {chunk:?}"), &parked, &want);
         }
         let m = &s.model;
         let ctx = m
@@ -1440,4 +1450,14 @@ fn recomputing_the_mlp_half_gives_the_kept_gradients() {
     let (ce_m, got) = grads_of(&s, &batch, Keep::Attention, key);
     assert_eq!(ce_m, ce);
     assert_same_grads("dropout: the MLP recomputed with its masks", &got, &want);
+    let (ce_p, parked) = grads_of(&s, &batch, PARK_FIRST, key);
+    assert_eq!(ce_p, ce);
+    assert_same_grads("dropout: gate and up parked", &parked, &want);
 }
+
+/// `Keep::ParkMlp` on a two-layer model: the first layer parks its gate and up, the second
+/// recomputes its MLP half.
+const PARK_FIRST: Keep = Keep::ParkMlp {
+    tail: 1,
+    pending: 1,
+};

@@ -25,7 +25,11 @@
 //! - `activation_checkpointing = "mlp"`: each layer keeps its attention half and the residual
 //!   h, s · (2·C + 2·H·D + 2·K·D + r·A_attn) + 4H (Llama-2-7B: 49,408 B/token/layer), and the
 //!   layer whose MLP half runs (forward) or is recomputed (backward) holds its gate, up and MLP
-//!   adapter states, s · (2·I + r·A_mlp), for one chunk. Nothing is parked.
+//!   adapter states, s · (2·I + r·A_mlp), for one chunk. With offload (CUDA, the MLP whole,
+//!   dense) the layers but the top `driver::PARK_TAIL` keep their MLP half too, its gate and
+//!   up (2·I·N·s a layer) parked in host memory (`host`): on the device its adapter states,
+//!   and up to `driver::PARK_PENDING` pairs still going out (forward, head, the top layers'
+//!   backward), or a pair on its way back.
 //! - offload (`train.offload_activations`, on by default with CUDA; without checkpointing):
 //!   each layer's residual h waits for its backward in pinned host memory, (L − 1)·N·C·s of it
 //!   (`host`; the last layer's stays on the device). On the device one more N·C·s in forward
@@ -73,6 +77,7 @@
 use crate::model::ModelConfig;
 use crate::ops::kernels::{CrossEntropy, Kernels};
 use crate::recipe::{Checkpointing, Strategy};
+use crate::train::driver;
 
 mod advice;
 mod render;
@@ -135,8 +140,9 @@ pub struct PlanInput {
     /// activation dtype, no f32 copies; folded, the padded weights' extra columns join the base
     /// (under FSDP, its shards and gathered layers).
     pub kernels: Kernels,
-    /// Without checkpointing, each layer's residual waits in host memory
-    /// (`train.offload_activations`; `driver::Keep::Offload`).
+    /// Activations wait in host memory (`train.offload_activations`): without checkpointing
+    /// each layer's residual (`driver::Keep::Offload`), with the MLP half checkpointed gate
+    /// and up (`driver::Keep::ParkMlp`), with the whole layer its input.
     pub offload: bool,
     /// How the base is stored (`[model] quantize`): NF4 linears at `nf4::bytes_for` each,
     /// dequantized for the current and the next layer.
@@ -166,6 +172,10 @@ pub struct Breakdown {
     pub transient: u64,
     /// Pinned host memory (offloaded residuals).
     pub host: u64,
+    /// With the MLP half checkpointed: the most pairs of parked gate and up on the device while
+    /// their copies out run (`driver::Keep::ParkMlp`); 0 where nothing is parked (the MLP
+    /// half recomputed).
+    pub park_pending: usize,
     /// FSDP: the gathered weights of the current and next layer; NF4: the dequantized
     /// layers (`breakdown` says which); 0 otherwise.
     pub gather: u64,
@@ -391,12 +401,46 @@ fn largest_linear(cfg: &ModelConfig) -> u64 {
     shapes.map(|(i, o)| (i * o) as u64).max().unwrap_or(0)
 }
 
-/// The per-rank breakdown of one strategy and checkpointing, at `micro_batch`.
+/// The per-rank breakdown of one strategy and checkpointing, at `micro_batch` (with the MLP
+/// half checkpointed and offload on, gate and up parked with the most pairs in flight).
 pub fn breakdown(
     p: &PlanInput,
     strategy: Strategy,
     ckpt: Checkpointing,
     micro_batch: usize,
+) -> Breakdown {
+    breakdown_within(p, strategy, ckpt, micro_batch, None)
+}
+
+/// `breakdown` as the run sets itself up within `capacity` bytes: with the MLP half
+/// checkpointed and offload on, the most pairs of parked gate and up in flight
+/// (`driver::PARK_PENDING`, fewer where those do not fit; none, the MLP half recomputed,
+/// where one does not: `Breakdown::park_pending`).
+pub fn breakdown_within(
+    p: &PlanInput,
+    strategy: Strategy,
+    ckpt: Checkpointing,
+    micro_batch: usize,
+    capacity: Option<u64>,
+) -> Breakdown {
+    let most = breakdown_parking(p, strategy, ckpt, micro_batch, driver::PARK_PENDING);
+    let Some(cap) = capacity.filter(|_| most.park_pending > 0) else {
+        return most;
+    };
+    (1..=driver::PARK_PENDING)
+        .rev()
+        .map(|k| breakdown_parking(p, strategy, ckpt, micro_batch, k))
+        .find(|b| b.total <= cap)
+        .unwrap_or_else(|| breakdown_parking(p, strategy, ckpt, micro_batch, 0))
+}
+
+/// `breakdown` with up to `park` pairs of parked gate and up in flight (0: none parked).
+fn breakdown_parking(
+    p: &PlanInput,
+    strategy: Strategy,
+    ckpt: Checkpointing,
+    micro_batch: usize,
+    park: usize,
 ) -> Breakdown {
     let full = ckpt == Checkpointing::Full;
     let cfg = &p.cfg;
@@ -476,10 +520,22 @@ pub fn breakdown(
                               // Checkpointed with offload: the inputs parked in host memory but the last layer's; on
                               // the device that one, the last output and one on its way out (forward) or back.
     let parked = full && p.offload;
+    // The MLP half checkpointed with offload (driver::Keep::ParkMlp): the layers below the
+    // top PARK_TAIL park gate and up in host memory and keep the rest of their MLP half's
+    // activations; up to PARK_PENDING pairs wait on the device for their copies out.
+    let pair = 2 * i * n * s;
+    let parks_mlp =
+        ckpt == Checkpointing::Mlp && p.offload && mlp_act > 0 && bwd_chunk == n && park > 0;
+    let mlp_parked = match parks_mlp {
+        true => l.saturating_sub(driver::PARK_TAIL.max(1) as u64),
+        false => 0,
+    };
+    let park_pending = mlp_parked.min(park as u64);
+    let mlp_pending = park_pending * pair;
     let kept = match (ckpt, parked) {
         (Checkpointing::Full, true) => 3 * boundary,
         (Checkpointing::Full, false) => (l + 1) * boundary,
-        (Checkpointing::Mlp, _) => l * attn_act,
+        (Checkpointing::Mlp, _) => l * attn_act + mlp_parked * (mlp_act - pair),
         (Checkpointing::Off, _) => l * layer_act,
     };
     let steady = base + adapters + optimizer;
@@ -499,7 +555,7 @@ pub fn breakdown(
         HEAD_CHUNKS * 4.0
     };
     let rows = crate::train::driver::head_chunk_rows(v as usize, p.kernels.cross_entropy) as u64;
-    let head_ws = (per_logit * (rows * v).min(n * v) as f64) as u64 + 2 * boundary;
+    let head_ws = (per_logit * (rows * v).min(n * v) as f64) as u64 + 2 * boundary + mlp_pending;
     // Chunked, the MLP's [chunk, I] gradients, and the attention's backward over all tokens:
     // dL/dy, dL/dh, dL/d(attn), dq ([N, C] each), dk and dv ([N, K·D]).
     let kd = (cfg.num_kv_heads * cfg.head_dim) as u64;
@@ -517,22 +573,25 @@ pub fn breakdown(
         Checkpointing::Off => 0,
     };
     let offload = p.offload && ckpt == Checkpointing::Off;
+    // Parked gate and up: the pairs still going out (through the top layers' backward), or
+    // below them a layer's pair on its way back beside the one in use.
     let in_flight = match (ckpt, offload) {
         (Checkpointing::Full, _) => boundary,
         (_, true) => 2 * boundary,
+        (Checkpointing::Mlp, _) if mlp_parked > 0 => mlp_pending.max(pair),
         (_, false) => 0,
     };
     let host = if offload || parked {
         l.saturating_sub(1) * boundary
     } else {
-        0
+        mlp_parked * pair
     };
     let load = base + adapters;
     // On CUDA with 2-byte activations the adapters' bf16 copies live through each micro-batch
     // (`Ctx::adapters`).
     let casts = if p.cuda && s == 2 { 2 * lp } else { 0 };
     // With checkpointing the running layer's activations exist until it ends.
-    let fwd_ws = fwd_ws + if offload { boundary } else { 0 };
+    let fwd_ws = fwd_ws + if offload { boundary } else { mlp_pending };
     let bwd_ws = bwd_ws + in_flight;
     let (fwd_ws, bwd_ws) = match p.dora {
         true => {
@@ -602,6 +661,7 @@ pub fn breakdown(
         activations,
         transient,
         host,
+        park_pending: park_pending as usize,
         gather: gather_at_peak,
         context,
         slack,
@@ -630,7 +690,7 @@ pub fn max_micro_batch(
     limit: usize,
 ) -> Option<usize> {
     largest(limit, |mb| {
-        breakdown(p, strategy, ckpt, mb).total <= capacity
+        breakdown_within(p, strategy, ckpt, mb, Some(capacity)).total <= capacity
     })
 }
 
@@ -651,7 +711,7 @@ pub fn max_seq_len(
             seq_len: k * SEQ_STEP,
             ..p.clone()
         };
-        breakdown(&at, strategy, ckpt, 1).total <= capacity
+        breakdown_within(&at, strategy, ckpt, 1, Some(capacity)).total <= capacity
     };
     largest(limit / SEQ_STEP, fits).map(|k| k * SEQ_STEP)
 }
@@ -722,7 +782,7 @@ pub fn plan(p: &PlanInput, grad_accum: usize, capacity: Option<u64>) -> Plan {
     let mut rows = Vec::new();
     for st in strategies(p.gpus) {
         for ckpt in [Checkpointing::Off, Checkpointing::Mlp, Checkpointing::Full] {
-            let b = breakdown(p, st, ckpt, p.micro_batch);
+            let b = breakdown_within(p, st, ckpt, p.micro_batch, capacity);
             rows.push(Row {
                 fits: capacity.map(|c| b.total <= c),
                 max_micro_batch: capacity.and_then(|c| max_micro_batch(p, st, ckpt, c, MB_LIMIT)),
@@ -737,7 +797,7 @@ pub fn plan(p: &PlanInput, grad_accum: usize, capacity: Option<u64>) -> Plan {
             seq_len: t,
             ..p.clone()
         };
-        let b = breakdown(&at, r.b.strategy, r.b.ckpt, 1);
+        let b = breakdown_within(&at, r.b.strategy, r.b.ckpt, 1, capacity);
         let max_pos = p.cfg.max_position_embeddings;
         advice.max_seq_len = Some(t);
         advice.lines.push(advice::longest_line(r, t, &b, max_pos));

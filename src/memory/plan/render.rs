@@ -150,10 +150,30 @@ pub fn render(p: &Plan, selected: (Strategy, Checkpointing)) -> String {
         out.push_str("nf4: the decoder linears at 0.5 B a weight plus their absmax (bitsandbytes' NF4); gather: single / ddp, the current and the next layer dequantized; fsdp, the current and the next layer gathered in NF4 and the current one dequantized\n");
     }
     out.push_str("ctx+slack: CUDA context 512 MiB + what the pool reserves beyond its peak (14%, NF4 23%); \"peak in\" names the phase with the pool's high-water mark\n");
-    if let Some(h) = p.rows.iter().map(|r| r.b.host).max().filter(|&h| h > 0) {
+    let host = |c: Checkpointing, what: &str| {
+        let h = p.rows.iter().filter(|r| r.b.ckpt == c).map(|r| r.b.host);
+        h.max()
+            .filter(|&h| h > 0)
+            .map(|h| format!("{} {what}", fmt_bytes(h)))
+    };
+    let parked: Vec<String> = [
+        host(
+            Checkpointing::Off,
+            "without checkpointing (each layer's residual)",
+        ),
+        host(
+            Checkpointing::Mlp,
+            "with ckpt mlp (each layer's gate and up)",
+        ),
+        host(Checkpointing::Full, "with ckpt (each layer's input)"),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    if !parked.is_empty() {
         out.push_str(&format!(
-            "host: {} pinned per rank (train.offload_activations: each layer's residual without checkpointing, its input with it, parked until its backward)\n",
-            fmt_bytes(h)
+            "host: pinned per rank, parked until the layer's backward (train.offload_activations): {}\n",
+            parked.join("; ")
         ));
     }
     for l in &p.advice.lines {

@@ -443,3 +443,44 @@ fn recomputing_the_mlp_half_keeps_the_attention_half() {
     assert!(full.pool_peak < mlp.pool_peak);
     assert_eq!(mlp.ckpt, Checkpointing::Mlp);
 }
+
+/// With the MLP half checkpointed and offload on, the layers but the top `PARK_TAIL` park
+/// gate and up in host memory; the plan counts the pairs in flight on the device, and within
+/// a capacity keeps as many in flight as fit, none (the MLP half recomputed) where one does
+/// not.
+#[test]
+fn parked_gate_and_up_fit_the_capacity() {
+    use crate::train::driver::{PARK_PENDING, PARK_TAIL};
+    let parked = PlanInput {
+        offload: true,
+        ..input(2, 1)
+    };
+    let recompute = input(2, 1);
+    let mlp = Checkpointing::Mlp;
+    let most = breakdown(&parked, Strategy::Single, mlp, 2);
+    let none = breakdown(&recompute, Strategy::Single, mlp, 2);
+    assert_eq!((most.park_pending, none.park_pending), (PARK_PENDING, 0));
+    // gate and up of 2 × 2048 tokens at I = 11008 in bf16, for 32 − 3 layers
+    let pair = 2 * 11008 * 4096 * 2;
+    assert_eq!(most.host, (32 - PARK_TAIL as u64) * pair);
+    assert_eq!(none.host, 0);
+    assert!(most.total > none.total + (PARK_PENDING as u64 - 1) * pair);
+    // Between the two: fewer pairs in flight, within the capacity.
+    let cap = none.total + (most.total - none.total) / 2;
+    let fit = breakdown_within(&parked, Strategy::Single, mlp, 2, Some(cap));
+    assert!((1..PARK_PENDING).contains(&fit.park_pending), "{fit:?}");
+    assert!(fit.total <= cap && fit.host == most.host);
+    // Where not even one pair fits: the MLP half recomputed, as without offload.
+    let fit = breakdown_within(&parked, Strategy::Single, mlp, 2, Some(none.total));
+    assert_eq!((fit.park_pending, fit.total, fit.host), (0, none.total, 0));
+    // The plan's rows are the fitted ones; other checkpointing parks no pairs.
+    let rows = plan(&parked, 1, Some(cap)).rows;
+    let row = rows.iter().find(|r| r.b.ckpt == mlp).unwrap();
+    assert_eq!(
+        row.b.total,
+        breakdown_within(&parked, Strategy::Single, mlp, 2, Some(cap)).total
+    );
+    assert!(rows
+        .iter()
+        .all(|r| r.b.ckpt == mlp || r.b.park_pending == 0));
+}
