@@ -59,12 +59,34 @@ pub fn preflight(
     } else {
         (max_memory, "train.max_memory (CPU accounting)".to_string())
     };
-    let p = plan::plan(&input, recipe.train.grad_accum, capacity);
+    let mut p = plan::plan(&input, recipe.train.grad_accum, capacity);
     let selected = (
         recipe.parallel.strategy,
         recipe.train.activation_checkpointing,
     );
-    let forecast = plan::row(&p, selected.0, selected.1).map(|r| r.b.clone());
+    let mut forecast = plan::row(&p, selected.0, selected.1).map(|r| r.b.clone());
+    // Parked gate and up must fit the host's memory beside the other ranks' (on this host):
+    // else the MLP half is recomputed, as with train.offload_activations = false.
+    let ranks = recipe.parallel.devices.len();
+    if let (Some(b), Some(avail)) = (
+        forecast.as_ref().filter(|b| b.park_pending > 0),
+        crate::memory::host_available(),
+    ) {
+        if !crate::memory::host_fits(b.host, ranks, avail) {
+            eprintln!(
+                "activation offload: gate and up would pin {} of host memory per rank ({ranks} \
+                 on this host), {} is available: the MLP half is recomputed instead",
+                plan::fmt_bytes(b.host),
+                plan::fmt_bytes(avail)
+            );
+            let input = plan::PlanInput {
+                offload: false,
+                ..input.clone()
+            };
+            p = plan::plan(&input, recipe.train.grad_accum, capacity);
+            forecast = plan::row(&p, selected.0, selected.1).map(|r| r.b.clone());
+        }
+    }
     if let Some(b) = forecast.as_ref().filter(|b| b.host > 0) {
         let what = match b.ckpt {
             Checkpointing::Off => "each layer's residual waits",
