@@ -205,10 +205,12 @@ pub fn base_linear_params(cfg: &ModelConfig) -> usize {
     cfg.num_layers * (per_layer + moe) + cfg.vocab_size * cfg.hidden_size
 }
 
-/// Weights of a dense layer's MLP input projections (gate and up, or gate_up) over all layers:
-/// what `activation_checkpointing = "mlp"` multiplies once more a token (a MoE's experts are
-/// recomputed in every setting).
-pub fn mlp_in_weights(cfg: &ModelConfig) -> usize {
+/// Weights of a dense layer's MLP input projections (gate and up, or gate_up) over the layers
+/// that recompute them under `activation_checkpointing = "mlp"`: what it multiplies once more
+/// a token (a MoE's experts are recomputed in every setting). With gate and up parked
+/// (`Keep::ParkMlp`, over `m` tokens a micro-batch that the MLP runs whole) only the top layers
+/// recompute.
+pub fn mlp_in_weights(cfg: &ModelConfig, keep: Keep, m: usize) -> usize {
     if cfg.arch.moe.is_some() {
         return 0;
     }
@@ -217,7 +219,12 @@ pub fn mlp_in_weights(cfg: &ModelConfig) -> usize {
         .filter_map(|m| cfg.linear_shape(m))
         .map(|(i, o)| i * o)
         .sum();
-    per_layer * cfg.num_layers
+    let l = cfg.num_layers;
+    let parked = match m <= crate::model::layer_mlp::MLP_CHUNK {
+        true => (0..l).filter(|&i| keep.parks_mlp(i, l)).count(),
+        false => 0,
+    };
+    per_layer * (l - parked)
 }
 
 /// scripts/bench_peft.py's model FLOPs per trained token: frozen base, so backward computes
@@ -518,7 +525,7 @@ fn measure(
     let tps = tokens / dt;
     let full = a.ckpt == Checkpointing::Full;
     let mlp_recompute = match a.ckpt {
-        Checkpointing::Mlp => mlp_in_weights(&cfg),
+        Checkpointing::Mlp => mlp_in_weights(&cfg, keep, b * t),
         _ => 0,
     };
     let fpt = flops_per_token(n_linear, cfg.num_layers, cfg.hidden_size, t, full)

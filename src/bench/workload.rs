@@ -59,8 +59,8 @@ pub struct Work {
     pub seq: usize,
     /// Activation checkpointing of whole layers: one more forward.
     pub ckpt: bool,
-    /// Under `activation_checkpointing = "mlp"`, the MLP input weights recomputed
-    /// (`bench::mlp_in_weights`), else 0.
+    /// Under `activation_checkpointing = "mlp"`, the MLP input weights recomputed (of the
+    /// layers that do not park gate and up: `bench::mlp_in_weights`), else 0.
     pub mlp_recompute: usize,
     pub eval_tokens: usize,
     pub step_tokens: usize,
