@@ -54,6 +54,7 @@ ALL_ROWS=(
   "seq-8192|seq=8192||"
   "ckpt||--ckpt|--ckpt"
   "ckpt-mlp||--ckpt mlp|--ckpt"
+  "ckpt-mlp-recompute||--ckpt mlp --offload false|--ckpt"
 )
 want=" ${ROWS:-$(for r in "${ALL_ROWS[@]}"; do printf '%s ' "${r%%|*}"; done)} "
 liger=0
