@@ -294,21 +294,21 @@ mod gpu {
             let compute = self.dev.cuda_stream();
             let side = self.host()?.side.clone();
             let mut bundle = Vec::with_capacity(parts.len());
-            // the tensors' allocations (stream-ordered, on the compute stream) come first
-            let mut joined = false;
-            for part in parts {
+            for part in &parts {
                 // SAFETY: every element is written by the copy below before the compute, which
                 // waits for it in `take`, reads any.
-                let Some(t) = (unsafe { uninit(&self.dev, part.dtype, part.shape) })? else {
-                    candle_core::bail!("offload: dtype {:?}", part.dtype);
-                };
-                let Some(dst) = addr(&t)? else {
+                let t = unsafe { uninit(&self.dev, part.dtype, part.shape.clone()) }?;
+                match t {
+                    Some(t) => bundle.push(t),
+                    None => candle_core::bail!("offload: dtype {:?}", part.dtype),
+                }
+            }
+            // every tensor's allocation (stream-ordered, on the compute stream) comes first
+            side.join(&compute).w()?;
+            for (t, part) in bundle.iter().zip(&parts) {
+                let Some(dst) = addr(t)? else {
                     candle_core::bail!("offload: a fresh tensor without an address");
                 };
-                if !joined {
-                    side.join(&compute).w()?;
-                    joined = true;
-                }
                 // SAFETY: the buffer holds the part's `bytes` at its offset, parked by `put`
                 // (pinned, kept); `dst` is the fresh tensor's `bytes`, alive in `back` until
                 // the compute waited for the copy.
@@ -316,7 +316,6 @@ mod gpu {
                     let src = std::slice::from_raw_parts(base.add(part.offset), part.bytes);
                     result::memcpy_htod_async(dst, src, side.cu_stream()).w()?;
                 }
-                bundle.push(t);
             }
             let done = side
                 .record_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
