@@ -219,12 +219,11 @@ pub fn mlp_in_weights(cfg: &ModelConfig, keep: Keep, m: usize) -> usize {
         .filter_map(|m| cfg.linear_shape(m))
         .map(|(i, o)| i * o)
         .sum();
-    let l = cfg.num_layers;
     let parked = match m <= crate::model::layer_mlp::MLP_CHUNK {
-        true => (0..l).filter(|&i| keep.parks_mlp(i, l)).count(),
+        true => keep.mlp_parked_layers(cfg.num_layers),
         false => 0,
     };
-    per_layer * (l - parked)
+    per_layer * (cfg.num_layers - parked)
 }
 
 /// scripts/bench_peft.py's model FLOPs per trained token: frozen base, so backward computes

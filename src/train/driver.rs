@@ -126,6 +126,13 @@ impl Keep {
         }
     }
 
+    /// How many of `n_layers` layers park their MLP's gate and up (`parks_mlp`).
+    pub fn mlp_parked_layers(self, n_layers: usize) -> usize {
+        (0..n_layers)
+            .filter(|&l| self.parks_mlp(l, n_layers))
+            .count()
+    }
+
     /// Whether something waits for backward in host memory.
     pub fn parks(self) -> bool {
         matches!(
@@ -432,7 +439,7 @@ fn forward(model: &Model, par: &Par, ctx: &Ctx, ids: &Tensor, keep: Keep) -> Res
             Some(mut acts) => {
                 let parked = match (keep, &mut offload) {
                     // gate and up parked, the residual h kept on the device
-                    (Keep::ParkMlp { .. }, Some(off)) if park_mlp => match acts.take_gate_up() {
+                    (_, Some(off)) if park_mlp => match acts.take_gate_up() {
                         Some(gu) => {
                             off.put(l, gu)?;
                             Some(Bundle::GateUp)

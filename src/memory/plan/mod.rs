@@ -427,9 +427,9 @@ pub fn breakdown_within(
     let Some(cap) = capacity.filter(|_| most.park_pending > 0) else {
         return most;
     };
-    (1..=driver::PARK_PENDING)
-        .rev()
-        .map(|k| breakdown_parking(p, strategy, ckpt, micro_batch, k))
+    let fewer = (1..driver::PARK_PENDING).rev();
+    std::iter::once(most)
+        .chain(fewer.map(|k| breakdown_parking(p, strategy, ckpt, micro_batch, k)))
         .find(|b| b.total <= cap)
         .unwrap_or_else(|| breakdown_parking(p, strategy, ckpt, micro_batch, 0))
 }
@@ -526,8 +526,12 @@ fn breakdown_parking(
     let pair = 2 * i * n * s;
     let parks_mlp =
         ckpt == Checkpointing::Mlp && p.offload && mlp_act > 0 && bwd_chunk == n && park > 0;
+    let keep = driver::Keep::ParkMlp {
+        tail: driver::PARK_TAIL,
+        pending: park,
+    };
     let mlp_parked = match parks_mlp {
-        true => l.saturating_sub(driver::PARK_TAIL.max(1) as u64),
+        true => keep.mlp_parked_layers(cfg.num_layers) as u64,
         false => 0,
     };
     let park_pending = mlp_parked.min(park as u64);
