@@ -208,9 +208,9 @@ pub fn base_linear_params(cfg: &ModelConfig) -> usize {
 /// Weights of a dense layer's MLP input projections (gate and up, or gate_up) over the layers
 /// that recompute them under `activation_checkpointing = "mlp"`: what it multiplies once more
 /// a token (a MoE's experts are recomputed in every setting). With gate and up parked
-/// (`Keep::ParkMlp`, over `m` tokens a micro-batch that the MLP runs whole) only the top layers
-/// recompute.
-pub fn mlp_in_weights(cfg: &ModelConfig, keep: Keep, m: usize) -> usize {
+/// (`Keep::ParkMlp`, over `m` tokens a micro-batch that the MLP runs whole: none, or at most
+/// `mlp_chunk`) only the top layers recompute.
+pub fn mlp_in_weights(cfg: &ModelConfig, keep: Keep, m: usize, mlp_chunk: Option<usize>) -> usize {
     if cfg.arch.moe.is_some() {
         return 0;
     }
@@ -219,7 +219,7 @@ pub fn mlp_in_weights(cfg: &ModelConfig, keep: Keep, m: usize) -> usize {
         .filter_map(|m| cfg.linear_shape(m))
         .map(|(i, o)| i * o)
         .sum();
-    let parked = match m <= crate::model::layer_mlp::MLP_CHUNK {
+    let parked = match mlp_chunk.is_none_or(|k| m <= k) {
         true => keep.mlp_parked_layers(cfg.num_layers),
         false => 0,
     };
@@ -296,6 +296,8 @@ fn run_rank(a: &BenchArgs, device: Device, comm: &dyn Comm) -> Result<serde_json
     let kernels = crate::ops::Kernels::resolve(&a.device, act, cfg.attn_shape(), a.deterministic)?
         .for_base(a.quant);
     let targets = targets(&a.targets, &cfg)?;
+    let mlp_chunk = Some(crate::model::layer_mlp::MLP_CHUNK);
+    let mlp_chunk = plan::mlp_chunk_as_run(&cfg, mlp_chunk, a.dropout.into(), &targets);
     let input = plan::PlanInput {
         tied: cfg.tie_word_embeddings.unwrap_or(false),
         cfg,
@@ -310,7 +312,7 @@ fn run_rank(a: &BenchArgs, device: Device, comm: &dyn Comm) -> Result<serde_json
         kernels: kernels.for_base(a.quant),
         offload: Keep::new(Checkpointing::Off, a.offload, &a.device) == Keep::Offload,
         quant: a.quant,
-        mlp_chunk: Some(crate::model::layer_mlp::MLP_CHUNK),
+        mlp_chunk,
     };
     let p = plan::plan(&input, 1, a.max_memory);
     let sel = (a.strategy, a.ckpt);
@@ -523,8 +525,14 @@ fn measure(
     let tokens = (accum * b * t * a.steps) as f64;
     let tps = tokens / dt;
     let full = a.ckpt == Checkpointing::Full;
+    let mlp_chunk = crate::memory::plan::mlp_chunk_as_run(
+        &cfg,
+        model.mlp_chunk,
+        a.dropout.into(),
+        &spec.targets,
+    );
     let mlp_recompute = match a.ckpt {
-        Checkpointing::Mlp => mlp_in_weights(&cfg, keep, b * t),
+        Checkpointing::Mlp => mlp_in_weights(&cfg, keep, b * t, mlp_chunk),
         _ => 0,
     };
     let fpt = flops_per_token(n_linear, cfg.num_layers, cfg.hidden_size, t, full)

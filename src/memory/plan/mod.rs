@@ -904,6 +904,8 @@ pub fn input_from_recipe(
         _ => candle_core::DType::BF16,
     };
     let kernels = Kernels::forecast(cuda, dtype, cfg.attn_shape());
+    let targets = r.target_modules()?;
+    let mlp_chunk = mlp_chunk_as_run(&cfg, r.mlp_chunk(), r.lora.dropout, &targets);
     Ok(PlanInput {
         tied: cfg.tie_word_embeddings.unwrap_or(false),
         cfg,
@@ -911,16 +913,28 @@ pub fn input_from_recipe(
         micro_batch: r.train.micro_batch,
         seq_len: r.data.seq_len,
         rank: r.lora.rank,
-        targets: r.target_modules()?,
+        targets,
         dora: r.lora.use_dora,
         gpus: gpus.max(1),
         cuda,
         kernels: kernels.for_adapters(r.lora.use_dora).for_base(r.quant()),
         offload: cuda && r.train.offload_activations.unwrap_or(true),
         quant: r.quant(),
-        // LoRA dropout keeps the MLP whole (where an MLP linear is adapted)
-        mlp_chunk: r.mlp_chunk().filter(|_| r.lora.dropout == 0.0),
+        mlp_chunk,
     })
+}
+
+/// Tokens per MLP chunk as the layers run it (`Layer::mlp_chunk`): `chunk` (`train.mlp_chunk`),
+/// unless LoRA dropout is on: an adapted MLP linear then keeps the MLP whole (its mask is drawn
+/// over the whole input).
+pub fn mlp_chunk_as_run(
+    cfg: &ModelConfig,
+    chunk: Option<usize>,
+    dropout: f64,
+    targets: &[String],
+) -> Option<usize> {
+    let whole = dropout > 0.0 && adapted(cfg, targets).any(is_mlp);
+    chunk.filter(|&k| k > 0 && !whole)
 }
 
 /// The row of a strategy and checkpointing setting.

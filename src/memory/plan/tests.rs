@@ -484,3 +484,41 @@ fn parked_gate_and_up_fit_the_capacity() {
         .iter()
         .all(|r| r.b.ckpt == mlp || r.b.park_pending == 0));
 }
+
+/// LoRA dropout on an MLP linear keeps the MLP whole (its masks are drawn over the whole
+/// input): beyond `train.mlp_chunk` tokens a micro-batch the layers then park gate and up
+/// under the MLP half checkpointed, and the plan and bench count them so.
+#[test]
+fn dropout_on_the_mlp_keeps_it_whole_and_parked() {
+    use crate::train::driver::{Keep, PARK_PENDING, PARK_TAIL};
+    let cfg = llama2_7b();
+    let qv = vec!["q_proj".to_string(), "v_proj".to_string()];
+    let k = Some(16384);
+    assert_eq!(mlp_chunk_as_run(&cfg, k, 0.0, &all()), k);
+    assert_eq!(mlp_chunk_as_run(&cfg, k, 0.05, &all()), None);
+    assert_eq!(mlp_chunk_as_run(&cfg, k, 0.05, &qv), k);
+    assert_eq!(mlp_chunk_as_run(&cfg, Some(0), 0.0, &all()), None);
+    // 4 × 8192 tokens a micro-batch: in chunks no layer parks; whole, all but the top 3 do.
+    let p = |dropout| PlanInput {
+        offload: true,
+        seq_len: 8192,
+        mlp_chunk: mlp_chunk_as_run(&cfg, k, dropout, &all()),
+        ..input(4, 1)
+    };
+    let mlp = Checkpointing::Mlp;
+    let chunked = breakdown(&p(0.0), Strategy::Single, mlp, 4);
+    let whole = breakdown(&p(0.05), Strategy::Single, mlp, 4);
+    assert_eq!((chunked.park_pending, chunked.host), (0, 0));
+    let pair = 2 * 11008 * 32768 * 2;
+    assert_eq!(whole.park_pending, PARK_PENDING);
+    assert_eq!(whole.host, (32 - PARK_TAIL as u64) * pair);
+    // bench's FLOPs: gate and up recomputed in every layer in chunks, in the top 3 whole.
+    let park = Keep::ParkMlp {
+        tail: PARK_TAIL,
+        pending: PARK_PENDING,
+    };
+    let gate_up = 2 * 4096 * 11008;
+    let w = |chunk| crate::bench::mlp_in_weights(&cfg, park, 32768, chunk);
+    assert_eq!(w(k), 32 * gate_up);
+    assert_eq!(w(None), PARK_TAIL * gate_up);
+}
