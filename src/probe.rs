@@ -14,7 +14,7 @@
 //! device peaks: the ramp reports times, and `train.max_memory` caps the CPU accounting.
 
 use crate::lora::LoraSpec;
-use crate::memory::{self, plan::fmt_bytes};
+use crate::memory::{self, plan, plan::fmt_bytes};
 use crate::model::Model;
 use crate::parallel::Solo;
 use crate::recipe::Recipe;
@@ -23,6 +23,7 @@ use crate::train::driver::Keep;
 use crate::train::optim::AdamW;
 use crate::train::step::{adapter_params, Engine};
 use anyhow::Result;
+use candle_core::Device;
 use std::time::Instant;
 
 /// One rung of the ramp.
@@ -33,6 +34,8 @@ pub struct Rung {
     pub seconds: f64,
     /// The pool's peak in each phase (bytes; empty on the CPU).
     pub peaks: std::collections::BTreeMap<&'static str, u64>,
+    /// Pairs of parked gate and up in flight (the MLP half checkpointed on CUDA; else 0).
+    pub park_pending: usize,
 }
 
 /// Where the ramp stopped.
@@ -95,9 +98,56 @@ pub fn ramp(seq_len: usize, max_micro_batch: usize) -> Vec<(usize, usize)> {
     out
 }
 
+/// The pairs of parked gate and up in flight at each shape (the MLP half checkpointed with
+/// offload), fitted as `train`'s preflight fits them: within train.max_memory, else the
+/// card's free memory before the load; none where the host could not pin them.
+struct ParkFit {
+    input: plan::PlanInput,
+    capacity: Option<u64>,
+    ckpt: crate::recipe::Checkpointing,
+}
+
+impl ParkFit {
+    fn new(recipe: &Recipe, files: &crate::hub::ModelFiles, dev: &Device) -> Result<ParkFit> {
+        let capacity = match recipe.max_memory() {
+            Some(m) => Some(m),
+            None => memory::mem_info(dev)?.map(|(free, _)| free + plan::CONTEXT),
+        };
+        let cfg = crate::model::ModelConfig::from_file(&files.config)?;
+        let input = plan::input_from_recipe(recipe, cfg, 1, dev.is_cuda())?
+            .with_quant(recipe.quant().for_checkpoint(&files.config)?);
+        Ok(ParkFit {
+            // the probe draws no dropout: the MLP runs in chunks as without it
+            input: plan::PlanInput {
+                mlp_chunk: recipe.mlp_chunk(),
+                ..input
+            },
+            capacity,
+            ckpt: recipe.train.activation_checkpointing,
+        })
+    }
+
+    /// At (micro_batch, seq), with `host_available` bytes of host memory (None: unknown).
+    fn pending(&self, micro_batch: usize, seq: usize, host_available: Option<u64>) -> usize {
+        let at = plan::PlanInput {
+            micro_batch,
+            seq_len: seq,
+            ..self.input.clone()
+        };
+        let single = crate::recipe::Strategy::Single;
+        let b = plan::breakdown_within(&at, single, self.ckpt, micro_batch, self.capacity);
+        match host_available {
+            Some(avail) if !memory::host_fits(b.host, 1, avail) => 0,
+            _ => b.park_pending,
+        }
+    }
+}
+
 pub fn run(recipe: &Recipe, ramp: Ramp) -> Result<ProbeReport> {
     let (dev, dtype) = device_and_dtype(recipe)?;
     memory::keep_pool_memory(&dev)?;
+    let files = crate::hub::model_files(&recipe.model)?;
+    let park = ParkFit::new(recipe, &files, &dev)?;
     let max_memory = recipe.max_memory();
     let ballast = match max_memory {
         Some(m) => memory::hold_ballast(&dev, m)?,
@@ -105,7 +155,6 @@ pub fn run(recipe: &Recipe, ramp: Ramp) -> Result<ProbeReport> {
     };
     let capacity = max_memory.or(ballast.as_ref().map(|b| b.total));
     memory::reset_peak(&dev)?;
-    let files = crate::hub::model_files(&recipe.model)?;
     let spec = LoraSpec {
         rank: recipe.lora.rank,
         alpha: recipe.lora.alpha,
@@ -117,13 +166,14 @@ pub fn run(recipe: &Recipe, ramp: Ramp) -> Result<ProbeReport> {
     // As training loads it: its kernels, the adapters' forward folded (ops::fold).
     let kernels = crate::train::session::run_kernels(recipe, &files, &dev, dtype)?;
     let seed = recipe.train.seed;
-    let (model, _) = crate::train::session::sharded_model(
+    let (mut model, _) = crate::train::session::sharded_model(
         false,
         recipe.quant().for_checkpoint(&files.config)?,
         &crate::parallel::Solo,
         &kernels,
         &mut |loaded| Model::load_with(&files, dtype, &dev, &spec, seed, &kernels, loaded),
     )?;
+    model.mlp_chunk = recipe.mlp_chunk();
     let load_peak = memory::stats(&dev)?.map(|s| s.used_high);
     let params = adapter_params(&model);
     let lora: u64 = params
@@ -160,6 +210,7 @@ pub fn run(recipe: &Recipe, ramp: Ramp) -> Result<ProbeReport> {
         let batch = crate::bench::random_batch(b, seq, model.cfg.vocab_size, 7);
         let n = batch.n_targets().max(1);
         // The training step itself (train::step), at learning rate 0: the adapters stay.
+        let keep = keep.with_park(Some(park.pending(b, seq, memory::host_available())));
         let mut engine = Engine::new(&model, &Solo, None, keep, t.max_grad_norm, None);
         let t0 = Instant::now();
         match engine.step(std::slice::from_ref(&batch), n, 0, &mut opt, 0.0) {
@@ -168,6 +219,10 @@ pub fn run(recipe: &Recipe, ramp: Ramp) -> Result<ProbeReport> {
                 seq,
                 seconds: t0.elapsed().as_secs_f64(),
                 peaks: done.peaks,
+                park_pending: match keep {
+                    Keep::ParkMlp { pending, .. } => pending,
+                    _ => 0,
+                },
             })),
             Err(e) if memory::is_oom(&e) => Ok(Err(Failure {
                 micro_batch: b,
@@ -277,10 +332,52 @@ impl ProbeReport {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
+    /// Each rung gets the pairs of parked gate and up that `train`'s preflight would fit at
+    /// its shape: a smaller micro-batch leaves room for more; none where not one fits, or
+    /// where the host could not pin them.
+    #[test]
+    fn parked_pairs_are_fitted_at_each_rung() {
+        use crate::recipe::{Checkpointing, Strategy};
+        use crate::train::driver::PARK_PENDING;
+        let all = crate::lora::ALL_LINEAR.iter().map(|s| s.to_string());
+        let input = plan::input_from_shape("llama2-7b", 2048, 2, 16, all.collect(), 1).unwrap();
+        let mlp = Checkpointing::Mlp;
+        let total = |offload, b| {
+            let p = plan::PlanInput {
+                offload,
+                ..input.clone()
+            };
+            plan::breakdown(&p, Strategy::Single, mlp, b).total
+        };
+        let (most, none) = (total(true, 2), total(false, 2));
+        let fit = |capacity| ParkFit {
+            input: input.clone(),
+            capacity,
+            ckpt: mlp,
+        };
+        assert_eq!(fit(None).pending(2, 2048, None), PARK_PENDING);
+        let between = fit(Some(none + (most - none) / 3));
+        let two = between.pending(2, 2048, None);
+        assert!((1..PARK_PENDING).contains(&two), "{two}");
+        assert_eq!(between.pending(1, 2048, None), PARK_PENDING);
+        assert_eq!(fit(Some(none)).pending(2, 2048, None), 0);
+        // gate and up of 29 layers at 2 × 2048 tokens: 5.2 GB pinned, over 3/4 of 4 GiB
+        assert_eq!(fit(None).pending(2, 2048, Some(4 << 30)), 0);
+        assert_eq!(fit(None).pending(2, 2048, Some(64 << 30)), PARK_PENDING);
+        // other checkpointing parks no pairs
+        let whole = ParkFit {
+            ckpt: Checkpointing::Full,
+            ..fit(None)
+        };
+        assert_eq!(whole.pending(2, 2048, None), 0);
+    }
+
     #[test]
     fn ramp_doubles_seq_then_micro_batch() {
         assert_eq!(
-            super::ramp(512, 8),
+            ramp(512, 8),
             vec![
                 (1, 64),
                 (1, 128),
