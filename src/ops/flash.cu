@@ -42,7 +42,7 @@ struct FlashP {
     long sdq[3]; long sdk[3];  // backward: dq's and dk's strides (their layout is the caller's)
     int B, H, KH, T, window;
     float scale;
-    float softcap;             // 0: none (flash90.cu's kernels take none)
+    float softcap;             // 0: none (of flash90.cu's kernels, the d256 ones take it)
 };
 
 // The mma.sync kernels' tiles at head dim D (flash.rs's launches size shared memory from the

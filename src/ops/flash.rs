@@ -1,5 +1,6 @@
 //! Causal attention on tensor cores: the kernels of `flash.cu` (CUDA, bf16, head dim 64, 96, 128
-//! or 256, Gemma 2's soft-capped scores) and `flash90.cu` (head dim 128, no cap).
+//! or 256, Gemma 2's soft-capped scores) and `flash90.cu` (head dim 128, no cap; and the
+//! backward at head dim 256, capped or not).
 //!
 //! Same contract as `attention::attention_fwd` / `attention_bwd` (causal, optional segments,
 //! sliding window and soft-cap, L = log-sum-exp in natural log), but one kernel per pass instead
@@ -495,7 +496,7 @@ mod imp {
                 Attention::Blockwise => {
                     candle_core::bail!("flash attention: Blockwise is ops::attention's path")
                 }
-                Attention::MmaSync => {
+                Attention::MmaSync | Attention::WgmmaBwd256 => {
                     // K, V twice; Q unless in registers; segment ids.
                     let c = mma_cfg(d);
                     let q_rows = if c.rows_in_regs { 0 } else { 64 };
@@ -618,6 +619,31 @@ mod imp {
         ))
     }
 
+    /// flash90.cu's backward at head dim 256 over `p` (every address set): dQ, then dK and dV.
+    fn bwd90_d256(
+        dev: &CudaDevice,
+        p: &FlashP,
+        (b, h, kh, t, d): (usize, usize, usize, usize, usize),
+    ) -> Result<()> {
+        if d != 256 {
+            candle_core::bail!(
+                "flash attention: the wgmma backward takes head dim 256 here, not {d}"
+            );
+        }
+        // Bytes of a 64-row tile of head dim 256.
+        let tile = 64 * 256 * 2;
+        // dQ: Q and dO (128 rows), K and V three times (32 rows); segment ids three times;
+        // room to align the tiles to 1024 bytes.
+        let smem = 4 * tile + 6 * tile / 2 + 3 * 32 * 4 + 1024;
+        let grid = (t.div_ceil(128) as u32, (b * h) as u32);
+        launch90(dev, "flash_dq90_d256", THREADS90, grid, smem, p)?;
+        // dK, dV: K and V (64 rows), Q and dO twice (64 rows); Pᵀ and dSᵀ [64 × 64] bf16; L, δ
+        // and segment ids twice; room to align.
+        let smem = 2 * tile + 4 * tile + 2 * 64 * 64 * 2 + 6 * 64 * 4 + 1024;
+        let grid = (t.div_ceil(64) as u32, (b * kh) as u32);
+        launch90(dev, "flash_dkdv90_d256", THREADS90, grid, smem, p)
+    }
+
     /// Queues the backward's kernels of family `kernels` over `p` (every address set): q
     /// [B, H, T, D], k and v [B, K, T, D], `bhktd` = (B, H, K, T, D).
     fn bwd_launches(
@@ -675,6 +701,7 @@ mod imp {
             Attention::Blockwise => {
                 candle_core::bail!("flash attention: Blockwise is ops::attention's path")
             }
+            Attention::WgmmaBwd256 => bwd90_d256(dev, p, (b, h, kh, t, d))?,
             Attention::MmaSync => {
                 let c = mma_cfg(d);
                 let rows = (d + 8) * 2; // bytes of one padded shared-memory row

@@ -1,4 +1,5 @@
-// Causal flash attention on Hopper's warpgroup MMA (wgmma, sm_90a), head dim 128. Compiled by
+// Causal flash attention on Hopper's warpgroup MMA (wgmma, sm_90a), head dim 128, and the
+// backward at head dim 256 (Gemma's; soft-capped or not, flash.cu's forward). Compiled by
 // NVRTC after flash.cu (its FlashP, masks and fragment helpers) for sm_90a, and taken on
 // compute capability 9.0 only; flash.cu's mma.sync kernels stay the path everywhere else.
 //
@@ -522,6 +523,279 @@ __device__ __forceinline__ void flash_dkdv90(const FlashP& p) {
 extern "C" __global__ void __launch_bounds__(256, 1) flash_dq90_d128(const FlashP p) { flash_dq90(p); }
 extern "C" __global__ void __launch_bounds__(256, 1) flash_dkdv90_d128(const FlashP p) { flash_dkdv90<false>(p); }
 extern "C" __global__ void __launch_bounds__(256, 1) flash_bwd90_d128(const FlashP p) { flash_dkdv90<true>(p); }
+
+// Head dim 256 (Gemma 2 and 3): dK and dV of 64 keys a block, over every query head of the kv
+// head in tiles of 64 queries, Q and dO twice buffered. A [R × 256] tile is four column
+// quarters of R rows × 128 bytes (sw_load's layout, twice), so K-major k steps 4..15 land in
+// quarters 1..3 (wg_kdesc) and a 128-column half of a tile is two adjacent quarters.
+//
+// The 64 keys' full dK and dV rows would take 256 accumulator registers a thread, so each
+// warpgroup accumulates one 128-column half of both, for all 64 keys, and the two split the
+// scores by queries: warpgroup w makes Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ of the tile's queries
+// 32w … 32w + 31, and their P and dS (soft-capped, masked). Pᵀ and dSᵀ go to shared tiles
+// [64 keys × 64 queries] (a swizzled 128-byte row a key) that both read K-major:
+// dV[:, half] += Pᵀ·dO[:, half] (issued once P is out, running while dS goes out) and
+// dK[:, half] += dSᵀ·Q[:, half]. Every product is made once. At the end warpgroup 1 hands its
+// dK half to warpgroup 0, which stores whole rows (RoPE's backward pairs column j with
+// j + 128). Sums run in a fixed order: deterministic.
+template<int R>
+__device__ __forceinline__ void sw_load256(unsigned s, const bf16_t* g, long st, int r0, int T) {
+    sw_load<R>(s, g, st, r0, T);
+    sw_load<R>(s + 2 * R * 128, g + 128, st, r0, T);
+}
+
+// D[64 × 32] (+)= A · B, A and B K-major from shared memory (descriptors).
+__device__ __forceinline__ void wg_ss32(float (*d)[4], unsigned long long da, unsigned long long db, int acc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+        : "l"(da), "l"(db), "r"(acc));
+}
+
+// D[64 × 32] = A · B (D's old values unread: the first k step of a product).
+__device__ __forceinline__ void wg_ss32z(float (*d)[4], unsigned long long da, unsigned long long db) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+        : "=f"(d[0][0]), "=f"(d[0][1]), "=f"(d[0][2]), "=f"(d[0][3]), "=f"(d[1][0]), "=f"(d[1][1]), "=f"(d[1][2]), "=f"(d[1][3]), "=f"(d[2][0]), "=f"(d[2][1]), "=f"(d[2][2]), "=f"(d[2][3]), "=f"(d[3][0]), "=f"(d[3][1]), "=f"(d[3][2]), "=f"(d[3][3])
+        : "l"(da), "l"(db));
+}
+
+// D[64 × 32] = A·Bᵀ over k = 256 as one wgmma group, A and B K-major: the 64 rows at a and the
+// 32 rows at b of [R × 256] tiles of ar and br rows (each tile's quarters R·128 bytes apart;
+// a and b at multiples of 8 rows, the swizzle's period).
+__device__ __forceinline__ void wg_product256(float (*d)[4], unsigned a, int ar, unsigned b, int br) {
+    wg_ss32z(d, wg_kdesc(a, ar, 0), wg_kdesc(b, br, 0));
+#pragma unroll
+    for (int kk = 1; kk < 16; ++kk) wg_ss32(d, wg_kdesc(a, ar, kk), wg_kdesc(b, br, kk), 1);
+    wg_commit();
+}
+
+// This warp's rows of a [64 × 32] accumulator (C order) into columns 32·w … of a swizzled bf16
+// tile [64 × 64], a row of 128 bytes each: chunk n of row r at r·128 + (n ^ r % 8)·16.
+__device__ __forceinline__ void sw_put32(unsigned tile, const float (*v)[4], int w, int warp, int g, int c) {
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const unsigned row = warp * 16 + g + 8 * r;
+            const unsigned at = tile + row * 128 + (((4 * w + n) ^ (row & 7)) << 4) + 4 * c;
+            asm volatile("st.shared.b32 [%0], %1;" :: "r"(at), "r"(fl_pack(v[n][2 * r], v[n][2 * r + 1])) : "memory");
+        }
+}
+
+__device__ __forceinline__ void wg_bar(int id) { asm volatile("bar.sync %0, 256;" :: "r"(id) : "memory"); }
+
+__device__ __forceinline__ void flash_dkdv90_256(const FlashP& p) {
+    constexpr int D = 256, BK = 64, BQ = 64, KT = BK * D * 2, QT = BQ * D * 2, PT = BK * BQ * 2;
+    const unsigned raw = fl_smem(flash90_smem), base = (raw + 1023) & ~1023u;
+    const unsigned sK = base, sV = sK + KT, sQ = sV + KT, sO = sQ + 2 * QT;  // sQ, sO: [2]
+    const unsigned sP = sO + 2 * QT, sDS = sP + PT;  // Pᵀ, dSᵀ [BK][BQ] bf16
+    float* sL = (float*)(flash90_smem + (sDS + PT - raw));  // [2][BQ] L
+    float* sD = sL + 2 * BQ;                                 // [2][BQ] δ
+    unsigned* sSeg = (unsigned*)(sD + 2 * BQ);               // [2][BQ]
+    const int T = p.T, b = blockIdx.y / p.KH, kh = blockIdx.y % p.KH, grp = p.H / p.KH;
+    const int k0 = blockIdx.x * BK;
+    const int tid = threadIdx.x, wg = tid >> 7, t = tid & 127, warp = t >> 5, l = tid & 31;
+    const int g = l >> 2, c = l & 3;
+    const float sc = p.scale * FLASH_LOG2E, kt = p.softcap != 0.f ? p.scale / p.softcap : 0.f;
+    const int qend = fl_query_end<BK>(p, b, k0);
+    const int nq = (qend - k0 + BQ - 1) / BQ, iters = grp * nq;  // (query head, query tile) pairs
+    auto q0_of = [&](int it) { return k0 + (it % nq) * BQ; };
+    auto prefetch = [&](int it) {  // pair it into buffer it % 2
+        const int h = kh * grp + it / nq, q0 = q0_of(it), buf = it & 1;
+        sw_load256<BQ>(sQ + buf * QT, p.q + b * p.sq[0] + h * p.sq[1], p.sq[2], q0, T);
+        sw_load256<BQ>(sO + buf * QT, p.o + b * p.so[0] + h * p.so[1], p.so[2], q0, T);
+        if (tid < BQ) {  // 0 past T, where the mask rules every query out
+            const long row = ((long)b * p.H + h) * T;
+            const int i = q0 + tid;
+            const bool ok = i < T;
+            fl_cp4(sL + buf * BQ + tid, ok ? p.lse + row + i : p.lse, ok);
+            fl_cp4(sD + buf * BQ + tid, ok ? p.delta + row + i : p.delta, ok);
+            if (p.seg) fl_cp4(sSeg + buf * BQ + tid, p.seg + (long)b * T + i, ok);
+            else sSeg[buf * BQ + tid] = 0u;
+        }
+        fl_commit();
+    };
+    sw_load256<BK>(sK, p.k + b * p.sk[0] + kh * p.sk[1], p.sk[2], k0, T);
+    sw_load256<BK>(sV, p.v + b * p.sv[0] + kh * p.sv[1], p.sv[2], k0, T);
+    fl_commit();
+    if (iters > 0) prefetch(0);
+    const int kj0 = k0 + warp * 16 + g;  // this thread's keys kj0 and kj0 + 8 (either warpgroup)
+    const unsigned sg0 = fl_seg(p, b, kj0), sg1 = fl_seg(p, b, kj0 + 8);
+    const unsigned half = 2 * wg * BQ * 128;  // this warpgroup's columns in a Q or dO tile
+    const int qw = 32 * wg;                   // this warpgroup's queries in a tile
+    float dk[16][4], dv[16][4], s[4][4], dp[4][4];
+#pragma unroll
+    for (int n = 0; n < 16; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.f;
+    wg_hold<16>(dk);  // the zeros are written here, before any wgmma is in flight
+    wg_hold<16>(dv);
+    for (int it = 0; it < iters; ++it) {
+        const int buf = it & 1, q0 = q0_of(it) + qw;
+        const unsigned tQ = sQ + buf * QT, tO = sO + buf * QT;
+        const float* tL = sL + buf * BQ + qw;
+        const float* tD = sD + buf * BQ + qw;
+        // Pair it's tiles are in, and both warpgroups are past pair it − 1's products: its
+        // buffer takes pair it + 1.
+        fl_wait_all();
+        wg_smem_fence();
+        __syncthreads();
+        if (it + 1 < iters) prefetch(it + 1);
+        // Sᵀ and dPᵀ: rows this block's 64 keys, columns this warpgroup's 32 queries
+        wg_fence();
+        wg_product256(s, sK, BK, tQ + qw * 128, BQ);
+        wg_product256(dp, sV, BK, tO + qw * 128, BQ);
+        wg_wait<0>();
+        wg_hold<4>(s);
+        wg_hold<4>(dp);
+        if (p.softcap != 0.f) fl_softcap<32>(s, p.scale, p.softcap);
+        if (p.seg || p.window != 0 || q0 < k0 + warp * 16 + 15 || q0 + 32 > T)
+            fl_mask_t<32>(p, s, q0, kj0, sg0, sg1, sSeg + buf * BQ + qw, c);
+        // P = exp(scale·S − L), 0 where masked; dS = P ⊙ (dP − δ), with the cap's derivative
+        // 1 − t² (in flash.cu's order of rounding)
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int col = n * 8 + 2 * c + (e & 1);
+                const float pr = fl_exp2(fmaf(s[n][e], sc, -tL[col] * FLASH_LOG2E));
+                const float f = p.softcap != 0.f ? pr * fl_softcap_d(s[n][e], kt) : pr;
+                dp[n][e] = f * (dp[n][e] - tD[col]);
+                s[n][e] = pr;
+            }
+        sw_put32(sP, s, wg, warp, g, c);
+        wg_smem_fence();
+        wg_bar(1);  // both warpgroups' Pᵀ columns are out
+        wg_fence();
+#pragma unroll
+        for (int j = 0; j < BQ / 16; ++j) wg_ss128<1>(dv, wg_kdesc(sP, BK, j), wg_ndesc(tO + half, BQ, j), 1);
+        wg_commit();
+        sw_put32(sDS, dp, wg, warp, g, c);  // while dV's product runs
+        wg_smem_fence();
+        wg_bar(2);  // both warpgroups' dSᵀ columns are out
+        wg_fence();
+#pragma unroll
+        for (int j = 0; j < BQ / 16; ++j) wg_ss128<1>(dk, wg_kdesc(sDS, BK, j), wg_ndesc(tQ + half, BQ, j), 1);
+        wg_commit();
+        wg_wait<0>();
+        wg_hold<16>(dv);
+        wg_hold<16>(dk);
+    }
+    fl_wait_all();
+    fl_store_rows<128>(p.dv + b * p.sv[0] + kh * p.sv[1] + wg * 128, p.sv[2], dv, kj0, T, 1.f, nullptr, nullptr, c);
+    // warpgroup 1's dK half, in fragment order, over the Q tiles (read by no one now)
+    float* xK = (float*)(flash90_smem + (sQ - raw));
+    __syncthreads();
+    if (wg == 1) {
+#pragma unroll
+        for (int n = 0; n < 16; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) xK[(n * 4 + e) * 128 + t] = dk[n][e];
+    }
+    __syncthreads();
+    if (wg == 0) {
+        float full[32][4];
+#pragma unroll
+        for (int n = 0; n < 16; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                full[n][e] = dk[n][e];
+                full[16 + n][e] = xK[(n * 4 + e) * 128 + t];
+            }
+        const long rope = (long)b * T * (D / 2);
+        fl_store_rows<D>(p.dk + b * p.sdk[0] + kh * p.sdk[1], p.sdk[2], full, kj0, T, p.scale,
+                         p.rc ? p.rc + rope : nullptr, p.rs ? p.rs + rope : nullptr, c);
+    }
+}
+
+// dQ at head dim 256: 128 queries a block (64 a warpgroup), keys in tiles of 32, three buffers
+// deep. S = Q·Kᵀ and dP = dO·Vᵀ (k = 256) with Q and dO from shared memory, then
+// dQ += dS·K as two 128-column halves, dS from registers (dQ's 64 × 256 sums take 128
+// registers a thread). Pipelined by wg_pipeline as flash_dq90: a step is a key tile.
+__device__ __forceinline__ void flash_dq90_256(const FlashP& p) {
+    constexpr int D = 256, BQ = 128, BK = 32, QT = BQ * D * 2, KT = BK * D * 2;
+    const unsigned raw = fl_smem(flash90_smem), base = (raw + 1023) & ~1023u;
+    const unsigned sQ = base, sO = sQ + QT, sK = sO + QT, sV = sK + 3 * KT;  // sK, sV: [3]
+    unsigned* sSeg = (unsigned*)(flash90_smem + (sV + 3 * KT - raw));  // [3][BK]
+    const int T = p.T, bh = blockIdx.y, b = bh / p.H, h = bh % p.H, kh = h / (p.H / p.KH);
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;
+    const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, l = tid & 31;
+    const int g = l >> 2, c = l & 3;
+    const float sc = p.scale * FLASH_LOG2E, kt = p.softcap != 0.f ? p.scale / p.softcap : 0.f;
+    const int kend = min(T, q0 + BQ), kbeg = fl_first_key<BK>(p, b, q0);
+    const int ntiles = (kend - kbeg + BK - 1) / BK;
+    const int w0 = q0 + 64 * wg;
+    auto prefetch = [&](int j) {  // key tile j into buffer j % 3
+        const int k0 = kbeg + j * BK, buf = j % 3;
+        sw_load256<BK>(sK + buf * KT, p.k + b * p.sk[0] + kh * p.sk[1], p.sk[2], k0, T);
+        sw_load256<BK>(sV + buf * KT, p.v + b * p.sv[0] + kh * p.sv[1], p.sv[2], k0, T);
+        fl_seg_load<BK>(p, sSeg + buf * BK, b, k0);
+        fl_commit();
+    };
+    sw_load256<BQ>(sQ, p.q + b * p.sq[0] + h * p.sq[1], p.sq[2], q0, T);
+    sw_load256<BQ>(sO, p.o + b * p.so[0] + h * p.so[1], p.so[2], q0, T);
+    prefetch(0);  // one group with Q and dO
+    if (ntiles > 1) { prefetch(1); fl_wait_but1(); } else fl_wait_all();
+    const int qi0 = w0 + warp * 16 + g, qi1 = qi0 + 8;
+    const unsigned sg0 = fl_seg(p, b, qi0), sg1 = fl_seg(p, b, qi1);
+    const float L0 = qi0 < T ? p.lse[(long)bh * T + qi0] * FLASH_LOG2E : 0.f;
+    const float L1 = qi1 < T ? p.lse[(long)bh * T + qi1] * FLASH_LOG2E : 0.f;
+    const float d0 = qi0 < T ? p.delta[(long)bh * T + qi0] : 0.f;
+    const float d1 = qi1 < T ? p.delta[(long)bh * T + qi1] : 0.f;
+    float acc[32][4], s[BK / 8][4], dp[BK / 8][4];
+#pragma unroll
+    for (int n = 0; n < 32; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+    wg_hold<32>(acc);  // the zeros are written here, before any wgmma is in flight
+    unsigned da[BK / 16][4];
+    auto issue_sdp = [&](int j) {  // S and dP of tile j, as two groups
+        const unsigned tK = sK + (j % 3) * KT, tV = sV + (j % 3) * KT;
+        wg_fence();
+        wg_product256(s, sQ + wg * 64 * 128, BQ, tK, BK);
+        wg_product256(dp, sO + wg * 64 * 128, BQ, tV, BK);
+    };
+    wg_smem_fence();
+    __syncthreads();
+    // Tile j: P, dS, then dQ += dS·K issued (not waited for).
+    auto process = [&](int j) {
+        const int k0 = kbeg + j * BK;
+        wg_wait<0>();
+        wg_hold<BK / 8>(s);
+        wg_hold<BK / 8>(dp);
+        if (p.softcap != 0.f) fl_softcap<BK>(s, p.scale, p.softcap);
+        if (p.seg || p.window != 0 || k0 + BK - 1 > w0 + warp * 16)
+            fl_mask<BK>(p, s, qi0, sg0, sg1, k0, sSeg + (j % 3) * BK, c);
+        // dS = P ⊙ (dP − δ), P = exp(scale·S − L): 0 where masked; with the cap, times its
+        // derivative (flash.cu's order of rounding)
+#pragma unroll
+        for (int n = 0; n < BK / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float L = e < 2 ? L0 : L1, dl = e < 2 ? d0 : d1;
+                const float ds = fl_exp2(fmaf(s[n][e], sc, -L)) * (dp[n][e] - dl);
+                s[n][e] = p.softcap != 0.f ? ds * fl_softcap_d(s[n][e], kt) : ds;
+            }
+#pragma unroll
+        for (int jj = 0; jj < BK / 16; ++jj) fl_a_from_c(da[jj], s[2 * jj], s[2 * jj + 1]);
+        const unsigned tK = sK + (j % 3) * KT;
+        wg_fence();
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+            for (int jj = 0; jj < BK / 16; ++jj)
+                wg_rs128<1>(acc + 16 * hf, da[jj], wg_ndesc(tK + hf * 2 * BK * 128, BK, jj), 1);
+        wg_commit();
+    };
+    wg_pipeline(ntiles, issue_sdp, process, prefetch);
+    wg_wait<0>();
+    wg_hold<32>(acc);
+    const long rope = (long)b * T * (D / 2);
+    fl_store_rows<D>(p.dq + b * p.sdq[0] + h * p.sdq[1], p.sdq[2], acc, qi0, T, p.scale,
+                     p.rc ? p.rc + rope : nullptr, p.rs ? p.rs + rope : nullptr, c);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1) flash_dq90_d256(const FlashP p) { flash_dq90_256(p); }
+extern "C" __global__ void __launch_bounds__(256, 1) flash_dkdv90_d256(const FlashP p) { flash_dkdv90_256(p); }
 
 // After flash_bwd90: dq = scale · p.dqacc as rows of dq's layout (p.sdq), rotated back by
 // RoPE's angle when p.rc is given (as fl_store_rows does). p.dqacc holds [B, H, ⌈T/64⌉] tiles
