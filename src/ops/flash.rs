@@ -1,6 +1,6 @@
 //! Causal attention on tensor cores: the kernels of `flash.cu` (CUDA, bf16, head dim 64, 96, 128
-//! or 256, Gemma 2's soft-capped scores) and `flash90.cu` (head dim 128, no cap; and the
-//! backward at head dim 256, capped or not).
+//! or 256, Gemma 2's soft-capped scores) and `flash90.cu` (head dim 128, no cap; head dim 256,
+//! capped or not).
 //!
 //! Same contract as `attention::attention_fwd` / `attention_bwd` (causal, optional segments,
 //! sliding window and soft-cap, L = log-sum-exp in natural log), but one kernel per pass instead
@@ -124,6 +124,16 @@ mod imp {
         }
         if p.softcap != 0.0 {
             candle_core::bail!("flash attention: the wgmma kernels do not soft-cap (use MmaSync)");
+        }
+        Ok(())
+    }
+
+    /// flash90.cu's d256 kernels take head dim 256 (and soft-caps).
+    fn wgmma256_d(d: usize) -> Result<()> {
+        if d != 256 {
+            candle_core::bail!(
+                "flash attention: the d256 wgmma kernels take head dim 256, not {d}"
+            );
         }
         Ok(())
     }
@@ -496,7 +506,16 @@ mod imp {
                 Attention::Blockwise => {
                     candle_core::bail!("flash attention: Blockwise is ops::attention's path")
                 }
-                Attention::MmaSync | Attention::WgmmaBwd256 => {
+                Attention::Wgmma256 => {
+                    wgmma256_d(d)?;
+                    // Q (128 rows of 256), K twice and V three times (64 rows), segment ids
+                    // twice, room to align the tiles to 1024 bytes.
+                    let tile = 64 * 256 * 2;
+                    let smem = 2 * tile + 5 * tile + 2 * 64 * 4 + 1024;
+                    let grid = (t.div_ceil(128) as u32, (b * h) as u32);
+                    launch90(&dev, "flash_fwd90_d256", THREADS90, grid, smem, &p)?;
+                }
+                Attention::MmaSync => {
                     // K, V twice; Q unless in registers; segment ids.
                     let c = mma_cfg(d);
                     let q_rows = if c.rows_in_regs { 0 } else { 64 };
@@ -625,11 +644,7 @@ mod imp {
         p: &FlashP,
         (b, h, kh, t, d): (usize, usize, usize, usize, usize),
     ) -> Result<()> {
-        if d != 256 {
-            candle_core::bail!(
-                "flash attention: the wgmma backward takes head dim 256 here, not {d}"
-            );
-        }
+        wgmma256_d(d)?;
         // Bytes of a 64-row tile of head dim 256.
         let tile = 64 * 256 * 2;
         // dQ: Q and dO (128 rows), K and V three times (32 rows); segment ids three times;
@@ -701,7 +716,7 @@ mod imp {
             Attention::Blockwise => {
                 candle_core::bail!("flash attention: Blockwise is ops::attention's path")
             }
-            Attention::WgmmaBwd256 => bwd90_d256(dev, p, (b, h, kh, t, d))?,
+            Attention::Wgmma256 => bwd90_d256(dev, p, (b, h, kh, t, d))?,
             Attention::MmaSync => {
                 let c = mma_cfg(d);
                 let rows = (d + 8) * 2; // bytes of one padded shared-memory row

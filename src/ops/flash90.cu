@@ -1,5 +1,5 @@
-// Causal flash attention on Hopper's warpgroup MMA (wgmma, sm_90a), head dim 128, and the
-// backward at head dim 256 (Gemma's; soft-capped or not, flash.cu's forward). Compiled by
+// Causal flash attention on Hopper's warpgroup MMA (wgmma, sm_90a), head dim 128, and head dim
+// 256 (Gemma's, soft-capped or not: the kernels named _d256, at the end). Compiled by
 // NVRTC after flash.cu (its FlashP, masks and fragment helpers) for sm_90a, and taken on
 // compute capability 9.0 only; flash.cu's mma.sync kernels stay the path everywhere else.
 //
@@ -708,6 +708,106 @@ __device__ __forceinline__ void flash_dkdv90_256(const FlashP& p) {
                          p.rc ? p.rc + rope : nullptr, p.rs ? p.rs + rope : nullptr, c);
     }
 }
+
+// D[64 × 64] = A·Bᵀ over k = 256 as one wgmma group, A and B K-major: the 64 rows at a and at
+// bt of [R × 256] tiles of ar and br rows.
+__device__ __forceinline__ void wg_product256_64(float (*d)[4], unsigned a, int ar, unsigned bt, int br) {
+    wg_ss64z<0>(d, wg_kdesc(a, ar, 0), wg_kdesc(bt, br, 0));
+#pragma unroll
+    for (int kk = 1; kk < 16; ++kk) wg_ss64<0>(d, wg_kdesc(a, ar, kk), wg_kdesc(bt, br, kk), 1);
+    wg_commit();
+}
+
+// The forward at head dim 256: 128 queries a block (64 a warpgroup), keys in tiles of 64. As
+// flash_fwd90 (S of tile j issued, then P·V of tile j − 1; K twice, V three times buffered),
+// with S = Q·Kᵀ over k = 256, O's 64 × 256 sums as two m64n128 halves (128 registers a
+// thread), and Gemma 2's soft-cap on S before the mask.
+__device__ __forceinline__ void flash_fwd90_256(const FlashP& p) {
+    constexpr int D = 256, BQ = 128, BK = 64, QT = BQ * D * 2, KT = BK * D * 2, DN = D / 8;
+    const unsigned raw = fl_smem(flash90_smem), base = (raw + 1023) & ~1023u;
+    const unsigned sQ = base, sK = sQ + QT, sV = sK + 2 * KT;  // sK [2], sV [3]
+    unsigned* sSeg = (unsigned*)(flash90_smem + (sV + 3 * KT - raw));  // [2][BK]
+    const int T = p.T, bh = blockIdx.y, b = bh / p.H, h = bh % p.H, kh = h / (p.H / p.KH);
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;  // the longest rows first
+    const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, l = tid & 31;
+    const int g = l >> 2, c = l & 3;
+    const float sc = p.scale * FLASH_LOG2E;
+    const int kend = min(T, q0 + BQ), kbeg = fl_first_key<BK>(p, b, q0);
+    const int ntiles = (kend - kbeg + BK - 1) / BK;
+    const int w0 = q0 + 64 * wg;  // this warpgroup's first query
+    auto prefetch = [&](int j) {  // key tile j
+        const int k0 = kbeg + j * BK;
+        sw_load256<BK>(sK + (j & 1) * KT, p.k + b * p.sk[0] + kh * p.sk[1], p.sk[2], k0, T);
+        sw_load256<BK>(sV + (j % 3) * KT, p.v + b * p.sv[0] + kh * p.sv[1], p.sv[2], k0, T);
+        fl_seg_load<BK>(p, sSeg + (j & 1) * BK, b, k0);
+        fl_commit();
+    };
+    sw_load256<BQ>(sQ, p.q + b * p.sq[0] + h * p.sq[1], p.sq[2], q0, T);  // one group with tile 0
+    prefetch(0);
+    const int qi0 = w0 + warp * 16 + g, qi1 = qi0 + 8;
+    const unsigned sg0 = fl_seg(p, b, qi0), sg1 = fl_seg(p, b, qi1);
+    float o[DN][4], s[BK / 8][4];
+#pragma unroll
+    for (int n = 0; n < DN; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    unsigned pf[BK / 16][4];  // P of the tile whose P·V is next
+    float m0 = FLASH_NEG_INF, m1 = FLASH_NEG_INF, l0 = 0.f, l1 = 0.f, cr0 = 1.f, cr1 = 1.f;
+    // Waits for key tile j, starts loading tile j + 1 and issues S = Q·K_jᵀ.
+    auto start = [&](int j) {
+        fl_wait_all();
+        wg_smem_fence();
+        __syncthreads();  // every warpgroup is done with S of tile j − 1 and P·V of j − 2
+        if (j + 1 < ntiles) prefetch(j + 1);
+        wg_fence();
+        wg_product256_64(s, sQ + wg * 64 * 128, BQ, sK + (j & 1) * KT, BK);
+    };
+    auto softmax = [&](int j) {
+        const int k0 = kbeg + j * BK;
+        if (p.softcap != 0.f) fl_softcap<BK>(s, p.scale, p.softcap);
+        if (p.seg || p.window != 0 || k0 + BK - 1 > w0 + warp * 16)
+            fl_mask<BK>(p, s, qi0, sg0, sg1, k0, sSeg + (j & 1) * BK, c);
+        fl_online_softmax<BK>(s, sc, m0, m1, l0, l1, cr0, cr1);
+    };
+    // O += P·V of tile j (P in pf), as two 128-column halves.
+    auto pv = [&](int j) {
+        const unsigned tV = sV + (j % 3) * KT;
+        wg_fence();
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+            for (int jj = 0; jj < BK / 16; ++jj)
+                wg_rs128<1>(o + 16 * hf, pf[jj], wg_ndesc(tV + hf * 2 * BK * 128, BK, jj), 1);
+        wg_commit();
+    };
+    auto keep_p = [&]() {
+#pragma unroll
+        for (int jj = 0; jj < BK / 16; ++jj) fl_a_from_c(pf[jj], s[2 * jj], s[2 * jj + 1]);
+    };
+    start(0);
+    wg_wait<0>();
+    wg_hold<BK / 8>(s);
+    softmax(0);
+    keep_p();
+    for (int j = 1; j < ntiles; ++j) {
+        start(j);
+        pv(j - 1);
+        wg_wait<1>();  // S of tile j; P·V of tile j − 1 runs on through the softmax
+        wg_hold<BK / 8>(s);
+        softmax(j);
+        wg_wait<0>();
+        wg_hold<DN>(o);
+#pragma unroll
+        for (int n = 0; n < DN; ++n) {
+            o[n][0] *= cr0; o[n][1] *= cr0; o[n][2] *= cr1; o[n][3] *= cr1;
+        }
+        keep_p();
+    }
+    pv(ntiles - 1);
+    wg_wait<0>();
+    wg_hold<DN>(o);
+    fl_store_o<D>(p, o, b, h, qi0, m0, m1, l0, l1, c);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1) flash_fwd90_d256(const FlashP p) { flash_fwd90_256(p); }
 
 // dQ at head dim 256: 128 queries a block (64 a warpgroup), keys in tiles of 32, three buffers
 // deep. S = Q·Kᵀ and dP = dO·Vᵀ (k = 256) with Q and dO from shared memory, then

@@ -57,10 +57,10 @@ pub enum Attention {
     /// flash.cu: mma.sync from ldmatrix fragments; sm_80 and later, bf16, head dims 64, 96, 128
     /// and 256, soft-capped scores (Gemma 2) or not.
     MmaSync,
-    /// Head dim 256 (Gemma 2 and 3) on compute capability 9.0, soft-capped or not: `MmaSync`'s
-    /// forward, the backward on warpgroup MMA (flash90.cu's `flash_dq90_d256` and
-    /// `flash_dkdv90_d256`; every sum in a fixed order).
-    WgmmaBwd256,
+    /// Head dim 256 (Gemma 2 and 3) on compute capability 9.0, soft-capped or not: flash90.cu's
+    /// `flash_fwd90_d256`, `flash_dq90_d256` and `flash_dkdv90_d256` (every sum in a fixed
+    /// order).
+    Wgmma256,
     /// flash90.cu: warpgroup MMA (wgmma) from swizzled shared tiles; compute capability 9.0
     /// (H100, H200), bf16, head dim 128, no soft-cap. The backward is one kernel (`flash_bwd90`: dK, dV and
     /// dQ's terms from one S and dP per tile) and a pass that rounds dQ's f32 sums. Those sums
@@ -86,7 +86,7 @@ impl Attention {
         match (cuda && dtype == DType::BF16, a.head_dim) {
             (true, 128) if wgmma && deterministic => Attention::WgmmaSplitDq,
             (true, 128) if wgmma => Attention::Wgmma,
-            (true, 256) if hopper => Attention::WgmmaBwd256,
+            (true, 256) if hopper => Attention::Wgmma256,
             (true, 64 | 96 | 128 | 256) => Attention::MmaSync,
             _ => Attention::Blockwise,
         }
@@ -318,8 +318,8 @@ mod tests {
         let ampere = Kernels::choose(true, false, bf16, d128, true, Experiments::default());
         assert_eq!(ampere.attention, Attention::MmaSync);
         // Soft-capped scores (Gemma 2), head dims 96 (Phi-3) and 256 (Gemma): mma.sync on
-        // any GPU, Hopper's wgmma kernels having neither; but at head dim 256 on Hopper the
-        // backward on wgmma, capped or not.
+        // any GPU, Hopper's d128 wgmma kernels having neither; at head dim 256 on Hopper
+        // wgmma's d256 kernels, capped or not.
         let shapes = [64, 96, 128, 256]
             .map(|head_dim| AttnShape {
                 head_dim,
@@ -331,7 +331,7 @@ mod tests {
             for (hopper, det) in [(true, false), (true, true), (false, false)] {
                 let k = Kernels::choose(true, hopper, bf16, a, det, Experiments::default());
                 let want = match hopper && a.head_dim == 256 {
-                    true => Attention::WgmmaBwd256,
+                    true => Attention::Wgmma256,
                     false => Attention::MmaSync,
                 };
                 assert_eq!(k.attention, want, "{a:?} hopper={hopper}");
@@ -341,8 +341,8 @@ mod tests {
         // The family shapes of `bench` (Phi-3, Gemma 2 with its cap, Gemma 3) on Hopper.
         for (shape, want) in [
             ("phi3-mini", Attention::MmaSync),
-            ("gemma2-9b", Attention::WgmmaBwd256),
-            ("gemma3-12b", Attention::WgmmaBwd256),
+            ("gemma2-9b", Attention::Wgmma256),
+            ("gemma3-12b", Attention::Wgmma256),
         ] {
             let cfg = crate::bench::shape(shape).unwrap();
             let k = Kernels::forecast(true, bf16, cfg.attn_shape());

@@ -484,8 +484,8 @@ fn frozen_linear_matches_matmul_and_bias() {
 /// O, L, dq, dk, dv in bf16 for head dims 64, 96 (Phi-3), 128 and 256 (Gemma), GQA (dk, dv
 /// summed over each group), packed segments, a sliding window, Gemma 2's soft-cap (at 50 as
 /// configured, and low enough to bend most scores), and T off the 64- and 128-row tiles; on a
-/// Hopper GPU both kernel families, wgmma's backward fused and split, and at head dim 256 the
-/// wgmma backward beside mma.sync's. v and dO go in as views of token-major rows, as the
+/// Hopper GPU both kernel families, wgmma's backward fused and split, and at head dim 256
+/// wgmma's d256 kernels beside mma.sync's. v and dO go in as views of token-major rows, as the
 /// training layer passes them.
 #[cfg(feature = "cuda")]
 #[test]
@@ -567,7 +567,7 @@ fn flash_attention_matches_blockwise_on_the_gpu() {
                 Attention::WgmmaSplitDq,
                 Attention::Wgmma,
             ],
-            Attention::WgmmaBwd256 => vec![Attention::MmaSync, Attention::WgmmaBwd256],
+            Attention::Wgmma256 => vec![Attention::MmaSync, Attention::Wgmma256],
             other => vec![other],
         };
         let mut out = None;
