@@ -23,8 +23,8 @@
 #         exports the merge and decodes 8 greedy ids; scripts/check_family_compat.py loads the
 #         adapter with PeftModel and checks our eval loss, greedy ids and merged checkpoint
 #         against it -> $OUT/families_compat.log.
-# famb:   qwen3-8b gemma2-9b gemma3-12b phi3-mini shapes, seq 2048, mb2, r16 all linear: `bench`
-#         beside scripts/bench_peft.py (each 240 s at most) -> $OUT/famb.jsonl. FAMB_CKPT=1:
+# famb:   qwen3-8b gemma2-9b gemma3-12b phi3-mini shapes, seq 2048, mb2 (FAMB_MB), r16 all linear:
+#         `bench` beside scripts/bench_peft.py (each 240 s at most) -> $OUT/famb.jsonl. FAMB_CKPT=1:
 #         both checkpointed; FAMB_SHAPES picks shapes; FAMB_EXP=name also runs ours with
 #         LORA_TRAIN_EXPERIMENTS=name (tagged with it); FAMB_DEFAULT=0 skips ours without it.
 #         Not in the default set.
@@ -367,21 +367,22 @@ fi
 # flags); a failure or a 240 s timeout of one run does not stop the others.
 if [[ $what == *" famb "* ]]; then
   ck=""; [ "${FAMB_CKPT:-0}" = 1 ] && ck="--ckpt"
+  mb=${FAMB_MB:-2}
   for shape in ${FAMB_SHAPES:-qwen3-8b gemma2-9b gemma3-12b phi3-mini}; do
     B="--shape $shape --seq 2048 --rank 16 --steps 10 --warmup 3 --targets all $ck"
     if [ "${FAMB_DEFAULT:-1}" = 1 ]; then
-      echo "== lora-train $shape mb2 $ck"
-      timeout 240 $E .devbuild/lora-train bench $B --micro-batch 2 --json "$OUT/famb.jsonl" 2>&1 | tail -2 | cut -c1-600
+      echo "== lora-train $shape mb$mb $ck"
+      timeout 240 $E .devbuild/lora-train bench $B --micro-batch $mb --json "$OUT/famb.jsonl" 2>&1 | tail -2 | cut -c1-600
       echo "   (exit ${PIPESTATUS[0]})"
     fi
     if [ -n "${FAMB_EXP:-}" ]; then
-      echo "== lora-train $shape mb2 $ck LORA_TRAIN_EXPERIMENTS=$FAMB_EXP"
-      LORA_TRAIN_EXPERIMENTS=$FAMB_EXP timeout 240 $E .devbuild/lora-train bench $B --micro-batch 2 \
+      echo "== lora-train $shape mb$mb $ck LORA_TRAIN_EXPERIMENTS=$FAMB_EXP"
+      LORA_TRAIN_EXPERIMENTS=$FAMB_EXP timeout 240 $E .devbuild/lora-train bench $B --micro-batch $mb \
         --tag "$FAMB_EXP" --json "$OUT/famb.jsonl" 2>&1 | tail -2 | cut -c1-600
       echo "   (exit ${PIPESTATUS[0]})"
     fi
-    echo "== peft $shape mb2 $ck"
-    timeout 240 python3 scripts/bench_peft.py $B --batch 2 --json "$OUT/famb.jsonl" 2>&1 | tail -2 | cut -c1-600
+    echo "== peft $shape mb$mb $ck"
+    timeout 240 python3 scripts/bench_peft.py $B --batch $mb --json "$OUT/famb.jsonl" 2>&1 | tail -2 | cut -c1-600
     echo "   (exit ${PIPESTATUS[0]})"
   done
 fi
