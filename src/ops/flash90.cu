@@ -92,19 +92,41 @@ __device__ __forceinline__ void wg_ss128z(float (*d)[4], unsigned long long da, 
         : "l"(da), "l"(db), "n"(TB));
 }
 
-// D[64 × N] = A·Bᵀ over k = 128 as one wgmma group (eight k steps, the first writing D):
-// A the 64 rows at a of a K-major tile of ar rows, B a K-major tile of N rows at bt.
-template<int N>
-__device__ __forceinline__ void wg_product(float (*d)[4], unsigned a, int ar, unsigned bt) {
-    static_assert(N == 64 || N == 128, "m64n64 or m64n128");
-    if constexpr (N == 64) {
-        wg_ss64z<0>(d, wg_kdesc(a, ar, 0), wg_kdesc(bt, N, 0));
+// D[64 × 32] (+)= A · B, A and B K-major from shared memory (descriptors).
+__device__ __forceinline__ void wg_ss32(float (*d)[4], unsigned long long da, unsigned long long db, int acc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+        : "l"(da), "l"(db), "r"(acc));
+}
+
+// D[64 × 32] = A · B (D's old values unread: the first k step of a product).
+__device__ __forceinline__ void wg_ss32z(float (*d)[4], unsigned long long da, unsigned long long db) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+        : "=f"(d[0][0]), "=f"(d[0][1]), "=f"(d[0][2]), "=f"(d[0][3]), "=f"(d[1][0]), "=f"(d[1][1]), "=f"(d[1][2]), "=f"(d[1][3]), "=f"(d[2][0]), "=f"(d[2][1]), "=f"(d[2][2]), "=f"(d[2][3]), "=f"(d[3][0]), "=f"(d[3][1]), "=f"(d[3][2]), "=f"(d[3][3])
+        : "l"(da), "l"(db));
+}
+
+// D[64 × N] = A·Bᵀ over k = 16·KS as one wgmma group (KS k steps: 8 at head dim 128, 16 at
+// 256; the first writes D): A the 64 rows at a of a K-major tile of ar rows, B the N rows at bt
+// of a K-major tile of br rows (a tile's 128-byte column blocks are rows·128 bytes apart; a and
+// bt at multiples of 8 rows, the swizzle's period).
+template<int N, int KS = 8>
+__device__ __forceinline__ void wg_product(float (*d)[4], unsigned a, int ar, unsigned bt, int br = N) {
+    static_assert(N == 32 || N == 64 || N == 128, "m64n32, m64n64 or m64n128");
+    if constexpr (N == 32) {
+        wg_ss32z(d, wg_kdesc(a, ar, 0), wg_kdesc(bt, br, 0));
 #pragma unroll
-        for (int kk = 1; kk < 8; ++kk) wg_ss64<0>(d, wg_kdesc(a, ar, kk), wg_kdesc(bt, N, kk), 1);
+        for (int kk = 1; kk < KS; ++kk) wg_ss32(d, wg_kdesc(a, ar, kk), wg_kdesc(bt, br, kk), 1);
+    } else if constexpr (N == 64) {
+        wg_ss64z<0>(d, wg_kdesc(a, ar, 0), wg_kdesc(bt, br, 0));
+#pragma unroll
+        for (int kk = 1; kk < KS; ++kk) wg_ss64<0>(d, wg_kdesc(a, ar, kk), wg_kdesc(bt, br, kk), 1);
     } else {
-        wg_ss128z<0>(d, wg_kdesc(a, ar, 0), wg_kdesc(bt, N, 0));
+        wg_ss128z<0>(d, wg_kdesc(a, ar, 0), wg_kdesc(bt, br, 0));
 #pragma unroll
-        for (int kk = 1; kk < 8; ++kk) wg_ss128<0>(d, wg_kdesc(a, ar, kk), wg_kdesc(bt, N, kk), 1);
+        for (int kk = 1; kk < KS; ++kk) wg_ss128<0>(d, wg_kdesc(a, ar, kk), wg_kdesc(bt, br, kk), 1);
     }
     wg_commit();
 }
@@ -125,16 +147,29 @@ __device__ __forceinline__ void sw_load(unsigned s, const bf16_t* g, long st, in
     }
 }
 
-// The forward: 128 queries a block (64 a warpgroup), keys in tiles of 128. S = Q·Kᵀ with Q
-// and K from shared memory; O += P·V with P from registers. Software-pipelined as FA3: tile
-// j's S is issued, then the previous tile's P·V; S is waited for and tile j's softmax runs
-// while P·V is still on the tensor cores. K is double-buffered, V triple-buffered (a V tile
-// is read one tile later than its K).
+// sw_load of a [T, D] slab (D = 128 or 256): at D = 256 the tile [R × 256] is four column
+// quarters of R rows × 128 bytes, so that K-major k steps 4-15 fall in quarters 1-3 (wg_kdesc)
+// and a 128-column half of the tile is two adjacent quarters (one MN-major operand of n128).
+template<int D, int R>
+__device__ __forceinline__ void sw_load_d(unsigned s, const bf16_t* g, long st, int r0, int T) {
+    static_assert(D == 128 || D == 256, "head dim 128 or 256");
+    sw_load<R>(s, g, st, r0, T);
+    if constexpr (D == 256) sw_load<R>(s + 2 * R * 128, g + 128, st, r0, T);
+}
+
+// The forward: 128 queries a block (64 a warpgroup), keys in tiles of 128 (64 at head dim
+// 256). S = Q·Kᵀ with Q and K from shared memory; O += P·V with P from registers (at D = 256
+// as two 128-column halves: O's 64 × 256 sums take 128 registers a thread). Software-pipelined
+// as FA3: tile j's S is issued, then the previous tile's P·V; S is waited for and tile j's
+// softmax runs while P·V is still on the tensor cores. K is double-buffered, V triple-buffered
+// (a V tile is read one tile later than its K). At D = 256 Gemma 2's soft-cap applies to S
+// before the mask (flash.rs gives the head-dim-128 kernels no cap).
+template<int D>
 __device__ __forceinline__ void flash_fwd90(const FlashP& p) {
-    constexpr int D = 128, BQ = 128, BK = 128, TILE = BK * D * 2, DN = D / 8;
+    constexpr int BQ = 128, BK = D == 128 ? 128 : 64, QT = BQ * D * 2, KT = BK * D * 2, DN = D / 8;
     const unsigned raw = fl_smem(flash90_smem), base = (raw + 1023) & ~1023u;
-    const unsigned sQ = base, sK = sQ + TILE, sV = sK + 2 * TILE;  // sK [2], sV [3]
-    unsigned* sSeg = (unsigned*)(flash90_smem + (sV + 3 * TILE - raw));  // [2][BK]
+    const unsigned sQ = base, sK = sQ + QT, sV = sK + 2 * KT;  // sK [2], sV [3]
+    unsigned* sSeg = (unsigned*)(flash90_smem + (sV + 3 * KT - raw));  // [2][BK]
     const int T = p.T, bh = blockIdx.y, b = bh / p.H, h = bh % p.H, kh = h / (p.H / p.KH);
     const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;  // the longest rows first
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, l = tid & 31;
@@ -145,12 +180,12 @@ __device__ __forceinline__ void flash_fwd90(const FlashP& p) {
     const int w0 = q0 + 64 * wg;  // this warpgroup's first query
     auto prefetch = [&](int j) {  // key tile j
         const int k0 = kbeg + j * BK;
-        sw_load<BK>(sK + (j & 1) * TILE, p.k + b * p.sk[0] + kh * p.sk[1], p.sk[2], k0, T);
-        sw_load<BK>(sV + (j % 3) * TILE, p.v + b * p.sv[0] + kh * p.sv[1], p.sv[2], k0, T);
+        sw_load_d<D, BK>(sK + (j & 1) * KT, p.k + b * p.sk[0] + kh * p.sk[1], p.sk[2], k0, T);
+        sw_load_d<D, BK>(sV + (j % 3) * KT, p.v + b * p.sv[0] + kh * p.sv[1], p.sv[2], k0, T);
         fl_seg_load<BK>(p, sSeg + (j & 1) * BK, b, k0);
         fl_commit();
     };
-    sw_load<BQ>(sQ, p.q + b * p.sq[0] + h * p.sq[1], p.sq[2], q0, T);  // one group with tile 0
+    sw_load_d<D, BQ>(sQ, p.q + b * p.sq[0] + h * p.sq[1], p.sq[2], q0, T);  // one group with tile 0
     prefetch(0);
     const int qi0 = w0 + warp * 16 + g, qi1 = qi0 + 8;
     const unsigned sg0 = fl_seg(p, b, qi0), sg1 = fl_seg(p, b, qi1);
@@ -165,24 +200,28 @@ __device__ __forceinline__ void flash_fwd90(const FlashP& p) {
         wg_smem_fence();
         __syncthreads();  // every warpgroup is done with S of tile j − 1 and P·V of j − 2
         if (j + 1 < ntiles) prefetch(j + 1);
-        const unsigned tK = sK + (j & 1) * TILE;
+        const unsigned tK = sK + (j & 1) * KT;
         wg_fence();
-        wg_product<BK>(s, sQ + wg * 64 * 128, BQ, tK);
+        wg_product<BK, D / 16>(s, sQ + wg * 64 * 128, BQ, tK);
     };
     // Tile j's softmax over s (waited for): the new running max m, the factor cr that rescales
     // what was summed before, the row sums l; s becomes P.
     auto softmax = [&](int j) {
         const int k0 = kbeg + j * BK;
+        if (D == 256 && p.softcap != 0.f) fl_softcap<BK>(s, p.scale, p.softcap);
         if (p.seg || p.window != 0 || k0 + BK - 1 > w0 + warp * 16)
             fl_mask<BK>(p, s, qi0, sg0, sg1, k0, sSeg + (j & 1) * BK, c);
         fl_online_softmax<BK>(s, sc, m0, m1, l0, l1, cr0, cr1);
     };
-    // O += P·V of tile j (P in pf).
+    // O += P·V of tile j (P in pf), a 128-column half of V at a time.
     auto pv = [&](int j) {
-        const unsigned tV = sV + (j % 3) * TILE;
+        const unsigned tV = sV + (j % 3) * KT;
         wg_fence();
 #pragma unroll
-        for (int jj = 0; jj < BK / 16; ++jj) wg_rs128<1>(o, pf[jj], wg_ndesc(tV, BK, jj), 1);
+        for (int hf = 0; hf < D / 128; ++hf)
+#pragma unroll
+            for (int jj = 0; jj < BK / 16; ++jj)
+                wg_rs128<1>(o + 16 * hf, pf[jj], wg_ndesc(tV + hf * 2 * BK * 128, BK, jj), 1);
         wg_commit();
     };
     auto keep_p = [&]() {
@@ -214,7 +253,8 @@ __device__ __forceinline__ void flash_fwd90(const FlashP& p) {
     fl_store_o<D>(p, o, b, h, qi0, m0, m1, l0, l1, c);
 }
 
-extern "C" __global__ void __launch_bounds__(256, 1) flash_fwd90_d128(const FlashP p) { flash_fwd90(p); }
+extern "C" __global__ void __launch_bounds__(256, 1) flash_fwd90_d128(const FlashP p) { flash_fwd90<128>(p); }
+extern "C" __global__ void __launch_bounds__(256, 1) flash_fwd90_d256(const FlashP p) { flash_fwd90<256>(p); }
 
 // Runs steps 0 … n − 1 software-pipelined: step i + 1's first products are issued right after
 // step i's last ones, so the tensor cores have queued work through the barrier and the loads'
@@ -239,11 +279,13 @@ __device__ __forceinline__ void wg_pipeline(int n, const Issue& issue, const Pro
     process(n - 1);
 }
 
-// dQ: 128 queries a block (64 a warpgroup), keys in tiles of 64, three buffers deep. S = Q·Kᵀ
-// and dP = dO·Vᵀ with Q and dO from shared memory, then dQ += dS·K with dS from registers.
-// Pipelined by wg_pipeline: a step is a key tile, S and dP first, dQ's product last.
+// dQ: 128 queries a block (64 a warpgroup), keys in tiles of 64 (32 at head dim 256), three
+// buffers deep. S = Q·Kᵀ and dP = dO·Vᵀ with Q and dO from shared memory, then dQ += dS·K
+// with dS from registers (at D = 256 as two 128-column halves of K). Pipelined by
+// wg_pipeline: a step is a key tile, S and dP first, dQ's product last.
+template<int D>
 __device__ __forceinline__ void flash_dq90(const FlashP& p) {
-    constexpr int D = 128, BQ = 128, BK = 64, DN = D / 8, QT = BQ * D * 2, KT = BK * D * 2;
+    constexpr int BQ = 128, BK = D == 128 ? 64 : 32, DN = D / 8, QT = BQ * D * 2, KT = BK * D * 2;
     const unsigned raw = fl_smem(flash90_smem), base = (raw + 1023) & ~1023u;
     const unsigned sQ = base, sO = sQ + QT, sK = sO + QT, sV = sK + 3 * KT;  // sK, sV: [3]
     unsigned* sSeg = (unsigned*)(flash90_smem + (sV + 3 * KT - raw));  // [3][BK]
@@ -251,19 +293,19 @@ __device__ __forceinline__ void flash_dq90(const FlashP& p) {
     const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, l = tid & 31;
     const int g = l >> 2, c = l & 3;
-    const float sc = p.scale * FLASH_LOG2E;
+    const float sc = p.scale * FLASH_LOG2E, kt = p.softcap != 0.f ? p.scale / p.softcap : 0.f;
     const int kend = min(T, q0 + BQ), kbeg = fl_first_key<BK>(p, b, q0);
     const int ntiles = (kend - kbeg + BK - 1) / BK;
     const int w0 = q0 + 64 * wg;
     auto prefetch = [&](int j) {  // key tile j into buffer j % 3
         const int k0 = kbeg + j * BK, buf = j % 3;
-        sw_load<BK>(sK + buf * KT, p.k + b * p.sk[0] + kh * p.sk[1], p.sk[2], k0, T);
-        sw_load<BK>(sV + buf * KT, p.v + b * p.sv[0] + kh * p.sv[1], p.sv[2], k0, T);
+        sw_load_d<D, BK>(sK + buf * KT, p.k + b * p.sk[0] + kh * p.sk[1], p.sk[2], k0, T);
+        sw_load_d<D, BK>(sV + buf * KT, p.v + b * p.sv[0] + kh * p.sv[1], p.sv[2], k0, T);
         fl_seg_load<BK>(p, sSeg + buf * BK, b, k0);
         fl_commit();
     };
-    sw_load<BQ>(sQ, p.q + b * p.sq[0] + h * p.sq[1], p.sq[2], q0, T);
-    sw_load<BQ>(sO, p.o + b * p.so[0] + h * p.so[1], p.so[2], q0, T);
+    sw_load_d<D, BQ>(sQ, p.q + b * p.sq[0] + h * p.sq[1], p.sq[2], q0, T);
+    sw_load_d<D, BQ>(sO, p.o + b * p.so[0] + h * p.so[1], p.so[2], q0, T);
     prefetch(0);  // one group with Q and dO
     if (ntiles > 1) { prefetch(1); fl_wait_but1(); } else fl_wait_all();
     const int qi0 = w0 + warp * 16 + g, qi1 = qi0 + 8;
@@ -280,8 +322,8 @@ __device__ __forceinline__ void flash_dq90(const FlashP& p) {
     auto issue_sdp = [&](int j) {  // S and dP of tile j, as two groups
         const unsigned tK = sK + (j % 3) * KT, tV = sV + (j % 3) * KT;
         wg_fence();
-        wg_product<BK>(s, sQ + wg * 64 * 128, BQ, tK);
-        wg_product<BK>(dp, sO + wg * 64 * 128, BQ, tV);
+        wg_product<BK, D / 16>(s, sQ + wg * 64 * 128, BQ, tK);
+        wg_product<BK, D / 16>(dp, sO + wg * 64 * 128, BQ, tV);
     };
     wg_smem_fence();
     __syncthreads();
@@ -293,30 +335,29 @@ __device__ __forceinline__ void flash_dq90(const FlashP& p) {
         wg_wait<0>();
         wg_hold<BK / 8>(s);
         wg_hold<BK / 8>(dp);
+        const bool capped = D == 256 && p.softcap != 0.f;  // flash.rs caps only at 256
+        if (capped) fl_softcap<BK>(s, p.scale, p.softcap);
         if (p.seg || p.window != 0 || k0 + BK - 1 > w0 + warp * 16)
             fl_mask<BK>(p, s, qi0, sg0, sg1, k0, sSeg + (j % 3) * BK, c);
-        // P = exp(scale·S − L): 0 where masked (S = −∞).
+        // dS = P ⊙ (dP − δ), P = exp(scale·S − L): 0 where masked (S = −∞); with the cap,
+        // times its derivative 1 − t² (flash.cu's order of rounding).
 #pragma unroll
-        for (int n = 0; n < BK / 8; ++n) {
-            s[n][0] = fl_exp2(fmaf(s[n][0], sc, -L0));
-            s[n][1] = fl_exp2(fmaf(s[n][1], sc, -L0));
-            s[n][2] = fl_exp2(fmaf(s[n][2], sc, -L1));
-            s[n][3] = fl_exp2(fmaf(s[n][3], sc, -L1));
-        }
-        // dS = P ⊙ (dP − δ)
+        for (int n = 0; n < BK / 8; ++n)
 #pragma unroll
-        for (int n = 0; n < BK / 8; ++n) {
-            s[n][0] *= dp[n][0] - d0;
-            s[n][1] *= dp[n][1] - d0;
-            s[n][2] *= dp[n][2] - d1;
-            s[n][3] *= dp[n][3] - d1;
-        }
+            for (int e = 0; e < 4; ++e) {
+                const float L = e < 2 ? L0 : L1, dl = e < 2 ? d0 : d1;
+                const float ds = fl_exp2(fmaf(s[n][e], sc, -L)) * (dp[n][e] - dl);
+                s[n][e] = capped ? ds * fl_softcap_d(s[n][e], kt) : ds;
+            }
 #pragma unroll
         for (int jj = 0; jj < BK / 16; ++jj) fl_a_from_c(da[jj], s[2 * jj], s[2 * jj + 1]);
         const unsigned tK = sK + (j % 3) * KT;
         wg_fence();
 #pragma unroll
-        for (int jj = 0; jj < BK / 16; ++jj) wg_rs128<1>(acc, da[jj], wg_ndesc(tK, BK, jj), 1);
+        for (int hf = 0; hf < D / 128; ++hf)
+#pragma unroll
+            for (int jj = 0; jj < BK / 16; ++jj)
+                wg_rs128<1>(acc + 16 * hf, da[jj], wg_ndesc(tK + hf * 2 * BK * 128, BK, jj), 1);
         wg_commit();
     };
     wg_pipeline(ntiles, issue_sdp, process, prefetch);
@@ -520,55 +561,10 @@ __device__ __forceinline__ void flash_dkdv90(const FlashP& p) {
     fl_store_rows<D>(p.dv + b * p.sv[0] + kh * p.sv[1], p.sv[2], dv, kj0, T, 1.f, nullptr, nullptr, c);
 }
 
-extern "C" __global__ void __launch_bounds__(256, 1) flash_dq90_d128(const FlashP p) { flash_dq90(p); }
+extern "C" __global__ void __launch_bounds__(256, 1) flash_dq90_d128(const FlashP p) { flash_dq90<128>(p); }
+extern "C" __global__ void __launch_bounds__(256, 1) flash_dq90_d256(const FlashP p) { flash_dq90<256>(p); }
 extern "C" __global__ void __launch_bounds__(256, 1) flash_dkdv90_d128(const FlashP p) { flash_dkdv90<false>(p); }
 extern "C" __global__ void __launch_bounds__(256, 1) flash_bwd90_d128(const FlashP p) { flash_dkdv90<true>(p); }
-
-// Head dim 256 (Gemma 2 and 3): dK and dV of 64 keys a block, over every query head of the kv
-// head in tiles of 64 queries, Q and dO twice buffered. A [R × 256] tile is four column
-// quarters of R rows × 128 bytes (sw_load's layout, twice), so K-major k steps 4..15 land in
-// quarters 1..3 (wg_kdesc) and a 128-column half of a tile is two adjacent quarters.
-//
-// The 64 keys' full dK and dV rows would take 256 accumulator registers a thread, so each
-// warpgroup accumulates one 128-column half of both, for all 64 keys, and the two split the
-// scores by queries: warpgroup w makes Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ of the tile's queries
-// 32w … 32w + 31, and their P and dS (soft-capped, masked). Pᵀ and dSᵀ go to shared tiles
-// [64 keys × 64 queries] (a swizzled 128-byte row a key) that both read K-major:
-// dV[:, half] += Pᵀ·dO[:, half] (issued once P is out, running while dS goes out) and
-// dK[:, half] += dSᵀ·Q[:, half]. Every product is made once. At the end warpgroup 1 hands its
-// dK half to warpgroup 0, which stores whole rows (RoPE's backward pairs column j with
-// j + 128). Sums run in a fixed order: deterministic.
-template<int R>
-__device__ __forceinline__ void sw_load256(unsigned s, const bf16_t* g, long st, int r0, int T) {
-    sw_load<R>(s, g, st, r0, T);
-    sw_load<R>(s + 2 * R * 128, g + 128, st, r0, T);
-}
-
-// D[64 × 32] (+)= A · B, A and B K-major from shared memory (descriptors).
-__device__ __forceinline__ void wg_ss32(float (*d)[4], unsigned long long da, unsigned long long db, int acc) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
-        : "l"(da), "l"(db), "r"(acc));
-}
-
-// D[64 × 32] = A · B (D's old values unread: the first k step of a product).
-__device__ __forceinline__ void wg_ss32z(float (*d)[4], unsigned long long da, unsigned long long db) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-        : "=f"(d[0][0]), "=f"(d[0][1]), "=f"(d[0][2]), "=f"(d[0][3]), "=f"(d[1][0]), "=f"(d[1][1]), "=f"(d[1][2]), "=f"(d[1][3]), "=f"(d[2][0]), "=f"(d[2][1]), "=f"(d[2][2]), "=f"(d[2][3]), "=f"(d[3][0]), "=f"(d[3][1]), "=f"(d[3][2]), "=f"(d[3][3])
-        : "l"(da), "l"(db));
-}
-
-// D[64 × 32] = A·Bᵀ over k = 256 as one wgmma group, A and B K-major: the 64 rows at a and the
-// 32 rows at b of [R × 256] tiles of ar and br rows (each tile's quarters R·128 bytes apart;
-// a and b at multiples of 8 rows, the swizzle's period).
-__device__ __forceinline__ void wg_product256(float (*d)[4], unsigned a, int ar, unsigned b, int br) {
-    wg_ss32z(d, wg_kdesc(a, ar, 0), wg_kdesc(b, br, 0));
-#pragma unroll
-    for (int kk = 1; kk < 16; ++kk) wg_ss32(d, wg_kdesc(a, ar, kk), wg_kdesc(b, br, kk), 1);
-    wg_commit();
-}
 
 // This warp's rows of a [64 × 32] accumulator (C order) into columns 32·w … of a swizzled bf16
 // tile [64 × 64], a row of 128 bytes each: chunk n of row r at r·128 + (n ^ r % 8)·16.
@@ -585,6 +581,18 @@ __device__ __forceinline__ void sw_put32(unsigned tile, const float (*v)[4], int
 
 __device__ __forceinline__ void wg_bar(int id) { asm volatile("bar.sync %0, 256;" :: "r"(id) : "memory"); }
 
+// Head dim 256 (Gemma 2 and 3): dK and dV of 64 keys a block, over every query head of the kv
+// head in tiles of 64 queries, Q and dO twice buffered (tiles as sw_load_d lays them out).
+//
+// The 64 keys' full dK and dV rows would take 256 accumulator registers a thread, so each
+// warpgroup accumulates one 128-column half of both, for all 64 keys, and the two split the
+// scores by queries: warpgroup w makes Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ of the tile's queries
+// 32w … 32w + 31, and their P and dS (soft-capped, masked). Pᵀ and dSᵀ go to shared tiles
+// [64 keys × 64 queries] (a swizzled 128-byte row a key) that both read K-major:
+// dV[:, half] += Pᵀ·dO[:, half] (issued once P is out, running while dS goes out) and
+// dK[:, half] += dSᵀ·Q[:, half]. Every product is made once. At the end warpgroup 1 hands its
+// dK half to warpgroup 0, which stores whole rows (RoPE's backward pairs column j with
+// j + 128). Sums run in a fixed order: deterministic.
 __device__ __forceinline__ void flash_dkdv90_256(const FlashP& p) {
     constexpr int D = 256, BK = 64, BQ = 64, KT = BK * D * 2, QT = BQ * D * 2, PT = BK * BQ * 2;
     const unsigned raw = fl_smem(flash90_smem), base = (raw + 1023) & ~1023u;
@@ -603,9 +611,9 @@ __device__ __forceinline__ void flash_dkdv90_256(const FlashP& p) {
     auto q0_of = [&](int it) { return k0 + (it % nq) * BQ; };
     auto prefetch = [&](int it) {  // pair it into buffer it % 2
         const int h = kh * grp + it / nq, q0 = q0_of(it), buf = it & 1;
-        sw_load256<BQ>(sQ + buf * QT, p.q + b * p.sq[0] + h * p.sq[1], p.sq[2], q0, T);
-        sw_load256<BQ>(sO + buf * QT, p.o + b * p.so[0] + h * p.so[1], p.so[2], q0, T);
-        if (tid < BQ) {  // 0 past T, where the mask rules every query out
+        sw_load_d<256, BQ>(sQ + buf * QT, p.q + b * p.sq[0] + h * p.sq[1], p.sq[2], q0, T);
+        sw_load_d<256, BQ>(sO + buf * QT, p.o + b * p.so[0] + h * p.so[1], p.so[2], q0, T);
+        if (tid < BQ) {  // as flash_dkdv90's
             const long row = ((long)b * p.H + h) * T;
             const int i = q0 + tid;
             const bool ok = i < T;
@@ -616,8 +624,8 @@ __device__ __forceinline__ void flash_dkdv90_256(const FlashP& p) {
         }
         fl_commit();
     };
-    sw_load256<BK>(sK, p.k + b * p.sk[0] + kh * p.sk[1], p.sk[2], k0, T);
-    sw_load256<BK>(sV, p.v + b * p.sv[0] + kh * p.sv[1], p.sv[2], k0, T);
+    sw_load_d<256, BK>(sK, p.k + b * p.sk[0] + kh * p.sk[1], p.sk[2], k0, T);
+    sw_load_d<256, BK>(sV, p.v + b * p.sv[0] + kh * p.sv[1], p.sv[2], k0, T);
     fl_commit();
     if (iters > 0) prefetch(0);
     const int kj0 = k0 + warp * 16 + g;  // this thread's keys kj0 and kj0 + 8 (either warpgroup)
@@ -644,8 +652,8 @@ __device__ __forceinline__ void flash_dkdv90_256(const FlashP& p) {
         if (it + 1 < iters) prefetch(it + 1);
         // Sᵀ and dPᵀ: rows this block's 64 keys, columns this warpgroup's 32 queries
         wg_fence();
-        wg_product256(s, sK, BK, tQ + qw * 128, BQ);
-        wg_product256(dp, sV, BK, tO + qw * 128, BQ);
+        wg_product<32, 16>(s, sK, BK, tQ + qw * 128, BQ);
+        wg_product<32, 16>(dp, sV, BK, tO + qw * 128, BQ);
         wg_wait<0>();
         wg_hold<4>(s);
         wg_hold<4>(dp);
@@ -709,192 +717,6 @@ __device__ __forceinline__ void flash_dkdv90_256(const FlashP& p) {
     }
 }
 
-// D[64 × 64] = A·Bᵀ over k = 256 as one wgmma group, A and B K-major: the 64 rows at a and at
-// bt of [R × 256] tiles of ar and br rows.
-__device__ __forceinline__ void wg_product256_64(float (*d)[4], unsigned a, int ar, unsigned bt, int br) {
-    wg_ss64z<0>(d, wg_kdesc(a, ar, 0), wg_kdesc(bt, br, 0));
-#pragma unroll
-    for (int kk = 1; kk < 16; ++kk) wg_ss64<0>(d, wg_kdesc(a, ar, kk), wg_kdesc(bt, br, kk), 1);
-    wg_commit();
-}
-
-// The forward at head dim 256: 128 queries a block (64 a warpgroup), keys in tiles of 64. As
-// flash_fwd90 (S of tile j issued, then P·V of tile j − 1; K twice, V three times buffered),
-// with S = Q·Kᵀ over k = 256, O's 64 × 256 sums as two m64n128 halves (128 registers a
-// thread), and Gemma 2's soft-cap on S before the mask.
-__device__ __forceinline__ void flash_fwd90_256(const FlashP& p) {
-    constexpr int D = 256, BQ = 128, BK = 64, QT = BQ * D * 2, KT = BK * D * 2, DN = D / 8;
-    const unsigned raw = fl_smem(flash90_smem), base = (raw + 1023) & ~1023u;
-    const unsigned sQ = base, sK = sQ + QT, sV = sK + 2 * KT;  // sK [2], sV [3]
-    unsigned* sSeg = (unsigned*)(flash90_smem + (sV + 3 * KT - raw));  // [2][BK]
-    const int T = p.T, bh = blockIdx.y, b = bh / p.H, h = bh % p.H, kh = h / (p.H / p.KH);
-    const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;  // the longest rows first
-    const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, l = tid & 31;
-    const int g = l >> 2, c = l & 3;
-    const float sc = p.scale * FLASH_LOG2E;
-    const int kend = min(T, q0 + BQ), kbeg = fl_first_key<BK>(p, b, q0);
-    const int ntiles = (kend - kbeg + BK - 1) / BK;
-    const int w0 = q0 + 64 * wg;  // this warpgroup's first query
-    auto prefetch = [&](int j) {  // key tile j
-        const int k0 = kbeg + j * BK;
-        sw_load256<BK>(sK + (j & 1) * KT, p.k + b * p.sk[0] + kh * p.sk[1], p.sk[2], k0, T);
-        sw_load256<BK>(sV + (j % 3) * KT, p.v + b * p.sv[0] + kh * p.sv[1], p.sv[2], k0, T);
-        fl_seg_load<BK>(p, sSeg + (j & 1) * BK, b, k0);
-        fl_commit();
-    };
-    sw_load256<BQ>(sQ, p.q + b * p.sq[0] + h * p.sq[1], p.sq[2], q0, T);  // one group with tile 0
-    prefetch(0);
-    const int qi0 = w0 + warp * 16 + g, qi1 = qi0 + 8;
-    const unsigned sg0 = fl_seg(p, b, qi0), sg1 = fl_seg(p, b, qi1);
-    float o[DN][4], s[BK / 8][4];
-#pragma unroll
-    for (int n = 0; n < DN; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-    unsigned pf[BK / 16][4];  // P of the tile whose P·V is next
-    float m0 = FLASH_NEG_INF, m1 = FLASH_NEG_INF, l0 = 0.f, l1 = 0.f, cr0 = 1.f, cr1 = 1.f;
-    // Waits for key tile j, starts loading tile j + 1 and issues S = Q·K_jᵀ.
-    auto start = [&](int j) {
-        fl_wait_all();
-        wg_smem_fence();
-        __syncthreads();  // every warpgroup is done with S of tile j − 1 and P·V of j − 2
-        if (j + 1 < ntiles) prefetch(j + 1);
-        wg_fence();
-        wg_product256_64(s, sQ + wg * 64 * 128, BQ, sK + (j & 1) * KT, BK);
-    };
-    auto softmax = [&](int j) {
-        const int k0 = kbeg + j * BK;
-        if (p.softcap != 0.f) fl_softcap<BK>(s, p.scale, p.softcap);
-        if (p.seg || p.window != 0 || k0 + BK - 1 > w0 + warp * 16)
-            fl_mask<BK>(p, s, qi0, sg0, sg1, k0, sSeg + (j & 1) * BK, c);
-        fl_online_softmax<BK>(s, sc, m0, m1, l0, l1, cr0, cr1);
-    };
-    // O += P·V of tile j (P in pf), as two 128-column halves.
-    auto pv = [&](int j) {
-        const unsigned tV = sV + (j % 3) * KT;
-        wg_fence();
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf)
-#pragma unroll
-            for (int jj = 0; jj < BK / 16; ++jj)
-                wg_rs128<1>(o + 16 * hf, pf[jj], wg_ndesc(tV + hf * 2 * BK * 128, BK, jj), 1);
-        wg_commit();
-    };
-    auto keep_p = [&]() {
-#pragma unroll
-        for (int jj = 0; jj < BK / 16; ++jj) fl_a_from_c(pf[jj], s[2 * jj], s[2 * jj + 1]);
-    };
-    start(0);
-    wg_wait<0>();
-    wg_hold<BK / 8>(s);
-    softmax(0);
-    keep_p();
-    for (int j = 1; j < ntiles; ++j) {
-        start(j);
-        pv(j - 1);
-        wg_wait<1>();  // S of tile j; P·V of tile j − 1 runs on through the softmax
-        wg_hold<BK / 8>(s);
-        softmax(j);
-        wg_wait<0>();
-        wg_hold<DN>(o);
-#pragma unroll
-        for (int n = 0; n < DN; ++n) {
-            o[n][0] *= cr0; o[n][1] *= cr0; o[n][2] *= cr1; o[n][3] *= cr1;
-        }
-        keep_p();
-    }
-    pv(ntiles - 1);
-    wg_wait<0>();
-    wg_hold<DN>(o);
-    fl_store_o<D>(p, o, b, h, qi0, m0, m1, l0, l1, c);
-}
-
-extern "C" __global__ void __launch_bounds__(256, 1) flash_fwd90_d256(const FlashP p) { flash_fwd90_256(p); }
-
-// dQ at head dim 256: 128 queries a block (64 a warpgroup), keys in tiles of 32, three buffers
-// deep. S = Q·Kᵀ and dP = dO·Vᵀ (k = 256) with Q and dO from shared memory, then
-// dQ += dS·K as two 128-column halves, dS from registers (dQ's 64 × 256 sums take 128
-// registers a thread). Pipelined by wg_pipeline as flash_dq90: a step is a key tile.
-__device__ __forceinline__ void flash_dq90_256(const FlashP& p) {
-    constexpr int D = 256, BQ = 128, BK = 32, QT = BQ * D * 2, KT = BK * D * 2;
-    const unsigned raw = fl_smem(flash90_smem), base = (raw + 1023) & ~1023u;
-    const unsigned sQ = base, sO = sQ + QT, sK = sO + QT, sV = sK + 3 * KT;  // sK, sV: [3]
-    unsigned* sSeg = (unsigned*)(flash90_smem + (sV + 3 * KT - raw));  // [3][BK]
-    const int T = p.T, bh = blockIdx.y, b = bh / p.H, h = bh % p.H, kh = h / (p.H / p.KH);
-    const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;
-    const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, l = tid & 31;
-    const int g = l >> 2, c = l & 3;
-    const float sc = p.scale * FLASH_LOG2E, kt = p.softcap != 0.f ? p.scale / p.softcap : 0.f;
-    const int kend = min(T, q0 + BQ), kbeg = fl_first_key<BK>(p, b, q0);
-    const int ntiles = (kend - kbeg + BK - 1) / BK;
-    const int w0 = q0 + 64 * wg;
-    auto prefetch = [&](int j) {  // key tile j into buffer j % 3
-        const int k0 = kbeg + j * BK, buf = j % 3;
-        sw_load256<BK>(sK + buf * KT, p.k + b * p.sk[0] + kh * p.sk[1], p.sk[2], k0, T);
-        sw_load256<BK>(sV + buf * KT, p.v + b * p.sv[0] + kh * p.sv[1], p.sv[2], k0, T);
-        fl_seg_load<BK>(p, sSeg + buf * BK, b, k0);
-        fl_commit();
-    };
-    sw_load256<BQ>(sQ, p.q + b * p.sq[0] + h * p.sq[1], p.sq[2], q0, T);
-    sw_load256<BQ>(sO, p.o + b * p.so[0] + h * p.so[1], p.so[2], q0, T);
-    prefetch(0);  // one group with Q and dO
-    if (ntiles > 1) { prefetch(1); fl_wait_but1(); } else fl_wait_all();
-    const int qi0 = w0 + warp * 16 + g, qi1 = qi0 + 8;
-    const unsigned sg0 = fl_seg(p, b, qi0), sg1 = fl_seg(p, b, qi1);
-    const float L0 = qi0 < T ? p.lse[(long)bh * T + qi0] * FLASH_LOG2E : 0.f;
-    const float L1 = qi1 < T ? p.lse[(long)bh * T + qi1] * FLASH_LOG2E : 0.f;
-    const float d0 = qi0 < T ? p.delta[(long)bh * T + qi0] : 0.f;
-    const float d1 = qi1 < T ? p.delta[(long)bh * T + qi1] : 0.f;
-    float acc[32][4], s[BK / 8][4], dp[BK / 8][4];
-#pragma unroll
-    for (int n = 0; n < 32; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
-    wg_hold<32>(acc);  // the zeros are written here, before any wgmma is in flight
-    unsigned da[BK / 16][4];
-    auto issue_sdp = [&](int j) {  // S and dP of tile j, as two groups
-        const unsigned tK = sK + (j % 3) * KT, tV = sV + (j % 3) * KT;
-        wg_fence();
-        wg_product256(s, sQ + wg * 64 * 128, BQ, tK, BK);
-        wg_product256(dp, sO + wg * 64 * 128, BQ, tV, BK);
-    };
-    wg_smem_fence();
-    __syncthreads();
-    // Tile j: P, dS, then dQ += dS·K issued (not waited for).
-    auto process = [&](int j) {
-        const int k0 = kbeg + j * BK;
-        wg_wait<0>();
-        wg_hold<BK / 8>(s);
-        wg_hold<BK / 8>(dp);
-        if (p.softcap != 0.f) fl_softcap<BK>(s, p.scale, p.softcap);
-        if (p.seg || p.window != 0 || k0 + BK - 1 > w0 + warp * 16)
-            fl_mask<BK>(p, s, qi0, sg0, sg1, k0, sSeg + (j % 3) * BK, c);
-        // dS = P ⊙ (dP − δ), P = exp(scale·S − L): 0 where masked; with the cap, times its
-        // derivative (flash.cu's order of rounding)
-#pragma unroll
-        for (int n = 0; n < BK / 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float L = e < 2 ? L0 : L1, dl = e < 2 ? d0 : d1;
-                const float ds = fl_exp2(fmaf(s[n][e], sc, -L)) * (dp[n][e] - dl);
-                s[n][e] = p.softcap != 0.f ? ds * fl_softcap_d(s[n][e], kt) : ds;
-            }
-#pragma unroll
-        for (int jj = 0; jj < BK / 16; ++jj) fl_a_from_c(da[jj], s[2 * jj], s[2 * jj + 1]);
-        const unsigned tK = sK + (j % 3) * KT;
-        wg_fence();
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf)
-#pragma unroll
-            for (int jj = 0; jj < BK / 16; ++jj)
-                wg_rs128<1>(acc + 16 * hf, da[jj], wg_ndesc(tK + hf * 2 * BK * 128, BK, jj), 1);
-        wg_commit();
-    };
-    wg_pipeline(ntiles, issue_sdp, process, prefetch);
-    wg_wait<0>();
-    wg_hold<32>(acc);
-    const long rope = (long)b * T * (D / 2);
-    fl_store_rows<D>(p.dq + b * p.sdq[0] + h * p.sdq[1], p.sdq[2], acc, qi0, T, p.scale,
-                     p.rc ? p.rc + rope : nullptr, p.rs ? p.rs + rope : nullptr, c);
-}
-
-extern "C" __global__ void __launch_bounds__(256, 1) flash_dq90_d256(const FlashP p) { flash_dq90_256(p); }
 extern "C" __global__ void __launch_bounds__(256, 1) flash_dkdv90_d256(const FlashP p) { flash_dkdv90_256(p); }
 
 // After flash_bwd90: dq = scale · p.dqacc as rows of dq's layout (p.sdq), rotated back by
