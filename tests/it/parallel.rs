@@ -809,3 +809,85 @@ fn ddp_and_fsdp_with_moe_experts_equal_one_rank() {
         &["train.activation_checkpointing=true"],
     );
 }
+
+/// `Keep::ParkMlp` (the first layer's gate and up parked, the second layer's MLP half
+/// recomputed) under DDP and FSDP on two CPU ranks: each rank's step gives the loss and the
+/// adapter of keeping every activation, to the bit. The trainer parks on CUDA only (pinned host
+/// memory); the driver's order of gathers, recomputes and reductions is the same here.
+#[test]
+fn parked_gate_and_up_under_ddp_and_fsdp_equal_keeping_everything() {
+    use lora_train::train::checkpoint::Cursor;
+    use lora_train::train::driver::Keep;
+    use lora_train::train::optim::AdamW;
+    use lora_train::train::step::{adapter_params, Engine};
+    // the step's loss, the adapter before it and after
+    type Out = (f64, Vec<Vec<f32>>, Vec<Vec<f32>>);
+    let tmp = tempfile::tempdir().unwrap();
+    let step = |strategy: &str, keep: Keep| -> Out {
+        let text = format!(
+            "{}\n{}\n",
+            golden_recipe("llama_gqa", &tmp.path().join("out")),
+            par(strategy, 2)
+        );
+        let r = recipe(
+            tmp.path(),
+            &text,
+            &["train.micro_batch=2", "lora.dropout=0.0"],
+        );
+        let body = move |rank: usize, comm: Box<dyn Comm>| -> anyhow::Result<Out> {
+            let s = Session::for_rank(r.clone(), comm, rank)?;
+            let first = Cursor {
+                epoch: 0,
+                step_in_epoch: 0,
+            };
+            let st = s
+                .steps_from(first)?
+                .next()
+                .transpose()?
+                .expect("a first step");
+            let t = &s.recipe.train;
+            let mut opt = AdamW::new(adapter_params(&s.model), t.betas, t.eps, t.weight_decay)?;
+            let adapter = || {
+                adapter_params(&s.model)
+                    .iter()
+                    .map(|v| v.as_tensor().flatten_all()?.to_vec1::<f32>())
+                    .collect::<candle_core::Result<Vec<_>>>()
+            };
+            let before = adapter()?;
+            let mut engine = Engine::new(&s.model, &*s.comm, s.shards.as_ref(), keep, 1.0, None);
+            let done = engine.step(&st.batches, st.denom, 0, &mut opt, 1e-2)?;
+            Ok((done.loss, before, adapter()?))
+        };
+        launch::threads(group(2, 60), Arc::new(body), Duration::from_secs(60)).unwrap()
+    };
+    let park = Keep::ParkMlp {
+        tail: 1,
+        pending: 1,
+    };
+    // the first (tensor, element) where two adapters differ
+    let first_diff = |a: &[Vec<f32>], b: &[Vec<f32>]| {
+        a.iter().zip(b).enumerate().find_map(|(t, (x, y))| {
+            let e = x
+                .iter()
+                .zip(y)
+                .position(|(p, q)| p.to_bits() != q.to_bits());
+            e.map(|e| (t, e, x[e], y[e]))
+        })
+    };
+    for strategy in ["ddp", "fsdp"] {
+        let (loss, before, kept) = step(strategy, Keep::Acts);
+        let (loss_p, _, parked) = step(strategy, park);
+        assert!(loss > 1.0, "{strategy}: loss {loss}");
+        assert!(
+            first_diff(&kept, &before).is_some(),
+            "{strategy}: the step moved no weight"
+        );
+        assert_eq!(loss_p, loss, "{strategy}: the loss");
+        assert_eq!(kept.len(), parked.len());
+        assert_eq!(
+            first_diff(&parked, &kept),
+            None,
+            "{strategy}: the adapter after one step, parked against kept (tensor, element, values)"
+        );
+    }
+}
