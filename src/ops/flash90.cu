@@ -1,5 +1,6 @@
 // Causal flash attention on Hopper's warpgroup MMA (wgmma, sm_90a), head dim 128, and head dim
-// 256 (Gemma's, soft-capped or not: the kernels named _d256, at the end). Compiled by
+// 256 (Gemma's, soft-capped or not: the kernels named _d256; the forward and dQ share their
+// templates with head dim 128, dK/dV has its own, flash_dkdv90_256). Compiled by
 // NVRTC after flash.cu (its FlashP, masks and fragment helpers) for sm_90a, and taken on
 // compute capability 9.0 only; flash.cu's mma.sync kernels stay the path everywhere else.
 //
