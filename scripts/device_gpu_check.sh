@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The GPU checks, run ON a GPU machine from the repo root, with .devbuild/ holding lora-train.gz
-# and it.gz (the CUDA builds of the binary and of the integration-test binary:
-# scripts/build-cuda.sh, then `cargo test --release --features cuda,nccl --no-run` for `it`).
+# The GPU checks, run ON a GPU machine from the repo root, with .devbuild/ holding lora-train and
+# it, each plain or as .xz / .gz (the CUDA builds of the binary and of the integration-test
+# binary: scripts/build-cuda.sh --tests --bins; xz -6 keeps both under the 64 MiB a call carries).
 # Results go to $OUT (default /tmp/out). With the device tool of our workplace:
 #
 #   run(command="bash scripts/device_gpu_check.sh [compat] [chat] [tests] [tiny] [bench]", carry=[".devbuild"])
@@ -81,7 +81,10 @@ export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 what=" ${*:-compat chat tests tiny bench memory} "
-( cd .devbuild && for f in lora-train it; do [ -f $f.gz ] && gunzip -kf $f.gz && chmod +x $f; done )
+( cd .devbuild && for f in lora-train it; do
+    if [ -f $f.xz ]; then xz -dkf $f.xz; elif [ -f $f.gz ]; then gunzip -kf $f.gz; fi
+    [ -f $f ] && chmod +x $f
+  done )
 E="bash scripts/device-env.sh"
 # Liger-Kernel for the peers' --liger runs, from its wheel carried in .devbuild/ (fetch-wheels.sh)
 lwhl=$(ls .devbuild/liger_kernel-*.whl 2>/dev/null | head -1)

@@ -108,11 +108,7 @@ pub fn add_rms_norm_pad(
 pub fn glu_pad(act: Act, g: &Tensor, u: &Tensor, pad: usize) -> Result<Option<Tensor>> {
     #[cfg(feature = "cuda")]
     {
-        let kernel = match act {
-            Act::Silu => "swiglu_pad_v8_bf16",
-            Act::GeluTanh => "geglu_pad_v8_bf16",
-        };
-        super::swiglu::cuda::glu_pad(kernel, g, u, pad)
+        super::glu::cuda::glu_pad(&format!("{}_pad_v8_bf16", act.kernel()), g, u, pad)
     }
     #[cfg(not(feature = "cuda"))]
     {

@@ -1,5 +1,5 @@
-// GeGLU forward and backward (ops::geglu): a = round(gelu_tanh(g)) · u, and its backward,
-// generic over f32 or bf16 and over 8 bf16 values a thread. The math of PyTorch's
+// GeGLU forward and backward (ops::glu, Act::GeluTanh): a = round(gelu_tanh(g)) · u, and its
+// backward, generic over f32 or bf16 and over 8 bf16 values a thread. The math of PyTorch's
 // gelu(approximate="tanh") and its backward, in f32.
 
 __device__ __forceinline__ float gelu_t(float g) {

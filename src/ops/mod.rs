@@ -24,7 +24,6 @@ pub mod flash;
 pub mod fold;
 pub mod fold_drop;
 pub mod frozen_linear;
-pub mod geglu;
 #[cfg(feature = "cuda")]
 pub mod gemm_tune;
 pub mod glu;
@@ -37,16 +36,15 @@ pub mod multi_tensor;
 pub mod rms_norm;
 pub mod rope;
 pub mod softcap;
-pub mod swiglu;
 
 pub use add::add;
 pub use attention::{attention, AttnMask};
 pub use frozen_linear::frozen_linear;
+pub use glu::{swiglu, swiglu_bwd, swiglu_bwd_keep};
 pub use kernels::Kernels;
 pub use lora_linear::lora_linear;
 pub use rms_norm::{add_rms_norm, rms_norm, rms_norm_bwd, rms_norm_bwd_add, NormSpec};
 pub use rope::{rope, rope_heads, rope_rows_inv, to_heads, to_rows};
-pub use swiglu::{swiglu, swiglu_bwd, swiglu_bwd_keep};
 
 use candle_core::{CpuStorage, Layout, Result};
 

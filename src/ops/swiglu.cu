@@ -1,4 +1,4 @@
-// SwiGLU forward and backward (ops::swiglu): the generic kernels over f32 or bf16, and the
+// SwiGLU forward and backward (ops::glu, Act::Silu): the generic kernels over f32 or bf16, and the
 // bf16 ones over 8 values a thread (one with the forward's output written over dL/da; the one
 // into padded rows, ops::fold's, is geglu.cu's glu_pad_v8, shared with GeGLU).
 
