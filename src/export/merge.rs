@@ -405,7 +405,6 @@ fn check_unsupported(dir: &Path) -> Result<()> {
 pub fn merge(adapter: &Path, base: &Path, out: &Path, opts: &MergeOptions) -> Result<MergeReport> {
     let info = read_adapter_config(adapter)?;
     check_unsupported(adapter)?;
-    let scale = info.spec.scale();
     let pairs = read_adapter_tensors(adapter)?;
     let files = ModelFiles::local(base)?;
     if out.exists() && !opts.replace {
@@ -419,7 +418,6 @@ pub fn merge(adapter: &Path, base: &Path, out: &Path, opts: &MergeOptions) -> Re
             );
         }
     }
-
     // Memory-map every base shard. SAFETY: read-only maps of files we do not modify while
     // they are mapped (the output goes to another directory).
     let maps = files
@@ -431,45 +429,88 @@ pub fn merge(adapter: &Path, base: &Path, out: &Path, opts: &MergeOptions) -> Re
             unsafe { memmap2::Mmap::map(&f) }.with_context(|| format!("cannot map {}", p.display()))
         })
         .collect::<Result<Vec<_>>>()?;
-    let sts = maps
-        .iter()
-        .zip(&files.weights)
-        .map(|(m, p)| {
-            SafeTensors::deserialize(m)
-                .with_context(|| format!("{} is not a safetensors file", p.display()))
-        })
-        .collect::<Result<Vec<_>>>()?;
-
-    // A bitsandbytes 4-bit checkpoint (Some(its double quant)), or a full-precision one.
-    let packed_ckpt = bnb::nf4_config(&files.config)?;
-    let cfg_text = std::fs::read_to_string(&files.config)
-        .with_context(|| format!("cannot read {}", files.config.display()))?;
-    let cfg: Value = serde_json::from_str(&cfg_text)
-        .with_context(|| format!("{} is not valid JSON", files.config.display()))?;
-    // The checkpoint's packed weights read through candle's map, as the loader reads them.
-    // SAFETY: as above.
-    let packed_st = match packed_ckpt {
-        Some(_) => {
-            Some(unsafe { candle_core::safetensors::MmapedSafetensors::multi(&files.weights) }?)
-        }
-        None => None,
+    let ckpt = Base::open(base, &files, &maps)?;
+    let items = ckpt.items(&maps, opts)?;
+    let adapted = check_adapter(adapter, &ckpt, &info, pairs, &items)?;
+    let job = Job {
+        ckpt: &ckpt,
+        shards: shard_plan(&items, opts.max_shard_size),
+        items,
+        adapted,
+        scale: info.spec.scale(),
+        opts,
     };
-    let requant = opts.merge_into == MergeInto::Dequantized;
-    let double_quant = packed_ckpt.unwrap_or(opts.double_quant);
+    write_into_place(out, |tmp| job.write(tmp, out))
+}
 
-    // Every base tensor in checkpoint order: (name, shard, shape, output dtype, bytes out,
-    // where its values come from).
-    let names = maps
-        .iter()
-        .map(|m| Ok(SafeTensors::read_metadata(m)?.1.offset_keys()))
-        .collect::<Result<Vec<_>>>()?;
-    // Packed 4-bit weights: those with a quant state (in any shard: transformers may put a
-    // weight and its quant tensors in different ones); their quant tensors are dropped.
-    let mut packed = std::collections::HashSet::new();
-    let mut dropped = std::collections::HashSet::new();
-    if packed_ckpt.is_some() {
-        for name in names.iter().flatten() {
-            if let Some(w) = name.strip_suffix(bnb::STATE) {
+/// The base checkpoint as a merge reads it.
+struct Base<'a> {
+    dir: &'a Path,
+    files: &'a ModelFiles,
+    /// Every shard, parsed from its map.
+    sts: Vec<SafeTensors<'a>>,
+    /// A bitsandbytes 4-bit checkpoint: Some(its double quant); a full-precision one: None.
+    packed: Option<bool>,
+    /// The packed weights read through candle's map, as the loader reads them.
+    packed_st: Option<candle_core::safetensors::MmapedSafetensors>,
+    cfg_text: String,
+    cfg: Value,
+}
+
+impl<'a> Base<'a> {
+    fn open(dir: &'a Path, files: &'a ModelFiles, maps: &'a [memmap2::Mmap]) -> Result<Self> {
+        let sts = maps
+            .iter()
+            .zip(&files.weights)
+            .map(|(m, p)| {
+                SafeTensors::deserialize(m)
+                    .with_context(|| format!("{} is not a safetensors file", p.display()))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let packed = bnb::nf4_config(&files.config)?;
+        let cfg_text = std::fs::read_to_string(&files.config)
+            .with_context(|| format!("cannot read {}", files.config.display()))?;
+        let cfg: Value = serde_json::from_str(&cfg_text)
+            .with_context(|| format!("{} is not valid JSON", files.config.display()))?;
+        // SAFETY: as the maps above.
+        let packed_st = match packed {
+            Some(_) => {
+                Some(unsafe { candle_core::safetensors::MmapedSafetensors::multi(&files.weights) }?)
+            }
+            None => None,
+        };
+        Ok(Base {
+            dir,
+            files,
+            sts,
+            packed,
+            packed_st,
+            cfg_text,
+            cfg,
+        })
+    }
+
+    fn packed_st(&self) -> Result<&candle_core::safetensors::MmapedSafetensors> {
+        self.packed_st.as_ref().context("no 4-bit checkpoint map")
+    }
+
+    /// Every tensor of the merged model in checkpoint order: its name, shard, shape, output
+    /// dtype, bytes and where its values come from.
+    fn items(&self, maps: &[memmap2::Mmap], opts: &MergeOptions) -> Result<Vec<Item>> {
+        let names = maps
+            .iter()
+            .map(|m| Ok(SafeTensors::read_metadata(m)?.1.offset_keys()))
+            .collect::<Result<Vec<_>>>()?;
+        // Packed 4-bit weights: those with a quant state (in any shard: transformers may put a
+        // weight and its quant tensors in different ones); their quant tensors are dropped.
+        let mut packed = std::collections::HashSet::new();
+        let mut dropped = std::collections::HashSet::new();
+        if self.packed.is_some() {
+            for w in names
+                .iter()
+                .flatten()
+                .filter_map(|n| n.strip_suffix(bnb::STATE))
+            {
                 packed.insert(w.to_string());
                 for s in [
                     bnb::STATE,
@@ -482,61 +523,68 @@ pub fn merge(adapter: &Path, base: &Path, out: &Path, opts: &MergeOptions) -> Re
                 }
             }
         }
-    }
-    let mut items = Vec::new();
-    let mut seen = HashMap::new();
-    for (i, (st, names)) in sts.iter().zip(names).enumerate() {
-        for name in names {
-            if dropped.contains(&name) {
-                continue;
-            }
-            let v = st.tensor(&name)?;
-            if let Some(prev) = seen.insert(name.clone(), i) {
-                bail!(
-                    "tensor `{name}` is in both {} and {}",
-                    files.weights[prev].display(),
-                    files.weights[i].display()
-                );
-            }
-            let (src, shape, stored) = if packed.contains(&name) {
-                let st = packed_st.as_ref().context("no 4-bit checkpoint map")?;
-                let state = st.get(&format!("{name}{}", bnb::STATE))?;
-                let shape = packed_shape(state.data(), &name)
-                    .with_context(|| format!("in the 4-bit checkpoint {}", base.display()))?;
-                (Src::Packed, shape, checkpoint_dtype(&cfg))
-            } else {
-                let shape = v.shape().to_vec();
-                let float = candle_dtype(v.dtype()).is_some();
-                let src = match requant && float && is_decoder_linear(&name, &shape) {
-                    true => Src::Requant,
-                    false => Src::Stored,
+        let requant = opts.merge_into == MergeInto::Dequantized;
+        let mut items = Vec::new();
+        let mut seen = HashMap::new();
+        for (i, (st, names)) in self.sts.iter().zip(names).enumerate() {
+            for name in names.into_iter().filter(|n| !dropped.contains(n)) {
+                let v = st.tensor(&name)?;
+                if let Some(prev) = seen.insert(name.clone(), i) {
+                    bail!(
+                        "tensor `{name}` is in both {} and {}",
+                        self.files.weights[prev].display(),
+                        self.files.weights[i].display()
+                    );
+                }
+                let (src, shape, stored) = if packed.contains(&name) {
+                    let state = self.packed_st()?.get(&format!("{name}{}", bnb::STATE))?;
+                    let shape = packed_shape(state.data(), &name).with_context(|| {
+                        format!("in the 4-bit checkpoint {}", self.dir.display())
+                    })?;
+                    (Src::Packed, shape, checkpoint_dtype(&self.cfg))
+                } else {
+                    let shape = v.shape().to_vec();
+                    let float = candle_dtype(v.dtype()).is_some();
+                    let src = match requant && float && is_decoder_linear(&name, &shape) {
+                        true => Src::Requant,
+                        false => Src::Stored,
+                    };
+                    (src, shape, v.dtype())
                 };
-                (src, shape, v.dtype())
-            };
-            let dtype = match opts.dtype {
-                Some(d) if candle_dtype(stored).is_some() => st_dtype(d),
-                _ => stored,
-            };
-            items.push(Item {
-                size: n_bytes(&shape, dtype),
-                name,
-                shard: i,
-                shape,
-                dtype,
-                src,
-            });
+                let dtype = match opts.dtype {
+                    Some(d) if candle_dtype(stored).is_some() => st_dtype(d),
+                    _ => stored,
+                };
+                items.push(Item {
+                    size: n_bytes(&shape, dtype),
+                    name,
+                    shard: i,
+                    shape,
+                    dtype,
+                    src,
+                });
+            }
         }
+        Ok(items)
     }
-    let index: HashMap<String, usize> = items
-        .iter()
-        .enumerate()
-        .map(|(k, it)| (it.name.clone(), k))
-        .collect();
+}
 
-    // Every adapter module must match a base linear, shapes included; every targeted linear
-    // of the base must have its adapter.
+/// An adapted module's (A [r, in], B [out, r], DoRA's m [out]), checked against its base
+/// weight.
+type Adapted = HashMap<String, (Tensor, Tensor, Option<Tensor>)>;
+
+/// Every adapter module must match a base linear, shapes included; every targeted linear of
+/// the base must have its adapter.
+fn check_adapter(
+    adapter: &Path,
+    ckpt: &Base,
+    info: &super::AdapterInfo,
+    pairs: BTreeMap<String, Pair>,
+    items: &[Item],
+) -> Result<Adapted> {
+    let base = ckpt.dir;
     let targets = &info.spec.targets;
-    for it in &items {
+    for it in items {
         let Some(module) = it.name.strip_suffix(".weight") else {
             continue;
         };
@@ -553,11 +601,8 @@ pub fn merge(adapter: &Path, base: &Path, out: &Path, opts: &MergeOptions) -> Re
             );
         }
     }
-    let merged_into = match packed_ckpt.is_some() || requant {
-        true => "dequantized-nf4",
-        false => "base",
-    };
-    let mut checked: HashMap<String, (Tensor, Tensor, Option<Tensor>)> = HashMap::new();
+    let index: HashMap<&str, &Item> = items.iter().map(|it| (it.name.as_str(), it)).collect();
+    let mut checked = HashMap::new();
     for (module, p) in pairs {
         let (Some(a), Some(b)) = (p.a, p.b) else {
             bail!(
@@ -566,7 +611,7 @@ pub fn merge(adapter: &Path, base: &Path, out: &Path, opts: &MergeOptions) -> Re
             );
         };
         let wname = format!("{module}.weight");
-        let Some(&k) = index.get(&wname) else {
+        let Some(w) = index.get(wname.as_str()) else {
             bail!(
                 "the adapter has `{}`, but the base model in {} has no tensor `{wname}`: \
                  the adapter was trained on another model",
@@ -574,7 +619,6 @@ pub fn merge(adapter: &Path, base: &Path, out: &Path, opts: &MergeOptions) -> Re
                 base.display()
             );
         };
-        let w = &items[k];
         let (r, in_f) = a.dims2()?;
         let (out_f, rb) = b.dims2()?;
         let leaf = module.rsplit('.').next().unwrap_or("");
@@ -605,12 +649,15 @@ pub fn merge(adapter: &Path, base: &Path, out: &Path, opts: &MergeOptions) -> Re
         }
         checked.insert(module, (a, b, p.m));
     }
+    Ok(checked)
+}
 
-    // Shards: greedy in checkpoint order.
+/// Shards of at most `max` bytes, greedy in checkpoint order (a larger tensor alone).
+fn shard_plan(items: &[Item], max: u64) -> Vec<Vec<usize>> {
     let mut shards: Vec<Vec<usize>> = Vec::new();
     let mut used = 0u64;
     for (i, it) in items.iter().enumerate() {
-        if shards.is_empty() || (used + it.size > opts.max_shard_size && used > 0) {
+        if shards.is_empty() || (used + it.size > max && used > 0) {
             shards.push(Vec::new());
             used = 0;
         }
@@ -619,15 +666,12 @@ pub fn merge(adapter: &Path, base: &Path, out: &Path, opts: &MergeOptions) -> Re
             s.push(i);
         }
     }
-    let n = shards.len();
-    let shard_name = |k: usize| {
-        if n == 1 {
-            "model.safetensors".to_string()
-        } else {
-            format!("model-{:05}-of-{n:05}.safetensors", k + 1)
-        }
-    };
+    shards
+}
 
+/// Writes a directory through `write` into a fresh temporary sibling of `out`, then renames it
+/// into place; on any failure the temporary directory is removed and `out` left as it was.
+fn write_into_place<T>(out: &Path, write: impl FnOnce(&Path) -> Result<T>) -> Result<T> {
     let parent = out
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
@@ -637,98 +681,70 @@ pub fn merge(adapter: &Path, base: &Path, out: &Path, opts: &MergeOptions) -> Re
     let tmp = crate::util::tmp_path(out);
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
-    let res = (|| -> Result<MergeReport> {
+    let done = write(&tmp).and_then(|r| replace_dir(&tmp, out).map(|()| r));
+    if done.is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    done
+}
+
+/// A checked merge, ready to write.
+struct Job<'a> {
+    ckpt: &'a Base<'a>,
+    items: Vec<Item>,
+    adapted: Adapted,
+    shards: Vec<Vec<usize>>,
+    scale: f64,
+    opts: &'a MergeOptions,
+}
+
+impl Job<'_> {
+    /// What the adapter goes into: "base" or "dequantized-nf4".
+    fn merged_into(&self) -> &'static str {
+        match self.ckpt.packed.is_some() || self.opts.merge_into == MergeInto::Dequantized {
+            true => "dequantized-nf4",
+            false => "base",
+        }
+    }
+
+    fn shard_name(&self, k: usize) -> String {
+        match self.shards.len() {
+            1 => "model.safetensors".to_string(),
+            n => format!("model-{:05}-of-{n:05}.safetensors", k + 1),
+        }
+    }
+
+    /// The merged model into `tmp`: shards, index, config.json and the copied files.
+    fn write(&self, tmp: &Path, out: &Path) -> Result<MergeReport> {
         let mut weight_map = BTreeMap::new();
-        let mut total_size = 0u64;
-        let mut merged = 0;
-        let mut dequantized = 0;
-        for (k, shard) in shards.iter().enumerate() {
+        let (mut total_size, mut merged, mut dequantized) = (0u64, 0, 0);
+        for (k, shard) in self.shards.iter().enumerate() {
             // Owned bytes for what we compute; views into the base maps for what we copy.
-            let mut owned: Vec<(usize, Vec<u8>)> = Vec::new();
+            let mut owned = HashMap::new();
             for &i in shard {
-                let it = &items[i];
-                let out_dtype = candle_dtype(it.dtype).unwrap_or(DType::F32);
-                // The weight's values in f32 where they are not the stored ones.
-                let computed = match it.src {
-                    Src::Stored => None,
-                    Src::Packed => {
-                        let st = packed_st.as_ref().context("no 4-bit checkpoint map")?;
-                        let q = bnb::read(st, &it.name, &it.shape)
-                            .with_context(|| format!("in the 4-bit checkpoint {}", base.display()))?
-                            .with_context(|| format!("`{}` has no quant state", it.name))?;
-                        Some(dequantized_tensor(&q, opts.quantize_dtype)?)
-                    }
-                    Src::Requant => {
-                        let v = sts[it.shard].tensor(&it.name)?;
-                        let w = view_tensor(&v)?;
-                        // Quantized from the weight as training held it: in the run's
-                        // dtype, else the output's, else as stored.
-                        let held = opts
-                            .quantize_dtype
-                            .or(opts.dtype)
-                            .or_else(|| to_recipe_dtype(w.dtype()));
-                        let d = held.map_or(DType::F32, |d| {
-                            candle_dtype(st_dtype(d)).unwrap_or(DType::F32)
-                        });
-                        let host = w
-                            .to_dtype(d)?
-                            .to_dtype(DType::F32)?
-                            .flatten_all()?
-                            .to_vec1::<f32>()?;
-                        let q = Nf4::quantize(&host, &it.shape, double_quant);
-                        Some(dequantized_tensor(&q, held)?)
-                    }
-                };
-                if computed.is_some() {
-                    dequantized += 1;
-                }
-                let module = it.name.strip_suffix(".weight").unwrap_or("");
-                if let Some((a, b, m)) = checked.get(module) {
-                    // W' = W + scale · B A in f32 (DoRA: rows scaled to m / ‖·‖), then the
-                    // output dtype.
-                    let w = match computed {
-                        Some(w) => w,
-                        None => {
-                            view_tensor(&sts[it.shard].tensor(&it.name)?)?.to_dtype(DType::F32)?
-                        }
-                    };
-                    let delta = (b.matmul(a)? * scale)?;
-                    let w = (w + delta)?;
-                    let w = match m {
-                        Some(m) => {
-                            let g = crate::ops::dora::magnitude_scale(m, &row_norms(&w)?)?;
-                            w.broadcast_mul(&g.unsqueeze(1)?)?
-                        }
-                        None => w,
-                    };
-                    owned.push((i, tensor_bytes(&w.to_dtype(out_dtype)?)?));
-                    merged += 1;
-                } else if let Some(w) = computed {
-                    owned.push((i, tensor_bytes(&w.to_dtype(out_dtype)?)?));
-                } else {
-                    let v = sts[it.shard].tensor(&it.name)?;
-                    if v.dtype() != it.dtype {
-                        owned.push((i, tensor_bytes(&view_tensor(&v)?.to_dtype(out_dtype)?)?));
-                    }
+                let (bytes, m, d) = self.item_bytes(&self.items[i])?;
+                (merged, dequantized) = (merged + m as usize, dequantized + d as usize);
+                if let Some(bytes) = bytes {
+                    owned.insert(i, bytes);
                 }
             }
-            let owned: HashMap<usize, Vec<u8>> = owned.into_iter().collect();
             let mut views = Vec::with_capacity(shard.len());
             for &i in shard {
-                let it = &items[i];
+                let it = &self.items[i];
                 let view = match owned.get(&i) {
                     Some(bytes) => TensorView::new(it.dtype, it.shape.clone(), bytes)?,
-                    None => sts[it.shard].tensor(&it.name)?,
+                    None => self.ckpt.sts[it.shard].tensor(&it.name)?,
                 };
                 total_size += it.size;
-                weight_map.insert(it.name.clone(), shard_name(k));
+                weight_map.insert(it.name.clone(), self.shard_name(k));
                 views.push((it.name.clone(), view));
             }
             let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-            let path = tmp.join(shard_name(k));
+            let path = tmp.join(self.shard_name(k));
             safetensors::serialize_to_file(views, Some(meta), &path)
                 .with_context(|| format!("cannot write {}", path.display()))?;
         }
+        let n = self.shards.len();
         if n > 1 {
             let index = json!({
                 "metadata": {"total_size": total_size},
@@ -739,79 +755,145 @@ pub fn merge(adapter: &Path, base: &Path, out: &Path, opts: &MergeOptions) -> Re
                 serde_json::to_string_pretty(&index)?,
             )?;
         }
-        // config.json: the base's bytes for a plain merge that casts nothing (as before: a
-        // rewrite would reorder its keys and reformat its numbers); otherwise its dtype field
-        // naming the dtype written (when cast, or a 4-bit checkpoint's linears), and for a
-        // merge into NF4 weights no quantization_config and `lora_train_merged_into`.
-        let nf4 = merged_into != "base";
-        let written = match (opts.dtype, packed_ckpt) {
-            (Some(d), _) => Some(st_dtype(d)),
-            (None, Some(_)) => Some(checkpoint_dtype(&cfg)),
-            (None, None) => None,
-        };
-        let cfg_out = match (written, nf4) {
-            (None, false) => cfg_text.clone(),
-            _ => {
-                let mut cfg = cfg.clone();
-                if let Some(o) = cfg.as_object_mut() {
-                    if let Some(d) = written {
-                        let keys: Vec<&str> = ["torch_dtype", "dtype"]
-                            .into_iter()
-                            .filter(|k| o.contains_key(*k))
-                            .collect();
-                        for k in if keys.is_empty() {
-                            vec!["torch_dtype"]
-                        } else {
-                            keys
-                        } {
-                            o.insert(k.to_string(), Value::from(torch_name(d)));
-                        }
-                    }
-                    if nf4 {
-                        o.remove("quantization_config");
-                        o.insert(MERGED_INTO_KEY.to_string(), Value::from(merged_into));
-                    }
-                }
-                serde_json::to_string_pretty(&cfg)? + "\n"
-            }
-        };
-        std::fs::write(tmp.join("config.json"), cfg_out)?;
+        std::fs::write(tmp.join("config.json"), self.config_out()?)?;
         // safetensors writes through a private temporary file (mode 0600): give the shards
         // the mode of an ordinary new file, as config.json has.
         let mode = std::fs::metadata(tmp.join("config.json"))?.permissions();
         for k in 0..n {
-            std::fs::set_permissions(tmp.join(shard_name(k)), mode.clone())?;
+            std::fs::set_permissions(tmp.join(self.shard_name(k)), mode.clone())?;
         }
         for f in COPIED {
-            let src = base.join(f);
+            let src = self.ckpt.dir.join(f);
             if src.is_file() {
                 std::fs::copy(&src, tmp.join(f))
                     .with_context(|| format!("cannot copy {}", src.display()))?;
             }
         }
-        sync_dir_files(&tmp)?;
+        sync_dir_files(tmp)?;
         Ok(MergeReport {
             out: out.to_owned(),
-            tensors: items.len(),
+            tensors: self.items.len(),
             merged,
             shards: n,
             total_size,
-            merged_into,
+            merged_into: self.merged_into(),
             dequantized,
         })
-    })();
-    let report = match res {
-        Ok(r) => r,
-        Err(e) => {
-            let _ = std::fs::remove_dir_all(&tmp);
-            return Err(e);
-        }
-    };
-    if let Err(e) = replace_dir(&tmp, out) {
-        let _ = std::fs::remove_dir_all(&tmp);
-        return Err(e);
     }
-    Ok(report)
+
+    /// One tensor's bytes where they are not the base's stored ones (None: copied as is), and
+    /// whether an adapter was merged into it and whether it was dequantized.
+    fn item_bytes(&self, it: &Item) -> Result<(Option<Vec<u8>>, bool, bool)> {
+        let out_dtype = candle_dtype(it.dtype).unwrap_or(DType::F32);
+        let stored = || self.ckpt.sts[it.shard].tensor(&it.name);
+        let computed = self.computed(it)?;
+        let dequantized = computed.is_some();
+        let module = it.name.strip_suffix(".weight").unwrap_or("");
+        if let Some((a, b, m)) = self.adapted.get(module) {
+            // W' = W + scale · B A in f32 (DoRA: rows scaled to m / ‖·‖), then the output dtype.
+            let w = match computed {
+                Some(w) => w,
+                None => view_tensor(&stored()?)?.to_dtype(DType::F32)?,
+            };
+            let w = (w + (b.matmul(a)? * self.scale)?)?;
+            let w = match m {
+                Some(m) => {
+                    let g = crate::ops::dora::magnitude_scale(m, &row_norms(&w)?)?;
+                    w.broadcast_mul(&g.unsqueeze(1)?)?
+                }
+                None => w,
+            };
+            return Ok((
+                Some(tensor_bytes(&w.to_dtype(out_dtype)?)?),
+                true,
+                dequantized,
+            ));
+        }
+        let bytes = match computed {
+            Some(w) => Some(tensor_bytes(&w.to_dtype(out_dtype)?)?),
+            None => {
+                let v = stored()?;
+                match v.dtype() != it.dtype {
+                    true => Some(tensor_bytes(&view_tensor(&v)?.to_dtype(out_dtype)?)?),
+                    false => None,
+                }
+            }
+        };
+        Ok((bytes, false, dequantized))
+    }
+
+    /// A weight's values in f32 where they are not the stored ones: dequantized from the
+    /// checkpoint's NF4, or the base quantized to NF4 and back.
+    fn computed(&self, it: &Item) -> Result<Option<Tensor>> {
+        let opts = self.opts;
+        Ok(match it.src {
+            Src::Stored => None,
+            Src::Packed => {
+                let q = bnb::read(self.ckpt.packed_st()?, &it.name, &it.shape)
+                    .with_context(|| {
+                        format!("in the 4-bit checkpoint {}", self.ckpt.dir.display())
+                    })?
+                    .with_context(|| format!("`{}` has no quant state", it.name))?;
+                Some(dequantized_tensor(&q, opts.quantize_dtype)?)
+            }
+            Src::Requant => {
+                let w = view_tensor(&self.ckpt.sts[it.shard].tensor(&it.name)?)?;
+                // Quantized from the weight as training held it: in the run's dtype, else the
+                // output's, else as stored.
+                let held = opts
+                    .quantize_dtype
+                    .or(opts.dtype)
+                    .or_else(|| to_recipe_dtype(w.dtype()));
+                let d = held.map_or(DType::F32, |d| {
+                    candle_dtype(st_dtype(d)).unwrap_or(DType::F32)
+                });
+                let host = w
+                    .to_dtype(d)?
+                    .to_dtype(DType::F32)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?;
+                let double_quant = self.ckpt.packed.unwrap_or(opts.double_quant);
+                let q = Nf4::quantize(&host, &it.shape, double_quant);
+                Some(dequantized_tensor(&q, held)?)
+            }
+        })
+    }
+
+    /// config.json: the base's bytes for a plain merge that casts nothing (a rewrite would
+    /// reorder its keys and reformat its numbers); otherwise its dtype field naming the dtype
+    /// written (when cast, or a 4-bit checkpoint's linears), and for a merge into NF4 weights
+    /// no quantization_config and `lora_train_merged_into`.
+    fn config_out(&self) -> Result<String> {
+        let nf4 = self.merged_into() != "base";
+        let written = match (self.opts.dtype, self.ckpt.packed) {
+            (Some(d), _) => Some(st_dtype(d)),
+            (None, Some(_)) => Some(checkpoint_dtype(&self.ckpt.cfg)),
+            (None, None) => None,
+        };
+        if written.is_none() && !nf4 {
+            return Ok(self.ckpt.cfg_text.clone());
+        }
+        let mut cfg = self.ckpt.cfg.clone();
+        if let Some(o) = cfg.as_object_mut() {
+            if let Some(d) = written {
+                let mut keys: Vec<&str> = ["torch_dtype", "dtype"]
+                    .into_iter()
+                    .filter(|k| o.contains_key(*k))
+                    .collect();
+                if keys.is_empty() {
+                    keys.push("torch_dtype");
+                }
+                for k in keys {
+                    o.insert(k.to_string(), Value::from(torch_name(d)));
+                }
+            }
+            if nf4 {
+                o.remove("quantization_config");
+                o.insert(MERGED_INTO_KEY.to_string(), Value::from(self.merged_into()));
+            }
+        }
+        Ok(serde_json::to_string_pretty(&cfg)? + "\n")
+    }
 }
 
 /// fsyncs every file in `dir`, then `dir` itself.
