@@ -264,9 +264,10 @@ impl Moe {
         let gu_ad = PerExpert::of(&self.gate_up_lora, experts, dt, graph)?;
         let down_ad = PerExpert::of(&self.down_lora, experts, dt, graph)?;
         let ads = (gu_ad.as_ref(), down_ad.as_ref());
-        let xs = moe_rows::gather(hn, &r.tokens)?; // [P, C] grouped by expert
-        let w = r.weights.flatten_all()?.index_select(&r.order, 0)?; // [P] f32
-                                                                     // with `graph` the adapters' Vars reach y through the grouped ops' candle path
+        // The routed rows [P, C] grouped by expert, and their weights [P] f32. With `graph`
+        // the adapters' Vars reach y through the grouped ops' candle path.
+        let xs = moe_rows::gather(hn, &r.tokens)?;
+        let w = r.weights.flatten_all()?.index_select(&r.order, 0)?;
         let (y, _) = self.experts_fwd(&xs, &r.counts, ads)?;
         drop(xs);
         Ok((

@@ -516,9 +516,10 @@ fn breakdown_parking(
         Some(_) => 0,
         None => mlp_kept_per_token(cfg, s, p.rank, &p.targets) * chunk,
     };
-    let boundary = n * c * s; // one [B, T, C] tensor
-                              // Checkpointed with offload: the inputs parked in host memory but the last layer's; on
-                              // the device that one, the last output and one on its way out (forward) or back.
+    // One [B, T, C] tensor.
+    let boundary = n * c * s;
+    // Checkpointed with offload: the inputs parked in host memory but the last layer's; on the
+    // device that one, the last output and one on its way out (forward) or back.
     let parked = full && p.offload;
     // The MLP half checkpointed with offload (driver::Keep::ParkMlp): the layers below the
     // top PARK_TAIL park gate and up in host memory and keep the rest of their MLP half's
