@@ -67,7 +67,10 @@ class Checks:
     def close(self, name, ours, theirs, atol=None, rtol=None):
         atol = self.atol if atol is None else atol
         rtol = self.rtol if rtol is None else rtol
-        ours, theirs = torch.as_tensor(ours).double(), torch.as_tensor(theirs).double()
+        # float64 from the start: a Python float through as_tensor's default float32 would
+        # round both sides to the same f32 and hide any difference below its step
+        ours = torch.as_tensor(ours, dtype=torch.float64)
+        theirs = torch.as_tensor(theirs, dtype=torch.float64)
         if ours.shape != theirs.shape:
             return self.result(name, False, f"shape {tuple(ours.shape)} vs {tuple(theirs.shape)}")
         diff = (ours - theirs).abs()
@@ -187,8 +190,8 @@ def main():
             if not evals:
                 c.result(f"{case} eval loss vs PEFT", False, f"{a.metrics} has no eval_loss row")
             else:
-                c.close(f"{case} our eval loss (saved adapter) vs PEFT's, {n} tokens",
-                        evals[-1], s / n)
+                c.close(f"{case} our eval loss {evals[-1]!r} (saved adapter) vs PEFT's "
+                        f"{s / n!r}, {n} tokens", evals[-1], s / n)
         if a.generated:
             check_generated(c, pm, rows, a.generated, a.prompt_len, a.margin)
         if a.merged:

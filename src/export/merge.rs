@@ -10,6 +10,10 @@
 //! plus `model.safetensors.index.json` {metadata.total_size, weight_map}. config.json
 //! (its dtype updated when cast), generation_config.json and the tokenizer files are copied.
 //!
+//! A MoE's adapters on its expert parameters (PEFT's `target_parameters`) go into the experts
+//! as the base stores them, fused or one by one: expert e's W_e + scale · B_e A_e
+//! (`merge_experts`).
+//!
 //! A QLoRA adapter's base is NF4, and a merge goes into the weights it computed with:
 //!
 //! * a bitsandbytes 4-bit checkpoint (config.json's `quantization_config.quant_method =
@@ -32,6 +36,7 @@
 //! The whole output is written into a temporary sibling directory and renamed into place at
 //! the end, so a failure or a crash never leaves a half-written model directory.
 
+use super::merge_experts as experts;
 use super::{peft_key, read_adapter_config, CONFIG, WEIGHTS};
 use crate::hub::ModelFiles;
 use crate::lora::KNOWN_LINEAR;
@@ -177,11 +182,14 @@ fn checkpoint_dtype(cfg: &Value) -> StDtype {
 }
 
 /// A decoder-layer linear's weight (`model.layers.N.….<proj>.weight`), the tensors training
-/// keeps in NF4 under `model.quantize = "nf4"`.
+/// keeps in NF4 under `model.quantize = "nf4"`: not a MoE's experts (those stay as loaded).
 fn is_decoder_linear(name: &str, shape: &[usize]) -> bool {
     let Some(rest) = name.strip_prefix("model.layers.") else {
         return false;
     };
+    if experts::is_tensor(name) {
+        return false;
+    }
     let Some((layer, rest)) = rest.split_once('.') else {
         return false;
     };
@@ -388,7 +396,6 @@ fn check_unsupported(dir: &Path) -> Result<()> {
         ("exclude_modules", "modules left out of target_modules"),
         ("layer_replication", "layers duplicated by the adapter"),
         ("lora_bias", "a bias on lora_B"),
-        ("target_parameters", "adapters on parameters, not modules"),
         ("trainable_token_indices", "trained embedding rows"),
     ] {
         if set(k) {
@@ -437,6 +444,7 @@ pub fn merge(adapter: &Path, base: &Path, out: &Path, opts: &MergeOptions) -> Re
         shards: shard_plan(&items, opts.max_shard_size),
         items,
         adapted,
+        targets: info.spec.targets.clone(),
         scale: info.spec.scale(),
         opts,
     };
@@ -569,9 +577,16 @@ impl<'a> Base<'a> {
     }
 }
 
-/// An adapted module's (A [r, in], B [out, r], DoRA's m [out]), checked against its base
-/// weight.
-type Adapted = HashMap<String, (Tensor, Tensor, Option<Tensor>)>;
+/// A checked adapter, shaped for its merge (f32).
+enum Adapter {
+    /// A linear's A [r, in], B [out, r] and DoRA's m [out].
+    Linear(Tensor, Tensor, Option<Tensor>),
+    /// A MoE's expert parameter's A [E, r, in] and B [E, out, r] (`merge_experts`).
+    Experts(Tensor, Tensor),
+}
+
+/// The adapters by module.
+type Adapted = HashMap<String, Adapter>;
 
 /// Every adapter module must match a base linear, shapes included; every targeted linear of
 /// the base must have its adapter.
@@ -584,19 +599,31 @@ fn check_adapter(
 ) -> Result<Adapted> {
     let base = ckpt.dir;
     let targets = &info.spec.targets;
-    for it in items {
-        let Some(module) = it.name.strip_suffix(".weight") else {
-            continue;
+    let file = adapter.join(WEIGHTS);
+    let slots: Vec<Option<experts::Slot>> = items
+        .iter()
+        .map(|it| experts::slot(&it.name, &it.shape, targets))
+        .collect();
+    for (it, slot) in items.iter().zip(&slots) {
+        let (module, what) = match slot {
+            Some(s) => (s.module.as_str(), "the experts"),
+            None => {
+                let Some(module) = it.name.strip_suffix(".weight") else {
+                    continue;
+                };
+                let leaf = module.rsplit('.').next().unwrap_or("");
+                let linear = module.starts_with("model.layers.") && !experts::is_tensor(&it.name);
+                if !linear || !targets.iter().any(|t| t == leaf) {
+                    continue;
+                }
+                (module, leaf)
+            }
         };
-        let leaf = module.rsplit('.').next().unwrap_or("");
-        if module.starts_with("model.layers.")
-            && targets.iter().any(|t| t == leaf)
-            && !pairs.contains_key(module)
-        {
+        if !pairs.contains_key(module) {
             bail!(
-                "{}: no lora_A/lora_B for `{module}`, although adapter_config.json targets {leaf}: \
+                "{}: no lora_A/lora_B for `{module}`, although adapter_config.json targets {what}: \
                  the adapter does not match the base model in {}",
-                adapter.join(WEIGHTS).display(),
+                file.display(),
                 base.display()
             );
         }
@@ -607,9 +634,33 @@ fn check_adapter(
         let (Some(a), Some(b)) = (p.a, p.b) else {
             bail!(
                 "{}: `{module}` has only one of lora_A / lora_B",
-                adapter.join(WEIGHTS).display()
+                file.display()
             );
         };
+        if experts::is_module(&module) {
+            if p.m.is_some() || info.spec.dora {
+                bail!(
+                    "{}: `{module}` is an adapter on expert parameters with DoRA's magnitude: \
+                     PEFT's adapters on parameters take no DoRA",
+                    file.display()
+                );
+            }
+            let into: Vec<(&experts::Slot, &[usize])> = items
+                .iter()
+                .zip(&slots)
+                .filter_map(|(it, s)| s.as_ref().map(|s| (s, it.shape.as_slice())))
+                .filter(|(s, _)| s.module == module)
+                .collect();
+            let (a, b) = experts::shaped(&a, &b, info.spec.rank, &into).with_context(|| {
+                format!(
+                    "the adapter's `{module}` does not fit the experts of the base model in {}: \
+                     the adapter was trained on another model",
+                    base.display()
+                )
+            })?;
+            checked.insert(module, Adapter::Experts(a, b));
+            continue;
+        }
         let wname = format!("{module}.weight");
         let Some(w) = index.get(wname.as_str()) else {
             bail!(
@@ -625,7 +676,7 @@ fn check_adapter(
         if !targets.iter().any(|t| t == leaf) {
             bail!(
                 "{}: `{module}` is not among adapter_config.json's target_modules {targets:?}",
-                adapter.join(WEIGHTS).display()
+                file.display()
             );
         }
         if r != info.spec.rank || rb != r || w.shape != [out_f, in_f] {
@@ -647,7 +698,7 @@ fn check_adapter(
                 w.dtype
             );
         }
-        checked.insert(module, (a, b, p.m));
+        checked.insert(module, Adapter::Linear(a, b, p.m));
     }
     Ok(checked)
 }
@@ -693,6 +744,8 @@ struct Job<'a> {
     ckpt: &'a Base<'a>,
     items: Vec<Item>,
     adapted: Adapted,
+    /// adapter_config.json's targets (where the experts' tensors take their adapters).
+    targets: Vec<String>,
     shards: Vec<Vec<usize>>,
     scale: f64,
     opts: &'a MergeOptions,
@@ -788,20 +841,32 @@ impl Job<'_> {
         let stored = || self.ckpt.sts[it.shard].tensor(&it.name);
         let computed = self.computed(it)?;
         let dequantized = computed.is_some();
-        let module = it.name.strip_suffix(".weight").unwrap_or("");
-        if let Some((a, b, m)) = self.adapted.get(module) {
-            // W' = W + scale · B A in f32 (DoRA: rows scaled to m / ‖·‖), then the output dtype.
+        let slot = experts::slot(&it.name, &it.shape, &self.targets);
+        let module = match &slot {
+            Some(s) => s.module.as_str(),
+            None => it.name.strip_suffix(".weight").unwrap_or(""),
+        };
+        if let Some(adapter) = self.adapted.get(module) {
             let w = match computed {
                 Some(w) => w,
                 None => view_tensor(&stored()?)?.to_dtype(DType::F32)?,
             };
-            let w = (w + (b.matmul(a)? * self.scale)?)?;
-            let w = match m {
-                Some(m) => {
-                    let g = crate::ops::dora::magnitude_scale(m, &row_norms(&w)?)?;
-                    w.broadcast_mul(&g.unsqueeze(1)?)?
+            // W' = W + scale · B A in f32 (DoRA: rows scaled to m / ‖·‖), then the output dtype.
+            let w = match (adapter, &slot) {
+                (Adapter::Linear(a, b, m), None) => {
+                    let w = (w + (b.matmul(a)? * self.scale)?)?;
+                    match m {
+                        Some(m) => {
+                            let g = crate::ops::dora::magnitude_scale(m, &row_norms(&w)?)?;
+                            w.broadcast_mul(&g.unsqueeze(1)?)?
+                        }
+                        None => w,
+                    }
                 }
-                None => w,
+                (Adapter::Experts(a, b), Some(slot)) => {
+                    (w + experts::delta(a, b, self.scale, slot)?)?
+                }
+                _ => bail!("`{}`: its adapter is not of its kind", it.name),
             };
             return Ok((
                 Some(tensor_bytes(&w.to_dtype(out_dtype)?)?),

@@ -85,6 +85,91 @@ fn merged_logits_equal_base_plus_adapter_logits() {
     }
 }
 
+/// The MoE's adapters on its experts (PEFT's `target_parameters`) merge into the experts as
+/// the base stores them, one by one (the Hub's layout, the fixture's) or fused (transformers
+/// 5's [E, 2I, C] and [E, C, I]), and the merged model keeps that layout.
+#[test]
+fn moe_expert_adapters_merge_into_either_layout() {
+    let case = "qwen3_moe";
+    let tmp = tempfile::tempdir().unwrap();
+    let r = recipe(tmp.path(), &golden_recipe(case, &tmp.path().join("o")), &[]);
+    let s = Session::new(r).unwrap();
+    let batch = s.batch(&[vec![0], vec![1]]);
+    let want = driver::logits(&s.model, &batch).unwrap();
+    let fused = tmp.path().join("fused");
+    fuse_experts(&base_dir(case), &fused, 2, 8);
+    // 2 layers: 4 attention linears each, and 8 experts' gate, up and down (or 2 fused)
+    for (layout, base, merged, name) in [
+        (
+            "one by one",
+            base_dir(case),
+            2 * (4 + 8 * 3),
+            "experts.7.up_proj.weight",
+        ),
+        ("fused", fused, 2 * (4 + 2), "experts.gate_up_proj"),
+    ] {
+        let out = tmp
+            .path()
+            .join(format!("merged-{}", layout.replace(" ", "-")));
+        let adapter = golden_dir(case).join("init_adapter");
+        let rep = merge(&adapter, &base, &out, &opts(10_000_000)).unwrap();
+        assert_eq!(rep.merged, merged, "{layout}");
+        let st = load_st(&out.join("model.safetensors"));
+        assert!(
+            st.contains_key(&format!("model.layers.1.mlp.{name}")),
+            "{layout}"
+        );
+        let got = driver::logits(&plain(&out, DType::F32), &batch).unwrap();
+        assert_close(&format!("{layout}: merged logits"), &got, &want, 1e-5, 1e-6);
+        let base = driver::logits(&plain(&base, DType::F32), &batch).unwrap();
+        let d = max_abs_diff(&base, &want);
+        assert!(d > 1e-3, "{layout}: the adapter changes logits by only {d}");
+    }
+    // Without its experts' adapters, the adapter no longer covers what its config targets.
+    let bad = tmp.path().join("no-experts");
+    copy_dir(&golden_dir(case).join("init_adapter"), &bad);
+    let mut st = load_st(&bad.join("adapter_model.safetensors"));
+    st.retain(|k, _| !k.contains("layers.1.mlp.experts.base_layer"));
+    candle_core::safetensors::save(&st, bad.join("adapter_model.safetensors")).unwrap();
+    let e = format!(
+        "{:#}",
+        merge(
+            &bad,
+            &base_dir(case),
+            &tmp.path().join("x"),
+            &opts(10_000_000)
+        )
+        .unwrap_err()
+    );
+    assert!(
+        e.contains("no lora_A/lora_B for `model.layers.1.mlp.experts.base_layer`"),
+        "{e}"
+    );
+    assert!(!tmp.path().join("x").exists());
+}
+
+/// `dir`'s MoE checkpoint with its experts fused as transformers 5 stores them: per layer
+/// `mlp.experts.gate_up_proj` [E, 2I, C] (gate's rows first) and `mlp.experts.down_proj`
+/// [E, C, I], into `out`.
+fn fuse_experts(dir: &Path, out: &Path, layers: usize, experts: usize) {
+    std::fs::create_dir_all(out).unwrap();
+    std::fs::copy(dir.join("config.json"), out.join("config.json")).unwrap();
+    let mut st = load_st(&dir.join("model.safetensors"));
+    for l in 0..layers {
+        let p = format!("model.layers.{l}.mlp.experts");
+        let mut take = |e: usize, w: &str| st.remove(&format!("{p}.{e}.{w}.weight")).unwrap();
+        let (mut gu, mut down) = (vec![], vec![]);
+        for e in 0..experts {
+            let (g, u) = (take(e, "gate_proj"), take(e, "up_proj"));
+            gu.push(Tensor::cat(&[g, u], 0).unwrap());
+            down.push(take(e, "down_proj"));
+        }
+        st.insert(format!("{p}.gate_up_proj"), Tensor::stack(&gu, 0).unwrap());
+        st.insert(format!("{p}.down_proj"), Tensor::stack(&down, 0).unwrap());
+    }
+    candle_core::safetensors::save(&st, out.join("model.safetensors")).unwrap();
+}
+
 #[test]
 fn merged_checkpoint_has_the_transformers_layout() {
     let tmp = tempfile::tempdir().unwrap();
