@@ -935,6 +935,23 @@ impl Recipe {
 
     /// Checks that need no model: ranges, files that must exist, what this build supports.
     pub fn validate(&self) -> Result<(), RecipeError> {
+        self.validate_model()?;
+        self.validate_lora()?;
+        self.validate_data()?;
+        if self.data.seq_len < 2 {
+            return Err(self.invalid(
+                "data.seq_len",
+                "must be at least 2 (a token and the next one to predict)",
+            ));
+        }
+        self.validate_train()?;
+        self.validate_parallel()?;
+        self.validate_output()?;
+        bounds::check(self)
+    }
+
+    /// `[model]`: where the checkpoint comes from, and its quantization.
+    fn validate_model(&self) -> Result<(), RecipeError> {
         let m = &self.model;
         match (&m.path, &m.id) {
             (None, None) => {
@@ -979,6 +996,11 @@ impl Recipe {
                 "= false applies to model.quantize = \"nf4\" only: remove it",
             ));
         }
+        Ok(())
+    }
+
+    /// `[lora]`: rank, alpha, dropout, targets, DoRA and the init adapter.
+    fn validate_lora(&self) -> Result<(), RecipeError> {
         let l = &self.lora;
         if l.rank == 0 {
             return Err(self.invalid("lora.rank", "must be at least 1"));
@@ -1002,14 +1024,11 @@ impl Recipe {
                 ));
             }
         }
-        let d = &self.data;
-        self.validate_data()?;
-        if d.seq_len < 2 {
-            return Err(self.invalid(
-                "data.seq_len",
-                "must be at least 2 (a token and the next one to predict)",
-            ));
-        }
+        Ok(())
+    }
+
+    /// `[train]`: batch sizes, the optimizer, sampling, resume and the memory knobs.
+    fn validate_train(&self) -> Result<(), RecipeError> {
         let t = &self.train;
         for (key, v) in [
             ("train.micro_batch", t.micro_batch),
@@ -1061,25 +1080,6 @@ impl Recipe {
         if !(t.max_grad_norm.is_finite() && t.max_grad_norm >= 0.0) {
             return Err(self.invalid("train.max_grad_norm", "must be >= 0 (0 disables clipping)"));
         }
-        let p = &self.parallel;
-        let mut seen = BTreeSet::new();
-        for d in &p.devices {
-            if !seen.insert(d) {
-                return Err(self.invalid(
-                    "parallel.devices",
-                    format!("lists device {d} twice: list each device once, e.g. [0, 1]"),
-                ));
-            }
-        }
-        if p.devices.is_empty() && self.model.device == DeviceKind::Cpu {
-            return Err(self.invalid("parallel.devices", "= \"all\" needs model.device = \"cuda\": on the CPU list the virtual ranks, e.g. [0, 1]"));
-        }
-        if p.strategy == Strategy::Single && p.devices.len() > 1 {
-            return Err(self.invalid("parallel.devices", "lists several devices but strategy is \"single\": use \"ddp\" or \"fsdp\", or list one device"));
-        }
-        if p.timeout_s == 0 {
-            return Err(self.invalid("parallel.timeout_s", "must be at least 1 (seconds)"));
-        }
         if let Resume::Path(p) = &t.resume {
             if !p.join(crate::util::TRAINER_STATE).is_file() {
                 return Err(self.invalid(
@@ -1114,6 +1114,35 @@ impl Recipe {
                 ),
             ));
         }
+        Ok(())
+    }
+
+    /// `[parallel]`: the devices and strategy.
+    fn validate_parallel(&self) -> Result<(), RecipeError> {
+        let p = &self.parallel;
+        let mut seen = BTreeSet::new();
+        for d in &p.devices {
+            if !seen.insert(d) {
+                return Err(self.invalid(
+                    "parallel.devices",
+                    format!("lists device {d} twice: list each device once, e.g. [0, 1]"),
+                ));
+            }
+        }
+        if p.devices.is_empty() && self.model.device == DeviceKind::Cpu {
+            return Err(self.invalid("parallel.devices", "= \"all\" needs model.device = \"cuda\": on the CPU list the virtual ranks, e.g. [0, 1]"));
+        }
+        if p.strategy == Strategy::Single && p.devices.len() > 1 {
+            return Err(self.invalid("parallel.devices", "lists several devices but strategy is \"single\": use \"ddp\" or \"fsdp\", or list one device"));
+        }
+        if p.timeout_s == 0 {
+            return Err(self.invalid("parallel.timeout_s", "must be at least 1 (seconds)"));
+        }
+        Ok(())
+    }
+
+    /// `[output]`: shard size and what the merge goes into.
+    fn validate_output(&self) -> Result<(), RecipeError> {
         if let Some(s) = &self.output.max_shard_size {
             if let Err(msg) = crate::util::parse_size(s) {
                 return Err(self.invalid("output.max_shard_size", msg));
@@ -1133,7 +1162,7 @@ impl Recipe {
                 ));
             }
         }
-        bounds::check(self)
+        Ok(())
     }
 
     /// `lora.use_dora` against what DoRA does not run with.
