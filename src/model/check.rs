@@ -91,8 +91,59 @@ pub fn config(c: &ModelConfig, path: &Path) -> Result<(), ConfigError> {
             format!("= {} must be in (0, 1), e.g. 1e-5", c.rms_norm_eps),
         ));
     }
+    rope_scaling(&c.rope_scaling, &err)?;
     let positive = |x: f64| x.is_finite() && x > 0.0;
-    match &c.rope_scaling {
+    let a = &c.arch;
+    let caps = [
+        ("attn_logit_softcapping", a.attn_softcap),
+        ("final_logit_softcapping", a.final_softcap),
+        ("query_pre_attn_scalar", a.query_pre_attn_scalar),
+    ];
+    for (key, v) in caps {
+        if let Some(v) = v.filter(|v| !positive(*v)) {
+            return Err(err(
+                key,
+                format!("= {v} must be a positive number (or null, for none)"),
+            ));
+        }
+    }
+    if let Some(w) = c.sliding_window.filter(|&w| w > MAX_POSITIONS) {
+        return Err(err(
+            "sliding_window",
+            format!("= {w} is out of range: it must be in 1..={MAX_POSITIONS}"),
+        ));
+    }
+    if let Some(r) = &a.local_rope {
+        if !(r.theta.is_finite() && r.theta > 0.0) {
+            return Err(err(
+                "rope_local_base_freq",
+                format!("= {} must be a positive number (Gemma 3: 10000.0)", r.theta),
+            ));
+        }
+    }
+    let ids = c.bos_token_id.iter().map(|&i| ("bos_token_id", i));
+    let ids = ids
+        .chain(c.eos_token_ids.iter().map(|&i| ("eos_token_id", i)))
+        .chain(c.pad_token_id.iter().map(|&i| ("pad_token_id", i)));
+    for (key, id) in ids {
+        if id as usize >= c.vocab_size {
+            return Err(err(
+                key,
+                format!("= {id} is not a token: vocab_size is {}", c.vocab_size),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// `rope_scaling`'s factors and lengths (Llama 3's, LongRoPE's, linear), each within what it
+/// can mean.
+fn rope_scaling(
+    scaling: &RopeScaling,
+    err: &impl Fn(&str, String) -> ConfigError,
+) -> Result<(), ConfigError> {
+    let positive = |x: f64| x.is_finite() && x > 0.0;
+    match scaling {
         RopeScaling::None | RopeScaling::LongRope { .. } => {}
         RopeScaling::Linear { factor } => {
             if !positive(*factor) {
@@ -137,7 +188,7 @@ pub fn config(c: &ModelConfig, path: &Path) -> Result<(), ConfigError> {
         long,
         original_max_position,
         attention_factor,
-    } = &c.rope_scaling
+    } = scaling
     {
         for (key, list) in [("short_factor", short), ("long_factor", long)] {
             if let Some(f) = list.iter().find(|f| !positive(**f)) {
@@ -157,46 +208,6 @@ pub fn config(c: &ModelConfig, path: &Path) -> Result<(), ConfigError> {
             return Err(err(
                 "rope_scaling.attention_factor",
                 format!("= {attention_factor} must be a positive number"),
-            ));
-        }
-    }
-    let a = &c.arch;
-    let caps = [
-        ("attn_logit_softcapping", a.attn_softcap),
-        ("final_logit_softcapping", a.final_softcap),
-        ("query_pre_attn_scalar", a.query_pre_attn_scalar),
-    ];
-    for (key, v) in caps {
-        if let Some(v) = v.filter(|v| !positive(*v)) {
-            return Err(err(
-                key,
-                format!("= {v} must be a positive number (or null, for none)"),
-            ));
-        }
-    }
-    if let Some(w) = c.sliding_window.filter(|&w| w > MAX_POSITIONS) {
-        return Err(err(
-            "sliding_window",
-            format!("= {w} is out of range: it must be in 1..={MAX_POSITIONS}"),
-        ));
-    }
-    if let Some(r) = &a.local_rope {
-        if !(r.theta.is_finite() && r.theta > 0.0) {
-            return Err(err(
-                "rope_local_base_freq",
-                format!("= {} must be a positive number (Gemma 3: 10000.0)", r.theta),
-            ));
-        }
-    }
-    let ids = c.bos_token_id.iter().map(|&i| ("bos_token_id", i));
-    let ids = ids
-        .chain(c.eos_token_ids.iter().map(|&i| ("eos_token_id", i)))
-        .chain(c.pad_token_id.iter().map(|&i| ("pad_token_id", i)));
-    for (key, id) in ids {
-        if id as usize >= c.vocab_size {
-            return Err(err(
-                key,
-                format!("= {id} is not a token: vocab_size is {}", c.vocab_size),
             ));
         }
     }
