@@ -434,15 +434,26 @@ pub fn breakdown_within(
         .unwrap_or_else(|| breakdown_parking(p, strategy, ckpt, micro_batch, 0))
 }
 
-/// `breakdown` with up to `park` pairs of parked gate and up in flight (0: none parked).
-fn breakdown_parking(
-    p: &PlanInput,
-    strategy: Strategy,
-    ckpt: Checkpointing,
-    micro_batch: usize,
-    park: usize,
-) -> Breakdown {
-    let full = ckpt == Checkpointing::Full;
+/// What every phase holds whatever the batch: the base (sharded, padded, NF4), the adapters,
+/// their gradients and AdamW state; and the FSDP gathers or NF4 dequantized layers.
+struct Resident {
+    world: usize,
+    base: u64,
+    /// LoRA parameters (DoRA's magnitudes included).
+    lp: u64,
+    adapters: u64,
+    grad_sums: u64,
+    /// DDP's all-reduce bucket.
+    bucket: u64,
+    optimizer: u64,
+    /// In the forward and backward, and in the head.
+    gather: u64,
+    head_gather: u64,
+    /// The adapters' bf16 copies through each micro-batch.
+    casts: u64,
+}
+
+fn resident(p: &PlanInput, strategy: Strategy) -> Resident {
     let cfg = &p.cfg;
     let s = p.dtype_bytes;
     let world = if strategy == Strategy::Single {
@@ -450,13 +461,7 @@ fn breakdown_parking(
     } else {
         p.gpus.max(1)
     };
-    let (b, t) = (micro_batch as u64, p.seq_len as u64);
-    let n = b * t; // tokens per rank
-    let (c, l, v) = (
-        cfg.hidden_size as u64,
-        cfg.num_layers as u64,
-        cfg.vocab_size as u64,
-    );
+    let l = cfg.num_layers as u64;
     let pads = match p.kernels.fold {
         true => fold_pad_bytes(cfg, s, p.rank, &p.targets),
         false => 0,
@@ -476,10 +481,6 @@ fn breakdown_parking(
         } else {
             0
         };
-    let adapters = 4 * lp;
-    let grad_sums = 4 * lp;
-    let bucket = if world > 1 { 2 * 4 * lp / l.max(1) } else { 0 };
-    let optimizer = 8 * lp;
     // NF4's dequantized layers: on CUDA one kernel into reused slabs (quant::slabs);
     // elsewhere also the tensor ops' temporaries.
     let temps = if p.cuda { 0 } else { 12 * largest_linear(cfg) };
@@ -500,7 +501,55 @@ fn breakdown_parking(
     } else {
         (0, 0)
     };
-    let i = cfg.intermediate_size as u64;
+    Resident {
+        world,
+        base,
+        lp,
+        adapters: 4 * lp,
+        grad_sums: 4 * lp,
+        bucket: if world > 1 { 2 * 4 * lp / l.max(1) } else { 0 },
+        optimizer: 8 * lp,
+        gather,
+        head_gather,
+        // On CUDA with 2-byte activations the adapters' bf16 copies live through each
+        // micro-batch (`Ctx::adapters`).
+        casts: if p.cuda && s == 2 { 2 * lp } else { 0 },
+    }
+}
+
+/// One micro-batch's activations and the copies in flight.
+struct Acts {
+    /// Tokens a rank.
+    n: u64,
+    /// Tokens of the MLP's chunks in backward, and in a checkpointed forward.
+    bwd_chunk: u64,
+    chunk: u64,
+    /// One [B, T, C] tensor.
+    boundary: u64,
+    /// Kept through the step, and the layer recomputed in backward.
+    kept: u64,
+    recomputed: u64,
+    /// Residuals offloaded with nothing recomputed.
+    offload: bool,
+    /// Parked gate and up pairs on the device, and their bytes.
+    park_pending: u64,
+    mlp_pending: u64,
+    /// The copies in flight through the backward, and the pinned host memory.
+    in_flight: u64,
+    host: u64,
+}
+
+fn activations(p: &PlanInput, ckpt: Checkpointing, micro_batch: usize, park: usize) -> Acts {
+    let cfg = &p.cfg;
+    let s = p.dtype_bytes;
+    let full = ckpt == Checkpointing::Full;
+    let (b, t) = (micro_batch as u64, p.seq_len as u64);
+    let n = b * t; // tokens per rank
+    let (c, l, i) = (
+        cfg.hidden_size as u64,
+        cfg.num_layers as u64,
+        cfg.intermediate_size as u64,
+    );
     // The MLP's backward over chunks of `bwd_chunk` tokens (model/layer_mlp.rs), and a
     // checkpointed layer's forward and recompute too: its gate and up exist for one chunk.
     let bwd_chunk = match p.mlp_chunk {
@@ -543,32 +592,6 @@ fn breakdown_parking(
         (Checkpointing::Mlp, _) => l * attn_act + mlp_parked * (mlp_act - pair),
         (Checkpointing::Off, _) => l * layer_act,
     };
-    let steady = base + adapters + optimizer;
-    let scores = (b * cfg.num_heads as u64 * t * t * 2).min(ATTN_BLOCK);
-    let attn_ws = if p.kernels.attention.tensor_cores() {
-        0
-    } else {
-        3 * scores
-    };
-    let (moe_fwd, moe_bwd) = moe_ws(cfg, s, n);
-    let fwd_ws = attn_ws.max(n * s * 3 * c + chunk * s * i).max(moe_fwd);
-    // Logit-sized buffers of one head chunk: the fused kernel's logits and dL/dlogits in the
-    // activation dtype, or the op chain's HEAD_CHUNKS f32 ones.
-    let per_logit = if p.kernels.cross_entropy == CrossEntropy::Fused {
-        2.0 * s as f64
-    } else {
-        HEAD_CHUNKS * 4.0
-    };
-    let rows = crate::train::driver::head_chunk_rows(v as usize, p.kernels.cross_entropy) as u64;
-    let head_ws = (per_logit * (rows * v).min(n * v) as f64) as u64 + 2 * boundary + mlp_pending;
-    // Chunked, the MLP's [chunk, I] gradients, and the attention's backward over all tokens:
-    // dL/dy, dL/dh, dL/d(attn), dq ([N, C] each), dk and dv ([N, K·D]).
-    let kd = (cfg.num_kv_heads * cfg.head_dim) as u64;
-    let bwd_ws = match bwd_chunk < n {
-        true => n * s * (4 * c + 2 * kd) + bwd_chunk * s * 3 * i,
-        false => n * s * (2 * c + 3 * i),
-    };
-    let bwd_ws = (BWD_WS * bwd_ws.max(moe_bwd) as f64) as u64;
     // Backward's residuals: the recomputed layer's (checkpointing), or, offloaded, the
     // layer's own, back from the host, and the next one on its way back; both alive through
     // the MLP's backward, where a recomputed residual does not exist yet.
@@ -591,31 +614,93 @@ fn breakdown_parking(
     } else {
         mlp_parked * pair
     };
-    let load = base + adapters;
-    // On CUDA with 2-byte activations the adapters' bf16 copies live through each micro-batch
-    // (`Ctx::adapters`).
-    let casts = if p.cuda && s == 2 { 2 * lp } else { 0 };
-    // With checkpointing the running layer's activations exist until it ends.
-    let fwd_ws = fwd_ws + if offload { boundary } else { mlp_pending };
-    let bwd_ws = bwd_ws + in_flight;
-    let (fwd_ws, bwd_ws) = match p.dora {
-        true => {
-            let d = dora_temps(cfg, &p.targets, n);
-            (fwd_ws + d, bwd_ws + d)
-        }
-        false => (fwd_ws, bwd_ws),
+    Acts {
+        n,
+        bwd_chunk,
+        chunk,
+        boundary,
+        kept,
+        recomputed,
+        offload,
+        park_pending,
+        mlp_pending,
+        in_flight,
+        host,
+    }
+}
+
+/// The workspaces of the forward, the head and the backward beyond what `a` keeps.
+fn workspaces(p: &PlanInput, micro_batch: usize, a: &Acts) -> (u64, u64, u64) {
+    let cfg = &p.cfg;
+    let s = p.dtype_bytes;
+    let (n, chunk, bwd_chunk) = (a.n, a.chunk, a.bwd_chunk);
+    let (b, t) = (micro_batch as u64, p.seq_len as u64);
+    let (c, i, v) = (
+        cfg.hidden_size as u64,
+        cfg.intermediate_size as u64,
+        cfg.vocab_size as u64,
+    );
+    let scores = (b * cfg.num_heads as u64 * t * t * 2).min(ATTN_BLOCK);
+    let attn_ws = if p.kernels.attention.tensor_cores() {
+        0
+    } else {
+        3 * scores
     };
+    let (moe_fwd, moe_bwd) = moe_ws(cfg, s, n);
+    let fwd_ws = attn_ws.max(n * s * 3 * c + chunk * s * i).max(moe_fwd);
+    // Logit-sized buffers of one head chunk: the fused kernel's logits and dL/dlogits in the
+    // activation dtype, or the op chain's HEAD_CHUNKS f32 ones.
+    let per_logit = if p.kernels.cross_entropy == CrossEntropy::Fused {
+        2.0 * s as f64
+    } else {
+        HEAD_CHUNKS * 4.0
+    };
+    let rows = crate::train::driver::head_chunk_rows(v as usize, p.kernels.cross_entropy) as u64;
+    let head_ws =
+        (per_logit * (rows * v).min(n * v) as f64) as u64 + 2 * a.boundary + a.mlp_pending;
+    // Chunked, the MLP's [chunk, I] gradients, and the attention's backward over all tokens:
+    // dL/dy, dL/dh, dL/d(attn), dq ([N, C] each), dk and dv ([N, K·D]).
+    let kd = (cfg.num_kv_heads * cfg.head_dim) as u64;
+    let bwd_ws = match bwd_chunk < n {
+        true => n * s * (4 * c + 2 * kd) + bwd_chunk * s * 3 * i,
+        false => n * s * (2 * c + 3 * i),
+    };
+    let bwd_ws = (BWD_WS * bwd_ws.max(moe_bwd) as f64) as u64;
+    // With checkpointing the running layer's activations exist until it ends.
+    let fwd_ws = fwd_ws + if a.offload { a.boundary } else { a.mlp_pending };
+    let bwd_ws = bwd_ws + a.in_flight;
+    let d = match p.dora {
+        true => dora_temps(cfg, &p.targets, n),
+        false => 0,
+    };
+    (fwd_ws + d, head_ws, bwd_ws + d)
+}
+
+/// `breakdown` with up to `park` pairs of parked gate and up in flight (0: none parked).
+fn breakdown_parking(
+    p: &PlanInput,
+    strategy: Strategy,
+    ckpt: Checkpointing,
+    micro_batch: usize,
+    park: usize,
+) -> Breakdown {
+    let r = resident(p, strategy);
+    let a = activations(p, ckpt, micro_batch, park);
+    let (fwd_ws, head_ws, bwd_ws) = workspaces(p, micro_batch, &a);
+    let (kept, recomputed, casts, gather) = (a.kept, a.recomputed, r.casts, r.gather);
+    let steady = r.base + r.adapters + r.optimizer;
+    let load = r.base + r.adapters;
     let forward = steady + casts + kept + recomputed + fwd_ws + gather;
-    let head = steady + casts + kept + head_ws + head_gather;
-    let backward = steady + casts + kept + recomputed + grad_sums + bucket + bwd_ws + gather;
+    let head = steady + casts + kept + head_ws + r.head_gather;
+    let backward = steady + casts + kept + recomputed + r.grad_sums + r.bucket + bwd_ws + gather;
     // AdamW: in place on CUDA (ops::multi_tensor); elsewhere over flat groups of ≤
     // optim::GROUP elements, ~8 f32 temporaries of one group while the old state is alive.
     let optim_ws = if p.cuda {
         0
     } else {
-        8 * 4 * lp.min(crate::train::optim::GROUP as u64)
+        8 * 4 * r.lp.min(crate::train::optim::GROUP as u64)
     };
-    let optim = steady + grad_sums + optim_ws;
+    let optim = steady + r.grad_sums + optim_ws;
     let phases = [
         ("load", load),
         ("forward", forward),
@@ -630,13 +715,13 @@ fn breakdown_parking(
             .fold(("load", 0), |m, x| if x.1 > m.1 { x } else { m });
     let (activations, transient, gather_at_peak) = match peak_phase {
         "forward" => (kept + recomputed, fwd_ws, gather),
-        "head" => (kept, head_ws, head_gather),
+        "head" => (kept, head_ws, r.head_gather),
         "backward" => (kept + recomputed, bwd_ws, gather),
         _ => (0, 0, 0),
     };
     let grads = match peak_phase {
-        "backward" => grad_sums + bucket,
-        "optimizer" => grad_sums,
+        "backward" => r.grad_sums + r.bucket,
+        "optimizer" => r.grad_sums,
         _ => 0,
     };
     // The optimizer phase's second copy of state counts as transient.
@@ -651,22 +736,22 @@ fn breakdown_parking(
         (0, 0)
     };
     let adapters = match peak_phase {
-        "forward" | "head" | "backward" => adapters + casts,
-        _ => adapters,
+        "forward" | "head" | "backward" => r.adapters + casts,
+        _ => r.adapters,
     };
     Breakdown {
         strategy,
         ckpt,
-        world,
+        world: r.world,
         micro_batch,
-        base,
+        base: r.base,
         adapters,
         grads,
-        optimizer,
+        optimizer: r.optimizer,
         activations,
         transient,
-        host,
-        park_pending: park_pending as usize,
+        host: a.host,
+        park_pending: a.park_pending as usize,
         gather: gather_at_peak,
         context,
         slack,
