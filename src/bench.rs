@@ -393,24 +393,8 @@ fn measure(
     let n_linear = base_linear_params(&cfg);
     let mut opt = AdamW::new(adapter_params(&model), [0.9, 0.999], 1e-8, 0.0)?;
 
-    // Random token ids (labels = ids), like the baseline: global row g is seeded by g, and
-    // this rank's micro-batch m holds rows (m·b + j)·world + rank, j < b. Eval rows follow.
     let (b, t, accum) = (a.micro_batch, a.seq, a.grad_accum.max(1));
-    let row = |g: usize| -> Vec<u32> {
-        let mut rng = crate::rng::Rng::new(1234 + g as u64);
-        (0..t).map(|_| rng.below(cfg.vocab_size) as u32).collect()
-    };
-    let micro = |m: usize| {
-        let ids: Vec<u32> = (0..b)
-            .flat_map(|j| row((m * b + j) * world + rank))
-            .collect();
-        workload::batch(&ids, b, t, a.pack)
-    };
-    let batches: Vec<Batch> = (0..accum).map(micro).collect();
-    let evals: Vec<Batch> = match a.eval_every {
-        0 => Vec::new(),
-        _ => (accum..accum + a.eval_batches.max(1)).map(micro).collect(),
-    };
+    let (batches, evals) = micro_batches(a, cfg.vocab_size, rank, world);
     // Every row counts t − pack targets: the step's denominator over all ranks.
     let denom = world * accum * b * workload::targets_per_row(t, a.pack);
     let keep = Keep::new(a.ckpt, a.offload, &a.device).with_park(park);
@@ -425,84 +409,29 @@ fn measure(
         (0, _) => None,
         (_, r) => Some((workload::Saver::new(&model)?, r == 0)),
     };
-    // Seconds the loop spent starting checkpoints (their host copies) and waiting for the last
-    // one's write.
-    let (save_s, save_wait_s) = (std::cell::Cell::new(0.0), std::cell::Cell::new(0.0));
-    // What the trainer does after step `n` (1-based) is done: eval, then the checkpoint.
-    let after = |n: usize, opt: &AdamW| -> Result<()> {
-        if a.eval_every > 0 && n % a.eval_every == 0 {
-            workload::eval(&model, &par, &evals)?;
-        }
-        match &saver {
-            Some((s, true)) if n % a.save_every == 0 => {
-                let t0 = Instant::now();
-                s.save(n, &model, &spec, opt)?;
-                save_s.set(save_s.get() + t0.elapsed().as_secs_f64());
-                Ok(())
-            }
-            _ => Ok(()),
+    let run = Run {
+        model: &model,
+        spec: &spec,
+        par: &par,
+        batches: &batches,
+        evals: &evals,
+        denom,
+        saver: saver.as_ref(),
+    };
+    let steps = match run_steps(a, &run, &mut engine, &mut opt) {
+        Ok(s) => s,
+        Err(e) => {
+            *meter = engine.meter.clone();
+            return Err(e);
         }
     };
-    let saves = |n: usize| a.save_every > 0 && n % a.save_every == 0;
-    // The training loop's order and clock (train::trainer): step k+1's forward and backward
-    // queued before step k's loss is read (and its eval and checkpoint run), then step k+1's
-    // update; a step that saves is finished before the next is queued. A step counts as done
-    // once its loss is read and its eval run and checkpoint started, and the timed steps run on from the warm-up ones without a pause.
-    let total = a.warmup + a.steps;
-    let mut clock = workload::Clock::new(a.warmup);
-    // The last step also waits for the checkpoint write in flight: the clock counts them all.
-    let finish = |engine: &mut Engine, opt: &mut AdamW, clock: &mut workload::Clock, p, n| {
-        let done = engine.finish(p, opt)?;
-        after(n, opt)?;
-        if let (Some((s, _)), true) = (&saver, n == total) {
-            let t0 = Instant::now();
-            s.wait()?;
-            save_wait_s.set(t0.elapsed().as_secs_f64());
-        }
-        clock.record(done);
-        anyhow::Ok(())
-    };
-    let mut pending = None;
-    // Seconds the host spent queueing the timed steps' work (forward, backward, update): near
-    // step_s, the host sets the pace (launches, allocations, routing reads), not the device.
-    let mut queue_s = 0.0;
-    let t1 = Instant::now();
-    let res = (|| -> Result<()> {
-        for step in 0..=total {
-            if step == a.warmup {
-                engine.meter = memory::PhaseMeter::default();
-            }
-            // The timed window opens when the last warm-up step is read: it is read before
-            // the first timed step is queued, or a host that blocks while it queues (e.g. on
-            // parked inputs at long T) would open the window late.
-            if step < total && (saves(step) || (step == a.warmup && step > 0)) {
-                if let Some(p) = pending.take() {
-                    finish(&mut engine, &mut opt, &mut clock, p, step)?;
-                }
-            }
-            let t0 = Instant::now();
-            let q = match step < total {
-                true => Some(engine.backward(&batches, denom, step)?),
-                false => None,
-            };
-            let queued = t0.elapsed().as_secs_f64();
-            if let Some(p) = pending.take() {
-                finish(&mut engine, &mut opt, &mut clock, p, step)?;
-            }
-            let t0 = Instant::now();
-            if let Some(q) = q {
-                pending = Some(engine.update(q, &mut opt, 1e-4)?);
-            }
-            if step >= a.warmup {
-                queue_s += queued + t0.elapsed().as_secs_f64();
-            }
-        }
-        Ok(())
-    })();
-    if let Err(e) = res {
-        *meter = engine.meter.clone();
-        return Err(e);
-    }
+    let Steps {
+        clock,
+        t1,
+        queue_s,
+        save_s,
+        save_wait_s,
+    } = steps;
     a.device.synchronize()?;
     let dt = clock.seconds(t1);
     let losses = clock.losses;
@@ -594,8 +523,8 @@ fn measure(
     let r3 = |x: f64| (x * 1e3).round() / 1e3;
     out["park_pending"] = park_pending.into();
     out["host_queue_s"] = ((queue_s / a.steps as f64 * 1e4).round() / 1e4).into();
-    out["save_start_s"] = r3(save_s.get()).into();
-    out["save_final_wait_s"] = r3(save_wait_s.get()).into();
+    out["save_start_s"] = r3(save_s).into();
+    out["save_final_wait_s"] = r3(save_wait_s).into();
     // Each checkpoint's time on the writer thread: a write longer than save_every steps makes
     // the next save wait (in save_start_s).
     if let Some((s, _)) = &saver {
@@ -607,6 +536,142 @@ fn measure(
             .into();
     }
     Ok(out)
+}
+
+/// This rank's micro-batches of a step and its eval batches: random token ids (labels = ids),
+/// like the baseline's. Global row g is seeded by g, and micro-batch m holds rows
+/// (m·b + j)·world + rank, j < b; the eval rows follow the step's.
+fn micro_batches(
+    a: &BenchArgs,
+    vocab: usize,
+    rank: usize,
+    world: usize,
+) -> (Vec<Batch>, Vec<Batch>) {
+    let (b, t, accum) = (a.micro_batch, a.seq, a.grad_accum.max(1));
+    let row = |g: usize| -> Vec<u32> {
+        let mut rng = crate::rng::Rng::new(1234 + g as u64);
+        (0..t).map(|_| rng.below(vocab) as u32).collect()
+    };
+    let micro = |m: usize| {
+        let ids: Vec<u32> = (0..b)
+            .flat_map(|j| row((m * b + j) * world + rank))
+            .collect();
+        workload::batch(&ids, b, t, a.pack)
+    };
+    let batches = (0..accum).map(micro).collect();
+    let evals = match a.eval_every {
+        0 => Vec::new(),
+        _ => (accum..accum + a.eval_batches.max(1)).map(micro).collect(),
+    };
+    (batches, evals)
+}
+
+/// What the timed steps run on.
+struct Run<'a> {
+    model: &'a Model,
+    spec: &'a LoraSpec,
+    par: &'a crate::train::driver::Par<'a>,
+    batches: &'a [Batch],
+    evals: &'a [Batch],
+    /// The step's loss denominator over all ranks.
+    denom: usize,
+    /// The checkpoint writer, and whether this rank writes.
+    saver: Option<&'a (workload::Saver, bool)>,
+}
+
+/// What the timed steps measured.
+struct Steps {
+    clock: workload::Clock,
+    /// When the first step was queued.
+    t1: Instant,
+    /// Seconds the host spent queueing the timed steps' work.
+    queue_s: f64,
+    /// Seconds starting checkpoints (their host copies), and waiting for the last one's write.
+    save_s: f64,
+    save_wait_s: f64,
+}
+
+/// The warm-up and timed steps in the trainer's order and clock (train::trainer).
+fn run_steps(a: &BenchArgs, run: &Run, engine: &mut Engine, opt: &mut AdamW) -> Result<Steps> {
+    // Seconds the loop spent starting checkpoints (their host copies) and waiting for the last
+    // one's write.
+    let (save_s, save_wait_s) = (std::cell::Cell::new(0.0), std::cell::Cell::new(0.0));
+    // What the trainer does after step `n` (1-based) is done: eval, then the checkpoint.
+    let after = |n: usize, opt: &AdamW| -> Result<()> {
+        if a.eval_every > 0 && n % a.eval_every == 0 {
+            workload::eval(run.model, run.par, run.evals)?;
+        }
+        match run.saver {
+            Some((s, true)) if n % a.save_every == 0 => {
+                let t0 = Instant::now();
+                s.save(n, run.model, run.spec, opt)?;
+                save_s.set(save_s.get() + t0.elapsed().as_secs_f64());
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    };
+    let saves = |n: usize| a.save_every > 0 && n % a.save_every == 0;
+    // The training loop's order and clock (train::trainer): step k+1's forward and backward
+    // queued before step k's loss is read (and its eval and checkpoint run), then step k+1's
+    // update; a step that saves is finished before the next is queued. A step counts as done
+    // once its loss is read and its eval run and checkpoint started, and the timed steps run
+    // on from the warm-up ones without a pause.
+    let total = a.warmup + a.steps;
+    let mut clock = workload::Clock::new(a.warmup);
+    // The last step also waits for the checkpoint write in flight: the clock counts them all.
+    let finish = |engine: &mut Engine, opt: &mut AdamW, clock: &mut workload::Clock, p, n| {
+        let done = engine.finish(p, opt)?;
+        after(n, opt)?;
+        if let (Some((s, _)), true) = (run.saver, n == total) {
+            let t0 = Instant::now();
+            s.wait()?;
+            save_wait_s.set(t0.elapsed().as_secs_f64());
+        }
+        clock.record(done);
+        anyhow::Ok(())
+    };
+    let mut pending = None;
+    // Seconds the host spent queueing the timed steps' work (forward, backward, update): near
+    // step_s, the host sets the pace (launches, allocations, routing reads), not the device.
+    let mut queue_s = 0.0;
+    let t1 = Instant::now();
+    for step in 0..=total {
+        if step == a.warmup {
+            engine.meter = memory::PhaseMeter::default();
+        }
+        // The timed window opens when the last warm-up step is read: it is read before
+        // the first timed step is queued, or a host that blocks while it queues (e.g. on
+        // parked inputs at long T) would open the window late.
+        if step < total && (saves(step) || (step == a.warmup && step > 0)) {
+            if let Some(p) = pending.take() {
+                finish(engine, opt, &mut clock, p, step)?;
+            }
+        }
+        let t0 = Instant::now();
+        let q = match step < total {
+            true => Some(engine.backward(run.batches, run.denom, step)?),
+            false => None,
+        };
+        let queued = t0.elapsed().as_secs_f64();
+        if let Some(p) = pending.take() {
+            finish(engine, opt, &mut clock, p, step)?;
+        }
+        let t0 = Instant::now();
+        if let Some(q) = q {
+            pending = Some(engine.update(q, opt, 1e-4)?);
+        }
+        if step >= a.warmup {
+            queue_s += queued + t0.elapsed().as_secs_f64();
+        }
+    }
+    Ok(Steps {
+        clock,
+        t1,
+        queue_s,
+        save_s: save_s.get(),
+        save_wait_s: save_wait_s.get(),
+    })
 }
 
 /// Every rank's figures, gathered for rank 0's report.
