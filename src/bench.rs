@@ -453,31 +453,7 @@ fn measure(
     // This rank's tokens per second; every rank's figures gathered for rank 0's report.
     let tokens = (accum * b * t * a.steps) as f64;
     let tps = tokens / dt;
-    let full = a.ckpt == Checkpointing::Full;
-    let mlp_chunk = crate::memory::plan::mlp_chunk_as_run(
-        &cfg,
-        model.mlp_chunk,
-        a.dropout.into(),
-        &spec.targets,
-    );
-    let mlp_recompute = match a.ckpt {
-        Checkpointing::Mlp => mlp_in_weights(&cfg, keep, b * t, mlp_chunk),
-        _ => 0,
-    };
-    let fpt = flops_per_token(n_linear, cfg.num_layers, cfg.hidden_size, t, full)
-        + 2.0 * mlp_recompute as f64;
-    let work = workload::Work {
-        n_linear,
-        adapter: workload::adapter_weights(&cfg, &spec),
-        layers: cfg.num_layers,
-        hidden: cfg.hidden_size,
-        seq: t / a.pack.clamp(1, (t / 2).max(1)),
-        ckpt: full,
-        mlp_recompute,
-        eval_tokens: evals.len() * b * t,
-        step_tokens: accum * b * t,
-        eval_every: a.eval_every,
-    };
+    let (fpt, work_fpt) = step_flops(a, &cfg, &spec, model.mlp_chunk, keep, evals.len());
     let r2 = |x: f64| (x * 100.0).round() / 100.0;
     let peak = cuda.then_some((timed.run_peak, timed.run_reserved));
     let ranks = RankFigures::gather(a, comm, tps, peak, dt / a.steps as f64)?;
@@ -518,7 +494,7 @@ fn measure(
         "max_memory_gib": a.max_memory.map(|m| r2(m as f64 / GIB)),
         "tag": a.tag, "dropout": a.dropout, "rslora": a.rslora, "pack": a.pack,
         "eval_every": a.eval_every, "eval_batches": evals.len(), "save_every": a.save_every,
-        "flops_per_token": fpt, "work_flops_per_token": work.flops_per_token(),
+        "flops_per_token": fpt, "work_flops_per_token": work_fpt,
     });
     let r3 = |x: f64| (x * 1e3).round() / 1e3;
     out["park_pending"] = park_pending.into();
@@ -536,6 +512,42 @@ fn measure(
             .into();
     }
     Ok(out)
+}
+
+/// The model FLOPs a trained token costs: the plain step's (`flops_per_token`, with the MLP
+/// half's recompute under `ckpt mlp`) and the workload's (eval and the knobs counted too).
+fn step_flops(
+    a: &BenchArgs,
+    cfg: &ModelConfig,
+    spec: &LoraSpec,
+    mlp_chunk: Option<usize>,
+    keep: Keep,
+    eval_batches: usize,
+) -> (f64, f64) {
+    let (b, t, accum) = (a.micro_batch, a.seq, a.grad_accum.max(1));
+    let n_linear = base_linear_params(cfg);
+    let full = a.ckpt == Checkpointing::Full;
+    let mlp_chunk =
+        crate::memory::plan::mlp_chunk_as_run(cfg, mlp_chunk, a.dropout.into(), &spec.targets);
+    let mlp_recompute = match a.ckpt {
+        Checkpointing::Mlp => mlp_in_weights(cfg, keep, b * t, mlp_chunk),
+        _ => 0,
+    };
+    let fpt = flops_per_token(n_linear, cfg.num_layers, cfg.hidden_size, t, full)
+        + 2.0 * mlp_recompute as f64;
+    let work = workload::Work {
+        n_linear,
+        adapter: workload::adapter_weights(cfg, spec),
+        layers: cfg.num_layers,
+        hidden: cfg.hidden_size,
+        seq: t / a.pack.clamp(1, (t / 2).max(1)),
+        ckpt: full,
+        mlp_recompute,
+        eval_tokens: eval_batches * b * t,
+        step_tokens: accum * b * t,
+        eval_every: a.eval_every,
+    };
+    (fpt, work.flops_per_token())
 }
 
 /// This rank's micro-batches of a step and its eval batches: random token ids (labels = ids),
