@@ -108,6 +108,17 @@ pub(super) fn shaped(
             );
         }
     }
+    // one by one: every expert 0..E is there (gate_up's twice, as gate and up)
+    let ones: std::collections::BTreeSet<usize> =
+        into.iter().filter_map(|(s, _)| s.expert).collect();
+    if !ones.is_empty() && ones.len() != e {
+        bail!(
+            "lora_A {:?} and lora_B {:?} are for E = {e} experts; the base has {}",
+            a.dims(),
+            b.dims(),
+            ones.len()
+        );
+    }
     let a = a.reshape((e, rank, in_f))?;
     let b = b
         .reshape((out_f, rank, e))?
@@ -204,8 +215,11 @@ mod tests {
             rows: Some((3, 3)),
         };
         let (f_shape, u_shape) = ([e, out, inp], [3, inp]);
-        let into = [(&fused, &f_shape[..]), (&up(1), &u_shape[..])];
+        let into = [(&fused, &f_shape[..])];
         let (a3, b3) = shaped(&a, &b, r, &into).unwrap();
+        let ups = [up(0), up(1), up(2)];
+        let one_by_one: Vec<_> = ups.iter().map(|s| (s, &u_shape[..])).collect();
+        assert!(shaped(&a, &b, r, &one_by_one).is_ok());
         let all = delta(&a3, &b3, 0.5, &fused).unwrap();
         let one = delta(&a3, &b3, 0.5, &up(1)).unwrap();
         let want = all.get(1).unwrap().narrow(0, 3, 3).unwrap();
@@ -220,5 +234,7 @@ mod tests {
         assert!(shaped(&a, &b.narrow(1, 0, 5).unwrap(), r, &into).is_err());
         let bad = [(&fused, &[e, out, inp + 1][..])];
         assert!(shaped(&a, &b, r, &bad).is_err());
+        // one by one, but fewer experts in the base than the adapter's E
+        assert!(shaped(&a, &b, r, &one_by_one[..2]).is_err());
     }
 }
