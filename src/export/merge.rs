@@ -438,17 +438,17 @@ pub fn merge(adapter: &Path, base: &Path, out: &Path, opts: &MergeOptions) -> Re
         .collect::<Result<Vec<_>>>()?;
     let ckpt = Base::open(base, &files, &maps)?;
     let items = ckpt.items(&maps, opts)?;
-    let adapted = check_adapter(adapter, &ckpt, &info, pairs, &items)?;
+    let (adapted, slots) = check_adapter(adapter, &ckpt, &info, pairs, &items)?;
     let job = Job {
         ckpt: &ckpt,
         shards: shard_plan(&items, opts.max_shard_size),
         items,
         adapted,
-        targets: info.spec.targets.clone(),
+        slots,
         scale: info.spec.scale(),
         opts,
     };
-    write_into_place(out, |tmp| job.write(tmp, out))
+    write_dir(&crate::util::tmp_path(out), out, |tmp| job.write(tmp, out))
 }
 
 /// The base checkpoint as a merge reads it.
@@ -589,14 +589,15 @@ enum Adapter {
 type Adapted = HashMap<String, Adapter>;
 
 /// Every adapter module must match a base linear, shapes included; every targeted linear of
-/// the base must have its adapter.
+/// the base must have its adapter. With the adapters, each item's slot among the experts'
+/// adapters (`merge_experts::slot`; None for any other tensor).
 fn check_adapter(
     adapter: &Path,
     ckpt: &Base,
     info: &super::AdapterInfo,
     pairs: BTreeMap<String, Pair>,
     items: &[Item],
-) -> Result<Adapted> {
+) -> Result<(Adapted, Vec<Option<experts::Slot>>)> {
     let base = ckpt.dir;
     let targets = &info.spec.targets;
     let file = adapter.join(WEIGHTS);
@@ -700,7 +701,7 @@ fn check_adapter(
         }
         checked.insert(module, Adapter::Linear(a, b, p.m));
     }
-    Ok(checked)
+    Ok((checked, slots))
 }
 
 /// Shards of at most `max` bytes, greedy in checkpoint order (a larger tensor alone).
@@ -720,21 +721,19 @@ fn shard_plan(items: &[Item], max: u64) -> Vec<Vec<usize>> {
     shards
 }
 
-/// Writes a directory through `write` into a fresh temporary sibling of `out`, then renames it
-/// into place; on any failure the temporary directory is removed and `out` left as it was.
-fn write_into_place<T>(out: &Path, write: impl FnOnce(&Path) -> Result<T>) -> Result<T> {
-    let parent = out
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    std::fs::create_dir_all(parent)
-        .with_context(|| format!("cannot create {}", parent.display()))?;
-    let tmp = crate::util::tmp_path(out);
-    let _ = std::fs::remove_dir_all(&tmp);
-    std::fs::create_dir(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
-    let done = write(&tmp).and_then(|r| replace_dir(&tmp, out).map(|()| r));
+/// Writes the directory `dst` through `write` into `tmp` (emptied first, its parents made),
+/// then renames it over `dst` (`replace_dir`); on any failure `tmp` is removed and `dst` left
+/// as it was. The merge and the trainer's checkpoints write through here.
+pub(crate) fn write_dir<T>(
+    tmp: &Path,
+    dst: &Path,
+    write: impl FnOnce(&Path) -> Result<T>,
+) -> Result<T> {
+    let _ = std::fs::remove_dir_all(tmp);
+    std::fs::create_dir_all(tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+    let done = write(tmp).and_then(|r| replace_dir(tmp, dst).map(|()| r));
     if done.is_err() {
-        let _ = std::fs::remove_dir_all(&tmp);
+        let _ = std::fs::remove_dir_all(tmp);
     }
     done
 }
@@ -744,8 +743,8 @@ struct Job<'a> {
     ckpt: &'a Base<'a>,
     items: Vec<Item>,
     adapted: Adapted,
-    /// adapter_config.json's targets (where the experts' tensors take their adapters).
-    targets: Vec<String>,
+    /// Per item, its slot among the experts' adapters (`check_adapter`).
+    slots: Vec<Option<experts::Slot>>,
     shards: Vec<Vec<usize>>,
     scale: f64,
     opts: &'a MergeOptions,
@@ -775,7 +774,7 @@ impl Job<'_> {
             // Owned bytes for what we compute; views into the base maps for what we copy.
             let mut owned = HashMap::new();
             for &i in shard {
-                let (bytes, m, d) = self.item_bytes(&self.items[i])?;
+                let (bytes, m, d) = self.item_bytes(i)?;
                 (merged, dequantized) = (merged + m as usize, dequantized + d as usize);
                 if let Some(bytes) = bytes {
                     owned.insert(i, bytes);
@@ -836,13 +835,14 @@ impl Job<'_> {
 
     /// One tensor's bytes where they are not the base's stored ones (None: copied as is), and
     /// whether an adapter was merged into it and whether it was dequantized.
-    fn item_bytes(&self, it: &Item) -> Result<(Option<Vec<u8>>, bool, bool)> {
+    fn item_bytes(&self, i: usize) -> Result<(Option<Vec<u8>>, bool, bool)> {
+        let it = &self.items[i];
         let out_dtype = candle_dtype(it.dtype).unwrap_or(DType::F32);
         let stored = || self.ckpt.sts[it.shard].tensor(&it.name);
         let computed = self.computed(it)?;
         let dequantized = computed.is_some();
-        let slot = experts::slot(&it.name, &it.shape, &self.targets);
-        let module = match &slot {
+        let slot = self.slots.get(i).and_then(Option::as_ref);
+        let module = match slot {
             Some(s) => s.module.as_str(),
             None => it.name.strip_suffix(".weight").unwrap_or(""),
         };
@@ -852,7 +852,7 @@ impl Job<'_> {
                 None => view_tensor(&stored()?)?.to_dtype(DType::F32)?,
             };
             // W' = W + scale · B A in f32 (DoRA: rows scaled to m / ‖·‖), then the output dtype.
-            let w = match (adapter, &slot) {
+            let w = match (adapter, slot) {
                 (Adapter::Linear(a, b, m), None) => {
                     let w = (w + (b.matmul(a)? * self.scale)?)?;
                     match m {

@@ -9,7 +9,7 @@
 use super::checkpoint::OPTIMIZER;
 use super::host_stage::{HostTensors, Stage};
 use super::optim::AdamW;
-use crate::export::merge::{replace_dir, sync_dir_files};
+use crate::export::merge::{sync_dir_files, write_dir};
 use crate::export::{self, CONFIG, WEIGHTS};
 use anyhow::{anyhow, Context, Result};
 use std::cell::RefCell;
@@ -50,23 +50,16 @@ impl Snapshot {
     /// Writes the files into `dst` (replacing a directory there) through `tmp`: fsynced, then
     /// renamed, so `dst` is complete or absent. A failure removes `tmp`.
     pub fn write(&self, tmp: &Path, dst: &Path) -> Result<()> {
-        let _ = std::fs::remove_dir_all(tmp);
-        std::fs::create_dir_all(tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
-        let res = (|| -> Result<()> {
+        write_dir(tmp, dst, |tmp| {
             self.adapter.write(&tmp.join(WEIGHTS))?;
             std::fs::write(tmp.join(CONFIG), &self.config)?;
             self.optimizer.write(&tmp.join(OPTIMIZER))?;
             for (name, bytes) in &self.files {
                 std::fs::write(tmp.join(name), bytes)?;
             }
-            sync_dir_files(tmp)?;
-            replace_dir(tmp, dst)
-        })();
-        if let Err(e) = res {
-            let _ = std::fs::remove_dir_all(tmp);
-            return Err(e.context(format!("cannot save checkpoint {}", dst.display())));
-        }
-        Ok(())
+            sync_dir_files(tmp)
+        })
+        .with_context(|| format!("cannot save checkpoint {}", dst.display()))
     }
 }
 
