@@ -13,6 +13,7 @@ use crate::data::Batch;
 use crate::lora::LoraSpec;
 use crate::memory::{self, GIB};
 use crate::model::{Model, ModelConfig};
+use crate::parallel::fsdp::Shards;
 use crate::parallel::Comm;
 use crate::recipe::{Checkpointing, Strategy};
 use crate::train::driver::Keep;
@@ -366,32 +367,9 @@ fn measure(
         dora: false,
         targets: targets(&a.targets, &cfg)?,
     };
-    let dtype = if a.device.is_cpu() {
-        DType::F32
-    } else {
-        DType::BF16
-    };
-    memory::keep_pool_memory(&a.device)?;
-    let t0 = Instant::now();
-    let fsdp = a.strategy == Strategy::Fsdp;
-    let (model, shards) =
-        sharded_model(fsdp, a.quant, comm, kernels, &mut |loaded| match &a.model {
-            Some(dir) => {
-                let files = crate::hub::ModelFiles::local(dir)?;
-                Model::load_with(&files, dtype, &a.device, &spec, 0, kernels, loaded)
-            }
-            None => Model::random_with(cfg.clone(), dtype, &a.device, &spec, 0, kernels, loaded),
-        })?;
-    a.device.synchronize()?;
-    let load_s = t0.elapsed().as_secs_f64();
-    let after_load = memory::stats(&a.device)?.map(|s| s.used as f64 / GIB);
-    let trainable: usize = model
-        .adapters()
-        .map(|(_, l)| l.a.elem_count() + l.b.elem_count())
-        .sum();
-    // From the config: under FSDP the model's own tensors are placeholders.
-    let n_linear = base_linear_params(&cfg);
-    let mut opt = AdamW::new(adapter_params(&model), [0.9, 0.999], 1e-8, 0.0)?;
+    let loaded = load(a, kernels, comm, &cfg, &spec)?;
+    let (model, shards) = (&loaded.model, loaded.shards.as_ref());
+    let mut opt = AdamW::new(adapter_params(model), [0.9, 0.999], 1e-8, 0.0)?;
 
     let (b, t, accum) = (a.micro_batch, a.seq, a.grad_accum.max(1));
     let (batches, evals) = micro_batches(a, cfg.vocab_size, rank, world);
@@ -399,18 +377,18 @@ fn measure(
     let denom = world * accum * b * workload::targets_per_row(t, a.pack);
     let keep = Keep::new(a.ckpt, a.offload, &a.device).with_park(park);
     let dropout_seed = (a.dropout > 0.0).then_some(0);
-    let mut engine = Engine::new(&model, comm, shards.as_ref(), keep, 1.0, dropout_seed);
+    let mut engine = Engine::new(model, comm, shards, keep, 1.0, dropout_seed);
     let par = crate::train::driver::Par {
         comm,
-        shards: shards.as_ref(),
+        shards,
         reduce: false,
     };
     let saver = match (a.save_every, rank) {
         (0, _) => None,
-        (_, r) => Some((workload::Saver::new(&model)?, r == 0)),
+        (_, r) => Some((workload::Saver::new(model)?, r == 0)),
     };
     let run = Run {
-        model: &model,
+        model,
         spec: &spec,
         par: &par,
         batches: &batches,
@@ -425,24 +403,184 @@ fn measure(
             return Err(e);
         }
     };
-    let Steps {
-        clock,
-        t1,
-        queue_s,
-        save_s,
-        save_wait_s,
-    } = steps;
     a.device.synchronize()?;
-    let dt = clock.seconds(t1);
-    let losses = clock.losses;
-    let mut timed = clock.timed;
-    (timed.run_peak, timed.run_reserved) = (engine.meter.run_peak, engine.meter.run_reserved);
-    timed.ends = engine.meter.ends.clone();
-    let loss = losses.last().copied().unwrap_or(0.0);
-    let cuda = !a.device.is_cpu();
+    Report {
+        a,
+        cfg: &cfg,
+        spec: &spec,
+        kernels,
+        loaded: &loaded,
+        keep,
+        steps,
+        meter: &engine.meter,
+        evals: evals.len(),
+        saver: saver.as_ref().map(|(s, _)| s),
+    }
+    .json(comm)
+}
+
+/// The model a bench times, as loaded.
+struct Loaded {
+    model: Model,
+    /// This rank's shards of the base (fsdp).
+    shards: Option<Shards>,
+    /// Seconds the load took, and the pool's use after it (GiB; CUDA).
+    load_s: f64,
+    after_load: Option<f64>,
+}
+
+/// The model on `a.device` (`--model`'s weights, else random ones of `cfg`; sharded under
+/// fsdp), with the seconds its load took and the pool's use after it.
+fn load(
+    a: &BenchArgs,
+    kernels: &crate::ops::Kernels,
+    comm: &dyn Comm,
+    cfg: &ModelConfig,
+    spec: &LoraSpec,
+) -> Result<Loaded> {
+    let dtype = if a.device.is_cpu() {
+        DType::F32
+    } else {
+        DType::BF16
+    };
+    memory::keep_pool_memory(&a.device)?;
+    let t0 = Instant::now();
+    let fsdp = a.strategy == Strategy::Fsdp;
+    let (model, shards) =
+        sharded_model(fsdp, a.quant, comm, kernels, &mut |loaded| match &a.model {
+            Some(dir) => {
+                let files = crate::hub::ModelFiles::local(dir)?;
+                Model::load_with(&files, dtype, &a.device, spec, 0, kernels, loaded)
+            }
+            None => Model::random_with(cfg.clone(), dtype, &a.device, spec, 0, kernels, loaded),
+        })?;
+    a.device.synchronize()?;
+    let load_s = t0.elapsed().as_secs_f64();
+    let after_load = memory::stats(&a.device)?.map(|s| s.used as f64 / GIB);
+    Ok(Loaded {
+        model,
+        shards,
+        load_s,
+        after_load,
+    })
+}
+
+/// What a rank's JSON line is made of: the bench's setup and what its timed steps measured.
+struct Report<'a> {
+    a: &'a BenchArgs,
+    cfg: &'a ModelConfig,
+    spec: &'a LoraSpec,
+    kernels: &'a crate::ops::Kernels,
+    loaded: &'a Loaded,
+    keep: Keep,
+    steps: Steps,
+    /// The engine's meter after the timed steps (its run peaks and phase ends).
+    meter: &'a memory::PhaseMeter,
+    /// Eval micro-batches a rank runs.
+    evals: usize,
+    /// The checkpoint writer (save_every > 0).
+    saver: Option<&'a workload::Saver>,
+}
+
+impl Report<'_> {
+    /// The JSON line: this rank's figures, and every rank's gathered over `comm` (a
+    /// collective: every rank calls it).
+    fn json(self, comm: &dyn Comm) -> Result<serde_json::Value> {
+        let (a, cfg, world) = (self.a, self.cfg, comm.world());
+        let (model, shards) = (&self.loaded.model, self.loaded.shards.as_ref());
+        let trainable: usize = model
+            .adapters()
+            .map(|(_, l)| l.a.elem_count() + l.b.elem_count())
+            .sum();
+        // From the config: under FSDP the model's own tensors are placeholders.
+        let n_linear = base_linear_params(cfg);
+        let (b, t, accum) = (a.micro_batch, a.seq, a.grad_accum.max(1));
+        let clock = &self.steps.clock;
+        let dt = clock.seconds(self.steps.t1);
+        let losses = &clock.losses;
+        let mut timed = clock.timed.clone();
+        (timed.run_peak, timed.run_reserved) = (self.meter.run_peak, self.meter.run_reserved);
+        timed.ends = self.meter.ends.clone();
+        let loss = losses.last().copied().unwrap_or(0.0);
+        let cuda = !a.device.is_cpu();
+        // This rank's tokens per second; every rank's figures gathered for rank 0's report.
+        let tokens = (accum * b * t * a.steps) as f64;
+        let tps = tokens / dt;
+        let (fpt, work_fpt) = step_flops(a, cfg, self.spec, model.mlp_chunk, self.keep, self.evals);
+        let r2 = |x: f64| (x * 100.0).round() / 100.0;
+        let peak = cuda.then_some((timed.run_peak, timed.run_reserved));
+        let ranks = RankFigures::gather(a, comm, tps, peak, dt / a.steps as f64)?;
+        let (total_tps, peak_alloc, peak_reserved) =
+            (ranks.tps, ranks.peak_alloc, ranks.peak_reserved);
+        let per_rank = ranks.rows;
+        let per_gpu = total_tps / world as f64;
+        let strategy = a.strategy.name();
+        let attn = if self.kernels.attention.tensor_cores() {
+            "flash-tensor-core"
+        } else {
+            "blockwise-lse"
+        };
+        let keep = self.keep;
+        let mut out = serde_json::json!({
+            "system": "lora-train", "mode": strategy, "strategy": strategy, "world": world,
+            "grad_accum": accum, "global_batch": world * accum * b,
+            "losses": losses.iter().map(|l| (l * 1e4).round() / 1e4).collect::<Vec<_>>(),
+            "per_rank": per_rank,
+            "fsdp_gathers": shards.map(|s| if s.peer_copies { "peer copies" } else { "collective" }),
+            "resident_base_gib": r2(crate::parallel::fsdp::resident_base_bytes(model, shards) as f64 / GIB),
+            "device": format!("{:?}", a.device.location()),
+            "shape": a.shape, "seq": t, "micro_batch": b, "lora_rank": a.rank,
+            "targets": a.targets, "ckpt": a.ckpt, "offload": keep.parks(), "attn": attn,
+            "trainable_params": trainable, "base_linear_params": n_linear,
+            "load_s": r2(self.loaded.load_s), "after_load_gib": self.loaded.after_load.map(r2),
+            "peak_alloc_gib": peak.map(|_| r2(peak_alloc)),
+            "peak_reserved_gib": peak.map(|_| r2(peak_reserved)),
+            "step_s": (dt / a.steps as f64 * 1e4).round() / 1e4,
+            "tokens_per_s": (total_tps * 10.0).round() / 10.0,
+            "tokens_per_s_per_gpu": (per_gpu * 10.0).round() / 10.0,
+            "mfu": (per_gpu * fpt / (a.peak_tflops * 1e12) * 1e4).round() / 1e4,
+            "final_loss": (loss * 1e4).round() / 1e4,
+            "phases": phases(&timed),
+            "max_memory_gib": a.max_memory.map(|m| r2(m as f64 / GIB)),
+            "tag": a.tag, "dropout": a.dropout, "rslora": a.rslora, "pack": a.pack,
+            "eval_every": a.eval_every, "eval_batches": self.evals, "save_every": a.save_every,
+            "flops_per_token": fpt, "work_flops_per_token": work_fpt,
+        });
+        self.host_figures(&mut out);
+        Ok(out)
+    }
+
+    /// `out` with the host's side of the timed steps: the parked pairs in flight, the seconds
+    /// spent queueing work and starting and writing checkpoints.
+    fn host_figures(&self, out: &mut serde_json::Value) {
+        let (a, steps) = (self.a, &self.steps);
+        let r3 = |x: f64| (x * 1e3).round() / 1e3;
+        // pairs of parked gate and up in flight (ckpt mlp; 0: none parked)
+        let park_pending = match self.keep {
+            Keep::ParkMlp { pending, .. } => pending,
+            _ => 0,
+        };
+        out["park_pending"] = park_pending.into();
+        out["host_queue_s"] = ((steps.queue_s / a.steps as f64 * 1e4).round() / 1e4).into();
+        out["save_start_s"] = r3(steps.save_s).into();
+        out["save_final_wait_s"] = r3(steps.save_wait_s).into();
+        // Each checkpoint's time on the writer thread: a write longer than save_every steps makes
+        // the next save wait (in save_start_s).
+        if let Some(s) = self.saver {
+            out["save_write_s"] = s
+                .write_seconds()
+                .into_iter()
+                .map(r3)
+                .collect::<Vec<_>>()
+                .into();
+        }
+    }
+}
+
+/// The device pool's peak within each phase of the timed steps, and what stayed allocated at
+/// the phase's end (GiB, as `{phase}_peak_gib` and `{phase}_end_gib`).
+fn phases(timed: &memory::PhaseMeter) -> serde_json::Map<String, serde_json::Value> {
     let gib = |x: u64| (x as f64 / GIB * 100.0).round() / 100.0;
-    // The device pool's peak within each phase of the timed steps, and what stayed allocated
-    // at the phase's end.
     let mut phases = serde_json::Map::new();
     for (phase, v) in &timed.peaks {
         phases.insert(format!("{phase}_peak_gib"), gib(*v).into());
@@ -450,68 +588,7 @@ fn measure(
     for (phase, v) in &timed.ends {
         phases.insert(format!("{phase}_end_gib"), gib(*v).into());
     }
-    // This rank's tokens per second; every rank's figures gathered for rank 0's report.
-    let tokens = (accum * b * t * a.steps) as f64;
-    let tps = tokens / dt;
-    let (fpt, work_fpt) = step_flops(a, &cfg, &spec, model.mlp_chunk, keep, evals.len());
-    let r2 = |x: f64| (x * 100.0).round() / 100.0;
-    let peak = cuda.then_some((timed.run_peak, timed.run_reserved));
-    let ranks = RankFigures::gather(a, comm, tps, peak, dt / a.steps as f64)?;
-    let (total_tps, peak_alloc, peak_reserved) = (ranks.tps, ranks.peak_alloc, ranks.peak_reserved);
-    let per_rank = ranks.rows;
-    let per_gpu = total_tps / world as f64;
-    let strategy = a.strategy.name();
-    let attn = if kernels.attention.tensor_cores() {
-        "flash-tensor-core"
-    } else {
-        "blockwise-lse"
-    };
-    // pairs of parked gate and up in flight (ckpt mlp; 0: none parked)
-    let park_pending = match keep {
-        Keep::ParkMlp { pending, .. } => pending,
-        _ => 0,
-    };
-    let mut out = serde_json::json!({
-        "system": "lora-train", "mode": strategy, "strategy": strategy, "world": world,
-        "grad_accum": accum, "global_batch": world * accum * b,
-        "losses": losses.iter().map(|l| (l * 1e4).round() / 1e4).collect::<Vec<_>>(),
-        "per_rank": per_rank,
-        "fsdp_gathers": shards.as_ref().map(|s| if s.peer_copies { "peer copies" } else { "collective" }),
-        "resident_base_gib": r2(crate::parallel::fsdp::resident_base_bytes(&model, shards.as_ref()) as f64 / GIB),
-        "device": format!("{:?}", a.device.location()),
-        "shape": a.shape, "seq": t, "micro_batch": b, "lora_rank": a.rank,
-        "targets": a.targets, "ckpt": a.ckpt, "offload": keep.parks(), "attn": attn,
-        "trainable_params": trainable, "base_linear_params": n_linear,
-        "load_s": r2(load_s), "after_load_gib": after_load.map(r2),
-        "peak_alloc_gib": peak.map(|_| r2(peak_alloc)),
-        "peak_reserved_gib": peak.map(|_| r2(peak_reserved)),
-        "step_s": (dt / a.steps as f64 * 1e4).round() / 1e4,
-        "tokens_per_s": (total_tps * 10.0).round() / 10.0,
-        "tokens_per_s_per_gpu": (per_gpu * 10.0).round() / 10.0,
-        "mfu": (per_gpu * fpt / (a.peak_tflops * 1e12) * 1e4).round() / 1e4,
-        "final_loss": (loss * 1e4).round() / 1e4,
-        "phases": phases,
-        "max_memory_gib": a.max_memory.map(|m| r2(m as f64 / GIB)),
-        "tag": a.tag, "dropout": a.dropout, "rslora": a.rslora, "pack": a.pack,
-        "eval_every": a.eval_every, "eval_batches": evals.len(), "save_every": a.save_every,
-        "flops_per_token": fpt, "work_flops_per_token": work_fpt,
-    });
-    let r3 = |x: f64| (x * 1e3).round() / 1e3;
-    out["park_pending"] = park_pending.into();
-    out["host_queue_s"] = ((queue_s / a.steps as f64 * 1e4).round() / 1e4).into();
-    out["save_start_s"] = r3(save_s).into();
-    out["save_final_wait_s"] = r3(save_wait_s).into();
-    // Each checkpoint's time on the writer thread: a write longer than save_every steps makes
-    // the next save wait (in save_start_s).
-    if let Some((s, _)) = &saver {
-        out["save_write_s"] = s
-            .write_seconds()
-            .into_iter()
-            .map(r3)
-            .collect::<Vec<_>>()
-            .into();
-    }
-    Ok(out)
+    phases
 }
 
 /// The model FLOPs a trained token costs: the plain step's (`flops_per_token`, with the MLP
