@@ -31,12 +31,56 @@ pub fn fmt_bytes(x: u64) -> String {
     }
 }
 
-/// The human table and the advice.
 /// The table for people; `selected` (the run's own strategy and checkpointing) is marked and
-/// answered first: whether it fits as written, and at which micro-batch.
+/// answered first: whether it fits as written, and at which micro-batch. Then the legend, the
+/// notes on the strategies and the host, and the advice.
 pub fn render(p: &Plan, selected: (Strategy, Checkpointing)) -> String {
-    let mut out = String::new();
-    out.push_str(&format!(
+    let mut out = header(p);
+    let mut table: Vec<Vec<String>> = vec![HEAD.iter().map(|s| s.to_string()).collect()];
+    table.extend(
+        p.rows
+            .iter()
+            .map(|r| cells(r, (r.b.strategy, r.b.ckpt) == selected)),
+    );
+    out.push_str(&aligned(&table));
+    if let Some(r) = row(p, selected.0, selected.1) {
+        out.push_str(&format!(
+            "as written ({}, marked *): {}\n",
+            label(&r.b),
+            verdict(r, p)
+        ));
+    }
+    out.push_str(&legend(p));
+    out.push_str(&notes(p));
+    if let Some(h) = host_line(p) {
+        out.push_str(&h);
+    }
+    for l in &p.advice.lines {
+        out.push_str(&format!("advice: {l}\n"));
+    }
+    out
+}
+
+/// The table's column heads.
+const HEAD: [&str; 13] = [
+    "strategy",
+    "base",
+    "lora+grad+adamw",
+    "activations",
+    "transient",
+    "fsdp gather",
+    "ctx+slack",
+    "total",
+    "peak in",
+    "fits",
+    "max mb",
+    "max seq",
+    "",
+];
+
+/// The plan's first lines: the shape per rank, and the capacity.
+fn header(p: &Plan) -> String {
+    let mut out = format!(
         "memory plan per rank: micro-batch {} × seq {} ({} tokens), grad_accum {}, base {} params at {} B, LoRA {} params, kept activations {} B/token/layer\n",
         p.micro_batch,
         p.seq_len,
@@ -46,64 +90,55 @@ pub fn render(p: &Plan, selected: (Strategy, Checkpointing)) -> String {
         p.dtype_bytes,
         p.lora_params,
         p.kept_bytes_per_token_layer
-    ));
+    );
     match p.capacity {
         Some(c) => out.push_str(&format!("capacity per rank: {}\n", fmt_bytes(c))),
         None => out.push_str("capacity per rank: unknown (pass --gpu-mem): no fit column\n"),
     }
-    let head = [
-        "strategy",
-        "base",
-        "lora+grad+adamw",
-        "activations",
-        "transient",
-        "fsdp gather",
-        "ctx+slack",
-        "total",
-        "peak in",
-        "fits",
-        "max mb",
-        "max seq",
-        "",
-    ];
-    let mut table: Vec<Vec<String>> = vec![head.iter().map(|s| s.to_string()).collect()];
-    let mine = |b: &Breakdown| (b.strategy, b.ckpt) == selected;
-    for r in &p.rows {
-        let b = &r.b;
-        table.push(vec![
-            label(b),
-            fmt_bytes(b.base),
-            fmt_bytes(b.adapters + b.grads + b.optimizer),
-            fmt_bytes(b.activations),
-            fmt_bytes(b.transient),
-            fmt_bytes(b.gather),
-            fmt_bytes(b.context + b.slack),
-            fmt_bytes(b.total),
-            b.peak_phase.to_string(),
-            match r.fits {
-                Some(true) => "yes".into(),
-                Some(false) => "NO".into(),
-                None => "-".into(),
-            },
-            match (r.fits, r.max_micro_batch) {
-                (None, _) => "-".into(),
-                (_, None) => "none".into(),
-                (_, Some(m)) if m >= MB_LIMIT => format!("≥{m}"),
-                (_, Some(m)) => m.to_string(),
-            },
-            match (r.fits, r.max_seq_len) {
-                (None, _) => "-".into(),
-                (_, None) => "none".into(),
-                (_, Some(t)) if t >= SEQ_LIMIT => format!("≥{t}"),
-                (_, Some(t)) => t.to_string(),
-            },
-            match mine(b) {
-                true => "*".into(),
-                false => String::new(),
-            },
-        ]);
-    }
-    let widths: Vec<usize> = (0..head.len())
+    out
+}
+
+/// A row's cells under `HEAD`; `mine` marks the run's own row.
+fn cells(r: &Row, mine: bool) -> Vec<String> {
+    let b = &r.b;
+    vec![
+        label(b),
+        fmt_bytes(b.base),
+        fmt_bytes(b.adapters + b.grads + b.optimizer),
+        fmt_bytes(b.activations),
+        fmt_bytes(b.transient),
+        fmt_bytes(b.gather),
+        fmt_bytes(b.context + b.slack),
+        fmt_bytes(b.total),
+        b.peak_phase.to_string(),
+        match r.fits {
+            Some(true) => "yes".into(),
+            Some(false) => "NO".into(),
+            None => "-".into(),
+        },
+        match (r.fits, r.max_micro_batch) {
+            (None, _) => "-".into(),
+            (_, None) => "none".into(),
+            (_, Some(m)) if m >= MB_LIMIT => format!("≥{m}"),
+            (_, Some(m)) => m.to_string(),
+        },
+        match (r.fits, r.max_seq_len) {
+            (None, _) => "-".into(),
+            (_, None) => "none".into(),
+            (_, Some(t)) if t >= SEQ_LIMIT => format!("≥{t}"),
+            (_, Some(t)) => t.to_string(),
+        },
+        match mine {
+            true => "*".into(),
+            false => String::new(),
+        },
+    ]
+}
+
+/// The table's lines: each column as wide as its widest cell, the first left-aligned and the
+/// others right-aligned, two spaces between, no trailing blanks.
+fn aligned(table: &[Vec<String>]) -> String {
+    let widths: Vec<usize> = (0..HEAD.len())
         .map(|k| {
             table
                 .iter()
@@ -112,7 +147,8 @@ pub fn render(p: &Plan, selected: (Strategy, Checkpointing)) -> String {
                 .unwrap_or(0)
         })
         .collect();
-    for row in &table {
+    let mut out = String::new();
+    for row in table {
         let cells: Vec<String> = row
             .iter()
             .zip(&widths)
@@ -129,14 +165,12 @@ pub fn render(p: &Plan, selected: (Strategy, Checkpointing)) -> String {
         out.push_str(cells.join("  ").trim_end());
         out.push('\n');
     }
-    if let Some(r) = row(p, selected.0, selected.1) {
-        out.push_str(&format!(
-            "as written ({}, marked *): {}\n",
-            label(&r.b),
-            verdict(r, p)
-        ));
-    }
-    out.push_str(&legend(p));
+    out
+}
+
+/// What ddp and fsdp hold (or how to plan them), NF4's storage, and the context and slack.
+fn notes(p: &Plan) -> String {
+    let mut out = String::new();
     if p.gpus > 1 {
         out.push_str("ddp: every rank holds a full replica of the base (as single) plus one layer's f32 gradient bucket\n");
         out.push_str(&format!(
@@ -150,6 +184,12 @@ pub fn render(p: &Plan, selected: (Strategy, Checkpointing)) -> String {
         out.push_str("nf4: the decoder linears at 0.5 B a weight plus their absmax (bitsandbytes' NF4); gather: single / ddp, the current and the next layer dequantized; fsdp, the current and the next layer gathered in NF4 and the current one dequantized\n");
     }
     out.push_str("ctx+slack: CUDA context 512 MiB + what the pool reserves beyond its peak (14%, NF4 23%); \"peak in\" names the phase with the pool's high-water mark\n");
+    out
+}
+
+/// The line on the pinned host memory the rows park, by checkpointing (the most over the
+/// strategies); None where no row parks any.
+fn host_line(p: &Plan) -> Option<String> {
     let host = |c: Checkpointing, what: &str| {
         let h = p.rows.iter().filter(|r| r.b.ckpt == c).map(|r| r.b.host);
         h.max()
@@ -170,16 +210,12 @@ pub fn render(p: &Plan, selected: (Strategy, Checkpointing)) -> String {
     .into_iter()
     .flatten()
     .collect();
-    if !parked.is_empty() {
-        out.push_str(&format!(
+    (!parked.is_empty()).then(|| {
+        format!(
             "host: pinned per rank, parked until the layer's backward (train.offload_activations): {}\n",
             parked.join("; ")
-        ));
-    }
-    for l in &p.advice.lines {
-        out.push_str(&format!("advice: {l}\n"));
-    }
-    out
+        )
+    })
 }
 
 /// Whether a row fits the capacity, and at which micro-batch it would.
