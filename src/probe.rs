@@ -143,6 +143,8 @@ impl ParkFit {
     }
 }
 
+/// The ramp on the recipe's model: a rung for each shape that ran, and the first allocation
+/// failure (on the context ramp, the shortest one the bisection met).
 pub fn run(recipe: &Recipe, ramp: Ramp) -> Result<ProbeReport> {
     let (dev, dtype) = device_and_dtype(recipe)?;
     memory::keep_pool_memory(&dev)?;
@@ -155,6 +157,52 @@ pub fn run(recipe: &Recipe, ramp: Ramp) -> Result<ProbeReport> {
     };
     let capacity = max_memory.or(ballast.as_ref().map(|b| b.total));
     memory::reset_peak(&dev)?;
+    let model = load(recipe, &files, &dev, dtype)?;
+    let load_peak = memory::stats(&dev)?.map(|s| s.used_high);
+    let params = adapter_params(&model);
+    let lora: u64 = params
+        .iter()
+        .map(|v| memory::tensor_bytes(v.as_tensor()))
+        .sum();
+    memory::set_cpu_budget(
+        max_memory.filter(|_| dev.is_cpu()),
+        fixed_bytes(&model, lora),
+    );
+    let t = &recipe.train;
+    let mut trial = Trial {
+        model: &model,
+        opt: AdamW::new(params, t.betas, t.eps, t.weight_decay)?,
+        keep: Keep::new(t.activation_checkpointing, t.offload_activations, &dev),
+        park: &park,
+        max_grad_norm: t.max_grad_norm,
+    };
+    let mut rep = ProbeReport {
+        rungs: Vec::new(),
+        oom: None,
+        load_peak,
+        capacity,
+    };
+    let shapes = match ramp {
+        Ramp::Batch { max_micro_batch } => self::ramp(recipe.data.seq_len, max_micro_batch),
+        Ramp::Seq { max_seq, .. } => seq_ramp(max_seq),
+    };
+    trial.climb(shapes, &mut rep)?;
+    if let Ramp::Seq { refine, .. } = ramp {
+        trial.narrow(refine, &mut rep)?;
+    }
+    memory::set_cpu_budget(None, 0);
+    drop(ballast);
+    Ok(rep)
+}
+
+/// The recipe's model as training loads it: its kernels, the adapters' forward folded
+/// (ops::fold), fresh adapters (no dropout: the probe draws none).
+fn load(
+    recipe: &Recipe,
+    files: &crate::hub::ModelFiles,
+    dev: &Device,
+    dtype: candle_core::DType,
+) -> Result<Model> {
     let spec = LoraSpec {
         rank: recipe.lora.rank,
         alpha: recipe.lora.alpha,
@@ -163,24 +211,24 @@ pub fn run(recipe: &Recipe, ramp: Ramp) -> Result<ProbeReport> {
         dora: false,
         targets: recipe.target_modules()?,
     };
-    // As training loads it: its kernels, the adapters' forward folded (ops::fold).
-    let kernels = crate::train::session::run_kernels(recipe, &files, &dev, dtype)?;
+    let kernels = crate::train::session::run_kernels(recipe, files, dev, dtype)?;
     let seed = recipe.train.seed;
     let (mut model, _) = crate::train::session::sharded_model(
         false,
         recipe.quant().for_checkpoint(&files.config)?,
         &crate::parallel::Solo,
         &kernels,
-        &mut |loaded| Model::load_with(&files, dtype, &dev, &spec, seed, &kernels, loaded),
+        &mut |loaded| Model::load_with(files, dtype, dev, &spec, seed, &kernels, loaded),
     )?;
     model.mlp_chunk = recipe.mlp_chunk();
-    let load_peak = memory::stats(&dev)?.map(|s| s.used_high);
-    let params = adapter_params(&model);
-    let lora: u64 = params
-        .iter()
-        .map(|v| memory::tensor_bytes(v.as_tensor()))
-        .sum();
-    let fixed: u64 = model
+    Ok(model)
+}
+
+/// Bytes the CPU accounting holds outside the steps: the linears' W (whole buffers, NF4
+/// arrays), a MoE's router and experts, the embedding and the head, and four times the
+/// adapters' `lora` bytes (the adapters, their gradients, AdamW's m and v).
+fn fixed_bytes(model: &Model, lora: u64) -> u64 {
+    model
         .layers
         .iter()
         .map(|l| {
@@ -194,26 +242,30 @@ pub fn run(recipe: &Recipe, ramp: Ramp) -> Result<ProbeReport> {
         .sum::<u64>()
         + memory::tensor_bytes(&model.embed)
         + memory::tensor_bytes(&model.lm_head)
-        + 4 * lora;
-    memory::set_cpu_budget(max_memory.filter(|_| dev.is_cpu()), fixed);
-    let t = &recipe.train;
-    let mut opt = AdamW::new(params, t.betas, t.eps, t.weight_decay)?;
-    let keep = Keep::new(t.activation_checkpointing, t.offload_activations, &dev);
-    let mut rep = ProbeReport {
-        rungs: Vec::new(),
-        oom: None,
-        load_peak,
-        capacity,
-    };
-    // One full step at (micro-batch, seq): its rung, or the failure that an allocation ended.
-    let mut try_shape = |b: usize, seq: usize| -> Result<std::result::Result<Rung, Failure>> {
-        let batch = crate::bench::random_batch(b, seq, model.cfg.vocab_size, 7);
+        + 4 * lora
+}
+
+/// What each rung's step runs on: the model, its optimiser and how it keeps activations.
+struct Trial<'a> {
+    model: &'a Model,
+    opt: AdamW,
+    /// The recipe's; the parked pairs in flight are fitted at each shape (`park`).
+    keep: Keep,
+    park: &'a ParkFit,
+    max_grad_norm: f64,
+}
+
+impl Trial<'_> {
+    /// One full step at (micro-batch, seq): its rung, or the failure that an allocation ended.
+    fn shape(&mut self, b: usize, seq: usize) -> Result<std::result::Result<Rung, Failure>> {
+        let batch = crate::bench::random_batch(b, seq, self.model.cfg.vocab_size, 7);
         let n = batch.n_targets().max(1);
         // The training step itself (train::step), at learning rate 0: the adapters stay.
-        let keep = keep.with_park(Some(park.pending(b, seq, memory::host_available())));
-        let mut engine = Engine::new(&model, &Solo, None, keep, t.max_grad_norm, None);
+        let pending = self.park.pending(b, seq, memory::host_available());
+        let keep = self.keep.with_park(Some(pending));
+        let mut engine = Engine::new(self.model, &Solo, None, keep, self.max_grad_norm, None);
         let t0 = Instant::now();
-        match engine.step(std::slice::from_ref(&batch), n, 0, &mut opt, 0.0) {
+        match engine.step(std::slice::from_ref(&batch), n, 0, &mut self.opt, 0.0) {
             Ok(done) => Ok(Ok(Rung {
                 micro_batch: b,
                 seq,
@@ -232,26 +284,31 @@ pub fn run(recipe: &Recipe, ramp: Ramp) -> Result<ProbeReport> {
             })),
             Err(e) => Err(e),
         }
-    };
-    let shapes = match ramp {
-        Ramp::Batch { max_micro_batch } => self::ramp(recipe.data.seq_len, max_micro_batch),
-        Ramp::Seq { max_seq, .. } => seq_ramp(max_seq),
-    };
-    for (b, seq) in shapes {
-        match try_shape(b, seq)? {
-            Ok(r) => rep.rungs.push(r),
-            Err(f) => {
-                rep.oom = Some(f);
-                break;
+    }
+
+    /// `rep` with a rung for each of `shapes` in turn, up to the first failure.
+    fn climb(&mut self, shapes: Vec<(usize, usize)>, rep: &mut ProbeReport) -> Result<()> {
+        for (b, seq) in shapes {
+            match self.shape(b, seq)? {
+                Ok(r) => rep.rungs.push(r),
+                Err(f) => {
+                    rep.oom = Some(f);
+                    break;
+                }
             }
         }
+        Ok(())
     }
-    // The context ramp narrows the last doubling: the failure kept is the shortest one.
-    if let (Ramp::Seq { refine, .. }, Some(f)) = (ramp, &rep.oom) {
+
+    /// The context ramp's last doubling narrowed: up to `refine` bisection steps at
+    /// micro-batch 1 between the knee and the failure, the failure kept the shortest one.
+    /// Nothing where the ramp did not fail.
+    fn narrow(&mut self, refine: usize, rep: &mut ProbeReport) -> Result<()> {
+        let Some(f) = &rep.oom else { return Ok(()) };
         let (mut lo, mut hi) = (rep.knee().map_or(0, |k| k.seq), f.seq);
         for _ in 0..refine {
             let Some(mid) = bisect(lo, hi) else { break };
-            match try_shape(1, mid)? {
+            match self.shape(1, mid)? {
                 Ok(r) => {
                     lo = mid;
                     rep.rungs.push(r);
@@ -262,10 +319,8 @@ pub fn run(recipe: &Recipe, ramp: Ramp) -> Result<ProbeReport> {
                 }
             }
         }
+        Ok(())
     }
-    memory::set_cpu_budget(None, 0);
-    drop(ballast);
-    Ok(rep)
 }
 
 impl ProbeReport {
