@@ -39,8 +39,59 @@ pub fn layer(
     seed: u64,
     (dtype, device): (DType, &Device),
 ) -> anyhow::Result<Layer> {
+    let src = Source {
+        cfg,
+        l,
+        get,
+        nf4,
+        spec,
+        seed,
+        dtype,
+        device,
+    };
     let c = cfg.hidden_size;
-    let linear = |group: &str, module: &str, bias: bool| -> anyhow::Result<Linear> {
+    let (attn_in, mlp_in) = src.inputs()?;
+    let (down, moe) = match cfg.arch.moe {
+        Some(m) => (
+            None,
+            Some(Box::new(moe(cfg, m, l, get, spec, seed, device)?)),
+        ),
+        None => (Some(src.linear("mlp", "down_proj", cfg.mlp_bias)?), None),
+    };
+    let (post_norm, extra) = src.norms()?;
+    Ok(Layer {
+        input_norm: src.norm("input_layernorm", c)?,
+        post_norm,
+        extra,
+        attn_in,
+        o: src.linear("self_attn", "o_proj", cfg.o_bias)?,
+        mlp_in,
+        down,
+        moe,
+        spec: layer_spec(cfg, l),
+        lease: None,
+    })
+}
+
+/// Where layer `l`'s tensors come from (`get`, `nf4`), and what its fresh adapters are made
+/// of (`spec`, `seed`).
+struct Source<'a> {
+    cfg: &'a ModelConfig,
+    l: usize,
+    get: Get<'a>,
+    nf4: GetNf4<'a>,
+    spec: &'a LoraSpec,
+    seed: u64,
+    dtype: DType,
+    device: &'a Device,
+}
+
+impl Source<'_> {
+    /// The linear `{group}.{module}`: its W (NF4's placeholder where the checkpoint holds it
+    /// in NF4), its bias where `bias`, a fresh adapter where `spec` targets it.
+    fn linear(&self, group: &str, module: &str, bias: bool) -> anyhow::Result<Linear> {
+        let (cfg, l, spec, seed) = (self.cfg, self.l, self.spec, self.seed);
+        let (get, dtype, device) = (self.get, self.dtype, self.device);
         let Some((in_f, out_f)) = cfg.linear_shape(module) else {
             anyhow::bail!(
                 "{module}: not a linear of a {} model",
@@ -48,7 +99,7 @@ pub fn layer(
             );
         };
         let name = format!("model.layers.{l}.{group}.{module}");
-        let q = nf4(&format!("{name}.weight"), &[out_f, in_f])?;
+        let q = (self.nf4)(&format!("{name}.weight"), &[out_f, in_f])?;
         let w = match &q {
             // the placeholder `Layer::resident` replaces, in the dtype it dequantizes to
             Some(_) => Tensor::zeros(1, dtype, device)?,
@@ -78,80 +129,82 @@ pub fn layer(
             q: q.map(Arc::new),
             key,
         })
-    };
-    let p = format!("model.layers.{l}");
-    let norm = |name: &str, width: usize| get(&format!("{p}.{name}.weight"), &[width]);
-    let arch = &cfg.arch;
-    let (attn_in, mlp_in) = match (arch.fused, arch.moe) {
-        (true, _) => (
-            vec![linear("self_attn", "qkv_proj", false)?],
-            vec![linear("mlp", "gate_up_proj", false)?],
-        ),
-        (false, moe) => (
-            vec![
-                linear("self_attn", "q_proj", cfg.qkv_bias)?,
-                linear("self_attn", "k_proj", cfg.qkv_bias)?,
-                linear("self_attn", "v_proj", cfg.qkv_bias)?,
-            ],
-            match moe {
-                Some(_) => Vec::new(),
-                None => vec![
-                    linear("mlp", "gate_proj", cfg.mlp_bias)?,
-                    linear("mlp", "up_proj", cfg.mlp_bias)?,
+    }
+
+    /// The norm gain `model.layers.{l}.{name}.weight` [width].
+    fn norm(&self, name: &str, width: usize) -> anyhow::Result<Tensor> {
+        (self.get)(&format!("model.layers.{}.{name}.weight", self.l), &[width])
+    }
+
+    /// The attention's input projections (q, k and v, or Phi-3's qkv) and the MLP's (gate and
+    /// up, or Phi-3's gate_up; none on a MoE layer, whose experts hold them).
+    fn inputs(&self) -> anyhow::Result<(Vec<Linear>, Vec<Linear>)> {
+        let cfg = self.cfg;
+        Ok(match (cfg.arch.fused, cfg.arch.moe) {
+            (true, _) => (
+                vec![self.linear("self_attn", "qkv_proj", false)?],
+                vec![self.linear("mlp", "gate_up_proj", false)?],
+            ),
+            (false, moe) => (
+                vec![
+                    self.linear("self_attn", "q_proj", cfg.qkv_bias)?,
+                    self.linear("self_attn", "k_proj", cfg.qkv_bias)?,
+                    self.linear("self_attn", "v_proj", cfg.qkv_bias)?,
                 ],
+                match moe {
+                    Some(_) => Vec::new(),
+                    None => vec![
+                        self.linear("mlp", "gate_proj", cfg.mlp_bias)?,
+                        self.linear("mlp", "up_proj", cfg.mlp_bias)?,
+                    ],
+                },
+            ),
+        })
+    }
+
+    /// The MLP's input norm, and the gains only some families have: Gemma's norms on the
+    /// attention's and the MLP's outputs, QK-norm's on q and k.
+    fn norms(&self) -> anyhow::Result<(Tensor, Extra)> {
+        let (arch, c, d) = (&self.cfg.arch, self.cfg.hidden_size, self.cfg.head_dim);
+        let (post_norm, extra) = match arch.sandwich_norms {
+            true => (
+                self.norm("pre_feedforward_layernorm", c)?,
+                Extra {
+                    attn_out_norm: Some(self.norm("post_attention_layernorm", c)?),
+                    mlp_out_norm: Some(self.norm("post_feedforward_layernorm", c)?),
+                    ..Extra::default()
+                },
+            ),
+            false => (self.norm("post_attention_layernorm", c)?, Extra::default()),
+        };
+        let extra = match arch.qk_norm {
+            true => Extra {
+                q_norm: Some(self.norm("self_attn.q_norm", d)?),
+                k_norm: Some(self.norm("self_attn.k_norm", d)?),
+                ..extra
             },
-        ),
-    };
-    let (down, moe) = match arch.moe {
-        Some(m) => (
-            None,
-            Some(Box::new(moe(cfg, m, l, get, spec, seed, device)?)),
-        ),
-        None => (Some(linear("mlp", "down_proj", cfg.mlp_bias)?), None),
-    };
-    let d = cfg.head_dim;
-    let (post_norm, extra) = match arch.sandwich_norms {
-        true => (
-            norm("pre_feedforward_layernorm", c)?,
-            Extra {
-                attn_out_norm: Some(norm("post_attention_layernorm", c)?),
-                mlp_out_norm: Some(norm("post_feedforward_layernorm", c)?),
-                ..Extra::default()
-            },
-        ),
-        false => (norm("post_attention_layernorm", c)?, Extra::default()),
-    };
-    let extra = match arch.qk_norm {
-        true => Extra {
-            q_norm: Some(norm("self_attn.q_norm", d)?),
-            k_norm: Some(norm("self_attn.k_norm", d)?),
-            ..extra
-        },
-        false => extra,
-    };
+            false => extra,
+        };
+        Ok((post_norm, extra))
+    }
+}
+
+/// Layer `l`'s attention and MLP settings from `cfg`: heads, window, scale, soft-cap,
+/// activation, and whether it ropes from the local table.
+fn layer_spec(cfg: &ModelConfig, l: usize) -> LayerSpec {
+    let arch = &cfg.arch;
     let sliding = arch.sliding.get(l).copied().unwrap_or(false);
-    Ok(Layer {
-        input_norm: norm("input_layernorm", c)?,
-        post_norm,
-        extra,
-        attn_in,
-        o: linear("self_attn", "o_proj", cfg.o_bias)?,
-        mlp_in,
-        down,
-        moe,
-        spec: LayerSpec {
-            norm: cfg.norm_spec(),
-            heads: cfg.num_heads,
-            kv_heads: cfg.num_kv_heads,
-            head_dim: d,
-            window: cfg.window(l),
-            scale: cfg.attn_scale(),
-            softcap: arch.attn_softcap.unwrap_or(0.0) as f32,
-            act: arch.act,
-            local_rope: sliding && arch.local_rope.is_some(),
-        },
-        lease: None,
-    })
+    LayerSpec {
+        norm: cfg.norm_spec(),
+        heads: cfg.num_heads,
+        kv_heads: cfg.num_kv_heads,
+        head_dim: cfg.head_dim,
+        window: cfg.window(l),
+        scale: cfg.attn_scale(),
+        softcap: arch.attn_softcap.unwrap_or(0.0) as f32,
+        act: arch.act,
+        local_rope: sliding && arch.local_rope.is_some(),
+    }
 }
 
 /// Layer `l`'s router and experts, and fresh adapters on the expert parameters `spec` targets
