@@ -34,12 +34,9 @@ pub fn advise(
         max_seq_len: None,
         lines: Vec::new(),
     };
-    let find = |st: Strategy, ck: Checkpointing| {
-        rows.iter().find(|r| r.b.strategy == st && r.b.ckpt == ck)
-    };
     let Some(cap) = capacity else {
         // No capacity: say only what dominates.
-        if let Some(r) = find(Strategy::Single, Checkpointing::Off) {
+        if let Some(r) = find(rows, Strategy::Single, Checkpointing::Off) {
             a.lines.push(format!(
                 "no capacity given (--gpu-mem): single without checkpointing needs {}; {} dominate",
                 fmt_bytes(r.b.total),
@@ -48,51 +45,14 @@ pub fn advise(
         }
         return a;
     };
-    let order = [
-        (Strategy::Single, Checkpointing::Off),
-        (Strategy::Single, Checkpointing::Mlp),
-        (Strategy::Single, Checkpointing::Full),
-        (Strategy::Fsdp, Checkpointing::Off),
-        (Strategy::Fsdp, Checkpointing::Mlp),
-        (Strategy::Fsdp, Checkpointing::Full),
-    ];
-    if let Some(r) = order
-        .iter()
-        .filter_map(|&(st, ck)| find(st, ck))
-        .find(|r| r.b.total <= cap)
-    {
-        a.strategy = Some(r.b.strategy);
-        a.ckpt = Some(r.b.ckpt);
-        a.micro_batch = Some(micro_batch);
-        a.grad_accum = Some(grad_accum);
-        let st = strategy_name(r.b.strategy);
-        a.lines.push(format!(
-            "use {st}{}: {} of {} per rank",
-            match r.b.ckpt {
-                Checkpointing::Full => " with activation checkpointing",
-                Checkpointing::Mlp => " with train.activation_checkpointing = \"mlp\"",
-                Checkpointing::Off => "",
-            },
-            fmt_bytes(r.b.total),
-            fmt_bytes(cap)
-        ));
-        if r.b.strategy == Strategy::Fsdp {
-            if let Some(d) = find(Strategy::Ddp, r.b.ckpt) {
-                a.lines.push(format!(
-                    "ddp does not fit ({}): each rank holds a full replica of the base, as single does",
-                    fmt_bytes(d.b.total)
-                ));
-            }
-        }
+    if let Some(r) = ordered(rows).find(|r| r.b.total <= cap) {
+        a.use_row(r, micro_batch, grad_accum, cap, rows);
         return a;
     }
     // Nothing fits at this micro-batch: the best setting at a smaller one.
-    let best = order
-        .iter()
-        .rev()
-        .filter_map(|&(st, ck)| find(st, ck))
-        .next();
-    let Some(best) = best else { return a };
+    let Some(best) = ordered(rows).next_back() else {
+        return a;
+    };
     a.lines.push(format!(
         "nothing fits {} per rank at micro-batch {micro_batch}; {} (needs {}) is the smallest",
         fmt_bytes(cap),
@@ -100,36 +60,7 @@ pub fn advise(
         fmt_bytes(best.b.total)
     ));
     match best.b.dominant() {
-        "activations" => {
-            let fit = order
-                .iter()
-                .filter_map(|&(st, ck)| find(st, ck))
-                .filter_map(|r| r.max_micro_batch.map(|m| (r, m)))
-                .next();
-            match fit {
-                Some((r, m)) => {
-                    // Keep the global batch: micro × accum, rounded up.
-                    let accum = (micro_batch * grad_accum).div_ceil(m);
-                    a.strategy = Some(r.b.strategy);
-                    a.ckpt = Some(r.b.ckpt);
-                    a.micro_batch = Some(m);
-                    a.grad_accum = Some(accum);
-                    a.lines.push(format!(
-                        "activations dominate: use {} at train.micro_batch = {m} with train.grad_accum = {accum} (the same {} rows per step)",
-                        label(&r.b),
-                        micro_batch * grad_accum
-                    ));
-                }
-                None => a.lines.push(
-                    "activations dominate and even micro-batch 1 does not fit: shorten data.seq_len"
-                        .into(),
-                ),
-            }
-            if best.b.ckpt != Checkpointing::Full {
-                a.lines
-                    .push("turn on train.activation_checkpointing = true".into());
-            }
-        }
+        "activations" => a.shrink_micro_batch(rows, best, micro_batch, grad_accum),
         "optimizer" => a.lines.push(
             "the adapters and their AdamW state dominate: lower lora.rank or target fewer modules (lora.targets)"
                 .into(),
@@ -140,6 +71,95 @@ pub fn advise(
         ),
     }
     a
+}
+
+/// The settings `advise` tries, in the order it prefers them: single before fsdp, less
+/// checkpointing before more.
+const ORDER: [(Strategy, Checkpointing); 6] = [
+    (Strategy::Single, Checkpointing::Off),
+    (Strategy::Single, Checkpointing::Mlp),
+    (Strategy::Single, Checkpointing::Full),
+    (Strategy::Fsdp, Checkpointing::Off),
+    (Strategy::Fsdp, Checkpointing::Mlp),
+    (Strategy::Fsdp, Checkpointing::Full),
+];
+
+/// The row of strategy `st` and checkpointing `ck`, if planned.
+fn find(rows: &[Row], st: Strategy, ck: Checkpointing) -> Option<&Row> {
+    rows.iter().find(|r| r.b.strategy == st && r.b.ckpt == ck)
+}
+
+/// The planned rows of `ORDER`, in its order.
+fn ordered(rows: &[Row]) -> impl DoubleEndedIterator<Item = &Row> {
+    ORDER.iter().filter_map(|&(st, ck)| find(rows, st, ck))
+}
+
+impl Advice {
+    /// The advice to run `r`, which fits `cap` at the plan's micro-batch (and why not ddp,
+    /// where it is fsdp).
+    fn use_row(&mut self, r: &Row, micro_batch: usize, grad_accum: usize, cap: u64, rows: &[Row]) {
+        self.strategy = Some(r.b.strategy);
+        self.ckpt = Some(r.b.ckpt);
+        self.micro_batch = Some(micro_batch);
+        self.grad_accum = Some(grad_accum);
+        let st = strategy_name(r.b.strategy);
+        self.lines.push(format!(
+            "use {st}{}: {} of {} per rank",
+            match r.b.ckpt {
+                Checkpointing::Full => " with activation checkpointing",
+                Checkpointing::Mlp => " with train.activation_checkpointing = \"mlp\"",
+                Checkpointing::Off => "",
+            },
+            fmt_bytes(r.b.total),
+            fmt_bytes(cap)
+        ));
+        if r.b.strategy == Strategy::Fsdp {
+            if let Some(d) = find(rows, Strategy::Ddp, r.b.ckpt) {
+                self.lines.push(format!(
+                    "ddp does not fit ({}): each rank holds a full replica of the base, as single does",
+                    fmt_bytes(d.b.total)
+                ));
+            }
+        }
+    }
+
+    /// Where activations dominate `best` (the smallest row): the first setting of `ORDER` at
+    /// the largest micro-batch that fits it, with the accumulation that keeps the rows per
+    /// step; and checkpointing, where `best` has less than full.
+    fn shrink_micro_batch(
+        &mut self,
+        rows: &[Row],
+        best: &Row,
+        micro_batch: usize,
+        grad_accum: usize,
+    ) {
+        let fit = ordered(rows)
+            .filter_map(|r| r.max_micro_batch.map(|m| (r, m)))
+            .next();
+        match fit {
+            Some((r, m)) => {
+                // Keep the global batch: micro × accum, rounded up.
+                let accum = (micro_batch * grad_accum).div_ceil(m);
+                self.strategy = Some(r.b.strategy);
+                self.ckpt = Some(r.b.ckpt);
+                self.micro_batch = Some(m);
+                self.grad_accum = Some(accum);
+                self.lines.push(format!(
+                    "activations dominate: use {} at train.micro_batch = {m} with train.grad_accum = {accum} (the same {} rows per step)",
+                    label(&r.b),
+                    micro_batch * grad_accum
+                ));
+            }
+            None => self.lines.push(
+                "activations dominate and even micro-batch 1 does not fit: shorten data.seq_len"
+                    .into(),
+            ),
+        }
+        if best.b.ckpt != Checkpointing::Full {
+            self.lines
+                .push("turn on train.activation_checkpointing = true".into());
+        }
+    }
 }
 
 /// The row that holds the longest context: the largest `max_seq_len` (the first such in the
