@@ -5,8 +5,9 @@
 use super::session::{device_and_dtype_on, Session};
 use super::{stop, RunOptions};
 use crate::hub;
+use crate::memory::plan::Breakdown;
 use crate::model::Model;
-use crate::recipe::{Checkpointing, DeviceKind, Recipe};
+use crate::recipe::{Checkpointing, DeviceKind, Recipe, Strategy};
 use anyhow::Result;
 use std::path::PathBuf;
 
@@ -42,28 +43,76 @@ pub fn preflight(
     let input = plan::input_from_recipe(recipe, cfg, recipe.parallel.devices.len(), cuda)?
         .with_quant(recipe.quant().for_checkpoint(&cfg_path)?);
     let max_memory = recipe.max_memory();
-    let mut ballast = None;
-    let (capacity, source) = if cuda {
-        let (dev, _) = device_and_dtype_on(recipe, ordinal)?;
-        crate::memory::keep_pool_memory(&dev)?;
-        let info = crate::memory::mem_info(&dev)?;
-        match (max_memory, info) {
-            (Some(m), _) => (Some(m), "train.max_memory".to_string()),
-            // The context the plan counts is already out of `free`: add it back.
-            (None, Some((free, _))) => (
-                Some(free + plan::CONTEXT),
-                format!("cuda:{ordinal} (free memory + this process's context)"),
-            ),
-            (None, None) => (None, String::new()),
-        }
-    } else {
-        (max_memory, "train.max_memory (CPU accounting)".to_string())
-    };
-    let mut p = plan::plan(&input, recipe.train.grad_accum, capacity);
+    let (capacity, source) = capacity_of(recipe, ordinal, cuda, max_memory)?;
     let selected = (
         recipe.parallel.strategy,
         recipe.train.activation_checkpointing,
     );
+    let (p, forecast) = plan_within_host(recipe, &input, capacity, selected);
+    note_offload(forecast.as_ref());
+    let remedies = plan::remedies(&p, selected);
+    if let Some(e) = does_not_fit(&p, selected, forecast.as_ref(), capacity, source, &remedies) {
+        if !opts.force {
+            return Err(e.into());
+        }
+        eprintln!(
+            "warning (--force): {}",
+            e.to_string().lines().next().unwrap_or("")
+        );
+    }
+    let ballast = match (cuda, max_memory) {
+        (true, Some(m)) => hold_max_memory(recipe, ordinal, m)?,
+        _ => None,
+    };
+    let capacity = capacity.or_else(|| ballast.as_ref().map(|b| b.total));
+    Ok((
+        MemoryWatch {
+            rank: 0,
+            forecast,
+            remedies,
+            capacity,
+            load_peak: None,
+            load_s: 0.0,
+        },
+        ballast,
+    ))
+}
+
+/// Bytes the run may use per rank, and where the figure comes from: train.max_memory, else
+/// on CUDA the card's free memory (None where unknown); on the CPU train.max_memory alone.
+fn capacity_of(
+    recipe: &Recipe,
+    ordinal: usize,
+    cuda: bool,
+    max_memory: Option<u64>,
+) -> Result<(Option<u64>, String)> {
+    if !cuda {
+        return Ok((max_memory, "train.max_memory (CPU accounting)".to_string()));
+    }
+    let (dev, _) = device_and_dtype_on(recipe, ordinal)?;
+    crate::memory::keep_pool_memory(&dev)?;
+    let info = crate::memory::mem_info(&dev)?;
+    Ok(match (max_memory, info) {
+        (Some(m), _) => (Some(m), "train.max_memory".to_string()),
+        // The context the plan counts is already out of `free`: add it back.
+        (None, Some((free, _))) => (
+            Some(free + crate::memory::plan::CONTEXT),
+            format!("cuda:{ordinal} (free memory + this process's context)"),
+        ),
+        (None, None) => (None, String::new()),
+    })
+}
+
+/// The plan of `input` within `capacity` and its row for the run (`selected`); planned
+/// without offload where the host cannot pin the row's parked gate and up.
+fn plan_within_host(
+    recipe: &Recipe,
+    input: &crate::memory::plan::PlanInput,
+    capacity: Option<u64>,
+    selected: (Strategy, Checkpointing),
+) -> (crate::memory::plan::Plan, Option<Breakdown>) {
+    use crate::memory::plan;
+    let mut p = plan::plan(input, recipe.train.grad_accum, capacity);
     let mut forecast = plan::row(&p, selected.0, selected.1).map(|r| r.b.clone());
     // Parked gate and up must fit the host's memory beside the other ranks' (on this host):
     // else the MLP half is recomputed, as with train.offload_activations = false.
@@ -87,7 +136,12 @@ pub fn preflight(
             forecast = plan::row(&p, selected.0, selected.1).map(|r| r.b.clone());
         }
     }
-    if let Some(b) = forecast.as_ref().filter(|b| b.host > 0) {
+    (p, forecast)
+}
+
+/// Says on stderr what the run's row parks in pinned host memory, if anything.
+fn note_offload(forecast: Option<&Breakdown>) {
+    if let Some(b) = forecast.filter(|b| b.host > 0) {
         let what = match b.ckpt {
             Checkpointing::Off => "each layer's residual waits",
             Checkpointing::Mlp => "each layer's gate and up wait (but the top layers')",
@@ -96,58 +150,56 @@ pub fn preflight(
         eprintln!(
             "activation offload: {what} in pinned host memory, {} per rank \
              (train.offload_activations = false recomputes instead)",
-            plan::fmt_bytes(b.host)
+            crate::memory::plan::fmt_bytes(b.host)
         );
     }
-    let remedies = plan::remedies(&p, selected);
-    if let (Some(cap), Some(b)) = (capacity, &forecast) {
-        if b.total > cap {
-            let e = stop::DoesNotFit {
-                forecast: b.clone(),
-                capacity: cap,
-                capacity_source: source,
-                table: plan::render(&p, selected),
-                remedies: remedies.clone(),
-            };
-            if !opts.force {
-                return Err(e.into());
-            }
-            eprintln!(
-                "warning (--force): {}",
-                e.to_string().lines().next().unwrap_or("")
-            );
-        }
+}
+
+/// The diagnosis where the run's row (`forecast`) needs more than the capacity (`source`
+/// says where it comes from); None where it fits or either is unknown.
+fn does_not_fit(
+    p: &crate::memory::plan::Plan,
+    selected: (Strategy, Checkpointing),
+    forecast: Option<&Breakdown>,
+    capacity: Option<u64>,
+    source: String,
+    remedies: &[String],
+) -> Option<stop::DoesNotFit> {
+    let (cap, b) = (capacity?, forecast?);
+    (b.total > cap).then(|| stop::DoesNotFit {
+        forecast: b.clone(),
+        capacity: cap,
+        capacity_source: source,
+        table: crate::memory::plan::render(p, selected),
+        remedies: remedies.to_vec(),
+    })
+}
+
+/// The ballast that leaves train.max_memory = `m` of the card to the pool (None where
+/// nothing is held), said on stderr.
+fn hold_max_memory(
+    recipe: &Recipe,
+    ordinal: usize,
+    m: u64,
+) -> Result<Option<crate::memory::Ballast>> {
+    use crate::memory::plan::fmt_bytes;
+    let (dev, _) = device_and_dtype_on(recipe, ordinal)?;
+    let ballast = crate::memory::hold_ballast(&dev, m)?;
+    match &ballast {
+        Some(b) if b.bytes > 0 => eprintln!(
+            "train.max_memory = {}: holding {} of the card's {} outside the pool",
+            fmt_bytes(m),
+            fmt_bytes(b.bytes),
+            fmt_bytes(b.total)
+        ),
+        Some(b) => eprintln!(
+            "warning: train.max_memory = {}, but less than that is free on the card ({} in all): nothing held back",
+            fmt_bytes(m),
+            fmt_bytes(b.total)
+        ),
+        None => {}
     }
-    if let (true, Some(m)) = (cuda, max_memory) {
-        let (dev, _) = device_and_dtype_on(recipe, ordinal)?;
-        ballast = crate::memory::hold_ballast(&dev, m)?;
-        match &ballast {
-            Some(b) if b.bytes > 0 => eprintln!(
-                "train.max_memory = {}: holding {} of the card's {} outside the pool",
-                plan::fmt_bytes(m),
-                plan::fmt_bytes(b.bytes),
-                plan::fmt_bytes(b.total)
-            ),
-            Some(b) => eprintln!(
-                "warning: train.max_memory = {}, but less than that is free on the card ({} in all): nothing held back",
-                plan::fmt_bytes(m),
-                plan::fmt_bytes(b.total)
-            ),
-            None => {}
-        }
-    }
-    let capacity = capacity.or_else(|| ballast.as_ref().map(|b| b.total));
-    Ok((
-        MemoryWatch {
-            rank: 0,
-            forecast,
-            remedies,
-            capacity,
-            load_peak: None,
-            load_s: 0.0,
-        },
-        ballast,
-    ))
+    Ok(ballast)
 }
 
 /// Bytes of the model's tensors (base, norms, head, adapters).
