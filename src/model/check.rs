@@ -352,7 +352,19 @@ pub fn read_header(path: &Path) -> Result<Vec<(String, HeaderTensor)>> {
 /// floating point, the decoder layers present are config.json's num_hidden_layers, and the
 /// embedding and layer 0's projections have config.json's sizes.
 pub fn weights(cfg: &ModelConfig, config_path: &Path, files: &[PathBuf]) -> Result<()> {
-    let mut shapes: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+    let (shapes, layers) = header_shapes(config_path, files)?;
+    check_layers(cfg, config_path, &layers)?;
+    check_sizes(cfg, config_path, &shapes)
+}
+
+/// Tensor shapes by name.
+type Shapes = BTreeMap<String, Vec<usize>>;
+
+/// The shape of every tensor in `files` by name (a packed NF4 one's empty: its shape is in its
+/// quant state) and the decoder layers present; an error for a tensor the model may read
+/// that is not floating point.
+fn header_shapes(config_path: &Path, files: &[PathBuf]) -> Result<(Shapes, BTreeSet<usize>)> {
+    let mut shapes: Shapes = BTreeMap::new();
     let mut layers = BTreeSet::new();
     // A bitsandbytes 4-bit checkpoint stores its layers' linears as bytes (quant::bnb).
     let nf4 = crate::quant::bnb::nf4_config(config_path)?.is_some();
@@ -388,13 +400,21 @@ pub fn weights(cfg: &ModelConfig, config_path: &Path, files: &[PathBuf]) -> Resu
             shapes.insert(name, t.shape);
         }
     }
-    let err = |key: &str, msg: String| -> anyhow::Error {
-        ConfigError::Invalid {
-            path: config_path.to_owned(),
-            msg: format!("`{key}` {msg}"),
-        }
-        .into()
-    };
+    Ok((shapes, layers))
+}
+
+/// config.json's `key` found invalid: `msg` says against what.
+fn invalid(config_path: &Path, key: &str, msg: String) -> anyhow::Error {
+    ConfigError::Invalid {
+        path: config_path.to_owned(),
+        msg: format!("`{key}` {msg}"),
+    }
+    .into()
+}
+
+/// The decoder layers present (`layers`) are model.layers.0 to N − 1, N config.json's
+/// num_hidden_layers.
+fn check_layers(cfg: &ModelConfig, config_path: &Path, layers: &BTreeSet<usize>) -> Result<()> {
     let found = layers.len();
     let contiguous = layers.last().is_none_or(|&l| l + 1 == found);
     if found != cfg.num_layers || !contiguous {
@@ -411,11 +431,18 @@ pub fn weights(cfg: &ModelConfig, config_path: &Path, files: &[PathBuf]) -> Resu
             }
             _ => "no decoder layer (no model.layers.N tensor)".into(),
         };
-        return Err(err(
+        return Err(invalid(
+            config_path,
             "num_hidden_layers",
             format!("= {}, but the weights hold {have}", cfg.num_layers),
         ));
     }
+    Ok(())
+}
+
+/// The embedding and layer 0's projections (those present in `shapes`) have config.json's
+/// sizes.
+fn check_sizes(cfg: &ModelConfig, config_path: &Path, shapes: &Shapes) -> Result<()> {
     let (c, d) = (cfg.hidden_size, cfg.head_dim);
     let expect = [
         ("model.embed_tokens.weight", 0, cfg.vocab_size, "vocab_size"),
@@ -451,7 +478,8 @@ pub fn weights(cfg: &ModelConfig, config_path: &Path, files: &[PathBuf]) -> Resu
                 }
                 _ => format!("= {want}"),
             };
-            return Err(err(
+            return Err(invalid(
+                config_path,
                 key,
                 format!(
                     "{what}, but `{name}` has shape {:?} in the weights",
