@@ -605,30 +605,7 @@ fn check_adapter(
         .iter()
         .map(|it| experts::slot(&it.name, &it.shape, targets))
         .collect();
-    for (it, slot) in items.iter().zip(&slots) {
-        let (module, what) = match slot {
-            Some(s) => (s.module.as_str(), "the experts"),
-            None => {
-                let Some(module) = it.name.strip_suffix(".weight") else {
-                    continue;
-                };
-                let leaf = module.rsplit('.').next().unwrap_or("");
-                let linear = module.starts_with("model.layers.") && !experts::is_tensor(&it.name);
-                if !linear || !targets.iter().any(|t| t == leaf) {
-                    continue;
-                }
-                (module, leaf)
-            }
-        };
-        if !pairs.contains_key(module) {
-            bail!(
-                "{}: no lora_A/lora_B for `{module}`, although adapter_config.json targets {what}: \
-                 the adapter does not match the base model in {}",
-                file.display(),
-                base.display()
-            );
-        }
-    }
+    every_target_adapted(&file, base, targets, &pairs, items, &slots)?;
     let index: HashMap<&str, &Item> = items.iter().map(|it| (it.name.as_str(), it)).collect();
     let mut checked = HashMap::new();
     for (module, p) in pairs {
@@ -702,6 +679,44 @@ fn check_adapter(
         checked.insert(module, Adapter::Linear(a, b, p.m));
     }
     Ok((checked, slots))
+}
+
+/// Every base tensor an adapter targets has its lora_A / lora_B in `pairs` (the adapter's
+/// `file`): each targeted linear of a decoder layer, and each expert parameter (`slots`,
+/// item by item); an error naming the first that has none.
+fn every_target_adapted(
+    file: &Path,
+    base: &Path,
+    targets: &[String],
+    pairs: &BTreeMap<String, Pair>,
+    items: &[Item],
+    slots: &[Option<experts::Slot>],
+) -> Result<()> {
+    for (it, slot) in items.iter().zip(slots) {
+        let (module, what) = match slot {
+            Some(s) => (s.module.as_str(), "the experts"),
+            None => {
+                let Some(module) = it.name.strip_suffix(".weight") else {
+                    continue;
+                };
+                let leaf = module.rsplit('.').next().unwrap_or("");
+                let linear = module.starts_with("model.layers.") && !experts::is_tensor(&it.name);
+                if !linear || !targets.iter().any(|t| t == leaf) {
+                    continue;
+                }
+                (module, leaf)
+            }
+        };
+        if !pairs.contains_key(module) {
+            bail!(
+                "{}: no lora_A/lora_B for `{module}`, although adapter_config.json targets {what}: \
+                 the adapter does not match the base model in {}",
+                file.display(),
+                base.display()
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Shards of at most `max` bytes, greedy in checkpoint order (a larger tensor alone).
