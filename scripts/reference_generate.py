@@ -6,7 +6,8 @@
 For every golden checkpoint under tests/fixtures/golden (see scripts/reference_peft.py), alone
 and with its PEFT adapter (init_adapter/: A as PEFT inits it, B random and non-zero, saved by
 PEFT), it runs `generate(do_sample=False, max_new_tokens=N)` in float32 with eager attention on
-a few token-id prompts, and records the new token ids. Extra cases:
+a few token-id prompts, and records the new token ids; every family we train has a case (the
+families' fixtures with their adapters). Extra cases:
   - mistral_head_dim with sliding_window = 5 (config override), so that prompt and decoding both
     cross the window;
   - one prompt per case whose eos_token_id is set to a token greedy writes later (at one of steps
@@ -49,6 +50,11 @@ CASES = [
      "golden/mistral_head_dim/init_adapter", {"sliding_window": 5}),
     ("tiny_shipped+adapter", "../../recipes/assets/tiny-llama", "golden/tiny_shipped/init_adapter",
      {}),
+] + [
+    # The other families, each with its adapter (appended: the draws above stay as they were).
+    (f"{c}+adapter", f"golden/{c}/model", f"golden/{c}/init_adapter", {})
+    for c in ["qwen3_qk_norm", "gemma2_softcap", "gemma3_local_global", "phi3_fused_longrope",
+              "llama32_tied_long", "qwen3_moe"]
 ]
 # Candidates, in order; the first three whose margin is safe are kept.
 TEXT_PROMPTS = ["Once upon a time", "The red fox jumps over", "Seven plus two is",
@@ -81,14 +87,33 @@ def greedy(model, ids, eos):
     return out[0, len(ids):].tolist()
 
 
+def longrope(model):
+    rp = getattr(model.config, "rope_parameters", None) or getattr(model.config, "rope_scaling",
+                                                                    None) or {}
+    return rp.get("rope_type") == "longrope"
+
+
 def margin_check(model64, ids, new):
-    """The float64 argmax at each generated position (teacher-forced) and the smallest gap."""
+    """The float64 argmax at each generated position (teacher-forced) and the smallest gap.
+    LongRoPE rotates each forward's tokens by that forward's reach, so a teacher-forced pass is
+    not what generation computed: there, float64 generation's own logits."""
+    if longrope(model64):
+        out = model64.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(
+            1, len(ids), dtype=torch.long), do_sample=False, max_new_tokens=len(new),
+            min_new_tokens=len(new), pad_token_id=0, output_logits=True,
+            return_dict_in_generate=True, temperature=None, top_p=None, top_k=None)
+        rows = [r[0].double() for r in out.logits]
+        return margins(rows)
     full = torch.tensor([ids + new])
     with torch.no_grad():
         logits = model64(input_ids=full).logits[0].double()
+    return margins([logits[len(ids) - 1 + i] for i in range(len(new))])
+
+
+def margins(rows):
+    """Each row's argmax, and the smallest gap between a row's best two logits."""
     gaps, picks = [], []
-    for i in range(len(new)):
-        row = logits[len(ids) - 1 + i]
+    for row in rows:
         top = torch.topk(row, 2)
         picks.append(int(top.indices[0]))
         gaps.append(float(top.values[0] - top.values[1]))

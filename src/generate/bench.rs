@@ -37,7 +37,6 @@ pub fn run(a: &DecodeBench) -> Result<serde_json::Value> {
         bail!("prompt_len, new_tokens and reps must be at least 1");
     }
     let mut cfg = crate::bench::shape(&a.shape)?;
-    super::supports(&cfg)?;
     let total = a.prompt_len + a.new_tokens;
     cfg.max_position_embeddings = cfg.max_position_embeddings.max(total);
     let spec = LoraSpec {

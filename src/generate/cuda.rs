@@ -136,18 +136,16 @@ impl Kernels {
     /// Attention of one token's q [1, H·D], k, v [1, K·D] (before RoPE) at the position `pos`
     /// holds (u32 [1] on the device) against the cache's keys up to it (the last `window` of
     /// them; 0: all) → [1, H·D]; k rotated and v are written into the caches kc, vc [1, K, cap,
-    /// D] there. cos, sin: the cache's tables [1, cap, D/2] f32.
-    #[allow(clippy::too_many_arguments)]
+    /// D] there. cos, sin: the cache's tables [1, cap, D/2] f32. Scores × `scale`, then
+    /// soft-capped at `softcap` (0: none).
     pub fn attention(
         &self,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
-        pos: &Tensor,
-        (cos, sin): (&Tensor, &Tensor),
+        (pos, (cos, sin)): (&Tensor, (&Tensor, &Tensor)),
         (kc, vc): (&Tensor, &Tensor),
-        window: usize,
-        scale: f32,
+        (window, scale, softcap): (usize, f32, f32),
     ) -> Result<Tensor> {
         let (h, kvh, d) = (self.heads, self.kv_heads, self.head_dim);
         let cap = kc.dim(2)?;
@@ -185,7 +183,7 @@ impl Kernels {
         let p = &ptrs;
         let mut args = kernel_args![
             &p[0], &p[1], &p[2], &p[3], &p[4], &p[5], &p[6], &p[7], &p[8], &p[9], &ints[0],
-            &ints[1], &ints[2], &cap_i, &p[10], &window_i, &chunk_i, &scale,
+            &ints[1], &ints[2], &cap_i, &p[10], &window_i, &chunk_i, &scale, &softcap,
         ];
         let cfg = LaunchConfig {
             grid_dim: (h as u32, splits as u32, 1),

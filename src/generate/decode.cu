@@ -24,7 +24,8 @@
 // replays at every position), RoPE and the cache write included: q [H·D], k, v [K·D] are its
 // projections before RoPE; cos, sin [cap, D/2] f32 tables; the caches kc, vc [K, cap, D]. Head
 // `head` attends to the keys [start, pos] of its kv head kh = head / (H / K), start = pos + 1 −
-// window (0: all), split in chunks of `chunk` keys: block (head, split) takes one chunk (the
+// window (0: all; scores × scale, then soft-capped at softcap where it is > 0, as Gemma 2),
+// split in chunks of `chunk` keys: block (head, split) takes one chunk (the
 // grid covers the cache: splits past pos hold no key).
 //
 // Each block rotates q itself; the block whose chunk holds pos rotates the new k too and folds
@@ -37,11 +38,16 @@
 // o[head · D + i] = Σ acc · e^(m − M) / Σ l · e^(m − M). q and the new k are rounded to T as
 // the cache stores them. pos ≥ cap (the caller reserves the cache first) gives zeros. Blocks of
 // 128 threads.
+// A score soft-capped as Gemma 2's attention does: cap · tanh(s / cap) (cap 0: s itself).
+__device__ __forceinline__ float capped(float s, float cap) {
+    return cap > 0.f ? cap * tanhf(s / cap) : s;
+}
+
 template <typename T>
 __device__ void attn_step(const T* q, const T* k, const T* v, const float* cos, const float* sin,
                           T* kc, T* vc, float* part, unsigned int* done, T* o, int h, int kvh,
                           int d, long cap, const unsigned int* posp, int window, int chunk,
-                          float scale) {
+                          float scale, float softcap) {
     __shared__ float sq[32 * MAXC], sk[32 * MAXC], sv[32 * MAXC];
     __shared__ float sm[4][32 * MAXC + 2];
     __shared__ float smax[4];
@@ -117,7 +123,7 @@ __device__ void attn_step(const T* q, const T* k, const T* v, const float* cos, 
         #pragma unroll
         for (int u = 0; u < KEYS; u++) {
             if (j + u >= jc) break;
-            float su = s[u] * scale;
+            float su = capped(s[u] * scale, softcap);
             float mn = fmaxf(m, su);
             float corr = __expf(m - mn), p = __expf(su - mn);  // m = -inf at first: corr = 0
             l = l * corr + p;
@@ -134,7 +140,7 @@ __device__ void attn_step(const T* q, const T* k, const T* v, const float* cos, 
             if (i < d) s += sq[i] * sk[i];
         }
         for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
-        float su = s * scale, mn = fmaxf(m, su);
+        float su = capped(s * scale, softcap), mn = fmaxf(m, su);
         float corr = __expf(m - mn), p = __expf(su - mn);
         l = l * corr + p;
         #pragma unroll
@@ -312,9 +318,9 @@ extern "C" __global__ void gen_gemv_swiglu_bf16(const bf16_t* x, const bf16_t* w
 extern "C" __global__ void gen_attn_step_##S(const T* q, const T* k, const T* v,                 \
         const float* cos, const float* sin, T* kc, T* vc, float* part, unsigned int* done, T* o, \
         int h, int kvh, int d, long cap, const unsigned int* posp, int window, int chunk,       \
-        float scale) {                                                                           \
+        float scale, float softcap) {                                                            \
     attn_step<T>(q, k, v, cos, sin, kc, vc, part, done, o, h, kvh, d, cap, posp, window, chunk,  \
-                 scale);                                                                         \
+                 scale, softcap);                                                                \
 }
 DECODE_KERNELS(float, f32)
 DECODE_KERNELS(bf16_t, bf16)

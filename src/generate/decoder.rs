@@ -5,18 +5,22 @@
 //! L the keys it sees (p0 + T, less what a sliding window hides), H heads, K kv heads
 //! (n = H / K queries each: GQA without repeating the cache), D head dim, C hidden, V vocab.
 //!
-//! Per layer: RMSNorm (with the residual add before it fused on CUDA) → q, k, v → RoPE at the
-//! absolute positions → the token's keys and values written into the cache → attention over
-//! cache[.., start..p0 + T] (QK-norm first, for Qwen3) → o → add + RMSNorm → gate, up → SwiGLU → down; the residual add of
-//! down's output is the next layer's fused add. Attention is transformers' eager attention:
+//! Per layer (model/layer.rs's equations, the family's `LayerSpec`): RMSNorm (with the residual
+//! add before it fused on CUDA; Gemma's 1 + w gain) → q, k, v → QK-norm (Qwen3, Gemma 3) → RoPE
+//! at the absolute positions (the layer's table: Gemma 3's sliding layers have their own base;
+//! Phi-3's LongRoPE switches table on the call's reach) → the token's keys and values written
+//! into the cache → attention over cache[.., start..p0 + T] (the layer's window, scale and
+//! soft-cap) → o (→ Gemma's output norm) → add + RMSNorm → the MLP (the family's GLU, or
+//! Qwen3-MoE's routed experts) (→ Gemma's output norm); the residual add of the MLP's output
+//! is the next layer's fused add. Gemma scales the embeddings by √C and Gemma 2 soft-caps the
+//! logits, as training does. Attention is transformers' eager attention:
 //! scores in the activation dtype, scaled, masked (causal and window), softmax in f32, then the
 //! values. For one token on CUDA (bf16 or f32) the RoPE, the cache write and the attention are one
 //! kernel of ours (`cuda`): per token only the sampled id comes back to the host.
 
 use super::cache::KvCache;
 use super::weights::{self, Matvec, Weights};
-use crate::model::rope;
-use crate::ops;
+use crate::ops::{self, NormSpec};
 use anyhow::{bail, Result};
 use candle_core::{DType, Tensor, D};
 
@@ -49,7 +53,7 @@ impl Decoder {
             c.head_dim,
             cap.clamp(1, limit),
             limit,
-            rope::inv_freq(c),
+            (&w.rope, w.rope_local.as_ref()),
             w.dtype,
             &w.device,
         )?;
@@ -61,7 +65,15 @@ impl Decoder {
             None => None,
         };
         #[cfg(feature = "cuda")]
-        let graph = super::graph::Graph::new(&w.device, w.dtype, w.adapter_bytes() > 0);
+        let mut graph = super::graph::Graph::new(&w.device, w.dtype, w.adapter_bytes() > 0);
+        // A MoE's routing reads the chosen experts back to the host: no graph holds a step.
+        #[cfg(feature = "cuda")]
+        if w.layers
+            .iter()
+            .any(|l| matches!(l.mlp, weights::Mlp::Moe(_)))
+        {
+            graph.on = false;
+        }
         Ok(Decoder {
             w,
             cache,
@@ -136,8 +148,9 @@ impl Decoder {
         if let Some(&bad) = ids.iter().find(|&&i| i >= vocab) {
             bail!("token id {bad} is outside the vocabulary of {vocab}");
         }
-        self.cache.reserve(self.cache.len() + ids.len())?;
-        let (h, l) = (self.w.cfg.num_heads, self.cache.len() + ids.len());
+        let reach = self.cache.len() + ids.len();
+        self.cache.reserve(reach)?;
+        let (h, l) = (self.w.cfg.num_heads, reach);
         let chunk = (CHUNK_SCORES / (h * l).max(1)).clamp(1, 512);
         let mut last = None;
         for part in ids.chunks(chunk) {
@@ -147,7 +160,7 @@ impl Decoder {
                 continue;
             }
             let idt = Tensor::from_slice(part, part.len(), &self.w.device)?;
-            let logits = self.run(&idt, part.len())?;
+            let logits = self.run(&idt, part.len(), reach)?;
             self.cache.ids.extend_from_slice(part);
             last = Some(logits);
         }
@@ -198,7 +211,7 @@ impl Decoder {
     /// tensor it makes is dropped before it returns: it may be captured).
     #[cfg(feature = "cuda")]
     fn run_into(&self, step: &super::graph::Inputs) -> Result<()> {
-        let l = self.run(&step.tok, 1)?;
+        let l = self.run(&step.tok, 1, self.cache.len() + 1)?;
         step.logits.slice_set(&l, 0, 0)?;
         Ok(())
     }
@@ -220,72 +233,80 @@ impl Decoder {
     }
 
     /// One chunk of T tokens `ids` (u32 [T] on the device) at positions p0 = cache.len()..
-    /// (room reserved; the caller records the ids) → logits [V] f32 of its last.
-    fn run(&self, ids: &Tensor, t: usize) -> Result<Tensor> {
+    /// (room reserved; the caller records the ids) of a call that reaches `reach` (its last
+    /// position + 1: LongRoPE picks its table by it) → logits [V] f32 of its last.
+    fn run(&self, ids: &Tensor, t: usize, reach: usize) -> Result<Tensor> {
         let p0 = self.cache.len();
+        let c = &self.w.cfg;
         let mut h = self.w.embed.index_select(ids, 0)?; // [T, C]
-        let mut pending: Option<Tensor> = None; // down's output, added at the next norm
-        let eps = self.w.cfg.rms_norm_eps;
-        for li in 0..self.w.layers.len() {
-            let lw = &self.w.layers[li];
+        if let Some(f) = c.embed_scale() {
+            h = h.affine(f, 0.0)?;
+        }
+        let mut pending: Option<Tensor> = None; // the MLP's output, added at the next norm
+        for (li, lw) in self.w.layers.iter().enumerate() {
+            let norm = lw.spec.norm;
             let (hh, hn) = match pending.take() {
-                Some(d) => ops::add_rms_norm(&h, &d, &lw.input_norm, eps)?,
+                Some(d) => ops::add_rms_norm(&h, &d, &lw.input_norm, norm)?,
                 None => {
-                    let y = ops::rms_norm(&h, &lw.input_norm, eps)?;
+                    let y = ops::rms_norm(&h, &lw.input_norm, norm)?;
                     (h, y)
                 }
             };
             let [q, k, v] = lw.qkv(&hn, self.mv())?;
-            let (q, k) = (qk_norm(q, &lw.q_norm, eps)?, qk_norm(k, &lw.k_norm, eps)?);
-            let o = self.attend(li, &q, &k, &v, p0, t)?; // [T, H·D]
-            let lw = &self.w.layers[li];
-            let a = lw.o.forward(&o, self.mv())?;
-            let (hh, hn) = ops::add_rms_norm(&hh, &a, &lw.post_norm, eps)?;
-            let m = lw.down.forward(&lw.mlp_act(&hn, self.mv())?, self.mv())?;
+            let (q, k) = (qk_norm(q, &lw.q_norm, norm)?, qk_norm(k, &lw.k_norm, norm)?);
+            let o = self.attend(li, &q, &k, &v, (p0, t, reach))?; // [T, H·D]
+            let a = out_norm(lw.o.forward(&o, self.mv())?, &lw.attn_out_norm, norm)?;
+            let (hh, hn) = ops::add_rms_norm(&hh, &a, &lw.post_norm, norm)?;
+            let m = out_norm(lw.mlp(&hn, self.mv())?, &lw.mlp_out_norm, norm)?;
             h = hh;
             pending = Some(m);
         }
-        // Final norm and head on the last position only.
+        // Final norm and head on the last position only; Gemma 2's logits soft-capped.
         let last = h.narrow(0, t - 1, 1)?;
         let hn = match pending {
-            Some(m) => ops::add_rms_norm(&last, &m.narrow(0, t - 1, 1)?, &self.w.norm, eps)?.1,
-            None => ops::rms_norm(&last, &self.w.norm, eps)?,
+            Some(m) => {
+                ops::add_rms_norm(&last, &m.narrow(0, t - 1, 1)?, &self.w.norm, c.norm_spec())?.1
+            }
+            None => ops::rms_norm(&last, &self.w.norm, c.norm_spec())?,
         };
         let logits = weights::linear(&hn, &self.w.lm_head, None, None, self.mv())?; // [1, V]
-        Ok(logits.to_dtype(DType::F32)?.squeeze(0)?)
+        let logits = logits.to_dtype(DType::F32)?.squeeze(0)?;
+        Ok(match c.arch.final_softcap {
+            Some(cap) => ops::softcap::softcap(&logits, cap)?,
+            None => logits,
+        })
     }
 
-    /// Attention of layer `li` for T new tokens at p0..: q [T, H·D], k, v [T, K·D] (before
-    /// RoPE) → [T, H·D]; writes the new keys and values into the cache.
+    /// Attention of layer `li` for T new tokens at p0.. of a call reaching `reach`: q
+    /// [T, H·D], k, v [T, K·D] (before RoPE) → [T, H·D]; writes the new keys and values into
+    /// the cache. The layer's own window, score scale and soft-cap, and RoPE tables.
     fn attend(
         &self,
         li: usize,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
-        p0: usize,
-        t: usize,
+        (p0, t, reach): (usize, usize, usize),
     ) -> Result<Tensor> {
-        let c = &self.w.cfg;
-        let (nh, nk, d) = (c.num_heads, c.num_kv_heads, c.head_dim);
-        let window = c.window(li);
+        let spec = &self.w.layers[li].spec;
+        let (nh, nk, d) = (spec.heads, spec.kv_heads, spec.head_dim);
+        let window = spec.window;
         let (kc, vc) = &self.cache.kv[li];
+        let tables = self.cache.tables(spec.local_rope);
         let end = p0 + t;
         // Keys before the first query's window are seen by no query of this call.
         let start = match window {
             0 => 0,
             w => (p0 + 1).saturating_sub(w),
         };
-        let scale = c.attn_scale();
         #[cfg(feature = "cuda")]
         if let (Some(kn), Some(step), 1) = (&self.kernels, &self.step, t) {
             // the position from the step's device input (a graph replays at every position)
-            let tables = (&self.cache.cos, &self.cache.sin);
-            let pos = &step.pos;
-            return kn.attention(q, k, v, pos, tables, (kc, vc), window, scale as f32);
+            let scores = (window, spec.scale as f32, spec.softcap);
+            let at = (&step.pos, tables.one_token());
+            return kn.attention(q, k, v, at, (kc, vc), scores);
         }
-        let cos = self.cache.cos.narrow(1, p0, t)?;
-        let sin = self.cache.sin.narrow(1, p0, t)?;
+        let (cos, sin) = tables.rows(p0, t, reach)?;
         let heads = |x: &Tensor, n: usize| x.reshape((1, t, n, d))?.transpose(1, 2); // [1, n, T, D]
         let q = ops::rope(&heads(q, nh)?, &cos, &sin)?;
         let k = ops::rope(&heads(k, nk)?, &cos, &sin)?;
@@ -298,7 +319,11 @@ impl Decoder {
         let n = nh / nk;
         let q = q.reshape((nk, n * t, d))?; // head j·n + i → (kv head j, query i)
         let s = q.matmul(&keys.t()?)?; // [K, n·T, L]
-        let s = (s * scale)?.to_dtype(DType::F32)?;
+        let s = (s * spec.scale)?.to_dtype(DType::F32)?;
+        let s = match spec.softcap {
+            0.0 => s,
+            cap => ops::softcap::softcap(&s, cap as f64)?,
+        };
         let s = match mask(p0, t, start, end, window) {
             Some(m) => {
                 let m = Tensor::from_vec(m, (t, len), &self.w.device)?;
@@ -316,13 +341,22 @@ impl Decoder {
     }
 }
 
-/// QK-norm (Qwen3): x [T, n·D] → RMSNorm over each head's D with gain w [D]; x itself
-/// without a gain.
-fn qk_norm(x: Tensor, w: &Option<Tensor>, eps: f64) -> Result<Tensor> {
+/// Gemma's norm of an attention or MLP output (`w` its gain), before the residual add; x
+/// itself where the family has none.
+fn out_norm(x: Tensor, w: &Option<Tensor>, norm: NormSpec) -> Result<Tensor> {
+    match w {
+        Some(w) => Ok(ops::rms_norm(&x, w, norm)?),
+        None => Ok(x),
+    }
+}
+
+/// QK-norm (Qwen3, Gemma 3): x [T, n·D] → RMSNorm over each head's D with gain w [D]; x
+/// itself without a gain.
+fn qk_norm(x: Tensor, w: &Option<Tensor>, norm: NormSpec) -> Result<Tensor> {
     let Some(w) = w else { return Ok(x) };
     let (t, nd) = x.dims2()?;
     let d = w.dim(0)?;
-    let y = ops::rms_norm(&x.reshape((t, nd / d, d))?, w, eps)?;
+    let y = ops::rms_norm(&x.reshape((t, nd / d, d))?, w, norm)?;
     Ok(y.reshape((t, nd))?)
 }
 

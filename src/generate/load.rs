@@ -135,8 +135,6 @@ fn load(
             targets: Vec::new(),
         },
     };
-    // The family first: one this decoder does not implement is refused before any weight.
-    super::supports(&crate::model::ModelConfig::from_file(&files.config)?)?;
     let model = Model::load(&files, dtype, device, &spec, 0)
         .with_context(|| format!("cannot load the model in {}", files.dir.display()))?;
     if let Some(a) = adapter {

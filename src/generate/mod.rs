@@ -2,11 +2,14 @@
 //! (y = W x + s·B·A·x, no dropout), or a merged checkpoint loaded plainly.
 //!
 //! The prompt runs once (prefill, in chunks for long prompts), then one token at a time
-//! against a KV cache allocated for prompt + max_new_tokens and written in place; RoPE at each
-//! token's absolute position (linear and Llama-3 scaling as `model::rope`), GQA, Qwen2's q/k/v
-//! biases and Mistral's sliding window as in training; logits for the last position only.
-//! Greedy output equals transformers' `generate(do_sample=False)` token for token on the golden
-//! fixtures (tests/it/generate.rs; references by scripts/reference_generate.py).
+//! against a KV cache allocated for prompt + max_new_tokens and written in place; every family
+//! we train decodes, with training's layer settings (`LayerSpec`): RoPE at each token's
+//! absolute position (linear, Llama-3 and LongRoPE scaling as `model::rope`; Gemma 3's local
+//! base), GQA, Qwen2's q/k/v biases, QK-norm, Gemma's norms, GeGLU, soft-caps and per-layer
+//! windows, Phi-3's fused projections, Qwen3-MoE's routed experts; logits for the last
+//! position only. Greedy output equals transformers' `generate(do_sample=False)` token for
+//! token on the golden fixtures of every family (tests/it/generate.rs; references by
+//! scripts/reference_generate.py).
 //!
 //! - `weights`: the model's tensors as decoding reads them (q/k/v and gate/up stacked into one
 //!   GEMM each for a model we own, adapters joined per group);
@@ -38,7 +41,7 @@ pub use sample::{Sampler, Sampling};
 pub use weights::Weights;
 
 use crate::data::TextTokenizer;
-use crate::model::{Family, Model, ModelConfig, RopeScaling};
+use crate::model::Model;
 use anyhow::{bail, Result};
 use std::time::Instant;
 
@@ -51,31 +54,6 @@ pub fn single_stream(device: &candle_core::Device) {
     #[cfg(not(feature = "cuda"))]
     let _ = device;
 }
-
-/// Whether this decode path implements the checkpoint's family: Llama, Mistral, Qwen2, Qwen3
-/// (its QK-norm), and Phi-3 without LongRoPE (its fused projections are cut into columns).
-/// Gemma's norms, GeGLU, soft-caps and per-layer rope are the training model's only; an error
-/// names the family and what to do instead.
-pub fn supports(cfg: &ModelConfig) -> Result<()> {
-    let name = cfg.family.model_type();
-    match cfg.family {
-        Family::Gemma2 | Family::Gemma3 => bail!(
-            "generate does not implement the {name} family (its (1 + w) norms, GeGLU, soft-caps and local/global attention are in training only); it decodes {}: merge it with `lora-train export --adapter DIR --out DIR` and generate with transformers",
-            GENERATES.join(", ")
-        ),
-        Family::Qwen3Moe => bail!(
-            "generate does not implement the {name} family (its experts and router are in training only); it decodes {}: merge it with `lora-train export --adapter DIR --out DIR` and generate with transformers",
-            GENERATES.join(", ")
-        ),
-        Family::Phi3 if matches!(cfg.rope_scaling, RopeScaling::LongRope { .. }) => bail!(
-            "generate does not implement LongRoPE (rope_scaling \"longrope\" of this {name} config); it decodes {name} without rope_scaling. Merge it with `lora-train export --adapter DIR --out DIR` and generate with transformers"
-        ),
-        _ => Ok(()),
-    }
-}
-
-/// The `model_type`s `generate` decodes (`supports`).
-pub const GENERATES: [&str; 5] = ["llama", "mistral", "qwen2", "qwen3", "phi3"];
 
 /// New tokens `sample_every` completions get.
 pub const SAMPLE_MAX_NEW_TOKENS: usize = 64;

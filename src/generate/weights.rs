@@ -13,8 +13,11 @@
 //! it owns into one buffer each, the model's own W's becoming row views of it (no weight is
 //! held twice), so that decoding runs 4 base GEMMs a layer instead of 7.
 
-use crate::model::{Layer, Linear, Model, ModelConfig};
+use crate::model::layer_moe::Moe;
+use crate::model::rope::Freqs;
+use crate::model::{Layer, LayerSpec, Linear, Model, ModelConfig};
 use crate::ops;
+use crate::ops::glu::Act;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 
@@ -196,19 +199,33 @@ fn adapter(
     }))
 }
 
-/// One decoder layer's weights.
+/// A layer's MLP half as decoding runs it.
+pub enum Mlp {
+    /// gate, up (one product when stacked or fused in the checkpoint, else two), the
+    /// family's GLU, then down.
+    Dense { gate_up: Vec<Proj>, down: Proj },
+    /// Qwen3-MoE's router and experts (adapters included), run as training's forward runs
+    /// them: the tokens grouped by expert, one grouped product per projection.
+    Moe(Box<Moe>),
+}
+
+/// One decoder layer's weights, and its shape and family settings (`LayerSpec`: norms,
+/// window, score scale and soft-cap, activation, which RoPE).
 pub struct LayerWeights {
+    pub spec: LayerSpec,
     pub input_norm: Tensor,
+    /// Before the MLP (post_attention_layernorm; Gemma's pre_feedforward_layernorm).
     pub post_norm: Tensor,
-    /// QK-norm's gains [D] (Qwen3): RMSNorm over each head of q and k before RoPE.
+    /// QK-norm's gains [D] (Qwen3, Gemma 3): RMSNorm over each head of q and k before RoPE.
     pub q_norm: Option<Tensor>,
     pub k_norm: Option<Tensor>,
+    /// Gemma's norms of the attention's and the MLP's outputs, before their residual adds.
+    pub attn_out_norm: Option<Tensor>,
+    pub mlp_out_norm: Option<Tensor>,
     /// q, k, v: one product when stacked (or fused in the checkpoint), else three.
     pub qkv: Vec<Proj>,
     pub o: Proj,
-    /// gate, up: one product when stacked (or fused in the checkpoint), else two.
-    pub gate_up: Vec<Proj>,
-    pub down: Proj,
+    pub mlp: Mlp,
 }
 
 impl LayerWeights {
@@ -221,10 +238,18 @@ impl LayerWeights {
         }
     }
 
-    /// x [m, C] → SwiGLU(gate, up) [m, I]: one product and the activation in one pass where
-    /// `mv` takes the stacked weight, else the products and `ops::swiglu`.
-    pub fn mlp_act(&self, x: &Tensor, mv: Option<&dyn Matvec>) -> Result<Tensor> {
-        if let (Some(mv), [p], Ok(1)) = (mv, self.gate_up.as_slice(), x.dim(0)) {
+    /// The MLP half: x [m, C] (its input norm applied) → [m, C], before any output norm.
+    pub fn mlp(&self, x: &Tensor, mv: Option<&dyn Matvec>) -> Result<Tensor> {
+        match &self.mlp {
+            Mlp::Dense { gate_up, down } => down.forward(&self.glu(gate_up, x, mv)?, mv),
+            Mlp::Moe(moe) => Ok(moe.forward_routed(x, false)?.0),
+        }
+    }
+
+    /// x [m, C] → act(gate) ⊙ up [m, I]: for SwiGLU one product and the activation in one
+    /// pass where `mv` takes the stacked weight, else the products and `ops::glu`.
+    fn glu(&self, gate_up: &[Proj], x: &Tensor, mv: Option<&dyn Matvec>) -> Result<Tensor> {
+        if let (Some(mv), [p], Ok(1), Act::Silu) = (mv, gate_up, x.dim(0), self.spec.act) {
             if p.b.is_none() {
                 let acc = match &p.ad {
                     None => None,
@@ -238,25 +263,38 @@ impl LayerWeights {
                 }
             }
         }
-        let [g, u] = self.gate_up(x, mv)?;
-        Ok(ops::swiglu(&g, &u)?)
+        let ys = split_all(gate_up, x, mv)?;
+        let Ok([g, u]) = <[Tensor; 2]>::try_from(ys) else {
+            bail!("gate/up products did not give two outputs");
+        };
+        Ok(self.spec.act.glu(&g, &u)?)
     }
 
-    /// x [m, C] → gate, up [m, I].
-    pub fn gate_up(&self, x: &Tensor, mv: Option<&dyn Matvec>) -> Result<[Tensor; 2]> {
-        let ys = split_all(&self.gate_up, x, mv)?;
-        match <[Tensor; 2]>::try_from(ys) {
-            Ok(a) => Ok(a),
-            Err(v) => bail!("gate/up products gave {} outputs", v.len()),
-        }
-    }
-
+    /// The dense products (a MoE layer's experts are not among them).
     fn projs(&self) -> impl Iterator<Item = &Proj> {
-        self.qkv
-            .iter()
-            .chain([&self.o])
-            .chain(&self.gate_up)
-            .chain([&self.down])
+        let mlp: Vec<&Proj> = match &self.mlp {
+            Mlp::Dense { gate_up, down } => gate_up.iter().chain([down]).collect(),
+            Mlp::Moe(_) => Vec::new(),
+        };
+        self.qkv.iter().chain([&self.o]).chain(mlp)
+    }
+
+    /// The norms' gains.
+    fn norms(&self) -> impl Iterator<Item = &Tensor> {
+        [&self.input_norm, &self.post_norm]
+            .into_iter()
+            .chain(self.q_norm.iter())
+            .chain(self.k_norm.iter())
+            .chain(self.attn_out_norm.iter())
+            .chain(self.mlp_out_norm.iter())
+    }
+
+    /// Bytes of a MoE layer's router and of the k experts one token reads.
+    fn moe_bytes(&self) -> usize {
+        let Mlp::Moe(m) = &self.mlp else { return 0 };
+        let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
+        let experts = (bytes(&m.gate_up) + bytes(&m.down)) / m.spec.experts.max(1);
+        bytes(&m.router) + m.spec.top_k * experts
     }
 }
 
@@ -278,12 +316,14 @@ pub struct Weights {
     pub tied: bool,
     pub dtype: DType,
     pub device: Device,
+    /// The global RoPE's frequencies, and the sliding layers' where they differ (Gemma 3).
+    pub rope: Freqs,
+    pub rope_local: Option<Freqs>,
 }
 
 impl Weights {
     /// The model's weights as they are (views; only the adapters are joined and cast).
     pub fn new(model: &Model) -> Result<Weights> {
-        super::supports(&model.cfg)?;
         let layers = model
             .layers
             .iter()
@@ -303,7 +343,6 @@ impl Weights {
     /// model's linears become row views of it; folded linears are left as they are). A fused
     /// checkpoint's (Phi-3's) qkv_proj and gate_up_proj are one buffer already.
     pub fn stacked(model: &mut Model) -> Result<Weights> {
-        super::supports(&model.cfg)?;
         let dtype = model.dtype;
         let mut layers = Vec::with_capacity(model.layers.len());
         for (i, l) in model.layers.iter_mut().enumerate() {
@@ -331,7 +370,10 @@ impl Weights {
     }
 
     fn with_layers(model: &Model, layers: Vec<LayerWeights>) -> Weights {
+        let (rope, rope_local) = model.rope_freqs();
         Weights {
+            rope: rope.clone(),
+            rope_local: rope_local.cloned(),
             cfg: model.cfg.clone(),
             layers,
             embed: model.embed.clone(),
@@ -351,9 +393,9 @@ impl Weights {
             .layers
             .iter()
             .map(|l| {
-                bytes(&l.input_norm)
-                    + bytes(&l.post_norm)
+                l.norms().map(bytes).sum::<usize>()
                     + l.projs().map(Proj::weight_bytes).sum::<usize>()
+                    + l.moe_bytes()
             })
             .sum();
         layers + bytes(&self.norm) + bytes(&self.lm_head)
@@ -389,15 +431,24 @@ fn layer_weights(
         p.outs = vec![i, i];
     }
     let one = |lin: &Linear| Proj::of(&[lin], lin.w.clone(), dtype);
+    let mlp = match &l.moe {
+        Some(moe) => Mlp::Moe(moe.clone()),
+        None => Mlp::Dense {
+            gate_up,
+            down: one(l.down()?)?,
+        },
+    };
     Ok(LayerWeights {
+        spec: l.spec,
         input_norm: l.input_norm.clone(),
         post_norm: l.post_norm.clone(),
         q_norm: l.extra.q_norm.clone(),
         k_norm: l.extra.k_norm.clone(),
+        attn_out_norm: l.extra.attn_out_norm.clone(),
+        mlp_out_norm: l.extra.mlp_out_norm.clone(),
         qkv,
         o: one(&l.o)?,
-        gate_up,
-        down: one(l.down()?)?,
+        mlp,
     })
 }
 

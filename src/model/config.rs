@@ -251,6 +251,14 @@ impl ModelConfig {
         1.0 / q.unwrap_or(self.head_dim as f64).sqrt()
     }
 
+    /// The embeddings' factor: √C on Gemma (the product then rounds it to the model dtype,
+    /// as transformers' `embed_scale.to(weight.dtype)`), else none.
+    pub fn embed_scale(&self) -> Option<f64> {
+        self.arch
+            .embed_scale
+            .then(|| (self.hidden_size as f32).sqrt() as f64)
+    }
+
     /// The RMSNorm settings of every norm of the model (eps, and Gemma's 1 + w gain).
     pub fn norm_spec(&self) -> crate::ops::NormSpec {
         crate::ops::NormSpec {

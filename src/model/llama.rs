@@ -425,6 +425,11 @@ impl Model {
         v
     }
 
+    /// The global RoPE's frequencies, and the sliding layers' where they differ (Gemma 3).
+    pub fn rope_freqs(&self) -> (&Freqs, Option<&Freqs>) {
+        (&self.rope, self.rope_local.as_ref())
+    }
+
     /// Per-batch context: positions [B×T] (restarting per packed example), segment ids for the
     /// block-diagonal mask (None = one sequence per row), and the dropout key.
     pub fn ctx(
@@ -592,9 +597,9 @@ impl Model {
             t,
             self.cfg.hidden_size,
         ))?;
-        match self.cfg.arch.embed_scale {
-            true => x.affine((self.cfg.hidden_size as f32).sqrt() as f64, 0.0),
-            false => Ok(x),
+        match self.cfg.embed_scale() {
+            Some(f) => x.affine(f, 0.0),
+            None => Ok(x),
         }
     }
 

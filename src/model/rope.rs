@@ -1,17 +1,8 @@
 //! Rotary frequencies (linear, Llama-3 and LongRoPE scaling) and per-token cos/sin tables.
 
-use super::config::{ModelConfig, RopeScaling};
+use super::config::RopeScaling;
 use super::family::Rope;
 use candle_core::{DType, Device, Result, Tensor};
-
-/// The global RoPE's inv_freq (LongRoPE: its short table), as `Freqs::new` makes it.
-pub fn inv_freq(cfg: &ModelConfig) -> Vec<f32> {
-    let rope = Rope {
-        theta: cfg.rope_theta,
-        scaling: cfg.rope_scaling.clone(),
-    };
-    Freqs::new(cfg.head_dim, &rope).short
-}
 
 /// One RoPE's frequencies: the table each batch takes, and the factor on cos and sin.
 #[derive(Debug, Clone)]
@@ -78,11 +69,26 @@ impl Freqs {
         }
     }
 
+    /// Whether a call whose positions reach `reach` (its largest + 1) takes LongRoPE's long
+    /// table; false for every other RoPE.
+    pub fn is_long(&self, reach: usize) -> bool {
+        matches!(&self.long, Some((_, orig)) if reach > *orig)
+    }
+
+    /// LongRoPE's original_max_position (from which a one-token call takes the long table).
+    pub fn long_from(&self) -> Option<usize> {
+        self.long.as_ref().map(|(_, orig)| *orig)
+    }
+
     /// The table for a batch of these positions.
     pub fn table(&self, positions: &[u32]) -> &[f32] {
         let reach = positions.iter().max().map_or(0, |&p| p as usize + 1);
-        match &self.long {
-            Some((long, orig)) if reach > *orig => long,
+        self.table_of(self.is_long(reach))
+    }
+
+    fn table_of(&self, long: bool) -> &[f32] {
+        match (&self.long, long) {
+            (Some((table, _)), true) => table,
             _ => &self.short,
         }
     }
@@ -95,7 +101,21 @@ impl Freqs {
         t: usize,
         dev: &Device,
     ) -> Result<(Tensor, Tensor)> {
-        let (cos, sin) = cos_sin(self.table(positions), positions, b, t, dev)?;
+        let reach = positions.iter().max().map_or(0, |&p| p as usize + 1);
+        self.cos_sin_of(self.is_long(reach), positions, b, t, dev)
+    }
+
+    /// `cos_sin` from the long table (`long`, LongRoPE only) or the short one, whatever the
+    /// positions reach: generation's cache keeps both for every position.
+    pub fn cos_sin_of(
+        &self,
+        long: bool,
+        positions: &[u32],
+        b: usize,
+        t: usize,
+        dev: &Device,
+    ) -> Result<(Tensor, Tensor)> {
+        let (cos, sin) = cos_sin(self.table_of(long), positions, b, t, dev)?;
         match self.mscale {
             1.0 => Ok((cos, sin)),
             m => Ok(((cos * m as f64)?, (sin * m as f64)?)),

@@ -70,23 +70,6 @@ pub fn init_dora(recipe: &Recipe, dir: &Path, info: &crate::export::AdapterInfo)
     Ok(())
 }
 
-/// `train.sample_every` decodes with `generate`'s path: a family it does not implement is
-/// refused here, before the run spends any time.
-pub fn samples_decodable(recipe: &Recipe, files: &ModelFiles) -> Result<()> {
-    if recipe.train.sample_every == 0 {
-        return Ok(());
-    }
-    let cfg = ModelConfig::from_file(&files.config)?;
-    crate::generate::supports(&cfg).map_err(|e| {
-        RecipeError::Invalid {
-            path: recipe.source.clone(),
-            key: "train.sample_every".into(),
-            msg: format!("needs generation, and {e:#}; set it to 0"),
-        }
-        .into()
-    })
-}
-
 /// `spec.rank` is at most min(in, out) of every linear it adapts (a larger rank adds
 /// parameters that cannot raise the adapter's rank, and sizes A and B by a number nothing
 /// bounds). `init`: the adapter directory the spec came from (lora.init_adapter), if any.

@@ -138,7 +138,6 @@ impl Session {
         let init_dir = init.as_ref().map(|(p, _)| p.as_path());
         let spec = super::run_check::lora_targets(&recipe, &files, spec, init_dir)?;
         super::run_check::lora_fits(&recipe, &files, &spec, init_dir)?;
-        super::run_check::samples_decodable(&recipe, &files)?;
         let fsdp = recipe.parallel.strategy == crate::recipe::Strategy::Fsdp;
         let seed = recipe.train.seed;
         // The run's kernels; with them the adapters' forward folded into the base GEMMs
