@@ -225,8 +225,9 @@ fn load(
 }
 
 /// Bytes the CPU accounting holds outside the steps: the linears' W (whole buffers, NF4
-/// arrays), a MoE's router and experts, the embedding and the head, and four times the
-/// adapters' `lora` bytes (the adapters, their gradients, AdamW's m and v).
+/// arrays), a MoE's router and experts, the embedding and the head (once when tied: one
+/// tensor), and four times the adapters' `lora` bytes (the adapters, their gradients, AdamW's
+/// m and v).
 fn fixed_bytes(model: &Model, lora: u64) -> u64 {
     model
         .layers
@@ -241,7 +242,11 @@ fn fixed_bytes(model: &Model, lora: u64) -> u64 {
         })
         .sum::<u64>()
         + memory::tensor_bytes(&model.embed)
-        + memory::tensor_bytes(&model.lm_head)
+        + if model.tied {
+            0
+        } else {
+            memory::tensor_bytes(&model.lm_head)
+        }
         + 4 * lora
 }
 
@@ -388,6 +393,28 @@ impl ProbeReport {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A tied head is the embedding's tensor: the CPU budget counts it once.
+    #[test]
+    fn a_tied_head_is_counted_once() {
+        let mut cfg = crate::bench::shape("tiny").unwrap();
+        cfg.tie_word_embeddings = Some(true);
+        let spec = crate::lora::LoraSpec {
+            rank: 2,
+            alpha: 4.0,
+            dropout: 0.0,
+            rslora: false,
+            dora: false,
+            targets: Vec::new(),
+        };
+        let dev = candle_core::Device::Cpu;
+        let mut m = Model::random(cfg, candle_core::DType::F32, &dev, &spec, 1).unwrap();
+        assert!(m.tied);
+        let tied = fixed_bytes(&m, 0);
+        (m.tied, m.lm_head) = (false, m.embed.copy().unwrap());
+        let head = memory::tensor_bytes(&m.lm_head);
+        assert_eq!(fixed_bytes(&m, 0), tied + head);
+    }
 
     /// Each rung gets the pairs of parked gate and up that `train`'s preflight would fit at
     /// its shape: a smaller micro-batch leaves room for more; none where not one fits, or
