@@ -128,13 +128,19 @@ def check_generated(c, pm, rows, path, prompt_len, margin):
         return c.result("greedy ids vs PEFT", False, f"{path} holds no token ids")
     ids = list(rows[0]["input_ids"][:prompt_len])
     worst, first_bad = 0.0, None
+    # With PEFT's KV cache, one token a forward after the prompt, as generate() runs: LongRoPE
+    # rotates each forward's tokens by that forward's reach, so a forward over the whole
+    # prefix at each step is not what generation computes.
+    out = pm(input_ids=torch.tensor([ids]), use_cache=True)
     for k, tok in enumerate(ours):
-        logits = pm(input_ids=torch.tensor([ids])).logits[0, -1].double()
+        logits = out.logits[0, -1].double()
         gap = (logits.max() - logits[tok]).item()
         worst = max(worst, gap)
         if gap > margin and first_bad is None:
             first_bad = (k, tok, int(logits.argmax()))
-        ids.append(tok)  # teacher-forced on our ids: one slip does not fail the rest
+        # teacher-forced on our ids: one slip does not fail the rest
+        out = pm(input_ids=torch.tensor([[tok]]), past_key_values=out.past_key_values,
+                 use_cache=True)
     msg = f"{len(ours)} new tokens, largest (PEFT max logit - logit of our token) {worst:.3e}"
     if first_bad:
         msg += f"; first off at step {first_bad[0]}: ours {first_bad[1]}, PEFT's {first_bad[2]}"

@@ -33,6 +33,9 @@ MAX_NEW = 20
 MIN_MARGIN = 1e-3
 STOP_AT = 6
 DRAWS = 8
+# Gemma 2's fixture caps its logits at 2.0: over 128 tokens near-uniform, no draw of 20 new
+# tokens keeps every gap above 1e-3. Still 100x our float32 error on capped logits.
+CASE_MARGIN = {"gemma2_softcap+adapter": (1e-4, 32)}  # name -> (margin, draws)
 
 CASES = [
     # (name, model dir, adapter dir or None, config overrides)
@@ -130,6 +133,7 @@ def safe_text(m32, m64, tok, text, eos):
 
 
 def run_case(name, model_dir, adapter, overrides, gen):
+    min_margin, draws = CASE_MARGIN.get(name, (MIN_MARGIN, DRAWS))
     m32 = load(model_dir, adapter, overrides, torch.float32)
     m64 = load(model_dir, adapter, overrides, torch.float64)
     cfg = m32.config
@@ -157,18 +161,18 @@ def run_case(name, model_dir, adapter, overrides, gen):
             # Of DRAWS random prompts with a safe margin, the one whose output varies most
             # (random tiny models often settle on one token).
             best = None
-            for _ in range(DRAWS):
+            for _ in range(draws):
                 ids = torch.randint(3, vocab, (lengths[k],), generator=gen).tolist()
                 new_ = greedy(m32, ids, eos or None)
                 picks, margin_ = margin_check(m64, ids, new_)
                 if picks != new_:
                     raise SystemExit(f"{name}: float64 picks {picks} differ from float32 {new_}")
-                if margin_ < MIN_MARGIN:
+                if margin_ < min_margin:
                     continue
                 if best is None or len(set(new_)) > len(set(best[1])):
                     best = (ids, new_, margin_)
             if best is None:
-                raise SystemExit(f"{name}: no prompt with a margin >= {MIN_MARGIN}")
+                raise SystemExit(f"{name}: no prompt with a margin >= {min_margin}")
             ids, new, margin = best
             picks = new
         if picks != new:

@@ -443,9 +443,13 @@ fn kv_cached_decoding_equals_full_recompute_on_cuda() {
             let need = if dtype == DType::F32 { 2 } else { 0 };
             check_cuda(&what, &cached, &full, &toks, dtype, need);
         }
-        // f32 on the GPU is transformers' greedy too.
+        // f32 on the GPU is transformers' greedy too, where no pick is closer than 1e-3 (the
+        // GPU's sums round otherwise; the CPU test takes every prompt).
         let model = load(case, tmp.path(), DType::F32, &dev);
         for p in case["prompts"].as_array().unwrap() {
+            if p["min_margin"].as_f64().unwrap() < 1e-3 {
+                continue;
+            }
             let out = generate::greedy_ids(&model, &ids(&p["ids"]), 20, &ids(&p["eos_token_id"]))
                 .unwrap();
             assert_eq!(out.tokens, ids(&p["expected"]), "{} on CUDA", case["name"]);
