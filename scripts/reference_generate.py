@@ -75,6 +75,9 @@ def load(model_dir, adapter, overrides, dtype):
         for k, v in overrides.items():
             setattr(cfg, k, v)
         kw["config"] = cfg
+    with open(os.path.join(path, "config.json")) as f:
+        if "moe" in json.load(f).get("model_type", ""):
+            kw["experts_implementation"] = "eager"  # torch's grouped GEMM takes no float64
     m = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager", **kw)
     if adapter:
         m = PeftModel.from_pretrained(m, os.path.join(FIX, adapter))
@@ -83,6 +86,8 @@ def load(model_dir, adapter, overrides, dtype):
 
 
 def greedy(model, ids, eos):
+    if longrope(model):
+        return cached_greedy(model, ids, eos, MAX_NEW)[0]
     out = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
                          dtype=torch.long), do_sample=False, max_new_tokens=MAX_NEW,
                          eos_token_id=eos, pad_token_id=0, temperature=None, top_p=None,
@@ -96,17 +101,34 @@ def longrope(model):
     return rp.get("rope_type") == "longrope"
 
 
+def cached_greedy(model, ids, eos, n, forced=None):
+    """Greedy through the model's own KV cache, one token a forward after the prompt (or
+    `forced`'s tokens, teacher-forced): (new tokens, each step's logits). For LongRoPE, whose
+    table follows each forward's reach: the cached keys keep the rotation of the forward that
+    wrote them (as vLLM's Phi-3 does). transformers' generate() drops the cache when the
+    sequence first passes original_max_position_embeddings, meaning to recompute it, but runs
+    only the newest token then: the context before it is lost."""
+    new, rows = [], []
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([ids]), use_cache=True)
+        for k in range(n):
+            row = out.logits[0, -1]
+            rows.append(row.double())
+            tok = int(row.argmax()) if forced is None else forced[k]
+            new.append(tok)
+            if tok in (eos or []) or k + 1 == n:
+                break
+            out = model(input_ids=torch.tensor([[tok]]), past_key_values=out.past_key_values,
+                        use_cache=True)
+    return new, rows
+
+
 def margin_check(model64, ids, new):
     """The float64 argmax at each generated position (teacher-forced) and the smallest gap.
-    LongRoPE rotates each forward's tokens by that forward's reach, so a teacher-forced pass is
-    not what generation computed: there, float64 generation's own logits."""
+    LongRoPE rotates each forward's tokens by that forward's reach, so a pass over the whole
+    sequence is not what generation computed: there, the cached forwards, teacher-forced."""
     if longrope(model64):
-        out = model64.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(
-            1, len(ids), dtype=torch.long), do_sample=False, max_new_tokens=len(new),
-            min_new_tokens=len(new), pad_token_id=0, output_logits=True,
-            return_dict_in_generate=True, temperature=None, top_p=None, top_k=None)
-        rows = [r[0].double() for r in out.logits]
-        return margins(rows)
+        return margins(cached_greedy(model64, ids, None, len(new), forced=new)[1])
     full = torch.tensor([ids + new])
     with torch.no_grad():
         logits = model64(input_ids=full).logits[0].double()
