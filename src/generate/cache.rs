@@ -11,9 +11,9 @@ use candle_core::{DType, Device, Tensor};
 /// cos and sin [1, cap, D/2] f32 of one RoPE at every position < cap, × its attention factor.
 ///
 /// LongRoPE (Phi-3) rotates a forward's tokens with the long table when the forward reaches
-/// past original_max_position, else with the short one, as transformers switches on
-/// max(position_ids) + 1: the keys already cached keep the rotation of the call that wrote
-/// them. A call of several tokens takes `short` or `long` by its reach; a one-token call at
+/// past original_max_position, else with the short one (transformers' rotary switches on
+/// max(position_ids) + 1); the keys already cached keep the rotation of the call that wrote
+/// them, as in transformers' forward with its cache and in vLLM. A call of several tokens takes `short` or `long` by its reach; a one-token call at
 /// position p takes `step`'s row p (long from original_max_position on), which a captured
 /// graph can read at every position.
 pub struct RopeTables {

@@ -8,8 +8,9 @@
 //! base), GQA, Qwen2's q/k/v biases, QK-norm, Gemma's norms, GeGLU, soft-caps and per-layer
 //! windows, Phi-3's fused projections, Qwen3-MoE's routed experts; logits for the last
 //! position only. Greedy output equals transformers' `generate(do_sample=False)` token for
-//! token on the golden fixtures of every family (tests/it/generate.rs; references by
-//! scripts/reference_generate.py).
+//! token on the golden fixtures of every family (Phi-3's LongRoPE: transformers' greedy
+//! through its KV cache, as its generate() loses the context where the table switches;
+//! tests/it/generate.rs; references by scripts/reference_generate.py).
 //!
 //! - `weights`: the model's tensors as decoding reads them (q/k/v and gate/up stacked into one
 //!   GEMM each for a model we own, adapters joined per group);
