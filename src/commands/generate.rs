@@ -77,7 +77,7 @@ pub struct GenerateArgs {
     /// Time decoding on random weights of --shape instead (prints JSON; no model is read).
     #[arg(long, conflicts_with_all = ["source", "input"])]
     bench: bool,
-    /// --bench: tiny | llama2-7b | llama2-13b | llama3-8b.
+    /// --bench: a shape `bench --shape` knows (llama2-7b, llama3-8b, qwen3-8b, gemma2-9b, ...).
     #[arg(long, default_value = "llama2-7b", requires = "bench", value_parser = super::bench::shape)]
     shape: String,
     /// --bench: prompt tokens before the timed steps.
