@@ -519,32 +519,46 @@ fn cli_generates_from_the_shipped_tiny_model_and_an_adapter() {
 
 #[test]
 fn cli_prompt_ids_print_transformers_tokens() {
-    // A checkpoint without a tokenizer: ids in, ids out, equal to the reference.
+    // Checkpoints without a tokenizer: ids in, ids out, equal to the reference; a Llama and
+    // the families whose decoding differs most (soft-caps, local RoPE, LongRoPE, experts).
     let exp = expected();
-    let case = &exp["cases"][1];
-    let p = &case["prompts"][1];
-    let prompt: Vec<String> = ids(&p["ids"]).iter().map(|x| x.to_string()).collect();
-    let o = bin()
-        .args([
-            "generate",
-            "--device",
-            "cpu",
-            "--max-new-tokens",
-            "20",
-            "--model",
-        ])
-        .arg(fixture(case["model"].as_str().unwrap()))
-        .arg("--adapter")
-        .arg(fixture(case["adapter"].as_str().unwrap()))
-        .args(["--prompt-ids", &prompt.join(",")])
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let got: Vec<u32> = String::from_utf8_lossy(&o.stdout)
-        .split_whitespace()
-        .map(|s| s.parse().unwrap())
-        .collect();
-    assert_eq!(got, ids(&p["expected"]));
+    let names = [
+        "llama_gqa+adapter",
+        "gemma2_softcap+adapter",
+        "gemma3_local_global+adapter",
+        "phi3_fused_longrope+adapter",
+        "qwen3_moe+adapter",
+    ];
+    for name in names {
+        let case = case_named(&exp, name);
+        let p = &case["prompts"][1];
+        let prompt: Vec<String> = ids(&p["ids"]).iter().map(|x| x.to_string()).collect();
+        let o = bin()
+            .args([
+                "generate",
+                "--device",
+                "cpu",
+                "--max-new-tokens",
+                "20",
+                "--model",
+            ])
+            .arg(fixture(case["model"].as_str().unwrap()))
+            .arg("--adapter")
+            .arg(fixture(case["adapter"].as_str().unwrap()))
+            .args(["--prompt-ids", &prompt.join(",")])
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let got: Vec<u32> = String::from_utf8_lossy(&o.stdout)
+            .split_whitespace()
+            .map(|s| s.parse().unwrap())
+            .collect();
+        assert_eq!(got, ids(&p["expected"]), "{name}");
+    }
 }
 
 #[test]
