@@ -80,12 +80,7 @@ impl Freqs {
         self.long.as_ref().map(|(_, orig)| *orig)
     }
 
-    /// The table for a batch of these positions.
-    pub fn table(&self, positions: &[u32]) -> &[f32] {
-        let reach = positions.iter().max().map_or(0, |&p| p as usize + 1);
-        self.table_of(self.is_long(reach))
-    }
-
+    /// LongRoPE's long table when `long`, else the short (only) one.
     fn table_of(&self, long: bool) -> &[f32] {
         match (&self.long, long) {
             (Some((table, _)), true) => table,
