@@ -214,11 +214,11 @@ impl std::fmt::Display for DoesNotFit {
             f,
             "  forecast: base {}, adapters + grads + AdamW {}, activations {}, transient {}, fsdp gather {}, context + slack {} (peak in {})",
             gib(b.base),
-            gib(b.adapters + b.grads + b.optimizer),
+            gib(b.lora_state()),
             gib(b.activations),
             gib(b.transient),
             gib(b.gather),
-            gib(b.context + b.slack),
+            gib(b.outside_pool()),
             b.peak_phase
         )?;
         for l in self.table.lines() {

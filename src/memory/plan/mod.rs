@@ -192,20 +192,25 @@ pub struct Breakdown {
 }
 
 impl Breakdown {
+    /// The LoRA state: the adapters, their gradients and AdamW's moments (the plan's
+    /// "lora+grad+adamw" column).
+    pub fn lora_state(&self) -> u64 {
+        self.adapters + self.grads + self.optimizer
+    }
+
+    /// What the pool does not hold: the CUDA context and the slack (the "ctx+slack" column).
+    pub fn outside_pool(&self) -> u64 {
+        self.context + self.slack
+    }
+
     /// The largest of the terms that a setting can shrink: "activations" (activations +
     /// transient), "optimizer" (adapters + grads + AdamW) or "base" (base + gathers).
     pub fn dominant(&self) -> &'static str {
         // At an optimizer-step peak the transient is the optimizer's own.
         let (act, opt) = if self.peak_phase == "optimizer" {
-            (
-                self.activations,
-                self.adapters + self.grads + self.optimizer + self.transient,
-            )
+            (self.activations, self.lora_state() + self.transient)
         } else {
-            (
-                self.activations + self.transient,
-                self.adapters + self.grads + self.optimizer,
-            )
+            (self.activations + self.transient, self.lora_state())
         };
         let base = self.base + self.gather;
         if act >= opt && act >= base {

@@ -104,11 +104,11 @@ fn cells(r: &Row, mine: bool) -> Vec<String> {
     vec![
         label(b),
         fmt_bytes(b.base),
-        fmt_bytes(b.adapters + b.grads + b.optimizer),
+        fmt_bytes(b.lora_state()),
         fmt_bytes(b.activations),
         fmt_bytes(b.transient),
         fmt_bytes(b.gather),
-        fmt_bytes(b.context + b.slack),
+        fmt_bytes(b.outside_pool()),
         fmt_bytes(b.total),
         b.peak_phase.to_string(),
         match r.fits {
