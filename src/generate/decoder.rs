@@ -20,6 +20,7 @@
 
 use super::cache::KvCache;
 use super::weights::{self, Matvec, Weights};
+use crate::model::layer::out_norm;
 use crate::ops::{self, NormSpec};
 use anyhow::{bail, Result};
 use candle_core::{DType, Tensor, D};
@@ -338,15 +339,6 @@ impl Decoder {
         Ok(o.reshape((nh, t, d))?
             .transpose(0, 1)?
             .reshape((t, nh * d))?)
-    }
-}
-
-/// Gemma's norm of an attention or MLP output (`w` its gain), before the residual add; x
-/// itself where the family has none.
-fn out_norm(x: Tensor, w: &Option<Tensor>, norm: NormSpec) -> Result<Tensor> {
-    match w {
-        Some(w) => Ok(ops::rms_norm(&x, w, norm)?),
-        None => Ok(x),
     }
 }
 

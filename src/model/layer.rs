@@ -80,6 +80,15 @@ impl Extra {
     }
 }
 
+/// Gemma's norm of an attention or MLP output (`w` its gain), before the residual add; x
+/// itself where the family has none.
+pub(crate) fn out_norm(x: Tensor, w: &Option<Tensor>, norm: NormSpec) -> Result<Tensor> {
+    match w {
+        Some(w) => ops::rms_norm(&x, w, norm),
+        None => Ok(x),
+    }
+}
+
 /// One decoder layer: its norms' gains, its linears, and its shape.
 #[derive(Clone)]
 pub struct Layer {
@@ -134,10 +143,7 @@ impl Layer {
         let o = ops::attention(&q, &kk, &v, &self.mask(ctx), s.scale, ctx.attn_block)?;
         let attn = o.transpose(1, 2)?.reshape((b, t, h * d))?; // [B, T, H·D]
         let ao = self.o.forward(&attn, ctx)?;
-        let ao = match &self.extra.attn_out_norm {
-            Some(w) => ops::rms_norm(&ao, w, s.norm)?,
-            None => ao,
-        };
+        let ao = out_norm(ao, &self.extra.attn_out_norm, s.norm)?;
         let x = (x + ao)?;
         let hn = ops::rms_norm(&x, &self.post_norm, s.norm)?;
         if let Some(moe) = &self.moe {
@@ -153,10 +159,7 @@ impl Layer {
         let [gate, up] = self.split_gate_up(outs, 2)?;
         let a = s.act.glu(&gate, &up)?; // [B, T, I]
         let m = self.down()?.forward(&a, ctx)?;
-        let m = match &self.extra.mlp_out_norm {
-            Some(w) => ops::rms_norm(&m, w, s.norm)?,
-            None => m,
-        };
+        let m = out_norm(m, &self.extra.mlp_out_norm, s.norm)?;
         x + m
     }
 
