@@ -231,11 +231,7 @@ pub struct LayerWeights {
 impl LayerWeights {
     /// x [m, C] → q [m, H·D], k, v [m, K·D].
     pub fn qkv(&self, x: &Tensor, mv: Option<&dyn Matvec>) -> Result<[Tensor; 3]> {
-        let ys = split_all(&self.qkv, x, mv)?;
-        match <[Tensor; 3]>::try_from(ys) {
-            Ok(a) => Ok(a),
-            Err(v) => bail!("q/k/v products gave {} outputs", v.len()),
-        }
+        split_all(&self.qkv, x, mv, "q/k/v")
     }
 
     /// The MLP half: x [m, C] (its input norm applied) → [m, C], before any output norm.
@@ -263,10 +259,7 @@ impl LayerWeights {
                 }
             }
         }
-        let ys = split_all(gate_up, x, mv)?;
-        let Ok([g, u]) = <[Tensor; 2]>::try_from(ys) else {
-            bail!("gate/up products did not give two outputs");
-        };
+        let [g, u] = split_all(gate_up, x, mv, "gate/up")?;
         Ok(self.spec.act.glu(&g, &u)?)
     }
 
@@ -298,12 +291,22 @@ impl LayerWeights {
     }
 }
 
-fn split_all(ps: &[Proj], x: &Tensor, mv: Option<&dyn Matvec>) -> Result<Vec<Tensor>> {
+/// The N outputs of the products `ps` of x, each linear's apart (`what` names them in the
+/// error should the products give another count).
+fn split_all<const N: usize>(
+    ps: &[Proj],
+    x: &Tensor,
+    mv: Option<&dyn Matvec>,
+    what: &str,
+) -> Result<[Tensor; N]> {
     let mut out = Vec::new();
     for p in ps {
         out.extend(p.forward_split(x, mv)?);
     }
-    Ok(out)
+    match <[Tensor; N]>::try_from(out) {
+        Ok(a) => Ok(a),
+        Err(v) => bail!("{what} products gave {} outputs", v.len()),
+    }
 }
 
 /// Everything decoding reads: the layers, the embedding, final norm and head, and the shape.
