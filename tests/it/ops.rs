@@ -73,8 +73,13 @@ fn dtypes(dev: &Device) -> Vec<DType> {
 fn rms_norm_matches_composite() {
     for dev in devices() {
         // bf16 takes the fused backward on every device: check it on the CPU too. Rows of 48
-        // take CUDA's 8-a-thread bf16 kernels, rows of 44 the scalar ones.
-        for (dt, d) in [(DType::F32, 48), (DType::BF16, 48), (DType::BF16, 44)] {
+        // take CUDA's 8-a-thread bf16 kernels, as do a 7B's rows of 4096 (a block of 512
+        // threads) and rows of 3080 (the last warp partly idle); rows of 44 the scalar ones.
+        let dims = [(DType::F32, 48), (DType::BF16, 48), (DType::BF16, 44)];
+        for (dt, d) in dims
+            .into_iter()
+            .chain([(DType::BF16, 4096), (DType::BF16, 3080)])
+        {
             let w = (Tensor::randn(0f32, 0.2, d, &dev).unwrap() + 1.0).unwrap();
             let wd = w.to_dtype(dt).unwrap();
             check(
@@ -121,11 +126,15 @@ fn swiglu_matches_composite_in_gate_and_up() {
 }
 
 /// The residual add fused with the norm after it gives exactly the two ops' values, on the
-/// 8-a-thread bf16 path (48) and off it (44: the two ops).
+/// 8-a-thread bf16 path (48, 3080, 4096) and off it (44: the two ops).
 #[test]
 fn add_rms_norm_is_add_then_rms_norm_to_the_bit() {
     for dev in devices() {
-        for (dt, d) in [(DType::F32, 48), (DType::BF16, 48), (DType::BF16, 44)] {
+        let dims = [(DType::F32, 48), (DType::BF16, 48), (DType::BF16, 44)];
+        for (dt, d) in dims
+            .into_iter()
+            .chain([(DType::BF16, 3080), (DType::BF16, 4096)])
+        {
             let r = |s: f64, dims: &[usize]| {
                 (Tensor::randn(0f32, 1.0, dims, &Device::Cpu).unwrap() * s)
                     .unwrap()
