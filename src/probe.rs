@@ -160,13 +160,9 @@ pub fn run(recipe: &Recipe, ramp: Ramp) -> Result<ProbeReport> {
     let model = load(recipe, &files, &dev, dtype)?;
     let load_peak = memory::stats(&dev)?.map(|s| s.used_high);
     let params = adapter_params(&model);
-    let lora: u64 = params
-        .iter()
-        .map(|v| memory::tensor_bytes(v.as_tensor()))
-        .sum();
     memory::set_cpu_budget(
         max_memory.filter(|_| dev.is_cpu()),
-        fixed_bytes(&model, lora),
+        crate::train::preflight::cpu_fixed_bytes(&model),
     );
     let t = &recipe.train;
     let mut trial = Trial {
@@ -222,32 +218,6 @@ fn load(
     )?;
     model.mlp_chunk = recipe.mlp_chunk();
     Ok(model)
-}
-
-/// Bytes the CPU accounting holds outside the steps: the linears' W (whole buffers, NF4
-/// arrays), a MoE's router and experts, the embedding and the head (once when tied: one
-/// tensor), and four times the adapters' `lora` bytes (the adapters, their gradients, AdamW's
-/// m and v).
-fn fixed_bytes(model: &Model, lora: u64) -> u64 {
-    model
-        .layers
-        .iter()
-        .map(|l| {
-            let ws = l.linears().into_iter();
-            let moe = l.moe.iter().flat_map(|m| m.frozen());
-            let moe: u64 = moe.map(memory::tensor_bytes).sum();
-            moe + l.nf4_bytes() as u64
-                + ws.map(|l| crate::parallel::fsdp::storage_bytes(&l.w) as u64)
-                    .sum::<u64>()
-        })
-        .sum::<u64>()
-        + memory::tensor_bytes(&model.embed)
-        + if model.tied {
-            0
-        } else {
-            memory::tensor_bytes(&model.lm_head)
-        }
-        + 4 * lora
 }
 
 /// What each rung's step runs on: the model, its optimiser and how it keeps activations.
@@ -393,28 +363,6 @@ impl ProbeReport {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A tied head is the embedding's tensor: the CPU budget counts it once.
-    #[test]
-    fn a_tied_head_is_counted_once() {
-        let mut cfg = crate::bench::shape("tiny").unwrap();
-        cfg.tie_word_embeddings = Some(true);
-        let spec = crate::lora::LoraSpec {
-            rank: 2,
-            alpha: 4.0,
-            dropout: 0.0,
-            rslora: false,
-            dora: false,
-            targets: Vec::new(),
-        };
-        let dev = candle_core::Device::Cpu;
-        let mut m = Model::random(cfg, candle_core::DType::F32, &dev, &spec, 1).unwrap();
-        assert!(m.tied);
-        let tied = fixed_bytes(&m, 0);
-        (m.tied, m.lm_head) = (false, m.embed.copy().unwrap());
-        let head = memory::tensor_bytes(&m.lm_head);
-        assert_eq!(fixed_bytes(&m, 0), tied + head);
-    }
 
     /// Each rung gets the pairs of parked gate and up that `train`'s preflight would fit at
     /// its shape: a smaller micro-batch leaves room for more; none where not one fits, or

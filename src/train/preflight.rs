@@ -202,7 +202,19 @@ fn hold_max_memory(
     Ok(ballast)
 }
 
-/// Bytes of the model's tensors (base, norms, head, adapters).
+/// What the CPU accounting under `train.max_memory` holds outside the steps (train and probe
+/// alike): the model's tensors (`model_bytes`) and three more times the adapters' f32 bytes
+/// (their gradients, AdamW's m and v).
+pub fn cpu_fixed_bytes(m: &Model) -> u64 {
+    let lora: u64 = m
+        .adapters()
+        .flat_map(|(_, l)| l.vars())
+        .map(|v| crate::memory::tensor_bytes(v.as_tensor()))
+        .sum();
+    model_bytes(m) + 3 * lora
+}
+
+/// Bytes of the model's tensors (base, norms, head once when tied, adapters).
 pub fn model_bytes(m: &Model) -> u64 {
     use crate::memory::tensor_bytes as b;
     let mut sum = b(&m.embed) + b(&m.norm) + if m.tied { 0 } else { b(&m.lm_head) };
@@ -261,5 +273,49 @@ impl Session {
             cause: format!("{e:#}"),
         }
         .into()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::tensor_bytes;
+
+    /// A random tiny model (f32, CPU), its head tied; adapters of rank 2 on `targets`.
+    fn tiny(targets: &[&str]) -> Model {
+        let mut cfg = crate::bench::shape("tiny").unwrap();
+        cfg.tie_word_embeddings = Some(true);
+        let spec = crate::lora::LoraSpec {
+            rank: 2,
+            alpha: 4.0,
+            dropout: 0.0,
+            rslora: false,
+            dora: false,
+            targets: targets.iter().map(|t| t.to_string()).collect(),
+        };
+        let dev = candle_core::Device::Cpu;
+        Model::random(cfg, candle_core::DType::F32, &dev, &spec, 1).unwrap()
+    }
+
+    /// The CPU budget's fixed bytes hold a tied head once (the embedding's tensor: untying the
+    /// same model adds exactly the head's bytes) and the adapters four times (weights,
+    /// gradients, AdamW's m and v).
+    #[test]
+    fn the_cpu_budget_counts_a_tied_head_once_and_the_adapters_four_times() {
+        let mut m = tiny(&[]);
+        assert!(m.tied);
+        let tied = cpu_fixed_bytes(&m);
+        (m.tied, m.lm_head) = (false, m.embed.copy().unwrap());
+        assert_eq!(cpu_fixed_bytes(&m), tied + tensor_bytes(&m.lm_head));
+
+        let a = tiny(&["q_proj", "v_proj"]);
+        let adapters: u64 = a
+            .adapters()
+            .flat_map(|(_, l)| l.vars())
+            .map(|v| tensor_bytes(v.as_tensor()))
+            .sum();
+        // tiny: 4 layers, q and v [256 → 256], A [2, 256] and B [256, 2] each, f32
+        assert_eq!(adapters, 4 * 2 * (2 * 256 + 256 * 2) * 4);
+        assert_eq!(cpu_fixed_bytes(&a), tied + 4 * adapters);
     }
 }

@@ -348,13 +348,6 @@ impl Session {
             .recipe
             .max_memory()
             .filter(|_| self.model.device.is_cpu());
-        let lora: u64 = self
-            .model
-            .adapters()
-            .flat_map(|(_, l)| l.vars())
-            .map(|v| crate::memory::tensor_bytes(v.as_tensor()))
-            .sum();
-        let fixed = super::preflight::model_bytes(&self.model) + 3 * lora;
-        crate::memory::set_cpu_budget(cap, fixed);
+        crate::memory::set_cpu_budget(cap, super::preflight::cpu_fixed_bytes(&self.model));
     }
 }
