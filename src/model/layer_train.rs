@@ -335,15 +335,99 @@ impl Layer {
         Ok(self.backward_to(acts, dy, ctx, false)?.1)
     }
 
-    /// The backward, with dL/dx when `input_grad`.
+    /// The backward, with dL/dx when `input_grad`: the MLP half, then attention, then the
+    /// input projections and their norm.
     fn backward_to(
         &self,
-        acts: LayerActs,
+        mut acts: LayerActs,
         dy: &Tensor,
         ctx: &Ctx,
         input_grad: bool,
     ) -> Result<(Option<Tensor>, LayerGrads)> {
         let (b, t, c) = dy.dims3()?;
+        let na = self.attn_in.len();
+        if acts.xas.len() != na + 1 {
+            candle_core::bail!(
+                "backward: {} adapter states for {} attention linears",
+                acts.xas.len(),
+                na + 1
+            );
+        }
+        let dy = dy.to_dtype(acts.x.dtype())?.reshape((b * t, c))?; // [m, C]
+        let mut grads = LayerGrads::new();
+        // ---- MLP: y = h + N_mo(down(act(gate(hn), up(hn)))), hn = rms_norm(h)
+        let dh = self.mlp_half_bwd(&mut acts, &dy, ctx, &mut grads)?; // [m, C]
+        drop(dy);
+        // ---- attention: h = x + N_ao(o(attn)), attn = softmax(q kᵀ) v
+        let (x, xa, dqkv) = self.attention_bwd(acts, &dh, ctx, &mut grads)?;
+        // ---- q, k, v = proj(rms_norm(x)); dL/dx = the norm's backward + dL/dh
+        let dh = input_grad.then_some(&dh);
+        let dx = self.input_bwd(&x, &xa, dqkv, dh, ctx, &mut grads)?;
+        Ok((dx.map(|dx| dx.reshape((b, t, c))).transpose()?, grads))
+    }
+
+    /// The MLP half's backward: dL/dh [m, C] from dy [m, C], the MLP's kept activations (and
+    /// the residual) taken out of `acts`; the rest of `acts` stays for attention's backward.
+    fn mlp_half_bwd(
+        &self,
+        acts: &mut LayerActs,
+        dy: &Tensor,
+        ctx: &Ctx,
+        grads: &mut LayerGrads,
+    ) -> Result<Tensor> {
+        let s = self.spec;
+        let (mlp, residual) = (acts.mlp.take(), acts.h.take());
+        let (x, attn, ao) = (&acts.x, &acts.attn, &acts.ao);
+        let xo = acts.xas.last().and_then(Option::as_ref); // o's adapter state
+        match mlp {
+            // rows r..r+n [n, C] of the residual as forward made it, kept or recomputed from
+            // o's kept adapter state (or, with Gemma's norm on o's output, that output), and
+            // of its norm (add_rms_norm's values are those of add, then rms_norm)
+            Some(mlp) => self.mlp_bwd(mlp, dy, ctx, grads, |r, n| match &residual {
+                Some(h) => {
+                    let h = h.narrow(0, r, n)?;
+                    let hn = ops::rms_norm(&h, &self.post_norm, s.norm)?;
+                    Ok((h, hn))
+                }
+                None => {
+                    let rows = |t: &Tensor| t.narrow(0, r, n);
+                    let a = match (&self.extra.attn_out_norm, ao) {
+                        (Some(w), Some(ao)) => ops::rms_norm(&rows(ao)?, w, s.norm)?,
+                        _ => {
+                            let xo = xo.map(rows).transpose()?;
+                            self.o.fwd_again(&rows(attn)?, xo.as_ref(), ctx)?
+                        }
+                    };
+                    ops::add_rms_norm(&rows(x)?, &a, &self.post_norm, s.norm)
+                }
+            }),
+            None if self.moe.is_some() => {
+                let (Some(moe), Some(h)) = (&self.moe, residual) else {
+                    candle_core::bail!("backward: a MoE layer without its residual");
+                };
+                self.moe_bwd(moe, &h, dy, ctx, grads)
+            }
+            None => {
+                let Some(h) = residual else {
+                    candle_core::bail!("backward: a recomputed MLP half without its residual");
+                };
+                let n = self.mlp_chunk(ctx, dy.dim(0)?).unwrap_or(dy.dim(0)?);
+                self.mlp_bwd_chunked(&h, dy, ctx, n, grads)
+            }
+        }
+    }
+
+    /// Attention's backward from dL/dh [m, C]: o_proj's, the attention's and QK-norm's, o's
+    /// adapter gradients into `grads`. Gives back what the input projections' backward reads:
+    /// x [m, C], q's, k's and v's adapter states, and dL/dq, dL/dk, dL/dv as projected
+    /// ([m, H·D], [m, K·D], [m, K·D]). Each of `acts`' tensors is dropped after its last use.
+    fn attention_bwd(
+        &self,
+        acts: LayerActs,
+        dh: &Tensor,
+        ctx: &Ctx,
+        grads: &mut LayerGrads,
+    ) -> Result<(Tensor, Vec<Option<Tensor>>, [Tensor; 3])> {
         let s = self.spec;
         let (h, k, d) = (s.heads, s.kv_heads, s.head_dim);
         let LayerActs {
@@ -353,73 +437,19 @@ impl Layer {
             attn,
             lse,
             ao,
-            mlp,
-            h: residual,
-            xas,
+            mut xas,
+            ..
         } = acts;
-        let na = self.attn_in.len();
-        if xas.len() != na + 1 {
-            candle_core::bail!(
-                "backward: {} adapter states for {} attention linears",
-                xas.len(),
-                na + 1
-            );
-        }
-        let mut xas = xas.into_iter();
-        let xa_attn: Vec<Option<Tensor>> = xas.by_ref().take(na).collect();
-        let xo = xas.next().flatten();
-        let dt = x.dtype();
-        let dy = dy.to_dtype(dt)?.reshape((b * t, c))?; // [m, C]
-        let mut grads = LayerGrads::new();
-
-        // ---- MLP: y = h + N_mo(down(act(gate(hn), up(hn)))), hn = rms_norm(h)
-        let dh = match mlp {
-            // rows r..r+n [n, C] of the residual as forward made it, kept or recomputed from
-            // o's kept adapter state (or, with Gemma's norm on o's output, that output), and
-            // of its norm (add_rms_norm's values are those of add, then rms_norm)
-            Some(mlp) => self.mlp_bwd(mlp, &dy, ctx, &mut grads, |r, n| match &residual {
-                Some(h) => {
-                    let h = h.narrow(0, r, n)?;
-                    let hn = ops::rms_norm(&h, &self.post_norm, s.norm)?;
-                    Ok((h, hn))
-                }
-                None => {
-                    let rows = |t: &Tensor| t.narrow(0, r, n);
-                    let a = match (&self.extra.attn_out_norm, &ao) {
-                        (Some(w), Some(ao)) => ops::rms_norm(&rows(ao)?, w, s.norm)?,
-                        _ => {
-                            let xo = xo.as_ref().map(rows).transpose()?;
-                            self.o.fwd_again(&rows(&attn)?, xo.as_ref(), ctx)?
-                        }
-                    };
-                    ops::add_rms_norm(&rows(&x)?, &a, &self.post_norm, s.norm)
-                }
-            })?,
-            None if self.moe.is_some() => {
-                let (Some(moe), Some(h)) = (&self.moe, residual) else {
-                    candle_core::bail!("backward: a MoE layer without its residual");
-                };
-                self.moe_bwd(moe, &h, &dy, ctx, &mut grads)?
-            }
-            None => {
-                let Some(h) = residual else {
-                    candle_core::bail!("backward: a recomputed MLP half without its residual");
-                };
-                let n = self.mlp_chunk(ctx, b * t).unwrap_or(b * t);
-                self.mlp_bwd_chunked(&h, &dy, ctx, n, &mut grads)?
-            }
-        }; // [m, C]
-        drop(dy);
-
-        // ---- attention: h = x + N_ao(o(attn)), attn = softmax(q kᵀ) v
+        let (b, _, t) = lse.dims3()?;
+        let xo = xas.pop().flatten(); // o's; the rest are q's, k's and v's (or qkv's)
         let dao = match (&self.extra.attn_out_norm, ao) {
-            (Some(w), Some(ao)) => ops::rms_norm_bwd(&ao, w, s.norm, &dh)?,
+            (Some(w), Some(ao)) => ops::rms_norm_bwd(&ao, w, s.norm, dh)?,
             (None, _) => dh.clone(),
             (Some(_), None) => candle_core::bail!("backward: o's output was not kept"),
         };
         let (dattn, g) = self.o.bwd(&attn, &dao, xo.as_ref(), ctx, None)?; // [m, H·D]
-        add_grad(&mut grads, &self.o, g)?;
-        drop(dao);
+        add_grad(grads, &self.o, g)?;
+        drop((dao, xo));
         // δ = rowsum(dO ⊙ O), from the token-major rows both come in.
         let delta = ops::attention::attention_delta_rows(&dattn, &attn, b, t, h)?; // [B, H, T]
         drop(attn);
@@ -485,34 +515,52 @@ impl Layer {
             ),
             (None, _, _) => (dq, dk),
         };
+        Ok((x, xas, [dq, dk, dv]))
+    }
 
-        let hn = ops::rms_norm(&x, &self.input_norm, s.norm)?; // recomputed
+    /// The input projections' backward: q's, k's and v's adapter gradients into `grads` from
+    /// their inputs' norm (recomputed from x [m, C]), their adapter states `xa` and `dqkv`;
+    /// with `dh` (dL/dh [m, C]), dL/dx [m, C] = the norm's backward + dh. Without, the first
+    /// layer's case, neither the dL/dx GEMMs nor the norm's backward run.
+    fn input_bwd(
+        &self,
+        x: &Tensor,
+        xa: &[Option<Tensor>],
+        dqkv: [Tensor; 3],
+        dh: Option<&Tensor>,
+        ctx: &Ctx,
+        grads: &mut LayerGrads,
+    ) -> Result<Option<Tensor>> {
+        let s = self.spec;
+        let hn = ops::rms_norm(x, &self.input_norm, s.norm)?; // recomputed
         let lins: Vec<&Linear> = self.attn_in.iter().collect();
-        let xa: Vec<Option<&Tensor>> = xa_attn.iter().map(Option::as_ref).collect();
+        let xa: Vec<Option<&Tensor>> = xa.iter().map(Option::as_ref).collect();
         // qkv_proj's gradient in its three parts (joined where its GEMMs are not folded)
-        let (g, cuts) = (vec![dq, dk, dv], self.qkv_cuts());
-        let (dhn, g) = match input_grad {
-            true => {
+        let (g, cuts) = (dqkv.into(), self.qkv_cuts());
+        let (dhn, g) = match dh {
+            Some(_) => {
                 let (dhn, g) = Linear::bwd_shared_parts(&lins, &hn, g, &cuts, &xa, ctx)?;
                 (Some(dhn), g)
             }
-            false => {
+            None => {
                 let g = super::linear::join_parts(g, &cuts)?;
                 (None, Linear::grads_shared(&lins, &hn, g, &xa, ctx)?)
             }
         };
         for (lin, g) in lins.iter().zip(g) {
-            add_grad(&mut grads, lin, g)?;
+            add_grad(grads, lin, g)?;
         }
         drop(hn);
-        let dx = match dhn {
-            Some(dhn) => Some(
-                ops::rms_norm_bwd_add(&x, &self.input_norm, s.norm, &dhn, &dh)?
-                    .reshape((b, t, c))?,
-            ),
-            None => None,
-        };
-        Ok((dx, grads))
+        match (dhn, dh) {
+            (Some(dhn), Some(dh)) => Ok(Some(ops::rms_norm_bwd_add(
+                x,
+                &self.input_norm,
+                s.norm,
+                &dhn,
+                dh,
+            )?)),
+            _ => Ok(None),
+        }
     }
 }
 
