@@ -196,6 +196,76 @@ mod cuda {
     /// at 7B r16).
     const TOKENS: usize = 256;
 
+    /// What the kernel is given of the operands: m tokens, I columns, rank r, W*'s row length
+    /// ld and g_B's first column in dy · W*'s rows; g's, u's and A's addresses.
+    struct Operands {
+        m: usize,
+        i: usize,
+        r: usize,
+        ld: usize,
+        gb_off: usize,
+        ptrs: [u64; 3],
+    }
+
+    /// `glu_down_bwd`'s operands checked: None where the kernel cannot take them (not bf16,
+    /// shapes that disagree, widths not multiples of 8, r outside 1..=64, no tokens, operands
+    /// not 4-byte aligned, sizes past i32).
+    fn operands(
+        dy: &Tensor,
+        w_full: &Tensor,
+        col: usize,
+        g: &Tensor,
+        u: &Tensor,
+        a: &Tensor,
+    ) -> Result<Option<Operands>> {
+        let bf16 = [dy, w_full, g, u, a]
+            .iter()
+            .all(|t| t.dtype() == DType::BF16);
+        let (Ok((m, i)), Ok((r, ai)), Ok((out, ld)), Ok((dm, dout))) =
+            (g.dims2(), a.dims2(), w_full.dims2(), dy.dims2())
+        else {
+            return Ok(None);
+        };
+        let gb_off = i + col;
+        let fits = u.dims() == g.dims() && ai == i && dm == m && dout == out;
+        let widths = i % 8 == 0 && ld % 8 == 0 && gb_off % 8 == 0 && gb_off + r <= ld;
+        let ints = [m, i, gb_off, ld].iter().all(|&n| i32::try_from(n).is_ok());
+        if !bf16 || !fits || !widths || !ints || !(1..=64).contains(&r) || m == 0 {
+            return Ok(None);
+        }
+        let (Some(gp), Some(up), Some(ap)) = (addr(g)?, addr(u)?, addr(a)?) else {
+            return Ok(None);
+        };
+        if gp % 4 != 0 || up % 4 != 0 || ap % 4 != 0 {
+            return Ok(None);
+        }
+        Ok(Some(Operands {
+            m,
+            i,
+            r,
+            ld,
+            gb_off,
+            ptrs: [gp, up, ap],
+        }))
+    }
+
+    /// fold_bwd.cu's kernel for `act` at rank r, with or without dropout.
+    fn kernel_name(act: Act, r: usize, dropout: bool) -> String {
+        let prefix = match act {
+            Act::Silu => "swiglu",
+            Act::GeluTanh => "geglu",
+        };
+        let kernel = match (r, dropout) {
+            (..=16, false) => "lora_r16",
+            (17..=32, false) => "lora_r32",
+            (_, false) => "lora_r64",
+            (..=16, true) => "lora_drop_r16",
+            (17..=32, true) => "lora_drop_r32",
+            (_, true) => "lora_drop_r64",
+        };
+        format!("{prefix}_{kernel}")
+    }
+
     #[allow(clippy::too_many_arguments)]
     pub fn glu_down_bwd(
         act: Act,
@@ -212,28 +282,15 @@ mod cuda {
         let Device::Cuda(dev) = g.device() else {
             return Ok(None);
         };
-        let bf16 = [dy, w_full, g, u, a]
-            .iter()
-            .all(|t| t.dtype() == DType::BF16);
-        let (Ok((m, i)), Ok((r, ai)), Ok((out, ld)), Ok((dm, dout))) =
-            (g.dims2(), a.dims2(), w_full.dims2(), dy.dims2())
+        let Some(Operands {
+            m,
+            i,
+            r,
+            ld,
+            gb_off,
+            ptrs: [gp, up, ap],
+        }) = operands(dy, w_full, col, g, u, a)?
         else {
-            return Ok(None);
-        };
-        let gb_off = i + col;
-        let fits = u.dims() == g.dims() && ai == i && dm == m && dout == out;
-        let widths = i % 8 == 0 && ld % 8 == 0 && gb_off % 8 == 0 && gb_off + r <= ld;
-        if !bf16 || !fits || !widths || !(1..=64).contains(&r) || m == 0 {
-            return Ok(None);
-        }
-        let (Some(gp), Some(up), Some(ap)) = (addr(g)?, addr(u)?, addr(a)?) else {
-            return Ok(None);
-        };
-        if gp % 4 != 0 || up % 4 != 0 || ap % 4 != 0 {
-            return Ok(None);
-        }
-        let ints = [m, i, gb_off, ld - gb_off, r].map(i32::try_from);
-        let [Ok(mi), Ok(ii), Ok(offi), Ok(gbn), Ok(ri)] = ints else {
             return Ok(None);
         };
         // dy · W*: dy·W [m, I], then g_B = dy·B and zeros (W*'s other pad columns are zero)
@@ -241,19 +298,6 @@ mod cuda {
         let Some(dp) = addr(&dap)? else {
             return Ok(None);
         };
-        let prefix = match act {
-            Act::Silu => "swiglu",
-            Act::GeluTanh => "geglu",
-        };
-        let kernel = match (r, dropout.is_some()) {
-            (..=16, false) => "lora_r16",
-            (17..=32, false) => "lora_r32",
-            (_, false) => "lora_r64",
-            (..=16, true) => "lora_drop_r16",
-            (17..=32, true) => "lora_drop_r32",
-            (_, true) => "lora_drop_r64",
-        };
-        let name = format!("{prefix}_{kernel}");
         let parts = m.div_ceil(TOKENS);
         // SAFETY: the kernel writes every element of each: dg and du at every (token, column)
         // of [m, I], and each block row its [r, I] slice of the parts; the sum every dA.
@@ -269,6 +313,7 @@ mod cuda {
         let (Some(op), Some(pp), Some(dap_)) = (addr(&both)?, addr(&part)?, addr(&da)?) else {
             return Ok(None);
         };
+        // (operands() bounded m, I, gb_off and ld by i32; r is at most 64)
         let p = GluLoraP {
             g: gp,
             u: up,
@@ -277,15 +322,15 @@ mod cuda {
             out: op,
             part: pp,
             ld: ld as i64,
-            m: mi,
-            i: ii,
-            gb_off: offi,
-            gb_n: gbn,
-            r: ri,
+            m: m as i32,
+            i: i as i32,
+            gb_off: gb_off as i32,
+            gb_n: (ld - gb_off) as i32,
+            r: r as i32,
             s: scale as f32,
             d: DropKey::of(dropout),
         };
-        let func = function(dev, &name)?;
+        let func = function(dev, &kernel_name(act, r, dropout.is_some()))?;
         let stream = dev.cuda_stream();
         let cfg = LaunchConfig {
             grid_dim: (i.div_ceil(64) as u32, parts as u32, 1),
