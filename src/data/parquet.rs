@@ -26,40 +26,7 @@ pub fn read(path: &Path, name: &str, want: &[Want], sink: &mut Sink) -> Result<(
     let file = std::fs::File::open(path).with_context(|| format!("cannot open {name}"))?;
     let reader = SerializedFileReader::new(file)
         .with_context(|| format!("{name} is not a readable parquet file"))?;
-    let schema = reader.metadata().file_metadata().schema();
-    let fields = schema.get_fields();
-    let mut picked: Vec<Arc<Type>> = Vec::new();
-    for w in want {
-        match w
-            .names
-            .iter()
-            .find_map(|n| fields.iter().find(|f| f.name() == *n))
-        {
-            Some(f) => picked.push(f.clone()),
-            None if !w.required => {}
-            None => {
-                let have: Vec<&str> = fields.iter().map(|f| f.name()).collect();
-                bail!(
-                    "{name} has no column \"{}\" (its columns: {}): name the column that holds it \
-                     with data.columns, e.g. columns = {{ {} = \"{}\" }}",
-                    w.names.join("\" or \""),
-                    have.join(", "),
-                    w.names[0],
-                    have.first().copied().unwrap_or("...")
-                )
-            }
-        }
-    }
-    // No columns asked for: all of them.
-    let projection = match want.is_empty() {
-        true => None,
-        false => Some(
-            Type::group_type_builder(schema.name())
-                .with_fields(picked)
-                .build()
-                .with_context(|| format!("{name}: cannot select its columns"))?,
-        ),
-    };
+    let projection = projection(reader.metadata().file_metadata().schema(), name, want)?;
     let mut row = 0usize;
     for g in 0..reader.num_row_groups() {
         let group = reader
@@ -85,6 +52,43 @@ pub fn read(path: &Path, name: &str, want: &[Want], sink: &mut Sink) -> Result<(
         }
     }
     Ok(())
+}
+
+/// The columns of `schema` (file `name`) that `want` reads, as a projection: the first name
+/// of each that the file has; None (every column) when `want` is empty. A required column
+/// the file lacks is an error naming the columns it has and the fix.
+fn projection(schema: &Type, name: &str, want: &[Want]) -> Result<Option<Type>> {
+    if want.is_empty() {
+        return Ok(None);
+    }
+    let fields = schema.get_fields();
+    let mut picked: Vec<Arc<Type>> = Vec::new();
+    for w in want {
+        match w
+            .names
+            .iter()
+            .find_map(|n| fields.iter().find(|f| f.name() == *n))
+        {
+            Some(f) => picked.push(f.clone()),
+            None if !w.required => {}
+            None => {
+                let have: Vec<&str> = fields.iter().map(|f| f.name()).collect();
+                bail!(
+                    "{name} has no column \"{}\" (its columns: {}): name the column that holds it \
+                     with data.columns, e.g. columns = {{ {} = \"{}\" }}",
+                    w.names.join("\" or \""),
+                    have.join(", "),
+                    w.names[0],
+                    have.first().copied().unwrap_or("...")
+                )
+            }
+        }
+    }
+    let projection = Type::group_type_builder(schema.name())
+        .with_fields(picked)
+        .build()
+        .with_context(|| format!("{name}: cannot select its columns"))?;
+    Ok(Some(projection))
 }
 
 /// A parquet value as a [`Field`]: integers, floats, strings, lists, structs and string-keyed
