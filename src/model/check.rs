@@ -246,12 +246,7 @@ pub fn read_header(path: &Path) -> Result<Vec<(String, HeaderTensor)>> {
         .metadata()
         .with_context(|| format!("cannot read {}", path.display()))?
         .len();
-    let bad = |msg: String| {
-        anyhow::anyhow!(
-            "{} is not a complete safetensors file: {msg}",
-            path.display()
-        )
-    };
+    let bad = |msg: String| incomplete(path, msg);
     let mut n = [0u8; 8];
     f.read_exact(&mut n).map_err(|_| {
         bad(format!(
@@ -274,78 +269,96 @@ pub fn read_header(path: &Path) -> Result<Vec<(String, HeaderTensor)>> {
     };
     let data = len - 8 - n;
     let mut out = Vec::with_capacity(map.len());
-    let mut covered = 0u64;
     for (name, t) in map {
-        if name == "__metadata__" {
-            continue;
+        if name != "__metadata__" {
+            let t = header_tensor(path, &name, &t, data)?;
+            out.push((name, t));
         }
-        let field = |k: &str| {
-            t.get(k)
-                .with_context(|| format!("{}: tensor `{name}` has no `{k}`", path.display()))
-        };
-        let dtype = field("dtype")?
-            .as_str()
-            .with_context(|| {
-                format!(
-                    "{}: tensor `{name}`: `dtype` is not a string",
-                    path.display()
-                )
-            })?
-            .to_string();
-        let nums = |k: &str| -> Result<Vec<u64>> {
-            field(k)?
-                .as_array()
-                .and_then(|a| a.iter().map(|x| x.as_u64()).collect::<Option<Vec<u64>>>())
-                .with_context(|| {
-                    format!(
-                        "{}: tensor `{name}`: `{k}` is not a list of non-negative integers",
-                        path.display()
-                    )
-                })
-        };
-        let shape = nums("shape")?;
-        let offsets = nums("data_offsets")?;
-        let [start, end] = offsets[..] else {
-            bail!(
-                "{}: tensor `{name}`: `data_offsets` must hold 2 numbers",
-                path.display()
-            );
-        };
-        if start > end || end > data {
-            return Err(bad(format!(
-                "tensor `{name}` lies at bytes {start}..{end} of a data section of {data} bytes (truncated?)"
-            )));
-        }
-        let elems = shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
-        let want = match (elems, dtype_bytes(&dtype)) {
-            (Some(e), Some(b)) => e.checked_mul(b),
-            (Some(_), None) => Some(end - start),
-            (None, _) => None,
-        };
-        if want != Some(end - start) {
-            return Err(bad(format!(
-                "tensor `{name}` ({dtype} {shape:?}) holds {} bytes, which its shape does not give",
-                end - start
-            )));
-        }
-        covered = covered.max(end);
-        let shape = shape.into_iter().map(|d| d as usize).collect();
-        out.push((
-            name,
-            HeaderTensor {
-                dtype,
-                shape,
-                start,
-                end,
-            },
-        ));
     }
+    let covered = out.iter().map(|(_, t)| t.end).max().unwrap_or(0);
     if covered != data {
         return Err(bad(format!(
             "its tensors end at byte {covered} of a data section of {data} bytes"
         )));
     }
     Ok(out)
+}
+
+/// "`path` is not a complete safetensors file: `msg`".
+fn incomplete(path: &Path, msg: String) -> anyhow::Error {
+    anyhow::anyhow!(
+        "{} is not a complete safetensors file: {msg}",
+        path.display()
+    )
+}
+
+/// Tensor `name`'s entry `t` of `path`'s header, checked: dtype a string, shape and offsets
+/// lists of non-negative integers, the bytes inside the data section of `data` bytes and as
+/// many as dtype × shape gives (any count for a dtype we do not know).
+fn header_tensor(
+    path: &Path,
+    name: &str,
+    t: &serde_json::Value,
+    data: u64,
+) -> Result<HeaderTensor> {
+    let field = |k: &str| {
+        t.get(k)
+            .with_context(|| format!("{}: tensor `{name}` has no `{k}`", path.display()))
+    };
+    let dtype = field("dtype")?
+        .as_str()
+        .with_context(|| {
+            format!(
+                "{}: tensor `{name}`: `dtype` is not a string",
+                path.display()
+            )
+        })?
+        .to_string();
+    let nums = |k: &str| -> Result<Vec<u64>> {
+        field(k)?
+            .as_array()
+            .and_then(|a| a.iter().map(|x| x.as_u64()).collect::<Option<Vec<u64>>>())
+            .with_context(|| {
+                format!(
+                    "{}: tensor `{name}`: `{k}` is not a list of non-negative integers",
+                    path.display()
+                )
+            })
+    };
+    let shape = nums("shape")?;
+    let offsets = nums("data_offsets")?;
+    let [start, end] = offsets[..] else {
+        bail!(
+            "{}: tensor `{name}`: `data_offsets` must hold 2 numbers",
+            path.display()
+        );
+    };
+    if start > end || end > data {
+        return Err(incomplete(path, format!(
+            "tensor `{name}` lies at bytes {start}..{end} of a data section of {data} bytes (truncated?)"
+        )));
+    }
+    let elems = shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+    let want = match (elems, dtype_bytes(&dtype)) {
+        (Some(e), Some(b)) => e.checked_mul(b),
+        (Some(_), None) => Some(end - start),
+        (None, _) => None,
+    };
+    if want != Some(end - start) {
+        return Err(incomplete(
+            path,
+            format!(
+                "tensor `{name}` ({dtype} {shape:?}) holds {} bytes, which its shape does not give",
+                end - start
+            ),
+        ));
+    }
+    Ok(HeaderTensor {
+        dtype,
+        shape: shape.into_iter().map(|d| d as usize).collect(),
+        start,
+        end,
+    })
 }
 
 /// The weights files, before anything is read from them: every tensor the model may read is
@@ -549,4 +562,60 @@ impl Finite {
 pub fn first_non_finite(t: &Tensor) -> Result<Option<usize>> {
     let v: Vec<f32> = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
     Ok(v.iter().position(|x| !x.is_finite()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A safetensors file of `header` (JSON) and `data` bytes of tensor data, in a fresh
+    /// directory (kept alive by the returned guard).
+    fn file(header: &str, data: usize) -> (tempfile::TempDir, PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("model.safetensors");
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend(header.as_bytes());
+        bytes.extend(vec![0u8; data]);
+        std::fs::write(&path, bytes).unwrap();
+        (dir, path)
+    }
+
+    fn error(header: &str, data: usize) -> String {
+        let (_dir, path) = file(header, data);
+        format!("{:#}", read_header(&path).unwrap_err())
+    }
+
+    /// Each tensor entry is checked against the data section: inside it, as many bytes as
+    /// dtype × shape, the section covered to its end; `__metadata__` is not a tensor.
+    #[test]
+    fn a_header_is_checked_against_its_data_section() {
+        let ok = r#"{"__metadata__":{"format":"pt"},"a":{"dtype":"BF16","shape":[2,3],"data_offsets":[0,12]},"b":{"dtype":"F32","shape":[2],"data_offsets":[12,20]}}"#;
+        let (_dir, path) = file(ok, 20);
+        let got = read_header(&path).unwrap();
+        let names: Vec<&str> = got.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["a", "b"]);
+        assert_eq!(
+            (got[1].1.shape.clone(), got[1].1.start, got[1].1.end),
+            (vec![2], 12, 20)
+        );
+
+        let outside = r#"{"a":{"dtype":"BF16","shape":[2,3],"data_offsets":[0,12]}}"#;
+        let e = error(outside, 8);
+        assert!(e.contains("not a complete safetensors file: tensor `a` lies at bytes 0..12 of a data section of 8 bytes"), "{e}");
+        let e = error(outside, 16);
+        assert!(
+            e.contains("its tensors end at byte 12 of a data section of 16 bytes"),
+            "{e}"
+        );
+        let wrong = r#"{"a":{"dtype":"F32","shape":[2,3],"data_offsets":[0,12]}}"#;
+        let e = error(wrong, 12);
+        assert!(
+            e.contains("tensor `a` (F32 [2, 3]) holds 12 bytes, which its shape does not give"),
+            "{e}"
+        );
+        let three = r#"{"a":{"dtype":"F32","shape":[3],"data_offsets":[0,6,12]}}"#;
+        assert!(error(three, 12).contains("tensor `a`: `data_offsets` must hold 2 numbers"));
+        let no_dtype = r#"{"a":{"shape":[3],"data_offsets":[0,12]}}"#;
+        assert!(error(no_dtype, 12).contains("tensor `a` has no `dtype`"));
+    }
 }
