@@ -13,9 +13,9 @@ use candle_core::{DType, Device, Tensor};
 /// LongRoPE (Phi-3) rotates a forward's tokens with the long table when the forward reaches
 /// past original_max_position, else with the short one (transformers' rotary switches on
 /// max(position_ids) + 1); the keys already cached keep the rotation of the call that wrote
-/// them, as in transformers' forward with its cache and in vLLM. A call of several tokens takes `short` or `long` by its reach; a one-token call at
-/// position p takes `step`'s row p (long from original_max_position on), which a captured
-/// graph can read at every position.
+/// them, as in transformers' forward with its cache and in vLLM. A call of several tokens
+/// takes `short` or `long` by its reach; a one-token call at position p takes `step`'s row p
+/// (long from original_max_position on), which a captured graph can read at every position.
 pub struct RopeTables {
     freqs: Freqs,
     pub short: (Tensor, Tensor),

@@ -411,7 +411,8 @@ impl Layer {
                 let Some(h) = residual else {
                     candle_core::bail!("backward: a recomputed MLP half without its residual");
                 };
-                let n = self.mlp_chunk(ctx, dy.dim(0)?).unwrap_or(dy.dim(0)?);
+                let m = dy.dim(0)?;
+                let n = self.mlp_chunk(ctx, m).unwrap_or(m);
                 self.mlp_bwd_chunked(&h, dy, ctx, n, grads)
             }
         }
