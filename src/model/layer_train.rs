@@ -69,6 +69,19 @@ pub struct LayerActs {
     xas: Vec<Option<Tensor>>,
 }
 
+/// What the attention half's forward makes: `LayerActs`' attention fields, o_proj's output
+/// as the residual adds it (`ao`, [m, C]) and, under Gemma's norm on it, as projected
+/// (`ao_kept`).
+struct AttnHalf {
+    qk: Qk,
+    v: Tensor,
+    attn: Tensor,
+    lse: Tensor,
+    ao_kept: Option<Tensor>,
+    ao: Tensor,
+    xas: Vec<Option<Tensor>>,
+}
+
 impl LayerActs {
     /// Bytes held (what the memory plan counts per layer).
     pub fn bytes(&self) -> usize {
@@ -212,22 +225,65 @@ impl Layer {
     ) -> Result<(Option<Tensor>, Option<LayerActs>)> {
         let keep = retain != Retain::Nothing;
         let (b, t, c) = x.dims3()?;
-        let s = self.spec;
-        let (h, k) = (s.heads, s.kv_heads);
         let x = x.reshape((b * t, c))?; // [m, C]
+        let a = self.attention_fwd(&x, b, t, ctx)?;
+        // The MLP half, whole; or, in a checkpointed layer over many tokens, in chunks
+        // (model/layer_mlp.rs): the forward's over chunks, a recompute's not at all (backward
+        // runs it chunk by chunk). Keeping the attention half only, its activations are not
+        // kept (backward recomputes them from h, whole or by chunks).
+        let m = b * t;
+        let chunk = match output && retain == Retain::All {
+            true => None,
+            false => self.mlp_chunk(ctx, m),
+        };
+        let keep_mlp = keep && retain != Retain::Attention;
+        let (hres, y, mlp) = match (&self.moe, chunk) {
+            // a MoE layer's backward recomputes its MLP half from h (model/layer_moe.rs)
+            (Some(moe), _) => {
+                let (hres, y) = self.moe_fwd(moe, &x, a.ao, ctx, output)?;
+                (hres, y, None)
+            }
+            (None, None) => self.mlp_fwd(MlpIn::Sum(&x, a.ao), ctx, output, keep_mlp)?,
+            (None, Some(n)) => {
+                let hres = ops::add(&x, &a.ao)?;
+                drop(a.ao);
+                let y = match output {
+                    true => Some(self.mlp_fwd_chunked(&hres, ctx, n)?),
+                    false => None,
+                };
+                (hres, y, None)
+            }
+        };
+        let y = y.map(|y| y.reshape((b, t, c))).transpose()?;
+        let acts = keep.then_some(LayerActs {
+            x,
+            qk: a.qk,
+            v: a.v,
+            attn: a.attn,
+            lse: a.lse,
+            ao: a.ao_kept,
+            mlp,
+            h: Some(hres),
+            xas: a.xas,
+        });
+        Ok((y, acts))
+    }
 
-        // q [m, H·D], k and v [m, K·D]: their adapters' x Aᵀ as one GEMM; their forward folded
-        // into the base GEMMs (ops::fold) when the norm writes padded rows
+    /// The attention half over x [m, C] (m = B·T): the q, k, v projections (their adapters'
+    /// x Aᵀ as one GEMM, their forward folded into the base GEMMs (ops::fold) when the norm
+    /// writes padded rows), attention, o_proj and Gemma's norm on its output.
+    fn attention_fwd(&self, x: &Tensor, b: usize, t: usize, ctx: &Ctx) -> Result<AttnHalf> {
+        let s = self.spec;
         let qkv: Vec<&Linear> = self.attn_in.iter().collect();
         let folded = match Linear::fold_width(&qkv, ctx) {
-            Some(p) => ops::fold::rms_norm_pad(&x, &self.input_norm, s.norm, p)?,
+            Some(p) => ops::fold::rms_norm_pad(x, &self.input_norm, s.norm, p)?,
             None => None,
         }; // [m, C + pad]
         let (ys, mut xas): (Vec<Tensor>, Vec<Option<Tensor>>) = match folded {
             // Phi-3's fused qkv_proj made as three parts: no copies out of one output
             Some(xp) => Linear::fwd_folded_parts(&qkv, &xp, &self.qkv_cuts(), ctx)?,
             None => {
-                let hn = ops::rms_norm(&x, &self.input_norm, s.norm)?;
+                let hn = ops::rms_norm(x, &self.input_norm, s.norm)?;
                 Linear::fwd_shared(&qkv, &hn, ctx)?.into_iter().unzip()
             }
         };
@@ -242,26 +298,7 @@ impl Layer {
                 Qk::Roped(q.clone(), kk.clone())
             }
         };
-        let (mask, scale) = (self.mask(ctx), s.scale);
-        let (attn, lse) = if ctx.kernels.attention.tensor_cores() {
-            // Tensor cores; v is read in place from its rows and O written as rows.
-            let kernels = ctx.kernels.attention;
-            let (o, lse) =
-                ops::flash::flash_fwd(&q, &kk, &heads(&v, b, t, k)?, &mask, scale, kernels)?;
-            (o, lse) // [m, H·D], [B, H, T]
-        } else {
-            let vh = ops::to_heads(&v, b, t, k)?; // [B, K, T, D]
-            let (o, lse) = ops::attention::attention_fwd(
-                &q,
-                &repeat_kv(&kk, h / k)?,
-                &repeat_kv(&vh, h / k)?,
-                &mask,
-                scale,
-                ctx.attn_block,
-            )?; // [B, H, T, D], [B, H, T]
-            (ops::to_rows(&o)?, lse) // [m, H·D]
-        };
-        drop((q, kk));
+        let (attn, lse) = self.attend(q, kk, &v, b, t, ctx)?;
         let (ao, xo) = self.o.fwd(&attn, ctx)?;
         xas.push(xo);
         // Gemma: h = x + norm(o's output), the norm's input kept for its backward
@@ -272,46 +309,46 @@ impl Layer {
             }
             None => (None, ao),
         };
-        // The MLP half, whole; or, in a checkpointed layer over many tokens, in chunks
-        // (model/layer_mlp.rs): the forward's over chunks, a recompute's not at all (backward
-        // runs it chunk by chunk). Keeping the attention half only, its activations are not
-        // kept (backward recomputes them from h, whole or by chunks).
-        let m = b * t;
-        let chunk = match output && retain == Retain::All {
-            true => None,
-            false => self.mlp_chunk(ctx, m),
-        };
-        let keep_mlp = keep && retain != Retain::Attention;
-        let (hres, y, mlp) = match (&self.moe, chunk) {
-            // a MoE layer's backward recomputes its MLP half from h (model/layer_moe.rs)
-            (Some(moe), _) => {
-                let (hres, y) = self.moe_fwd(moe, &x, ao, ctx, output)?;
-                (hres, y, None)
-            }
-            (None, None) => self.mlp_fwd(MlpIn::Sum(&x, ao), ctx, output, keep_mlp)?,
-            (None, Some(n)) => {
-                let hres = ops::add(&x, &ao)?;
-                drop(ao);
-                let y = match output {
-                    true => Some(self.mlp_fwd_chunked(&hres, ctx, n)?),
-                    false => None,
-                };
-                (hres, y, None)
-            }
-        };
-        let y = y.map(|y| y.reshape((b, t, c))).transpose()?;
-        let acts = keep.then_some(LayerActs {
-            x,
+        Ok(AttnHalf {
             qk,
             v,
             attn,
             lse,
-            ao: ao_kept,
-            mlp,
-            h: Some(hres),
+            ao_kept,
+            ao,
             xas,
-        });
-        Ok((y, acts))
+        })
+    }
+
+    /// Attention of q [B, H, T, D] over k [B, K, T, D] and v's rows [m, K·D]: the output as
+    /// rows [m, H·D] and the log-sum-exp [B, H, T] f32. q and k are consumed (freed here).
+    fn attend(
+        &self,
+        q: Tensor,
+        kk: Tensor,
+        v: &Tensor,
+        b: usize,
+        t: usize,
+        ctx: &Ctx,
+    ) -> Result<(Tensor, Tensor)> {
+        let s = self.spec;
+        let (h, k) = (s.heads, s.kv_heads);
+        let (mask, scale) = (self.mask(ctx), s.scale);
+        if ctx.kernels.attention.tensor_cores() {
+            // Tensor cores; v is read in place from its rows and O written as rows.
+            let kernels = ctx.kernels.attention;
+            return ops::flash::flash_fwd(&q, &kk, &heads(v, b, t, k)?, &mask, scale, kernels);
+        }
+        let vh = ops::to_heads(v, b, t, k)?; // [B, K, T, D]
+        let (o, lse) = ops::attention::attention_fwd(
+            &q,
+            &repeat_kv(&kk, h / k)?,
+            &repeat_kv(&vh, h / k)?,
+            &mask,
+            scale,
+            ctx.attn_block,
+        )?; // [B, H, T, D], [B, H, T]
+        Ok((ops::to_rows(&o)?, lse)) // [m, H·D]
     }
 
     /// Given dL/dy [B, T, C] and the forward's `acts`: dL/dx [B, T, C] and the adapters'
