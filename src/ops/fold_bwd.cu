@@ -1,5 +1,5 @@
 // down_proj's folded backward (ops::fold): SwiGLU's (or GeGLU's: GELU) backward with down's
-// adapter terms in one pass. After flash.cu (its fl_mma and fl_pack), geglu.cu (gelu_t) and
+// adapter terms in one pass. After flash.cu (its fl_mma and fl_pack), glu.cu (gelu_t) and
 // common.cuh (bf_lo, bf_pack, rbf) in the one program (ops::cuda).
 //
 // Folded, down's dL/da GEMM runs against W* = [W | B-slots]: dap = dy · W* [m, ld] holds the

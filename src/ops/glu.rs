@@ -11,7 +11,7 @@
 //! gelu_tanh, with t = tanh(k0 (g + k1 g³)), k0 = √(2/π), k1 = 0.044715 (PyTorch's
 //! approximation):  gelu(g) = ½ g (1 + t),  gelu'(g) = ½ (1 + t) + ½ g (1 − t²) k0 (1 + 3 k1 g²)
 //!
-//! The CUDA kernels are swiglu.cu's and geglu.cu's, one name each per activation.
+//! The CUDA kernels are glu.cu's, written once over the activation, named per activation.
 
 use super::{cpu_as_f32, cpu_from_f32, round_to};
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
@@ -229,7 +229,7 @@ impl CustomOp3 for GluBwd {
 
 #[cfg(feature = "cuda")]
 pub(super) mod cuda {
-    //! The launchers of swiglu.cu and geglu.cu.
+    //! The launchers of glu.cu.
     use crate::ops::cuda::{
         addr, contiguous, function, kernel, padded_rows, v8_addrs, with_dtype, with_view,
     };
@@ -298,7 +298,7 @@ pub(super) mod cuda {
         }))
     }
 
-    /// The gated activation of bf16 g, u [.., d] (`kernel`: geglu.cu's `swiglu_pad_v8_bf16` or
+    /// The gated activation of bf16 g, u [.., d] (`kernel`: glu.cu's `swiglu_pad_v8_bf16` or
     /// `geglu_pad_v8_bf16`, one signature) into the first d columns of a fresh [rows, d + pad] (d
     /// and pad multiples of 8); the pad columns are left unset for the caller (`ops::fold`).
     pub fn glu_pad(
@@ -336,10 +336,10 @@ pub(super) mod cuda {
         Ok(Some(a))
     }
 
-    /// A gated backward that keeps a on the GPU (`kernel`: swiglu.cu's or geglu.cu's
-    /// `*_bwd_keep_v8_bf16`, one signature): (dg, du, a) with a written over `da`'s buffer, for
-    /// bf16 inputs of one shape, contiguous, on 16 bytes, of a multiple of 8 elements; None
-    /// otherwise. `da` must be a fresh result that nothing else reads (its values are replaced).
+    /// A gated backward that keeps a on the GPU (`kernel`: glu.cu's `*_bwd_keep_v8_bf16`):
+    /// (dg, du, a) with a written over `da`'s buffer, for bf16 inputs of one shape, contiguous,
+    /// on 16 bytes, of a multiple of 8 elements; None otherwise. `da` must be a fresh result
+    /// that nothing else reads (its values are replaced).
     pub fn bwd_keep(
         kernel: &str,
         g: &candle_core::Tensor,

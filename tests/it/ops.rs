@@ -100,25 +100,35 @@ fn rms_norm_matches_composite() {
     }
 }
 
+/// Each gated activation against its composite (candle's silu; gelu, candle's tanh form).
 #[test]
-fn swiglu_matches_composite_in_gate_and_up() {
+fn glu_matches_composite_in_gate_and_up() {
+    use lora_train::ops::glu::Act;
     for dev in devices() {
-        // bf16 rounds silu(g) before the product, as transformers does: check it on the CPU too.
+        // bf16 rounds act(g) before the product, as transformers does: check it on the CPU too.
         // 2·3·40 values take CUDA's 8-a-thread bf16 kernels, 2·3·37 the scalar ones.
-        for (dt, i) in [(DType::F32, 37), (DType::BF16, 37), (DType::BF16, 40)] {
+        let cases = [(DType::F32, 37), (DType::BF16, 37), (DType::BF16, 40)];
+        for ((dt, i), act) in cases
+            .into_iter()
+            .flat_map(|c| [Act::Silu, Act::GeluTanh].map(|a| (c, a)))
+        {
             // x = [gate | up] along the last dimension, so dx holds both dg and du.
             check(
-                &format!("swiglu i={i}"),
+                &format!("{act:?} i={i}"),
                 &dev,
                 dt,
                 &[2, 3, 2 * i],
                 &|x| {
                     let (g, u) = (x.narrow(D::Minus1, 0, i)?, x.narrow(D::Minus1, i, i)?);
-                    ops::swiglu(&(g * 3.0)?, &u)
+                    act.glu(&(g * 3.0)?, &u)
                 },
                 &|x| {
                     let (g, u) = (x.narrow(D::Minus1, 0, i)?, x.narrow(D::Minus1, i, i)?);
-                    candle_nn::ops::silu(&(g * 3.0)?)? * u
+                    let g = (g * 3.0)?;
+                    match act {
+                        Act::Silu => candle_nn::ops::silu(&g)? * u,
+                        Act::GeluTanh => g.gelu()? * u,
+                    }
                 },
             );
         }
@@ -156,11 +166,16 @@ fn add_rms_norm_is_add_then_rms_norm_to_the_bit() {
 }
 
 /// The backward that also hands back the forward's a (written over da on CUDA) gives exactly
-/// what the two ops give, on the 8-a-thread bf16 path (40) and off it (37).
+/// what the two ops give, for each activation, on the 8-a-thread bf16 path (40) and off it (37).
 #[test]
-fn swiglu_bwd_keep_is_swiglu_bwd_and_swiglu_to_the_bit() {
+fn glu_bwd_keep_is_glu_bwd_and_glu_to_the_bit() {
+    use lora_train::ops::glu::Act;
     for dev in devices() {
-        for (dt, i) in [(DType::F32, 37), (DType::BF16, 37), (DType::BF16, 40)] {
+        let cases = [(DType::F32, 37), (DType::BF16, 37), (DType::BF16, 40)];
+        for ((dt, i), act) in cases
+            .into_iter()
+            .flat_map(|c| [Act::Silu, Act::GeluTanh].map(|a| (c, a)))
+        {
             let r = |s: f64| {
                 (Tensor::randn(0f32, 1.0, (2, 3, i), &Device::Cpu).unwrap() * s)
                     .unwrap()
@@ -170,14 +185,14 @@ fn swiglu_bwd_keep_is_swiglu_bwd_and_swiglu_to_the_bit() {
                     .unwrap()
             };
             let (g, u, da) = (r(3.0), r(1.0), r(1.0));
-            let (dg, du) = ops::swiglu_bwd(&g, &u, &da).unwrap();
-            let a = ops::swiglu(&g, &u).unwrap();
-            let (dg2, du2, a2) = ops::swiglu_bwd_keep(&g, &u, da.copy().unwrap()).unwrap();
+            let (dg, du) = act.glu_bwd(&g, &u, &da).unwrap();
+            let a = act.glu(&g, &u).unwrap();
+            let (dg2, du2, a2) = act.glu_bwd_keep(&g, &u, da.copy().unwrap()).unwrap();
             for (what, want, got) in [("dg", &dg, &dg2), ("du", &du, &du2), ("a", &a, &a2)] {
                 assert_eq!(
                     host_f32(got),
                     host_f32(want),
-                    "{what} {dt:?} i={i} {:?}",
+                    "{what} {act:?} {dt:?} i={i} {:?}",
                     dev.location()
                 );
             }
