@@ -49,14 +49,21 @@ __device__ void glu_bwd(const T* g, const T* u, const T* da, T* out, long n) {
     st(out, n + k, d * rnd(g, Act::bwd(gv)));
 }
 
+// o = round(act(g)) · u for the 8 values from k on.
+template <class Act>
+__device__ __forceinline__ void glu8(const bf16_t* g, const bf16_t* u, long k, float* o) {
+    float gv[8], uv[8];
+    ld8(g, k, gv); ld8(u, k, uv);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) o[i] = rbf(Act::fwd(gv[i])) * uv[i];
+}
+
 template <class Act>
 __device__ void glu_v8(const bf16_t* g, const bf16_t* u, bf16_t* a, long n) {
     long k = ((long)blockIdx.x * blockDim.x + threadIdx.x) * 8;
     if (k >= n) return;
-    float gv[8], uv[8], o[8];
-    ld8(g, k, gv); ld8(u, k, uv);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) o[i] = rbf(Act::fwd(gv[i])) * uv[i];
+    float o[8];
+    glu8<Act>(g, u, k, o);
     st8(a, k, o);
 }
 
@@ -86,10 +93,8 @@ template <class Act>
 __device__ void glu_pad_v8(const bf16_t* g, const bf16_t* u, bf16_t* a, long n, long d, long lda) {
     long k = ((long)blockIdx.x * blockDim.x + threadIdx.x) * 8;
     if (k >= n) return;
-    float gv[8], uv[8], o[8];
-    ld8(g, k, gv); ld8(u, k, uv);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) o[i] = rbf(Act::fwd(gv[i])) * uv[i];
+    float o[8];
+    glu8<Act>(g, u, k, o);
     st8(a, (k / d) * lda + k % d, o);
 }
 
