@@ -1,8 +1,8 @@
 // The gated activations a = round(act(g)) · u (ops::glu) and their backward: SwiGLU (Silu) and
 // GeGLU (GeluTanh, PyTorch's gelu(approximate="tanh")), one struct each, the kernels written
 // once over it: generic over f32 or bf16, and over 8 bf16 values a thread (one with the
-// forward's output written over dL/da, one into padded rows for ops::fold). Math in f32; each
-// product is evaluated in the order glu.rs's CPU path uses, so both round alike.
+// forward's output written over dL/da, one into padded rows for ops::fold). Math in f32, the
+// products in the order glu.rs's CPU path multiplies them.
 
 __device__ __forceinline__ float gelu_t(float g) {
     return 0.5f * g * (1.f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g)));
