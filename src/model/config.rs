@@ -158,28 +158,7 @@ impl ModelConfig {
         check_activation(family, &raw).map_err(err)?;
         let hidden_size = need(raw.hidden_size, "hidden_size")?;
         let num_heads = need(raw.num_attention_heads, "num_attention_heads")?;
-        let num_kv_heads = raw.num_key_value_heads.unwrap_or(num_heads);
-        if num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
-            return Err(err(format!(
-                "num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}"
-            )));
-        }
-        let head_dim = match raw.head_dim {
-            Some(d) if d > 0 => d,
-            _ => {
-                if hidden_size % num_heads != 0 {
-                    return Err(err(format!(
-                        "hidden_size {hidden_size} is not divisible by num_attention_heads {num_heads} and `head_dim` is not set"
-                    )));
-                }
-                hidden_size / num_heads
-            }
-        };
-        if head_dim % 2 != 0 {
-            return Err(err(format!(
-                "head_dim {head_dim} must be even for rotary embeddings"
-            )));
-        }
+        let (num_kv_heads, head_dim) = head_shape(&raw, hidden_size, num_heads).map_err(err)?;
 
         let num_layers = need(raw.num_hidden_layers, "num_hidden_layers")?;
         super::check::layers(num_layers, path)?;
@@ -379,6 +358,32 @@ impl ModelConfig {
         let per_layer = linears + biases + norms + experts;
         v * h * if tied { 1 } else { 2 } + self.num_layers * per_layer + h
     }
+}
+
+/// The kv head count and the head dim: `num_key_value_heads` (default: every head's own)
+/// dividing the heads, `head_dim` (default: hidden / heads, which must divide) even for RoPE.
+fn head_shape(raw: &Raw, hidden: usize, heads: usize) -> Result<(usize, usize), String> {
+    let kv_heads = raw.num_key_value_heads.unwrap_or(heads);
+    if kv_heads == 0 || heads % kv_heads != 0 {
+        return Err(format!(
+            "num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+        ));
+    }
+    let head_dim = match raw.head_dim {
+        Some(d) if d > 0 => d,
+        _ if hidden % heads != 0 => {
+            return Err(format!(
+                "hidden_size {hidden} is not divisible by num_attention_heads {heads} and `head_dim` is not set"
+            ))
+        }
+        _ => hidden / heads,
+    };
+    if head_dim % 2 != 0 {
+        return Err(format!(
+            "head_dim {head_dim} must be even for rotary embeddings"
+        ));
+    }
+    Ok((kv_heads, head_dim))
 }
 
 /// config.json's family, or why it is not one we train (naming its model_type and ours).
@@ -747,6 +752,40 @@ mod tests {
             "num_attention_heads":4,"vocab_size":9,"rope_scaling":{"rope_type":"yarn","factor":4.0}}"#;
         let e = parse(bad).unwrap_err().to_string();
         assert!(e.contains("`yarn` is not supported"), "{e}");
+    }
+
+    /// kv heads default to the heads and must divide them; head_dim defaults to hidden / heads
+    /// (which must divide unless head_dim is set), and is even for RoPE.
+    #[test]
+    fn head_shape_defaults_and_refusals() {
+        let cfg = |heads: usize, extra: &str| {
+            parse(&format!(
+                r#"{{"model_type":"llama","hidden_size":60,"intermediate_size":8,
+                "num_hidden_layers":1,"num_attention_heads":{heads},"vocab_size":9{extra}}}"#
+            ))
+        };
+        let c = cfg(6, "").unwrap();
+        assert_eq!((c.num_kv_heads, c.head_dim), (6, 10));
+        let c = cfg(6, r#","num_key_value_heads":2,"head_dim":24"#).unwrap();
+        assert_eq!((c.num_kv_heads, c.head_dim), (2, 24));
+        for (heads, extra, want) in [
+            (
+                6,
+                r#","num_key_value_heads":4"#,
+                "6 is not a multiple of num_key_value_heads 4",
+            ),
+            (
+                6,
+                r#","num_key_value_heads":0"#,
+                "not a multiple of num_key_value_heads 0",
+            ),
+            (7, "", "not divisible by num_attention_heads 7"),
+            (6, r#","head_dim":9"#, "head_dim 9 must be even"),
+            (12, "", "head_dim 5 must be even"),
+        ] {
+            let e = cfg(heads, extra).unwrap_err().to_string();
+            assert!(e.contains(want), "{heads} {extra}: {e}");
+        }
     }
 
     #[test]
