@@ -251,10 +251,6 @@ mod cuda {
 
     /// fold_bwd.cu's kernel for `act` at rank r, with or without dropout.
     fn kernel_name(act: Act, r: usize, dropout: bool) -> String {
-        let prefix = match act {
-            Act::Silu => "swiglu",
-            Act::GeluTanh => "geglu",
-        };
         let kernel = match (r, dropout) {
             (..=16, false) => "lora_r16",
             (17..=32, false) => "lora_r32",
@@ -263,7 +259,7 @@ mod cuda {
             (17..=32, true) => "lora_drop_r32",
             (_, true) => "lora_drop_r64",
         };
-        format!("{prefix}_{kernel}")
+        format!("{}_{kernel}", act.kernel())
     }
 
     #[allow(clippy::too_many_arguments)]

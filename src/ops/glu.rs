@@ -55,7 +55,8 @@ pub fn swiglu_bwd_keep(g: &Tensor, u: &Tensor, da: Tensor) -> Result<(Tensor, Te
 }
 
 impl Act {
-    /// The kernels' name: `{name}`, `{name}_bwd`, `{name}_bwd_keep_v8_bf16`, `{name}_pad_v8_bf16`.
+    /// The kernels' name: `{name}`, `{name}_bwd`, `{name}_bwd_keep_v8_bf16`, `{name}_pad_v8_bf16`
+    /// (glu.cu) and `{name}_lora_*` (fold_bwd.cu).
     pub(crate) fn kernel(self) -> &'static str {
         match self {
             Act::Silu => "swiglu",
