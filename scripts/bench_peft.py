@@ -357,7 +357,7 @@ def main():
         res.update({
             "peak_alloc_gib": round(torch.cuda.max_memory_allocated(dev) / 2**30, 2) if cuda else None,
             "peak_reserved_gib": round(torch.cuda.max_memory_reserved(dev) / 2**30, 2) if cuda else None,
-            "step_s": round(dt / a.steps, 4), "tokens_per_s": round(tps, 1),
+            "step_s": round(dt / a.steps, 4), "timed_unix_s": [t1, t1 + dt], "tokens_per_s": round(tps, 1),
             "tokens_per_s_per_gpu": round(tps / world, 1),
             "mfu": round(tps * fpt / (a.peak_tflops * 1e12 * world), 4),
             "final_loss": round(float(loss.detach()), 4),

@@ -546,6 +546,9 @@ impl Report<'_> {
             "eval_every": a.eval_every, "eval_batches": self.evals, "save_every": a.save_every,
             "flops_per_token": fpt, "work_flops_per_token": work_fpt,
         });
+        // The timed window by wall time, for scripts/energy.py (one json! call would pass the
+        // macro's recursion limit).
+        out["timed_unix_s"] = serde_json::json!(clock.window_unix(self.steps.t1));
         self.host_figures(&mut out);
         Ok(out)
     }

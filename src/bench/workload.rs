@@ -11,6 +11,7 @@ use crate::train::driver::Par;
 use crate::train::optim::AdamW;
 use anyhow::{Context, Result};
 use std::path::PathBuf;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 /// Rows of token ids [b · t] as a language-modelling batch of `pack` examples a row (each
 /// row cut into `pack` runs of ⌊t / pack⌋ tokens, the last taking the rest): each position
@@ -178,7 +179,7 @@ impl Drop for Saver {
 pub struct Clock {
     warmup: usize,
     pub losses: Vec<f64>,
-    done_at: Vec<std::time::Instant>,
+    done_at: Vec<Instant>,
     /// The pool's peak in each phase of the timed steps (CUDA).
     pub timed: crate::memory::PhaseMeter,
 }
@@ -195,7 +196,7 @@ impl Clock {
 
     /// A step was read.
     pub fn record(&mut self, d: crate::train::step::Done) {
-        self.done_at.push(std::time::Instant::now());
+        self.done_at.push(Instant::now());
         self.losses.push(d.loss);
         if self.losses.len() > self.warmup {
             for (k, v) in d.peaks {
@@ -205,17 +206,30 @@ impl Clock {
         }
     }
 
-    /// Seconds of the timed steps: from the last warm-up step's read (or `start`, without
+    /// The timed steps' window: from the last warm-up step's read (or `start`, without
     /// warm-up) to the last step's.
-    pub fn seconds(&self, start: std::time::Instant) -> f64 {
+    fn window(&self, start: Instant) -> Option<(Instant, Instant)> {
         let from = match self.warmup {
             0 => Some(start),
             w => self.done_at.get(w - 1).copied(),
         };
-        match (from, self.done_at.last()) {
-            (Some(f), Some(l)) => l.duration_since(f).as_secs_f64(),
-            _ => 0.0,
-        }
+        Some((from?, *self.done_at.last()?))
+    }
+
+    /// Seconds of the timed steps (`window`).
+    pub fn seconds(&self, start: Instant) -> f64 {
+        self.window(start)
+            .map_or(0.0, |(f, l)| l.duration_since(f).as_secs_f64())
+    }
+
+    /// The timed steps' window in seconds since the Unix epoch, for tools that read the GPU's
+    /// counters (power, energy) by wall time beside the run: scripts/energy.py.
+    pub fn window_unix(&self, start: Instant) -> Option<[f64; 2]> {
+        let (f, l) = self.window(start)?;
+        let (now, sys) = (Instant::now(), SystemTime::now());
+        let epoch = sys.duration_since(UNIX_EPOCH).ok()?.as_secs_f64();
+        let ago = |t: Instant| now.duration_since(t).as_secs_f64();
+        Some([epoch - ago(f), epoch - ago(l)])
     }
 }
 

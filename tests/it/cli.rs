@@ -455,6 +455,13 @@ fn bench_runs_ddp_and_fsdp_on_cpu_ranks() {
 #[test]
 fn bench_times_a_checkpoint_at_its_own_shape() {
     let dir = root().join("recipes/assets/tiny-llama");
+    let unix = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs_f64()
+    };
+    let started = unix();
     let o = bin()
         .arg("bench")
         .arg("--model")
@@ -486,4 +493,17 @@ fn bench_times_a_checkpoint_at_its_own_shape() {
     assert!(v["trainable_params"].as_u64().unwrap() >= l * 7 * 16 * 2 * c.min(64));
     assert!(v["tokens_per_s"].as_f64().unwrap() > 0.0);
     assert!(v["final_loss"].as_f64().unwrap().is_finite());
+    // The timed window by wall time (scripts/energy.py reads the GPU's counters in it): inside
+    // the run, and as long as its two steps.
+    let w = &v["timed_unix_s"];
+    let (t0, t1) = (w[0].as_f64().unwrap(), w[1].as_f64().unwrap());
+    assert!(
+        started <= t0 && t0 < t1 && t1 <= unix(),
+        "{w} outside the run"
+    );
+    let step_s = v["step_s"].as_f64().unwrap();
+    assert!(
+        ((t1 - t0) / 2.0 - step_s).abs() < 1e-3,
+        "{w} against step_s {step_s}"
+    );
 }
