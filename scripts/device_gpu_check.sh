@@ -69,6 +69,11 @@
 #         VAR=value assignments and bench flags, e.g. "LORA_TRAIN_EXPERIMENTS=reduce_ahead" or
 #         "--deterministic"; "default": neither), ROUNDS rounds (default 2) alternated (default
 #         AB: "default;--deterministic") -> $OUT/ab.jsonl. Not in the default set.
+# energy: a step's GPU energy (NVML's counter) at the 7B headline shape (seq 2048, mb2, r16 all
+#         linear), ours beside PEFT and PEFT + Liger (ENERGY_PEERS: "plain liger", one, or none):
+#         joules and tokens per kJ, the ratios -> $OUT/energy.jsonl, $OUT/energy.txt. ENERGY_SHAPE
+#         replaces the shape ("--shape llama3-8b --seq 4096"); ENERGY_OURS adds flags to ours
+#         ("--ckpt mlp"), ENERGY_PEER to the peers' ("--ckpt"). Not in the default set.
 # profile: where a step's GPU time goes, for each of PROFILE_SHAPES (default gemma2-9b phi3-mini
 #         llama2-7b; seq PROFILE_SEQ (2048), mb2, r16 all linear; PROFILE_EXTRA adds bench
 #         flags): ncu times
@@ -333,6 +338,36 @@ PY
       echo "check exit ${PIPESTATUS[0]}"
     } 2>&1 | tee -a "$OUT/families_compat.log" | grep -E "^====|^FAIL|passed|FAILED|failed|exit [1-9]"
   done
+fi
+
+# energy: see the header. Each side's timed steps under scripts/energy.py, which reads the GPU's
+# energy counter within the window the bench reports (timed_unix_s).
+if [[ $what == *" energy "* ]]; then
+  B="${ENERGY_SHAPE:---shape llama2-7b --seq 2048} --rank 16 --targets all --warmup 3"
+  echo "== lora-train bench ${ENERGY_OURS:-}"
+  timeout 240 python3 scripts/energy.py --tag ours --json "$OUT/energy.jsonl" --runs "$OUT/energy-runs.jsonl" -- \
+    $E .devbuild/lora-train bench $B --steps 20 --micro-batch 2 ${ENERGY_OURS:-} \
+    --json "$OUT/energy-runs.jsonl" 2>&1 | tail -1 | cut -c1-400
+  for peer in ${ENERGY_PEERS:-plain liger}; do
+    case $peer in plain) extra= ;; liger) extra=--liger ;; *) continue ;; esac
+    [ -n "$extra" ] && ! python3 -c "import liger_kernel" 2>/dev/null && continue
+    echo "== bench_peft.py ${ENERGY_PEER:-} $extra"
+    timeout 300 python3 scripts/energy.py --tag "peft${extra:+ liger}" --json "$OUT/energy.jsonl" \
+      --runs "$OUT/energy-runs.jsonl" -- python3 scripts/bench_peft.py $B --steps 10 --batch 2 \
+      ${ENERGY_PEER:-} $extra --json "$OUT/energy-runs.jsonl" 2>&1 | tail -1 | cut -c1-400
+  done
+  [ -s "$OUT/energy.jsonl" ] && python3 - "$OUT/energy.jsonl" <<'PY' | tee "$OUT/energy.txt"
+import json, sys
+e = {r["tag"]: r for r in map(json.loads, open(sys.argv[1]))}
+for r in e.values():
+    print(f"{r['tag']:10s} {r['tokens_per_s']:9.1f} tok/s  {r['step_j']:7.1f} J a step  "
+          f"{r['step_ms']:6.1f} ms  {r['mean_w']:5.0f} W  {r['tokens_per_kj']:6d} tokens/kJ")
+for peer in ("peft", "peft liger"):
+    if "ours" in e and peer in e:
+        o, p = e["ours"], e[peer]
+        print(f"ours / {peer}: tok/s {o['tokens_per_s'] / p['tokens_per_s']:.3f}, "
+              f"tokens/kJ {o['tokens_per_kj'] / p['tokens_per_kj']:.3f}")
+PY
 fi
 
 # ckpt8b: #24's checkpointed point, Llama-3-8B shape, seq 4096, mb2, r16 all linear: ours with
