@@ -74,6 +74,11 @@
 #         joules and tokens per kJ, the ratios -> $OUT/energy.jsonl, $OUT/energy.txt. ENERGY_SHAPE
 #         replaces the shape ("--shape llama3-8b --seq 4096"); ENERGY_OURS adds flags to ours
 #         ("--ckpt mlp"), ENERGY_PEER to the peers' ("--ckpt"). Not in the default set.
+# floor:  scripts/energy_floor.py at the energy mode's shape (FLOOR_SHAPE, default llama2-7b;
+#         seq 2048, mb2): the energy of a step's frozen GEMMs alone, causal attention's (torch's
+#         flash kernels), a GB moved and the idle watts -> $OUT/floor.jsonl; after `energy` in the
+#         same call, each trainer's step split into its frozen GEMMs and the rest, and the rest's
+#         budget for 2.0x the peer's tokens per joule -> $OUT/floor.txt. Not in the default set.
 # profile: where a step's GPU time goes, for each of PROFILE_SHAPES (default gemma2-9b phi3-mini
 #         llama2-7b; seq PROFILE_SEQ (2048), mb2, r16 all linear; PROFILE_EXTRA adds bench
 #         flags): ncu times
@@ -367,6 +372,34 @@ for peer in ("peft", "peft liger"):
         o, p = e["ours"], e[peer]
         print(f"ours / {peer}: tok/s {o['tokens_per_s'] / p['tokens_per_s']:.3f}, "
               f"tokens/kJ {o['tokens_per_kj'] / p['tokens_per_kj']:.3f}")
+PY
+fi
+
+# floor: see the header. The frozen GEMMs' joules are the same for every trainer; what a step
+# spends above them is its other passes' (and 2.0x the peer is a step of half the peer's joules).
+if [[ $what == *" floor "* ]]; then
+  timeout 300 python3 scripts/energy_floor.py --shape ${FLOOR_SHAPE:-llama2-7b} --seq 2048 --batch 2 \
+    --json "$OUT/floor.jsonl" 2>&1 | tail -6 | cut -c1-400
+  [ -s "$OUT/floor.jsonl" ] && [ -s "$OUT/energy.jsonl" ] && python3 - "$OUT" <<'PY' | tee "$OUT/floor.txt"
+import json, sys
+out = sys.argv[1]
+parts = {r["part"]: r for r in map(json.loads, open(f"{out}/floor.jsonl"))}
+runs = {r["tag"]: r for r in map(json.loads, open(f"{out}/energy.jsonl"))}
+g = parts.get("gemms")
+if g:
+    print(f"frozen GEMMs alone: {g['step_j']:.1f} J, {g['step_ms']:.1f} ms, {g['mean_w']:.0f} W, "
+          f"{g['tflops']:.0f} TFLOP/s, {g['pj_per_flop']:.3f} pJ a FLOP")
+    for tag, r in runs.items():
+        print(f"{tag:10s} {r['step_j']:7.1f} J a step: frozen GEMMs {g['step_j']:.1f}, "
+              f"the rest {r['step_j'] - g['step_j']:.1f} J")
+    for peer in ("peft", "peft liger"):
+        if "ours" in runs and peer in runs:
+            half = runs[peer]["step_j"] / 2
+            print(f"2.0x {peer}'s tokens/J: a step of <= {half:.1f} J, the rest <= "
+                  f"{half - g['step_j']:.1f} J (ours {runs['ours']['step_j'] - g['step_j']:.1f})")
+for name in ("attention", "memory", "idle"):
+    if name in parts:
+        print(name, {k: v for k, v in parts[name].items() if k not in ("shape", "seq", "batch", "gpu")})
 PY
 fi
 
