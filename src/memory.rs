@@ -5,6 +5,7 @@
 //! driver on every synchronisation) and read its peak use, which is what decides an OOM.
 
 pub mod plan;
+pub mod sizes;
 
 use candle_core::{Device, Result};
 use std::cell::Cell;

@@ -52,8 +52,7 @@ use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
-/// transformers' default `max_shard_size` for `save_pretrained` in 4.x.
-pub const DEFAULT_MAX_SHARD_SIZE: &str = "5GB";
+pub use crate::recipe::{MergeInto, DEFAULT_MAX_SHARD_SIZE};
 
 /// Files besides the weights that make a checkpoint usable; copied when the base has them.
 const COPIED: [&str; 10] = [
@@ -71,19 +70,6 @@ const COPIED: [&str; 10] = [
 
 /// The config.json key a merged model states what its adapter was merged into.
 pub const MERGED_INTO_KEY: &str = "lora_train_merged_into";
-
-/// What the adapter is merged into (`export --merge-into`, `[output] merge_into`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum MergeInto {
-    /// The base checkpoint's weights (a bitsandbytes 4-bit checkpoint's dequantized: its
-    /// weights are NF4).
-    #[default]
-    Base,
-    /// Each decoder-layer linear of the base quantized to NF4 and dequantized: the weights an
-    /// adapter trained with `model.quantize = "nf4"` computed with.
-    Dequantized,
-}
 
 /// How to write the merged model.
 #[derive(Debug, Clone)]

@@ -83,6 +83,9 @@ pub struct ModelConfig {
     pub pad_token_id: Option<u32>,
     /// `torch_dtype` / `dtype` as written (informational).
     pub stored_dtype: Option<String>,
+    /// A bitsandbytes NF4 checkpoint (`quantization_config`): Some(double quant); None for a
+    /// full-precision one (quant::bnb).
+    pub bnb_nf4: Option<bool>,
     /// What the family changes in the layer (model/family.rs).
     pub arch: Arch,
 }
@@ -210,6 +213,10 @@ impl ModelConfig {
             eos_token_ids: all_ids(raw.eos_token_id.as_ref()),
             pad_token_id: first_id(raw.pad_token_id.as_ref()),
             stored_dtype: raw.dtype.or(raw.torch_dtype),
+            bnb_nf4: crate::quant::bnb::nf4_of(&json).map_err(|m| ConfigError::Invalid {
+                path: path.to_owned(),
+                msg: m,
+            })?,
             arch,
         };
         super::check::config(&cfg, path)?;

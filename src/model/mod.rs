@@ -8,7 +8,9 @@
 pub mod build;
 pub mod check;
 pub mod config;
+pub mod device;
 pub mod family;
+pub mod keep;
 pub mod layer;
 pub mod layer_mlp;
 pub mod layer_moe;
@@ -19,10 +21,12 @@ pub mod moe_aux;
 pub mod prefetch;
 pub mod rope;
 pub mod router;
+pub mod shapes;
 
 pub use config::{ConfigError, ModelConfig, RopeScaling};
 pub use family::{Arch, Family, NormStyle};
+pub use keep::{Keep, PARK_PENDING, PARK_TAIL};
 pub use layer::{Extra, Layer, LayerSpec};
 pub use layer_train::{LayerActs, LayerGrads, Retain};
 pub use linear::{AdapterGrad, Linear, LoraGrad, Pad};
-pub use llama::{Ctx, Model};
+pub use llama::{Build, Ctx, Model};

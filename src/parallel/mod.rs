@@ -8,6 +8,7 @@
 //!
 //! The model knows no communication: train::driver gathers, reduces and recomputes.
 
+pub mod backend;
 pub mod cpu;
 pub mod fsdp;
 pub mod launch;

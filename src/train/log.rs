@@ -185,9 +185,10 @@ fn progress_bar(total: u64) -> ProgressBar {
 /// interrupted save left there, writes the resolved recipe, and opens metrics.jsonl (a
 /// resumed run keeps the rows up to its checkpoint and appends to them).
 fn open_outputs(s: &Session, out_dir: &Path, resume: Option<&Checkpoint>) -> Result<std::fs::File> {
+    let r = &s.run.recipe;
     std::fs::create_dir_all(out_dir)
         .with_context(|| format!("cannot create {}", out_dir.display()))?;
-    let removed = checkpoint::clean(&s.recipe, out_dir, resume.is_none())?;
+    let removed = checkpoint::clean(r, out_dir, resume.is_none())?;
     for names in [removed.outputs, removed.checkpoints] {
         if !names.is_empty() {
             eprintln!(
@@ -197,11 +198,11 @@ fn open_outputs(s: &Session, out_dir: &Path, resume: Option<&Checkpoint>) -> Res
             );
         }
     }
-    atomic_write(&out_dir.join("recipe.toml"), s.recipe.to_toml().as_bytes())?;
+    atomic_write(&out_dir.join("recipe.toml"), r.to_toml().as_bytes())?;
     let upto = resume.map(|ck| ck.state.step);
     // samples.jsonl (train.sample_every) is appended to by the loop itself.
     let samples = out_dir.join("samples.jsonl");
-    if s.recipe.train.sample_every > 0 || samples.is_file() {
+    if s.run.hooks.sample_every > 0 || samples.is_file() {
         rows_upto(&samples, upto)?;
     }
     let metrics = out_dir.join("metrics.jsonl");

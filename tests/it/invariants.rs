@@ -2,13 +2,15 @@
 //! never gets a gradient; accumulation equals a bigger batch; checkpointing changes memory,
 //! not numbers; packing changes layout, not the loss.
 
+use crate::common::Session;
 use crate::common::*;
 use candle_core::{Tensor, Var};
 use lora_train::data::{Batch, Example};
 use lora_train::memory::plan::{kept_attention_per_token_layer, kept_per_token_layer};
+use lora_train::model::Keep;
 use lora_train::model::Retain;
-use lora_train::train::driver::{self, Keep};
-use lora_train::train::{optim::Grads, Session};
+use lora_train::train::driver;
+use lora_train::train::optim::Grads;
 
 use crate::common::golden_session as session;
 
@@ -66,7 +68,7 @@ fn hand_written_layer_backward_equals_autograd() {
         "mistral_head_dim",
     ] {
         let (_t, s) = session(case, &["lora.dropout = 0.2"]);
-        let ex: Vec<&Example> = (0..4).map(|i| &s.data.examples[i]).collect();
+        let ex: Vec<&Example> = (0..4).map(|i| &s.d.data.examples[i]).collect();
         let batch = Batch::from_rows(&[vec![ex[0], ex[1]], vec![ex[2], ex[3]]], 0, true);
         assert!(batch.segments.is_some(), "{case}: the rows must be packed");
         let m = &s.model;
@@ -319,7 +321,7 @@ fn grads_of(
 fn activation_checkpointing_gives_identical_gradients_even_with_dropout() {
     let (_t, s) = session("llama_gqa", &["lora.dropout=0.3"]);
     assert_eq!(
-        s.spec.dropout, 0.3,
+        s.run.spec.dropout, 0.3,
         "the recipe's dropout applies to an init adapter"
     );
     let batch = s.batch(&[vec![0], vec![1]]);
@@ -346,7 +348,7 @@ fn activation_checkpointing_gives_identical_gradients_even_with_dropout() {
 #[test]
 fn packed_loss_and_gradients_equal_unpacked() {
     let (_t, s) = session("mistral_head_dim", &[]);
-    let ex: Vec<&Example> = (2..6).map(|i| &s.data.examples[i]).collect();
+    let ex: Vec<&Example> = (2..6).map(|i| &s.d.data.examples[i]).collect();
     let unpacked = Batch::from_rows(
         &[vec![ex[0]], vec![ex[1]], vec![ex[2]], vec![ex[3]]],
         0,
@@ -380,7 +382,7 @@ fn init_adapter_round_trips_through_our_writer() {
     // Save the PEFT init adapter with our writer, read it back as init_adapter: same numbers.
     let (tmp, s) = session("qwen2_bias", &[]);
     let dir = tmp.path().join("copy");
-    lora_train::export::save_adapter(&dir, &s.model, &s.spec, "base", None).unwrap();
+    lora_train::export::save_adapter(&dir, &s.model, &s.run.spec, "base", None).unwrap();
     let ours = load_st(&dir.join("adapter_model.safetensors"));
     let theirs = load_st(&golden_dir("qwen2_bias").join("init_adapter/adapter_model.safetensors"));
     assert_eq!(ours.len(), theirs.len());
@@ -388,14 +390,14 @@ fn init_adapter_round_trips_through_our_writer() {
         assert_close(k, &ours[k], t, 0.0, 0.0);
     }
     let info = lora_train::export::read_adapter_config(&dir).unwrap();
-    assert_eq!(info.spec, s.spec);
+    assert_eq!(info.spec, s.run.spec);
 }
 
 #[test]
 fn eval_loss_is_the_mean_token_ce_of_a_plain_forward_packed_or_not() {
     let (_t, s) = session("llama_gqa", &["data.eval_fraction=0.5", "lora.dropout=0.2"]);
-    let ev = s.eval.as_ref().unwrap();
-    assert_eq!(ev.examples.len() + s.data.examples.len(), 8);
+    let ev = s.d.eval.as_ref().unwrap();
+    assert_eq!(ev.examples.len() + s.d.data.examples.len(), 8);
     let (loss, n) = s.eval_loss().unwrap().unwrap();
     // Independently: the whole model's logits, log-softmax in f64, every example alone.
     let (mut sum, mut count) = (0.0, 0);
@@ -491,7 +493,7 @@ fn the_head_in_chunks_gives_the_same_loss_and_gradients() {
             Keep::Acts,
             None,
             &mut g,
-            chunk,
+            &lora_train::train::objective::Sft { head_chunk: chunk },
             &mut |_| Ok(()),
         )
         .unwrap()
@@ -1344,7 +1346,7 @@ fn a_chunked_mlp_gives_the_unchunked_loss_and_gradients() {
         "qwen2_bias",
     ] {
         let (_t, mut s) = session(case, &[]);
-        let all: Vec<&Example> = s.data.examples.iter().collect();
+        let all: Vec<&Example> = s.d.data.examples.iter().collect();
         let batch = Batch::from_rows(&[all.clone(), all.clone(), all], 0, true);
         let (m, n) = (batch.b * batch.t, 16);
         assert!(m > 10 * n, "{case}: {m} tokens span many chunks");
@@ -1403,7 +1405,7 @@ fn recomputing_the_mlp_half_gives_the_kept_gradients() {
         "qwen3_moe",
     ] {
         let (_t, mut s) = session(case, &[]);
-        let all: Vec<&Example> = s.data.examples.iter().collect();
+        let all: Vec<&Example> = s.d.data.examples.iter().collect();
         let batch = Batch::from_rows(&[all.clone(), all.clone(), all], 0, true);
         for chunk in [None, Some(16)] {
             s.model.mlp_chunk = chunk;
@@ -1430,14 +1432,15 @@ fn recomputing_the_mlp_half_gives_the_kept_gradients() {
                 .unwrap()
                 .bytes() as u64
         };
-        let per_token = kept_attention_per_token_layer(&m.cfg, 4, s.spec.rank, &s.spec.targets);
+        let per_token =
+            kept_attention_per_token_layer(&m.cfg, 4, s.run.spec.rank, &s.run.spec.targets);
         let tokens = (batch.b * batch.t) as u64;
         assert_eq!(
             kept(Retain::Attention),
             per_token * tokens,
             "{case}: the plan's bytes"
         );
-        let full = kept_per_token_layer(&m.cfg, 4, s.spec.rank, &s.spec.targets);
+        let full = kept_per_token_layer(&m.cfg, 4, s.run.spec.rank, &s.run.spec.targets);
         match m.cfg.arch.moe {
             Some(_) => assert_eq!(per_token, full, "{case}: a MoE layer keeps h already"),
             None => assert!(per_token < full, "{case}: {per_token} B a token of {full}"),

@@ -26,9 +26,9 @@
 //!   h, s · (2·C + 2·H·D + 2·K·D + r·A_attn) + 4H (Llama-2-7B: 49,408 B/token/layer), and the
 //!   layer whose MLP half runs (forward) or is recomputed (backward) holds its gate, up and MLP
 //!   adapter states, s · (2·I + r·A_mlp), for one chunk. With offload (CUDA, the MLP whole,
-//!   dense) the layers but the top `driver::PARK_TAIL` keep their MLP half too, its gate and
+//!   dense) the layers but the top `PARK_TAIL` keep their MLP half too, its gate and
 //!   up (2·I·N·s a layer) parked in host memory (`host`): on the device its adapter states,
-//!   and up to `driver::PARK_PENDING` pairs still going out (forward, head, the top layers'
+//!   and up to `PARK_PENDING` pairs still going out (forward, head, the top layers'
 //!   backward), or a pair on its way back.
 //! - offload (`train.offload_activations`, on by default with CUDA; without checkpointing):
 //!   each layer's residual h waits for its backward in pinned host memory, (L − 1)·N·C·s of it
@@ -75,9 +75,9 @@
 //! pool's high-water mark); `total` adds context and slack and is what must fit the card.
 
 use crate::model::ModelConfig;
+use crate::model::{Keep, PARK_PENDING, PARK_TAIL};
 use crate::ops::kernels::{CrossEntropy, Kernels};
 use crate::recipe::{Checkpointing, Strategy};
-use crate::train::driver;
 
 mod advice;
 mod render;
@@ -141,8 +141,8 @@ pub struct PlanInput {
     /// (under FSDP, its shards and gathered layers).
     pub kernels: Kernels,
     /// Activations wait in host memory (`train.offload_activations`): without checkpointing
-    /// each layer's residual (`driver::Keep::Offload`), with the MLP half checkpointed gate
-    /// and up (`driver::Keep::ParkMlp`), with the whole layer its input.
+    /// each layer's residual (`Keep::Offload`), with the MLP half checkpointed gate
+    /// and up (`Keep::ParkMlp`), with the whole layer its input.
     pub offload: bool,
     /// How the base is stored (`[model] quantize`): NF4 linears at `nf4::bytes_for` each,
     /// dequantized for the current and the next layer.
@@ -173,7 +173,7 @@ pub struct Breakdown {
     /// Pinned host memory (offloaded residuals).
     pub host: u64,
     /// With the MLP half checkpointed: the most pairs of parked gate and up on the device while
-    /// their copies out run (`driver::Keep::ParkMlp`); 0 where nothing is parked (the MLP
+    /// their copies out run (`Keep::ParkMlp`); 0 where nothing is parked (the MLP
     /// half recomputed).
     pub park_pending: usize,
     /// FSDP: the gathered weights of the current and next layer; NF4: the dequantized
@@ -419,7 +419,7 @@ pub fn breakdown(
 
 /// `breakdown` as the run sets itself up within `capacity` bytes: with the MLP half
 /// checkpointed and offload on, the most pairs of parked gate and up in flight
-/// (`driver::PARK_PENDING`, fewer where those do not fit; none, the MLP half recomputed,
+/// (`PARK_PENDING`, fewer where those do not fit; none, the MLP half recomputed,
 /// where one does not: `Breakdown::park_pending`).
 pub fn breakdown_within(
     p: &PlanInput,
@@ -428,11 +428,11 @@ pub fn breakdown_within(
     micro_batch: usize,
     capacity: Option<u64>,
 ) -> Breakdown {
-    let most = breakdown_parking(p, strategy, ckpt, micro_batch, driver::PARK_PENDING);
+    let most = breakdown_parking(p, strategy, ckpt, micro_batch, PARK_PENDING);
     let Some(cap) = capacity.filter(|_| most.park_pending > 0) else {
         return most;
     };
-    let fewer = (1..driver::PARK_PENDING).rev();
+    let fewer = (1..PARK_PENDING).rev();
     std::iter::once(most)
         .chain(fewer.map(|k| breakdown_parking(p, strategy, ckpt, micro_batch, k)))
         .find(|b| b.total <= cap)
@@ -575,14 +575,14 @@ fn activations(p: &PlanInput, ckpt: Checkpointing, micro_batch: usize, park: usi
     // Checkpointed with offload: the inputs parked in host memory but the last layer's; on the
     // device that one, the last output and one on its way out (forward) or back.
     let parked = full && p.offload;
-    // The MLP half checkpointed with offload (driver::Keep::ParkMlp): the layers below the
+    // The MLP half checkpointed with offload (Keep::ParkMlp): the layers below the
     // top PARK_TAIL park gate and up in host memory and keep the rest of their MLP half's
     // activations; up to PARK_PENDING pairs wait on the device for their copies out.
     let pair = 2 * i * n * s;
     let parks_mlp =
         ckpt == Checkpointing::Mlp && p.offload && mlp_act > 0 && bwd_chunk == n && park > 0;
-    let keep = driver::Keep::ParkMlp {
-        tail: driver::PARK_TAIL,
+    let keep = Keep::ParkMlp {
+        tail: PARK_TAIL,
         pending: park,
     };
     let mlp_parked = match parks_mlp {
@@ -660,7 +660,7 @@ fn workspaces(p: &PlanInput, micro_batch: usize, a: &Acts) -> (u64, u64, u64) {
     } else {
         HEAD_CHUNKS * 4.0
     };
-    let rows = crate::train::driver::head_chunk_rows(v as usize, p.kernels.cross_entropy) as u64;
+    let rows = crate::memory::sizes::head_chunk_rows(v as usize, p.kernels.cross_entropy) as u64;
     let head_ws =
         (per_logit * (rows * v).min(n * v) as f64) as u64 + 2 * a.boundary + a.mlp_pending;
     // Chunked, the MLP's [chunk, I] gradients, and the attention's backward over all tokens:
@@ -703,7 +703,7 @@ fn breakdown_parking(
     let optim_ws = if p.cuda {
         0
     } else {
-        8 * 4 * r.lp.min(crate::train::optim::GROUP as u64)
+        8 * 4 * r.lp.min(crate::memory::sizes::OPTIM_GROUP as u64)
     };
     let optim = steady + r.grad_sums + optim_ws;
     let phases = [
@@ -935,7 +935,7 @@ pub fn input_from_shape(
     targets: Vec<String>,
     gpus: usize,
 ) -> anyhow::Result<PlanInput> {
-    let cfg = crate::bench::shape(shape)?;
+    let cfg = crate::model::shapes::shape(shape)?;
     Ok(PlanInput {
         tied: cfg.tie_word_embeddings.unwrap_or(false),
         kernels: Kernels::forecast(true, candle_core::DType::BF16, cfg.attn_shape()),
@@ -957,62 +957,18 @@ pub fn input_from_shape(
 impl PlanInput {
     /// The same run on an NF4 base (double quant; no fold).
     pub fn nf4(self) -> PlanInput {
-        self.with_quant(crate::quant::Quant {
-            kind: crate::quant::Quantize::Nf4,
-            double_quant: true,
-        })
+        self.with_quant(crate::quant::Quant::nf4(true))
     }
 
     /// The same run with its base stored as `quant` says (e.g. `Quant::for_checkpoint`: a
     /// bitsandbytes 4-bit checkpoint is NF4 whatever the recipe says).
     pub fn with_quant(self, quant: crate::quant::Quant) -> PlanInput {
         PlanInput {
-            kernels: self.kernels.for_base(quant),
+            kernels: self.kernels.for_base(quant.nf4),
             quant,
             ..self
         }
     }
-}
-
-/// The plan's input for a recipe, given its config.json (`hub::config_file`): the recipe's
-/// micro-batch, seq_len, LoRA rank and targets, and base dtype (model.dtype, else bf16 on
-/// CUDA and f32 on the CPU). A config that does not say whether the head is tied counts it
-/// untied (the larger).
-pub fn input_from_recipe(
-    r: &crate::recipe::Recipe,
-    cfg: ModelConfig,
-    gpus: usize,
-    cuda: bool,
-) -> Result<PlanInput, crate::recipe::RecipeError> {
-    use crate::recipe::{DeviceKind, Dtype};
-    let dtype_bytes = match (r.model.dtype, r.model.device) {
-        (Some(Dtype::F32), _) | (None, DeviceKind::Cpu) => 4,
-        _ => 2,
-    };
-    let dtype = match (r.model.dtype, r.model.device) {
-        (Some(Dtype::F32), _) | (None, DeviceKind::Cpu) => candle_core::DType::F32,
-        (Some(Dtype::F16), _) => candle_core::DType::F16,
-        _ => candle_core::DType::BF16,
-    };
-    let kernels = Kernels::forecast(cuda, dtype, cfg.attn_shape());
-    let targets = r.target_modules()?;
-    let mlp_chunk = mlp_chunk_as_run(&cfg, r.mlp_chunk(), r.lora.dropout, &targets);
-    Ok(PlanInput {
-        tied: cfg.tie_word_embeddings.unwrap_or(false),
-        cfg,
-        dtype_bytes,
-        micro_batch: r.train.micro_batch,
-        seq_len: r.data.seq_len,
-        rank: r.lora.rank,
-        targets,
-        dora: r.lora.use_dora,
-        gpus: gpus.max(1),
-        cuda,
-        kernels: kernels.for_adapters(r.lora.use_dora).for_base(r.quant()),
-        offload: cuda && r.train.offload_activations.unwrap_or(true),
-        quant: r.quant(),
-        mlp_chunk,
-    })
 }
 
 /// Tokens per MLP chunk as the layers run it (`Layer::mlp_chunk`): `chunk` (`train.mlp_chunk`),
