@@ -8,7 +8,6 @@
 
 pub mod adapter_check;
 pub mod merge;
-mod merge_experts;
 
 use crate::lora::{Lora, LoraSpec, EXPERT_PARAMS, KNOWN_LINEAR};
 use crate::model::Model;

@@ -81,7 +81,7 @@ impl Report<'_> {
             "losses": losses.iter().map(|l| (l * 1e4).round() / 1e4).collect::<Vec<_>>(),
             "per_rank": per_rank,
             "fsdp_gathers": shards.map(|s| if s.peer_copies { "peer copies" } else { "collective" }),
-            "resident_base_gib": r2(crate::parallel::fsdp::resident_base_bytes(model, shards) as f64 / GIB),
+            "resident_base_gib": r2(crate::train::shards::resident_base_bytes(model, shards) as f64 / GIB),
             "device": format!("{:?}", model.device.location()),
             "shape": a.shape, "seq": t, "micro_batch": b, "lora_rank": a.rank,
             "targets": a.targets, "ckpt": a.ckpt, "offload": keep.parks(), "attn": attn,

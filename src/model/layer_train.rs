@@ -94,7 +94,7 @@ impl LayerActs {
             .chain(&self.h)
             .chain(&self.ao)
             .chain(self.mlp.iter().flat_map(MlpActs::tensors))
-            .map(|t| crate::memory::tensor_bytes(t) as usize)
+            .map(|t| crate::ops::tensor_bytes(t) as usize)
             .sum()
     }
 

@@ -32,8 +32,8 @@ use crate::data::Batch;
 use crate::memory;
 use crate::model::moe_aux::MoeAux;
 use crate::model::{Ctx, Keep, Layer, LayerActs, LayerGrads, Model, Retain};
-use crate::parallel::fsdp::Shards;
 use crate::parallel::{Comm, Solo};
+use crate::train::shards::Shards;
 use candle_core::{DType, Result, Tensor, Var};
 use std::borrow::Cow;
 

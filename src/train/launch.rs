@@ -230,7 +230,7 @@ fn announce(session: &Session, data: &TrainData) {
         .sum();
     let world = session.comm.world();
     if world > 1 {
-        let resident = crate::parallel::fsdp::resident_base_bytes(m, session.shards.as_ref());
+        let resident = crate::train::shards::resident_base_bytes(m, session.shards.as_ref());
         eprintln!(
             "{} over {world} ranks (devices {:?}); frozen base resident per rank: {:.1} MB",
             run.strategy.name(),

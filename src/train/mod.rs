@@ -30,6 +30,7 @@ pub mod run_config;
 pub mod run_loop;
 pub mod schedule;
 pub mod session;
+pub mod shards;
 pub mod step;
 pub mod stop;
 pub mod train_data;

@@ -891,7 +891,8 @@ impl lora_train::parallel::Comm for Cut {
 fn fsdp_shards_carry_the_folded_b_columns_on_the_gpu() {
     use candle_core::DType;
     use lora_train::model::{Linear, Model};
-    use lora_train::parallel::fsdp::{Flat, Shards};
+    use lora_train::parallel::fsdp::Flat;
+    use lora_train::train::shards::Shards;
     let reference = gpu_layer_model();
     let (cfg, dev) = (reference.cfg.clone(), reference.device.clone());
     let spec = all_linear_r8();

@@ -2,6 +2,9 @@
 
 use super::*;
 use crate::lora::ALL_LINEAR;
+use crate::model::ModelConfig;
+use crate::ops::kernels::Kernels;
+use crate::recipe::{Checkpointing, Strategy};
 
 const OFF: Checkpointing = Checkpointing::Off;
 const FULL: Checkpointing = Checkpointing::Full;
