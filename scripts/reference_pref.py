@@ -507,6 +507,10 @@ def run_case(name, case, out, with_trl):
             if "lora_B" in pname:
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
     pm.save_pretrained(os.path.join(d, "init_adapter"))
+    # PEFT's model card is no part of the fixture (the SFT goldens have none either)
+    card = os.path.join(d, "init_adapter", "README.md")
+    if os.path.exists(card):
+        os.remove(card)
     rows = make_rows(case, g, base.config.vocab_size)
     with open(os.path.join(d, "train.jsonl"), "w") as f:
         for r in rows:
