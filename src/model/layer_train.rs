@@ -581,7 +581,7 @@ impl Layer {
                 (Some(dhn), g)
             }
             None => {
-                let g = super::linear::join_parts(g, &cuts)?;
+                let g = super::parts::join_parts(g, &cuts)?;
                 (None, Linear::grads_shared(&lins, &hn, g, &xa, ctx)?)
             }
         };

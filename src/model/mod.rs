@@ -8,6 +8,7 @@
 pub mod build;
 pub mod check;
 pub mod config;
+mod config_rope;
 pub mod device;
 pub mod family;
 pub mod keep;
@@ -18,6 +19,7 @@ pub mod layer_train;
 pub mod linear;
 pub mod llama;
 pub mod moe_aux;
+mod parts;
 pub mod prefetch;
 pub mod rope;
 pub mod router;
