@@ -189,6 +189,11 @@ pub struct TrainSection {
     /// when set. Default: 0 (off).
     #[serde(default)]
     pub router_aux_loss_coef: f64,
+    /// Trackers that receive the metrics as the run goes: "tensorboard" (event files under
+    /// `<output.dir>/runs/`; W&B syncs them) and "mlflow" (the server at
+    /// MLFLOW_TRACKING_URI, with the recipe as params). One name or a list. Default: [].
+    #[serde(default, deserialize_with = "crate::track::de_report_to")]
+    pub report_to: Vec<crate::track::Tracker>,
 }
 
 fn d_mlp_chunk() -> usize {
@@ -280,6 +285,7 @@ impl Default for TrainSection {
             max_memory: None,
             mlp_chunk: d_mlp_chunk(),
             router_aux_loss_coef: 0.0,
+            report_to: Vec::new(),
         }
     }
 }

@@ -193,6 +193,18 @@ impl Recipe {
                 format!("= {coef}: use a weight in [0, 1] (0: off; transformers' default 0.001)"),
             ));
         }
+        if let Some((i, k)) =
+            (t.report_to.iter().enumerate()).find(|(i, k)| t.report_to[..*i].contains(k))
+        {
+            return Err(self.invalid(
+                "train.report_to",
+                format!(
+                    "names \"{}\" twice (entry {}): list each tracker once",
+                    k.name(),
+                    i + 1
+                ),
+            ));
+        }
         if t.mlp_chunk > MLP_CHUNK_MAX || t.mlp_chunk % 64 != 0 {
             return Err(self.invalid(
                 "train.mlp_chunk",

@@ -42,8 +42,9 @@ pub const RNG: &str = "SplitMix64 streams keyed by seed: shuffle (seed, epoch); 
 const LOSS_TAIL: usize = 100;
 
 /// Recipe keys that do not change the numbers of a run: they may differ on resume.
-const FREE_KEYS: [&str; 16] = [
+const FREE_KEYS: [&str; 17] = [
     "train.resume",
+    "train.report_to",
     "train.max_memory",
     "train.log_every",
     "train.skip_nonfinite",

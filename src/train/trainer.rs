@@ -203,6 +203,7 @@ impl<'s> Trainer<'s> {
             }
         }
         self.writer.wait()?;
+        self.log.finish();
         if self.at.skipped > 0 && lead {
             eprintln!(
                 "skipped {} of {} steps with a non-finite loss or gradient",

@@ -30,3 +30,4 @@ mod quick_start;
 mod recipes;
 mod report;
 mod resume;
+mod track;
