@@ -13,9 +13,9 @@
 //!
 //! Shapes: B batch, T tokens, C hidden, H heads, K kv heads, D head dim, I mlp.
 
+use super::decoder::Ctx;
 use super::layer_moe::Moe;
 use super::linear::Linear;
-use super::llama::Ctx;
 use super::parts::pad_group;
 use crate::ops::glu::Act;
 use crate::ops::{self, AttnMask, NormSpec};

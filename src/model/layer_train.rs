@@ -26,10 +26,10 @@
 //!
 //! Shapes: B batch, T tokens, m = B·T, C hidden, H heads, K kv heads, D head dim, I mlp.
 
+use super::decoder::Ctx;
 use super::layer::{repeat_kv, Layer};
 use super::layer_mlp::{MlpActs, MlpIn};
 use super::linear::{AdapterGrad, Linear};
-use super::llama::Ctx;
 use crate::ops;
 use candle_core::{DType, Result, Tensor, TensorId};
 

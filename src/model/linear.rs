@@ -8,7 +8,7 @@
 //!
 //! Shapes: m tokens (B·T), in and out the linear's widths, r the adapter's rank.
 
-use super::llama::Ctx;
+use super::decoder::Ctx;
 use super::parts::{cut, join_parts, row_blocks};
 use crate::lora::Lora;
 use crate::ops;

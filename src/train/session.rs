@@ -9,7 +9,7 @@ use super::resolve::{self, Machine};
 use super::run_config::RunConfig;
 use crate::export;
 use crate::hub::ModelFiles;
-use crate::model::llama::{Group, Loaded};
+use crate::model::decoder::{Group, Loaded};
 use crate::model::{device, Build, Model};
 use crate::ops::Kernels;
 use crate::parallel::fsdp::Flat;

@@ -22,7 +22,7 @@ fn reference(
     lin: &Linear,
     x: &Var,
     ab: &(Var, Var),
-    ctx: &lora_train::model::llama::Ctx,
+    ctx: &lora_train::model::decoder::Ctx,
 ) -> Tensor {
     let lora = lin.lora.as_ref().unwrap();
     let d = lin

@@ -148,7 +148,7 @@ pub(crate) fn autograd_reference(
     layer: &lora_train::model::Layer,
     x: &Tensor,
     g: &Tensor,
-    ctx: &lora_train::model::llama::Ctx,
+    ctx: &lora_train::model::decoder::Ctx,
 ) -> (Var, Tensor, candle_core::backprop::GradStore) {
     let xv = Var::from_tensor(x).unwrap();
     let y = layer.forward(xv.as_tensor(), ctx).unwrap();
@@ -207,7 +207,7 @@ fn hand_written_head_backward_equals_autograd() {
         let (ce, dx) = m.head_loss_bwd(&x, &tgt, denom).unwrap();
         let xv = Var::from_tensor(&x).unwrap();
         let ce_ref =
-            lora_train::model::llama::cross_entropy_sum(&m.head(xv.as_tensor()).unwrap(), &tgt)
+            lora_train::model::decoder::cross_entropy_sum(&m.head(xv.as_tensor()).unwrap(), &tgt)
                 .unwrap();
         let want = ce_ref.to_scalar::<f32>().unwrap() as f64;
         assert!(
@@ -550,9 +550,9 @@ fn offloaded_activations_give_the_kept_gradients_on_the_gpu() {
 /// bf16, rank-8 adapters on every linear with random B's (PEFT's zero B would leave every
 /// adapter gradient but dB trivial).
 #[cfg(feature = "cuda")]
-fn gpu_layer_model() -> lora_train::model::llama::Model {
+fn gpu_layer_model() -> lora_train::model::decoder::Model {
     use candle_core::{DType, Device};
-    use lora_train::model::llama::Model;
+    use lora_train::model::decoder::Model;
     let dev = Device::new_cuda(0).unwrap();
     let mut cfg = lora_train::bench::shape("tiny").unwrap(); // hidden 256, mlp 688
     (
@@ -579,7 +579,7 @@ fn gpu_layer_model() -> lora_train::model::llama::Model {
 
 /// Every adapter's B drawn afresh from N(0, std²).
 #[cfg(feature = "cuda")]
-fn randomize_b(m: &lora_train::model::llama::Model, std: f32) {
+fn randomize_b(m: &lora_train::model::decoder::Model, std: f32) {
     for (_, lora) in m.adapters() {
         let b = Tensor::randn(0f32, std, lora.b.shape(), lora.b.device()).unwrap();
         lora.b.set(&b).unwrap();
@@ -590,8 +590,8 @@ fn randomize_b(m: &lora_train::model::llama::Model, std: f32) {
 /// segments each, x [2, 150, 256] bf16 and dL/dy g of its shape (f32).
 #[cfg(feature = "cuda")]
 fn gpu_layer_batch(
-    m: &lora_train::model::llama::Model,
-) -> (lora_train::model::llama::Ctx, Tensor, Tensor) {
+    m: &lora_train::model::decoder::Model,
+) -> (lora_train::model::decoder::Ctx, Tensor, Tensor) {
     use candle_core::DType;
     let dev = &m.device;
     let (b, t, c) = (2, 150, 256);
@@ -669,8 +669,8 @@ fn folded_layer_matches_the_unfolded_and_autograd_on_the_gpu() {
 #[cfg(feature = "cuda")]
 fn folded_matches_unfolded(
     tag: &str,
-    m: &lora_train::model::llama::Model,
-    ctx: &lora_train::model::llama::Ctx,
+    m: &lora_train::model::decoder::Model,
+    ctx: &lora_train::model::decoder::Ctx,
     x: &Tensor,
     g: &Tensor,
 ) -> usize {
@@ -725,7 +725,7 @@ fn folded_geglu_layer_matches_the_unfolded_on_the_gpu() {
 #[cfg(feature = "cuda")]
 fn folded_family_layer_matches_the_unfolded(name: &str, inputs: (usize, usize)) {
     use candle_core::{DType, Device};
-    use lora_train::model::{llama::Model, Linear};
+    use lora_train::model::{decoder::Model, Linear};
     let dev = Device::new_cuda(0).unwrap();
     let mut cfg = lora_train::bench::shape(name).unwrap();
     (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size) = (2, 256, 688);
@@ -771,7 +771,7 @@ fn folded_family_layer_matches_the_unfolded(name: &str, inputs: (usize, usize)) 
 
 /// Every adapter of `m` at dropout rate `p` (as the recipe's lora.dropout sets it).
 #[cfg(feature = "cuda")]
-fn with_dropout(m: &mut lora_train::model::llama::Model, p: f32) {
+fn with_dropout(m: &mut lora_train::model::decoder::Model, p: f32) {
     for l in &mut m.layers {
         let lins = l
             .attn_in
@@ -1013,10 +1013,10 @@ fn fsdp_shards_carry_the_folded_b_columns_on_the_gpu() {
 /// One decoder layer of the Llama-2-7B shape on GPU 0 in bf16, rank-16 adapters (α 32) on
 /// every linear, folded (ops::fold): the bench's shapes, so its tuned GEMMs.
 #[cfg(feature = "cuda")]
-fn folded_7b_layer() -> lora_train::model::llama::Model {
+fn folded_7b_layer() -> lora_train::model::decoder::Model {
     use candle_core::{DType, Device};
     use lora_train::lora::{LoraSpec, ALL_LINEAR};
-    use lora_train::model::llama::Model;
+    use lora_train::model::decoder::Model;
     let dev = Device::new_cuda(0).unwrap();
     let mut cfg = lora_train::bench::shape("llama2-7b").unwrap();
     (cfg.num_layers, cfg.vocab_size) = (1, 512);
