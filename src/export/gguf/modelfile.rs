@@ -11,7 +11,7 @@
 //! The BOS the template writes first is left out when llama.cpp adds it (add_bos_token).
 
 use crate::data::chat::ChatTemplate;
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use minijinja::Value;
 use std::path::Path;
 
@@ -194,33 +194,64 @@ pub fn modelfile(
     Ok(m)
 }
 
+/// tokenizer_config.json's special tokens as strings (a string, or {"content": …}).
+fn config_specials(cfg: Option<&Path>) -> Result<Vec<(String, String)>> {
+    let Some(p) = cfg else { return Ok(Vec::new()) };
+    let text =
+        std::fs::read_to_string(p).with_context(|| format!("cannot read {}", p.display()))?;
+    let v: serde_json::Value = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not valid JSON", p.display()))?;
+    let mut out = Vec::new();
+    for k in [
+        "bos_token",
+        "eos_token",
+        "unk_token",
+        "pad_token",
+        "sep_token",
+        "cls_token",
+    ] {
+        let t = &v[k];
+        if let Some(s) = t.as_str().or_else(|| t["content"].as_str()) {
+            out.push((k.to_string(), s.to_string()));
+        }
+    }
+    Ok(out)
+}
+
 /// The Modelfile of the checkpoint whose tokenizer is in `dir`: FROM `from`, the chat template
-/// (when the tokenizer has one), stops at its stop tokens.
+/// (when the tokenizer has one), stops at its stop tokens (tokenizer_config.json's eos_token,
+/// and with a tokenizer.json the configs' eos ids and an EOT).
 pub fn for_checkpoint(dir: &Path, from: &str, adapter: Option<&str>) -> Result<String> {
     let tok_path = dir.join("tokenizer.json");
     let cfg_path = dir.join("tokenizer_config.json");
-    if !tok_path.is_file() {
-        return modelfile(from, adapter, None, &[]);
-    }
     let cfg = cfg_path.is_file().then_some(cfg_path.as_path());
-    let tok = crate::data::TextTokenizer::load(&tok_path, cfg)?;
+    let specials = config_specials(cfg)?;
+    let special = |k: &str| {
+        specials
+            .iter()
+            .find(|(n, _)| n == k)
+            .map(|(_, s)| s.clone())
+    };
     let sv = super::special::read(dir, false, None)?;
-    let bos_text = sv
-        .id("bos")
-        .filter(|_| sv.adds("bos").unwrap_or(false))
-        .and_then(|id| tok.token_text(id));
+    let tok = match tok_path.is_file() {
+        true => Some(crate::data::TextTokenizer::load(&tok_path, cfg)?),
+        false => None,
+    };
+    let bos_text = match sv.adds("bos") {
+        Some(true) => special("bos_token"),
+        _ => None,
+    };
     let template = match sv.chat_template {
         Some(_) => {
-            let t = ChatTemplate::load(dir, cfg, None, tok.specials.clone())?;
+            let t = ChatTemplate::load(dir, cfg, None, specials.clone())?;
             Some(go_template(&turns(&t, bos_text.as_deref())?))
         }
         None => None,
     };
-    let mut stops: Vec<String> = Vec::new();
-    let mut ids = tok.stop_ids.clone();
-    ids.extend(sv.id("eot"));
-    for id in ids {
-        if let Some(s) = tok.token_text(id) {
+    let mut stops: Vec<String> = special("eos_token").into_iter().collect();
+    if let Some(tok) = &tok {
+        let ids = tok.stop_ids.iter().copied().chain(sv.id("eot"));
+        for s in ids.filter_map(|id| tok.token_text(id)) {
             if !stops.contains(&s) {
                 stops.push(s);
             }

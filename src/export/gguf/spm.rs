@@ -86,7 +86,10 @@ impl<'a> Reader<'a> {
     fn value(&mut self, wire: u8) -> Result<Value<'a>, SpmError> {
         Ok(match wire {
             0 => Value::Int(self.varint()?),
-            1 => Value::Fixed64(self.take(8)?),
+            1 => {
+                self.take(8)?;
+                Value::Fixed64
+            }
             2 => {
                 let n = self.varint()?;
                 let n = usize::try_from(n).map_err(|_| self.err("length too large"))?;
@@ -99,9 +102,11 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// A field's value, as far as the pieces need it.
 enum Value<'a> {
     Int(u64),
-    Fixed64(#[allow(dead_code)] &'a [u8]),
+    /// Skipped (no field of a piece is 64-bit).
+    Fixed64,
     /// The bytes and where they start in the file.
     Bytes(&'a [u8], usize),
     Fixed32(&'a [u8]),
