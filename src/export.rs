@@ -7,6 +7,7 @@
 //! and its config says `"use_dora": true`.
 
 pub mod adapter_check;
+pub mod gguf;
 pub mod merge;
 
 use crate::lora::{Lora, LoraSpec, EXPERT_PARAMS, KNOWN_LINEAR};

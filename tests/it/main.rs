@@ -13,6 +13,7 @@ mod dora;
 mod dropout;
 mod first_hour;
 mod generate;
+mod gguf;
 mod golden;
 mod hub;
 mod hub_data;
