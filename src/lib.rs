@@ -1,40 +1,44 @@
-//! lora-train: LoRA fine-tuning of Hugging Face Llama-family checkpoints on candle.
+//! lora-train: LoRA fine-tuning of Hugging Face checkpoints (llama, mistral, qwen2, qwen3,
+//! gemma2, gemma3_text, phi3, qwen3_moe) on candle, on one GPU, many GPUs or the CPU.
 //!
-//! The modules in the order a run's data goes through them; `ops` (the layers' kernels and
-//! their CPU references) lies beneath the model, `util` and `rng` beneath everything.
+//! A run's data goes recipe → hub → model (with quant and lora) → data → train (which drives
+//! parallel, memory and export) → the adapter. The modules below are listed in their import
+//! layers, from the bottom: each imports only modules listed before it (docs/design.md, "The
+//! house", holds the same list, and tests/it/house.rs holds the code to both).
 
-// A recipe (TOML + --set) read, checked and resolved.
-pub mod recipe;
-// The checkpoint's files: a local directory or the Hugging Face Hub and its cache.
-pub mod hub;
-// The decoder (Llama, Mistral, Qwen2), its layers' forward and hand-written backward.
-pub mod model;
-// The frozen base in 4 bits (QLoRA): bitsandbytes' NF4, made at load or read as saved.
-pub mod quant;
-// The adapters: their shape, init and dropout.
-pub mod lora;
-// Examples read, tokenized, batched, packed and sampled.
-pub mod data;
-// The step engine, the training loop, checkpoints, stops.
-pub mod train;
-// Ranks and their communicators (CPU threads, NCCL), FSDP's shards.
-pub mod parallel;
-// Device memory: the plan, the pool's peaks, the OOM diagnosis.
-pub mod memory;
-// The PEFT adapter and the merged model written.
-pub mod export;
-// Trying the result: decoding with a KV cache; a run's curves drawn.
-pub mod generate;
-pub mod report;
-// `lora-train bench` and `lora-train probe`: the engine on random weights and batches.
-pub mod bench;
-pub mod probe;
-
-// The kernels (CUDA and their CPU references) the layers run on.
-pub mod ops;
-// Seeded random streams.
-pub mod rng;
-// What a run reports as it goes: TensorBoard event files, an MLflow server.
-pub mod track;
-// Crash-safe writes, sizes, ids.
+/// Small helpers every module may use: crash-safe files and directories, sizes, Hub ids.
 pub mod util;
+/// Seeded random streams (adapter init, dropout, shuffling, random rows).
+pub mod rng;
+/// The layers' kernels: CUDA and their CPU references; every kernel choice in one value.
+pub mod ops;
+/// A recipe (TOML + `--set`): plain data, read and checked.
+pub mod recipe;
+/// What a run reports as it goes: TensorBoard event files, an MLflow server.
+pub mod track;
+/// Where a checkpoint's files are: a local directory, or the Hugging Face Hub and its cache.
+pub mod hub;
+/// The frozen base in 4 bits (QLoRA): bitsandbytes' NF4, made at load or read as saved.
+pub mod quant;
+/// The adapters: their shape, scale, init and dropout.
+pub mod lora;
+/// The decoder of every family, its layers' forward and hand-written backward.
+pub mod model;
+/// Examples read, tokenized, batched, packed and sampled.
+pub mod data;
+/// Ranks and their communicators (CPU threads, NCCL); FSDP's flat shards.
+pub mod parallel;
+/// Device memory: the plan, the sizes the step allocates, the pool's peaks, the OOM diagnosis.
+pub mod memory;
+/// The PEFT adapter written and read; the merged model; GGUF and Ollama.
+pub mod export;
+/// Trying the result: decoding with a KV cache.
+pub mod generate;
+/// A run's curves drawn from its metrics.jsonl.
+pub mod report;
+/// A run: resolved once, one session per rank, the step engine, the loop, checkpoints.
+pub mod train;
+/// `lora-train bench`: training steps timed on random weights of a named shape.
+pub mod bench;
+/// `lora-train probe`: the smoke ramp to the first out-of-memory.
+pub mod probe;

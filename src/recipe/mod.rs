@@ -30,7 +30,7 @@ pub use model::{DeviceKind, Dtype, ModelSection, Quantize};
 pub use output::{MergeInto, OutputSection, DEFAULT_MAX_SHARD_SIZE};
 pub use parallel::{ParallelSection, Strategy};
 pub use train::{
-    Checkpointing, Resume, Schedule, TrainSection, MLP_CHUNK, MLP_CHUNK_MAX,
+    Checkpointing, Resume, Schedule, Tracker, TrainSection, MLP_CHUNK, MLP_CHUNK_MAX,
     OFFLOAD_ACTIVATIONS_DEFAULT,
 };
 

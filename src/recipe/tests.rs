@@ -292,3 +292,22 @@ fn resume_takes_a_flag_or_a_checkpoint_path() {
     assert!(r.output.merge && r.train.skip_nonfinite);
     assert_eq!(r.output.keep_last, 2);
 }
+
+#[test]
+fn report_to_reads_a_name_or_a_list() {
+    #[derive(Deserialize)]
+    struct T {
+        #[serde(deserialize_with = "super::train::de_report_to")]
+        r: Vec<Tracker>,
+    }
+    let read = |s: &str| toml::from_str::<T>(s).map(|t| t.r);
+    assert_eq!(read("r = \"mlflow\"").unwrap(), [Tracker::Mlflow]);
+    assert_eq!(
+        read("r = [\"tensorboard\", \"mlflow\"]").unwrap(),
+        [Tracker::Tensorboard, Tracker::Mlflow]
+    );
+    let err = read("r = [\"wandb\"]").unwrap_err().to_string();
+    assert!(err.contains("wandb sync --sync-tensorboard"), "{err}");
+    let err = read("r = \"comet\"").unwrap_err().to_string();
+    assert!(err.contains("use \"tensorboard\" or \"mlflow\""), "{err}");
+}

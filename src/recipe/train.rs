@@ -192,8 +192,8 @@ pub struct TrainSection {
     /// Trackers that receive the metrics as the run goes: "tensorboard" (event files under
     /// `<output.dir>/runs/`; W&B syncs them) and "mlflow" (the server at
     /// MLFLOW_TRACKING_URI, with the recipe as params). One name or a list. Default: [].
-    #[serde(default, deserialize_with = "crate::track::de_report_to")]
-    pub report_to: Vec<crate::track::Tracker>,
+    #[serde(default, deserialize_with = "de_report_to")]
+    pub report_to: Vec<Tracker>,
 }
 
 fn d_mlp_chunk() -> usize {
@@ -293,3 +293,68 @@ impl Default for TrainSection {
 /// `train.mlp_chunk`'s default: tokens a chunk of a layer's MLP runs over (the model's
 /// `layer_mlp::MLP_CHUNK`, which a test holds equal).
 pub const MLP_CHUNK: usize = 16384;
+
+/// One tracker `train.report_to` names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Tracker {
+    /// Event files under `<output.dir>/runs/`.
+    Tensorboard,
+    /// The server at `MLFLOW_TRACKING_URI`.
+    Mlflow,
+}
+
+impl<'de> Deserialize<'de> for Tracker {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        Tracker::named(&s).map_err(de::Error::custom)
+    }
+}
+
+impl Tracker {
+    /// Its name in a recipe.
+    pub fn name(self) -> &'static str {
+        match self {
+            Tracker::Tensorboard => "tensorboard",
+            Tracker::Mlflow => "mlflow",
+        }
+    }
+
+    /// The tracker called `s`, or what to write instead.
+    pub fn named(s: &str) -> Result<Tracker, String> {
+        match s {
+            "tensorboard" => Ok(Tracker::Tensorboard),
+            "mlflow" => Ok(Tracker::Mlflow),
+            "wandb" => Err(
+                "\"wandb\" is not a tracker of its own: write \"tensorboard\" and \
+                 sync the event files with `wandb sync --sync-tensorboard <output.dir>/runs`"
+                    .into(),
+            ),
+            other => Err(format!(
+                "unknown tracker \"{other}\": use \"tensorboard\" or \"mlflow\""
+            )),
+        }
+    }
+}
+
+/// `train.report_to`: one tracker's name or a list of them.
+pub(super) fn de_report_to<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Tracker>, D::Error> {
+    struct V;
+    impl<'de> de::Visitor<'de> for V {
+        type Value = Vec<Tracker>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a list of trackers, e.g. [\"tensorboard\"]")
+        }
+        fn visit_str<E: de::Error>(self, s: &str) -> Result<Vec<Tracker>, E> {
+            Tracker::named(s).map(|t| vec![t]).map_err(E::custom)
+        }
+        fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<Tracker>, A::Error> {
+            let mut out = Vec::new();
+            while let Some(t) = seq.next_element()? {
+                out.push(t);
+            }
+            Ok(out)
+        }
+    }
+    d.deserialize_any(V)
+}

@@ -12,77 +12,12 @@ pub mod mlflow;
 pub mod tensorboard;
 pub mod tfrecord;
 
-use serde::de::{self, Deserializer, SeqAccess, Visitor};
-use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-/// One tracker `train.report_to` names.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Tracker {
-    /// Event files under `<output.dir>/runs/`.
-    Tensorboard,
-    /// The server at `MLFLOW_TRACKING_URI`.
-    Mlflow,
-}
-
-impl<'de> Deserialize<'de> for Tracker {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        Tracker::named(&s).map_err(de::Error::custom)
-    }
-}
-
-impl Tracker {
-    /// Its name in a recipe.
-    pub fn name(self) -> &'static str {
-        match self {
-            Tracker::Tensorboard => "tensorboard",
-            Tracker::Mlflow => "mlflow",
-        }
-    }
-
-    /// The tracker called `s`, or what to write instead.
-    pub fn named(s: &str) -> Result<Tracker, String> {
-        match s {
-            "tensorboard" => Ok(Tracker::Tensorboard),
-            "mlflow" => Ok(Tracker::Mlflow),
-            "wandb" => Err(
-                "\"wandb\" is not a tracker of its own: write \"tensorboard\" and \
-                 sync the event files with `wandb sync --sync-tensorboard <output.dir>/runs`"
-                    .into(),
-            ),
-            other => Err(format!(
-                "unknown tracker \"{other}\": use \"tensorboard\" or \"mlflow\""
-            )),
-        }
-    }
-}
-
-/// `train.report_to`: one tracker's name or a list of them.
-pub fn de_report_to<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Tracker>, D::Error> {
-    struct V;
-    impl<'de> Visitor<'de> for V {
-        type Value = Vec<Tracker>;
-        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-            f.write_str("a list of trackers, e.g. [\"tensorboard\"]")
-        }
-        fn visit_str<E: de::Error>(self, s: &str) -> Result<Vec<Tracker>, E> {
-            Tracker::named(s).map(|t| vec![t]).map_err(E::custom)
-        }
-        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<Tracker>, A::Error> {
-            let mut out = Vec::new();
-            while let Some(t) = seq.next_element()? {
-                out.push(t);
-            }
-            Ok(out)
-        }
-    }
-    d.deserialize_any(V)
-}
+pub use crate::recipe::Tracker;
 
 /// One logged step's scalars: (tag, value) at `step`, written at `wall` (Unix seconds).
 #[derive(Debug, Clone, PartialEq)]
@@ -354,25 +289,6 @@ mod tests {
         let want: Vec<(String, f64)> = want.iter().map(|(k, v)| (k.to_string(), *v)).collect();
         assert_eq!(got, want);
         assert!(Scalars::of(&serde_json::json!({"loss": 1.0}), 0.0).is_none());
-    }
-
-    #[test]
-    fn report_to_reads_a_name_or_a_list() {
-        #[derive(Deserialize)]
-        struct T {
-            #[serde(deserialize_with = "de_report_to")]
-            r: Vec<Tracker>,
-        }
-        let read = |s: &str| toml::from_str::<T>(s).map(|t| t.r);
-        assert_eq!(read("r = \"mlflow\"").unwrap(), [Tracker::Mlflow]);
-        assert_eq!(
-            read("r = [\"tensorboard\", \"mlflow\"]").unwrap(),
-            [Tracker::Tensorboard, Tracker::Mlflow]
-        );
-        let err = read("r = [\"wandb\"]").unwrap_err().to_string();
-        assert!(err.contains("wandb sync --sync-tensorboard"), "{err}");
-        let err = read("r = \"comet\"").unwrap_err().to_string();
-        assert!(err.contains("use \"tensorboard\" or \"mlflow\""), "{err}");
     }
 
     #[test]

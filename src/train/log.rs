@@ -202,7 +202,7 @@ fn start_trackers(
             },
         ),
     };
-    crate::track::Trackers::start(&s.run.recipe.train.report_to, start)
+    crate::track::Trackers::start(&s.run.hooks.report_to, start)
 }
 
 impl Drop for Log {

@@ -161,6 +161,7 @@ impl RunConfig {
                 sample_prompts: t.sample_prompts.clone(),
                 skip_nonfinite: t.skip_nonfinite,
                 deterministic: t.deterministic,
+                report_to: t.report_to.clone(),
             },
             output: OutputPlan {
                 dir: r.output_dir(),

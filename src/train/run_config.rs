@@ -130,6 +130,8 @@ pub struct HookPlan {
     pub skip_nonfinite: bool,
     /// Only kernels whose sums run in a fixed order (already in `kernels`; kept for reports).
     pub deterministic: bool,
+    /// The trackers the metrics go to as the run goes.
+    pub report_to: Vec<crate::recipe::Tracker>,
 }
 
 /// Where a run writes, and what (`[output]`, `train.resume`).

@@ -15,6 +15,7 @@ mod first_hour;
 mod generate;
 mod gguf;
 mod golden;
+mod house;
 mod hub;
 mod hub_data;
 mod invariants;
