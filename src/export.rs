@@ -9,6 +9,7 @@
 pub mod adapter_check;
 pub mod merge;
 mod merge_experts;
+mod progress;
 
 use crate::lora::{Lora, LoraSpec, EXPERT_PARAMS, KNOWN_LINEAR};
 use crate::model::Model;

@@ -3,6 +3,10 @@
 //! The modules in the order a run's data goes through them; `ops` (the layers' kernels and
 //! their CPU references) lies beneath the model, `util` and `rng` beneath everything.
 
+// Output goes through util::out (outln!, errln!): println! and eprintln! panic on a closed pipe
+// or a full disk.
+#![warn(clippy::print_stdout, clippy::print_stderr)]
+
 // A recipe (TOML + --set) read, checked and resolved.
 pub mod recipe;
 // The checkpoint's files: a local directory or the Hugging Face Hub and its cache.
@@ -34,5 +38,5 @@ pub mod probe;
 pub mod ops;
 // Seeded random streams.
 pub mod rng;
-// Crash-safe writes, sizes, ids.
+// Crash-safe writes, sizes, ids, locks, output that never panics.
 pub mod util;

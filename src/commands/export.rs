@@ -4,7 +4,10 @@ use anyhow::Context;
 use clap::{Args, ValueEnum};
 use lora_train::export::merge::{merge, MergeInto, MergeOptions};
 use lora_train::recipe::Dtype;
-use std::path::PathBuf;
+use lora_train::train::stop::StopSignal;
+use lora_train::util::lock::DirLock;
+use lora_train::util::on_exit::{remove_on_exit, Registered};
+use std::path::{Path, PathBuf};
 
 #[derive(Args, Clone)]
 #[command(
@@ -94,24 +97,31 @@ pub fn run(a: ExportArgs) -> anyhow::Result<()> {
         && matches!(packed, Ok(None))
         && trained_on_nf4(&a.adapter)
     {
-        eprintln!(
+        lora_train::errln!(
             "note: {}/recipe.toml trained on an NF4 base (model.quantize = \"nf4\"); \
              --merge-into dequantized merges into the weights it trained against",
             a.adapter.display()
         );
     }
+    let guard = OutGuard::take(&a.out)?;
     let r = merge(&a.adapter, &base, &a.out, &opts).with_context(|| {
         format!(
             "cannot merge {} into {}",
             a.adapter.display(),
             base.display()
         )
-    })?;
+    });
+    // A signal that removed the unfinished output made this fail: its exit (130) is the end.
+    if r.is_err() {
+        guard.signal.settle();
+    }
+    drop(guard);
+    let r = r?;
     let into = match r.merged_into {
         "base" => String::new(),
         _ => format!(" into the NF4 base dequantized ({} linears)", r.dequantized),
     };
-    println!(
+    lora_train::outln!(
         "merged {} of {} tensors{into}; wrote {} ({} shard(s), {:.1} MB)",
         r.merged,
         r.tensors,
@@ -120,6 +130,36 @@ pub fn run(a: ExportArgs) -> anyhow::Result<()> {
         r.total_size as f64 / 1e6
     );
     Ok(())
+}
+
+/// What an export holds while it writes `--out`: its lock (a second export there refuses,
+/// naming this pid), and signal handlers that remove its unfinished output
+/// (`.<out>.tmp-<pid>`) and exit with 130.
+struct OutGuard {
+    _lock: DirLock,
+    signal: StopSignal,
+    _tmp: Registered,
+}
+
+impl OutGuard {
+    fn take(out: &Path) -> anyhow::Result<OutGuard> {
+        let lock = DirLock::try_dir(out, "lora-train export").context("--out")?;
+        // What an export killed there left (its pid gone): ours to remove, under the lock.
+        for p in lora_train::util::stale_temporaries(out) {
+            std::fs::remove_dir_all(&p)
+                .or_else(|_| std::fs::remove_file(&p))
+                .with_context(|| format!("cannot remove {}", p.display()))?;
+            lora_train::errln!(
+                "removed {}, left by an export that did not finish",
+                p.display()
+            );
+        }
+        Ok(OutGuard {
+            _lock: lock,
+            signal: lora_train::train::stop::exit_on_signal()?,
+            _tmp: remove_on_exit(&lora_train::util::tmp_path(out), true),
+        })
+    }
 }
 
 /// Whether the run that wrote the adapter (its `recipe.toml`, when it has one) kept its base in

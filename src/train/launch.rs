@@ -133,6 +133,7 @@ fn env_comm(e: &EnvRank, _: Duration) -> Result<Box<dyn Comm>> {
 
 /// `lora-train train`: the whole run from a recipe, on the ranks it asks for.
 pub fn run_with(recipe: Recipe, opts: &RunOptions) -> Result<RunSummary> {
+    let _owner = super::owner::own_output_dir(&recipe)?;
     let recipe = checkpoint::with_checkpoint_sets(recipe)?;
     let ranks = Ranks::for_recipe(&recipe)?;
     let signal = stop::install_signal_handlers()?;
@@ -183,13 +184,13 @@ fn run_rank(
     let resume = checkpoint::resume_point(&recipe, &out_dir)?;
     match (&resume, &recipe.train.resume) {
         _ if !lead => {}
-        (Some(ck), _) => eprintln!(
+        (Some(ck), _) => crate::errln!(
             "resuming from {} (step {} of {})",
             ck.dir.display(),
             ck.state.step,
             ck.state.total_steps
         ),
-        (None, Resume::Flag(true)) => eprintln!(
+        (None, Resume::Flag(true)) => crate::errln!(
             "train.resume = true, but {} holds no checkpoint: starting fresh",
             out_dir.display()
         ),
@@ -250,7 +251,7 @@ fn announce(session: &Session) {
         Some(s) => s.nf4_bytes, // the skeleton's are placeholders
         None => m.layers.iter().map(|l| l.nf4_bytes()).sum(),
     };
-    eprintln!(
+    crate::errln!(
         "loaded in {:.1}s (weights read, cast and uploaded, adapters made{})",
         session.memory.load_s,
         match (m.kernels.fold, nf4) {
@@ -271,7 +272,7 @@ fn announce(session: &Session) {
     if world > 1 {
         let p = &session.recipe.parallel;
         let resident = crate::parallel::fsdp::resident_base_bytes(m, session.shards.as_ref());
-        eprintln!(
+        crate::errln!(
             "{} over {world} ranks (devices {:?}); frozen base resident per rank: {:.1} MB",
             p.strategy.name(),
             p.devices,
@@ -279,7 +280,7 @@ fn announce(session: &Session) {
         );
     }
     {
-        eprintln!(
+        crate::errln!(
         "model {} ({:?}, {} layers, {:.1}M params, {:?} on {:?}); LoRA r={} alpha={} on {}: {} trainable params",
         session.base_name,
         m.cfg.family,
@@ -292,7 +293,7 @@ fn announce(session: &Session) {
         session.spec.targets.join(","),
         trainable
     );
-        eprintln!(
+        crate::errln!(
             "data {}: {} examples ({} truncated to seq_len {}), {} steps",
             session.data.source.display(),
             session.data.examples.len(),
@@ -301,7 +302,7 @@ fn announce(session: &Session) {
             session.total_steps()
         );
         for note in &session.data_notes {
-            eprintln!("{note}");
+            crate::errln!("{note}");
         }
     }
 }
@@ -328,7 +329,7 @@ fn export_merged(session: &Session, out_dir: &std::path::Path) -> Result<()> {
     };
     let rep = export::merge::merge(out_dir, &session.base_dir, &out_dir.join("merged"), &opts)
         .context("cannot write the merged model (output.merge = true)")?;
-    eprintln!(
+    crate::errln!(
         "merged model written to {} ({} tensors, {} with the adapter merged in, {} shard(s){})",
         rep.out.display(),
         rep.tensors,

@@ -138,7 +138,7 @@ impl Log {
             ));
         }
         if self.metrics.is_some() && self.bar.is_hidden() {
-            eprintln!("step {}/{}  {msg}", r.step, self.bar.length().unwrap_or(0));
+            crate::errln!("step {}/{}  {msg}", r.step, self.bar.length().unwrap_or(0));
         }
         self.bar.set_message(msg);
         Ok(())
@@ -150,7 +150,7 @@ impl Log {
             return;
         }
         match self.bar.is_hidden() {
-            true => eprintln!("{line}"),
+            true => crate::errln!("{line}"),
             false => self.bar.println(line),
         }
     }
@@ -190,7 +190,7 @@ fn open_outputs(s: &Session, out_dir: &Path, resume: Option<&Checkpoint>) -> Res
     let removed = checkpoint::clean(&s.recipe, out_dir, resume.is_none())?;
     for names in [removed.outputs, removed.checkpoints] {
         if !names.is_empty() {
-            eprintln!(
+            crate::errln!(
                 "removed {} of an earlier run from {}",
                 names.join(", "),
                 out_dir.display()

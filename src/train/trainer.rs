@@ -321,9 +321,10 @@ impl<'s> Run<'s> {
         }
         self.writer.wait()?;
         if self.at.skipped > 0 && lead {
-            eprintln!(
+            crate::errln!(
                 "skipped {} of {} steps with a non-finite loss or gradient",
-                self.at.skipped, self.total
+                self.at.skipped,
+                self.total
             );
         }
         let (_, seconds) = self.log.rate();
