@@ -16,6 +16,7 @@ mod export_signals;
 mod first_hour;
 mod generate;
 mod golden;
+mod grad_fd;
 mod hub;
 mod hub_data;
 mod hub_faults;
