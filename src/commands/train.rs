@@ -25,15 +25,15 @@ pub struct TrainArgs {
 }
 
 pub fn run(a: TrainArgs) -> anyhow::Result<()> {
-    // A run's streams are logs (util::out). Until its signal handlers take over, a closed one
-    // ends it at once: nothing is written yet.
-    out::on_closed(Arc::new(|_| on_exit::exit(EXIT_INTERRUPTED.into())));
     let path = recipe_path(
         a.recipe.as_deref(),
         "lora-train --recipe RECIPE.toml [--set section.key=value ...]",
     )?;
     let recipe = Recipe::load(&path, &a.set)?;
     let opts = lora_train::train::RunOptions { force: a.force };
+    // A run's streams are logs (util::out). Until its signal handlers take over, a closed one
+    // ends it at once: nothing is written yet.
+    out::on_closed(Arc::new(|_| on_exit::exit(EXIT_INTERRUPTED.into())));
     let res = lora_train::train::run_with(recipe, &opts);
     // The run is over: a stream closed now ends nothing, and changes no exit status.
     out::on_closed(Arc::new(|_| {}));

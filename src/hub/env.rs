@@ -60,6 +60,7 @@ pub struct NoCacheDir;
 const DEFAULT_TIMEOUT_S: f64 = 60.0;
 
 impl HubEnv {
+    /// The environment of this process (`NoCacheDir` when nothing places the cache).
     pub fn from_env() -> Result<HubEnv> {
         HubEnv::from_vars(|k| std::env::var(k).ok())
     }

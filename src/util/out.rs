@@ -27,7 +27,9 @@ use std::sync::{Arc, Mutex};
 /// One of the two output streams.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Stream {
+    /// stdout: a command's product (`check`, `plan`, `download`, ...), a run's last lines.
     Out,
+    /// stderr: logs, progress, errors.
     Err,
 }
 
@@ -63,6 +65,7 @@ static STDOUT: AtomicU8 = AtomicU8::new(OK);
 static STDERR: AtomicU8 = AtomicU8::new(OK);
 static DIRECT: AtomicBool = AtomicBool::new(false);
 /// The run's reaction to a closed stream (set: this process is a run, its streams are logs).
+/// What a run does when one of its streams is closed (the stream that was).
 pub type Hook = Arc<dyn Fn(Stream) + Send + Sync>;
 static ON_CLOSED: Mutex<Option<Hook>> = Mutex::new(None);
 /// stdout's failure other than a closed pipe, when stdout is a command's product.
