@@ -7,24 +7,20 @@
 //! and each is handled cleanly: exit 0 with the true bytes where the client can see through the
 //! lie, else exit 1 with an error naming the cause; never a panic; nothing in the cache's
 //! snapshots that is not the true file; the token only ever sent to the endpoint's own origin
-//! and never printed. Also: revisions that are paths are refused before any request, and with
-//! no home directory the error names the variable to set.
+//! and never printed. (Names and the cache's place: `hub_names`.)
 
 use crate::common::root;
 use crate::hub::sha256;
 use crate::liar::{
-    config, git_etag, honest, lfs_redirect, partial, weights, Body, Liar, Lie, Reply, Req, Server,
-    COMMIT, DATASET, REPO, TOKEN,
+    at, cdn, commit_hdr, config, config_elsewhere, config_etag, honest, index, lfs_redirect,
+    partial, s, set, weights, weights_head, Body, Liar, Lie, Reply, Req, Server, COMMIT, CONFIG,
+    DATASET, REPO, TOKEN,
 };
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 const OTHER: &str = "0000000000000000000000000000000000000001";
-const CONFIG: &str = "/tiny/m/resolve/main/config.json";
-/// Files after config.json are asked for at the commit config.json named.
-const WEIGHTS: &str = "/tiny/m/resolve/fedcba9876543210fedcba9876543210fedcba98/model.safetensors";
-
 /// What a case runs.
 enum Cmd {
     /// `lora-train download tiny/m` and these arguments.
@@ -63,84 +59,6 @@ fn case(name: &'static str, ok: bool, lied: &'static str, want: &[&str], lie: Li
         lied,
         second: None,
     }
-}
-
-/// A lie told to `method` on `path` only (every time).
-fn at(
-    method: &'static str,
-    path: &'static str,
-    f: impl Fn(&Req, usize, u16) -> Reply + Send + Sync + 'static,
-) -> Lie {
-    Arc::new(move |r: &Req, n, port| (r.method == method && r.path == path).then(|| f(r, n, port)))
-}
-
-/// A lie told to the CDN's GETs.
-fn cdn(f: impl Fn(&Req, usize, u16) -> Option<Reply> + Send + Sync + 'static) -> Lie {
-    Arc::new(move |r: &Req, n, port| {
-        (r.method == "GET" && r.path.starts_with("/cdn/"))
-            .then(|| f(r, n, port))
-            .flatten()
-    })
-}
-
-fn s(x: &str) -> String {
-    x.to_string()
-}
-
-fn commit_hdr() -> (&'static str, String) {
-    ("X-Repo-Commit", COMMIT.to_string())
-}
-
-fn config_etag() -> (&'static str, String) {
-    ("ETag", format!("\"{}\"", git_etag(&config())))
-}
-
-/// HEAD model.safetensors as the Hub answers it, with `f` applied to its headers.
-fn weights_head(f: impl Fn(&mut Vec<(&'static str, String)>, u16) + Send + Sync + 'static) -> Lie {
-    at("HEAD", WEIGHTS, move |_, _, port| {
-        let mut r = lfs_redirect(&weights(), port);
-        f(&mut r.headers, port);
-        r
-    })
-}
-
-fn set(h: &mut Vec<(&'static str, String)>, k: &'static str, v: String) {
-    h.retain(|(x, _)| !x.eq_ignore_ascii_case(k));
-    h.push((k, v));
-}
-
-/// A redirect of config.json's HEAD to `path` on `localhost` (another origin), 0 bytes long.
-fn config_elsewhere(path: &'static str, served: Vec<u8>) -> Lie {
-    Arc::new(move |r: &Req, _, port| {
-        if r.path == CONFIG {
-            return Some(Reply::new(
-                "302 Found",
-                vec![
-                    commit_hdr(),
-                    config_etag(),
-                    ("Location", format!("http://localhost:{port}{path}")),
-                ],
-                vec![],
-            ));
-        }
-        (r.path == path).then(|| Reply::new("200 OK", vec![], served.clone()))
-    })
-}
-
-/// An index.json served at `main` (and the commit) with `body`.
-fn index(body: &'static str) -> Lie {
-    Arc::new(move |r: &Req, _, _| {
-        r.path.ends_with("/model.safetensors.index.json").then(|| {
-            Reply::new(
-                "200 OK",
-                vec![
-                    commit_hdr(),
-                    ("ETag", format!("\"{}\"", git_etag(body.as_bytes()))),
-                ],
-                body.as_bytes().to_vec(),
-            )
-        })
-    })
 }
 
 fn cases() -> Vec<Case> {
@@ -794,104 +712,4 @@ fn a_lying_hub_is_caught_in_every_way_and_nothing_false_is_cached() {
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
-}
-
-#[test]
-fn revisions_that_are_paths_are_refused_before_any_request() {
-    let tmp = tempfile::tempdir().unwrap();
-    let victim = tmp.path().join("victim");
-    std::fs::write(&victim, "precious").unwrap();
-    let hub = Server::start(Liar {
-        lie: Arc::new(|_: &Req, _, _| None),
-        token: None,
-    });
-    let hf = tmp.path().join("hf");
-    let v = victim.to_str().unwrap();
-    for rev in [
-        v,
-        "../../../../x",
-        "a//b",
-        ".hidden",
-        "main.lock",
-        "a b",
-        "ref~1",
-    ] {
-        let o = crate::loopback::hub_command(&hf, &hub.endpoint())
-            .args(["download", REPO, "--revision", rev])
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&o.stderr);
-        assert_eq!(o.status.code(), Some(2), "{rev}: {err}");
-        assert!(err.contains("is not a branch, tag or commit"), "{err}");
-    }
-    // model.revision and data.revision in a recipe: exit 2 from `check`.
-    let data = root().join("recipes/data/tiny-text.jsonl");
-    for (body, key) in [
-        (format!("[model]\nid = \"{REPO}\"\nrevision = \"{v}\"\n[data]\ntrain = \"{}\"\n", data.display()), "model.revision"),
-        (format!("[model]\nid = \"{REPO}\"\n[data]\ntrain = \"hf://datasets/{DATASET}\"\nrevision = \"{v}\"\n"), "data.revision"),
-    ] {
-        let r = tmp.path().join("r.toml");
-        std::fs::write(&r, body).unwrap();
-        let o = crate::loopback::hub_command(&hf, &hub.endpoint())
-            .args(["check", "--recipe"])
-            .arg(&r)
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&o.stderr);
-        assert_eq!(o.status.code(), Some(2), "{err}");
-        assert!(
-            err.contains(&format!("`{key}` = \"{v}\" is not a branch, tag or commit (a git ref name)")),
-            "{err}"
-        );
-    }
-    assert!(hub.requests().is_empty());
-    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
-    assert!(!hf.exists());
-}
-
-#[test]
-fn without_a_home_the_error_names_the_variable_to_set() {
-    let tmp = tempfile::tempdir().unwrap();
-    let hub = Server::start(Liar {
-        lie: Arc::new(|_: &Req, _, _| None),
-        token: None,
-    });
-    let o = std::process::Command::new(assert_cmd::cargo::cargo_bin("lora-train"))
-        .current_dir(tmp.path())
-        .env_clear()
-        .env("HF_ENDPOINT", hub.endpoint())
-        .args(["download", REPO])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(1), "{err}");
-    assert_eq!(
-        err,
-        "error: cannot place the Hugging Face cache: HF_HUB_CACHE, HF_HOME, XDG_CACHE_HOME and \
-         HOME are all unset (or empty); set HF_HOME to a directory for the cache and the token \
-         (e.g. HF_HOME=/data/huggingface), or HOME\n"
-    );
-    // Nothing under the working directory, no request.
-    assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
-    assert!(hub.requests().is_empty());
-    // With HF_HOME alone, it downloads there.
-    let o = std::process::Command::new(assert_cmd::cargo::cargo_bin("lora-train"))
-        .current_dir(tmp.path())
-        .env_clear()
-        .env("HF_ENDPOINT", hub.endpoint())
-        .env("HF_HOME", tmp.path().join("hf"))
-        .args(["download", REPO])
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    assert!(
-        std::fs::read(
-            tmp.path()
-                .join("hf/hub/models--tiny--m/snapshots")
-                .join(COMMIT)
-                .join("config.json")
-        )
-        .unwrap()
-            == config()
-    );
 }

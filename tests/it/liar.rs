@@ -16,6 +16,10 @@ pub const REPO: &str = "tiny/m";
 pub const DATASET: &str = "tiny/d";
 pub const COMMIT: &str = "fedcba9876543210fedcba9876543210fedcba98";
 pub const TOKEN: &str = "hf_liar_test_token_5e2d77";
+pub const CONFIG: &str = "/tiny/m/resolve/main/config.json";
+/// Files after config.json are asked for at the commit config.json named.
+pub const WEIGHTS: &str =
+    "/tiny/m/resolve/fedcba9876543210fedcba9876543210fedcba98/model.safetensors";
 
 /// config.json as served.
 pub fn config() -> Vec<u8> {
@@ -344,4 +348,86 @@ pub fn partial(bytes: &[u8], req: &Req) -> Reply {
         ),
         false => Reply::new("200 OK", vec![], bytes.to_vec()),
     }
+}
+
+// Lies, ready-made.
+
+/// A lie told to `method` on `path` only (every time).
+pub fn at(
+    method: &'static str,
+    path: &'static str,
+    f: impl Fn(&Req, usize, u16) -> Reply + Send + Sync + 'static,
+) -> Lie {
+    Arc::new(move |r: &Req, n, port| (r.method == method && r.path == path).then(|| f(r, n, port)))
+}
+
+/// A lie told to the CDN's GETs.
+pub fn cdn(f: impl Fn(&Req, usize, u16) -> Option<Reply> + Send + Sync + 'static) -> Lie {
+    Arc::new(move |r: &Req, n, port| {
+        (r.method == "GET" && r.path.starts_with("/cdn/"))
+            .then(|| f(r, n, port))
+            .flatten()
+    })
+}
+
+pub fn s(x: &str) -> String {
+    x.to_string()
+}
+
+pub fn commit_hdr() -> (&'static str, String) {
+    ("X-Repo-Commit", COMMIT.to_string())
+}
+
+pub fn config_etag() -> (&'static str, String) {
+    ("ETag", format!("\"{}\"", git_etag(&config())))
+}
+
+/// HEAD model.safetensors as the Hub answers it, with `f` applied to its headers.
+pub fn weights_head(
+    f: impl Fn(&mut Vec<(&'static str, String)>, u16) + Send + Sync + 'static,
+) -> Lie {
+    at("HEAD", WEIGHTS, move |_, _, port| {
+        let mut r = lfs_redirect(&weights(), port);
+        f(&mut r.headers, port);
+        r
+    })
+}
+
+pub fn set(h: &mut Vec<(&'static str, String)>, k: &'static str, v: String) {
+    h.retain(|(x, _)| !x.eq_ignore_ascii_case(k));
+    h.push((k, v));
+}
+
+/// A redirect of config.json's HEAD to `path` on `localhost` (another origin), 0 bytes long.
+pub fn config_elsewhere(path: &'static str, served: Vec<u8>) -> Lie {
+    Arc::new(move |r: &Req, _, port| {
+        if r.path == CONFIG {
+            return Some(Reply::new(
+                "302 Found",
+                vec![
+                    commit_hdr(),
+                    config_etag(),
+                    ("Location", format!("http://localhost:{port}{path}")),
+                ],
+                vec![],
+            ));
+        }
+        (r.path == path).then(|| Reply::new("200 OK", vec![], served.clone()))
+    })
+}
+
+/// An index.json served at `main` (and the commit) with `body`.
+pub fn index(body: &'static str) -> Lie {
+    Arc::new(move |r: &Req, _, _| {
+        r.path.ends_with("/model.safetensors.index.json").then(|| {
+            Reply::new(
+                "200 OK",
+                vec![
+                    commit_hdr(),
+                    ("ETag", format!("\"{}\"", git_etag(body.as_bytes()))),
+                ],
+                body.as_bytes().to_vec(),
+            )
+        })
+    })
 }

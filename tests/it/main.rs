@@ -20,6 +20,7 @@ mod grad_fd;
 mod hub;
 mod hub_data;
 mod hub_faults;
+mod hub_names;
 mod invariants;
 mod liar;
 mod locks;
