@@ -2,7 +2,6 @@
 
 use super::Usage;
 use clap::Args;
-use lora_train::recipe::Recipe;
 use lora_train::train::stop::{Interrupted, EXIT_INTERRUPTED};
 use lora_train::util::{on_exit, out};
 use std::path::{Path, PathBuf};
@@ -29,7 +28,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
         a.recipe.as_deref(),
         "lora-train --recipe RECIPE.toml [--set section.key=value ...]",
     )?;
-    let recipe = Recipe::load(&path, &a.set)?;
+    let recipe = lora_train::train::load_recipe(&path, &a.set)?;
     let opts = lora_train::train::RunOptions { force: a.force };
     // A run's streams are logs (util::out). Until its signal handlers take over, a closed one
     // ends it at once: nothing is written yet.

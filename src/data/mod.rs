@@ -23,6 +23,8 @@ mod batch;
 pub mod chat;
 mod columns;
 mod parquet;
+pub mod pref_batch;
+pub mod preference;
 pub mod reader;
 pub mod record;
 mod rows;
