@@ -56,8 +56,9 @@
 # memory: `lora-train plan` forecasts vs `bench` measured pool peaks (single: mb2, mb2 + ckpt,
 #         mb8 + ckpt; per phase), ratios printed (target: within ±10%); then the OOM case
 #         (bench --max-memory 24GiB, mb2, no ckpt: expect exit 4 and the diagnosis).
-# peercopy (2 GPUs): the parallel::nccl GPU test under CUDA_MODULE_LOADING=EAGER (peer copies), then
-#         FSDP with peer copies (LORA_TRAIN_EXPERIMENTS=peer_copy) RUNS times, exit statuses.
+# peercopy (2 GPUs): the parallel::nccl GPU test under CUDA_MODULE_LOADING=EAGER (peer copies) and
+#         the other test that needs 2 GPUs (they fail on fewer; `tests` skips them), then FSDP
+#         with peer copies (LORA_TRAIN_EXPERIMENTS=peer_copy) RUNS times, exit statuses.
 # qlora:  NF4 base (double quant), Llama-2-7B shape, seq 2048, mb2, r16 all linear: `bench
 #         --quantize nf4` beside scripts/bench_peft.py --load-in-4bit (bitsandbytes from the wheel
 #         in .devbuild when it does not import); `plan --shape llama2-7b --nf4 --gpu-mem 24GiB`
@@ -125,7 +126,8 @@ fi
 
 if [[ $what == *" tests "* ]]; then
   env LORA_TRAIN_ROOT=$PWD "CARGO_BIN_EXE_lora-train=$PWD/.devbuild/lora-train" timeout 420 $E .devbuild/it \
-    ops:: golden:: invariants:: plan::cuda_ generate:: dropout:: qlora:: --test-threads 1 2>&1 | tee "$OUT/gpu-tests.log" \
+    ops:: golden:: invariants:: plan::cuda_ generate:: dropout:: qlora:: --skip plan::cuda_bench_single_runs_on_the_gpu_it_names \
+    --test-threads 1 2>&1 | tee "$OUT/gpu-tests.log" \
     | grep -E "^test .*(FAILED|ok)$|test result|panicked" | grep -v " ok$" | head -40
   grep -c " ok$" "$OUT/gpu-tests.log" | sed 's/^/tests ok: /'
 fi
@@ -273,13 +275,15 @@ print('round $round, $e:', d['tokens_per_s'], 'tok/s,', d['peak_alloc_gib'], 'Gi
   done
 fi
 
-# peercopy (2 GPUs): the parallel::nccl GPU test under eager kernel loading (its peer copies), then
+# peercopy (2 GPUs): the parallel::nccl GPU test under eager kernel loading (its peer copies) and
+# plan::cuda_bench_single_runs_on_the_gpu_it_names (both need 2 GPUs), then
 # FSDP with LORA_TRAIN_EXPERIMENTS=peer_copy, after a DDP run and again, RUNS times (default 6),
 # each run's exit status (124: hung, killed by timeout), JSON line count and speed: the check of
 # the lazy-loading deadlock that peer copies can meet (lora-train sets CUDA_MODULE_LOADING=EAGER
 # itself when the experiment is named).
 if [[ $what == *" peercopy "* ]]; then
-  CUDA_MODULE_LOADING=EAGER LORA_TRAIN_ROOT=$PWD timeout 120 $E .devbuild/it parallel::nccl --test-threads 1 2>&1 \
+  CUDA_MODULE_LOADING=EAGER LORA_TRAIN_ROOT=$PWD "CARGO_BIN_EXE_lora-train=$PWD/.devbuild/lora-train" timeout 180 $E .devbuild/it \
+    parallel::nccl plan::cuda_bench_single_runs_on_the_gpu_it_names --test-threads 1 2>&1 \
     | grep -E "^test |test result|panicked|rank" | head -10
   P="--shape llama2-7b --seq 2048 --rank 16 --targets all --steps 6 --warmup 2 --micro-batch 2 --devices 0,1"
   for i in $(seq "${RUNS:-6}"); do

@@ -9,6 +9,7 @@
 pub mod adapter_check;
 pub mod gguf;
 pub mod merge;
+mod progress;
 
 use crate::lora::{Lora, LoraSpec, EXPERT_PARAMS, KNOWN_LINEAR};
 use crate::model::Model;

@@ -9,6 +9,8 @@
 pub mod cache;
 pub mod dataset;
 pub mod download;
+pub mod env;
+mod fetch;
 mod progress;
 
 use anyhow::{bail, Context, Result};
@@ -116,7 +118,14 @@ fn shards_from_index(index: &Path) -> Result<Vec<PathBuf>> {
     Ok(out)
 }
 
-pub use crate::util::check_repo_id;
+pub use crate::util::{check_repo_id, check_revision};
+
+/// `id` and `revision` checked as the Hub defines them, before either becomes part of a path
+/// or a URL.
+fn check_names(id: &str, revision: &str) -> Result<()> {
+    check_repo_id(id).map_err(anyhow::Error::msg)?;
+    check_revision(revision).map_err(anyhow::Error::msg)
+}
 
 /// Where a checkpoint is: a local directory, or a Hub repository at a revision.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -153,7 +162,7 @@ pub fn model_files(src: &Source) -> Result<ModelFiles> {
     match src {
         Source::Local(dir) => ModelFiles::local(dir),
         Source::Hub { id, revision } => {
-            snapshot(&HubEnv::from_env(), id, revision, Refresh::IfIncomplete)
+            snapshot(&HubEnv::from_env()?, id, revision, Refresh::IfIncomplete)
         }
     }
 }
@@ -174,8 +183,8 @@ pub fn config_file(src: &Source) -> Result<PathBuf> {
         }
         Source::Hub { id, revision } => {
             let rev = revision.as_str();
-            check_repo_id(id).map_err(anyhow::Error::msg)?;
-            let env = HubEnv::from_env();
+            check_names(id, rev)?;
+            let env = HubEnv::from_env()?;
             let cache = RepoCache::new(&env.cache, id);
             if let Some(c) = cache.commit_for(rev) {
                 if cache.has(&c, "config.json") == Some(true) {
@@ -202,7 +211,7 @@ pub fn config_file(src: &Source) -> Result<PathBuf> {
 /// `lora-train download`: fetches `id` at `revision` into the cache, asking the Hub what the
 /// revision is now (unless it is a commit the cache already holds completely).
 pub fn download(id: &str, revision: &str) -> Result<ModelFiles> {
-    snapshot(&HubEnv::from_env(), id, revision, Refresh::Always)
+    snapshot(&HubEnv::from_env()?, id, revision, Refresh::Always)
 }
 
 /// When to ask the Hub about a revision the cache already holds completely.
@@ -240,14 +249,14 @@ fn lacking(cache: &RepoCache, commit: &str, strict: bool) -> Vec<String> {
 
 /// `id` at `revision` from the cache under `env`, fetching what it lacks.
 pub fn snapshot(env: &HubEnv, id: &str, revision: &str, refresh: Refresh) -> Result<ModelFiles> {
-    check_repo_id(id).map_err(anyhow::Error::msg)?;
+    check_names(id, revision)?;
     let cache = RepoCache::new(&env.cache, id);
     let cached = cache.commit_for(revision);
     let complete = cached
         .as_ref()
         .filter(|c| lacking(&cache, c, !env.offline).is_empty());
     let use_cache = |commit: &str, why: &str| {
-        eprintln!("model {id} at \"{revision}\" = commit {commit}, {why}");
+        crate::errln!("model {id} at \"{revision}\" = commit {commit}, {why}");
         ModelFiles::local(&cache.snapshot(commit))
     };
     if let Some(c) = complete {
@@ -267,12 +276,14 @@ pub fn snapshot(env: &HubEnv, id: &str, revision: &str, refresh: Refresh) -> Res
             cache.dir.display()
         );
     }
+    // One process at a time fetches a repository (a second one waits, then finds it fetched).
+    let _lock = cache.lock_repo()?;
     let hub = Hub::new(env);
     match fetch_snapshot(&hub, &cache, id, revision) {
         Ok(commit) => ModelFiles::local(&cache.snapshot(&commit)),
         Err(e) => match (complete, e.downcast_ref::<Unreachable>()) {
             (Some(c), Some(u)) => {
-                eprintln!("warning: cannot reach {}: {}", u.endpoint, u.cause);
+                crate::errln!("warning: cannot reach {}: {}", u.endpoint, u.cause);
                 use_cache(c, "as last downloaded (it may have moved since)")
             }
             _ => Err(e),
@@ -307,7 +318,7 @@ fn fetch_snapshot(hub: &Hub, cache: &RepoCache, id: &str, revision: &str) -> Res
     for file in &weights {
         bytes += fetch_file(hub, cache, &at(file), &commit, true)?.unwrap_or(0);
     }
-    eprintln!(
+    crate::errln!(
         "model {id} at \"{revision}\" = commit {commit}: {} fetched in {:.1}s into {}",
         indicatif::HumanBytes(bytes),
         t0.elapsed().as_secs_f64(),
@@ -396,6 +407,8 @@ mod tests {
             cache: root.to_owned(),
             token: None,
             offline: false,
+            etag_timeout: std::time::Duration::from_secs(60),
+            download_timeout: std::time::Duration::from_secs(60),
         };
         (env, commit)
     }

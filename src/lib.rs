@@ -6,7 +6,12 @@
 //! layers, from the bottom: each imports only modules listed before it (docs/design.md, "The
 //! house", holds the same list, and tests/it/house.rs holds the code to both).
 
-/// Small helpers every module may use: crash-safe files and directories, sizes, Hub ids.
+// Output goes through util::out (outln!, errln!): println! and eprintln! panic on a closed pipe
+// or a full disk.
+#![warn(clippy::print_stdout, clippy::print_stderr)]
+
+/// Small helpers every module may use: crash-safe files, directories and locks, sizes, Hub
+/// ids, output that never panics.
 pub mod util;
 /// Seeded random streams (adapter init, dropout, shuffling, random rows).
 pub mod rng;

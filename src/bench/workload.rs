@@ -169,7 +169,7 @@ impl Saver {
 impl Drop for Saver {
     fn drop(&mut self) {
         if let Err(e) = self.writer.wait() {
-            eprintln!("error: {e:#}");
+            crate::errln!("error: {e:#}");
         }
         let _ = std::fs::remove_dir_all(&self.dir);
     }

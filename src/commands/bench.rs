@@ -205,7 +205,7 @@ pub fn run(b: BenchArgs) -> anyhow::Result<()> {
         },
     };
     let res = lora_train::bench::run(&args)?;
-    println!("{res}");
+    lora_train::outln!("{res}");
     if let Some(p) = b.json {
         use std::io::Write;
         let mut f = std::fs::OpenOptions::new()

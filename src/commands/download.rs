@@ -19,16 +19,13 @@ fn repo_id(s: &str) -> Result<String, String> {
     lora_train::util::check_repo_id(s).map(|()| s.to_string())
 }
 
-/// A branch, tag or commit: not empty, no `..` (as the recipe's model.revision).
+/// A branch, tag or commit, as git names them (as the recipe's model.revision).
 fn revision(s: &str) -> Result<String, String> {
-    match s.trim().is_empty() || s.contains("..") {
-        true => Err(format!("\"{s}\" is not a branch, tag or commit")),
-        false => Ok(s.to_string()),
-    }
+    lora_train::util::check_revision(s).map(|()| s.to_string())
 }
 
 pub fn run(a: DownloadArgs) -> anyhow::Result<()> {
     let files = lora_train::hub::download(&a.id, &a.revision)?;
-    println!("{}", files.dir.display());
+    lora_train::outln!("{}", files.dir.display());
     Ok(())
 }

@@ -7,7 +7,10 @@ use clap::{Args, ValueEnum};
 use lora_train::export::gguf::{self, Quant};
 use lora_train::export::merge::{merge, MergeInto, MergeOptions};
 use lora_train::recipe::Dtype;
-use std::path::PathBuf;
+use lora_train::train::stop::StopSignal;
+use lora_train::util::lock::DirLock;
+use lora_train::util::on_exit::{remove_on_exit, Registered};
+use std::path::{Path, PathBuf};
 
 #[derive(Args, Clone)]
 #[command(
@@ -163,26 +166,30 @@ pub fn run(a: ExportArgs) -> anyhow::Result<()> {
         quantize_dtype: None,
     };
     if a.format != Format::Safetensors {
-        return run_gguf(&a, &base, &opts);
+        let guard = OutGuard::take(&a.out)?;
+        return guard.finish(run_gguf(&a, &base, &opts));
     }
     let Some(adapter) = a.adapter.as_ref() else {
         return Err(super::Usage("--adapter is needed".into()).into());
     };
     let packed = lora_train::quant::bnb::nf4_config(&base.join("config.json"));
     if opts.merge_into == MergeInto::Base && matches!(packed, Ok(None)) && trained_on_nf4(adapter) {
-        eprintln!(
+        lora_train::errln!(
             "note: {}/recipe.toml trained on an NF4 base (model.quantize = \"nf4\"); \
              --merge-into dequantized merges into the weights it trained against",
             adapter.display()
         );
     }
-    let r = merge(adapter, &base, &a.out, &opts)
-        .with_context(|| format!("cannot merge {} into {}", adapter.display(), base.display()))?;
+    let guard = OutGuard::take(&a.out)?;
+    let r = guard
+        .finish(merge(adapter, &base, &a.out, &opts).with_context(|| {
+            format!("cannot merge {} into {}", adapter.display(), base.display())
+        }))?;
     let into = match r.merged_into {
         "base" => String::new(),
         _ => format!(" into the NF4 base dequantized ({} linears)", r.dequantized),
     };
-    println!(
+    lora_train::outln!(
         "merged {} of {} tensors{into}; wrote {} ({} shard(s), {:.1} MB)",
         r.merged,
         r.tensors,
@@ -191,6 +198,45 @@ pub fn run(a: ExportArgs) -> anyhow::Result<()> {
         r.total_size as f64 / 1e6
     );
     Ok(())
+}
+
+/// What an export holds while it writes `--out`: its lock (a second export there refuses,
+/// naming this pid), and signal handlers that remove its unfinished output (`.<out>.tmp-<pid>`,
+/// a directory or a GGUF file) and exit with 130.
+struct OutGuard {
+    _lock: DirLock,
+    signal: StopSignal,
+    _tmp: Registered,
+}
+
+impl OutGuard {
+    fn take(out: &Path) -> anyhow::Result<OutGuard> {
+        let lock = DirLock::try_dir(out, "lora-train export").context("--out")?;
+        // What an export killed there left (its pid gone): ours to remove, under the lock.
+        for p in lora_train::util::stale_temporaries(out) {
+            std::fs::remove_dir_all(&p)
+                .or_else(|_| std::fs::remove_file(&p))
+                .with_context(|| format!("cannot remove {}", p.display()))?;
+            lora_train::errln!(
+                "removed {}, left by an export that did not finish",
+                p.display()
+            );
+        }
+        Ok(OutGuard {
+            _lock: lock,
+            signal: lora_train::train::stop::exit_on_signal()?,
+            _tmp: remove_on_exit(&lora_train::util::tmp_path(out), true),
+        })
+    }
+
+    /// The export's result, the lock released. A signal that removed the unfinished output
+    /// made it fail: the signal's exit (130) is then the end, and this waits for it.
+    fn finish<T>(self, r: anyhow::Result<T>) -> anyhow::Result<T> {
+        if r.is_err() {
+            self.signal.settle();
+        }
+        r
+    }
 }
 
 /// Whether the run that wrote the adapter (its `recipe.toml`, when it has one) kept its base in
@@ -231,7 +277,7 @@ fn run_gguf(a: &ExportArgs, base: &std::path::Path, opts: &MergeOptions) -> anyh
     }
     .with_context(|| format!("cannot write {}", a.out.display()))?;
     let types: Vec<String> = r.types.iter().map(|(t, n)| format!("{n} {t}")).collect();
-    println!(
+    lora_train::outln!(
         "wrote {} ({}, {} tensors: {}, {:.1} MB)",
         r.out.display(),
         r.arch,
@@ -268,7 +314,7 @@ fn run_gguf(a: &ExportArgs, base: &std::path::Path, opts: &MergeOptions) -> anyh
             );
         }
         lora_train::util::atomic_write(&path, text.as_bytes())?;
-        println!(
+        lora_train::outln!(
             "wrote {} (ollama create NAME -f {})",
             path.display(),
             path.display()

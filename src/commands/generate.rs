@@ -7,7 +7,7 @@ use clap::{ArgGroup, Args, ValueEnum};
 use lora_train::data::TextTokenizer;
 use lora_train::generate::{self, load, Decoder, Finish, Sampler, Sampling, Weights};
 use lora_train::recipe::Recipe;
-use std::io::{BufRead, IsTerminal, Write};
+use std::io::{BufRead, IsTerminal};
 use std::path::PathBuf;
 
 #[derive(Args, Clone)]
@@ -179,7 +179,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     let out = run_one(&mut dec, &ids, max_new, &stop, &mut sampler, tok)?;
     if tok.is_none() {
         let s: Vec<String> = out.tokens.iter().map(|t| t.to_string()).collect();
-        println!("{}", s.join(" "));
+        lora_train::outln!("{}", s.join(" "));
     }
     report_speed(&out, ids.len());
     Ok(())
@@ -194,22 +194,21 @@ fn run_one(
     sampler: &mut Sampler,
     tok: Option<&TextTokenizer>,
 ) -> Result<generate::Output> {
+    // Streamed through util::out: a reader that goes away ends the process quietly.
     let mut stream = tok.map(generate::stream::TextStream::new);
-    let mut stdout = std::io::stdout().lock();
     let out = generate::generate(dec, ids, max_new, stop, sampler, &mut |t| {
         if let Some(s) = stream.as_mut() {
             if let Some(text) = s.push(t)? {
-                stdout.write_all(text.as_bytes())?;
-                stdout.flush()?;
+                lora_train::out!("{text}");
             }
         }
         Ok(())
     })?;
     if let Some(s) = stream.as_mut() {
         if let Some(text) = s.finish()? {
-            stdout.write_all(text.as_bytes())?;
+            lora_train::out!("{text}");
         }
-        writeln!(stdout)?;
+        lora_train::outln!();
     }
     Ok(out)
 }
@@ -227,7 +226,7 @@ fn report_speed(out: &generate::Output, prompt: usize) {
         true => format!(", decoding {:.1} tok/s", (n - 1) as f64 / out.decode_s),
         false => String::new(),
     };
-    eprintln!(
+    lora_train::errln!(
         "{n} tokens in {s:.2} s ({:.1} tok/s{decode}; prompt {prompt} tokens in {:.2} s; ended by {why})",
         n as f64 / s.max(1e-9),
         out.prefill_s
@@ -269,7 +268,7 @@ fn chat(
     let mut lines = std::io::stdin().lock().lines();
     loop {
         if interactive {
-            eprint!("> ");
+            lora_train::util::out::write(lora_train::util::out::Stream::Err, format_args!("> "));
         }
         let Some(line) = lines.next() else { break };
         let line = line.context("cannot read stdin")?;
@@ -350,8 +349,9 @@ fn bench(a: &GenerateArgs) -> Result<()> {
         device,
         bandwidth: a.bandwidth,
     })?;
-    println!("{res}");
+    lora_train::outln!("{res}");
     if let Some(p) = &a.json {
+        use std::io::Write;
         let mut f = std::fs::OpenOptions::new()
             .create(true)
             .append(true)

@@ -5,9 +5,11 @@
 //! RecipeError, a Usage error, or a ConfigError: a value of config.json / adapter_config.json
 //! out of range or not fitting the tensors), 3 the memory plan says the run does not fit
 //! (nothing loaded; --force overrides), 4 out of memory mid-run (the last complete checkpoint
-//! is intact), 130 stopped by SIGINT / SIGTERM with a checkpoint saved (resumable; or while
-//! loading, nothing written; or with ranks stuck, the last checkpoint named), 131 a second
-//! signal ended it at once (the last complete checkpoint is intact).
+//! is intact), 130 stopped by SIGINT / SIGTERM (or a run's closed stdout / stderr) with a
+//! checkpoint saved (resumable; or while loading, nothing written; or with ranks stuck, the
+//! last checkpoint named; an export: its unfinished output removed), 131 a second signal ended
+//! it at once (the last complete checkpoint is intact). A closed stdout ends any other command
+//! with 0, quietly (`util::out` says why).
 
 mod bench;
 mod check;
@@ -91,12 +93,17 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     }
 }
 
-/// Prints a failure's whole chain and maps it to the exit code.
+/// Prints a failure's whole chain and maps it to the exit code. A command whose output could
+/// not all be written to stdout (a full disk) fails too.
 pub fn finish(res: anyhow::Result<()>) -> ExitCode {
+    let res = res.and_then(|()| match lora_train::util::out::failure() {
+        Some(why) => Err(anyhow::anyhow!(why)),
+        None => Ok(()),
+    });
     match res {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            lora_train::errln!("error: {e:#}");
             if e.downcast_ref::<RecipeError>().is_some()
                 || e.downcast_ref::<Usage>().is_some()
                 || e.downcast_ref::<ConfigError>().is_some()

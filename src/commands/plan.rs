@@ -115,9 +115,9 @@ pub fn run(a: PlanArgs) -> anyhow::Result<()> {
     };
     let p = plan::plan(&input, grad_accum, capacity);
     if a.json {
-        println!("{}", plan::to_json(&p, selected));
+        lora_train::outln!("{}", plan::to_json(&p, selected));
     } else {
-        print!("{}", plan::render(&p, selected));
+        lora_train::out!("{}", plan::render(&p, selected));
     }
     Ok(())
 }

@@ -43,9 +43,9 @@ pub fn run(a: ProbeArgs) -> anyhow::Result<()> {
     };
     let rep = lora_train::probe::run(&recipe, ramp)?;
     if a.json {
-        println!("{}", rep.to_json());
+        lora_train::outln!("{}", rep.to_json());
     } else {
-        print!("{}", rep.render());
+        lora_train::out!("{}", rep.render());
     }
     Ok(())
 }

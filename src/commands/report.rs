@@ -20,7 +20,7 @@ pub fn run(a: ReportArgs) -> anyhow::Result<()> {
         return Err(super::Usage(format!("{}: no such directory", a.dir.display())).into());
     }
     let (summary, out) = lora_train::report::report(&a.dir, a.out.as_deref())?;
-    print!("{}: {summary}", a.dir.display());
-    println!("wrote {}", out.display());
+    lora_train::out!("{}: {summary}", a.dir.display());
+    lora_train::outln!("wrote {}", out.display());
     Ok(())
 }

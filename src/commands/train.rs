@@ -3,7 +3,9 @@
 use super::Usage;
 use clap::Args;
 use lora_train::train::stop::{Interrupted, EXIT_INTERRUPTED};
+use lora_train::util::{on_exit, out};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 #[derive(Args, Clone)]
 #[command(
@@ -28,11 +30,17 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
     )?;
     let recipe = lora_train::train::load_recipe(&path, &a.set)?;
     let opts = lora_train::train::RunOptions { force: a.force };
-    let s = match lora_train::train::run_with(recipe, &opts) {
+    // A run's streams are logs (util::out). Until its signal handlers take over, a closed one
+    // ends it at once: nothing is written yet.
+    out::on_closed(Arc::new(|_| on_exit::exit(EXIT_INTERRUPTED.into())));
+    let res = lora_train::train::run_with(recipe, &opts);
+    // The run is over: a stream closed now ends nothing, and changes no exit status.
+    out::on_closed(Arc::new(|_| {}));
+    let s = match res {
         Ok(s) => s,
         Err(e) => {
             if let Some(i) = e.downcast_ref::<Interrupted>() {
-                eprintln!("{i}\nresume with: {}", resume_command(&path, &a.set));
+                lora_train::errln!("{i}\nresume with: {}", resume_command(&path, &a.set));
                 std::process::exit(EXIT_INTERRUPTED.into());
             }
             return Err(e);
@@ -40,7 +48,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
     };
     let last = s.losses.last().copied().unwrap_or(f64::NAN);
     let first = s.losses.first().copied().unwrap_or(f64::NAN);
-    println!(
+    lora_train::outln!(
         "trained {} steps in {:.1}s ({:.0} tok/s): loss {first:.4} -> {last:.4}; adapter saved to {}",
         s.steps,
         s.seconds,
@@ -48,7 +56,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
         s.out_dir.display()
     );
     if let Some(e) = s.eval_loss {
-        println!("eval loss {e:.4}");
+        lora_train::outln!("eval loss {e:.4}");
     }
     Ok(())
 }

@@ -93,7 +93,7 @@ pub fn files_of(f: &TrainFile, cfg: &DataSection, eval: bool) -> Result<Vec<Sour
         split: c.split,
         files: if eval { None } else { c.files },
     };
-    let files = dataset_files(&HubEnv::from_env(), &d)?;
+    let files = dataset_files(&HubEnv::from_env()?, &d)?;
     Ok(files
         .into_iter()
         .map(|df| SourceFile {
@@ -181,7 +181,7 @@ pub fn check(d: &DataSection) -> Result<(), (String, String)> {
     Ok(())
 }
 
-/// Set options are non-empty; a revision has no "..".
+/// Set options are non-empty; a revision is a git ref name (`util::check_revision`).
 fn check_values(v: &[(&str, &Option<String>)], prefix: &str) -> Result<(), (String, String)> {
     for (k, v) in v {
         let Some(v) = v else { continue };
@@ -189,8 +189,11 @@ fn check_values(v: &[(&str, &Option<String>)], prefix: &str) -> Result<(), (Stri
         if v.trim().is_empty() {
             return Err((key, format!("= \"{v}\" is empty: remove it or name one")));
         }
-        if *k == "revision" && v.contains("..") {
-            return Err((key, format!("= \"{v}\" is not a branch, tag or commit")));
+        if *k == "revision" && crate::util::check_revision(v).is_err() {
+            return Err((
+                key,
+                format!("= \"{v}\" is not a branch, tag or commit (a git ref name)"),
+            ));
         }
         if *k == "subset" && (v.contains('/') || v.starts_with('.')) {
             return Err((

@@ -138,7 +138,7 @@ impl Graph {
                     (_, Err(e)) => e.to_string(),
                     _ => "empty graph".to_string(),
                 };
-                eprintln!("note: decoding without a CUDA graph (its capture failed: {why})");
+                crate::errln!("note: decoding without a CUDA graph (its capture failed: {why})");
                 self.on = false;
                 Ok(false)
             }

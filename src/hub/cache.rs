@@ -9,13 +9,16 @@
 //!     snapshots/<commit>/<file>    relative symlink to ../../blobs/<etag>
 //!     .no_exist/<commit>/<file>    empty: the file does not exist at that commit
 //! <cache>/.locks/models--{org}--{name}/<etag>.lock    flock()ed while a blob downloads
+//! <cache>/.locks/models--{org}--{name}/lora-train.lock   held while we fetch the repository
 //! ```
 //!
 //! `<cache>` is $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub. Folder names
 //! and the snapshot and blob paths are hf-hub's ([`hf_hub::CacheRepo`]); what it lacks is
-//! here: atomic refs, `.no_exist`, checked relative links, blocking locks.
+//! here: atomic refs, `.no_exist`, checked relative links, blocking locks. Revisions and file
+//! names are checked before they become paths (`refs/<revision>`, `snapshots/<commit>/<file>`).
 
-use crate::util::atomic_write;
+use crate::util::lock::{DirLock, LOCK_SUFFIX};
+use crate::util::{atomic_write, check_revision};
 use anyhow::{bail, Context, Result};
 use hf_hub::{Repo, RepoType};
 use std::path::{Path, PathBuf};
@@ -119,6 +122,7 @@ impl RepoCache {
         if is_commit(revision) {
             return Some(revision.to_lowercase());
         }
+        check_revision(revision).ok()?;
         let text = std::fs::read_to_string(self.dir.join("refs").join(revision)).ok()?;
         let commit = text.trim();
         is_commit(commit).then(|| commit.to_string())
@@ -129,6 +133,7 @@ impl RepoCache {
         if is_commit(revision) {
             return Ok(());
         }
+        check_revision(revision).map_err(anyhow::Error::msg)?;
         let path = self.dir.join("refs").join(revision);
         if let Some(parent) = path.parent() {
             std::fs::create_dir_all(parent)
@@ -193,6 +198,16 @@ impl RepoCache {
         }
     }
 
+    /// Takes this repository's lock for a fetch (`.locks/<folder>/lora-train.lock`), waiting
+    /// while another process holds it; held until the guard drops.
+    pub fn lock_repo(&self) -> Result<DirLock> {
+        DirLock::wait(
+            &self.locks.join(LOCK_SUFFIX),
+            &self.dir,
+            "lora-train download",
+        )
+    }
+
     /// Takes the download lock of `blobs/<etag>`; held until the guard drops. Another process
     /// (ours or Python's) downloading the same blob makes this wait for it.
     pub fn lock(&self, etag: &str) -> Result<BlobLock> {
@@ -223,7 +238,7 @@ fn lock_exclusive(file: &std::fs::File, path: &Path) -> Result<()> {
     if unsafe { libc::flock(fd, libc::LOCK_EX | libc::LOCK_NB) } == 0 {
         return Ok(());
     }
-    eprintln!(
+    crate::errln!(
         "waiting for another download of the same file (lock {})",
         path.display()
     );
@@ -289,9 +304,15 @@ mod tests {
         c.mark_missing(commit, "tokenizer.json").unwrap();
         assert_eq!(c.has(commit, "tokenizer.json"), Some(false));
 
-        // Names from a downloaded index never leave the snapshot.
+        // Names from a downloaded index never leave the snapshot; revisions never leave refs/.
         for bad in ["../x", "a/../../x", "/etc/passwd", "", "a//b", "a\\b"] {
             assert!(c.link(commit, bad, "e1").is_err(), "{bad}");
+        }
+        for bad in [
+            "/tmp/x", "../../x", "a/../b", "a//b", ".hidden", "x.lock", "",
+        ] {
+            assert!(c.write_ref(bad, commit).is_err(), "{bad}");
+            assert_eq!(c.commit_for(bad), None, "{bad}");
         }
         // The lock can be taken again once released.
         drop(c.lock("e1").unwrap());

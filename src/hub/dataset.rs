@@ -13,7 +13,7 @@ use super::download::{
     http_error, transient_error, transient_status, unreachable, At, Head, Hub, HubEnv, Kind,
     Unreachable,
 };
-use crate::util::check_repo_id;
+use crate::util::{check_repo_id, check_revision};
 use anyhow::{bail, Context, Result};
 use hf_hub::api::sync::ApiBuilder;
 use hf_hub::api::RepoInfo;
@@ -89,6 +89,7 @@ pub fn dataset_files(env: &HubEnv, d: &DataRepo) -> Result<Vec<DataFile>> {
 
 fn resolve(env: &HubEnv, d: &DataRepo) -> Result<Vec<DataFile>> {
     check_repo_id(d.id).map_err(anyhow::Error::msg)?;
+    check_revision(d.revision).map_err(anyhow::Error::msg)?;
     let cache = RepoCache::dataset(&env.cache, d.id);
     let cached = cache
         .commit_for(d.revision)
@@ -101,7 +102,7 @@ fn resolve(env: &HubEnv, d: &DataRepo) -> Result<Vec<DataFile>> {
                 cache.dir.display()
             )
         })?;
-        eprintln!(
+        crate::errln!(
             "data set {id} at \"{rev}\" = commit {commit}, {why}: {}",
             chosen.join(", ")
         );
@@ -130,7 +131,7 @@ fn resolve(env: &HubEnv, d: &DataRepo) -> Result<Vec<DataFile>> {
         Err(e) => {
             return match (&cached, e.downcast_ref::<Unreachable>()) {
                 (Some(c), Some(u)) => {
-                    eprintln!("warning: cannot reach {}: {}", u.endpoint, u.cause);
+                    crate::errln!("warning: cannot reach {}: {}", u.endpoint, u.cause);
                     from_cache(c, "as last downloaded (it may have moved since)")
                 }
                 _ => Err(e),
@@ -173,7 +174,7 @@ fn resolve(env: &HubEnv, d: &DataRepo) -> Result<Vec<DataFile>> {
         };
         out.push(DataFile { file, path });
     }
-    eprintln!(
+    crate::errln!(
         "data set {id} at \"{rev}\" = commit {commit}: {} ({} fetched in {:.1}s)",
         out.iter()
             .map(|f| f.file.as_str())
@@ -213,9 +214,9 @@ fn list_remote(env: &HubEnv, d: &DataRepo) -> Result<(String, Vec<String>)> {
             .info_request()
             .config()
             .http_status_as_error(false)
-            .timeout_connect(Some(Duration::from_secs(20)))
-            .timeout_recv_response(Some(Duration::from_secs(60)))
-            .timeout_recv_body(Some(Duration::from_secs(120)))
+            .timeout_connect(Some(env.etag_timeout.min(Duration::from_secs(20))))
+            .timeout_recv_response(Some(env.etag_timeout))
+            .timeout_recv_body(Some(env.download_timeout * 2))
             .build()
             .call();
         let why = match res {
@@ -224,7 +225,7 @@ fn list_remote(env: &HubEnv, d: &DataRepo) -> Result<(String, Vec<String>)> {
             Err(e) if transient_error(&e) && attempt < retries => e.to_string(),
             Err(e) => return Err(unreachable(env, &at, e.to_string())),
         };
-        eprintln!("{at}: {why}; trying again");
+        crate::errln!("{at}: {why}; trying again");
         std::thread::sleep(backoff * 2u32.pow(attempt.min(5)));
         attempt += 1;
     };
@@ -251,7 +252,20 @@ fn list_remote(env: &HubEnv, d: &DataRepo) -> Result<(String, Vec<String>)> {
             env.endpoint
         );
     }
-    let files = info.siblings.into_iter().map(|s| s.rfilename).collect();
+    let files: Vec<String> = info.siblings.into_iter().map(|s| s.rfilename).collect();
+    // A repository holds no such names (git has none): a listing with one is not the Hub's.
+    if let Some(bad) = files
+        .iter()
+        .find(|f| f.split('/').any(|p| p.is_empty() || p == "." || p == "..") || f.contains('\0'))
+    {
+        bail!(
+            "{} answered {at} with the file name \"{}\", which is not a path inside a \
+             repository (absolute, empty, or with `.` / `..` parts): is HF_ENDPOINT a Hugging \
+             Face Hub or a mirror of one?",
+            env.endpoint,
+            bad.escape_debug()
+        );
+    }
     Ok((info.sha.to_lowercase(), files))
 }
 

@@ -46,7 +46,7 @@ impl FileBar {
 
     pub(super) fn note(&self, msg: &str) {
         if self.bar.is_hidden() {
-            eprintln!("{msg}");
+            crate::errln!("{msg}");
         } else {
             self.bar.println(msg);
         }
@@ -59,7 +59,7 @@ impl FileBar {
     pub(super) fn finish(&self, fetched: u64) {
         let secs = self.t0.elapsed().as_secs_f64();
         if self.bar.is_hidden() {
-            eprintln!(
+            crate::errln!(
                 "downloaded {} ({} in {secs:.1}s, {}/s)",
                 self.file,
                 HumanBytes(fetched),

@@ -495,7 +495,7 @@ impl NcclComm {
         // Every rank reads the same process-wide mode, so all make the same choice.
         if !eager_loading() {
             if self.rank == 0 {
-                eprintln!(
+                crate::errln!(
                     "warning: LORA_TRAIN_EXPERIMENTS=peer_copy ignored, FSDP gathers with NCCL: \
                      peer copies need CUDA_MODULE_LOADING=EAGER (lazy kernel loading can \
                      deadlock them); lora-train sets it when the experiment is named at its start"

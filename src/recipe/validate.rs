@@ -71,10 +71,10 @@ impl Recipe {
                     "applies to `model.id` (a Hub repository) only: remove it",
                 ))
             }
-            (Some(r), _) if r.trim().is_empty() || r.contains("..") => {
+            (Some(r), _) if crate::util::check_revision(r).is_err() => {
                 return Err(self.invalid(
                     "model.revision",
-                    format!("= \"{r}\" is not a branch, tag or commit"),
+                    format!("= \"{r}\" is not a branch, tag or commit (a git ref name)"),
                 ))
             }
             _ => {}

@@ -219,7 +219,7 @@ pub fn with_checkpoint_sets(r: Recipe) -> Result<Recipe> {
     if again.is_empty() {
         return Ok(r);
     }
-    eprintln!(
+    crate::errln!(
         "resuming with the overrides of {}: --set {}",
         dir.display(),
         again.join(" --set ")

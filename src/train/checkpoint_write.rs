@@ -145,7 +145,7 @@ impl Drop for Writer {
     /// A run that ends by an error still finishes the checkpoint it reported as saved.
     fn drop(&mut self) {
         if let Err(e) = self.wait() {
-            eprintln!("error: {e:#}");
+            crate::errln!("error: {e:#}");
         }
     }
 }

@@ -94,6 +94,7 @@ impl Ranks {
 
 /// `lora-train train`: the whole run from a recipe, on the ranks it asks for.
 pub fn run_with(recipe: Recipe, opts: &RunOptions) -> Result<RunSummary> {
+    let _owner = super::owner::own_output_dir(&recipe)?;
     let recipe = checkpoint::with_checkpoint_sets(recipe)?;
     let run = Arc::new(RunConfig::resolve(recipe, Machine::Open)?);
     let signal = stop::install_signal_handlers()?;
@@ -144,13 +145,13 @@ fn run_rank(
     let resume = checkpoint::resume_point(&run.recipe, &out_dir)?;
     match (&resume, &run.output.resume) {
         _ if !lead => {}
-        (Some(ck), _) => eprintln!(
+        (Some(ck), _) => crate::errln!(
             "resuming from {} (step {} of {})",
             ck.dir.display(),
             ck.state.step,
             ck.state.total_steps
         ),
-        (None, Resume::Flag(true)) => eprintln!(
+        (None, Resume::Flag(true)) => crate::errln!(
             "train.resume = true, but {} holds no checkpoint: starting fresh",
             out_dir.display()
         ),
@@ -211,7 +212,7 @@ fn announce(session: &Session, data: &TrainData) {
         Some(s) => s.nf4_bytes, // the skeleton's are placeholders
         None => m.layers.iter().map(|l| l.nf4_bytes()).sum(),
     };
-    eprintln!(
+    crate::errln!(
         "loaded in {:.1}s (weights read, cast and uploaded, adapters made, data read{})",
         session.memory.load_s,
         match (m.kernels.fold, nf4) {
@@ -231,7 +232,7 @@ fn announce(session: &Session, data: &TrainData) {
     let world = session.comm.world();
     if world > 1 {
         let resident = crate::train::shards::resident_base_bytes(m, session.shards.as_ref());
-        eprintln!(
+        crate::errln!(
             "{} over {world} ranks (devices {:?}); frozen base resident per rank: {:.1} MB",
             run.strategy.name(),
             run.devices,
@@ -239,7 +240,7 @@ fn announce(session: &Session, data: &TrainData) {
         );
     }
     let spec = &run.spec;
-    eprintln!(
+    crate::errln!(
         "model {} ({:?}, {} layers, {:.1}M params, {:?} on {:?}); LoRA r={} alpha={} on {}: {} trainable params",
         run.base_name,
         m.cfg.family,
@@ -252,7 +253,7 @@ fn announce(session: &Session, data: &TrainData) {
         spec.targets.join(","),
         trainable
     );
-    eprintln!(
+    crate::errln!(
         "data {}: {} examples ({} truncated to seq_len {}), {} steps",
         data.data.source.display(),
         data.data.examples.len(),
@@ -261,7 +262,7 @@ fn announce(session: &Session, data: &TrainData) {
         data.total_steps()
     );
     for note in &data.notes {
-        eprintln!("{note}");
+        crate::errln!("{note}");
     }
 }
 
@@ -283,7 +284,7 @@ fn export_merged(session: &Session, out_dir: &std::path::Path, m: MergePlan) -> 
     };
     let rep = export::merge::merge(out_dir, base_dir, &out_dir.join("merged"), &opts)
         .context("cannot write the merged model (output.merge = true)")?;
-    eprintln!(
+    crate::errln!(
         "merged model written to {} ({} tensors, {} with the adapter merged in, {} shard(s){})",
         rep.out.display(),
         rep.tensors,

@@ -149,7 +149,7 @@ impl Log {
             ));
         }
         if self.metrics.is_some() && self.bar.is_hidden() {
-            eprintln!("step {}/{}  {msg}", r.step, self.bar.length().unwrap_or(0));
+            crate::errln!("step {}/{}  {msg}", r.step, self.bar.length().unwrap_or(0));
         }
         self.bar.set_message(msg);
         Ok(())
@@ -161,7 +161,7 @@ impl Log {
             return;
         }
         match self.bar.is_hidden() {
-            true => eprintln!("{line}"),
+            true => crate::errln!("{line}"),
             false => self.bar.println(line),
         }
     }
@@ -197,7 +197,7 @@ fn start_trackers(
         resumed_at: resume.map(|ck| ck.state.step as u64),
         say: std::sync::Arc::new(
             move |line: &str| match bar.is_hidden() || bar.is_finished() {
-                true => eprintln!("{line}"),
+                true => crate::errln!("{line}"),
                 false => bar.println(line),
             },
         ),
@@ -235,7 +235,7 @@ fn open_outputs(s: &Session, out_dir: &Path, resume: Option<&Checkpoint>) -> Res
     let removed = checkpoint::clean(r, out_dir, resume.is_none())?;
     for names in [removed.outputs, removed.checkpoints] {
         if !names.is_empty() {
-            eprintln!(
+            crate::errln!(
                 "removed {} of an earlier run from {}",
                 names.join(", "),
                 out_dir.display()

@@ -9,7 +9,7 @@
 //! train, bench and probe share, over `driver`'s layer-wise forward and backward, `optim`,
 //! `readback`), `trainer` (the loop: log, eval, checkpoints, stops), `log`, `checkpoint` (its
 //! files copied to the host by `host_stage`, written by `checkpoint_write`), `stop`,
-//! `schedule`, `eval`, `offload`.
+//! `schedule`, `eval`, `offload`; `owner` (the output directory's lock, for the run's life).
 
 pub mod checkpoint;
 pub mod checkpoint_check;
@@ -23,6 +23,7 @@ pub mod log;
 pub mod objective;
 pub mod offload;
 pub mod optim;
+pub mod owner;
 pub mod pref_loss;
 pub mod preflight;
 pub mod readback;

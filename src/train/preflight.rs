@@ -47,7 +47,7 @@ pub fn preflight(
         if !opts.force {
             return Err(e.into());
         }
-        eprintln!(
+        crate::errln!(
             "warning (--force): {}",
             e.to_string().lines().next().unwrap_or("")
         );
@@ -111,7 +111,7 @@ fn plan_within_host(
         crate::memory::host_available(),
     ) {
         if !crate::memory::host_fits(b.host, ranks, avail) {
-            eprintln!(
+            crate::errln!(
                 "activation offload: gate and up would pin {} of host memory per rank ({ranks} \
                  on this host), {} is available: the MLP half is recomputed instead",
                 plan::fmt_bytes(b.host),
@@ -136,7 +136,7 @@ fn note_offload(forecast: Option<&Breakdown>) {
             Checkpointing::Mlp => "each layer's gate and up wait (but the top layers')",
             Checkpointing::Full => "each layer's input waits",
         };
-        eprintln!(
+        crate::errln!(
             "activation offload: {what} in pinned host memory, {} per rank \
              (train.offload_activations = false recomputes instead)",
             crate::memory::plan::fmt_bytes(b.host)
@@ -175,13 +175,13 @@ fn hold_max_memory(
     let dev = device::open(run.device, ordinal)?;
     let ballast = crate::memory::hold_ballast(&dev, m)?;
     match &ballast {
-        Some(b) if b.bytes > 0 => eprintln!(
+        Some(b) if b.bytes > 0 => crate::errln!(
             "train.max_memory = {}: holding {} of the card's {} outside the pool",
             fmt_bytes(m),
             fmt_bytes(b.bytes),
             fmt_bytes(b.total)
         ),
-        Some(b) => eprintln!(
+        Some(b) => crate::errln!(
             "warning: train.max_memory = {}, but less than that is free on the card ({} in all): nothing held back",
             fmt_bytes(m),
             fmt_bytes(b.total)

@@ -8,7 +8,9 @@
 //! that comes while the run is still loading (the model, the data: nothing written yet) ends
 //! the process at once with `EXIT_INTERRUPTED`. A signal that finds ranks stuck in a
 //! collective (a rank that never joins) ends their wait within `parallel::STOP_GRACE`, and
-//! the run stops with `StoppedUnsaved`, naming the last complete checkpoint.
+//! the run stops with `StoppedUnsaved`, naming the last complete checkpoint. A closed stdout
+//! or stderr stops a run as the first signal does. `export` ends at once on the first signal,
+//! its unfinished output removed (`exit_on_signal`).
 
 use anyhow::Result;
 use std::path::PathBuf;
@@ -125,6 +127,34 @@ impl StopSignal {
         self.flag.load(Ordering::SeqCst)
     }
 
+    /// A closed output stream (`util::out`): while loading, the process ends at once (nothing
+    /// written); in the loop, the run stops at the step's end with a checkpoint, as on a signal.
+    fn closed(&self, stream: crate::util::out::Stream) {
+        let cas = self
+            .phase
+            .compare_exchange(LOADING, EXITING, Ordering::SeqCst, Ordering::SeqCst);
+        if cas.is_ok() {
+            crate::util::on_exit::exit(EXIT_INTERRUPTED.into());
+        }
+        if !self.flag.swap(true, Ordering::SeqCst) {
+            crate::errln!(
+                "{} was closed: finishing this step, then saving a checkpoint",
+                stream.name()
+            );
+        }
+        self.announced.store(true, Ordering::SeqCst);
+    }
+
+    /// For a command whose signals end it at once (`exit_on_signal`) that failed meanwhile:
+    /// when a signal came, its removal of the unfinished output caused the failure, and the
+    /// signal's exit (`EXIT_INTERRUPTED`) is the command's end, so wait for it (10 s at most).
+    pub fn settle(&self) {
+        let start = Instant::now();
+        while self.received() && start.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     /// Waits (1 s at most) until the line announcing the signal is printed, so that it comes
     /// before the lines that report the stop.
     pub fn wait_announced(&self) {
@@ -135,10 +165,26 @@ impl StopSignal {
     }
 }
 
-/// Installs the SIGINT / SIGTERM handlers. The first signal sets the flag that
+/// Installs a run's SIGINT / SIGTERM handlers. The first signal sets the flag that
 /// `StopSignal::received` reads; a second one exits the process at once with
-/// `EXIT_SECOND_SIGNAL`.
+/// `EXIT_SECOND_SIGNAL`. A closed stdout or stderr (its reader gone: `util::out`) stops the
+/// run as a first signal does: quietly, with a checkpoint.
 pub fn install_signal_handlers() -> Result<StopSignal> {
+    let stop = install()?;
+    let on = stop.clone();
+    crate::util::out::on_closed(Arc::new(move |stream| on.closed(stream)));
+    Ok(stop)
+}
+
+/// The handlers of a command with no step to finish (`export`): it never leaves the loading
+/// phase, so the first SIGINT / SIGTERM removes what `util::on_exit` holds (its unfinished
+/// output, its lock) and exits with `EXIT_INTERRUPTED` at once; a second one, while that
+/// removal runs, exits with `EXIT_SECOND_SIGNAL` (the next export removes what is left).
+pub fn exit_on_signal() -> Result<StopSignal> {
+    install()
+}
+
+fn install() -> Result<StopSignal> {
     use signal_hook::consts::{SIGINT, SIGTERM};
     let flag = Arc::new(AtomicBool::new(false));
     for sig in [SIGINT, SIGTERM] {
@@ -158,12 +204,24 @@ pub fn install_signal_handlers() -> Result<StopSignal> {
             let name = if sig == SIGINT { "SIGINT" } else { "SIGTERM" };
             let cas = at.compare_exchange(LOADING, EXITING, Ordering::SeqCst, Ordering::SeqCst);
             if cas.is_ok() {
-                eprintln!("\n{name} while loading: stopped (nothing was written)");
-                std::process::exit(EXIT_INTERRUPTED.into());
+                // Removed before anything is printed: a blocked stderr must not keep them.
+                let removed = crate::util::on_exit::remove_registered();
+                match removed.is_empty() {
+                    true => crate::errln!("\n{name} while loading: stopped (nothing was written)"),
+                    false => crate::errln!(
+                        "\n{name}: stopped; removed the unfinished {}",
+                        removed
+                            .iter()
+                            .map(|p| p.display().to_string())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                }
+                crate::util::on_exit::exit(EXIT_INTERRUPTED.into());
             }
             // Ranks waiting in a collective for one that never comes stop waiting soon.
             crate::parallel::interrupt();
-            eprintln!(
+            crate::errln!(
                 "\n{name}: finishing this step, then saving a checkpoint (send it again to quit at once)"
             );
             said.store(true, Ordering::SeqCst);

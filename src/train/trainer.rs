@@ -205,9 +205,10 @@ impl<'s> Trainer<'s> {
         self.writer.wait()?;
         self.log.finish();
         if self.at.skipped > 0 && lead {
-            eprintln!(
+            crate::errln!(
                 "skipped {} of {} steps with a non-finite loss or gradient",
-                self.at.skipped, self.total
+                self.at.skipped,
+                self.total
             );
         }
         let (_, seconds) = self.log.rate();

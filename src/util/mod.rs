@@ -1,6 +1,11 @@
-//! Small helpers every module may use: crash-safe file writes, sizes written as text.
+//! Small helpers every module may use: crash-safe file writes and their stale temporaries,
+//! sizes written as text, Hub names checked; output that never panics (`out`), directory
+//! locks (`lock`), what an abrupt exit removes (`on_exit`).
 
 pub mod fs;
+pub mod lock;
+pub mod on_exit;
+pub mod out;
 
 use anyhow::{Context, Result};
 use std::io::Write;
@@ -33,6 +38,42 @@ pub fn tmp_path(path: &Path) -> PathBuf {
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
     path.with_file_name(format!(".{name}.tmp-{}", std::process::id()))
+}
+
+/// The temporaries of `path`'s own naming beside it (`.<name>.tmp-<pid>`, and an empty
+/// `.<name>.old-<pid>` that a replacement moved aside) whose writer is gone: another pid that
+/// is no longer running. What a killed writer left; nothing else matches.
+pub fn stale_temporaries(path: &Path) -> Vec<PathBuf> {
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
+        return Vec::new();
+    };
+    let dir = if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    };
+    let name = name.to_string_lossy();
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut out: Vec<PathBuf> = rd
+        .flatten()
+        .filter_map(|e| {
+            let n = e.file_name().to_string_lossy().into_owned();
+            let rest = n.strip_prefix('.')?.strip_prefix(&*name)?;
+            let (old, pid) = match (rest.strip_prefix(".tmp-"), rest.strip_prefix(".old-")) {
+                (Some(pid), _) => (false, pid),
+                (_, Some(pid)) => (true, pid),
+                _ => return None,
+            };
+            let pid: u32 = pid.parse().ok().filter(|p: &u32| p.to_string() == pid)?;
+            let p = e.path();
+            let empty = || std::fs::read_dir(&p).is_ok_and(|mut d| d.next().is_none());
+            (pid != std::process::id() && !lock::pid_alive(pid) && (!old || empty())).then_some(p)
+        })
+        .collect();
+    out.sort();
+    out
 }
 
 /// "5GB" → 5·10⁹, "500MB", "2GiB" → 2·2³⁰, "300KB", "1000" (bytes); as transformers reads
@@ -90,6 +131,34 @@ pub fn check_repo_id(id: &str) -> std::result::Result<(), String> {
     Ok(())
 }
 
+/// Checks a revision (branch, tag or commit) as git and the Hub accept one, before it becomes
+/// a path (`refs/<revision>` in the cache) or part of a URL: not empty, at most 255 bytes, no
+/// control characters, space, `~ ^ : ? * [ \`, no `..` or `@{`, not `@`, no empty part or
+/// part starting with `.` or ending with `.lock` between its `/`s (so no absolute path, no
+/// leading or trailing `/`), not ending with `.`. `refs/pr/1` and `v1.0` pass.
+pub fn check_revision(rev: &str) -> std::result::Result<(), String> {
+    let bad_char = |c: char| c.is_control() || " ~^:?*[\\".contains(c);
+    let bad = rev.is_empty()
+        || rev.len() > 255
+        || rev == "@"
+        || rev.contains("..")
+        || rev.contains("@{")
+        || rev.ends_with('.')
+        || rev.chars().any(bad_char)
+        || rev
+            .split('/')
+            .any(|p| p.is_empty() || p.starts_with('.') || p.ends_with(".lock"));
+    match bad {
+        true => Err(format!(
+            "\"{}\" is not a branch, tag or commit (git ref names: no absolute path, no `..`, \
+             no empty or hidden part, no spaces or ~^:?*[\\), e.g. \"main\", \"v1.0\", \"refs/pr/1\" \
+             or a 40-digit commit",
+            rev.escape_debug()
+        )),
+        false => Ok(()),
+    }
+}
+
 /// The message of a caught panic (`std::panic::catch_unwind`'s payload): its text, or "" when
 /// it carries none.
 pub fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
@@ -97,4 +166,81 @@ pub fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
         .cloned()
         .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
         .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn revisions_as_git_names_them() {
+        for ok in [
+            "main",
+            "v1.0",
+            "refs/pr/1",
+            "refs/convert/parquet",
+            "feature/x-y_z",
+            "0123456789abcdef0123456789abcdef01234567",
+        ] {
+            assert!(check_revision(ok).is_ok(), "{ok}");
+        }
+        let long = "a".repeat(256);
+        for bad in [
+            "",
+            " ",
+            "/etc/passwd",
+            "/",
+            "a/",
+            "a//b",
+            "..",
+            "a/../b",
+            "../../x",
+            ".hidden",
+            "a/.b",
+            "x.lock",
+            "a/b.lock/c",
+            "v1.",
+            "@",
+            "a@{1}",
+            "a b",
+            "a~1",
+            "a^",
+            "a:b",
+            "a?",
+            "a*",
+            "a[",
+            "a\\b",
+            "a\nb",
+            "a\0b",
+            &long,
+        ] {
+            let e = check_revision(bad).unwrap_err();
+            assert!(e.contains("is not a branch, tag or commit"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn stale_temporaries_are_of_this_naming_and_of_dead_writers_only() {
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("out");
+        let me = std::process::id();
+        let dead = 999_999_999u32;
+        let mk = |name: &str, file: Option<&str>| {
+            let p = tmp.path().join(name);
+            std::fs::create_dir_all(&p).unwrap();
+            if let Some(f) = file {
+                std::fs::write(p.join(f), "x").unwrap();
+            }
+            p
+        };
+        let stale = mk(&format!(".out.tmp-{dead}"), Some("shard"));
+        let empty_old = mk(&format!(".out.old-{dead}"), None);
+        mk(&format!(".out.old-{}", dead - 1), Some("kept"));
+        mk(&format!(".out.tmp-{me}"), None);
+        mk(&format!(".outer.tmp-{dead}"), None);
+        mk(&format!(".out.tmp-0{dead}"), None);
+        mk(&format!(".out.tmp-{dead}x"), None);
+        mk("out", None);
+        assert_eq!(stale_temporaries(&out), vec![empty_old, stale]);
+    }
 }

@@ -72,6 +72,44 @@ fn tiny_recipe_trains_and_writes_a_peft_adapter() {
 
 #[test]
 fn train_subcommand_and_check_resolve_the_same_recipe() {
+    // `train` (the subcommand itself) trains, and the recipe its run records is the one `check`
+    // prints for the same command line.
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let sets = [
+        format!("output.dir={}", out.display()),
+        "train.max_steps=2".to_string(),
+    ];
+    let with_sets = |cmd: &str| {
+        let mut c = bin();
+        c.current_dir(root())
+            .args([cmd, "--recipe", "recipes/tiny-cpu.toml"]);
+        for s in &sets {
+            c.args(["--set", s]);
+        }
+        c.output().unwrap()
+    };
+    let o = with_sets("train");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stdout).starts_with("trained 2 steps"));
+    assert!(out.join("adapter_model.safetensors").is_file());
+    let o = with_sets("check");
+    assert!(o.status.success());
+    let checked = String::from_utf8_lossy(&o.stdout).into_owned();
+    let ran: toml::Table =
+        toml::from_str(&std::fs::read_to_string(out.join("recipe.toml")).unwrap()).unwrap();
+    let mut printed: toml::Table = toml::from_str(checked.split_once('\n').unwrap().1).unwrap();
+    // `check` also writes out the defaults that follow from other fields; the rest is the same.
+    for (section, key) in [
+        ("data", "train_on"),
+        ("output", "max_shard_size"),
+        ("train", "offload_activations"),
+    ] {
+        let t = printed[section].as_table_mut().unwrap();
+        assert!(t.remove(key).is_some(), "check writes out {section}.{key}");
+    }
+    assert_eq!(ran, printed);
+
     let o = bin()
         .current_dir(root())
         .args(["check", "--recipe", "recipes/tiny-cpu.toml"])

@@ -173,15 +173,15 @@ pub fn randn_bf16(dims: &[usize], dev: &Device) -> Tensor {
         .unwrap()
 }
 
-/// Whether this machine has at least `n` CUDA GPUs; if not, says so for `test` (a test that
-/// needs them then passes without running: the GPU check runs it where they are).
+/// Fails the calling test unless this machine has at least `n` CUDA GPUs: a test that needs
+/// them never passes without running (the GPU check runs it where they are).
 #[cfg(feature = "cuda")]
-pub fn has_gpus(n: usize, test: &str) -> bool {
+pub fn need_gpus(n: usize, test: &str) {
     let count = candle_core::cuda::cudarc::driver::CudaContext::device_count().unwrap_or(0);
-    if (count as usize) < n {
-        eprintln!("{test}: {count} GPU(s), needs {n}");
-    }
-    count as usize >= n
+    assert!(
+        count as usize >= n,
+        "{test} needs {n} GPUs, this machine has {count}: run it where there are {n} (scripts/device_gpu_check.sh peercopy)"
+    );
 }
 
 /// A copy of the directory tree `from` at `to`.
@@ -238,6 +238,97 @@ pub fn all_linear_r8() -> lora_train::lora::LoraSpec {
             .map(|s| s.to_string())
             .collect(),
     }
+}
+
+/// A pipe: (read end, write end), both close-on-exec (std's `io::pipe` is newer than our MSRV).
+pub fn pipe() -> (std::fs::File, std::fs::File) {
+    use std::os::fd::FromRawFd;
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 writes two new descriptors into the array we pass.
+    let rc = unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) };
+    assert_eq!(rc, 0, "pipe2: {}", std::io::Error::last_os_error());
+    // SAFETY: both descriptors are new and owned by nothing else.
+    unsafe {
+        (
+            std::fs::File::from_raw_fd(fds[0]),
+            std::fs::File::from_raw_fd(fds[1]),
+        )
+    }
+}
+
+/// Fills the pipe that `w` writes into until one more byte would block, through a second,
+/// non-blocking open of it (`w`'s own descriptor, a child's stdout or stderr, keeps blocking):
+/// the next write of its writer waits until the reader reads. The filler is newlines.
+pub fn fill_pipe(w: &impl std::os::fd::AsRawFd) {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(format!("/proc/self/fd/{}", w.as_raw_fd()))
+        .unwrap();
+    for chunk in [4096, 1] {
+        loop {
+            match f.write(&vec![b'\n'; chunk]) {
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) => panic!("filling a pipe: {e}"),
+            }
+        }
+    }
+}
+
+/// A child whose stderr is a full pipe: it stops at its first line to stderr, holding what it
+/// holds by then, until `finish` reads.
+pub struct Blocked {
+    pub child: std::process::Child,
+    reader: std::fs::File,
+}
+
+impl Blocked {
+    /// Spawns `cmd` (stdout discarded) with its stderr a full pipe.
+    pub fn spawn(mut cmd: std::process::Command) -> Blocked {
+        let (reader, w) = pipe();
+        fill_pipe(&w);
+        let child = cmd
+            .stdout(std::process::Stdio::null())
+            .stderr(w)
+            .spawn()
+            .unwrap();
+        // `cmd` held our copy of the write end: without it, the reader sees the end.
+        drop(cmd);
+        Blocked { child, reader }
+    }
+
+    /// Reads the pipe to its end (the filler dropped) and waits for the child.
+    pub fn finish(mut self) -> (std::process::ExitStatus, String) {
+        use std::io::Read;
+        let mut bytes = Vec::new();
+        self.reader.read_to_end(&mut bytes).unwrap();
+        let status = self.child.wait().unwrap();
+        let text = String::from_utf8_lossy(&bytes);
+        let lines: Vec<&str> = text.lines().filter(|l| !l.is_empty()).collect();
+        (status, lines.join("\n"))
+    }
+}
+
+/// Waits until `what` holds (checked every 5 ms); a test's deadline of 60 s, not a timing.
+pub fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let t0 = std::time::Instant::now();
+    while !f() {
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(60),
+            "waited 60 s for {what}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
+/// Sends `sig` to process `pid` (a child of this test, not yet reaped).
+pub fn send_signal(pid: u32, sig: i32) {
+    // SAFETY: kill(2) on the pid of a child we spawned and have not reaped yet.
+    let rc = unsafe { libc::kill(pid as i32, sig) };
+    assert_eq!(rc, 0, "kill({pid}, {sig})");
 }
 
 /// A one-rank training session with its data, as `train` makes them (the library keeps the

@@ -742,7 +742,7 @@ fn bad_hub_keys_in_a_recipe_exit_2() {
         ),
         (
             "id = \"a/b\"\nrevision = \"\"",
-            "`model.revision` = \"\" is not a branch, tag or commit",
+            "`model.revision` = \"\" is not a branch, tag or commit (a git ref name)",
         ),
     ];
     for (model, want) in cases {

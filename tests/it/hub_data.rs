@@ -256,6 +256,7 @@ fn env(hf: &Path, endpoint: &str) -> HubEnv {
         "HF_ENDPOINT" => Some(endpoint.clone()),
         _ => None,
     })
+    .unwrap()
 }
 
 fn repo<'a>(id: &'a str, split: &'a str, subset: Option<&'a str>) -> DataRepo<'a> {

@@ -58,7 +58,10 @@ fn frozen_base_gets_no_gradient_entry() {
 
 /// The hand-written layer backward (what training runs) against autograd through the
 /// composite `Layer::forward`: output, dL/dx and every adapter gradient, on models with GQA,
-/// q/k/v bias and tied heads, with dropout on and packed segments.
+/// q/k/v bias and tied heads, with dropout on and packed segments. That graph's attention node
+/// (`ops::attention`) carries the training's own attention backward, so the attention part is
+/// held to an independent reference elsewhere: finite differences of the forward (`grad_fd`),
+/// and the op against a dense softmax composite (`ops`).
 #[test]
 fn hand_written_layer_backward_equals_autograd() {
     for case in [

@@ -1,6 +1,7 @@
 //! One integration-test binary (one link): golden checks against transformers + PEFT, driver
 //! invariants, the real CLI, checkpoints and exact resume, the merged export, Hub models and
-//! data sets against loopback servers, and every shipped recipe.
+//! data sets against loopback servers (and one that lies), every shipped recipe, and faults
+//! around a run: signals, locks, failing output streams.
 
 mod bad_input;
 mod chat;
@@ -11,19 +12,26 @@ mod data;
 mod data_cli;
 mod dora;
 mod dropout;
+mod export_signals;
 mod first_hour;
 mod generate;
 mod gguf;
 mod golden;
+mod grad_fd;
 mod house;
 mod hub;
 mod hub_data;
+mod hub_faults;
+mod hub_names;
 mod invariants;
+mod liar;
+mod locks;
 mod loopback;
 mod merge;
 mod moe;
 mod nf4;
 mod ops;
+mod output_streams;
 mod parallel;
 mod plan;
 mod qlora;

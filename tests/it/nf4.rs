@@ -14,12 +14,21 @@ use candle_core::{DType, Device, Tensor};
 use lora_train::quant::dynamic;
 use lora_train::quant::nf4::{self, Absmax, Nested, Nf4};
 use std::collections::HashMap;
-use std::path::PathBuf;
 
-fn fixture(device: &str) -> Option<HashMap<String, Tensor>> {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join(format!("tests/fixtures/nf4/nf4_{device}.safetensors"));
-    p.exists().then(|| load(&p, &Device::Cpu).unwrap())
+/// A committed fixture; a missing one fails the test (never a pass that checked nothing).
+fn fixture(device: &str) -> HashMap<String, Tensor> {
+    let p = crate::common::root().join(format!("tests/fixtures/nf4/nf4_{device}.safetensors"));
+    assert!(
+        p.is_file(),
+        "{} is missing: it is committed (scripts/make_nf4_fixture.py{} made it)",
+        p.display(),
+        if device == "cuda" {
+            " --device cuda"
+        } else {
+            ""
+        }
+    );
+    load(&p, &Device::Cpu).unwrap()
 }
 
 fn f32s(t: &Tensor) -> Vec<f32> {
@@ -77,10 +86,7 @@ const NAMES: [&str; 4] = ["mixed", "partial", "ties", "spread"];
 /// blocks' -0.0 there +0.0).
 #[test]
 fn nf4_codes_absmax_and_values_equal_bitsandbytes() {
-    for (device, f) in ["cpu", "cuda"]
-        .iter()
-        .filter_map(|d| Some((*d, fixture(d)?)))
-    {
+    for (device, f) in ["cpu", "cuda"].map(|d| (d, fixture(d))) {
         let levels = f32s(&f["nf4.code"]);
         assert_eq!(bits(&levels), bits(&nf4::LEVELS), "the 16 levels");
         let (mut zero_seen, mut ties_seen) = (0, 0);
@@ -168,10 +174,7 @@ fn nf4_codes_absmax_and_values_equal_bitsandbytes() {
 /// offset is its nested state to the bit (codes, nested absmax, map), on 100+ distinct codes.
 #[test]
 fn double_quant_equals_bitsandbytes() {
-    for (device, f) in ["cpu", "cuda"]
-        .iter()
-        .filter_map(|d| Some((*d, fixture(d)?)))
-    {
+    for (device, f) in ["cpu", "cuda"].map(|d| (d, fixture(d))) {
         let map = dynamic::map();
         let mut used = std::collections::BTreeSet::new();
         for name in NAMES {

@@ -630,7 +630,7 @@ fn group_abort_reports_the_first_failure() {
     );
 }
 
-/// Two GPUs (the test says so and passes on fewer): FSDP's gathers of static shards, which
+/// Two GPUs (it fails on fewer; the GPU check runs it in `peercopy`): FSDP's gathers of static shards, which
 /// ranks of one process copy from each other's memory (`share_static`, FSDP's under the
 /// `peer_copy` experiment, and only under CUDA_MODULE_LOADING=EAGER), hold every rank's
 /// shard in rank order, issued ahead or in line, bf16 and f32, and a tensor that was never
@@ -640,9 +640,7 @@ fn group_abort_reports_the_first_failure() {
 #[test]
 fn nccl_gathers_of_shared_shards_are_every_ranks_shard() {
     use lora_train::parallel::nccl::NcclGroup;
-    if !has_gpus(2, "nccl_gathers_of_shared_shards_are_every_ranks_shard") {
-        return;
-    }
+    need_gpus(2, "nccl_gathers_of_shared_shards_are_every_ranks_shard");
     // Rank r's shard g: small integers (exact in bf16), different for every rank and group.
     let shard = |r: usize, g: usize, dev: &Device| -> candle_core::Result<Tensor> {
         let n = 1000 + 7 * g; // sizes off any tile

@@ -498,13 +498,12 @@ fn cuda_run_logs_the_peak_of_each_phase() {
 }
 
 /// `bench --devices 1` (strategy single) runs on GPU 1: it ran on `--gpu`'s default, GPU 0,
-/// while naming GPU 1 in its JSON. Two GPUs (the test says so and passes on fewer).
+/// while naming GPU 1 in its JSON. Two GPUs (it fails on fewer; the GPU check runs it in
+/// `peercopy`).
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_bench_single_runs_on_the_gpu_it_names() {
-    if !has_gpus(2, "cuda_bench_single_runs_on_the_gpu_it_names") {
-        return;
-    }
+    need_gpus(2, "cuda_bench_single_runs_on_the_gpu_it_names");
     let (code, out, err) = run(&[
         "bench",
         "--shape",

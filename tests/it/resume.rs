@@ -295,9 +295,7 @@ fn wait_for_line(rx: &mpsc::Receiver<String>, what: &str) -> Vec<String> {
 }
 
 fn signal(child: &Child, sig: i32) {
-    // SAFETY: kill(2) on the pid of a child we spawned and have not reaped yet.
-    let rc = unsafe { libc::kill(child.id() as i32, sig) };
-    assert_eq!(rc, 0);
+    send_signal(child.id(), sig);
 }
 
 /// A temporary checkpoint directory (a save in progress), if any.
@@ -401,54 +399,80 @@ fn sigint_finishes_the_step_saves_a_checkpoint_and_resume_ends_bit_identical() {
     }
 }
 
-/// What a save cut short leaves in `out`: the temporary directory of the checkpoint of
-/// `step` that process `pid` was writing, its adapter written (the save's first files, here
-/// checkpoint-5's), its optimiser state and trainer state not.
-fn plant_partial_save(out: &Path, step: usize, pid: u32) -> PathBuf {
-    let tmp = out.join(format!(".checkpoint-{step}.tmp-{pid}"));
-    std::fs::create_dir_all(&tmp).unwrap();
-    for f in ["adapter_model.safetensors", "adapter_config.json"] {
-        std::fs::copy(out.join("checkpoint-5").join(f), tmp.join(f)).unwrap();
+/// A run of `steps` slow steps (20 micro-batches each, ~0.2 s), saving every 5 (and at the end).
+fn slow_args(out: &Path, steps: usize) -> Vec<String> {
+    tiny_cli_args(out, steps, &["output.save_every=5", "train.grad_accum=20"])
+}
+
+/// Whether process `pid` has no signal pending (a signal sent to it has been taken by a
+/// handler, or acted on), from /proc: its shared and every thread's pending sets.
+fn no_signal_pending(pid: u32) -> bool {
+    let pending = |status: &str, key: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(key))
+            .is_some_and(|v| v.trim().chars().any(|c| c != '0'))
+    };
+    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+        return true;
+    };
+    if pending(&status, "ShdPnd:") {
+        return false;
     }
-    tmp
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|rd| {
+            rd.flatten().all(|t| {
+                std::fs::read_to_string(t.path().join("status"))
+                    .map_or(true, |s| !pending(&s, "SigPnd:"))
+            })
+        })
+        .unwrap_or(true)
 }
 
-/// A run of 10 slow steps (20 micro-batches each, ~0.2 s), saving at 5 (and at the end).
-fn slow_args(out: &Path) -> Vec<String> {
-    tiny_cli_args(out, 10, &["output.save_every=5", "train.grad_accum=20"])
-}
-
+/// The second signal ends the run at once: no clock. The run is held at its next line to
+/// stderr (a full pipe), i.e. at the end of the step it is in, before any save; the first
+/// SIGTERM is taken (its announcement waits on that pipe too), then the second ends the
+/// process while the run is still held there: exit 131, and no checkpoint after the signals.
 #[test]
 fn a_second_signal_exits_at_once_and_leaves_the_last_checkpoint_intact() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("out");
-    let args = slow_args(&out);
-    let (mut child, rx) = spawn(&args, &[]);
-    wait_for_line(&rx, "step 6/10");
-    assert!(out.join("checkpoint-5/trainer_state.json").is_file());
-    let before = bytes(&out.join("checkpoint-5/optimizer.safetensors"));
-    // The first signal as step 7 begins: the run would finish that step, then save.
-    signal(&child, libc::SIGTERM);
-    wait_for_line(&rx, "SIGTERM: finishing this step");
-    let t = Instant::now();
-    signal(&child, libc::SIGTERM);
+    let args = slow_args(&out, 10);
+    let (r, w) = crate::common::pipe();
+    let mut cmd = std::process::Command::new(assert_cmd::cargo::cargo_bin("lora-train"));
+    cmd.current_dir(root())
+        .args(&args)
+        .stdout(Stdio::null())
+        .stderr(w.try_clone().unwrap());
+    let mut child = cmd.spawn().unwrap();
+    drop(cmd);
+    let mut lines = std::io::BufReader::new(r).lines();
+    while !lines.next().unwrap().unwrap().starts_with("step 6/10") {}
+    let ck5 = out.join("checkpoint-5");
+    wait_until("checkpoint-5", || ck5.join("trainer_state.json").is_file());
+    let before = bytes(&ck5.join("optimizer.safetensors"));
+    fill_pipe(&w);
+    drop(w);
+    send_signal(child.id(), libc::SIGTERM);
+    wait_until("the first signal to be taken", || {
+        no_signal_pending(child.id())
+    });
+    send_signal(child.id(), libc::SIGTERM);
     let status = child.wait().unwrap();
     assert_eq!(status.code(), Some(131));
+    let rest: Vec<String> = lines
+        .map_while(Result::ok)
+        .filter(|l| !l.is_empty())
+        .collect();
     assert!(
-        t.elapsed() < Duration::from_millis(400),
-        "a second signal must not wait for the step or the save: {:?}",
-        t.elapsed()
+        !rest.iter().any(|l| l.starts_with("interrupted after")),
+        "{rest:?}"
     );
     // No save after the signals became a checkpoint; checkpoint-5 is as it was.
     let steps: Vec<usize> = checkpoint::list(&out).iter().map(|c| c.0).collect();
     assert_eq!(steps, vec![5]);
-    assert!(bytes(&out.join("checkpoint-5/optimizer.safetensors")) == before);
-    // A save the second signal cut short stays hidden.
-    plant_partial_save(&out, 7, child.id());
-    assert!(saving(&out).is_some(), "the partial save stays hidden");
-    let steps: Vec<usize> = checkpoint::list(&out).iter().map(|c| c.0).collect();
-    assert_eq!(steps, vec![5]);
-    // Resuming takes checkpoint-5 and clears the leftover.
+    assert!(bytes(&ck5.join("optimizer.safetensors")) == before);
+    // A resume must keep the recipe (max_steps differs here) ...
     let mut resume = tiny_cli_args(&out, 8, &["output.save_every=5", "train.grad_accum=20"]);
     resume.extend(["--set".into(), "train.resume=true".into()]);
     let o = bin().current_dir(root()).args(&resume).output().unwrap();
@@ -458,6 +482,7 @@ fn a_second_signal_exits_at_once_and_leaves_the_last_checkpoint_intact() {
         err.contains("`train.max_steps` = 8, but checkpoint"),
         "{err}"
     );
+    // ... and then continues from checkpoint-5.
     let resume: Vec<String> = args
         .iter()
         .cloned()
@@ -471,22 +496,77 @@ fn a_second_signal_exits_at_once_and_leaves_the_last_checkpoint_intact() {
     assert!(out.join("checkpoint-10/trainer_state.json").is_file());
 }
 
+/// Sets a resource limit of process `pid` (soft and hard).
+fn set_limit(pid: u32, resource: libc::__rlimit_resource_t, value: u64) {
+    let lim = libc::rlimit {
+        rlim_cur: value,
+        rlim_max: value,
+    };
+    // SAFETY: prlimit on a child of ours with a valid limit and no old-limit output.
+    let rc = unsafe { libc::prlimit(pid as i32, resource, &lim, std::ptr::null_mut()) };
+    assert_eq!(rc, 0, "prlimit: {}", std::io::Error::last_os_error());
+}
+
+/// A kill in the middle of a real checkpoint write. Once checkpoint-5 is complete, the run's
+/// file-size limit is set just under an optimizer.safetensors: the kernel kills it (SIGXFSZ,
+/// no handler: as abrupt as SIGKILL, and unlike a SIGKILL from here, certain to land inside
+/// the write) as the next checkpoint's optimizer state is written, its adapter written, its
+/// trainer state not. What it leaves stays hidden; checkpoint-5 is
+/// byte for byte as it was and loads; a resume continues from it and clears the leftover.
 #[test]
-fn sigkill_during_a_checkpoint_write_leaves_the_previous_checkpoint_loadable() {
+fn a_kill_in_the_middle_of_a_checkpoint_write_leaves_the_previous_checkpoint_loadable() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("out");
-    let args = slow_args(&out);
+    let args = slow_args(&out, 20);
     let (mut child, rx) = spawn(&args, &[]);
-    wait_for_line(&rx, "step 6/10");
-    assert!(out.join("checkpoint-5").is_dir());
-    child.kill().unwrap(); // SIGKILL
-    child.wait().unwrap();
-    // What the kill leaves had it come in the middle of writing checkpoint-10: its adapter
-    // written, its optimiser not.
-    plant_partial_save(&out, 10, child.id());
-    assert!(!out.join("checkpoint-10").exists());
+    wait_for_line(&rx, "step 6/20");
+    let ck5 = out.join("checkpoint-5");
+    wait_until("checkpoint-5", || ck5.join("trainer_state.json").is_file());
+    let files = [
+        "adapter_model.safetensors",
+        "optimizer.safetensors",
+        "trainer_state.json",
+    ];
+    let saved: Vec<Vec<u8>> = files.iter().map(|f| bytes(&ck5.join(f))).collect();
+    let limit = saved[1].len() as u64 - 1000;
+    assert!(
+        limit > saved[0].len() as u64,
+        "the adapter fits under the limit"
+    );
+    set_limit(child.id(), libc::RLIMIT_CORE, 0);
+    set_limit(child.id(), libc::RLIMIT_FSIZE, limit);
+    let status = child.wait().unwrap();
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(status.signal(), Some(libc::SIGXFSZ), "{status:?}");
+    // The save it died in: adapter complete, optimizer cut at the limit, no trainer state.
+    let partial = saving(&out).expect("the unfinished save");
+    let partial = out.join(partial);
+    assert!(partial
+        .to_string_lossy()
+        .ends_with(&format!(".tmp-{}", child.id())));
+    assert_eq!(
+        bytes(&partial.join("adapter_model.safetensors")).len(),
+        saved[0].len()
+    );
+    // The optimizer state was being written: safetensors' temporary for it is there (sized past
+    // the limit before its first byte), optimizer.safetensors is not.
+    let mut names: Vec<String> = std::fs::read_dir(&partial)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names.len(), 3, "{names:?}");
+    assert!(names[0].starts_with(".tmp"), "{names:?}");
+    assert_eq!(
+        names[1..],
+        ["adapter_config.json", "adapter_model.safetensors"]
+    );
+    assert!(!partial.join("trainer_state.json").exists());
     let steps: Vec<usize> = checkpoint::list(&out).iter().map(|c| c.0).collect();
     assert_eq!(steps, vec![5]);
+    for (f, b) in files.iter().zip(&saved) {
+        assert!(bytes(&ck5.join(f)) == *b, "{f} changed");
+    }
 
     // checkpoint-5 loads: state, adapter and optimiser into a fresh session.
     let r = Recipe::load(
@@ -496,10 +576,7 @@ fn sigkill_during_a_checkpoint_write_leaves_the_previous_checkpoint_loadable() {
             .skip(2)
             .filter(|a| *a != "--set")
             .cloned()
-            .chain([format!(
-                "train.resume={}",
-                out.join("checkpoint-5").display()
-            )])
+            .chain([format!("train.resume={}", ck5.display())])
             .collect::<Vec<_>>(),
     )
     .unwrap();
@@ -523,15 +600,30 @@ fn sigkill_during_a_checkpoint_write_leaves_the_previous_checkpoint_loadable() {
         .collect();
     checkpoint::restore(&ck, &s, &mut opt, &keys).unwrap();
     assert_eq!(opt.t, 5);
-    let saved = load_st(&out.join("checkpoint-5/adapter_model.safetensors"));
+    let st = load_st(&ck5.join("adapter_model.safetensors"));
     let (module, lora) = s.model.adapters().next().unwrap();
     assert_close(
         "restored lora_B",
         lora.b.as_tensor(),
-        &saved[&lora_train::export::peft_key(module, 'B')],
+        &st[&lora_train::export::peft_key(module, 'B')],
         0.0,
         0.0,
     );
+    // The run continues from checkpoint-5 to its end; the leftover is gone.
+    let resume: Vec<String> = args
+        .iter()
+        .cloned()
+        .chain(["--set".into(), "train.resume=true".into()])
+        .collect();
+    let o = bin().current_dir(root()).args(&resume).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains(&format!("resuming from {} (step 5 of 20)", ck5.display())),
+        "{err}"
+    );
+    assert!(saving(&out).is_none());
+    assert!(out.join("checkpoint-20/trainer_state.json").is_file());
 }
 
 #[test]

@@ -53,6 +53,7 @@ impl Job<'_> {
     pub(super) fn write(&self, tmp: &Path, out: &Path) -> Result<MergeReport> {
         let mut weight_map = BTreeMap::new();
         let (mut total_size, mut merged, mut dequantized) = (0u64, 0, 0);
+        let bar = crate::export::progress::ShardBar::new(self.shards.len());
         for (k, shard) in self.shards.iter().enumerate() {
             // Owned bytes for what we compute; views into the base maps for what we copy.
             let mut owned = HashMap::new();
@@ -78,6 +79,7 @@ impl Job<'_> {
             let path = tmp.join(self.shard_name(k));
             safetensors::serialize_to_file(views, Some(meta), &path)
                 .with_context(|| format!("cannot write {}", path.display()))?;
+            bar.written(&path, shard.iter().map(|&i| self.items[i].size).sum());
         }
         let n = self.shards.len();
         if n > 1 {
