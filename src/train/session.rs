@@ -6,8 +6,7 @@ use super::checkpoint::Cursor;
 use super::driver::Par;
 use super::eval;
 use super::preflight::MemoryWatch;
-use crate::data::chat::ChatTemplate;
-use crate::data::{Batch, Dataset, Example, Sampler, TextTokenizer, IGNORE};
+use crate::data::{Batch, Dataset, ExampleRef, RecipeData, Sampler, TextTokenizer};
 use crate::export;
 use crate::hub::{self, ModelFiles};
 use crate::lora::LoraSpec;
@@ -15,7 +14,7 @@ use crate::model::llama::{Group, Loaded};
 use crate::model::Model;
 use crate::parallel::fsdp::{Flat, Shards};
 use crate::parallel::{Comm, Solo};
-use crate::recipe::{DataFormat, DataSection, DeviceKind, Dtype, Recipe, RecipeError};
+use crate::recipe::{DataSection, DeviceKind, Dtype, Recipe};
 use anyhow::{Context, Result};
 use candle_core::{DType, Device};
 
@@ -45,6 +44,18 @@ pub struct Session {
     pub shards: Option<Shards>,
     /// The memory plan and what the run measured at load (for reports and OOM diagnoses).
     pub memory: MemoryWatch,
+    /// What loading took, part by part.
+    pub load_times: LoadTimes,
+}
+
+/// Seconds spent loading, apart: the weights (read, cast and uploaded, fresh adapters made
+/// with them), lora.init_adapter and the adapters' broadcast to the ranks, and the data
+/// (tokenizer, tokenizing or mapping the cache, the eval split).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LoadTimes {
+    pub weights: f64,
+    pub adapters: f64,
+    pub data: f64,
 }
 
 pub fn device_and_dtype(recipe: &Recipe) -> Result<(Device, DType)> {
@@ -84,7 +95,7 @@ fn missing_ordinal(recipe: &Recipe, ordinal: usize) -> Result<()> {
     if ordinal < count {
         return Ok(());
     }
-    Err(RecipeError::Invalid {
+    Err(crate::recipe::RecipeError::Invalid {
         path: recipe.source.clone(),
         key: "parallel.devices".into(),
         msg: format!(
@@ -144,12 +155,16 @@ impl Session {
         // (ops::fold), each layer padded before FSDP shards it.
         let kernels = run_kernels(&recipe, &files, &dev, dtype)?;
         let quant = recipe.quant().for_checkpoint(&files.config)?;
+        let t0 = std::time::Instant::now();
         let (mut model, shards) = sharded_model(fsdp, quant, &*comm, &kernels, &mut |loaded| {
             Model::load_with(&files, dtype, &dev, &spec, seed, &kernels, loaded)
         })
         .with_context(|| format!("cannot load the model in {}", dir.display()))?;
         model.mlp_chunk = recipe.mlp_chunk();
         model.router_aux_coef = recipe.train.router_aux_loss_coef;
+        model.device.synchronize()?;
+        let weights = t0.elapsed().as_secs_f64();
+        let t0 = std::time::Instant::now();
         if let Some((p, _)) = &init {
             export::load_adapter_weights(p, &model)
                 .with_context(|| format!("cannot load lora.init_adapter {}", p.display()))?;
@@ -162,12 +177,21 @@ impl Session {
                 }
             }
         }
-        let DataLoaded {
+        model.device.synchronize()?;
+        let adapters = t0.elapsed().as_secs_f64();
+        let t0 = std::time::Instant::now();
+        let opts = crate::data::Options::from_env()?;
+        let RecipeData {
             data,
             eval,
             notes: data_notes,
             tokenizer,
-        } = load_data(&recipe, &files, model.cfg.vocab_size)?;
+        } = crate::data::recipe_data(&recipe, &files, model.cfg.vocab_size, &opts)?;
+        let load_times = LoadTimes {
+            weights,
+            adapters,
+            data: t0.elapsed().as_secs_f64(),
+        };
         super::run_check::something_to_train(&recipe, &data)?;
         let sampler = Sampler::new(&data, &recipe.data, recipe.train.seed);
         let pad_id = model.cfg.pad_token_id.unwrap_or(0);
@@ -203,6 +227,7 @@ impl Session {
             comm,
             shards,
             memory: MemoryWatch::default(),
+            load_times,
         })
     }
 
@@ -228,9 +253,9 @@ impl Session {
         let rows = Sampler::new(ev, &cfg, 0).rows(0);
         let (mut sum, mut n) = (0.0, 0);
         for chunk in rows.chunks(self.recipe.train.micro_batch) {
-            let rows: Vec<Vec<&Example>> = chunk
+            let rows: Vec<Vec<ExampleRef>> = chunk
                 .iter()
-                .map(|r| r.iter().map(|&i| &ev.examples[i]).collect())
+                .map(|r| r.iter().map(|&i| ev.examples.get(i)).collect())
                 .collect();
             let b = Batch::from_rows(&rows, self.pad_id, cfg.pack);
             sum += eval::ce_sum_par(&self.model, &self.par(false), &b)?;
@@ -277,9 +302,9 @@ impl Session {
     }
 
     pub fn batch(&self, rows: &[Vec<usize>]) -> Batch {
-        let rows: Vec<Vec<&crate::data::Example>> = rows
+        let rows: Vec<Vec<ExampleRef>> = rows
             .iter()
-            .map(|r| r.iter().map(|&i| &self.data.examples[i]).collect())
+            .map(|r| r.iter().map(|&i| self.data.examples.get(i)).collect())
             .collect();
         Batch::from_rows(&rows, self.pad_id, self.recipe.data.pack)
     }
@@ -425,172 +450,4 @@ pub fn sharded_model(
         false => None,
     };
     Ok((model, shards))
-}
-
-/// The data sets, what loading them found worth telling, and the tokenizer they (or
-/// `train.sample_every`) needed.
-struct DataLoaded {
-    data: Dataset,
-    eval: Option<Dataset>,
-    notes: Vec<String>,
-    tokenizer: Option<TextTokenizer>,
-}
-
-/// The training data, the eval set (data.eval, or held out by data.eval_fraction) and the
-/// notes worth telling about them, tokenized as the recipe says.
-fn load_data(recipe: &Recipe, files: &ModelFiles, vocab: usize) -> Result<DataLoaded> {
-    let dir = &files.dir;
-    let d = &recipe.data;
-    let mut formats: Vec<DataFormat> = d
-        .train
-        .files(d.format)
-        .iter()
-        .filter_map(|f| f.format)
-        .collect();
-    if d.eval.is_some() {
-        formats.push(d.format);
-    }
-    // `sample_every` encodes its prompts and decodes the completions whatever the data format.
-    let text_format = formats.iter().find(|f| **f != DataFormat::Tokens).copied();
-    let tok = match text_format.is_some() || recipe.train.sample_every > 0 {
-        true => {
-            let t = files.tokenizer.as_ref().with_context(|| {
-                let who = match text_format {
-                    Some(f) => format!("data format \"{}\"", crate::data::format_name(f)),
-                    None => "train.sample_every".to_string(),
-                };
-                format!(
-                    "{who} needs {}/tokenizer.json, which is missing",
-                    dir.display()
-                )
-            })?;
-            let mut tok = TextTokenizer::load(t, files.tokenizer_config.as_deref())?;
-            if formats.contains(&DataFormat::Chat) {
-                let choice = d.chat_template.as_deref();
-                let tpl = ChatTemplate::load(
-                    dir,
-                    files.tokenizer_config.as_deref(),
-                    choice,
-                    tok.specials.clone(),
-                )
-                .map_err(|e| RecipeError::Invalid {
-                    path: recipe.source.clone(),
-                    key: "data.chat_template".into(),
-                    msg: match choice {
-                        None => format!("is unset, and {e:#}"),
-                        Some(c) => format!("= \"{c}\": {e:#}"),
-                    },
-                })?;
-                tok.chat = Some(tpl);
-            }
-            Some(tok)
-        }
-        false => None,
-    };
-    let mut data = Dataset::load(d, tok.as_ref(), vocab)?;
-    let eval = match Dataset::load_eval(d, tok.as_ref(), vocab)? {
-        Some(e) => Some(e),
-        None if d.eval_fraction > 0.0 => {
-            if data.examples.len() < 2 {
-                anyhow::bail!(
-                    "data.eval_fraction = {} needs at least 2 examples; the data has {}",
-                    d.eval_fraction,
-                    data.examples.len()
-                );
-            }
-            Some(data.split_eval(d.eval_fraction, recipe.train.seed))
-        }
-        None => None,
-    };
-    if let Some(e) = &eval {
-        if e.examples
-            .iter()
-            .all(|x| x.labels.iter().skip(1).all(|&l| l == IGNORE))
-        {
-            anyhow::bail!("the eval set has no token to predict: every label is -100");
-        }
-    }
-    let notes = data_notes(&data, eval.as_ref(), tok.as_ref(), d);
-    Ok(DataLoaded {
-        data,
-        eval,
-        notes,
-        tokenizer: tok,
-    })
-}
-
-/// Lines about the data beyond counts: the mix, skipped rows, dropped examples, how chat turns
-/// end (and a warning when `generate` would not stop there), the eval set.
-fn data_notes(
-    data: &Dataset,
-    eval: Option<&Dataset>,
-    tok: Option<&TextTokenizer>,
-    d: &DataSection,
-) -> Vec<String> {
-    let mut notes = Vec::new();
-    if data.files.len() > 1 {
-        let mix: Vec<String> = data
-            .files
-            .iter()
-            .enumerate()
-            .map(|(k, (p, w))| {
-                let n = data.file_of.iter().filter(|&&f| f == k).count();
-                format!("{} ({n} examples, weight {w})", p.display())
-            })
-            .collect();
-        notes.push(format!("data mix: {}", mix.join(", ")));
-    }
-    if data.skipped > 0 {
-        notes.push(format!(
-            "skipped {} bad rows (data.on_bad_row = \"skip\"); first: {}",
-            data.skipped,
-            data.skipped_first.join("; ")
-        ));
-    }
-    if let Some(first) = &data.no_answer_first {
-        notes.push(format!(
-            "dropped {} examples with nothing to train on under train_on = \"completions\"; first: {first}",
-            data.no_answer
-        ));
-    }
-    if data.no_targets > 0 {
-        notes.push(format!(
-            "dropped {} examples with no completion token left after truncation to seq_len {}",
-            data.no_targets, d.seq_len
-        ));
-    }
-    if data.eos_added > 0 {
-        notes.push(format!(
-            "appended the EOS token to {} assistant turns that the chat template ends with no stop token",
-            data.eos_added
-        ));
-    }
-    if let Some(tok) = tok {
-        for (&id, &n) in &data.turn_ends {
-            let name = tok.token_text(id).unwrap_or_default();
-            notes.push(format!("{n} completions end with {name} (id {id})"));
-            if !tok.generate_stop_ids.is_empty() && !tok.generate_stop_ids.contains(&id) {
-                notes.push(format!(
-                    "warning: {name} (id {id}) ends the assistant turns, but generation_config.json / config.json eos_token_id {:?} does not list it: generation will not stop there unless you add it",
-                    tok.generate_stop_ids
-                ));
-            }
-        }
-    }
-    if let Some(e) = eval {
-        let from = match &d.eval {
-            Some(p) => p.display().to_string(),
-            None => format!(
-                "data.eval_fraction {} of the training data",
-                d.eval_fraction
-            ),
-        };
-        notes.push(format!(
-            "eval: {} examples from {from} ({} truncated, {} bad rows skipped)",
-            e.examples.len(),
-            e.truncated,
-            e.skipped
-        ));
-    }
-    notes
 }

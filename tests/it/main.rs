@@ -8,6 +8,7 @@ mod cli;
 mod common;
 mod compat;
 mod data;
+mod data_cache;
 mod data_cli;
 mod dora;
 mod dropout;

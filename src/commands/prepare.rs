@@ -1,0 +1,54 @@
+//! `lora-train prepare --recipe X`: the recipe's data tokenized into the tokenized cache ahead
+//! of a run (the model and data it names downloaded as `train` would), so that `train`, a
+//! resume, and every rank map it instead of tokenizing.
+
+use clap::Args;
+use lora_train::data::{recipe_data, Dataset, Options};
+use lora_train::recipe::Recipe;
+use std::path::PathBuf;
+
+#[derive(Args, Clone)]
+#[command(
+    after_help = "Examples:\n  lora-train prepare --recipe recipes/tiny-cpu-alpaca.toml\n  LORA_TRAIN_CACHE=/scratch/tok lora-train prepare --recipe my.toml\n\nThe cache is $LORA_TRAIN_CACHE, else $HF_HOME/lora-train/tokenized (~/.cache/huggingface/lora-train/tokenized); delete that directory to clear it."
+)]
+pub struct PrepareArgs {
+    /// The recipe (TOML). See recipes/reference.toml for every field.
+    #[arg(long, short)]
+    pub recipe: Option<PathBuf>,
+    /// Override a recipe field, e.g. --set data.seq_len=2048 (repeatable).
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    pub set: Vec<String>,
+}
+
+pub fn run(a: PrepareArgs) -> anyhow::Result<()> {
+    let path = super::train::recipe_path(
+        a.recipe.as_deref(),
+        "lora-train prepare --recipe RECIPE.toml",
+    )?;
+    let recipe = Recipe::load(&path, &a.set)?;
+    let files = lora_train::hub::model_files(&recipe.model)?;
+    let vocab = lora_train::model::ModelConfig::from_file(&files.config)?.vocab_size;
+    let opts = Options::from_env()?;
+    let d = recipe_data(&recipe, &files, vocab, &opts)?;
+    let seq_len = recipe.data.seq_len;
+    println!("{}", line("train", &d.data, seq_len));
+    if let Some(e) = d.eval.as_ref().filter(|_| recipe.data.eval.is_some()) {
+        println!("{}", line("eval", e, seq_len));
+    }
+    for note in &d.notes {
+        println!("{note}");
+    }
+    Ok(())
+}
+
+/// What one data set holds and how it was prepared.
+fn line(what: &str, d: &Dataset, seq_len: usize) -> String {
+    format!(
+        "{what} data {}: {} examples, {} tokens ({} truncated to seq_len {seq_len}); {}",
+        d.source.display(),
+        d.examples.len(),
+        d.examples.tokens(),
+        d.truncated,
+        d.prep.describe()
+    )
+}
