@@ -38,17 +38,28 @@ pub fn run(a: PrepareArgs) -> anyhow::Result<()> {
     for note in &d.notes {
         println!("{note}");
     }
+    if let Some(kb) = peak_rss_kb() {
+        println!("peak memory (RSS): {:.1} MB", kb as f64 / 1e3);
+    }
     Ok(())
+}
+
+/// This process's peak resident set (VmHWM of /proc/self/status, Linux), in kB.
+fn peak_rss_kb() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    line.split_whitespace().nth(1)?.parse().ok()
 }
 
 /// What one data set holds and how it was prepared.
 fn line(what: &str, d: &Dataset, seq_len: usize) -> String {
     format!(
-        "{what} data {}: {} examples, {} tokens ({} truncated to seq_len {seq_len}); {}",
+        "{what} data {}: {} examples, {} tokens ({} truncated to seq_len {seq_len}); {:.1}s, {}",
         d.source.display(),
         d.examples.len(),
         d.examples.tokens(),
         d.truncated,
+        d.prep.secs,
         d.prep.describe()
     )
 }

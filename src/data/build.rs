@@ -18,7 +18,7 @@ use super::rows::{check_ids, parse_row, Row, RowSpec};
 use super::source::SourceFile;
 use super::{chat, has_target, TextTokenizer};
 use crate::recipe::{DataFormat, DataSection, OnBadRow};
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -184,10 +184,16 @@ pub fn build(
     let seq_len = cfg.seq_len;
     std::thread::scope(|s| {
         let bytes = &bytes;
-        let reader = s.spawn(move || read(entries, seq_len, bytes, credit_rx, work_tx));
-        for _ in 0..workers {
+        let reader = std::thread::Builder::new()
+            .name("data-read".into())
+            .spawn_scoped(s, move || read(entries, seq_len, bytes, credit_rx, work_tx))
+            .context("cannot start the data reader thread")?;
+        for k in 0..workers {
             let (rx, tx) = (&work_rx, done_tx.clone());
-            s.spawn(move || work(entries, seq_len, vocab, rx, tx));
+            std::thread::Builder::new()
+                .name(format!("data-tok-{k}"))
+                .spawn_scoped(s, move || work(entries, seq_len, vocab, rx, tx))
+                .context("cannot start a tokenizing thread")?;
         }
         drop(done_tx);
         let collected = collect(entries, cfg, done_rx, credit_tx, bytes, progress, out);

@@ -91,6 +91,16 @@ impl Options {
         Options::from_vars(|k| std::env::var(k).ok())
     }
 
+    /// No cache: an unlinked temporary file, the threads LORA_TRAIN_DATA_WORKERS says, no
+    /// progress display (library callers and tests).
+    pub fn uncached() -> Result<Options> {
+        Ok(Options {
+            store: Store::Temp(String::new()),
+            progress: false,
+            ..Options::from_env()?
+        })
+    }
+
     /// The same from any variable lookup (empty values count as unset).
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Options> {
         let var = |k: &str| var(k).filter(|v| !v.trim().is_empty());
@@ -155,21 +165,20 @@ pub struct Prep {
 }
 
 impl Prep {
-    /// One line: where the examples came from and what it took.
+    /// Where the examples came from, and at what rate they were tokenized.
     pub fn describe(&self) -> String {
-        let secs = self.secs;
         let cache = self.cache.as_ref().map(|p| p.display().to_string());
         match (self.reused, cache) {
-            (true, Some(p)) => format!("{secs:.1}s, read from the tokenized cache {p}"),
+            (true, Some(p)) => format!("read from the tokenized cache {p}"),
             (_, cache) => {
-                let s = secs.max(1e-3);
+                let s = self.secs.max(1e-3);
                 let kept = match (cache, &self.no_cache) {
                     (Some(p), _) => format!("; cached in {p}"),
                     (None, Some(why)) => format!("; not cached: {why}"),
                     (None, None) => String::new(),
                 };
                 format!(
-                    "{secs:.1}s, tokenized {} rows ({:.1} MB) on {} threads: {:.0} rows/s, {:.1} MB/s{kept}",
+                    "tokenized {} rows ({:.1} MB) on {} threads: {:.0} rows/s, {:.1} MB/s{kept}",
                     self.rows,
                     self.bytes as f64 / 1e6,
                     self.workers,

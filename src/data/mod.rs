@@ -98,15 +98,16 @@ pub struct Dataset {
 }
 
 impl Dataset {
-    /// Reads `cfg.train` (every file of a mix; a Hub data set's files of its split) through
-    /// the tokenized cache the environment names ([`Options::from_env`]). Token ids must be
-    /// below `vocab_size`. Errors name file and line (or row) and column.
+    /// Reads `cfg.train` (every file of a mix; a Hub data set's files of its split) on every
+    /// core, into an unlinked temporary file ([`Options::uncached`]; [`recipe_data`] and
+    /// [`Dataset::load_files_with`] use the tokenized cache). Token ids must be below
+    /// `vocab_size`. Errors name file and line (or row) and column.
     pub fn load(
         cfg: &DataSection,
         tok: Option<&TextTokenizer>,
         vocab_size: usize,
     ) -> Result<Dataset> {
-        let opts = Options::from_env()?;
+        let opts = Options::uncached()?;
         load::load_entries(
             &cfg.train.files(cfg.format),
             cfg,
@@ -126,7 +127,7 @@ impl Dataset {
         let Some(entry) = source::eval_entry(cfg) else {
             return Ok(None);
         };
-        let opts = Options::from_env()?;
+        let opts = Options::uncached()?;
         load::load_entries(&[entry], cfg, tok, vocab_size, true, &opts).map(Some)
     }
 
@@ -137,7 +138,7 @@ impl Dataset {
         tok: Option<&TextTokenizer>,
         vocab_size: usize,
     ) -> Result<Dataset> {
-        Self::load_files_with(files, cfg, tok, vocab_size, &Options::from_env()?)
+        Self::load_files_with(files, cfg, tok, vocab_size, &Options::uncached()?)
     }
 
     /// Reads the entries of a mix, keeping the examples where `opts` says.

@@ -104,6 +104,9 @@ fn lines(mut r: impl BufRead, name: &str, sink: &mut Sink) -> Result<()> {
     let mut buf = Vec::new();
     for n in 1.. {
         buf.clear();
+        if buf.capacity() > 16 << 20 {
+            buf = Vec::new(); // a huge line's buffer is not kept for the rest of the file
+        }
         let got = r
             .read_until(b'\n', &mut buf)
             .with_context(|| format!("{name}:{n}: cannot read line"))?;

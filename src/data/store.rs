@@ -320,7 +320,7 @@ mod tests {
 
     #[test]
     fn flat_examples_split_and_hash_as_a_list_of_examples() {
-        let list = vec![ex(&[1, 2]), ex(&[3]), ex(&[4, 5, 6]), ex(&[7])];
+        let list = [ex(&[1, 2]), ex(&[3]), ex(&[4, 5, 6]), ex(&[7])];
         let e: Examples = list.iter().cloned().collect();
         assert_eq!(e.len(), 4);
         assert_eq!(e.get(2), list[2]);

@@ -10,6 +10,7 @@ mod compat;
 mod data;
 mod data_cache;
 mod data_cli;
+mod data_prepare;
 mod dora;
 mod dropout;
 mod first_hour;
