@@ -206,7 +206,13 @@ pub(super) fn examples(
         Store::Cache(dir) if little => match std::fs::create_dir_all(dir) {
             Ok(()) => {
                 let key = key(entries, cfg, tok, vocab, eval)?;
-                cached(dir, &key, entries, cfg, vocab, opts)?
+                match cached(dir, &key, entries, cfg, vocab, opts) {
+                    Ok(x) => x,
+                    Err(e) => match e.downcast::<Unusable>() {
+                        Ok(Unusable(why)) => temp(entries, cfg, vocab, opts, why)?,
+                        Err(e) => return Err(e),
+                    },
+                }
             }
             Err(e) => {
                 let why = format!("cannot create {}: {e}", dir.display());
@@ -367,7 +373,7 @@ fn cached(
         return Ok(reused(m, c));
     }
     let lock_path = dir.join(format!("{hex}.lock"));
-    let _lock = lock(&lock_path)?;
+    let _lock = lock(&lock_path).map_err(|e| Unusable(format!("{e:#}")))?;
     // Another process may have built it while this one waited.
     match open_cached(&path, key, entries.len()) {
         Ok(Some((m, c))) => return Ok(reused(m, c)),
@@ -385,7 +391,7 @@ fn cached(
         .create(true)
         .truncate(true)
         .open(&tmp)
-        .with_context(|| format!("cannot create {}", tmp.display()))?;
+        .map_err(|e| Unusable(format!("cannot create {}: {e}", tmp.display())))?;
     let done = build_file(file, key, entries, cfg, vocab, opts).and_then(|(file, counts)| {
         std::fs::rename(&tmp, &path)
             .with_context(|| format!("cannot rename {} to {}", tmp.display(), path.display()))?;
@@ -413,6 +419,12 @@ fn cached(
     };
     Ok((Examples::mapped(Arc::new(m)), counts, prep))
 }
+
+/// The cache directory cannot be written (read-only, no permission): the data is prepared
+/// without it, and the run says why.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct Unusable(String);
 
 /// The cache file at `path` with its counts: None when there is none, Err(why) when one is
 /// there but not to be trusted (the caller rebuilds it).
@@ -476,7 +488,7 @@ fn flock(file: &File, path: &Path) -> Result<()> {
         return Ok(());
     }
     eprintln!(
-        "waiting for another process preparing the same data (lock {})",
+        "waiting while another process or rank prepares the same data (lock {})",
         path.display()
     );
     // SAFETY: as above; blocks until the other holder closes its descriptor.

@@ -538,3 +538,43 @@ fn a_huge_row_is_cut_before_tokenizing_with_the_same_tokens() {
         );
     }
 }
+
+/// A cache directory that cannot be used (not a directory; a lock that cannot be taken) only
+/// costs the cache: the run tokenizes into an unlinked file and says why.
+#[test]
+fn an_unusable_cache_directory_falls_back_to_no_cache() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = section(&format!(
+        "train = \"{}\"\nformat = \"text\"\nseq_len = 32",
+        root().join("recipes/data/tiny-text.jsonl").display()
+    ));
+    let tok = load_tok();
+    let want = digest(&load_with(&cfg, &tok, &opts(Store::Memory, 1)), &cfg, 1);
+    let file = tmp.path().join("a-file");
+    std::fs::write(&file, "x").unwrap();
+    let ds = load_with(&cfg, &tok, &opts(Store::Cache(file.join("cache")), 2));
+    let why = ds.prep.no_cache.clone().unwrap_or_default();
+    assert!(
+        why.starts_with("cannot create") && ds.prep.cache.is_none(),
+        "{:?}",
+        ds.prep
+    );
+    assert_eq!(digest(&ds, &cfg, 1), want);
+    // The lock file is a directory: it cannot be opened.
+    let cache = tmp.path().join("cache");
+    let built = load_with(&cfg, &tok, &opts(Store::Cache(cache.clone()), 2));
+    let path = built.prep.cache.clone().unwrap();
+    drop(built);
+    std::fs::remove_file(&path).unwrap();
+    let lock = path.with_extension("lock");
+    std::fs::remove_file(&lock).unwrap();
+    std::fs::create_dir(&lock).unwrap();
+    let ds = load_with(&cfg, &tok, &opts(Store::Cache(cache), 2));
+    let why = ds.prep.no_cache.clone().unwrap_or_default();
+    assert!(why.contains("cannot open the lock file"), "{:?}", ds.prep);
+    assert!(ds
+        .prep
+        .describe()
+        .contains("not cached: cannot open the lock file"));
+    assert_eq!(digest(&ds, &cfg, 1), want);
+}
