@@ -16,7 +16,9 @@
 //!
 //! One process builds a key's file while holding its lock (the others wait, then map it);
 //! it writes `<key>.tokens.tmp-<pid>` and renames it into place whole. A build that was
-//! killed leaves only its temporary, which the next builder removes.
+//! killed leaves only its temporary, which the next build in the directory removes (any key's
+//! whose lock is free). A subset's fingerprint (an eval split's) is memoized beside its file
+//! as `<key>.fnv-<subset hash>`.
 
 use super::build::{build, Counts, Entry, Out};
 use super::cache_file::{Mapped, Writer};
@@ -383,7 +385,7 @@ fn cached(
             path.display()
         ),
     }
-    remove_stale(dir, &format!("{hex}.tokens.tmp-"));
+    remove_stale(dir, &hex);
     let tmp = dir.join(format!("{hex}.tokens.tmp-{}", std::process::id()));
     let file = std::fs::OpenOptions::new()
         .read(true)
@@ -447,17 +449,20 @@ fn open_cached(
     Ok(Some((m, c)))
 }
 
-/// Removes files of `dir` whose names start with `prefix`: temporaries of builds that were
-/// killed (the caller holds the key's lock, so no live build writes one).
-fn remove_stale(dir: &Path, prefix: &str) {
+/// Removes the temporaries of killed builds in `dir`: `<key>.tokens.tmp-<pid>` files whose
+/// key's lock is free (no build of that key is running; `held` is the key whose lock the
+/// caller holds, its temporaries are stale too).
+fn remove_stale(dir: &Path, held: &str) {
     let Ok(rd) = std::fs::read_dir(dir) else {
         return;
     };
     for e in rd.flatten() {
-        if e.file_name()
-            .to_str()
-            .is_some_and(|n| n.starts_with(prefix))
-        {
+        let name = e.file_name();
+        let Some((key, _)) = name.to_str().and_then(|n| n.split_once(".tokens.tmp-")) else {
+            continue;
+        };
+        let idle = key == held || try_lock(&dir.join(format!("{key}.lock"))).is_some();
+        if idle {
             let _ = std::fs::remove_file(e.path());
         }
     }
@@ -479,19 +484,36 @@ fn lock(path: &Path) -> Result<Lock> {
     Ok(Lock { _file: file })
 }
 
+/// The lock at `path` when it is free now (never waits; None when held or absent).
+fn try_lock(path: &Path) -> Option<Lock> {
+    let file = std::fs::OpenOptions::new().write(true).open(path).ok()?;
+    try_flock(&file).then_some(Lock { _file: file })
+}
+
+#[cfg(unix)]
+fn try_flock(file: &File) -> bool {
+    use std::os::unix::io::AsRawFd;
+    // SAFETY: flock on a descriptor we own; it only reads the descriptor and the flags.
+    unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) == 0 }
+}
+
+#[cfg(not(unix))]
+fn try_flock(_: &File) -> bool {
+    false
+}
+
 #[cfg(unix)]
 fn flock(file: &File, path: &Path) -> Result<()> {
     use std::os::unix::io::AsRawFd;
     let fd = file.as_raw_fd();
-    // SAFETY: flock on a descriptor we own; it only reads the descriptor and the flags.
-    if unsafe { libc::flock(fd, libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+    if try_flock(file) {
         return Ok(());
     }
     eprintln!(
         "waiting while another process or rank prepares the same data (lock {})",
         path.display()
     );
-    // SAFETY: as above; blocks until the other holder closes its descriptor.
+    // SAFETY: flock on a descriptor we own; blocks until the other holder closes its own.
     if unsafe { libc::flock(fd, libc::LOCK_EX) } != 0 {
         return Err(std::io::Error::last_os_error())
             .with_context(|| format!("cannot lock {}", path.display()));

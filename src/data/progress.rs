@@ -2,7 +2,7 @@
 //! rows/s, ETA) when stderr is a terminal, otherwise a line every [`LINE_EVERY`]; and the
 //! line that says what it took.
 
-use indicatif::{HumanBytes, ProgressBar, ProgressDrawTarget, ProgressStyle};
+use indicatif::{DecimalBytes, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::io::IsTerminal;
 use std::time::{Duration, Instant};
 
@@ -25,7 +25,7 @@ impl Progress {
         let bar = (show && term).then(|| {
             let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
             let style = ProgressStyle::with_template(
-                "tokenizing [{bar:25}] {bytes}/{total_bytes} {bytes_per_sec} {msg} ETA {eta}",
+                "tokenizing [{bar:25}] {decimal_bytes}/{decimal_total_bytes} {decimal_bytes_per_sec} {msg} ETA {eta}",
             )
             .map(|s| s.progress_chars("=> "))
             .unwrap_or_else(|_| ProgressStyle::default_bar());
@@ -59,8 +59,8 @@ impl Progress {
             eprintln!(
                 "tokenizing: {:.0}% of {}, {rows} rows ({rate:.0} rows/s, {}/s), ETA {eta}",
                 100.0 * frac.min(1.0),
-                HumanBytes(self.total),
-                HumanBytes((bytes as f64 / secs) as u64)
+                DecimalBytes(self.total),
+                DecimalBytes((bytes as f64 / secs) as u64)
             );
         }
     }

@@ -466,6 +466,12 @@ fn a_damaged_or_partial_cache_file_is_rebuilt() {
     let bytes = std::fs::read(&path).unwrap();
     let stem = path.file_name().unwrap().to_string_lossy().into_owned();
     let stale = cache.join(format!("{stem}.tmp-999999"));
+    // Another key's temporary: stale when its lock is free, kept while a build holds it.
+    let other = "0123456789abcdef0123456789abcdef";
+    let (other_tmp, other_lock) = (
+        cache.join(format!("{other}.tokens.tmp-7")),
+        cache.join(format!("{other}.lock")),
+    );
     for (what, bad) in [
         ("cut short", bytes[..bytes.len() / 2].to_vec()),
         ("no header", {
@@ -482,7 +488,24 @@ fn a_damaged_or_partial_cache_file_is_rebuilt() {
     ] {
         std::fs::write(&path, &bad).unwrap();
         std::fs::write(&stale, &bytes[..1000]).unwrap();
+        std::fs::write(&other_tmp, b"x").unwrap();
+        std::fs::write(&other_lock, b"").unwrap();
+        let held = std::fs::File::open(&other_lock).unwrap();
+        // SAFETY: flock on a descriptor this test owns.
+        let got = unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&held), libc::LOCK_EX) };
+        assert_eq!(got, 0);
         let ds = load_with(&cfg, &tok, &o);
+        assert!(
+            other_tmp.exists(),
+            "{what}: a running build's temporary is kept"
+        );
+        drop(held);
+        std::fs::remove_file(&path).unwrap();
+        assert!(!load_with(&cfg, &tok, &o).prep.reused);
+        assert!(
+            !other_tmp.exists(),
+            "{what}: a dead build's temporary is removed"
+        );
         assert!(!ds.prep.reused, "{what}: rebuilt");
         assert_eq!(digest(&ds, &cfg, 1), want, "{what}");
         assert_eq!(
