@@ -221,13 +221,8 @@ pub(super) fn examples(
                 temp(entries, cfg, vocab, opts, why)?
             }
         },
-        Store::Cache(_) | Store::Temp(_) if little => {
-            let why = match &opts.store {
-                Store::Temp(why) => why.clone(),
-                _ => String::new(),
-            };
-            temp(entries, cfg, vocab, opts, why)?
-        }
+        Store::Temp(why) if little => temp(entries, cfg, vocab, opts, why.clone())?,
+        // Memory, and any store on a big-endian host (cache files are little-endian).
         _ => in_memory(entries, cfg, vocab, opts)?,
     };
     prep.secs = t0.elapsed().as_secs_f64();
