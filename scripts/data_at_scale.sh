@@ -3,7 +3,8 @@
 # 16-core device:
 #
 #   bash scripts/data_at_scale.sh --mb 160 --model recipes/assets/tiny-llama --device cpu
-#   bash scripts/data_at_scale.sh --mb 1000 --model /tmp/llama2-7b --device cuda --peer 16
+#   bash scripts/data_at_scale.sh --mb 1000 --model /tmp/llama2-7b --device cuda --peer 16 \
+#     --seq-len 2048
 #
 # 1. makes the Alpaca jsonl (scripts/make_big_alpaca.py, seeded);
 # 2. with --peer N, times HF datasets.map(batched=True, num_proc=N) on it with the model's
@@ -19,7 +20,7 @@
 # tokenizer copied in by hand).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-mb=160 model=recipes/assets/tiny-llama device=cpu peer=0 out=/tmp/data-at-scale
+mb=160 model=recipes/assets/tiny-llama device=cpu peer=0 out=/tmp/data-at-scale seq=256
 bin=${LORA_TRAIN:-target/release/lora-train}
 while [ $# -gt 0 ]; do
   case $1 in
@@ -28,6 +29,7 @@ while [ $# -gt 0 ]; do
     --device) device=$2; shift 2 ;;
     --peer) peer=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
+    --seq-len) seq=$2; shift 2 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -43,21 +45,22 @@ dtype = "$dtype"
 device = "$device"
 
 [lora]
-rank = 16
-alpha = 32
+rank = 8
+alpha = 16
 targets = "all-linear"
 
 [data]
 train = "$data"
 format = "alpaca"
-seq_len = 1024
+seq_len = $seq
 pack = true
 
 [train]
 micro_batch = 4
-grad_accum = 1
+grad_accum = 2
 max_steps = 2
-lr = 1e-4
+lr = 3e-3
+seed = 42
 log_every = 1
 EOF
 
@@ -66,7 +69,7 @@ ts() { local t0; t0=$(date +%s.%N); while IFS= read -r l; do printf '[%7.1fs] %s
 
 if [ "$peer" -gt 0 ]; then
   echo "== HF datasets.map(batched=True, num_proc=$peer)"
-  python3 scripts/hf_tokenize_baseline.py --model "$model" --data "$data" --num-proc "$peer" --seq-len 1024 2>/dev/null | tail -1
+  python3 scripts/hf_tokenize_baseline.py --model "$model" --data "$data" --num-proc "$peer" --seq-len "$seq" 2>/dev/null | tail -1
 fi
 cache=$out/cache
 rm -rf "$cache" "$out"/run1 "$out"/run2 "$out"/resume
