@@ -7,8 +7,8 @@
 //! and its config says `"use_dora": true`.
 
 pub mod adapter_check;
+pub mod gguf;
 pub mod merge;
-mod merge_experts;
 
 use crate::lora::{Lora, LoraSpec, EXPERT_PARAMS, KNOWN_LINEAR};
 use crate::model::Model;
@@ -333,16 +333,11 @@ pub fn base_of(adapter: &Path, info: &AdapterInfo) -> Result<std::path::PathBuf>
             cfg.display()
         );
     }
-    let section = crate::recipe::ModelSection {
-        path: None,
-        id: Some(name.clone()),
-        revision: info.revision.clone(),
-        dtype: None,
-        device: crate::recipe::DeviceKind::Cpu,
-        quantize: Default::default(),
-        double_quant: true,
+    let source = crate::hub::Source::Hub {
+        id: name.clone(),
+        revision: (info.revision.clone()).unwrap_or_else(|| crate::hub::DEFAULT_REVISION.into()),
     };
-    let files = crate::hub::model_files(&section)
+    let files = crate::hub::model_files(&source)
         .with_context(|| format!("{}: cannot get the Hub model \"{name}\"", cfg.display()))?;
     Ok(files.dir)
 }

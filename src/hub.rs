@@ -11,7 +11,6 @@ pub mod dataset;
 pub mod download;
 mod progress;
 
-use crate::recipe::ModelSection;
 use anyhow::{bail, Context, Result};
 use cache::{is_commit, RepoCache};
 use download::{At, Head, Hub, HubEnv, Unreachable};
@@ -119,24 +118,51 @@ fn shards_from_index(index: &Path) -> Result<Vec<PathBuf>> {
 
 pub use crate::util::check_repo_id;
 
-/// The checkpoint a recipe's `[model]` names: `path` as it is, or `id` at `revision` from the
-/// Hugging Face cache, downloading what the cache lacks.
-pub fn model_files(m: &ModelSection) -> Result<ModelFiles> {
-    match (&m.path, &m.id) {
-        (Some(dir), _) => ModelFiles::local(dir),
-        (None, Some(id)) => {
-            let rev = m.revision.as_deref().unwrap_or(DEFAULT_REVISION);
-            snapshot(&HubEnv::from_env(), id, rev, Refresh::IfIncomplete)
+/// Where a checkpoint is: a local directory, or a Hub repository at a revision.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    /// A Hugging Face checkpoint directory (config.json + safetensors).
+    Local(PathBuf),
+    /// A Hub repository id ("org/name") at a branch, tag or commit.
+    Hub {
+        /// The repository id.
+        id: String,
+        /// The branch, tag or commit (`DEFAULT_REVISION` when none is given).
+        revision: String,
+    },
+}
+
+impl Source {
+    /// A local directory when `path` is given, else the Hub repository `id` at `revision`
+    /// (default "main"); None when neither is given.
+    pub fn of(path: Option<&Path>, id: Option<&str>, revision: Option<&str>) -> Option<Source> {
+        match (path, id) {
+            (Some(p), _) => Some(Source::Local(p.to_path_buf())),
+            (None, Some(id)) => Some(Source::Hub {
+                id: id.to_string(),
+                revision: revision.unwrap_or(DEFAULT_REVISION).to_string(),
+            }),
+            (None, None) => None,
         }
-        (None, None) => bail!("[model] needs `path` or `id`"),
     }
 }
 
-/// Only the config.json of a recipe's `[model]` (memory plans need no weights): the local
-/// directory's, or the Hub repository's at `revision`, from the cache or fetched alone.
-pub fn config_file(m: &ModelSection) -> Result<PathBuf> {
-    match (&m.path, &m.id) {
-        (Some(dir), _) => {
+/// The checkpoint's files: a local directory as it is, or a Hub repository's snapshot from the
+/// Hugging Face cache, downloading what the cache lacks.
+pub fn model_files(src: &Source) -> Result<ModelFiles> {
+    match src {
+        Source::Local(dir) => ModelFiles::local(dir),
+        Source::Hub { id, revision } => {
+            snapshot(&HubEnv::from_env(), id, revision, Refresh::IfIncomplete)
+        }
+    }
+}
+
+/// Only a checkpoint's config.json (memory plans need no weights): the local directory's, or
+/// the Hub repository's at its revision, from the cache or fetched alone.
+pub fn config_file(src: &Source) -> Result<PathBuf> {
+    match src {
+        Source::Local(dir) => {
             let c = dir.join("config.json");
             if !c.is_file() {
                 bail!(
@@ -146,8 +172,8 @@ pub fn config_file(m: &ModelSection) -> Result<PathBuf> {
             }
             Ok(c)
         }
-        (None, Some(id)) => {
-            let rev = m.revision.as_deref().unwrap_or(DEFAULT_REVISION);
+        Source::Hub { id, revision } => {
+            let rev = revision.as_str();
             check_repo_id(id).map_err(anyhow::Error::msg)?;
             let env = HubEnv::from_env();
             let cache = RepoCache::new(&env.cache, id);
@@ -170,7 +196,6 @@ pub fn config_file(m: &ModelSection) -> Result<PathBuf> {
             hub.fetch(&cache, &at, &remote)?;
             Ok(cache.link(&remote.commit, "config.json", &remote.etag)?)
         }
-        (None, None) => bail!("[model] needs `path` or `id`"),
     }
 }
 

@@ -34,5 +34,7 @@ pub mod probe;
 pub mod ops;
 // Seeded random streams.
 pub mod rng;
+// What a run reports as it goes: TensorBoard event files, an MLflow server.
+pub mod track;
 // Crash-safe writes, sizes, ids.
 pub mod util;

@@ -23,23 +23,8 @@ pub const ALL_LINEAR: [&str; 7] = [
     "down_proj",
 ];
 
-/// Every module name lora.targets may hold: Llama's seven, then Phi-3's fused projections
-/// (model/family.rs: each family has its own subset), then a MoE's expert parameters
-/// (`EXPERT_PARAMS`). "all-linear" is all of them, which a model resolves to its own linears
-/// (`ModelConfig::resolve_targets`; as PEFT's "all-linear", not the experts).
-pub const KNOWN_LINEAR: [&str; 11] = [
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-    "qkv_proj",
-    "gate_up_proj",
-    "mlp.experts.gate_up_proj",
-    "mlp.experts.down_proj",
-];
+/// Every module name lora.targets may hold (the recipe defines them: `recipe::KNOWN_LINEAR`).
+pub use crate::recipe::KNOWN_LINEAR;
 
 /// A MoE's fused expert parameters LoRA can adapt, as PEFT's `target_parameters` names them:
 /// gate_up_proj [E, 2I, C] and down_proj [E, C, I] of `model.layers.N.mlp.experts`. PEFT gives

@@ -5,6 +5,7 @@
 //! driver on every synchronisation) and read its peak use, which is what decides an OOM.
 
 pub mod plan;
+pub mod sizes;
 
 use candle_core::{Device, Result};
 use std::cell::Cell;
@@ -376,10 +377,8 @@ pub fn cpu_high() -> Option<u64> {
     (CPU_CAP.get() != u64::MAX).then(|| CPU_HIGH.get())
 }
 
-/// Bytes of a tensor's elements.
-pub fn tensor_bytes(t: &candle_core::Tensor) -> u64 {
-    (t.elem_count() * t.dtype().size_in_bytes()) as u64
-}
+/// Bytes of a tensor's elements (ops::tensor_bytes).
+pub use crate::ops::tensor_bytes;
 
 /// The least free memory of the GPUs `ordinals` in a CUDA build that has them all, plus the
 /// context this process took to ask (the plan counts a context); None otherwise.

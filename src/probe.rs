@@ -13,17 +13,16 @@
 //! of each shape (the memory of a step depends on the shapes only). On the CPU there are no
 //! device peaks: the ramp reports times, and `train.max_memory` caps the CPU accounting.
 
-use crate::lora::LoraSpec;
 use crate::memory::{self, plan, plan::fmt_bytes};
-use crate::model::Model;
+use crate::model::Keep;
 use crate::parallel::Solo;
 use crate::recipe::Recipe;
-use crate::train::device_and_dtype;
-use crate::train::driver::Keep;
 use crate::train::optim::AdamW;
-use crate::train::step::{adapter_params, Engine};
+use crate::train::run_loop::{self, Hooks, PlannedStep, StepMeta};
+use crate::train::step::{adapter_params, Done, Engine};
+use crate::train::{Machine, RunConfig, Session};
 use anyhow::Result;
-use candle_core::Device;
+use std::sync::Arc;
 use std::time::Instant;
 
 /// One rung of the ramp.
@@ -108,22 +107,15 @@ struct ParkFit {
 }
 
 impl ParkFit {
-    fn new(recipe: &Recipe, files: &crate::hub::ModelFiles, dev: &Device) -> Result<ParkFit> {
-        let capacity = match recipe.max_memory() {
+    fn new(run: &RunConfig, dev: &candle_core::Device) -> Result<ParkFit> {
+        let capacity = match run.max_memory {
             Some(m) => Some(m),
             None => memory::mem_info(dev)?.map(|(free, _)| free + plan::CONTEXT),
         };
-        let cfg = crate::model::ModelConfig::from_file(&files.config)?;
-        let input = plan::input_from_recipe(recipe, cfg, 1, dev.is_cuda())?
-            .with_quant(recipe.quant().for_checkpoint(&files.config)?);
         Ok(ParkFit {
-            // the probe draws no dropout: the MLP runs in chunks as without it
-            input: plan::PlanInput {
-                mlp_chunk: recipe.mlp_chunk(),
-                ..input
-            },
+            input: run.plan_input(1),
             capacity,
-            ckpt: recipe.train.activation_checkpointing,
+            ckpt: run.ckpt,
         })
     }
 
@@ -144,33 +136,37 @@ impl ParkFit {
 }
 
 /// The ramp on the recipe's model: a rung for each shape that ran, and the first allocation
-/// failure (on the context ramp, the shortest one the bisection met).
+/// failure (on the context ramp, the shortest one the bisection met). The model is the
+/// recipe's as training loads it (its kernels, the adapters' forward folded), with fresh
+/// adapters and no dropout (the probe draws none).
 pub fn run(recipe: &Recipe, ramp: Ramp) -> Result<ProbeReport> {
-    let (dev, dtype) = device_and_dtype(recipe)?;
+    let mut r = recipe.clone();
+    (r.lora.dropout, r.lora.init_adapter, r.lora.use_dora) = (0.0, None, false);
+    let run = Arc::new(RunConfig::resolve(r, Machine::Open)?);
+    let ordinal = run.first_ordinal();
+    let dev = crate::model::device::open(run.device, ordinal)?;
     memory::keep_pool_memory(&dev)?;
-    let files = crate::hub::model_files(&recipe.model)?;
-    let park = ParkFit::new(recipe, &files, &dev)?;
-    let max_memory = recipe.max_memory();
+    let park = ParkFit::new(&run, &dev)?;
+    let max_memory = run.max_memory;
     let ballast = match max_memory {
         Some(m) => memory::hold_ballast(&dev, m)?,
         None => None,
     };
     let capacity = max_memory.or(ballast.as_ref().map(|b| b.total));
     memory::reset_peak(&dev)?;
-    let model = load(recipe, &files, &dev, dtype)?;
-    let load_peak = memory::stats(&dev)?.map(|s| s.used_high);
-    let params = adapter_params(&model);
+    let s = Session::load(run, Box::new(Solo), ordinal)?;
+    let load_peak = memory::stats(&s.model.device)?.map(|m| m.used_high);
+    let params = adapter_params(&s.model);
     memory::set_cpu_budget(
         max_memory.filter(|_| dev.is_cpu()),
-        crate::train::preflight::cpu_fixed_bytes(&model),
+        crate::train::preflight::cpu_fixed_bytes(&s.model),
     );
-    let t = &recipe.train;
+    let o = &s.run.optim;
     let mut trial = Trial {
-        model: &model,
-        opt: AdamW::new(params, t.betas, t.eps, t.weight_decay)?,
-        keep: Keep::new(t.activation_checkpointing, t.offload_activations, &dev),
+        s: &s,
+        opt: AdamW::new(params, o.betas, o.eps, o.weight_decay)?,
+        keep: s.run.keep,
         park: &park,
-        max_grad_norm: t.max_grad_norm,
     };
     let mut rep = ProbeReport {
         rungs: Vec::new(),
@@ -179,7 +175,7 @@ pub fn run(recipe: &Recipe, ramp: Ramp) -> Result<ProbeReport> {
         capacity,
     };
     let shapes = match ramp {
-        Ramp::Batch { max_micro_batch } => self::ramp(recipe.data.seq_len, max_micro_batch),
+        Ramp::Batch { max_micro_batch } => self::ramp(s.run.batch.seq_len, max_micro_batch),
         Ramp::Seq { max_seq, .. } => seq_ramp(max_seq),
     };
     trial.climb(shapes, &mut rep)?;
@@ -191,57 +187,62 @@ pub fn run(recipe: &Recipe, ramp: Ramp) -> Result<ProbeReport> {
     Ok(rep)
 }
 
-/// The recipe's model as training loads it: its kernels, the adapters' forward folded
-/// (ops::fold), fresh adapters (no dropout: the probe draws none).
-fn load(
-    recipe: &Recipe,
-    files: &crate::hub::ModelFiles,
-    dev: &Device,
-    dtype: candle_core::DType,
-) -> Result<Model> {
-    let spec = LoraSpec {
-        rank: recipe.lora.rank,
-        alpha: recipe.lora.alpha,
-        dropout: 0.0,
-        rslora: recipe.lora.rslora,
-        dora: false,
-        targets: recipe.target_modules()?,
-    };
-    let kernels = crate::train::session::run_kernels(recipe, files, dev, dtype)?;
-    let seed = recipe.train.seed;
-    let (mut model, _) = crate::train::session::sharded_model(
-        false,
-        recipe.quant().for_checkpoint(&files.config)?,
-        &crate::parallel::Solo,
-        &kernels,
-        &mut |loaded| Model::load_with(files, dtype, dev, &spec, seed, &kernels, loaded),
-    )?;
-    model.mlp_chunk = recipe.mlp_chunk();
-    Ok(model)
-}
-
-/// What each rung's step runs on: the model, its optimiser and how it keeps activations.
+/// What each rung's step runs on: the session, its optimiser and how it keeps activations.
 struct Trial<'a> {
-    model: &'a Model,
+    s: &'a Session,
     opt: AdamW,
-    /// The recipe's; the parked pairs in flight are fitted at each shape (`park`).
+    /// The run's; the parked pairs in flight are fitted at each shape (`park`).
     keep: Keep,
     park: &'a ParkFit,
-    max_grad_norm: f64,
+}
+
+/// A rung's hooks: one step at learning rate 0 (the adapters stay), its result kept.
+#[derive(Default)]
+struct OneStep {
+    done: Option<Done>,
+}
+
+impl Hooks for OneStep {
+    fn lr(&self, _step: usize) -> f64 {
+        0.0
+    }
+
+    fn finish_first(&self, _n: usize) -> bool {
+        false
+    }
+
+    fn after(&mut self, done: Done, _m: &StepMeta, _opt: &AdamW) -> Result<()> {
+        self.done = Some(done);
+        Ok(())
+    }
 }
 
 impl Trial<'_> {
     /// One full step at (micro-batch, seq): its rung, or the failure that an allocation ended.
     fn shape(&mut self, b: usize, seq: usize) -> Result<std::result::Result<Rung, Failure>> {
-        let batch = crate::bench::random_batch(b, seq, self.model.cfg.vocab_size, 7);
-        let n = batch.n_targets().max(1);
-        // The training step itself (train::step), at learning rate 0: the adapters stay.
+        let batch = crate::bench::random_batch(b, seq, self.s.model.cfg.vocab_size, 7);
+        let denom = batch.n_targets().max(1);
+        // The training step itself (train::run_loop), at learning rate 0: the adapters stay.
         let pending = self.park.pending(b, seq, memory::host_available());
         let keep = self.keep.with_park(Some(pending));
-        let mut engine = Engine::new(self.model, &Solo, None, keep, self.max_grad_norm, None);
+        let mut engine = Engine::for_session(self.s, keep);
+        let step = PlannedStep {
+            epoch: 0,
+            index: 0,
+            batches: vec![batch],
+            denom,
+        };
+        let mut one = OneStep::default();
         let t0 = Instant::now();
-        match engine.step(std::slice::from_ref(&batch), n, 0, &mut self.opt, 0.0) {
-            Ok(done) => Ok(Ok(Rung {
+        let res = run_loop::run(
+            &mut engine,
+            &mut self.opt,
+            &mut std::iter::once(Ok(step)),
+            (0, 1),
+            &mut one,
+        );
+        match (res, one.done) {
+            (Ok(()), Some(done)) => Ok(Ok(Rung {
                 micro_batch: b,
                 seq,
                 seconds: t0.elapsed().as_secs_f64(),
@@ -251,13 +252,14 @@ impl Trial<'_> {
                     _ => 0,
                 },
             })),
-            Err(e) if memory::is_oom(&e) => Ok(Err(Failure {
+            (Err(e), _) if memory::is_oom(&e) => Ok(Err(Failure {
                 micro_batch: b,
                 seq,
                 phase: engine.meter.current(),
                 cause: format!("{e:#}").lines().next().unwrap_or("").to_string(),
             })),
-            Err(e) => Err(e),
+            (Err(e), _) => Err(e),
+            (Ok(()), None) => anyhow::bail!("probe: the step at ({b}, {seq}) was not read"),
         }
     }
 
@@ -369,8 +371,8 @@ mod tests {
     /// where the host could not pin them.
     #[test]
     fn parked_pairs_are_fitted_at_each_rung() {
+        use crate::model::PARK_PENDING;
         use crate::recipe::{Checkpointing, Strategy};
-        use crate::train::driver::PARK_PENDING;
         let all = crate::lora::ALL_LINEAR.iter().map(|s| s.to_string());
         let input = plan::input_from_shape("llama2-7b", 2048, 2, 16, all.collect(), 1).unwrap();
         let mlp = Checkpointing::Mlp;

@@ -1,7 +1,7 @@
 //! `lora-train bench --shape NAME`: training steps timed on random weights of a named shape.
 
 use clap::{Args, ValueEnum};
-use lora_train::recipe::{Checkpointing, Strategy};
+use lora_train::recipe::{Checkpointing, DeviceKind, Quantize, Strategy};
 use std::path::PathBuf;
 
 #[derive(Args, Clone)]
@@ -156,7 +156,7 @@ enum DeviceArg {
 }
 
 pub fn shape(s: &str) -> Result<String, String> {
-    lora_train::bench::shape(s)
+    lora_train::model::shapes::shape(s)
         .map(|_| s.to_string())
         .map_err(|e| e.to_string())
 }
@@ -167,9 +167,8 @@ pub fn run(b: BenchArgs) -> anyhow::Result<()> {
         None => cfg!(feature = "cuda"),
     };
     let device = match cuda {
-        false => candle_core::Device::Cpu,
-        // The first listed GPU (rank 0's), not `--gpu`'s default, when --devices is given.
-        true => candle_core::Device::new_cuda(b.devices.first().copied().unwrap_or(b.gpu))?,
+        false => DeviceKind::Cpu,
+        true => DeviceKind::Cuda,
     };
     let args = lora_train::bench::BenchArgs {
         shape: b.shape,
@@ -201,11 +200,8 @@ pub fn run(b: BenchArgs) -> anyhow::Result<()> {
         save_every: b.save_every as usize,
         tag: b.tag,
         quant: match b.quantize {
-            QuantArg::None => lora_train::quant::Quant::NONE,
-            QuantArg::Nf4 => lora_train::quant::Quant {
-                kind: lora_train::quant::Quantize::Nf4,
-                double_quant: true,
-            },
+            QuantArg::None => Quantize::None,
+            QuantArg::Nf4 => Quantize::Nf4,
         },
     };
     let res = lora_train::bench::run(&args)?;

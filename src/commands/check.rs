@@ -1,7 +1,6 @@
 //! `lora-train check --recipe X`: the recipe parsed, checked and printed with every default.
 
 use clap::Args;
-use lora_train::recipe::Recipe;
 use std::path::PathBuf;
 
 #[derive(Args, Clone)]
@@ -20,7 +19,7 @@ pub struct CheckArgs {
 pub fn run(a: CheckArgs) -> anyhow::Result<()> {
     let path =
         super::train::recipe_path(a.recipe.as_deref(), "lora-train check --recipe RECIPE.toml")?;
-    let recipe = Recipe::load(&path, &a.set)?;
+    let recipe = lora_train::train::load_recipe(&path, &a.set)?;
     println!("# output dir: {}", recipe.output_dir().display());
     print!("{}", recipe.check_toml());
     Ok(())

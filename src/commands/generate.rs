@@ -130,7 +130,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         .into());
     }
     let recipe = match &a.recipe {
-        Some(p) => Some(Recipe::load(p, &a.set)?),
+        Some(p) => Some(lora_train::train::load_recipe(p, &a.set)?),
         None => None,
     };
     let (device, dtype) = device_and_dtype(&a, recipe.as_ref())?;
@@ -298,40 +298,36 @@ fn chat(
     Ok(())
 }
 
+/// The device and dtype `generate` runs on: the flags, else the recipe's, else CUDA where
+/// the build has it; the dtype as training resolves it (model::device), f16 refused.
 fn device_and_dtype(
     a: &GenerateArgs,
     recipe: Option<&Recipe>,
 ) -> Result<(candle_core::Device, candle_core::DType)> {
-    use candle_core::{DType, Device};
-    let cuda = match (a.device, recipe) {
-        (Some(d), _) => matches!(d, DeviceArg::Cuda),
-        (None, Some(r)) => r.model.device == lora_train::recipe::DeviceKind::Cuda,
-        (None, None) => cfg!(feature = "cuda"),
+    use lora_train::model::device;
+    use lora_train::recipe::{DeviceKind, Dtype};
+    let kind = match (a.device, recipe) {
+        (Some(DeviceArg::Cuda), _) => DeviceKind::Cuda,
+        (Some(DeviceArg::Cpu), _) => DeviceKind::Cpu,
+        (None, Some(r)) => r.model.device,
+        (None, None) if cfg!(feature = "cuda") => DeviceKind::Cuda,
+        (None, None) => DeviceKind::Cpu,
     };
-    if cuda && !cfg!(feature = "cuda") {
-        return Err(Usage("--device cuda: this binary was built without CUDA (cargo build --release --features cuda)".into()).into());
+    if kind.is_cuda() && !cfg!(feature = "cuda") {
+        return Err(Usage(format!("--device cuda: {}", device::DeviceError::NoCuda)).into());
     }
-    let device = match cuda {
-        true => {
-            Device::new_cuda(a.gpu).with_context(|| format!("cannot open CUDA device {}", a.gpu))?
-        }
-        false => Device::Cpu,
-    };
     let dtype = match (a.dtype, recipe.and_then(|r| r.model.dtype)) {
-        (Some(DtypeArg::F32), _) => DType::F32,
-        (Some(DtypeArg::Bf16), _) => DType::BF16,
-        (None, Some(lora_train::recipe::Dtype::F32)) => DType::F32,
-        (None, Some(lora_train::recipe::Dtype::Bf16)) => DType::BF16,
-        (None, Some(lora_train::recipe::Dtype::F16)) => {
+        (Some(DtypeArg::F32), _) => Some(Dtype::F32),
+        (Some(DtypeArg::Bf16), _) => Some(Dtype::Bf16),
+        (None, Some(Dtype::F16)) => {
             return Err(Usage(
                 "model.dtype = \"f16\": generate runs in f32 or bf16 (pass --dtype)".into(),
             )
             .into())
         }
-        (None, None) if cuda => DType::BF16,
-        (None, None) => DType::F32,
+        (None, d) => d,
     };
-    Ok((device, dtype))
+    Ok((device::open(kind, a.gpu)?, device::dtype(kind, dtype)))
 }
 
 fn bench(a: &GenerateArgs) -> Result<()> {

@@ -4,7 +4,8 @@ use super::bench::Targets;
 use super::Usage;
 use clap::Args;
 use lora_train::memory::plan;
-use lora_train::recipe::{Recipe, Strategy};
+use lora_train::recipe::{DeviceKind, Dtype, Strategy};
+use lora_train::train::{Machine, RunConfig};
 use std::path::PathBuf;
 
 #[derive(Args, Clone)]
@@ -62,8 +63,8 @@ pub fn run(a: PlanArgs) -> anyhow::Result<()> {
     // --shape plan, or devices = "all") GPU 0.
     let (input, grad_accum, selected, recipe_cap, gpus_used) = match (&a.shape, &a.recipe) {
         (Some(shape), _) => {
-            let cfg = lora_train::bench::shape(shape)?;
-            let targets = lora_train::bench::targets(a.targets.name(), &cfg)?;
+            let cfg = lora_train::model::shapes::shape(shape)?;
+            let targets = lora_train::model::shapes::targets(a.targets.name(), &cfg)?;
             let input = plan::input_from_shape(
                 shape,
                 seq.unwrap_or(2048),
@@ -79,24 +80,27 @@ pub fn run(a: PlanArgs) -> anyhow::Result<()> {
             (input, 1, (Strategy::Single, super::bench::checkpointing(a.ckpt)), None, vec![0])
         }
         (None, Some(path)) => {
-            let mut r = Recipe::load(path, &a.set)?;
+            let mut r = lora_train::train::load_recipe(path, &a.set)?;
             if let Some(s) = seq {
                 r.data.seq_len = s;
             }
             if let Some(m) = micro_batch {
                 r.train.micro_batch = m;
             }
-            let cfg_path = lora_train::hub::config_file(&r.model)?;
-            let cfg = lora_train::model::ModelConfig::from_file(&cfg_path)?;
-            let gpus = gpus.unwrap_or(r.parallel.devices.len());
-            let input = plan::input_from_recipe(&r, cfg, gpus, true)?
-                .with_quant(r.quant().for_checkpoint(&cfg_path)?);
-            let sel = (r.parallel.strategy, r.train.activation_checkpointing);
             let used = match r.parallel.devices.is_empty() {
                 true => vec![0],
                 false => r.parallel.devices.clone(),
             };
-            (input, r.train.grad_accum, sel, r.max_memory(), used)
+            let gpus = gpus.unwrap_or(r.parallel.devices.len()).max(1);
+            // A plan forecasts a GPU run (a CPU recipe's base keeps its f32).
+            if r.model.device == DeviceKind::Cpu {
+                r.model.dtype = r.model.dtype.or(Some(Dtype::F32));
+                r.model.device = DeviceKind::Cuda;
+            }
+            let run = RunConfig::resolve(r, Machine::Forecast { gpus })?;
+            let sel = (run.strategy, run.ckpt);
+            let input = run.plan_input(gpus);
+            (input, run.batch.grad_accum, sel, run.max_memory, used)
         }
         (None, None) => {
             return Err(Usage(

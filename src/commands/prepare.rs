@@ -3,7 +3,8 @@
 //! resume, and every rank map it instead of tokenizing.
 
 use clap::Args;
-use lora_train::data::{recipe_data, Dataset, Options};
+use lora_train::data::{recipe_data, DataPlan, Dataset, Options};
+use lora_train::hub::Source;
 use lora_train::recipe::Recipe;
 use std::path::PathBuf;
 
@@ -26,10 +27,19 @@ pub fn run(a: PrepareArgs) -> anyhow::Result<()> {
         "lora-train prepare --recipe RECIPE.toml",
     )?;
     let recipe = Recipe::load(&path, &a.set)?;
-    let files = lora_train::hub::model_files(&recipe.model)?;
+    let m = &recipe.model;
+    let source = Source::of(m.path.as_deref(), m.id.as_deref(), m.revision.as_deref())
+        .ok_or_else(|| recipe.invalid("model", "needs `path` or `id`"))?;
+    let files = lora_train::hub::model_files(&source)?;
     let vocab = lora_train::model::ModelConfig::from_file(&files.config)?.vocab_size;
     let opts = Options::from_env()?;
-    let d = recipe_data(&recipe, &files, vocab, &opts)?;
+    let plan = DataPlan {
+        recipe: &recipe,
+        data: &recipe.data,
+        sample_every: recipe.train.sample_every,
+        seed: recipe.train.seed,
+    };
+    let d = recipe_data(&plan, &files, vocab, &opts)?;
     let seq_len = recipe.data.seq_len;
     println!("{}", line("train", &d.data, seq_len));
     if let Some(e) = d.eval.as_ref().filter(|_| recipe.data.eval.is_some()) {

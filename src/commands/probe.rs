@@ -2,7 +2,6 @@
 
 use clap::Args;
 use lora_train::probe::Ramp;
-use lora_train::recipe::Recipe;
 use std::path::PathBuf;
 
 #[derive(Args, Clone)]
@@ -32,7 +31,7 @@ pub struct ProbeArgs {
 }
 
 pub fn run(a: ProbeArgs) -> anyhow::Result<()> {
-    let recipe = Recipe::load(&a.recipe, &a.set)?;
+    let recipe = lora_train::train::load_recipe(&a.recipe, &a.set)?;
     let ramp = match a.max_seq {
         Some(max_seq) => Ramp::Seq {
             max_seq: max_seq as usize,

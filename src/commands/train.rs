@@ -2,7 +2,6 @@
 
 use super::Usage;
 use clap::Args;
-use lora_train::recipe::Recipe;
 use lora_train::train::stop::{Interrupted, EXIT_INTERRUPTED};
 use std::path::{Path, PathBuf};
 
@@ -27,7 +26,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
         a.recipe.as_deref(),
         "lora-train --recipe RECIPE.toml [--set section.key=value ...]",
     )?;
-    let recipe = Recipe::load(&path, &a.set)?;
+    let recipe = lora_train::train::load_recipe(&path, &a.set)?;
     let opts = lora_train::train::RunOptions { force: a.force };
     let s = match lora_train::train::run_with(recipe, &opts) {
         Ok(s) => s,

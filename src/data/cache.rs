@@ -53,6 +53,8 @@ const CODE: &[(&str, &str)] = &[
     ("load.rs", include_str!("load.rs")),
     ("mod.rs", include_str!("mod.rs")),
     ("parquet.rs", include_str!("parquet.rs")),
+    ("pref_batch.rs", include_str!("pref_batch.rs")),
+    ("preference.rs", include_str!("preference.rs")),
     ("progress.rs", include_str!("progress.rs")),
     ("reader.rs", include_str!("reader.rs")),
     ("record.rs", include_str!("record.rs")),

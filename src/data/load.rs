@@ -25,16 +25,30 @@ pub struct RecipeData {
     pub tokenizer: Option<TextTokenizer>,
 }
 
+/// What a run's data depends on besides the files: its `[data]` section, whether
+/// `train.sample_every` needs the tokenizer, the seed of an eval split, and the recipe that
+/// errors name.
+pub struct DataPlan<'a> {
+    /// The recipe (a bad chat template is its error, on data.chat_template).
+    pub recipe: &'a Recipe,
+    /// The data section.
+    pub data: &'a DataSection,
+    /// train.sample_every (> 0: the tokenizer is needed whatever the format).
+    pub sample_every: usize,
+    /// The seed that holds out data.eval_fraction.
+    pub seed: u64,
+}
+
 /// The training data, the eval set and the notes worth telling about them, tokenized as the
-/// recipe says (through the cache `opts` names).
+/// plan says (through the cache `opts` names).
 pub fn recipe_data(
-    recipe: &Recipe,
+    plan: &DataPlan,
     files: &ModelFiles,
     vocab: usize,
     opts: &Options,
 ) -> Result<RecipeData> {
-    let d = &recipe.data;
-    let tok = recipe_tokenizer(recipe, files)?;
+    let d = plan.data;
+    let tok = recipe_tokenizer(plan, files)?;
     let train = d.train.files(d.format);
     let mut data = load_entries(&train, d, tok.as_ref(), vocab, false, opts)?;
     let eval = match source::eval_entry(d) {
@@ -47,7 +61,7 @@ pub fn recipe_data(
                     data.examples.len()
                 );
             }
-            Some(data.split_eval(d.eval_fraction, recipe.train.seed))
+            Some(data.split_eval(d.eval_fraction, plan.seed))
         }
         None => None,
     };
@@ -68,11 +82,11 @@ pub fn recipe_data(
     })
 }
 
-/// The tokenizer (with the chat template when a format is "chat") that the recipe's data
-/// formats or `train.sample_every` need; None when nothing needs one.
-pub fn recipe_tokenizer(recipe: &Recipe, files: &ModelFiles) -> Result<Option<TextTokenizer>> {
+/// The tokenizer (with the chat template when a format is "chat") that the data formats or
+/// `train.sample_every` need; None when nothing needs one.
+pub fn recipe_tokenizer(plan: &DataPlan, files: &ModelFiles) -> Result<Option<TextTokenizer>> {
     let dir = &files.dir;
-    let d = &recipe.data;
+    let d = plan.data;
     let mut formats: Vec<DataFormat> = d
         .train
         .files(d.format)
@@ -84,7 +98,7 @@ pub fn recipe_tokenizer(recipe: &Recipe, files: &ModelFiles) -> Result<Option<Te
     }
     // `sample_every` encodes its prompts and decodes the completions whatever the data format.
     let text_format = formats.iter().find(|f| **f != DataFormat::Tokens).copied();
-    if text_format.is_none() && recipe.train.sample_every == 0 {
+    if text_format.is_none() && plan.sample_every == 0 {
         return Ok(None);
     }
     let t = files.tokenizer.as_ref().with_context(|| {
@@ -106,13 +120,14 @@ pub fn recipe_tokenizer(recipe: &Recipe, files: &ModelFiles) -> Result<Option<Te
             choice,
             tok.specials.clone(),
         )
-        .map_err(|e| RecipeError::Invalid {
-            path: recipe.source.clone(),
-            key: "data.chat_template".into(),
-            msg: match choice {
-                None => format!("is unset, and {e:#}"),
-                Some(c) => format!("= \"{c}\": {e:#}"),
-            },
+        .map_err(|e| -> RecipeError {
+            plan.recipe.invalid(
+                "data.chat_template",
+                match choice {
+                    None => format!("is unset, and {e:#}"),
+                    Some(c) => format!("= \"{c}\": {e:#}"),
+                },
+            )
         })?;
         tok.chat = Some(tpl);
     }

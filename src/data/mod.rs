@@ -32,6 +32,8 @@ mod columns;
 mod fnv;
 pub mod load;
 mod parquet;
+pub mod pref_batch;
+pub mod preference;
 mod progress;
 pub mod reader;
 pub mod record;
@@ -43,7 +45,7 @@ mod tokenizer;
 
 pub use batch::{Batch, Tokens};
 pub use cache::{Options, Prep, Store};
-pub use load::{recipe_data, recipe_tokenizer, RecipeData};
+pub use load::{recipe_data, recipe_tokenizer, DataPlan, RecipeData};
 pub use rows::format_name;
 pub use sampler::{DataCursor, Sampler};
 pub use store::{ExampleRef, Examples};

@@ -1,5 +1,5 @@
 //! `lora-train generate --bench`: greedy decoding timed on random weights of a named shape
-//! (`crate::bench::shape`), measured as scripts/bench_generate_hf.py measures transformers'
+//! (`crate::model::shapes::shape`), measured as scripts/bench_generate_hf.py measures transformers'
 //! `generate` with a static cache (same shapes, prompt, token counts and JSON fields), so that
 //! the two run in one device call.
 //!
@@ -36,7 +36,7 @@ pub fn run(a: &DecodeBench) -> Result<serde_json::Value> {
     if a.prompt_len == 0 || a.new_tokens == 0 || a.reps == 0 {
         bail!("prompt_len, new_tokens and reps must be at least 1");
     }
-    let mut cfg = crate::bench::shape(&a.shape)?;
+    let mut cfg = crate::model::shapes::shape(&a.shape)?;
     let total = a.prompt_len + a.new_tokens;
     cfg.max_position_embeddings = cfg.max_position_embeddings.max(total);
     let spec = LoraSpec {
@@ -47,7 +47,7 @@ pub fn run(a: &DecodeBench) -> Result<serde_json::Value> {
         dora: false,
         targets: match a.rank {
             0 => Vec::new(),
-            _ => crate::bench::targets(&a.targets, &cfg)?,
+            _ => crate::model::shapes::targets(&a.targets, &cfg)?,
         },
     };
     let vocab = cfg.vocab_size;

@@ -9,7 +9,7 @@ use crate::export;
 use crate::hub::{self, ModelFiles};
 use crate::lora::LoraSpec;
 use crate::model::Model;
-use crate::recipe::{DeviceKind, ModelSection, Recipe};
+use crate::recipe::Recipe;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
 use std::path::{Path, PathBuf};
@@ -33,7 +33,7 @@ pub fn from_dirs(
 ) -> Result<Loaded> {
     let files = match (model_dir, adapter) {
         (Some(d), _) => ModelFiles::local(d)?,
-        (None, Some(a)) => adapter_base(a, device)?,
+        (None, Some(a)) => adapter_base(a)?,
         (None, None) => bail!("nothing to load: give a model directory or an adapter"),
     };
     load(files, adapter, device, dtype)
@@ -50,13 +50,16 @@ pub fn from_recipe(recipe: &Recipe, device: &Device, dtype: DType) -> Result<Loa
             recipe.source.display()
         );
     }
-    let files = hub::model_files(&recipe.model)?;
+    let m = &recipe.model;
+    let source = hub::Source::of(m.path.as_deref(), m.id.as_deref(), m.revision.as_deref())
+        .context("the recipe's [model] needs `path` or `id`")?;
+    let files = hub::model_files(&source)?;
     load(files, Some(&out), device, dtype)
 }
 
 /// The base an adapter names: base_model_name_or_path as a local checkpoint directory, else as
 /// a Hub id at the adapter's `revision` (the cache, or a download).
-fn adapter_base(adapter: &Path, device: &Device) -> Result<ModelFiles> {
+fn adapter_base(adapter: &Path) -> Result<ModelFiles> {
     let info = export::read_adapter_config(adapter)?;
     let cfg = adapter.join(export::CONFIG);
     let name = info.base_model.unwrap_or_default();
@@ -80,20 +83,11 @@ fn adapter_base(adapter: &Path, device: &Device) -> Result<ModelFiles> {
         .ok()
         .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
         .and_then(|v| v.get("revision")?.as_str().map(String::from));
-    let section = ModelSection {
-        path: None,
-        id: Some(name.clone()),
-        revision,
-        dtype: None,
-        device: if device.is_cuda() {
-            DeviceKind::Cuda
-        } else {
-            DeviceKind::Cpu
-        },
-        quantize: Default::default(),
-        double_quant: true,
+    let source = hub::Source::Hub {
+        id: name.clone(),
+        revision: revision.unwrap_or_else(|| hub::DEFAULT_REVISION.to_string()),
     };
-    hub::model_files(&section).with_context(|| {
+    hub::model_files(&source).with_context(|| {
         format!(
             "cannot get the base `{name}` that {} names (or pass it with --model DIR)",
             cfg.display()

@@ -365,7 +365,7 @@ fn header_tensor(
 /// floating point, the decoder layers present are config.json's num_hidden_layers, and the
 /// embedding and layer 0's projections have config.json's sizes.
 pub fn weights(cfg: &ModelConfig, config_path: &Path, files: &[PathBuf]) -> Result<()> {
-    let (shapes, layers) = header_shapes(config_path, files)?;
+    let (shapes, layers) = header_shapes(cfg.bnb_nf4.is_some(), files)?;
     check_layers(cfg, config_path, &layers)?;
     check_sizes(cfg, config_path, &shapes)
 }
@@ -376,11 +376,11 @@ type Shapes = BTreeMap<String, Vec<usize>>;
 /// The shape of every tensor in `files` by name (a packed NF4 one's empty: its shape is in its
 /// quant state) and the decoder layers present; an error for a tensor the model may read
 /// that is not floating point.
-fn header_shapes(config_path: &Path, files: &[PathBuf]) -> Result<(Shapes, BTreeSet<usize>)> {
+fn header_shapes(nf4: bool, files: &[PathBuf]) -> Result<(Shapes, BTreeSet<usize>)> {
     let mut shapes: Shapes = BTreeMap::new();
     let mut layers = BTreeSet::new();
-    // A bitsandbytes 4-bit checkpoint stores its layers' linears as bytes (quant::bnb).
-    let nf4 = crate::quant::bnb::nf4_config(config_path)?.is_some();
+    // A bitsandbytes 4-bit checkpoint stores its layers' linears as bytes (quant::bnb):
+    // `nf4`, as its config.json says (`ModelConfig::bnb_nf4`).
     for file in files {
         for (name, t) in read_header(file)? {
             let ours = name.starts_with("model.") || name.starts_with("lm_head.");

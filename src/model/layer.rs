@@ -13,9 +13,10 @@
 //!
 //! Shapes: B batch, T tokens, C hidden, H heads, K kv heads, D head dim, I mlp.
 
+use super::decoder::Ctx;
 use super::layer_moe::Moe;
-use super::linear::{pad_group, Linear};
-use super::llama::Ctx;
+use super::linear::Linear;
+use super::parts::pad_group;
 use crate::ops::glu::Act;
 use crate::ops::{self, AttnMask, NormSpec};
 use candle_core::{Result, Tensor};
@@ -432,7 +433,7 @@ fn split_parts<const N: usize>(
         Err(outs) => outs,
     };
     let [fused] = super::layer_train::array(outs)?;
-    let parts = super::linear::cut(&fused, dim, cuts)?;
+    let parts = super::parts::cut(&fused, dim, cuts)?;
     super::layer_train::array(
         parts
             .iter()

@@ -12,10 +12,10 @@
 //!
 //! Shapes: m = B·T tokens, n tokens of a chunk, C hidden, I mlp.
 
+use super::decoder::Ctx;
 use super::layer::Layer;
 use super::layer_train::{add_grad, array, LayerGrads};
 use super::linear::Linear;
-use super::llama::Ctx;
 use crate::ops;
 use candle_core::{Result, Tensor};
 

@@ -20,10 +20,10 @@
 //! Shapes: m tokens, C hidden, E experts, k experts per token, P = m·k grouped rows, I an
 //! expert's width, r the adapters' rank.
 
+use super::decoder::Ctx;
 use super::family::MoeSpec;
 use super::layer::Layer;
 use super::layer_train::LayerGrads;
-use super::llama::Ctx;
 use super::router::{route, route_bwd, Routing};
 use crate::lora::Lora;
 use crate::ops::grouped_mm::{grouped_linear, grouped_tn};

@@ -26,10 +26,10 @@
 //!
 //! Shapes: B batch, T tokens, m = B·T, C hidden, H heads, K kv heads, D head dim, I mlp.
 
+use super::decoder::Ctx;
 use super::layer::{repeat_kv, Layer};
 use super::layer_mlp::{MlpActs, MlpIn};
 use super::linear::{AdapterGrad, Linear};
-use super::llama::Ctx;
 use crate::ops;
 use candle_core::{DType, Result, Tensor, TensorId};
 
@@ -94,7 +94,7 @@ impl LayerActs {
             .chain(&self.h)
             .chain(&self.ao)
             .chain(self.mlp.iter().flat_map(MlpActs::tensors))
-            .map(|t| crate::memory::tensor_bytes(t) as usize)
+            .map(|t| crate::ops::tensor_bytes(t) as usize)
             .sum()
     }
 
@@ -581,7 +581,7 @@ impl Layer {
                 (Some(dhn), g)
             }
             None => {
-                let g = super::linear::join_parts(g, &cuts)?;
+                let g = super::parts::join_parts(g, &cuts)?;
                 (None, Linear::grads_shared(&lins, &hn, g, &xa, ctx)?)
             }
         };

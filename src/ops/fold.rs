@@ -30,7 +30,7 @@
 //! (SwiGLU or GeGLU) are one GEMM and one kernel (`glu_down_bwd`, fold_bwd.cu).
 //!
 //! Under FSDP the shards hold the padded weights, and each rank writes the B's into the pad
-//! columns of the rows its shards hold (`parallel::fsdp::Shards::write_pads`): a gathered layer
+//! columns of the rows its shards hold (`train::shards::Shards::write_pads`): a gathered layer
 //! arrives folded.
 //!
 //! **Dropout keeps the fold**: the frozen half reads x and the pad columns the adapters' masked

@@ -179,12 +179,12 @@ pub struct Kernels {
 }
 
 impl Kernels {
-    /// The choices for a base stored as `quant` says: an NF4 base is dequantized into plain
+    /// The choices for a base stored in NF4 (`nf4`) or not: an NF4 base is dequantized into plain
     /// [out, in] weights for each use, so its linears do not fold (`ops::fold` wants padded
     /// buffers made at load).
-    pub fn for_base(self, quant: crate::quant::Quant) -> Kernels {
+    pub fn for_base(self, nf4: bool) -> Kernels {
         Kernels {
-            fold: self.fold && !quant.is_nf4(),
+            fold: self.fold && !nf4,
             ..self
         }
     }
@@ -344,7 +344,7 @@ mod tests {
             ("gemma2-9b", Attention::Wgmma256),
             ("gemma3-12b", Attention::Wgmma256),
         ] {
-            let cfg = crate::bench::shape(shape).unwrap();
+            let cfg = crate::model::shapes::shape(shape).unwrap();
             let k = Kernels::forecast(true, bf16, cfg.attn_shape());
             assert_eq!(k.attention, want, "{shape}");
         }

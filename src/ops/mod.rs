@@ -48,6 +48,11 @@ pub use rope::{rope, rope_heads, rope_rows_inv, to_heads, to_rows};
 
 use candle_core::{CpuStorage, Layout, Result};
 
+/// Bytes of a tensor's elements.
+pub fn tensor_bytes(t: &candle_core::Tensor) -> u64 {
+    (t.elem_count() * t.dtype().size_in_bytes()) as u64
+}
+
 /// The contiguous slice of a CPU storage that `layout` describes, as f32 values.
 /// Activations in bf16/f16 are widened once here; the math below runs in f32.
 pub(crate) fn cpu_as_f32(s: &CpuStorage, l: &Layout) -> Result<Vec<f32>> {

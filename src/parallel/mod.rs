@@ -8,6 +8,7 @@
 //!
 //! The model knows no communication: train::driver gathers, reduces and recomputes.
 
+pub mod backend;
 pub mod cpu;
 pub mod fsdp;
 pub mod launch;
@@ -81,7 +82,7 @@ pub trait Comm {
         Ok(())
     }
     /// `xs` stay where they are from now on (FSDP's frozen shards; their folded B columns are
-    /// rewritten between steps, `fsdp::Shards::write_pads`). A backend may let the other ranks
+    /// rewritten between steps, `train::shards::Shards::write_pads`). A backend may let the other ranks
     /// read them where they lie: `all_gather` of one of them then copies the peers' shards in
     /// with copy engines instead of a collective's kernels (NCCL, ranks that are threads of
     /// one process). Every rank calls it once, in step, with its tensors in the same order

@@ -41,7 +41,6 @@
 use super::launch::{self, EnvRank};
 use super::posted::Posted;
 use super::{Comm, Group};
-use crate::recipe::{Recipe, RecipeError};
 use anyhow::Context;
 use candle_core::cuda_backend::cudarc::driver::{
     self as cu, CudaContext, CudaEvent, CudaStream, DevicePtr,
@@ -95,24 +94,21 @@ fn nccl_err(what: &str, e: result::NcclError) -> candle_core::Error {
     candle_core::Error::msg(format!("NCCL {what}: {e:?}"))
 }
 
-/// The CUDA ordinals of a recipe's ranks: `parallel.devices`, or every GPU for "all" (an
-/// empty list); a missing ordinal is a recipe error.
-pub fn ordinals(recipe: &Recipe) -> anyhow::Result<Vec<usize>> {
+/// The CUDA ordinals of a run's ranks: `devices`, or every GPU for "all" (an empty list); an
+/// ordinal this machine lacks is an error saying which it has.
+pub fn ordinals(devices: &[usize]) -> anyhow::Result<Vec<usize>> {
     let count = CudaContext::device_count()
         .map_err(|e| anyhow::anyhow!("cannot count CUDA devices: {e:?}"))? as usize;
-    let p = &recipe.parallel;
-    if p.devices.is_empty() {
+    if devices.is_empty() {
         return Ok((0..count).collect());
     }
-    if let Some(d) = p.devices.iter().find(|&&d| d >= count) {
-        return Err(RecipeError::Invalid {
-            path: recipe.source.clone(),
-            key: "parallel.devices".into(),
-            msg: format!("lists device {d}, but this machine has {count} CUDA device(s) (0..{}): list existing ordinals or use \"all\"", count.saturating_sub(1)),
-        }
-        .into());
+    if let Some(d) = devices.iter().find(|&&d| d >= count) {
+        anyhow::bail!(
+            "lists device {d}, but this machine has {count} CUDA device(s) (0..{}): list existing ordinals or use \"all\"",
+            count.saturating_sub(1)
+        );
     }
-    Ok(p.devices.clone())
+    Ok(devices.to_vec())
 }
 
 /// The ranks of one process, one thread per GPU.

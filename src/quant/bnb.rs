@@ -29,30 +29,33 @@ pub fn nf4_config(config: &Path) -> Result<Option<bool>> {
         .with_context(|| format!("cannot read {}", config.display()))?;
     let v: serde_json::Value = serde_json::from_str(&text)
         .with_context(|| format!("{} is not valid JSON", config.display()))?;
+    nf4_of(&v).map_err(|m| anyhow::anyhow!("{}: {m}", config.display()))
+}
+
+/// `nf4_config` of a config.json already parsed: the one reading of a run's config.json
+/// (`ModelConfig::from_json`) takes its quantization here. The error names the field.
+pub fn nf4_of(v: &serde_json::Value) -> std::result::Result<Option<bool>, String> {
     let Some(q) = v.get("quantization_config") else {
         return Ok(None);
     };
-    let at = config.display();
     let method = q.get("quant_method").and_then(|m| m.as_str()).unwrap_or("");
     let flag = |k: &str| q.get(k).and_then(|b| b.as_bool()).unwrap_or(false);
     if method != "bitsandbytes" {
-        bail!(
-            "{at}: quantization_config.quant_method = \"{method}\": lora-train trains full-precision bases and bitsandbytes NF4 ones only; use the full-precision original (and model.quantize = \"nf4\" for QLoRA)"
-        );
+        return Err(format!(
+            "quantization_config.quant_method = \"{method}\": lora-train trains full-precision bases and bitsandbytes NF4 ones only; use the full-precision original (and model.quantize = \"nf4\" for QLoRA)"
+        ));
     }
     if flag("load_in_8bit") || !flag("load_in_4bit") {
-        bail!(
-            "{at}: a bitsandbytes 8-bit checkpoint (load_in_8bit): lora-train reads 4-bit NF4 ones only; use the full-precision original with model.quantize = \"nf4\""
-        );
+        return Err("a bitsandbytes 8-bit checkpoint (load_in_8bit): lora-train reads 4-bit NF4 ones only; use the full-precision original with model.quantize = \"nf4\"".to_string());
     }
     let kind = q
         .get("bnb_4bit_quant_type")
         .and_then(|t| t.as_str())
         .unwrap_or("fp4");
     if kind != "nf4" {
-        bail!(
-            "{at}: quantization_config.bnb_4bit_quant_type = \"{kind}\": lora-train reads NF4 only; use the full-precision original with model.quantize = \"nf4\""
-        );
+        return Err(format!(
+            "quantization_config.bnb_4bit_quant_type = \"{kind}\": lora-train reads NF4 only; use the full-precision original with model.quantize = \"nf4\""
+        ));
     }
     Ok(Some(flag("bnb_4bit_use_double_quant")))
 }

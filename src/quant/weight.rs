@@ -144,7 +144,7 @@ impl QWeight {
     /// Bytes the format keeps on the device: codes and absmax (nested: its codes, absmax, map
     /// and offset), as `nf4::bytes_for` counts them.
     pub fn bytes(&self) -> usize {
-        let t = crate::memory::tensor_bytes;
+        let t = crate::ops::tensor_bytes;
         let absmax = match &self.absmax {
             DevAbsmax::Plain(a) => t(a),
             DevAbsmax::Nested {

@@ -19,10 +19,11 @@ use super::checkpoint_check as check;
 use super::checkpoint_write::Snapshot;
 use super::host_stage::Stage;
 use super::optim::AdamW;
-use super::Session;
+use super::session::Session;
+use super::train_data::TrainData;
 use crate::export;
-use crate::export::merge::sync_dir;
 use crate::recipe::{Recipe, RecipeError, Resume, Schedule};
+use crate::util::fs::sync_dir;
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
@@ -41,8 +42,9 @@ pub const RNG: &str = "SplitMix64 streams keyed by seed: shuffle (seed, epoch); 
 const LOSS_TAIL: usize = 100;
 
 /// Recipe keys that do not change the numbers of a run: they may differ on resume.
-const FREE_KEYS: [&str; 16] = [
+const FREE_KEYS: [&str; 17] = [
     "train.resume",
+    "train.report_to",
     "train.max_memory",
     "train.log_every",
     "train.skip_nonfinite",
@@ -63,7 +65,7 @@ const FREE_KEYS: [&str; 16] = [
 ];
 
 /// Where the data stream continues: the next step is step `step_in_epoch` (0-based) of the
-/// plan of epoch `epoch` (Session::epoch_plan).
+/// plan of epoch `epoch` (TrainData::epoch_plan).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Cursor {
     pub epoch: usize,
@@ -142,8 +144,14 @@ impl Progress {
 
 impl TrainerState {
     /// The state of a session at `at`, of `total` steps.
-    pub fn new(s: &Session, at: &Progress, total: usize, opt: &AdamW) -> TrainerState {
-        let t = &s.recipe.train;
+    pub fn new(
+        s: &Session,
+        d: &TrainData,
+        at: &Progress,
+        total: usize,
+        opt: &AdamW,
+    ) -> TrainerState {
+        let (run, o) = (&s.run, &s.run.optim);
         let h = &at.history;
         TrainerState {
             format: FORMAT.into(),
@@ -153,20 +161,20 @@ impl TrainerState {
             optimizer_steps: opt.t,
             skipped_steps: at.skipped,
             tokens: at.tokens,
-            seed: t.seed,
+            seed: run.seed,
             rng: RNG.into(),
             schedule: ScheduleInputs {
-                kind: t.schedule,
-                lr: t.lr,
-                warmup_steps: t.warmup_steps,
+                kind: o.schedule,
+                lr: o.lr,
+                warmup_steps: o.warmup_steps,
                 total_steps: total,
             },
-            data_examples: s.data.examples.len(),
-            data_tokens: s.data.examples.iter().map(|e| e.ids.len()).sum(),
-            data_fingerprint: Some(super::checkpoint_check::fingerprint(s)),
+            data_examples: d.data.examples.len(),
+            data_tokens: d.data.examples.iter().map(|e| e.ids.len()).sum(),
+            data_fingerprint: Some(super::checkpoint_check::fingerprint(d)),
             loss_history: h[h.len().saturating_sub(LOSS_TAIL)..].to_vec(),
-            recipe: fingerprint(&s.recipe),
-            sets: numbers_sets(&s.recipe.sets),
+            recipe: fingerprint(&run.recipe),
+            sets: numbers_sets(&run.recipe.sets),
         }
     }
 }
@@ -217,7 +225,7 @@ pub fn with_checkpoint_sets(r: Recipe) -> Result<Recipe> {
         again.join(" --set ")
     );
     let sets: Vec<String> = again.into_iter().chain(r.sets.iter().cloned()).collect();
-    Ok(Recipe::load(&r.source, &sets)?)
+    super::resolve::load_recipe(&r.source, &sets)
 }
 
 /// A complete checkpoint on disk.
@@ -374,10 +382,10 @@ pub fn snapshot(
     let rev = s.base_revision.as_deref();
     Ok(Snapshot {
         adapter: Snapshot::adapter(&s.model, stage)?,
-        config: export::adapter_config(&s.spec, &s.base_name, rev)?,
+        config: export::adapter_config(&s.run.spec, &s.run.base_name, rev)?,
         optimizer: Snapshot::optimizer(opt, keys, stage)?,
         files: vec![
-            ("recipe.toml", s.recipe.to_toml().into_bytes()),
+            ("recipe.toml", s.run.recipe.to_toml().into_bytes()),
             (
                 STATE,
                 (serde_json::to_string_pretty(state)? + "\n").into_bytes(),
@@ -392,7 +400,7 @@ pub fn restore(ck: &Checkpoint, s: &Session, opt: &mut AdamW, keys: &[String]) -
     let path = ck.dir.join(OPTIMIZER);
     let st = candle_core::safetensors::load(&path, &Device::Cpu)
         .with_context(|| format!("cannot read {}", path.display()))?;
-    check::optimizer(&s.recipe, &path, &st, keys, &opt.params)?;
+    check::optimizer(&s.run.recipe, &path, &st, keys, &opt.params)?;
     let mut ms = Vec::with_capacity(keys.len());
     let mut vs = Vec::with_capacity(keys.len());
     for (key, p) in keys.iter().zip(&opt.params) {

@@ -13,7 +13,8 @@
 //! and the field; nothing is written.
 
 use super::checkpoint::{read_state, Checkpoint, TrainerState, OPTIMIZER, STATE};
-use super::Session;
+use super::session::Session;
+use super::train_data::TrainData;
 use crate::export;
 use crate::recipe::{Recipe, RecipeError};
 use anyhow::Result;
@@ -228,9 +229,9 @@ pub fn nothing_damaged_ahead(r: &Recipe, out_dir: &Path, step: usize) -> Result<
 
 /// The trainer state of `ck` against this session (recipe, data, its `total` steps), before
 /// anything is loaded from it.
-pub fn state(s: &Session, ck: &Checkpoint, total: usize) -> Result<()> {
+pub fn state(s: &Session, d: &TrainData, ck: &Checkpoint, total: usize) -> Result<()> {
     let st = &ck.state;
-    let r = &s.recipe;
+    let r = &s.run.recipe;
     let file = ck.dir.join(STATE);
     let field = |key: &str, msg: String| -> anyhow::Error {
         refuse(
@@ -243,8 +244,8 @@ pub fn state(s: &Session, ck: &Checkpoint, total: usize) -> Result<()> {
         )
     };
     // The data first: another data set explains every other mismatch.
-    let tokens: usize = s.data.examples.iter().map(|e| e.ids.len()).sum();
-    let now = (s.data.examples.len(), tokens, total);
+    let tokens: usize = d.data.examples.iter().map(|e| e.ids.len()).sum();
+    let now = (d.data.examples.len(), tokens, total);
     if (st.data_examples, st.data_tokens, st.total_steps) != now {
         return Err(RecipeError::Invalid {
             path: r.source.clone(),
@@ -256,7 +257,7 @@ pub fn state(s: &Session, ck: &Checkpoint, total: usize) -> Result<()> {
         }
         .into());
     }
-    let fp = fingerprint(s);
+    let fp = fingerprint(d);
     if st.data_fingerprint.as_ref().is_some_and(|f| *f != fp) {
         return Err(RecipeError::Invalid {
             path: r.source.clone(),
@@ -306,12 +307,12 @@ pub fn state(s: &Session, ck: &Checkpoint, total: usize) -> Result<()> {
             ),
         ));
     }
-    cursor(s, ck, &field)
+    cursor(d, ck, &field)
 }
 
 /// The data cursor: inside its epoch, and (when cheap to replay) where `step` steps lead.
 fn cursor(
-    s: &Session,
+    s: &TrainData,
     ck: &Checkpoint,
     field: &dyn Fn(&str, String) -> anyhow::Error,
 ) -> Result<()> {
@@ -358,7 +359,7 @@ fn cursor(
 }
 
 /// The data fingerprint a trainer state records (the sampler's: examples, weights, settings).
-pub fn fingerprint(s: &Session) -> String {
+pub fn fingerprint(s: &TrainData) -> String {
     format!("{:016x}", s.sampler.fingerprint())
 }
 

@@ -9,8 +9,8 @@
 use super::checkpoint::OPTIMIZER;
 use super::host_stage::{HostTensors, Stage};
 use super::optim::AdamW;
-use crate::export::merge::{sync_dir_files, write_dir};
 use crate::export::{self, CONFIG, WEIGHTS};
+use crate::util::fs::{sync_dir_files, write_dir};
 use anyhow::{anyhow, Context, Result};
 use std::cell::RefCell;
 use std::path::{Path, PathBuf};

@@ -25,130 +25,17 @@
 //! are summed over the ranks in one bucket as soon as that layer's backward is done (DDP and
 //! FSDP alike). With world 1 every collective is the identity.
 
+use super::objective::{Objective, Sft, Targets};
 use super::offload::Offload;
 use super::optim::Grads;
 use crate::data::Batch;
 use crate::memory;
 use crate::model::moe_aux::MoeAux;
-use crate::model::{Ctx, Layer, LayerActs, LayerGrads, Model, Retain};
-use crate::ops::kernels::CrossEntropy;
-use crate::parallel::fsdp::Shards;
+use crate::model::{Ctx, Keep, Layer, LayerActs, LayerGrads, Model, Retain};
 use crate::parallel::{Comm, Solo};
-use crate::recipe::Checkpointing;
-use candle_core::{DType, Device, Result, Tensor, Var};
+use crate::train::shards::Shards;
+use candle_core::{DType, Result, Tensor, Var};
 use std::borrow::Cow;
-
-/// What forward keeps of each layer for its backward.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Keep {
-    /// The layer's input only: backward recomputes the layer (activation checkpointing).
-    Input,
-    /// As `Input`, the inputs parked in host memory (train/offload.rs) until their layer's
-    /// recompute, so that device memory does not grow with layers × tokens.
-    InputParked,
-    /// The activations; the residual h = x + o_proj(attn) is recomputed in backward (o_proj's
-    /// GEMM again).
-    Acts,
-    /// The activations, the residual h parked in host memory (train/offload.rs).
-    Offload,
-    /// The attention half's activations and the residual h; backward recomputes the MLP half
-    /// from h (`activation_checkpointing = "mlp"`).
-    Attention,
-    /// As `Attention`, but the MLP half's activations are kept too, its gate and up [m, I]
-    /// parked in host memory (train/offload.rs) until the layer's backward, which then skips
-    /// the MLP's recompute; the last `tail` layers (and any whose MLP runs in chunks, or a
-    /// MoE's) recompute theirs, as under `Attention`, while the copies out of the layers
-    /// below drain (`activation_checkpointing = "mlp"` on CUDA). Up to `pending` pairs wait on
-    /// the device for their copies out.
-    ParkMlp { tail: usize, pending: usize },
-}
-
-/// Layers at the top whose MLP half is recomputed under `Keep::ParkMlp`: their backward comes
-/// first, and the copies of the layers below are still going out then (a PCIe 5 link moves a
-/// Llama-3-8B layer's gate and up in ~8.5 ms, its forward takes ~7 ms: the copies fall behind
-/// by ~5 layers over a forward; the recompute of 3 layers' MLP and the head make up for it).
-pub const PARK_TAIL: usize = 3;
-
-/// Bundles of gate and up on the device at once while their copies out run
-/// (`Keep::ParkMlp`): parking another first waits for the oldest copy.
-pub const PARK_PENDING: usize = 6;
-
-impl Keep {
-    /// From the recipe's `train.activation_checkpointing` and `train.offload_activations`
-    /// (None: on). Parking applies on CUDA only: elsewhere host memory is the device's. With
-    /// the MLP half recomputed, its residual h stays on the device (its backward starts there).
-    pub fn new(checkpointing: Checkpointing, offload: Option<bool>, dev: &Device) -> Keep {
-        let offload = offload.unwrap_or(crate::recipe::OFFLOAD_ACTIVATIONS_DEFAULT);
-        match (checkpointing, offload && dev.is_cuda()) {
-            (Checkpointing::Full, true) => Keep::InputParked,
-            (Checkpointing::Full, false) => Keep::Input,
-            (Checkpointing::Mlp, true) => Keep::ParkMlp {
-                tail: PARK_TAIL,
-                pending: PARK_PENDING,
-            },
-            (Checkpointing::Mlp, false) => Keep::Attention,
-            (Checkpointing::Off, true) => Keep::Offload,
-            (Checkpointing::Off, false) => Keep::Acts,
-        }
-    }
-
-    /// With the plan's pairs of parked gate and up in flight (`plan::Breakdown::
-    /// park_pending`, fitted to the run's memory): 0 recomputes the MLP half instead
-    /// (`Attention`); None keeps `self`.
-    pub fn with_park(self, pending: Option<usize>) -> Keep {
-        match (self, pending) {
-            (Keep::ParkMlp { .. }, Some(0)) => Keep::Attention,
-            (Keep::ParkMlp { tail, .. }, Some(pending)) => Keep::ParkMlp { tail, pending },
-            (keep, _) => keep,
-        }
-    }
-
-    /// Whether forward keeps the layers' input only (activation checkpointing).
-    pub fn checkpointed(self) -> bool {
-        matches!(self, Keep::Input | Keep::InputParked)
-    }
-
-    /// What a layer's forward keeps (under `ParkMlp`, where its MLP half is not parked).
-    pub fn retain(self) -> Retain {
-        match self {
-            Keep::Input | Keep::InputParked => Retain::Nothing,
-            Keep::Attention | Keep::ParkMlp { .. } => Retain::Attention,
-            Keep::Acts | Keep::Offload => Retain::All,
-        }
-    }
-
-    /// Whether layer `l` of `n_layers` parks its MLP's gate and up (its MLP half running
-    /// whole: `Layer::mlp_runs_whole`).
-    pub fn parks_mlp(self, l: usize, n_layers: usize) -> bool {
-        match self {
-            Keep::ParkMlp { tail, .. } => l + tail.max(1) < n_layers,
-            _ => false,
-        }
-    }
-
-    /// How many of `n_layers` layers park their MLP's gate and up (`parks_mlp`).
-    pub fn mlp_parked_layers(self, n_layers: usize) -> usize {
-        (0..n_layers)
-            .filter(|&l| self.parks_mlp(l, n_layers))
-            .count()
-    }
-
-    /// Whether something waits for backward in host memory.
-    pub fn parks(self) -> bool {
-        matches!(
-            self,
-            Keep::Offload | Keep::InputParked | Keep::ParkMlp { .. }
-        )
-    }
-
-    /// Bundles on the device at once while their copies out run (train/offload.rs).
-    fn pending(self) -> usize {
-        match self {
-            Keep::ParkMlp { pending, .. } => pending,
-            _ => 1,
-        }
-    }
-}
 
 /// How one micro-batch is spread over the ranks.
 pub struct Par<'a> {
@@ -276,7 +163,7 @@ pub fn forward_backward(
         keep,
         dropout,
         grads,
-        None,
+        &Sft::default(),
         &mut |_| Ok(()),
     )?;
     match ce {
@@ -299,8 +186,8 @@ pub fn add_ce(sum: Option<Tensor>, more: Option<Tensor>) -> Result<Option<Tensor
 /// gradients are the single-rank ones. Σ CE of this rank stays on the device (a scalar f32
 /// tensor; None: nothing counted), so that the host does not wait for the backward: reading
 /// it is a synchronisation. `probe(phase)` is called as each phase ends ("forward", "head",
-/// "backward"): the memory meter reads the pool's peak there. `head_chunk`: counted positions
-/// per lm_head + loss chunk (None: `head_chunk_rows`).
+/// "backward"): the memory meter reads the pool's peak there. `objective`: what the head's
+/// loss is (train::objective).
 #[allow(clippy::too_many_arguments)]
 pub fn forward_backward_dev(
     model: &Model,
@@ -310,7 +197,7 @@ pub fn forward_backward_dev(
     keep: Keep,
     dropout: Option<(u64, [u64; 2])>,
     grads: &mut Grads,
-    head_chunk: Option<usize>,
+    objective: &dyn Objective,
     probe: &mut dyn FnMut(&'static str) -> Result<()>,
 ) -> Result<Option<Tensor>> {
     let dev = &model.device;
@@ -320,7 +207,7 @@ pub fn forward_backward_dev(
     // the head would hold the host until the whole forward has run.
     let ids = Tensor::from_slice(&batch.ids, (b, t), dev)?;
     let n_tgt = batch.targets.len();
-    let head_rows = match n_tgt {
+    let targets = match n_tgt {
         0 => None,
         _ => {
             // [rows | targets] in one upload
@@ -328,7 +215,10 @@ pub fn forward_backward_dev(
                 .chain(batch.targets.iter().map(|&(_, l)| l))
                 .collect();
             let both = Tensor::from_vec(both, 2 * n_tgt, dev)?;
-            Some((both.narrow(0, 0, n_tgt)?, both.narrow(0, n_tgt, n_tgt)?))
+            Some(Targets {
+                rows: both.narrow(0, 0, n_tgt)?,
+                tokens: both.narrow(0, n_tgt, n_tgt)?,
+            })
         }
     };
     let mut ctx = model.ctx(&batch.positions, b, t, batch.segments.clone(), dropout)?;
@@ -369,7 +259,8 @@ pub fn forward_backward_dev(
     let c = model.cfg.hidden_size;
     let x = fwd.x.reshape((b * t, c))?;
     let head_model = io.as_ref().unwrap_or(model);
-    let (ce, g) = head(head_model, &x, head_rows.as_ref(), denom, head_chunk)?;
+    let out = objective.head(head_model, &x, targets.as_ref(), denom)?;
+    let (ce, g) = (out.loss_sum, out.grad_rows);
     let g = place_rows(g, &batch.targets, &x)?; // dL/dh [B·T, C]
     drop((x, io));
     let g = g.reshape((b, t, c))?;
@@ -486,59 +377,6 @@ fn forward(model: &Model, par: &Par, ctx: &Ctx, ids: &Tensor, keep: Keep) -> Res
         offload,
         head,
     })
-}
-
-/// The head + loss on the counted positions `rows` (with their `targets`) of `x` [B·T, C]:
-/// Σ CE (on the device) and each chunk's dL/dh rows. The head runs over chunks of the counted
-/// positions, each chunk's forward and backward before the next, so the logits of only ~2^24
-/// entries exist at a time ([N × V] at once is 0.25 GB per 4k tokens in bf16 at a 32k
-/// vocabulary; the CPU's f32 CE keeps several).
-fn head(
-    model: &Model,
-    x: &Tensor,
-    rows: Option<&(Tensor, Tensor)>,
-    denom: f64,
-    head_chunk: Option<usize>,
-) -> Result<(Option<Tensor>, Vec<Tensor>)> {
-    let chunk = head_chunk
-        .unwrap_or_else(|| head_chunk_rows(model.cfg.vocab_size, model.kernels.cross_entropy))
-        .max(1);
-    let mut ce_sum: Option<Tensor> = None;
-    let mut parts = Vec::new(); // each chunk's dL/dh rows [n_chunk, C]
-    if let Some((rows, tgt)) = rows {
-        let n_tgt = rows.dim(0)?;
-        for off in (0..n_tgt).step_by(chunk) {
-            let len = chunk.min(n_tgt - off);
-            let (r, t) = (rows.narrow(0, off, len)?, tgt.narrow(0, off, len)?);
-            let (ce, gh) = model.head_loss_bwd_dev(&x.index_select(&r, 0)?, &t, denom)?;
-            ce_sum = Some(match ce_sum {
-                Some(s) => (s + ce)?,
-                None => ce,
-            });
-            parts.push(gh);
-        }
-    }
-    Ok((ce_sum, parts))
-}
-
-/// Logits a head chunk holds on the tensor-op cross-entropy (CPU, f16), which keeps several
-/// f32 copies of them alive at once.
-pub const HEAD_CHUNK_LOGITS: usize = 1 << 24;
-
-/// The fewest rows of a head chunk on the fused cross-entropy kernel: over a few hundred rows
-/// the head's GEMMs run far under the matrix units' rate at a large vocabulary (dL/dh's is
-/// long and thin: k = V), and the kernel's one block a row leaves SMs idle. At Gemma's 256k
-/// vocabulary 1024 rows hold 1 GiB of bf16 logits and their gradient.
-pub const HEAD_MIN_ROWS: usize = 1024;
-
-/// Counted positions per lm_head + loss chunk at vocabulary `v`: 2^24 logits, and at least
-/// `HEAD_MIN_ROWS` on the fused kernel.
-pub fn head_chunk_rows(v: usize, kind: CrossEntropy) -> usize {
-    let rows = (HEAD_CHUNK_LOGITS / v.max(1)).max(1);
-    match kind {
-        CrossEntropy::Fused => rows.max(HEAD_MIN_ROWS),
-        CrossEntropy::Ops => rows,
-    }
 }
 
 /// The one tensor of a parked bundle.
@@ -744,43 +582,6 @@ pub fn logits(model: &Model, batch: &Batch) -> Result<Tensor> {
 mod tests {
     use super::*;
     use candle_core::Device;
-
-    /// Off CUDA nothing is parked: checkpointing keeps the inputs on the device.
-    #[test]
-    fn what_forward_keeps_follows_the_recipe() {
-        let cpu = Device::Cpu;
-        for offload in [None, Some(true), Some(false)] {
-            assert_eq!(Keep::new(true.into(), offload, &cpu), Keep::Input);
-            assert_eq!(Keep::new(false.into(), offload, &cpu), Keep::Acts);
-            assert_eq!(
-                Keep::new(Checkpointing::Mlp, offload, &cpu),
-                Keep::Attention
-            );
-        }
-    }
-
-    /// Under `ParkMlp` the layers but the top `tail` (and always the last) park gate and up;
-    /// the others keep the attention half, as under `Attention`.
-    #[test]
-    fn park_mlp_parks_all_but_the_top_layers() {
-        let k = Keep::ParkMlp {
-            tail: 3,
-            pending: 2,
-        };
-        let parked: Vec<usize> = (0..8).filter(|&l| k.parks_mlp(l, 8)).collect();
-        assert_eq!(parked, [0, 1, 2, 3, 4]);
-        let k0 = Keep::ParkMlp {
-            tail: 0,
-            pending: 1,
-        };
-        assert!(k0.parks_mlp(6, 8));
-        assert!(!k0.parks_mlp(7, 8), "the last layer's backward comes first");
-        assert!(!Keep::Attention.parks_mlp(0, 8));
-        assert!(!Keep::Offload.parks_mlp(0, 8));
-        assert_eq!(k.retain(), Retain::Attention);
-        assert!(k.parks() && !k.checkpointed());
-        assert_eq!((k.pending(), Keep::Offload.pending()), (2, 1));
-    }
 
     /// Runs of positions between zero rows, many short runs by index_add: both equal the
     /// scatter they replace, to the bit.

@@ -6,7 +6,7 @@
 
 use super::driver::Par;
 use crate::data::Batch;
-use crate::model::llama::cross_entropy_sum;
+use crate::model::decoder::cross_entropy_sum;
 use crate::model::Model;
 use candle_core::{Result, Tensor};
 

@@ -4,12 +4,16 @@
 //! WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT: `parallel::launch::EnvRank`).
 
 use super::preflight::preflight;
+use super::resolve::Machine;
+use super::run_config::{MergePlan, RunConfig};
 use super::session::Session;
+use super::train_data::TrainData;
 use super::{checkpoint, stop, RunOptions, RunSummary};
 use crate::export;
+use crate::parallel::backend::{cuda_ordinals, env_comm, nccl_group};
 use crate::parallel::launch::EnvRank;
 use crate::parallel::{Comm, Group, Solo};
-use crate::recipe::{DeviceKind, Recipe, RecipeError, Resume, Strategy};
+use crate::recipe::{DeviceKind, Recipe, Resume, Strategy};
 use anyhow::{Context, Result};
 use std::sync::Arc;
 use std::time::Duration;
@@ -65,7 +69,7 @@ impl Ranks {
         recipe.check_build()?;
         if let Some(e) = EnvRank::from_env(&|k| std::env::var(k).ok())? {
             if p.strategy == Strategy::Single {
-                return Err(invalid(recipe, "parallel.strategy", format!("= \"single\", but the launcher started {} ranks (WORLD_SIZE): use \"ddp\" or \"fsdp\"", e.world)));
+                return Err(recipe.invalid("parallel.strategy", format!("= \"single\", but the launcher started {} ranks (WORLD_SIZE): use \"ddp\" or \"fsdp\"", e.world)).into());
             }
             if !cuda {
                 anyhow::bail!(
@@ -80,70 +84,27 @@ impl Ranks {
             return Ok(Ranks::Solo(p.devices.first().copied().unwrap_or(0)));
         }
         let devices = match cuda {
-            true => cuda_ordinals(recipe)?,
+            true => cuda_ordinals(&p.devices)
+                .map_err(|e| recipe.invalid("parallel.devices", format!("{e:#}")))?,
             false => p.devices.clone(),
         };
         Ok(Ranks::Threads { cuda, devices })
     }
 }
 
-fn invalid(recipe: &Recipe, key: &str, msg: impl Into<String>) -> anyhow::Error {
-    RecipeError::Invalid {
-        path: recipe.source.clone(),
-        key: key.into(),
-        msg: msg.into(),
-    }
-    .into()
-}
-
-#[cfg(feature = "nccl")]
-fn cuda_ordinals(recipe: &Recipe) -> Result<Vec<usize>> {
-    crate::parallel::nccl::ordinals(recipe)
-}
-
-#[cfg(not(feature = "nccl"))]
-fn cuda_ordinals(recipe: &Recipe) -> Result<Vec<usize>> {
-    Ok(recipe.parallel.devices.clone())
-}
-
-#[cfg(feature = "nccl")]
-fn nccl_group(devices: Vec<usize>, timeout: Duration) -> Result<Arc<dyn Group>> {
-    Ok(crate::parallel::nccl::NcclGroup::new(devices, timeout)?)
-}
-
-#[cfg(not(feature = "nccl"))]
-fn nccl_group(_: Vec<usize>, _: Duration) -> Result<Arc<dyn Group>> {
-    anyhow::bail!(
-        "several GPUs need NCCL: rebuild with `cargo install --path . --features cuda,nccl`"
-    )
-}
-
-#[cfg(feature = "nccl")]
-fn env_comm(e: &EnvRank, timeout: Duration) -> Result<Box<dyn Comm>> {
-    crate::parallel::nccl::from_env(e, timeout)
-}
-
-#[cfg(not(feature = "nccl"))]
-fn env_comm(e: &EnvRank, _: Duration) -> Result<Box<dyn Comm>> {
-    anyhow::bail!(
-        "RANK / WORLD_SIZE are set (world {}), but this binary was built without NCCL: rebuild with `cargo install --path . --features cuda,nccl`",
-        e.world
-    )
-}
-
 /// `lora-train train`: the whole run from a recipe, on the ranks it asks for.
 pub fn run_with(recipe: Recipe, opts: &RunOptions) -> Result<RunSummary> {
     let recipe = checkpoint::with_checkpoint_sets(recipe)?;
-    let ranks = Ranks::for_recipe(&recipe)?;
+    let run = Arc::new(RunConfig::resolve(recipe, Machine::Open)?);
     let signal = stop::install_signal_handlers()?;
-    let timeout = Duration::from_secs(recipe.parallel.timeout_s);
-    let out_dir = recipe.output_dir();
+    let out_dir = run.output.dir.clone();
     let stopped = signal.clone();
     // A stop by signal is every rank's orderly end, not a failure that aborts the others:
     // it travels as a value, and rank 0's (which names its checkpoint) is the run's.
     let opts = opts.clone();
+    let (ranks, timeout) = (run.ranks.clone(), run.timeout);
     let body = move |comm: Box<dyn Comm>, ordinal: usize| match run_rank(
-        recipe.clone(),
+        run.clone(),
         comm,
         ordinal,
         &signal,
@@ -171,17 +132,17 @@ pub fn run_with(recipe: Recipe, opts: &RunOptions) -> Result<RunSummary> {
 
 /// One rank's run (the whole run when it is the only one); rank 0 prints and writes.
 fn run_rank(
-    recipe: Recipe,
+    run: Arc<RunConfig>,
     comm: Box<dyn Comm>,
     ordinal: usize,
     signal: &stop::StopSignal,
     opts: &RunOptions,
 ) -> Result<RunSummary> {
     let lead = comm.rank() == 0;
-    let out_dir = recipe.output_dir();
+    let out_dir = run.output.dir.clone();
     // Which checkpoint to continue from, checked before the model loads.
-    let resume = checkpoint::resume_point(&recipe, &out_dir)?;
-    match (&resume, &recipe.train.resume) {
+    let resume = checkpoint::resume_point(&run.recipe, &out_dir)?;
+    match (&resume, &run.output.resume) {
         _ if !lead => {}
         (Some(ck), _) => eprintln!(
             "resuming from {} (step {} of {})",
@@ -195,13 +156,12 @@ fn run_rank(
         ),
         _ => {}
     }
-    // Memory: the plan (config.json only), the capacity, the preflight check, then the
-    // ballast that makes a card behave as one of train.max_memory.
-    let (mut watch, ballast) = preflight(&recipe, opts, ordinal)?;
+    // Memory: the plan, the capacity, the preflight check, then the ballast that makes a
+    // card behave as one of train.max_memory.
+    let (mut watch, ballast) = preflight(&run, opts, ordinal)?;
     watch.rank = comm.rank();
-    let max_memory = recipe.max_memory();
     let t_load = std::time::Instant::now();
-    let mut session = match Session::for_rank(recipe, comm, ordinal) {
+    let mut session = match Session::load(run.clone(), comm, ordinal) {
         Ok(s) => s,
         // Loading the weights did not fit: the same diagnosis as mid-run, phase "load".
         Err(e) if crate::memory::is_oom(&e) => {
@@ -211,7 +171,7 @@ fn run_rank(
                 step: None,
                 total: 0,
                 peak: None,
-                capacity: watch.capacity.or(max_memory),
+                capacity: watch.capacity.or(run.max_memory),
                 forecast: watch.forecast.clone(),
                 remedies: watch.remedies.clone(),
                 last_checkpoint: None,
@@ -221,6 +181,7 @@ fn run_rank(
         }
         Err(e) => return Err(e),
     };
+    let data = TrainData::load(&session)?;
     if let Some(s) = crate::memory::stats(&session.model.device)? {
         watch.load_peak = Some(s.used_high);
     }
@@ -228,30 +189,30 @@ fn run_rank(
     watch.load_s = t_load.elapsed().as_secs_f64();
     session.memory = watch;
     if lead {
-        announce(&session);
+        announce(&session, &data);
     }
     signal.training();
-    let res = session.train_from(&out_dir, resume.as_ref(), &|_| signal.received());
+    let res = session.train_from(&data, &out_dir, resume.as_ref(), &|_| signal.received());
     if res.is_err() && signal.received() {
         signal.wait_announced();
     }
     let summary = res?;
     drop(ballast);
-    if lead && session.recipe.output.merge {
-        export_merged(&session, &out_dir)?;
+    if let (true, Some(m)) = (lead, run.output.merge) {
+        export_merged(&session, &out_dir, m)?;
     }
     Ok(summary)
 }
 
 /// Rank 0's lines about what the run trains: the ranks, the model and adapters, the data.
-fn announce(session: &Session) {
-    let m = &session.model;
+fn announce(session: &Session, data: &TrainData) {
+    let (m, run) = (&session.model, &session.run);
     let nf4: usize = match &session.shards {
         Some(s) => s.nf4_bytes, // the skeleton's are placeholders
         None => m.layers.iter().map(|l| l.nf4_bytes()).sum(),
     };
     let t = &session.load_times;
-    let adapters = match (&session.recipe.lora.init_adapter, session.comm.world()) {
+    let adapters = match (&run.init_adapter, session.comm.world()) {
         (None, 1) => String::new(),
         (Some(_), 1) => format!(", adapters {:.1}s (lora.init_adapter read)", t.adapters),
         (_, w) => format!(
@@ -262,14 +223,14 @@ fn announce(session: &Session) {
     eprintln!(
         "loaded in {:.1}s: data {:.1}s ({}), weights {:.1}s (read, cast and uploaded, fresh adapters made{}){adapters}",
         session.memory.load_s,
-        t.data,
-        session.data.prep.describe(),
+        data.load_s,
+        data.data.prep.describe(),
         t.weights,
         match (m.kernels.fold, nf4) {
-            (true, _) => ", linears padded for the fold".to_string(),
+            (true, _) => "; linears padded for the fold".to_string(),
             (false, 0) => String::new(),
             (false, b) => format!(
-                ", decoder linears in NF4: {}",
+                "; decoder linears in NF4: {}",
                 crate::memory::plan::fmt_bytes(b as u64)
             ),
         }
@@ -281,64 +242,58 @@ fn announce(session: &Session) {
         .sum();
     let world = session.comm.world();
     if world > 1 {
-        let p = &session.recipe.parallel;
-        let resident = crate::parallel::fsdp::resident_base_bytes(m, session.shards.as_ref());
+        let resident = crate::train::shards::resident_base_bytes(m, session.shards.as_ref());
         eprintln!(
             "{} over {world} ranks (devices {:?}); frozen base resident per rank: {:.1} MB",
-            p.strategy.name(),
-            p.devices,
+            run.strategy.name(),
+            run.devices,
             resident as f64 / 1e6
         );
     }
-    {
-        eprintln!(
+    let spec = &run.spec;
+    eprintln!(
         "model {} ({:?}, {} layers, {:.1}M params, {:?} on {:?}); LoRA r={} alpha={} on {}: {} trainable params",
-        session.base_name,
+        run.base_name,
         m.cfg.family,
         m.cfg.num_layers,
         m.cfg.num_params(m.tied) as f64 / 1e6,
         m.dtype,
         m.device.location(),
-        session.spec.rank,
-        session.spec.alpha,
-        session.spec.targets.join(","),
+        spec.rank,
+        spec.alpha,
+        spec.targets.join(","),
         trainable
     );
-        eprintln!(
-            "data {}: {} examples ({} truncated to seq_len {}), {} steps",
-            session.data.source.display(),
-            session.data.examples.len(),
-            session.data.truncated,
-            session.recipe.data.seq_len,
-            session.total_steps()
-        );
-        for note in &session.data_notes {
-            eprintln!("{note}");
-        }
+    eprintln!(
+        "data {}: {} examples ({} truncated to seq_len {}), {} steps",
+        data.data.source.display(),
+        data.data.examples.len(),
+        data.data.truncated,
+        data.cfg.seq_len,
+        data.total_steps()
+    );
+    for note in &data.notes {
+        eprintln!("{note}");
     }
 }
 
 /// `[output] merge = true`: the adapter merged into the base, in `out_dir/merged`.
-fn export_merged(session: &Session, out_dir: &std::path::Path) -> Result<()> {
-    let size = session.recipe.output.max_shard_size.as_deref();
+fn export_merged(session: &Session, out_dir: &std::path::Path, m: MergePlan) -> Result<()> {
+    let base_dir = session
+        .base_dir
+        .as_ref()
+        .context("output.merge needs a base checkpoint to merge into")?;
     let opts = export::merge::MergeOptions {
         dtype: None,
-        max_shard_size: crate::util::parse_size(
-            size.unwrap_or(export::merge::DEFAULT_MAX_SHARD_SIZE),
-        )
-        .map_err(|m| anyhow::anyhow!("output.max_shard_size {m}"))?,
+        max_shard_size: m.max_shard_size,
         replace: true,
-        merge_into: session.recipe.output.merge_into,
-        double_quant: session.recipe.model.double_quant,
+        merge_into: m.merge_into,
+        double_quant: session.run.quant.double_quant,
         // NF4 weights as training made them: quantized from, and dequantized to, the run's
         // dtype.
-        quantize_dtype: match session.model.dtype {
-            candle_core::DType::BF16 => Some(crate::recipe::Dtype::Bf16),
-            candle_core::DType::F16 => Some(crate::recipe::Dtype::F16),
-            _ => Some(crate::recipe::Dtype::F32),
-        },
+        quantize_dtype: crate::model::device::recipe_dtype(session.model.dtype),
     };
-    let rep = export::merge::merge(out_dir, &session.base_dir, &out_dir.join("merged"), &opts)
+    let rep = export::merge::merge(out_dir, base_dir, &out_dir.join("merged"), &opts)
         .context("cannot write the merged model (output.merge = true)")?;
     eprintln!(
         "merged model written to {} ({} tensors, {} with the adapter merged in, {} shard(s){})",

@@ -1,6 +1,7 @@
 //! What a run shows and records as it goes: the progress bar (step, loss, lr, tok/s, memory,
-//! ETA; plain lines when stderr is not a terminal) and metrics.jsonl in the output directory.
-//! Only rank 0 writes; the other ranks' `Log` is silent.
+//! ETA; plain lines when stderr is not a terminal) and metrics.jsonl in the output directory,
+//! each row also handed to the trackers `train.report_to` names (crate::track). Only rank 0
+//! writes; the other ranks' `Log` is silent.
 
 use super::checkpoint::{self, Checkpoint};
 use super::session::Session;
@@ -26,6 +27,8 @@ pub struct Log {
     session_tokens: usize,
     /// Seconds from the run's start to its first step (the first row carries them).
     startup_s: Option<f64>,
+    /// `train.report_to`'s trackers (rank 0; None when it names none).
+    trackers: Option<crate::track::Trackers>,
 }
 
 /// One logged step's figures beyond `Done`.
@@ -58,6 +61,10 @@ impl Log {
             false => ProgressBar::hidden(),
         };
         bar.set_position(step as u64);
+        let trackers = match lead {
+            true => start_trackers(s, out_dir, resume, &bar),
+            false => None,
+        };
         Ok(Log {
             bar,
             metrics,
@@ -67,6 +74,7 @@ impl Log {
             start: Instant::now(),
             session_tokens: 0,
             startup_s: Some(s.memory.load_s),
+            trackers,
         })
     }
 
@@ -130,6 +138,9 @@ impl Log {
         if let Some(m) = self.metrics.as_mut() {
             writeln!(m, "{row}").context("cannot write metrics.jsonl")?;
         }
+        if let Some(t) = &self.trackers {
+            t.row(&row);
+        }
         let mut msg = format!("{msg}lr {:.2e}  {tok_s:.0} tok/s", r.lr);
         if !d.finite {
             msg.push_str(&format!(
@@ -159,6 +170,39 @@ impl Log {
     pub fn inc(&self) {
         self.bar.inc(1);
     }
+
+    /// The run ended well: the trackers write what is queued and record it finished. (A `Log`
+    /// dropped without this records the run failed.)
+    pub fn finish(&mut self) {
+        if let Some(t) = self.trackers.as_mut() {
+            t.finish(crate::track::Status::Finished);
+        }
+    }
+}
+
+/// `train.report_to`'s trackers for this run, their lines printed above the bar.
+fn start_trackers(
+    s: &Session,
+    out_dir: &Path,
+    resume: Option<&Checkpoint>,
+    bar: &ProgressBar,
+) -> Option<crate::track::Trackers> {
+    let bar = bar.clone();
+    let start = crate::track::Start {
+        out_dir: out_dir.to_owned(),
+        run_name: out_dir
+            .file_name()
+            .map_or("lora-train".into(), |n| n.to_string_lossy().into_owned()),
+        recipe: serde_json::to_value(&s.run.recipe).unwrap_or_default(),
+        resumed_at: resume.map(|ck| ck.state.step as u64),
+        say: std::sync::Arc::new(
+            move |line: &str| match bar.is_hidden() || bar.is_finished() {
+                true => eprintln!("{line}"),
+                false => bar.println(line),
+            },
+        ),
+    };
+    crate::track::Trackers::start(&s.run.recipe.train.report_to, start)
 }
 
 impl Drop for Log {
@@ -185,9 +229,10 @@ fn progress_bar(total: u64) -> ProgressBar {
 /// interrupted save left there, writes the resolved recipe, and opens metrics.jsonl (a
 /// resumed run keeps the rows up to its checkpoint and appends to them).
 fn open_outputs(s: &Session, out_dir: &Path, resume: Option<&Checkpoint>) -> Result<std::fs::File> {
+    let r = &s.run.recipe;
     std::fs::create_dir_all(out_dir)
         .with_context(|| format!("cannot create {}", out_dir.display()))?;
-    let removed = checkpoint::clean(&s.recipe, out_dir, resume.is_none())?;
+    let removed = checkpoint::clean(r, out_dir, resume.is_none())?;
     for names in [removed.outputs, removed.checkpoints] {
         if !names.is_empty() {
             eprintln!(
@@ -197,11 +242,11 @@ fn open_outputs(s: &Session, out_dir: &Path, resume: Option<&Checkpoint>) -> Res
             );
         }
     }
-    atomic_write(&out_dir.join("recipe.toml"), s.recipe.to_toml().as_bytes())?;
+    atomic_write(&out_dir.join("recipe.toml"), r.to_toml().as_bytes())?;
     let upto = resume.map(|ck| ck.state.step);
     // samples.jsonl (train.sample_every) is appended to by the loop itself.
     let samples = out_dir.join("samples.jsonl");
-    if s.recipe.train.sample_every > 0 || samples.is_file() {
+    if s.run.hooks.sample_every > 0 || samples.is_file() {
         rows_upto(&samples, upto)?;
     }
     let metrics = out_dir.join("metrics.jsonl");

@@ -8,10 +8,8 @@ use std::collections::HashMap;
 /// Accumulated gradients, keyed by the parameter's tensor id.
 pub type Grads = HashMap<TensorId, Tensor>;
 
-/// Parameters are updated in groups of consecutive tensors of at most this many elements
-/// (a larger tensor is a group alone): a few kernels per group instead of a dozen per tensor,
-/// and a transient of about 8 f32 copies of one group (256 MiB), not of every parameter.
-pub const GROUP: usize = 1 << 23;
+/// Parameters are updated in groups of at most this many elements (memory::sizes).
+pub use crate::memory::sizes::OPTIM_GROUP as GROUP;
 
 /// A run of consecutive parameters and their AdamW moments, flat.
 struct Group {

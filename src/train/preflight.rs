@@ -2,12 +2,12 @@
 //! before any weight is read (`preflight`), and an allocation failure turned into the
 //! diagnosis (rank, phase, step, peak vs capacity, forecast, remedies).
 
-use super::session::{device_and_dtype_on, Session};
+use super::run_config::RunConfig;
+use super::session::Session;
 use super::{stop, RunOptions};
-use crate::hub;
 use crate::memory::plan::Breakdown;
-use crate::model::Model;
-use crate::recipe::{Checkpointing, DeviceKind, Recipe, Strategy};
+use crate::model::{device, Model};
+use crate::recipe::{Checkpointing, Strategy};
 use anyhow::Result;
 use std::path::PathBuf;
 
@@ -28,27 +28,19 @@ pub struct MemoryWatch {
     pub load_s: f64,
 }
 
-/// The memory plan for a recipe, checked against what the run has: on CUDA train.max_memory
-/// or the card's free memory, on the CPU train.max_memory (the accounting's cap). Returns
-/// the run's memory watch and, on CUDA with max_memory, the ballast to hold while training.
+/// The memory plan of a run, checked against what it has: on CUDA train.max_memory or the
+/// card's free memory, on the CPU train.max_memory (the accounting's cap). Returns the run's
+/// memory watch and, on CUDA with max_memory, the ballast to hold while training.
 pub fn preflight(
-    recipe: &Recipe,
+    run: &RunConfig,
     opts: &RunOptions,
     ordinal: usize,
 ) -> Result<(MemoryWatch, Option<crate::memory::Ballast>)> {
     use crate::memory::plan;
-    let cuda = recipe.model.device == DeviceKind::Cuda;
-    let cfg_path = hub::config_file(&recipe.model)?;
-    let cfg = crate::model::ModelConfig::from_file(&cfg_path)?;
-    let input = plan::input_from_recipe(recipe, cfg, recipe.parallel.devices.len(), cuda)?
-        .with_quant(recipe.quant().for_checkpoint(&cfg_path)?);
-    let max_memory = recipe.max_memory();
-    let (capacity, source) = capacity_of(recipe, ordinal, cuda, max_memory)?;
-    let selected = (
-        recipe.parallel.strategy,
-        recipe.train.activation_checkpointing,
-    );
-    let (p, forecast) = plan_within_host(recipe, &input, capacity, selected);
+    let input = run.plan_input(run.world());
+    let (capacity, source) = capacity_of(run, ordinal)?;
+    let selected = (run.strategy, run.ckpt);
+    let (p, forecast) = plan_within_host(run, &input, capacity, selected);
     note_offload(forecast.as_ref());
     let remedies = plan::remedies(&p, selected);
     if let Some(e) = does_not_fit(&p, selected, forecast.as_ref(), capacity, source, &remedies) {
@@ -60,8 +52,8 @@ pub fn preflight(
             e.to_string().lines().next().unwrap_or("")
         );
     }
-    let ballast = match (cuda, max_memory) {
-        (true, Some(m)) => hold_max_memory(recipe, ordinal, m)?,
+    let ballast = match (run.cuda(), run.max_memory) {
+        (true, Some(m)) => hold_max_memory(run, ordinal, m)?,
         _ => None,
     };
     let capacity = capacity.or_else(|| ballast.as_ref().map(|b| b.total));
@@ -80,16 +72,12 @@ pub fn preflight(
 
 /// Bytes the run may use per rank, and where the figure comes from: train.max_memory, else
 /// on CUDA the card's free memory (None where unknown); on the CPU train.max_memory alone.
-fn capacity_of(
-    recipe: &Recipe,
-    ordinal: usize,
-    cuda: bool,
-    max_memory: Option<u64>,
-) -> Result<(Option<u64>, String)> {
-    if !cuda {
+fn capacity_of(run: &RunConfig, ordinal: usize) -> Result<(Option<u64>, String)> {
+    let max_memory = run.max_memory;
+    if !run.cuda() {
         return Ok((max_memory, "train.max_memory (CPU accounting)".to_string()));
     }
-    let (dev, _) = device_and_dtype_on(recipe, ordinal)?;
+    let dev = device::open(run.device, ordinal)?;
     crate::memory::keep_pool_memory(&dev)?;
     let info = crate::memory::mem_info(&dev)?;
     Ok(match (max_memory, info) {
@@ -106,17 +94,18 @@ fn capacity_of(
 /// The plan of `input` within `capacity` and its row for the run (`selected`); planned
 /// without offload where the host cannot pin the row's parked gate and up.
 fn plan_within_host(
-    recipe: &Recipe,
+    run: &RunConfig,
     input: &crate::memory::plan::PlanInput,
     capacity: Option<u64>,
     selected: (Strategy, Checkpointing),
 ) -> (crate::memory::plan::Plan, Option<Breakdown>) {
     use crate::memory::plan;
-    let mut p = plan::plan(input, recipe.train.grad_accum, capacity);
+    let grad_accum = run.batch.grad_accum;
+    let mut p = plan::plan(input, grad_accum, capacity);
     let mut forecast = plan::row(&p, selected.0, selected.1).map(|r| r.b.clone());
     // Parked gate and up must fit the host's memory beside the other ranks' (on this host):
     // else the MLP half is recomputed, as with train.offload_activations = false.
-    let ranks = recipe.parallel.devices.len();
+    let ranks = run.devices.len();
     if let (Some(b), Some(avail)) = (
         forecast.as_ref().filter(|b| b.park_pending > 0),
         crate::memory::host_available(),
@@ -132,7 +121,7 @@ fn plan_within_host(
                 offload: false,
                 ..input.clone()
             };
-            p = plan::plan(&input, recipe.train.grad_accum, capacity);
+            p = plan::plan(&input, grad_accum, capacity);
             forecast = plan::row(&p, selected.0, selected.1).map(|r| r.b.clone());
         }
     }
@@ -178,12 +167,12 @@ fn does_not_fit(
 /// The ballast that leaves train.max_memory = `m` of the card to the pool (None where
 /// nothing is held), said on stderr.
 fn hold_max_memory(
-    recipe: &Recipe,
+    run: &RunConfig,
     ordinal: usize,
     m: u64,
 ) -> Result<Option<crate::memory::Ballast>> {
     use crate::memory::plan::fmt_bytes;
-    let (dev, _) = device_and_dtype_on(recipe, ordinal)?;
+    let dev = device::open(run.device, ordinal)?;
     let ballast = crate::memory::hold_ballast(&dev, m)?;
     match &ballast {
         Some(b) if b.bytes > 0 => eprintln!(
@@ -256,7 +245,7 @@ impl Session {
             None => crate::memory::cpu_high(),
         };
         let capacity = self.memory.capacity.or(if dev.is_cpu() {
-            self.recipe.max_memory()
+            self.run.max_memory
         } else {
             None
         });
@@ -283,7 +272,7 @@ mod tests {
 
     /// A random tiny model (f32, CPU), its head tied; adapters of rank 2 on `targets`.
     fn tiny(targets: &[&str]) -> Model {
-        let mut cfg = crate::bench::shape("tiny").unwrap();
+        let mut cfg = crate::model::shapes::shape("tiny").unwrap();
         cfg.tie_word_embeddings = Some(true);
         let spec = crate::lora::LoraSpec {
             rank: 2,

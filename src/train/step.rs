@@ -17,14 +17,16 @@
 //! still sees step k's adapters, and a step found not finite stops the run before another
 //! update follows it.
 
-use super::driver::{self, Keep, Par};
+use super::driver::{self, Par};
+use super::objective::{Objective, Sft};
 use super::optim::{self, AdamW, Grads, StepClip};
 use super::readback::{Readbacks, Ticket};
+use super::session::Session;
 use crate::data::Batch;
 use crate::memory::PhaseMeter;
-use crate::model::Model;
-use crate::parallel::fsdp::Shards;
+use crate::model::{Keep, Model};
 use crate::parallel::Comm;
+use crate::train::shards::Shards;
 use anyhow::Result;
 use candle_core::{DType, Tensor};
 use std::collections::BTreeMap;
@@ -41,6 +43,8 @@ pub struct Engine<'a> {
     /// The adapters in the optimiser's order (`adapter_params`): the gradient norm's sum order.
     order: Vec<candle_core::Var>,
     rb: Readbacks,
+    /// What the head's loss is.
+    objective: Box<dyn Objective>,
     /// The phase each step is in and the device pool's peak per phase.
     pub meter: PhaseMeter,
 }
@@ -95,6 +99,24 @@ pub struct Done {
 }
 
 impl<'a> Engine<'a> {
+    /// The engine of a session's rank as its run says (clipping, dropout's seed, the
+    /// objective), keeping `keep` of each layer (`RunConfig::keep` with the preflight's parked
+    /// pairs).
+    pub fn for_session(s: &'a Session, keep: Keep) -> Engine<'a> {
+        let run = &s.run;
+        let mut e = Engine::new(
+            &s.model,
+            &*s.comm,
+            s.shards.as_ref(),
+            keep,
+            run.optim.max_grad_norm,
+            run.dropout_seed(),
+        );
+        e.objective = run.objective.objective();
+        e
+    }
+
+    /// An engine of SFT on `model` (tests and tools; runs take `for_session`).
     pub fn new(
         model: &'a Model,
         comm: &'a dyn Comm,
@@ -112,6 +134,7 @@ impl<'a> Engine<'a> {
             dropout_seed,
             order: adapter_params(model),
             rb: Readbacks::new(),
+            objective: Box::new(Sft::default()),
             meter: PhaseMeter::default(),
         }
     }
@@ -144,7 +167,7 @@ impl<'a> Engine<'a> {
                 self.keep,
                 key,
                 &mut grads,
-                None,
+                &*self.objective,
                 &mut |phase| meter.end(dev, phase),
             )?;
             ce = driver::add_ce(ce, c)?;

@@ -1,36 +1,62 @@
-//! The training loop: steps (train::step's engine), the log, eval, checkpoints and stops.
-//!
-//! Steps run one ahead of the host: step k+1's forward and backward are queued before the host
-//! reads step k's loss and does what step k asks (log, eval, checkpoint, stop), and step k+1's
-//! update is queued only after that, so the device never idles while the host reads, step k's
-//! eval and checkpoint see step k's adapters, and a step found not finite stops the run (or is
-//! counted as skipped: the update kernel skipped it) before another update follows it.
+//! `train`'s side of the loop (train::run_loop): the data's steps, and between them the log,
+//! eval, samples, checkpoints and stops; at the end the adapter.
 
-use super::checkpoint::{self, Checkpoint, Cursor, Progress, TrainerState};
+use super::checkpoint::{self, Checkpoint, Progress, TrainerState};
 use super::checkpoint_write;
-use super::driver::Keep;
 use super::log::{Log, Row};
 use super::optim::AdamW;
+use super::run_loop::{self, Hooks, StepMeta};
 use super::session::Session;
 use super::step::{adapter_params, Done, Engine};
-use super::{schedule, stop, RunSummary};
+use super::train_data::TrainData;
+use super::{checkpoint::Cursor, schedule, stop, RunSummary};
 use crate::export;
 use crate::memory::PhaseMeter;
 use anyhow::{Context, Result};
 use std::path::{Path, PathBuf};
 
-/// A step the loop has queued: where it sits in the data.
-struct Queued {
-    cursor: Cursor,
-    lr: f64,
+impl Session {
+    /// Trains on `data` to the end, saving into `out_dir` at `save_every` and at the end;
+    /// continues from the checkpoint that `train.resume` names, if any.
+    pub fn train(&self, data: &TrainData, out_dir: &Path) -> Result<RunSummary> {
+        let resume = checkpoint::resume_point(&self.run.recipe, out_dir)?;
+        self.train_from(data, out_dir, resume.as_ref(), &|_| false)
+    }
+
+    /// `train`, from `resume` (else from the start, removing the checkpoints in `out_dir`:
+    /// `checkpoint::resume_point` is what refuses to start over an unfinished run). After each
+    /// step but the last, `stop(step)` is asked whether to save a checkpoint and return
+    /// `stop::Interrupted`.
+    pub fn train_from(
+        &self,
+        data: &TrainData,
+        out_dir: &Path,
+        resume: Option<&Checkpoint>,
+        stop: &dyn Fn(usize) -> bool,
+    ) -> Result<RunSummary> {
+        let mut t = Trainer::start(self, data, out_dir, resume, stop)?;
+        // pairs of parked gate and up in flight (ckpt mlp) as the preflight's plan fits them
+        let park = self.memory.forecast.as_ref().map(|b| b.park_pending);
+        let mut engine = Engine::for_session(self, self.run.keep.with_park(park));
+        let mut steps = data.steps_from(t.at.cursor)?;
+        let mut opt = t.opt.take().context("the trainer's optimiser")?;
+        let span = (t.at.step, t.total);
+        let res = run_loop::run(&mut engine, &mut opt, &mut steps, span, &mut t);
+        t.opt = Some(opt);
+        res?;
+        t.end()
+    }
 }
 
-/// The loop's state beyond the engine's: the optimiser, where the run stands, the log.
-struct Run<'s> {
+/// The train hooks' state: the optimiser, where the run stands, the log, the checkpoints.
+struct Trainer<'s> {
     s: &'s Session,
+    data: &'s TrainData,
     out_dir: &'s Path,
+    stop: &'s dyn Fn(usize) -> bool,
     total: usize,
-    opt: AdamW,
+    /// The optimiser (lent to the loop while it runs).
+    opt: Option<AdamW>,
     /// The PEFT key of each of `opt.params` (they name them in checkpoints).
     keys: Vec<String>,
     at: Progress,
@@ -44,116 +70,46 @@ struct Run<'s> {
     vote: stop::Vote,
 }
 
-impl Session {
-    /// Trains to the end, saving into `out_dir` at `save_every` and at the end; continues
-    /// from the checkpoint that `train.resume` names, if any.
-    pub fn train(&self, out_dir: &Path) -> Result<RunSummary> {
-        let resume = checkpoint::resume_point(&self.recipe, out_dir)?;
-        self.train_from(out_dir, resume.as_ref(), &|_| false)
-    }
-
-    /// `train`, from `resume` (else from the start, removing the checkpoints in `out_dir`:
-    /// `checkpoint::resume_point` is what refuses to start over an unfinished run). After each
-    /// step but the last, `stop(step)` is asked whether to save a checkpoint and return
-    /// `stop::Interrupted`.
-    pub fn train_from(
-        &self,
-        out_dir: &Path,
+impl<'s> Trainer<'s> {
+    fn start(
+        s: &'s Session,
+        data: &'s TrainData,
+        out_dir: &'s Path,
         resume: Option<&Checkpoint>,
-        stop: &dyn Fn(usize) -> bool,
-    ) -> Result<RunSummary> {
-        let t = &self.recipe.train;
-        let mut run = Run::start(self, out_dir, resume)?;
-        let dev = &self.model.device;
-        // pairs of parked gate and up in flight (ckpt mlp) as the preflight's plan fits them
-        let park = self.memory.forecast.as_ref().map(|b| b.park_pending);
-        let keep =
-            Keep::new(t.activation_checkpointing, t.offload_activations, dev).with_park(park);
-        let dropout = (self.recipe.lora.dropout > 0.0).then_some(t.seed);
-        let mut engine = Engine::new(
-            &self.model,
-            &*self.comm,
-            self.shards.as_ref(),
-            keep,
-            t.max_grad_norm,
-            dropout,
-        );
-        let mut steps = self.steps_from(run.at.cursor)?;
-        let mut queued = run.at.step;
-        let mut pending = None;
-        loop {
-            // ---- the next step's forward and backward, queued. A step that saves a checkpoint
-            // is finished first: an out-of-memory in the next step must not lose it.
-            let eager = pending.is_some() && run.saves_at(run.at.step + 1);
-            let next = match eager || queued >= run.total {
-                true => None,
-                false => steps.next().transpose()?,
-            };
-            let work = match next {
-                Some(st) => {
-                    let q = engine.backward(&st.batches, st.denom, queued);
-                    let lr =
-                        t.lr * schedule::lr_factor(t.schedule, queued, run.total, t.warmup_steps);
-                    let cursor = Cursor {
-                        epoch: st.epoch,
-                        step_in_epoch: st.index + 1,
-                    };
-                    Some((run.oom(q, &engine.meter, queued)?, Queued { cursor, lr }))
-                }
-                None => None,
-            };
-            // ---- what the host does with the step before (its device work is done or queued)
-            if let Some((p, info)) = pending.take() {
-                let done = engine.finish(p, &mut run.opt)?;
-                run.after_step(&done, &info, stop)?;
-            }
-            // ---- the queued step's update
-            let Some((q, info)) = work else {
-                if eager {
-                    continue;
-                }
-                break;
-            };
-            let p = engine.update(q, &mut run.opt, info.lr);
-            pending = Some((run.oom(p, &engine.meter, queued)?, info));
-            queued += 1;
-        }
-        run.end()
-    }
-}
-
-impl<'s> Run<'s> {
-    fn start(s: &'s Session, out_dir: &'s Path, resume: Option<&Checkpoint>) -> Result<Run<'s>> {
-        let t = &s.recipe.train;
-        let total = s.total_steps();
-        super::run_check::steps(s, total, resume.map_or(0, |c| c.state.cursor.epoch))?;
-        let params = adapter_params(&s.model);
+        stop: &'s dyn Fn(usize) -> bool,
+    ) -> Result<Trainer<'s>> {
+        let o = &s.run.optim;
+        let total = data.total_steps();
+        super::run_check::steps(s, data, total, resume.map_or(0, |c| c.state.cursor.epoch))?;
         let keys: Vec<String> = s
             .model
             .adapters()
             .flat_map(|(module, l)| export::adapter_keys(module, l))
             .map(|(key, _)| key)
             .collect();
-        let mut opt = AdamW::new(params, t.betas, t.eps, t.weight_decay)?;
-        s.set_cpu_budget();
+        let mut opt = AdamW::new(adapter_params(&s.model), o.betas, o.eps, o.weight_decay)?;
+        set_cpu_budget(s);
         let mut at = Progress::default();
         if let Some(ck) = resume {
-            super::checkpoint_check::state(s, ck, total)?;
+            super::checkpoint_check::state(s, data, ck, total)?;
             checkpoint::restore(ck, s, &mut opt, &keys)
                 .with_context(|| format!("cannot resume from {}", ck.dir.display()))?;
             at = Progress::of(&ck.state);
         }
         let log = Log::open(s, out_dir, resume, total, at.step)?;
-        Ok(Run {
+        let lead = s.comm.rank() == 0;
+        Ok(Trainer {
             s,
+            data,
             out_dir,
+            stop,
             total,
-            opt,
+            opt: Some(opt),
             keys,
             log,
             saved: resume.map(|c| (c.state.step, c.dir.clone())),
             // The lead writes the checkpoints: its host buffers are pinned before the loop.
-            writer: match s.recipe.output.save_every > 0 && s.comm.rank() == 0 {
+            writer: match s.run.output.save_every > 0 && lead {
                 true => checkpoint_write::Writer::for_model(&s.model)?,
                 false => checkpoint_write::Writer::default(),
             },
@@ -166,112 +122,44 @@ impl<'s> Run<'s> {
 
     /// Whether step `step` saves a checkpoint (the last step's is the run's end).
     fn saves_at(&self, step: usize) -> bool {
-        let every = self.s.recipe.output.save_every;
+        let every = self.s.run.output.save_every;
         every > 0 && step % every == 0
     }
 
-    /// An allocation failure of step `queued` (0-based) as the run's diagnosis.
-    fn oom<T>(&self, res: Result<T>, meter: &PhaseMeter, queued: usize) -> Result<T> {
-        res.map_err(|e| match crate::memory::is_oom(&e) {
-            true => self.s.out_of_memory(
-                &e,
-                meter,
-                Some((queued + 1, self.total)),
-                self.saved.as_ref().map(|(_, p)| p.clone()),
-            ),
-            false => e,
-        })
-    }
-
-    /// Step `self.at.step + 1` is done: its loss checked, logged, evaluated, saved, and the
-    /// run stopped there when `stop` says so.
-    fn after_step(&mut self, d: &Done, q: &Queued, stop: &dyn Fn(usize) -> bool) -> Result<()> {
-        let t = &self.s.recipe.train;
-        if !d.finite {
-            if !t.skip_nonfinite {
-                return Err(stop::NonFinite {
-                    step: self.at.step + 1,
-                    total: self.total,
-                    what: format!(
-                        "the loss is {} and the gradient norm {}",
-                        d.loss, d.grad_norm
-                    ),
-                    last_checkpoint: self.saved.as_ref().map(|(_, p)| p.clone()),
-                    lr: t.lr,
-                    dtype: format!("{:?}", self.s.model.dtype).to_lowercase(),
-                    max_grad_norm: t.max_grad_norm,
-                }
-                .into());
-            }
+    /// A non-finite step: the run's error, unless such steps are skipped (then counted).
+    fn non_finite(&mut self, d: &Done) -> Result<()> {
+        let run = &self.s.run;
+        if run.hooks.skip_nonfinite {
             self.at.skipped += 1;
+            return Ok(());
         }
-        let at = &mut self.at;
-        at.step += 1;
-        at.tokens += d.tokens;
-        at.cursor = q.cursor;
-        at.history.push((at.step, d.finite.then_some(d.loss)));
-        self.losses.push(d.loss);
-        self.log.count(d);
-        let step = at.step;
-        let last = step == self.total;
-        // Eval every eval_every steps and at the end.
-        let eval = match last || (t.eval_every > 0 && step % t.eval_every == 0) {
-            true => self.s.eval_loss()?,
-            false => None,
-        };
-        if let Some((l, _)) = eval {
-            self.last_eval = Some(l);
+        Err(stop::NonFinite {
+            step: self.at.step + 1,
+            total: self.total,
+            what: format!(
+                "the loss is {} and the gradient norm {}",
+                d.loss, d.grad_norm
+            ),
+            last_checkpoint: self.saved.as_ref().map(|(_, p)| p.clone()),
+            lr: run.optim.lr,
+            dtype: format!("{:?}", self.s.model.dtype).to_lowercase(),
+            max_grad_norm: run.optim.max_grad_norm,
         }
-        if step % t.log_every == 0 || last || eval.is_some() || !d.finite {
-            let row = Row {
-                step,
-                epoch: q.cursor.epoch,
-                lr: q.lr,
-                tokens: self.at.tokens,
-                eval,
-                skipped: self.at.skipped,
-            };
-            let data = &self.s.data;
-            self.log.row(d, &row, data.truncated, data.skipped)?;
-        }
-        let lead = self.s.comm.rank() == 0;
-        if lead && t.sample_every > 0 && (step % t.sample_every == 0 || last) {
-            self.sample(step)?;
-        }
-        self.log.inc();
-        if lead && self.saves_at(step) && !last {
-            self.save()?;
-        }
-        // Rank 0 decides (signals); every rank stops at the same step (`stop::Vote`).
-        let dev = &self.s.model.device;
-        if !last && self.vote.stop(lead && stop(step), &*self.s.comm, dev)? {
-            let dir = match (&self.saved, lead) {
-                (Some((s, dir)), _) if *s == step => dir.clone(),
-                (_, true) => self.save()?,
-                (_, false) => checkpoint::dir_of(self.out_dir, step),
-            };
-            self.writer.wait()?;
-            return Err(stop::Interrupted {
-                step,
-                total: self.total,
-                checkpoint: dir,
-            }
-            .into());
-        }
-        Ok(())
+        .into())
     }
 
     /// `train.sample_every`: the greedy completions of `sample_prompts` by the model as it
     /// stands after `step` (adapters unmerged), printed and appended to samples.jsonl.
     fn sample(&self, step: usize) -> Result<()> {
         let s = self.s;
-        let tok = s
+        let tok = self
+            .data
             .tokenizer
             .as_ref()
             .context("train.sample_every needs the model's tokenizer")?;
-        let rows =
-            crate::generate::sample_rows(&s.model, tok, step, &s.recipe.train.sample_prompts)
-                .with_context(|| format!("train.sample_every: cannot sample at step {step}"))?;
+        let prompts = &s.run.hooks.sample_prompts;
+        let rows = crate::generate::sample_rows(&s.model, tok, step, prompts)
+            .with_context(|| format!("train.sample_every: cannot sample at step {step}"))?;
         for r in &rows {
             self.log.say(&format!(
                 "sample @ step {step}: {:?} -> {:?}",
@@ -283,14 +171,14 @@ impl<'s> Run<'s> {
 
     /// A checkpoint of where the run stands, written (and old ones pruned) on the writer
     /// thread while the next steps run.
-    fn save(&mut self) -> Result<PathBuf> {
-        let state = TrainerState::new(self.s, &self.at, self.total, &self.opt);
-        let snap =
-            checkpoint::snapshot(self.s, &state, &self.opt, &self.keys, self.writer.stage()?)?;
+    fn save(&mut self, opt: &AdamW) -> Result<PathBuf> {
+        let (s, d) = (self.s, self.data);
+        let state = TrainerState::new(s, d, &self.at, self.total, opt);
+        let snap = checkpoint::snapshot(s, &state, opt, &self.keys, self.writer.stage()?)?;
         let (out, step) = (self.out_dir.to_owned(), self.at.step);
         let dir = checkpoint::dir_of(&out, step);
         let tmp = crate::util::tmp_path(&dir);
-        let keep_last = self.s.recipe.output.keep_last;
+        let keep_last = s.run.output.keep_last;
         let prune = move || checkpoint::prune(&out, keep_last, step);
         self.writer.start(snap, tmp, dir.clone(), prune)?;
         self.saved = Some((step, dir.clone()));
@@ -302,24 +190,20 @@ impl<'s> Run<'s> {
         let s = self.s;
         let lead = s.comm.rank() == 0;
         if lead {
-            export::save_adapter(
-                self.out_dir,
-                &s.model,
-                &s.spec,
-                &s.base_name,
-                s.base_revision.as_deref(),
-            )?;
-            let saves = s.recipe.output.save_every > 0;
-            if saves
-                && self
-                    .saved
-                    .as_ref()
-                    .is_none_or(|(st, _)| *st != self.at.step)
-            {
-                self.save()?;
+            let run = &s.run;
+            let rev = s.base_revision.as_deref();
+            export::save_adapter(self.out_dir, &s.model, &run.spec, &run.base_name, rev)?;
+            let last = self
+                .saved
+                .as_ref()
+                .is_none_or(|(st, _)| *st != self.at.step);
+            if run.output.save_every > 0 && last {
+                let opt = self.opt.take().context("the trainer's optimiser")?;
+                self.save(&opt)?;
             }
         }
         self.writer.wait()?;
+        self.log.finish();
         if self.at.skipped > 0 && lead {
             eprintln!(
                 "skipped {} of {} steps with a non-finite loss or gradient",
@@ -333,21 +217,112 @@ impl<'s> Run<'s> {
             out_dir: self.out_dir.to_owned(),
             tokens: self.log.session_tokens(),
             seconds,
-            truncated: s.data.truncated,
+            truncated: self.data.data.truncated,
             eval_loss: self.last_eval,
-            skipped: s.data.skipped,
+            skipped: self.data.data.skipped,
         })
     }
 }
 
-impl Session {
-    /// train.max_memory on the CPU caps an accounting of tensor bytes: the model and the f32
-    /// adapter state (weights, AdamW m and v, gradients) plus what the driver holds.
-    fn set_cpu_budget(&self) {
-        let cap = self
-            .recipe
-            .max_memory()
-            .filter(|_| self.model.device.is_cpu());
-        crate::memory::set_cpu_budget(cap, super::preflight::cpu_fixed_bytes(&self.model));
+impl Hooks for Trainer<'_> {
+    fn lr(&self, step: usize) -> f64 {
+        let o = &self.s.run.optim;
+        o.lr * schedule::lr_factor(o.schedule, step, self.total, o.warmup_steps)
     }
+
+    /// A step that saves a checkpoint is finished first: an out-of-memory in the next step
+    /// must not lose it.
+    fn finish_first(&self, n: usize) -> bool {
+        self.saves_at(n)
+    }
+
+    /// Step `m.n` is done: its loss checked, logged, evaluated, saved, and the run stopped
+    /// there when `stop` says so.
+    fn after(&mut self, d: Done, m: &StepMeta, opt: &AdamW) -> Result<()> {
+        let hooks = &self.s.run.hooks;
+        if !d.finite {
+            self.non_finite(&d)?;
+        }
+        let at = &mut self.at;
+        at.step += 1;
+        at.tokens += d.tokens;
+        at.cursor = Cursor {
+            epoch: m.epoch,
+            step_in_epoch: m.index + 1,
+        };
+        at.history.push((at.step, d.finite.then_some(d.loss)));
+        self.losses.push(d.loss);
+        self.log.count(&d);
+        let step = at.step;
+        let last = step == self.total;
+        // Eval every eval_every steps and at the end.
+        let eval = match last || (hooks.eval_every > 0 && step % hooks.eval_every == 0) {
+            true => self.data.eval_loss(self.s)?,
+            false => None,
+        };
+        if let Some((l, _)) = eval {
+            self.last_eval = Some(l);
+        }
+        if step % hooks.log_every == 0 || last || eval.is_some() || !d.finite {
+            let row = Row {
+                step,
+                epoch: m.epoch,
+                lr: m.lr,
+                tokens: self.at.tokens,
+                eval,
+                skipped: self.at.skipped,
+            };
+            let data = &self.data.data;
+            self.log.row(&d, &row, data.truncated, data.skipped)?;
+        }
+        let lead = self.s.comm.rank() == 0;
+        if lead && hooks.sample_every > 0 && (step % hooks.sample_every == 0 || last) {
+            self.sample(step)?;
+        }
+        self.log.inc();
+        if lead && self.saves_at(step) && !last {
+            self.save(opt)?;
+        }
+        // Rank 0 decides (signals); every rank stops at the same step (`stop::Vote`).
+        let dev = &self.s.model.device;
+        if !last
+            && self
+                .vote
+                .stop(lead && (self.stop)(step), &*self.s.comm, dev)?
+        {
+            let dir = match (&self.saved, lead) {
+                (Some((s, dir)), _) if *s == step => dir.clone(),
+                (_, true) => self.save(opt)?,
+                (_, false) => checkpoint::dir_of(self.out_dir, step),
+            };
+            self.writer.wait()?;
+            return Err(stop::Interrupted {
+                step,
+                total: self.total,
+                checkpoint: dir,
+            }
+            .into());
+        }
+        Ok(())
+    }
+
+    /// An allocation failure of step `step` (0-based) as the run's diagnosis.
+    fn fail(&self, e: anyhow::Error, meter: &PhaseMeter, step: usize) -> anyhow::Error {
+        match crate::memory::is_oom(&e) {
+            true => self.s.out_of_memory(
+                &e,
+                meter,
+                Some((step + 1, self.total)),
+                self.saved.as_ref().map(|(_, p)| p.clone()),
+            ),
+            false => e,
+        }
+    }
+}
+
+/// train.max_memory on the CPU caps an accounting of tensor bytes: the model and the f32
+/// adapter state (weights, AdamW m and v, gradients) plus what the driver holds.
+fn set_cpu_budget(s: &Session) {
+    let cap = s.run.max_memory.filter(|_| s.model.device.is_cpu());
+    crate::memory::set_cpu_budget(cap, super::preflight::cpu_fixed_bytes(&s.model));
 }

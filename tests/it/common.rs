@@ -103,14 +103,11 @@ pub fn recipe(dir: &Path, text: &str, sets: &[&str]) -> Recipe {
 
 /// A training session on a golden case's recipe (`golden_recipe`) with `sets` applied; the
 /// directory holding its recipe and output lives as long as the returned guard.
-pub fn golden_session(
-    case: &str,
-    sets: &[&str],
-) -> (tempfile::TempDir, lora_train::train::Session) {
+pub fn golden_session(case: &str, sets: &[&str]) -> (tempfile::TempDir, Session) {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("out");
     let r = recipe(tmp.path(), &golden_recipe(case, &out), sets);
-    let s = lora_train::train::Session::new(r).unwrap();
+    let s = Session::new(r).unwrap();
     (tmp, s)
 }
 
@@ -240,5 +237,75 @@ pub fn all_linear_r8() -> lora_train::lora::LoraSpec {
             .iter()
             .map(|s| s.to_string())
             .collect(),
+    }
+}
+
+/// A one-rank training session with its data, as `train` makes them (the library keeps the
+/// rank's session and the data apart: bench and probe have no data set).
+pub struct Session {
+    pub s: lora_train::train::Session,
+    pub d: lora_train::train::TrainData,
+}
+
+impl std::ops::Deref for Session {
+    type Target = lora_train::train::Session;
+    fn deref(&self) -> &Self::Target {
+        &self.s
+    }
+}
+
+impl std::ops::DerefMut for Session {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.s
+    }
+}
+
+impl Session {
+    /// The recipe resolved, its model loaded on its first device, its data read.
+    pub fn new(r: Recipe) -> anyhow::Result<Session> {
+        let s = lora_train::train::Session::new(r)?;
+        let d = lora_train::train::TrainData::load(&s)?;
+        Ok(Session { s, d })
+    }
+
+    /// Rank `comm.rank()`'s session on device `ordinal`.
+    pub fn for_rank(
+        r: Recipe,
+        comm: Box<dyn lora_train::parallel::Comm>,
+        ordinal: usize,
+    ) -> anyhow::Result<Session> {
+        use lora_train::train::{Machine, RunConfig};
+        let run = std::sync::Arc::new(RunConfig::resolve(r, Machine::Open)?);
+        let s = lora_train::train::Session::load(run, comm, ordinal)?;
+        let d = lora_train::train::TrainData::load(&s)?;
+        Ok(Session { s, d })
+    }
+
+    pub fn batch(&self, rows: &[Vec<usize>]) -> lora_train::data::Batch {
+        self.d.batch(rows)
+    }
+
+    pub fn train(&self, out: &Path) -> anyhow::Result<lora_train::train::RunSummary> {
+        self.s.train(&self.d, out)
+    }
+
+    pub fn train_from(
+        &self,
+        out: &Path,
+        resume: Option<&lora_train::train::checkpoint::Checkpoint>,
+        stop: &dyn Fn(usize) -> bool,
+    ) -> anyhow::Result<lora_train::train::RunSummary> {
+        self.s.train_from(&self.d, out, resume, stop)
+    }
+
+    pub fn eval_loss(&self) -> anyhow::Result<Option<(f64, usize)>> {
+        self.d.eval_loss(&self.s)
+    }
+
+    pub fn steps_from(
+        &self,
+        c: lora_train::train::checkpoint::Cursor,
+    ) -> anyhow::Result<lora_train::train::train_data::Steps<'_>> {
+        self.d.steps_from(c)
     }
 }

@@ -5,12 +5,13 @@
 //! and what DoRA refuses.
 
 use super::golden::{check_case_on, Tol};
+use crate::common::Session;
 use crate::common::*;
 use candle_core::Tensor;
 use lora_train::export::merge::{merge, MergeOptions};
 use lora_train::export::{adapter_keys, magnitude_key};
+use lora_train::train::driver;
 use lora_train::train::optim::Grads;
-use lora_train::train::{driver, Session};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -64,7 +65,7 @@ fn dora_magnitude_is_trained_and_errors_are_small() {
         let batch = s.batch(&[vec![0], vec![1]]);
         let logits = driver::logits(&s.model, &batch).unwrap();
         let mut grads = Grads::new();
-        let keep = driver::Keep::new(false.into(), None, &s.model.device);
+        let keep = lora_train::model::Keep::new(false.into(), None, s.model.device.is_cuda());
         let n = batch.n_targets() as f64;
         driver::forward_backward(&s.model, &batch, n, keep, None, &mut grads).unwrap();
         let mut got = HashMap::new();

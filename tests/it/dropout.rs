@@ -3,11 +3,11 @@
 //! by the global (layer, module), so that several ranks train what one does; on the GPU, the
 //! device draws the CPU's masks bit for bit, in the masked copies and inside the fused kernels.
 
+use crate::common::Session;
 use crate::common::*;
 use candle_core::{Tensor, Var};
 use lora_train::model::Linear;
 use lora_train::ops::dropout::mask_tensor;
-use lora_train::train::Session;
 
 fn session(sets: &[&str]) -> (tempfile::TempDir, Session) {
     let tmp = tempfile::tempdir().unwrap();
@@ -22,7 +22,7 @@ fn reference(
     lin: &Linear,
     x: &Var,
     ab: &(Var, Var),
-    ctx: &lora_train::model::llama::Ctx,
+    ctx: &lora_train::model::decoder::Ctx,
 ) -> Tensor {
     let lora = lin.lora.as_ref().unwrap();
     let d = lin

@@ -2,10 +2,12 @@
 //! scripts/reference_peft.py into tests/fixtures/golden): logits, loss, every LoRA gradient,
 //! and the adapter after 4 AdamW steps with clipping and a warmup-cosine schedule.
 
+use crate::common::Session;
 use crate::common::*;
 use lora_train::export::adapter_keys;
-use lora_train::train::driver::{self, Keep};
-use lora_train::train::{optim::Grads, Session};
+use lora_train::model::Keep;
+use lora_train::train::driver;
+use lora_train::train::optim::Grads;
 
 const RTOL: f64 = 1e-4;
 /// Absolute slack for entries near zero, as a fraction of the tensor's largest entry.
@@ -73,7 +75,7 @@ pub fn check_case_on(case: &str, sets: &[&str], tol: Tol) {
     let mut grads = Grads::new();
     let n = batch.n_targets() as f64;
     // the default: on CUDA each layer's residual goes through host memory
-    let keep = Keep::new(false.into(), None, &s.model.device);
+    let keep = Keep::new(false.into(), None, s.model.device.is_cuda());
     let ce = driver::forward_backward(&s.model, &batch, n, keep, None, &mut grads).unwrap();
     let loss = want["loss"].to_vec1::<f32>().unwrap()[0] as f64;
     assert!(
@@ -117,7 +119,7 @@ pub fn check_case_on(case: &str, sets: &[&str], tol: Tol) {
     // to lr per step whatever its size, so f32 rounding in its gradient (~1e-5 relative after
     // the reductions) can shift it by ~1e-5·lr per step. That slack comes on top of the
     // elementwise tolerance: steps · lr · 1e-5 (2e-7 for the 4 steps at lr 5e-3 here).
-    let adam_slack = summary.steps as f64 * s.recipe.train.lr * 1e-5;
+    let adam_slack = summary.steps as f64 * s.run.optim.lr * 1e-5;
     for (key, t) in &saved {
         let want = &want[&format!("after.{key}")];
         tol.check_with(&format!("{case} trained {key}"), t, want, adam_slack);

@@ -2,13 +2,15 @@
 //! never gets a gradient; accumulation equals a bigger batch; checkpointing changes memory,
 //! not numbers; packing changes layout, not the loss.
 
+use crate::common::Session;
 use crate::common::*;
 use candle_core::{Tensor, Var};
 use lora_train::data::{Batch, ExampleRef};
 use lora_train::memory::plan::{kept_attention_per_token_layer, kept_per_token_layer};
+use lora_train::model::Keep;
 use lora_train::model::Retain;
-use lora_train::train::driver::{self, Keep};
-use lora_train::train::{optim::Grads, Session};
+use lora_train::train::driver;
+use lora_train::train::optim::Grads;
 
 use crate::common::golden_session as session;
 
@@ -66,7 +68,7 @@ fn hand_written_layer_backward_equals_autograd() {
         "mistral_head_dim",
     ] {
         let (_t, s) = session(case, &["lora.dropout = 0.2"]);
-        let ex: Vec<ExampleRef> = (0..4).map(|i| s.data.examples.get(i)).collect();
+        let ex: Vec<ExampleRef> = (0..4).map(|i| s.d.data.examples.get(i)).collect();
         let batch = Batch::from_rows(&[vec![ex[0], ex[1]], vec![ex[2], ex[3]]], 0, true);
         assert!(batch.segments.is_some(), "{case}: the rows must be packed");
         let m = &s.model;
@@ -146,7 +148,7 @@ pub(crate) fn autograd_reference(
     layer: &lora_train::model::Layer,
     x: &Tensor,
     g: &Tensor,
-    ctx: &lora_train::model::llama::Ctx,
+    ctx: &lora_train::model::decoder::Ctx,
 ) -> (Var, Tensor, candle_core::backprop::GradStore) {
     let xv = Var::from_tensor(x).unwrap();
     let y = layer.forward(xv.as_tensor(), ctx).unwrap();
@@ -205,7 +207,7 @@ fn hand_written_head_backward_equals_autograd() {
         let (ce, dx) = m.head_loss_bwd(&x, &tgt, denom).unwrap();
         let xv = Var::from_tensor(&x).unwrap();
         let ce_ref =
-            lora_train::model::llama::cross_entropy_sum(&m.head(xv.as_tensor()).unwrap(), &tgt)
+            lora_train::model::decoder::cross_entropy_sum(&m.head(xv.as_tensor()).unwrap(), &tgt)
                 .unwrap();
         let want = ce_ref.to_scalar::<f32>().unwrap() as f64;
         assert!(
@@ -319,7 +321,7 @@ fn grads_of(
 fn activation_checkpointing_gives_identical_gradients_even_with_dropout() {
     let (_t, s) = session("llama_gqa", &["lora.dropout=0.3"]);
     assert_eq!(
-        s.spec.dropout, 0.3,
+        s.run.spec.dropout, 0.3,
         "the recipe's dropout applies to an init adapter"
     );
     let batch = s.batch(&[vec![0], vec![1]]);
@@ -346,7 +348,7 @@ fn activation_checkpointing_gives_identical_gradients_even_with_dropout() {
 #[test]
 fn packed_loss_and_gradients_equal_unpacked() {
     let (_t, s) = session("mistral_head_dim", &[]);
-    let ex: Vec<ExampleRef> = (2..6).map(|i| s.data.examples.get(i)).collect();
+    let ex: Vec<ExampleRef> = (2..6).map(|i| s.d.data.examples.get(i)).collect();
     let unpacked = Batch::from_rows(
         &[vec![ex[0]], vec![ex[1]], vec![ex[2]], vec![ex[3]]],
         0,
@@ -380,7 +382,7 @@ fn init_adapter_round_trips_through_our_writer() {
     // Save the PEFT init adapter with our writer, read it back as init_adapter: same numbers.
     let (tmp, s) = session("qwen2_bias", &[]);
     let dir = tmp.path().join("copy");
-    lora_train::export::save_adapter(&dir, &s.model, &s.spec, "base", None).unwrap();
+    lora_train::export::save_adapter(&dir, &s.model, &s.run.spec, "base", None).unwrap();
     let ours = load_st(&dir.join("adapter_model.safetensors"));
     let theirs = load_st(&golden_dir("qwen2_bias").join("init_adapter/adapter_model.safetensors"));
     assert_eq!(ours.len(), theirs.len());
@@ -388,14 +390,14 @@ fn init_adapter_round_trips_through_our_writer() {
         assert_close(k, &ours[k], t, 0.0, 0.0);
     }
     let info = lora_train::export::read_adapter_config(&dir).unwrap();
-    assert_eq!(info.spec, s.spec);
+    assert_eq!(info.spec, s.run.spec);
 }
 
 #[test]
 fn eval_loss_is_the_mean_token_ce_of_a_plain_forward_packed_or_not() {
     let (_t, s) = session("llama_gqa", &["data.eval_fraction=0.5", "lora.dropout=0.2"]);
-    let ev = s.eval.as_ref().unwrap();
-    assert_eq!(ev.examples.len() + s.data.examples.len(), 8);
+    let ev = s.d.eval.as_ref().unwrap();
+    assert_eq!(ev.examples.len() + s.d.data.examples.len(), 8);
     let (loss, n) = s.eval_loss().unwrap().unwrap();
     // Independently: the whole model's logits, log-softmax in f64, every example alone.
     let (mut sum, mut count) = (0.0, 0);
@@ -491,7 +493,7 @@ fn the_head_in_chunks_gives_the_same_loss_and_gradients() {
             Keep::Acts,
             None,
             &mut g,
-            chunk,
+            &lora_train::train::objective::Sft { head_chunk: chunk },
             &mut |_| Ok(()),
         )
         .unwrap()
@@ -548,9 +550,9 @@ fn offloaded_activations_give_the_kept_gradients_on_the_gpu() {
 /// bf16, rank-8 adapters on every linear with random B's (PEFT's zero B would leave every
 /// adapter gradient but dB trivial).
 #[cfg(feature = "cuda")]
-fn gpu_layer_model() -> lora_train::model::llama::Model {
+fn gpu_layer_model() -> lora_train::model::decoder::Model {
     use candle_core::{DType, Device};
-    use lora_train::model::llama::Model;
+    use lora_train::model::decoder::Model;
     let dev = Device::new_cuda(0).unwrap();
     let mut cfg = lora_train::bench::shape("tiny").unwrap(); // hidden 256, mlp 688
     (
@@ -577,7 +579,7 @@ fn gpu_layer_model() -> lora_train::model::llama::Model {
 
 /// Every adapter's B drawn afresh from N(0, std²).
 #[cfg(feature = "cuda")]
-fn randomize_b(m: &lora_train::model::llama::Model, std: f32) {
+fn randomize_b(m: &lora_train::model::decoder::Model, std: f32) {
     for (_, lora) in m.adapters() {
         let b = Tensor::randn(0f32, std, lora.b.shape(), lora.b.device()).unwrap();
         lora.b.set(&b).unwrap();
@@ -588,8 +590,8 @@ fn randomize_b(m: &lora_train::model::llama::Model, std: f32) {
 /// segments each, x [2, 150, 256] bf16 and dL/dy g of its shape (f32).
 #[cfg(feature = "cuda")]
 fn gpu_layer_batch(
-    m: &lora_train::model::llama::Model,
-) -> (lora_train::model::llama::Ctx, Tensor, Tensor) {
+    m: &lora_train::model::decoder::Model,
+) -> (lora_train::model::decoder::Ctx, Tensor, Tensor) {
     use candle_core::DType;
     let dev = &m.device;
     let (b, t, c) = (2, 150, 256);
@@ -667,8 +669,8 @@ fn folded_layer_matches_the_unfolded_and_autograd_on_the_gpu() {
 #[cfg(feature = "cuda")]
 fn folded_matches_unfolded(
     tag: &str,
-    m: &lora_train::model::llama::Model,
-    ctx: &lora_train::model::llama::Ctx,
+    m: &lora_train::model::decoder::Model,
+    ctx: &lora_train::model::decoder::Ctx,
     x: &Tensor,
     g: &Tensor,
 ) -> usize {
@@ -723,7 +725,7 @@ fn folded_geglu_layer_matches_the_unfolded_on_the_gpu() {
 #[cfg(feature = "cuda")]
 fn folded_family_layer_matches_the_unfolded(name: &str, inputs: (usize, usize)) {
     use candle_core::{DType, Device};
-    use lora_train::model::{llama::Model, Linear};
+    use lora_train::model::{decoder::Model, Linear};
     let dev = Device::new_cuda(0).unwrap();
     let mut cfg = lora_train::bench::shape(name).unwrap();
     (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size) = (2, 256, 688);
@@ -769,7 +771,7 @@ fn folded_family_layer_matches_the_unfolded(name: &str, inputs: (usize, usize)) 
 
 /// Every adapter of `m` at dropout rate `p` (as the recipe's lora.dropout sets it).
 #[cfg(feature = "cuda")]
-fn with_dropout(m: &mut lora_train::model::llama::Model, p: f32) {
+fn with_dropout(m: &mut lora_train::model::decoder::Model, p: f32) {
     for l in &mut m.layers {
         let lins = l
             .attn_in
@@ -889,7 +891,8 @@ impl lora_train::parallel::Comm for Cut {
 fn fsdp_shards_carry_the_folded_b_columns_on_the_gpu() {
     use candle_core::DType;
     use lora_train::model::{Linear, Model};
-    use lora_train::parallel::fsdp::{Flat, Shards};
+    use lora_train::parallel::fsdp::Flat;
+    use lora_train::train::shards::Shards;
     let reference = gpu_layer_model();
     let (cfg, dev) = (reference.cfg.clone(), reference.device.clone());
     let spec = all_linear_r8();
@@ -1010,10 +1013,10 @@ fn fsdp_shards_carry_the_folded_b_columns_on_the_gpu() {
 /// One decoder layer of the Llama-2-7B shape on GPU 0 in bf16, rank-16 adapters (α 32) on
 /// every linear, folded (ops::fold): the bench's shapes, so its tuned GEMMs.
 #[cfg(feature = "cuda")]
-fn folded_7b_layer() -> lora_train::model::llama::Model {
+fn folded_7b_layer() -> lora_train::model::decoder::Model {
     use candle_core::{DType, Device};
     use lora_train::lora::{LoraSpec, ALL_LINEAR};
-    use lora_train::model::llama::Model;
+    use lora_train::model::decoder::Model;
     let dev = Device::new_cuda(0).unwrap();
     let mut cfg = lora_train::bench::shape("llama2-7b").unwrap();
     (cfg.num_layers, cfg.vocab_size) = (1, 512);
@@ -1344,7 +1347,7 @@ fn a_chunked_mlp_gives_the_unchunked_loss_and_gradients() {
         "qwen2_bias",
     ] {
         let (_t, mut s) = session(case, &[]);
-        let all: Vec<ExampleRef> = s.data.examples.iter().collect();
+        let all: Vec<ExampleRef> = s.d.data.examples.iter().collect();
         let batch = Batch::from_rows(&[all.clone(), all.clone(), all], 0, true);
         let (m, n) = (batch.b * batch.t, 16);
         assert!(m > 10 * n, "{case}: {m} tokens span many chunks");
@@ -1403,7 +1406,7 @@ fn recomputing_the_mlp_half_gives_the_kept_gradients() {
         "qwen3_moe",
     ] {
         let (_t, mut s) = session(case, &[]);
-        let all: Vec<ExampleRef> = s.data.examples.iter().collect();
+        let all: Vec<ExampleRef> = s.d.data.examples.iter().collect();
         let batch = Batch::from_rows(&[all.clone(), all.clone(), all], 0, true);
         for chunk in [None, Some(16)] {
             s.model.mlp_chunk = chunk;
@@ -1430,14 +1433,15 @@ fn recomputing_the_mlp_half_gives_the_kept_gradients() {
                 .unwrap()
                 .bytes() as u64
         };
-        let per_token = kept_attention_per_token_layer(&m.cfg, 4, s.spec.rank, &s.spec.targets);
+        let per_token =
+            kept_attention_per_token_layer(&m.cfg, 4, s.run.spec.rank, &s.run.spec.targets);
         let tokens = (batch.b * batch.t) as u64;
         assert_eq!(
             kept(Retain::Attention),
             per_token * tokens,
             "{case}: the plan's bytes"
         );
-        let full = kept_per_token_layer(&m.cfg, 4, s.spec.rank, &s.spec.targets);
+        let full = kept_per_token_layer(&m.cfg, 4, s.run.spec.rank, &s.run.spec.targets);
         match m.cfg.arch.moe {
             Some(_) => assert_eq!(per_token, full, "{case}: a MoE layer keeps h already"),
             None => assert!(per_token < full, "{case}: {per_token} B a token of {full}"),

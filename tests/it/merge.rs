@@ -2,6 +2,7 @@
 //! transformers-layout checkpoint (shards, index, config, tokenizer) our own loader reads;
 //! adapters that do not fit the base are clear errors that write nothing.
 
+use crate::common::Session;
 use crate::common::*;
 use assert_cmd::Command;
 use candle_core::{DType, Device, Tensor};
@@ -10,7 +11,7 @@ use lora_train::hub::ModelFiles;
 use lora_train::lora::LoraSpec;
 use lora_train::model::Model;
 use lora_train::recipe::Dtype;
-use lora_train::train::{driver, Session};
+use lora_train::train::driver;
 use std::path::Path;
 
 /// The base of a golden case (the model its init adapter was made for).

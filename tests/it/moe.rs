@@ -6,7 +6,8 @@
 use crate::common::*;
 use candle_core::Tensor;
 use lora_train::memory::plan::{kept_per_token_layer, lora_params};
-use lora_train::train::driver::{self, Keep};
+use lora_train::model::Keep;
+use lora_train::train::driver;
 use lora_train::train::optim::Grads;
 
 use crate::common::golden_session as session;
@@ -120,8 +121,8 @@ fn a_moe_layer_keeps_what_the_plan_counts() {
     let ids = Tensor::from_slice(&batch.ids, (batch.b, batch.t), &m.device).unwrap();
     let x = m.embed(&ids).unwrap();
     let (_, acts) = m.layers[0].forward_train(&x, &ctx, true).unwrap();
-    let rank = s.spec.rank;
-    let per_token = kept_per_token_layer(&m.cfg, 4, rank, &s.spec.targets);
+    let rank = s.run.spec.rank;
+    let per_token = kept_per_token_layer(&m.cfg, 4, rank, &s.run.spec.targets);
     assert_eq!(
         acts.unwrap().bytes() as u64,
         per_token * (batch.b * batch.t) as u64
@@ -131,7 +132,7 @@ fn a_moe_layer_keeps_what_the_plan_counts() {
         .flat_map(|(_, l)| l.vars())
         .map(|v| v.elem_count())
         .sum();
-    let planned = lora_params(&m.cfg, rank, &s.spec.targets);
+    let planned = lora_params(&m.cfg, rank, &s.run.spec.targets);
     assert_eq!(params as u64, planned);
 }
 

@@ -1,14 +1,14 @@
 //! DDP / FSDP on CPU thread ranks: the same adapter as one rank with the same global batch,
 //! FSDP's resident memory, the collectives' numbers, and a dead rank ending the run.
 
+use crate::common::Session;
 use crate::common::*;
 use candle_core::{DType, Device, Tensor};
 use lora_train::parallel::cpu::CpuGroup;
-use lora_train::parallel::fsdp::resident_base_bytes;
 use lora_train::parallel::launch::{self, EnvRank};
 use lora_train::parallel::posted::{Left, Posted};
 use lora_train::parallel::{Comm, Group};
-use lora_train::train::Session;
+use lora_train::train::shards::resident_base_bytes;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -816,8 +816,8 @@ fn ddp_and_fsdp_with_moe_experts_equal_one_rank() {
 /// memory); the driver's order of gathers, recomputes and reductions is the same here.
 #[test]
 fn parked_gate_and_up_under_ddp_and_fsdp_equal_keeping_everything() {
+    use lora_train::model::Keep;
     use lora_train::train::checkpoint::Cursor;
-    use lora_train::train::driver::Keep;
     use lora_train::train::optim::AdamW;
     use lora_train::train::step::{adapter_params, Engine};
     // the step's loss, the adapter before it and after
@@ -845,7 +845,7 @@ fn parked_gate_and_up_under_ddp_and_fsdp_equal_keeping_everything() {
                 .next()
                 .transpose()?
                 .expect("a first step");
-            let t = &s.recipe.train;
+            let t = &s.run.optim;
             let mut opt = AdamW::new(adapter_params(&s.model), t.betas, t.eps, t.weight_decay)?;
             let adapter = || {
                 adapter_params(&s.model)

@@ -28,18 +28,17 @@ fn load(case: &str, dir: &str, nf4: bool) -> Model {
         targets: Vec::new(),
     };
     let quant = lora_train::quant::Quant {
-        kind: match nf4 {
-            true => lora_train::quant::Quantize::Nf4,
-            false => lora_train::quant::Quantize::None,
-        },
+        nf4,
         double_quant: true,
     };
     let quant = quant.for_checkpoint(&files.config).unwrap();
-    let kernels = lora_train::ops::Kernels::resolve(&Device::Cpu, DType::F32, 16, false).unwrap();
+    let cfg = lora_train::model::ModelConfig::from_file(&files.config).unwrap();
+    let mut b = lora_train::model::Build::new(cfg, DType::F32, &Device::Cpu, &spec, 0).unwrap();
+    b.kernels = lora_train::ops::Kernels::resolve(&Device::Cpu, DType::F32, 16, false).unwrap();
     let solo = lora_train::parallel::Solo;
     let (m, _) =
-        lora_train::train::session::sharded_model(false, quant, &solo, &kernels, &mut |l| {
-            Model::load_with(&files, DType::F32, &Device::Cpu, &spec, 0, &kernels, l)
+        lora_train::train::session::sharded_model(false, quant, &solo, &b.kernels, &mut |l| {
+            Model::load_with(&files, &b, l)
         })
         .unwrap();
     m

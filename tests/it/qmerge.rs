@@ -4,6 +4,7 @@
 //! they must be: bitsandbytes' own dequantized weights (golden.safetensors' `dequant.*`) and our
 //! `Nf4` format's, plus scale · B · A.
 
+use crate::common::Session;
 use crate::common::*;
 use assert_cmd::Command;
 use candle_core::{DType, Device, Tensor};
@@ -12,7 +13,7 @@ use lora_train::hub::ModelFiles;
 use lora_train::lora::LoraSpec;
 use lora_train::model::Model;
 use lora_train::quant::Nf4;
-use lora_train::train::{driver, Session};
+use lora_train::train::driver;
 use std::collections::HashMap;
 use std::path::Path;
 

@@ -3,12 +3,12 @@
 //! saves a checkpoint and says how to resume; a second signal or a SIGKILL in the middle of a
 //! save leaves the previous checkpoint loadable; NaN / Inf stops or skips.
 
+use crate::common::Session;
 use crate::common::*;
 use assert_cmd::Command;
 use lora_train::recipe::{Recipe, RecipeError};
 use lora_train::train::checkpoint::{self, Cursor};
 use lora_train::train::stop::Interrupted;
-use lora_train::train::Session;
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};

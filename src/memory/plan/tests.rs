@@ -2,12 +2,15 @@
 
 use super::*;
 use crate::lora::ALL_LINEAR;
+use crate::model::ModelConfig;
+use crate::ops::kernels::Kernels;
+use crate::recipe::{Checkpointing, Strategy};
 
 const OFF: Checkpointing = Checkpointing::Off;
 const FULL: Checkpointing = Checkpointing::Full;
 
 fn llama2_7b() -> ModelConfig {
-    crate::bench::shape("llama2-7b").unwrap()
+    crate::model::shapes::shape("llama2-7b").unwrap()
 }
 
 fn input(mb: usize, gpus: usize) -> PlanInput {
@@ -46,7 +49,7 @@ fn kept_activations_per_token_layer_by_hand() {
     assert_eq!(kept_per_token_layer(&llama2_7b(), 2, 16, &qv), 85_184);
     // Llama-3-8B: K = 8 → 2·K·D = 2048; I = 14336.
     // 2 · (4096 + 8192 + 2048 + 28672 + 112) + 128 = 2 · 43120 + 128 = 86368.
-    let l3 = crate::bench::shape("llama3-8b").unwrap();
+    let l3 = crate::model::shapes::shape("llama3-8b").unwrap();
     assert_eq!(kept_per_token_layer(&l3, 2, 16, &all()), 86_368);
 }
 
@@ -358,7 +361,7 @@ fn advice_follows_the_rules() {
 fn optimizer_dominance_names_rank_and_targets() {
     // A tiny base with a huge rank: the AdamW state dominates.
     let mut p = input(1, 1);
-    p.cfg = crate::bench::shape("tiny").unwrap();
+    p.cfg = crate::model::shapes::shape("tiny").unwrap();
     p.seq_len = 8;
     p.rank = 4096;
     let b = breakdown(&p, Strategy::Single, FULL, 1);
@@ -387,7 +390,7 @@ fn nf4_base_by_hand() {
     );
     let mut p = input(1, 1);
     p.quant = crate::quant::Quant {
-        kind: crate::quant::Quantize::Nf4,
+        nf4: true,
         double_quant: true,
     };
     let b = breakdown(&p, Strategy::Single, FULL, 1);
@@ -427,7 +430,7 @@ fn recomputing_the_mlp_half_keeps_the_attention_half() {
         kept_attention_per_token_layer(&llama2_7b(), 2, 16, &all()),
         49_408
     );
-    let l3 = crate::bench::shape("llama3-8b").unwrap();
+    let l3 = crate::model::shapes::shape("llama3-8b").unwrap();
     assert_eq!(kept_attention_per_token_layer(&l3, 2, 16, &all()), 37_120);
     // Micro-batch 2 (N = 4096): 32 layers keep (85344 - 49408) · 4096 B less each, and
     // backward holds one layer's MLP half again (44128 · 4096).
@@ -450,7 +453,7 @@ fn recomputing_the_mlp_half_keeps_the_attention_half() {
 /// not.
 #[test]
 fn parked_gate_and_up_fit_the_capacity() {
-    use crate::train::driver::{PARK_PENDING, PARK_TAIL};
+    use crate::model::{PARK_PENDING, PARK_TAIL};
     let parked = PlanInput {
         offload: true,
         ..input(2, 1)
@@ -490,7 +493,7 @@ fn parked_gate_and_up_fit_the_capacity() {
 /// under the MLP half checkpointed, and the plan and bench count them so.
 #[test]
 fn dropout_on_the_mlp_keeps_it_whole_and_parked() {
-    use crate::train::driver::{Keep, PARK_PENDING, PARK_TAIL};
+    use crate::model::{Keep, PARK_PENDING, PARK_TAIL};
     let cfg = llama2_7b();
     let qv = vec!["q_proj".to_string(), "v_proj".to_string()];
     let k = Some(16384);
@@ -518,7 +521,7 @@ fn dropout_on_the_mlp_keeps_it_whole_and_parked() {
         pending: PARK_PENDING,
     };
     let gate_up = 2 * 4096 * 11008;
-    let w = |chunk| crate::bench::mlp_in_weights(&cfg, park, 32768, chunk);
+    let w = |chunk| crate::model::keep::mlp_in_weights(&cfg, park, 32768, chunk);
     assert_eq!(w(k), 32 * gate_up);
     assert_eq!(w(None), PARK_TAIL * gate_up);
 }

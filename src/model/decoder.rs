@@ -131,10 +131,55 @@ pub struct Model {
     rope_local: Option<Freqs>,
 }
 
+/// What a model's build takes besides its weights, for a checkpoint and random weights alike
+/// (one params struct, as flash-attention's kernels take theirs).
+#[derive(Debug, Clone)]
+pub struct Build {
+    /// The base's config.json, parsed.
+    pub cfg: ModelConfig,
+    /// The base's dtype on the device.
+    pub dtype: DType,
+    pub device: Device,
+    /// The adapters to inject (A random from `seed`, B zero).
+    pub spec: LoraSpec,
+    /// The adapters' init stream.
+    pub seed: u64,
+    /// Every kernel choice of the run (`Kernels::resolve` for this device, dtype and head dim).
+    pub kernels: Kernels,
+    /// Tokens per MLP chunk (`Model::mlp_chunk`).
+    pub mlp_chunk: Option<usize>,
+    /// The weight of a MoE's load-balancing loss (`Model::router_aux_coef`).
+    pub router_aux_coef: f64,
+}
+
+impl Build {
+    /// A build on the device's own kernels (`Kernels::resolve`, not deterministic), MLP chunks
+    /// of `layer_mlp::MLP_CHUNK`, no load-balancing loss.
+    pub fn new(
+        cfg: ModelConfig,
+        dtype: DType,
+        device: &Device,
+        spec: &LoraSpec,
+        seed: u64,
+    ) -> anyhow::Result<Build> {
+        let kernels = Kernels::resolve(device, dtype, cfg.attn_shape(), false)?;
+        Ok(Build {
+            cfg,
+            dtype,
+            device: device.clone(),
+            spec: spec.clone(),
+            seed,
+            kernels,
+            mlp_chunk: Some(super::layer_mlp::MLP_CHUNK),
+            router_aux_coef: 0.0,
+        })
+    }
+}
+
 impl Model {
     /// Memory-maps the checkpoint, casts the base to `dtype` on `device`, and injects fresh
     /// LoRA adapters (A random from `seed`, B zero) on the `spec.targets` modules; the
-    /// kernels are the device's (`Kernels::resolve`, not deterministic).
+    /// kernels are the device's (`Build::new`).
     pub fn load(
         files: &ModelFiles,
         dtype: DType,
@@ -142,28 +187,20 @@ impl Model {
         spec: &LoraSpec,
         seed: u64,
     ) -> anyhow::Result<Model> {
-        let attn = ModelConfig::from_file(&files.config)?.attn_shape();
-        let kernels = Kernels::resolve(device, dtype, attn, false)?;
-        Self::load_with(files, dtype, device, spec, seed, &kernels, &mut |_| Ok(()))
+        let cfg = ModelConfig::from_file(&files.config)?;
+        let b = Build::new(cfg, dtype, device, spec, seed)?;
+        Self::load_with(files, &b, &mut |_| Ok(()))
     }
 
-    /// `load` on `kernels` (`Kernels::resolve` for this device, dtype and head dim), handing
-    /// each group of frozen tensors to `loaded` as soon as it is on the device: each decoder
-    /// layer's (`Layer::frozen_mut` order), then the embedding, final norm and untied head
-    /// (`Model::io_mut` order). FSDP keeps a shard and replaces them with placeholders there,
-    /// so only one full layer is ever resident. Where `kernels.fold`, each layer is padded
-    /// (`Model::fold`) before `loaded` sees it, so FSDP's shards hold the padded weights.
-    pub fn load_with(
-        files: &ModelFiles,
-        dtype: DType,
-        device: &Device,
-        spec: &LoraSpec,
-        seed: u64,
-        kernels: &Kernels,
-        loaded: Loaded,
-    ) -> anyhow::Result<Model> {
-        let cfg = ModelConfig::from_file(&files.config)?;
-        super::check::weights(&cfg, &files.config, &files.weights)?;
+    /// The checkpoint's model as `b` says, handing each group of frozen tensors to `loaded` as
+    /// soon as it is on the device: each decoder layer's (`Layer::frozen_mut` order), then the
+    /// embedding, final norm and untied head (`Model::io_mut` order). FSDP keeps a shard and
+    /// replaces them with placeholders there, so only one full layer is ever resident. Where
+    /// `b.kernels.fold`, each layer is padded (`Model::fold`) before `loaded` sees it, so
+    /// FSDP's shards hold the padded weights.
+    pub fn load_with(files: &ModelFiles, b: &Build, loaded: Loaded) -> anyhow::Result<Model> {
+        let (cfg, dtype, device) = (&b.cfg, b.dtype, &b.device);
+        super::check::weights(cfg, &files.config, &files.weights)?;
         // SAFETY: the files are memory-mapped read-only; like every safetensors reader we
         // assume they are not modified while training runs.
         let st = unsafe { MmapedSafetensors::multi(&files.weights) }
@@ -193,7 +230,7 @@ impl Model {
             finite.watch(name, st.load(name, device)?.to_dtype(dtype)?)
         };
         // A bitsandbytes 4-bit checkpoint's linears, read as NF4 (quant::bnb).
-        let packed = crate::quant::bnb::nf4_config(&files.config)?.is_some();
+        let packed = cfg.bnb_nf4.is_some();
         let nf4 = |name: &str, shape: &[usize]| -> anyhow::Result<Option<QWeight>> {
             if !packed {
                 return Ok(None);
@@ -211,25 +248,14 @@ impl Model {
                 files.dir.display()
             );
         }
-        let m = Self::build(
-            cfg,
-            (&get, &nf4),
-            tied,
-            dtype,
-            device,
-            spec,
-            seed,
-            *kernels,
-            loaded,
-        )?;
+        let m = Self::build(b, (&get, &nf4), tied, loaded)?;
         finite.verify(&files.dir, dtype)?;
         Ok(m)
     }
 
     /// Random weights of a given shape made on the device (benchmarks; no download): linear
     /// and embedding weights N(0, 0.02), norm gains 1 (Gemma's stored w 0, its gain being
-    /// 1 + w), as transformers initialises a fresh model.
-    /// The kernels are the device's, as in `load`.
+    /// 1 + w), as transformers initialises a fresh model. The kernels are the device's.
     pub fn random(
         cfg: ModelConfig,
         dtype: DType,
@@ -237,24 +263,17 @@ impl Model {
         spec: &LoraSpec,
         seed: u64,
     ) -> anyhow::Result<Model> {
-        let kernels = Kernels::resolve(device, dtype, cfg.attn_shape(), false)?;
-        Self::random_with(cfg, dtype, device, spec, seed, &kernels, &mut |_| Ok(()))
+        let b = Build::new(cfg, dtype, device, spec, seed)?;
+        Self::random_with(&b, &mut |_| Ok(()))
     }
 
-    /// `random`, with `kernels` and `loaded` as in `load_with`.
-    pub fn random_with(
-        cfg: ModelConfig,
-        dtype: DType,
-        device: &Device,
-        spec: &LoraSpec,
-        seed: u64,
-        kernels: &Kernels,
-        loaded: Loaded,
-    ) -> anyhow::Result<Model> {
+    /// `random` as `b` says, with `loaded` as in `load_with`.
+    pub fn random_with(b: &Build, loaded: Loaded) -> anyhow::Result<Model> {
+        let (dtype, device) = (b.dtype, &b.device);
         if !device.is_cpu() {
-            device.set_seed(seed)?;
+            device.set_seed(b.seed)?;
         }
-        let gemma = cfg.arch.norm == super::family::NormStyle::Gemma;
+        let gemma = b.cfg.arch.norm == super::family::NormStyle::Gemma;
         let get = |name: &str, shape: &[usize]| -> anyhow::Result<Tensor> {
             let t = if name.ends_with("norm.weight") && gemma {
                 Tensor::zeros(shape, DType::F32, device)?
@@ -267,35 +286,27 @@ impl Model {
             };
             Ok(t.to_dtype(dtype)?)
         };
-        let tied = cfg.tie_word_embeddings.unwrap_or(false);
+        let tied = b.cfg.tie_word_embeddings.unwrap_or(false);
         let nf4 = |_: &str, _: &[usize]| Ok(None);
-        Self::build(
-            cfg,
-            (&get, &nf4),
-            tied,
-            dtype,
-            device,
-            spec,
-            seed,
-            *kernels,
-            loaded,
-        )
+        Self::build(b, (&get, &nf4), tied, loaded)
     }
 
     /// Assembles the model from a source of named base tensors (HF names and shapes), and of
     /// the linears a checkpoint holds in NF4.
-    #[allow(clippy::too_many_arguments)]
     fn build(
-        cfg: ModelConfig,
+        b: &Build,
         (get, nf4): (Get, GetNf4),
         tied: bool,
-        dtype: DType,
-        device: &Device,
-        spec: &LoraSpec,
-        seed: u64,
-        kernels: Kernels,
         loaded: Loaded,
     ) -> anyhow::Result<Model> {
+        let (cfg, dtype, device, spec, seed, kernels) = (
+            b.cfg.clone(),
+            b.dtype,
+            &b.device,
+            &b.spec,
+            b.seed,
+            b.kernels,
+        );
         let (c, v) = (cfg.hidden_size, cfg.vocab_size);
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for l in 0..cfg.num_layers {
@@ -337,8 +348,8 @@ impl Model {
             dtype,
             device: device.clone(),
             kernels,
-            mlp_chunk: Some(super::layer_mlp::MLP_CHUNK),
-            router_aux_coef: 0.0,
+            mlp_chunk: b.mlp_chunk,
+            router_aux_coef: b.router_aux_coef,
             rope,
             rope_local,
         };

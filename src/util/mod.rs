@@ -1,5 +1,7 @@
 //! Small helpers every module may use: crash-safe file writes, sizes written as text.
 
+pub mod fs;
+
 use anyhow::{Context, Result};
 use std::io::Write;
 use std::path::{Path, PathBuf};

@@ -1,0 +1,50 @@
+//! `[output]`: where the adapter goes, and the merged model.
+
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+/// `output.max_shard_size` (and `export --max-shard-size`) when unset: transformers' default.
+pub const DEFAULT_MAX_SHARD_SIZE: &str = "5GB";
+
+/// What the adapter is merged into (`export --merge-into`, `[output] merge_into`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MergeInto {
+    /// The base checkpoint's weights (a bitsandbytes 4-bit checkpoint's dequantized: its
+    /// weights are NF4).
+    #[default]
+    Base,
+    /// Each decoder-layer linear of the base quantized to NF4 and dequantized: the weights an
+    /// adapter trained with `model.quantize = "nf4"` computed with.
+    Dequantized,
+}
+
+/// `[output]`: where the adapter goes.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OutputSection {
+    /// Output directory. Default: "adapters/<recipe file name without .toml>", relative to the
+    /// current directory.
+    pub dir: Option<PathBuf>,
+    /// Save checkpoint-<step>/ (adapter, optimiser state, trainer state) every this many
+    /// steps and at the last step; 0 = none (SIGINT / SIGTERM still save one). Default: 0.
+    #[serde(default)]
+    pub save_every: usize,
+    /// Also write merged full weights (W + scale·B·A, in the base checkpoint's dtype) to
+    /// <dir>/merged/ at the end of the run. Default: false.
+    #[serde(default)]
+    pub merge: bool,
+    /// Keep only the newest this many checkpoint-<step>/ directories (0 = keep all).
+    /// Default: 0.
+    #[serde(default)]
+    pub keep_last: usize,
+    /// Largest safetensors shard of the merged model, e.g. "5GB", "500MB", "2GiB".
+    /// Default: "5GB".
+    pub max_shard_size: Option<String>,
+    /// What `merge` merges the adapter into: "base" (the base checkpoint's weights; a
+    /// bitsandbytes 4-bit checkpoint's dequantized) or "dequantized" (each decoder linear
+    /// of the base through NF4 as training quantized it, for model.quantize = "nf4").
+    /// Default: "base".
+    #[serde(default)]
+    pub merge_into: MergeInto,
+}

@@ -1,0 +1,83 @@
+//! The recipe written back as TOML: resolved (`to_toml`, beside every adapter) and annotated
+//! (`check_toml`, what `lora-train check` prints).
+
+use super::{Recipe, DEFAULT_MAX_SHARD_SIZE, OFFLOAD_ACTIVATIONS_DEFAULT};
+
+impl Recipe {
+    /// The recipe as resolved (defaults filled in), to store beside the adapter.
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).unwrap_or_default()
+    }
+
+    /// What `check` prints: `to_toml` with the defaults that depend on other fields written
+    /// out (`data.train_on` from the format, `train.offload_activations`), and each field
+    /// left unset named in a comment at the end of its section, with what unset means.
+    pub fn check_toml(&self) -> String {
+        let mut r = self.clone();
+        r.data.train_on = Some(self.data.train_on_for(self.data.format));
+        r.train.offload_activations = Some(
+            self.train
+                .offload_activations
+                .unwrap_or(OFFLOAD_ACTIVATIONS_DEFAULT),
+        );
+        if r.output.max_shard_size.is_none() {
+            r.output.max_shard_size = Some(DEFAULT_MAX_SHARD_SIZE.into());
+        }
+        let unset: Vec<(&str, &str)> = [
+            (
+                self.lora.init_adapter.is_none(),
+                "lora",
+                "init_adapter = unset: new adapters (A random, B zero)",
+            ),
+            (
+                self.data.chat_template.is_none(),
+                "data",
+                "chat_template = unset: the tokenizer's",
+            ),
+            (
+                self.data.eval.is_none(),
+                "data",
+                "eval = unset: no eval file (eval_fraction holds out rows)",
+            ),
+            (
+                self.train.max_memory.is_none(),
+                "train",
+                "max_memory = unset: the whole card",
+            ),
+        ]
+        .into_iter()
+        .filter(|(none, _, _)| *none)
+        .map(|(_, section, line)| (section, line))
+        .collect();
+        with_section_notes(&r.to_toml(), &unset)
+    }
+}
+
+/// `text` (TOML) with `# note` lines added at the end of each named `[section]`.
+fn with_section_notes(text: &str, notes: &[(&str, &str)]) -> String {
+    let mut out = String::new();
+    let mut section = "";
+    let flush = |out: &mut String, section: &str| {
+        let trimmed = out.trim_end_matches('\n').len();
+        out.truncate(trimmed);
+        out.push('\n');
+        for (_, line) in notes.iter().filter(|(s, _)| *s == section) {
+            out.push_str(&format!("# {line}\n"));
+        }
+        out.push('\n');
+    };
+    for line in text.lines() {
+        if let Some(name) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
+            if !section.is_empty() {
+                flush(&mut out, section);
+            }
+            section = name;
+        }
+        out.push_str(line);
+        out.push('\n');
+    }
+    if !section.is_empty() {
+        flush(&mut out, section);
+    }
+    out.trim_end().to_string() + "\n"
+}

@@ -1,0 +1,295 @@
+//! `[train]`: optimisation, what forward keeps, resume, memory knobs.
+
+use serde::{de, Deserialize, Deserializer, Serialize};
+use std::path::PathBuf;
+
+/// `train.activation_checkpointing`: what forward keeps of each decoder layer for backward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
+pub enum Checkpointing {
+    /// Every activation (false).
+    #[default]
+    Off,
+    /// The attention half's activations and the residual; backward recomputes the MLP half
+    /// ("mlp": its gate and up are most of a layer's activations).
+    Mlp,
+    /// The layer's input only; backward recomputes the whole layer (true).
+    Full,
+}
+
+impl Checkpointing {
+    /// Whether backward recomputes anything.
+    pub fn on(self) -> bool {
+        self != Checkpointing::Off
+    }
+
+    /// As the recipe writes it: false, "mlp", true.
+    pub fn name(self) -> &'static str {
+        match self {
+            Checkpointing::Off => "false",
+            Checkpointing::Mlp => "\"mlp\"",
+            Checkpointing::Full => "true",
+        }
+    }
+}
+
+impl From<bool> for Checkpointing {
+    fn from(on: bool) -> Self {
+        match on {
+            true => Checkpointing::Full,
+            false => Checkpointing::Off,
+        }
+    }
+}
+
+impl Serialize for Checkpointing {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Checkpointing::Off => s.serialize_bool(false),
+            Checkpointing::Mlp => s.serialize_str("mlp"),
+            Checkpointing::Full => s.serialize_bool(true),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Checkpointing {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl de::Visitor<'_> for V {
+            type Value = Checkpointing;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("true, false or \"mlp\"")
+            }
+            fn visit_bool<E: de::Error>(self, on: bool) -> Result<Checkpointing, E> {
+                Ok(on.into())
+            }
+            fn visit_str<E: de::Error>(self, s: &str) -> Result<Checkpointing, E> {
+                match s {
+                    "mlp" => Ok(Checkpointing::Mlp),
+                    "true" | "full" => Ok(Checkpointing::Full),
+                    "false" | "off" => Ok(Checkpointing::Off),
+                    _ => Err(E::custom(format!(
+                        "expected true, false or \"mlp\" (recompute the MLP half only), found \"{s}\""
+                    ))),
+                }
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// `train.offload_activations` when the recipe does not say (CUDA only: the CPU recomputes).
+pub const OFFLOAD_ACTIVATIONS_DEFAULT: bool = true;
+
+/// `train.schedule`: the learning rate over the run (transformers' schedules).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Schedule {
+    Constant,
+    Linear,
+    Cosine,
+}
+
+/// `[train]`: optimisation.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainSection {
+    /// Rows per forward/backward. Default: 1.
+    #[serde(default = "d_one")]
+    pub micro_batch: usize,
+    /// Micro-batches per optimiser step. Default: 1.
+    #[serde(default = "d_one")]
+    pub grad_accum: usize,
+    /// Optimiser steps to take; wins over `epochs` when both are set.
+    pub max_steps: Option<usize>,
+    /// Passes over the data when max_steps is not set. Default: 1.
+    pub epochs: Option<usize>,
+    /// Peak learning rate. Default: 2e-4.
+    #[serde(default = "d_lr")]
+    pub lr: f64,
+    /// AdamW decoupled weight decay. Default: 0.
+    #[serde(default)]
+    pub weight_decay: f64,
+    /// AdamW betas. Default: [0.9, 0.999].
+    #[serde(default = "d_betas")]
+    pub betas: [f64; 2],
+    /// AdamW epsilon. Default: 1e-8.
+    #[serde(default = "d_eps")]
+    pub eps: f64,
+    /// "constant" | "linear" | "cosine" (decay to 0 at the last step). Default: "cosine".
+    #[serde(default = "d_schedule")]
+    pub schedule: Schedule,
+    /// Linear warmup from 0 over this many steps (transformers' schedules). Default: 0.
+    #[serde(default)]
+    pub warmup_steps: usize,
+    /// Clip the global gradient norm to this (0 disables). Default: 1.0.
+    #[serde(default = "d_clip")]
+    pub max_grad_norm: f64,
+    /// Seed for adapter init, shuffling and dropout. Default: 42.
+    #[serde(default = "d_seed")]
+    pub seed: u64,
+    /// What forward keeps for backward: false (every activation), true (each decoder layer's
+    /// input only: backward recomputes the layer) or "mlp" (the attention half's activations:
+    /// backward recomputes the MLP half, its gate and up GEMMs). Default: false.
+    #[serde(default)]
+    pub activation_checkpointing: Checkpointing,
+    /// CUDA, without checkpointing: park each layer's residual (after attention, [tokens,
+    /// hidden]) in pinned host memory between its forward and backward, copied beside the
+    /// compute, instead of recomputing it in backward with o_proj's GEMM (false) — 2 × tokens
+    /// × hidden bytes per layer of host memory (1 GiB at 7B, micro-batch 2 × 2048), none of
+    /// the GPU's. Ignored on the CPU (recomputed). Default: true
+    /// (`OFFLOAD_ACTIVATIONS_DEFAULT`).
+    #[serde(default)]
+    pub offload_activations: Option<bool>,
+    /// Write a progress line / metrics row every this many steps. Default: 1.
+    #[serde(default = "d_one")]
+    pub log_every: usize,
+    /// Eval loss every this many steps (0 = only at the end), when data.eval or
+    /// data.eval_fraction gives an eval set. Default: 0.
+    #[serde(default)]
+    pub eval_every: usize,
+    /// Continue from a checkpoint, exactly: `true` = the newest complete checkpoint-<step>/ in
+    /// the output directory (none: start fresh), or the path of one checkpoint directory.
+    /// The recipe must match the checkpoint's in everything that changes the numbers.
+    /// Default: false (start fresh).
+    #[serde(default)]
+    pub resume: Resume,
+    /// Print the greedy completion of each of `sample_prompts` every this many steps (and
+    /// append them to samples.jsonl in the output directory); 0 = off. Needs the model's
+    /// tokenizer. Default: 0.
+    #[serde(default)]
+    pub sample_every: usize,
+    /// The prompts `sample_every` completes (text, encoded as the tokenizer says, no EOS).
+    /// Default: [].
+    #[serde(default)]
+    pub sample_prompts: Vec<String>,
+    /// On a non-finite loss or gradient, skip that step's update (and count it) instead of
+    /// stopping the run. Default: false.
+    #[serde(default)]
+    pub skip_nonfinite: bool,
+    /// Only kernels whose sums run in a fixed order, so that a run repeats bit for bit on the
+    /// same GPU (CUDA: flash attention's dQ in a kernel of its own; a little slower). Default:
+    /// false.
+    #[serde(default)]
+    pub deterministic: bool,
+    /// Device memory per rank, e.g. "24GiB": on CUDA the run holds the rest of the card
+    /// (cuMemAlloc, outside the pool) so it behaves as a card of this size and runs out of
+    /// memory for real; the preflight check compares the memory plan with it. On the CPU it
+    /// caps an accounting of the tensor bytes the trainer holds. Default: unset (the card).
+    pub max_memory: Option<String>,
+    /// A layer's MLP (norm, gate / up, activation, down) runs over chunks of this many tokens
+    /// of the micro-batch: in backward always, and with activation checkpointing in forward and
+    /// its recompute too, so that its [tokens, intermediate] tensors exist for one chunk at a
+    /// time (long context). A multiple of 64; 0: never chunked. Not with dropout on an MLP adapter (runs
+    /// whole). Default: 16384 (`model::layer_mlp::MLP_CHUNK`).
+    #[serde(default = "d_mlp_chunk")]
+    pub mlp_chunk: usize,
+    /// A MoE model's router load-balancing loss (transformers' `load_balancing_loss_func`)
+    /// joins the loss × this weight; padding does not count. Qwen3-MoE's config.json writes
+    /// 0.001 for it, but transformers adds it only with output_router_logits: here too only
+    /// when set. Default: 0 (off).
+    #[serde(default)]
+    pub router_aux_loss_coef: f64,
+    /// Trackers that receive the metrics as the run goes: "tensorboard" (event files under
+    /// `<output.dir>/runs/`; W&B syncs them) and "mlflow" (the server at
+    /// MLFLOW_TRACKING_URI, with the recipe as params). One name or a list. Default: [].
+    #[serde(default, deserialize_with = "crate::track::de_report_to")]
+    pub report_to: Vec<crate::track::Tracker>,
+}
+
+fn d_mlp_chunk() -> usize {
+    MLP_CHUNK
+}
+
+/// `train.mlp_chunk`'s bound: a chunk of more tokens than any micro-batch could hold.
+pub const MLP_CHUNK_MAX: usize = 1 << 24;
+
+/// `train.resume`: false | true | "path/to/checkpoint-<step>".
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(untagged)]
+pub enum Resume {
+    Flag(bool),
+    Path(PathBuf),
+}
+
+impl Default for Resume {
+    fn default() -> Self {
+        Resume::Flag(false)
+    }
+}
+
+impl<'de> Deserialize<'de> for Resume {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl de::Visitor<'_> for V {
+            type Value = Resume;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("true, false or the path of a checkpoint directory")
+            }
+            fn visit_bool<E: de::Error>(self, b: bool) -> Result<Resume, E> {
+                Ok(Resume::Flag(b))
+            }
+            fn visit_str<E: de::Error>(self, s: &str) -> Result<Resume, E> {
+                Ok(Resume::Path(PathBuf::from(s)))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+fn d_one() -> usize {
+    1
+}
+fn d_lr() -> f64 {
+    2e-4
+}
+fn d_betas() -> [f64; 2] {
+    [0.9, 0.999]
+}
+fn d_eps() -> f64 {
+    1e-8
+}
+fn d_schedule() -> Schedule {
+    Schedule::Cosine
+}
+fn d_clip() -> f64 {
+    1.0
+}
+fn d_seed() -> u64 {
+    42
+}
+
+impl Default for TrainSection {
+    fn default() -> Self {
+        TrainSection {
+            micro_batch: 1,
+            grad_accum: 1,
+            max_steps: None,
+            epochs: None,
+            lr: d_lr(),
+            weight_decay: 0.0,
+            betas: d_betas(),
+            eps: d_eps(),
+            schedule: d_schedule(),
+            warmup_steps: 0,
+            max_grad_norm: d_clip(),
+            seed: d_seed(),
+            activation_checkpointing: Checkpointing::Off,
+            offload_activations: None,
+            log_every: 1,
+            eval_every: 0,
+            sample_every: 0,
+            sample_prompts: Vec::new(),
+            resume: Resume::default(),
+            skip_nonfinite: false,
+            deterministic: false,
+            max_memory: None,
+            mlp_chunk: d_mlp_chunk(),
+            router_aux_loss_coef: 0.0,
+            report_to: Vec::new(),
+        }
+    }
+}
+
+/// `train.mlp_chunk`'s default: tokens a chunk of a layer's MLP runs over (the model's
+/// `layer_mlp::MLP_CHUNK`, which a test holds equal).
+pub const MLP_CHUNK: usize = 16384;

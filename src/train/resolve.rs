@@ -1,0 +1,363 @@
+//! Resolving a run once: a recipe (from its file, or made from `bench`'s flags), its
+//! checkpoint's config.json (read once: a Hub id's config is fetched alone, the weights later)
+//! and the machine become one `RunConfig`. The checks that need more than the recipe itself
+//! (the data's formats, the model's linears, the init adapter's config) are made here, with the
+//! recipe's error type, before anything is loaded or written.
+
+use super::launch::Ranks;
+use super::objective::ObjectiveKind;
+use super::run_config::{BatchPlan, HookPlan, MergePlan, Optim, OutputPlan, RunConfig};
+use crate::export::{self, AdapterInfo};
+use crate::hub::{self, Source};
+use crate::lora::LoraSpec;
+use crate::memory::plan::{self, PlanInput};
+use crate::model::{device, ConfigError, Keep, ModelConfig};
+use crate::ops::Kernels;
+use crate::quant::Quant;
+use crate::recipe::{Quantize, Recipe, DEFAULT_MAX_SHARD_SIZE};
+use anyhow::{Context, Result};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// Whether resolution may open the run's device (train, bench, probe) or must not (plan,
+/// check: any build, any machine; the kernels forecast).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Machine {
+    /// Open the device, check this build can run the recipe, read the launcher's ranks.
+    Open,
+    /// No device: forecast the kernels; one process of `gpus` ranks.
+    Forecast { gpus: usize },
+}
+
+/// Reads a recipe (`Recipe::load`: the file, `--set`, paths, the recipe's own checks) and
+/// checks what the data module knows of it (hf:// names, the columns each format needs).
+pub fn load_recipe(path: &Path, sets: &[String]) -> Result<Recipe> {
+    let r = Recipe::load(path, sets)?;
+    crate::data::source::check(&r.data).map_err(|(key, msg)| r.invalid(&key, msg))?;
+    Ok(r)
+}
+
+impl RunConfig {
+    /// `lora-train train`: the recipe against its checkpoint's config.json and this machine.
+    pub fn resolve(recipe: Recipe, machine: Machine) -> Result<RunConfig> {
+        if machine == Machine::Open {
+            recipe.check_build()?;
+        }
+        let m = &recipe.model;
+        let source = Source::of(m.path.as_deref(), m.id.as_deref(), m.revision.as_deref())
+            .ok_or_else(|| {
+                recipe.invalid(
+                    "model",
+                    "needs `path` (a local checkpoint directory) or `id` (a Hub repository)",
+                )
+            })?;
+        let config = hub::config_file(&source)?;
+        let cfg = ModelConfig::from_file(&config)?;
+        Self::of(recipe, Some(source), cfg, machine)
+    }
+
+    /// The run of `recipe` on the base `source` (None: random weights) whose config is `cfg`:
+    /// the one resolution `train`, `bench`, `probe` and `plan` share.
+    pub fn of(
+        recipe: Recipe,
+        source: Option<Source>,
+        cfg: ModelConfig,
+        machine: Machine,
+    ) -> Result<RunConfig> {
+        let r = &recipe;
+        let t = &r.train;
+        let kind = r.model.device;
+        let dtype = device::dtype(kind, r.model.dtype);
+        let quant = match cfg.bnb_nf4 {
+            Some(double_quant) => Quant::nf4(double_quant),
+            None => Quant {
+                nf4: r.model.quantize == Quantize::Nf4,
+                double_quant: r.model.double_quant,
+            },
+        };
+        let init = match &r.lora.init_adapter {
+            Some(p) => Some((p.clone(), export::read_adapter_config(p)?)),
+            None => None,
+        };
+        let spec = lora_spec(r, &cfg, init.as_ref())?;
+        let (ranks, kernels) = match machine {
+            Machine::Open => {
+                let ranks = Ranks::for_recipe(r)?;
+                let dev =
+                    device::open(kind, first_ordinal(&ranks)).map_err(|e| match e
+                        .downcast_ref::<device::DeviceError>(
+                    ) {
+                        Some(device::DeviceError::Missing { .. }) => {
+                            r.invalid("parallel.devices", format!("{e:#}")).into()
+                        }
+                        _ => e,
+                    })?;
+                let k = Kernels::resolve(&dev, dtype, cfg.attn_shape(), t.deterministic)?;
+                (ranks, k)
+            }
+            Machine::Forecast { gpus } => {
+                let k = Kernels::forecast(kind.is_cuda(), dtype, cfg.attn_shape());
+                let ranks = match gpus {
+                    0 | 1 => Ranks::Solo(0),
+                    n => Ranks::Threads {
+                        cuda: kind.is_cuda(),
+                        devices: (0..n).collect(),
+                    },
+                };
+                (ranks, k)
+            }
+        };
+        let kernels = kernels.for_adapters(spec.dora).for_base(quant.nf4);
+        let base_name = base_name(r, source.as_ref());
+        let o = &r.output;
+        let max_shard_size = crate::util::parse_size(
+            o.max_shard_size
+                .as_deref()
+                .unwrap_or(DEFAULT_MAX_SHARD_SIZE),
+        )
+        .map_err(|m| r.invalid("output.max_shard_size", m))?;
+        Ok(RunConfig {
+            source,
+            base_name,
+            device: kind,
+            dtype,
+            quant,
+            init_adapter: init.map(|(p, _)| p),
+            kernels,
+            ranks,
+            strategy: r.parallel.strategy,
+            devices: r.parallel.devices.clone(),
+            timeout: Duration::from_secs(r.parallel.timeout_s),
+            ckpt: t.activation_checkpointing,
+            keep: Keep::new(
+                t.activation_checkpointing,
+                t.offload_activations,
+                kind.is_cuda(),
+            ),
+            mlp_chunk: r.mlp_chunk(),
+            router_aux_coef: t.router_aux_loss_coef,
+            seed: t.seed,
+            optim: Optim {
+                lr: t.lr,
+                betas: t.betas,
+                eps: t.eps,
+                weight_decay: t.weight_decay,
+                max_grad_norm: t.max_grad_norm,
+                schedule: t.schedule,
+                warmup_steps: t.warmup_steps,
+            },
+            batch: BatchPlan {
+                micro_batch: t.micro_batch,
+                grad_accum: t.grad_accum,
+                seq_len: r.data.seq_len,
+                max_steps: t.max_steps,
+                epochs: t.epochs,
+            },
+            data: Some(r.data.clone()),
+            hooks: HookPlan {
+                log_every: t.log_every,
+                eval_every: t.eval_every,
+                sample_every: t.sample_every,
+                sample_prompts: t.sample_prompts.clone(),
+                skip_nonfinite: t.skip_nonfinite,
+                deterministic: t.deterministic,
+            },
+            output: OutputPlan {
+                dir: r.output_dir(),
+                save_every: o.save_every,
+                keep_last: o.keep_last,
+                merge: o.merge.then_some(MergePlan {
+                    max_shard_size,
+                    merge_into: o.merge_into,
+                }),
+                resume: t.resume.clone(),
+            },
+            max_memory: r.max_memory(),
+            objective: ObjectiveKind::Sft,
+            spec,
+            cfg,
+            recipe,
+        })
+    }
+
+    /// The memory plan's input for this run over `gpus` ranks: its shape, batch, adapters,
+    /// kernels and storage.
+    pub fn plan_input(&self, gpus: usize) -> PlanInput {
+        let cfg = self.cfg.clone();
+        let dropout = self.spec.dropout as f64;
+        let mlp_chunk = plan::mlp_chunk_as_run(&cfg, self.mlp_chunk, dropout, &self.spec.targets);
+        PlanInput {
+            tied: cfg.tie_word_embeddings.unwrap_or(false),
+            dtype_bytes: self.dtype.size_in_bytes() as u64,
+            micro_batch: self.batch.micro_batch,
+            seq_len: self.batch.seq_len,
+            rank: self.spec.rank,
+            targets: self.spec.targets.clone(),
+            dora: self.spec.dora,
+            gpus: gpus.max(1),
+            cuda: self.cuda(),
+            kernels: self.kernels,
+            offload: self.keep.parks(),
+            quant: self.quant,
+            mlp_chunk,
+            cfg,
+        }
+    }
+}
+
+/// The first rank's device ordinal.
+fn first_ordinal(ranks: &Ranks) -> usize {
+    match ranks {
+        Ranks::Solo(o) => *o,
+        Ranks::Threads { devices, .. } => devices.first().copied().unwrap_or(0),
+        Ranks::Process(e) => e.local,
+    }
+}
+
+/// What PEFT loads the base from: the Hub id, or the local directory as an absolute path (the
+/// adapter is loaded from anywhere, not only where training ran); random weights are named by
+/// the recipe's source.
+fn base_name(r: &Recipe, source: Option<&Source>) -> String {
+    match source {
+        Some(Source::Hub { id, .. }) => id.clone(),
+        Some(Source::Local(dir)) => std::path::absolute(dir)
+            .unwrap_or_else(|_| dir.clone())
+            .to_string_lossy()
+            .into_owned(),
+        None => r.source.to_string_lossy().into_owned(),
+    }
+}
+
+/// The adapters' spec: the init adapter's shape (r, alpha, targets, rslora, DoRA) or the
+/// recipe's, dropout from the recipe, the targets as the model's own linears, the rank within
+/// the smallest adapted linear.
+fn lora_spec(
+    r: &Recipe,
+    cfg: &ModelConfig,
+    init: Option<&(PathBuf, AdapterInfo)>,
+) -> Result<LoraSpec> {
+    let spec = match init {
+        Some((p, info)) => {
+            init_dora(r, p, info)?;
+            LoraSpec {
+                dropout: r.lora.dropout as f32,
+                ..info.spec.clone()
+            }
+        }
+        None => LoraSpec {
+            rank: r.lora.rank,
+            alpha: r.lora.alpha,
+            dropout: r.lora.dropout as f32,
+            rslora: r.lora.rslora,
+            dora: r.lora.use_dora,
+            targets: r.target_modules()?,
+        },
+    };
+    let init_dir = init.map(|(p, _)| p.as_path());
+    let spec = lora_targets(r, cfg, spec, init_dir)?;
+    lora_fits(r, cfg, &spec, init_dir)?;
+    Ok(spec)
+}
+
+/// `spec` with its targets as the model's own linears (`ModelConfig::resolve_targets`:
+/// "all-linear" becomes the family's; a name the family does not have is an error naming the
+/// ones it has, against lora.targets or the init adapter's target_modules).
+fn lora_targets(
+    r: &Recipe,
+    cfg: &ModelConfig,
+    spec: LoraSpec,
+    init: Option<&Path>,
+) -> Result<LoraSpec> {
+    match cfg.resolve_targets(&spec.targets) {
+        Ok(targets) => Ok(LoraSpec { targets, ..spec }),
+        Err(why) => Err(match init {
+            Some(dir) => ConfigError::Adapter {
+                path: dir.join(export::CONFIG),
+                msg: format!("`target_modules` {why}"),
+            }
+            .into(),
+            None => r.invalid("lora.targets", why).into(),
+        }),
+    }
+}
+
+/// DoRA from an init adapter: its adapter_config.json's use_dora decides, as its rank does; a
+/// recipe asking for DoRA from a plain adapter is an error, and a DoRA adapter is held to the
+/// recipe checks of `lora.use_dora = true`.
+fn init_dora(r: &Recipe, dir: &Path, info: &AdapterInfo) -> Result<()> {
+    let cfg = dir.join(export::CONFIG);
+    if r.lora.use_dora && !info.spec.dora {
+        return Err(r
+            .invalid(
+                "lora.use_dora",
+                format!(
+                    "= true, but lora.init_adapter's {} says use_dora = false (a plain LoRA \
+                     adapter): remove use_dora, or continue from a DoRA adapter",
+                    cfg.display()
+                ),
+            )
+            .into());
+    }
+    if info.spec.dora {
+        let mut dora = r.clone();
+        dora.lora.use_dora = true;
+        dora.validate_dora().map_err(|e| {
+            anyhow::Error::new(e).context(format!(
+                "lora.init_adapter is a DoRA adapter ({} says use_dora = true)",
+                cfg.display()
+            ))
+        })?;
+    }
+    Ok(())
+}
+
+/// `spec.rank` is at most min(in, out) of every linear it adapts (a larger rank adds
+/// parameters that cannot raise the adapter's rank, and sizes A and B by a number nothing
+/// bounds). `init`: the adapter directory the spec came from (lora.init_adapter), if any.
+fn lora_fits(r: &Recipe, cfg: &ModelConfig, spec: &LoraSpec, init: Option<&Path>) -> Result<()> {
+    let Some((module, (n_in, n_out))) = spec
+        .targets
+        .iter()
+        .filter_map(|m| Some((m.as_str(), cfg.linear_shape(m)?)))
+        .min_by_key(|(_, (a, b))| (*a).min(*b))
+    else {
+        return Ok(());
+    };
+    let max = n_in.min(n_out);
+    if spec.rank <= max {
+        return Ok(());
+    }
+    let why = format!(
+        "= {} is more than the adapted linears allow: {module} maps {n_in} → {n_out} features in {}, so the rank is at most {max}",
+        spec.rank,
+        cfg_dir(r)
+    );
+    Err(match init {
+        Some(dir) => ConfigError::Adapter {
+            path: dir.join(export::CONFIG),
+            msg: format!("`r` {why}"),
+        }
+        .into(),
+        None => r.invalid("lora.rank", why).into(),
+    })
+}
+
+/// The base checkpoint as a recipe names it, for messages.
+fn cfg_dir(r: &Recipe) -> String {
+    match (&r.model.path, &r.model.id) {
+        (Some(p), _) => p.display().to_string(),
+        (None, Some(id)) => id.clone(),
+        (None, None) => r.source.display().to_string(),
+    }
+}
+
+/// The weights of a run's base: its checkpoint's files (a Hub model downloaded into the cache
+/// as needed), or None for random weights.
+pub fn weights(run: &RunConfig) -> Result<Option<hub::ModelFiles>> {
+    match &run.source {
+        Some(src) => Ok(Some(hub::model_files(src).with_context(|| {
+            format!("cannot get the weights of {}", run.base_name)
+        })?)),
+        None => Ok(None),
+    }
+}
