@@ -1,6 +1,7 @@
 //! The order of rows in each epoch (shuffled, packed, mixed by weights), sharded over ranks,
 //! and the cursor a checkpoint resumes from.
 
+use super::fnv::Fnv;
 use super::Dataset;
 use crate::recipe::DataSection;
 use crate::rng::Rng;
@@ -44,13 +45,8 @@ impl Sampler {
             }
             groups[k].0.push(i);
         }
-        let mut h = Fnv::new();
-        h.word(n as u64);
-        for e in &ds.examples {
-            h.word(e.ids.len() as u64);
-            e.ids.iter().for_each(|&t| h.word(t as u64));
-            e.labels.iter().for_each(|&l| h.word(l as u64));
-        }
+        // The count and every example (stored with a cache file, or hashed once).
+        let mut h = Fnv(ds.examples.fnv_state());
         for (members, w) in &groups {
             h.word(members.len() as u64);
             members.iter().for_each(|&i| h.word(i as u64));
@@ -66,7 +62,7 @@ impl Sampler {
         }
         Sampler {
             n_examples: n,
-            lens: ds.examples.iter().map(|e| e.ids.len()).collect(),
+            lens: ds.examples.lens().collect(),
             groups,
             seq_len: cfg.seq_len,
             pack: cfg.pack,
@@ -181,20 +177,6 @@ fn shard(rows: Vec<Vec<usize>>, rank: usize, world: usize) -> Vec<Vec<usize>> {
         .collect()
 }
 
-/// FNV-1a over 64-bit words: a stable hash (the same on every machine and release).
-struct Fnv(u64);
-
-impl Fnv {
-    fn new() -> Self {
-        Fnv(0xcbf2_9ce4_8422_2325)
-    }
-    fn word(&mut self, x: u64) {
-        for b in x.to_le_bytes() {
-            self.0 = (self.0 ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -216,7 +198,9 @@ mod tests {
     #[test]
     fn sampler_packs_greedily_and_shuffles_reproducibly() {
         let ds = Dataset {
-            examples: vec![ex(&[1, 2, 3]), ex(&[1, 2]), ex(&[1, 2, 3, 4]), ex(&[1])],
+            examples: [ex(&[1, 2, 3]), ex(&[1, 2]), ex(&[1, 2, 3, 4]), ex(&[1])]
+                .into_iter()
+                .collect(),
             ..Dataset::default()
         };
         let mut cfg = section("format = \"tokens\"\nseq_len = 5\nshuffle = false\npack = true");
@@ -238,7 +222,8 @@ mod tests {
             ds.files.push((PathBuf::from(format!("f{k}.jsonl")), w));
             for _ in 0..n {
                 let len = ds.examples.len() + 1;
-                ds.examples.push(ex(&vec![7; len]));
+                let e = ex(&vec![7; len]);
+                ds.examples.push(&e.ids, &e.labels);
                 ds.file_of.push(k);
             }
         }

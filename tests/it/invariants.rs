@@ -5,7 +5,7 @@
 use crate::common::Session;
 use crate::common::*;
 use candle_core::{Tensor, Var};
-use lora_train::data::{Batch, Example};
+use lora_train::data::{Batch, ExampleRef};
 use lora_train::memory::plan::{kept_attention_per_token_layer, kept_per_token_layer};
 use lora_train::model::Keep;
 use lora_train::model::Retain;
@@ -71,7 +71,7 @@ fn hand_written_layer_backward_equals_autograd() {
         "mistral_head_dim",
     ] {
         let (_t, s) = session(case, &["lora.dropout = 0.2"]);
-        let ex: Vec<&Example> = (0..4).map(|i| &s.d.data.examples[i]).collect();
+        let ex: Vec<ExampleRef> = (0..4).map(|i| s.d.data.examples.get(i)).collect();
         let batch = Batch::from_rows(&[vec![ex[0], ex[1]], vec![ex[2], ex[3]]], 0, true);
         assert!(batch.segments.is_some(), "{case}: the rows must be packed");
         let m = &s.model;
@@ -351,7 +351,7 @@ fn activation_checkpointing_gives_identical_gradients_even_with_dropout() {
 #[test]
 fn packed_loss_and_gradients_equal_unpacked() {
     let (_t, s) = session("mistral_head_dim", &[]);
-    let ex: Vec<&Example> = (2..6).map(|i| &s.d.data.examples[i]).collect();
+    let ex: Vec<ExampleRef> = (2..6).map(|i| s.d.data.examples.get(i)).collect();
     let unpacked = Batch::from_rows(
         &[vec![ex[0]], vec![ex[1]], vec![ex[2]], vec![ex[3]]],
         0,
@@ -433,7 +433,7 @@ fn eval_loss_is_the_mean_token_ce_of_a_plain_forward_packed_or_not() {
     );
     // The eval forward equals the training forward's loss (which, without dropout keys, has
     // none), and packing the eval set does not change it.
-    let rows: Vec<Vec<&Example>> = ev.examples.iter().map(|e| vec![e]).collect();
+    let rows: Vec<Vec<ExampleRef>> = ev.examples.iter().map(|e| vec![e]).collect();
     let b = Batch::from_rows(&rows, 0, false);
     let ce = lora_train::train::eval::ce_sum(&s.model, &b).unwrap();
     let (ce_train, _) = grads_of(&s, &b, Keep::Acts, None);
@@ -1350,7 +1350,7 @@ fn a_chunked_mlp_gives_the_unchunked_loss_and_gradients() {
         "qwen2_bias",
     ] {
         let (_t, mut s) = session(case, &[]);
-        let all: Vec<&Example> = s.d.data.examples.iter().collect();
+        let all: Vec<ExampleRef> = s.d.data.examples.iter().collect();
         let batch = Batch::from_rows(&[all.clone(), all.clone(), all], 0, true);
         let (m, n) = (batch.b * batch.t, 16);
         assert!(m > 10 * n, "{case}: {m} tokens span many chunks");
@@ -1409,7 +1409,7 @@ fn recomputing_the_mlp_half_gives_the_kept_gradients() {
         "qwen3_moe",
     ] {
         let (_t, mut s) = session(case, &[]);
-        let all: Vec<&Example> = s.d.data.examples.iter().collect();
+        let all: Vec<ExampleRef> = s.d.data.examples.iter().collect();
         let batch = Batch::from_rows(&[all.clone(), all.clone(), all], 0, true);
         for chunk in [None, Some(16)] {
             s.model.mlp_chunk = chunk;
