@@ -43,6 +43,9 @@ pub struct Batch {
     pub tokens: usize,
     /// [B×T] whether each position holds a real token (not padding).
     pub real: Vec<bool>,
+    /// Preference batches: which sequence each target belongs to, and what the objective
+    /// needs besides (`super::pref_batch`); None for SFT rows.
+    pub pref: Option<std::sync::Arc<super::pref_batch::PrefLayout>>,
 }
 
 impl Batch {
@@ -98,6 +101,7 @@ impl Batch {
             targets,
             tokens,
             real,
+            pref: None,
         }
     }
 

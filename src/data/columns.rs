@@ -18,6 +18,8 @@ pub fn fields(format: DataFormat) -> &'static [(&'static str, bool)] {
         DataFormat::Alpaca => &[("instruction", true), ("input", false), ("output", true)],
         DataFormat::Completion => &[("prompt", true), ("completion", true)],
         DataFormat::Chat => &[("messages", true)],
+        // read by data::preference, by TRL's column names
+        DataFormat::Preference | DataFormat::UnpairedPreference => &[],
     }
 }
 

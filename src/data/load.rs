@@ -112,6 +112,15 @@ pub fn recipe_tokenizer(plan: &DataPlan, files: &ModelFiles) -> Result<Option<Te
         )
     })?;
     let mut tok = TextTokenizer::load(t, files.tokenizer_config.as_deref())?;
+    let pref =
+        |f: &DataFormat| matches!(f, DataFormat::Preference | DataFormat::UnpairedPreference);
+    if !formats.contains(&DataFormat::Chat) && formats.iter().any(pref) {
+        // conversation rows need it; string and pre-tokenized rows do not
+        let choice = d.chat_template.as_deref();
+        let specials = tok.specials.clone();
+        tok.chat =
+            ChatTemplate::load(dir, files.tokenizer_config.as_deref(), choice, specials).ok();
+    }
     if formats.contains(&DataFormat::Chat) {
         let choice = d.chat_template.as_deref();
         let tpl = ChatTemplate::load(

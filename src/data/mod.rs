@@ -33,6 +33,7 @@ mod fnv;
 pub mod load;
 mod parquet;
 pub mod pref_batch;
+pub mod pref_set;
 pub mod preference;
 mod progress;
 pub mod reader;

@@ -6,18 +6,29 @@
 //! Sequence k of a pair batch: pair k / 2, chosen when k is even, rejected when odd. Every
 //! sequence is prompt + completion cut to `max_len` tokens (TRL's keep_start collator); its
 //! completion tokens are targets, and the prompt's too where asked (ORPO scores the chosen
-//! prompts). [`PrefBatch::seq_sums`] folds the head's per-target log-probabilities into
-//! per-sequence sums; [`PrefBatch::target_weights`] spreads dL/d(sum) back over the targets.
+//! prompts). [`PrefLayout::seq_sums`] folds the head's per-target log-probabilities into
+//! per-sequence sums; [`PrefLayout::target_weights`] spreads dL/d(sum) back over the targets.
+//! The layout rides with the rows in `Batch::pref`.
 
 use super::preference::{PairExample, UnpairedExample};
 use super::{Batch, Example, IGNORE};
 use candle_core::{Device, Result, Tensor};
+use std::sync::Arc;
 
 /// A packed micro-batch of preference sequences and which target belongs to which sequence.
 #[derive(Debug, Clone)]
 pub struct PrefBatch {
-    /// The rows as the step engine takes them (always packed: `segments` is set).
+    /// The rows as the step engine takes them (always packed: `segments` is set), with
+    /// `pref` set to `layout`.
     pub batch: Batch,
+    /// Which target belongs to which sequence.
+    pub layout: Arc<PrefLayout>,
+}
+
+/// What a preference objective needs of a micro-batch beyond its rows: each target's
+/// sequence, each sequence's lengths; KTO's labels and mismatched pairs.
+#[derive(Debug, Clone, Default)]
+pub struct PrefLayout {
     /// Per sequence: its prompt tokens (after truncation).
     pub prompt_len: Vec<usize>,
     /// Per sequence: its completion tokens left after truncation (at least one).
@@ -27,6 +38,11 @@ pub struct PrefBatch {
     /// Aligned with `batch.targets`: whether the target is a completion token (else a prompt
     /// token scored for ORPO's NLL).
     pub target_completion: Vec<bool>,
+    /// KTO: per sequence, desirable or not (empty for pairs).
+    pub desirable: Vec<bool>,
+    /// KTO: the batch of the micro-batch's mismatched pairs (its KL estimate), with its own
+    /// layout.
+    pub kl: Option<Box<Batch>>,
 }
 
 /// One sequence to lay out: prompt, completion, and whether its prompt tokens are targets.
@@ -114,6 +130,15 @@ impl PrefBatch {
             .map(|c| c.iter().collect())
             .collect();
         let batch = Batch::from_rows(&rows, pad_id, true);
+        Self::with_layout(batch, per_row, prompt_len, completion_len)
+    }
+
+    fn with_layout(
+        batch: Batch,
+        per_row: usize,
+        prompt_len: Vec<usize>,
+        completion_len: Vec<usize>,
+    ) -> PrefBatch {
         // Row r's segment k is sequence r·per_row + k.
         let segments = batch.segments.as_deref().unwrap_or_default();
         let (mut target_seq, mut target_completion) = (Vec::new(), Vec::new());
@@ -124,15 +149,46 @@ impl PrefBatch {
             target_seq.push(seq as u32);
             target_completion.push(pos >= prompt_len[seq]);
         }
-        PrefBatch {
-            batch,
+        let layout = Arc::new(PrefLayout {
             prompt_len,
             completion_len,
             target_seq,
             target_completion,
+            desirable: Vec::new(),
+            kl: None,
+        });
+        let batch = Batch {
+            pref: Some(layout.clone()),
+            ..batch
+        };
+        PrefBatch { batch, layout }
+    }
+
+    /// KTO's micro-batch: the examples with their labels, and their mismatched pairs
+    /// ([`super::preference::kl_pairs`]) as the layout's `kl` batch.
+    pub fn kto(examples: &[&UnpairedExample], pad_id: u32, max_len: usize) -> Batch {
+        let kl = super::preference::kl_pairs(examples);
+        let kl: Vec<&UnpairedExample> = kl.iter().collect();
+        let kl = Self::unpaired(&kl, pad_id, max_len, 1).batch;
+        let main = Self::unpaired(examples, pad_id, max_len, 1);
+        let layout = PrefLayout {
+            desirable: examples.iter().map(|e| e.desirable).collect(),
+            kl: Some(Box::new(kl)),
+            ..(*main.layout).clone()
+        };
+        Batch {
+            pref: Some(Arc::new(layout)),
+            ..main.batch
         }
     }
 
+    /// The batch, its layout inside.
+    pub fn into_batch(self) -> Batch {
+        self.batch
+    }
+}
+
+impl PrefLayout {
     /// Sequences in the batch.
     pub fn n_seqs(&self) -> usize {
         self.completion_len.len()
@@ -208,13 +264,14 @@ mod tests {
         // completion tokens only: 3 4 5 | 6 | 8 | 9 10
         let tokens: Vec<u32> = batch.targets.iter().map(|t| t.1).collect();
         assert_eq!(tokens, vec![3, 4, 5, 6, 8, 9, 10]);
-        assert_eq!(pb.target_seq, vec![0, 0, 0, 1, 2, 3, 3]);
-        assert!(pb.target_completion.iter().all(|&c| c));
-        assert_eq!(pb.completion_len, vec![3, 1, 1, 2]);
+        assert_eq!(pb.layout.target_seq, vec![0, 0, 0, 1, 2, 3, 3]);
+        assert!(pb.layout.target_completion.iter().all(|&c| c));
+        assert_eq!(pb.layout.completion_len, vec![3, 1, 1, 2]);
+        assert!(batch.pref.is_some());
         // one row for both pairs: no padding at all
         let one = PrefBatch::pairs(&[&a, &b], 0, 100, 2, false);
         assert_eq!((one.batch.b, one.batch.t), (1, 13));
-        assert_eq!(one.target_seq, pb.target_seq);
+        assert_eq!(one.layout.target_seq, pb.layout.target_seq);
     }
 
     #[test]
@@ -222,20 +279,21 @@ mod tests {
         let a = pair(&[1, 2, 3], &[4, 5, 6, 7], &[8, 9]);
         let pb = PrefBatch::pairs(&[&a], 0, 5, 1, true);
         assert_eq!(pb.batch.ids, vec![1, 2, 3, 4, 5, 1, 2, 3, 8, 9]);
-        assert_eq!(pb.completion_len, vec![2, 2]);
+        let pl = &pb.layout;
+        assert_eq!(pl.completion_len, vec![2, 2]);
         let tokens: Vec<u32> = pb.batch.targets.iter().map(|t| t.1).collect();
         // chosen: prompt tokens 2 3 (1 is never predicted), completion 4 5; rejected: 8 9
         assert_eq!(tokens, vec![2, 3, 4, 5, 8, 9]);
         assert_eq!(
-            pb.target_completion,
+            pl.target_completion,
             vec![false, false, true, true, true, true]
         );
         let logps = Tensor::new(&[-1.0f64, -2.0, -3.0, -4.0, -5.0, -6.0], &Device::Cpu).unwrap();
-        let (comp, prompt) = pb.seq_sums(&logps).unwrap();
+        let (comp, prompt) = pl.seq_sums(&logps).unwrap();
         assert_eq!(comp.to_vec1::<f64>().unwrap(), vec![-7.0, -11.0]);
         assert_eq!(prompt.to_vec1::<f64>().unwrap(), vec![-3.0, 0.0]);
         let d = Tensor::new(&[0.5f64, -0.25], &Device::Cpu).unwrap();
-        let w = pb
+        let w = pl
             .target_weights(&d, -0.1)
             .unwrap()
             .to_vec1::<f64>()

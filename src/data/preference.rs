@@ -528,8 +528,8 @@ mod tests {
                     let got: Vec<u32> = row.filter(|&j| seg[j] == k).map(|j| b.ids[j]).collect();
                     assert_eq!(got, ids(&w["input_ids"]), "max_length {max_len} {kind} {i}");
                     let s = 2 * i + k as usize;
-                    let mut mask = vec![0u64; pb.prompt_len[s]];
-                    mask.resize(pb.prompt_len[s] + pb.completion_len[s], 1);
+                    let mut mask = vec![0u64; pb.layout.prompt_len[s]];
+                    mask.resize(pb.layout.prompt_len[s] + pb.layout.completion_len[s], 1);
                     let want: Vec<u64> = w["completion_mask"]
                         .as_array()
                         .unwrap()
@@ -562,16 +562,22 @@ mod tests {
                     step["prompt_len"][k].as_f64().unwrap()
                 );
                 assert_eq!(
-                    pb.completion_len[2 * k] as f64,
+                    pb.layout.completion_len[2 * k] as f64,
                     step["chosen_len"][k].as_f64().unwrap()
                 );
                 assert_eq!(
-                    pb.completion_len[2 * k + 1] as f64,
+                    pb.layout.completion_len[2 * k + 1] as f64,
                     step["rejected_len"][k].as_f64().unwrap()
                 );
             }
-            let per_seq = |q: usize| pb.target_seq.iter().filter(|&&x| x as usize == q).count();
-            assert!((0..4).all(|q| per_seq(q) == pb.completion_len[q]));
+            let per_seq = |q: usize| {
+                pb.layout
+                    .target_seq
+                    .iter()
+                    .filter(|&&x| x as usize == q)
+                    .count()
+            };
+            assert!((0..4).all(|q| per_seq(q) == pb.layout.completion_len[q]));
         }
         let kto = load_unpaired(&dir.join("kto/train.jsonl"), &spec(None)).unwrap();
         assert_eq!(kto.examples.len(), 24);

@@ -14,16 +14,7 @@ pub(super) struct Row {
     pub turn_ends: Vec<u32>,
 }
 
-/// The format's name as a recipe writes it.
-pub fn format_name(f: DataFormat) -> &'static str {
-    match f {
-        DataFormat::Tokens => "tokens",
-        DataFormat::Text => "text",
-        DataFormat::Alpaca => "alpaca",
-        DataFormat::Chat => "chat",
-        DataFormat::Completion => "completion",
-    }
-}
+pub use crate::recipe::format_name;
 
 /// How a file's rows are read: format, columns, and what the format needs.
 pub(super) struct RowSpec<'a> {

@@ -642,6 +642,33 @@ impl Model {
         targets: &Tensor,
         denom: f64,
     ) -> Result<(Tensor, Tensor)> {
+        let (ce_rows, dx) = self.head_ce_rows_bwd_dev(x, targets, denom)?;
+        Ok((ce_rows.sum_all()?, dx))
+    }
+
+    /// Each row's CE, ce [n] f32, without the backward: the same kernel and the same bits as
+    /// `head_ce_rows_bwd_dev`'s (a preference objective's reference scores ties exactly).
+    pub fn head_ce_rows_dev(&self, x: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        let hn = ops::rms_norm(x, &self.norm, self.cfg.norm_spec())?;
+        let logits = ops::frozen_linear(&hn, &self.lm_head, None)?;
+        let (ce_rows, _) = ops::cross_entropy::cross_entropy_fwd_bwd(
+            &logits,
+            targets,
+            1.0,
+            self.cfg.arch.final_softcap,
+            self.kernels.cross_entropy,
+        )?;
+        Ok(ce_rows)
+    }
+
+    /// `head_loss_bwd_dev` with each row's CE kept: (ce [n] f32, dL/dx [n, C]) for L = Σ CE /
+    /// `denom`. A preference objective weighs each row's gradient by dL/d(its log-probability).
+    pub fn head_ce_rows_bwd_dev(
+        &self,
+        x: &Tensor,
+        targets: &Tensor,
+        denom: f64,
+    ) -> Result<(Tensor, Tensor)> {
         let norm = self.cfg.norm_spec();
         let hn = ops::rms_norm(x, &self.norm, norm)?; // [n, C]
         let logits = ops::frozen_linear(&hn, &self.lm_head, None)?; // [n, V]
@@ -656,10 +683,7 @@ impl Model {
         )?;
         drop(logits);
         let dhn = dl.matmul(&self.lm_head)?; // [n, C]
-        Ok((
-            ce_rows.sum_all()?,
-            ops::rms_norm_bwd(x, &self.norm, norm, &dhn)?,
-        ))
+        Ok((ce_rows, ops::rms_norm_bwd(x, &self.norm, norm, &dhn)?))
     }
 
     /// Logits at every position: ids [B, T] → [B, T, V] f32 (whole graph kept: tests, eval).

@@ -19,6 +19,28 @@ pub enum DataFormat {
     Chat,
     /// jsonl rows {"prompt", "completion"} (field names: data.prompt_field / completion_field).
     Completion,
+    /// Preference pairs as TRL reads them: {"prompt", "chosen", "rejected"} (strings or
+    /// conversations; an implicit prompt when "prompt" is absent), or pre-tokenized
+    /// {"prompt_input_ids", "chosen_input_ids", "rejected_input_ids"} (train.objective dpo, orpo,
+    /// simpo).
+    Preference,
+    /// KTO's unpaired rows {"prompt", "completion", "label"} (or "prompt_input_ids",
+    /// "completion_input_ids", "label").
+    #[serde(rename = "unpaired_preference")]
+    UnpairedPreference,
+}
+
+/// A format as the recipe writes it.
+pub fn format_name(f: DataFormat) -> &'static str {
+    match f {
+        DataFormat::Tokens => "tokens",
+        DataFormat::Text => "text",
+        DataFormat::Alpaca => "alpaca",
+        DataFormat::Chat => "chat",
+        DataFormat::Completion => "completion",
+        DataFormat::Preference => "preference",
+        DataFormat::UnpairedPreference => "unpaired_preference",
+    }
 }
 
 /// `data.train_on`: which tokens are trained.
@@ -146,7 +168,8 @@ pub struct DataSection {
     /// a Hub data set "hf://datasets/ORG/NAME", or several mixed with weights:
     /// `[{ path = "a.jsonl", weight = 2.0 }, { path = "b.jsonl", format = "chat" }]`. Required.
     pub train: TrainFiles,
-    /// "tokens" | "text" | "alpaca" | "chat" | "completion". Default: "text".
+    /// "tokens" | "text" | "alpaca" | "chat" | "completion" | "preference" |
+    /// "unpaired_preference". Default: "text".
     #[serde(default = "d_format")]
     pub format: DataFormat,
     /// Tokens per row; longer rows are truncated (and counted). Default: 512.
@@ -195,6 +218,10 @@ pub struct DataSection {
     pub files: Option<String>,
     /// An hf:// data.eval: its split. Default: "test".
     pub eval_split: Option<String>,
+    /// Preference formats: a prompt longer than this keeps its last tokens (TRL 0.x's
+    /// `max_prompt_length`). Default: none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_prompt_len: Option<usize>,
     /// Our field names → the data set's column names, for rows whose fields are named
     /// otherwise: `{ instruction = "question", output = "answer" }`. Default: {} (as named).
     #[serde(default)]

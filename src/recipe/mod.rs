@@ -18,17 +18,19 @@ mod lora;
 mod model;
 mod output;
 mod parallel;
+mod pref;
 #[cfg(test)]
 mod tests;
 mod text;
 mod train;
 mod validate;
 
-pub use data::{DataFormat, DataSection, OnBadRow, TrainFile, TrainFiles, TrainOn};
+pub use data::{format_name, DataFormat, DataSection, OnBadRow, TrainFile, TrainFiles, TrainOn};
 pub use lora::{LoraSection, Targets, KNOWN_LINEAR};
 pub use model::{DeviceKind, Dtype, ModelSection, Quantize};
 pub use output::{MergeInto, OutputSection, DEFAULT_MAX_SHARD_SIZE};
 pub use parallel::{ParallelSection, Strategy};
+pub use pref::{PrefLoss, PrefReference, TrainObjective, PREF_BETA};
 pub use train::{
     Checkpointing, Resume, Schedule, Tracker, TrainSection, MLP_CHUNK, MLP_CHUNK_MAX,
     OFFLOAD_ACTIVATIONS_DEFAULT,

@@ -1,5 +1,6 @@
 //! `[train]`: optimisation, what forward keeps, resume, memory knobs.
 
+use super::pref::{PrefLoss, PrefReference, TrainObjective};
 use serde::{de, Deserialize, Deserializer, Serialize};
 use std::path::PathBuf;
 
@@ -194,6 +195,42 @@ pub struct TrainSection {
     /// MLFLOW_TRACKING_URI, with the recipe as params). One name or a list. Default: [].
     #[serde(default, deserialize_with = "de_report_to")]
     pub report_to: Vec<Tracker>,
+    /// "sft" | "dpo" | "orpo" | "simpo" | "kto": the loss (TRL's trainers' formulas). The
+    /// preference objectives read data.format = "preference" ("unpaired_preference" for kto);
+    /// micro_batch then counts pairs (kto: examples). Default: "sft".
+    #[serde(default)]
+    pub objective: TrainObjective,
+    /// TRL's `beta` of dpo, orpo, simpo and kto. Default: 0.1.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pref_beta: Option<f64>,
+    /// DPO's loss: "sigmoid" | "ipo" | "hinge" (TRL's `loss_type`). Default: "sigmoid".
+    #[serde(default)]
+    pub pref_loss: PrefLoss,
+    /// What dpo and kto score the policy against: "base" (the adapters off) | "init_adapter"
+    /// (lora.init_adapter, TRL's `ref_adapter_name`). Default: "base".
+    #[serde(default)]
+    pub pref_reference: PrefReference,
+    /// SimPO's target reward margin γ (TRL's `simpo_gamma`). Default: 0.5.
+    #[serde(default = "d_simpo_gamma")]
+    pub simpo_gamma: f64,
+    /// SimPO: the weight of the chosen completions' NLL (TRL's `cpo_alpha`; 0 is SimPO as
+    /// published). Default: 0.
+    #[serde(default)]
+    pub cpo_alpha: f64,
+    /// KTO: the weight of the desirable examples' losses. Default: 1.0.
+    #[serde(default = "d_weight_one")]
+    pub kto_desirable_weight: f64,
+    /// KTO: the weight of the undesirable examples' losses. Default: 1.0.
+    #[serde(default = "d_weight_one")]
+    pub kto_undesirable_weight: f64,
+}
+
+fn d_simpo_gamma() -> f64 {
+    0.5
+}
+
+fn d_weight_one() -> f64 {
+    1.0
 }
 
 fn d_mlp_chunk() -> usize {
@@ -286,6 +323,14 @@ impl Default for TrainSection {
             mlp_chunk: d_mlp_chunk(),
             router_aux_loss_coef: 0.0,
             report_to: Vec::new(),
+            objective: TrainObjective::Sft,
+            pref_beta: None,
+            pref_loss: PrefLoss::Sigmoid,
+            pref_reference: PrefReference::Base,
+            simpo_gamma: d_simpo_gamma(),
+            cpo_alpha: 0.0,
+            kto_desirable_weight: 1.0,
+            kto_undesirable_weight: 1.0,
         }
     }
 }

@@ -36,6 +36,7 @@ impl Recipe {
         self.validate_train()?;
         self.validate_parallel()?;
         self.validate_output()?;
+        self.validate_pref()?;
         bounds::check(self)
     }
 

@@ -25,7 +25,7 @@
 //! are summed over the ranks in one bucket as soon as that layer's backward is done (DDP and
 //! FSDP alike). With world 1 every collective is the identity.
 
-use super::objective::{Objective, Sft, Targets};
+use super::objective::{HeadIn, Objective, Sft, Targets};
 use super::offload::Offload;
 use super::optim::Grads;
 use crate::data::Batch;
@@ -202,6 +202,8 @@ pub fn forward_backward_dev(
 ) -> Result<Option<Tensor>> {
     let dev = &model.device;
     let (b, t) = (batch.b, batch.t);
+    // A preference objective's reference forward (keeping nothing) comes first.
+    let reference = objective.reference(model, par, batch)?;
     // Every upload of the micro-batch happens here, before any work of it is queued: an
     // upload from pageable host memory can wait for the device's queue to drain, which at
     // the head would hold the host until the whole forward has run.
@@ -259,7 +261,13 @@ pub fn forward_backward_dev(
     let c = model.cfg.hidden_size;
     let x = fwd.x.reshape((b * t, c))?;
     let head_model = io.as_ref().unwrap_or(model);
-    let out = objective.head(head_model, &x, targets.as_ref(), denom)?;
+    let head_in = HeadIn {
+        targets: targets.as_ref(),
+        denom,
+        batch,
+        reference: reference.as_ref(),
+    };
+    let out = objective.head(head_model, &x, &head_in)?;
     let (ce, g) = (out.loss_sum, out.grad_rows);
     let g = place_rows(g, &batch.targets, &x)?; // dL/dh [B·T, C]
     drop((x, io));

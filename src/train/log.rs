@@ -111,6 +111,20 @@ impl Log {
             row["load_s"] = t.into();
         }
         let mut msg = format!("loss {loss:.4}  ");
+        // A preference objective's metrics, under TRL's names; the bar shows the margin and
+        // accuracy (ORPO: its NLL too).
+        for &(name, v) in &d.metrics {
+            row[name] = v.into();
+        }
+        for (name, short) in [
+            ("rewards/margins", "margin"),
+            ("rewards/accuracies", "acc"),
+            ("nll_loss", "nll"),
+        ] {
+            if let Some(&(_, v)) = d.metrics.iter().find(|m| m.0 == name) {
+                msg.push_str(&format!("{short} {v:.4}  "));
+            }
+        }
         // Per-phase peaks of the device pool since the last row (CUDA only).
         let peaks = std::mem::take(&mut self.peaks);
         if !peaks.is_empty() {

@@ -25,6 +25,8 @@ pub mod offload;
 pub mod optim;
 pub mod owner;
 pub mod pref_loss;
+pub mod pref_objective;
+pub mod pref_ref;
 pub mod preflight;
 pub mod readback;
 pub mod resolve;

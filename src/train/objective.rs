@@ -1,28 +1,139 @@
 //! The training objective: what a step asks of the head. The driver runs the decoder forward,
 //! hands the last layer's output to the objective, and runs the decoder backward from the
-//! gradient it returns; the objective alone knows the loss. Today's is the SFT cross-entropy
-//! (`Sft`); a preference objective (DPO and its kin) plugs in here without touching the driver
-//! or the layers.
+//! gradient it returns; the objective alone knows the loss. SFT's cross-entropy is `Sft`; the
+//! preference objectives (DPO, ORPO, SimPO, KTO) are `super::pref_objective::Pref`, which also
+//! runs the reference's forward before the policy's (`Objective::reference`) and a step-wide
+//! pass first (`Objective::begin_step`: the step's pair count, KTO's KL estimate), without
+//! touching the driver's layer loop or the layers.
 //!
 //! Shapes: N positions of the micro-batch (B·T), C hidden, V vocab, n counted positions.
 
+use super::driver::Par;
+use super::kto_loss::Kto;
+use super::pref_loss::{DpoLoss, Metric, PairObjective};
+use super::pref_ref::RefWeights;
+use crate::data::Batch;
 use crate::memory::sizes::head_chunk_rows;
 use crate::model::Model;
-use candle_core::{Result, Tensor};
+use crate::parallel::Comm;
+use crate::recipe::{PrefLoss, PrefReference, Recipe, TrainObjective, PREF_BETA};
+use candle_core::{Result, Tensor, TensorId};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// What DPO and KTO score the policy against (`train.pref_reference`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Reference {
+    /// The base, the adapters off.
+    #[default]
+    Base,
+    /// The adapter the run started from (`lora.init_adapter`).
+    InitAdapter,
+}
 
 /// Which objective a run trains (`RunConfig::objective`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub enum ObjectiveKind {
     /// Causal-LM cross-entropy over the counted tokens (supervised fine-tuning).
     #[default]
     Sft,
+    /// DPO, ORPO or SimPO on pairs (DPO against `reference`).
+    Pair {
+        /// The loss and its settings.
+        loss: PairObjective,
+        /// DPO's reference.
+        reference: Reference,
+    },
+    /// KTO on unpaired examples, against `reference`.
+    Kto {
+        /// KTO's settings.
+        loss: Kto,
+        /// The reference.
+        reference: Reference,
+    },
 }
 
 impl ObjectiveKind {
-    /// The objective itself.
-    pub fn objective(self) -> Box<dyn Objective> {
+    /// The recipe's `train.objective` and its settings, resolved.
+    pub fn of(r: &Recipe) -> ObjectiveKind {
+        let t = &r.train;
+        let beta = t.pref_beta.unwrap_or(PREF_BETA);
+        let reference = match t.pref_reference {
+            PrefReference::Base => Reference::Base,
+            PrefReference::InitAdapter => Reference::InitAdapter,
+        };
+        let pair = |loss| ObjectiveKind::Pair { loss, reference };
+        match t.objective {
+            TrainObjective::Sft => ObjectiveKind::Sft,
+            TrainObjective::Dpo => pair(PairObjective::Dpo {
+                beta,
+                loss: match t.pref_loss {
+                    PrefLoss::Sigmoid => DpoLoss::Sigmoid,
+                    PrefLoss::Ipo => DpoLoss::Ipo,
+                    PrefLoss::Hinge => DpoLoss::Hinge,
+                },
+            }),
+            TrainObjective::Orpo => pair(PairObjective::Orpo { beta }),
+            TrainObjective::Simpo => pair(PairObjective::Simpo {
+                beta,
+                gamma: t.simpo_gamma,
+                cpo_alpha: t.cpo_alpha,
+            }),
+            TrainObjective::Kto => ObjectiveKind::Kto {
+                loss: Kto {
+                    beta,
+                    desirable_weight: t.kto_desirable_weight,
+                    undesirable_weight: t.kto_undesirable_weight,
+                },
+                reference,
+            },
+        }
+    }
+
+    /// Whether the data are preference rows (pairs or KTO's unpaired examples).
+    pub fn is_pref(self) -> bool {
+        self != ObjectiveKind::Sft
+    }
+
+    /// KTO's unpaired examples (else pairs).
+    pub fn is_kto(self) -> bool {
+        matches!(self, ObjectiveKind::Kto { .. })
+    }
+
+    /// ORPO: the chosen prompts are scored too (its NLL).
+    pub fn scores_chosen_prompt(self) -> bool {
+        matches!(
+            self,
+            ObjectiveKind::Pair {
+                loss: PairObjective::Orpo { .. },
+                ..
+            }
+        )
+    }
+
+    /// The reference model it scores against: None without one (SFT, ORPO, SimPO).
+    pub fn reference(self) -> Option<Reference> {
+        match self {
+            ObjectiveKind::Pair {
+                loss: PairObjective::Dpo { .. },
+                reference,
+            }
+            | ObjectiveKind::Kto { reference, .. } => Some(reference),
+            _ => None,
+        }
+    }
+
+    /// The objective itself; `init`: the init adapter's values (`pref_ref::snapshot`), for
+    /// `Reference::InitAdapter`.
+    pub fn objective(self, init: Option<Arc<HashMap<TensorId, Tensor>>>) -> Box<dyn Objective> {
+        let weights = match (self.reference(), init) {
+            (Some(Reference::InitAdapter), Some(init)) => Some(RefWeights::Init(init)),
+            (Some(_), _) => Some(RefWeights::Base),
+            (None, _) => None,
+        };
         match self {
             ObjectiveKind::Sft => Box::new(Sft::default()),
+            kind => Box::new(super::pref_objective::Pref::new(kind, weights)),
         }
     }
 }
@@ -45,19 +156,43 @@ pub struct HeadOut {
     pub grad_rows: Vec<Tensor>,
 }
 
+/// What the head of one micro-batch is given besides the hidden states.
+pub struct HeadIn<'a> {
+    /// The counted positions (None: nothing counted).
+    pub targets: Option<&'a Targets>,
+    /// The step's loss denominator over every micro-batch and rank, so that the gradients of
+    /// the micro-batches and ranks add up to the step's.
+    pub denom: f64,
+    /// The micro-batch (a preference objective reads its layout, `Batch::pref`).
+    pub batch: &'a Batch,
+    /// What `Objective::reference` gave for this micro-batch.
+    pub reference: Option<&'a Tensor>,
+}
+
 /// A training objective at the head.
 pub trait Objective: Send + Sync {
-    /// The head and the loss over the counted positions `targets` of `x` [N, C] (the final
-    /// hidden states, before the norm), forward and backward: the loss's numerator and dL/dx
-    /// of the counted rows. `denom`: the step's loss denominator over every micro-batch and
-    /// rank, so that the gradients of the micro-batches and ranks add up to the step's.
-    fn head(
-        &self,
-        model: &Model,
-        x: &Tensor,
-        targets: Option<&Targets>,
-        denom: f64,
-    ) -> Result<HeadOut>;
+    /// Before a step's micro-batches (this rank's `batches`), on every rank: what the head of
+    /// each needs from the whole step (over every rank). SFT: nothing.
+    fn begin_step(&self, _model: &Model, _par: &Par, _batches: &[Batch]) -> Result<()> {
+        Ok(())
+    }
+
+    /// Before a micro-batch's policy forward: the reference's per-sequence log-probabilities,
+    /// when the objective has a reference.
+    fn reference(&self, _model: &Model, _par: &Par, _batch: &Batch) -> Result<Option<Tensor>> {
+        Ok(None)
+    }
+
+    /// The head and the loss over the counted positions of `x` [N, C] (the final hidden
+    /// states, before the norm), forward and backward: the loss's numerator and dL/dx of the
+    /// counted rows.
+    fn head(&self, model: &Model, x: &Tensor, h: &HeadIn) -> Result<HeadOut>;
+
+    /// After a step's micro-batches: its metrics beside the loss (TRL's names), averaged over
+    /// its micro-batches and every rank. SFT: none.
+    fn end_step(&self, _comm: &dyn Comm, _model: &Model) -> Result<Vec<Metric>> {
+        Ok(Vec::new())
+    }
 }
 
 /// Supervised fine-tuning: Σ token cross-entropy over the counted positions / `denom`, the
@@ -71,13 +206,8 @@ pub struct Sft {
 }
 
 impl Objective for Sft {
-    fn head(
-        &self,
-        model: &Model,
-        x: &Tensor,
-        targets: Option<&Targets>,
-        denom: f64,
-    ) -> Result<HeadOut> {
+    fn head(&self, model: &Model, x: &Tensor, h: &HeadIn) -> Result<HeadOut> {
+        let (targets, denom) = (h.targets, h.denom);
         let chunk = self
             .head_chunk
             .unwrap_or_else(|| head_chunk_rows(model.cfg.vocab_size, model.kernels.cross_entropy))

@@ -174,7 +174,7 @@ impl RunConfig {
                 resume: t.resume.clone(),
             },
             max_memory: r.max_memory(),
-            objective: ObjectiveKind::Sft,
+            objective: ObjectiveKind::of(r),
             spec,
             cfg,
             recipe,

@@ -39,6 +39,10 @@ pub struct Session {
     pub base_revision: Option<String>,
     /// What loading took, part by part.
     pub load_times: LoadTimes,
+    /// `train.pref_reference = "init_adapter"`: the init adapter's values, copied as loaded
+    /// (the reference of DPO and KTO, whatever the run's adapters become).
+    pub reference:
+        Option<Arc<std::collections::HashMap<candle_core::TensorId, candle_core::Tensor>>>,
 }
 
 /// Seconds loading a session took, apart: the weights (read, cast and uploaded, fresh
@@ -108,6 +112,12 @@ impl Session {
                 }
             }
         }
+        let reference = match run.objective.reference() {
+            Some(super::objective::Reference::InitAdapter) => {
+                Some(super::pref_ref::snapshot(&model)?)
+            }
+            _ => None,
+        };
         model.device.synchronize()?;
         let load_times = LoadTimes {
             weights,
@@ -123,6 +133,7 @@ impl Session {
             shards,
             memory: MemoryWatch::default(),
             load_times,
+            reference,
         })
     }
 

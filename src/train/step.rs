@@ -74,6 +74,8 @@ struct Reading {
     denom: usize,
     /// This rank's tokens (padding excluded).
     tokens: usize,
+    /// The objective's metrics of the step (`Objective::end_step`).
+    metrics: Vec<(&'static str, f64)>,
 }
 
 enum Counted {
@@ -85,7 +87,8 @@ enum Counted {
 /// What the host learns of a finished step.
 #[derive(Debug, Clone)]
 pub struct Done {
-    /// Mean token cross-entropy over the step's counted tokens (every rank's).
+    /// The step's loss: SFT's mean token cross-entropy over the step's counted tokens (every
+    /// rank's); a preference objective's over the step's pairs.
     pub loss: f64,
     pub grad_norm: f64,
     /// The loss and every gradient were finite, so the update was applied.
@@ -96,6 +99,9 @@ pub struct Done {
     pub denom: usize,
     /// The device pool's peak in each phase of the step (empty on the CPU).
     pub peaks: BTreeMap<&'static str, u64>,
+    /// The objective's metrics beside the loss (TRL's names: `rewards/chosen`, ...), over
+    /// the step's micro-batches and ranks; empty for SFT.
+    pub metrics: Vec<(&'static str, f64)>,
 }
 
 impl<'a> Engine<'a> {
@@ -112,7 +118,7 @@ impl<'a> Engine<'a> {
             run.optim.max_grad_norm,
             run.dropout_seed(),
         );
-        e.objective = run.objective.objective();
+        e.objective = run.objective.objective(s.reference.clone());
         e
     }
 
@@ -148,6 +154,8 @@ impl<'a> Engine<'a> {
         let mut grads = Grads::new();
         let mut ce: Option<Tensor> = None;
         self.meter.begin(dev)?;
+        self.objective
+            .begin_step(self.model, &self.par(true), batches)?;
         for (k, b) in batches.iter().enumerate() {
             // Keyed by the global micro-batch index: a row draws the same mask whatever the
             // number of ranks.
@@ -172,6 +180,7 @@ impl<'a> Engine<'a> {
             )?;
             ce = driver::add_ce(ce, c)?;
         }
+        let metrics = self.objective.end_step(self.comm, self.model)?;
         self.meter.done = Some("backward");
         let tokens: usize = batches.iter().map(|b| b.tokens).sum();
         // The step's Σ CE and tokens over every rank (for the loss, its finite check and the
@@ -215,8 +224,17 @@ impl<'a> Engine<'a> {
                 counted,
                 denom,
                 tokens,
+                metrics,
             },
         })
+    }
+
+    fn par(&self, reduce: bool) -> Par<'a> {
+        Par {
+            comm: self.comm,
+            shards: self.shards,
+            reduce,
+        }
     }
 
     /// Queues the step's AdamW update at learning rate `lr`.
@@ -261,6 +279,7 @@ impl<'a> Engine<'a> {
             tokens,
             denom: r.denom,
             peaks: p.peaks,
+            metrics: r.metrics,
         })
     }
 

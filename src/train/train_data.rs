@@ -7,6 +7,8 @@ use super::checkpoint::Cursor;
 use super::eval;
 use super::run_loop::PlannedStep;
 use super::session::Session;
+use crate::data::pref_set::PrefSet;
+use crate::data::preference::PrefSpec;
 use crate::data::{Batch, DataPlan, Dataset, ExampleRef, RecipeData, Sampler, TextTokenizer};
 use crate::hub::ModelFiles;
 use crate::recipe::DataSection;
@@ -40,6 +42,11 @@ pub struct TrainData {
     pub world: usize,
     /// Seconds loading took (the tokenizer, tokenizing or mapping the cache, the eval split).
     pub load_s: f64,
+    /// A preference objective's pairs (or KTO's examples): `data` is then their stand-in for
+    /// the sampler (`data::pref_set`), and `batch` lays them out.
+    pub pref: Option<PrefSet>,
+    /// ORPO: the chosen prompts are scored too.
+    pub score_chosen_prompt: bool,
 }
 
 impl TrainData {
@@ -62,14 +69,31 @@ impl TrainData {
             sample_every: run.hooks.sample_every,
             seed: run.seed,
         };
-        let opts = crate::data::Options::from_env()?;
-        let RecipeData {
-            data,
-            eval,
-            notes,
-            tokenizer,
-        } = crate::data::recipe_data(&plan, &files, run.cfg.vocab_size, &opts)?;
-        super::run_check::something_to_train(&cfg, &data)?;
+        let (data, eval, notes, tokenizer, pref) = match run.objective.is_pref() {
+            true => {
+                let tokenizer = crate::data::recipe_tokenizer(&plan, &files)?;
+                let spec = PrefSpec {
+                    tok: tokenizer.as_ref(),
+                    max_len: cfg.seq_len,
+                    max_prompt_len: cfg.max_prompt_len,
+                    vocab_size: run.cfg.vocab_size,
+                };
+                let (data, set) = PrefSet::load(&cfg, &spec, run.objective.is_kto())?;
+                let notes = set.notes.clone();
+                (data, None, notes, tokenizer, Some(set))
+            }
+            false => {
+                let opts = crate::data::Options::from_env()?;
+                let RecipeData {
+                    data,
+                    eval,
+                    notes,
+                    tokenizer,
+                } = crate::data::recipe_data(&plan, &files, run.cfg.vocab_size, &opts)?;
+                super::run_check::something_to_train(&cfg, &data)?;
+                (data, eval, notes, tokenizer, None)
+            }
+        };
         let sampler = Sampler::new(&data, &cfg, run.seed);
         Ok(TrainData {
             data,
@@ -86,6 +110,8 @@ impl TrainData {
             world: s.comm.world(),
             cfg,
             load_s: t0.elapsed().as_secs_f64(),
+            pref,
+            score_chosen_prompt: run.objective.scores_chosen_prompt(),
         })
     }
 
@@ -152,6 +178,14 @@ impl TrainData {
 
     /// The micro-batch of `rows` (each a row's example indices).
     pub fn batch(&self, rows: &[Vec<usize>]) -> Batch {
+        if let Some(p) = &self.pref {
+            return p.batch(
+                rows,
+                self.pad_id,
+                self.cfg.seq_len,
+                self.score_chosen_prompt,
+            );
+        }
         let rows: Vec<Vec<ExampleRef>> = rows
             .iter()
             .map(|r| r.iter().map(|&i| self.data.examples.get(i)).collect())

@@ -35,6 +35,7 @@ mod nf4;
 mod ops;
 mod output_streams;
 mod parallel;
+mod pref;
 mod plan;
 mod qlora;
 mod qmerge;
