@@ -56,6 +56,7 @@ fn reference_recipe_spells_out_the_defaults() {
     let text = std::fs::read_to_string(&path).unwrap();
     let data: toml::Table = toml::from_str(&toml::to_string(&r.data).unwrap()).unwrap();
     let unset = [
+        "max_prompt_len",
         "train_on",
         "chat_template",
         "eval",

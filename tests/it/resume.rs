@@ -37,7 +37,7 @@ fn bytes(p: &Path) -> Vec<u8> {
 }
 
 /// Two files with the same bytes (the message names the first difference, not the bytes).
-fn assert_same(a: &Path, b: &Path) {
+pub(crate) fn assert_same(a: &Path, b: &Path) {
     let (x, y) = (bytes(a), bytes(b));
     if x != y {
         let at = x
@@ -256,7 +256,7 @@ fn tiny_cli_args(out: &Path, steps: usize, extra: &[&str]) -> Vec<String> {
 }
 
 /// Starts the binary with stderr read line by line on a channel.
-fn spawn(args: &[String], env: &[(&str, &str)]) -> (Child, mpsc::Receiver<String>) {
+pub(crate) fn spawn(args: &[String], env: &[(&str, &str)]) -> (Child, mpsc::Receiver<String>) {
     let mut cmd = std::process::Command::new(assert_cmd::cargo::cargo_bin("lora-train"));
     cmd.current_dir(root())
         .args(args)
@@ -279,7 +279,7 @@ fn spawn(args: &[String], env: &[(&str, &str)]) -> (Child, mpsc::Receiver<String
 }
 
 /// Lines until one contains `what` (that one included).
-fn wait_for_line(rx: &mpsc::Receiver<String>, what: &str) -> Vec<String> {
+pub(crate) fn wait_for_line(rx: &mpsc::Receiver<String>, what: &str) -> Vec<String> {
     let mut seen = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(60);
     while Instant::now() < deadline {
