@@ -100,6 +100,13 @@ pub fn run(a: PlanArgs) -> anyhow::Result<()> {
             let run = RunConfig::resolve(r, Machine::Forecast { gpus })?;
             let sel = (run.strategy, run.ckpt);
             let input = run.plan_input(gpus);
+            if run.objective.seqs_per_row() > 1 && !a.json {
+                lora_train::outln!(
+                    "train.objective = \"{}\": micro_batch counts pairs, a pair's chosen and rejected sequences one row of up to 2 × data.seq_len = {} tokens",
+                    run.recipe.train.objective.name(),
+                    input.seq_len
+                );
+            }
             (input, run.batch.grad_accum, sel, run.max_memory, used)
         }
         (None, None) => {

@@ -54,6 +54,7 @@ const CODE: &[(&str, &str)] = &[
     ("mod.rs", include_str!("mod.rs")),
     ("parquet.rs", include_str!("parquet.rs")),
     ("pref_batch.rs", include_str!("pref_batch.rs")),
+    ("pref_set.rs", include_str!("pref_set.rs")),
     ("preference.rs", include_str!("preference.rs")),
     ("progress.rs", include_str!("progress.rs")),
     ("reader.rs", include_str!("reader.rs")),

@@ -95,6 +95,14 @@ impl ObjectiveKind {
         self != ObjectiveKind::Sft
     }
 
+    /// Sequences a row of a micro-batch holds: a pair's two (DPO, ORPO, SimPO), else one.
+    pub fn seqs_per_row(self) -> usize {
+        match self {
+            ObjectiveKind::Pair { .. } => 2,
+            _ => 1,
+        }
+    }
+
     /// KTO's unpaired examples (else pairs).
     pub fn is_kto(self) -> bool {
         matches!(self, ObjectiveKind::Kto { .. })

@@ -191,7 +191,11 @@ impl RunConfig {
             tied: cfg.tie_word_embeddings.unwrap_or(false),
             dtype_bytes: self.dtype.size_in_bytes() as u64,
             micro_batch: self.batch.micro_batch,
-            seq_len: self.batch.seq_len,
+            // A pair's chosen and rejected sequences share a row (data::pref_batch): rows of up
+            // to 2 × seq_len tokens. The reference's forward (and KTO's over its mismatched
+            // pairs) keeps nothing and runs before the policy's: its transient, one layer's
+            // working set, stays under the step's peak, which is counted.
+            seq_len: self.batch.seq_len * self.objective.seqs_per_row(),
             rank: self.spec.rank,
             targets: self.spec.targets.clone(),
             dora: self.spec.dora,

@@ -18,8 +18,10 @@ const MODELS: [(&str, &str); 6] = [
 ];
 
 /// The recipes for real models (the others train the tiny model we ship).
-const REAL: [&str; 8] = [
+const REAL: [&str; 10] = [
     "llama7b.toml",
+    "llama3-8b-dpo.toml",
+    "qwen2.5-7b-orpo.toml",
     "llama7b-qlora.toml",
     "llama7b-fsdp4.toml",
     "llama3-8b-chat.toml",
