@@ -22,7 +22,7 @@ use crate::hub::Source;
 use crate::memory::{self, plan};
 use crate::model::{shapes, ModelConfig};
 use crate::parallel::Comm;
-use crate::recipe::{Checkpointing, DeviceKind, Quantize, Recipe, Strategy};
+use crate::recipe::{Checkpointing, DeviceKind, Quantize, Recipe, Strategy, TrainObjective};
 use crate::train::launch::launch;
 use crate::train::{Machine, RunConfig, Session};
 use anyhow::{bail, Result};
@@ -85,6 +85,11 @@ pub struct BenchArgs {
     pub tag: Option<String>,
     /// How the frozen base is stored (`--quantize nf4`: QLoRA, double quant).
     pub quant: Quantize,
+    /// train.objective: "sft", or a preference objective on random pairs (`seq` tokens a
+    /// sequence, `prompt_len` of them the prompt shared by a pair's two completions).
+    pub objective: TrainObjective,
+    /// Prompt tokens of each pair (preference objectives).
+    pub prompt_len: usize,
 }
 
 /// The learning rate of every bench step (constant).
@@ -149,6 +154,11 @@ fn recipe(a: &BenchArgs, cfg: &ModelConfig, out_dir: PathBuf) -> Result<Recipe> 
     r.data.train = TrainFiles::One(PathBuf::from("<random rows>"));
     r.data.seq_len = a.seq;
     r.data.pack = a.pack > 1;
+    if let Some(f) = a.objective.data_format() {
+        r.data.format = f;
+        r.data.pack = false;
+    }
+    r.train.objective = a.objective;
     let t = &mut r.train;
     (t.micro_batch, t.grad_accum) = (a.micro_batch, a.grad_accum.max(1));
     (t.lr, t.schedule, t.seed) = (LR, Schedule::Constant, 0);

@@ -58,7 +58,12 @@ impl Report<'_> {
         let loss = losses.last().copied().unwrap_or(0.0);
         let cuda = self.s.run.cuda();
         // This rank's tokens per second; every rank's figures gathered for rank 0's report.
-        let tokens = (accum * b * t * a.steps) as f64;
+        // A pair trains its two sequences (KTO: one, and its mismatched pair's forward).
+        let seqs = match a.objective {
+            crate::recipe::TrainObjective::Sft | crate::recipe::TrainObjective::Kto => 1,
+            _ => 2,
+        };
+        let tokens = (accum * b * seqs * t * a.steps) as f64;
         let tps = tokens / dt;
         let (fpt, work_fpt) = step_flops(a, cfg, spec, model.mlp_chunk, self.keep, self.evals);
         let r2 = |x: f64| (x * 100.0).round() / 100.0;
@@ -103,6 +108,13 @@ impl Report<'_> {
         // The timed window by wall time, for scripts/energy.py (one json! call would pass the
         // macro's recursion limit).
         out["timed_unix_s"] = serde_json::json!(clock.window_unix(self.steps.t1));
+        if a.objective.data_format().is_some() {
+            out["objective"] = a.objective.name().into();
+            out["prompt_len"] = a.prompt_len.into();
+            // pairs (KTO: examples) a second over the ranks
+            out["pairs_per_s"] = ((total_tps / (seqs * t) as f64) * 100.0).round().into();
+            out["pairs_per_s"] = (out["pairs_per_s"].as_f64().unwrap_or(0.0) / 100.0).into();
+        }
         self.host_figures(&mut out);
         Ok(out)
     }
@@ -169,6 +181,17 @@ fn step_flops(
     };
     let fpt = super::flops_per_token(n_linear, cfg.num_layers, cfg.hidden_size, t, full)
         + 2.0 * mlp_recompute as f64;
+    // DPO and KTO: the reference's forward on top (KTO: and two forwards of its mismatched
+    // pairs, per trained token)
+    let fwd = super::flops_per_token(n_linear, cfg.num_layers, cfg.hidden_size, t, true)
+        - super::flops_per_token(n_linear, cfg.num_layers, cfg.hidden_size, t, false);
+    let fpt = fpt
+        + fwd
+            * match a.objective {
+                crate::recipe::TrainObjective::Dpo => 1.0,
+                crate::recipe::TrainObjective::Kto => 3.0,
+                _ => 0.0,
+            };
     let work = workload::Work {
         n_linear,
         adapter: workload::adapter_weights(cfg, spec),

@@ -26,6 +26,9 @@ pub(super) fn micro_batches(
         let mut rng = crate::rng::Rng::new(1234 + g as u64);
         (0..t).map(|_| rng.below(vocab) as u32).collect()
     };
+    if a.objective.data_format().is_some() {
+        return pref_batches(a, vocab, rank, world);
+    }
     let micro = |m: usize| {
         let ids: Vec<u32> = (0..b)
             .flat_map(|j| row((m * b + j) * world + rank))
@@ -38,4 +41,50 @@ pub(super) fn micro_batches(
         _ => (accum..accum + a.eval_batches.max(1)).map(micro).collect(),
     };
     (batches, evals)
+}
+
+/// Random preference micro-batches: pair g's prompt (`prompt_len` tokens) and its chosen and
+/// rejected completions (`seq - prompt_len` tokens each) seeded by g, laid out as `train` lays
+/// pairs out (a pair's two sequences one row; KTO: one example a row, its mismatched pairs).
+fn pref_batches(
+    a: &BenchArgs,
+    vocab: usize,
+    rank: usize,
+    world: usize,
+) -> (Vec<Batch>, Vec<Batch>) {
+    use crate::data::pref_batch::PrefBatch;
+    use crate::data::preference::{PairExample, UnpairedExample};
+    let (b, t, accum) = (a.micro_batch, a.seq, a.grad_accum.max(1));
+    let p = a.prompt_len.clamp(1, t.saturating_sub(1).max(1));
+    let ids = |rng: &mut crate::rng::Rng, n: usize| -> Vec<u32> {
+        (0..n).map(|_| rng.below(vocab) as u32).collect()
+    };
+    let pair = |g: usize| {
+        let mut rng = crate::rng::Rng::new(4321 + g as u64);
+        PairExample {
+            prompt: ids(&mut rng, p),
+            chosen: ids(&mut rng, t - p),
+            rejected: ids(&mut rng, t - p),
+        }
+    };
+    let orpo = a.objective == crate::recipe::TrainObjective::Orpo;
+    let micro = |m: usize| {
+        let pairs: Vec<PairExample> = (0..b).map(|j| pair((m * b + j) * world + rank)).collect();
+        match a.objective {
+            crate::recipe::TrainObjective::Kto => {
+                let ex: Vec<UnpairedExample> = pairs
+                    .into_iter()
+                    .enumerate()
+                    .map(|(j, x)| UnpairedExample {
+                        prompt: x.prompt,
+                        completion: x.chosen,
+                        desirable: j % 2 == 0,
+                    })
+                    .collect();
+                PrefBatch::kto(&ex.iter().collect::<Vec<_>>(), 0, t)
+            }
+            _ => PrefBatch::pairs(&pairs.iter().collect::<Vec<_>>(), 0, t, 1, orpo).into_batch(),
+        }
+    };
+    ((0..accum).map(micro).collect(), Vec::new())
 }

@@ -1,7 +1,7 @@
 //! `lora-train bench --shape NAME`: training steps timed on random weights of a named shape.
 
 use clap::{Args, ValueEnum};
-use lora_train::recipe::{Checkpointing, DeviceKind, Quantize, Strategy};
+use lora_train::recipe::{Checkpointing, DeviceKind, Quantize, Strategy, TrainObjective};
 use std::path::PathBuf;
 
 #[derive(Args, Clone)]
@@ -94,6 +94,23 @@ pub struct BenchArgs {
     /// recipe's model.quantize.
     #[arg(long, value_enum, default_value_t = QuantArg::None)]
     quantize: QuantArg,
+    /// The objective (train.objective): sft, or dpo / orpo / simpo / kto on random pairs of
+    /// --seq tokens a sequence (--micro-batch counts pairs).
+    #[arg(long, value_enum, default_value_t = ObjectiveArg::Sft)]
+    objective: ObjectiveArg,
+    /// Preference objectives: the prompt tokens of each pair (of --seq).
+    #[arg(long, default_value_t = 512)]
+    prompt_len: u32,
+}
+
+/// `--objective`'s values.
+#[derive(Clone, Copy, ValueEnum)]
+enum ObjectiveArg {
+    Sft,
+    Dpo,
+    Orpo,
+    Simpo,
+    Kto,
 }
 
 fn dropout(s: &str) -> Result<f32, String> {
@@ -198,6 +215,14 @@ pub fn run(b: BenchArgs) -> anyhow::Result<()> {
         eval_every: b.eval_every as usize,
         eval_batches: b.eval_batches as usize,
         save_every: b.save_every as usize,
+        objective: match b.objective {
+            ObjectiveArg::Sft => TrainObjective::Sft,
+            ObjectiveArg::Dpo => TrainObjective::Dpo,
+            ObjectiveArg::Orpo => TrainObjective::Orpo,
+            ObjectiveArg::Simpo => TrainObjective::Simpo,
+            ObjectiveArg::Kto => TrainObjective::Kto,
+        },
+        prompt_len: b.prompt_len as usize,
         tag: b.tag,
         quant: match b.quantize {
             QuantArg::None => Quantize::None,

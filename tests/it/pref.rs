@@ -367,3 +367,91 @@ fn a_dpo_run_resumed_after_sigint_is_bit_identical_to_one_that_never_stopped() {
     assert_eq!(ra.len(), 300);
     assert_eq!(ra, rb);
 }
+
+/// Recipes that cannot train a preference objective stop before anything runs, naming the
+/// key and the fix.
+#[test]
+fn mismatched_objective_format_and_reference_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let text = pref_recipe("dpo_sigmoid", &out);
+    let p = tmp.path().join("recipe.toml");
+    std::fs::write(&p, &text).unwrap();
+    let err = |sets: &[&str]| -> String {
+        let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        match lora_train::recipe::Recipe::load(&p, &sets) {
+            Ok(_) => panic!("{sets:?} was accepted"),
+            Err(e) => e.to_string(),
+        }
+    };
+    let e = err(&["data.format=tokens"]);
+    assert!(
+        e.contains("data.format") && e.contains("\"dpo\" reads data.format = \"preference\""),
+        "{e}"
+    );
+    let e = err(&["train.objective=sft"]);
+    assert!(
+        e.contains("train.objective") && e.contains("\"preference\""),
+        "{e}"
+    );
+    let no_init: String = text
+        .lines()
+        .filter(|l| !l.starts_with("init_adapter"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let q = tmp.path().join("no-init.toml");
+    std::fs::write(&q, no_init).unwrap();
+    let sets = vec!["train.pref_reference=init_adapter".to_string()];
+    let e = lora_train::recipe::Recipe::load(&q, &sets)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("needs lora.init_adapter"), "{e}");
+    let e = err(&["train.objective=orpo", "train.pref_reference=init_adapter"]);
+    assert!(e.contains("no reference model"), "{e}");
+    let e = err(&["train.pref_beta=0"]);
+    assert!(e.contains("train.pref_beta"), "{e}");
+    let e = err(&["data.pack=true"]);
+    assert!(e.contains("data.pack"), "{e}");
+    let e = err(&["data.eval_fraction=0.1"]);
+    assert!(e.contains("not evaluated"), "{e}");
+    let e = err(&["data.format=unpaired_preference"]);
+    assert!(e.contains("\"unpaired_preference\""), "{e}");
+}
+
+/// `bench --objective dpo` trains random pairs on the tiny shape: from B = 0 the policy is the
+/// reference, so the first loss is ln 2; the JSON counts pairs.
+#[test]
+fn bench_dpo_starts_at_ln2_and_counts_pairs() {
+    let o = Command::cargo_bin("lora-train")
+        .unwrap()
+        .args([
+            "bench",
+            "--shape",
+            "tiny",
+            "--device",
+            "cpu",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--objective",
+            "dpo",
+            "--seq",
+            "32",
+            "--prompt-len",
+            "8",
+            "--micro-batch",
+            "2",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    let j: Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    assert_eq!(j["objective"], "dpo", "{j}");
+    assert_eq!(j["prompt_len"], 8);
+    let losses = j["losses"].as_array().unwrap();
+    assert_eq!(losses[0].as_f64().unwrap(), 0.6931, "{j}");
+    assert!(j["pairs_per_s"].as_f64().unwrap() > 0.0, "{j}");
+}
