@@ -452,6 +452,8 @@ fn bench_dpo_starts_at_ln2_and_counts_pairs() {
     assert_eq!(j["objective"], "dpo", "{j}");
     assert_eq!(j["prompt_len"], 8);
     let losses = j["losses"].as_array().unwrap();
-    assert_eq!(losses[0].as_f64().unwrap(), 0.6931, "{j}");
+    // the JSON rounds losses to 1e-4
+    let first = losses[0].as_f64().unwrap();
+    assert!((first - std::f64::consts::LN_2).abs() < 1e-4, "{j}");
     assert!(j["pairs_per_s"].as_f64().unwrap() > 0.0, "{j}");
 }
