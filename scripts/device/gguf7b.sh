@@ -26,7 +26,7 @@ C=/tmp/llama2-7b W=/tmp/g7
 rm -rf $W && mkdir -p $W
 t0=$(date +%s)
 say() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
-python3 scripts/make_random_checkpoint.py $C llama2-7b --rows 8 2>&1 | tail -1
+[ -f $C/data.jsonl ] || python3 scripts/make_random_checkpoint.py $C llama2-7b --rows 8 2>&1 | tail -1
 cp recipes/assets/tiny-llama/tokenizer*.json $C/
 say "checkpoint made"
 $E $B --recipe scripts/device/random-checkpoint.toml --set model.path=$C \
