@@ -16,7 +16,7 @@
 mod hooks;
 mod report;
 mod rows;
-pub mod workload;
+pub(crate) mod workload;
 
 use crate::hub::Source;
 use crate::memory::{self, plan};
@@ -30,7 +30,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-pub use rows::random_batch;
+pub(crate) use rows::random_batch;
 
 /// `lora-train bench`'s settings.
 #[derive(Debug, Clone)]
@@ -93,7 +93,7 @@ const LR: f64 = 1e-4;
 /// Frozen linear weights a token multiplies (the head included), from its config: what the
 /// FLOP count takes (scripts/bench_peft.py counts alike). A MoE layer counts its router and
 /// the k experts a token is routed to, not all E.
-pub fn base_linear_params(cfg: &ModelConfig) -> usize {
+pub(crate) fn base_linear_params(cfg: &ModelConfig) -> usize {
     let per_layer: usize = cfg
         .linears()
         .iter()
@@ -111,7 +111,7 @@ pub fn base_linear_params(cfg: &ModelConfig) -> usize {
 /// scripts/bench_peft.py's model FLOPs per trained token: frozen base, so backward computes
 /// activation gradients (2N) but no weight gradients. Attention is counted causally: a token
 /// attends to T/2 keys on average, so QKᵀ and PV cost 2·T·C a layer forward (4·T·C backward).
-pub fn flops_per_token(
+pub(crate) fn flops_per_token(
     n_linear: usize,
     layers: usize,
     hidden: usize,

@@ -23,18 +23,19 @@ mod batch;
 pub mod chat;
 mod columns;
 mod parquet;
-pub mod pref_batch;
-pub mod preference;
+pub(crate) mod pref_batch;
+pub(crate) mod preference;
 pub mod reader;
 pub mod record;
 mod rows;
 mod sampler;
-pub mod source;
+pub(crate) mod source;
 mod tokenizer;
 
 pub use batch::Batch;
-pub use rows::format_name;
-pub use sampler::{DataCursor, Sampler};
+pub(crate) use rows::format_name;
+pub use sampler::{Sampler};
+pub(crate) use sampler::{DataCursor};
 pub use tokenizer::{alpaca_prompt, TextTokenizer};
 
 use crate::recipe::{DataFormat, DataSection, OnBadRow, TrainFile, TrainOn};
@@ -51,7 +52,7 @@ use std::path::PathBuf;
 pub const IGNORE: i64 = -100;
 
 /// A byte range [start, end) of a text.
-pub type Span = (usize, usize);
+pub(crate) type Span = (usize, usize);
 
 /// Bad rows quoted in the report when on_bad_row = "skip".
 const SKIP_QUOTED: usize = 3;
@@ -69,11 +70,11 @@ pub struct Dataset {
     /// Examples cut to seq_len.
     pub truncated: usize,
     /// The (first) file read.
-    pub source: PathBuf,
+    pub(crate) source: PathBuf,
     /// Per example: its file, an index into `files`.
-    pub file_of: Vec<usize>,
+    pub(crate) file_of: Vec<usize>,
     /// The files read, with their mixing weights.
-    pub files: Vec<(PathBuf, f64)>,
+    pub(crate) files: Vec<(PathBuf, f64)>,
     /// Malformed rows skipped (on_bad_row = "skip"), and the first few, with file:line.
     pub skipped: usize,
     pub skipped_first: Vec<String>,
@@ -81,10 +82,10 @@ pub struct Dataset {
     pub no_targets: usize,
     /// Examples dropped because they had no target even before truncation (a chat row with no
     /// assistant turn, an empty completion), and the first of them: `file:line: what`.
-    pub no_answer: usize,
-    pub no_answer_first: Option<String>,
+    pub(crate) no_answer: usize,
+    pub(crate) no_answer_first: Option<String>,
     /// Completions (chat turns) that had no stop token and got the EOS appended.
-    pub eos_added: usize,
+    pub(crate) eos_added: usize,
     /// How the assistant turns of the files read end: stop token id → turns (counted before
     /// an eval split).
     pub turn_ends: BTreeMap<u32, usize>,
@@ -93,7 +94,7 @@ pub struct Dataset {
 impl Dataset {
     /// Reads `cfg.train` (every file of a mix; a Hub data set's files of its split). Token ids
     /// must be below `vocab_size`. Errors name file and line (or row) and column.
-    pub fn load(
+    pub(crate) fn load(
         cfg: &DataSection,
         tok: Option<&TextTokenizer>,
         vocab_size: usize,
@@ -102,7 +103,7 @@ impl Dataset {
     }
 
     /// Reads `cfg.eval`, in `cfg.format`, when set (a Hub data set: its data.eval_split).
-    pub fn load_eval(
+    pub(crate) fn load_eval(
         cfg: &DataSection,
         tok: Option<&TextTokenizer>,
         vocab_size: usize,
@@ -289,7 +290,7 @@ impl Dataset {
 
     /// Moves a seeded `fraction` of the examples (at least one, at most all but one) into a
     /// new dataset, the eval set; the same seed always holds out the same examples.
-    pub fn split_eval(&mut self, fraction: f64, seed: u64) -> Dataset {
+    pub(crate) fn split_eval(&mut self, fraction: f64, seed: u64) -> Dataset {
         let n = self.examples.len();
         let k = ((fraction * n as f64).round() as usize).clamp(1, n.saturating_sub(1));
         let mut order: Vec<usize> = (0..n).collect();

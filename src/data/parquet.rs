@@ -15,14 +15,14 @@ use std::sync::Arc;
 /// A column a format reads: the names it may have (the first one present is read), and
 /// whether a file must have it.
 pub struct Want<'a> {
-    pub names: Vec<&'a str>,
-    pub required: bool,
+    pub(crate) names: Vec<&'a str>,
+    pub(crate) required: bool,
 }
 
 /// Calls `sink` with every row (1-based) of the parquet file `path`, projected on `want`
 /// (every column when it is empty).
 /// A file without a required column is an error naming the columns it has and the fix.
-pub fn read(path: &Path, name: &str, want: &[Want], sink: &mut Sink) -> Result<()> {
+pub(crate) fn read(path: &Path, name: &str, want: &[Want], sink: &mut Sink) -> Result<()> {
     let file = std::fs::File::open(path).with_context(|| format!("cannot open {name}"))?;
     let reader = SerializedFileReader::new(file)
         .with_context(|| format!("{name} is not a readable parquet file"))?;

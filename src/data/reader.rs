@@ -28,17 +28,17 @@ impl Loc {
 }
 
 /// Takes each record (or the reason it is not one); an error stops the file.
-pub type Sink<'a> = dyn FnMut(Loc, Result<Field>) -> Result<()> + 'a;
+pub(crate) type Sink<'a> = dyn FnMut(Loc, Result<Field>) -> Result<()> + 'a;
 
 /// How a file is read, from its name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kind {
+pub(crate) enum Kind {
     Parquet,
     Json,
     JsonLines,
 }
 
-pub fn kind_of(path: &str) -> Kind {
+pub(crate) fn kind_of(path: &str) -> Kind {
     let lower = path.to_ascii_lowercase();
     if lower.ends_with(".parquet") {
         Kind::Parquet
@@ -51,7 +51,7 @@ pub fn kind_of(path: &str) -> Kind {
 
 /// JSON lines: one record a line; blank lines are skipped, a line that is not UTF-8 or not
 /// JSON goes to `sink` as a bad record (on_bad_row decides), and the next line is read.
-pub fn read_jsonl(path: &Path, name: &str, sink: &mut Sink) -> Result<()> {
+pub(crate) fn read_jsonl(path: &Path, name: &str, sink: &mut Sink) -> Result<()> {
     let file = std::fs::File::open(path).with_context(|| format!("cannot open {name}"))?;
     lines(BufReader::new(file), name, sink)
 }
@@ -90,7 +90,7 @@ fn lines(mut r: impl BufRead, name: &str, sink: &mut Sink) -> Result<()> {
 /// A `.json` file: a JSON array of records (as `datasets` reads one), streamed, or else JSON
 /// lines. Bad JSON inside an array ends the file (its position is named): there is no next
 /// line to resume at.
-pub fn read_json(path: &Path, name: &str, sink: &mut Sink) -> Result<()> {
+pub(crate) fn read_json(path: &Path, name: &str, sink: &mut Sink) -> Result<()> {
     let file = std::fs::File::open(path).with_context(|| format!("cannot open {name}"))?;
     let mut r = BufReader::new(file);
     let first = loop {

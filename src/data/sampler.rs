@@ -11,17 +11,17 @@ use serde::{Deserialize, Serialize};
 /// together) are done. A checkpoint saves it; [`Sampler::rows_from`] resumes from it, on any
 /// number of ranks. After s steps of an epoch, index = s · micro_batch · grad_accum · world.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct DataCursor {
-    pub epoch: usize,
-    pub index: usize,
+pub(crate) struct DataCursor {
+    pub(crate) epoch: usize,
+    pub(crate) index: usize,
     /// [`Sampler::fingerprint`] of the data it was taken on: resuming on other data (or other
     /// seed, seq_len, packing, shuffling or weights) is refused.
-    pub fingerprint: u64,
+    pub(crate) fingerprint: u64,
 }
 
 /// Deterministic order of rows for each epoch; rows are lists of example indices.
 pub struct Sampler {
-    pub n_examples: usize,
+    pub(crate) n_examples: usize,
     lens: Vec<usize>,
     /// Per file of the mix: its examples (ascending) and weight.
     groups: Vec<(Vec<usize>, f64)>,
@@ -77,7 +77,7 @@ impl Sampler {
     }
 
     /// A hash of everything that decides the rows: the examples, the weights, the settings.
-    pub fn fingerprint(&self) -> u64 {
+    pub(crate) fn fingerprint(&self) -> u64 {
         self.fingerprint
     }
 
@@ -133,12 +133,12 @@ impl Sampler {
     /// Rank `rank`'s rows of epoch `epoch` out of `world` (DDP / FSDP): rows rank, rank+world,
     /// ... of [`Sampler::rows`], the same number on every rank (the last rows.len() % world
     /// rows of the epoch are left out), so no row is seen twice in an epoch.
-    pub fn rows_for(&self, epoch: usize, rank: usize, world: usize) -> Vec<Vec<usize>> {
+    pub(crate) fn rows_for(&self, epoch: usize, rank: usize, world: usize) -> Vec<Vec<usize>> {
         shard(self.rows(epoch), rank, world)
     }
 
     /// The cursor after `index` global rows of `epoch`.
-    pub fn cursor(&self, epoch: usize, index: usize) -> DataCursor {
+    pub(crate) fn cursor(&self, epoch: usize, index: usize) -> DataCursor {
         DataCursor {
             epoch,
             index,
@@ -148,7 +148,7 @@ impl Sampler {
 
     /// Rank `rank`'s remaining rows of the cursor's epoch: the global rows from `c.index` on,
     /// sharded as [`Sampler::rows_for`] does. Refuses a cursor taken on other data.
-    pub fn rows_from(&self, c: &DataCursor, rank: usize, world: usize) -> Result<Vec<Vec<usize>>> {
+    pub(crate) fn rows_from(&self, c: &DataCursor, rank: usize, world: usize) -> Result<Vec<Vec<usize>>> {
         if c.fingerprint != self.fingerprint {
             bail!(
                 "the data cursor was saved on other data or data settings (fingerprint {:016x}, now {:016x}): resume with the same files, weights, seq_len, pack, shuffle and seed",

@@ -26,16 +26,16 @@
 //! layers hold no weights: it refuses them (sample on a model whose layers are whole).
 
 pub mod bench;
-pub mod cache;
+pub(crate) mod cache;
 #[cfg(feature = "cuda")]
 mod cuda;
 pub mod decoder;
 #[cfg(feature = "cuda")]
 mod graph;
 pub mod load;
-pub mod sample;
+pub(crate) mod sample;
 pub mod stream;
-pub mod weights;
+pub(crate) mod weights;
 
 pub use decoder::Decoder;
 pub use sample::{Sampler, Sampling};
@@ -49,7 +49,7 @@ use std::time::Instant;
 /// Lets the process's allocations on `device` skip cross-stream events (CUDA; a no-op
 /// elsewhere). For processes that run on candle's one stream only, as `generate` does; never
 /// inside training (its offload and NCCL streams need them).
-pub fn single_stream(device: &candle_core::Device) {
+pub(crate) fn single_stream(device: &candle_core::Device) {
     #[cfg(feature = "cuda")]
     cuda::single_stream(device);
     #[cfg(not(feature = "cuda"))]
@@ -179,7 +179,7 @@ pub fn greedy_text(
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct SampleRow {
     pub step: usize,
-    pub prompt: String,
+    pub(crate) prompt: String,
     pub completion: String,
 }
 

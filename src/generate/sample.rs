@@ -37,7 +37,7 @@ impl Sampling {
         Self::default()
     }
 
-    pub fn is_greedy(&self) -> bool {
+    pub(crate) fn is_greedy(&self) -> bool {
         self.temperature == 0.0
     }
 
@@ -58,7 +58,7 @@ impl Sampling {
 
 /// A sampler: the settings and the stream it draws from.
 pub struct Sampler {
-    pub s: Sampling,
+    pub(crate) s: Sampling,
     rng: Rng,
 }
 
@@ -70,7 +70,7 @@ impl Sampler {
     }
 
     /// The next token from logits [V] f32 (on any device).
-    pub fn pick(&mut self, logits: &Tensor) -> Result<u32> {
+    pub(crate) fn pick(&mut self, logits: &Tensor) -> Result<u32> {
         if self.s.is_greedy() {
             return super::decoder::argmax(logits);
         }
@@ -81,7 +81,7 @@ impl Sampler {
 }
 
 /// The token that uniform `u` ∈ [0, 1) lands on in the distribution `s` makes of `logits`.
-pub fn draw(logits: &[f32], s: &Sampling, u: f64) -> u32 {
+pub(crate) fn draw(logits: &[f32], s: &Sampling, u: f64) -> u32 {
     let t = if s.temperature > 0.0 {
         s.temperature
     } else {

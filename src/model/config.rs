@@ -56,37 +56,37 @@ pub enum RopeScaling {
 /// Everything the trainable model needs, resolved from config.json.
 #[derive(Debug, Clone)]
 pub struct ModelConfig {
-    pub family: Family,
+    pub(crate) family: Family,
     pub hidden_size: usize,
-    pub intermediate_size: usize,
-    pub num_layers: usize,
-    pub num_heads: usize,
-    pub num_kv_heads: usize,
-    pub head_dim: usize,
-    pub vocab_size: usize,
-    pub rms_norm_eps: f64,
+    pub(crate) intermediate_size: usize,
+    pub(crate) num_layers: usize,
+    pub(crate) num_heads: usize,
+    pub(crate) num_kv_heads: usize,
+    pub(crate) head_dim: usize,
+    pub(crate) vocab_size: usize,
+    pub(crate) rms_norm_eps: f64,
     /// The global RoPE (Gemma 3's sliding layers take `arch.local_rope`).
-    pub rope_theta: f64,
+    pub(crate) rope_theta: f64,
     pub rope_scaling: RopeScaling,
     pub max_position_embeddings: usize,
     /// q/k/v projections carry a bias (Qwen2 always; Llama with `attention_bias`).
-    pub qkv_bias: bool,
+    pub(crate) qkv_bias: bool,
     /// o_proj carries a bias (Llama with `attention_bias`).
-    pub o_bias: bool,
+    pub(crate) o_bias: bool,
     /// gate/up/down carry a bias (Llama with `mlp_bias`).
-    pub mlp_bias: bool,
+    pub(crate) mlp_bias: bool,
     /// `tie_word_embeddings` as written; `None` when the config does not say.
-    pub tie_word_embeddings: Option<bool>,
+    pub(crate) tie_word_embeddings: Option<bool>,
     /// The window of the sliding layers (`arch.sliding`); None when no layer slides.
     pub sliding_window: Option<usize>,
-    pub bos_token_id: Option<u32>,
+    pub(crate) bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
-    pub pad_token_id: Option<u32>,
+    pub(crate) pad_token_id: Option<u32>,
     /// `torch_dtype` / `dtype` as written (informational).
-    pub stored_dtype: Option<String>,
+    pub(crate) stored_dtype: Option<String>,
     /// A bitsandbytes NF4 checkpoint (`quantization_config`): Some(double quant); None for a
     /// full-precision one (quant::bnb).
-    pub bnb_nf4: Option<bool>,
+    pub(crate) bnb_nf4: Option<bool>,
     /// What the family changes in the layer (model/family.rs).
     pub arch: Arch,
 }
@@ -142,7 +142,7 @@ impl ModelConfig {
         Self::from_json(&text, path)
     }
 
-    pub fn from_json(text: &str, path: &Path) -> Result<Self, ConfigError> {
+    pub(crate) fn from_json(text: &str, path: &Path) -> Result<Self, ConfigError> {
         let err = |msg: String| ConfigError::Invalid {
             path: path.to_owned(),
             msg,
@@ -225,7 +225,7 @@ impl ModelConfig {
     }
 
     /// The attention window of layer `l` (0: full attention).
-    pub fn window(&self, l: usize) -> usize {
+    pub(crate) fn window(&self, l: usize) -> usize {
         match self.arch.sliding.get(l) {
             Some(true) => self.sliding_window.unwrap_or(0),
             _ => 0,
@@ -233,21 +233,21 @@ impl ModelConfig {
     }
 
     /// The attention scores' scale: query_pre_attn_scalar^-1/2 (Gemma), else head_dim^-1/2.
-    pub fn attn_scale(&self) -> f64 {
+    pub(crate) fn attn_scale(&self) -> f64 {
         let q = self.arch.query_pre_attn_scalar;
         1.0 / q.unwrap_or(self.head_dim as f64).sqrt()
     }
 
     /// The embeddings' factor: √C on Gemma (the product then rounds it to the model dtype,
     /// as transformers' `embed_scale.to(weight.dtype)`), else none.
-    pub fn embed_scale(&self) -> Option<f64> {
+    pub(crate) fn embed_scale(&self) -> Option<f64> {
         self.arch
             .embed_scale
             .then(|| (self.hidden_size as f32).sqrt() as f64)
     }
 
     /// The RMSNorm settings of every norm of the model (eps, and Gemma's 1 + w gain).
-    pub fn norm_spec(&self) -> crate::ops::NormSpec {
+    pub(crate) fn norm_spec(&self) -> crate::ops::NormSpec {
         crate::ops::NormSpec {
             eps: self.rms_norm_eps,
             offset: match self.arch.norm {
@@ -258,7 +258,7 @@ impl ModelConfig {
     }
 
     /// What the kernel choices depend on (`ops::Kernels::resolve`).
-    pub fn attn_shape(&self) -> crate::ops::kernels::AttnShape {
+    pub(crate) fn attn_shape(&self) -> crate::ops::kernels::AttnShape {
         crate::ops::kernels::AttnShape {
             head_dim: self.head_dim,
             softcap: self.arch.attn_softcap.is_some(),
@@ -266,7 +266,7 @@ impl ModelConfig {
     }
 
     /// The LoRA-targetable linears of a decoder layer, in checkpoint order.
-    pub fn linears(&self) -> &'static [&'static str] {
+    pub(crate) fn linears(&self) -> &'static [&'static str] {
         self.family.linears()
     }
 
@@ -275,7 +275,7 @@ impl ModelConfig {
     /// ("all-linear") become the family's linears alone (PEFT's "all-linear" takes no 3-D
     /// parameter); any other name must be one of the family's, else the error says which it
     /// has.
-    pub fn resolve_targets(&self, targets: &[String]) -> Result<Vec<String>, String> {
+    pub(crate) fn resolve_targets(&self, targets: &[String]) -> Result<Vec<String>, String> {
         let experts: &[&str] = match self.arch.moe {
             Some(_) => &crate::lora::EXPERT_PARAMS,
             None => &[],
@@ -308,7 +308,7 @@ impl ModelConfig {
     }
 
     /// (in, out) of linear `module` of a decoder layer; None for a module it does not have.
-    pub fn linear_shape(&self, module: &str) -> Option<(usize, usize)> {
+    pub(crate) fn linear_shape(&self, module: &str) -> Option<(usize, usize)> {
         let (c, i) = (self.hidden_size, self.intermediate_size);
         let (q, kv) = (
             self.num_heads * self.head_dim,
@@ -328,7 +328,7 @@ impl ModelConfig {
     }
 
     /// Norm gains of one decoder layer: (count, width) pairs.
-    pub fn layer_norms(&self) -> Vec<(usize, usize)> {
+    pub(crate) fn layer_norms(&self) -> Vec<(usize, usize)> {
         let mut v = vec![(2, self.hidden_size)];
         if self.arch.sandwich_norms {
             v.push((2, self.hidden_size));
@@ -340,7 +340,7 @@ impl ModelConfig {
     }
 
     /// Parameters of the frozen base, for reports and memory plans.
-    pub fn num_params(&self, tied: bool) -> usize {
+    pub(crate) fn num_params(&self, tied: bool) -> usize {
         let (h, v) = (self.hidden_size, self.vocab_size);
         let linears: usize = self
             .linears()

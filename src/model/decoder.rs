@@ -19,35 +19,35 @@ use std::collections::HashMap;
 
 /// Per-batch inputs every layer needs besides the hidden states.
 pub struct Ctx {
-    pub cos: Tensor, // [B, T, D/2] f32
-    pub sin: Tensor, // [B, T, D/2] f32
+    pub(crate) cos: Tensor, // [B, T, D/2] f32
+    pub(crate) sin: Tensor, // [B, T, D/2] f32
     /// The sliding layers' own cos and sin (Gemma 3's local RoPE base), when they differ.
-    pub local: Option<(Tensor, Tensor)>,
-    pub mask: AttnMask,
+    pub(crate) local: Option<(Tensor, Tensor)>,
+    pub(crate) mask: AttnMask,
     /// Queries per attention block (None: sized to the batch).
-    pub attn_block: Option<usize>,
+    pub(crate) attn_block: Option<usize>,
     /// Dropout stream key (seed, [step, micro-batch]); None = eval (no dropout).
-    pub dropout: Option<(u64, [u64; 2])>,
+    pub(crate) dropout: Option<(u64, [u64; 2])>,
     /// Each adapter's A and B in the activation dtype, by Var id, cast once for the batch
     /// (one launch for all on CUDA with bf16 activations); elsewhere each as stored, detached
     /// (the hand-written forward and backward cast at each use, and record no graph).
-    pub adapters: HashMap<TensorId, Tensor>,
+    pub(crate) adapters: HashMap<TensorId, Tensor>,
     /// The one buffer `adapters` are views of (each layer's A's side by side, then its B's).
-    pub adapter_buf: Option<Tensor>,
+    pub(crate) adapter_buf: Option<Tensor>,
     /// Whether the padded weights' B columns hold this batch's B's (`ops::fold`).
-    pub folded: bool,
+    pub(crate) folded: bool,
     /// The model's kernel choices (`Model::kernels`), which every op of the batch takes.
-    pub kernels: Kernels,
+    pub(crate) kernels: Kernels,
     /// `Model::mlp_chunk`.
-    pub mlp_chunk: Option<usize>,
+    pub(crate) mlp_chunk: Option<usize>,
     /// The routers' load-balancing loss of this micro-batch (model/moe_aux.rs): None when off
     /// (`Model::router_aux_coef` 0, or no MoE layer), and outside training.
-    pub moe_aux: Option<super::moe_aux::MoeAux>,
+    pub(crate) moe_aux: Option<super::moe_aux::MoeAux>,
 }
 
 impl Ctx {
     /// The cos and sin tables of a layer: the local ones when `local` and the model has them.
-    pub fn rope(&self, local: bool) -> (&Tensor, &Tensor) {
+    pub(crate) fn rope(&self, local: bool) -> (&Tensor, &Tensor) {
         match (&self.local, local) {
             (Some((c, s)), true) => (c, s),
             _ => (&self.cos, &self.sin),
@@ -97,7 +97,7 @@ pub enum Group<'a> {
 
 impl<'a> Group<'a> {
     /// The group's frozen tensors (a layer's in `Layer::frozen_mut` order).
-    pub fn tensors(self) -> Vec<&'a mut Tensor> {
+    pub(crate) fn tensors(self) -> Vec<&'a mut Tensor> {
         match self {
             Group::Layer(layer) => layer.frozen_mut(),
             Group::Io(t) => t,
@@ -106,26 +106,26 @@ impl<'a> Group<'a> {
 }
 
 /// Called with each group of frozen tensors as it is loaded (see `Model::load_with`).
-pub type Loaded<'a> = &'a mut dyn FnMut(Group<'_>) -> anyhow::Result<()>;
+pub(crate) type Loaded<'a> = &'a mut dyn FnMut(Group<'_>) -> anyhow::Result<()>;
 
 pub struct Model {
     pub cfg: ModelConfig,
-    pub embed: Tensor, // [V, C]
+    pub(crate) embed: Tensor, // [V, C]
     pub layers: Vec<Layer>,
     /// The buffers NF4 layers are dequantized into on CUDA (quant::slabs).
-    pub slabs: std::sync::Arc<crate::quant::Slabs>,
-    pub norm: Tensor,    // [C]
-    pub lm_head: Tensor, // [V, C]; the embedding itself when tied
+    pub(crate) slabs: std::sync::Arc<crate::quant::Slabs>,
+    pub(crate) norm: Tensor,    // [C]
+    pub(crate) lm_head: Tensor, // [V, C]; the embedding itself when tied
     pub tied: bool,
     pub dtype: DType,
     pub device: Device,
     /// Every kernel choice of the run (`Kernels::resolve`); each batch's `Ctx` carries a copy.
-    pub kernels: Kernels,
+    pub(crate) kernels: Kernels,
     /// Tokens per MLP chunk (`train.mlp_chunk`; model/layer_mlp.rs): the forward of
     /// checkpointed layers, the backward of every layer; None: never chunked.
     pub mlp_chunk: Option<usize>,
     /// `train.router_aux_loss_coef`: the weight of a MoE's load-balancing loss (0: off).
-    pub router_aux_coef: f64,
+    pub(crate) router_aux_coef: f64,
     /// The global RoPE's frequencies, and the sliding layers' where they differ (Gemma 3).
     rope: Freqs,
     rope_local: Option<Freqs>,
@@ -136,20 +136,20 @@ pub struct Model {
 #[derive(Debug, Clone)]
 pub struct Build {
     /// The base's config.json, parsed.
-    pub cfg: ModelConfig,
+    pub(crate) cfg: ModelConfig,
     /// The base's dtype on the device.
-    pub dtype: DType,
-    pub device: Device,
+    pub(crate) dtype: DType,
+    pub(crate) device: Device,
     /// The adapters to inject (A random from `seed`, B zero).
-    pub spec: LoraSpec,
+    pub(crate) spec: LoraSpec,
     /// The adapters' init stream.
-    pub seed: u64,
+    pub(crate) seed: u64,
     /// Every kernel choice of the run (`Kernels::resolve` for this device, dtype and head dim).
     pub kernels: Kernels,
     /// Tokens per MLP chunk (`Model::mlp_chunk`).
-    pub mlp_chunk: Option<usize>,
+    pub(crate) mlp_chunk: Option<usize>,
     /// The weight of a MoE's load-balancing loss (`Model::router_aux_coef`).
-    pub router_aux_coef: f64,
+    pub(crate) router_aux_coef: f64,
 }
 
 impl Build {
@@ -256,7 +256,7 @@ impl Model {
     /// Random weights of a given shape made on the device (benchmarks; no download): linear
     /// and embedding weights N(0, 0.02), norm gains 1 (Gemma's stored w 0, its gain being
     /// 1 + w), as transformers initialises a fresh model. The kernels are the device's.
-    pub fn random(
+    pub(crate) fn random(
         cfg: ModelConfig,
         dtype: DType,
         device: &Device,
@@ -268,7 +268,7 @@ impl Model {
     }
 
     /// `random` as `b` says, with `loaded` as in `load_with`.
-    pub fn random_with(b: &Build, loaded: Loaded) -> anyhow::Result<Model> {
+    pub(crate) fn random_with(b: &Build, loaded: Loaded) -> anyhow::Result<Model> {
         let (dtype, device) = (b.dtype, &b.device);
         if !device.is_cpu() {
             device.set_seed(b.seed)?;
@@ -362,7 +362,7 @@ impl Model {
 
     /// The frozen tensors outside the decoder layers: embedding, final norm, and the head
     /// unless it is the embedding (tied).
-    pub fn io_mut(&mut self) -> Vec<&mut Tensor> {
+    pub(crate) fn io_mut(&mut self) -> Vec<&mut Tensor> {
         let mut v = vec![&mut self.embed, &mut self.norm];
         if !self.tied {
             v.push(&mut self.lm_head);
@@ -372,7 +372,7 @@ impl Model {
 
     /// A model with no decoder layers whose embedding, final norm and head are the given
     /// tensors (`io_mut` order; FSDP's gathered views), for `embed` and `head`.
-    pub fn io_view(&self, io: Vec<Tensor>) -> Result<Model> {
+    pub(crate) fn io_view(&self, io: Vec<Tensor>) -> Result<Model> {
         let [embed, norm, rest @ ..] = io.as_slice() else {
             candle_core::bail!("io_view: {} tensors, want embed and norm", io.len());
         };
@@ -405,7 +405,7 @@ impl Model {
     /// their input width is a multiple of 8; a group folded already is left as it is.
     /// `load_with` does the same one layer at a time, before FSDP shards it. Returns the pads'
     /// bytes (the memory plan's `fold` term).
-    pub fn fold(&mut self) -> Result<usize> {
+    pub(crate) fn fold(&mut self) -> Result<usize> {
         if !self.kernels.fold {
             return Ok(0);
         }
@@ -437,7 +437,7 @@ impl Model {
     }
 
     /// The global RoPE's frequencies, and the sliding layers' where they differ (Gemma 3).
-    pub fn rope_freqs(&self) -> (&Freqs, Option<&Freqs>) {
+    pub(crate) fn rope_freqs(&self) -> (&Freqs, Option<&Freqs>) {
         (&self.rope, self.rope_local.as_ref())
     }
 
@@ -636,7 +636,7 @@ impl Model {
 
     /// `head_loss_bwd` with Σ CE left on the device (a scalar f32 tensor): reading it is a
     /// synchronisation, which the driver does once a micro-batch, after backward is queued.
-    pub fn head_loss_bwd_dev(
+    pub(crate) fn head_loss_bwd_dev(
         &self,
         x: &Tensor,
         targets: &Tensor,

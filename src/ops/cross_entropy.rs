@@ -53,7 +53,7 @@ pub fn cross_entropy_fwd_bwd(
 
 /// Whether `cross_entropy_fwd_bwd` takes the kernel: a CUDA build, contiguous f32 or bf16
 /// logits [n, V] on the GPU with 1 ≤ n < 2^31 (one thread block a row), u32 targets.
-pub fn kernel_takes(logits: &Tensor, targets: &Tensor) -> bool {
+pub(crate) fn kernel_takes(logits: &Tensor, targets: &Tensor) -> bool {
     cfg!(feature = "cuda")
         && logits.device().is_cuda()
         && matches!(logits.dtype(), DType::F32 | DType::BF16)
@@ -66,7 +66,7 @@ pub fn kernel_takes(logits: &Tensor, targets: &Tensor) -> bool {
 
 /// The same as tensor ops (the reference; the path on the CPU and for f16): f32 logits,
 /// max-shifted exponentials, their sum, and the gradient from them.
-pub fn cross_entropy_fwd_bwd_ops(
+pub(crate) fn cross_entropy_fwd_bwd_ops(
     logits: &Tensor,
     targets: &Tensor,
     denom: f64,
@@ -103,7 +103,7 @@ mod imp {
     const THREADS: u32 = 256;
 
     /// The kernel; `cap` 0 for no soft-cap.
-    pub fn fwd_bwd(
+    pub(crate) fn fwd_bwd(
         logits: &Tensor,
         targets: &Tensor,
         denom: f64,

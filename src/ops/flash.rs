@@ -18,7 +18,7 @@ use candle_core::{Result, Tensor};
 
 /// q [B, H, T, D], k, v [B, K, T, D] → (O as token-major rows [B·T, H·D], L [B, H, T] f32), on
 /// the tensor-core kernels `kernels` names (`Kernels::attention`; `Blockwise` is an error).
-pub fn flash_fwd(
+pub(crate) fn flash_fwd(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
@@ -43,7 +43,7 @@ pub fn flash_fwd(
 /// rotated back (dL/d of the unrotated q and k) and laid out as token-major rows (viewed
 /// [B, H, T, D]): RoPE's backward and the layout change happen in the kernels' stores.
 #[allow(clippy::too_many_arguments)]
-pub fn flash_bwd(
+pub(crate) fn flash_bwd(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
@@ -440,7 +440,7 @@ mod imp {
         Ok((a, Some(seg)))
     }
 
-    pub fn fwd(
+    pub(crate) fn fwd(
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
@@ -541,7 +541,7 @@ mod imp {
     }
 
     #[allow(clippy::too_many_arguments)]
-    pub fn bwd(
+    pub(crate) fn bwd(
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,

@@ -51,20 +51,20 @@ use candle_core::{Result, Tensor};
 
 /// Padded rows are whole multiples of this many elements (128 bytes in bf16): a weight read
 /// through a row stride that is not a multiple of 64 elements slows cuBLAS's dL/dx products.
-pub const ROW_ALIGN: usize = 64;
+pub(crate) const ROW_ALIGN: usize = 64;
 
 /// The pad a group of adapted linears that share an input of `in_f` columns, of ranks
 /// `ranks`, is given: rows of `in_f` + pad = `in_f` + Σ r rounded up to `ROW_ALIGN` (the
 /// columns past in + Σ r are neither written nor read). None where the kernels cannot take the rows (`in_f` not a
 /// multiple of 8).
-pub fn pad_width(ranks: &[usize], in_f: usize) -> Option<usize> {
+pub(crate) fn pad_width(ranks: &[usize], in_f: usize) -> Option<usize> {
     let p: usize = ranks.iter().sum();
     (!ranks.is_empty() && in_f % 8 == 0).then(|| (in_f + p).next_multiple_of(ROW_ALIGN) - in_f)
 }
 
 /// rms_norm(x) · w for x [.., d] into the first d columns of a fresh [rows, d + pad] (its pad
 /// columns unset); None off CUDA or where the kernel cannot take the operands.
-pub fn rms_norm_pad(
+pub(crate) fn rms_norm_pad(
     x: &Tensor,
     w: &Tensor,
     spec: impl Into<NormSpec>,
@@ -84,7 +84,7 @@ pub fn rms_norm_pad(
 
 /// `ops::add_rms_norm` (h = x + a, then rms_norm(h) · w) with the normed rows padded as in
 /// `rms_norm_pad`: (h as x's shape, [rows, d + pad]); None as there.
-pub fn add_rms_norm_pad(
+pub(crate) fn add_rms_norm_pad(
     x: &Tensor,
     a: &Tensor,
     w: &Tensor,
@@ -105,7 +105,7 @@ pub fn add_rms_norm_pad(
 
 /// `act.glu(g, u)` for g, u [.., d] into the first d columns of a fresh [rows, d + pad];
 /// None as `rms_norm_pad`.
-pub fn glu_pad(act: Act, g: &Tensor, u: &Tensor, pad: usize) -> Result<Option<Tensor>> {
+pub(crate) fn glu_pad(act: Act, g: &Tensor, u: &Tensor, pad: usize) -> Result<Option<Tensor>> {
     #[cfg(feature = "cuda")]
     {
         super::glu::cuda::glu_pad(&format!("{}_pad_v8_bf16", act.kernel()), g, u, pad)
@@ -118,12 +118,12 @@ pub fn glu_pad(act: Act, g: &Tensor, u: &Tensor, pad: usize) -> Result<Option<Te
 }
 
 /// What `glu_down_bwd` gives.
-pub struct GluDownGrads {
+pub(crate) struct GluDownGrads {
     /// dL/dgate, dL/dup [m, I].
-    pub dg: Tensor,
-    pub du: Tensor,
+    pub(crate) dg: Tensor,
+    pub(crate) du: Tensor,
     /// down's dA [r, I] f32.
-    pub da: Tensor,
+    pub(crate) da: Tensor,
 }
 
 /// down_proj's backward folded, with the gated activation's (`act`: SwiGLU or GeGLU), in one
@@ -138,7 +138,7 @@ pub struct GluDownGrads {
 /// None (nothing run) off CUDA, or where the kernel cannot take the operands (r > 64, widths
 /// not multiples of 8). `gemm` runs the GEMM.
 #[allow(clippy::too_many_arguments)]
-pub fn glu_down_bwd(
+pub(crate) fn glu_down_bwd(
     act: Act,
     dy: &Tensor,
     w_full: &Tensor,
@@ -263,7 +263,7 @@ mod cuda {
     }
 
     #[allow(clippy::too_many_arguments)]
-    pub fn glu_down_bwd(
+    pub(crate) fn glu_down_bwd(
         act: Act,
         dy: &Tensor,
         w_full: &Tensor,
@@ -359,7 +359,7 @@ mod cuda {
 /// W*_i [out_i, in + pad] (B's in place) → (y_i [m, out_i] each, xas = s · (m_i ⊙ x) A_iᵀ
 /// side by side [m, Σ r]: each one's adapter state is its column slice). The products run
 /// over k = in + Σ r, on `gemm`.
-pub fn fwd(
+pub(crate) fn fwd(
     xp: &Tensor,
     in_f: usize,
     a: &Tensor,

@@ -29,28 +29,28 @@ pub enum Act {
 }
 
 /// gelu_pytorch_tanh(g).
-pub fn gelu_tanh(g: f32) -> f32 {
+pub(crate) fn gelu_tanh(g: f32) -> f32 {
     0.5 * g * (1.0 + (K0 * (g + K1 * g * g * g)).tanh())
 }
 
 /// Its derivative.
-pub fn gelu_tanh_grad(g: f32) -> f32 {
+pub(crate) fn gelu_tanh_grad(g: f32) -> f32 {
     let t = (K0 * (g + K1 * g * g * g)).tanh();
     0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * K0 * (1.0 + 3.0 * K1 * g * g)
 }
 
 /// g, u: [..., I] (same shape and dtype) → silu(g) ⊙ u. Differentiable in g and u.
-pub fn swiglu(g: &Tensor, u: &Tensor) -> Result<Tensor> {
+pub(crate) fn swiglu(g: &Tensor, u: &Tensor) -> Result<Tensor> {
     Act::Silu.glu(g, u)
 }
 
 /// (g, u, da) → (dg, du) of SwiGLU.
-pub fn swiglu_bwd(g: &Tensor, u: &Tensor, da: &Tensor) -> Result<(Tensor, Tensor)> {
+pub(crate) fn swiglu_bwd(g: &Tensor, u: &Tensor, da: &Tensor) -> Result<(Tensor, Tensor)> {
     Act::Silu.glu_bwd(g, u, da)
 }
 
 /// (g, u, da) → (dg, du, a) of SwiGLU, da consumed (`Act::glu_bwd_keep`).
-pub fn swiglu_bwd_keep(g: &Tensor, u: &Tensor, da: Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+pub(crate) fn swiglu_bwd_keep(g: &Tensor, u: &Tensor, da: Tensor) -> Result<(Tensor, Tensor, Tensor)> {
     Act::Silu.glu_bwd_keep(g, u, da)
 }
 
@@ -302,7 +302,7 @@ pub(super) mod cuda {
     /// The gated activation of bf16 g, u [.., d] (`kernel`: glu.cu's `swiglu_pad_v8_bf16` or
     /// `geglu_pad_v8_bf16`, one signature) into the first d columns of a fresh [rows, d + pad] (d
     /// and pad multiples of 8); the pad columns are left unset for the caller (`ops::fold`).
-    pub fn glu_pad(
+    pub(crate) fn glu_pad(
         kernel: &str,
         g: &candle_core::Tensor,
         u: &candle_core::Tensor,
@@ -341,7 +341,7 @@ pub(super) mod cuda {
     /// (dg, du, a) with a written over `da`'s buffer, for bf16 inputs of one shape, contiguous,
     /// on 16 bytes, of a multiple of 8 elements; None otherwise. `da` must be a fresh result
     /// that nothing else reads (its values are replaced).
-    pub fn bwd_keep(
+    pub(crate) fn bwd_keep(
         kernel: &str,
         g: &candle_core::Tensor,
         u: &candle_core::Tensor,

@@ -12,44 +12,45 @@
 //! and each batch's `Ctx` carries); each op takes its choice from there. The CUDA sources are
 //! the `.cu` files beside their ops, compiled once per process into one program (`cuda`).
 
-pub mod add;
-pub mod attach;
+pub(crate) mod add;
+pub(crate) mod attach;
 pub mod attention;
 pub mod cross_entropy;
 #[cfg(feature = "cuda")]
-pub mod cuda;
-pub mod dora;
+pub(crate) mod cuda;
+pub(crate) mod dora;
 pub mod dropout;
-pub mod flash;
-pub mod fold;
-pub mod fold_drop;
-pub mod frozen_linear;
+pub(crate) mod flash;
+pub(crate) mod fold;
+pub(crate) mod fold_drop;
+pub(crate) mod frozen_linear;
 #[cfg(feature = "cuda")]
-pub mod gemm_tune;
+pub(crate) mod gemm_tune;
 pub mod glu;
-pub mod grouped_mm;
+pub(crate) mod grouped_mm;
 pub mod kernels;
-pub mod linear_acc;
-pub mod lora_linear;
-pub mod moe_rows;
-pub mod multi_tensor;
-pub mod rms_norm;
-pub mod rope;
-pub mod softcap;
+pub(crate) mod linear_acc;
+pub(crate) mod lora_linear;
+pub(crate) mod moe_rows;
+pub(crate) mod multi_tensor;
+pub(crate) mod rms_norm;
+pub(crate) mod rope;
+pub(crate) mod softcap;
 
 pub use add::add;
 pub use attention::{attention, AttnMask};
 pub use frozen_linear::frozen_linear;
-pub use glu::{swiglu, swiglu_bwd, swiglu_bwd_keep};
+pub(crate) use glu::{swiglu, swiglu_bwd, swiglu_bwd_keep};
 pub use kernels::Kernels;
 pub use lora_linear::lora_linear;
-pub use rms_norm::{add_rms_norm, rms_norm, rms_norm_bwd, rms_norm_bwd_add, NormSpec};
+pub use rms_norm::{add_rms_norm, rms_norm};
+pub(crate) use rms_norm::{rms_norm_bwd, rms_norm_bwd_add, NormSpec};
 pub use rope::{rope, rope_heads, rope_rows_inv, to_heads, to_rows};
 
 use candle_core::{CpuStorage, Layout, Result};
 
 /// Bytes of a tensor's elements.
-pub fn tensor_bytes(t: &candle_core::Tensor) -> u64 {
+pub(crate) fn tensor_bytes(t: &candle_core::Tensor) -> u64 {
     (t.elem_count() * t.dtype().size_in_bytes()) as u64
 }
 

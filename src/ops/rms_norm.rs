@@ -12,8 +12,8 @@ use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor, D
 /// for Gemma's 1 + w, which also leaves x̂ unrounded before the product). An f64 is an eps.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct NormSpec {
-    pub eps: f64,
-    pub offset: f32,
+    pub(crate) eps: f64,
+    pub(crate) offset: f32,
 }
 
 impl From<f64> for NormSpec {
@@ -114,7 +114,7 @@ impl CustomOp1 for RmsNorm {
 }
 
 /// dL/dx of `rms_norm(x, w, spec)` given g = dL/dy; x, g: [..., d] → [..., d] in x's dtype.
-pub fn rms_norm_bwd(
+pub(crate) fn rms_norm_bwd(
     x: &Tensor,
     w: &Tensor,
     spec: impl Into<NormSpec>,
@@ -126,7 +126,7 @@ pub fn rms_norm_bwd(
 /// `rms_norm_bwd(x, w, eps, g) + res`, res another term of dL/dx (x's shape; the residual
 /// branch around the norm): on the fused bf16 path in the same pass, summed in f32 and rounded
 /// once; elsewhere the composite and an add.
-pub fn rms_norm_bwd_add(
+pub(crate) fn rms_norm_bwd_add(
     x: &Tensor,
     w: &Tensor,
     spec: impl Into<NormSpec>,
@@ -286,7 +286,7 @@ pub(super) mod cuda {
     use candle_core::cuda::WrapErr;
     use candle_core::{CudaStorage, DType, Layout, Result};
 
-    pub fn rms_norm(
+    pub(crate) fn rms_norm(
         x: &CudaStorage,
         xl: &Layout,
         w: &CudaStorage,
@@ -320,7 +320,7 @@ pub(super) mod cuda {
 
     /// dL/dx of rms_norm, plus `res` (another term of dL/dx, of x's shape) when given.
     #[allow(clippy::too_many_arguments)]
-    pub fn rms_norm_bwd(
+    pub(crate) fn rms_norm_bwd(
         x: &CudaStorage,
         xl: &Layout,
         w: &CudaStorage,
@@ -386,7 +386,7 @@ pub(super) mod cuda {
 
     /// `ops::rms_norm::add_rms_norm` on the GPU: (h, y) for bf16 x and a of one shape and w of
     /// their last dim d, all contiguous, on 16 bytes, d a multiple of 8; None otherwise.
-    pub fn add_rms_norm(
+    pub(crate) fn add_rms_norm(
         x: &candle_core::Tensor,
         a: &candle_core::Tensor,
         w: &candle_core::Tensor,
@@ -397,7 +397,7 @@ pub(super) mod cuda {
 
     /// `add_rms_norm` with y's rows `pad` columns wider ([rows, d + pad], pad a multiple of 8; y as
     /// x's shape when pad = 0): the pad columns are left unset for the caller (`ops::fold`).
-    pub fn add_rms_norm_pad(
+    pub(crate) fn add_rms_norm_pad(
         x: &candle_core::Tensor,
         a: &candle_core::Tensor,
         w: &candle_core::Tensor,
@@ -466,7 +466,7 @@ pub(super) mod cuda {
     /// `rms_norm` of bf16 x [.., d] into the first d columns of a fresh [rows, d + pad] (pad a
     /// multiple of 8); the pad columns are left unset for the caller (`ops::fold`). None when the
     /// operands do not suit the 8-a-thread kernel.
-    pub fn rms_norm_pad(
+    pub(crate) fn rms_norm_pad(
         x: &candle_core::Tensor,
         w: &candle_core::Tensor,
         spec: NormSpec,
@@ -513,7 +513,7 @@ pub(super) mod cuda {
     /// `ops::rms_norm_bwd(_add)` for bf16 x [.., d] (contiguous), w [d], g a row-strided [rows, d]
     /// (a padded dL/dy's first d columns, `ops::fold`) and `res` of x's shape or none: the v8
     /// kernel reading g's rows ldg apart. None where it cannot take them (then g is copied).
-    pub fn rms_norm_bwd_rows(
+    pub(crate) fn rms_norm_bwd_rows(
         x: &candle_core::Tensor,
         w: &candle_core::Tensor,
         spec: NormSpec,

@@ -250,7 +250,7 @@ mod cuda {
     use candle_core::cuda::WrapErr;
     use candle_core::{CudaStorage, Layout, Result};
 
-    pub fn rope(
+    pub(crate) fn rope(
         x: &CudaStorage,
         xl: &Layout,
         cos: &CudaStorage,
@@ -285,7 +285,7 @@ mod cuda {
 
     /// Rows [B·T, H·D] <-> [B, H, T, D] (`to_heads` picks the direction), rotated by sign·θ when
     /// `rot` = (cos, sin) [B, T, D/2] f32 is given. `bth` = [B, T, H].
-    pub fn relayout(
+    pub(crate) fn relayout(
         x: &CudaStorage,
         xl: &Layout,
         rot: Option<(&CudaStorage, &Layout, &CudaStorage, &Layout)>,

@@ -185,7 +185,7 @@ impl Group for CpuGroup {
 }
 
 /// One thread-rank's end of a `CpuGroup`.
-pub struct CpuComm {
+pub(crate) struct CpuComm {
     rank: usize,
     group: Arc<CpuGroup>,
 }

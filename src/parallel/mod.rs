@@ -8,12 +8,12 @@
 //!
 //! The model knows no communication: train::driver gathers, reduces and recomputes.
 
-pub mod backend;
+pub(crate) mod backend;
 pub mod cpu;
-pub mod fsdp;
+pub(crate) mod fsdp;
 pub mod launch;
 #[cfg(feature = "nccl")]
-pub mod nccl;
+pub(crate) mod nccl;
 pub mod posted;
 
 use candle_core::{Result, Tensor};
@@ -23,18 +23,18 @@ use std::time::{Duration, Instant};
 
 /// How long a rank still waits in a collective once a stop signal has come: the others
 /// finish their step within it, unless they are stuck.
-pub const STOP_GRACE: Duration = Duration::from_secs(10);
+pub(crate) const STOP_GRACE: Duration = Duration::from_secs(10);
 
 static INTERRUPTED: OnceLock<Instant> = OnceLock::new();
 
 /// A stop signal came (train::stop): a collective that has waited `STOP_GRACE` since the
 /// signal (or since it began, when it began later) fails.
-pub fn interrupt() {
+pub(crate) fn interrupt() {
     let _ = INTERRUPTED.set(Instant::now());
 }
 
 /// When a stop signal came, if one did.
-pub fn interrupted_at() -> Option<Instant> {
+pub(crate) fn interrupted_at() -> Option<Instant> {
     INTERRUPTED.get().copied()
 }
 
@@ -42,7 +42,7 @@ static GAVE_UP: AtomicBool = AtomicBool::new(false);
 
 /// Whether a collective gave up waiting after a stop signal (`CommError::Interrupted`): the
 /// run's failure is then the signal's stop.
-pub fn gave_up_after_signal() -> bool {
+pub(crate) fn gave_up_after_signal() -> bool {
     GAVE_UP.load(Ordering::SeqCst)
 }
 
@@ -141,7 +141,7 @@ pub trait Group: Send + Sync {
 
 /// Errors of the collectives themselves, matched by the launcher and tests.
 #[derive(Debug, thiserror::Error)]
-pub enum CommError {
+pub(crate) enum CommError {
     #[error("rank {rank} failed, so rank {me} stopped: {why}")]
     Aborted { me: usize, rank: usize, why: String },
     #[error("rank {me} waited {secs} s in {op} for rank(s) {missing:?}, which never joined (parallel.timeout_s = {secs}: raise it if a step legitimately takes longer)")]

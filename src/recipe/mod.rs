@@ -11,7 +11,7 @@
 //! can check), `bounds` (numbers bounded before they size anything), `text` (the recipe written
 //! back as TOML).
 
-pub mod bounds;
+pub(crate) mod bounds;
 mod data;
 mod load;
 mod lora;
@@ -24,15 +24,16 @@ mod text;
 mod train;
 mod validate;
 
-pub use data::{DataFormat, DataSection, OnBadRow, TrainFile, TrainFiles, TrainOn};
-pub use lora::{LoraSection, Targets, KNOWN_LINEAR};
-pub use model::{DeviceKind, Dtype, ModelSection, Quantize};
+pub use data::{DataSection, TrainFile};
+pub(crate) use data::{DataFormat, OnBadRow, TrainFiles, TrainOn};
+pub(crate) use lora::{LoraSection, Targets, KNOWN_LINEAR};
+pub use model::{DeviceKind, Dtype, Quantize};
+pub(crate) use model::{ModelSection};
 pub use output::{MergeInto, OutputSection, DEFAULT_MAX_SHARD_SIZE};
-pub use parallel::{ParallelSection, Strategy};
-pub use train::{
-    Checkpointing, Resume, Schedule, Tracker, TrainSection, MLP_CHUNK, MLP_CHUNK_MAX,
-    OFFLOAD_ACTIVATIONS_DEFAULT,
-};
+pub use parallel::{Strategy};
+pub(crate) use parallel::{ParallelSection};
+pub use train::{Checkpointing};
+pub(crate) use train::{Resume, Schedule, Tracker, TrainSection, MLP_CHUNK, MLP_CHUNK_MAX, OFFLOAD_ACTIVATIONS_DEFAULT};
 
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -62,20 +63,20 @@ pub enum RecipeError {
 pub struct Recipe {
     pub model: ModelSection,
     #[serde(default)]
-    pub lora: LoraSection,
+    pub(crate) lora: LoraSection,
     pub data: DataSection,
     #[serde(default)]
     pub train: TrainSection,
     #[serde(default)]
     pub parallel: ParallelSection,
     #[serde(default)]
-    pub output: OutputSection,
+    pub(crate) output: OutputSection,
     /// The recipe file this came from (not a TOML key).
     #[serde(skip)]
-    pub source: PathBuf,
+    pub(crate) source: PathBuf,
     /// The --set overrides it was loaded with, in order (not a TOML key).
     #[serde(skip)]
-    pub sets: Vec<String>,
+    pub(crate) sets: Vec<String>,
 }
 
 /// serde's default for fields that default to true.
@@ -85,7 +86,7 @@ fn d_true() -> bool {
 
 impl Recipe {
     /// A `RecipeError::Invalid` for `key` of this recipe.
-    pub fn invalid(&self, key: &str, msg: impl Into<String>) -> RecipeError {
+    pub(crate) fn invalid(&self, key: &str, msg: impl Into<String>) -> RecipeError {
         RecipeError::Invalid {
             path: self.source.clone(),
             key: key.into(),
@@ -94,12 +95,12 @@ impl Recipe {
     }
 
     /// `train.mlp_chunk` as the model takes it (None: 0, never chunked).
-    pub fn mlp_chunk(&self) -> Option<usize> {
+    pub(crate) fn mlp_chunk(&self) -> Option<usize> {
         (self.train.mlp_chunk > 0).then_some(self.train.mlp_chunk)
     }
 
     /// `train.max_memory` in bytes (validated at load).
-    pub fn max_memory(&self) -> Option<u64> {
+    pub(crate) fn max_memory(&self) -> Option<u64> {
         self.train
             .max_memory
             .as_deref()

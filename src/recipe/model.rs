@@ -33,11 +33,11 @@ impl DeviceKind {
 #[serde(deny_unknown_fields)]
 pub struct ModelSection {
     /// Local Hugging Face checkpoint directory (config.json + safetensors). One of path / id.
-    pub path: Option<PathBuf>,
+    pub(crate) path: Option<PathBuf>,
     /// Hub repository id, e.g. "meta-llama/Llama-2-7b-hf". One of path / id.
-    pub id: Option<String>,
+    pub(crate) id: Option<String>,
     /// Hub revision (branch, tag or commit). Default: "main".
-    pub revision: Option<String>,
+    pub(crate) revision: Option<String>,
     /// Base weight precision: "f32" | "bf16" | "f16". Default: "f32" on the CPU, "bf16" on CUDA.
     /// Adapters and optimiser state are always f32.
     pub dtype: Option<Dtype>,
@@ -48,11 +48,11 @@ pub struct ModelSection {
     /// quantized layer by layer as the checkpoint loads, dequantized just in time for each
     /// layer's GEMMs) | "none". Default: "none". Not yet with `parallel.strategy = "fsdp"`.
     #[serde(default)]
-    pub quantize: Quantize,
+    pub(crate) quantize: Quantize,
     /// With quantize = "nf4": the absmax values quantized again to 8 bits in blocks of 256
     /// (bitsandbytes' `bnb_4bit_use_double_quant`), 0.37 fewer bits a weight. Default: true.
     #[serde(default = "super::d_true")]
-    pub double_quant: bool,
+    pub(crate) double_quant: bool,
 }
 
 fn default_device() -> DeviceKind {

@@ -11,7 +11,7 @@ pub enum Strategy {
 }
 
 impl Strategy {
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Strategy::Single => "single",
             Strategy::Ddp => "ddp",
@@ -26,7 +26,7 @@ impl Strategy {
 pub struct ParallelSection {
     /// "single" | "ddp" | "fsdp". Default: "single".
     #[serde(default = "d_strategy")]
-    pub strategy: Strategy,
+    pub(crate) strategy: Strategy,
     /// CUDA ordinals to use, one rank each, or "all" (every visible GPU). With
     /// model.device = "cpu": virtual ranks (threads), e.g. [0, 1] for two. Default: [0].
     #[serde(default = "d_devices", deserialize_with = "devices_or_all")]
@@ -34,7 +34,7 @@ pub struct ParallelSection {
     /// Seconds a rank waits in a collective for the others before the run fails (a rank
     /// that died or hangs). Default: 1800.
     #[serde(default = "d_timeout_s")]
-    pub timeout_s: u64,
+    pub(crate) timeout_s: u64,
 }
 
 /// `devices = "all"` is kept as an empty list and resolved when the devices are opened.

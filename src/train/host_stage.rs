@@ -15,13 +15,13 @@ use candle_core::{Result, Shape, Tensor};
 /// The pinned buffers of a run's saves, reused from save to save (page-locking is a driver
 /// call that touches every page, and freeing it waits for the device).
 #[derive(Default)]
-pub struct Stage {
+pub(crate) struct Stage {
     #[cfg(feature = "cuda")]
     pool: std::sync::Arc<std::sync::Mutex<Vec<cuda::Pinned>>>,
 }
 
 /// Named tensors on their way to host memory.
-pub struct HostTensors {
+pub(crate) struct HostTensors {
     parts: Vec<(String, Shape)>,
     data: Data,
 }
@@ -35,12 +35,12 @@ enum Data {
 }
 
 impl Stage {
-    pub fn new() -> Stage {
+    pub(crate) fn new() -> Stage {
         Stage::default()
     }
 
     /// Pins a buffer of each of `lens` f32 now, on CUDA (elsewhere nothing).
-    pub fn reserve(&self, dev: &candle_core::Device, lens: &[usize]) -> Result<()> {
+    pub(crate) fn reserve(&self, dev: &candle_core::Device, lens: &[usize]) -> Result<()> {
         #[cfg(feature = "cuda")]
         if let candle_core::Device::Cuda(dev) = dev {
             let mut new = lens
@@ -54,7 +54,7 @@ impl Stage {
     }
 
     /// Starts copying `parts` (float tensors, on one device) to host memory as f32.
-    pub fn copy(&self, parts: Vec<(String, Tensor)>) -> Result<HostTensors> {
+    pub(crate) fn copy(&self, parts: Vec<(String, Tensor)>) -> Result<HostTensors> {
         #[cfg(feature = "cuda")]
         if let Some((_, t)) = parts.first() {
             if let candle_core::Device::Cuda(dev) = t.device() {
@@ -78,7 +78,7 @@ impl Stage {
 
 impl HostTensors {
     /// The tensors on the host, once their copies have landed (waits for those copies only).
-    pub fn tensors(&self) -> Result<Vec<(String, Tensor)>> {
+    pub(crate) fn tensors(&self) -> Result<Vec<(String, Tensor)>> {
         match &self.data {
             Data::Ready(host) => Ok(self.names().zip(host.iter().cloned()).collect()),
             #[cfg(feature = "cuda")]
@@ -95,7 +95,7 @@ impl HostTensors {
 
     /// The tensors as one safetensors file at `path` (`export::write_tensors`' bytes), written
     /// from the host buffer itself once the copies have landed.
-    pub fn write(&self, path: &std::path::Path) -> anyhow::Result<()> {
+    pub(crate) fn write(&self, path: &std::path::Path) -> anyhow::Result<()> {
         match &self.data {
             Data::Ready(host) => {
                 let named: Vec<_> = self.names().zip(host.iter().cloned()).collect();
@@ -137,13 +137,13 @@ mod cuda {
     use std::sync::{Arc, Mutex};
 
     /// A page-locked buffer and the event recorded after the copies into it.
-    pub struct Pinned {
+    pub(crate) struct Pinned {
         buf: PinnedHostSlice<f32>,
         copied: CudaEvent,
     }
 
     /// One save's buffer; it goes back to the pool when dropped (the write is done).
-    pub struct Staged {
+    pub(crate) struct Staged {
         pinned: Option<Pinned>,
         pool: Arc<Mutex<Vec<Pinned>>>,
         /// The f32 sources (the model's own tensors, or copies made of other dtypes), alive
@@ -153,7 +153,7 @@ mod cuda {
 
     type Pool = Arc<Mutex<Vec<Pinned>>>;
 
-    pub fn stage(
+    pub(crate) fn stage(
         pool: &Pool,
         dev: &CudaDevice,
         parts: Vec<(String, Tensor)>,
@@ -193,7 +193,7 @@ mod cuda {
         })
     }
 
-    pub fn lock(pool: &Pool) -> Result<std::sync::MutexGuard<'_, Vec<Pinned>>> {
+    pub(crate) fn lock(pool: &Pool) -> Result<std::sync::MutexGuard<'_, Vec<Pinned>>> {
         pool.lock()
             .map_err(|_| candle_core::Error::msg("host stage: the pool's lock is poisoned"))
     }
@@ -211,7 +211,7 @@ mod cuda {
     }
 
     /// A new page-locked buffer of `n` f32.
-    pub fn pin(dev: &CudaDevice, n: usize) -> Result<Pinned> {
+    pub(crate) fn pin(dev: &CudaDevice, n: usize) -> Result<Pinned> {
         let ctx = dev.cuda_stream().context().clone();
         // SAFETY: written by the copies `stage` queues before it is read (`landed`).
         let buf = match unsafe { ctx.alloc_pinned_with_flags::<f32>(n.max(1), 0) } {
@@ -229,7 +229,7 @@ mod cuda {
 
     impl Staged {
         /// The buffer's values once the copies into it have run.
-        pub fn landed(&self) -> Result<&[f32]> {
+        pub(crate) fn landed(&self) -> Result<&[f32]> {
             let Some(p) = &self.pinned else {
                 candle_core::bail!("host stage: the buffer was returned");
             };

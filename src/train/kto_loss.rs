@@ -8,44 +8,44 @@ use candle_core::{bail, Result, Tensor};
 
 /// One micro-batch of B unpaired KTO examples.
 #[derive(Debug, Clone, Copy)]
-pub struct KtoLogps<'a> {
+pub(crate) struct KtoLogps<'a> {
     /// [B] Σ log p over each completion's tokens, under the policy.
-    pub policy: &'a Tensor,
+    pub(crate) policy: &'a Tensor,
     /// [B] the reference's sums.
-    pub reference: &'a Tensor,
+    pub(crate) reference: &'a Tensor,
     /// Per example: desirable (TRL's label true) or not.
-    pub desirable: &'a [bool],
+    pub(crate) desirable: &'a [bool],
     /// The KL estimate: [`kto_kl`] of the micro-batch's mismatched pairs, averaged over the
     /// ranks (TRL gathers it) and not yet clamped.
-    pub kl: f64,
+    pub(crate) kl: f64,
 }
 
 /// KTO's settings (TRL's `beta`, `desirable_weight`, `undesirable_weight`).
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Kto {
+pub(crate) struct Kto {
     /// β.
-    pub beta: f64,
+    pub(crate) beta: f64,
     /// Weight of the desirable examples' losses.
-    pub desirable_weight: f64,
+    pub(crate) desirable_weight: f64,
     /// Weight of the undesirable examples' losses.
-    pub undesirable_weight: f64,
+    pub(crate) undesirable_weight: f64,
 }
 
 /// KTO's result for one micro-batch.
 #[derive(Debug, Clone)]
-pub struct KtoLoss {
+pub(crate) struct KtoLoss {
     /// The micro-batch's loss (mean over its examples).
-    pub loss: f64,
+    pub(crate) loss: f64,
     /// [B] dL/d(policy[i]), on the inputs' device and dtype (the KL term is a constant).
-    pub d_policy: Tensor,
+    pub(crate) d_policy: Tensor,
     /// TRL's metrics: kl, then rewards/logps of the kinds present, then rewards/margins.
-    pub metrics: Vec<Metric>,
+    pub(crate) metrics: Vec<Metric>,
 }
 
 /// KTO's KL estimate of one micro-batch (kto_trainer.py): the mean of policy - reference over
 /// its mismatched (prompt, other completion) pairs, both summed over the completion tokens.
 /// Average it over the ranks before [`kto_loss`] (which clamps it at 0).
-pub fn kto_kl(policy: &Tensor, reference: &Tensor) -> Result<f64> {
+pub(crate) fn kto_kl(policy: &Tensor, reference: &Tensor) -> Result<f64> {
     let n = policy.elem_count();
     let p = host(policy, n, "KL policy")?;
     let r = host(reference, n, "KL reference")?;
@@ -55,7 +55,7 @@ pub fn kto_kl(policy: &Tensor, reference: &Tensor) -> Result<f64> {
 /// KTO (kto_trainer.py `_compute_loss`, loss_type "kto"): kl = max(kl, 0), a constant; per
 /// desirable example w_d (1 - σ(β(π - ref - kl))), per undesirable one w_u (1 - σ(β(kl - (π -
 /// ref)))); the mean over all examples. Rewards β(π - ref) averaged over each kind present.
-pub fn kto_loss(k: Kto, x: &KtoLogps) -> Result<KtoLoss> {
+pub(crate) fn kto_loss(k: Kto, x: &KtoLogps) -> Result<KtoLoss> {
     let b = x.desirable.len();
     if b == 0 {
         bail!("pref_loss: a KTO micro-batch with no examples");

@@ -12,35 +12,35 @@
 //! `schedule`, `eval`, `offload`; `owner` (the output directory's lock, for the run's life).
 
 pub mod checkpoint;
-pub mod checkpoint_check;
-pub mod checkpoint_write;
+pub(crate) mod checkpoint_check;
+pub(crate) mod checkpoint_write;
 pub mod driver;
 pub mod eval;
-pub mod host_stage;
-pub mod kto_loss;
-pub mod launch;
-pub mod log;
+pub(crate) mod host_stage;
+pub(crate) mod kto_loss;
+pub(crate) mod launch;
+pub(crate) mod log;
 pub mod objective;
-pub mod offload;
+pub(crate) mod offload;
 pub mod optim;
-pub mod owner;
-pub mod pref_loss;
-pub mod preflight;
-pub mod readback;
-pub mod resolve;
-pub mod run_check;
-pub mod run_config;
-pub mod run_loop;
-pub mod schedule;
+pub(crate) mod owner;
+pub(crate) mod pref_loss;
+pub(crate) mod preflight;
+pub(crate) mod readback;
+pub(crate) mod resolve;
+pub(crate) mod run_check;
+pub(crate) mod run_config;
+pub(crate) mod run_loop;
+pub(crate) mod schedule;
 pub mod session;
 pub mod shards;
 pub mod step;
 pub mod stop;
 pub mod train_data;
-pub mod trainer;
+pub(crate) mod trainer;
 
 pub use launch::run_with;
-pub use preflight::MemoryWatch;
+pub(crate) use preflight::MemoryWatch;
 pub use resolve::{load_recipe, Machine};
 pub use run_config::RunConfig;
 pub use session::Session;
@@ -58,11 +58,11 @@ pub struct RunSummary {
     pub out_dir: PathBuf,
     pub tokens: usize,
     pub seconds: f64,
-    pub truncated: usize,
+    pub(crate) truncated: usize,
     /// The last eval loss (at the end), when there is an eval set.
     pub eval_loss: Option<f64>,
     /// Bad rows skipped (data.on_bad_row = "skip").
-    pub skipped: usize,
+    pub(crate) skipped: usize,
 }
 
 /// How `run_with` may deviate from the recipe.

@@ -9,7 +9,7 @@ use std::collections::HashMap;
 pub type Grads = HashMap<TensorId, Tensor>;
 
 /// Parameters are updated in groups of at most this many elements (memory::sizes).
-pub use crate::memory::sizes::OPTIM_GROUP as GROUP;
+pub(crate) use crate::memory::sizes::OPTIM_GROUP as GROUP;
 
 /// A run of consecutive parameters and their AdamW moments, flat.
 struct Group {
@@ -33,7 +33,7 @@ impl Group {
 }
 
 pub struct AdamW {
-    pub params: Vec<Var>,
+    pub(crate) params: Vec<Var>,
     groups: Vec<Group>,
     pub t: usize,
     betas: (f64, f64),
@@ -58,7 +58,7 @@ impl AdamW {
     }
 
     /// `new` with groups of at most `group` elements (tests use small ones).
-    pub fn with_group(
+    pub(crate) fn with_group(
         params: Vec<Var>,
         betas: [f64; 2],
         eps: f64,
@@ -183,7 +183,7 @@ impl AdamW {
     }
 
     /// Whether the last step ran as one CUDA kernel (else as tensor ops).
-    pub fn last_step_fused(&self) -> bool {
+    pub(crate) fn last_step_fused(&self) -> bool {
         self.fused
     }
 
@@ -220,7 +220,7 @@ impl AdamW {
     /// gradients: the step counter advances as if it were, and `untake` takes that back when
     /// the step's readback (`StepClip::from_vals`) later says it was not. A host clip steps
     /// only when finite. Whether the counter advanced.
-    pub fn step_clip(&mut self, grads: &Grads, lr: f64, clip: &StepClip) -> Result<bool> {
+    pub(crate) fn step_clip(&mut self, grads: &Grads, lr: f64, clip: &StepClip) -> Result<bool> {
         let (coef, finite) = match clip {
             StepClip::Host(c, finite) => (c.coef, *finite),
             StepClip::Device(dc) => {
@@ -246,7 +246,7 @@ impl AdamW {
 
     /// Takes back a step `step_clip` counted that the step's readback found not finite (the
     /// kernel skipped it).
-    pub fn untake(&mut self) {
+    pub(crate) fn untake(&mut self) {
         self.t = self.t.saturating_sub(1);
     }
 
@@ -333,7 +333,7 @@ impl AdamW {
 
     /// Puts back state saved from `state()` after `t` updates (resuming a checkpoint); one
     /// (m, v) per parameter, in `params` order, each of its parameter's shape.
-    pub fn load_state(&mut self, m: Vec<Tensor>, v: Vec<Tensor>, t: usize) -> Result<()> {
+    pub(crate) fn load_state(&mut self, m: Vec<Tensor>, v: Vec<Tensor>, t: usize) -> Result<()> {
         if m.len() != self.params.len() || v.len() != self.params.len() {
             candle_core::bail!(
                 "optimiser state for {}/{} tensors, but there are {} parameters",
@@ -365,15 +365,15 @@ impl AdamW {
 /// torch.nn.utils.clip_grad_norm_ does (max_norm / (norm + 1e-6) when that is below 1; else
 /// 1, and always 1 for max_norm = 0): `AdamW::step` applies it.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Clip {
-    pub norm: f64,
-    pub coef: f64,
+pub(crate) struct Clip {
+    pub(crate) norm: f64,
+    pub(crate) coef: f64,
 }
 
 /// A step's clipping and finite check (`clip_step`): on CUDA computed on the device right after
 /// the gradients, so that the update is queued without the host waiting for them and read
 /// later; elsewhere computed at once.
-pub enum StepClip {
+pub(crate) enum StepClip {
     /// [‖g‖, coef, skip] f32 on the device (`multi_tensor::clip_step`).
     Device(Tensor),
     /// The clipping, and whether the loss and ‖g‖ are finite.
@@ -383,7 +383,7 @@ pub enum StepClip {
 impl StepClip {
     /// A device clip's [‖g‖, coef, skip], to read on the host with the step's other scalars
     /// (`train::readback`); None for a host clip.
-    pub fn on_device(&self) -> Option<&Tensor> {
+    pub(crate) fn on_device(&self) -> Option<&Tensor> {
         match self {
             StepClip::Device(t) => Some(t),
             StepClip::Host(..) => None,
@@ -392,7 +392,7 @@ impl StepClip {
 
     /// (‖g‖, whether the step's loss and gradients are finite): a host clip's own, a device
     /// clip's from `vals`, what was read of `on_device()`.
-    pub fn from_vals(&self, vals: &[f64; 3]) -> (f64, bool) {
+    pub(crate) fn from_vals(&self, vals: &[f64; 3]) -> (f64, bool) {
         match self {
             StepClip::Host(c, finite) => (c.norm, *finite),
             StepClip::Device(_) => (vals[0], vals[2] == 0.0),
@@ -402,7 +402,7 @@ impl StepClip {
 
 /// The step's `StepClip` for `max_norm` (≤ 0: no clipping); `ce`, the step's Σ CE as an f32
 /// scalar on the device (None: nothing counted), joins the finite check.
-pub fn clip_step(
+pub(crate) fn clip_step(
     grads: &Grads,
     order: &[Var],
     max_norm: f64,
@@ -442,7 +442,7 @@ pub fn clip_step(
 
 /// `Clip` of `grads`. `order` (the optimiser's parameters) fixes the summation order, so the
 /// norm is the same from run to run.
-pub fn grad_norm(grads: &Grads, order: &[Var], max_norm: f64) -> Result<Clip> {
+pub(crate) fn grad_norm(grads: &Grads, order: &[Var], max_norm: f64) -> Result<Clip> {
     let sq = match sumsq_fused(grads, order)? {
         Some(sq) => sq,
         None => sumsq(grads, order)?,

@@ -31,12 +31,12 @@ pub struct Session {
     /// FSDP: this rank's shards of the frozen base (the model holds placeholders).
     pub shards: Option<Shards>,
     /// The memory plan and what the run measured at load (for reports and OOM diagnoses).
-    pub memory: MemoryWatch,
+    pub(crate) memory: MemoryWatch,
     /// The base checkpoint's directory (a Hub model's snapshot in the cache; None: random
     /// weights).
-    pub base_dir: Option<PathBuf>,
+    pub(crate) base_dir: Option<PathBuf>,
     /// The Hub commit the base was read at (None for a local directory or random weights).
-    pub base_revision: Option<String>,
+    pub(crate) base_revision: Option<String>,
 }
 
 impl Session {
@@ -107,7 +107,7 @@ impl Session {
     }
 
     /// How this rank's micro-batches run (`reduce`: sum gradients over ranks in this one).
-    pub fn par(&self, reduce: bool) -> Par<'_> {
+    pub(crate) fn par(&self, reduce: bool) -> Par<'_> {
         Par {
             comm: &*self.comm,
             shards: self.shards.as_ref(),

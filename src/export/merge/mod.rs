@@ -49,7 +49,7 @@ use crate::ops::dora::row_norms;
 use crate::quant::{bnb, Nf4};
 use crate::recipe::Dtype;
 use crate::util::fs::write_dir;
-pub use crate::util::parse_size;
+pub(crate) use crate::util::parse_size;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use check::*;

@@ -101,7 +101,7 @@ fn block_rows(
 }
 
 /// `sc` = [scale, soft-cap (0: none)].
-pub fn masked_lse(
+pub(crate) fn masked_lse(
     s: &CudaStorage,
     l: &Layout,
     seg: Option<&candle_core::Tensor>,
@@ -114,7 +114,7 @@ pub fn masked_lse(
 }
 
 #[allow(clippy::too_many_arguments)]
-pub fn masked_exp(
+pub(crate) fn masked_exp(
     s: &CudaStorage,
     l: &Layout,
     lse: &CudaStorage,
@@ -140,7 +140,7 @@ pub fn masked_exp(
 
 /// `cap`: the soft-cap and the block's raw scores (P's dtype and shape), when capped.
 #[allow(clippy::too_many_arguments)]
-pub fn softmax_bwd(
+pub(crate) fn softmax_bwd(
     p: &CudaStorage,
     pl: &Layout,
     dp: &CudaStorage,
@@ -227,7 +227,7 @@ fn softmax_bwd_cap(
 
 /// out f32 [R, bk, D] = sum (f32, or zeros) + part[:, ks..ks + bk, :] of part [R, e, D];
 /// `red` = [R, e, D, ks, bk].
-pub fn acc_block(
+pub(crate) fn acc_block(
     sum: Option<(&CudaStorage, &Layout)>,
     part: &CudaStorage,
     pl: &Layout,
@@ -269,7 +269,7 @@ pub fn acc_block(
 }
 
 /// δ [B, H, T] f32 = rowsum over each head of dO ⊙ O, both rows [B·T, H·D] (contiguous).
-pub fn row_dot(
+pub(crate) fn row_dot(
     g: &CudaStorage,
     gl: &Layout,
     o: &CudaStorage,

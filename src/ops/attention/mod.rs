@@ -238,7 +238,7 @@ impl CustomOp3 for SoftmaxBwd {
 }
 
 /// Queries per block: the [B, H, bq, T] score block stays within ~128 MiB of 16-bit values.
-pub fn default_block(b: usize, h: usize, t: usize) -> usize {
+pub(crate) fn default_block(b: usize, h: usize, t: usize) -> usize {
     let per_query = (b * h * t * 2).max(1);
     ((128usize << 20) / per_query).clamp(16, t.max(16)).min(t)
 }
@@ -332,7 +332,7 @@ fn block_of(mask: &AttnMask, t: usize, scale: f64) -> Block {
 }
 
 /// The forward without a graph: (O [B, H, T, D], L [B, H, T] f32), query block by block.
-pub fn attention_fwd(
+pub(crate) fn attention_fwd(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
@@ -366,7 +366,7 @@ pub fn attention_fwd(
 /// The backward: given dO [B, H, T, D] (any layout), δ and L [B, H, T] f32, recomputes each
 /// query block's probabilities and returns (dq, dk, dv) in q's dtype.
 #[allow(clippy::too_many_arguments)]
-pub fn attention_bwd(
+pub(crate) fn attention_bwd(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
