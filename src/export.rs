@@ -134,7 +134,7 @@ pub(crate) fn host_copy(t: &Tensor) -> candle_core::Result<Tensor> {
 /// `tensors` (host) as one safetensors file of f32 at `path`, written atomically, with the
 /// metadata {"format": "pt"} that PEFT's loader expects. One metadata entry only: safetensors
 /// writes a map's entries in hash order, and files of equal runs must be equal bytes.
-pub(crate) fn write_tensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
+pub fn write_tensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
     let values = tensors
         .iter()
         .map(|(_, t)| t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>())

@@ -72,7 +72,7 @@ pub struct Lora {
     pub a: Var, // [r, in] f32
     pub b: Var, // [out, r] f32
     pub scale: f64,
-    pub(crate) dropout: f32,
+    pub dropout: f32,
     /// DoRA's magnitude [out] f32 (None for plain LoRA).
     pub m: Option<Var>,
 }

@@ -58,12 +58,12 @@ pub enum RopeScaling {
 pub struct ModelConfig {
     pub(crate) family: Family,
     pub hidden_size: usize,
-    pub(crate) intermediate_size: usize,
-    pub(crate) num_layers: usize,
-    pub(crate) num_heads: usize,
-    pub(crate) num_kv_heads: usize,
-    pub(crate) head_dim: usize,
-    pub(crate) vocab_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab_size: usize,
     pub(crate) rms_norm_eps: f64,
     /// The global RoPE (Gemma 3's sliding layers take `arch.local_rope`).
     pub(crate) rope_theta: f64,
@@ -266,7 +266,7 @@ impl ModelConfig {
     }
 
     /// The LoRA-targetable linears of a decoder layer, in checkpoint order.
-    pub(crate) fn linears(&self) -> &'static [&'static str] {
+    pub fn linears(&self) -> &'static [&'static str] {
         self.family.linears()
     }
 

@@ -19,15 +19,15 @@ use std::collections::HashMap;
 
 /// Per-batch inputs every layer needs besides the hidden states.
 pub struct Ctx {
-    pub(crate) cos: Tensor, // [B, T, D/2] f32
-    pub(crate) sin: Tensor, // [B, T, D/2] f32
+    pub cos: Tensor, // [B, T, D/2] f32
+    pub sin: Tensor, // [B, T, D/2] f32
     /// The sliding layers' own cos and sin (Gemma 3's local RoPE base), when they differ.
     pub(crate) local: Option<(Tensor, Tensor)>,
-    pub(crate) mask: AttnMask,
+    pub mask: AttnMask,
     /// Queries per attention block (None: sized to the batch).
     pub(crate) attn_block: Option<usize>,
     /// Dropout stream key (seed, [step, micro-batch]); None = eval (no dropout).
-    pub(crate) dropout: Option<(u64, [u64; 2])>,
+    pub dropout: Option<(u64, [u64; 2])>,
     /// Each adapter's A and B in the activation dtype, by Var id, cast once for the batch
     /// (one launch for all on CUDA with bf16 activations); elsewhere each as stored, detached
     /// (the hand-written forward and backward cast at each use, and record no graph).
@@ -35,9 +35,9 @@ pub struct Ctx {
     /// The one buffer `adapters` are views of (each layer's A's side by side, then its B's).
     pub(crate) adapter_buf: Option<Tensor>,
     /// Whether the padded weights' B columns hold this batch's B's (`ops::fold`).
-    pub(crate) folded: bool,
+    pub folded: bool,
     /// The model's kernel choices (`Model::kernels`), which every op of the batch takes.
-    pub(crate) kernels: Kernels,
+    pub kernels: Kernels,
     /// `Model::mlp_chunk`.
     pub(crate) mlp_chunk: Option<usize>,
     /// The routers' load-balancing loss of this micro-batch (model/moe_aux.rs): None when off
@@ -97,7 +97,7 @@ pub enum Group<'a> {
 
 impl<'a> Group<'a> {
     /// The group's frozen tensors (a layer's in `Layer::frozen_mut` order).
-    pub(crate) fn tensors(self) -> Vec<&'a mut Tensor> {
+    pub fn tensors(self) -> Vec<&'a mut Tensor> {
         match self {
             Group::Layer(layer) => layer.frozen_mut(),
             Group::Io(t) => t,
@@ -115,12 +115,12 @@ pub struct Model {
     /// The buffers NF4 layers are dequantized into on CUDA (quant::slabs).
     pub(crate) slabs: std::sync::Arc<crate::quant::Slabs>,
     pub(crate) norm: Tensor,    // [C]
-    pub(crate) lm_head: Tensor, // [V, C]; the embedding itself when tied
+    pub lm_head: Tensor, // [V, C]; the embedding itself when tied
     pub tied: bool,
     pub dtype: DType,
     pub device: Device,
     /// Every kernel choice of the run (`Kernels::resolve`); each batch's `Ctx` carries a copy.
-    pub(crate) kernels: Kernels,
+    pub kernels: Kernels,
     /// Tokens per MLP chunk (`train.mlp_chunk`; model/layer_mlp.rs): the forward of
     /// checkpointed layers, the backward of every layer; None: never chunked.
     pub mlp_chunk: Option<usize>,
@@ -256,7 +256,7 @@ impl Model {
     /// Random weights of a given shape made on the device (benchmarks; no download): linear
     /// and embedding weights N(0, 0.02), norm gains 1 (Gemma's stored w 0, its gain being
     /// 1 + w), as transformers initialises a fresh model. The kernels are the device's.
-    pub(crate) fn random(
+    pub fn random(
         cfg: ModelConfig,
         dtype: DType,
         device: &Device,
@@ -268,7 +268,7 @@ impl Model {
     }
 
     /// `random` as `b` says, with `loaded` as in `load_with`.
-    pub(crate) fn random_with(b: &Build, loaded: Loaded) -> anyhow::Result<Model> {
+    pub fn random_with(b: &Build, loaded: Loaded) -> anyhow::Result<Model> {
         let (dtype, device) = (b.dtype, &b.device);
         if !device.is_cpu() {
             device.set_seed(b.seed)?;
@@ -405,7 +405,7 @@ impl Model {
     /// their input width is a multiple of 8; a group folded already is left as it is.
     /// `load_with` does the same one layer at a time, before FSDP shards it. Returns the pads'
     /// bytes (the memory plan's `fold` term).
-    pub(crate) fn fold(&mut self) -> Result<usize> {
+    pub fn fold(&mut self) -> Result<usize> {
         if !self.kernels.fold {
             return Ok(0);
         }

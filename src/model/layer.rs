@@ -94,16 +94,16 @@ pub(crate) fn out_norm(x: Tensor, w: &Option<Tensor>, norm: NormSpec) -> Result<
 #[derive(Clone)]
 pub struct Layer {
     /// Before the attention [C].
-    pub(crate) input_norm: Tensor,
+    pub input_norm: Tensor,
     /// Before the MLP [C] (post_attention_layernorm; Gemma's pre_feedforward_layernorm).
-    pub(crate) post_norm: Tensor,
+    pub post_norm: Tensor,
     pub(crate) extra: Extra,
     /// q_proj, k_proj, v_proj; or Phi-3's one qkv_proj [(H + 2K)·D, C].
     pub attn_in: Vec<Linear>,
     pub o: Linear,
     /// gate_proj, up_proj; or Phi-3's one gate_up_proj [2I, C] (gate first); empty in a MoE
     /// layer.
-    pub(crate) mlp_in: Vec<Linear>,
+    pub mlp_in: Vec<Linear>,
     /// down_proj; None in a MoE layer.
     pub down: Option<Linear>,
     /// A MoE layer's router and experts (model/layer_moe.rs), in place of the dense MLP.

@@ -52,7 +52,7 @@ pub struct Linear {
     pub(crate) b: Option<Tensor>,
     pub lora: Option<Lora>,
     /// W's wider buffer, when the adapter's forward is folded into the base GEMM.
-    pub(crate) pad: Option<Pad>,
+    pub pad: Option<Pad>,
     /// W in NF4 (`[model] quantize = "nf4"`): the model's `w` is then a placeholder, and
     /// `Layer::resident` puts the dequantized W there for each use.
     pub q: Option<std::sync::Arc<crate::quant::QWeight>>,
@@ -66,7 +66,7 @@ pub struct Linear {
 /// that round its rows up). Under FSDP the skeleton layer's `full` is a placeholder and a
 /// gathered layer's a view of the gathered buffer (`Layer::frozen_mut`).
 #[derive(Clone)]
-pub(crate) struct Pad {
+pub struct Pad {
     pub(crate) full: Tensor,
     pub(crate) col: usize,
     /// W's columns (`in`): `w` is `full`'s first `in_f` columns.
@@ -473,7 +473,7 @@ impl Linear {
     /// this batch: each padded alike, with a plain (not DoRA) adapter, their B's columns in
     /// order, one scale, dropout on all or none, and the pads' B columns written for this
     /// batch. None otherwise.
-    pub(crate) fn fold_width(lins: &[&Linear], ctx: &Ctx) -> Option<usize> {
+    pub fn fold_width(lins: &[&Linear], ctx: &Ctx) -> Option<usize> {
         let first = lins.first()?;
         let in_f = first.w.dim(1).ok()?;
         let p = first.pad.as_ref()?.full.dim(1).ok()?.checked_sub(in_f)?;
@@ -497,7 +497,7 @@ impl Linear {
 
     /// `fwd_shared` folded (`ops::fold`), for `lins` whose `fold_width` is p: xp [m, in + p]
     /// holds their input x in its first `in` columns (its next Σ r are written here).
-    pub(crate) fn fwd_folded(
+    pub fn fwd_folded(
         lins: &[&Linear],
         xp: &Tensor,
         ctx: &Ctx,

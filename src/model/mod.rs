@@ -21,7 +21,7 @@ pub(crate) mod linear;
 pub(crate) mod moe_aux;
 mod parts;
 pub(crate) mod prefetch;
-pub(crate) mod rope;
+pub mod rope;
 pub(crate) mod router;
 pub mod shapes;
 

@@ -140,7 +140,7 @@ fn llama3(raw: &[f32], [factor, lo, hi]: [f64; 3], original_max_position: usize)
 }
 
 /// cos and sin of position·inv_freq for each token: positions [B×T] → two [B, T, D/2] f32.
-pub(crate) fn cos_sin(
+pub fn cos_sin(
     inv_freq: &[f32],
     positions: &[u32],
     b: usize,

@@ -53,7 +53,7 @@ pub fn cross_entropy_fwd_bwd(
 
 /// Whether `cross_entropy_fwd_bwd` takes the kernel: a CUDA build, contiguous f32 or bf16
 /// logits [n, V] on the GPU with 1 ≤ n < 2^31 (one thread block a row), u32 targets.
-pub(crate) fn kernel_takes(logits: &Tensor, targets: &Tensor) -> bool {
+pub fn kernel_takes(logits: &Tensor, targets: &Tensor) -> bool {
     cfg!(feature = "cuda")
         && logits.device().is_cuda()
         && matches!(logits.dtype(), DType::F32 | DType::BF16)

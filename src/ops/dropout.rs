@@ -52,7 +52,7 @@ pub struct Dropout {
     /// An element whose 16 bits are below this is dropped: round(p · 2¹⁶).
     pub(crate) threshold: u32,
     /// 1 / (1 − p) in f32: a kept value's factor.
-    pub(crate) scale: f32,
+    pub scale: f32,
     /// Drawn inside the adapters' kernels where they take the operands (`ops::fold_drop`;
     /// `Kernels::dropout_fused`), else applied as a masked copy per use. Same masks either way.
     pub(crate) fused: bool,
@@ -105,7 +105,7 @@ impl Dropout {
     }
 
     /// The mask of elements 0 .. n: 1 / (1 − p) where kept, else 0 (the reference).
-    pub(crate) fn mask(&self, n: usize) -> Vec<f32> {
+    pub fn mask(&self, n: usize) -> Vec<f32> {
         let mut out = vec![0f32; n];
         self.for_each_keep(n, |e, keep| {
             if keep {
@@ -130,7 +130,7 @@ impl Dropout {
 /// dropout(x): each element of x (any shape; the mask over its row-major index) kept and
 /// multiplied by 1 / (1 − p) in f32, then rounded to x's dtype, or set to 0. No graph. On the
 /// device it is drawn by a kernel (dropout.cu), on the CPU here.
-pub(crate) fn apply(x: &Tensor, d: &Dropout) -> Result<Tensor> {
+pub fn apply(x: &Tensor, d: &Dropout) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if let Some(y) = cuda::apply(x, d)? {
         return Ok(y);

@@ -18,7 +18,7 @@ use candle_core::{Result, Tensor};
 
 /// q [B, H, T, D], k, v [B, K, T, D] → (O as token-major rows [B·T, H·D], L [B, H, T] f32), on
 /// the tensor-core kernels `kernels` names (`Kernels::attention`; `Blockwise` is an error).
-pub(crate) fn flash_fwd(
+pub fn flash_fwd(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
@@ -43,7 +43,7 @@ pub(crate) fn flash_fwd(
 /// rotated back (dL/d of the unrotated q and k) and laid out as token-major rows (viewed
 /// [B, H, T, D]): RoPE's backward and the layout change happen in the kernels' stores.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn flash_bwd(
+pub fn flash_bwd(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,

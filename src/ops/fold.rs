@@ -57,14 +57,14 @@ pub(crate) const ROW_ALIGN: usize = 64;
 /// `ranks`, is given: rows of `in_f` + pad = `in_f` + Σ r rounded up to `ROW_ALIGN` (the
 /// columns past in + Σ r are neither written nor read). None where the kernels cannot take the rows (`in_f` not a
 /// multiple of 8).
-pub(crate) fn pad_width(ranks: &[usize], in_f: usize) -> Option<usize> {
+pub fn pad_width(ranks: &[usize], in_f: usize) -> Option<usize> {
     let p: usize = ranks.iter().sum();
     (!ranks.is_empty() && in_f % 8 == 0).then(|| (in_f + p).next_multiple_of(ROW_ALIGN) - in_f)
 }
 
 /// rms_norm(x) · w for x [.., d] into the first d columns of a fresh [rows, d + pad] (its pad
 /// columns unset); None off CUDA or where the kernel cannot take the operands.
-pub(crate) fn rms_norm_pad(
+pub fn rms_norm_pad(
     x: &Tensor,
     w: &Tensor,
     spec: impl Into<NormSpec>,
@@ -84,7 +84,7 @@ pub(crate) fn rms_norm_pad(
 
 /// `ops::add_rms_norm` (h = x + a, then rms_norm(h) · w) with the normed rows padded as in
 /// `rms_norm_pad`: (h as x's shape, [rows, d + pad]); None as there.
-pub(crate) fn add_rms_norm_pad(
+pub fn add_rms_norm_pad(
     x: &Tensor,
     a: &Tensor,
     w: &Tensor,
@@ -105,7 +105,7 @@ pub(crate) fn add_rms_norm_pad(
 
 /// `act.glu(g, u)` for g, u [.., d] into the first d columns of a fresh [rows, d + pad];
 /// None as `rms_norm_pad`.
-pub(crate) fn glu_pad(act: Act, g: &Tensor, u: &Tensor, pad: usize) -> Result<Option<Tensor>> {
+pub fn glu_pad(act: Act, g: &Tensor, u: &Tensor, pad: usize) -> Result<Option<Tensor>> {
     #[cfg(feature = "cuda")]
     {
         super::glu::cuda::glu_pad(&format!("{}_pad_v8_bf16", act.kernel()), g, u, pad)
@@ -118,12 +118,12 @@ pub(crate) fn glu_pad(act: Act, g: &Tensor, u: &Tensor, pad: usize) -> Result<Op
 }
 
 /// What `glu_down_bwd` gives.
-pub(crate) struct GluDownGrads {
+pub struct GluDownGrads {
     /// dL/dgate, dL/dup [m, I].
-    pub(crate) dg: Tensor,
-    pub(crate) du: Tensor,
+    pub dg: Tensor,
+    pub du: Tensor,
     /// down's dA [r, I] f32.
-    pub(crate) da: Tensor,
+    pub da: Tensor,
 }
 
 /// down_proj's backward folded, with the gated activation's (`act`: SwiGLU or GeGLU), in one
@@ -138,7 +138,7 @@ pub(crate) struct GluDownGrads {
 /// None (nothing run) off CUDA, or where the kernel cannot take the operands (r > 64, widths
 /// not multiples of 8). `gemm` runs the GEMM.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn glu_down_bwd(
+pub fn glu_down_bwd(
     act: Act,
     dy: &Tensor,
     w_full: &Tensor,

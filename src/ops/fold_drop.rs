@@ -21,7 +21,7 @@ use candle_core::{Result, Tensor};
 /// The forward's adapter states of linears that share x [m, in] (a column slice of wider rows
 /// is fine: the fold's padded rows): `a` their A's stacked [n·r, in] in x's dtype, one
 /// `Dropout` each, s their scale → xas [m, n·r] (each one's its r columns), in x's dtype.
-pub(crate) fn xas(x: &Tensor, a: &Tensor, drops: &[Dropout], scale: f64, gemm: Gemm) -> Result<Tensor> {
+pub fn xas(x: &Tensor, a: &Tensor, drops: &[Dropout], scale: f64, gemm: Gemm) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if drops.iter().all(|d| d.fused) {
         if let Some(y) = cuda::xas(x, a, drops, scale)? {
@@ -51,7 +51,7 @@ pub(crate) fn xas(x: &Tensor, a: &Tensor, drops: &[Dropout], scale: f64, gemm: G
 /// holds; a column slice of wider rows is fine), gb = g_j B_j side by side [m, n·r] (unscaled;
 /// a column slice is fine), `a` their A's stacked [n·r, in], one `Dropout` each, s their scale
 /// → (dx + Σ_j s · (gB_j A_j) ⊙ m_j [m, in], dA = s · gB_jᵀ (m_j ⊙ x) stacked [n·r, in] f32).
-pub(crate) fn bwd(
+pub fn bwd(
     x: &Tensor,
     dx: Tensor,
     gb: &Tensor,

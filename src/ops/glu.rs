@@ -40,7 +40,7 @@ pub(crate) fn gelu_tanh_grad(g: f32) -> f32 {
 }
 
 /// g, u: [..., I] (same shape and dtype) → silu(g) ⊙ u. Differentiable in g and u.
-pub(crate) fn swiglu(g: &Tensor, u: &Tensor) -> Result<Tensor> {
+pub fn swiglu(g: &Tensor, u: &Tensor) -> Result<Tensor> {
     Act::Silu.glu(g, u)
 }
 

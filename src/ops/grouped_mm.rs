@@ -13,7 +13,7 @@ use candle_core::{bail, Result, Tensor};
 /// (W [E, k, n]), plus the same rows of `acc` [P, n] where given (on CUDA written in place:
 /// a fresh result nothing else holds). → [P, n]. W's matrices may lie apart (a narrow of a
 /// stack along its rows: gate_up's gate half).
-pub(crate) fn grouped_linear(
+pub fn grouped_linear(
     x: &Tensor,
     w: &Tensor,
     counts: &[usize],
@@ -65,7 +65,7 @@ pub(crate) fn grouped_linear(
 
 /// For each expert's rows p_e of p [P, m] and q_e of q [P, n]: α · p_eᵀ q_e → [E, m, n] in p's
 /// dtype, zeros for an expert with no rows (the experts' adapter gradients).
-pub(crate) fn grouped_tn(p: &Tensor, q: &Tensor, counts: &[usize], alpha: f64) -> Result<Tensor> {
+pub fn grouped_tn(p: &Tensor, q: &Tensor, counts: &[usize], alpha: f64) -> Result<Tensor> {
     let ((rows, m), (qrows, n)) = (p.dims2()?, q.dims2()?);
     check(counts, counts.len(), rows)?;
     if qrows != rows {

@@ -33,9 +33,9 @@ pub(crate) const EXPERIMENTS: [&str; 3] = ["reduce_ahead", "peer_copy", "decode_
 /// What the attention kernels' choice depends on in the model (`ModelConfig::attn_shape`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttnShape {
-    pub(crate) head_dim: usize,
+    pub head_dim: usize,
     /// The scores are soft-capped (Gemma 2's attn_logit_softcapping).
-    pub(crate) softcap: bool,
+    pub softcap: bool,
 }
 
 impl From<usize> for AttnShape {
@@ -50,7 +50,7 @@ impl From<usize> for AttnShape {
 
 /// The kernels of a causal attention pass.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Attention {
+pub enum Attention {
     /// `ops::attention`: cuBLAS GEMMs per block of queries and the masked softmax between
     /// them; any device, dtype and head dim. The reference the others are tested against.
     Blockwise,
@@ -75,7 +75,7 @@ pub(crate) enum Attention {
 
 impl Attention {
     /// Whether the pass runs on the tensor-core kernels (ops::flash): no score blocks in memory.
-    pub(crate) fn tensor_cores(self) -> bool {
+    pub fn tensor_cores(self) -> bool {
         self != Attention::Blockwise
     }
 
@@ -114,7 +114,7 @@ pub enum Gemm {
 
 /// Experiments turned on by `LORA_TRAIN_EXPERIMENTS` (see the module docs).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct Experiments {
+pub struct Experiments {
     pub(crate) reduce_ahead: bool,
     pub(crate) peer_copy: bool,
     /// `generate` replays a base model's one-token step as a CUDA graph.
@@ -163,19 +163,19 @@ impl Experiments {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Kernels {
     /// Causal attention, forward and backward (model/layer_train.rs).
-    pub(crate) attention: Attention,
+    pub attention: Attention,
     /// The adapters' forward and backward folded into the frozen GEMMs by concatenating k
     /// (ops::fold: CUDA, bf16): `Model::fold` pads the weights of the groups that can.
-    pub(crate) fold: bool,
+    pub fold: bool,
     /// LoRA dropout's masks drawn inside the adapters' kernels (ops::fold_drop: CUDA, bf16),
     /// where they take the operands; else a masked copy of the input per use
     /// (`ops::dropout::apply`). The same masks either way.
-    pub(crate) dropout_fused: bool,
+    pub dropout_fused: bool,
     /// The head's cross-entropy (`Model::head_loss_bwd`).
-    pub(crate) cross_entropy: CrossEntropy,
+    pub cross_entropy: CrossEntropy,
     /// The large GEMMs' algorithm (ops::linear_acc).
-    pub(crate) gemm: Gemm,
-    pub(crate) experiments: Experiments,
+    pub gemm: Gemm,
+    pub experiments: Experiments,
 }
 
 impl Kernels {

@@ -19,7 +19,7 @@ use super::kernels::Gemm;
 use candle_core::{Result, Tensor};
 
 /// acc + x Wᵀ: x [m, in], W [out, in], acc [m, out] → [m, out]. No graph.
-pub(crate) fn linear_acc(x: &Tensor, w: &Tensor, acc: Tensor, gemm: Gemm) -> Result<Tensor> {
+pub fn linear_acc(x: &Tensor, w: &Tensor, acc: Tensor, gemm: Gemm) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if let Some(y) = cuda::gemm_acc(x, w, &acc, true, 1.0, gemm)? {
         return Ok(y);
@@ -30,7 +30,7 @@ pub(crate) fn linear_acc(x: &Tensor, w: &Tensor, acc: Tensor, gemm: Gemm) -> Res
 
 /// acc + g W: g [m, out], W [out, in], acc [m, in] → [m, in] (a frozen linear's dL/dx plus
 /// another term of it). No graph.
-pub(crate) fn linear_bwd_acc(g: &Tensor, w: &Tensor, acc: Tensor, gemm: Gemm) -> Result<Tensor> {
+pub fn linear_bwd_acc(g: &Tensor, w: &Tensor, acc: Tensor, gemm: Gemm) -> Result<Tensor> {
     linear_bwd_acc_scaled(g, w, acc, 1.0, gemm)
 }
 
@@ -75,7 +75,7 @@ pub(crate) fn matmul_tn_f32(p: &Tensor, q: &Tensor, gemm: Gemm) -> Result<Tensor
 /// dtype. No graph. x may be a column slice of a wider matrix (rows contiguous). On CUDA α is
 /// the GEMM's own (the f32 sum is scaled before its one rounding, and no pass of its own), so
 /// the adapters' s · (x Aᵀ) and s · (g B) cost their GEMM only.
-pub(crate) fn matmul_scaled(
+pub fn matmul_scaled(
     x: &Tensor,
     w: &Tensor,
     trans_w: bool,

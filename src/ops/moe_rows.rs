@@ -12,7 +12,7 @@
 use candle_core::{DType, Result, Tensor};
 
 /// src[idx]: src [m, C], idx [P] u32 → [P, C].
-pub(crate) fn gather(src: &Tensor, idx: &Tensor) -> Result<Tensor> {
+pub fn gather(src: &Tensor, idx: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if !src.track_op() {
         if let Some(out) = cuda::gather(src, idx)? {
@@ -24,7 +24,7 @@ pub(crate) fn gather(src: &Tensor, idx: &Tensor) -> Result<Tensor> {
 
 /// Token n's k grouped rows summed, each scaled by its weight: Σ_j w[q] · y[q], q = slots[j·m +
 /// n] (`Routing::slots`); y [P, C], slots [k·m] u32, w [P] f32 (None: all 1) → [m, C].
-pub(crate) fn combine(y: &Tensor, slots: &Tensor, w: Option<&Tensor>, k: usize) -> Result<Tensor> {
+pub fn combine(y: &Tensor, slots: &Tensor, w: Option<&Tensor>, k: usize) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if !y.track_op() && !w.is_some_and(|w| w.track_op()) {
         if let Some(out) = cuda::combine(y, slots, w, k)? {
@@ -47,7 +47,7 @@ pub(crate) fn combine(y: &Tensor, slots: &Tensor, w: Option<&Tensor>, k: usize) 
 /// The backward's gather: for grouped row q of token tok[q], gy[q] = w[q] · g[tok[q]] and
 /// dw[q] = Σ_c g[tok[q], c] · y[q, c]; g [m, C], tok [P] u32, w [P] f32, y [P, C] → (gy [P, C],
 /// dw [P] f32). No graph.
-pub(crate) fn scatter_grad(g: &Tensor, tok: &Tensor, w: &Tensor, y: &Tensor) -> Result<(Tensor, Tensor)> {
+pub fn scatter_grad(g: &Tensor, tok: &Tensor, w: &Tensor, y: &Tensor) -> Result<(Tensor, Tensor)> {
     #[cfg(feature = "cuda")]
     if let Some(out) = cuda::scatter_grad(g, tok, w, y)? {
         return Ok(out);

@@ -114,7 +114,7 @@ impl CustomOp1 for RmsNorm {
 }
 
 /// dL/dx of `rms_norm(x, w, spec)` given g = dL/dy; x, g: [..., d] → [..., d] in x's dtype.
-pub(crate) fn rms_norm_bwd(
+pub fn rms_norm_bwd(
     x: &Tensor,
     w: &Tensor,
     spec: impl Into<NormSpec>,
@@ -126,7 +126,7 @@ pub(crate) fn rms_norm_bwd(
 /// `rms_norm_bwd(x, w, eps, g) + res`, res another term of dL/dx (x's shape; the residual
 /// branch around the norm): on the fused bf16 path in the same pass, summed in f32 and rounded
 /// once; elsewhere the composite and an add.
-pub(crate) fn rms_norm_bwd_add(
+pub fn rms_norm_bwd_add(
     x: &Tensor,
     w: &Tensor,
     spec: impl Into<NormSpec>,

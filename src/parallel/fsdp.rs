@@ -68,7 +68,7 @@ fn align(dtype: DType) -> usize {
 impl Flat {
     /// Flattens `tensors` by dtype, keeps this rank's 1/N of each buffer (a copy, so the full
     /// buffers are freed) and replaces each tensor with a 1-element placeholder of its dtype.
-    pub(crate) fn take(tensors: Vec<&mut Tensor>, comm: &dyn Comm) -> Result<Flat> {
+    pub fn take(tensors: Vec<&mut Tensor>, comm: &dyn Comm) -> Result<Flat> {
         let (rank, world) = (comm.rank(), comm.world());
         let Some(first) = tensors.first() else {
             candle_core::bail!("fsdp: a group with no tensors");

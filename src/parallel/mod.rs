@@ -10,10 +10,10 @@
 
 pub(crate) mod backend;
 pub mod cpu;
-pub(crate) mod fsdp;
+pub mod fsdp;
 pub mod launch;
 #[cfg(feature = "nccl")]
-pub(crate) mod nccl;
+pub mod nccl;
 pub mod posted;
 
 use candle_core::{Result, Tensor};

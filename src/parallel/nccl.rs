@@ -112,7 +112,7 @@ pub(crate) fn ordinals(devices: &[usize]) -> anyhow::Result<Vec<usize>> {
 }
 
 /// The ranks of one process, one thread per GPU.
-pub(crate) struct NcclGroup {
+pub struct NcclGroup {
     ordinals: Vec<usize>,
     id: sys::ncclUniqueId,
     comms: Mutex<Vec<Arc<Slot>>>,
@@ -141,7 +141,7 @@ unsafe impl Send for NcclGroup {}
 unsafe impl Sync for NcclGroup {}
 
 impl NcclGroup {
-    pub(crate) fn new(ordinals: Vec<usize>, _timeout: Duration) -> anyhow::Result<Arc<NcclGroup>> {
+    pub fn new(ordinals: Vec<usize>, _timeout: Duration) -> anyhow::Result<Arc<NcclGroup>> {
         let id = result::get_uniqueid().map_err(|e| anyhow::anyhow!("ncclGetUniqueId: {e:?}"))?;
         Ok(Arc::new(NcclGroup {
             ordinals,

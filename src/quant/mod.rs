@@ -9,7 +9,7 @@ pub(crate) mod weight;
 
 pub use nf4::Nf4;
 pub(crate) use slabs::Slabs;
-pub(crate) use weight::QWeight;
+pub use weight::QWeight;
 
 /// How a run stores its frozen base (`[model] quantize`, `double_quant`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

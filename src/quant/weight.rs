@@ -35,7 +35,7 @@ pub struct QWeight {
 impl QWeight {
     /// `w` (any dtype, any device) quantized as bitsandbytes' `quantize_4bit` would: on CUDA
     /// by nf4.cu's kernel (the absmax values nested on the host), elsewhere on the host.
-    pub(crate) fn quantize(w: &Tensor, double_quant: bool) -> Result<QWeight> {
+    pub fn quantize(w: &Tensor, double_quant: bool) -> Result<QWeight> {
         #[cfg(feature = "cuda")]
         if let Some(q) = Self::quantize_cuda(w, double_quant)? {
             return Ok(q);
@@ -45,7 +45,7 @@ impl QWeight {
     }
 
     /// An NF4 weight's arrays on `device`.
-    pub(crate) fn from_nf4(q: &Nf4, device: &Device) -> Result<QWeight> {
+    pub fn from_nf4(q: &Nf4, device: &Device) -> Result<QWeight> {
         let n = q.numel();
         if q.codes.len() != n.div_ceil(2) {
             candle_core::bail!(
@@ -125,7 +125,7 @@ impl QWeight {
 
     /// The weight in `dtype`, `shape`d: level[code] · absmax in f32, then rounded. On CUDA
     /// one kernel (nf4.cu) for bf16 and f32; elsewhere tensor ops.
-    pub(crate) fn dequantize(&self, dtype: DType) -> Result<Tensor> {
+    pub fn dequantize(&self, dtype: DType) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
         if let Some(w) = self.dequantize_cuda(dtype)? {
             return Ok(w);

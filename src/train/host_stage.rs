@@ -15,13 +15,13 @@ use candle_core::{Result, Shape, Tensor};
 /// The pinned buffers of a run's saves, reused from save to save (page-locking is a driver
 /// call that touches every page, and freeing it waits for the device).
 #[derive(Default)]
-pub(crate) struct Stage {
+pub struct Stage {
     #[cfg(feature = "cuda")]
     pool: std::sync::Arc<std::sync::Mutex<Vec<cuda::Pinned>>>,
 }
 
 /// Named tensors on their way to host memory.
-pub(crate) struct HostTensors {
+pub struct HostTensors {
     parts: Vec<(String, Shape)>,
     data: Data,
 }
@@ -35,7 +35,7 @@ enum Data {
 }
 
 impl Stage {
-    pub(crate) fn new() -> Stage {
+    pub fn new() -> Stage {
         Stage::default()
     }
 
@@ -54,7 +54,7 @@ impl Stage {
     }
 
     /// Starts copying `parts` (float tensors, on one device) to host memory as f32.
-    pub(crate) fn copy(&self, parts: Vec<(String, Tensor)>) -> Result<HostTensors> {
+    pub fn copy(&self, parts: Vec<(String, Tensor)>) -> Result<HostTensors> {
         #[cfg(feature = "cuda")]
         if let Some((_, t)) = parts.first() {
             if let candle_core::Device::Cuda(dev) = t.device() {
@@ -78,7 +78,7 @@ impl Stage {
 
 impl HostTensors {
     /// The tensors on the host, once their copies have landed (waits for those copies only).
-    pub(crate) fn tensors(&self) -> Result<Vec<(String, Tensor)>> {
+    pub fn tensors(&self) -> Result<Vec<(String, Tensor)>> {
         match &self.data {
             Data::Ready(host) => Ok(self.names().zip(host.iter().cloned()).collect()),
             #[cfg(feature = "cuda")]
@@ -95,7 +95,7 @@ impl HostTensors {
 
     /// The tensors as one safetensors file at `path` (`export::write_tensors`' bytes), written
     /// from the host buffer itself once the copies have landed.
-    pub(crate) fn write(&self, path: &std::path::Path) -> anyhow::Result<()> {
+    pub fn write(&self, path: &std::path::Path) -> anyhow::Result<()> {
         match &self.data {
             Data::Ready(host) => {
                 let named: Vec<_> = self.names().zip(host.iter().cloned()).collect();

@@ -183,7 +183,7 @@ impl AdamW {
     }
 
     /// Whether the last step ran as one CUDA kernel (else as tensor ops).
-    pub(crate) fn last_step_fused(&self) -> bool {
+    pub fn last_step_fused(&self) -> bool {
         self.fused
     }
 
@@ -365,9 +365,9 @@ impl AdamW {
 /// torch.nn.utils.clip_grad_norm_ does (max_norm / (norm + 1e-6) when that is below 1; else
 /// 1, and always 1 for max_norm = 0): `AdamW::step` applies it.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) struct Clip {
-    pub(crate) norm: f64,
-    pub(crate) coef: f64,
+pub struct Clip {
+    pub norm: f64,
+    pub coef: f64,
 }
 
 /// A step's clipping and finite check (`clip_step`): on CUDA computed on the device right after
@@ -442,7 +442,7 @@ pub(crate) fn clip_step(
 
 /// `Clip` of `grads`. `order` (the optimiser's parameters) fixes the summation order, so the
 /// norm is the same from run to run.
-pub(crate) fn grad_norm(grads: &Grads, order: &[Var], max_norm: f64) -> Result<Clip> {
+pub fn grad_norm(grads: &Grads, order: &[Var], max_norm: f64) -> Result<Clip> {
     let sq = match sumsq_fused(grads, order)? {
         Some(sq) => sq,
         None => sumsq(grads, order)?,

@@ -17,7 +17,7 @@ use candle_core::{DType, Result, Tensor};
 const MAX: usize = 8;
 
 /// A read on its way: the values land when the device has run the work before its copy.
-pub(crate) struct Ticket(Slot);
+pub struct Ticket(Slot);
 
 enum Slot {
     /// The values [n] f64, read by `read` with `to_vec1`.
@@ -39,19 +39,19 @@ struct Pinned {
 /// Pinned buffers for `Ticket`s, reused from step to step: page-locking host memory is a
 /// driver call too slow (and freeing it too synchronous) to make per step.
 #[derive(Default)]
-pub(crate) struct Readbacks {
+pub struct Readbacks {
     #[cfg(feature = "cuda")]
     free: Vec<Pinned>,
 }
 
 impl Readbacks {
-    pub(crate) fn new() -> Self {
+    pub fn new() -> Self {
         Self::default()
     }
 
     /// Queues the copy of `parts` (scalars or short vectors of any float dtype, on one device;
     /// at most `MAX` values in all) to the host, as f64 in their order.
-    pub(crate) fn start(&mut self, parts: &[&Tensor]) -> Result<Ticket> {
+    pub fn start(&mut self, parts: &[&Tensor]) -> Result<Ticket> {
         let flat = parts
             .iter()
             .map(|t| t.to_dtype(DType::F64)?.flatten_all())
@@ -69,7 +69,7 @@ impl Readbacks {
     }
 
     /// The values `start` queued: waits for their copy only (not for later work).
-    pub(crate) fn read(&mut self, t: Ticket) -> Result<Vec<f64>> {
+    pub fn read(&mut self, t: Ticket) -> Result<Vec<f64>> {
         match t.0 {
             Slot::Later(x) => x.to_vec1::<f64>(),
             #[cfg(feature = "cuda")]

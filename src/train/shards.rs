@@ -25,7 +25,7 @@ impl Shards {
     /// Splits the groups `Model::load_with` handed over (layers in order, io last), and under
     /// the `peer_copy` experiment (`kernels.experiments`) tells the comm that the shards are
     /// static (`Comm::share_static`: every rank calls this, with the same kernels).
-    pub(crate) fn from_groups(
+    pub fn from_groups(
         mut groups: Vec<Flat>,
         num_layers: usize,
         kernels: &crate::ops::Kernels,
@@ -92,7 +92,7 @@ impl Shards {
     /// the micro-batch's first gather; the peers' last reads of the step before ended before
     /// their share of the step's gradient sums, which this rank's optimizer step waited for;
     /// within a step the B's do not change, so the bytes rewritten are the bytes there.
-    pub(crate) fn write_pads(&self, model: &Model) -> Result<bool> {
+    pub fn write_pads(&self, model: &Model) -> Result<bool> {
         #[cfg(feature = "cuda")]
         if let candle_core::Device::Cuda(dev) = &model.device {
             use crate::ops::multi_tensor::{cast_rows_bf16, f32_addr, MultiT};

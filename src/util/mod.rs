@@ -161,7 +161,7 @@ pub fn check_revision(rev: &str) -> std::result::Result<(), String> {
 
 /// The message of a caught panic (`std::panic::catch_unwind`'s payload): its text, or "" when
 /// it carries none.
-pub(crate) fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+pub fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
     p.downcast_ref::<String>()
         .cloned()
         .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))

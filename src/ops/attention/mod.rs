@@ -332,7 +332,7 @@ fn block_of(mask: &AttnMask, t: usize, scale: f64) -> Block {
 }
 
 /// The forward without a graph: (O [B, H, T, D], L [B, H, T] f32), query block by block.
-pub(crate) fn attention_fwd(
+pub fn attention_fwd(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
@@ -366,7 +366,7 @@ pub(crate) fn attention_fwd(
 /// The backward: given dO [B, H, T, D] (any layout), δ and L [B, H, T] f32, recomputes each
 /// query block's probabilities and returns (dq, dk, dv) in q's dtype.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn attention_bwd(
+pub fn attention_bwd(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
