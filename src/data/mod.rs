@@ -23,8 +23,8 @@ mod batch;
 pub mod chat;
 mod columns;
 mod parquet;
-pub(crate) mod pref_batch;
-pub(crate) mod preference;
+pub mod pref_batch;
+pub mod preference;
 pub mod reader;
 pub mod record;
 mod rows;
@@ -35,7 +35,6 @@ mod tokenizer;
 pub use batch::Batch;
 pub(crate) use rows::format_name;
 pub use sampler::{Sampler};
-pub(crate) use sampler::{DataCursor};
 pub use tokenizer::{alpaca_prompt, TextTokenizer};
 
 use crate::recipe::{DataFormat, DataSection, OnBadRow, TrainFile, TrainOn};

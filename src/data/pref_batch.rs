@@ -15,18 +15,18 @@ use candle_core::{Device, Result, Tensor};
 
 /// A packed micro-batch of preference sequences and which target belongs to which sequence.
 #[derive(Debug, Clone)]
-pub(crate) struct PrefBatch {
+pub struct PrefBatch {
     /// The rows as the step engine takes them (always packed: `segments` is set).
-    pub(crate) batch: Batch,
+    pub batch: Batch,
     /// Per sequence: its prompt tokens (after truncation).
-    pub(crate) prompt_len: Vec<usize>,
+    pub prompt_len: Vec<usize>,
     /// Per sequence: its completion tokens left after truncation (at least one).
-    pub(crate) completion_len: Vec<usize>,
+    pub completion_len: Vec<usize>,
     /// Aligned with `batch.targets`: the sequence each target belongs to.
-    pub(crate) target_seq: Vec<u32>,
+    pub target_seq: Vec<u32>,
     /// Aligned with `batch.targets`: whether the target is a completion token (else a prompt
     /// token scored for ORPO's NLL).
-    pub(crate) target_completion: Vec<bool>,
+    pub target_completion: Vec<bool>,
 }
 
 /// One sequence to lay out: prompt, completion, and whether its prompt tokens are targets.
@@ -41,7 +41,7 @@ impl PrefBatch {
     /// micro-batch: one row, no padding). `score_chosen_prompt`: the chosen prompts' tokens
     /// are targets too (ORPO). The caller drops pairs whose prompt reaches `max_len` (see
     /// [`super::preference`]), so every sequence keeps a completion token.
-    pub(crate) fn pairs(
+    pub fn pairs(
         pairs: &[&PairExample],
         pad_id: u32,
         max_len: usize,
@@ -69,7 +69,7 @@ impl PrefBatch {
     }
 
     /// KTO examples (or their [`super::preference::kl_pairs`]), `per_row` to a row.
-    pub(crate) fn unpaired(
+    pub fn unpaired(
         examples: &[&UnpairedExample],
         pad_id: u32,
         max_len: usize,
@@ -134,13 +134,13 @@ impl PrefBatch {
     }
 
     /// Sequences in the batch.
-    pub(crate) fn n_seqs(&self) -> usize {
+    pub fn n_seqs(&self) -> usize {
         self.completion_len.len()
     }
 
     /// Per-target log-probabilities [n_targets] → per-sequence sums over the completion
     /// targets and over the prompt targets, each [n_seqs], on `logps`' device and dtype.
-    pub(crate) fn seq_sums(&self, logps: &Tensor) -> Result<(Tensor, Tensor)> {
+    pub fn seq_sums(&self, logps: &Tensor) -> Result<(Tensor, Tensor)> {
         let dev = logps.device();
         let n = self.n_seqs();
         let mask = |completion: bool| -> Result<Tensor> {
@@ -164,7 +164,7 @@ impl PrefBatch {
 
     /// dL/d(each target's log-probability) [n_targets]: `d_completion[seq]` [n_seqs] on the
     /// completion targets, `d_prompt` on the prompt targets (ORPO's NLL).
-    pub(crate) fn target_weights(&self, d_completion: &Tensor, d_prompt: f64) -> Result<Tensor> {
+    pub fn target_weights(&self, d_completion: &Tensor, d_prompt: f64) -> Result<Tensor> {
         let dev = d_completion.device();
         let idx = Tensor::from_vec(self.target_seq.clone(), self.target_seq.len(), &Device::Cpu)?
             .to_device(dev)?;

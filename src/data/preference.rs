@@ -34,51 +34,51 @@ use std::path::Path;
 
 /// One preference pair: a prompt and two completions, untruncated.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct PairExample {
+pub struct PairExample {
     /// The prompt's token ids (at least one).
-    pub(crate) prompt: Vec<u32>,
+    pub prompt: Vec<u32>,
     /// The chosen completion's ids (at least one).
-    pub(crate) chosen: Vec<u32>,
+    pub chosen: Vec<u32>,
     /// The rejected completion's ids (at least one).
-    pub(crate) rejected: Vec<u32>,
+    pub rejected: Vec<u32>,
 }
 
 /// One KTO example: a prompt, a completion and whether it is desirable, untruncated.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct UnpairedExample {
+pub struct UnpairedExample {
     /// The prompt's token ids (at least one).
-    pub(crate) prompt: Vec<u32>,
+    pub prompt: Vec<u32>,
     /// The completion's ids (at least one).
-    pub(crate) completion: Vec<u32>,
+    pub completion: Vec<u32>,
     /// TRL's `label`: true for a desirable completion.
-    pub(crate) desirable: bool,
+    pub desirable: bool,
 }
 
 /// How preference rows become examples.
 #[derive(Clone, Copy)]
-pub(crate) struct PrefSpec<'a> {
+pub struct PrefSpec<'a> {
     /// The model's tokenizer (and chat template) for string and conversation rows; None
     /// reads pre-tokenized rows only.
-    pub(crate) tok: Option<&'a TextTokenizer>,
+    pub tok: Option<&'a TextTokenizer>,
     /// Tokens a sequence (prompt + completion) keeps: TRL's `max_length` (data.seq_len).
-    pub(crate) max_len: usize,
+    pub max_len: usize,
     /// A prompt keeps its last `max_prompt_len` tokens (data.max_prompt_len), when set.
-    pub(crate) max_prompt_len: Option<usize>,
+    pub max_prompt_len: Option<usize>,
     /// Token ids must be below it.
-    pub(crate) vocab_size: usize,
+    pub vocab_size: usize,
 }
 
 /// A file's examples and what reading them dropped or cut.
 #[derive(Debug, Clone, Default)]
-pub(crate) struct PrefData<E> {
+pub struct PrefData<E> {
     /// The examples, in file order.
-    pub(crate) examples: Vec<E>,
+    pub examples: Vec<E>,
     /// Rows dropped because their prompt alone reaches max_len (TRL's filter), and the first.
-    pub(crate) long_prompts: usize,
+    pub long_prompts: usize,
     /// `file:line` of the first row dropped for a long prompt.
-    pub(crate) long_prompts_first: Option<String>,
+    pub long_prompts_first: Option<String>,
     /// Prompts cut to max_prompt_len.
-    pub(crate) prompts_cut: usize,
+    pub prompts_cut: usize,
 }
 
 /// A preference row's text side: strings or message lists.
@@ -88,12 +88,12 @@ enum Part<'a> {
 }
 
 /// Reads every record of `path` (jsonl, json or parquet) as a pair.
-pub(crate) fn load_pairs(path: &Path, spec: &PrefSpec) -> Result<PrefData<PairExample>> {
+pub fn load_pairs(path: &Path, spec: &PrefSpec) -> Result<PrefData<PairExample>> {
     load(path, spec, parse_pair, |e| &e.prompt)
 }
 
 /// Reads every record of `path` as an unpaired KTO example.
-pub(crate) fn load_unpaired(path: &Path, spec: &PrefSpec) -> Result<PrefData<UnpairedExample>> {
+pub fn load_unpaired(path: &Path, spec: &PrefSpec) -> Result<PrefData<UnpairedExample>> {
     load(path, spec, parse_unpaired, |e| &e.prompt)
 }
 
@@ -134,7 +134,7 @@ fn load<E>(
 }
 
 /// One record → a pair (and whether its prompt was cut to max_prompt_len).
-pub(crate) fn parse_pair(rec: &Field, spec: &PrefSpec) -> Result<(PairExample, bool)> {
+pub fn parse_pair(rec: &Field, spec: &PrefSpec) -> Result<(PairExample, bool)> {
     if !matches!(rec, Field::Map(_)) {
         bail!("expected a JSON object with \"chosen\" and \"rejected\" (or their _input_ids)");
     }
@@ -179,7 +179,7 @@ pub(crate) fn parse_pair(rec: &Field, spec: &PrefSpec) -> Result<(PairExample, b
 }
 
 /// One record → a KTO example (and whether its prompt was cut to max_prompt_len).
-pub(crate) fn parse_unpaired(rec: &Field, spec: &PrefSpec) -> Result<(UnpairedExample, bool)> {
+pub fn parse_unpaired(rec: &Field, spec: &PrefSpec) -> Result<(UnpairedExample, bool)> {
     let desirable = match rec.get("label") {
         Some(Field::Bool(b)) => *b,
         Some(Field::Int(i @ (0 | 1))) => *i == 1,
@@ -402,7 +402,7 @@ fn render(tok: &TextTokenizer, msgs: &[&Field], generation_prompt: bool) -> Resu
 
 /// KTO's mismatched pairs for its KL estimate (TRL's `add_kl_completion_ids`): example i's
 /// prompt with example i-1's completion, the first with the last's, within one micro-batch.
-pub(crate) fn kl_pairs(batch: &[&UnpairedExample]) -> Vec<UnpairedExample> {
+pub fn kl_pairs(batch: &[&UnpairedExample]) -> Vec<UnpairedExample> {
     let n = batch.len();
     (0..n)
         .map(|i| UnpairedExample {

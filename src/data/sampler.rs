@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 /// together) are done. A checkpoint saves it; [`Sampler::rows_from`] resumes from it, on any
 /// number of ranks. After s steps of an epoch, index = s · micro_batch · grad_accum · world.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(not(test), allow(dead_code))]
 pub(crate) struct DataCursor {
     pub(crate) epoch: usize,
     pub(crate) index: usize,
@@ -138,6 +139,7 @@ impl Sampler {
     }
 
     /// The cursor after `index` global rows of `epoch`.
+    #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) fn cursor(&self, epoch: usize, index: usize) -> DataCursor {
         DataCursor {
             epoch,
@@ -148,6 +150,7 @@ impl Sampler {
 
     /// Rank `rank`'s remaining rows of the cursor's epoch: the global rows from `c.index` on,
     /// sharded as [`Sampler::rows_for`] does. Refuses a cursor taken on other data.
+    #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) fn rows_from(&self, c: &DataCursor, rank: usize, world: usize) -> Result<Vec<Vec<usize>>> {
         if c.fingerprint != self.fingerprint {
             bail!(

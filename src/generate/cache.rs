@@ -21,6 +21,7 @@ pub(crate) struct RopeTables {
     pub(crate) short: (Tensor, Tensor),
     /// LongRoPE only: the long table's, and the one-token calls'.
     pub(crate) long: Option<(Tensor, Tensor)>,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) step: Option<(Tensor, Tensor)>,
 }
 
@@ -69,6 +70,7 @@ impl RopeTables {
     }
 
     /// The tables a one-token call reads at its position (`step`, or the only ones).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn one_token(&self) -> (&Tensor, &Tensor) {
         let (cos, sin) = self.step.as_ref().unwrap_or(&self.short);
         (cos, sin)
@@ -131,21 +133,13 @@ impl KvCache {
         self.ids.len()
     }
 
-    pub(crate) fn is_empty(&self) -> bool {
-        self.ids.is_empty()
-    }
-
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn capacity(&self) -> usize {
         self.cap
     }
 
     pub(crate) fn limit(&self) -> usize {
         self.limit
-    }
-
-    /// Bytes the buffers hold.
-    pub(crate) fn bytes(&self) -> usize {
-        2 * self.layers * self.kv_heads * self.cap * self.head_dim * self.dtype.size_in_bytes()
     }
 
     /// Forgets positions ≥ `n` (their rows are overwritten by the next tokens).

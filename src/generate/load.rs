@@ -19,7 +19,7 @@ pub struct Loaded {
     pub model: Model,
     pub files: ModelFiles,
     /// The adapter applied (unmerged), if any.
-    pub(crate) adapter: Option<PathBuf>,
+    pub adapter: Option<PathBuf>,
     /// The checkpoint's tokenizer (None without tokenizer.json: token-id prompts only).
     pub tok: Option<TextTokenizer>,
 }

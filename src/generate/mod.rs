@@ -49,7 +49,7 @@ use std::time::Instant;
 /// Lets the process's allocations on `device` skip cross-stream events (CUDA; a no-op
 /// elsewhere). For processes that run on candle's one stream only, as `generate` does; never
 /// inside training (its offload and NCCL streams need them).
-pub(crate) fn single_stream(device: &candle_core::Device) {
+pub fn single_stream(device: &candle_core::Device) {
     #[cfg(feature = "cuda")]
     cuda::single_stream(device);
     #[cfg(not(feature = "cuda"))]

@@ -316,7 +316,7 @@ pub struct Weights {
     pub(crate) embed: Tensor,
     pub(crate) norm: Tensor,
     pub(crate) lm_head: Tensor,
-    pub(crate) tied: bool,
+    pub tied: bool,
     pub(crate) dtype: DType,
     pub(crate) device: Device,
     /// The global RoPE's frequencies, and the sliding layers' where they differ (Gemma 3).

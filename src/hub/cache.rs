@@ -33,6 +33,7 @@ pub(crate) struct RepoCache {
 }
 
 /// `org/name` → `models--org--name` (a bare `name` → `models--name`).
+#[cfg_attr(not(test), allow(dead_code))]
 pub(crate) fn folder_name(repo_id: &str) -> String {
     Repo::model(repo_id.to_string()).folder_name()
 }

@@ -11,8 +11,6 @@
 
 use super::cache::is_commit;
 pub use super::env::{HubEnv};
-pub(crate) use super::env::{NoCacheDir, Token, DEFAULT_ENDPOINT};
-pub(crate) use super::fetch::sha256_file;
 use super::fetch::{byte_count, is_sha256};
 use anyhow::{bail, Result};
 use std::fmt;

@@ -221,6 +221,7 @@ pub(crate) struct HeaderTensor {
     pub(crate) dtype: String,
     pub(crate) shape: Vec<usize>,
     /// Byte range in the data section.
+    #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) start: u64,
     pub(crate) end: u64,
 }

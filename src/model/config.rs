@@ -83,6 +83,7 @@ pub struct ModelConfig {
     pub eos_token_ids: Vec<u32>,
     pub(crate) pad_token_id: Option<u32>,
     /// `torch_dtype` / `dtype` as written (informational).
+    #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) stored_dtype: Option<String>,
     /// A bitsandbytes NF4 checkpoint (`quantization_config`): Some(double quant); None for a
     /// full-precision one (quant::bnb).

@@ -71,6 +71,7 @@ impl Keep {
     }
 
     /// Whether forward keeps the layers' input only (activation checkpointing).
+    #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) fn checkpointed(self) -> bool {
         matches!(self, Keep::Input | Keep::InputParked)
     }

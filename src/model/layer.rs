@@ -231,6 +231,7 @@ impl Layer {
 
     /// For each tensor of `frozen_mut`, in its order, the linear whose W (or W*) it is; None for
     /// the norms, the biases and NF4 arrays.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn frozen_linears(&self) -> Vec<Option<&Linear>> {
         let moe = self.moe.as_ref().map_or(0, |m| m.frozen().len());
         let mut v = vec![None; 2 + self.extra.present().len() + moe];

@@ -84,6 +84,7 @@ impl Dropout {
     }
 
     /// The probability that an element is kept: 1 − threshold / 2¹⁶.
+    #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) fn keep_probability(&self) -> f64 {
         1.0 - self.threshold as f64 / 65536.0
     }
@@ -95,11 +96,13 @@ impl Dropout {
     }
 
     /// Element e's 16 bits.
+    #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) fn bits(&self, e: u64) -> u32 {
         let w = self.group(e / 8)[(e % 8) as usize / 2];
         (w >> (16 * (e % 2))) & 0xffff
     }
 
+    #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) fn keeps(&self, e: u64) -> bool {
         self.bits(e) >= self.threshold
     }
@@ -155,6 +158,7 @@ pub fn mask_tensor(dims: &[usize], d: &Dropout, dev: &Device) -> Result<Tensor> 
 /// The kernels' view of a `Dropout` (dropout.cu's DropKey); thr 0 and scale 1 for none.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) struct DropKey {
     pub(crate) k0: u32,
     pub(crate) k1: u32,
@@ -165,6 +169,7 @@ pub(crate) struct DropKey {
 }
 
 impl DropKey {
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn of(d: Option<&Dropout>) -> DropKey {
         match d {
             Some(d) => DropKey {

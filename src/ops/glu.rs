@@ -45,12 +45,12 @@ pub fn swiglu(g: &Tensor, u: &Tensor) -> Result<Tensor> {
 }
 
 /// (g, u, da) → (dg, du) of SwiGLU.
-pub(crate) fn swiglu_bwd(g: &Tensor, u: &Tensor, da: &Tensor) -> Result<(Tensor, Tensor)> {
+pub fn swiglu_bwd(g: &Tensor, u: &Tensor, da: &Tensor) -> Result<(Tensor, Tensor)> {
     Act::Silu.glu_bwd(g, u, da)
 }
 
 /// (g, u, da) → (dg, du, a) of SwiGLU, da consumed (`Act::glu_bwd_keep`).
-pub(crate) fn swiglu_bwd_keep(g: &Tensor, u: &Tensor, da: Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+pub fn swiglu_bwd_keep(g: &Tensor, u: &Tensor, da: Tensor) -> Result<(Tensor, Tensor, Tensor)> {
     Act::Silu.glu_bwd_keep(g, u, da)
 }
 

@@ -235,6 +235,7 @@ impl Kernels {
     }
 
     /// Every fallback: what the CPU runs.
+    #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) fn fallback() -> Kernels {
         Self::forecast(false, DType::F32, 0)
     }

@@ -41,7 +41,6 @@ pub use add::add;
 pub use attention::{attention, AttnMask};
 pub use frozen_linear::frozen_linear;
 pub use glu::{swiglu};
-pub(crate) use glu::{swiglu_bwd, swiglu_bwd_keep};
 pub use kernels::Kernels;
 pub use lora_linear::lora_linear;
 pub use rms_norm::{add_rms_norm, rms_norm};

@@ -20,6 +20,7 @@ pub(crate) struct MultiT {
 
 /// The AdamW step's f32 factors, each rounded from f64 as the tensor ops round theirs.
 #[derive(Clone, Copy, Debug)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) struct AdamScalars {
     /// Gradient factor (clipping); 1 leaves the gradient as it is.
     pub(crate) coef: f32,

@@ -178,6 +178,7 @@ impl Nf4 {
     }
 
     /// Bytes this format keeps: the codes, and the absmax (nested: its codes, absmax and map).
+    #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) fn bytes(&self) -> usize {
         self.codes.len()
             + match &self.absmax {

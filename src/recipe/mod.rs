@@ -33,7 +33,7 @@ pub use output::{MergeInto, OutputSection, DEFAULT_MAX_SHARD_SIZE};
 pub use parallel::{Strategy};
 pub(crate) use parallel::{ParallelSection};
 pub use train::{Checkpointing};
-pub(crate) use train::{Resume, Schedule, Tracker, TrainSection, MLP_CHUNK, MLP_CHUNK_MAX, OFFLOAD_ACTIVATIONS_DEFAULT};
+pub(crate) use train::{Resume, Schedule, Tracker, TrainSection, MLP_CHUNK_MAX, OFFLOAD_ACTIVATIONS_DEFAULT};
 
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};

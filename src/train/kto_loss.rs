@@ -8,44 +8,44 @@ use candle_core::{bail, Result, Tensor};
 
 /// One micro-batch of B unpaired KTO examples.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct KtoLogps<'a> {
+pub struct KtoLogps<'a> {
     /// [B] Σ log p over each completion's tokens, under the policy.
-    pub(crate) policy: &'a Tensor,
+    pub policy: &'a Tensor,
     /// [B] the reference's sums.
-    pub(crate) reference: &'a Tensor,
+    pub reference: &'a Tensor,
     /// Per example: desirable (TRL's label true) or not.
-    pub(crate) desirable: &'a [bool],
+    pub desirable: &'a [bool],
     /// The KL estimate: [`kto_kl`] of the micro-batch's mismatched pairs, averaged over the
     /// ranks (TRL gathers it) and not yet clamped.
-    pub(crate) kl: f64,
+    pub kl: f64,
 }
 
 /// KTO's settings (TRL's `beta`, `desirable_weight`, `undesirable_weight`).
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) struct Kto {
+pub struct Kto {
     /// β.
-    pub(crate) beta: f64,
+    pub beta: f64,
     /// Weight of the desirable examples' losses.
-    pub(crate) desirable_weight: f64,
+    pub desirable_weight: f64,
     /// Weight of the undesirable examples' losses.
-    pub(crate) undesirable_weight: f64,
+    pub undesirable_weight: f64,
 }
 
 /// KTO's result for one micro-batch.
 #[derive(Debug, Clone)]
-pub(crate) struct KtoLoss {
+pub struct KtoLoss {
     /// The micro-batch's loss (mean over its examples).
-    pub(crate) loss: f64,
+    pub loss: f64,
     /// [B] dL/d(policy[i]), on the inputs' device and dtype (the KL term is a constant).
-    pub(crate) d_policy: Tensor,
+    pub d_policy: Tensor,
     /// TRL's metrics: kl, then rewards/logps of the kinds present, then rewards/margins.
-    pub(crate) metrics: Vec<Metric>,
+    pub metrics: Vec<Metric>,
 }
 
 /// KTO's KL estimate of one micro-batch (kto_trainer.py): the mean of policy - reference over
 /// its mismatched (prompt, other completion) pairs, both summed over the completion tokens.
 /// Average it over the ranks before [`kto_loss`] (which clamps it at 0).
-pub(crate) fn kto_kl(policy: &Tensor, reference: &Tensor) -> Result<f64> {
+pub fn kto_kl(policy: &Tensor, reference: &Tensor) -> Result<f64> {
     let n = policy.elem_count();
     let p = host(policy, n, "KL policy")?;
     let r = host(reference, n, "KL reference")?;
@@ -55,7 +55,7 @@ pub(crate) fn kto_kl(policy: &Tensor, reference: &Tensor) -> Result<f64> {
 /// KTO (kto_trainer.py `_compute_loss`, loss_type "kto"): kl = max(kl, 0), a constant; per
 /// desirable example w_d (1 - σ(β(π - ref - kl))), per undesirable one w_u (1 - σ(β(kl - (π -
 /// ref)))); the mean over all examples. Rewards β(π - ref) averaged over each kind present.
-pub(crate) fn kto_loss(k: Kto, x: &KtoLogps) -> Result<KtoLoss> {
+pub fn kto_loss(k: Kto, x: &KtoLogps) -> Result<KtoLoss> {
     let b = x.desirable.len();
     if b == 0 {
         bail!("pref_loss: a KTO micro-batch with no examples");

@@ -17,14 +17,14 @@ pub(crate) mod checkpoint_write;
 pub mod driver;
 pub mod eval;
 pub mod host_stage;
-pub(crate) mod kto_loss;
+pub mod kto_loss;
 pub(crate) mod launch;
 pub(crate) mod log;
 pub mod objective;
 pub(crate) mod offload;
 pub mod optim;
 pub(crate) mod owner;
-pub(crate) mod pref_loss;
+pub mod pref_loss;
 pub(crate) mod preflight;
 pub mod readback;
 pub(crate) mod resolve;
@@ -40,7 +40,6 @@ pub mod train_data;
 pub(crate) mod trainer;
 
 pub use launch::run_with;
-pub(crate) use preflight::MemoryWatch;
 pub use resolve::{load_recipe, Machine};
 pub use run_config::RunConfig;
 pub use session::Session;
@@ -58,11 +57,11 @@ pub struct RunSummary {
     pub out_dir: PathBuf,
     pub tokens: usize,
     pub seconds: f64,
-    pub(crate) truncated: usize,
+    pub truncated: usize,
     /// The last eval loss (at the end), when there is an eval set.
     pub eval_loss: Option<f64>,
     /// Bad rows skipped (data.on_bad_row = "skip").
-    pub(crate) skipped: usize,
+    pub skipped: usize,
 }
 
 /// How `run_with` may deviate from the recipe.

@@ -375,6 +375,7 @@ pub struct Clip {
 /// later; elsewhere computed at once.
 pub(crate) enum StepClip {
     /// [‖g‖, coef, skip] f32 on the device (`multi_tensor::clip_step`).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     Device(Tensor),
     /// The clipping, and whether the loss and ‖g‖ are finite.
     Host(Clip, bool),

@@ -24,7 +24,7 @@ use candle_core::{bail, DType, Device, Result, Tensor};
 
 /// DPO's loss on the reward margin (TRL's `loss_type`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum DpoLoss {
+pub enum DpoLoss {
     /// -log σ(β Δ), Δ = (π_c - ref_c) - (π_r - ref_r).
     Sigmoid,
     /// (Δ_c / n_c - Δ_r / n_r - 1 / 2β)², the log-ratios averaged over the completion tokens.
@@ -35,7 +35,7 @@ pub(crate) enum DpoLoss {
 
 /// A paired objective and its settings (TRL's names in the comments).
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) enum PairObjective {
+pub enum PairObjective {
     /// DPO against a reference: `beta`, `loss_type`.
     Dpo { beta: f64, loss: DpoLoss },
     /// ORPO: NLL of the chosen sequences minus β × mean log σ(log odds ratio).
@@ -51,44 +51,44 @@ pub(crate) enum PairObjective {
 
 /// One micro-batch of N pairs: the sequence-level inputs of a paired objective.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct PairLogps<'a> {
+pub struct PairLogps<'a> {
     /// [N] Σ log p over each chosen completion's tokens, under the policy.
-    pub(crate) chosen: &'a Tensor,
+    pub chosen: &'a Tensor,
     /// [N] the same for the rejected completions.
-    pub(crate) rejected: &'a Tensor,
+    pub rejected: &'a Tensor,
     /// [N] the reference's sums (DPO only).
-    pub(crate) ref_chosen: Option<&'a Tensor>,
+    pub ref_chosen: Option<&'a Tensor>,
     /// [N] the reference's sums for the rejected completions (DPO only).
-    pub(crate) ref_rejected: Option<&'a Tensor>,
+    pub ref_rejected: Option<&'a Tensor>,
     /// [N] ORPO: Σ log p over each chosen sequence's scored prompt tokens (positions 1.. of the
     /// prompt: its first token is never predicted), under the policy.
-    pub(crate) chosen_prompt: Option<&'a Tensor>,
+    pub chosen_prompt: Option<&'a Tensor>,
     /// Completion tokens of each chosen sequence (each scored: the prompt is never empty).
-    pub(crate) chosen_len: &'a [usize],
+    pub chosen_len: &'a [usize],
     /// Completion tokens of each rejected sequence.
-    pub(crate) rejected_len: &'a [usize],
+    pub rejected_len: &'a [usize],
     /// Prompt tokens of each pair (ORPO's NLL scores `prompt_len - 1` of them).
-    pub(crate) prompt_len: &'a [usize],
+    pub prompt_len: &'a [usize],
 }
 
 /// A metric as TRL logs it: its name ("rewards/chosen", ...) and the micro-batch's value.
-pub(crate) type Metric = (&'static str, f64);
+pub type Metric = (&'static str, f64);
 
 /// A paired objective's result for one micro-batch.
 #[derive(Debug, Clone)]
-pub(crate) struct PairLoss {
+pub struct PairLoss {
     /// The micro-batch's loss (mean over its pairs).
-    pub(crate) loss: f64,
+    pub loss: f64,
     /// [N] dL/d(chosen[i]): the weight of each scored token of chosen completion i (ORPO and
     /// SimPO's NLL part included), on the inputs' device and dtype.
-    pub(crate) d_chosen: Tensor,
+    pub d_chosen: Tensor,
     /// [N] dL/d(rejected[i]).
-    pub(crate) d_rejected: Tensor,
+    pub d_rejected: Tensor,
     /// ORPO: dL/d(log p) of each scored prompt token of a chosen sequence (-1 / NLL tokens);
     /// 0 for the others.
-    pub(crate) d_chosen_prompt: f64,
+    pub d_chosen_prompt: f64,
     /// TRL's metrics for this micro-batch, in TRL's order.
-    pub(crate) metrics: Vec<Metric>,
+    pub metrics: Vec<Metric>,
 }
 
 /// The values of a 1-D tensor, as f64 on the host.
@@ -109,7 +109,7 @@ pub(crate) fn like(v: Vec<f64>, like: &Tensor) -> Result<Tensor> {
 }
 
 /// σ(x), without overflow.
-pub(crate) fn sigmoid(x: f64) -> f64 {
+pub fn sigmoid(x: f64) -> f64 {
     if x >= 0.0 {
         1.0 / (1.0 + (-x).exp())
     } else {
@@ -119,12 +119,12 @@ pub(crate) fn sigmoid(x: f64) -> f64 {
 }
 
 /// log σ(x) = min(x, 0) - ln(1 + e^-|x|), as torch's logsigmoid.
-pub(crate) fn log_sigmoid(x: f64) -> f64 {
+pub fn log_sigmoid(x: f64) -> f64 {
     x.min(0.0) - (-x.abs()).exp().ln_1p()
 }
 
 /// log(1 - e^x) for x < 0, branching at -ln 2 as TRL's `log1mexp`.
-pub(crate) fn log1mexp(x: f64) -> f64 {
+pub fn log1mexp(x: f64) -> f64 {
     if x < -std::f64::consts::LN_2 {
         (-x.exp()).ln_1p()
     } else {
@@ -157,7 +157,7 @@ fn reward_metrics(rc: &[f64], rr: &[f64], lc: &[f64], lr: &[f64]) -> Vec<Metric>
 }
 
 /// A paired objective on one micro-batch: loss, gradients, metrics.
-pub(crate) fn pair_loss(obj: PairObjective, x: &PairLogps) -> Result<PairLoss> {
+pub fn pair_loss(obj: PairObjective, x: &PairLogps) -> Result<PairLoss> {
     let n = x.chosen_len.len();
     if n == 0 || x.rejected_len.len() != n || x.prompt_len.len() != n {
         bail!(
@@ -338,13 +338,13 @@ fn simpo(
 /// TRL's logged value of each metric over a logging interval: the mean of the micro-batch
 /// values that reported it (KTO leaves out rewards of a kind a micro-batch did not have).
 #[derive(Debug, Clone, Default)]
-pub(crate) struct MetricMeans {
+pub struct MetricMeans {
     sums: Vec<(&'static str, f64, usize)>,
 }
 
 impl MetricMeans {
     /// Adds one micro-batch's metrics.
-    pub(crate) fn add(&mut self, metrics: &[Metric]) {
+    pub fn add(&mut self, metrics: &[Metric]) {
         for &(name, v) in metrics {
             match self.sums.iter_mut().find(|(n, ..)| *n == name) {
                 Some(e) => {
@@ -357,7 +357,7 @@ impl MetricMeans {
     }
 
     /// Each metric's mean, in first-seen order; then empty for the next interval.
-    pub(crate) fn take(&mut self) -> Vec<Metric> {
+    pub fn take(&mut self) -> Vec<Metric> {
         std::mem::take(&mut self.sums)
             .into_iter()
             .map(|(n, s, c)| (n, s / c as f64))

@@ -173,6 +173,7 @@ impl Shards {
 /// `width` elements, the first at shard element `dst` (the next ld further) and B element
 /// `src` (the next r further).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) struct PadRun {
     pub(crate) dst: usize,
     pub(crate) src: usize,
@@ -184,6 +185,7 @@ pub(crate) struct PadRun {
 /// buffer: W* [out, ld] starts at flat element `off`, B [out, r] goes to columns [col0,
 /// col0 + r) of each row. At most three runs: the first row in the shard (maybe clipped), the
 /// whole rows after it, the last row (maybe clipped).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) fn pad_runs(
     off: usize,
     out: usize,

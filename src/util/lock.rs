@@ -69,6 +69,7 @@ impl DirLock {
     }
 
     /// The lock file.
+    #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) fn path(&self) -> &Path {
         &self.path
     }

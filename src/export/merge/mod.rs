@@ -49,7 +49,6 @@ use crate::ops::dora::row_norms;
 use crate::quant::{bnb, Nf4};
 use crate::recipe::Dtype;
 use crate::util::fs::write_dir;
-pub(crate) use crate::util::parse_size;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use check::*;
@@ -179,6 +178,7 @@ pub fn merge(adapter: &Path, base: &Path, out: &Path, opts: &MergeOptions) -> Re
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::util::parse_size;
 
     #[test]
     fn sizes_read_as_transformers_reads_them() {

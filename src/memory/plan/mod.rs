@@ -88,10 +88,10 @@ pub(crate) use inputs::{mlp_chunk_as_run, PlanInput};
 pub use render::{render, to_json};
 pub(crate) use render::{fmt_bytes, label};
 pub use search::{plan};
-pub(crate) use search::{max_micro_batch, max_seq_len, row, strategies, strategy_name, Plan, Row, MB_LIMIT, SEQ_LIMIT, SEQ_STEP};
+pub(crate) use search::{row, strategy_name, Plan, Row, MB_LIMIT, SEQ_LIMIT, SEQ_STEP};
 use terms::{adapted, is_mlp};
 pub use terms::{kept_attention_per_token_layer, kept_per_token_layer, lora_params};
-pub(crate) use terms::{breakdown, breakdown_within, fold_pad_bytes, magnitude_params, moe_ws, nf4_base_bytes, Breakdown};
+pub(crate) use terms::{breakdown_within, magnitude_params, Breakdown};
 
 pub(crate) const GIB: u64 = 1 << 30;
 pub(crate) const MIB: u64 = 1 << 20;
