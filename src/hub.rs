@@ -129,7 +129,7 @@ fn check_names(id: &str, revision: &str) -> Result<()> {
 
 /// Where a checkpoint is: a local directory, or a Hub repository at a revision.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Source {
+pub enum Source {
     /// A Hugging Face checkpoint directory (config.json + safetensors).
     Local(PathBuf),
     /// A Hub repository id ("org/name") at a branch, tag or commit.
@@ -144,7 +144,7 @@ pub(crate) enum Source {
 impl Source {
     /// A local directory when `path` is given, else the Hub repository `id` at `revision`
     /// (default "main"); None when neither is given.
-    pub(crate) fn of(path: Option<&Path>, id: Option<&str>, revision: Option<&str>) -> Option<Source> {
+    pub fn of(path: Option<&Path>, id: Option<&str>, revision: Option<&str>) -> Option<Source> {
         match (path, id) {
             (Some(p), _) => Some(Source::Local(p.to_path_buf())),
             (None, Some(id)) => Some(Source::Hub {
@@ -158,7 +158,7 @@ impl Source {
 
 /// The checkpoint's files: a local directory as it is, or a Hub repository's snapshot from the
 /// Hugging Face cache, downloading what the cache lacks.
-pub(crate) fn model_files(src: &Source) -> Result<ModelFiles> {
+pub fn model_files(src: &Source) -> Result<ModelFiles> {
     match src {
         Source::Local(dir) => ModelFiles::local(dir),
         Source::Hub { id, revision } => {
@@ -248,7 +248,12 @@ fn lacking(cache: &RepoCache, commit: &str, strict: bool) -> Vec<String> {
 }
 
 /// `id` at `revision` from the cache under `env`, fetching what it lacks.
-pub(crate) fn snapshot(env: &HubEnv, id: &str, revision: &str, refresh: Refresh) -> Result<ModelFiles> {
+pub(crate) fn snapshot(
+    env: &HubEnv,
+    id: &str,
+    revision: &str,
+    refresh: Refresh,
+) -> Result<ModelFiles> {
     check_names(id, revision)?;
     let cache = RepoCache::new(&env.cache, id);
     let cached = cache.commit_for(revision);

@@ -142,7 +142,13 @@ impl Saver {
 
     /// Starts step `step`'s checkpoint (replacing the one before: one is kept), after the
     /// previous one is written.
-    pub(crate) fn save(&self, step: usize, model: &Model, spec: &LoraSpec, opt: &AdamW) -> Result<()> {
+    pub(crate) fn save(
+        &self,
+        step: usize,
+        model: &Model,
+        spec: &LoraSpec,
+        opt: &AdamW,
+    ) -> Result<()> {
         let stage = self.writer.stage()?;
         let snap = Snapshot {
             adapter: Snapshot::adapter(model, stage)?,

@@ -17,6 +17,7 @@ mod download;
 mod export;
 mod generate;
 mod plan;
+mod prepare;
 mod probe;
 mod report;
 mod train;
@@ -56,6 +57,9 @@ enum Command {
     /// Time training steps on random weights of a named shape (no download); prints JSON with
     /// the fields of scripts/bench_peft.py.
     Bench(bench::BenchArgs),
+    /// Tokenize a recipe's data into the tokenized cache ahead of a run (downloading the model
+    /// and data it names), so that `train` maps it and starts at once.
+    Prepare(prepare::PrepareArgs),
     /// Forecast device memory per rank (single / ddp / fsdp, checkpointing on and off) from
     /// config.json alone, and recommend a setting. `--shape` plans a `bench` shape instead.
     Plan(plan::PlanArgs),
@@ -84,6 +88,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Some(Command::Check(a)) => check::run(a),
         Some(Command::Bench(a)) => bench::run(a),
         Some(Command::Plan(a)) => plan::run(a),
+        Some(Command::Prepare(a)) => prepare::run(a),
         Some(Command::Probe(a)) => probe::run(a),
         Some(Command::Download(a)) => download::run(a),
         Some(Command::Export(a)) => export::run(a),

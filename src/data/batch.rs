@@ -1,6 +1,32 @@
 //! Rows of examples → one padded micro-batch with its shifted targets.
 
-use super::{Example, IGNORE};
+use super::{Example, ExampleRef, IGNORE};
+
+/// An example's tokens as a batch reads them: ids and aligned labels.
+pub trait Tokens {
+    /// Token ids.
+    fn ids(&self) -> &[u32];
+    /// Labels aligned with the ids (-100: not a target).
+    fn labels(&self) -> &[i64];
+}
+
+impl Tokens for &Example {
+    fn ids(&self) -> &[u32] {
+        &self.ids
+    }
+    fn labels(&self) -> &[i64] {
+        &self.labels
+    }
+}
+
+impl Tokens for ExampleRef<'_> {
+    fn ids(&self) -> &[u32] {
+        self.ids
+    }
+    fn labels(&self) -> &[i64] {
+        self.labels
+    }
+}
 
 /// One micro-batch, host side: B rows of T tokens.
 #[derive(Debug, Clone)]
@@ -21,10 +47,10 @@ pub struct Batch {
 
 impl Batch {
     /// Rows of examples → one batch, padded to its longest row.
-    pub fn from_rows(rows: &[Vec<&Example>], pad_id: u32, packed: bool) -> Batch {
+    pub fn from_rows<E: Tokens>(rows: &[Vec<E>], pad_id: u32, packed: bool) -> Batch {
         let t = rows
             .iter()
-            .map(|r| r.iter().map(|e| e.ids.len()).sum::<usize>())
+            .map(|r| r.iter().map(|e| e.ids().len()).sum::<usize>())
             .max()
             .unwrap_or(1)
             .max(1);
@@ -37,7 +63,7 @@ impl Batch {
         for (r, row) in rows.iter().enumerate() {
             let mut at = r * t;
             for (k, ex) in row.iter().enumerate() {
-                for (p, (&id, &l)) in ex.ids.iter().zip(&ex.labels).enumerate() {
+                for (p, (&id, &l)) in ex.ids().iter().zip(ex.labels()).enumerate() {
                     ids[at] = id;
                     real[at] = true;
                     positions[at] = p as u32;
@@ -62,7 +88,7 @@ impl Batch {
                 }
             }
         }
-        let tokens = rows.iter().flatten().map(|e| e.ids.len()).sum();
+        let tokens = rows.iter().flatten().map(|e| e.ids().len()).sum();
         Batch {
             b,
             t,

@@ -46,6 +46,8 @@ pub struct ChatTemplate {
     pub(crate) generation_blocks: bool,
     /// bos_token, eos_token, ... as tokenizer_config.json names them (template variables).
     specials: Vec<(String, String)>,
+    /// sha256 of the template's text (the tokenized cache's key).
+    pub(super) digest: [u8; 32],
 }
 
 /// One rendering: the text, and the byte spans `{% generation %}` blocks produced.
@@ -101,6 +103,10 @@ impl ChatTemplate {
         text: &str,
         specials: Vec<(String, String)>,
     ) -> Result<ChatTemplate> {
+        let digest = ring::digest::digest(&ring::digest::SHA256, text.as_bytes())
+            .as_ref()
+            .try_into()
+            .unwrap_or([0; 32]);
         let (text, generation_blocks) = rewrite_generation_tags(text);
         let mut env = Environment::new();
         env.set_syntax(
@@ -122,6 +128,7 @@ impl ChatTemplate {
             source: source.to_string(),
             generation_blocks,
             specials,
+            digest,
         })
     }
 

@@ -10,6 +10,7 @@ use parquet::file::reader::{FileReader, SerializedFileReader};
 use parquet::record::Field as PField;
 use parquet::schema::types::Type;
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// A column a format reads: the names it may have (the first one present is read), and
@@ -22,7 +23,14 @@ pub struct Want<'a> {
 /// Calls `sink` with every row (1-based) of the parquet file `path`, projected on `want`
 /// (every column when it is empty).
 /// A file without a required column is an error naming the columns it has and the fix.
-pub(crate) fn read(path: &Path, name: &str, want: &[Want], sink: &mut Sink) -> Result<()> {
+/// Each row group's compressed bytes are added to `read` once its rows are read.
+pub fn read(
+    path: &Path,
+    name: &str,
+    want: &[Want],
+    read: &AtomicU64,
+    sink: &mut Sink,
+) -> Result<()> {
     let file = std::fs::File::open(path).with_context(|| format!("cannot open {name}"))?;
     let reader = SerializedFileReader::new(file)
         .with_context(|| format!("{name} is not a readable parquet file"))?;
@@ -50,6 +58,8 @@ pub(crate) fn read(path: &Path, name: &str, want: &[Want], sink: &mut Sink) -> R
                 .map(Field::map);
             sink(Loc::Row(row), rec)?;
         }
+        let size = reader.metadata().row_group(g).compressed_size();
+        read.fetch_add(size.max(0) as u64, Ordering::Relaxed);
     }
     Ok(())
 }

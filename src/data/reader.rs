@@ -3,11 +3,13 @@
 //! anything else JSON lines. Nothing reads a whole file into memory.
 
 use super::record::Field;
+use super::source::SourceFile;
 use anyhow::{Context, Result};
 use serde::de::{Deserializer, SeqAccess, Visitor};
 use std::fmt;
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Where a record is in its file: a line of JSON lines, or a row (1-based) of a JSON array or
 /// a parquet file.
@@ -49,17 +51,62 @@ pub(crate) fn kind_of(path: &str) -> Kind {
     }
 }
 
+/// Every record of `file` in order (parquet projected on `want`), adding the bytes read to
+/// `read` as it goes.
+pub(crate) fn read_source(
+    file: &SourceFile,
+    want: &[super::parquet::Want],
+    read: &AtomicU64,
+    sink: &mut Sink,
+) -> Result<()> {
+    let (path, name) = (file.path.as_path(), file.name.as_str());
+    match kind_of(name) {
+        Kind::Parquet => super::parquet::read(path, name, want, read, sink),
+        Kind::Json => read_json_counted(path, name, read, sink),
+        Kind::JsonLines => read_jsonl_counted(path, name, read, sink),
+    }
+}
+
+/// A reader that adds the bytes it reads to a counter.
+struct Counting<'a, R> {
+    inner: R,
+    read: &'a AtomicU64,
+}
+
+impl<R: Read> Read for Counting<'_, R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.read.fetch_add(n as u64, Ordering::Relaxed);
+        Ok(n)
+    }
+}
+
+/// `path` opened for reading, counted into `read`.
+fn open<'a>(path: &Path, name: &str, read: &'a AtomicU64) -> Result<impl BufRead + 'a> {
+    let file = std::fs::File::open(path).with_context(|| format!("cannot open {name}"))?;
+    Ok(BufReader::with_capacity(
+        1 << 20,
+        Counting { inner: file, read },
+    ))
+}
+
 /// JSON lines: one record a line; blank lines are skipped, a line that is not UTF-8 or not
 /// JSON goes to `sink` as a bad record (on_bad_row decides), and the next line is read.
-pub(crate) fn read_jsonl(path: &Path, name: &str, sink: &mut Sink) -> Result<()> {
-    let file = std::fs::File::open(path).with_context(|| format!("cannot open {name}"))?;
-    lines(BufReader::new(file), name, sink)
+pub fn read_jsonl(path: &Path, name: &str, sink: &mut Sink) -> Result<()> {
+    read_jsonl_counted(path, name, &AtomicU64::new(0), sink)
+}
+
+fn read_jsonl_counted(path: &Path, name: &str, read: &AtomicU64, sink: &mut Sink) -> Result<()> {
+    lines(open(path, name, read)?, name, sink)
 }
 
 fn lines(mut r: impl BufRead, name: &str, sink: &mut Sink) -> Result<()> {
     let mut buf = Vec::new();
     for n in 1.. {
         buf.clear();
+        if buf.capacity() > 16 << 20 {
+            buf = Vec::new(); // a huge line's buffer is not kept for the rest of the file
+        }
         let got = r
             .read_until(b'\n', &mut buf)
             .with_context(|| format!("{name}:{n}: cannot read line"))?;
@@ -90,9 +137,12 @@ fn lines(mut r: impl BufRead, name: &str, sink: &mut Sink) -> Result<()> {
 /// A `.json` file: a JSON array of records (as `datasets` reads one), streamed, or else JSON
 /// lines. Bad JSON inside an array ends the file (its position is named): there is no next
 /// line to resume at.
-pub(crate) fn read_json(path: &Path, name: &str, sink: &mut Sink) -> Result<()> {
-    let file = std::fs::File::open(path).with_context(|| format!("cannot open {name}"))?;
-    let mut r = BufReader::new(file);
+pub fn read_json(path: &Path, name: &str, sink: &mut Sink) -> Result<()> {
+    read_json_counted(path, name, &AtomicU64::new(0), sink)
+}
+
+fn read_json_counted(path: &Path, name: &str, read: &AtomicU64, sink: &mut Sink) -> Result<()> {
+    let mut r = open(path, name, read)?;
     let first = loop {
         let buf = r
             .fill_buf()
@@ -161,10 +211,10 @@ pub fn read_all(path: &Path, want: &[super::parquet::Want]) -> Result<Vec<(Loc, 
         out.push((at, rec.with_context(|| at.at(&name))?));
         Ok(())
     };
-    match kind_of(&name) {
-        Kind::Parquet => super::parquet::read(path, &name, want, &mut sink)?,
-        Kind::Json => read_json(path, &name, &mut sink)?,
-        Kind::JsonLines => read_jsonl(path, &name, &mut sink)?,
-    }
+    let file = SourceFile {
+        path: path.to_path_buf(),
+        name: name.clone(),
+    };
+    read_source(&file, want, &AtomicU64::new(0), &mut sink)?;
     Ok(out)
 }

@@ -64,6 +64,56 @@ impl Field {
         }
     }
 
+    /// The longest string value in the tree, in bytes.
+    pub fn longest_str(&self) -> usize {
+        match self {
+            Field::Str(s) => s.len(),
+            Field::List(v) => v.iter().map(Field::longest_str).max().unwrap_or(0),
+            Field::Map(m) => m.iter().map(|(_, v)| v.longest_str()).max().unwrap_or(0),
+            _ => 0,
+        }
+    }
+
+    /// Bytes of the string values in the tree (what a row weighs in memory, roughly).
+    pub fn text_bytes(&self) -> usize {
+        match self {
+            Field::Str(s) => s.len(),
+            Field::List(v) => v.iter().map(Field::text_bytes).sum(),
+            Field::Map(m) => m.iter().map(|(k, v)| k.len() + v.text_bytes()).sum(),
+            _ => 0,
+        }
+    }
+
+    /// A copy with every string value cut to at most `max` bytes (at a character boundary).
+    pub fn cut_copy(&self, max: usize) -> Field {
+        match self {
+            Field::Str(s) => Field::Str(s[..floor_char_boundary(s, max)].to_string()),
+            Field::List(v) => Field::List(v.iter().map(|x| x.cut_copy(max)).collect()),
+            Field::Map(m) => Field::Map(
+                m.iter()
+                    .map(|(k, v)| (k.clone(), v.cut_copy(max)))
+                    .collect(),
+            ),
+            x => x.clone(),
+        }
+    }
+
+    /// Cuts every string value to at most `max` bytes (at a character boundary), in place.
+    pub fn cut(&mut self, max: usize) {
+        match self {
+            Field::Str(s) => {
+                let n = floor_char_boundary(s, max);
+                s.truncate(n);
+                if s.capacity() > 2 * n.max(16) {
+                    s.shrink_to_fit();
+                }
+            }
+            Field::List(v) => v.iter_mut().for_each(|x| x.cut(max)),
+            Field::Map(m) => m.iter_mut().for_each(|(_, v)| v.cut(max)),
+            _ => {}
+        }
+    }
+
     /// An object from ordered pairs, a later repeat of a key replacing the earlier value.
     pub(crate) fn map(pairs: impl IntoIterator<Item = (String, Field)>) -> Field {
         let mut m: Vec<(String, Field)> = Vec::new();
@@ -75,6 +125,17 @@ impl Field {
         }
         Field::Map(m)
     }
+}
+
+/// The largest n <= max at which `s` can be cut (a character boundary).
+fn floor_char_boundary(s: &str, max: usize) -> usize {
+    if max >= s.len() {
+        return s.len();
+    }
+    (0..=max)
+        .rev()
+        .find(|&i| s.is_char_boundary(i))
+        .unwrap_or(0)
 }
 
 impl<'de> Deserialize<'de> for Field {
@@ -181,5 +242,27 @@ mod tests {
             )
             .unwrap();
         assert_eq!(out, "z a m 2.5");
+    }
+
+    #[test]
+    fn strings_are_cut_at_character_boundaries() {
+        let f: Field =
+            serde_json::from_str(r#"{"a": "héllo wörld", "b": [{"c": "xyz"}, 7], "d": "ab"}"#)
+                .unwrap();
+        assert_eq!(f.longest_str(), 13);
+        assert_eq!(f.text_bytes(), 13 + 3 + 2 + 4);
+        // "hé" is 3 bytes: a cut at 2 falls inside "é" and backs off to "h".
+        let c = f.cut_copy(2);
+        assert_eq!(c.get("a"), Some(&Field::Str("h".into())));
+        assert_eq!(c.get("d"), Some(&Field::Str("ab".into())));
+        let Some(Field::List(b)) = c.get("b") else {
+            panic!()
+        };
+        assert_eq!(b[0].get("c"), Some(&Field::Str("xy".into())));
+        assert_eq!(b[1], Field::Int(7));
+        let mut g = f.clone();
+        g.cut(3);
+        assert_eq!(g, f.cut_copy(3));
+        assert_eq!(f.cut_copy(100), f);
     }
 }

@@ -1,6 +1,7 @@
 //! The order of rows in each epoch (shuffled, packed, mixed by weights), sharded over ranks,
 //! and the cursor a checkpoint resumes from.
 
+use super::fnv::Fnv;
 use super::Dataset;
 use crate::recipe::DataSection;
 use crate::rng::Rng;
@@ -45,13 +46,8 @@ impl Sampler {
             }
             groups[k].0.push(i);
         }
-        let mut h = Fnv::new();
-        h.word(n as u64);
-        for e in &ds.examples {
-            h.word(e.ids.len() as u64);
-            e.ids.iter().for_each(|&t| h.word(t as u64));
-            e.labels.iter().for_each(|&l| h.word(l as u64));
-        }
+        // The count and every example (stored with a cache file, or hashed once).
+        let mut h = Fnv(ds.examples.fnv_state());
         for (members, w) in &groups {
             h.word(members.len() as u64);
             members.iter().for_each(|&i| h.word(i as u64));
@@ -67,7 +63,7 @@ impl Sampler {
         }
         Sampler {
             n_examples: n,
-            lens: ds.examples.iter().map(|e| e.ids.len()).collect(),
+            lens: ds.examples.lens().collect(),
             groups,
             seq_len: cfg.seq_len,
             pack: cfg.pack,
@@ -78,7 +74,7 @@ impl Sampler {
     }
 
     /// A hash of everything that decides the rows: the examples, the weights, the settings.
-    pub(crate) fn fingerprint(&self) -> u64 {
+    pub fn fingerprint(&self) -> u64 {
         self.fingerprint
     }
 
@@ -151,7 +147,12 @@ impl Sampler {
     /// Rank `rank`'s remaining rows of the cursor's epoch: the global rows from `c.index` on,
     /// sharded as [`Sampler::rows_for`] does. Refuses a cursor taken on other data.
     #[cfg_attr(not(test), allow(dead_code))]
-    pub(crate) fn rows_from(&self, c: &DataCursor, rank: usize, world: usize) -> Result<Vec<Vec<usize>>> {
+    pub(crate) fn rows_from(
+        &self,
+        c: &DataCursor,
+        rank: usize,
+        world: usize,
+    ) -> Result<Vec<Vec<usize>>> {
         if c.fingerprint != self.fingerprint {
             bail!(
                 "the data cursor was saved on other data or data settings (fingerprint {:016x}, now {:016x}): resume with the same files, weights, seq_len, pack, shuffle and seed",
@@ -184,20 +185,6 @@ fn shard(rows: Vec<Vec<usize>>, rank: usize, world: usize) -> Vec<Vec<usize>> {
         .collect()
 }
 
-/// FNV-1a over 64-bit words: a stable hash (the same on every machine and release).
-struct Fnv(u64);
-
-impl Fnv {
-    fn new() -> Self {
-        Fnv(0xcbf2_9ce4_8422_2325)
-    }
-    fn word(&mut self, x: u64) {
-        for b in x.to_le_bytes() {
-            self.0 = (self.0 ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -219,7 +206,9 @@ mod tests {
     #[test]
     fn sampler_packs_greedily_and_shuffles_reproducibly() {
         let ds = Dataset {
-            examples: vec![ex(&[1, 2, 3]), ex(&[1, 2]), ex(&[1, 2, 3, 4]), ex(&[1])],
+            examples: [ex(&[1, 2, 3]), ex(&[1, 2]), ex(&[1, 2, 3, 4]), ex(&[1])]
+                .into_iter()
+                .collect(),
             ..Dataset::default()
         };
         let mut cfg = section("format = \"tokens\"\nseq_len = 5\nshuffle = false\npack = true");
@@ -241,7 +230,8 @@ mod tests {
             ds.files.push((PathBuf::from(format!("f{k}.jsonl")), w));
             for _ in 0..n {
                 let len = ds.examples.len() + 1;
-                ds.examples.push(ex(&vec![7; len]));
+                let e = ex(&vec![7; len]);
+                ds.examples.push(&e.ids, &e.labels);
                 ds.file_of.push(k);
             }
         }

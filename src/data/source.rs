@@ -70,7 +70,10 @@ pub(crate) fn eval_entry(cfg: &DataSection) -> Option<TrainFile> {
 }
 
 /// The entry's column mapping: its own, else data.columns.
-pub(crate) fn columns_of<'a>(f: &'a TrainFile, cfg: &'a DataSection) -> &'a BTreeMap<String, String> {
+pub(crate) fn columns_of<'a>(
+    f: &'a TrainFile,
+    cfg: &'a DataSection,
+) -> &'a BTreeMap<String, String> {
     f.columns.as_ref().unwrap_or(&cfg.columns)
 }
 

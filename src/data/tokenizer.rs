@@ -23,6 +23,8 @@ pub struct TextTokenizer {
     pub specials: Vec<(String, String)>,
     /// The chat template, for format "chat".
     pub chat: Option<chat::ChatTemplate>,
+    /// sha256 of tokenizer.json and tokenizer_config.json (the tokenized cache's key).
+    pub(super) digest: [u8; 32],
 }
 
 impl TextTokenizer {
@@ -31,6 +33,12 @@ impl TextTokenizer {
     pub fn load(tokenizer: &Path, tokenizer_config: Option<&Path>) -> Result<Self> {
         let tok = tokenizers::Tokenizer::from_file(tokenizer)
             .map_err(|e| anyhow::anyhow!("cannot load tokenizer {}: {e}", tokenizer.display()))?;
+        let mut digest = ring::digest::Context::new(&ring::digest::SHA256);
+        for p in std::iter::once(tokenizer).chain(tokenizer_config) {
+            let bytes = std::fs::read(p).with_context(|| format!("cannot read {}", p.display()))?;
+            digest.update(&(bytes.len() as u64).to_le_bytes());
+            digest.update(&bytes);
+        }
         let mut bos = None;
         let mut eos = None;
         let mut eos_token = None;
@@ -113,7 +121,21 @@ impl TextTokenizer {
             generate_stop_ids,
             specials,
             chat: None,
+            digest: digest.finish().as_ref().try_into().unwrap_or([0; 32]),
         })
+    }
+
+    /// What tokenizing depends on beyond the files' bytes: the BOS / EOS added, the EOS that
+    /// ends completions, the stop tokens (from generation_config.json / config.json too) and
+    /// the special tokens.
+    pub(super) fn identity(&self) -> impl std::fmt::Debug + '_ {
+        (
+            self.bos,
+            self.eos,
+            &self.eos_token,
+            &self.stop_ids,
+            &self.specials,
+        )
     }
 
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {

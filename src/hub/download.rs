@@ -10,7 +10,7 @@
 //! that are byte counts, the commit asked for when a commit was asked for.
 
 use super::cache::is_commit;
-pub use super::env::{HubEnv};
+pub use super::env::HubEnv;
 use super::fetch::{byte_count, is_sha256};
 use anyhow::{bail, Result};
 use std::fmt;

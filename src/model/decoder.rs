@@ -106,7 +106,7 @@ impl<'a> Group<'a> {
 }
 
 /// Called with each group of frozen tensors as it is loaded (see `Model::load_with`).
-pub(crate) type Loaded<'a> = &'a mut dyn FnMut(Group<'_>) -> anyhow::Result<()>;
+pub type Loaded<'a> = &'a mut dyn FnMut(Group<'_>) -> anyhow::Result<()>;
 
 pub struct Model {
     pub cfg: ModelConfig,
@@ -114,8 +114,8 @@ pub struct Model {
     pub layers: Vec<Layer>,
     /// The buffers NF4 layers are dequantized into on CUDA (quant::slabs).
     pub(crate) slabs: std::sync::Arc<crate::quant::Slabs>,
-    pub(crate) norm: Tensor,    // [C]
-    pub lm_head: Tensor, // [V, C]; the embedding itself when tied
+    pub(crate) norm: Tensor, // [C]
+    pub lm_head: Tensor,     // [V, C]; the embedding itself when tied
     pub tied: bool,
     pub dtype: DType,
     pub device: Device,

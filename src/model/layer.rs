@@ -312,7 +312,10 @@ impl Layer {
     /// elements), which the returned layer holds until it and its clones drop. The returned
     /// layer keeps no NF4 arrays (`q` None: its W's are real), so it is resident as it is and
     /// frees an FSDP gather's NF4 buffers when that layer drops.
-    pub(crate) fn resident_in(&self, slabs: Option<&crate::quant::Slabs>) -> Result<Cow<'_, Layer>> {
+    pub(crate) fn resident_in(
+        &self,
+        slabs: Option<&crate::quant::Slabs>,
+    ) -> Result<Cow<'_, Layer>> {
         let Some(first) = self.linears().into_iter().find(|l| l.q.is_some()) else {
             return Ok(Cow::Borrowed(self));
         };

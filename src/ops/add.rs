@@ -62,7 +62,12 @@ mod cuda {
     use candle_core::{CudaStorage, DType, Layout, Result};
 
     /// a + b over contiguous a, b of one dtype (f32 or bf16).
-    pub(crate) fn add(a: &CudaStorage, al: &Layout, b: &CudaStorage, bl: &Layout) -> Result<CudaStorage> {
+    pub(crate) fn add(
+        a: &CudaStorage,
+        al: &Layout,
+        b: &CudaStorage,
+        bl: &Layout,
+    ) -> Result<CudaStorage> {
         use candle_core::backend::BackendStorage;
         use candle_core::cuda::cudarc::driver::DevicePtr;
         let n = al.shape().elem_count();

@@ -191,7 +191,12 @@ mod cuda {
     /// Blocks a grid is given at least, by cutting x's columns into chunks (drop_xas).
     const XAS_BLOCKS: usize = 1024;
 
-    pub(crate) fn xas(x: &Tensor, a: &Tensor, drops: &[Dropout], scale: f64) -> Result<Option<Tensor>> {
+    pub(crate) fn xas(
+        x: &Tensor,
+        a: &Tensor,
+        drops: &[Dropout],
+        scale: f64,
+    ) -> Result<Option<Tensor>> {
         let Device::Cuda(dev) = x.device() else {
             return Ok(None);
         };

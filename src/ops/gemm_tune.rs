@@ -127,7 +127,11 @@ fn align(p: u64) -> u32 {
 /// # Safety
 /// As `cublasGemmEx`: the addresses are live device buffers of the sizes the shapes and
 /// leading dimensions imply, on `dev`'s compute stream (where cuBLAS runs).
-pub(crate) unsafe fn run(dev: &CudaDevice, g: &Gemm, kind: crate::ops::kernels::Gemm) -> Result<()> {
+pub(crate) unsafe fn run(
+    dev: &CudaDevice,
+    g: &Gemm,
+    kind: crate::ops::kernels::Gemm,
+) -> Result<()> {
     let large = g.mnk.0 as i64 * g.mnk.1 as i64 >= LARGE;
     if kind == crate::ops::kernels::Gemm::Heuristic || !large {
         return gemmex(dev, g, g.c.0);

@@ -40,12 +40,12 @@ pub(crate) mod softcap;
 pub use add::add;
 pub use attention::{attention, AttnMask};
 pub use frozen_linear::frozen_linear;
-pub use glu::{swiglu};
+pub use glu::swiglu;
 pub use kernels::Kernels;
 pub use lora_linear::lora_linear;
+pub(crate) use rms_norm::NormSpec;
 pub use rms_norm::{add_rms_norm, rms_norm};
 pub use rms_norm::{rms_norm_bwd, rms_norm_bwd_add};
-pub(crate) use rms_norm::{NormSpec};
 pub use rope::{rope, rope_heads, rope_rows_inv, to_heads, to_rows};
 
 use candle_core::{CpuStorage, Layout, Result};

@@ -91,7 +91,11 @@ pub(crate) fn quantize_one(code: &[f32; 256], x: f32) -> u8 {
 /// Blockwise 8-bit quantization of `x` in blocks of `block`: (codes [n], absmax [⌈n / block⌉]).
 /// Each block's absmax is max |x|; each value is quantized as x · (1 / absmax). An all-zero
 /// block has absmax 0 and codes of NaN (as on CUDA: no comparison holds).
-pub(crate) fn quantize_blockwise(code: &[f32; 256], x: &[f32], block: usize) -> (Vec<u8>, Vec<f32>) {
+pub(crate) fn quantize_blockwise(
+    code: &[f32; 256],
+    x: &[f32],
+    block: usize,
+) -> (Vec<u8>, Vec<f32>) {
     let mut q = Vec::with_capacity(x.len());
     let mut absmax = Vec::with_capacity(x.len().div_ceil(block));
     for chunk in x.chunks(block) {
@@ -104,7 +108,12 @@ pub(crate) fn quantize_blockwise(code: &[f32; 256], x: &[f32], block: usize) -> 
 }
 
 /// `kDequantizeBlockwise` (General8bit): code[q] · absmax of q's block, in f32.
-pub(crate) fn dequantize_blockwise(code: &[f32], q: &[u8], absmax: &[f32], block: usize) -> Vec<f32> {
+pub(crate) fn dequantize_blockwise(
+    code: &[f32],
+    q: &[u8],
+    absmax: &[f32],
+    block: usize,
+) -> Vec<f32> {
     q.iter()
         .enumerate()
         .map(|(i, &c)| {

@@ -45,7 +45,7 @@ pub(crate) enum OnBadRow {
 /// `data.train`: one jsonl file, or several mixed with weights.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(untagged)]
-pub(crate) enum TrainFiles {
+pub enum TrainFiles {
     One(PathBuf),
     Mix(Vec<TrainFile>),
 }
@@ -96,7 +96,7 @@ impl TrainFiles {
     }
 
     /// Every file with its weight and format (`default` where the file names none).
-    pub(crate) fn files(&self, default: DataFormat) -> Vec<TrainFile> {
+    pub fn files(&self, default: DataFormat) -> Vec<TrainFile> {
         match self {
             TrainFiles::One(p) => vec![TrainFile {
                 path: p.clone(),
@@ -145,7 +145,7 @@ pub struct DataSection {
     /// Training data: a file (.jsonl or .json: JSON lines or a JSON array of rows; .parquet),
     /// a Hub data set "hf://datasets/ORG/NAME", or several mixed with weights:
     /// `[{ path = "a.jsonl", weight = 2.0 }, { path = "b.jsonl", format = "chat" }]`. Required.
-    pub(crate) train: TrainFiles,
+    pub train: TrainFiles,
     /// "tokens" | "text" | "alpaca" | "chat" | "completion". Default: "text".
     #[serde(default = "d_format")]
     pub format: DataFormat,
@@ -158,7 +158,7 @@ pub struct DataSection {
     /// Pack several examples into each row of seq_len tokens, with no attention across
     /// examples and positions restarting at each. Default: false.
     #[serde(default)]
-    pub(crate) pack: bool,
+    pub pack: bool,
     /// "all" | "completions" (prompts, system and user turns get label -100; the EOS or
     /// end-of-turn token ends every completion). Default: "completions" for alpaca, chat and
     /// completion, "all" for text and tokens.
@@ -175,7 +175,7 @@ pub struct DataSection {
     pub chat_template: Option<String>,
     /// Eval file (in data.format), or a Hub data set (its split: data.eval_split). Default:
     /// none.
-    pub(crate) eval: Option<PathBuf>,
+    pub eval: Option<PathBuf>,
     /// Hold out this fraction of the training examples (seeded) as the eval set, in [0, 1).
     /// Default: 0.
     #[serde(default)]

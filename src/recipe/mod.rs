@@ -24,16 +24,18 @@ mod text;
 mod train;
 mod validate;
 
-pub use data::{DataSection, TrainFile};
 pub(crate) use data::{DataFormat, OnBadRow, TrainFiles, TrainOn};
+pub use data::{DataSection, TrainFile};
 pub(crate) use lora::{LoraSection, Targets, KNOWN_LINEAR};
+pub(crate) use model::ModelSection;
 pub use model::{DeviceKind, Dtype, Quantize};
-pub(crate) use model::{ModelSection};
 pub use output::{MergeInto, OutputSection, DEFAULT_MAX_SHARD_SIZE};
-pub use parallel::{Strategy};
-pub(crate) use parallel::{ParallelSection};
-pub use train::{Checkpointing};
-pub(crate) use train::{Resume, Schedule, Tracker, TrainSection, MLP_CHUNK_MAX, OFFLOAD_ACTIVATIONS_DEFAULT};
+pub(crate) use parallel::ParallelSection;
+pub use parallel::Strategy;
+pub use train::Checkpointing;
+pub(crate) use train::{
+    Resume, Schedule, Tracker, TrainSection, MLP_CHUNK_MAX, OFFLOAD_ACTIVATIONS_DEFAULT,
+};
 
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -86,7 +88,7 @@ fn d_true() -> bool {
 
 impl Recipe {
     /// A `RecipeError::Invalid` for `key` of this recipe.
-    pub(crate) fn invalid(&self, key: &str, msg: impl Into<String>) -> RecipeError {
+    pub fn invalid(&self, key: &str, msg: impl Into<String>) -> RecipeError {
         RecipeError::Invalid {
             path: self.source.clone(),
             key: key.into(),

@@ -33,11 +33,11 @@ impl DeviceKind {
 #[serde(deny_unknown_fields)]
 pub struct ModelSection {
     /// Local Hugging Face checkpoint directory (config.json + safetensors). One of path / id.
-    pub(crate) path: Option<PathBuf>,
+    pub path: Option<PathBuf>,
     /// Hub repository id, e.g. "meta-llama/Llama-2-7b-hf". One of path / id.
-    pub(crate) id: Option<String>,
+    pub id: Option<String>,
     /// Hub revision (branch, tag or commit). Default: "main".
-    pub(crate) revision: Option<String>,
+    pub revision: Option<String>,
     /// Base weight precision: "f32" | "bf16" | "f16". Default: "f32" on the CPU, "bf16" on CUDA.
     /// Adapters and optimiser state are always f32.
     pub dtype: Option<Dtype>,

@@ -126,7 +126,7 @@ pub struct TrainSection {
     pub(crate) max_grad_norm: f64,
     /// Seed for adapter init, shuffling and dropout. Default: 42.
     #[serde(default = "d_seed")]
-    pub(crate) seed: u64,
+    pub seed: u64,
     /// What forward keeps for backward: false (every activation), true (each decoder layer's
     /// input only: backward recomputes the layer) or "mlp" (the attention half's activations:
     /// backward recomputes the MLP half, its gate and up GEMMs). Default: false.
@@ -157,7 +157,7 @@ pub struct TrainSection {
     /// append them to samples.jsonl in the output directory); 0 = off. Needs the model's
     /// tokenizer. Default: 0.
     #[serde(default)]
-    pub(crate) sample_every: usize,
+    pub sample_every: usize,
     /// The prompts `sample_every` completes (text, encoded as the tokenizer says, no EOS).
     /// Default: [].
     #[serde(default)]

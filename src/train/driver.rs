@@ -72,7 +72,11 @@ impl Par<'_> {
 
     /// `layer` (from `layer_ahead`, after `ready`) with its NF4 linears dequantized; as it is
     /// when it has none, or was dequantized as it was gathered.
-    pub(crate) fn resident<'m>(&self, model: &Model, layer: Cow<'m, Layer>) -> Result<Cow<'m, Layer>> {
+    pub(crate) fn resident<'m>(
+        &self,
+        model: &Model,
+        layer: Cow<'m, Layer>,
+    ) -> Result<Cow<'m, Layer>> {
         match layer {
             Cow::Borrowed(l) => l.resident_in(Some(&model.slabs)),
             Cow::Owned(l) => match l.resident_in(Some(&model.slabs))? {

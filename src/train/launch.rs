@@ -212,9 +212,21 @@ fn announce(session: &Session, data: &TrainData) {
         Some(s) => s.nf4_bytes, // the skeleton's are placeholders
         None => m.layers.iter().map(|l| l.nf4_bytes()).sum(),
     };
+    let t = &session.load_times;
+    let adapters = match (&run.init_adapter, session.comm.world()) {
+        (None, 1) => String::new(),
+        (Some(_), 1) => format!(", adapters {:.1}s (lora.init_adapter read)", t.adapters),
+        (_, w) => format!(
+            ", adapters {:.1}s (read or made, broadcast to {w} ranks)",
+            t.adapters
+        ),
+    };
     crate::errln!(
-        "loaded in {:.1}s (weights read, cast and uploaded, adapters made, data read{})",
+        "loaded in {:.1}s: data {:.1}s ({}), weights {:.1}s (read, cast and uploaded, fresh adapters made{}){adapters}",
         session.memory.load_s,
+        data.load_s,
+        data.data.prep.describe(),
+        t.weights,
         match (m.kernels.fold, nf4) {
             (true, _) => "; linears padded for the fold".to_string(),
             (false, 0) => String::new(),

@@ -98,7 +98,13 @@ impl Log {
     }
 
     /// Writes step `r.step`'s metrics row and the progress line.
-    pub(crate) fn row(&mut self, d: &Done, r: &Row, truncated: usize, skipped_rows: usize) -> Result<()> {
+    pub(crate) fn row(
+        &mut self,
+        d: &Done,
+        r: &Row,
+        truncated: usize,
+        skipped_rows: usize,
+    ) -> Result<()> {
         let (tok_s, secs) = self.rate();
         let loss = d.loss;
         let mut row = serde_json::json!({

@@ -393,6 +393,7 @@ impl StepClip {
 
     /// (‖g‖, whether the step's loss and gradients are finite): a host clip's own, a device
     /// clip's from `vals`, what was read of `on_device()`.
+    #[allow(clippy::wrong_self_convention)] // `from` the values read: the name is its call sites'
     pub(crate) fn from_vals(&self, vals: &[f64; 3]) -> (f64, bool) {
         match self {
             StepClip::Host(c, finite) => (c.norm, *finite),

@@ -36,7 +36,17 @@ pub struct Session {
     /// weights).
     pub(crate) base_dir: Option<PathBuf>,
     /// The Hub commit the base was read at (None for a local directory or random weights).
-    pub(crate) base_revision: Option<String>,
+    pub base_revision: Option<String>,
+    /// What loading took, part by part.
+    pub load_times: LoadTimes,
+}
+
+/// Seconds loading a session took, apart: the weights (read, cast and uploaded, fresh
+/// adapters made with them), and lora.init_adapter with the adapters' broadcast to the ranks.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LoadTimes {
+    pub weights: f64,
+    pub adapters: f64,
 }
 
 impl Session {
@@ -67,6 +77,7 @@ impl Session {
             router_aux_coef: run.router_aux_coef,
         };
         let fsdp = run.strategy == Strategy::Fsdp;
+        let t0 = std::time::Instant::now();
         let (model, shards) =
             sharded_model(
                 fsdp,
@@ -82,6 +93,9 @@ impl Session {
                 Some(f) => format!("cannot load the model in {}", f.dir.display()),
                 None => format!("cannot make the random model of {}", run.base_name),
             })?;
+        model.device.synchronize()?;
+        let weights = t0.elapsed().as_secs_f64();
+        let t0 = std::time::Instant::now();
         if let Some(p) = &run.init_adapter {
             export::load_adapter_weights(p, &model)
                 .with_context(|| format!("cannot load lora.init_adapter {}", p.display()))?;
@@ -94,6 +108,11 @@ impl Session {
                 }
             }
         }
+        model.device.synchronize()?;
+        let load_times = LoadTimes {
+            weights,
+            adapters: t0.elapsed().as_secs_f64(),
+        };
         let base_revision = files.as_ref().and_then(|f| revision_of(&run, f));
         Ok(Session {
             base_dir: files.map(|f| f.dir),
@@ -103,6 +122,7 @@ impl Session {
             comm,
             shards,
             memory: MemoryWatch::default(),
+            load_times,
         })
     }
 

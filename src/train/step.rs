@@ -142,7 +142,12 @@ impl<'a> Engine<'a> {
     /// Queues step `step`'s forward and backward over this rank's `batches` (its micro-batches)
     /// and the clipping. `denom`: the step's counted tokens over every rank, so that the ranks'
     /// summed gradients are those of one big batch.
-    pub(crate) fn backward(&mut self, batches: &[Batch], denom: usize, step: usize) -> Result<Queued> {
+    pub(crate) fn backward(
+        &mut self,
+        batches: &[Batch],
+        denom: usize,
+        step: usize,
+    ) -> Result<Queued> {
         let dev = &self.model.device;
         let (rank, world) = (self.comm.rank(), self.comm.world());
         let mut grads = Grads::new();

@@ -5,13 +5,11 @@
 
 use super::checkpoint::Cursor;
 use super::eval;
-use super::run_config::RunConfig;
 use super::run_loop::PlannedStep;
 use super::session::Session;
-use crate::data::chat::ChatTemplate;
-use crate::data::{Batch, Dataset, Example, Sampler, TextTokenizer, IGNORE};
+use crate::data::{Batch, DataPlan, Dataset, ExampleRef, RecipeData, Sampler, TextTokenizer};
 use crate::hub::ModelFiles;
-use crate::recipe::{DataFormat, DataSection, RecipeError};
+use crate::recipe::DataSection;
 use anyhow::{Context, Result};
 
 /// The data of one rank's run.
@@ -38,8 +36,10 @@ pub struct TrainData {
     pub(crate) epochs: Option<usize>,
     /// This rank and the world (every rank sees the whole order; rank r takes rows r, r +
     /// world, ...).
-    pub(crate) rank: usize,
-    pub(crate) world: usize,
+    pub rank: usize,
+    pub world: usize,
+    /// Seconds loading took (the tokenizer, tokenizing or mapping the cache, the eval split).
+    pub load_s: f64,
 }
 
 impl TrainData {
@@ -55,12 +55,20 @@ impl TrainData {
             Some(dir) => ModelFiles::local(dir)?,
             None => anyhow::bail!("a run on random weights has no tokenizer to read its data with"),
         };
-        let DataLoaded {
+        let t0 = std::time::Instant::now();
+        let plan = DataPlan {
+            recipe: &run.recipe,
+            data: &cfg,
+            sample_every: run.hooks.sample_every,
+            seed: run.seed,
+        };
+        let opts = crate::data::Options::from_env()?;
+        let RecipeData {
             data,
             eval,
             notes,
             tokenizer,
-        } = load_data(run, &cfg, &files, run.cfg.vocab_size)?;
+        } = crate::data::recipe_data(&plan, &files, run.cfg.vocab_size, &opts)?;
         super::run_check::something_to_train(&cfg, &data)?;
         let sampler = Sampler::new(&data, &cfg, run.seed);
         Ok(TrainData {
@@ -77,6 +85,7 @@ impl TrainData {
             rank: s.comm.rank(),
             world: s.comm.world(),
             cfg,
+            load_s: t0.elapsed().as_secs_f64(),
         })
     }
 
@@ -93,9 +102,9 @@ impl TrainData {
         let rows = Sampler::new(ev, &cfg, 0).rows(0);
         let (mut sum, mut n) = (0.0, 0);
         for chunk in rows.chunks(self.micro_batch) {
-            let rows: Vec<Vec<&Example>> = chunk
+            let rows: Vec<Vec<ExampleRef>> = chunk
                 .iter()
-                .map(|r| r.iter().map(|&i| &ev.examples[i]).collect())
+                .map(|r| r.iter().map(|&i| ev.examples.get(i)).collect())
                 .collect();
             let b = Batch::from_rows(&rows, self.pad_id, cfg.pack);
             sum += eval::ce_sum_par(&s.model, &s.par(false), &b)?;
@@ -143,9 +152,9 @@ impl TrainData {
 
     /// The micro-batch of `rows` (each a row's example indices).
     pub fn batch(&self, rows: &[Vec<usize>]) -> Batch {
-        let rows: Vec<Vec<&crate::data::Example>> = rows
+        let rows: Vec<Vec<ExampleRef>> = rows
             .iter()
-            .map(|r| r.iter().map(|&i| &self.data.examples[i]).collect())
+            .map(|r| r.iter().map(|&i| self.data.examples.get(i)).collect())
             .collect();
         Batch::from_rows(&rows, self.pad_id, self.cfg.pack)
     }
@@ -231,177 +240,4 @@ fn empty_epoch(s: &TrainData, epoch: usize) -> anyhow::Error {
         s.micro_batch,
         s.grad_accum
     )
-}
-
-/// The data sets, what loading them found worth telling, and the tokenizer they (or
-/// `train.sample_every`) needed.
-struct DataLoaded {
-    data: Dataset,
-    eval: Option<Dataset>,
-    notes: Vec<String>,
-    tokenizer: Option<TextTokenizer>,
-}
-
-/// The training data, the eval set (data.eval, or held out by data.eval_fraction) and the
-/// notes worth telling about them, tokenized as the recipe says.
-fn load_data(
-    run: &RunConfig,
-    d: &DataSection,
-    files: &ModelFiles,
-    vocab: usize,
-) -> Result<DataLoaded> {
-    let dir = &files.dir;
-    let mut formats: Vec<DataFormat> = d
-        .train
-        .files(d.format)
-        .iter()
-        .filter_map(|f| f.format)
-        .collect();
-    if d.eval.is_some() {
-        formats.push(d.format);
-    }
-    // `sample_every` encodes its prompts and decodes the completions whatever the data format.
-    let text_format = formats.iter().find(|f| **f != DataFormat::Tokens).copied();
-    let tok = match text_format.is_some() || run.hooks.sample_every > 0 {
-        true => {
-            let t = files.tokenizer.as_ref().with_context(|| {
-                let who = match text_format {
-                    Some(f) => format!("data format \"{}\"", crate::data::format_name(f)),
-                    None => "train.sample_every".to_string(),
-                };
-                format!(
-                    "{who} needs {}/tokenizer.json, which is missing",
-                    dir.display()
-                )
-            })?;
-            let mut tok = TextTokenizer::load(t, files.tokenizer_config.as_deref())?;
-            if formats.contains(&DataFormat::Chat) {
-                let choice = d.chat_template.as_deref();
-                let tpl = ChatTemplate::load(
-                    dir,
-                    files.tokenizer_config.as_deref(),
-                    choice,
-                    tok.specials.clone(),
-                )
-                .map_err(|e| -> RecipeError {
-                    run.recipe.invalid(
-                        "data.chat_template",
-                        match choice {
-                            None => format!("is unset, and {e:#}"),
-                            Some(c) => format!("= \"{c}\": {e:#}"),
-                        },
-                    )
-                })?;
-                tok.chat = Some(tpl);
-            }
-            Some(tok)
-        }
-        false => None,
-    };
-    let mut data = Dataset::load(d, tok.as_ref(), vocab)?;
-    let eval = match Dataset::load_eval(d, tok.as_ref(), vocab)? {
-        Some(e) => Some(e),
-        None if d.eval_fraction > 0.0 => {
-            if data.examples.len() < 2 {
-                anyhow::bail!(
-                    "data.eval_fraction = {} needs at least 2 examples; the data has {}",
-                    d.eval_fraction,
-                    data.examples.len()
-                );
-            }
-            Some(data.split_eval(d.eval_fraction, run.seed))
-        }
-        None => None,
-    };
-    if let Some(e) = &eval {
-        if e.examples
-            .iter()
-            .all(|x| x.labels.iter().skip(1).all(|&l| l == IGNORE))
-        {
-            anyhow::bail!("the eval set has no token to predict: every label is -100");
-        }
-    }
-    let notes = data_notes(&data, eval.as_ref(), tok.as_ref(), d);
-    Ok(DataLoaded {
-        data,
-        eval,
-        notes,
-        tokenizer: tok,
-    })
-}
-
-/// Lines about the data beyond counts: the mix, skipped rows, dropped examples, how chat turns
-/// end (and a warning when `generate` would not stop there), the eval set.
-fn data_notes(
-    data: &Dataset,
-    eval: Option<&Dataset>,
-    tok: Option<&TextTokenizer>,
-    d: &DataSection,
-) -> Vec<String> {
-    let mut notes = Vec::new();
-    if data.files.len() > 1 {
-        let mix: Vec<String> = data
-            .files
-            .iter()
-            .enumerate()
-            .map(|(k, (p, w))| {
-                let n = data.file_of.iter().filter(|&&f| f == k).count();
-                format!("{} ({n} examples, weight {w})", p.display())
-            })
-            .collect();
-        notes.push(format!("data mix: {}", mix.join(", ")));
-    }
-    if data.skipped > 0 {
-        notes.push(format!(
-            "skipped {} bad rows (data.on_bad_row = \"skip\"); first: {}",
-            data.skipped,
-            data.skipped_first.join("; ")
-        ));
-    }
-    if let Some(first) = &data.no_answer_first {
-        notes.push(format!(
-            "dropped {} examples with nothing to train on under train_on = \"completions\"; first: {first}",
-            data.no_answer
-        ));
-    }
-    if data.no_targets > 0 {
-        notes.push(format!(
-            "dropped {} examples with no completion token left after truncation to seq_len {}",
-            data.no_targets, d.seq_len
-        ));
-    }
-    if data.eos_added > 0 {
-        notes.push(format!(
-            "appended the EOS token to {} assistant turns that the chat template ends with no stop token",
-            data.eos_added
-        ));
-    }
-    if let Some(tok) = tok {
-        for (&id, &n) in &data.turn_ends {
-            let name = tok.token_text(id).unwrap_or_default();
-            notes.push(format!("{n} completions end with {name} (id {id})"));
-            if !tok.generate_stop_ids.is_empty() && !tok.generate_stop_ids.contains(&id) {
-                notes.push(format!(
-                    "warning: {name} (id {id}) ends the assistant turns, but generation_config.json / config.json eos_token_id {:?} does not list it: generation will not stop there unless you add it",
-                    tok.generate_stop_ids
-                ));
-            }
-        }
-    }
-    if let Some(e) = eval {
-        let from = match &d.eval {
-            Some(p) => p.display().to_string(),
-            None => format!(
-                "data.eval_fraction {} of the training data",
-                d.eval_fraction
-            ),
-        };
-        notes.push(format!(
-            "eval: {} examples from {from} ({} truncated, {} bad rows skipped)",
-            e.examples.len(),
-            e.truncated,
-            e.skipped
-        ));
-    }
-    notes
 }

@@ -85,7 +85,7 @@ fn completion_labels_token_by_token_with_configurable_fields() {
         "format = \"completion\"\nprompt_field = \"q\"\ncompletion_field = \"a\"",
     )
     .unwrap();
-    let e = &ds.examples[0];
+    let e = ds.examples.get(0);
     // <s> Q : Ġ2 + 3 ? ĠA : | Ġ 5 </s>: the space before "5" is the completion's, and the EOS
     // the tokenizer config adds ends it.
     assert_eq!(e.ids, vec![1, 51, 28, 355, 13, 21, 33, 324, 28, 223, 23, 2]);
@@ -95,7 +95,7 @@ fn completion_labels_token_by_token_with_configurable_fields() {
         "format = \"completion\"\ntrain_on = \"all\"",
     )
     .unwrap();
-    let e = &ds.examples[0];
+    let e = ds.examples.get(0);
     assert_eq!(
         e.labels,
         e.ids.iter().map(|&t| t as i64).collect::<Vec<_>>()
@@ -107,7 +107,7 @@ fn alpaca_trains_on_the_output_and_the_eos_only() {
     let tok = load(&tiny());
     let row = r#"{"instruction": "Add the two numbers.", "input": "38 and 17", "output": "38 + 17 = 55."}"#;
     let (ds, _) = load_rows(&[row], "format = \"alpaca\"\nseq_len = 512").unwrap();
-    let e = &ds.examples[0];
+    let e = ds.examples.get(0);
     let prompt = lora_train::data::alpaca_prompt("Add the two numbers.", "38 and 17");
     assert!(prompt.ends_with("### Input:\n38 and 17\n\n### Response:\n"));
     // The prompt alone (with its BOS) is exactly the masked part.
@@ -160,8 +160,8 @@ fn truncation_is_counted_and_a_cut_off_completion_is_dropped_and_counted() {
     let (ds, _) = load_rows(&rows, "format = \"completion\"\nseq_len = 12").unwrap();
     // Row 1 is cut to 12 tokens but keeps targets; row 2's completion is cut off entirely.
     assert_eq!((ds.examples.len(), ds.truncated, ds.no_targets), (1, 2, 1));
-    assert_eq!(ds.examples[0].ids.len(), 12);
-    assert_eq!(ds.examples[0].labels[9..], [223, 23, 291]); // Ġ 5 Ġand
+    assert_eq!(ds.examples.get(0).ids.len(), 12);
+    assert_eq!(ds.examples.get(0).labels[9..], [223, 23, 291]); // Ġ 5 Ġand
 }
 
 /// The tiny tokenizer with `template` as its chat template.
@@ -300,13 +300,16 @@ fn long_documents_pack_into_rows_of_a_million_tokens() {
     let got: Vec<usize> = ds.examples.iter().map(|e| e.ids.len()).collect();
     assert_eq!(got, [400_000, 300_000, 500_000, T]);
     assert_eq!(ds.truncated, 1);
-    assert_eq!(ds.examples[3].ids[T - 1] as usize, ((T - 1) * 7 + 3) % 500);
+    assert_eq!(
+        ds.examples.get(3).ids[T - 1] as usize,
+        ((T - 1) * 7 + 3) % 500
+    );
 
     let sampler = Sampler::new(&ds, &section(&cfg), 0);
     let packed = sampler.rows(0);
     assert_eq!(packed, vec![vec![0, 1], vec![2], vec![3]]);
 
-    let row: Vec<_> = packed[0].iter().map(|&i| &ds.examples[i]).collect();
+    let row: Vec<_> = packed[0].iter().map(|&i| ds.examples.get(i)).collect();
     let b = Batch::from_rows(&[row], 0, true);
     assert_eq!((b.b, b.t), (1, 700_000));
     // Positions restart with the second document; its first token is no target.
@@ -318,7 +321,7 @@ fn long_documents_pack_into_rows_of_a_million_tokens() {
     assert_eq!(b.n_targets(), 700_000 - 2);
     assert!(b.targets.iter().all(|&(i, _)| i != 399_999));
 
-    let row: Vec<_> = packed[2].iter().map(|&i| &ds.examples[i]).collect();
+    let row: Vec<_> = packed[2].iter().map(|&i| ds.examples.get(i)).collect();
     let b = Batch::from_rows(&[row], 0, true);
     assert_eq!((b.t, b.n_targets(), b.tokens), (T, T - 1, T));
     assert_eq!(b.positions[T - 1] as usize, T - 1);

@@ -8,7 +8,7 @@ use crate::common::root;
 use crate::loopback::{etag, hub_command, Repo, Server, COMMIT};
 use assert_cmd::Command;
 use lora_train::data::reader::read_all;
-use lora_train::data::{Dataset, Example};
+use lora_train::data::{Dataset, ExampleRef};
 use lora_train::hub::dataset::{dataset_files, DataRepo};
 use lora_train::hub::download::HubEnv;
 use lora_train::recipe::{DataSection, TrainFile};
@@ -392,7 +392,7 @@ fn entry(path: PathBuf, cfg: &DataSection) -> TrainFile {
     }
 }
 
-fn examples(ds: &Dataset) -> Vec<&Example> {
+fn examples(ds: &Dataset) -> Vec<ExampleRef<'_>> {
     ds.examples.iter().collect()
 }
 

@@ -5,7 +5,7 @@
 use crate::common::Session;
 use crate::common::*;
 use candle_core::{Tensor, Var};
-use lora_train::data::{Batch, Example};
+use lora_train::data::{Batch, ExampleRef};
 use lora_train::memory::plan::{kept_attention_per_token_layer, kept_per_token_layer};
 use lora_train::model::Keep;
 use lora_train::model::Retain;
@@ -71,7 +71,7 @@ fn hand_written_layer_backward_equals_autograd() {
         "mistral_head_dim",
     ] {
         let (_t, s) = session(case, &["lora.dropout = 0.2"]);
-        let ex: Vec<&Example> = (0..4).map(|i| &s.d.data.examples[i]).collect();
+        let ex: Vec<ExampleRef> = (0..4).map(|i| s.d.data.examples.get(i)).collect();
         let batch = Batch::from_rows(&[vec![ex[0], ex[1]], vec![ex[2], ex[3]]], 0, true);
         assert!(batch.segments.is_some(), "{case}: the rows must be packed");
         let m = &s.model;
@@ -351,7 +351,7 @@ fn activation_checkpointing_gives_identical_gradients_even_with_dropout() {
 #[test]
 fn packed_loss_and_gradients_equal_unpacked() {
     let (_t, s) = session("mistral_head_dim", &[]);
-    let ex: Vec<&Example> = (2..6).map(|i| &s.d.data.examples[i]).collect();
+    let ex: Vec<ExampleRef> = (2..6).map(|i| s.d.data.examples.get(i)).collect();
     let unpacked = Batch::from_rows(
         &[vec![ex[0]], vec![ex[1]], vec![ex[2]], vec![ex[3]]],
         0,
@@ -433,7 +433,7 @@ fn eval_loss_is_the_mean_token_ce_of_a_plain_forward_packed_or_not() {
     );
     // The eval forward equals the training forward's loss (which, without dropout keys, has
     // none), and packing the eval set does not change it.
-    let rows: Vec<Vec<&Example>> = ev.examples.iter().map(|e| vec![e]).collect();
+    let rows: Vec<Vec<ExampleRef>> = ev.examples.iter().map(|e| vec![e]).collect();
     let b = Batch::from_rows(&rows, 0, false);
     let ce = lora_train::train::eval::ce_sum(&s.model, &b).unwrap();
     let (ce_train, _) = grads_of(&s, &b, Keep::Acts, None);
@@ -555,9 +555,8 @@ fn offloaded_activations_give_the_kept_gradients_on_the_gpu() {
 #[cfg(feature = "cuda")]
 fn gpu_layer_model() -> lora_train::model::decoder::Model {
     use candle_core::{DType, Device};
-    use lora_train::model::decoder::Model;
     let dev = Device::new_cuda(0).unwrap();
-    let mut cfg = lora_train::bench::shape("tiny").unwrap(); // hidden 256, mlp 688
+    let mut cfg = lora_train::model::shapes::shape("tiny").unwrap(); // hidden 256, mlp 688
     (
         cfg.num_layers,
         cfg.num_heads,
@@ -574,8 +573,7 @@ fn gpu_layer_model() -> lora_train::model::decoder::Model {
         ..kernels
     };
     let spec = all_linear_r8();
-    let m =
-        Model::random_with(cfg, DType::BF16, &dev, &spec, 7, &kernels, &mut |_| Ok(())).unwrap();
+    let m = random_model(cfg, DType::BF16, &dev, &spec, 7, &kernels, &mut |_| Ok(())).unwrap();
     randomize_b(&m, 0.05);
     m
 }
@@ -728,9 +726,9 @@ fn folded_geglu_layer_matches_the_unfolded_on_the_gpu() {
 #[cfg(feature = "cuda")]
 fn folded_family_layer_matches_the_unfolded(name: &str, inputs: (usize, usize)) {
     use candle_core::{DType, Device};
-    use lora_train::model::{decoder::Model, Linear};
+    use lora_train::model::Linear;
     let dev = Device::new_cuda(0).unwrap();
-    let mut cfg = lora_train::bench::shape(name).unwrap();
+    let mut cfg = lora_train::model::shapes::shape(name).unwrap();
     (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size) = (2, 256, 688);
     (
         cfg.num_heads,
@@ -748,8 +746,7 @@ fn folded_family_layer_matches_the_unfolded(name: &str, inputs: (usize, usize)) 
         targets: cfg.linears().iter().map(|s| s.to_string()).collect(),
         ..all_linear_r8()
     };
-    let mut m =
-        Model::random_with(cfg, DType::BF16, &dev, &spec, 7, &kernels, &mut |_| Ok(())).unwrap();
+    let mut m = random_model(cfg, DType::BF16, &dev, &spec, 7, &kernels, &mut |_| Ok(())).unwrap();
     randomize_b(&m, 0.05);
     m.kernels.fold = true;
     assert!(m.fold().unwrap() > 0);
@@ -906,7 +903,7 @@ fn fsdp_shards_carry_the_folded_b_columns_on_the_gpu() {
             fold: true,
             ..reference.kernels
         };
-        let m = Model::random_with(
+        let m = random_model(
             cfg.clone(),
             DType::BF16,
             &dev,
@@ -1019,9 +1016,8 @@ fn fsdp_shards_carry_the_folded_b_columns_on_the_gpu() {
 fn folded_7b_layer() -> lora_train::model::decoder::Model {
     use candle_core::{DType, Device};
     use lora_train::lora::{LoraSpec, ALL_LINEAR};
-    use lora_train::model::decoder::Model;
     let dev = Device::new_cuda(0).unwrap();
-    let mut cfg = lora_train::bench::shape("llama2-7b").unwrap();
+    let mut cfg = lora_train::model::shapes::shape("llama2-7b").unwrap();
     (cfg.num_layers, cfg.vocab_size) = (1, 512);
     let spec = LoraSpec {
         rank: 16,
@@ -1037,8 +1033,7 @@ fn folded_7b_layer() -> lora_train::model::decoder::Model {
         fold: false,
         ..kernels
     };
-    let mut m =
-        Model::random_with(cfg, DType::BF16, &dev, &spec, 7, &unfolded, &mut |_| Ok(())).unwrap();
+    let mut m = random_model(cfg, DType::BF16, &dev, &spec, 7, &unfolded, &mut |_| Ok(())).unwrap();
     m.kernels.fold = true;
     assert!(m.fold().unwrap() > 0);
     m
@@ -1350,7 +1345,7 @@ fn a_chunked_mlp_gives_the_unchunked_loss_and_gradients() {
         "qwen2_bias",
     ] {
         let (_t, mut s) = session(case, &[]);
-        let all: Vec<&Example> = s.d.data.examples.iter().collect();
+        let all: Vec<ExampleRef> = s.d.data.examples.iter().collect();
         let batch = Batch::from_rows(&[all.clone(), all.clone(), all], 0, true);
         let (m, n) = (batch.b * batch.t, 16);
         assert!(m > 10 * n, "{case}: {m} tokens span many chunks");
@@ -1409,7 +1404,7 @@ fn recomputing_the_mlp_half_gives_the_kept_gradients() {
         "qwen3_moe",
     ] {
         let (_t, mut s) = session(case, &[]);
-        let all: Vec<&Example> = s.d.data.examples.iter().collect();
+        let all: Vec<ExampleRef> = s.d.data.examples.iter().collect();
         let batch = Batch::from_rows(&[all.clone(), all.clone(), all], 0, true);
         for chunk in [None, Some(16)] {
             s.model.mlp_chunk = chunk;

@@ -301,7 +301,11 @@ fn chat_template(dir: &Path, cfg: &Map<String, Value>) -> anyhow::Result<Option<
 }
 
 /// gguf-py's `SpecialVocab(dir, load_merges, n_vocab=n_vocab)`.
-pub(crate) fn read(dir: &Path, load_merges: bool, n_vocab: Option<usize>) -> anyhow::Result<Special> {
+pub(crate) fn read(
+    dir: &Path,
+    load_merges: bool,
+    n_vocab: Option<usize>,
+) -> anyhow::Result<Special> {
     let mut sv = Special::default();
     let tok = read_json(&dir.join("tokenizer.json"))?;
     let mut cfg = read_json(&dir.join("tokenizer_config.json"))?.and_then(|v| match v {

@@ -177,7 +177,6 @@ pub fn merge(adapter: &Path, base: &Path, out: &Path, opts: &MergeOptions) -> Re
 
 #[cfg(test)]
 mod tests {
-    use super::*;
     use crate::util::parse_size;
 
     #[test]

@@ -178,7 +178,12 @@ pub(crate) fn longest(rows: &[Row]) -> Option<(&Row, usize)> {
 
 /// The advice line of the longest context: `t` tokens on row `r`, whose breakdown there is
 /// `at`; past the model's `max_positions` it says so.
-pub(crate) fn longest_line(r: &Row, t: usize, at: &super::Breakdown, max_positions: usize) -> String {
+pub(crate) fn longest_line(
+    r: &Row,
+    t: usize,
+    at: &super::Breakdown,
+    max_positions: usize,
+) -> String {
     let host = match at.host {
         0 => String::new(),
         h => format!(" and {} of pinned host memory", fmt_bytes(h)),

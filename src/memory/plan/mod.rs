@@ -83,15 +83,17 @@ mod terms;
 mod tests;
 
 pub(crate) use advice::{advise, remedies, Advice};
-pub use inputs::{input_from_shape};
+pub use inputs::input_from_shape;
 pub(crate) use inputs::{mlp_chunk_as_run, PlanInput};
-pub use render::{render, to_json};
 pub(crate) use render::{fmt_bytes, label};
-pub use search::{plan};
+pub use render::{render, to_json};
+pub use search::plan;
 pub(crate) use search::{row, strategy_name, Plan, Row, MB_LIMIT, SEQ_LIMIT, SEQ_STEP};
+#[cfg(test)]
+pub(crate) use terms::breakdown;
 use terms::{adapted, is_mlp};
-pub use terms::{kept_attention_per_token_layer, kept_per_token_layer, lora_params};
 pub(crate) use terms::{breakdown_within, magnitude_params, Breakdown};
+pub use terms::{kept_attention_per_token_layer, kept_per_token_layer, lora_params};
 
 pub(crate) const GIB: u64 = 1 << 30;
 pub(crate) const MIB: u64 = 1 << 20;

@@ -1,0 +1,80 @@
+//! Progress of tokenizing a data set: a bar (bytes read of the files' total, MB/s, rows,
+//! rows/s, ETA) when stderr is a terminal, otherwise a line every [`LINE_EVERY`]; and the
+//! line that says what it took.
+
+use indicatif::{DecimalBytes, ProgressBar, ProgressDrawTarget, ProgressStyle};
+use std::io::IsTerminal;
+use std::time::{Duration, Instant};
+
+/// How often a log (not a terminal) gets a progress line.
+pub const LINE_EVERY: Duration = Duration::from_secs(30);
+
+/// A preparation's progress display.
+pub struct Progress {
+    bar: Option<ProgressBar>,
+    lines: bool,
+    total: u64,
+    t0: Instant,
+    last_line: Instant,
+}
+
+impl Progress {
+    /// Progress over `total` bytes of files; `show` false draws nothing (tests, tools).
+    pub fn new(total: u64, show: bool) -> Progress {
+        let term = std::io::stderr().is_terminal();
+        let bar = (show && term).then(|| {
+            let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
+            let style = ProgressStyle::with_template(
+                "tokenizing [{bar:25}] {decimal_bytes}/{decimal_total_bytes} {decimal_bytes_per_sec} {msg} ETA {eta}",
+            )
+            .map(|s| s.progress_chars("=> "))
+            .unwrap_or_else(|_| ProgressStyle::default_bar());
+            bar.set_style(style);
+            bar
+        });
+        let now = Instant::now();
+        Progress {
+            bar,
+            lines: show && !term,
+            total,
+            t0: now,
+            last_line: now,
+        }
+    }
+
+    /// `bytes` of the files read so far, `rows` rows done.
+    pub fn update(&mut self, bytes: u64, rows: usize) {
+        let secs = self.t0.elapsed().as_secs_f64().max(1e-3);
+        let rate = rows as f64 / secs;
+        if let Some(bar) = &self.bar {
+            bar.set_position(bytes.min(self.total));
+            bar.set_message(format!("{rows} rows, {rate:.0} rows/s"));
+        } else if self.lines && self.last_line.elapsed() >= LINE_EVERY {
+            self.last_line = Instant::now();
+            let frac = bytes as f64 / self.total.max(1) as f64;
+            let eta = match frac > 0.0 {
+                true => format!("{:.0}s", secs * (1.0 - frac).max(0.0) / frac),
+                false => "?".into(),
+            };
+            crate::errln!(
+                "tokenizing: {:.0}% of {}, {rows} rows ({rate:.0} rows/s, {}/s), ETA {eta}",
+                100.0 * frac.min(1.0),
+                DecimalBytes(self.total),
+                DecimalBytes((bytes as f64 / secs) as u64)
+            );
+        }
+    }
+
+    /// Clears the bar.
+    pub fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+    }
+}
+
+impl Drop for Progress {
+    fn drop(&mut self) {
+        self.finish();
+    }
+}
