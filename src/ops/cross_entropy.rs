@@ -151,6 +151,7 @@ mod imp {
         let func = crate::ops::cuda::function(dev, &name)?;
         // SAFETY: the kernel writes every element of both (one ce a row, every gradient).
         let ce = unsafe { dev.alloc::<f32>(n)? };
+        // SAFETY: as ce's: one block a row writes its V gradients.
         let dl = unsafe { dev.alloc::<T>(n * v)? };
         // The tensor ops' f32 factors: Σ·denom and −1/denom, each rounded from f64 as they are.
         let (v64, denom32, minus) = (v as i64, denom as f32, -1f32 / denom as f32);

@@ -229,6 +229,7 @@ pub(crate) use with_view;
 
 /// Runs `$body` with `$x` the f32 or bf16 device view of `$s` as `$l` lays it out (contiguous)
 /// and `$out` a fresh output of `$n` elements of that dtype; evaluates to the output's storage.
+/// `$out` is uninitialised: `$body` must launch a kernel that writes every element of it.
 macro_rules! with_dtype {
     ($s:expr, $l:expr, $n:expr, |$x:ident, $out:ident| $body:block) => {{
         let dev = $s.device.clone();
@@ -236,6 +237,8 @@ macro_rules! with_dtype {
             candle_core::DType::F32 => {
                 let (o1, o2) = $crate::ops::cuda::contiguous($l)?;
                 let $x = $s.as_cuda_slice::<f32>()?.slice(o1..o2);
+                // SAFETY: the macro's contract: `$body` launches a kernel that writes all `$n`
+                // elements of `$out` before the storage is returned to be read.
                 let $out: candle_core::cuda::cudarc::driver::CudaSlice<f32> =
                     unsafe { dev.alloc::<f32>($n)? };
                 $body;
@@ -244,6 +247,7 @@ macro_rules! with_dtype {
             candle_core::DType::BF16 => {
                 let (o1, o2) = $crate::ops::cuda::contiguous($l)?;
                 let $x = $s.as_cuda_slice::<half::bf16>()?.slice(o1..o2);
+                // SAFETY: as the f32 arm's.
                 let $out: candle_core::cuda::cudarc::driver::CudaSlice<half::bf16> =
                     unsafe { dev.alloc::<half::bf16>($n)? };
                 $body;

@@ -313,6 +313,10 @@ pub(super) mod cuda {
             let (di, e, off) = (d as i32, spec.eps as f32, spec.offset);
             with_view!(w, w1..w2, |ws| {
                 b.arg(&xs).arg(&ws).arg(&out).arg(&di).arg(&e).arg(&off);
+                // SAFETY: one block a row of d: x contiguous, n = rows · d elements, out n
+                // fresh ones all written; w of x's dtype (checked) holds d values, the norm's
+                // weight of x's last dim (the caller's contract: the CPU path checks it, this
+                // one does not); v8 only when d % 8 = 0 and every start is on 16 bytes.
                 unsafe { b.launch(cfg) }.w()?;
             })
         }))
@@ -377,6 +381,9 @@ pub(super) mod cuda {
                             .arg(&e)
                             .arg(&hr)
                             .arg(&off);
+                        // SAFETY: as rms_norm's launch; g (and res, when given: x's dtype and
+                        // n, checked) are contiguous rows of d; g has x's shape (the output's
+                        // gradient: by construction, not checked here).
                         unsafe { b.launch(cfg) }.w()?;
                     })
                 })
@@ -427,7 +434,7 @@ pub(super) mod cuda {
         let stream = dev.cuda_stream();
         // SAFETY (both): every element is written by the kernel.
         let h = unsafe { stream.alloc::<half::bf16>(n) }.w()?;
-        // (y's pad columns are the caller's to write, see above.)
+        // SAFETY: as h's; y's pad columns are the caller's to write (see above).
         let y = unsafe { stream.alloc::<half::bf16>(rows * ldy) }.w()?;
         let cfg = LaunchConfig {
             grid_dim: (rows as u32, 1, 1),

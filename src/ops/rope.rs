@@ -279,6 +279,10 @@ mod cuda {
                 .arg(&ti)
                 .arg(&half)
                 .arg(&pairs);
+            // SAFETY: one thread a pair of the contiguous [B, H, T, D] x, out n fresh elements
+            // all written; cos and sin are contiguous f32 views read at (b·T + t)·D/2 + i, which
+            // needs them [B, T, D/2] (`rope`'s contract: the CPU path checks it, this one does
+            // not). One stream: x's device's.
             unsafe { b.launch(cfg) }.w()?;
         }))
     }
@@ -332,6 +336,10 @@ mod cuda {
                 .arg(&units)
                 .arg(&th)
                 .arg(&sg);
+            // SAFETY: `relayout` checked n = B·T·H·D with D even; x is contiguous, out n fresh
+            // elements all written; the 4-pair path only when half % 4 = 0 and x's offset is on
+            // 4 elements (allocations are 256-byte aligned); cos and sin, when given, are
+            // contiguous f32 [B, T, D/2] (the caller's tables, not checked here). One stream.
             unsafe { bld.launch(cfg) }.w()?;
         }))
     }

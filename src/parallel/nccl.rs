@@ -559,8 +559,8 @@ impl NcclComm {
         let mut access = Vec::new();
         for &o in ordinals.iter().filter(|&&o| o != ctx.ordinal()) {
             let mut peer: sys::CUdevice = 0;
-            // SAFETY: FFI with valid out-pointers; `o` is an ordinal of this machine.
             let (mut there, mut back) = (0, 0);
+            // SAFETY: FFI with valid out-pointers; `o` is an ordinal of this machine.
             unsafe {
                 sys::cuDeviceGet(&mut peer, o as i32)
                     .result()

@@ -149,14 +149,15 @@ pub fn merge(adapter: &Path, base: &Path, out: &Path, opts: &MergeOptions) -> Re
             );
         }
     }
-    // Memory-map every base shard. SAFETY: read-only maps of files we do not modify while
-    // they are mapped (the output goes to another directory).
+    // Memory-map every base shard.
     let maps = files
         .weights
         .iter()
         .map(|p| {
             let f =
                 std::fs::File::open(p).with_context(|| format!("cannot open {}", p.display()))?;
+            // SAFETY: read-only maps of files we do not modify while they are mapped (the
+            // output goes to another directory).
             unsafe { memmap2::Mmap::map(&f) }.with_context(|| format!("cannot map {}", p.display()))
         })
         .collect::<Result<Vec<_>>>()?;
