@@ -27,8 +27,10 @@ const _: () = assert!(
 );
 
 pub(crate) const WEIGHTS: &str = "adapter_model.safetensors";
+/// The adapter's config file, as PEFT names it.
 pub const CONFIG: &str = "adapter_config.json";
 
+/// PEFT's file key of `module`'s adapter matrix `which` ('A' or 'B').
 pub fn peft_key(module: &str, which: char) -> String {
     format!("base_model.model.{module}.lora_{which}.weight")
 }
@@ -64,7 +66,9 @@ fn key_variants(key: &str) -> [String; 3] {
 /// What a saved adapter says about itself (adapter_config.json).
 #[derive(Debug, Clone)]
 pub struct AdapterInfo {
+    /// The adapter's rank, scale, dropout and targets.
     pub spec: LoraSpec,
+    /// `base_model_name_or_path`, when written.
     pub base_model: Option<String>,
     /// The base's Hub revision, when it came from the Hub.
     pub(crate) revision: Option<String>,

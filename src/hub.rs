@@ -29,20 +29,26 @@ pub(crate) const META_FILES: [(&str, bool); 5] = [
 ];
 pub(crate) const INDEX: &str = "model.safetensors.index.json";
 pub(crate) const SINGLE: &str = "model.safetensors";
+/// The revision a Hub id is read at when none is given.
 pub const DEFAULT_REVISION: &str = "main";
 
 /// The files of one Hugging Face checkpoint directory.
 #[derive(Debug, Clone)]
 pub struct ModelFiles {
+    /// The checkpoint's directory (a local one, or the snapshot in the Hub cache).
     pub dir: PathBuf,
+    /// Its config.json.
     pub config: PathBuf,
     /// One `model.safetensors`, or every shard named by `model.safetensors.index.json`.
     pub(crate) weights: Vec<PathBuf>,
+    /// tokenizer.json, when there is one.
     pub tokenizer: Option<PathBuf>,
+    /// tokenizer_config.json (chat template, special tokens), when there is one.
     pub tokenizer_config: Option<PathBuf>,
 }
 
 impl ModelFiles {
+    /// The files of the checkpoint directory `dir`; an error names what is missing and the fix.
     pub fn local(dir: &Path) -> Result<Self> {
         if !dir.is_dir() {
             bail!("model directory {} does not exist", dir.display());

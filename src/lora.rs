@@ -41,9 +41,13 @@ pub(crate) fn module_index(module: &str) -> u64 {
 /// What to inject, resolved from the recipe (or an init adapter's config).
 #[derive(Debug, Clone, PartialEq)]
 pub struct LoraSpec {
+    /// r: the adapters' inner dimension (A [r, in], B [out, r]).
     pub rank: usize,
+    /// α: the adapters' scale is α / r (α / √r with `rslora`).
     pub alpha: f64,
+    /// Probability that an element of an adapter's input is zeroed (0: none).
     pub dropout: f32,
+    /// rsLoRA: scale α / √r instead of α / r.
     pub rslora: bool,
     /// DoRA: each adapter has a magnitude vector (PEFT's `use_dora`).
     pub dora: bool,
@@ -69,9 +73,13 @@ impl LoraSpec {
 /// One adapter pair attached to a frozen linear (clones share the `Var`s).
 #[derive(Clone)]
 pub struct Lora {
-    pub a: Var, // [r, in] f32
-    pub b: Var, // [out, r] f32
+    /// A [r, in] f32 (random at init).
+    pub a: Var,
+    /// B [out, r] f32 (zero at init).
+    pub b: Var,
+    /// s, the factor on x Aᵀ Bᵀ (α / r, or α / √r).
     pub scale: f64,
+    /// Probability that an element of the adapter's input is zeroed (0: none).
     pub dropout: f32,
     /// DoRA's magnitude [out] f32 (None for plain LoRA).
     pub m: Option<Var>,

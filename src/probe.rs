@@ -46,6 +46,7 @@ pub(crate) struct Failure {
     pub(crate) cause: String,
 }
 
+/// What a probe found: each rung that ran, the first failure, and the memory measured.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct ProbeReport {
     pub(crate) rungs: Vec<Rung>,
@@ -60,9 +61,17 @@ pub struct ProbeReport {
 #[derive(Debug, Clone, Copy)]
 pub enum Ramp {
     /// seq doubling up to the recipe's seq_len, then micro-batch doubling up to this.
-    Batch { max_micro_batch: usize },
+    Batch {
+        /// The largest micro-batch tried.
+        max_micro_batch: usize,
+    },
     /// seq doubling at micro-batch 1 up to `max_seq`, then `refine` bisection steps.
-    Seq { max_seq: usize, refine: usize },
+    Seq {
+        /// The longest seq tried.
+        max_seq: usize,
+        /// Bisection steps between the last seq that fit and the first that did not.
+        refine: usize,
+    },
 }
 
 /// The seq rungs of the bisection run at multiples of this.
@@ -306,6 +315,7 @@ impl ProbeReport {
         self.rungs.last()
     }
 
+    /// The report as the table `probe` prints.
     pub fn render(&self) -> String {
         let mut out = String::from(
             "probe: one full step per shape on random token ids (forward, head, backward, optimizer)\n",
@@ -355,6 +365,7 @@ impl ProbeReport {
         out
     }
 
+    /// The report as JSON (`probe --json`).
     pub fn to_json(&self) -> serde_json::Value {
         let mut v = serde_json::to_value(self).unwrap_or_default();
         v["knee"] = serde_json::to_value(self.knee()).unwrap_or_default();

@@ -6,6 +6,7 @@
 pub struct Rng(u64);
 
 impl Rng {
+    /// The generator seeded with `seed`.
     pub fn new(seed: u64) -> Self {
         Rng(seed)
     }

@@ -39,9 +39,11 @@ pub struct BenchArgs {
     pub shape: String,
     /// Tokens per row.
     pub seq: usize,
+    /// Rows per micro-batch.
     pub micro_batch: usize,
     /// LoRA rank, and alpha (None: 2 × rank).
     pub rank: usize,
+    /// LoRA alpha (None: 2 × rank).
     pub alpha: Option<f64>,
     /// "all", "attn" or "qv" (`shapes::targets`).
     pub targets: String,
@@ -51,14 +53,17 @@ pub struct BenchArgs {
     pub offload: Option<bool>,
     /// Timed steps, after `warmup` untimed ones.
     pub steps: usize,
+    /// Untimed steps before the timed ones.
     pub warmup: usize,
     /// CPU or CUDA.
     pub device: DeviceKind,
     /// The matrix units' rate the MFU is counted against (TFLOP/s).
     pub peak_tflops: f64,
+    /// single, ddp or fsdp, as parallel.strategy.
     pub strategy: Strategy,
     /// CUDA ordinals, one rank each (CPU: virtual ranks); one entry for "single".
     pub devices: Vec<usize>,
+    /// Micro-batches per optimiser step, as train.grad_accum.
     pub grad_accum: usize,
     /// Behave as a card of this many bytes (a ballast outside the pool; CUDA only).
     pub max_memory: Option<u64>,
@@ -77,6 +82,7 @@ pub struct BenchArgs {
     /// An eval forward over `eval_batches` micro-batches every this many steps (0: none), as
     /// train.eval_every.
     pub eval_every: usize,
+    /// Micro-batches each eval forward runs over.
     pub eval_batches: usize,
     /// A checkpoint (adapter and optimiser state) every this many steps (0: none), as
     /// output.save_every; rank 0 writes it.

@@ -53,6 +53,7 @@ pub struct ChatTemplate {
 /// One rendering: the text, and the byte spans `{% generation %}` blocks produced.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Rendered {
+    /// The rendered text.
     pub text: String,
     pub(crate) generation: Vec<Span>,
 }
@@ -60,7 +61,9 @@ pub struct Rendered {
 /// A tokenized conversation: ids, aligned labels, and how its turns ended.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ChatExample {
+    /// Token ids.
     pub ids: Vec<u32>,
+    /// Aligned with `ids`: the token where it is a target (assistant turns), else `IGNORE`.
     pub labels: Vec<i64>,
     /// Assistant turns that had no stop token and got the EOS inserted.
     pub eos_added: usize,

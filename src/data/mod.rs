@@ -56,6 +56,7 @@ use anyhow::Result;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
+/// The label of a position that is not a target (PyTorch's cross-entropy `ignore_index`).
 pub const IGNORE: i64 = -100;
 
 /// A byte range [start, end) of a text.
@@ -64,10 +65,14 @@ pub(crate) type Span = (usize, usize);
 /// One training example, already truncated to seq_len.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Example {
+    /// Token ids.
     pub ids: Vec<u32>,
+    /// Aligned with `ids`: the token where it is a target, else `IGNORE` (the batch predicts
+    /// each target from the position before it).
     pub labels: Vec<i64>,
 }
 
+/// A loaded data set: its examples and what loading found.
 #[derive(Debug, Default)]
 pub struct Dataset {
     /// The examples, in file order (in memory, or mapped from the tokenized cache).
@@ -82,6 +87,7 @@ pub struct Dataset {
     pub(crate) files: Vec<(PathBuf, f64)>,
     /// Malformed rows skipped (on_bad_row = "skip"), and the first few, with file:line.
     pub skipped: usize,
+    /// The first few skipped rows, with file:line.
     pub skipped_first: Vec<String>,
     /// Examples dropped because truncation left them no target token (train_on completions).
     pub no_targets: usize,

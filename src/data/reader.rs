@@ -15,7 +15,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// a parquet file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Loc {
+    /// A line (1-based) of a JSON lines file.
     Line(usize),
+    /// A row (1-based) of a JSON array or a parquet file.
     Row(usize),
 }
 

@@ -5,13 +5,20 @@ use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde::ser::{Serialize, SerializeMap, SerializeSeq, Serializer};
 use std::fmt;
 
+/// A value of a row: JSON's types, with objects in key order.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Field {
+    /// JSON null (a parquet null).
     Null,
+    /// A boolean.
     Bool(bool),
+    /// An integer.
     Int(i64),
+    /// A floating-point number.
     Float(f64),
+    /// A string.
     Str(String),
+    /// An array (a parquet list).
     List(Vec<Field>),
     /// Keys in order; a key appears once (a repeated JSON key keeps its last value, as
     /// Python's json does).

@@ -35,6 +35,8 @@ pub struct Sampler {
 }
 
 impl Sampler {
+    /// The epochs' order of `ds`'s examples under `cfg` (packing, shuffling, mixing weights),
+    /// from `seed`.
     pub fn new(ds: &Dataset, cfg: &DataSection, seed: u64) -> Self {
         let n = ds.examples.len();
         let mut groups: Vec<(Vec<usize>, f64)> =

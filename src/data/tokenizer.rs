@@ -138,6 +138,7 @@ impl TextTokenizer {
         )
     }
 
+    /// `text`'s token ids, with the BOS and EOS this tokenizer is set to add (each once).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         let enc = self
             .tok

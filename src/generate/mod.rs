@@ -75,6 +75,7 @@ pub enum Finish {
 pub struct Output {
     /// The new tokens, a stop token included as the last.
     pub tokens: Vec<u32>,
+    /// Why decoding stopped.
     pub finish: Finish,
     /// The prompt's forward and the first pick.
     pub prefill_s: f64,
@@ -178,8 +179,10 @@ pub fn greedy_text(
 /// One line of samples.jsonl: a prompt's greedy completion at a step.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct SampleRow {
+    /// The training step it was sampled at.
     pub step: usize,
     pub(crate) prompt: String,
+    /// The decoded completion.
     pub completion: String,
 }
 

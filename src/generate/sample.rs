@@ -18,6 +18,7 @@ pub struct Sampling {
     pub top_k: usize,
     /// Keep the smallest set of most likely tokens whose probability reaches p (1 = all).
     pub top_p: f64,
+    /// The seed of the sampling stream.
     pub seed: u64,
 }
 
@@ -33,6 +34,7 @@ impl Default for Sampling {
 }
 
 impl Sampling {
+    /// Greedy decoding: the most likely token at each step.
     pub fn greedy() -> Self {
         Self::default()
     }
@@ -63,6 +65,7 @@ pub struct Sampler {
 }
 
 impl Sampler {
+    /// A sampler for `s`; an error for settings out of range.
     pub fn new(s: Sampling) -> Result<Sampler> {
         s.check()?;
         let rng = Rng::keyed(s.seed, &[0x67656e]);

@@ -312,10 +312,12 @@ fn split_all<const N: usize>(
 /// Everything decoding reads: the layers, the embedding, final norm and head, and the shape.
 pub struct Weights {
     pub(crate) cfg: ModelConfig,
+    /// Per decoder layer, bottom first: what decoding reads of it.
     pub layers: Vec<LayerWeights>,
     pub(crate) embed: Tensor,
     pub(crate) norm: Tensor,
     pub(crate) lm_head: Tensor,
+    /// The head is the embedding.
     pub tied: bool,
     pub(crate) dtype: DType,
     pub(crate) device: Device,

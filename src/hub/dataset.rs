@@ -49,9 +49,13 @@ pub(crate) fn repo_of(s: &str) -> Option<Result<&str, String>> {
 /// Which files of which data set.
 #[derive(Debug, Clone)]
 pub struct DataRepo<'a> {
+    /// The data set's Hub id (`org/name`).
     pub id: &'a str,
+    /// The branch, tag or commit to read.
     pub revision: &'a str,
+    /// The subset (configuration); None: the data set's default.
     pub subset: Option<&'a str>,
+    /// The split ("train", "test", ...).
     pub split: &'a str,
     /// A glob of repository paths; replaces subset and split.
     pub files: Option<&'a str>,
@@ -60,6 +64,7 @@ pub struct DataRepo<'a> {
 /// One file of a data set: its path in the repository and in the cache.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DataFile {
+    /// Its path in the repository.
     pub file: String,
     pub(crate) path: PathBuf,
 }

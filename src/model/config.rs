@@ -13,42 +13,70 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 use std::path::{Path, PathBuf};
 
+/// A config.json (or adapter_config.json) that cannot be used; the message names the file.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
+    /// The file could not be read.
     #[error("cannot read model config {path}")]
     Read {
+        /// The file.
         path: PathBuf,
+        /// The I/O error.
         source: std::io::Error,
     },
+    /// Not valid JSON, or a field missing, out of range or unsupported.
     #[error("model config {path}: {msg}")]
-    Invalid { path: PathBuf, msg: String },
+    Invalid {
+        /// The config file.
+        path: PathBuf,
+        /// What is wrong, and the fix.
+        msg: String,
+    },
     /// A PEFT adapter_config.json (lora.init_adapter, or `export --adapter`).
     #[error("adapter config {path}: {msg}")]
-    Adapter { path: PathBuf, msg: String },
+    Adapter {
+        /// The adapter_config.json.
+        path: PathBuf,
+        /// What is wrong, and the fix.
+        msg: String,
+    },
 }
 
 /// Rotary frequency scaling (`rope_scaling` / `rope_parameters`).
 #[derive(Debug, Clone, PartialEq)]
 pub enum RopeScaling {
+    /// No scaling: the base frequencies.
     None,
     /// Positions divided by `factor`.
     Linear {
+        /// The divisor of every position.
         factor: f64,
     },
     /// Llama 3.1: per-frequency interpolation between low and high frequency bands.
     Llama3 {
+        /// The divisor of the low-frequency band.
         factor: f64,
+        /// Wavelengths longer than original_max_position / low_freq_factor take the whole
+        /// `factor`.
         low_freq_factor: f64,
+        /// Wavelengths shorter than original_max_position / high_freq_factor stay as they are;
+        /// those between the two bands are interpolated.
         high_freq_factor: f64,
+        /// The context the base was trained at (`original_max_position_embeddings`).
         original_max_position: usize,
     },
     /// Phi-3's LongRoPE ("su"): each frequency divided by its `short` factor, or by its `long`
     /// one for a batch whose positions reach past `original_max_position`; cos and sin × the
     /// attention factor.
     LongRope {
+        /// Per frequency (D / 2 of them): its divisor while the positions stay within
+        /// `original_max_position`.
         short: Vec<f64>,
+        /// Per frequency: its divisor once they reach past it.
         long: Vec<f64>,
+        /// The context the base was trained at (`original_max_position_embeddings`).
         original_max_position: usize,
+        /// The factor cos and sin are multiplied by.
         attention_factor: f64,
     },
 }
@@ -57,17 +85,26 @@ pub enum RopeScaling {
 #[derive(Debug, Clone)]
 pub struct ModelConfig {
     pub(crate) family: Family,
+    /// C: the width of the residual stream.
     pub hidden_size: usize,
+    /// I: the width of a dense MLP's inner layer.
     pub intermediate_size: usize,
+    /// Decoder layers (`num_hidden_layers`).
     pub num_layers: usize,
+    /// H: query heads.
     pub num_heads: usize,
+    /// K: key/value heads (each serves H / K query heads; K < H is grouped-query attention).
     pub num_kv_heads: usize,
+    /// D: the width of each head (`head_dim`, else C / H).
     pub head_dim: usize,
+    /// V: the vocabulary (rows of the embedding and of the head).
     pub vocab_size: usize,
     pub(crate) rms_norm_eps: f64,
     /// The global RoPE (Gemma 3's sliding layers take `arch.local_rope`).
     pub(crate) rope_theta: f64,
+    /// How the rotary frequencies are scaled for long contexts.
     pub rope_scaling: RopeScaling,
+    /// The longest context the config declares (`max_position_embeddings`).
     pub max_position_embeddings: usize,
     /// q/k/v projections carry a bias (Qwen2 always; Llama with `attention_bias`).
     pub(crate) qkv_bias: bool,
@@ -80,6 +117,7 @@ pub struct ModelConfig {
     /// The window of the sliding layers (`arch.sliding`); None when no layer slides.
     pub sliding_window: Option<usize>,
     pub(crate) bos_token_id: Option<u32>,
+    /// The ids that end a sequence (`eos_token_id`: one or a list).
     pub eos_token_ids: Vec<u32>,
     pub(crate) pad_token_id: Option<u32>,
     /// `torch_dtype` / `dtype` as written (informational).
@@ -135,6 +173,7 @@ pub(super) struct Raw {
 }
 
 impl ModelConfig {
+    /// Reads and resolves the config.json at `path`; errors name the file and the field.
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.to_owned(),

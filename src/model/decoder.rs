@@ -19,10 +19,13 @@ use std::collections::HashMap;
 
 /// Per-batch inputs every layer needs besides the hidden states.
 pub struct Ctx {
-    pub cos: Tensor, // [B, T, D/2] f32
-    pub sin: Tensor, // [B, T, D/2] f32
+    /// RoPE's cos at each token's position: [B, T, D/2] f32.
+    pub cos: Tensor,
+    /// RoPE's sin at each token's position: [B, T, D/2] f32.
+    pub sin: Tensor,
     /// The sliding layers' own cos and sin (Gemma 3's local RoPE base), when they differ.
     pub(crate) local: Option<(Tensor, Tensor)>,
+    /// Which keys each query sees (causal; packed segments, sliding window, soft-cap).
     pub mask: AttnMask,
     /// Queries per attention block (None: sized to the batch).
     pub(crate) attn_block: Option<usize>,
@@ -91,7 +94,9 @@ type AdapterCopies = (HashMap<TensorId, Tensor>, Option<Tensor>);
 /// A group of frozen tensors as it is loaded: a decoder layer, or the embedding, final norm and
 /// untied head (`Model::io_mut` order).
 pub enum Group<'a> {
+    /// A decoder layer's frozen tensors.
     Layer(&'a mut Layer),
+    /// The embedding, the final norm and the untied head.
     Io(Vec<&'a mut Tensor>),
 }
 
@@ -108,16 +113,26 @@ impl<'a> Group<'a> {
 /// Called with each group of frozen tensors as it is loaded (see `Model::load_with`).
 pub type Loaded<'a> = &'a mut dyn FnMut(Group<'_>) -> anyhow::Result<()>;
 
+/// The trainable decoder: the frozen base, adapters on its target linears, and the run's
+/// kernel choices.
 pub struct Model {
+    /// The config it was built from.
     pub cfg: ModelConfig,
-    pub(crate) embed: Tensor, // [V, C]
+    /// The token embedding [V, C].
+    pub(crate) embed: Tensor,
+    /// The decoder layers, bottom first.
     pub layers: Vec<Layer>,
     /// The buffers NF4 layers are dequantized into on CUDA (quant::slabs).
     pub(crate) slabs: std::sync::Arc<crate::quant::Slabs>,
-    pub(crate) norm: Tensor, // [C]
-    pub lm_head: Tensor,     // [V, C]; the embedding itself when tied
+    /// The final norm's gain [C].
+    pub(crate) norm: Tensor,
+    /// The output head [V, C]; the embedding itself when tied.
+    pub lm_head: Tensor,
+    /// The head is the embedding (`tie_word_embeddings`).
     pub tied: bool,
+    /// The frozen base's dtype (the adapters are f32).
     pub dtype: DType,
+    /// Where the weights live.
     pub device: Device,
     /// Every kernel choice of the run (`Kernels::resolve`); each batch's `Ctx` carries a copy.
     pub kernels: Kernels,

@@ -27,7 +27,12 @@ pub enum Keep {
     /// MoE's) recompute theirs, as under `Attention`, while the copies out of the layers
     /// below drain (`activation_checkpointing = "mlp"` on CUDA). Up to `pending` pairs wait on
     /// the device for their copies out.
-    ParkMlp { tail: usize, pending: usize },
+    ParkMlp {
+        /// Top layers that recompute their MLP rather than park it.
+        tail: usize,
+        /// Parked pairs that may wait on the device for their copies out.
+        pending: usize,
+    },
 }
 
 /// Layers at the top whose MLP half is recomputed under `Keep::ParkMlp`: their backward comes

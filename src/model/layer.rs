@@ -100,6 +100,7 @@ pub struct Layer {
     pub(crate) extra: Extra,
     /// q_proj, k_proj, v_proj; or Phi-3's one qkv_proj [(H + 2K)·D, C].
     pub attn_in: Vec<Linear>,
+    /// o_proj [C, H·D].
     pub o: Linear,
     /// gate_proj, up_proj; or Phi-3's one gate_up_proj [2I, C] (gate first); empty in a MoE
     /// layer.

@@ -47,7 +47,8 @@ pub(super) struct MlpActs {
     /// gate [m, I] before the activation, and up [m, I]; None while parked in host memory
     /// (train/offload.rs).
     gate_up: Option<[Tensor; 2]>,
-    mo: Option<Tensor>, // [m, C] down_proj's output, before Gemma's norm on it
+    /// [m, C] down_proj's output, before Gemma's norm on it
+    mo: Option<Tensor>,
     /// gate's and up's (or gate_up's) adapter states s·(m⊙x)Aᵀ [m, r], then down's.
     xas: Vec<Option<Tensor>>,
     xd: Option<Tensor>,

@@ -55,8 +55,10 @@ pub(crate) struct Moe {
 
 /// One parameter's adapter split per expert, in the activation dtype.
 pub(super) struct PerExpert {
-    pub(super) a: Tensor, // [E, r, in]
-    pub(super) b: Tensor, // [E, out, r]
+    /// [E, r, in]
+    pub(super) a: Tensor,
+    /// [E, out, r]
+    pub(super) b: Tensor,
     pub(super) scale: f64,
 }
 
@@ -142,11 +144,16 @@ pub(super) type Grad = (Tensor, Tensor);
 
 /// The experts' forward over the grouped rows, what their backward takes ([P, ·]).
 pub(super) struct ExpertActs {
-    pub(super) gate: Tensor,            // [P, I]
-    pub(super) up: Tensor,              // [P, I]
-    pub(super) a: Tensor,               // [P, I] silu(gate) ⊙ up, down's input
-    pub(super) xa_gu: Option<Tensor>,   // [P, r] gate_up's adapter state
-    pub(super) xa_down: Option<Tensor>, // [P, r] down's
+    /// [P, I]
+    pub(super) gate: Tensor,
+    /// [P, I]
+    pub(super) up: Tensor,
+    /// [P, I] silu(gate) ⊙ up, down's input
+    pub(super) a: Tensor,
+    /// [P, r] gate_up's adapter state
+    pub(super) xa_gu: Option<Tensor>,
+    /// [P, r] down's
+    pub(super) xa_down: Option<Tensor>,
 }
 
 /// The experts' adapters (`PerExpert`), gate_up's and down's.

@@ -55,16 +55,22 @@ pub enum Retain {
 
 /// What a layer's forward leaves for its backward.
 pub struct LayerActs {
-    x: Tensor, // [m, C] the layer input
+    /// [m, C] the layer input
+    x: Tensor,
     qk: Qk,
-    v: Tensor,          // [m, K·D] token-major rows, as v_proj made it
-    attn: Tensor,       // [m, H·D] attention output, o_proj's input
-    lse: Tensor,        // [B, H, T] f32
-    ao: Option<Tensor>, // [m, C] o_proj's output, before Gemma's norm on it
+    /// [m, K·D] token-major rows, as v_proj made it
+    v: Tensor,
+    /// [m, H·D] attention output, o_proj's input
+    attn: Tensor,
+    /// [B, H, T] f32
+    lse: Tensor,
+    /// [m, C] o_proj's output, before Gemma's norm on it
+    ao: Option<Tensor>,
     /// The MLP half's; None where backward recomputes it chunk by chunk from h
     /// (model/layer_mlp.rs).
     mlp: Option<MlpActs>,
-    h: Option<Tensor>, // [m, C] the residual h; recomputed when None
+    /// [m, C] the residual h; recomputed when None
+    h: Option<Tensor>,
     /// Per attention linear (q, k, v or qkv, then o): the adapter's s·(m⊙x)Aᵀ [m, r].
     xas: Vec<Option<Tensor>>,
 }

@@ -50,6 +50,7 @@ pub struct Linear {
     /// [out, in]; a view of `pad`'s first `in` columns when folded.
     pub w: Tensor,
     pub(crate) b: Option<Tensor>,
+    /// The adapter, when this linear is a target.
     pub lora: Option<Lora>,
     /// W's wider buffer, when the adapter's forward is folded into the base GEMM.
     pub pad: Option<Pad>,
@@ -381,6 +382,7 @@ impl Linear {
         Ok(Some((r.dg, r.du, Some(LoraGrad::ab(r.da, db)))))
     }
 
+    /// Rows of W: the output width.
     pub fn out_features(&self) -> usize {
         self.w.dims()[0]
     }

@@ -30,8 +30,10 @@ pub(crate) struct MoeAux {
 }
 
 struct Sums {
-    counts: Tensor, // [E] f32 Σ_l Σ_n mask_n · [e chosen]
-    probs: Tensor,  // [E] f32 Σ_l Σ_n mask_n · p
+    /// [E] f32 Σ_l Σ_n mask_n · [e chosen]
+    counts: Tensor,
+    /// [E] f32 Σ_l Σ_n mask_n · p
+    probs: Tensor,
     layers: usize,
 }
 

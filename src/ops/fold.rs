@@ -119,8 +119,9 @@ pub fn glu_pad(act: Act, g: &Tensor, u: &Tensor, pad: usize) -> Result<Option<Te
 
 /// What `glu_down_bwd` gives.
 pub struct GluDownGrads {
-    /// dL/dgate, dL/dup [m, I].
+    /// dL/dgate [m, I].
     pub dg: Tensor,
+    /// dL/dup [m, I].
     pub du: Tensor,
     /// down's dA [r, I] f32.
     pub da: Tensor,

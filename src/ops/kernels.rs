@@ -33,6 +33,7 @@ pub(crate) const EXPERIMENTS: [&str; 3] = ["reduce_ahead", "peer_copy", "decode_
 /// What the attention kernels' choice depends on in the model (`ModelConfig::attn_shape`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttnShape {
+    /// D: the width of each attention head.
     pub head_dim: usize,
     /// The scores are soft-capped (Gemma 2's attn_logit_softcapping).
     pub softcap: bool,
@@ -175,6 +176,7 @@ pub struct Kernels {
     pub cross_entropy: CrossEntropy,
     /// The large GEMMs' algorithm (ops::linear_acc).
     pub gemm: Gemm,
+    /// Experiments turned on by `LORA_TRAIN_EXPERIMENTS`.
     pub experiments: Experiments,
 }
 

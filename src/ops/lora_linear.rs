@@ -16,6 +16,8 @@ use super::kernels::Gemm;
 use super::linear_acc::matmul_scaled;
 use candle_core::{Result, Tensor};
 
+/// y = x Wᵀ (+ b) + s · (m ⊙ x) Aᵀ Bᵀ, differentiable in x, A and B (see the module docs):
+/// x [..., in], `w` [out, in], `a` [r, in], `b` [out, r], `scale` s, `dropout` drawing m.
 #[allow(clippy::too_many_arguments)]
 pub fn lora_linear(
     x: &Tensor,

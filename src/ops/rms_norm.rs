@@ -23,7 +23,8 @@ impl From<f64> for NormSpec {
 }
 
 struct RmsNorm {
-    w: Tensor, // [d]
+    /// [d]
+    w: Tensor,
     eps: f32,
     offset: f32,
 }
@@ -47,6 +48,8 @@ pub fn add_rms_norm(
     Ok((h, y))
 }
 
+/// x / rms(x) · w over x's last dim, as transformers computes it: `spec` gives ε and the
+/// gain's offset (Gemma's 1 + w); w [d] has x's dtype.
 pub fn rms_norm(x: &Tensor, w: &Tensor, spec: impl Into<NormSpec>) -> Result<Tensor> {
     let spec = spec.into();
     let x = x.contiguous()?;

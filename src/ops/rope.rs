@@ -8,8 +8,10 @@ use super::{cpu_as_f32, cpu_from_f32};
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 
 struct Rope {
-    cos: Tensor, // [B, T, D/2] f32
-    sin: Tensor, // [B, T, D/2] f32
+    /// [B, T, D/2] f32
+    cos: Tensor,
+    /// [B, T, D/2] f32
+    sin: Tensor,
 }
 
 /// x: [B, H, T, D]; cos, sin: [B, T, D/2] (f32, gathered at each token's position).

@@ -90,13 +90,16 @@ pub fn threads<T: Send + 'static>(
 /// SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID (with MASTER_ADDR / MASTER_PORT set by the job).
 #[derive(Debug, Clone, PartialEq)]
 pub struct EnvRank {
+    /// This process's rank (RANK, SLURM_PROCID).
     pub rank: usize,
+    /// Ranks in the job (WORLD_SIZE, SLURM_NTASKS).
     pub world: usize,
     /// The rank among this host's ranks: the CUDA ordinal it uses.
     pub local: usize,
     /// Rank 0's host and the port of our id exchange: MASTER_PORT + 1 (torchrun's own
     /// rendezvous store listens on MASTER_PORT itself), or LORA_TRAIN_PORT.
     pub addr: String,
+    /// The port of the id exchange (see `addr`).
     pub port: u16,
 }
 

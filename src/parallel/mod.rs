@@ -53,7 +53,9 @@ fn note_gave_up() {
 /// One rank's end of a communicator. Every rank calls the same collectives in the same order.
 /// The calls block (CPU) or are queued on the device stream (NCCL) until every rank joined.
 pub trait Comm {
+    /// This rank, 0-based.
     fn rank(&self) -> usize;
+    /// Ranks in the communicator.
     fn world(&self) -> usize;
     /// Σ over ranks, elementwise; same shape and dtype as `x`.
     fn all_reduce_sum(&self, x: &Tensor) -> Result<Tensor>;
@@ -61,6 +63,7 @@ pub trait Comm {
     fn all_gather(&self, x: &Tensor) -> Result<Tensor>;
     /// Rank `root`'s `x` on every rank (same shape everywhere).
     fn broadcast(&self, x: &Tensor, root: usize) -> Result<Tensor>;
+    /// Returns once every rank has called it.
     fn barrier(&self) -> Result<()>;
     /// `all_gather` issued ahead of its use: it may overlap the work queued after it, so its
     /// result may be read only after `gathered`. Default: `all_gather`.
@@ -129,7 +132,9 @@ impl Comm for Solo {
 /// rank fails it calls `abort` so that every other rank's pending and future collectives
 /// fail at once instead of waiting for the dead rank.
 pub trait Group: Send + Sync {
+    /// Ranks in the run.
     fn world(&self) -> usize;
+    /// Rank `rank`'s communicator, made on the calling thread (the rank's own).
     fn comm(self: std::sync::Arc<Self>, rank: usize) -> anyhow::Result<Box<dyn Comm>>;
     /// Rank `rank` failed with `why`; the first call wins and is what the others report.
     fn abort(&self, rank: usize, why: &str);

@@ -95,7 +95,9 @@ pub struct Nested {
 /// Each NF4 block's absmax: plain f32, or double-quantized.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Absmax {
+    /// One f32 a block.
     Plain(Vec<f32>),
+    /// Double-quantized: 8-bit codes in blocks of 256.
     Nested(Nested),
 }
 
@@ -106,6 +108,7 @@ pub struct Nf4 {
     pub shape: Vec<usize>,
     /// [⌈n / 2⌉] two codes a byte, the first value in the high nibble (`weight`).
     pub codes: Vec<u8>,
+    /// Each block's absmax, the scale of its codes.
     pub absmax: Absmax,
 }
 

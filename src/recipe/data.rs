@@ -67,10 +67,13 @@ pub struct TrainFile {
     /// data.subset, data.revision, data.files.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub split: Option<String>,
+    /// A Hub data set's subset (configuration).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub subset: Option<String>,
+    /// The Hub data set's branch, tag or commit.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub revision: Option<String>,
+    /// A glob of the Hub data set's files (replaces subset and split).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub files: Option<String>,
     /// This file's column mapping. Default: data.columns.

@@ -43,32 +43,56 @@ use std::path::{Path, PathBuf};
 /// A recipe that cannot be used as written. Exit code 2; nothing has been written yet.
 #[derive(Debug, thiserror::Error)]
 pub enum RecipeError {
+    /// The file could not be read.
     #[error("cannot read recipe {path}")]
     Read {
+        /// The recipe file.
         path: PathBuf,
+        /// The I/O error.
         source: std::io::Error,
     },
+    /// Not valid TOML, or a key or value the schema does not know.
     #[error("recipe {path}: {msg}")]
-    Parse { path: PathBuf, msg: String },
-    #[error("recipe {path}: `{key}` {msg}")]
-    Invalid {
+    Parse {
+        /// The recipe file.
         path: PathBuf,
-        key: String,
+        /// The parser's message.
         msg: String,
     },
+    /// A value the schema takes but the run cannot use.
+    #[error("recipe {path}: `{key}` {msg}")]
+    Invalid {
+        /// The recipe file.
+        path: PathBuf,
+        /// The field, `section.key`.
+        key: String,
+        /// What is wrong with it, and the fix.
+        msg: String,
+    },
+    /// A `--set` argument that is malformed or names no field.
     #[error("--set {arg}: {msg}")]
-    Override { arg: String, msg: String },
+    Override {
+        /// The argument as given.
+        arg: String,
+        /// What is wrong with it.
+        msg: String,
+    },
 }
 
+/// A run's recipe: its TOML sections as read (recipes/reference.toml documents every field).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Recipe {
+    /// `[model]`: the base checkpoint and how it is loaded.
     pub model: ModelSection,
     #[serde(default)]
     pub(crate) lora: LoraSection,
+    /// `[data]`: the training (and eval) data and how it becomes rows.
     pub data: DataSection,
+    /// `[train]`: steps, optimiser, schedule, and what the layers keep.
     #[serde(default)]
     pub train: TrainSection,
+    /// `[parallel]`: the strategy and its ranks.
     #[serde(default)]
     pub parallel: ParallelSection,
     #[serde(default)]

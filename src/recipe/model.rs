@@ -7,11 +7,15 @@ use std::path::PathBuf;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Dtype {
+    /// 32-bit floats.
     F32,
+    /// bfloat16.
     Bf16,
+    /// IEEE half precision.
     F16,
 }
 
+/// Where a run computes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DeviceKind {

@@ -2,11 +2,15 @@
 
 use serde::{Deserialize, Serialize};
 
+/// How the ranks share a run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum Strategy {
+    /// One rank on one device.
     Single,
+    /// Data parallel: every rank holds the whole model; the gradients are summed.
     Ddp,
+    /// Fully sharded: each rank holds a shard of the frozen base, gathered a layer at a time.
     Fsdp,
 }
 

@@ -104,19 +104,24 @@ impl Metrics {
 pub struct Summary {
     /// The last row's step.
     pub steps: usize,
+    /// Metrics rows read.
     pub rows: usize,
     /// Tokens trained on (the last row's count).
     pub tokens: Option<u64>,
     /// Wall time over every session of the run (resumes add up).
     pub elapsed_s: f64,
+    /// The first row's training loss.
     pub first_loss: Option<f64>,
+    /// The last row's training loss.
     pub final_loss: Option<f64>,
     /// (eval loss, step) of the lowest eval loss.
     pub best_eval: Option<(f64, usize)>,
     pub(crate) last_eval: Option<(f64, usize)>,
     /// Per rank: the highest peak (GiB) and its phase.
     pub peak_mem: BTreeMap<usize, (f64, &'static str)>,
+    /// Lines of metrics.jsonl that are not a metrics row (skipped).
     pub bad_lines: usize,
+    /// The first of them: its line number, 1-based.
     pub first_bad: Option<usize>,
 }
 

@@ -68,7 +68,9 @@ const FREE_KEYS: [&str; 17] = [
 /// plan of epoch `epoch` (TrainData::epoch_plan).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Cursor {
+    /// The epoch, 0-based.
     pub epoch: usize,
+    /// The next step within it, 0-based.
     pub step_in_epoch: usize,
 }
 
@@ -87,10 +89,13 @@ pub struct TrainerState {
     pub(crate) format: String,
     /// Optimiser steps done (skipped non-finite steps included).
     pub step: usize,
+    /// The run's planned optimiser steps.
     pub total_steps: usize,
+    /// Where the data stream continues.
     pub cursor: Cursor,
     /// AdamW updates applied (its bias-correction counter t; skipped steps excluded).
     pub optimizer_steps: usize,
+    /// Steps skipped for a non-finite loss or gradient (counted in `step`).
     pub skipped_steps: usize,
     /// Tokens seen so far (padding excluded).
     pub(crate) tokens: usize,
@@ -231,7 +236,9 @@ pub(crate) fn with_checkpoint_sets(r: Recipe) -> Result<Recipe> {
 /// A complete checkpoint on disk.
 #[derive(Debug, Clone)]
 pub struct Checkpoint {
+    /// The checkpoint's directory.
     pub dir: PathBuf,
+    /// Its trainer_state.json.
     pub state: TrainerState,
 }
 

@@ -35,6 +35,7 @@ enum Data {
 }
 
 impl Stage {
+    /// An empty stage.
     pub fn new() -> Stage {
         Stage::default()
     }

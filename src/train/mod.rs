@@ -52,11 +52,17 @@ use std::path::PathBuf;
 /// What a finished run reports.
 #[derive(Debug, Clone)]
 pub struct RunSummary {
+    /// The step the run ended at (a resumed run counts its earlier steps).
     pub steps: usize,
+    /// The training loss of each step this process ran, in order.
     pub losses: Vec<f64>,
+    /// The run's output directory.
     pub out_dir: PathBuf,
+    /// Tokens this process trained on (the count the logged rate divides).
     pub tokens: usize,
+    /// Seconds since this process's training log started.
     pub seconds: f64,
+    /// Training examples cut to seq_len.
     pub truncated: usize,
     /// The last eval loss (at the end), when there is an eval set.
     pub eval_loss: Option<f64>,

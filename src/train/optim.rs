@@ -17,8 +17,10 @@ struct Group {
     first: usize,
     /// params[first + j] is flat[offsets[j]..offsets[j + 1]] of m and v.
     offsets: Vec<usize>,
-    m: Tensor, // [n] f32
-    v: Tensor, // [n] f32
+    /// [n] f32
+    m: Tensor,
+    /// [n] f32
+    v: Tensor,
 }
 
 impl Group {
@@ -32,9 +34,11 @@ impl Group {
     }
 }
 
+/// AdamW (torch.optim.AdamW's update and bias correction) over the trainable `Var`s.
 pub struct AdamW {
     pub(crate) params: Vec<Var>,
     groups: Vec<Group>,
+    /// Updates applied: the bias-correction counter.
     pub t: usize,
     betas: (f64, f64),
     eps: f64,
@@ -53,6 +57,8 @@ fn flat(ts: &[Tensor]) -> Result<Tensor> {
 }
 
 impl AdamW {
+    /// AdamW over `params` with (β₁, β₂) `betas`, `eps` and decoupled `weight_decay`; the
+    /// moments start at zero.
     pub fn new(params: Vec<Var>, betas: [f64; 2], eps: f64, weight_decay: f64) -> Result<Self> {
         Self::with_group(params, betas, eps, weight_decay, GROUP)
     }
@@ -366,7 +372,9 @@ impl AdamW {
 /// 1, and always 1 for max_norm = 0): `AdamW::step` applies it.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Clip {
+    /// ‖g‖₂ over every gradient.
     pub norm: f64,
+    /// The factor the gradients are multiplied by (1: unclipped).
     pub coef: f64,
 }
 

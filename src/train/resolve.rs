@@ -26,7 +26,10 @@ pub enum Machine {
     /// Open the device, check this build can run the recipe, read the launcher's ranks.
     Open,
     /// No device: forecast the kernels; one process of `gpus` ranks.
-    Forecast { gpus: usize },
+    Forecast {
+        /// Ranks to forecast for.
+        gpus: usize,
+    },
 }
 
 /// Reads a recipe (`Recipe::load`: the file, `--set`, paths, the recipe's own checks) and

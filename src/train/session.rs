@@ -25,6 +25,7 @@ use std::sync::Arc;
 pub struct Session {
     /// The resolved run every rank shares.
     pub run: Arc<RunConfig>,
+    /// This rank's model, its adapters trainable.
     pub model: Model,
     /// This rank's communicator (`Solo` for one device).
     pub comm: Box<dyn Comm>,
@@ -45,7 +46,9 @@ pub struct Session {
 /// adapters made with them), and lora.init_adapter with the adapters' broadcast to the ranks.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct LoadTimes {
+    /// The weights: read, cast and uploaded, fresh adapters made with them.
     pub weights: f64,
+    /// lora.init_adapter, and the adapters' broadcast to the ranks.
     pub adapters: f64,
 }
 

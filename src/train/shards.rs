@@ -11,6 +11,7 @@ use std::collections::HashSet;
 
 /// A model's shards: one `Flat` per decoder layer, then the embedding / norm / head group.
 pub struct Shards {
+    /// One `Flat` per decoder layer, bottom first.
     pub layers: Vec<Flat>,
     pub(crate) io: Flat,
     /// The ranks copy each other's shards in (`Comm::share_static`) rather than gather them

@@ -27,8 +27,10 @@ pub(crate) const EXIT_SECOND_SIGNAL: i32 = 131;
 #[derive(Debug, thiserror::Error)]
 #[error("interrupted after step {step} of {total}; checkpoint saved to {}", checkpoint.display())]
 pub struct Interrupted {
+    /// The last step done.
     pub step: usize,
     pub(crate) total: usize,
+    /// Where the checkpoint was saved.
     pub checkpoint: PathBuf,
 }
 

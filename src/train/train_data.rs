@@ -37,6 +37,7 @@ pub struct TrainData {
     /// This rank and the world (every rank sees the whole order; rank r takes rows r, r +
     /// world, ...).
     pub rank: usize,
+    /// Ranks in the run.
     pub world: usize,
     /// Seconds loading took (the tokenizer, tokenizing or mapping the cache, the eval split).
     pub load_s: f64,

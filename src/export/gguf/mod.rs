@@ -41,9 +41,11 @@ pub(crate) type Kv = (String, Value);
 /// What a GGUF export wrote.
 #[derive(Debug, Clone)]
 pub struct GgufReport {
+    /// The file written.
     pub out: PathBuf,
     /// llama.cpp's architecture name.
     pub arch: String,
+    /// Tensors written.
     pub tensors: usize,
     /// Bytes of the file.
     pub bytes: u64,

@@ -18,12 +18,19 @@ use candle_core::{DType, Tensor};
 /// The `--quant` of a GGUF export.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Quant {
+    /// Every weight f32.
     F32,
+    /// Weights in f16 (1-D tensors, norms, biases and the router stay f32).
     F16,
+    /// Weights in bf16 (as F16 for what stays f32).
     Bf16,
+    /// Weights in Q8_0 (f16 where a row is not a multiple of 32).
     Q8_0,
+    /// llama-quantize's Q4_K_M mix.
     Q4KM,
+    /// llama-quantize's Q5_K_M mix.
     Q5KM,
+    /// llama-quantize's Q6_K.
     Q6K,
 }
 

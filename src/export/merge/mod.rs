@@ -118,10 +118,13 @@ impl Default for MergeOptions {
 /// What a merge wrote.
 #[derive(Debug, Clone)]
 pub struct MergeReport {
+    /// The output directory.
     pub out: PathBuf,
     /// Tensors written, and how many of them got an adapter merged in.
     pub tensors: usize,
+    /// Of them, those an adapter was merged into.
     pub merged: usize,
+    /// Safetensors shards written.
     pub shards: usize,
     /// Bytes of tensor data (the index's metadata.total_size).
     pub total_size: u64,

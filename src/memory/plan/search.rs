@@ -111,6 +111,8 @@ pub(crate) const MB_LIMIT: usize = 4096;
 /// Longest seq_len searched: the recipe's bound.
 pub(crate) const SEQ_LIMIT: usize = crate::recipe::bounds::MAX_SEQ_LEN;
 
+/// Every strategy × checkpointing at `p`: each row's breakdown, whether it fits `capacity`,
+/// the largest micro-batch and longest seq_len that do; and the advice.
 pub fn plan(p: &PlanInput, grad_accum: usize, capacity: Option<u64>) -> Plan {
     let mut rows = Vec::new();
     for st in strategies(p.gpus) {
