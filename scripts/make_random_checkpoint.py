@@ -20,13 +20,17 @@ from bench_peft import SHAPES
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("out")
-p.add_argument("shape", choices=sorted(SHAPES))
+p.add_argument("shape", choices=sorted(k for k, (f, _) in SHAPES.items() if f == "llama"))
 p.add_argument("--seq", type=int, default=2048)
 p.add_argument("--rows", type=int, default=400)
 a = p.parse_args()
 
-s = SHAPES[a.shape]
-cfg = LlamaConfig(**s, max_position_embeddings=max(4096, a.seq), torch_dtype="bfloat16")
+family, s = SHAPES[a.shape]
+if family != "llama":
+    p.error(f"{a.shape} is a {family} shape; this script makes Llama-family checkpoints")
+s = dict(s)
+s["max_position_embeddings"] = max(s.get("max_position_embeddings", 0), 4096, a.seq)
+cfg = LlamaConfig(**s, torch_dtype="bfloat16")
 torch.manual_seed(0)
 with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
     m = LlamaForCausalLM(cfg).to(torch.bfloat16)
