@@ -100,12 +100,8 @@ pub fn run(a: PlanArgs) -> anyhow::Result<()> {
             let run = RunConfig::resolve(r, Machine::Forecast { gpus })?;
             let sel = (run.strategy, run.ckpt);
             let input = run.plan_input(gpus);
-            if run.objective.seqs_per_row() > 1 && !a.json {
-                lora_train::outln!(
-                    "train.objective = \"{}\": micro_batch counts pairs, a pair's chosen and rejected sequences one row of up to 2 × data.seq_len = {} tokens",
-                    run.recipe.train.objective.name(),
-                    input.seq_len
-                );
+            if let (Some(note), false) = (run.plan_note(), a.json) {
+                lora_train::outln!("{note}");
             }
             (input, run.batch.grad_accum, sel, run.max_memory, used)
         }

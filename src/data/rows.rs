@@ -8,21 +8,21 @@ use anyhow::{bail, Context, Result};
 
 /// One row as parsed: ids, labels, and how its completions ended.
 pub(super) struct Row {
-    pub ids: Vec<u32>,
-    pub labels: Vec<i64>,
-    pub eos_added: usize,
-    pub turn_ends: Vec<u32>,
+    pub(crate) ids: Vec<u32>,
+    pub(crate) labels: Vec<i64>,
+    pub(crate) eos_added: usize,
+    pub(crate) turn_ends: Vec<u32>,
 }
 
-pub use crate::recipe::format_name;
+pub(crate) use crate::recipe::format_name;
 
 /// How a file's rows are read: format, columns, and what the format needs.
 pub(super) struct RowSpec<'a> {
-    pub format: DataFormat,
-    pub completions_only: bool,
-    pub columns: &'a Columns,
-    pub tok: Option<&'a TextTokenizer>,
-    pub chat: Option<&'a chat::ChatTemplate>,
+    pub(crate) format: DataFormat,
+    pub(crate) completions_only: bool,
+    pub(crate) columns: &'a Columns,
+    pub(crate) tok: Option<&'a TextTokenizer>,
+    pub(crate) chat: Option<&'a chat::ChatTemplate>,
 }
 
 /// One record (a jsonl line, a json array element, a parquet row) → tokens and labels.

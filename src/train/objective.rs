@@ -23,7 +23,7 @@ use std::sync::Arc;
 
 /// What DPO and KTO score the policy against (`train.pref_reference`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Reference {
+pub(crate) enum Reference {
     /// The base, the adapters off.
     #[default]
     Base,
@@ -33,7 +33,7 @@ pub enum Reference {
 
 /// Which objective a run trains (`RunConfig::objective`).
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub enum ObjectiveKind {
+pub(crate) enum ObjectiveKind {
     /// Causal-LM cross-entropy over the counted tokens (supervised fine-tuning).
     #[default]
     Sft,
@@ -55,7 +55,7 @@ pub enum ObjectiveKind {
 
 impl ObjectiveKind {
     /// The recipe's `train.objective` and its settings, resolved.
-    pub fn of(r: &Recipe) -> ObjectiveKind {
+    pub(crate) fn of(r: &Recipe) -> ObjectiveKind {
         let t = &r.train;
         let beta = t.pref_beta.unwrap_or(PREF_BETA);
         let reference = match t.pref_reference {
@@ -91,12 +91,12 @@ impl ObjectiveKind {
     }
 
     /// Whether the data are preference rows (pairs or KTO's unpaired examples).
-    pub fn is_pref(self) -> bool {
+    pub(crate) fn is_pref(self) -> bool {
         self != ObjectiveKind::Sft
     }
 
     /// Sequences a row of a micro-batch holds: a pair's two (DPO, ORPO, SimPO), else one.
-    pub fn seqs_per_row(self) -> usize {
+    pub(crate) fn seqs_per_row(self) -> usize {
         match self {
             ObjectiveKind::Pair { .. } => 2,
             _ => 1,
@@ -104,12 +104,12 @@ impl ObjectiveKind {
     }
 
     /// KTO's unpaired examples (else pairs).
-    pub fn is_kto(self) -> bool {
+    pub(crate) fn is_kto(self) -> bool {
         matches!(self, ObjectiveKind::Kto { .. })
     }
 
     /// ORPO: the chosen prompts are scored too (its NLL).
-    pub fn scores_chosen_prompt(self) -> bool {
+    pub(crate) fn scores_chosen_prompt(self) -> bool {
         matches!(
             self,
             ObjectiveKind::Pair {
@@ -120,7 +120,7 @@ impl ObjectiveKind {
     }
 
     /// The reference model it scores against: None without one (SFT, ORPO, SimPO).
-    pub fn reference(self) -> Option<Reference> {
+    pub(crate) fn reference(self) -> Option<Reference> {
         match self {
             ObjectiveKind::Pair {
                 loss: PairObjective::Dpo { .. },
@@ -133,7 +133,10 @@ impl ObjectiveKind {
 
     /// The objective itself; `init`: the init adapter's values (`pref_ref::snapshot`), for
     /// `Reference::InitAdapter`.
-    pub fn objective(self, init: Option<Arc<HashMap<TensorId, Tensor>>>) -> Box<dyn Objective> {
+    pub(crate) fn objective(
+        self,
+        init: Option<Arc<HashMap<TensorId, Tensor>>>,
+    ) -> Box<dyn Objective> {
         let weights = match (self.reference(), init) {
             (Some(Reference::InitAdapter), Some(init)) => Some(RefWeights::Init(init)),
             (Some(_), _) => Some(RefWeights::Base),
@@ -150,31 +153,31 @@ impl ObjectiveKind {
 /// the token it predicts.
 pub struct Targets {
     /// [n] u32: rows of x.
-    pub rows: Tensor,
+    pub(crate) rows: Tensor,
     /// [n] u32: the token each row predicts.
-    pub tokens: Tensor,
+    pub(crate) tokens: Tensor,
 }
 
 /// What the head gives the backward.
 pub struct HeadOut {
     /// The step's loss numerator of this micro-batch, on the device (a scalar f32; None:
     /// nothing counted): the step's loss is the sum over micro-batches and ranks / `denom`.
-    pub loss_sum: Option<Tensor>,
+    pub(crate) loss_sum: Option<Tensor>,
     /// dL/dh of the counted rows, [n_i, C] per chunk, in `Targets::rows` order.
-    pub grad_rows: Vec<Tensor>,
+    pub(crate) grad_rows: Vec<Tensor>,
 }
 
 /// What the head of one micro-batch is given besides the hidden states.
 pub struct HeadIn<'a> {
     /// The counted positions (None: nothing counted).
-    pub targets: Option<&'a Targets>,
+    pub(crate) targets: Option<&'a Targets>,
     /// The step's loss denominator over every micro-batch and rank, so that the gradients of
     /// the micro-batches and ranks add up to the step's.
-    pub denom: f64,
+    pub(crate) denom: f64,
     /// The micro-batch (a preference objective reads its layout, `Batch::pref`).
-    pub batch: &'a Batch,
+    pub(crate) batch: &'a Batch,
     /// What `Objective::reference` gave for this micro-batch.
-    pub reference: Option<&'a Tensor>,
+    pub(crate) reference: Option<&'a Tensor>,
 }
 
 /// A training objective at the head.
