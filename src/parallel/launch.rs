@@ -1,10 +1,10 @@
 //! Starting the ranks: threads of this process (one per device; CPU "devices" are virtual
-//! ranks), or one process per rank started by torchrun / mpirun / Slurm (`EnvRank`).
+//! ranks), or one process per rank started by torchrun / mpirun / Slurm (`EnvRank`, `process`).
 //!
 //! A rank that fails aborts its group, so every other rank's collectives fail at once; the run
 //! then reports the first failing rank's error (rank number + its error chain).
 
-use super::{Comm, Group};
+use super::{Comm, CommError, Group};
 use anyhow::{anyhow, bail, Context, Result};
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
@@ -76,12 +76,47 @@ pub fn threads<T: Send + 'static>(
     if let Some((rank, why)) = group.failure() {
         return Err(match results.get_mut(rank).and_then(Option::take) {
             Some(Err(e)) => e.context(format!("rank {rank} of {world} failed")),
-            _ => anyhow!("rank {rank} of {world} failed: {why}"),
+            _ => CommError::Failed { rank, world, why }.into(),
         });
     }
     match results.into_iter().next().flatten() {
         Some(res) => res,
         None => bail!("rank 0 ended without a result"),
+    }
+}
+
+/// Runs `body` as rank `rank` of `group`, whose other ranks are other processes: its
+/// result when it succeeded (the others then learn that it ended); else the group is aborted
+/// with its error (the others' collectives fail at once) and the run's first failure is
+/// returned, naming its rank: this rank's own error, or another rank's as this one heard it.
+pub fn process<T>(
+    group: Arc<dyn Group>,
+    rank: usize,
+    body: impl FnOnce(Box<dyn Comm>) -> Result<T>,
+) -> Result<T> {
+    let world = group.world();
+    let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let comm = group.clone().comm(rank)?;
+        body(comm)
+    }));
+    let res = run.unwrap_or_else(|p| Err(anyhow!("panicked: {}", crate::util::panic_message(&*p))));
+    match res {
+        Ok(v) => {
+            group.ended(rank);
+            Ok(v)
+        }
+        Err(e) => {
+            group.abort(rank, &format!("{e:#}"));
+            Err(match group.failure() {
+                Some((r, why)) if r != rank => CommError::Failed {
+                    rank: r,
+                    world,
+                    why,
+                }
+                .into(),
+                _ => e.context(format!("rank {rank} of {world} failed")),
+            })
+        }
     }
 }
 
