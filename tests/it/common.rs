@@ -400,3 +400,19 @@ impl Session {
         self.d.steps_from(c)
     }
 }
+
+/// A model of random weights as `Model::random_with` builds it, from the values a `Build`
+/// holds (the tests' shorthand).
+pub fn random_model(
+    cfg: lora_train::model::ModelConfig,
+    dtype: DType,
+    dev: &Device,
+    spec: &lora_train::lora::LoraSpec,
+    seed: u64,
+    kernels: &lora_train::ops::Kernels,
+    loaded: lora_train::model::decoder::Loaded,
+) -> anyhow::Result<lora_train::model::Model> {
+    let mut b = lora_train::model::Build::new(cfg, dtype, dev, spec, seed)?;
+    b.kernels = *kernels;
+    lora_train::model::Model::random_with(&b, loaded)
+}

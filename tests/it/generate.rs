@@ -349,7 +349,7 @@ fn sampling_repeats_with_a_seed_and_the_cache_stops_at_the_model_limit() {
 #[test]
 fn kv_cached_decoding_equals_full_recompute_on_cuda() {
     let dev = Device::new_cuda(0).unwrap();
-    let mut cfg = lora_train::bench::shape("tiny").unwrap();
+    let mut cfg = lora_train::model::shapes::shape("tiny").unwrap();
     (cfg.num_layers, cfg.num_kv_heads, cfg.vocab_size) = (2, 4, 512);
     cfg.max_position_embeddings = 512;
     let spec = all_linear_r8();

@@ -555,9 +555,8 @@ fn offloaded_activations_give_the_kept_gradients_on_the_gpu() {
 #[cfg(feature = "cuda")]
 fn gpu_layer_model() -> lora_train::model::decoder::Model {
     use candle_core::{DType, Device};
-    use lora_train::model::decoder::Model;
     let dev = Device::new_cuda(0).unwrap();
-    let mut cfg = lora_train::bench::shape("tiny").unwrap(); // hidden 256, mlp 688
+    let mut cfg = lora_train::model::shapes::shape("tiny").unwrap(); // hidden 256, mlp 688
     (
         cfg.num_layers,
         cfg.num_heads,
@@ -574,8 +573,7 @@ fn gpu_layer_model() -> lora_train::model::decoder::Model {
         ..kernels
     };
     let spec = all_linear_r8();
-    let m =
-        Model::random_with(cfg, DType::BF16, &dev, &spec, 7, &kernels, &mut |_| Ok(())).unwrap();
+    let m = random_model(cfg, DType::BF16, &dev, &spec, 7, &kernels, &mut |_| Ok(())).unwrap();
     randomize_b(&m, 0.05);
     m
 }
@@ -728,9 +726,9 @@ fn folded_geglu_layer_matches_the_unfolded_on_the_gpu() {
 #[cfg(feature = "cuda")]
 fn folded_family_layer_matches_the_unfolded(name: &str, inputs: (usize, usize)) {
     use candle_core::{DType, Device};
-    use lora_train::model::{decoder::Model, Linear};
+    use lora_train::model::Linear;
     let dev = Device::new_cuda(0).unwrap();
-    let mut cfg = lora_train::bench::shape(name).unwrap();
+    let mut cfg = lora_train::model::shapes::shape(name).unwrap();
     (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size) = (2, 256, 688);
     (
         cfg.num_heads,
@@ -748,8 +746,7 @@ fn folded_family_layer_matches_the_unfolded(name: &str, inputs: (usize, usize)) 
         targets: cfg.linears().iter().map(|s| s.to_string()).collect(),
         ..all_linear_r8()
     };
-    let mut m =
-        Model::random_with(cfg, DType::BF16, &dev, &spec, 7, &kernels, &mut |_| Ok(())).unwrap();
+    let mut m = random_model(cfg, DType::BF16, &dev, &spec, 7, &kernels, &mut |_| Ok(())).unwrap();
     randomize_b(&m, 0.05);
     m.kernels.fold = true;
     assert!(m.fold().unwrap() > 0);
@@ -906,7 +903,7 @@ fn fsdp_shards_carry_the_folded_b_columns_on_the_gpu() {
             fold: true,
             ..reference.kernels
         };
-        let m = Model::random_with(
+        let m = random_model(
             cfg.clone(),
             DType::BF16,
             &dev,
@@ -1019,9 +1016,8 @@ fn fsdp_shards_carry_the_folded_b_columns_on_the_gpu() {
 fn folded_7b_layer() -> lora_train::model::decoder::Model {
     use candle_core::{DType, Device};
     use lora_train::lora::{LoraSpec, ALL_LINEAR};
-    use lora_train::model::decoder::Model;
     let dev = Device::new_cuda(0).unwrap();
-    let mut cfg = lora_train::bench::shape("llama2-7b").unwrap();
+    let mut cfg = lora_train::model::shapes::shape("llama2-7b").unwrap();
     (cfg.num_layers, cfg.vocab_size) = (1, 512);
     let spec = LoraSpec {
         rank: 16,
@@ -1037,8 +1033,7 @@ fn folded_7b_layer() -> lora_train::model::decoder::Model {
         fold: false,
         ..kernels
     };
-    let mut m =
-        Model::random_with(cfg, DType::BF16, &dev, &spec, 7, &unfolded, &mut |_| Ok(())).unwrap();
+    let mut m = random_model(cfg, DType::BF16, &dev, &spec, 7, &unfolded, &mut |_| Ok(())).unwrap();
     m.kernels.fold = true;
     assert!(m.fold().unwrap() > 0);
     m
