@@ -354,12 +354,7 @@ impl Shared {
             self.fail(0, &lost(0, me, &format!("a send to it failed: {e}")));
         }
         let deadline = Instant::now() + 2 * self.timeout;
-        let got = self.wait(
-            op,
-            deadline,
-            |s| s.inbox[0].pop_front(),
-            |_| vec![0],
-        )?;
+        let got = self.wait(op, deadline, |s| s.inbox[0].pop_front(), |_| vec![0])?;
         let (s, o, tensor) = match got {
             Frame::Data {
                 seq, op, tensor, ..
@@ -613,8 +608,10 @@ impl Drop for TcpGroup {
         self.shared.lock().closing = true;
         for link in self.shared.links.iter().flatten() {
             let s = link.lock().unwrap_or_else(|p| p.into_inner());
-            // Queued frames go out before the end; the reader threads see it and stop.
-            let _ = s.shutdown(Shutdown::Both);
+            // The write side only: queued frames go out before the end, and the reader threads
+            // keep draining what comes until the peer closes (a close with unread bytes would
+            // reset the connection, and the peer could lose our last frame, an Abort's reason).
+            let _ = s.shutdown(Shutdown::Write);
         }
     }
 }

@@ -25,9 +25,13 @@ const MAX_WHY: usize = 1 << 16;
 /// A collective.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Op {
+    /// Σ over ranks.
     AllReduce,
+    /// Every rank's part, rank order.
     AllGather,
+    /// The root's (`arg`) tensor.
     Broadcast,
+    /// Nothing: every rank arrived.
     Barrier,
 }
 
@@ -57,8 +61,11 @@ impl Op {
 /// A tensor on the wire: dtype, dims, its bytes in memory order.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Wire {
+    /// The element type.
     pub dtype: DType,
+    /// The shape.
     pub dims: Vec<usize>,
+    /// The elements' bytes, row-major, little-endian.
     pub bytes: Vec<u8>,
 }
 
@@ -66,19 +73,38 @@ pub struct Wire {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Frame {
     /// A rank's first words to rank 0: who it is and how many ranks it was told there are.
-    Hello { version: u32, rank: u32, world: u32 },
+    Hello {
+        /// `VERSION` of the sender's build.
+        version: u32,
+        /// The sender's rank.
+        rank: u32,
+        /// The world size the sender was started with.
+        world: u32,
+    },
     /// Rank 0's answer once every rank has said hello: the group is complete.
-    Welcome { world: u32 },
+    Welcome {
+        /// The world size.
+        world: u32,
+    },
     /// A rank's part of collective `seq` (to rank 0), or its result (from rank 0). No tensor:
     /// a barrier, or a broadcast's non-root part.
     Data {
+        /// The collective's number: every rank counts its collectives from 0.
         seq: u64,
+        /// Which collective.
         op: Op,
+        /// Its argument: a broadcast's root, else 0.
         arg: u32,
+        /// The part or the result, if any.
         tensor: Option<Wire>,
     },
     /// Rank `rank` failed with `why` (from the rank itself, or forwarded by rank 0).
-    Abort { rank: u32, why: String },
+    Abort {
+        /// The rank that failed.
+        rank: u32,
+        /// Its error chain.
+        why: String,
+    },
     /// The sender finished its run: it joins no further collective.
     Bye,
 }
@@ -119,9 +145,7 @@ fn dtype_code(d: DType) -> io::Result<u8> {
 /// `t`'s elements as their bytes, in row-major order (a copy; any device).
 pub fn tensor_bytes(t: &Tensor) -> candle_core::Result<Vec<u8>> {
     let t = t.flatten_all()?;
-    fn raw<T: bytemuck::Pod + candle_core::WithDType>(
-        t: &Tensor,
-    ) -> candle_core::Result<Vec<u8>> {
+    fn raw<T: bytemuck::Pod + candle_core::WithDType>(t: &Tensor) -> candle_core::Result<Vec<u8>> {
         Ok(bytemuck::cast_slice(&t.to_vec1::<T>()?).to_vec())
     }
     match t.dtype() {
@@ -239,7 +263,9 @@ fn read_data(r: &mut impl Read) -> io::Result<Frame> {
         .ok_or_else(|| bad(format!("unknown dtype {code}")))?;
     let ndims = u8_(r)? as usize;
     if ndims > MAX_DIMS {
-        return Err(bad(format!("a tensor of {ndims} dims (at most {MAX_DIMS})")));
+        return Err(bad(format!(
+            "a tensor of {ndims} dims (at most {MAX_DIMS})"
+        )));
     }
     let mut dims = Vec::with_capacity(ndims);
     let mut elems: u64 = 1;
@@ -352,7 +378,10 @@ mod tests {
             write(&mut buf, &f).unwrap();
             let back = read(&mut buf.as_slice()).unwrap().unwrap();
             assert_eq!(back, f);
-            let Frame::Data { tensor: Some(w), .. } = back else {
+            let Frame::Data {
+                tensor: Some(w), ..
+            } = back
+            else {
                 unreachable!()
             };
             let y = w.tensor(&dev).unwrap();
@@ -393,7 +422,11 @@ mod tests {
         let at = buf.len() - 16;
         buf[at..at + 8].copy_from_slice(&(1u64 << 62).to_le_bytes());
         let e = read(&mut buf.as_slice()).unwrap_err();
-        assert!(e.to_string().contains("with 4611686018427387904 bytes (want 8)"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("with 4611686018427387904 bytes (want 8)"),
+            "{e}"
+        );
         let e = read(&mut b"GET / HTTP/1.1\r\n".as_slice()).unwrap_err();
         assert_eq!(e.to_string(), "not a lora-train rank's frame");
     }

@@ -47,7 +47,10 @@ pub fn launch<T: Send + 'static>(
             let comm = env_comm(&e, timeout)?;
             body(comm, e.local).with_context(|| format!("rank {} of {} failed", e.rank, e.world))
         }
-        Ranks::Process { cuda: false, env: e } => {
+        Ranks::Process {
+            cuda: false,
+            env: e,
+        } => {
             let group = tcp_group(&e, timeout)?;
             crate::parallel::launch::process(group, e.rank, |comm| body(comm, e.local))
         }
@@ -301,7 +304,10 @@ fn announce(session: &Session, data: &TrainData) {
         let resident = crate::train::shards::resident_base_bytes(m, session.shards.as_ref());
         let whose = match &run.ranks {
             Ranks::Process { env, .. } => {
-                format!("processes of a launcher's job, meeting at port {}", env.port)
+                format!(
+                    "processes of a launcher's job, meeting at port {}",
+                    env.port
+                )
             }
             _ => format!("devices {:?}", run.devices),
         };

@@ -36,6 +36,7 @@ mod ops;
 mod output_streams;
 mod parallel;
 mod plan;
+mod process_ranks;
 mod qlora;
 mod qmerge;
 mod quick_start;
