@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// One rank's body: (rank, its comm) → its result. Rank 0's result is the run's.
-pub type Body<T> = dyn Fn(usize, Box<dyn Comm>) -> Result<T> + Send + Sync;
+pub(crate) type Body<T> = dyn Fn(usize, Box<dyn Comm>) -> Result<T> + Send + Sync;
 
 /// Runs `body` on `group.world()` threads, rank r on thread r, each with the comm the group
 /// makes for it on that thread. Returns rank 0's result when every rank succeeded; else the
