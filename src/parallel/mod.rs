@@ -17,7 +17,7 @@ pub mod launch;
 pub mod nccl;
 pub mod posted;
 pub mod tcp;
-pub mod wire;
+pub(crate) mod wire;
 
 use candle_core::{Result, Tensor};
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -9,11 +9,10 @@
 
 use crate::common::{load_st, root, send_signal};
 use candle_core::{DType, Device, Tensor};
-use lora_train::parallel::backend::tcp_group;
 use lora_train::parallel::cpu::CpuGroup;
 use lora_train::parallel::launch::{self, EnvRank};
-use lora_train::parallel::wire::tensor_bytes;
-use lora_train::parallel::Comm;
+use lora_train::parallel::tcp::TcpGroup;
+use lora_train::parallel::{Comm, Group};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -453,7 +452,8 @@ fn tcp_ranks<T: Send + 'static>(
                     addr: "127.0.0.1".into(),
                     port,
                 };
-                let group = tcp_group(&e, Duration::from_secs(20))?;
+                let group: std::sync::Arc<dyn Group> =
+                    TcpGroup::connect(&e, Duration::from_secs(20))?;
                 launch::process(group, rank, |comm| body(rank, comm))
             })
         })
@@ -461,8 +461,22 @@ fn tcp_ranks<T: Send + 'static>(
     threads.into_iter().map(|t| t.join().unwrap()).collect()
 }
 
+/// A tensor's dtype, dims and bits (through f64, exact for f32, bf16 and u8).
+type Bits = (DType, Vec<usize>, Vec<u64>);
+
+fn bits(t: &Tensor) -> Bits {
+    let v = t.flatten_all().unwrap().to_dtype(DType::F64).unwrap();
+    let v = v
+        .to_vec1::<f64>()
+        .unwrap()
+        .iter()
+        .map(|x| x.to_bits())
+        .collect();
+    (t.dtype(), t.dims().to_vec(), v)
+}
+
 /// Every collective once, in f32, bf16 and u8: what each rank got.
-fn every_collective(rank: usize, c: Box<dyn Comm>) -> anyhow::Result<Vec<Vec<u8>>> {
+fn every_collective(rank: usize, c: Box<dyn Comm>) -> anyhow::Result<Vec<Bits>> {
     let dev = Device::Cpu;
     let r = rank as f32;
     let x = Tensor::new(&[0.1f32 + r, 1e-8 * (r + 1.0), -3.0 / (r + 1.0)], &dev)?;
@@ -477,7 +491,7 @@ fn every_collective(rank: usize, c: Box<dyn Comm>) -> anyhow::Result<Vec<Vec<u8>
         c.broadcast(&h, c.world() - 1)?,
     ];
     c.barrier()?;
-    Ok(got.iter().map(|t| tensor_bytes(t).unwrap()).collect())
+    Ok(got.iter().map(bits).collect())
 }
 
 #[test]
@@ -501,8 +515,9 @@ fn tcp_collectives_give_every_rank_the_thread_ranks_bits() {
         // Every rank got the same result, and the sum is rank order's.
         assert!(tcp.iter().all(|r| r == &tcp[0]));
         let sum: Vec<f32> = tcp[0][0]
-            .chunks(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .2
+            .iter()
+            .map(|&b| f64::from_bits(b) as f32)
             .collect();
         let mut want = [0f32; 3];
         for r in 0..world {
