@@ -555,3 +555,89 @@ fn a_tcp_rank_that_fails_ends_the_others_with_its_error() {
         assert_eq!(e, "rank 2 of 3 failed: train.jsonl:5: bad row");
     }
 }
+
+#[test]
+fn one_launchers_variables_are_read_whole() {
+    let env = |pairs: &'static [(&'static str, &'static str)]| {
+        move |k: &str| {
+            pairs
+                .iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        }
+    };
+    // torchrun's set wins over Slurm's (torchrun started by srun), never mixed with it.
+    let both = env(&[
+        ("RANK", "1"),
+        ("WORLD_SIZE", "2"),
+        ("SLURM_PROCID", "5"),
+        ("SLURM_NTASKS", "8"),
+        ("SLURM_LOCALID", "3"),
+        ("MASTER_ADDR", "node0"),
+        ("MASTER_PORT", "29500"),
+    ]);
+    let e = EnvRank::from_env(&both).unwrap().unwrap();
+    assert_eq!((e.rank, e.world, e.local, e.port), (1, 2, 0, 29501));
+    let half = env(&[("RANK", "1"), ("SLURM_NTASKS", "8"), ("MASTER_ADDR", "n")]);
+    let err = EnvRank::from_env(&half).unwrap_err().to_string();
+    assert_eq!(
+        err,
+        "environment: RANK is set but WORLD_SIZE is not: set both"
+    );
+    let slurm = env(&[
+        ("SLURM_PROCID", "8"),
+        ("SLURM_NTASKS", "8"),
+        ("MASTER_ADDR", "n"),
+        ("MASTER_PORT", "1"),
+    ]);
+    let err = EnvRank::from_env(&slurm).unwrap_err().to_string();
+    assert_eq!(
+        err,
+        "environment: SLURM_PROCID = 8 but SLURM_NTASKS = 8: a rank is 0..SLURM_NTASKS"
+    );
+    let port = env(&[
+        ("SLURM_PROCID", "0"),
+        ("SLURM_NTASKS", "2"),
+        ("MASTER_ADDR", "n"),
+        ("MASTER_PORT", "65535"),
+    ]);
+    let err = format!("{:#}", EnvRank::from_env(&port).unwrap_err());
+    assert_eq!(
+        err,
+        "port 65536 (MASTER_PORT + 1, or LORA_TRAIN_PORT) is out of range 1..65535"
+    );
+}
+
+#[test]
+fn ranks_started_with_other_world_sizes_refuse_each_other_at_once() {
+    let port = free_port();
+    let t = Instant::now();
+    let joined: Vec<_> = [(0, 2), (1, 3)]
+        .into_iter()
+        .map(|(rank, world)| {
+            std::thread::spawn(move || {
+                let e = EnvRank {
+                    rank,
+                    world,
+                    local: 0,
+                    addr: "127.0.0.1".into(),
+                    port,
+                };
+                TcpGroup::connect(&e, Duration::from_secs(30)).map(|_| ())
+            })
+        })
+        .collect();
+    let errs: Vec<String> = joined
+        .into_iter()
+        .map(|j| format!("{:#}", j.join().unwrap().unwrap_err()))
+        .collect();
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+    assert_eq!(
+        errs[0],
+        "rank 1 was started with WORLD_SIZE = 3, rank 0 with 2: the launcher's variables differ between nodes"
+    );
+    assert_eq!(
+        errs[1],
+        format!("rank 1: rank 0 at 127.0.0.1:{port} closed the connection before the run began: rank 0's error says why")
+    );
+}
