@@ -40,7 +40,7 @@ pub(crate) fn nccl_group(_: Vec<usize>, _: Duration) -> Result<Arc<dyn Group>> {
 
 /// This process as rank `e.rank` of a launcher's job of CPU ranks (RANK, WORLD_SIZE, ...):
 /// TCP through rank 0, once every rank has connected (within `timeout`).
-pub fn tcp_group(e: &EnvRank, timeout: Duration) -> Result<Arc<dyn Group>> {
+pub(crate) fn tcp_group(e: &EnvRank, timeout: Duration) -> Result<Arc<dyn Group>> {
     Ok(super::tcp::TcpGroup::connect(e, timeout)?)
 }
 

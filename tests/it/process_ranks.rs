@@ -641,3 +641,39 @@ fn ranks_started_with_other_world_sizes_refuse_each_other_at_once() {
         format!("rank 1: rank 0 at 127.0.0.1:{port} closed the connection before the run began: rank 0's error says why")
     );
 }
+
+#[test]
+fn ranks_that_see_another_checkpoint_than_rank_zero_refuse_to_resume() {
+    // Rank 0 resumes from its checkpoint; rank 1's output.dir (a node without the shared
+    // filesystem) holds none: every rank refuses, naming what differs.
+    let job = Job::new();
+    let first = sets("ddp", &[]);
+    let mut ranks = job.ranks(Contract::Torchrun, 2, "a", &first);
+    let status = wait_all(&mut ranks, Duration::from_secs(120));
+    assert!(
+        status.iter().all(ExitStatus::success),
+        "{}",
+        job.err("a", 0)
+    );
+    let again = sets("ddp", &["train.resume=true"]);
+    let port = free_port();
+    let mut ranks = vec![
+        job.rank(Contract::Torchrun, 0, 2, port, "a", &again),
+        job.rank(Contract::Torchrun, 1, 2, port, "b", &again),
+    ];
+    let status = wait_all(&mut ranks, Duration::from_secs(120));
+    for (r, out) in [(0, "a"), (1, "b")] {
+        let err = job.err(out, r);
+        assert_eq!(status[r].code(), Some(1), "rank {r}: {err}");
+        let want = format!(
+            "rank 1 starts fresh but rank 0 resumes from step 6 (output.dir {}): every rank reads \
+             the checkpoint that rank 0 wrote, so output.dir must be on a filesystem every node \
+             shares, at the same path",
+            job.path(out).display()
+        );
+        assert!(err.contains(&want), "rank {r}: {err}");
+    }
+    // Rank 0's checkpoint is still there; rank 1 wrote nothing.
+    assert!(job.path("a").join("checkpoint-6").is_dir());
+    assert!(!job.path("b").exists());
+}
