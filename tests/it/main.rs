@@ -37,6 +37,7 @@ mod output_streams;
 mod parallel;
 mod pref;
 mod plan;
+mod process_ranks;
 mod qlora;
 mod qmerge;
 mod quick_start;
