@@ -273,7 +273,13 @@ pub fn list(out_dir: &Path) -> Vec<(usize, PathBuf)> {
 /// paths made absolute (the same files reached from another directory compare equal).
 pub fn fingerprint(r: &Recipe) -> BTreeMap<String, String> {
     let mut out = BTreeMap::new();
-    let Ok(toml::Value::Table(doc)) = toml::Value::try_from(r) else {
+    // Paths compare as the files they reach, whatever their bytes.
+    let mut r = r.clone();
+    r.for_each_path(|_, p| {
+        let abs = std::fs::canonicalize(&*p).unwrap_or_else(|_| p.clone());
+        *p = PathBuf::from(crate::util::os_path::escaped(&abs));
+    });
+    let Ok(toml::Value::Table(doc)) = toml::Value::try_from(&r) else {
         return out;
     };
     for (section, v) in doc {
@@ -380,12 +386,14 @@ pub fn snapshot(
     stage: &Stage,
 ) -> Result<Snapshot> {
     let rev = s.base_revision.as_deref();
+    // Paths are recorded from a checkpoint-N directory of output.dir: relative ones, from any.
+    let dir = s.run.output.dir.join("checkpoint-N");
     Ok(Snapshot {
         adapter: Snapshot::adapter(&s.model, stage)?,
-        config: export::adapter_config(&s.run.spec, &s.run.base_name, rev)?,
+        config: export::adapter_config(&s.run.spec, &s.run.base_name_in(&dir), rev)?,
         optimizer: Snapshot::optimizer(opt, keys, stage)?,
         files: vec![
-            ("recipe.toml", s.run.recipe.to_toml().into_bytes()),
+            ("recipe.toml", s.run.recipe.to_toml_in(&dir)?.into_bytes()),
             (
                 STATE,
                 (serde_json::to_string_pretty(state)? + "\n").into_bytes(),
