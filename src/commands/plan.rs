@@ -123,7 +123,7 @@ pub fn run(a: PlanArgs) -> anyhow::Result<()> {
             .map_err(anyhow::Error::msg)?
             .map(|h| h.available),
     };
-    let input = plan::PlanInput { host, ..input };
+    let input = input.with_host(host);
     let p = plan::plan(&input, grad_accum, capacity);
     if a.json {
         lora_train::outln!("{}", plan::to_json(&p, selected));

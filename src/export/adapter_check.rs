@@ -40,7 +40,7 @@ const KEYS: [(&str, Kind); 13] = [
 ];
 
 /// adapter_config.json's keys (`v`, read from `path`) before any is used.
-pub fn config(v: &Value, path: &Path) -> Result<(), ConfigError> {
+pub(crate) fn config(v: &Value, path: &Path) -> Result<(), ConfigError> {
     let err = |key: &str, msg: String| ConfigError::Adapter {
         path: path.to_owned(),
         msg: format!("`{key}` {msg}"),
@@ -136,7 +136,7 @@ pub fn config(v: &Value, path: &Path) -> Result<(), ConfigError> {
 }
 
 /// An adapter tensor `key` of `path`: floating point, finite.
-pub fn tensor(path: &Path, key: &str, t: &Tensor) -> Result<()> {
+pub(crate) fn tensor(path: &Path, key: &str, t: &Tensor) -> Result<()> {
     if !t.dtype().is_float() {
         bail!(
             "{}: `{key}` has dtype {:?}: adapter weights are floating point",
@@ -159,7 +159,7 @@ pub fn tensor(path: &Path, key: &str, t: &Tensor) -> Result<()> {
 /// layer count, a module of its family, a MoE's experts where it has them), with that linear's
 /// inputs and outputs (A [r, in], B [out, r], DoRA's m [out]). An error names the key, what it
 /// says and what the base has: the adapter was trained on another model.
-pub fn against_base<'a>(
+pub(crate) fn against_base<'a>(
     path: &Path,
     tensors: impl IntoIterator<Item = (&'a str, &'a [usize])>,
     cfg: &crate::model::ModelConfig,

@@ -9,7 +9,7 @@
 use std::path::{Path, PathBuf};
 
 /// The variable that names the host's memory in place of the probe.
-pub const ENV: &str = "LORA_TRAIN_HOST_MEMORY";
+pub(crate) const ENV: &str = "LORA_TRAIN_HOST_MEMORY";
 
 /// Limits at or above this many bytes mean "no limit" (cgroup v1 writes 2⁶³ rounded down to
 /// a page; RLIM_INFINITY is u64::MAX).
@@ -70,7 +70,7 @@ fn least(bounds: Vec<(u64, String)>) -> Option<(u64, String)> {
 }
 
 /// A /proc/meminfo field (`MemTotal`, `MemAvailable`), in bytes.
-pub fn meminfo_field(text: &str, key: &str) -> Option<u64> {
+pub(crate) fn meminfo_field(text: &str, key: &str) -> Option<u64> {
     let line = text.lines().find(|l| l.split(':').next() == Some(key))?;
     let mut words = line.split(':').nth(1)?.split_whitespace();
     let n: u64 = words.next()?.parse().ok()?;
@@ -98,7 +98,7 @@ fn cgroup_limit() -> Option<(u64, String)> {
 /// (`text`) under the cgroup mount `root`: (v2's `memory.max` from the group up to the
 /// mount, v1's `memory.limit_in_bytes` of the group and of the mount's root, where a
 /// container's own group is mounted).
-pub fn cgroup_paths(text: &str, root: &Path) -> (Vec<PathBuf>, Vec<PathBuf>) {
+pub(crate) fn cgroup_paths(text: &str, root: &Path) -> (Vec<PathBuf>, Vec<PathBuf>) {
     let (mut v2, mut v1) = (Vec::new(), Vec::new());
     for line in text.lines() {
         let mut parts = line.splitn(3, ':');
@@ -156,7 +156,7 @@ fn address_space_room() -> Option<(u64, String)> {
 
 /// Whether `ranks` ranks on one host may each pin `pinned` bytes of its `available` memory:
 /// three quarters of it at most, the rest left to the data, the page cache and the process.
-pub fn host_fits(pinned: u64, ranks: usize, available: u64) -> bool {
+pub(crate) fn host_fits(pinned: u64, ranks: usize, available: u64) -> bool {
     pinned.saturating_mul(ranks.max(1) as u64) <= available / 4 * 3
 }
 

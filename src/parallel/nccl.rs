@@ -96,7 +96,7 @@ fn nccl_err(what: &str, e: result::NcclError) -> candle_core::Error {
 
 /// The CUDA ordinals of a run's ranks: `devices`, or every GPU for "all" (an empty list); an
 /// ordinal this machine lacks is an error saying which it has.
-pub fn ordinals(devices: &[usize]) -> anyhow::Result<Vec<usize>> {
+pub(crate) fn ordinals(devices: &[usize]) -> anyhow::Result<Vec<usize>> {
     let count = CudaContext::device_count()
         .map_err(|e| anyhow::anyhow!("cannot count CUDA devices: {e:?}"))? as usize;
     if devices.is_empty() {
@@ -197,7 +197,7 @@ impl Group for NcclGroup {
 }
 
 /// This process's rank of a torchrun / Slurm job: rank 0 makes the id and serves it.
-pub fn from_env(e: &EnvRank, timeout: Duration) -> anyhow::Result<Box<dyn Comm>> {
+pub(crate) fn from_env(e: &EnvRank, timeout: Duration) -> anyhow::Result<Box<dyn Comm>> {
     let id = match e.rank {
         0 => Some(result::get_uniqueid().map_err(|x| anyhow::anyhow!("ncclGetUniqueId: {x:?}"))?),
         _ => None,
@@ -232,7 +232,7 @@ pub fn from_env(e: &EnvRank, timeout: Duration) -> anyhow::Result<Box<dyn Comm>>
 }
 
 /// One rank's NCCL communicator.
-pub struct NcclComm {
+pub(crate) struct NcclComm {
     rank: usize,
     world: usize,
     raw: Arc<Slot>,
@@ -559,8 +559,8 @@ impl NcclComm {
         let mut access = Vec::new();
         for &o in ordinals.iter().filter(|&&o| o != ctx.ordinal()) {
             let mut peer: sys::CUdevice = 0;
-            // SAFETY: FFI with valid out-pointers; `o` is an ordinal of this machine.
             let (mut there, mut back) = (0, 0);
+            // SAFETY: FFI with valid out-pointers; `o` is an ordinal of this machine.
             unsafe {
                 sys::cuDeviceGet(&mut peer, o as i32)
                     .result()
@@ -613,7 +613,7 @@ fn eager_loading() -> bool {
 /// LORA_TRAIN_EXPERIMENTS and no CUDA_MODULE_LOADING of the user's, sets
 /// CUDA_MODULE_LOADING=EAGER, which peer copies need. (A list that does not parse is left for
 /// `Kernels::resolve` to report.)
-pub fn prepare_process() {
+pub(crate) fn prepare_process() {
     let peer_copy = crate::ops::kernels::Experiments::from_env().is_ok_and(|e| e.peer_copy);
     if peer_copy && std::env::var_os("CUDA_MODULE_LOADING").is_none() {
         // Before any thread exists (main's first call), so no other thread reads the

@@ -89,7 +89,7 @@ impl Recipe {
     /// Calls `f` with each path field of the recipe and its key (`PATH_KEYS`): a
     /// `data.chat_template` that names a `.jinja` file, as a path, and written back lossily
     /// (the field is text).
-    pub fn for_each_path(&mut self, mut f: impl FnMut(&'static str, &mut PathBuf)) {
+    pub(crate) fn for_each_path(&mut self, mut f: impl FnMut(&'static str, &mut PathBuf)) {
         for key in PATH_KEYS {
             match key {
                 "model.path" => self.model.path.iter_mut().for_each(|p| f(key, p)),

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 impl Recipe {
     /// The recipe as resolved (defaults filled in), for people: a path that is not UTF-8 is
     /// shown with its odd bytes escaped (`os_path::escaped`).
-    pub fn to_toml(&self) -> String {
+    pub(crate) fn to_toml(&self) -> String {
         let mut r = self.clone();
         r.for_each_path(|_, p| {
             if p.to_str().is_none() {
@@ -22,7 +22,7 @@ impl Recipe {
     /// load again from there: a path that is not UTF-8 is written relative to `dir`, which the
     /// loader resolves it against (`os_path::recordable`); where that form is not UTF-8
     /// either, the error names the field.
-    pub fn to_toml_in(&self, dir: &Path) -> Result<String, RecipeError> {
+    pub(crate) fn to_toml_in(&self, dir: &Path) -> Result<String, RecipeError> {
         let mut r = self.clone();
         let mut unrecordable = None;
         r.for_each_path(|key, p| match os_path::recordable(p, dir) {

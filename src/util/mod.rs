@@ -3,7 +3,7 @@
 //! locks (`lock`), what an abrupt exit removes (`on_exit`), paths that are not UTF-8 recorded
 //! and shown (`os_path`).
 
-pub mod fs;
+pub(crate) mod fs;
 pub mod lock;
 pub mod on_exit;
 pub mod os_path;

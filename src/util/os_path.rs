@@ -7,7 +7,7 @@ use std::path::{Component, Path, PathBuf};
 /// `path` as a file in directory `dir` may record it: as it is where it is UTF-8, else
 /// relative to `dir` where that is UTF-8 (a run and its base in one oddly named directory);
 /// None where neither is.
-pub fn recordable(path: &Path, dir: &Path) -> Option<PathBuf> {
+pub(crate) fn recordable(path: &Path, dir: &Path) -> Option<PathBuf> {
     if path.to_str().is_some() {
         return Some(path.to_owned());
     }
@@ -17,7 +17,7 @@ pub fn recordable(path: &Path, dir: &Path) -> Option<PathBuf> {
 /// `path` relative to directory `dir` (both made absolute against the working directory, and
 /// resolved through symbolic links where they exist): `..` for each of `dir`'s components
 /// past the common prefix, then the rest of `path`; "." for `dir` itself.
-pub fn relative_to(path: &Path, dir: &Path) -> Option<PathBuf> {
+pub(crate) fn relative_to(path: &Path, dir: &Path) -> Option<PathBuf> {
     let full = |p: &Path| {
         std::fs::canonicalize(p)
             .ok()
@@ -45,7 +45,7 @@ pub fn relative_to(path: &Path, dir: &Path) -> Option<PathBuf> {
 
 /// `path` as UTF-8 text, each byte that is not part of UTF-8 written `\xNN`: for messages and
 /// for comparing paths (distinct paths stay distinct but for a path that spells `\xNN` itself).
-pub fn escaped(path: &Path) -> String {
+pub(crate) fn escaped(path: &Path) -> String {
     let mut out = String::new();
     for chunk in path.as_os_str().as_encoded_bytes().utf8_chunks() {
         out.push_str(chunk.valid());

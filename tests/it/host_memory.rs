@@ -4,12 +4,12 @@
 //! host (`--host-mem`, LORA_TRAIN_HOST_MEMORY, else this machine).
 
 use crate::common::root;
-use lora_train::memory::plan::{self, PlanInput};
-use lora_train::recipe::{Checkpointing, Strategy};
 use std::os::unix::process::CommandExt;
 use std::process::Command;
 
 const GIB: u64 = 1 << 30;
+/// The plan searches seq_len in steps of this many tokens (memory::plan's SEQ_STEP).
+const SEQ_STEP: u64 = 1024;
 
 fn bin() -> Command {
     let mut c = Command::new(assert_cmd::cargo::cargo_bin("lora-train"));
@@ -106,56 +106,72 @@ fn a_cpu_run_over_the_hosts_memory_refuses_and_one_within_it_trains() {
     );
 }
 
-/// The row holding the longest context (its checkpointing) and that context, as the advice
-/// picks it (the first of the longest).
-fn longest(p: &plan::Plan) -> Option<(Checkpointing, usize)> {
-    let mut best: Option<(Checkpointing, usize)> = None;
-    for r in &p.rows {
-        if let Some(t) = r.max_seq_len {
-            if best.is_none_or(|(_, b)| t > b) {
-                best = Some((r.b.ckpt, t));
-            }
-        }
-    }
-    assert_eq!(best.map(|b| b.1), p.advice.max_seq_len);
-    best
+/// `lora-train plan --shape llama2-7b --gpu-mem 80GiB --json` with `extra`: its JSON.
+fn plan_json(extra: &[&str]) -> serde_json::Value {
+    let o = bin()
+        .args([
+            "plan",
+            "--shape",
+            "llama2-7b",
+            "--gpu-mem",
+            "80GiB",
+            "--json",
+        ])
+        .args(extra)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    serde_json::from_slice(&o.stdout).unwrap()
 }
 
-/// llama2-7b on an 80 GiB card, the plan as `plan --shape` makes it.
-fn seven_b(host: Option<u64>) -> PlanInput {
-    let cfg = lora_train::model::shapes::shape("llama2-7b").unwrap();
-    let targets = lora_train::model::shapes::targets("all", &cfg).unwrap();
-    let p = plan::input_from_shape("llama2-7b", 2048, 2, 16, targets, 1).unwrap();
-    PlanInput { host, ..p }
+/// The row that holds the longest context, as the advice picks it (the first of the longest).
+fn longest(p: &serde_json::Value) -> serde_json::Value {
+    let rows = p["rows"].as_array().unwrap();
+    let t = |r: &serde_json::Value| r["max_seq_len"].as_u64().unwrap_or(0);
+    let most = rows.iter().map(t).max().unwrap();
+    assert_eq!(p["advice"]["max_seq_len"].as_u64(), Some(most));
+    rows.iter().find(|r| t(r) == most).unwrap().clone()
 }
 
-/// The longest context advised: within the card without a host; within three quarters of a
-/// 125 GiB host with one, and no longer than that allows (a step more would not fit).
+/// `like`'s row (strategy and checkpointing) in plan `p`.
+fn row_of(p: &serde_json::Value, like: &serde_json::Value) -> serde_json::Value {
+    let rows = p["rows"].as_array().unwrap();
+    let same =
+        |r: &&serde_json::Value| r["strategy"] == like["strategy"] && r["ckpt"] == like["ckpt"];
+    rows.iter().find(same).unwrap().clone()
+}
+
+/// llama2-7b on an 80 GiB card: unbounded, the longest context advised pins more than three
+/// quarters of a 125 GiB host (the report); with that host, the advice is shorter,
+/// its row's pinned memory within the host and one step (1024 tokens) more does not fit.
 #[test]
 fn the_longest_context_advised_fits_the_hosts_pinned_memory() {
-    let cap = 80 * GIB;
-    let free = plan::plan(&seven_b(None), 1, Some(cap));
-    let (row, t_free) = longest(&free).unwrap();
-    let at = |p: &PlanInput, t: usize, ck: Checkpointing| {
-        let q = PlanInput {
-            seq_len: t,
-            ..p.clone()
-        };
-        plan::breakdown_within(&q, Strategy::Single, ck, 1, Some(cap))
+    let budget = 125 * GIB / 4 * 3;
+    let at = |t: u64, host: &str| {
+        let seq = t.to_string();
+        plan_json(&["--seq", &seq, "--micro-batch", "1", "--host-mem", host])
     };
-    let host = 125 * GIB;
-    // Unbounded, the advice pins more than the host has: the report.
-    assert!(at(&seven_b(None), t_free, row).host > host / 4 * 3);
-    let input = seven_b(Some(host));
-    let p = plan::plan(&input, 1, Some(cap));
-    let (ck, t) = longest(&p).unwrap();
+    let free = plan_json(&["--host-mem", "100TiB"]);
+    let t_free = free["advice"]["max_seq_len"].as_u64().unwrap();
+    let r = row_of(&at(t_free, "100TiB"), &longest(&free));
+    assert!(r["host_bytes"].as_u64().unwrap() > budget, "{r}");
+
+    let held = plan_json(&["--host-mem", "125GiB"]);
+    let t = held["advice"]["max_seq_len"].as_u64().unwrap();
     assert!(t < t_free, "{t} < {t_free}");
-    let b = at(&input, t, ck);
-    assert!(b.total <= cap && b.host <= host / 4 * 3, "{b:?}");
-    let next = at(&input, t + plan::SEQ_STEP, ck);
-    assert!(next.total > cap || next.host > host / 4 * 3, "{next:?}");
-    let line = p.advice.lines.last().unwrap();
-    assert!(line.contains(&format!("data.seq_len = {t} ")), "{line}");
+    let like = longest(&held);
+    let r = row_of(&at(t, "125GiB"), &like);
+    assert_eq!(r["fits"], true, "{r}");
+    assert!(r["host_bytes"].as_u64().unwrap() <= budget, "{r}");
+    let next = row_of(&at(t + SEQ_STEP, "125GiB"), &like);
+    assert_eq!(next["fits"], false, "{next}");
+    let line = held["advice"]["lines"].as_array().unwrap().last().unwrap();
+    assert!(
+        line.as_str()
+            .unwrap()
+            .contains(&format!("data.seq_len = {t} ")),
+        "{line}"
+    );
 }
 
 #[test]

@@ -85,7 +85,7 @@ fn a_run_in_a_non_utf8_directory_records_its_base_so_export_and_generate_find_it
         )
     };
     same(back.model.path.as_deref().unwrap(), &odd.join("base"));
-    same(back.output.dir.as_deref().unwrap(), &run);
+    same(&back.output_dir(), &run);
     // export and generate without --base / --model find the base.
     let merged = odd.join("merged");
     ok(&bin()
