@@ -7,7 +7,8 @@
 //! table true to the suite; `scripts/fault_corpus.sh` runs every case's test and reports
 //! handled / total, a case counting only when its test passes. The cases no other module
 //! held have their tests here (unknown recipe sections and `--set` keys, a Hub cache without a
-//! home or that cannot be written, generate into a closed pipe).
+//! home or that cannot be written, generate into a closed pipe, a write failing inside a
+//! checkpoint).
 
 use crate::common::root;
 use std::process::Command;
@@ -90,7 +91,7 @@ const CASES: [(&str, &str, By); 80] = [
     ("limits", "a full disk under a run's logs: reported once, the run ends as it would", Test("output_streams::a_full_disk_under_a_runs_logs_is_reported_once_and_the_run_ends_as_it_would")),
     ("limits", "a download larger than the disk: refused up front", Lie("a declared size larger than the disk")),
     ("limits", "a cgroup memory limit below the plan", Open("the cgroup files are read (unit test of their paths), but no test runs under a cgroup limit")),
-    ("limits", "the disk filling inside a checkpoint write (ENOSPC, not a kill)", Open("no test fills the disk under a checkpoint")),
+    ("limits", "a write failing inside a checkpoint (EFBIG as ENOSPC would): stopped, the earlier checkpoint kept", Test("fault_corpus::a_write_that_fails_inside_a_checkpoint_stops_the_run_and_keeps_the_earlier_one")),
     // adapters for other bases
     ("adapter", "generate --adapter with an extra layer", Test("adapter_base::generate_refuses_an_adapter_with_an_extra_layer")),
     ("adapter", "lora.init_adapter with an extra layer", Test("adapter_base::init_adapter_refuses_an_adapter_with_an_extra_layer")),
@@ -122,7 +123,7 @@ const CASES: [(&str, &str, By); 80] = [
 
 /// How many cases a test or a lie holds (the figure `scripts/fault_corpus.sh` reports when
 /// every named test passes).
-const HANDLED: usize = 77;
+const HANDLED: usize = 78;
 
 /// The functions marked #[test] in tests/it/`module`.rs.
 fn tests_of(module: &str) -> Vec<String> {
@@ -288,4 +289,94 @@ fn generate_into_a_closed_pipe_ends_quietly_with_status_0() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(0), "{err}");
     assert!(!err.contains("panicked") && !err.contains("error"), "{err}");
+}
+
+/// A write that fails inside a checkpoint (the file-size limit with SIGXFSZ ignored: the
+/// write returns EFBIG, as a full disk returns ENOSPC): the run stops with an error naming the
+/// file, the earlier checkpoint byte for byte as it was and the only one, and a resume from it
+/// trains on.
+#[test]
+fn a_write_that_fails_inside_a_checkpoint_stops_the_run_and_keeps_the_earlier_one() {
+    use std::os::unix::process::CommandExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let args = |resume: &str| {
+        let mut c = bin();
+        c.args(["train", "--recipe", "recipes/tiny-cpu.toml", "--set"])
+            .arg(format!("output.dir={}", out.display()))
+            .args([
+                "--set",
+                "train.max_steps=20",
+                "--set",
+                "output.save_every=5",
+            ])
+            .args([
+                "--set",
+                "train.micro_batch=1",
+                "--set",
+                "train.grad_accum=20",
+            ])
+            .args(["--set", "train.log_every=1", "--set"])
+            .arg(format!("train.resume={resume}"));
+        c
+    };
+    let mut c = args("false");
+    // SAFETY: signal() only, between fork and exec (async-signal-safe); an ignored
+    // disposition survives exec.
+    unsafe {
+        c.pre_exec(|| {
+            libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+            Ok(())
+        });
+    }
+    let child = c
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let ck5 = out.join("checkpoint-5");
+    crate::common::wait_until("checkpoint-5", || ck5.join("trainer_state.json").is_file());
+    let files = [
+        "adapter_model.safetensors",
+        "optimizer.safetensors",
+        "trainer_state.json",
+    ];
+    let saved: Vec<Vec<u8>> = files
+        .iter()
+        .map(|f| std::fs::read(ck5.join(f)).unwrap())
+        .collect();
+    let lim = libc::rlimit {
+        rlim_cur: saved[1].len() as u64 - 1000,
+        rlim_max: saved[1].len() as u64 - 1000,
+    };
+    // SAFETY: prlimit on a child of ours with a valid limit and no old-limit output.
+    let rc = unsafe {
+        libc::prlimit(
+            child.id() as i32,
+            libc::RLIMIT_FSIZE,
+            &lim,
+            std::ptr::null_mut(),
+        )
+    };
+    assert_eq!(rc, 0, "prlimit: {}", std::io::Error::last_os_error());
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("File too large"), "{err}");
+    assert!(err.contains("optimizer.safetensors"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    for (f, b) in files.iter().zip(&saved) {
+        assert!(std::fs::read(ck5.join(f)).unwrap() == *b, "{f} changed");
+    }
+    let names: Vec<String> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("checkpoint-"))
+        .collect();
+    assert_eq!(names, ["checkpoint-5"]);
+    let o = args(&ck5.display().to_string()).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("resuming from"), "{err}");
+    assert!(out.join("checkpoint-20/trainer_state.json").is_file());
 }
