@@ -8,7 +8,7 @@
 //! handled / total, a case counting only when its test passes. The cases no other module
 //! held have their tests here (unknown recipe sections and `--set` keys, a Hub cache without a
 //! home or that cannot be written, generate into a closed pipe, a write failing inside a
-//! checkpoint).
+//! checkpoint, a run killed inside its merge).
 
 use crate::common::root;
 use std::process::Command;
@@ -34,7 +34,7 @@ const CASES: [(&str, &str, By); 80] = [
     ("signals", "SIGINT / SIGTERM mid-export: the temporary removed, exit 130", Test("export_signals::a_signal_mid_export_removes_its_temporary_and_exits_130")),
     ("signals", "SIGKILL mid-export: the next export removes what it left, nothing else", Test("export_signals::the_next_export_removes_what_a_killed_one_left_and_nothing_else")),
     ("signals", "a signal while the model loads ends the run", Test("bad_input::more_ranks_than_rows_fails_at_once_and_a_signal_during_loading_ends_the_run")),
-    ("signals", "SIGKILL during train's output.merge: its temporary removed by the next run", Open("no test kills a run inside its final merge")),
+    ("signals", "a run killed inside its output.merge: the adapter kept, the temporary removed by the next export", Test("fault_corpus::a_run_killed_inside_its_merge_leaves_a_temporary_the_next_export_removes")),
     // SIGKILL then resume
     ("kill", "a kill inside a real checkpoint write: the previous checkpoint byte-identical and loadable, resume goes on", Test("resume::a_kill_in_the_middle_of_a_checkpoint_write_leaves_the_previous_checkpoint_loadable")),
     ("kill", "a damaged or half-written checkpoint: an error naming its file, nothing deleted", Test("bad_input::a_damaged_checkpoint_is_an_error_naming_its_file_and_nothing_is_ever_deleted")),
@@ -123,7 +123,7 @@ const CASES: [(&str, &str, By); 80] = [
 
 /// How many cases a test or a lie holds (the figure `scripts/fault_corpus.sh` reports when
 /// every named test passes).
-const HANDLED: usize = 78;
+const HANDLED: usize = 79;
 
 /// The functions marked #[test] in tests/it/`module`.rs.
 fn tests_of(module: &str) -> Vec<String> {
@@ -379,4 +379,66 @@ fn a_write_that_fails_inside_a_checkpoint_stops_the_run_and_keeps_the_earlier_on
     assert!(o.status.success(), "{err}");
     assert!(err.contains("resuming from"), "{err}");
     assert!(out.join("checkpoint-20/trainer_state.json").is_file());
+}
+
+/// A run killed inside its final merge (`output.merge = true`; the kernel's SIGXFSZ at a
+/// file-size limit above the adapter and the optimizer state, below the merged weights): its
+/// adapter is complete, `merged/` absent, its temporary hidden; the next export to that
+/// `--out` removes the temporary and writes the merged model.
+#[test]
+fn a_run_killed_inside_its_merge_leaves_a_temporary_the_next_export_removes() {
+    use std::os::unix::process::{CommandExt, ExitStatusExt};
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let mut c = bin();
+    c.args(["train", "--recipe", "recipes/tiny-cpu.toml", "--set"])
+        .arg(format!("output.dir={}", out.display()))
+        .args(["--set", "train.max_steps=2", "--set", "output.merge=true"])
+        .env("LORA_TRAIN_CACHE", "off");
+    let limit: u64 = 400_000;
+    // SAFETY: setrlimit only, between fork and exec (async-signal-safe).
+    unsafe {
+        c.pre_exec(move || {
+            let l = libc::rlimit {
+                rlim_cur: limit,
+                rlim_max: limit,
+            };
+            libc::setrlimit(libc::RLIMIT_FSIZE, &l);
+            let core = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
+            libc::setrlimit(libc::RLIMIT_CORE, &core);
+            Ok(())
+        });
+    }
+    let o = c.output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(
+        o.status.signal(),
+        Some(libc::SIGXFSZ),
+        "{:?} {err}",
+        o.status
+    );
+    let adapter = std::fs::read(out.join("adapter_model.safetensors")).unwrap();
+    assert!((adapter.len() as u64) < limit);
+    assert!(!out.join("merged").exists());
+    let temporaries = || -> Vec<String> {
+        std::fs::read_dir(&out)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with(".merged.tmp-"))
+            .collect()
+    };
+    assert_eq!(temporaries().len(), 1, "{:?}", temporaries());
+    let o = bin()
+        .args(["export", "--adapter"])
+        .arg(&out)
+        .args(["--base", "recipes/assets/tiny-llama", "--out"])
+        .arg(out.join("merged"))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(out.join("merged/config.json").is_file());
+    assert_eq!(temporaries(), Vec::<String>::new());
 }
