@@ -138,9 +138,13 @@ struct Shared {
 
 // SAFETY: ncclUniqueId is plain bytes.
 unsafe impl Send for NcclGroup {}
+// SAFETY: the ordinals and the unique id never change after `new`; the communicators,
+// the failure and the statics are behind Mutexes (`Posted` locks its own).
 unsafe impl Sync for NcclGroup {}
 
 impl NcclGroup {
+    /// The group of the GPUs `ordinals` (one rank each, rank i on `ordinals[i]`): one NCCL
+    /// unique id for all of them; the communicators are made per rank from it.
     pub fn new(ordinals: Vec<usize>, _timeout: Duration) -> anyhow::Result<Arc<NcclGroup>> {
         let id = result::get_uniqueid().map_err(|e| anyhow::anyhow!("ncclGetUniqueId: {e:?}"))?;
         Ok(Arc::new(NcclGroup {
