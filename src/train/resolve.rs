@@ -230,7 +230,7 @@ fn first_ordinal(ranks: &Ranks) -> usize {
     match ranks {
         Ranks::Solo(o) => *o,
         Ranks::Threads { devices, .. } => devices.first().copied().unwrap_or(0),
-        Ranks::Process(e) => e.local,
+        Ranks::Process { env, .. } => env.local,
     }
 }
 

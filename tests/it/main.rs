@@ -40,6 +40,7 @@ mod ops;
 mod output_streams;
 mod parallel;
 mod plan;
+mod process_ranks;
 mod qlora;
 mod qmerge;
 mod quick_start;
