@@ -280,11 +280,14 @@ pub fn list(out_dir: &Path) -> Vec<(usize, PathBuf)> {
 /// paths made absolute (the same files reached from another directory compare equal).
 pub fn fingerprint(r: &Recipe) -> BTreeMap<String, String> {
     let mut out = BTreeMap::new();
-    // Paths compare as the files they reach, whatever their bytes.
+    // A path that is not UTF-8 (TOML's strings are) compares as the file it reaches, its odd
+    // bytes escaped; UTF-8 ones as below, as checkpoints of earlier versions recorded them.
     let mut r = r.clone();
     r.for_each_path(|_, p| {
-        let abs = std::fs::canonicalize(&*p).unwrap_or_else(|_| p.clone());
-        *p = PathBuf::from(crate::util::os_path::escaped(&abs));
+        if p.to_str().is_none() {
+            let abs = std::fs::canonicalize(&*p).unwrap_or_else(|_| p.clone());
+            *p = PathBuf::from(crate::util::os_path::escaped(&abs));
+        }
     });
     let Ok(toml::Value::Table(doc)) = toml::Value::try_from(&r) else {
         return out;
@@ -299,7 +302,7 @@ pub fn fingerprint(r: &Recipe) -> BTreeMap<String, String> {
             let v = match (&v, key.as_str()) {
                 (toml::Value::String(p), "model.path" | "data.train" | "lora.init_adapter") => {
                     let abs = std::fs::canonicalize(p).unwrap_or_else(|_| PathBuf::from(p));
-                    toml::Value::String(abs.to_string_lossy().into_owned())
+                    toml::Value::String(crate::util::os_path::escaped(&abs))
                 }
                 _ => v,
             };
