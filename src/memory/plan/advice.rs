@@ -45,7 +45,7 @@ pub(crate) fn advise(
         }
         return a;
     };
-    if let Some(r) = ordered(rows).find(|r| r.b.total <= cap) {
+    if let Some(r) = ordered(rows).find(|r| r.fits == Some(true)) {
         a.use_row(r, micro_batch, grad_accum, cap, rows);
         return a;
     }
