@@ -31,10 +31,7 @@ pub fn nccl_group(devices: Vec<usize>, timeout: Duration) -> Result<Arc<dyn Grou
 /// Several GPUs need NCCL: this build has none.
 #[cfg(not(feature = "nccl"))]
 pub fn nccl_group(_: Vec<usize>, _: Duration) -> Result<Arc<dyn Group>> {
-    anyhow::bail!(
-        "several GPUs need NCCL: rebuild with `bash scripts/build-cuda.sh` (features cuda,nccl; \
-         see README, \"Install\")"
-    )
+    anyhow::bail!("several GPUs need NCCL: {}", crate::util::NCCL_BUILD)
 }
 
 /// This process's communicator as rank `e.rank` of a launcher's job (RANK, WORLD_SIZE, ...).
@@ -47,8 +44,8 @@ pub fn env_comm(e: &EnvRank, timeout: Duration) -> Result<Box<dyn Comm>> {
 #[cfg(not(feature = "nccl"))]
 pub fn env_comm(e: &EnvRank, _: Duration) -> Result<Box<dyn Comm>> {
     anyhow::bail!(
-        "RANK / WORLD_SIZE are set (world {}), but this binary was built without NCCL: rebuild \
-         with `bash scripts/build-cuda.sh` (features cuda,nccl; see README, \"Install\")",
-        e.world
+        "RANK / WORLD_SIZE are set (world {}), but this binary was built without NCCL: {}",
+        e.world,
+        crate::util::NCCL_BUILD
     )
 }

@@ -115,26 +115,36 @@ impl EnvRank {
         ) else {
             return Ok(None);
         };
-        let (rank, world) = (num("RANK", rank)?, num("WORLD_SIZE", world)?);
+        // The variables read, as the messages name them (torchrun's, else Slurm's).
+        let name = |a: &'static str, b: &'static str| if get(a).is_some() { a } else { b };
+        let (rank_var, world_var) = (
+            name("RANK", "SLURM_PROCID"),
+            name("WORLD_SIZE", "SLURM_NTASKS"),
+        );
+        let (rank, world) = (num(rank_var, rank)?, num(world_var, world)?);
         if world <= 1 {
             return Ok(None);
         }
         if rank >= world {
-            bail!("environment: RANK = {rank} but WORLD_SIZE = {world}");
+            bail!("environment: {rank_var} = {rank} but {world_var} = {world}");
         }
         let local = match pick("LOCAL_RANK", "SLURM_LOCALID") {
-            Some(v) => num("LOCAL_RANK", v)?,
+            Some(v) => num(name("LOCAL_RANK", "SLURM_LOCALID"), v)?,
             None => 0,
         };
-        let addr = get("MASTER_ADDR").context(
-            "WORLD_SIZE > 1 but MASTER_ADDR is not set: export MASTER_ADDR=<rank 0's host>",
-        )?;
+        let slurm = match world_var {
+            "SLURM_NTASKS" => " (in an sbatch script: export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1) MASTER_PORT=29500; README, \"Several GPUs\")",
+            _ => "",
+        };
+        let addr = get("MASTER_ADDR").with_context(|| {
+            format!("{world_var} = {world} ({rank_var} = {rank}) but MASTER_ADDR is not set: export MASTER_ADDR=<rank 0's host>{slurm}")
+        })?;
         let port = match get("LORA_TRAIN_PORT") {
             Some(p) => num("LORA_TRAIN_PORT", p)?,
             None => {
-                let p = get("MASTER_PORT").context(
-                    "WORLD_SIZE > 1 but MASTER_PORT is not set: export MASTER_PORT=<a free port>",
-                )?;
+                let p = get("MASTER_PORT").with_context(|| {
+                    format!("{world_var} = {world} ({rank_var} = {rank}) but MASTER_PORT is not set: export MASTER_PORT=<a free port>{slurm}")
+                })?;
                 num("MASTER_PORT", p)? + 1
             }
         };

@@ -31,6 +31,7 @@ mod locks;
 mod loopback;
 mod merge;
 mod moe;
+mod newcomer;
 mod nf4;
 mod ops;
 mod output_streams;
