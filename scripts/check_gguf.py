@@ -20,7 +20,18 @@ from pathlib import Path
 import numpy as np
 import gguf
 from gguf.quants import dequantize
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file as _load_np
+
+
+def load_file(path):
+    """The tensors of a safetensors file as numpy arrays; bf16 (which numpy lacks) as f32."""
+    try:
+        return _load_np(path)
+    except TypeError:
+        from safetensors.torch import load_file as load_torch
+        import torch
+        return {k: (v.float() if v.dtype == torch.bfloat16 else v).numpy()
+                for k, v in load_torch(path).items()}
 
 ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
         "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}

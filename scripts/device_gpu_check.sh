@@ -66,6 +66,19 @@
 #         ckpt); the Llama-2-70B shape NF4 at mb1, checkpointed -> $OUT/qlora.jsonl,
 #         $OUT/qlora-plan*.json. Carry .devbuild/lora-train.gz and the bitsandbytes wheel
 #         (scripts/fetch-wheels.sh), without it.gz (64 MiB). Not in the default set.
+# unsloth: Unsloth 2026.10.9 beside ours (issue 67): the 7B headline (Llama-2-7B shape, bf16,
+#         seq 2048, mb2, r16 all linear, no checkpointing) and Llama-3-8B QLoRA (NF4, seq 2048,
+#         mb2, r16 all linear), each row ours (`bench`, as the `bench` and `qlora` modes run it)
+#         and scripts/bench_unsloth.py (FastLanguageModel on a saved random checkpoint of the
+#         shape, made first: make_random_checkpoint.py --tokenizer), 10 timed steps after 3 ->
+#         $OUT/unsloth.jsonl, $OUT/unsloth.txt (ours, Unsloth, ratio, peaks), $OUT/unsloth-*.log.
+#         Unsloth and the dependencies the image lacks are installed from .devbuild/unsloth
+#         (scripts/fetch-wheels.sh unsloth) into /tmp/unsloth-site, on PYTHONPATH for its runs
+#         only; if it fails to import, its traceback's tail is printed and ours still run.
+#         UNSLOTH_ROWS picks rows (default "7b 8b-nf4"; also "7b-ckpt": both checkpointed).
+#         Ours run first (every row), then Unsloth's, within UNSLOTH_BUDGET s (450) of the start.
+#         Carry .devbuild/lora-train.xz, .devbuild/bitsandbytes-*.whl and .devbuild/unsloth
+#         (~25 MB). Under 8 minutes on an H100. Not in the default set.
 # ab:     ours alone, the mb2 all-linear 7B bench in each of AB's ";"-separated variants (each:
 #         VAR=value assignments and bench flags, e.g. "LORA_TRAIN_EXPERIMENTS=reduce_ahead" or
 #         "--deterministic"; "default": neither), ROUNDS rounds (default 2) alternated (default
@@ -501,6 +514,89 @@ PY
   echo "== lora-train qlora 7b under 24GiB at the plan's mb $mb $ck"
   timeout 150 $E .devbuild/lora-train bench --shape llama2-7b $Q --micro-batch "$mb" $ck --quantize nf4 \
     --max-memory 24GiB --tag "qlora-7b-24gib-mb$mb$ck" --json "$OUT/qlora.jsonl" 2>&1 | tail -3
+fi
+
+# unsloth: see the header. Ours first, every row (about a minute each), then Unsloth's rows, each
+# after its checkpoint is made (nothing else on the GPU meanwhile), within UNSLOTH_BUDGET seconds
+# of the mode's start (default 450) so that the call ends inside its 10 minutes whatever Unsloth
+# does; bench_unsloth.py exits 3 when `import unsloth` fails, and later rows skip it.
+if [[ $what == *" unsloth "* ]]; then
+  deadline=$(( $(date +%s) + ${UNSLOTH_BUDGET:-450} ))
+  U=/tmp/unsloth-site
+  bwhl=$(ls .devbuild/bitsandbytes-*.whl 2>/dev/null | head -1)
+  uok=1
+  if ls .devbuild/unsloth/*.whl > /dev/null 2>&1; then
+    python3 -m pip install --no-deps --no-index --target $U .devbuild/unsloth/*.whl $bwhl \
+      > "$OUT/unsloth-install.log" 2>&1 || { echo "unsloth wheels: install failed"; tail -5 "$OUT/unsloth-install.log"; uok=0; }
+  else
+    echo "unsloth: no wheels in .devbuild/unsloth (scripts/fetch-wheels.sh unsloth)"; uok=0
+  fi
+  P="--seq 2048 --rank 16 --targets all --steps 10 --warmup 3"
+  # row -> shape, ours' flags, Unsloth's flags
+  urow() {
+    case $1 in
+      7b) echo "llama2-7b|--micro-batch 2|--batch 2" ;;
+      7b-ckpt) echo "llama2-7b|--micro-batch 2 --ckpt|--batch 2 --ckpt" ;;
+      8b-nf4) echo "llama3-8b|--micro-batch 2 --quantize nf4|--batch 2 --load-in-4bit" ;;
+    esac
+  }
+  rows=""
+  for row in ${UNSLOTH_ROWS:-7b 8b-nf4}; do
+    [ -n "$(urow $row)" ] && rows="$rows $row" || echo "unsloth: unknown row $row"
+  done
+  for row in $rows; do
+    IFS='|' read -r shape ours theirs <<< "$(urow $row)"
+    echo "== $row: lora-train bench --shape $shape $P $ours"
+    timeout 150 $E .devbuild/lora-train bench --shape $shape $P $ours --tag "$row" \
+      --json "$OUT/unsloth.jsonl" 2>&1 | tail -2 | cut -c1-400
+  done
+  for row in $rows; do
+    [ $uok = 1 ] || break
+    IFS='|' read -r shape ours theirs <<< "$(urow $row)"
+    t0=$(date +%s)
+    C=/tmp/unsloth-ckpt/$shape
+    if [ ! -f $C/tokenizer_config.json ]; then
+      rm -rf /tmp/unsloth-ckpt  # one checkpoint at a time on the 64 GiB disk
+      left=$(( deadline - $(date +%s) )); [ $left -gt 150 ] && left=150
+      [ $left -lt 30 ] && { echo "unsloth: out of budget before $row"; break; }
+      timeout $left python3 scripts/make_random_checkpoint.py $C $shape --seq 2048 --rows 0 --tokenizer \
+        2>&1 | tail -1
+      [ -f $C/tokenizer_config.json ] || { echo "unsloth: no checkpoint at $C, $row skipped"; continue; }
+    fi
+    left=$(( deadline - $(date +%s) )); [ $left -gt 300 ] && left=300
+    [ $left -lt 30 ] && { echo "unsloth: out of budget before $row"; break; }
+    echo "== $row: bench_unsloth.py --shape $shape $P $theirs (at most $left s)"
+    PYTHONPATH=$U:${PYTHONPATH:-} timeout $left python3 scripts/bench_unsloth.py --shape $shape --model $C \
+      $P $theirs --tag "$row" --json "$OUT/unsloth.jsonl" > "$OUT/unsloth-$row.log" 2>&1
+    rc=$?
+    if [ $rc = 0 ]; then
+      grep -i "unsloth" "$OUT/unsloth-$row.log" | grep -v "^{" | head -6 | cut -c1-200
+      tail -1 "$OUT/unsloth-$row.log" | cut -c1-400
+    else
+      echo "bench_unsloth.py exit $rc; its log's tail:"; tail -15 "$OUT/unsloth-$row.log" | cut -c1-300
+      [ $rc = 3 ] && uok=0
+    fi
+    echo "   (Unsloth $row: $(( $(date +%s) - t0 )) s with its checkpoint)"
+  done
+  rm -rf /tmp/unsloth-ckpt
+  [ -s "$OUT/unsloth.jsonl" ] && python3 - "$OUT/unsloth.jsonl" <<'PY' | tee "$OUT/unsloth.txt"
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+for tag in dict.fromkeys(r.get("tag") for r in rows):
+    o = next((r for r in rows if r.get("tag") == tag and r.get("system") == "lora-train"), None)
+    u = next((r for r in rows if r.get("tag") == tag and str(r.get("system", "")).startswith("unsloth")), None)
+    f = lambda r, k: r.get(k) if r else None
+    line = (f"{tag:8s} ours {f(o, 'tokens_per_s')} tok/s, peak {f(o, 'peak_alloc_gib')} GiB"
+            f" ({f(o, 'peak_reserved_gib')} reserved) | Unsloth {f(u, 'tokens_per_s')} tok/s, peak"
+            f" {f(u, 'peak_alloc_gib')} GiB ({f(u, 'peak_reserved_gib')} reserved)")
+    if o and u and o.get("tokens_per_s") and u.get("tokens_per_s"):
+        line += f" | ours/Unsloth tok/s {o['tokens_per_s'] / u['tokens_per_s']:.3f}"
+        if o.get("peak_alloc_gib") and u.get("peak_alloc_gib"):
+            line += f", peak {o['peak_alloc_gib'] / u['peak_alloc_gib']:.3f}"
+    if u:
+        line += f" [unsloth {u.get('unsloth')}, attention {u.get('attn_backend')}, loss {u.get('final_loss')}]"
+    print(line)
+PY
 fi
 
 # longctx: Llama-3-8B shape, micro-batch 1, checkpointed, bf16, under an 80 GiB cap: ours at

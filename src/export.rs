@@ -6,7 +6,7 @@
 //! is `base_model.model.<module>.lora_magnitude_vector` (no `.weight`: PEFT 0.21's file key)
 //! and its config says `"use_dora": true`.
 
-pub mod adapter_check;
+pub(crate) mod adapter_check;
 pub mod gguf;
 pub mod merge;
 mod progress;
@@ -26,9 +26,11 @@ const _: () = assert!(
     "lora-train writes safetensors from memory as is: build for a little-endian target"
 );
 
-pub const WEIGHTS: &str = "adapter_model.safetensors";
+pub(crate) const WEIGHTS: &str = "adapter_model.safetensors";
+/// The adapter's config file, as PEFT names it.
 pub const CONFIG: &str = "adapter_config.json";
 
+/// PEFT's file key of `module`'s adapter matrix `which` ('A' or 'B').
 pub fn peft_key(module: &str, which: char) -> String {
     format!("base_model.model.{module}.lora_{which}.weight")
 }
@@ -64,10 +66,12 @@ fn key_variants(key: &str) -> [String; 3] {
 /// What a saved adapter says about itself (adapter_config.json).
 #[derive(Debug, Clone)]
 pub struct AdapterInfo {
+    /// The adapter's rank, scale, dropout and targets.
     pub spec: LoraSpec,
+    /// `base_model_name_or_path`, when written.
     pub base_model: Option<String>,
     /// The base's Hub revision, when it came from the Hub.
-    pub revision: Option<String>,
+    pub(crate) revision: Option<String>,
 }
 
 /// Writes the model's adapters into `dir` (created if needed), each file atomically.
@@ -89,7 +93,7 @@ pub fn save_adapter(
 
 /// The model's adapter tensors as PEFT keys them, where they are (the device's): A [r, in],
 /// B [out, r] (and m [out]), in the model's order.
-pub fn adapter_parts(model: &Model) -> Vec<(String, Tensor)> {
+pub(crate) fn adapter_parts(model: &Model) -> Vec<(String, Tensor)> {
     model
         .adapters()
         .flat_map(|(module, lora)| adapter_keys(module, lora))
@@ -99,7 +103,7 @@ pub fn adapter_parts(model: &Model) -> Vec<(String, Tensor)> {
 
 /// The model's adapters as PEFT keys them: A [r, in], B [out, r] (and m [out]), f32 host copies that
 /// training no longer changes (the optimiser updates the device tensors in place).
-pub fn adapter_tensors(model: &Model) -> Result<Vec<(String, Tensor)>> {
+pub(crate) fn adapter_tensors(model: &Model) -> Result<Vec<(String, Tensor)>> {
     let mut keys = Vec::new();
     let mut parts = Vec::new();
     for (key, t) in adapter_parts(model) {
@@ -124,7 +128,7 @@ pub fn adapter_tensors(model: &Model) -> Result<Vec<(String, Tensor)>> {
 
 /// A host tensor with storage of its own: a CPU tensor is copied, not shared, so that a later
 /// in-place update does not reach it.
-pub fn host_copy(t: &Tensor) -> candle_core::Result<Tensor> {
+pub(crate) fn host_copy(t: &Tensor) -> candle_core::Result<Tensor> {
     match t.device() {
         Device::Cpu => t.copy(),
         _ => t.to_device(&Device::Cpu),
@@ -181,7 +185,7 @@ pub fn write_f32(path: &Path, parts: &[F32Part]) -> Result<()> {
 }
 
 /// adapter_config.json's bytes: PEFT's LoRA config for `spec`.
-pub fn adapter_config(
+pub(crate) fn adapter_config(
     spec: &LoraSpec,
     base_model: &str,
     revision: Option<&str>,

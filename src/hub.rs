@@ -6,10 +6,10 @@
 //! complete in the cache needs no network; with HF_HUB_OFFLINE=1 the network is never used.
 //! Data sets (`hf://datasets/ORG/NAME`) share the client and the cache: see [`dataset`].
 
-pub mod cache;
+pub(crate) mod cache;
 pub mod dataset;
 pub mod download;
-pub mod env;
+pub(crate) mod env;
 mod fetch;
 mod progress;
 
@@ -20,29 +20,35 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 /// Files fetched besides the weights, and whether a checkpoint must have them.
-pub const META_FILES: [(&str, bool); 5] = [
+pub(crate) const META_FILES: [(&str, bool); 5] = [
     ("config.json", true),
     ("generation_config.json", false),
     ("tokenizer.json", false),
     ("tokenizer_config.json", false),
     ("special_tokens_map.json", false),
 ];
-pub const INDEX: &str = "model.safetensors.index.json";
-pub const SINGLE: &str = "model.safetensors";
+pub(crate) const INDEX: &str = "model.safetensors.index.json";
+pub(crate) const SINGLE: &str = "model.safetensors";
+/// The revision a Hub id is read at when none is given.
 pub const DEFAULT_REVISION: &str = "main";
 
 /// The files of one Hugging Face checkpoint directory.
 #[derive(Debug, Clone)]
 pub struct ModelFiles {
+    /// The checkpoint's directory (a local one, or the snapshot in the Hub cache).
     pub dir: PathBuf,
+    /// Its config.json.
     pub config: PathBuf,
     /// One `model.safetensors`, or every shard named by `model.safetensors.index.json`.
-    pub weights: Vec<PathBuf>,
+    pub(crate) weights: Vec<PathBuf>,
+    /// tokenizer.json, when there is one.
     pub tokenizer: Option<PathBuf>,
+    /// tokenizer_config.json (chat template, special tokens), when there is one.
     pub tokenizer_config: Option<PathBuf>,
 }
 
 impl ModelFiles {
+    /// The files of the checkpoint directory `dir`; an error names what is missing and the fix.
     pub fn local(dir: &Path) -> Result<Self> {
         if !dir.is_dir() {
             bail!("model directory {} does not exist", dir.display());
@@ -118,7 +124,7 @@ fn shards_from_index(index: &Path) -> Result<Vec<PathBuf>> {
     Ok(out)
 }
 
-pub use crate::util::{check_repo_id, check_revision};
+pub(crate) use crate::util::{check_repo_id, check_revision};
 
 /// `id` and `revision` checked as the Hub defines them, before either becomes part of a path
 /// or a URL.
@@ -169,7 +175,7 @@ pub fn model_files(src: &Source) -> Result<ModelFiles> {
 
 /// Only a checkpoint's config.json (memory plans need no weights): the local directory's, or
 /// the Hub repository's at its revision, from the cache or fetched alone.
-pub fn config_file(src: &Source) -> Result<PathBuf> {
+pub(crate) fn config_file(src: &Source) -> Result<PathBuf> {
     match src {
         Source::Local(dir) => {
             let c = dir.join("config.json");
@@ -216,7 +222,7 @@ pub fn download(id: &str, revision: &str) -> Result<ModelFiles> {
 
 /// When to ask the Hub about a revision the cache already holds completely.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Refresh {
+pub(crate) enum Refresh {
     /// Never: a complete snapshot is used as it is (training).
     IfIncomplete,
     /// For branches and tags, always: they move (`download`). Commits never change.
@@ -248,7 +254,12 @@ fn lacking(cache: &RepoCache, commit: &str, strict: bool) -> Vec<String> {
 }
 
 /// `id` at `revision` from the cache under `env`, fetching what it lacks.
-pub fn snapshot(env: &HubEnv, id: &str, revision: &str, refresh: Refresh) -> Result<ModelFiles> {
+pub(crate) fn snapshot(
+    env: &HubEnv,
+    id: &str,
+    revision: &str,
+    refresh: Refresh,
+) -> Result<ModelFiles> {
     check_names(id, revision)?;
     let cache = RepoCache::new(&env.cache, id);
     let cached = cache.commit_for(revision);

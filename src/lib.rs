@@ -9,6 +9,10 @@
 // Output goes through util::out (outln!, errln!): println! and eprintln! panic on a closed pipe
 // or a full disk.
 #![warn(clippy::print_stdout, clippy::print_stderr)]
+// Every item reachable from the crate's API says what it is (shapes, units).
+#![warn(missing_docs)]
+// Every unsafe block says why it is sound (ops/mod.rs states the launch contract).
+#![warn(clippy::undocumented_unsafe_blocks)]
 
 /// Small helpers every module may use: crash-safe files, directories and locks, sizes, Hub
 /// ids, output that never panics.

@@ -24,26 +24,30 @@ pub const ALL_LINEAR: [&str; 7] = [
 ];
 
 /// Every module name lora.targets may hold (the recipe defines them: `recipe::KNOWN_LINEAR`).
-pub use crate::recipe::KNOWN_LINEAR;
+pub(crate) use crate::recipe::KNOWN_LINEAR;
 
 /// A MoE's fused expert parameters LoRA can adapt, as PEFT's `target_parameters` names them:
 /// gate_up_proj [E, 2I, C] and down_proj [E, C, I] of `model.layers.N.mlp.experts`. PEFT gives
 /// each one adapter over all experts, A [E·r, in] (expert e's rows e·r..) and B [out, r·E]
 /// (expert e's columns e, E + e, ..); model/layer_moe.rs.
-pub const EXPERT_PARAMS: [&str; 2] = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"];
+pub(crate) const EXPERT_PARAMS: [&str; 2] = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"];
 
 /// A module's index in `KNOWN_LINEAR`: with the layer, the key of its adapter's random streams
 /// (init, dropout), so Llama's seven keep the keys they always had.
-pub fn module_index(module: &str) -> u64 {
+pub(crate) fn module_index(module: &str) -> u64 {
     KNOWN_LINEAR.iter().position(|m| *m == module).unwrap_or(0) as u64
 }
 
 /// What to inject, resolved from the recipe (or an init adapter's config).
 #[derive(Debug, Clone, PartialEq)]
 pub struct LoraSpec {
+    /// r: the adapters' inner dimension (A [r, in], B [out, r]).
     pub rank: usize,
+    /// α: the adapters' scale is α / r (α / √r with `rslora`).
     pub alpha: f64,
+    /// Probability that an element of an adapter's input is zeroed (0: none).
     pub dropout: f32,
+    /// rsLoRA: scale α / √r instead of α / r.
     pub rslora: bool,
     /// DoRA: each adapter has a magnitude vector (PEFT's `use_dora`).
     pub dora: bool,
@@ -53,7 +57,7 @@ pub struct LoraSpec {
 }
 
 impl LoraSpec {
-    pub fn scale(&self) -> f64 {
+    pub(crate) fn scale(&self) -> f64 {
         if self.rslora {
             self.alpha / (self.rank as f64).sqrt()
         } else {
@@ -61,7 +65,7 @@ impl LoraSpec {
         }
     }
 
-    pub fn targets(&self, module: &str) -> bool {
+    pub(crate) fn targets(&self, module: &str) -> bool {
         self.targets.iter().any(|t| t == module)
     }
 }
@@ -69,9 +73,13 @@ impl LoraSpec {
 /// One adapter pair attached to a frozen linear (clones share the `Var`s).
 #[derive(Clone)]
 pub struct Lora {
-    pub a: Var, // [r, in] f32
-    pub b: Var, // [out, r] f32
+    /// A [r, in] f32 (random at init).
+    pub a: Var,
+    /// B [out, r] f32 (zero at init).
+    pub b: Var,
+    /// s, the factor on x Aᵀ Bᵀ (α / r, or α / √r).
     pub scale: f64,
+    /// Probability that an element of the adapter's input is zeroed (0: none).
     pub dropout: f32,
     /// DoRA's magnitude [out] f32 (None for plain LoRA).
     pub m: Option<Var>,
@@ -79,7 +87,7 @@ pub struct Lora {
 
 impl Lora {
     /// Fresh adapter: A ~ U(−1/√in, 1/√in) from a stream keyed by (seed, layer, module); B = 0.
-    pub fn init(
+    pub(crate) fn init(
         spec: &LoraSpec,
         in_f: usize,
         out_f: usize,
@@ -105,7 +113,7 @@ impl Lora {
 
     /// `init` with DoRA's magnitude where `spec.dora`: m = ‖W‖_row of the weight the forward
     /// uses (`w` [out, in], dequantized for an NF4 base), so that m / ‖W + s·B A‖ starts at 1.
-    pub fn init_for(
+    pub(crate) fn init_for(
         spec: &LoraSpec,
         w: &Tensor,
         seed: u64,

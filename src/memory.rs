@@ -5,17 +5,17 @@
 //! driver on every synchronisation) and read its peak use, which is what decides an OOM.
 
 pub mod plan;
-pub mod sizes;
+pub(crate) mod sizes;
 
 use candle_core::{Device, Result};
 use std::cell::Cell;
 
 /// Bytes in use now and at the peak since the last reset (None on the CPU).
 #[derive(Debug, Clone, Copy, Default, serde::Serialize)]
-pub struct PoolStats {
-    pub used: u64,
-    pub used_high: u64,
-    pub reserved_high: u64,
+pub(crate) struct PoolStats {
+    pub(crate) used: u64,
+    pub(crate) used_high: u64,
+    pub(crate) reserved_high: u64,
 }
 
 #[cfg(feature = "cuda")]
@@ -55,7 +55,7 @@ mod imp {
             .map_err(candle_core::Error::wrap)
     }
 
-    pub fn keep_pool_memory(dev: &Device) -> Result<()> {
+    pub(crate) fn keep_pool_memory(dev: &Device) -> Result<()> {
         if let Some(p) = pool(dev)? {
             set(
                 p,
@@ -66,7 +66,7 @@ mod imp {
         Ok(())
     }
 
-    pub fn stats(dev: &Device) -> Result<Option<PoolStats>> {
+    pub(crate) fn stats(dev: &Device) -> Result<Option<PoolStats>> {
         let Some(p) = pool(dev)? else { return Ok(None) };
         use sys::CUmemPool_attribute::*;
         Ok(Some(PoolStats {
@@ -76,7 +76,7 @@ mod imp {
         }))
     }
 
-    pub fn reset_peak(dev: &Device) -> Result<()> {
+    pub(crate) fn reset_peak(dev: &Device) -> Result<()> {
         if let Some(p) = pool(dev)? {
             use sys::CUmemPool_attribute::*;
             set(p, CU_MEMPOOL_ATTR_USED_MEM_HIGH, 0)?;
@@ -97,7 +97,7 @@ mod imp {
     }
 
     /// (free, total) bytes of the device (cuMemGetInfo).
-    pub fn mem_info(dev: &Device) -> Result<Option<(u64, u64)>> {
+    pub(crate) fn mem_info(dev: &Device) -> Result<Option<(u64, u64)>> {
         if !bind(dev)? {
             return Ok(None);
         }
@@ -107,7 +107,7 @@ mod imp {
     }
 
     /// A cuMemAlloc block outside the pool, freed on drop.
-    pub struct Raw(sys::CUdeviceptr, Device);
+    pub(crate) struct Raw(sys::CUdeviceptr, Device);
 
     impl Drop for Raw {
         fn drop(&mut self) {
@@ -118,7 +118,7 @@ mod imp {
         }
     }
 
-    pub fn alloc_raw(dev: &Device, bytes: u64) -> Result<Option<Raw>> {
+    pub(crate) fn alloc_raw(dev: &Device, bytes: u64) -> Result<Option<Raw>> {
         if !bind(dev)? {
             return Ok(None);
         }
@@ -129,7 +129,7 @@ mod imp {
     }
 
     /// The chain holds cudarc's CUDA_ERROR_OUT_OF_MEMORY.
-    pub fn is_driver_oom(e: &(dyn std::error::Error + 'static)) -> bool {
+    pub(crate) fn is_driver_oom(e: &(dyn std::error::Error + 'static)) -> bool {
         use candle_core::cuda::cudarc::driver::DriverError;
         e.downcast_ref::<DriverError>()
             .is_some_and(|d| d.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY)
@@ -140,71 +140,71 @@ mod imp {
 mod imp {
     use super::PoolStats;
     use candle_core::{Device, Result};
-    pub fn keep_pool_memory(_: &Device) -> Result<()> {
+    pub(crate) fn keep_pool_memory(_: &Device) -> Result<()> {
         Ok(())
     }
-    pub fn stats(_: &Device) -> Result<Option<PoolStats>> {
+    pub(crate) fn stats(_: &Device) -> Result<Option<PoolStats>> {
         Ok(None)
     }
-    pub fn reset_peak(_: &Device) -> Result<()> {
+    pub(crate) fn reset_peak(_: &Device) -> Result<()> {
         Ok(())
     }
-    pub fn mem_info(_: &Device) -> Result<Option<(u64, u64)>> {
+    pub(crate) fn mem_info(_: &Device) -> Result<Option<(u64, u64)>> {
         Ok(None)
     }
-    pub struct Raw;
-    pub fn alloc_raw(_: &Device, _: u64) -> Result<Option<Raw>> {
+    pub(crate) struct Raw;
+    pub(crate) fn alloc_raw(_: &Device, _: u64) -> Result<Option<Raw>> {
         Ok(None)
     }
-    pub fn is_driver_oom(_: &(dyn std::error::Error + 'static)) -> bool {
+    pub(crate) fn is_driver_oom(_: &(dyn std::error::Error + 'static)) -> bool {
         false
     }
 }
 
 /// Keep freed device memory in the pool for reuse (no-op on the CPU).
-pub fn keep_pool_memory(dev: &Device) -> Result<()> {
+pub(crate) fn keep_pool_memory(dev: &Device) -> Result<()> {
     imp::keep_pool_memory(dev)
 }
 
 /// The pool's current and peak use (None on the CPU).
-pub fn stats(dev: &Device) -> Result<Option<PoolStats>> {
+pub(crate) fn stats(dev: &Device) -> Result<Option<PoolStats>> {
     imp::stats(dev)
 }
 
 /// Restart the peak counters (no-op on the CPU).
-pub fn reset_peak(dev: &Device) -> Result<()> {
+pub(crate) fn reset_peak(dev: &Device) -> Result<()> {
     imp::reset_peak(dev)
 }
 
 /// (free, total) bytes of a CUDA device (None on the CPU).
-pub fn mem_info(dev: &Device) -> Result<Option<(u64, u64)>> {
+pub(crate) fn mem_info(dev: &Device) -> Result<Option<(u64, u64)>> {
     imp::mem_info(dev)
 }
 
-pub const GIB: f64 = (1u64 << 30) as f64;
+pub(crate) const GIB: f64 = (1u64 << 30) as f64;
 
 /// The phases of a training step, in order.
-pub const PHASES: [&str; 4] = ["forward", "head", "backward", "optimizer"];
+pub(crate) const PHASES: [&str; 4] = ["forward", "head", "backward", "optimizer"];
 
 /// Per-phase peaks of the device pool over a run's steps (CUDA), and which phase a step is
 /// in (everywhere, for OOM reports). On the CPU it only tracks the phase: no cost.
 #[derive(Debug, Clone, Default)]
-pub struct PhaseMeter {
+pub(crate) struct PhaseMeter {
     /// The pool's high-water mark in each phase (bytes), over the steps since `take`.
-    pub peaks: std::collections::BTreeMap<&'static str, u64>,
+    pub(crate) peaks: std::collections::BTreeMap<&'static str, u64>,
     /// The last phase that ended in the current step (None: in the forward).
-    pub done: Option<&'static str>,
+    pub(crate) done: Option<&'static str>,
     /// The peak of the whole run so far (bytes).
-    pub run_peak: u64,
+    pub(crate) run_peak: u64,
     /// The pool's reserved high-water mark over the run so far (bytes).
-    pub run_reserved: u64,
+    pub(crate) run_reserved: u64,
     /// What was in use at each phase's last end (bytes).
-    pub ends: std::collections::BTreeMap<&'static str, u64>,
+    pub(crate) ends: std::collections::BTreeMap<&'static str, u64>,
 }
 
 impl PhaseMeter {
     /// A step begins: the peak counter restarts.
-    pub fn begin(&mut self, dev: &Device) -> Result<()> {
+    pub(crate) fn begin(&mut self, dev: &Device) -> Result<()> {
         self.done = None;
         if dev.is_cpu() {
             return Ok(());
@@ -216,7 +216,7 @@ impl PhaseMeter {
     /// device: the pool's counters follow the host's stream-ordered allocations and frees as
     /// they are asked for, not as the device reaches them, so the peak read at once is the
     /// phase's own (and a wait would drain the device's queue at every phase of every step).
-    pub fn end(&mut self, dev: &Device, phase: &'static str) -> Result<()> {
+    pub(crate) fn end(&mut self, dev: &Device, phase: &'static str) -> Result<()> {
         self.done = Some(phase);
         if dev.is_cpu() {
             return Ok(());
@@ -232,7 +232,7 @@ impl PhaseMeter {
     }
 
     /// The phase a failure happened in: the one after the last that ended.
-    pub fn current(&self) -> &'static str {
+    pub(crate) fn current(&self) -> &'static str {
         match self.done {
             None => PHASES[0],
             Some(p) => {
@@ -243,7 +243,7 @@ impl PhaseMeter {
     }
 
     /// The peaks recorded since the last call, emptied (empty on the CPU).
-    pub fn take(&mut self) -> std::collections::BTreeMap<&'static str, u64> {
+    pub(crate) fn take(&mut self) -> std::collections::BTreeMap<&'static str, u64> {
         std::mem::take(&mut self.peaks)
     }
 }
@@ -251,12 +251,12 @@ impl PhaseMeter {
 /// `train.max_memory` on CUDA: a block taken with cuMemAlloc, outside the pool candle uses, so
 /// that what the pool can still get is `max_memory` (the card behaves as one of that size;
 /// OOMs are real). Dropping it gives the memory back.
-pub struct Ballast {
+pub(crate) struct Ballast {
     _raw: Option<imp::Raw>,
     /// Bytes held (0: the card already had no more than max_memory free).
-    pub bytes: u64,
+    pub(crate) bytes: u64,
     /// The device's total memory.
-    pub total: u64,
+    pub(crate) total: u64,
 }
 
 impl Drop for Ballast {
@@ -268,7 +268,7 @@ impl Drop for Ballast {
 
 /// Holds `total − max_memory` bytes of the device (less when that much is not free: then
 /// what is free is already within max_memory). None on the CPU.
-pub fn hold_ballast(dev: &Device, max_memory: u64) -> Result<Option<Ballast>> {
+pub(crate) fn hold_ballast(dev: &Device, max_memory: u64) -> Result<Option<Ballast>> {
     let Some((free, total)) = mem_info(dev)? else {
         return Ok(None);
     };
@@ -292,7 +292,7 @@ pub fn hold_ballast(dev: &Device, max_memory: u64) -> Result<Option<Ballast>> {
 /// A device allocation failed: the chain of `e` holds cudarc's CUDA_ERROR_OUT_OF_MEMORY, our
 /// CPU accounting's `CpuOutOfMemory`, or an "out of memory" message (candle wraps some CUDA
 /// errors as text).
-pub fn is_oom(e: &anyhow::Error) -> bool {
+pub(crate) fn is_oom(e: &anyhow::Error) -> bool {
     e.chain().any(is_oom_error)
 }
 
@@ -328,10 +328,10 @@ fn oom_text(text: &str) -> bool {
 /// The CPU accounting's cap was crossed (see `account_cpu`).
 #[derive(Debug, thiserror::Error)]
 #[error("out of memory (CPU accounting): the tensors the driver holds need {needed} bytes in {phase}, over train.max_memory = {cap} bytes")]
-pub struct CpuOutOfMemory {
-    pub needed: u64,
-    pub cap: u64,
-    pub phase: &'static str,
+pub(crate) struct CpuOutOfMemory {
+    pub(crate) needed: u64,
+    pub(crate) cap: u64,
+    pub(crate) phase: &'static str,
 }
 
 // The CPU accounting (`train.max_memory` on the CPU, where there is no device to fill): the
@@ -347,7 +347,7 @@ thread_local! {
 
 /// Sets the CPU cap (None: no cap) and the bytes held outside the driver (weights, adapters,
 /// optimiser state).
-pub fn set_cpu_budget(cap: Option<u64>, fixed: u64) {
+pub(crate) fn set_cpu_budget(cap: Option<u64>, fixed: u64) {
     CPU_CAP.set(cap.unwrap_or(u64::MAX));
     CPU_FIXED.set(fixed);
     CPU_HIGH.set(fixed);
@@ -355,7 +355,7 @@ pub fn set_cpu_budget(cap: Option<u64>, fixed: u64) {
 
 /// The driver holds `held` bytes of tensors in `phase`: an error when, with the fixed part,
 /// that crosses the CPU cap. Free when no cap is set; never fails on CUDA.
-pub fn account_cpu(dev: &Device, held: u64, phase: &'static str) -> Result<()> {
+pub(crate) fn account_cpu(dev: &Device, held: u64, phase: &'static str) -> Result<()> {
     let cap = CPU_CAP.get();
     if cap == u64::MAX || !dev.is_cpu() {
         return Ok(());
@@ -373,12 +373,12 @@ pub fn account_cpu(dev: &Device, held: u64, phase: &'static str) -> Result<()> {
 }
 
 /// The CPU accounting's high-water mark since `set_cpu_budget` (None without a cap).
-pub fn cpu_high() -> Option<u64> {
+pub(crate) fn cpu_high() -> Option<u64> {
     (CPU_CAP.get() != u64::MAX).then(|| CPU_HIGH.get())
 }
 
 /// Bytes of a tensor's elements (ops::tensor_bytes).
-pub use crate::ops::tensor_bytes;
+pub(crate) use crate::ops::tensor_bytes;
 
 /// The least free memory of the GPUs `ordinals` in a CUDA build that has them all, plus the
 /// context this process took to ask (the plan counts a context); None otherwise.
@@ -397,7 +397,7 @@ pub fn free_gpu_memory(ordinals: &[usize]) -> Option<u64> {
 
 /// The host memory the system can give without swapping (Linux's MemAvailable); None where
 /// /proc/meminfo does not say.
-pub fn host_available() -> Option<u64> {
+pub(crate) fn host_available() -> Option<u64> {
     meminfo_available(&std::fs::read_to_string("/proc/meminfo").ok()?)
 }
 
@@ -414,7 +414,7 @@ fn meminfo_available(text: &str) -> Option<u64> {
 
 /// Whether `ranks` ranks on one host may each pin `pinned` bytes of its `available` memory:
 /// three quarters of it at most, the rest left to the data, the page cache and the process.
-pub fn host_fits(pinned: u64, ranks: usize, available: u64) -> bool {
+pub(crate) fn host_fits(pinned: u64, ranks: usize, available: u64) -> bool {
     pinned.saturating_mul(ranks.max(1) as u64) <= available / 4 * 3
 }
 

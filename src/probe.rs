@@ -27,61 +27,70 @@ use std::time::Instant;
 
 /// One rung of the ramp.
 #[derive(Debug, Clone, serde::Serialize)]
-pub struct Rung {
-    pub micro_batch: usize,
-    pub seq: usize,
-    pub seconds: f64,
+pub(crate) struct Rung {
+    pub(crate) micro_batch: usize,
+    pub(crate) seq: usize,
+    pub(crate) seconds: f64,
     /// The pool's peak in each phase (bytes; empty on the CPU).
-    pub peaks: std::collections::BTreeMap<&'static str, u64>,
+    pub(crate) peaks: std::collections::BTreeMap<&'static str, u64>,
     /// Pairs of parked gate and up in flight (the MLP half checkpointed on CUDA; else 0).
-    pub park_pending: usize,
+    pub(crate) park_pending: usize,
 }
 
 /// Where the ramp stopped.
 #[derive(Debug, Clone, serde::Serialize)]
-pub struct Failure {
-    pub micro_batch: usize,
-    pub seq: usize,
-    pub phase: &'static str,
-    pub cause: String,
+pub(crate) struct Failure {
+    pub(crate) micro_batch: usize,
+    pub(crate) seq: usize,
+    pub(crate) phase: &'static str,
+    pub(crate) cause: String,
 }
 
+/// What a probe found: each rung that ran, the first failure, and the memory measured.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct ProbeReport {
-    pub rungs: Vec<Rung>,
+    pub(crate) rungs: Vec<Rung>,
     /// The first allocation failure (None: the whole ramp ran).
-    pub oom: Option<Failure>,
+    pub(crate) oom: Option<Failure>,
     /// The device pool's peak after loading (CUDA).
-    pub load_peak: Option<u64>,
-    pub capacity: Option<u64>,
+    pub(crate) load_peak: Option<u64>,
+    pub(crate) capacity: Option<u64>,
 }
 
 /// Which ramp a probe runs.
 #[derive(Debug, Clone, Copy)]
 pub enum Ramp {
     /// seq doubling up to the recipe's seq_len, then micro-batch doubling up to this.
-    Batch { max_micro_batch: usize },
+    Batch {
+        /// The largest micro-batch tried.
+        max_micro_batch: usize,
+    },
     /// seq doubling at micro-batch 1 up to `max_seq`, then `refine` bisection steps.
-    Seq { max_seq: usize, refine: usize },
+    Seq {
+        /// The longest seq tried.
+        max_seq: usize,
+        /// Bisection steps between the last seq that fit and the first that did not.
+        refine: usize,
+    },
 }
 
 /// The seq rungs of the bisection run at multiples of this.
-pub const SEQ_GRAIN: usize = 64;
+pub(crate) const SEQ_GRAIN: usize = 64;
 
 /// The context ramp's first shapes: seq doubling from 64 (or `max_seq`) up to `max_seq`.
-pub fn seq_ramp(max_seq: usize) -> Vec<(usize, usize)> {
+pub(crate) fn seq_ramp(max_seq: usize) -> Vec<(usize, usize)> {
     ramp(max_seq, 1)
 }
 
 /// The next rung of the bisection between a seq that ran (`lo`) and one that failed (`hi`):
 /// their midpoint at a multiple of `SEQ_GRAIN`, None when no such point lies between them.
-pub fn bisect(lo: usize, hi: usize) -> Option<usize> {
+pub(crate) fn bisect(lo: usize, hi: usize) -> Option<usize> {
     let mid = (lo + hi) / 2 / SEQ_GRAIN * SEQ_GRAIN;
     (mid > lo && mid < hi).then_some(mid)
 }
 
 /// The ramp's shapes: (micro-batch, seq).
-pub fn ramp(seq_len: usize, max_micro_batch: usize) -> Vec<(usize, usize)> {
+pub(crate) fn ramp(seq_len: usize, max_micro_batch: usize) -> Vec<(usize, usize)> {
     let mut out = Vec::new();
     let mut t = 64.min(seq_len);
     while t < seq_len {
@@ -302,10 +311,11 @@ impl Trial<'_> {
 
 impl ProbeReport {
     /// The last shape that ran.
-    pub fn knee(&self) -> Option<&Rung> {
+    pub(crate) fn knee(&self) -> Option<&Rung> {
         self.rungs.last()
     }
 
+    /// The report as the table `probe` prints.
     pub fn render(&self) -> String {
         let mut out = String::from(
             "probe: one full step per shape on random token ids (forward, head, backward, optimizer)\n",
@@ -355,6 +365,7 @@ impl ProbeReport {
         out
     }
 
+    /// The report as JSON (`probe --json`).
     pub fn to_json(&self) -> serde_json::Value {
         let mut v = serde_json::to_value(self).unwrap_or_default();
         v["knee"] = serde_json::to_value(self.knee()).unwrap_or_default();

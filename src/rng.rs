@@ -6,13 +6,14 @@
 pub struct Rng(u64);
 
 impl Rng {
+    /// The generator seeded with `seed`.
     pub fn new(seed: u64) -> Self {
         Rng(seed)
     }
 
     /// A generator for one purpose, derived from a seed and a list of counters
     /// (e.g. [step, micro-batch, layer, module]): the same inputs give the same stream.
-    pub fn keyed(seed: u64, keys: &[u64]) -> Self {
+    pub(crate) fn keyed(seed: u64, keys: &[u64]) -> Self {
         let mut s = mix(seed ^ 0x6c6f_7261_2d74_7261);
         for &k in keys {
             s = mix(s ^ k.wrapping_mul(0x9e37_79b9_7f4a_7c15));
@@ -20,13 +21,13 @@ impl Rng {
         Rng(s)
     }
 
-    pub fn next_u64(&mut self) -> u64 {
+    pub(crate) fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
         mix(self.0)
     }
 
     /// Uniform in [0, 1) with 24 random bits (exact in f32).
-    pub fn next_f32(&mut self) -> f32 {
+    pub(crate) fn next_f32(&mut self) -> f32 {
         (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
     }
 
@@ -36,7 +37,7 @@ impl Rng {
     }
 
     /// Fisher–Yates shuffle.
-    pub fn shuffle<T>(&mut self, v: &mut [T]) {
+    pub(crate) fn shuffle<T>(&mut self, v: &mut [T]) {
         for i in (1..v.len()).rev() {
             let j = self.below(i + 1);
             v.swap(i, j);

@@ -16,30 +16,30 @@ use anyhow::Result;
 use std::time::Instant;
 
 /// What the timed steps measured.
-pub struct Steps {
-    pub clock: workload::Clock,
+pub(crate) struct Steps {
+    pub(crate) clock: workload::Clock,
     /// When the first step was queued.
-    pub t1: Instant,
+    pub(crate) t1: Instant,
     /// Seconds the host spent queueing the timed steps' work.
-    pub queue_s: f64,
+    pub(crate) queue_s: f64,
     /// Seconds starting checkpoints (their host copies), and waiting for the last one's write.
-    pub save_s: f64,
-    pub save_wait_s: f64,
+    pub(crate) save_s: f64,
+    pub(crate) save_wait_s: f64,
     /// The engine's meter after the timed steps (its run peaks and phase ends).
-    pub meter: PhaseMeter,
+    pub(crate) meter: PhaseMeter,
 }
 
 /// The bench's hooks: its rows, eval batches and checkpoint writer, and the clock.
-pub struct BenchHooks<'a> {
+pub(crate) struct BenchHooks<'a> {
     a: &'a BenchArgs,
     /// This rank's micro-batches of every step.
     batches: Vec<Batch>,
     /// This rank's eval micro-batches.
-    pub evals: Vec<Batch>,
+    pub(crate) evals: Vec<Batch>,
     /// The step's loss denominator over all ranks.
     denom: usize,
     /// The checkpoint writer, and whether this rank writes.
-    pub saver: Option<(workload::Saver, bool)>,
+    pub(crate) saver: Option<(workload::Saver, bool)>,
     clock: workload::Clock,
     queue_s: f64,
     save_s: f64,
@@ -50,7 +50,7 @@ pub struct BenchHooks<'a> {
 
 impl<'a> BenchHooks<'a> {
     /// The rows and writer of rank `s.comm.rank()`.
-    pub fn new(a: &'a BenchArgs, s: &Session) -> Result<BenchHooks<'a>> {
+    pub(crate) fn new(a: &'a BenchArgs, s: &Session) -> Result<BenchHooks<'a>> {
         let (rank, world) = (s.comm.rank(), s.comm.world());
         let (batches, evals) = micro_batches(a, s.run.cfg.vocab_size, rank, world);
         // Every row counts t − pack targets: the step's denominator over all ranks.
@@ -76,7 +76,7 @@ impl<'a> BenchHooks<'a> {
 
     /// The warm-up and timed steps on `s`, keeping `keep` of each layer; on a failure, the
     /// error and the engine's meter (the phase it failed in).
-    pub fn run(
+    pub(crate) fn run(
         &mut self,
         s: &'a Session,
         keep: Keep,

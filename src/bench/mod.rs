@@ -16,7 +16,7 @@
 mod hooks;
 mod report;
 mod rows;
-pub mod workload;
+pub(crate) mod workload;
 
 use crate::hub::Source;
 use crate::memory::{self, plan};
@@ -30,7 +30,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-pub use rows::random_batch;
+pub(crate) use rows::random_batch;
 
 /// `lora-train bench`'s settings.
 #[derive(Debug, Clone)]
@@ -39,9 +39,11 @@ pub struct BenchArgs {
     pub shape: String,
     /// Tokens per row.
     pub seq: usize,
+    /// Rows per micro-batch.
     pub micro_batch: usize,
     /// LoRA rank, and alpha (None: 2 × rank).
     pub rank: usize,
+    /// LoRA alpha (None: 2 × rank).
     pub alpha: Option<f64>,
     /// "all", "attn" or "qv" (`shapes::targets`).
     pub targets: String,
@@ -51,14 +53,17 @@ pub struct BenchArgs {
     pub offload: Option<bool>,
     /// Timed steps, after `warmup` untimed ones.
     pub steps: usize,
+    /// Untimed steps before the timed ones.
     pub warmup: usize,
     /// CPU or CUDA.
     pub device: DeviceKind,
     /// The matrix units' rate the MFU is counted against (TFLOP/s).
     pub peak_tflops: f64,
+    /// single, ddp or fsdp, as parallel.strategy.
     pub strategy: Strategy,
     /// CUDA ordinals, one rank each (CPU: virtual ranks); one entry for "single".
     pub devices: Vec<usize>,
+    /// Micro-batches per optimiser step, as train.grad_accum.
     pub grad_accum: usize,
     /// Behave as a card of this many bytes (a ballast outside the pool; CUDA only).
     pub max_memory: Option<u64>,
@@ -77,6 +82,7 @@ pub struct BenchArgs {
     /// An eval forward over `eval_batches` micro-batches every this many steps (0: none), as
     /// train.eval_every.
     pub eval_every: usize,
+    /// Micro-batches each eval forward runs over.
     pub eval_batches: usize,
     /// A checkpoint (adapter and optimiser state) every this many steps (0: none), as
     /// output.save_every; rank 0 writes it.
@@ -93,7 +99,7 @@ const LR: f64 = 1e-4;
 /// Frozen linear weights a token multiplies (the head included), from its config: what the
 /// FLOP count takes (scripts/bench_peft.py counts alike). A MoE layer counts its router and
 /// the k experts a token is routed to, not all E.
-pub fn base_linear_params(cfg: &ModelConfig) -> usize {
+pub(crate) fn base_linear_params(cfg: &ModelConfig) -> usize {
     let per_layer: usize = cfg
         .linears()
         .iter()
@@ -111,7 +117,7 @@ pub fn base_linear_params(cfg: &ModelConfig) -> usize {
 /// scripts/bench_peft.py's model FLOPs per trained token: frozen base, so backward computes
 /// activation gradients (2N) but no weight gradients. Attention is counted causally: a token
 /// attends to T/2 keys on average, so QKᵀ and PV cost 2·T·C a layer forward (4·T·C backward).
-pub fn flops_per_token(
+pub(crate) fn flops_per_token(
     n_linear: usize,
     layers: usize,
     hidden: usize,

@@ -14,24 +14,24 @@ use candle_core::Tensor;
 
 /// The seconds a bench's model took to load and the pool's use after it (GiB; CUDA).
 pub(super) struct Loaded {
-    pub load_s: f64,
-    pub after_load: Option<f64>,
+    pub(crate) load_s: f64,
+    pub(crate) after_load: Option<f64>,
 }
 
 /// What a rank's JSON line is made of: the bench's setup and what its timed steps measured.
 pub(super) struct Report<'a> {
-    pub a: &'a BenchArgs,
+    pub(crate) a: &'a BenchArgs,
     /// The rank's session (its run: the shape, adapters and kernels).
-    pub s: &'a Session,
-    pub loaded: &'a Loaded,
-    pub keep: Keep,
+    pub(crate) s: &'a Session,
+    pub(crate) loaded: &'a Loaded,
+    pub(crate) keep: Keep,
     /// What the timed steps measured (with the engine's meter after them: its run peaks and
     /// phase ends).
-    pub steps: Steps,
+    pub(crate) steps: Steps,
     /// Eval micro-batches a rank runs.
-    pub evals: usize,
+    pub(crate) evals: usize,
     /// The checkpoint writer (save_every > 0).
-    pub saver: Option<&'a workload::Saver>,
+    pub(crate) saver: Option<&'a workload::Saver>,
 }
 
 impl Report<'_> {

@@ -6,7 +6,7 @@ use crate::data::Batch;
 
 /// Random token ids (labels = ids shifted), like the baseline: [b, t], every position but
 /// each row's last counted.
-pub fn random_batch(b: usize, t: usize, vocab: usize, seed: u64) -> Batch {
+pub(crate) fn random_batch(b: usize, t: usize, vocab: usize, seed: u64) -> Batch {
     let mut rng = crate::rng::Rng::new(seed);
     let ids: Vec<u32> = (0..b * t).map(|_| rng.below(vocab) as u32).collect();
     workload::batch(&ids, b, t, 1)

@@ -17,7 +17,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 /// row cut into `pack` runs of ⌊t / pack⌋ tokens, the last taking the rest): each position
 /// predicts the next one of its example, positions restart at each, and attention stays
 /// within it (`Batch::from_rows`, as packed training data). `pack` = 1: one sequence a row.
-pub fn batch(ids: &[u32], b: usize, t: usize, pack: usize) -> Batch {
+pub(crate) fn batch(ids: &[u32], b: usize, t: usize, pack: usize) -> Batch {
     let pack = pack.clamp(1, (t / 2).max(1));
     let len = t / pack;
     let examples: Vec<Vec<Example>> = (0..b)
@@ -42,7 +42,7 @@ pub fn batch(ids: &[u32], b: usize, t: usize, pack: usize) -> Batch {
 }
 
 /// Counted tokens of a `batch` row of t tokens in `pack` examples: t − pack.
-pub fn targets_per_row(t: usize, pack: usize) -> usize {
+pub(crate) fn targets_per_row(t: usize, pack: usize) -> usize {
     t - pack.clamp(1, (t / 2).max(1))
 }
 
@@ -52,24 +52,24 @@ pub fn targets_per_row(t: usize, pack: usize) -> usize {
 /// leaves out: the adapters' products (6·r·(in + out) a token and linear: x Aᵀ, (x Aᵀ) Bᵀ; their
 /// dL/dx terms, dA and dB), the recompute of checkpointing, and the eval forwards (`eval`
 /// tokens each `eval_every` steps of `step` trained tokens).
-pub struct Work {
-    pub n_linear: usize,
-    pub adapter: usize,
-    pub layers: usize,
-    pub hidden: usize,
-    pub seq: usize,
+pub(crate) struct Work {
+    pub(crate) n_linear: usize,
+    pub(crate) adapter: usize,
+    pub(crate) layers: usize,
+    pub(crate) hidden: usize,
+    pub(crate) seq: usize,
     /// Activation checkpointing of whole layers: one more forward.
-    pub ckpt: bool,
+    pub(crate) ckpt: bool,
     /// Under `activation_checkpointing = "mlp"`, the MLP input weights recomputed (of the
     /// layers that do not park gate and up: `bench::mlp_in_weights`), else 0.
-    pub mlp_recompute: usize,
-    pub eval_tokens: usize,
-    pub step_tokens: usize,
-    pub eval_every: usize,
+    pub(crate) mlp_recompute: usize,
+    pub(crate) eval_tokens: usize,
+    pub(crate) step_tokens: usize,
+    pub(crate) eval_every: usize,
 }
 
 impl Work {
-    pub fn flops_per_token(&self) -> f64 {
+    pub(crate) fn flops_per_token(&self) -> f64 {
         let attn = (self.layers * self.seq * self.hidden) as f64;
         let (base, ad) = (2.0 * self.n_linear as f64, 2.0 * self.adapter as f64);
         let fwd = base + ad + 2.0 * attn;
@@ -89,7 +89,7 @@ impl Work {
 /// Σ r · (in + out) over the adapted linears of every layer: the adapters' weights a token
 /// multiplies (forward: 2 FLOPs each). A MoE's expert adapters count the k experts a token is
 /// routed to: r · (C + 2I) for gate_up_proj, r · (I + C) for down_proj, each.
-pub fn adapter_weights(cfg: &ModelConfig, spec: &LoraSpec) -> usize {
+pub(crate) fn adapter_weights(cfg: &ModelConfig, spec: &LoraSpec) -> usize {
     let per_layer: usize = cfg
         .linears()
         .iter()
@@ -110,7 +110,7 @@ pub fn adapter_weights(cfg: &ModelConfig, spec: &LoraSpec) -> usize {
 }
 
 /// Σ token CE over `batches` (the eval set), forward only, as the trainer's eval runs it.
-pub fn eval(model: &Model, par: &Par, batches: &[Batch]) -> Result<f64> {
+pub(crate) fn eval(model: &Model, par: &Par, batches: &[Batch]) -> Result<f64> {
     let mut sum = 0.0;
     for b in batches {
         sum += crate::train::eval::ce_sum_par(model, par, b)?;
@@ -121,14 +121,14 @@ pub fn eval(model: &Model, par: &Par, batches: &[Batch]) -> Result<f64> {
 /// Checkpoints as the trainer writes them (train::checkpoint_write: host copies at the save,
 /// the files written, fsynced and renamed into place on the writer thread), into a directory
 /// of ours that is removed when this is dropped.
-pub struct Saver {
+pub(crate) struct Saver {
     dir: PathBuf,
     keys: Vec<String>,
     writer: Writer,
 }
 
 impl Saver {
-    pub fn new(model: &Model) -> Result<Saver> {
+    pub(crate) fn new(model: &Model) -> Result<Saver> {
         let dir = std::env::temp_dir().join(format!("lora-train-bench-{}", std::process::id()));
         std::fs::create_dir_all(&dir)
             .with_context(|| format!("cannot create {}", dir.display()))?;
@@ -142,7 +142,13 @@ impl Saver {
 
     /// Starts step `step`'s checkpoint (replacing the one before: one is kept), after the
     /// previous one is written.
-    pub fn save(&self, step: usize, model: &Model, spec: &LoraSpec, opt: &AdamW) -> Result<()> {
+    pub(crate) fn save(
+        &self,
+        step: usize,
+        model: &Model,
+        spec: &LoraSpec,
+        opt: &AdamW,
+    ) -> Result<()> {
         let stage = self.writer.stage()?;
         let snap = Snapshot {
             adapter: Snapshot::adapter(model, stage)?,
@@ -156,12 +162,12 @@ impl Saver {
     }
 
     /// Waits for the checkpoint in flight.
-    pub fn wait(&self) -> Result<()> {
+    pub(crate) fn wait(&self) -> Result<()> {
         self.writer.wait()
     }
 
     /// Seconds each finished checkpoint write took on the writer thread.
-    pub fn write_seconds(&self) -> Vec<f64> {
+    pub(crate) fn write_seconds(&self) -> Vec<f64> {
         self.writer.write_seconds()
     }
 }
@@ -176,16 +182,16 @@ impl Drop for Saver {
 }
 
 /// The bench's clock, the training loop's: a step is done when its loss is read.
-pub struct Clock {
+pub(crate) struct Clock {
     warmup: usize,
-    pub losses: Vec<f64>,
+    pub(crate) losses: Vec<f64>,
     done_at: Vec<Instant>,
     /// The pool's peak in each phase of the timed steps (CUDA).
-    pub timed: crate::memory::PhaseMeter,
+    pub(crate) timed: crate::memory::PhaseMeter,
 }
 
 impl Clock {
-    pub fn new(warmup: usize) -> Clock {
+    pub(crate) fn new(warmup: usize) -> Clock {
         Clock {
             warmup,
             losses: Vec::new(),
@@ -195,7 +201,7 @@ impl Clock {
     }
 
     /// A step was read.
-    pub fn record(&mut self, d: crate::train::step::Done) {
+    pub(crate) fn record(&mut self, d: crate::train::step::Done) {
         self.done_at.push(Instant::now());
         self.losses.push(d.loss);
         if self.losses.len() > self.warmup {
@@ -217,14 +223,14 @@ impl Clock {
     }
 
     /// Seconds of the timed steps (`window`).
-    pub fn seconds(&self, start: Instant) -> f64 {
+    pub(crate) fn seconds(&self, start: Instant) -> f64 {
         self.window(start)
             .map_or(0.0, |(f, l)| l.duration_since(f).as_secs_f64())
     }
 
     /// The timed steps' window in seconds since the Unix epoch, for tools that read the GPU's
     /// counters (power, energy) by wall time beside the run: scripts/energy.py.
-    pub fn window_unix(&self, start: Instant) -> Option<[f64; 2]> {
+    pub(crate) fn window_unix(&self, start: Instant) -> Option<[f64; 2]> {
         let (f, l) = self.window(start)?;
         let (now, sys) = (Instant::now(), SystemTime::now());
         let epoch = sys.duration_since(UNIX_EPOCH).ok()?.as_secs_f64();

@@ -97,7 +97,7 @@ pub fn run(a: PlanArgs) -> anyhow::Result<()> {
                 r.model.dtype = r.model.dtype.or(Some(Dtype::F32));
                 r.model.device = DeviceKind::Cuda;
             }
-            let offline = shape_command(&r, gpus, a.gpu_mem);
+            let offline = plan::shape_command(&r, gpus, a.gpu_mem);
             let run = match RunConfig::resolve(r, Machine::Forecast { gpus }) {
                 Ok(run) => run,
                 Err(e) if e.is::<lora_train::recipe::RecipeError>() => return Err(e),
@@ -132,62 +132,4 @@ pub fn run(a: PlanArgs) -> anyhow::Result<()> {
         lora_train::out!("{}", plan::render(&p, selected));
     }
     Ok(())
-}
-
-/// For a recipe of a Hub model: the `plan --shape` line of the same run, where a shape of
-/// `bench` is that model (read from the id: `meta-llama/Llama-2-7b-hf` → llama2-7b), else
-/// with the shapes listed.
-fn shape_command(
-    r: &lora_train::recipe::Recipe,
-    gpus: usize,
-    gpu_mem: Option<u64>,
-) -> Option<String> {
-    let id = r.model.id.as_deref()?;
-    let flat: String = id
-        .to_ascii_lowercase()
-        .chars()
-        .filter(|c| c.is_ascii_alphanumeric())
-        .collect();
-    const KNOWN: [(&str, &str); 9] = [
-        ("llama27b", "llama2-7b"),
-        ("llama213b", "llama2-13b"),
-        ("llama270b", "llama2-70b"),
-        ("qwen330ba3b", "qwen3-30b-a3b"),
-        ("qwen38b", "qwen3-8b"),
-        ("gemma29b", "gemma2-9b"),
-        ("gemma312b", "gemma3-12b"),
-        ("phi3mini", "phi3-mini"),
-        ("llama3", "llama3-8b"),
-    ];
-    let known = KNOWN
-        .iter()
-        .find(|(k, s)| flat.contains(k) && (*s != "llama3-8b" || flat.contains("8b")));
-    let shape = match known {
-        Some((_, s)) => s.to_string(),
-        None => format!(
-            "NAME (the nearest of {})",
-            lora_train::model::shapes::SHAPES.join(", ")
-        ),
-    };
-    let mut cmd = format!(
-        "lora-train plan --shape {shape} --seq {} --micro-batch {} --rank {}",
-        r.data.seq_len, r.train.micro_batch, r.lora.rank
-    );
-    if gpus > 1 {
-        cmd.push_str(&format!(" --gpus {gpus}"));
-    }
-    if r.model.quantize == lora_train::recipe::Quantize::Nf4 {
-        cmd.push_str(" --nf4");
-    }
-    match r.train.activation_checkpointing {
-        lora_train::recipe::Checkpointing::Full => cmd.push_str(" --ckpt"),
-        lora_train::recipe::Checkpointing::Mlp => cmd.push_str(" --ckpt mlp"),
-        lora_train::recipe::Checkpointing::Off => {}
-    }
-    match gpu_mem {
-        Some(b) if b % (1 << 30) == 0 => cmd.push_str(&format!(" --gpu-mem {}GiB", b >> 30)),
-        Some(b) => cmd.push_str(&format!(" --gpu-mem {b}B")),
-        None => {}
-    }
-    Some(cmd)
 }

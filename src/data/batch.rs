@@ -31,10 +31,14 @@ impl Tokens for ExampleRef<'_> {
 /// One micro-batch, host side: B rows of T tokens.
 #[derive(Debug, Clone)]
 pub struct Batch {
+    /// Rows: B.
     pub b: usize,
+    /// Tokens a row: T.
     pub t: usize,
-    pub ids: Vec<u32>,       // [B×T]
-    pub positions: Vec<u32>, // [B×T], restarting at each packed example
+    /// Token ids [B×T] (padding after each row's examples).
+    pub ids: Vec<u32>,
+    /// Position ids [B×T], restarting at each packed example.
+    pub positions: Vec<u32>,
     /// [B×T] example index within its row (packed rows only).
     pub segments: Option<Vec<u32>>,
     /// (flat index b·T + t of the predicting position, target token) for every counted token.
@@ -101,6 +105,7 @@ impl Batch {
         }
     }
 
+    /// The counted target tokens.
     pub fn n_targets(&self) -> usize {
         self.targets.len()
     }

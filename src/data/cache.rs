@@ -162,7 +162,9 @@ pub struct Prep {
     pub reused: bool,
     /// Tokenized now: rows and bytes read, on this many threads.
     pub rows: usize,
+    /// Bytes of data read.
     pub bytes: u64,
+    /// Threads that tokenized.
     pub workers: usize,
     /// Why no cache was used (none when one was).
     pub no_cache: Option<String>,

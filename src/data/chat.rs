@@ -41,9 +41,9 @@ const GEN_CLOSE: char = '\u{F8F1}';
 pub struct ChatTemplate {
     env: Environment<'static>,
     /// Where the template came from, for errors: "tokenizer_config.json", a file, ...
-    pub source: String,
+    pub(crate) source: String,
     /// The template marks assistant text with `{% generation %}` blocks.
-    pub generation_blocks: bool,
+    pub(crate) generation_blocks: bool,
     /// bos_token, eos_token, ... as tokenizer_config.json names them (template variables).
     specials: Vec<(String, String)>,
     /// sha256 of the template's text (the tokenized cache's key).
@@ -53,14 +53,17 @@ pub struct ChatTemplate {
 /// One rendering: the text, and the byte spans `{% generation %}` blocks produced.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Rendered {
+    /// The rendered text.
     pub text: String,
-    pub generation: Vec<Span>,
+    pub(crate) generation: Vec<Span>,
 }
 
 /// A tokenized conversation: ids, aligned labels, and how its turns ended.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ChatExample {
+    /// Token ids.
     pub ids: Vec<u32>,
+    /// Aligned with `ids`: the token where it is a target (assistant turns), else `IGNORE`.
     pub labels: Vec<i64>,
     /// Assistant turns that had no stop token and got the EOS inserted.
     pub eos_added: usize,
@@ -500,7 +503,7 @@ fn strftime_now(format: String) -> Result<Value, Error> {
 }
 
 /// Python's `strftime` for a UTC unix time (the codes of `strftime_now`).
-pub fn strftime(secs: i64, format: &str) -> String {
+pub(crate) fn strftime(secs: i64, format: &str) -> String {
     const MONTHS: [&str; 12] = [
         "January",
         "February",

@@ -8,10 +8,10 @@ use anyhow::{bail, Result};
 use std::collections::BTreeMap;
 
 /// The column ShareGPT data sets keep their turns in, read when a chat row has no "messages".
-pub const SHAREGPT: &str = "conversations";
+pub(crate) const SHAREGPT: &str = "conversations";
 
 /// A format's fields: (our name, required).
-pub fn fields(format: DataFormat) -> &'static [(&'static str, bool)] {
+pub(crate) fn fields(format: DataFormat) -> &'static [(&'static str, bool)] {
     match format {
         DataFormat::Tokens => &[("input_ids", true), ("labels", false)],
         DataFormat::Text => &[("text", true)],
@@ -23,18 +23,18 @@ pub fn fields(format: DataFormat) -> &'static [(&'static str, bool)] {
 
 /// Our field name → the data set's column, for one format.
 #[derive(Debug, Clone)]
-pub struct Columns {
+pub(crate) struct Columns {
     /// (our name, column, required), in the format's field order.
     cols: Vec<(&'static str, String, bool)>,
     /// "messages" was not mapped: a row without it may hold ShareGPT "conversations".
-    pub sharegpt_fallback: bool,
+    pub(crate) sharegpt_fallback: bool,
 }
 
 impl Columns {
     /// The mapping `map` (data.columns, or a mix entry's) for `format`; completion rows take
     /// their default names from data.prompt_field / completion_field. A key the format does not
     /// read is an error naming the format's fields.
-    pub fn new(
+    pub(crate) fn new(
         format: DataFormat,
         cfg: &DataSection,
         map: &BTreeMap<String, String>,
@@ -59,7 +59,7 @@ impl Columns {
     }
 
     /// The column holding our field `ours` (its own name when unmapped).
-    pub fn column<'a>(&'a self, ours: &'a str) -> &'a str {
+    pub(crate) fn column<'a>(&'a self, ours: &'a str) -> &'a str {
         self.cols
             .iter()
             .find(|(o, ..)| *o == ours)
@@ -67,13 +67,13 @@ impl Columns {
     }
 
     /// (our name, column, required) for every field of the format.
-    pub fn iter(&self) -> impl Iterator<Item = (&'static str, &str, bool)> {
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (&'static str, &str, bool)> {
         self.cols.iter().map(|(o, c, r)| (*o, c.as_str(), *r))
     }
 }
 
 /// The keys of `map` are fields of `format`, and each names a column.
-pub fn check_keys(format: DataFormat, map: &BTreeMap<String, String>) -> Result<(), String> {
+pub(crate) fn check_keys(format: DataFormat, map: &BTreeMap<String, String>) -> Result<(), String> {
     let known = fields(format);
     for (k, v) in map {
         if !known.iter().any(|(f, _)| f == k) {
@@ -94,7 +94,7 @@ pub fn check_keys(format: DataFormat, map: &BTreeMap<String, String>) -> Result<
 /// A chat row's turns as {role, content} messages: ShareGPT's {from, value} items mapped
 /// (human → user, gpt → assistant, ...); anything else as it is, for the chat template's
 /// checks to judge.
-pub fn chat_messages(turns: &Field, column: &str) -> Result<Field> {
+pub(crate) fn chat_messages(turns: &Field, column: &str) -> Result<Field> {
     let Field::List(items) = turns else {
         return Ok(turns.clone());
     };

@@ -46,8 +46,7 @@ mod tokenizer;
 pub use batch::{Batch, Tokens};
 pub use cache::{Options, Prep, Store};
 pub use load::{recipe_data, recipe_tokenizer, DataPlan, RecipeData};
-pub use rows::format_name;
-pub use sampler::{DataCursor, Sampler};
+pub use sampler::Sampler;
 pub use store::{ExampleRef, Examples};
 pub use tokenizer::{alpaca_prompt, TextTokenizer};
 
@@ -57,18 +56,23 @@ use anyhow::Result;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
+/// The label of a position that is not a target (PyTorch's cross-entropy `ignore_index`).
 pub const IGNORE: i64 = -100;
 
 /// A byte range [start, end) of a text.
-pub type Span = (usize, usize);
+pub(crate) type Span = (usize, usize);
 
 /// One training example, already truncated to seq_len.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Example {
+    /// Token ids.
     pub ids: Vec<u32>,
+    /// Aligned with `ids`: the token where it is a target, else `IGNORE` (the batch predicts
+    /// each target from the position before it).
     pub labels: Vec<i64>,
 }
 
+/// A loaded data set: its examples and what loading found.
 #[derive(Debug, Default)]
 pub struct Dataset {
     /// The examples, in file order (in memory, or mapped from the tokenized cache).
@@ -80,16 +84,17 @@ pub struct Dataset {
     /// Per example: its file, an index into `files`.
     pub file_of: Vec<usize>,
     /// The files read, with their mixing weights.
-    pub files: Vec<(PathBuf, f64)>,
+    pub(crate) files: Vec<(PathBuf, f64)>,
     /// Malformed rows skipped (on_bad_row = "skip"), and the first few, with file:line.
     pub skipped: usize,
+    /// The first few skipped rows, with file:line.
     pub skipped_first: Vec<String>,
     /// Examples dropped because truncation left them no target token (train_on completions).
     pub no_targets: usize,
     /// Examples dropped because they had no target even before truncation (a chat row with no
     /// assistant turn, an empty completion), and the first of them: `file:line: what`.
     pub no_answer: usize,
-    pub no_answer_first: Option<String>,
+    pub(crate) no_answer_first: Option<String>,
     /// Completions (chat turns) that had no stop token and got the EOS appended.
     pub eos_added: usize,
     /// How the assistant turns of the files read end: stop token id → turns (counted before

@@ -16,8 +16,8 @@ use std::sync::Arc;
 /// A column a format reads: the names it may have (the first one present is read), and
 /// whether a file must have it.
 pub struct Want<'a> {
-    pub names: Vec<&'a str>,
-    pub required: bool,
+    pub(crate) names: Vec<&'a str>,
+    pub(crate) required: bool,
 }
 
 /// Calls `sink` with every row (1-based) of the parquet file `path`, projected on `want`

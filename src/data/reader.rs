@@ -15,7 +15,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// a parquet file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Loc {
+    /// A line (1-based) of a JSON lines file.
     Line(usize),
+    /// A row (1-based) of a JSON array or a parquet file.
     Row(usize),
 }
 
@@ -30,17 +32,17 @@ impl Loc {
 }
 
 /// Takes each record (or the reason it is not one); an error stops the file.
-pub type Sink<'a> = dyn FnMut(Loc, Result<Field>) -> Result<()> + 'a;
+pub(crate) type Sink<'a> = dyn FnMut(Loc, Result<Field>) -> Result<()> + 'a;
 
 /// How a file is read, from its name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kind {
+pub(crate) enum Kind {
     Parquet,
     Json,
     JsonLines,
 }
 
-pub fn kind_of(path: &str) -> Kind {
+pub(crate) fn kind_of(path: &str) -> Kind {
     let lower = path.to_ascii_lowercase();
     if lower.ends_with(".parquet") {
         Kind::Parquet
@@ -53,7 +55,7 @@ pub fn kind_of(path: &str) -> Kind {
 
 /// Every record of `file` in order (parquet projected on `want`), adding the bytes read to
 /// `read` as it goes.
-pub fn read_source(
+pub(crate) fn read_source(
     file: &SourceFile,
     want: &[super::parquet::Want],
     read: &AtomicU64,

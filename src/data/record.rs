@@ -5,13 +5,20 @@ use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde::ser::{Serialize, SerializeMap, SerializeSeq, Serializer};
 use std::fmt;
 
+/// A value of a row: JSON's types, with objects in key order.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Field {
+    /// JSON null (a parquet null).
     Null,
+    /// A boolean.
     Bool(bool),
+    /// An integer.
     Int(i64),
+    /// A floating-point number.
     Float(f64),
+    /// A string.
     Str(String),
+    /// An array (a parquet list).
     List(Vec<Field>),
     /// Keys in order; a key appears once (a repeated JSON key keeps its last value, as
     /// Python's json does).
@@ -20,7 +27,7 @@ pub enum Field {
 
 impl Field {
     /// The value of `key` when this is an object.
-    pub fn get(&self, key: &str) -> Option<&Field> {
+    pub(crate) fn get(&self, key: &str) -> Option<&Field> {
         match self {
             Field::Map(m) => m.iter().find(|(k, _)| k == key).map(|(_, v)| v),
             _ => None,
@@ -28,7 +35,7 @@ impl Field {
     }
 
     /// What the value is, for messages: "a string", "null", "a list", ...
-    pub fn kind(&self) -> &'static str {
+    pub(crate) fn kind(&self) -> &'static str {
         match self {
             Field::Null => "null",
             Field::Bool(_) => "a boolean",
@@ -41,7 +48,7 @@ impl Field {
     }
 
     /// Calls `f` on every string in the tree.
-    pub fn any_str(&self, f: &dyn Fn(&str) -> bool) -> bool {
+    pub(crate) fn any_str(&self, f: &dyn Fn(&str) -> bool) -> bool {
         match self {
             Field::Str(s) => f(s),
             Field::List(v) => v.iter().any(|x| x.any_str(f)),
@@ -51,7 +58,7 @@ impl Field {
     }
 
     /// The value as a template sees it (objects in key order), as minijinja reads JSON.
-    pub fn to_value(&self) -> minijinja::Value {
+    pub(crate) fn to_value(&self) -> minijinja::Value {
         use minijinja::Value;
         match self {
             Field::Null => Value::from(()),
@@ -115,7 +122,7 @@ impl Field {
     }
 
     /// An object from ordered pairs, a later repeat of a key replacing the earlier value.
-    pub fn map(pairs: impl IntoIterator<Item = (String, Field)>) -> Field {
+    pub(crate) fn map(pairs: impl IntoIterator<Item = (String, Field)>) -> Field {
         let mut m: Vec<(String, Field)> = Vec::new();
         for (k, v) in pairs {
             match m.iter_mut().find(|(key, _)| *key == k) {

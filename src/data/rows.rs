@@ -8,14 +8,14 @@ use anyhow::{bail, Context, Result};
 
 /// One row as parsed: ids, labels, and how its completions ended.
 pub(super) struct Row {
-    pub ids: Vec<u32>,
-    pub labels: Vec<i64>,
-    pub eos_added: usize,
-    pub turn_ends: Vec<u32>,
+    pub(crate) ids: Vec<u32>,
+    pub(crate) labels: Vec<i64>,
+    pub(crate) eos_added: usize,
+    pub(crate) turn_ends: Vec<u32>,
 }
 
 /// The format's name as a recipe writes it.
-pub fn format_name(f: DataFormat) -> &'static str {
+pub(crate) fn format_name(f: DataFormat) -> &'static str {
     match f {
         DataFormat::Tokens => "tokens",
         DataFormat::Text => "text",
@@ -27,11 +27,11 @@ pub fn format_name(f: DataFormat) -> &'static str {
 
 /// How a file's rows are read: format, columns, and what the format needs.
 pub(super) struct RowSpec<'a> {
-    pub format: DataFormat,
-    pub completions_only: bool,
-    pub columns: &'a Columns,
-    pub tok: Option<&'a TextTokenizer>,
-    pub chat: Option<&'a chat::ChatTemplate>,
+    pub(crate) format: DataFormat,
+    pub(crate) completions_only: bool,
+    pub(crate) columns: &'a Columns,
+    pub(crate) tok: Option<&'a TextTokenizer>,
+    pub(crate) chat: Option<&'a chat::ChatTemplate>,
 }
 
 /// One record (a jsonl line, a json array element, a parquet row) → tokens and labels.

@@ -12,17 +12,18 @@ use serde::{Deserialize, Serialize};
 /// together) are done. A checkpoint saves it; [`Sampler::rows_from`] resumes from it, on any
 /// number of ranks. After s steps of an epoch, index = s · micro_batch · grad_accum · world.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct DataCursor {
-    pub epoch: usize,
-    pub index: usize,
+#[cfg_attr(not(test), allow(dead_code))]
+pub(crate) struct DataCursor {
+    pub(crate) epoch: usize,
+    pub(crate) index: usize,
     /// [`Sampler::fingerprint`] of the data it was taken on: resuming on other data (or other
     /// seed, seq_len, packing, shuffling or weights) is refused.
-    pub fingerprint: u64,
+    pub(crate) fingerprint: u64,
 }
 
 /// Deterministic order of rows for each epoch; rows are lists of example indices.
 pub struct Sampler {
-    pub n_examples: usize,
+    pub(crate) n_examples: usize,
     lens: Vec<usize>,
     /// Per file of the mix: its examples (ascending) and weight.
     groups: Vec<(Vec<usize>, f64)>,
@@ -34,6 +35,8 @@ pub struct Sampler {
 }
 
 impl Sampler {
+    /// The epochs' order of `ds`'s examples under `cfg` (packing, shuffling, mixing weights),
+    /// from `seed`.
     pub fn new(ds: &Dataset, cfg: &DataSection, seed: u64) -> Self {
         let n = ds.examples.len();
         let mut groups: Vec<(Vec<usize>, f64)> =
@@ -129,12 +132,13 @@ impl Sampler {
     /// Rank `rank`'s rows of epoch `epoch` out of `world` (DDP / FSDP): rows rank, rank+world,
     /// ... of [`Sampler::rows`], the same number on every rank (the last rows.len() % world
     /// rows of the epoch are left out), so no row is seen twice in an epoch.
-    pub fn rows_for(&self, epoch: usize, rank: usize, world: usize) -> Vec<Vec<usize>> {
+    pub(crate) fn rows_for(&self, epoch: usize, rank: usize, world: usize) -> Vec<Vec<usize>> {
         shard(self.rows(epoch), rank, world)
     }
 
     /// The cursor after `index` global rows of `epoch`.
-    pub fn cursor(&self, epoch: usize, index: usize) -> DataCursor {
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub(crate) fn cursor(&self, epoch: usize, index: usize) -> DataCursor {
         DataCursor {
             epoch,
             index,
@@ -144,7 +148,13 @@ impl Sampler {
 
     /// Rank `rank`'s remaining rows of the cursor's epoch: the global rows from `c.index` on,
     /// sharded as [`Sampler::rows_for`] does. Refuses a cursor taken on other data.
-    pub fn rows_from(&self, c: &DataCursor, rank: usize, world: usize) -> Result<Vec<Vec<usize>>> {
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub(crate) fn rows_from(
+        &self,
+        c: &DataCursor,
+        rank: usize,
+        world: usize,
+    ) -> Result<Vec<Vec<usize>>> {
         if c.fingerprint != self.fingerprint {
             bail!(
                 "the data cursor was saved on other data or data settings (fingerprint {:016x}, now {:016x}): resume with the same files, weights, seq_len, pack, shuffle and seed",

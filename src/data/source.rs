@@ -9,33 +9,33 @@ use anyhow::Result;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-pub const DEFAULT_SPLIT: &str = "train";
-pub const DEFAULT_EVAL_SPLIT: &str = "test";
-pub const DEFAULT_REVISION: &str = "main";
+pub(crate) const DEFAULT_SPLIT: &str = "train";
+pub(crate) const DEFAULT_EVAL_SPLIT: &str = "test";
+pub(crate) const DEFAULT_REVISION: &str = "main";
 
 /// One file to read: where it is, and the name errors give it (the path, or
 /// `hf://datasets/ORG/NAME/<file>`).
 #[derive(Debug, Clone, PartialEq)]
-pub struct SourceFile {
-    pub path: PathBuf,
-    pub name: String,
+pub(crate) struct SourceFile {
+    pub(crate) path: PathBuf,
+    pub(crate) name: String,
 }
 
 /// `p` names a Hub data set (hf://...), not a local file.
-pub fn is_hub(p: &Path) -> bool {
+pub(crate) fn is_hub(p: &Path) -> bool {
     p.to_str().is_some_and(|s| s.starts_with("hf://"))
 }
 
 /// The entry's options, each from the entry, else `[data]`, else its default.
-pub struct HubChoice<'a> {
-    pub split: &'a str,
-    pub subset: Option<&'a str>,
-    pub revision: &'a str,
-    pub files: Option<&'a str>,
+pub(crate) struct HubChoice<'a> {
+    pub(crate) split: &'a str,
+    pub(crate) subset: Option<&'a str>,
+    pub(crate) revision: &'a str,
+    pub(crate) files: Option<&'a str>,
 }
 
 impl<'a> HubChoice<'a> {
-    pub fn of(f: &'a TrainFile, cfg: &'a DataSection) -> HubChoice<'a> {
+    pub(crate) fn of(f: &'a TrainFile, cfg: &'a DataSection) -> HubChoice<'a> {
         HubChoice {
             split: f
                 .split
@@ -54,7 +54,7 @@ impl<'a> HubChoice<'a> {
 }
 
 /// data.eval as an entry: its split is data.eval_split, never data.files.
-pub fn eval_entry(cfg: &DataSection) -> Option<TrainFile> {
+pub(crate) fn eval_entry(cfg: &DataSection) -> Option<TrainFile> {
     let path = cfg.eval.clone()?;
     let split = cfg
         .eval_split
@@ -70,12 +70,15 @@ pub fn eval_entry(cfg: &DataSection) -> Option<TrainFile> {
 }
 
 /// The entry's column mapping: its own, else data.columns.
-pub fn columns_of<'a>(f: &'a TrainFile, cfg: &'a DataSection) -> &'a BTreeMap<String, String> {
+pub(crate) fn columns_of<'a>(
+    f: &'a TrainFile,
+    cfg: &'a DataSection,
+) -> &'a BTreeMap<String, String> {
     f.columns.as_ref().unwrap_or(&cfg.columns)
 }
 
 /// The files `f` reads: itself, or the data set's files of its split, fetched as needed.
-pub fn files_of(f: &TrainFile, cfg: &DataSection, eval: bool) -> Result<Vec<SourceFile>> {
+pub(crate) fn files_of(f: &TrainFile, cfg: &DataSection, eval: bool) -> Result<Vec<SourceFile>> {
     let Some(s) = f.path.to_str().filter(|s| s.starts_with("hf://")) else {
         return Ok(vec![SourceFile {
             path: f.path.clone(),
@@ -105,7 +108,7 @@ pub fn files_of(f: &TrainFile, cfg: &DataSection, eval: bool) -> Result<Vec<Sour
 
 /// The `[data]` checks of hf:// entries and columns, before any network: the error's key and
 /// message.
-pub fn check(d: &DataSection) -> Result<(), (String, String)> {
+pub(crate) fn check(d: &DataSection) -> Result<(), (String, String)> {
     let err = |k: &str, m: String| Err((k.to_string(), m));
     let files = d.train.files(d.format);
     let mut any_hub = false;

@@ -12,12 +12,12 @@ pub struct TextTokenizer {
     bos: Option<u32>,
     eos: Option<u32>,
     /// tokenizer_config.json's eos_token (whatever add_eos_token says): ends every completion.
-    pub eos_token: Option<(String, u32)>,
+    pub(crate) eos_token: Option<(String, u32)>,
     /// Tokens at which generation stops: eos_token, and eos_token_id of generation_config.json
     /// and config.json. A chat turn's targets end with one.
     pub stop_ids: Vec<u32>,
     /// eos_token_id of generation_config.json / config.json (what `generate` stops at).
-    pub generate_stop_ids: Vec<u32>,
+    pub(crate) generate_stop_ids: Vec<u32>,
     /// bos_token, eos_token, unk_token, ... (those set in tokenizer_config.json): the
     /// variables transformers passes to chat templates.
     pub specials: Vec<(String, String)>,
@@ -138,6 +138,7 @@ impl TextTokenizer {
         )
     }
 
+    /// `text`'s token ids, with the BOS and EOS this tokenizer is set to add (each once).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         let enc = self
             .tok
@@ -175,7 +176,7 @@ impl TextTokenizer {
     }
 
     /// A token's text, e.g. "<|im_end|>".
-    pub fn token_text(&self, id: u32) -> Option<String> {
+    pub(crate) fn token_text(&self, id: u32) -> Option<String> {
         self.tok.id_to_token(id)
     }
 
@@ -192,7 +193,7 @@ impl TextTokenizer {
     /// prompt + completion as one text (BOS as `encode` adds it), then the EOS token.
     /// Labels: every token, or (`completions_only`) the tokens overlapping the completion and
     /// the EOS; -100 elsewhere.
-    pub fn encode_pair(
+    pub(crate) fn encode_pair(
         &self,
         prompt: &str,
         completion: &str,

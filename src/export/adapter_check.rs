@@ -40,7 +40,7 @@ const KEYS: [(&str, Kind); 13] = [
 ];
 
 /// adapter_config.json's keys (`v`, read from `path`) before any is used.
-pub fn config(v: &Value, path: &Path) -> Result<(), ConfigError> {
+pub(crate) fn config(v: &Value, path: &Path) -> Result<(), ConfigError> {
     let err = |key: &str, msg: String| ConfigError::Adapter {
         path: path.to_owned(),
         msg: format!("`{key}` {msg}"),
@@ -136,7 +136,7 @@ pub fn config(v: &Value, path: &Path) -> Result<(), ConfigError> {
 }
 
 /// An adapter tensor `key` of `path`: floating point, finite.
-pub fn tensor(path: &Path, key: &str, t: &Tensor) -> Result<()> {
+pub(crate) fn tensor(path: &Path, key: &str, t: &Tensor) -> Result<()> {
     if !t.dtype().is_float() {
         bail!(
             "{}: `{key}` has dtype {:?}: adapter weights are floating point",

@@ -17,21 +17,30 @@ use anyhow::{bail, Result};
 use candle_core::{DType, Device};
 use std::time::Instant;
 
+/// What `generate --bench` times.
 #[derive(Debug, Clone)]
 pub struct DecodeBench {
+    /// A shape `model::shapes::shape` knows (the weights are random).
     pub shape: String,
+    /// Prompt tokens (random ids), prefilled in one call.
     pub prompt_len: usize,
+    /// Tokens decoded greedily after the prompt.
     pub new_tokens: usize,
+    /// Timed repetitions of prefill and decode.
     pub reps: usize,
     /// LoRA rank of random adapters (unmerged) on `targets`; 0 = the base alone.
     pub rank: usize,
+    /// The adapted modules, a `shapes::targets` name ("all", "attn", "qv").
     pub targets: String,
+    /// The weights' dtype.
     pub dtype: DType,
+    /// Where it runs.
     pub device: Device,
     /// Memory bandwidth in bytes/s (H200: 4.8e12).
     pub bandwidth: f64,
 }
 
+/// Times `a`'s prefill and decode; the JSON row has scripts/bench_generate_hf.py's fields.
 pub fn run(a: &DecodeBench) -> Result<serde_json::Value> {
     if a.prompt_len == 0 || a.new_tokens == 0 || a.reps == 0 {
         bail!("prompt_len, new_tokens and reps must be at least 1");

@@ -16,12 +16,13 @@ use candle_core::{DType, Device, Tensor};
 /// them, as in transformers' forward with its cache and in vLLM. A call of several tokens
 /// takes `short` or `long` by its reach; a one-token call at position p takes `step`'s row p
 /// (long from original_max_position on), which a captured graph can read at every position.
-pub struct RopeTables {
+pub(crate) struct RopeTables {
     freqs: Freqs,
-    pub short: (Tensor, Tensor),
+    pub(crate) short: (Tensor, Tensor),
     /// LongRoPE only: the long table's, and the one-token calls'.
-    pub long: Option<(Tensor, Tensor)>,
-    pub step: Option<(Tensor, Tensor)>,
+    pub(crate) long: Option<(Tensor, Tensor)>,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) step: Option<(Tensor, Tensor)>,
 }
 
 impl RopeTables {
@@ -60,7 +61,7 @@ impl RopeTables {
     }
 
     /// cos and sin [1, t, D/2] of positions p0.. in a call that reaches `reach`.
-    pub fn rows(&self, p0: usize, t: usize, reach: usize) -> Result<(Tensor, Tensor)> {
+    pub(crate) fn rows(&self, p0: usize, t: usize, reach: usize) -> Result<(Tensor, Tensor)> {
         let (cos, sin) = match (&self.long, self.freqs.is_long(reach)) {
             (Some(long), true) => long,
             _ => &self.short,
@@ -69,20 +70,21 @@ impl RopeTables {
     }
 
     /// The tables a one-token call reads at its position (`step`, or the only ones).
-    pub fn one_token(&self) -> (&Tensor, &Tensor) {
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn one_token(&self) -> (&Tensor, &Tensor) {
         let (cos, sin) = self.step.as_ref().unwrap_or(&self.short);
         (cos, sin)
     }
 }
 
-pub struct KvCache {
+pub(crate) struct KvCache {
     /// Per layer: (keys, values), each [1, K, cap, D]; positions < `len` are written.
-    pub kv: Vec<(Tensor, Tensor)>,
+    pub(crate) kv: Vec<(Tensor, Tensor)>,
     /// The global RoPE's tables, and the sliding layers' where they differ (Gemma 3).
-    pub rope: RopeTables,
-    pub rope_local: Option<RopeTables>,
+    pub(crate) rope: RopeTables,
+    pub(crate) rope_local: Option<RopeTables>,
     /// The token ids whose keys and values the cache holds, in position order.
-    pub ids: Vec<u32>,
+    pub(crate) ids: Vec<u32>,
     cap: usize,
     /// The most positions it may ever hold (max_position_embeddings).
     limit: usize,
@@ -97,7 +99,7 @@ impl KvCache {
     /// An empty cache for `cap` positions (at most `limit`), with the tables of `rope` (the
     /// global RoPE's frequencies, and the sliding layers' where they differ).
     #[allow(clippy::too_many_arguments)]
-    pub fn new(
+    pub(crate) fn new(
         layers: usize,
         kv_heads: usize,
         head_dim: usize,
@@ -127,35 +129,27 @@ impl KvCache {
         Ok(c)
     }
 
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.ids.len()
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.ids.is_empty()
-    }
-
-    pub fn capacity(&self) -> usize {
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn capacity(&self) -> usize {
         self.cap
     }
 
-    pub fn limit(&self) -> usize {
+    pub(crate) fn limit(&self) -> usize {
         self.limit
     }
 
-    /// Bytes the buffers hold.
-    pub fn bytes(&self) -> usize {
-        2 * self.layers * self.kv_heads * self.cap * self.head_dim * self.dtype.size_in_bytes()
-    }
-
     /// Forgets positions ≥ `n` (their rows are overwritten by the next tokens).
-    pub fn truncate(&mut self, n: usize) {
+    pub(crate) fn truncate(&mut self, n: usize) {
         self.ids.truncate(n);
     }
 
     /// Room for `n` positions: grows to max(n, 2 × cap) (at most the limit), copying the rows
     /// written so far. An error past the limit.
-    pub fn reserve(&mut self, n: usize) -> Result<()> {
+    pub(crate) fn reserve(&mut self, n: usize) -> Result<()> {
         if n <= self.cap {
             return Ok(());
         }
@@ -188,7 +182,7 @@ impl KvCache {
     }
 
     /// The tables of a layer: the sliding layers' own when `local` and the model has them.
-    pub fn tables(&self, local: bool) -> &RopeTables {
+    pub(crate) fn tables(&self, local: bool) -> &RopeTables {
         match (&self.rope_local, local) {
             (Some(t), true) => t,
             _ => &self.rope,

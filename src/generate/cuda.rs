@@ -59,7 +59,7 @@ macro_rules! kernel_args {
 }
 
 /// The kernels for one model's shape and dtype.
-pub struct Kernels {
+pub(crate) struct Kernels {
     dev: CudaDevice,
     dtype: DType,
     heads: usize,
@@ -82,7 +82,7 @@ pub struct Kernels {
 impl Kernels {
     /// The kernels when `w` is on CUDA in bf16 or f32 with a head dim they take (even, ≤ 256);
     /// None otherwise.
-    pub fn for_model(w: &Weights) -> Result<Option<Kernels>> {
+    pub(crate) fn for_model(w: &Weights) -> Result<Option<Kernels>> {
         let Device::Cuda(dev) = &w.device else {
             return Ok(None);
         };
@@ -138,7 +138,7 @@ impl Kernels {
     /// them; 0: all) → [1, H·D]; k rotated and v are written into the caches kc, vc [1, K, cap,
     /// D] there. cos, sin: the cache's tables [1, cap, D/2] f32. Scores × `scale`, then
     /// soft-capped at `softcap` (0: none).
-    pub fn attention(
+    pub(crate) fn attention(
         &self,
         q: &Tensor,
         k: &Tensor,
@@ -401,7 +401,7 @@ impl Matvec for Kernels {
 /// streams (two created and destroyed per tensor: a tenth of a 7B decode step's host time).
 /// For processes that use one stream only (`generate`, its bench); the trainer's side streams
 /// (offload, NCCL) need them.
-pub fn single_stream(device: &Device) {
+pub(crate) fn single_stream(device: &Device) {
     if let Device::Cuda(d) = device {
         // SAFETY: the callers run every kernel and copy on candle's one stream of this device,
         // so no allocation needs cross-stream events.
@@ -410,7 +410,7 @@ pub fn single_stream(device: &Device) {
 }
 
 /// The device address of a contiguous bf16, f32 or u32 CUDA tensor's first element.
-pub fn addr(t: &Tensor) -> Result<u64> {
+pub(crate) fn addr(t: &Tensor) -> Result<u64> {
     if !t.is_contiguous() {
         bail!("decode kernel operand {:?} is not contiguous", t.dims());
     }

@@ -30,8 +30,8 @@ const CHUNK_SCORES: usize = 1 << 25;
 
 /// The weights and the cache of one generation (or one chat).
 pub struct Decoder {
-    pub w: Weights,
-    pub cache: KvCache,
+    pub(crate) w: Weights,
+    pub(crate) cache: KvCache,
     /// The decode kernels, when the device and dtype take them.
     #[cfg(feature = "cuda")]
     kernels: Option<super::cuda::Kernels>,
@@ -121,7 +121,7 @@ impl Decoder {
     }
 
     /// Whether one-token steps run our CUDA kernels (else candle's ops).
-    pub fn fused_kernels(&self) -> bool {
+    pub(crate) fn fused_kernels(&self) -> bool {
         #[cfg(feature = "cuda")]
         {
             self.kernels.is_some()
@@ -219,7 +219,7 @@ impl Decoder {
 
     /// The cache's tokens, then `ids`: the cached positions that agree with `ids` are kept and
     /// only the rest is run (a chat's earlier turns are not recomputed). Logits of the last.
-    pub fn prime(&mut self, ids: &[u32]) -> Result<Tensor> {
+    pub(crate) fn prime(&mut self, ids: &[u32]) -> Result<Tensor> {
         let same = self
             .cache
             .ids

@@ -19,20 +19,20 @@ use candle_core::cuda::cudarc::driver::{result, sys, CudaGraph};
 use candle_core::{DType, Device, Tensor};
 
 /// The per-step inputs and output in device memory.
-pub struct Inputs {
+pub(crate) struct Inputs {
     /// The token id to run: u32 [1].
-    pub tok: Tensor,
+    pub(crate) tok: Tensor,
     /// Its position: u32 [1].
-    pub pos: Tensor,
+    pub(crate) pos: Tensor,
     /// The step's logits: f32 [V].
-    pub logits: Tensor,
+    pub(crate) logits: Tensor,
 }
 
 /// What a graph is tied to: the cache's capacity and its first buffer's address.
-pub type Key = (usize, u64);
+pub(crate) type Key = (usize, u64);
 
 impl Inputs {
-    pub fn new(device: &Device, vocab: usize) -> Result<Inputs> {
+    pub(crate) fn new(device: &Device, vocab: usize) -> Result<Inputs> {
         Ok(Inputs {
             tok: Tensor::zeros(1, DType::U32, device)?,
             pos: Tensor::zeros(1, DType::U32, device)?,
@@ -41,7 +41,7 @@ impl Inputs {
     }
 
     /// Writes the token and its position for the next step (ordered on the stream before it).
-    pub fn set(&self, tok: u32, pos: u32) -> Result<()> {
+    pub(crate) fn set(&self, tok: u32, pos: u32) -> Result<()> {
         let Device::Cuda(d) = self.tok.device() else {
             anyhow::bail!("a decode step's buffers are not on the GPU");
         };
@@ -59,12 +59,12 @@ impl Inputs {
 
 /// The captured step, if any, and whether to capture.
 #[derive(Default)]
-pub struct Graph {
+pub(crate) struct Graph {
     graph: Option<(CudaGraph, Key)>,
     /// Whether to capture (cleared by a failed capture).
-    pub on: bool,
+    pub(crate) on: bool,
     /// Steps run eagerly so far.
-    pub eager: usize,
+    pub(crate) eager: usize,
 }
 
 impl Graph {
@@ -72,7 +72,7 @@ impl Graph {
     /// on CUDA when cudarc manages no cross-stream synchronisation, for a model without
     /// adapters (`adapters`: with them a captured step met an illegal address, not yet
     /// understood, so those steps run eagerly).
-    pub fn new(device: &Device, dtype: DType, adapters: bool) -> Graph {
+    pub(crate) fn new(device: &Device, dtype: DType, adapters: bool) -> Graph {
         let experiment = crate::ops::kernels::Experiments::from_env()
             .map(|e| e.decode_graph)
             .unwrap_or(false);
@@ -91,13 +91,13 @@ impl Graph {
         }
     }
 
-    pub fn captured(&self) -> bool {
+    pub(crate) fn captured(&self) -> bool {
         self.graph.is_some()
     }
 
     /// Launches the graph captured for `key`; false when there is none (the caller runs the
     /// step, or captures it).
-    pub fn replay(&self, key: Key) -> Result<bool> {
+    pub(crate) fn replay(&self, key: Key) -> Result<bool> {
         match &self.graph {
             Some((g, k)) if *k == key => {
                 g.launch().context("launching the decode step's graph")?;
@@ -110,7 +110,7 @@ impl Graph {
     /// Captures `body` (the step, writing the logits buffer) on `device`'s stream into a graph
     /// for `key` and launches it. Ok(false) when the capture failed: nothing ran, and captures
     /// are off from now on.
-    pub fn capture(
+    pub(crate) fn capture(
         &mut self,
         key: Key,
         device: &Device,

@@ -16,7 +16,9 @@ use std::path::{Path, PathBuf};
 
 /// A model ready to generate from, and what came with it.
 pub struct Loaded {
+    /// The model (with the adapter, when one was given).
     pub model: Model,
+    /// The checkpoint's files.
     pub files: ModelFiles,
     /// The adapter applied (unmerged), if any.
     pub adapter: Option<PathBuf>,

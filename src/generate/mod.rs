@@ -27,7 +27,7 @@
 //! layers hold no weights: it refuses them (sample on a model whose layers are whole).
 
 pub mod bench;
-pub mod cache;
+pub(crate) mod cache;
 #[cfg(feature = "cuda")]
 mod cuda;
 pub mod decoder;
@@ -35,9 +35,9 @@ pub mod decoder;
 mod graph;
 pub mod load;
 pub mod prompt;
-pub mod sample;
+pub(crate) mod sample;
 pub mod stream;
-pub mod weights;
+pub(crate) mod weights;
 
 pub use decoder::Decoder;
 pub use sample::{Sampler, Sampling};
@@ -77,6 +77,7 @@ pub enum Finish {
 pub struct Output {
     /// The new tokens, a stop token included as the last.
     pub tokens: Vec<u32>,
+    /// Why decoding stopped.
     pub finish: Finish,
     /// The prompt's forward and the first pick.
     pub prefill_s: f64,
@@ -180,8 +181,10 @@ pub fn greedy_text(
 /// One line of samples.jsonl: a prompt's greedy completion at a step.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct SampleRow {
+    /// The training step it was sampled at.
     pub step: usize,
-    pub prompt: String,
+    pub(crate) prompt: String,
+    /// The decoded completion.
     pub completion: String,
 }
 

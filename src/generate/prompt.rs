@@ -17,7 +17,10 @@ pub enum Template {
     Completion,
     /// One user turn rendered with the chat template (generation prompt added); `choice` is
     /// the run's data.chat_template (a template name or a .jinja file), if any.
-    Chat { choice: Option<String> },
+    Chat {
+        /// The run's data.chat_template, if it names one.
+        choice: Option<String>,
+    },
 }
 
 /// The template chosen, and why (printed, so the user sees what the model was asked).

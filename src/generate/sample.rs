@@ -18,6 +18,7 @@ pub struct Sampling {
     pub top_k: usize,
     /// Keep the smallest set of most likely tokens whose probability reaches p (1 = all).
     pub top_p: f64,
+    /// The seed of the sampling stream.
     pub seed: u64,
 }
 
@@ -33,11 +34,12 @@ impl Default for Sampling {
 }
 
 impl Sampling {
+    /// Greedy decoding: the most likely token at each step.
     pub fn greedy() -> Self {
         Self::default()
     }
 
-    pub fn is_greedy(&self) -> bool {
+    pub(crate) fn is_greedy(&self) -> bool {
         self.temperature == 0.0
     }
 
@@ -58,11 +60,12 @@ impl Sampling {
 
 /// A sampler: the settings and the stream it draws from.
 pub struct Sampler {
-    pub s: Sampling,
+    pub(crate) s: Sampling,
     rng: Rng,
 }
 
 impl Sampler {
+    /// A sampler for `s`; an error for settings out of range.
     pub fn new(s: Sampling) -> Result<Sampler> {
         s.check()?;
         let rng = Rng::keyed(s.seed, &[0x67656e]);
@@ -70,7 +73,7 @@ impl Sampler {
     }
 
     /// The next token from logits [V] f32 (on any device).
-    pub fn pick(&mut self, logits: &Tensor) -> Result<u32> {
+    pub(crate) fn pick(&mut self, logits: &Tensor) -> Result<u32> {
         if self.s.is_greedy() {
             return super::decoder::argmax(logits);
         }
@@ -81,7 +84,7 @@ impl Sampler {
 }
 
 /// The token that uniform `u` ∈ [0, 1) lands on in the distribution `s` makes of `logits`.
-pub fn draw(logits: &[f32], s: &Sampling, u: f64) -> u32 {
+pub(crate) fn draw(logits: &[f32], s: &Sampling, u: f64) -> u32 {
     let t = if s.temperature > 0.0 {
         s.temperature
     } else {

@@ -8,6 +8,7 @@
 use crate::data::TextTokenizer;
 use anyhow::Result;
 
+/// The text of a run of tokens as they arrive (see the module docs).
 pub struct TextStream<'t> {
     tok: &'t TextTokenizer,
     /// The tokens since the last newline.
@@ -17,6 +18,7 @@ pub struct TextStream<'t> {
 }
 
 impl<'t> TextStream<'t> {
+    /// A stream that decodes with `tok`.
     pub fn new(tok: &'t TextTokenizer) -> Self {
         TextStream {
             tok,

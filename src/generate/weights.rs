@@ -23,28 +23,28 @@ use candle_core::{DType, Device, Tensor};
 
 /// The adapters of a `Proj`, in the activation dtype.
 #[derive(Clone)]
-pub struct Adapter {
+pub(crate) struct Adapter {
     /// The A's stacked: [Σ r, in].
-    pub a: Tensor,
+    pub(crate) a: Tensor,
     /// The B's block-diagonal, each times its scale: [N, Σ r].
-    pub b: Tensor,
+    pub(crate) b: Tensor,
 }
 
 /// One GEMM's worth of linears that share an input.
 #[derive(Clone)]
 pub struct Proj {
     /// [N, in]: rows may be a view (a stacked buffer's, or a padded one's first columns).
-    pub w: Tensor,
-    pub b: Option<Tensor>,
-    pub ad: Option<Adapter>,
+    pub(crate) w: Tensor,
+    pub(crate) b: Option<Tensor>,
+    pub(crate) ad: Option<Adapter>,
     /// out_i of each linear, in order (Σ = N).
-    pub outs: Vec<usize>,
+    pub(crate) outs: Vec<usize>,
 }
 
 /// A one-token product the device runs faster than a GEMM: y = x Wᵀ (+ acc) (+ b) for x
 /// [1, in], W [out, in] (rows may be a view's), acc [1, out], b [out]; None when it cannot
 /// take the operands (the GEMM then runs).
-pub trait Matvec {
+pub(crate) trait Matvec {
     fn matvec(
         &self,
         x: &Tensor,
@@ -68,7 +68,7 @@ pub trait Matvec {
 
 /// y = x Wᵀ (+ acc) (+ b): `mv`'s product for one row when it takes it, else the GEMM (on
 /// CUDA accumulating onto acc, β = 1) and an add.
-pub fn linear(
+pub(crate) fn linear(
     x: &Tensor,
     w: &Tensor,
     acc: Option<&Tensor>,
@@ -96,7 +96,7 @@ pub fn linear(
 
 impl Proj {
     /// x [m, in] → [m, N].
-    pub fn forward(&self, x: &Tensor, mv: Option<&dyn Matvec>) -> Result<Tensor> {
+    pub(crate) fn forward(&self, x: &Tensor, mv: Option<&dyn Matvec>) -> Result<Tensor> {
         let acc = match &self.ad {
             None => None,
             Some(ad) => {
@@ -108,7 +108,7 @@ impl Proj {
     }
 
     /// x [m, in] → one [m, out_i] per linear (column views of the one product).
-    pub fn forward_split(&self, x: &Tensor, mv: Option<&dyn Matvec>) -> Result<Vec<Tensor>> {
+    pub(crate) fn forward_split(&self, x: &Tensor, mv: Option<&dyn Matvec>) -> Result<Vec<Tensor>> {
         let y = self.forward(x, mv)?;
         if self.outs.len() == 1 {
             return Ok(vec![y]);
@@ -123,7 +123,7 @@ impl Proj {
     }
 
     /// Bytes of the base weights and biases a product reads (the view's elements only).
-    pub fn weight_bytes(&self) -> usize {
+    pub(crate) fn weight_bytes(&self) -> usize {
         let n = self.w.elem_count() + self.b.as_ref().map_or(0, |b| b.elem_count());
         n * self.w.dtype().size_in_bytes()
     }
@@ -200,7 +200,7 @@ fn adapter(
 }
 
 /// A layer's MLP half as decoding runs it.
-pub enum Mlp {
+pub(crate) enum Mlp {
     /// gate, up (one product when stacked or fused in the checkpoint, else two), the
     /// family's GLU, then down.
     Dense { gate_up: Vec<Proj>, down: Proj },
@@ -213,29 +213,29 @@ pub enum Mlp {
 /// window, score scale and soft-cap, activation, which RoPE).
 pub struct LayerWeights {
     pub spec: LayerSpec,
-    pub input_norm: Tensor,
+    pub(crate) input_norm: Tensor,
     /// Before the MLP (post_attention_layernorm; Gemma's pre_feedforward_layernorm).
-    pub post_norm: Tensor,
+    pub(crate) post_norm: Tensor,
     /// QK-norm's gains [D] (Qwen3, Gemma 3): RMSNorm over each head of q and k before RoPE.
-    pub q_norm: Option<Tensor>,
-    pub k_norm: Option<Tensor>,
+    pub(crate) q_norm: Option<Tensor>,
+    pub(crate) k_norm: Option<Tensor>,
     /// Gemma's norms of the attention's and the MLP's outputs, before their residual adds.
-    pub attn_out_norm: Option<Tensor>,
-    pub mlp_out_norm: Option<Tensor>,
+    pub(crate) attn_out_norm: Option<Tensor>,
+    pub(crate) mlp_out_norm: Option<Tensor>,
     /// q, k, v: one product when stacked (or fused in the checkpoint), else three.
     pub qkv: Vec<Proj>,
-    pub o: Proj,
-    pub mlp: Mlp,
+    pub(crate) o: Proj,
+    pub(crate) mlp: Mlp,
 }
 
 impl LayerWeights {
     /// x [m, C] → q [m, H·D], k, v [m, K·D].
-    pub fn qkv(&self, x: &Tensor, mv: Option<&dyn Matvec>) -> Result<[Tensor; 3]> {
+    pub(crate) fn qkv(&self, x: &Tensor, mv: Option<&dyn Matvec>) -> Result<[Tensor; 3]> {
         split_all(&self.qkv, x, mv, "q/k/v")
     }
 
     /// The MLP half: x [m, C] (its input norm applied) → [m, C], before any output norm.
-    pub fn mlp(&self, x: &Tensor, mv: Option<&dyn Matvec>) -> Result<Tensor> {
+    pub(crate) fn mlp(&self, x: &Tensor, mv: Option<&dyn Matvec>) -> Result<Tensor> {
         match &self.mlp {
             Mlp::Dense { gate_up, down } => down.forward(&self.glu(gate_up, x, mv)?, mv),
             Mlp::Moe(moe) => Ok(moe.forward_routed(x, false)?.0),
@@ -311,17 +311,19 @@ fn split_all<const N: usize>(
 
 /// Everything decoding reads: the layers, the embedding, final norm and head, and the shape.
 pub struct Weights {
-    pub cfg: ModelConfig,
+    pub(crate) cfg: ModelConfig,
+    /// Per decoder layer, bottom first: what decoding reads of it.
     pub layers: Vec<LayerWeights>,
-    pub embed: Tensor,
-    pub norm: Tensor,
-    pub lm_head: Tensor,
+    pub(crate) embed: Tensor,
+    pub(crate) norm: Tensor,
+    pub(crate) lm_head: Tensor,
+    /// The head is the embedding.
     pub tied: bool,
-    pub dtype: DType,
-    pub device: Device,
+    pub(crate) dtype: DType,
+    pub(crate) device: Device,
     /// The global RoPE's frequencies, and the sliding layers' where they differ (Gemma 3).
-    pub rope: Freqs,
-    pub rope_local: Option<Freqs>,
+    pub(crate) rope: Freqs,
+    pub(crate) rope_local: Option<Freqs>,
 }
 
 impl Weights {
@@ -390,7 +392,7 @@ impl Weights {
 
     /// Bytes of weights one decoding step reads: every linear's W (and bias), the norms and
     /// the head; of the embedding only a row (not counted), unless it is the tied head.
-    pub fn bytes_per_token(&self) -> usize {
+    pub(crate) fn bytes_per_token(&self) -> usize {
         let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
         let layers: usize = self
             .layers
@@ -405,7 +407,7 @@ impl Weights {
     }
 
     /// Bytes of the adapters one step reads (A's and B's as joined).
-    pub fn adapter_bytes(&self) -> usize {
+    pub(crate) fn adapter_bytes(&self) -> usize {
         let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
         self.layers
             .iter()

@@ -25,26 +25,27 @@ use std::path::{Path, PathBuf};
 
 /// One repository's folder in the cache.
 #[derive(Debug)]
-pub struct RepoCache {
+pub(crate) struct RepoCache {
     /// `<cache>/models--{org}--{name}` (or `datasets--...`)
-    pub dir: PathBuf,
+    pub(crate) dir: PathBuf,
     locks: PathBuf,
     repo: hf_hub::CacheRepo,
 }
 
 /// `org/name` → `models--org--name` (a bare `name` → `models--name`).
-pub fn folder_name(repo_id: &str) -> String {
+#[cfg_attr(not(test), allow(dead_code))]
+pub(crate) fn folder_name(repo_id: &str) -> String {
     Repo::model(repo_id.to_string()).folder_name()
 }
 
 /// A full 40-hex-digit commit hash (what `refs/*` hold and `snapshots/*` are named by).
-pub fn is_commit(revision: &str) -> bool {
+pub(crate) fn is_commit(revision: &str) -> bool {
     revision.len() == 40 && revision.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
 /// A file name inside a repository: relative, `/`-separated, no `.` / `..` / empty parts.
 /// Shard names come from a downloaded index, so they are checked before they become paths.
-pub fn check_repo_path(file: &str) -> Result<()> {
+pub(crate) fn check_repo_path(file: &str) -> Result<()> {
     if file.is_empty()
         || file.contains('\\')
         || file
@@ -58,12 +59,12 @@ pub fn check_repo_path(file: &str) -> Result<()> {
 
 impl RepoCache {
     /// A model repository's folder.
-    pub fn new(cache: &Path, repo_id: &str) -> RepoCache {
+    pub(crate) fn new(cache: &Path, repo_id: &str) -> RepoCache {
         Self::of(cache, Repo::model(repo_id.to_string()))
     }
 
     /// A data set repository's folder (`datasets--{org}--{name}`).
-    pub fn dataset(cache: &Path, repo_id: &str) -> RepoCache {
+    pub(crate) fn dataset(cache: &Path, repo_id: &str) -> RepoCache {
         Self::of(cache, Repo::new(repo_id.to_string(), RepoType::Dataset))
     }
 
@@ -76,21 +77,21 @@ impl RepoCache {
         }
     }
 
-    pub fn blob(&self, etag: &str) -> PathBuf {
+    pub(crate) fn blob(&self, etag: &str) -> PathBuf {
         self.repo.blob_path(etag)
     }
 
-    pub fn incomplete(&self, etag: &str) -> PathBuf {
+    pub(crate) fn incomplete(&self, etag: &str) -> PathBuf {
         self.dir.join("blobs").join(format!("{etag}.incomplete"))
     }
 
-    pub fn snapshot(&self, commit: &str) -> PathBuf {
+    pub(crate) fn snapshot(&self, commit: &str) -> PathBuf {
         self.repo.pointer_path(commit)
     }
 
     /// Every file of the snapshot of `commit`, `/`-separated, in name order (none when there
     /// is no snapshot).
-    pub fn snapshot_files(&self, commit: &str) -> Vec<String> {
+    pub(crate) fn snapshot_files(&self, commit: &str) -> Vec<String> {
         fn walk(dir: &Path, prefix: &str, out: &mut Vec<String>) {
             let Ok(rd) = std::fs::read_dir(dir) else {
                 return;
@@ -118,7 +119,7 @@ impl RepoCache {
 
     /// The commit `revision` names: itself when it is a commit hash, else `refs/<revision>`
     /// as last fetched (None when never fetched).
-    pub fn commit_for(&self, revision: &str) -> Option<String> {
+    pub(crate) fn commit_for(&self, revision: &str) -> Option<String> {
         if is_commit(revision) {
             return Some(revision.to_lowercase());
         }
@@ -129,7 +130,7 @@ impl RepoCache {
     }
 
     /// Records that `revision` (a branch or tag) points at `commit`.
-    pub fn write_ref(&self, revision: &str, commit: &str) -> Result<()> {
+    pub(crate) fn write_ref(&self, revision: &str, commit: &str) -> Result<()> {
         if is_commit(revision) {
             return Ok(());
         }
@@ -143,7 +144,7 @@ impl RepoCache {
     }
 
     /// Points `snapshots/<commit>/<file>` at `blobs/<etag>` (replacing what was there).
-    pub fn link(&self, commit: &str, file: &str, etag: &str) -> Result<PathBuf> {
+    pub(crate) fn link(&self, commit: &str, file: &str, etag: &str) -> Result<PathBuf> {
         check_repo_path(file)?;
         let pointer = self.snapshot(commit).join(file);
         let parent = pointer.parent().unwrap_or(&self.dir);
@@ -176,7 +177,7 @@ impl RepoCache {
     }
 
     /// Records that `file` does not exist at `commit` (so later runs need not ask).
-    pub fn mark_missing(&self, commit: &str, file: &str) -> Result<()> {
+    pub(crate) fn mark_missing(&self, commit: &str, file: &str) -> Result<()> {
         check_repo_path(file)?;
         let path = self.no_exist(commit, file);
         if let Some(parent) = path.parent() {
@@ -188,7 +189,7 @@ impl RepoCache {
 
     /// `Some(true)`: the snapshot has `file`; `Some(false)`: known not to exist at `commit`;
     /// `None`: not known.
-    pub fn has(&self, commit: &str, file: &str) -> Option<bool> {
+    pub(crate) fn has(&self, commit: &str, file: &str) -> Option<bool> {
         if self.snapshot(commit).join(file).is_file() {
             Some(true)
         } else if self.no_exist(commit, file).is_file() {
@@ -200,7 +201,7 @@ impl RepoCache {
 
     /// Takes this repository's lock for a fetch (`.locks/<folder>/lora-train.lock`), waiting
     /// while another process holds it; held until the guard drops.
-    pub fn lock_repo(&self) -> Result<DirLock> {
+    pub(crate) fn lock_repo(&self) -> Result<DirLock> {
         DirLock::wait(
             &self.locks.join(LOCK_SUFFIX),
             &self.dir,
@@ -210,7 +211,7 @@ impl RepoCache {
 
     /// Takes the download lock of `blobs/<etag>`; held until the guard drops. Another process
     /// (ours or Python's) downloading the same blob makes this wait for it.
-    pub fn lock(&self, etag: &str) -> Result<BlobLock> {
+    pub(crate) fn lock(&self, etag: &str) -> Result<BlobLock> {
         std::fs::create_dir_all(&self.locks)
             .with_context(|| format!("cannot create {}", self.locks.display()))?;
         let path = self.locks.join(format!("{etag}.lock"));
@@ -226,7 +227,7 @@ impl RepoCache {
 }
 
 /// Holds a blob's lock file open (and flock()ed on Unix); closing it releases the lock.
-pub struct BlobLock {
+pub(crate) struct BlobLock {
     _file: std::fs::File,
 }
 

@@ -23,13 +23,13 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Duration;
 
-pub const SCHEME: &str = "hf://datasets/";
+pub(crate) const SCHEME: &str = "hf://datasets/";
 
 /// The file extensions read as data (parquet, JSON lines, JSON).
 const DATA_EXTENSIONS: [&str; 3] = [".parquet", ".jsonl", ".json"];
 
 /// `hf://datasets/ORG/NAME` → `ORG/NAME`; None when `s` is not an hf:// path at all.
-pub fn repo_of(s: &str) -> Option<Result<&str, String>> {
+pub(crate) fn repo_of(s: &str) -> Option<Result<&str, String>> {
     if !s.starts_with("hf://") {
         return None;
     }
@@ -49,9 +49,13 @@ pub fn repo_of(s: &str) -> Option<Result<&str, String>> {
 /// Which files of which data set.
 #[derive(Debug, Clone)]
 pub struct DataRepo<'a> {
+    /// The data set's Hub id (`org/name`).
     pub id: &'a str,
+    /// The branch, tag or commit to read.
     pub revision: &'a str,
+    /// The subset (configuration); None: the data set's default.
     pub subset: Option<&'a str>,
+    /// The split ("train", "test", ...).
     pub split: &'a str,
     /// A glob of repository paths; replaces subset and split.
     pub files: Option<&'a str>,
@@ -60,8 +64,9 @@ pub struct DataRepo<'a> {
 /// One file of a data set: its path in the repository and in the cache.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DataFile {
+    /// Its path in the repository.
     pub file: String,
-    pub path: PathBuf,
+    pub(crate) path: PathBuf,
 }
 
 /// Data sets resolved in this process: (what was asked, its files).
@@ -337,7 +342,7 @@ fn subset_of(f: &str) -> Option<&str> {
 /// (`data/train-00000-of-00002.parquet`, `main/test-*.parquet`, `default/train/0000.parquet`,
 /// `dev.jsonl`); when no file names a split, all of them are the "train" split (one
 /// `alpaca_data_cleaned.json`). Errors say what there is to choose from.
-pub fn select(files: &[String], d: &DataRepo) -> Result<Vec<String>, String> {
+pub(crate) fn select(files: &[String], d: &DataRepo) -> Result<Vec<String>, String> {
     let data: Vec<&str> = files
         .iter()
         .map(String::as_str)
@@ -434,7 +439,7 @@ pub fn select(files: &[String], d: &DataRepo) -> Result<Vec<String>, String> {
 
 /// `*` any characters but '/', `**` any characters, `**/` any folders (or none), `?` one
 /// character but '/'.
-pub fn glob_match(p: &[u8], s: &[u8]) -> bool {
+pub(crate) fn glob_match(p: &[u8], s: &[u8]) -> bool {
     match p {
         [] => s.is_empty(),
         [b'*', b'*', b'/', rest @ ..] => {

@@ -10,8 +10,7 @@
 //! that are byte counts, the commit asked for when a commit was asked for.
 
 use super::cache::is_commit;
-pub use super::env::{HubEnv, NoCacheDir, Token, DEFAULT_ENDPOINT};
-pub use super::fetch::sha256_file;
+pub use super::env::HubEnv;
 use super::fetch::{byte_count, is_sha256};
 use anyhow::{bail, Result};
 use std::fmt;
@@ -20,23 +19,23 @@ use ureq::http::Response;
 
 /// A model repository or a data set repository (`{endpoint}/datasets/{repo}/...`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kind {
+pub(crate) enum Kind {
     Model,
     Dataset,
 }
 
 /// Which file of which repository at which revision: every error names all three.
 #[derive(Debug, Clone, Copy)]
-pub struct At<'a> {
-    pub repo: &'a str,
+pub(crate) struct At<'a> {
+    pub(crate) repo: &'a str,
     /// As the user gave it (a branch, tag or commit).
-    pub revision: &'a str,
-    pub file: &'a str,
-    pub kind: Kind,
+    pub(crate) revision: &'a str,
+    pub(crate) file: &'a str,
+    pub(crate) kind: Kind,
 }
 
 impl<'a> At<'a> {
-    pub fn model(repo: &'a str, revision: &'a str, file: &'a str) -> At<'a> {
+    pub(crate) fn model(repo: &'a str, revision: &'a str, file: &'a str) -> At<'a> {
         At {
             repo,
             revision,
@@ -68,32 +67,32 @@ impl fmt::Display for At<'_> {
      (HTTPS_PROXY) or HF_ENDPOINT. Offline runs (HF_HUB_OFFLINE=1) need {need} in the cache \
      {cache}: {how}"
 )]
-pub struct Unreachable {
-    pub endpoint: String,
-    pub at: String,
-    pub cause: String,
-    pub cache: String,
+pub(crate) struct Unreachable {
+    pub(crate) endpoint: String,
+    pub(crate) at: String,
+    pub(crate) cause: String,
+    pub(crate) cache: String,
     /// What an offline run needs, and how to get it there.
-    pub need: String,
-    pub how: String,
+    pub(crate) need: String,
+    pub(crate) how: String,
 }
 
 /// What HEAD on a resolve URL says about a file that exists.
 #[derive(Debug, Clone)]
-pub struct Remote {
+pub(crate) struct Remote {
     /// X-Repo-Commit: the commit the revision resolved to.
-    pub commit: String,
+    pub(crate) commit: String,
     /// X-Linked-Etag (LFS: the sha256), else ETag; unquoted. Names the blob.
-    pub etag: String,
+    pub(crate) etag: String,
     /// X-Linked-Size, else the Content-Length of a 2xx answer (a redirect's is its own body's).
-    pub size: Option<u64>,
+    pub(crate) size: Option<u64>,
     /// The header `size` came from.
-    pub size_from: &'static str,
+    pub(crate) size_from: &'static str,
     /// Where the bytes are: the resolve URL, or the absolute URL it redirects to.
-    pub url: String,
+    pub(crate) url: String,
 }
 
-pub enum Head {
+pub(crate) enum Head {
     Found(Remote),
     /// 404 "EntryNotFound" (or a 404 without an error code): no such file at that revision.
     Missing,
@@ -106,17 +105,17 @@ pub(super) enum Fail {
 }
 
 /// The Hub client of one run.
-pub struct Hub<'a> {
-    pub env: &'a HubEnv,
+pub(crate) struct Hub<'a> {
+    pub(crate) env: &'a HubEnv,
     agent: ureq::Agent,
     /// Attempts after the first, for transient failures (reset whenever a MiB arrives).
-    pub retries: u32,
+    pub(crate) retries: u32,
     /// First pause between attempts; doubles each time.
-    pub backoff: Duration,
+    pub(crate) backoff: Duration,
 }
 
 impl<'a> Hub<'a> {
-    pub fn new(env: &'a HubEnv) -> Hub<'a> {
+    pub(crate) fn new(env: &'a HubEnv) -> Hub<'a> {
         let config = ureq::Agent::config_builder()
             .http_status_as_error(false)
             .max_redirects(0)
@@ -209,7 +208,7 @@ impl<'a> Hub<'a> {
     /// HEAD `file` at `revision` (a commit once known): the file's commit, ETag, size and
     /// download URL, or Missing. Errors for a missing repository or revision, for access
     /// refused, and for a server that does not speak the Hub's protocol.
-    pub fn head(&self, at: &At, revision: &str) -> Result<Head> {
+    pub(crate) fn head(&self, at: &At, revision: &str) -> Result<Head> {
         let mut url = self.resolve_url(at, revision);
         for _hop in 0..8 {
             let resp = self.call(at, true, &url)?;

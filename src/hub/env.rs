@@ -7,11 +7,11 @@ use std::fmt;
 use std::path::PathBuf;
 use std::time::Duration;
 
-pub const DEFAULT_ENDPOINT: &str = "https://huggingface.co";
+pub(crate) const DEFAULT_ENDPOINT: &str = "https://huggingface.co";
 
 /// A Hub access token. Debug and Display print `***`; only the Authorization header sees it.
 #[derive(Clone)]
-pub struct Token(String);
+pub(crate) struct Token(String);
 
 impl Token {
     /// The token itself, for a client that sends it (hf-hub's API).
@@ -31,20 +31,20 @@ impl fmt::Debug for Token {
 #[derive(Debug, Clone)]
 pub struct HubEnv {
     /// $HF_ENDPOINT without a trailing `/`. Default: https://huggingface.co
-    pub endpoint: String,
+    pub(crate) endpoint: String,
     /// $HF_HUB_CACHE, else $HF_HOME/hub, else $XDG_CACHE_HOME/huggingface/hub, else
     /// ~/.cache/huggingface/hub.
-    pub cache: PathBuf,
+    pub(crate) cache: PathBuf,
     /// $HF_TOKEN, else the file $HF_TOKEN_PATH, else $HF_HOME/token (`huggingface-cli login`).
-    pub token: Option<Token>,
+    pub(crate) token: Option<Token>,
     /// $HF_HUB_OFFLINE is 1 / true / yes / on: never use the network.
     pub offline: bool,
     /// $HF_HUB_ETAG_TIMEOUT seconds: the longest wait for a HEAD's or the file list's answer.
     /// Default: 60.
-    pub etag_timeout: Duration,
+    pub(crate) etag_timeout: Duration,
     /// $HF_HUB_DOWNLOAD_TIMEOUT seconds: the longest wait for a download's next bytes.
     /// Default: 60.
-    pub download_timeout: Duration,
+    pub(crate) download_timeout: Duration,
 }
 
 /// No variable places the cache: HOME, XDG_CACHE_HOME, HF_HOME and HF_HUB_CACHE are all unset.
@@ -54,14 +54,14 @@ pub struct HubEnv {
      all unset (or empty); set HF_HOME to a directory for the cache and the token (e.g. \
      HF_HOME=/data/huggingface), or HOME"
 )]
-pub struct NoCacheDir;
+pub(crate) struct NoCacheDir;
 
 /// The default of HF_HUB_ETAG_TIMEOUT and HF_HUB_DOWNLOAD_TIMEOUT, in seconds.
 const DEFAULT_TIMEOUT_S: f64 = 60.0;
 
 impl HubEnv {
     /// The environment of this process (`NoCacheDir` when nothing places the cache).
-    pub fn from_env() -> Result<HubEnv> {
+    pub(crate) fn from_env() -> Result<HubEnv> {
         HubEnv::from_vars(|k| std::env::var(k).ok())
     }
 

@@ -31,7 +31,7 @@ impl Hub<'_> {
     /// Makes `blobs/<etag>` hold `remote`'s bytes: nothing to do when it is there, else
     /// downloads into `blobs/<etag>.incomplete` (continuing what an earlier attempt or run left
     /// there), checks length and hash and renames. Returns the bytes that came over the network.
-    pub fn fetch(&self, cache: &RepoCache, at: &At, remote: &Remote) -> Result<u64> {
+    pub(crate) fn fetch(&self, cache: &RepoCache, at: &At, remote: &Remote) -> Result<u64> {
         let blob = cache.blob(&remote.etag);
         if blob.is_file() {
             return Ok(0);
@@ -363,7 +363,7 @@ pub(super) fn is_sha256(etag: &str) -> bool {
 }
 
 /// The sha256 of a file, in lowercase hex, read in 1 MiB pieces.
-pub fn sha256_file(path: &Path) -> Result<String> {
+pub(crate) fn sha256_file(path: &Path) -> Result<String> {
     let mut f = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
     let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
     let mut buf = vec![0u8; 1 << 20];

@@ -21,16 +21,16 @@ use candle_core::{DType, Device, Tensor};
 use std::sync::Arc;
 
 /// A source of named base tensors: (HF name, shape) → the tensor on the device.
-pub type Get<'a> = &'a dyn Fn(&str, &[usize]) -> anyhow::Result<Tensor>;
+pub(crate) type Get<'a> = &'a dyn Fn(&str, &[usize]) -> anyhow::Result<Tensor>;
 
 /// The linear weights a checkpoint stores in NF4 (a bitsandbytes 4-bit one): (HF name, shape)
 /// → the weight on the device, None where it is a plain tensor (for `Get`).
-pub type GetNf4<'a> = &'a dyn Fn(&str, &[usize]) -> anyhow::Result<Option<QWeight>>;
+pub(crate) type GetNf4<'a> = &'a dyn Fn(&str, &[usize]) -> anyhow::Result<Option<QWeight>>;
 
 /// Layer `l` of `cfg`: its tensors from `get` (its linears' W from `nf4` where the checkpoint
 /// holds them in NF4), fresh adapters (keyed by seed, layer and
 /// module) on the linears `spec` targets.
-pub fn layer(
+pub(crate) fn layer(
     cfg: &ModelConfig,
     l: usize,
     get: Get,

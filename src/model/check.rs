@@ -28,7 +28,7 @@ const MAX_POSITIONS: usize = 1 << 30;
 const MAX_HEADER: u64 = 100_000_000;
 
 /// num_hidden_layers within its bound, before anything per layer is sized by it.
-pub fn layers(n: usize, path: &Path) -> Result<(), ConfigError> {
+pub(crate) fn layers(n: usize, path: &Path) -> Result<(), ConfigError> {
     match n <= MAX_LAYERS {
         true => Ok(()),
         false => Err(ConfigError::Invalid {
@@ -41,7 +41,7 @@ pub fn layers(n: usize, path: &Path) -> Result<(), ConfigError> {
 }
 
 /// config.json's values, each within what it can mean; called by `ModelConfig::from_json`.
-pub fn config(c: &ModelConfig, path: &Path) -> Result<(), ConfigError> {
+pub(crate) fn config(c: &ModelConfig, path: &Path) -> Result<(), ConfigError> {
     let err = |key: &str, msg: String| ConfigError::Invalid {
         path: path.to_owned(),
         msg: format!("`{key}` {msg}"),
@@ -216,13 +216,14 @@ fn rope_scaling(
 
 /// One tensor of a safetensors header.
 #[derive(Debug, Clone)]
-pub struct HeaderTensor {
+pub(crate) struct HeaderTensor {
     /// As written: "BF16", "F32", "I64", "F8_E4M3", ...
-    pub dtype: String,
-    pub shape: Vec<usize>,
+    pub(crate) dtype: String,
+    pub(crate) shape: Vec<usize>,
     /// Byte range in the data section.
-    pub start: u64,
-    pub end: u64,
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub(crate) start: u64,
+    pub(crate) end: u64,
 }
 
 /// Bytes per element of a safetensors dtype (None: sub-byte or unknown).
@@ -239,7 +240,7 @@ fn dtype_bytes(d: &str) -> Option<u64> {
 /// The header of one safetensors file, checked against the file: offsets inside the data
 /// section, byte counts matching dtype × shape, and the data section complete (a truncated,
 /// half-copied file is named here instead of failing somewhere inside a reader).
-pub fn read_header(path: &Path) -> Result<Vec<(String, HeaderTensor)>> {
+pub(crate) fn read_header(path: &Path) -> Result<Vec<(String, HeaderTensor)>> {
     let mut f =
         std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
     let len = f
@@ -364,7 +365,7 @@ fn header_tensor(
 /// The weights files, before anything is read from them: every tensor the model may read is
 /// floating point, the decoder layers present are config.json's num_hidden_layers, and the
 /// embedding and layer 0's projections have config.json's sizes.
-pub fn weights(cfg: &ModelConfig, config_path: &Path, files: &[PathBuf]) -> Result<()> {
+pub(crate) fn weights(cfg: &ModelConfig, config_path: &Path, files: &[PathBuf]) -> Result<()> {
     let (shapes, layers) = header_shapes(cfg.bnb_nf4.is_some(), files)?;
     check_layers(cfg, config_path, &layers)?;
     check_sizes(cfg, config_path, &shapes)
@@ -511,13 +512,13 @@ const FINITE_CHUNK: usize = 1 << 24;
 /// lies (NaN for a NaN or an infinity, 0 otherwise: no overflow, whatever the dtype), the sums
 /// read once, at `verify`, so loading never waits for the device.
 #[derive(Default)]
-pub struct Finite {
+pub(crate) struct Finite {
     sums: RefCell<Vec<(String, Tensor)>>,
 }
 
 impl Finite {
     /// Queues the check of `t` (named `name`) and hands it back.
-    pub fn watch(&self, name: &str, t: Tensor) -> Result<Tensor> {
+    pub(crate) fn watch(&self, name: &str, t: Tensor) -> Result<Tensor> {
         let flat = t.flatten_all()?;
         let n = flat.elem_count();
         let mut acc: Option<Tensor> = None;
@@ -538,7 +539,7 @@ impl Finite {
     }
 
     /// The first tensor (in load order) holding a NaN or an infinity, named with `dir`.
-    pub fn verify(&self, dir: &Path, dtype: DType) -> Result<()> {
+    pub(crate) fn verify(&self, dir: &Path, dtype: DType) -> Result<()> {
         let sums = self.sums.borrow();
         if sums.is_empty() {
             return Ok(());
@@ -559,7 +560,7 @@ impl Finite {
 
 /// A host tensor (an adapter's A or B, an optimiser moment) holding a NaN or an infinity:
 /// the index of its first such entry.
-pub fn first_non_finite(t: &Tensor) -> Result<Option<usize>> {
+pub(crate) fn first_non_finite(t: &Tensor) -> Result<Option<usize>> {
     let v: Vec<f32> = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
     Ok(v.iter().position(|x| !x.is_finite()))
 }

@@ -13,42 +13,70 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 use std::path::{Path, PathBuf};
 
+/// A config.json (or adapter_config.json) that cannot be used; the message names the file.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
+    /// The file could not be read.
     #[error("cannot read model config {path}")]
     Read {
+        /// The file.
         path: PathBuf,
+        /// The I/O error.
         source: std::io::Error,
     },
+    /// Not valid JSON, or a field missing, out of range or unsupported.
     #[error("model config {path}: {msg}")]
-    Invalid { path: PathBuf, msg: String },
+    Invalid {
+        /// The config file.
+        path: PathBuf,
+        /// What is wrong, and the fix.
+        msg: String,
+    },
     /// A PEFT adapter_config.json (lora.init_adapter, or `export --adapter`).
     #[error("adapter config {path}: {msg}")]
-    Adapter { path: PathBuf, msg: String },
+    Adapter {
+        /// The adapter_config.json.
+        path: PathBuf,
+        /// What is wrong, and the fix.
+        msg: String,
+    },
 }
 
 /// Rotary frequency scaling (`rope_scaling` / `rope_parameters`).
 #[derive(Debug, Clone, PartialEq)]
 pub enum RopeScaling {
+    /// No scaling: the base frequencies.
     None,
     /// Positions divided by `factor`.
     Linear {
+        /// The divisor of every position.
         factor: f64,
     },
     /// Llama 3.1: per-frequency interpolation between low and high frequency bands.
     Llama3 {
+        /// The divisor of the low-frequency band.
         factor: f64,
+        /// Wavelengths longer than original_max_position / low_freq_factor take the whole
+        /// `factor`.
         low_freq_factor: f64,
+        /// Wavelengths shorter than original_max_position / high_freq_factor stay as they are;
+        /// those between the two bands are interpolated.
         high_freq_factor: f64,
+        /// The context the base was trained at (`original_max_position_embeddings`).
         original_max_position: usize,
     },
     /// Phi-3's LongRoPE ("su"): each frequency divided by its `short` factor, or by its `long`
     /// one for a batch whose positions reach past `original_max_position`; cos and sin × the
     /// attention factor.
     LongRope {
+        /// Per frequency (D / 2 of them): its divisor while the positions stay within
+        /// `original_max_position`.
         short: Vec<f64>,
+        /// Per frequency: its divisor once they reach past it.
         long: Vec<f64>,
+        /// The context the base was trained at (`original_max_position_embeddings`).
         original_max_position: usize,
+        /// The factor cos and sin are multiplied by.
         attention_factor: f64,
     },
 }
@@ -56,37 +84,48 @@ pub enum RopeScaling {
 /// Everything the trainable model needs, resolved from config.json.
 #[derive(Debug, Clone)]
 pub struct ModelConfig {
-    pub family: Family,
+    pub(crate) family: Family,
+    /// C: the width of the residual stream.
     pub hidden_size: usize,
+    /// I: the width of a dense MLP's inner layer.
     pub intermediate_size: usize,
+    /// Decoder layers (`num_hidden_layers`).
     pub num_layers: usize,
+    /// H: query heads.
     pub num_heads: usize,
+    /// K: key/value heads (each serves H / K query heads; K < H is grouped-query attention).
     pub num_kv_heads: usize,
+    /// D: the width of each head (`head_dim`, else C / H).
     pub head_dim: usize,
+    /// V: the vocabulary (rows of the embedding and of the head).
     pub vocab_size: usize,
-    pub rms_norm_eps: f64,
+    pub(crate) rms_norm_eps: f64,
     /// The global RoPE (Gemma 3's sliding layers take `arch.local_rope`).
-    pub rope_theta: f64,
+    pub(crate) rope_theta: f64,
+    /// How the rotary frequencies are scaled for long contexts.
     pub rope_scaling: RopeScaling,
+    /// The longest context the config declares (`max_position_embeddings`).
     pub max_position_embeddings: usize,
     /// q/k/v projections carry a bias (Qwen2 always; Llama with `attention_bias`).
-    pub qkv_bias: bool,
+    pub(crate) qkv_bias: bool,
     /// o_proj carries a bias (Llama with `attention_bias`).
-    pub o_bias: bool,
+    pub(crate) o_bias: bool,
     /// gate/up/down carry a bias (Llama with `mlp_bias`).
-    pub mlp_bias: bool,
+    pub(crate) mlp_bias: bool,
     /// `tie_word_embeddings` as written; `None` when the config does not say.
-    pub tie_word_embeddings: Option<bool>,
+    pub(crate) tie_word_embeddings: Option<bool>,
     /// The window of the sliding layers (`arch.sliding`); None when no layer slides.
     pub sliding_window: Option<usize>,
-    pub bos_token_id: Option<u32>,
+    pub(crate) bos_token_id: Option<u32>,
+    /// The ids that end a sequence (`eos_token_id`: one or a list).
     pub eos_token_ids: Vec<u32>,
-    pub pad_token_id: Option<u32>,
+    pub(crate) pad_token_id: Option<u32>,
     /// `torch_dtype` / `dtype` as written (informational).
-    pub stored_dtype: Option<String>,
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub(crate) stored_dtype: Option<String>,
     /// A bitsandbytes NF4 checkpoint (`quantization_config`): Some(double quant); None for a
     /// full-precision one (quant::bnb).
-    pub bnb_nf4: Option<bool>,
+    pub(crate) bnb_nf4: Option<bool>,
     /// What the family changes in the layer (model/family.rs).
     pub arch: Arch,
 }
@@ -134,6 +173,7 @@ pub(super) struct Raw {
 }
 
 impl ModelConfig {
+    /// Reads and resolves the config.json at `path`; errors name the file and the field.
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.to_owned(),
@@ -142,7 +182,7 @@ impl ModelConfig {
         Self::from_json(&text, path)
     }
 
-    pub fn from_json(text: &str, path: &Path) -> Result<Self, ConfigError> {
+    pub(crate) fn from_json(text: &str, path: &Path) -> Result<Self, ConfigError> {
         let err = |msg: String| ConfigError::Invalid {
             path: path.to_owned(),
             msg,
@@ -225,7 +265,7 @@ impl ModelConfig {
     }
 
     /// The attention window of layer `l` (0: full attention).
-    pub fn window(&self, l: usize) -> usize {
+    pub(crate) fn window(&self, l: usize) -> usize {
         match self.arch.sliding.get(l) {
             Some(true) => self.sliding_window.unwrap_or(0),
             _ => 0,
@@ -233,21 +273,21 @@ impl ModelConfig {
     }
 
     /// The attention scores' scale: query_pre_attn_scalar^-1/2 (Gemma), else head_dim^-1/2.
-    pub fn attn_scale(&self) -> f64 {
+    pub(crate) fn attn_scale(&self) -> f64 {
         let q = self.arch.query_pre_attn_scalar;
         1.0 / q.unwrap_or(self.head_dim as f64).sqrt()
     }
 
     /// The embeddings' factor: √C on Gemma (the product then rounds it to the model dtype,
     /// as transformers' `embed_scale.to(weight.dtype)`), else none.
-    pub fn embed_scale(&self) -> Option<f64> {
+    pub(crate) fn embed_scale(&self) -> Option<f64> {
         self.arch
             .embed_scale
             .then(|| (self.hidden_size as f32).sqrt() as f64)
     }
 
     /// The RMSNorm settings of every norm of the model (eps, and Gemma's 1 + w gain).
-    pub fn norm_spec(&self) -> crate::ops::NormSpec {
+    pub(crate) fn norm_spec(&self) -> crate::ops::NormSpec {
         crate::ops::NormSpec {
             eps: self.rms_norm_eps,
             offset: match self.arch.norm {
@@ -258,7 +298,7 @@ impl ModelConfig {
     }
 
     /// What the kernel choices depend on (`ops::Kernels::resolve`).
-    pub fn attn_shape(&self) -> crate::ops::kernels::AttnShape {
+    pub(crate) fn attn_shape(&self) -> crate::ops::kernels::AttnShape {
         crate::ops::kernels::AttnShape {
             head_dim: self.head_dim,
             softcap: self.arch.attn_softcap.is_some(),
@@ -275,7 +315,7 @@ impl ModelConfig {
     /// ("all-linear") become the family's linears alone (PEFT's "all-linear" takes no 3-D
     /// parameter); any other name must be one of the family's, else the error says which it
     /// has.
-    pub fn resolve_targets(&self, targets: &[String]) -> Result<Vec<String>, String> {
+    pub(crate) fn resolve_targets(&self, targets: &[String]) -> Result<Vec<String>, String> {
         let experts: &[&str] = match self.arch.moe {
             Some(_) => &crate::lora::EXPERT_PARAMS,
             None => &[],
@@ -308,7 +348,7 @@ impl ModelConfig {
     }
 
     /// (in, out) of linear `module` of a decoder layer; None for a module it does not have.
-    pub fn linear_shape(&self, module: &str) -> Option<(usize, usize)> {
+    pub(crate) fn linear_shape(&self, module: &str) -> Option<(usize, usize)> {
         let (c, i) = (self.hidden_size, self.intermediate_size);
         let (q, kv) = (
             self.num_heads * self.head_dim,
@@ -328,7 +368,7 @@ impl ModelConfig {
     }
 
     /// Norm gains of one decoder layer: (count, width) pairs.
-    pub fn layer_norms(&self) -> Vec<(usize, usize)> {
+    pub(crate) fn layer_norms(&self) -> Vec<(usize, usize)> {
         let mut v = vec![(2, self.hidden_size)];
         if self.arch.sandwich_norms {
             v.push((2, self.hidden_size));
@@ -340,7 +380,7 @@ impl ModelConfig {
     }
 
     /// Parameters of the frozen base, for reports and memory plans.
-    pub fn num_params(&self, tied: bool) -> usize {
+    pub(crate) fn num_params(&self, tied: bool) -> usize {
         let (h, v) = (self.hidden_size, self.vocab_size);
         let linears: usize = self
             .linears()

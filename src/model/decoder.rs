@@ -19,35 +19,38 @@ use std::collections::HashMap;
 
 /// Per-batch inputs every layer needs besides the hidden states.
 pub struct Ctx {
-    pub cos: Tensor, // [B, T, D/2] f32
-    pub sin: Tensor, // [B, T, D/2] f32
+    /// RoPE's cos at each token's position: [B, T, D/2] f32.
+    pub cos: Tensor,
+    /// RoPE's sin at each token's position: [B, T, D/2] f32.
+    pub sin: Tensor,
     /// The sliding layers' own cos and sin (Gemma 3's local RoPE base), when they differ.
-    pub local: Option<(Tensor, Tensor)>,
+    pub(crate) local: Option<(Tensor, Tensor)>,
+    /// Which keys each query sees (causal; packed segments, sliding window, soft-cap).
     pub mask: AttnMask,
     /// Queries per attention block (None: sized to the batch).
-    pub attn_block: Option<usize>,
+    pub(crate) attn_block: Option<usize>,
     /// Dropout stream key (seed, [step, micro-batch]); None = eval (no dropout).
     pub dropout: Option<(u64, [u64; 2])>,
     /// Each adapter's A and B in the activation dtype, by Var id, cast once for the batch
     /// (one launch for all on CUDA with bf16 activations); elsewhere each as stored, detached
     /// (the hand-written forward and backward cast at each use, and record no graph).
-    pub adapters: HashMap<TensorId, Tensor>,
+    pub(crate) adapters: HashMap<TensorId, Tensor>,
     /// The one buffer `adapters` are views of (each layer's A's side by side, then its B's).
-    pub adapter_buf: Option<Tensor>,
+    pub(crate) adapter_buf: Option<Tensor>,
     /// Whether the padded weights' B columns hold this batch's B's (`ops::fold`).
     pub folded: bool,
     /// The model's kernel choices (`Model::kernels`), which every op of the batch takes.
     pub kernels: Kernels,
     /// `Model::mlp_chunk`.
-    pub mlp_chunk: Option<usize>,
+    pub(crate) mlp_chunk: Option<usize>,
     /// The routers' load-balancing loss of this micro-batch (model/moe_aux.rs): None when off
     /// (`Model::router_aux_coef` 0, or no MoE layer), and outside training.
-    pub moe_aux: Option<super::moe_aux::MoeAux>,
+    pub(crate) moe_aux: Option<super::moe_aux::MoeAux>,
 }
 
 impl Ctx {
     /// The cos and sin tables of a layer: the local ones when `local` and the model has them.
-    pub fn rope(&self, local: bool) -> (&Tensor, &Tensor) {
+    pub(crate) fn rope(&self, local: bool) -> (&Tensor, &Tensor) {
         match (&self.local, local) {
             (Some((c, s)), true) => (c, s),
             _ => (&self.cos, &self.sin),
@@ -91,7 +94,9 @@ type AdapterCopies = (HashMap<TensorId, Tensor>, Option<Tensor>);
 /// A group of frozen tensors as it is loaded: a decoder layer, or the embedding, final norm and
 /// untied head (`Model::io_mut` order).
 pub enum Group<'a> {
+    /// A decoder layer's frozen tensors.
     Layer(&'a mut Layer),
+    /// The embedding, the final norm and the untied head.
     Io(Vec<&'a mut Tensor>),
 }
 
@@ -108,16 +113,26 @@ impl<'a> Group<'a> {
 /// Called with each group of frozen tensors as it is loaded (see `Model::load_with`).
 pub type Loaded<'a> = &'a mut dyn FnMut(Group<'_>) -> anyhow::Result<()>;
 
+/// The trainable decoder: the frozen base, adapters on its target linears, and the run's
+/// kernel choices.
 pub struct Model {
+    /// The config it was built from.
     pub cfg: ModelConfig,
-    pub embed: Tensor, // [V, C]
+    /// The token embedding [V, C].
+    pub(crate) embed: Tensor,
+    /// The decoder layers, bottom first.
     pub layers: Vec<Layer>,
     /// The buffers NF4 layers are dequantized into on CUDA (quant::slabs).
-    pub slabs: std::sync::Arc<crate::quant::Slabs>,
-    pub norm: Tensor,    // [C]
-    pub lm_head: Tensor, // [V, C]; the embedding itself when tied
+    pub(crate) slabs: std::sync::Arc<crate::quant::Slabs>,
+    /// The final norm's gain [C].
+    pub(crate) norm: Tensor,
+    /// The output head [V, C]; the embedding itself when tied.
+    pub lm_head: Tensor,
+    /// The head is the embedding (`tie_word_embeddings`).
     pub tied: bool,
+    /// The frozen base's dtype (the adapters are f32).
     pub dtype: DType,
+    /// Where the weights live.
     pub device: Device,
     /// Every kernel choice of the run (`Kernels::resolve`); each batch's `Ctx` carries a copy.
     pub kernels: Kernels,
@@ -125,7 +140,7 @@ pub struct Model {
     /// checkpointed layers, the backward of every layer; None: never chunked.
     pub mlp_chunk: Option<usize>,
     /// `train.router_aux_loss_coef`: the weight of a MoE's load-balancing loss (0: off).
-    pub router_aux_coef: f64,
+    pub(crate) router_aux_coef: f64,
     /// The global RoPE's frequencies, and the sliding layers' where they differ (Gemma 3).
     rope: Freqs,
     rope_local: Option<Freqs>,
@@ -136,20 +151,20 @@ pub struct Model {
 #[derive(Debug, Clone)]
 pub struct Build {
     /// The base's config.json, parsed.
-    pub cfg: ModelConfig,
+    pub(crate) cfg: ModelConfig,
     /// The base's dtype on the device.
-    pub dtype: DType,
-    pub device: Device,
+    pub(crate) dtype: DType,
+    pub(crate) device: Device,
     /// The adapters to inject (A random from `seed`, B zero).
-    pub spec: LoraSpec,
+    pub(crate) spec: LoraSpec,
     /// The adapters' init stream.
-    pub seed: u64,
+    pub(crate) seed: u64,
     /// Every kernel choice of the run (`Kernels::resolve` for this device, dtype and head dim).
     pub kernels: Kernels,
     /// Tokens per MLP chunk (`Model::mlp_chunk`).
-    pub mlp_chunk: Option<usize>,
+    pub(crate) mlp_chunk: Option<usize>,
     /// The weight of a MoE's load-balancing loss (`Model::router_aux_coef`).
-    pub router_aux_coef: f64,
+    pub(crate) router_aux_coef: f64,
 }
 
 impl Build {
@@ -362,7 +377,7 @@ impl Model {
 
     /// The frozen tensors outside the decoder layers: embedding, final norm, and the head
     /// unless it is the embedding (tied).
-    pub fn io_mut(&mut self) -> Vec<&mut Tensor> {
+    pub(crate) fn io_mut(&mut self) -> Vec<&mut Tensor> {
         let mut v = vec![&mut self.embed, &mut self.norm];
         if !self.tied {
             v.push(&mut self.lm_head);
@@ -372,7 +387,7 @@ impl Model {
 
     /// A model with no decoder layers whose embedding, final norm and head are the given
     /// tensors (`io_mut` order; FSDP's gathered views), for `embed` and `head`.
-    pub fn io_view(&self, io: Vec<Tensor>) -> Result<Model> {
+    pub(crate) fn io_view(&self, io: Vec<Tensor>) -> Result<Model> {
         let [embed, norm, rest @ ..] = io.as_slice() else {
             candle_core::bail!("io_view: {} tensors, want embed and norm", io.len());
         };
@@ -437,7 +452,7 @@ impl Model {
     }
 
     /// The global RoPE's frequencies, and the sliding layers' where they differ (Gemma 3).
-    pub fn rope_freqs(&self) -> (&Freqs, Option<&Freqs>) {
+    pub(crate) fn rope_freqs(&self) -> (&Freqs, Option<&Freqs>) {
         (&self.rope, self.rope_local.as_ref())
     }
 
@@ -636,7 +651,7 @@ impl Model {
 
     /// `head_loss_bwd` with Σ CE left on the device (a scalar f32 tensor): reading it is a
     /// synchronisation, which the driver does once a micro-batch, after backward is queued.
-    pub fn head_loss_bwd_dev(
+    pub(crate) fn head_loss_bwd_dev(
         &self,
         x: &Tensor,
         targets: &Tensor,

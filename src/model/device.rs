@@ -15,7 +15,7 @@ pub fn dtype(kind: DeviceKind, dtype: Option<Dtype>) -> DType {
 }
 
 /// A recipe's dtype as candle's.
-pub fn candle(d: Dtype) -> DType {
+pub(crate) fn candle(d: Dtype) -> DType {
     match d {
         Dtype::F32 => DType::F32,
         Dtype::Bf16 => DType::BF16,
@@ -24,7 +24,7 @@ pub fn candle(d: Dtype) -> DType {
 }
 
 /// A candle dtype as a recipe writes it (None: one a recipe cannot name).
-pub fn recipe_dtype(d: DType) -> Option<Dtype> {
+pub(crate) fn recipe_dtype(d: DType) -> Option<Dtype> {
     match d {
         DType::F32 => Some(Dtype::F32),
         DType::BF16 => Some(Dtype::Bf16),
@@ -77,13 +77,13 @@ pub fn open(kind: DeviceKind, ordinal: usize) -> Result<Device> {
 
 /// How many CUDA devices the driver reports (None: no CUDA in this build, or no driver).
 #[cfg(feature = "cuda")]
-pub fn cuda_count() -> Option<usize> {
+pub(crate) fn cuda_count() -> Option<usize> {
     use candle_core::cuda_backend::cudarc::driver::CudaContext;
     CudaContext::device_count().ok().map(|c| c.max(0) as usize)
 }
 
 /// How many CUDA devices the driver reports (None: no CUDA in this build, or no driver).
 #[cfg(not(feature = "cuda"))]
-pub fn cuda_count() -> Option<usize> {
+pub(crate) fn cuda_count() -> Option<usize> {
     None
 }

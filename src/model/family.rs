@@ -21,7 +21,7 @@ use crate::ops::glu::Act;
 
 /// Which architecture the checkpoint is (config.json's `model_type`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Family {
+pub(crate) enum Family {
     Llama,
     Mistral,
     Qwen2,
@@ -33,7 +33,7 @@ pub enum Family {
 }
 
 /// The `model_type`s we train, with their family.
-pub const SUPPORTED: [(&str, Family); 8] = [
+pub(crate) const SUPPORTED: [(&str, Family); 8] = [
     ("llama", Family::Llama),
     ("mistral", Family::Mistral),
     ("qwen2", Family::Qwen2),
@@ -46,7 +46,7 @@ pub const SUPPORTED: [(&str, Family); 8] = [
 
 impl Family {
     /// The family of a config.json `model_type`; None for one we do not train.
-    pub fn of(model_type: &str) -> Option<Family> {
+    pub(crate) fn of(model_type: &str) -> Option<Family> {
         SUPPORTED
             .iter()
             .find(|(name, _)| *name == model_type)
@@ -54,7 +54,7 @@ impl Family {
     }
 
     /// config.json's `model_type` for this family.
-    pub fn model_type(self) -> &'static str {
+    pub(crate) fn model_type(self) -> &'static str {
         SUPPORTED
             .iter()
             .find(|(_, f)| *f == self)
@@ -62,17 +62,17 @@ impl Family {
     }
 
     /// The supported `model_type`s, for error messages.
-    pub fn supported_list() -> String {
+    pub(crate) fn supported_list() -> String {
         SUPPORTED.map(|(n, _)| n).join(", ")
     }
 
     /// Whether the family's norms use Gemma's (1 + w) gain.
-    pub fn gemma(self) -> bool {
+    pub(crate) fn gemma(self) -> bool {
         matches!(self, Family::Gemma2 | Family::Gemma3)
     }
 
     /// The LoRA-targetable linears of one decoder layer, in checkpoint order.
-    pub fn linears(self) -> &'static [&'static str] {
+    pub(crate) fn linears(self) -> &'static [&'static str] {
         match self {
             Family::Phi3 => &FUSED_LINEAR,
             // the experts are 3-D parameters, not linears (`crate::lora::EXPERT_PARAMS`)
@@ -83,27 +83,27 @@ impl Family {
 }
 
 /// Phi-3's linears: q, k, v in one projection, gate and up in another (PEFT's names).
-pub const FUSED_LINEAR: [&str; 4] = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"];
+pub(crate) const FUSED_LINEAR: [&str; 4] = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"];
 
 /// Qwen3-MoE's linears: the attention's (its MLP is the experts and the router).
-pub const ATTN_LINEAR: [&str; 4] = ["q_proj", "k_proj", "v_proj", "o_proj"];
+pub(crate) const ATTN_LINEAR: [&str; 4] = ["q_proj", "k_proj", "v_proj", "o_proj"];
 
 /// A sparse MLP's shape and routing (config.json's num_experts or num_local_experts,
 /// num_experts_per_tok, moe_intermediate_size, norm_topk_prob).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MoeSpec {
-    pub experts: usize,
+    pub(crate) experts: usize,
     /// Experts per token.
-    pub top_k: usize,
+    pub(crate) top_k: usize,
     /// Each expert's intermediate width I.
-    pub inter: usize,
+    pub(crate) inter: usize,
     /// The top-k probabilities renormalised to sum to 1 (Qwen3-MoE's norm_topk_prob).
-    pub norm_topk: bool,
+    pub(crate) norm_topk: bool,
 }
 
 /// How a norm applies its gain w to x̂ = x · rsqrt(mean(x²) + eps).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum NormStyle {
+pub(crate) enum NormStyle {
     /// w · round(x̂) (LlamaRMSNorm: x̂ is cast to the activation dtype first).
     Llama,
     /// (1 + w) · x̂ in f32, then rounded (Gemma2RMSNorm / Gemma3RMSNorm).
@@ -112,44 +112,44 @@ pub enum NormStyle {
 
 /// One RoPE table's parameters.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Rope {
-    pub theta: f64,
-    pub scaling: RopeScaling,
+pub(crate) struct Rope {
+    pub(crate) theta: f64,
+    pub(crate) scaling: RopeScaling,
 }
 
 /// The family differences of a checkpoint, resolved from config.json.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Arch {
-    pub norm: NormStyle,
+    pub(crate) norm: NormStyle,
     /// The MLP's gate activation.
-    pub act: Act,
+    pub(crate) act: Act,
     /// RMSNorm over each head of q and k (gains [D]) after the projection, before RoPE.
-    pub qk_norm: bool,
+    pub(crate) qk_norm: bool,
     /// Norms on the attention's and the MLP's outputs before their residual adds (Gemma's
     /// post_attention_layernorm and post_feedforward_layernorm); the MLP's input norm is then
     /// pre_feedforward_layernorm.
-    pub sandwich_norms: bool,
+    pub(crate) sandwich_norms: bool,
     /// One q/k/v projection and one gate/up projection (Phi-3).
-    pub fused: bool,
+    pub(crate) fused: bool,
     /// Embeddings × √hidden, the factor rounded to the model dtype (Gemma).
-    pub embed_scale: bool,
+    pub(crate) embed_scale: bool,
     /// Attention scores × this^-1/2 (Gemma's query_pre_attn_scalar; else head_dim).
-    pub query_pre_attn_scalar: Option<f64>,
+    pub(crate) query_pre_attn_scalar: Option<f64>,
     /// Attention scores → cap · tanh(scores / cap) before the softmax (Gemma 2).
-    pub attn_softcap: Option<f64>,
+    pub(crate) attn_softcap: Option<f64>,
     /// Logits → cap · tanh(logits / cap) (Gemma 2).
-    pub final_softcap: Option<f64>,
+    pub(crate) final_softcap: Option<f64>,
     /// Per layer: whether it attends within `ModelConfig::sliding_window` (else full).
-    pub sliding: Vec<bool>,
+    pub(crate) sliding: Vec<bool>,
     /// The sliding layers' RoPE where it differs from the global one (Gemma 3's local base).
-    pub local_rope: Option<Rope>,
+    pub(crate) local_rope: Option<Rope>,
     /// Every layer's MLP is a mixture of experts (Qwen3-MoE): softmax over the experts, top-k.
     pub moe: Option<MoeSpec>,
 }
 
 impl Arch {
     /// Llama's: no family extra, every layer full attention.
-    pub fn llama(layers: usize) -> Arch {
+    pub(crate) fn llama(layers: usize) -> Arch {
         Arch {
             norm: NormStyle::Llama,
             act: Act::Silu,
@@ -167,7 +167,7 @@ impl Arch {
     }
 
     /// The defaults of a family with `layers` layers, before config.json's own values.
-    pub fn of(family: Family, layers: usize) -> Arch {
+    pub(crate) fn of(family: Family, layers: usize) -> Arch {
         let base = Arch::llama(layers);
         match family {
             Family::Llama | Family::Mistral | Family::Qwen2 => base,

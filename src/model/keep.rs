@@ -27,18 +27,23 @@ pub enum Keep {
     /// MoE's) recompute theirs, as under `Attention`, while the copies out of the layers
     /// below drain (`activation_checkpointing = "mlp"` on CUDA). Up to `pending` pairs wait on
     /// the device for their copies out.
-    ParkMlp { tail: usize, pending: usize },
+    ParkMlp {
+        /// Top layers that recompute their MLP rather than park it.
+        tail: usize,
+        /// Parked pairs that may wait on the device for their copies out.
+        pending: usize,
+    },
 }
 
 /// Layers at the top whose MLP half is recomputed under `Keep::ParkMlp`: their backward comes
 /// first, and the copies of the layers below are still going out then (a PCIe 5 link moves a
 /// Llama-3-8B layer's gate and up in ~8.5 ms, its forward takes ~7 ms: the copies fall behind
 /// by ~5 layers over a forward; the recompute of 3 layers' MLP and the head make up for it).
-pub const PARK_TAIL: usize = 3;
+pub(crate) const PARK_TAIL: usize = 3;
 
 /// Bundles of gate and up on the device at once while their copies out run
 /// (`Keep::ParkMlp`): parking another first waits for the oldest copy.
-pub const PARK_PENDING: usize = 6;
+pub(crate) const PARK_PENDING: usize = 6;
 
 impl Keep {
     /// From the recipe's `train.activation_checkpointing` and `train.offload_activations`
@@ -62,7 +67,7 @@ impl Keep {
     /// With the plan's pairs of parked gate and up in flight (`plan::Breakdown::
     /// park_pending`, fitted to the run's memory): 0 recomputes the MLP half instead
     /// (`Attention`); None keeps `self`.
-    pub fn with_park(self, pending: Option<usize>) -> Keep {
+    pub(crate) fn with_park(self, pending: Option<usize>) -> Keep {
         match (self, pending) {
             (Keep::ParkMlp { .. }, Some(0)) => Keep::Attention,
             (Keep::ParkMlp { tail, .. }, Some(pending)) => Keep::ParkMlp { tail, pending },
@@ -71,12 +76,13 @@ impl Keep {
     }
 
     /// Whether forward keeps the layers' input only (activation checkpointing).
-    pub fn checkpointed(self) -> bool {
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub(crate) fn checkpointed(self) -> bool {
         matches!(self, Keep::Input | Keep::InputParked)
     }
 
     /// What a layer's forward keeps (under `ParkMlp`, where its MLP half is not parked).
-    pub fn retain(self) -> Retain {
+    pub(crate) fn retain(self) -> Retain {
         match self {
             Keep::Input | Keep::InputParked => Retain::Nothing,
             Keep::Attention | Keep::ParkMlp { .. } => Retain::Attention,
@@ -86,7 +92,7 @@ impl Keep {
 
     /// Whether layer `l` of `n_layers` parks its MLP's gate and up (its MLP half running
     /// whole: `Layer::mlp_runs_whole`).
-    pub fn parks_mlp(self, l: usize, n_layers: usize) -> bool {
+    pub(crate) fn parks_mlp(self, l: usize, n_layers: usize) -> bool {
         match self {
             Keep::ParkMlp { tail, .. } => l + tail.max(1) < n_layers,
             _ => false,
@@ -94,14 +100,14 @@ impl Keep {
     }
 
     /// How many of `n_layers` layers park their MLP's gate and up (`parks_mlp`).
-    pub fn mlp_parked_layers(self, n_layers: usize) -> usize {
+    pub(crate) fn mlp_parked_layers(self, n_layers: usize) -> usize {
         (0..n_layers)
             .filter(|&l| self.parks_mlp(l, n_layers))
             .count()
     }
 
     /// Whether something waits for backward in host memory.
-    pub fn parks(self) -> bool {
+    pub(crate) fn parks(self) -> bool {
         matches!(
             self,
             Keep::Offload | Keep::InputParked | Keep::ParkMlp { .. }
@@ -109,7 +115,7 @@ impl Keep {
     }
 
     /// Bundles on the device at once while their copies out run (train::offload).
-    pub fn pending(self) -> usize {
+    pub(crate) fn pending(self) -> usize {
         match self {
             Keep::ParkMlp { pending, .. } => pending,
             _ => 1,
@@ -122,7 +128,7 @@ impl Keep {
 /// a token (a MoE's experts are recomputed in every setting). With gate and up parked
 /// (`Keep::ParkMlp`, over `m` tokens a micro-batch that the MLP runs whole: none, or at most
 /// `mlp_chunk`) only the top layers recompute.
-pub fn mlp_in_weights(
+pub(crate) fn mlp_in_weights(
     cfg: &super::ModelConfig,
     keep: Keep,
     m: usize,

@@ -27,31 +27,31 @@ use std::sync::Arc;
 #[derive(Clone, Copy, Debug)]
 pub struct LayerSpec {
     /// Every norm of the layer: eps, and Gemma's 1 + w gain.
-    pub norm: NormSpec,
-    pub heads: usize,
-    pub kv_heads: usize,
-    pub head_dim: usize,
+    pub(crate) norm: NormSpec,
+    pub(crate) heads: usize,
+    pub(crate) kv_heads: usize,
+    pub(crate) head_dim: usize,
     /// Keys this many positions back or more are masked (0: full attention).
     pub window: usize,
     /// The attention scores' scale.
-    pub scale: f64,
+    pub(crate) scale: f64,
     /// Scores soft-capped at this (0: none).
-    pub softcap: f32,
-    pub act: Act,
+    pub(crate) softcap: f32,
+    pub(crate) act: Act,
     /// RoPE from the context's local table (Gemma 3's sliding layers).
-    pub local_rope: bool,
+    pub(crate) local_rope: bool,
 }
 
 /// The norm gains only some families have.
 #[derive(Clone, Default)]
-pub struct Extra {
+pub(crate) struct Extra {
     /// QK-norm's gains [D] (Qwen3, Gemma 3).
-    pub q_norm: Option<Tensor>,
-    pub k_norm: Option<Tensor>,
+    pub(crate) q_norm: Option<Tensor>,
+    pub(crate) k_norm: Option<Tensor>,
     /// Gemma's post_attention_layernorm [C]: on o_proj's output, before the residual add.
-    pub attn_out_norm: Option<Tensor>,
+    pub(crate) attn_out_norm: Option<Tensor>,
     /// Gemma's post_feedforward_layernorm [C]: on down_proj's output.
-    pub mlp_out_norm: Option<Tensor>,
+    pub(crate) mlp_out_norm: Option<Tensor>,
 }
 
 impl Extra {
@@ -97,9 +97,10 @@ pub struct Layer {
     pub input_norm: Tensor,
     /// Before the MLP [C] (post_attention_layernorm; Gemma's pre_feedforward_layernorm).
     pub post_norm: Tensor,
-    pub extra: Extra,
+    pub(crate) extra: Extra,
     /// q_proj, k_proj, v_proj; or Phi-3's one qkv_proj [(H + 2K)·D, C].
     pub attn_in: Vec<Linear>,
+    /// o_proj [C, H·D].
     pub o: Linear,
     /// gate_proj, up_proj; or Phi-3's one gate_up_proj [2I, C] (gate first); empty in a MoE
     /// layer.
@@ -107,8 +108,8 @@ pub struct Layer {
     /// down_proj; None in a MoE layer.
     pub down: Option<Linear>,
     /// A MoE layer's router and experts (model/layer_moe.rs), in place of the dense MLP.
-    pub moe: Option<Box<Moe>>,
-    pub spec: LayerSpec,
+    pub(crate) moe: Option<Box<Moe>>,
+    pub(crate) spec: LayerSpec,
     /// An NF4 layer made resident in a `quant::Slabs` buffer holds that slab until it drops.
     pub(crate) lease: Option<Arc<()>>,
 }
@@ -231,7 +232,8 @@ impl Layer {
 
     /// For each tensor of `frozen_mut`, in its order, the linear whose W (or W*) it is; None for
     /// the norms, the biases and NF4 arrays.
-    pub fn frozen_linears(&self) -> Vec<Option<&Linear>> {
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn frozen_linears(&self) -> Vec<Option<&Linear>> {
         let moe = self.moe.as_ref().map_or(0, |m| m.frozen().len());
         let mut v = vec![None; 2 + self.extra.present().len() + moe];
         for lin in self.linears() {
@@ -247,7 +249,7 @@ impl Layer {
     }
 
     /// Every norm gain of the layer (input, post, then the family's).
-    pub fn norms(&self) -> Vec<&Tensor> {
+    pub(crate) fn norms(&self) -> Vec<&Tensor> {
         let mut v = vec![&self.input_norm, &self.post_norm];
         v.extend(self.extra.present());
         v
@@ -255,7 +257,7 @@ impl Layer {
 
     /// The frozen tensors besides the linears: the norms' gains, then a MoE layer's router and
     /// experts (`Layer::frozen_mut` order).
-    pub fn frozen_plain(&self) -> Vec<&Tensor> {
+    pub(crate) fn frozen_plain(&self) -> Vec<&Tensor> {
         let mut v = self.norms();
         v.extend(self.moe.iter().flat_map(|m| m.frozen()));
         v
@@ -264,7 +266,7 @@ impl Layer {
     /// Each folded linear's W as the first `in` columns of its W* (which `frozen_mut` may have
     /// replaced: FSDP's placeholder, or a gathered view). A placeholder W* (not [out, in + p])
     /// leaves W that placeholder too, so the skeleton holds no weights.
-    pub fn sync_views(&mut self) -> Result<()> {
+    pub(crate) fn sync_views(&mut self) -> Result<()> {
         for lin in self.parts_mut().1 {
             if let Some(pad) = &lin.pad {
                 lin.w = match pad.full.rank() {
@@ -280,7 +282,7 @@ impl Layer {
     /// it is), leaving a 1-element placeholder of its dtype in `w`, so the full copy is freed
     /// as the layer loads (`nf4_bytes` counts what it keeps). Folded linears are refused
     /// (`ops::fold` is off under NF4).
-    pub fn quantize(&mut self, double_quant: bool) -> Result<()> {
+    pub(crate) fn quantize(&mut self, double_quant: bool) -> Result<()> {
         if self.moe.is_some() {
             candle_core::bail!(
                 "nf4: a MoE model's experts are not quantized: set model.quantize = \"none\""
@@ -311,7 +313,10 @@ impl Layer {
     /// elements), which the returned layer holds until it and its clones drop. The returned
     /// layer keeps no NF4 arrays (`q` None: its W's are real), so it is resident as it is and
     /// frees an FSDP gather's NF4 buffers when that layer drops.
-    pub fn resident_in(&self, slabs: Option<&crate::quant::Slabs>) -> Result<Cow<'_, Layer>> {
+    pub(crate) fn resident_in(
+        &self,
+        slabs: Option<&crate::quant::Slabs>,
+    ) -> Result<Cow<'_, Layer>> {
         let Some(first) = self.linears().into_iter().find(|l| l.q.is_some()) else {
             return Ok(Cow::Borrowed(self));
         };
@@ -355,7 +360,7 @@ impl Layer {
     }
 
     /// Pads this layer's foldable groups (`Model::fold`); their bytes.
-    pub fn fold(&mut self) -> Result<usize> {
+    pub(crate) fn fold(&mut self) -> Result<usize> {
         let mut bytes = 0;
         for mut group in self.fold_groups() {
             bytes += pad_group(&mut group)?;

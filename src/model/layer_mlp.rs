@@ -22,7 +22,7 @@ use candle_core::{Result, Tensor};
 /// Tokens per MLP chunk of a checkpointed layer (`train.mlp_chunk`'s default): gate and up of
 /// a chunk are 0.9 GiB in bf16 at Llama-3-8B (I = 14336); runs of up to this many tokens per
 /// micro-batch are not chunked.
-pub const MLP_CHUNK: usize = 16384;
+pub(crate) const MLP_CHUNK: usize = 16384;
 
 /// The fewest rows a chunk has: a GEMM of fewer rows takes the CPU GEMM's small-matrix path,
 /// whose sums run in another order than those of the same rows inside a taller GEMM.
@@ -47,7 +47,8 @@ pub(super) struct MlpActs {
     /// gate [m, I] before the activation, and up [m, I]; None while parked in host memory
     /// (train/offload.rs).
     gate_up: Option<[Tensor; 2]>,
-    mo: Option<Tensor>, // [m, C] down_proj's output, before Gemma's norm on it
+    /// [m, C] down_proj's output, before Gemma's norm on it
+    mo: Option<Tensor>,
     /// gate's and up's (or gate_up's) adapter states s·(m⊙x)Aᵀ [m, r], then down's.
     xas: Vec<Option<Tensor>>,
     xd: Option<Tensor>,

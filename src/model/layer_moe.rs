@@ -33,30 +33,32 @@ use candle_core::{DType, Result, Tensor};
 /// A LoRA adapter on one fused expert parameter, with the module path PEFT keys it by
 /// (`model.layers.N.mlp.experts`, or `...experts.base_layer` for the inner of two).
 #[derive(Clone)]
-pub struct ExpertLora {
-    pub name: String,
+pub(crate) struct ExpertLora {
+    pub(crate) name: String,
     /// A [E·r, in], B [out, r·E] (PEFT's layout), scale s.
-    pub lora: Lora,
+    pub(crate) lora: Lora,
 }
 
 /// A MoE layer's frozen router and experts, and the experts' adapters.
 #[derive(Clone)]
-pub struct Moe {
+pub(crate) struct Moe {
     /// The router's W [E, C] (`mlp.gate.weight`).
-    pub router: Tensor,
+    pub(crate) router: Tensor,
     /// [E, 2I, C]: each expert's gate rows, then its up rows.
-    pub gate_up: Tensor,
+    pub(crate) gate_up: Tensor,
     /// [E, C, I].
-    pub down: Tensor,
-    pub spec: MoeSpec,
-    pub gate_up_lora: Option<ExpertLora>,
-    pub down_lora: Option<ExpertLora>,
+    pub(crate) down: Tensor,
+    pub(crate) spec: MoeSpec,
+    pub(crate) gate_up_lora: Option<ExpertLora>,
+    pub(crate) down_lora: Option<ExpertLora>,
 }
 
 /// One parameter's adapter split per expert, in the activation dtype.
 pub(super) struct PerExpert {
-    pub(super) a: Tensor, // [E, r, in]
-    pub(super) b: Tensor, // [E, out, r]
+    /// [E, r, in]
+    pub(super) a: Tensor,
+    /// [E, out, r]
+    pub(super) b: Tensor,
     pub(super) scale: f64,
 }
 
@@ -142,11 +144,16 @@ pub(super) type Grad = (Tensor, Tensor);
 
 /// The experts' forward over the grouped rows, what their backward takes ([P, ·]).
 pub(super) struct ExpertActs {
-    pub(super) gate: Tensor,            // [P, I]
-    pub(super) up: Tensor,              // [P, I]
-    pub(super) a: Tensor,               // [P, I] silu(gate) ⊙ up, down's input
-    pub(super) xa_gu: Option<Tensor>,   // [P, r] gate_up's adapter state
-    pub(super) xa_down: Option<Tensor>, // [P, r] down's
+    /// [P, I]
+    pub(super) gate: Tensor,
+    /// [P, I]
+    pub(super) up: Tensor,
+    /// [P, I] silu(gate) ⊙ up, down's input
+    pub(super) a: Tensor,
+    /// [P, r] gate_up's adapter state
+    pub(super) xa_gu: Option<Tensor>,
+    /// [P, r] down's
+    pub(super) xa_down: Option<Tensor>,
 }
 
 /// The experts' adapters (`PerExpert`), gate_up's and down's.
@@ -154,16 +161,16 @@ type Adapters<'a> = (Option<&'a PerExpert>, Option<&'a PerExpert>);
 
 impl Moe {
     /// The frozen tensors: router, gate_up, down.
-    pub fn frozen(&self) -> Vec<&Tensor> {
+    pub(crate) fn frozen(&self) -> Vec<&Tensor> {
         vec![&self.router, &self.gate_up, &self.down]
     }
 
-    pub fn frozen_mut(&mut self) -> Vec<&mut Tensor> {
+    pub(crate) fn frozen_mut(&mut self) -> Vec<&mut Tensor> {
         vec![&mut self.router, &mut self.gate_up, &mut self.down]
     }
 
     /// The experts' adapters with their PEFT module paths (gate_up's, then down's).
-    pub fn adapters(&self) -> impl Iterator<Item = (&str, &Lora)> {
+    pub(crate) fn adapters(&self) -> impl Iterator<Item = (&str, &Lora)> {
         [&self.gate_up_lora, &self.down_lora]
             .into_iter()
             .flatten()
@@ -252,13 +259,13 @@ impl Moe {
     }
 
     /// hn [m, C] → Σ_j w_j · E_j(hn) [m, C]. Differentiable (the reference forward's graph).
-    pub fn forward(&self, hn: &Tensor) -> Result<Tensor> {
+    pub(crate) fn forward(&self, hn: &Tensor) -> Result<Tensor> {
         Ok(self.forward_routed(hn, true)?.0)
     }
 
     /// `forward`, with its routing; with `graph` autograd's graph reaches the adapters, else
     /// (training's forward, whose backward is `backward`) nothing is recorded.
-    pub fn forward_routed(&self, hn: &Tensor, graph: bool) -> Result<(Tensor, Routing)> {
+    pub(crate) fn forward_routed(&self, hn: &Tensor, graph: bool) -> Result<(Tensor, Routing)> {
         let (dt, experts) = (hn.dtype(), self.spec.experts);
         let r = route(hn, &self.router, self.spec)?;
         let gu_ad = PerExpert::of(&self.gate_up_lora, experts, dt, graph)?;
@@ -279,7 +286,7 @@ impl Moe {
     /// The backward of `forward` for g = dL/d(its output) [m, C]: dL/dhn [m, C], through the
     /// experts and the router; the experts' adapter gradients into `grads`. `aux` is the
     /// load-balancing loss's gradient on the router's probabilities ([m, E] or [1, E] f32).
-    pub fn backward(
+    pub(crate) fn backward(
         &self,
         hn: &Tensor,
         g: &Tensor,

@@ -55,16 +55,22 @@ pub enum Retain {
 
 /// What a layer's forward leaves for its backward.
 pub struct LayerActs {
-    x: Tensor, // [m, C] the layer input
+    /// [m, C] the layer input
+    x: Tensor,
     qk: Qk,
-    v: Tensor,          // [m, K·D] token-major rows, as v_proj made it
-    attn: Tensor,       // [m, H·D] attention output, o_proj's input
-    lse: Tensor,        // [B, H, T] f32
-    ao: Option<Tensor>, // [m, C] o_proj's output, before Gemma's norm on it
+    /// [m, K·D] token-major rows, as v_proj made it
+    v: Tensor,
+    /// [m, H·D] attention output, o_proj's input
+    attn: Tensor,
+    /// [B, H, T] f32
+    lse: Tensor,
+    /// [m, C] o_proj's output, before Gemma's norm on it
+    ao: Option<Tensor>,
     /// The MLP half's; None where backward recomputes it chunk by chunk from h
     /// (model/layer_mlp.rs).
     mlp: Option<MlpActs>,
-    h: Option<Tensor>, // [m, C] the residual h; recomputed when None
+    /// [m, C] the residual h; recomputed when None
+    h: Option<Tensor>,
     /// Per attention linear (q, k, v or qkv, then o): the adapter's s·(m⊙x)Aᵀ [m, r].
     xas: Vec<Option<Tensor>>,
 }
@@ -100,7 +106,7 @@ impl LayerActs {
 
     /// The residual h [m, C] out of the activations (backward then recomputes it, or it is
     /// put back with `put_h`). A layer whose MLP backward runs in chunks keeps its h.
-    pub fn take_h(&mut self) -> Option<Tensor> {
+    pub(crate) fn take_h(&mut self) -> Option<Tensor> {
         match self.parks_h() {
             true => self.h.take(),
             false => None,
@@ -109,24 +115,24 @@ impl LayerActs {
 
     /// Whether `take_h` gives the residual up: not a layer whose MLP backward runs in chunks
     /// or a MoE layer's, which read it (model/layer_mlp.rs, model/layer_moe.rs).
-    pub fn parks_h(&self) -> bool {
+    pub(crate) fn parks_h(&self) -> bool {
         self.mlp.is_some()
     }
 
     /// Puts back what `take_h` took (the same values).
-    pub fn put_h(&mut self, h: Tensor) {
+    pub(crate) fn put_h(&mut self, h: Tensor) {
         self.h = Some(h);
     }
 
     /// The MLP's gate and up [m, I] each out of the activations, to be parked until the
     /// layer's backward (`put_gate_up` puts them back). None where the MLP half was not kept.
-    pub fn take_gate_up(&mut self) -> Option<Vec<Tensor>> {
+    pub(crate) fn take_gate_up(&mut self) -> Option<Vec<Tensor>> {
         let pair = self.mlp.as_mut()?.take_gate_up()?;
         Some(pair.into())
     }
 
     /// Puts back what `take_gate_up` took (the same values).
-    pub fn put_gate_up(&mut self, gate_up: Vec<Tensor>) -> Result<()> {
+    pub(crate) fn put_gate_up(&mut self, gate_up: Vec<Tensor>) -> Result<()> {
         let (Some(mlp), Ok(pair)) = (self.mlp.as_mut(), <[Tensor; 2]>::try_from(gate_up)) else {
             candle_core::bail!("backward: gate and up put back into a layer without them");
         };
@@ -170,7 +176,7 @@ impl Layer {
     /// Whether the MLP half over `m` tokens runs whole (dense, not in chunks): what
     /// `Retain::All` keeps of it is then gate and up over all m tokens, which the driver may
     /// park in host memory.
-    pub fn mlp_runs_whole(&self, ctx: &Ctx, m: usize) -> bool {
+    pub(crate) fn mlp_runs_whole(&self, ctx: &Ctx, m: usize) -> bool {
         self.moe.is_none() && self.mlp_chunk(ctx, m).is_none()
     }
 
@@ -178,7 +184,7 @@ impl Layer {
     /// `forward_train`'s activations without its output, so down_proj's GEMM and the last
     /// residual are skipped (down's adapter state is all backward uses of them; not with
     /// Gemma's norm on down's output, whose backward takes that output).
-    pub fn recompute(&self, x: &Tensor, ctx: &Ctx) -> Result<LayerActs> {
+    pub(crate) fn recompute(&self, x: &Tensor, ctx: &Ctx) -> Result<LayerActs> {
         match self.run(x, ctx, false, Retain::All)? {
             (_, Some(acts)) => Ok(acts),
             (_, None) => candle_core::bail!("recompute: no activations"),

@@ -21,18 +21,18 @@ use candle_core::{DType, Result, Tensor};
 pub struct LoraGrad {
     pub a: Tensor,
     pub b: Tensor,
-    pub m: Option<Tensor>,
+    pub(crate) m: Option<Tensor>,
 }
 
 impl LoraGrad {
     /// A plain LoRA adapter's (dA, dB).
-    pub fn ab(a: Tensor, b: Tensor) -> Self {
+    pub(crate) fn ab(a: Tensor, b: Tensor) -> Self {
         LoraGrad { a, b, m: None }
     }
 }
 
 /// An adapter's gradients, None for a linear without one.
-pub type AdapterGrad = Option<LoraGrad>;
+pub(crate) type AdapterGrad = Option<LoraGrad>;
 
 /// What `Linear::bwd_dx` leaves for `Linear::bwd_grads`: s · g B [m, r], the dropout, and for
 /// DoRA (n [out] f32, dz = g ⊙ dy [m, out]).
@@ -49,7 +49,8 @@ pub struct Linear {
     pub name: String,
     /// [out, in]; a view of `pad`'s first `in` columns when folded.
     pub w: Tensor,
-    pub b: Option<Tensor>,
+    pub(crate) b: Option<Tensor>,
+    /// The adapter, when this linear is a target.
     pub lora: Option<Lora>,
     /// W's wider buffer, when the adapter's forward is folded into the base GEMM.
     pub pad: Option<Pad>,
@@ -67,15 +68,15 @@ pub struct Linear {
 /// gathered layer's a view of the gathered buffer (`Layer::frozen_mut`).
 #[derive(Clone)]
 pub struct Pad {
-    pub full: Tensor,
-    pub col: usize,
+    pub(crate) full: Tensor,
+    pub(crate) col: usize,
     /// W's columns (`in`): `w` is `full`'s first `in_f` columns.
-    pub in_f: usize,
+    pub(crate) in_f: usize,
 }
 
 impl Linear {
     /// x: [B, T, in] → [B, T, out]
-    pub fn forward(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
+    pub(crate) fn forward(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
         let Some(lora) = &self.lora else {
             return ops::frozen_linear(x, &self.w, self.b.as_ref());
         };
@@ -162,7 +163,7 @@ impl Linear {
     }
 
     /// `fwd`'s output again, from x and the adapter state `fwd` returned (no x Aᵀ product).
-    pub fn fwd_again(&self, x: &Tensor, xas: Option<&Tensor>, ctx: &Ctx) -> Result<Tensor> {
+    pub(crate) fn fwd_again(&self, x: &Tensor, xas: Option<&Tensor>, ctx: &Ctx) -> Result<Tensor> {
         match (&self.lora, xas) {
             (Some(lora), Some(xas)) => {
                 let b = ctx.adapter(&lora.b);
@@ -185,7 +186,7 @@ impl Linear {
     }
 
     /// `fwd`'s adapter state alone, without the output (None without an adapter).
-    pub fn adapter_fwd(&self, x: &Tensor, ctx: &Ctx) -> Result<Option<Tensor>> {
+    pub(crate) fn adapter_fwd(&self, x: &Tensor, ctx: &Ctx) -> Result<Option<Tensor>> {
         let Some(lora) = &self.lora else {
             return Ok(None);
         };
@@ -272,7 +273,7 @@ impl Linear {
 
     /// `bwd`'s adapter gradients alone, without dL/dx (none of its GEMMs run): x [m, in],
     /// g [m, out], `xas` what `fwd` kept. None without an adapter.
-    pub fn bwd_grads_alone(
+    pub(crate) fn bwd_grads_alone(
         &self,
         x: &Tensor,
         g: &Tensor,
@@ -343,7 +344,7 @@ impl Linear {
     /// [m, I] and `xas` what `fwd_folded` kept → (dL/dgate, dL/dup, (dA, dB)). None (nothing
     /// run) when this linear's forward is not folded for this batch, or the kernel cannot take
     /// the operands.
-    pub fn bwd_glu_folded(
+    pub(crate) fn bwd_glu_folded(
         &self,
         act: Act,
         dy: &Tensor,
@@ -381,6 +382,7 @@ impl Linear {
         Ok(Some((r.dg, r.du, Some(LoraGrad::ab(r.da, db)))))
     }
 
+    /// Rows of W: the output width.
     pub fn out_features(&self) -> usize {
         self.w.dims()[0]
     }
@@ -511,7 +513,7 @@ impl Linear {
     /// one GEMM into a tensor of its own, so q, k, v (gate, up) come out contiguous with no
     /// copy out of one wide output. Without cuts each linear is one part. (The parts in
     /// order, [m, cut] each; each linear's adapter state [m, r].)
-    pub fn fwd_folded_parts(
+    pub(crate) fn fwd_folded_parts(
         lins: &[&Linear],
         xp: &Tensor,
         cuts: &[usize],
@@ -560,7 +562,7 @@ impl Linear {
     /// `bwd_shared` for outputs made in parts (`fwd_folded_parts`): g holds dL/d(part) for
     /// each part, in order (one fused linear's `cuts`, or one part per linear without). Folded,
     /// each part's GEMMs take its row block of W*; else the parts are joined first.
-    pub fn bwd_shared_parts(
+    pub(crate) fn bwd_shared_parts(
         lins: &[&Linear],
         x: &Tensor,
         g: Vec<Tensor>,
@@ -684,7 +686,7 @@ impl Linear {
     /// dL/dx (three of the layer's eleven backward GEMMs at q, k, v) and the adapters' are not
     /// run. Linears without an adapter are skipped; an adapter outside the shared group (its
     /// own dropout) takes `bwd_grads_alone`.
-    pub fn grads_shared(
+    pub(crate) fn grads_shared(
         lins: &[&Linear],
         x: &Tensor,
         g: Vec<Tensor>,

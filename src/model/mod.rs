@@ -5,30 +5,34 @@
 //! logits, one decoder layer at a time, so the driver (train::driver) can checkpoint, recompute
 //! and free memory between layers.
 
-pub mod build;
-pub mod check;
-pub mod config;
+pub(crate) mod build;
+pub(crate) mod check;
+pub(crate) mod config;
 mod config_rope;
 pub mod decoder;
 pub mod device;
-pub mod family;
-pub mod keep;
-pub mod layer;
-pub mod layer_mlp;
-pub mod layer_moe;
-pub mod layer_train;
-pub mod linear;
-pub mod moe_aux;
+pub(crate) mod family;
+pub(crate) mod keep;
+pub(crate) mod layer;
+pub(crate) mod layer_mlp;
+pub(crate) mod layer_moe;
+pub(crate) mod layer_train;
+pub(crate) mod linear;
+pub(crate) mod moe_aux;
 mod parts;
-pub mod prefetch;
+pub(crate) mod prefetch;
 pub mod rope;
-pub mod router;
+pub(crate) mod router;
 pub mod shapes;
 
 pub use config::{ConfigError, ModelConfig, RopeScaling};
-pub use decoder::{Build, Ctx, Model};
-pub use family::{Arch, Family, NormStyle};
-pub use keep::{Keep, PARK_PENDING, PARK_TAIL};
-pub use layer::{Extra, Layer, LayerSpec};
-pub use layer_train::{LayerActs, LayerGrads, Retain};
-pub use linear::{AdapterGrad, Linear, LoraGrad, Pad};
+pub(crate) use decoder::Ctx;
+pub use decoder::{Build, Model};
+pub(crate) use family::Family;
+pub use keep::Keep;
+pub(crate) use keep::{PARK_PENDING, PARK_TAIL};
+pub use layer::Layer;
+pub(crate) use layer::LayerSpec;
+pub(crate) use layer_train::LayerActs;
+pub use layer_train::{LayerGrads, Retain};
+pub use linear::Linear;

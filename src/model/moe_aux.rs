@@ -18,7 +18,7 @@ use candle_core::{DType, Result, Tensor};
 use std::sync::Mutex;
 
 /// One micro-batch's load-balancing loss, accumulated over the layers.
-pub struct MoeAux {
+pub(crate) struct MoeAux {
     /// [m, 1] f32: 1 real token, 0 padding.
     mask: Tensor,
     /// The loss's weight in this micro-batch's share of the step's loss: coef · (its counted
@@ -30,14 +30,16 @@ pub struct MoeAux {
 }
 
 struct Sums {
-    counts: Tensor, // [E] f32 Σ_l Σ_n mask_n · [e chosen]
-    probs: Tensor,  // [E] f32 Σ_l Σ_n mask_n · p
+    /// [E] f32 Σ_l Σ_n mask_n · [e chosen]
+    counts: Tensor,
+    /// [E] f32 Σ_l Σ_n mask_n · p
+    probs: Tensor,
     layers: usize,
 }
 
 impl MoeAux {
     /// `real` [m]: whether each token is real (not padding), on the device of the batch.
-    pub fn new(real: &[bool], scale: f64, dev: &candle_core::Device) -> Result<MoeAux> {
+    pub(crate) fn new(real: &[bool], scale: f64, dev: &candle_core::Device) -> Result<MoeAux> {
         let m: Vec<f32> = real.iter().map(|&r| r as u8 as f32).collect();
         Ok(MoeAux {
             mask: Tensor::from_vec(m, (real.len(), 1), dev)?,
@@ -48,7 +50,7 @@ impl MoeAux {
     }
 
     /// Adds one layer's routing (its forward, once per layer).
-    pub fn record(&self, r: &Routing) -> Result<()> {
+    pub(crate) fn record(&self, r: &Routing) -> Result<()> {
         let k = r.idx.dim(1)?;
         let chosen = self
             .mask
@@ -78,7 +80,7 @@ impl MoeAux {
 
     /// After the forward: scale · aux (a scalar f32 tensor; None when no layer routed), and
     /// the gradient every router's backward takes (`grad`).
-    pub fn finish(&self) -> Result<Option<Tensor>> {
+    pub(crate) fn finish(&self) -> Result<Option<Tensor>> {
         let sums = lock(&self.sums)?;
         let Some(s) = sums.as_ref() else {
             return Ok(None);
@@ -95,7 +97,7 @@ impl MoeAux {
     }
 
     /// dL/dp [m, E] f32 for the routers' backward (None before `finish`).
-    pub fn grad(&self) -> Result<Option<Tensor>> {
+    pub(crate) fn grad(&self) -> Result<Option<Tensor>> {
         Ok(lock(&self.grad)?.clone())
     }
 }

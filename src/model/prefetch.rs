@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 const AHEAD: usize = 2;
 
 /// The byte ranges of each decoder layer's tensors, and how far the reading is asked for.
-pub struct Prefetch {
+pub(crate) struct Prefetch {
     /// Layer → (address, length) of its tensors in the mappings.
     layers: BTreeMap<usize, Vec<(usize, usize)>>,
     /// The other tensors (embedding, final norm, head), asked for with layer 0.
@@ -23,7 +23,7 @@ pub struct Prefetch {
 }
 
 impl Prefetch {
-    pub fn new(st: &MmapedSafetensors) -> Prefetch {
+    pub(crate) fn new(st: &MmapedSafetensors) -> Prefetch {
         let mut layers: BTreeMap<usize, Vec<(usize, usize)>> = BTreeMap::new();
         let mut rest = Vec::new();
         for (name, view) in st.tensors() {
@@ -42,7 +42,7 @@ impl Prefetch {
     }
 
     /// The tensor `name` is about to load: the layers after its own are asked for.
-    pub fn loading(&self, name: &str) {
+    pub(crate) fn loading(&self, name: &str) {
         if self.asked.get() == 0 {
             self.rest.iter().for_each(|&r| will_need(r));
         }

@@ -6,7 +6,7 @@ use candle_core::{DType, Device, Result, Tensor};
 
 /// One RoPE's frequencies: the table each batch takes, and the factor on cos and sin.
 #[derive(Debug, Clone)]
-pub struct Freqs {
+pub(crate) struct Freqs {
     /// inv_freq [D/2]: the only table, or LongRoPE's short one.
     short: Vec<f32>,
     /// LongRoPE: the table of a batch whose positions reach `.1` (original_max_position) or
@@ -19,7 +19,7 @@ pub struct Freqs {
 impl Freqs {
     /// inv_freq[i] = 1 / θ^(2i/D), i < D/2, rescaled as `rope.scaling` says; f32, as
     /// transformers computes them.
-    pub fn new(head_dim: usize, rope: &Rope) -> Freqs {
+    pub(crate) fn new(head_dim: usize, rope: &Rope) -> Freqs {
         let d = head_dim;
         let base = rope.theta as f32;
         let raw: Vec<f32> = (0..d / 2)
@@ -71,12 +71,12 @@ impl Freqs {
 
     /// Whether a call whose positions reach `reach` (its largest + 1) takes LongRoPE's long
     /// table; false for every other RoPE.
-    pub fn is_long(&self, reach: usize) -> bool {
+    pub(crate) fn is_long(&self, reach: usize) -> bool {
         matches!(&self.long, Some((_, orig)) if reach > *orig)
     }
 
     /// LongRoPE's original_max_position (from which a one-token call takes the long table).
-    pub fn long_from(&self) -> Option<usize> {
+    pub(crate) fn long_from(&self) -> Option<usize> {
         self.long.as_ref().map(|(_, orig)| *orig)
     }
 
@@ -89,7 +89,7 @@ impl Freqs {
     }
 
     /// cos and sin of each token's angles ([B, T, D/2] f32 each), × the attention factor.
-    pub fn cos_sin(
+    pub(crate) fn cos_sin(
         &self,
         positions: &[u32],
         b: usize,
@@ -102,7 +102,7 @@ impl Freqs {
 
     /// `cos_sin` from the long table (`long`, LongRoPE only) or the short one, whatever the
     /// positions reach: generation's cache keeps both for every position.
-    pub fn cos_sin_of(
+    pub(crate) fn cos_sin_of(
         &self,
         long: bool,
         positions: &[u32],

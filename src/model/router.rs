@@ -17,27 +17,27 @@ use super::family::MoeSpec;
 use candle_core::{DType, Result, Tensor, D};
 
 /// One batch's routing through one layer.
-pub struct Routing {
+pub(crate) struct Routing {
     /// Softmax of the router logits over all experts [m, E] f32.
-    pub probs: Tensor,
+    pub(crate) probs: Tensor,
     /// The chosen experts [m, k] u32, by descending probability.
-    pub idx: Tensor,
+    pub(crate) idx: Tensor,
     /// Their weights [m, k] f32: the probabilities, renormalised with `norm_topk`.
-    pub weights: Tensor,
+    pub(crate) weights: Tensor,
     /// The (token, slot) positions p = n·k + j grouped by expert [m·k] u32.
-    pub order: Tensor,
+    pub(crate) order: Tensor,
     /// Each grouped position's token n = p / k [m·k] u32.
-    pub tokens: Tensor,
+    pub(crate) tokens: Tensor,
     /// The grouped row of (token n, slot j) at j·m + n [k·m] u32 (slot-major), so that
     /// `grouped.index_select(slots)` is k runs of m rows, one per slot.
-    pub slots: Tensor,
+    pub(crate) slots: Tensor,
     /// Tokens per expert [E] (the runs of `order`, in expert order).
-    pub counts: Vec<usize>,
+    pub(crate) counts: Vec<usize>,
 }
 
 /// Routes hn [m, C] with the router's W [E, C]. Differentiable in hn (the reference
 /// forward's autograd graph; the indices carry no gradient).
-pub fn route(hn: &Tensor, w: &Tensor, spec: MoeSpec) -> Result<Routing> {
+pub(crate) fn route(hn: &Tensor, w: &Tensor, spec: MoeSpec) -> Result<Routing> {
     let (m, k) = (hn.dim(0)?, spec.top_k);
     let logits = hn.matmul(&w.t()?)?.to_dtype(DType::F32)?; // [m, E]
     let probs = candle_nn::ops::softmax(&logits, D::Minus1)?;
@@ -110,7 +110,7 @@ fn slot_major(order: &[u32], m: usize, k: usize) -> Vec<u32> {
 /// renormalisation (with `norm_topk`), the top-k gather and the softmax. `dprobs_extra`
 /// ([m, E] or [1, E] f32) is a gradient on the probabilities besides (the load-balancing
 /// loss's).
-pub fn route_bwd(
+pub(crate) fn route_bwd(
     r: &Routing,
     dweights: &Tensor,
     norm_topk: bool,

@@ -6,7 +6,7 @@ use super::ModelConfig;
 use anyhow::{bail, Result};
 
 /// The shapes `bench` and `plan --shape` know, as scripts/bench_peft.py's SHAPES.
-pub const SHAPES: [&str; 10] = [
+pub(crate) const SHAPES: [&str; 10] = [
     "tiny",
     "llama2-7b",
     "llama2-13b",

@@ -9,8 +9,8 @@
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 use std::sync::{Arc, Mutex};
 
-pub type Grads3 = (Option<Tensor>, Option<Tensor>, Option<Tensor>);
-pub type Backward3 =
+pub(crate) type Grads3 = (Option<Tensor>, Option<Tensor>, Option<Tensor>);
+pub(crate) type Backward3 =
     dyn Fn(&Tensor, &Tensor, &Tensor, &Tensor, &Tensor) -> Result<Grads3> + Send + Sync;
 
 struct Attach3 {
@@ -18,7 +18,7 @@ struct Attach3 {
     backward: Box<Backward3>,
 }
 
-pub fn attach3(
+pub(crate) fn attach3(
     a: &Tensor,
     b: &Tensor,
     c: &Tensor,

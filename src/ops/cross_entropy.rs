@@ -66,7 +66,7 @@ pub fn kernel_takes(logits: &Tensor, targets: &Tensor) -> bool {
 
 /// The same as tensor ops (the reference; the path on the CPU and for f16): f32 logits,
 /// max-shifted exponentials, their sum, and the gradient from them.
-pub fn cross_entropy_fwd_bwd_ops(
+pub(crate) fn cross_entropy_fwd_bwd_ops(
     logits: &Tensor,
     targets: &Tensor,
     denom: f64,
@@ -103,7 +103,7 @@ mod imp {
     const THREADS: u32 = 256;
 
     /// The kernel; `cap` 0 for no soft-cap.
-    pub fn fwd_bwd(
+    pub(crate) fn fwd_bwd(
         logits: &Tensor,
         targets: &Tensor,
         denom: f64,
@@ -151,6 +151,7 @@ mod imp {
         let func = crate::ops::cuda::function(dev, &name)?;
         // SAFETY: the kernel writes every element of both (one ce a row, every gradient).
         let ce = unsafe { dev.alloc::<f32>(n)? };
+        // SAFETY: as ce's: one block a row writes its V gradients.
         let dl = unsafe { dev.alloc::<T>(n * v)? };
         // The tensor ops' f32 factors: Σ·denom and −1/denom, each rounded from f64 as they are.
         let (v64, denom32, minus) = (v as i64, denom as f32, -1f32 / denom as f32);

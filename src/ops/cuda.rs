@@ -97,13 +97,13 @@ fn module(dev: &CudaDevice, prog: &'static Program) -> Result<Arc<CudaModule>> {
 }
 
 /// Whether `dev` is a Hopper GPU (compute capability 9.0), where flash90.cu's kernels run.
-pub fn is_hopper(dev: &CudaDevice) -> Result<bool> {
+pub(crate) fn is_hopper(dev: &CudaDevice) -> Result<bool> {
     Ok(dev.cuda_stream().context().compute_capability().w()? == (9, 0))
 }
 
 /// The device address of `t`'s first element when `t` is a contiguous bf16, f16, f32 or u32
 /// (indices) CUDA tensor; None otherwise.
-pub fn addr(t: &candle_core::Tensor) -> Result<Option<u64>> {
+pub(crate) fn addr(t: &candle_core::Tensor) -> Result<Option<u64>> {
     if !t.is_contiguous() {
         return Ok(None);
     }
@@ -113,7 +113,7 @@ pub fn addr(t: &candle_core::Tensor) -> Result<Option<u64>> {
 /// The device address of `t`'s first element and its row stride in elements when `t` is a 2-D
 /// bf16, f16 or f32 CUDA tensor whose rows are contiguous (stride [ld, 1], ld ≥ columns): a
 /// column slice of a wider matrix, as cuBLAS takes it with its leading dimension. None otherwise.
-pub fn addr_rows(t: &candle_core::Tensor) -> Result<Option<(u64, usize)>> {
+pub(crate) fn addr_rows(t: &candle_core::Tensor) -> Result<Option<(u64, usize)>> {
     let (Ok((_, n)), &[ld, 1]) = (t.dims2(), t.stride()) else {
         return Ok(None);
     };
@@ -126,7 +126,7 @@ pub fn addr_rows(t: &candle_core::Tensor) -> Result<Option<(u64, usize)>> {
 /// The device address of `t`'s first element and the stride between its matrices (elements)
 /// when `t` is a 3-D bf16, f16 or f32 CUDA tensor whose matrices each lie contiguous (strides
 /// [s, columns, 1]), as a stack of matrices narrowed along their rows does. None otherwise.
-pub fn addr_batched(t: &candle_core::Tensor) -> Result<Option<(u64, usize)>> {
+pub(crate) fn addr_batched(t: &candle_core::Tensor) -> Result<Option<(u64, usize)>> {
     let (Ok((_, _, n)), &[s, ld, 1]) = (t.dims3(), t.stride()) else {
         return Ok(None);
     };
@@ -141,7 +141,7 @@ pub fn addr_batched(t: &candle_core::Tensor) -> Result<Option<(u64, usize)>> {
 ///
 /// # Safety
 /// Every element must be written before any is read.
-pub unsafe fn uninit<S: Into<candle_core::Shape>>(
+pub(crate) unsafe fn uninit<S: Into<candle_core::Shape>>(
     dev: &CudaDevice,
     dtype: DType,
     shape: S,
@@ -229,6 +229,7 @@ pub(crate) use with_view;
 
 /// Runs `$body` with `$x` the f32 or bf16 device view of `$s` as `$l` lays it out (contiguous)
 /// and `$out` a fresh output of `$n` elements of that dtype; evaluates to the output's storage.
+/// `$out` is uninitialised: `$body` must launch a kernel that writes every element of it.
 macro_rules! with_dtype {
     ($s:expr, $l:expr, $n:expr, |$x:ident, $out:ident| $body:block) => {{
         let dev = $s.device.clone();
@@ -236,6 +237,8 @@ macro_rules! with_dtype {
             candle_core::DType::F32 => {
                 let (o1, o2) = $crate::ops::cuda::contiguous($l)?;
                 let $x = $s.as_cuda_slice::<f32>()?.slice(o1..o2);
+                // SAFETY: the macro's contract: `$body` launches a kernel that writes all `$n`
+                // elements of `$out` before the storage is returned to be read.
                 let $out: candle_core::cuda::cudarc::driver::CudaSlice<f32> =
                     unsafe { dev.alloc::<f32>($n)? };
                 $body;
@@ -244,6 +247,7 @@ macro_rules! with_dtype {
             candle_core::DType::BF16 => {
                 let (o1, o2) = $crate::ops::cuda::contiguous($l)?;
                 let $x = $s.as_cuda_slice::<half::bf16>()?.slice(o1..o2);
+                // SAFETY: as the f32 arm's.
                 let $out: candle_core::cuda::cudarc::driver::CudaSlice<half::bf16> =
                     unsafe { dev.alloc::<half::bf16>($n)? };
                 $body;

@@ -19,18 +19,18 @@
 use candle_core::{DType, Result, Tensor};
 
 /// ‖w‖ per row: w [out, in] (any float dtype) → [out] f32.
-pub fn row_norms(w: &Tensor) -> Result<Tensor> {
+pub(crate) fn row_norms(w: &Tensor) -> Result<Tensor> {
     w.to_dtype(DType::F32)?.sqr()?.sum(1)?.sqrt()
 }
 
 /// Elements of W + s·B A made at once by `weight_norm` (16 MiB in f32): its f32 temporaries
 /// stay a few of these, not a few copies of W (180 MiB each for Llama-2-7B's MLP in f32).
-pub const CHUNK: usize = 1 << 22;
+pub(crate) const CHUNK: usize = 1 << 22;
 
 /// n = ‖W + s·B A‖ per row [out] f32, from W [out, in], A [r, in] and B [out, r] (f32 Vars'
 /// tensors; detached here, so no graph reaches them through n), `CHUNK` elements of rows at
 /// a time.
-pub fn weight_norm(w: &Tensor, a: &Tensor, b: &Tensor, scale: f64) -> Result<Tensor> {
+pub(crate) fn weight_norm(w: &Tensor, a: &Tensor, b: &Tensor, scale: f64) -> Result<Tensor> {
     weight_norm_in(w, a, b, scale, CHUNK)
 }
 
@@ -51,13 +51,13 @@ fn weight_norm_in(w: &Tensor, a: &Tensor, b: &Tensor, scale: f64, chunk: usize) 
 
 /// g = m / n [out] f32, m the magnitude's tensor (a graph through it is kept, for the
 /// autograd forward), n `weight_norm`'s.
-pub fn magnitude_scale(m: &Tensor, n: &Tensor) -> Result<Tensor> {
+pub(crate) fn magnitude_scale(m: &Tensor, n: &Tensor) -> Result<Tensor> {
     m.broadcast_div(n)
 }
 
 /// y = g ⊙ z + bias: z [.., out] in the activation dtype, g [out] f32, bias [out] → z's
 /// shape and dtype, in f32 and rounded once.
-pub fn apply(z: &Tensor, g: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+pub(crate) fn apply(z: &Tensor, g: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
     let y = z.to_dtype(DType::F32)?.broadcast_mul(g)?;
     let y = match bias {
         Some(b) => y.broadcast_add(&b.to_dtype(DType::F32)?)?,
@@ -67,7 +67,7 @@ pub fn apply(z: &Tensor, g: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
 }
 
 /// dz = g ⊙ dy: dy [rows, out], g [out] f32 → dy's dtype (contiguous).
-pub fn scale_grad(dy: &Tensor, g: &Tensor) -> Result<Tensor> {
+pub(crate) fn scale_grad(dy: &Tensor, g: &Tensor) -> Result<Tensor> {
     dy.to_dtype(DType::F32)?
         .broadcast_mul(&g.detach())?
         .to_dtype(dy.dtype())?
@@ -75,7 +75,7 @@ pub fn scale_grad(dy: &Tensor, g: &Tensor) -> Result<Tensor> {
 }
 
 /// dm = Σ_rows dy ⊙ z / n: dy and z [rows, out], n [out] f32 → [out] f32.
-pub fn grad_m(dy: &Tensor, z: &Tensor, n: &Tensor) -> Result<Tensor> {
+pub(crate) fn grad_m(dy: &Tensor, z: &Tensor, n: &Tensor) -> Result<Tensor> {
     let dz = (dy.to_dtype(DType::F32)? * z.to_dtype(DType::F32)?)?;
     dz.sum(0)?.broadcast_div(n)
 }

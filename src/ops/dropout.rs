@@ -27,7 +27,7 @@ const W0: u32 = 0x9E37_79B9;
 const W1: u32 = 0xBB67_AE85;
 
 /// Philox4x32 with 10 rounds: the counter `c` under `key` → 4 words.
-pub fn philox4x32_10(mut c: [u32; 4], key: [u32; 2]) -> [u32; 4] {
+pub(crate) fn philox4x32_10(mut c: [u32; 4], key: [u32; 2]) -> [u32; 4] {
     let mut k = key;
     for r in 0..10 {
         if r > 0 {
@@ -46,16 +46,16 @@ pub fn philox4x32_10(mut c: [u32; 4], key: [u32; 2]) -> [u32; 4] {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Dropout {
     /// Philox's key: (seed, step, micro-batch).
-    pub key: [u32; 2],
+    pub(crate) key: [u32; 2],
     /// The counter's high words: (layer, module).
-    pub stream: [u32; 2],
+    pub(crate) stream: [u32; 2],
     /// An element whose 16 bits are below this is dropped: round(p · 2¹⁶).
-    pub threshold: u32,
+    pub(crate) threshold: u32,
     /// 1 / (1 − p) in f32: a kept value's factor.
     pub scale: f32,
     /// Drawn inside the adapters' kernels where they take the operands (`ops::fold_drop`;
     /// `Kernels::dropout_fused`), else applied as a masked copy per use. Same masks either way.
-    pub fused: bool,
+    pub(crate) fused: bool,
 }
 
 /// Keeps (seed, step, micro-batch) keys apart from every other stream of `Rng::keyed`.
@@ -84,23 +84,26 @@ impl Dropout {
     }
 
     /// The probability that an element is kept: 1 − threshold / 2¹⁶.
-    pub fn keep_probability(&self) -> f64 {
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub(crate) fn keep_probability(&self) -> f64 {
         1.0 - self.threshold as f64 / 65536.0
     }
 
     /// The 4 words of element group g (elements 8g .. 8g + 7).
-    pub fn group(&self, g: u64) -> [u32; 4] {
+    pub(crate) fn group(&self, g: u64) -> [u32; 4] {
         let c = [g as u32, (g >> 32) as u32, self.stream[0], self.stream[1]];
         philox4x32_10(c, self.key)
     }
 
     /// Element e's 16 bits.
-    pub fn bits(&self, e: u64) -> u32 {
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub(crate) fn bits(&self, e: u64) -> u32 {
         let w = self.group(e / 8)[(e % 8) as usize / 2];
         (w >> (16 * (e % 2))) & 0xffff
     }
 
-    pub fn keeps(&self, e: u64) -> bool {
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub(crate) fn keeps(&self, e: u64) -> bool {
         self.bits(e) >= self.threshold
     }
 
@@ -155,17 +158,19 @@ pub fn mask_tensor(dims: &[usize], d: &Dropout, dev: &Device) -> Result<Tensor> 
 /// The kernels' view of a `Dropout` (dropout.cu's DropKey); thr 0 and scale 1 for none.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
-pub struct DropKey {
-    pub k0: u32,
-    pub k1: u32,
-    pub layer: u32,
-    pub module: u32,
-    pub thr: u32,
-    pub scale: f32,
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) struct DropKey {
+    pub(crate) k0: u32,
+    pub(crate) k1: u32,
+    pub(crate) layer: u32,
+    pub(crate) module: u32,
+    pub(crate) thr: u32,
+    pub(crate) scale: f32,
 }
 
 impl DropKey {
-    pub fn of(d: Option<&Dropout>) -> DropKey {
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn of(d: Option<&Dropout>) -> DropKey {
         match d {
             Some(d) => DropKey {
                 k0: d.key[0],
@@ -197,7 +202,7 @@ mod cuda {
 
     /// `apply` on the device: dropout.cu's dropout_apply, one thread per 8 elements. None off
     /// CUDA or for dtypes other than bf16 and f32.
-    pub fn apply(x: &Tensor, d: &Dropout) -> Result<Option<Tensor>> {
+    pub(crate) fn apply(x: &Tensor, d: &Dropout) -> Result<Option<Tensor>> {
         let Device::Cuda(dev) = x.device() else {
             return Ok(None);
         };

@@ -440,7 +440,7 @@ mod imp {
         Ok((a, Some(seg)))
     }
 
-    pub fn fwd(
+    pub(crate) fn fwd(
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
@@ -453,7 +453,10 @@ mod imp {
         let dev = cuda_dev(q)?;
         let stream = dev.cuda_stream();
         // O goes out as rows [B·T, H·D]: element (b, h, t, d) at (b·T + t)·H·D + h·D + d.
+        // SAFETY (o, lse): uninitialised; every kernel below writes each query's O row and
+        // L, the grids covering all T queries of all B·H heads, before either is read.
         let o: CudaSlice<half::bf16> = unsafe { dev.alloc::<half::bf16>(b * h * t * d)? };
+        // SAFETY: as o's.
         let lse: CudaSlice<f32> = unsafe { dev.alloc::<f32>(b * h * t)? };
         p.so = [(t * h * d) as i64, d as i64, (h * d) as i64];
         let (seg, _keep) = seg_addr(mask, b, t, &stream)?;
@@ -541,7 +544,7 @@ mod imp {
     }
 
     #[allow(clippy::too_many_arguments)]
-    pub fn bwd(
+    pub(crate) fn bwd(
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,

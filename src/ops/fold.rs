@@ -51,7 +51,7 @@ use candle_core::{Result, Tensor};
 
 /// Padded rows are whole multiples of this many elements (128 bytes in bf16): a weight read
 /// through a row stride that is not a multiple of 64 elements slows cuBLAS's dL/dx products.
-pub const ROW_ALIGN: usize = 64;
+pub(crate) const ROW_ALIGN: usize = 64;
 
 /// The pad a group of adapted linears that share an input of `in_f` columns, of ranks
 /// `ranks`, is given: rows of `in_f` + pad = `in_f` + Σ r rounded up to `ROW_ALIGN` (the
@@ -119,8 +119,9 @@ pub fn glu_pad(act: Act, g: &Tensor, u: &Tensor, pad: usize) -> Result<Option<Te
 
 /// What `glu_down_bwd` gives.
 pub struct GluDownGrads {
-    /// dL/dgate, dL/dup [m, I].
+    /// dL/dgate [m, I].
     pub dg: Tensor,
+    /// dL/dup [m, I].
     pub du: Tensor,
     /// down's dA [r, I] f32.
     pub da: Tensor,
@@ -263,7 +264,7 @@ mod cuda {
     }
 
     #[allow(clippy::too_many_arguments)]
-    pub fn glu_down_bwd(
+    pub(crate) fn glu_down_bwd(
         act: Act,
         dy: &Tensor,
         w_full: &Tensor,
@@ -359,7 +360,7 @@ mod cuda {
 /// W*_i [out_i, in + pad] (B's in place) → (y_i [m, out_i] each, xas = s · (m_i ⊙ x) A_iᵀ
 /// side by side [m, Σ r]: each one's adapter state is its column slice). The products run
 /// over k = in + Σ r, on `gemm`.
-pub fn fwd(
+pub(crate) fn fwd(
     xp: &Tensor,
     in_f: usize,
     a: &Tensor,

@@ -191,7 +191,12 @@ mod cuda {
     /// Blocks a grid is given at least, by cutting x's columns into chunks (drop_xas).
     const XAS_BLOCKS: usize = 1024;
 
-    pub fn xas(x: &Tensor, a: &Tensor, drops: &[Dropout], scale: f64) -> Result<Option<Tensor>> {
+    pub(crate) fn xas(
+        x: &Tensor,
+        a: &Tensor,
+        drops: &[Dropout],
+        scale: f64,
+    ) -> Result<Option<Tensor>> {
         let Device::Cuda(dev) = x.device() else {
             return Ok(None);
         };
@@ -274,7 +279,7 @@ mod cuda {
     /// Tokens a block of drop_bwd: the partial dA's are ⌈m / 256⌉ [n·r, in] slices.
     const TOKENS: usize = 256;
 
-    pub fn bwd(
+    pub(crate) fn bwd(
         x: &Tensor,
         dx: &Tensor,
         gb: &Tensor,

@@ -8,8 +8,10 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Storage, Tensor};
 
 struct FrozenLinear {
-    w: Tensor,         // [out, in], contiguous
-    b: Option<Tensor>, // [out]
+    /// [out, in], contiguous
+    w: Tensor,
+    /// [out]
+    b: Option<Tensor>,
 }
 
 /// x: [..., in], w: [out, in], b: [out] → [..., out]. Gradients flow to `x` only.

@@ -45,14 +45,14 @@ const WORKSPACE: usize = 32 << 20;
 
 /// One column-major GEMM, cuBLAS's notation: C [m × n] = α·op(A) [m × k] · op(B) [k × n] +
 /// β·C, A and B of type `types.0`, C of `types.1`, computed as `types.2`, scaled in f32.
-pub struct Gemm {
-    pub trans: (sys::cublasOperation_t, sys::cublasOperation_t),
-    pub mnk: (i32, i32, i32),
-    pub a: (u64, i32),
-    pub b: (u64, i32),
-    pub c: (u64, i32),
-    pub alpha_beta: (f32, f32),
-    pub types: (
+pub(crate) struct Gemm {
+    pub(crate) trans: (sys::cublasOperation_t, sys::cublasOperation_t),
+    pub(crate) mnk: (i32, i32, i32),
+    pub(crate) a: (u64, i32),
+    pub(crate) b: (u64, i32),
+    pub(crate) c: (u64, i32),
+    pub(crate) alpha_beta: (f32, f32),
+    pub(crate) types: (
         sys::cudaDataType_t,
         sys::cudaDataType_t,
         sys::cublasComputeType_t,
@@ -127,7 +127,11 @@ fn align(p: u64) -> u32 {
 /// # Safety
 /// As `cublasGemmEx`: the addresses are live device buffers of the sizes the shapes and
 /// leading dimensions imply, on `dev`'s compute stream (where cuBLAS runs).
-pub unsafe fn run(dev: &CudaDevice, g: &Gemm, kind: crate::ops::kernels::Gemm) -> Result<()> {
+pub(crate) unsafe fn run(
+    dev: &CudaDevice,
+    g: &Gemm,
+    kind: crate::ops::kernels::Gemm,
+) -> Result<()> {
     let large = g.mnk.0 as i64 * g.mnk.1 as i64 >= LARGE;
     if kind == crate::ops::kernels::Gemm::Heuristic || !large {
         return gemmex(dev, g, g.c.0);

@@ -29,12 +29,12 @@ pub enum Act {
 }
 
 /// gelu_pytorch_tanh(g).
-pub fn gelu_tanh(g: f32) -> f32 {
+pub(crate) fn gelu_tanh(g: f32) -> f32 {
     0.5 * g * (1.0 + (K0 * (g + K1 * g * g * g)).tanh())
 }
 
 /// Its derivative.
-pub fn gelu_tanh_grad(g: f32) -> f32 {
+pub(crate) fn gelu_tanh_grad(g: f32) -> f32 {
     let t = (K0 * (g + K1 * g * g * g)).tanh();
     0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * K0 * (1.0 + 3.0 * K1 * g * g)
 }
@@ -286,11 +286,16 @@ pub(super) mod cuda {
             match (others, ranges.as_slice()) {
                 ([(o1, _)], [r1]) => with_view!(o1, r1.0..r1.1, |v1| {
                     b.arg(&v1).arg(&out).arg(&nl);
+                    // SAFETY: x and the other input are contiguous views of n elements of x's
+                    // dtype (checked above); out holds outs·n, every one written (one thread an
+                    // element, or 8 on the v8 path, taken only with n % 8 = 0 and every start
+                    // on 16 bytes). One stream: x's device's.
                     unsafe { b.launch(cfg) }.w()?;
                 }),
                 ([(o1, _), (o2, _)], [r1, r2]) => with_view!(o1, r1.0..r1.1, |v1| {
                     with_view!(o2, r2.0..r2.1, |v2| {
                         b.arg(&v1).arg(&v2).arg(&out).arg(&nl);
+                        // SAFETY: as the one-input launch above, with both inputs checked.
                         unsafe { b.launch(cfg) }.w()?;
                     })
                 }),
@@ -302,7 +307,7 @@ pub(super) mod cuda {
     /// The gated activation of bf16 g, u [.., d] (`kernel`: glu.cu's `swiglu_pad_v8_bf16` or
     /// `geglu_pad_v8_bf16`, one signature) into the first d columns of a fresh [rows, d + pad] (d
     /// and pad multiples of 8); the pad columns are left unset for the caller (`ops::fold`).
-    pub fn glu_pad(
+    pub(crate) fn glu_pad(
         kernel: &str,
         g: &candle_core::Tensor,
         u: &candle_core::Tensor,
@@ -341,7 +346,7 @@ pub(super) mod cuda {
     /// (dg, du, a) with a written over `da`'s buffer, for bf16 inputs of one shape, contiguous,
     /// on 16 bytes, of a multiple of 8 elements; None otherwise. `da` must be a fresh result
     /// that nothing else reads (its values are replaced).
-    pub fn bwd_keep(
+    pub(crate) fn bwd_keep(
         kernel: &str,
         g: &candle_core::Tensor,
         u: &candle_core::Tensor,

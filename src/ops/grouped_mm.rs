@@ -138,7 +138,7 @@ mod cuda {
     }
 
     /// `grouped_linear` in one cuBLAS call; None when cuBLAS cannot take the operands so.
-    pub fn linear(
+    pub(crate) fn linear(
         x: &Tensor,
         w: &Tensor,
         counts: &[usize],
@@ -194,7 +194,12 @@ mod cuda {
     }
 
     /// `grouped_tn` in one cuBLAS call; None when cuBLAS cannot take the operands so.
-    pub fn tn(p: &Tensor, q: &Tensor, counts: &[usize], alpha: f64) -> Result<Option<Tensor>> {
+    pub(crate) fn tn(
+        p: &Tensor,
+        q: &Tensor,
+        counts: &[usize],
+        alpha: f64,
+    ) -> Result<Option<Tensor>> {
         let Device::Cuda(dev) = p.device() else {
             return Ok(None);
         };

@@ -26,13 +26,14 @@
 use candle_core::{DType, Device};
 
 /// The variable that names the experiments to turn on.
-pub const EXPERIMENTS_VAR: &str = "LORA_TRAIN_EXPERIMENTS";
+pub(crate) const EXPERIMENTS_VAR: &str = "LORA_TRAIN_EXPERIMENTS";
 /// The experiments `LORA_TRAIN_EXPERIMENTS` may name.
-pub const EXPERIMENTS: [&str; 3] = ["reduce_ahead", "peer_copy", "decode_graph"];
+pub(crate) const EXPERIMENTS: [&str; 3] = ["reduce_ahead", "peer_copy", "decode_graph"];
 
 /// What the attention kernels' choice depends on in the model (`ModelConfig::attn_shape`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttnShape {
+    /// D: the width of each attention head.
     pub head_dim: usize,
     /// The scores are soft-capped (Gemma 2's attn_logit_softcapping).
     pub softcap: bool,
@@ -115,10 +116,10 @@ pub enum Gemm {
 /// Experiments turned on by `LORA_TRAIN_EXPERIMENTS` (see the module docs).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Experiments {
-    pub reduce_ahead: bool,
-    pub peer_copy: bool,
+    pub(crate) reduce_ahead: bool,
+    pub(crate) peer_copy: bool,
     /// `generate` replays a base model's one-token step as a CUDA graph.
-    pub decode_graph: bool,
+    pub(crate) decode_graph: bool,
 }
 
 /// `LORA_TRAIN_EXPERIMENTS` named something that is not an experiment.
@@ -129,18 +130,18 @@ pub struct Experiments {
     EXPERIMENTS.join(", ")
 )]
 pub struct UnknownExperiment {
-    pub name: String,
+    pub(crate) name: String,
 }
 
 impl Experiments {
     /// The experiments `LORA_TRAIN_EXPERIMENTS` names (none when it is unset).
-    pub fn from_env() -> Result<Experiments, UnknownExperiment> {
+    pub(crate) fn from_env() -> Result<Experiments, UnknownExperiment> {
         Self::parse(std::env::var(EXPERIMENTS_VAR).ok().as_deref())
     }
 
     /// The experiments of a comma-separated list (blanks around names and empty items are
     /// ignored).
-    pub fn parse(list: Option<&str>) -> Result<Experiments, UnknownExperiment> {
+    pub(crate) fn parse(list: Option<&str>) -> Result<Experiments, UnknownExperiment> {
         let mut e = Experiments::default();
         for name in list.unwrap_or("").split(',').map(str::trim) {
             match name {
@@ -175,6 +176,7 @@ pub struct Kernels {
     pub cross_entropy: CrossEntropy,
     /// The large GEMMs' algorithm (ops::linear_acc).
     pub gemm: Gemm,
+    /// Experiments turned on by `LORA_TRAIN_EXPERIMENTS`.
     pub experiments: Experiments,
 }
 
@@ -182,7 +184,7 @@ impl Kernels {
     /// The choices for a base stored in NF4 (`nf4`) or not: an NF4 base is dequantized into plain
     /// [out, in] weights for each use, so its linears do not fold (`ops::fold` wants padded
     /// buffers made at load).
-    pub fn for_base(self, nf4: bool) -> Kernels {
+    pub(crate) fn for_base(self, nf4: bool) -> Kernels {
         Kernels {
             fold: self.fold && !nf4,
             ..self
@@ -192,7 +194,7 @@ impl Kernels {
     /// The choices for adapters with DoRA's magnitudes (`dora`) or without: DoRA rescales each
     /// linear's output rows after its GEMMs, which the fold (`ops::fold`) does not, so its
     /// linears run unfolded (`Linear::shared`).
-    pub fn for_adapters(self, dora: bool) -> Kernels {
+    pub(crate) fn for_adapters(self, dora: bool) -> Kernels {
         Kernels {
             fold: self.fold && !dora,
             ..self
@@ -223,7 +225,7 @@ impl Kernels {
 
     /// What `resolve` would choose in a CUDA build, without a device (`lora-train plan`, from
     /// any build): on a GPU (`cuda`) taken to be a Hopper one; no experiments.
-    pub fn forecast(cuda: bool, dtype: DType, attn: impl Into<AttnShape>) -> Kernels {
+    pub(crate) fn forecast(cuda: bool, dtype: DType, attn: impl Into<AttnShape>) -> Kernels {
         Self::choose(
             cuda,
             cuda,
@@ -235,7 +237,8 @@ impl Kernels {
     }
 
     /// Every fallback: what the CPU runs.
-    pub fn fallback() -> Kernels {
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub(crate) fn fallback() -> Kernels {
         Self::forecast(false, DType::F32, 0)
     }
 

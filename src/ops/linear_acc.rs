@@ -37,7 +37,7 @@ pub fn linear_bwd_acc(g: &Tensor, w: &Tensor, acc: Tensor, gemm: Gemm) -> Result
 /// acc + α · g W, as `linear_bwd_acc`; on CUDA g and acc may also be column slices of wider
 /// matrices (rows contiguous): acc is then written in place through its row stride, so that a
 /// GEMM adds into the first columns of a padded buffer (`ops::fold`'s dL/dx).
-pub fn linear_bwd_acc_scaled(
+pub(crate) fn linear_bwd_acc_scaled(
     g: &Tensor,
     w: &Tensor,
     acc: Tensor,
@@ -59,7 +59,7 @@ pub fn linear_bwd_acc_scaled(
 /// Pᵀ Q in f32: P [k, m], Q [k, n] → [m, n] f32. No graph. (dA = (g B)ᵀ x and dB = gᵀ xas
 /// of a LoRA linear: k is the tokens, m or n the rank.) P and Q may be column slices of wider
 /// matrices (rows contiguous, as the adapters' side-by-side products are).
-pub fn matmul_tn_f32(p: &Tensor, q: &Tensor, gemm: Gemm) -> Result<Tensor> {
+pub(crate) fn matmul_tn_f32(p: &Tensor, q: &Tensor, gemm: Gemm) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if let Some(y) = cuda::gemm_tn_f32(p, q, gemm)? {
         return Ok(y);
@@ -110,7 +110,7 @@ mod cuda {
     /// acc += α · x Wᵀ (`fwd`) or acc += α · x W, in place; None when cuBLAS cannot take these
     /// operands so (not CUDA, rows not contiguous, mixed or unsupported dtypes, shapes that do
     /// not chain). Any of the three may be a column slice of a wider matrix.
-    pub fn gemm_acc(
+    pub(crate) fn gemm_acc(
         x: &Tensor,
         w: &Tensor,
         acc: &Tensor,
@@ -246,7 +246,7 @@ mod cuda {
 
     /// Pᵀ Q into a fresh f32 [m, n]: P [k, m], Q [k, n] of one dtype, rows contiguous (column
     /// slices allowed); None when cuBLAS cannot take them so.
-    pub fn gemm_tn_f32(p: &Tensor, q: &Tensor, kind: Gemm) -> Result<Option<Tensor>> {
+    pub(crate) fn gemm_tn_f32(p: &Tensor, q: &Tensor, kind: Gemm) -> Result<Option<Tensor>> {
         let Device::Cuda(dev) = p.device() else {
             return Ok(None);
         };
@@ -301,7 +301,7 @@ mod cuda {
 
     /// α · x op(W) into a fresh [m, n] of x's dtype (`matmul_scaled`); None when cuBLAS
     /// cannot take the operands so.
-    pub fn gemm_scaled(
+    pub(crate) fn gemm_scaled(
         x: &Tensor,
         w: &Tensor,
         trans_w: bool,

@@ -16,6 +16,8 @@ use super::kernels::Gemm;
 use super::linear_acc::matmul_scaled;
 use candle_core::{Result, Tensor};
 
+/// y = x Wᵀ (+ b) + s · (m ⊙ x) Aᵀ Bᵀ, differentiable in x, A and B (see the module docs):
+/// x [..., in], `w` [out, in], `a` [r, in], `b` [out, r], `scale` s, `dropout` drawing m.
 #[allow(clippy::too_many_arguments)]
 pub fn lora_linear(
     x: &Tensor,
@@ -62,7 +64,7 @@ pub fn lora_linear(
 /// The forward without a graph. x: [m, in] → (y [m, out], xas = s · (m ⊙ x) Aᵀ [m, r]);
 /// `xas` is what backward needs besides x (r columns: small enough to keep).
 #[allow(clippy::too_many_arguments)]
-pub fn lora_fwd(
+pub(crate) fn lora_fwd(
     x: &Tensor,
     w: &Tensor,
     bias: Option<&Tensor>,
@@ -78,7 +80,7 @@ pub fn lora_fwd(
 
 /// y = x Wᵀ (+ bias) + xas Bᵀ: x [m, in], xas [m, r] (a column slice is fine) → [m, out]:
 /// `lora_fwd`'s output from its kept adapter state (a recompute needs no x Aᵀ again).
-pub fn with_base(
+pub(crate) fn with_base(
     x: &Tensor,
     w: &Tensor,
     bias: Option<&Tensor>,
@@ -100,7 +102,7 @@ pub fn with_base(
 /// The adapter's half of `lora_fwd`'s state alone: xas = s · (m ⊙ x) Aᵀ [m, r] (what a
 /// recomputed layer's backward needs of a linear whose output it does not). With dropout the
 /// mask is drawn inside the product where a kernel can (`ops::fold_drop`).
-pub fn lora_xas(
+pub(crate) fn lora_xas(
     x: &Tensor,
     a: &Tensor,
     scale: f64,
@@ -116,18 +118,18 @@ pub fn lora_xas(
 
 /// One LoRA linear of a group that shares its input (`lora_fwd_shared`, `lora_bwd_shared`):
 /// W [out, in] frozen, optional bias, A [r, in], B [out, r], scale s. No dropout.
-pub struct Adapter<'a> {
-    pub w: &'a Tensor,
-    pub bias: Option<&'a Tensor>,
-    pub a: &'a Tensor,
-    pub b: &'a Tensor,
-    pub scale: f64,
+pub(crate) struct Adapter<'a> {
+    pub(crate) w: &'a Tensor,
+    pub(crate) bias: Option<&'a Tensor>,
+    pub(crate) a: &'a Tensor,
+    pub(crate) b: &'a Tensor,
+    pub(crate) scale: f64,
 }
 
 /// `lora_fwd` of linears that share their input x [m, in] and one scale s, with `a` their A's
 /// stacked [Σ r, in] in x's dtype: s · x Aᵀ for all of them is one GEMM [m, Σ r], and each
 /// linear's xas is its column slice of it (kept as such: one buffer for the group).
-pub fn lora_fwd_shared(
+pub(crate) fn lora_fwd_shared(
     x: &Tensor,
     ads: &[Adapter],
     a: &Tensor,
@@ -151,7 +153,7 @@ pub fn lora_fwd_shared(
 /// [m, in] summed over the linears, (dA_i f32, dB_i f32) each). The products s · g_i B_i sit
 /// side by side [m, Σ r], so that their dL/dx terms are one GEMM against the stacked A's (the
 /// base GEMMs then accumulate onto it) and their dA one GEMM against x.
-pub fn lora_bwd_shared(
+pub(crate) fn lora_bwd_shared(
     x: &Tensor,
     g: Vec<Tensor>,
     ads: &[Adapter],
@@ -171,7 +173,7 @@ pub fn lora_bwd_shared(
 /// `lora_bwd_shared`'s adapter gradients alone, without dL/dx (whose GEMMs, the base ones
 /// above all, are most of the backward): for an input that needs no gradient, as the first
 /// layer's (the frozen embedding's output).
-pub fn lora_grads_shared(
+pub(crate) fn lora_grads_shared(
     x: &Tensor,
     g: Vec<Tensor>,
     ads: &[Adapter],
@@ -227,7 +229,7 @@ fn shared_grads(
 /// dropout, the base GEMM's dL/dx comes first and the adapter's masked term and dA follow in
 /// one pass over x and dL/dx (`ops::fold_drop::bwd`).
 #[allow(clippy::too_many_arguments)]
-pub fn lora_bwd(
+pub(crate) fn lora_bwd(
     x: &Tensor,
     g: &Tensor,
     w: &Tensor,
@@ -258,7 +260,7 @@ pub fn lora_bwd(
 
 /// s · g B [m, r] in g's dtype, from g = dL/dy [m, out]: what the adapter's dA and dL/dx
 /// terms multiply.
-pub fn lora_gbs(g: &Tensor, b: &Tensor, scale: f64, gemm: Gemm) -> Result<Tensor> {
+pub(crate) fn lora_gbs(g: &Tensor, b: &Tensor, scale: f64, gemm: Gemm) -> Result<Tensor> {
     let bd = b.detach().to_dtype(g.dtype())?;
     matmul_scaled(g, &bd, false, scale, gemm)
 }
@@ -266,7 +268,7 @@ pub fn lora_gbs(g: &Tensor, b: &Tensor, scale: f64, gemm: Gemm) -> Result<Tensor
 /// `lora_bwd`'s first half, which needs no x: g [m, out] → (dx [m, in], gbs = s · g B [m, r],
 /// what `lora_grads` takes).
 #[allow(clippy::too_many_arguments)]
-pub fn lora_bwd_dx(
+pub(crate) fn lora_bwd_dx(
     g: &Tensor,
     w: &Tensor,
     a: &Tensor,
@@ -295,7 +297,7 @@ pub fn lora_bwd_dx(
 /// `lora_bwd`'s second half: the adapter's gradients from x [m, in] (unmasked), g [m, out] and
 /// `lora_bwd_dx`'s gbs → (dA [r, in] f32, dB [out, r] f32), straight out of the GEMMs in f32
 /// on CUDA (elsewhere a product and a cast).
-pub fn lora_grads(
+pub(crate) fn lora_grads(
     x: &Tensor,
     g: &Tensor,
     gbs: &Tensor,

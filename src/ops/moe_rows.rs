@@ -129,7 +129,7 @@ mod cuda {
         })
     }
 
-    pub fn gather(src: &Tensor, idx: &Tensor) -> Result<Option<Tensor>> {
+    pub(crate) fn gather(src: &Tensor, idx: &Tensor) -> Result<Option<Tensor>> {
         let Some((dev, cols, p)) = operands(&[src], [(idx, DType::U32)])? else {
             return Ok(None);
         };
@@ -142,14 +142,14 @@ mod cuda {
         let stream = dev.cuda_stream();
         let mut b = stream.launch_builder(&func);
         b.arg(&p[0]).arg(&p[1]).arg(&op).arg(&cols);
-        // SAFETY: src holds every indexed row (the routing's tokens are < m), out has `rows`.
         if rows > 0 {
+            // SAFETY: src holds every indexed row (the routing's tokens are < m), out has `rows`.
             unsafe { b.launch(per_row(rows, cols)?) }.w()?;
         }
         Ok(Some(out))
     }
 
-    pub fn combine(
+    pub(crate) fn combine(
         y: &Tensor,
         slots: &Tensor,
         w: Option<&Tensor>,
@@ -181,14 +181,14 @@ mod cuda {
             .arg(&mi)
             .arg(&ki)
             .arg(&cols);
-        // SAFETY: slots index rows of y (a permutation of its P rows), out has m rows.
         if m > 0 {
+            // SAFETY: slots index rows of y (a permutation of its P rows), out has m rows.
             unsafe { b.launch(per_row(m, cols)?) }.w()?;
         }
         Ok(Some(out))
     }
 
-    pub fn scatter_grad(
+    pub(crate) fn scatter_grad(
         g: &Tensor,
         tok: &Tensor,
         w: &Tensor,
@@ -222,8 +222,8 @@ mod cuda {
             .arg(&gyp)
             .arg(&dwp)
             .arg(&cols);
-        // SAFETY: tok indexes rows of g (tokens < m), gy and dw have y's rows.
         if rows > 0 {
+            // SAFETY: tok indexes rows of g (tokens < m), gy and dw have y's rows.
             unsafe { b.launch(per_row(rows, cols)?) }.w()?;
         }
         Ok(Some((gy, dw)))

@@ -10,37 +10,38 @@ use candle_core::{DType, Device, Result, Tensor};
 /// may be 0 where the kernel does not read it), and its length.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
-pub struct MultiT {
-    pub p: u64,
-    pub g: u64,
-    pub m: u64,
-    pub v: u64,
-    pub n: i64,
+pub(crate) struct MultiT {
+    pub(crate) p: u64,
+    pub(crate) g: u64,
+    pub(crate) m: u64,
+    pub(crate) v: u64,
+    pub(crate) n: i64,
 }
 
 /// The AdamW step's f32 factors, each rounded from f64 as the tensor ops round theirs.
 #[derive(Clone, Copy, Debug)]
-pub struct AdamScalars {
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) struct AdamScalars {
     /// Gradient factor (clipping); 1 leaves the gradient as it is.
-    pub coef: f32,
+    pub(crate) coef: f32,
     /// 1 − lr·wd.
-    pub decay: f32,
-    pub b1: f32,
+    pub(crate) decay: f32,
+    pub(crate) b1: f32,
     /// 1 − β1.
-    pub nb1: f32,
-    pub b2: f32,
+    pub(crate) nb1: f32,
+    pub(crate) b2: f32,
     /// 1 − β2.
-    pub nb2: f32,
+    pub(crate) nb2: f32,
     /// 1 / √(1 − β2ᵗ).
-    pub inv_bc2: f32,
-    pub eps: f32,
+    pub(crate) inv_bc2: f32,
+    pub(crate) eps: f32,
     /// lr / (1 − β1ᵗ).
-    pub step: f32,
+    pub(crate) step: f32,
 }
 
 /// The device address of contiguous f32 `t`'s first element; None when `t` is anything else
 /// (another dtype or device, a strided view).
-pub fn f32_addr(t: &Tensor) -> Result<Option<u64>> {
+pub(crate) fn f32_addr(t: &Tensor) -> Result<Option<u64>> {
     if t.dtype() != DType::F32 || !matches!(t.device(), Device::Cuda(_)) {
         return Ok(None);
     }
@@ -55,7 +56,7 @@ pub fn f32_addr(t: &Tensor) -> Result<Option<u64>> {
 }
 
 #[cfg(feature = "cuda")]
-pub use imp::{adamw, adamw_clip, cast_bf16, cast_rows_bf16, clip_step, sumsq};
+pub(crate) use imp::{adamw, adamw_clip, cast_bf16, cast_rows_bf16, clip_step, sumsq};
 
 #[cfg(feature = "cuda")]
 mod imp {
@@ -112,7 +113,7 @@ mod imp {
     }
 
     /// Updates every tensor of `ts` (p, m, v in place, from g) by one AdamW step.
-    pub fn adamw(dev: &CudaDevice, ts: &[MultiT], s: &AdamScalars) -> Result<()> {
+    pub(crate) fn adamw(dev: &CudaDevice, ts: &[MultiT], s: &AdamScalars) -> Result<()> {
         let func = crate::ops::cuda::function(dev, "adamw_multi")?;
         let stream = dev.cuda_stream();
         for (table, cfg, _) in parts(dev, ts)? {
@@ -128,7 +129,7 @@ mod imp {
 
     /// bf16 copies of f32 tensors, in one buffer: `ts` gives each source (g) and length, the
     /// copies lie one after the other in the returned buffer, in `ts` order.
-    pub fn cast_bf16(dev: &CudaDevice, ts: &[MultiT]) -> Result<CudaSlice<half::bf16>> {
+    pub(crate) fn cast_bf16(dev: &CudaDevice, ts: &[MultiT]) -> Result<CudaSlice<half::bf16>> {
         let func = crate::ops::cuda::function(dev, "cast_multi_bf16")?;
         let stream = dev.cuda_stream();
         let total: usize = ts.iter().map(|t| t.n.max(0) as usize).sum();
@@ -160,7 +161,7 @@ mod imp {
     /// # Safety
     /// Each p must be a live bf16 buffer on this device's stream holding n / m rows of v
     /// elements (v ≥ m), and no two tables' destinations may overlap.
-    pub unsafe fn cast_rows_bf16(dev: &CudaDevice, ts: &[MultiT]) -> Result<()> {
+    pub(crate) unsafe fn cast_rows_bf16(dev: &CudaDevice, ts: &[MultiT]) -> Result<()> {
         let func = crate::ops::cuda::function(dev, "cast_rows_multi_bf16")?;
         let stream = dev.cuda_stream();
         for (table, cfg, _) in parts(dev, ts)? {
@@ -174,7 +175,7 @@ mod imp {
 
     /// `adamw` with the clipping read from the device: `clip` is `clip_step`'s [‖g‖, coef,
     /// skip] (`s.coef` is not used); skip ≠ 0 leaves every tensor as it is.
-    pub fn adamw_clip(
+    pub(crate) fn adamw_clip(
         dev: &CudaDevice,
         ts: &[MultiT],
         s: &AdamScalars,
@@ -196,7 +197,7 @@ mod imp {
     /// (their g) as `sumsq` sums it, then [‖g‖, coef, skip] f32 (the `clip_step` kernel):
     /// coef = min(1, max_norm / (‖g‖ + 1e-6)) (1 when max_norm ≤ 0); skip = 1 when ‖g‖ or
     /// the f32 at `ce` (0: none) is not finite.
-    pub fn clip_step(
+    pub(crate) fn clip_step(
         dev: &CudaDevice,
         ts: &[MultiT],
         ce: u64,
@@ -238,7 +239,7 @@ mod imp {
     }
 
     /// Σ g² over every tensor of `ts` (their g), summed in f64 in a fixed order.
-    pub fn sumsq(dev: &CudaDevice, ts: &[MultiT]) -> Result<f64> {
+    pub(crate) fn sumsq(dev: &CudaDevice, ts: &[MultiT]) -> Result<f64> {
         let func = crate::ops::cuda::function(dev, "sumsq_multi")?;
         let stream = dev.cuda_stream();
         let mut total = 0.0;

@@ -12,8 +12,8 @@ use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor, D
 /// for Gemma's 1 + w, which also leaves x̂ unrounded before the product). An f64 is an eps.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct NormSpec {
-    pub eps: f64,
-    pub offset: f32,
+    pub(crate) eps: f64,
+    pub(crate) offset: f32,
 }
 
 impl From<f64> for NormSpec {
@@ -23,7 +23,8 @@ impl From<f64> for NormSpec {
 }
 
 struct RmsNorm {
-    w: Tensor, // [d]
+    /// [d]
+    w: Tensor,
     eps: f32,
     offset: f32,
 }
@@ -47,6 +48,8 @@ pub fn add_rms_norm(
     Ok((h, y))
 }
 
+/// x / rms(x) · w over x's last dim, as transformers computes it: `spec` gives ε and the
+/// gain's offset (Gemma's 1 + w); w [d] has x's dtype.
 pub fn rms_norm(x: &Tensor, w: &Tensor, spec: impl Into<NormSpec>) -> Result<Tensor> {
     let spec = spec.into();
     let x = x.contiguous()?;
@@ -286,7 +289,7 @@ pub(super) mod cuda {
     use candle_core::cuda::WrapErr;
     use candle_core::{CudaStorage, DType, Layout, Result};
 
-    pub fn rms_norm(
+    pub(crate) fn rms_norm(
         x: &CudaStorage,
         xl: &Layout,
         w: &CudaStorage,
@@ -313,6 +316,10 @@ pub(super) mod cuda {
             let (di, e, off) = (d as i32, spec.eps as f32, spec.offset);
             with_view!(w, w1..w2, |ws| {
                 b.arg(&xs).arg(&ws).arg(&out).arg(&di).arg(&e).arg(&off);
+                // SAFETY: one block a row of d: x contiguous, n = rows · d elements, out n
+                // fresh ones all written; w of x's dtype (checked) holds d values, the norm's
+                // weight of x's last dim (the caller's contract: the CPU path checks it, this
+                // one does not); v8 only when d % 8 = 0 and every start is on 16 bytes.
                 unsafe { b.launch(cfg) }.w()?;
             })
         }))
@@ -320,7 +327,7 @@ pub(super) mod cuda {
 
     /// dL/dx of rms_norm, plus `res` (another term of dL/dx, of x's shape) when given.
     #[allow(clippy::too_many_arguments)]
-    pub fn rms_norm_bwd(
+    pub(crate) fn rms_norm_bwd(
         x: &CudaStorage,
         xl: &Layout,
         w: &CudaStorage,
@@ -377,6 +384,9 @@ pub(super) mod cuda {
                             .arg(&e)
                             .arg(&hr)
                             .arg(&off);
+                        // SAFETY: as rms_norm's launch; g (and res, when given: x's dtype and
+                        // n, checked) are contiguous rows of d; g has x's shape (the output's
+                        // gradient: by construction, not checked here).
                         unsafe { b.launch(cfg) }.w()?;
                     })
                 })
@@ -386,7 +396,7 @@ pub(super) mod cuda {
 
     /// `ops::rms_norm::add_rms_norm` on the GPU: (h, y) for bf16 x and a of one shape and w of
     /// their last dim d, all contiguous, on 16 bytes, d a multiple of 8; None otherwise.
-    pub fn add_rms_norm(
+    pub(crate) fn add_rms_norm(
         x: &candle_core::Tensor,
         a: &candle_core::Tensor,
         w: &candle_core::Tensor,
@@ -397,7 +407,7 @@ pub(super) mod cuda {
 
     /// `add_rms_norm` with y's rows `pad` columns wider ([rows, d + pad], pad a multiple of 8; y as
     /// x's shape when pad = 0): the pad columns are left unset for the caller (`ops::fold`).
-    pub fn add_rms_norm_pad(
+    pub(crate) fn add_rms_norm_pad(
         x: &candle_core::Tensor,
         a: &candle_core::Tensor,
         w: &candle_core::Tensor,
@@ -427,7 +437,7 @@ pub(super) mod cuda {
         let stream = dev.cuda_stream();
         // SAFETY (both): every element is written by the kernel.
         let h = unsafe { stream.alloc::<half::bf16>(n) }.w()?;
-        // (y's pad columns are the caller's to write, see above.)
+        // SAFETY: as h's; y's pad columns are the caller's to write (see above).
         let y = unsafe { stream.alloc::<half::bf16>(rows * ldy) }.w()?;
         let cfg = LaunchConfig {
             grid_dim: (rows as u32, 1, 1),
@@ -466,7 +476,7 @@ pub(super) mod cuda {
     /// `rms_norm` of bf16 x [.., d] into the first d columns of a fresh [rows, d + pad] (pad a
     /// multiple of 8); the pad columns are left unset for the caller (`ops::fold`). None when the
     /// operands do not suit the 8-a-thread kernel.
-    pub fn rms_norm_pad(
+    pub(crate) fn rms_norm_pad(
         x: &candle_core::Tensor,
         w: &candle_core::Tensor,
         spec: NormSpec,
@@ -513,7 +523,7 @@ pub(super) mod cuda {
     /// `ops::rms_norm_bwd(_add)` for bf16 x [.., d] (contiguous), w [d], g a row-strided [rows, d]
     /// (a padded dL/dy's first d columns, `ops::fold`) and `res` of x's shape or none: the v8
     /// kernel reading g's rows ldg apart. None where it cannot take them (then g is copied).
-    pub fn rms_norm_bwd_rows(
+    pub(crate) fn rms_norm_bwd_rows(
         x: &candle_core::Tensor,
         w: &candle_core::Tensor,
         spec: NormSpec,

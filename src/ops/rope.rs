@@ -8,8 +8,10 @@ use super::{cpu_as_f32, cpu_from_f32};
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 
 struct Rope {
-    cos: Tensor, // [B, T, D/2] f32
-    sin: Tensor, // [B, T, D/2] f32
+    /// [B, T, D/2] f32
+    cos: Tensor,
+    /// [B, T, D/2] f32
+    sin: Tensor,
 }
 
 /// x: [B, H, T, D]; cos, sin: [B, T, D/2] (f32, gathered at each token's position).
@@ -250,7 +252,7 @@ mod cuda {
     use candle_core::cuda::WrapErr;
     use candle_core::{CudaStorage, Layout, Result};
 
-    pub fn rope(
+    pub(crate) fn rope(
         x: &CudaStorage,
         xl: &Layout,
         cos: &CudaStorage,
@@ -279,13 +281,17 @@ mod cuda {
                 .arg(&ti)
                 .arg(&half)
                 .arg(&pairs);
+            // SAFETY: one thread a pair of the contiguous [B, H, T, D] x, out n fresh elements
+            // all written; cos and sin are contiguous f32 views read at (b·T + t)·D/2 + i, which
+            // needs them [B, T, D/2] (`rope`'s contract: the CPU path checks it, this one does
+            // not). One stream: x's device's.
             unsafe { b.launch(cfg) }.w()?;
         }))
     }
 
     /// Rows [B·T, H·D] <-> [B, H, T, D] (`to_heads` picks the direction), rotated by sign·θ when
     /// `rot` = (cos, sin) [B, T, D/2] f32 is given. `bth` = [B, T, H].
-    pub fn relayout(
+    pub(crate) fn relayout(
         x: &CudaStorage,
         xl: &Layout,
         rot: Option<(&CudaStorage, &Layout, &CudaStorage, &Layout)>,
@@ -332,6 +338,10 @@ mod cuda {
                 .arg(&units)
                 .arg(&th)
                 .arg(&sg);
+            // SAFETY: `relayout` checked n = B·T·H·D with D even; x is contiguous, out n fresh
+            // elements all written; the 4-pair path only when half % 4 = 0 and x's offset is on
+            // 4 elements (allocations are 256-byte aligned); cos and sin, when given, are
+            // contiguous f32 [B, T, D/2] (the caller's tables, not checked here). One stream.
             unsafe { bld.launch(cfg) }.w()?;
         }))
     }

@@ -10,13 +10,13 @@ struct SoftCap(f32);
 struct SoftCapBwd(f32);
 
 /// x → cap · tanh(x / cap) in x's dtype (computed in f32), differentiable.
-pub fn softcap(x: &Tensor, cap: f64) -> Result<Tensor> {
+pub(crate) fn softcap(x: &Tensor, cap: f64) -> Result<Tensor> {
     x.contiguous()?
         .apply_op1_arc(std::sync::Arc::new(Box::new(SoftCap(cap as f32))))
 }
 
 /// dL/dx of `softcap` from its output y and dy = dL/dy, in y's dtype.
-pub fn softcap_bwd(y: &Tensor, dy: &Tensor, cap: f64) -> Result<Tensor> {
+pub(crate) fn softcap_bwd(y: &Tensor, dy: &Tensor, cap: f64) -> Result<Tensor> {
     y.contiguous()?.apply_op2_no_bwd(
         &dy.to_dtype(y.dtype())?.contiguous()?,
         &SoftCapBwd(cap as f32),
@@ -101,7 +101,7 @@ mod cuda {
     use candle_core::{CudaStorage, Layout, Result};
 
     /// `name_<dtype>(x, [g,] out, n, cap)` over the n elements of x (and g, of x's dtype).
-    pub fn launch(
+    pub(crate) fn launch(
         name: &str,
         x: &CudaStorage,
         xl: &Layout,

@@ -12,37 +12,37 @@ use std::time::Duration;
 /// ordinal this machine lacks is an error naming the ones it has. Without NCCL the list as it
 /// is (one GPU: opening it reports a missing one).
 #[cfg(feature = "nccl")]
-pub fn cuda_ordinals(devices: &[usize]) -> Result<Vec<usize>> {
+pub(crate) fn cuda_ordinals(devices: &[usize]) -> Result<Vec<usize>> {
     super::nccl::ordinals(devices)
 }
 
 /// The CUDA ordinals of a run's ranks (see the `nccl` build).
 #[cfg(not(feature = "nccl"))]
-pub fn cuda_ordinals(devices: &[usize]) -> Result<Vec<usize>> {
+pub(crate) fn cuda_ordinals(devices: &[usize]) -> Result<Vec<usize>> {
     Ok(devices.to_vec())
 }
 
 /// One NCCL communicator per GPU of `devices`, a thread each.
 #[cfg(feature = "nccl")]
-pub fn nccl_group(devices: Vec<usize>, timeout: Duration) -> Result<Arc<dyn Group>> {
+pub(crate) fn nccl_group(devices: Vec<usize>, timeout: Duration) -> Result<Arc<dyn Group>> {
     Ok(super::nccl::NcclGroup::new(devices, timeout)?)
 }
 
 /// Several GPUs need NCCL: this build has none.
 #[cfg(not(feature = "nccl"))]
-pub fn nccl_group(_: Vec<usize>, _: Duration) -> Result<Arc<dyn Group>> {
+pub(crate) fn nccl_group(_: Vec<usize>, _: Duration) -> Result<Arc<dyn Group>> {
     anyhow::bail!("several GPUs need NCCL: {}", crate::util::NCCL_BUILD)
 }
 
 /// This process's communicator as rank `e.rank` of a launcher's job (RANK, WORLD_SIZE, ...).
 #[cfg(feature = "nccl")]
-pub fn env_comm(e: &EnvRank, timeout: Duration) -> Result<Box<dyn Comm>> {
+pub(crate) fn env_comm(e: &EnvRank, timeout: Duration) -> Result<Box<dyn Comm>> {
     super::nccl::from_env(e, timeout)
 }
 
 /// A launcher's job needs NCCL: this build has none.
 #[cfg(not(feature = "nccl"))]
-pub fn env_comm(e: &EnvRank, _: Duration) -> Result<Box<dyn Comm>> {
+pub(crate) fn env_comm(e: &EnvRank, _: Duration) -> Result<Box<dyn Comm>> {
     anyhow::bail!(
         "RANK / WORLD_SIZE are set (world {}), but this binary was built without NCCL: {}",
         e.world,

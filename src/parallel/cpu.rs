@@ -44,6 +44,8 @@ pub struct CpuGroup {
 }
 
 impl CpuGroup {
+    /// `world` ranks on threads of this process; a collective waits at most `timeout` for
+    /// the others.
     pub fn new(world: usize, timeout: Duration) -> Arc<CpuGroup> {
         Arc::new(CpuGroup {
             world,
@@ -185,7 +187,7 @@ impl Group for CpuGroup {
 }
 
 /// One thread-rank's end of a `CpuGroup`.
-pub struct CpuComm {
+pub(crate) struct CpuComm {
     rank: usize,
     group: Arc<CpuGroup>,
 }

@@ -123,7 +123,7 @@ impl Flat {
 
     /// The group's tensors as views into the gathered [N·s] buffers, in `take` order.
     /// `ahead`: issued early (`Comm::all_gather_ahead`); call `Comm::gathered` before use.
-    pub fn gather(&self, comm: &dyn Comm, ahead: bool) -> Result<Vec<Tensor>> {
+    pub(crate) fn gather(&self, comm: &dyn Comm, ahead: bool) -> Result<Vec<Tensor>> {
         let full = self
             .bufs
             .iter()
@@ -147,7 +147,7 @@ impl Flat {
     /// Tensor `i`'s (offset in its flat buffer, shape), that buffer's shard and where the
     /// shard starts in it (rank · s). (`Shards::write_pads` reads it: CUDA builds.)
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub fn part(&self, i: usize) -> Option<(usize, &[usize], &Tensor, usize)> {
+    pub(crate) fn part(&self, i: usize) -> Option<(usize, &[usize], &Tensor, usize)> {
         let p = self.parts.get(i)?;
         let b = self.bufs.get(p.buf)?;
         Some((p.off, p.shape.as_slice(), &b.shard, b.lo))
@@ -159,12 +159,12 @@ impl Flat {
     }
 
     /// Bytes the shards' storage really holds (not just their views' elements).
-    pub fn shard_bytes(&self) -> usize {
+    pub(crate) fn shard_bytes(&self) -> usize {
         self.bufs.iter().map(|b| storage_bytes(&b.shard)).sum()
     }
 
     /// The group's bytes unsharded (no padding; alignment gaps counted).
-    pub fn full_bytes(&self) -> usize {
+    pub(crate) fn full_bytes(&self) -> usize {
         self.bufs
             .iter()
             .map(|b| b.len * b.shard.dtype().size_in_bytes())
@@ -175,7 +175,7 @@ impl Flat {
 /// Bytes of the storage behind `t`, which may be more than its view's elements: a narrow
 /// keeps its whole buffer alive. Floats and u8 (NF4 codes) on the CPU and on CUDA, u32 on the
 /// CPU; else the view's size.
-pub fn storage_bytes(t: &Tensor) -> usize {
+pub(crate) fn storage_bytes(t: &Tensor) -> usize {
     use candle_core::{CpuStorage, Storage};
     let (s, _) = t.storage_and_layout();
     let size = t.dtype().size_in_bytes();

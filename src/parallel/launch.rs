@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// One rank's body: (rank, its comm) → its result. Rank 0's result is the run's.
-pub type Body<T> = dyn Fn(usize, Box<dyn Comm>) -> Result<T> + Send + Sync;
+pub(crate) type Body<T> = dyn Fn(usize, Box<dyn Comm>) -> Result<T> + Send + Sync;
 
 /// Runs `body` on `group.world()` threads, rank r on thread r, each with the comm the group
 /// makes for it on that thread. Returns rank 0's result when every rank succeeded; else the
@@ -90,13 +90,16 @@ pub fn threads<T: Send + 'static>(
 /// SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID (with MASTER_ADDR / MASTER_PORT set by the job).
 #[derive(Debug, Clone, PartialEq)]
 pub struct EnvRank {
+    /// This process's rank (RANK, SLURM_PROCID).
     pub rank: usize,
+    /// Ranks in the job (WORLD_SIZE, SLURM_NTASKS).
     pub world: usize,
     /// The rank among this host's ranks: the CUDA ordinal it uses.
     pub local: usize,
     /// Rank 0's host and the port of our id exchange: MASTER_PORT + 1 (torchrun's own
     /// rendezvous store listens on MASTER_PORT itself), or LORA_TRAIN_PORT.
     pub addr: String,
+    /// The port of the id exchange (see `addr`).
     pub port: u16,
 }
 

@@ -8,7 +8,7 @@
 //!
 //! The model knows no communication: train::driver gathers, reduces and recomputes.
 
-pub mod backend;
+pub(crate) mod backend;
 pub mod cpu;
 pub mod fsdp;
 pub mod launch;
@@ -23,18 +23,18 @@ use std::time::{Duration, Instant};
 
 /// How long a rank still waits in a collective once a stop signal has come: the others
 /// finish their step within it, unless they are stuck.
-pub const STOP_GRACE: Duration = Duration::from_secs(10);
+pub(crate) const STOP_GRACE: Duration = Duration::from_secs(10);
 
 static INTERRUPTED: OnceLock<Instant> = OnceLock::new();
 
 /// A stop signal came (train::stop): a collective that has waited `STOP_GRACE` since the
 /// signal (or since it began, when it began later) fails.
-pub fn interrupt() {
+pub(crate) fn interrupt() {
     let _ = INTERRUPTED.set(Instant::now());
 }
 
 /// When a stop signal came, if one did.
-pub fn interrupted_at() -> Option<Instant> {
+pub(crate) fn interrupted_at() -> Option<Instant> {
     INTERRUPTED.get().copied()
 }
 
@@ -42,7 +42,7 @@ static GAVE_UP: AtomicBool = AtomicBool::new(false);
 
 /// Whether a collective gave up waiting after a stop signal (`CommError::Interrupted`): the
 /// run's failure is then the signal's stop.
-pub fn gave_up_after_signal() -> bool {
+pub(crate) fn gave_up_after_signal() -> bool {
     GAVE_UP.load(Ordering::SeqCst)
 }
 
@@ -53,7 +53,9 @@ fn note_gave_up() {
 /// One rank's end of a communicator. Every rank calls the same collectives in the same order.
 /// The calls block (CPU) or are queued on the device stream (NCCL) until every rank joined.
 pub trait Comm {
+    /// This rank, 0-based.
     fn rank(&self) -> usize;
+    /// Ranks in the communicator.
     fn world(&self) -> usize;
     /// Σ over ranks, elementwise; same shape and dtype as `x`.
     fn all_reduce_sum(&self, x: &Tensor) -> Result<Tensor>;
@@ -61,6 +63,7 @@ pub trait Comm {
     fn all_gather(&self, x: &Tensor) -> Result<Tensor>;
     /// Rank `root`'s `x` on every rank (same shape everywhere).
     fn broadcast(&self, x: &Tensor, root: usize) -> Result<Tensor>;
+    /// Returns once every rank has called it.
     fn barrier(&self) -> Result<()>;
     /// `all_gather` issued ahead of its use: it may overlap the work queued after it, so its
     /// result may be read only after `gathered`. Default: `all_gather`.
@@ -129,7 +132,9 @@ impl Comm for Solo {
 /// rank fails it calls `abort` so that every other rank's pending and future collectives
 /// fail at once instead of waiting for the dead rank.
 pub trait Group: Send + Sync {
+    /// Ranks in the run.
     fn world(&self) -> usize;
+    /// Rank `rank`'s communicator, made on the calling thread (the rank's own).
     fn comm(self: std::sync::Arc<Self>, rank: usize) -> anyhow::Result<Box<dyn Comm>>;
     /// Rank `rank` failed with `why`; the first call wins and is what the others report.
     fn abort(&self, rank: usize, why: &str);
@@ -141,7 +146,7 @@ pub trait Group: Send + Sync {
 
 /// Errors of the collectives themselves, matched by the launcher and tests.
 #[derive(Debug, thiserror::Error)]
-pub enum CommError {
+pub(crate) enum CommError {
     #[error("rank {rank} failed, so rank {me} stopped: {why}")]
     Aborted { me: usize, rank: usize, why: String },
     #[error("rank {me} waited {secs} s in {op} for rank(s) {missing:?}, which never joined (parallel.timeout_s = {secs}: raise it if a step legitimately takes longer)")]

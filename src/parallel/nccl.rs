@@ -96,7 +96,7 @@ fn nccl_err(what: &str, e: result::NcclError) -> candle_core::Error {
 
 /// The CUDA ordinals of a run's ranks: `devices`, or every GPU for "all" (an empty list); an
 /// ordinal this machine lacks is an error saying which it has.
-pub fn ordinals(devices: &[usize]) -> anyhow::Result<Vec<usize>> {
+pub(crate) fn ordinals(devices: &[usize]) -> anyhow::Result<Vec<usize>> {
     let count = CudaContext::device_count()
         .map_err(|e| anyhow::anyhow!("cannot count CUDA devices: {e:?}"))? as usize;
     if devices.is_empty() {
@@ -138,9 +138,13 @@ struct Shared {
 
 // SAFETY: ncclUniqueId is plain bytes.
 unsafe impl Send for NcclGroup {}
+// SAFETY: the ordinals and the unique id never change after `new`; the communicators,
+// the failure and the statics are behind Mutexes (`Posted` locks its own).
 unsafe impl Sync for NcclGroup {}
 
 impl NcclGroup {
+    /// The group of the GPUs `ordinals` (one rank each, rank i on `ordinals[i]`): one NCCL
+    /// unique id for all of them; the communicators are made per rank from it.
     pub fn new(ordinals: Vec<usize>, _timeout: Duration) -> anyhow::Result<Arc<NcclGroup>> {
         let id = result::get_uniqueid().map_err(|e| anyhow::anyhow!("ncclGetUniqueId: {e:?}"))?;
         Ok(Arc::new(NcclGroup {
@@ -197,7 +201,7 @@ impl Group for NcclGroup {
 }
 
 /// This process's rank of a torchrun / Slurm job: rank 0 makes the id and serves it.
-pub fn from_env(e: &EnvRank, timeout: Duration) -> anyhow::Result<Box<dyn Comm>> {
+pub(crate) fn from_env(e: &EnvRank, timeout: Duration) -> anyhow::Result<Box<dyn Comm>> {
     let id = match e.rank {
         0 => Some(result::get_uniqueid().map_err(|x| anyhow::anyhow!("ncclGetUniqueId: {x:?}"))?),
         _ => None,
@@ -232,7 +236,7 @@ pub fn from_env(e: &EnvRank, timeout: Duration) -> anyhow::Result<Box<dyn Comm>>
 }
 
 /// One rank's NCCL communicator.
-pub struct NcclComm {
+pub(crate) struct NcclComm {
     rank: usize,
     world: usize,
     raw: Arc<Slot>,
@@ -559,8 +563,8 @@ impl NcclComm {
         let mut access = Vec::new();
         for &o in ordinals.iter().filter(|&&o| o != ctx.ordinal()) {
             let mut peer: sys::CUdevice = 0;
-            // SAFETY: FFI with valid out-pointers; `o` is an ordinal of this machine.
             let (mut there, mut back) = (0, 0);
+            // SAFETY: FFI with valid out-pointers; `o` is an ordinal of this machine.
             unsafe {
                 sys::cuDeviceGet(&mut peer, o as i32)
                     .result()
@@ -613,7 +617,7 @@ fn eager_loading() -> bool {
 /// LORA_TRAIN_EXPERIMENTS and no CUDA_MODULE_LOADING of the user's, sets
 /// CUDA_MODULE_LOADING=EAGER, which peer copies need. (A list that does not parse is left for
 /// `Kernels::resolve` to report.)
-pub fn prepare_process() {
+pub(crate) fn prepare_process() {
     let peer_copy = crate::ops::kernels::Experiments::from_env().is_ok_and(|e| e.peer_copy);
     if peer_copy && std::env::var_os("CUDA_MODULE_LOADING").is_none() {
         // Before any thread exists (main's first call), so no other thread reads the

@@ -19,7 +19,7 @@ use candle_core::safetensors::MmapedSafetensors;
 use std::path::Path;
 
 /// The suffix of the tensor that carries a 4-bit weight's quant state.
-pub const STATE: &str = ".quant_state.bitsandbytes__nf4";
+pub(crate) const STATE: &str = ".quant_state.bitsandbytes__nf4";
 
 /// What a checkpoint's config.json says of its quantization: None for a full-precision one,
 /// true / false for a bitsandbytes NF4 one with / without double quant. Any other
@@ -34,7 +34,7 @@ pub fn nf4_config(config: &Path) -> Result<Option<bool>> {
 
 /// `nf4_config` of a config.json already parsed: the one reading of a run's config.json
 /// (`ModelConfig::from_json`) takes its quantization here. The error names the field.
-pub fn nf4_of(v: &serde_json::Value) -> std::result::Result<Option<bool>, String> {
+pub(crate) fn nf4_of(v: &serde_json::Value) -> std::result::Result<Option<bool>, String> {
     let Some(q) = v.get("quantization_config") else {
         return Ok(None);
     };
@@ -62,7 +62,7 @@ pub fn nf4_of(v: &serde_json::Value) -> std::result::Result<Option<bool>, String
 
 /// The NF4 weight `name` (e.g. `model.layers.0.mlp.down_proj.weight`) of shape `shape`, when
 /// the checkpoint stores it 4-bit; None when it is a plain tensor.
-pub fn read(st: &MmapedSafetensors, name: &str, shape: &[usize]) -> Result<Option<Nf4>> {
+pub(crate) fn read(st: &MmapedSafetensors, name: &str, shape: &[usize]) -> Result<Option<Nf4>> {
     let Ok(state) = st.get(&format!("{name}{STATE}")) else {
         return Ok(None);
     };

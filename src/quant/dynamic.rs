@@ -50,7 +50,7 @@ pub fn map() -> [f32; 256] {
 /// The code of x (already divided by its block's absmax) in the sorted `code`, as
 /// `dQuantize<0>` finds it: seven halvings from index 127, then the nearer of the last two
 /// pivots by their midpoint (x above the value: a tie goes down; below: up).
-pub fn quantize_one(code: &[f32; 256], x: f32) -> u8 {
+pub(crate) fn quantize_one(code: &[f32; 256], x: f32) -> u8 {
     let (mut pivot, mut upper_pivot, mut lower_pivot) = (127usize, 255usize, 0usize);
     let (mut lower, mut upper) = (-1.0f32, 1.0f32);
     let mut val = code[pivot];
@@ -91,7 +91,11 @@ pub fn quantize_one(code: &[f32; 256], x: f32) -> u8 {
 /// Blockwise 8-bit quantization of `x` in blocks of `block`: (codes [n], absmax [⌈n / block⌉]).
 /// Each block's absmax is max |x|; each value is quantized as x · (1 / absmax). An all-zero
 /// block has absmax 0 and codes of NaN (as on CUDA: no comparison holds).
-pub fn quantize_blockwise(code: &[f32; 256], x: &[f32], block: usize) -> (Vec<u8>, Vec<f32>) {
+pub(crate) fn quantize_blockwise(
+    code: &[f32; 256],
+    x: &[f32],
+    block: usize,
+) -> (Vec<u8>, Vec<f32>) {
     let mut q = Vec::with_capacity(x.len());
     let mut absmax = Vec::with_capacity(x.len().div_ceil(block));
     for chunk in x.chunks(block) {
@@ -104,7 +108,12 @@ pub fn quantize_blockwise(code: &[f32; 256], x: &[f32], block: usize) -> (Vec<u8
 }
 
 /// `kDequantizeBlockwise` (General8bit): code[q] · absmax of q's block, in f32.
-pub fn dequantize_blockwise(code: &[f32], q: &[u8], absmax: &[f32], block: usize) -> Vec<f32> {
+pub(crate) fn dequantize_blockwise(
+    code: &[f32],
+    q: &[u8],
+    absmax: &[f32],
+    block: usize,
+) -> Vec<f32> {
     q.iter()
         .enumerate()
         .map(|(i, &c)| {
@@ -116,7 +125,7 @@ pub fn dequantize_blockwise(code: &[f32], q: &[u8], absmax: &[f32], block: usize
 
 /// Flush to zero, keeping the sign: bitsandbytes' kernels are built with --use_fast_math, so
 /// their f32 arithmetic treats a subnormal operand or result as a signed zero.
-pub fn ftz(x: f32) -> f32 {
+pub(crate) fn ftz(x: f32) -> f32 {
     match x.is_subnormal() {
         true => 0f32.copysign(x),
         false => x,

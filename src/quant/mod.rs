@@ -4,11 +4,11 @@
 pub mod bnb;
 pub mod dynamic;
 pub mod nf4;
-pub mod slabs;
-pub mod weight;
+pub(crate) mod slabs;
+pub(crate) mod weight;
 
 pub use nf4::Nf4;
-pub use slabs::Slabs;
+pub(crate) use slabs::Slabs;
 pub use weight::QWeight;
 
 /// How a run stores its frozen base (`[model] quantize`, `double_quant`).
@@ -22,13 +22,13 @@ pub struct Quant {
 
 impl Quant {
     /// The base as it is.
-    pub const NONE: Quant = Quant {
+    pub(crate) const NONE: Quant = Quant {
         nf4: false,
         double_quant: false,
     };
 
     /// NF4, its absmax double-quantized or not.
-    pub fn nf4(double_quant: bool) -> Quant {
+    pub(crate) fn nf4(double_quant: bool) -> Quant {
         Quant {
             nf4: true,
             double_quant,
@@ -36,7 +36,7 @@ impl Quant {
     }
 
     /// Whether the decoder linears are NF4.
-    pub fn is_nf4(&self) -> bool {
+    pub(crate) fn is_nf4(&self) -> bool {
         self.nf4
     }
 

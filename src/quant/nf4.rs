@@ -75,7 +75,7 @@ pub const THRESHOLDS: [f32; 15] = [
 
 /// The code of x = w / absmax, as `dQuantizeNF4`'s tree finds it: the thresholds x lies above
 /// (so a value on a threshold takes the lower level, and NaN code 0).
-pub fn code(x: f32) -> u8 {
+pub(crate) fn code(x: f32) -> u8 {
     THRESHOLDS.iter().filter(|&&t| x > t).count() as u8
 }
 
@@ -95,7 +95,9 @@ pub struct Nested {
 /// Each NF4 block's absmax: plain f32, or double-quantized.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Absmax {
+    /// One f32 a block.
     Plain(Vec<f32>),
+    /// Double-quantized: 8-bit codes in blocks of 256.
     Nested(Nested),
 }
 
@@ -106,6 +108,7 @@ pub struct Nf4 {
     pub shape: Vec<usize>,
     /// [⌈n / 2⌉] two codes a byte, the first value in the high nibble (`weight`).
     pub codes: Vec<u8>,
+    /// Each block's absmax, the scale of its codes.
     pub absmax: Absmax,
 }
 
@@ -139,7 +142,7 @@ impl Nf4 {
     }
 
     /// Elements of the weight.
-    pub fn numel(&self) -> usize {
+    pub(crate) fn numel(&self) -> usize {
         self.shape.iter().product()
     }
 
@@ -178,7 +181,8 @@ impl Nf4 {
     }
 
     /// Bytes this format keeps: the codes, and the absmax (nested: its codes, absmax and map).
-    pub fn bytes(&self) -> usize {
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub(crate) fn bytes(&self) -> usize {
         self.codes.len()
             + match &self.absmax {
                 Absmax::Plain(a) => 4 * a.len(),
@@ -189,7 +193,7 @@ impl Nf4 {
 
 /// Bytes of an NF4 weight of n elements: codes and absmax (`double_quant`: nested codes,
 /// their absmax and the 256-entry map, and the offset). The memory plan counts these.
-pub fn bytes_for(n: usize, double_quant: bool) -> usize {
+pub(crate) fn bytes_for(n: usize, double_quant: bool) -> usize {
     let blocks = n.div_ceil(BLOCK);
     n.div_ceil(2)
         + match double_quant {
@@ -227,7 +231,7 @@ fn quantize_blocks(x: &[f32], codes: &mut [u8], absmax: &mut [f32]) {
 }
 
 /// Double quant of the absmax values: their mean taken off, then 8 bits in blocks of 256.
-pub fn nest(absmax: &[f32]) -> Nested {
+pub(crate) fn nest(absmax: &[f32]) -> Nested {
     let n = absmax.len().max(1) as f64;
     let offset = (absmax.iter().map(|&a| a as f64).sum::<f64>() / n) as f32;
     nest_about(absmax, offset)

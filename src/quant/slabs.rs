@@ -18,12 +18,12 @@ const MAX: usize = 3;
 /// A model's dequantizing slabs (CUDA builds only hand them out).
 #[derive(Default)]
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub struct Slabs(Mutex<Vec<(Tensor, Arc<()>)>>);
+pub(crate) struct Slabs(Mutex<Vec<(Tensor, Arc<()>)>>);
 
 impl Slabs {
     /// A buffer [≥ elems] of `dtype` on CUDA `device` that no live layer holds, with its lease;
     /// None off CUDA, or when every slab is held and no more are kept.
-    pub fn take(
+    pub(crate) fn take(
         &self,
         elems: usize,
         dtype: DType,

@@ -26,7 +26,7 @@ enum DevAbsmax {
 #[derive(Debug, Clone)]
 pub struct QWeight {
     /// The weight's shape ([out, in] for a linear).
-    pub shape: Vec<usize>,
+    pub(crate) shape: Vec<usize>,
     /// [n/2] u8, two codes a byte, the first value in the high nibble.
     codes: Tensor,
     absmax: DevAbsmax,
@@ -78,7 +78,7 @@ impl QWeight {
     /// The format's arrays in a fixed order: codes [n/2] u8, then absmax [nb] f32, or double
     /// quant's codes [nb] u8, absmax [⌈nb / 256⌉] f32 and map [256] f32 (the offset is a host
     /// value). FSDP shards them (`Layer::frozen_mut`) and puts views of a gather back.
-    pub fn arrays_mut(&mut self) -> Vec<&mut Tensor> {
+    pub(crate) fn arrays_mut(&mut self) -> Vec<&mut Tensor> {
         let mut v = vec![&mut self.codes];
         match &mut self.absmax {
             DevAbsmax::Plain(a) => v.push(a),
@@ -102,7 +102,7 @@ impl QWeight {
     }
 
     /// Elements of the weight.
-    pub fn numel(&self) -> usize {
+    pub(crate) fn numel(&self) -> usize {
         self.shape.iter().product()
     }
 
@@ -143,7 +143,7 @@ impl QWeight {
 
     /// Bytes the format keeps on the device: codes and absmax (nested: its codes, absmax, map
     /// and offset), as `nf4::bytes_for` counts them.
-    pub fn bytes(&self) -> usize {
+    pub(crate) fn bytes(&self) -> usize {
         let t = crate::ops::tensor_bytes;
         let absmax = match &self.absmax {
             DevAbsmax::Plain(a) => t(a),
@@ -176,7 +176,7 @@ impl QWeight {
 
     /// The weight dequantized into `out` (a contiguous bf16 or f32 CUDA tensor of its elements,
     /// 16-byte aligned, e.g. a view of a `Slabs` buffer).
-    pub fn dequantize_into(&self, out: &Tensor) -> Result<()> {
+    pub(crate) fn dequantize_into(&self, out: &Tensor) -> Result<()> {
         use candle_core::cuda::cudarc::driver::PushKernelArg;
         use candle_core::cuda::WrapErr;
         let Device::Cuda(dev) = self.codes.device() else {
@@ -278,7 +278,7 @@ impl QWeight {
 impl QWeight {
     /// The weight dequantized into `out`: CUDA builds only (`Slabs` hands out no buffer
     /// elsewhere).
-    pub fn dequantize_into(&self, _out: &Tensor) -> Result<()> {
+    pub(crate) fn dequantize_into(&self, _out: &Tensor) -> Result<()> {
         candle_core::bail!("nf4: dequantizing into a buffer needs a CUDA build")
     }
 }

@@ -7,21 +7,21 @@ use super::{Recipe, RecipeError, Resume, TrainFiles};
 use std::path::Path;
 
 /// lora.rank, as `plan --rank` and `bench --rank` take it.
-pub const MAX_RANK: usize = 65536;
+pub(crate) const MAX_RANK: usize = 65536;
 /// data.seq_len, as `plan --seq` takes it.
-pub const MAX_SEQ_LEN: usize = 1 << 22;
+pub(crate) const MAX_SEQ_LEN: usize = 1 << 22;
 /// train.micro_batch, as `plan --micro-batch` takes it.
-pub const MAX_MICRO_BATCH: usize = 4096;
-pub const MAX_GRAD_ACCUM: usize = 65536;
+pub(crate) const MAX_MICRO_BATCH: usize = 4096;
+pub(crate) const MAX_GRAD_ACCUM: usize = 65536;
 /// Optimiser steps of one run (a run of 10⁹ steps at 1 ms a step takes 11 days).
-pub const MAX_STEPS: usize = 1_000_000_000;
+pub(crate) const MAX_STEPS: usize = 1_000_000_000;
 /// Passes over the data.
-pub const MAX_EPOCHS: usize = 1_000_000;
+pub(crate) const MAX_EPOCHS: usize = 1_000_000;
 /// parallel.timeout_s: a year.
-pub const MAX_TIMEOUT_S: u64 = 365 * 24 * 3600;
+pub(crate) const MAX_TIMEOUT_S: u64 = 365 * 24 * 3600;
 /// Ranks of one run, as `plan --gpus` takes them.
-pub const MAX_RANKS: usize = 4096;
-pub const MAX_ORDINAL: usize = 65535;
+pub(crate) const MAX_RANKS: usize = 4096;
+pub(crate) const MAX_ORDINAL: usize = 65535;
 
 /// Paths written as "" (before relative paths are resolved, which would turn "" into the
 /// recipe's own directory).

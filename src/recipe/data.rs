@@ -24,7 +24,7 @@ pub enum DataFormat {
 /// `data.train_on`: which tokens are trained.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub enum TrainOn {
+pub(crate) enum TrainOn {
     /// Every token.
     All,
     /// Only completions (alpaca output, completion, assistant turns) and the EOS or
@@ -35,7 +35,7 @@ pub enum TrainOn {
 /// `data.on_bad_row`: what a malformed row does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub enum OnBadRow {
+pub(crate) enum OnBadRow {
     /// Stop with the file, the line and the reason.
     Error,
     /// Skip it; skipped rows are counted and reported (first one quoted).
@@ -67,10 +67,13 @@ pub struct TrainFile {
     /// data.subset, data.revision, data.files.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub split: Option<String>,
+    /// A Hub data set's subset (configuration).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub subset: Option<String>,
+    /// The Hub data set's branch, tag or commit.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub revision: Option<String>,
+    /// A glob of the Hub data set's files (replaces subset and split).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub files: Option<String>,
     /// This file's column mapping. Default: data.columns.
@@ -84,7 +87,7 @@ fn d_weight() -> f64 {
 
 impl TrainFiles {
     /// The file names, for messages.
-    pub fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         match self {
             TrainFiles::One(p) => p.display().to_string(),
             TrainFiles::Mix(v) => v
@@ -154,7 +157,7 @@ pub struct DataSection {
     pub seq_len: usize,
     /// Shuffle the example order each epoch (seeded by train.seed). Default: true.
     #[serde(default = "super::d_true")]
-    pub shuffle: bool,
+    pub(crate) shuffle: bool,
     /// Pack several examples into each row of seq_len tokens, with no attention across
     /// examples and positions restarting at each. Default: false.
     #[serde(default)]
@@ -162,13 +165,13 @@ pub struct DataSection {
     /// "all" | "completions" (prompts, system and user turns get label -100; the EOS or
     /// end-of-turn token ends every completion). Default: "completions" for alpaca, chat and
     /// completion, "all" for text and tokens.
-    pub train_on: Option<TrainOn>,
+    pub(crate) train_on: Option<TrainOn>,
     /// The prompt field of "completion" rows. Default: "prompt".
     #[serde(default = "d_prompt_field")]
-    pub prompt_field: String,
+    pub(crate) prompt_field: String,
     /// The completion field of "completion" rows. Default: "completion".
     #[serde(default = "d_completion_field")]
-    pub completion_field: String,
+    pub(crate) completion_field: String,
     /// The chat template for "chat" rows: a path to a .jinja file, or the name of one of the
     /// templates tokenizer_config.json lists. Default: the model's chat_template.jinja, else
     /// tokenizer_config.json's chat_template (its "default" when it lists several).
@@ -179,31 +182,31 @@ pub struct DataSection {
     /// Hold out this fraction of the training examples (seeded) as the eval set, in [0, 1).
     /// Default: 0.
     #[serde(default)]
-    pub eval_fraction: f64,
+    pub(crate) eval_fraction: f64,
     /// "error" | "skip": what a malformed row does. Default: "error".
     #[serde(default = "d_on_bad_row")]
-    pub on_bad_row: OnBadRow,
+    pub(crate) on_bad_row: OnBadRow,
     /// hf:// data sets: the split to read ("train", "test", "train_sft", ...). Default: "train".
-    pub split: Option<String>,
+    pub(crate) split: Option<String>,
     /// hf:// data sets: the subset (configuration), a folder of the repository, e.g. "main".
     /// Default: none (the data set's only one).
-    pub subset: Option<String>,
+    pub(crate) subset: Option<String>,
     /// hf:// data sets: branch, tag or commit. Default: "main".
-    pub revision: Option<String>,
+    pub(crate) revision: Option<String>,
     /// hf:// data sets: a glob of repository paths to read instead of split and subset, e.g.
     /// "data/train-*.parquet". Default: none.
-    pub files: Option<String>,
+    pub(crate) files: Option<String>,
     /// An hf:// data.eval: its split. Default: "test".
-    pub eval_split: Option<String>,
+    pub(crate) eval_split: Option<String>,
     /// Our field names → the data set's column names, for rows whose fields are named
     /// otherwise: `{ instruction = "question", output = "answer" }`. Default: {} (as named).
     #[serde(default)]
-    pub columns: BTreeMap<String, String>,
+    pub(crate) columns: BTreeMap<String, String>,
 }
 
 impl DataSection {
     /// `train_on` for a file of `format`: as set, or the format's default.
-    pub fn train_on_for(&self, format: DataFormat) -> TrainOn {
+    pub(crate) fn train_on_for(&self, format: DataFormat) -> TrainOn {
         self.train_on.unwrap_or(match format {
             DataFormat::Tokens | DataFormat::Text => TrainOn::All,
             _ => TrainOn::Completions,
@@ -230,12 +233,12 @@ pub(super) fn d_seq_len() -> usize {
 
 impl TrainFile {
     /// A Hub data set ("hf://datasets/ORG/NAME"), not a file.
-    pub fn is_hub(&self) -> bool {
+    pub(crate) fn is_hub(&self) -> bool {
         is_hub(&self.path)
     }
 }
 
 /// Whether a data path names a Hub data set ("hf://..."), not a file.
-pub fn is_hub(p: &std::path::Path) -> bool {
+pub(crate) fn is_hub(p: &std::path::Path) -> bool {
     p.to_str().is_some_and(|s| s.starts_with("hf://"))
 }

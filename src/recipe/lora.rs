@@ -8,7 +8,7 @@ use std::path::PathBuf;
 /// `target_parameters` names them. "all-linear" is all of them, which a model resolves to its
 /// own linears (as PEFT's "all-linear", not the experts). The order is the checkpoint's, and a
 /// module's index here keys its adapter's random streams (lora::module_index).
-pub const KNOWN_LINEAR: [&str; 11] = [
+pub(crate) const KNOWN_LINEAR: [&str; 11] = [
     "q_proj",
     "k_proj",
     "v_proj",
@@ -25,33 +25,33 @@ pub const KNOWN_LINEAR: [&str; 11] = [
 /// `[lora]`: the adapters.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct LoraSection {
+pub(crate) struct LoraSection {
     /// Adapter rank r. Default: 8.
     #[serde(default = "d_rank")]
-    pub rank: usize,
+    pub(crate) rank: usize,
     /// Scale numerator: scale = alpha / r (alpha / √r with rslora). Default: 16.
     #[serde(default = "d_alpha")]
-    pub alpha: f64,
+    pub(crate) alpha: f64,
     /// Dropout on the adapter input, in [0, 1). Default: 0.
     #[serde(default)]
-    pub dropout: f64,
+    pub(crate) dropout: f64,
     /// Module names to adapt (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj; Phi-3's
     /// qkv_proj o_proj gate_up_proj down_proj), or "all-linear" for all of the model's.
     /// Default: ["q_proj", "v_proj"] (PEFT's Llama default).
     #[serde(default = "d_targets")]
-    pub targets: Targets,
+    pub(crate) targets: Targets,
     /// rsLoRA scaling alpha / √r. Default: false.
     #[serde(default)]
-    pub rslora: bool,
+    pub(crate) rslora: bool,
     /// DoRA (PEFT's `use_dora`): each adapter also trains a magnitude per output row,
     /// y = (m / ‖W + s·B A‖_row) ⊙ (x Wᵀ + s·x Aᵀ Bᵀ) + bias. Needs dropout = 0; not with
     /// FSDP or train.sample_every. Default: false.
     #[serde(default)]
-    pub use_dora: bool,
+    pub(crate) use_dora: bool,
     /// A PEFT adapter directory (adapter_config.json + adapter_model.safetensors) to continue
     /// from. Its r, lora_alpha, target_modules and use_rslora replace the values above
     /// (`dropout` still comes from this recipe).
-    pub init_adapter: Option<PathBuf>,
+    pub(crate) init_adapter: Option<PathBuf>,
 }
 
 fn d_rank() -> usize {
@@ -81,7 +81,7 @@ impl Default for LoraSection {
 /// `lora.targets`: a list of module names or "all-linear".
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(untagged)]
-pub enum Targets {
+pub(crate) enum Targets {
     AllLinear(String),
     List(Vec<String>),
 }

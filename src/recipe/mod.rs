@@ -11,7 +11,7 @@
 //! can check), `bounds` (numbers bounded before they size anything), `text` (the recipe written
 //! back as TOML).
 
-pub mod bounds;
+pub(crate) mod bounds;
 mod data;
 mod load;
 mod lora;
@@ -24,14 +24,17 @@ mod text;
 mod train;
 mod validate;
 
-pub use data::{DataFormat, DataSection, OnBadRow, TrainFile, TrainFiles, TrainOn};
-pub use lora::{LoraSection, Targets, KNOWN_LINEAR};
-pub use model::{DeviceKind, Dtype, ModelSection, Quantize};
+pub(crate) use data::{DataFormat, OnBadRow, TrainFiles, TrainOn};
+pub use data::{DataSection, TrainFile};
+pub(crate) use lora::{LoraSection, Targets, KNOWN_LINEAR};
+pub(crate) use model::ModelSection;
+pub use model::{DeviceKind, Dtype, Quantize};
 pub use output::{MergeInto, OutputSection, DEFAULT_MAX_SHARD_SIZE};
-pub use parallel::{ParallelSection, Strategy};
-pub use train::{
-    Checkpointing, Resume, Schedule, Tracker, TrainSection, MLP_CHUNK, MLP_CHUNK_MAX,
-    OFFLOAD_ACTIVATIONS_DEFAULT,
+pub(crate) use parallel::ParallelSection;
+pub use parallel::Strategy;
+pub use train::Checkpointing;
+pub(crate) use train::{
+    Resume, Schedule, Tracker, TrainSection, MLP_CHUNK_MAX, OFFLOAD_ACTIVATIONS_DEFAULT,
 };
 
 use serde::{Deserialize, Serialize};
@@ -40,42 +43,66 @@ use std::path::{Path, PathBuf};
 /// A recipe that cannot be used as written. Exit code 2; nothing has been written yet.
 #[derive(Debug, thiserror::Error)]
 pub enum RecipeError {
+    /// The file could not be read.
     #[error("cannot read recipe {path}")]
     Read {
+        /// The recipe file.
         path: PathBuf,
+        /// The I/O error.
         source: std::io::Error,
     },
+    /// Not valid TOML, or a key or value the schema does not know.
     #[error("recipe {path}: {msg}")]
-    Parse { path: PathBuf, msg: String },
-    #[error("recipe {path}: `{key}` {msg}")]
-    Invalid {
+    Parse {
+        /// The recipe file.
         path: PathBuf,
-        key: String,
+        /// The parser's message.
         msg: String,
     },
+    /// A value the schema takes but the run cannot use.
+    #[error("recipe {path}: `{key}` {msg}")]
+    Invalid {
+        /// The recipe file.
+        path: PathBuf,
+        /// The field, `section.key`.
+        key: String,
+        /// What is wrong with it, and the fix.
+        msg: String,
+    },
+    /// A `--set` argument that is malformed or names no field.
     #[error("--set {arg}: {msg}")]
-    Override { arg: String, msg: String },
+    Override {
+        /// The argument as given.
+        arg: String,
+        /// What is wrong with it.
+        msg: String,
+    },
 }
 
+/// A run's recipe: its TOML sections as read (recipes/reference.toml documents every field).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Recipe {
+    /// `[model]`: the base checkpoint and how it is loaded.
     pub model: ModelSection,
     #[serde(default)]
-    pub lora: LoraSection,
+    pub(crate) lora: LoraSection,
+    /// `[data]`: the training (and eval) data and how it becomes rows.
     pub data: DataSection,
+    /// `[train]`: steps, optimiser, schedule, and what the layers keep.
     #[serde(default)]
     pub train: TrainSection,
+    /// `[parallel]`: the strategy and its ranks.
     #[serde(default)]
     pub parallel: ParallelSection,
     #[serde(default)]
-    pub output: OutputSection,
+    pub(crate) output: OutputSection,
     /// The recipe file this came from (not a TOML key).
     #[serde(skip)]
-    pub source: PathBuf,
+    pub(crate) source: PathBuf,
     /// The --set overrides it was loaded with, in order (not a TOML key).
     #[serde(skip)]
-    pub sets: Vec<String>,
+    pub(crate) sets: Vec<String>,
 }
 
 /// serde's default for fields that default to true.
@@ -94,12 +121,12 @@ impl Recipe {
     }
 
     /// `train.mlp_chunk` as the model takes it (None: 0, never chunked).
-    pub fn mlp_chunk(&self) -> Option<usize> {
+    pub(crate) fn mlp_chunk(&self) -> Option<usize> {
         (self.train.mlp_chunk > 0).then_some(self.train.mlp_chunk)
     }
 
     /// `train.max_memory` in bytes (validated at load).
-    pub fn max_memory(&self) -> Option<u64> {
+    pub(crate) fn max_memory(&self) -> Option<u64> {
         self.train
             .max_memory
             .as_deref()

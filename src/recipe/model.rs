@@ -7,11 +7,15 @@ use std::path::PathBuf;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Dtype {
+    /// 32-bit floats.
     F32,
+    /// bfloat16.
     Bf16,
+    /// IEEE half precision.
     F16,
 }
 
+/// Where a run computes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DeviceKind {
@@ -48,11 +52,11 @@ pub struct ModelSection {
     /// quantized layer by layer as the checkpoint loads, dequantized just in time for each
     /// layer's GEMMs) | "none". Default: "none". Under FSDP each rank keeps 1/N of it in NF4.
     #[serde(default)]
-    pub quantize: Quantize,
+    pub(crate) quantize: Quantize,
     /// With quantize = "nf4": the absmax values quantized again to 8 bits in blocks of 256
     /// (bitsandbytes' `bnb_4bit_use_double_quant`), 0.37 fewer bits a weight. Default: true.
     #[serde(default = "super::d_true")]
-    pub double_quant: bool,
+    pub(crate) double_quant: bool,
 }
 
 fn default_device() -> DeviceKind {

@@ -25,33 +25,33 @@ pub enum MergeInto {
 pub struct OutputSection {
     /// Output directory. Default: "adapters/<recipe file name without .toml>", relative to the
     /// current directory.
-    pub dir: Option<PathBuf>,
+    pub(crate) dir: Option<PathBuf>,
     /// Save checkpoint-<step>/ (adapter, optimiser state, trainer state) every this many
     /// steps and at the last step; 0 = none, the final adapter alone (SIGINT / SIGTERM still
     /// save one). Default: 0.
     #[serde(default)]
-    pub save_every: usize,
+    pub(crate) save_every: usize,
     /// Also write merged full weights (W + scale·B·A, in the base checkpoint's dtype) to
     /// <dir>/merged/ at the end of the run. Default: false.
     #[serde(default)]
-    pub merge: bool,
+    pub(crate) merge: bool,
     /// Keep only the newest this many checkpoint-<step>/ directories (0 = keep all).
     /// Default: 0.
     #[serde(default)]
-    pub keep_last: usize,
+    pub(crate) keep_last: usize,
     /// Largest safetensors shard of the merged model, e.g. "5GB", "500MB", "2GiB".
     /// Default: "5GB".
     #[serde(default, deserialize_with = "super::train::size_text")]
-    pub max_shard_size: Option<String>,
+    pub(crate) max_shard_size: Option<String>,
     /// What `merge` merges the adapter into: "base" (the base checkpoint's weights; a
     /// bitsandbytes 4-bit checkpoint's dequantized) or "dequantized" (each decoder linear
     /// of the base through NF4 as training quantized it, for model.quantize = "nf4").
     /// Default: "base".
     #[serde(default)]
-    pub merge_into: MergeInto,
+    pub(crate) merge_into: MergeInto,
     /// A fresh run into a directory that holds a finished run replaces that run (its final
     /// adapter, merged model and checkpoints are removed as the new run starts); false refuses,
     /// naming the ways on. `train --overwrite` sets it. Default: false.
     #[serde(default)]
-    pub overwrite: bool,
+    pub(crate) overwrite: bool,
 }

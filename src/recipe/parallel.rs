@@ -2,16 +2,20 @@
 
 use serde::{Deserialize, Serialize};
 
+/// How the ranks share a run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum Strategy {
+    /// One rank on one device.
     Single,
+    /// Data parallel: every rank holds the whole model; the gradients are summed.
     Ddp,
+    /// Fully sharded: each rank holds a shard of the frozen base, gathered a layer at a time.
     Fsdp,
 }
 
 impl Strategy {
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Strategy::Single => "single",
             Strategy::Ddp => "ddp",
@@ -26,7 +30,7 @@ impl Strategy {
 pub struct ParallelSection {
     /// "single" | "ddp" | "fsdp". Default: "single".
     #[serde(default = "d_strategy")]
-    pub strategy: Strategy,
+    pub(crate) strategy: Strategy,
     /// CUDA ordinals to use, one rank each, or "all" (every visible GPU). With
     /// model.device = "cpu": virtual ranks (threads), e.g. [0, 1] for two. Default: [0].
     #[serde(default = "d_devices", deserialize_with = "devices_or_all")]
@@ -34,7 +38,7 @@ pub struct ParallelSection {
     /// Seconds a rank waits in a collective for the others before the run fails (a rank
     /// that died or hangs). Default: 1800.
     #[serde(default = "d_timeout_s")]
-    pub timeout_s: u64,
+    pub(crate) timeout_s: u64,
 }
 
 /// `devices = "all"` is kept as an empty list and resolved when the devices are opened.

@@ -80,7 +80,7 @@ fn reference_recipe_spells_out_the_defaults() {
 
 /// Serialize any section to TOML text, to compare sections field by field.
 mod erased {
-    pub trait Ser {
+    pub(crate) trait Ser {
         fn to(&self) -> String;
     }
     impl<T: serde::Serialize> Ser for T {

@@ -5,7 +5,7 @@ use super::{Recipe, DEFAULT_MAX_SHARD_SIZE, OFFLOAD_ACTIVATIONS_DEFAULT};
 
 impl Recipe {
     /// The recipe as resolved (defaults filled in), to store beside the adapter.
-    pub fn to_toml(&self) -> String {
+    pub(crate) fn to_toml(&self) -> String {
         toml::to_string_pretty(self).unwrap_or_default()
     }
 

@@ -18,12 +18,12 @@ pub enum Checkpointing {
 
 impl Checkpointing {
     /// Whether backward recomputes anything.
-    pub fn on(self) -> bool {
+    pub(crate) fn on(self) -> bool {
         self != Checkpointing::Off
     }
 
     /// As the recipe writes it: false, "mlp", true.
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Checkpointing::Off => "false",
             Checkpointing::Mlp => "\"mlp\"",
@@ -78,12 +78,12 @@ impl<'de> Deserialize<'de> for Checkpointing {
 }
 
 /// `train.offload_activations` when the recipe does not say (CUDA only: the CPU recomputes).
-pub const OFFLOAD_ACTIVATIONS_DEFAULT: bool = true;
+pub(crate) const OFFLOAD_ACTIVATIONS_DEFAULT: bool = true;
 
 /// `train.schedule`: the learning rate over the run (transformers' schedules).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub enum Schedule {
+pub(crate) enum Schedule {
     Constant,
     Linear,
     Cosine,
@@ -98,32 +98,32 @@ pub struct TrainSection {
     pub micro_batch: usize,
     /// Micro-batches per optimiser step. Default: 1.
     #[serde(default = "d_one")]
-    pub grad_accum: usize,
+    pub(crate) grad_accum: usize,
     /// Optimiser steps to take; wins over `epochs` when both are set.
-    pub max_steps: Option<usize>,
+    pub(crate) max_steps: Option<usize>,
     /// Passes over the data when max_steps is not set. Default: 1.
-    pub epochs: Option<usize>,
+    pub(crate) epochs: Option<usize>,
     /// Peak learning rate. Default: 2e-4.
     #[serde(default = "d_lr")]
-    pub lr: f64,
+    pub(crate) lr: f64,
     /// AdamW decoupled weight decay. Default: 0.
     #[serde(default)]
-    pub weight_decay: f64,
+    pub(crate) weight_decay: f64,
     /// AdamW betas. Default: [0.9, 0.999].
     #[serde(default = "d_betas")]
-    pub betas: [f64; 2],
+    pub(crate) betas: [f64; 2],
     /// AdamW epsilon. Default: 1e-8.
     #[serde(default = "d_eps")]
-    pub eps: f64,
+    pub(crate) eps: f64,
     /// "constant" | "linear" | "cosine" (decay to 0 at the last step). Default: "cosine".
     #[serde(default = "d_schedule")]
-    pub schedule: Schedule,
+    pub(crate) schedule: Schedule,
     /// Linear warmup from 0 over this many steps (transformers' schedules). Default: 0.
     #[serde(default)]
-    pub warmup_steps: usize,
+    pub(crate) warmup_steps: usize,
     /// Clip the global gradient norm to this (0 disables). Default: 1.0.
     #[serde(default = "d_clip")]
-    pub max_grad_norm: f64,
+    pub(crate) max_grad_norm: f64,
     /// Seed for adapter init, shuffling and dropout. Default: 42.
     #[serde(default = "d_seed")]
     pub seed: u64,
@@ -131,7 +131,7 @@ pub struct TrainSection {
     /// input only: backward recomputes the layer) or "mlp" (the attention half's activations:
     /// backward recomputes the MLP half, its gate and up GEMMs). Default: false.
     #[serde(default)]
-    pub activation_checkpointing: Checkpointing,
+    pub(crate) activation_checkpointing: Checkpointing,
     /// CUDA, without checkpointing: park each layer's residual (after attention, [tokens,
     /// hidden]) in pinned host memory between its forward and backward, copied beside the
     /// compute, instead of recomputing it in backward with o_proj's GEMM (false) — 2 × tokens
@@ -139,20 +139,20 @@ pub struct TrainSection {
     /// the GPU's. Ignored on the CPU (recomputed). Default: true
     /// (`OFFLOAD_ACTIVATIONS_DEFAULT`).
     #[serde(default)]
-    pub offload_activations: Option<bool>,
+    pub(crate) offload_activations: Option<bool>,
     /// Write a progress line / metrics row every this many steps. Default: 1.
     #[serde(default = "d_one")]
-    pub log_every: usize,
+    pub(crate) log_every: usize,
     /// Eval loss every this many steps (0 = only at the end), when data.eval or
     /// data.eval_fraction gives an eval set. Default: 0.
     #[serde(default)]
-    pub eval_every: usize,
+    pub(crate) eval_every: usize,
     /// Continue from a checkpoint, exactly: `true` = the newest complete checkpoint-<step>/ in
     /// the output directory (none: start fresh), or the path of one checkpoint directory.
     /// The recipe must match the checkpoint's in everything that changes the numbers.
     /// Default: false (start fresh).
     #[serde(default)]
-    pub resume: Resume,
+    pub(crate) resume: Resume,
     /// Print the greedy completion of each of `sample_prompts` every this many steps (and
     /// append them to samples.jsonl in the output directory); 0 = off. Needs the model's
     /// tokenizer. Default: 0.
@@ -161,40 +161,40 @@ pub struct TrainSection {
     /// The prompts `sample_every` completes (text, encoded as the tokenizer says, no EOS).
     /// Default: [].
     #[serde(default)]
-    pub sample_prompts: Vec<String>,
+    pub(crate) sample_prompts: Vec<String>,
     /// On a non-finite loss or gradient, skip that step's update (and count it) instead of
     /// stopping the run. Default: false.
     #[serde(default)]
-    pub skip_nonfinite: bool,
+    pub(crate) skip_nonfinite: bool,
     /// Only kernels whose sums run in a fixed order, so that a run repeats bit for bit on the
     /// same GPU (CUDA: flash attention's dQ in a kernel of its own; a little slower). Default:
     /// false.
     #[serde(default)]
-    pub deterministic: bool,
+    pub(crate) deterministic: bool,
     /// Device memory per rank, e.g. "24GiB": on CUDA the run holds the rest of the card
     /// (cuMemAlloc, outside the pool) so it behaves as a card of this size and runs out of
     /// memory for real; the preflight check compares the memory plan with it. On the CPU it
     /// caps an accounting of the tensor bytes the trainer holds. Default: unset (the card).
     #[serde(default, deserialize_with = "size_text")]
-    pub max_memory: Option<String>,
+    pub(crate) max_memory: Option<String>,
     /// A layer's MLP (norm, gate / up, activation, down) runs over chunks of this many tokens
     /// of the micro-batch: in backward always, and with activation checkpointing in forward and
     /// its recompute too, so that its [tokens, intermediate] tensors exist for one chunk at a
     /// time (long context). A multiple of 64; 0: never chunked. Not with dropout on an MLP adapter (runs
     /// whole). Default: 16384 (`model::layer_mlp::MLP_CHUNK`).
     #[serde(default = "d_mlp_chunk")]
-    pub mlp_chunk: usize,
+    pub(crate) mlp_chunk: usize,
     /// A MoE model's router load-balancing loss (transformers' `load_balancing_loss_func`)
     /// joins the loss × this weight; padding does not count. Qwen3-MoE's config.json writes
     /// 0.001 for it, but transformers adds it only with output_router_logits: here too only
     /// when set. Default: 0 (off).
     #[serde(default)]
-    pub router_aux_loss_coef: f64,
+    pub(crate) router_aux_loss_coef: f64,
     /// Trackers that receive the metrics as the run goes: "tensorboard" (event files under
     /// `<output.dir>/runs/`; W&B syncs them) and "mlflow" (the server at
     /// MLFLOW_TRACKING_URI, with the recipe as params). One name or a list. Default: [].
     #[serde(default, deserialize_with = "de_report_to")]
-    pub report_to: Vec<Tracker>,
+    pub(crate) report_to: Vec<Tracker>,
 }
 
 fn d_mlp_chunk() -> usize {
@@ -202,12 +202,12 @@ fn d_mlp_chunk() -> usize {
 }
 
 /// `train.mlp_chunk`'s bound: a chunk of more tokens than any micro-batch could hold.
-pub const MLP_CHUNK_MAX: usize = 1 << 24;
+pub(crate) const MLP_CHUNK_MAX: usize = 1 << 24;
 
 /// `train.resume`: false | true | "path/to/checkpoint-<step>".
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(untagged)]
-pub enum Resume {
+pub(crate) enum Resume {
     Flag(bool),
     Path(PathBuf),
 }
@@ -293,12 +293,12 @@ impl Default for TrainSection {
 
 /// `train.mlp_chunk`'s default: tokens a chunk of a layer's MLP runs over (the model's
 /// `layer_mlp::MLP_CHUNK`, which a test holds equal).
-pub const MLP_CHUNK: usize = 16384;
+pub(crate) const MLP_CHUNK: usize = 16384;
 
 /// One tracker `train.report_to` names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
-pub enum Tracker {
+pub(crate) enum Tracker {
     /// Event files under `<output.dir>/runs/`.
     Tensorboard,
     /// The server at `MLFLOW_TRACKING_URI`.
@@ -314,7 +314,7 @@ impl<'de> Deserialize<'de> for Tracker {
 
 impl Tracker {
     /// Its name in a recipe.
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Tracker::Tensorboard => "tensorboard",
             Tracker::Mlflow => "mlflow",
@@ -322,7 +322,7 @@ impl Tracker {
     }
 
     /// The tracker called `s`, or what to write instead.
-    pub fn named(s: &str) -> Result<Tracker, String> {
+    pub(crate) fn named(s: &str) -> Result<Tracker, String> {
         match s {
             "tensorboard" => Ok(Tracker::Tensorboard),
             "mlflow" => Ok(Tracker::Mlflow),

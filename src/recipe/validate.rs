@@ -10,7 +10,7 @@ use std::path::Path;
 impl Recipe {
     /// Whether this binary can train the recipe: CUDA for model.device = "cuda", NCCL for
     /// several GPUs. Only training asks; `check` and `plan` run on any build.
-    pub fn check_build(&self) -> Result<(), RecipeError> {
+    pub(crate) fn check_build(&self) -> Result<(), RecipeError> {
         let cuda = self.model.device == DeviceKind::Cuda;
         if cuda && !cfg!(feature = "cuda") {
             return Err(self.invalid(
@@ -36,7 +36,7 @@ impl Recipe {
     }
 
     /// Checks that need no model: ranges, files that must exist, what this build supports.
-    pub fn validate(&self) -> Result<(), RecipeError> {
+    pub(crate) fn validate(&self) -> Result<(), RecipeError> {
         self.validate_model()?;
         self.validate_lora()?;
         self.validate_data()?;
@@ -398,7 +398,7 @@ impl Recipe {
     /// `lora.targets` as module names in checkpoint order; unknown names are errors.
     /// "all-linear" is every known name (`lora::KNOWN_LINEAR`), which the model's config
     /// narrows to its own (`ModelConfig::resolve_targets`).
-    pub fn target_modules(&self) -> Result<Vec<String>, RecipeError> {
+    pub(crate) fn target_modules(&self) -> Result<Vec<String>, RecipeError> {
         use super::KNOWN_LINEAR as ALL_LINEAR;
         let list = match &self.lora.targets {
             Targets::AllLinear(_) => return Ok(ALL_LINEAR.iter().map(|s| s.to_string()).collect()),

@@ -16,37 +16,37 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 /// The memory phases a row may report, in step order.
-pub const PHASES: [&str; 5] = ["load", "forward", "head", "backward", "optimizer"];
+pub(crate) const PHASES: [&str; 5] = ["load", "forward", "head", "backward", "optimizer"];
 
 /// One step's row.
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
-pub struct Row {
-    pub step: usize,
-    pub loss: Option<f64>,
-    pub lr: Option<f64>,
-    pub grad_norm: Option<f64>,
-    pub tokens: Option<u64>,
-    pub tok_per_s: Option<f64>,
-    pub elapsed_s: Option<f64>,
-    pub eval_loss: Option<f64>,
-    pub mem: Option<Mem>,
+pub(crate) struct Row {
+    pub(crate) step: usize,
+    pub(crate) loss: Option<f64>,
+    pub(crate) lr: Option<f64>,
+    pub(crate) grad_norm: Option<f64>,
+    pub(crate) tokens: Option<u64>,
+    pub(crate) tok_per_s: Option<f64>,
+    pub(crate) elapsed_s: Option<f64>,
+    pub(crate) eval_loss: Option<f64>,
+    pub(crate) mem: Option<Mem>,
 }
 
 /// A row's device-pool peaks (GiB) per phase since the previous row.
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
-pub struct Mem {
+pub(crate) struct Mem {
     #[serde(default)]
-    pub rank: usize,
-    pub load_gib: Option<f64>,
-    pub forward_gib: Option<f64>,
-    pub head_gib: Option<f64>,
-    pub backward_gib: Option<f64>,
-    pub optimizer_gib: Option<f64>,
+    pub(crate) rank: usize,
+    pub(crate) load_gib: Option<f64>,
+    pub(crate) forward_gib: Option<f64>,
+    pub(crate) head_gib: Option<f64>,
+    pub(crate) backward_gib: Option<f64>,
+    pub(crate) optimizer_gib: Option<f64>,
 }
 
 impl Mem {
     /// (phase, GiB) for the phases the row has, in `PHASES` order.
-    pub fn phases(&self) -> Vec<(&'static str, f64)> {
+    pub(crate) fn phases(&self) -> Vec<(&'static str, f64)> {
         let v = [
             self.load_gib,
             self.forward_gib,
@@ -64,17 +64,17 @@ impl Mem {
 
 /// A metrics.jsonl as read.
 #[derive(Debug, Clone, Default)]
-pub struct Metrics {
-    pub rows: Vec<Row>,
+pub(crate) struct Metrics {
+    pub(crate) rows: Vec<Row>,
     /// Lines that were not rows (blank lines are not counted).
-    pub bad_lines: usize,
+    pub(crate) bad_lines: usize,
     /// The first of them (1-based).
-    pub first_bad: Option<usize>,
+    pub(crate) first_bad: Option<usize>,
 }
 
 impl Metrics {
     /// Parses the text of a metrics.jsonl.
-    pub fn parse(text: &str) -> Metrics {
+    pub(crate) fn parse(text: &str) -> Metrics {
         let mut m = Metrics::default();
         for (i, line) in text.lines().enumerate() {
             if line.trim().is_empty() {
@@ -91,7 +91,7 @@ impl Metrics {
         m
     }
 
-    pub fn read(path: &Path) -> Result<Metrics> {
+    pub(crate) fn read(path: &Path) -> Result<Metrics> {
         let bytes =
             std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
         // A run killed mid-write may leave a partial UTF-8 sequence: that line is then bad.
@@ -104,23 +104,28 @@ impl Metrics {
 pub struct Summary {
     /// The last row's step.
     pub steps: usize,
+    /// Metrics rows read.
     pub rows: usize,
     /// Tokens trained on (the last row's count).
     pub tokens: Option<u64>,
     /// Wall time over every session of the run (resumes add up).
     pub elapsed_s: f64,
+    /// The first row's training loss.
     pub first_loss: Option<f64>,
+    /// The last row's training loss.
     pub final_loss: Option<f64>,
     /// (eval loss, step) of the lowest eval loss.
     pub best_eval: Option<(f64, usize)>,
-    pub last_eval: Option<(f64, usize)>,
+    pub(crate) last_eval: Option<(f64, usize)>,
     /// Per rank: the highest peak (GiB) and its phase.
     pub peak_mem: BTreeMap<usize, (f64, &'static str)>,
+    /// Lines of metrics.jsonl that are not a metrics row (skipped).
     pub bad_lines: usize,
+    /// The first of them: its line number, 1-based.
     pub first_bad: Option<usize>,
 }
 
-pub fn summarize(m: &Metrics) -> Summary {
+pub(crate) fn summarize(m: &Metrics) -> Summary {
     let finite = |x: Option<f64>| x.filter(|v| v.is_finite());
     let mut elapsed = 0.0;
     let mut session_end = 0.0f64;

@@ -33,7 +33,7 @@ fn err<E: std::fmt::Debug>(e: E) -> anyhow::Error {
 }
 
 /// The SVG text of the four panels for `m`, titled `title`.
-pub fn svg(m: &Metrics, title: &str) -> Result<String> {
+pub(crate) fn svg(m: &Metrics, title: &str) -> Result<String> {
     let pts = |f: &dyn Fn(&super::Row) -> Option<f64>| -> Vec<(f64, f64)> {
         m.rows
             .iter()

@@ -35,10 +35,10 @@ pub enum What {
 }
 
 /// `SessionLog.status` START: a (re)started run.
-pub const SESSION_START: i32 = 1;
+pub(crate) const SESSION_START: i32 = 1;
 
 /// The file_version string of TensorBoard's current event files.
-pub const FILE_VERSION: &str = "brain.Event:2";
+pub(crate) const FILE_VERSION: &str = "brain.Event:2";
 
 const VARINT: u8 = 0;
 const I64: u8 = 1;

@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 use std::time::Duration;
 
 /// Where a run's MLflow id is kept, under `<output.dir>/runs/`.
-pub const RUN_FILE: &str = "mlflow.json";
+pub(crate) const RUN_FILE: &str = "mlflow.json";
 
 /// MLflow's limits per log-batch request: metrics, params.
 const MAX_METRICS: usize = 1000;
@@ -23,19 +23,19 @@ const MAX_PARAMS: usize = 100;
 const MAX_PARAM_LEN: usize = 6000;
 
 /// An MLflow run being logged to.
-pub struct Mlflow {
+pub(crate) struct Mlflow {
     agent: ureq::Agent,
     /// The tracking URI without a trailing `/`.
     base: String,
     /// The Authorization header's value, if any.
     auth: Option<String>,
     /// The run's id.
-    pub run_id: String,
+    pub(crate) run_id: String,
 }
 
 /// A failed call: an HTTP error status with MLflow's error code, or no answer at all.
 #[derive(Debug, thiserror::Error)]
-pub enum CallError {
+pub(crate) enum CallError {
     /// The server answered with an error status.
     #[error("{what}: HTTP {status} {code}: {message}")]
     Status {
@@ -61,7 +61,7 @@ pub enum CallError {
 impl Mlflow {
     /// Connects to the server `MLFLOW_TRACKING_URI` names and starts (or, resuming, reopens)
     /// the run, its params logged when it is new.
-    pub fn open(start: &Start) -> Result<Mlflow> {
+    pub(crate) fn open(start: &Start) -> Result<Mlflow> {
         let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
         let uri = env("MLFLOW_TRACKING_URI").context(
             "MLFLOW_TRACKING_URI is not set: set it to the tracking server, e.g. \

@@ -8,7 +8,7 @@
 //! batch of rows. A tracker that fails says so once and is dropped: training goes on.
 
 pub mod event;
-pub mod mlflow;
+pub(crate) mod mlflow;
 pub mod tensorboard;
 pub mod tfrecord;
 
@@ -17,7 +17,7 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-pub use crate::recipe::Tracker;
+pub(crate) use crate::recipe::Tracker;
 
 /// One logged step's scalars: (tag, value) at `step`, written at `wall` (Unix seconds).
 #[derive(Debug, Clone, PartialEq)]
@@ -69,7 +69,7 @@ fn number(v: &serde_json::Value) -> Option<f64> {
 /// A metrics.jsonl key as a tracker's tag, as transformers' trackers name the same values:
 /// `lr` → `train/learning_rate`; `eval_<x>` → `eval/<x>`; a key that has a `/` already (an
 /// objective's `rewards/chosen`) as it is; any other → `train/<key>` (`loss` → `train/loss`).
-pub fn tag_of(key: &str) -> String {
+pub(crate) fn tag_of(key: &str) -> String {
     match key {
         "lr" => "train/learning_rate".into(),
         _ if key.contains('/') => key.into(),
@@ -108,7 +108,7 @@ pub fn params_of(recipe: &serde_json::Value) -> Vec<(String, String)> {
 
 /// How a run ended, for trackers that record it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Status {
+pub(crate) enum Status {
     /// Every step ran and the adapter was written.
     Finished,
     /// An error or an interrupt stopped the run (a resume sets it running again).
@@ -116,17 +116,17 @@ pub enum Status {
 }
 
 /// What the trackers need to start.
-pub struct Start {
+pub(crate) struct Start {
     /// The run's output directory (`runs/` beneath it holds what trackers write).
-    pub out_dir: PathBuf,
+    pub(crate) out_dir: PathBuf,
     /// The run's name (the output directory's name).
-    pub run_name: String,
+    pub(crate) run_name: String,
     /// The resolved recipe, serialized: MLflow's params.
-    pub recipe: serde_json::Value,
+    pub(crate) recipe: serde_json::Value,
     /// The checkpoint step a resumed run continues from; None for a fresh run.
-    pub resumed_at: Option<u64>,
+    pub(crate) resumed_at: Option<u64>,
     /// Prints a line for the user (beside the progress bar).
-    pub say: Arc<dyn Fn(&str) + Send + Sync>,
+    pub(crate) say: Arc<dyn Fn(&str) + Send + Sync>,
 }
 
 /// A tracker opened by the worker thread.
@@ -143,7 +143,7 @@ enum Msg {
 }
 
 /// The run's trackers: a thread that owns them and the queue of rows it writes.
-pub struct Trackers {
+pub(crate) struct Trackers {
     tx: mpsc::Sender<Msg>,
     worker: Option<std::thread::JoinHandle<()>>,
 }
@@ -151,7 +151,7 @@ pub struct Trackers {
 impl Trackers {
     /// Starts the trackers `kinds` names on a thread of their own; None when it names none.
     /// A tracker that cannot start warns and is left out.
-    pub fn start(kinds: &[Tracker], start: Start) -> Option<Trackers> {
+    pub(crate) fn start(kinds: &[Tracker], start: Start) -> Option<Trackers> {
         if kinds.is_empty() {
             return None;
         }
@@ -176,20 +176,20 @@ impl Trackers {
     }
 
     /// Queues a metrics.jsonl row (`Scalars::of`), stamped with the time now.
-    pub fn row(&self, row: &serde_json::Value) {
+    pub(crate) fn row(&self, row: &serde_json::Value) {
         if let Some(s) = Scalars::of(row, now()) {
             self.log(s);
         }
     }
 
     /// Queues scalars as they are.
-    pub fn log(&self, s: Scalars) {
+    pub(crate) fn log(&self, s: Scalars) {
         // A send fails only once the worker is gone (it has ended): nothing left to write to.
         let _ = self.tx.send(Msg::Row(s));
     }
 
     /// Writes what is queued, records `status` and waits for the thread.
-    pub fn finish(&mut self, status: Status) {
+    pub(crate) fn finish(&mut self, status: Status) {
         let _ = self.tx.send(Msg::End(status));
         if let Some(w) = self.worker.take() {
             let _ = w.join();
@@ -207,7 +207,7 @@ impl Drop for Trackers {
 }
 
 /// Seconds since the Unix epoch.
-pub fn now() -> f64 {
+pub(crate) fn now() -> f64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64())

@@ -15,19 +15,19 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// The folder under the output directory that holds the event files.
-pub const RUNS: &str = "runs";
+pub(crate) const RUNS: &str = "runs";
 
 /// The suffix of the event files lora-train writes (what a fresh run may remove).
-pub const SUFFIX: &str = ".lora-train";
+pub(crate) const SUFFIX: &str = ".lora-train";
 
 /// The program named in the first event of each file.
-pub const WRITER: &str = "lora-train";
+pub(crate) const WRITER: &str = "lora-train";
 
 /// Files this process has opened (the last part of a name, as TensorBoard's writers count).
 static OPENED: AtomicU64 = AtomicU64::new(0);
 
 /// An open event file.
-pub struct TensorBoard {
+pub(crate) struct TensorBoard {
     file: std::io::BufWriter<std::fs::File>,
     path: PathBuf,
 }
@@ -35,7 +35,7 @@ pub struct TensorBoard {
 impl TensorBoard {
     /// Creates this session's event file in `<out_dir>/runs/` and writes its first events. A
     /// fresh run first removes the event files an earlier run wrote there (ours by name).
-    pub fn open(start: &Start) -> Result<TensorBoard> {
+    pub(crate) fn open(start: &Start) -> Result<TensorBoard> {
         let dir = start.out_dir.join(RUNS);
         std::fs::create_dir_all(&dir)
             .with_context(|| format!("cannot create {}", dir.display()))?;

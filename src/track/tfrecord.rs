@@ -26,7 +26,7 @@ const fn table() -> [u32; 256] {
 }
 
 /// CRC-32C (Castagnoli) of `bytes`: initial value and final xor 0xFFFFFFFF, reflected.
-pub fn crc32c(bytes: &[u8]) -> u32 {
+pub(crate) fn crc32c(bytes: &[u8]) -> u32 {
     let mut c = !0u32;
     for &b in bytes {
         c = TABLE[((c ^ b as u32) & 0xFF) as usize] ^ (c >> 8);
@@ -36,7 +36,7 @@ pub fn crc32c(bytes: &[u8]) -> u32 {
 
 /// TensorFlow's masked CRC: rotated right by 15 bits plus a constant, so that a CRC stored
 /// inside checksummed data does not checksum to a fixed value.
-pub fn masked_crc32c(bytes: &[u8]) -> u32 {
+pub(crate) fn masked_crc32c(bytes: &[u8]) -> u32 {
     let c = crc32c(bytes);
     c.rotate_right(15).wrapping_add(0xA282_EAD8)
 }

@@ -31,7 +31,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 pub use crate::util::TRAINER_STATE as STATE;
-pub const OPTIMIZER: &str = "optimizer.safetensors";
+pub(crate) const OPTIMIZER: &str = "optimizer.safetensors";
 const FORMAT: &str = "lora-train checkpoint 1";
 /// How this build derives its random streams (`TrainerState::rng`): a run with dropout resumes
 /// exactly only where the checkpoint's streams are these.
@@ -69,70 +69,75 @@ const FREE_KEYS: [&str; 18] = [
 /// plan of epoch `epoch` (TrainData::epoch_plan).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Cursor {
+    /// The epoch, 0-based.
     pub epoch: usize,
+    /// The next step within it, 0-based.
     pub step_in_epoch: usize,
 }
 
 /// Inputs of the learning-rate schedule (lr · schedule::lr_factor(kind, step, total, warmup)).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ScheduleInputs {
-    pub kind: Schedule,
-    pub lr: f64,
-    pub warmup_steps: usize,
-    pub total_steps: usize,
+pub(crate) struct ScheduleInputs {
+    pub(crate) kind: Schedule,
+    pub(crate) lr: f64,
+    pub(crate) warmup_steps: usize,
+    pub(crate) total_steps: usize,
 }
 
 /// trainer_state.json.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TrainerState {
-    pub format: String,
+    pub(crate) format: String,
     /// Optimiser steps done (skipped non-finite steps included).
     pub step: usize,
+    /// The run's planned optimiser steps.
     pub total_steps: usize,
+    /// Where the data stream continues.
     pub cursor: Cursor,
     /// AdamW updates applied (its bias-correction counter t; skipped steps excluded).
     pub optimizer_steps: usize,
+    /// Steps skipped for a non-finite loss or gradient (counted in `step`).
     pub skipped_steps: usize,
     /// Tokens seen so far (padding excluded).
-    pub tokens: usize,
-    pub seed: u64,
+    pub(crate) tokens: usize,
+    pub(crate) seed: u64,
     /// How random streams are derived; there is no generator state to save.
-    pub rng: String,
-    pub schedule: ScheduleInputs,
+    pub(crate) rng: String,
+    pub(crate) schedule: ScheduleInputs,
     /// Examples and tokens of the training data: a changed data file is refused on resume.
-    pub data_examples: usize,
-    pub data_tokens: usize,
+    pub(crate) data_examples: usize,
+    pub(crate) data_tokens: usize,
     /// The data sampler's fingerprint (examples, weights, seq_len, packing, shuffling, seed),
     /// hex: the same counts with other contents or another order are refused on resume.
     /// Absent in checkpoints of earlier versions.
     #[serde(default)]
-    pub data_fingerprint: Option<String>,
+    pub(crate) data_fingerprint: Option<String>,
     /// (step, loss) of the last steps; null for a non-finite loss.
     pub loss_history: Vec<(usize, Option<f64>)>,
     /// The recipe fields that change the numbers, "section.key" → TOML value.
-    pub recipe: BTreeMap<String, String>,
+    pub(crate) recipe: BTreeMap<String, String>,
     /// The run's --set overrides of those fields: `train.resume = true` applies them again
     /// (`with_checkpoint_sets`), so a resume needs only the recipe.
     #[serde(default)]
-    pub sets: Vec<String>,
+    pub(crate) sets: Vec<String>,
 }
 
 /// Where a run stands after its last finished step: what a checkpoint saves of the loop.
 #[derive(Debug, Clone, Default)]
-pub struct Progress {
+pub(crate) struct Progress {
     /// Optimiser steps done (skipped non-finite steps included).
-    pub step: usize,
-    pub cursor: Cursor,
+    pub(crate) step: usize,
+    pub(crate) cursor: Cursor,
     /// Tokens seen so far (padding excluded).
-    pub tokens: usize,
-    pub skipped: usize,
+    pub(crate) tokens: usize,
+    pub(crate) skipped: usize,
     /// (step, loss) of every step; None for a non-finite loss.
-    pub history: Vec<(usize, Option<f64>)>,
+    pub(crate) history: Vec<(usize, Option<f64>)>,
 }
 
 impl Progress {
     /// Where a checkpoint left off.
-    pub fn of(s: &TrainerState) -> Progress {
+    pub(crate) fn of(s: &TrainerState) -> Progress {
         Progress {
             step: s.step,
             cursor: s.cursor,
@@ -145,7 +150,7 @@ impl Progress {
 
 impl TrainerState {
     /// The state of a session at `at`, of `total` steps.
-    pub fn new(
+    pub(crate) fn new(
         s: &Session,
         d: &TrainData,
         at: &Progress,
@@ -197,7 +202,7 @@ pub fn numbers_sets(sets: &[String]) -> Vec<String> {
 /// it continues applied again, before its own: `lora-train --recipe X --set train.resume=true`
 /// continues a run started with any --set that change the numbers. An override given now that
 /// conflicts with the checkpoint's is then refused by `resume_point`, naming it.
-pub fn with_checkpoint_sets(r: Recipe) -> Result<Recipe> {
+pub(crate) fn with_checkpoint_sets(r: Recipe) -> Result<Recipe> {
     let dir = match &r.train.resume {
         Resume::Flag(false) => return Ok(r),
         Resume::Flag(true) => match list(&r.output_dir()).pop() {
@@ -232,7 +237,9 @@ pub fn with_checkpoint_sets(r: Recipe) -> Result<Recipe> {
 /// A complete checkpoint on disk.
 #[derive(Debug, Clone)]
 pub struct Checkpoint {
+    /// The checkpoint's directory.
     pub dir: PathBuf,
+    /// Its trainer_state.json.
     pub state: TrainerState,
 }
 
@@ -366,14 +373,14 @@ pub fn resume_point(r: &Recipe, out_dir: &Path) -> Result<Option<Checkpoint>> {
 }
 
 /// Where a checkpoint of step `step` goes.
-pub fn dir_of(out_dir: &Path, step: usize) -> PathBuf {
+pub(crate) fn dir_of(out_dir: &Path, step: usize) -> PathBuf {
     out_dir.join(format!("checkpoint-{step}"))
 }
 
 /// The checkpoint of where the run stands (`state`), on its way to host memory (`stage`):
 /// the adapter, AdamW's m and v (`keys[i]` the PEFT key of `opt.params[i]`), the recipe, and
 /// the trainer state last (a directory holding it is complete).
-pub fn snapshot(
+pub(crate) fn snapshot(
     s: &Session,
     state: &TrainerState,
     opt: &AdamW,
@@ -422,7 +429,7 @@ pub fn restore(ck: &Checkpoint, s: &Session, opt: &mut AdamW, keys: &[String]) -
 /// (.checkpoint-*.tmp-* / .old-* directories) and, on a fresh start, the checkpoints of an
 /// earlier (finished) run, which `resume = true` would otherwise pick up, and its final
 /// adapter and merged model (`check::earlier_outputs`).
-pub fn clean(r: &Recipe, out_dir: &Path, fresh: bool) -> Result<Removed> {
+pub(crate) fn clean(r: &Recipe, out_dir: &Path, fresh: bool) -> Result<Removed> {
     let mut removed = Vec::new();
     let mut outputs = Vec::new();
     if fresh {
@@ -480,14 +487,14 @@ pub fn clean(r: &Recipe, out_dir: &Path, fresh: bool) -> Result<Removed> {
 
 /// What `clean` removed of an earlier run: checkpoint directories, and its final outputs.
 #[derive(Debug, Default)]
-pub struct Removed {
-    pub checkpoints: Vec<String>,
-    pub outputs: Vec<String>,
+pub(crate) struct Removed {
+    pub(crate) checkpoints: Vec<String>,
+    pub(crate) outputs: Vec<String>,
 }
 
 /// Keeps the newest `keep_last` checkpoints of steps ≤ `step` (0 = keep all). Each is moved
 /// aside before it is deleted, so a crash never leaves a partial checkpoint-<step>/.
-pub fn prune(out_dir: &Path, keep_last: usize, step: usize) -> Result<()> {
+pub(crate) fn prune(out_dir: &Path, keep_last: usize, step: usize) -> Result<()> {
     if keep_last == 0 {
         return Ok(());
     }

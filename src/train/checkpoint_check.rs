@@ -24,16 +24,16 @@ use std::path::{Path, PathBuf};
 
 /// One checkpoint-<step>/ directory of an output directory.
 #[derive(Debug)]
-pub struct Found {
-    pub step: usize,
-    pub dir: PathBuf,
+pub(crate) struct Found {
+    pub(crate) step: usize,
+    pub(crate) dir: PathBuf,
     /// Its trainer state, or why the checkpoint cannot be used (a file missing, unreadable or
     /// incomplete).
-    pub state: std::result::Result<TrainerState, String>,
+    pub(crate) state: std::result::Result<TrainerState, String>,
 }
 
 /// Every checkpoint-<step>/ directory of `out_dir` (complete or not), by step.
-pub fn scan(out_dir: &Path) -> Vec<Found> {
+pub(crate) fn scan(out_dir: &Path) -> Vec<Found> {
     let mut v: Vec<Found> = std::fs::read_dir(out_dir)
         .into_iter()
         .flatten()
@@ -54,7 +54,7 @@ pub fn scan(out_dir: &Path) -> Vec<Found> {
 }
 
 /// The trainer state of a checkpoint whose files are all there and complete.
-pub fn complete(dir: &Path) -> std::result::Result<TrainerState, String> {
+pub(crate) fn complete(dir: &Path) -> std::result::Result<TrainerState, String> {
     let state = read_state(dir).map_err(|e| format!("{e:#}"))?;
     for f in [export::CONFIG, export::WEIGHTS, OPTIMIZER] {
         let p = dir.join(f);
@@ -97,7 +97,7 @@ fn finished(found: &[Found]) -> Vec<&Found> {
 }
 
 /// What a fresh start may remove from `out_dir`: the checkpoints of finished runs.
-pub fn removable(out_dir: &Path) -> Vec<PathBuf> {
+pub(crate) fn removable(out_dir: &Path) -> Vec<PathBuf> {
     finished(&scan(out_dir))
         .into_iter()
         .map(|f| f.dir.clone())
@@ -116,7 +116,7 @@ fn refuse(r: &Recipe, msg: String) -> anyhow::Error {
 /// `resume = false`: every checkpoint in `out_dir` is readable and of a finished run, and a
 /// finished run is there only with `output.overwrite` (its checkpoints and final outputs are
 /// then removed when the run starts); else a RecipeError, and nothing is touched.
-pub fn fresh_start(r: &Recipe, out_dir: &Path) -> Result<()> {
+pub(crate) fn fresh_start(r: &Recipe, out_dir: &Path) -> Result<()> {
     let found = scan(out_dir);
     if let Some(f) = found.iter().find(|f| f.state.is_err()) {
         let why = f.state.as_ref().err().cloned().unwrap_or_default();
@@ -179,7 +179,7 @@ pub fn fresh_start(r: &Recipe, out_dir: &Path) -> Result<()> {
 /// would load the old weights). They are ours when the directory holds the resolved recipe and
 /// metrics.jsonl a run writes at its start; a final adapter is written only when a run has
 /// finished. An adapter there without those is a RecipeError naming it: not known to be ours.
-pub fn earlier_outputs(r: &Recipe, out_dir: &Path) -> Result<Vec<PathBuf>> {
+pub(crate) fn earlier_outputs(r: &Recipe, out_dir: &Path) -> Result<Vec<PathBuf>> {
     let files: Vec<PathBuf> = [crate::export::WEIGHTS, crate::export::CONFIG, "merged"]
         .iter()
         .map(|f| out_dir.join(f))
@@ -207,7 +207,7 @@ pub fn earlier_outputs(r: &Recipe, out_dir: &Path) -> Result<Vec<PathBuf>> {
 
 /// `resume = true`: the newest checkpoint of `out_dir` (None: there is none), which must be
 /// complete: a damaged newest checkpoint is a RecipeError naming its file, never skipped over.
-pub fn newest(r: &Recipe, out_dir: &Path) -> Result<Option<PathBuf>> {
+pub(crate) fn newest(r: &Recipe, out_dir: &Path) -> Result<Option<PathBuf>> {
     let found = scan(out_dir);
     let Some(last) = found.last() else {
         return Ok(None);
@@ -236,7 +236,7 @@ pub fn newest(r: &Recipe, out_dir: &Path) -> Result<Option<PathBuf>> {
 
 /// Resuming `dir` at step `step`: no damaged checkpoint of `out_dir` lies ahead of it, where
 /// the run would save over it.
-pub fn nothing_damaged_ahead(r: &Recipe, out_dir: &Path, step: usize) -> Result<()> {
+pub(crate) fn nothing_damaged_ahead(r: &Recipe, out_dir: &Path, step: usize) -> Result<()> {
     for f in scan(out_dir) {
         if let (true, Err(why)) = (f.step > step, &f.state) {
             return Err(refuse(
@@ -253,7 +253,7 @@ pub fn nothing_damaged_ahead(r: &Recipe, out_dir: &Path, step: usize) -> Result<
 
 /// The trainer state of `ck` against this session (recipe, data, its `total` steps), before
 /// anything is loaded from it.
-pub fn state(s: &Session, d: &TrainData, ck: &Checkpoint, total: usize) -> Result<()> {
+pub(crate) fn state(s: &Session, d: &TrainData, ck: &Checkpoint, total: usize) -> Result<()> {
     let st = &ck.state;
     let r = &s.run.recipe;
     let file = ck.dir.join(STATE);
@@ -383,14 +383,14 @@ fn cursor(
 }
 
 /// The data fingerprint a trainer state records (the sampler's: examples, weights, settings).
-pub fn fingerprint(s: &TrainData) -> String {
+pub(crate) fn fingerprint(s: &TrainData) -> String {
     format!("{:016x}", s.sampler.fingerprint())
 }
 
 /// A checkpoint's optimiser tensors (`st`, read from `path`) against the adapters: exactly
 /// `<key>.exp_avg` and `<key>.exp_avg_sq` for each of `keys`, f32, the shape of its parameter,
 /// finite, and exp_avg_sq ≥ 0.
-pub fn optimizer(
+pub(crate) fn optimizer(
     r: &Recipe,
     path: &Path,
     st: &HashMap<String, Tensor>,

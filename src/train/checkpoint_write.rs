@@ -18,26 +18,26 @@ use std::thread::JoinHandle;
 
 /// One checkpoint's contents, in host memory (the tensors on their way there): what `write`
 /// puts in a directory.
-pub struct Snapshot {
+pub(crate) struct Snapshot {
     /// The adapter's PEFT tensors (f32).
-    pub adapter: HostTensors,
+    pub(crate) adapter: HostTensors,
     /// adapter_config.json.
-    pub config: Vec<u8>,
+    pub(crate) config: Vec<u8>,
     /// `<key>.exp_avg` / `<key>.exp_avg_sq` (f32).
-    pub optimizer: HostTensors,
+    pub(crate) optimizer: HostTensors,
     /// Further files in write order (the last one marks the directory complete).
-    pub files: Vec<(&'static str, Vec<u8>)>,
+    pub(crate) files: Vec<(&'static str, Vec<u8>)>,
 }
 
 impl Snapshot {
     /// The model's adapters, staged to the host.
-    pub fn adapter(model: &crate::model::Model, stage: &Stage) -> Result<HostTensors> {
+    pub(crate) fn adapter(model: &crate::model::Model, stage: &Stage) -> Result<HostTensors> {
         Ok(stage.copy(export::adapter_parts(model))?)
     }
 
     /// AdamW's m and v as a checkpoint keys them, staged to the host: `keys[i]` is the PEFT
     /// key of `opt.params[i]`.
-    pub fn optimizer(opt: &AdamW, keys: &[String], stage: &Stage) -> Result<HostTensors> {
+    pub(crate) fn optimizer(opt: &AdamW, keys: &[String], stage: &Stage) -> Result<HostTensors> {
         let (m, v) = opt.state()?;
         let mut parts = Vec::with_capacity(2 * keys.len());
         for ((key, m), v) in keys.iter().zip(m).zip(v) {
@@ -49,7 +49,7 @@ impl Snapshot {
 
     /// Writes the files into `dst` (replacing a directory there) through `tmp`: fsynced, then
     /// renamed, so `dst` is complete or absent. A failure removes `tmp`.
-    pub fn write(&self, tmp: &Path, dst: &Path) -> Result<()> {
+    pub(crate) fn write(&self, tmp: &Path, dst: &Path) -> Result<()> {
         write_dir(tmp, dst, |tmp| {
             self.adapter.write(&tmp.join(WEIGHTS))?;
             std::fs::write(tmp.join(CONFIG), &self.config)?;
@@ -70,7 +70,7 @@ type Job = (PathBuf, JoinHandle<Result<f64>>);
 /// Runs checkpoint writes on a thread of their own, one at a time, from host buffers of its
 /// own (`stage`).
 #[derive(Default)]
-pub struct Writer {
+pub(crate) struct Writer {
     job: RefCell<Option<Job>>,
     stage: Stage,
     /// Seconds each finished write took on the writer thread, in order.
@@ -80,7 +80,7 @@ pub struct Writer {
 impl Writer {
     /// A writer for checkpoints of `model`, its host buffers pinned now (page-locking touches
     /// every page: before the loop, not in the middle of it).
-    pub fn for_model(model: &crate::model::Model) -> Result<Writer> {
+    pub(crate) fn for_model(model: &crate::model::Model) -> Result<Writer> {
         let w = Writer::default();
         let n: usize = export::adapter_parts(model)
             .iter()
@@ -93,14 +93,14 @@ impl Writer {
 
     /// Where a snapshot's tensors go on their way to the host, once the write in flight (which
     /// holds the buffers) is done.
-    pub fn stage(&self) -> Result<&Stage> {
+    pub(crate) fn stage(&self) -> Result<&Stage> {
         self.wait()?;
         Ok(&self.stage)
     }
 
     /// Waits for the write in flight, then starts writing `snap` into `dst` through `tmp`;
     /// `then` runs on the writer thread once `dst` is in place (the pruning of old ones).
-    pub fn start(
+    pub(crate) fn start(
         &self,
         snap: Snapshot,
         tmp: PathBuf,
@@ -123,7 +123,7 @@ impl Writer {
     }
 
     /// Waits for the write in flight; its error, if it failed.
-    pub fn wait(&self) -> Result<()> {
+    pub(crate) fn wait(&self) -> Result<()> {
         let Some((dst, h)) = self.job.borrow_mut().take() else {
             return Ok(());
         };
@@ -136,7 +136,7 @@ impl Writer {
 
     /// Seconds each write waited for so far took on the writer thread (its copies' wait, the
     /// files, the fsyncs, the rename and the pruning after it).
-    pub fn write_seconds(&self) -> Vec<f64> {
+    pub(crate) fn write_seconds(&self) -> Vec<f64> {
         self.took.borrow().clone()
     }
 }

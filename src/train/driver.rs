@@ -39,12 +39,12 @@ use std::borrow::Cow;
 
 /// How one micro-batch is spread over the ranks.
 pub struct Par<'a> {
-    pub comm: &'a dyn Comm,
+    pub(crate) comm: &'a dyn Comm,
     /// FSDP: the frozen base's shards (the model's frozen tensors are placeholders).
-    pub shards: Option<&'a Shards>,
+    pub(crate) shards: Option<&'a Shards>,
     /// Sum the adapter gradients over the ranks as each layer's backward ends (true on the
     /// last micro-batch of a step; the sums of the earlier ones ride along).
-    pub reduce: bool,
+    pub(crate) reduce: bool,
 }
 
 impl Par<'static> {
@@ -60,19 +60,23 @@ impl Par<'static> {
 
 impl Par<'_> {
     /// Layer `l`, gathered under FSDP, dequantized on an NF4 base.
-    pub fn layer<'m>(&self, model: &'m Model, l: usize) -> Result<Cow<'m, Layer>> {
+    pub(crate) fn layer<'m>(&self, model: &'m Model, l: usize) -> Result<Cow<'m, Layer>> {
         self.gather(model, l, false)
     }
 
     /// Layer `l`, its gather issued ahead of use: call `ready`, then `resident`, before
     /// running it (under FSDP an NF4 layer arrives in NF4, to be dequantized once it landed).
-    pub fn layer_ahead<'m>(&self, model: &'m Model, l: usize) -> Result<Cow<'m, Layer>> {
+    pub(crate) fn layer_ahead<'m>(&self, model: &'m Model, l: usize) -> Result<Cow<'m, Layer>> {
         self.gather(model, l, true)
     }
 
     /// `layer` (from `layer_ahead`, after `ready`) with its NF4 linears dequantized; as it is
     /// when it has none, or was dequantized as it was gathered.
-    pub fn resident<'m>(&self, model: &Model, layer: Cow<'m, Layer>) -> Result<Cow<'m, Layer>> {
+    pub(crate) fn resident<'m>(
+        &self,
+        model: &Model,
+        layer: Cow<'m, Layer>,
+    ) -> Result<Cow<'m, Layer>> {
         match layer {
             Cow::Borrowed(l) => l.resident_in(Some(&model.slabs)),
             Cow::Owned(l) => match l.resident_in(Some(&model.slabs))? {
@@ -83,7 +87,7 @@ impl Par<'_> {
     }
 
     /// The layers issued ahead so far may be used from here on.
-    pub fn ready(&self) -> Result<()> {
+    pub(crate) fn ready(&self) -> Result<()> {
         match self.shards {
             Some(_) => self.comm.gathered(),
             None => Ok(()),
@@ -109,14 +113,14 @@ impl Par<'_> {
     }
 
     /// The embedding / norm / head, gathered under FSDP (None: use the model's own).
-    pub fn io(&self, model: &Model) -> Result<Option<Model>> {
+    pub(crate) fn io(&self, model: &Model) -> Result<Option<Model>> {
         self.shards
             .map(|s| s.io(model, self.comm, false))
             .transpose()
     }
 
     /// `io`, its gather issued ahead of use: call `ready` before using it.
-    pub fn io_ahead(&self, model: &Model) -> Result<Option<Model>> {
+    pub(crate) fn io_ahead(&self, model: &Model) -> Result<Option<Model>> {
         self.shards
             .map(|s| s.io(model, self.comm, true))
             .transpose()
@@ -174,7 +178,7 @@ pub fn forward_backward(
 
 /// The Σ CE of a step's micro-batches so far with one more micro-batch's
 /// (`forward_backward_dev`'s), kept on the device; None while nothing was counted.
-pub fn add_ce(sum: Option<Tensor>, more: Option<Tensor>) -> Result<Option<Tensor>> {
+pub(crate) fn add_ce(sum: Option<Tensor>, more: Option<Tensor>) -> Result<Option<Tensor>> {
     match (sum, more) {
         (Some(a), Some(b)) => Ok(Some((a + b)?)),
         (a, b) => Ok(a.or(b)),

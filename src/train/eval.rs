@@ -20,7 +20,7 @@ pub fn ce_sum(model: &Model, batch: &Batch) -> Result<f64> {
 
 /// `ce_sum` with the frozen base gathered layer by layer under FSDP. Every rank evaluates the
 /// same batches, so the gathers match.
-pub fn ce_sum_par(model: &Model, par: &Par, batch: &Batch) -> Result<f64> {
+pub(crate) fn ce_sum_par(model: &Model, par: &Par, batch: &Batch) -> Result<f64> {
     if batch.targets.is_empty() {
         return Ok(0.0);
     }

@@ -35,12 +35,13 @@ enum Data {
 }
 
 impl Stage {
+    /// An empty stage.
     pub fn new() -> Stage {
         Stage::default()
     }
 
     /// Pins a buffer of each of `lens` f32 now, on CUDA (elsewhere nothing).
-    pub fn reserve(&self, dev: &candle_core::Device, lens: &[usize]) -> Result<()> {
+    pub(crate) fn reserve(&self, dev: &candle_core::Device, lens: &[usize]) -> Result<()> {
         #[cfg(feature = "cuda")]
         if let candle_core::Device::Cuda(dev) = dev {
             let mut new = lens
@@ -137,13 +138,13 @@ mod cuda {
     use std::sync::{Arc, Mutex};
 
     /// A page-locked buffer and the event recorded after the copies into it.
-    pub struct Pinned {
+    pub(crate) struct Pinned {
         buf: PinnedHostSlice<f32>,
         copied: CudaEvent,
     }
 
     /// One save's buffer; it goes back to the pool when dropped (the write is done).
-    pub struct Staged {
+    pub(crate) struct Staged {
         pinned: Option<Pinned>,
         pool: Arc<Mutex<Vec<Pinned>>>,
         /// The f32 sources (the model's own tensors, or copies made of other dtypes), alive
@@ -153,7 +154,7 @@ mod cuda {
 
     type Pool = Arc<Mutex<Vec<Pinned>>>;
 
-    pub fn stage(
+    pub(crate) fn stage(
         pool: &Pool,
         dev: &CudaDevice,
         parts: Vec<(String, Tensor)>,
@@ -193,7 +194,7 @@ mod cuda {
         })
     }
 
-    pub fn lock(pool: &Pool) -> Result<std::sync::MutexGuard<'_, Vec<Pinned>>> {
+    pub(crate) fn lock(pool: &Pool) -> Result<std::sync::MutexGuard<'_, Vec<Pinned>>> {
         pool.lock()
             .map_err(|_| candle_core::Error::msg("host stage: the pool's lock is poisoned"))
     }
@@ -211,7 +212,7 @@ mod cuda {
     }
 
     /// A new page-locked buffer of `n` f32.
-    pub fn pin(dev: &CudaDevice, n: usize) -> Result<Pinned> {
+    pub(crate) fn pin(dev: &CudaDevice, n: usize) -> Result<Pinned> {
         let ctx = dev.cuda_stream().context().clone();
         // SAFETY: written by the copies `stage` queues before it is read (`landed`).
         let buf = match unsafe { ctx.alloc_pinned_with_flags::<f32>(n.max(1), 0) } {
@@ -229,7 +230,7 @@ mod cuda {
 
     impl Staged {
         /// The buffer's values once the copies into it have run.
-        pub fn landed(&self) -> Result<&[f32]> {
+        pub(crate) fn landed(&self) -> Result<&[f32]> {
             let Some(p) = &self.pinned else {
                 candle_core::bail!("host stage: the buffer was returned");
             };

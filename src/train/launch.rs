@@ -20,7 +20,7 @@ use std::time::Duration;
 
 /// Where a run's ranks are.
 #[derive(Debug, Clone)]
-pub enum Ranks {
+pub(crate) enum Ranks {
     /// One rank, world 1, on this thread; the CUDA ordinal (ignored on the CPU).
     Solo(usize),
     /// One rank per listed device, a thread each: CUDA ordinals, or virtual CPU ranks.
@@ -30,12 +30,12 @@ pub enum Ranks {
 }
 
 /// One rank's work: (its communicator, its CUDA ordinal) → its result.
-pub type RankBody<T> = dyn Fn(Box<dyn Comm>, usize) -> Result<T> + Send + Sync;
+pub(crate) type RankBody<T> = dyn Fn(Box<dyn Comm>, usize) -> Result<T> + Send + Sync;
 
 /// Runs `body` on every rank; rank 0's result is the run's. A failing rank brings the others
 /// down (their collectives abort) and the run reports the first failure with its rank.
 /// `timeout`: how long a rank waits in a collective, and for a stuck rank after a failure.
-pub fn launch<T: Send + 'static>(
+pub(crate) fn launch<T: Send + 'static>(
     ranks: Ranks,
     timeout: Duration,
     body: Arc<RankBody<T>>,
@@ -63,7 +63,7 @@ pub fn launch<T: Send + 'static>(
 impl Ranks {
     /// The ranks a recipe asks for, or the launcher's when RANK / WORLD_SIZE are set. Checks
     /// that this binary can run them (CUDA, NCCL): `check` and `plan` need no such build.
-    pub fn for_recipe(recipe: &Recipe) -> Result<Ranks> {
+    pub(crate) fn for_recipe(recipe: &Recipe) -> Result<Ranks> {
         let p = &recipe.parallel;
         let cuda = recipe.model.device == DeviceKind::Cuda;
         recipe.check_build()?;

@@ -15,7 +15,7 @@ use std::io::{IsTerminal, Write};
 use std::path::Path;
 use std::time::Instant;
 
-pub struct Log {
+pub(crate) struct Log {
     bar: ProgressBar,
     metrics: Option<std::fs::File>,
     rank: usize,
@@ -32,19 +32,19 @@ pub struct Log {
 }
 
 /// One logged step's figures beyond `Done`.
-pub struct Row {
-    pub step: usize,
-    pub epoch: usize,
-    pub lr: f64,
-    pub tokens: usize,
-    pub eval: Option<(f64, usize)>,
-    pub skipped: usize,
+pub(crate) struct Row {
+    pub(crate) step: usize,
+    pub(crate) epoch: usize,
+    pub(crate) lr: f64,
+    pub(crate) tokens: usize,
+    pub(crate) eval: Option<(f64, usize)>,
+    pub(crate) skipped: usize,
 }
 
 impl Log {
     /// Rank 0: the output directory prepared (`open_outputs`) and the bar at `step` of
     /// `total`. Other ranks: nothing shown or written.
-    pub fn open(
+    pub(crate) fn open(
         s: &Session,
         out_dir: &Path,
         resume: Option<&Checkpoint>,
@@ -79,7 +79,7 @@ impl Log {
     }
 
     /// A step finished: counts its tokens and peaks (every step, logged or not).
-    pub fn count(&mut self, d: &Done) {
+    pub(crate) fn count(&mut self, d: &Done) {
         self.session_tokens += d.tokens;
         for (&k, &v) in &d.peaks {
             let e = self.peaks.entry(k).or_insert(0);
@@ -88,17 +88,23 @@ impl Log {
     }
 
     /// Tokens per second of the steps this process ran, and the seconds since it started.
-    pub fn rate(&self) -> (f64, f64) {
+    pub(crate) fn rate(&self) -> (f64, f64) {
         let secs = self.start.elapsed().as_secs_f64();
         (self.session_tokens as f64 / secs.max(1e-9), secs)
     }
 
-    pub fn session_tokens(&self) -> usize {
+    pub(crate) fn session_tokens(&self) -> usize {
         self.session_tokens
     }
 
     /// Writes step `r.step`'s metrics row and the progress line.
-    pub fn row(&mut self, d: &Done, r: &Row, truncated: usize, skipped_rows: usize) -> Result<()> {
+    pub(crate) fn row(
+        &mut self,
+        d: &Done,
+        r: &Row,
+        truncated: usize,
+        skipped_rows: usize,
+    ) -> Result<()> {
         let (tok_s, secs) = self.rate();
         let loss = d.loss;
         let mut row = serde_json::json!({
@@ -156,7 +162,7 @@ impl Log {
     }
 
     /// A line above the bar (or on stderr when the bar is hidden), on rank 0 only.
-    pub fn say(&self, line: &str) {
+    pub(crate) fn say(&self, line: &str) {
         if self.metrics.is_none() {
             return;
         }
@@ -167,13 +173,13 @@ impl Log {
     }
 
     /// The bar moves on by one step.
-    pub fn inc(&self) {
+    pub(crate) fn inc(&self) {
         self.bar.inc(1);
     }
 
     /// The run ended well: the trackers write what is queued and record it finished. (A `Log`
     /// dropped without this records the run failed.)
-    pub fn finish(&mut self) {
+    pub(crate) fn finish(&mut self) {
         if let Some(t) = self.trackers.as_mut() {
             t.finish(crate::track::Status::Finished);
         }

@@ -12,35 +12,34 @@
 //! `schedule`, `eval`, `offload`; `owner` (the output directory's lock, for the run's life).
 
 pub mod checkpoint;
-pub mod checkpoint_check;
-pub mod checkpoint_write;
+pub(crate) mod checkpoint_check;
+pub(crate) mod checkpoint_write;
 pub mod driver;
 pub mod eval;
 pub mod host_stage;
 pub mod kto_loss;
-pub mod launch;
-pub mod log;
+pub(crate) mod launch;
+pub(crate) mod log;
 pub mod objective;
-pub mod offload;
+pub(crate) mod offload;
 pub mod optim;
-pub mod owner;
+pub(crate) mod owner;
 pub mod pref_loss;
-pub mod preflight;
+pub(crate) mod preflight;
 pub mod readback;
-pub mod resolve;
-pub mod run_check;
-pub mod run_config;
-pub mod run_loop;
-pub mod schedule;
+pub(crate) mod resolve;
+pub(crate) mod run_check;
+pub(crate) mod run_config;
+pub(crate) mod run_loop;
+pub(crate) mod schedule;
 pub mod session;
 pub mod shards;
 pub mod step;
 pub mod stop;
 pub mod train_data;
-pub mod trainer;
+pub(crate) mod trainer;
 
 pub use launch::run_with;
-pub use preflight::MemoryWatch;
 pub use resolve::{load_recipe, Machine};
 pub use run_config::RunConfig;
 pub use session::Session;
@@ -53,11 +52,17 @@ use std::path::PathBuf;
 /// What a finished run reports.
 #[derive(Debug, Clone)]
 pub struct RunSummary {
+    /// The step the run ended at (a resumed run counts its earlier steps).
     pub steps: usize,
+    /// The training loss of each step this process ran, in order.
     pub losses: Vec<f64>,
+    /// The run's output directory.
     pub out_dir: PathBuf,
+    /// Tokens this process trained on (the count the logged rate divides).
     pub tokens: usize,
+    /// Seconds since this process's training log started.
     pub seconds: f64,
+    /// Training examples cut to seq_len.
     pub truncated: usize,
     /// The last eval loss (at the end), when there is an eval set.
     pub eval_loss: Option<f64>,

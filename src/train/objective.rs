@@ -12,7 +12,7 @@ use candle_core::{Result, Tensor};
 
 /// Which objective a run trains (`RunConfig::objective`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum ObjectiveKind {
+pub(crate) enum ObjectiveKind {
     /// Causal-LM cross-entropy over the counted tokens (supervised fine-tuning).
     #[default]
     Sft,
@@ -20,7 +20,7 @@ pub enum ObjectiveKind {
 
 impl ObjectiveKind {
     /// The objective itself.
-    pub fn objective(self) -> Box<dyn Objective> {
+    pub(crate) fn objective(self) -> Box<dyn Objective> {
         match self {
             ObjectiveKind::Sft => Box::new(Sft::default()),
         }
@@ -31,18 +31,18 @@ impl ObjectiveKind {
 /// the token it predicts.
 pub struct Targets {
     /// [n] u32: rows of x.
-    pub rows: Tensor,
+    pub(crate) rows: Tensor,
     /// [n] u32: the token each row predicts.
-    pub tokens: Tensor,
+    pub(crate) tokens: Tensor,
 }
 
 /// What the head gives the backward.
 pub struct HeadOut {
     /// The step's loss numerator of this micro-batch, on the device (a scalar f32; None:
     /// nothing counted): the step's loss is the sum over micro-batches and ranks / `denom`.
-    pub loss_sum: Option<Tensor>,
+    pub(crate) loss_sum: Option<Tensor>,
     /// dL/dh of the counted rows, [n_i, C] per chunk, in `Targets::rows` order.
-    pub grad_rows: Vec<Tensor>,
+    pub(crate) grad_rows: Vec<Tensor>,
 }
 
 /// A training objective at the head.

@@ -32,7 +32,7 @@ use candle_core::{Device, Result, Tensor};
 
 /// Parks one micro-batch's per-layer bundles (`put`), and brings them back (`fetch`, then
 /// `take`).
-pub struct Offload {
+pub(crate) struct Offload {
     imp: Imp,
 }
 
@@ -46,7 +46,7 @@ enum Imp {
 impl Offload {
     /// For a micro-batch of `layers` layers on `dev`, with up to `pending` bundles on the
     /// device while their copies out run (at least 1).
-    pub fn new(dev: &Device, layers: usize, pending: usize) -> Result<Offload> {
+    pub(crate) fn new(dev: &Device, layers: usize, pending: usize) -> Result<Offload> {
         let imp = match dev {
             #[cfg(feature = "cuda")]
             Device::Cuda(d) => Imp::Cuda(gpu::Parking::new(d, layers, pending.max(1))?),
@@ -59,7 +59,7 @@ impl Offload {
     }
 
     /// Parks layer `l`'s tensors (each contiguous, bf16, f16 or f32).
-    pub fn put(&mut self, l: usize, bundle: Vec<Tensor>) -> Result<()> {
+    pub(crate) fn put(&mut self, l: usize, bundle: Vec<Tensor>) -> Result<()> {
         match &mut self.imp {
             Imp::Copy(slots) => {
                 let copies = bundle.iter().map(Tensor::copy).collect::<Result<_>>()?;
@@ -72,7 +72,7 @@ impl Offload {
     }
 
     /// Starts bringing layer `l`'s bundle back (call it a layer ahead of `take`).
-    pub fn fetch(&mut self, l: usize) -> Result<()> {
+    pub(crate) fn fetch(&mut self, l: usize) -> Result<()> {
         match &mut self.imp {
             Imp::Copy(slots) => slot(slots, l).map(|_| ()),
             #[cfg(feature = "cuda")]
@@ -81,7 +81,7 @@ impl Offload {
     }
 
     /// Layer `l`'s tensors, as `put` got them.
-    pub fn take(&mut self, l: usize) -> Result<Vec<Tensor>> {
+    pub(crate) fn take(&mut self, l: usize) -> Result<Vec<Tensor>> {
         match &mut self.imp {
             Imp::Copy(slots) => match slot(slots, l)?.take() {
                 Some(b) => Ok(b),
@@ -155,7 +155,7 @@ mod gpu {
     /// A bundle's tensors on the device and the event of their copy (out or back).
     type Flight = (Vec<Tensor>, CudaEvent);
 
-    pub struct Parking {
+    pub(crate) struct Parking {
         dev: CudaDevice,
         ordinal: usize,
         host: Option<Host>,
@@ -173,7 +173,7 @@ mod gpu {
     const ALIGN: usize = 256;
 
     impl Parking {
-        pub fn new(dev: &CudaDevice, layers: usize, pending: usize) -> Result<Parking> {
+        pub(crate) fn new(dev: &CudaDevice, layers: usize, pending: usize) -> Result<Parking> {
             let ordinal = dev.cuda_stream().context().ordinal();
             let host = match hosts().remove(&ordinal) {
                 Some(h) => h,
@@ -229,7 +229,7 @@ mod gpu {
             }
         }
 
-        pub fn put(&mut self, l: usize, bundle: Vec<Tensor>) -> Result<()> {
+        pub(crate) fn put(&mut self, l: usize, bundle: Vec<Tensor>) -> Result<()> {
             let mut parts = Vec::with_capacity(bundle.len());
             let mut end = 0usize;
             for t in &bundle {
@@ -282,7 +282,7 @@ mod gpu {
             Ok(())
         }
 
-        pub fn fetch(&mut self, l: usize) -> Result<()> {
+        pub(crate) fn fetch(&mut self, l: usize) -> Result<()> {
             while !self.out.is_empty() {
                 self.release_oldest()?;
             }
@@ -324,7 +324,7 @@ mod gpu {
             Ok(())
         }
 
-        pub fn take(&mut self, l: usize) -> Result<Vec<Tensor>> {
+        pub(crate) fn take(&mut self, l: usize) -> Result<Vec<Tensor>> {
             if slot(&mut self.back, l)?.is_none() {
                 self.fetch(l)?;
             }

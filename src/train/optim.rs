@@ -9,7 +9,7 @@ use std::collections::HashMap;
 pub type Grads = HashMap<TensorId, Tensor>;
 
 /// Parameters are updated in groups of at most this many elements (memory::sizes).
-pub use crate::memory::sizes::OPTIM_GROUP as GROUP;
+pub(crate) use crate::memory::sizes::OPTIM_GROUP as GROUP;
 
 /// A run of consecutive parameters and their AdamW moments, flat.
 struct Group {
@@ -17,8 +17,10 @@ struct Group {
     first: usize,
     /// params[first + j] is flat[offsets[j]..offsets[j + 1]] of m and v.
     offsets: Vec<usize>,
-    m: Tensor, // [n] f32
-    v: Tensor, // [n] f32
+    /// [n] f32
+    m: Tensor,
+    /// [n] f32
+    v: Tensor,
 }
 
 impl Group {
@@ -32,9 +34,11 @@ impl Group {
     }
 }
 
+/// AdamW (torch.optim.AdamW's update and bias correction) over the trainable `Var`s.
 pub struct AdamW {
-    pub params: Vec<Var>,
+    pub(crate) params: Vec<Var>,
     groups: Vec<Group>,
+    /// Updates applied: the bias-correction counter.
     pub t: usize,
     betas: (f64, f64),
     eps: f64,
@@ -53,12 +57,14 @@ fn flat(ts: &[Tensor]) -> Result<Tensor> {
 }
 
 impl AdamW {
+    /// AdamW over `params` with (β₁, β₂) `betas`, `eps` and decoupled `weight_decay`; the
+    /// moments start at zero.
     pub fn new(params: Vec<Var>, betas: [f64; 2], eps: f64, weight_decay: f64) -> Result<Self> {
         Self::with_group(params, betas, eps, weight_decay, GROUP)
     }
 
     /// `new` with groups of at most `group` elements (tests use small ones).
-    pub fn with_group(
+    pub(crate) fn with_group(
         params: Vec<Var>,
         betas: [f64; 2],
         eps: f64,
@@ -220,7 +226,7 @@ impl AdamW {
     /// gradients: the step counter advances as if it were, and `untake` takes that back when
     /// the step's readback (`StepClip::from_vals`) later says it was not. A host clip steps
     /// only when finite. Whether the counter advanced.
-    pub fn step_clip(&mut self, grads: &Grads, lr: f64, clip: &StepClip) -> Result<bool> {
+    pub(crate) fn step_clip(&mut self, grads: &Grads, lr: f64, clip: &StepClip) -> Result<bool> {
         let (coef, finite) = match clip {
             StepClip::Host(c, finite) => (c.coef, *finite),
             StepClip::Device(dc) => {
@@ -246,7 +252,7 @@ impl AdamW {
 
     /// Takes back a step `step_clip` counted that the step's readback found not finite (the
     /// kernel skipped it).
-    pub fn untake(&mut self) {
+    pub(crate) fn untake(&mut self) {
         self.t = self.t.saturating_sub(1);
     }
 
@@ -333,7 +339,7 @@ impl AdamW {
 
     /// Puts back state saved from `state()` after `t` updates (resuming a checkpoint); one
     /// (m, v) per parameter, in `params` order, each of its parameter's shape.
-    pub fn load_state(&mut self, m: Vec<Tensor>, v: Vec<Tensor>, t: usize) -> Result<()> {
+    pub(crate) fn load_state(&mut self, m: Vec<Tensor>, v: Vec<Tensor>, t: usize) -> Result<()> {
         if m.len() != self.params.len() || v.len() != self.params.len() {
             candle_core::bail!(
                 "optimiser state for {}/{} tensors, but there are {} parameters",
@@ -366,15 +372,18 @@ impl AdamW {
 /// 1, and always 1 for max_norm = 0): `AdamW::step` applies it.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Clip {
+    /// ‖g‖₂ over every gradient.
     pub norm: f64,
+    /// The factor the gradients are multiplied by (1: unclipped).
     pub coef: f64,
 }
 
 /// A step's clipping and finite check (`clip_step`): on CUDA computed on the device right after
 /// the gradients, so that the update is queued without the host waiting for them and read
 /// later; elsewhere computed at once.
-pub enum StepClip {
+pub(crate) enum StepClip {
     /// [‖g‖, coef, skip] f32 on the device (`multi_tensor::clip_step`).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     Device(Tensor),
     /// The clipping, and whether the loss and ‖g‖ are finite.
     Host(Clip, bool),
@@ -383,7 +392,7 @@ pub enum StepClip {
 impl StepClip {
     /// A device clip's [‖g‖, coef, skip], to read on the host with the step's other scalars
     /// (`train::readback`); None for a host clip.
-    pub fn on_device(&self) -> Option<&Tensor> {
+    pub(crate) fn on_device(&self) -> Option<&Tensor> {
         match self {
             StepClip::Device(t) => Some(t),
             StepClip::Host(..) => None,
@@ -392,7 +401,8 @@ impl StepClip {
 
     /// (‖g‖, whether the step's loss and gradients are finite): a host clip's own, a device
     /// clip's from `vals`, what was read of `on_device()`.
-    pub fn from_vals(&self, vals: &[f64; 3]) -> (f64, bool) {
+    #[allow(clippy::wrong_self_convention)] // `from` the values read: the name is its call sites'
+    pub(crate) fn from_vals(&self, vals: &[f64; 3]) -> (f64, bool) {
         match self {
             StepClip::Host(c, finite) => (c.norm, *finite),
             StepClip::Device(_) => (vals[0], vals[2] == 0.0),
@@ -402,7 +412,7 @@ impl StepClip {
 
 /// The step's `StepClip` for `max_norm` (≤ 0: no clipping); `ce`, the step's Σ CE as an f32
 /// scalar on the device (None: nothing counted), joins the finite check.
-pub fn clip_step(
+pub(crate) fn clip_step(
     grads: &Grads,
     order: &[Var],
     max_norm: f64,

@@ -10,7 +10,7 @@ use crate::util::lock::DirLock;
 use anyhow::{Context, Result};
 
 /// The lock of `r`'s output directory for this run (None on a launcher's rank other than 0).
-pub fn own_output_dir(r: &Recipe) -> Result<Option<DirLock>> {
+pub(crate) fn own_output_dir(r: &Recipe) -> Result<Option<DirLock>> {
     let lead = EnvRank::from_env(&|k| std::env::var(k).ok())?.is_none_or(|e| e.rank == 0);
     if !lead {
         return Ok(None);

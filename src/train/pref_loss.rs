@@ -37,14 +37,25 @@ pub enum DpoLoss {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum PairObjective {
     /// DPO against a reference: `beta`, `loss_type`.
-    Dpo { beta: f64, loss: DpoLoss },
+    Dpo {
+        /// β: the temperature of the implicit reward.
+        beta: f64,
+        /// The loss on the reward margin (`loss_type`).
+        loss: DpoLoss,
+    },
     /// ORPO: NLL of the chosen sequences minus β × mean log σ(log odds ratio).
-    Orpo { beta: f64 },
+    Orpo {
+        /// β: the weight of the odds-ratio term.
+        beta: f64,
+    },
     /// SimPO (CPO's loss_type "simpo"): -log σ(β (mean π_c - mean π_r) - γ), plus `cpo_alpha`
     /// × the NLL of the chosen completions (0: pure SimPO).
     Simpo {
+        /// β: the scale of the length-normalised margin.
         beta: f64,
+        /// γ: the target reward margin.
         gamma: f64,
+        /// The weight of the chosen completions' NLL (0: pure SimPO).
         cpo_alpha: f64,
     },
 }

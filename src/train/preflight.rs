@@ -13,25 +13,25 @@ use std::path::PathBuf;
 
 /// What a run knows about its memory: the plan's forecast, the capacity, the load peak.
 #[derive(Debug, Clone, Default)]
-pub struct MemoryWatch {
+pub(crate) struct MemoryWatch {
     /// This process's rank (0 until DDP / FSDP set it).
-    pub rank: usize,
+    pub(crate) rank: usize,
     /// The plan's row for this run's strategy and checkpointing.
-    pub forecast: Option<crate::memory::plan::Breakdown>,
+    pub(crate) forecast: Option<crate::memory::plan::Breakdown>,
     /// Remedies for when it does not fit (from the plan).
-    pub remedies: Vec<String>,
+    pub(crate) remedies: Vec<String>,
     /// Bytes the run may use per rank: train.max_memory, else the card's memory.
-    pub capacity: Option<u64>,
+    pub(crate) capacity: Option<u64>,
     /// The device pool's peak while loading (CUDA).
-    pub load_peak: Option<u64>,
+    pub(crate) load_peak: Option<u64>,
     /// Seconds the model and data took to load (the run's start to its first step).
-    pub load_s: f64,
+    pub(crate) load_s: f64,
 }
 
 /// The memory plan of a run, checked against what it has: on CUDA train.max_memory or the
 /// card's free memory, on the CPU train.max_memory (the accounting's cap). Returns the run's
 /// memory watch and, on CUDA with max_memory, the ballast to hold while training.
-pub fn preflight(
+pub(crate) fn preflight(
     run: &RunConfig,
     opts: &RunOptions,
     ordinal: usize,
@@ -194,7 +194,7 @@ fn hold_max_memory(
 /// What the CPU accounting under `train.max_memory` holds outside the steps (train and probe
 /// alike): the model's tensors (`model_bytes`) and three more times the adapters' f32 bytes
 /// (their gradients, AdamW's m and v).
-pub fn cpu_fixed_bytes(m: &Model) -> u64 {
+pub(crate) fn cpu_fixed_bytes(m: &Model) -> u64 {
     let lora: u64 = m
         .adapters()
         .flat_map(|(_, l)| l.vars())
@@ -204,7 +204,7 @@ pub fn cpu_fixed_bytes(m: &Model) -> u64 {
 }
 
 /// Bytes of the model's tensors (base, norms, head once when tied, adapters).
-pub fn model_bytes(m: &Model) -> u64 {
+pub(crate) fn model_bytes(m: &Model) -> u64 {
     use crate::memory::tensor_bytes as b;
     let mut sum = b(&m.embed) + b(&m.norm) + if m.tied { 0 } else { b(&m.lm_head) };
     for l in &m.layers {
@@ -232,7 +232,7 @@ pub fn model_bytes(m: &Model) -> u64 {
 impl Session {
     /// The diagnosis of an allocation failure: rank, phase, step, peak vs capacity, the
     /// forecast and remedies.
-    pub fn out_of_memory(
+    pub(crate) fn out_of_memory(
         &self,
         e: &anyhow::Error,
         meter: &crate::memory::PhaseMeter,

@@ -45,6 +45,7 @@ pub struct Readbacks {
 }
 
 impl Readbacks {
+    /// No buffers yet: each is pinned at its first use.
     pub fn new() -> Self {
         Self::default()
     }

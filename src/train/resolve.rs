@@ -26,7 +26,10 @@ pub enum Machine {
     /// Open the device, check this build can run the recipe, read the launcher's ranks.
     Open,
     /// No device: forecast the kernels; one process of `gpus` ranks.
-    Forecast { gpus: usize },
+    Forecast {
+        /// Ranks to forecast for.
+        gpus: usize,
+    },
 }
 
 /// Reads a recipe (`Recipe::load`: the file, `--set`, paths, the recipe's own checks) and
@@ -58,7 +61,7 @@ impl RunConfig {
 
     /// The run of `recipe` on the base `source` (None: random weights) whose config is `cfg`:
     /// the one resolution `train`, `bench`, `probe` and `plan` share.
-    pub fn of(
+    pub(crate) fn of(
         recipe: Recipe,
         source: Option<Source>,
         cfg: ModelConfig,
@@ -354,7 +357,7 @@ fn cfg_dir(r: &Recipe) -> String {
 
 /// The weights of a run's base: its checkpoint's files (a Hub model downloaded into the cache
 /// as needed), or None for random weights.
-pub fn weights(run: &RunConfig) -> Result<Option<hub::ModelFiles>> {
+pub(crate) fn weights(run: &RunConfig) -> Result<Option<hub::ModelFiles>> {
     match &run.source {
         Some(src) => Ok(Some(hub::model_files(src).with_context(|| {
             format!("cannot get the weights of {}", run.base_name)

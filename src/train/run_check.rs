@@ -11,7 +11,7 @@ use anyhow::Result;
 
 /// The training set has at least one token to predict (a label other than -100 after the
 /// first position); otherwise every step's loss would be 0 over nothing.
-pub fn something_to_train(d: &DataSection, data: &Dataset) -> Result<()> {
+pub(crate) fn something_to_train(d: &DataSection, data: &Dataset) -> Result<()> {
     let any = data
         .examples
         .iter()
@@ -36,7 +36,7 @@ pub fn something_to_train(d: &DataSection, data: &Dataset) -> Result<()> {
 
 /// Before the first step writes anything: the epoch the run starts in has a step, and the
 /// run's `total` steps take at most `MAX_EPOCHS` passes over the data.
-pub fn steps(s: &Session, d: &TrainData, total: usize, start_epoch: usize) -> Result<()> {
+pub(crate) fn steps(s: &Session, d: &TrainData, total: usize, start_epoch: usize) -> Result<()> {
     let t = &s.run.batch;
     let per_epoch = d.epoch_plan(start_epoch).len();
     if per_epoch == 0 {

@@ -19,9 +19,9 @@ use std::time::Instant;
 /// One step of a batch source: this rank's micro-batches and where they sit in the data.
 pub struct PlannedStep {
     /// The epoch the step belongs to.
-    pub epoch: usize,
+    pub(crate) epoch: usize,
     /// The step's index in its epoch's plan (0-based).
-    pub index: usize,
+    pub(crate) index: usize,
     /// This rank's micro-batches.
     pub batches: Vec<Batch>,
     /// Counted tokens of the step over every rank: its loss denominator.
@@ -30,18 +30,18 @@ pub struct PlannedStep {
 
 /// A queued step as the hooks see it once it is done.
 #[derive(Debug, Clone, Copy)]
-pub struct StepMeta {
+pub(crate) struct StepMeta {
     /// The step's 1-based number in the run.
-    pub n: usize,
+    pub(crate) n: usize,
     /// Its epoch and its index in the epoch's plan.
-    pub epoch: usize,
-    pub index: usize,
+    pub(crate) epoch: usize,
+    pub(crate) index: usize,
     /// The learning rate its update took.
-    pub lr: f64,
+    pub(crate) lr: f64,
 }
 
 /// What a loop's caller does with its steps beside running them.
-pub trait Hooks {
+pub(crate) trait Hooks {
     /// The learning rate of step `step` (0-based).
     fn lr(&self, step: usize) -> f64;
 
@@ -66,7 +66,7 @@ pub trait Hooks {
 }
 
 /// Runs steps `first` to `total` (0-based, end excluded) of `steps` on `engine` and `opt`.
-pub fn run(
+pub(crate) fn run(
     engine: &mut Engine,
     opt: &mut AdamW,
     steps: &mut dyn Iterator<Item = Result<PlannedStep>>,

@@ -4,7 +4,7 @@
 
 use crate::recipe::Schedule;
 
-pub fn lr_factor(kind: Schedule, step: usize, total: usize, warmup: usize) -> f64 {
+pub(crate) fn lr_factor(kind: Schedule, step: usize, total: usize, warmup: usize) -> f64 {
     if step < warmup {
         return step as f64 / warmup.max(1) as f64;
     }

@@ -25,16 +25,17 @@ use std::sync::Arc;
 pub struct Session {
     /// The resolved run every rank shares.
     pub run: Arc<RunConfig>,
+    /// This rank's model, its adapters trainable.
     pub model: Model,
     /// This rank's communicator (`Solo` for one device).
     pub comm: Box<dyn Comm>,
     /// FSDP: this rank's shards of the frozen base (the model holds placeholders).
     pub shards: Option<Shards>,
     /// The memory plan and what the run measured at load (for reports and OOM diagnoses).
-    pub memory: MemoryWatch,
+    pub(crate) memory: MemoryWatch,
     /// The base checkpoint's directory (a Hub model's snapshot in the cache; None: random
     /// weights).
-    pub base_dir: Option<PathBuf>,
+    pub(crate) base_dir: Option<PathBuf>,
     /// The Hub commit the base was read at (None for a local directory or random weights).
     pub base_revision: Option<String>,
     /// What loading took, part by part.
@@ -45,7 +46,9 @@ pub struct Session {
 /// adapters made with them), and lora.init_adapter with the adapters' broadcast to the ranks.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct LoadTimes {
+    /// The weights: read, cast and uploaded, fresh adapters made with them.
     pub weights: f64,
+    /// lora.init_adapter, and the adapters' broadcast to the ranks.
     pub adapters: f64,
 }
 
@@ -127,7 +130,7 @@ impl Session {
     }
 
     /// How this rank's micro-batches run (`reduce`: sum gradients over ranks in this one).
-    pub fn par(&self, reduce: bool) -> Par<'_> {
+    pub(crate) fn par(&self, reduce: bool) -> Par<'_> {
         Par {
             comm: &*self.comm,
             shards: self.shards.as_ref(),

@@ -11,11 +11,12 @@ use std::collections::HashSet;
 
 /// A model's shards: one `Flat` per decoder layer, then the embedding / norm / head group.
 pub struct Shards {
+    /// One `Flat` per decoder layer, bottom first.
     pub layers: Vec<Flat>,
-    pub io: Flat,
+    pub(crate) io: Flat,
     /// The ranks copy each other's shards in (`Comm::share_static`) rather than gather them
     /// with a collective.
-    pub peer_copies: bool,
+    pub(crate) peer_copies: bool,
     /// The decoder linears' NF4 bytes, unsharded (`Layer::nf4_bytes` as they loaded; the
     /// skeleton's are placeholders): what the load line reports.
     pub nf4_bytes: usize,
@@ -149,12 +150,12 @@ impl Shards {
 
     /// The embedding, final norm and head gathered, as a layer-less model; `ahead` as in
     /// `Flat::gather`.
-    pub fn io(&self, model: &Model, comm: &dyn Comm, ahead: bool) -> Result<Model> {
+    pub(crate) fn io(&self, model: &Model, comm: &dyn Comm, ahead: bool) -> Result<Model> {
         model.io_view(self.io.gather(comm, ahead)?)
     }
 
     /// This rank's resident shard bytes.
-    pub fn shard_bytes(&self) -> usize {
+    pub(crate) fn shard_bytes(&self) -> usize {
         self.layers.iter().map(Flat::shard_bytes).sum::<usize>() + self.io.shard_bytes()
     }
 
@@ -173,18 +174,20 @@ impl Shards {
 /// `width` elements, the first at shard element `dst` (the next ld further) and B element
 /// `src` (the next r further).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PadRun {
-    pub dst: usize,
-    pub src: usize,
-    pub width: usize,
-    pub rows: usize,
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) struct PadRun {
+    pub(crate) dst: usize,
+    pub(crate) src: usize,
+    pub(crate) width: usize,
+    pub(crate) rows: usize,
 }
 
 /// The parts of a folded linear's B columns that lie in the shard [lo, hi) of its group's flat
 /// buffer: W* [out, ld] starts at flat element `off`, B [out, r] goes to columns [col0,
 /// col0 + r) of each row. At most three runs: the first row in the shard (maybe clipped), the
 /// whole rows after it, the last row (maybe clipped).
-pub fn pad_runs(
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn pad_runs(
     off: usize,
     out: usize,
     ld: usize,

@@ -46,18 +46,18 @@ pub struct Engine<'a> {
     /// What the head's loss is.
     objective: Box<dyn Objective>,
     /// The phase each step is in and the device pool's peak per phase.
-    pub meter: PhaseMeter,
+    pub(crate) meter: PhaseMeter,
 }
 
 /// A step's forward and backward queued, its update not yet.
-pub struct Queued {
+pub(crate) struct Queued {
     grads: Grads,
     clip: StepClip,
     read: Reading,
 }
 
 /// A step whose update is queued; `finish` reads what it did.
-pub struct Pending {
+pub(crate) struct Pending {
     read: Reading,
     clip: StepClip,
     /// The optimiser's step counter advanced for it (`AdamW::step_clip`).
@@ -87,22 +87,22 @@ enum Counted {
 pub struct Done {
     /// Mean token cross-entropy over the step's counted tokens (every rank's).
     pub loss: f64,
-    pub grad_norm: f64,
+    pub(crate) grad_norm: f64,
     /// The loss and every gradient were finite, so the update was applied.
-    pub finite: bool,
+    pub(crate) finite: bool,
     /// Tokens of the step over every rank (padding excluded).
-    pub tokens: usize,
+    pub(crate) tokens: usize,
     /// Counted (target) tokens of the step over every rank: the loss's denominator.
-    pub denom: usize,
+    pub(crate) denom: usize,
     /// The device pool's peak in each phase of the step (empty on the CPU).
-    pub peaks: BTreeMap<&'static str, u64>,
+    pub(crate) peaks: BTreeMap<&'static str, u64>,
 }
 
 impl<'a> Engine<'a> {
     /// The engine of a session's rank as its run says (clipping, dropout's seed, the
     /// objective), keeping `keep` of each layer (`RunConfig::keep` with the preflight's parked
     /// pairs).
-    pub fn for_session(s: &'a Session, keep: Keep) -> Engine<'a> {
+    pub(crate) fn for_session(s: &'a Session, keep: Keep) -> Engine<'a> {
         let run = &s.run;
         let mut e = Engine::new(
             &s.model,
@@ -142,7 +142,12 @@ impl<'a> Engine<'a> {
     /// Queues step `step`'s forward and backward over this rank's `batches` (its micro-batches)
     /// and the clipping. `denom`: the step's counted tokens over every rank, so that the ranks'
     /// summed gradients are those of one big batch.
-    pub fn backward(&mut self, batches: &[Batch], denom: usize, step: usize) -> Result<Queued> {
+    pub(crate) fn backward(
+        &mut self,
+        batches: &[Batch],
+        denom: usize,
+        step: usize,
+    ) -> Result<Queued> {
         let dev = &self.model.device;
         let (rank, world) = (self.comm.rank(), self.comm.world());
         let mut grads = Grads::new();
@@ -220,7 +225,7 @@ impl<'a> Engine<'a> {
     }
 
     /// Queues the step's AdamW update at learning rate `lr`.
-    pub fn update(&mut self, q: Queued, opt: &mut AdamW, lr: f64) -> Result<Pending> {
+    pub(crate) fn update(&mut self, q: Queued, opt: &mut AdamW, lr: f64) -> Result<Pending> {
         let counted = opt.step_clip(&q.grads, lr, &q.clip)?;
         self.meter.end(&self.model.device, "optimizer")?;
         drop(q.grads);
@@ -234,7 +239,7 @@ impl<'a> Engine<'a> {
 
     /// Reads what a pending step did. A step found not finite had its update skipped on the
     /// device: the optimiser's step counter is taken back here.
-    pub fn finish(&mut self, p: Pending, opt: &mut AdamW) -> Result<Done> {
+    pub(crate) fn finish(&mut self, p: Pending, opt: &mut AdamW) -> Result<Done> {
         let r = p.read;
         let v = match r.vals {
             Some(t) => self.rb.read(t)?,

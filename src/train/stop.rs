@@ -21,32 +21,34 @@ use std::time::{Duration, Instant};
 /// Exit code after a signal, once the checkpoint is saved (the run can be resumed).
 pub const EXIT_INTERRUPTED: u8 = 130;
 /// Exit code when a second signal ends the process without waiting.
-pub const EXIT_SECOND_SIGNAL: i32 = 131;
+pub(crate) const EXIT_SECOND_SIGNAL: i32 = 131;
 
 /// The run stopped on a signal after `step` of `total` steps, with a checkpoint saved.
 #[derive(Debug, thiserror::Error)]
 #[error("interrupted after step {step} of {total}; checkpoint saved to {}", checkpoint.display())]
 pub struct Interrupted {
+    /// The last step done.
     pub step: usize,
-    pub total: usize,
+    pub(crate) total: usize,
+    /// Where the checkpoint was saved.
     pub checkpoint: PathBuf,
 }
 
 /// The loss or the gradients of a step were NaN or infinite (and skip_nonfinite is off).
 /// The update of that step was not applied.
 #[derive(Debug)]
-pub struct NonFinite {
+pub(crate) struct NonFinite {
     /// The 1-based number of the step that failed.
-    pub step: usize,
-    pub total: usize,
+    pub(crate) step: usize,
+    pub(crate) total: usize,
     /// e.g. "the loss is NaN and the gradient norm NaN".
-    pub what: String,
+    pub(crate) what: String,
     /// The newest checkpoint saved before that step (every step it covers was finite).
-    pub last_checkpoint: Option<PathBuf>,
-    pub lr: f64,
+    pub(crate) last_checkpoint: Option<PathBuf>,
+    pub(crate) lr: f64,
     /// Base weight dtype, e.g. "bf16".
-    pub dtype: String,
-    pub max_grad_norm: f64,
+    pub(crate) dtype: String,
+    pub(crate) max_grad_norm: f64,
 }
 
 impl std::fmt::Display for NonFinite {
@@ -90,8 +92,8 @@ impl std::error::Error for NonFinite {}
     None => "there is no checkpoint".into(),
 })]
 pub struct StoppedUnsaved {
-    pub why: String,
-    pub last_checkpoint: Option<PathBuf>,
+    pub(crate) why: String,
+    pub(crate) last_checkpoint: Option<PathBuf>,
 }
 
 /// Where the run is, for the signal: still loading (a signal ends the process at once), in
@@ -111,7 +113,7 @@ pub struct StopSignal {
 impl StopSignal {
     /// The run enters its training loop: from now on a signal finishes the step and saves.
     /// (When a signal already ends the process, this thread waits for that.)
-    pub fn training(&self) {
+    pub(crate) fn training(&self) {
         let cas =
             self.phase
                 .compare_exchange(LOADING, TRAINING, Ordering::SeqCst, Ordering::SeqCst);
@@ -123,7 +125,7 @@ impl StopSignal {
     }
 
     /// A signal has arrived: finish the step, save, stop.
-    pub fn received(&self) -> bool {
+    pub(crate) fn received(&self) -> bool {
         self.flag.load(Ordering::SeqCst)
     }
 
@@ -157,7 +159,7 @@ impl StopSignal {
 
     /// Waits (1 s at most) until the line announcing the signal is printed, so that it comes
     /// before the lines that report the stop.
-    pub fn wait_announced(&self) {
+    pub(crate) fn wait_announced(&self) {
         let start = Instant::now();
         while !self.announced.load(Ordering::SeqCst) && start.elapsed() < Duration::from_secs(1) {
             std::thread::sleep(Duration::from_millis(1));
@@ -169,7 +171,7 @@ impl StopSignal {
 /// `StopSignal::received` reads; a second one exits the process at once with
 /// `EXIT_SECOND_SIGNAL`. A closed stdout or stderr (its reader gone: `util::out`) stops the
 /// run as a first signal does: quietly, with a checkpoint.
-pub fn install_signal_handlers() -> Result<StopSignal> {
+pub(crate) fn install_signal_handlers() -> Result<StopSignal> {
     let stop = install()?;
     let on = stop.clone();
     crate::util::out::on_closed(Arc::new(move |stream| on.closed(stream)));
@@ -248,13 +250,13 @@ fn gib(x: u64) -> String {
 #[derive(Debug)]
 pub struct DoesNotFit {
     /// The run's row of the plan.
-    pub forecast: crate::memory::plan::Breakdown,
-    pub capacity: u64,
+    pub(crate) forecast: crate::memory::plan::Breakdown,
+    pub(crate) capacity: u64,
     /// Where the capacity comes from, e.g. "train.max_memory" or "free memory of cuda:0".
-    pub capacity_source: String,
+    pub(crate) capacity_source: String,
     /// The whole plan, as `lora-train plan` prints it.
-    pub table: String,
-    pub remedies: Vec<String>,
+    pub(crate) table: String,
+    pub(crate) remedies: Vec<String>,
 }
 
 impl std::fmt::Display for DoesNotFit {
@@ -293,22 +295,22 @@ impl std::error::Error for DoesNotFit {}
 /// The step's update was not applied; checkpoints already saved are complete.
 #[derive(Debug)]
 pub struct OutOfMemory {
-    pub rank: usize,
+    pub(crate) rank: usize,
     /// forward, head, backward or optimizer.
-    pub phase: &'static str,
+    pub(crate) phase: &'static str,
     /// The 1-based step that failed (None: outside the training loop, e.g. bench / probe).
-    pub step: Option<usize>,
-    pub total: usize,
+    pub(crate) step: Option<usize>,
+    pub(crate) total: usize,
     /// The device pool's (or the CPU accounting's) peak before the failure.
-    pub peak: Option<u64>,
+    pub(crate) peak: Option<u64>,
     /// What the run had: max_memory or the card's memory.
-    pub capacity: Option<u64>,
+    pub(crate) capacity: Option<u64>,
     /// The memory plan's forecast for this run.
-    pub forecast: Option<crate::memory::plan::Breakdown>,
-    pub remedies: Vec<String>,
-    pub last_checkpoint: Option<PathBuf>,
+    pub(crate) forecast: Option<crate::memory::plan::Breakdown>,
+    pub(crate) remedies: Vec<String>,
+    pub(crate) last_checkpoint: Option<PathBuf>,
     /// The failure as the allocator reported it.
-    pub cause: String,
+    pub(crate) cause: String,
 }
 
 impl std::fmt::Display for OutOfMemory {
@@ -364,14 +366,14 @@ impl std::error::Error for OutOfMemory {}
 /// step's work and read at the next step's end, through pinned memory (a plain read would wait
 /// for the next step's backward, queued before it), so no rank ever waits for it. One rank
 /// stops at once.
-pub struct Vote {
+pub(crate) struct Vote {
     world: usize,
     flag: Option<super::readback::Ticket>,
     rb: super::readback::Readbacks,
 }
 
 impl Vote {
-    pub fn new(world: usize) -> Vote {
+    pub(crate) fn new(world: usize) -> Vote {
         Vote {
             world,
             flag: None,
@@ -381,7 +383,7 @@ impl Vote {
 
     /// Whether every rank stops after this step; `here`: rank 0 wants to (the others pass
     /// false). With several ranks the answer is rank 0's wish of the step before.
-    pub fn stop(
+    pub(crate) fn stop(
         &mut self,
         here: bool,
         comm: &dyn crate::parallel::Comm,

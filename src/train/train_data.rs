@@ -19,24 +19,25 @@ pub struct TrainData {
     /// The eval set (data.eval, or held out by data.eval_fraction).
     pub eval: Option<Dataset>,
     /// The epochs' order of the training rows.
-    pub sampler: Sampler,
+    pub(crate) sampler: Sampler,
     /// What loading the data found worth telling: skipped rows, dropped examples, how
     /// chat turns end.
-    pub notes: Vec<String>,
+    pub(crate) notes: Vec<String>,
     /// The model's tokenizer, when the data or `train.sample_every` needs it.
-    pub tokenizer: Option<TextTokenizer>,
+    pub(crate) tokenizer: Option<TextTokenizer>,
     /// The token padding rows end with.
-    pub pad_id: u32,
+    pub(crate) pad_id: u32,
     /// The data plan it was loaded by.
-    pub cfg: DataSection,
+    pub(crate) cfg: DataSection,
     /// Rows per micro-batch, micro-batches per step, steps of the run, epochs.
-    pub micro_batch: usize,
-    pub grad_accum: usize,
-    pub max_steps: Option<usize>,
-    pub epochs: Option<usize>,
+    pub(crate) micro_batch: usize,
+    pub(crate) grad_accum: usize,
+    pub(crate) max_steps: Option<usize>,
+    pub(crate) epochs: Option<usize>,
     /// This rank and the world (every rank sees the whole order; rank r takes rows r, r +
     /// world, ...).
     pub rank: usize,
+    /// Ranks in the run.
     pub world: usize,
     /// Seconds loading took (the tokenizer, tokenizing or mapping the cache, the eval split).
     pub load_s: f64,
@@ -114,12 +115,12 @@ impl TrainData {
     }
 
     /// This rank's steps of one epoch: steps → micro-batches → rows → example indices.
-    pub fn epoch_plan(&self, epoch: usize) -> Vec<Vec<Vec<Vec<usize>>>> {
+    pub(crate) fn epoch_plan(&self, epoch: usize) -> Vec<Vec<Vec<Vec<usize>>>> {
         self.epoch_plan_of(epoch, self.rank)
     }
 
     /// Rank `rank`'s steps of one epoch (rows rank, rank + world, ... of the epoch's order).
-    pub fn epoch_plan_of(&self, epoch: usize, rank: usize) -> Vec<Vec<Vec<Vec<usize>>>> {
+    pub(crate) fn epoch_plan_of(&self, epoch: usize, rank: usize) -> Vec<Vec<Vec<Vec<usize>>>> {
         let rows = self.sampler.rows_for(epoch, rank, self.world);
         let micro: Vec<Vec<Vec<usize>>> =
             rows.chunks(self.micro_batch).map(|c| c.to_vec()).collect();
@@ -127,14 +128,14 @@ impl TrainData {
     }
 
     /// The run's steps: train.max_steps, else the epochs' steps.
-    pub fn total_steps(&self) -> usize {
+    pub(crate) fn total_steps(&self) -> usize {
         self.max_steps
             .unwrap_or_else(|| self.epoch_plan(0).len() * self.epochs.unwrap_or(1))
     }
 
     /// Counted tokens of each step of an epoch over all ranks: the loss denominator, which
     /// every rank computes alone since every rank sees the whole order.
-    pub fn step_denoms(&self, epoch: usize) -> Vec<usize> {
+    pub(crate) fn step_denoms(&self, epoch: usize) -> Vec<usize> {
         let mut d: Vec<usize> = Vec::new();
         for rank in 0..self.world {
             for (i, step) in self.epoch_plan_of(epoch, rank).iter().enumerate() {

@@ -20,7 +20,7 @@ use std::path::{Component, Path, PathBuf};
 use std::time::Duration;
 
 /// The suffix of a lock file's name.
-pub const LOCK_SUFFIX: &str = "lora-train.lock";
+pub(crate) const LOCK_SUFFIX: &str = "lora-train.lock";
 
 /// Another live process holds the lock of `dir`.
 #[derive(Debug, thiserror::Error)]
@@ -31,15 +31,15 @@ pub const LOCK_SUFFIX: &str = "lora-train.lock";
     holder,
     lock.display()
 )]
-pub struct Locked {
+pub(crate) struct Locked {
     /// The directory (or what the lock guards).
-    pub dir: PathBuf,
+    pub(crate) dir: PathBuf,
     /// The lock file.
-    pub lock: PathBuf,
+    pub(crate) lock: PathBuf,
     /// The holder's pid, when its lock file says it.
-    pub pid: Option<u32>,
+    pub(crate) pid: Option<u32>,
     /// "pid 1234 (lora-train train)", or "another process" when the file names none.
-    pub holder: String,
+    pub(crate) holder: String,
 }
 
 /// A lock held until dropped (or until the process ends).
@@ -69,7 +69,8 @@ impl DirLock {
     }
 
     /// The lock file.
-    pub fn path(&self) -> &Path {
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub(crate) fn path(&self) -> &Path {
         &self.path
     }
 }
@@ -87,7 +88,7 @@ impl Drop for DirLock {
 
 /// The lock file of directory `dir`: `.<name>.lora-train.lock` beside it (inside it for a
 /// root), from its resolved absolute path; the parent is created.
-pub fn beside(dir: &Path) -> Result<PathBuf> {
+pub(crate) fn beside(dir: &Path) -> Result<PathBuf> {
     let abs = resolved(dir).with_context(|| format!("cannot resolve {}", dir.display()))?;
     let lock = match (abs.parent(), abs.file_name()) {
         (Some(parent), Some(name)) => {
@@ -222,7 +223,7 @@ fn holder(file: &File) -> (Option<u32>, String) {
 }
 
 /// Whether a process with this pid exists (one of another user's counts).
-pub fn pid_alive(pid: u32) -> bool {
+pub(crate) fn pid_alive(pid: u32) -> bool {
     #[cfg(unix)]
     {
         let Ok(p) = libc::pid_t::try_from(pid) else {

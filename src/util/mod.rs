@@ -2,7 +2,7 @@
 //! sizes written as text, Hub names checked; output that never panics (`out`), directory
 //! locks (`lock`), what an abrupt exit removes (`on_exit`).
 
-pub mod fs;
+pub(crate) mod fs;
 pub mod lock;
 pub mod on_exit;
 pub mod out;

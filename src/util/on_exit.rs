@@ -45,7 +45,7 @@ pub fn remove_on_exit(path: &Path, shown: bool) -> Registered {
 /// Removes every registered path that exists; returns those to be named that were there. A
 /// directory another thread is still writing into is retried until it is gone (a file
 /// created between the listing and the rmdir), a bounded number of times.
-pub fn remove_registered() -> Vec<PathBuf> {
+pub(crate) fn remove_registered() -> Vec<PathBuf> {
     remove_where(|_| true)
 }
 

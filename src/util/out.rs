@@ -35,7 +35,7 @@ pub enum Stream {
 
 impl Stream {
     /// "stdout" or "stderr".
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Stream::Out => "stdout",
             Stream::Err => "stderr",
@@ -66,7 +66,7 @@ static STDERR: AtomicU8 = AtomicU8::new(OK);
 static DIRECT: AtomicBool = AtomicBool::new(false);
 /// The run's reaction to a closed stream (set: this process is a run, its streams are logs).
 /// What a run does when one of its streams is closed (the stream that was).
-pub type Hook = Arc<dyn Fn(Stream) + Send + Sync>;
+pub(crate) type Hook = Arc<dyn Fn(Stream) + Send + Sync>;
 static ON_CLOSED: Mutex<Option<Hook>> = Mutex::new(None);
 /// stdout's failure other than a closed pipe, when stdout is a command's product.
 static FAILURE: Mutex<Option<String>> = Mutex::new(None);

@@ -403,6 +403,7 @@ impl Session {
 
 /// A model of random weights as `Model::random_with` builds it, from the values a `Build`
 /// holds (the tests' shorthand).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // its callers are CUDA tests
 pub fn random_model(
     cfg: lora_train::model::ModelConfig,
     dtype: DType,

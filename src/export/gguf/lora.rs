@@ -16,7 +16,7 @@ use candle_core::{DType, Device, Tensor};
 use std::path::Path;
 
 /// The alpha llama.cpp is told: `alpha`, or alpha·√r for rsLoRA (llama.cpp divides by r).
-pub fn gguf_alpha(alpha: f64, rank: usize, rslora: bool) -> f64 {
+pub(crate) fn gguf_alpha(alpha: f64, rank: usize, rslora: bool) -> f64 {
     match rslora {
         true => alpha * (rank as f64).sqrt(),
         false => alpha,

@@ -18,7 +18,7 @@ use candle_core::quantized::gguf_file::Value;
 use serde_json::Value as Json;
 
 /// gguf-py's GGML_QUANT_VERSION.
-pub const QUANT_VERSION: u32 = 2;
+pub(crate) const QUANT_VERSION: u32 = 2;
 
 /// An `<arch>.*` key list being built.
 struct Arch<'a> {
@@ -107,7 +107,7 @@ fn common(a: &mut Arch, cfg: &ModelConfig, raw: &Json, head_dim: bool) {
 }
 
 /// The `<arch>.*` keys of the family (file type included: `general.file_type`).
-pub fn arch_keys(arch: &str, cfg: &ModelConfig, raw: &Json, file_type: u32) -> Vec<Kv> {
+pub(crate) fn arch_keys(arch: &str, cfg: &ModelConfig, raw: &Json, file_type: u32) -> Vec<Kv> {
     let mut a = Arch {
         arch,
         kv: Vec::new(),
@@ -212,7 +212,7 @@ fn phi3(a: &mut Arch, cfg: &ModelConfig, raw: &Json, file_type: u32) {
 /// llama.cpp's per-frequency factors of Llama 3.1 rope (`rope_freqs`, [head_dim / 2] f32), as
 /// convert_hf_to_gguf.py's `LlamaModel.generate_extra_tensors` computes them; None for other
 /// rope.
-pub fn llama3_rope_freqs(cfg: &ModelConfig) -> Option<Vec<f32>> {
+pub(crate) fn llama3_rope_freqs(cfg: &ModelConfig) -> Option<Vec<f32>> {
     let RopeScaling::Llama3 {
         factor,
         low_freq_factor,
@@ -247,7 +247,7 @@ pub fn llama3_rope_freqs(cfg: &ModelConfig) -> Option<Vec<f32>> {
 }
 
 /// Phi-3's LongRoPE factors (`rope_factors_long`, `rope_factors_short`), when it has them.
-pub fn phi3_rope_factors(cfg: &ModelConfig) -> Option<(Vec<f32>, Vec<f32>)> {
+pub(crate) fn phi3_rope_factors(cfg: &ModelConfig) -> Option<(Vec<f32>, Vec<f32>)> {
     match &cfg.rope_scaling {
         RopeScaling::LongRope { short, long, .. } => Some((
             long.iter().map(|&x| x as f32).collect(),
@@ -278,7 +278,7 @@ fn rounded(n: u64) -> String {
 
 /// `general.size_label`: the parameter count, or "<E>x<per-expert size>" for a MoE.
 /// `tensors`: (name, element count, experts when stacked).
-pub fn size_label(tensors: &[(String, u64, Option<u64>)]) -> String {
+pub(crate) fn size_label(tensors: &[(String, u64, Option<u64>)]) -> String {
     let (mut shared, mut expert, mut sum, mut n) = (0u64, 0u64, 0u64, 0u64);
     for (name, size, experts) in tensors {
         match experts.filter(|_| name.contains("_exps.")) {
@@ -297,7 +297,7 @@ pub fn size_label(tensors: &[(String, u64, Option<u64>)]) -> String {
 }
 
 /// `general.sampling.*` from generation_config.json (gguf-py's Metadata reads it).
-pub fn sampling_keys(gen: &Json) -> Vec<Kv> {
+pub(crate) fn sampling_keys(gen: &Json) -> Vec<Kv> {
     let mut kv: Vec<Kv> = Vec::new();
     if let Some(k) = gen.get("top_k").and_then(Json::as_i64) {
         kv.push(("general.sampling.top_k".into(), Value::I32(k as i32)));

@@ -14,14 +14,14 @@
 //! file is written: the peak is about the output file's size.
 
 pub mod lora;
-pub mod meta;
+pub(crate) mod meta;
 pub mod modelfile;
-pub mod names;
+pub(crate) mod names;
 mod pre_hashes;
-pub mod quant;
-pub mod special;
+pub(crate) mod quant;
+pub(crate) mod special;
 mod spm;
-pub mod tokenizer;
+pub(crate) mod tokenizer;
 
 use crate::export::merge::{merge, MergeOptions};
 use crate::hub::ModelFiles;
@@ -36,14 +36,16 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 /// A metadata key and its value.
-pub type Kv = (String, Value);
+pub(crate) type Kv = (String, Value);
 
 /// What a GGUF export wrote.
 #[derive(Debug, Clone)]
 pub struct GgufReport {
+    /// The file written.
     pub out: PathBuf,
     /// llama.cpp's architecture name.
     pub arch: String,
+    /// Tensors written.
     pub tensors: usize,
     /// Bytes of the file.
     pub bytes: u64,
@@ -52,7 +54,7 @@ pub struct GgufReport {
 }
 
 /// Refuses an existing output: nothing a user made is replaced.
-pub fn check_out(out: &Path) -> Result<()> {
+pub(crate) fn check_out(out: &Path) -> Result<()> {
     if out.exists() {
         bail!(
             "{} exists: choose a new output file or remove it",
@@ -106,7 +108,7 @@ pub fn dir_name(p: &Path) -> String {
 
 /// config.json of `dir`, read twice: resolved, and as written (convert_hf_to_gguf.py's keys
 /// come from both).
-pub fn read_config(dir: &Path) -> Result<(ModelConfig, serde_json::Value)> {
+pub(crate) fn read_config(dir: &Path) -> Result<(ModelConfig, serde_json::Value)> {
     let path = dir.join("config.json");
     let cfg = ModelConfig::from_file(&path)?;
     let text = std::fs::read_to_string(&path)
@@ -234,7 +236,7 @@ fn extra_tensors(cfg: &ModelConfig) -> Result<Vec<Out>> {
 }
 
 /// The rows of `t` in llama.cpp's rotary order.
-pub fn permute_rows(t: &Tensor, heads: usize) -> Result<Tensor> {
+pub(crate) fn permute_rows(t: &Tensor, heads: usize) -> Result<Tensor> {
     let rows = t.dim(0)?;
     let order = names::rotary_rows(rows, heads).map_err(anyhow::Error::msg)?;
     let idx: Vec<u32> = order.iter().map(|&i| i as u32).collect();
@@ -361,7 +363,7 @@ fn tokenizer_size(dir: &Path, vocab_size: usize) -> Result<usize> {
 }
 
 /// Writes the GGUF file atomically (a temporary sibling, fsynced, renamed).
-pub fn write(
+pub(crate) fn write(
     out: &Path,
     arch: &str,
     kv: &[Kv],

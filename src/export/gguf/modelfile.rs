@@ -17,15 +17,15 @@ use std::path::Path;
 
 /// What each role's turn is made of: (before the content, after it).
 #[derive(Debug, Clone, PartialEq)]
-pub struct Turns {
-    pub system: Option<(String, String)>,
-    pub user: (String, String),
-    pub assistant: (String, String),
+pub(crate) struct Turns {
+    pub(crate) system: Option<(String, String)>,
+    pub(crate) user: (String, String),
+    pub(crate) assistant: (String, String),
     /// The text that opens the assistant's reply (add_generation_prompt).
-    pub generation: String,
+    pub(crate) generation: String,
     /// The text the first turn starts with (a BOS the template writes, when llama.cpp does
     /// not add it).
-    pub start: String,
+    pub(crate) start: String,
 }
 
 const MARK: &str = "\u{F8F7}";
@@ -48,7 +48,7 @@ fn pieces(s: &str) -> Vec<String> {
 
 /// Reads the turns off the template; `bos`: the BOS text llama.cpp adds itself (None when it
 /// does not).
-pub fn turns(t: &ChatTemplate, bos: Option<&str>) -> Result<Turns> {
+pub(crate) fn turns(t: &ChatTemplate, bos: Option<&str>) -> Result<Turns> {
     let u = |i: usize| format!("{MARK}U{i}{MARK}");
     let a = |i: usize| format!("{MARK}A{i}{MARK}");
     // [user U0] + generation prompt: start+user_pre | U0 | user_suf + gen
@@ -144,7 +144,7 @@ fn lit(s: &str) -> String {
 
 /// The Go template over `.Messages` that writes the same text as the turns: one line of
 /// actions with no whitespace trimming, so that the literal pieces stay exact.
-pub fn go_template(t: &Turns) -> String {
+pub(crate) fn go_template(t: &Turns) -> String {
     let mut g = lit(&t.start);
     g.push_str("{{ range $i, $_ := .Messages }}{{ $last := eq (len (slice $.Messages $i)) 1 }}");
     if let Some((pre, suf)) = &t.system {
@@ -172,7 +172,7 @@ pub fn go_template(t: &Turns) -> String {
 
 /// The Modelfile: `from` (a GGUF path or an Ollama model), `adapter` (a LoRA GGUF), the
 /// template, the stop strings.
-pub fn modelfile(
+pub(crate) fn modelfile(
     from: &str,
     adapter: Option<&str>,
     template: Option<&str>,

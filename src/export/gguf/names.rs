@@ -22,7 +22,7 @@ use crate::model::Family;
 
 /// llama.cpp's architecture name of a family (gguf-py's `MODEL_ARCH_NAMES`): Mistral is
 /// written as llama, as convert_hf_to_gguf.py's `LlamaModel` writes `MistralForCausalLM`.
-pub fn arch_name(family: Family) -> &'static str {
+pub(crate) fn arch_name(family: Family) -> &'static str {
     match family {
         Family::Llama | Family::Mistral => "llama",
         Family::Qwen2 => "qwen2",
@@ -37,13 +37,13 @@ pub fn arch_name(family: Family) -> &'static str {
 /// Whether q and k rows are reordered for llama.cpp's rotary (llama's `undo_permute`: the
 /// Hugging Face checkpoint pairs dimension i with i + D/2, llama.cpp's "normal" rope pairs
 /// 2i with 2i + 1). The other families run NeoX-style rope in llama.cpp and keep HF's order.
-pub fn permutes_qk(family: Family) -> bool {
+pub(crate) fn permutes_qk(family: Family) -> bool {
     matches!(family, Family::Llama | Family::Mistral)
 }
 
 /// Which of a layer's attention projections a tensor is, for the rotary row order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Rotary {
+pub(crate) enum Rotary {
     /// Not rotated (or the family keeps HF's order).
     None,
     /// q: `num_heads` heads.
@@ -54,18 +54,18 @@ pub enum Rotary {
 
 /// A checkpoint tensor's place in the GGUF file.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Mapped {
+pub(crate) struct Mapped {
     /// The GGUF name, e.g. `blk.0.attn_q.weight`.
-    pub name: String,
+    pub(crate) name: String,
     /// The layer, for per-layer tensors.
-    pub layer: Option<usize>,
+    pub(crate) layer: Option<usize>,
     /// q or k of a family whose rows llama.cpp wants reordered.
-    pub rotary: Rotary,
+    pub(crate) rotary: Rotary,
 }
 
 /// What a checkpoint tensor becomes.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Target {
+pub(crate) enum Target {
     /// One GGUF tensor.
     One(Mapped),
     /// Expert `expert`'s slice of a stacked `[E, …]` GGUF tensor (Qwen3-MoE's
@@ -115,7 +115,7 @@ fn expert_base(proj: &str) -> Option<&'static str> {
 }
 
 /// Where checkpoint tensor `hf` goes; Err names a tensor llama.cpp has no place for.
-pub fn target(family: Family, hf: &str) -> Result<Target, String> {
+pub(crate) fn target(family: Family, hf: &str) -> Result<Target, String> {
     let unknown = || {
         format!(
             "tensor `{hf}` has no llama.cpp name for {}",
@@ -200,7 +200,7 @@ fn expert_target(
 /// of `rows / heads` rows, new row 2b + a is old row a·D/2 + b (a ∈ {0, 1}, b < D/2), as
 /// convert_hf_to_gguf.py's `LlamaModel.permute` reshapes (heads, 2, D/2, …) → (heads, D/2, 2, …).
 /// Returns, for each new row, the old row it takes.
-pub fn rotary_rows(rows: usize, heads: usize) -> Result<Vec<usize>, String> {
+pub(crate) fn rotary_rows(rows: usize, heads: usize) -> Result<Vec<usize>, String> {
     if heads == 0 || rows % heads != 0 || (rows / heads) % 2 != 0 {
         return Err(format!(
             "{rows} rows do not split into {heads} heads of an even size (rotary reorder)"

@@ -18,18 +18,25 @@ use candle_core::{DType, Tensor};
 /// The `--quant` of a GGUF export.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Quant {
+    /// Every weight f32.
     F32,
+    /// Weights in f16 (1-D tensors, norms, biases and the router stay f32).
     F16,
+    /// Weights in bf16 (as F16 for what stays f32).
     Bf16,
+    /// Weights in Q8_0 (f16 where a row is not a multiple of 32).
     Q8_0,
+    /// llama-quantize's Q4_K_M mix.
     Q4KM,
+    /// llama-quantize's Q5_K_M mix.
     Q5KM,
+    /// llama-quantize's Q6_K.
     Q6K,
 }
 
 impl Quant {
     /// llama.cpp's `general.file_type` (LlamaFileType).
-    pub fn file_type(self) -> u32 {
+    pub(crate) fn file_type(self) -> u32 {
         match self {
             Quant::F32 => 0,
             Quant::F16 => 1,
@@ -42,7 +49,7 @@ impl Quant {
     }
 
     /// The name llama.cpp's tools print (F16, Q4_K_M, …).
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Quant::F32 => "F32",
             Quant::F16 => "F16",
@@ -55,22 +62,22 @@ impl Quant {
     }
 
     /// A k-quant mix (llama-quantize's rules on the f16 values).
-    pub fn k_mix(self) -> bool {
+    pub(crate) fn k_mix(self) -> bool {
         matches!(self, Quant::Q4KM | Quant::Q5KM | Quant::Q6K)
     }
 }
 
 /// What the type choice needs to know about the model.
 #[derive(Debug, Clone, Copy)]
-pub struct Mix {
-    pub quant: Quant,
-    pub layers: usize,
+pub(crate) struct Mix {
+    pub(crate) quant: Quant,
+    pub(crate) layers: usize,
     /// attn_v (or attn_qkv) tensors in the file.
-    pub n_attn_v: usize,
+    pub(crate) n_attn_v: usize,
     /// Experts per MoE layer (0: dense).
-    pub experts: usize,
+    pub(crate) experts: usize,
     /// The file has no output.weight (the head is the token embedding).
-    pub tied: bool,
+    pub(crate) tied: bool,
 }
 
 /// llama-quantize's "more bits" layers: the first and last eighth, and every third between.
@@ -80,7 +87,7 @@ fn more_bits(i: usize, n: usize) -> bool {
 }
 
 /// Whether convert_hf_to_gguf.py keeps a tensor f32 whatever `--outtype` says.
-pub fn forced_f32(name: &str, dims: usize) -> bool {
+pub(crate) fn forced_f32(name: &str, dims: usize) -> bool {
     dims <= 1
         || name.ends_with("_norm.weight")
         || name.contains("ffn_gate_inp.")
@@ -110,7 +117,7 @@ fn fallback(t: GgmlDType, ncols: usize) -> GgmlDType {
 
 /// The type of tensor `name` (`dims` as ggml counts them, `ncols` its row length) under the
 /// mix; `layer`: its block, `v_index`: how many attn_v came before it (attn_v only).
-pub fn tensor_type(
+pub(crate) fn tensor_type(
     mix: &Mix,
     name: &str,
     dims: usize,
@@ -170,7 +177,7 @@ pub fn tensor_type(
 
 /// `t` (any float dtype, ggml's row order) in `dtype`; k-quant mixes quantize from the values
 /// rounded to f16, as llama-quantize reads them from the f16 file.
-pub fn quantize(t: &Tensor, dtype: GgmlDType, k_mix: bool) -> candle_core::Result<QTensor> {
+pub(crate) fn quantize(t: &Tensor, dtype: GgmlDType, k_mix: bool) -> candle_core::Result<QTensor> {
     let src = match dtype {
         GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => t.clone(),
         _ if k_mix => t.to_dtype(DType::F16)?.to_dtype(DType::F32)?,

@@ -20,17 +20,17 @@ const TYPES: [&str; 7] = ["bos", "eos", "unk", "sep", "pad", "cls", "mask"];
 
 /// What `SpecialVocab` found.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct Special {
+pub(crate) struct Special {
     /// BPE merges ("a b"), when asked for.
-    pub merges: Vec<String>,
+    pub(crate) merges: Vec<String>,
     /// (type, id) in the order found.
-    pub ids: Vec<(String, u32)>,
+    pub(crate) ids: Vec<(String, u32)>,
     /// (type, add it) in the order found.
-    pub add: Vec<(String, bool)>,
+    pub(crate) add: Vec<(String, bool)>,
     /// The chat template: one, or named ones ({"name", "template"}).
-    pub chat_template: Option<Value>,
-    pub lowercase: Option<bool>,
-    pub strip_accents: Option<bool>,
+    pub(crate) chat_template: Option<Value>,
+    pub(crate) lowercase: Option<bool>,
+    pub(crate) strip_accents: Option<bool>,
 }
 
 fn read_json(path: &Path) -> anyhow::Result<Option<Value>> {
@@ -58,12 +58,12 @@ impl Special {
     }
 
     /// The id of special-token type `typ`, if set.
-    pub fn id(&self, typ: &str) -> Option<u32> {
+    pub(crate) fn id(&self, typ: &str) -> Option<u32> {
         self.ids.iter().find(|(t, _)| t == typ).map(|&(_, id)| id)
     }
 
     /// Whether llama.cpp is told to add `typ` (None: not said).
-    pub fn adds(&self, typ: &str) -> Option<bool> {
+    pub(crate) fn adds(&self, typ: &str) -> Option<bool> {
         self.add.iter().find(|(t, _)| t == typ).map(|&(_, a)| a)
     }
 
@@ -301,7 +301,11 @@ fn chat_template(dir: &Path, cfg: &Map<String, Value>) -> anyhow::Result<Option<
 }
 
 /// gguf-py's `SpecialVocab(dir, load_merges, n_vocab=n_vocab)`.
-pub fn read(dir: &Path, load_merges: bool, n_vocab: Option<usize>) -> anyhow::Result<Special> {
+pub(crate) fn read(
+    dir: &Path,
+    load_merges: bool,
+    n_vocab: Option<usize>,
+) -> anyhow::Result<Special> {
     let mut sv = Special::default();
     let tok = read_json(&dir.join("tokenizer.json"))?;
     let mut cfg = read_json(&dir.join("tokenizer_config.json"))?.and_then(|v| match v {
@@ -420,7 +424,7 @@ fn roberta_tokens(p: &Value, cfg: &mut Option<Map<String, Value>>) {
 
 /// The GGUF key of a special-token type's id (gguf-py's `add_<type>_token_id`); None for a
 /// type it has no key for (cls).
-pub fn id_key(typ: &str) -> Option<&'static str> {
+pub(crate) fn id_key(typ: &str) -> Option<&'static str> {
     Some(match typ {
         "bos" => "tokenizer.ggml.bos_token_id",
         "eos" => "tokenizer.ggml.eos_token_id",
@@ -435,7 +439,7 @@ pub fn id_key(typ: &str) -> Option<&'static str> {
 }
 
 /// The GGUF key of an add-token flag (gguf-py's `add_add_<type>_token`).
-pub fn add_key(typ: &str) -> Option<&'static str> {
+pub(crate) fn add_key(typ: &str) -> Option<&'static str> {
     Some(match typ {
         "bos" => "tokenizer.ggml.add_bos_token",
         "eos" => "tokenizer.ggml.add_eos_token",

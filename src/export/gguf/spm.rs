@@ -9,19 +9,19 @@ use std::fmt;
 
 /// One vocabulary entry of a SentencePiece model.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Piece {
+pub(crate) struct Piece {
     /// The piece's text (`▁` for a space).
-    pub text: String,
-    pub score: f32,
+    pub(crate) text: String,
+    pub(crate) score: f32,
     /// sentencepiece's type number (1 normal … 6 byte).
-    pub kind: u32,
+    pub(crate) kind: u32,
 }
 
 /// A malformed `tokenizer.model`: what was wrong and at which byte.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SpmError {
-    pub at: usize,
-    pub msg: &'static str,
+pub(crate) struct SpmError {
+    pub(crate) at: usize,
+    pub(crate) msg: &'static str,
 }
 
 impl fmt::Display for SpmError {
@@ -113,7 +113,7 @@ enum Value<'a> {
 }
 
 /// The pieces of a serialized `ModelProto`, in id order.
-pub fn pieces(model: &[u8]) -> Result<Vec<Piece>, SpmError> {
+pub(crate) fn pieces(model: &[u8]) -> Result<Vec<Piece>, SpmError> {
     let mut r = Reader {
         buf: model,
         pos: 0,

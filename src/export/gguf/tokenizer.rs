@@ -270,7 +270,7 @@ fn py_list(ids: &[u32]) -> String {
 /// convert_hf_to_gguf.py finds it (the hash of the ids of `CHKTXT`, special tokens added).
 /// A tokenizer llama.cpp's table does not know, with a plain byte-level pre-tokenizer (GPT-2's
 /// regex), is "gpt-2"; any other unknown one is an error naming its hash.
-pub fn pre_name(dir: &Path) -> Result<String> {
+pub(crate) fn pre_name(dir: &Path) -> Result<String> {
     let path = dir.join("tokenizer.json");
     let tok = tokenizers::Tokenizer::from_file(&path)
         .map_err(|e| anyhow::anyhow!("cannot load tokenizer {}: {e}", path.display()))?;
@@ -300,7 +300,7 @@ fn plain_byte_level(p: &Json) -> bool {
 
 /// The `tokenizer.*` keys for the checkpoint in `dir` (config.json's `vocab_size`), in
 /// convert_hf_to_gguf.py's order.
-pub fn keys(dir: &Path, family: Family, vocab_size: usize) -> Result<Vec<Kv>> {
+pub(crate) fn keys(dir: &Path, family: Family, vocab_size: usize) -> Result<Vec<Kv>> {
     let mut kv: Vec<Kv> = Vec::new();
     let s = |x: &str| Value::String(x.to_string());
     if matches!(family, Family::Llama | Family::Mistral) {

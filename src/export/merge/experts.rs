@@ -20,7 +20,7 @@ use candle_core::Tensor;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct Slot {
     /// The adapter module (`….mlp.experts` or `….mlp.experts.base_layer`).
-    pub module: String,
+    pub(crate) module: String,
     /// The expert, for a tensor of one; None for the fused [E, out, in] parameter.
     expert: Option<usize>,
     /// The rows of ΔW_e it takes (start, len): gate's or up's half of gate_up; None: all.

@@ -49,7 +49,6 @@ use crate::ops::dora::row_norms;
 use crate::quant::{bnb, Nf4};
 use crate::recipe::Dtype;
 use crate::util::fs::write_dir;
-pub use crate::util::parse_size;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use check::*;
@@ -119,10 +118,13 @@ impl Default for MergeOptions {
 /// What a merge wrote.
 #[derive(Debug, Clone)]
 pub struct MergeReport {
+    /// The output directory.
     pub out: PathBuf,
     /// Tensors written, and how many of them got an adapter merged in.
     pub tensors: usize,
+    /// Of them, those an adapter was merged into.
     pub merged: usize,
+    /// Safetensors shards written.
     pub shards: usize,
     /// Bytes of tensor data (the index's metadata.total_size).
     pub total_size: u64,
@@ -150,14 +152,15 @@ pub fn merge(adapter: &Path, base: &Path, out: &Path, opts: &MergeOptions) -> Re
             );
         }
     }
-    // Memory-map every base shard. SAFETY: read-only maps of files we do not modify while
-    // they are mapped (the output goes to another directory).
+    // Memory-map every base shard.
     let maps = files
         .weights
         .iter()
         .map(|p| {
             let f =
                 std::fs::File::open(p).with_context(|| format!("cannot open {}", p.display()))?;
+            // SAFETY: read-only maps of files we do not modify while they are mapped (the
+            // output goes to another directory).
             unsafe { memmap2::Mmap::map(&f) }.with_context(|| format!("cannot map {}", p.display()))
         })
         .collect::<Result<Vec<_>>>()?;
@@ -178,7 +181,7 @@ pub fn merge(adapter: &Path, base: &Path, out: &Path, opts: &MergeOptions) -> Re
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use crate::util::parse_size;
 
     #[test]
     fn sizes_read_as_transformers_reads_them() {

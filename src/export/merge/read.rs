@@ -136,9 +136,10 @@ impl<'a> Base<'a> {
             .with_context(|| format!("cannot read {}", files.config.display()))?;
         let cfg: Value = serde_json::from_str(&cfg_text)
             .with_context(|| format!("{} is not valid JSON", files.config.display()))?;
-        // SAFETY: as the maps above.
         let packed_st = match packed {
             Some(_) => {
+                // SAFETY: as `merge`'s maps of the same shards: read-only, and nothing of ours
+                // writes the base while they are mapped (the output is another directory).
                 Some(unsafe { candle_core::safetensors::MmapedSafetensors::multi(&files.weights) }?)
             }
             None => None,

@@ -6,14 +6,14 @@ use crate::recipe::{Checkpointing, Strategy};
 
 /// What to do, in the order the checks run.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
-pub struct Advice {
-    pub strategy: Option<Strategy>,
-    pub ckpt: Option<Checkpointing>,
-    pub micro_batch: Option<usize>,
-    pub grad_accum: Option<usize>,
+pub(crate) struct Advice {
+    pub(crate) strategy: Option<Strategy>,
+    pub(crate) ckpt: Option<Checkpointing>,
+    pub(crate) micro_batch: Option<usize>,
+    pub(crate) grad_accum: Option<usize>,
     /// The longest seq_len any row holds at micro-batch 1 (`longest`).
-    pub max_seq_len: Option<usize>,
-    pub lines: Vec<String>,
+    pub(crate) max_seq_len: Option<usize>,
+    pub(crate) lines: Vec<String>,
 }
 
 /// The most of a card an advised setting takes: the rest is room for the allocator's
@@ -24,7 +24,7 @@ pub const ADVISED_SHARE: f64 = 0.9;
 /// sharded → fsdp; nothing fits at this micro-batch → the largest micro-batch that fits with
 /// more accumulation (same global batch), when activations dominate; lower LoRA rank /
 /// fewer targets when the optimiser dominates; more GPUs when the base does.
-pub fn advise(
+pub(crate) fn advise(
     rows: &[Row],
     micro_batch: usize,
     grad_accum: usize,
@@ -180,7 +180,7 @@ impl Advice {
 
 /// The row that holds the longest context: the largest `max_seq_len` (the first such in the
 /// plan's order), with that seq_len.
-pub fn longest(rows: &[Row]) -> Option<(&Row, usize)> {
+pub(crate) fn longest(rows: &[Row]) -> Option<(&Row, usize)> {
     let mut best: Option<(&Row, usize)> = None;
     for r in rows {
         if let Some(t) = r.max_seq_len {
@@ -194,7 +194,12 @@ pub fn longest(rows: &[Row]) -> Option<(&Row, usize)> {
 
 /// The advice line of the longest context: `t` tokens on row `r`, whose breakdown there is
 /// `at`; past the model's `max_positions` it says so.
-pub fn longest_line(r: &Row, t: usize, at: &super::Breakdown, max_positions: usize) -> String {
+pub(crate) fn longest_line(
+    r: &Row,
+    t: usize,
+    at: &super::Breakdown,
+    max_positions: usize,
+) -> String {
     let host = match at.host {
         0 => String::new(),
         h => format!(" and {} of pinned host memory", fmt_bytes(h)),
@@ -214,7 +219,7 @@ pub fn longest_line(r: &Row, t: usize, at: &super::Breakdown, max_positions: usi
 
 /// What to change when the run's row (`selected`) does not fit: concrete settings, each with
 /// its forecast.
-pub fn remedies(p: &Plan, selected: (Strategy, Checkpointing)) -> Vec<String> {
+pub(crate) fn remedies(p: &Plan, selected: (Strategy, Checkpointing)) -> Vec<String> {
     let mut out = Vec::new();
     let (st, ck) = selected;
     let more = match ck {

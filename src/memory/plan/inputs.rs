@@ -8,36 +8,36 @@ use crate::ops::kernels::Kernels;
 /// What the plan is for: the shape, the batch, the adapters and the world.
 #[derive(Debug, Clone)]
 pub struct PlanInput {
-    pub cfg: ModelConfig,
+    pub(crate) cfg: ModelConfig,
     /// lm_head is the embedding (counted once).
-    pub tied: bool,
+    pub(crate) tied: bool,
     /// Bytes per base element: 2 (bf16/f16) or 4 (f32).
-    pub dtype_bytes: u64,
-    pub micro_batch: usize,
-    pub seq_len: usize,
-    pub rank: usize,
+    pub(crate) dtype_bytes: u64,
+    pub(crate) micro_batch: usize,
+    pub(crate) seq_len: usize,
+    pub(crate) rank: usize,
     /// LoRA target modules (names from `ALL_LINEAR`).
-    pub targets: Vec<String>,
+    pub(crate) targets: Vec<String>,
     /// DoRA (`lora.use_dora`): a magnitude [out] per adapter, and its f32 temporaries.
-    pub dora: bool,
+    pub(crate) dora: bool,
     /// Ranks for ddp / fsdp (1: single only).
-    pub gpus: usize,
+    pub(crate) gpus: usize,
     /// On CUDA: count the context and the allocator slack (0 on the CPU).
-    pub cuda: bool,
+    pub(crate) cuda: bool,
     /// The run's kernels (`Kernels::resolve`, or `Kernels::forecast` without a device): on
     /// the tensor-core attention no score blocks; on the fused cross-entropy the logits in the
     /// activation dtype, no f32 copies; folded, the padded weights' extra columns join the base
     /// (under FSDP, its shards and gathered layers).
-    pub kernels: Kernels,
+    pub(crate) kernels: Kernels,
     /// Activations wait in host memory (`train.offload_activations`): without checkpointing
     /// each layer's residual (`Keep::Offload`), with the MLP half checkpointed gate
     /// and up (`Keep::ParkMlp`), with the whole layer its input.
-    pub offload: bool,
+    pub(crate) offload: bool,
     /// How the base is stored (`[model] quantize`): NF4 linears at `nf4::bytes_for` each,
     /// dequantized for the current and the next layer.
-    pub quant: crate::quant::Quant,
+    pub(crate) quant: crate::quant::Quant,
     /// Tokens per MLP chunk of a checkpointed layer (`train.mlp_chunk`; None: whole).
-    pub mlp_chunk: Option<usize>,
+    pub(crate) mlp_chunk: Option<usize>,
 }
 
 /// The plan of a `bench` shape (bf16 on CUDA): `lora-train plan --shape`.
@@ -76,7 +76,7 @@ impl PlanInput {
 
     /// The same run with its base stored as `quant` says (e.g. `Quant::for_checkpoint`: a
     /// bitsandbytes 4-bit checkpoint is NF4 whatever the recipe says).
-    pub fn with_quant(self, quant: crate::quant::Quant) -> PlanInput {
+    pub(crate) fn with_quant(self, quant: crate::quant::Quant) -> PlanInput {
         PlanInput {
             kernels: self.kernels.for_base(quant.nf4),
             quant,
@@ -88,7 +88,7 @@ impl PlanInput {
 /// Tokens per MLP chunk as the layers run it (`Layer::mlp_chunk`): `chunk` (`train.mlp_chunk`),
 /// unless LoRA dropout is on: an adapted MLP linear then keeps the MLP whole (its mask is drawn
 /// over the whole input).
-pub fn mlp_chunk_as_run(
+pub(crate) fn mlp_chunk_as_run(
     cfg: &ModelConfig,
     chunk: Option<usize>,
     dropout: f64,

@@ -76,39 +76,41 @@
 
 mod advice;
 mod inputs;
+mod offline;
 mod render;
 mod search;
 mod terms;
 #[cfg(test)]
 mod tests;
 
-pub use advice::{advise, remedies, Advice};
-pub use inputs::{input_from_shape, mlp_chunk_as_run, PlanInput};
-pub use render::{fmt_bytes, label, render, to_json};
-pub use search::{
-    max_micro_batch, max_seq_len, plan, row, strategies, strategy_name, Plan, Row, MB_LIMIT,
-    SEQ_LIMIT, SEQ_STEP,
-};
+pub(crate) use advice::{advise, remedies, Advice};
+pub use inputs::input_from_shape;
+pub(crate) use inputs::{mlp_chunk_as_run, PlanInput};
+pub use offline::shape_command;
+pub(crate) use render::{fmt_bytes, label};
+pub use render::{render, to_json};
+pub use search::plan;
+pub(crate) use search::{row, strategy_name, Plan, Row, MB_LIMIT, SEQ_LIMIT, SEQ_STEP};
+#[cfg(test)]
+pub(crate) use terms::breakdown;
 use terms::{adapted, is_mlp};
-pub use terms::{
-    breakdown, breakdown_within, fold_pad_bytes, kept_attention_per_token_layer,
-    kept_per_token_layer, lora_params, magnitude_params, moe_ws, nf4_base_bytes, Breakdown,
-};
+pub(crate) use terms::{breakdown_within, magnitude_params, Breakdown};
+pub use terms::{kept_attention_per_token_layer, kept_per_token_layer, lora_params};
 
-pub const GIB: u64 = 1 << 30;
-pub const MIB: u64 = 1 << 20;
+pub(crate) const GIB: u64 = 1 << 30;
+pub(crate) const MIB: u64 = 1 << 20;
 /// CUDA context, cuBLAS handles and module images: device memory outside the pool.
-pub const CONTEXT: u64 = 512 * MIB;
+pub(crate) const CONTEXT: u64 = 512 * MIB;
 /// What CUDA's pool reserves beyond its used high-water mark (fragmentation, rounding), as a
 /// fraction of that mark, for a bf16 / f32 base: the largest reserved / allocated ratio
 /// measured at 7B (1.08-1.13, BENCHMARKS.md), rounded up.
-pub const SLACK: f64 = 0.14;
+pub(crate) const SLACK: f64 = 0.14;
 /// The same for an NF4 base (1.13-1.22 measured: the load-time quantizing leaves the pool
 /// holes the activations fit less well).
-pub const SLACK_NF4: f64 = 0.23;
+pub(crate) const SLACK_NF4: f64 = 0.23;
 
 /// The allocator slack fraction for a base stored as `quant`.
-pub fn slack_for(quant: &crate::quant::Quant) -> f64 {
+pub(crate) fn slack_for(quant: &crate::quant::Quant) -> f64 {
     if quant.is_nf4() {
         SLACK_NF4
     } else {
@@ -117,9 +119,9 @@ pub fn slack_for(quant: &crate::quant::Quant) -> f64 {
 }
 /// Backward workspace of one layer, in units of N·s·(2C + 3I) (see the module docs): 1 is
 /// the count of the tensors alive together in `Layer::backward`'s MLP part.
-pub const BWD_WS: f64 = 1.0;
+pub(crate) const BWD_WS: f64 = 1.0;
 /// f32 logit-sized buffers alive at once in one head chunk of the op chain (CPU, f16): the
 /// logits, x − max while its exponential is made, the exponential.
-pub const HEAD_CHUNKS: f64 = 3.0;
+pub(crate) const HEAD_CHUNKS: f64 = 3.0;
 /// Attention score block bound (ops::attention::default_block).
-pub const ATTN_BLOCK: u64 = 128 * MIB;
+pub(crate) const ATTN_BLOCK: u64 = 128 * MIB;

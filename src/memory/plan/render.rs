@@ -4,7 +4,7 @@ use super::{row, strategy_name, Breakdown, Plan, Row, GIB, MB_LIMIT, MIB, SEQ_LI
 use crate::recipe::{Checkpointing, Strategy};
 
 /// e.g. "fsdp ×2 + ckpt".
-pub fn label(b: &Breakdown) -> String {
+pub(crate) fn label(b: &Breakdown) -> String {
     let mut s = strategy_name(b.strategy).to_string();
     if b.strategy != Strategy::Single {
         s.push_str(&format!(" ×{}", b.world));
@@ -18,7 +18,7 @@ pub fn label(b: &Breakdown) -> String {
 }
 
 /// Bytes for people: B, KiB, MiB or GiB with two decimals.
-pub fn fmt_bytes(x: u64) -> String {
+pub(crate) fn fmt_bytes(x: u64) -> String {
     let f = x as f64;
     if x >= GIB {
         format!("{:.2} GiB", f / GIB as f64)

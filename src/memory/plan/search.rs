@@ -5,7 +5,7 @@ use super::*;
 use crate::recipe::{Checkpointing, Strategy};
 
 /// The strategies a plan covers: single, and ddp and fsdp when there are several GPUs.
-pub fn strategies(gpus: usize) -> Vec<Strategy> {
+pub(crate) fn strategies(gpus: usize) -> Vec<Strategy> {
     if gpus > 1 {
         vec![Strategy::Single, Strategy::Ddp, Strategy::Fsdp]
     } else {
@@ -14,7 +14,7 @@ pub fn strategies(gpus: usize) -> Vec<Strategy> {
 }
 
 /// The largest micro-batch (up to `limit`) whose total fits `capacity`; None if 1 does not.
-pub fn max_micro_batch(
+pub(crate) fn max_micro_batch(
     p: &PlanInput,
     strategy: Strategy,
     ckpt: Checkpointing,
@@ -27,11 +27,11 @@ pub fn max_micro_batch(
 }
 
 /// seq_len is searched in steps of this many tokens.
-pub const SEQ_STEP: usize = 1024;
+pub(crate) const SEQ_STEP: usize = 1024;
 
 /// The longest seq_len (a multiple of `SEQ_STEP`, up to `limit`) whose total at micro-batch 1
 /// fits `capacity`; None if `SEQ_STEP` tokens do not.
-pub fn max_seq_len(
+pub(crate) fn max_seq_len(
     p: &PlanInput,
     strategy: Strategy,
     ckpt: Checkpointing,
@@ -76,41 +76,43 @@ pub(super) fn largest(limit: usize, fits: impl Fn(usize) -> bool) -> Option<usiz
 
 /// One row of the plan: a breakdown and, against a capacity, whether it fits.
 #[derive(Debug, Clone, serde::Serialize)]
-pub struct Row {
+pub(crate) struct Row {
     #[serde(flatten)]
-    pub b: Breakdown,
-    pub fits: Option<bool>,
+    pub(crate) b: Breakdown,
+    pub(crate) fits: Option<bool>,
     /// The largest micro-batch that fits (None: no capacity, or not even 1).
-    pub max_micro_batch: Option<usize>,
+    pub(crate) max_micro_batch: Option<usize>,
     /// The longest seq_len that fits at micro-batch 1 (None: no capacity, or not even
     /// `SEQ_STEP` tokens).
-    pub max_seq_len: Option<usize>,
+    pub(crate) max_seq_len: Option<usize>,
 }
 
 /// The whole plan: rows for every strategy × checkpointing, and advice.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Plan {
-    pub micro_batch: usize,
-    pub grad_accum: usize,
-    pub seq_len: usize,
-    pub gpus: usize,
-    pub dtype_bytes: u64,
-    pub lora_params: u64,
-    pub base_params: u64,
-    pub kept_bytes_per_token_layer: u64,
-    pub capacity: Option<u64>,
+    pub(crate) micro_batch: usize,
+    pub(crate) grad_accum: usize,
+    pub(crate) seq_len: usize,
+    pub(crate) gpus: usize,
+    pub(crate) dtype_bytes: u64,
+    pub(crate) lora_params: u64,
+    pub(crate) base_params: u64,
+    pub(crate) kept_bytes_per_token_layer: u64,
+    pub(crate) capacity: Option<u64>,
     /// The base's decoder linears in NF4 (`PlanInput::quant`).
-    pub nf4: bool,
-    pub rows: Vec<Row>,
-    pub advice: Advice,
+    pub(crate) nf4: bool,
+    pub(crate) rows: Vec<Row>,
+    pub(crate) advice: Advice,
 }
 
 /// Largest micro-batch searched.
-pub const MB_LIMIT: usize = 4096;
+pub(crate) const MB_LIMIT: usize = 4096;
 
 /// Longest seq_len searched: the recipe's bound.
-pub const SEQ_LIMIT: usize = crate::recipe::bounds::MAX_SEQ_LEN;
+pub(crate) const SEQ_LIMIT: usize = crate::recipe::bounds::MAX_SEQ_LEN;
 
+/// Every strategy × checkpointing at `p`: each row's breakdown, whether it fits `capacity`,
+/// the largest micro-batch and longest seq_len that do; and the advice.
 pub fn plan(p: &PlanInput, grad_accum: usize, capacity: Option<u64>) -> Plan {
     let mut rows = Vec::new();
     for st in strategies(p.gpus) {
@@ -156,7 +158,7 @@ pub fn plan(p: &PlanInput, grad_accum: usize, capacity: Option<u64>) -> Plan {
     }
 }
 
-pub fn strategy_name(s: Strategy) -> &'static str {
+pub(crate) fn strategy_name(s: Strategy) -> &'static str {
     match s {
         Strategy::Single => "single",
         Strategy::Ddp => "ddp",
@@ -165,7 +167,7 @@ pub fn strategy_name(s: Strategy) -> &'static str {
 }
 
 /// The row of a strategy and checkpointing setting.
-pub fn row(p: &Plan, strategy: Strategy, ckpt: Checkpointing) -> Option<&Row> {
+pub(crate) fn row(p: &Plan, strategy: Strategy, ckpt: Checkpointing) -> Option<&Row> {
     p.rows
         .iter()
         .find(|r| r.b.strategy == strategy && r.b.ckpt == ckpt)

@@ -8,59 +8,59 @@ use crate::recipe::{Checkpointing, Strategy};
 
 /// One strategy's per-rank bytes.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
-pub struct Breakdown {
-    pub strategy: Strategy,
-    pub ckpt: Checkpointing,
-    pub world: usize,
-    pub micro_batch: usize,
-    pub base: u64,
+pub(crate) struct Breakdown {
+    pub(crate) strategy: Strategy,
+    pub(crate) ckpt: Checkpointing,
+    pub(crate) world: usize,
+    pub(crate) micro_batch: usize,
+    pub(crate) base: u64,
     /// LoRA A and B in f32 (and their bf16 copies, when the peak is inside a micro-batch).
-    pub adapters: u64,
+    pub(crate) adapters: u64,
     /// Gradients (f32) and, for DDP, the all-reduce bucket.
-    pub grads: u64,
+    pub(crate) grads: u64,
     /// AdamW m and v (f32).
-    pub optimizer: u64,
+    pub(crate) optimizer: u64,
     /// Activations alive at the peak: kept by autograd, or checkpointed boundaries plus the
     /// recomputed layer.
-    pub activations: u64,
+    pub(crate) activations: u64,
     /// Workspace of the peak phase (backward / head / attention), FSDP gathers excluded.
-    pub transient: u64,
+    pub(crate) transient: u64,
     /// Pinned host memory (offloaded residuals).
-    pub host: u64,
+    pub(crate) host: u64,
     /// With the MLP half checkpointed: the most pairs of parked gate and up on the device while
     /// their copies out run (`Keep::ParkMlp`); 0 where nothing is parked (the MLP
     /// half recomputed).
-    pub park_pending: usize,
+    pub(crate) park_pending: usize,
     /// FSDP: the gathered weights of the current and next layer; NF4: the dequantized
     /// layers (`breakdown` says which); 0 otherwise.
-    pub gather: u64,
-    pub context: u64,
-    pub slack: u64,
+    pub(crate) gather: u64,
+    pub(crate) context: u64,
+    pub(crate) slack: u64,
     /// The pool's high-water mark: what `bench` measures as peak_alloc_gib.
-    pub pool_peak: u64,
+    pub(crate) pool_peak: u64,
     /// pool_peak + context + slack: what must fit.
-    pub total: u64,
+    pub(crate) total: u64,
     /// Which phase has the peak: load, forward, head, backward or optimizer.
-    pub peak_phase: &'static str,
+    pub(crate) peak_phase: &'static str,
     /// The pool's peak in each phase, in order load, forward, head, backward, optimizer.
-    pub phases: [(&'static str, u64); 5],
+    pub(crate) phases: [(&'static str, u64); 5],
 }
 
 impl Breakdown {
     /// The LoRA state: the adapters, their gradients and AdamW's moments (the plan's
     /// "lora+grad+adamw" column).
-    pub fn lora_state(&self) -> u64 {
+    pub(crate) fn lora_state(&self) -> u64 {
         self.adapters + self.grads + self.optimizer
     }
 
     /// What the pool does not hold: the CUDA context and the slack (the "ctx+slack" column).
-    pub fn outside_pool(&self) -> u64 {
+    pub(crate) fn outside_pool(&self) -> u64 {
         self.context + self.slack
     }
 
     /// The largest of the terms that a setting can shrink: "activations" (activations +
     /// transient), "optimizer" (adapters + grads + AdamW) or "base" (base + gathers).
-    pub fn dominant(&self) -> &'static str {
+    pub(crate) fn dominant(&self) -> &'static str {
         // At an optimizer-step peak the transient is the optimizer's own.
         let (act, opt) = if self.peak_phase == "optimizer" {
             (self.activations, self.lora_state() + self.transient)
@@ -98,7 +98,7 @@ pub fn lora_params(cfg: &ModelConfig, rank: usize, targets: &[String]) -> u64 {
 }
 
 /// DoRA's magnitudes: Σ over layers and targeted linears of out.
-pub fn magnitude_params(cfg: &ModelConfig, targets: &[String]) -> u64 {
+pub(crate) fn magnitude_params(cfg: &ModelConfig, targets: &[String]) -> u64 {
     let per_layer: usize = adapted(cfg, targets)
         .filter_map(|m| cfg.linear_shape(m))
         .map(|(_, o)| o)
@@ -189,7 +189,7 @@ pub(super) fn is_mlp(module: &str) -> bool {
 /// the activation and the output (≤ 2C + 4I a row); backward, the input, dL/dy and the
 /// recomputed output or dL/dx [P, C] beside the activations and their gradients (≤ 3C + 6I a
 /// row); and the router's [n, E] f32 probabilities and gradients. (0, 0) for a dense model.
-pub fn moe_ws(cfg: &ModelConfig, s: u64, n: u64) -> (u64, u64) {
+pub(crate) fn moe_ws(cfg: &ModelConfig, s: u64, n: u64) -> (u64, u64) {
     let Some(m) = cfg.arch.moe else {
         return (0, 0);
     };
@@ -208,7 +208,7 @@ pub fn moe_ws(cfg: &ModelConfig, s: u64, n: u64) -> (u64, u64) {
 /// q, k, v (or qkv) by their Σ r, gate and up (or gate_up) by theirs, down by r (after SwiGLU
 /// only), each row rounded up to `ROW_ALIGN`, for each group whose linears are all adapted and
 /// without a bias, at widths the kernels take.
-pub fn fold_pad_bytes(cfg: &ModelConfig, s: u64, r: usize, targets: &[String]) -> u64 {
+pub(crate) fn fold_pad_bytes(cfg: &ModelConfig, s: u64, r: usize, targets: &[String]) -> u64 {
     use crate::ops::fold::pad_width;
     let all = |ms: &[&str]| ms.iter().all(|m| targets.iter().any(|t| t == m));
     let mut groups: Vec<(&[&str], bool)> = match cfg.arch.fused {
@@ -242,7 +242,7 @@ pub(super) fn layer_params(cfg: &ModelConfig) -> u64 {
 
 /// Bytes of the base with each decoder linear in NF4 (`nf4::bytes_for`) and everything else
 /// (embedding, head, norms, biases) at `s` bytes an element.
-pub fn nf4_base_bytes(cfg: &ModelConfig, tied: bool, s: u64, double_quant: bool) -> u64 {
+pub(crate) fn nf4_base_bytes(cfg: &ModelConfig, tied: bool, s: u64, double_quant: bool) -> u64 {
     let shapes: Vec<(usize, usize)> = cfg
         .linears()
         .iter()
@@ -266,7 +266,8 @@ pub(super) fn largest_linear(cfg: &ModelConfig) -> u64 {
 
 /// The per-rank breakdown of one strategy and checkpointing, at `micro_batch` (with the MLP
 /// half checkpointed and offload on, gate and up parked with the most pairs in flight).
-pub fn breakdown(
+#[cfg_attr(not(test), allow(dead_code))]
+pub(crate) fn breakdown(
     p: &PlanInput,
     strategy: Strategy,
     ckpt: Checkpointing,
@@ -279,7 +280,7 @@ pub fn breakdown(
 /// checkpointed and offload on, the most pairs of parked gate and up in flight
 /// (`PARK_PENDING`, fewer where those do not fit; none, the MLP half recomputed,
 /// where one does not: `Breakdown::park_pending`).
-pub fn breakdown_within(
+pub(crate) fn breakdown_within(
     p: &PlanInput,
     strategy: Strategy,
     ckpt: Checkpointing,

@@ -1,5 +1,7 @@
 //! The plan's terms by hand, at the Llama-2-7B shape.
 
+use super::search::{max_micro_batch, max_seq_len};
+use super::terms::{breakdown, fold_pad_bytes, nf4_base_bytes};
 use super::*;
 use crate::lora::ALL_LINEAR;
 use crate::model::ModelConfig;

@@ -70,17 +70,25 @@ fn block_rows(
     }
     match (lse_in, s.dtype()) {
         (None, DType::F32) | (None, DType::BF16) => {
+            // SAFETY: uninitialised f32s; masked_lse's thread 0 of block `row` writes lse[row]
+            // for every one of the `rows` blocks of the launch, before anything reads it.
             let out: CudaSlice<f32> = unsafe { dev.alloc::<f32>(rows)? };
             let mut bld = stream.launch_builder(&func);
             if s.dtype() == DType::F32 {
                 let x = s.as_cuda_slice::<f32>()?.slice(o1..o2);
                 bld.arg(&x).arg(&out);
                 args!(bld);
+                // SAFETY: x is the contiguous [B, H, bq, e] block (`contiguous` above), so each
+                // of the `rows` blocks reads e scores inside it; out holds `rows`; seg, when set,
+                // is a private copy of the mask's u32 [B × T] ids (AttnMask's contract: not
+                // checked here), read at b·T + i, j < T. Arguments in masked_lse's order and
+                // C types; all on the stream of s's device, after the ops that made s.
                 unsafe { bld.launch(cfg) }.w()?;
             } else {
                 let x = s.as_cuda_slice::<half::bf16>()?.slice(o1..o2);
                 bld.arg(&x).arg(&out);
                 args!(bld);
+                // SAFETY: as the f32 launch above, with x viewed as bf16 (s's dtype).
                 unsafe { bld.launch(cfg) }.w()?;
             }
             Ok(CudaStorage::wrap_cuda_slice(out, dev))
@@ -93,6 +101,11 @@ fn block_rows(
                 let mut bld = stream.launch_builder(&func);
                 bld.arg(&x).arg(&lse).arg(&out);
                 args!(bld);
+                // SAFETY: x is the contiguous [B, H, bq, e] block and out n = rows · e of its
+                // dtype, every element written (allowed keys their exp, the rest 0); lse is the
+                // block's contiguous L [B, H, bq] f32 that attention_fwd / attention_bwd narrow
+                // to these queries (one value a row, by construction, not checked here); seg as
+                // for masked_lse. One stream: s's device's.
                 unsafe { bld.launch(cfg) }.w()?;
             }))
         }
@@ -101,7 +114,7 @@ fn block_rows(
 }
 
 /// `sc` = [scale, soft-cap (0: none)].
-pub fn masked_lse(
+pub(crate) fn masked_lse(
     s: &CudaStorage,
     l: &Layout,
     seg: Option<&candle_core::Tensor>,
@@ -114,7 +127,7 @@ pub fn masked_lse(
 }
 
 #[allow(clippy::too_many_arguments)]
-pub fn masked_exp(
+pub(crate) fn masked_exp(
     s: &CudaStorage,
     l: &Layout,
     lse: &CudaStorage,
@@ -140,7 +153,7 @@ pub fn masked_exp(
 
 /// `cap`: the soft-cap and the block's raw scores (P's dtype and shape), when capped.
 #[allow(clippy::too_many_arguments)]
-pub fn softmax_bwd(
+pub(crate) fn softmax_bwd(
     p: &CudaStorage,
     pl: &Layout,
     dp: &CudaStorage,
@@ -175,6 +188,10 @@ pub fn softmax_bwd(
                 .arg(&ei)
                 .arg(&sc)
                 .arg(&nl);
+            // SAFETY: one thread an element of n = |P|, each bounded by n: P (x) and dP are
+            // contiguous views of P's dtype (checked above); dP and δ are attention_bwd's
+            // [B, H, bq, e] and [B, H, bq] f32 of the same block (sizes by construction, not
+            // checked here), δ read at k / e < n / e; out is fresh, n elements, all written.
             unsafe { bld.launch(cfg) }.w()?;
         })
     }))
@@ -219,6 +236,8 @@ fn softmax_bwd_cap(
                     .arg(&scale)
                     .arg(&cap)
                     .arg(&nl);
+                // SAFETY: as softmax_bwd's launch; the raw scores have P's dtype and n
+                // elements (checked above), contiguous.
                 unsafe { bld.launch(cfg) }.w()?;
             })
         })
@@ -227,7 +246,7 @@ fn softmax_bwd_cap(
 
 /// out f32 [R, bk, D] = sum (f32, or zeros) + part[:, ks..ks + bk, :] of part [R, e, D];
 /// `red` = [R, e, D, ks, bk].
-pub fn acc_block(
+pub(crate) fn acc_block(
     sum: Option<(&CudaStorage, &Layout)>,
     part: &CudaStorage,
     pl: &Layout,
@@ -239,6 +258,7 @@ pub fn acc_block(
     let dev = part.device().clone();
     let (func, stream) = kernel(part, "acc_block")?;
     let cfg = crate::ops::cuda::elems(n)?;
+    // SAFETY: uninitialised f32s; acc_block writes out[k] for every k < n (one thread each).
     let out: CudaSlice<f32> = unsafe { dev.alloc::<f32>(n)? };
     let (p1, p2) = contiguous(pl)?;
     let null: u64 = 0;
@@ -263,13 +283,16 @@ pub fn acc_block(
             .arg(&di)
             .arg(&ki)
             .arg(&bi);
+        // SAFETY: thread k < n = R·bk·D reads part at (r·e + ks)·D + k mod bk·D, inside the
+        // contiguous [R, e, D] part since ks + bk ≤ e (attention_bwd's key blocks, not checked
+        // here), and sum[k] when set (f32 [R, bk, D], contiguous); writes out[k]. One stream.
         unsafe { bld.launch(cfg) }.w()?;
     });
     Ok(CudaStorage::wrap_cuda_slice(out, dev))
 }
 
 /// δ [B, H, T] f32 = rowsum over each head of dO ⊙ O, both rows [B·T, H·D] (contiguous).
-pub fn row_dot(
+pub(crate) fn row_dot(
     g: &CudaStorage,
     gl: &Layout,
     o: &CudaStorage,
@@ -285,6 +308,8 @@ pub fn row_dot(
     }
     let (func, stream) = kernel(g, "row_dot")?;
     let cfg = crate::ops::cuda::elems(mh * 32)?;
+    // SAFETY: uninitialised f32s; row_dot's warp w < mh writes δ[(b·H + h)·T + t], a
+    // one-to-one map of the mh = B·T·H (m, h) pairs onto [0, mh).
     let out: CudaSlice<f32> = unsafe { dev.alloc::<f32>(mh)? };
     let (g1, g2) = contiguous(gl)?;
     let (o1, o2) = contiguous(ol)?;
@@ -299,6 +324,9 @@ pub fn row_dot(
                 .arg(&hi)
                 .arg(&ti)
                 .arg(&di);
+            // SAFETY: warp w < mh reads D values of dO and O at row m = w / H, head w mod H:
+            // both contiguous of one dtype (checked above) and [B·T, H·D] as `bthd` says (the
+            // caller's RowDot, made from O's dims); out has mh. One stream: g's device's.
             unsafe { bld.launch(cfg) }.w()?;
         })
     });

@@ -238,7 +238,7 @@ impl CustomOp3 for SoftmaxBwd {
 }
 
 /// Queries per block: the [B, H, bq, T] score block stays within ~128 MiB of 16-bit values.
-pub fn default_block(b: usize, h: usize, t: usize) -> usize {
+pub(crate) fn default_block(b: usize, h: usize, t: usize) -> usize {
     let per_query = (b * h * t * 2).max(1);
     ((128usize << 20) / per_query).clamp(16, t.max(16)).min(t)
 }
