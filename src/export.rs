@@ -353,6 +353,8 @@ pub fn load_adapter_weights(dir: &Path, model: &Model) -> Result<()> {
     let path = dir.join(WEIGHTS);
     let tensors = candle_core::safetensors::load(&path, &Device::Cpu)
         .with_context(|| format!("cannot read {}", path.display()))?;
+    let shapes = tensors.iter().map(|(k, t)| (k.as_str(), t.dims()));
+    adapter_check::against_base(&path, shapes, &model.cfg)?;
     for (module, lora) in model.adapters() {
         for (key, var) in adapter_keys(module, lora) {
             let t = key_variants(&key)

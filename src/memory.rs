@@ -4,6 +4,7 @@
 //! memory (release threshold = max, so freed blocks are reused instead of returned to the
 //! driver on every synchronisation) and read its peak use, which is what decides an OOM.
 
+pub mod host;
 pub mod plan;
 pub(crate) mod sizes;
 
@@ -395,46 +396,18 @@ pub fn free_gpu_memory(ordinals: &[usize]) -> Option<u64> {
     least.map(|f| f + plan::CONTEXT)
 }
 
-/// The host memory the system can give without swapping (Linux's MemAvailable); None where
-/// /proc/meminfo does not say.
+/// The host memory free for this process now (`host::probe`'s `available`: MemAvailable
+/// within its cgroup and address-space limits, or LORA_TRAIN_HOST_MEMORY); None where
+/// nothing says.
 pub(crate) fn host_available() -> Option<u64> {
-    meminfo_available(&std::fs::read_to_string("/proc/meminfo").ok()?)
+    host::probe().ok().flatten().map(|h| h.available)
 }
 
-/// MemAvailable of a /proc/meminfo text, in bytes.
-fn meminfo_available(text: &str) -> Option<u64> {
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let mut words = line.split_whitespace().skip(1);
-    let n: u64 = words.next()?.parse().ok()?;
-    match words.next() {
-        Some("kB") => n.checked_mul(1024),
-        _ => None,
-    }
-}
-
-/// Whether `ranks` ranks on one host may each pin `pinned` bytes of its `available` memory:
-/// three quarters of it at most, the rest left to the data, the page cache and the process.
-pub(crate) fn host_fits(pinned: u64, ranks: usize, available: u64) -> bool {
-    pinned.saturating_mul(ranks.max(1) as u64) <= available / 4 * 3
-}
+pub(crate) use host::host_fits;
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn host_memory_is_read_from_meminfo() {
-        let text = "MemTotal:       131072000 kB\nMemFree:         1000 kB\nMemAvailable:   100000000 kB\n";
-        assert_eq!(meminfo_available(text), Some(100_000_000 * 1024));
-        assert_eq!(meminfo_available("MemTotal: 5 kB\n"), None);
-        assert_eq!(meminfo_available("MemAvailable: many kB\n"), None);
-        assert_eq!(meminfo_available("MemAvailable: 5 MB\n"), None);
-        // 12 GiB pinned by each of 2 ranks of a host with 32 GiB available: 24 of 24 allowed.
-        let gib = 1u64 << 30;
-        assert!(host_fits(12 * gib, 2, 32 * gib));
-        assert!(!host_fits(12 * gib + 1, 2, 32 * gib));
-        assert!(host_fits(0, 0, 0));
-    }
 
     #[test]
     fn oom_is_found_in_an_error_chain() {

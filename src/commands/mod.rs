@@ -130,13 +130,14 @@ pub fn finish(res: anyhow::Result<()>) -> ExitCode {
 /// The command line, parsed; clap's error for a common slip (`--set train.lr 1e-4`, a recipe
 /// without `--recipe`) is followed by the line to type instead (exit 2).
 pub fn parse() -> Cli {
-    let args: Vec<String> = std::env::args_os()
-        .map(|a| a.to_string_lossy().into_owned())
-        .collect();
-    let e = match Cli::try_parse_from(&args) {
+    // Parsed as the OS gave the words (a path need not be UTF-8); read as text for the hint.
+    let e = match Cli::try_parse_from(std::env::args_os()) {
         Ok(cli) => return cli,
         Err(e) => e,
     };
+    let args: Vec<String> = std::env::args_os()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
     use clap::error::ErrorKind::{DisplayHelp, DisplayVersion};
     let fixed = slip_fixed(&args);
     if matches!(e.kind(), DisplayHelp | DisplayVersion) || fixed == args {

@@ -50,6 +50,10 @@ pub struct PlanArgs {
     /// in a CUDA build, else no fit column).
     #[arg(long, value_parser = super::parse_size)]
     gpu_mem: Option<u64>,
+    /// Host memory free for the ranks' pinned activations, e.g. 125GiB (default:
+    /// LORA_TRAIN_HOST_MEMORY, else what this machine has free within this process's limits).
+    #[arg(long, value_parser = super::parse_size)]
+    host_mem: Option<u64>,
     /// Print JSON instead of the table.
     #[arg(long)]
     json: bool,
@@ -125,6 +129,13 @@ pub fn run(a: PlanArgs) -> anyhow::Result<()> {
         Some(c) => Some(c),
         None => lora_train::memory::free_gpu_memory(&gpus_used),
     };
+    let host = match a.host_mem {
+        Some(h) => Some(h),
+        None => lora_train::memory::host::probe()
+            .map_err(anyhow::Error::msg)?
+            .map(|h| h.available),
+    };
+    let input = input.with_host(host);
     let p = plan::plan(&input, grad_accum, capacity);
     if a.json {
         lora_train::outln!("{}", plan::to_json(&p, selected));

@@ -2,6 +2,7 @@
 
 use super::Usage;
 use clap::Args;
+use lora_train::parallel::launch::EnvRank;
 use lora_train::train::stop::{Interrupted, EXIT_INTERRUPTED};
 use lora_train::util::{on_exit, out};
 use std::path::{Path, PathBuf};
@@ -56,6 +57,17 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
     };
     let last = s.losses.last().copied().unwrap_or(f64::NAN);
     let first = s.losses.first().copied().unwrap_or(f64::NAN);
+    // A launcher's rank other than 0 trained the same steps; rank 0 alone writes.
+    if let Some(e) = EnvRank::from_env(&|k| std::env::var(k).ok())?.filter(|e| e.rank > 0) {
+        lora_train::outln!(
+            "rank {} of {}: trained {} steps; rank 0 writes the adapter to {}",
+            e.rank,
+            e.world,
+            s.steps,
+            s.out_dir.display()
+        );
+        return Ok(());
+    }
     lora_train::outln!(
         "trained {} steps in {:.1}s ({:.0} tok/s): loss {first:.4} -> {last:.4}; adapter saved to {}",
         s.steps,

@@ -152,3 +152,153 @@ pub(crate) fn tensor(path: &Path, key: &str, t: &Tensor) -> Result<()> {
     }
     Ok(())
 }
+
+/// The one check of an adapter against its base, before any consumer uses it (`generate
+/// --adapter`, `lora.init_adapter`, resume, `export`): every tensor of the adapter file
+/// `path` (PEFT key and shape) adapts a linear the base `cfg` has (a decoder layer within its
+/// layer count, a module of its family, a MoE's experts where it has them), with that linear's
+/// inputs and outputs (A [r, in], B [out, r], DoRA's m [out]). An error names the key, what it
+/// says and what the base has: the adapter was trained on another model.
+pub(crate) fn against_base<'a>(
+    path: &Path,
+    tensors: impl IntoIterator<Item = (&'a str, &'a [usize])>,
+    cfg: &crate::model::ModelConfig,
+) -> Result<()> {
+    let mut tensors: Vec<(&str, &[usize])> = tensors.into_iter().collect();
+    tensors.sort();
+    for (key, dims) in tensors {
+        if let Err(what) = fits_base(key, dims, cfg) {
+            bail!(
+                "{}: `{key}` {what}: the adapter was trained on another model; use the base it \
+                 was trained on (its adapter_config.json's base_model_name_or_path)",
+                path.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Where PEFT key `key` [dims] does not fit `cfg`: what it says, and what the base has.
+fn fits_base(key: &str, dims: &[usize], cfg: &crate::model::ModelConfig) -> Result<(), String> {
+    let (module, which) = peft_module(key)
+        .ok_or_else(|| "is not a LoRA A / B weight or DoRA magnitude of a linear".to_string())?;
+    let base = format!(
+        "the base ({}, {} layers, hidden size {})",
+        cfg.family.model_type(),
+        cfg.num_layers,
+        cfg.hidden_size
+    );
+    let in_layer = module
+        .strip_prefix("model.layers.")
+        .and_then(|m| m.split_once('.'))
+        .and_then(|(n, rest)| Some((n.parse::<usize>().ok()?, rest)));
+    let Some((layer, rest)) = in_layer else {
+        return Err(format!(
+            "adapts `{module}`, which is no decoder layer's linear in {base}"
+        ));
+    };
+    if layer >= cfg.num_layers {
+        return Err(format!(
+            "adapts layer {layer}, but {base} has layers 0 to {}",
+            cfg.num_layers.saturating_sub(1)
+        ));
+    }
+    if rest == "mlp.experts" || rest == "mlp.experts.base_layer" {
+        return match cfg.arch.moe {
+            Some(_) => Ok(()),
+            None => Err(format!("adapts a MoE's experts, but {base} has none")),
+        };
+    }
+    let leaf = rest.rsplit('.').next().unwrap_or(rest);
+    let Some((inp, out)) = cfg.linear_shape(leaf) else {
+        return Err(format!(
+            "adapts `{leaf}`, which {base} does not have (its linears: {})",
+            cfg.linears().join(", ")
+        ));
+    };
+    let ok = match (which, dims) {
+        ('A', [_, i]) => *i == inp,
+        ('B', [o, _]) => *o == out,
+        ('m', [o]) => *o == out,
+        _ => false,
+    };
+    if ok {
+        return Ok(());
+    }
+    let want = match which {
+        'A' => format!("[r, {inp}]"),
+        'B' => format!("[{out}, r]"),
+        _ => format!("[{out}]"),
+    };
+    Err(format!(
+        "has shape {dims:?}, but `{leaf}` of {base} takes {want} ({inp} inputs, {out} outputs)"
+    ))
+}
+
+/// A PEFT key's module and part ('A', 'B' or the magnitude 'm'), with or without the
+/// adapter's name (`.default`): `base_model.model.<module>.lora_A.weight` → (module, 'A').
+fn peft_module(key: &str) -> Option<(&str, char)> {
+    let m = key.strip_prefix("base_model.model.")?;
+    let m = m
+        .strip_suffix(".default.weight")
+        .or_else(|| m.strip_suffix(".weight"))
+        .unwrap_or(m);
+    [
+        (".lora_A", 'A'),
+        (".lora_B", 'B'),
+        (".lora_magnitude_vector", 'm'),
+    ]
+    .into_iter()
+    .find_map(|(s, w)| m.strip_suffix(s).map(|m| (m, w)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_adapter_is_held_to_its_bases_layers_modules_and_shapes() {
+        let cfg = crate::model::shapes::shape("tiny").unwrap();
+        let (l, c) = (cfg.num_layers, cfg.hidden_size);
+        let q = "base_model.model.model.layers.0.self_attn.q_proj";
+        let a = format!("{q}.lora_A.weight");
+        let b = format!("{q}.lora_B.default.weight");
+        let m = format!("{q}.lora_magnitude_vector");
+        let p = Path::new("a/adapter_model.safetensors");
+        let ok = [(a.as_str(), &[8, c][..]), (&b, &[c, 8]), (&m, &[c])];
+        against_base(p, ok, &cfg).unwrap();
+        let extra = format!("base_model.model.model.layers.{l}.self_attn.q_proj.lora_A.weight");
+        let e = against_base(p, [(extra.as_str(), &[8, c][..])], &cfg).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "a/adapter_model.safetensors: `{extra}` adapts layer {l}, but the base (llama, \
+                 {l} layers, hidden size {c}) has layers 0 to {}: the adapter was trained on \
+                 another model; use the base it was trained on (its adapter_config.json's \
+                 base_model_name_or_path)",
+                l - 1
+            )
+        );
+        let wide = [(a.as_str(), &[8, c + 1][..])];
+        let e = against_base(p, wide, &cfg).unwrap_err().to_string();
+        assert!(e.contains(&format!("has shape [8, {}]", c + 1)), "{e}");
+        let qkv = "base_model.model.model.layers.0.self_attn.qkv_proj.lora_A.weight";
+        let e = against_base(p, [(qkv, &[8, c][..])], &cfg)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("adapts `qkv_proj`, which the base"), "{e}");
+        let head = "base_model.model.lm_head.lora_A.weight";
+        let e = against_base(p, [(head, &[8, c][..])], &cfg)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("adapts `lm_head`, which is no decoder layer's linear"),
+            "{e}"
+        );
+        let experts = "base_model.model.model.layers.0.mlp.experts.lora_A.weight";
+        let e = against_base(p, [(experts, &[8, c][..])], &cfg)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("adapts a MoE's experts, but the base"), "{e}");
+    }
+}

@@ -71,7 +71,13 @@ fn adapter_base(adapter: &Path) -> Result<ModelFiles> {
             cfg.display()
         );
     }
+    // A relative path: from the working directory, else from the adapter's own (a run
+    // whose base path is not UTF-8 records it so).
     let p = PathBuf::from(&name);
+    let p = match p.is_relative() && !p.join("config.json").is_file() {
+        true => adapter.join(&p),
+        false => p,
+    };
     if p.join("config.json").is_file() {
         return ModelFiles::local(&p);
     }

@@ -1,6 +1,7 @@
 //! The communicators of a run's ranks by backend: threads of this process (CPU, or one GPU
-//! each through NCCL), or this process as one rank of a launcher's job. Every `nccl` feature
-//! switch of the crate lives in parallel/; these are the ones the launcher calls.
+//! each through NCCL), or this process as one rank of a launcher's job (a GPU through NCCL,
+//! or the CPU through TCP). Every `nccl` feature switch of the crate lives in parallel/; these
+//! are the ones the launcher calls.
 
 use super::launch::EnvRank;
 use super::{Comm, Group};
@@ -34,17 +35,24 @@ pub(crate) fn nccl_group(_: Vec<usize>, _: Duration) -> Result<Arc<dyn Group>> {
     anyhow::bail!("several GPUs need NCCL: {}", crate::util::NCCL_BUILD)
 }
 
-/// This process's communicator as rank `e.rank` of a launcher's job (RANK, WORLD_SIZE, ...).
+/// This process as rank `e.rank` of a launcher's job of CPU ranks (RANK, WORLD_SIZE, ...):
+/// TCP through rank 0, once every rank has connected (within `timeout`).
+pub(crate) fn tcp_group(e: &EnvRank, timeout: Duration) -> Result<Arc<dyn Group>> {
+    Ok(super::tcp::TcpGroup::connect(e, timeout)?)
+}
+
+/// This process's NCCL communicator as rank `e.rank` of a launcher's job of GPU ranks.
 #[cfg(feature = "nccl")]
 pub(crate) fn env_comm(e: &EnvRank, timeout: Duration) -> Result<Box<dyn Comm>> {
     super::nccl::from_env(e, timeout)
 }
 
-/// A launcher's job needs NCCL: this build has none.
+/// A launcher's job of GPU ranks needs NCCL: this build has none.
 #[cfg(not(feature = "nccl"))]
 pub(crate) fn env_comm(e: &EnvRank, _: Duration) -> Result<Box<dyn Comm>> {
     anyhow::bail!(
-        "RANK / WORLD_SIZE are set (world {}), but this binary was built without NCCL: {}",
+        "RANK / WORLD_SIZE are set (world {}) with model.device = \"cuda\", but this binary was \
+         built without NCCL: {}, or train on the CPU ranks (model.device = \"cpu\")",
         e.world,
         crate::util::NCCL_BUILD
     )

@@ -192,7 +192,8 @@ pub(crate) struct CpuComm {
     group: Arc<CpuGroup>,
 }
 
-fn sum(xs: &[Tensor], _: usize) -> Result<Tensor> {
+/// Σ of `xs` in rank order (the order decides the bits).
+pub(super) fn sum(xs: &[Tensor], _: usize) -> Result<Tensor> {
     let mut acc = xs[0].clone();
     for x in &xs[1..] {
         acc = (acc + x)?;
@@ -200,7 +201,8 @@ fn sum(xs: &[Tensor], _: usize) -> Result<Tensor> {
     Ok(acc)
 }
 
-fn concat(xs: &[Tensor], _: usize) -> Result<Tensor> {
+/// `xs` flattened and concatenated in rank order.
+pub(super) fn concat(xs: &[Tensor], _: usize) -> Result<Tensor> {
     let flat = xs
         .iter()
         .map(|x| x.flatten_all())

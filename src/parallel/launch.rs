@@ -1,10 +1,10 @@
 //! Starting the ranks: threads of this process (one per device; CPU "devices" are virtual
-//! ranks), or one process per rank started by torchrun / mpirun / Slurm (`EnvRank`).
+//! ranks), or one process per rank started by torchrun / mpirun / Slurm (`EnvRank`, `process`).
 //!
 //! A rank that fails aborts its group, so every other rank's collectives fail at once; the run
 //! then reports the first failing rank's error (rank number + its error chain).
 
-use super::{Comm, Group};
+use super::{Comm, CommError, Group};
 use anyhow::{anyhow, bail, Context, Result};
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
@@ -76,7 +76,7 @@ pub fn threads<T: Send + 'static>(
     if let Some((rank, why)) = group.failure() {
         return Err(match results.get_mut(rank).and_then(Option::take) {
             Some(Err(e)) => e.context(format!("rank {rank} of {world} failed")),
-            _ => anyhow!("rank {rank} of {world} failed: {why}"),
+            _ => CommError::Failed { rank, world, why }.into(),
         });
     }
     match results.into_iter().next().flatten() {
@@ -85,73 +85,118 @@ pub fn threads<T: Send + 'static>(
     }
 }
 
-/// This process's place in a multi-process run, from the launcher's environment:
-/// torchrun / mpirun-style RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, or Slurm's
-/// SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID (with MASTER_ADDR / MASTER_PORT set by the job).
+/// Runs `body` as rank `rank` of `group`, whose other ranks are other processes: its
+/// result when it succeeded (the others then learn that it ended); else the group is aborted
+/// with its error (the others' collectives fail at once) and the run's first failure is
+/// returned, naming its rank: this rank's own error, or another rank's as this one heard it.
+pub fn process<T>(
+    group: Arc<dyn Group>,
+    rank: usize,
+    body: impl FnOnce(Box<dyn Comm>) -> Result<T>,
+) -> Result<T> {
+    let world = group.world();
+    let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let comm = group.clone().comm(rank)?;
+        body(comm)
+    }));
+    let res = run.unwrap_or_else(|p| Err(anyhow!("panicked: {}", crate::util::panic_message(&*p))));
+    match res {
+        Ok(v) => {
+            group.ended(rank);
+            Ok(v)
+        }
+        Err(e) => {
+            group.abort(rank, &format!("{e:#}"));
+            Err(match group.failure() {
+                Some((r, why)) if r != rank => CommError::Failed {
+                    rank: r,
+                    world,
+                    why,
+                }
+                .into(),
+                _ => e.context(format!("rank {rank} of {world} failed")),
+            })
+        }
+    }
+}
+
+/// This process's place in a multi-process run, from the launcher's environment: torchrun's
+/// (or mpirun's) RANK, WORLD_SIZE, LOCAL_RANK when RANK or WORLD_SIZE is set, else Slurm's
+/// SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID (one launcher's set whole, never a mix); rank 0's
+/// host from MASTER_ADDR, and our port MASTER_PORT + 1, or LORA_TRAIN_PORT when set.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EnvRank {
-    /// This process's rank (RANK, SLURM_PROCID).
+    /// This process's rank, 0..world.
     pub rank: usize,
-    /// Ranks in the job (WORLD_SIZE, SLURM_NTASKS).
+    /// How many ranks the job has.
     pub world: usize,
     /// The rank among this host's ranks: the CUDA ordinal it uses.
     pub local: usize,
-    /// Rank 0's host and the port of our id exchange: MASTER_PORT + 1 (torchrun's own
-    /// rendezvous store listens on MASTER_PORT itself), or LORA_TRAIN_PORT.
+    /// Rank 0's host (MASTER_ADDR).
     pub addr: String,
-    /// The port of the id exchange (see `addr`).
+    /// The port rank 0 listens on: MASTER_PORT + 1 (torchrun's own rendezvous store listens
+    /// on MASTER_PORT itself), or LORA_TRAIN_PORT.
     pub port: u16,
 }
 
+/// The variables of one launcher: (rank, world size, local rank).
+const TORCHRUN: [&str; 3] = ["RANK", "WORLD_SIZE", "LOCAL_RANK"];
+const SLURM: [&str; 3] = ["SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"];
+
 impl EnvRank {
-    /// None when no launcher variables are set (or WORLD_SIZE is 1).
+    /// None when no launcher variables are set (or the world is 1).
     pub fn from_env(get: &dyn Fn(&str) -> Option<String>) -> Result<Option<EnvRank>> {
-        let pick = |a: &str, b: &str| get(a).or_else(|| get(b));
         let num = |name: &str, v: String| -> Result<usize> {
             v.trim()
                 .parse()
                 .with_context(|| format!("environment variable {name} = {v:?} is not a number"))
         };
-        let (Some(rank), Some(world)) = (
-            pick("RANK", "SLURM_PROCID"),
-            pick("WORLD_SIZE", "SLURM_NTASKS"),
-        ) else {
-            return Ok(None);
+        let names = match TORCHRUN[..2].iter().any(|k| get(k).is_some()) {
+            true => TORCHRUN,
+            false => SLURM,
         };
-        // The variables read, as the messages name them (torchrun's, else Slurm's).
-        let name = |a: &'static str, b: &'static str| if get(a).is_some() { a } else { b };
-        let (rank_var, world_var) = (
-            name("RANK", "SLURM_PROCID"),
-            name("WORLD_SIZE", "SLURM_NTASKS"),
-        );
-        let (rank, world) = (num(rank_var, rank)?, num(world_var, world)?);
+        let [r, w, l] = names;
+        let (rank, world) = match (get(r), get(w)) {
+            (None, None) => return Ok(None),
+            (Some(rank), Some(world)) => (num(r, rank)?, num(w, world)?),
+            (Some(_), None) => bail!("environment: {r} is set but {w} is not: set both"),
+            (None, Some(_)) => bail!("environment: {w} is set but {r} is not: set both"),
+        };
         if world <= 1 {
             return Ok(None);
         }
         if rank >= world {
-            bail!("environment: {rank_var} = {rank} but {world_var} = {world}");
+            bail!("environment: {r} = {rank} but {w} = {world}: a rank is 0..{w}");
         }
-        let local = match pick("LOCAL_RANK", "SLURM_LOCALID") {
-            Some(v) => num(name("LOCAL_RANK", "SLURM_LOCALID"), v)?,
+        let local = match get(l) {
+            Some(v) => num(l, v)?,
             None => 0,
         };
-        let slurm = match world_var {
-            "SLURM_NTASKS" => " (in an sbatch script: export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1) MASTER_PORT=29500; README, \"Several GPUs\")",
+        // Under Slurm, how an sbatch script sets what srun does not.
+        let slurm = match w {
+            "SLURM_NTASKS" => " (in an sbatch script: export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1) MASTER_PORT=29500; docs/multi-node.md)",
             _ => "",
         };
         let addr = get("MASTER_ADDR").with_context(|| {
-            format!("{world_var} = {world} ({rank_var} = {rank}) but MASTER_ADDR is not set: export MASTER_ADDR=<rank 0's host>{slurm}")
+            format!("{w} = {world} ({r} = {rank}) but MASTER_ADDR is not set: export MASTER_ADDR=<rank 0's host>{slurm}")
         })?;
         let port = match get("LORA_TRAIN_PORT") {
             Some(p) => num("LORA_TRAIN_PORT", p)?,
             None => {
                 let p = get("MASTER_PORT").with_context(|| {
-                    format!("{world_var} = {world} ({rank_var} = {rank}) but MASTER_PORT is not set: export MASTER_PORT=<a free port>{slurm}")
+                    format!("{w} = {world} ({r} = {rank}) but MASTER_PORT is not set: export MASTER_PORT=<a free port>{slurm}")
                 })?;
                 num("MASTER_PORT", p)? + 1
             }
         };
-        let port = u16::try_from(port).map_err(|_| anyhow!("port {port} is out of range"))?;
+        let port = u16::try_from(port)
+            .ok()
+            .filter(|&p| p > 0)
+            .with_context(|| {
+                format!(
+                    "port {port} (MASTER_PORT + 1, or LORA_TRAIN_PORT) is out of range 1..65535"
+                )
+            })?;
         Ok(Some(EnvRank {
             rank,
             world,

@@ -2,8 +2,9 @@
 //!
 //! defines: Comm (rank, world, all_reduce_sum, all_gather, broadcast, barrier), Solo (world 1),
 //! Group (makes each rank's Comm, brings every rank down when one fails), CommError.
-//! Backends: cpu (threads of one process), nccl (CUDA, `nccl` feature; its peer copies' table:
-//! posted). FSDP sharding: fsdp;
+//! Backends: cpu (threads of one process), tcp (processes, CPU ranks of a launcher's job; its
+//! frames: wire), nccl (CUDA, `nccl` feature; its peer copies' table: posted). FSDP sharding:
+//! fsdp;
 //! starting the ranks (threads, or torchrun / Slurm processes): launch.
 //!
 //! The model knows no communication: train::driver gathers, reduces and recomputes.
@@ -15,6 +16,8 @@ pub mod launch;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod posted;
+pub mod tcp;
+pub(crate) mod wire;
 
 use candle_core::{Result, Tensor};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -168,6 +171,20 @@ pub(crate) enum CommError {
         me: usize,
         op: &'static str,
         ended: Vec<usize>,
+    },
+    #[error("rank {me} waited {secs} s in {op} for rank 0's answer, which never came: rank 0 is stuck (it waits parallel.timeout_s = {timeout} s for the other ranks and names any that is missing)")]
+    NoAnswer {
+        me: usize,
+        op: &'static str,
+        secs: u64,
+        timeout: u64,
+    },
+    /// The run's failure as a rank other than the failing one reports it.
+    #[error("rank {rank} of {world} failed: {why}")]
+    Failed {
+        rank: usize,
+        world: usize,
+        why: String,
     },
 }
 

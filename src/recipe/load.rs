@@ -77,22 +77,28 @@ impl Recipe {
     }
 
     fn resolve_paths(&mut self, base: &Path, overridden: &BTreeSet<String>) {
-        let fix = |key: &str, p: &mut PathBuf| {
+        self.for_each_path(|key, p| {
             // hf://datasets/ORG/NAME is a Hub data set, not a path.
             let hub = p.to_str().is_some_and(|s| s.starts_with("hf://"));
             if p.is_relative() && !hub && !overridden.contains(key) {
                 *p = base.join(&*p);
             }
-        };
+        });
+    }
+
+    /// Calls `f` with each path field of the recipe and its key (`PATH_KEYS`): a
+    /// `data.chat_template` that names a `.jinja` file, as a path, and written back lossily
+    /// (the field is text).
+    pub(crate) fn for_each_path(&mut self, mut f: impl FnMut(&'static str, &mut PathBuf)) {
         for key in PATH_KEYS {
             match key {
-                "model.path" => self.model.path.iter_mut().for_each(|p| fix(key, p)),
-                "lora.init_adapter" => self.lora.init_adapter.iter_mut().for_each(|p| fix(key, p)),
+                "model.path" => self.model.path.iter_mut().for_each(|p| f(key, p)),
+                "lora.init_adapter" => self.lora.init_adapter.iter_mut().for_each(|p| f(key, p)),
                 "data.train" => match &mut self.data.train {
-                    TrainFiles::One(p) => fix(key, p),
-                    TrainFiles::Mix(v) => v.iter_mut().for_each(|f| fix(key, &mut f.path)),
+                    TrainFiles::One(p) => f(key, p),
+                    TrainFiles::Mix(v) => v.iter_mut().for_each(|x| f(key, &mut x.path)),
                 },
-                "data.eval" => self.data.eval.iter_mut().for_each(|p| fix(key, p)),
+                "data.eval" => self.data.eval.iter_mut().for_each(|p| f(key, p)),
                 // A template file, not a template name.
                 "data.chat_template" => {
                     if let Some(t) = self
@@ -102,16 +108,16 @@ impl Recipe {
                         .filter(|t| t.ends_with(".jinja"))
                     {
                         let mut p = PathBuf::from(&*t);
-                        fix(key, &mut p);
+                        f(key, &mut p);
                         *t = p.to_string_lossy().into_owned();
                     }
                 }
                 "train.resume" => {
                     if let Resume::Path(p) = &mut self.train.resume {
-                        fix(key, p)
+                        f(key, p)
                     }
                 }
-                _ => self.output.dir.iter_mut().for_each(|p| fix(key, p)),
+                _ => self.output.dir.iter_mut().for_each(|p| f(key, p)),
             }
         }
     }

@@ -1,12 +1,52 @@
 //! The recipe written back as TOML: resolved (`to_toml`, beside every adapter) and annotated
 //! (`check_toml`, what `lora-train check` prints).
 
-use super::{Recipe, DEFAULT_MAX_SHARD_SIZE, OFFLOAD_ACTIVATIONS_DEFAULT};
+use super::{Recipe, RecipeError, DEFAULT_MAX_SHARD_SIZE, OFFLOAD_ACTIVATIONS_DEFAULT};
+use crate::util::os_path;
+use std::path::{Path, PathBuf};
 
 impl Recipe {
-    /// The recipe as resolved (defaults filled in), to store beside the adapter.
+    /// The recipe as resolved (defaults filled in), for people: a path that is not UTF-8 is
+    /// shown with its odd bytes escaped (`os_path::escaped`).
     pub(crate) fn to_toml(&self) -> String {
-        toml::to_string_pretty(self).unwrap_or_default()
+        let mut r = self.clone();
+        r.for_each_path(|_, p| {
+            if p.to_str().is_none() {
+                *p = PathBuf::from(os_path::escaped(p));
+            }
+        });
+        toml::to_string_pretty(&r).unwrap_or_default()
+    }
+
+    /// The recipe as resolved, to store as a file in directory `dir` (beside an adapter) and
+    /// load again from there: a path that is not UTF-8 is written relative to `dir`, which the
+    /// loader resolves it against (`os_path::recordable`); where that form is not UTF-8
+    /// either, the error names the field.
+    pub(crate) fn to_toml_in(&self, dir: &Path) -> Result<String, RecipeError> {
+        let mut r = self.clone();
+        let mut unrecordable = None;
+        r.for_each_path(|key, p| match os_path::recordable(p, dir) {
+            Some(q) => *p = q,
+            None => {
+                unrecordable.get_or_insert((key, os_path::escaped(p)));
+            }
+        });
+        if let Some((key, p)) = unrecordable {
+            return Err(RecipeError::Invalid {
+                path: self.source.clone(),
+                key: key.into(),
+                msg: format!(
+                    "= \"{p}\" is not UTF-8, nor is its path from {}: recipe.toml (UTF-8) \
+                     cannot record it; move it under the same directory as output.dir, or \
+                     link it from a UTF-8 path",
+                    os_path::escaped(dir)
+                ),
+            });
+        }
+        toml::to_string_pretty(&r).map_err(|e| RecipeError::Parse {
+            path: self.source.clone(),
+            msg: format!("cannot be written back as TOML: {e}"),
+        })
     }
 
     /// What `check` prints: `to_toml` with the defaults that depend on other fields written

@@ -281,7 +281,16 @@ pub fn list(out_dir: &Path) -> Vec<(usize, PathBuf)> {
 /// paths made absolute (the same files reached from another directory compare equal).
 pub fn fingerprint(r: &Recipe) -> BTreeMap<String, String> {
     let mut out = BTreeMap::new();
-    let Ok(toml::Value::Table(doc)) = toml::Value::try_from(r) else {
+    // A path that is not UTF-8 (TOML's strings are) compares as the file it reaches, its odd
+    // bytes escaped; UTF-8 ones as below, as checkpoints of earlier versions recorded them.
+    let mut r = r.clone();
+    r.for_each_path(|_, p| {
+        if p.to_str().is_none() {
+            let abs = std::fs::canonicalize(&*p).unwrap_or_else(|_| p.clone());
+            *p = PathBuf::from(crate::util::os_path::escaped(&abs));
+        }
+    });
+    let Ok(toml::Value::Table(doc)) = toml::Value::try_from(&r) else {
         return out;
     };
     for (section, v) in doc {
@@ -294,7 +303,7 @@ pub fn fingerprint(r: &Recipe) -> BTreeMap<String, String> {
             let v = match (&v, key.as_str()) {
                 (toml::Value::String(p), "model.path" | "data.train" | "lora.init_adapter") => {
                     let abs = std::fs::canonicalize(p).unwrap_or_else(|_| PathBuf::from(p));
-                    toml::Value::String(abs.to_string_lossy().into_owned())
+                    toml::Value::String(crate::util::os_path::escaped(&abs))
                 }
                 _ => v,
             };
@@ -388,12 +397,14 @@ pub(crate) fn snapshot(
     stage: &Stage,
 ) -> Result<Snapshot> {
     let rev = s.base_revision.as_deref();
+    // Paths are recorded from a checkpoint-N directory of output.dir: relative ones, from any.
+    let dir = s.run.output.dir.join("checkpoint-N");
     Ok(Snapshot {
         adapter: Snapshot::adapter(&s.model, stage)?,
-        config: export::adapter_config(&s.run.spec, &s.run.base_name, rev)?,
+        config: export::adapter_config(&s.run.spec, &s.run.base_name_in(&dir), rev)?,
         optimizer: Snapshot::optimizer(opt, keys, stage)?,
         files: vec![
-            ("recipe.toml", s.run.recipe.to_toml().into_bytes()),
+            ("recipe.toml", s.run.recipe.to_toml_in(&dir)?.into_bytes()),
             (
                 STATE,
                 (serde_json::to_string_pretty(state)? + "\n").into_bytes(),

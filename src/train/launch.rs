@@ -1,7 +1,8 @@
 //! Starting a run's ranks, for `train` and `bench` alike: world 1 on this thread, one thread
 //! per device (CPU "devices" are virtual ranks; GPUs talk through NCCL, a communicator each),
 //! or this process as one rank of a job that torchrun / mpirun / Slurm started (RANK,
-//! WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT: `parallel::launch::EnvRank`).
+//! WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT: `parallel::launch::EnvRank`; GPU ranks
+//! talk NCCL, CPU ranks TCP through rank 0). docs/multi-node.md shows the launches.
 
 use super::preflight::preflight;
 use super::resolve::Machine;
@@ -10,9 +11,9 @@ use super::session::Session;
 use super::train_data::TrainData;
 use super::{checkpoint, stop, RunOptions, RunSummary};
 use crate::export;
-use crate::parallel::backend::{cuda_ordinals, env_comm, nccl_group};
+use crate::parallel::backend::{cuda_ordinals, env_comm, nccl_group, tcp_group};
 use crate::parallel::launch::EnvRank;
-use crate::parallel::{Comm, Group, Solo};
+use crate::parallel::{Comm, CommError, Group, Solo};
 use crate::recipe::{DeviceKind, Recipe, Resume, Strategy};
 use anyhow::{Context, Result};
 use std::sync::Arc;
@@ -25,8 +26,8 @@ pub(crate) enum Ranks {
     Solo(usize),
     /// One rank per listed device, a thread each: CUDA ordinals, or virtual CPU ranks.
     Threads { cuda: bool, devices: Vec<usize> },
-    /// This process is one rank of a job its launcher started.
-    Process(EnvRank),
+    /// This process is one rank of a job its launcher started: a GPU (NCCL) or the CPU (TCP).
+    Process { cuda: bool, env: EnvRank },
 }
 
 /// One rank's work: (its communicator, its CUDA ordinal) → its result.
@@ -42,9 +43,16 @@ pub(crate) fn launch<T: Send + 'static>(
 ) -> Result<T> {
     match ranks {
         Ranks::Solo(ordinal) => body(Box::new(Solo), ordinal),
-        Ranks::Process(e) => {
+        Ranks::Process { cuda: true, env: e } => {
             let comm = env_comm(&e, timeout)?;
             body(comm, e.local).with_context(|| format!("rank {} of {} failed", e.rank, e.world))
+        }
+        Ranks::Process {
+            cuda: false,
+            env: e,
+        } => {
+            let group = tcp_group(&e, timeout)?;
+            crate::parallel::launch::process(group, e.rank, |comm| body(comm, e.local))
         }
         Ranks::Threads { cuda, devices } => {
             let group: Arc<dyn Group> = match cuda {
@@ -71,14 +79,7 @@ impl Ranks {
             if p.strategy == Strategy::Single {
                 return Err(recipe.invalid("parallel.strategy", format!("= \"single\", but the launcher started {} ranks (WORLD_SIZE): use \"ddp\" or \"fsdp\"", e.world)).into());
             }
-            if !cuda {
-                anyhow::bail!(
-                    "RANK / WORLD_SIZE are set (world {}), but model.device = \"cpu\": CPU ranks are threads of one process; run `lora-train` once with parallel.devices listing {} ranks",
-                    e.world,
-                    e.world
-                );
-            }
-            return Ok(Ranks::Process(e));
+            return Ok(Ranks::Process { cuda, env: e });
         }
         if p.strategy == Strategy::Single {
             return Ok(Ranks::Solo(p.devices.first().copied().unwrap_or(0)));
@@ -104,6 +105,11 @@ pub fn run_with(recipe: Recipe, opts: &RunOptions) -> Result<RunSummary> {
     // it travels as a value, and rank 0's (which names its checkpoint) is the run's.
     let opts = opts.clone();
     let (ranks, timeout) = (run.ranks.clone(), run.timeout);
+    let lead_of_many = match &ranks {
+        Ranks::Solo(_) => false,
+        Ranks::Threads { devices, .. } => devices.len() > 1,
+        Ranks::Process { env, .. } => env.rank == 0,
+    };
     let body = move |comm: Box<dyn Comm>, ordinal: usize| match run_rank(
         run.clone(),
         comm,
@@ -127,8 +133,59 @@ pub fn run_with(recipe: Recipe, opts: &RunOptions) -> Result<RunSummary> {
             }
             .into())
         }
+        // A rank failed or went missing: rank 0 names the checkpoint to resume from.
+        Err(e) if lead_of_many && e.chain().any(|c| c.is::<CommError>()) => {
+            match super::checkpoint_check::scan(&out_dir)
+                .into_iter()
+                .rev()
+                .find(|f| f.state.is_ok())
+            {
+                Some(f) => Err(RankLost {
+                    cause: e,
+                    last: f.dir,
+                }
+                .into()),
+                None => Err(e),
+            }
+        }
         res => res?,
     }
+}
+
+/// A run of several ranks that a rank's failure ended, and its last complete checkpoint.
+#[derive(Debug, thiserror::Error)]
+#[error("{cause:#}\nthe last complete checkpoint is {}: once every rank can run, resume from it with --set train.resume=true", .last.display())]
+pub struct RankLost {
+    /// The run's failure, naming the rank.
+    pub cause: anyhow::Error,
+    /// The checkpoint directory.
+    pub last: std::path::PathBuf,
+}
+
+/// Every rank continues from the same step: a rank that sees no checkpoint, or another one,
+/// in output.dir (a node without the filesystem rank 0 writes to) would silently train other
+/// weights than rank 0.
+fn agree_on_resume(s: &Session, resume: Option<&checkpoint::Checkpoint>) -> Result<()> {
+    let comm = &*s.comm;
+    if comm.world() == 1 {
+        return Ok(());
+    }
+    let mine = resume.map_or(-1.0, |c| c.state.step as f64);
+    let t = candle_core::Tensor::new(&[mine], &s.model.device)?;
+    let steps = comm.all_gather(&t)?.to_vec1::<f64>()?;
+    let what = |x: f64| match x < 0.0 {
+        true => "starts fresh".to_string(),
+        false => format!("resumes from step {x}"),
+    };
+    if let Some(r) = steps.iter().position(|&x| x != steps[0]) {
+        anyhow::bail!(
+            "rank {r} {} but rank 0 {} (output.dir {}): every rank reads the checkpoint that rank 0 wrote, so output.dir must be on a filesystem every node shares, at the same path",
+            what(steps[r]),
+            what(steps[0]),
+            s.run.output.dir.display()
+        );
+    }
+    Ok(())
 }
 
 /// One rank's run (the whole run when it is the only one); rank 0 prints and writes.
@@ -189,6 +246,7 @@ fn run_rank(
     session.model.device.synchronize()?;
     watch.load_s = t_load.elapsed().as_secs_f64();
     session.memory = watch;
+    agree_on_resume(&session, resume.as_ref())?;
     if lead {
         announce(&session, &data);
     }
@@ -244,10 +302,18 @@ fn announce(session: &Session, data: &TrainData) {
     let world = session.comm.world();
     if world > 1 {
         let resident = crate::train::shards::resident_base_bytes(m, session.shards.as_ref());
+        let whose = match &run.ranks {
+            Ranks::Process { env, .. } => {
+                format!(
+                    "processes of a launcher's job, meeting at port {}",
+                    env.port
+                )
+            }
+            _ => format!("devices {:?}", run.devices),
+        };
         crate::errln!(
-            "{} over {world} ranks (devices {:?}); frozen base resident per rank: {:.1} MB",
+            "{} over {world} ranks ({whose}); frozen base resident per rank: {:.1} MB",
             run.strategy.name(),
-            run.devices,
             resident as f64 / 1e6
         );
     }

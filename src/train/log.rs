@@ -248,7 +248,10 @@ fn open_outputs(s: &Session, out_dir: &Path, resume: Option<&Checkpoint>) -> Res
             );
         }
     }
-    atomic_write(&out_dir.join("recipe.toml"), r.to_toml().as_bytes())?;
+    atomic_write(
+        &out_dir.join("recipe.toml"),
+        r.to_toml_in(out_dir)?.as_bytes(),
+    )?;
     let upto = resume.map(|ck| ck.state.step);
     // samples.jsonl (train.sample_every) is appended to by the loop itself.
     let samples = out_dir.join("samples.jsonl");

@@ -37,13 +37,19 @@ pub(crate) fn preflight(
     ordinal: usize,
 ) -> Result<(MemoryWatch, Option<crate::memory::Ballast>)> {
     use crate::memory::plan;
-    let input = run.plan_input(run.world());
+    let input = plan::PlanInput {
+        host: crate::memory::host_available(),
+        ..run.plan_input(run.world())
+    };
     let (capacity, source) = capacity_of(run, ordinal)?;
     let selected = (run.strategy, run.ckpt);
     let (p, forecast) = plan_within_host(run, &input, capacity, selected);
     note_offload(forecast.as_ref());
     let remedies = plan::remedies(&p, selected);
-    if let Some(e) = does_not_fit(&p, selected, forecast.as_ref(), capacity, source, &remedies) {
+    let host = host_does_not_fit(&input, &p, selected, forecast.as_ref(), capacity, &remedies);
+    if let Some(e) =
+        does_not_fit(&p, selected, forecast.as_ref(), capacity, source, &remedies).or(host)
+    {
         if !opts.force {
             return Err(e.into());
         }
@@ -71,11 +77,14 @@ pub(crate) fn preflight(
 }
 
 /// Bytes the run may use per rank, and where the figure comes from: train.max_memory, else
-/// on CUDA the card's free memory (None where unknown); on the CPU train.max_memory alone.
+/// on CUDA the card's free memory (None where unknown); on the CPU the least of
+/// train.max_memory and the host memory this process can get (`memory::host`), shared by
+/// its ranks.
 fn capacity_of(run: &RunConfig, ordinal: usize) -> Result<(Option<u64>, String)> {
     let max_memory = run.max_memory;
     if !run.cuda() {
-        return Ok((max_memory, "train.max_memory (CPU accounting)".to_string()));
+        let host = crate::memory::host::probe().map_err(anyhow::Error::msg)?;
+        return Ok(cpu_capacity(max_memory, host, run.world()));
     }
     let dev = device::open(run.device, ordinal)?;
     crate::memory::keep_pool_memory(&dev)?;
@@ -89,6 +98,36 @@ fn capacity_of(run: &RunConfig, ordinal: usize) -> Result<(Option<u64>, String)>
         ),
         (None, None) => (None, String::new()),
     })
+}
+
+/// A CPU run's capacity per rank of `world` (threads of this process): train.max_memory
+/// where it is set and within the host's share, else the host's share; None where neither
+/// is known.
+fn cpu_capacity(
+    max_memory: Option<u64>,
+    host: Option<crate::memory::host::HostMemory>,
+    world: usize,
+) -> (Option<u64>, String) {
+    let accounting = "train.max_memory (CPU accounting)".to_string();
+    let Some(h) = host else {
+        return (max_memory, accounting);
+    };
+    let world = world.max(1);
+    let share = h.limit / world as u64;
+    match max_memory {
+        Some(m) if m <= share => (Some(m), accounting),
+        _ if world > 1 => (
+            Some(share),
+            format!(
+                "the host memory of this process ({}), shared by {world} ranks,",
+                h.source
+            ),
+        ),
+        _ => (
+            Some(share),
+            format!("the host memory of this process ({})", h.source),
+        ),
+    }
 }
 
 /// The plan of `input` within `capacity` and its row for the run (`selected`); planned
@@ -161,6 +200,37 @@ fn does_not_fit(
         capacity_source: source,
         table: crate::memory::plan::render(p, selected),
         remedies: remedies.to_vec(),
+        host: None,
+    })
+}
+
+/// The diagnosis where the host cannot pin what the run's row (`forecast`) parks (residuals
+/// or layer inputs, which the run parks as train.offload_activations says; a parked MLP half
+/// is planned without parking instead, `plan_within_host`); None where it can or the host is
+/// unknown.
+fn host_does_not_fit(
+    input: &crate::memory::plan::PlanInput,
+    p: &crate::memory::plan::Plan,
+    selected: (Strategy, Checkpointing),
+    forecast: Option<&Breakdown>,
+    capacity: Option<u64>,
+    remedies: &[String],
+) -> Option<stop::DoesNotFit> {
+    let (b, free) = (forecast?, input.host?);
+    (b.host > 0 && !input.host_fits(b)).then(|| {
+        let mut remedies = remedies.to_vec();
+        remedies.insert(
+            0,
+            "train.offload_activations = false (recomputes instead of parking)".into(),
+        );
+        stop::DoesNotFit {
+            forecast: b.clone(),
+            capacity: capacity.unwrap_or(0),
+            capacity_source: "the host".into(),
+            table: crate::memory::plan::render(p, selected),
+            remedies,
+            host: Some(free),
+        }
     })
 }
 

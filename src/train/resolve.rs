@@ -184,6 +184,21 @@ impl RunConfig {
         })
     }
 
+    /// The base as an adapter_config.json in directory `dir` records it
+    /// (`base_model_name_or_path`): `base_name`, but a local base whose path is not UTF-8
+    /// relative to `dir` where that form is (`util::os_path::recordable`), which `export` and
+    /// `generate` resolve against the adapter's directory.
+    pub(crate) fn base_name_in(&self, dir: &Path) -> String {
+        let Some(Source::Local(base)) = &self.source else {
+            return self.base_name.clone();
+        };
+        let abs = std::path::absolute(base).unwrap_or_else(|_| base.clone());
+        match crate::util::os_path::recordable(&abs, dir) {
+            Some(p) if abs.to_str().is_none() => p.to_string_lossy().into_owned(),
+            _ => self.base_name.clone(),
+        }
+    }
+
     /// The memory plan's input for this run over `gpus` ranks: its shape, batch, adapters,
     /// kernels and storage.
     pub fn plan_input(&self, gpus: usize) -> PlanInput {
@@ -205,6 +220,7 @@ impl RunConfig {
             quant: self.quant,
             mlp_chunk,
             cfg,
+            host: None,
         }
     }
 }
@@ -214,7 +230,7 @@ fn first_ordinal(ranks: &Ranks) -> usize {
     match ranks {
         Ranks::Solo(o) => *o,
         Ranks::Threads { devices, .. } => devices.first().copied().unwrap_or(0),
-        Ranks::Process(e) => e.local,
+        Ranks::Process { env, .. } => env.local,
     }
 }
 

@@ -169,7 +169,7 @@ impl RunConfig {
         match &self.ranks {
             Ranks::Solo(_) => 1,
             Ranks::Threads { devices, .. } => devices.len().max(1),
-            Ranks::Process(e) => e.world,
+            Ranks::Process { env, .. } => env.world,
         }
     }
 
@@ -183,7 +183,7 @@ impl RunConfig {
         match &self.ranks {
             Ranks::Solo(o) => *o,
             Ranks::Threads { devices, .. } => devices.first().copied().unwrap_or(0),
-            Ranks::Process(e) => e.local,
+            Ranks::Process { env, .. } => env.local,
         }
     }
 }

@@ -257,19 +257,34 @@ pub struct DoesNotFit {
     /// The whole plan, as `lora-train plan` prints it.
     pub(crate) table: String,
     pub(crate) remedies: Vec<String>,
+    /// Where it is the host that cannot pin the row's parked activations: the host memory
+    /// free (of which three quarters may be pinned).
+    pub(crate) host: Option<u64>,
 }
 
 impl std::fmt::Display for DoesNotFit {
     fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
         let b = &self.forecast;
-        writeln!(
-            f,
-            "the memory plan says this run does not fit: {} needs {} per rank, {} has {}",
-            crate::memory::plan::label(b),
-            gib(b.total),
-            self.capacity_source,
-            gib(self.capacity)
-        )?;
+        match self.host {
+            Some(free) => writeln!(
+                f,
+                "the memory plan says this run does not fit the host: {} parks {} of pinned \
+                 host memory per rank ({} ranks), the host has {} free, of which three \
+                 quarters may be pinned",
+                crate::memory::plan::label(b),
+                gib(b.host),
+                b.world,
+                gib(free)
+            )?,
+            None => writeln!(
+                f,
+                "the memory plan says this run does not fit: {} needs {} per rank, {} has {}",
+                crate::memory::plan::label(b),
+                gib(b.total),
+                self.capacity_source,
+                gib(self.capacity)
+            )?,
+        }
         writeln!(
             f,
             "  forecast: base {}, adapters + grads + AdamW {}, activations {}, transient {}, fsdp gather {}, context + slack {} (peak in {})",

@@ -192,7 +192,8 @@ impl<'s> Trainer<'s> {
         if lead {
             let run = &s.run;
             let rev = s.base_revision.as_deref();
-            export::save_adapter(self.out_dir, &s.model, &run.spec, &run.base_name, rev)?;
+            let base = run.base_name_in(self.out_dir);
+            export::save_adapter(self.out_dir, &s.model, &run.spec, &base, rev)?;
             let last = self
                 .saved
                 .as_ref()

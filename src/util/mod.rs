@@ -1,10 +1,12 @@
 //! Small helpers every module may use: crash-safe file writes and their stale temporaries,
 //! sizes written as text, Hub names checked; output that never panics (`out`), directory
-//! locks (`lock`), what an abrupt exit removes (`on_exit`).
+//! locks (`lock`), what an abrupt exit removes (`on_exit`), paths that are not UTF-8 recorded
+//! and shown (`os_path`).
 
 pub(crate) mod fs;
 pub mod lock;
 pub mod on_exit;
+pub mod os_path;
 pub mod out;
 
 use anyhow::{Context, Result};

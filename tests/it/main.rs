@@ -3,6 +3,7 @@
 //! data sets against loopback servers (and one that lies), every shipped recipe, and faults
 //! around a run: signals, locks, failing output streams.
 
+mod adapter_base;
 mod bad_input;
 mod chat;
 mod cli;
@@ -15,11 +16,13 @@ mod data_prepare;
 mod dora;
 mod dropout;
 mod export_signals;
+mod fault_corpus;
 mod first_hour;
 mod generate;
 mod gguf;
 mod golden;
 mod grad_fd;
+mod host_memory;
 mod house;
 mod hub;
 mod hub_data;
@@ -33,10 +36,12 @@ mod merge;
 mod moe;
 mod newcomer;
 mod nf4;
+mod odd_dirs;
 mod ops;
 mod output_streams;
 mod parallel;
 mod plan;
+mod process_ranks;
 mod qlora;
 mod qmerge;
 mod quick_start;

@@ -305,16 +305,18 @@ fn adapters_that_do_not_fit_the_base_are_clear_errors_and_write_nothing() {
         format!("{e:#}")
     };
 
-    // Another model: qwen2_bias has 1 kv head, so k_proj is [16, 64], not [32, 64].
+    // Another model: qwen2_bias has 1 kv head, so k_proj is [16, 64], not [32, 64]: the
+    // shared check of an adapter against its base (export::adapter_check::against_base).
     let qwen = base_dir("qwen2_bias");
     let e = err(&gqa, &qwen);
     assert_eq!(
         e,
         format!(
-            "the adapter's `model.layers.0.self_attn.k_proj` (lora_A [4, 64], lora_B [32, 4], r = 4) \
-             does not fit the base weight `model.layers.0.self_attn.k_proj.weight` [16, 64] in {}: \
-             the adapter was trained on another model",
-            qwen.display()
+            "{}: `base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight` has shape \
+             [32, 4], but `k_proj` of the base (qwen2, 2 layers, hidden size 64) takes [16, r] \
+             (64 inputs, 16 outputs): the adapter was trained on another model; use the base it \
+             was trained on (its adapter_config.json's base_model_name_or_path)",
+            gqa.join("adapter_model.safetensors").display()
         )
     );
 
@@ -356,11 +358,11 @@ fn adapters_that_do_not_fit_the_base_are_clear_errors_and_write_nothing() {
     candle_core::safetensors::save(&st, bad.join("adapter_model.safetensors")).unwrap();
     let e = err(&bad, &base_dir("llama_gqa"));
     assert!(
-        e.starts_with(
-            "the adapter has `base_model.model.model.layers.2.mlp.up_proj.lora_A.weight`, but the \
-             base model in"
-        ) && e.ends_with(
-            "has no tensor `model.layers.2.mlp.up_proj.weight`: the adapter was trained on another model"
+        e.ends_with(
+            "adapter_model.safetensors: `base_model.model.model.layers.2.mlp.up_proj.lora_A.weight` \
+             adapts layer 2, but the base (llama, 2 layers, hidden size 64) has layers 0 to 1: \
+             the adapter was trained on another model; use the base it was trained on (its \
+             adapter_config.json's base_model_name_or_path)"
         ),
         "{e}"
     );

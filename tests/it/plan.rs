@@ -7,8 +7,12 @@ use crate::common::*;
 use assert_cmd::Command;
 use std::path::Path;
 
+/// The binary, on a host of 125 GiB (LORA_TRAIN_HOST_MEMORY): the plans and the CPU
+/// preflight do not depend on the machine that runs the tests.
 fn bin() -> Command {
-    Command::cargo_bin("lora-train").unwrap()
+    let mut c = Command::cargo_bin("lora-train").unwrap();
+    c.env("LORA_TRAIN_HOST_MEMORY", "125GiB");
+    c
 }
 
 /// Runs `lora-train args` in the repository root; (exit code, stdout, stderr).

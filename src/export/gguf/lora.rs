@@ -45,6 +45,8 @@ pub fn export(adapter: &Path, base: &Path, out: &Path, q: Quant) -> Result<GgufR
     let path = adapter.join(WEIGHTS);
     let tensors = candle_core::safetensors::load(&path, &Device::Cpu)
         .with_context(|| format!("cannot read {}", path.display()))?;
+    let shapes = tensors.iter().map(|(k, t)| (k.as_str(), t.dims()));
+    crate::export::adapter_check::against_base(&path, shapes, &cfg)?;
     let mut modules: Vec<&str> = tensors
         .keys()
         .filter_map(|k| k.strip_suffix(".lora_A.weight"))

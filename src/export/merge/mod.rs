@@ -139,8 +139,9 @@ pub struct MergeReport {
 pub fn merge(adapter: &Path, base: &Path, out: &Path, opts: &MergeOptions) -> Result<MergeReport> {
     let info = read_adapter_config(adapter)?;
     check_unsupported(adapter)?;
-    let pairs = read_adapter_tensors(adapter)?;
     let files = ModelFiles::local(base)?;
+    let cfg = crate::model::ModelConfig::from_file(&files.config)?;
+    let pairs = read_adapter_tensors(adapter, &cfg)?;
     if out.exists() && !opts.replace {
         let empty = std::fs::read_dir(out)
             .map(|mut d| d.next().is_none())

@@ -62,11 +62,17 @@ pub(super) struct Pair {
     pub(super) m: Option<Tensor>,
 }
 
-/// Reads the adapter's tensors, grouped by module (HF name, e.g. model.layers.0.mlp.up_proj).
-pub(super) fn read_adapter_tensors(dir: &Path) -> Result<BTreeMap<String, Pair>> {
+/// Reads the adapter's tensors, grouped by module (HF name, e.g. model.layers.0.mlp.up_proj),
+/// once they are checked against the base's config.json (`adapter_check::against_base`).
+pub(super) fn read_adapter_tensors(
+    dir: &Path,
+    base: &crate::model::ModelConfig,
+) -> Result<BTreeMap<String, Pair>> {
     let path = dir.join(WEIGHTS);
     let tensors = candle_core::safetensors::load(&path, &Device::Cpu)
         .with_context(|| format!("cannot read {}", path.display()))?;
+    let shapes = tensors.iter().map(|(k, t)| (k.as_str(), t.dims()));
+    crate::export::adapter_check::against_base(&path, shapes, base)?;
     let mut out: BTreeMap<String, Pair> = BTreeMap::new();
     for (key, t) in tensors {
         let name = key.replace(".default.weight", ".weight");

@@ -38,6 +38,10 @@ pub struct PlanInput {
     pub(crate) quant: crate::quant::Quant,
     /// Tokens per MLP chunk of a checkpointed layer (`train.mlp_chunk`; None: whole).
     pub(crate) mlp_chunk: Option<usize>,
+    /// Host memory free to this host's `gpus` ranks (`memory::host`): a row whose pinned
+    /// `host` bytes, times the ranks, pass three quarters of it does not fit (`host_fits`);
+    /// None: not counted.
+    pub(crate) host: Option<u64>,
 }
 
 /// The plan of a `bench` shape (bf16 on CUDA): `lora-train plan --shape`.
@@ -65,13 +69,33 @@ pub fn input_from_shape(
         offload: true,
         quant: crate::quant::Quant::NONE,
         mlp_chunk: Some(crate::model::layer_mlp::MLP_CHUNK),
+        host: None,
     })
 }
 
 impl PlanInput {
+    /// Whether breakdown `b` of this input fits `capacity` on the device and its pinned
+    /// memory the host (`host`).
+    pub(crate) fn fits(&self, b: &super::Breakdown, capacity: u64) -> bool {
+        b.total <= capacity && self.host_fits(b)
+    }
+
+    /// Whether this host can pin what `b` parks, for each of its `gpus` ranks (true where
+    /// the host is not counted).
+    pub(crate) fn host_fits(&self, b: &super::Breakdown) -> bool {
+        self.host
+            .is_none_or(|h| crate::memory::host::host_fits(b.host, self.gpus, h))
+    }
+
     /// The same run on an NF4 base (double quant; no fold).
     pub fn nf4(self) -> PlanInput {
         self.with_quant(crate::quant::Quant::nf4(true))
+    }
+
+    /// The same plan on a host with `host` bytes free for pinned activations (None: the host
+    /// not counted).
+    pub fn with_host(self, host: Option<u64>) -> PlanInput {
+        PlanInput { host, ..self }
     }
 
     /// The same run with its base stored as `quant` says (e.g. `Quant::for_checkpoint`: a

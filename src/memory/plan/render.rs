@@ -219,9 +219,18 @@ fn host_line(p: &Plan) -> Option<String> {
     .into_iter()
     .flatten()
     .collect();
+    let free = match p.host {
+        Some(h) => format!(
+            "; the host has {} free, of which three quarters may be pinned by its {} ranks \
+             (LORA_TRAIN_HOST_MEMORY or --host-mem to plan for another host)",
+            fmt_bytes(h),
+            p.gpus
+        ),
+        None => String::new(),
+    };
     (!parked.is_empty()).then(|| {
         format!(
-            "host: pinned per rank, parked until the layer's backward (train.offload_activations): {}\n",
+            "host: pinned per rank, parked until the layer's backward (train.offload_activations): {}{free}\n",
             parked.join("; ")
         )
     })
@@ -232,6 +241,15 @@ fn verdict(r: &Row, p: &Plan) -> String {
     let b = &r.b;
     let need = fmt_bytes(b.total);
     match (r.fits, p.capacity, r.max_micro_batch) {
+        (Some(false), Some(c), _) if b.total <= c => format!(
+            "does NOT fit the host: {need} of {} per rank, but {} of pinned host memory per rank \
+             ({} ranks) is more than three quarters of the host's {} (train.offload_activations = \
+             false recomputes instead)",
+            fmt_bytes(c),
+            fmt_bytes(b.host),
+            p.gpus,
+            fmt_bytes(p.host.unwrap_or(0))
+        ),
         (None, _, _) => format!("needs {need} per rank (no capacity known: pass --gpu-mem)"),
         (Some(true), Some(c), m) => format!(
             "fits: {need} of {} per rank at micro-batch {}{}",
@@ -307,6 +325,7 @@ pub fn to_json(p: &Plan, selected: (Strategy, Checkpointing)) -> serde_json::Val
         "base_params": p.base_params,
         "kept_bytes_per_token_layer": p.kept_bytes_per_token_layer,
         "capacity_bytes": p.capacity, "capacity_gib": p.capacity.map(gib), "nf4": p.nf4,
+        "host_available_bytes": p.host,
         "rows": p.rows.iter().map(row_json).collect::<Vec<_>>(),
         "selected": row(p, selected.0, selected.1).map(row_json),
         "advice": {

@@ -22,7 +22,10 @@ pub(crate) fn max_micro_batch(
     limit: usize,
 ) -> Option<usize> {
     largest(limit, |mb| {
-        breakdown_within(p, strategy, ckpt, mb, Some(capacity)).total <= capacity
+        p.fits(
+            &breakdown_within(p, strategy, ckpt, mb, Some(capacity)),
+            capacity,
+        )
     })
 }
 
@@ -43,7 +46,10 @@ pub(crate) fn max_seq_len(
             seq_len: k * SEQ_STEP,
             ..p.clone()
         };
-        breakdown_within(&at, strategy, ckpt, 1, Some(capacity)).total <= capacity
+        p.fits(
+            &breakdown_within(&at, strategy, ckpt, 1, Some(capacity)),
+            capacity,
+        )
     };
     largest(limit / SEQ_STEP, fits).map(|k| k * SEQ_STEP)
 }
@@ -99,6 +105,8 @@ pub struct Plan {
     pub(crate) base_params: u64,
     pub(crate) kept_bytes_per_token_layer: u64,
     pub(crate) capacity: Option<u64>,
+    /// Host memory free to pin activations in (`PlanInput::host`).
+    pub(crate) host: Option<u64>,
     /// The base's decoder linears in NF4 (`PlanInput::quant`).
     pub(crate) nf4: bool,
     pub(crate) rows: Vec<Row>,
@@ -119,7 +127,7 @@ pub fn plan(p: &PlanInput, grad_accum: usize, capacity: Option<u64>) -> Plan {
         for ckpt in [Checkpointing::Off, Checkpointing::Mlp, Checkpointing::Full] {
             let b = breakdown_within(p, st, ckpt, p.micro_batch, capacity);
             rows.push(Row {
-                fits: capacity.map(|c| b.total <= c),
+                fits: capacity.map(|c| p.fits(&b, c)),
                 max_micro_batch: capacity.and_then(|c| max_micro_batch(p, st, ckpt, c, MB_LIMIT)),
                 max_seq_len: capacity.and_then(|c| max_seq_len(p, st, ckpt, c, SEQ_LIMIT)),
                 b,
@@ -152,6 +160,7 @@ pub fn plan(p: &PlanInput, grad_accum: usize, capacity: Option<u64>) -> Plan {
         base_params: p.cfg.num_params(p.tied) as u64,
         kept_bytes_per_token_layer: kept_per_token_layer(&p.cfg, p.dtype_bytes, p.rank, &p.targets),
         capacity,
+        host: p.host,
         nf4: p.quant.is_nf4(),
         rows,
         advice,

@@ -31,6 +31,7 @@ fn input(mb: usize, gpus: usize) -> PlanInput {
         offload: false,
         quant: crate::quant::Quant::NONE,
         mlp_chunk: None,
+        host: None,
     }
 }
 
