@@ -10,8 +10,9 @@
 # libraries to link against, installed once into $CUDA_PIP_DIR (about 1.4 GB). The binary links
 # dynamically (candle's cuda feature asks for it) against libcuda.so.1, libcudart.so.13,
 # libcublas(Lt).so.13, libcurand.so.10, libnvrtc.so.13 (and libnccl.so.2): at run time those come
-# from the driver and the CUDA installation of the machine that runs it (scripts/device-env.sh
-# finds PyTorch's copies). A cold build takes about 10 minutes on 2 cores.
+# from the driver and the CUDA 13 libraries of the machine that runs it (docs/gpu.md: the search,
+# and scripts/device-env.sh for pip-installed ones). Needs an NVIDIA driver >= 580 to run.
+# A cold build takes about 10 minutes on 2 cores.
 #
 # Arguments are cargo build's (default: --features cuda,nccl). STAGE_DIR copies the stripped
 # executables there, with scripts/device-env.sh beside them.

@@ -6,11 +6,9 @@
 
 mod commands;
 
-use clap::Parser;
-
 fn main() -> std::process::ExitCode {
     lora_train::util::out::direct();
     lora_train::parallel::prepare_process();
-    let cli = commands::Cli::parse();
+    let cli = commands::parse();
     commands::finish(commands::run(cli))
 }

@@ -71,7 +71,7 @@ pub struct BenchArgs {
     /// LoRA dropout on the adapters' input, as the recipe's lora.dropout.
     #[arg(long, default_value_t = 0.0, value_parser = dropout)]
     dropout: f32,
-    /// rsLoRA: the adapters' scale α / √r, as lora.use_rslora.
+    /// rsLoRA: the adapters' scale α / √r, as lora.rslora.
     #[arg(long)]
     rslora: bool,
     /// Pack this many short examples into each row (block-diagonal attention, as packed data).

@@ -5,6 +5,7 @@ use super::Usage;
 use anyhow::{Context, Result};
 use clap::{ArgGroup, Args, ValueEnum};
 use lora_train::data::TextTokenizer;
+use lora_train::generate::prompt::{self, Template};
 use lora_train::generate::{self, load, Decoder, Finish, Sampler, Sampling, Weights};
 use lora_train::recipe::Recipe;
 use std::io::{BufRead, IsTerminal};
@@ -30,9 +31,13 @@ pub struct GenerateArgs {
     /// Override a recipe field (with --recipe), e.g. --set output.dir=runs/a.
     #[arg(long = "set", value_name = "SECTION.KEY=VALUE", requires = "recipe")]
     set: Vec<String>,
-    /// The text to continue (BOS added as the tokenizer says).
+    /// The text to answer, put in the format the run trained on (data.format of --recipe or
+    /// of the adapter's recipe.toml: alpaca, completion, chat); the template applied is printed.
     #[arg(long)]
     prompt: Option<String>,
+    /// Send --prompt as it is, without the run's template (BOS added as the tokenizer says).
+    #[arg(long, requires = "prompt")]
+    raw: bool,
     /// The prompt as token ids, e.g. 1,306,4685 (for checkpoints without a tokenizer: the
     /// new ids are printed).
     #[arg(long, value_delimiter = ',')]
@@ -41,8 +46,8 @@ pub struct GenerateArgs {
     /// (generation prompt added); the reply is streamed and kept for the next turn, until EOF.
     #[arg(long)]
     chat: bool,
-    /// With --chat: a system message first.
-    #[arg(long, requires = "chat")]
+    /// With --chat (or a chat run's --prompt): a system message first.
+    #[arg(long)]
     system: Option<String>,
     /// With --chat: a .jinja file or a template name of tokenizer_config.json (default: the
     /// model's own; with --recipe, its data.chat_template).
@@ -158,8 +163,15 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         return chat(&a, loaded, &mut sampler, max_new, choice.as_deref());
     }
     let tok = loaded.tok.as_ref();
+    let mut turn_ends = Vec::new();
     let ids = match (&a.prompt, tok) {
-        (Some(p), Some(t)) => t.encode_prompt(p)?,
+        (Some(p), Some(t)) => {
+            let choice = prompt::choose(a.raw, recipe.as_ref(), a.adapter.as_deref());
+            lora_train::errln!("{}", choice.line());
+            let (ids, ends) = templated(&loaded, t, &choice.template, p, a.system.as_deref())?;
+            turn_ends = ends;
+            ids
+        }
         (Some(_), None) => {
             return Err(Usage(format!(
                 "{} has no tokenizer.json: give the prompt as --prompt-ids",
@@ -171,7 +183,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     };
     let stop = match (a.ignore_eos, tok) {
         (true, _) => Vec::new(),
-        (false, Some(t)) => t.stop_ids.clone(),
+        (false, Some(t)) => [&t.stop_ids[..], &turn_ends[..]].concat(),
         (false, None) => loaded.model.cfg.eos_token_ids.clone(),
     };
     let mut model = loaded.model;
@@ -183,6 +195,39 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     }
     report_speed(&out, ids.len());
     Ok(())
+}
+
+/// The prompt's ids in `template`, and the tokens that end a chat turn (none otherwise).
+fn templated(
+    loaded: &load::Loaded,
+    tok: &TextTokenizer,
+    template: &Template,
+    text: &str,
+    system: Option<&str>,
+) -> Result<(Vec<u32>, Vec<u32>)> {
+    let choice = match template {
+        Template::Raw | Template::Completion => return Ok((tok.encode_prompt(text)?, Vec::new())),
+        Template::Alpaca => {
+            let p = lora_train::data::alpaca_prompt(text, "");
+            return Ok((tok.encode_prompt(&p)?, Vec::new()));
+        }
+        Template::Chat { choice } => choice.as_deref(),
+    };
+    let (tpl, ends) = load::chat_template(loaded, tok, choice)?;
+    let mut messages = Vec::new();
+    if let Some(s) = system {
+        messages.push(serde_json::json!({"role": "system", "content": s}));
+    }
+    messages.push(serde_json::json!({"role": "user", "content": text}));
+    let msgs: minijinja::Value = serde_json::from_value(serde_json::Value::Array(messages))?;
+    let msgs = lora_train::data::chat::normalize_messages(&msgs)?;
+    let rendered = tpl.render(&msgs, true).with_context(|| {
+        format!(
+            "rendering the prompt with the chat template of {}",
+            loaded.files.dir.display()
+        )
+    })?;
+    Ok((tok.encode_offsets(&rendered.text)?.0, ends))
 }
 
 /// One generation, its text streamed to stdout (nothing without a tokenizer).

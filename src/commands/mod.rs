@@ -127,6 +127,55 @@ pub fn finish(res: anyhow::Result<()>) -> ExitCode {
     }
 }
 
+/// The command line, parsed; clap's error for a common slip (`--set train.lr 1e-4`, a recipe
+/// without `--recipe`) is followed by the line to type instead (exit 2).
+pub fn parse() -> Cli {
+    // Parsed as the OS gave the words (a path need not be UTF-8); read as text for the hint.
+    let e = match Cli::try_parse_from(std::env::args_os()) {
+        Ok(cli) => return cli,
+        Err(e) => e,
+    };
+    let args: Vec<String> = std::env::args_os()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
+    use clap::error::ErrorKind::{DisplayHelp, DisplayVersion};
+    let fixed = slip_fixed(&args);
+    if matches!(e.kind(), DisplayHelp | DisplayVersion) || fixed == args {
+        e.exit()
+    }
+    let _ = e.print();
+    let words: Vec<String> = fixed[1..].iter().map(|w| train::quote(w)).collect();
+    lora_train::errln!("to run that, type: lora-train {}", words.join(" "));
+    std::process::exit(2)
+}
+
+/// `args` with the common slips mended: `--set KEY VALUE` → `--set KEY=VALUE`, a bare
+/// `*.toml` → `--recipe *.toml`.
+fn slip_fixed(args: &[String]) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < args.len() {
+        let a = &args[i];
+        let value_of = |j: usize| args.get(j).filter(|v| !v.starts_with('-'));
+        let after_flag = out
+            .last()
+            .is_some_and(|p| p.starts_with('-') && !p.contains('='));
+        if a == "--set" && value_of(i + 1).is_some_and(|k| !k.contains('=')) {
+            if let (Some(k), Some(v)) = (value_of(i + 1), value_of(i + 2)) {
+                out.extend(["--set".to_string(), format!("{k}={v}")]);
+                i += 3;
+                continue;
+            }
+        }
+        if i > 0 && a.ends_with(".toml") && !a.starts_with('-') && !after_flag {
+            out.push("--recipe".into());
+        }
+        out.push(a.clone());
+        i += 1;
+    }
+    out
+}
+
 /// A command line that cannot run as given (exit code 2, like clap's own errors).
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]

@@ -101,7 +101,19 @@ pub fn run(a: PlanArgs) -> anyhow::Result<()> {
                 r.model.dtype = r.model.dtype.or(Some(Dtype::F32));
                 r.model.device = DeviceKind::Cuda;
             }
-            let run = RunConfig::resolve(r, Machine::Forecast { gpus })?;
+            let offline = plan::shape_command(&r, gpus, a.gpu_mem);
+            let run = match RunConfig::resolve(r, Machine::Forecast { gpus }) {
+                Ok(run) => run,
+                Err(e) if e.is::<lora_train::recipe::RecipeError>() => return Err(e),
+                Err(e) => match offline {
+                    Some(cmd) => {
+                        return Err(anyhow::anyhow!(
+                            "{e:#}\nwithout the model's config.json (offline), plan its shape: {cmd}"
+                        ))
+                    }
+                    None => return Err(e),
+                },
+            };
             let sel = (run.strategy, run.ckpt);
             let input = run.plan_input(gpus);
             if let (Some(note), false) = (run.plan_note(), a.json) {

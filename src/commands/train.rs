@@ -22,6 +22,10 @@ pub struct TrainArgs {
     /// Start even when the memory plan says the run does not fit.
     #[arg(long)]
     pub force: bool,
+    /// Replace a finished run in output.dir (its adapter, merged model and checkpoints);
+    /// without it such a directory is refused. The same as --set output.overwrite=true.
+    #[arg(long)]
+    pub overwrite: bool,
 }
 
 pub fn run(a: TrainArgs) -> anyhow::Result<()> {
@@ -29,7 +33,11 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
         a.recipe.as_deref(),
         "lora-train --recipe RECIPE.toml [--set section.key=value ...]",
     )?;
-    let recipe = lora_train::train::load_recipe(&path, &a.set)?;
+    let mut sets = a.set.clone();
+    if a.overwrite {
+        sets.push("output.overwrite=true".into());
+    }
+    let recipe = lora_train::train::load_recipe(&path, &sets)?;
     let opts = lora_train::train::RunOptions { force: a.force };
     // A run's streams are logs (util::out). Until its signal handlers take over, a closed one
     // ends it at once: nothing is written yet.
@@ -97,7 +105,7 @@ fn resume_command(path: &Path, set: &[String]) -> String {
     ];
     let kept = numbers_sets(set);
     for s in set {
-        if !kept.contains(s) && set_key(s) != "train.resume" {
+        if !kept.contains(s) && !["train.resume", "output.overwrite"].contains(&set_key(s)) {
             cmd.push("--set".into());
             cmd.push(quote(s));
         }
@@ -107,7 +115,7 @@ fn resume_command(path: &Path, set: &[String]) -> String {
 }
 
 /// `s` as one shell word.
-fn quote(s: &str) -> String {
+pub(super) fn quote(s: &str) -> String {
     let plain = |c: char| c.is_ascii_alphanumeric() || "_-./=:,+@%".contains(c);
     if !s.is_empty() && s.chars().all(plain) {
         s.to_string()

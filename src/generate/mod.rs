@@ -19,6 +19,7 @@
 //! - `sample`: greedy, temperature, top-k, top-p from a seeded stream;
 //! - `stream`: incremental decoding of text as tokens arrive;
 //! - `load`: a base + adapter, a merged directory, or a recipe's output;
+//! - `prompt`: the template a `--prompt` goes in: the format the run trained on;
 //! - `bench`: decode steps timed on random weights of a named shape (`generate --bench`).
 //!
 //! For the training loop's `sample_every`: `greedy_text` runs on the training model as it is
@@ -33,6 +34,7 @@ pub mod decoder;
 #[cfg(feature = "cuda")]
 mod graph;
 pub mod load;
+pub mod prompt;
 pub(crate) mod sample;
 pub mod stream;
 pub(crate) mod weights;

@@ -38,8 +38,8 @@ pub(crate) fn recipe_dtype(d: DType) -> Option<Dtype> {
 pub enum DeviceError {
     /// The binary has no CUDA.
     #[error(
-        "this binary was built without CUDA: rebuild with `bash scripts/build-cuda.sh` (see \
-         README, \"Install\"), or run on the CPU"
+        "this binary was built without CUDA: {}; or run on the CPU",
+        crate::util::CUDA_BUILD
     )]
     NoCuda,
     /// The ordinal is not one of this machine's devices.

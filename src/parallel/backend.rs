@@ -32,10 +32,7 @@ pub(crate) fn nccl_group(devices: Vec<usize>, timeout: Duration) -> Result<Arc<d
 /// Several GPUs need NCCL: this build has none.
 #[cfg(not(feature = "nccl"))]
 pub(crate) fn nccl_group(_: Vec<usize>, _: Duration) -> Result<Arc<dyn Group>> {
-    anyhow::bail!(
-        "several GPUs need NCCL: rebuild with `bash scripts/build-cuda.sh` (features cuda,nccl; \
-         see README, \"Install\")"
-    )
+    anyhow::bail!("several GPUs need NCCL: {}", crate::util::NCCL_BUILD)
 }
 
 /// This process as rank `e.rank` of a launcher's job of CPU ranks (RANK, WORLD_SIZE, ...):
@@ -55,8 +52,8 @@ pub(crate) fn env_comm(e: &EnvRank, timeout: Duration) -> Result<Box<dyn Comm>> 
 pub(crate) fn env_comm(e: &EnvRank, _: Duration) -> Result<Box<dyn Comm>> {
     anyhow::bail!(
         "RANK / WORLD_SIZE are set (world {}) with model.device = \"cuda\", but this binary was \
-         built without NCCL: rebuild with `bash scripts/build-cuda.sh` (features cuda,nccl; see \
-         README, \"Install\"), or train on the CPU ranks (model.device = \"cpu\")",
-        e.world
+         built without NCCL: {}, or train on the CPU ranks (model.device = \"cpu\")",
+        e.world,
+        crate::util::NCCL_BUILD
     )
 }

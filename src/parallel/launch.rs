@@ -172,14 +172,19 @@ impl EnvRank {
             Some(v) => num(l, v)?,
             None => 0,
         };
+        // Under Slurm, how an sbatch script sets what srun does not.
+        let slurm = match w {
+            "SLURM_NTASKS" => " (in an sbatch script: export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1) MASTER_PORT=29500; docs/multi-node.md)",
+            _ => "",
+        };
         let addr = get("MASTER_ADDR").with_context(|| {
-            format!("{w} > 1 but MASTER_ADDR is not set: export MASTER_ADDR=<rank 0's host>")
+            format!("{w} = {world} ({r} = {rank}) but MASTER_ADDR is not set: export MASTER_ADDR=<rank 0's host>{slurm}")
         })?;
         let port = match get("LORA_TRAIN_PORT") {
             Some(p) => num("LORA_TRAIN_PORT", p)?,
             None => {
                 let p = get("MASTER_PORT").with_context(|| {
-                    format!("{w} > 1 but MASTER_PORT is not set: export MASTER_PORT=<a free port>")
+                    format!("{w} = {world} ({r} = {rank}) but MASTER_PORT is not set: export MASTER_PORT=<a free port>{slurm}")
                 })?;
                 num("MASTER_PORT", p)? + 1
             }

@@ -124,6 +124,7 @@ impl Recipe {
 }
 
 /// (numbers, booleans, arrays, quoted strings); anything else is taken as a bare string.
+/// `model.path` replaces the file's `model.id` (and its revision), `model.id` its `model.path`.
 fn apply_set(doc: &mut toml_edit::DocumentMut, arg: &str) -> Result<String, RecipeError> {
     let err = |msg: &str| RecipeError::Override {
         arg: arg.into(),
@@ -156,5 +157,16 @@ fn apply_set(doc: &mut toml_edit::DocumentMut, arg: &str) -> Result<String, Reci
         )));
     }
     *item = toml_edit::Item::Value(value);
+    // model.path and model.id are one choice: setting one replaces the other.
+    let other: &[&str] = match key {
+        "model.path" => &["id", "revision"],
+        "model.id" => &["path"],
+        _ => &[],
+    };
+    if let Some(model) = doc.get_mut("model").and_then(|m| m.as_table_like_mut()) {
+        for k in other {
+            model.remove(k);
+        }
+    }
     Ok(key.to_string())
 }

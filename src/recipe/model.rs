@@ -50,7 +50,7 @@ pub struct ModelSection {
     pub device: DeviceKind,
     /// The frozen linears of the decoder layers in 4 bits (QLoRA): "nf4" (bitsandbytes' NF4,
     /// quantized layer by layer as the checkpoint loads, dequantized just in time for each
-    /// layer's GEMMs) | "none". Default: "none". Not yet with `parallel.strategy = "fsdp"`.
+    /// layer's GEMMs) | "none". Default: "none". Under FSDP each rank keeps 1/N of it in NF4.
     #[serde(default)]
     pub(crate) quantize: Quantize,
     /// With quantize = "nf4": the absmax values quantized again to 8 bits in blocks of 256

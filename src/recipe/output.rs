@@ -27,7 +27,8 @@ pub struct OutputSection {
     /// current directory.
     pub(crate) dir: Option<PathBuf>,
     /// Save checkpoint-<step>/ (adapter, optimiser state, trainer state) every this many
-    /// steps and at the last step; 0 = none (SIGINT / SIGTERM still save one). Default: 0.
+    /// steps and at the last step; 0 = none, the final adapter alone (SIGINT / SIGTERM still
+    /// save one). Default: 0.
     #[serde(default)]
     pub(crate) save_every: usize,
     /// Also write merged full weights (W + scale·B·A, in the base checkpoint's dtype) to
@@ -40,6 +41,7 @@ pub struct OutputSection {
     pub(crate) keep_last: usize,
     /// Largest safetensors shard of the merged model, e.g. "5GB", "500MB", "2GiB".
     /// Default: "5GB".
+    #[serde(default, deserialize_with = "super::train::size_text")]
     pub(crate) max_shard_size: Option<String>,
     /// What `merge` merges the adapter into: "base" (the base checkpoint's weights; a
     /// bitsandbytes 4-bit checkpoint's dequantized) or "dequantized" (each decoder linear
@@ -47,4 +49,9 @@ pub struct OutputSection {
     /// Default: "base".
     #[serde(default)]
     pub(crate) merge_into: MergeInto,
+    /// A fresh run into a directory that holds a finished run replaces that run (its final
+    /// adapter, merged model and checkpoints are removed as the new run starts); false refuses,
+    /// naming the ways on. `train --overwrite` sets it. Default: false.
+    #[serde(default)]
+    pub(crate) overwrite: bool,
 }

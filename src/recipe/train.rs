@@ -176,6 +176,7 @@ pub struct TrainSection {
     /// (cuMemAlloc, outside the pool) so it behaves as a card of this size and runs out of
     /// memory for real; the preflight check compares the memory plan with it. On the CPU it
     /// caps an accounting of the tensor bytes the trainer holds. Default: unset (the card).
+    #[serde(default, deserialize_with = "size_text")]
     pub(crate) max_memory: Option<String>,
     /// A layer's MLP (norm, gate / up, activation, down) runs over chunks of this many tokens
     /// of the micro-batch: in backward always, and with activation checkpointing in forward and
@@ -402,4 +403,23 @@ pub(super) fn de_report_to<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Tracke
         }
     }
     d.deserialize_any(V)
+}
+
+/// A size field (`"24GiB"`) read as its text; a bare number (`24`) is kept as text too, for
+/// `validate` to refuse with the units it takes rather than a TOML type error.
+pub(super) fn size_text<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<Option<String>, D::Error> {
+    #[derive(serde::Deserialize)]
+    #[serde(untagged)]
+    enum Size {
+        Text(String),
+        Int(i64),
+        Float(f64),
+    }
+    Ok(Some(match Size::deserialize(d)? {
+        Size::Text(s) => s,
+        Size::Int(n) => n.to_string(),
+        Size::Float(x) => x.to_string(),
+    }))
 }

@@ -13,11 +13,24 @@ impl Recipe {
     pub(crate) fn check_build(&self) -> Result<(), RecipeError> {
         let cuda = self.model.device == DeviceKind::Cuda;
         if cuda && !cfg!(feature = "cuda") {
-            return Err(self.invalid("model.device", "= \"cuda\", but this binary was built without CUDA: rebuild with `cargo build --release --features cuda`"));
+            return Err(self.invalid(
+                "model.device",
+                format!(
+                    "= \"cuda\", but this binary was built without CUDA: {}",
+                    crate::util::CUDA_BUILD
+                ),
+            ));
         }
         let p = &self.parallel;
         if p.strategy != Strategy::Single && cuda && !cfg!(feature = "nccl") {
-            return Err(self.invalid("parallel.strategy", format!("= \"{}\" on CUDA needs NCCL, but this binary was built without it: rebuild with `cargo build --release --features cuda,nccl`", p.strategy.name())));
+            return Err(self.invalid(
+                "parallel.strategy",
+                format!(
+                    "= \"{}\" on CUDA needs NCCL, but this binary was built without it: {}",
+                    p.strategy.name(),
+                    crate::util::NCCL_BUILD
+                ),
+            ));
         }
         Ok(())
     }

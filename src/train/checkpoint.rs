@@ -42,7 +42,7 @@ pub const RNG: &str = "SplitMix64 streams keyed by seed: shuffle (seed, epoch); 
 const LOSS_TAIL: usize = 100;
 
 /// Recipe keys that do not change the numbers of a run: they may differ on resume.
-const FREE_KEYS: [&str; 17] = [
+const FREE_KEYS: [&str; 18] = [
     "train.resume",
     "train.report_to",
     "train.max_memory",
@@ -59,6 +59,7 @@ const FREE_KEYS: [&str; 17] = [
     "output.merge",
     "output.max_shard_size",
     "output.merge_into",
+    "output.overwrite",
     // ddp and fsdp over the same devices give the same numbers.
     "parallel.strategy",
     "parallel.timeout_s",

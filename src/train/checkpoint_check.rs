@@ -113,8 +113,9 @@ fn refuse(r: &Recipe, msg: String) -> anyhow::Error {
     .into()
 }
 
-/// `resume = false`: every checkpoint in `out_dir` is readable and of a finished run (those
-/// are removed when the run starts); else a RecipeError, and nothing is touched.
+/// `resume = false`: every checkpoint in `out_dir` is readable and of a finished run, and a
+/// finished run is there only with `output.overwrite` (its checkpoints and final outputs are
+/// then removed when the run starts); else a RecipeError, and nothing is touched.
 pub(crate) fn fresh_start(r: &Recipe, out_dir: &Path) -> Result<()> {
     let found = scan(out_dir);
     if let Some(f) = found.iter().find(|f| f.state.is_err()) {
@@ -147,7 +148,30 @@ pub(crate) fn fresh_start(r: &Recipe, out_dir: &Path) -> Result<()> {
             ),
         ));
     }
-    earlier_outputs(r, out_dir).map(|_| ())
+    let earlier = earlier_outputs(r, out_dir)?;
+    if r.output.overwrite || (earlier.is_empty() && done.is_empty()) {
+        return Ok(());
+    }
+    let mut what: Vec<String> = earlier
+        .iter()
+        .map(PathBuf::as_path)
+        .chain(done.iter().copied())
+        .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .collect();
+    what.truncate(4);
+    let dir = out_dir.display().to_string();
+    Err(RecipeError::Invalid {
+        path: r.source.clone(),
+        key: "output.dir".into(),
+        msg: format!(
+            "= \"{dir}\" holds a finished run ({}): nothing was changed; train into another \
+             directory with --set output.dir={}-2, or replace that run with --overwrite \
+             (output.overwrite = true)",
+            what.join(", "),
+            dir.trim_end_matches('/')
+        ),
+    }
+    .into())
 }
 
 /// The files a finished earlier run left in `out_dir` that a fresh run must not leave beside

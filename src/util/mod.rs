@@ -78,16 +78,33 @@ pub fn stale_temporaries(path: &Path) -> Vec<PathBuf> {
     out
 }
 
-/// "5GB" → 5·10⁹, "500MB", "2GiB" → 2·2³⁰, "300KB", "1000" (bytes); as transformers reads
-/// `max_shard_size`.
+/// How to build with CUDA, for the errors of a build without it (docs/gpu.md tells it whole):
+/// the driver, the toolkit or none, and the feature for one GPU.
+pub const CUDA_BUILD: &str =
+    "install a CUDA build (NVIDIA driver >= 580, CUDA 13.0; docs/gpu.md): \
+     with a CUDA toolkit, `CUDA_COMPUTE_CAP=90 cargo install --locked --path . --features cuda` \
+     (90 H100/H200, 89 RTX 40xx, 86 RTX 30xx, 80 A100); without one, `bash scripts/build-cuda.sh`";
+
+/// The same for several GPUs: NCCL too.
+pub const NCCL_BUILD: &str = "install a build with NCCL (NVIDIA driver >= 580, CUDA 13.0; \
+     docs/gpu.md): with a CUDA toolkit, `CUDA_COMPUTE_CAP=90 cargo install --locked --path . \
+     --features cuda,nccl`; without one, `bash scripts/build-cuda.sh` (cuda,nccl by default)";
+
+/// "5GB" → 5·10⁹, "500MB", "2GiB" → 2·2³⁰, "300KB", "1000B" (bytes), as transformers reads
+/// `max_shard_size`; a bare number ("24": bytes or GiB?) is refused, naming the units.
 pub fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
     let split = t
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
+    if unit.trim().is_empty() && !num.is_empty() {
+        return Err(format!(
+            "= \"{s}\" has no unit: write e.g. \"{num}GiB\" (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+        ));
+    }
     let mult: u64 = match unit.trim().to_ascii_uppercase().as_str() {
-        "" | "B" => 1,
+        "B" => 1,
         "KB" => 1_000,
         "MB" => 1_000_000,
         "GB" => 1_000_000_000,

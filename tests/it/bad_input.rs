@@ -244,7 +244,10 @@ fn a_damaged_checkpoint_is_an_error_naming_its_file_and_nothing_is_ever_deleted(
     assert_eq!(fx.out_files(), before);
     // A resume that would save over a damaged checkpoint is refused too.
     std::fs::remove_dir_all(fx.path("out/checkpoint-2")).unwrap();
-    assert_eq!(fx.train(&["train.max_steps=6"]).0, 0);
+    assert_eq!(
+        fx.train(&["train.max_steps=6", "output.overwrite=true"]).0,
+        0
+    );
     std::fs::remove_file(fx.path("out/checkpoint-6/optimizer.safetensors")).unwrap();
     let before = fx.out_files();
     refused(

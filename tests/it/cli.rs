@@ -259,7 +259,7 @@ invalid type: string \"eight\", expected usize
         (
             "",
             &["model.device=cuda"],
-            "error: recipe bad.toml: `model.device` = \"cuda\", but this binary was built without CUDA: rebuild with `cargo build --release --features cuda`\n",
+            "error: recipe bad.toml: `model.device` = \"cuda\", but this binary was built without CUDA: install a CUDA build (NVIDIA driver >= 580, CUDA 13.0; docs/gpu.md): with a CUDA toolkit, `CUDA_COMPUTE_CAP=90 cargo install --locked --path . --features cuda` (90 H100/H200, 89 RTX 40xx, 86 RTX 30xx, 80 A100); without one, `bash scripts/build-cuda.sh`\n",
         ),
         (
             "[train]\nsample_every = 2\nsample_prompts = [\"hi\"]\n",

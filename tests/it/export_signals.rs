@@ -1,6 +1,6 @@
 //! `export` under signals, with the real binary. The export is held mid-write without a clock:
 //! its stderr is a full pipe, so it stops at its first line, the one saying its first shard is
-//! written (21 shards: --max-shard-size 1), until the test reads. SIGINT or SIGTERM then removes
+//! written (21 shards: --max-shard-size 1B), until the test reads. SIGINT or SIGTERM then removes
 //! the unfinished `.<out>.tmp-<pid>` and exits 130, leaving no `--out` and no lock; after a
 //! SIGKILL, the next export removes the temporary the dead one left (and only such: a live
 //! process's, and anything not of its naming, stay).
@@ -21,7 +21,7 @@ fn export(out: &Path) -> Command {
             "--base",
             "recipes/assets/tiny-llama",
             "--max-shard-size",
-            "1",
+            "1B",
             "--out",
         ])
         .arg(out);

@@ -193,7 +193,7 @@ fn plan_answers_for_the_recipes_own_row() {
     );
 }
 
-/// A fresh run over a finished run's directory leaves no file of the earlier run that could be
+/// A fresh run over a finished run's directory (with --overwrite) leaves no file of the earlier run that could be
 /// taken for its own: interrupted early, the directory holds the new run's checkpoint and no
 /// earlier final adapter (PeftModel.from_pretrained on it would load the old weights). An
 /// adapter there that no run of ours wrote is refused, naming it, before anything is loaded.
@@ -211,6 +211,7 @@ fn a_fresh_run_leaves_no_adapter_of_the_earlier_run() {
         .args(["--recipe", "recipes/tiny-cpu.toml", "--set"])
         .arg(format!("output.dir={}", out.display()))
         .args(["--set", "train.max_steps=300", "--set", "train.log_every=1"])
+        .arg("--overwrite")
         .args([
             "--set",
             "train.micro_batch=1",

@@ -784,7 +784,7 @@ fn plan_of_a_hub_model_fetches_config_json_only() {
         .unwrap();
     let (out, err) = out_err(&o);
     assert!(o.status.success(), "{err}");
-    assert!(out.contains("advice: use single"), "{out}");
+    assert!(out.contains("fits as written (single"), "{out}");
     // The cache holds config.json and nothing else: no weights, no tokenizer.
     let blobs = walk(&repo_dir(&hf).join("blobs"));
     assert_eq!(blobs.len(), 1, "{blobs:?}");

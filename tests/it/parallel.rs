@@ -588,8 +588,18 @@ fn launcher_environment_torchrun_and_slurm() {
     let err = EnvRank::from_env(&env(&[("RANK", "0"), ("WORLD_SIZE", "2")])).unwrap_err();
     assert_eq!(
         err.to_string(),
-        "WORLD_SIZE > 1 but MASTER_ADDR is not set: export MASTER_ADDR=<rank 0's host>"
+        "WORLD_SIZE = 2 (RANK = 0) but MASTER_ADDR is not set: export MASTER_ADDR=<rank 0's host>"
     );
+    // Under Slurm the message names the variables read, and how an sbatch script sets them.
+    let err = EnvRank::from_env(&env(&[("SLURM_PROCID", "1"), ("SLURM_NTASKS", "4")]))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.starts_with("SLURM_NTASKS = 4 (SLURM_PROCID = 1) but MASTER_ADDR is not set"),
+        "{err}"
+    );
+    assert!(err.contains("scontrol show hostnames"), "{err}");
+    assert!(!err.contains("WORLD_SIZE"), "{err}");
 }
 
 #[test]

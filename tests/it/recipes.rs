@@ -48,6 +48,25 @@ fn first_gib(line: &str) -> Option<&str> {
         .map(|(n, _)| n.trim_start_matches(':'))
 }
 
+/// A header's plan line against `plan --json`'s selected row: its total (the first figure), and
+/// `base B GiB` where it says one.
+fn check_claim(rel: &str, claim: &str, sel: &serde_json::Value) {
+    let total = format!("{:.2}", sel["total_gib"].as_f64().unwrap());
+    assert_eq!(
+        first_gib(claim),
+        Some(total.as_str()),
+        "{rel}: header says {claim}"
+    );
+    if let Some(at) = claim.find("base ") {
+        let base = sel["base_bytes"].as_f64().unwrap() / (1u64 << 30) as f64;
+        assert_eq!(
+            first_gib(&claim[at..]),
+            Some(format!("{base:.2}").as_str()),
+            "{rel}: header says {claim}"
+        );
+    }
+}
+
 #[test]
 fn every_shipped_recipe_checks_and_plans_as_its_header_says() {
     let repos = MODELS
@@ -124,24 +143,47 @@ fn every_shipped_recipe_checks_and_plans_as_its_header_says() {
             .unwrap_or_else(|| panic!("{rel}: the header quotes no plan (`#   -> ...`)"));
         let args: Vec<&str> = plan.split_whitespace().collect();
         assert!(args.contains(&rel.as_str()), "{rel}: {plan}");
-        let o = bin(&hf, &hub.endpoint())
-            .arg("plan")
-            .args(&args)
-            .arg("--json")
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&o.stderr);
-        assert!(o.status.success(), "{rel}: {err}");
-        let p: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-        let sel = &p["selected"];
-        assert_eq!(sel["fits"], true, "{rel}: {sel}");
-        let total = format!("{:.2}", sel["total_gib"].as_f64().unwrap());
-        assert_eq!(
-            first_gib(claim),
-            Some(total.as_str()),
-            "{rel}: header says {claim}"
-        );
+        let planned = |sets: &[&str]| {
+            let o = bin(&hf, &hub.endpoint())
+                .arg("plan")
+                .args(&args)
+                .args(sets.iter().flat_map(|s| ["--set", s]))
+                .arg("--json")
+                .output()
+                .unwrap();
+            let err = String::from_utf8_lossy(&o.stderr);
+            assert!(o.status.success(), "{rel} {sets:?}: {err}");
+            serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()
+        };
+        let p = planned(&[]);
+        assert_eq!(p["selected"]["fits"], true, "{rel}: {}", p["selected"]);
+        check_claim(&rel, claim, &p["selected"]);
         assert_eq!(p["seq_len"], 2048, "{rel}");
+        // `#   with --set K=V ...: N GiB[, base B GiB][, does not fit]`: the same plan with
+        // those overrides, each figure as `plan` prints it now.
+        let mut checked = vec![claim.to_string()];
+        for l in header.iter().filter_map(|l| l.strip_prefix("#   with ")) {
+            let (sets, figures) = l.split_once(": ").unwrap_or_else(|| panic!("{rel}: {l}"));
+            let sets: Vec<&str> = sets.split_whitespace().filter(|w| *w != "--set").collect();
+            let sel = &planned(&sets)["selected"];
+            check_claim(&rel, figures, sel);
+            let fits = !figures.contains("does not fit");
+            assert_eq!(sel["fits"], fits, "{rel}: header says {l}");
+            checked.push(figures.to_string());
+        }
+        // No plan figure (x.xx GiB) in the header's prose: each is on a line checked above.
+        for l in &header {
+            for (n, unit) in l.split_whitespace().zip(l.split_whitespace().skip(1)) {
+                let plan_figure =
+                    unit.starts_with("GiB") && n.split_once('.').is_some_and(|(_, d)| d.len() == 2);
+                if plan_figure && !l.contains("--gpu-mem") {
+                    assert!(
+                        checked.iter().any(|c| l.contains(c.as_str())),
+                        "{rel}: `{l}` quotes {n} GiB, which no checked plan line holds"
+                    );
+                }
+            }
+        }
     }
     // plan fetched config.json and nothing else.
     let reqs = hub.requests();

@@ -715,8 +715,9 @@ fn keep_last_prunes_and_a_fresh_run_replaces_a_finished_ones_checkpoints() {
         .filter(|n| n.starts_with('.'))
         .collect();
     assert!(names.is_empty(), "leftovers: {names:?}");
-    // A fresh run over a finished one: its checkpoints go (resume = true would pick them up).
-    let err = run(3, &["output.save_every=0"]);
+    // A fresh run over a finished one (--overwrite): its checkpoints go (resume = true would
+    // pick them up).
+    let err = run(3, &["output.save_every=0", "output.overwrite=true"]);
     assert!(
         err.contains(&format!(
             "removed checkpoint-10, checkpoint-8 of an earlier run from {}",

@@ -98,6 +98,8 @@ fn tiny_run(out: &Path, steps: usize, sets: &[&str], envs: &[(&str, &str)]) -> S
         "train.eval_every=10".into(),
         "data.eval_fraction=0.1".into(),
         "output.save_every=0".into(),
+        // runs here follow one another into one directory
+        "output.overwrite=true".into(),
     ];
     for s in base.iter().map(String::as_str).chain(sets.iter().copied()) {
         cmd.args(["--set", s]);

@@ -190,7 +190,12 @@ mod tests {
         assert_eq!(parse_size("500MB"), Ok(500_000_000));
         assert_eq!(parse_size("2GiB"), Ok(2 << 30));
         assert_eq!(parse_size("1.5 kb"), Ok(1500));
-        assert_eq!(parse_size("1000"), Ok(1000));
+        assert_eq!(parse_size("1000B"), Ok(1000));
+        let e = parse_size("24").unwrap_err();
+        assert!(
+            e.contains("\"24\" has no unit: write e.g. \"24GiB\""),
+            "{e}"
+        );
         for bad in ["", "GB", "5XB", "-1GB", "0MB"] {
             let e = parse_size(bad).unwrap_err();
             assert!(e.contains("is not a size"), "{bad}: {e}");

@@ -16,7 +16,11 @@ pub(crate) struct Advice {
     pub(crate) lines: Vec<String>,
 }
 
-/// The recommendation: fits single → single (checkpointing only if needed); fits only
+/// The most of a card an advised setting takes: the rest is room for the allocator's
+/// fragmentation and the forecast's error (it lands within 2% of measured peaks).
+pub(crate) const ADVISED_SHARE: f64 = 0.9;
+
+/// The recommendation (a row within `ADVISED_SHARE` of the card): fits single → single (checkpointing only if needed); fits only
 /// sharded → fsdp; nothing fits at this micro-batch → the largest micro-batch that fits with
 /// more accumulation (same global batch), when activations dominate; lower LoRA rank /
 /// fewer targets when the optimiser dominates; more GPUs when the base does.
@@ -45,8 +49,20 @@ pub(crate) fn advise(
         }
         return a;
     };
-    if let Some(r) = ordered(rows).find(|r| r.fits == Some(true)) {
+    let budget = (cap as f64 * ADVISED_SHARE) as u64;
+    if let Some(r) = ordered(rows).find(|r| r.fits == Some(true) && r.b.total <= budget) {
         a.use_row(r, micro_batch, grad_accum, cap, rows);
+        return a;
+    }
+    if let Some(r) = ordered(rows).find(|r| r.fits == Some(true)) {
+        // It fits, but with no room for the allocator's fragmentation: not advised.
+        a.lines.push(format!(
+            "{} fits at {} of {} per rank, above {:.0}% of the card (little room for fragmentation): for headroom, a smaller train.micro_batch with a larger train.grad_accum, or more train.activation_checkpointing",
+            label(&r.b),
+            fmt_bytes(r.b.total),
+            fmt_bytes(cap),
+            ADVISED_SHARE * 100.0
+        ));
         return a;
     }
     // Nothing fits at this micro-batch: the best setting at a smaller one.

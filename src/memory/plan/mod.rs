@@ -76,6 +76,7 @@
 
 mod advice;
 mod inputs;
+mod offline;
 mod render;
 mod search;
 mod terms;
@@ -85,6 +86,7 @@ mod tests;
 pub(crate) use advice::{advise, remedies, Advice};
 pub use inputs::input_from_shape;
 pub(crate) use inputs::{mlp_chunk_as_run, PlanInput};
+pub use offline::shape_command;
 pub(crate) use render::{fmt_bytes, label};
 pub use render::{render, to_json};
 pub use search::plan;

@@ -43,20 +43,29 @@ pub fn render(p: &Plan, selected: (Strategy, Checkpointing)) -> String {
             .map(|r| cells(r, (r.b.strategy, r.b.ckpt) == selected)),
     );
     out.push_str(&aligned(&table));
-    if let Some(r) = row(p, selected.0, selected.1) {
-        out.push_str(&format!(
-            "as written ({}, marked *): {}\n",
-            label(&r.b),
-            verdict(r, p)
-        ));
+    let mine = row(p, selected.0, selected.1);
+    let fits = mine.is_some_and(|r| r.fits == Some(true));
+    if let Some(r) = mine {
+        let (head, verdict) = match fits {
+            true => ("fits as written", verdict(r, p).replacen("fits: ", "", 1)),
+            false => ("as written", verdict(r, p)),
+        };
+        out.push_str(&format!("{head} ({}, marked *): {verdict}\n", label(&r.b)));
     }
     out.push_str(&legend(p));
     out.push_str(&notes(p));
     if let Some(h) = host_line(p) {
         out.push_str(&h);
     }
-    for l in &p.advice.lines {
-        out.push_str(&format!("advice: {l}\n"));
+    // Where the recipe fits, a recommended setting is an alternative, not a correction.
+    let same = (p.advice.strategy, p.advice.ckpt) == (Some(selected.0), Some(selected.1));
+    for (i, l) in p.advice.lines.iter().enumerate() {
+        let use_line = i == 0 && p.advice.micro_batch == Some(p.micro_batch);
+        match (fits && use_line, l.strip_prefix("use ")) {
+            (true, Some(_)) if same => {}
+            (true, Some(rest)) => out.push_str(&format!("advice: this also fits: {rest}\n")),
+            _ => out.push_str(&format!("advice: {l}\n")),
+        }
     }
     out
 }

@@ -327,12 +327,32 @@ fn advice_follows_the_rules() {
         .find(|r| r.b.ckpt == Checkpointing::Mlp)
         .unwrap();
     assert!(mlp.b.total <= 24 * GIB, "{}", mlp.b.total);
+    // ... but above 90% of the card, so whole-layer checkpointing is what is advised; on a
+    // card where the MLP half is within 90%, it is.
+    assert!(
+        mlp.b.total as f64 > 0.9 * (24 * GIB) as f64,
+        "{}",
+        mlp.b.total
+    );
     let a = advise(&rows, 2, 4, Some(24 * GIB));
+    assert_eq!((a.strategy, a.ckpt), (Some(Strategy::Single), Some(FULL)));
+    let cap = (mlp.b.total as f64 / 0.9) as u64 + 1;
+    let a = advise(&rows_at(&p, cap), 2, 4, Some(cap));
     assert_eq!(
         (a.strategy, a.ckpt),
         (Some(Strategy::Single), Some(Checkpointing::Mlp))
     );
     assert!(a.lines[0].contains("\"mlp\""), "{a:?}");
+    // Where only rows above 90% fit, none is advised: the headroom is named instead.
+    let cap = mlp.b.total + 1;
+    let full = rows_at(&p, cap);
+    let tight: Vec<_> = full
+        .into_iter()
+        .filter(|r| r.b.strategy == Strategy::Single && r.b.ckpt != FULL)
+        .collect();
+    let a = advise(&tight, 2, 4, Some(cap));
+    assert_eq!(a.strategy, None, "{a:?}");
+    assert!(a.lines[0].contains("above 90% of the card"), "{a:?}");
     // 20 GiB: only whole-layer checkpointing (14.82 GiB in the pool + 14% + 512 MiB =
     // 17.39 GiB) fits on one GPU.
     let a = advise(&rows_at(&p, 20 * GIB), 2, 4, Some(20 * GIB));
