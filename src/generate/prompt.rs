@@ -3,7 +3,7 @@
 //! that an Alpaca-tuned adapter is asked in the Alpaca prompt and a chat-tuned one through its
 //! chat template; `--raw` sends the text as it is.
 
-use crate::recipe::{DataFormat, Recipe};
+use crate::recipe::{format_name, DataFormat, Recipe};
 use std::path::Path;
 
 /// The prompt format a generation applies.
@@ -100,9 +100,9 @@ fn of_recipe(r: &Recipe, source: &str) -> Choice {
             formats.push(f);
         }
     }
-    let name = |f: &DataFormat| format!("{f:?}").to_lowercase();
+    let name = |f: &DataFormat| format_name(*f);
     let [one] = formats[..] else {
-        let names: Vec<String> = formats.iter().map(name).collect();
+        let names: Vec<&str> = formats.iter().map(name).collect();
         return plain(&format!(
             "{source} mixes formats {}: give the prompt in the one you mean",
             names.join(", ")
@@ -115,9 +115,44 @@ fn of_recipe(r: &Recipe, source: &str) -> Choice {
             choice: r.data.chat_template.clone(),
         },
         DataFormat::Text | DataFormat::Tokens => Template::Raw,
+        // TRL's prompts are the text as written (strings) or a conversation (use --chat).
+        DataFormat::Preference | DataFormat::UnpairedPreference => {
+            return plain(&format!(
+                "data.format = \"{}\" of {source}: its prompts are used as written \
+                 (conversations: --chat)",
+                name(&one)
+            ))
+        }
     };
     Choice {
         template,
         why: format!("data.format = \"{}\" of {source}", name(&one)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn recipe(format: &str) -> Recipe {
+        let text =
+            format!("[model]\npath = \"m\"\n[data]\ntrain = \"t.jsonl\"\nformat = \"{format}\"\n");
+        toml::from_str(&text).unwrap()
+    }
+
+    #[test]
+    fn the_trained_format_is_chosen_and_preference_prompts_go_as_written() {
+        let alpaca = choose(false, Some(&recipe("alpaca")), None);
+        assert_eq!(alpaca.template, Template::Alpaca);
+        assert_eq!(
+            choose(true, Some(&recipe("alpaca")), None).template,
+            Template::Raw
+        );
+        for f in ["preference", "unpaired_preference"] {
+            let c = choose(false, Some(&recipe(f)), None);
+            assert_eq!(c.template, Template::Raw, "{f}");
+            assert!(c.why.contains(&format!("\"{f}\"")), "{}", c.why);
+            assert!(c.why.contains("--chat"), "{}", c.why);
+        }
     }
 }
