@@ -27,6 +27,7 @@ use super::rows::format_name;
 use super::store::Examples;
 use super::TextTokenizer;
 use crate::recipe::DataSection;
+use crate::util::lock::{flock_waiting, try_flock};
 use anyhow::{Context, Result};
 use ring::digest::{Context as Sha, SHA256};
 use std::fs::File;
@@ -480,7 +481,11 @@ fn lock(path: &Path) -> Result<Lock> {
         .write(true)
         .open(path)
         .with_context(|| format!("cannot open the lock file {}", path.display()))?;
-    flock(&file, path)?;
+    flock_waiting(
+        &file,
+        path,
+        "waiting while another process or rank prepares the same data",
+    )?;
     Ok(Lock { _file: file })
 }
 
@@ -488,42 +493,6 @@ fn lock(path: &Path) -> Result<Lock> {
 fn try_lock(path: &Path) -> Option<Lock> {
     let file = std::fs::OpenOptions::new().write(true).open(path).ok()?;
     try_flock(&file).then_some(Lock { _file: file })
-}
-
-#[cfg(unix)]
-fn try_flock(file: &File) -> bool {
-    use std::os::unix::io::AsRawFd;
-    // SAFETY: flock on a descriptor we own; it only reads the descriptor and the flags.
-    unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) == 0 }
-}
-
-#[cfg(not(unix))]
-fn try_flock(_: &File) -> bool {
-    false
-}
-
-#[cfg(unix)]
-fn flock(file: &File, path: &Path) -> Result<()> {
-    use std::os::unix::io::AsRawFd;
-    let fd = file.as_raw_fd();
-    if try_flock(file) {
-        return Ok(());
-    }
-    crate::errln!(
-        "waiting while another process or rank prepares the same data (lock {})",
-        path.display()
-    );
-    // SAFETY: flock on a descriptor we own; blocks until the other holder closes its own.
-    if unsafe { libc::flock(fd, libc::LOCK_EX) } != 0 {
-        return Err(std::io::Error::last_os_error())
-            .with_context(|| format!("cannot lock {}", path.display()));
-    }
-    Ok(())
-}
-
-#[cfg(not(unix))]
-fn flock(_: &File, _: &Path) -> Result<()> {
-    Ok(())
 }
 
 /// The sha256 of everything that decides the examples (see the module docs).

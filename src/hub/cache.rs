@@ -17,7 +17,7 @@
 //! here: atomic refs, `.no_exist`, checked relative links, blocking locks. Revisions and file
 //! names are checked before they become paths (`refs/<revision>`, `snapshots/<commit>/<file>`).
 
-use crate::util::lock::{DirLock, LOCK_SUFFIX};
+use crate::util::lock::{flock_waiting, DirLock, LOCK_SUFFIX};
 use crate::util::{atomic_write, check_revision};
 use anyhow::{bail, Context, Result};
 use hf_hub::{Repo, RepoType};
@@ -221,7 +221,11 @@ impl RepoCache {
             .write(true)
             .open(&path)
             .with_context(|| format!("cannot open the lock file {}", path.display()))?;
-        lock_exclusive(&file, &path)?;
+        flock_waiting(
+            &file,
+            &path,
+            "waiting for another download of the same file",
+        )?;
         Ok(BlobLock { _file: file })
     }
 }
@@ -229,31 +233,6 @@ impl RepoCache {
 /// Holds a blob's lock file open (and flock()ed on Unix); closing it releases the lock.
 pub(crate) struct BlobLock {
     _file: std::fs::File,
-}
-
-#[cfg(unix)]
-fn lock_exclusive(file: &std::fs::File, path: &Path) -> Result<()> {
-    use std::os::unix::io::AsRawFd;
-    let fd = file.as_raw_fd();
-    // SAFETY: flock on a descriptor we own; it only reads the descriptor and the flags.
-    if unsafe { libc::flock(fd, libc::LOCK_EX | libc::LOCK_NB) } == 0 {
-        return Ok(());
-    }
-    crate::errln!(
-        "waiting for another download of the same file (lock {})",
-        path.display()
-    );
-    // SAFETY: as above; blocks until the other holder closes its descriptor.
-    if unsafe { libc::flock(fd, libc::LOCK_EX) } != 0 {
-        return Err(std::io::Error::last_os_error())
-            .with_context(|| format!("cannot lock {}", path.display()));
-    }
-    Ok(())
-}
-
-#[cfg(not(unix))]
-fn lock_exclusive(_file: &std::fs::File, _path: &Path) -> Result<()> {
-    Ok(())
 }
 
 #[cfg(test)]

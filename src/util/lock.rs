@@ -243,6 +243,23 @@ pub(crate) fn pid_alive(pid: u32) -> bool {
     }
 }
 
+/// Whether `file` is flock()ed (exclusive) now, without waiting: false when another holds it,
+/// on an error, and where there is no flock (so a caller never takes a lock for free).
+pub(crate) fn try_flock(file: &File) -> bool {
+    cfg!(unix) && matches!(flock(file, false), Ok(true))
+}
+
+/// flock(LOCK_EX) on `file`, the lock file at `path`: at once when free, else after saying
+/// `waiting` (with the lock's path) on stderr, blocking until its holder closes it.
+pub(crate) fn flock_waiting(file: &File, path: &Path, waiting: &str) -> Result<()> {
+    if let Ok(true) = flock(file, false) {
+        return Ok(());
+    }
+    crate::errln!("{waiting} (lock {})", path.display());
+    flock(file, true).with_context(|| format!("cannot lock {}", path.display()))?;
+    Ok(())
+}
+
 /// flock(LOCK_EX), blocking or not: Ok(false) when another holds it.
 #[cfg(unix)]
 fn flock(file: &File, block: bool) -> std::io::Result<bool> {
