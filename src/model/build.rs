@@ -268,6 +268,7 @@ fn moe(
         spec: m,
         gate_up_lora: adapter(gu_name, c, 2 * i, gu_module)?,
         down_lora: adapter(down_name, i, c, "experts")?,
+        nf4: None,
     })
 }
 

@@ -278,15 +278,13 @@ impl Layer {
         Ok(())
     }
 
-    /// Quantizes each linear's W to NF4 (`[model] quantize = "nf4"`; one read in NF4 stays as
-    /// it is), leaving a 1-element placeholder of its dtype in `w`, so the full copy is freed
+    /// Quantizes each linear's W, and a MoE layer's experts (`Moe::quantize`), to NF4
+    /// (`[model] quantize = "nf4"`; one read in NF4 stays as it is), leaving a 1-element placeholder of its dtype in `w`, so the full copy is freed
     /// as the layer loads (`nf4_bytes` counts what it keeps). Folded linears are refused
     /// (`ops::fold` is off under NF4).
     pub(crate) fn quantize(&mut self, double_quant: bool) -> Result<()> {
-        if self.moe.is_some() {
-            candle_core::bail!(
-                "nf4: a MoE model's experts are not quantized: set model.quantize = \"none\""
-            );
+        if let Some(moe) = self.moe.as_deref_mut() {
+            moe.quantize(double_quant)?;
         }
         for lin in self.parts_mut().1 {
             if lin.q.is_some() {
@@ -350,13 +348,15 @@ impl Layer {
         Ok(Cow::Owned(layer))
     }
 
-    /// Bytes of the layer's NF4 weights.
+    /// Bytes of the layer's NF4 weights (its linears', and a MoE layer's experts').
     pub fn nf4_bytes(&self) -> usize {
-        self.linears()
+        let lins: usize = self
+            .linears()
             .iter()
             .filter_map(|l| l.q.as_ref())
             .map(|q| q.bytes())
-            .sum()
+            .sum();
+        lins + self.moe.as_ref().map_or(0, |m| m.nf4_bytes())
     }
 
     /// Pads this layer's foldable groups (`Model::fold`); their bytes.

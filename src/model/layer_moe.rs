@@ -3,7 +3,9 @@
 //!
 //!   E_e(x) = down_e(silu(gate_e(x)) ⊙ up_e(x)),  [gate_e; up_e] = gate_up_proj[e] [2I, C]
 //!
-//! The experts are frozen; LoRA may adapt their fused parameters as PEFT does
+//! The experts are frozen, in the model's dtype or in NF4 (`[model] quantize = "nf4"`:
+//! `quant::ExpertsNf4`, dequantized a tile of experts at a time: model/moe_tiles.rs); LoRA may
+//! adapt their fused parameters as PEFT does
 //! (`lora::EXPERT_PARAMS`): one adapter per parameter, A [E·r, in] and B [out, r·E], expert e's
 //! A_e = A[e·r .. e·r + r] and B_e[:, j] = B[:, j·E + e], so W_e + s·B_e A_e.
 //!
@@ -28,7 +30,9 @@ use super::router::{route, route_bwd, Routing};
 use crate::lora::Lora;
 use crate::ops::grouped_mm::{grouped_linear, grouped_tn};
 use crate::ops::{self, glu::Act, moe_rows};
+use crate::quant::ExpertsNf4;
 use candle_core::{DType, Result, Tensor};
+use std::sync::Arc;
 
 /// A LoRA adapter on one fused expert parameter, with the module path PEFT keys it by
 /// (`model.layers.N.mlp.experts`, or `...experts.base_layer` for the inner of two).
@@ -44,13 +48,16 @@ pub(crate) struct ExpertLora {
 pub(crate) struct Moe {
     /// The router's W [E, C] (`mlp.gate.weight`).
     pub(crate) router: Tensor,
-    /// [E, 2I, C]: each expert's gate rows, then its up rows.
+    /// [E, 2I, C]: each expert's gate rows, then its up rows (a 1-element placeholder of the
+    /// dtype `nf4` dequantizes to, when quantized).
     pub(crate) gate_up: Tensor,
-    /// [E, C, I].
+    /// [E, C, I] (a placeholder when quantized).
     pub(crate) down: Tensor,
     pub(crate) spec: MoeSpec,
     pub(crate) gate_up_lora: Option<ExpertLora>,
     pub(crate) down_lora: Option<ExpertLora>,
+    /// The experts in NF4 (`Moe::quantize`); None: `gate_up` and `down` hold them.
+    pub(crate) nf4: Option<Arc<ExpertsNf4>>,
 }
 
 /// One parameter's adapter split per expert, in the activation dtype.
@@ -67,7 +74,7 @@ impl PerExpert {
     /// forward); else detached, for the hand-written passes: a product of a `Var` records its
     /// inputs, so the gradients would hold the routed rows and their gradients (a layer's
     /// routed activations) until the optimiser step, for every layer of the step.
-    fn of(
+    pub(super) fn of(
         l: &Option<ExpertLora>,
         experts: usize,
         dt: DType,
@@ -89,6 +96,25 @@ impl PerExpert {
                 .contiguous()?,
             scale: l.lora.scale,
         }))
+    }
+
+    /// Experts [e0, e0 + n)'s share (views).
+    pub(super) fn tile(&self, e0: usize, n: usize) -> Result<PerExpert> {
+        Ok(PerExpert {
+            a: self.a.narrow(0, e0, n)?,
+            b: self.b.narrow(0, e0, n)?,
+            scale: self.scale,
+        })
+    }
+
+    /// Zero gradients (dA [n, r, in], dB [n, out, r] f32) for n experts without rows.
+    pub(super) fn zero_grad(&self, n: usize) -> Result<Grad> {
+        let ((_, r, in_f), (_, out, _)) = (self.a.dims3()?, self.b.dims3()?);
+        let dev = self.a.device();
+        Ok((
+            Tensor::zeros((n, r, in_f), DType::F32, dev)?,
+            Tensor::zeros((n, out, r), DType::F32, dev)?,
+        ))
     }
 
     /// y = base + s·(x_e A_eᵀ) B_eᵀ for each expert's rows of x [P, in], from the frozen
@@ -157,16 +183,56 @@ pub(super) struct ExpertActs {
 }
 
 /// The experts' adapters (`PerExpert`), gate_up's and down's.
-type Adapters<'a> = (Option<&'a PerExpert>, Option<&'a PerExpert>);
+pub(super) type Adapters<'a> = (Option<&'a PerExpert>, Option<&'a PerExpert>);
+
+/// The experts' weights a pass reads: gate_up [t, 2I, C] and down [t, C, I] of t experts.
+pub(super) type Weights<'a> = (&'a Tensor, &'a Tensor);
 
 impl Moe {
-    /// The frozen tensors: router, gate_up, down.
+    /// The frozen tensors: router, then gate_up and down, or their NF4 arrays
+    /// (`ExpertsNf4::arrays`) when quantized (their placeholders are not among them).
     pub(crate) fn frozen(&self) -> Vec<&Tensor> {
-        vec![&self.router, &self.gate_up, &self.down]
+        let mut v = vec![&self.router];
+        match &self.nf4 {
+            Some(q) => v.extend(q.arrays()),
+            None => v.extend([&self.gate_up, &self.down]),
+        }
+        v
     }
 
+    /// `frozen`, mutable; the NF4 experts are unshared first (a clone of handles), so that a
+    /// gathered layer's views do not reach the skeleton's.
     pub(crate) fn frozen_mut(&mut self) -> Vec<&mut Tensor> {
-        vec![&mut self.router, &mut self.gate_up, &mut self.down]
+        let mut v = vec![&mut self.router];
+        match &mut self.nf4 {
+            Some(q) => v.extend(Arc::make_mut(q).arrays_mut()),
+            None => v.extend([&mut self.gate_up, &mut self.down]),
+        }
+        v
+    }
+
+    /// The router, gate_up and down as held (placeholders when the experts are NF4).
+    pub(crate) fn stored(&self) -> [&Tensor; 3] {
+        [&self.router, &self.gate_up, &self.down]
+    }
+
+    /// Quantizes the experts to NF4 (`ExpertsNf4::quantize`), leaving 1-element placeholders
+    /// of their dtype, so the full copies are freed as the layer loads.
+    pub(crate) fn quantize(&mut self, double_quant: bool) -> Result<()> {
+        if self.nf4.is_some() {
+            return Ok(());
+        }
+        let q = ExpertsNf4::quantize(&self.gate_up, &self.down, double_quant)?;
+        let (dt, dev) = (self.gate_up.dtype(), self.gate_up.device().clone());
+        self.gate_up = Tensor::zeros(1, dt, &dev)?;
+        self.down = Tensor::zeros(1, dt, &dev)?;
+        self.nf4 = Some(Arc::new(q));
+        Ok(())
+    }
+
+    /// Bytes of the NF4 experts (0 when not quantized).
+    pub(crate) fn nf4_bytes(&self) -> usize {
+        self.nf4.as_ref().map_or(0, |q| q.bytes())
     }
 
     /// The experts' adapters with their PEFT module paths (gate_up's, then down's).
@@ -177,21 +243,23 @@ impl Moe {
             .map(|l| (l.name.as_str(), &l.lora))
     }
 
-    /// gate_up's gate and up halves [E, I, C] (views: each expert's rows lie contiguous).
-    fn gate_up_halves(&self) -> Result<[Tensor; 2]> {
+    /// gate_up's gate and up halves [t, I, C] (views: each expert's rows lie contiguous).
+    fn gate_up_halves(&self, gate_up: &Tensor) -> Result<[Tensor; 2]> {
         let i = self.spec.inter;
-        Ok([self.gate_up.narrow(1, 0, i)?, self.gate_up.narrow(1, i, i)?])
+        Ok([gate_up.narrow(1, 0, i)?, gate_up.narrow(1, i, i)?])
     }
 
-    /// The experts' forward over the grouped rows x [P, C] (`counts[e]` rows of expert e):
-    /// y [P, C] before the routing weights, and what the backward takes.
+    /// The experts' forward over the grouped rows x [P, C] (`counts[e]` rows of expert e of
+    /// the experts `w` holds): y [P, C] before the routing weights, and what the backward
+    /// takes.
     pub(super) fn experts_fwd(
         &self,
+        (gate_up, down): Weights,
         x: &Tensor,
         counts: &[usize],
         (gu_ad, down_ad): Adapters,
     ) -> Result<(Tensor, ExpertActs)> {
-        let halves = self.gate_up_halves()?;
+        let halves = self.gate_up_halves(gate_up)?;
         let mut parts = Vec::with_capacity(2); // gate, up [P, I]
         for w in &halves {
             parts.push(grouped_linear(x, w, counts, true, 1.0, None)?);
@@ -205,7 +273,7 @@ impl Moe {
         };
         let [gate, up] = parts_of::<2>(parts)?;
         let a = Act::Silu.glu(&gate, &up)?;
-        let y = grouped_linear(&a, &self.down, counts, true, 1.0, None)?; // [P, C]
+        let y = grouped_linear(&a, down, counts, true, 1.0, None)?; // [P, C]
         let (y, xa_down) = match down_ad {
             Some(p) => {
                 let (ys, xa) = p.add(&a, vec![y], counts)?;
@@ -229,13 +297,13 @@ impl Moe {
     #[allow(clippy::type_complexity)]
     pub(super) fn experts_bwd(
         &self,
-        x: &Tensor,
-        acts: ExpertActs,
+        (gate_up, down): Weights,
+        (x, acts): (&Tensor, ExpertActs),
         gy: &Tensor,
         counts: &[usize],
         (gu_ad, down_ad): Adapters,
     ) -> Result<(Tensor, Option<Grad>, Option<Grad>)> {
-        let da = grouped_linear(gy, &self.down, counts, false, 1.0, None)?; // [P, I]
+        let da = grouped_linear(gy, down, counts, false, 1.0, None)?; // [P, I]
         let (da, down_grads) = match (down_ad, &acts.xa_down) {
             (Some(p), Some(xa)) => {
                 let (da, gr) = p.bwd((&acts.a, xa), &[gy], counts, da)?;
@@ -245,7 +313,7 @@ impl Moe {
         };
         let (dgate, dup) = Act::Silu.glu_bwd(&acts.gate, &acts.up, &da)?; // [P, I] each
         drop((da, acts.gate, acts.up, acts.a));
-        let [wg, wu] = self.gate_up_halves()?;
+        let [wg, wu] = self.gate_up_halves(gate_up)?;
         let dx = grouped_linear(&dgate, &wg, counts, false, 1.0, None)?; // [P, C]
         let dx = grouped_linear(&dup, &wu, counts, false, 1.0, Some(dx))?;
         let (dx, gu_grads) = match (gu_ad, &acts.xa_gu) {
@@ -275,7 +343,7 @@ impl Moe {
         // the adapters' Vars reach y through the grouped ops' candle path.
         let xs = moe_rows::gather(hn, &r.tokens)?;
         let w = r.weights.flatten_all()?.index_select(&r.order, 0)?;
-        let (y, _) = self.experts_fwd(&xs, &r.counts, ads)?;
+        let y = self.experts_y(&xs, &r.counts, ads, graph)?;
         drop(xs);
         Ok((
             moe_rows::combine(&y, &r.slots, Some(&w), self.spec.top_k)?,
@@ -301,12 +369,9 @@ impl Moe {
         let ads = (gu_ad.as_ref(), down_ad.as_ref());
         let xs = moe_rows::gather(hn, &r.tokens)?; // [P, C]
         let w = r.weights.flatten_all()?.index_select(&r.order, 0)?; // [P] f32
-        let (y, acts) = self.experts_fwd(&xs, &r.counts, ads)?;
-        // dL/dy [P, C] (the weights applied) and dL/dw [P] f32
-        let (gy, dw) = moe_rows::scatter_grad(g, &r.tokens, &w, &y)?;
-        drop(y);
-        let (dx, gu, down) = self.experts_bwd(&xs, acts, &gy, &r.counts, ads)?;
-        drop((xs, gy));
+                                                                     // dL/dx [P, C] and dL/dw [P] f32 (model/moe_tiles.rs)
+        let (dx, dw, gu, down) = self.experts_grad(&xs, (g, &r.tokens, &w), &r.counts, ads)?;
+        drop(xs);
         for (l, g) in [(&self.gate_up_lora, gu), (&self.down_lora, down)] {
             if let (Some(l), Some(g)) = (l, g) {
                 push_grads(grads, &l.lora, g)?;

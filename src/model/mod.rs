@@ -19,6 +19,7 @@ pub(crate) mod layer_moe;
 pub(crate) mod layer_train;
 pub(crate) mod linear;
 pub(crate) mod moe_aux;
+mod moe_tiles;
 mod parts;
 pub(crate) mod prefetch;
 pub mod rope;

@@ -3,10 +3,12 @@
 
 pub mod bnb;
 pub mod dynamic;
+pub mod experts;
 pub mod nf4;
 pub(crate) mod slabs;
 pub(crate) mod weight;
 
+pub use experts::ExpertsNf4;
 pub use nf4::Nf4;
 pub(crate) use slabs::Slabs;
 pub use weight::QWeight;
@@ -14,7 +16,8 @@ pub use weight::QWeight;
 /// How a run stores its frozen base (`[model] quantize`, `double_quant`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Quant {
-    /// The decoder linears in bitsandbytes' NF4, dequantized just in time for each layer.
+    /// The decoder linears and a MoE's routed experts in bitsandbytes' NF4, dequantized just
+    /// in time for each layer (the experts a tile at a time, `experts`).
     pub nf4: bool,
     /// NF4's absmax double-quantized.
     pub double_quant: bool,
@@ -35,7 +38,7 @@ impl Quant {
         }
     }
 
-    /// Whether the decoder linears are NF4.
+    /// Whether the decoder linears (and a MoE's experts) are NF4.
     pub(crate) fn is_nf4(&self) -> bool {
         self.nf4
     }

@@ -282,7 +282,8 @@ pub(crate) fn model_bytes(m: &Model) -> u64 {
         sum += l.nf4_bytes() as u64;
         // a MoE layer's router and experts, and the experts' adapters
         if let Some(moe) = &l.moe {
-            sum += moe.frozen().into_iter().map(b).sum::<u64>();
+            // (NF4 experts: placeholders here, their arrays in `nf4_bytes`)
+            sum += moe.stored().into_iter().map(b).sum::<u64>();
             for (_, lora) in moe.adapters() {
                 sum += lora.vars().iter().map(|v| b(v.as_tensor())).sum::<u64>();
             }

@@ -34,6 +34,7 @@ mod locks;
 mod loopback;
 mod merge;
 mod moe;
+mod moe_nf4;
 mod newcomer;
 mod nf4;
 mod odd_dirs;

@@ -18,7 +18,7 @@ const MODELS: [(&str, &str); 6] = [
 ];
 
 /// The recipes for real models (the others train the tiny model we ship).
-const REAL: [&str; 10] = [
+const REAL: [&str; 11] = [
     "llama7b.toml",
     "llama3-8b-dpo.toml",
     "qwen2.5-7b-orpo.toml",
@@ -29,6 +29,7 @@ const REAL: [&str; 10] = [
     "mistral-7b.toml",
     "qwen3-8b.toml",
     "qwen3-30b-a3b.toml",
+    "qwen3-30b-a3b-qlora.toml",
 ];
 
 /// The binary on a host of 125 GiB (LORA_TRAIN_HOST_MEMORY): the headers' plans do not depend

@@ -104,6 +104,11 @@ pub(super) fn to_recipe_dtype(d: DType) -> Option<Dtype> {
 /// to `held` first when given (the dtype training dequantized it to).
 pub(super) fn dequantized_tensor(q: &Nf4, held: Option<Dtype>) -> Result<Tensor> {
     let w = Tensor::from_vec(q.dequantize(), q.shape.as_slice(), &Device::Cpu)?;
+    rounded(w, held)
+}
+
+/// Dequantized f32 values `w` rounded to the dtype training held them in (`held`), in f32.
+pub(super) fn rounded(w: Tensor, held: Option<Dtype>) -> Result<Tensor> {
     Ok(match held {
         Some(d) => w
             .to_dtype(candle_dtype(st_dtype(d)).unwrap_or(DType::F32))?

@@ -13,6 +13,7 @@
 //! ΔW_e goes to gate's rows 0..I and up's rows I..2I. The merged model keeps the base's layout.
 
 use crate::lora::EXPERT_PARAMS;
+use crate::quant::Nf4;
 use anyhow::{bail, Result};
 use candle_core::Tensor;
 
@@ -35,6 +36,52 @@ pub(super) fn is_module(module: &str) -> bool {
 /// Whether `name` is a base tensor of a MoE's experts.
 pub(super) fn is_tensor(name: &str) -> bool {
     name.starts_with("model.layers.") && name.contains(".mlp.experts.")
+}
+
+/// Whether `name` [shape] holds expert weights training keeps in NF4 under `model.quantize =
+/// "nf4"` (`quant::ExpertsNf4`): the fused `gate_up_proj` [E, 2I, C] or `down_proj` [E, C, I],
+/// or one expert's `{gate,up,down}_proj.weight`.
+pub(super) fn is_weight(name: &str, shape: &[usize]) -> bool {
+    let Some((_, rest)) = name.split_once(".mlp.experts.") else {
+        return false;
+    };
+    match rest.split_once('.') {
+        None => matches!(rest, "gate_up_proj" | "down_proj") && shape.len() == 3,
+        Some((e, leaf)) => {
+            e.parse::<usize>().is_ok()
+                && matches!(
+                    leaf,
+                    "gate_proj.weight" | "up_proj.weight" | "down_proj.weight"
+                )
+                && shape.len() == 2
+        }
+    }
+}
+
+/// An expert tensor's values (`is_weight`, f32 `host` of `shape`) quantized to NF4 and
+/// dequantized as training held them: each expert's gate, up and down matrix alone
+/// (`quant::ExpertsNf4::quantize`), a fused gate_up's per expert in its two halves.
+pub(super) fn requant(name: &str, host: &[f32], shape: &[usize], dq: bool) -> Result<Vec<f32>> {
+    let trip = |v: &[f32], s: &[usize]| Nf4::quantize(v, s, dq).dequantize();
+    let (e, out, inp) = match shape {
+        [out, inp] => return Ok(trip(host, &[*out, *inp])),
+        [e, out, inp] => (*e, *out, *inp),
+        _ => bail!("`{name}`: an expert tensor of shape {shape:?}"),
+    };
+    // gate_up's experts in halves (gate's rows, then up's), down's whole
+    let (parts, rows) = match name.ends_with("gate_up_proj") {
+        true if out % 2 == 0 => (2 * e, out / 2),
+        true => bail!("`{name}`: gate_up_proj of odd width {out}"),
+        false => (e, out),
+    };
+    let mut v = Vec::with_capacity(host.len());
+    for piece in host.chunks(rows * inp).take(parts) {
+        v.extend(trip(piece, &[rows, inp]));
+    }
+    if v.len() != e * out * inp {
+        bail!("`{name}`: {} values for shape {shape:?}", host.len());
+    }
+    Ok(v)
 }
 
 /// The slot of base tensor `name` [shape] when `targets` adapt its parameter; None otherwise
@@ -196,6 +243,34 @@ mod tests {
             slot("model.layers.3.mlp.gate.weight", &[8, 32], &both),
             None
         );
+    }
+
+    /// A fused expert tensor's NF4 round trip is each expert's matrices' (gate_up's two halves
+    /// apart), as the one-by-one layout's tensors are each alone; the other tensors are not
+    /// expert weights.
+    #[test]
+    fn requant_goes_matrix_by_matrix() {
+        let (e, i, c) = (2, 8, 16); // 128 weights a matrix: 2 blocks
+        let v: Vec<f32> = (0..e * 2 * i * c)
+            .map(|x| (x as f32 * 0.41).sin())
+            .collect();
+        let p = "model.layers.1.mlp.experts";
+        let fused = requant(&format!("{p}.gate_up_proj"), &v, &[e, 2 * i, c], true).unwrap();
+        let one = |m: &[f32]| Nf4::quantize(m, &[i, c], true).dequantize();
+        let want: Vec<f32> = v.chunks(i * c).flat_map(one).collect();
+        assert_eq!(fused, want);
+        let single = requant(&format!("{p}.1.up_proj.weight"), &v[..i * c], &[i, c], true);
+        assert_eq!(single.unwrap(), one(&v[..i * c]));
+        let down = requant(&format!("{p}.down_proj"), &v, &[e, c, 2 * i], true).unwrap();
+        let whole = |m: &[f32]| Nf4::quantize(m, &[c, 2 * i], true).dequantize();
+        assert_eq!(
+            down,
+            v.chunks(2 * i * c).flat_map(whole).collect::<Vec<_>>()
+        );
+        assert!(is_weight(&format!("{p}.gate_up_proj"), &[e, 2 * i, c]));
+        assert!(is_weight(&format!("{p}.3.down_proj.weight"), &[c, i]));
+        assert!(!is_weight("model.layers.1.mlp.gate.weight", &[e, c]));
+        assert!(!is_weight(&format!("{p}.3.down_proj.bias"), &[c]));
     }
 
     #[test]

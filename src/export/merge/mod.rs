@@ -25,8 +25,10 @@
 //!   `bnb_4bit_compute_dtype`; else f32). The quant-state tensors are dropped.
 //! * `MergeInto::Dequantized` on a full-precision base (an adapter trained with
 //!   `model.quantize = "nf4"`): each decoder-layer linear (`model.layers.N.….<proj>.weight`,
-//!   rank 2) is quantized to NF4 as training quantized it (`Nf4::quantize`, `double_quant`) and
-//!   dequantized; the embedding, norms, biases and head are the base's.
+//!   rank 2) and each MoE expert's gate, up and down matrix (fused or one by one: expert by
+//!   expert, `experts::requant`) is quantized to NF4 as training quantized it (`Nf4::quantize`,
+//!   `double_quant`) and dequantized; the embedding, norms, biases, routers and head are the
+//!   base's.
 //!
 //! Either way the merged config.json has no `quantization_config` (transformers loads it as a
 //! plain model) and says what the adapter went into: `"lora_train_merged_into":

@@ -3,8 +3,8 @@
 
 use super::*;
 
-/// A decoder-layer linear's weight (`model.layers.N.….<proj>.weight`), the tensors training
-/// keeps in NF4 under `model.quantize = "nf4"`: not a MoE's experts (those stay as loaded).
+/// A decoder-layer linear's weight (`model.layers.N.….<proj>.weight`), which training keeps
+/// in NF4 under `model.quantize = "nf4"` (as it keeps a MoE's experts: `experts::is_weight`).
 pub(super) fn is_decoder_linear(name: &str, shape: &[usize]) -> bool {
     let Some(rest) = name.strip_prefix("model.layers.") else {
         return false;
@@ -216,7 +216,9 @@ impl<'a> Base<'a> {
                 } else {
                     let shape = v.shape().to_vec();
                     let float = candle_dtype(v.dtype()).is_some();
-                    let src = match requant && float && is_decoder_linear(&name, &shape) {
+                    let quantized =
+                        is_decoder_linear(&name, &shape) || experts::is_weight(&name, &shape);
+                    let src = match requant && float && quantized {
                         true => Src::Requant,
                         false => Src::Stored,
                     };

@@ -203,6 +203,11 @@ impl Job<'_> {
                     .flatten_all()?
                     .to_vec1::<f32>()?;
                 let double_quant = self.ckpt.packed.unwrap_or(opts.double_quant);
+                if experts::is_tensor(&it.name) {
+                    let v = experts::requant(&it.name, &host, &it.shape, double_quant)?;
+                    let w = Tensor::from_vec(v, it.shape.as_slice(), &Device::Cpu)?;
+                    return Ok(Some(rounded(w, held)?));
+                }
                 let q = Nf4::quantize(&host, &it.shape, double_quant);
                 Some(dequantized_tensor(&q, held)?)
             }

@@ -190,7 +190,7 @@ fn notes(p: &Plan) -> String {
         out.push_str("ddp / fsdp: pass --gpus N (N ≥ 2) to plan them\n");
     }
     if p.nf4 {
-        out.push_str("nf4: the decoder linears at 0.5 B a weight plus their absmax (bitsandbytes' NF4); gather: single / ddp, the current and the next layer dequantized; fsdp, the current and the next layer gathered in NF4 and the current one dequantized\n");
+        out.push_str("nf4: the decoder linears (and a MoE's experts) at 0.5 B a weight plus their absmax (bitsandbytes' NF4); gather: single / ddp, the current and the next layer dequantized (a MoE's experts a tile of ~256 MiB at a time); fsdp, the current and the next layer gathered in NF4 and the current one dequantized\n");
     }
     out.push_str("ctx+slack: CUDA context 512 MiB + what the pool reserves beyond its peak (14%, NF4 23%); \"peak in\" names the phase with the pool's high-water mark\n");
     out

@@ -188,8 +188,11 @@ pub(super) fn is_mlp(module: &str) -> bool {
 /// the output [P, C] with gate_up [P, 2I] split into gate and up ([P, I] each), or gate, up,
 /// the activation and the output (≤ 2C + 4I a row); backward, the input, dL/dy and the
 /// recomputed output or dL/dx [P, C] beside the activations and their gradients (≤ 3C + 6I a
-/// row); and the router's [n, E] f32 probabilities and gradients. (0, 0) for a dense model.
-pub(crate) fn moe_ws(cfg: &ModelConfig, s: u64, n: u64) -> (u64, u64) {
+/// row); and the router's [n, E] f32 probabilities and gradients. NF4 experts run a tile at
+/// a time (model/moe_tiles.rs): a tile's rows take no more than all of them, and the tiles'
+/// outputs (forward) or dL/dx (backward) are joined into one more [P, C]. (0, 0) for a dense
+/// model.
+pub(crate) fn moe_ws(cfg: &ModelConfig, s: u64, n: u64, nf4: bool) -> (u64, u64) {
     let Some(m) = cfg.arch.moe else {
         return (0, 0);
     };
@@ -199,8 +202,9 @@ pub(crate) fn moe_ws(cfg: &ModelConfig, s: u64, n: u64) -> (u64, u64) {
         m.inter as u64,
         m.experts as u64,
     );
-    let fwd = n * k * s * (2 * c + 4 * i) + n * e * 4 * 2;
-    let bwd = n * k * s * (3 * c + 6 * i) + n * e * 4 * 4;
+    let joined = if nf4 { n * k * s * c } else { 0 };
+    let fwd = n * k * s * (2 * c + 4 * i) + n * e * 4 * 2 + joined;
+    let bwd = n * k * s * (3 * c + 6 * i) + n * e * 4 * 4 + joined;
     (fwd, bwd)
 }
 
@@ -240,14 +244,19 @@ pub(super) fn layer_params(cfg: &ModelConfig) -> u64 {
     (all - outside) / cfg.num_layers.max(1) as u64
 }
 
-/// Bytes of the base with each decoder linear in NF4 (`nf4::bytes_for`) and everything else
-/// (embedding, head, norms, biases) at `s` bytes an element.
+/// Bytes of the base with each decoder linear and each routed expert's gate, up and down in
+/// NF4 (`nf4::bytes_for` each: `quant::ExpertsNf4` quantizes them apart) and everything else
+/// (embedding, head, norms, biases, the routers) at `s` bytes an element.
 pub(crate) fn nf4_base_bytes(cfg: &ModelConfig, tied: bool, s: u64, double_quant: bool) -> u64 {
-    let shapes: Vec<(usize, usize)> = cfg
+    let mut shapes: Vec<(usize, usize)> = cfg
         .linears()
         .iter()
         .filter_map(|m| cfg.linear_shape(m))
         .collect();
+    if let Some(m) = cfg.arch.moe {
+        let one = [(cfg.hidden_size, m.inter); 3]; // gate_e, up_e, down_e
+        shapes.extend((0..m.experts).flat_map(|_| one));
+    }
     let dense: u64 = shapes.iter().map(|(i, o)| (i * o) as u64).sum();
     let packed: u64 = shapes
         .iter()
@@ -256,6 +265,27 @@ pub(crate) fn nf4_base_bytes(cfg: &ModelConfig, tied: bool, s: u64, double_quant
     let l = cfg.num_layers as u64;
     let all = cfg.num_params(tied) as u64;
     (all - l * dense) * s + l * packed
+}
+
+/// Parameters of one MoE layer's routed experts (gate_up and down; 0 for a dense model).
+pub(crate) fn expert_params(cfg: &ModelConfig) -> u64 {
+    cfg.arch
+        .moe
+        .map_or(0, |m| (m.experts * 3 * m.inter * cfg.hidden_size) as u64)
+}
+
+/// Bytes of one NF4 layer as it runs (`Layer::resident_in`, model/moe_tiles.rs): (its
+/// linears dequantized at `s` bytes, a MoE layer's experts not whole but one tile of them
+/// (`quant::experts::tile_experts`) in the scratch the grouped GEMMs read, one layer's at a
+/// time; off CUDA the tile is stacked from per-expert copies, twice its bytes).
+pub(crate) fn nf4_layer_bytes(cfg: &ModelConfig, s: u64, cuda: bool) -> (u64, u64) {
+    let dense = (layer_params(cfg) - expert_params(cfg)) * s;
+    let tile = cfg.arch.moe.map_or(0, |m| {
+        let (i, c) = (m.inter, cfg.hidden_size);
+        let t = crate::quant::experts::tile_experts(m.experts, i, c, s as usize);
+        (t * 3 * i * c) as u64 * s
+    });
+    (dense, if cuda { tile } else { 2 * tile })
 }
 
 /// Weights of the model's largest linear.
@@ -348,7 +378,7 @@ pub(super) fn resident(p: &PlanInput, strategy: Strategy) -> Resident {
     // NF4's dequantized layers: on CUDA one kernel into reused slabs (quant::slabs);
     // elsewhere also the tensor ops' temporaries.
     let temps = if p.cuda { 0 } else { 12 * largest_linear(cfg) };
-    let dequantized = layer_params(cfg) * s;
+    let (dequantized, tile) = nf4_layer_bytes(cfg, s, p.cuda);
     let (gather, head_gather) = if strategy == Strategy::Fsdp {
         let io = (cfg.num_params(p.tied) as u64 - l * layer_params(cfg)) * s;
         // one layer as the shards store it (NF4: its linears packed, its norms at s)
@@ -356,12 +386,12 @@ pub(super) fn resident(p: &PlanInput, strategy: Strategy) -> Resident {
         // the current and the next layer gathered; NF4: the current one dequantized after
         // its gather (train::driver), one at a time
         let dequant = match p.quant.is_nf4() {
-            true => dequantized + temps,
+            true => dequantized + tile + temps,
             false => 0,
         };
         (2 * stored + dequant, io)
     } else if p.quant.is_nf4() {
-        (2 * dequantized + temps, 0)
+        (2 * dequantized + tile + temps, 0)
     } else {
         (0, 0)
     };
@@ -515,7 +545,7 @@ pub(super) fn workspaces(p: &PlanInput, micro_batch: usize, a: &Acts) -> (u64, u
     } else {
         3 * scores
     };
-    let (moe_fwd, moe_bwd) = moe_ws(cfg, s, n);
+    let (moe_fwd, moe_bwd) = moe_ws(cfg, s, n, p.quant.is_nf4());
     let fwd_ws = attn_ws.max(n * s * 3 * c + chunk * s * i).max(moe_fwd);
     // Logit-sized buffers of one head chunk: the fused kernel's logits and dL/dlogits in the
     // activation dtype, or the op chain's HEAD_CHUNKS f32 ones.
