@@ -93,6 +93,11 @@
 #         flash kernels), a GB moved and the idle watts -> $OUT/floor.jsonl; after `energy` in the
 #         same call, each trainer's step split into its frozen GEMMs and the rest, and the rest's
 #         budget for 2.0x the peer's tokens per joule -> $OUT/floor.txt. Not in the default set.
+# data:   issue 69's device row: scripts/data_at_scale.sh --mb DATA_MB (1000) on the saved random
+#         Llama-2-7B checkpoint at /tmp/llama2-7b (made if absent; the tiny BPE tokenizer of
+#         recipes/assets/tiny-llama copied in when it has none), seq 2048, with HF
+#         datasets.map(num_proc=16) as the peer (datasets, dill and multiprocess installed from
+#         the wheels in .devbuild/unsloth or .devbuild/) -> $OUT/data.txt. Not in the default set.
 # profile: where a step's GPU time goes, for each of PROFILE_SHAPES (default gemma2-9b phi3-mini
 #         llama2-7b; seq PROFILE_SEQ (2048), mb2, r16 all linear; PROFILE_EXTRA adds bench
 #         flags): ncu times
@@ -764,4 +769,21 @@ if [[ $what == *" profile "* ]]; then
       python3 scripts/kernel_table.py "$OUT/profile-$shape.csv" --top 25 | tee "$OUT/profile-$shape.md" | head -20
     done
   fi
+fi
+
+if [[ $what == *" data "* ]]; then
+  D=/tmp/ds-site
+  dw=$(ls .devbuild/unsloth/{datasets,dill,multiprocess}-*.whl .devbuild/{datasets,dill,multiprocess}-*.whl 2>/dev/null)
+  if [ -n "$dw" ] && ! python3 -c "import datasets" 2>/dev/null; then
+    python3 -m pip install --no-deps --no-index --target $D $dw > "$OUT/data-install.log" 2>&1 \
+      || tail -3 "$OUT/data-install.log"
+  fi
+  C=/tmp/llama2-7b
+  [ -f $C/config.json ] || python3 scripts/make_random_checkpoint.py $C llama2-7b --seq 2048 --rows 0 2>&1 | tail -1
+  [ -f $C/tokenizer.json ] || cp recipes/assets/tiny-llama/tokenizer.json recipes/assets/tiny-llama/tokenizer_config.json $C/
+  (
+    source scripts/device-env.sh
+    PYTHONPATH=$D:${PYTHONPATH:-} LORA_TRAIN=$PWD/.devbuild/lora-train timeout 540 bash scripts/data_at_scale.sh \
+      --mb "${DATA_MB:-1000}" --model $C --device cuda --peer 16 --seq-len 2048 --out /tmp/data-at-scale 2>&1
+  ) | tee "$OUT/data.txt"
 fi
