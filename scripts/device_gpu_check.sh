@@ -38,6 +38,7 @@
 #         make_random_checkpoint.py; tokens data, seq 2048, mb2, r16 all linear) beside `bench` at
 #         the same shape and scripts/bench_peft.py (and --liger when liger_kernel imports); the
 #         time to read the checkpoint's bytes from disk (cold cache) beside our load time.
+#         TRAIN7B_PEERS picks the peers ("plain liger", the default; "" for ours alone).
 # dropout: the `train` command on that saved checkpoint with lora.dropout = 0.0 and 0.05, one
 #         after the other (acceptance: 0.05 at >= 95% of 0.0's tok/s), and scripts/bench_peft.py
 #         with PEFT's lora_dropout = 0.05 (and --liger) -> $OUT/dropout.jsonl, $OUT/dropout.txt.
@@ -184,9 +185,10 @@ PY
   timeout 150 $E .devbuild/lora-train bench --model $C --seq 2048 --micro-batch 2 --rank 16 \
     --targets all --steps 20 --warmup 3 --tag model --json "$OUT/train7b.jsonl" | cut -c1-400
   mark peft
+  [[ " ${TRAIN7B_PEERS-plain liger} " == *" plain "* ]] && \
   timeout 200 python3 scripts/bench_peft.py --shape llama2-7b --seq 2048 --batch 2 --rank 16 \
     --targets all --steps 10 --warmup 3 --json "$OUT/train7b.jsonl" 2>&1 | tail -1
-  if python3 -c "import liger_kernel" 2>/dev/null; then
+  if [[ " ${TRAIN7B_PEERS-plain liger} " == *" liger "* ]] && python3 -c "import liger_kernel" 2>/dev/null; then
     timeout 200 python3 scripts/bench_peft.py --shape llama2-7b --seq 2048 --batch 2 --rank 16 \
       --targets all --steps 10 --warmup 3 --liger --json "$OUT/train7b.jsonl" 2>&1 | tail -1
   fi
