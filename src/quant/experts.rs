@@ -175,10 +175,10 @@ impl ExpertsNf4 {
         dtype: DType,
         s: &mut Scratch,
     ) -> Result<Option<(Tensor, Tensor)>> {
-        let Some(first) = self.gate.first() else {
+        let Some(codes) = self.gate.first().and_then(|q| q.arrays().first().copied()) else {
             return Ok(None);
         };
-        let candle_core::Device::Cuda(dev) = first.arrays()[0].device() else {
+        let candle_core::Device::Cuda(dev) = codes.device() else {
             return Ok(None);
         };
         let (i, c) = (self.inter, self.hidden);
