@@ -97,7 +97,7 @@ fn check_eval(eval: Option<&Dataset>) -> Result<()> {
 /// A run's training set as [`recipe_data_streaming`] gives it.
 pub enum Train {
     /// Prepared whole: read from the cache (or built before the call returned).
-    Ready(Dataset),
+    Ready(Box<Dataset>),
     /// Being tokenized on a thread of its own, in file order; the first epoch may read its
     /// examples as they land.
     Streaming(Stream),
@@ -173,7 +173,7 @@ pub fn recipe_data_streaming(
     let train = match whole {
         Some((ex, c, mut prep)) => {
             prep.secs = t0.elapsed().as_secs_f64();
-            Train::Ready(dataset(&train, ex, c, prep))
+            Train::Ready(Box::new(dataset(&train, ex, c, prep)))
         }
         None => {
             let (d, tok, mut opts) = (d.clone(), tok.clone(), opts.clone());

@@ -10,6 +10,9 @@ use crate::recipe::DataSection;
 use anyhow::Result;
 use std::collections::VecDeque;
 
+/// A step: its micro-batches, each rows of example indices.
+type Step = Vec<Vec<Vec<usize>>>;
+
 /// The first epoch's steps, made as the examples land.
 pub(crate) struct FirstEpoch {
     view: View,
@@ -45,7 +48,7 @@ impl FirstEpoch {
         &mut self,
         micro_batch: usize,
         grad_accum: usize,
-    ) -> Result<Option<(usize, Vec<Vec<Vec<usize>>>)>> {
+    ) -> Result<Option<(usize, Step)>> {
         let want = (micro_batch * grad_accum).max(1);
         while self.rows.len() < want && !self.ended {
             let (n, ended) = self.view.wait_past(self.next)?;

@@ -162,6 +162,7 @@ impl TrainData {
                     crate::data::recipe_data_streaming(&plan, &files, run.cfg.vocab_size, opts)?;
                 let ready = match d.train {
                     Train::Ready(data) => {
+                        let data = *data;
                         super::run_check::something_to_train(&cfg, &data)?;
                         let notes =
                             data_notes(&data, d.eval.as_ref(), d.tokenizer.as_deref(), &cfg);
