@@ -3,7 +3,8 @@
 //! waited for the whole preparation takes (every shipped format, packed and not, through the
 //! library, into the later epochs); through the real binary the first step comes before the
 //! preparation ends, the adapter is byte-identical to a run that did not stream and to one that
-//! reads the finished cache, and a run killed mid-stream leaves nothing a later run trusts.
+//! reads the finished cache, a run killed mid-stream leaves nothing a later run trusts, and a
+//! bad row found behind the steps ends the run with its file and line.
 
 use crate::common::{recipe, root, Session};
 use lora_train::data::{Options, Store};
@@ -291,4 +292,40 @@ fn the_first_step_comes_before_the_preparation_ends_and_trains_the_same_adapter(
         .filter(|n| n.contains(".tmp-"))
         .collect();
     assert!(left.is_empty(), "{left:?}");
+}
+
+#[test]
+fn a_bad_row_found_behind_the_steps_ends_the_run_with_its_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let data = t.join("rows.jsonl");
+    alpaca_rows(&data, 6_000);
+    let mut text = std::fs::read_to_string(&data).unwrap();
+    text += "{\"instruction\": \n";
+    std::fs::write(&data, text).unwrap();
+    let r = t.join("recipe.toml");
+    std::fs::write(
+        &r,
+        format!(
+            "[model]\npath = \"{}\"\ndtype = \"f32\"\ndevice = \"cpu\"\n\n[lora]\nrank = 4\nalpha = 8\n\n\
+             [data]\ntrain = \"{}\"\nformat = \"alpaca\"\nseq_len = 200\nshuffle = false\n\n\
+             [train]\nmicro_batch = 2\nmax_steps = 2\nlr = 1e-3\n",
+            tiny(),
+            data.display()
+        ),
+    )
+    .unwrap();
+    let cache = t.join("cache");
+    let o = train(&r, &t.join("out"), &cache, true).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(err.contains(": streams: "), "{err}");
+    assert!(err.contains("rows.jsonl:6001"), "{err}");
+    assert!(!t.join("out/adapter_model.safetensors").exists(), "{err}");
+    let left: Vec<String> = std::fs::read_dir(&cache)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(".tokens"))
+        .collect();
+    assert!(left.is_empty(), "nothing trusted, no temporary: {left:?}");
 }
