@@ -10,6 +10,7 @@
 #   run(command="bash scripts/device_gpu_check.sh dist2", kind="nvidia-h200-x2", carry=[".devbuild"])
 #   run(command="bash scripts/device_gpu_check.sh torchrun", kind="nvidia-h200-x2", carry=[".devbuild"])
 #   run(command="bash scripts/device_gpu_check.sh peercopy", kind="nvidia-h200-x2", carry=[".devbuild"])
+#   run(command="bash scripts/device_gpu_check.sh trlcheck dpo", carry=[".devbuild"])
 #
 # compat: scripts/check_peft_compat.py (PEFT / transformers load our adapter and merged model);
 # chat:  scripts/reference_chat.py with this machine's transformers, diffed against the fixtures;
@@ -38,6 +39,7 @@
 #         make_random_checkpoint.py; tokens data, seq 2048, mb2, r16 all linear) beside `bench` at
 #         the same shape and scripts/bench_peft.py (and --liger when liger_kernel imports); the
 #         time to read the checkpoint's bytes from disk (cold cache) beside our load time.
+#         TRAIN7B_PEERS picks the peers ("plain liger", the default; "" for ours alone).
 # dropout: the `train` command on that saved checkpoint with lora.dropout = 0.0 and 0.05, one
 #         after the other (acceptance: 0.05 at >= 95% of 0.0's tok/s), and scripts/bench_peft.py
 #         with PEFT's lora_dropout = 0.05 (and --liger) -> $OUT/dropout.jsonl, $OUT/dropout.txt.
@@ -75,10 +77,13 @@
 #         Unsloth and the dependencies the image lacks are installed from .devbuild/unsloth
 #         (scripts/fetch-wheels.sh unsloth) into /tmp/unsloth-site, on PYTHONPATH for its runs
 #         only; if it fails to import, its traceback's tail is printed and ours still run.
-#         UNSLOTH_ROWS picks rows (default "7b 8b-nf4"; also "7b-ckpt": both checkpointed).
-#         Ours run first (every row), then Unsloth's, within UNSLOTH_BUDGET s (450) of the start.
-#         Carry .devbuild/lora-train.xz, .devbuild/bitsandbytes-*.whl and .devbuild/unsloth
-#         (~25 MB). Under 8 minutes on an H100. Not in the default set.
+#         UNSLOTH_ROWS picks rows (default "7b 8b-nf4"; also "7b-ckpt": both checkpointed;
+#         "qwen3-8b", "gemma2-9b" (mb1), "phi3-mini", "moe" (qwen3-30b-a3b, checkpointed)); the
+#         issue wants one call a row. Each row runs ours, then scripts/bench_peft.py plain and
+#         --liger (UNSLOTH_PEERS: "plain liger", one, or none; liger from its wheel), then
+#         Unsloth's, within UNSLOTH_BUDGET s (450) of the start; the table gives every peer's
+#         ratio. Carry .devbuild/lora-train.xz, .devbuild/bitsandbytes-*.whl, the liger wheel
+#         and .devbuild/unsloth (~25 MB). Not in the default set.
 # ab:     ours alone, the mb2 all-linear 7B bench in each of AB's ";"-separated variants (each:
 #         VAR=value assignments and bench flags, e.g. "LORA_TRAIN_EXPERIMENTS=reduce_ahead" or
 #         "--deterministic"; "default": neither), ROUNDS rounds (default 2) alternated (default
@@ -93,6 +98,11 @@
 #         flash kernels), a GB moved and the idle watts -> $OUT/floor.jsonl; after `energy` in the
 #         same call, each trainer's step split into its frozen GEMMs and the rest, and the rest's
 #         budget for 2.0x the peer's tokens per joule -> $OUT/floor.txt. Not in the default set.
+# data:   issue 69's device row: scripts/data_at_scale.sh --mb DATA_MB (1000) on the saved random
+#         Llama-2-7B checkpoint at /tmp/llama2-7b (made if absent; the tiny BPE tokenizer of
+#         recipes/assets/tiny-llama copied in when it has none), seq 2048, with HF
+#         datasets.map(num_proc=16) as the peer (datasets, dill and multiprocess installed from
+#         the wheels in .devbuild/unsloth or .devbuild/) -> $OUT/data.txt. Not in the default set.
 # profile: where a step's GPU time goes, for each of PROFILE_SHAPES (default gemma2-9b phi3-mini
 #         llama2-7b; seq PROFILE_SEQ (2048), mb2, r16 all linear; PROFILE_EXTRA adds bench
 #         flags): ncu times
@@ -100,6 +110,20 @@
 #         --warmup 1`, scripts/kernel_table.py sums them a step, by kind and by kernel ->
 #         $OUT/profile-<shape>.csv, .md; PROFILE_LIMIT: seconds per shape (420). Not in the
 #         default set.
+# dpo:    issue 65's speed row, one call: Llama-2-7B shape, bf16, pairs of a 512-token prompt and
+#         two 512-token completions (--seq 1024 --prompt-len 512), 4 pairs a micro-batch, r16 all
+#         linear, 10 timed steps after 3: ours (`bench --objective dpo`, no checkpointing; its
+#         reference_fwd_s / reference_share: the step's reference forwards timed alone after the
+#         window), then scripts/bench_peft.py --objective dpo (TRL 1.16 DPOTrainer + PEFT) in each of
+#         DPO_PEERS (default "plain ckpt liger"; also "liger-ckpt": ckpt = TRL's default
+#         gradient_checkpointing, liger = + Liger's fused linear DPO loss and layer kernels), each
+#         within 200 s -> $OUT/dpo.jsonl, $OUT/dpo.txt (pairs/s, peak GiB, ours / peer). DPO_OURS
+#         adds flags to ours. TRL and datasets from .devbuild/trl (scripts/fetch-wheels.sh trl),
+#         Liger from .devbuild/liger_kernel-*.whl. Not in the default set.
+# trlcheck: scripts/check_trl_pref.py on CUDA in f32: TRL's own DPOTrainer and ORPOTrainer (TRL_CASES
+#         picks fixture cases; default "dpo_sigmoid orpo") against our binary from the same init
+#         adapter, 6 steps; PASS when every adapter entry is within 1e-4 -> $OUT/trlcheck.log,
+#         $OUT/trlcheck.jsonl. Not in the default set.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -117,6 +141,66 @@ if [ -n "$lwhl" ] && ! python3 -c "import liger_kernel" 2>/dev/null; then
   export PYTHONPATH=/tmp/liger:${PYTHONPATH:-}
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+
+# TRL 1.16 and datasets (dill, multiprocess) for the preference peers, from .devbuild/trl
+# (scripts/fetch-wheels.sh trl), when the image's Python lacks them.
+trl_site() {
+  python3 -c "import trl, datasets" 2>/dev/null && return 0
+  if ! ls .devbuild/trl/*.whl > /dev/null 2>&1; then
+    echo "trl: not installed and no wheels in .devbuild/trl (scripts/fetch-wheels.sh trl)"; return 1
+  fi
+  python3 -m pip install --no-deps --no-index --target /tmp/trl-site .devbuild/trl/*.whl \
+    > "$OUT/trl-install.log" 2>&1 || { echo "trl wheels: install failed"; tail -5 "$OUT/trl-install.log"; return 1; }
+  export PYTHONPATH=/tmp/trl-site:${PYTHONPATH:-}
+  python3 -c "import trl, datasets; print('trl', trl.__version__, 'datasets', datasets.__version__)" 2>&1 | tail -3
+}
+
+if [[ $what == *" trlcheck "* ]]; then
+  if trl_site; then
+    timeout 400 python3 scripts/check_trl_pref.py .devbuild/lora-train --device cuda \
+      --runner "bash scripts/device-env.sh" $(printf -- '--case %s ' ${TRL_CASES:-dpo_sigmoid orpo}) \
+      --json "$OUT/trlcheck.jsonl" > "$OUT/trlcheck.log" 2>&1
+    echo "check_trl_pref exit $?"
+    grep -E "^== |^   (losses|[a-z_]+:)" "$OUT/trlcheck.log" | tail -20
+    grep -E "Error|error:" "$OUT/trlcheck.log" | tail -5
+  fi
+fi
+
+if [[ $what == *" dpo "* ]]; then
+  D="--shape llama2-7b --seq 1024 --prompt-len 512 --rank 16 --targets all --steps 10 --warmup 3"
+  echo "== lora-train bench --objective dpo, 4 pairs ${DPO_OURS:-}"
+  timeout 200 $E .devbuild/lora-train bench $D --objective dpo --micro-batch 4 ${DPO_OURS:-} \
+    --json "$OUT/dpo.jsonl" 2>&1 | tail -1 | cut -c1-300
+  if trl_site; then
+    for peer in ${DPO_PEERS:-plain ckpt liger}; do
+      fl=""
+      [[ $peer == *ckpt* ]] && fl="$fl --ckpt"
+      [[ $peer == liger* ]] && fl="$fl --liger"
+      echo "== TRL DPOTrainer + PEFT: $peer"
+      timeout 200 python3 scripts/bench_peft.py $D --objective dpo --batch 4 $fl --tag "dpo-$peer" \
+        --json "$OUT/dpo.jsonl" > "$OUT/dpo-$peer.log" 2>&1
+      echo "exit $?"; tail -1 "$OUT/dpo-$peer.log" | cut -c1-300
+      grep -E "Error|error" "$OUT/dpo-$peer.log" | tail -3
+    done
+  fi
+  python3 - "$OUT" <<'PY' | tee "$OUT/dpo.txt"
+import json, sys
+rows = [json.loads(l) for l in open(f"{sys.argv[1]}/dpo.jsonl")]
+ours = next((r for r in rows if r["system"] == "lora-train"), None)
+print(f"{'system':22s} {'ckpt':5s} {'pairs/s':>8s} {'peak GiB':>9s} {'ours/peer pairs/s':>18s} {'peer/ours peak':>15s}")
+for r in rows:
+    pp, pk = r.get("pairs_per_s"), r.get("peak_alloc_gib")
+    if r.get("oom") or pp is None:
+        print(f"{r['system']:22s} {str(r.get('ckpt')):5s} OOM / no figure: {r.get('error', '')[:80]}"); continue
+    ratio = ours["pairs_per_s"] / pp if ours and r is not ours else 1.0
+    mem = pk / ours["peak_alloc_gib"] if ours and pk and ours.get("peak_alloc_gib") else float("nan")
+    print(f"{r['system']:22s} {str(r.get('ckpt')):5s} {pp:8.3f} {pk or float('nan'):9.2f} {ratio:17.2f}x {mem:14.2f}x")
+if ours:
+    print(f"ours: reference forwards {ours.get('reference_fwd_s')} s of a {ours['step_s']} s step: "
+          f"share {ours.get('reference_share')} (target <= 0.333); acceptance: >= 2.0x TRL + PEFT's "
+          f"pairs/s, its peak >= 2.0x ours, ahead of + Liger")
+PY
+fi
 
 if [[ $what == *" compat "* ]]; then
   timeout 120 python3 scripts/check_peft_compat.py 2>&1 | tee "$OUT/compat.log" | tail -12
@@ -179,9 +263,10 @@ PY
   timeout 150 $E .devbuild/lora-train bench --model $C --seq 2048 --micro-batch 2 --rank 16 \
     --targets all --steps 20 --warmup 3 --tag model --json "$OUT/train7b.jsonl" | cut -c1-400
   mark peft
+  [[ " ${TRAIN7B_PEERS-plain liger} " == *" plain "* ]] && \
   timeout 200 python3 scripts/bench_peft.py --shape llama2-7b --seq 2048 --batch 2 --rank 16 \
     --targets all --steps 10 --warmup 3 --json "$OUT/train7b.jsonl" 2>&1 | tail -1
-  if python3 -c "import liger_kernel" 2>/dev/null; then
+  if [[ " ${TRAIN7B_PEERS-plain liger} " == *" liger "* ]] && python3 -c "import liger_kernel" 2>/dev/null; then
     timeout 200 python3 scripts/bench_peft.py --shape llama2-7b --seq 2048 --batch 2 --rank 16 \
       --targets all --steps 10 --warmup 3 --liger --json "$OUT/train7b.jsonl" 2>&1 | tail -1
   fi
@@ -532,12 +617,16 @@ if [[ $what == *" unsloth "* ]]; then
     echo "unsloth: no wheels in .devbuild/unsloth (scripts/fetch-wheels.sh unsloth)"; uok=0
   fi
   P="--seq 2048 --rank 16 --targets all --steps 10 --warmup 3"
-  # row -> shape, ours' flags, Unsloth's flags
+  # row -> shape, ours' flags, the peers' flags (bench_peft.py and bench_unsloth.py take the same)
   urow() {
     case $1 in
       7b) echo "llama2-7b|--micro-batch 2|--batch 2" ;;
       7b-ckpt) echo "llama2-7b|--micro-batch 2 --ckpt|--batch 2 --ckpt" ;;
       8b-nf4) echo "llama3-8b|--micro-batch 2 --quantize nf4|--batch 2 --load-in-4bit" ;;
+      qwen3-8b) echo "qwen3-8b|--micro-batch 2|--batch 2" ;;
+      gemma2-9b) echo "gemma2-9b|--micro-batch 1|--batch 1" ;;
+      phi3-mini) echo "phi3-mini|--micro-batch 2|--batch 2" ;;
+      moe) echo "qwen3-30b-a3b|--micro-batch 2 --ckpt|--batch 2 --ckpt" ;;
     esac
   }
   rows=""
@@ -549,6 +638,17 @@ if [[ $what == *" unsloth "* ]]; then
     echo "== $row: lora-train bench --shape $shape $P $ours"
     timeout 150 $E .devbuild/lora-train bench --shape $shape $P $ours --tag "$row" \
       --json "$OUT/unsloth.jsonl" 2>&1 | tail -2 | cut -c1-400
+    # PEFT and PEFT + Liger (UNSLOTH_PEERS: "plain liger", one, or none), with bitsandbytes from
+    # the Unsloth site for --load-in-4bit
+    for peer in ${UNSLOTH_PEERS-plain liger}; do
+      lf=""; [ $peer = liger ] && lf=--liger
+      [ $peer = liger ] && ! python3 -c "import liger_kernel" 2>/dev/null && { echo "no liger_kernel"; continue; }
+      left=$(( deadline - $(date +%s) )); [ $left -gt 200 ] && left=200
+      [ $left -lt 40 ] && { echo "unsloth: out of budget before PEFT $peer $row"; break; }
+      echo "== $row: bench_peft.py --shape $shape $P $theirs $lf (at most $left s)"
+      PYTHONPATH=$U:${PYTHONPATH:-} timeout $left python3 scripts/bench_peft.py --shape $shape $P $theirs $lf \
+        --tag "$row" --json "$OUT/unsloth.jsonl" 2>&1 | tail -1 | cut -c1-400
+    done
   done
   for row in $rows; do
     [ $uok = 1 ] || break
@@ -585,6 +685,7 @@ rows = [json.loads(l) for l in open(sys.argv[1])]
 for tag in dict.fromkeys(r.get("tag") for r in rows):
     o = next((r for r in rows if r.get("tag") == tag and r.get("system") == "lora-train"), None)
     u = next((r for r in rows if r.get("tag") == tag and str(r.get("system", "")).startswith("unsloth")), None)
+    peers = [r for r in rows if r.get("tag") == tag and r not in (o, u)]
     f = lambda r, k: r.get(k) if r else None
     line = (f"{tag:8s} ours {f(o, 'tokens_per_s')} tok/s, peak {f(o, 'peak_alloc_gib')} GiB"
             f" ({f(o, 'peak_reserved_gib')} reserved) | Unsloth {f(u, 'tokens_per_s')} tok/s, peak"
@@ -595,6 +696,10 @@ for tag in dict.fromkeys(r.get("tag") for r in rows):
             line += f", peak {o['peak_alloc_gib'] / u['peak_alloc_gib']:.3f}"
     if u:
         line += f" [unsloth {u.get('unsloth')}, attention {u.get('attn_backend')}, loss {u.get('final_loss')}]"
+    for r in peers:
+        line += f" | {r.get('system')} {r.get('tokens_per_s')} tok/s, peak {r.get('peak_alloc_gib')} GiB"
+        if o and o.get("tokens_per_s") and r.get("tokens_per_s"):
+            line += f" (ours {o['tokens_per_s'] / r['tokens_per_s']:.3f}x)"
     print(line)
 PY
 fi
@@ -764,4 +869,21 @@ if [[ $what == *" profile "* ]]; then
       python3 scripts/kernel_table.py "$OUT/profile-$shape.csv" --top 25 | tee "$OUT/profile-$shape.md" | head -20
     done
   fi
+fi
+
+if [[ $what == *" data "* ]]; then
+  D=/tmp/ds-site
+  dw=$(ls .devbuild/unsloth/{datasets,dill,multiprocess}-*.whl .devbuild/{datasets,dill,multiprocess}-*.whl 2>/dev/null)
+  if [ -n "$dw" ] && ! python3 -c "import datasets" 2>/dev/null; then
+    python3 -m pip install --no-deps --no-index --target $D $dw > "$OUT/data-install.log" 2>&1 \
+      || tail -3 "$OUT/data-install.log"
+  fi
+  C=/tmp/llama2-7b
+  [ -f $C/config.json ] || python3 scripts/make_random_checkpoint.py $C llama2-7b --seq 2048 --rows 0 2>&1 | tail -1
+  [ -f $C/tokenizer.json ] || cp recipes/assets/tiny-llama/tokenizer.json recipes/assets/tiny-llama/tokenizer_config.json $C/
+  (
+    source scripts/device-env.sh
+    PYTHONPATH=$D:${PYTHONPATH:-} LORA_TRAIN=$PWD/.devbuild/lora-train timeout 540 bash scripts/data_at_scale.sh \
+      --mb "${DATA_MB:-1000}" --model $C --device cuda --peer 16 --seq-len 2048 --out /tmp/data-at-scale 2>&1
+  ) | tee "$OUT/data.txt"
 fi

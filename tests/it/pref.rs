@@ -419,7 +419,8 @@ fn mismatched_objective_format_and_reference_are_refused() {
 }
 
 /// `bench --objective dpo` trains random pairs on the tiny shape: from B = 0 the policy is the
-/// reference, so the first loss is ln 2; the JSON counts pairs.
+/// reference, so the first loss is ln 2; the JSON counts pairs and times the reference's
+/// forwards alone (reference_fwd_s, reference_share of step_s).
 #[test]
 fn bench_dpo_starts_at_ln2_and_counts_pairs() {
     let o = Command::cargo_bin("lora-train")
@@ -456,4 +457,10 @@ fn bench_dpo_starts_at_ln2_and_counts_pairs() {
     let first = losses[0].as_f64().unwrap();
     assert!((first - std::f64::consts::LN_2).abs() < 1e-4, "{j}");
     assert!(j["pairs_per_s"].as_f64().unwrap() > 0.0, "{j}");
+    // the reference's forwards timed alone: a part of the step (it keeps no graph)
+    let r = j["reference_fwd_s"].as_f64().unwrap();
+    let share = j["reference_share"].as_f64().unwrap();
+    let step = j["step_s"].as_f64().unwrap();
+    assert!(r > 0.0 && share > 0.0 && share < 1.0, "{j}");
+    assert!((share - r / step).abs() < 0.01, "{j}");
 }
