@@ -346,3 +346,48 @@ fn plan_of_a_precomputed_reference_counts_no_step_transient_and_its_bytes() {
     };
     assert_eq!(counts(&off), counts(&on));
 }
+
+/// The steps read the stored values, not a forward of their own: a file whose chosen values
+/// are moved by δ (re-checksummed, the key kept) is read (0 computed), and step 1's
+/// `rewards/chosen` = β (policy − reference) moves by −β δ while `rewards/rejected` stays.
+#[test]
+fn the_steps_score_against_the_stored_values() {
+    let case = "dpo_sigmoid";
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let sets = ["train.precompute_ref=true", "output.overwrite=true"];
+    train(case, &out, &sets);
+    let first = |out: &Path| {
+        let r = &metrics_rows(out)[0];
+        let f = |k: &str| r[k].as_f64().unwrap();
+        (f("rewards/chosen"), f("rewards/rejected"))
+    };
+    let (chosen, rejected) = first(&out);
+    // magic, key length, key, count, values (chosen, rejected, ...), SHA-256
+    let file = out.join(FILE);
+    let mut b = std::fs::read(&file).unwrap();
+    let magic = b"lora-train reference log-probs 1\n".len();
+    let klen = u64::from_le_bytes(b[magic..magic + 8].try_into().unwrap()) as usize;
+    let at = magic + 8 + klen + 8;
+    let n = (b.len() - at - 32) / 4;
+    assert_eq!(n, 24);
+    let delta = 2.0f32;
+    for i in (0..n).step_by(2) {
+        let p = at + 4 * i;
+        let v = f32::from_le_bytes(b[p..p + 4].try_into().unwrap()) + delta;
+        b[p..p + 4].copy_from_slice(&v.to_le_bytes());
+    }
+    let end = b.len() - 32;
+    let sum = ring::digest::digest(&ring::digest::SHA256, &b[..end]);
+    b[end..].copy_from_slice(sum.as_ref());
+    std::fs::write(&file, &b).unwrap();
+    let e = train(case, &out, &sets);
+    assert_eq!(ref_line(&e), (24, false), "{e}");
+    let (c2, r2) = first(&out);
+    let beta = meta(case)["objective"]["beta"].as_f64().unwrap();
+    assert!(
+        (c2 - (chosen - beta * delta as f64)).abs() < 1e-5,
+        "{c2} vs {chosen}"
+    );
+    assert!((r2 - rejected).abs() < 1e-7, "{r2} vs {rejected}");
+}
