@@ -183,9 +183,24 @@ if [[ $what == *" dpo "* ]]; then
       grep -E "Error|error" "$OUT/dpo-$peer.log" | tail -3
     done
   fi
+  # plan's forecast of our row: a recipe of the same run (train.objective = "dpo", 4 pairs of
+  # 1024 tokens) on the shape's config.json alone
+  PD=/tmp/dpo-plan; mkdir -p $PD
+  (cd scripts && python3 -c "
+from bench_peft import SHAPES, family_classes
+f, s = SHAPES['llama2-7b']; C, _, _ = family_classes(f); C(**s).save_pretrained('$PD')")
+  echo '{"prompt_input_ids": [1], "chosen_input_ids": [2], "rejected_input_ids": [3]}' > $PD/pairs.jsonl
+  printf '[model]\npath = "%s"\ndevice = "cuda"\n[lora]\nrank = 16\nalpha = 32\ntargets = "all-linear"\n[data]\ntrain = "%s"\nformat = "preference"\nseq_len = 1024\n[train]\nobjective = "dpo"\nmicro_batch = 4\n' \
+    $PD $PD/pairs.jsonl > $PD/recipe.toml
+  $E .devbuild/lora-train plan --recipe $PD/recipe.toml --json > "$OUT/dpo-plan.json" 2>"$OUT/dpo-plan.err" \
+    || tail -3 "$OUT/dpo-plan.err"
   python3 - "$OUT" <<'PY' | tee "$OUT/dpo.txt"
 import json, sys
 rows = [json.loads(l) for l in open(f"{sys.argv[1]}/dpo.jsonl")]
+try:
+    plan = json.load(open(f"{sys.argv[1]}/dpo-plan.json"))["selected"]
+except (OSError, ValueError, KeyError):
+    plan = None
 ours = next((r for r in rows if r["system"] == "lora-train"), None)
 print(f"{'system':22s} {'ckpt':5s} {'pairs/s':>8s} {'peak GiB':>9s} {'ours/peer pairs/s':>18s} {'peer/ours peak':>15s}")
 for r in rows:
@@ -199,6 +214,9 @@ if ours:
     print(f"ours: reference forwards {ours.get('reference_fwd_s')} s of a {ours['step_s']} s step: "
           f"share {ours.get('reference_share')} (target <= 0.333); acceptance: >= 2.0x TRL + PEFT's "
           f"pairs/s, its peak >= 2.0x ours, ahead of + Liger")
+    if plan and ours.get("peak_alloc_gib"):
+        print(f"plan: peak {plan['peak_alloc_gib']} GiB ({plan['peak_phase']}) against {ours['peak_alloc_gib']} "
+              f"measured: {plan['peak_alloc_gib'] / ours['peak_alloc_gib']:.3f} (target within 10%)")
 PY
 fi
 
