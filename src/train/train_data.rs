@@ -14,6 +14,7 @@
 use super::checkpoint::Cursor;
 use super::eval;
 use super::first_epoch::FirstEpoch;
+use super::pref_precompute::RefStore;
 use super::run_config::RunConfig;
 use super::run_loop::PlannedStep;
 use super::session::Session;
@@ -77,6 +78,9 @@ pub struct TrainData {
     pub pref: Option<PrefSet>,
     /// ORPO: the chosen prompts are scored too.
     pub score_chosen_prompt: bool,
+    /// `train.precompute_ref`: the reference's log-probabilities of every micro-batch the
+    /// steps take (`pref_precompute`), laid into each batch as `Steps` makes it.
+    pub(crate) reference: Option<RefStore>,
 }
 
 impl TrainData {
@@ -201,6 +205,7 @@ impl TrainData {
             load_s: t0.elapsed().as_secs_f64(),
             pref,
             score_chosen_prompt: run.objective.scores_chosen_prompt(),
+            reference: None,
         })
     }
 
@@ -462,7 +467,14 @@ impl Steps<'_> {
         };
         let batches = rows
             .iter()
-            .map(|m| s.batch(m))
+            .enumerate()
+            .map(|(k, m)| {
+                let b = s.batch(m)?;
+                Ok(match &s.reference {
+                    Some(r) => r.attach(b, (self.epoch, index, s.rank, k)),
+                    None => b,
+                })
+            })
             .collect::<Result<Vec<_>>>()?;
         let denom = match s.world {
             1 => batches.iter().map(Batch::n_targets).sum(),
