@@ -42,7 +42,7 @@ pub const RNG: &str = "SplitMix64 streams keyed by seed: shuffle (seed, epoch); 
 const LOSS_TAIL: usize = 100;
 
 /// Recipe keys that do not change the numbers of a run: they may differ on resume.
-const FREE_KEYS: [&str; 18] = [
+const FREE_KEYS: [&str; 19] = [
     "train.resume",
     "train.report_to",
     "train.max_memory",
@@ -53,6 +53,8 @@ const FREE_KEYS: [&str; 18] = [
     "train.mlp_chunk",
     "train.activation_checkpointing",
     "train.offload_activations",
+    // The stored reference log-probabilities are the ones the steps would compute, bit for bit.
+    "train.precompute_ref",
     "output.dir",
     "output.save_every",
     "output.keep_last",
@@ -156,10 +158,12 @@ impl TrainerState {
         at: &Progress,
         total: usize,
         opt: &AdamW,
-    ) -> TrainerState {
+    ) -> Result<TrainerState> {
         let (run, o) = (&s.run, &s.run.optim);
         let h = &at.history;
-        TrainerState {
+        // A streaming run's checkpoint waits for its data: the state records all of it.
+        let data = d.data()?;
+        Ok(TrainerState {
             format: FORMAT.into(),
             step: at.step,
             total_steps: total,
@@ -175,13 +179,13 @@ impl TrainerState {
                 warmup_steps: o.warmup_steps,
                 total_steps: total,
             },
-            data_examples: d.data.examples.len(),
-            data_tokens: d.data.examples.iter().map(|e| e.ids.len()).sum(),
-            data_fingerprint: Some(super::checkpoint_check::fingerprint(d)),
+            data_examples: data.examples.len(),
+            data_tokens: data.examples.iter().map(|e| e.ids.len()).sum(),
+            data_fingerprint: Some(super::checkpoint_check::fingerprint(d)?),
             loss_history: h[h.len().saturating_sub(LOSS_TAIL)..].to_vec(),
             recipe: fingerprint(&run.recipe),
             sets: numbers_sets(&run.recipe.sets),
-        }
+        })
     }
 }
 
@@ -474,6 +478,7 @@ pub(crate) fn clean(r: &Recipe, out_dir: &Path, fresh: bool) -> Result<Removed> 
             ".merged.",
             ".adapter_model.",
             ".adapter_config.",
+            ".reference_logps.",
         ];
         let leftover = ours.iter().any(|p| name.starts_with(p))
             && (name.contains(".tmp-") || name.contains(".old-"));

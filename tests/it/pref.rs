@@ -13,18 +13,18 @@ use std::path::{Path, PathBuf};
 /// The held-out bound: |ours - golden| on every adapter entry after 6 steps.
 const ADAPTER_TOL: f32 = 2e-5;
 
-fn pref_dir(case: &str) -> PathBuf {
+pub(crate) fn pref_dir(case: &str) -> PathBuf {
     root().join("tests/fixtures/pref").join(case)
 }
 
-fn meta(case: &str) -> Value {
+pub(crate) fn meta(case: &str) -> Value {
     serde_json::from_str(&std::fs::read_to_string(pref_dir(case).join("meta.json")).unwrap())
         .unwrap()
 }
 
 /// A recipe of a pref case: the fixture's model, init adapter, rows and optimiser; the
 /// objective's keys as the case sets them.
-fn pref_recipe(case: &str, out: &Path) -> String {
+pub(crate) fn pref_recipe(case: &str, out: &Path) -> String {
     let d = pref_dir(case);
     let m = meta(case);
     let o = &m["opt"];
@@ -99,7 +99,7 @@ dir = "{out}"
 }
 
 /// metrics.jsonl's rows.
-fn metrics_rows(out: &Path) -> Vec<Value> {
+pub(crate) fn metrics_rows(out: &Path) -> Vec<Value> {
     std::fs::read_to_string(out.join("metrics.jsonl"))
         .unwrap()
         .lines()
@@ -137,7 +137,7 @@ fn check_case(case: &str) -> (tempfile::TempDir, PathBuf) {
     (tmp, out)
 }
 
-fn check_outputs(case: &str, out: &Path, losses: Option<&[f64]>) {
+pub(crate) fn check_outputs(case: &str, out: &Path, losses: Option<&[f64]>) {
     let m = meta(case);
     let want_losses: Vec<f64> = m["train_losses"]
         .as_array()
