@@ -15,6 +15,8 @@ that the two run in one device call and compare as ratios:
   python3 scripts/bench_peft.py --shape gemma2-9b   # or qwen3-8b, gemma3-12b, phi3-mini
   python3 scripts/bench_peft.py --shape qwen3-30b-a3b --ckpt   # MoE: 128 experts, 8 a token
   python3 scripts/bench_peft.py --shape gemma3-12b --layers 1 --seq 16 --batch 1 --steps 1   # CPU smoke
+  python3 scripts/bench_peft.py --objective dpo --shape llama2-7b --seq 1024 --prompt-len 512 --batch 4
+      # TRL's DPOTrainer + PEFT on pairs (scripts/bench_trl_pref.py; --liger: Liger's fused DPO loss)
 
 Needs torch, transformers and peft (and liger_kernel / bitsandbytes for those flags). --json FILE
 appends the line to FILE too. Counting: frozen base, so the backward computes activation
@@ -181,6 +183,11 @@ def args():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 matmul ceiling for MFU")
+    p.add_argument("--objective", default="sft", choices=["sft", "dpo"],
+                   help="dpo: TRL's DPOTrainer on random pairs of --seq tokens a sequence, --batch pairs"
+                        " (scripts/bench_trl_pref.py)")
+    p.add_argument("--prompt-len", type=int, default=512,
+                   help="dpo: the prompt tokens of each pair (of --seq), as `lora-train bench --prompt-len`")
     p.add_argument("--json", default=None)
     p.add_argument("--tag", default=None, help="a label copied into the JSON line (a sweep's row)")
     return p.parse_args()
@@ -276,8 +283,30 @@ def build(a, dev):
     return m, s, experts
 
 
+def build_base(a, dev):
+    """(random bf16 model of --shape on `dev`, shape fields, LoRA target modules), no adapters:
+    for a trainer that adds them itself (TRL's, with peft_config)."""
+    family, s = SHAPES[a.shape]
+    s = dict(s)
+    if family in MOE_FAMILIES or a.load_in_4bit or a.mode != "single":
+        raise SystemExit("--objective dpo: a dense shape, bf16, --mode single")
+    if a.layers is not None:
+        s["num_hidden_layers"] = a.layers
+    Config, ForCausalLM, _ = family_classes(family)
+    s["max_position_embeddings"] = max(s.get("max_position_embeddings", 4096), 4096, a.seq)
+    kw = {} if a.attn is None else dict(attn_implementation=a.attn)
+    cfg = Config(**s, use_cache=False, **kw)
+    torch.manual_seed(0)
+    with torch.device(dev):
+        m = ForCausalLM._from_config(cfg, dtype=torch.bfloat16)
+    return m, s, lora_targets(family, a.targets)[0]
+
+
 def main():
     a = args()
+    if a.objective != "sft":
+        import bench_trl_pref
+        sys.exit(bench_trl_pref.run(a, build_base, dims, flops_per_token, base_linear_params))
     distributed = a.mode != "single"
     rank, world, local = 0, 1, 0
     if distributed:

@@ -65,7 +65,7 @@ log_every = 1
 EOF
 
 # Prefixes each line with the seconds since the command started.
-ts() { local t0; t0=$(date +%s.%N); while IFS= read -r l; do printf '[%7.1fs] %s\n' "$(echo "$(date +%s.%N) - $t0" | bc)" "$l"; done; }
+ts() { awk -v t0="$(date +%s.%N)" '{ c = "date +%s.%N"; c | getline now; close(c); printf "[%7.1fs] %s\n", now - t0, $0; fflush() }'; }
 
 if [ "$peer" -gt 0 ]; then
   echo "== HF datasets.map(batched=True, num_proc=$peer)"

@@ -10,6 +10,7 @@
 #   run(command="bash scripts/device_gpu_check.sh dist2", kind="nvidia-h200-x2", carry=[".devbuild"])
 #   run(command="bash scripts/device_gpu_check.sh torchrun", kind="nvidia-h200-x2", carry=[".devbuild"])
 #   run(command="bash scripts/device_gpu_check.sh peercopy", kind="nvidia-h200-x2", carry=[".devbuild"])
+#   run(command="bash scripts/device_gpu_check.sh trlcheck dpo", carry=[".devbuild"])
 #
 # compat: scripts/check_peft_compat.py (PEFT / transformers load our adapter and merged model);
 # chat:  scripts/reference_chat.py with this machine's transformers, diffed against the fixtures;
@@ -109,6 +110,20 @@
 #         --warmup 1`, scripts/kernel_table.py sums them a step, by kind and by kernel ->
 #         $OUT/profile-<shape>.csv, .md; PROFILE_LIMIT: seconds per shape (420). Not in the
 #         default set.
+# dpo:    issue 65's speed row, one call: Llama-2-7B shape, bf16, pairs of a 512-token prompt and
+#         two 512-token completions (--seq 1024 --prompt-len 512), 4 pairs a micro-batch, r16 all
+#         linear, 10 timed steps after 3: ours (`bench --objective dpo`, no checkpointing; its
+#         reference_fwd_s / reference_share: the step's reference forwards timed alone after the
+#         window), then scripts/bench_peft.py --objective dpo (TRL 1.16 DPOTrainer + PEFT) in each of
+#         DPO_PEERS (default "plain ckpt liger"; also "liger-ckpt": ckpt = TRL's default
+#         gradient_checkpointing, liger = + Liger's fused linear DPO loss and layer kernels), each
+#         within 200 s -> $OUT/dpo.jsonl, $OUT/dpo.txt (pairs/s, peak GiB, ours / peer). DPO_OURS
+#         adds flags to ours. TRL and datasets from .devbuild/trl (scripts/fetch-wheels.sh trl),
+#         Liger from .devbuild/liger_kernel-*.whl. Not in the default set.
+# trlcheck: scripts/check_trl_pref.py on CUDA in f32: TRL's own DPOTrainer and ORPOTrainer (TRL_CASES
+#         picks fixture cases; default "dpo_sigmoid orpo") against our binary from the same init
+#         adapter, 6 steps; PASS when every adapter entry is within 1e-4 -> $OUT/trlcheck.log,
+#         $OUT/trlcheck.jsonl. Not in the default set.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -126,6 +141,84 @@ if [ -n "$lwhl" ] && ! python3 -c "import liger_kernel" 2>/dev/null; then
   export PYTHONPATH=/tmp/liger:${PYTHONPATH:-}
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+
+# TRL 1.16 and datasets (dill, multiprocess) for the preference peers, from .devbuild/trl
+# (scripts/fetch-wheels.sh trl), when the image's Python lacks them.
+trl_site() {
+  python3 -c "import trl, datasets" 2>/dev/null && return 0
+  if ! ls .devbuild/trl/*.whl > /dev/null 2>&1; then
+    echo "trl: not installed and no wheels in .devbuild/trl (scripts/fetch-wheels.sh trl)"; return 1
+  fi
+  python3 -m pip install --no-deps --no-index --target /tmp/trl-site .devbuild/trl/*.whl \
+    > "$OUT/trl-install.log" 2>&1 || { echo "trl wheels: install failed"; tail -5 "$OUT/trl-install.log"; return 1; }
+  export PYTHONPATH=/tmp/trl-site:${PYTHONPATH:-}
+  python3 -c "import trl, datasets; print('trl', trl.__version__, 'datasets', datasets.__version__)" 2>&1 | tail -3
+}
+
+if [[ $what == *" trlcheck "* ]]; then
+  if trl_site; then
+    timeout 400 python3 scripts/check_trl_pref.py .devbuild/lora-train --device cuda \
+      --runner "bash scripts/device-env.sh" $(printf -- '--case %s ' ${TRL_CASES:-dpo_sigmoid orpo}) \
+      --json "$OUT/trlcheck.jsonl" > "$OUT/trlcheck.log" 2>&1
+    echo "check_trl_pref exit $?"
+    grep -E "^== |^   (losses|[a-z_]+:)" "$OUT/trlcheck.log" | tail -20
+    grep -E "Error|error:" "$OUT/trlcheck.log" | tail -5
+  fi
+fi
+
+if [[ $what == *" dpo "* ]]; then
+  D="--shape llama2-7b --seq 1024 --prompt-len 512 --rank 16 --targets all --steps 10 --warmup 3"
+  echo "== lora-train bench --objective dpo, 4 pairs ${DPO_OURS:-}"
+  timeout 200 $E .devbuild/lora-train bench $D --objective dpo --micro-batch 4 ${DPO_OURS:-} \
+    --json "$OUT/dpo.jsonl" 2>&1 | tail -1 | cut -c1-300
+  if trl_site; then
+    for peer in ${DPO_PEERS:-plain ckpt liger}; do
+      fl=""
+      [[ $peer == *ckpt* ]] && fl="$fl --ckpt"
+      [[ $peer == liger* ]] && fl="$fl --liger"
+      echo "== TRL DPOTrainer + PEFT: $peer"
+      timeout 200 python3 scripts/bench_peft.py $D --objective dpo --batch 4 $fl --tag "dpo-$peer" \
+        --json "$OUT/dpo.jsonl" > "$OUT/dpo-$peer.log" 2>&1
+      echo "exit $?"; tail -1 "$OUT/dpo-$peer.log" | cut -c1-300
+      grep -E "Error|error" "$OUT/dpo-$peer.log" | tail -3
+    done
+  fi
+  # plan's forecast of our row: a recipe of the same run (train.objective = "dpo", 4 pairs of
+  # 1024 tokens) on the shape's config.json alone
+  PD=/tmp/dpo-plan; mkdir -p $PD
+  (cd scripts && python3 -c "
+from bench_peft import SHAPES, family_classes
+f, s = SHAPES['llama2-7b']; C, _, _ = family_classes(f); C(**s).save_pretrained('$PD')")
+  echo '{"prompt_input_ids": [1], "chosen_input_ids": [2], "rejected_input_ids": [3]}' > $PD/pairs.jsonl
+  printf '[model]\npath = "%s"\ndevice = "cuda"\n[lora]\nrank = 16\nalpha = 32\ntargets = "all-linear"\n[data]\ntrain = "%s"\nformat = "preference"\nseq_len = 1024\n[train]\nobjective = "dpo"\nmicro_batch = 4\n' \
+    $PD $PD/pairs.jsonl > $PD/recipe.toml
+  $E .devbuild/lora-train plan --recipe $PD/recipe.toml --json > "$OUT/dpo-plan.json" 2>"$OUT/dpo-plan.err" \
+    || tail -3 "$OUT/dpo-plan.err"
+  python3 - "$OUT" <<'PY' | tee "$OUT/dpo.txt"
+import json, sys
+rows = [json.loads(l) for l in open(f"{sys.argv[1]}/dpo.jsonl")]
+try:
+    plan = json.load(open(f"{sys.argv[1]}/dpo-plan.json"))["selected"]
+except (OSError, ValueError, KeyError):
+    plan = None
+ours = next((r for r in rows if r["system"] == "lora-train"), None)
+print(f"{'system':22s} {'ckpt':5s} {'pairs/s':>8s} {'peak GiB':>9s} {'ours/peer pairs/s':>18s} {'peer/ours peak':>15s}")
+for r in rows:
+    pp, pk = r.get("pairs_per_s"), r.get("peak_alloc_gib")
+    if r.get("oom") or pp is None:
+        print(f"{r['system']:22s} {str(r.get('ckpt')):5s} OOM / no figure: {r.get('error', '')[:80]}"); continue
+    ratio = ours["pairs_per_s"] / pp if ours and r is not ours else 1.0
+    mem = pk / ours["peak_alloc_gib"] if ours and pk and ours.get("peak_alloc_gib") else float("nan")
+    print(f"{r['system']:22s} {str(r.get('ckpt')):5s} {pp:8.3f} {pk or float('nan'):9.2f} {ratio:17.2f}x {mem:14.2f}x")
+if ours:
+    print(f"ours: reference forwards {ours.get('reference_fwd_s')} s of a {ours['step_s']} s step: "
+          f"share {ours.get('reference_share')} (target <= 0.333); acceptance: >= 2.0x TRL + PEFT's "
+          f"pairs/s, its peak >= 2.0x ours, ahead of + Liger")
+    if plan and ours.get("peak_alloc_gib"):
+        print(f"plan: peak {plan['peak_alloc_gib']} GiB ({plan['peak_phase']}) against {ours['peak_alloc_gib']} "
+              f"measured: {plan['peak_alloc_gib'] / ours['peak_alloc_gib']:.3f} (target within 10%)")
+PY
+fi
 
 if [[ $what == *" compat "* ]]; then
   timeout 120 python3 scripts/check_peft_compat.py 2>&1 | tee "$OUT/compat.log" | tail -12
@@ -176,7 +269,12 @@ if [[ $what == *" train7b "* ]]; then
 import json
 rows = [json.loads(l) for l in open("/tmp/out-7b/metrics.jsonl")]
 print("load_s", rows[0].get("load_s"), "first step after", rows[0]["elapsed_s"], "s")
-a, b = rows[5], rows[-1]  # steps 6 .. last: past warm-up
+# Steps 7 .. the last but one. A row is stamped when its step's scalars are read, which is once
+# the next step's forward and backward are queued, and queueing waits on the full launch queue:
+# every row but the last is stamped about a step late, the last (nothing left to queue) at once,
+# a few ms after the one before. A window ending at the last row counts a step's tokens with
+# none of its time: 24 steps in the time of 23, +4.3% (BENCHMARKS (as)).
+a, b = rows[5], rows[-2]
 tps = (b["tokens"] - a["tokens"]) / (b["elapsed_s"] - a["elapsed_s"])
 print(f"train steps {a['step']+1}-{b['step']}: {tps:.0f} tok/s; peak GiB", b.get("mem"))
 PY
@@ -241,7 +339,7 @@ import json
 tps = {}
 for p in ["0.0", "0.05"]:
     rows = [json.loads(l) for l in open(f"/tmp/out-7b-{p}/metrics.jsonl")]
-    a, b = rows[5], rows[-1]  # steps 6 .. last: past warm-up
+    a, b = rows[5], rows[-2]  # steps 7 .. last but one (see train7b)
     tps[p] = (b["tokens"] - a["tokens"]) / (b["elapsed_s"] - a["elapsed_s"])
     print(f"train, lora.dropout = {p}: {tps[p]:.0f} tok/s (steps {a['step']+1}-{b['step']}), first step after {rows[0]['elapsed_s']} s, peak GiB {b.get('mem')}")
 print(f"dropout 0.05 / 0.0: {tps['0.05'] / tps['0.0']:.3f} (acceptance: >= 0.95)")
@@ -255,7 +353,7 @@ PY
 import json, sys
 out = sys.argv[1]
 rows = [json.loads(l) for l in open(f"/tmp/out-7b-0.05/metrics.jsonl")]
-a, b = rows[5], rows[-1]
+a, b = rows[5], rows[-2]
 ours = (b["tokens"] - a["tokens"]) / (b["elapsed_s"] - a["elapsed_s"])
 for l in open(f"{out}/dropout.jsonl"):
     d = json.loads(l)

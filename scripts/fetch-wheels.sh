@@ -17,7 +17,12 @@
 # without studio/ (the web UI, 82 MB of its 91 MB unpacked) and unsloth_cli/ (the CLI, which
 # imports studio/): 28.6 -> 1.9 MB; .devbuild/unsloth holds 6.6 MB in all.
 #
-#   bash scripts/fetch-wheels.sh [bitsandbytes] [liger] [unsloth]     # default: the first two
+# trl: TRL 1.16.0 (scripts/bench_peft.py --objective dpo, scripts/check_trl_pref.py; issue 65)
+# into .devbuild/trl/, with the dependencies the device's image lacks: datasets 4.8.5, dill
+# 0.4.1, multiprocess 0.70.19 (Python 3.12's wheel), as for Unsloth (the image has accelerate,
+# pyarrow, pandas and xxhash: Unsloth's TRL imported with them). 1.7 MB.
+#
+#   bash scripts/fetch-wheels.sh [bitsandbytes] [liger] [unsloth] [trl]   # default: the first two
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .devbuild
@@ -33,7 +38,12 @@ if [[ $want == *" unsloth "* ]]; then
     unsloth==2026.10.9 unsloth_zoo==2026.10.9 trl==1.15.0 datasets==4.8.5 dill==0.4.1 \
     multiprocess==0.70.19 cut_cross_entropy==25.1.1
 fi
-ls -la .devbuild/*.whl .devbuild/unsloth/*.whl 2>/dev/null || true
+if [[ $want == *" trl "* ]]; then
+  mkdir -p .devbuild/trl
+  $pip download --no-deps --only-binary=:all: --python-version 3.12 -d .devbuild/trl \
+    trl==1.16.0 datasets==4.8.5 dill==0.4.1 multiprocess==0.70.19
+fi
+ls -la .devbuild/*.whl .devbuild/unsloth/*.whl .devbuild/trl/*.whl 2>/dev/null || true
 
 # bitsandbytes ships a library per CUDA and ROCm release (43 MB); the device's torch is CUDA 13,
 # so only libbitsandbytes_cuda13*.so and the CPU one are kept (and their RECORD lines), which
@@ -82,4 +92,5 @@ print(src, round(os.path.getsize(src) / 2**20, 1), "MiB")
 PY
 done
 [ -d .devbuild/unsloth ] && du -ch .devbuild/unsloth/*.whl | tail -1 | sed 's/total/.devbuild\/unsloth in all/'
+[ -d .devbuild/trl ] && du -ch .devbuild/trl/*.whl | tail -1 | sed 's/total/.devbuild\/trl in all/'
 exit 0

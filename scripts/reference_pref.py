@@ -356,10 +356,11 @@ def train(case, d, rows, dtype):
 # TRL's own trainers on the same fixture
 
 
-def trl_run(name, case, d, rows, dtype):
+def trl_run(name, case, d, rows, dtype, use_cpu=True):
     """TRL's DPOTrainer / ORPOTrainer / CPOTrainer / KTOTrainer, 6 steps on `rows`; the only
     override is the data preparation, which reads our pre-tokenized rows (TRL's trainers
-    tokenize strings); losses, reference and optimiser are TRL's and transformers'."""
+    tokenize strings); losses, reference and optimiser are TRL's and transformers'. use_cpu
+    False: on the GPU transformers' Trainer picks (scripts/check_trl_pref.py)."""
     import warnings
     from datasets import Dataset
     warnings.filterwarnings("ignore")
@@ -374,7 +375,7 @@ def trl_run(name, case, d, rows, dtype):
                   max_grad_norm=OPT["max_grad_norm"], optim="adamw_torch", logging_steps=1,
                   report_to=[], save_strategy="no", bf16=False, fp16=False,
                   gradient_checkpointing=False, train_sampling_strategy="sequential",
-                  use_cpu=True, dataloader_num_workers=0, remove_unused_columns=False,
+                  use_cpu=use_cpu, dataloader_num_workers=0, remove_unused_columns=False,
                   max_length=None if obj in ("dpo", "kto") else 10_000, beta=case["beta"],
                   disable_tqdm=True)
     lcfg = LoraConfig(lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", **LORA)

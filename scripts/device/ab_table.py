@@ -40,7 +40,7 @@ for build in ["a", "b"]:
     rows = [json.loads(line) for line in p.read_text().splitlines()]
     if len(rows) < 8:
         continue
-    x, y = rows[5], rows[-1]  # steps 6 .. last: past warm-up
+    x, y = rows[5], rows[-2]  # steps 7 .. last but one (see device_gpu_check.sh train7b)
     tps = (y["tokens"] - x["tokens"]) / (y["elapsed_s"] - x["elapsed_s"])
     bench = runs.get(("7b", build))
     ratio = f"{tps / med(bench, 'tokens_per_s'):.4f} of its bench" if bench else ""

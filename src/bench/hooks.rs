@@ -112,6 +112,11 @@ impl<'a> BenchHooks<'a> {
         }
     }
 
+    /// This rank's micro-batches of a step.
+    pub(crate) fn step_batches(&self) -> &[Batch] {
+        &self.batches
+    }
+
     /// Whether step `n` (1-based) saves a checkpoint.
     fn saves(&self, n: usize) -> bool {
         self.a.save_every > 0 && n % self.a.save_every == 0

@@ -18,6 +18,7 @@ mod report;
 mod rows;
 pub(crate) mod workload;
 
+use crate::data::Batch;
 use crate::hub::Source;
 use crate::memory::{self, plan};
 use crate::model::{shapes, ModelConfig};
@@ -270,16 +271,40 @@ fn measure(
         }
     };
     s.model.device.synchronize()?;
+    let reference_s = reference_seconds(a, &s, h.step_batches())?;
     report::Report {
         a,
         s: &s,
         loaded: &loaded,
         keep,
         steps,
+        reference_s,
         evals: h.evals.len(),
         saver: h.saver.as_ref().map(|(s, _)| s),
     }
     .json()
+}
+
+/// DPO and KTO: the seconds a step's reference forwards take (this rank's micro-batches scored
+/// by the reference, keeping nothing), timed alone after the timed window (min(steps, 5)
+/// repetitions, synchronised) so that the window itself carries no extra synchronisation.
+/// None without a reference.
+fn reference_seconds(a: &BenchArgs, s: &Session, batches: &[Batch]) -> Result<Option<f64>> {
+    if s.run.objective.reference().is_none() {
+        return Ok(None);
+    }
+    let objective = s.run.objective.objective(s.reference.clone());
+    let par = s.par(false);
+    let reps = a.steps.clamp(1, 5);
+    s.model.device.synchronize()?;
+    let t0 = Instant::now();
+    for _ in 0..reps {
+        for b in batches {
+            objective.reference(&s.model, &par, b)?;
+        }
+    }
+    s.model.device.synchronize()?;
+    Ok(Some(t0.elapsed().as_secs_f64() / reps as f64))
 }
 
 #[cfg(test)]

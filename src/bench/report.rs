@@ -32,6 +32,8 @@ pub(super) struct Report<'a> {
     pub(crate) evals: usize,
     /// The checkpoint writer (save_every > 0).
     pub(crate) saver: Option<&'a workload::Saver>,
+    /// DPO and KTO: seconds of a step's reference forwards, timed alone (`reference_seconds`).
+    pub(crate) reference_s: Option<f64>,
 }
 
 impl Report<'_> {
@@ -114,6 +116,12 @@ impl Report<'_> {
             // pairs (KTO: examples) a second over the ranks
             out["pairs_per_s"] = ((total_tps / (seqs * t) as f64) * 100.0).round().into();
             out["pairs_per_s"] = (out["pairs_per_s"].as_f64().unwrap_or(0.0) / 100.0).into();
+            // the reference's forwards alone, and their share of a step's time
+            if let Some(r) = self.reference_s {
+                out["reference_fwd_s"] = ((r * 1e4).round() / 1e4).into();
+                let step = dt / a.steps as f64;
+                out["reference_share"] = ((r / step * 1e3).round() / 1e3).into();
+            }
         }
         self.host_figures(&mut out);
         Ok(out)

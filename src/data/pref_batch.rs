@@ -43,6 +43,10 @@ pub struct PrefLayout {
     /// KTO: the batch of the micro-batch's mismatched pairs (its KL estimate), with its own
     /// layout.
     pub kl: Option<Box<Batch>>,
+    /// The reference's per-sequence log-probabilities [n_seqs], when they were computed
+    /// before the run (`train.precompute_ref`); the objective reads them instead of running
+    /// the reference's forward.
+    pub reference: Option<Vec<f32>>,
 }
 
 /// One sequence to lay out: prompt, completion, and whether its prompt tokens are targets.
@@ -156,6 +160,7 @@ impl PrefBatch {
             target_completion,
             desirable: Vec::new(),
             kl: None,
+            reference: None,
         });
         let batch = Batch {
             pref: Some(layout.clone()),

@@ -61,6 +61,10 @@ struct Shared {
     seq: AtomicU64,
     state: Mutex<State>,
     wake: Condvar,
+    /// Held while a failure is recorded and told to the other ranks, and by `Drop` before it
+    /// ends the write sides: the thread that sees the failure first can return and close the
+    /// group while a reader thread is still forwarding it, and the forward must go out first.
+    telling: Mutex<()>,
 }
 
 /// This process's rank of a job whose ranks are processes talking TCP through rank 0.
@@ -95,6 +99,8 @@ impl Shared {
     /// Rank `rank` failed with `why`. The first failure is the group's: rank 0 forwards it to
     /// every other rank; another rank tells rank 0 of its own.
     fn fail(&self, rank: usize, why: &str) {
+        // Poisoning carries no state here: the guard only orders the forward before a close.
+        let _telling = self.telling.lock().unwrap_or_else(|p| p.into_inner());
         {
             let mut s = self.lock();
             if s.failure.is_some() {
@@ -498,6 +504,7 @@ impl TcpGroup {
                 closing: false,
             }),
             wake: Condvar::new(),
+            telling: Mutex::new(()),
         });
         for (r, s) in readers {
             let sh = shared.clone();
@@ -605,6 +612,12 @@ fn join_rank_zero(e: &EnvRank, timeout: Duration, deadline: Instant) -> anyhow::
 
 impl Drop for TcpGroup {
     fn drop(&mut self) {
+        // A failure being forwarded goes out before the write sides end (`Shared::telling`).
+        let _telling = self
+            .shared
+            .telling
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         self.shared.lock().closing = true;
         for link in self.shared.links.iter().flatten() {
             let s = link.lock().unwrap_or_else(|p| p.into_inner());

@@ -113,6 +113,15 @@ impl Recipe {
                 _ => {}
             }
         }
+        if t.precompute_ref && !obj.has_reference() {
+            return Err(self.invalid(
+                "train.precompute_ref",
+                format!(
+                    "= true, but train.objective = \"{}\" has no reference model to precompute: remove train.precompute_ref, or train \"dpo\" or \"kto\"",
+                    obj.name()
+                ),
+            ));
+        }
         if obj == TrainObjective::Sft {
             return Ok(());
         }

@@ -211,6 +211,12 @@ pub struct TrainSection {
     /// (lora.init_adapter, TRL's `ref_adapter_name`). Default: "base".
     #[serde(default)]
     pub(crate) pref_reference: PrefReference,
+    /// dpo / kto: the reference's per-sequence log-probabilities of every row the run's steps
+    /// see, computed in one pass before the first step and kept in the output directory
+    /// (`reference_logps.bin`, read again on resume), so the steps run no reference forward
+    /// (TRL's `precompute_ref_log_probs`). Default: false.
+    #[serde(default)]
+    pub(crate) precompute_ref: bool,
     /// SimPO's target reward margin γ (TRL's `simpo_gamma`). Default: 0.5.
     #[serde(default = "d_simpo_gamma")]
     pub(crate) simpo_gamma: f64,
@@ -328,6 +334,7 @@ impl Default for TrainSection {
             pref_beta: None,
             pref_loss: PrefLoss::Sigmoid,
             pref_reference: PrefReference::Base,
+            precompute_ref: false,
             simpo_gamma: d_simpo_gamma(),
             cpo_alpha: 0.0,
             kto_desirable_weight: 1.0,

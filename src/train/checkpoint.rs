@@ -42,7 +42,7 @@ pub const RNG: &str = "SplitMix64 streams keyed by seed: shuffle (seed, epoch); 
 const LOSS_TAIL: usize = 100;
 
 /// Recipe keys that do not change the numbers of a run: they may differ on resume.
-const FREE_KEYS: [&str; 18] = [
+const FREE_KEYS: [&str; 19] = [
     "train.resume",
     "train.report_to",
     "train.max_memory",
@@ -53,6 +53,8 @@ const FREE_KEYS: [&str; 18] = [
     "train.mlp_chunk",
     "train.activation_checkpointing",
     "train.offload_activations",
+    // The stored reference log-probabilities are the ones the steps would compute, bit for bit.
+    "train.precompute_ref",
     "output.dir",
     "output.save_every",
     "output.keep_last",
@@ -474,6 +476,7 @@ pub(crate) fn clean(r: &Recipe, out_dir: &Path, fresh: bool) -> Result<Removed> 
             ".merged.",
             ".adapter_model.",
             ".adapter_config.",
+            ".reference_logps.",
         ];
         let leftover = ours.iter().any(|p| name.starts_with(p))
             && (name.contains(".tmp-") || name.contains(".old-"));

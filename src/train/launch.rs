@@ -239,7 +239,7 @@ fn run_rank(
         }
         Err(e) => return Err(e),
     };
-    let data = TrainData::load(&session)?;
+    let mut data = TrainData::load(&session)?;
     if let Some(s) = crate::memory::stats(&session.model.device)? {
         watch.load_peak = Some(s.used_high);
     }
@@ -249,6 +249,10 @@ fn run_rank(
     agree_on_resume(&session, resume.as_ref())?;
     if lead {
         announce(&session, &data);
+    }
+    if run.precompute_ref {
+        let store = super::pref_precompute::RefStore::load_or_compute(&session, &data, &out_dir)?;
+        data.reference = Some(store);
     }
     signal.training();
     let res = session.train_from(&data, &out_dir, resume.as_ref(), &|_| signal.received());

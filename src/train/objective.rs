@@ -131,17 +131,26 @@ impl ObjectiveKind {
         }
     }
 
+    /// The values its reference puts in place of the adapters (None without a reference);
+    /// `init`: the init adapter's values, for `Reference::InitAdapter`.
+    pub(crate) fn ref_weights(
+        self,
+        init: Option<Arc<HashMap<TensorId, Tensor>>>,
+    ) -> Option<RefWeights> {
+        match (self.reference(), init) {
+            (Some(Reference::InitAdapter), Some(init)) => Some(RefWeights::Init(init)),
+            (Some(_), _) => Some(RefWeights::Base),
+            (None, _) => None,
+        }
+    }
+
     /// The objective itself; `init`: the init adapter's values (`pref_ref::snapshot`), for
     /// `Reference::InitAdapter`.
     pub(crate) fn objective(
         self,
         init: Option<Arc<HashMap<TensorId, Tensor>>>,
     ) -> Box<dyn Objective> {
-        let weights = match (self.reference(), init) {
-            (Some(Reference::InitAdapter), Some(init)) => Some(RefWeights::Init(init)),
-            (Some(_), _) => Some(RefWeights::Base),
-            (None, _) => None,
-        };
+        let weights = self.ref_weights(init);
         match self {
             ObjectiveKind::Sft => Box::new(Sft::default()),
             kind => Box::new(super::pref_objective::Pref::new(kind, weights)),

@@ -258,7 +258,10 @@ impl Objective for Pref {
             local[1] += nll_tokens(l);
             if let (true, Some(kl)) = (kto, &l.kl) {
                 let pol = host(&seq_logps(model, par, kl, None)?)?;
-                let refs = host(&seq_logps(model, par, kl, self.weights.as_ref())?)?;
+                let refs = match self.reference(model, par, kl)? {
+                    Some(r) => host(&r)?,
+                    None => bail!("KTO needs the reference's log-probabilities"),
+                };
                 local[2] += pol.iter().zip(&refs).map(|(a, b)| a - b).sum::<f64>();
                 local[3] += pol.len() as f64;
             }
@@ -281,9 +284,12 @@ impl Objective for Pref {
     }
 
     fn reference(&self, model: &Model, par: &Par, batch: &Batch) -> Result<Option<Tensor>> {
-        match &self.weights {
-            Some(w) => Ok(Some(seq_logps(model, par, batch, Some(w))?)),
-            None => Ok(None),
+        let stored = batch.pref.as_ref().and_then(|l| l.reference.as_ref());
+        match (&self.weights, stored) {
+            // `train.precompute_ref`: what this forward gave before the run (pref_store).
+            (Some(_), Some(v)) => Ok(Some(Tensor::from_slice(v, v.len(), &model.device)?)),
+            (Some(w), None) => Ok(Some(seq_logps(model, par, batch, Some(w))?)),
+            (None, _) => Ok(None),
         }
     }
 

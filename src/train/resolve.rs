@@ -187,6 +187,7 @@ impl RunConfig {
             },
             max_memory: r.max_memory(),
             objective: ObjectiveKind::of(r),
+            precompute_ref: t.precompute_ref && ObjectiveKind::of(r).reference().is_some(),
             spec,
             cfg,
             recipe,
@@ -196,13 +197,32 @@ impl RunConfig {
     /// What the plan of a preference run counts that an SFT plan does not: a pair's two
     /// sequences a row (None for SFT and KTO).
     pub fn plan_note(&self) -> Option<String> {
-        (self.objective.seqs_per_row() > 1).then(|| {
+        let pairs = (self.objective.seqs_per_row() > 1).then(|| {
             format!(
                 "train.objective = \"{}\": micro_batch counts pairs, a pair's chosen and rejected sequences one row of up to 2 × data.seq_len = {} tokens",
                 self.recipe.train.objective.name(),
                 self.batch.seq_len * 2
             )
-        })
+        });
+        // The plan counts no reference forward in a step either way (it keeps nothing, and
+        // its one layer's working set stays under the step's peak): with precompute_ref the
+        // steps run none, the pass before them one each micro-batch, and the values are tiny.
+        let pre = self.precompute_ref.then(|| {
+            let b = &self.batch;
+            let steps = b.max_steps.map_or("steps".to_string(), |s| format!("{s} steps"));
+            let bytes = b.max_steps.map(|s| 8 * b.micro_batch * b.grad_accum * self.world() * s);
+            format!(
+                "train.precompute_ref: the reference's forward runs in one pass before the first step (its transient under the step's peak), none in the steps; its log-probabilities take 8 B a pair (kto: an example) × micro_batch {} × grad_accum {} × {} rank(s) × {steps}{} on the host and in reference_logps.bin",
+                b.micro_batch,
+                b.grad_accum,
+                self.world(),
+                bytes.map_or(String::new(), |x| format!(" = {}", crate::memory::plan::fmt_bytes(x as u64)))
+            )
+        });
+        match (pairs, pre) {
+            (Some(a), Some(b)) => Some(format!("{a}\n{b}")),
+            (a, b) => a.or(b),
+        }
     }
 
     /// The base as an adapter_config.json in directory `dir` records it

@@ -79,6 +79,9 @@ pub struct RunConfig {
     pub max_memory: Option<u64>,
     /// What the head's loss is.
     pub(crate) objective: ObjectiveKind,
+    /// The reference's log-probabilities are computed in one pass before the first step and
+    /// kept in the output directory (`train.precompute_ref`; only with a reference).
+    pub(crate) precompute_ref: bool,
 }
 
 /// AdamW and the learning-rate schedule (`[train]`).

@@ -5,6 +5,7 @@
 
 use super::checkpoint::Cursor;
 use super::eval;
+use super::pref_precompute::RefStore;
 use super::run_loop::PlannedStep;
 use super::session::Session;
 use crate::data::pref_set::PrefSet;
@@ -48,6 +49,9 @@ pub struct TrainData {
     pub pref: Option<PrefSet>,
     /// ORPO: the chosen prompts are scored too.
     pub score_chosen_prompt: bool,
+    /// `train.precompute_ref`: the reference's log-probabilities of every micro-batch the
+    /// steps take (`pref_precompute`), laid into each batch as `Steps` makes it.
+    pub(crate) reference: Option<RefStore>,
 }
 
 impl TrainData {
@@ -113,6 +117,7 @@ impl TrainData {
             load_s: t0.elapsed().as_secs_f64(),
             pref,
             score_chosen_prompt: run.objective.scores_chosen_prompt(),
+            reference: None,
         })
     }
 
@@ -251,7 +256,14 @@ impl Iterator for Steps<'_> {
                 _ => s.step_denoms(self.epoch),
             };
         };
-        let batches: Vec<Batch> = rows.iter().map(|m| s.batch(m)).collect();
+        let batches: Vec<Batch> = rows
+            .iter()
+            .enumerate()
+            .map(|(k, m)| match &s.reference {
+                Some(r) => r.attach(s.batch(m), (self.epoch, index, s.rank, k)),
+                None => s.batch(m),
+            })
+            .collect();
         let denom = match s.world {
             1 => batches.iter().map(Batch::n_targets).sum(),
             _ => self.denoms.get(index).copied().unwrap_or(0),

@@ -41,6 +41,7 @@ mod ops;
 mod output_streams;
 mod parallel;
 mod pref;
+mod pref_precompute;
 mod plan;
 mod process_ranks;
 mod qlora;

@@ -13,18 +13,18 @@ use std::path::{Path, PathBuf};
 /// The held-out bound: |ours - golden| on every adapter entry after 6 steps.
 const ADAPTER_TOL: f32 = 2e-5;
 
-fn pref_dir(case: &str) -> PathBuf {
+pub(crate) fn pref_dir(case: &str) -> PathBuf {
     root().join("tests/fixtures/pref").join(case)
 }
 
-fn meta(case: &str) -> Value {
+pub(crate) fn meta(case: &str) -> Value {
     serde_json::from_str(&std::fs::read_to_string(pref_dir(case).join("meta.json")).unwrap())
         .unwrap()
 }
 
 /// A recipe of a pref case: the fixture's model, init adapter, rows and optimiser; the
 /// objective's keys as the case sets them.
-fn pref_recipe(case: &str, out: &Path) -> String {
+pub(crate) fn pref_recipe(case: &str, out: &Path) -> String {
     let d = pref_dir(case);
     let m = meta(case);
     let o = &m["opt"];
@@ -99,7 +99,7 @@ dir = "{out}"
 }
 
 /// metrics.jsonl's rows.
-fn metrics_rows(out: &Path) -> Vec<Value> {
+pub(crate) fn metrics_rows(out: &Path) -> Vec<Value> {
     std::fs::read_to_string(out.join("metrics.jsonl"))
         .unwrap()
         .lines()
@@ -137,7 +137,7 @@ fn check_case(case: &str) -> (tempfile::TempDir, PathBuf) {
     (tmp, out)
 }
 
-fn check_outputs(case: &str, out: &Path, losses: Option<&[f64]>) {
+pub(crate) fn check_outputs(case: &str, out: &Path, losses: Option<&[f64]>) {
     let m = meta(case);
     let want_losses: Vec<f64> = m["train_losses"]
         .as_array()
@@ -419,7 +419,8 @@ fn mismatched_objective_format_and_reference_are_refused() {
 }
 
 /// `bench --objective dpo` trains random pairs on the tiny shape: from B = 0 the policy is the
-/// reference, so the first loss is ln 2; the JSON counts pairs.
+/// reference, so the first loss is ln 2; the JSON counts pairs and times the reference's
+/// forwards alone (reference_fwd_s, reference_share of step_s).
 #[test]
 fn bench_dpo_starts_at_ln2_and_counts_pairs() {
     let o = Command::cargo_bin("lora-train")
@@ -456,4 +457,10 @@ fn bench_dpo_starts_at_ln2_and_counts_pairs() {
     let first = losses[0].as_f64().unwrap();
     assert!((first - std::f64::consts::LN_2).abs() < 1e-4, "{j}");
     assert!(j["pairs_per_s"].as_f64().unwrap() > 0.0, "{j}");
+    // the reference's forwards timed alone: a part of the step (it keeps no graph)
+    let r = j["reference_fwd_s"].as_f64().unwrap();
+    let share = j["reference_share"].as_f64().unwrap();
+    let step = j["step_s"].as_f64().unwrap();
+    assert!(r > 0.0 && share > 0.0 && share < 1.0, "{j}");
+    assert!((share - r / step).abs() < 0.01, "{j}");
 }
