@@ -14,6 +14,11 @@
 #    output directory (the cache mapped);
 # 4. a resume: a run that saves a checkpoint at step 1, resumed to step 2 (the "loaded in" line
 #    times data, weights and adapters apart; the first step line follows it).
+# 5. streaming start: the recipe with data.shuffle=false into a fresh cache, streamed (the first
+#    step starts once its rows are tokenized, the rest tokenize behind it) and with
+#    LORA_TRAIN_DATA_STREAM=off (the first step waits for the whole preparation).
+# Every run logs "first step starts N s after data preparation began"; with the ts prefix below,
+# the first step's time from the start of the process is read off that line.
 # Every line a run prints is prefixed with the seconds since it started (ts), so "first step
 # within N s" is read off the log. The model directory needs tokenizer.json and
 # tokenizer_config.json (a random checkpoint from scripts/make_random_checkpoint.py gets the
@@ -76,13 +81,22 @@ rm -rf "$cache" "$out"/run1 "$out"/run2 "$out"/resume
 export LORA_TRAIN_CACHE=$cache
 echo "== first run (tokenizes into $cache)"
 /usr/bin/time -v "$bin" --recipe "$out/recipe.toml" --set output.dir="$out/run1" 2>&1 | ts \
-  | grep -E "tokenizing|loaded in|^.{11}data |step 1/|User time|Percent of CPU|Elapsed|Maximum resident"
+  | grep -E "tokenizing|loaded in|^.{11}data |first step|step 1/|User time|Percent of CPU|Elapsed|Maximum resident"
 echo "== second run, new output directory (maps the cache)"
 /usr/bin/time -v "$bin" --recipe "$out/recipe.toml" --set output.dir="$out/run2" 2>&1 | ts \
-  | grep -E "loaded in|step 1/|Percent of CPU|Elapsed|Maximum resident"
+  | grep -E "loaded in|first step|step 1/|Percent of CPU|Elapsed|Maximum resident"
 echo "== resume: checkpoints at steps 1 and 2, the second removed, resumed from the first"
 "$bin" --recipe "$out/recipe.toml" --set output.dir="$out/resume" --set output.save_every=1 \
   > /dev/null 2>&1
 rm -rf "$out/resume/checkpoint-2"
 "$bin" --recipe "$out/recipe.toml" --set output.dir="$out/resume" --set output.save_every=1 \
   --set train.resume=true 2>&1 | ts | grep -E "resuming|loaded in|step 2/"
+for mode in on off; do
+  echo "== first step with data.shuffle=false, LORA_TRAIN_DATA_STREAM=$mode (a fresh cache)"
+  rm -rf "$cache-$mode" "$out/stream-$mode"
+  LORA_TRAIN_CACHE=$cache-$mode LORA_TRAIN_DATA_STREAM=$mode /usr/bin/time -v "$bin" \
+    --recipe "$out/recipe.toml" --set output.dir="$out/stream-$mode" --set data.shuffle=false 2>&1 \
+    | ts | grep -E "streams|first step|step 1/|prepared behind|Elapsed|Maximum resident"
+done
+cmp "$out/stream-on/adapter_model.safetensors" "$out/stream-off/adapter_model.safetensors" \
+  && echo "streamed and not: the same adapter"

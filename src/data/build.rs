@@ -102,6 +102,12 @@ impl Entry<'_> {
 pub trait Out {
     /// Appends one example.
     fn push(&mut self, ids: &[u32], labels: &[i64]) -> Result<()>;
+
+    /// A chunk's examples are all pushed; `c` counts every row so far (a streaming run's
+    /// steps may read them now). An error stops the build.
+    fn chunk_done(&mut self, _c: &Counts) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// What building counted, kept with the examples (a cache file's meta).
@@ -392,6 +398,7 @@ fn collect(
                 }
                 None => entry_end(&c, d.entry, &entries[d.entry], cfg)?,
             }
+            out.chunk_done(&c)?;
             let _ = credits.send(());
             progress.update(bytes.load(Ordering::Relaxed), c.rows);
         }

@@ -25,6 +25,7 @@ use super::cache_file::{Mapped, Writer};
 use super::progress::Progress;
 use super::rows::format_name;
 use super::store::Examples;
+use super::stream::Tap;
 use super::TextTokenizer;
 use crate::recipe::DataSection;
 use crate::util::lock::{flock_waiting, try_flock};
@@ -40,6 +41,8 @@ use std::time::Instant;
 pub const CACHE_VAR: &str = "LORA_TRAIN_CACHE";
 /// Threads that tokenize (default: every core this process may use).
 pub const WORKERS_VAR: &str = "LORA_TRAIN_DATA_WORKERS";
+/// `off` keeps a run from streaming its first epoch (default: on where it can).
+pub const STREAM_VAR: &str = "LORA_TRAIN_DATA_STREAM";
 
 /// The data code whose change makes a new key: every file of src/data (a test holds the
 /// list to the directory), and the dependencies' versions.
@@ -64,6 +67,7 @@ const CODE: &[(&str, &str)] = &[
     ("sampler.rs", include_str!("sampler.rs")),
     ("source.rs", include_str!("source.rs")),
     ("store.rs", include_str!("store.rs")),
+    ("stream.rs", include_str!("stream.rs")),
     ("tokenizer.rs", include_str!("tokenizer.rs")),
     ("Cargo.lock", include_str!("../../Cargo.lock")),
 ];
@@ -89,10 +93,14 @@ pub struct Options {
     pub workers: usize,
     /// Show a progress bar (a terminal) or progress lines (a log).
     pub progress: bool,
+    /// A run whose first epoch reads the examples in file order may start on them as they
+    /// land (`data::stream`).
+    pub stream: bool,
 }
 
 impl Options {
-    /// From LORA_TRAIN_CACHE, LORA_TRAIN_DATA_WORKERS and the Hugging Face variables.
+    /// From LORA_TRAIN_CACHE, LORA_TRAIN_DATA_WORKERS, LORA_TRAIN_DATA_STREAM and the Hugging
+    /// Face variables.
     pub fn from_env() -> Result<Options> {
         Options::from_vars(|k| std::env::var(k).ok())
     }
@@ -110,13 +118,11 @@ impl Options {
     /// The same from any variable lookup (empty values count as unset).
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Options> {
         let var = |k: &str| var(k).filter(|v| !v.trim().is_empty());
+        let off = |v: &str| {
+            ["off", "0", "false", "no", "none"].contains(&v.trim().to_ascii_lowercase().as_str())
+        };
         let store = match var(CACHE_VAR) {
-            Some(v)
-                if ["off", "0", "false", "no", "none"]
-                    .contains(&v.trim().to_ascii_lowercase().as_str()) =>
-            {
-                Store::Temp(format!("{CACHE_VAR}={v}"))
-            }
+            Some(v) if off(&v) => Store::Temp(format!("{CACHE_VAR}={v}")),
             Some(v) => Store::Cache(PathBuf::from(v)),
             None => {
                 let hf_home = var("HF_HOME").map(PathBuf::from).or_else(|| {
@@ -148,6 +154,7 @@ impl Options {
             store,
             workers,
             progress: true,
+            stream: !var(STREAM_VAR).is_some_and(|v| off(&v)),
         })
     }
 }
@@ -209,30 +216,75 @@ pub(super) fn examples(
     opts: &Options,
 ) -> Result<(Examples, Counts, Prep)> {
     let t0 = Instant::now();
-    let little = cfg!(target_endian = "little");
-    let (ex, counts, mut prep) = match &opts.store {
-        Store::Cache(dir) if little => match std::fs::create_dir_all(dir) {
-            Ok(()) => {
-                let key = key(entries, cfg, tok, vocab, eval)?;
-                match cached(dir, &key, entries, cfg, vocab, opts) {
-                    Ok(x) => x,
-                    Err(e) => match e.downcast::<Unusable>() {
-                        Ok(Unusable(why)) => temp(entries, cfg, vocab, opts, why)?,
-                        Err(e) => return Err(e),
-                    },
-                }
-            }
-            Err(e) => {
-                let why = format!("cannot create {}: {e}", dir.display());
-                temp(entries, cfg, vocab, opts, why)?
-            }
-        },
-        Store::Temp(why) if little => temp(entries, cfg, vocab, opts, why.clone())?,
-        // Memory, and any store on a big-endian host (cache files are little-endian).
-        _ => in_memory(entries, cfg, vocab, opts)?,
-    };
+    let place = place(entries, cfg, tok, vocab, eval, opts)?;
+    let (ex, counts, mut prep) = prepare(&place, entries, cfg, vocab, opts, None)?;
     prep.secs = t0.elapsed().as_secs_f64();
     Ok((ex, counts, prep))
+}
+
+/// Where a data set's examples go, decided (the cache key hashed) before they are built.
+#[derive(Debug, Clone)]
+pub(super) enum Place {
+    /// The cache file of this key in this directory.
+    Cache(PathBuf, [u8; 32]),
+    /// An unlinked temporary file; why there is no cache ("" when the caller asked for none).
+    Temp(String),
+    /// Memory (`Store::Memory`, or a big-endian host: cache files are little-endian).
+    Memory,
+}
+
+/// Where `opts` puts the examples of `entries` (a cache directory that cannot be created
+/// falls back to a temporary file).
+pub(super) fn place(
+    entries: &[Entry],
+    cfg: &DataSection,
+    tok: Option<&TextTokenizer>,
+    vocab: usize,
+    eval: bool,
+    opts: &Options,
+) -> Result<Place> {
+    let little = cfg!(target_endian = "little");
+    Ok(match &opts.store {
+        Store::Cache(dir) if little => match std::fs::create_dir_all(dir) {
+            Ok(()) => Place::Cache(dir.clone(), key(entries, cfg, tok, vocab, eval)?),
+            Err(e) => Place::Temp(format!("cannot create {}: {e}", dir.display())),
+        },
+        Store::Temp(why) if little => Place::Temp(why.clone()),
+        _ => Place::Memory,
+    })
+}
+
+/// The examples at `place` when the cache holds them already (nothing is built).
+pub(super) fn hit(place: &Place, entries: usize) -> Option<(Examples, Counts, Prep)> {
+    let Place::Cache(dir, key) = place else {
+        return None;
+    };
+    let path = cache_path(dir, key);
+    let (m, c) = open_cached(&path, key, entries).ok()??;
+    Some(reused(path, m, c, None))
+}
+
+/// Builds the examples of `entries` at `place` (or maps them, when the cache holds them);
+/// `tap` is told of every chunk's records as they are written (a streaming run).
+pub(super) fn prepare(
+    place: &Place,
+    entries: &[Entry],
+    cfg: &DataSection,
+    vocab: usize,
+    opts: &Options,
+    tap: Option<&Tap>,
+) -> Result<(Examples, Counts, Prep)> {
+    match place {
+        Place::Cache(dir, key) => match cached(dir, key, entries, cfg, vocab, opts, tap) {
+            Ok(x) => Ok(x),
+            Err(e) => match e.downcast::<Unusable>() {
+                Ok(Unusable(why)) => temp(entries, cfg, vocab, opts, why, tap),
+                Err(e) => Err(e),
+            },
+        },
+        Place::Temp(why) => temp(entries, cfg, vocab, opts, why.clone(), tap),
+        Place::Memory => in_memory(entries, cfg, vocab, opts),
+    }
 }
 
 /// Bytes of every file of the entries (the progress bar's total).
@@ -255,13 +307,31 @@ fn built(c: &Counts, opts: &Options) -> Prep {
     }
 }
 
-struct FileOut(Writer);
+/// The examples into a cache file's writer; with a tap, each chunk's records announced once
+/// flushed.
+struct FileOut<'t> {
+    w: Writer,
+    tap: Option<&'t Tap>,
+    /// Records written since the last chunk (with a tap).
+    landed: Vec<(u64, u32)>,
+}
 
-impl Out for FileOut {
+impl Out for FileOut<'_> {
     fn push(&mut self, ids: &[u32], labels: &[i64]) -> Result<()> {
-        self.0
+        if self.tap.is_some() {
+            self.landed.push((self.w.pos(), ids.len() as u32));
+        }
+        self.w
             .push(ids, labels)
             .context("cannot write the tokenized data")
+    }
+
+    fn chunk_done(&mut self, c: &Counts) -> Result<()> {
+        let Some(tap) = self.tap else {
+            return Ok(());
+        };
+        self.w.flush().context("cannot write the tokenized data")?;
+        tap.publish(&mut self.landed, c)
     }
 }
 
@@ -280,14 +350,25 @@ fn build_file(
     cfg: &DataSection,
     vocab: usize,
     opts: &Options,
+    tap: Option<&Tap>,
 ) -> Result<(File, Counts)> {
-    let mut out = FileOut(Writer::new(file).context("cannot write the tokenized data")?);
+    if let Some(t) = tap {
+        t.open(
+            file.try_clone()
+                .context("cannot reopen the tokenized data")?,
+        );
+    }
+    let mut out = FileOut {
+        w: Writer::new(file).context("cannot write the tokenized data")?,
+        tap,
+        landed: Vec::new(),
+    };
     let mut progress = Progress::new(total_bytes(entries), opts.progress);
     let counts = build(entries, cfg, vocab, opts.workers, &mut progress, &mut out)?;
     progress.finish();
     let meta = serde_json::to_vec(&counts)?;
     let file = out
-        .0
+        .w
         .finish(key, &meta)
         .context("cannot write the tokenized data")?;
     Ok((file, counts))
@@ -314,14 +395,18 @@ fn temp(
     vocab: usize,
     opts: &Options,
     why: String,
+    tap: Option<&Tap>,
 ) -> Result<(Examples, Counts, Prep)> {
     let Some(file) = unlinked_temp() else {
+        if tap.is_some() {
+            anyhow::bail!("no temporary file to stream the tokenized data through");
+        }
         let (ex, c, mut prep) = in_memory(entries, cfg, vocab, opts)?;
         prep.no_cache = Some(why);
         return Ok((ex, c, prep));
     };
     let key = [0u8; 32];
-    let (file, counts) = build_file(file, &key, entries, cfg, vocab, opts)?;
+    let (file, counts) = build_file(file, &key, entries, cfg, vocab, opts, tap)?;
     let m = Mapped::open(file, None, &key)
         .map_err(|e| anyhow::anyhow!("the tokenized data just written is unreadable: {e}"))?;
     let mut prep = built(&counts, opts);
@@ -361,25 +446,18 @@ fn cached(
     cfg: &DataSection,
     vocab: usize,
     opts: &Options,
+    tap: Option<&Tap>,
 ) -> Result<(Examples, Counts, Prep)> {
-    let hex: String = key[..16].iter().map(|b| format!("{b:02x}")).collect();
-    let path = dir.join(format!("{hex}.tokens"));
-    let reused = |m: Mapped, c: Counts| {
-        let prep = Prep {
-            cache: Some(path.clone()),
-            reused: true,
-            ..Prep::default()
-        };
-        (Examples::mapped(Arc::new(m)), c, prep)
-    };
+    let hex = hex_of(key);
+    let path = cache_path(dir, key);
     if let Ok(Some((m, c))) = open_cached(&path, key, entries.len()) {
-        return Ok(reused(m, c));
+        return Ok(reused(path, m, c, tap));
     }
     let lock_path = dir.join(format!("{hex}.lock"));
     let _lock = lock(&lock_path).map_err(|e| Unusable(format!("{e:#}")))?;
     // Another process may have built it while this one waited.
     match open_cached(&path, key, entries.len()) {
-        Ok(Some((m, c))) => return Ok(reused(m, c)),
+        Ok(Some((m, c))) => return Ok(reused(path, m, c, tap)),
         Ok(None) => {}
         Err(why) => crate::errln!(
             "the tokenized cache {} is not to be trusted ({why}): building it again",
@@ -395,7 +473,7 @@ fn cached(
         .truncate(true)
         .open(&tmp)
         .map_err(|e| Unusable(format!("cannot create {}: {e}", tmp.display())))?;
-    let done = build_file(file, key, entries, cfg, vocab, opts).and_then(|(file, counts)| {
+    let done = build_file(file, key, entries, cfg, vocab, opts, tap).and_then(|(file, counts)| {
         std::fs::rename(&tmp, &path)
             .with_context(|| format!("cannot rename {} to {}", tmp.display(), path.display()))?;
         if let Ok(d) = File::open(dir) {
@@ -421,6 +499,31 @@ fn cached(
         ..built(&counts, opts)
     };
     Ok((Examples::mapped(Arc::new(m)), counts, prep))
+}
+
+fn hex_of(key: &[u8; 32]) -> String {
+    key[..16].iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The cache file of `key` in `dir`.
+fn cache_path(dir: &Path, key: &[u8; 32]) -> PathBuf {
+    dir.join(format!("{}.tokens", hex_of(key)))
+}
+
+/// A cache file found whole: its examples mapped (and all announced on `tap`).
+fn reused(path: PathBuf, m: Mapped, c: Counts, tap: Option<&Tap>) -> (Examples, Counts, Prep) {
+    if let (Some(t), Ok(f)) = (tap, m.reopen()) {
+        t.open(f);
+        let mut all: Vec<(u64, u32)> = m.records().collect();
+        // A stopped stream has no reader left to tell.
+        let _ = t.publish(&mut all, &c);
+    }
+    let prep = Prep {
+        cache: Some(path),
+        reused: true,
+        ..Prep::default()
+    };
+    (Examples::mapped(Arc::new(m)), c, prep)
 }
 
 /// The cache directory cannot be written (read-only, no permission): the data is prepared
@@ -624,6 +727,8 @@ mod tests {
         assert_eq!((o.store, o.workers), (Store::Cache(PathBuf::from("/c")), 3));
         let o = with(&[("HOME", "/h"), (CACHE_VAR, "off")]).unwrap();
         assert_eq!(o.store, Store::Temp(format!("{CACHE_VAR}=off")));
+        assert!(o.stream);
+        assert!(!with(&[(STREAM_VAR, "Off")]).unwrap().stream);
         let Store::Temp(why) = with(&[]).unwrap().store else {
             panic!()
         };

@@ -91,6 +91,16 @@ impl Writer {
         Ok(())
     }
 
+    /// Where the next example's record starts.
+    pub fn pos(&self) -> u64 {
+        self.pos as u64
+    }
+
+    /// Hands the records written so far to the file (a streaming run reads them back).
+    pub fn flush(&mut self) -> io::Result<()> {
+        self.out.flush()
+    }
+
     /// Writes the index, `meta` and the header (for `key`), and syncs the file.
     pub fn finish(self, key: &[u8; 32], meta: &[u8]) -> io::Result<File> {
         let Writer {
@@ -156,6 +166,26 @@ fn fnv_of(file: &File, records: impl ExactSizeIterator<Item = (u64, u32)>) -> io
         }
     }
     Ok(h.0)
+}
+
+/// The example of `len` tokens whose record starts at `start` in `file`, read with pread (a
+/// file still being written: the records before its index are final once flushed).
+pub fn read_example(file: &File, start: u64, len: usize) -> io::Result<super::Example> {
+    let mut buf = vec![0u8; record_len(len)];
+    read_at(file, &mut buf, start)?;
+    let ids = buf[..4 * len]
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    let labels = buf[pad8(4 * len)..]
+        .chunks_exact(8)
+        .map(|c| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(c);
+            i64::from_le_bytes(w)
+        })
+        .collect();
+    Ok(super::Example { ids, labels })
 }
 
 #[cfg(unix)]
@@ -304,6 +334,19 @@ impl Mapped {
         }
     }
 
+    /// Every example's record: (start, tokens), in order.
+    pub fn records(&self) -> impl Iterator<Item = (u64, u32)> + '_ {
+        self.starts()
+            .iter()
+            .copied()
+            .zip(self.lens().iter().copied())
+    }
+
+    /// Another handle on the mapped file (reads with pread).
+    pub fn reopen(&self) -> io::Result<File> {
+        self.file.try_clone()
+    }
+
     /// The meta JSON written with the file.
     pub fn meta(&self) -> &[u8] {
         &self.map[self.meta.0..self.meta.0 + self.meta.1]
@@ -356,6 +399,11 @@ mod tests {
             assert_eq!(m.len_of(k), i.len());
         }
         assert_eq!(m.meta(), br#"{"x":1}"#);
+        let f = m.reopen().unwrap();
+        for ((start, len), (i, l)) in m.records().zip(&ex) {
+            let e = read_example(&f, start, len as usize).unwrap();
+            assert_eq!((&e.ids, &e.labels), (i, l));
+        }
         // The stored fingerprint is the sampler's hash of the examples in order.
         let mut h = Fnv::new();
         h.word(4);

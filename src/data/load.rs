@@ -2,15 +2,21 @@
 //! data.train entry resolved (files, format, columns) and read through the tokenized cache,
 //! the eval set (data.eval, or held out by data.eval_fraction), and the notes worth telling.
 
-use super::build::Entry;
-use super::cache::{self, Options};
+use super::build::{Counts, Entry};
+use super::cache::{self, Options, Place, Prep};
 use super::chat::ChatTemplate;
 use super::columns::Columns;
 use super::rows::format_name;
+use super::source::SourceFile;
+use super::store::Examples;
+use super::stream::Stream;
 use super::{source, Dataset, TextTokenizer, IGNORE};
 use crate::hub::ModelFiles;
 use crate::recipe::{DataFormat, DataSection, Recipe, RecipeError, TrainFile, TrainOn};
 use anyhow::{bail, Context, Result};
+use std::io::IsTerminal;
+use std::sync::Arc;
+use std::time::Instant;
 
 /// A recipe's data sets, what loading them found worth telling, and the tokenizer they (or
 /// `train.sample_every`) needed.
@@ -65,7 +71,19 @@ pub fn recipe_data(
         }
         None => None,
     };
-    if let Some(e) = &eval {
+    check_eval(eval.as_ref())?;
+    let notes = data_notes(&data, eval.as_ref(), tok.as_ref(), d);
+    Ok(RecipeData {
+        data,
+        eval,
+        notes,
+        tokenizer: tok,
+    })
+}
+
+/// The eval set has a token to predict.
+fn check_eval(eval: Option<&Dataset>) -> Result<()> {
+    if let Some(e) = eval {
         if e.examples
             .iter()
             .all(|x| x.labels.iter().skip(1).all(|&l| l == IGNORE))
@@ -73,11 +91,114 @@ pub fn recipe_data(
             bail!("the eval set has no token to predict: every label is -100");
         }
     }
-    let notes = data_notes(&data, eval.as_ref(), tok.as_ref(), d);
-    Ok(RecipeData {
-        data,
+    Ok(())
+}
+
+/// A run's training set as [`recipe_data_streaming`] gives it.
+pub enum Train {
+    /// Prepared whole: read from the cache (or built before the call returned).
+    Ready(Box<Dataset>),
+    /// Being tokenized on a thread of its own, in file order; the first epoch may read its
+    /// examples as they land.
+    Streaming(Stream),
+}
+
+/// A recipe's data whose training set may stream (see [`recipe_data_streaming`]).
+pub struct StreamedData {
+    /// The training set, whole or streaming.
+    pub train: Train,
+    /// The eval set (data.eval; prepared whole before the training set starts).
+    pub eval: Option<Dataset>,
+    /// The model's tokenizer, when the data or `train.sample_every` needs it.
+    pub tokenizer: Option<Arc<TextTokenizer>>,
+}
+
+/// Why the data of `d` cannot stream, None when it can: streaming needs an epoch that reads
+/// the examples in file order, each once (no shuffle, every mix weight 1), and no eval set
+/// held out of the whole training set.
+pub fn stream_blocker(d: &DataSection) -> Option<&'static str> {
+    if d.shuffle {
+        return Some("data.shuffle = true orders an epoch over every example");
+    }
+    if d.train.files(d.format).iter().any(|f| f.weight != 1.0) {
+        return Some("mix weights other than 1 repeat or subsample files");
+    }
+    if d.eval.is_none() && d.eval_fraction > 0.0 {
+        return Some("data.eval_fraction holds out examples of the whole set");
+    }
+    None
+}
+
+/// The training data of `plan` with its eval set and tokenizer, where the training set, when
+/// the cache does not hold it, is tokenized on a thread of its own into the cache (as
+/// [`recipe_data`] would) while the caller reads its examples as they land. The caller checks
+/// [`stream_blocker`] first: the examples land in file order.
+pub fn recipe_data_streaming(
+    plan: &DataPlan,
+    files: &ModelFiles,
+    vocab: usize,
+    opts: &Options,
+) -> Result<StreamedData> {
+    let d = plan.data;
+    let tok = recipe_tokenizer(plan, files)?.map(Arc::new);
+    let eval = match source::eval_entry(d) {
+        Some(entry) => Some(load_entries(
+            &[entry],
+            d,
+            tok.as_deref(),
+            vocab,
+            true,
+            opts,
+        )?),
+        None => None,
+    };
+    check_eval(eval.as_ref())?;
+    let t0 = Instant::now();
+    let train = d.train.files(d.format);
+    let resolved = train
+        .iter()
+        .map(|f| Ok((f.clone(), source::files_of(f, d, false)?)))
+        .collect::<Result<Vec<(TrainFile, Vec<SourceFile>)>>>()?;
+    let entries = resolved
+        .iter()
+        .map(|(f, sf)| entry_with(f, d, tok.as_deref(), sf.clone()))
+        .collect::<Result<Vec<_>>>()?;
+    let place = cache::place(&entries, d, tok.as_deref(), vocab, false, opts)?;
+    let whole = match (cache::hit(&place, entries.len()), &place) {
+        (Some(x), _) => Some(x),
+        (None, Place::Memory) => Some(cache::prepare(&place, &entries, d, vocab, opts, None)?),
+        (None, _) => None,
+    };
+    drop(entries);
+    let train = match whole {
+        Some((ex, c, mut prep)) => {
+            prep.secs = t0.elapsed().as_secs_f64();
+            Train::Ready(Box::new(dataset(&train, ex, c, prep)))
+        }
+        None => {
+            let (d, tok, mut opts) = (d.clone(), tok.clone(), opts.clone());
+            // The steps' bar has the terminal; a log still gets the progress lines.
+            opts.progress &= !std::io::stderr().is_terminal();
+            Train::Streaming(Stream::spawn(t0, move |tap| {
+                let entries = resolved
+                    .iter()
+                    .map(|(f, sf)| entry_with(f, &d, tok.as_deref(), sf.clone()))
+                    .collect::<Result<Vec<_>>>()?;
+                let (ex, c, mut prep) =
+                    cache::prepare(&place, &entries, &d, vocab, &opts, Some(tap))?;
+                prep.secs = t0.elapsed().as_secs_f64();
+                crate::errln!(
+                    "data prepared behind the steps in {:.1}s: {}",
+                    prep.secs,
+                    prep.describe()
+                );
+                Ok(dataset(&train, ex, c, prep))
+            })?)
+        }
+    };
+    Ok(StreamedData {
+        train,
         eval,
-        notes,
         tokenizer: tok,
     })
 }
@@ -157,13 +278,18 @@ pub(super) fn load_entries(
         .map(|f| entry(f, cfg, tok, eval))
         .collect::<Result<Vec<_>>>()?;
     let (examples, c, prep) = cache::examples(&entries, cfg, tok, vocab, eval, opts)?;
+    Ok(dataset(files, examples, c, prep))
+}
+
+/// The data set of the entries `files`, built (or mapped) as `examples` with counts `c`.
+fn dataset(files: &[TrainFile], examples: Examples, c: Counts, prep: Prep) -> Dataset {
     let file_of = c
         .per_entry
         .iter()
         .enumerate()
         .flat_map(|(k, &n)| std::iter::repeat_n(k, n))
         .collect();
-    Ok(Dataset {
+    Dataset {
         examples,
         truncated: c.truncated,
         source: files.first().map(|f| f.path.clone()).unwrap_or_default(),
@@ -177,7 +303,7 @@ pub(super) fn load_entries(
         eos_added: c.eos_added,
         turn_ends: c.turn_ends,
         prep,
-    })
+    }
 }
 
 /// One entry resolved: its files (a Hub data set's, fetched as needed), and what its format
@@ -188,7 +314,16 @@ fn entry<'a>(
     tok: Option<&'a TextTokenizer>,
     eval: bool,
 ) -> Result<Entry<'a>> {
-    let files = source::files_of(f, cfg, eval)?;
+    entry_with(f, cfg, tok, source::files_of(f, cfg, eval)?)
+}
+
+/// [`entry`] with its files resolved.
+fn entry_with<'a>(
+    f: &TrainFile,
+    cfg: &DataSection,
+    tok: Option<&'a TextTokenizer>,
+    files: Vec<SourceFile>,
+) -> Result<Entry<'a>> {
     let format = f.format.unwrap_or(cfg.format);
     let fmt = format_name(format);
     let name = files

@@ -21,7 +21,8 @@
 //!
 //! Tokenizing runs on every core ([`build`]) into the tokenized cache ([`cache`]), a file that
 //! later runs map instead of tokenizing again; a data set's examples are read from it where a
-//! batch needs them ([`store`]).
+//! batch needs them ([`store`]). A run whose first epoch reads the rows in file order starts
+//! on the examples as they land while the rest are tokenized ([`stream`]).
 
 mod batch;
 mod build;
@@ -42,12 +43,13 @@ mod rows;
 mod sampler;
 pub mod source;
 mod store;
+pub mod stream;
 mod tokenizer;
 
 pub use batch::{Batch, Tokens};
 pub use cache::{Options, Prep, Store};
-pub use load::{recipe_data, recipe_tokenizer, DataPlan, RecipeData};
-pub use sampler::Sampler;
+pub use load::{recipe_data, recipe_data_streaming, recipe_tokenizer, DataPlan, RecipeData};
+pub use sampler::{Packer, Sampler};
 pub use store::{ExampleRef, Examples};
 pub use tokenizer::{alpaca_prompt, TextTokenizer};
 

@@ -108,24 +108,13 @@ impl Sampler {
     /// Rows of epoch `epoch`: the epoch's order, then, when packing, greedy filling of rows up
     /// to seq_len tokens in that order.
     pub fn rows(&self, epoch: usize) -> Vec<Vec<usize>> {
-        let order = self.order(epoch);
-        if !self.pack {
-            return order.into_iter().map(|i| vec![i]).collect();
-        }
-        let mut rows = Vec::new();
-        let mut cur: Vec<usize> = Vec::new();
-        let mut used = 0;
-        for i in order {
-            if used + self.lens[i] > self.seq_len && !cur.is_empty() {
-                rows.push(std::mem::take(&mut cur));
-                used = 0;
-            }
-            cur.push(i);
-            used += self.lens[i];
-        }
-        if !cur.is_empty() {
-            rows.push(cur);
-        }
+        let mut p = Packer::new(self.pack, self.seq_len);
+        let mut rows: Vec<Vec<usize>> = self
+            .order(epoch)
+            .into_iter()
+            .filter_map(|i| p.push(i, self.lens[i]))
+            .collect();
+        rows.extend(p.finish());
         rows
     }
 
@@ -176,6 +165,49 @@ impl Sampler {
     }
 }
 
+/// Rows made from examples as they come, in order: each example a row, or, when packing,
+/// rows filled greedily up to seq_len tokens (a row is done when the next example does not
+/// fit). [`Sampler::rows`] and a streaming run's first epoch make their rows with it.
+pub struct Packer {
+    pack: bool,
+    seq_len: usize,
+    cur: Vec<usize>,
+    used: usize,
+}
+
+impl Packer {
+    /// A packer for `seq_len`-token rows (`pack` false: a row per example).
+    pub fn new(pack: bool, seq_len: usize) -> Packer {
+        Packer {
+            pack,
+            seq_len,
+            cur: Vec::new(),
+            used: 0,
+        }
+    }
+
+    /// Example `i` of `len` tokens comes next: the row it closes, if any.
+    pub fn push(&mut self, i: usize, len: usize) -> Option<Vec<usize>> {
+        if !self.pack {
+            return Some(vec![i]);
+        }
+        let mut done = None;
+        if self.used + len > self.seq_len && !self.cur.is_empty() {
+            done = Some(std::mem::take(&mut self.cur));
+            self.used = 0;
+        }
+        self.cur.push(i);
+        self.used += len;
+        done
+    }
+
+    /// The examples are over: the last row, if any.
+    pub fn finish(&mut self) -> Option<Vec<usize>> {
+        self.used = 0;
+        Some(std::mem::take(&mut self.cur)).filter(|r| !r.is_empty())
+    }
+}
+
 /// Rows rank, rank+world, ... with the tail that does not fill a round dropped.
 fn shard(rows: Vec<Vec<usize>>, rank: usize, world: usize) -> Vec<Vec<usize>> {
     let world = world.max(1);
@@ -216,6 +248,16 @@ mod tests {
         let mut cfg = section("format = \"tokens\"\nseq_len = 5\nshuffle = false\npack = true");
         let s = Sampler::new(&ds, &cfg, 1);
         assert_eq!(s.rows(0), vec![vec![0, 1], vec![2, 3]]);
+        // Fed one example at a time, the packer closes each row when the next one does not fit.
+        let mut p = Packer::new(true, 5);
+        let got: Vec<Option<Vec<usize>>> = [3, 2, 4, 1]
+            .iter()
+            .enumerate()
+            .map(|(i, &len)| p.push(i, len))
+            .collect();
+        assert_eq!(got, [None, None, Some(vec![0, 1]), None]);
+        assert_eq!(p.finish(), Some(vec![2, 3]));
+        assert_eq!(p.finish(), None);
         cfg.shuffle = true;
         cfg.pack = false;
         let s = Sampler::new(&ds, &cfg, 1);

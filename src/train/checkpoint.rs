@@ -158,10 +158,12 @@ impl TrainerState {
         at: &Progress,
         total: usize,
         opt: &AdamW,
-    ) -> TrainerState {
+    ) -> Result<TrainerState> {
         let (run, o) = (&s.run, &s.run.optim);
         let h = &at.history;
-        TrainerState {
+        // A streaming run's checkpoint waits for its data: the state records all of it.
+        let data = d.data()?;
+        Ok(TrainerState {
             format: FORMAT.into(),
             step: at.step,
             total_steps: total,
@@ -177,13 +179,13 @@ impl TrainerState {
                 warmup_steps: o.warmup_steps,
                 total_steps: total,
             },
-            data_examples: d.data.examples.len(),
-            data_tokens: d.data.examples.iter().map(|e| e.ids.len()).sum(),
-            data_fingerprint: Some(super::checkpoint_check::fingerprint(d)),
+            data_examples: data.examples.len(),
+            data_tokens: data.examples.iter().map(|e| e.ids.len()).sum(),
+            data_fingerprint: Some(super::checkpoint_check::fingerprint(d)?),
             loss_history: h[h.len().saturating_sub(LOSS_TAIL)..].to_vec(),
             recipe: fingerprint(&run.recipe),
             sets: numbers_sets(&run.recipe.sets),
-        }
+        })
     }
 }
 

@@ -268,8 +268,9 @@ pub(crate) fn state(s: &Session, d: &TrainData, ck: &Checkpoint, total: usize) -
         )
     };
     // The data first: another data set explains every other mismatch.
-    let tokens: usize = d.data.examples.iter().map(|e| e.ids.len()).sum();
-    let now = (d.data.examples.len(), tokens, total);
+    let data = d.data()?;
+    let tokens: usize = data.examples.iter().map(|e| e.ids.len()).sum();
+    let now = (data.examples.len(), tokens, total);
     if (st.data_examples, st.data_tokens, st.total_steps) != now {
         return Err(RecipeError::Invalid {
             path: r.source.clone(),
@@ -281,7 +282,7 @@ pub(crate) fn state(s: &Session, d: &TrainData, ck: &Checkpoint, total: usize) -
         }
         .into());
     }
-    let fp = fingerprint(d);
+    let fp = fingerprint(d)?;
     if st.data_fingerprint.as_ref().is_some_and(|f| *f != fp) {
         return Err(RecipeError::Invalid {
             path: r.source.clone(),
@@ -351,7 +352,7 @@ fn cursor(
             ),
         ));
     }
-    let steps = s.epoch_plan(c.epoch).len();
+    let steps = s.epoch_plan(c.epoch)?.len();
     if c.step_in_epoch > steps {
         return Err(field(
             "cursor.step_in_epoch",
@@ -363,9 +364,12 @@ fn cursor(
     }
     // Replaying the epochs before the cursor costs a shuffle of the data each: done while that
     // stays small beside loading the data.
-    let rows = s.data.examples.len().max(1);
+    let rows = s.data()?.examples.len().max(1);
     if c.epoch.saturating_mul(rows) <= 50_000_000 {
-        let before: usize = (0..c.epoch).map(|e| s.epoch_plan(e).len()).sum();
+        let mut before = 0;
+        for e in 0..c.epoch {
+            before += s.epoch_plan(e)?.len();
+        }
         if before + c.step_in_epoch != st.step {
             return Err(field(
                 "cursor",
@@ -383,8 +387,8 @@ fn cursor(
 }
 
 /// The data fingerprint a trainer state records (the sampler's: examples, weights, settings).
-pub(crate) fn fingerprint(s: &TrainData) -> String {
-    format!("{:016x}", s.sampler.fingerprint())
+pub(crate) fn fingerprint(s: &TrainData) -> Result<String> {
+    Ok(format!("{:016x}", s.ready()?.sampler.fingerprint()))
 }
 
 /// A checkpoint's optimiser tensors (`st`, read from `path`) against the adapters: exactly

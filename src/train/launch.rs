@@ -239,7 +239,7 @@ fn run_rank(
         }
         Err(e) => return Err(e),
     };
-    let mut data = TrainData::load(&session)?;
+    let mut data = TrainData::load_run(&session, resume.is_some())?;
     if let Some(s) = crate::memory::stats(&session.model.device)? {
         watch.load_peak = Some(s.used_high);
     }
@@ -287,7 +287,10 @@ fn announce(session: &Session, data: &TrainData) {
         "loaded in {:.1}s: data {:.1}s ({}), weights {:.1}s (read, cast and uploaded, fresh adapters made{}){adapters}",
         session.memory.load_s,
         data.load_s,
-        data.data.prep.describe(),
+        match data.streaming() {
+            true => "streaming: tokenizing behind the first steps".to_string(),
+            false => data.data().map_or_else(|e| format!("{e:#}"), |d| d.prep.describe()),
+        },
         t.weights,
         match (m.kernels.fold, nf4) {
             (true, _) => "; linears padded for the fold".to_string(),
@@ -335,16 +338,27 @@ fn announce(session: &Session, data: &TrainData) {
         spec.targets.join(","),
         trainable
     );
-    crate::errln!(
-        "data {}: {} examples ({} truncated to seq_len {}), {} steps",
-        data.data.source.display(),
-        data.data.examples.len(),
-        data.data.truncated,
-        data.cfg.seq_len,
-        data.total_steps()
-    );
-    for note in &data.notes {
-        crate::errln!("{note}");
+    match data.streaming() {
+        true => crate::errln!(
+            "data {}: streams: the first epoch reads the examples in file order, so each step starts once its rows are tokenized, and the rest tokenize on the other cores into the cache behind it; {} steps (train.max_steps); the counts follow when it is prepared",
+            data.cfg.train.describe(),
+            data.max_steps.unwrap_or(0)
+        ),
+        false => {
+            if let Ok(r) = data.ready() {
+                crate::errln!(
+                    "data {}: {} examples ({} truncated to seq_len {}), {} steps",
+                    r.data.source.display(),
+                    r.data.examples.len(),
+                    r.data.truncated,
+                    data.cfg.seq_len,
+                    data.total_steps().unwrap_or(0)
+                );
+                for note in &r.notes {
+                    crate::errln!("{note}");
+                }
+            }
+        }
     }
 }
 

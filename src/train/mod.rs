@@ -16,6 +16,7 @@ pub(crate) mod checkpoint_check;
 pub(crate) mod checkpoint_write;
 pub mod driver;
 pub mod eval;
+pub(crate) mod first_epoch;
 pub mod host_stage;
 pub mod kto_loss;
 pub(crate) mod launch;

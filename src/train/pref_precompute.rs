@@ -46,12 +46,12 @@ pub struct RefStore {
 /// rank's micro-batches' places in the flat table.
 type Plan = (Vec<(Slot, Vec<Vec<usize>>)>, HashMap<Slot, (usize, usize)>);
 
-fn plan(d: &TrainData, total: usize, mine: usize) -> Plan {
+fn plan(d: &TrainData, total: usize, mine: usize) -> Result<Plan> {
     let (mut list, mut at, mut off) = (Vec::new(), HashMap::new(), 0);
     for rank in 0..d.world {
         let (mut g, mut epoch) = (0, 0);
         while g < total {
-            let steps = d.epoch_plan_of(epoch, rank);
+            let steps = d.epoch_plan_of(epoch, rank)?;
             if steps.is_empty() {
                 break;
             }
@@ -69,7 +69,7 @@ fn plan(d: &TrainData, total: usize, mine: usize) -> Plan {
             epoch += 1;
         }
     }
-    (list, at)
+    Ok((list, at))
 }
 
 impl RefStore {
@@ -82,7 +82,7 @@ impl RefStore {
             .objective
             .ref_weights(s.reference.clone())
             .context("train.precompute_ref without a reference")?;
-        let (mine, at) = plan(d, d.total_steps(), s.comm.rank());
+        let (mine, at) = plan(d, d.total_steps()?, s.comm.rank())?;
         let n: usize = at.values().map(|&(_, n)| n).sum();
         let key = pref_store::key(s, d)?;
         let file = pref_store::path(out_dir);
@@ -119,7 +119,7 @@ impl RefStore {
         let mut bar = Bar::new(rows as u64, lead);
         let par = s.par(false);
         for (slot, m) in &mine {
-            let b = d.batch(m);
+            let b = d.batch(m)?;
             let mut v = host(&seq_logps(&s.model, &par, &b, Some(&weights))?)?;
             if kto {
                 let Some(kl) = b.pref.as_ref().and_then(|l| l.kl.as_deref()) else {

@@ -165,9 +165,9 @@ pub(crate) fn key(s: &Session, d: &TrainData) -> Result<String> {
         .collect();
     lines.push((
         "data.fingerprint".into(),
-        super::checkpoint_check::fingerprint(d),
+        super::checkpoint_check::fingerprint(d)?,
     ));
-    lines.push(("data.examples".into(), d.data.examples.len().to_string()));
+    lines.push(("data.examples".into(), d.data()?.examples.len().to_string()));
     lines.push((
         "reference".into(),
         format!("{:?}", run.objective.reference()),

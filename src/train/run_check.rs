@@ -2,7 +2,7 @@
 //! with something to train, and a step count that the data's epochs can give. (The checks
 //! that need only the model and the recipe are made when the run is resolved: train::resolve.)
 
-use super::session::Session;
+use super::run_config::RunConfig;
 use super::train_data::TrainData;
 use crate::data::{Dataset, IGNORE};
 use crate::recipe::bounds::{MAX_EPOCHS, MAX_STEPS};
@@ -36,21 +36,25 @@ pub(crate) fn something_to_train(d: &DataSection, data: &Dataset) -> Result<()> 
 
 /// Before the first step writes anything: the epoch the run starts in has a step, and the
 /// run's `total` steps take at most `MAX_EPOCHS` passes over the data.
-pub(crate) fn steps(s: &Session, d: &TrainData, total: usize, start_epoch: usize) -> Result<()> {
-    let t = &s.run.batch;
-    let per_epoch = d.epoch_plan(start_epoch).len();
+pub(crate) fn steps(
+    run: &RunConfig,
+    d: &TrainData,
+    total: usize,
+    start_epoch: usize,
+) -> Result<()> {
+    let t = &run.batch;
+    let per_epoch = d.epoch_plan(start_epoch)?.len();
     if per_epoch == 0 {
-        let world = s.comm.world();
+        let world = d.world;
         anyhow::bail!(
             "epoch {start_epoch} has no step: the data gives {} rows and a step takes {} per rank × {world} rank(s) (micro_batch {} × grad_accum {}); add data, or lower train.micro_batch, train.grad_accum or the number of ranks",
-            d.sampler.rows(start_epoch).len(),
+            d.ready()?.sampler.rows(start_epoch).len(),
             t.micro_batch.saturating_mul(t.grad_accum),
             t.micro_batch,
             t.grad_accum
         );
     }
-    let invalid =
-        |key: &str, msg: String| -> anyhow::Error { s.run.recipe.invalid(key, msg).into() };
+    let invalid = |key: &str, msg: String| -> anyhow::Error { run.recipe.invalid(key, msg).into() };
     match t.max_steps {
         Some(n) => {
             let epochs = n.div_ceil(per_epoch);

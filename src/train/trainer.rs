@@ -79,8 +79,12 @@ impl<'s> Trainer<'s> {
         stop: &'s dyn Fn(usize) -> bool,
     ) -> Result<Trainer<'s>> {
         let o = &s.run.optim;
-        let total = data.total_steps();
-        super::run_check::steps(s, data, total, resume.map_or(0, |c| c.state.cursor.epoch))?;
+        let total = data.total_steps()?;
+        // A streaming run checks its steps when its data is ready (TrainData::ready).
+        if !data.streaming() {
+            let epoch = resume.map_or(0, |c| c.state.cursor.epoch);
+            super::run_check::steps(&s.run, data, total, epoch)?;
+        }
         let keys: Vec<String> = s
             .model
             .adapters()
@@ -173,7 +177,7 @@ impl<'s> Trainer<'s> {
     /// thread while the next steps run.
     fn save(&mut self, opt: &AdamW) -> Result<PathBuf> {
         let (s, d) = (self.s, self.data);
-        let state = TrainerState::new(s, d, &self.at, self.total, opt);
+        let state = TrainerState::new(s, d, &self.at, self.total, opt)?;
         let snap = checkpoint::snapshot(s, &state, opt, &self.keys, self.writer.stage()?)?;
         let (out, step) = (self.out_dir.to_owned(), self.at.step);
         let dir = checkpoint::dir_of(&out, step);
@@ -188,6 +192,9 @@ impl<'s> Trainer<'s> {
     /// After the last step: the adapter (and a final checkpoint when the run saves them).
     fn end(mut self) -> Result<RunSummary> {
         let s = self.s;
+        // A streaming run ends once its data is prepared (and cached), or with its error.
+        let whole: &TrainData = self.data;
+        let data = whole.data()?;
         let lead = s.comm.rank() == 0;
         if lead {
             let run = &s.run;
@@ -219,9 +226,9 @@ impl<'s> Trainer<'s> {
             out_dir: self.out_dir.to_owned(),
             tokens: self.log.session_tokens(),
             seconds,
-            truncated: self.data.data.truncated,
+            truncated: data.truncated,
             eval_loss: self.last_eval,
-            skipped: self.data.data.skipped,
+            skipped: data.skipped,
         })
     }
 }
@@ -274,8 +281,8 @@ impl Hooks for Trainer<'_> {
                 eval,
                 skipped: self.at.skipped,
             };
-            let data = &self.data.data;
-            self.log.row(&d, &row, data.truncated, data.skipped)?;
+            let (truncated, skipped) = self.data.counts();
+            self.log.row(&d, &row, truncated, skipped)?;
         }
         let lead = self.s.comm.rank() == 0;
         if lead && hooks.sample_every > 0 && (step % hooks.sample_every == 0 || last) {

@@ -373,7 +373,7 @@ impl Session {
     }
 
     pub fn batch(&self, rows: &[Vec<usize>]) -> lora_train::data::Batch {
-        self.d.batch(rows)
+        self.d.batch(rows).unwrap()
     }
 
     pub fn train(&self, out: &Path) -> anyhow::Result<lora_train::train::RunSummary> {

@@ -280,6 +280,7 @@ fn opts(store: Store, workers: usize) -> Options {
         store,
         workers,
         progress: false,
+        stream: false,
     }
 }
 

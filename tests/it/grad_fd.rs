@@ -44,7 +44,9 @@ fn norm(a: &Tensor) -> f64 {
 fn attention_gradients_equal_finite_differences_of_the_forward() {
     for case in ["llama_gqa", "qwen2_bias", "mistral_head_dim"] {
         let (_t, s) = golden_session(case, &[]);
-        let ex: Vec<ExampleRef> = (0..4).map(|i| s.d.data.examples.get(i)).collect();
+        let ex: Vec<ExampleRef> = (0..4)
+            .map(|i| s.d.data().unwrap().examples.get(i))
+            .collect();
         let batch = Batch::from_rows(&[vec![ex[0], ex[1]], vec![ex[2], ex[3]]], 0, true);
         assert!(batch.segments.is_some(), "{case}: the rows must be packed");
         let m = &s.model;

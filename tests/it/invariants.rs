@@ -71,7 +71,9 @@ fn hand_written_layer_backward_equals_autograd() {
         "mistral_head_dim",
     ] {
         let (_t, s) = session(case, &["lora.dropout = 0.2"]);
-        let ex: Vec<ExampleRef> = (0..4).map(|i| s.d.data.examples.get(i)).collect();
+        let ex: Vec<ExampleRef> = (0..4)
+            .map(|i| s.d.data().unwrap().examples.get(i))
+            .collect();
         let batch = Batch::from_rows(&[vec![ex[0], ex[1]], vec![ex[2], ex[3]]], 0, true);
         assert!(batch.segments.is_some(), "{case}: the rows must be packed");
         let m = &s.model;
@@ -351,7 +353,9 @@ fn activation_checkpointing_gives_identical_gradients_even_with_dropout() {
 #[test]
 fn packed_loss_and_gradients_equal_unpacked() {
     let (_t, s) = session("mistral_head_dim", &[]);
-    let ex: Vec<ExampleRef> = (2..6).map(|i| s.d.data.examples.get(i)).collect();
+    let ex: Vec<ExampleRef> = (2..6)
+        .map(|i| s.d.data().unwrap().examples.get(i))
+        .collect();
     let unpacked = Batch::from_rows(
         &[vec![ex[0]], vec![ex[1]], vec![ex[2]], vec![ex[3]]],
         0,
@@ -400,7 +404,7 @@ fn init_adapter_round_trips_through_our_writer() {
 fn eval_loss_is_the_mean_token_ce_of_a_plain_forward_packed_or_not() {
     let (_t, s) = session("llama_gqa", &["data.eval_fraction=0.5", "lora.dropout=0.2"]);
     let ev = s.d.eval.as_ref().unwrap();
-    assert_eq!(ev.examples.len() + s.d.data.examples.len(), 8);
+    assert_eq!(ev.examples.len() + s.d.data().unwrap().examples.len(), 8);
     let (loss, n) = s.eval_loss().unwrap().unwrap();
     // Independently: the whole model's logits, log-softmax in f64, every example alone.
     let (mut sum, mut count) = (0.0, 0);
@@ -1345,7 +1349,7 @@ fn a_chunked_mlp_gives_the_unchunked_loss_and_gradients() {
         "qwen2_bias",
     ] {
         let (_t, mut s) = session(case, &[]);
-        let all: Vec<ExampleRef> = s.d.data.examples.iter().collect();
+        let all: Vec<ExampleRef> = s.d.data().unwrap().examples.iter().collect();
         let batch = Batch::from_rows(&[all.clone(), all.clone(), all], 0, true);
         let (m, n) = (batch.b * batch.t, 16);
         assert!(m > 10 * n, "{case}: {m} tokens span many chunks");
@@ -1404,7 +1408,7 @@ fn recomputing_the_mlp_half_gives_the_kept_gradients() {
         "qwen3_moe",
     ] {
         let (_t, mut s) = session(case, &[]);
-        let all: Vec<ExampleRef> = s.d.data.examples.iter().collect();
+        let all: Vec<ExampleRef> = s.d.data().unwrap().examples.iter().collect();
         let batch = Batch::from_rows(&[all.clone(), all.clone(), all], 0, true);
         for chunk in [None, Some(16)] {
             s.model.mlp_chunk = chunk;

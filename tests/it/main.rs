@@ -13,6 +13,7 @@ mod data;
 mod data_cache;
 mod data_cli;
 mod data_prepare;
+mod data_stream;
 mod dora;
 mod dropout;
 mod export_signals;
