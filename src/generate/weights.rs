@@ -459,6 +459,12 @@ fn layer_weights(
 
 /// An FSDP skeleton layer holds placeholders, not weights: decoding needs them resident.
 fn check_resident(l: &Layer, i: usize) -> Result<()> {
+    if l.extra.sinks.is_some() {
+        bail!(
+            "layer {i}: attention sinks (gpt_oss) are not in generate's decoding kernels yet; \
+             gpt-oss trains and evaluates, but `generate` cannot decode it"
+        );
+    }
     for lin in l.linears() {
         if lin.q.is_some() {
             bail!(

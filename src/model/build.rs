@@ -6,6 +6,8 @@
 //!       .post_feedforward_layernorm on its output)
 //!   .self_attn.{q,k,v,o}_proj (Phi-3: .qkv_proj, .o_proj), .self_attn.{q,k}_norm (QK-norm)
 //!   .mlp.{gate,up,down}_proj (Phi-3: .gate_up_proj, .down_proj)
+//!   gpt-oss: .self_attn.sinks [H]; .mlp.router.{weight,bias}, .mlp.experts.gate_up_proj
+//!       [E, C, 2I] and .down_proj [E, I, C] with their `_bias` (`oss_experts`)
 //!   Qwen3-MoE: .mlp.gate (the router [E, C]), .mlp.experts.gate_up_proj [E, 2I, C] and
 //!       .mlp.experts.down_proj [E, C, I] as transformers 5 saves them, or per expert as 4.x
 //!       checkpoints on the Hub hold them (.mlp.experts.{e}.{gate,up,down}_proj.weight)
@@ -13,7 +15,7 @@
 use super::config::ModelConfig;
 use super::family::MoeSpec;
 use super::layer::{Extra, Layer, LayerSpec};
-use super::layer_moe::{ExpertLora, Moe};
+use super::layer_moe::{ExpertLora, Moe, OssBiases};
 use super::linear::Linear;
 use crate::lora::{module_index, Lora, LoraSpec};
 use crate::quant::QWeight;
@@ -136,6 +138,11 @@ impl Source<'_> {
         (self.get)(&format!("model.layers.{}.{name}.weight", self.l), &[width])
     }
 
+    /// The plain parameter `model.layers.{l}.{name}` [width] (gpt-oss's sinks).
+    fn norm_like(&self, name: &str, width: usize) -> anyhow::Result<Tensor> {
+        (self.get)(&format!("model.layers.{}.{name}", self.l), &[width])
+    }
+
     /// The attention's input projections (q, k and v, or Phi-3's qkv) and the MLP's (gate and
     /// up, or Phi-3's gate_up; none on a MoE layer, whose experts hold them).
     fn inputs(&self) -> anyhow::Result<(Vec<Linear>, Vec<Linear>)> {
@@ -176,6 +183,13 @@ impl Source<'_> {
                 },
             ),
             false => (self.norm("post_attention_layernorm", c)?, Extra::default()),
+        };
+        let extra = match arch.sinks {
+            true => Extra {
+                sinks: Some(self.norm_like("self_attn.sinks", self.cfg.num_heads)?),
+                ..extra
+            },
+            false => extra,
         };
         let extra = match arch.qk_norm {
             true => Extra {
@@ -220,13 +234,24 @@ fn moe(
 ) -> anyhow::Result<Moe> {
     let (c, i, e) = (cfg.hidden_size, m.inter, m.experts);
     let p = format!("model.layers.{l}.mlp");
-    let gate_up = match get(&format!("{p}.experts.gate_up_proj"), &[e, 2 * i, c]) {
-        Ok(t) => t,
-        Err(fused) => per_expert(get, &p, m, c, true).map_err(|_| fused)?,
-    };
-    let down = match get(&format!("{p}.experts.down_proj"), &[e, c, i]) {
-        Ok(t) => t,
-        Err(fused) => per_expert(get, &p, m, c, false).map_err(|_| fused)?,
+    let (router, gate_up, down, biases) = match m.oss {
+        Some(_) => oss_experts(get, &p, m, c)?,
+        None => {
+            let gate_up = match get(&format!("{p}.experts.gate_up_proj"), &[e, 2 * i, c]) {
+                Ok(t) => t,
+                Err(fused) => per_expert(get, &p, m, c, true).map_err(|_| fused)?,
+            };
+            let down = match get(&format!("{p}.experts.down_proj"), &[e, c, i]) {
+                Ok(t) => t,
+                Err(fused) => per_expert(get, &p, m, c, false).map_err(|_| fused)?,
+            };
+            (
+                get(&format!("{p}.gate.weight"), &[e, c])?,
+                gate_up,
+                down,
+                None,
+            )
+        }
     };
     let targeted = |name: &str| spec.targets(name);
     let [gu_name, down_name] = crate::lora::EXPERT_PARAMS;
@@ -262,14 +287,43 @@ fn moe(
         "experts"
     };
     Ok(Moe {
-        router: get(&format!("{p}.gate.weight"), &[e, c])?,
+        router,
         gate_up,
         down,
+        biases,
         spec: m,
         gate_up_lora: adapter(gu_name, c, 2 * i, gu_module)?,
         down_lora: adapter(down_name, i, c, "experts")?,
         nf4: None,
     })
+}
+
+/// gpt-oss's router (`{p}.router.weight` [E, C], `.bias` [E]) and experts as transformers
+/// stores them, x·W: gate_up_proj [E, C, 2I] (gate and up interleaved in its columns) and
+/// down_proj [E, I, C], each with its bias (`_bias`: [E, 2I], [E, C]); the weights are turned
+/// to the [E, out, in] the experts' GEMMs take (gate_up's rows keep the interleaving).
+fn oss_experts(
+    get: Get,
+    p: &str,
+    m: MoeSpec,
+    c: usize,
+) -> anyhow::Result<(Tensor, Tensor, Tensor, Option<OssBiases>)> {
+    let (e, i) = (m.experts, m.inter);
+    let t = |name: &str, shape: &[usize]| get(&format!("{p}.{name}"), shape);
+    let turned = |name: &str, shape: &[usize]| -> anyhow::Result<Tensor> {
+        Ok(t(name, shape)?.transpose(1, 2)?.contiguous()?)
+    };
+    let biases = OssBiases {
+        router: t("router.bias", &[e])?,
+        gate_up: t("experts.gate_up_proj_bias", &[e, 2 * i])?,
+        down: t("experts.down_proj_bias", &[e, c])?,
+    };
+    Ok((
+        t("router.weight", &[e, c])?,
+        turned("experts.gate_up_proj", &[e, c, 2 * i])?,
+        turned("experts.down_proj", &[e, i, c])?,
+        Some(biases),
+    ))
 }
 
 /// A 4.x checkpoint's experts one by one (`{p}.experts.{e}.gate_proj.weight` [I, C], up's,

@@ -145,6 +145,18 @@ fn rope_scaling(
     let positive = |x: f64| x.is_finite() && x > 0.0;
     match scaling {
         RopeScaling::None | RopeScaling::LongRope { .. } => {}
+        RopeScaling::Yarn {
+            original_max_position,
+            ..
+        } => {
+            // the factors are checked as they are read (model/yarn.rs)
+            if *original_max_position > MAX_POSITIONS {
+                return Err(err(
+                    "rope_scaling.original_max_position_embeddings",
+                    format!("= {original_max_position} must be in 1..={MAX_POSITIONS}"),
+                ));
+            }
+        }
         RopeScaling::Linear { factor } => {
             if !positive(*factor) {
                 return Err(err(

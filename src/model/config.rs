@@ -79,6 +79,24 @@ pub enum RopeScaling {
         /// The factor cos and sin are multiplied by.
         attention_factor: f64,
     },
+    /// YaRN (gpt-oss): each frequency blended between itself and itself ÷ `factor` by a
+    /// linear ramp over the dimensions between the `beta_fast` and `beta_slow` rotation
+    /// counts within `original_max_position`; cos and sin × the attention factor
+    /// (model/yarn.rs, as transformers' `_compute_yarn_parameters`).
+    Yarn {
+        /// The context extension: the low frequencies' divisor.
+        factor: f64,
+        /// Rotations over `original_max_position` above which a frequency stays as it is (32).
+        beta_fast: f64,
+        /// Rotations below which it takes the whole `factor` (1).
+        beta_slow: f64,
+        /// The context the base was trained at (`original_max_position_embeddings`).
+        original_max_position: usize,
+        /// The ramp's ends floored and ceiled to whole dimensions (`truncate`, default true).
+        truncate: bool,
+        /// The factor cos and sin are multiplied by (`attention_factor`, else 0.1·ln(factor) + 1).
+        attention_factor: f64,
+    },
 }
 
 /// Everything the trainable model needs, resolved from config.json.
@@ -170,6 +188,8 @@ pub(super) struct Raw {
     pub(super) norm_topk_prob: Option<bool>,
     pub(super) decoder_sparse_step: Option<usize>,
     pub(super) mlp_only_layers: Option<Vec<usize>>,
+    pub(super) swiglu_limit: Option<f64>,
+    pub(super) swiglu_alpha: Option<f64>,
 }
 
 impl ModelConfig {
@@ -222,11 +242,14 @@ impl ModelConfig {
             arch.final_softcap = cap(obj, "final_logit_softcapping", gemma2.then_some(30.0));
         }
 
-        if family == Family::Qwen3Moe {
-            arch.moe = Some(moe_spec(&raw, num_layers).map_err(err)?);
+        match family {
+            Family::Qwen3Moe => arch.moe = Some(moe_spec(&raw, num_layers).map_err(err)?),
+            Family::GptOss => arch.moe = Some(super::config_oss::moe_spec(&raw).map_err(err)?),
+            _ => {}
         }
 
-        let attention_bias = raw.attention_bias.unwrap_or(false);
+        // gpt-oss's projections carry biases unless config.json says otherwise
+        let attention_bias = raw.attention_bias.unwrap_or(family == Family::GptOss);
         let (qkv_bias, o_bias) = match family {
             Family::Qwen2 => (true, false),
             Family::Phi3 => (false, false),
@@ -302,6 +325,7 @@ impl ModelConfig {
         crate::ops::kernels::AttnShape {
             head_dim: self.head_dim,
             softcap: self.arch.attn_softcap.is_some(),
+            sinks: self.arch.sinks,
         }
     }
 
@@ -399,11 +423,13 @@ impl ModelConfig {
         };
         let norms: usize = self.layer_norms().iter().map(|(n, w)| n * w).sum();
         // a MoE layer's experts (gate_up [E, 2I, C], down [E, C, I]) and router [E, C]
-        let experts = self
-            .arch
-            .moe
-            .map_or(0, |m| m.experts * (3 * m.inter * h + h));
-        let per_layer = linears + biases + norms + experts;
+        let experts = self.arch.moe.map_or(0, |m| {
+            // gpt-oss: the router's bias [E], the experts' [E, 2I] and [E, C]
+            let oss = m.oss.map_or(0, |_| 1 + 2 * m.inter + h);
+            m.experts * (3 * m.inter * h + h + oss)
+        });
+        let sinks = self.arch.sinks as usize * self.num_heads;
+        let per_layer = linears + biases + norms + experts + sinks;
         v * h * if tied { 1 } else { 2 } + self.num_layers * per_layer + h
     }
 }
@@ -496,6 +522,7 @@ fn moe_spec(raw: &Raw, layers: usize) -> Result<MoeSpec, String> {
         top_k,
         inter,
         norm_topk: raw.norm_topk_prob.unwrap_or(true),
+        oss: None,
     })
 }
 
@@ -562,7 +589,7 @@ fn sliding_layers(
                         && window.is_some()
                         && i >= raw.max_window_layers.unwrap_or(28)
                 }
-                Family::Gemma2 => i % 2 == 0,
+                Family::Gemma2 | Family::GptOss => i % 2 == 0,
                 Family::Gemma3 => (i + 1) % raw.sliding_window_pattern.unwrap_or(6).max(1) != 0,
             })
             .collect(),
@@ -646,9 +673,9 @@ mod tests {
         let e = parse(bad).unwrap_err().to_string();
         assert!(e.contains("not a multiple of num_key_value_heads 3"), "{e}");
         let bad = r#"{"model_type":"llama","hidden_size":64,"intermediate_size":8,"num_hidden_layers":1,
-            "num_attention_heads":4,"vocab_size":9,"rope_scaling":{"rope_type":"yarn","factor":4.0}}"#;
+            "num_attention_heads":4,"vocab_size":9,"rope_scaling":{"rope_type":"fope","factor":4.0}}"#;
         let e = parse(bad).unwrap_err().to_string();
-        assert!(e.contains("`yarn` is not supported"), "{e}");
+        assert!(e.contains("`fope` is not supported"), "{e}");
     }
 
     /// kv heads default to the heads and must divide them; head_dim defaults to hidden / heads

@@ -1,6 +1,6 @@
 //! config.json's rotary fields, as transformers 4.x and 5.x write them: `rope_theta` and
 //! `rope_scaling`, or `rope_parameters` (Gemma 3: one entry per layer type), the scaling's
-//! `type` or `rope_type`, Phi-3's LongRoPE factors.
+//! `type` or `rope_type`, Phi-3's LongRoPE factors, YaRN's (model/yarn.rs).
 
 use super::config::{Raw, RopeScaling};
 use super::family::{Family, Rope};
@@ -151,8 +151,9 @@ fn parse_scaling(s: &Value, ctx: ScalingCtx) -> Result<RopeScaling, String> {
                 attention_factor,
             })
         }
+        "yarn" => super::yarn::parse(s, orig.or(ctx.orig_top).unwrap_or(ctx.max_pos), ctx.max_pos),
         other => Err(format!(
-            "rope scaling type `{other}` is not supported (supported: default, linear, dynamic, llama3, longrope)"
+            "rope scaling type `{other}` is not supported (supported: default, linear, dynamic, llama3, longrope, yarn)"
         )),
     }
 }

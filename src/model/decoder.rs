@@ -478,6 +478,7 @@ impl Model {
             segments,
             window: 0,
             softcap: 0.0,
+            sinks: None,
         };
         let (adapters, adapter_buf) = self.adapters_cast()?;
         let folded = self.write_pads()?;

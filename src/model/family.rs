@@ -12,6 +12,7 @@
 //! | gemma3_text | (1 + w) · x̂    | GeGLU  | yes     | yes            |                   | 5:1 local:global, local rope base, √C embedding |
 //! | phi3        | w · round(x̂)   | SwiGLU |         |                | qkv_proj, gate_up_proj | longrope |
 //! | qwen3_moe   | w · round(x̂)   | SwiGLU experts, top-k router | yes |     |                   | MoE (model/layer_moe.rs) |
+//! | gpt_oss     | w · round(x̂)   | clamped SwiGLU experts with biases, biased router | | |       | attention sinks, 1:1 sliding:full, YaRN, q/k/v/o bias |
 //!
 //! Gemma's gain is applied in f32 to the unrounded x̂ (`ops::NormSpec::offset`), as
 //! `Gemma2RMSNorm` does.
@@ -30,10 +31,11 @@ pub(crate) enum Family {
     Gemma3,
     Phi3,
     Qwen3Moe,
+    GptOss,
 }
 
 /// The `model_type`s we train, with their family.
-pub(crate) const SUPPORTED: [(&str, Family); 8] = [
+pub(crate) const SUPPORTED: [(&str, Family); 9] = [
     ("llama", Family::Llama),
     ("mistral", Family::Mistral),
     ("qwen2", Family::Qwen2),
@@ -42,6 +44,7 @@ pub(crate) const SUPPORTED: [(&str, Family); 8] = [
     ("gemma3_text", Family::Gemma3),
     ("phi3", Family::Phi3),
     ("qwen3_moe", Family::Qwen3Moe),
+    ("gpt_oss", Family::GptOss),
 ];
 
 impl Family {
@@ -76,7 +79,7 @@ impl Family {
         match self {
             Family::Phi3 => &FUSED_LINEAR,
             // the experts are 3-D parameters, not linears (`crate::lora::EXPERT_PARAMS`)
-            Family::Qwen3Moe => &ATTN_LINEAR,
+            Family::Qwen3Moe | Family::GptOss => &ATTN_LINEAR,
             _ => &crate::lora::ALL_LINEAR,
         }
     }
@@ -85,13 +88,14 @@ impl Family {
 /// Phi-3's linears: q, k, v in one projection, gate and up in another (PEFT's names).
 pub(crate) const FUSED_LINEAR: [&str; 4] = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"];
 
-/// Qwen3-MoE's linears: the attention's (its MLP is the experts and the router).
+/// Qwen3-MoE's and gpt-oss's linears: the attention's (its MLP is the experts and the router).
 pub(crate) const ATTN_LINEAR: [&str; 4] = ["q_proj", "k_proj", "v_proj", "o_proj"];
 
 /// A sparse MLP's shape and routing (config.json's num_experts or num_local_experts,
-/// num_experts_per_tok, moe_intermediate_size, norm_topk_prob).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// num_experts_per_tok, moe_intermediate_size, norm_topk_prob; gpt-oss's swiglu_limit).
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct MoeSpec {
+    /// E: experts per layer.
     pub(crate) experts: usize,
     /// Experts per token.
     pub(crate) top_k: usize,
@@ -99,6 +103,19 @@ pub struct MoeSpec {
     pub(crate) inter: usize,
     /// The top-k probabilities renormalised to sum to 1 (Qwen3-MoE's norm_topk_prob).
     pub(crate) norm_topk: bool,
+    /// gpt-oss's experts and router in place of Qwen3-MoE's (model/config_oss.rs).
+    pub(crate) oss: Option<OssMoe>,
+}
+
+/// gpt-oss's MoE: the router's bias and its softmax over the top-k logits; the experts'
+/// biases, gate and up interleaved in gate_up_proj's columns, and the clamped SwiGLU
+/// (up + 1) ⊙ g·σ(α·g) with g = min(gate, limit), up clamped to ±limit.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct OssMoe {
+    /// α: the sigmoid's gain (swiglu_alpha, 1.702).
+    pub(crate) alpha: f64,
+    /// The clamp (swiglu_limit, 7.0).
+    pub(crate) limit: f64,
 }
 
 /// How a norm applies its gain w to x̂ = x · rsqrt(mean(x²) + eps).
@@ -143,8 +160,12 @@ pub struct Arch {
     pub(crate) sliding: Vec<bool>,
     /// The sliding layers' RoPE where it differs from the global one (Gemma 3's local base).
     pub(crate) local_rope: Option<Rope>,
-    /// Every layer's MLP is a mixture of experts (Qwen3-MoE): softmax over the experts, top-k.
+    /// Every layer's MLP is a mixture of experts (Qwen3-MoE: softmax over the experts, top-k;
+    /// gpt-oss: top-k of the logits, softmax over those).
     pub moe: Option<MoeSpec>,
+    /// A learned logit per head joins each row's softmax denominator (gpt-oss's
+    /// `self_attn.sinks` [H]): the probabilities over the keys sum to less than 1.
+    pub(crate) sinks: bool,
 }
 
 impl Arch {
@@ -163,6 +184,7 @@ impl Arch {
             sliding: vec![false; layers],
             local_rope: None,
             moe: None,
+            sinks: false,
         }
     }
 
@@ -171,6 +193,11 @@ impl Arch {
         let base = Arch::llama(layers);
         match family {
             Family::Llama | Family::Mistral | Family::Qwen2 => base,
+            // `moe` is filled from config.json (model/config_oss.rs)
+            Family::GptOss => Arch {
+                sinks: true,
+                ..base
+            },
             // `moe` is filled from config.json (model/config.rs)
             Family::Qwen3 | Family::Qwen3Moe => Arch {
                 qk_norm: true,

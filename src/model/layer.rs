@@ -52,16 +52,20 @@ pub(crate) struct Extra {
     pub(crate) attn_out_norm: Option<Tensor>,
     /// Gemma's post_feedforward_layernorm [C]: on down_proj's output.
     pub(crate) mlp_out_norm: Option<Tensor>,
+    /// gpt-oss's attention sinks [H] (`self_attn.sinks`: ops/attention/sinks.rs).
+    pub(crate) sinks: Option<Tensor>,
 }
 
 impl Extra {
-    /// The gains present, in a fixed order (q, k, attention output, MLP output).
+    /// The gains present, in a fixed order (q, k, attention output, MLP output), then the
+    /// sinks.
     fn present_mut(&mut self) -> Vec<&mut Tensor> {
         [
             &mut self.q_norm,
             &mut self.k_norm,
             &mut self.attn_out_norm,
             &mut self.mlp_out_norm,
+            &mut self.sinks,
         ]
         .into_iter()
         .flatten()
@@ -74,6 +78,7 @@ impl Extra {
             &self.k_norm,
             &self.attn_out_norm,
             &self.mlp_out_norm,
+            &self.sinks,
         ]
         .into_iter()
         .flatten()
@@ -165,11 +170,12 @@ impl Layer {
         x + m
     }
 
-    /// The attention mask of this layer for the batch: its window and soft-cap.
+    /// The attention mask of this layer for the batch: its window, soft-cap and sinks.
     pub(crate) fn mask(&self, ctx: &Ctx) -> AttnMask {
         AttnMask {
             window: self.spec.window,
             softcap: self.spec.softcap,
+            sinks: self.extra.sinks.clone(),
             ..ctx.mask.clone()
         }
     }

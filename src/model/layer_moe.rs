@@ -19,6 +19,11 @@
 //! experts' forward from it just before their backward, so no [m·k, I] activation lives
 //! across layers (the FLOPs of one more MLP forward).
 //!
+//! gpt-oss's experts (`spec.oss`) differ in three ways: gate and up interleave in gate_up's
+//! rows (gate = the even ones, so it is one GEMM, split after), each projection adds its
+//! expert's bias, and the activation is the clamped SwiGLU (ops/oss_glu.rs); its router has a
+//! bias and a softmax over the top-k logits (model/router.rs).
+//!
 //! Shapes: m tokens, C hidden, E experts, k experts per token, P = m·k grouped rows, I an
 //! expert's width, r the adapters' rank.
 
@@ -29,6 +34,7 @@ use super::layer_train::LayerGrads;
 use super::router::{route, route_bwd, Routing};
 use crate::lora::Lora;
 use crate::ops::grouped_mm::{grouped_linear, grouped_tn};
+use crate::ops::oss_glu::{deinterleave, interleave, oss_glu, oss_glu_bwd};
 use crate::ops::{self, glu::Act, moe_rows};
 use crate::quant::ExpertsNf4;
 use candle_core::{DType, Result, Tensor};
@@ -53,11 +59,38 @@ pub(crate) struct Moe {
     pub(crate) gate_up: Tensor,
     /// [E, C, I] (a placeholder when quantized).
     pub(crate) down: Tensor,
+    /// gpt-oss's biases: the router's [E] (`mlp.router.bias`), gate_up's [E, 2I] (its rows'
+    /// order) and down's [E, C].
+    pub(crate) biases: Option<OssBiases>,
     pub(crate) spec: MoeSpec,
     pub(crate) gate_up_lora: Option<ExpertLora>,
     pub(crate) down_lora: Option<ExpertLora>,
     /// The experts in NF4 (`Moe::quantize`); None: `gate_up` and `down` hold them.
     pub(crate) nf4: Option<Arc<ExpertsNf4>>,
+}
+
+/// gpt-oss's router and expert biases (frozen).
+#[derive(Clone)]
+pub(crate) struct OssBiases {
+    /// [E]
+    pub(crate) router: Tensor,
+    /// [E, 2I], gate and up interleaved as gate_up's rows
+    pub(crate) gate_up: Tensor,
+    /// [E, C]
+    pub(crate) down: Tensor,
+}
+
+/// y [P, n] + each grouped row's expert's bias (`bias` [E, n]; `counts[e]` rows of expert e).
+fn add_bias(y: Tensor, bias: &Tensor, counts: &[usize]) -> Result<Tensor> {
+    let ids: Vec<u32> = counts
+        .iter()
+        .enumerate()
+        .flat_map(|(e, &c)| std::iter::repeat_n(e as u32, c))
+        .collect();
+    let n = ids.len();
+    let ids = Tensor::from_vec(ids, n, y.device())?;
+    let b = bias.to_dtype(y.dtype())?.index_select(&ids, 0)?;
+    y + b
 }
 
 /// One parameter's adapter split per expert, in the activation dtype.
@@ -190,23 +223,30 @@ pub(super) type Weights<'a> = (&'a Tensor, &'a Tensor);
 
 impl Moe {
     /// The frozen tensors: router, then gate_up and down, or their NF4 arrays
-    /// (`ExpertsNf4::arrays`) when quantized (their placeholders are not among them).
+    /// (`ExpertsNf4::arrays`) when quantized (their placeholders are not among them), then
+    /// gpt-oss's biases (router's, gate_up's, down's).
     pub(crate) fn frozen(&self) -> Vec<&Tensor> {
         let mut v = vec![&self.router];
         match &self.nf4 {
             Some(q) => v.extend(q.arrays()),
             None => v.extend([&self.gate_up, &self.down]),
         }
+        if let Some(b) = &self.biases {
+            v.extend([&b.router, &b.gate_up, &b.down]);
+        }
         v
     }
 
-    /// `frozen`, mutable; the NF4 experts are unshared first (a clone of handles), so that a
-    /// gathered layer's views do not reach the skeleton's.
+    /// `frozen`, mutable (the same order); the NF4 experts are unshared first (a clone of
+    /// handles), so that a gathered layer's views do not reach the skeleton's.
     pub(crate) fn frozen_mut(&mut self) -> Vec<&mut Tensor> {
         let mut v = vec![&mut self.router];
         match &mut self.nf4 {
             Some(q) => v.extend(Arc::make_mut(q).arrays_mut()),
             None => v.extend([&mut self.gate_up, &mut self.down]),
+        }
+        if let Some(b) = &mut self.biases {
+            v.extend([&mut b.router, &mut b.gate_up, &mut b.down]);
         }
         v
     }
@@ -222,6 +262,11 @@ impl Moe {
         if self.nf4.is_some() {
             return Ok(());
         }
+        if self.biases.is_some() {
+            candle_core::bail!(
+                "nf4: gpt-oss's experts (with biases) are not quantized yet: set model.quantize = \"none\""
+            );
+        }
         let q = ExpertsNf4::quantize(&self.gate_up, &self.down, double_quant)?;
         let (dt, dev) = (self.gate_up.dtype(), self.gate_up.device().clone());
         self.gate_up = Tensor::zeros(1, dt, &dev)?;
@@ -233,6 +278,63 @@ impl Moe {
     /// Bytes of the NF4 experts (0 when not quantized).
     pub(crate) fn nf4_bytes(&self) -> usize {
         self.nf4.as_ref().map_or(0, |q| q.bytes())
+    }
+
+    /// The router's bias (gpt-oss).
+    fn router_bias(&self) -> Option<&Tensor> {
+        self.biases.as_ref().map(|b| &b.router)
+    }
+
+    /// gate and up [P, I] each from the grouped rows x [P, C] and gate_up's weights [t, 2I, C]
+    /// (gate_up's adapter applied, its state returned): Qwen3-MoE's halves as two GEMMs, or
+    /// gpt-oss's interleaved rows as one with its bias, split after. With biases t is every
+    /// expert: gpt-oss's experts are never quantized (`quantize`), so they run as one tile.
+    fn gate_up_fwd(
+        &self,
+        gate_up: &Tensor,
+        x: &Tensor,
+        counts: &[usize],
+        gu_ad: Option<&PerExpert>,
+    ) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+        let parts = match &self.biases {
+            Some(b) => {
+                let gu = grouped_linear(x, gate_up, counts, true, 1.0, None)?; // [P, 2I]
+                vec![add_bias(gu, &b.gate_up, counts)?]
+            }
+            None => {
+                let mut parts = Vec::with_capacity(2); // gate, up [P, I]
+                for w in &self.gate_up_halves(gate_up)? {
+                    parts.push(grouped_linear(x, w, counts, true, 1.0, None)?);
+                }
+                parts
+            }
+        };
+        let (parts, xa) = match gu_ad {
+            Some(p) => {
+                let (ys, xa) = p.add(x, parts, counts)?;
+                (ys, Some(xa))
+            }
+            None => (parts, None),
+        };
+        match self.biases {
+            Some(_) => {
+                let [gu] = parts_of::<1>(parts)?;
+                let (gate, up) = deinterleave(&gu)?;
+                Ok((gate, up, xa))
+            }
+            None => {
+                let [gate, up] = parts_of::<2>(parts)?;
+                Ok((gate, up, xa))
+            }
+        }
+    }
+
+    /// The experts' activation of gate and up [P, I]: SiLU's GLU, or gpt-oss's clamped one.
+    fn act(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+        match self.spec.oss {
+            Some(o) => oss_glu(gate, up, o.alpha, o.limit),
+            None => Act::Silu.glu(gate, up),
+        }
     }
 
     /// The experts' adapters with their PEFT module paths (gate_up's, then down's).
@@ -259,21 +361,13 @@ impl Moe {
         counts: &[usize],
         (gu_ad, down_ad): Adapters,
     ) -> Result<(Tensor, ExpertActs)> {
-        let halves = self.gate_up_halves(gate_up)?;
-        let mut parts = Vec::with_capacity(2); // gate, up [P, I]
-        for w in &halves {
-            parts.push(grouped_linear(x, w, counts, true, 1.0, None)?);
-        }
-        let (parts, xa_gu) = match gu_ad {
-            Some(p) => {
-                let (ys, xa) = p.add(x, parts, counts)?;
-                (ys, Some(xa))
-            }
-            None => (parts, None),
-        };
-        let [gate, up] = parts_of::<2>(parts)?;
-        let a = Act::Silu.glu(&gate, &up)?;
+        let (gate, up, xa_gu) = self.gate_up_fwd(gate_up, x, counts, gu_ad)?;
+        let a = self.act(&gate, &up)?;
         let y = grouped_linear(&a, down, counts, true, 1.0, None)?; // [P, C]
+        let y = match &self.biases {
+            Some(b) => add_bias(y, &b.down, counts)?,
+            None => y,
+        };
         let (y, xa_down) = match down_ad {
             Some(p) => {
                 let (ys, xa) = p.add(&a, vec![y], counts)?;
@@ -311,14 +405,29 @@ impl Moe {
             }
             _ => (da, None),
         };
-        let (dgate, dup) = Act::Silu.glu_bwd(&acts.gate, &acts.up, &da)?; // [P, I] each
+        let (dgate, dup) = match self.spec.oss {
+            Some(o) => oss_glu_bwd(&acts.gate, &acts.up, &da, o.alpha, o.limit)?,
+            None => Act::Silu.glu_bwd(&acts.gate, &acts.up, &da)?, // [P, I] each
+        };
         drop((da, acts.gate, acts.up, acts.a));
-        let [wg, wu] = self.gate_up_halves(gate_up)?;
-        let dx = grouped_linear(&dgate, &wg, counts, false, 1.0, None)?; // [P, C]
-        let dx = grouped_linear(&dup, &wu, counts, false, 1.0, Some(dx))?;
+        // gate_up's gradient in the parts its forward made: the halves, or interleaved rows
+        let gs = match self.biases {
+            Some(_) => vec![interleave(&dgate, &dup)?], // [P, 2I]
+            None => vec![dgate, dup],
+        };
+        let dx = match gs.as_slice() {
+            [dgu] => grouped_linear(dgu, gate_up, counts, false, 1.0, None)?,
+            [dg, du] => {
+                let [wg, wu] = self.gate_up_halves(gate_up)?;
+                let dx = grouped_linear(dg, &wg, counts, false, 1.0, None)?; // [P, C]
+                grouped_linear(du, &wu, counts, false, 1.0, Some(dx))?
+            }
+            _ => candle_core::bail!("gate_up's gradient in {} parts", gs.len()),
+        };
         let (dx, gu_grads) = match (gu_ad, &acts.xa_gu) {
             (Some(p), Some(xa)) => {
-                let (dx, gr) = p.bwd((x, xa), &[&dgate, &dup], counts, dx)?;
+                let gs: Vec<&Tensor> = gs.iter().collect();
+                let (dx, gr) = p.bwd((x, xa), &gs, counts, dx)?;
                 (dx, Some(gr))
             }
             _ => (dx, None),
@@ -335,7 +444,7 @@ impl Moe {
     /// (training's forward, whose backward is `backward`) nothing is recorded.
     pub(crate) fn forward_routed(&self, hn: &Tensor, graph: bool) -> Result<(Tensor, Routing)> {
         let (dt, experts) = (hn.dtype(), self.spec.experts);
-        let r = route(hn, &self.router, self.spec)?;
+        let r = route(hn, &self.router, self.router_bias(), self.spec)?;
         let gu_ad = PerExpert::of(&self.gate_up_lora, experts, dt, graph)?;
         let down_ad = PerExpert::of(&self.down_lora, experts, dt, graph)?;
         let ads = (gu_ad.as_ref(), down_ad.as_ref());
@@ -363,7 +472,7 @@ impl Moe {
     ) -> Result<Tensor> {
         let (dt, experts) = (hn.dtype(), self.spec.experts);
         let (m, k) = (hn.dim(0)?, self.spec.top_k);
-        let r = route(hn, &self.router, self.spec)?;
+        let r = route(hn, &self.router, self.router_bias(), self.spec)?;
         let gu_ad = PerExpert::of(&self.gate_up_lora, experts, dt, false)?;
         let down_ad = PerExpert::of(&self.down_lora, experts, dt, false)?;
         let ads = (gu_ad.as_ref(), down_ad.as_ref());

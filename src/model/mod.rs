@@ -1,4 +1,5 @@
-//! Our trainable decoder (llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3, qwen3_moe: one model,
+//! Our trainable decoder (llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3, qwen3_moe,
+//! gpt_oss: one model,
 //! the families' differences as data in model/family.rs), read from HF checkpoints.
 //!
 //! The model knows no communication and no optimiser: it maps token ids to hidden states and
@@ -8,6 +9,7 @@
 pub(crate) mod build;
 pub(crate) mod check;
 pub(crate) mod config;
+mod config_oss;
 mod config_rope;
 pub mod decoder;
 pub mod device;
@@ -25,6 +27,7 @@ pub(crate) mod prefetch;
 pub mod rope;
 pub(crate) mod router;
 pub mod shapes;
+mod yarn;
 
 pub use config::{ConfigError, ModelConfig, RopeScaling};
 pub(crate) use decoder::Ctx;

@@ -1,4 +1,4 @@
-//! Rotary frequencies (linear, Llama-3 and LongRoPE scaling) and per-token cos/sin tables.
+//! Rotary frequencies (linear, Llama-3, LongRoPE and YaRN scaling) and per-token cos/sin tables.
 
 use super::config::RopeScaling;
 use super::family::Rope;
@@ -12,7 +12,7 @@ pub(crate) struct Freqs {
     /// LongRoPE: the table of a batch whose positions reach `.1` (original_max_position) or
     /// further, as transformers switches on max(position_ids) + 1 > original.
     long: Option<(Vec<f32>, usize)>,
-    /// cos and sin × this (LongRoPE's attention factor; 1 otherwise).
+    /// cos and sin × this (LongRoPE's and YaRN's attention factor; 1 otherwise).
     mscale: f32,
 }
 
@@ -45,6 +45,24 @@ impl Freqs {
                 [*factor, *low_freq_factor, *high_freq_factor],
                 *original_max_position,
             )),
+            RopeScaling::Yarn {
+                factor,
+                beta_fast,
+                beta_slow,
+                original_max_position,
+                truncate,
+                attention_factor,
+            } => Freqs {
+                short: super::yarn::inv_freq(
+                    rope.theta,
+                    d,
+                    [*factor, *beta_fast, *beta_slow],
+                    *original_max_position,
+                    *truncate,
+                ),
+                long: None,
+                mscale: *attention_factor as f32,
+            },
             RopeScaling::LongRope {
                 short,
                 long,

@@ -1,6 +1,7 @@
 //! A MoE layer's router, as Qwen3-MoE's `Qwen3MoeTopKRouter`: logits = hn Wᵀ, a softmax over
 //! all experts in f32, the top k of those probabilities (renormalised to sum to 1 with
-//! `norm_topk_prob`), and the tokens grouped by expert for the experts' GEMMs.
+//! `norm_topk_prob`), and the tokens grouped by expert for the experts' GEMMs. gpt-oss's
+//! (`GptOssTopKRouter`): logits = hn Wᵀ + b, the top k of the logits, a softmax over those k.
 //!
 //! The grouping is made on the host from the [m, k] chosen experts (one small copy per layer:
 //! m·k u32): the flat positions p = n·k + j of the (token n, slot j) pairs, expert 0's first,
@@ -33,24 +34,46 @@ pub(crate) struct Routing {
     pub(crate) slots: Tensor,
     /// Tokens per expert [E] (the runs of `order`, in expert order).
     pub(crate) counts: Vec<usize>,
+    /// The weights are the softmax over the top-k logits (gpt-oss), not the top-k of the
+    /// softmax over all experts.
+    pub(crate) topk_softmax: bool,
 }
 
-/// Routes hn [m, C] with the router's W [E, C]. Differentiable in hn (the reference
-/// forward's autograd graph; the indices carry no gradient).
-pub(crate) fn route(hn: &Tensor, w: &Tensor, spec: MoeSpec) -> Result<Routing> {
+/// Routes hn [m, C] with the router's W [E, C] and bias [E] (gpt-oss). Differentiable in hn
+/// (the reference forward's autograd graph; the indices carry no gradient).
+pub(crate) fn route(
+    hn: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    spec: MoeSpec,
+) -> Result<Routing> {
     let (m, k) = (hn.dim(0)?, spec.top_k);
-    let logits = hn.matmul(&w.t()?)?.to_dtype(DType::F32)?; // [m, E]
+    let logits = hn.matmul(&w.t()?)?; // [m, E]
+    let logits = match bias {
+        Some(b) => logits.broadcast_add(b)?,
+        None => logits,
+    }
+    .to_dtype(DType::F32)?;
     let probs = candle_nn::ops::softmax(&logits, D::Minus1)?;
-    // the top k, by descending probability (ties, measure zero on real inputs, either way)
-    let idx = probs
+    let topk_softmax = spec.oss.is_some();
+    // the top k, by descending logit (gpt-oss) or probability (ties, measure zero on real
+    // inputs, either way)
+    let by = match topk_softmax {
+        true => &logits,
+        false => &probs,
+    };
+    let idx = by
         .detach()
         .arg_sort_last_dim(false)?
         .narrow(1, 0, k)?
         .contiguous()?; // [m, k]
-    let top = probs.gather(&idx, 1)?; // [m, k]
-    let weights = match spec.norm_topk {
-        true => top.broadcast_div(&top.sum_keepdim(1)?)?,
-        false => top,
+    let weights = match (topk_softmax, spec.norm_topk) {
+        (true, _) => candle_nn::ops::softmax(&logits.gather(&idx, 1)?, D::Minus1)?,
+        (false, true) => {
+            let top = probs.gather(&idx, 1)?; // [m, k]
+            top.broadcast_div(&top.sum_keepdim(1)?)?
+        }
+        (false, false) => probs.gather(&idx, 1)?,
     };
     let chosen: Vec<u32> = idx.flatten_all()?.to_vec1()?;
     let (order, counts) = group(&chosen, spec.experts)?;
@@ -66,6 +89,7 @@ pub(crate) fn route(hn: &Tensor, w: &Tensor, spec: MoeSpec) -> Result<Routing> {
         tokens: Tensor::from_vec(tokens, m * k, dev)?,
         slots: Tensor::from_vec(slots, m * k, dev)?,
         counts,
+        topk_softmax,
     })
 }
 
@@ -116,6 +140,15 @@ pub(crate) fn route_bwd(
     norm_topk: bool,
     dprobs_extra: Option<&Tensor>,
 ) -> Result<Tensor> {
+    if r.topk_softmax {
+        // w = softmax(z_top): dz_top = w ⊙ (dw − Σ w ⊙ dw), scattered back to the experts
+        if dprobs_extra.is_some() {
+            candle_core::bail!("a load-balancing loss on a top-k-softmax router (gpt-oss)");
+        }
+        let dot = (dweights * &r.weights)?.sum_keepdim(1)?;
+        let dtop = (dweights.broadcast_sub(&dot)? * &r.weights)?;
+        return r.probs.zeros_like()?.scatter_add(&r.idx, &dtop, 1);
+    }
     let top = r.probs.gather(&r.idx, 1)?; // [m, k]
     let dtop = match norm_topk {
         // w = v / S, S = Σ v: dv = (dw − Σ dw ⊙ w) / S

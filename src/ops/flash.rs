@@ -392,6 +392,12 @@ mod imp {
 
     fn base(q: &Tensor, k: &Tensor, v: &Tensor, mask: &AttnMask, scale: f64) -> Result<FlashP> {
         let (b, h, kh, t, _) = check_shapes(q, k, v)?;
+        if mask.sinks.is_some() {
+            candle_core::bail!(
+                "flash attention: attention sinks (gpt-oss) are not in the tensor-core kernels; \
+                 the blockwise pass takes them (ops::kernels chooses it for such a model)"
+            );
+        }
         // One thread block per (tile, batch·head): the grid's y side holds at most 65535.
         if b * h > 65535 {
             candle_core::bail!(

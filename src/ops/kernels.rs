@@ -37,6 +37,8 @@ pub struct AttnShape {
     pub head_dim: usize,
     /// The scores are soft-capped (Gemma 2's attn_logit_softcapping).
     pub softcap: bool,
+    /// Attention sinks (gpt-oss): not in the tensor-core kernels, so the blockwise pass runs.
+    pub sinks: bool,
 }
 
 impl From<usize> for AttnShape {
@@ -45,6 +47,7 @@ impl From<usize> for AttnShape {
         AttnShape {
             head_dim,
             softcap: false,
+            sinks: false,
         }
     }
 }
@@ -84,7 +87,7 @@ impl Attention {
     /// a Hopper GPU (`hopper`) or not.
     fn choose(cuda: bool, hopper: bool, dtype: DType, a: AttnShape, deterministic: bool) -> Self {
         let wgmma = hopper && !a.softcap;
-        match (cuda && dtype == DType::BF16, a.head_dim) {
+        match (cuda && dtype == DType::BF16 && !a.sinks, a.head_dim) {
             (true, 128) if wgmma && deterministic => Attention::WgmmaSplitDq,
             (true, 128) if wgmma => Attention::Wgmma,
             (true, 256) if hopper => Attention::Wgmma256,
@@ -327,6 +330,7 @@ mod tests {
             .map(|head_dim| AttnShape {
                 head_dim,
                 softcap: true,
+                sinks: false,
             })
             .into_iter()
             .chain([AttnShape::from(96), AttnShape::from(256)]);
@@ -351,6 +355,16 @@ mod tests {
             let k = Kernels::forecast(true, bf16, cfg.attn_shape());
             assert_eq!(k.attention, want, "{shape}");
         }
+        // gpt-oss's sinks are in no tensor-core kernel: the blockwise pass, on any GPU
+        let sinks = AttnShape {
+            head_dim: 64,
+            softcap: false,
+            sinks: true,
+        };
+        for hopper in [true, false] {
+            let k = Kernels::choose(true, hopper, bf16, sinks, false, Experiments::default());
+            assert_eq!(k.attention, Attention::Blockwise, "sinks hopper={hopper}");
+        }
         for head_dim in [32, 80, 160] {
             let k = Kernels::forecast(true, bf16, head_dim);
             assert_eq!(k.attention, Attention::Blockwise, "head dim {head_dim}");
@@ -358,6 +372,7 @@ mod tests {
         let capped_cpu = AttnShape {
             head_dim: 256,
             softcap: true,
+            sinks: false,
         };
         assert_eq!(
             Kernels::forecast(false, bf16, capped_cpu).attention,

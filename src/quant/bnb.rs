@@ -40,6 +40,9 @@ pub(crate) fn nf4_of(v: &serde_json::Value) -> std::result::Result<Option<bool>,
     };
     let method = q.get("quant_method").and_then(|m| m.as_str()).unwrap_or("");
     let flag = |k: &str| q.get(k).and_then(|b| b.as_bool()).unwrap_or(false);
+    if method == "mxfp4" {
+        return Err("quantization_config.quant_method = \"mxfp4\" (gpt-oss's experts as the Hub stores them): reading MXFP4 is not implemented yet; use a bf16 copy of the checkpoint (transformers: from_pretrained(..., quantization_config=Mxfp4Config(dequantize=True)), then save_pretrained)".to_string());
+    }
     if method != "bitsandbytes" {
         return Err(format!(
             "quantization_config.quant_method = \"{method}\": lora-train trains full-precision bases and bitsandbytes NF4 ones only; use the full-precision original (and model.quantize = \"nf4\" for QLoRA)"

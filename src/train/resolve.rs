@@ -69,6 +69,15 @@ impl RunConfig {
     ) -> Result<RunConfig> {
         let r = &recipe;
         let t = &r.train;
+        if t.router_aux_loss_coef > 0.0 && cfg.arch.moe.is_some_and(|m| m.oss.is_some()) {
+            return Err(r
+                .invalid(
+                    "train.router_aux_loss_coef",
+                    "gpt-oss's load-balancing loss (over its top-k-softmax router) is not \
+                     implemented; set it to 0",
+                )
+                .into());
+        }
         let kind = r.model.device;
         let dtype = device::dtype(kind, r.model.dtype);
         let quant = match cfg.bnb_nf4 {

@@ -370,6 +370,7 @@ fn blockwise_attention_matches_composite_with_segments_and_window() {
                     segments,
                     window,
                     softcap: 0.0,
+                    sinks: None,
                 };
                 let add = additive_mask(b, t, use_seg.then_some(&seg[..]), window, &dev);
                 let k0 = Tensor::randn(0f32, 1.0, (b, h, t, d), &dev).unwrap();
@@ -545,6 +546,7 @@ fn flash_attention_matches_blockwise_on_the_gpu() {
             segments: use_seg.then(|| Tensor::from_vec(seg, b * t, &dev).unwrap()),
             window,
             softcap,
+            sinks: None,
         };
         let scale = 1.0 / (d as f64).sqrt();
         let q = rand(&[b, h, t, d]);

@@ -111,6 +111,12 @@ pub fn dir_name(p: &Path) -> String {
 pub(crate) fn read_config(dir: &Path) -> Result<(ModelConfig, serde_json::Value)> {
     let path = dir.join("config.json");
     let cfg = ModelConfig::from_file(&path)?;
+    if cfg.family == Family::GptOss {
+        bail!(
+            "{}: GGUF export of gpt_oss is not implemented (attention sinks, biased experts)",
+            path.display()
+        );
+    }
     let text = std::fs::read_to_string(&path)
         .with_context(|| format!("cannot read {}", path.display()))?;
     let raw = serde_json::from_str(&text)

@@ -31,6 +31,7 @@ pub(crate) fn arch_name(family: Family) -> &'static str {
         Family::Gemma2 => "gemma2",
         Family::Gemma3 => "gemma3",
         Family::Phi3 => "phi3",
+        Family::GptOss => "gpt-oss",
     }
 }
 

@@ -62,7 +62,7 @@ fn kind(dir: &Path, family: Family) -> Result<Kind> {
             dir.display()
         ),
         Family::Gemma2 => Kind::Spm,
-        Family::Qwen3Moe => Kind::Gpt2,
+        Family::Qwen3Moe | Family::GptOss => Kind::Gpt2,
         Family::Phi3 => {
             let cfg = dir.join("tokenizer_config.json");
             let class = match cfg.is_file() {

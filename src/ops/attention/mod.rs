@@ -11,11 +11,14 @@
 //! Shapes: q, k, v, O: [B, H, T, D] (k, v already repeated for GQA); L: [B, H, T] f32;
 //! a block of bq queries starting at s sees keys [0, e) with e = s + bq.
 
+mod sinks;
+
 use super::attach::attach3;
 use super::{cpu_as_f32, cpu_from_f32};
 use candle_core::{
     CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, D,
 };
+pub use sinks::apply_sinks;
 
 /// Which keys a query may see.
 #[derive(Clone, Debug, Default)]
@@ -27,6 +30,9 @@ pub struct AttnMask {
     pub window: usize,
     /// Scores soft-capped at this before the mask (0 = none; Gemma 2's attn_logit_softcapping).
     pub softcap: f32,
+    /// A logit per head [H] that joins each row's softmax denominator (gpt-oss's sinks:
+    /// `sinks.rs`); only the blockwise pass takes them.
+    pub sinks: Option<Tensor>,
 }
 
 /// Index arithmetic shared by the three block kernels.
@@ -331,7 +337,8 @@ fn block_of(mask: &AttnMask, t: usize, scale: f64) -> Block {
     }
 }
 
-/// The forward without a graph: (O [B, H, T, D], L [B, H, T] f32), query block by block.
+/// The forward without a graph: (O [B, H, T, D], L [B, H, T] f32), query block by block;
+/// with `mask.sinks`, O' and L' (`apply_sinks`), which `attention_bwd` takes as they are.
 pub fn attention_fwd(
     q: &Tensor,
     k: &Tensor,
@@ -360,7 +367,11 @@ pub fn attention_fwd(
         outs.push(p.matmul(&v.narrow(2, 0, e)?)?); // [B, H, n, D]
         lses.push(lse);
     }
-    Ok((Tensor::cat(&outs, 2)?, Tensor::cat(&lses, 2)?))
+    let (o, lse) = (Tensor::cat(&outs, 2)?, Tensor::cat(&lses, 2)?);
+    match &mask.sinks {
+        Some(s) => apply_sinks(&o, &lse, s),
+        None => Ok((o, lse)),
+    }
 }
 
 /// The backward: given dO [B, H, T, D] (any layout), δ and L [B, H, T] f32, recomputes each
