@@ -256,10 +256,12 @@ mod tests {
                 top_k: 2,
                 inter: i,
                 norm_topk: true,
+                oss: None,
             },
             gate_up_lora: lora(c, 2 * i, 4),
             down_lora: lora(i, c, 5),
             nf4: None,
+            biases: None,
         };
         m.quantize(true).unwrap();
         if dense {
