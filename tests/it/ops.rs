@@ -566,6 +566,7 @@ fn flash_attention_matches_blockwise_on_the_gpu() {
         let shape = AttnShape {
             head_dim: d,
             softcap: softcap > 0.0,
+            sinks: false,
         };
         let kernels = Kernels::resolve(&dev, DType::BF16, shape, false).unwrap();
         assert!(

@@ -468,9 +468,16 @@ fn a_second_signal_exits_at_once_and_leaves_the_last_checkpoint_intact() {
         !rest.iter().any(|l| l.starts_with("interrupted after")),
         "{rest:?}"
     );
-    // No save after the signals became a checkpoint; checkpoint-5 is as it was.
+    // No save after the signals became a checkpoint; checkpoint-5 is as it was. One race is
+    // the first signal's own: taken between step 6's line and step 6's stop check (a loaded
+    // machine can stall the run right there), it saves checkpoint-6 before any line blocks,
+    // and that save may finish before the second signal lands. A whole checkpoint-6 is then
+    // the first signal's due; a partial one never is.
     let steps: Vec<usize> = checkpoint::list(&out).iter().map(|c| c.0).collect();
-    assert_eq!(steps, vec![5]);
+    assert!(steps == vec![5] || steps == vec![5, 6], "{steps:?}");
+    if steps.len() == 2 {
+        assert!(out.join("checkpoint-6/trainer_state.json").is_file());
+    }
     assert!(bytes(&ck5.join("optimizer.safetensors")) == before);
     // A resume must keep the recipe (max_steps differs here) ...
     let mut resume = tiny_cli_args(&out, 8, &["output.save_every=5", "train.grad_accum=20"]);
@@ -482,7 +489,7 @@ fn a_second_signal_exits_at_once_and_leaves_the_last_checkpoint_intact() {
         err.contains("`train.max_steps` = 8, but checkpoint"),
         "{err}"
     );
-    // ... and then continues from checkpoint-5.
+    // ... and then continues from the last checkpoint.
     let resume: Vec<String> = args
         .iter()
         .cloned()
