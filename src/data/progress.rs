@@ -2,7 +2,7 @@
 //! rows/s, ETA) when stderr is a terminal, otherwise a line every [`LINE_EVERY`]; and the
 //! line that says what it took.
 
-use indicatif::{DecimalBytes, ProgressBar, ProgressDrawTarget, ProgressStyle};
+use indicatif::{DecimalBytes, ProgressBar};
 use std::io::IsTerminal;
 use std::time::{Duration, Instant};
 
@@ -23,14 +23,10 @@ impl Progress {
     pub fn new(total: u64, show: bool) -> Progress {
         let term = std::io::stderr().is_terminal();
         let bar = (show && term).then(|| {
-            let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
-            let style = ProgressStyle::with_template(
+            crate::util::bar::stderr_bar(
+                Some(total),
                 "tokenizing [{bar:25}] {decimal_bytes}/{decimal_total_bytes} {decimal_bytes_per_sec} {msg} ETA {eta}",
             )
-            .map(|s| s.progress_chars("=> "))
-            .unwrap_or_else(|_| ProgressStyle::default_bar());
-            bar.set_style(style);
-            bar
         });
         let now = Instant::now();
         Progress {

@@ -1,7 +1,6 @@
 //! A download's progress: a bar on a terminal, one line per file otherwise.
 
-use indicatif::{HumanBytes, ProgressBar, ProgressDrawTarget, ProgressStyle};
-use std::io::IsTerminal;
+use indicatif::{HumanBytes, ProgressBar};
 use std::time::Instant;
 
 /// Progress of one file: a bar (bytes, rate, ETA) when stderr is a terminal, else one line
@@ -14,18 +13,10 @@ pub(super) struct FileBar {
 
 impl FileBar {
     pub(super) fn new(file: &str, size: Option<u64>, have: u64) -> FileBar {
-        let bar = if std::io::stderr().is_terminal() {
-            let bar = ProgressBar::with_draw_target(size, ProgressDrawTarget::stderr());
-            let style = ProgressStyle::with_template(
-                "{msg:34!} [{bar:25}] {bytes}/{total_bytes} {bytes_per_sec} ETA {eta}",
-            )
-            .map(|s| s.progress_chars("=> "))
-            .unwrap_or_else(|_| ProgressStyle::default_bar());
-            bar.set_style(style);
-            bar
-        } else {
-            ProgressBar::with_draw_target(size, ProgressDrawTarget::hidden())
-        };
+        let bar = crate::util::bar::stderr_bar(
+            size,
+            "{msg:34!} [{bar:25}] {bytes}/{total_bytes} {bytes_per_sec} ETA {eta}",
+        );
         bar.set_message(file.to_string());
         bar.set_position(have);
         bar.reset_eta();

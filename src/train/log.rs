@@ -9,9 +9,9 @@ use super::step::Done;
 use crate::memory::{GIB, PHASES};
 use crate::util::atomic_write;
 use anyhow::{Context, Result};
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use indicatif::ProgressBar;
 use std::collections::BTreeMap;
-use std::io::{IsTerminal, Write};
+use std::io::Write;
 use std::path::Path;
 use std::time::Instant;
 
@@ -232,17 +232,10 @@ impl Drop for Log {
 }
 
 fn progress_bar(total: u64) -> ProgressBar {
-    if !std::io::stderr().is_terminal() {
-        return ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::hidden());
-    }
-    let bar = ProgressBar::new(total);
-    let style = ProgressStyle::with_template(
+    crate::util::bar::stderr_bar(
+        Some(total),
         "{spinner} step {pos}/{len} [{bar:30}] {msg}  ({elapsed} < {eta})",
     )
-    .map(|s| s.progress_chars("=> "))
-    .unwrap_or_else(|_| ProgressStyle::default_bar());
-    bar.set_style(style);
-    bar
 }
 
 /// Rank 0 before the first step: creates `out_dir`, removes what an earlier run or an

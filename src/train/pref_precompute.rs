@@ -21,7 +21,7 @@ use super::train_data::TrainData;
 use crate::data::Batch;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use indicatif::ProgressBar;
 use std::collections::HashMap;
 use std::io::IsTerminal;
 use std::path::Path;
@@ -217,14 +217,10 @@ impl Bar {
     fn new(total: u64, show: bool) -> Bar {
         let term = std::io::stderr().is_terminal();
         let bar = (show && term).then(|| {
-            let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
-            let style = ProgressStyle::with_template(
+            crate::util::bar::stderr_bar(
+                Some(total),
                 "reference log-probs [{bar:25}] {pos}/{len} rows {per_sec} ETA {eta}",
             )
-            .map(|s| s.progress_chars("=> "))
-            .unwrap_or_else(|_| ProgressStyle::default_bar());
-            bar.set_style(style);
-            bar
         });
         let now = Instant::now();
         Bar {

@@ -1,8 +1,10 @@
 //! Small helpers every module may use: crash-safe file writes and their stale temporaries,
-//! sizes written as text, Hub names checked; output that never panics (`out`), directory
+//! sizes written as text, Hub names checked; output that never panics (`out`), progress bars
+//! (`bar`), directory
 //! locks (`lock`), what an abrupt exit removes (`on_exit`), paths that are not UTF-8 recorded
 //! and shown (`os_path`).
 
+pub(crate) mod bar;
 pub(crate) mod fs;
 pub mod lock;
 pub mod on_exit;
