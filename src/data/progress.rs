@@ -1,52 +1,34 @@
 //! Progress of tokenizing a data set: a bar (bytes read of the files' total, MB/s, rows,
-//! rows/s, ETA) when stderr is a terminal, otherwise a line every [`LINE_EVERY`]; and the
-//! line that says what it took.
+//! rows/s, ETA) when stderr is a terminal, otherwise a line every `util::bar::LINE_EVERY`;
+//! and the line that says what it took.
 
-use indicatif::{DecimalBytes, ProgressBar};
-use std::io::IsTerminal;
-use std::time::{Duration, Instant};
-
-/// How often a log (not a terminal) gets a progress line.
-pub const LINE_EVERY: Duration = Duration::from_secs(30);
+use crate::util::bar::Shown;
+use indicatif::DecimalBytes;
 
 /// A preparation's progress display.
 pub struct Progress {
-    bar: Option<ProgressBar>,
-    lines: bool,
+    shown: Shown,
     total: u64,
-    t0: Instant,
-    last_line: Instant,
 }
 
 impl Progress {
     /// Progress over `total` bytes of files; `show` false draws nothing (tests, tools).
     pub fn new(total: u64, show: bool) -> Progress {
-        let term = std::io::stderr().is_terminal();
-        let bar = (show && term).then(|| {
-            crate::util::bar::stderr_bar(
-                Some(total),
-                "tokenizing [{bar:25}] {decimal_bytes}/{decimal_total_bytes} {decimal_bytes_per_sec} {msg} ETA {eta}",
-            )
-        });
-        let now = Instant::now();
+        let template = "tokenizing [{bar:25}] {decimal_bytes}/{decimal_total_bytes} {decimal_bytes_per_sec} {msg} ETA {eta}";
         Progress {
-            bar,
-            lines: show && !term,
+            shown: Shown::new(total, template, show),
             total,
-            t0: now,
-            last_line: now,
         }
     }
 
     /// `bytes` of the files read so far, `rows` rows done.
     pub fn update(&mut self, bytes: u64, rows: usize) {
-        let secs = self.t0.elapsed().as_secs_f64().max(1e-3);
+        let secs = self.shown.t0.elapsed().as_secs_f64().max(1e-3);
         let rate = rows as f64 / secs;
-        if let Some(bar) = &self.bar {
+        if let Some(bar) = &self.shown.bar {
             bar.set_position(bytes.min(self.total));
             bar.set_message(format!("{rows} rows, {rate:.0} rows/s"));
-        } else if self.lines && self.last_line.elapsed() >= LINE_EVERY {
-            self.last_line = Instant::now();
+        } else if self.shown.line_due() {
             let frac = bytes as f64 / self.total.max(1) as f64;
             let eta = match frac > 0.0 {
                 true => format!("{:.0}s", secs * (1.0 - frac).max(0.0) / frac),
@@ -63,9 +45,7 @@ impl Progress {
 
     /// Clears the bar.
     pub fn finish(&self) {
-        if let Some(bar) = &self.bar {
-            bar.finish_and_clear();
-        }
+        self.shown.finish();
     }
 }
 

@@ -19,17 +19,13 @@ use super::pref_store;
 use super::session::Session;
 use super::train_data::TrainData;
 use crate::data::Batch;
+use crate::util::bar::Shown;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
-use indicatif::ProgressBar;
 use std::collections::HashMap;
-use std::io::IsTerminal;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
-
-/// How often a log (not a terminal) gets a progress line.
-const LINE_EVERY: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// A micro-batch's place in the run: (epoch, step in epoch, rank, micro-batch of the step).
 type Slot = (usize, usize, usize, usize);
@@ -203,43 +199,29 @@ fn share(s: &Session, v: &[f32]) -> Result<Vec<f32>> {
 }
 
 /// The pass's progress: a bar (rows, rows/s, ETA) on a terminal, else a line every
-/// [`LINE_EVERY`].
+/// `util::bar::LINE_EVERY`.
 struct Bar {
-    bar: Option<ProgressBar>,
-    lines: bool,
+    shown: Shown,
     total: u64,
     done: u64,
-    t0: Instant,
-    last: Instant,
 }
 
 impl Bar {
     fn new(total: u64, show: bool) -> Bar {
-        let term = std::io::stderr().is_terminal();
-        let bar = (show && term).then(|| {
-            crate::util::bar::stderr_bar(
-                Some(total),
-                "reference log-probs [{bar:25}] {pos}/{len} rows {per_sec} ETA {eta}",
-            )
-        });
-        let now = Instant::now();
+        let template = "reference log-probs [{bar:25}] {pos}/{len} rows {per_sec} ETA {eta}";
         Bar {
-            bar,
-            lines: show && !term,
+            shown: Shown::new(total, template, show),
             total,
             done: 0,
-            t0: now,
-            last: now,
         }
     }
 
     fn inc(&mut self, rows: u64) {
         self.done += rows;
-        if let Some(bar) = &self.bar {
+        if let Some(bar) = &self.shown.bar {
             bar.set_position(self.done);
-        } else if self.lines && self.last.elapsed() >= LINE_EVERY {
-            self.last = Instant::now();
-            let secs = self.t0.elapsed().as_secs_f64().max(1e-3);
+        } else if self.shown.line_due() {
+            let secs = self.shown.t0.elapsed().as_secs_f64().max(1e-3);
             let rate = self.done as f64 / secs;
             let eta = (self.total.saturating_sub(self.done)) as f64 / rate.max(1e-9);
             crate::errln!(
@@ -251,8 +233,6 @@ impl Bar {
     }
 
     fn finish(&self) {
-        if let Some(bar) = &self.bar {
-            bar.finish_and_clear();
-        }
+        self.shown.finish();
     }
 }
