@@ -39,8 +39,12 @@ pub struct Batch {
     pub ids: Vec<u32>,
     /// Position ids [B×T], restarting at each packed example.
     pub positions: Vec<u32>,
-    /// [B×T] example index within its row (packed rows only).
+    /// [B×T] example index within its row (packed rows only); prefix-tree ids where
+    /// `prefix_tree` (`super::pref_batch`).
     pub segments: Option<Vec<u32>>,
+    /// `segments` holds prefix-tree ids `example << 2 | branch` (a preference pair's prompt
+    /// shared by its two completions: `ops::AttnMask::prefix_tree`).
+    pub prefix_tree: bool,
     /// (flat index b·T + t of the predicting position, target token) for every counted token.
     pub targets: Vec<(usize, u32)>,
     /// Real (non-padding) tokens.
@@ -102,6 +106,7 @@ impl Batch {
             ids,
             positions,
             segments: packed.then_some(segments),
+            prefix_tree: false,
             targets,
             tokens,
             real,

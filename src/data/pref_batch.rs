@@ -1,7 +1,15 @@
-//! A micro-batch of preference sequences packed into rows with no padding between them: a
-//! pair's chosen and rejected sequences side by side in one row, each its own segment
-//! (block-diagonal attention, positions restarting), so the forward computes each token once
-//! and the two sequences of a pair never see each other.
+//! A micro-batch of preference sequences packed into rows with no padding between them.
+//!
+//! A pair is one prefix tree (the shared prefix): [prompt | chosen | rejected] in one row, the
+//! prompt computed once. Its tokens carry the tree ids `example << 2 | branch` (0 the prompt,
+//! 1 chosen, 2 rejected; `ops::AttnMask::prefix_tree`): chosen sees the prompt and itself,
+//! rejected the prompt and itself, never chosen; both continue the prompt's positions. Causal
+//! attention makes the prompt's hidden states the same in either sequence, so the loss and every
+//! gradient are those of the two sequences laid out apart (the prompt's activations take both
+//! completions' gradients, summed), for p + c + r tokens instead of 2p + c + r. The first
+//! token of each completion is predicted from the prompt's last position, which therefore
+//! appears twice in `Batch::targets`. KTO's unpaired examples are each their own segment
+//! (block-diagonal attention, positions restarting).
 //!
 //! Sequence k of a pair batch: pair k / 2, chosen when k is even, rejected when odd. Every
 //! sequence is prompt + completion cut to `max_len` tokens (TRL's keep_start collator); its
@@ -15,11 +23,15 @@ use super::{Batch, Example, IGNORE};
 use candle_core::{Device, Result, Tensor};
 use std::sync::Arc;
 
+/// How a pair is laid out (the reference store's key names it: values computed in another
+/// layout are recomputed).
+pub const PAIR_LAYOUT: &str = "prefix tree: [prompt | chosen | rejected], the prompt once";
+
 /// A packed micro-batch of preference sequences and which target belongs to which sequence.
 #[derive(Debug, Clone)]
 pub struct PrefBatch {
-    /// The rows as the step engine takes them (always packed: `segments` is set), with
-    /// `pref` set to `layout`.
+    /// The rows as the step engine takes them (always packed: `segments` is set; pairs as
+    /// prefix trees, `prefix_tree` set), with `pref` set to `layout`.
     pub batch: Batch,
     /// Which target belongs to which sequence.
     pub layout: Arc<PrefLayout>,
@@ -49,18 +61,18 @@ pub struct PrefLayout {
     pub reference: Option<Vec<f32>>,
 }
 
-/// One sequence to lay out: prompt, completion, and whether its prompt tokens are targets.
+/// One unpaired sequence to lay out: prompt and completion.
 struct Seq<'a> {
     prompt: &'a [u32],
     completion: &'a [u32],
-    score_prompt: bool,
 }
 
 impl PrefBatch {
     /// Pairs, `pairs_per_row` to a row (1: a row per pair, padded to the longest pair; the
-    /// micro-batch: one row, no padding). `score_chosen_prompt`: the chosen prompts' tokens
-    /// are targets too (ORPO). The caller drops pairs whose prompt reaches `max_len` (see
-    /// [`super::preference`]), so every sequence keeps a completion token.
+    /// micro-batch: one row, no padding), each a prefix tree [prompt | chosen | rejected].
+    /// `score_chosen_prompt`: the chosen prompts' tokens are targets too (ORPO). The caller
+    /// drops pairs whose prompt reaches `max_len` (see [`super::preference`]), so every
+    /// sequence keeps a completion token.
     pub fn pairs(
         pairs: &[&PairExample],
         pad_id: u32,
@@ -68,24 +80,58 @@ impl PrefBatch {
         pairs_per_row: usize,
         score_chosen_prompt: bool,
     ) -> PrefBatch {
-        let seqs: Vec<Seq> = pairs
+        // keep_start per sequence: p = min(P, max_len), c and r cut to max_len - p each.
+        let cuts: Vec<[usize; 3]> = pairs
             .iter()
-            .flat_map(|p| {
-                [
-                    Seq {
-                        prompt: &p.prompt,
-                        completion: &p.chosen,
-                        score_prompt: score_chosen_prompt,
-                    },
-                    Seq {
-                        prompt: &p.prompt,
-                        completion: &p.rejected,
-                        score_prompt: false,
-                    },
-                ]
+            .map(|x| {
+                let p = x.prompt.len().min(max_len);
+                let room = max_len - p;
+                [p, x.chosen.len().min(room), x.rejected.len().min(room)]
             })
             .collect();
-        Self::layout(&seqs, pad_id, max_len, 2 * pairs_per_row.max(1))
+        let per_row = pairs_per_row.max(1);
+        let t = cuts
+            .chunks(per_row)
+            .map(|r| r.iter().map(|c| c.iter().sum::<usize>()).sum::<usize>())
+            .max()
+            .unwrap_or(1)
+            .max(1);
+        let b = pairs.len().div_ceil(per_row);
+        let mut rows = Rows::new(b, t, pad_id);
+        let mut l = PrefLayout::default();
+        for (g, (x, &[p, c, r])) in pairs.iter().zip(&cuts).enumerate() {
+            let (row, k) = (g / per_row, (g % per_row) as u32);
+            let tree = k << 2;
+            let base = rows.put(row, &x.prompt[..p], 0, tree);
+            rows.put(row, &x.chosen[..c], p, tree | 1);
+            rows.put(row, &x.rejected[..r], p, tree | 2);
+            let seq = 2 * g as u32;
+            // ORPO: the chosen prompt's tokens but its first.
+            if score_chosen_prompt {
+                for j in 1..p {
+                    l.target(&mut rows.targets, (base + j - 1, x.prompt[j]), seq, false);
+                }
+            }
+            // A completion's first token is predicted from the prompt's last position.
+            for (k, (off, done)) in [(0, &x.chosen[..c]), (c, &x.rejected[..r])]
+                .into_iter()
+                .enumerate()
+            {
+                for (j, &tok) in done.iter().enumerate() {
+                    let from = match j {
+                        0 if p == 0 => continue,
+                        0 => base + p - 1,
+                        _ => base + p + off + j - 1,
+                    };
+                    l.target(&mut rows.targets, (from, tok), seq + k as u32, true);
+                }
+            }
+            l.prompt_len.extend([p, p]);
+            l.completion_len.extend([c, r]);
+        }
+        let mut batch = rows.finish();
+        batch.prefix_tree = true;
+        Self::with(batch, l)
     }
 
     /// KTO examples (or their [`super::preference::kl_pairs`]), `per_row` to a row.
@@ -100,7 +146,6 @@ impl PrefBatch {
             .map(|e| Seq {
                 prompt: &e.prompt,
                 completion: &e.completion,
-                score_prompt: false,
             })
             .collect();
         Self::layout(&seqs, pad_id, max_len, per_row.max(1))
@@ -120,7 +165,7 @@ impl PrefBatch {
             let labels = ids
                 .iter()
                 .enumerate()
-                .map(|(j, &t)| match j >= p || s.score_prompt {
+                .map(|(j, &t)| match j >= p {
                     true => t as i64,
                     false => IGNORE,
                 })
@@ -134,15 +179,6 @@ impl PrefBatch {
             .map(|c| c.iter().collect())
             .collect();
         let batch = Batch::from_rows(&rows, pad_id, true);
-        Self::with_layout(batch, per_row, prompt_len, completion_len)
-    }
-
-    fn with_layout(
-        batch: Batch,
-        per_row: usize,
-        prompt_len: Vec<usize>,
-        completion_len: Vec<usize>,
-    ) -> PrefBatch {
         // Row r's segment k is sequence r·per_row + k.
         let segments = batch.segments.as_deref().unwrap_or_default();
         let (mut target_seq, mut target_completion) = (Vec::new(), Vec::new());
@@ -153,15 +189,19 @@ impl PrefBatch {
             target_seq.push(seq as u32);
             target_completion.push(pos >= prompt_len[seq]);
         }
-        let layout = Arc::new(PrefLayout {
+        let layout = PrefLayout {
             prompt_len,
             completion_len,
             target_seq,
             target_completion,
-            desirable: Vec::new(),
-            kl: None,
-            reference: None,
-        });
+            ..PrefLayout::default()
+        };
+        Self::with(batch, layout)
+    }
+
+    /// The batch with its layout attached.
+    fn with(batch: Batch, layout: PrefLayout) -> PrefBatch {
+        let layout = Arc::new(layout);
         let batch = Batch {
             pref: Some(layout.clone()),
             ..batch
@@ -193,7 +233,83 @@ impl PrefBatch {
     }
 }
 
+/// Rows being filled with prefix trees: ids, positions, tree ids and targets, [B × T] each.
+struct Rows {
+    b: usize,
+    t: usize,
+    ids: Vec<u32>,
+    positions: Vec<u32>,
+    segments: Vec<u32>,
+    real: Vec<bool>,
+    /// Where each row's next token goes (within the row).
+    fill: Vec<usize>,
+    targets: Vec<(usize, u32)>,
+}
+
+impl Rows {
+    fn new(b: usize, t: usize, pad_id: u32) -> Rows {
+        Rows {
+            b,
+            t,
+            ids: vec![pad_id; b * t],
+            positions: vec![0; b * t],
+            segments: vec![u32::MAX; b * t],
+            real: vec![false; b * t],
+            fill: vec![0; b],
+            targets: Vec::new(),
+        }
+    }
+
+    /// Appends `toks` to row `row` at positions from `pos`, tree id `id`; returns the flat
+    /// index of the first.
+    fn put(&mut self, row: usize, toks: &[u32], pos: usize, id: u32) -> usize {
+        let at = row * self.t + self.fill[row];
+        for (j, &tok) in toks.iter().enumerate() {
+            self.ids[at + j] = tok;
+            self.positions[at + j] = (pos + j) as u32;
+            self.segments[at + j] = id;
+            self.real[at + j] = true;
+        }
+        self.fill[row] += toks.len();
+        at
+    }
+
+    fn finish(mut self) -> Batch {
+        // Padding continues the positions (its outputs are never used), as `Batch::from_rows`.
+        for (r, &f) in self.fill.iter().enumerate() {
+            for p in f..self.t {
+                self.positions[r * self.t + p] = p as u32;
+            }
+        }
+        Batch {
+            b: self.b,
+            t: self.t,
+            tokens: self.fill.iter().sum(),
+            ids: self.ids,
+            positions: self.positions,
+            segments: Some(self.segments),
+            prefix_tree: false,
+            targets: self.targets,
+            real: self.real,
+            pref: None,
+        }
+    }
+}
+
 impl PrefLayout {
+    /// Records a target of sequence `seq` (a completion token, or a scored prompt token).
+    fn target(
+        &mut self,
+        targets: &mut Vec<(usize, u32)>,
+        t: (usize, u32),
+        seq: u32,
+        completion: bool,
+    ) {
+        targets.push(t);
+        self.target_seq.push(seq);
+        self.target_completion.push(completion);
+    }
+
     /// Sequences in the batch.
     pub fn n_seqs(&self) -> usize {
         self.completion_len.len()
@@ -256,34 +372,58 @@ mod tests {
     }
 
     #[test]
-    fn a_pair_shares_a_row_block_diagonally_without_padding() {
+    fn a_pair_is_one_prefix_tree_its_prompt_once() {
         let (a, b) = (pair(&[1, 2], &[3, 4, 5], &[6]), pair(&[7], &[8], &[9, 10]));
         let pb = PrefBatch::pairs(&[&a, &b], 0, 100, 1, false);
         let batch = &pb.batch;
-        assert_eq!((batch.b, batch.t), (2, 8));
-        assert_eq!(&batch.ids[..8], &[1, 2, 3, 4, 5, 1, 2, 6]);
-        assert_eq!(&batch.ids[8..13], &[7, 8, 7, 9, 10]);
-        assert_eq!(batch.positions[..8], [0, 1, 2, 3, 4, 0, 1, 2]);
+        assert!(batch.prefix_tree);
+        // [prompt | chosen | rejected]: 2 + 3 + 1 and 1 + 1 + 2 tokens
+        assert_eq!((batch.b, batch.t), (2, 6));
+        assert_eq!(batch.ids, vec![1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 0, 0]);
+        assert_eq!(batch.tokens, 10);
+        // rejected continues the prompt's positions as chosen does; padding continues the row
+        assert_eq!(batch.positions, vec![0, 1, 2, 3, 4, 2, 0, 1, 1, 2, 4, 5]);
+        let m = u32::MAX;
         let seg = batch.segments.as_ref().unwrap();
-        assert_eq!(seg[..8], [0, 0, 0, 0, 0, 1, 1, 1]);
-        // completion tokens only: 3 4 5 | 6 | 8 | 9 10
-        let tokens: Vec<u32> = batch.targets.iter().map(|t| t.1).collect();
-        assert_eq!(tokens, vec![3, 4, 5, 6, 8, 9, 10]);
+        assert_eq!(seg, &vec![0, 0, 1, 1, 1, 2, 0, 1, 2, 2, m, m]);
+        // each completion's first token from the prompt's last position (1; row 1: 6)
+        let want = vec![(1, 3), (2, 4), (3, 5), (1, 6), (6, 8), (6, 9), (8, 10)];
+        assert_eq!(batch.targets, want);
         assert_eq!(pb.layout.target_seq, vec![0, 0, 0, 1, 2, 3, 3]);
         assert!(pb.layout.target_completion.iter().all(|&c| c));
+        assert_eq!(pb.layout.prompt_len, vec![2, 2, 1, 1]);
         assert_eq!(pb.layout.completion_len, vec![3, 1, 1, 2]);
         assert!(batch.pref.is_some());
-        // one row for both pairs: no padding at all
+        // one row for both pairs: no padding at all, the second tree's ids 1 << 2 | branch
         let one = PrefBatch::pairs(&[&a, &b], 0, 100, 2, false);
-        assert_eq!((one.batch.b, one.batch.t), (1, 13));
+        assert_eq!((one.batch.b, one.batch.t), (1, 10));
+        assert_eq!(one.batch.ids, batch.ids[..10]);
+        assert_eq!(
+            one.batch.segments.as_deref().unwrap(),
+            &[0, 0, 1, 1, 1, 2, 4, 5, 6, 6]
+        );
+        assert_eq!(one.batch.positions, batch.positions[..10]);
+        assert_eq!(one.batch.targets, want);
         assert_eq!(one.layout.target_seq, pb.layout.target_seq);
+        // KTO's unpaired rows are no trees
+        let e = UnpairedExample {
+            prompt: vec![1, 2],
+            completion: vec![3],
+            desirable: true,
+        };
+        let k = PrefBatch::kto(&[&e, &e], 0, 100);
+        assert!(!k.prefix_tree);
+        assert_eq!(k.segments.as_deref().unwrap(), &[0, 0, 0, 0, 0, 0]);
     }
 
     #[test]
     fn truncation_keeps_the_start_and_orpo_scores_chosen_prompts() {
         let a = pair(&[1, 2, 3], &[4, 5, 6, 7], &[8, 9]);
         let pb = PrefBatch::pairs(&[&a], 0, 5, 1, true);
-        assert_eq!(pb.batch.ids, vec![1, 2, 3, 4, 5, 1, 2, 3, 8, 9]);
+        // each sequence cut to 5: the prompt's 3 and 2 of each completion
+        assert_eq!(pb.batch.ids, vec![1, 2, 3, 4, 5, 8, 9]);
+        let from: Vec<usize> = pb.batch.targets.iter().map(|t| t.0).collect();
+        assert_eq!(from, vec![0, 1, 2, 3, 2, 5]);
         let pl = &pb.layout;
         assert_eq!(pl.completion_len, vec![2, 2]);
         let tokens: Vec<u32> = pb.batch.targets.iter().map(|t| t.1).collect();

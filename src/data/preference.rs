@@ -522,10 +522,14 @@ mod tests {
             let pb = PrefBatch::pairs(&kept, 0, max_len, 1, false);
             let b = &pb.batch;
             let seg = b.segments.as_ref().unwrap();
+            // a pair's tree: the prompt (id 0) with chosen (1) or rejected (2)
             for (k, kind) in [(0, "chosen"), (1, "rejected")] {
                 for (i, w) in case[kind].as_array().unwrap().iter().enumerate() {
                     let row = i * b.t..(i + 1) * b.t;
-                    let got: Vec<u32> = row.filter(|&j| seg[j] == k).map(|j| b.ids[j]).collect();
+                    let got: Vec<u32> = row
+                        .filter(|&j| seg[j] == 0 || seg[j] == k + 1)
+                        .map(|j| b.ids[j])
+                        .collect();
                     assert_eq!(got, ids(&w["input_ids"]), "max_length {max_len} {kind} {i}");
                     let s = 2 * i + k as usize;
                     let mut mask = vec![0u64; pb.layout.prompt_len[s]];

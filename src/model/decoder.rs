@@ -457,7 +457,8 @@ impl Model {
     }
 
     /// Per-batch context: positions [B×T] (restarting per packed example), segment ids for the
-    /// block-diagonal mask (None = one sequence per row), and the dropout key.
+    /// block-diagonal mask (None = one sequence per row), and the dropout key. Prefix-tree ids
+    /// (preference pairs) set `mask.prefix_tree` on the result.
     pub fn ctx(
         &self,
         positions: &[u32],
@@ -476,6 +477,7 @@ impl Model {
             .transpose()?;
         let mask = AttnMask {
             segments,
+            prefix_tree: false,
             window: 0,
             softcap: 0.0,
             sinks: None,

@@ -2,9 +2,14 @@
 // two passes (log-sum-exp, then the probabilities), its backward, the running sums of the
 // blocks' products, and δ = rowsum(dO ⊙ O).
 
+// tree: the ids are prefix-tree ids (example << 2 | branch; ops::attention::AttnMask): a query
+// also sees its example's branch-0 keys (the shared prefix).
 __device__ __forceinline__ bool allowed(const unsigned int* seg, long b, int t, int i, int j,
-                                        int window) {
-    return j <= i && (window <= 0 || i - j < window) && (!seg || seg[b * t + j] == seg[b * t + i]);
+                                        int window, int tree) {
+    if (j > i || (window > 0 && i - j >= window)) return false;
+    if (!seg) return true;
+    const unsigned si = seg[b * t + i], sj = seg[b * t + j];
+    return si == sj || (tree && (si >> 2) == (sj >> 2) && (sj & 3u) == 0u);
 }
 
 // A raw score as the softmax takes it: scaled, and soft-capped where cap > 0 (Gemma 2).
@@ -16,32 +21,33 @@ __device__ __forceinline__ float score(float s, float scale, float cap) {
 // b = r / (H·bq). One thread block per row.
 template <typename T>
 __device__ void masked_lse(const T* s, float* lse, const unsigned int* seg, int h, int bq, int e,
-                           int t, int q_off, int window, float scale, float cap) {
+                           int t, int q_off, int window, int tree, float scale, float cap) {
     long row = blockIdx.x;
     int i = q_off + row % bq;
     long b = row / ((long)h * bq);
     const T* sr = s + row * e;
     float m = __int_as_float(0xff800000);
     for (int j = threadIdx.x; j < e; j += blockDim.x)
-        if (allowed(seg, b, t, i, j, window)) m = fmaxf(m, score(ld(sr, j), scale, cap));
+        if (allowed(seg, b, t, i, j, window, tree)) m = fmaxf(m, score(ld(sr, j), scale, cap));
     m = block_max(m);
     float sum = 0.f;
     for (int j = threadIdx.x; j < e; j += blockDim.x)
-        if (allowed(seg, b, t, i, j, window)) sum += __expf(score(ld(sr, j), scale, cap) - m);
+        if (allowed(seg, b, t, i, j, window, tree)) sum += __expf(score(ld(sr, j), scale, cap) - m);
     sum = block_sum(sum);
     if (threadIdx.x == 0) lse[row] = m + logf(sum);
 }
 
 template <typename T>
 __device__ void masked_exp(const T* s, const float* lse, T* p, const unsigned int* seg, int h,
-                           int bq, int e, int t, int q_off, int window, float scale, float cap) {
+                           int bq, int e, int t, int q_off, int window, int tree, float scale,
+                           float cap) {
     long row = blockIdx.x;
     int i = q_off + row % bq;
     long b = row / ((long)h * bq);
     float l = lse[row];
     for (int j = threadIdx.x; j < e; j += blockDim.x)
         st(p + row * e, j,
-           allowed(seg, b, t, i, j, window) ? __expf(score(ld(s + row * e, j), scale, cap) - l) : 0.f);
+           allowed(seg, b, t, i, j, window, tree) ? __expf(score(ld(s + row * e, j), scale, cap) - l) : 0.f);
 }
 
 // ds = scale · p ⊙ (dp − δ[row]); elementwise over n = R·e.
@@ -96,11 +102,12 @@ __device__ void row_dot(const T* g, const T* o, float* delta, long mh, int h, in
 
 #define ATTENTION_INST(NAME, T) \
 extern "C" __global__ void masked_lse_##NAME(const T* s, float* lse, const unsigned int* seg, \
-    int h, int bq, int e, int t, int q_off, int window, float scale, float cap) \
-    { masked_lse<T>(s, lse, seg, h, bq, e, t, q_off, window, scale, cap); } \
+    int h, int bq, int e, int t, int q_off, int window, int tree, float scale, float cap) \
+    { masked_lse<T>(s, lse, seg, h, bq, e, t, q_off, window, tree, scale, cap); } \
 extern "C" __global__ void masked_exp_##NAME(const T* s, const float* lse, T* p, \
-    const unsigned int* seg, int h, int bq, int e, int t, int q_off, int window, float scale, \
-    float cap) { masked_exp<T>(s, lse, p, seg, h, bq, e, t, q_off, window, scale, cap); } \
+    const unsigned int* seg, int h, int bq, int e, int t, int q_off, int window, int tree, \
+    float scale, float cap) \
+    { masked_exp<T>(s, lse, p, seg, h, bq, e, t, q_off, window, tree, scale, cap); } \
 extern "C" __global__ void softmax_bwd_##NAME(const T* p, const T* dp, const float* delta, T* ds, \
     int e, float scale, long n) { softmax_bwd<T>(p, dp, delta, ds, e, scale, n); } \
 extern "C" __global__ void softmax_bwd_cap_##NAME(const T* p, const T* dp, const float* delta, \

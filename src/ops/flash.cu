@@ -43,6 +43,7 @@ struct FlashP {
     int B, H, KH, T, window;
     float scale;
     float softcap;             // 0: none (of flash90.cu's kernels, the d256 ones take it)
+    int tree;                  // seg holds prefix-tree ids, example << 2 | branch (ops::AttnMask)
 };
 
 // The mma.sync kernels' tiles at head dim D (flash.rs's launches size shared memory from the
@@ -155,10 +156,13 @@ __device__ __forceinline__ void fl_load(unsigned s, const bf16_t* g, long st, in
 }
 
 // Whether query i may see key j: causal, the sliding window (0: none), the same example
-// (ids are 0 when there are no segments). Branch-free: evaluated for every element of a
+// (ids are 0 when there are no segments), or with prefix-tree ids (tree) the key in the
+// prefix (branch 0) of the query's example. Branch-free: evaluated for every element of a
 // tile on the diagonal.
-__device__ __forceinline__ bool fl_ok(int i, int j, int T, int window, unsigned si, unsigned sj) {
-    return (j <= i) & (i < T) & ((window == 0) | (i - j < window)) & (si == sj);
+__device__ __forceinline__ bool fl_ok(int i, int j, int T, int window, int tree, unsigned si,
+                                      unsigned sj) {
+    return (j <= i) & (i < T) & ((window == 0) | (i - j < window)) &
+           ((si == sj) | ((tree != 0) & ((si >> 2) == (sj >> 2)) & ((sj & 3u) == 0u)));
 }
 
 // acc [16 × D] += P · tile: P the 16 × R product held as C fragments c[R / 8] (two side by
@@ -252,10 +256,11 @@ __device__ __forceinline__ void fl_prefetch_kv(const FlashP& p, unsigned sK, uns
 // Example ids are non-decreasing along a row (data::batch numbers a row's examples in order,
 // padding last), so an example's tokens are one run, bounded by binary search: packed rows of
 // short examples visit only the tiles of the examples they hold.
-// The first token of the example of token i of row b.
+// The first token of the example of token i of row b (prefix trees: of its tree, the first id
+// at least example << 2).
 __device__ __forceinline__ int fl_doc_start(const FlashP& p, int b, int i) {
     const unsigned* s = p.seg + (long)b * p.T;
-    const unsigned v = s[i];
+    const unsigned v = p.tree ? s[i] & ~3u : s[i];
     int lo = 0, hi = i;
     while (lo < hi) {
         const int mid = (lo + hi) >> 1;
@@ -275,6 +280,26 @@ __device__ __forceinline__ int fl_doc_end(const FlashP& p, int b, int i) {
     return lo;
 }
 
+// Prefix trees: one past the last query of row b that can see a key of [k0, kl]: the end of
+// kl's example where the tile holds a key of its prefix (branch 0, which every branch of the
+// example sees), else the end of kl's branch (the keys of earlier examples end before either).
+__device__ __forceinline__ int fl_tree_end(const FlashP& p, int b, int k0, int kl) {
+    const unsigned* s = p.seg + (long)b * p.T;
+    const unsigned v = s[kl], w = v & ~3u;
+    int lo = k0, hi = kl;
+    while (lo < hi) {  // the tile's first id of at least w (s[kl] = v >= w)
+        const int mid = (lo + hi) >> 1;
+        if (s[mid] < w) lo = mid + 1; else hi = mid;
+    }
+    const unsigned last = s[lo] == w ? (w | 3u) : v;
+    lo = kl + 1, hi = p.T;
+    while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if (s[mid] <= last) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+}
+
 // The first key tile a query tile of row b starting at q0 (< T) can see: the sliding window
 // and the first query's example cut the front.
 template<int BK>
@@ -289,7 +314,8 @@ __device__ __forceinline__ int fl_first_key(const FlashP& p, int b, int q0) {
 template<int BK>
 __device__ __forceinline__ int fl_query_end(const FlashP& p, int b, int k0) {
     int q = p.window > 0 ? min(p.T, k0 + BK - 1 + p.window) : p.T;
-    if (p.seg) q = min(q, fl_doc_end(p, b, min(k0 + BK, p.T) - 1));
+    const int kl = min(k0 + BK, p.T) - 1;
+    if (p.seg) q = min(q, p.tree ? fl_tree_end(p, b, k0, kl) : fl_doc_end(p, b, kl));
     return q;
 }
 
@@ -303,8 +329,8 @@ __device__ __forceinline__ void fl_mask(const FlashP& p, float (*s)[4], int i0, 
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int col = n * 8 + 2 * c + (e & 1);
-            const bool ok = e < 2 ? fl_ok(i0, j0 + col, p.T, p.window, si0, tS[col])
-                                  : fl_ok(i0 + 8, j0 + col, p.T, p.window, si1, tS[col]);
+            const bool ok = e < 2 ? fl_ok(i0, j0 + col, p.T, p.window, p.tree, si0, tS[col])
+                                  : fl_ok(i0 + 8, j0 + col, p.T, p.window, p.tree, si1, tS[col]);
             if (!ok) s[n][e] = FLASH_NEG_INF;
         }
     }
@@ -320,8 +346,8 @@ __device__ __forceinline__ void fl_mask_t(const FlashP& p, float (*st)[4], int q
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int col = n * 8 + 2 * c + (e & 1);
-            const bool ok = e < 2 ? fl_ok(q0 + col, kj0, p.T, p.window, tS[col], sg0)
-                                  : fl_ok(q0 + col, kj0 + 8, p.T, p.window, tS[col], sg1);
+            const bool ok = e < 2 ? fl_ok(q0 + col, kj0, p.T, p.window, p.tree, tS[col], sg0)
+                                  : fl_ok(q0 + col, kj0 + 8, p.T, p.window, p.tree, tS[col], sg1);
             if (!ok) st[n][e] = FLASH_NEG_INF;
         }
     }

@@ -2,8 +2,8 @@
 //! or 256, Gemma 2's soft-capped scores) and `flash90.cu` (head dim 128, no cap; head dim 256,
 //! capped or not).
 //!
-//! Same contract as `attention::attention_fwd` / `attention_bwd` (causal, optional segments,
-//! sliding window and soft-cap, L = log-sum-exp in natural log), but one kernel per pass instead
+//! Same contract as `attention::attention_fwd` / `attention_bwd` (causal, optional segments or
+//! prefix trees, sliding window and soft-cap, L = log-sum-exp in natural log), but one kernel per pass instead
 //! of cuBLAS GEMMs per query block plus three elementwise kernels over the [bq × T] score
 //! blocks, and GQA without repeating k and v. The blockwise path stays the reference (its tests pin it to the
 //! composite) and the fallback: CPU, f32 and f16, other head dims (`ops::kernels::Attention`).
@@ -107,6 +107,7 @@ mod imp {
         window: i32,
         scale: f32,
         softcap: f32,
+        tree: i32,
     }
     // SAFETY: plain old data laid out as the C struct the kernels take by value.
     unsafe impl DeviceRepr for FlashP {}
@@ -422,6 +423,7 @@ mod imp {
             window: ints(mask.window)?,
             scale: scale as f32,
             softcap: mask.softcap,
+            tree: i32::from(mask.prefix_tree && mask.segments.is_some()),
             ..Default::default()
         })
     }

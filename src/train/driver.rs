@@ -228,6 +228,7 @@ pub fn forward_backward_dev(
         }
     };
     let mut ctx = model.ctx(&batch.positions, b, t, batch.segments.clone(), dropout)?;
+    ctx.mask.prefix_tree = batch.prefix_tree;
     if let Some(s) = par.shards {
         // FSDP: the folded linears' B's go into the shards, to arrive with each gather.
         ctx.folded = s.write_pads(model)?;
@@ -580,13 +581,14 @@ fn all_reduce_layer(layer: &Layer, grads: &mut Grads, comm: &dyn Comm, ctx: &Ctx
 /// Forward only, for logits-level checks: the model's `forward` with a batch's context.
 pub fn logits(model: &Model, batch: &Batch) -> Result<Tensor> {
     let ids = Tensor::from_slice(&batch.ids, (batch.b, batch.t), &model.device)?;
-    let ctx: Ctx = model.ctx(
+    let mut ctx: Ctx = model.ctx(
         &batch.positions,
         batch.b,
         batch.t,
         batch.segments.clone(),
         None,
     )?;
+    ctx.mask.prefix_tree = batch.prefix_tree;
     model.forward(&ids, &ctx)
 }
 

@@ -27,7 +27,8 @@ pub(crate) fn ce_sum_par(model: &Model, par: &Par, batch: &Batch) -> Result<f64>
     let dev = &model.device;
     let (b, t) = (batch.b, batch.t);
     let ids = Tensor::from_slice(&batch.ids, (b, t), dev)?;
-    let ctx = model.ctx(&batch.positions, b, t, batch.segments.clone(), None)?;
+    let mut ctx = model.ctx(&batch.positions, b, t, batch.segments.clone(), None)?;
+    ctx.mask.prefix_tree = batch.prefix_tree;
     let mut x = match par.io(model)? {
         Some(io) => io.embed(&ids)?,
         None => model.embed(&ids)?,

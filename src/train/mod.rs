@@ -30,6 +30,8 @@ pub(crate) mod pref_objective;
 pub(crate) mod pref_precompute;
 pub(crate) mod pref_ref;
 pub(crate) mod pref_store;
+#[cfg(test)]
+mod pref_tree;
 pub(crate) mod preflight;
 pub mod readback;
 pub(crate) mod resolve;

@@ -40,6 +40,7 @@ mod newcomer;
 mod nf4;
 mod odd_dirs;
 mod ops;
+mod ops_tree;
 mod output_streams;
 mod parallel;
 mod pref;

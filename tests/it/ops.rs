@@ -368,6 +368,7 @@ fn blockwise_attention_matches_composite_with_segments_and_window() {
                 let segments = use_seg.then(|| Tensor::from_vec(seg.clone(), b * t, &dev).unwrap());
                 let mask = AttnMask {
                     segments,
+                    prefix_tree: false,
                     window,
                     softcap: 0.0,
                     sinks: None,
@@ -544,6 +545,7 @@ fn flash_attention_matches_blockwise_on_the_gpu() {
         let seg: Vec<u32> = (0..b * t).map(|i| ((i % t) / 37) as u32).collect();
         let mask = AttnMask {
             segments: use_seg.then(|| Tensor::from_vec(seg, b * t, &dev).unwrap()),
+            prefix_tree: false,
             window,
             softcap,
             sinks: None,

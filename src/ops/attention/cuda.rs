@@ -29,6 +29,7 @@ fn block_rows(
     t: usize,
     q_off: usize,
     window: usize,
+    tree: bool,
     [scale, cap]: [f32; 2],
 ) -> Result<CudaStorage> {
     use candle_core::backend::BackendStorage;
@@ -43,13 +44,14 @@ fn block_rows(
     };
     let seg = seg.map(contiguous_u32).transpose()?;
     let null: u64 = 0;
-    let (hi, bqi, ei, ti, qo, wi) = (
+    let (hi, bqi, ei, ti, qo, wi, tr) = (
         h as i32,
         bq as i32,
         e as i32,
         t as i32,
         q_off as i32,
         window as i32,
+        i32::from(tree),
     );
     let (o1, o2) = contiguous(l)?;
     macro_rules! args {
@@ -64,6 +66,7 @@ fn block_rows(
                 .arg(&ti)
                 .arg(&qo)
                 .arg(&wi)
+                .arg(&tr)
                 .arg(&scale)
                 .arg(&cap);
         };
@@ -113,7 +116,9 @@ fn block_rows(
     }
 }
 
-/// `sc` = [scale, soft-cap (0: none)].
+/// `sc` = [scale, soft-cap (0: none)]; `tree`: the ids are prefix-tree ids
+/// (`AttnMask::prefix_tree`).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn masked_lse(
     s: &CudaStorage,
     l: &Layout,
@@ -121,9 +126,10 @@ pub(crate) fn masked_lse(
     t: usize,
     q_off: usize,
     window: usize,
+    tree: bool,
     sc: [f32; 2],
 ) -> Result<CudaStorage> {
-    block_rows("masked_lse", s, l, None, seg, t, q_off, window, sc)
+    block_rows("masked_lse", s, l, None, seg, t, q_off, window, tree, sc)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -136,6 +142,7 @@ pub(crate) fn masked_exp(
     t: usize,
     q_off: usize,
     window: usize,
+    tree: bool,
     sc: [f32; 2],
 ) -> Result<CudaStorage> {
     block_rows(
@@ -147,6 +154,7 @@ pub(crate) fn masked_exp(
         t,
         q_off,
         window,
+        tree,
         sc,
     )
 }

@@ -4,7 +4,9 @@
 //! and three fused kernels: masked log-sum-exp, masked exp, softmax backward).
 //!
 //! Masking is computed from indices, never materialised: causal, optionally block-diagonal
-//! (packed examples: query i sees key j only within its segment) and a sliding window. Gemma 2's
+//! (packed examples: query i sees key j only within its segment), optionally a prefix tree
+//! (`AttnMask::prefix_tree`: a preference pair's two completions share its prompt) and a
+//! sliding window. Gemma 2's
 //! soft-cap, z = cap · tanh(scale · s / cap), is applied to each score as the kernels read it;
 //! its backward multiplies dS by scale · (1 − (z / cap)²), from the block's scores kept for it.
 //!
@@ -26,6 +28,11 @@ pub struct AttnMask {
     /// Per-token example ids, u32 [B × T] on the model's device: query i sees key j only if
     /// they match. `None`: every row is one sequence.
     pub segments: Option<Tensor>,
+    /// The segment ids are prefix-tree ids `example << 2 | branch` (branch 0: the example's
+    /// shared prefix; 1, 2: branches after it): query i sees key j where they match, or where
+    /// j is the prefix of i's example. Ids stay non-decreasing along a row (the flash kernels
+    /// bound each example by binary search); padding's u32::MAX is never a prefix.
+    pub prefix_tree: bool,
     /// Keys this many or more positions back are masked (0 = unlimited).
     pub window: usize,
     /// Scores soft-capped at this before the mask (0 = none; Gemma 2's attn_logit_softcapping).
@@ -45,6 +52,8 @@ struct Block {
     /// Soft-cap (0 = none).
     cap: f32,
     seg: Option<Tensor>,
+    /// `AttnMask::prefix_tree`.
+    tree: bool,
 }
 
 impl Block {
@@ -66,10 +75,17 @@ impl Block {
     fn allowed(&self, seg: &Option<Vec<u32>>, b: usize, i: usize, j: usize) -> bool {
         j <= i
             && (self.window == 0 || i - j < self.window)
-            && seg
-                .as_ref()
-                .is_none_or(|s| s[b * self.t + j] == s[b * self.t + i])
+            && seg.as_ref().is_none_or(|s| {
+                let (si, sj) = (s[b * self.t + i], s[b * self.t + j]);
+                si == sj || (self.tree && tree_prefix(si, sj))
+            })
     }
+}
+
+/// Prefix-tree ids (`AttnMask::prefix_tree`): whether key id `sj` is the shared prefix of
+/// query id `si`'s example (the same example, branch 0).
+pub(crate) fn tree_prefix(si: u32, sj: u32) -> bool {
+    si >> 2 == sj >> 2 && sj & 3 == 0
 }
 
 /// scores [B, H, bq, e] → L [B, H, bq] f32 over the allowed keys, of scale · scores.
@@ -124,6 +140,7 @@ impl CustomOp1 for MaskedLse {
             self.0.t,
             self.0.q_off,
             self.0.window,
+            self.0.tree,
             [self.0.scale, self.0.cap],
         )?;
         Ok((out, (b, h, bq).into()))
@@ -175,6 +192,7 @@ impl CustomOp2 for MaskedExp {
             self.0.t,
             self.0.q_off,
             self.0.window,
+            self.0.tree,
             [self.0.scale, self.0.cap],
         )?;
         Ok((out, l.shape().clone()))
@@ -334,6 +352,7 @@ fn block_of(mask: &AttnMask, t: usize, scale: f64) -> Block {
         scale: scale as f32,
         cap: mask.softcap,
         seg: mask.segments.clone(),
+        tree: mask.prefix_tree && mask.segments.is_some(),
     }
 }
 
