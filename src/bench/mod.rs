@@ -209,7 +209,12 @@ fn run_rank(
     comm: Box<dyn Comm>,
     ordinal: usize,
 ) -> Result<serde_json::Value> {
-    let p = plan::plan(&run.plan_input(comm.world()), 1, a.max_memory);
+    // Rows as the bench lays them out (a pair's tree: 2 · seq − prompt_len tokens).
+    let input = plan::PlanInput {
+        seq_len: rows::unit_tokens(a),
+        ..run.plan_input(comm.world())
+    };
+    let p = plan::plan(&input, 1, a.max_memory);
     let sel = (run.strategy, run.ckpt);
     let dev = crate::model::device::open(run.device, ordinal)?;
     let ballast = match a.max_memory {

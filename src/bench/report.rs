@@ -60,12 +60,10 @@ impl Report<'_> {
         let loss = losses.last().copied().unwrap_or(0.0);
         let cuda = self.s.run.cuda();
         // This rank's tokens per second; every rank's figures gathered for rank 0's report.
-        // A pair trains its two sequences (KTO: one, and its mismatched pair's forward).
-        let seqs = match a.objective {
-            crate::recipe::TrainObjective::Sft | crate::recipe::TrainObjective::Kto => 1,
-            _ => 2,
-        };
-        let tokens = (accum * b * seqs * t * a.steps) as f64;
+        // A pair trains its tree, its prompt once and its two completions (KTO: a sequence,
+        // and its mismatched pair's forward).
+        let unit = super::rows::unit_tokens(a);
+        let tokens = (accum * b * unit * a.steps) as f64;
         let tps = tokens / dt;
         let (fpt, work_fpt) = step_flops(a, cfg, spec, model.mlp_chunk, self.keep, self.evals);
         let r2 = |x: f64| (x * 100.0).round() / 100.0;
@@ -114,7 +112,7 @@ impl Report<'_> {
             out["objective"] = a.objective.name().into();
             out["prompt_len"] = a.prompt_len.into();
             // pairs (KTO: examples) a second over the ranks
-            out["pairs_per_s"] = ((total_tps / (seqs * t) as f64) * 100.0).round().into();
+            out["pairs_per_s"] = ((total_tps / unit as f64) * 100.0).round().into();
             out["pairs_per_s"] = (out["pairs_per_s"].as_f64().unwrap_or(0.0) / 100.0).into();
             // the reference's forwards alone, and their share of a step's time
             if let Some(r) = self.reference_s {

@@ -43,9 +43,24 @@ pub(super) fn micro_batches(
     (batches, evals)
 }
 
+/// A pair's prompt tokens: `prompt_len`, at least 1 and leaving a completion token.
+fn prompt_tokens(a: &BenchArgs) -> usize {
+    a.prompt_len.clamp(1, a.seq.saturating_sub(1).max(1))
+}
+
+/// Tokens of one unit of the bench's rows: a pair's prefix tree (its prompt once and its two
+/// completions: 2 · seq − prompt), or a sequence (SFT; KTO's example).
+pub(crate) fn unit_tokens(a: &BenchArgs) -> usize {
+    use crate::recipe::TrainObjective::{Kto, Sft};
+    match a.objective {
+        Sft | Kto => a.seq,
+        _ => 2 * a.seq - prompt_tokens(a).min(a.seq),
+    }
+}
+
 /// Random preference micro-batches: pair g's prompt (`prompt_len` tokens) and its chosen and
 /// rejected completions (`seq - prompt_len` tokens each) seeded by g, laid out as `train` lays
-/// pairs out (a pair's two sequences one row; KTO: one example a row, its mismatched pairs).
+/// pairs out (a pair one row, its prompt once; KTO: one example a row, its mismatched pairs).
 fn pref_batches(
     a: &BenchArgs,
     vocab: usize,
@@ -55,7 +70,7 @@ fn pref_batches(
     use crate::data::pref_batch::PrefBatch;
     use crate::data::preference::{PairExample, UnpairedExample};
     let (b, t, accum) = (a.micro_batch, a.seq, a.grad_accum.max(1));
-    let p = a.prompt_len.clamp(1, t.saturating_sub(1).max(1));
+    let p = prompt_tokens(a);
     let ids = |rng: &mut crate::rng::Rng, n: usize| -> Vec<u32> {
         (0..n).map(|_| rng.below(vocab) as u32).collect()
     };

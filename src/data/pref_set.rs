@@ -76,7 +76,7 @@ impl PrefSet {
     }
 
     /// The micro-batch of the examples `rows` (one example index a row, as the sampler gives
-    /// them without packing), a pair's two sequences side by side in a row; `max_len` is
+    /// them without packing), a pair one prefix tree a row (its prompt once); `max_len` is
     /// data.seq_len, `score_chosen_prompt` ORPO's.
     pub fn batch(
         &self,

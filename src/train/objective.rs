@@ -95,11 +95,13 @@ impl ObjectiveKind {
         self != ObjectiveKind::Sft
     }
 
-    /// Sequences a row of a micro-batch holds: a pair's two (DPO, ORPO, SimPO), else one.
-    pub(crate) fn seqs_per_row(self) -> usize {
+    /// Tokens a row of a micro-batch holds at most when each sequence keeps `seq_len`: a pair's
+    /// prefix tree (DPO, ORPO, SimPO: its prompt once, p ≥ 1 tokens, and its two completions of
+    /// up to seq_len − p each: 2 · seq_len − 1 at p = 1; `data::pref_batch`), else seq_len.
+    pub(crate) fn row_tokens(self, seq_len: usize) -> usize {
         match self {
-            ObjectiveKind::Pair { .. } => 2,
-            _ => 1,
+            ObjectiveKind::Pair { .. } => (2 * seq_len).saturating_sub(1).max(seq_len),
+            _ => seq_len,
         }
     }
 

@@ -155,8 +155,9 @@ fn file_sum(p: &Path) -> Result<String> {
 /// What decides the stored values, one `name = value` line each: the recipe's fields that
 /// change the numbers (the data files, seq_len, max_prompt_len, the objective and its
 /// reference, the batch, the seed, the model's path ...), the data's fingerprint, the device,
-/// dtype, kernels and ranks, the base's config.json (its SHA-256) and weight files (name, size,
-/// modification time), and the init adapter's files (SHA-256).
+/// dtype, kernels and ranks, a pair's layout (`data::pref_batch::PAIR_LAYOUT`: a store of
+/// another layout is recomputed, named by this line), the base's config.json (its SHA-256) and
+/// weight files (name, size, modification time), and the init adapter's files (SHA-256).
 pub(crate) fn key(s: &Session, d: &TrainData) -> Result<String> {
     let run = &s.run;
     let mut lines: Vec<(String, String)> = super::checkpoint::fingerprint(&run.recipe)
@@ -173,6 +174,10 @@ pub(crate) fn key(s: &Session, d: &TrainData) -> Result<String> {
         format!("{:?}", run.objective.reference()),
     ));
     lines.push(("objective".into(), format!("{:?}", run.objective)));
+    if !run.objective.is_kto() {
+        let layout = crate::data::pref_batch::PAIR_LAYOUT;
+        lines.push(("pair_layout".into(), layout.into()));
+    }
     lines.push(("device".into(), format!("{:?}", run.device)));
     lines.push(("dtype".into(), format!("{:?}", run.dtype)));
     lines.push(("quant".into(), format!("{:?}", run.quant)));
@@ -274,6 +279,10 @@ mod tests {
             e,
             "it was computed with another init_adapter.adapter_model.safetensors"
         );
+        // a store of the two-sequence layout (before the prefix tree) lacks the line
+        let tree = format!("{KEY}pair_layout = prefix tree\n");
+        let e = decode(&encode(KEY, &[1.0; 4]), &tree, 4).unwrap_err();
+        assert_eq!(e, "it was computed with another pair_layout");
         let e = decode(&encode(KEY, &[1.0; 5]), KEY, 4).unwrap_err();
         assert_eq!(e, "it holds 5 values where this run has 4");
         let mut long = file();

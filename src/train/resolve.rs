@@ -194,14 +194,15 @@ impl RunConfig {
         })
     }
 
-    /// What the plan of a preference run counts that an SFT plan does not: a pair's two
-    /// sequences a row (None for SFT and KTO).
+    /// What the plan of a preference run counts that an SFT plan does not: a pair's tree a
+    /// row (None for SFT and KTO).
     pub fn plan_note(&self) -> Option<String> {
-        let pairs = (self.objective.seqs_per_row() > 1).then(|| {
+        let s = self.batch.seq_len;
+        let pairs = (self.objective.row_tokens(s) > s).then(|| {
             format!(
-                "train.objective = \"{}\": micro_batch counts pairs, a pair's chosen and rejected sequences one row of up to 2 × data.seq_len = {} tokens",
+                "train.objective = \"{}\": micro_batch counts pairs, a pair one row [prompt | chosen | rejected] (its prompt computed once) of p + c + r tokens, each sequence cut to data.seq_len: at most 2 × data.seq_len − 1 = {} (a one-token prompt; a pair with a p-token prompt takes 2 × data.seq_len − p)",
                 self.recipe.train.objective.name(),
-                self.batch.seq_len * 2
+                self.objective.row_tokens(s)
             )
         });
         // The plan counts no reference forward in a step either way (it keeps nothing, and
@@ -250,11 +251,11 @@ impl RunConfig {
             tied: cfg.tie_word_embeddings.unwrap_or(false),
             dtype_bytes: self.dtype.size_in_bytes() as u64,
             micro_batch: self.batch.micro_batch,
-            // A pair's chosen and rejected sequences share a row (data::pref_batch): rows of up
-            // to 2 × seq_len tokens. The reference's forward (and KTO's over its mismatched
+            // A pair is one row, its prompt once (data::pref_batch): rows of up to
+            // 2 × seq_len − 1 tokens. The reference's forward (and KTO's over its mismatched
             // pairs) keeps nothing and runs before the policy's: its transient, one layer's
             // working set, stays under the step's peak, which is counted.
-            seq_len: self.batch.seq_len * self.objective.seqs_per_row(),
+            seq_len: self.objective.row_tokens(self.batch.seq_len),
             rank: self.spec.rank,
             targets: self.spec.targets.clone(),
             dora: self.spec.dora,

@@ -418,6 +418,28 @@ fn mismatched_objective_format_and_reference_are_refused() {
     assert!(e.contains("\"unpaired_preference\""), "{e}");
 }
 
+/// `plan` counts a pair as its prefix tree: the prompt once, each sequence cut to seq_len, at
+/// most 2 × seq_len − 1 tokens a row (a one-token prompt).
+#[test]
+fn plan_counts_a_pair_as_one_prefix_tree() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = tmp.path().join("recipe.toml");
+    std::fs::write(&p, pref_recipe("dpo_sigmoid", &tmp.path().join("out"))).unwrap();
+    let o = Command::cargo_bin("lora-train")
+        .unwrap()
+        .args(["plan", "--recipe"])
+        .arg(&p)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(stdout.contains("2 × data.seq_len − 1 = 127"), "{stdout}");
+    assert!(
+        stdout.contains("micro-batch 2 × seq 127 (254 tokens)"),
+        "{stdout}"
+    );
+}
+
 /// `bench --objective dpo` trains random pairs on the tiny shape: from B = 0 the policy is the
 /// reference, so the first loss is ln 2; the JSON counts pairs and times the reference's
 /// forwards alone (reference_fwd_s, reference_share of step_s).
@@ -456,7 +478,14 @@ fn bench_dpo_starts_at_ln2_and_counts_pairs() {
     // the JSON rounds losses to 1e-4
     let first = losses[0].as_f64().unwrap();
     assert!((first - std::f64::consts::LN_2).abs() < 1e-4, "{j}");
-    assert!(j["pairs_per_s"].as_f64().unwrap() > 0.0, "{j}");
+    let pairs_s = j["pairs_per_s"].as_f64().unwrap();
+    assert!(pairs_s > 0.0, "{j}");
+    // a pair is one prefix tree: its prompt once, 8 + 2 × 24 = 56 tokens
+    let per_pair = j["tokens_per_s"].as_f64().unwrap() / pairs_s;
+    assert!(
+        (per_pair - 56.0).abs() < 0.5,
+        "{per_pair} tokens a pair: {j}"
+    );
     // the reference's forwards timed alone: a part of the step (it keeps no graph)
     let r = j["reference_fwd_s"].as_f64().unwrap();
     let share = j["reference_share"].as_f64().unwrap();
