@@ -142,7 +142,7 @@ impl Recipe {
         if d.pack {
             return Err(self.invalid(
                 "data.pack",
-                "= true with a preference objective: each pair's chosen and rejected sequences are packed into one row already; remove data.pack",
+                "= true with a preference objective: each pair is one row already (its prompt once, then chosen and rejected); remove data.pack",
             ));
         }
         if d.eval.is_some() || d.eval_fraction > 0.0 {

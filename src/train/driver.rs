@@ -488,9 +488,12 @@ fn backward<'m>(
 }
 
 /// dL/dh [N, C] (`like`'s shape and dtype) from the head chunks' rows, `targets` giving each
-/// row's position, in order; the rest zero. Runs of consecutive positions (a row's tokens but
-/// its last, or a completion) go in as slices between zero blocks, a few copies; many short
-/// runs take one index_add (candle's copies all of dL/dh at each call, so not one a chunk).
+/// row's position; the rest zero, a position given twice the sum. Runs of consecutive
+/// positions (a row's tokens but its last, or a completion) go in as slices between zero
+/// blocks, a few copies; a position behind the last run's end (a preference pair's prompt end,
+/// which predicts both completions' first tokens: data::pref_batch) adds in after them by one
+/// index_add; many short runs take one index_add for all (candle's copies all of dL/dh at each
+/// call, so not one a chunk).
 fn place_rows(mut parts: Vec<Tensor>, targets: &[(usize, u32)], like: &Tensor) -> Result<Tensor> {
     const MAX_RUNS: usize = 64;
     let (n, c) = like.dims2()?;
@@ -501,32 +504,42 @@ fn place_rows(mut parts: Vec<Tensor>, targets: &[(usize, u32)], like: &Tensor) -
         1 => parts.swap_remove(0),
         _ => Tensor::cat(&parts, 0)?,
     }; // [targets, C]
-       // (first position, length) of each run of consecutive positions
-    let mut runs: Vec<(usize, usize)> = Vec::new();
-    for &(i, _) in targets {
+       // (first position, length, first row of gh) of each run of consecutive positions; the
+       // (row of gh, position) of each target behind the runs' end
+    let (mut runs, mut behind): (Vec<(usize, usize, usize)>, Vec<(u32, u32)>) = (vec![], vec![]);
+    for (k, &(i, _)) in targets.iter().enumerate() {
         match runs.last_mut() {
-            Some((s, l)) if *s + *l == i => *l += 1,
-            _ => runs.push((i, 1)),
+            Some((s, l, _)) if *s + *l == i => *l += 1,
+            Some((s, l, _)) if i < *s + *l => behind.push((k as u32, i as u32)),
+            _ => runs.push((i, 1, k)),
         }
     }
-    if runs.len() > MAX_RUNS || runs.windows(2).any(|w| w[1].0 < w[0].0 + w[0].1) {
+    if runs.len() > MAX_RUNS || behind.len() > MAX_RUNS {
         let rows: Vec<u32> = targets.iter().map(|&(i, _)| i as u32).collect();
         let rows = Tensor::from_vec(rows, targets.len(), like.device())?;
         return like.zeros_like()?.index_add(&rows, &gh, 0);
     }
     let mut pieces = Vec::with_capacity(2 * runs.len() + 1);
-    let (mut at, mut off) = (0, 0);
-    for (s, l) in runs {
+    let mut at = 0;
+    for (s, l, off) in runs {
         if s > at {
             pieces.push(Tensor::zeros((s - at, c), like.dtype(), like.device())?);
         }
         pieces.push(gh.narrow(0, off, l)?);
-        (at, off) = (s + l, off + l);
+        at = s + l;
     }
     if at < n {
         pieces.push(Tensor::zeros((n - at, c), like.dtype(), like.device())?);
     }
-    Tensor::cat(&pieces, 0)
+    let placed = Tensor::cat(&pieces, 0)?;
+    if behind.is_empty() {
+        return Ok(placed);
+    }
+    let dev = like.device();
+    let (from, to): (Vec<u32>, Vec<u32>) = behind.into_iter().unzip();
+    let k = from.len();
+    let rows = gh.index_select(&Tensor::from_vec(from, k, dev)?, 0)?;
+    placed.index_add(&Tensor::from_vec(to, k, dev)?, &rows, 0)
 }
 
 /// Adds a layer's adapter gradients (f32) into the running sums.
@@ -610,7 +623,16 @@ mod tests {
             .chain(250..299)
             .collect();
         let many: Vec<usize> = (0..n).filter(|i| i % 3 == 1).collect(); // 100 runs of 1
-        for positions in [few, many] {
+                                                                        // prefix trees (data::pref_batch): each completion's first token from the prompt's
+                                                                        // end, a position again behind the run before; and one behind into a gap
+        let trees: Vec<usize> = (9..20)
+            .chain([9])
+            .chain(21..30)
+            .chain(40..50)
+            .chain([40, 3])
+            .chain(55..60)
+            .collect();
+        for positions in [few, many, trees] {
             let targets: Vec<(usize, u32)> = positions.iter().map(|&i| (i, 0)).collect();
             let k = targets.len();
             let gh = Tensor::arange(1f32, (k * c + 1) as f32, &dev)
