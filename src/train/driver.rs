@@ -506,7 +506,8 @@ fn place_rows(mut parts: Vec<Tensor>, targets: &[(usize, u32)], like: &Tensor) -
     }; // [targets, C]
        // (first position, length, first row of gh) of each run of consecutive positions; the
        // (row of gh, position) of each target behind the runs' end
-    let (mut runs, mut behind): (Vec<(usize, usize, usize)>, Vec<(u32, u32)>) = (vec![], vec![]);
+    let mut runs: Vec<(usize, usize, usize)> = Vec::new();
+    let mut behind: Vec<(u32, u32)> = Vec::new();
     for (k, &(i, _)) in targets.iter().enumerate() {
         match runs.last_mut() {
             Some((s, l, _)) if *s + *l == i => *l += 1,

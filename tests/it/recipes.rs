@@ -159,7 +159,9 @@ fn every_shipped_recipe_checks_and_plans_as_its_header_says() {
         let p = planned(&[]);
         assert_eq!(p["selected"]["fits"], true, "{rel}: {}", p["selected"]);
         check_claim(&rel, claim, &p["selected"]);
-        assert_eq!(p["seq_len"], 2048, "{rel}");
+        // a preference pair's row: its prompt once, each sequence cut to seq_len 1024
+        let pairs = ["-dpo.", "-orpo."].iter().any(|o| rel.contains(o));
+        assert_eq!(p["seq_len"], if pairs { 2047 } else { 2048 }, "{rel}");
         // `#   with --set K=V ...: N GiB[, base B GiB][, does not fit]`: the same plan with
         // those overrides, each figure as `plan` prints it now.
         let mut checked = vec![claim.to_string()];
