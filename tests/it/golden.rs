@@ -257,6 +257,7 @@ fn golden_on_cuda_f32_and_bf16() {
         "phi3_fused_longrope",
         "qwen3_moe",
         "qwen3_moe_aux",
+        "gpt_oss",
     ] {
         for dtype in ["model.dtype=f32", "model.dtype=bf16"] {
             let mut sets = vec!["model.device=cuda", dtype];
