@@ -113,17 +113,17 @@ impl PrefBatch {
                 }
             }
             // A completion's first token is predicted from the prompt's last position.
-            for (k, (off, done)) in [(0, &x.chosen[..c]), (c, &x.rejected[..r])]
+            for (side, (off, toks)) in [(0, &x.chosen[..c]), (c, &x.rejected[..r])]
                 .into_iter()
                 .enumerate()
             {
-                for (j, &tok) in done.iter().enumerate() {
+                for (j, &tok) in toks.iter().enumerate() {
                     let from = match j {
                         0 if p == 0 => continue,
                         0 => base + p - 1,
                         _ => base + p + off + j - 1,
                     };
-                    l.target(&mut rows.targets, (from, tok), seq + k as u32, true);
+                    l.target(&mut rows.targets, (from, tok), seq + side as u32, true);
                 }
             }
             l.prompt_len.extend([p, p]);

@@ -3,10 +3,11 @@
 //! capped or not).
 //!
 //! Same contract as `attention::attention_fwd` / `attention_bwd` (causal, optional segments or
-//! prefix trees, sliding window and soft-cap, L = log-sum-exp in natural log), but one kernel per pass instead
-//! of cuBLAS GEMMs per query block plus three elementwise kernels over the [bq × T] score
-//! blocks, and GQA without repeating k and v. The blockwise path stays the reference (its tests pin it to the
-//! composite) and the fallback: CPU, f32 and f16, other head dims (`ops::kernels::Attention`).
+//! prefix trees, sliding window and soft-cap, L = log-sum-exp in natural log), but one kernel
+//! per pass instead of cuBLAS GEMMs per query block plus three elementwise kernels over the
+//! [bq × T] score blocks, and GQA without repeating k and v. The blockwise path stays the
+//! reference (its tests pin it to the composite) and the fallback: CPU, f32 and f16, other head
+//! dims (`ops::kernels::Attention`).
 //!
 //! Inputs are [B, H, T, D] views: d contiguous, the other strides and the start multiples of 8
 //! elements, and laid out without gaps, so that heads-major tensors and token-major rows

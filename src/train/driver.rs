@@ -624,8 +624,9 @@ mod tests {
             .chain(250..299)
             .collect();
         let many: Vec<usize> = (0..n).filter(|i| i % 3 == 1).collect(); // 100 runs of 1
-                                                                        // prefix trees (data::pref_batch): each completion's first token from the prompt's
-                                                                        // end, a position again behind the run before; and one behind into a gap
+
+        // prefix trees (data::pref_batch): each completion's first token from the prompt's
+        // end, a position again behind the run before; and one behind into a gap
         let trees: Vec<usize> = (9..20)
             .chain([9])
             .chain(21..30)

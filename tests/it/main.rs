@@ -40,7 +40,6 @@ mod newcomer;
 mod nf4;
 mod odd_dirs;
 mod ops;
-mod ops_tree;
 mod output_streams;
 mod parallel;
 mod pref;

@@ -6,6 +6,8 @@ use crate::common::{assert_close, host_f32};
 use candle_core::{DType, Device, Tensor, Var, D};
 use lora_train::ops::{self, AttnMask};
 
+mod tree;
+
 pub fn devices() -> Vec<Device> {
     let mut v = vec![Device::Cpu];
     if cfg!(feature = "cuda") {

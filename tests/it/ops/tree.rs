@@ -83,7 +83,7 @@ fn composite_grads(
 }
 
 fn devices() -> Vec<Device> {
-    crate::ops::devices()
+    super::devices()
 }
 
 #[test]
