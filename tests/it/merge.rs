@@ -6,7 +6,7 @@ use crate::common::Session;
 use crate::common::*;
 use assert_cmd::Command;
 use candle_core::{DType, Device, Tensor};
-use lora_train::export::merge::{merge, MergeOptions};
+use lora_train::export::merge::{merge, MergeInto, MergeOptions};
 use lora_train::hub::ModelFiles;
 use lora_train::lora::LoraSpec;
 use lora_train::model::Model;
@@ -133,6 +133,31 @@ fn gpt_oss_adapters_merge_into_peft_s_logits() {
             .keys()
             .all(|k| !k.ends_with("_blocks") && !k.ends_with("_scales")));
         assert!(st.contains_key("model.layers.1.mlp.experts.gate_up_proj_bias"));
+        // Trained on NF4 (model.quantize = "nf4"): merged into the dequantized experts and
+        // attention (the MXFP4 ones dequantized first), the NF4 model's logits.
+        let (_tq, q) = golden_session(case, &["model.quantize=nf4"]);
+        let nf4 = driver::logits(&q.model, &batch).unwrap();
+        let out = tmp.path().join("merged-nf4");
+        let o = MergeOptions {
+            merge_into: MergeInto::Dequantized,
+            quantize_dtype: Some(Dtype::F32),
+            ..o
+        };
+        let rep = merge(
+            &golden_dir(case).join("init_adapter"),
+            &base_dir(case),
+            &out,
+            &o,
+        );
+        assert_eq!(rep.unwrap().dequantized, 2 * (4 + 2), "{case}");
+        let got = driver::logits(&plain(&out, DType::F32), &batch).unwrap();
+        assert_close(
+            &format!("{case} nf4 merged vs ours"),
+            &got,
+            &nf4,
+            1e-5,
+            1e-6,
+        );
     }
 }
 
