@@ -20,7 +20,7 @@ pub struct PlanArgs {
     #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
     set: Vec<String>,
     /// Plan a `bench` shape (tiny | llama2-7b | llama2-13b | llama2-70b | llama3-8b | qwen3-8b | gemma2-9b |
-    /// gemma3-12b | phi3-mini | qwen3-30b-a3b; bf16) instead of a recipe.
+    /// gemma3-12b | phi3-mini | qwen3-30b-a3b | gpt-oss-20b; bf16) instead of a recipe.
     #[arg(long, value_parser = super::bench::shape)]
     shape: Option<String>,
     /// Tokens per row (default: the recipe's data.seq_len; 2048 with --shape).

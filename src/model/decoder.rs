@@ -225,6 +225,14 @@ impl Model {
         let prefetch = super::prefetch::Prefetch::new(&st);
         let finite = super::check::Finite::default();
         let get = |name: &str, shape: &[usize]| -> anyhow::Result<Tensor> {
+            if !names.contains(name) && names.contains(&format!("{name}_blocks")) {
+                prefetch.loading(name);
+                let t = crate::quant::mxfp4::read(&st, name, shape, (dtype, device))
+                    .with_context(|| format!("in the MXFP4 checkpoint {}", files.dir.display()))?;
+                if let Some(t) = t {
+                    return finite.watch(name, t);
+                }
+            }
             if !names.contains(name) {
                 bail!(
                     "tensor `{name}` is missing from the weights in {}",
