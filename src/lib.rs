@@ -35,8 +35,6 @@ pub mod lora;
 pub mod model;
 /// Examples read, tokenized, batched, packed and sampled.
 pub mod data;
-/// Ranks and their communicators (CPU threads, NCCL); FSDP's flat shards.
-pub mod parallel;
 /// Device memory: the plan, the sizes the step allocates, the pool's peaks, the OOM diagnosis.
 pub mod memory;
 /// The PEFT adapter written and read; the merged model; GGUF and Ollama.
@@ -47,6 +45,10 @@ pub mod generate;
 pub mod report;
 /// A run: resolved once, one session per rank, the step engine, the loop, checkpoints.
 pub mod train;
+/// Ranks and their communicators (CPU threads, TCP processes, NCCL): `train::Comm`'s backends.
+pub mod parallel;
+/// A run assembled from the layers: its ranks launched, its output directory owned.
+pub mod run;
 /// `lora-train bench`: training steps timed on random weights of a named shape.
 pub mod bench;
 /// `lora-train probe`: the smoke ramp to the first out-of-memory.

@@ -15,11 +15,11 @@
 
 use crate::memory::{self, plan, plan::fmt_bytes};
 use crate::model::Keep;
-use crate::parallel::Solo;
 use crate::recipe::Recipe;
 use crate::train::optim::AdamW;
 use crate::train::run_loop::{self, Hooks, PlannedStep, StepMeta};
 use crate::train::step::{adapter_params, Done, Engine};
+use crate::train::Solo;
 use crate::train::{Machine, RunConfig, Session};
 use anyhow::Result;
 use std::sync::Arc;

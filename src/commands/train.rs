@@ -2,8 +2,8 @@
 
 use super::Usage;
 use clap::Args;
-use lora_train::parallel::launch::EnvRank;
 use lora_train::train::stop::{Interrupted, EXIT_INTERRUPTED};
+use lora_train::train::EnvRank;
 use lora_train::util::{on_exit, out};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -42,7 +42,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
     // A run's streams are logs (util::out). Until its signal handlers take over, a closed one
     // ends it at once: nothing is written yet.
     out::on_closed(Arc::new(|_| on_exit::exit(EXIT_INTERRUPTED.into())));
-    let res = lora_train::train::run_with(recipe, &opts);
+    let res = lora_train::run::run_with(recipe, &opts);
     // The run is over: a stream closed now ends nothing, and changes no exit status.
     out::on_closed(Arc::new(|_| {}));
     let s = match res {

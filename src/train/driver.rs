@@ -25,6 +25,7 @@
 //! are summed over the ranks in one bucket as soon as that layer's backward is done (DDP and
 //! FSDP alike). With world 1 every collective is the identity.
 
+use super::comm::{Comm, Solo};
 use super::objective::{HeadIn, Objective, Sft, Targets};
 use super::offload::Offload;
 use super::optim::Grads;
@@ -32,7 +33,6 @@ use crate::data::Batch;
 use crate::memory;
 use crate::model::moe_aux::MoeAux;
 use crate::model::{Ctx, Keep, Layer, LayerActs, LayerGrads, Model, Retain};
-use crate::parallel::{Comm, Solo};
 use crate::train::shards::Shards;
 use candle_core::{DType, Result, Tensor, Var};
 use std::borrow::Cow;

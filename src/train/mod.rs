@@ -12,24 +12,25 @@
 //! `schedule`, `eval`, `offload`; `owner` (the output directory's lock, for the run's life).
 
 pub mod checkpoint;
+pub mod comm;
 pub(crate) mod checkpoint_check;
 pub(crate) mod checkpoint_write;
 pub mod driver;
 pub mod eval;
+pub mod flat;
 pub(crate) mod first_epoch;
 pub mod host_stage;
 pub mod kto_loss;
-pub(crate) mod launch;
 pub(crate) mod log;
 pub mod objective;
 pub(crate) mod offload;
 pub mod optim;
-pub(crate) mod owner;
 pub mod pref_loss;
 pub(crate) mod pref_objective;
 pub(crate) mod pref_precompute;
 pub(crate) mod pref_ref;
 pub(crate) mod pref_store;
+pub mod ranks;
 pub(crate) mod preflight;
 pub mod readback;
 pub(crate) mod resolve;
@@ -44,14 +45,14 @@ pub mod stop;
 pub mod train_data;
 pub(crate) mod trainer;
 
-pub use launch::run_with;
+pub use comm::{Comm, Solo};
+pub use ranks::EnvRank;
+pub(crate) use ranks::Ranks;
 pub use resolve::{load_recipe, Machine};
 pub use run_config::RunConfig;
 pub use session::Session;
 pub use train_data::TrainData;
 
-use crate::recipe::Recipe;
-use anyhow::Result;
 use std::path::PathBuf;
 
 /// What a finished run reports.
@@ -80,10 +81,4 @@ pub struct RunSummary {
 pub struct RunOptions {
     /// Start even when the memory plan says the run does not fit.
     pub force: bool,
-}
-
-/// `lora-train train`: the whole run from a recipe, on one device, on one thread per device
-/// (`[parallel] strategy = "ddp" | "fsdp"`), or as one rank of a torchrun / Slurm job.
-pub fn run(recipe: Recipe) -> Result<RunSummary> {
-    run_with(recipe, &RunOptions::default())
 }

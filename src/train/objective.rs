@@ -8,6 +8,7 @@
 //!
 //! Shapes: N positions of the micro-batch (B·T), C hidden, V vocab, n counted positions.
 
+use super::comm::Comm;
 use super::driver::Par;
 use super::kto_loss::Kto;
 use super::pref_loss::{DpoLoss, Metric, PairObjective};
@@ -15,7 +16,6 @@ use super::pref_ref::RefWeights;
 use crate::data::Batch;
 use crate::memory::sizes::head_chunk_rows;
 use crate::model::Model;
-use crate::parallel::Comm;
 use crate::recipe::{PrefLoss, PrefReference, Recipe, TrainObjective, PREF_BETA};
 use candle_core::{Result, Tensor, TensorId};
 use std::collections::HashMap;

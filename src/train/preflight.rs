@@ -290,7 +290,7 @@ pub(crate) fn model_bytes(m: &Model) -> u64 {
         }
         for lin in l.linears() {
             // W's whole buffer: folded, its pad columns too (ops::fold); NF4, a placeholder
-            sum += crate::parallel::fsdp::storage_bytes(&lin.w) as u64;
+            sum += super::flat::storage_bytes(&lin.w) as u64;
             sum += lin.b.as_ref().map(b).unwrap_or(0);
             if let Some(lora) = &lin.lora {
                 sum += lora.vars().iter().map(|v| b(v.as_tensor())).sum::<u64>();

@@ -4,8 +4,8 @@
 //! (the data's formats, the model's linears, the init adapter's config) are made here, with the
 //! recipe's error type, before anything is loaded or written.
 
-use super::launch::Ranks;
 use super::objective::ObjectiveKind;
+use super::ranks::Ranks;
 use super::run_config::{BatchPlan, HookPlan, MergePlan, Optim, OutputPlan, RunConfig};
 use crate::export::{self, AdapterInfo};
 use crate::hub::{self, Source};

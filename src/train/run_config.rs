@@ -6,8 +6,8 @@
 //! adapter, fingerprinted in checkpoints, matched on resume). `bench` and `probe` build the same
 //! value from their flags (`RunConfig::bench`), so they measure what `train` runs.
 
-use super::launch::Ranks;
 use super::objective::ObjectiveKind;
+use super::ranks::Ranks;
 use crate::hub::Source;
 use crate::lora::LoraSpec;
 use crate::model::{Keep, ModelConfig};

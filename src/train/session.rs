@@ -3,7 +3,9 @@
 //! the data (train::train_data); `bench` is a session on random weights (or a checkpoint) on
 //! random rows; `probe` a session stepped once per rung. One loader serves all three.
 
+use super::comm::{Comm, Solo};
 use super::driver::Par;
+use super::flat::Flat;
 use super::preflight::MemoryWatch;
 use super::resolve::{self, Machine};
 use super::run_config::RunConfig;
@@ -12,8 +14,6 @@ use crate::hub::ModelFiles;
 use crate::model::decoder::{Group, Loaded};
 use crate::model::{device, Build, Model};
 use crate::ops::Kernels;
-use crate::parallel::fsdp::Flat;
-use crate::parallel::{Comm, Solo};
 use crate::quant::Quant;
 use crate::recipe::{Recipe, Strategy};
 use crate::train::shards::Shards;

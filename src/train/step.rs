@@ -17,6 +17,7 @@
 //! still sees step k's adapters, and a step found not finite stops the run before another
 //! update follows it.
 
+use super::comm::Comm;
 use super::driver::{self, Par};
 use super::objective::{Objective, Sft};
 use super::optim::{self, AdamW, Grads, StepClip};
@@ -25,7 +26,6 @@ use super::session::Session;
 use crate::data::Batch;
 use crate::memory::PhaseMeter;
 use crate::model::{Keep, Model};
-use crate::parallel::Comm;
 use crate::train::shards::Shards;
 use anyhow::Result;
 use candle_core::{DType, Tensor};

@@ -7,7 +7,7 @@
 //! into a temporary directory and renamed, so the last complete one stays loadable. A signal
 //! that comes while the run is still loading (the model, the data: nothing written yet) ends
 //! the process at once with `EXIT_INTERRUPTED`. A signal that finds ranks stuck in a
-//! collective (a rank that never joins) ends their wait within `parallel::STOP_GRACE`, and
+//! collective (a rank that never joins) ends their wait within `util::signal::STOP_GRACE`, and
 //! the run stops with `StoppedUnsaved`, naming the last complete checkpoint. A closed stdout
 //! or stderr stops a run as the first signal does. `export` ends at once on the first signal,
 //! its unfinished output removed (`exit_on_signal`).
@@ -222,7 +222,7 @@ fn install() -> Result<StopSignal> {
                 crate::util::on_exit::exit(EXIT_INTERRUPTED.into());
             }
             // Ranks waiting in a collective for one that never comes stop waiting soon.
-            crate::parallel::interrupt();
+            crate::util::signal::interrupt();
             crate::errln!(
                 "\n{name}: finishing this step, then saving a checkpoint (send it again to quit at once)"
             );
@@ -401,7 +401,7 @@ impl Vote {
     pub(crate) fn stop(
         &mut self,
         here: bool,
-        comm: &dyn crate::parallel::Comm,
+        comm: &dyn super::comm::Comm,
         dev: &candle_core::Device,
     ) -> Result<bool> {
         if self.world == 1 {

@@ -10,6 +10,7 @@ pub mod lock;
 pub mod on_exit;
 pub mod os_path;
 pub mod out;
+pub(crate) mod signal;
 
 use anyhow::{Context, Result};
 use std::io::Write;

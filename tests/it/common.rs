@@ -362,7 +362,7 @@ impl Session {
     /// Rank `comm.rank()`'s session on device `ordinal`.
     pub fn for_rank(
         r: Recipe,
-        comm: Box<dyn lora_train::parallel::Comm>,
+        comm: Box<dyn lora_train::train::Comm>,
         ordinal: usize,
     ) -> anyhow::Result<Session> {
         use lora_train::train::{Machine, RunConfig};

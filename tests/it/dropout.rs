@@ -179,7 +179,7 @@ fn ranks_and_checkpointing_draw_the_masks_one_rank_draws() {
         ];
         all.extend_from_slice(sets);
         let r = recipe(tmp.path(), &text, &all);
-        assert_eq!(lora_train::train::run(r).unwrap().steps, 3);
+        assert_eq!(lora_train::run::run(r).unwrap().steps, 3);
         load_st(&out.join("adapter_model.safetensors"))
     };
     let par = |strategy: &str| {
