@@ -26,9 +26,7 @@ const _: () = assert!(
     "lora-train writes safetensors from memory as is: build for a little-endian target"
 );
 
-pub(crate) const WEIGHTS: &str = "adapter_model.safetensors";
-/// The adapter's config file, as PEFT names it.
-pub const CONFIG: &str = "adapter_config.json";
+pub use crate::util::{CONFIG, WEIGHTS};
 
 /// PEFT's file key of `module`'s adapter matrix `which` ('A' or 'B').
 pub fn peft_key(module: &str, which: char) -> String {

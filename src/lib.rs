@@ -35,8 +35,6 @@ pub mod lora;
 pub mod model;
 /// Examples read, tokenized, batched, packed and sampled.
 pub mod data;
-/// Device memory: the plan, the sizes the step allocates, the pool's peaks, the OOM diagnosis.
-pub mod memory;
 /// The PEFT adapter written and read; the merged model; GGUF and Ollama.
 pub mod export;
 /// Trying the result: decoding with a KV cache.
@@ -47,6 +45,8 @@ pub mod report;
 pub mod train;
 /// Ranks and their communicators (CPU threads, TCP processes, NCCL): `train::Comm`'s backends.
 pub mod parallel;
+/// Device memory: the plan, the sizes the step allocates, the pool's peaks, the OOM diagnosis.
+pub mod memory;
 /// A run assembled from the layers: its ranks launched, its output directory owned.
 pub mod run;
 /// `lora-train bench`: training steps timed on random weights of a named shape.

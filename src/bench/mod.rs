@@ -22,10 +22,13 @@ use crate::data::Batch;
 use crate::hub::Source;
 use crate::memory::{self, plan};
 use crate::model::{shapes, ModelConfig};
+use crate::ops::pool;
 use crate::recipe::{Checkpointing, DeviceKind, Quantize, Recipe, Strategy, TrainObjective};
 use crate::run::launch::launch;
+use crate::run::Machine;
+use crate::train::meter::{PhaseMeter, GIB};
 use crate::train::Comm;
-use crate::train::{Machine, RunConfig, Session};
+use crate::train::{RunConfig, Session};
 use anyhow::{bail, Result};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -217,14 +220,14 @@ fn run_rank(
         None => None,
     };
     let capacity = a.max_memory.or(ballast.as_ref().map(|b| b.total));
-    let (rank, mut meter) = (comm.rank(), memory::PhaseMeter::default());
+    let (rank, mut meter) = (comm.rank(), PhaseMeter::default());
     // Pairs of parked gate and up in flight (ckpt mlp) as the plan fits them in max_memory.
     let park = plan::row(&p, sel.0, sel.1).map(|r| r.b.park_pending);
     let res = measure(a, run, comm, ordinal, &mut meter, park);
     drop(ballast);
     match res {
-        Err(e) if memory::is_oom(&e) => {
-            let peak = memory::stats(&dev)?.map(|s| s.used_high.max(meter.run_peak));
+        Err(e) if pool::is_oom(&e) => {
+            let peak = pool::stats(&dev)?.map(|s| s.used_high.max(meter.run_peak));
             Err(crate::train::stop::OutOfMemory {
                 rank,
                 phase: meter.current(),
@@ -232,7 +235,7 @@ fn run_rank(
                 total: 0,
                 peak,
                 capacity,
-                forecast: plan::row(&p, sel.0, sel.1).map(|r| r.b.clone()),
+                forecast: plan::row(&p, sel.0, sel.1).map(|r| memory::forecast(&r.b)),
                 remedies: plan::remedies(&p, sel),
                 last_checkpoint: None,
                 cause: format!("{e:#}"),
@@ -251,7 +254,7 @@ fn measure(
     run: Arc<RunConfig>,
     comm: Box<dyn Comm>,
     ordinal: usize,
-    meter: &mut memory::PhaseMeter,
+    meter: &mut PhaseMeter,
     park: Option<usize>,
 ) -> Result<serde_json::Value> {
     let t0 = Instant::now();
@@ -259,7 +262,7 @@ fn measure(
     s.model.device.synchronize()?;
     let loaded = report::Loaded {
         load_s: t0.elapsed().as_secs_f64(),
-        after_load: memory::stats(&s.model.device)?.map(|m| m.used as f64 / memory::GIB),
+        after_load: pool::stats(&s.model.device)?.map(|m| m.used as f64 / GIB),
     };
     let keep = s.run.keep.with_park(park);
     let mut h = hooks::BenchHooks::new(a, &s)?;

@@ -6,7 +6,7 @@
 use crate::data::{Batch, Example};
 use crate::lora::LoraSpec;
 use crate::model::{Model, ModelConfig};
-use crate::train::checkpoint_write::{Snapshot, Writer};
+use crate::run::checkpoint_write::{Snapshot, Writer};
 use crate::train::driver::Par;
 use crate::train::optim::AdamW;
 use anyhow::{Context, Result};
@@ -187,7 +187,7 @@ pub(crate) struct Clock {
     pub(crate) losses: Vec<f64>,
     done_at: Vec<Instant>,
     /// The pool's peak in each phase of the timed steps (CUDA).
-    pub(crate) timed: crate::memory::PhaseMeter,
+    pub(crate) timed: crate::train::meter::PhaseMeter,
 }
 
 impl Clock {
@@ -196,7 +196,7 @@ impl Clock {
             warmup,
             losses: Vec::new(),
             done_at: Vec::new(),
-            timed: crate::memory::PhaseMeter::default(),
+            timed: crate::train::meter::PhaseMeter::default(),
         }
     }
 

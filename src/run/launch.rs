@@ -4,14 +4,15 @@
 //! WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT: `train::EnvRank`; GPU ranks
 //! talk NCCL, CPU ranks TCP through rank 0). docs/multi-node.md shows the launches.
 
+use super::preflight::preflight;
+use super::resolve::Machine;
+use super::{checkpoint, RunOptions, RunSummary};
 use crate::export;
 use crate::parallel::backend::{cuda_ordinals, env_comm, nccl_group, tcp_group};
 use crate::parallel::{CommError, Group};
 use crate::recipe::{DeviceKind, Recipe, Resume, Strategy};
-use crate::train::preflight::preflight;
-use crate::train::resolve::Machine;
 use crate::train::run_config::{MergePlan, RunConfig};
-use crate::train::{checkpoint, stop, RunOptions, RunSummary};
+use crate::train::stop;
 use crate::train::{Comm, EnvRank, Ranks, Session, Solo, TrainData};
 use anyhow::{Context, Result};
 use std::sync::Arc;
@@ -112,7 +113,7 @@ pub fn run_with(recipe: Recipe, opts: &RunOptions) -> Result<RunSummary> {
         Err(e) if stopped.received() && crate::util::signal::gave_up_after_signal() => {
             Err(stop::StoppedUnsaved {
                 why: format!("{e:#}"),
-                last_checkpoint: crate::train::checkpoint_check::scan(&out_dir)
+                last_checkpoint: super::checkpoint_check::scan(&out_dir)
                     .into_iter()
                     .rev()
                     .find(|f| f.state.is_ok())
@@ -122,7 +123,7 @@ pub fn run_with(recipe: Recipe, opts: &RunOptions) -> Result<RunSummary> {
         }
         // A rank failed or went missing: rank 0 names the checkpoint to resume from.
         Err(e) if lead_of_many && e.chain().any(|c| c.is::<CommError>()) => {
-            match crate::train::checkpoint_check::scan(&out_dir)
+            match super::checkpoint_check::scan(&out_dir)
                 .into_iter()
                 .rev()
                 .find(|f| f.state.is_ok())
@@ -209,7 +210,7 @@ fn run_rank(
     let mut session = match Session::load(run.clone(), comm, ordinal) {
         Ok(s) => s,
         // Loading the weights did not fit: the same diagnosis as mid-run, phase "load".
-        Err(e) if crate::memory::is_oom(&e) => {
+        Err(e) if crate::ops::pool::is_oom(&e) => {
             return Err(stop::OutOfMemory {
                 rank: watch.rank,
                 phase: "load",
@@ -227,7 +228,7 @@ fn run_rank(
         Err(e) => return Err(e),
     };
     let mut data = TrainData::load_run(&session, resume.is_some())?;
-    if let Some(s) = crate::memory::stats(&session.model.device)? {
+    if let Some(s) = crate::ops::pool::stats(&session.model.device)? {
         watch.load_peak = Some(s.used_high);
     }
     session.model.device.synchronize()?;
@@ -285,7 +286,7 @@ fn announce(session: &Session, data: &TrainData) {
             (false, 0) => String::new(),
             (false, b) => format!(
                 "; decoder linears in NF4: {}",
-                crate::memory::plan::fmt_bytes(b as u64)
+                crate::util::fmt_bytes(b as u64)
             ),
         }
     );

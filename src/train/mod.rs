@@ -11,18 +11,15 @@
 //! files copied to the host by `host_stage`, written by `checkpoint_write`), `stop`,
 //! `schedule`, `eval`, `offload`; `owner` (the output directory's lock, for the run's life).
 
-pub mod checkpoint;
 pub mod comm;
-pub(crate) mod checkpoint_check;
-pub(crate) mod checkpoint_write;
 pub mod driver;
 pub mod eval;
+pub mod fingerprint;
 pub mod flat;
 pub(crate) mod first_epoch;
-pub mod host_stage;
 pub mod kto_loss;
-pub(crate) mod log;
 pub mod objective;
+pub mod meter;
 pub(crate) mod offload;
 pub mod optim;
 pub mod pref_loss;
@@ -31,54 +28,21 @@ pub(crate) mod pref_precompute;
 pub(crate) mod pref_ref;
 pub(crate) mod pref_store;
 pub mod ranks;
-pub(crate) mod preflight;
 pub mod readback;
-pub(crate) mod resolve;
 pub(crate) mod run_check;
 pub(crate) mod run_config;
 pub(crate) mod run_loop;
 pub(crate) mod schedule;
 pub mod session;
 pub mod shards;
+pub mod sizes;
 pub mod step;
 pub mod stop;
 pub mod train_data;
-pub(crate) mod trainer;
 
 pub use comm::{Comm, Solo};
 pub use ranks::EnvRank;
 pub(crate) use ranks::Ranks;
-pub use resolve::{load_recipe, Machine};
 pub use run_config::RunConfig;
 pub use session::Session;
 pub use train_data::TrainData;
-
-use std::path::PathBuf;
-
-/// What a finished run reports.
-#[derive(Debug, Clone)]
-pub struct RunSummary {
-    /// The step the run ended at (a resumed run counts its earlier steps).
-    pub steps: usize,
-    /// The training loss of each step this process ran, in order.
-    pub losses: Vec<f64>,
-    /// The run's output directory.
-    pub out_dir: PathBuf,
-    /// Tokens this process trained on (the count the logged rate divides).
-    pub tokens: usize,
-    /// Seconds since this process's training log started.
-    pub seconds: f64,
-    /// Training examples cut to seq_len.
-    pub truncated: usize,
-    /// The last eval loss (at the end), when there is an eval set.
-    pub eval_loss: Option<f64>,
-    /// Bad rows skipped (data.on_bad_row = "skip").
-    pub skipped: usize,
-}
-
-/// How `run_with` may deviate from the recipe.
-#[derive(Debug, Clone, Default)]
-pub struct RunOptions {
-    /// Start even when the memory plan says the run does not fit.
-    pub force: bool,
-}

@@ -19,12 +19,12 @@
 
 use super::comm::Comm;
 use super::driver::{self, Par};
+use super::meter::PhaseMeter;
 use super::objective::{Objective, Sft};
 use super::optim::{self, AdamW, Grads, StepClip};
 use super::readback::{Readbacks, Ticket};
 use super::session::Session;
 use crate::data::Batch;
-use crate::memory::PhaseMeter;
 use crate::model::{Keep, Model};
 use crate::train::shards::Shards;
 use anyhow::Result;

@@ -242,69 +242,8 @@ pub const EXIT_DOES_NOT_FIT: u8 = 3;
 pub const EXIT_OUT_OF_MEMORY: u8 = 4;
 
 fn gib(x: u64) -> String {
-    crate::memory::plan::fmt_bytes(x)
+    crate::util::fmt_bytes(x)
 }
-
-/// Preflight: the plan's forecast for this run exceeds the memory available. Nothing has
-/// been loaded or written.
-#[derive(Debug)]
-pub struct DoesNotFit {
-    /// The run's row of the plan.
-    pub(crate) forecast: crate::memory::plan::Breakdown,
-    pub(crate) capacity: u64,
-    /// Where the capacity comes from, e.g. "train.max_memory" or "free memory of cuda:0".
-    pub(crate) capacity_source: String,
-    /// The whole plan, as `lora-train plan` prints it.
-    pub(crate) table: String,
-    pub(crate) remedies: Vec<String>,
-    /// Where it is the host that cannot pin the row's parked activations: the host memory
-    /// free (of which three quarters may be pinned).
-    pub(crate) host: Option<u64>,
-}
-
-impl std::fmt::Display for DoesNotFit {
-    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-        let b = &self.forecast;
-        match self.host {
-            Some(free) => writeln!(
-                f,
-                "the memory plan says this run does not fit the host: {} parks {} of pinned \
-                 host memory per rank ({} ranks), the host has {} free, of which three \
-                 quarters may be pinned",
-                crate::memory::plan::label(b),
-                gib(b.host),
-                b.world,
-                gib(free)
-            )?,
-            None => writeln!(
-                f,
-                "the memory plan says this run does not fit: {} needs {} per rank, {} has {}",
-                crate::memory::plan::label(b),
-                gib(b.total),
-                self.capacity_source,
-                gib(self.capacity)
-            )?,
-        }
-        writeln!(
-            f,
-            "  forecast: base {}, adapters + grads + AdamW {}, activations {}, transient {}, fsdp gather {}, context + slack {} (peak in {})",
-            gib(b.base),
-            gib(b.lora_state()),
-            gib(b.activations),
-            gib(b.transient),
-            gib(b.gather),
-            gib(b.outside_pool()),
-            b.peak_phase
-        )?;
-        for l in self.table.lines() {
-            writeln!(f, "  | {l}")?;
-        }
-        writeln!(f, "  remedies: {}", self.remedies.join("; "))?;
-        write!(f, "  (pass --force to start anyway)")
-    }
-}
-
-impl std::error::Error for DoesNotFit {}
 
 /// A device allocation failed mid-run (CUDA out of memory, or the CPU accounting's cap).
 /// The step's update was not applied; checkpoints already saved are complete.
@@ -321,7 +260,7 @@ pub struct OutOfMemory {
     /// What the run had: max_memory or the card's memory.
     pub(crate) capacity: Option<u64>,
     /// The memory plan's forecast for this run.
-    pub(crate) forecast: Option<crate::memory::plan::Breakdown>,
+    pub(crate) forecast: Option<crate::train::meter::Forecast>,
     pub(crate) remedies: Vec<String>,
     pub(crate) last_checkpoint: Option<PathBuf>,
     /// The failure as the allocator reported it.
@@ -349,7 +288,7 @@ impl std::fmt::Display for OutOfMemory {
             writeln!(
                 f,
                 "  forecast (memory plan, {} at micro-batch {}): {} in all, peak {} in {} (base {}, activations {}, transient {})",
-                crate::memory::plan::label(b),
+                b.label,
                 b.micro_batch,
                 gib(b.total),
                 gib(b.pool_peak),

@@ -827,9 +827,9 @@ fn ddp_and_fsdp_with_moe_experts_equal_one_rank() {
 #[test]
 fn parked_gate_and_up_under_ddp_and_fsdp_equal_keeping_everything() {
     use lora_train::model::Keep;
-    use lora_train::train::checkpoint::Cursor;
     use lora_train::train::optim::AdamW;
     use lora_train::train::step::{adapter_params, Engine};
+    use lora_train::train::train_data::Cursor;
     // the step's loss, the adapter before it and after
     type Out = (f64, Vec<Vec<f32>>, Vec<Vec<f32>>);
     let tmp = tempfile::tempdir().unwrap();

@@ -8,8 +8,8 @@
 
 use super::checkpoint::OPTIMIZER;
 use super::host_stage::{HostTensors, Stage};
-use super::optim::AdamW;
 use crate::export::{self, CONFIG, WEIGHTS};
+use crate::train::optim::AdamW;
 use crate::util::fs::{sync_dir_files, write_dir};
 use anyhow::{anyhow, Context, Result};
 use std::cell::RefCell;
