@@ -11,8 +11,10 @@ pub mod gguf;
 pub mod merge;
 mod progress;
 
-use crate::lora::{Lora, LoraSpec, EXPERT_PARAMS, KNOWN_LINEAR};
+use crate::lora::LoraSpec;
 use crate::model::Model;
+use crate::model::{Lora, EXPERT_PARAMS};
+use crate::recipe::KNOWN_LINEAR;
 use crate::util::atomic_write;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};

@@ -386,7 +386,7 @@ mod tests {
     fn parked_pairs_are_fitted_at_each_rung() {
         use crate::model::PARK_PENDING;
         use crate::recipe::{Checkpointing, Strategy};
-        let all = crate::lora::ALL_LINEAR.iter().map(|s| s.to_string());
+        let all = crate::model::ALL_LINEAR.iter().map(|s| s.to_string());
         let input = plan::input_from_shape("llama2-7b", 2048, 2, 16, all.collect(), 1).unwrap();
         let mlp = Checkpointing::Mlp;
         let total = |offload, b| {

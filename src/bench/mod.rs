@@ -4,7 +4,7 @@
 //! ratios.
 //!
 //! A bench is a training session built as `train` builds one: its flags become a recipe, which
-//! resolves to a `RunConfig` (train::resolve) and loads one `Session` per rank; its steps run in
+//! resolves to a `RunConfig` (run::resolve) and loads one `Session` per rank; its steps run in
 //! the training loop itself (train::run_loop) on random rows, with hooks that time them
 //! (`hooks::BenchHooks`). So it measures what `train` runs, by construction.
 //!
@@ -355,7 +355,7 @@ mod tests {
         let all = shapes::targets("all", &cfg).unwrap();
         let want = ["q_proj", "k_proj", "v_proj", "o_proj"]
             .into_iter()
-            .chain(crate::lora::EXPERT_PARAMS);
+            .chain(crate::model::EXPERT_PARAMS);
         assert!(all.iter().map(String::as_str).eq(want), "{all:?}");
         assert_eq!(shapes::targets("attn", &cfg).unwrap().len(), 4);
         // the model resolves them as bench names them (no "all-linear" collapse)

@@ -99,7 +99,7 @@ pub(crate) fn adapter_weights(cfg: &ModelConfig, spec: &LoraSpec) -> usize {
         .sum();
     let c = cfg.hidden_size;
     let experts = cfg.arch.moe.map_or(0, |m| {
-        let [gate_up, down] = crate::lora::EXPERT_PARAMS;
+        let [gate_up, down] = crate::model::EXPERT_PARAMS;
         [(gate_up, c + 2 * m.inter), (down, m.inter + c)]
             .iter()
             .filter(|(name, _)| spec.targets(name))
@@ -118,7 +118,7 @@ pub(crate) fn eval(model: &Model, par: &Par, batches: &[Batch]) -> Result<f64> {
     Ok(sum)
 }
 
-/// Checkpoints as the trainer writes them (train::checkpoint_write: host copies at the save,
+/// Checkpoints as the trainer writes them (run::checkpoint_write: host copies at the save,
 /// the files written, fsynced and renamed into place on the writer thread), into a directory
 /// of ours that is removed when this is dropped.
 pub(crate) struct Saver {

@@ -1,6 +1,11 @@
-//! A run assembled from the layers: the ranks launched (`launch`: this thread, a thread per
-//! device, or a launcher's processes, each with parallel/'s communicator) and the output
-//! directory owned for the run's life (`owner`).
+//! A run assembled from the layers (issue 62's hallway): the recipe read and resolved into a
+//! `train::RunConfig` (`resolve`: reads memory's plan and export's adapter config), the memory
+//! plan checked before loading (`preflight`), a rank's `Session` opened from a recipe with its
+//! init adapter (`session`), the ranks launched (`launch`: this thread, a thread per device, or
+//! a launcher's processes, each with parallel/'s communicator), the output directory owned for
+//! the run's life (`owner`), train's hooks over the loop (`trainer`: `log`, eval, samples,
+//! `checkpoint`s written through `checkpoint_write` and `host_stage`, checked by
+//! `checkpoint_check`, stops).
 
 pub mod checkpoint;
 pub(crate) mod checkpoint_check;

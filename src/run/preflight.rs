@@ -1,6 +1,7 @@
-//! Memory before and during a run: the plan's forecast checked against what the run has
-//! before any weight is read (`preflight`), and an allocation failure turned into the
-//! diagnosis (rank, phase, step, peak vs capacity, forecast, remedies).
+//! Memory before a run: the plan's forecast checked against what the run has before any
+//! weight is read (`preflight`; `DoesNotFit` where it does not fit), the ballast of
+//! train.max_memory held, and the forecast handed to the run's memory watch as plain numbers
+//! (train::meter turns an allocation failure into the diagnosis).
 
 use super::RunOptions;
 use crate::memory::plan::Breakdown;

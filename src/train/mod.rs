@@ -3,13 +3,14 @@
 //! One optimiser step = `grad_accum` micro-batches of `micro_batch` rows. The loss of a step is
 //! the mean token cross-entropy over all its counted tokens (not a mean of micro-batch means).
 //!
-//! defines, in the order a run uses them: `launch` (the ranks: this thread, a thread per
-//! device, or a launcher's processes), `preflight` (the memory plan checked before loading),
-//! `session` (one rank's model, shards, communicator and data), `step` (the step engine that
-//! train, bench and probe share, over `driver`'s layer-wise forward and backward, `optim`,
-//! `readback`), `trainer` (the loop: log, eval, checkpoints, stops), `log`, `checkpoint` (its
-//! files copied to the host by `host_stage`, written by `checkpoint_write`), `stop`,
-//! `schedule`, `eval`, `offload`; `owner` (the output directory's lock, for the run's life).
+//! defines the engine, one rank's training: `run_config` (the resolved run; run::resolve makes
+//! it), `ranks` and `comm` (where the ranks are, and what the step asks of them: `Comm`,
+//! implemented by parallel/), `session` (one rank's model, shards (`shards`, `flat`),
+//! communicator and memory watch), `train_data`, the step engine that train, bench and probe
+//! share (`step`, over `driver`'s layer-wise forward and backward, the objectives, `optim`,
+//! `readback`, `offload`, `sizes`, `meter`), `run_loop` (the one loop over `Hooks`), `eval`,
+//! `schedule`, `stop`, `run_check`, `fingerprint`. run/ wires it to the layers above: the
+//! resolution, the preflight, the ranks, the trainer's hooks and the checkpoints.
 
 pub mod comm;
 pub mod driver;

@@ -1,5 +1,5 @@
 //! The resolved run: every decision a run takes from its recipe, its checkpoint's config.json
-//! and its machine, made once (train::resolve), as ripgrep turns its raw arguments into one
+//! and its machine, made once (run::resolve), as ripgrep turns its raw arguments into one
 //! value that the rest of the program reads. Every rank, the memory preflight and plan, model
 //! loading, the data, the loop and the checkpoints read this value; nothing after resolution
 //! reads the raw recipe's fields (`recipe` is kept as the run's record: written beside the

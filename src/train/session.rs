@@ -73,7 +73,7 @@ impl Session {
             cfg: run.cfg.clone(),
             dtype: run.dtype,
             device: dev,
-            spec: run.spec.clone(),
+            adapters: Arc::new(run.spec.clone()),
             seed: run.seed,
             kernels: run.kernels,
             mlp_chunk: run.mlp_chunk,

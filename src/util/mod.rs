@@ -17,7 +17,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 /// A checkpoint's trainer state (step, data cursor, schedule inputs): the file that makes a
-/// directory a checkpoint (train::checkpoint writes it last).
+/// directory a checkpoint (run::checkpoint writes it last).
 pub const TRAINER_STATE: &str = "trainer_state.json";
 
 /// Bytes for people: B, KiB, MiB or GiB with two decimals.

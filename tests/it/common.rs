@@ -233,7 +233,7 @@ pub fn all_linear_r8() -> lora_train::lora::LoraSpec {
         dropout: 0.0,
         rslora: false,
         dora: false,
-        targets: lora_train::lora::ALL_LINEAR
+        targets: lora_train::model::ALL_LINEAR
             .iter()
             .map(|s| s.to_string())
             .collect(),

@@ -138,7 +138,7 @@ fn hand_written_backward_under_dropout_equals_autograd_with_the_masks_as_tensors
 /// micro-batch); eval draws none.
 #[test]
 fn masks_are_keyed_by_the_global_layer_and_module_and_the_batch() {
-    use lora_train::lora::ALL_LINEAR;
+    use lora_train::model::ALL_LINEAR;
     use lora_train::ops::dropout::Dropout;
     let (_t, s) = session(&["lora.dropout = 0.1"]);
     let m = &s.model;

@@ -1019,7 +1019,8 @@ fn fsdp_shards_carry_the_folded_b_columns_on_the_gpu() {
 #[cfg(feature = "cuda")]
 fn folded_7b_layer() -> lora_train::model::decoder::Model {
     use candle_core::{DType, Device};
-    use lora_train::lora::{LoraSpec, ALL_LINEAR};
+    use lora_train::lora::LoraSpec;
+    use lora_train::model::ALL_LINEAR;
     let dev = Device::new_cuda(0).unwrap();
     let mut cfg = lora_train::model::shapes::shape("llama2-7b").unwrap();
     (cfg.num_layers, cfg.vocab_size) = (1, 512);

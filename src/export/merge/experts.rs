@@ -1,5 +1,5 @@
 //! Merging adapters on a MoE's expert parameters (PEFT's `target_parameters`,
-//! `lora::EXPERT_PARAMS`).
+//! `model::EXPERT_PARAMS`).
 //!
 //! PEFT wraps `model.layers.N.mlp.experts` once per targeted parameter, gate_up_proj's
 //! innermost: the adapter module is `….mlp.experts` (down_proj, or the one parameter targeted)
@@ -12,7 +12,7 @@
 //! (`….experts.{e}.gate_proj.weight` [I, C], `up_proj` [I, C], `down_proj` [C, I]); gate_up's
 //! ΔW_e goes to gate's rows 0..I and up's rows I..2I. The merged model keeps the base's layout.
 
-use crate::lora::EXPERT_PARAMS;
+use crate::model::EXPERT_PARAMS;
 use crate::quant::Nf4;
 use anyhow::{bail, Result};
 use candle_core::Tensor;

@@ -87,7 +87,7 @@ pub fn lora_params(cfg: &ModelConfig, rank: usize, targets: &[String]) -> u64 {
     // a MoE's expert adapters: A [E·r, in] and B [out, r·E] per targeted parameter
     let experts: usize = cfg.arch.moe.map_or(0, |m| {
         let (c, i) = (cfg.hidden_size, m.inter);
-        let [gate_up, down] = crate::lora::EXPERT_PARAMS;
+        let [gate_up, down] = crate::model::EXPERT_PARAMS;
         [(gate_up, c + 2 * i), (down, i + c)]
             .iter()
             .filter(|(name, _)| targets.iter().any(|t| t == name))
