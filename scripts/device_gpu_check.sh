@@ -124,6 +124,12 @@
 #         picks fixture cases; default "dpo_sigmoid orpo") against our binary from the same init
 #         adapter, 6 steps; PASS when every adapter entry is within 1e-4 -> $OUT/trlcheck.log,
 #         $OUT/trlcheck.jsonl. Not in the default set.
+# moeq:   issue 68's MoE rows on a small card: Qwen3-30B-A3B QLoRA (NF4 base, routed experts
+#         included), seq 2048, mb1, checkpointed, r16 LoRA on the attention, under --max-memory
+#         24GiB (`bench --quantize nf4`), beside `plan` of the same run at 24 GiB
+#         -> $OUT/moeq.jsonl, $OUT/moeq-plan.json; then the NF4-expert and gpt-oss GPU tests
+#         (nf4_experts_on_cuda, golden_on_cuda_f32_and_bf16 with gpt_oss; run `bf16err` with
+#         BF16ERR_CASES=gpt_oss before it). Not in the default set.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -237,6 +243,18 @@ if [[ $what == *" bf16err "* ]]; then
   timeout 300 python3 scripts/peft_bf16_error.py --device cuda ${BF16ERR_CASES:+$(printf -- '--case %s ' $BF16ERR_CASES)} \
     --json tests/fixtures/golden/peft_bf16_error.json 2>&1 | tail -12
   cp tests/fixtures/golden/peft_bf16_error.json "$OUT/"
+fi
+
+if [[ $what == *" moeq "* ]]; then
+  M="--shape qwen3-30b-a3b --seq 2048 --micro-batch 1 --rank 16 --targets attn --ckpt"
+  .devbuild/lora-train plan $M --nf4 --gpu-mem 24GiB --json > "$OUT/moeq-plan.json" 2>&1
+  python3 -c "import json,sys; p=json.load(open(sys.argv[1])); print('plan:', json.dumps(p.get('selected'))[:600])" "$OUT/moeq-plan.json" 2>&1 | tail -2
+  echo "== lora-train qwen3-30b-a3b nf4 under 24GiB"
+  timeout 300 $E .devbuild/lora-train bench $M --quantize nf4 --max-memory 24GiB --steps 6 --warmup 2 \
+    --tag moe-nf4-24gib --json "$OUT/moeq.jsonl" 2>&1 | tail -4
+  env LORA_TRAIN_ROOT=$PWD "CARGO_BIN_EXE_lora-train=$PWD/.devbuild/lora-train" timeout 300 $E .devbuild/it \
+    nf4_experts_on_cuda golden_on_cuda_f32_and_bf16 --test-threads 1 2>&1 | tee "$OUT/moeq-tests.log" \
+    | grep -E "^test |test result|panicked|failed:|off by|gpt_oss" | head -30
 fi
 
 if [[ $what == *" tests "* ]]; then

@@ -20,13 +20,16 @@ pub enum Tol {
     /// The largest relative L2 error a tensor may have (the CUDA bf16 goldens; QLoRA
     /// quantized by a different backend than the reference's).
     Bf16(f64),
+    /// f32 at a relative L2 error per tensor, the loss at `RTOL`: a fixture whose entries sit
+    /// near zero at f32's noise (gpt_oss on CUDA).
+    F32L2(f64),
 }
 
 impl Tol {
     fn check(self, what: &str, got: &candle_core::Tensor, want: &candle_core::Tensor) {
         match self {
             Tol::F32 => assert_close(what, got, want, RTOL, ATOL),
-            Tol::Bf16(bound) => assert_rel_l2(what, got, want, bound),
+            Tol::Bf16(bound) | Tol::F32L2(bound) => assert_rel_l2(what, got, want, bound),
         }
     }
     /// `check` with `slack` more absolute error allowed (f32 only).
@@ -44,12 +47,12 @@ impl Tol {
                     .fold(0f64, |m, v| m.max(v.abs() as f64));
                 assert_close(what, got, want, RTOL, ATOL + slack / scale.max(1e-30))
             }
-            Tol::Bf16(_) => self.check(what, got, want),
+            Tol::Bf16(_) | Tol::F32L2(_) => self.check(what, got, want),
         }
     }
     fn scalar(self) -> f64 {
         match self {
-            Tol::F32 => RTOL,
+            Tol::F32 | Tol::F32L2(_) => RTOL,
             Tol::Bf16(_) => 2e-2,
         }
     }
@@ -257,6 +260,7 @@ fn golden_on_cuda_f32_and_bf16() {
         "phi3_fused_longrope",
         "qwen3_moe",
         "qwen3_moe_aux",
+        "gpt_oss",
     ] {
         for dtype in ["model.dtype=f32", "model.dtype=bf16"] {
             let mut sets = vec!["model.device=cuda", dtype];
@@ -266,10 +270,18 @@ fn golden_on_cuda_f32_and_bf16() {
             // a case without PEFT's bf16 figure (scripts/device_gpu_check.sh bf16err) fails alone
             let run = std::panic::catch_unwind(|| {
                 let tol = match dtype {
+                    // the bound holds below (the trained adapter within 2e-5); this
+                    // fixture's logits reach 2e-5 at scale 1.9, where the elementwise check's
+                    // atol (1e-6 of the scale) is f32's noise: the CPU sits at 0.84 of it, the
+                    // first CUDA run (2026-12-07) at 1.22 on one logit
+                    "model.dtype=f32" if case == "gpt_oss" => Tol::F32L2(1e-5),
                     "model.dtype=f32" => Tol::F32,
                     _ => Tol::Bf16(bf16_bound(case)),
                 };
-                check_case_on(case, &sets, tol);
+                let worst = check_case_on(case, &sets, tol);
+                if let Tol::F32L2(_) = tol {
+                    assert!(worst <= 2e-5, "{case}: trained adapter off by {worst:e}");
+                }
             });
             if let Err(e) = run {
                 let msg = lora_train::util::panic_message(&*e);

@@ -287,7 +287,9 @@ fn an_nf4_expert_run_trains_and_merges_into_bf16_experts() {
 /// On CUDA: a tile of NF4 experts dequantized by nf4.cu's kernel into the reused scratch (two
 /// tiles in turn) is the host's dequantization, bit for bit (f32 and bf16, from weights
 /// quantized on the GPU); and the fixture trained with NF4 experts on the GPU gives the CPU's
-/// logits, loss and every adapter gradient, at rtol 1e-4 in f32 and 5e-2 in bf16.
+/// logits, loss and every adapter gradient: elementwise at rtol 1e-4 in f32, and in bf16 at a
+/// relative L2 error of 5e-2 per tensor (elementwise bounds are meaningless in bf16: the first
+/// device run, 2026-12-07, passed f32 and met a logit near zero 0.17 off at scale 20 in bf16).
 #[cfg(feature = "cuda")]
 #[test]
 fn nf4_experts_on_cuda_equal_the_cpu() {
@@ -324,7 +326,11 @@ fn nf4_experts_on_cuda_equal_the_cpu() {
         let batch = cpu.batch(&[vec![0], vec![2], vec![4]]);
         let lc = driver::logits(&cpu.model, &batch).unwrap();
         let lg = driver::logits(&cuda.model, &batch).unwrap();
-        assert_close(&format!("cuda logits {sets:?}"), &lg, &lc, rtol, 1e-5);
+        let close = |what: &str, got: &Tensor, want: &Tensor, atol: f64| match sets.is_empty() {
+            true => assert_close(what, got, want, rtol, atol),
+            false => assert_rel_l2(what, got, want, rtol),
+        };
+        close(&format!("cuda logits {sets:?}"), &lg, &lc, 1e-5);
         let run = |s: &Session| {
             let mut g = Grads::new();
             let ce = driver::forward_backward(&s.model, &batch, 10.0, Keep::Input, None, &mut g);
@@ -335,7 +341,7 @@ fn nf4_experts_on_cuda_equal_the_cpu() {
         for ((name, a), (_, b)) in cuda.model.adapters().zip(cpu.model.adapters()) {
             for (va, vb, w) in [(&a.a, &b.a, "A"), (&a.b, &b.b, "B")] {
                 let what = format!("cuda {sets:?} {name} d{w}");
-                assert_close(&what, &gg[&va.id()], &gc[&vb.id()], rtol, 1e-4);
+                close(&what, &gg[&va.id()], &gc[&vb.id()], 1e-4);
             }
         }
     }
