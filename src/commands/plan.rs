@@ -5,7 +5,8 @@ use super::Usage;
 use clap::Args;
 use lora_train::memory::plan;
 use lora_train::recipe::{DeviceKind, Dtype, Strategy};
-use lora_train::train::{Machine, RunConfig};
+use lora_train::run::Machine;
+use lora_train::train::RunConfig;
 use std::path::PathBuf;
 
 #[derive(Args, Clone)]
@@ -84,7 +85,7 @@ pub fn run(a: PlanArgs) -> anyhow::Result<()> {
             (input, 1, (Strategy::Single, super::bench::checkpointing(a.ckpt)), None, vec![0])
         }
         (None, Some(path)) => {
-            let mut r = lora_train::train::load_recipe(path, &a.set)?;
+            let mut r = lora_train::run::load_recipe(path, &a.set)?;
             if let Some(s) = seq {
                 r.data.seq_len = s;
             }

@@ -6,7 +6,7 @@
 //! The experts are frozen, in the model's dtype or in NF4 (`[model] quantize = "nf4"`:
 //! `quant::ExpertsNf4`, dequantized a tile of experts at a time: model/moe_tiles.rs); LoRA may
 //! adapt their fused parameters as PEFT does
-//! (`lora::EXPERT_PARAMS`): one adapter per parameter, A [E·r, in] and B [out, r·E], expert e's
+//! (`family::EXPERT_PARAMS`): one adapter per parameter, A [E·r, in] and B [out, r·E], expert e's
 //! A_e = A[e·r .. e·r + r] and B_e[:, j] = B[:, j·E + e], so W_e + s·B_e A_e.
 //!
 //! Tokens are grouped by expert (`router::Routing`): the rows routed to an expert are gathered
@@ -27,12 +27,12 @@
 //! Shapes: m tokens, C hidden, E experts, k experts per token, P = m·k grouped rows, I an
 //! expert's width, r the adapters' rank.
 
+use super::adapter::Lora;
 use super::decoder::Ctx;
 use super::family::MoeSpec;
 use super::layer::Layer;
 use super::layer_train::LayerGrads;
 use super::router::{route, route_bwd, Routing};
-use crate::lora::Lora;
 use crate::ops::grouped_mm::{grouped_linear, grouped_tn};
 use crate::ops::oss_glu::{deinterleave, interleave, oss_glu, oss_glu_bwd};
 use crate::ops::{self, glu::Act, moe_rows};

@@ -214,9 +214,10 @@ fn cat_grads(mut parts: Vec<Grad>) -> Result<Option<Grad>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::lora::{Lora, LoraSpec};
+    use crate::lora::LoraSpec;
     use crate::model::family::{MoeSpec, OssMoe};
     use crate::model::layer_moe::{ExpertLora, OssBiases};
+    use crate::model::Lora;
     use candle_core::{Device, Var};
 
     /// A random MoE block of 5 experts (C 64, I 32), both parameters adapted with B ≠ 0, its

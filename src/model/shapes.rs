@@ -111,7 +111,7 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
 pub fn targets(name: &str, cfg: &ModelConfig) -> Result<Vec<String>> {
     let own = cfg.linears();
     let experts: &[&str] = match cfg.arch.moe {
-        Some(_) => &crate::lora::EXPERT_PARAMS,
+        Some(_) => &super::family::EXPERT_PARAMS,
         None => &[],
     };
     let t: Vec<&str> = match name {

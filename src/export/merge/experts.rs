@@ -1,5 +1,5 @@
 //! Merging adapters on a MoE's expert parameters (PEFT's `target_parameters`,
-//! `lora::EXPERT_PARAMS`).
+//! `model::EXPERT_PARAMS`).
 //!
 //! PEFT wraps `model.layers.N.mlp.experts` once per targeted parameter, gate_up_proj's
 //! innermost: the adapter module is `….mlp.experts` (down_proj, or the one parameter targeted)
@@ -14,7 +14,7 @@
 //! (`gate_up_proj` [E, C, 2I], gate and up interleaved in its columns; `down_proj` [E, I, C]):
 //! ΔW_e is turned to [in, out] there (`Slot::xw`). The merged model keeps the base's layout.
 
-use crate::lora::EXPERT_PARAMS;
+use crate::model::EXPERT_PARAMS;
 use crate::quant::Nf4;
 use anyhow::{bail, Result};
 use candle_core::Tensor;

@@ -46,10 +46,10 @@ mod write;
 
 use super::{peft_key, read_adapter_config, CONFIG, WEIGHTS};
 use crate::hub::ModelFiles;
-use crate::lora::KNOWN_LINEAR;
 use crate::ops::dora::row_norms;
 use crate::quant::{bnb, Nf4};
 use crate::recipe::Dtype;
+use crate::recipe::KNOWN_LINEAR;
 use crate::util::fs::write_dir;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
