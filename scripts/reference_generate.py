@@ -58,6 +58,9 @@ CASES = [
     (f"{c}+adapter", f"golden/{c}/model", f"golden/{c}/init_adapter", {})
     for c in ["qwen3_qk_norm", "gemma2_softcap", "gemma3_local_global", "phi3_fused_longrope",
               "llama32_tied_long", "qwen3_moe"]
+] + [
+    # gpt-oss: attention sinks in the decoding attention, sliding and full layers, YaRN, biases
+    ("gpt_oss+adapter", "golden/gpt_oss/model", "golden/gpt_oss/init_adapter", {}),
 ]
 # Candidates, in order; the first three whose margin is safe are kept.
 TEXT_PROMPTS = ["Once upon a time", "The red fox jumps over", "Seven plus two is",
@@ -76,7 +79,8 @@ def load(model_dir, adapter, overrides, dtype):
             setattr(cfg, k, v)
         kw["config"] = cfg
     with open(os.path.join(path, "config.json")) as f:
-        if "moe" in json.load(f).get("model_type", ""):
+        model_type = json.load(f).get("model_type", "")
+        if "moe" in model_type or model_type == "gpt_oss":
             kw["experts_implementation"] = "eager"  # torch's grouped GEMM takes no float64
     m = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager", **kw)
     if adapter:

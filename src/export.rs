@@ -11,8 +11,10 @@ pub mod gguf;
 pub mod merge;
 mod progress;
 
-use crate::lora::{Lora, LoraSpec, EXPERT_PARAMS, KNOWN_LINEAR};
+use crate::lora::LoraSpec;
 use crate::model::Model;
+use crate::model::{Lora, EXPERT_PARAMS};
+use crate::recipe::KNOWN_LINEAR;
 use crate::util::atomic_write;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
@@ -26,9 +28,7 @@ const _: () = assert!(
     "lora-train writes safetensors from memory as is: build for a little-endian target"
 );
 
-pub(crate) const WEIGHTS: &str = "adapter_model.safetensors";
-/// The adapter's config file, as PEFT names it.
-pub const CONFIG: &str = "adapter_config.json";
+pub use crate::util::{CONFIG, WEIGHTS};
 
 /// PEFT's file key of `module`'s adapter matrix `which` ('A' or 'B').
 pub fn peft_key(module: &str, which: char) -> String {

@@ -1,10 +1,13 @@
 //! lora-train: LoRA fine-tuning of Hugging Face checkpoints (llama, mistral, qwen2, qwen3,
 //! gemma2, gemma3_text, phi3, qwen3_moe) on candle, on one GPU, many GPUs or the CPU.
 //!
-//! A run's data goes recipe → hub → model (with quant and lora) → data → train (which drives
-//! parallel, memory and export) → the adapter. The modules below are listed in their import
-//! layers, from the bottom: each imports only modules listed before it (docs/design.md, "The
-//! house", holds the same list, and tests/it/house.rs holds the code to both).
+//! The layers, issue 62's hallway: recipe → hub → model → lora → data → train → parallel →
+//! memory → export, ops beneath; generate and report read their results; `run` assembles a
+//! run from them all (the recipe resolved, the memory preflight, the ranks launched, the
+//! trainer's hooks, which sample through generate), and bench and probe sit above. The modules
+//! below are listed in their import layers, from the bottom: each imports only modules listed
+//! before it (docs/design.md, "The house", holds the same list, and tests/it/house.rs holds the
+//! code to both and to the issue's order).
 
 // Output goes through util::out (outln!, errln!): println! and eprintln! panic on a closed pipe
 // or a full disk.
@@ -29,15 +32,19 @@ pub mod track;
 pub mod hub;
 /// The frozen base in 4 bits (QLoRA): bitsandbytes' NF4, made at load or read as saved.
 pub mod quant;
-/// The adapters: their shape, scale, init and dropout.
-pub mod lora;
 /// The decoder of every family, its layers' forward and hand-written backward.
 pub mod model;
+/// The adapters: what to inject (rank, scale, dropout, DoRA, targets), their init, and their
+/// injection into a built model's slots.
+pub mod lora;
 /// Examples read, tokenized, batched, packed and sampled.
 pub mod data;
-/// Ranks and their communicators (CPU threads, NCCL); FSDP's flat shards.
+/// One rank's training: the resolved run, its session, the step engine (the step, the
+/// objectives, the optimiser), the one loop over `Hooks`, what it asks of its ranks (`Comm`).
+pub mod train;
+/// Ranks and their communicators (CPU threads, TCP processes, NCCL): `train::Comm`'s backends.
 pub mod parallel;
-/// Device memory: the plan, the sizes the step allocates, the pool's peaks, the OOM diagnosis.
+/// Device memory for a run: the plan, the host's memory, the ballast of `train.max_memory`.
 pub mod memory;
 /// The PEFT adapter written and read; the merged model; GGUF and Ollama.
 pub mod export;
@@ -45,8 +52,9 @@ pub mod export;
 pub mod generate;
 /// A run's curves drawn from its metrics.jsonl.
 pub mod report;
-/// A run: resolved once, one session per rank, the step engine, the loop, checkpoints.
-pub mod train;
+/// A run assembled from the layers: the recipe resolved, the memory preflight, the ranks
+/// launched, the trainer's hooks (log, checkpoints, stops), the output directory owned.
+pub mod run;
 /// `lora-train bench`: training steps timed on random weights of a named shape.
 pub mod bench;
 /// `lora-train probe`: the smoke ramp to the first out-of-memory.

@@ -1,5 +1,8 @@
-//! LoRA adapters: y = base(x) + scale · B(A(dropout(x))); dropout's masks are `ops::dropout`'s
-//! (drawn where they are used, keyed by seed, step, micro-batch, layer and module).
+//! LoRA adapters: what to inject (`LoraSpec`: rank, scale, dropout, DoRA, the targeted
+//! modules), their init, and their injection into a built model's empty slots (`Inject`,
+//! PEFT's design: the model knows no targets). y = base(x) + scale · B(A(dropout(x)));
+//! dropout's masks are `ops::dropout`'s (drawn where they are used, keyed by seed, step,
+//! micro-batch, layer and module).
 //!
 //! A: [r, in], B: [out, r], both f32 `Var`s whatever the base dtype; they are cast to the
 //! activation dtype inside the forward (the cast's backward returns f32 gradients).
@@ -9,34 +12,11 @@
 //! DoRA (`lora.use_dora`) adds a trainable magnitude m [out] f32, initialised to the row norms
 //! of W: y = (m / ‖W + s·B A‖_row) ⊙ (x Wᵀ + s·x Aᵀ Bᵀ) + bias (`ops::dora`).
 
+use crate::model::layer_moe::ExpertLora;
+use crate::model::{module_index, Inject, Layer, Lora, ModelConfig, EXPERT_PARAMS};
 use crate::rng::Rng;
 use candle_core::{DType, Device, Result, Tensor, Var};
-
-/// The seven linear modules of a Llama-family decoder layer, in checkpoint order.
-pub const ALL_LINEAR: [&str; 7] = [
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-];
-
-/// Every module name lora.targets may hold (the recipe defines them: `recipe::KNOWN_LINEAR`).
-pub(crate) use crate::recipe::KNOWN_LINEAR;
-
-/// A MoE's fused expert parameters LoRA can adapt, as PEFT's `target_parameters` names them:
-/// gate_up_proj [E, 2I, C] and down_proj [E, C, I] of `model.layers.N.mlp.experts`. PEFT gives
-/// each one adapter over all experts, A [E·r, in] (expert e's rows e·r..) and B [out, r·E]
-/// (expert e's columns e, E + e, ..); model/layer_moe.rs.
-pub(crate) const EXPERT_PARAMS: [&str; 2] = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"];
-
-/// A module's index in `KNOWN_LINEAR`: with the layer, the key of its adapter's random streams
-/// (init, dropout), so Llama's seven keep the keys they always had.
-pub(crate) fn module_index(module: &str) -> u64 {
-    KNOWN_LINEAR.iter().position(|m| *m == module).unwrap_or(0) as u64
-}
+use std::sync::Arc;
 
 /// What to inject, resolved from the recipe (or an init adapter's config).
 #[derive(Debug, Clone, PartialEq)]
@@ -68,21 +48,6 @@ impl LoraSpec {
     pub(crate) fn targets(&self, module: &str) -> bool {
         self.targets.iter().any(|t| t == module)
     }
-}
-
-/// One adapter pair attached to a frozen linear (clones share the `Var`s).
-#[derive(Clone)]
-pub struct Lora {
-    /// A [r, in] f32 (random at init).
-    pub a: Var,
-    /// B [out, r] f32 (zero at init).
-    pub b: Var,
-    /// s, the factor on x Aᵀ Bᵀ (α / r, or α / √r).
-    pub scale: f64,
-    /// Probability that an element of the adapter's input is zeroed (0: none).
-    pub dropout: f32,
-    /// DoRA's magnitude [out] f32 (None for plain LoRA).
-    pub m: Option<Var>,
 }
 
 impl Lora {
@@ -128,12 +93,107 @@ impl Lora {
         }
         Ok(lora)
     }
+}
 
-    /// The trainable tensors: A, B, then DoRA's m (the optimiser's order, and the
-    /// checkpoint's).
-    pub fn vars(&self) -> Vec<&Var> {
-        let mut v = vec![&self.a, &self.b];
-        v.extend(self.m.as_ref());
-        v
+impl Inject for LoraSpec {
+    /// Layer `l`'s adapters: a fresh one (keyed by seed, layer and module: the linear's `key`)
+    /// on each linear the spec targets, DoRA's magnitude from the W the forward uses
+    /// (dequantized where the base is NF4), then a MoE's experts' (`experts`).
+    fn inject(
+        &self,
+        layer: &mut Layer,
+        cfg: &ModelConfig,
+        l: usize,
+        seed: u64,
+    ) -> anyhow::Result<()> {
+        for lin in layer.linears_mut() {
+            let module = lin.name.rsplit('.').next().unwrap_or("").to_string();
+            if !self.targets(&module) {
+                continue;
+            }
+            let Some((in_f, out_f)) = cfg.linear_shape(&module) else {
+                continue;
+            };
+            let device = lin.w.device().clone();
+            let key = lin.key;
+            lin.lora = Some(match (self.dora, &lin.q) {
+                (false, _) => Lora::init(self, in_f, out_f, seed, &key, &device)?,
+                (true, Some(q)) => {
+                    let wd = q.dequantize(lin.w.dtype())?;
+                    Lora::init_for(self, &wd, seed, &key, &device)?
+                }
+                (true, None) => Lora::init_for(self, &lin.w, seed, &key, &device)?,
+            });
+        }
+        if let Some(moe) = layer.moe.as_mut() {
+            let device = moe.router.device().clone();
+            let (gate_up, down) = experts(
+                self,
+                cfg,
+                moe.spec.inter,
+                moe.spec.experts,
+                l,
+                seed,
+                &device,
+            )?;
+            (moe.gate_up_lora, moe.down_lora) = (gate_up, down);
+        }
+        Ok(())
     }
+
+    fn shared(&self) -> Arc<dyn Inject> {
+        Arc::new(self.clone())
+    }
+}
+
+/// Layer `l`'s expert adapters, on the expert parameters `spec` targets (A [E·r, in] uniform in
+/// ±1/√in as PEFT's, B zero; the scale of rank r): (gate_up's, down's).
+fn experts(
+    spec: &LoraSpec,
+    cfg: &ModelConfig,
+    i: usize,
+    e: usize,
+    l: usize,
+    seed: u64,
+    device: &Device,
+) -> anyhow::Result<(Option<ExpertLora>, Option<ExpertLora>)> {
+    let c = cfg.hidden_size;
+    let p = format!("model.layers.{l}.mlp");
+    let targeted = |name: &str| spec.targets(name);
+    let [gu_name, down_name] = EXPERT_PARAMS;
+    let both = targeted(gu_name) && targeted(down_name);
+    if (targeted(gu_name) || targeted(down_name)) && (spec.dora || spec.dropout > 0.0) {
+        anyhow::bail!(
+            "lora.targets names the experts ({gu_name}, {down_name}): PEFT's adapters on \
+             expert parameters take neither DoRA nor dropout; set lora.use_dora = false and \
+             lora.dropout = 0, or target the attention only"
+        );
+    }
+    let adapter = |name: &str, in_f: usize, out_f: usize, module: &str| {
+        if !targeted(name) {
+            return Ok(None);
+        }
+        let wide = LoraSpec {
+            rank: spec.rank * e,
+            ..spec.clone()
+        };
+        let key = [l as u64, module_index(name)];
+        let mut lora = Lora::init(&wide, in_f, out_f, seed, &key, device)?;
+        lora.scale = spec.scale();
+        anyhow::Ok(Some(ExpertLora {
+            name: format!("{p}.{module}"),
+            lora,
+        }))
+    };
+    // PEFT nests one wrapper per targeted parameter, gate_up_proj's innermost: with both,
+    // gate_up's adapter is keyed under `experts.base_layer`
+    let gu_module = if both {
+        "experts.base_layer"
+    } else {
+        "experts"
+    };
+    Ok((
+        adapter(gu_name, c, 2 * i, gu_module)?,
+        adapter(down_name, i, c, "experts")?,
+    ))
 }

@@ -15,12 +15,14 @@
 
 use crate::memory::{self, plan, plan::fmt_bytes};
 use crate::model::Keep;
-use crate::parallel::Solo;
+use crate::ops::pool;
 use crate::recipe::Recipe;
+use crate::run::Machine;
 use crate::train::optim::AdamW;
 use crate::train::run_loop::{self, Hooks, PlannedStep, StepMeta};
 use crate::train::step::{adapter_params, Done, Engine};
-use crate::train::{Machine, RunConfig, Session};
+use crate::train::Solo;
+use crate::train::{RunConfig, Session};
 use anyhow::Result;
 use std::sync::Arc;
 use std::time::Instant;
@@ -119,7 +121,7 @@ impl ParkFit {
     fn new(run: &RunConfig, dev: &candle_core::Device) -> Result<ParkFit> {
         let capacity = match run.max_memory {
             Some(m) => Some(m),
-            None => memory::mem_info(dev)?.map(|(free, _)| free + plan::CONTEXT),
+            None => pool::mem_info(dev)?.map(|(free, _)| free + plan::CONTEXT),
         };
         Ok(ParkFit {
             input: run.plan_input(1),
@@ -154,7 +156,7 @@ pub fn run(recipe: &Recipe, ramp: Ramp) -> Result<ProbeReport> {
     let run = Arc::new(RunConfig::resolve(r, Machine::Open)?);
     let ordinal = run.first_ordinal();
     let dev = crate::model::device::open(run.device, ordinal)?;
-    memory::keep_pool_memory(&dev)?;
+    pool::keep_pool_memory(&dev)?;
     let park = ParkFit::new(&run, &dev)?;
     let max_memory = run.max_memory;
     let ballast = match max_memory {
@@ -162,13 +164,13 @@ pub fn run(recipe: &Recipe, ramp: Ramp) -> Result<ProbeReport> {
         None => None,
     };
     let capacity = max_memory.or(ballast.as_ref().map(|b| b.total));
-    memory::reset_peak(&dev)?;
+    pool::reset_peak(&dev)?;
     let s = Session::load(run, Box::new(Solo), ordinal)?;
-    let load_peak = memory::stats(&s.model.device)?.map(|m| m.used_high);
+    let load_peak = pool::stats(&s.model.device)?.map(|m| m.used_high);
     let params = adapter_params(&s.model);
-    memory::set_cpu_budget(
+    pool::set_cpu_budget(
         max_memory.filter(|_| dev.is_cpu()),
-        crate::train::preflight::cpu_fixed_bytes(&s.model),
+        crate::train::meter::cpu_fixed_bytes(&s.model),
     );
     let o = &s.run.optim;
     let mut trial = Trial {
@@ -191,7 +193,7 @@ pub fn run(recipe: &Recipe, ramp: Ramp) -> Result<ProbeReport> {
     if let Ramp::Seq { refine, .. } = ramp {
         trial.narrow(refine, &mut rep)?;
     }
-    memory::set_cpu_budget(None, 0);
+    pool::set_cpu_budget(None, 0);
     drop(ballast);
     Ok(rep)
 }
@@ -261,7 +263,7 @@ impl Trial<'_> {
                     _ => 0,
                 },
             })),
-            (Err(e), _) if memory::is_oom(&e) => Ok(Err(Failure {
+            (Err(e), _) if pool::is_oom(&e) => Ok(Err(Failure {
                 micro_batch: b,
                 seq,
                 phase: engine.meter.current(),
@@ -331,7 +333,7 @@ impl ProbeReport {
             let peaks = if r.peaks.is_empty() {
                 "(not measured on the CPU)".to_string()
             } else {
-                memory::PHASES
+                crate::train::meter::PHASES
                     .iter()
                     .filter_map(|p| r.peaks.get(p).map(|v| format!("{p} {}", fmt_bytes(*v))))
                     .collect::<Vec<_>>()
@@ -384,7 +386,7 @@ mod tests {
     fn parked_pairs_are_fitted_at_each_rung() {
         use crate::model::PARK_PENDING;
         use crate::recipe::{Checkpointing, Strategy};
-        let all = crate::lora::ALL_LINEAR.iter().map(|s| s.to_string());
+        let all = crate::model::ALL_LINEAR.iter().map(|s| s.to_string());
         let input = plan::input_from_shape("llama2-7b", 2048, 2, 16, all.collect(), 1).unwrap();
         let mlp = Checkpointing::Mlp;
         let total = |offload, b| {

@@ -6,8 +6,8 @@
 use super::rows::micro_batches;
 use super::{workload, BenchArgs};
 use crate::data::Batch;
-use crate::memory::PhaseMeter;
 use crate::model::Keep;
+use crate::train::meter::PhaseMeter;
 use crate::train::optim::AdamW;
 use crate::train::run_loop::{self, Hooks, PlannedStep, StepMeta};
 use crate::train::step::{adapter_params, Done, Engine};

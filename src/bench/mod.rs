@@ -4,7 +4,7 @@
 //! ratios.
 //!
 //! A bench is a training session built as `train` builds one: its flags become a recipe, which
-//! resolves to a `RunConfig` (train::resolve) and loads one `Session` per rank; its steps run in
+//! resolves to a `RunConfig` (run::resolve) and loads one `Session` per rank; its steps run in
 //! the training loop itself (train::run_loop) on random rows, with hooks that time them
 //! (`hooks::BenchHooks`). So it measures what `train` runs, by construction.
 //!
@@ -22,10 +22,13 @@ use crate::data::Batch;
 use crate::hub::Source;
 use crate::memory::{self, plan};
 use crate::model::{shapes, ModelConfig};
-use crate::parallel::Comm;
+use crate::ops::pool;
 use crate::recipe::{Checkpointing, DeviceKind, Quantize, Recipe, Strategy, TrainObjective};
-use crate::train::launch::launch;
-use crate::train::{Machine, RunConfig, Session};
+use crate::run::launch::launch;
+use crate::run::Machine;
+use crate::train::meter::{PhaseMeter, GIB};
+use crate::train::Comm;
+use crate::train::{RunConfig, Session};
 use anyhow::{bail, Result};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -222,14 +225,14 @@ fn run_rank(
         None => None,
     };
     let capacity = a.max_memory.or(ballast.as_ref().map(|b| b.total));
-    let (rank, mut meter) = (comm.rank(), memory::PhaseMeter::default());
+    let (rank, mut meter) = (comm.rank(), PhaseMeter::default());
     // Pairs of parked gate and up in flight (ckpt mlp) as the plan fits them in max_memory.
     let park = plan::row(&p, sel.0, sel.1).map(|r| r.b.park_pending);
     let res = measure(a, run, comm, ordinal, &mut meter, park);
     drop(ballast);
     match res {
-        Err(e) if memory::is_oom(&e) => {
-            let peak = memory::stats(&dev)?.map(|s| s.used_high.max(meter.run_peak));
+        Err(e) if pool::is_oom(&e) => {
+            let peak = pool::stats(&dev)?.map(|s| s.used_high.max(meter.run_peak));
             Err(crate::train::stop::OutOfMemory {
                 rank,
                 phase: meter.current(),
@@ -237,7 +240,7 @@ fn run_rank(
                 total: 0,
                 peak,
                 capacity,
-                forecast: plan::row(&p, sel.0, sel.1).map(|r| r.b.clone()),
+                forecast: plan::row(&p, sel.0, sel.1).map(|r| memory::forecast(&r.b)),
                 remedies: plan::remedies(&p, sel),
                 last_checkpoint: None,
                 cause: format!("{e:#}"),
@@ -256,7 +259,7 @@ fn measure(
     run: Arc<RunConfig>,
     comm: Box<dyn Comm>,
     ordinal: usize,
-    meter: &mut memory::PhaseMeter,
+    meter: &mut PhaseMeter,
     park: Option<usize>,
 ) -> Result<serde_json::Value> {
     let t0 = Instant::now();
@@ -264,7 +267,7 @@ fn measure(
     s.model.device.synchronize()?;
     let loaded = report::Loaded {
         load_s: t0.elapsed().as_secs_f64(),
-        after_load: memory::stats(&s.model.device)?.map(|m| m.used as f64 / memory::GIB),
+        after_load: pool::stats(&s.model.device)?.map(|m| m.used as f64 / GIB),
     };
     let keep = s.run.keep.with_park(park);
     let mut h = hooks::BenchHooks::new(a, &s)?;
@@ -357,7 +360,7 @@ mod tests {
         let all = shapes::targets("all", &cfg).unwrap();
         let want = ["q_proj", "k_proj", "v_proj", "o_proj"]
             .into_iter()
-            .chain(crate::lora::EXPERT_PARAMS);
+            .chain(crate::model::EXPERT_PARAMS);
         assert!(all.iter().map(String::as_str).eq(want), "{all:?}");
         assert_eq!(shapes::targets("attn", &cfg).unwrap().len(), 4);
         // the model resolves them as bench names them (no "all-linear" collapse)

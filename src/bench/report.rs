@@ -4,10 +4,10 @@
 use super::hooks::Steps;
 use super::{workload, BenchArgs};
 use crate::lora::LoraSpec;
-use crate::memory::{self, GIB};
 use crate::model::{Keep, ModelConfig};
-use crate::parallel::Comm;
 use crate::recipe::Checkpointing;
+use crate::train::meter::{PhaseMeter, GIB};
+use crate::train::Comm;
 use crate::train::Session;
 use anyhow::Result;
 use candle_core::Tensor;
@@ -154,7 +154,7 @@ impl Report<'_> {
 
 /// The device pool's peak within each phase of the timed steps, and what stayed allocated at
 /// the phase's end (GiB, as `{phase}_peak_gib` and `{phase}_end_gib`).
-fn phases(timed: &memory::PhaseMeter) -> serde_json::Map<String, serde_json::Value> {
+fn phases(timed: &PhaseMeter) -> serde_json::Map<String, serde_json::Value> {
     let gib = |x: u64| (x as f64 / GIB * 100.0).round() / 100.0;
     let mut phases = serde_json::Map::new();
     for (phase, v) in &timed.peaks {

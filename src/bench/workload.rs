@@ -6,7 +6,7 @@
 use crate::data::{Batch, Example};
 use crate::lora::LoraSpec;
 use crate::model::{Model, ModelConfig};
-use crate::train::checkpoint_write::{Snapshot, Writer};
+use crate::run::checkpoint_write::{Snapshot, Writer};
 use crate::train::driver::Par;
 use crate::train::optim::AdamW;
 use anyhow::{Context, Result};
@@ -99,7 +99,7 @@ pub(crate) fn adapter_weights(cfg: &ModelConfig, spec: &LoraSpec) -> usize {
         .sum();
     let c = cfg.hidden_size;
     let experts = cfg.arch.moe.map_or(0, |m| {
-        let [gate_up, down] = crate::lora::EXPERT_PARAMS;
+        let [gate_up, down] = crate::model::EXPERT_PARAMS;
         [(gate_up, c + 2 * m.inter), (down, m.inter + c)]
             .iter()
             .filter(|(name, _)| spec.targets(name))
@@ -118,7 +118,7 @@ pub(crate) fn eval(model: &Model, par: &Par, batches: &[Batch]) -> Result<f64> {
     Ok(sum)
 }
 
-/// Checkpoints as the trainer writes them (train::checkpoint_write: host copies at the save,
+/// Checkpoints as the trainer writes them (run::checkpoint_write: host copies at the save,
 /// the files written, fsynced and renamed into place on the writer thread), into a directory
 /// of ours that is removed when this is dropped.
 pub(crate) struct Saver {
@@ -187,7 +187,7 @@ pub(crate) struct Clock {
     pub(crate) losses: Vec<f64>,
     done_at: Vec<Instant>,
     /// The pool's peak in each phase of the timed steps (CUDA).
-    pub(crate) timed: crate::memory::PhaseMeter,
+    pub(crate) timed: crate::train::meter::PhaseMeter,
 }
 
 impl Clock {
@@ -196,7 +196,7 @@ impl Clock {
             warmup,
             losses: Vec::new(),
             done_at: Vec::new(),
-            timed: crate::memory::PhaseMeter::default(),
+            timed: crate::train::meter::PhaseMeter::default(),
         }
     }
 

@@ -10,7 +10,7 @@ use std::path::PathBuf;
 )]
 pub struct BenchArgs {
     /// tiny | llama2-7b | llama2-13b | llama2-70b | llama3-8b | qwen3-8b | gemma2-9b | gemma3-12b |
-    /// phi3-mini | qwen3-30b-a3b (MoE)
+    /// phi3-mini | qwen3-30b-a3b (MoE) | gpt-oss-20b (MoE)
     #[arg(long, default_value = "llama2-7b", value_parser = shape)]
     shape: String,
     #[arg(long, default_value_t = 2048, value_parser = clap::value_parser!(u32).range(2..=(1 << 22)))]

@@ -19,7 +19,7 @@ pub struct CheckArgs {
 pub fn run(a: CheckArgs) -> anyhow::Result<()> {
     let path =
         super::train::recipe_path(a.recipe.as_deref(), "lora-train check --recipe RECIPE.toml")?;
-    let recipe = lora_train::train::load_recipe(&path, &a.set)?;
+    let recipe = lora_train::run::load_recipe(&path, &a.set)?;
     lora_train::outln!("# output dir: {}", recipe.output_dir().display());
     lora_train::out!("{}", recipe.check_toml());
     Ok(())

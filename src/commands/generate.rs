@@ -135,7 +135,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         .into());
     }
     let recipe = match &a.recipe {
-        Some(p) => Some(lora_train::train::load_recipe(p, &a.set)?),
+        Some(p) => Some(lora_train::run::load_recipe(p, &a.set)?),
         None => None,
     };
     let (device, dtype) = device_and_dtype(&a, recipe.as_ref())?;

@@ -25,9 +25,9 @@ mod train;
 use clap::{Parser, Subcommand};
 use lora_train::model::ConfigError;
 use lora_train::recipe::RecipeError;
+use lora_train::run::DoesNotFit;
 use lora_train::train::stop::{
-    DoesNotFit, OutOfMemory, StoppedUnsaved, EXIT_DOES_NOT_FIT, EXIT_INTERRUPTED,
-    EXIT_OUT_OF_MEMORY,
+    OutOfMemory, StoppedUnsaved, EXIT_DOES_NOT_FIT, EXIT_INTERRUPTED, EXIT_OUT_OF_MEMORY,
 };
 use std::process::ExitCode;
 

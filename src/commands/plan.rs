@@ -5,7 +5,8 @@ use super::Usage;
 use clap::Args;
 use lora_train::memory::plan;
 use lora_train::recipe::{DeviceKind, Dtype, Strategy};
-use lora_train::train::{Machine, RunConfig};
+use lora_train::run::Machine;
+use lora_train::train::RunConfig;
 use std::path::PathBuf;
 
 #[derive(Args, Clone)]
@@ -20,7 +21,7 @@ pub struct PlanArgs {
     #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
     set: Vec<String>,
     /// Plan a `bench` shape (tiny | llama2-7b | llama2-13b | llama2-70b | llama3-8b | qwen3-8b | gemma2-9b |
-    /// gemma3-12b | phi3-mini | qwen3-30b-a3b; bf16) instead of a recipe.
+    /// gemma3-12b | phi3-mini | qwen3-30b-a3b | gpt-oss-20b; bf16) instead of a recipe.
     #[arg(long, value_parser = super::bench::shape)]
     shape: Option<String>,
     /// Tokens per row (default: the recipe's data.seq_len; 2048 with --shape).
@@ -84,7 +85,7 @@ pub fn run(a: PlanArgs) -> anyhow::Result<()> {
             (input, 1, (Strategy::Single, super::bench::checkpointing(a.ckpt)), None, vec![0])
         }
         (None, Some(path)) => {
-            let mut r = lora_train::train::load_recipe(path, &a.set)?;
+            let mut r = lora_train::run::load_recipe(path, &a.set)?;
             if let Some(s) = seq {
                 r.data.seq_len = s;
             }

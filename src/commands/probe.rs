@@ -31,7 +31,7 @@ pub struct ProbeArgs {
 }
 
 pub fn run(a: ProbeArgs) -> anyhow::Result<()> {
-    let recipe = lora_train::train::load_recipe(&a.recipe, &a.set)?;
+    let recipe = lora_train::run::load_recipe(&a.recipe, &a.set)?;
     let ramp = match a.max_seq {
         Some(max_seq) => Ramp::Seq {
             max_seq: max_seq as usize,

@@ -2,8 +2,8 @@
 
 use super::Usage;
 use clap::Args;
-use lora_train::parallel::launch::EnvRank;
 use lora_train::train::stop::{Interrupted, EXIT_INTERRUPTED};
+use lora_train::train::EnvRank;
 use lora_train::util::{on_exit, out};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -37,12 +37,12 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
     if a.overwrite {
         sets.push("output.overwrite=true".into());
     }
-    let recipe = lora_train::train::load_recipe(&path, &sets)?;
-    let opts = lora_train::train::RunOptions { force: a.force };
+    let recipe = lora_train::run::load_recipe(&path, &sets)?;
+    let opts = lora_train::run::RunOptions { force: a.force };
     // A run's streams are logs (util::out). Until its signal handlers take over, a closed one
     // ends it at once: nothing is written yet.
     out::on_closed(Arc::new(|_| on_exit::exit(EXIT_INTERRUPTED.into())));
-    let res = lora_train::train::run_with(recipe, &opts);
+    let res = lora_train::run::run_with(recipe, &opts);
     // The run is over: a stream closed now ends nothing, and changes no exit status.
     out::on_closed(Arc::new(|_| {}));
     let s = match res {
@@ -93,7 +93,7 @@ pub fn recipe_path(p: Option<&Path>, usage: &str) -> anyhow::Result<PathBuf> {
 /// when it is not on PATH, e.g. under `cargo run`). The checkpoint keeps the overrides that
 /// change the numbers; the others (output.dir, logging, memory) are repeated.
 fn resume_command(path: &Path, set: &[String]) -> String {
-    use lora_train::train::checkpoint::{numbers_sets, set_key};
+    use lora_train::run::checkpoint::{numbers_sets, set_key};
     let program = std::env::args()
         .next()
         .filter(|p| p.contains('/'))

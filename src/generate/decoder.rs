@@ -14,7 +14,8 @@
 //! Qwen3-MoE's routed experts) (→ Gemma's output norm); the residual add of the MLP's output
 //! is the next layer's fused add. Gemma scales the embeddings by √C and Gemma 2 soft-caps the
 //! logits, as training does. Attention is transformers' eager attention:
-//! scores in the activation dtype, scaled, masked (causal and window), softmax in f32, then the
+//! scores in the activation dtype, scaled, masked (causal and window), softmax in f32 (gpt-oss's
+//! sink logit per head one more column of it, dropped after), then the
 //! values. For one token on CUDA (bf16 or f32) the RoPE, the cache write and the attention are one
 //! kernel of ours (`cuda`): per token only the sampled id comes back to the host.
 
@@ -58,8 +59,12 @@ impl Decoder {
             w.dtype,
             &w.device,
         )?;
+        // decode.cu's attention has no sinks: gpt-oss decodes with candle's ops
         #[cfg(feature = "cuda")]
-        let kernels = super::cuda::Kernels::for_model(&w)?;
+        let kernels = match w.layers.iter().any(|l| l.sinks.is_some()) {
+            true => None,
+            false => super::cuda::Kernels::for_model(&w)?,
+        };
         #[cfg(feature = "cuda")]
         let step = match &kernels {
             Some(_) => Some(super::graph::Inputs::new(&w.device, c.vocab_size)?),
@@ -334,7 +339,21 @@ impl Decoder {
             }
             None => s,
         };
-        let p = candle_nn::ops::softmax_last_dim(&s)?.to_dtype(self.w.dtype)?;
+        let p = match &self.w.layers[li].sinks {
+            // gpt-oss: each head's sink logit joins its rows' softmax as one more column,
+            // dropped after (a key whose value is zero)
+            Some(sinks) => {
+                let col = sinks
+                    .to_dtype(DType::F32)?
+                    .reshape((nk, n, 1, 1))?
+                    .broadcast_as((nk, n, t, 1))?
+                    .reshape((nk, n * t, 1))?;
+                let p = candle_nn::ops::softmax_last_dim(&Tensor::cat(&[&s, &col], 2)?)?;
+                p.narrow(2, 0, len)?.contiguous()?
+            }
+            None => candle_nn::ops::softmax_last_dim(&s)?,
+        };
+        let p = p.to_dtype(self.w.dtype)?;
         let o = p.matmul(&vals)?; // [K, n·T, D]
         Ok(o.reshape((nh, t, d))?
             .transpose(0, 1)?

@@ -222,6 +222,8 @@ pub struct LayerWeights {
     /// Gemma's norms of the attention's and the MLP's outputs, before their residual adds.
     pub(crate) attn_out_norm: Option<Tensor>,
     pub(crate) mlp_out_norm: Option<Tensor>,
+    /// gpt-oss's attention sinks [H]: a logit per head joining each softmax's denominator.
+    pub(crate) sinks: Option<Tensor>,
     /// q, k, v: one product when stacked (or fused in the checkpoint), else three.
     pub qkv: Vec<Proj>,
     pub(crate) o: Proj,
@@ -451,6 +453,7 @@ fn layer_weights(
         k_norm: l.extra.k_norm.clone(),
         attn_out_norm: l.extra.attn_out_norm.clone(),
         mlp_out_norm: l.extra.mlp_out_norm.clone(),
+        sinks: l.extra.sinks.clone(),
         qkv,
         o: one(&l.o)?,
         mlp,
@@ -459,12 +462,6 @@ fn layer_weights(
 
 /// An FSDP skeleton layer holds placeholders, not weights: decoding needs them resident.
 fn check_resident(l: &Layer, i: usize) -> Result<()> {
-    if l.extra.sinks.is_some() {
-        bail!(
-            "layer {i}: attention sinks (gpt_oss) are not in generate's decoding kernels yet; \
-             gpt-oss trains and evaluates, but `generate` cannot decode it"
-        );
-    }
     for lin in l.linears() {
         if lin.q.is_some() {
             bail!(

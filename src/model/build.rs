@@ -12,12 +12,12 @@
 //!       .mlp.experts.down_proj [E, C, I] as transformers 5 saves them, or per expert as 4.x
 //!       checkpoints on the Hub hold them (.mlp.experts.{e}.{gate,up,down}_proj.weight)
 
+use super::adapter::module_index;
 use super::config::ModelConfig;
 use super::family::MoeSpec;
 use super::layer::{Extra, Layer, LayerSpec};
-use super::layer_moe::{ExpertLora, Moe, OssBiases};
+use super::layer_moe::{Moe, OssBiases};
 use super::linear::Linear;
-use crate::lora::{module_index, Lora, LoraSpec};
 use crate::quant::QWeight;
 use candle_core::{DType, Device, Tensor};
 use std::sync::Arc;
@@ -30,15 +30,12 @@ pub(crate) type Get<'a> = &'a dyn Fn(&str, &[usize]) -> anyhow::Result<Tensor>;
 pub(crate) type GetNf4<'a> = &'a dyn Fn(&str, &[usize]) -> anyhow::Result<Option<QWeight>>;
 
 /// Layer `l` of `cfg`: its tensors from `get` (its linears' W from `nf4` where the checkpoint
-/// holds them in NF4), fresh adapters (keyed by seed, layer and
-/// module) on the linears `spec` targets.
+/// holds them in NF4), its adapter slots empty (`Inject` fills them).
 pub(crate) fn layer(
     cfg: &ModelConfig,
     l: usize,
     get: Get,
     nf4: GetNf4,
-    spec: &LoraSpec,
-    seed: u64,
     (dtype, device): (DType, &Device),
 ) -> anyhow::Result<Layer> {
     let src = Source {
@@ -46,18 +43,13 @@ pub(crate) fn layer(
         l,
         get,
         nf4,
-        spec,
-        seed,
         dtype,
         device,
     };
     let c = cfg.hidden_size;
     let (attn_in, mlp_in) = src.inputs()?;
     let (down, moe) = match cfg.arch.moe {
-        Some(m) => (
-            None,
-            Some(Box::new(moe(cfg, m, l, get, spec, seed, device)?)),
-        ),
+        Some(m) => (None, Some(Box::new(moe(cfg, m, l, get)?))),
         None => (Some(src.linear("mlp", "down_proj", cfg.mlp_bias)?), None),
     };
     let (post_norm, extra) = src.norms()?;
@@ -75,24 +67,22 @@ pub(crate) fn layer(
     })
 }
 
-/// Where layer `l`'s tensors come from (`get`, `nf4`), and what its fresh adapters are made
-/// of (`spec`, `seed`).
+/// Where layer `l`'s tensors come from (`get`, `nf4`).
 struct Source<'a> {
     cfg: &'a ModelConfig,
     l: usize,
     get: Get<'a>,
     nf4: GetNf4<'a>,
-    spec: &'a LoraSpec,
-    seed: u64,
     dtype: DType,
     device: &'a Device,
 }
 
 impl Source<'_> {
     /// The linear `{group}.{module}`: its W (NF4's placeholder where the checkpoint holds it
-    /// in NF4), its bias where `bias`, a fresh adapter where `spec` targets it.
+    /// in NF4), its bias where `bias`, its adapter slot empty; `key` its (layer, module)
+    /// index.
     fn linear(&self, group: &str, module: &str, bias: bool) -> anyhow::Result<Linear> {
-        let (cfg, l, spec, seed) = (self.cfg, self.l, self.spec, self.seed);
+        let (cfg, l) = (self.cfg, self.l);
         let (get, dtype, device) = (self.get, self.dtype, self.device);
         let Some((in_f, out_f)) = cfg.linear_shape(module) else {
             anyhow::bail!(
@@ -112,21 +102,11 @@ impl Source<'_> {
             false => None,
         };
         let key = [l as u64, module_index(module)];
-        let lora = match (spec.targets(module), spec.dora, &q) {
-            (false, _, _) => None,
-            (true, false, _) => Some(Lora::init(spec, in_f, out_f, seed, &key, device)?),
-            // DoRA's magnitude starts at ‖W‖_row of the W the forward uses
-            (true, true, Some(q)) => {
-                let wd = q.dequantize(dtype)?;
-                Some(Lora::init_for(spec, &wd, seed, &key, device)?)
-            }
-            (true, true, None) => Some(Lora::init_for(spec, &w, seed, &key, device)?),
-        };
         Ok(Linear {
             name,
             w,
             b,
-            lora,
+            lora: None,
             pad: None,
             q: q.map(Arc::new),
             key,
@@ -221,17 +201,8 @@ fn layer_spec(cfg: &ModelConfig, l: usize) -> LayerSpec {
     }
 }
 
-/// Layer `l`'s router and experts, and fresh adapters on the expert parameters `spec` targets
-/// (A [E·r, in] uniform in ±1/√in as PEFT's, B zero; the scale of rank r).
-fn moe(
-    cfg: &ModelConfig,
-    m: MoeSpec,
-    l: usize,
-    get: Get,
-    spec: &LoraSpec,
-    seed: u64,
-    device: &Device,
-) -> anyhow::Result<Moe> {
+/// Layer `l`'s router and experts, their adapter slots empty.
+fn moe(cfg: &ModelConfig, m: MoeSpec, l: usize, get: Get) -> anyhow::Result<Moe> {
     let (c, i, e) = (cfg.hidden_size, m.inter, m.experts);
     let p = format!("model.layers.{l}.mlp");
     let (router, gate_up, down, biases) = match m.oss {
@@ -253,47 +224,14 @@ fn moe(
             )
         }
     };
-    let targeted = |name: &str| spec.targets(name);
-    let [gu_name, down_name] = crate::lora::EXPERT_PARAMS;
-    let both = targeted(gu_name) && targeted(down_name);
-    if (targeted(gu_name) || targeted(down_name)) && (spec.dora || spec.dropout > 0.0) {
-        anyhow::bail!(
-            "lora.targets names the experts ({gu_name}, {down_name}): PEFT's adapters on \
-             expert parameters take neither DoRA nor dropout; set lora.use_dora = false and \
-             lora.dropout = 0, or target the attention only"
-        );
-    }
-    let adapter = |name: &str, in_f: usize, out_f: usize, module: &str| {
-        if !targeted(name) {
-            return Ok(None);
-        }
-        let wide = LoraSpec {
-            rank: spec.rank * e,
-            ..spec.clone()
-        };
-        let key = [l as u64, module_index(name)];
-        let mut lora = Lora::init(&wide, in_f, out_f, seed, &key, device)?;
-        lora.scale = spec.scale();
-        anyhow::Ok(Some(ExpertLora {
-            name: format!("{p}.{module}"),
-            lora,
-        }))
-    };
-    // PEFT nests one wrapper per targeted parameter, gate_up_proj's innermost: with both,
-    // gate_up's adapter is keyed under `experts.base_layer`
-    let gu_module = if both {
-        "experts.base_layer"
-    } else {
-        "experts"
-    };
     Ok(Moe {
         router,
         gate_up,
         down,
         biases,
         spec: m,
-        gate_up_lora: adapter(gu_name, c, 2 * i, gu_module)?,
-        down_lora: adapter(down_name, i, c, "experts")?,
+        gate_up_lora: None,
+        down_lora: None,
         nf4: None,
     })
 }

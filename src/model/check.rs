@@ -397,7 +397,9 @@ fn header_shapes(nf4: bool, files: &[PathBuf]) -> Result<(Shapes, BTreeSet<usize
     for file in files {
         for (name, t) in read_header(file)? {
             let ours = name.starts_with("model.") || name.starts_with("lm_head.");
-            let packed = nf4 && t.dtype == "U8" && name.starts_with("model.layers.");
+            let packed = (nf4 || crate::quant::mxfp4::is_packed(&name))
+                && t.dtype == "U8"
+                && name.starts_with("model.layers.");
             if packed {
                 shapes.insert(name, Vec::new()); // its shape is in its quant state
                 continue;

@@ -334,18 +334,18 @@ impl ModelConfig {
         self.family.linears()
     }
 
-    /// LoRA targets (names of `lora::KNOWN_LINEAR`) as this model's linears, in its order,
-    /// then the expert parameters named (a MoE's, `lora::EXPERT_PARAMS`): all of them
+    /// LoRA targets (names of `recipe::KNOWN_LINEAR`) as this model's linears, in its order,
+    /// then the expert parameters named (a MoE's, `family::EXPERT_PARAMS`): all of them
     /// ("all-linear") become the family's linears alone (PEFT's "all-linear" takes no 3-D
     /// parameter); any other name must be one of the family's, else the error says which it
     /// has.
     pub(crate) fn resolve_targets(&self, targets: &[String]) -> Result<Vec<String>, String> {
         let experts: &[&str] = match self.arch.moe {
-            Some(_) => &crate::lora::EXPERT_PARAMS,
+            Some(_) => &super::family::EXPERT_PARAMS,
             None => &[],
         };
         let own: Vec<&str> = self.linears().iter().chain(experts).copied().collect();
-        let all = crate::lora::KNOWN_LINEAR
+        let all = crate::recipe::KNOWN_LINEAR
             .iter()
             .all(|k| targets.iter().any(|t| t == k));
         let missing: Vec<&str> = targets
@@ -724,7 +724,7 @@ mod tests {
             assert_eq!((m.experts, m.top_k, m.inter, m.norm_topk), (8, 2, 24, true));
             assert!(c.arch.qk_norm);
             // all-linear is PEFT's: the attention alone; the experts when named
-            let all: Vec<String> = crate::lora::KNOWN_LINEAR.map(String::from).to_vec();
+            let all: Vec<String> = crate::recipe::KNOWN_LINEAR.map(String::from).to_vec();
             assert_eq!(c.resolve_targets(&all).unwrap(), c.linears().to_vec());
             let named = vec!["mlp.experts.down_proj".to_string(), "q_proj".into()];
             assert_eq!(

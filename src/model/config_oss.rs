@@ -88,17 +88,17 @@ mod tests {
 
     #[test]
     fn reads_gpt_oss_20b_and_names_what_it_refuses() {
-        let e = ModelConfig::from_json(GPT_OSS_20B, Path::new("config.json"))
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("reading MXFP4 is not implemented yet"), "{e}");
-        // the bf16 copy: the same config without its quantization_config
+        // MXFP4 experts (quant::mxfp4) read as full precision: the same model as the bf16
+        // copy's, the same config without its quantization_config
+        let hub = ModelConfig::from_json(GPT_OSS_20B, Path::new("config.json")).unwrap();
+        assert_eq!(hub.bnb_nf4, None);
         let q = r#""quantization_config":{"modules_to_not_convert":["model.layers.*.self_attn",
         "model.layers.*.mlp.router","model.embed_tokens","lm_head"],"quant_method":"mxfp4"},
         "#;
         assert!(GPT_OSS_20B.contains(q));
         let bf16 = GPT_OSS_20B.replace(q, "");
         let c = ModelConfig::from_json(&bf16, Path::new("config.json")).unwrap();
+        assert_eq!(format!("{hub:?}"), format!("{c:?}"));
         let m = c.arch.moe.unwrap();
         assert_eq!((m.experts, m.top_k, m.inter), (32, 4, 2880));
         let o = m.oss.unwrap();

@@ -4,12 +4,12 @@
 //!
 //! Shapes: B batch, T tokens, C hidden, H heads, K kv heads, D head dim, V vocab, I mlp.
 
+use super::adapter::{Inject, Lora};
 use super::build::{Get, GetNf4};
 use super::config::ModelConfig;
 use super::layer::Layer;
 use super::rope::Freqs;
 use crate::hub::ModelFiles;
-use crate::lora::{Lora, LoraSpec};
 use crate::ops::{self, AttnMask, Kernels};
 use crate::quant::QWeight;
 use anyhow::{bail, Context};
@@ -155,8 +155,8 @@ pub struct Build {
     /// The base's dtype on the device.
     pub(crate) dtype: DType,
     pub(crate) device: Device,
-    /// The adapters to inject (A random from `seed`, B zero).
-    pub(crate) spec: LoraSpec,
+    /// Who fills each layer's adapter slots (lora::LoraSpec: A random from `seed`, B zero).
+    pub(crate) adapters: std::sync::Arc<dyn Inject>,
     /// The adapters' init stream.
     pub(crate) seed: u64,
     /// Every kernel choice of the run (`Kernels::resolve` for this device, dtype and head dim).
@@ -174,7 +174,7 @@ impl Build {
         cfg: ModelConfig,
         dtype: DType,
         device: &Device,
-        spec: &LoraSpec,
+        adapters: &dyn Inject,
         seed: u64,
     ) -> anyhow::Result<Build> {
         let kernels = Kernels::resolve(device, dtype, cfg.attn_shape(), false)?;
@@ -182,7 +182,7 @@ impl Build {
             cfg,
             dtype,
             device: device.clone(),
-            spec: spec.clone(),
+            adapters: adapters.shared(),
             seed,
             kernels,
             mlp_chunk: Some(super::layer_mlp::MLP_CHUNK),
@@ -199,11 +199,11 @@ impl Model {
         files: &ModelFiles,
         dtype: DType,
         device: &Device,
-        spec: &LoraSpec,
+        adapters: &dyn Inject,
         seed: u64,
     ) -> anyhow::Result<Model> {
         let cfg = ModelConfig::from_file(&files.config)?;
-        let b = Build::new(cfg, dtype, device, spec, seed)?;
+        let b = Build::new(cfg, dtype, device, adapters, seed)?;
         Self::load_with(files, &b, &mut |_| Ok(()))
     }
 
@@ -225,6 +225,14 @@ impl Model {
         let prefetch = super::prefetch::Prefetch::new(&st);
         let finite = super::check::Finite::default();
         let get = |name: &str, shape: &[usize]| -> anyhow::Result<Tensor> {
+            if !names.contains(name) && names.contains(&format!("{name}_blocks")) {
+                prefetch.loading(name);
+                let t = crate::quant::mxfp4::read(&st, name, shape, (dtype, device))
+                    .with_context(|| format!("in the MXFP4 checkpoint {}", files.dir.display()))?;
+                if let Some(t) = t {
+                    return finite.watch(name, t);
+                }
+            }
             if !names.contains(name) {
                 bail!(
                     "tensor `{name}` is missing from the weights in {}",
@@ -275,10 +283,10 @@ impl Model {
         cfg: ModelConfig,
         dtype: DType,
         device: &Device,
-        spec: &LoraSpec,
+        adapters: &dyn Inject,
         seed: u64,
     ) -> anyhow::Result<Model> {
-        let b = Build::new(cfg, dtype, device, spec, seed)?;
+        let b = Build::new(cfg, dtype, device, adapters, seed)?;
         Self::random_with(&b, &mut |_| Ok(()))
     }
 
@@ -314,18 +322,13 @@ impl Model {
         tied: bool,
         loaded: Loaded,
     ) -> anyhow::Result<Model> {
-        let (cfg, dtype, device, spec, seed, kernels) = (
-            b.cfg.clone(),
-            b.dtype,
-            &b.device,
-            &b.spec,
-            b.seed,
-            b.kernels,
-        );
+        let (cfg, dtype, device, seed, kernels) =
+            (b.cfg.clone(), b.dtype, &b.device, b.seed, b.kernels);
         let (c, v) = (cfg.hidden_size, cfg.vocab_size);
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for l in 0..cfg.num_layers {
-            let mut layer = super::build::layer(&cfg, l, get, nf4, spec, seed, (dtype, device))?;
+            let mut layer = super::build::layer(&cfg, l, get, nf4, (dtype, device))?;
+            b.adapters.inject(&mut layer, &cfg, l, seed)?;
             if kernels.fold {
                 layer.fold()?;
             }

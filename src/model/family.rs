@@ -78,12 +78,29 @@ impl Family {
     pub(crate) fn linears(self) -> &'static [&'static str] {
         match self {
             Family::Phi3 => &FUSED_LINEAR,
-            // the experts are 3-D parameters, not linears (`crate::lora::EXPERT_PARAMS`)
+            // the experts are 3-D parameters, not linears (`EXPERT_PARAMS`)
             Family::Qwen3Moe | Family::GptOss => &ATTN_LINEAR,
-            _ => &crate::lora::ALL_LINEAR,
+            _ => &ALL_LINEAR,
         }
     }
 }
+
+/// The seven linear modules of a Llama-family decoder layer, in checkpoint order.
+pub const ALL_LINEAR: [&str; 7] = [
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+];
+
+/// A MoE's fused expert parameters LoRA can adapt, as PEFT's `target_parameters` names them:
+/// gate_up_proj [E, 2I, C] and down_proj [E, C, I] of `model.layers.N.mlp.experts`. PEFT gives
+/// each one adapter over all experts, A [E·r, in] (expert e's rows e·r..) and B [out, r·E]
+/// (expert e's columns e, E + e, ..); model/layer_moe.rs.
+pub const EXPERT_PARAMS: [&str; 2] = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"];
 
 /// Phi-3's linears: q, k, v in one projection, gate and up in another (PEFT's names).
 pub(crate) const FUSED_LINEAR: [&str; 4] = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"];

@@ -411,10 +411,19 @@ impl Layer {
         v
     }
 
+    /// Every linear, mutably, in `linears` order (`Inject` fills their slots so).
+    pub(crate) fn linears_mut(&mut self) -> Vec<&mut Linear> {
+        let mut v: Vec<&mut Linear> = self.attn_in.iter_mut().collect();
+        v.push(&mut self.o);
+        v.extend(self.mlp_in.iter_mut());
+        v.extend(self.down.as_mut());
+        v
+    }
+
     /// The layer's adapters with their module names: the linears' (`linears` order), then a
     /// MoE layer's experts' (PEFT's module paths).
-    pub fn adapters(&self) -> Vec<(&str, &crate::lora::Lora)> {
-        let mut v: Vec<(&str, &crate::lora::Lora)> = self
+    pub fn adapters(&self) -> Vec<(&str, &super::adapter::Lora)> {
+        let mut v: Vec<(&str, &super::adapter::Lora)> = self
             .linears()
             .into_iter()
             .filter_map(|lin| lin.lora.as_ref().map(|a| (lin.name.as_str(), a)))

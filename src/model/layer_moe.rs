@@ -6,7 +6,7 @@
 //! The experts are frozen, in the model's dtype or in NF4 (`[model] quantize = "nf4"`:
 //! `quant::ExpertsNf4`, dequantized a tile of experts at a time: model/moe_tiles.rs); LoRA may
 //! adapt their fused parameters as PEFT does
-//! (`lora::EXPERT_PARAMS`): one adapter per parameter, A [E·r, in] and B [out, r·E], expert e's
+//! (`family::EXPERT_PARAMS`): one adapter per parameter, A [E·r, in] and B [out, r·E], expert e's
 //! A_e = A[e·r .. e·r + r] and B_e[:, j] = B[:, j·E + e], so W_e + s·B_e A_e.
 //!
 //! Tokens are grouped by expert (`router::Routing`): the rows routed to an expert are gathered
@@ -27,12 +27,12 @@
 //! Shapes: m tokens, C hidden, E experts, k experts per token, P = m·k grouped rows, I an
 //! expert's width, r the adapters' rank.
 
+use super::adapter::Lora;
 use super::decoder::Ctx;
 use super::family::MoeSpec;
 use super::layer::Layer;
 use super::layer_train::LayerGrads;
 use super::router::{route, route_bwd, Routing};
-use crate::lora::Lora;
 use crate::ops::grouped_mm::{grouped_linear, grouped_tn};
 use crate::ops::oss_glu::{deinterleave, interleave, oss_glu, oss_glu_bwd};
 use crate::ops::{self, glu::Act, moe_rows};
@@ -80,8 +80,9 @@ pub(crate) struct OssBiases {
     pub(crate) down: Tensor,
 }
 
-/// y [P, n] + each grouped row's expert's bias (`bias` [E, n]; `counts[e]` rows of expert e).
-fn add_bias(y: Tensor, bias: &Tensor, counts: &[usize]) -> Result<Tensor> {
+/// y [P, n] + each grouped row's expert's bias (`bias` [E, n]; `counts[e]` rows of expert
+/// e0 + e).
+fn add_bias(y: Tensor, bias: &Tensor, (e0, counts): (usize, &[usize])) -> Result<Tensor> {
     let ids: Vec<u32> = counts
         .iter()
         .enumerate()
@@ -89,6 +90,7 @@ fn add_bias(y: Tensor, bias: &Tensor, counts: &[usize]) -> Result<Tensor> {
         .collect();
     let n = ids.len();
     let ids = Tensor::from_vec(ids, n, y.device())?;
+    let bias = bias.narrow(0, e0, counts.len())?;
     let b = bias.to_dtype(y.dtype())?.index_select(&ids, 0)?;
     y + b
 }
@@ -218,8 +220,9 @@ pub(super) struct ExpertActs {
 /// The experts' adapters (`PerExpert`), gate_up's and down's.
 pub(super) type Adapters<'a> = (Option<&'a PerExpert>, Option<&'a PerExpert>);
 
-/// The experts' weights a pass reads: gate_up [t, 2I, C] and down [t, C, I] of t experts.
-pub(super) type Weights<'a> = (&'a Tensor, &'a Tensor);
+/// The experts' weights a pass reads: gate_up [t, 2I, C] and down [t, C, I] of t experts, and
+/// the first of them (e0: the tile's share of gpt-oss's biases is [e0, e0 + t)).
+pub(super) type Weights<'a> = (&'a Tensor, &'a Tensor, usize);
 
 impl Moe {
     /// The frozen tensors: router, then gate_up and down, or their NF4 arrays
@@ -262,11 +265,6 @@ impl Moe {
         if self.nf4.is_some() {
             return Ok(());
         }
-        if self.biases.is_some() {
-            candle_core::bail!(
-                "nf4: gpt-oss's experts (with biases) are not quantized yet: set model.quantize = \"none\""
-            );
-        }
         let q = ExpertsNf4::quantize(&self.gate_up, &self.down, double_quant)?;
         let (dt, dev) = (self.gate_up.dtype(), self.gate_up.device().clone());
         self.gate_up = Tensor::zeros(1, dt, &dev)?;
@@ -286,12 +284,11 @@ impl Moe {
     }
 
     /// gate and up [P, I] each from the grouped rows x [P, C] and gate_up's weights [t, 2I, C]
-    /// (gate_up's adapter applied, its state returned): Qwen3-MoE's halves as two GEMMs, or
-    /// gpt-oss's interleaved rows as one with its bias, split after. With biases t is every
-    /// expert: gpt-oss's experts are never quantized (`quantize`), so they run as one tile.
+    /// of experts [e0, e0 + t) (gate_up's adapter applied, its state returned): Qwen3-MoE's
+    /// halves as two GEMMs, or gpt-oss's interleaved rows as one with its bias, split after.
     fn gate_up_fwd(
         &self,
-        gate_up: &Tensor,
+        (gate_up, e0): (&Tensor, usize),
         x: &Tensor,
         counts: &[usize],
         gu_ad: Option<&PerExpert>,
@@ -299,7 +296,7 @@ impl Moe {
         let parts = match &self.biases {
             Some(b) => {
                 let gu = grouped_linear(x, gate_up, counts, true, 1.0, None)?; // [P, 2I]
-                vec![add_bias(gu, &b.gate_up, counts)?]
+                vec![add_bias(gu, &b.gate_up, (e0, counts))?]
             }
             None => {
                 let mut parts = Vec::with_capacity(2); // gate, up [P, I]
@@ -356,16 +353,16 @@ impl Moe {
     /// takes.
     pub(super) fn experts_fwd(
         &self,
-        (gate_up, down): Weights,
+        (gate_up, down, e0): Weights,
         x: &Tensor,
         counts: &[usize],
         (gu_ad, down_ad): Adapters,
     ) -> Result<(Tensor, ExpertActs)> {
-        let (gate, up, xa_gu) = self.gate_up_fwd(gate_up, x, counts, gu_ad)?;
+        let (gate, up, xa_gu) = self.gate_up_fwd((gate_up, e0), x, counts, gu_ad)?;
         let a = self.act(&gate, &up)?;
         let y = grouped_linear(&a, down, counts, true, 1.0, None)?; // [P, C]
         let y = match &self.biases {
-            Some(b) => add_bias(y, &b.down, counts)?,
+            Some(b) => add_bias(y, &b.down, (e0, counts))?,
             None => y,
         };
         let (y, xa_down) = match down_ad {
@@ -391,7 +388,7 @@ impl Moe {
     #[allow(clippy::type_complexity)]
     pub(super) fn experts_bwd(
         &self,
-        (gate_up, down): Weights,
+        (gate_up, down, _): Weights,
         (x, acts): (&Tensor, ExpertActs),
         gy: &Tensor,
         counts: &[usize],

@@ -8,9 +8,9 @@
 //!
 //! Shapes: m tokens (B·T), in and out the linear's widths, r the adapter's rank.
 
+use super::adapter::Lora;
 use super::decoder::Ctx;
 use super::parts::{cut, join_parts, row_blocks};
-use crate::lora::Lora;
 use crate::ops;
 use crate::ops::dropout::Dropout;
 use crate::ops::glu::Act;

@@ -6,6 +6,7 @@
 //! logits, one decoder layer at a time, so the driver (train::driver) can checkpoint, recompute
 //! and free memory between layers.
 
+pub mod adapter;
 pub(crate) mod build;
 pub(crate) mod check;
 pub(crate) mod config;
@@ -29,10 +30,12 @@ pub(crate) mod router;
 pub mod shapes;
 mod yarn;
 
+pub use adapter::{module_index, Inject, Lora};
 pub use config::{ConfigError, ModelConfig, RopeScaling};
 pub(crate) use decoder::Ctx;
 pub use decoder::{Build, Model};
 pub(crate) use family::Family;
+pub use family::{ALL_LINEAR, EXPERT_PARAMS};
 pub use keep::Keep;
 pub(crate) use keep::{PARK_PENDING, PARK_TAIL};
 pub use layer::Layer;

@@ -100,7 +100,8 @@ impl Moe {
             let (ga, da) = (tile_of(ads.0, t)?, tile_of(ads.1, t)?);
             let xt = x.narrow(0, t.row0, t.rows)?;
             let c = &counts[t.e0..t.e0 + t.n];
-            let (y, _) = self.experts_fwd((&gu, &dn), &xt, c, (ga.as_ref(), da.as_ref()))?;
+            let ads = (ga.as_ref(), da.as_ref());
+            let (y, _) = self.experts_fwd((&gu, &dn, t.e0), &xt, c, ads)?;
             ys.push(y);
         }
         cat_rows(ys, (0, x.dim(1)?), x)
@@ -146,7 +147,7 @@ impl Moe {
             let (gu, dn) = self.weights(t, dt, Some(&mut scratch))?;
             let tile_ads = (ga.as_ref(), da.as_ref());
             let (dx, dw, gg, gd) = self.tile_grad(
-                (&gu, &dn),
+                (&gu, &dn, t.e0),
                 &rows(x)?,
                 (g, &rows(tokens)?, &rows(w)?),
                 c,
@@ -213,14 +214,16 @@ fn cat_grads(mut parts: Vec<Grad>) -> Result<Option<Grad>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::lora::{Lora, LoraSpec};
-    use crate::model::family::MoeSpec;
-    use crate::model::layer_moe::ExpertLora;
+    use crate::lora::LoraSpec;
+    use crate::model::family::{MoeSpec, OssMoe};
+    use crate::model::layer_moe::{ExpertLora, OssBiases};
+    use crate::model::Lora;
     use candle_core::{Device, Var};
 
     /// A random MoE block of 5 experts (C 64, I 32), both parameters adapted with B ≠ 0, its
-    /// experts in NF4 (double quant) or, `dense`, as their dequantized f32 weights.
-    fn moe(dense: bool) -> Moe {
+    /// experts in NF4 (double quant) or, `dense`, as their dequantized f32 weights; `oss`:
+    /// gpt-oss's (interleaved gate_up, biases, clamped SwiGLU, top-k softmax router).
+    fn moe(dense: bool, oss: bool) -> Moe {
         let (e, c, i, r) = (5, 64, 32, 2);
         let dev = Device::Cpu;
         let rnd = |shape: &[usize], seed: u64| {
@@ -255,13 +258,20 @@ mod tests {
                 experts: e,
                 top_k: 2,
                 inter: i,
-                norm_topk: true,
-                oss: None,
+                norm_topk: !oss,
+                oss: oss.then_some(OssMoe {
+                    alpha: 1.702,
+                    limit: 7.0,
+                }),
             },
             gate_up_lora: lora(c, 2 * i, 4),
             down_lora: lora(i, c, 5),
             nf4: None,
-            biases: None,
+            biases: oss.then(|| OssBiases {
+                router: rnd(&[e], 6),
+                gate_up: (rnd(&[e, 2 * i], 7) * 20.0).unwrap(),
+                down: (rnd(&[e, c], 8) * 20.0).unwrap(),
+            }),
         };
         m.quantize(true).unwrap();
         if dense {
@@ -277,10 +287,17 @@ mod tests {
     }
 
     /// NF4 experts in tiles of 2 (3 tiles, one without rows) give the dense dequantized
-    /// weights' output, dL/dx, dL/dw and adapter gradients, in f32 within 1e-5.
+    /// weights' output, dL/dx, dL/dw and adapter gradients, in f32 within 1e-5; Qwen3-MoE's
+    /// and gpt-oss's (each tile its experts' biases).
     #[test]
     fn nf4_tiles_equal_the_dequantized_experts() {
-        let (q, d) = (moe(false), moe(true));
+        for oss in [false, true] {
+            tiles_equal_dense(oss);
+        }
+    }
+
+    fn tiles_equal_dense(oss: bool) {
+        let (q, d) = (moe(false, oss), moe(true, oss));
         let dev = Device::Cpu;
         let counts = [3usize, 0, 0, 4, 1];
         let (p, c, m) = (8, 64, 5);

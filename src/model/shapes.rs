@@ -6,7 +6,7 @@ use super::ModelConfig;
 use anyhow::{bail, Result};
 
 /// The shapes `bench` and `plan --shape` know, as scripts/bench_peft.py's SHAPES.
-pub(crate) const SHAPES: [&str; 10] = [
+pub(crate) const SHAPES: [&str; 11] = [
     "tiny",
     "llama2-7b",
     "llama2-13b",
@@ -17,6 +17,7 @@ pub(crate) const SHAPES: [&str; 10] = [
     "gemma3-12b",
     "phi3-mini",
     "qwen3-30b-a3b",
+    "gpt-oss-20b",
 ];
 
 /// A named shape's config.json (the released model's, as scripts/bench_peft.py builds it),
@@ -81,6 +82,23 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
             "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 151936,
             "rope_theta": 1e6, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
             "tie_word_embeddings": false, "attention_bias": false}),
+        // openai/gpt-oss-20b (its bf16 weights: the Hub's MXFP4 experts dequantized): 32
+        // experts of width 2880, 4 a token, in every layer; sliding (128) and full layers
+        // alternating, attention sinks, YaRN ×32 over 4096, biases on q/k/v/o and the experts
+        "gpt-oss-20b" => json!({"model_type": "gpt_oss", "hidden_size": 2880,
+            "intermediate_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64,
+            "num_key_value_heads": 8, "head_dim": 64, "num_local_experts": 32,
+            "num_experts_per_tok": 4, "vocab_size": 201088, "rope_theta": 150000,
+            "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                "beta_slow": 1.0, "original_max_position_embeddings": 4096, "truncate": false},
+            "sliding_window": 128,
+            "layer_types": (0..24).map(|l| match l % 2 {
+                0 => "sliding_attention",
+                _ => "full_attention",
+            }).collect::<Vec<_>>(),
+            "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "attention_bias": true,
+            "swiglu_limit": 7.0, "tie_word_embeddings": false, "eos_token_id": 200002,
+            "pad_token_id": 199999}),
         other => bail!("unknown shape `{other}`; known: {}", SHAPES.join(", ")),
     };
     let path = std::path::PathBuf::from(format!("<bench shape {name}>"));
@@ -93,7 +111,7 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
 pub fn targets(name: &str, cfg: &ModelConfig) -> Result<Vec<String>> {
     let own = cfg.linears();
     let experts: &[&str] = match cfg.arch.moe {
-        Some(_) => &crate::lora::EXPERT_PARAMS,
+        Some(_) => &super::family::EXPERT_PARAMS,
         None => &[],
     };
     let t: Vec<&str> = match name {

@@ -9,7 +9,7 @@
 //!   counter = (g mod 2³², g div 2³², layer, module), g = e div 8 for element e
 //! One call gives 128 bits: the 16-bit lane e mod 8 of them (word (e mod 8) div 2, the low half
 //! for an even e) is element e's. Layer and module are the global ones (`Linear::key`: the
-//! model's layer index, the module's place in `lora::ALL_LINEAR`), so a mask is the same with
+//! model's layer index, the module's place in `model::ALL_LINEAR`), so a mask is the same with
 //! or without checkpointing, under FSDP and on any number of ranks.
 //!
 //! Element e is dropped when its 16 bits are below t = round(p · 2¹⁶): it is kept with

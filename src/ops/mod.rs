@@ -64,6 +64,7 @@ pub(crate) mod lora_linear;
 pub mod moe_rows;
 pub(crate) mod multi_tensor;
 pub mod oss_glu;
+pub(crate) mod pool;
 pub(crate) mod rms_norm;
 pub(crate) mod rope;
 pub(crate) mod softcap;

@@ -3,8 +3,8 @@
 //! or the CPU through TCP). Every `nccl` feature switch of the crate lives in parallel/; these
 //! are the ones the launcher calls.
 
-use super::launch::EnvRank;
-use super::{Comm, Group};
+use super::Group;
+use crate::train::{Comm, EnvRank};
 use anyhow::Result;
 use std::sync::Arc;
 use std::time::Duration;

@@ -9,7 +9,9 @@
 //! Sums add the ranks' tensors in rank order on one thread, so every rank gets bit-identical
 //! results (identical optimiser steps on every rank).
 
-use super::{Comm, CommError, Group, STOP_GRACE};
+use super::{CommError, Group};
+use crate::train::Comm;
+use crate::util::signal::STOP_GRACE;
 use candle_core::{Result, Tensor};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -110,7 +112,7 @@ impl CpuGroup {
                     (0..self.world).filter(|&r| s.slots[r].is_none()).collect();
                 let ended: Vec<usize> = missing.iter().copied().filter(|&r| s.ended[r]).collect();
                 let now = Instant::now();
-                let stopped = super::interrupted_at()
+                let stopped = crate::util::signal::interrupted_at()
                     .map(|at| now.saturating_duration_since(at.max(start)))
                     .filter(|d| *d >= self.stop_grace);
                 let e = match (now >= deadline, stopped) {
@@ -122,7 +124,7 @@ impl CpuGroup {
                         secs: self.timeout.as_secs(),
                     },
                     (false, Some(d)) => {
-                        super::note_gave_up();
+                        crate::util::signal::note_gave_up();
                         CommError::Interrupted {
                             me,
                             op,
@@ -272,7 +274,7 @@ mod tests {
 
         // A stop signal: a rank waiting for one that never comes gives up after the grace.
         let g = group(2, Duration::from_secs(60), Duration::from_millis(300));
-        crate::parallel::interrupt();
+        crate::util::signal::interrupt();
         let t = Instant::now();
         let e = g.comm(0).unwrap().all_reduce_sum(&x).unwrap_err();
         let waited = t.elapsed();

@@ -17,7 +17,7 @@
 //!
 //! FSDP's gathers of the frozen shards skip NCCL when the ranks are threads of one process
 //! whose GPUs reach each other (NVLink or PCIe peer access): the shards stay where they are
-//! (only their folded B columns are rewritten, once a step: parallel::fsdp), so after
+//! (only their folded B columns are rewritten, once a step: train::flat), so after
 //! `share_static` each rank copies its peers' shards straight out of their memory with
 //! `cuMemcpyPeerAsync`, on the same side stream. Copy engines do that, not kernels: a
 //! collective's kernels hold SMs that the layer's GEMMs, sized for the whole GPU, wait for.
@@ -38,9 +38,11 @@
 //! frees a comm under a starting call), and aborts anyway after a moment when the owner is
 //! stuck inside NCCL, which is what ncclCommAbort is for. A comm is aborted once only.
 
-use super::launch::{self, EnvRank};
+use super::launch;
 use super::posted::Posted;
-use super::{Comm, Group};
+use super::Group;
+use crate::train::Comm;
+use crate::train::EnvRank;
 use anyhow::Context;
 use candle_core::cuda_backend::cudarc::driver::{
     self as cu, CudaContext, CudaEvent, CudaStream, DevicePtr,

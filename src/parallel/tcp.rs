@@ -1,5 +1,5 @@
 //! Communicator of ranks that are processes, over TCP: CPU ranks that torchrun, Slurm or
-//! mpirun started (`launch::EnvRank`), on one host or many.
+//! mpirun started (`train::EnvRank`), on one host or many.
 //!
 //! defines: TcpGroup (this process's rank: its connections and the failures it has seen),
 //! TcpComm (its `Comm`).
@@ -18,9 +18,11 @@
 //! others wait twice that for rank 0's answer (rank 0 times out first when another rank is
 //! missing, and tells them), and `STOP_GRACE` after a stop signal.
 
-use super::launch::EnvRank;
 use super::wire::{self, Frame, Op, Wire};
-use super::{Comm, CommError, Group, STOP_GRACE};
+use super::{CommError, Group};
+use crate::train::Comm;
+use crate::train::EnvRank;
+use crate::util::signal::STOP_GRACE;
 use anyhow::{bail, Context};
 use candle_core::{Result, Tensor};
 use std::collections::VecDeque;
@@ -189,7 +191,7 @@ impl Shared {
             let missing = missing(&s);
             let ended: Vec<usize> = missing.iter().copied().filter(|&r| s.ended[r]).collect();
             let now = Instant::now();
-            let stopped = super::interrupted_at()
+            let stopped = crate::util::signal::interrupted_at()
                 .map(|at| now.saturating_duration_since(at.max(start)))
                 .filter(|d| *d >= self.stop_grace);
             match (now >= deadline, stopped) {
@@ -217,7 +219,7 @@ impl Shared {
                     }
                 }
                 (false, Some(d)) => {
-                    super::note_gave_up();
+                    crate::util::signal::note_gave_up();
                     break CommError::Interrupted {
                         me,
                         op: op_name,

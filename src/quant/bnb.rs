@@ -22,8 +22,9 @@ use std::path::Path;
 pub(crate) const STATE: &str = ".quant_state.bitsandbytes__nf4";
 
 /// What a checkpoint's config.json says of its quantization: None for a full-precision one,
-/// true / false for a bitsandbytes NF4 one with / without double quant. Any other
-/// quantization is an error that says what to use instead.
+/// true / false for a bitsandbytes NF4 one with / without double quant; None too for gpt-oss's
+/// MXFP4 experts (read as full precision: quant::mxfp4). Any other quantization is an error
+/// that says what to use instead.
 pub fn nf4_config(config: &Path) -> Result<Option<bool>> {
     let text = std::fs::read_to_string(config)
         .with_context(|| format!("cannot read {}", config.display()))?;
@@ -41,7 +42,8 @@ pub(crate) fn nf4_of(v: &serde_json::Value) -> std::result::Result<Option<bool>,
     let method = q.get("quant_method").and_then(|m| m.as_str()).unwrap_or("");
     let flag = |k: &str| q.get(k).and_then(|b| b.as_bool()).unwrap_or(false);
     if method == "mxfp4" {
-        return Err("quantization_config.quant_method = \"mxfp4\" (gpt-oss's experts as the Hub stores them): reading MXFP4 is not implemented yet; use a bf16 copy of the checkpoint (transformers: from_pretrained(..., quantization_config=Mxfp4Config(dequantize=True)), then save_pretrained)".to_string());
+        // gpt-oss's experts as the Hub stores them, dequantized as they load (quant::mxfp4)
+        return Ok(None);
     }
     if method != "bitsandbytes" {
         return Err(format!(

@@ -3,7 +3,8 @@
 //! `Linear4bit`s (the same blocks of 64, double quant, `QWeight`), and dequantized a tile of
 //! experts at a time into the fused layout the grouped GEMMs take (model/layer_moe.rs).
 //!
-//! Shapes: E experts, I an expert's width, C hidden; gate_up [E, 2I, C] (gate rows first),
+//! Shapes: E experts, I an expert's width, C hidden; gate_up [E, 2I, C] (gate rows first;
+//! gpt-oss's gate and up rows interleaved, its two row halves quantized apart all the same),
 //! down [E, C, I]; a tile of t experts dequantizes to [t, 2I, C] and [t, C, I].
 
 use super::weight::QWeight;

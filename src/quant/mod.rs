@@ -1,9 +1,11 @@
 //! The frozen base quantized (QLoRA): bitsandbytes' NF4 format, made at load or read from a
-//! pre-quantized checkpoint, and dequantized just in time for each layer's GEMMs.
+//! pre-quantized checkpoint, and dequantized just in time for each layer's GEMMs; and gpt-oss's
+//! MXFP4 experts as the Hub stores them, dequantized exactly as they load (`mxfp4`).
 
 pub mod bnb;
 pub mod dynamic;
 pub mod experts;
+pub mod mxfp4;
 pub mod nf4;
 pub(crate) mod slabs;
 pub(crate) mod weight;

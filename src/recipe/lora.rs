@@ -7,7 +7,7 @@ use std::path::PathBuf;
 /// family has its own subset: model/family.rs), then a MoE's expert parameters as PEFT's
 /// `target_parameters` names them. "all-linear" is all of them, which a model resolves to its
 /// own linears (as PEFT's "all-linear", not the experts). The order is the checkpoint's, and a
-/// module's index here keys its adapter's random streams (lora::module_index).
+/// module's index here keys its adapter's random streams (model::module_index).
 pub(crate) const KNOWN_LINEAR: [&str; 11] = [
     "q_proj",
     "k_proj",

@@ -1,6 +1,6 @@
 //! What a recipe alone can check: ranges, files that must exist, the combinations that do not
 //! run together, what this build supports. Checks that need the model, the data's formats or
-//! an adapter's config come later (train::resolve), with the same error type.
+//! an adapter's config come later (run::resolve), with the same error type.
 
 use super::{bounds, DataFormat, DeviceKind, MergeInto, Quantize, Recipe, RecipeError};
 use super::{Resume, Strategy, Targets, TrainOn, MLP_CHUNK_MAX};
@@ -397,7 +397,7 @@ impl Recipe {
     }
 
     /// `lora.targets` as module names in checkpoint order; unknown names are errors.
-    /// "all-linear" is every known name (`lora::KNOWN_LINEAR`), which the model's config
+    /// "all-linear" is every known name (`KNOWN_LINEAR`), which the model's config
     /// narrows to its own (`ModelConfig::resolve_targets`).
     pub(crate) fn target_modules(&self) -> Result<Vec<String>, RecipeError> {
         use super::KNOWN_LINEAR as ALL_LINEAR;

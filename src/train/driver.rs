@@ -25,14 +25,14 @@
 //! are summed over the ranks in one bucket as soon as that layer's backward is done (DDP and
 //! FSDP alike). With world 1 every collective is the identity.
 
+use super::comm::{Comm, Solo};
 use super::objective::{HeadIn, Objective, Sft, Targets};
 use super::offload::Offload;
 use super::optim::Grads;
 use crate::data::Batch;
-use crate::memory;
 use crate::model::moe_aux::MoeAux;
 use crate::model::{Ctx, Keep, Layer, LayerActs, LayerGrads, Model, Retain};
-use crate::parallel::{Comm, Solo};
+use crate::ops::pool;
 use crate::train::shards::Shards;
 use candle_core::{DType, Result, Tensor, Var};
 use std::borrow::Cow;
@@ -295,7 +295,7 @@ struct Forward {
     x: Tensor,
     /// Per layer, what its backward needs.
     saved: Vec<Saved>,
-    /// Bytes of `saved`, for memory::account_cpu.
+    /// Bytes of `saved`, for ops::pool::account_cpu.
     held: u64,
     offload: Option<Offload>,
     /// FSDP: the embedding / norm / head, gathered ahead under the last layer.
@@ -375,13 +375,13 @@ fn forward(model: &Model, par: &Par, ctx: &Ctx, ids: &Tensor, keep: Keep) -> Res
                     Saved::Parked
                 }
                 _ => {
-                    held += memory::tensor_bytes(&x);
+                    held += crate::ops::tensor_bytes(&x);
                     Saved::Input(x)
                 }
             },
         });
         x = y;
-        memory::account_cpu(dev, held, "forward")?;
+        pool::account_cpu(dev, held, "forward")?;
     }
     Ok(Forward {
         x,
@@ -463,7 +463,7 @@ fn backward<'m>(
                     off.fetch(l - 1)?;
                 }
                 let acts = layer.recompute(&x, ctx)?;
-                memory::account_cpu(dev, back.held + acts.bytes() as u64, "backward")?;
+                pool::account_cpu(dev, back.held + acts.bytes() as u64, "backward")?;
                 acts
             }
             None => candle_core::bail!("driver: no saved activations for layer {l}"),

@@ -3,89 +3,47 @@
 //! One optimiser step = `grad_accum` micro-batches of `micro_batch` rows. The loss of a step is
 //! the mean token cross-entropy over all its counted tokens (not a mean of micro-batch means).
 //!
-//! defines, in the order a run uses them: `launch` (the ranks: this thread, a thread per
-//! device, or a launcher's processes), `preflight` (the memory plan checked before loading),
-//! `session` (one rank's model, shards, communicator and data), `step` (the step engine that
-//! train, bench and probe share, over `driver`'s layer-wise forward and backward, `optim`,
-//! `readback`), `trainer` (the loop: log, eval, checkpoints, stops), `log`, `checkpoint` (its
-//! files copied to the host by `host_stage`, written by `checkpoint_write`), `stop`,
-//! `schedule`, `eval`, `offload`; `owner` (the output directory's lock, for the run's life).
+//! defines the engine, one rank's training: `run_config` (the resolved run; run::resolve makes
+//! it), `ranks` and `comm` (where the ranks are, and what the step asks of them: `Comm`,
+//! implemented by parallel/), `session` (one rank's model, shards (`shards`, `flat`),
+//! communicator and memory watch), `train_data`, the step engine that train, bench and probe
+//! share (`step`, over `driver`'s layer-wise forward and backward, the objectives, `optim`,
+//! `readback`, `offload`, `sizes`, `meter`), `run_loop` (the one loop over `Hooks`), `eval`,
+//! `schedule`, `stop`, `run_check`, `fingerprint`. run/ wires it to the layers above: the
+//! resolution, the preflight, the ranks, the trainer's hooks and the checkpoints.
 
-pub mod checkpoint;
-pub(crate) mod checkpoint_check;
-pub(crate) mod checkpoint_write;
+pub mod comm;
 pub mod driver;
 pub mod eval;
+pub mod fingerprint;
+pub mod flat;
 pub(crate) mod first_epoch;
-pub mod host_stage;
 pub mod kto_loss;
-pub(crate) mod launch;
-pub(crate) mod log;
 pub mod objective;
+pub mod meter;
 pub(crate) mod offload;
 pub mod optim;
-pub(crate) mod owner;
 pub mod pref_loss;
 pub(crate) mod pref_objective;
 pub(crate) mod pref_precompute;
 pub(crate) mod pref_ref;
 pub(crate) mod pref_store;
-#[cfg(test)]
-mod pref_tree;
-pub(crate) mod preflight;
+pub mod ranks;
 pub mod readback;
-pub(crate) mod resolve;
 pub(crate) mod run_check;
 pub(crate) mod run_config;
 pub(crate) mod run_loop;
 pub(crate) mod schedule;
 pub mod session;
 pub mod shards;
+pub mod sizes;
 pub mod step;
 pub mod stop;
 pub mod train_data;
-pub(crate) mod trainer;
 
-pub use launch::run_with;
-pub use resolve::{load_recipe, Machine};
+pub use comm::{Comm, Solo};
+pub use ranks::EnvRank;
+pub(crate) use ranks::Ranks;
 pub use run_config::RunConfig;
 pub use session::Session;
 pub use train_data::TrainData;
-
-use crate::recipe::Recipe;
-use anyhow::Result;
-use std::path::PathBuf;
-
-/// What a finished run reports.
-#[derive(Debug, Clone)]
-pub struct RunSummary {
-    /// The step the run ended at (a resumed run counts its earlier steps).
-    pub steps: usize,
-    /// The training loss of each step this process ran, in order.
-    pub losses: Vec<f64>,
-    /// The run's output directory.
-    pub out_dir: PathBuf,
-    /// Tokens this process trained on (the count the logged rate divides).
-    pub tokens: usize,
-    /// Seconds since this process's training log started.
-    pub seconds: f64,
-    /// Training examples cut to seq_len.
-    pub truncated: usize,
-    /// The last eval loss (at the end), when there is an eval set.
-    pub eval_loss: Option<f64>,
-    /// Bad rows skipped (data.on_bad_row = "skip").
-    pub skipped: usize,
-}
-
-/// How `run_with` may deviate from the recipe.
-#[derive(Debug, Clone, Default)]
-pub struct RunOptions {
-    /// Start even when the memory plan says the run does not fit.
-    pub force: bool,
-}
-
-/// `lora-train train`: the whole run from a recipe, on one device, on one thread per device
-/// (`[parallel] strategy = "ddp" | "fsdp"`), or as one rank of a torchrun / Slurm job.
-pub fn run(recipe: Recipe) -> Result<RunSummary> {
-    run_with(recipe, &RunOptions::default())
-}

@@ -8,14 +8,14 @@
 //!
 //! Shapes: N positions of the micro-batch (B·T), C hidden, V vocab, n counted positions.
 
+use super::comm::Comm;
 use super::driver::Par;
 use super::kto_loss::Kto;
 use super::pref_loss::{DpoLoss, Metric, PairObjective};
 use super::pref_ref::RefWeights;
+use super::sizes::head_chunk_rows;
 use crate::data::Batch;
-use crate::memory::sizes::head_chunk_rows;
 use crate::model::Model;
-use crate::parallel::Comm;
 use crate::recipe::{PrefLoss, PrefReference, Recipe, TrainObjective, PREF_BETA};
 use candle_core::{Result, Tensor, TensorId};
 use std::collections::HashMap;
@@ -223,7 +223,7 @@ pub trait Objective: Send + Sync {
 /// per 4k tokens in bf16 at a 32k vocabulary; the CPU's f32 CE keeps several).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Sft {
-    /// Counted positions per lm_head + loss chunk (None: `memory::sizes::head_chunk_rows`).
+    /// Counted positions per lm_head + loss chunk (None: `train::sizes::head_chunk_rows`).
     pub head_chunk: Option<usize>,
 }
 

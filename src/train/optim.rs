@@ -8,8 +8,8 @@ use std::collections::HashMap;
 /// Accumulated gradients, keyed by the parameter's tensor id.
 pub type Grads = HashMap<TensorId, Tensor>;
 
-/// Parameters are updated in groups of at most this many elements (memory::sizes).
-pub(crate) use crate::memory::sizes::OPTIM_GROUP as GROUP;
+/// Parameters are updated in groups of at most this many elements (train::sizes).
+pub(crate) use super::sizes::OPTIM_GROUP as GROUP;
 
 /// A run of consecutive parameters and their AdamW moments, flat.
 struct Group {

@@ -10,16 +10,16 @@
 //! the ranks). So the ranks and gradient accumulation never change the maths. The step-wide
 //! counts (and KTO's KL) are taken before the step's first micro-batch (`begin_step`).
 
+use super::comm::Comm;
 use super::driver::Par;
 use super::kto_loss::{kto_loss, KtoLogps};
 use super::objective::{HeadIn, HeadOut, Objective, ObjectiveKind};
 use super::pref_loss::{pair_loss, Metric, PairLogps, PairObjective};
 use super::pref_ref::{seq_logps, RefWeights};
+use super::sizes::head_chunk_rows;
 use crate::data::pref_batch::PrefLayout;
 use crate::data::Batch;
-use crate::memory::sizes::head_chunk_rows;
 use crate::model::Model;
-use crate::parallel::Comm;
 use candle_core::{bail, DType, Device, Result, Tensor};
 use std::sync::Mutex;
 

@@ -8,8 +8,8 @@
 //! "init_adapter" maps every A and B to the init adapter's values. The layers are untouched.
 
 use super::driver::Par;
+use super::sizes::head_chunk_rows;
 use crate::data::Batch;
-use crate::memory::sizes::head_chunk_rows;
 use crate::model::{Ctx, Model, Retain};
 use candle_core::{DType, Device, Result, Tensor, TensorId};
 use std::collections::HashMap;

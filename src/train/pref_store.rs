@@ -160,14 +160,11 @@ fn file_sum(p: &Path) -> Result<String> {
 /// weight files (name, size, modification time), and the init adapter's files (SHA-256).
 pub(crate) fn key(s: &Session, d: &TrainData) -> Result<String> {
     let run = &s.run;
-    let mut lines: Vec<(String, String)> = super::checkpoint::fingerprint(&run.recipe)
+    let mut lines: Vec<(String, String)> = super::fingerprint::recipe(&run.recipe)
         .into_iter()
         .map(|(k, v)| (format!("recipe.{k}"), v))
         .collect();
-    lines.push((
-        "data.fingerprint".into(),
-        super::checkpoint_check::fingerprint(d)?,
-    ));
+    lines.push(("data.fingerprint".into(), super::fingerprint::data(d)?));
     lines.push(("data.examples".into(), d.data()?.examples.len().to_string()));
     lines.push((
         "reference".into(),
@@ -188,7 +185,7 @@ pub(crate) fn key(s: &Session, d: &TrainData) -> Result<String> {
         lines.push(("model.weights".into(), weight_files(dir)));
     }
     if let Some(dir) = &run.init_adapter {
-        for f in [crate::export::WEIGHTS, crate::export::CONFIG] {
+        for f in [crate::util::WEIGHTS, crate::util::CONFIG] {
             lines.push((format!("init_adapter.{f}"), file_sum(&dir.join(f))?));
         }
     }

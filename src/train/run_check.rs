@@ -1,6 +1,6 @@
 //! What a run's data is checked for before its first step writes anything: a training set
 //! with something to train, and a step count that the data's epochs can give. (The checks
-//! that need only the model and the recipe are made when the run is resolved: train::resolve.)
+//! that need only the model and the recipe are made when the run is resolved: run::resolve.)
 
 use super::run_config::RunConfig;
 use super::train_data::TrainData;

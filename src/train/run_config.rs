@@ -1,13 +1,13 @@
 //! The resolved run: every decision a run takes from its recipe, its checkpoint's config.json
-//! and its machine, made once (train::resolve), as ripgrep turns its raw arguments into one
+//! and its machine, made once (run::resolve), as ripgrep turns its raw arguments into one
 //! value that the rest of the program reads. Every rank, the memory preflight and plan, model
 //! loading, the data, the loop and the checkpoints read this value; nothing after resolution
 //! reads the raw recipe's fields (`recipe` is kept as the run's record: written beside the
 //! adapter, fingerprinted in checkpoints, matched on resume). `bench` and `probe` build the same
 //! value from their flags (`RunConfig::bench`), so they measure what `train` runs.
 
-use super::launch::Ranks;
 use super::objective::ObjectiveKind;
+use super::ranks::Ranks;
 use crate::hub::Source;
 use crate::lora::LoraSpec;
 use crate::model::{Keep, ModelConfig};

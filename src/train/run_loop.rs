@@ -9,10 +9,10 @@
 //! want finished first (`Hooks::finish_first`: one that saves a checkpoint, or bench's last
 //! warm-up step) is read before the next is queued.
 
+use super::meter::PhaseMeter;
 use super::optim::AdamW;
 use super::step::{Done, Engine, Pending};
 use crate::data::Batch;
-use crate::memory::PhaseMeter;
 use anyhow::Result;
 use std::time::Instant;
 

@@ -3,22 +3,20 @@
 //! the data (train::train_data); `bench` is a session on random weights (or a checkpoint) on
 //! random rows; `probe` a session stepped once per rung. One loader serves all three.
 
+use super::comm::Comm;
 use super::driver::Par;
-use super::preflight::MemoryWatch;
-use super::resolve::{self, Machine};
+use super::flat::Flat;
+use super::meter::MemoryWatch;
 use super::run_config::RunConfig;
-use crate::export;
-use crate::hub::ModelFiles;
+use crate::hub::{self, ModelFiles};
 use crate::model::decoder::{Group, Loaded};
 use crate::model::{device, Build, Model};
 use crate::ops::Kernels;
-use crate::parallel::fsdp::Flat;
-use crate::parallel::{Comm, Solo};
 use crate::quant::Quant;
-use crate::recipe::{Recipe, Strategy};
+use crate::recipe::Strategy;
 use crate::train::shards::Shards;
 use anyhow::{Context, Result};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 /// One rank's model, communicator and memory watch.
@@ -57,27 +55,25 @@ pub struct LoadTimes {
 }
 
 impl Session {
-    /// A one-rank session of `recipe` on its first device (tests, tools): resolved and
-    /// loaded, no preflight.
-    pub fn new(recipe: Recipe) -> Result<Session> {
-        let run = Arc::new(RunConfig::resolve(recipe, Machine::Open)?);
-        let ordinal = run.first_ordinal();
-        Self::load(run, Box::new(Solo), ordinal)
-    }
-
     /// The session of rank `comm.rank()` on CUDA device `ordinal` (ignored on the CPU): the
     /// base from the run's checkpoint (downloaded as needed) or random weights, the adapters
     /// fresh or the init adapter's, every rank starting from rank 0's; under FSDP only this
-    /// rank's shards of the base stay resident.
-    pub fn load(run: Arc<RunConfig>, comm: Box<dyn Comm>, ordinal: usize) -> Result<Session> {
+    /// rank's shards of the base stay resident. `init_adapter` reads lora.init_adapter's
+    /// weights into the model's adapters (`run::session` passes export's PEFT reader).
+    pub fn load_with(
+        run: Arc<RunConfig>,
+        comm: Box<dyn Comm>,
+        ordinal: usize,
+        init_adapter: &dyn Fn(&Path, &Model) -> Result<()>,
+    ) -> Result<Session> {
         let dev = device::open(run.device, ordinal)?;
-        crate::memory::keep_pool_memory(&dev)?;
-        let files = resolve::weights(&run)?;
+        crate::ops::pool::keep_pool_memory(&dev)?;
+        let files = weights(&run)?;
         let build = Build {
             cfg: run.cfg.clone(),
             dtype: run.dtype,
             device: dev,
-            spec: run.spec.clone(),
+            adapters: Arc::new(run.spec.clone()),
             seed: run.seed,
             kernels: run.kernels,
             mlp_chunk: run.mlp_chunk,
@@ -104,7 +100,7 @@ impl Session {
         let weights = t0.elapsed().as_secs_f64();
         let t0 = std::time::Instant::now();
         if let Some(p) = &run.init_adapter {
-            export::load_adapter_weights(p, &model)
+            init_adapter(p, &model)
                 .with_context(|| format!("cannot load lora.init_adapter {}", p.display()))?;
         }
         // Every rank starts from rank 0's adapters.
@@ -147,6 +143,17 @@ impl Session {
             shards: self.shards.as_ref(),
             reduce,
         }
+    }
+}
+
+/// The weights of a run's base: its checkpoint's files (a Hub model downloaded into the cache
+/// as needed), or None for random weights.
+fn weights(run: &RunConfig) -> Result<Option<hub::ModelFiles>> {
+    match &run.source {
+        Some(src) => Ok(Some(hub::model_files(src).with_context(|| {
+            format!("cannot get the weights of {}", run.base_name)
+        })?)),
+        None => Ok(None),
     }
 }
 

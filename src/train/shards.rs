@@ -1,11 +1,11 @@
 //! FSDP's model side: a model's frozen base as one flat-sharded group per decoder layer plus
-//! the embedding / norm / head group (parallel::fsdp moves their bytes), a gathered group made
+//! the embedding / norm / head group (train::flat holds their bytes, parallel/ moves them), a gathered group made
 //! back into a layer, and the folded linears' B's written into the shards before each
-//! micro-batch (see parallel::fsdp for the layout).
+//! micro-batch (see train::flat for the layout).
 
+use super::comm::Comm;
+use super::flat::{storage_bytes, Flat};
 use crate::model::{Layer, Model};
-use crate::parallel::fsdp::{storage_bytes, Flat};
-use crate::parallel::Comm;
 use candle_core::{Result, Tensor, TensorId};
 use std::collections::HashSet;
 

@@ -17,15 +17,15 @@
 //! still sees step k's adapters, and a step found not finite stops the run before another
 //! update follows it.
 
+use super::comm::Comm;
 use super::driver::{self, Par};
+use super::meter::PhaseMeter;
 use super::objective::{Objective, Sft};
 use super::optim::{self, AdamW, Grads, StepClip};
 use super::readback::{Readbacks, Ticket};
 use super::session::Session;
 use crate::data::Batch;
-use crate::memory::PhaseMeter;
 use crate::model::{Keep, Model};
-use crate::parallel::Comm;
 use crate::train::shards::Shards;
 use anyhow::Result;
 use candle_core::{DType, Tensor};

@@ -7,7 +7,7 @@
 //! into a temporary directory and renamed, so the last complete one stays loadable. A signal
 //! that comes while the run is still loading (the model, the data: nothing written yet) ends
 //! the process at once with `EXIT_INTERRUPTED`. A signal that finds ranks stuck in a
-//! collective (a rank that never joins) ends their wait within `parallel::STOP_GRACE`, and
+//! collective (a rank that never joins) ends their wait within `util::signal::STOP_GRACE`, and
 //! the run stops with `StoppedUnsaved`, naming the last complete checkpoint. A closed stdout
 //! or stderr stops a run as the first signal does. `export` ends at once on the first signal,
 //! its unfinished output removed (`exit_on_signal`).
@@ -222,7 +222,7 @@ fn install() -> Result<StopSignal> {
                 crate::util::on_exit::exit(EXIT_INTERRUPTED.into());
             }
             // Ranks waiting in a collective for one that never comes stop waiting soon.
-            crate::parallel::interrupt();
+            crate::util::signal::interrupt();
             crate::errln!(
                 "\n{name}: finishing this step, then saving a checkpoint (send it again to quit at once)"
             );
@@ -242,69 +242,8 @@ pub const EXIT_DOES_NOT_FIT: u8 = 3;
 pub const EXIT_OUT_OF_MEMORY: u8 = 4;
 
 fn gib(x: u64) -> String {
-    crate::memory::plan::fmt_bytes(x)
+    crate::util::fmt_bytes(x)
 }
-
-/// Preflight: the plan's forecast for this run exceeds the memory available. Nothing has
-/// been loaded or written.
-#[derive(Debug)]
-pub struct DoesNotFit {
-    /// The run's row of the plan.
-    pub(crate) forecast: crate::memory::plan::Breakdown,
-    pub(crate) capacity: u64,
-    /// Where the capacity comes from, e.g. "train.max_memory" or "free memory of cuda:0".
-    pub(crate) capacity_source: String,
-    /// The whole plan, as `lora-train plan` prints it.
-    pub(crate) table: String,
-    pub(crate) remedies: Vec<String>,
-    /// Where it is the host that cannot pin the row's parked activations: the host memory
-    /// free (of which three quarters may be pinned).
-    pub(crate) host: Option<u64>,
-}
-
-impl std::fmt::Display for DoesNotFit {
-    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-        let b = &self.forecast;
-        match self.host {
-            Some(free) => writeln!(
-                f,
-                "the memory plan says this run does not fit the host: {} parks {} of pinned \
-                 host memory per rank ({} ranks), the host has {} free, of which three \
-                 quarters may be pinned",
-                crate::memory::plan::label(b),
-                gib(b.host),
-                b.world,
-                gib(free)
-            )?,
-            None => writeln!(
-                f,
-                "the memory plan says this run does not fit: {} needs {} per rank, {} has {}",
-                crate::memory::plan::label(b),
-                gib(b.total),
-                self.capacity_source,
-                gib(self.capacity)
-            )?,
-        }
-        writeln!(
-            f,
-            "  forecast: base {}, adapters + grads + AdamW {}, activations {}, transient {}, fsdp gather {}, context + slack {} (peak in {})",
-            gib(b.base),
-            gib(b.lora_state()),
-            gib(b.activations),
-            gib(b.transient),
-            gib(b.gather),
-            gib(b.outside_pool()),
-            b.peak_phase
-        )?;
-        for l in self.table.lines() {
-            writeln!(f, "  | {l}")?;
-        }
-        writeln!(f, "  remedies: {}", self.remedies.join("; "))?;
-        write!(f, "  (pass --force to start anyway)")
-    }
-}
-
-impl std::error::Error for DoesNotFit {}
 
 /// A device allocation failed mid-run (CUDA out of memory, or the CPU accounting's cap).
 /// The step's update was not applied; checkpoints already saved are complete.
@@ -321,7 +260,7 @@ pub struct OutOfMemory {
     /// What the run had: max_memory or the card's memory.
     pub(crate) capacity: Option<u64>,
     /// The memory plan's forecast for this run.
-    pub(crate) forecast: Option<crate::memory::plan::Breakdown>,
+    pub(crate) forecast: Option<crate::train::meter::Forecast>,
     pub(crate) remedies: Vec<String>,
     pub(crate) last_checkpoint: Option<PathBuf>,
     /// The failure as the allocator reported it.
@@ -349,7 +288,7 @@ impl std::fmt::Display for OutOfMemory {
             writeln!(
                 f,
                 "  forecast (memory plan, {} at micro-batch {}): {} in all, peak {} in {} (base {}, activations {}, transient {})",
-                crate::memory::plan::label(b),
+                b.label,
                 b.micro_batch,
                 gib(b.total),
                 gib(b.pool_peak),
@@ -401,7 +340,7 @@ impl Vote {
     pub(crate) fn stop(
         &mut self,
         here: bool,
-        comm: &dyn crate::parallel::Comm,
+        comm: &dyn super::comm::Comm,
         dev: &candle_core::Device,
     ) -> Result<bool> {
         if self.world == 1 {

@@ -11,7 +11,6 @@
 //! every example (the sampler, the counts and notes, a checkpoint's data fingerprint, the
 //! epochs after the first, the end of the run) waits for the preparation: `TrainData::ready`.
 
-use super::checkpoint::Cursor;
 use super::eval;
 use super::first_epoch::FirstEpoch;
 use super::pref_precompute::RefStore;
@@ -26,8 +25,19 @@ use crate::data::{Batch, DataPlan, Dataset, ExampleRef, RecipeData, Sampler, Tex
 use crate::hub::ModelFiles;
 use crate::recipe::DataSection;
 use anyhow::{Context, Result};
+use serde::{Deserialize, Serialize};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::Instant;
+
+/// Where the data stream continues: the next step is step `step_in_epoch` (0-based) of the
+/// plan of epoch `epoch` (TrainData::epoch_plan).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Cursor {
+    /// The epoch, 0-based.
+    pub epoch: usize,
+    /// The next step within it, 0-based.
+    pub step_in_epoch: usize,
+}
 
 /// The training set once it is prepared: its examples, their epochs' order, the notes.
 pub struct Ready {

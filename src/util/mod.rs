@@ -10,14 +10,35 @@ pub mod lock;
 pub mod on_exit;
 pub mod os_path;
 pub mod out;
+pub(crate) mod signal;
 
 use anyhow::{Context, Result};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
 /// A checkpoint's trainer state (step, data cursor, schedule inputs): the file that makes a
-/// directory a checkpoint (train::checkpoint writes it last).
+/// directory a checkpoint (run::checkpoint writes it last).
 pub const TRAINER_STATE: &str = "trainer_state.json";
+
+/// Bytes for people: B, KiB, MiB or GiB with two decimals.
+pub fn fmt_bytes(x: u64) -> String {
+    let f = x as f64;
+    if x >= 1 << 30 {
+        format!("{:.2} GiB", f / (1u64 << 30) as f64)
+    } else if x >= 1 << 20 {
+        format!("{:.2} MiB", f / (1u64 << 20) as f64)
+    } else if x >= 1024 {
+        format!("{:.2} KiB", f / 1024.0)
+    } else {
+        format!("{x} B")
+    }
+}
+
+/// The adapter's weights file, as PEFT names it (export writes it; the reference store
+/// fingerprints an init adapter's).
+pub const WEIGHTS: &str = "adapter_model.safetensors";
+/// The adapter's config file, as PEFT names it.
+pub const CONFIG: &str = "adapter_config.json";
 
 /// Writes `bytes` to `path` through a temporary sibling and a rename, so a reader (or a crash)
 /// never sees a half-written file: the old file stays intact until the new one is complete.

@@ -233,7 +233,7 @@ pub fn all_linear_r8() -> lora_train::lora::LoraSpec {
         dropout: 0.0,
         rslora: false,
         dora: false,
-        targets: lora_train::lora::ALL_LINEAR
+        targets: lora_train::model::ALL_LINEAR
             .iter()
             .map(|s| s.to_string())
             .collect(),
@@ -362,10 +362,10 @@ impl Session {
     /// Rank `comm.rank()`'s session on device `ordinal`.
     pub fn for_rank(
         r: Recipe,
-        comm: Box<dyn lora_train::parallel::Comm>,
+        comm: Box<dyn lora_train::train::Comm>,
         ordinal: usize,
     ) -> anyhow::Result<Session> {
-        use lora_train::train::{Machine, RunConfig};
+        use lora_train::{run::Machine, train::RunConfig};
         let run = std::sync::Arc::new(RunConfig::resolve(r, Machine::Open)?);
         let s = lora_train::train::Session::load(run, comm, ordinal)?;
         let d = lora_train::train::TrainData::load(&s)?;
@@ -376,16 +376,16 @@ impl Session {
         self.d.batch(rows).unwrap()
     }
 
-    pub fn train(&self, out: &Path) -> anyhow::Result<lora_train::train::RunSummary> {
+    pub fn train(&self, out: &Path) -> anyhow::Result<lora_train::run::RunSummary> {
         self.s.train(&self.d, out)
     }
 
     pub fn train_from(
         &self,
         out: &Path,
-        resume: Option<&lora_train::train::checkpoint::Checkpoint>,
+        resume: Option<&lora_train::run::checkpoint::Checkpoint>,
         stop: &dyn Fn(usize) -> bool,
-    ) -> anyhow::Result<lora_train::train::RunSummary> {
+    ) -> anyhow::Result<lora_train::run::RunSummary> {
         self.s.train_from(&self.d, out, resume, stop)
     }
 
@@ -395,7 +395,7 @@ impl Session {
 
     pub fn steps_from(
         &self,
-        c: lora_train::train::checkpoint::Cursor,
+        c: lora_train::train::train_data::Cursor,
     ) -> anyhow::Result<lora_train::train::train_data::Steps<'_>> {
         self.d.steps_from(c)
     }

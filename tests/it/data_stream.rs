@@ -8,7 +8,7 @@
 
 use crate::common::{recipe, root, Session};
 use lora_train::data::{Options, Store};
-use lora_train::train::checkpoint::Cursor;
+use lora_train::train::train_data::Cursor;
 use lora_train::train::TrainData;
 use std::io::BufRead;
 use std::path::{Path, PathBuf};

@@ -180,7 +180,7 @@ fn dora_merge_into_a_bnb_4bit_base_is_the_dequantized_merge() {
 
 #[test]
 fn a_dora_run_stopped_and_resumed_is_bit_identical() {
-    use lora_train::train::checkpoint;
+    use lora_train::run::checkpoint;
     let tmp = tempfile::tempdir().unwrap();
     let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
     let sets = ["output.save_every=2"];

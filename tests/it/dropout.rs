@@ -138,7 +138,7 @@ fn hand_written_backward_under_dropout_equals_autograd_with_the_masks_as_tensors
 /// micro-batch); eval draws none.
 #[test]
 fn masks_are_keyed_by_the_global_layer_and_module_and_the_batch() {
-    use lora_train::lora::ALL_LINEAR;
+    use lora_train::model::ALL_LINEAR;
     use lora_train::ops::dropout::Dropout;
     let (_t, s) = session(&["lora.dropout = 0.1"]);
     let m = &s.model;
@@ -179,7 +179,7 @@ fn ranks_and_checkpointing_draw_the_masks_one_rank_draws() {
         ];
         all.extend_from_slice(sets);
         let r = recipe(tmp.path(), &text, &all);
-        assert_eq!(lora_train::train::run(r).unwrap().steps, 3);
+        assert_eq!(lora_train::run::run(r).unwrap().steps, 3);
         load_st(&out.join("adapter_model.safetensors"))
     };
     let par = |strategy: &str| {

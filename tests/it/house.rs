@@ -1,6 +1,7 @@
 //! The house's map held to the code: docs/design.md's module table lists src/lib.rs's modules
 //! in their order, every module imports only modules listed before it (so no two import each
-//! other), the recipe imports only util, and no source file outgrows 800 lines.
+//! other), the nine layers of issue 62 sit there in the issue's order, the recipe imports only
+//! util, and no source file outgrows 800 lines.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -127,6 +128,36 @@ fn each_module_imports_only_modules_below_it_and_the_recipe_only_util() {
         }
     }
     assert!(against.is_empty(), "{}", against.join("\n"));
+}
+
+/// Issue 62's layering, literally: "recipe → hub → model → lora → data → train → parallel →
+/// memory → export, ops beneath". With the test above (a module imports only modules listed
+/// before it) this is the issue's rule: among the nine, a module imports only those before it
+/// here, with no exception (the issue allows two; none is taken).
+const HALLWAY: [&str; 9] = [
+    "recipe", "hub", "model", "lora", "data", "train", "parallel", "memory", "export",
+];
+
+#[test]
+fn lib_rs_lists_issue_62s_nine_layers_in_its_order_with_ops_beneath() {
+    let order = lib_modules();
+    let at = |m: &str| {
+        order
+            .iter()
+            .position(|x| x == m)
+            .unwrap_or_else(|| panic!("`{m}` is not a module of src/lib.rs"))
+    };
+    let layers: Vec<usize> = HALLWAY.iter().map(|m| at(m)).collect();
+    for (w, names) in layers.windows(2).zip(HALLWAY.windows(2)) {
+        assert!(
+            w[0] < w[1],
+            "src/lib.rs lists `{}` after `{}`: issue 62's order is {}",
+            names[0],
+            names[1],
+            HALLWAY.join(" → ")
+        );
+    }
+    assert!(at("ops") < layers[0], "ops sits beneath the nine");
 }
 
 #[test]

@@ -864,7 +864,7 @@ fn folded_layer_with_dropout_matches_the_unfolded_on_the_gpu() {
 struct Cut(usize, usize);
 
 #[cfg(feature = "cuda")]
-impl lora_train::parallel::Comm for Cut {
+impl lora_train::train::Comm for Cut {
     fn rank(&self) -> usize {
         self.0
     }
@@ -895,7 +895,7 @@ impl lora_train::parallel::Comm for Cut {
 fn fsdp_shards_carry_the_folded_b_columns_on_the_gpu() {
     use candle_core::DType;
     use lora_train::model::{Linear, Model};
-    use lora_train::parallel::fsdp::Flat;
+    use lora_train::train::flat::Flat;
     use lora_train::train::shards::Shards;
     let reference = gpu_layer_model();
     let (cfg, dev) = (reference.cfg.clone(), reference.device.clone());
@@ -983,7 +983,7 @@ fn fsdp_shards_carry_the_folded_b_columns_on_the_gpu() {
     assert!(!ctx1.folded, "the skeleton holds no pads of its own");
     ctx1.folded = shards.write_pads(&one).unwrap();
     let layer = shards
-        .layer(&one, 1, &lora_train::parallel::Solo, false)
+        .layer(&one, 1, &lora_train::train::Solo, false)
         .unwrap();
     let want_layer = &full.layers[1];
     assert_eq!(
@@ -1019,7 +1019,8 @@ fn fsdp_shards_carry_the_folded_b_columns_on_the_gpu() {
 #[cfg(feature = "cuda")]
 fn folded_7b_layer() -> lora_train::model::decoder::Model {
     use candle_core::{DType, Device};
-    use lora_train::lora::{LoraSpec, ALL_LINEAR};
+    use lora_train::lora::LoraSpec;
+    use lora_train::model::ALL_LINEAR;
     let dev = Device::new_cuda(0).unwrap();
     let mut cfg = lora_train::model::shapes::shape("llama2-7b").unwrap();
     (cfg.num_layers, cfg.vocab_size) = (1, 512);

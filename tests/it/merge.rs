@@ -6,7 +6,7 @@ use crate::common::Session;
 use crate::common::*;
 use assert_cmd::Command;
 use candle_core::{DType, Device, Tensor};
-use lora_train::export::merge::{merge, MergeOptions};
+use lora_train::export::merge::{merge, MergeInto, MergeOptions};
 use lora_train::hub::ModelFiles;
 use lora_train::lora::LoraSpec;
 use lora_train::model::Model;
@@ -83,6 +83,81 @@ fn merged_logits_equal_base_plus_adapter_logits() {
         let base = driver::logits(&plain(&base_dir(case), DType::F32), &batch).unwrap();
         let d = max_abs_diff(&base, &want);
         assert!(d > 1e-3, "{case}: the adapter changes logits by only {d}");
+    }
+}
+
+/// gpt-oss (issue 68): the adapters on the attention and on both expert parameters (stored x·W,
+/// gate and up interleaved) merge into the experts as the base stores them, and the merged
+/// model gives PEFT's logits on batch 0 (the golden's, transformers + PEFT over the init
+/// adapter: scripts/reference_gpt_oss.py, scripts/reference_gpt_oss_mxfp4.py) within the
+/// golden tolerance, and ours within 1e-5. From the MXFP4 checkpoint the experts are written
+/// dequantized under their own names and config.json loses its quantization_config: what
+/// transformers needs to load a plain gpt-oss.
+#[test]
+fn gpt_oss_adapters_merge_into_peft_s_logits() {
+    for case in ["gpt_oss", "gpt_oss_mxfp4"] {
+        let tmp = tempfile::tempdir().unwrap();
+        let r = recipe(tmp.path(), &golden_recipe(case, &tmp.path().join("o")), &[]);
+        let s = Session::new(r).unwrap();
+        let batch = s.batch(&[vec![0], vec![1]]);
+        let ours = driver::logits(&s.model, &batch).unwrap();
+        let out = tmp.path().join("merged");
+        let o = MergeOptions {
+            dtype: Some(Dtype::F32),
+            ..opts(10_000_000)
+        };
+        let rep = merge(
+            &golden_dir(case).join("init_adapter"),
+            &base_dir(case),
+            &out,
+            &o,
+        );
+        // 2 layers: q, k, v, o and the two fused expert parameters
+        assert_eq!(rep.unwrap().merged, 2 * (4 + 2), "{case}");
+        let got = driver::logits(&plain(&out, DType::F32), &batch).unwrap();
+        let peft = &load_st(&golden_dir(case).join("golden.safetensors"))["logits"];
+        assert_close(&format!("{case} merged vs PEFT"), &got, peft, 1e-4, 1e-6);
+        assert_close(&format!("{case} merged vs ours"), &got, &ours, 1e-5, 1e-6);
+        let base = driver::logits(&plain(&base_dir(case), DType::F32), &batch).unwrap();
+        let d = max_abs_diff(&base, &ours);
+        assert!(d > 1e-3, "{case}: the adapter changes logits by only {d}");
+        let cfg: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap())
+                .unwrap();
+        assert!(cfg.get("quantization_config").is_none(), "{case}: {cfg}");
+        let st = load_st(&out.join("model.safetensors"));
+        let gu = &st["model.layers.1.mlp.experts.gate_up_proj"];
+        let two_i = if case == "gpt_oss" { 48 } else { 64 };
+        assert_eq!(gu.dims(), [8, 32, two_i], "{case}: [E, C, 2I] as stored");
+        assert!(st
+            .keys()
+            .all(|k| !k.ends_with("_blocks") && !k.ends_with("_scales")));
+        assert!(st.contains_key("model.layers.1.mlp.experts.gate_up_proj_bias"));
+        // Trained on NF4 (model.quantize = "nf4"): merged into the dequantized experts and
+        // attention (the MXFP4 ones dequantized first), the NF4 model's logits.
+        let (_tq, q) = golden_session(case, &["model.quantize=nf4"]);
+        let nf4 = driver::logits(&q.model, &batch).unwrap();
+        let out = tmp.path().join("merged-nf4");
+        let o = MergeOptions {
+            merge_into: MergeInto::Dequantized,
+            quantize_dtype: Some(Dtype::F32),
+            ..o
+        };
+        let rep = merge(
+            &golden_dir(case).join("init_adapter"),
+            &base_dir(case),
+            &out,
+            &o,
+        );
+        assert_eq!(rep.unwrap().dequantized, 2 * (4 + 2), "{case}");
+        let got = driver::logits(&plain(&out, DType::F32), &batch).unwrap();
+        assert_close(
+            &format!("{case} nf4 merged vs ours"),
+            &got,
+            &nf4,
+            1e-5,
+            1e-6,
+        );
     }
 }
 

@@ -31,23 +31,37 @@ fn trip(t: &Tensor, halves: bool) -> Tensor {
     Tensor::from_vec(w, dims, &Device::Cpu).unwrap()
 }
 
-/// Whether `model.quantize = "nf4"` quantizes this tensor of the Qwen3-MoE fixture: the
-/// attention's linears and the experts (not the router, norms or embedding).
+/// Whether `model.quantize = "nf4"` quantizes this tensor of a MoE fixture: the attention's
+/// linears and the experts (not the router, norms, embedding or gpt-oss's biases).
 fn quantized(name: &str) -> bool {
     name.starts_with("model.layers.")
         && (name.ends_with("_proj.weight") || name.contains(".mlp.experts."))
+        && !name.ends_with("_bias")
+}
+
+/// `trip` of gpt-oss's experts, stored x·W ([E, in, out]): each [out, in] matrix round-tripped
+/// as the model holds it (gate_up's rows interleaved, its two row halves apart).
+fn trip_xw(t: &Tensor, halves: bool) -> Tensor {
+    let turned = t.transpose(1, 2).unwrap().contiguous().unwrap();
+    trip(&turned, halves)
+        .transpose(1, 2)
+        .unwrap()
+        .contiguous()
+        .unwrap()
 }
 
 /// The case's checkpoint with every weight NF4 holds replaced by its round trip, in `dir`.
 fn dequantized_checkpoint(case: &str, dir: &Path) -> PathBuf {
+    let xw = case.starts_with("gpt_oss");
     let src = golden_dir(case).join("model");
     std::fs::create_dir_all(dir).unwrap();
     std::fs::copy(src.join("config.json"), dir.join("config.json")).unwrap();
     let mut out: HashMap<String, Tensor> = HashMap::new();
     for (name, t) in load_st(&src.join("model.safetensors")) {
-        let t = match quantized(&name) {
-            true => trip(&t, name.ends_with("gate_up_proj")),
-            false => t,
+        let t = match (quantized(&name), xw && name.contains(".mlp.experts.")) {
+            (true, false) => trip(&t, name.ends_with("gate_up_proj")),
+            (true, true) => trip_xw(&t, name.ends_with("gate_up_proj")),
+            (false, _) => t,
         };
         out.insert(name, t);
     }
@@ -62,39 +76,52 @@ fn dequantized_checkpoint(case: &str, dir: &Path) -> PathBuf {
 #[test]
 fn nf4_experts_train_as_their_dequantized_weights() {
     for case in ["qwen3_moe", "qwen3_moe_aux"] {
-        let tmp = tempfile::tempdir().unwrap();
-        let dir = dequantized_checkpoint(case, &tmp.path().join("model"));
-        let aux = "train.router_aux_loss_coef=0.05";
-        let mut q_sets = vec!["model.quantize=nf4"];
-        let path = format!("model.path={}", dir.display());
-        let mut d_sets = vec![path.as_str()];
-        if case.ends_with("aux") {
-            q_sets.push(aux);
-            d_sets.push(aux);
-        }
-        let (_tq, q) = session(case, &q_sets);
-        let (_td, d) = session(case, &d_sets);
-        assert!(q.model.layers.iter().all(|l| l.nf4_bytes() > 0));
-        let batch = q.batch(&[vec![0], vec![2], vec![4]]);
-        let lq = driver::logits(&q.model, &batch).unwrap();
-        let ld = driver::logits(&d.model, &batch).unwrap();
-        assert_close(&format!("{case} logits"), &lq, &ld, 1e-5, 1e-6);
-        for keep in [Keep::Acts, Keep::Input] {
-            let run = |s: &Session| {
-                let mut g = Grads::new();
-                let ce = driver::forward_backward(&s.model, &batch, 10.0, keep, None, &mut g);
-                (ce.unwrap(), g)
-            };
-            let ((ce_q, gq), (ce_d, gd)) = (run(&q), run(&d));
-            assert!((ce_q - ce_d).abs() <= 1e-5 * ce_d.abs(), "{ce_q} vs {ce_d}");
-            let pairs: Vec<_> = q.model.adapters().zip(d.model.adapters()).collect();
-            assert!(pairs.iter().any(|((n, _), _)| n.contains("experts")));
-            for ((name, a), (name_d, b)) in pairs {
-                assert_eq!(name, name_d);
-                for (va, vb, w) in [(&a.a, &b.a, "A"), (&a.b, &b.b, "B")] {
-                    let what = format!("{case} {keep:?} {name} d{w}");
-                    assert_close(&what, &gq[&va.id()], &gd[&vb.id()], 1e-5, 1e-6);
-                }
+        nf4_trains_as_dequantized(case);
+    }
+}
+
+/// The same for gpt-oss (scripts/reference_gpt_oss.py's fixture): its experts' biases stay
+/// as they are, gate_up's interleaved rows quantized as two halves, and the attention's
+/// linears (with their biases) NF4 too.
+#[test]
+fn gpt_oss_nf4_experts_train_as_their_dequantized_weights() {
+    nf4_trains_as_dequantized("gpt_oss");
+}
+
+/// `nf4_experts_train_as_their_dequantized_weights` on one case.
+fn nf4_trains_as_dequantized(case: &str) {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = dequantized_checkpoint(case, &tmp.path().join("model"));
+    let aux = "train.router_aux_loss_coef=0.05";
+    let mut q_sets = vec!["model.quantize=nf4"];
+    let path = format!("model.path={}", dir.display());
+    let mut d_sets = vec![path.as_str()];
+    if case.ends_with("aux") {
+        q_sets.push(aux);
+        d_sets.push(aux);
+    }
+    let (_tq, q) = session(case, &q_sets);
+    let (_td, d) = session(case, &d_sets);
+    assert!(q.model.layers.iter().all(|l| l.nf4_bytes() > 0));
+    let batch = q.batch(&[vec![0], vec![2], vec![4]]);
+    let lq = driver::logits(&q.model, &batch).unwrap();
+    let ld = driver::logits(&d.model, &batch).unwrap();
+    assert_close(&format!("{case} logits"), &lq, &ld, 1e-5, 1e-6);
+    for keep in [Keep::Acts, Keep::Input] {
+        let run = |s: &Session| {
+            let mut g = Grads::new();
+            let ce = driver::forward_backward(&s.model, &batch, 10.0, keep, None, &mut g);
+            (ce.unwrap(), g)
+        };
+        let ((ce_q, gq), (ce_d, gd)) = (run(&q), run(&d));
+        assert!((ce_q - ce_d).abs() <= 1e-5 * ce_d.abs(), "{ce_q} vs {ce_d}");
+        let pairs: Vec<_> = q.model.adapters().zip(d.model.adapters()).collect();
+        assert!(pairs.iter().any(|((n, _), _)| n.contains("experts")));
+        for ((name, a), (name_d, b)) in pairs {
+            assert_eq!(name, name_d);
+            for (va, vb, w) in [(&a.a, &b.a, "A"), (&a.b, &b.b, "B")] {
+                let what = format!("{case} {keep:?} {name} d{w}");
+                assert_close(&what, &gq[&va.id()], &gd[&vb.id()], 1e-5, 1e-6);
             }
         }
     }
@@ -105,11 +132,18 @@ fn nf4_experts_train_as_their_dequantized_weights() {
 /// and autograd's through the reference forward (the tiles' fresh weights in the graph).
 #[test]
 fn an_nf4_moe_layer_s_backward_equals_the_dequantized_one_and_autograd() {
+    for case in ["qwen3_moe", "gpt_oss"] {
+        nf4_layer_equals_dequantized(case);
+    }
+}
+
+/// `an_nf4_moe_layer_s_backward_equals_the_dequantized_one_and_autograd` on one case.
+fn nf4_layer_equals_dequantized(case: &str) {
     let tmp = tempfile::tempdir().unwrap();
-    let dir = dequantized_checkpoint("qwen3_moe", &tmp.path().join("model"));
+    let dir = dequantized_checkpoint(case, &tmp.path().join("model"));
     let path = format!("model.path={}", dir.display());
-    let (_tq, q) = session("qwen3_moe", &["model.quantize=nf4"]);
-    let (_td, d) = session("qwen3_moe", &[path.as_str()]);
+    let (_tq, q) = session(case, &["model.quantize=nf4"]);
+    let (_td, d) = session(case, &[path.as_str()]);
     let batch = q.batch(&[vec![0], vec![2]]);
     let ctx = |s: &Session| {
         s.model
@@ -127,10 +161,10 @@ fn an_nf4_moe_layer_s_backward_equals_the_dequantized_one_and_autograd() {
     let ld = &d.model.layers[1];
     let (yq, aq) = lq.forward_train(&x, &cq, true).unwrap();
     let (yd, ad) = ld.forward_train(&x, &cd, true).unwrap();
-    assert_close("nf4 layer y", &yq, &yd, 1e-5, 1e-6);
+    assert_close(&format!("{case} nf4 layer y"), &yq, &yd, 1e-5, 1e-6);
     let (dxq, gq) = lq.backward(aq.unwrap(), &g, &cq).unwrap();
     let (dxd, gd) = ld.backward(ad.unwrap(), &g, &cd).unwrap();
-    assert_close("nf4 layer dx", &dxq, &dxd, 1e-5, 1e-6);
+    assert_close(&format!("{case} nf4 layer dx"), &dxq, &dxd, 1e-5, 1e-6);
     let (xv, y_ref, gs) = crate::invariants::autograd_reference(&lq, &x, &g, &cq);
     assert_close("nf4 layer y (autograd)", &yq, &y_ref, 1e-5, 1e-6);
     assert_close(
@@ -146,7 +180,7 @@ fn an_nf4_moe_layer_s_backward_equals_the_dequantized_one_and_autograd() {
         for (va, vb, w) in [(&a.a, &b.a, "A"), (&a.b, &b.b, "B")] {
             let ours = &gq.iter().find(|(id, _)| *id == va.id()).unwrap().1;
             let dense = &gd.iter().find(|(id, _)| *id == vb.id()).unwrap().1;
-            assert_close(&format!("nf4 {name} d{w}"), ours, dense, 1e-5, 1e-6);
+            assert_close(&format!("{case} nf4 {name} d{w}"), ours, dense, 1e-5, 1e-6);
             let auto = gs.get(va.as_tensor()).unwrap();
             assert_close(
                 &format!("nf4 {name} d{w} (autograd)"),
@@ -316,13 +350,28 @@ fn nf4_experts_on_cuda_equal_the_cpu() {
             assert_eq!(host_f32(&hd), host_f32(&dd), "down {tile:?} {dt:?}");
         }
     }
+    nf4_on_cuda_equals_the_cpu("qwen3_moe");
+}
+
+/// On CUDA: gpt-oss's fixture trained with NF4 experts (their biases, the interleaved
+/// gate_up, the clamped SwiGLU; the attention with sinks) gives the CPU's logits, loss and
+/// every adapter gradient, at rtol 1e-4 in f32 and 5e-2 in bf16.
+#[cfg(feature = "cuda")]
+#[test]
+fn gpt_oss_nf4_experts_on_cuda_equal_the_cpu() {
+    nf4_on_cuda_equals_the_cpu("gpt_oss");
+}
+
+/// The second half of `nf4_experts_on_cuda_equal_the_cpu` on one case.
+#[cfg(feature = "cuda")]
+fn nf4_on_cuda_equals_the_cpu(case: &str) {
     for (sets, rtol) in [(vec![], 1e-4), (vec!["model.dtype=bf16"], 5e-2)] {
         let mut cpu_sets = vec!["model.quantize=nf4"];
         cpu_sets.extend(sets.iter().copied());
         let mut gpu_sets = cpu_sets.clone();
         gpu_sets.push("model.device=cuda");
-        let (_tc, cpu) = session("qwen3_moe", &cpu_sets);
-        let (_tg, cuda) = session("qwen3_moe", &gpu_sets);
+        let (_tc, cpu) = session(case, &cpu_sets);
+        let (_tg, cuda) = session(case, &gpu_sets);
         let batch = cpu.batch(&[vec![0], vec![2], vec![4]]);
         let lc = driver::logits(&cpu.model, &batch).unwrap();
         let lg = driver::logits(&cuda.model, &batch).unwrap();
@@ -330,7 +379,7 @@ fn nf4_experts_on_cuda_equal_the_cpu() {
             true => assert_close(what, got, want, rtol, atol),
             false => assert_rel_l2(what, got, want, rtol),
         };
-        close(&format!("cuda logits {sets:?}"), &lg, &lc, 1e-5);
+        close(&format!("{case} cuda logits {sets:?}"), &lg, &lc, 1e-5);
         let run = |s: &Session| {
             let mut g = Grads::new();
             let ce = driver::forward_backward(&s.model, &batch, 10.0, Keep::Input, None, &mut g);
@@ -340,7 +389,7 @@ fn nf4_experts_on_cuda_equal_the_cpu() {
         assert!((ce_c - ce_g).abs() <= rtol * ce_c.abs(), "{ce_g} vs {ce_c}");
         for ((name, a), (_, b)) in cuda.model.adapters().zip(cpu.model.adapters()) {
             for (va, vb, w) in [(&a.a, &b.a, "A"), (&a.b, &b.b, "B")] {
-                let what = format!("cuda {sets:?} {name} d{w}");
+                let what = format!("{case} cuda {sets:?} {name} d{w}");
                 close(&what, &gg[&va.id()], &gc[&vb.id()], 1e-4);
             }
         }

@@ -1061,7 +1061,7 @@ fn a_readback_waits_for_its_copy_with_one_stream() {
 #[cfg(feature = "cuda")]
 #[test]
 fn the_host_stage_copies_what_the_tensors_held_when_staged() {
-    use lora_train::train::host_stage::Stage;
+    use lora_train::run::host_stage::Stage;
     let dev = Device::new_cuda(0).unwrap();
     let a = Tensor::randn(0f32, 1.0, (4096, 4096), &dev).unwrap();
     let stage = Stage::new();

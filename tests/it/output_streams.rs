@@ -168,7 +168,7 @@ fn a_run_whose_log_reader_goes_away_stops_with_a_checkpoint_that_resumes() {
     let o = child.wait_with_output().unwrap();
     assert_eq!(o.status.code(), Some(130));
     assert_eq!(String::from_utf8_lossy(&o.stdout), "");
-    let saved = lora_train::train::checkpoint::list(&out);
+    let saved = lora_train::run::checkpoint::list(&out);
     assert_eq!(saved.len(), 1, "{saved:?}");
     let (k, dir) = &saved[0];
     assert!((2..300).contains(k), "{saved:?}");

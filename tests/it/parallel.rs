@@ -5,10 +5,12 @@ use crate::common::Session;
 use crate::common::*;
 use candle_core::{DType, Device, Tensor};
 use lora_train::parallel::cpu::CpuGroup;
-use lora_train::parallel::launch::{self, EnvRank};
+use lora_train::parallel::launch;
 use lora_train::parallel::posted::{Left, Posted};
-use lora_train::parallel::{Comm, Group};
+use lora_train::parallel::Group;
 use lora_train::train::shards::resident_base_bytes;
+use lora_train::train::Comm;
+use lora_train::train::EnvRank;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -31,7 +33,7 @@ fn adapter_of(case: &str, sets: &[&str], parallel: &str) -> HashMap<String, Tens
         .find_map(|s| s.strip_prefix("train.max_steps="))
         .map(|n| n.parse::<usize>().unwrap());
     let r = recipe(tmp.path(), &text, &all);
-    let summary = lora_train::train::run(r).unwrap();
+    let summary = lora_train::run::run(r).unwrap();
     assert_eq!(Some(summary.steps), steps);
     load_st(&out.join("adapter_model.safetensors"))
 }
@@ -217,7 +219,7 @@ fn resumed_as_fsdp_ends_where_unbroken(sets: &[&str]) {
         let mut all = sets.clone();
         all.extend_from_slice(extra);
         let dir = tempfile::tempdir().unwrap();
-        lora_train::train::run(recipe(dir.path(), &text, &all)).unwrap()
+        lora_train::run::run(recipe(dir.path(), &text, &all)).unwrap()
     };
     let whole = run(&a, "ddp", &[]);
     assert_eq!(whole.steps, 4);
@@ -825,9 +827,9 @@ fn ddp_and_fsdp_with_moe_experts_equal_one_rank() {
 #[test]
 fn parked_gate_and_up_under_ddp_and_fsdp_equal_keeping_everything() {
     use lora_train::model::Keep;
-    use lora_train::train::checkpoint::Cursor;
     use lora_train::train::optim::AdamW;
     use lora_train::train::step::{adapter_params, Engine};
+    use lora_train::train::train_data::Cursor;
     // the step's loss, the adapter before it and after
     type Out = (f64, Vec<Vec<f32>>, Vec<Vec<f32>>);
     let tmp = tempfile::tempdir().unwrap();

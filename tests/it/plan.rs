@@ -223,6 +223,51 @@ fn plan_of_the_moe_shape_counts_every_expert_and_their_adapters() {
 }
 
 #[test]
+fn plan_of_gpt_oss_20b_counts_biases_sinks_and_fits_24gib_with_nf4_experts() {
+    // openai/gpt-oss-20b: 24 layers of attention (q, k, v, o: 26,542,080; their biases 8000),
+    // norms (5760), sinks (64) and 32 experts with their router (32 · (3 · 2880 · 2880 + 2880))
+    // and biases (router 32, gate_up 32 · 5760, down 32 · 2880), embedding and head
+    // (2 · 201088 · 2880) and the final norm: 20,914,757,184 parameters, the released model's.
+    let args = [
+        "plan",
+        "--shape",
+        "gpt-oss-20b",
+        "--nf4",
+        "--targets",
+        "all",
+        "--ckpt",
+        "--micro-batch",
+        "1",
+        "--gpu-mem",
+        "24GiB",
+    ];
+    let (code, out, err) = run(&args);
+    assert_eq!(code, 0, "{err}");
+    snapshot("gpt-oss-20b-nf4.txt", &out);
+    let (code, json, err) = run(&[&args[..], &["--json"]].concat());
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["base_params"], 20_914_757_184u64);
+    // q, k, v, o at r16 (24 · 16 · 20,736) and the experts' gate_up_proj and down_proj, A
+    // [32·16, in] and B [out, 16·32] each (24 · 16 · 32 · (8640 + 5760))
+    assert_eq!(v["lora_params"], 7_962_624 + 176_947_200);
+    let sel = &v["selected"];
+    assert_eq!(
+        (sel["strategy"].as_str(), sel["ckpt"].as_bool()),
+        (Some("single"), Some(true))
+    );
+    assert_eq!(sel["fits"], true);
+    assert!(sel["total_gib"].as_f64().unwrap() < 24.0, "{sel}");
+    // the experts in bf16: the base alone (38.96 GiB) is past the card
+    let bf16 = [&args[..3], &args[4..]].concat();
+    let (code, json, err) = run(&[&bf16[..], &["--json"]].concat());
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["selected"]["fits"], false);
+    assert!(v["selected"]["base_bytes"].as_u64().unwrap() >= 2 * 20_914_757_184u64);
+}
+
+#[test]
 fn preflight_refuses_a_run_the_plan_says_does_not_fit() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("out");

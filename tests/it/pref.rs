@@ -132,7 +132,7 @@ fn check_case(case: &str) -> (tempfile::TempDir, PathBuf) {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("out");
     let r = recipe(tmp.path(), &pref_recipe(case, &out), &[]);
-    let summary = lora_train::train::run(r).unwrap();
+    let summary = lora_train::run::run(r).unwrap();
     check_outputs(case, &out, Some(&summary.losses));
     (tmp, out)
 }
@@ -259,7 +259,7 @@ fn ranks_equal_one_rank(case: &str, strategy: &str) {
         let text = format!("{}\n{par}", pref_recipe(case, &out));
         let mut all = vec!["train.max_steps=3"];
         all.extend_from_slice(sets);
-        lora_train::train::run(recipe(tmp.path(), &text, &all)).unwrap();
+        lora_train::run::run(recipe(tmp.path(), &text, &all)).unwrap();
         load_st(&out.join("adapter_model.safetensors"))
     };
     let mb = meta(case)["opt"]["micro_batch"].as_u64().unwrap() as usize;

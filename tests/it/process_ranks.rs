@@ -10,9 +10,11 @@
 use crate::common::{load_st, root, send_signal};
 use candle_core::{DType, Device, Tensor};
 use lora_train::parallel::cpu::CpuGroup;
-use lora_train::parallel::launch::{self, EnvRank};
+use lora_train::parallel::launch;
 use lora_train::parallel::tcp::TcpGroup;
-use lora_train::parallel::{Comm, Group};
+use lora_train::parallel::Group;
+use lora_train::train::Comm;
+use lora_train::train::EnvRank;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};

@@ -35,7 +35,7 @@ fn load(case: &str, dir: &str, nf4: bool) -> Model {
     let cfg = lora_train::model::ModelConfig::from_file(&files.config).unwrap();
     let mut b = lora_train::model::Build::new(cfg, DType::F32, &Device::Cpu, &spec, 0).unwrap();
     b.kernels = lora_train::ops::Kernels::resolve(&Device::Cpu, DType::F32, 16, false).unwrap();
-    let solo = lora_train::parallel::Solo;
+    let solo = lora_train::train::Solo;
     let (m, _) =
         lora_train::train::session::sharded_model(false, quant, &solo, &b.kernels, &mut |l| {
             Model::load_with(&files, &b, l)

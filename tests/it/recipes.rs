@@ -8,17 +8,18 @@ use crate::loopback::{hub_command, Repo, Server};
 use assert_cmd::Command;
 
 /// The Hub models the recipes name, and their config.json fixtures.
-const MODELS: [(&str, &str); 6] = [
+const MODELS: [(&str, &str); 7] = [
     ("meta-llama/Llama-2-7b-hf", "llama2-7b"),
     ("meta-llama/Llama-3.1-8B-Instruct", "llama3.1-8b-instruct"),
     ("Qwen/Qwen2.5-7B", "qwen2.5-7b"),
     ("mistralai/Mistral-7B-v0.3", "mistral-7b-v0.3"),
     ("Qwen/Qwen3-8B", "qwen3-8b"),
     ("Qwen/Qwen3-30B-A3B", "qwen3-30b-a3b"),
+    ("openai/gpt-oss-20b", "gpt-oss-20b"),
 ];
 
 /// The recipes for real models (the others train the tiny model we ship).
-const REAL: [&str; 11] = [
+const REAL: [&str; 12] = [
     "llama7b.toml",
     "llama3-8b-dpo.toml",
     "qwen2.5-7b-orpo.toml",
@@ -30,6 +31,7 @@ const REAL: [&str; 11] = [
     "qwen3-8b.toml",
     "qwen3-30b-a3b.toml",
     "qwen3-30b-a3b-qlora.toml",
+    "gpt-oss-20b.toml",
 ];
 
 /// The binary on a host of 125 GiB (LORA_TRAIN_HOST_MEMORY): the headers' plans do not depend

@@ -199,7 +199,7 @@ fn tiny_run_writes_tensorboard_events_equal_to_metrics() {
 /// shows (the second file's session start drops the first's from step 5) is metrics.jsonl.
 #[test]
 fn a_resumed_run_shows_each_step_once() {
-    use lora_train::train::checkpoint;
+    use lora_train::run::checkpoint;
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("out");
     let sets = [
@@ -227,7 +227,7 @@ fn a_resumed_run_shows_each_step_once() {
     let ck = checkpoint::resume_point(&r, &out).unwrap().unwrap();
     assert_eq!(ck.state.step, 4);
     // Trackers do not change the numbers: a resume may add or drop them.
-    assert!(!checkpoint::fingerprint(&r).contains_key("train.report_to"));
+    assert!(!lora_train::train::fingerprint::recipe(&r).contains_key("train.report_to"));
     let set = "train.report_to=[\"mlflow\"]".to_string();
     assert!(checkpoint::numbers_sets(&[set]).is_empty());
     Session::new(r).unwrap().train(&out).unwrap();

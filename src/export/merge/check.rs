@@ -97,7 +97,7 @@ pub(super) fn check_adapter(
     let file = adapter.join(WEIGHTS);
     let slots: Vec<Option<experts::Slot>> = items
         .iter()
-        .map(|it| experts::slot(&it.name, &it.shape, targets))
+        .map(|it| experts::slot(&it.name, &it.shape, targets, ckpt.xw))
         .collect();
     every_target_adapted(&file, base, targets, &pairs, items, &slots)?;
     let index: HashMap<&str, &Item> = items.iter().map(|it| (it.name.as_str(), it)).collect();

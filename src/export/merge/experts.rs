@@ -1,5 +1,5 @@
 //! Merging adapters on a MoE's expert parameters (PEFT's `target_parameters`,
-//! `lora::EXPERT_PARAMS`).
+//! `model::EXPERT_PARAMS`).
 //!
 //! PEFT wraps `model.layers.N.mlp.experts` once per targeted parameter, gate_up_proj's
 //! innermost: the adapter module is `….mlp.experts` (down_proj, or the one parameter targeted)
@@ -10,9 +10,11 @@
 //! The base holds the experts fused as transformers 5 does (`….experts.gate_up_proj`
 //! [E, 2I, C], `….experts.down_proj` [E, C, I]) or one by one as the Hub's checkpoints do
 //! (`….experts.{e}.gate_proj.weight` [I, C], `up_proj` [I, C], `down_proj` [C, I]); gate_up's
-//! ΔW_e goes to gate's rows 0..I and up's rows I..2I. The merged model keeps the base's layout.
+//! ΔW_e goes to gate's rows 0..I and up's rows I..2I. gpt-oss stores its fused experts x·W
+//! (`gate_up_proj` [E, C, 2I], gate and up interleaved in its columns; `down_proj` [E, I, C]):
+//! ΔW_e is turned to [in, out] there (`Slot::xw`). The merged model keeps the base's layout.
 
-use crate::lora::EXPERT_PARAMS;
+use crate::model::EXPERT_PARAMS;
 use crate::quant::Nf4;
 use anyhow::{bail, Result};
 use candle_core::Tensor;
@@ -26,6 +28,8 @@ pub(super) struct Slot {
     expert: Option<usize>,
     /// The rows of ΔW_e it takes (start, len): gate's or up's half of gate_up; None: all.
     rows: Option<(usize, usize)>,
+    /// The fused parameter stored x·W, [E, in, out] (gpt-oss).
+    xw: bool,
 }
 
 /// Whether `module` (an adapter's, PEFT's name) is on expert parameters.
@@ -61,7 +65,21 @@ pub(super) fn is_weight(name: &str, shape: &[usize]) -> bool {
 /// An expert tensor's values (`is_weight`, f32 `host` of `shape`) quantized to NF4 and
 /// dequantized as training held them: each expert's gate, up and down matrix alone
 /// (`quant::ExpertsNf4::quantize`), a fused gate_up's per expert in its two halves.
-pub(super) fn requant(name: &str, host: &[f32], shape: &[usize], dq: bool) -> Result<Vec<f32>> {
+/// `xw`: a fused tensor stored x·W ([E, in, out], gpt-oss), round-tripped as the [E, out, in]
+/// training quantizes.
+pub(super) fn requant(
+    name: &str,
+    host: &[f32],
+    shape: &[usize],
+    (dq, xw): (bool, bool),
+) -> Result<Vec<f32>> {
+    if let (true, &[e, inp, out]) = (xw, shape) {
+        if host.len() != e * inp * out {
+            bail!("`{name}`: {} values for shape {shape:?}", host.len());
+        }
+        let v = requant(name, &turn(host, e, inp, out), &[e, out, inp], (dq, false))?;
+        return Ok(turn(&v, e, out, inp));
+    }
     let trip = |v: &[f32], s: &[usize]| Nf4::quantize(v, s, dq).dequantize();
     let (e, out, inp) = match shape {
         [out, inp] => return Ok(trip(host, &[*out, *inp])),
@@ -84,9 +102,23 @@ pub(super) fn requant(name: &str, host: &[f32], shape: &[usize], dq: bool) -> Re
     Ok(v)
 }
 
+/// Each of `e` matrices [rows, cols] of `v` transposed.
+fn turn(v: &[f32], e: usize, rows: usize, cols: usize) -> Vec<f32> {
+    let mut t = vec![0f32; v.len()];
+    for (src, dst) in v.chunks(rows * cols).zip(t.chunks_mut(rows * cols)).take(e) {
+        for r in 0..rows {
+            for c in 0..cols {
+                dst[c * rows + r] = src[r * cols + c];
+            }
+        }
+    }
+    t
+}
+
 /// The slot of base tensor `name` [shape] when `targets` adapt its parameter; None otherwise
-/// (not an expert tensor, or its parameter not targeted).
-pub(super) fn slot(name: &str, shape: &[usize], targets: &[String]) -> Option<Slot> {
+/// (not an expert tensor, or its parameter not targeted). `xw`: the fused parameters are
+/// stored x·W (gpt-oss).
+pub(super) fn slot(name: &str, shape: &[usize], targets: &[String], xw: bool) -> Option<Slot> {
     let (prefix, rest) = name.split_once(".mlp.experts.")?;
     let experts = format!("{prefix}.mlp.experts");
     let (gate_up, expert, rows) = match rest.split_once('.') {
@@ -116,6 +148,7 @@ pub(super) fn slot(name: &str, shape: &[usize], targets: &[String]) -> Option<Sl
         module,
         expert,
         rows,
+        xw: xw && expert.is_none(),
     })
 }
 
@@ -142,6 +175,7 @@ pub(super) fn shaped(
     }
     for (s, shape) in into {
         let want = match (s.expert, s.rows) {
+            (None, _) if s.xw => vec![e, in_f, out_f],
             (None, _) => vec![e, out_f, in_f],
             (Some(_), Some((_, len))) => vec![len, in_f],
             (Some(_), None) => vec![out_f, in_f],
@@ -174,9 +208,11 @@ pub(super) fn shaped(
     Ok((a, b))
 }
 
-/// s·ΔW for one slot, f32: [E, out, in] for the fused parameter, or expert e's rows [len, in].
+/// s·ΔW for one slot, f32: [E, out, in] for the fused parameter ([E, in, out] stored x·W), or
+/// expert e's rows [len, in].
 pub(super) fn delta(a: &Tensor, b: &Tensor, scale: f64, slot: &Slot) -> Result<Tensor> {
     let d = match slot.expert {
+        None if slot.xw => b.matmul(a)?.transpose(1, 2)?.contiguous()?,
         None => b.matmul(a)?,
         Some(e) => {
             let be = b.get(e)?; // [out, r]
@@ -207,11 +243,12 @@ mod tests {
         ]);
         let gu = targets(&["mlp.experts.gate_up_proj"]);
         let p = "model.layers.3.mlp.experts";
-        let s = |n: &str, shape: &[usize], t: &[String]| slot(&format!("{p}.{n}"), shape, t);
+        let s = |n: &str, shape: &[usize], t: &[String]| slot(&format!("{p}.{n}"), shape, t, false);
         let one = |m: &str, e, rows| Slot {
             module: m.to_string(),
             expert: Some(e),
             rows,
+            xw: false,
         };
         let inner = format!("{p}.base_layer");
         assert_eq!(
@@ -240,9 +277,14 @@ mod tests {
         );
         assert_eq!(s("0.gate_proj.bias", &[24], &both), None);
         assert_eq!(
-            slot("model.layers.3.mlp.gate.weight", &[8, 32], &both),
+            slot("model.layers.3.mlp.gate.weight", &[8, 32], &both, false),
             None
         );
+        // gpt-oss: the fused parameters x·W; its biases take no adapter
+        let oss = |n: &str| slot(&format!("{p}.{n}"), &[8, 32, 48], &both, true);
+        assert!(oss("gate_up_proj").is_some_and(|s| s.xw));
+        assert_eq!(oss("gate_up_proj_bias"), None);
+        assert_eq!(oss("down_proj_bias"), None);
     }
 
     /// A fused expert tensor's NF4 round trip is each expert's matrices' (gate_up's two halves
@@ -255,13 +297,25 @@ mod tests {
             .map(|x| (x as f32 * 0.41).sin())
             .collect();
         let p = "model.layers.1.mlp.experts";
-        let fused = requant(&format!("{p}.gate_up_proj"), &v, &[e, 2 * i, c], true).unwrap();
+        let fused = requant(
+            &format!("{p}.gate_up_proj"),
+            &v,
+            &[e, 2 * i, c],
+            (true, false),
+        );
+        let fused = fused.unwrap();
         let one = |m: &[f32]| Nf4::quantize(m, &[i, c], true).dequantize();
         let want: Vec<f32> = v.chunks(i * c).flat_map(one).collect();
         assert_eq!(fused, want);
-        let single = requant(&format!("{p}.1.up_proj.weight"), &v[..i * c], &[i, c], true);
+        let single = requant(
+            &format!("{p}.1.up_proj.weight"),
+            &v[..i * c],
+            &[i, c],
+            (true, false),
+        );
         assert_eq!(single.unwrap(), one(&v[..i * c]));
-        let down = requant(&format!("{p}.down_proj"), &v, &[e, c, 2 * i], true).unwrap();
+        let down = requant(&format!("{p}.down_proj"), &v, &[e, c, 2 * i], (true, false));
+        let down = down.unwrap();
         let whole = |m: &[f32]| Nf4::quantize(m, &[c, 2 * i], true).dequantize();
         assert_eq!(
             down,
@@ -271,6 +325,15 @@ mod tests {
         assert!(is_weight(&format!("{p}.3.down_proj.weight"), &[c, i]));
         assert!(!is_weight("model.layers.1.mlp.gate.weight", &[e, c]));
         assert!(!is_weight(&format!("{p}.3.down_proj.bias"), &[c]));
+        // x·W (gpt-oss): the same round trip on each expert's turned matrix, turned back
+        let xw = turn(&v, e, 2 * i, c); // [e, c, 2i]
+        let got = requant(
+            &format!("{p}.gate_up_proj"),
+            &xw,
+            &[e, c, 2 * i],
+            (true, true),
+        );
+        assert_eq!(got.unwrap(), turn(&fused, e, 2 * i, c));
     }
 
     #[test]
@@ -283,11 +346,13 @@ mod tests {
             module: "m".into(),
             expert: None,
             rows: None,
+            xw: false,
         };
         let up = |x| Slot {
             module: "m".into(),
             expert: Some(x),
             rows: Some((3, 3)),
+            xw: false,
         };
         let (f_shape, u_shape) = ([e, out, inp], [3, inp]);
         let into = [(&fused, &f_shape[..])];
@@ -311,5 +376,14 @@ mod tests {
         assert!(shaped(&a, &b, r, &bad).is_err());
         // one by one, but fewer experts in the base than the adapter's E
         assert!(shaped(&a, &b, r, &one_by_one[..2]).is_err());
+        // x·W: the fused delta turned, and the base's [E, in, out] taken
+        let turned = Slot { xw: true, ..fused };
+        let t_shape = [e, inp, out];
+        assert!(shaped(&a, &b, r, &[(&turned, &t_shape[..])]).is_ok());
+        assert!(shaped(&a, &b, r, &[(&turned, &f_shape[..])]).is_err());
+        let t = delta(&a3, &b3, 0.5, &turned).unwrap();
+        let back = t.transpose(1, 2).unwrap();
+        let diff = (back - &all).unwrap().abs().unwrap().max_all().unwrap();
+        assert_eq!(diff.to_scalar::<f32>().unwrap(), 0.0);
     }
 }

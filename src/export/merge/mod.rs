@@ -46,10 +46,10 @@ mod write;
 
 use super::{peft_key, read_adapter_config, CONFIG, WEIGHTS};
 use crate::hub::ModelFiles;
-use crate::lora::KNOWN_LINEAR;
 use crate::ops::dora::row_norms;
 use crate::quant::{bnb, Nf4};
 use crate::recipe::Dtype;
+use crate::recipe::KNOWN_LINEAR;
 use crate::util::fs::write_dir;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
@@ -143,14 +143,6 @@ pub fn merge(adapter: &Path, base: &Path, out: &Path, opts: &MergeOptions) -> Re
     check_unsupported(adapter)?;
     let files = ModelFiles::local(base)?;
     let cfg = crate::model::ModelConfig::from_file(&files.config)?;
-    if cfg.family == crate::model::Family::GptOss {
-        bail!(
-            "{}: merging a gpt_oss adapter is not implemented yet (its experts are stored \
-             [E, in, out] with gate and up interleaved); the trained adapter itself \
-             loads in PEFT over the base",
-            files.config.display()
-        );
-    }
     let pairs = read_adapter_tensors(adapter, &cfg)?;
     if out.exists() && !opts.replace {
         let empty = std::fs::read_dir(out)

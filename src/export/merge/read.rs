@@ -41,6 +41,9 @@ pub(super) enum Src {
     Packed,
     /// A full-precision decoder linear quantized to NF4 and dequantized.
     Requant,
+    /// gpt-oss's MXFP4 expert weight (`P_blocks`, `P_scales`: quant::mxfp4) dequantized,
+    /// then (true) quantized to NF4 and dequantized as `Requant`.
+    Mxfp4(bool),
 }
 
 /// One tensor of the merged model.
@@ -117,8 +120,12 @@ pub(super) struct Base<'a> {
     pub(super) sts: Vec<SafeTensors<'a>>,
     /// A bitsandbytes 4-bit checkpoint: Some(its double quant); a full-precision one: None.
     pub(super) packed: Option<bool>,
-    /// The packed weights read through candle's map, as the loader reads them.
+    /// The packed weights (NF4 or MXFP4) read through candle's map, as the loader reads them.
     pub(super) packed_st: Option<candle_core::safetensors::MmapedSafetensors>,
+    /// gpt-oss's MXFP4 checkpoint (quantization_config.quant_method = "mxfp4").
+    pub(super) mxfp4: bool,
+    /// The fused experts stored x·W, [E, in, out] (gpt-oss: `experts::Slot::xw`).
+    pub(super) xw: bool,
     pub(super) cfg_text: String,
     pub(super) cfg: Value,
 }
@@ -142,13 +149,15 @@ impl<'a> Base<'a> {
             .with_context(|| format!("cannot read {}", files.config.display()))?;
         let cfg: Value = serde_json::from_str(&cfg_text)
             .with_context(|| format!("{} is not valid JSON", files.config.display()))?;
-        let packed_st = match packed {
-            Some(_) => {
+        let mxfp4 = cfg["quantization_config"]["quant_method"] == "mxfp4";
+        let xw = cfg["model_type"] == "gpt_oss";
+        let packed_st = match packed.is_some() || mxfp4 {
+            true => {
                 // SAFETY: as `merge`'s maps of the same shards: read-only, and nothing of ours
                 // writes the base while they are mapped (the output is another directory).
                 Some(unsafe { candle_core::safetensors::MmapedSafetensors::multi(&files.weights) }?)
             }
-            None => None,
+            false => None,
         };
         Ok(Base {
             dir,
@@ -156,6 +165,8 @@ impl<'a> Base<'a> {
             sts,
             packed,
             packed_st,
+            mxfp4,
+            xw,
             cfg_text,
             cfg,
         })
@@ -194,6 +205,15 @@ impl<'a> Base<'a> {
                 }
             }
         }
+        // MXFP4 expert weights: written dequantized under their own name, their scales dropped
+        if self.mxfp4 {
+            let all: std::collections::HashSet<&String> = names.iter().flatten().collect();
+            for w in all.iter().filter_map(|n| n.strip_suffix("_blocks")) {
+                if all.contains(&format!("{w}_scales")) {
+                    dropped.insert(format!("{w}_scales"));
+                }
+            }
+        }
         let requant = opts.merge_into == MergeInto::Dequantized;
         let mut items = Vec::new();
         let mut seen = HashMap::new();
@@ -207,12 +227,24 @@ impl<'a> Base<'a> {
                         self.files.weights[i].display()
                     );
                 }
-                let (src, shape, stored) = if packed.contains(&name) {
+                let mx = match name.strip_suffix("_blocks") {
+                    Some(w) if dropped.contains(&format!("{w}_scales")) => Some(w.to_string()),
+                    _ => None,
+                };
+                let (name, src, shape, stored) = if let Some(w) = mx {
+                    // [E, R, G, 16] codes → the weight [E, G·32, R] (x·W), bf16 as transformers
+                    let &[e, r, g, _] = v.shape() else {
+                        bail!("`{name}` in {} is not [E, R, G, 16]", self.dir.display());
+                    };
+                    let shape = vec![e, g * crate::quant::mxfp4::BLOCK, r];
+                    let rq = requant && experts::is_weight(&w, &shape);
+                    (w, Src::Mxfp4(rq), shape, StDtype::BF16)
+                } else if packed.contains(&name) {
                     let state = self.packed_st()?.get(&format!("{name}{}", bnb::STATE))?;
                     let shape = packed_shape(state.data(), &name).with_context(|| {
                         format!("in the 4-bit checkpoint {}", self.dir.display())
                     })?;
-                    (Src::Packed, shape, checkpoint_dtype(&self.cfg))
+                    (name, Src::Packed, shape, checkpoint_dtype(&self.cfg))
                 } else {
                     let shape = v.shape().to_vec();
                     let float = candle_dtype(v.dtype()).is_some();
@@ -222,7 +254,7 @@ impl<'a> Base<'a> {
                         true => Src::Requant,
                         false => Src::Stored,
                     };
-                    (src, shape, v.dtype())
+                    (name, src, shape, v.dtype())
                 };
                 let dtype = match opts.dtype {
                     Some(d) if candle_dtype(stored).is_some() => st_dtype(d),

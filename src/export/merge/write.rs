@@ -173,7 +173,7 @@ impl Job<'_> {
     }
 
     /// A weight's values in f32 where they are not the stored ones: dequantized from the
-    /// checkpoint's NF4, or the base quantized to NF4 and back.
+    /// checkpoint's NF4 or MXFP4, or the base quantized to NF4 and back.
     pub(super) fn computed(&self, it: &Item) -> Result<Option<Tensor>> {
         let opts = self.opts;
         Ok(match it.src {
@@ -186,32 +186,54 @@ impl Job<'_> {
                     .with_context(|| format!("`{}` has no quant state", it.name))?;
                 Some(dequantized_tensor(&q, opts.quantize_dtype)?)
             }
+            Src::Mxfp4(requant) => {
+                let st = self.ckpt.packed_st()?;
+                let w =
+                    crate::quant::mxfp4::read(st, &it.name, &it.shape, (DType::F32, &Device::Cpu))
+                        .with_context(|| {
+                            format!("in the MXFP4 checkpoint {}", self.ckpt.dir.display())
+                        })?
+                        .with_context(|| format!("`{}` has no MXFP4 blocks", it.name))?
+                        .contiguous()?;
+                match requant {
+                    true => Some(self.requant(it, &w)?),
+                    false => Some(w),
+                }
+            }
             Src::Requant => {
                 let w = view_tensor(&self.ckpt.sts[it.shard].tensor(&it.name)?)?;
-                // Quantized from the weight as training held it: in the run's dtype, else the
-                // output's, else as stored.
-                let held = opts
-                    .quantize_dtype
-                    .or(opts.dtype)
-                    .or_else(|| to_recipe_dtype(w.dtype()));
-                let d = held.map_or(DType::F32, |d| {
-                    candle_dtype(st_dtype(d)).unwrap_or(DType::F32)
-                });
-                let host = w
-                    .to_dtype(d)?
-                    .to_dtype(DType::F32)?
-                    .flatten_all()?
-                    .to_vec1::<f32>()?;
-                let double_quant = self.ckpt.packed.unwrap_or(opts.double_quant);
-                if experts::is_tensor(&it.name) {
-                    let v = experts::requant(&it.name, &host, &it.shape, double_quant)?;
-                    let w = Tensor::from_vec(v, it.shape.as_slice(), &Device::Cpu)?;
-                    return Ok(Some(rounded(w, held)?));
-                }
-                let q = Nf4::quantize(&host, &it.shape, double_quant);
-                Some(dequantized_tensor(&q, held)?)
+                Some(self.requant(it, &w)?)
             }
         })
+    }
+
+    /// A weight `w` as training held it under NF4: quantized and dequantized (an expert's
+    /// matrices one by one, `experts::requant`), in f32.
+    fn requant(&self, it: &Item, w: &Tensor) -> Result<Tensor> {
+        let opts = self.opts;
+        // Quantized from the weight as training held it: in the run's dtype, else the
+        // output's, else as stored.
+        let held = opts
+            .quantize_dtype
+            .or(opts.dtype)
+            .or_else(|| to_recipe_dtype(w.dtype()));
+        let d = held.map_or(DType::F32, |d| {
+            candle_dtype(st_dtype(d)).unwrap_or(DType::F32)
+        });
+        let host = w
+            .to_dtype(d)?
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        let double_quant = self.ckpt.packed.unwrap_or(opts.double_quant);
+        if experts::is_tensor(&it.name) {
+            let dq = (double_quant, self.ckpt.xw);
+            let v = experts::requant(&it.name, &host, &it.shape, dq)?;
+            let w = Tensor::from_vec(v, it.shape.as_slice(), &Device::Cpu)?;
+            return rounded(w, held);
+        }
+        let q = Nf4::quantize(&host, &it.shape, double_quant);
+        dequantized_tensor(&q, held)
     }
 
     /// config.json: the base's bytes for a plain merge that casts nothing (a rewrite would
@@ -225,7 +247,8 @@ impl Job<'_> {
             (None, Some(_)) => Some(checkpoint_dtype(&self.ckpt.cfg)),
             (None, None) => None,
         };
-        if written.is_none() && !nf4 {
+        let mxfp4 = self.ckpt.mxfp4;
+        if written.is_none() && !nf4 && !mxfp4 {
             return Ok(self.ckpt.cfg_text.clone());
         }
         let mut cfg = self.ckpt.cfg.clone();
@@ -242,8 +265,11 @@ impl Job<'_> {
                     o.insert(k.to_string(), Value::from(torch_name(d)));
                 }
             }
-            if nf4 {
+            if nf4 || mxfp4 {
+                // transformers loads a gpt-oss without quantization_config as plain bf16 experts
                 o.remove("quantization_config");
+            }
+            if nf4 {
                 o.insert(MERGED_INTO_KEY.to_string(), Value::from(self.merged_into()));
             }
         }

@@ -51,7 +51,7 @@
 //! - DDP and FSDP sum each layer's adapter gradients over the ranks as one flat f32 bucket
 //!   as its backward ends: the bucket and its sum, 2 × (P / L) × 4.
 //! - DDP: full base per rank, as single.
-//! - FSDP (src/parallel/fsdp.rs: flat shards, a layer gathered before its forward and again before
+//! - FSDP (src/train/flat.rs: flat shards, a layer gathered before its forward and again before
 //!   its backward, the next one issued a layer early): base / W plus the current and the next
 //!   layer's full weights (2 × a layer's parameters × s), with or without checkpointing (what
 //!   forward keeps holds no weights); the embedding, final norm and head gathered for the head.

@@ -1,6 +1,6 @@
 //! The plan for people (`render`: the table and the advice) and for machines (`to_json`).
 
-use super::{row, strategy_name, Breakdown, Plan, Row, GIB, MB_LIMIT, MIB, SEQ_LIMIT, SEQ_STEP};
+use super::{row, strategy_name, Breakdown, Plan, Row, GIB, MB_LIMIT, SEQ_LIMIT, SEQ_STEP};
 use crate::recipe::{Checkpointing, Strategy};
 
 /// e.g. "fsdp ×2 + ckpt".
@@ -17,19 +17,7 @@ pub(crate) fn label(b: &Breakdown) -> String {
     s
 }
 
-/// Bytes for people: B, KiB, MiB or GiB with two decimals.
-pub(crate) fn fmt_bytes(x: u64) -> String {
-    let f = x as f64;
-    if x >= GIB {
-        format!("{:.2} GiB", f / GIB as f64)
-    } else if x >= MIB {
-        format!("{:.2} MiB", f / MIB as f64)
-    } else if x >= 1024 {
-        format!("{:.2} KiB", f / 1024.0)
-    } else {
-        format!("{x} B")
-    }
-}
+pub(crate) use crate::util::fmt_bytes;
 
 /// The table for people; `selected` (the run's own strategy and checkpointing) is marked and
 /// answered first: whether it fits as written, and at which micro-batch. Then the legend, the

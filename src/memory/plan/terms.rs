@@ -87,7 +87,7 @@ pub fn lora_params(cfg: &ModelConfig, rank: usize, targets: &[String]) -> u64 {
     // a MoE's expert adapters: A [E·r, in] and B [out, r·E] per targeted parameter
     let experts: usize = cfg.arch.moe.map_or(0, |m| {
         let (c, i) = (cfg.hidden_size, m.inter);
-        let [gate_up, down] = crate::lora::EXPERT_PARAMS;
+        let [gate_up, down] = crate::model::EXPERT_PARAMS;
         [(gate_up, c + 2 * i), (down, i + c)]
             .iter()
             .filter(|(name, _)| targets.iter().any(|t| t == name))
@@ -554,7 +554,7 @@ pub(super) fn workspaces(p: &PlanInput, micro_batch: usize, a: &Acts) -> (u64, u
     } else {
         HEAD_CHUNKS * 4.0
     };
-    let rows = crate::memory::sizes::head_chunk_rows(v as usize, p.kernels.cross_entropy) as u64;
+    let rows = crate::train::sizes::head_chunk_rows(v as usize, p.kernels.cross_entropy) as u64;
     let head_ws =
         (per_logit * (rows * v).min(n * v) as f64) as u64 + 2 * a.boundary + a.mlp_pending;
     // Chunked, the MLP's [chunk, I] gradients, and the attention's backward over all tokens:
@@ -597,7 +597,7 @@ pub(super) fn breakdown_parking(
     let optim_ws = if p.cuda {
         0
     } else {
-        8 * 4 * r.lp.min(crate::memory::sizes::OPTIM_GROUP as u64)
+        8 * 4 * r.lp.min(crate::train::sizes::OPTIM_GROUP as u64)
     };
     let optim = steady + r.grad_sums + optim_ws;
     let phases = [

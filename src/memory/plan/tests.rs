@@ -3,8 +3,8 @@
 use super::search::{max_micro_batch, max_seq_len};
 use super::terms::{breakdown, fold_pad_bytes, nf4_base_bytes};
 use super::*;
-use crate::lora::ALL_LINEAR;
 use crate::model::ModelConfig;
+use crate::model::ALL_LINEAR;
 use crate::ops::kernels::Kernels;
 use crate::recipe::{Checkpointing, Strategy};
 

@@ -1,6 +1,6 @@
 //! FSDP's bytes: a group of tensors flat-sharded over the ranks, gathered one group at a time.
 //! What the groups are (a model's layers) and how a gathered group becomes a layer is the
-//! trainer's (train::shards); this moves bytes only.
+//! trainer's (train::shards); parallel/ moves the bytes.
 //!
 //! A group is one decoder layer's frozen tensors (`Layer::frozen_mut` order), or the embedding,
 //! final norm and head (`Model::io_mut` order). Its tensors are flattened into one buffer per
@@ -25,7 +25,7 @@
 //! own shards hold (`Shards::write_pads`), so a gathered layer arrives whole, B's included,
 //! and no work follows the gather. The pads add p / in to the shards (1.5% at 7B r16).
 
-use super::Comm;
+use super::comm::Comm;
 use candle_core::{DType, Result, Tensor};
 
 /// One group's shards: one flat buffer per dtype among its tensors (one for a base in full

@@ -4,9 +4,6 @@
 //! (the data's formats, the model's linears, the init adapter's config) are made here, with the
 //! recipe's error type, before anything is loaded or written.
 
-use super::launch::Ranks;
-use super::objective::ObjectiveKind;
-use super::run_config::{BatchPlan, HookPlan, MergePlan, Optim, OutputPlan, RunConfig};
 use crate::export::{self, AdapterInfo};
 use crate::hub::{self, Source};
 use crate::lora::LoraSpec;
@@ -15,7 +12,10 @@ use crate::model::{device, ConfigError, Keep, ModelConfig};
 use crate::ops::Kernels;
 use crate::quant::Quant;
 use crate::recipe::{Quantize, Recipe, DEFAULT_MAX_SHARD_SIZE};
-use anyhow::{Context, Result};
+use crate::train::objective::ObjectiveKind;
+use crate::train::ranks::Ranks;
+use crate::train::run_config::{BatchPlan, HookPlan, MergePlan, Optim, OutputPlan, RunConfig};
+use anyhow::Result;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -217,7 +217,7 @@ impl RunConfig {
                 b.micro_batch,
                 b.grad_accum,
                 self.world(),
-                bytes.map_or(String::new(), |x| format!(" = {}", crate::memory::plan::fmt_bytes(x as u64)))
+                bytes.map_or(String::new(), |x| format!(" = {}", crate::util::fmt_bytes(x as u64)))
             )
         });
         match (pairs, pre) {
@@ -414,16 +414,5 @@ fn cfg_dir(r: &Recipe) -> String {
         (Some(p), _) => p.display().to_string(),
         (None, Some(id)) => id.clone(),
         (None, None) => r.source.display().to_string(),
-    }
-}
-
-/// The weights of a run's base: its checkpoint's files (a Hub model downloaded into the cache
-/// as needed), or None for random weights.
-pub(crate) fn weights(run: &RunConfig) -> Result<Option<hub::ModelFiles>> {
-    match &run.source {
-        Some(src) => Ok(Some(hub::model_files(src).with_context(|| {
-            format!("cannot get the weights of {}", run.base_name)
-        })?)),
-        None => Ok(None),
     }
 }

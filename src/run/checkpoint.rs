@@ -18,11 +18,13 @@
 use super::checkpoint_check as check;
 use super::checkpoint_write::Snapshot;
 use super::host_stage::Stage;
-use super::optim::AdamW;
-use super::session::Session;
-use super::train_data::TrainData;
 use crate::export;
 use crate::recipe::{Recipe, RecipeError, Resume, Schedule};
+use crate::train::fingerprint::{self, FREE_KEYS};
+use crate::train::optim::AdamW;
+use crate::train::session::Session;
+use crate::train::train_data::Cursor;
+use crate::train::train_data::TrainData;
 use crate::util::fs::sync_dir;
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
@@ -40,42 +42,6 @@ pub const RNG: &str = "SplitMix64 streams keyed by seed: shuffle (seed, epoch); 
                        layer, module)";
 /// Losses kept in trainer_state.json (the full history is in metrics.jsonl).
 const LOSS_TAIL: usize = 100;
-
-/// Recipe keys that do not change the numbers of a run: they may differ on resume.
-const FREE_KEYS: [&str; 19] = [
-    "train.resume",
-    "train.report_to",
-    "train.max_memory",
-    "train.log_every",
-    "train.skip_nonfinite",
-    // The same sums, in a fixed order or not.
-    "train.deterministic",
-    "train.mlp_chunk",
-    "train.activation_checkpointing",
-    "train.offload_activations",
-    // The stored reference log-probabilities are the ones the steps would compute, bit for bit.
-    "train.precompute_ref",
-    "output.dir",
-    "output.save_every",
-    "output.keep_last",
-    "output.merge",
-    "output.max_shard_size",
-    "output.merge_into",
-    "output.overwrite",
-    // ddp and fsdp over the same devices give the same numbers.
-    "parallel.strategy",
-    "parallel.timeout_s",
-];
-
-/// Where the data stream continues: the next step is step `step_in_epoch` (0-based) of the
-/// plan of epoch `epoch` (TrainData::epoch_plan).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Cursor {
-    /// The epoch, 0-based.
-    pub epoch: usize,
-    /// The next step within it, 0-based.
-    pub step_in_epoch: usize,
-}
 
 /// Inputs of the learning-rate schedule (lr · schedule::lr_factor(kind, step, total, warmup)).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -181,9 +147,9 @@ impl TrainerState {
             },
             data_examples: data.examples.len(),
             data_tokens: data.examples.iter().map(|e| e.ids.len()).sum(),
-            data_fingerprint: Some(super::checkpoint_check::fingerprint(d)?),
+            data_fingerprint: Some(fingerprint::data(d)?),
             loss_history: h[h.len().saturating_sub(LOSS_TAIL)..].to_vec(),
-            recipe: fingerprint(&run.recipe),
+            recipe: fingerprint::recipe(&run.recipe),
             sets: numbers_sets(&run.recipe.sets),
         })
     }
@@ -281,42 +247,6 @@ pub fn list(out_dir: &Path) -> Vec<(usize, PathBuf)> {
     v
 }
 
-/// The recipe fields that change the numbers of a run, as "section.key" → TOML value, with
-/// paths made absolute (the same files reached from another directory compare equal).
-pub fn fingerprint(r: &Recipe) -> BTreeMap<String, String> {
-    let mut out = BTreeMap::new();
-    // A path that is not UTF-8 (TOML's strings are) compares as the file it reaches, its odd
-    // bytes escaped; UTF-8 ones as below, as checkpoints of earlier versions recorded them.
-    let mut r = r.clone();
-    r.for_each_path(|_, p| {
-        if p.to_str().is_none() {
-            let abs = std::fs::canonicalize(&*p).unwrap_or_else(|_| p.clone());
-            *p = PathBuf::from(crate::util::os_path::escaped(&abs));
-        }
-    });
-    let Ok(toml::Value::Table(doc)) = toml::Value::try_from(&r) else {
-        return out;
-    };
-    for (section, v) in doc {
-        let toml::Value::Table(t) = v else { continue };
-        for (k, v) in t {
-            let key = format!("{section}.{k}");
-            if FREE_KEYS.contains(&key.as_str()) {
-                continue;
-            }
-            let v = match (&v, key.as_str()) {
-                (toml::Value::String(p), "model.path" | "data.train" | "lora.init_adapter") => {
-                    let abs = std::fs::canonicalize(p).unwrap_or_else(|_| PathBuf::from(p));
-                    toml::Value::String(crate::util::os_path::escaped(&abs))
-                }
-                _ => v,
-            };
-            out.insert(key, v.to_string());
-        }
-    }
-    out
-}
-
 /// The checkpoint `train.resume` asks for, checked against the recipe; None = start fresh.
 /// A recipe that differs from the checkpoint's in anything that changes the numbers, or a
 /// fresh start over an unfinished run, is a RecipeError (exit 2) and nothing is written.
@@ -345,7 +275,7 @@ pub fn resume_point(r: &Recipe, out_dir: &Path) -> Result<Option<Checkpoint>> {
         )
     })?;
     check::nothing_damaged_ahead(r, out_dir, state.step)?;
-    let now = fingerprint(r);
+    let now = fingerprint::recipe(r);
     let mut diff: Vec<&String> = now
         .keys()
         .chain(state.recipe.keys())

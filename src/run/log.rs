@@ -4,9 +4,9 @@
 //! writes; the other ranks' `Log` is silent.
 
 use super::checkpoint::{self, Checkpoint};
-use super::session::Session;
-use super::step::Done;
-use crate::memory::{GIB, PHASES};
+use crate::train::meter::{GIB, PHASES};
+use crate::train::session::Session;
+use crate::train::step::Done;
 use crate::util::atomic_write;
 use anyhow::{Context, Result};
 use indicatif::ProgressBar;

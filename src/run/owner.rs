@@ -4,8 +4,8 @@
 //! died is taken over. Of a launcher's processes (torchrun, mpirun: RANK / WORLD_SIZE) only
 //! rank 0 writes there, and only it takes the lock.
 
-use crate::parallel::launch::EnvRank;
 use crate::recipe::Recipe;
+use crate::train::EnvRank;
 use crate::util::lock::DirLock;
 use anyhow::{Context, Result};
 

@@ -13,10 +13,10 @@
 //! and the field; nothing is written.
 
 use super::checkpoint::{read_state, Checkpoint, TrainerState, OPTIMIZER, STATE};
-use super::session::Session;
-use super::train_data::TrainData;
 use crate::export;
 use crate::recipe::{Recipe, RecipeError};
+use crate::train::session::Session;
+use crate::train::train_data::TrainData;
 use anyhow::Result;
 use candle_core::{DType, Tensor, Var};
 use std::collections::HashMap;
@@ -282,7 +282,7 @@ pub(crate) fn state(s: &Session, d: &TrainData, ck: &Checkpoint, total: usize) -
         }
         .into());
     }
-    let fp = fingerprint(d)?;
+    let fp = crate::train::fingerprint::data(d)?;
     if st.data_fingerprint.as_ref().is_some_and(|f| *f != fp) {
         return Err(RecipeError::Invalid {
             path: r.source.clone(),
@@ -384,11 +384,6 @@ fn cursor(
         }
     }
     Ok(())
-}
-
-/// The data fingerprint a trainer state records (the sampler's: examples, weights, settings).
-pub(crate) fn fingerprint(s: &TrainData) -> Result<String> {
-    Ok(format!("{:016x}", s.ready()?.sampler.fingerprint()))
 }
 
 /// A checkpoint's optimiser tensors (`st`, read from `path`) against the adapters: exactly

@@ -1,5 +1,5 @@
 //! Checkpoints written beside training. At a save the step's adapters and AdamW moments are
-//! queued for copying into pinned host memory behind the step (train/host_stage.rs: the loop
+//! queued for copying into pinned host memory behind the step (run/host_stage.rs: the loop
 //! does not wait for the copies); a writer thread then waits for them, serializes, writes,
 //! fsyncs and renames them into place while the next steps run. One write is in flight at a
 //! time: the next save, the run's end and a run that fails all wait for it, so a checkpoint is
@@ -8,8 +8,8 @@
 
 use super::checkpoint::OPTIMIZER;
 use super::host_stage::{HostTensors, Stage};
-use super::optim::AdamW;
 use crate::export::{self, CONFIG, WEIGHTS};
+use crate::train::optim::AdamW;
 use crate::util::fs::{sync_dir_files, write_dir};
 use anyhow::{anyhow, Context, Result};
 use std::cell::RefCell;

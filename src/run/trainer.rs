@@ -4,14 +4,16 @@
 use super::checkpoint::{self, Checkpoint, Progress, TrainerState};
 use super::checkpoint_write;
 use super::log::{Log, Row};
-use super::optim::AdamW;
-use super::run_loop::{self, Hooks, StepMeta};
-use super::session::Session;
-use super::step::{adapter_params, Done, Engine};
-use super::train_data::TrainData;
-use super::{checkpoint::Cursor, schedule, stop, RunSummary};
+use super::RunSummary;
 use crate::export;
-use crate::memory::PhaseMeter;
+use crate::train::meter::PhaseMeter;
+use crate::train::optim::AdamW;
+use crate::train::run_loop::{self, Hooks, StepMeta};
+use crate::train::session::Session;
+use crate::train::step::{adapter_params, Done, Engine};
+use crate::train::train_data::Cursor;
+use crate::train::train_data::TrainData;
+use crate::train::{schedule, stop};
 use anyhow::{Context, Result};
 use std::path::{Path, PathBuf};
 
@@ -83,7 +85,7 @@ impl<'s> Trainer<'s> {
         // A streaming run checks its steps when its data is ready (TrainData::ready).
         if !data.streaming() {
             let epoch = resume.map_or(0, |c| c.state.cursor.epoch);
-            super::run_check::steps(&s.run, data, total, epoch)?;
+            crate::train::run_check::steps(&s.run, data, total, epoch)?;
         }
         let keys: Vec<String> = s
             .model
@@ -317,7 +319,7 @@ impl Hooks for Trainer<'_> {
 
     /// An allocation failure of step `step` (0-based) as the run's diagnosis.
     fn fail(&self, e: anyhow::Error, meter: &PhaseMeter, step: usize) -> anyhow::Error {
-        match crate::memory::is_oom(&e) {
+        match crate::ops::pool::is_oom(&e) {
             true => self.s.out_of_memory(
                 &e,
                 meter,
@@ -333,5 +335,5 @@ impl Hooks for Trainer<'_> {
 /// adapter state (weights, AdamW m and v, gradients) plus what the driver holds.
 fn set_cpu_budget(s: &Session) {
     let cap = s.run.max_memory.filter(|_| s.model.device.is_cpu());
-    crate::memory::set_cpu_budget(cap, super::preflight::cpu_fixed_bytes(&s.model));
+    crate::ops::pool::set_cpu_budget(cap, crate::train::meter::cpu_fixed_bytes(&s.model));
 }

@@ -3,15 +3,15 @@
 //! each its own block-diagonal segment): the same loss and adapter gradients on the preference
 //! fixtures, in f32 on the CPU, through the objective and the step's forward and backward.
 
-use super::driver::{self, Par};
-use super::objective::ObjectiveKind;
-use super::optim::Grads;
-use super::session::Session;
 use crate::data::pref_batch::{PrefBatch, PrefLayout};
 use crate::data::preference::{load_pairs, PairExample, PrefSpec};
 use crate::data::{Batch, Example, IGNORE};
 use crate::model::Keep;
 use crate::recipe::Recipe;
+use crate::train::driver::{self, Par};
+use crate::train::objective::ObjectiveKind;
+use crate::train::optim::Grads;
+use crate::train::Session;
 use std::path::PathBuf;
 use std::sync::Arc;
 

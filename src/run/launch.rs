@@ -1,34 +1,22 @@
 //! Starting a run's ranks, for `train` and `bench` alike: world 1 on this thread, one thread
 //! per device (CPU "devices" are virtual ranks; GPUs talk through NCCL, a communicator each),
 //! or this process as one rank of a job that torchrun / mpirun / Slurm started (RANK,
-//! WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT: `parallel::launch::EnvRank`; GPU ranks
+//! WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT: `train::EnvRank`; GPU ranks
 //! talk NCCL, CPU ranks TCP through rank 0). docs/multi-node.md shows the launches.
 
 use super::preflight::preflight;
 use super::resolve::Machine;
-use super::run_config::{MergePlan, RunConfig};
-use super::session::Session;
-use super::train_data::TrainData;
-use super::{checkpoint, stop, RunOptions, RunSummary};
+use super::{checkpoint, RunOptions, RunSummary};
 use crate::export;
 use crate::parallel::backend::{cuda_ordinals, env_comm, nccl_group, tcp_group};
-use crate::parallel::launch::EnvRank;
-use crate::parallel::{Comm, CommError, Group, Solo};
+use crate::parallel::{CommError, Group};
 use crate::recipe::{DeviceKind, Recipe, Resume, Strategy};
+use crate::train::run_config::{MergePlan, RunConfig};
+use crate::train::stop;
+use crate::train::{Comm, EnvRank, Ranks, Session, Solo, TrainData};
 use anyhow::{Context, Result};
 use std::sync::Arc;
 use std::time::Duration;
-
-/// Where a run's ranks are.
-#[derive(Debug, Clone)]
-pub(crate) enum Ranks {
-    /// One rank, world 1, on this thread; the CUDA ordinal (ignored on the CPU).
-    Solo(usize),
-    /// One rank per listed device, a thread each: CUDA ordinals, or virtual CPU ranks.
-    Threads { cuda: bool, devices: Vec<usize> },
-    /// This process is one rank of a job its launcher started: a GPU (NCCL) or the CPU (TCP).
-    Process { cuda: bool, env: EnvRank },
-}
 
 /// One rank's work: (its communicator, its CUDA ordinal) → its result.
 pub(crate) type RankBody<T> = dyn Fn(Box<dyn Comm>, usize) -> Result<T> + Send + Sync;
@@ -62,7 +50,7 @@ pub(crate) fn launch<T: Send + 'static>(
             let per_rank = move |rank: usize, comm: Box<dyn Comm>| body(comm, devices[rank]);
             // After a failure the others' collectives fail at once; a rank stuck outside them
             // is not waited for long (the process ends with the run).
-            let grace = timeout.min(crate::parallel::STOP_GRACE);
+            let grace = timeout.min(crate::util::signal::STOP_GRACE);
             crate::parallel::launch::threads(group, Arc::new(per_rank), grace)
         }
     }
@@ -122,7 +110,7 @@ pub fn run_with(recipe: Recipe, opts: &RunOptions) -> Result<RunSummary> {
     };
     match launch(ranks, timeout, Arc::new(body)) {
         // A failure that a signal caused (ranks stuck in a collective) is the signal's stop.
-        Err(e) if stopped.received() && crate::parallel::gave_up_after_signal() => {
+        Err(e) if stopped.received() && crate::util::signal::gave_up_after_signal() => {
             Err(stop::StoppedUnsaved {
                 why: format!("{e:#}"),
                 last_checkpoint: super::checkpoint_check::scan(&out_dir)
@@ -222,7 +210,7 @@ fn run_rank(
     let mut session = match Session::load(run.clone(), comm, ordinal) {
         Ok(s) => s,
         // Loading the weights did not fit: the same diagnosis as mid-run, phase "load".
-        Err(e) if crate::memory::is_oom(&e) => {
+        Err(e) if crate::ops::pool::is_oom(&e) => {
             return Err(stop::OutOfMemory {
                 rank: watch.rank,
                 phase: "load",
@@ -240,7 +228,7 @@ fn run_rank(
         Err(e) => return Err(e),
     };
     let mut data = TrainData::load_run(&session, resume.is_some())?;
-    if let Some(s) = crate::memory::stats(&session.model.device)? {
+    if let Some(s) = crate::ops::pool::stats(&session.model.device)? {
         watch.load_peak = Some(s.used_high);
     }
     session.model.device.synchronize()?;
@@ -251,7 +239,8 @@ fn run_rank(
         announce(&session, &data);
     }
     if run.precompute_ref {
-        let store = super::pref_precompute::RefStore::load_or_compute(&session, &data, &out_dir)?;
+        let store =
+            crate::train::pref_precompute::RefStore::load_or_compute(&session, &data, &out_dir)?;
         data.reference = Some(store);
     }
     signal.training();
@@ -297,7 +286,7 @@ fn announce(session: &Session, data: &TrainData) {
             (false, 0) => String::new(),
             (false, b) => format!(
                 "; decoder linears in NF4: {}",
-                crate::memory::plan::fmt_bytes(b as u64)
+                crate::util::fmt_bytes(b as u64)
             ),
         }
     );

@@ -1,32 +1,16 @@
-//! Memory before and during a run: the plan's forecast checked against what the run has
-//! before any weight is read (`preflight`), and an allocation failure turned into the
-//! diagnosis (rank, phase, step, peak vs capacity, forecast, remedies).
+//! Memory before a run: the plan's forecast checked against what the run has before any
+//! weight is read (`preflight`; `DoesNotFit` where it does not fit), the ballast of
+//! train.max_memory held, and the forecast handed to the run's memory watch as plain numbers
+//! (train::meter turns an allocation failure into the diagnosis).
 
-use super::run_config::RunConfig;
-use super::session::Session;
-use super::{stop, RunOptions};
+use super::RunOptions;
 use crate::memory::plan::Breakdown;
-use crate::model::{device, Model};
+use crate::model::device;
 use crate::recipe::{Checkpointing, Strategy};
+use crate::train::meter::MemoryWatch;
+use crate::train::RunConfig;
+use crate::util::fmt_bytes;
 use anyhow::Result;
-use std::path::PathBuf;
-
-/// What a run knows about its memory: the plan's forecast, the capacity, the load peak.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct MemoryWatch {
-    /// This process's rank (0 until DDP / FSDP set it).
-    pub(crate) rank: usize,
-    /// The plan's row for this run's strategy and checkpointing.
-    pub(crate) forecast: Option<crate::memory::plan::Breakdown>,
-    /// Remedies for when it does not fit (from the plan).
-    pub(crate) remedies: Vec<String>,
-    /// Bytes the run may use per rank: train.max_memory, else the card's memory.
-    pub(crate) capacity: Option<u64>,
-    /// The device pool's peak while loading (CUDA).
-    pub(crate) load_peak: Option<u64>,
-    /// Seconds the model and data took to load (the run's start to its first step).
-    pub(crate) load_s: f64,
-}
 
 /// The memory plan of a run, checked against what it has: on CUDA train.max_memory or the
 /// card's free memory, on the CPU train.max_memory (the accounting's cap). Returns the run's
@@ -66,7 +50,7 @@ pub(crate) fn preflight(
     Ok((
         MemoryWatch {
             rank: 0,
-            forecast,
+            forecast: forecast.as_ref().map(crate::memory::forecast),
             remedies,
             capacity,
             load_peak: None,
@@ -87,8 +71,8 @@ fn capacity_of(run: &RunConfig, ordinal: usize) -> Result<(Option<u64>, String)>
         return Ok(cpu_capacity(max_memory, host, run.world()));
     }
     let dev = device::open(run.device, ordinal)?;
-    crate::memory::keep_pool_memory(&dev)?;
-    let info = crate::memory::mem_info(&dev)?;
+    crate::ops::pool::keep_pool_memory(&dev)?;
+    let info = crate::ops::pool::mem_info(&dev)?;
     Ok(match (max_memory, info) {
         (Some(m), _) => (Some(m), "train.max_memory".to_string()),
         // The context the plan counts is already out of `free`: add it back.
@@ -178,7 +162,7 @@ fn note_offload(forecast: Option<&Breakdown>) {
         crate::errln!(
             "activation offload: {what} in pinned host memory, {} per rank \
              (train.offload_activations = false recomputes instead)",
-            crate::memory::plan::fmt_bytes(b.host)
+            crate::util::fmt_bytes(b.host)
         );
     }
 }
@@ -192,9 +176,9 @@ fn does_not_fit(
     capacity: Option<u64>,
     source: String,
     remedies: &[String],
-) -> Option<stop::DoesNotFit> {
+) -> Option<DoesNotFit> {
     let (cap, b) = (capacity?, forecast?);
-    (b.total > cap).then(|| stop::DoesNotFit {
+    (b.total > cap).then(|| DoesNotFit {
         forecast: b.clone(),
         capacity: cap,
         capacity_source: source,
@@ -215,7 +199,7 @@ fn host_does_not_fit(
     forecast: Option<&Breakdown>,
     capacity: Option<u64>,
     remedies: &[String],
-) -> Option<stop::DoesNotFit> {
+) -> Option<DoesNotFit> {
     let (b, free) = (forecast?, input.host?);
     (b.host > 0 && !input.host_fits(b)).then(|| {
         let mut remedies = remedies.to_vec();
@@ -223,7 +207,7 @@ fn host_does_not_fit(
             0,
             "train.offload_activations = false (recomputes instead of parking)".into(),
         );
-        stop::DoesNotFit {
+        DoesNotFit {
             forecast: b.clone(),
             capacity: capacity.unwrap_or(0),
             capacity_source: "the host".into(),
@@ -241,7 +225,7 @@ fn hold_max_memory(
     ordinal: usize,
     m: u64,
 ) -> Result<Option<crate::memory::Ballast>> {
-    use crate::memory::plan::fmt_bytes;
+    use crate::util::fmt_bytes;
     let dev = device::open(run.device, ordinal)?;
     let ballast = crate::memory::hold_ballast(&dev, m)?;
     match &ballast {
@@ -261,121 +245,63 @@ fn hold_max_memory(
     Ok(ballast)
 }
 
-/// What the CPU accounting under `train.max_memory` holds outside the steps (train and probe
-/// alike): the model's tensors (`model_bytes`) and three more times the adapters' f32 bytes
-/// (their gradients, AdamW's m and v).
-pub(crate) fn cpu_fixed_bytes(m: &Model) -> u64 {
-    let lora: u64 = m
-        .adapters()
-        .flat_map(|(_, l)| l.vars())
-        .map(|v| crate::memory::tensor_bytes(v.as_tensor()))
-        .sum();
-    model_bytes(m) + 3 * lora
+/// Preflight: the plan's forecast for this run exceeds the memory available. Nothing has
+/// been loaded or written.
+#[derive(Debug)]
+pub struct DoesNotFit {
+    /// The run's row of the plan.
+    pub(crate) forecast: crate::memory::plan::Breakdown,
+    pub(crate) capacity: u64,
+    /// Where the capacity comes from, e.g. "train.max_memory" or "free memory of cuda:0".
+    pub(crate) capacity_source: String,
+    /// The whole plan, as `lora-train plan` prints it.
+    pub(crate) table: String,
+    pub(crate) remedies: Vec<String>,
+    /// Where it is the host that cannot pin the row's parked activations: the host memory
+    /// free (of which three quarters may be pinned).
+    pub(crate) host: Option<u64>,
 }
 
-/// Bytes of the model's tensors (base, norms, head once when tied, adapters).
-pub(crate) fn model_bytes(m: &Model) -> u64 {
-    use crate::memory::tensor_bytes as b;
-    let mut sum = b(&m.embed) + b(&m.norm) + if m.tied { 0 } else { b(&m.lm_head) };
-    for l in &m.layers {
-        sum += b(&l.input_norm) + b(&l.post_norm);
-        sum += l.nf4_bytes() as u64;
-        // a MoE layer's router and experts, and the experts' adapters
-        if let Some(moe) = &l.moe {
-            // (NF4 experts: placeholders here, their arrays in `nf4_bytes`)
-            sum += moe.stored().into_iter().map(b).sum::<u64>();
-            for (_, lora) in moe.adapters() {
-                sum += lora.vars().iter().map(|v| b(v.as_tensor())).sum::<u64>();
-            }
+impl std::fmt::Display for DoesNotFit {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        let b = &self.forecast;
+        match self.host {
+            Some(free) => writeln!(
+                f,
+                "the memory plan says this run does not fit the host: {} parks {} of pinned \
+                 host memory per rank ({} ranks), the host has {} free, of which three \
+                 quarters may be pinned",
+                crate::memory::plan::label(b),
+                fmt_bytes(b.host),
+                b.world,
+                fmt_bytes(free)
+            )?,
+            None => writeln!(
+                f,
+                "the memory plan says this run does not fit: {} needs {} per rank, {} has {}",
+                crate::memory::plan::label(b),
+                fmt_bytes(b.total),
+                self.capacity_source,
+                fmt_bytes(self.capacity)
+            )?,
         }
-        for lin in l.linears() {
-            // W's whole buffer: folded, its pad columns too (ops::fold); NF4, a placeholder
-            sum += crate::parallel::fsdp::storage_bytes(&lin.w) as u64;
-            sum += lin.b.as_ref().map(b).unwrap_or(0);
-            if let Some(lora) = &lin.lora {
-                sum += lora.vars().iter().map(|v| b(v.as_tensor())).sum::<u64>();
-            }
+        writeln!(
+            f,
+            "  forecast: base {}, adapters + grads + AdamW {}, activations {}, transient {}, fsdp gather {}, context + slack {} (peak in {})",
+            fmt_bytes(b.base),
+            fmt_bytes(b.lora_state()),
+            fmt_bytes(b.activations),
+            fmt_bytes(b.transient),
+            fmt_bytes(b.gather),
+            fmt_bytes(b.outside_pool()),
+            b.peak_phase
+        )?;
+        for l in self.table.lines() {
+            writeln!(f, "  | {l}")?;
         }
-    }
-    sum
-}
-
-impl Session {
-    /// The diagnosis of an allocation failure: rank, phase, step, peak vs capacity, the
-    /// forecast and remedies.
-    pub(crate) fn out_of_memory(
-        &self,
-        e: &anyhow::Error,
-        meter: &crate::memory::PhaseMeter,
-        step: Option<(usize, usize)>,
-        last_checkpoint: Option<PathBuf>,
-    ) -> anyhow::Error {
-        let dev = &self.model.device;
-        let peak = match crate::memory::stats(dev).ok().flatten() {
-            Some(s) => Some(s.used_high.max(meter.run_peak)),
-            None => crate::memory::cpu_high(),
-        };
-        let capacity = self.memory.capacity.or(if dev.is_cpu() {
-            self.run.max_memory
-        } else {
-            None
-        });
-        stop::OutOfMemory {
-            rank: self.memory.rank,
-            phase: meter.current(),
-            step: step.map(|s| s.0),
-            total: step.map(|s| s.1).unwrap_or(0),
-            peak,
-            capacity,
-            forecast: self.memory.forecast.clone(),
-            remedies: self.memory.remedies.clone(),
-            last_checkpoint,
-            cause: format!("{e:#}"),
-        }
-        .into()
+        writeln!(f, "  remedies: {}", self.remedies.join("; "))?;
+        write!(f, "  (pass --force to start anyway)")
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::memory::tensor_bytes;
-
-    /// A random tiny model (f32, CPU), its head tied; adapters of rank 2 on `targets`.
-    fn tiny(targets: &[&str]) -> Model {
-        let mut cfg = crate::model::shapes::shape("tiny").unwrap();
-        cfg.tie_word_embeddings = Some(true);
-        let spec = crate::lora::LoraSpec {
-            rank: 2,
-            alpha: 4.0,
-            dropout: 0.0,
-            rslora: false,
-            dora: false,
-            targets: targets.iter().map(|t| t.to_string()).collect(),
-        };
-        let dev = candle_core::Device::Cpu;
-        Model::random(cfg, candle_core::DType::F32, &dev, &spec, 1).unwrap()
-    }
-
-    /// The CPU budget's fixed bytes hold a tied head once (the embedding's tensor: untying the
-    /// same model adds exactly the head's bytes) and the adapters four times (weights,
-    /// gradients, AdamW's m and v).
-    #[test]
-    fn the_cpu_budget_counts_a_tied_head_once_and_the_adapters_four_times() {
-        let mut m = tiny(&[]);
-        assert!(m.tied);
-        let tied = cpu_fixed_bytes(&m);
-        (m.tied, m.lm_head) = (false, m.embed.copy().unwrap());
-        assert_eq!(cpu_fixed_bytes(&m), tied + tensor_bytes(&m.lm_head));
-
-        let a = tiny(&["q_proj", "v_proj"]);
-        let adapters: u64 = a
-            .adapters()
-            .flat_map(|(_, l)| l.vars())
-            .map(|v| tensor_bytes(v.as_tensor()))
-            .sum();
-        // tiny: 4 layers, q and v [256 → 256], A [2, 256] and B [256, 2] each, f32
-        assert_eq!(adapters, 4 * 2 * (2 * 256 + 256 * 2) * 4);
-        assert_eq!(cpu_fixed_bytes(&a), tied + 4 * adapters);
-    }
-}
+impl std::error::Error for DoesNotFit {}
