@@ -283,7 +283,7 @@ fn golden_qwen3_moe_router_aux_loss() {
 /// float64 reference than the reference's own library gets in bf16, and which tensor rounds
 /// worst differs between two bf16 runs (ours and PEFT's worst tensors are not the same one).
 #[cfg(feature = "cuda")]
-fn bf16_bound(case: &str) -> f64 {
+pub fn bf16_bound(case: &str) -> f64 {
     let path = root().join("tests/fixtures/golden/peft_bf16_error.json");
     let text = std::fs::read_to_string(&path).expect("peft_bf16_error.json");
     let v: serde_json::Value = serde_json::from_str(&text).expect("peft_bf16_error.json parses");

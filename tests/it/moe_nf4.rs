@@ -321,9 +321,7 @@ fn an_nf4_expert_run_trains_and_merges_into_bf16_experts() {
 /// On CUDA: a tile of NF4 experts dequantized by nf4.cu's kernel into the reused scratch (two
 /// tiles in turn) is the host's dequantization, bit for bit (f32 and bf16, from weights
 /// quantized on the GPU); and the fixture trained with NF4 experts on the GPU gives the CPU's
-/// logits, loss and every adapter gradient: elementwise at rtol 1e-4 in f32, and in bf16 at a
-/// relative L2 error of 5e-2 per tensor (elementwise bounds are meaningless in bf16: the first
-/// device run, 2026-12-07, passed f32 and met a logit near zero 0.17 off at scale 20 in bf16).
+/// f32 logits, loss and every adapter gradient (`nf4_on_cuda_equals_the_cpu`).
 #[cfg(feature = "cuda")]
 #[test]
 fn nf4_experts_on_cuda_equal_the_cpu() {
@@ -355,41 +353,47 @@ fn nf4_experts_on_cuda_equal_the_cpu() {
 
 /// On CUDA: gpt-oss's fixture trained with NF4 experts (their biases, the interleaved
 /// gate_up, the clamped SwiGLU; the attention with sinks) gives the CPU's logits, loss and
-/// every adapter gradient, at rtol 1e-4 in f32 and 5e-2 in bf16.
+/// every adapter gradient (`nf4_on_cuda_equals_the_cpu`).
 #[cfg(feature = "cuda")]
 #[test]
 fn gpt_oss_nf4_experts_on_cuda_equal_the_cpu() {
     nf4_on_cuda_equals_the_cpu("gpt_oss");
 }
 
-/// The second half of `nf4_experts_on_cuda_equal_the_cpu` on one case.
+/// The second half of `nf4_experts_on_cuda_equal_the_cpu` on one case: the GPU's run against
+/// the CPU's in f32 (the truth at these NF4 weights), elementwise at rtol 1e-4 in f32; in bf16 at
+/// the CUDA bf16 goldens' bound, a relative L2 error of 1.5 × PEFT's own bf16 error on the
+/// fixture (at least 5e-2: `golden::bf16_bound`). CPU bf16 against CUDA bf16 is no yardstick:
+/// both are that far from f32, in different directions (6.2e-2 apart on qwen3_moe's q_proj dA,
+/// H100, 2026-12-07).
 #[cfg(feature = "cuda")]
 fn nf4_on_cuda_equals_the_cpu(case: &str) {
-    for (sets, rtol) in [(vec![], 1e-4), (vec!["model.dtype=bf16"], 5e-2)] {
-        let mut cpu_sets = vec!["model.quantize=nf4"];
-        cpu_sets.extend(sets.iter().copied());
-        let mut gpu_sets = cpu_sets.clone();
-        gpu_sets.push("model.device=cuda");
-        let (_tc, cpu) = session(case, &cpu_sets);
+    let cpu_sets = vec!["model.quantize=nf4"];
+    let (_tc, cpu) = session(case, &cpu_sets);
+    let batch = cpu.batch(&[vec![0], vec![2], vec![4]]);
+    let lc = driver::logits(&cpu.model, &batch).unwrap();
+    for dtype in ["model.dtype=f32", "model.dtype=bf16"] {
+        let bf16 = dtype.ends_with("bf16");
+        let gpu_sets = vec!["model.quantize=nf4", dtype, "model.device=cuda"];
         let (_tg, cuda) = session(case, &gpu_sets);
-        let batch = cpu.batch(&[vec![0], vec![2], vec![4]]);
-        let lc = driver::logits(&cpu.model, &batch).unwrap();
         let lg = driver::logits(&cuda.model, &batch).unwrap();
-        let close = |what: &str, got: &Tensor, want: &Tensor, atol: f64| match sets.is_empty() {
-            true => assert_close(what, got, want, rtol, atol),
-            false => assert_rel_l2(what, got, want, rtol),
+        let bound = crate::golden::bf16_bound(case);
+        let close = |what: &str, got: &Tensor, want: &Tensor, atol: f64| match bf16 {
+            false => assert_close(what, got, want, 1e-4, atol),
+            true => assert_rel_l2(what, got, want, bound),
         };
-        close(&format!("{case} cuda logits {sets:?}"), &lg, &lc, 1e-5);
+        close(&format!("{case} cuda logits {dtype}"), &lg, &lc, 1e-5);
         let run = |s: &Session| {
             let mut g = Grads::new();
             let ce = driver::forward_backward(&s.model, &batch, 10.0, Keep::Input, None, &mut g);
             (ce.unwrap(), g)
         };
         let ((ce_c, gc), (ce_g, gg)) = (run(&cpu), run(&cuda));
+        let rtol = if bf16 { 2e-2 } else { 1e-4 };
         assert!((ce_c - ce_g).abs() <= rtol * ce_c.abs(), "{ce_g} vs {ce_c}");
         for ((name, a), (_, b)) in cuda.model.adapters().zip(cpu.model.adapters()) {
             for (va, vb, w) in [(&a.a, &b.a, "A"), (&a.b, &b.b, "B")] {
-                let what = format!("{case} cuda {sets:?} {name} d{w}");
+                let what = format!("{case} cuda {dtype} {name} d{w}");
                 close(&what, &gg[&va.id()], &gc[&vb.id()], 1e-4);
             }
         }
