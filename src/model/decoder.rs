@@ -461,7 +461,7 @@ impl Model {
 
     /// Per-batch context: positions [B×T] (restarting per packed example), segment ids for the
     /// block-diagonal mask (None = one sequence per row), and the dropout key. Prefix-tree ids
-    /// (preference pairs) set `mask.prefix_tree` on the result.
+    /// (preference pairs) set `mask.prefix_tree` on the result (`train::driver::batch_ctx`).
     pub fn ctx(
         &self,
         positions: &[u32],

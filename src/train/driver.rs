@@ -227,8 +227,7 @@ pub fn forward_backward_dev(
             })
         }
     };
-    let mut ctx = model.ctx(&batch.positions, b, t, batch.segments.clone(), dropout)?;
-    ctx.mask.prefix_tree = batch.prefix_tree;
+    let mut ctx = batch_ctx(model, batch, dropout)?;
     if let Some(s) = par.shards {
         // FSDP: the folded linears' B's go into the shards, to arrive with each gather.
         ctx.folded = s.write_pads(model)?;
@@ -592,18 +591,23 @@ fn all_reduce_layer(layer: &Layer, grads: &mut Grads, comm: &dyn Comm, ctx: &Ctx
     Ok(())
 }
 
+/// A batch's context: its positions and segment ids, the prefix-tree mask where its rows are
+/// preference pairs laid out as trees (`data::pref_batch`), and the dropout key.
+pub(crate) fn batch_ctx(
+    model: &Model,
+    batch: &Batch,
+    dropout: Option<(u64, [u64; 2])>,
+) -> Result<Ctx> {
+    let segments = batch.segments.clone();
+    let mut ctx = model.ctx(&batch.positions, batch.b, batch.t, segments, dropout)?;
+    ctx.mask.prefix_tree = batch.prefix_tree;
+    Ok(ctx)
+}
+
 /// Forward only, for logits-level checks: the model's `forward` with a batch's context.
 pub fn logits(model: &Model, batch: &Batch) -> Result<Tensor> {
     let ids = Tensor::from_slice(&batch.ids, (batch.b, batch.t), &model.device)?;
-    let mut ctx: Ctx = model.ctx(
-        &batch.positions,
-        batch.b,
-        batch.t,
-        batch.segments.clone(),
-        None,
-    )?;
-    ctx.mask.prefix_tree = batch.prefix_tree;
-    model.forward(&ids, &ctx)
+    model.forward(&ids, &batch_ctx(model, batch, None)?)
 }
 
 #[cfg(test)]

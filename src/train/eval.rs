@@ -27,8 +27,7 @@ pub(crate) fn ce_sum_par(model: &Model, par: &Par, batch: &Batch) -> Result<f64>
     let dev = &model.device;
     let (b, t) = (batch.b, batch.t);
     let ids = Tensor::from_slice(&batch.ids, (b, t), dev)?;
-    let mut ctx = model.ctx(&batch.positions, b, t, batch.segments.clone(), None)?;
-    ctx.mask.prefix_tree = batch.prefix_tree;
+    let ctx = super::driver::batch_ctx(model, batch, None)?;
     let mut x = match par.io(model)? {
         Some(io) => io.embed(&ids)?,
         None => model.embed(&ids)?,

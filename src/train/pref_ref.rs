@@ -66,14 +66,7 @@ pub fn reference_ctx(model: &Model, mut ctx: Ctx, w: &RefWeights) -> Result<Ctx>
 /// The micro-batch's context without dropout (KTO's policy forward over its mismatched
 /// pairs), and with `w` in place of the adapters when given (the reference).
 pub fn ctx_of(model: &Model, batch: &Batch, w: Option<&RefWeights>) -> Result<Ctx> {
-    let mut ctx = model.ctx(
-        &batch.positions,
-        batch.b,
-        batch.t,
-        batch.segments.clone(),
-        None,
-    )?;
-    ctx.mask.prefix_tree = batch.prefix_tree;
+    let ctx = super::driver::batch_ctx(model, batch, None)?;
     match w {
         Some(w) => reference_ctx(model, ctx, w),
         None => {
