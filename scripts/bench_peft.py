@@ -99,6 +99,18 @@ SHAPES = {
         num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
         vocab_size=151936, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=40960,
         tie_word_embeddings=False, attention_bias=False)),
+    # openai/gpt-oss-20b with bf16 experts (src/model/shapes.rs): 32 experts of width 2880, 4 a
+    # token; sliding (128) and full layers alternating, sinks, YaRN, biases (eager attention:
+    # transformers has no SDPA path with sinks)
+    "gpt-oss-20b": ("gpt_oss", dict(
+        hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+        vocab_size=201088, rope_theta=150000.0,
+        rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                      "original_max_position_embeddings": 4096, "truncate": False},
+        sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 12,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, attention_bias=True,
+        swiglu_limit=7.0, tie_word_embeddings=False)),
 }
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TARGETS = {"qv": ALL[0:3:2], "attn": ALL[:4], "all": ALL}
@@ -108,7 +120,7 @@ TARGETS_FUSED = {"qv": FUSED[:1], "attn": FUSED[:2], "all": FUSED}
 # A MoE's: (target_modules, target_parameters); "all" adds the experts' fused parameters
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 TARGETS_MOE = {"qv": (ALL[0:3:2], []), "attn": (ALL[:4], []), "all": (ALL[:4], EXPERTS)}
-MOE_FAMILIES = {"qwen3_moe"}
+MOE_FAMILIES = {"qwen3_moe", "gpt_oss"}
 
 
 def lora_targets(family, name):
@@ -128,6 +140,7 @@ def family_classes(family):
         "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", "apply_liger_kernel_to_gemma3_text"),
         "phi3": ("Phi3Config", "Phi3ForCausalLM", "apply_liger_kernel_to_phi3"),
         "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "apply_liger_kernel_to_qwen3_moe"),
+        "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", "apply_liger_kernel_to_gpt_oss"),
     }[family]
     return getattr(tf, names[0]), getattr(tf, names[1]), names[2]
 
@@ -148,8 +161,10 @@ def base_linear_params(s):
     router (experts x h) in place of the dense MLP."""
     h, i, layers, q, kv, vocab = dims(s)
     attn = h * q + 2 * h * kv + q * h
-    if "num_experts" in s:
-        mlp = s["num_experts_per_tok"] * 3 * h * s["moe_intermediate_size"] + s["num_experts"] * h
+    experts = s.get("num_experts", s.get("num_local_experts"))  # gpt-oss: num_local_experts
+    if experts:
+        moe_i = s.get("moe_intermediate_size", i)  # gpt-oss: intermediate_size is the expert's
+        mlp = s["num_experts_per_tok"] * 3 * h * moe_i + experts * h
     else:
         mlp = 3 * h * i
     return layers * (attn + mlp) + vocab * h
@@ -239,6 +254,8 @@ def build(a, dev):
         s["num_hidden_layers"] = a.layers
         if family == "gemma3_text":  # keep a global layer among the sliding ones
             s["sliding_window_pattern"] = min(s["sliding_window_pattern"], a.layers)
+        if "layer_types" in s:  # gpt-oss: its alternation, cut to the layers
+            s["layer_types"] = s["layer_types"][: a.layers]
     if moe and a.load_in_4bit:
         raise SystemExit("--load-in-4bit: bitsandbytes does not quantize the experts' 3-D "
                          "parameters; bench a MoE shape without it")

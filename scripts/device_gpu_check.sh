@@ -127,9 +127,15 @@
 # moeq:   issue 68's MoE rows on a small card: Qwen3-30B-A3B QLoRA (NF4 base, routed experts
 #         included), seq 2048, mb1, checkpointed, r16 LoRA on the attention, under --max-memory
 #         24GiB (`bench --quantize nf4`), beside `plan` of the same run at 24 GiB
-#         -> $OUT/moeq.jsonl, $OUT/moeq-plan.json; then the NF4-expert and gpt-oss GPU tests
+#         -> $OUT/moeq.jsonl, $OUT/moeq-plan-<shape>.json; then the NF4-expert and gpt-oss GPU tests
 #         (nf4_experts_on_cuda, golden_on_cuda_f32_and_bf16 with gpt_oss; run `bf16err` with
-#         BF16ERR_CASES=gpt_oss before it). Not in the default set.
+#         BF16ERR_CASES=gpt_oss before it). MOEQ_SHAPES ("shape:targets" words, default
+#         "qwen3-30b-a3b:attn"; gpt-oss-20b:all is its recipe's) picks the rows; MOEQ_TESTS=0 skips
+#         the tests. Not in the default set.
+# hallab: one build against another at the 7B headline (llama2-7b, seq 2048, mb2, r16 all linear,
+#         10 timed steps after 3): .devbuild/lora-train-before(.xz) and .devbuild/lora-train
+#         alternating, ROUNDS (2) rounds -> $OUT/hallab.jsonl (tag: which binary). Issue 62's
+#         "behaviour unchanged" on the device. Not in the default set.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -256,15 +262,33 @@ if [[ $what == *" bf16err "* ]]; then
 fi
 
 if [[ $what == *" moeq "* ]]; then
-  M="--shape qwen3-30b-a3b --seq 2048 --micro-batch 1 --rank 16 --targets attn --ckpt"
-  .devbuild/lora-train plan $M --nf4 --gpu-mem 24GiB --json > "$OUT/moeq-plan.json" 2>&1
-  python3 -c "import json,sys; p=json.load(open(sys.argv[1])); print('plan:', json.dumps(p.get('selected'))[:600])" "$OUT/moeq-plan.json" 2>&1 | tail -2
-  echo "== lora-train qwen3-30b-a3b nf4 under 24GiB"
-  timeout 300 $E .devbuild/lora-train bench $M --quantize nf4 --max-memory 24GiB --steps 6 --warmup 2 \
-    --tag moe-nf4-24gib --json "$OUT/moeq.jsonl" 2>&1 | tail -4
-  env LORA_TRAIN_ROOT=$PWD "CARGO_BIN_EXE_lora-train=$PWD/.devbuild/lora-train" timeout 300 $E .devbuild/it \
+  for row in ${MOEQ_SHAPES:-qwen3-30b-a3b:attn}; do
+    shape=${row%%:*}; targets=${row#*:}
+    M="--shape $shape --seq 2048 --micro-batch 1 --rank 16 --targets $targets --ckpt"
+    .devbuild/lora-train plan $M --nf4 --gpu-mem 24GiB --json > "$OUT/moeq-plan-$shape.json" 2>&1
+    python3 -c "import json,sys; p=json.load(open(sys.argv[1])); print('plan:', json.dumps(p.get('selected'))[:600])" "$OUT/moeq-plan-$shape.json" 2>&1 | tail -2
+    echo "== lora-train $shape nf4 targets $targets under 24GiB"
+    timeout 300 $E .devbuild/lora-train bench $M --quantize nf4 --max-memory 24GiB --steps 6 --warmup 2 \
+      --tag "$shape-nf4-24gib" --json "$OUT/moeq.jsonl" 2>&1 | tail -4 | cut -c1-900
+  done
+  [ "${MOEQ_TESTS:-1}" = 1 ] && env LORA_TRAIN_ROOT=$PWD "CARGO_BIN_EXE_lora-train=$PWD/.devbuild/lora-train" timeout 300 $E .devbuild/it \
     nf4_experts_on_cuda golden_on_cuda_f32_and_bf16 --test-threads 1 2>&1 | tee "$OUT/moeq-tests.log" \
     | grep -E "^test |test result|panicked|failed:|off by|gpt_oss" | head -30
+fi
+
+if [[ $what == *" hallab "* ]]; then
+  ( cd .devbuild && if [ -f lora-train-before.xz ]; then xz -dkf lora-train-before.xz; fi
+    chmod +x lora-train-before 2>/dev/null )
+  H="--shape llama2-7b --seq 2048 --micro-batch 2 --rank 16 --targets all --steps 10 --warmup 3"
+  for round in $(seq "${ROUNDS:-2}"); do
+    for bin in lora-train-before lora-train; do
+      [ -x .devbuild/$bin ] || { echo "hallab: no .devbuild/$bin"; continue; }
+      timeout 150 $E .devbuild/$bin bench $H --tag $bin --json "$OUT/hallab.jsonl" > "$OUT/hallab-$bin.log" 2>&1 \
+        || { echo "hallab: $bin exit $?"; tail -3 "$OUT/hallab-$bin.log"; continue; }
+      tail -1 "$OUT/hallab.jsonl" | python3 -c "import json, sys; d = json.load(sys.stdin); \
+print('round $round, $bin:', d['tokens_per_s'], 'tok/s,', d['peak_alloc_gib'], 'GiB, loss', d['final_loss'], 'host_queue_s', d.get('host_queue_s'))"
+    done
+  done
 fi
 
 if [[ $what == *" tests "* ]]; then

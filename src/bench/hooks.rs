@@ -6,7 +6,7 @@
 use super::rows::micro_batches;
 use super::{workload, BenchArgs};
 use crate::data::Batch;
-use crate::model::Keep;
+use crate::model::{routing_reads, Keep};
 use crate::train::meter::PhaseMeter;
 use crate::train::optim::AdamW;
 use crate::train::run_loop::{self, Hooks, PlannedStep, StepMeta};
@@ -25,6 +25,9 @@ pub(crate) struct Steps {
     /// Seconds starting checkpoints (their host copies), and waiting for the last one's write.
     pub(crate) save_s: f64,
     pub(crate) save_wait_s: f64,
+    /// Seconds the MoE routing's reads waited on the device in the timed steps, and how many
+    /// reads (`model::routing_reads`).
+    pub(crate) route_wait: (f64, u64),
     /// The engine's meter after the timed steps (its run peaks and phase ends).
     pub(crate) meter: PhaseMeter,
 }
@@ -44,6 +47,8 @@ pub(crate) struct BenchHooks<'a> {
     queue_s: f64,
     save_s: f64,
     save_wait_s: f64,
+    /// `model::routing_reads` when the timed steps began.
+    route_reads0: (f64, u64),
     /// The session the eval runs on, while the loop runs.
     session: Option<&'a Session>,
 }
@@ -70,6 +75,7 @@ impl<'a> BenchHooks<'a> {
             queue_s: 0.0,
             save_s: 0.0,
             save_wait_s: 0.0,
+            route_reads0: (0.0, 0),
             session: None,
         })
     }
@@ -99,8 +105,11 @@ impl<'a> BenchHooks<'a> {
         let t1 = Instant::now();
         let res = run_loop::run(&mut engine, &mut opt, &mut rows, (0, total), self);
         self.session = None;
+        let (w1, n1) = routing_reads();
+        let (w0, n0) = self.route_reads0;
         match res {
             Ok(()) => Ok(Steps {
+                route_wait: (w1 - w0, n1.saturating_sub(n0)),
                 clock: std::mem::replace(&mut self.clock, workload::Clock::new(0)),
                 t1,
                 queue_s: self.queue_s,
@@ -139,6 +148,7 @@ impl Hooks for BenchHooks<'_> {
     fn before(&mut self, engine: &mut Engine, step: usize) {
         if step == self.a.warmup {
             engine.meter = PhaseMeter::default();
+            self.route_reads0 = routing_reads();
         }
     }
 

@@ -137,6 +137,11 @@ impl Report<'_> {
         };
         out["park_pending"] = park_pending.into();
         out["host_queue_s"] = ((steps.queue_s / a.steps as f64 * 1e4).round() / 1e4).into();
+        // a MoE's routing reads a step, and the seconds they waited for the device: near
+        // host_queue_s, the device sets the pace; near 0, the host does
+        let (wait, reads) = steps.route_wait;
+        out["route_reads"] = (reads as f64 / a.steps as f64).into();
+        out["route_wait_s"] = ((wait / a.steps as f64 * 1e4).round() / 1e4).into();
         out["save_start_s"] = r3(steps.save_s).into();
         out["save_final_wait_s"] = r3(steps.save_wait_s).into();
         // Each checkpoint's time on the writer thread: a write longer than save_every steps makes

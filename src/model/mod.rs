@@ -43,3 +43,4 @@ pub(crate) use layer::LayerSpec;
 pub(crate) use layer_train::LayerActs;
 pub use layer_train::{LayerGrads, Retain};
 pub use linear::Linear;
+pub use router::routing_reads;

@@ -16,6 +16,18 @@
 
 use super::family::MoeSpec;
 use candle_core::{DType, Result, Tensor, D};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+/// Nanoseconds and count of the routing's reads of the chosen experts, process-wide: each read
+/// waits for the device to finish all the work queued before it (`bench`'s `route_wait_s`).
+static READS: [AtomicU64; 2] = [AtomicU64::new(0), AtomicU64::new(0)];
+
+/// (seconds the routing's reads have waited, how many reads) so far in this process.
+pub fn routing_reads() -> (f64, u64) {
+    let ns = READS[0].load(Ordering::Relaxed);
+    (ns as f64 * 1e-9, READS[1].load(Ordering::Relaxed))
+}
 
 /// One batch's routing through one layer.
 pub(crate) struct Routing {
@@ -75,7 +87,11 @@ pub(crate) fn route(
         }
         (false, false) => probs.gather(&idx, 1)?,
     };
+    let t0 = Instant::now();
     let chosen: Vec<u32> = idx.flatten_all()?.to_vec1()?;
+    let ns = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
+    READS[0].fetch_add(ns, Ordering::Relaxed);
+    READS[1].fetch_add(1, Ordering::Relaxed);
     let (order, counts) = group(&chosen, spec.experts)?;
     let tokens: Vec<u32> = order.iter().map(|&p| p / k as u32).collect();
     let slots = slot_major(&order, m, k);

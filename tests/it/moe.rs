@@ -213,7 +213,7 @@ fn saved_adapter_names_the_experts_as_peft() {
 
 /// `bench --model` on the MoE fixture (C 32, 2 layers, 8 experts of width 24, top 2, r 4):
 /// `--targets all` adapts the attention and both expert parameters, and the FLOP counts take
-/// the 2 experts a token is routed to, not all 8.
+/// the 2 experts a token is routed to, not all 8; the routing's reads are counted a step.
 #[test]
 fn bench_of_a_moe_checkpoint_adapts_the_experts_and_counts_the_routed_ones() {
     let bench = |targets: &str| -> serde_json::Value {
@@ -249,6 +249,9 @@ fn bench_of_a_moe_checkpoint_adapts_the_experts_and_counts_the_routed_ones() {
         losses.iter().all(|l| l.as_f64().unwrap().is_finite()),
         "{all}"
     );
+    // the routing is read once a layer forward and once again in its backward (2 layers)
+    assert_eq!(f(&all, "route_reads"), 4.0, "{all}");
+    assert!(f(&all, "route_wait_s") >= 0.0, "{all}");
     let attn = bench("attn");
     assert_eq!(attn["trainable_params"], 2 * 896);
 }
