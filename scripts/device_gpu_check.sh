@@ -84,6 +84,13 @@
 #         Unsloth's, within UNSLOTH_BUDGET s (450) of the start; the table gives every peer's
 #         ratio. Carry .devbuild/lora-train.xz, .devbuild/bitsandbytes-*.whl, the liger wheel
 #         and .devbuild/unsloth (~25 MB). Not in the default set.
+# ulong:  issue 67's longest-context row: Llama-3-8B shape, micro-batch 1, checkpointed (Unsloth:
+#         "unsloth"), r16 all linear, under an 80 GiB cap (ULONG_CAP), NF4 base (ULONG_Q: "nf4",
+#         "bf16" or both), one step at each of ULONG_T (65536 131072): ours and Unsloth (on a
+#         saved random checkpoint, as the unsloth mode) -> $OUT/ulong.jsonl, $OUT/ulong.txt (each
+#         system's peaks, its GiB per 1M tokens and the T at which it meets the cap), within
+#         ULONG_BUDGET s (540). Carry .devbuild/lora-train.xz, the bitsandbytes wheel and
+#         .devbuild/unsloth. Not in the default set.
 # ab:     ours alone, the mb2 all-linear 7B bench in each of AB's ";"-separated variants (each:
 #         VAR=value assignments and bench flags, e.g. "LORA_TRAIN_EXPERIMENTS=reduce_ahead" or
 #         "--deterministic"; "default": neither), ROUNDS rounds (default 2) alternated (default
@@ -132,6 +139,12 @@
 #         BF16ERR_CASES=gpt_oss before it). MOEQ_SHAPES ("shape:targets" words, default
 #         "qwen3-30b-a3b:attn"; gpt-oss-20b:all is its recipe's) picks the rows; MOEQ_TESTS=0 skips
 #         the tests. Not in the default set.
+# moeprof: where a MoE step's time goes (issue 68's MFU): ours' bench of MOEPROF_SHAPE
+#         (qwen3-30b-a3b), seq 2048, mb2, r16 all linear + experts, checkpointed: its
+#         host_queue_s, route_reads and route_wait_s (the seconds a step the host waited on the
+#         routing's reads: near host_queue_s the device sets the pace) -> $OUT/moeprof.jsonl;
+#         then, where nsys is installed, 3 steps under `nsys profile --trace cuda` and its CUDA
+#         API, kernel and memcpy sums -> $OUT/moeprof_*.csv. Not in the default set.
 # hallab: one build against another at the 7B headline (llama2-7b, seq 2048, mb2, r16 all linear,
 #         10 timed steps after 3): .devbuild/lora-train-before(.xz) and .devbuild/lora-train
 #         alternating, ROUNDS (2) rounds -> $OUT/hallab.jsonl (tag: which binary). Issue 62's
@@ -289,6 +302,28 @@ if [[ $what == *" hallab "* ]]; then
 print('round $round, $bin:', d['tokens_per_s'], 'tok/s,', d['peak_alloc_gib'], 'GiB, loss', d['final_loss'], 'host_queue_s', d.get('host_queue_s'))"
     done
   done
+fi
+
+# moeprof: see the header.
+if [[ $what == *" moeprof "* ]]; then
+  MP="--shape ${MOEPROF_SHAPE:-qwen3-30b-a3b} --seq 2048 --micro-batch 2 --rank 16 --targets all --ckpt"
+  echo "== lora-train bench $MP"
+  timeout 200 $E .devbuild/lora-train bench $MP --steps 6 --warmup 2 --tag moeprof --json "$OUT/moeprof.jsonl" \
+    > "$OUT/moeprof-bench.log" 2>&1
+  tail -1 "$OUT/moeprof.jsonl" | python3 -c "import json, sys; d = json.load(sys.stdin); \
+print({k: d.get(k) for k in ['tokens_per_s', 'step_s', 'host_queue_s', 'route_reads', 'route_wait_s', 'mfu', 'peak_alloc_gib']})"
+  NSYS=$(command -v nsys || ls /usr/local/cuda*/bin/nsys /opt/nvidia/nsight-systems*/*/bin/nsys /opt/nvidia/nsight-systems*/bin/nsys 2>/dev/null | head -1)
+  if [ -n "$NSYS" ]; then
+    timeout 300 $E "$NSYS" profile --trace cuda --sample none --cpuctxsw none --force-overwrite true -o /tmp/moeprof \
+      .devbuild/lora-train bench $MP --steps 3 --warmup 1 > "$OUT/moeprof-nsys.log" 2>&1
+    echo "nsys exit $?"
+    "$NSYS" stats --force-export true --report cuda_api_sum --report cuda_gpu_kern_sum --report cuda_gpu_mem_time_sum \
+      --format csv --output "$OUT/moeprof" /tmp/moeprof.nsys-rep > /dev/null 2>&1
+    ls "$OUT"/moeprof_* 2>/dev/null
+    for f in "$OUT"/moeprof_*.csv; do echo "-- $f"; head -16 "$f" | cut -c1-220; done
+  else
+    echo "moeprof: no nsys on this machine"
+  fi
 fi
 
 if [[ $what == *" tests "* ]]; then
@@ -680,17 +715,22 @@ fi
 # after its checkpoint is made (nothing else on the GPU meanwhile), within UNSLOTH_BUDGET seconds
 # of the mode's start (default 450) so that the call ends inside its 10 minutes whatever Unsloth
 # does; bench_unsloth.py exits 3 when `import unsloth` fails, and later rows skip it.
-if [[ $what == *" unsloth "* ]]; then
-  deadline=$(( $(date +%s) + ${UNSLOTH_BUDGET:-450} ))
-  U=/tmp/unsloth-site
-  bwhl=$(ls .devbuild/bitsandbytes-*.whl 2>/dev/null | head -1)
+# Unsloth and bitsandbytes from .devbuild into $U (unsloth and ulong); uok=0 when they are not
+U=/tmp/unsloth-site
+unsloth_site() {
   uok=1
+  local bwhl; bwhl=$(ls .devbuild/bitsandbytes-*.whl 2>/dev/null | head -1)
   if ls .devbuild/unsloth/*.whl > /dev/null 2>&1; then
     python3 -m pip install --no-deps --no-index --target $U .devbuild/unsloth/*.whl $bwhl \
       > "$OUT/unsloth-install.log" 2>&1 || { echo "unsloth wheels: install failed"; tail -5 "$OUT/unsloth-install.log"; uok=0; }
   else
     echo "unsloth: no wheels in .devbuild/unsloth (scripts/fetch-wheels.sh unsloth)"; uok=0
   fi
+}
+
+if [[ $what == *" unsloth "* ]]; then
+  deadline=$(( $(date +%s) + ${UNSLOTH_BUDGET:-450} ))
+  unsloth_site
   P="--seq 2048 --rank 16 --targets all --steps 10 --warmup 3"
   # row -> shape, ours' flags, the peers' flags (bench_peft.py and bench_unsloth.py take the same)
   urow() {
@@ -785,6 +825,60 @@ fi
 #         "16384 32768 65536") under the same cap (set_per_process_memory_fraction)
 #         -> $OUT/longctx.jsonl. LONG_EXTRA adds bench flags (e.g. "--quantize nf4"),
 #         PEFT_EXTRA the peer's (e.g. "--load-in-4bit"). Not in the default set.
+# ulong: see the header. Each T: ours, then Unsloth, one step each (no warm-up), so that a row
+# is a peak at one length; the summary fits each system's peaks to a + b·T and gives the T at
+# which the line meets the cap (ULONG_CAP GiB, default 80): the longest context its memory
+# allows, where the one-step runs cannot reach it in a call.
+if [[ $what == *" ulong "* ]]; then
+  deadline=$(( $(date +%s) + ${ULONG_BUDGET:-540} ))
+  unsloth_site
+  C=/tmp/unsloth-ckpt/llama3-8b
+  if [ $uok = 1 ] && [ ! -f $C/tokenizer_config.json ]; then
+    timeout 150 python3 scripts/make_random_checkpoint.py $C llama3-8b --seq 2048 --rows 0 --tokenizer 2>&1 | tail -1
+  fi
+  cap=${ULONG_CAP:-80}
+  for q in ${ULONG_Q:-nf4}; do
+    of=""; tf=""; [ $q = nf4 ] && of="--quantize nf4" && tf="--load-in-4bit"
+    for t in ${ULONG_T:-65536 131072}; do
+      left=$(( deadline - $(date +%s) )); [ $left -gt 240 ] && left=240
+      [ $left -lt 30 ] && { echo "ulong: out of budget before ours $q T=$t"; break; }
+      echo "== lora-train llama3-8b $q T=$t (at most $left s)"
+      timeout $left $E .devbuild/lora-train bench --shape llama3-8b --micro-batch 1 --rank 16 --targets all \
+        --ckpt --max-memory ${cap}GiB --seq $t --steps 1 --warmup 0 $of --tag "ulong-$q-$t" \
+        --json "$OUT/ulong.jsonl" 2>&1 | tail -1 | cut -c1-300
+      [ $uok = 1 ] || continue
+      left=$(( deadline - $(date +%s) )); [ $left -gt 300 ] && left=300
+      [ $left -lt 30 ] && { echo "ulong: out of budget before Unsloth $q T=$t"; break; }
+      echo "== unsloth llama3-8b $q T=$t (at most $left s)"
+      PYTHONPATH=$U:${PYTHONPATH:-} timeout $left python3 scripts/bench_unsloth.py --shape llama3-8b --model $C \
+        --seq $t --batch 1 --rank 16 --targets all --ckpt --max-memory ${cap}GiB --steps 1 --warmup 0 $tf \
+        --tag "ulong-$q-$t" --json "$OUT/ulong.jsonl" > "$OUT/ulong-$q-$t.log" 2>&1
+      rc=$?; echo "   (exit $rc)"; [ $rc = 0 ] || tail -4 "$OUT/ulong-$q-$t.log" | cut -c1-300
+      [ $rc = 3 ] && uok=0
+    done
+  done
+  rm -rf /tmp/unsloth-ckpt
+  [ -s "$OUT/ulong.jsonl" ] && python3 - "$OUT/ulong.jsonl" "$cap" <<'PY' | tee "$OUT/ulong.txt"
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+cap = float(sys.argv[2])
+groups = {}
+for r in rows:
+    if r.get("peak_alloc_gib"):
+        q = r["tag"].split("-")[1]
+        sysname = "ours" if r.get("system") == "lora-train" else "unsloth"
+        groups.setdefault((q, sysname), []).append((r["seq"], r["peak_alloc_gib"], r.get("step_s")))
+for (q, name), pts in sorted(groups.items()):
+    pts.sort()
+    line = f"{q} {name}: " + ", ".join(f"T={t}: {g} GiB, {s} s" for t, g, s in pts)
+    if len(pts) >= 2:
+        (t0, g0, _), (t1, g1, _) = pts[0], pts[-1]
+        b = (g1 - g0) / (t1 - t0)
+        line += f" | {b * 1024 * 1024:.2f} GiB per 1M tokens, at {cap:.0f} GiB: T = {(cap - g0) / b + t0:,.0f}"
+    print(line)
+PY
+fi
+
 if [[ $what == *" longctx "* ]]; then
   L="--shape llama3-8b --micro-batch 1 --rank 16 --targets all --ckpt --max-memory 80GiB"
   for t in ${LONG_T-32768 131072 262144}; do

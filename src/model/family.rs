@@ -85,28 +85,24 @@ impl Family {
     }
 }
 
+/// The recipe's module names (`recipe::KNOWN_LINEAR`), the one list each family's is cut from.
+const K: [&str; 11] = crate::recipe::KNOWN_LINEAR;
+
 /// The seven linear modules of a Llama-family decoder layer, in checkpoint order.
-pub const ALL_LINEAR: [&str; 7] = [
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-];
+pub const ALL_LINEAR: [&str; 7] = [K[0], K[1], K[2], K[3], K[4], K[5], K[6]];
 
 /// A MoE's fused expert parameters LoRA can adapt, as PEFT's `target_parameters` names them:
 /// gate_up_proj [E, 2I, C] and down_proj [E, C, I] of `model.layers.N.mlp.experts`. PEFT gives
 /// each one adapter over all experts, A [E·r, in] (expert e's rows e·r..) and B [out, r·E]
 /// (expert e's columns e, E + e, ..); model/layer_moe.rs.
-pub const EXPERT_PARAMS: [&str; 2] = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"];
+pub const EXPERT_PARAMS: [&str; 2] = [K[9], K[10]];
 
-/// Phi-3's linears: q, k, v in one projection, gate and up in another (PEFT's names).
-pub(crate) const FUSED_LINEAR: [&str; 4] = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"];
+/// Phi-3's linears: q, k, v in one projection (qkv_proj), gate and up in another
+/// (gate_up_proj), as PEFT names them; then o_proj and down_proj.
+pub(crate) const FUSED_LINEAR: [&str; 4] = [K[7], K[3], K[8], K[6]];
 
 /// Qwen3-MoE's and gpt-oss's linears: the attention's (its MLP is the experts and the router).
-pub(crate) const ATTN_LINEAR: [&str; 4] = ["q_proj", "k_proj", "v_proj", "o_proj"];
+pub(crate) const ATTN_LINEAR: [&str; 4] = [K[0], K[1], K[2], K[3]];
 
 /// A sparse MLP's shape and routing (config.json's num_experts or num_local_experts,
 /// num_experts_per_tok, moe_intermediate_size, norm_topk_prob; gpt-oss's swiglu_limit).
@@ -233,5 +229,33 @@ impl Arch {
                 ..base
             },
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{ALL_LINEAR, ATTN_LINEAR, EXPERT_PARAMS, FUSED_LINEAR};
+
+    /// The families' lists cut from the recipe's names are the checkpoints' names, in the
+    /// checkpoints' order (a reordered `KNOWN_LINEAR` would change them).
+    #[test]
+    fn each_familys_linears_are_its_checkpoints_names_in_order() {
+        let llama = [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+        ];
+        assert_eq!(ALL_LINEAR[..6], llama);
+        assert_eq!(ALL_LINEAR[6], "down_proj");
+        assert_eq!(ATTN_LINEAR, llama[..4]);
+        assert_eq!(
+            FUSED_LINEAR,
+            ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+        );
+        let experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"];
+        assert_eq!(EXPERT_PARAMS, experts);
     }
 }
