@@ -233,6 +233,7 @@ fn moe(cfg: &ModelConfig, m: MoeSpec, l: usize, get: Get) -> anyhow::Result<Moe>
         gate_up_lora: None,
         down_lora: None,
         nf4: None,
+        layer: l,
     })
 }
 

@@ -46,6 +46,9 @@ pub struct Ctx {
     /// The routers' load-balancing loss of this micro-batch (model/moe_aux.rs): None when off
     /// (`Model::router_aux_coef` 0, or no MoE layer), and outside training.
     pub(crate) moe_aux: Option<super::moe_aux::MoeAux>,
+    /// Each MoE layer's routing from its forward to its backward (model/router.rs): None
+    /// outside training (no backward takes it).
+    pub(crate) moe_routes: Option<super::router::RouteStore>,
 }
 
 impl Ctx {
@@ -500,6 +503,7 @@ impl Model {
             kernels: self.kernels,
             mlp_chunk: self.mlp_chunk,
             moe_aux: None,
+            moe_routes: None,
         })
     }
 

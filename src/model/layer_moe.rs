@@ -15,9 +15,10 @@
 //! scaled by their weights, are summed back onto their tokens (ops/moe_rows.rs: a gather and
 //! a weighted sum over each token's k rows; no per-token loop).
 //!
-//! Training keeps only h (`LayerActs::h`): the backward recomputes the routing and the
-//! experts' forward from it just before their backward, so no [m·k, I] activation lives
-//! across layers (the FLOPs of one more MLP forward).
+//! Training keeps only h (`LayerActs::h`) and the forward's grouping of the routed rows
+//! (`Ctx::moe_routes`): the backward recomputes the router's probabilities and the experts'
+//! forward from h just before their backward, so no [m·k, I] activation lives across layers
+//! (the FLOPs of one more MLP forward), and reads no routing from the device.
 //!
 //! gpt-oss's experts (`spec.oss`) differ in three ways: gate and up interleave in gate_up's
 //! rows (gate = the even ones, so it is one GEMM, split after), each projection adds its
@@ -32,7 +33,7 @@ use super::decoder::Ctx;
 use super::family::MoeSpec;
 use super::layer::Layer;
 use super::layer_train::LayerGrads;
-use super::router::{route, route_bwd, Routing};
+use super::router::{route, route_bwd, Grouping, Routing};
 use crate::ops::grouped_mm::{grouped_linear, grouped_tn};
 use crate::ops::oss_glu::{deinterleave, interleave, oss_glu, oss_glu_bwd};
 use crate::ops::{self, glu::Act, moe_rows};
@@ -67,6 +68,9 @@ pub(crate) struct Moe {
     pub(crate) down_lora: Option<ExpertLora>,
     /// The experts in NF4 (`Moe::quantize`); None: `gate_up` and `down` hold them.
     pub(crate) nf4: Option<Arc<ExpertsNf4>>,
+    /// Its decoder layer's index: the key of its routing kept from forward to backward
+    /// (`Ctx::moe_routes`).
+    pub(crate) layer: usize,
 }
 
 /// gpt-oss's router and expert biases (frozen).
@@ -441,7 +445,7 @@ impl Moe {
     /// (training's forward, whose backward is `backward`) nothing is recorded.
     pub(crate) fn forward_routed(&self, hn: &Tensor, graph: bool) -> Result<(Tensor, Routing)> {
         let (dt, experts) = (hn.dtype(), self.spec.experts);
-        let r = route(hn, &self.router, self.router_bias(), self.spec)?;
+        let r = route(hn, &self.router, self.router_bias(), self.spec, None)?;
         let gu_ad = PerExpert::of(&self.gate_up_lora, experts, dt, graph)?;
         let down_ad = PerExpert::of(&self.down_lora, experts, dt, graph)?;
         let ads = (gu_ad.as_ref(), down_ad.as_ref());
@@ -459,17 +463,19 @@ impl Moe {
 
     /// The backward of `forward` for g = dL/d(its output) [m, C]: dL/dhn [m, C], through the
     /// experts and the router; the experts' adapter gradients into `grads`. `aux` is the
-    /// load-balancing loss's gradient on the router's probabilities ([m, E] or [1, E] f32).
+    /// load-balancing loss's gradient on the router's probabilities ([m, E] or [1, E] f32);
+    /// `kept`, the forward's grouping of the same hn (None: routed again, a read of the
+    /// device).
     pub(crate) fn backward(
         &self,
         hn: &Tensor,
         g: &Tensor,
-        aux: Option<&Tensor>,
+        (aux, kept): (Option<&Tensor>, Option<Grouping>),
         grads: &mut LayerGrads,
     ) -> Result<Tensor> {
         let (dt, experts) = (hn.dtype(), self.spec.experts);
         let (m, k) = (hn.dim(0)?, self.spec.top_k);
-        let r = route(hn, &self.router, self.router_bias(), self.spec)?;
+        let r = route(hn, &self.router, self.router_bias(), self.spec, kept)?;
         let gu_ad = PerExpert::of(&self.gate_up_lora, experts, dt, false)?;
         let down_ad = PerExpert::of(&self.down_lora, experts, dt, false)?;
         let ads = (gu_ad.as_ref(), down_ad.as_ref());
@@ -536,6 +542,9 @@ impl Layer {
                 if let Some(aux) = &ctx.moe_aux {
                     aux.record(&routing)?;
                 }
+                if let Some(store) = &ctx.moe_routes {
+                    store.keep(moe.layer, routing.grouping());
+                }
                 Some(ops::add(&h, &m)?)
             }
             false => None,
@@ -560,7 +569,8 @@ impl Layer {
             Some(a) => a.grad()?,
             None => None,
         };
-        let dhn = moe.backward(&hn, dy, aux.as_ref(), grads)?;
+        let kept = ctx.moe_routes.as_ref().and_then(|s| s.take(moe.layer));
+        let dhn = moe.backward(&hn, dy, (aux.as_ref(), kept), grads)?;
         drop(hn);
         ops::rms_norm_bwd_add(h, &self.post_norm, s.norm, &dhn, dy)
     }

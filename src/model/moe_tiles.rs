@@ -267,6 +267,7 @@ mod tests {
             gate_up_lora: lora(c, 2 * i, 4),
             down_lora: lora(i, c, 5),
             nf4: None,
+            layer: 0,
             biases: oss.then(|| OssBiases {
                 router: rnd(&[e], 6),
                 gate_up: (rnd(&[e, 2 * i], 7) * 20.0).unwrap(),

@@ -12,11 +12,18 @@
 //! not by index_add (candle's CUDA index_add walks all m·k rows in turn, one thread per
 //! column: a serial loop of 32768 steps at 4096 tokens and top 8).
 //!
+//! The copy waits for every kernel queued before it: the device idles until the host has
+//! grouped, uploaded and queued the experts' work. A layer's forward therefore keeps its
+//! grouping (`RouteStore`, 16·k bytes a token) for its backward, which recomputes the
+//! probabilities on the device and reads nothing: one read a layer a step, not two.
+//!
 //! Shapes: m tokens, C hidden, E experts, k experts per token.
 
 use super::family::MoeSpec;
 use candle_core::{DType, Result, Tensor, D};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
 use std::time::Instant;
 
 /// Nanoseconds and count of the routing's reads of the chosen experts, process-wide: each read
@@ -51,13 +58,54 @@ pub(crate) struct Routing {
     pub(crate) topk_softmax: bool,
 }
 
+/// What the host's read of the chosen experts makes of them: the grouping by expert, the
+/// routing's only data-dependent sizes. A layer's forward keeps it for its backward
+/// (`RouteStore`), so the backward's routing reads nothing from the device.
+#[derive(Clone)]
+pub(crate) struct Grouping {
+    /// [m, k] u32 (`Routing::idx`)
+    idx: Tensor,
+    /// [m·k] u32 each (`Routing`'s fields of the same names)
+    order: Tensor,
+    tokens: Tensor,
+    slots: Tensor,
+    counts: Vec<usize>,
+}
+
+impl Grouping {
+    /// Bytes it holds on the device: four [m·k] u32 tensors.
+    pub(crate) fn bytes_per_token(top_k: usize) -> u64 {
+        16 * top_k as u64
+    }
+}
+
+/// Each MoE layer's grouping, from its forward to its backward, in one micro-batch's `Ctx`.
+#[derive(Default)]
+pub(crate) struct RouteStore(Mutex<HashMap<usize, Grouping>>);
+
+impl RouteStore {
+    /// Keeps layer `layer`'s grouping (a later forward of it replaces it).
+    pub(crate) fn keep(&self, layer: usize, g: Grouping) {
+        if let Ok(mut m) = self.0.lock() {
+            m.insert(layer, g);
+        }
+    }
+
+    /// Layer `layer`'s kept grouping, taken out (None: route afresh).
+    pub(crate) fn take(&self, layer: usize) -> Option<Grouping> {
+        self.0.lock().ok().and_then(|mut m| m.remove(&layer))
+    }
+}
+
 /// Routes hn [m, C] with the router's W [E, C] and bias [E] (gpt-oss). Differentiable in hn
-/// (the reference forward's autograd graph; the indices carry no gradient).
+/// (the reference forward's autograd graph; the indices carry no gradient). With `kept` (the
+/// same hn's grouping, from the layer's forward) the device is not read.
 pub(crate) fn route(
     hn: &Tensor,
     w: &Tensor,
     bias: Option<&Tensor>,
     spec: MoeSpec,
+    kept: Option<Grouping>,
 ) -> Result<Routing> {
     let (m, k) = (hn.dim(0)?, spec.top_k);
     let logits = hn.matmul(&w.t()?)?; // [m, E]
@@ -68,25 +116,61 @@ pub(crate) fn route(
     .to_dtype(DType::F32)?;
     let probs = candle_nn::ops::softmax(&logits, D::Minus1)?;
     let topk_softmax = spec.oss.is_some();
-    // the top k, by descending logit (gpt-oss) or probability (ties, measure zero on real
-    // inputs, either way)
-    let by = match topk_softmax {
-        true => &logits,
-        false => &probs,
+    let g = match kept {
+        Some(g) => g,
+        None => {
+            // the top k, by descending logit (gpt-oss) or probability (ties, measure zero on
+            // real inputs, either way)
+            let by = match topk_softmax {
+                true => &logits,
+                false => &probs,
+            };
+            let idx = by
+                .detach()
+                .arg_sort_last_dim(false)?
+                .narrow(1, 0, k)?
+                .contiguous()?; // [m, k]
+            grouping(idx, m, spec)?
+        }
     };
-    let idx = by
-        .detach()
-        .arg_sort_last_dim(false)?
-        .narrow(1, 0, k)?
-        .contiguous()?; // [m, k]
+    let idx = &g.idx;
     let weights = match (topk_softmax, spec.norm_topk) {
-        (true, _) => candle_nn::ops::softmax(&logits.gather(&idx, 1)?, D::Minus1)?,
+        (true, _) => candle_nn::ops::softmax(&logits.gather(idx, 1)?, D::Minus1)?,
         (false, true) => {
-            let top = probs.gather(&idx, 1)?; // [m, k]
+            let top = probs.gather(idx, 1)?; // [m, k]
             top.broadcast_div(&top.sum_keepdim(1)?)?
         }
-        (false, false) => probs.gather(&idx, 1)?,
+        (false, false) => probs.gather(idx, 1)?,
     };
+    Ok(Routing {
+        probs,
+        idx: g.idx,
+        weights,
+        order: g.order,
+        tokens: g.tokens,
+        slots: g.slots,
+        counts: g.counts,
+        topk_softmax,
+    })
+}
+
+impl Routing {
+    /// Its grouping, to keep for the layer's backward (handles: no copy).
+    pub(crate) fn grouping(&self) -> Grouping {
+        Grouping {
+            idx: self.idx.clone(),
+            order: self.order.clone(),
+            tokens: self.tokens.clone(),
+            slots: self.slots.clone(),
+            counts: self.counts.clone(),
+        }
+    }
+}
+
+/// The chosen experts idx [m, k] grouped on the host: one read of the device (which waits
+/// for all the work queued before it), then the grouping's three uploads.
+fn grouping(idx: Tensor, m: usize, spec: MoeSpec) -> Result<Grouping> {
+    let k = spec.top_k;
     let t0 = Instant::now();
     let chosen: Vec<u32> = idx.flatten_all()?.to_vec1()?;
     let ns = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
@@ -95,17 +179,14 @@ pub(crate) fn route(
     let (order, counts) = group(&chosen, spec.experts)?;
     let tokens: Vec<u32> = order.iter().map(|&p| p / k as u32).collect();
     let slots = slot_major(&order, m, k);
-    let dev = hn.device();
+    let dev = idx.device().clone();
     debug_assert_eq!(order.len(), m * k);
-    Ok(Routing {
-        probs,
+    Ok(Grouping {
         idx,
-        weights,
-        order: Tensor::from_vec(order, m * k, dev)?,
-        tokens: Tensor::from_vec(tokens, m * k, dev)?,
-        slots: Tensor::from_vec(slots, m * k, dev)?,
+        order: Tensor::from_vec(order, m * k, &dev)?,
+        tokens: Tensor::from_vec(tokens, m * k, &dev)?,
+        slots: Tensor::from_vec(slots, m * k, &dev)?,
         counts,
-        topk_softmax,
     })
 }
 
@@ -189,6 +270,48 @@ pub(crate) fn route_bwd(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::family::OssMoe;
+    use candle_core::Device;
+
+    /// A kept grouping gives the routing a fresh read gives (Qwen3-MoE's and gpt-oss's
+    /// routers); that the backward takes it, not a read: tests/it/moe.rs's route_reads.
+    #[test]
+    fn a_kept_grouping_routes_as_a_fresh_read() {
+        let dev = Device::Cpu;
+        let (m, c, e) = (6, 8, 5);
+        let hn = Tensor::randn(0f32, 1.0, (m, c), &dev).unwrap();
+        let w = Tensor::randn(0f32, 1.0, (e, c), &dev).unwrap();
+        let b = Tensor::randn(0f32, 1.0, e, &dev).unwrap();
+        for oss in [false, true] {
+            let spec = MoeSpec {
+                experts: e,
+                top_k: 2,
+                inter: 4,
+                norm_topk: !oss,
+                oss: oss.then_some(OssMoe {
+                    alpha: 1.702,
+                    limit: 7.0,
+                }),
+            };
+            let bias = oss.then_some(&b);
+            let fresh = route(&hn, &w, bias, spec, None).unwrap();
+            let kept = route(&hn, &w, bias, spec, Some(fresh.grouping())).unwrap();
+            let v = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let u = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<u32>().unwrap();
+            assert_eq!(v(&kept.weights), v(&fresh.weights));
+            assert_eq!(v(&kept.probs), v(&fresh.probs));
+            for (a, b) in [
+                (&kept.idx, &fresh.idx),
+                (&kept.order, &fresh.order),
+                (&kept.tokens, &fresh.tokens),
+                (&kept.slots, &fresh.slots),
+            ] {
+                assert_eq!(u(a), u(b));
+            }
+            assert_eq!(kept.counts, fresh.counts);
+            assert_eq!(kept.counts.iter().sum::<usize>(), m * 2);
+        }
+    }
 
     #[test]
     fn groups_positions_by_expert() {

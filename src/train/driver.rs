@@ -31,6 +31,7 @@ use super::offload::Offload;
 use super::optim::Grads;
 use crate::data::Batch;
 use crate::model::moe_aux::MoeAux;
+use crate::model::router::RouteStore;
 use crate::model::{Ctx, Keep, Layer, LayerActs, LayerGrads, Model, Retain};
 use crate::ops::pool;
 use crate::train::shards::Shards;
@@ -231,6 +232,10 @@ pub fn forward_backward_dev(
     if let Some(s) = par.shards {
         // FSDP: the folded linears' B's go into the shards, to arrive with each gather.
         ctx.folded = s.write_pads(model)?;
+    }
+    if model.cfg.arch.moe.is_some() {
+        // the forward's routing of each MoE layer, for its backward: no second read
+        ctx.moe_routes = Some(RouteStore::default());
     }
     if model.router_aux_coef > 0.0 && model.cfg.arch.moe.is_some() {
         // this micro-batch's share of the step's loss: its counted tokens over the step's

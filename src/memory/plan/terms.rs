@@ -485,12 +485,17 @@ pub(super) fn activations(
     };
     let park_pending = mlp_parked.min(park as u64);
     let mlp_pending = park_pending * pair;
-    let kept = match (ckpt, parked) {
-        (Checkpointing::Full, true) => 3 * boundary,
-        (Checkpointing::Full, false) => (l + 1) * boundary,
-        (Checkpointing::Mlp, _) => l * attn_act + mlp_parked * (mlp_act - pair),
-        (Checkpointing::Off, _) => l * layer_act,
-    };
+    // each MoE layer's routing, kept from its forward to its backward, on the device
+    let routes = cfg.arch.moe.map_or(0, |m| {
+        l * n * crate::model::router::Grouping::bytes_per_token(m.top_k)
+    });
+    let kept = routes
+        + match (ckpt, parked) {
+            (Checkpointing::Full, true) => 3 * boundary,
+            (Checkpointing::Full, false) => (l + 1) * boundary,
+            (Checkpointing::Mlp, _) => l * attn_act + mlp_parked * (mlp_act - pair),
+            (Checkpointing::Off, _) => l * layer_act,
+        };
     // Backward's residuals: the recomputed layer's (checkpointing), or, offloaded, the
     // layer's own, back from the host, and the next one on its way back; both alive through
     // the MLP's backward, where a recomputed residual does not exist yet.
