@@ -140,7 +140,8 @@
 #         "qwen3-30b-a3b:attn"; gpt-oss-20b:all is its recipe's) picks the rows; MOEQ_TESTS=0 skips
 #         the tests. Not in the default set.
 # moeprof: where a MoE step's time goes (issue 68's MFU): ours' bench of MOEPROF_SHAPE
-#         (qwen3-30b-a3b), seq 2048, mb2, r16 all linear + experts, checkpointed: its
+#         (qwen3-30b-a3b), seq 2048, mb2, r16 all linear + experts, checkpointed, with each
+#         binary of MOEPROF_BINS in turn (default "lora-train"; .devbuild/<name>[.xz]): its
 #         host_queue_s, route_reads and route_wait_s (the seconds a step the host waited on the
 #         routing's reads: near host_queue_s the device sets the pace) -> $OUT/moeprof.jsonl;
 #         then, where nsys is installed, 3 steps under `nsys profile --trace cuda` and its CUDA
@@ -307,11 +308,15 @@ fi
 # moeprof: see the header.
 if [[ $what == *" moeprof "* ]]; then
   MP="--shape ${MOEPROF_SHAPE:-qwen3-30b-a3b} --seq 2048 --micro-batch 2 --rank 16 --targets all --ckpt"
-  echo "== lora-train bench $MP"
-  timeout 200 $E .devbuild/lora-train bench $MP --steps 6 --warmup 2 --tag moeprof --json "$OUT/moeprof.jsonl" \
-    > "$OUT/moeprof-bench.log" 2>&1
-  tail -1 "$OUT/moeprof.jsonl" | python3 -c "import json, sys; d = json.load(sys.stdin); \
-print({k: d.get(k) for k in ['tokens_per_s', 'step_s', 'host_queue_s', 'route_reads', 'route_wait_s', 'mfu', 'peak_alloc_gib']})"
+  for bin in ${MOEPROF_BINS:-lora-train}; do
+    ( cd .devbuild && if [ -f $bin.xz ] && [ ! -f $bin ]; then xz -dk $bin.xz; fi; chmod +x $bin 2>/dev/null )
+    [ -x .devbuild/$bin ] || { echo "moeprof: no .devbuild/$bin"; continue; }
+    echo "== $bin bench $MP"
+    timeout 200 $E .devbuild/$bin bench $MP --steps 6 --warmup 2 --tag $bin --json "$OUT/moeprof.jsonl" \
+      > "$OUT/moeprof-$bin.log" 2>&1 || { echo "exit $?"; tail -3 "$OUT/moeprof-$bin.log"; continue; }
+    tail -1 "$OUT/moeprof.jsonl" | python3 -c "import json, sys; d = json.load(sys.stdin); \
+print({k: d.get(k) for k in ['tag', 'tokens_per_s', 'step_s', 'host_queue_s', 'route_reads', 'route_wait_s', 'mfu', 'peak_alloc_gib', 'final_loss']})"
+  done
   NSYS=$(command -v nsys || ls /usr/local/cuda*/bin/nsys /opt/nvidia/nsight-systems*/*/bin/nsys /opt/nvidia/nsight-systems*/bin/nsys 2>/dev/null | head -1)
   if [ -n "$NSYS" ]; then
     timeout 300 $E "$NSYS" profile --trace cuda --sample none --cpuctxsw none --force-overwrite true -o /tmp/moeprof \
