@@ -18,7 +18,8 @@ use super::AttnMask;
 use candle_core::{Result, Tensor};
 
 /// q [B, H, T, D], k, v [B, K, T, D] → (O as token-major rows [B·T, H·D], L [B, H, T] f32), on
-/// the tensor-core kernels `kernels` names (`Kernels::attention`; `Blockwise` is an error).
+/// the tensor-core kernels `kernels` names (`Kernels::attention`; `Blockwise` is an error);
+/// with `mask.sinks`, (O', L') as `attention::apply_sinks` makes them.
 pub fn flash_fwd(
     q: &Tensor,
     k: &Tensor,
@@ -29,7 +30,12 @@ pub fn flash_fwd(
 ) -> Result<(Tensor, Tensor)> {
     #[cfg(feature = "cuda")]
     {
-        imp::fwd(q, k, v, mask, scale, kernels)
+        let (o, lse) = imp::fwd(q, k, v, mask, scale, kernels)?;
+        // gpt-oss's sinks: (O', L') from the plain pass's, which the backward takes as they are
+        match &mask.sinks {
+            Some(s) => super::attention::apply_sinks_rows(&o, &lse, s),
+            None => Ok((o, lse)),
+        }
     }
     #[cfg(not(feature = "cuda"))]
     {
@@ -394,12 +400,6 @@ mod imp {
 
     fn base(q: &Tensor, k: &Tensor, v: &Tensor, mask: &AttnMask, scale: f64) -> Result<FlashP> {
         let (b, h, kh, t, _) = check_shapes(q, k, v)?;
-        if mask.sinks.is_some() {
-            candle_core::bail!(
-                "flash attention: attention sinks (gpt-oss) are not in the tensor-core kernels; \
-                 the blockwise pass takes them (ops::kernels chooses it for such a model)"
-            );
-        }
         // One thread block per (tile, batch·head): the grid's y side holds at most 65535.
         if b * h > 65535 {
             candle_core::bail!(

@@ -35,10 +35,9 @@ pub(crate) const EXPERIMENTS: [&str; 3] = ["reduce_ahead", "peer_copy", "decode_
 pub struct AttnShape {
     /// D: the width of each attention head.
     pub head_dim: usize,
-    /// The scores are soft-capped (Gemma 2's attn_logit_softcapping).
+    /// The scores are soft-capped (Gemma 2's attn_logit_softcapping). (gpt-oss's sinks need
+    /// no kernel of their own: they rescale any pass's O and L, `ops::attention::apply_sinks`.)
     pub softcap: bool,
-    /// Attention sinks (gpt-oss): not in the tensor-core kernels, so the blockwise pass runs.
-    pub sinks: bool,
 }
 
 impl From<usize> for AttnShape {
@@ -47,7 +46,6 @@ impl From<usize> for AttnShape {
         AttnShape {
             head_dim,
             softcap: false,
-            sinks: false,
         }
     }
 }
@@ -87,7 +85,7 @@ impl Attention {
     /// a Hopper GPU (`hopper`) or not.
     fn choose(cuda: bool, hopper: bool, dtype: DType, a: AttnShape, deterministic: bool) -> Self {
         let wgmma = hopper && !a.softcap;
-        match (cuda && dtype == DType::BF16 && !a.sinks, a.head_dim) {
+        match (cuda && dtype == DType::BF16, a.head_dim) {
             (true, 128) if wgmma && deterministic => Attention::WgmmaSplitDq,
             (true, 128) if wgmma => Attention::Wgmma,
             (true, 256) if hopper => Attention::Wgmma256,
@@ -330,7 +328,6 @@ mod tests {
             .map(|head_dim| AttnShape {
                 head_dim,
                 softcap: true,
-                sinks: false,
             })
             .into_iter()
             .chain([AttnShape::from(96), AttnShape::from(256)]);
@@ -355,15 +352,12 @@ mod tests {
             let k = Kernels::forecast(true, bf16, cfg.attn_shape());
             assert_eq!(k.attention, want, "{shape}");
         }
-        // gpt-oss's sinks are in no tensor-core kernel: the blockwise pass, on any GPU
-        let sinks = AttnShape {
-            head_dim: 64,
-            softcap: false,
-            sinks: true,
-        };
+        // gpt-oss (head dim 64, sinks applied after the pass): mma.sync's d64 kernels on any GPU
+        let oss = crate::model::shapes::shape("gpt-oss-20b").unwrap();
         for hopper in [true, false] {
-            let k = Kernels::choose(true, hopper, bf16, sinks, false, Experiments::default());
-            assert_eq!(k.attention, Attention::Blockwise, "sinks hopper={hopper}");
+            let a = oss.attn_shape();
+            let k = Kernels::choose(true, hopper, bf16, a, false, Experiments::default());
+            assert_eq!(k.attention, Attention::MmaSync, "gpt-oss hopper={hopper}");
         }
         for head_dim in [32, 80, 160] {
             let k = Kernels::forecast(true, bf16, head_dim);
@@ -372,7 +366,6 @@ mod tests {
         let capped_cpu = AttnShape {
             head_dim: 256,
             softcap: true,
-            sinks: false,
         };
         assert_eq!(
             Kernels::forecast(false, bf16, capped_cpu).attention,

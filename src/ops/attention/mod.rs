@@ -20,7 +20,7 @@ use super::{cpu_as_f32, cpu_from_f32};
 use candle_core::{
     CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, D,
 };
-pub use sinks::apply_sinks;
+pub use sinks::{apply_sinks, apply_sinks_rows};
 
 /// Which keys a query may see.
 #[derive(Clone, Debug, Default)]
@@ -38,7 +38,7 @@ pub struct AttnMask {
     /// Scores soft-capped at this before the mask (0 = none; Gemma 2's attn_logit_softcapping).
     pub softcap: f32,
     /// A logit per head [H] that joins each row's softmax denominator (gpt-oss's sinks:
-    /// `sinks.rs`); only the blockwise pass takes them.
+    /// `sinks.rs`), applied to the plain pass's O and L (blockwise or tensor cores).
     pub sinks: Option<Tensor>,
 }
 

@@ -17,6 +17,39 @@ use candle_core::{DType, Result, Tensor};
 /// (O', L') from the plain pass's (O [B, H, T, D], L [B, H, T] f32) and the sinks [H] (any
 /// float dtype): O' in O's dtype, L' f32.
 pub fn apply_sinks(o: &Tensor, lse: &Tensor, sinks: &Tensor) -> Result<(Tensor, Tensor)> {
+    let (lse2, f) = sink_lse(lse, sinks)?;
+    let o2 = o
+        .to_dtype(DType::F32)?
+        .broadcast_mul(&f.unsqueeze(3)?)?
+        .to_dtype(o.dtype())?;
+    Ok((o2, lse2))
+}
+
+/// `apply_sinks` for O as token-major rows [B·T, H·D] (the tensor-core kernels' output), O'
+/// in the same layout.
+pub fn apply_sinks_rows(o: &Tensor, lse: &Tensor, sinks: &Tensor) -> Result<(Tensor, Tensor)> {
+    let (b, h, t) = lse.dims3()?;
+    let (m, hd) = o.dims2()?;
+    if m != b * t || hd % h.max(1) != 0 {
+        candle_core::bail!(
+            "attention sinks: rows {:?} for L {:?}",
+            o.dims(),
+            lse.dims()
+        );
+    }
+    let (lse2, f) = sink_lse(lse, sinks)?;
+    let f = f.transpose(1, 2)?.contiguous()?.reshape((m, h, 1))?; // [B·T, H, 1]
+    let o2 = o
+        .reshape((m, h, hd / h))?
+        .to_dtype(DType::F32)?
+        .broadcast_mul(&f)?
+        .to_dtype(o.dtype())?
+        .reshape((m, hd))?;
+    Ok((o2, lse2))
+}
+
+/// (L' [B, H, T], O's factor exp(L − L') [B, H, T]) f32 from L [B, H, T] f32 and the sinks.
+fn sink_lse(lse: &Tensor, sinks: &Tensor) -> Result<(Tensor, Tensor)> {
     let h = lse.dim(1)?;
     if sinks.dims() != [h] {
         candle_core::bail!(
@@ -29,12 +62,8 @@ pub fn apply_sinks(o: &Tensor, lse: &Tensor, sinks: &Tensor) -> Result<(Tensor, 
     let m = lse.broadcast_maximum(&s)?;
     let sum = (lse - &m)?.exp()? + s.broadcast_sub(&m)?.exp()?;
     let lse2 = (m + sum?.log()?)?;
-    let f = (lse - &lse2)?.exp()?.unsqueeze(3)?; // [B, H, T, 1] ≤ 1
-    let o2 = o
-        .to_dtype(DType::F32)?
-        .broadcast_mul(&f)?
-        .to_dtype(o.dtype())?;
-    Ok((o2, lse2))
+    let f = (lse - &lse2)?.exp()?; // ≤ 1
+    Ok((lse2, f))
 }
 
 #[cfg(test)]
@@ -75,5 +104,28 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The rows form (the tensor-core kernels' layout) is the heads form, laid out as rows,
+    /// with the same L'.
+    #[test]
+    fn rows_form_equals_the_heads_form() {
+        let dev = Device::Cpu;
+        let (b, h, t, d) = (2, 3, 4, 5);
+        let o = Tensor::randn(0f32, 1.0, (b, h, t, d), &dev).unwrap();
+        let lse = Tensor::randn(0f32, 1.0, (b, h, t), &dev).unwrap();
+        let sinks = Tensor::new(&[0.7f32, -1.3, 2.0], &dev).unwrap();
+        let (o1, l1) = apply_sinks(&o, &lse, &sinks).unwrap();
+        let rows = o.transpose(1, 2).unwrap().contiguous().unwrap();
+        let rows = rows.reshape((b * t, h * d)).unwrap();
+        let (o2, l2) = apply_sinks_rows(&rows, &lse, &sinks).unwrap();
+        let o1 = o1.transpose(1, 2).unwrap().contiguous().unwrap();
+        let o1: Vec<f32> = o1.flatten_all().unwrap().to_vec1().unwrap();
+        let o2: Vec<f32> = o2.flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(o1, o2);
+        let l1: Vec<f32> = l1.flatten_all().unwrap().to_vec1().unwrap();
+        let l2: Vec<f32> = l2.flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(l1, l2);
+        assert!(apply_sinks_rows(&rows.narrow(0, 0, 3).unwrap(), &lse, &sinks).is_err());
     }
 }
