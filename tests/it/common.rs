@@ -36,12 +36,7 @@ pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
 /// ‖got − want‖₂ / ‖want‖₂ ≤ tol: for bf16 runs, where elementwise bounds are meaningless.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub fn assert_rel_l2(what: &str, got: &Tensor, want: &Tensor, tol: f64) {
-    assert_eq!(got.dims(), want.dims(), "{what}: shape");
-    let (g, w) = (host_f32(got), host_f32(want));
-    let norm = |v: &mut dyn Iterator<Item = f64>| v.map(|x| x * x).sum::<f64>().sqrt();
-    let num = norm(&mut g.iter().zip(&w).map(|(a, b)| (*a - *b) as f64));
-    let den = norm(&mut w.iter().map(|&b| b as f64));
-    let rel = num / den.max(1e-30);
+    let rel = rel_l2(what, got, want);
     if rel > tol / 2.0 {
         eprintln!("{what}: relative L2 error {rel:.3e}, over half the tolerance {tol:.1e}");
     }
@@ -49,6 +44,16 @@ pub fn assert_rel_l2(what: &str, got: &Tensor, want: &Tensor, tol: f64) {
         rel <= tol,
         "{what}: relative L2 error {rel:.3e} > {tol:.1e}"
     );
+}
+
+/// ‖got − want‖ / ‖want‖ over all entries (f64 sums).
+pub fn rel_l2(what: &str, got: &Tensor, want: &Tensor) -> f64 {
+    assert_eq!(got.dims(), want.dims(), "{what}: shape");
+    let (g, w) = (host_f32(got), host_f32(want));
+    let norm = |v: &mut dyn Iterator<Item = f64>| v.map(|x| x * x).sum::<f64>().sqrt();
+    let num = norm(&mut g.iter().zip(&w).map(|(a, b)| (*a - *b) as f64));
+    let den = norm(&mut w.iter().map(|&b| b as f64));
+    num / den.max(1e-30)
 }
 
 pub fn golden_dir(case: &str) -> PathBuf {

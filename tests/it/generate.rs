@@ -201,17 +201,22 @@ pub fn cached_and_full(
         .unwrap()
         .to_device(&Device::Cpu)
         .unwrap();
+    let full = full_logits(model, &seq, prompt.len(), steps);
+    (cached, full, toks)
+}
+
+/// The training forward's logits over `seq` [n] at the `steps` positions after the first
+/// `prompt` tokens' last, on the host: [steps, V].
+fn full_logits(model: &Model, seq: &[u32], prompt: usize, steps: usize) -> Tensor {
     let n = seq.len();
     let positions: Vec<u32> = (0..n as u32).collect();
     let ctx = model.ctx(&positions, 1, n, None, None).unwrap();
-    let idt = Tensor::from_slice(&seq, (1, n), &model.device).unwrap();
+    let idt = Tensor::from_slice(seq, (1, n), &model.device).unwrap();
     let full = model.forward(&idt, &ctx).unwrap().squeeze(0).unwrap(); // [n, V]
-    let full = full
-        .narrow(0, prompt.len() - 1, steps)
+    full.narrow(0, prompt - 1, steps)
         .unwrap()
         .to_device(&Device::Cpu)
-        .unwrap();
-    (cached, full, toks)
+        .unwrap()
 }
 
 /// At most `want` steps after `prompt` within the model's max_position_embeddings.
@@ -375,7 +380,7 @@ fn kv_cached_decoding_equals_full_recompute_on_cuda() {
         for how in hows {
             let (cached, full, toks) = cached_and_full(&mut model, &prompt, 260, how);
             let what = format!("{dtype:?} (kernels, stacked, graph) = {how:?}");
-            check_cuda(&what, &cached, &full, &toks, dtype, 3);
+            check_cuda(&what, &cached, &full, &toks, (dtype, 2e-2), 3);
         }
     }
     // The base alone: one-token steps replay a captured graph in bf16.
@@ -392,44 +397,63 @@ fn kv_cached_decoding_equals_full_recompute_on_cuda() {
     for how in [(true, true, true), (true, true, false)] {
         let (cached, full, toks) = cached_and_full(&mut model, &prompt, 260, how);
         let what = format!("base BF16 (kernels, stacked, graph) = {how:?}");
-        check_cuda(&what, &cached, &full, &toks, DType::BF16, 3);
+        check_cuda(&what, &cached, &full, &toks, (DType::BF16, 2e-2), 3);
     }
     let exp = expected();
     let tmp = tempfile::tempdir().unwrap();
     for case in exp["cases"].as_array().unwrap() {
+        let prompt = ids(&case["prompts"][2]["ids"]);
+        let f32_model = load(case, tmp.path(), DType::F32, &dev);
         for dtype in [DType::F32, DType::BF16] {
             let mut model = load(case, tmp.path(), dtype, &dev);
-            let prompt = ids(&case["prompts"][2]["ids"]);
             let steps = steps_within(&model, &prompt, 24);
             let (cached, full, toks) =
                 cached_and_full(&mut model, &prompt, steps, (true, true, true));
             let what = format!("{} {dtype:?}", case["name"]);
             // near-uniform tiny models: in bf16 few picks stand clear of rounding
             let need = if dtype == DType::F32 { 2 } else { 0 };
-            check_cuda(&what, &cached, &full, &toks, dtype, need);
+            // bf16: within 2e-2 of the full forward, or 1.5 × the full bf16 forward's own
+            // distance from f32's over the same tokens where that is more (gpt_oss: 1.6e-1 on
+            // the CPU, where the cached decode is 8.6e-2 from f32)
+            let tol = match dtype {
+                DType::F32 => 0.0,
+                _ => {
+                    let seq: Vec<u32> = prompt.iter().chain(&toks).copied().collect();
+                    let truth = full_logits(&f32_model, &seq, prompt.len(), steps);
+                    (1.5 * rel_l2(&what, &full, &truth)).max(2e-2)
+                }
+            };
+            check_cuda(&what, &cached, &full, &toks, (dtype, tol), need);
         }
         // f32 on the GPU is transformers' greedy too, where no pick is closer than 1e-3 (the
         // GPU's sums round otherwise; the CPU test takes every prompt).
-        let model = load(case, tmp.path(), DType::F32, &dev);
+        let model = &f32_model;
         for p in case["prompts"].as_array().unwrap() {
             if p["min_margin"].as_f64().unwrap() < 1e-3 {
                 continue;
             }
-            let out = generate::greedy_ids(&model, &ids(&p["ids"]), 20, &ids(&p["eos_token_id"]))
-                .unwrap();
+            let out =
+                generate::greedy_ids(model, &ids(&p["ids"]), 20, &ids(&p["eos_token_id"])).unwrap();
             assert_eq!(out.tokens, ids(&p["expected"]), "{} on CUDA", case["name"]);
         }
     }
 }
 
-/// Logits close (f32 elementwise, bf16 relative L2), and the cached greedy token equal to the
-/// full forward's argmax wherever its best two logits are apart by more than rounding: at
-/// least 1 / `need` of the steps (0: no minimum).
+/// Logits close (f32 elementwise, bf16 within relative L2 `tol`), and the cached greedy token
+/// equal to the full forward's argmax wherever its best two logits are apart by more than
+/// rounding: at least 1 / `need` of the steps (0: no minimum).
 #[cfg(feature = "cuda")]
-fn check_cuda(what: &str, cached: &Tensor, full: &Tensor, toks: &[u32], dtype: DType, need: usize) {
+fn check_cuda(
+    what: &str,
+    cached: &Tensor,
+    full: &Tensor,
+    toks: &[u32],
+    (dtype, tol): (DType, f64),
+    need: usize,
+) {
     match dtype {
         DType::F32 => assert_close(what, cached, full, 1e-4, 1e-5),
-        _ => assert_rel_l2(what, cached, full, 2e-2),
+        _ => assert_rel_l2(what, cached, full, tol),
     }
     let gap = if dtype == DType::F32 { 1e-3 } else { 0.25 };
     let rows: Vec<Vec<f32>> = full.to_vec2().unwrap();

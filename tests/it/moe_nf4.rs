@@ -361,40 +361,60 @@ fn gpt_oss_nf4_experts_on_cuda_equal_the_cpu() {
 }
 
 /// The second half of `nf4_experts_on_cuda_equal_the_cpu` on one case: the GPU's run against
-/// the CPU's in f32 (the truth at these NF4 weights), elementwise at rtol 1e-4 in f32; in bf16 at
-/// the CUDA bf16 goldens' bound, a relative L2 error of 1.5 × PEFT's own bf16 error on the
-/// fixture (at least 5e-2: `golden::bf16_bound`). CPU bf16 against CUDA bf16 is no yardstick:
-/// both are that far from f32, in different directions (6.2e-2 apart on qwen3_moe's q_proj dA,
-/// H100, 2026-12-07).
+/// the CPU's in f32 (the truth at these NF4 weights), elementwise at rtol 1e-4 in f32; in bf16
+/// within a relative L2 error of the CUDA bf16 goldens' bound (1.5 × PEFT's own bf16 error on
+/// the fixture, at least 5e-2: `golden::bf16_bound`) or, where more, 1.5 × the CPU's bf16 run's
+/// own distance from f32 on the same tensor: NF4 weights dequantized to bf16 add a rounding
+/// PEFT's bf16 run of the fixture (bf16 weights as stored) does not have, and no peer runs NF4
+/// experts (bitsandbytes leaves 3-D parameters alone). CPU bf16 against CUDA bf16 is no
+/// yardstick: both are that far from f32, in different directions (6.2e-2 apart on
+/// qwen3_moe's q_proj dA, H100, 2026-12-07; the CUDA run 7.8e-2 from f32, against a 5e-2
+/// bound, H100, 2026-12-08).
 #[cfg(feature = "cuda")]
 fn nf4_on_cuda_equals_the_cpu(case: &str) {
     let cpu_sets = vec!["model.quantize=nf4"];
     let (_tc, cpu) = session(case, &cpu_sets);
+    let (_tb, cpu16) = session(case, &["model.quantize=nf4", "model.dtype=bf16"]);
     let batch = cpu.batch(&[vec![0], vec![2], vec![4]]);
     let lc = driver::logits(&cpu.model, &batch).unwrap();
+    let run = |s: &Session| {
+        let mut g = Grads::new();
+        let ce = driver::forward_backward(&s.model, &batch, 10.0, Keep::Input, None, &mut g);
+        (ce.unwrap(), g)
+    };
+    let (ce_c, gc) = run(&cpu);
+    let (lc16, gc16) = (driver::logits(&cpu16.model, &batch).unwrap(), run(&cpu16).1);
     for dtype in ["model.dtype=f32", "model.dtype=bf16"] {
         let bf16 = dtype.ends_with("bf16");
         let gpu_sets = vec!["model.quantize=nf4", dtype, "model.device=cuda"];
         let (_tg, cuda) = session(case, &gpu_sets);
         let lg = driver::logits(&cuda.model, &batch).unwrap();
         let bound = crate::golden::bf16_bound(case);
-        let close = |what: &str, got: &Tensor, want: &Tensor, atol: f64| match bf16 {
+        // the bound for a tensor whose CPU bf16 value is `cpu16`
+        let close = |what: &str, got: &Tensor, want: &Tensor, cpu16: &Tensor, atol: f64| match bf16
+        {
             false => assert_close(what, got, want, 1e-4, atol),
-            true => assert_rel_l2(what, got, want, bound),
+            true => {
+                let floor = 1.5 * rel_l2(what, cpu16, want);
+                assert_rel_l2(what, got, want, bound.max(floor))
+            }
         };
-        close(&format!("{case} cuda logits {dtype}"), &lg, &lc, 1e-5);
-        let run = |s: &Session| {
-            let mut g = Grads::new();
-            let ce = driver::forward_backward(&s.model, &batch, 10.0, Keep::Input, None, &mut g);
-            (ce.unwrap(), g)
-        };
-        let ((ce_c, gc), (ce_g, gg)) = (run(&cpu), run(&cuda));
+        close(
+            &format!("{case} cuda logits {dtype}"),
+            &lg,
+            &lc,
+            &lc16,
+            1e-5,
+        );
+        let (ce_g, gg) = run(&cuda);
         let rtol = if bf16 { 2e-2 } else { 1e-4 };
         assert!((ce_c - ce_g).abs() <= rtol * ce_c.abs(), "{ce_g} vs {ce_c}");
-        for ((name, a), (_, b)) in cuda.model.adapters().zip(cpu.model.adapters()) {
-            for (va, vb, w) in [(&a.a, &b.a, "A"), (&a.b, &b.b, "B")] {
+        let adapters = cuda.model.adapters().zip(cpu.model.adapters());
+        for (((name, a), (_, b)), (_, b16)) in adapters.zip(cpu16.model.adapters()) {
+            let pairs = [(&a.a, &b.a, &b16.a, "A"), (&a.b, &b.b, &b16.b, "B")];
+            for (va, vb, v16, w) in pairs {
                 let what = format!("{case} cuda {dtype} {name} d{w}");
-                close(&what, &gg[&va.id()], &gc[&vb.id()], 1e-4);
+                close(&what, &gg[&va.id()], &gc[&vb.id()], &gc16[&v16.id()], 1e-4);
             }
         }
     }

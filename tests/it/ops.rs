@@ -511,7 +511,8 @@ fn frozen_linear_matches_matmul_and_bias() {
 /// The tensor-core kernels against the blockwise path (itself pinned to the composite above):
 /// O, L, dq, dk, dv in bf16 for head dims 64, 96 (Phi-3), 128 and 256 (Gemma), GQA (dk, dv
 /// summed over each group), packed segments, a sliding window, Gemma 2's soft-cap (at 50 as
-/// configured, and low enough to bend most scores), and T off the 64- and 128-row tiles; on a
+/// configured, and low enough to bend most scores), gpt-oss's sinks (applied to the pass's O and L),
+/// and T off the 64- and 128-row tiles; on a
 /// Hopper GPU both kernel families, wgmma's backward fused and split, and at head dim 256
 /// wgmma's d256 kernels beside mma.sync's. v and dO go in as views of token-major rows, as the
 /// training layer passes them.
@@ -540,6 +541,8 @@ fn flash_attention_matches_blockwise_on_the_gpu() {
         (2, 4, 2, 150, 256, false, 64, 1.0),
         (1, 4, 2, 130, 128, true, 0, 2.0),
         (1, 2, 1, 70, 64, false, 20, 1.0),
+        // gpt-oss's layer: window 128, head dim 64, sinks (every row with window 128 has them)
+        (2, 8, 2, 260, 64, false, 128, 0.0),
     ] {
         let tag =
             format!("b{b} h{h} k{kh} t{t} d{d} seg={use_seg} window={window} softcap={softcap}");
@@ -550,7 +553,7 @@ fn flash_attention_matches_blockwise_on_the_gpu() {
             prefix_tree: false,
             window,
             softcap,
-            sinks: None,
+            sinks: (window == 128).then(|| Tensor::randn(0f32, 1.0, h, &dev).unwrap()),
         };
         let scale = 1.0 / (d as f64).sqrt();
         let q = rand(&[b, h, t, d]);
@@ -570,7 +573,6 @@ fn flash_attention_matches_blockwise_on_the_gpu() {
         let shape = AttnShape {
             head_dim: d,
             softcap: softcap > 0.0,
-            sinks: false,
         };
         let kernels = Kernels::resolve(&dev, DType::BF16, shape, false).unwrap();
         assert!(
