@@ -325,6 +325,7 @@ impl ModelConfig {
         crate::ops::kernels::AttnShape {
             head_dim: self.head_dim,
             softcap: self.arch.attn_softcap.is_some(),
+            sinks: self.arch.sinks,
         }
     }
 

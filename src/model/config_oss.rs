@@ -133,7 +133,7 @@ mod tests {
                 "mlp.experts.down_proj"
             ]
         );
-        assert!(c.arch.sinks);
+        assert!(c.attn_shape().sinks);
         for (from, to, want) in [
             (
                 r#""swiglu_limit":7.0"#,

@@ -35,9 +35,12 @@ pub(crate) const EXPERIMENTS: [&str; 3] = ["reduce_ahead", "peer_copy", "decode_
 pub struct AttnShape {
     /// D: the width of each attention head.
     pub head_dim: usize,
-    /// The scores are soft-capped (Gemma 2's attn_logit_softcapping). (gpt-oss's sinks need
-    /// no kernel of their own: they rescale any pass's O and L, `ops::attention::apply_sinks`.)
+    /// The scores are soft-capped (Gemma 2's attn_logit_softcapping).
     pub softcap: bool,
+    /// Attention sinks (gpt-oss): the blockwise pass runs. (`ops::flash` takes them too, the
+    /// sinks rescaling its O and L as `attention::apply_sinks` does, but that path has not yet
+    /// run on a GPU: `flash_attention_matches_blockwise_on_the_gpu`'s window-128 row.)
+    pub sinks: bool,
 }
 
 impl From<usize> for AttnShape {
@@ -46,6 +49,7 @@ impl From<usize> for AttnShape {
         AttnShape {
             head_dim,
             softcap: false,
+            sinks: false,
         }
     }
 }
@@ -85,7 +89,7 @@ impl Attention {
     /// a Hopper GPU (`hopper`) or not.
     fn choose(cuda: bool, hopper: bool, dtype: DType, a: AttnShape, deterministic: bool) -> Self {
         let wgmma = hopper && !a.softcap;
-        match (cuda && dtype == DType::BF16, a.head_dim) {
+        match (cuda && dtype == DType::BF16 && !a.sinks, a.head_dim) {
             (true, 128) if wgmma && deterministic => Attention::WgmmaSplitDq,
             (true, 128) if wgmma => Attention::Wgmma,
             (true, 256) if hopper => Attention::Wgmma256,
@@ -328,6 +332,7 @@ mod tests {
             .map(|head_dim| AttnShape {
                 head_dim,
                 softcap: true,
+                sinks: false,
             })
             .into_iter()
             .chain([AttnShape::from(96), AttnShape::from(256)]);
@@ -352,12 +357,15 @@ mod tests {
             let k = Kernels::forecast(true, bf16, cfg.attn_shape());
             assert_eq!(k.attention, want, "{shape}");
         }
-        // gpt-oss (head dim 64, sinks applied after the pass): mma.sync's d64 kernels on any GPU
-        let oss = crate::model::shapes::shape("gpt-oss-20b").unwrap();
+        // gpt-oss's sinks: the blockwise pass, on any GPU, until flash's sinks have run on one
+        let sinks = AttnShape {
+            head_dim: 64,
+            softcap: false,
+            sinks: true,
+        };
         for hopper in [true, false] {
-            let a = oss.attn_shape();
-            let k = Kernels::choose(true, hopper, bf16, a, false, Experiments::default());
-            assert_eq!(k.attention, Attention::MmaSync, "gpt-oss hopper={hopper}");
+            let k = Kernels::choose(true, hopper, bf16, sinks, false, Experiments::default());
+            assert_eq!(k.attention, Attention::Blockwise, "sinks hopper={hopper}");
         }
         for head_dim in [32, 80, 160] {
             let k = Kernels::forecast(true, bf16, head_dim);
@@ -366,6 +374,7 @@ mod tests {
         let capped_cpu = AttnShape {
             head_dim: 256,
             softcap: true,
+            sinks: false,
         };
         assert_eq!(
             Kernels::forecast(false, bf16, capped_cpu).attention,

@@ -256,6 +256,7 @@ fn flash_attention_on_prefix_trees_matches_the_composite_on_the_gpu() {
         let shape = AttnShape {
             head_dim: d,
             softcap: false,
+            sinks: false,
         };
         let kernels = Kernels::resolve(&dev, DType::BF16, shape, false).unwrap();
         let families = match kernels.attention {
