@@ -21,12 +21,11 @@ others:
 import copy, json, os, shutil, sys
 
 import torch
-from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
+from transformers import AutoModelForCausalLM
 from peft import LoraConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from reference_peft import OPT, batch_of, make_config, make_rows, peft_key, run_cases, versions, write_meta  # noqa: E402
+from reference_peft import OPT, adamw_steps, batch_of, first_step, make_config, make_rows, peft_key, run_cases, save_golden, versions, write_meta  # noqa: E402
 from reference_moe import with_adapter  # noqa: E402
 
 OPT["steps"] = 6  # make_rows draws 2 rows a step
@@ -157,28 +156,9 @@ def run_case(name, case, out):
     assert stressed(per_layer), per_layer
     assert any(c[0] > 0 for c in clamps) and any(c[1] > 0 for c in clamps), clamps
     res.loss.backward()
-    out_t = {"logits": res.logits.detach().float(), "loss": res.loss.detach().float().reshape(1)}
-    for k, p in lora_params:
-        out_t["grad." + k] = p.grad.detach().float().clone()
-    pm.zero_grad(set_to_none=True)
-
-    opt = torch.optim.AdamW([p for _, p in lora_params], lr=OPT["lr"], betas=tuple(OPT["betas"]),
-                            eps=OPT["eps"], weight_decay=OPT["weight_decay"])
-    sched = get_cosine_schedule_with_warmup(opt, OPT["warmup_steps"], OPT["steps"])
-    losses = []
-    for s in range(OPT["steps"]):
-        _, res = fwd(rows[2 * s: 2 * s + 2])
-        res.loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for _, p in lora_params], OPT["max_grad_norm"])
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(res.loss.item())
-    for k, p in lora_params:
-        out_t["after." + k] = p.detach().float().clone()
-    out_t["train_losses"] = torch.tensor(losses, dtype=torch.float32)
-    save_file({k: v.contiguous() for k, v in out_t.items()}, os.path.join(d, "golden.safetensors"),
-              metadata={"format": "pt"})
+    out_t = first_step(res, pm, lora_params)
+    losses = adamw_steps(lambda rs: fwd(rs)[1].loss, rows, lora_params)
+    save_golden(d, out_t, lora_params, losses)
     meta = dict(case=name, model_dir="model", lora=case["lora"], opt=OPT, pad_id=pad,
                 loss=out_t["loss"].item(), train_losses=losses, experts_per_layer=per_layer,
                 versions=versions())

@@ -31,11 +31,11 @@ import argparse, json, os, shutil, sys, tempfile
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, Mxfp4Config, get_cosine_schedule_with_warmup
+from transformers import AutoModelForCausalLM, Mxfp4Config
 from peft import PeftModel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from reference_peft import OPT, batch_of, peft_key, versions, write_meta  # noqa: E402
+from reference_peft import OPT, adamw_steps, batch_of, first_step, peft_key, save_golden, versions, write_meta  # noqa: E402
 from reference_gpt_oss import CASES, run_case  # noqa: E402
 
 OPT["steps"] = 6
@@ -140,27 +140,9 @@ def main():
 
     res = fwd(rows[:2])
     res.loss.backward()
-    out_t = {"logits": res.logits.detach().float(), "loss": res.loss.detach().float().reshape(1)}
-    for k, p in lora_params:
-        out_t["grad." + k] = p.grad.detach().float().clone()
-    pm.zero_grad(set_to_none=True)
-    opt = torch.optim.AdamW([p for _, p in lora_params], lr=OPT["lr"], betas=tuple(OPT["betas"]),
-                            eps=OPT["eps"], weight_decay=OPT["weight_decay"])
-    sched = get_cosine_schedule_with_warmup(opt, OPT["warmup_steps"], OPT["steps"])
-    losses = []
-    for s in range(OPT["steps"]):
-        res = fwd(rows[2 * s: 2 * s + 2])
-        res.loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for _, p in lora_params], OPT["max_grad_norm"])
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(res.loss.item())
-    for k, p in lora_params:
-        out_t["after." + k] = p.detach().float().clone()
-    out_t["train_losses"] = torch.tensor(losses, dtype=torch.float32)
-    save_file({k: v.contiguous() for k, v in out_t.items()}, os.path.join(d, "golden.safetensors"),
-              metadata={"format": "pt"})
+    out_t = first_step(res, pm, lora_params)
+    losses = adamw_steps(lambda rs: fwd(rs).loss, rows, lora_params)
+    save_golden(d, out_t, lora_params, losses)
     meta = dict(case="gpt_oss_mxfp4", model_dir="model", lora=src_meta["lora"], opt=OPT,
                 pad_id=pad, loss=out_t["loss"].item(), train_losses=losses,
                 mxfp4_round_trip_max_error=err, versions=versions())

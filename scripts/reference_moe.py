@@ -19,12 +19,11 @@ optimiser); what differs is the model and the adapter:
 import copy, json, os, shutil, sys
 
 import torch
-from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
+from transformers import AutoModelForCausalLM
 from peft import LoraConfig, get_peft_model
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from reference_peft import OPT, ROOT, batch_of, make_config, make_rows, peft_key, run_cases, versions, write_meta  # noqa: E402
+from reference_peft import OPT, ROOT, adamw_steps, batch_of, first_step, make_config, make_rows, peft_key, run_cases, save_golden, versions, write_meta  # noqa: E402
 
 BASE = dict(model_type="qwen3_moe", hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
@@ -143,30 +142,11 @@ def run_case(name, case, out):
     print(f"  {name}: tokens per expert per layer {per_layer}", flush=True)
     assert all(0 < sum(n == 0 for n in c) <= 2 for c in per_layer), per_layer
     res.loss.backward()
-    out_t = {"logits": res.logits.detach().float(), "loss": res.loss.detach().float().reshape(1)}
+    out_t = first_step(res, pm, lora_params)
     if aux:
         out_t["aux_loss"] = res.aux_loss.detach().float().reshape(1)
-    for k, p in lora_params:
-        out_t["grad." + k] = p.grad.detach().float().clone()
-    pm.zero_grad(set_to_none=True)
-
-    opt = torch.optim.AdamW([p for _, p in lora_params], lr=OPT["lr"], betas=tuple(OPT["betas"]),
-                            eps=OPT["eps"], weight_decay=OPT["weight_decay"])
-    sched = get_cosine_schedule_with_warmup(opt, OPT["warmup_steps"], OPT["steps"])
-    losses = []
-    for s in range(OPT["steps"]):
-        _, res = fwd(rows[2 * s: 2 * s + 2])
-        res.loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for _, p in lora_params], OPT["max_grad_norm"])
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(res.loss.item())
-    for k, p in lora_params:
-        out_t["after." + k] = p.detach().float().clone()
-    out_t["train_losses"] = torch.tensor(losses, dtype=torch.float32)
-    save_file({k: v.contiguous() for k, v in out_t.items()}, os.path.join(d, "golden.safetensors"),
-              metadata={"format": "pt"})
+    losses = adamw_steps(lambda rs: fwd(rs)[1].loss, rows, lora_params)
+    save_golden(d, out_t, lora_params, losses)
     meta = dict(case=name, model_dir="model", lora=case["lora"], opt=OPT, pad_id=pad,
                 loss=out_t["loss"].item(), train_losses=losses, experts_per_layer=per_layer,
                 router_aux_loss_coef=cfg.router_aux_loss_coef if aux else None,

@@ -260,36 +260,60 @@ def run_case(name, case, out):
             model.config._attn_implementation = "eager"
         sdpa_vs_eager = (lo - res.logits).abs().max().item()
         print(f"  {name}: sdpa vs eager logits differ by up to {sdpa_vs_eager:.3f}", flush=True)
-    out_t["logits"] = res.logits.detach().float()
-    out_t["loss"] = res.loss.detach().float().reshape(1)
-    for k, p in lora_params:
-        out_t["grad." + k] = p.grad.detach().float().clone()
-    pm.zero_grad(set_to_none=True)
+    out_t.update(first_step(res, pm, lora_params))
 
-    opt = torch.optim.AdamW([p for _, p in lora_params], lr=OPT["lr"], betas=tuple(OPT["betas"]),
-                            eps=OPT["eps"], weight_decay=OPT["weight_decay"])
-    sched = get_cosine_schedule_with_warmup(opt, OPT["warmup_steps"], OPT["steps"])
-    losses = []
-    for s in range(OPT["steps"]):
-        ids, labels = batch_of(rows[2 * s: 2 * s + 2], pad)
-        loss = pm(input_ids=ids, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for _, p in lora_params], OPT["max_grad_norm"])
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    for k, p in lora_params:
-        out_t["after." + k] = p.detach().float().clone()
-    out_t["train_losses"] = torch.tensor(losses, dtype=torch.float32)
-    save_file({k: v.contiguous() for k, v in out_t.items()}, os.path.join(d, "golden.safetensors"),
-              metadata={"format": "pt"})
+    def loss_of(rs):
+        ids, labels = batch_of(rs, pad)
+        return pm(input_ids=ids, labels=labels).loss
+
+    losses = adamw_steps(loss_of, rows, lora_params)
+    save_golden(d, out_t, lora_params, losses)
     meta = dict(case=name, model_dir=("../../../../" + case["shipped"]) if "shipped" in case else "model",
                 lora=case["lora"], opt=OPT, pad_id=pad, loss=out_t["loss"].item(), train_losses=losses,
                 sdpa_vs_eager=sdpa_vs_eager,
                 versions=versions())
     write_meta(d, meta)
 
+
+
+def first_step(res, pm, lora_params):
+    """A golden's first step, from the forward `res` of rows 0-1 whose loss has had its backward:
+    its logits, loss and each adapter's gradient (float32), the gradients then cleared."""
+    out = {"logits": res.logits.detach().float(), "loss": res.loss.detach().float().reshape(1)}
+    for k, p in lora_params:
+        out["grad." + k] = p.grad.detach().float().clone()
+    pm.zero_grad(set_to_none=True)
+    return out
+
+
+def adamw_steps(loss_of, rows, lora_params):
+    """The goldens' training: OPT["steps"] steps, step s on rows 2s and 2s + 1 (`loss_of(rows)`
+    their mean loss), each clipped to OPT["max_grad_norm"], torch's AdamW under HF's cosine
+    schedule with warm-up; the losses as floats."""
+    params = [p for _, p in lora_params]
+    opt = torch.optim.AdamW(params, lr=OPT["lr"], betas=tuple(OPT["betas"]), eps=OPT["eps"],
+                            weight_decay=OPT["weight_decay"])
+    sched = get_cosine_schedule_with_warmup(opt, OPT["warmup_steps"], OPT["steps"])
+    losses = []
+    for s in range(OPT["steps"]):
+        loss = loss_of(rows[2 * s: 2 * s + 2])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, OPT["max_grad_norm"])
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def save_golden(d, out_t, lora_params, losses):
+    """<d>/golden.safetensors: `out_t` (the first step's), each adapter after the steps
+    ("after.<key>") and the steps' losses, float32."""
+    for k, p in lora_params:
+        out_t["after." + k] = p.detach().float().clone()
+    out_t["train_losses"] = torch.tensor(losses, dtype=torch.float32)
+    save_file({k: v.contiguous() for k, v in out_t.items()}, os.path.join(d, "golden.safetensors"),
+              metadata={"format": "pt"})
 
 
 def versions(**more):
