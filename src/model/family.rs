@@ -240,21 +240,12 @@ mod tests {
     /// checkpoints' order (a reordered `KNOWN_LINEAR` would change them).
     #[test]
     fn each_familys_linears_are_its_checkpoints_names_in_order() {
-        let llama = [
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-        ];
-        assert_eq!(ALL_LINEAR[..6], llama);
-        assert_eq!(ALL_LINEAR[6], "down_proj");
-        assert_eq!(ATTN_LINEAR, llama[..4]);
-        assert_eq!(
-            FUSED_LINEAR,
-            ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
-        );
+        let words = |v: &[&str]| v.join(" ");
+        let llama = "q_proj k_proj v_proj o_proj gate_proj up_proj down_proj";
+        assert_eq!(words(&ALL_LINEAR), llama);
+        assert_eq!(words(&ATTN_LINEAR), "q_proj k_proj v_proj o_proj");
+        let fused = "qkv_proj o_proj gate_up_proj down_proj";
+        assert_eq!(words(&FUSED_LINEAR), fused);
         let experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"];
         assert_eq!(EXPERT_PARAMS, experts);
     }
