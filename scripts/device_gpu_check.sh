@@ -155,10 +155,12 @@ export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 what=" ${*:-compat chat tests tiny bench memory} "
-( cd .devbuild && for f in lora-train it; do
-    if [ -f $f.xz ]; then xz -dkf $f.xz; elif [ -f $f.gz ]; then gunzip -kf $f.gz; fi
-    [ -f $f ] && chmod +x $f
-  done )
+# .devbuild/<name> from its .xz or .gz where there is one, executable
+devbin() {
+  ( cd .devbuild && if [ -f $1.xz ]; then xz -dkf $1.xz; elif [ -f $1.gz ]; then gunzip -kf $1.gz; fi
+    [ -f $1 ] && chmod +x $1 )
+}
+for f in lora-train it; do devbin $f; done
 E="bash scripts/device-env.sh"
 # Liger-Kernel for the peers' --liger runs, from its wheel carried in .devbuild/ (fetch-wheels.sh)
 lwhl=$(ls .devbuild/liger_kernel-*.whl 2>/dev/null | head -1)
@@ -291,8 +293,7 @@ if [[ $what == *" moeq "* ]]; then
 fi
 
 if [[ $what == *" hallab "* ]]; then
-  ( cd .devbuild && if [ -f lora-train-before.xz ]; then xz -dkf lora-train-before.xz; fi
-    chmod +x lora-train-before 2>/dev/null )
+  devbin lora-train-before
   H="--shape llama2-7b --seq 2048 --micro-batch 2 --rank 16 --targets all --steps 10 --warmup 3"
   for round in $(seq "${ROUNDS:-2}"); do
     for bin in lora-train-before lora-train; do
@@ -309,7 +310,7 @@ fi
 if [[ $what == *" moeprof "* ]]; then
   MP="--shape ${MOEPROF_SHAPE:-qwen3-30b-a3b} --seq 2048 --micro-batch 2 --rank 16 --targets all --ckpt"
   for bin in ${MOEPROF_BINS:-lora-train}; do
-    ( cd .devbuild && if [ -f $bin.xz ] && [ ! -f $bin ]; then xz -dk $bin.xz; fi; chmod +x $bin 2>/dev/null )
+    devbin $bin
     [ -x .devbuild/$bin ] || { echo "moeprof: no .devbuild/$bin"; continue; }
     echo "== $bin bench $MP"
     timeout 200 $E .devbuild/$bin bench $MP --steps 6 --warmup 2 --tag $bin --json "$OUT/moeprof.jsonl" \

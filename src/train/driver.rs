@@ -236,11 +236,11 @@ pub fn forward_backward_dev(
     if model.cfg.arch.moe.is_some() {
         // the forward's routing of each MoE layer, for its backward: no second read
         ctx.moe_routes = Some(RouteStore::default());
-    }
-    if model.router_aux_coef > 0.0 && model.cfg.arch.moe.is_some() {
-        // this micro-batch's share of the step's loss: its counted tokens over the step's
-        let scale = model.router_aux_coef * n_tgt as f64 / denom.max(1.0);
-        ctx.moe_aux = Some(MoeAux::new(&batch.real, scale, dev)?);
+        if model.router_aux_coef > 0.0 {
+            // this micro-batch's share of the step's loss: its counted tokens over the step's
+            let scale = model.router_aux_coef * n_tgt as f64 / denom.max(1.0);
+            ctx.moe_aux = Some(MoeAux::new(&batch.real, scale, dev)?);
+        }
     }
     let fwd = forward(model, par, &ctx, &ids, keep)?;
     probe("forward")?;
